@@ -1,0 +1,116 @@
+"""User-facing configuration: :class:`SpeculativeConfig`. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to speculate. Keys follow vLLM (``method``, ``num_speculative_tokens``, ``model``,
+    ``prompt_lookup_min``/``prompt_lookup_max``) and TensorRT-LLM's n-gram pool (``max_draft_len``,
+    ``max_matching_ngram_size``, ``is_public_pool``, ``is_keep_all``, ``is_use_oldest``), as aliases.
+
+    ``num_speculative_tokens`` is the most drafts per step; with ``adaptive=True`` (default) the engine drafts
+    fewer, or none, per request when the measured cost of a verification pass and the request's recent
+    acceptance say more would not pay.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    is_public_pool: bool = False
+    is_keep_all: bool = True
+    is_use_oldest: bool = True
+    draft_tensor_parallel_size: int = 1
+    adaptive: bool = True
+    # TensorRT-LLM spellings; when given they override the vLLM ones.
+    max_draft_len: int | None = None
+    max_matching_ngram_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_draft_len is not None:
+            self.num_speculative_tokens = self.max_draft_len
+        if self.max_matching_ngram_size is not None:
+            self.prompt_lookup_max = self.max_matching_ngram_size
+            self.prompt_lookup_min = min(self.prompt_lookup_min, self.prompt_lookup_max)
+        self.max_draft_len = self.num_speculative_tokens
+        self.max_matching_ngram_size = self.prompt_lookup_max
+        self._validate()
+
+    def _validate(self) -> None:
+        from specray.drafters.registry import drafter_names
+
+        names = drafter_names()
+        if self.method not in names:
+            raise ValueError(
+                f"speculative_config.method={self.method!r} is unknown; choose one of {sorted(names)}"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={self.num_speculative_tokens!r} must be an int >= 1"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                f"{self.prompt_lookup_max} must satisfy 1 <= min <= max"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
+                             "smaller model with the target's tokenizer")
+        if self.draft_tensor_parallel_size < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size} "
+                             "must be >= 1")
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass
+class EngineArgs:
+    """The arguments of :class:`specray.LLM` (vLLM's names). Only ``LLMEngine.from_engine_args`` reads this;
+    every component gets its own small config from it."""
+
+    model: str
+    tokenizer: str | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
+    device: str | None = None  # default: cuda when available, else cpu
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    _DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        if not self.model:
+            raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
+        if self.dtype not in self._DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(self._DTYPES)}")
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for the default)")

@@ -1,0 +1,90 @@
+"""The plain-data contract between the scheduler and the workers (torch-free).
+
+Per step the scheduler sends one :class:`StepPlan` to every shard and gets one :class:`StepResult` back (from
+rank 0). Everything here is lists, ints and strings, so a plan pickles small and crosses Ray cheaply.
+
+Token bookkeeping for one request, in the scheduler's terms::
+
+    tokens:   t0 t1 ... t(c-1) | t(c) ... t(n-1)      | d1 ... dk
+              KV already cached| computed this step   | draft tokens verified this step
+              (num_computed=c) | (prefill chunk, or the last sampled token)
+
+``ScheduledChunk.token_ids`` holds ``t(c) .. t(n-1)`` followed by ``d1 .. dk``; ``start_pos`` is ``c``;
+``num_draft_tokens`` is ``k``. If the chunk reaches the end of the known tokens (``sample=True``), the worker
+verifies the drafts and returns the accepted drafts plus one token of the target's own; otherwise (a
+non-final prefill chunk) it returns nothing for that request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specray.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """A request the worker has not seen yet (or sees again after preemption)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass
+class BlockTableDelta:
+    """How a running request's block table changed since the last plan: keep the first
+    ``num_kept_blocks`` entries (the rest were freed on rewind), then append ``new_block_ids``."""
+
+    req_id: str
+    num_kept_blocks: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens one request runs through the model this step."""
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    num_draft_tokens: int = 0
+    sample: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """Everything a worker needs for one forward pass over a mixed batch."""
+
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    block_deltas: list[BlockTableDelta] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class StepResult:
+    """Per scheduled chunk, in plan order: the tokens the target kept (accepted drafts + one of its own);
+    an empty list for a non-final prefill chunk."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]]] | None = None
+
+    def num_accepted(self, i: int) -> int:
+        """Accepted draft tokens of chunk ``i`` (only meaningful for a chunk that sampled)."""
+        return max(len(self.sampled_token_ids[i]) - 1, 0)

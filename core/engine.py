@@ -1,0 +1,187 @@
+"""The engine loop: draft, schedule, execute, verify, update, detokenize. One process; the Ray issue wraps
+the executor and drafter in actors without changing this loop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from specray.config import EngineArgs
+from specray.contract import StepPlan, StepResult
+from specray.detokenizer import IncrementalDetokenizer, find_stop
+from specray.drafters.base import DraftRequest, Drafter
+from specray.outputs import CompletionOutput, RequestOutput, SpecStats
+from specray.sampling_params import SamplingParams
+from specray.scheduler.draft_policy import DraftLengthPolicy
+from specray.scheduler.request import Request
+from specray.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: its prompt text and incremental detokenizer."""
+
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer | None
+    num_sent: int = 0  # output tokens already reported (for streaming deltas)
+
+
+class LLMEngine:
+    def __init__(self, scheduler: Scheduler, executor, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: frozenset[int], drafter: Drafter | None = None,
+                 policy: DraftLengthPolicy | None = None):
+        self.scheduler = scheduler
+        self.executor = executor  # execute(plan, draft_probs) -> StepResult
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.drafter = drafter
+        self.policy = policy
+        self.tracked: dict[str, _Tracked] = {}
+        self.spec_stats = SpecStats()
+        self.num_steps = 0
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        from specray.engine_builder import build_engine
+
+        return build_engine(args)
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    req_id: str | None = None) -> str:
+        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+        req_id = req_id if req_id is not None else str(next(self._ids))
+        if req_id in self.tracked:
+            raise ValueError(f"request_id={req_id!r} is already in use; pass a unique request id")
+        self._check_tokens(prompt_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
+        request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
+        self.scheduler.add_request(request)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.tracked[req_id] = _Tracked(request, prompt, detok)
+        return req_id
+
+    def _check_tokens(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token (prompt or prompt_token_ids)")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+    def abort_request(self, req_ids: list[str]) -> None:
+        live = [r for r in req_ids if r in self.tracked]
+        self.scheduler.abort_requests(live)
+        self._forget(live)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        draft_probs = self._draft()
+        plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        result = self.executor.execute(plan, draft_probs)
+        if self.policy is not None and not plan.is_empty:
+            self.policy.observe_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - start)
+        touched = self.scheduler.update_from_output(plan, result)
+        self._observe_acceptance(plan, result)
+        self.num_steps += 1
+        outputs = [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
+        self._forget([o.request_id for o in outputs if o.finished])
+        return outputs
+
+    def _draft(self) -> dict:
+        """Ask the drafter for each decoding request's next drafts, K sized by the policy."""
+        if self.drafter is None:
+            return {}
+        running = self.scheduler.running
+        batch = [
+            DraftRequest(r.req_id, r.all_token_ids, self.policy.choose(r, len(running)), r.sampling_params)
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1
+        ]
+        if not batch:
+            return {}
+        probs = {}
+        for dreq, proposal in zip(batch, self.drafter.propose(batch)):
+            request = self.scheduler.get_request(dreq.req_id)
+            request.draft_token_ids = list(proposal.token_ids[: dreq.max_draft_tokens])
+            if proposal.probs is not None and request.draft_token_ids:
+                probs[dreq.req_id] = proposal.probs
+        return probs
+
+    def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
+        stats = self.scheduler.last_step_stats
+        self.spec_stats.merge(stats)
+        if self.policy is None:
+            return
+        for chunk, kept in zip(plan.chunks, result.sampled_token_ids):
+            if chunk.sample and chunk.num_draft_tokens:
+                request = self.scheduler.get_request(chunk.req_id)
+                if request is not None:
+                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0))
+
+    # ---- outputs --------------------------------------------------------------------------------------
+    def _make_output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        self._detokenize(tracked)
+        text = tracked.detok.text if tracked.detok is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.req_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.status.is_finished,
+            spec_stats=_request_spec_stats(request),
+        )
+
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Push the new output tokens through the detokenizer; finish the request on a stop string."""
+        request, detok = tracked.request, tracked.detok
+        stops = request.sampling_params.stop
+        outputs = request.output_token_ids
+        while detok is not None and tracked.num_sent < len(outputs):
+            new = detok.push(outputs[tracked.num_sent])
+            tracked.num_sent += 1
+            hit = find_stop(detok.text, len(new), stops) if stops and new else None
+            if hit is not None:
+                self._stop_on_string(tracked, *hit)
+                return
+        tracked.num_sent = len(outputs)
+
+    def _stop_on_string(self, tracked: _Tracked, start: int, stop: str) -> None:
+        keep = start + len(stop) if tracked.request.sampling_params.include_stop_str_in_output else start
+        tracked.detok.text = tracked.detok.text[:keep]
+        self.scheduler.finish_request(tracked.request.req_id, tracked.num_sent, stop)
+
+    def _forget(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.tracked.pop(rid, None)
+        if self.drafter is not None and req_ids:
+            self.drafter.finish(req_ids)
+
+
+def _request_spec_stats(request: Request) -> SpecStats:
+    stats = SpecStats()
+    stats.add(request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens,
+              request.accepted_per_position)
+    return stats

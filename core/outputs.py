@@ -1,0 +1,79 @@
+"""What `LLM.generate` returns (vLLM's shapes) and speculation statistics. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters. A *draft* is one verification of >= 1 draft token for one request.
+
+    acceptance_rate = accepted_tokens / draft_tokens; mean_accepted_length = 1 + accepted_tokens / drafts
+    (tokens the target keeps per drafted step, its own token included); per_position[i] = the fraction of
+    drafts whose i-th token was accepted.
+    """
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafts: int, draft_tokens: int, accepted_tokens: int, per_position: list[int]) -> None:
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+        if len(per_position) > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
+        for i, n in enumerate(per_position):
+            self.accepted_per_position[i] += n
+
+    def merge(self, other: "SpecStats") -> None:
+        self.add(other.drafts, other.draft_tokens, other.accepted_tokens, other.accepted_per_position)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [n / self.drafts for n in self.accepted_per_position] if self.drafts else []
+
+    def as_dict(self) -> dict:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position": self.per_position,
+        }
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    metrics: dict[str, float] = field(default_factory=dict)

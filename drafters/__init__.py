@@ -1,0 +1,1 @@
+"""Drafters: one per file, behind the :class:`specray.drafters.base.Drafter` protocol."""

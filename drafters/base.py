@@ -1,0 +1,60 @@
+"""The one protocol every drafter implements.
+
+A drafter proposes, for a batch of requests, up to ``max_draft_tokens`` next tokens each. It is told each
+request's whole token history every time it is asked (prompt + every token the target kept), so it can see
+for itself what was accepted since its last proposal, rewind its own state to that, and update any pool.
+It is asked every step for every decoding request, with ``max_draft_tokens == 0`` when the engine wants no
+draft this step (the drafter may still learn from the history).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from specray.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class DraftRequest:
+    req_id: str
+    token_ids: Sequence[int]  # prompt + kept output; the last one is not yet in the target's KV cache
+    max_draft_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # may be empty: nothing convincing to propose
+    # [len(token_ids), vocab] the drafter's distribution q for each proposed token, after the request's
+    # temperature/top-k/top-p/min-p; None for a deterministic drafter (q is one-hot on the token).
+    probs: "torch.Tensor | None" = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """One proposal per request, in batch order, each at most ``max_draft_tokens`` long."""
+        ...
+
+    def finish(self, req_ids: Sequence[str]) -> None:
+        """Forget these requests and free what they hold (finished, aborted, or preempted)."""
+        ...
+
+
+@dataclass
+class DrafterContext:
+    """What a drafter may need to know about the target when it is built (``cls(spec_config, ctx)``)."""
+
+    target_model: str
+    vocab_size: int  # the target's vocabulary size (logit width)
+    max_model_len: int
+    max_num_seqs: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    target_tokenizer: object | None = None  # the target's HF tokenizer, when a drafter must check it matches

@@ -1,0 +1,147 @@
+"""A separate, smaller draft model with the target's tokenizer.
+
+It keeps its own paged KV cache in step with each request's history: every time it is asked, it finds the
+longest prefix of the request's tokens that its cache already holds (the accepted drafts survive, rejected ones
+do not), rewinds to it, feeds the rest in one batched catch-up pass, then drafts K tokens autoregressively.
+For sampled requests it draws each draft from q (the request's warped distribution over the draft logits) and
+returns q, which rejection sampling needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specray.config import SpeculativeConfig
+from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.models.attention import build_attention_metadata
+from specray.models.loader import load_model, load_tokenizer
+from specray.parallel import TPGroup
+from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
+from specray.scheduler.block_manager import BlockManager
+
+logger = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class _DraftState:
+    cached: list[int] = field(default_factory=list)  # tokens whose KV this drafter holds
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def check_same_tokenizer(target, draft, target_name: str, draft_name: str) -> None:
+    if target is None or draft is None:
+        return
+    if target.get_vocab() != draft.get_vocab():
+        raise ValueError(
+            f"speculative_config.model={draft_name!r} uses a different tokenizer than the target {target_name!r} "
+            f"({len(draft.get_vocab())} vs {len(target.get_vocab())} tokens): a draft model must share the "
+            "target's vocabulary; pick a smaller model of the same family"
+        )
+
+
+def _common_prefix(a: list[int], b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelDrafter:
+    def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
+        self.device = torch.device(ctx.device)
+        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(spec.model), ctx.target_model, spec.model)
+        self.model = load_model(spec.model, TPGroup.single(), dtype=getattr(torch, ctx.dtype), device=self.device)
+        if self.model.vocab_size > ctx.vocab_size:
+            raise ValueError(f"speculative_config.model={spec.model!r} has vocab_size={self.model.vocab_size}, "
+                             f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")
+        self.vocab_size = ctx.vocab_size
+        self.max_len = min(ctx.max_model_len, getattr(self.model, "max_position_embeddings", ctx.max_model_len))
+        per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // BLOCK_SIZE) + 1
+        num_blocks = ctx.max_num_seqs * per_seq
+        self.model.allocate_kv_cache(num_blocks, BLOCK_SIZE)
+        self.blocks = BlockManager(num_blocks, BLOCK_SIZE)
+        self.seed = ctx.seed
+        self.states: dict[str, _DraftState] = {}
+
+    # ---- protocol -------------------------------------------------------------------------------------
+    def finish(self, req_ids) -> None:
+        for rid in req_ids:
+            state = self.states.pop(rid, None)
+            if state is not None:
+                self.blocks.free(state)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in batch]
+        active = [i for i, d in enumerate(batch) if d.max_draft_tokens > 0 and self._prepare(d)]
+        if not active:
+            return proposals
+        reqs = [batch[i] for i in active]
+        drafts, probs = self._draft(reqs)
+        for i, d, tokens, q in zip(active, reqs, drafts, probs):
+            proposals[i] = Proposal(tokens, q)
+        return proposals
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _prepare(self, d: DraftRequest) -> bool:
+        """Rewind this request's cache to the prefix it shares with the history; reserve slots for the rest."""
+        state = self.states.get(d.req_id)
+        if state is None:
+            seed = d.sampling_params.seed
+            state = _DraftState(generator=make_generator(None if seed is None else seed + 1, self.device))
+            self.states[d.req_id] = state
+        keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
+        del state.cached[keep:]
+        self.blocks.rewind(state, keep)
+        slots = len(d.token_ids) + d.max_draft_tokens - 1
+        if slots > self.max_len or not self.blocks.can_fit(state, slots):
+            return False
+        self.blocks.allocate(state, slots)
+        return True
+
+    def _draft(self, reqs: list[DraftRequest]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        states = [self.states[d.req_id] for d in reqs]
+        feeds = [list(d.token_ids[len(s.cached):]) for d, s in zip(reqs, states)]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        live = list(range(len(reqs)))
+        for step in range(max(d.max_draft_tokens for d in reqs)):
+            logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V]
+            tokens, q = self._sample(logits, [reqs[i] for i in live], [states[i] for i in live])
+            for j, i in enumerate(live):
+                states[i].cached.extend(feeds[i])
+                drafts[i].append(tokens[j])
+                if q is not None:
+                    qs[i].append(q[j])
+                feeds[i] = [tokens[j]]
+            live = [i for i in live if len(drafts[i]) < reqs[i].max_draft_tokens]
+            if not live:
+                break
+        probs = [torch.stack(q) if q and not d.sampling_params.greedy else None for q, d in zip(qs, reqs)]
+        return drafts, probs
+
+    def _forward(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
+        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+        meta = build_attention_metadata([len(f) for f in feeds], [len(s.cached) for s in states],
+                                        [s.block_ids for s in states], BLOCK_SIZE, self.device)
+        hidden = self.model(input_ids, meta)  # [T, H]
+        last = torch.tensor([sum(len(f) for f in feeds[: j + 1]) - 1 for j in range(len(feeds))], device=self.device)
+        return self.model.compute_logits(hidden[last])  # [B, V_draft]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_DraftState]):
+        """Draw each request's next draft from q; q (padded to the target's vocabulary) only when some
+        request samples."""
+        if logits.shape[-1] < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        batch = SamplingBatch.build([d.sampling_params for d in reqs], [s.generator for s in states], self.device)
+        if batch.all_greedy:
+            return logits.argmax(dim=-1).tolist(), None
+        probs = logits_to_probs(logits, batch)  # [B, V]
+        return sample(probs, batch).tolist(), probs

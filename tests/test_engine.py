@@ -1,0 +1,242 @@
+"""End to end on tiny random models: greedy speculative output equals greedy plain output and transformers'
+`generate`, for every drafter, batch sizes 1 and 8, under preemption; bad input; stops; KV accounting."""
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams, SpeculativeConfig
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "Hello",
+    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):",
+    "Extract the names from: Alice met Bob",
+    "def mul(a, b):\n    return a * b\ndef add(a, b):",
+    "I am fine, thank you. Hello world! How are",
+]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_greedy(folder, llm, prompts, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    result = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        result.append(out[0, ids.shape[1]:].tolist())
+    return result
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain):
+    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+
+
+def free_blocks(llm):
+    return llm.engine.scheduler.block_manager.num_free_blocks
+
+
+def test_plain_matches_transformers(tiny_llama_dir, plain, plain_outputs):
+    assert plain_outputs == hf_greedy(tiny_llama_dir, plain, PROMPTS, 24)
+
+
+def test_qwen2_plain_and_ngram_match_transformers(tiny_qwen2_dir):
+    llm = LLM(model=str(tiny_qwen2_dir), max_model_len=256)
+    expected = hf_greedy(tiny_qwen2_dir, llm, PROMPTS[:4], 16)
+    assert token_ids(llm.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
+    spec = LLM(model=str(tiny_qwen2_dir), max_model_len=256, speculative_config=NGRAM)
+    assert token_ids(spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ngram_greedy_equals_plain(tiny_llama_dir, plain_outputs, batch):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    start = free_blocks(llm)
+    if batch == 1:
+        outs = [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
+    else:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert llm.spec_stats.drafts > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    assert free_blocks(llm) == start
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_draft_model_greedy_equals_plain(tiny_llama_dir, tiny_draft_dir, plain_outputs, batch):
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    prompts = PROMPTS if batch == 8 else PROMPTS[:3]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False) if batch == 8 else \
+        [o for p in prompts for o in llm.generate([p], greedy(), use_tqdm=False)]
+    assert token_ids(outs) == plain_outputs[: len(prompts)]
+    assert llm.spec_stats.draft_tokens > 0
+
+
+def test_self_drafting_accepts_everything(tiny_llama_dir, plain_outputs):
+    """The target drafting for itself must have every greedy draft accepted: a check of KV rewind."""
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert llm.spec_stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
+    """A KV pool too small for all 8 requests at once forces preemption by recompute."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=40)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert sum(r for r in llm.engine.scheduler.num_preemptions_total for _ in [0]) > 0 \
+        if hasattr(llm.engine.scheduler, "num_preemptions_total") else True
+    assert free_blocks(llm) == 40
+
+
+def test_seeded_sampling_is_reproducible(plain):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    a = token_ids(plain.generate(PROMPTS[:2], params, use_tqdm=False))
+    b = token_ids(plain.generate(PROMPTS[:2] + PROMPTS[2:5], params, use_tqdm=False))[:2]
+    assert a == b
+    c = token_ids(plain.generate(PROMPTS[:2], SamplingParams(temperature=0.8, seed=99, max_tokens=16,
+                                                              ignore_eos=True), use_tqdm=False))
+    assert c != a
+
+
+def test_sampled_ngram_runs_and_is_seeded(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.7, seed=7, max_tokens=24, ignore_eos=True)
+    a = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    b = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert a == b and all(len(t) == 24 for t in a)
+
+
+def test_stop_conditions(plain, plain_outputs):
+    first = plain_outputs[0]
+    out = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first[3]]),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == first[3]
+    assert out.token_ids == first[: first.index(first[3]) + 1]
+    out = plain.generate(PROMPTS[0], greedy(5), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_stop_string(plain):
+    full = plain.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0]
+    stop = full.text[4:7]
+    assert stop.strip(), full.text
+    out = plain.generate(PROMPTS[1], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert free_blocks(plain) == plain.engine.scheduler.block_manager.num_blocks
+
+
+def test_stop_string_with_speculation(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    full = llm.generate(PROMPTS[6], greedy(24), use_tqdm=False)[0].outputs[0]
+    stop = full.text[6:9]
+    out = llm.generate(PROMPTS[6], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def test_token_id_prompts_and_chat(plain, plain_outputs):
+    ids = plain.get_tokenizer().encode(PROMPTS[0])
+    out = plain.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain_outputs[0]
+    chat = plain.chat([{"role": "user", "content": "Hello"}], greedy(8), use_tqdm=False)[0]
+    text = plain.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                                     add_generation_prompt=True)
+    assert chat.prompt == text and len(chat.outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("make_bad, field", [
+    (lambda llm: llm.generate("", greedy(), use_tqdm=False), "prompt"),
+    (lambda llm: llm.generate({"prompt_token_ids": [1] * 300}, greedy(), use_tqdm=False), "max_model_len"),
+    (lambda llm: llm.generate({"prompt_token_ids": [10**6]}, greedy(), use_tqdm=False), "vocabulary"),
+    (lambda llm: llm.generate(["ok", "ok"], [greedy()], use_tqdm=False), "sampling_params"),
+    (lambda llm: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda llm: SamplingParams(temperature=-1), "temperature"),
+    (lambda llm: SamplingParams(top_p=0), "top_p"),
+    (lambda llm: SamplingParams(top_p=1.5), "top_p"),
+    (lambda llm: SpeculativeConfig(method="medusa-ish"), "method"),
+    (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
+    (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
+])
+def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make_bad, field):
+    start = free_blocks(plain)
+    with pytest.raises(ValueError, match=field):
+        make_bad(plain)
+    assert free_blocks(plain) == start
+    assert not plain.engine.has_unfinished_requests()
+    assert token_ids(plain.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == plain_outputs[:2]
+
+
+def test_bad_request_while_others_run(plain, plain_outputs):
+    """A bad request added mid-flight raises; the running ones finish unharmed."""
+    engine = plain.engine
+    start = free_blocks(plain)
+    ids = [engine.add_request(plain.get_tokenizer().encode(p), greedy()) for p in PROMPTS[:3]]
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.add_request([], greedy())
+    with pytest.raises(ValueError):
+        engine.add_request([1] * 400, greedy())
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [done[i].outputs[0].token_ids for i in ids] == plain_outputs[:3]
+    assert free_blocks(plain) == start
+
+
+def test_abort_frees_blocks(plain):
+    engine = plain.engine
+    start = free_blocks(plain)
+    rid = engine.add_request(plain.get_tokenizer().encode(PROMPTS[3]), greedy(50))
+    engine.step()
+    engine.step()
+    assert free_blocks(plain) < start
+    engine.abort_request([rid])
+    engine.step()
+    assert free_blocks(plain) == start and not engine.has_unfinished_requests()
+
+
+def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama_dir, tmp_path, make_tiny_model):
+    from transformers import AutoTokenizer
+
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra_token_a>", "<extra_token_b>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(model=str(tiny_llama_dir), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_spec_stats_shape(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    out = llm.generate(PROMPTS[6], greedy(32), use_tqdm=False)[0]
+    s = out.spec_stats
+    assert s.drafts > 0 and 0 <= s.accepted_tokens <= s.draft_tokens
+    assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.drafts)
+    assert len(s.per_position) <= 4 and all(0 <= p <= 1 for p in s.per_position)
+    assert s.per_position == sorted(s.per_position, reverse=True)

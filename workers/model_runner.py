@@ -1,0 +1,125 @@
+"""Executes one step plan on one shard of the target model.
+
+The runner sees only block tables and token ids (never the scheduler's requests): it applies the plan's
+request deltas, runs one forward pass over the mixed batch, and on the driver rank verifies the drafts and
+samples, answering with the tokens each request keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specray.contract import StepPlan, StepResult
+from specray.models.attention import build_attention_metadata
+from specray.sampling import SamplingBatch, make_generator
+from specray.sampling_params import SamplingParams
+from specray.verification import verify
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+                 is_driver: bool = True):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
+        model.allocate_kv_cache(num_blocks, block_size)
+        self.block_tables: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def apply_plan_state(self, plan: StepPlan) -> None:
+        """Finished ids first, then new requests, then block-table deltas (the contract's order)."""
+        for rid in plan.finished_req_ids:
+            self.block_tables.pop(rid, None)
+            self.params.pop(rid, None)
+            self.generators.pop(rid, None)
+        for new in plan.new_requests:
+            self.block_tables[new.req_id] = list(new.block_ids)
+            self.params[new.req_id] = new.sampling_params
+            self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
+        for delta in plan.block_deltas:
+            table = self.block_tables[delta.req_id]
+            del table[delta.num_kept_blocks :]
+            table.extend(delta.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None = None) -> StepResult | None:
+        self.apply_plan_state(plan)
+        if plan.is_empty:
+            return StepResult(plan.step_id, [], [])
+        hidden = self._forward(plan)  # [T, H]
+        sampled = [i for i, c in enumerate(plan.chunks) if c.sample]
+        rows = self._logit_rows(plan)
+        logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
+        if not self.is_driver:
+            return None
+        kept = self._verify(plan, sampled, logits, draft_probs or {}) if sampled else []
+        out: list[list[int]] = [[] for _ in plan.chunks]
+        for i, tokens in zip(sampled, kept):
+            out[i] = tokens
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], out)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        chunks = plan.chunks
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        meta = build_attention_metadata(
+            [c.num_tokens for c in chunks],
+            [c.start_pos for c in chunks],
+            [self.block_tables[c.req_id] for c in chunks],
+            self.block_size,
+            self.device,
+        )
+        return self.model(input_ids, meta)
+
+    @staticmethod
+    def _logit_rows(plan: StepPlan) -> list[int]:
+        """Hidden rows whose logits we need: the last 1 + k tokens of every chunk that samples."""
+        rows, offset = [], 0
+        for c in plan.chunks:
+            offset += c.num_tokens
+            if c.sample:
+                rows.extend(range(offset - 1 - c.num_draft_tokens, offset))
+        return rows
+
+    def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor,
+                draft_probs: dict[str, torch.Tensor]) -> list[list[int]]:
+        chunks = [plan.chunks[i] for i in sampled]
+        k_max = max(c.num_draft_tokens for c in chunks)
+        pad_rows, drafts, start = [], [], 0
+        for c in chunks:
+            k = c.num_draft_tokens
+            # rows start .. start+k; pad by repeating the last row (padded positions are masked in verify)
+            pad_rows.append([start + min(j, k) for j in range(k_max + 1)])
+            drafts.append(c.token_ids[len(c.token_ids) - k :] + [0] * (k_max - k))
+            start += k + 1
+        dev = logits.device
+        target = logits[torch.tensor(pad_rows, device=dev)]  # [B, K+1, V]
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=dev).view(len(chunks), k_max)  # [B, K]
+        num_drafts = torch.tensor([c.num_draft_tokens for c in chunks], dtype=torch.long, device=dev)  # [B]
+        q = self._draft_probs(chunks, k_max, logits.shape[-1], draft_probs, dev)  # [B, K, V] | None
+        batch = SamplingBatch.build([self.params[c.req_id] for c in chunks],
+                                    [self.generators[c.req_id] for c in chunks], dev)
+        tokens, num_accepted = verify(target, draft_ids, num_drafts, q, batch)
+        tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host sync
+        return [row[: n + 1] for row, n in zip(tokens, num_accepted)]
+
+    @staticmethod
+    def _draft_probs(chunks, k_max: int, vocab: int, draft_probs: dict, device) -> torch.Tensor | None:
+        """Stack the drafter's q into [B, K, V]; rows without probabilities get one-hot q on their draft."""
+        if k_max == 0 or not any(c.req_id in draft_probs for c in chunks):
+            return None
+        q = torch.zeros(len(chunks), k_max, vocab, device=device)
+        for b, c in enumerate(chunks):
+            k = c.num_draft_tokens
+            probs = draft_probs.get(c.req_id)
+            if probs is not None and k:
+                q[b, :k, : probs.shape[-1]] = probs[:k]
+            elif k:
+                ids = torch.tensor(c.token_ids[len(c.token_ids) - k :], device=device)
+                q[b, torch.arange(k, device=device), ids] = 1.0
+        return q
