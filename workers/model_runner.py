@@ -15,7 +15,7 @@ from specray.contract import StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
-from specray.verification import verify
+from specray.verification import pad_drafts, unpad_outputs, verify
 
 logger = logging.getLogger(__name__)
 
@@ -88,38 +88,14 @@ class ModelRunner:
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor,
                 draft_probs: dict[str, torch.Tensor]) -> list[list[int]]:
+        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back."""
         chunks = [plan.chunks[i] for i in sampled]
-        k_max = max(c.num_draft_tokens for c in chunks)
-        pad_rows, drafts, start = [], [], 0
-        for c in chunks:
-            k = c.num_draft_tokens
-            # rows start .. start+k; pad by repeating the last row (padded positions are masked in verify)
-            pad_rows.append([start + min(j, k) for j in range(k_max + 1)])
-            drafts.append(c.token_ids[len(c.token_ids) - k :] + [0] * (k_max - k))
-            start += k + 1
-        dev = logits.device
-        target = logits[torch.tensor(pad_rows, device=dev)]  # [B, K+1, V]
-        draft_ids = torch.tensor(drafts, dtype=torch.long, device=dev).view(len(chunks), k_max)  # [B, K]
-        num_drafts = torch.tensor([c.num_draft_tokens for c in chunks], dtype=torch.long, device=dev)  # [B]
-        q = self._draft_probs(chunks, k_max, logits.shape[-1], draft_probs, dev)  # [B, K, V] | None
+        drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
+        probs = [draft_probs.get(c.req_id) for c in chunks] if draft_probs else None
+        if probs is not None:
+            probs = [None if q is None else q[: c.num_draft_tokens] for q, c in zip(probs, chunks)]
+        padded = pad_drafts(logits, drafts, probs)
         batch = SamplingBatch.build([self.params[c.req_id] for c in chunks],
-                                    [self.generators[c.req_id] for c in chunks], dev)
-        tokens, num_accepted = verify(target, draft_ids, num_drafts, q, batch)
-        tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host sync
-        return [row[: n + 1] for row, n in zip(tokens, num_accepted)]
-
-    @staticmethod
-    def _draft_probs(chunks, k_max: int, vocab: int, draft_probs: dict, device) -> torch.Tensor | None:
-        """Stack the drafter's q into [B, K, V]; rows without probabilities get one-hot q on their draft."""
-        if k_max == 0 or not any(c.req_id in draft_probs for c in chunks):
-            return None
-        q = torch.zeros(len(chunks), k_max, vocab, device=device)
-        for b, c in enumerate(chunks):
-            k = c.num_draft_tokens
-            probs = draft_probs.get(c.req_id)
-            if probs is not None and k:
-                q[b, :k, : probs.shape[-1]] = probs[:k]
-            elif k:
-                ids = torch.tensor(c.token_ids[len(c.token_ids) - k :], device=device)
-                q[b, torch.arange(k, device=device), ids] = 1.0
-        return q
+                                    [self.generators[c.req_id] for c in chunks], logits.device)
+        tokens, num_accepted = verify(*padded[:4], batch, draft_counts=padded.draft_counts)
+        return unpad_outputs(tokens, num_accepted)  # the step's one host sync

@@ -1,0 +1,213 @@
+"""Verify drafts against the target: rejection sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
+
+Request b proposed drafts x_0 .. x_{k_b - 1} (k_b = num_drafts[b]) from its drafter's distributions q_i; the
+target's one pass scored k_b + 1 positions, p_i = the request's warped target distribution at position i
+(p_{k_b} is the one after all its drafts). Then, with u_i ~ U[0, 1):
+
+    accept x_i   iff   u_i * q_i(x_i) < p_i(x_i)           (u_i < min(1, p_i(x_i) / q_i(x_i)), no division)
+    n_b          = the number of leading accepted drafts (0 .. k_b)
+    extra token  ~ norm(max(0, p_n - q_n))   if n_b < k_b   (the first rejection)
+                 ~ p_{k_b}                   if n_b == k_b  (the bonus token)
+
+and row b emits x_0 .. x_{n_b - 1} followed by the extra token: n_b + 1 tokens, distributed exactly as
+sampling them one at a time from the target. A deterministic drafter (n-gram) has q_i = one-hot(x_i); then
+the test is u_i < p_i(x_i) and the residual is p_i with x_i removed.
+
+Greedy rows need no special case: p_i is one-hot on the target's argmax and u_i = 0, so a draft is accepted
+iff it is that argmax, and the extra token is the argmax at the first mismatch (or the bonus position).
+
+Everything is padded to K = max_b k_b and masked; nothing reads a tensor value back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from specray.sampling import SamplingBatch, logits_to_probs, sample
+
+
+def _accept_uniforms(batch: SamplingBatch, num_positions: int, draft_counts: Sequence[int] | None,
+                     device: torch.device) -> torch.Tensor:
+    """u [B, K] ~ U[0, 1): a seeded request draws its own count (``draft_counts[b]`` when given, else K) from
+    its generator; the other sampled rows draw from the global RNG; greedy rows get 0 and draw nothing."""
+    B, K = len(batch), num_positions
+    u = torch.rand(B, K, device=device) if batch.any_unseeded else torch.zeros(B, K, device=device)
+    for gen, rows in batch.seeded_rows:
+        for b in rows:
+            k_b = K if draft_counts is None else draft_counts[b]
+            if k_b:
+                u[b, :k_b] = torch.rand(k_b, generator=gen, device=device)
+    return u.masked_fill(batch.greedy[:, None], 0.0) if batch.any_greedy else u
+
+
+def _accepted_prefix(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor,
+                     num_drafts: torch.Tensor) -> torch.Tensor:
+    """p_draft, q_draft, u [B, K] (p_i(x_i), q_i(x_i), u_i); num_drafts [B] -> n [B] int64.
+
+    accept_i = u_i * q_i(x_i) < p_i(x_i) and i < k_b;  n = the length of the leading run of accepts.
+    """
+    positions = torch.arange(u.shape[1], device=u.device)  # [K]
+    accept = (u * q_draft < p_draft) & (positions[None, :] < num_drafts[:, None])  # [B, K]
+    return accept.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p, q [B, V] -> max(0, p - q) [B, V], unnormalized (sampling does not need it normalized); where it has
+    no mass (p == q: impossible at a rejection in exact arithmetic) fall back to p."""
+    r = (p - q).clamp_min(0.0)
+    return torch.where(r.sum(dim=-1, keepdim=True) > 0, r, p)
+
+
+def _gather_position(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x [B, P, V], pos [B] -> x[b, pos[b]] [B, V]."""
+    return x.gather(1, pos[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
+
+
+def _extra_distribution(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor,
+                        n: torch.Tensor, num_drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """p [B, K+1, V], draft_probs [B, K, V] | None, draft_token_ids [B, K], n, num_drafts [B], greedy [B]
+    -> the distribution of the extra token [B, V]: p_n if all k_b drafts were accepted (the bonus; greedy rows
+    too, whose p is one-hot), else the residual max(0, p_n - q_n) at the first rejection n."""
+    p_n = _gather_position(p, n)  # [B, V]
+    K = draft_token_ids.shape[1]
+    if K == 0:
+        return p_n
+    n_q = n.clamp(max=K - 1)  # where n == K every draft was accepted and q_n is not used
+    if draft_probs is None:  # q_n = one-hot(x_n): the residual is p_n without x_n
+        x_n = draft_token_ids.gather(1, n_q[:, None])  # [B, 1]
+        q_n = torch.zeros_like(p_n).scatter_(-1, x_n, 1.0)
+    else:
+        q_n = _gather_position(draft_probs, n_q).float()
+    bonus = (n == num_drafts) | greedy  # [B]
+    return torch.where(bonus[:, None], p_n, _residual(p_n, q_n))
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+    draft_counts: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection-sample every request's drafts against the target, in one batch.
+
+    target_logits [B, K+1, V]: row b's positions 0..k_b are real (p_i scores x_i; p_{k_b} is the bonus), the
+        rest padding. draft_token_ids [B, K] int64 (padded with any valid id). num_drafts [B] int64 (k_b).
+    draft_probs [B, K, V] | None: the drafter's q after the request's warpers; None for a deterministic
+        drafter (q = one-hot on the draft).
+    batch: one row per request (B rows).
+    draft_counts: optional host copy of num_drafts. With it a seeded request draws exactly k_b uniforms, so its
+        random stream does not depend on the other requests' draft counts; without it each draws K.
+
+    Returns (output_tokens [B, K+1] int64, num_accepted [B] int64): row b's tokens are
+    output_tokens[b, :num_accepted[b] + 1]; the rest is -1. Per seeded request the randomness drawn is
+    k_b (or K) uniforms, then V exponentials for the extra token; greedy requests draw none.
+    """
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    assert draft_token_ids.shape == (B, K), (draft_token_ids.shape, target_logits.shape)
+    assert len(batch) == B, (len(batch), B)
+    assert draft_counts is None or (len(draft_counts) == B and max(draft_counts, default=0) <= K), draft_counts
+    device = target_logits.device
+    draft_token_ids = draft_token_ids.long()
+    num_drafts = num_drafts.long()
+    if batch.all_greedy:
+        return _verify_greedy(target_logits, draft_token_ids, num_drafts)
+
+    p = logits_to_probs(target_logits.reshape(B * K1, V), batch.repeat_rows(K1)).view(B, K1, V)  # [B, K+1, V]
+    if K > 0:
+        p_draft = p[:, :K].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, K] p_i(x_i)
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)  # q_i(x_i) = 1
+        else:
+            q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1).float()  # [B, K] q_i(x_i)
+        u = _accept_uniforms(batch, K, draft_counts, device)  # [B, K]
+        num_accepted = _accepted_prefix(p_draft, q_draft, u, num_drafts)  # [B]
+    else:
+        num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+
+    extra_dist = _extra_distribution(p, draft_probs, draft_token_ids, num_accepted, num_drafts, batch.greedy)
+    extra = sample(extra_dist, batch)  # [B]
+    return _assemble(draft_token_ids, num_accepted, extra), num_accepted
+
+
+def _verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                   num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-greedy batch without [B, K+1, V] probabilities (the same result as the general path):
+    a = argmax target [B, K+1]; accept x_i iff x_i == a_i and i < k_b; the extra token is a_n."""
+    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    K = draft_token_ids.shape[1]
+    positions = torch.arange(K, device=argmax.device)  # [K]
+    accept = (draft_token_ids == argmax[:, :K]) & (positions[None, :] < num_drafts[:, None])  # [B, K]
+    n = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    extra = argmax.gather(1, n[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_token_ids, n, extra), n
+
+
+def _assemble(draft_token_ids: torch.Tensor, n: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """draft_token_ids [B, K], n [B], extra [B] -> [B, K+1]: x_0 .. x_{n-1}, extra, then -1."""
+    K1 = draft_token_ids.shape[1] + 1
+    positions = torch.arange(K1, device=draft_token_ids.device)[None, :]  # [1, K+1]
+    drafts = torch.nn.functional.pad(draft_token_ids, (0, 1), value=-1)  # [B, K+1]
+    out = torch.where(positions < n[:, None], drafts, torch.full_like(drafts, -1))
+    return torch.where(positions == n[:, None], extra[:, None], out)
+
+
+class PaddedDrafts(NamedTuple):
+    target_logits: torch.Tensor  # [B, K+1, V]
+    draft_token_ids: torch.Tensor  # [B, K] int64
+    num_drafts: torch.Tensor  # [B] int64
+    draft_probs: torch.Tensor | None  # [B, K, V] | None
+    draft_counts: list[int]  # the host copy of num_drafts
+
+
+def pad_drafts(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
+) -> PaddedDrafts:
+    """Ragged per-request rows -> the padded layout of :func:`verify`, built from host lists only.
+
+    logits [T, V]: request b's k_b + 1 logit rows, requests back to back (T = sum_b (k_b + 1)).
+    draft_token_ids: request b's k_b drafts. draft_probs: request b's q [k_b, V'] (V' <= V) or None; requests
+    without q get one-hot q on their drafts when some other request has q, and q is None when none has.
+
+    Padding repeats a request's last row / last draft; :func:`verify` masks it out.
+    Usage: ``pd = pad_drafts(...); verify(*pd[:4], batch, draft_counts=pd.draft_counts)``.
+    """
+    counts = [len(d) for d in draft_token_ids]
+    B, K, V = len(counts), max(counts, default=0), logits.shape[-1]
+    assert logits.shape[0] == sum(counts) + B, (logits.shape, counts)
+    device = logits.device
+    rows, ids, start = [], [], 0
+    for k, d in zip(counts, draft_token_ids):
+        rows.extend(start + min(j, k) for j in range(K + 1))
+        ids.extend(list(d) + [d[-1] if k else 0] * (K - k))
+        start += k + 1
+    target = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)).view(B, K + 1, V)
+    draft_ids = torch.tensor(ids, dtype=torch.long, device=device).view(B, K)
+    num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
+    q = None
+    if draft_probs is not None and K > 0 and any(x is not None for x in draft_probs):
+        assert len(draft_probs) == B
+        q = torch.zeros(B, K, V, device=device)
+        one_hot: list[tuple[int, int, int]] = []  # (b, i, x_i) of the requests without q
+        for b, (k, d, probs) in enumerate(zip(counts, draft_token_ids, draft_probs)):
+            if probs is not None:
+                q[b, :k, : probs.shape[-1]] = probs[:k]
+            else:
+                one_hot.extend((b, i, x) for i, x in enumerate(d))
+        if one_hot:
+            b_idx, i_idx, x_idx = torch.tensor(one_hot, dtype=torch.long, device=device).unbind(dim=1)
+            q[b_idx, i_idx, x_idx] = 1.0
+    return PaddedDrafts(target, draft_ids, num_drafts, q, counts)
+
+
+def unpad_outputs(output_tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:
+    """The step's one host sync: output_tokens [B, K+1], num_accepted [B] -> each request's kept tokens."""
+    tokens, n = output_tokens.tolist(), num_accepted.tolist()
+    return [row[: k + 1] for row, k in zip(tokens, n)]

@@ -1,0 +1,410 @@
+"""The n-gram (prompt-lookup) drafter and the n-gram pool behind it. Torch-free.
+
+A request's next tokens often repeat text it has already seen (code being edited, quoted documents, lists). The
+drafter takes the last ``n`` tokens of the history, finds an earlier place where the same ``n`` tokens occurred,
+and proposes what followed there. ``n`` runs from ``prompt_lookup_max`` down to ``prompt_lookup_min``: the
+longest match wins, and with no match of at least ``prompt_lookup_min`` tokens it proposes nothing.
+
+:class:`NgramPool` is the n-gram -> continuations store, kept apart from the drafter so one pool can be shared
+(by all requests with ``is_public_pool``, later by engine replicas through a Ray actor).
+
+Pool design
+-----------
+The pool keeps its own copy of every sequence it indexes and, per n-gram (a tuple of ``n`` token ids), a list
+of *references* to the places right after where it occurred, oldest first. A reference is one int,
+``sid << 32 | pos``: sequence ``sid``, continuation starting at ``pos``. A continuation is read at lookup time,
+``tokens[pos:pos + k]``, so it is always up to date: one recorded when only one token followed the n-gram grows
+as the sequence grows, at no cost.
+
+An n-gram is recorded only once a token follows it, so the n-gram ending a sequence (the suffix a lookup asks
+for) is never in the pool as its own match, and every kept reference has a non-empty continuation.
+
+* ``is_keep_all=True`` keeps every sighting of an n-gram; ``False`` keeps only the newest one.
+* ``is_use_oldest=True`` proposes the continuation of the oldest kept sighting, ``False`` the newest. Both pick
+  by the time the n-gram was seen; equal continuations seen twice are kept twice (they only cost capacity).
+* A rewound sequence (its tokens replaced from some position on) drops the references into the replaced part
+  and indexes the new tokens; references before it read the new tokens from then on.
+* With ``max_pool_entries`` (the public pool) the pool keeps at most that many references: the oldest recorded
+  go first (a FIFO of what was recorded), and a closed sequence's tokens are freed once nothing refers to them.
+
+Cost: indexing is O(new tokens x (max - min + 1)) dict operations on tuples of at most ``max`` ids; a lookup
+is at most ``max - min + 1`` dict lookups plus the slice it returns. Memory is about one reference per
+indexed token per n (bounded by ``max_pool_entries`` where set) plus the tokens.
+
+Shipping a pool: :meth:`NgramPool.snapshot` returns plain lists and dicts (the sequences' tokens; the table is
+rebuilt on the other side) and :meth:`NgramPool.merge` folds one in, extending sequences it already has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specray.config import SpeculativeConfig
+from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_POOL_ENTRIES = 1 << 18  # references the public pool keeps (~65 MB) unless the config says otherwise
+SNAPSHOT_VERSION = 1
+_POS_BITS = 32
+_POS_MASK = (1 << _POS_BITS) - 1
+_CHUNK = 1024  # tokens compared per slice when looking for a common prefix
+
+
+def _common_prefix(a: list[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``, comparing whole slices where they are equal."""
+    n = min(len(a), len(b))
+    lo = 0
+    while lo < n:
+        hi = min(lo + _CHUNK, n)
+        if a[lo:hi] != list(b[lo:hi]):
+            break
+        lo = hi
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+class NgramPool:
+    """N-grams of ``prompt_lookup_min..prompt_lookup_max`` tokens -> continuations of up to ``max_draft_len``."""
+
+    def __init__(
+        self,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
+        max_draft_len: int = 5,
+        *,
+        is_keep_all: bool = True,
+        is_use_oldest: bool = True,
+        max_pool_entries: int | None = None,
+    ):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={prompt_lookup_min} and prompt_lookup_max={prompt_lookup_max} "
+                             "must satisfy 1 <= min <= max")
+        if max_draft_len < 1:
+            raise ValueError(f"max_draft_len={max_draft_len} must be >= 1")
+        if max_pool_entries is not None and max_pool_entries < 1:
+            raise ValueError(f"max_pool_entries={max_pool_entries} must be >= 1 (or None for no bound)")
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+        self.max_draft_len = max_draft_len
+        self.is_keep_all = is_keep_all
+        self.is_use_oldest = is_use_oldest
+        self.max_pool_entries = max_pool_entries
+        self._uid = uuid.uuid4().hex[:12]
+        self._names = itertools.count()
+        self._sids = itertools.count()
+        self._sid: dict[Hashable, int] = {}  # seq_key -> sid
+        self._seq_key: dict[int, Hashable] = {}  # sid -> seq_key
+        self._tokens: dict[int, list[int]] = {}  # sid -> the pool's own copy of the sequence
+        self._closed: set[int] = set()  # sids whose tokens go once nothing refers to them
+        self._table: dict[tuple[int, ...], list[int]] = {}  # n-gram -> references, oldest first
+        # What was recorded, oldest first, and how many of those entries each sid has; only with a bound.
+        self._fifo: deque[tuple[tuple[int, ...], int]] | None = deque() if max_pool_entries else None
+        self._fifo_count: dict[int, int] = {}
+        self.num_refs = 0  # references now held
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, max_pool_entries: int | None = None) -> "NgramPool":
+        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+                   is_keep_all=spec.is_keep_all, is_use_oldest=spec.is_use_oldest,
+                   max_pool_entries=max_pool_entries)
+
+    # ---- sequences -----------------------------------------------------------------------------------
+    def new_key(self) -> str:
+        """A sequence key unique across pools (so snapshots of different pools merge without clashes)."""
+        return f"{self._uid}:{next(self._names)}"
+
+    def __contains__(self, seq_key: Hashable) -> bool:
+        return seq_key in self._sid
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_ngrams(self) -> int:
+        return len(self._table)
+
+    def num_tokens(self, seq_key: Hashable) -> int:
+        sid = self._sid.get(seq_key)
+        return 0 if sid is None else len(self._tokens[sid])
+
+    def tokens(self, seq_key: Hashable) -> list[int]:
+        """The pool's copy of a sequence (do not modify it)."""
+        sid = self._sid.get(seq_key)
+        return [] if sid is None else self._tokens[sid]
+
+    def tail(self, seq_key: Hashable, n: int) -> list[int]:
+        return self.tokens(seq_key)[-n:] if n > 0 else []
+
+    def add(self, seq_key: Hashable, tokens: Sequence[int], start: int = 0) -> None:
+        """Make sequence ``seq_key`` read ``tokens``, of which the first ``start`` are already indexed (the
+        caller vouches they equal the pool's copy); anything the pool held from ``start`` on is replaced."""
+        sid = self._sid.get(seq_key)
+        if sid is None:
+            sid = self._open(seq_key)
+        stored = self._tokens[sid]
+        if not 0 <= start <= min(len(stored), len(tokens)):
+            raise ValueError(f"start={start} must be in [0, {min(len(stored), len(tokens))}]: the pool holds "
+                             f"{len(stored)} tokens of sequence {seq_key!r} and {len(tokens)} were given")
+        if start < len(stored):
+            self._unindex(sid, start, len(stored))
+            del stored[start:]
+        self._append(sid, tokens[start:])
+
+    def extend(self, seq_key: Hashable, new_tokens: Sequence[int]) -> None:
+        """Append ``new_tokens`` to sequence ``seq_key`` (a new one if unknown) and index them."""
+        sid = self._sid.get(seq_key)
+        if sid is None:
+            sid = self._open(seq_key)
+        self._append(sid, new_tokens)
+
+    def sync(self, seq_key: Hashable, tokens: Sequence[int]) -> int:
+        """Like :meth:`add`, finding for itself how much of the pool's copy still holds (O(len(tokens)), in
+        slice compares). Returns that common prefix length."""
+        common = _common_prefix(self.tokens(seq_key), tokens)
+        self.add(seq_key, tokens, common)
+        return common
+
+    def publish(self, tokens: Sequence[int]) -> str:
+        """Add finished text from elsewhere (a finished request, another replica); returns its new key."""
+        key = self.new_key()
+        self.extend(key, tokens)
+        self.close(key)
+        return key
+
+    def close(self, seq_key: Hashable) -> None:
+        """The sequence will not grow any more: its text stays for others to draft from, until its references
+        are evicted (bounded pool only; without a bound it stays until :meth:`remove`)."""
+        sid = self._sid.get(seq_key)
+        if sid is None:
+            return
+        self._closed.add(sid)
+        if self._fifo is not None and not self._fifo_count.get(sid):
+            self._drop(sid)
+
+    def remove(self, seq_key: Hashable) -> None:
+        """Forget a sequence and every reference into it."""
+        sid = self._sid.get(seq_key)
+        if sid is None:
+            return
+        if len(self._tokens) == 1:
+            self._clear()
+            return
+        self._unindex(sid, 0, len(self._tokens[sid]))
+        self._drop(sid)
+
+    def _open(self, seq_key: Hashable) -> int:
+        sid = next(self._sids)
+        self._sid[seq_key] = sid
+        self._seq_key[sid] = seq_key
+        self._tokens[sid] = []
+        return sid
+
+    def _drop(self, sid: int) -> None:
+        del self._sid[self._seq_key.pop(sid)]
+        del self._tokens[sid]
+        self._closed.discard(sid)
+
+    def _clear(self) -> None:
+        self._sid.clear()
+        self._seq_key.clear()
+        self._tokens.clear()
+        self._closed.clear()
+        self._table.clear()
+        self._fifo_count.clear()
+        if self._fifo is not None:
+            self._fifo.clear()
+        self.num_refs = 0
+
+    # ---- indexing ------------------------------------------------------------------------------------
+    def _append(self, sid: int, new_tokens: Sequence[int]) -> None:
+        stored = self._tokens[sid]
+        old = len(stored)
+        stored.extend(new_tokens)
+        self._index(sid, old)
+
+    def _index(self, sid: int, lo: int) -> None:
+        """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
+        (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
+        tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
+        base, recorded, added = sid << _POS_BITS, 0, 0
+        for pos in range(max(lo, 1), len(tokens)):
+            ref = base | pos
+            for n in range(self.min_n, min(self.max_n, pos) + 1):
+                gram = tuple(tokens[pos - n:pos])
+                refs = table.get(gram)
+                if refs is None:
+                    table[gram] = [ref]
+                    added += 1
+                elif keep_all:
+                    refs.append(ref)
+                    added += 1
+                else:
+                    refs[0] = ref
+                if fifo is not None:
+                    fifo.append((gram, ref))
+                recorded += 1
+        self.num_refs += added
+        if fifo is not None and recorded:
+            self._fifo_count[sid] = self._fifo_count.get(sid, 0) + recorded
+            self._evict()
+
+    def _unindex(self, sid: int, lo: int, hi: int) -> None:
+        """Drop the references at positions ``[lo, hi)`` of sequence ``sid`` (its tokens must still be there)."""
+        tokens = self._tokens[sid]
+        base = sid << _POS_BITS
+        for pos in range(max(lo, 1), hi):
+            for n in range(self.min_n, min(self.max_n, pos) + 1):
+                self._discard(tuple(tokens[pos - n:pos]), base | pos)
+
+    def _discard(self, gram: tuple[int, ...], ref: int) -> None:
+        refs = self._table.get(gram)
+        if refs is None:
+            return
+        for i in range(len(refs) - 1, -1, -1):  # the newest first: rewinds drop recent references
+            if refs[i] == ref:
+                self._delete(gram, refs, i)
+                return
+
+    def _delete(self, gram: tuple[int, ...], refs: list[int], i: int) -> None:
+        del refs[i]
+        self.num_refs -= 1
+        if not refs:
+            del self._table[gram]
+
+    def _evict(self) -> None:
+        """Forget the oldest recorded references beyond ``max_pool_entries``.
+
+        Per n-gram, references sit in the order they were recorded, as in the FIFO; so when an entry leaves the
+        FIFO its reference is either the n-gram's oldest or already gone (replaced, rewound or removed).
+        """
+        assert self._fifo is not None and self.max_pool_entries is not None
+        while len(self._fifo) > self.max_pool_entries:
+            gram, ref = self._fifo.popleft()
+            refs = self._table.get(gram)
+            if refs and refs[0] == ref:
+                self._delete(gram, refs, 0)
+            self._release(ref >> _POS_BITS)
+
+    def _release(self, sid: int) -> None:
+        left = self._fifo_count[sid] - 1
+        if left:
+            self._fifo_count[sid] = left
+            return
+        del self._fifo_count[sid]
+        if sid in self._closed:
+            self._drop(sid)
+
+    # ---- lookup --------------------------------------------------------------------------------------
+    def lookup(self, context_tail: Sequence[int], max_tokens: int | None = None) -> list[int]:
+        """The continuation of the longest n-gram ending ``context_tail`` (n from max down to min), at most
+        ``min(max_tokens, max_draft_len)`` tokens; ``[]`` when no n-gram of at least min tokens is known."""
+        k = self.max_draft_len if max_tokens is None else min(max_tokens, self.max_draft_len)
+        if k <= 0:
+            return []
+        tail = list(context_tail[-self.max_n:])
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            refs = self._table.get(tuple(tail[-n:]))
+            if refs:
+                ref = refs[0] if self.is_use_oldest else refs[-1]
+                pos = ref & _POS_MASK
+                return self._tokens[ref >> _POS_BITS][pos:pos + k]
+        return []
+
+    # ---- shipping ------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data (lists, dicts, ints, the sequence keys) for another process's :meth:`merge`."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "prompt_lookup_min": self.min_n,
+            "prompt_lookup_max": self.max_n,
+            "max_draft_len": self.max_draft_len,
+            "sequences": [[self._seq_key[sid], list(tokens)] for sid, tokens in self._tokens.items()],
+        }
+
+    def merge(self, snapshot: dict[str, Any]) -> None:
+        """Fold in another pool's :meth:`snapshot`: sequences new here are added closed (they go when evicted),
+        ones already here are brought up to date (extended, or rewound where they differ)."""
+        if snapshot.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {snapshot.get('version')!r} is not {SNAPSHOT_VERSION}; "
+                             "snapshot and merge with the same specray version")
+        for seq_key, tokens in snapshot["sequences"]:
+            is_new = seq_key not in self._sid
+            self.sync(seq_key, tokens)
+            if is_new:
+                self.close(seq_key)
+
+
+@dataclass
+class _RequestState:
+    pool: NgramPool
+    seq_key: str
+    source: Sequence[int] | None = None  # the history object indexed last time
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the longest earlier occurrence of the history's last n tokens.
+
+    Each request gets its own pool, or all share one with ``spec.is_public_pool`` (so a request can draft from
+    text another one produced; finished requests' text stays until evicted). Deterministic: ``probs`` is None.
+    """
+
+    def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
+        self.spec = spec
+        self.ctx = ctx
+        self.shared_pool: NgramPool | None = None
+        if spec.is_public_pool:
+            cap = getattr(spec, "max_pool_entries", None) or DEFAULT_MAX_POOL_ENTRIES
+            self.shared_pool = NgramPool.from_config(spec, max_pool_entries=cap)
+        self._requests: dict[str, _RequestState] = {}
+
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        return [self._propose_one(req) for req in batch]
+
+    def finish(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            state = self._requests.pop(req_id, None)
+            if state is not None and self.shared_pool is not None:
+                self.shared_pool.close(state.seq_key)
+
+    def _propose_one(self, req: DraftRequest) -> Proposal:
+        state = self._state(req.req_id)
+        self._catch_up(state, req.token_ids)
+        if req.max_draft_tokens <= 0:
+            return Proposal([])
+        tail = state.pool.tail(state.seq_key, self.spec.prompt_lookup_max)
+        return Proposal(state.pool.lookup(tail, req.max_draft_tokens))
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            pool = self.shared_pool or NgramPool.from_config(self.spec)
+            state = self._requests[req_id] = _RequestState(pool, pool.new_key())
+        return state
+
+    def _catch_up(self, state: _RequestState, history: Sequence[int]) -> None:
+        """Index what is new in ``history``: O(new tokens) when it is the list seen last time, grown by
+        appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index."""
+        pool, key = state.pool, state.seq_key
+        indexed = pool.num_tokens(key)
+        if history is state.source and len(history) >= indexed and self._boundary_holds(state, history, indexed):
+            pool.extend(key, history[indexed:])
+        else:
+            kept = pool.sync(key, history)
+            if kept < indexed:
+                logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
+                             kept, indexed)
+        state.source = history
+
+    def _boundary_holds(self, state: _RequestState, history: Sequence[int], indexed: int) -> bool:
+        """The last indexed tokens are still there (guards against a list rewound in place)."""
+        lo = max(0, indexed - self.spec.prompt_lookup_max)
+        return list(history[lo:indexed]) == state.pool.tokens(state.seq_key)[lo:indexed]

@@ -1,0 +1,254 @@
+"""The n-gram drafter and its pool on hand-written histories: exact proposals, longest match first, no self
+match, continuations that grow, keep-all/use-oldest choices, public vs private pools, rewinds, finish()."""
+
+import pytest
+
+from specray import SamplingParams, SpeculativeConfig
+from specray.drafters.base import Drafter, DraftRequest, DrafterContext
+from specray.drafters.ngram import NgramDrafter, NgramPool
+from specray.drafters.registry import drafter_class
+
+CTX = DrafterContext(target_model="x", vocab_size=100, max_model_len=4096, max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0)
+
+
+def make(**kw) -> NgramDrafter:
+    kw.setdefault("num_speculative_tokens", 4)
+    kw.setdefault("adaptive", False)
+    return NgramDrafter(SpeculativeConfig(method="ngram", **kw), CTX)
+
+
+def draft(drafter, history, k=4, req_id="r"):
+    return drafter.propose([DraftRequest(req_id, history, k, GREEDY)])[0].token_ids
+
+
+def test_registry_and_protocol():
+    drafter = make()
+    assert drafter_class("ngram") is NgramDrafter
+    assert isinstance(drafter, Drafter)
+    proposal = drafter.propose([DraftRequest("r", [1, 2, 3, 1, 2], 4, GREEDY)])[0]
+    assert proposal.token_ids == [3, 1, 2] and proposal.probs is None
+
+
+def test_longest_match_wins():
+    # The 1-gram [3] was last followed by 7, the 2-gram [2, 3] by 4 5, the 3-gram [1, 2, 3] by 9 9.
+    history = [1, 2, 3, 9, 9, 8, 2, 3, 4, 5, 6, 3, 7, 0, 1, 2, 3]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=3), history) == [9, 9, 8, 2]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=2), history) == [9, 9, 8, 2]  # oldest [2, 3]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=1), history) == [9, 9, 8, 2]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=3, is_use_oldest=False), history) == [9, 9, 8, 2]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=2, is_use_oldest=False), history) == [4, 5, 6, 3]
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=1, is_use_oldest=False), history) == [7, 0, 1, 2]
+
+
+def test_min_length_respected():
+    history = [5, 6, 7, 8, 1, 9, 1]  # only the 1-gram [1] matches earlier
+    assert draft(make(prompt_lookup_min=2, prompt_lookup_max=3), history) == []
+    assert draft(make(prompt_lookup_min=1, prompt_lookup_max=3), history) == [9, 1]
+
+
+def test_no_self_match():
+    assert draft(make(prompt_lookup_min=1), [1, 2, 3, 4]) == []
+    assert draft(make(prompt_lookup_min=2), [7, 7]) == []
+    # Overlapping earlier occurrences are fine: [7, 7] occurred ending at index 2, followed by the last 7.
+    assert draft(make(prompt_lookup_min=2), [7, 7, 7]) == [7]
+
+
+def test_truncation_to_max_draft_tokens():
+    drafter = make(prompt_lookup_min=2, num_speculative_tokens=3)
+    history = [1, 2, 10, 11, 12, 13, 14, 1, 2]
+    assert draft(drafter, history, k=2) == [10, 11]
+    assert draft(drafter, history, k=10) == [10, 11, 12]  # never more than num_speculative_tokens
+
+
+def test_zero_draft_tokens_returns_empty_and_still_indexes():
+    drafter = make(prompt_lookup_min=2)
+    history = [1, 2, 3, 4]
+    assert draft(drafter, history, k=0) == []
+    pool = drafter._requests["r"].pool
+    assert pool.tokens(drafter._requests["r"].seq_key) == [1, 2, 3, 4]
+    assert pool.lookup([1, 2]) == [3, 4]
+    history += [9, 1, 2]
+    assert draft(drafter, history) == [3, 4, 9, 1]
+
+
+def test_continuation_extends_as_tokens_arrive():
+    drafter = make(prompt_lookup_min=2, num_speculative_tokens=4)
+    history = [1, 2, 3]
+    assert draft(drafter, history) == []
+    history.extend([1, 2])  # [1, 2] was followed only by 3 so far, then by 3 1 2
+    assert draft(drafter, history) == [3, 1, 2]
+    history.extend([5])
+    assert draft(drafter, [8, 1, 2], req_id="other") == []  # private pools
+    history.extend([6, 1, 2])  # the oldest [1, 2] now has 3 1 2 5 6 ... after it
+    assert draft(drafter, history) == [3, 1, 2, 5]
+
+    pool = NgramPool(2, 2, 4)
+    pool.extend("a", [1, 2, 3])
+    assert pool.lookup([1, 2]) == [3]
+    pool.extend("a", [4, 5, 6])
+    assert pool.lookup([1, 2]) == [3, 4, 5, 6]
+
+
+# [1, 2] occurs three times: followed by 3 3, then by 4 4, then (last) by 5 before the suffix [1, 2].
+TWO_WAYS = [1, 2, 3, 3, 0, 1, 2, 4, 4, 0, 1, 2, 5, 0, 1, 2]
+
+
+@pytest.mark.parametrize("keep_all, use_oldest, expected", [
+    (True, True, [3, 3, 0, 1]),  # every continuation kept, the oldest proposed
+    (True, False, [5, 0, 1, 2]),  # every continuation kept, the newest proposed
+    (False, True, [5, 0, 1, 2]),  # only the newest kept
+    (False, False, [5, 0, 1, 2]),
+])
+def test_keep_all_and_use_oldest(keep_all, use_oldest, expected):
+    drafter = make(prompt_lookup_min=2, prompt_lookup_max=2, is_keep_all=keep_all, is_use_oldest=use_oldest)
+    assert draft(drafter, TWO_WAYS) == expected
+
+
+def test_keep_all_false_holds_one_continuation_per_ngram():
+    pool = NgramPool(2, 2, 4, is_keep_all=False)
+    pool.extend("a", TWO_WAYS)
+    assert pool.num_refs == pool.num_ngrams
+    kept_all = NgramPool(2, 2, 4)
+    kept_all.extend("a", TWO_WAYS)
+    assert kept_all.num_refs == len(TWO_WAYS) - 2
+
+
+def test_public_pool_shares_text_private_pools_do_not():
+    for public in (True, False):
+        drafter = make(prompt_lookup_min=2, is_public_pool=public)
+        first = [10, 11]
+        draft(drafter, first, req_id="a")
+        first.extend([1, 2, 3, 4, 5])  # text only request "a" produced
+        draft(drafter, first, req_id="a")
+        second = [20, 21, 2, 3]
+        assert draft(drafter, second, req_id="b") == ([4, 5] if public else [])
+        drafter.finish(["a"])  # a finished request's text stays in the public pool
+        assert draft(drafter, [30, 3, 4], req_id="c") == ([5] if public else [])
+
+
+def test_public_pool_never_matches_own_suffix():
+    drafter = make(prompt_lookup_min=1, is_public_pool=True)
+    assert draft(drafter, [1, 2, 3], req_id="a") == []
+    assert draft(drafter, [4, 2, 3], req_id="b") == []  # [2, 3] in "a" is followed by nothing yet
+    assert draft(drafter, [1, 2, 3, 9], req_id="a") == []
+    assert draft(drafter, [4, 2, 3], req_id="b") == [9]
+
+
+def test_finish_frees_state():
+    drafter = make(prompt_lookup_min=2)
+    draft(drafter, [1, 2, 3, 1, 2], req_id="a")
+    drafter.finish(["a", "unknown"])
+    assert drafter._requests == {}
+    assert draft(drafter, [9, 1, 2], req_id="a") == []  # a new request "a" starts afresh
+
+    shared = make(prompt_lookup_min=2, is_public_pool=True)
+    draft(shared, [1, 2, 3], req_id="a")
+    shared.finish(["a"])
+    assert shared._requests == {} and shared.shared_pool.num_sequences == 1
+
+
+def test_rewound_history_is_reindexed():
+    drafter = make(prompt_lookup_min=2, prompt_lookup_max=3)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    assert draft(drafter, history) == [3, 4, 5, 6]
+    replaced = [1, 2, 9, 9, 1, 2]  # shorter, different tokens, a new list
+    assert draft(drafter, replaced) == [9, 9, 1, 2]
+    state = drafter._requests["r"]
+    assert state.pool.tokens(state.seq_key) == replaced
+    assert state.pool.lookup([3, 4]) == []  # the replaced text is gone
+    fresh = NgramPool(2, 3, 4)
+    fresh.extend("x", replaced)
+    assert (state.pool.num_refs, state.pool.num_ngrams) == (fresh.num_refs, fresh.num_ngrams) == (7, 7)
+
+    del history[2:]  # the same list rewound in place and grown past its old length
+    history.extend([7, 7, 7, 7, 7, 7, 7, 7, 1, 2])
+    assert draft(drafter, history) == [7, 7, 7, 7]
+    assert state.pool.lookup([5, 6]) == []
+
+
+def test_bounded_public_pool_evicts_oldest_and_frees_closed_text():
+    pool = NgramPool(1, 2, 3, max_pool_entries=6)
+    key = pool.publish([1, 2, 3, 4, 5])  # 4 positions x (1 + 2 grams, first position 1 gram) = 7 refs
+    assert pool.num_refs == 6 and pool.lookup([1]) == [] and pool.lookup([2]) == [3, 4, 5]
+    pool.publish([7, 8, 9, 10, 11, 12])  # 9 more refs: the first text's 6 go, then the oldest 3 of these
+    assert pool.num_refs == 6
+    assert key not in pool and pool.num_sequences == 1  # the closed first text is freed
+    assert pool.lookup([2]) == [] and pool.lookup([7, 8]) == [] and pool.lookup([8]) == []
+    assert pool.lookup([8, 9]) == [10, 11, 12] and pool.lookup([11]) == [12]
+
+
+def test_snapshot_and_merge_ship_plain_data():
+    import json
+
+    source = NgramPool(2, 3, 4)
+    source.publish([1, 2, 3, 4, 5])
+    live = source.new_key()
+    source.extend(live, [7, 8, 9])
+    data = json.loads(json.dumps(source.snapshot()))  # plain data
+    target = NgramPool(2, 3, 4, max_pool_entries=100)
+    target.merge(data)
+    assert target.lookup([1, 2]) == [3, 4, 5] and target.lookup([7, 8]) == [9]
+    source.extend(live, [10, 11])
+    target.merge(source.snapshot())  # the live sequence is brought up to date, not duplicated
+    assert target.lookup([7, 8]) == [9, 10, 11] and target.num_sequences == 2
+    with pytest.raises(ValueError, match="version"):
+        target.merge({"version": 0, "sequences": []})
+
+
+def test_trt_spelled_config_keys():
+    spec = SpeculativeConfig(method="ngram", max_draft_len=2, max_matching_ngram_size=2, prompt_lookup_min=1)
+    drafter = NgramDrafter(spec, CTX)
+    history = [1, 2, 3, 4, 5, 0, 1, 2, 3]
+    # max 2-gram [2, 3] -> 4 5; a 3-gram would be no different here, but 2 tokens is the draft cap.
+    assert draft(drafter, history, k=8) == [4, 5]
+    assert NgramDrafter(SpeculativeConfig(method="ngram", max_matching_ngram_size=1, prompt_lookup_min=1),
+                        CTX).spec.prompt_lookup_max == 1
+    assert draft(NgramDrafter(SpeculativeConfig(method="ngram", max_matching_ngram_size=1, prompt_lookup_min=1),
+                              CTX), [1, 5, 2, 9, 1, 6, 2]) == [9, 1, 6, 2]
+
+
+def test_bad_pool_settings():
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramPool(3, 2, 4)
+    with pytest.raises(ValueError, match="max_pool_entries"):
+        NgramPool(1, 2, 4, max_pool_entries=0)
+    pool = NgramPool(1, 2, 4)
+    pool.extend("a", [1, 2])
+    with pytest.raises(ValueError, match="start=3"):
+        pool.add("a", [1, 2, 3, 4], start=3)
+
+
+def _naive(history, lo, hi, k, use_oldest):
+    """The definition, by brute force: the oldest/newest earlier occurrence of the longest suffix n-gram."""
+    for n in range(min(hi, len(history) - 1), lo - 1, -1):
+        suffix = history[-n:]
+        starts = [i for i in range(len(history) - n) if history[i:i + n] == suffix]
+        if starts:
+            i = (starts[0] if use_oldest else starts[-1]) + n
+            return history[i:i + k]
+    return []
+
+
+@pytest.mark.parametrize("keep_all, use_oldest", [(True, True), (True, False), (False, False)])
+def test_matches_brute_force_under_appends_and_rewinds(keep_all, use_oldest):
+    """With is_keep_all=False a rewind forgets the older continuation its newest one replaced, so that case
+    only appends."""
+    import random
+
+    rng = random.Random(0)
+    drafter = make(prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=5, is_keep_all=keep_all,
+                   is_use_oldest=use_oldest)
+    history = [rng.randrange(4) for _ in range(3)]
+    for step in range(300):
+        roll = rng.random() if keep_all else 1.0
+        if roll < 0.05:
+            history = history[: rng.randrange(1, len(history) + 1)] + [rng.randrange(4)]  # a new, rewound list
+        elif roll < 0.1:
+            del history[rng.randrange(1, len(history) + 1):]  # rewound in place
+            history.extend(rng.randrange(4) for _ in range(rng.randrange(1, 6)))
+        else:
+            history.extend(rng.randrange(4) for _ in range(rng.randrange(0, 3)))
+        k = rng.randrange(0, 7)
+        expected = _naive(history, 1, 3, min(k, 5), use_oldest) if k else []
+        assert draft(drafter, history, k=k) == expected, (step, history)
