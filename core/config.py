@@ -26,6 +26,7 @@ class SpeculativeConfig:
     is_public_pool: bool = False
     is_keep_all: bool = True
     is_use_oldest: bool = True
+    max_pool_entries: int | None = None  # cap on a public n-gram pool (oldest entries evicted first)
     draft_tensor_parallel_size: int = 1
     adaptive: bool = True
     # TensorRT-LLM spellings; when given they override the vLLM ones.
