@@ -108,8 +108,7 @@ def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=40)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert token_ids(outs) == plain_outputs
-    assert sum(r for r in llm.engine.scheduler.num_preemptions_total for _ in [0]) > 0 \
-        if hasattr(llm.engine.scheduler, "num_preemptions_total") else True
+    assert llm.engine.scheduler.num_preemptions > 0
     assert free_blocks(llm) == 40
 
 
@@ -153,10 +152,13 @@ def test_stop_string(plain):
 
 def test_stop_string_with_speculation(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
-    full = llm.generate(PROMPTS[6], greedy(24), use_tqdm=False)[0].outputs[0]
-    stop = full.text[6:9]
-    out = llm.generate(PROMPTS[6], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
-    assert out.text == full.text[: full.text.index(stop)]
+    outs = llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    full = max((o.outputs[0] for o in outs), key=lambda c: len(set(c.text)))
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    assert stop.strip(), full.text
+    prompt = PROMPTS[[o.outputs[0] for o in outs].index(full)]
+    out = llm.generate(prompt, greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
 
 

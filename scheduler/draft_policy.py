@@ -1,0 +1,139 @@
+"""How many tokens to draft for each request this step (torch-free, deterministic).
+
+Acceptance model (geometric): each draft position is accepted with probability alpha, independently, given the
+positions before it were. Verifying k drafts then yields, counting the target's own token,
+
+    E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)        (= k + 1 when alpha = 1)
+
+tokens. One verification of k drafts with ``acc`` accepted is ``acc`` successes and, if acc < k, one failure of
+that Bernoulli(alpha); a request's evidence is kept as exponentially discounted counts S and F (on the
+request: ``draft_accepts``, ``draft_rejects``) and read as the posterior mean under a Beta prior of strength m
+centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
+
+Cost model: a step over n tokens takes cost(n) = a + b * n, fitted by least squares over a sliding window of
+measured steps (with one pass that drops outliers beyond 3 median absolute residuals, e.g. a GC pause). Until
+the window holds steps of two distinct sizes, a prior (a = 1, b = 0.15, relative units) stands in. In a batch
+of B requests one request's share of a step with k drafts is  a / B + b * (1 + k).
+
+Choice: k in [0, max_k] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time. k = 0 unless the best
+k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets one cheap probe of
+``probe_k`` drafts, so a request whose text turned predictable can recover.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+
+PRIOR_COST = (1.0, 0.15)  # (a, b): the fixed cost of a step, and of each token in it, in relative units
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k): tokens kept per verification of k drafts under the geometric model (the target's own included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = a + b * n over (n, t) points with at least two distinct n."""
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    var = sum((n - mean_n) ** 2 for n, _ in points)
+    b = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+    return mean_t - b * mean_n, b
+
+
+def robust_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit, drop points further than 3 median absolute residuals from the line, fit again."""
+    a, b = fit_line(points)
+    residuals = [abs(t - a - b * n) for n, t in points]
+    cut = 3.0 * median(residuals) + 1e-9 * max(abs(t) for _, t in points)
+    kept = [p for p, r in zip(points, residuals) if r <= cut]
+    if len({n for n, _ in kept}) >= 2:
+        a, b = fit_line(kept)
+    return a, b
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_k: int, adaptive: bool = True, *, window: int = 64, margin: float = 0.03,
+                 probe_after: int = 8, probe_k: int = 2, prior_alpha: float = 0.5, prior_strength: float = 2.0,
+                 decay: float = 0.9):
+        if not isinstance(max_k, int) or max_k < 0:
+            raise ValueError(f"max_k={max_k!r} must be an int >= 0 (num_speculative_tokens)")
+        if window < 2:
+            raise ValueError(f"window={window} must be >= 2 steps to fit a line")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay={decay} must be in (0, 1]; 1 keeps all evidence forever")
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.margin = margin
+        self.probe_after = probe_after
+        self.probe_k = probe_k
+        self.prior_alpha = prior_alpha
+        self.prior_strength = prior_strength
+        self.decay = decay
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._cost = PRIOR_COST
+        self._stale = False
+
+    # ---- cost -----------------------------------------------------------------------------------------
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """Record one measured step over ``num_tokens`` tokens (``num_seqs`` requests; the fit uses tokens)."""
+        if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        self._samples.append((float(num_tokens), seconds))
+        self._stale = True
+
+    def cost_model(self) -> tuple[float, float]:
+        """(a, b) of cost(n) = a + b * n: fitted once the window has two distinct n, else the prior."""
+        if self._stale:
+            self._stale = False
+            self._cost = self._fit()
+        return self._cost
+
+    def _fit(self) -> tuple[float, float]:
+        points = list(self._samples)
+        if len({n for n, _ in points}) < 2:
+            return PRIOR_COST
+        a, b = robust_fit(points)
+        a, b = max(a, 0.0), max(b, 0.0)  # noise can tip a small term negative; costs are not
+        return (a, b) if a + b > 0 else PRIOR_COST
+
+    # ---- acceptance -----------------------------------------------------------------------------------
+    def observe(self, req, num_drafted: int, num_accepted: int) -> None:
+        """Update ``req``'s acceptance evidence from one verification of ``num_drafted`` drafts."""
+        assert 0 <= num_accepted <= num_drafted, (num_drafted, num_accepted)
+        if num_drafted == 0:
+            return
+        req.draft_accepts = self.decay * req.draft_accepts + num_accepted
+        req.draft_rejects = self.decay * req.draft_rejects + (num_accepted < num_drafted)
+
+    def acceptance(self, req) -> float:
+        """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts."""
+        m = self.prior_strength
+        return (req.draft_accepts + self.prior_alpha * m) / (req.draft_accepts + req.draft_rejects + m)
+
+    # ---- choice ---------------------------------------------------------------------------------------
+    def choose(self, req, batch_size: int) -> int:
+        """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests."""
+        if not self.adaptive or self.max_k == 0:
+            return self.max_k
+        k = self.best_k(self.acceptance(req), batch_size)
+        if k > 0:
+            req.num_undrafted_steps = 0
+            return k
+        if req.num_undrafted_steps >= self.probe_after:
+            req.num_undrafted_steps = 0
+            return min(self.probe_k, self.max_k)
+        req.num_undrafted_steps += 1
+        return 0
+
+    def best_k(self, alpha: float, batch_size: int) -> int:
+        """The k maximising expected tokens per unit cost; 0 unless it beats k = 0 by ``margin``."""
+        a, b = self.cost_model()
+        share = a / max(batch_size, 1)
+        rates = [expected_tokens(alpha, k) / (share + b * (1 + k)) for k in range(self.max_k + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)  # ties go to the smaller k
+        return best if rates[best] >= rates[0] * (1.0 + self.margin) else 0

@@ -1,0 +1,137 @@
+"""One generation request as the scheduler sees it: its tokens, its KV bookkeeping, and its counters.
+
+Token bookkeeping (see ``specray.contract``): ``all_token_ids`` is the prompt followed by every kept output
+token; ``num_computed_tokens`` of them have valid KV in the cache. While decoding, the newest token is never in
+the cache yet (``num_computed_tokens == num_tokens - 1``): it is the first token the next step feeds.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from specray.sampling_params import SamplingParams
+
+_creation_order = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISH_REASONS
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int] | frozenset = frozenset(), arrival_time: float | None = None):
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = (self.arrival_time, next(_creation_order))  # sort key; ties by creation
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # appended in place, never rebuilt
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.draft_token_ids: list[int] = []  # set by the engine before schedule(): drafts to verify next
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Speculation counters. A "draft" is one step that verified >= 1 draft token.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []  # [i]: drafts whose i-th token was accepted
+        # Owned by DraftLengthPolicy: discounted counts of accepted / rejected draft positions (the evidence of
+        # a geometric acceptance model) and how many steps in a row it chose to draft nothing.
+        self.draft_accepts = 0.0
+        self.draft_rejects = 0.0
+        self.num_undrafted_steps = 0
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After appending a token: finish the request if that token ends it (vLLM's order: EOS, stop token
+        ids, then length). Returns whether it finished."""
+        token = self.output_token_ids[-1]
+        if not self.sampling_params.ignore_eos and token in self.eos_token_ids:
+            return self._finish(RequestStatus.FINISHED_STOPPED, None)
+        if token in self._stop_token_ids:
+            return self._finish(RequestStatus.FINISHED_STOPPED, token)
+        out_of_tokens = self.max_tokens is not None and self.num_output_tokens >= self.max_tokens
+        if out_of_tokens or self.num_tokens >= max_model_len:
+            return self._finish(RequestStatus.FINISHED_LENGTH, None)
+        return False
+
+    def _finish(self, status: RequestStatus, stop_reason: int | str | None) -> bool:
+        self.status = status
+        self.stop_reason = stop_reason
+        return True
+
+    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification of ``num_draft_tokens`` drafts of which the first ``num_accepted`` were kept."""
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        count_positions(self.accepted_per_position, num_draft_tokens, num_accepted)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+
+def count_positions(per_position: list[int], num_draft_tokens: int, num_accepted: int) -> None:
+    """Grow ``per_position`` to cover every drafted position and count the accepted ones."""
+    if len(per_position) < num_draft_tokens:
+        per_position.extend([0] * (num_draft_tokens - len(per_position)))
+    for i in range(num_accepted):
+        per_position[i] += 1

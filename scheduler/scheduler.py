@@ -1,0 +1,361 @@
+"""Continuous batching with chunked prefill, paged KV and speculative verification (torch-free).
+
+One unified token budget per step (vLLM v1's design): every request simply needs ``num_tokens -
+num_computed_tokens`` more tokens computed (a prefill remainder, or the one token sampled last step), plus the
+drafts the engine wants verified. A step is planned in three passes:
+
+1. RUNNING requests, oldest first, get their required tokens (prefill chunks cut to the budget). When KV blocks
+   run out, the newest running request is preempted by recompute (blocks freed, back to the front of the
+   waiting queue, its output kept and recomputed as context later) until the request fits, or it is itself the
+   newest and preempts itself.
+2. Their drafts, trimmed to the remaining budget, to ``max_model_len``, to what ``max_tokens`` still allows, and
+   to the free blocks. Drafts never preempt anybody and never take the budget of another request's required
+   token.
+3. WAITING requests, first in first out, while seats, budget and blocks last (skipped in a step that preempted,
+   so a request is never preempted and readmitted in one plan).
+
+Worker-side state is tracked per request: how many block ids the worker holds and how much of that prefix is
+still unchanged since the last plan (``rewind`` only cuts a table's end, ``allocate`` only appends), which is
+exactly a :class:`BlockTableDelta`. ``StepPlan.finished_req_ids`` lists the requests the worker holds that
+finished, were aborted or were preempted since the last plan; the worker handles it before ``new_requests``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from specray.contract import BlockTableDelta, NewRequest, ScheduledChunk, StepPlan, StepResult
+from specray.scheduler.block_manager import BlockManager
+from specray.scheduler.request import Request, RequestStatus, count_positions
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be an int >= 2 "
+                             "(one prompt token plus one generated token)")
+
+
+@dataclass
+class StepStats:
+    """Speculation counters of one step (the attribute names of ``specray.outputs.SpecStats``)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += num_draft_tokens
+        self.accepted_tokens += num_accepted
+        count_positions(self.accepted_per_position, num_draft_tokens, num_accepted)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted oldest first at each schedule()
+        self.num_preemptions = 0  # preemptions since start, over all requests
+        self.last_step_stats = StepStats()
+        self._step_ids = itertools.count()
+        self._pool_slots = config.num_blocks * config.block_size
+        self._worker_blocks: dict[str, int] = {}  # req_id -> length of the block table the worker holds
+        self._kept_blocks: dict[str, int] = {}  # req_id -> prefix of it unchanged since the last plan, if cut
+        self._dropped_ids: list[str] = []  # the next plan's finished_req_ids
+        self._finished_unreported: list[Request] = []  # finished inside schedule(), returned by the next update
+        self._just_finished: dict[str, Request] = {}  # finished since the last schedule(): finish_request may fix
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; a bad one raises ValueError and changes nothing."""
+        self._validate(req)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def _validate(self, req: Request) -> None:
+        cfg, n = self.config, req.num_prompt_tokens
+        if req.req_id in self.requests:
+            raise ValueError(f"req_id={req.req_id!r} is already in use; give each request a unique id")
+        if n == 0:
+            raise ValueError("prompt_token_ids is empty: give at least one prompt token")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"prompt_token_ids has {n} tokens but max_model_len={cfg.max_model_len} must leave room "
+                             f"for at least one generated token; shorten the prompt to <= {cfg.max_model_len - 1} "
+                             "tokens or raise max_model_len")
+        if n > self._pool_slots:
+            raise ValueError(f"prompt_token_ids has {n} tokens but the KV cache holds only {self._pool_slots} "
+                             f"(num_blocks={cfg.num_blocks} x block_size={cfg.block_size}); raise num_blocks "
+                             "(num_kv_blocks) or shorten the prompt")
+        assert req.status is RequestStatus.WAITING and not req.block_ids and req.num_computed_tokens == 0
+
+    def abort_requests(self, req_ids: str | list[str]) -> None:
+        """Abort these requests (unknown or finished ids are ignored) and free their blocks now."""
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._retire(req)
+
+    def finish_request(self, req_id: str, num_output_tokens: int | None = None,
+                       stop_reason: int | str | None = None, reason: str = "stop") -> None:
+        """Finish a request from outside, typically on a stop string the engine found after detokenizing:
+        keep only its first ``num_output_tokens`` output tokens (None keeps all; the tokens after the one that
+        completed the stop string are dropped), set ``finish_reason``/``stop_reason`` and free its blocks now.
+
+        Also accepted for a request that finished in the latest ``update_from_output`` (say it reached
+        ``max_tokens`` in the step whose tokens complete a stop string): then only its output and reasons change.
+        """
+        status = _FINISH_STATUS.get(reason)
+        if status is None:
+            raise ValueError(f"reason={reason!r} is not a finish reason; use one of {sorted(_FINISH_STATUS)}")
+        req = self.requests.get(req_id) or self._just_finished.get(req_id)
+        if req is None:
+            raise ValueError(f"req_id={req_id!r} is not a live request (never added, aborted, or finished before "
+                             "the latest step); only finish requests the scheduler still holds")
+        if num_output_tokens is not None:
+            self._truncate(req, num_output_tokens)
+        req.status, req.stop_reason = status, stop_reason
+        if req_id in self.requests:
+            self._retire(req)
+
+    def _truncate(self, req: Request, num_output_tokens: int) -> None:
+        if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens <= req.num_output_tokens:
+            raise ValueError(f"num_output_tokens={num_output_tokens!r} must be an int in [0, "
+                             f"{req.num_output_tokens}] (the output tokens of {req.req_id!r} to keep)")
+        req.truncate_output(num_output_tokens)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(req_id)
+
+    # ---- schedule -------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self._just_finished = {}
+        self.running.sort(key=lambda r: r.arrival_order)
+        budget = self.config.max_num_batched_tokens
+        preemptions = self.num_preemptions
+        required = self._reserve_running(budget)
+        budget -= sum(n for _, n in required)
+        chunks = []
+        for req, num_new in required:
+            num_drafts = self._num_drafts(req, num_new, budget)
+            budget -= num_drafts
+            chunks.append(self._chunk(req, num_new, num_drafts))
+        if self.num_preemptions == preemptions:
+            chunks += self._admit_waiting(budget)
+        return self._make_plan(chunks)
+
+    def _reserve_running(self, budget: int) -> list[tuple[Request, int]]:
+        """Pass 1: blocks and budget for each running request's required tokens, preempting as needed."""
+        required, i = [], 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if self._beyond_pool(req):
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new >= 1, req
+            if not self._make_room(req, req.num_computed_tokens + num_new):
+                break
+            required.append((req, num_new))
+            budget -= num_new
+            i += 1
+        return required
+
+    def _make_room(self, req: Request, num_slots: int) -> bool:
+        """Preempt the newest running requests until ``req`` covers ``num_slots`` slots; False if ``req`` was
+        the newest and preempted itself."""
+        while not self.block_manager.can_fit(req, num_slots):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self.block_manager.allocate(req, num_slots)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop its KV; it resumes later by prefilling its prompt and output again."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        self._forget_worker_state(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (KV blocks exhausted): it will recompute %d tokens", req.req_id, req.num_tokens)
+
+    def _beyond_pool(self, req: Request) -> bool:
+        """Finish (as "length") a request that can no longer fit in the whole KV pool even alone; it would
+        otherwise preempt itself forever. True if it was finished (and removed from its queue)."""
+        if req.num_tokens <= self._pool_slots:
+            return False
+        logger.warning("request %s needs %d KV slots but the pool holds %d: finishing it (length); raise "
+                       "num_blocks (num_kv_blocks) for longer outputs", req.req_id, req.num_tokens, self._pool_slots)
+        req.status = RequestStatus.FINISHED_LENGTH
+        self._retire(req)
+        self._finished_unreported.append(req)
+        return True
+
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """Pass 2: how many of ``req``'s drafts to verify. A request with r tokens left to generate can use at
+        most r - 1 drafts (the target adds one); drafts only take blocks that are free."""
+        end = req.num_computed_tokens + num_new
+        if not req.draft_token_ids or end < req.num_tokens:
+            return 0
+        left = self.config.max_model_len - req.num_tokens
+        if req.max_tokens is not None:
+            left = min(left, req.max_tokens - req.num_output_tokens)
+        bm = self.block_manager
+        free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - end
+        return max(0, min(len(req.draft_token_ids), budget, left - 1, free_slots))
+
+    def _chunk(self, req: Request, num_new: int, num_drafts: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + num_new
+        self.block_manager.allocate(req, end + num_drafts)
+        tokens = req.all_token_ids[start:end] + req.draft_token_ids[:num_drafts]
+        return ScheduledChunk(req.req_id, tokens, start, num_drafts, sample=end == req.num_tokens)
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if self._beyond_pool(req):
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, num_new, 0))
+            budget -= num_new
+        return chunks
+
+    def _make_plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
+        plan = StepPlan(next(self._step_ids), chunks=chunks, finished_req_ids=self._dropped_ids)
+        self._dropped_ids = []
+        for req in self.running:
+            if req.req_id not in self._worker_blocks:
+                plan.new_requests.append(NewRequest(req.req_id, req.sampling_params, list(req.block_ids)))
+            else:
+                self._add_delta(plan, req)
+            self._worker_blocks[req.req_id] = len(req.block_ids)
+        return plan
+
+    def _add_delta(self, plan: StepPlan, req: Request) -> None:
+        held = self._worker_blocks[req.req_id]
+        kept = self._kept_blocks.pop(req.req_id, held)
+        if kept == held == len(req.block_ids):
+            return
+        plan.block_deltas.append(BlockTableDelta(req.req_id, kept, req.block_ids[kept:]))
+
+    # ---- update ---------------------------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply one step's result; returns the requests that got new tokens or finished this step."""
+        assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
+        assert result.req_ids == [c.req_id for c in plan.chunks], (result.req_ids, plan.chunks)
+        touched, self._finished_unreported = self._finished_unreported, []
+        stats = StepStats()
+        for chunk, tokens in zip(plan.chunks, result.sampled_token_ids):
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished since the plan was made
+            req.draft_token_ids = []
+            if chunk.sample:
+                self._accept(req, chunk, tokens, stats)
+                touched.append(req)
+            else:
+                assert not tokens, (chunk, tokens)
+                req.num_computed_tokens += chunk.num_tokens
+        self.last_step_stats = stats
+        return touched
+
+    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int], stats: StepStats) -> None:
+        """Keep the accepted drafts plus the target's token, stopping early on a stop condition."""
+        k = chunk.num_draft_tokens
+        accepted = len(tokens) - 1
+        assert 0 <= accepted <= k, (chunk, tokens)
+        drafts = chunk.token_ids[chunk.num_tokens - k:]
+        assert tokens[:accepted] == drafts[:accepted], (drafts, tokens)
+        # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
+        req.num_computed_tokens += chunk.num_tokens - k + accepted
+        req.record_verification(k, accepted)
+        stats.record(k, accepted)
+        for token in tokens:
+            req.append_token(token)
+            if req.check_stop(self.config.max_model_len):
+                self._retire(req)
+                return
+        assert req.num_computed_tokens == req.num_tokens - 1, req
+        self._rewind(req, req.num_computed_tokens)
+
+    def _rewind(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks beyond the first ``num_tokens`` slots (only rejected drafts' KV was in them)."""
+        self.block_manager.rewind(req, num_tokens)
+        held = self._worker_blocks.get(req.req_id)
+        if held is not None:
+            kept = self._kept_blocks.get(req.req_id, held)
+            self._kept_blocks[req.req_id] = min(kept, len(req.block_ids))
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------
+    def _retire(self, req: Request) -> None:
+        """A finished request leaves its queue and frees its blocks at once."""
+        assert req.status.is_finished, req
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        self._forget_worker_state(req)
+        req.draft_token_ids = []
+        del self.requests[req.req_id]
+        self._just_finished[req.req_id] = req
+
+    def _forget_worker_state(self, req: Request) -> None:
+        """Tell the worker (in the next plan) to drop a request it holds."""
+        if req.req_id in self._worker_blocks:
+            del self._worker_blocks[req.req_id]
+            self._kept_blocks.pop(req.req_id, None)
+            self._dropped_ids.append(req.req_id)

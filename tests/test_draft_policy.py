@@ -1,0 +1,127 @@
+"""The draft-length policy: acceptance estimates, the fitted cost model, and the k it picks."""
+
+import random
+
+import pytest
+
+from specray.sampling_params import SamplingParams
+from specray.scheduler.draft_policy import DraftLengthPolicy, PRIOR_COST, expected_tokens, robust_fit
+from specray.scheduler.request import Request
+
+
+def make_req(name="r") -> Request:
+    return Request(name, [1, 2, 3], SamplingParams(temperature=0.0))
+
+
+def trained(policy: DraftLengthPolicy, alpha: float, steps: int = 60, k: int = 5, seed: int = 0) -> Request:
+    """A request whose drafts were each accepted with probability alpha (geometric)."""
+    rng, req = random.Random(seed), make_req()
+    for _ in range(steps):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe(req, k, accepted)
+    return req
+
+
+def feed_cost(policy: DraftLengthPolicy, a: float, b: float, noise: float = 0.0, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for _ in range(64):
+        n = rng.randint(1, 64)
+        policy.observe_step(n, 4, (a + b * n) * (1 + noise * rng.uniform(-1, 1)))
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_tracks_evidence():
+    policy = DraftLengthPolicy(5)
+    assert policy.acceptance(make_req()) == pytest.approx(0.5)
+    assert policy.acceptance(trained(policy, 0.9)) > 0.8
+    assert policy.acceptance(trained(policy, 0.1)) < 0.2
+
+
+def test_low_acceptance_drafts_nothing_high_acceptance_drafts_a_lot():
+    policy = DraftLengthPolicy(8)
+    assert policy.choose(trained(policy, 0.05), batch_size=1) == 0
+    assert policy.choose(trained(policy, 0.95), batch_size=1) >= 5
+
+
+def test_not_adaptive_is_always_max_k():
+    policy = DraftLengthPolicy(4, adaptive=False)
+    assert policy.choose(trained(policy, 0.0), batch_size=64) == 4
+
+
+def test_prior_cost_until_two_distinct_sizes():
+    policy = DraftLengthPolicy(4)
+    for _ in range(5):
+        policy.observe_step(8, 8, 0.01)
+    assert policy.cost_model() == PRIOR_COST
+    policy.observe_step(16, 8, 0.02)
+    assert policy.cost_model() != PRIOR_COST
+
+
+def test_cost_fit_recovers_the_line_despite_noise_and_outliers():
+    policy = DraftLengthPolicy(4)
+    feed_cost(policy, 0.010, 0.0005, noise=0.05)
+    for n in (3, 40):
+        policy.observe_step(n, 4, 0.5)  # two stalls (a GC pause, say)
+    a, b = policy.cost_model()
+    assert a == pytest.approx(0.010, rel=0.1) and b == pytest.approx(0.0005, rel=0.1)
+
+
+def test_robust_fit_exact_line():
+    a, b = robust_fit([(1, 3.0), (2, 5.0), (4, 9.0)])
+    assert (a, b) == pytest.approx((1.0, 2.0))
+
+
+def test_adapts_to_the_fitted_cost_model():
+    """Same acceptance; memory-bound steps (tokens nearly free) draft long, compute-bound steps do not."""
+    cheap, dear = DraftLengthPolicy(8), DraftLengthPolicy(8)
+    feed_cost(cheap, 0.020, 0.00001)
+    feed_cost(dear, 0.001, 0.002)
+    req = trained(cheap, 0.6)
+    assert cheap.choose(req, batch_size=1) >= 4
+    assert dear.choose(req, batch_size=1) == 0
+
+
+def test_bigger_batches_draft_less():
+    policy = DraftLengthPolicy(8)
+    req = trained(policy, 0.6)
+    ks = [policy.best_k(policy.acceptance(req), b) for b in (1, 4, 16, 64)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+
+
+def test_probe_after_consecutive_zero_steps():
+    policy = DraftLengthPolicy(5, probe_after=8, probe_k=2)
+    req = trained(policy, 0.0)
+    picks = [policy.choose(req, batch_size=1) for _ in range(18)]
+    assert picks == [0] * 8 + [2] + [0] * 8 + [2]
+
+
+def test_recovers_when_drafts_start_matching():
+    policy = DraftLengthPolicy(5)
+    req = trained(policy, 0.0)
+    for _ in range(30):
+        k = policy.choose(req, batch_size=1)
+        if k:
+            policy.observe(req, k, k)
+    assert policy.choose(req, batch_size=1) > 0
+
+
+def test_deterministic():
+    a, b = DraftLengthPolicy(6), DraftLengthPolicy(6)
+    feed_cost(a, 0.01, 0.001, noise=0.2)
+    feed_cost(b, 0.01, 0.001, noise=0.2)
+    ra, rb = trained(a, 0.7), trained(b, 0.7)
+    assert [a.choose(ra, n) for n in range(1, 20)] == [b.choose(rb, n) for n in range(1, 20)]
+
+
+@pytest.mark.parametrize("kw, match", [({"max_k": -1}, "max_k=-1"), ({"max_k": 2, "decay": 0}, "decay=0"),
+                                       ({"max_k": 2, "window": 1}, "window=1")])
+def test_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DraftLengthPolicy(**kw)

@@ -1,0 +1,494 @@
+"""The scheduler on CPU with hand-written worker results (no model): accept lengths and counters, rewind,
+chunked prefill, continuous batching, preemption by recompute, stop conditions, draft trimming, block-table
+deltas replayed by a fake worker over randomized runs, and bad input."""
+
+import random
+
+import pytest
+
+from specray.contract import StepPlan, StepResult
+from specray.sampling_params import SamplingParams
+from specray.scheduler.request import Request, RequestStatus
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 1
+
+
+def make_sched(num_blocks=64, block_size=4, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(block_size=block_size, num_blocks=num_blocks, **kw))
+
+
+def truth(req_id: str, pos: int) -> int:
+    """The token at position ``pos`` of request ``req_id``'s one true sequence (prompt, then output); never EOS."""
+    seed = sum(map(ord, req_id))
+    return 3 + (seed * 31 + pos * 17 + (pos * pos) % 7) % 90
+
+
+def make_req(req_id, prompt_len, max_tokens=16, arrival=None, **kw) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+    prompt = [truth(req_id, p) for p in range(prompt_len)]
+    return Request(req_id, prompt, params, {EOS}, arrival)
+
+
+def answer(plan: StepPlan, answers: dict | None = None) -> StepResult:
+    """Per sampled chunk the given tokens, else no draft accepted and the true next token."""
+    out = []
+    for c in plan.chunks:
+        if not c.sample:
+            out.append([])
+        elif answers and c.req_id in answers:
+            out.append(answers[c.req_id])
+        else:
+            out.append([truth(c.req_id, c.start_pos + c.num_tokens - c.num_draft_tokens)])
+    return StepResult(plan.step_id, [c.req_id for c in plan.chunks], out)
+
+
+def step(sched: Scheduler, answers: dict | None = None):
+    plan = sched.schedule()
+    return plan, sched.update_from_output(plan, answer(plan, answers))
+
+
+class FakeWorker:
+    """Replays plans like a model runner over a simulated paged KV cache: applies finished ids, new requests and
+    block-table deltas; checks each chunk feeds the right tokens and reads only KV this incarnation of the request
+    wrote; and accepts the drafts that match the request's true sequence, plus the true next token."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.cache = [None] * (num_blocks * block_size)
+        self.tables: dict[str, list[int]] = {}
+        self.incarnation: dict[str, int] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        for rid in plan.finished_req_ids:
+            del self.tables[rid]
+        for new in plan.new_requests:
+            assert new.req_id not in self.tables
+            self.tables[new.req_id] = list(new.block_ids)
+            self.incarnation[new.req_id] = self.incarnation.get(new.req_id, 0) + 1
+        for delta in plan.block_deltas:
+            table = self.tables[delta.req_id]
+            assert delta.num_kept_blocks <= len(table)
+            self.tables[delta.req_id] = table[: delta.num_kept_blocks] + delta.new_block_ids
+
+    def run(self, plan: StepPlan) -> StepResult:
+        out = [self._chunk(c) for c in plan.chunks]
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], out)
+
+    def _slot(self, rid: str, pos: int) -> int:
+        table = self.tables[rid]
+        assert pos // self.block_size < len(table), f"{rid}: no block for position {pos}"
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _chunk(self, c) -> list[int]:
+        rid, tag = c.req_id, (c.req_id, self.incarnation[c.req_id])
+        for p in range(c.start_pos):
+            assert self.cache[self._slot(rid, p)] == (tag, truth(rid, p)), f"{rid}: bad KV at position {p}"
+        n = c.num_tokens - c.num_draft_tokens
+        assert c.token_ids[:n] == [truth(rid, c.start_pos + j) for j in range(n)]
+        for j, token in enumerate(c.token_ids):
+            self.cache[self._slot(rid, c.start_pos + j)] = (tag, token)
+        if not c.sample:
+            return []
+        pos, kept = c.start_pos + n, []
+        for d in c.token_ids[n:]:
+            if d != truth(rid, pos):
+                break
+            kept.append(d)
+            pos += 1
+        return kept + [truth(rid, pos)]
+
+
+def worker_step(sched: Scheduler, worker: FakeWorker):
+    plan = sched.schedule()
+    worker.apply(plan)
+    assert worker.tables == {r.req_id: r.block_ids for r in sched.running}
+    return plan, sched.update_from_output(plan, worker.run(plan))
+
+
+def run_to_end(sched: Scheduler, worker: FakeWorker, max_steps=500) -> dict[str, Request]:
+    done = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        _, touched = worker_step(sched, worker)
+        done.update({r.req_id: r for r in touched if r.is_finished})
+    worker.apply(sched.schedule())  # the last finished ids
+    assert not worker.tables and not sched.has_unfinished_requests()
+    return done
+
+
+# ---- accept lengths, counters, rewind ------------------------------------------------------------------
+def test_accept_lengths_and_counters():
+    sched = make_sched(block_size=4)
+    r = make_req("a", 6, max_tokens=20)
+    sched.add_request(r)
+    plan, touched = step(sched, {"a": [50]})
+    (chunk,) = plan.chunks
+    assert (chunk.token_ids, chunk.start_pos, chunk.num_draft_tokens, chunk.sample) == (r.prompt_token_ids, 0, 0, True)
+    assert [n.req_id for n in plan.new_requests] == ["a"] and plan.new_requests[0].block_ids == [0, 1]
+    assert touched == [r] and r.output_token_ids == [50] and r.num_computed_tokens == 6
+
+    r.draft_token_ids = [51, 52, 53]
+    plan, touched = step(sched, {"a": [51, 52, 60]})
+    (chunk,) = plan.chunks
+    assert (chunk.token_ids, chunk.start_pos, chunk.num_draft_tokens) == ([50, 51, 52, 53], 6, 3)
+    assert r.output_token_ids == [50, 51, 52, 60] and r.all_token_ids[-4:] == [50, 51, 52, 60]
+    assert (r.num_computed_tokens, r.num_tokens, r.num_output_tokens) == (9, 10, 4)
+    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens) == (1, 3, 2)
+    assert r.accepted_per_position == [1, 1, 0] and r.draft_token_ids == []
+    stats = sched.last_step_stats
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens, stats.accepted_per_position) == (1, 3, 2, [1, 1, 0])
+
+    r.draft_token_ids = [61, 62]
+    step(sched, {"a": [61, 70]})
+    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_position) == (2, 5, 3, [2, 1, 0])
+    step(sched)  # no drafts: not a "draft"
+    assert r.num_drafts == 2 and sched.last_step_stats.drafts == 0
+
+
+def test_rewind_frees_exactly_the_blocks_without_accepted_tokens():
+    sched = make_sched(num_blocks=16, block_size=4)
+    bm = sched.block_manager
+    r = make_req("a", 7, max_tokens=50)
+    sched.add_request(r)
+    step(sched)  # prefill 7 slots: blocks 0, 1; token at position 7 not in KV
+    assert r.block_ids == [0, 1] and r.num_computed_tokens == 7
+
+    r.draft_token_ids = [90, 91, 92, 93, 94]  # slots 7..12 -> 4 blocks
+    plan = sched.schedule()
+    assert r.block_ids == [0, 1, 2, 3] and bm.num_free_blocks == 12
+    assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [2, 3])]
+    sched.update_from_output(plan, answer(plan))  # all rejected: KV valid for slots < 8
+    assert r.num_computed_tokens == 8 and r.block_ids == [0, 1] and bm.num_free_blocks == 14
+
+    r.draft_token_ids = [truth("a", p) for p in range(9, 13)] + [0]  # 4 right (slots 9..12), 1 wrong (slot 13)
+    plan = sched.schedule()
+    assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [4, 5])]
+    sched.update_from_output(plan, answer(plan, {"a": r.draft_token_ids[:4] + [truth("a", 13)]}))
+    assert r.num_computed_tokens == 13 and r.block_ids == [0, 1, 4, 5]  # slot 12 holds an accepted draft
+    assert r.accepted_per_position == [1, 1, 1, 1, 0]
+
+    r.draft_token_ids = [0, 0, 0]  # slots 13..16 -> a fifth block, then rejected
+    plan, _ = step(sched)
+    assert r.num_computed_tokens == 14 and r.block_ids == [0, 1, 4, 5]
+    plan = sched.schedule()  # no new block needed for slot 14, but the worker's table shrank
+    assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(4, [])]
+    sched.update_from_output(plan, answer(plan))
+    sched.abort_requests(["a"])
+    assert bm.num_free_blocks == 16
+
+
+# ---- chunked prefill, continuous batching ---------------------------------------------------------------
+def test_chunked_prefill_over_several_steps():
+    sched = make_sched(block_size=4, max_num_batched_tokens=4)
+    r = make_req("a", 10)
+    sched.add_request(r)
+    seen = []
+    for i in range(4):
+        r.draft_token_ids = [0, 0] if i == 1 else []  # ignored: that chunk does not reach the end of the prompt
+        plan, touched = step(sched)
+        c = plan.chunks[0]
+        seen.append((c.start_pos, c.num_tokens, c.sample, len(plan.new_requests), len(plan.block_deltas)))
+        assert c.token_ids == r.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+    assert seen == [(0, 4, False, 1, 0), (4, 4, False, 0, 1), (8, 2, True, 0, 1), (10, 1, True, 0, 0)]
+    assert r.num_output_tokens == 2 and r.num_computed_tokens == 11
+
+
+def test_running_prefill_has_priority_and_waiting_gets_the_rest():
+    sched = make_sched(block_size=4, max_num_batched_tokens=6)
+    a, b = make_req("a", 9, arrival=0.0), make_req("b", 5, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    plan, _ = step(sched)
+    assert [(c.req_id, c.num_tokens, c.sample) for c in plan.chunks] == [("a", 6, False)]
+    plan, _ = step(sched)
+    assert [(c.req_id, c.num_tokens, c.sample) for c in plan.chunks] == [("a", 3, True), ("b", 3, False)]
+
+
+def test_continuous_batching_respects_max_num_seqs():
+    sched = make_sched(max_num_seqs=2)
+    a, b, c = make_req("a", 5, 2, arrival=0.0), make_req("b", 6, 5, arrival=1.0), make_req("c", 4, 3, arrival=2.0)
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan, _ = step(sched)
+    assert [ch.req_id for ch in plan.chunks] == ["a", "b"] and sched.num_waiting == 1 and sched.num_running == 2
+    plan, touched = step(sched)
+    assert a.finish_reason == "length" and a in touched and sched.num_running == 1
+    assert sched.block_manager.num_free_blocks == 64 - len(b.block_ids)
+    plan, _ = step(sched)  # c joins while b decodes
+    assert [(ch.req_id, ch.start_pos, ch.num_tokens) for ch in plan.chunks] == [("b", 7, 1), ("c", 0, 4)]
+    assert plan.finished_req_ids == ["a"] and [n.req_id for n in plan.new_requests] == ["c"]
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched)
+        assert len(plan.chunks) <= 2
+    assert (b.num_output_tokens, c.num_output_tokens) == (5, 3)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+# ---- preemption --------------------------------------------------------------------------------------
+def test_preemption_by_recompute():
+    sched = make_sched(num_blocks=5, block_size=4)
+    worker = FakeWorker(5, 4)
+    a, b = make_req("a", 8, 6, arrival=0.0), make_req("b", 8, 4, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    worker_step(sched, worker)  # both prefill 2 blocks each; 1 free
+    b_out = list(b.output_token_ids)
+    plan, touched = worker_step(sched, worker)  # a takes the last block; b (newest) must preempt itself
+    assert [c.req_id for c in plan.chunks] == ["a"] and plan.finished_req_ids == ["b"]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
+    assert list(sched.waiting) == [b] and b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert b.output_token_ids == b_out and touched == [a]
+    resumed = None
+    while resumed is None:
+        plan, _ = worker_step(sched, worker)
+        resumed = next((c for c in plan.chunks if c.req_id == "b"), None)
+    assert "b" in [n.req_id for n in plan.new_requests]
+    assert resumed.start_pos == 0 and resumed.token_ids == b.prompt_token_ids + b_out and resumed.sample
+    run_to_end(sched, worker)
+    assert a.output_token_ids == [truth("a", 8 + i) for i in range(6)]
+    assert b.output_token_ids == [truth("b", 8 + i) for i in range(4)] and b.finish_reason == "length"
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_preemption_takes_the_newest_running_request_first():
+    sched = make_sched(num_blocks=6, block_size=4)
+    reqs = [make_req(name, 8, 30, arrival=t) for name, t in (("old", 0.0), ("new", 2.0), ("mid", 1.0))]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched)  # 3 x 2 blocks, 0 free
+    plan, _ = step(sched)  # "old" needs a block: "new" (arrived last) goes, then "mid" gets the freed blocks
+    assert plan.finished_req_ids == ["new"] and [c.req_id for c in plan.chunks] == ["old", "mid"]
+    assert list(sched.waiting) == [reqs[1]] and not plan.new_requests  # no readmission in a preempting step
+
+
+def test_drafts_never_preempt():
+    sched = make_sched(num_blocks=5, block_size=4)
+    a, b = make_req("a", 7, 30, arrival=0.0), make_req("b", 8, 30, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 2 blocks, b: 2 blocks, 1 free
+    a.draft_token_ids = [0] * 8
+    plan = sched.schedule()  # a's slot 7 fits its block; b needs the free block for slot 8; drafts get none
+    assert [(c.req_id, c.num_draft_tokens) for c in plan.chunks] == [("a", 0), ("b", 0)]
+    assert sched.num_preemptions == 0 and sched.block_manager.num_free_blocks == 0
+    sched.update_from_output(plan, answer(plan))
+    sched.abort_requests(["a", "b"])
+    assert sched.block_manager.num_free_blocks == 5
+
+
+# ---- stop conditions ---------------------------------------------------------------------------------
+def prefilled(sched, name, prompt_len=6, **kw) -> Request:
+    r = make_req(name, prompt_len, **kw)
+    sched.add_request(r)
+    step(sched, {name: [40]})
+    return r
+
+
+def test_eos_mid_accepted_run_drops_the_rest_and_frees_blocks():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=20)
+    r.draft_token_ids = [5, EOS, 7]
+    _, touched = step(sched, {"a": [5, EOS, 7, 8]})
+    assert r.output_token_ids == [40, 5, EOS] and r.finish_reason == "stop" and r.stop_reason is None
+    assert touched == [r] and r.block_ids == [] and sched.block_manager.num_free_blocks == 64
+    assert r.num_accepted_tokens == 3  # the verifier's verdict, before the stop cut
+    assert sched.schedule().finished_req_ids == ["a"] and sched.get_request("a") is None
+
+
+def test_ignore_eos_keeps_going():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=20, ignore_eos=True)
+    r.draft_token_ids = [5, EOS, 7]
+    step(sched, {"a": [5, EOS, 7, 8]})
+    assert r.output_token_ids == [40, 5, EOS, 7, 8] and r.status is RequestStatus.RUNNING
+
+
+def test_stop_token_ids():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=20, stop_token_ids=[7])
+    r.draft_token_ids = [5, 7, 9]
+    step(sched, {"a": [5, 7, 9, 2]})
+    assert r.output_token_ids == [40, 5, 7] and r.finish_reason == "stop" and r.stop_reason == 7
+
+
+def test_max_tokens_trims_drafts_and_ends_on_length():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=4)
+    r.draft_token_ids = [5, 6, 7, 8, 9]
+    plan = sched.schedule()
+    assert plan.chunks[0].num_draft_tokens == 2  # 3 tokens left: at most 2 drafts + the target's own
+    sched.update_from_output(plan, answer(plan, {"a": [5, 6, 10]}))
+    assert r.output_token_ids == [40, 5, 6, 10] and r.finish_reason == "length" and r.stop_reason is None
+
+
+def test_max_model_len_trims_drafts_and_ends_on_length():
+    sched = make_sched(max_model_len=12)
+    r = prefilled(sched, "a", prompt_len=8, max_tokens=None)
+    r.draft_token_ids = [5, 6, 7, 8, 9]
+    plan = sched.schedule()
+    assert plan.chunks[0].num_draft_tokens == 2 and plan.chunks[0].start_pos + plan.chunks[0].num_tokens == 12 - 1
+    sched.update_from_output(plan, answer(plan, {"a": [5, 6, 10]}))
+    assert r.num_tokens == 12 and r.finish_reason == "length"
+
+
+def test_draft_trimming_by_budget():
+    sched = make_sched(max_num_batched_tokens=4)
+    a, b = make_req("a", 3, 30, arrival=0.0), make_req("b", 1, 30, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    a.draft_token_ids, b.draft_token_ids = [0] * 5, [0] * 5
+    plan = sched.schedule()  # 1 + 1 required tokens first, then a's drafts take the 2 left
+    assert [(c.req_id, c.num_tokens, c.num_draft_tokens) for c in plan.chunks] == [("a", 3, 2), ("b", 1, 0)]
+    sched.update_from_output(plan, answer(plan))
+    assert a.draft_token_ids == [] and b.draft_token_ids == []
+
+
+# ---- external finishes -------------------------------------------------------------------------------
+def test_finish_request_on_a_stop_string_drops_trailing_tokens():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=20)
+    r.draft_token_ids = [5, 6, 7]
+    step(sched, {"a": [5, 6, 7, 8]})
+    sched.finish_request("a", 2, "xy")  # the engine's call: keep 2 output tokens, stop string "xy"
+    assert r.output_token_ids == [40, 5] and r.all_token_ids == r.prompt_token_ids + [40, 5]
+    assert (r.finish_reason, r.stop_reason, r.block_ids) == ("stop", "xy", [])
+    assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == ["a"]
+
+
+def test_finish_request_corrects_a_request_that_just_finished_on_length():
+    sched = make_sched()
+    r = prefilled(sched, "a", max_tokens=3)
+    r.draft_token_ids = [5, 6]  # 2 tokens left: one draft is used
+    _, touched = step(sched, {"a": [5, 7]})
+    assert touched == [r] and r.finish_reason == "length"
+    sched.finish_request("a", 2, "stop!")
+    assert r.output_token_ids == [40, 5] and r.finish_reason == "stop" and r.stop_reason == "stop!"
+    assert sched.block_manager.num_free_blocks == 64
+    assert sched.schedule().finished_req_ids == ["a"]
+    with pytest.raises(ValueError, match="req_id"):
+        sched.finish_request("a", 1, "late")
+
+
+def test_abort_running_and_waiting():
+    sched = make_sched(max_num_seqs=1)
+    a, b = make_req("a", 5, arrival=0.0), make_req("b", 5, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    sched.abort_requests(["a", "b", "unknown"])
+    assert a.finish_reason == b.finish_reason == "abort"
+    assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished_requests()
+    plan = sched.schedule()
+    assert plan.finished_req_ids == ["a"] and plan.is_empty  # b never reached the worker
+
+
+def test_request_beyond_the_kv_pool_finishes_on_length():
+    sched = make_sched(num_blocks=2, block_size=4)  # 8 slots
+    r = make_req("a", 6, max_tokens=10)
+    sched.add_request(r)
+    for _ in range(3):
+        step(sched)
+    assert r.num_tokens == 9 and r.status is RequestStatus.RUNNING
+    plan, touched = step(sched)
+    assert plan.is_empty and touched == [r] and r.finish_reason == "length" and r.num_output_tokens == 3
+    assert sched.block_manager.num_free_blocks == 2
+
+
+# ---- randomized: deltas, KV integrity, outputs ----------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_runs_replay_exactly_on_a_fake_worker(seed):
+    rng = random.Random(seed)
+    num_blocks, block_size, max_model_len = 20, 4, 48
+    sched = make_sched(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                       max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 64]))
+    worker = FakeWorker(num_blocks, block_size)
+    pending = [make_req(f"r{seed}-{i}", rng.randint(1, 30), rng.randint(1, 40), arrival=float(i)) for i in range(14)]
+    quality = {r.req_id: rng.random() for r in pending}
+    done, aborted, cut = {}, set(), set()
+    for _ in range(2000):
+        if not pending and not sched.has_unfinished_requests():
+            break
+        if pending and rng.random() < 0.3:
+            sched.add_request(pending.pop(0))
+        for r in sched.running:
+            if r.num_computed_tokens == r.num_tokens - 1:
+                pos = r.num_tokens
+                r.draft_token_ids = [truth(r.req_id, pos + i) if rng.random() < quality[r.req_id] else 0
+                                     for i in range(rng.randint(0, 5))]
+        if sched.requests and rng.random() < 0.01:
+            victim = rng.choice(sorted(sched.requests))
+            sched.abort_requests([victim])
+            aborted.add(victim)
+        plan, touched = worker_step(sched, worker)
+        used = [b for r in sched.running for b in r.block_ids]
+        assert len(used) == len(set(used)) and len(used) + sched.block_manager.num_free_blocks == num_blocks
+        for r in touched:
+            if not r.is_finished and r.num_output_tokens >= 2 and rng.random() < 0.03:
+                sched.finish_request(r.req_id, r.num_output_tokens - 1, "<stop>")
+                cut.add(r.req_id)
+            if r.is_finished:
+                done[r.req_id] = r
+    worker.apply(sched.schedule())
+    assert not worker.tables and sched.block_manager.num_free_blocks == num_blocks
+    assert not pending and not sched.has_unfinished_requests()
+    for rid, r in done.items():
+        expected = [truth(rid, r.num_prompt_tokens + i) for i in range(r.num_output_tokens)]
+        assert r.output_token_ids == expected
+        limit = min(r.max_tokens, max_model_len - r.num_prompt_tokens)
+        if rid in cut:
+            assert r.finish_reason == "stop" and r.num_output_tokens < limit
+        else:
+            assert r.finish_reason == "length" and r.num_output_tokens == limit
+    assert set(done) | aborted == {f"r{seed}-{i}" for i in range(14)}
+
+
+def test_randomized_runs_do_preempt():
+    """The randomized setting above really exercises preemption (else it proves less than it claims)."""
+    sched = make_sched(num_blocks=20, block_size=4, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=64)
+    worker = FakeWorker(20, 4)
+    for i in range(6):
+        sched.add_request(make_req(f"p{i}", 20, 25, arrival=float(i)))
+    done = run_to_end(sched, worker)
+    assert sched.num_preemptions > 0 and len(done) == 6
+    assert all(r.output_token_ids == [truth(r.req_id, 20 + i) for i in range(25)] for r in done.values())
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt_len, match", [(0, "prompt_token_ids is empty"), (32, "max_model_len=32"),
+                                               (31, "num_blocks")])
+def test_bad_requests_raise_and_leak_nothing(prompt_len, match):
+    sched = make_sched(num_blocks=4, block_size=4, max_model_len=32)
+    sched.add_request(make_req("ok", 3))
+    with pytest.raises(ValueError, match=match):
+        sched.add_request(make_req("bad", prompt_len))
+    assert sched.num_waiting == 1 and sched.get_request("bad") is None
+    step(sched)
+    assert sched.num_running == 1 and sched.block_manager.num_free_blocks == 3
+
+
+def test_duplicate_id_and_bad_finish_calls_raise():
+    sched = make_sched()
+    sched.add_request(make_req("a", 3))
+    with pytest.raises(ValueError, match="req_id='a' is already in use"):
+        sched.add_request(make_req("a", 3))
+    step(sched)
+    with pytest.raises(ValueError, match="reason="):
+        sched.finish_request("a", 1, None, reason="done")
+    with pytest.raises(ValueError, match="num_output_tokens=5"):
+        sched.finish_request("a", 5, "x")
+    with pytest.raises(ValueError, match="req_id='zz'"):
+        sched.finish_request("zz")
+    assert sched.get_request("a").status is RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("kw, match", [({"num_blocks": 0}, "num_blocks=0"), ({"num_blocks": 4, "block_size": 0},
+                                       "block_size=0"), ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs=0"),
+                                       ({"num_blocks": 4, "max_model_len": 1}, "max_model_len=1"),
+                                       ({"num_blocks": 4, "max_num_batched_tokens": -1}, "max_num_batched_tokens")])
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**kw)
