@@ -127,3 +127,12 @@ def smollm2_gguf() -> Path:
 def make_tiny_model():
     """The model builder itself, for tests that need a one-off variant."""
     return build_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specray_cache(tmp_path_factory):
+    """One GGUF conversion cache for the whole session (converting SmolLM2 costs ~10 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        cache = tmp_path_factory.mktemp("specray_cache")
+        mp.setenv("SPECRAY_CACHE_DIR", str(cache))
+        yield cache

@@ -1,0 +1,384 @@
+"""Tensor-parallel building blocks: column/row parallel linears, merged QKV and gate-up projections, vocab-parallel
+embedding and LM head, RMSNorm and rotary embeddings.
+
+Every parameter carries a ``weight_loader(param, loaded[, shard_id])`` that takes the full checkpoint tensor (a
+``torch.Tensor`` or a lazily sliceable safetensors slice) and copies this rank's shard, so a rank only ever
+materializes its part.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.parallel import TPGroup
+
+# ---------------------------------------------------------------------------------------------- weight helpers
+
+
+def shape_of(w: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a safetensors slice."""
+    return tuple(w.shape) if isinstance(w, torch.Tensor) else tuple(w.get_shape())
+
+
+def narrow(w: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """``w.narrow(dim, start, length)`` for a tensor or a safetensors slice (reads only that part)."""
+    if isinstance(w, torch.Tensor):
+        return w.narrow(dim, start, length)
+    index = [slice(None)] * len(shape_of(w))
+    index[dim] = slice(start, start + length)
+    return w[tuple(index)]
+
+
+def materialize(w: Any) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w[:]
+
+
+def divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}; choose a tensor_parallel_size "
+                         f"that divides {what}")
+    return n // d
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}: the checkpoint does not match its config.json")
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+SMALL_BATCH_ROWS = 8  # fp32 CPU: up to this many rows, (W @ x^T)^T runs ~1.3-3x faster than x @ W^T (MKL)
+LM_HEAD_SMALL_ROWS = 128  # the LM head's very tall W keeps the advantage longer (~15-20% at 16-128 rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small_rows: int = SMALL_BATCH_ROWS) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x``, faster for decode-sized inputs on CPU.
+
+    MKL's x @ W^T for a handful of rows (gemv for one) does not use the memory bandwidth well; W @ x^T with
+    x^T as a narrow right-hand side does, and one row is best padded to two (measured on SmolLM2's shapes,
+    2 threads: one row 27 -> 14 ms for all layers' weights, six rows 33 -> 24 ms).
+    """
+    # x: [M, K]; weight: [N, K] -> [M, N]
+    m = x.shape[0]
+    if m > small_rows or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    rhs = x.t() if m > 1 else torch.cat((x, x)).t()  # [K, max(M, 2)]
+    y = torch.mm(weight, rhs)[:, :m].t().contiguous()  # [M, N]
+    return y if bias is None else y + bias
+
+
+# ---------------------------------------------------------------------------------------------- linears
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split across ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_local = divide(out_features, tp.size, "output features")
+        self.weight = _param(self.out_local, in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(self.out_local) if bias else None
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        n = param.shape[0]
+        _copy(param, narrow(loaded, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out_local]
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], tp: TPGroup, bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), tp, bias)
+        self.local_sizes = [divide(s, tp.size, "output features") for s in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. Query heads split across ranks; key/value heads too, or replicated
+    (one per rank) when there are fewer KV heads than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup,
+                 bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp.size} must be a multiple of num_key_value_heads="
+                                 f"{num_kv_heads} when it exceeds it (KV heads are then replicated)")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out * tp.size, tp, bias)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, src = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id == "k":
+            offset, size, src = self.q_size, self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            assert shard_id == "v", shard_id
+            offset, size, src = self.q_size + self.kv_size, self.kv_size, self.kv_head_start * self.head_dim
+        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, src, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split across ranks: partial products are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.in_local = divide(in_features, tp.size, "input features")
+        self.weight = _param(out_features, self.in_local)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            _copy(param, materialize(loaded))
+            return
+        _copy(param, narrow(loaded, 1, self.tp.rank * self.in_local, self.in_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_local] -> [T, out]
+        y = self.tp.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------------------------------------- embeddings
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (vocab padded to a multiple of the TP size)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // tp.size)
+        self.vocab_start = tp.rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = _param(self.per_rank, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        rows = self.vocab_end - self.vocab_start
+        if shape_of(loaded)[0] != self.num_embeddings:
+            raise ValueError(f"embedding of {shape_of(loaded)[0]} rows does not match vocab_size="
+                             f"{self.num_embeddings} in config.json")
+        param.data[rows:].zero_()
+        _copy(param.data[:rows], narrow(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, H]
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        y = F.embedding((ids - self.vocab_start) * mine, self.weight) * mine[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over this rank's vocab slice, all-gathered to the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V]
+        logits = linear(hidden, self.weight, small_rows=LM_HEAD_SMALL_ROWS)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
+
+
+# ---------------------------------------------------------------------------------------------- norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (like transformers); with ``residual`` it first adds it and returns
+    ``(normed, new_residual)``."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        if x.dtype == torch.float32:  # one fused op, same math
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = residual + x
+        return self._norm(x), x
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings as one flat dict with ``rope_type`` and ``rope_theta`` (transformers 5 keeps
+    them in ``config.rope_parameters``; older configs in ``rope_scaling`` + ``rope_theta``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported; use a model with one "
+                         "RoPE setting for all layers")
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope_type={params['rope_type']!r} is not supported; supported: {list(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported for the "
+                         "Llama family (it rotates the whole head)")
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))  # [dim/2]
+
+
+def _llama3_inv_freq(p: dict, dim: int) -> torch.Tensor:
+    inv_freq = _base_inv_freq(p["rope_theta"], dim)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    base, old_len = p["rope_theta"], p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_position_embeddings / old_len
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (rotate-half layout) with a lazily grown cos/sin table indexed by position.
+
+    ``dynamic`` (NTK) scaling is applied per position: position p uses the base stretched for a sequence of
+    ``max(p + 1, max_position_embeddings)`` tokens. That equals transformers for any prefix shorter than
+    ``max_position_embeddings`` and for token-by-token decoding past it, and, unlike transformers' per-batch
+    rescaling, it does not depend on how the tokens are batched or chunked.
+    """
+
+    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.params = params
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_scaling = 1.0
+        self.device = torch.get_default_device()  # the table follows the device the model is built on
+        self.inv_freq = self._inv_freq()  # [D/2], on the CPU
+        self.table_len = 0
+        self.cos_sin = torch.empty(0)  # [P, D] float32: cos | sin (each D/2)
+        self.ensure(min(max_position_embeddings, 4096))
+
+    def _inv_freq(self) -> torch.Tensor:
+        p, dim = self.params, self.head_dim
+        kind = p["rope_type"]
+        if kind == "linear":
+            return _base_inv_freq(p["rope_theta"], dim) / p["factor"]
+        if kind == "llama3":
+            return _llama3_inv_freq(p, dim)
+        if kind == "yarn":
+            inv_freq, self.attention_scaling = _yarn_inv_freq(p, dim, self.max_position_embeddings)
+            return inv_freq
+        return _base_inv_freq(p["rope_theta"], dim)  # default; dynamic at or below max_position_embeddings
+
+    def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
+        p, dim, mpe = self.params, self.head_dim, self.max_position_embeddings
+        factor = p["factor"]
+        base = p["rope_theta"] * ((factor * seq_len / mpe) - (factor - 1)) ** (dim / (dim - 2))
+        return _base_inv_freq(base, dim)
+
+    def ensure(self, length: int) -> None:
+        """Make the table cover positions ``0 .. length-1`` (called from forward with a Python int)."""
+        if length <= self.table_len:
+            return
+        length = max(length, 2 * self.table_len)
+        pos = torch.arange(length, dtype=torch.float32, device="cpu")
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        if self.params["rope_type"] == "dynamic" and length > self.max_position_embeddings:
+            for p in range(self.max_position_embeddings, length):
+                freqs[p] = pos[p] * self._dynamic_inv_freq(p + 1)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
+        self.cos_sin = table.to(self.device)
+        self.table_len = length
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, D/2] in `dtype`
+        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+        return cos[:, None], sin[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2] -> [T, H, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

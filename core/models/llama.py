@@ -1,0 +1,265 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama) and Qwen2, written with tensor-parallel layers.
+
+One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
+bias (``attention_bias``), MLP bias (``mlp_bias``), sliding-window layers (Mistral ``sliding_window``, Qwen2
+``layer_types``), tied embeddings and RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    materialize,
+    rope_parameters,
+)
+from specray.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+# checkpoint name piece -> (our merged module, shard id)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _sliding_window(config, layer: int) -> int | None:
+    """Mistral: every layer when ``sliding_window`` is set; Qwen2 (and configs with ``layer_types``): the
+    "sliding_attention" layers; Llama: never (transformers' Llama ignores the field)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or config.model_type == "llama":
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer] == "sliding_attention" else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        head_dim = _head_dim(config)
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, tp, bias=attention_bias or is_qwen2)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
+                                        bias=attention_bias and not is_qwen2)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
+                                   _sliding_window(config, layer))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qk = apply_rotary(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                          cos, sin)  # rotate q and k in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp, layer)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, H]
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids: [T] -> [T, H]
+        x = self.embed_tokens(input_ids)
+        self.rotary_emb.ensure(meta.max_position + 1)
+        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 for causal LM, sharded over ``tp``. Build it under ``torch.device(...)`` and the
+    default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
+
+    def __init__(self, hf_config, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        self.config = hf_config
+        self.tp = tp
+        self.model = LlamaModel(hf_config, tp)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_cache_allocated = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids: [T] int64 -> hidden [T, H]
+        if not self.kv_cache_allocated:
+            raise ValueError("the KV cache is not allocated: call model.allocate_kv_cache(num_blocks, block_size) "
+                             "before the first forward")
+        return self.model(input_ids, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] float32, full vocab on every rank
+        return self.lm_head(hidden).float()
+
+    # ------------------------------------------------------------------------------------------ KV cache
+
+    def _attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of k + v cache one block takes on this rank, over all layers."""
+        attn = self._attention_layers()[0]
+        per_layer = 2 * block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_layer * len(self.model.layers)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Zeroed (masked-out slots must hold finite values) per-layer caches [num_blocks, block_size, Hkv, D]."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"allocate_kv_cache(num_blocks={num_blocks}, block_size={block_size}): both must be >= 1")
+        for attn in self._attention_layers():
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache_allocated = True
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load HF-named checkpoint tensors (torch tensors or safetensors slices), keeping this rank's shard."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            target, shard = _map_name(name)
+            param = params.get(target)
+            if param is None:
+                logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
+                continue
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _copy_full(param, tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target if shard is None else f"{target}:{shard}")
+        self._check_loaded(loaded, params)
+
+    def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
+        expected = set()
+        for name in params:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                expected.update(f"{name}:{s}" for s in "qkv")
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}:{s}" for s in (0, 1))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
+                             f"{self.config.model_type} checkpoint matching its config.json?")
+
+
+def _map_name(name: str) -> tuple[str, Any]:
+    for piece, (merged, shard) in _STACKED.items():
+        if piece in name:
+            return name.replace(piece, merged), shard
+    return name, None
+
+
+def _copy_full(param: nn.Parameter, tensor: Any) -> None:
+    value = materialize(tensor)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}: the checkpoint does not match its config.json")
+    param.data.copy_(value)

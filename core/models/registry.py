@@ -1,0 +1,37 @@
+"""Which of our model classes serves an HF config (by ``architectures``, else ``model_type``)."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+# HF architecture name -> "module:Class". Llama, Mistral and Qwen2 share one class; config flags pick the variant.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def _resolve(target: str) -> type:
+    module, name = target.split(":")
+    return getattr(import_module(module), name)
+
+
+def get_model_class(hf_config) -> type:
+    """Our ``nn.Module`` class for ``hf_config``; ValueError for an architecture we do not implement."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            return _resolve(_ARCHITECTURES[arch])
+    model_type = getattr(hf_config, "model_type", None)
+    if not archs and model_type in _MODEL_TYPES:
+        return _resolve(_ARCHITECTURES[_MODEL_TYPES[model_type]])
+    raise ValueError(
+        f"architecture {archs or model_type!r} is not supported; supported architectures: "
+        f"{supported_architectures()} (config.json 'architectures' / 'model_type')"
+    )

@@ -1,0 +1,329 @@
+"""Our Llama/Qwen2 implementation against transformers on the same weights (fp32, max abs diff < 1e-4):
+prefill, decode, chunked prefill at every boundary, one mixed batch (prefill chunk + decode + drafts), paged
+cache with small shuffled blocks, RoPE scaling variants, sliding windows, biases; tensor-parallel shards equal
+one rank."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray.models import get_model_class
+from specray.models.attention import build_attention_metadata
+from specray.models.llama import LlamaForCausalLM
+from specray.models.loader import load_model
+from specray.parallel import TPGroup
+
+TOL = 1e-4
+BLOCK = 4
+MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir"]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+class Paged:
+    """Our model over a paged cache whose block tables are small, shuffled and non-contiguous."""
+
+    def __init__(self, model, num_blocks: int = 160, seed: int = 0):
+        self.model = model
+        model.allocate_kv_cache(num_blocks, BLOCK)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def table(self, length: int) -> list[int]:
+        return [self.free.pop() for _ in range(-(-length // BLOCK))]
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
+        """chunks: (new token ids, start position, block table) per sequence -> logits [q, V] per sequence."""
+        ids = torch.tensor([t for c in chunks for t in c[0]])
+        meta = build_attention_metadata([len(c[0]) for c in chunks], [c[1] for c in chunks],
+                                        [c[2] for c in chunks], BLOCK, "cpu")
+        logits = self.model.compute_logits(self.model(ids, meta))
+        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.config.vocab_size)
+        return list(logits.split([len(c[0]) for c in chunks]))
+
+
+def tokens(n: int, seed: int, vocab: int = 300) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0].float()  # [L, V]
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    diff = (ours - ref).abs().max().item()
+    assert diff < TOL, diff
+
+
+def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
+    """(ours, transformers) sharing the weights of a random tiny model built in memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    cfg_cls, model_cls = classes[arch]
+    config = cfg_cls(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    hf = model_cls(config).float().eval()
+    ours = LlamaForCausalLM(config, TPGroup.single())
+    ours.load_weights(hf.state_dict().items())
+    return ours, hf
+
+
+@pytest.fixture(scope="module", params=MODEL_FIXTURES)
+def pair(request):
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue(request.param)
+    return load_model(str(folder)), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+# ------------------------------------------------------------------------------------------ the three families
+
+
+def test_full_prefill(pair):
+    ours, hf = pair
+    paged = Paged(ours)
+    for n, seed in ((12, 1), (40, 2)):  # short (padded batched path) and long (per-sequence path)
+        ids = tokens(n, seed)
+        close(paged.step([(ids, 0, paged.table(n))])[0], hf_logits(hf, ids))
+
+
+def test_decode_after_prefill(pair):
+    ours, hf = pair
+    paged = Paged(ours)
+    ids = tokens(24, 3)
+    ref = hf_logits(hf, ids)
+    table = paged.table(len(ids))
+    close(paged.step([(ids[:7], 0, table)])[0], ref[:7])
+    for p in range(7, len(ids)):
+        close(paged.step([(ids[p : p + 1], p, table)])[0], ref[p : p + 1])
+
+
+def test_chunked_prefill_every_boundary(pair):
+    ours, hf = pair
+    paged = Paged(ours, num_blocks=256)
+    ids = tokens(12, 4)
+    ref = hf_logits(hf, ids)
+    for split in range(1, len(ids)):
+        table = paged.table(len(ids))
+        close(paged.step([(ids[:split], 0, table)])[0], ref[:split])
+        close(paged.step([(ids[split:], split, table)])[0], ref[split:])
+    # long chunks: fresh long, continued long (gathered context + mask), continued short
+    ids = tokens(48, 5)
+    ref = hf_logits(hf, ids)
+    table = paged.table(len(ids))
+    for a, b in ((0, 20), (20, 37), (37, 48)):
+        close(paged.step([(ids[a:b], a, table)])[0], ref[a:b])
+
+
+def test_mixed_batch_in_one_forward(pair):
+    ours, hf = pair
+    paged = Paged(ours)
+    seqs = {name: tokens(n, 10 + i) for i, (name, n) in enumerate(
+        [("A", 40), ("B", 10), ("C", 14), ("D", 30), ("E", 9), ("F", 12)])}
+    refs = {name: hf_logits(hf, ids) for name, ids in seqs.items()}
+    tables = {name: paged.table(len(ids)) for name, ids in seqs.items()}
+
+    def chunk(name, a, b):
+        return seqs[name][a:b], a, tables[name]
+
+    first = {"A": (0, 20), "B": (0, 9), "C": (0, 10), "F": (0, 4)}
+    second = {  # one forward: long continued chunk, decode, last token + 3 drafts, fresh long and short prefills,
+        "B": (9, 10), "A": (20, 40), "D": (0, 30), "C": (10, 14), "F": (4, 12), "E": (0, 9)}  # continued short
+    for plan in (first, second):
+        outs = paged.step([chunk(name, a, b) for name, (a, b) in plan.items()])
+        for (name, (a, b)), out in zip(plan.items(), outs):
+            close(out, refs[name][a:b])
+
+
+def test_uniform_batches_decode_and_drafts(pair):
+    """Equal query lengths in batch order take the no-gather layout: prefill, 1 + 5 drafts, single tokens."""
+    ours, hf = pair
+    paged = Paged(ours)
+    seqs = [tokens(18, 20 + i) for i in range(4)]
+    refs = [hf_logits(hf, ids) for ids in seqs]
+    tables = [paged.table(18) for _ in seqs]
+    for a, b in ((0, 10), (10, 16), (16, 17), (17, 18)):
+        outs = paged.step([(ids[a:b], a, t) for ids, t in zip(seqs, tables)])
+        for out, ref in zip(outs, refs):
+            close(out, ref[a:b])
+
+
+# ------------------------------------------------------------------------------------------ config variants
+
+
+def check_variant(ours, hf, n: int = 44) -> None:
+    paged = Paged(ours)
+    ids = tokens(n, 30)
+    ref = hf_logits(hf, ids)
+    close(paged.step([(ids, 0, paged.table(n))])[0], ref)
+    table = paged.table(n)
+    for a, b in ((0, 3), (3, 21), (21, 38), (38, 39), (39, 44)):
+        close(paged.step([(ids[a:b], a, table)])[0], ref[a:b])
+
+
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+                    "mscale": 0.9, "mscale_all_dim": 0.5, "truncate": False},
+    "theta": {"rope_type": "default", "rope_theta": 500.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_VARIANTS))
+def test_rope_scaling_variants(name):
+    params = {"rope_theta": 10000.0, **ROPE_VARIANTS[name]}
+    check_variant(*in_memory_pair("llama", seed=5, rope_parameters=params))
+
+
+def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
+    from transformers import DynamicCache
+
+    params = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    ours, hf = in_memory_pair("llama", seed=6, max_position_embeddings=16, rope_parameters=params)
+    ids = tokens(30, 31)
+    paged = Paged(ours)
+    close(paged.step([(ids[:16], 0, paged.table(16))])[0], hf_logits(hf, ids[:16]))  # within: plain RoPE
+    cache, table = DynamicCache(config=hf.config), paged.table(len(ids))
+    with torch.no_grad():
+        for p, t in enumerate(ids):  # transformers rescales as the sequence grows: compare step by step
+            ref = hf(torch.tensor([[t]]), position_ids=torch.tensor([[p]]), past_key_values=cache).logits[0]
+            close(paged.step([([t], p, table)])[0], ref)
+
+
+def test_mistral_sliding_window():
+    ours, hf = in_memory_pair("mistral", seed=7, sliding_window=5)
+    assert all(layer.self_attn.attn.sliding_window == 5 for layer in ours.model.layers)
+    check_variant(ours, hf)
+
+
+def test_qwen2_sliding_window_layers():
+    ours, hf = in_memory_pair("qwen2", seed=8, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert [layer.self_attn.attn.sliding_window for layer in ours.model.layers] == [None, 6]
+    check_variant(ours, hf)
+
+
+def test_llama_biases_and_explicit_head_dim():
+    ours, hf = in_memory_pair("llama", seed=9, attention_bias=True, mlp_bias=True, head_dim=32,
+                              tie_word_embeddings=False)
+    assert ours.model.layers[0].self_attn.o_proj.bias is not None
+    check_variant(ours, hf)
+
+
+# ------------------------------------------------------------------------------------------ plumbing
+
+
+def test_registry():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"])):
+        assert get_model_class(cfg) is LlamaForCausalLM
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
+
+
+def test_kv_cache_sizing_and_errors():
+    ours, _ = in_memory_pair("llama")
+    with pytest.raises(ValueError, match="allocate_kv_cache"):
+        ours(torch.tensor([1, 2]), build_attention_metadata([2], [0], [[0]], 4))
+    assert ours.kv_cache_bytes_per_block(16) == 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * bs * Hkv * D * fp32
+    ours.allocate_kv_cache(3, 16)
+    assert ours.model.layers[0].self_attn.attn.k_cache.shape == (3, 16, 2, 16)
+    with pytest.raises(ValueError, match="block table has 1 blocks"):
+        build_attention_metadata([5], [0], [[0]], 4)
+    with pytest.raises(ValueError, match="equal length"):
+        build_attention_metadata([5, 1], [0], [[0, 1]], 4)
+
+
+def test_missing_weight_is_reported():
+    ours, hf = in_memory_pair("llama")
+    state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    with pytest.raises(ValueError, match="up_proj"):
+        ours.load_weights(state.items())
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+TP_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist
+    from specray.models.attention import build_attention_metadata
+    from specray.models.loader import load_model
+    from specray.parallel import TPGroup
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    folders = sys.argv[5:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    @torch.no_grad()
+    def run(model):
+        model.allocate_kv_cache(32, 4)
+        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+        t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 12, 11, 14, 13, 15]
+        meta = build_attention_metadata([20, 7], [0, 0], [t1, t2], 4)
+        h1 = model(torch.tensor(ids[:20] + ids[20:27]), meta)
+        meta = build_attention_metadata([4, 1], [20, 7], [t1, t2], 4)
+        h2 = model(torch.tensor(ids[27:31] + ids[31:32]), meta)
+        return model.compute_logits(torch.cat([h1, h2]))
+
+    result = {}
+    for folder in folders:
+        model = load_model(folder, TPGroup.from_world())
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads
+        result[folder] = [(run(model) - run(load_model(folder))).abs().max().item(),
+                          model.lm_head.weight.shape[0], kv_heads]
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+    dist.destroy_process_group()
+""")
+
+
+def save_tiny(path: Path, arch: str, seed: int, **overrides) -> str:
+    _, hf = in_memory_pair(arch, seed=seed, **overrides)
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensor_parallel_shards_match_one_rank(tmp_path):
+    """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
+    biases in q/k/v, o_proj (row parallel, added once) and the MLP, tied and untied heads."""
+    folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
+               save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
+                         tie_word_embeddings=True)]
+    script = tmp_path / "worker.py"
+    script.write_text(TP_WORKER)
+    port, world = str(free_port()), 2
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(tmp_path), *folders])
+             for r in range(world)]
+    assert all(p.wait(timeout=240) == 0 for p in procs)
+    for r in range(world):
+        result = json.loads((tmp_path / f"{r}.json").read_text())
+        assert set(result) == set(folders)
+        for folder, (diff, vocab_rows, kv_heads) in result.items():
+            assert diff < TOL, (r, folder, diff)
+            assert vocab_rows == (162 if "llama" in folder else 161)  # this rank's padded half of the vocab
+            assert kv_heads == 1
