@@ -4,10 +4,9 @@ once, then cached), and the errors for paths and architectures we cannot serve."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
-
-import os
 
 import pytest
 import torch
