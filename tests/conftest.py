@@ -136,3 +136,63 @@ def specray_cache(tmp_path_factory):
         cache = tmp_path_factory.mktemp("specray_cache")
         mp.setenv("SPECRAY_CACHE_DIR", str(cache))
         yield cache
+
+
+# ---- the host-sync recorder: batched sampling and verification must never read a tensor's value ----------
+
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave", "_unique2", "unique_dim",
+             "unique_consecutive"}
+
+
+def _sync_recorder():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SyncRecorder(TorchDispatchMode):
+        """Records every aten op that needs a tensor's value on the host: ``.item()``, ``bool(t)``, ``int(t)``
+        go through ``_local_scalar_dense``; output-size-dependent ops and boolean-mask indexing sync too."""
+
+        def __init__(self):
+            super().__init__()
+            self.syncs: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._overloadpacket.__name__
+            if name in _SYNC_OPS:
+                self.syncs.append(name)
+            elif name.startswith("index") and any(
+                getattr(i, "dtype", None) is not None and str(i.dtype) == "torch.bool"
+                for a in args if isinstance(a, (list, tuple)) for i in a
+            ):
+                self.syncs.append(name + "[bool mask]")
+            return func(*args, **(kwargs or {}))
+
+    return SyncRecorder()
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """``with no_host_sync(): ...`` fails if the block syncs: via the dispatcher, via ``.tolist()``/``.numpy()``
+    (which bypass it), and on CUDA via the sync debug mode."""
+    import contextlib
+
+    import torch
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("host sync: tolist()/numpy() inside a batched function")
+
+    @contextlib.contextmanager
+    def guard():
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "tolist", forbidden)
+            m.setattr(torch.Tensor, "numpy", forbidden)
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with _sync_recorder() as rec:
+                    yield rec
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode("default")
+        assert rec.syncs == [], f"host syncs: {rec.syncs}"
+
+    return guard

@@ -1,13 +1,11 @@
 """specray.sampling: warpers keep exactly the right supports, seeded streams are batch-independent, sampling
 reproduces the warped distribution (chi-square), and nothing syncs with the host."""
 
-import contextlib
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specray.sampling import (
     SamplingBatch,
@@ -31,60 +29,12 @@ def support(probs_row):
     return set(torch.nonzero(probs_row > 0).flatten().tolist())
 
 
-# ---- the host-sync recorder (a copy lives in test_verification.py) ------------------------------------------
-
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave", "_unique2", "unique_dim",
-            "unique_consecutive"}
-
-
-class SyncRecorder(TorchDispatchMode):
-    """Records every aten op that needs a tensor's value on the host: ``.item()``, ``bool(t)``, ``int(t)``
-    all go through ``_local_scalar_dense``; output-size-dependent ops and boolean-mask indexing sync too."""
-
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.syncs.append(name)
-        elif name.startswith("index") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for a in args if isinstance(a, (list, tuple)) for i in a
-        ):
-            self.syncs.append(name + "[bool mask]")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def no_host_sync(monkeypatch):
-    """Fails if the block syncs: via the dispatcher, via ``.tolist()``/``.numpy()`` (which bypass it), and on
-    CUDA via the sync debug mode."""
-
-    def forbidden(*_a, **_k):
-        raise AssertionError("host sync: tolist()/numpy() inside a batched sampling function")
-
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "tolist", forbidden)
-        m.setattr(torch.Tensor, "numpy", forbidden)
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            with SyncRecorder() as rec:
-                yield rec
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.set_sync_debug_mode("default")
-    assert rec.syncs == [], f"host syncs: {rec.syncs}"
-
-
-def test_recorder_catches_syncs(monkeypatch):
+def test_recorder_catches_syncs(no_host_sync):
     x = torch.randn(4)
     for f in (lambda: x[0].item(), lambda: bool(x[0] > 0), lambda: x.nonzero(), lambda: x[x > 0],
               lambda: int(x.argmax()), lambda: x.tolist()):
         with pytest.raises(AssertionError):
-            with no_host_sync(monkeypatch):
+            with no_host_sync():
                 f()
 
 
@@ -309,13 +259,13 @@ def test_compute_logprobs():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sampling_has_no_host_sync(monkeypatch, device):
+def test_sampling_has_no_host_sync(no_host_sync, device):
     params = [SP(temperature=0.0), SP(seed=1, top_k=3), SP(top_p=0.7), SP(min_p=0.1, seed=2), SP(temperature=0.0,
                                                                                                    seed=3)]
     batch = build(params, [p.seed for p in params], device, repeats=[1, 2, 1, 3, 1])
     logits = torch.randn(len(batch), 40, device=device)
     greedy = build([SP(temperature=0.0)] * 2, device=device)
-    with no_host_sync(monkeypatch):
+    with no_host_sync():
         probs = logits_to_probs(logits, batch)
         sample(probs, batch)
         sample_logits(logits, batch)
