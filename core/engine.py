@@ -12,6 +12,7 @@ from specray.config import EngineArgs
 from specray.contract import StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
 from specray.drafters.base import DraftRequest, Drafter
+from specray.errors import WorkerDiedError
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -92,7 +93,11 @@ class LLMEngine:
         draft_probs = self._draft()
         plan = self.scheduler.schedule()
         start = time.perf_counter()
-        result = self.executor.execute(plan, draft_probs)
+        try:
+            result = self.executor.execute(plan, draft_probs)
+        except WorkerDiedError as err:
+            self._recover(err)
+            raise
         if self.policy is not None and not plan.is_empty:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - start)
         touched = self.scheduler.update_from_output(plan, result)
@@ -101,6 +106,14 @@ class LLMEngine:
         outputs = [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
         self._forget([o.request_id for o in outputs if o.finished])
         return outputs
+
+    def _recover(self, err: WorkerDiedError) -> None:
+        """A worker died mid-step: fail every request the engine holds (their KV lived on the dead group),
+        free their blocks, and bring up a fresh worker group so new requests are served."""
+        err.req_ids = list(self.tracked)
+        logger.error("worker failure (%s): failing %d requests and restarting the workers", err, len(err.req_ids))
+        self.abort_request(err.req_ids)
+        self.executor.restart()
 
     def _draft(self) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy."""

@@ -196,3 +196,29 @@ def no_host_sync(monkeypatch):
         assert rec.syncs == [], f"host syncs: {rec.syncs}"
 
     return guard
+
+
+# ---- Ray: one simulated three-node cluster per test session (starting Ray costs seconds) -----------------
+
+RAY_NODES = 3
+RAY_CPUS_PER_NODE = 2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Three Ray nodes on this machine (``ray.cluster_utils.Cluster``), each with 2 logical CPUs and a custom
+    resource ``node{i}`` to pin actors to it; this process is connected as the driver. Serve shares it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = 150 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=RAY_CPUS_PER_NODE, resources={"node0": 1}, include_dashboard=False, object_store_memory=store))
+    for i in range(1, RAY_NODES):
+        cluster.add_node(num_cpus=RAY_CPUS_PER_NODE, resources={f"node{i}": 1}, object_store_memory=store)
+    ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
