@@ -80,6 +80,49 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass
+class RayPlacement:
+    """Where the Ray backend puts its actors. The target's TP ranks share one placement group (one bundle per
+    rank, ``strategy`` over nodes); drafter actors are placed on their own, anywhere they fit."""
+
+    strategy: str = "STRICT_PACK"  # STRICT_PACK: all ranks on one node; STRICT_SPREAD: one rank per node
+    worker_num_cpus: float = 1.0  # per TP rank (fractions are fine; never more than a node has)
+    worker_num_gpus: float | None = None  # None: 1 per rank when the cluster has GPUs, else 0
+    worker_resources: list[dict[str, float]] | None = None  # extra custom resources, one dict per rank
+    drafter_num_cpus: float = 0.5
+    drafter_num_gpus: float = 0.0
+    drafter_resources: dict[str, float] | None = None  # e.g. {"drafter_node": 0.1} to pin the drafter
+    engine_num_cpus: float = 0.1  # the supervisor actor that runs the engine loop
+    address: str | None = None  # the Ray cluster to join; None: the running one, else start a local one
+    pool_name: str | None = None  # a named shared n-gram pool actor (is_public_pool): replicas share it
+
+    def __post_init__(self) -> None:
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement.strategy={self.strategy!r} is unknown; choose one of "
+                             f"{list(PLACEMENT_STRATEGIES)}")
+        for name in ("worker_num_cpus", "drafter_num_cpus", "drafter_num_gpus", "engine_num_cpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ray_placement.{name}={getattr(self, name)} must be >= 0")
+
+    @classmethod
+    def from_any(cls, value: "RayPlacement | dict[str, Any] | None") -> "RayPlacement":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"ray_placement has unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**value)
+
+
+EXECUTOR_BACKENDS = (None, "uni", "ray")
+
+
 @dataclass
 class EngineArgs:
     """The arguments of :class:`specray.LLM` (vLLM's names). Only ``LLMEngine.from_engine_args`` reads this;
@@ -98,12 +141,27 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = None  # None: "uni" (this process) at TP=1, else "ray"
+    ray_placement: RayPlacement | dict | None = None
+    num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "ray" if self.tensor_parallel_size > 1 else "uni"
+
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        self.ray_placement = RayPlacement.from_any(self.ray_placement)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
+                             f"choose one of {list(EXECUTOR_BACKENDS)}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs several processes: use "
+                             "distributed_executor_backend='ray' (or leave it None)")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
         if self.dtype not in self._DTYPES:

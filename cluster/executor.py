@@ -1,0 +1,180 @@
+"""The Ray executor: one actor per tensor-parallel rank of the target, in one placement group.
+
+Per step the plan is put in the object store once and every rank gets the same reference; only rank 0 (the
+driver rank, which verifies and samples) gets the drafter's probabilities and answers. A rank that dies is
+noticed as soon as its call fails, without waiting for the others (which may be stuck in a collective with
+it): the whole group is failed with :class:`WorkerDiedError` and ``restart`` builds a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from specray.cluster.ray_env import ensure_ray, ray
+from specray.config import RayPlacement
+from specray.contract import StepPlan, StepResult
+from specray.errors import WorkerDiedError
+from specray.executor import CacheConfig, plan_num_blocks
+from specray.workers.worker import Worker, WorkerConfig
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed in this long asks for more than the cluster has
+SETUP_TIMEOUT_S = 600.0  # loading a shard of a large model
+STEP_TIMEOUT_S = 600.0  # no step takes this long; a rank that does is treated as lost
+
+
+class TargetWorker:
+    """The actor around one :class:`Worker`. Created empty so the group can agree on a rendezvous address
+    before any rank blocks in ``init_process_group``."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+
+    def rendezvous(self) -> str:
+        """A tcp:// address on this node with a free port, for rank 0 to host the process group's store."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def setup(self, config: WorkerConfig, rank: int, world_size: int, init_method: str) -> dict:
+        self.worker = Worker(config, rank, world_size, init_method)
+        return self.worker.kv_cache_info()
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
+        return self.worker.execute(plan, draft_probs)
+
+    def call(self, method: str, *args):
+        """Any other Worker method (kv_snapshot, kv_head_range, ping): for tests and debugging."""
+        return getattr(self.worker, method)(*args)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayExecutor:
+    def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement: RayPlacement | None):
+        self.config, self.tp_size, self.cache = config, tp_size, cache
+        self.placement = placement or RayPlacement()
+        ensure_ray(self.placement.address)
+        self.workers: list = []
+        self.pg = None
+        self._start()
+
+    # ---- the group ----------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self.pg = self._placement_group()
+        actor_cls = ray.remote(TargetWorker)
+        gpus = self._gpus_per_rank()
+        self.workers = [
+            actor_cls.options(
+                num_cpus=self.placement.worker_num_cpus, num_gpus=gpus, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(self.tp_size)
+        ]
+        config = self.config
+        if gpus and config.device is None:
+            config = WorkerConfig(**{**vars(config), "device": "cuda"})
+        init_method = ray.get(self.workers[0].rendezvous.remote())
+        setups = [w.setup.remote(config, rank, self.tp_size, init_method) for rank, w in enumerate(self.workers)]
+        try:
+            infos = ray.get(setups, timeout=SETUP_TIMEOUT_S)
+        except RayTaskError as err:  # a user error (e.g. heads not divisible by the TP size) stays a ValueError
+            self._kill()
+            if isinstance(err.cause, ValueError):
+                raise ValueError(str(err.cause)) from None
+            raise WorkerDiedError(f"loading the model failed: {err}") from err
+        except (GetTimeoutError, RayError) as err:
+            self._kill()
+            raise WorkerDiedError(f"loading the model failed: {err}") from err
+        self.info = infos[0]
+        self.num_kv_blocks = plan_num_blocks(infos, self.cache)
+        self._get([w.init_cache.remote(self.num_kv_blocks) for w in self.workers], SETUP_TIMEOUT_S, "KV cache")
+        logger.info("Ray executor: %d ranks (%s) up, %d KV blocks each", self.tp_size, self.placement.strategy,
+                    self.num_kv_blocks)
+
+    def _gpus_per_rank(self) -> float:
+        if self.placement.worker_num_gpus is not None:
+            return self.placement.worker_num_gpus
+        if self.config.device is not None:
+            return 1.0 if self.config.device.startswith("cuda") else 0.0
+        return 1.0 if ray.cluster_resources().get("GPU", 0) >= self.tp_size else 0.0
+
+    def _placement_group(self):
+        extra = self.placement.worker_resources or [{} for _ in range(self.tp_size)]
+        if len(extra) != self.tp_size:
+            raise ValueError(f"ray_placement.worker_resources has {len(extra)} entries for tensor_parallel_size="
+                             f"{self.tp_size}; give one dict per rank")
+        gpus = self._gpus_per_rank()
+        bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
+        pg = placement_group(bundles, strategy=self.placement.strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(pg)
+            raise ValueError(
+                f"cannot place {self.tp_size} target ranks with {bundles[0]} each ({self.placement.strategy}) "
+                f"on this cluster ({ray.available_resources()} free): lower tensor_parallel_size or "
+                "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
+        return pg
+
+    def _kill(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def restart(self) -> None:
+        logger.warning("restarting the target's %d ranks", self.tp_size)
+        self._kill()
+        self._start()
+
+    def shutdown(self) -> None:
+        self._kill()
+
+    # ---- steps --------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        plan_ref = ray.put(plan)  # one copy in the object store, read by every rank
+        refs = [self.workers[0].execute.remote(plan_ref, draft_probs or None)]
+        refs += [w.execute.remote(plan_ref) for w in self.workers[1:]]
+        return self._get(refs, STEP_TIMEOUT_S, f"step {plan.step_id}")[0]
+
+    def _get(self, refs: list, timeout: float, what: str) -> list:
+        """Every result, failing fast: the first rank that errors fails the group, even while the others
+        still wait on it inside a collective."""
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise WorkerDiedError(f"{what}: no answer from {len(pending)} target ranks in {timeout:.0f}s")
+            self._check(ready[0], what)
+        try:
+            return ray.get(refs, timeout=max(deadline - time.monotonic(), 0))
+        except GetTimeoutError as err:
+            raise WorkerDiedError(f"{what}: no answer from a target rank in {timeout:.0f}s") from err
+        except RayError as err:
+            raise WorkerDiedError(f"{what}: a target rank failed: {err}") from err
+
+    @staticmethod
+    def _check(ref, what: str) -> None:
+        try:
+            ray.get(ref, timeout=0)
+        except RayError as err:
+            raise WorkerDiedError(f"{what}: a target rank failed: {err}") from err
+
+    # ---- tests and debugging ------------------------------------------------------------------------------
+    def call_all(self, method: str, *args) -> list:
+        return ray.get([w.call.remote(method, *args) for w in self.workers])

@@ -1,0 +1,76 @@
+"""Executors run step plans on the target's ranks. The engine sees one interface::
+
+    executor.num_kv_blocks            # blocks every rank allocated (the scheduler's pool)
+    executor.info                     # rank 0's dtype, device, vocab_size
+    executor.execute(plan, draft_probs) -> StepResult     # raises WorkerDiedError when a rank is lost
+    executor.restart()                # a fresh group (after a failure); every request is gone
+    executor.shutdown()
+
+``uni`` runs one rank in this process; ``ray`` (specray.cluster.executor) one Ray actor per TP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+
+from specray.contract import StepPlan, StepResult
+from specray.workers.worker import Worker, WorkerConfig
+
+_EXECUTORS = {
+    "uni": "specray.executor:LocalExecutor",
+    "ray": "specray.cluster.executor:RayExecutor",
+}
+
+
+@dataclass
+class CacheConfig:
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int | None = None  # overrides the size computed from the ranks' memory budgets
+
+
+def plan_num_blocks(infos: list[dict], cache: CacheConfig) -> int:
+    """Enough blocks for every seat at full length, capped by the tightest rank's KV memory budget."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    wanted = cache.max_num_seqs * (-(-cache.max_model_len // cache.block_size) + 1)
+    fits = min(info["budget_bytes"] // info["bytes_per_block"] for info in infos)
+    if fits < 1:
+        worst = min(infos, key=lambda i: i["budget_bytes"] // i["bytes_per_block"])
+        raise ValueError(f"kv_cache_memory_bytes={worst['budget_bytes']} holds no KV block of "
+                         f"{worst['bytes_per_block']} bytes; raise it")
+    return min(wanted, fits)
+
+
+def executor_class(backend: str):
+    if backend not in _EXECUTORS:
+        raise ValueError(f"distributed_executor_backend={backend!r} is unknown; choose one of {sorted(_EXECUTORS)}")
+    module, cls = _EXECUTORS[backend].split(":")
+    return getattr(import_module(module), cls)
+
+
+class LocalExecutor:
+    """One rank (tensor_parallel_size=1) in this process."""
+
+    def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement=None):
+        if tp_size != 1:
+            raise ValueError(f"tensor_parallel_size={tp_size} needs distributed_executor_backend='ray'")
+        self.config, self.cache = config, cache
+        self._start()
+
+    def _start(self) -> None:
+        self.worker = Worker(self.config)
+        self.info = self.worker.kv_cache_info()
+        self.num_kv_blocks = plan_num_blocks([self.info], self.cache)
+        self.worker.init_cache(self.num_kv_blocks)
+
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        return self.worker.execute(plan, draft_probs)
+
+    def restart(self) -> None:
+        self._start()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,154 @@
+"""One tensor-parallel rank of the target model, Ray-free: the in-process executor holds one, the Ray executor
+wraps one per actor.
+
+A rank joins the torch.distributed group (gloo on CPU, NCCL on GPU), loads only its shard of the weights,
+allocates the KV cache for its own heads once the executor has agreed a block count with every rank, and then
+executes step plans. Only rank 0 (the driver) samples and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from specray.contract import StepPlan, StepResult
+from specray.models.loader import load_hf_config, load_model
+from specray.parallel import TPGroup
+from specray.workers.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # per rank, unless the engine arguments say otherwise
+GPU_KV_CACHE_FRACTION = 0.8  # of the free memory after the weights are loaded
+DIST_TIMEOUT_S = 120  # a collective that waits longer than this on a dead peer fails instead of hanging
+
+
+@dataclass
+class WorkerConfig:
+    """What every rank needs to build its shard (plain data: it crosses Ray)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda when this process sees a GPU, else cpu
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_threads: int | None = None  # torch CPU threads for this rank
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU, else the checkpoint's half type (bfloat16 when it names none)."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        tp = self._join_group(world_size, init_method)
+        hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, tp, dtype=self.dtype, device=self.device)
+        self.runner: ModelRunner | None = None
+
+    def _join_group(self, world_size: int, init_method: str | None) -> TPGroup:
+        if world_size == 1:
+            return TPGroup.single()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=self.rank,
+                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
+        logger.info("rank %d/%d joined the %s group at %s", self.rank, world_size, backend, init_method)
+        return TPGroup.from_world()
+
+    # ---- KV cache -----------------------------------------------------------------------------------------
+    def kv_cache_info(self) -> dict:
+        """This rank's bytes per KV block and the bytes it can give the cache."""
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
+            else:
+                budget = CPU_KV_CACHE_BYTES
+        return {"bytes_per_block": self.model.kv_cache_bytes_per_block(self.config.block_size),
+                "budget_bytes": budget, "dtype": str(self.dtype).removeprefix("torch."),
+                "device": str(self.device), "vocab_size": self.model.vocab_size}
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
+                                  is_driver=self.rank == 0)
+
+    # ---- steps --------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
+        assert self.runner is not None, "init_cache must run before the first step"
+        return self.runner.execute(plan, draft_probs)
+
+    def execute_with_logits(self, plan: StepPlan, draft_probs: dict | None = None):
+        """``execute`` that also returns the step's logits rows ([N, V] on CPU, None if nothing sampled), for
+        tests that compare ranks and TP sizes step by step."""
+        captured = []
+        compute = self.model.compute_logits
+
+        def capture(hidden):
+            logits = compute(hidden)
+            captured.append(logits)
+            return logits
+
+        self.model.compute_logits = capture
+        try:
+            result = self.execute(plan, draft_probs)
+        finally:
+            del self.model.compute_logits
+        return result, (captured[0].cpu() if captured else None)
+
+    def kv_snapshot(self, req_id: str, num_tokens: int) -> torch.Tensor:
+        """[layers, 2, num_tokens, local_kv_heads, head_dim] on CPU: the cached k and v of the request's first
+        ``num_tokens`` positions, read through its block table (for tests and debugging)."""
+        table = self.runner.block_tables[req_id]
+        bs = self.config.block_size
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
+        layers = []
+        for attn in self.model._attention_layers():
+            k = attn.k_cache.view(-1, attn.num_kv_heads, attn.head_dim)[slots]
+            v = attn.v_cache.view(-1, attn.num_kv_heads, attn.head_dim)[slots]
+            layers.append(torch.stack([k, v]))
+        return torch.stack(layers).cpu()
+
+    def kv_head_range(self) -> tuple[int, int]:
+        """The global KV heads this rank holds: [start, start + count)."""
+        qkv = self.model.model.layers[0].self_attn.qkv_proj
+        return qkv.kv_head_start, qkv.num_kv_heads
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
