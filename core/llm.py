@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from importlib import import_module
 from typing import Any
 
 from specray.config import EngineArgs
@@ -13,18 +14,35 @@ from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_RAY_CLIENT = ("specray.cluster.engine_actor", "RayEngineClient")  # imported only for the Ray backend
+
 PromptType = str | dict[str, Any] | list[int]
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are those of :class:`specray.config.EngineArgs`."""
+    """Keyword arguments are those of :class:`specray.config.EngineArgs`. With ``tensor_parallel_size > 1`` or
+    ``distributed_executor_backend="ray"`` the engine runs in a Ray actor that owns the target's TP workers and
+    the drafter actors; otherwise everything runs in this process."""
 
     def __init__(self, model: str, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = LLMEngine.from_engine_args(self.engine_args)
+        if self.engine_args.executor_backend == "ray":
+            from specray.models.loader import load_tokenizer
+
+            client_cls = getattr(import_module(_RAY_CLIENT[0]), _RAY_CLIENT[1])
+            self.engine = client_cls(self.engine_args)
+            self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
+        else:
+            self.engine = LLMEngine.from_engine_args(self.engine_args)
+            self._tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's actors (Ray backend); the in-process engine needs nothing."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     @property
     def spec_stats(self) -> SpecStats:
@@ -42,14 +60,17 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for (text, ids), sp in zip(encoded, params):
             self._validate(ids, sp)
-        req_ids = []
-        try:
-            for (text, ids), sp in zip(encoded, params):
-                req_ids.append(self.engine.add_request(ids, _copy(sp), prompt=text))
-        except ValueError:
-            self.engine.abort_request(req_ids)
-            raise
-        return self._run(req_ids, use_tqdm)
+        requests = [(ids, _copy(sp), text) for (text, ids), sp in zip(encoded, params)]
+        batches = self.engine.run_batch if hasattr(self.engine, "run_batch") else self._run_local
+        final: list[RequestOutput | None] = [None] * len(requests)
+        bar = _progress(len(requests)) if use_tqdm else None
+        for i, out in batches(requests):
+            final[i] = out
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return final
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -78,26 +99,30 @@ class LLM:
         raise ValueError(f"prompt {prompt!r:.80} is not a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}")
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        self.engine._check_tokens(ids)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token (prompt or prompt_token_ids)")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={limit} leaves no room to generate; "
                              f"shorten the prompt to at most {limit - 1} tokens or raise max_model_len")
 
-    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(req_ids)
-        final: dict[str, RequestOutput] = {}
-        bar = _progress(len(req_ids)) if use_tqdm else None
-        while pending:
+    def _run_local(self, requests: list) -> Iterator[tuple[int, RequestOutput]]:
+        """Add every request (all or none), then step until each has finished, yielding them as they do."""
+        req_ids: list[str] = []
+        try:
+            for ids, params, text in requests:
+                req_ids.append(self.engine.add_request(ids, params, prompt=text))
+        except ValueError:
+            self.engine.abort_request(req_ids)
+            raise
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        while index:
             for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [final[r] for r in req_ids]
+                if out.finished and out.request_id in index:
+                    yield index.pop(out.request_id), out
 
 
 def _as_list(prompts) -> list:

@@ -43,7 +43,7 @@ import uuid
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
@@ -343,6 +343,15 @@ class NgramPool:
                 self.close(seq_key)
 
 
+class PoolLink(Protocol):
+    """A channel to a pool shared with other engine replicas (specray.cluster's named pool actor)."""
+
+    def exchange(self, updates: list[tuple[str, int, list[int]]], wait: bool = False) -> list[tuple[str, int, list[int]]]:
+        """Publish ``(seq_key, start, tokens[start:])`` of this replica's sequences; return the other replicas'
+        changes in the same form. May answer from an earlier call (links are asynchronous) unless ``wait``."""
+        ...
+
+
 @dataclass
 class _RequestState:
     pool: NgramPool
@@ -365,15 +374,53 @@ class NgramDrafter:
             cap = getattr(spec, "max_pool_entries", None) or DEFAULT_MAX_POOL_ENTRIES
             self.shared_pool = NgramPool.from_config(spec, max_pool_entries=cap)
         self._requests: dict[str, _RequestState] = {}
+        self.pool_link: PoolLink | None = None
+        self._published: dict[str, int] = {}  # seq_key -> tokens of it sent through the link
+        self._unsent: list[tuple[str, int, list[int]]] = []  # finished requests' last updates
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        return [self._propose_one(req) for req in batch]
+        proposals = [self._propose_one(req) for req in batch]
+        if self.pool_link is not None:
+            self.sync_pool()
+        return proposals
 
     def finish(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)
             if state is not None and self.shared_pool is not None:
+                if self.pool_link is not None:  # its last tokens go out with the next exchange
+                    self._publish_one(state.seq_key, self._unsent)
+                    self._published.pop(state.seq_key, None)
                 self.shared_pool.close(state.seq_key)
+
+    # ---- sharing the pool with other replicas -----------------------------------------------------------
+    def attach_pool_link(self, link: PoolLink) -> None:
+        if self.shared_pool is None:
+            raise ValueError("a shared n-gram pool needs speculative_config.is_public_pool=True")
+        self.pool_link = link
+
+    def sync_pool(self, wait: bool = False) -> None:
+        """Send what our requests added since the last exchange; fold in what other replicas added."""
+        updates, self._unsent = self._unsent, []
+        for state in self._requests.values():
+            self._publish_one(state.seq_key, updates)
+        for key, start, tokens in self.pool_link.exchange(updates, wait=wait):
+            self._merge_remote(key, start, tokens)
+
+    def _publish_one(self, key: str, updates: list) -> None:
+        sent, tokens = self._published.get(key, 0), self.shared_pool.tokens(key)
+        if len(tokens) > sent:
+            updates.append((key, sent, tokens[sent:]))
+            self._published[key] = len(tokens)
+
+    def _merge_remote(self, key: str, start: int, tokens: list[int]) -> None:
+        pool = self.shared_pool
+        if key in self._published or start != pool.num_tokens(key):
+            return  # our own text, or a sequence whose start we evicted: nothing to add
+        is_new = key not in pool
+        pool.extend(key, tokens)
+        if is_new:
+            pool.close(key)
 
     def _propose_one(self, req: DraftRequest) -> Proposal:
         state = self._state(req.req_id)

@@ -1,0 +1,116 @@
+"""The central scheduler as one Ray actor: a supervisor that runs the engine loop and owns the target's worker
+actors and the drafter actors (they are created from inside it, so killing it tears the whole tree down).
+
+Callers reach it concurrently: ``generate`` streams one request's outputs; ``run_batch`` runs many and streams
+each final output as it finishes (what :class:`specray.LLM` uses with ``distributed_executor_backend="ray"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+from specray.async_engine import AsyncLLMEngine
+from specray.cluster.ray_env import ensure_ray, ray
+from specray.config import EngineArgs
+from specray.engine_builder import build_engine
+from specray.outputs import RequestOutput, SpecStats
+from specray.sampling_params import SamplingParams
+from ray.exceptions import RayTaskError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineActor:
+    def __init__(self) -> None:
+        self.aengine: AsyncLLMEngine | None = None
+
+    async def start(self, args: EngineArgs) -> dict:
+        """Build the engine (workers, drafter); a bad argument raises ValueError to the caller."""
+        engine = await asyncio.to_thread(build_engine, args)
+        self.aengine = AsyncLLMEngine(engine)
+        return await self.describe()
+
+    async def describe(self) -> dict:
+        def read(engine):
+            return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
+                    "num_kv_blocks": engine.scheduler.block_manager.num_blocks,
+                    "num_free_blocks": engine.scheduler.block_manager.num_free_blocks,
+                    "num_unfinished": len(engine.tracked)}
+
+        return await self.aengine.call(read)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                       req_id: str | None = None):
+        async for out in self.aengine.generate(prompt_token_ids, params, prompt, req_id):
+            yield out
+
+    async def run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]):
+        """Yields ``(index, final RequestOutput or the exception that failed it)`` as each request finishes."""
+        done: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, ids, params, prompt) -> None:
+            final = None
+            try:
+                async for final in self.aengine.generate(ids, params, prompt):
+                    pass
+            except Exception as err:  # handed back to the caller, which raises it
+                final = err
+            done.put_nowait((i, final))
+
+        tasks = [asyncio.create_task(one(i, *r)) for i, r in enumerate(requests)]
+        try:
+            for _ in tasks:
+                yield await done.get()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def abort(self, req_id: str) -> None:
+        await self.aengine.abort(req_id)
+
+    async def spec_stats(self) -> SpecStats:
+        return await self.aengine.call(lambda engine: engine.spec_stats)
+
+    async def call(self, fn):
+        """Run ``fn(engine)`` in the engine thread (tests and debugging)."""
+        return await self.aengine.call(fn)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayEngineClient:
+    """The driver's handle on an :class:`EngineActor`, with what :class:`specray.LLM` needs."""
+
+    def __init__(self, args: EngineArgs):
+        ensure_ray(args.ray_placement.address)
+        self.actor = ray.remote(EngineActor).options(
+            num_cpus=args.ray_placement.engine_num_cpus, max_restarts=0).remote()
+        try:
+            info = ray.get(self.actor.start.remote(args))
+        except RayTaskError as err:
+            ray.kill(self.actor)
+            if isinstance(err.cause, ValueError):
+                raise ValueError(str(err.cause)) from None
+            raise
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        return ray.get(self.actor.spec_stats.remote())
+
+    def describe(self) -> dict:
+        return ray.get(self.actor.describe.remote())
+
+    def run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> Iterator[tuple[int, RequestOutput]]:
+        for ref in self.actor.run_batch.remote(requests):
+            i, out = ray.get(ref)
+            if isinstance(out, BaseException):
+                raise out
+            yield i, out
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor)

@@ -1,0 +1,109 @@
+"""A named actor that relays accepted text between engine replicas' n-gram pools.
+
+Every replica's n-gram drafter keeps its own indexed pool (lookups stay local and fast) and, through a
+:class:`RayPoolLink`, sends the actor what its requests added and receives what the others added: deltas only,
+``(seq_key, start, tokens[start:])``, so a growing sequence costs what it grew by. The actor keeps at most
+``max_tokens`` tokens, dropping the oldest sequences first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from specray.cluster.ray_env import ray
+from ray.exceptions import RayError
+
+logger = logging.getLogger(__name__)
+
+POOL_ACTOR_PREFIX = "specray-ngram-pool:"
+POOL_NAMESPACE = "specray"  # one namespace, so replicas of any job or Serve app find the same pool
+DEFAULT_MAX_TOKENS = 1 << 22
+
+
+class NgramPoolActor:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
+        self.max_tokens = max_tokens
+        self.seqs: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # key -> (origin, tokens)
+        self.sent: dict[str, dict[str, int]] = {}  # origin -> key -> tokens of it that origin has received
+        self.num_tokens = 0
+
+    def exchange(self, origin: str, updates: list[tuple[str, int, list[int]]]) -> list[tuple[str, int, list[int]]]:
+        for key, start, tokens in updates:
+            self._apply(origin, key, start, tokens)
+        self._evict()
+        return self._changes_for(origin)
+
+    def _apply(self, origin: str, key: str, start: int, tokens: list[int]) -> None:
+        _, stored = self.seqs.setdefault(key, (origin, []))
+        if start > len(stored):  # we evicted its beginning: keep nothing of it
+            return
+        self.num_tokens += start + len(tokens) - len(stored)
+        del stored[start:]
+        stored.extend(tokens)
+        self.seqs.move_to_end(key)
+
+    def _evict(self) -> None:
+        while self.num_tokens > self.max_tokens and self.seqs:
+            key, (_, tokens) = self.seqs.popitem(last=False)
+            self.num_tokens -= len(tokens)
+            for sent in self.sent.values():
+                sent.pop(key, None)
+
+    def _changes_for(self, origin: str) -> list[tuple[str, int, list[int]]]:
+        sent = self.sent.setdefault(origin, {})
+        out = []
+        for key, (source, tokens) in self.seqs.items():
+            have = sent.get(key, 0)
+            if source != origin and len(tokens) > have:
+                out.append((key, have, tokens[have:]))
+                sent[key] = len(tokens)
+        return out
+
+    def stats(self) -> dict:
+        return {"sequences": len(self.seqs), "tokens": self.num_tokens, "replicas": len(self.sent)}
+
+
+def get_pool_actor(name: str):
+    """The pool actor called ``name``, created on first use (detached: it outlives any one replica)."""
+    return ray.remote(NgramPoolActor).options(
+        name=POOL_ACTOR_PREFIX + name, namespace=POOL_NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0.05,
+    ).remote()
+
+
+class RayPoolLink:
+    """The drafter's side: one exchange in flight at a time; updates made meanwhile wait for the next one."""
+
+    def __init__(self, actor, origin: str):
+        self.actor = actor
+        self.origin = origin
+        self.pending = None  # ObjectRef of the exchange in flight
+        self.buffered: list[tuple[str, int, list[int]]] = []
+        self.failed = False
+
+    def exchange(self, updates, wait: bool = False):
+        self.buffered.extend(updates)
+        if self.failed:
+            return []
+        received = self._collect(wait)
+        if self.pending is None:
+            self.pending = self.actor.exchange.remote(self.origin, self.buffered)
+            self.buffered = []
+            if wait:
+                received += self._collect(True)
+        return received
+
+    def _collect(self, wait: bool) -> list:
+        if self.pending is None:
+            return []
+        ready, _ = ray.wait([self.pending], timeout=None if wait else 0)
+        if not ready:
+            return []
+        ref, self.pending = self.pending, None
+        try:
+            return ray.get(ref)
+        except RayError as err:
+            logger.warning("shared n-gram pool unreachable (%s): drafting from this replica's text only", err)
+            self.failed = True
+            return []
