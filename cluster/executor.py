@@ -62,6 +62,22 @@ class TargetWorker:
         return ray.get_runtime_context().get_node_id()
 
 
+def _could_ever_fit(bundles: list[dict], strategy: str) -> bool:
+    """Whether the cluster's nodes, empty, could hold the bundles (so an impossible request fails at once
+    instead of waiting for resources that will never come)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+    def fits(need: dict, node: dict) -> bool:
+        return all(node.get(k, 0) >= v for k, v in need.items())
+
+    if strategy == "STRICT_PACK":
+        total = {k: sum(b.get(k, 0) for b in bundles) for b in bundles for k in b}
+        return any(fits(total, node) for node in nodes)
+    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        return False
+    return all(any(fits(b, node) for node in nodes) for b in bundles)
+
+
 class RayExecutor:
     def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement: RayPlacement | None):
         self.config, self.tp_size, self.cache = config, tp_size, cache
@@ -118,15 +134,19 @@ class RayExecutor:
                              f"{self.tp_size}; give one dict per rank")
         gpus = self._gpus_per_rank()
         bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
+        if not _could_ever_fit(bundles, self.placement.strategy):
+            raise ValueError(self._unplaceable(bundles, "no node set of this cluster can hold them"))
         pg = placement_group(bundles, strategy=self.placement.strategy)
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(pg)
-            raise ValueError(
-                f"cannot place {self.tp_size} target ranks with {bundles[0]} each ({self.placement.strategy}) "
-                f"on this cluster ({ray.available_resources()} free): lower tensor_parallel_size or "
-                "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
+            raise ValueError(self._unplaceable(bundles, f"still not placed after {PLACEMENT_TIMEOUT_S:.0f}s"))
         return pg
+
+    def _unplaceable(self, bundles: list[dict], why: str) -> str:
+        return (f"cannot place {self.tp_size} target ranks with {bundles[0]} each ({self.placement.strategy}): "
+                f"{why} (free now: {ray.available_resources()}); lower tensor_parallel_size or "
+                "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
 
     def _kill(self) -> None:
         for w in self.workers:

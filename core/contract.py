@@ -78,7 +78,12 @@ class StepPlan:
 @dataclass
 class StepResult:
     """Per scheduled chunk, in plan order: the tokens the target kept (accepted drafts + one of its own);
-    an empty list for a non-final prefill chunk."""
+    an empty list for a non-final prefill chunk.
+
+    ``logprobs`` is None unless some chunk's request asked for them (``SamplingParams.logprobs``); then, per
+    chunk, one ``{token_id: logprob}`` per kept token (the kept token first, then the request's top-k, raw
+    log_softmax of the target's logits at that token's position), and [] for the other chunks. The scheduler may
+    keep only a prefix of a chunk's tokens (a stop token); the engine keeps the matching prefix of these."""
 
     step_id: int
     req_ids: list[str]

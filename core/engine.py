@@ -101,6 +101,7 @@ class LLMEngine:
         if self.policy is not None and not plan.is_empty:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - start)
         touched = self.scheduler.update_from_output(plan, result)
+        self._record_logprobs(plan, result)
         self._observe_acceptance(plan, result)
         self.num_steps += 1
         outputs = [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
@@ -116,7 +117,8 @@ class LLMEngine:
         self.executor.restart()
 
     def _draft(self) -> dict:
-        """Ask the drafter for each decoding request's next drafts, K sized by the policy."""
+        """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
+        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none)."""
         if self.drafter is None:
             return {}
         running = self.scheduler.running
@@ -134,6 +136,16 @@ class LLMEngine:
             if proposal.probs is not None and request.draft_token_ids:
                 probs[dreq.req_id] = proposal.probs
         return probs
+
+    def _record_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Keep the logprobs of the output tokens the scheduler just appended (a prefix of each chunk's kept
+        tokens); a recomputed (preempted) request appends only its new token, so nothing is recorded twice."""
+        if result.logprobs is None:
+            return
+        for chunk, entries in zip(plan.chunks, result.logprobs):
+            tracked = self.tracked.get(chunk.req_id)
+            if chunk.sample and entries and tracked is not None:
+                tracked.request.extend_logprobs(entries)
 
     def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
         stats = self.scheduler.last_step_stats
@@ -155,6 +167,8 @@ class LLMEngine:
             index=0,
             text=text,
             token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )

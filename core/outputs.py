@@ -56,6 +56,10 @@ class SpecStats:
 
 @dataclass
 class CompletionOutput:
+    """One completion. With ``SamplingParams.logprobs = k``: ``logprobs[i]`` is {token_id: logprob} for output
+    token i (that token first, then the k most likely), raw logprobs (log_softmax of the target's logits at that
+    position, before any warper), and ``cumulative_logprob`` = sum_i logprobs[i][token_ids[i]]; else both None."""
+
     index: int
     text: str
     token_ids: list[int]

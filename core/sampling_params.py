@@ -12,6 +12,16 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p;
     ``min_p == 0`` disables min-p. ``seed`` gives the request its own random stream, so the same seed gives the
     same output.
+
+    ``logprobs=k`` (k >= 0) returns, for every output token, a dict {token_id: logprob} holding the chosen token
+    and the k most likely tokens, and ``cumulative_logprob``, the chosen tokens' sum. The values are vLLM's
+    default "raw logprobs": log_softmax of the target model's raw logits at that position, before temperature,
+    top-k/top-p/min-p (so they do not depend on the sampling parameters). None (the default) computes nothing.
+
+    ``num_speculative_tokens`` is a specray extension: the most draft tokens verified per step for this request.
+    None follows the engine's ``speculative_config``; 0 turns speculation off for this request; k > 0 allows at
+    most k, capped (silently, never an error) by the engine's ``num_speculative_tokens``. It has no effect on an
+    engine without speculation, and greedy output is the same whatever its value.
     """
 
     n: int = 1
@@ -27,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    num_speculative_tokens: int | None = None  # specray extension; see the class docstring
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +67,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs={self.logprobs} must be >= 0 or None")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
+                             "request) or None (the engine's setting)")
 
     @property
     def greedy(self) -> bool:

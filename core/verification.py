@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from specray.sampling import SamplingBatch, logits_to_probs, sample
+from specray.sampling import SamplingBatch, compute_logprobs, logits_to_probs, sample
 
 
 def _accept_uniforms(batch: SamplingBatch, num_positions: int, draft_counts: Sequence[int] | None,
@@ -207,7 +207,86 @@ def pad_drafts(
     return PaddedDrafts(target, draft_ids, num_drafts, q, counts)
 
 
+class TargetLogprobs(NamedTuple):
+    """The target's raw logprobs at every output position of the M requests (of B) that asked for them."""
+
+    rows: list[int]  # host list [M]: the request (0..B-1) of each row
+    num_top: list[int]  # host list [M]: each request's own k
+    chosen: torch.Tensor  # [M, K+1] log p_j(output token j); padding positions hold junk
+    top_ids: torch.Tensor  # [M, K+1, k] int64, k = max(num_top)
+    top_logprobs: torch.Tensor  # [M, K+1, k] descending
+
+
+def target_logprobs(target_logits: torch.Tensor, output_tokens: torch.Tensor,
+                    num_logprobs: Sequence[int | None]) -> TargetLogprobs | None:
+    """Raw logprobs (log_softmax of the raw logits, before any warper) of each output token and the top-k.
+
+    target_logits [B, K+1, V], output_tokens [B, K+1] (-1 padded, as :func:`verify` returns them):
+    output token j of request b was chosen at position j, so its logprob is log_softmax(target_logits[b, j]).
+    num_logprobs [B]: each request's k, or None for a request that asked for none (it costs nothing).
+    Host lists only: no sync.
+    """
+    rows = [b for b, k in enumerate(num_logprobs) if k is not None]
+    if not rows:
+        return None
+    B, K1, V = target_logits.shape
+    if len(rows) < B:  # an index from a host list: a host-to-device copy, not a sync
+        index = torch.tensor(rows, dtype=torch.long, device=target_logits.device)
+        target_logits, output_tokens = target_logits.index_select(0, index), output_tokens.index_select(0, index)
+    num_top = [num_logprobs[b] for b in rows]
+    chosen, top_ids, top_lp = compute_logprobs(target_logits.reshape(-1, V), output_tokens.reshape(-1).clamp_min(0),
+                                               max(num_top))  # [M*(K+1)], [M*(K+1), k] x 2
+    M = len(rows)
+    return TargetLogprobs(rows, num_top, chosen.view(M, K1), top_ids.view(M, K1, -1), top_lp.view(M, K1, -1))
+
+
 def unpad_outputs(output_tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:
     """The step's one host sync: output_tokens [B, K+1], num_accepted [B] -> each request's kept tokens."""
-    tokens, n = output_tokens.tolist(), num_accepted.tolist()
-    return [row[: k + 1] for row, k in zip(tokens, n)]
+    return unpad_with_logprobs(output_tokens, num_accepted, None)[0]
+
+
+def unpad_with_logprobs(output_tokens: torch.Tensor, num_accepted: torch.Tensor, logprobs: TargetLogprobs | None
+                        ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
+    """The step's one host sync: output_tokens [B, K+1], num_accepted [B] and the logprobs -> each request's
+    kept tokens and, per request, one {token_id: logprob} per kept token (the chosen token first, then its
+    top-k; [] for a request that asked for none). None when no request asked."""
+    tensors = [output_tokens, num_accepted]
+    if logprobs is not None:
+        tensors += [logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs]
+    host = _to_host(tensors)
+    tokens, n = host[0], host[1]
+    kept = [[int(t) for t in row[: int(k) + 1]] for row, k in zip(tokens, n)]
+    if logprobs is None:
+        return kept, None
+    per_request: list[list[dict[int, float]]] = [[] for _ in kept]
+    for m, (b, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
+        per_request[b] = [_entry(t, host[2][m][j], host[3][m][j][:k], host[4][m][j][:k])
+                          for j, t in enumerate(kept[b])]
+    return kept, per_request
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list]:
+    """One device-to-host copy for several tensors: concatenated as float64 (exact for float32 values and for
+    int64 ids < 2^53), then split and reshaped as nested lists on the host."""
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(_nest(flat[start : start + t.numel()], list(t.shape)))
+        start += t.numel()
+    return out
+
+
+def _nest(flat: list, shape: list[int]) -> list:
+    """A flat row-major list -> nested lists of ``shape`` (host only)."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _entry(token: int, chosen: float, top_ids: list[float], top_logprobs: list[float]) -> dict[int, float]:
+    """{token: logprob} for the chosen token, then the top-k in descending order (the chosen one not twice)."""
+    entry = {token: chosen}
+    for t, lp in zip(top_ids, top_logprobs):
+        entry.setdefault(int(t), lp)
+    return entry

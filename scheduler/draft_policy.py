@@ -18,6 +18,8 @@ of B requests one request's share of a step with k drafts is  a / B + b * (1 + k
 Choice: k in [0, max_k] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time. k = 0 unless the best
 k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets one cheap probe of
 ``probe_k`` drafts, so a request whose text turned predictable can recover.
+
+Per request, ``SamplingParams.num_speculative_tokens`` caps max_k (0: that request never drafts).
 """
 
 from __future__ import annotations
@@ -116,24 +118,32 @@ class DraftLengthPolicy:
         return (req.draft_accepts + self.prior_alpha * m) / (req.draft_accepts + req.draft_rejects + m)
 
     # ---- choice ---------------------------------------------------------------------------------------
+    def max_k_for(self, req) -> int:
+        """The engine's max_k, capped by the request's own ``num_speculative_tokens`` (None: no cap)."""
+        cap = req.sampling_params.num_speculative_tokens
+        return self.max_k if cap is None else min(self.max_k, cap)
+
     def choose(self, req, batch_size: int) -> int:
         """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests."""
-        if not self.adaptive or self.max_k == 0:
-            return self.max_k
-        k = self.best_k(self.acceptance(req), batch_size)
+        max_k = self.max_k_for(req)
+        if not self.adaptive or max_k == 0:
+            return max_k
+        k = self.best_k(self.acceptance(req), batch_size, max_k)
         if k > 0:
             req.num_undrafted_steps = 0
             return k
         if req.num_undrafted_steps >= self.probe_after:
             req.num_undrafted_steps = 0
-            return min(self.probe_k, self.max_k)
+            return min(self.probe_k, max_k)
         req.num_undrafted_steps += 1
         return 0
 
-    def best_k(self, alpha: float, batch_size: int) -> int:
-        """The k maximising expected tokens per unit cost; 0 unless it beats k = 0 by ``margin``."""
+    def best_k(self, alpha: float, batch_size: int, max_k: int | None = None) -> int:
+        """The k in [0, max_k] (default: the engine's) maximising expected tokens per unit cost; 0 unless it
+        beats k = 0 by ``margin``."""
+        max_k = self.max_k if max_k is None else max_k
         a, b = self.cost_model()
         share = a / max(batch_size, 1)
-        rates = [expected_tokens(alpha, k) / (share + b * (1 + k)) for k in range(self.max_k + 1)]
+        rates = [expected_tokens(alpha, k) / (share + b * (1 + k)) for k in range(max_k + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)  # ties go to the smaller k
         return best if rates[best] >= rates[0] * (1.0 + self.margin) else 0

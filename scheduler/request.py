@@ -45,6 +45,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = (self.arrival_time, next(_creation_order))  # sort key; ties by creation
         self.output_token_ids: list[int] = []
+        # One {token_id: logprob} per output token when the request asked for logprobs (the engine appends
+        # them after each step), else None. truncate_output keeps it the same length as output_token_ids.
+        self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # appended in place, never rebuilt
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
@@ -93,9 +96,26 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
-        """Keep only the first ``num_output_tokens`` output tokens."""
+        """Keep only the first ``num_output_tokens`` output tokens (and their logprobs)."""
         del self.output_token_ids[num_output_tokens:]
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        if self.output_logprobs is not None:
+            del self.output_logprobs[num_output_tokens:]
+
+    def extend_logprobs(self, entries: list[dict[int, float]]) -> None:
+        """Record the logprobs of the output tokens appended since the last call: ``entries`` are those of the
+        tokens the target kept this step, of which the scheduler appended a prefix (it stops at a stop token or
+        max_tokens), so exactly the first (num_output_tokens - recorded) of them are kept."""
+        missing = self.num_output_tokens - len(self.output_logprobs)
+        assert 0 <= missing <= len(entries), (self.req_id, missing, len(entries))
+        self.output_logprobs.extend(entries[:missing])
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """sum_i log p(output token i), over the recorded logprobs; None when the request asked for none."""
+        if self.output_logprobs is None:
+            return None
+        return sum(lp[t] for t, lp in zip(self.output_token_ids, self.output_logprobs))
 
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: finish the request if that token ends it (vLLM's order: EOS, stop token

@@ -15,7 +15,7 @@ from specray.contract import StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
-from specray.verification import pad_drafts, unpad_outputs, verify
+from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
-        kept = self._verify(plan, sampled, logits, draft_probs or {}) if sampled else []
-        out: list[list[int]] = [[] for _ in plan.chunks]
-        for i, tokens in zip(sampled, kept):
-            out[i] = tokens
-        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], out)
+        kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {}) if sampled else ([], None)
+        n = len(plan.chunks)
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
+                          None if logprobs is None else _per_chunk(n, sampled, logprobs))
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks
@@ -86,16 +85,26 @@ class ModelRunner:
                 rows.extend(range(offset - 1 - c.num_draft_tokens, offset))
         return rows
 
-    def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor,
-                draft_probs: dict[str, torch.Tensor]) -> list[list[int]]:
-        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back."""
+    def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
+                ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
+        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back. Returns each sampled chunk's kept
+        tokens and, when some request asked for them, their logprobs."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
         probs = [draft_probs.get(c.req_id) for c in chunks] if draft_probs else None
         if probs is not None:
             probs = [None if q is None else q[: c.num_draft_tokens] for q, c in zip(probs, chunks)]
         padded = pad_drafts(logits, drafts, probs)
-        batch = SamplingBatch.build([self.params[c.req_id] for c in chunks],
-                                    [self.generators[c.req_id] for c in chunks], logits.device)
+        params = [self.params[c.req_id] for c in chunks]
+        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
         tokens, num_accepted = verify(*padded[:4], batch, draft_counts=padded.draft_counts)
-        return unpad_outputs(tokens, num_accepted)  # the step's one host sync
+        logprobs = target_logprobs(padded.target_logits, tokens, [sp.logprobs for sp in params])
+        return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
+
+
+def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:
+    """Per chunk of the plan: the sampled chunks' values, [] for the others (non-final prefill chunks)."""
+    out: list[list] = [[] for _ in range(num_chunks)]
+    for i, value in zip(sampled, values):
+        out[i] = value
+    return out

@@ -141,6 +141,10 @@ class Worker:
             layers.append(torch.stack([k, v]))
         return torch.stack(layers).cpu()
 
+    def kv_snapshots(self, requests: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """:meth:`kv_snapshot` of several ``(req_id, num_tokens)`` at once."""
+        return [self.kv_snapshot(req_id, n) for req_id, n in requests]
+
     def kv_head_range(self) -> tuple[int, int]:
         """The global KV heads this rank holds: [start, start + count)."""
         qkv = self.model.model.layers[0].self_attn.qkv_proj

@@ -1,0 +1,159 @@
+"""Server metrics: requests, latency, queue, KV blocks and speculation.
+
+Every metric is kept twice: in a private ``prometheus_client`` registry that the app renders at ``/metrics``
+(works with or without Ray), and, inside a Ray Serve replica, in ``ray.util.metrics`` (exported by Ray's
+metrics agent on its own port and aggregated over replicas). Ray is imported only when asked for.
+
+Acceptance rate = accepted_tokens / draft_tokens and mean accepted length = 1 + accepted_tokens / drafts are
+derived from the counters (and also exported as gauges for convenience).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def engine_state(engine) -> dict:
+    """Scheduler and KV-cache occupancy; call it in the engine thread (``AsyncLLMEngine.call``)."""
+    scheduler = engine.scheduler
+    blocks = scheduler.block_manager
+    return {
+        "free_blocks": blocks.num_free_blocks,
+        "total_blocks": blocks.num_blocks,
+        "used_blocks": blocks.num_blocks - blocks.num_free_blocks,
+        "num_waiting": scheduler.num_waiting,
+        "num_running": scheduler.num_running,
+    }
+
+
+class _Metric:
+    """One metric in our registry and, optionally, its twin in Ray's."""
+
+    _PROM = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+    _METHOD = {"counter": "inc", "gauge": "set", "histogram": "observe"}
+
+    def __init__(self, kind: str, name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry,
+                 use_ray: bool, buckets: tuple[float, ...] | None = None):
+        extra = {"buckets": buckets} if buckets else {}
+        self.kind = kind
+        self.prom = self._PROM[kind](name, doc, labels, registry=registry, **extra)
+        self.ray = _ray_metric(kind, name, doc, labels, buckets) if use_ray else None
+
+    def record(self, value: float, labels: dict[str, str]) -> None:
+        if self.kind == "counter" and value <= 0:
+            return  # Ray's counters reject 0; nothing to add anyway
+        method = self._METHOD[self.kind]
+        getattr(self.prom.labels(**labels), method)(value)
+        if self.ray is not None:
+            getattr(self.ray, method)(value, tags=labels)
+
+
+def _ray_metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets):
+    from ray.util import metrics as ray_metrics
+
+    if kind == "histogram":
+        return ray_metrics.Histogram(name, doc, boundaries=list(buckets), tag_keys=labels)
+    cls = ray_metrics.Counter if kind == "counter" else ray_metrics.Gauge
+    return cls(name, doc, tag_keys=labels)
+
+
+_DEFINITIONS = [
+    # attribute, kind, name, doc, extra labels, buckets
+    ("requests", "counter", "specray_requests", "HTTP generation requests by outcome (HTTP status, or "
+     "'cancelled' for a client that went away)", ("status",), None),
+    ("ttft", "histogram", "specray_time_to_first_token_seconds", "Time from arrival to the first output token",
+     (), LATENCY_BUCKETS),
+    ("tpot", "histogram", "specray_time_per_output_token_seconds", "Time per output token after the first",
+     (), TOKEN_LATENCY_BUCKETS),
+    ("e2e", "histogram", "specray_e2e_request_latency_seconds", "Time from arrival to the last token", (),
+     LATENCY_BUCKETS),
+    ("prompt_tokens", "counter", "specray_prompt_tokens", "Prompt tokens of finished choices", (), None),
+    ("generation_tokens", "counter", "specray_generation_tokens", "Generated tokens of finished choices", (),
+     None),
+    ("waiting", "gauge", "specray_num_requests_waiting", "Engine requests waiting to be scheduled", (), None),
+    ("running", "gauge", "specray_num_requests_running", "Engine requests running", (), None),
+    ("kv_used", "gauge", "specray_kv_blocks_used", "KV-cache blocks in use", (), None),
+    ("kv_total", "gauge", "specray_kv_blocks_total", "KV-cache blocks in the pool", (), None),
+    ("drafts", "counter", "specray_spec_drafts", "Verifications of >= 1 draft token (one request, one step)",
+     (), None),
+    ("draft_tokens", "counter", "specray_spec_draft_tokens", "Draft tokens proposed and verified", (), None),
+    ("accepted", "counter", "specray_spec_accepted_tokens", "Draft tokens accepted", (), None),
+    ("accepted_per_position", "counter", "specray_spec_accepted_tokens_per_position",
+     "Drafts whose i-th draft token (0-based position) was accepted", ("position",), None),
+    ("acceptance_rate", "gauge", "specray_spec_acceptance_rate", "accepted_tokens / draft_tokens", (), None),
+    ("mean_accepted_length", "gauge", "specray_spec_mean_accepted_length",
+     "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
+]
+
+
+class ServerMetrics:
+    """The metrics of one server (one replica). ``record_step`` runs in the engine thread, the rest in the
+    event loop; prometheus_client is thread-safe and the speculation totals are guarded by a lock."""
+
+    content_type = CONTENT_TYPE_LATEST  # of :meth:`render`
+
+    def __init__(self, model_name: str, use_ray: bool = False):
+        self.registry = CollectorRegistry()
+        self._labels = {"model": model_name}
+        for attr, kind, name, doc, labels, buckets in _DEFINITIONS:
+            setattr(self, attr, _Metric(kind, name, doc, ("model",) + labels, self.registry, use_ray, buckets))
+        self._lock = threading.Lock()
+        self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
+
+    # ---- event loop ------------------------------------------------------------------------------------
+    def record_request(self, status: str) -> None:
+        self.requests.record(1, {**self._labels, "status": status})
+
+    def record_choice(self, ttft: float, e2e: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """One finished engine request (one choice)."""
+        self.ttft.record(ttft, self._labels)
+        self.e2e.record(e2e, self._labels)
+        if completion_tokens > 1:
+            self.tpot.record((e2e - ttft) / (completion_tokens - 1), self._labels)
+        self.prompt_tokens.record(prompt_tokens, self._labels)
+        self.generation_tokens.record(completion_tokens, self._labels)
+
+    def record_engine_state(self, state: dict) -> None:
+        """Gauges from :func:`engine_state`."""
+        for metric, key in ((self.waiting, "num_waiting"), (self.running, "num_running"),
+                            (self.kv_used, "used_blocks"), (self.kv_total, "total_blocks")):
+            metric.record(state[key], self._labels)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def record_step(self, engine: Any, outputs: list | None = None) -> None:
+        """``AsyncLLMEngine``'s ``on_step`` hook: speculation counters (the growth of ``engine.spec_stats``
+        since the last call) and the scheduler/KV gauges."""
+        try:
+            self._record_speculation(engine.spec_stats)
+            self.record_engine_state(engine_state(engine))
+        except Exception:  # metrics must never break the engine loop
+            logger.exception("recording step metrics failed")
+
+    def _record_speculation(self, stats) -> None:
+        with self._lock:
+            drafts, draft_tokens, accepted, per_pos = self._seen
+            labels = self._labels
+            self.drafts.record(stats.drafts - drafts, labels)
+            self.draft_tokens.record(stats.draft_tokens - draft_tokens, labels)
+            self.accepted.record(stats.accepted_tokens - accepted, labels)
+            for pos, count in enumerate(stats.accepted_per_position):
+                seen = per_pos[pos] if pos < len(per_pos) else 0
+                self.accepted_per_position.record(count - seen, {**labels, "position": str(pos)})
+            self._seen = (stats.drafts, stats.draft_tokens, stats.accepted_tokens,
+                          list(stats.accepted_per_position))
+            if stats.draft_tokens:
+                self.acceptance_rate.record(stats.acceptance_rate, labels)
+                self.mean_accepted_length.record(stats.mean_accepted_length, labels)

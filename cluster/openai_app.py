@@ -1,0 +1,515 @@
+"""The OpenAI-compatible HTTP app (FastAPI), written against an engine client; no Ray here.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text), and ``GET /v1/debug/kv`` (KV blocks free/total and queue lengths, read in
+the engine thread: tests use it to check that every scenario gives its blocks back).
+
+One HTTP request with ``n`` choices (and, for completions, several prompts) fans out into one engine request
+per choice. Leaving early (client disconnect, error) closes every engine stream, which aborts the engine
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specray.cluster import openai_protocol as proto
+from specray.cluster.metrics import ServerMetrics, engine_state
+from specray.errors import EngineError
+from specray.outputs import CompletionOutput, RequestOutput, SpecStats
+from specray.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the engine client ---------------------------------------------------------------------------------
+
+class EngineClient(Protocol):
+    """What the app needs from an engine."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                 req_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def engine_state(self) -> dict: ...
+
+    def is_healthy(self) -> bool: ...
+
+
+class AsyncEngineClient:
+    """:class:`EngineClient` over a :class:`specray.async_engine.AsyncLLMEngine`."""
+
+    def __init__(self, aengine):
+        self.aengine = aengine
+
+    @property
+    def tokenizer(self):
+        return self.aengine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.aengine.engine.max_model_len
+
+    def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        return self.aengine.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
+
+    async def engine_state(self) -> dict:
+        return await self.aengine.call(engine_state)
+
+    def is_healthy(self) -> bool:
+        return self.aengine.is_running
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    max_queue_len: int | None = None  # engine requests waiting for their first token; more get 503
+
+
+# ---- one HTTP request's engine work --------------------------------------------------------------------
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt: _Prompt
+    params: SamplingParams
+    req_id: str
+    hold: int  # characters held back while streaming: a stop string may still complete there
+    output: CompletionOutput | None = None
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
+
+    def update(self, out: RequestOutput) -> None:
+        self.output = out.outputs[0]
+        self.spec_stats = out.spec_stats
+
+    def take_delta(self) -> tuple[str, int, int]:
+        """The new text that is safe to send, and the range of new output tokens."""
+        out = self.output
+        end = len(out.text) if out.finish_reason is not None else len(out.text) - self.hold
+        text = out.text[self.sent_chars:end] if end > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, end)
+        start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
+        return text, start, self.sent_tokens
+
+
+class _Fanout:
+    """Runs the engine requests of one HTTP request concurrently; ``next()`` returns (choice, output) as outputs
+    arrive and None when all finished, and raises the first error. ``close()`` cancels what is still running,
+    which closes those engine streams (the engine aborts them and frees their blocks)."""
+
+    def __init__(self, client: EngineClient, choices: list[_Choice], arrival: float, metrics: ServerMetrics,
+                 on_started: Callable[[], None]):
+        self._client = client
+        self._metrics = metrics
+        self._arrival = arrival
+        self._on_started = on_started
+        self._not_started = {c.index for c in choices}  # each choice reports its start exactly once
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._live = len(choices)
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
+
+    async def next(self) -> _Choice | None:
+        while self._live:
+            choice, item = await self._events.get()
+            if item is None:
+                self._live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                choice.update(item)
+                return choice
+        return None
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for index in list(self._not_started):  # a task cancelled before it ran never reaches its finally
+            self._started(index)
+
+    def _started(self, index: int) -> None:
+        if index in self._not_started:
+            self._not_started.discard(index)
+            self._on_started()
+
+    async def _pump(self, choice: _Choice) -> None:
+        stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
+                                       req_id=choice.req_id)
+        first = None
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    if first is None:
+                        first = time.monotonic()
+                        self._started(choice.index)
+                    self._events.put_nowait((choice, out))
+                    if out.finished:
+                        self._record(out, first)
+        except Exception as exc:  # handed to next(), which raises it in the request handler
+            self._events.put_nowait((choice, exc))
+        finally:
+            self._started(choice.index)
+            self._events.put_nowait((choice, None))
+
+    def _record(self, out: RequestOutput, first: float) -> None:
+        end = time.monotonic()
+        self._metrics.record_choice(first - self._arrival, end - self._arrival, len(out.prompt_token_ids),
+                                    len(out.outputs[0].token_ids))
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body and runs ``on_close``, also when the client went away
+    (Starlette leaves a cancelled body generator suspended)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+# ---- response formats ----------------------------------------------------------------------------------
+
+class _Format:
+    """How one endpoint writes choices, stream chunks and usage."""
+
+    def __init__(self, request_id: str, model: str, logprobs: proto.LogprobFormatter, num_logprobs: int | None):
+        self.request_id = request_id
+        self.model = model
+        self.created = proto.now()
+        self.logprob_fmt = logprobs
+        self.num_logprobs = num_logprobs
+
+    def _token_slice(self, choice: _Choice, start: int, end: int):
+        out = self.num_logprobs is not None and choice.output.logprobs is not None
+        if not out:
+            return None
+        return choice.output.token_ids[start:end], choice.output.logprobs[start:end]
+
+    def opening(self, choices: list[_Choice]) -> list[dict]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    def _logprobs(self, choice: _Choice, start: int, end: int) -> proto.CompletionLogprobs | None:
+        sliced = self._token_slice(choice, start, end)
+        if sliced is None:
+            return None
+        result = self.logprob_fmt.completion(*sliced, self.num_logprobs, choice.logprob_offset)
+        choice.logprob_offset += sum(len(t) for t in result.tokens)
+        return result
+
+    def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
+        items = [proto.CompletionChoice(index=c.index, text=c.output.text, finish_reason=c.output.finish_reason,
+                                        logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
+                 for c in choices]
+        return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=items,
+                                usage=usage).model_dump()
+
+    def chunk(self, choice: _Choice) -> proto.Completion | None:
+        text, start, end = choice.take_delta()
+        finish = choice.output.finish_reason
+        if not text and finish is None and (start == end or self.num_logprobs is None):
+            return None
+        item = proto.CompletionChoice(index=choice.index, text=text, finish_reason=finish,
+                                      logprobs=self._logprobs(choice, start, end))
+        return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=[item])
+
+    def usage_chunk(self, usage: proto.Usage) -> proto.Completion:
+        return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=[],
+                                usage=usage)
+
+
+class _ChatFormat(_Format):
+    def _logprobs(self, choice: _Choice, start: int, end: int) -> proto.ChatLogprobs | None:
+        sliced = self._token_slice(choice, start, end)
+        return None if sliced is None else self.logprob_fmt.chat(*sliced, self.num_logprobs)
+
+    def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
+        items = [proto.ChatChoice(index=c.index, message=proto.AssistantMessage(content=c.output.text),
+                                  finish_reason=c.output.finish_reason,
+                                  logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
+                 for c in choices]
+        return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
+                                    usage=usage).model_dump()
+
+    def _chunk(self, choices: list[proto.ChatChunkChoice], usage: proto.Usage | None = None):
+        return proto.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                         choices=choices, usage=usage)
+
+    def opening(self, choices: list[_Choice]) -> list[proto.ChatCompletionChunk]:
+        return [self._chunk([proto.ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})])
+                for c in choices]
+
+    def chunk(self, choice: _Choice) -> proto.ChatCompletionChunk | None:
+        text, start, end = choice.take_delta()
+        finish = choice.output.finish_reason
+        if not text and finish is None and (start == end or self.num_logprobs is None):
+            return None
+        item = proto.ChatChunkChoice(index=choice.index, delta={"content": text} if text else {},
+                                     finish_reason=finish, logprobs=self._logprobs(choice, start, end))
+        return self._chunk([item])
+
+    def usage_chunk(self, usage: proto.Usage) -> proto.ChatCompletionChunk:
+        return self._chunk([], usage)
+
+
+def _usage(choices: list[_Choice]) -> proto.Usage:
+    prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}  # n choices share one prompt
+    stats = SpecStats()
+    for c in choices:
+        stats.merge(c.spec_stats)
+    return proto.make_usage(sum(prompts.values()), sum(len(c.output.token_ids) for c in choices), stats)
+
+
+# ---- the serving logic ---------------------------------------------------------------------------------
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, config: ServerConfig, metrics: ServerMetrics):
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
+        self.num_queued = 0  # engine requests admitted that have not produced their first output yet
+
+    # ---- routes ----------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, self._completions)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, self._chat_completions)
+
+    async def models(self) -> dict:
+        card = proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
+                               max_model_len=self.client.max_model_len)
+        return proto.ModelList(data=[card]).model_dump()
+
+    async def health(self) -> Response:
+        if self.client.is_healthy():
+            return JSONResponse({"status": "ok"})
+        return error_response(proto.OpenAIError(503, "the engine loop is not running", "server_error",
+                                                code="engine_dead"))
+
+    async def prometheus(self) -> Response:
+        self.metrics.record_engine_state(await self.client.engine_state())
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def debug_kv(self) -> dict:
+        return {**await self.client.engine_state(), "num_queued": self.num_queued}
+
+    # ---- request handling ------------------------------------------------------------------------------
+    async def _handle(self, request: Request, endpoint) -> Response:
+        arrival = time.monotonic()
+        try:
+            response = await endpoint(await _json_body(request), arrival)
+        except asyncio.CancelledError:
+            self.metrics.record_request("cancelled")
+            raise
+        except Exception as exc:
+            err = to_openai_error(exc)
+            self.metrics.record_request(str(err.status))
+            return error_response(err)
+        if not isinstance(response, StreamingResponse):  # a stream records its own outcome when it ends
+            self.metrics.record_request("200")
+        return response
+
+    async def _completions(self, body: Any, arrival: float) -> Response:
+        req = proto.parse_request(proto.CompletionRequest, body)
+        self._check_model(req.model)
+        prompts = [self._encode_completion_prompt(p) for p in req.prompts()]
+        for prompt in prompts:
+            proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
+        request_id = proto.new_id("cmpl")
+        choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id)
+        fmt = _CompletionFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.logprobs)
+        return await self._run(req, choices, fmt, arrival)
+
+    async def _chat_completions(self, body: Any, arrival: float) -> Response:
+        req = proto.parse_request(proto.ChatCompletionRequest, body)
+        self._check_model(req.model)
+        prompt = self._encode_chat_prompt(req)
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
+        request_id = proto.new_id("chatcmpl")
+        choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
+        fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs())
+        return await self._run(req, choices, fmt, arrival)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise proto.model_not_found(name, self.config.served_model_name)
+
+    def _encode_completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(prompt, self.client.tokenizer.encode(prompt))
+        return _Prompt(None, list(prompt))
+
+    def _encode_chat_prompt(self, req: proto.ChatCompletionRequest) -> _Prompt:
+        tokenizer = self.client.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
+                                    "messages")
+        try:
+            text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except (TemplateError, ValueError) as err:
+            raise proto.bad_request(f"the chat template rejected the messages: {err}", "messages") from None
+        return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+    def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
+                 request_id: str) -> list[_Choice]:
+        hold = max((len(s) for s in req.stop_list()), default=1) - 1
+        choices = []
+        for p, prompt in enumerate(prompts):
+            for i in range(req.n):
+                index = p * req.n + i
+                params = proto.sampling_params(req, max_tokens, logprobs, i)
+                choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", hold))
+        return choices
+
+    async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:
+        self._admit(len(choices))
+        fanout = _Fanout(self.client, choices, arrival, self.metrics, self._started)
+        try:
+            first = await fanout.next()  # errors before any output (bad input) become a plain error response
+        except BaseException:
+            fanout.close()
+            raise
+        if req.stream:
+            body = self._stream(fanout, choices, fmt, first, req.include_usage)
+            return _ClosingStreamingResponse(body, on_close=fanout.close)
+        try:
+            while first is not None:
+                first = await fanout.next()
+        finally:
+            fanout.close()
+        return JSONResponse(fmt.response(choices, _usage(choices)))
+
+    def _admit(self, num_requests: int) -> None:
+        limit = self.config.max_queue_len
+        if limit is not None and self.num_queued >= limit:
+            raise proto.queue_full(limit)
+        self.num_queued += num_requests
+
+    def _started(self) -> None:
+        self.num_queued -= 1
+
+    async def _stream(self, fanout: _Fanout, choices: list[_Choice], fmt, first: _Choice | None,
+                      include_usage: bool) -> AsyncIterator[str]:
+        status = "200"
+        try:
+            for chunk in fmt.opening(choices):
+                yield proto.sse(chunk)
+            choice = first
+            while choice is not None:
+                chunk = fmt.chunk(choice)
+                if chunk is not None:
+                    yield proto.sse(chunk)
+                choice = await fanout.next()
+            if include_usage:
+                yield proto.sse(fmt.usage_chunk(_usage(choices)))
+            yield proto.SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        except Exception as exc:  # the headers are sent: report the error in the stream, OpenAI style
+            err = to_openai_error(exc)
+            status = str(err.status)
+            yield proto.sse(err.body())
+            yield proto.SSE_DONE
+        finally:
+            fanout.close()
+            self.metrics.record_request(status)
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+
+def to_openai_error(exc: BaseException) -> proto.OpenAIError:
+    if isinstance(exc, proto.OpenAIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return proto.from_validation_error(exc)
+    if isinstance(exc, ValueError):  # the engine rejected the request's input
+        return proto.from_value_error(exc, "prompt")
+    if isinstance(exc, EngineError):
+        logger.warning("engine error: %s", exc)
+        return proto.server_error(f"the engine failed this request: {exc}; retry it")
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return proto.server_error(f"internal server error: {exc!r}")
+
+
+def error_response(err: proto.OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise proto.bad_request(f"the request body is not valid JSON: {err}") from None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return error_response(proto.bad_request(f"{param}: {first['msg']}", param))
+
+    async def on_http(_request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(proto.OpenAIError(exc.status_code, str(exc.detail), kind))
+
+    async def on_unexpected(_request: Request, exc: Exception) -> Response:
+        return error_response(to_openai_error(exc))
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def build_openai_app(client: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving ``client`` under OpenAI's routes (see the module docstring)."""
+    serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name))
+    app = FastAPI(title="specray", description="OpenAI-compatible LLM server with speculative decoding")
+    app.state.serving = serving
+    _install_error_handlers(app)
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", serving.models, methods=["GET"])
+    app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
+    app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])
+    return app

@@ -1,0 +1,482 @@
+"""The OpenAI wire format: request and response models, error JSON, server-sent-event framing, and the
+conversion of a request into per-choice :class:`~specray.sampling_params.SamplingParams`.
+
+Pure data and formatting: no FastAPI, no Ray, no engine. Every validation failure becomes an
+:class:`OpenAIError` that names the offending parameter, so the HTTP layer only has to serialize it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specray.outputs import SpecStats
+from specray.sampling_params import SamplingParams
+
+MAX_N = 64  # choices per request
+MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite number
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+
+class OpenAIError(Exception):
+    """An error that goes to the client as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(name: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"The model {name!r} does not exist; this server serves {served!r} (see /v1/models)",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def queue_full(max_queue_len: int) -> OpenAIError:
+    return OpenAIError(503, f"The server is overloaded: {max_queue_len} requests are already waiting "
+                            "(max_queue_len); retry later", "server_error", None, "queue_full")
+
+
+def server_error(message: str) -> OpenAIError:
+    return OpenAIError(500, message, "server_error", None, "internal_error")
+
+
+def from_validation_error(err: ValidationError) -> OpenAIError:
+    """The first pydantic error as a 400 naming its parameter (``messages.0.content`` for nested ones)."""
+    first = err.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"{param} is not a supported parameter; remove it", param)
+    got = first.get("input")
+    return bad_request(f"{param}: {first['msg']} (got {got!r:.100})", param)
+
+
+def from_value_error(err: ValueError, default_param: str | None = None) -> OpenAIError:
+    """A 400 from an engine/SamplingParams ValueError, whose messages start with ``name=value``."""
+    message = str(err)
+    match = re.match(r"(\w+)=", message)
+    return bad_request(message, match.group(1) if match else default_param)
+
+
+# ---- requests ------------------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    """Unknown fields are errors (a typo such as ``max_token`` must not be silently ignored). Cross-field
+    validators raise :class:`OpenAIError` directly, which pydantic lets through, to name the parameter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeOptions(_Strict):
+    """Per-request speculation (a specray extension): ``{"enabled": false}`` or ``{"num_speculative_tokens": k}``."""
+
+    enabled: bool = True
+    num_speculative_tokens: int | None = Field(default=None, ge=0)
+
+    def num_tokens(self) -> int | None:
+        """The engine's ``SamplingParams.num_speculative_tokens``: 0 off, k at most k, None the server's."""
+        return 0 if not self.enabled else self.num_speculative_tokens
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("every stop sequence must be a non-empty string")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_not_negative(cls, value):
+        if value and any(t < 0 for t in value):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value):
+        if value:
+            raise ValueError("penalties are not supported by this server; omit it or pass 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported by this server; omit it")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value):
+        if not value or (isinstance(value, list) and any(not p for p in value)):
+            raise ValueError("the prompt is empty; give a non-empty string or token-id list")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported by this server; omit it")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not supported by this server; omit it")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of={self.best_of} is not supported; omit it or set it equal to n={self.n}",
+                              "best_of")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings and/or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as is
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "".join(part.text for part in self.content)
+        return data
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(f"top_logprobs={self.top_logprobs} requires logprobs=true", "top_logprobs")
+        return self
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_request(model_cls: type[_GenerationRequest], body: Any) -> _GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+
+
+# ---- request -> SamplingParams -------------------------------------------------------------------------
+
+def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
+                    choice: int) -> SamplingParams:
+    """The engine parameters of choice ``choice`` (0-based) of ``req``; a seed is offset by the choice so
+    the n choices differ but each is reproducible."""
+    kwargs: dict[str, Any] = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=None if req.seed is None else req.seed + choice,
+        max_tokens=max_tokens,
+        stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    if req.speculative is not None and req.speculative.num_tokens() is not None:
+        kwargs["num_speculative_tokens"] = req.speculative.num_tokens()
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as err:
+        raise from_value_error(err) from None
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str) -> None:
+    """400 ``context_length_exceeded`` when the prompt (plus the requested output) does not fit."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens (at least one must be left to generate); shorten the prompt",
+            "messages" if limit_param == "max_completion_tokens" else "prompt", "context_length_exceeded")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} to "
+            f"generate); lower {limit_param} to at most {max_model_len - num_prompt_tokens} or shorten the prompt",
+            limit_param, "context_length_exceeded")
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+class SpeculativeUsage(BaseModel):
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 1.0
+
+    @classmethod
+    def from_stats(cls, stats: SpecStats) -> "SpeculativeUsage":
+        return cls(drafts=stats.drafts, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+                   acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpeculativeUsage
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, speculative=SpeculativeUsage.from_stats(stats))
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, then {} with the finish reason
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specray"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    data = payload.model_dump() if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+# ---- logprobs ------------------------------------------------------------------------------------------
+
+class LogprobFormatter:
+    """Turns the engine's per-token ``{token_id: logprob}`` maps into OpenAI's two logprob formats.
+    Token strings are decoded one id at a time (cached)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._strings: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        text = self._strings.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._strings[token_id] = text
+        return text
+
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], num: int,
+                   offset: int = 0) -> CompletionLogprobs:
+        """Legacy format: each token, its logprob, the top ``num`` alternatives plus the chosen token, and each
+        token's character offset in the generated text (starting at ``offset``)."""
+        out = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, logprobs):
+            text = self.token(token_id)
+            top = _ranked(entry)[:num]
+            if token_id in entry and token_id not in (t for t, _ in top):
+                top.append((token_id, entry[token_id]))
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(entry.get(token_id)))
+            out.top_logprobs.append({self.token(t): _finite(lp) for t, lp in top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], num: int) -> ChatLogprobs:
+        """Chat format: per token {token, logprob, bytes, top_logprobs (the best ``num``)}."""
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            content.append(TokenLogprob(
+                **self._top(token_id, entry.get(token_id)).model_dump(),
+                top_logprobs=[self._top(t, lp) for t, lp in _ranked(entry)[:num]],
+            ))
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float | None) -> TopLogprob:
+        text = self.token(token_id)
+        return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
+
+
+def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])
+
+
+def _finite(logprob: float | None) -> float:
+    if logprob is None or logprob != logprob:  # missing or NaN
+        return LOGPROB_FLOOR
+    return max(float(logprob), LOGPROB_FLOOR)

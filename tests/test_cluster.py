@@ -1,0 +1,306 @@
+"""The Ray backend on a simulated three-node cluster: tensor-parallel target actors (gloo), drafter actors,
+the shared n-gram pool, failures, and placement across nodes."""
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams
+from specray.config import EngineArgs, SpeculativeConfig
+from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.engine import LLMEngine
+from specray.errors import RequestFailedError
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+HALF_CPU = {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}
+MAX_TOKENS = 20
+
+
+def engine_for(model, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 8)
+    return LLMEngine.from_engine_args(EngineArgs(model=str(model), **kw))
+
+
+def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def run_to_end(engine: LLMEngine, prompts, params=None) -> list[list[int]]:
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+class NoisyOracle:
+    """Drafts the known greedy continuation, corrupted at a random position half the time: random accept
+    lengths (0..k) at every step."""
+
+    def __init__(self, references: dict[str, tuple[int, list[int]]], vocab_size: int, seed: int = 0):
+        self.references = references  # req_id -> (prompt length, greedy output)
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        out = []
+        for d in batch:
+            plen, ref = self.references[d.req_id]
+            draft = list(ref[len(d.token_ids) - plen: len(d.token_ids) - plen + d.max_draft_tokens])
+            if draft and self.rng.random() < 0.5:
+                j = self.rng.randrange(len(draft))
+                draft[j] = (draft[j] + 1) % self.vocab_size
+            out.append(Proposal(draft))
+        return out
+
+    def finish(self, req_ids) -> None:
+        pass
+
+
+# ---- tensor parallelism: step-by-step equality with one rank -------------------------------------------------
+
+def replay_on(executor, plan, probs):
+    """Run ``plan`` on every rank of a Ray executor; rank 0's (result, logits)."""
+    import ray
+
+    refs = [w.call.remote("execute_with_logits", plan, probs if i == 0 else None)
+            for i, w in enumerate(executor.workers)]
+    return ray.get(refs)[0]
+
+
+def assert_kv_matches(reference_worker, executor, live: list[tuple[str, int]], heads) -> None:
+    """Every rank's cached k/v for the live positions of each request equal one rank's, head by head."""
+    per_rank = executor.call_all("kv_snapshots", live)
+    for i, (req_id, num_tokens) in enumerate(live):
+        full = reference_worker.kv_snapshot(req_id, num_tokens)  # [L, 2, n, Hkv, D]
+        for shards, (start, count) in zip(per_rank, heads):
+            torch.testing.assert_close(shards[i], full[:, :, :, start:start + count], atol=1e-5, rtol=0)
+
+
+TP_CASES = [("llama", 2, {}), ("qwen2", 2, {}), ("llama", 3, {"num_attention_heads": 6, "num_key_value_heads": 3,
+                                                              "hidden_size": 96, "intermediate_size": 192}),
+            ("llama", 2, {"num_key_value_heads": 1})]  # one KV head: replicated on both ranks
+
+
+@pytest.mark.parametrize("arch,tp,overrides", TP_CASES, ids=["llama-tp2", "qwen2-tp2", "llama-tp3", "llama-tp2-kv1"])
+def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, overrides):
+    """One rank runs batches of 1 and 8, plain and with randomly accepted drafts; every plan is replayed on a
+    TP group: same tokens, logits within 1e-4, and every shard's live KV slots equal to one rank's."""
+    model = make_tiny_model(tmp_path / arch, arch, seed=7, tie_word_embeddings=False, **overrides)
+    executor = engine_for(model, tensor_parallel_size=tp, ray_placement=HALF_CPU, num_kv_blocks=96).executor
+    try:
+        for batch, speculate in [(1, False), (8, False), (1, True), (8, True)]:
+            compare_run(model, executor, prompts_for(batch, seed=batch), speculate)
+    finally:
+        executor.shutdown()
+
+
+def compare_run(model, tp_executor, prompts, speculate: bool) -> None:
+    plain = engine_for(model, num_kv_blocks=96)
+    references = run_to_end(plain, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 4} if speculate else None
+    engine = engine_for(model, num_kv_blocks=96, speculative_config=spec)
+    worker = engine.executor.worker
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = [engine.add_request(p, params) for p in prompts]
+    if speculate:
+        engine.drafter = NoisyOracle({i: (len(p), r) for i, p, r in zip(ids, prompts, references)},
+                                     engine.vocab_size)
+    assert replay_steps(engine, worker, tp_executor) > 0
+    assert not engine.has_unfinished_requests()
+    if speculate:
+        assert engine.spec_stats.draft_tokens > engine.spec_stats.accepted_tokens > 0  # mixed accept/reject
+
+
+def replay_steps(engine: LLMEngine, worker, tp_executor) -> int:
+    """Step the one-rank engine; after each step run the same plan on the TP group and compare."""
+    steps = 0
+    original = engine.executor.execute
+
+    def recording_execute(plan, draft_probs=None):
+        result, logits = worker.execute_with_logits(plan, draft_probs)
+        tp_result, tp_logits = replay_on(tp_executor, plan, draft_probs)
+        assert tp_result.sampled_token_ids == result.sampled_token_ids
+        if logits is not None:
+            assert (tp_logits - logits).abs().max().item() < 1e-4
+        return result
+
+    engine.executor.execute = recording_execute
+    heads = tp_executor.call_all("kv_head_range")
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            live = [(r.req_id, r.num_computed_tokens) for r in engine.scheduler.running if r.num_computed_tokens]
+            if live:
+                assert_kv_matches(worker, tp_executor, live, heads)
+    finally:
+        engine.executor.execute = original
+    return steps
+
+
+# ---- end to end through the engine actor ---------------------------------------------------------------------
+
+def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompts = prompts_for(8, seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    local = LLM(str(tiny_llama_dir), max_model_len=256).generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                  use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, tensor_parallel_size=2, ray_placement=HALF_CPU,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        remote = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in remote] == [o.outputs[0].token_ids for o in local]
+        assert llm.spec_stats.drafts > 0
+        assert llm.engine.describe()["num_free_blocks"] == llm.engine.describe()["num_kv_blocks"]
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate({"prompt_token_ids": [5] * 300}, sp)
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    out = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+    assert out[0, len(prompts[0]):].tolist() == remote[0].outputs[0].token_ids
+
+
+def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_attention_heads|divisible"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=3, ray_placement=HALF_CPU)
+    with pytest.raises(ValueError, match="cannot place"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement={"worker_num_cpus": 64})
+
+
+# ---- failures ------------------------------------------------------------------------------------------------
+
+def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
+    import ray
+    from specray.async_engine import AsyncLLMEngine
+
+    prompt = prompts_for(1, seed=5)[0]
+    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
+    aengine = AsyncLLMEngine(engine)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        stream = aengine.generate(prompt, long)
+        await stream.__anext__()  # the request is running on both ranks
+        ray.kill(engine.executor.workers[1])
+        start = time.monotonic()
+        with pytest.raises(RequestFailedError, match="target rank"):
+            async for _ in stream:
+                pass
+        failed_after = time.monotonic() - start
+        final = None
+        async for final in aengine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)):
+            pass
+        return failed_after, final
+
+    try:
+        failed_after, final = asyncio.run(scenario())
+        assert failed_after < 60  # restart included; the failure itself is seen at once
+        assert final.outputs[0].token_ids == reference
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        aengine.shutdown()
+        engine.executor.shutdown()
+
+
+def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch):
+    import ray
+    from specray.cluster import drafter_actor
+
+    monkeypatch.setattr(drafter_actor, "RESPAWN_BACKOFF_S", 0.0)
+    prompts = prompts_for(4, seed=3)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        ids = [engine.add_request(p, params) for p in prompts]
+        for _ in range(3):
+            engine.step()
+        ray.kill(engine.drafter.actor)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert [done[i] for i in ids] == references
+        deadline = time.monotonic() + 60
+        while engine.drafter.actor is None and time.monotonic() < deadline:  # a replacement comes up
+            engine.drafter.propose([])
+            time.sleep(0.2)
+        assert engine.drafter.actor is not None
+        assert run_to_end(engine, prompts) == references
+    finally:
+        engine.drafter.shutdown()
+        engine.executor.shutdown()
+
+
+# ---- the shared n-gram pool across replicas ----------------------------------------------------------------
+
+def _pool_drafter(pool_name: str):
+    from specray.cluster.drafter_actor import RemoteDrafter
+    from specray.config import RayPlacement
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3,
+                             is_public_pool=True)
+    ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
+    return RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool_name), "unused")
+
+
+def test_shared_pool_lets_a_replica_draft_from_another_replicas_text():
+    import ray
+
+    params = SamplingParams(temperature=0.0)
+    first, second, alone = _pool_drafter("t-shared"), _pool_drafter("t-shared"), _pool_drafter("t-other")
+    try:
+        text = [900, 901, 902, 903, 904, 905, 906, 907]  # only the first replica ever sees these
+        first.propose([DraftRequest("a", [1, 2, 3] + text, 4, params)])
+        ray.get(first.actor.sync_pool.remote())
+        ray.get(second.actor.sync_pool.remote())
+        ask = DraftRequest("b", [7, 8, 901, 902], 4, params)
+        assert second.propose([ask])[0].token_ids == [903, 904, 905, 906]
+        assert alone.propose([ask])[0].token_ids == []
+    finally:
+        for d in (first, second, alone):
+            d.shutdown()
+        for name in ("t-shared", "t-other"):
+            ray.kill(ray.get_actor("specray-ngram-pool:" + name, namespace="specray"))
+
+
+# ---- several nodes -------------------------------------------------------------------------------------------
+
+def test_tp_ranks_on_two_nodes_and_the_draft_model_on_a_third(tiny_llama_dir, tiny_draft_dir):
+    import ray
+
+    placement = dict(HALF_CPU, strategy="STRICT_SPREAD", worker_resources=[{"node0": 0.01}, {"node1": 0.01}],
+                     drafter_resources={"node2": 0.01})
+    prompts = prompts_for(8, seed=21)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=placement,
+                        speculative_config={"method": "draft_model", "model": str(tiny_draft_dir),
+                                            "num_speculative_tokens": 3})
+    try:
+        nodes = {n["Resources"].get("node0") and "node0" or n["Resources"].get("node1") and "node1" or "node2":
+                 n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        worker_nodes = ray.get([w.node_id.remote() for w in engine.executor.workers])
+        assert worker_nodes == [nodes["node0"], nodes["node1"]]
+        assert ray.get(engine.drafter.actor.node_id.remote()) == nodes["node2"]
+        assert run_to_end(engine, prompts) == references
+        assert engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.drafter.shutdown()
+        engine.executor.shutdown()

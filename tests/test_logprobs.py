@@ -1,0 +1,206 @@
+"""Logprobs (``SamplingParams.logprobs``): the target's raw log_softmax at each output token, with and without
+speculation, against transformers; top-k; truncation under stops and max_tokens; preemption; no host sync."""
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams
+from specray.scheduler.request import Request
+from specray.verification import target_logprobs, unpad_with_logprobs
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "Hello",
+    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):",
+    "def mul(a, b):\n    return a * b\ndef add(a, b):",
+]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+TOL = 1e-4
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """[n, V]: log_softmax of transformers' logits at the positions that chose each of the n output tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]  # [P + n, V]
+    return logits[len(prompt_ids) - 1 : -1].float().log_softmax(-1)
+
+
+def assert_matches_reference(out, ref: torch.Tensor, k: int) -> None:
+    """Each entry holds the chosen token's logprob and exactly the top-k, all equal to the reference."""
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids) == ref.shape[0]
+    for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        assert next(iter(entry)) == token  # the chosen token first
+        top = ref[i].topk(k)
+        assert set(entry) == {token, *top.indices.tolist()}
+        for t, lp in entry.items():
+            assert lp == pytest.approx(ref[i, t].item(), abs=TOL)
+        assert sorted((entry[t] for t in top.indices.tolist()), reverse=True) == pytest.approx(
+            top.values.tolist(), abs=TOL)  # the k largest
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs)))
+    assert comp.cumulative_logprob == pytest.approx(ref.gather(1, torch.tensor(comp.token_ids)[:, None]).sum().item(),
+                                                    abs=TOL * len(comp.token_ids))
+
+
+@pytest.mark.parametrize("engine", ["plain", "ngram"])
+@pytest.mark.parametrize("params", [greedy(logprobs=3),
+                                    SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True,
+                                                   logprobs=5)], ids=["greedy", "sampled"])
+def test_logprobs_match_transformers(request, hf_model, engine, params):
+    llm = request.getfixturevalue(engine)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outs:
+        assert_matches_reference(out, hf_logprobs(hf_model, out.prompt_token_ids, out.outputs[0].token_ids),
+                                 params.logprobs)
+    if engine == "ngram":
+        assert sum(o.spec_stats.accepted_tokens for o in outs) > 0  # some came from accepted drafts' rows
+
+
+def test_ngram_logprobs_equal_plain(plain, ngram):
+    a = plain.generate(PROMPTS, greedy(logprobs=2), use_tqdm=False)
+    b = ngram.generate(PROMPTS, greedy(logprobs=2), use_tqdm=False)
+    assert sum(o.spec_stats.accepted_tokens for o in b) > 0
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for ex, ey in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert list(ex) == list(ey) and list(ex.values()) == pytest.approx(list(ey.values()), abs=TOL)
+        assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob, abs=TOL * 24)
+
+
+def test_logprobs_zero_and_none(plain):
+    outs = plain.generate(PROMPTS[:3], [greedy(logprobs=0), greedy(), greedy(logprobs=1)], use_tqdm=False)
+    zero, none, one = (o.outputs[0] for o in outs)
+    assert [list(e) for e in zero.logprobs] == [[t] for t in zero.token_ids]  # only the chosen token
+    assert none.logprobs is None and none.cumulative_logprob is None
+    assert all(1 <= len(e) <= 2 for e in one.logprobs) and len(one.logprobs) == len(one.token_ids)
+
+
+@pytest.mark.parametrize("engine", ["plain", "ngram"])
+def test_logprobs_truncated_with_the_tokens(request, hf_model, engine):
+    """Stop strings (finish_request truncates), stop tokens inside an accepted run (the scheduler drops the
+    rest) and max_tokens all leave exactly one entry per output token, the same as the full run's prefix."""
+    llm = request.getfixturevalue(engine)
+    full = llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
+    for out in full:
+        comp = out.outputs[0]
+        stop = comp.text[len(comp.text) // 2 : len(comp.text) // 2 + 2]
+        cases = [greedy(24, logprobs=1, stop_token_ids=[comp.token_ids[10]]), greedy(7, logprobs=1)]
+        cases += [greedy(24, logprobs=1, stop=[stop])] if stop.strip() else []
+        for params in cases:
+            got = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0].outputs[0]
+            assert len(got.logprobs) == len(got.token_ids) < 24
+            assert got.token_ids == comp.token_ids[: len(got.token_ids)]
+            for a, b in zip(got.logprobs, comp.logprobs):
+                assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=TOL)
+
+
+def test_stop_token_inside_an_accepted_run(tiny_llama_dir, hf_model, monkeypatch):
+    """The target drafting for itself keeps 4 tokens a step. A stop token that is not the last of a step's kept
+    tokens makes the scheduler drop the rest, and their logprobs must go with them."""
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    steps: list[list[int]] = []
+    execute = llm.engine.executor.execute
+
+    def spy(plan, draft_probs=None):
+        result = execute(plan, draft_probs)
+        steps.extend(t for t in result.sampled_token_ids if t)
+        return result
+
+    monkeypatch.setattr(llm.engine.executor, "execute", spy)
+    found = 0
+    for prompt in PROMPTS:
+        steps.clear()
+        full = llm.generate(prompt, greedy(24, logprobs=1), use_tqdm=False)[0]
+        assert_matches_reference(full, hf_logprobs(hf_model, full.prompt_token_ids, full.outputs[0].token_ids), 1)
+        ids = full.outputs[0].token_ids
+        starts = [sum(len(s) for s in steps[:i]) for i in range(len(steps))]
+        cut = next((p + j for p, s in zip(starts, steps) for j in range(len(s) - 1) if s[j] not in ids[: p + j]), None)
+        if cut is None:
+            continue
+        got = llm.generate(prompt, greedy(24, logprobs=1, stop_token_ids=[ids[cut]]), use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == ids[: cut + 1] and len(got.logprobs) == cut + 1
+        assert [list(e) for e in got.logprobs] == [list(e) for e in full.outputs[0].logprobs[: cut + 1]]
+        found += 1
+    assert found > 0
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_preemption_does_not_duplicate_logprobs(tiny_llama_dir, hf_model, spec):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=30)
+    outs = llm.generate(PROMPTS, greedy(24, logprobs=2), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert_matches_reference(out, hf_logprobs(hf_model, out.prompt_token_ids, out.outputs[0].token_ids), 2)
+
+
+# ---- units ----------------------------------------------------------------------------------------------------
+
+
+def test_request_keeps_one_entry_per_output_token():
+    req = Request("r", [1, 2], SamplingParams(logprobs=1))
+    req.append_token(5)
+    req.append_token(6)
+    req.extend_logprobs([{5: -0.1}, {6: -0.2}, {7: -0.3}])  # the third token was dropped (a stop token)
+    assert req.output_logprobs == [{5: -0.1}, {6: -0.2}] and req.cumulative_logprob == pytest.approx(-0.3)
+    req.append_token(8)
+    req.extend_logprobs([{8: -0.5}])
+    req.truncate_output(1)
+    assert req.output_logprobs == [{5: -0.1}] and req.cumulative_logprob == pytest.approx(-0.1)
+    assert Request("s", [1], SamplingParams()).output_logprobs is None
+
+
+def test_target_logprobs_and_unpad():
+    torch.manual_seed(0)
+    B, K, V = 3, 2, 11
+    logits = torch.randn(B, K + 1, V)
+    tokens = torch.tensor([[4, 7, -1], [2, -1, -1], [1, 3, 9]])  # 2, 1 and 3 kept tokens
+    n = torch.tensor([1, 0, 2])
+    lp = target_logprobs(logits, tokens, [2, None, 0])
+    kept, entries = unpad_with_logprobs(tokens, n, lp)
+    assert kept == [[4, 7], [2], [1, 3, 9]]
+    ref = logits.log_softmax(-1)
+    assert entries[1] == [] and [list(e) for e in entries[2]] == [[1], [3], [9]]
+    for j, t in enumerate(kept[0]):
+        top = ref[0, j].topk(2)
+        assert list(entries[0][j])[0] == t and set(entries[0][j]) == {t, *top.indices.tolist()}
+        assert entries[0][j][t] == pytest.approx(ref[0, j, t].item(), abs=1e-6)
+    assert entries[2][2][9] == pytest.approx(ref[2, 2, 9].item(), abs=1e-6)
+    assert target_logprobs(logits, tokens, [None] * B) is None
+    assert unpad_with_logprobs(tokens, n, None) == (kept, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_logprobs_has_no_host_sync(no_host_sync, device):
+    logits = torch.randn(4, 3, 30, device=device)
+    tokens = torch.randint(30, (4, 3), device=device)
+    with no_host_sync():
+        target_logprobs(logits, tokens, [3, None, 0, 5])
+        target_logprobs(logits, tokens, [1, 1, 1, 1])
