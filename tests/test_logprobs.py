@@ -103,19 +103,20 @@ def test_logprobs_zero_and_none(plain):
 
 
 @pytest.mark.parametrize("engine", ["plain", "ngram"])
-def test_logprobs_truncated_with_the_tokens(request, hf_model, engine):
-    """Stop strings (finish_request truncates), stop tokens inside an accepted run (the scheduler drops the
-    rest) and max_tokens all leave exactly one entry per output token, the same as the full run's prefix."""
+def test_logprobs_truncated_with_the_tokens(request, engine):
+    """Stop tokens, max_tokens and stop strings (the engine truncates through finish_request) all leave exactly
+    one entry per output token, the same as the full run's prefix."""
     llm = request.getfixturevalue(engine)
-    full = llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
-    for out in full:
-        comp = out.outputs[0]
-        stop = comp.text[len(comp.text) // 2 : len(comp.text) // 2 + 2]
-        cases = [greedy(24, logprobs=1, stop_token_ids=[comp.token_ids[10]]), greedy(7, logprobs=1)]
-        cases += [greedy(24, logprobs=1, stop=[stop])] if stop.strip() else []
-        for params in cases:
-            got = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0].outputs[0]
-            assert len(got.logprobs) == len(got.token_ids) < 24
+    full = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)]
+    stops = [c.text[len(c.text) // 2 : len(c.text) // 2 + 2] for c in full]
+    cases = [[greedy(24, logprobs=1, stop_token_ids=[c.token_ids[10]]) for c in full],
+             [greedy(7, logprobs=1)] * len(full),
+             [greedy(24, logprobs=1, stop=[s] if s.strip() else []) for s in stops]]
+    for params in cases:
+        for comp, got, sp in zip(full, llm.generate(PROMPTS, params, use_tqdm=False), params):
+            got = got.outputs[0]
+            assert len(got.logprobs) == len(got.token_ids)
+            assert got.finish_reason == "stop" if sp.stop or sp.stop_token_ids else len(got.token_ids) == 7
             assert got.token_ids == comp.token_ids[: len(got.token_ids)]
             for a, b in zip(got.logprobs, comp.logprobs):
                 assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=TOL)
