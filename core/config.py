@@ -63,9 +63,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
                              "smaller model with the target's tokenizer")
-        if self.draft_tensor_parallel_size < 1:
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size} "
-                             "must be >= 1")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size}: "
+                             "the draft model runs on one rank (its own actor with the Ray backend); use 1")
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

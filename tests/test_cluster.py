@@ -163,6 +163,10 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
         remote = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in remote] == [o.outputs[0].token_ids for o in local]
         assert llm.spec_stats.drafts > 0
+        streams = asyncio.run(stream_concurrently(llm.engine.actor, prompts[:4], sp))
+        for items, ref in zip(streams, local):
+            assert len(items) > 1 and items[-1].finished and not any(i.finished for i in items[:-1])
+            assert items[-1].outputs[0].token_ids == ref.outputs[0].token_ids
         assert llm.engine.describe()["num_free_blocks"] == llm.engine.describe()["num_kv_blocks"]
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate({"prompt_token_ids": [5] * 300}, sp)
@@ -171,6 +175,15 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     out = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
     assert out[0, len(prompts[0]):].tolist() == remote[0].outputs[0].token_ids
+
+
+async def stream_concurrently(actor, prompts, params):
+    """Several callers at once, each reading its own request's outputs as they stream from the engine actor."""
+
+    async def one(prompt):
+        return [await ref async for ref in actor.generate.remote(prompt, params)]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
