@@ -88,7 +88,8 @@ class RayPlacement:
     """Where the Ray backend puts its actors. The target's TP ranks share one placement group (one bundle per
     rank, ``strategy`` over nodes); drafter actors are placed on their own, anywhere they fit."""
 
-    strategy: str = "STRICT_PACK"  # STRICT_PACK: all ranks on one node; STRICT_SPREAD: one rank per node
+    # PACK: one node when the ranks fit on one, else several; STRICT_PACK: one node; STRICT_SPREAD: a node each
+    strategy: str = "PACK"
     worker_num_cpus: float = 1.0  # per TP rank (fractions are fine; never more than a node has)
     worker_num_gpus: float | None = None  # None: 1 per rank when the cluster has GPUs, else 0
     worker_resources: list[dict[str, float]] | None = None  # extra custom resources, one dict per rank

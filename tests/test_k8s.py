@@ -512,6 +512,10 @@ def _head_container(obj):
     return ray_container(cluster_spec(obj)["headGroupSpec"])
 
 
+def o_containers(obj):
+    return cluster_spec(obj)["headGroupSpec"]["template"]["spec"]["containers"]
+
+
 BROKEN = {  # description: (mutation, a path the error must name)
     "replicas a string": (lambda o: _worker(o).__setitem__("replicas", "1"), "replicas"),
     "rayStartParams value not a string": (
@@ -526,10 +530,6 @@ BROKEN = {  # description: (mutation, a path the error must name)
     "serveConfigV2 not a string": (lambda o: o["spec"].__setitem__("serveConfigV2", {"applications": []}),
                                    "serveConfigV2"),
 }
-
-
-def o_containers(obj):
-    return cluster_spec(obj)["headGroupSpec"]["template"]["spec"]["containers"]
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
