@@ -230,14 +230,21 @@ def target_logprobs(target_logits: torch.Tensor, output_tokens: torch.Tensor,
     if not rows:
         return None
     B, K1, V = target_logits.shape
-    if len(rows) < B:  # an index from a host list: a host-to-device copy, not a sync
-        index = torch.tensor(rows, dtype=torch.long, device=target_logits.device)
+    if len(rows) < B:
+        index = _device_index(rows, target_logits.device)
         target_logits, output_tokens = target_logits.index_select(0, index), output_tokens.index_select(0, index)
     num_top = [num_logprobs[b] for b in rows]
     chosen, top_ids, top_lp = compute_logprobs(target_logits.reshape(-1, V), output_tokens.reshape(-1).clamp_min(0),
                                                max(num_top))  # [M*(K+1)], [M*(K+1), k] x 2
     M = len(rows)
     return TargetLogprobs(rows, num_top, chosen.view(M, K1), top_ids.view(M, K1, -1), top_lp.view(M, K1, -1))
+
+
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """A host list -> an int64 index on ``device`` with no stream sync: on CUDA an asynchronous copy from pinned
+    memory (a plain ``torch.tensor(rows, device=...)`` copies from pageable memory and waits for the stream)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def unpad_outputs(output_tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:

@@ -181,6 +181,8 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: SamplingParams(temperature=-1), "temperature"),
     (lambda llm: SamplingParams(top_p=0), "top_p"),
     (lambda llm: SamplingParams(top_p=1.5), "top_p"),
+    (lambda llm: SamplingParams(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (lambda llm: SamplingParams(num_speculative_tokens=1.5), "num_speculative_tokens"),
     (lambda llm: SpeculativeConfig(method="medusa-ish"), "method"),
     (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
     (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
@@ -242,3 +244,31 @@ def test_spec_stats_shape(tiny_llama_dir):
     assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.drafts)
     assert len(s.per_position) <= 4 and all(0 <= p <= 1 for p in s.per_position)
     assert s.per_position == sorted(s.per_position, reverse=True)
+
+
+def test_per_request_num_speculative_tokens(tiny_llama_dir, plain_outputs):
+    """0 drafts nothing for that request while its neighbours draft; k caps its drafts per step; a k above the
+    engine's is capped, not an error; greedy output is unchanged."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    params = [greedy(num_speculative_tokens=k) for k in (0, None, 1, 100)] * 2
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    stats = [o.spec_stats for o in outs]
+    assert all(s.drafts == 0 for s in stats[0::4])
+    assert sum(s.drafts for s in stats[1::4]) > 0
+    assert sum(s.drafts for s in stats[2::4]) > 0 and all(s.draft_tokens == s.drafts for s in stats[2::4])
+    assert sum(s.draft_tokens for s in stats[3::4]) > 0 and all(len(s.per_position) <= 4 for s in stats[3::4])
+
+
+def test_policy_caps_draft_length_per_request():
+    from specray.scheduler.draft_policy import DraftLengthPolicy
+    from specray.scheduler.request import Request
+
+    def req(k):
+        r = Request(str(k), [1, 2, 3], SamplingParams(temperature=0.0, num_speculative_tokens=k))
+        r.draft_accepts, r.draft_rejects = 100.0, 0.0  # alpha ~ 1: the policy wants the most drafts
+        return r
+
+    for adaptive in (False, True):
+        policy = DraftLengthPolicy(5, adaptive=adaptive)
+        assert [policy.choose(req(k), batch_size=1) for k in (None, 0, 2, 9)] == [5, 0, 2, 5]
