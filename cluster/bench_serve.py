@@ -139,7 +139,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
             continue
         data = line[len("data:"):].strip()
         if data == "[DONE]":
-            break
+            continue  # read to the end of the body so the connection can be reused
         event = json.loads(data)
         if "error" in event:
             result.error = f"stream error: {event['error'].get('message')}"

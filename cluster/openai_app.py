@@ -70,10 +70,17 @@ class AsyncEngineClient:
         return self.aengine.engine.max_model_len
 
     def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self._check_running()
         return self.aengine.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
 
     async def engine_state(self) -> dict:
+        self._check_running()
         return await self.aengine.call(engine_state)
+
+    def _check_running(self) -> None:
+        if not self.aengine.is_running:  # a command would wait forever for a dead engine thread
+            raise EngineError("the engine loop is not running; restart the server (Serve replaces an unhealthy "
+                              "replica on its own)")
 
     def is_healthy(self) -> bool:
         return self.aengine.is_running
@@ -121,9 +128,9 @@ class _Choice:
 
 
 class _Fanout:
-    """Runs the engine requests of one HTTP request concurrently; ``next()`` returns (choice, output) as outputs
-    arrive and None when all finished, and raises the first error. ``close()`` cancels what is still running,
-    which closes those engine streams (the engine aborts them and frees their blocks)."""
+    """Runs the engine requests of one HTTP request concurrently. ``next()`` returns the choice that just got a
+    new output (already applied to it), None when all finished, and raises the first error. ``close()`` cancels
+    what is still running, which closes those engine streams (the engine aborts them and frees their blocks)."""
 
     def __init__(self, client: EngineClient, choices: list[_Choice], arrival: float, metrics: ServerMetrics,
                  on_started: Callable[[], None]):
@@ -160,10 +167,10 @@ class _Fanout:
             self._on_started()
 
     async def _pump(self, choice: _Choice) -> None:
-        stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
-                                       req_id=choice.req_id)
         first = None
         try:
+            stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
+                                           req_id=choice.req_id)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if first is None:
@@ -323,7 +330,10 @@ class OpenAIServing:
                                                 code="engine_dead"))
 
     async def prometheus(self) -> Response:
-        self.metrics.record_engine_state(await self.client.engine_state())
+        try:
+            self.metrics.record_engine_state(await self.client.engine_state())
+        except EngineError as err:  # still serve the counters; /health reports the dead engine
+            logger.warning("metrics without fresh engine state: %s", err)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def debug_kv(self) -> dict:

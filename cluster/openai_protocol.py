@@ -60,10 +60,15 @@ def server_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\-]")  # 'list[int]', 'function-after[...]'
+
+
 def from_validation_error(err: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming its parameter (``messages.0.content`` for nested ones)."""
+    """The first pydantic error as a 400 naming its parameter (``messages.0.content`` for nested ones; the
+    union-member tags pydantic puts in a location, such as ``stop.str``, are dropped)."""
     first = err.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    parts = [str(p) for p in first["loc"] if isinstance(p, int) or not _UNION_TAG.search(p)]
+    param = ".".join(parts) or None
     if first["type"] == "extra_forbidden":
         return bad_request(f"{param} is not a supported parameter; remove it", param)
     got = first.get("input")

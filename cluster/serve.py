@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,9 @@ import ray  # noqa: E402  (after the environment above)
 from ray import serve  # noqa: E402
 from ray.serve import Application  # noqa: E402
 
-from specray.cluster.ray_env import ensure_ray  # noqa: E402
-
 from specray.cluster.metrics import ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app  # noqa: E402
+from specray.cluster.ray_env import ensure_ray  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -187,26 +187,39 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
 
 
 def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port: int = 8000,
-               ray_address: str | None = None, name: str = DEFAULT_APP_NAME, blocking: bool = True):
+               ray_address: str | None = None, name: str = DEFAULT_APP_NAME, blocking: bool = True,
+               proxy_location: str = "HeadOnly"):
     """Deploy the server on Ray Serve at http://host:port/ (starting a local Ray when ``ray_address`` is None and
-    this process is not connected yet). With ``blocking`` it serves until Ctrl-C, then shuts Serve down;
+    this process is not connected yet). The HTTP proxy runs on the head node only (``proxy_location``), so
+    host:port is the one address clients use. With ``blocking`` it serves until Ctrl-C, then shuts Serve down;
     otherwise it returns the app's handle."""
     ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
     app = build_app(args)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     handle = serve.run(app, name=name, route_prefix="/")
     logger.info("serving at http://%s:%d/v1", host, port)
     if not blocking:
         return handle
     try:
-        while True:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
+        wait_for_stop_signal()
         logger.info("shutting down")
     finally:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
     return None
+
+
+def wait_for_stop_signal() -> None:
+    """Block until Ctrl-C (SIGINT) or SIGTERM."""
+    stop = threading.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(sig, lambda *_: stop.set()) for sig in signals]
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, handler in zip(signals, previous):
+            signal.signal(sig, handler)

@@ -1,0 +1,653 @@
+"""The OpenAI-compatible server on Ray Serve (tiny model, CPU), driven with the official `openai` client and raw
+HTTP: endpoints, streaming, sampling parameters, logprobs, the speculative extension, errors, client disconnects,
+metrics, bench-serve, and a load test (32 streaming clients; SPECRAY_LOAD_SECONDS for the slow version).
+
+The app's logic that needs a controllable engine (queue full, engine failures) runs in-process on uvicorn with
+a fake engine client; everything else goes through one Serve deployment shared by this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from specray import SamplingParams
+from specray.outputs import CompletionOutput, RequestOutput, SpecStats
+
+MODEL = "tiny"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+MAX_MODEL_LEN = 256
+LOAD_PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello world! How are", "for i in range(10):",
+                "Summarize the following text", "Extract the names from: Alice", "Alice met Bob", "print(i)"]
+LOAD_MAX_TOKENS = 24
+LOAD_CLIENTS = 32
+SHORT_LOAD_SECONDS = 10.0
+LONG_LOAD_SECONDS = float(os.environ.get("SPECRAY_LOAD_SECONDS", "60"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- HTTP helpers ---------------------------------------------------------------------------------------
+
+def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    """GET (body None) or POST ``body``; returns (status, parsed JSON)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def sse_events(url: str, body: dict) -> list[str]:
+    """POST a streaming request and return the raw `data:` payloads, in order."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.read().decode().split("\n\n")
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def kv_state(base: str) -> dict:
+    return http_json(base + "/v1/debug/kv")[1]
+
+
+def wait_for_free_blocks(base: str, expected: int, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    state = kv_state(base)
+    while (state["free_blocks"] != expected or state["num_running"] or state["num_waiting"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+        state = kv_state(base)
+    return state
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """A sample's value from Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def error_of(status_body: tuple[int, dict]) -> tuple[int, dict]:
+    status, body = status_body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return status, body["error"]
+
+
+# ---- the Serve deployment --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_llama_dir):
+    """One deployment of the tiny model with n-gram speculation; yields its base URL."""
+    from ray import serve
+
+    from specray.cluster.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "spec_method": SPEC["method"],
+                     "num_spec_tokens": SPEC["num_speculative_tokens"], "max_model_len": MAX_MODEL_LEN,
+                     "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5})
+    serve.run(app, name="specray", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    """The same engine settings, in this process: the reference for greedy outputs."""
+    from specray import LLM
+
+    return LLM(model=str(tiny_llama_dir), speculative_config=SPEC, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+               seed=0)
+
+
+@pytest.fixture(scope="module")
+def start_blocks(server) -> int:
+    state = kv_state(server)
+    assert state["free_blocks"] == state["total_blocks"] > 0
+    return state["free_blocks"]
+
+
+def offline_greedy(offline, prompts: list[str], max_tokens: int, **kwargs) -> list:
+    return offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs),
+                            use_tqdm=False)
+
+
+# ---- endpoints -------------------------------------------------------------------------------------------
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    status, body = http_json(server + "/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_completion_matches_offline_greedy(client, offline):
+    prompt = "Alice met Bob"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    want = offline_greedy(offline, [prompt], 20)[0]
+    choice = resp.choices[0]
+    assert choice.text == want.outputs[0].text and choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert resp.usage.completion_tokens == 20 and resp.usage.total_tokens == resp.usage.prompt_tokens + 20
+    spec = resp.usage.model_extra["speculative"]
+    assert set(spec) >= {"drafts", "draft_tokens", "accepted_tokens", "mean_accepted_length"}
+    assert spec["accepted_tokens"] <= spec["draft_tokens"]
+
+
+def test_completion_with_token_ids_and_batch_of_prompts(client, offline):
+    ids = offline.get_tokenizer().encode("print(i)")
+    resp = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0)
+    want = offline.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=8),
+                            use_tqdm=False)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert all(c.text == want[0].outputs[0].text for c in resp.choices)
+    assert resp.usage.prompt_tokens == 2 * len(ids) and resp.usage.completion_tokens == 16
+
+
+def test_chat_uses_the_chat_template(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0)
+    want = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == want.outputs[0].text
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids) and resp.usage.completion_tokens == 12
+
+
+def test_streaming_completion_chunks_done_and_usage(server, client):
+    body = {"model": MODEL, "prompt": "Hello world! How are", "max_tokens": 16, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(server + "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
+    assert "speculative" in usage["usage"]
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    plain = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=16, temperature=0)
+    assert text == plain.choices[0].text
+
+
+def test_streaming_without_include_usage_has_no_usage_chunk(server):
+    events = sse_events(server + "/v1/completions",
+                        {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True})
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["choices"] for e in events[:-1])
+
+
+def test_streaming_chat_with_openai_client(client):
+    messages = [{"role": "user", "content": "Alice met Bob"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert text == plain.choices[0].message.content
+
+
+def _stop_for(text: str) -> str:
+    """A two-character printable stop string that occurs after the first character of ``text``."""
+    for i in range(1, len(text) - 1):
+        candidate = text[i:i + 2]
+        if candidate.isprintable() and candidate.isascii():
+            return candidate
+    pytest.skip(f"the tiny model's output {text!r} has no printable stop candidate")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences(server, client, stream):
+    prompt = "Alice met Bob"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    stop = _stop_for(full)
+    expected = full[:full.find(stop)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": ["\x00zz", stop]}
+    if stream:
+        chunks = [json.loads(e) for e in sse_events(server + "/v1/completions", {**body, "stream": True})[:-1]]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = client.completions.create(**body).choices[0]
+        text, finish = choice.text, choice.finish_reason
+    assert (text, finish) == (expected, "stop")
+
+
+def test_stop_token_ids(client, offline):
+    prompt = "Alice met Bob"
+    token_ids = offline_greedy(offline, [prompt], 12)[0].outputs[0].token_ids
+    stop_id = token_ids[4]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == token_ids.index(stop_id) + 1
+
+
+def test_n_choices_and_seeded_sampling_repeat(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=1.0, seed=1234, n=2)
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    single = client.completions.create(**{**kwargs, "n": 1, "seed": 1235})  # choice 1 has seed + 1
+    assert single.choices[0].text == first.choices[1].text
+
+
+def test_completion_logprobs_legacy_format(client, offline):
+    prompt = "Hello world! How are"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    want = offline_greedy(offline, [prompt], 8, logprobs=2)[0].outputs[0]
+    for i, (token_id, entry) in enumerate(zip(want.token_ids, want.logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[token_id], abs=1e-3)
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
+
+
+def test_chat_logprobs_format(client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert item.logprob <= 0 and isinstance(item.bytes, list) and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy: the best one
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs),
+                                                                reverse=True)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_speculative_extension(client):
+    kwargs = dict(model=MODEL, prompt="Hello world! How are", max_tokens=24, temperature=0)
+    default = client.completions.create(**kwargs)
+    off = client.completions.create(**kwargs, extra_body={"speculative": {"enabled": False}})
+    one = client.completions.create(**kwargs, extra_body={"speculative": {"num_speculative_tokens": 1}})
+    assert off.choices[0].text == default.choices[0].text == one.choices[0].text  # greedy is lossless
+    spec_on, spec_off = default.usage.model_extra["speculative"], off.usage.model_extra["speculative"]
+    assert spec_on["drafts"] > 0
+    assert spec_off == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0,
+                        "mean_accepted_length": 1.0}
+    spec_one = one.usage.model_extra["speculative"]
+    assert spec_one["draft_tokens"] == spec_one["drafts"] > 0
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+BAD_PARAMS = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"n": "two"}, "n"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"max_tokenz": 5}, "max_tokenz"),
+    ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
+    ({"speculative": {"enable": False}}, "speculative.enable"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [99999]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("override,param", BAD_PARAMS, ids=[p for _, p in BAD_PARAMS])
+def test_bad_parameters_are_400_naming_the_param(server, override, param):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **override}
+    status, err = error_of(http_json(server + "/v1/completions", body))
+    assert status == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == param and param.split(".")[-1] in err["message"]
+
+
+@pytest.mark.parametrize("override,param", [({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages"),
+                                            ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                                            ({"messages": [{"content": "x"}]}, "messages.0.role")])
+def test_bad_chat_parameters(server, override, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **override}
+    status, err = error_of(http_json(server + "/v1/chat/completions", body))
+    assert (status, err["param"]) == (400, param)
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
+    assert info.value.status_code == 400 and info.value.body["param"] == "temperature"
+
+
+def test_unknown_model_is_404(server, client):
+    status, err = error_of(http_json(server + "/v1/completions", {"model": "gpt-9", "prompt": "x"}))
+    assert (status, err["code"], err["param"]) == (404, "model_not_found", "model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+
+
+def test_context_length_exceeded(server):
+    long_prompt = "Hello world " * 200
+    status, err = error_of(http_json(server + "/v1/completions", {"model": MODEL, "prompt": long_prompt}))
+    assert (status, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt")
+    status, err = error_of(http_json(server + "/v1/completions",
+                                     {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN}))
+    assert (status, err["code"], err["param"]) == (400, "context_length_exceeded", "max_tokens")
+    assert str(MAX_MODEL_LEN) in err["message"]
+    status, err = error_of(http_json(server + "/v1/chat/completions",
+                                     {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}))
+    assert (status, err["code"]) == (400, "context_length_exceeded")
+
+
+def test_malformed_bodies(server):
+    status, err = error_of(http_json(server + "/v1/completions", b"{not json"))
+    assert status == 400 and "JSON" in err["message"]
+    status, err = error_of(http_json(server + "/v1/completions", b"[1, 2]"))
+    assert status == 400
+    status, err = error_of(http_json(server + "/v1/completions", {"model": MODEL}))
+    assert (status, err["param"]) == (400, "prompt")
+    status, err = error_of(http_json(server + "/v1/nothing-here"))
+    assert status == 404
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, client, offline, start_blocks):
+    prompt = "Extract the names from: Alice"
+    want = offline_greedy(offline, [prompt], 40)[0].outputs[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+    parts = [next(iter(stream)).choices[0].text]
+    for override, _ in BAD_PARAMS[:6]:
+        assert http_json(server + "/v1/completions", {"model": MODEL, "prompt": "x", **override})[0] == 400
+    parts += [c.choices[0].text for c in stream]
+    assert "".join(parts) == want
+    assert wait_for_free_blocks(server, start_blocks)["free_blocks"] == start_blocks
+
+
+# ---- disconnects, metrics --------------------------------------------------------------------------------
+
+def test_client_disconnect_mid_stream_frees_kv_blocks(server, start_blocks):
+    port = int(server.rsplit(":", 1)[1])
+    before = http_json_text(server + "/metrics")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert kv_state(server)["free_blocks"] < start_blocks  # the request holds blocks now
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    state = wait_for_free_blocks(server, start_blocks)
+    assert state["free_blocks"] == start_blocks and state["num_queued"] == 0
+    after = http_json_text(server + "/metrics")
+    assert metric_value(after, "specray_requests_total", status="cancelled") == \
+        metric_value(before, "specray_requests_total", status="cancelled") + 1
+
+
+def http_json_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def test_metrics_endpoint(server, client):
+    client.completions.create(model=MODEL, prompt="Hello world! How are", max_tokens=16, temperature=0)
+    http_json(server + "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1})
+    text = http_json_text(server + "/metrics")
+    assert metric_value(text, "specray_requests_total", model=MODEL, status="200") >= 1
+    assert metric_value(text, "specray_requests_total", status="400") >= 1
+    for name in ("specray_time_to_first_token_seconds_count", "specray_time_per_output_token_seconds_count",
+                 "specray_e2e_request_latency_seconds_count", "specray_generation_tokens_total",
+                 "specray_spec_drafts_total", "specray_spec_draft_tokens_total", "specray_spec_accepted_tokens_total",
+                 "specray_kv_blocks_total"):
+        assert metric_value(text, name) > 0, name
+    assert metric_value(text, "specray_spec_accepted_tokens_per_position_total", position="0") > 0
+    assert "specray_num_requests_waiting" in text and "specray_kv_blocks_used" in text
+    accepted = metric_value(text, "specray_spec_accepted_tokens_total")
+    drafts = metric_value(text, "specray_spec_drafts_total")
+    assert metric_value(text, "specray_spec_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
+
+
+def test_engine_state_through_the_deployment_handle(server):
+    from ray import serve
+
+    handle = serve.get_app_handle("specray")
+    state = handle.engine_state.remote().result(timeout_s=60)
+    assert state["total_blocks"] > 0 and set(state) >= {"free_blocks", "num_waiting", "num_running"}
+
+
+# ---- bench-serve and load --------------------------------------------------------------------------------
+
+def test_bench_serve_library_reports(server):
+    from specray.cluster.bench_serve import benchmark, format_report
+
+    summary = benchmark(base_url=server, model=None, prompts=LOAD_PROMPTS[:3], num_requests=6, concurrency=3,
+                        max_tokens=8, stream=True)
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_output_tokens"] == 48 and summary["request_throughput"] > 0
+    assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"]
+    report = format_report(summary)
+    assert "req/s" in report and "TTFT" in report and "p99" in report
+    chat = benchmark(base_url=server, model=MODEL, prompts=["Hello"], num_requests=2, request_rate=20.0,
+                     max_tokens=4, stream=False, chat=True)
+    assert chat["completed"] == 2 and chat["ttft_ms"]["p50"] is None
+
+
+def _load(server, offline, start_blocks, seconds: float) -> None:
+    """LOAD_CLIENTS streaming greedy clients for ``seconds`` while a side task sends bad requests: no request
+    fails, every output equals the offline one, and the KV blocks all come back."""
+    from specray.cluster.bench_serve import benchmark
+
+    reference = offline_greedy(offline, LOAD_PROMPTS, LOAD_MAX_TOKENS)
+    expected = [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in reference]
+    stop = threading.Event()
+    bad_statuses: list[int] = []
+
+    def send_bad_requests() -> None:
+        while not stop.is_set():
+            bad_statuses.append(http_json(server + "/v1/completions",
+                                           {"model": MODEL, "prompt": "x", "top_p": 0})[0])
+            time.sleep(0.2)
+
+    side = threading.Thread(target=send_bad_requests, daemon=True)
+    side.start()
+    try:
+        summary = benchmark(return_outputs=True, base_url=server, model=MODEL, prompts=LOAD_PROMPTS,
+                            num_requests=None, duration_s=seconds, concurrency=LOAD_CLIENTS,
+                            max_tokens=LOAD_MAX_TOKENS, stream=True)
+    finally:
+        stop.set()
+        side.join()
+    assert summary["failed"] == 0, summary["errors"]
+    assert summary["completed"] >= LOAD_CLIENTS
+    mismatches = [(o["prompt_index"], o["text"]) for o in summary["outputs"]
+                  if (o["text"], o["output_tokens"]) != expected[o["prompt_index"]]]
+    assert not mismatches, mismatches[:3]
+    assert bad_statuses and set(bad_statuses) == {400}
+    assert wait_for_free_blocks(server, start_blocks)["free_blocks"] == start_blocks
+
+
+def test_load_short(server, offline, start_blocks):
+    _load(server, offline, start_blocks, SHORT_LOAD_SECONDS)
+
+
+@pytest.mark.slow
+def test_load_long(server, offline, start_blocks):
+    _load(server, offline, start_blocks, LONG_LOAD_SECONDS)
+
+
+# ---- build_app arguments ---------------------------------------------------------------------------------
+
+def test_build_app_args_accept_serve_cli_strings(tiny_llama_dir):
+    from specray.cluster.serve import ServeArgs, replica_resources
+
+    parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir), "max_num_seqs": "4", "spec_method": "null",
+                                  "max_queue_len": "none", "num_cpus": "0.25"})
+    assert (parsed.max_num_seqs, parsed.spec_method, parsed.max_queue_len) == (4, None, None)
+    assert parsed.served_model_name == tiny_llama_dir.name
+    assert parsed.engine_args().speculative_config is None
+    assert replica_resources(parsed)["num_cpus"] == 0.25
+    with pytest.raises(ValueError, match="unknown keys"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "modle": "x"})
+    with pytest.raises(ValueError, match="max_num_seqs='four' must be an integer"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "max_num_seqs": "four"})
+    with pytest.raises(ValueError, match="num_replicas=0"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "num_replicas": 0})
+
+
+# ---- app logic with a fake engine (in-process uvicorn, no Ray) ------------------------------------------
+
+class FakeTokenizer:
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 250 + 1 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(96 + i % 26) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None):
+        return "".join(m["content"] for m in messages)
+
+
+class FakeEngineClient:
+    """Emits ``tokens`` outputs per request once ``gate`` opens; ``fail_after`` raises an engine failure after
+    that many outputs."""
+
+    max_model_len = 64
+    tokenizer = FakeTokenizer()
+
+    def __init__(self, tokens: int = 3, fail_after: int | None = None):
+        self.tokens = tokens
+        self.fail_after = fail_after
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gate: asyncio.Event | None = None
+        self.open = True
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self.gate.set)
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        from specray.errors import RequestFailedError
+
+        self.loop = asyncio.get_running_loop()
+        if self.gate is None:
+            self.gate = asyncio.Event()
+            if self.open:
+                self.gate.set()
+        await self.gate.wait()
+        for n in range(1, self.tokens + 1):
+            if self.fail_after is not None and n > self.fail_after:
+                raise RequestFailedError(req_id, "worker died")
+            done = n == self.tokens
+            out = CompletionOutput(0, "x" * n, list(range(n)), finish_reason="length" if done else None)
+            stats = SpecStats(drafts=n, draft_tokens=2 * n, accepted_tokens=n, accepted_per_position=[n])
+            yield RequestOutput(req_id, prompt, prompt_token_ids, [out], finished=done, spec_stats=stats)
+
+    async def engine_state(self) -> dict:
+        return {"free_blocks": 1, "total_blocks": 1, "used_blocks": 0, "num_waiting": 0, "num_running": 0}
+
+    def is_healthy(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None):
+    import uvicorn
+
+    from specray.cluster.openai_app import ServerConfig, build_openai_app
+
+    app = build_openai_app(fake, ServerConfig("fake", max_queue_len))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_queue_full_is_503():
+    fake = FakeEngineClient()
+    fake.open = False
+    with app_in_thread(fake, max_queue_len=1) as base:
+        body = {"model": "fake", "prompt": "hi", "max_tokens": 3}
+        first: list = []
+        waiter = threading.Thread(target=lambda: first.append(http_json(base + "/v1/completions", body)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while kv_state(base)["num_queued"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status, err = error_of(http_json(base + "/v1/completions", body))
+        assert (status, err["type"], err["code"]) == (503, "server_error", "queue_full")
+        fake.release()
+        waiter.join(timeout=30)
+        assert first[0][0] == 200 and first[0][1]["choices"][0]["text"] == "xxx"
+        assert http_json(base + "/v1/completions", body)[0] == 200  # the queue drained
+        assert kv_state(base)["num_queued"] == 0
+
+
+def test_engine_failure_is_500_before_output_and_an_error_event_mid_stream():
+    with app_in_thread(FakeEngineClient(tokens=3, fail_after=0)) as base:
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi"}))
+        assert (status, err["type"]) == (500, "server_error") and "worker died" in err["message"]
+    with app_in_thread(FakeEngineClient(tokens=3, fail_after=1)) as base:
+        events = sse_events(base + "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert events[-1] == "[DONE]" and "worker died" in json.loads(events[-2])["error"]["message"]
+
+
+def test_n_choices_stream_interleaved_with_indices():
+    with app_in_thread(FakeEngineClient(tokens=4)) as base:
+        events = sse_events(base + "/v1/completions", {"prompt": ["a", "b"], "n": 2, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts: dict[int, str] = {}
+        for chunk in chunks[:-1]:
+            for choice in chunk["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert texts == {i: "xxxx" for i in range(4)}
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == 2
+        assert usage["speculative"] == {"drafts": 16, "draft_tokens": 32, "accepted_tokens": 16,
+                                        "acceptance_rate": 0.5, "mean_accepted_length": 2.0}  # summed over choices
