@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                     ("GLOO_SOCKET_IFNAME", "lo")):
+# (GLOO_SOCKET_IFNAME is the worker's business: it picks loopback only for a loopback rendezvous.)
+for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
     os.environ.setdefault(_key, _value)
 
 import ray  # noqa: E402  (after the environment above)
@@ -56,6 +56,13 @@ class ServeArgs:
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
     max_ongoing_requests: int = 1024  # Serve's per-replica cap; admission is max_queue_len's job
+    device: str | None = None  # "cuda" or "cpu"; None: cuda when the process that runs the model sees a GPU
+    dtype: str = "auto"
+    # TP > 1: how the ranks' placement group spreads over nodes (PACK, STRICT_PACK, SPREAD, STRICT_SPREAD) and
+    # what each rank asks for (worker_num_gpus None: 1 per rank when the cluster has GPUs)
+    placement_strategy: str = "PACK"
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float | None = None
 
     _INT_FIELDS = ("tensor_parallel_size", "num_spec_tokens", "max_model_len", "max_num_seqs", "num_replicas",
                    "max_queue_len", "seed", "max_ongoing_requests")
@@ -88,6 +95,7 @@ class ServeArgs:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 0 (or None to decide from the cluster)")
         if self.served_model_name is None:
             self.served_model_name = default_served_name(self.model)
+        self.engine_args()  # device, dtype and placement errors before any replica starts
 
     def engine_args(self):
         from specray.config import EngineArgs
@@ -97,9 +105,14 @@ class ServeArgs:
             spec = {"method": self.spec_method, "num_speculative_tokens": self.num_spec_tokens,
                     "model": self.draft_model}
         # TP 1: the engine runs in the replica; TP > 1: it runs there too, its ranks are Ray actors.
+        placement = {"strategy": self.placement_strategy, "worker_num_cpus": self.worker_num_cpus,
+                     "worker_num_gpus": self.worker_num_gpus}
         return EngineArgs(model=self.model, speculative_config=spec, max_model_len=self.max_model_len,
                           max_num_seqs=self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
-                          seed=self.seed)
+                          seed=self.seed, device=self.device, dtype=self.dtype, ray_placement=placement)
+
+
+_FLOAT_FIELDS = ("num_cpus", "num_gpus", "worker_num_cpus", "worker_num_gpus")
 
 
 def _coerce(key: str, value: Any, is_int: bool) -> Any:
@@ -179,7 +192,8 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
     num_gpus = args.num_gpus
     if num_gpus is None:
         has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-        num_gpus = 1.0 if args.tensor_parallel_size == 1 and has_gpus else 0.0
+        runs_model_here = args.tensor_parallel_size == 1 and args.device != "cpu"
+        num_gpus = 1.0 if runs_model_here and has_gpus else 0.0
     options = {"num_cpus": args.num_cpus}
     if num_gpus:
         options["num_gpus"] = num_gpus

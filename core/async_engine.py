@@ -55,7 +55,11 @@ class AsyncLLMEngine:
         """Queue one request and yield its outputs until it finishes. Bad input raises ValueError before the
         first output; an engine failure raises :class:`RequestFailedError`."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream))
+        try:
+            req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream))
+        except asyncio.CancelledError:  # the add may still run: commands run in order, so this abort follows it
+            self.submit(lambda e: self._abort(e, self._req_ids_of(stream)))
+            raise
         finished = False
         try:
             while True:
@@ -111,6 +115,9 @@ class AsyncLLMEngine:
         req_id = engine.add_request(ids, params, prompt=prompt, req_id=req_id)
         self._streams[req_id] = stream
         return req_id
+
+    def _req_ids_of(self, stream: _Stream) -> list[str]:
+        return [rid for rid, s in self._streams.items() if s is stream]
 
     def _abort(self, engine: LLMEngine, req_ids: list[str]) -> None:
         engine.abort_request(req_ids)

@@ -107,6 +107,9 @@ class RayPlacement:
         for name in ("worker_num_cpus", "drafter_num_cpus", "drafter_num_gpus", "engine_num_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ray_placement.{name}={getattr(self, name)} must be >= 0")
+        if self.worker_num_gpus is not None and self.worker_num_gpus < 0:
+            raise ValueError(f"ray_placement.worker_num_gpus={self.worker_num_gpus} must be >= 0 "
+                             "(or None: 1 per rank when the cluster has GPUs)")
 
     @classmethod
     def from_any(cls, value: "RayPlacement | dict[str, Any] | None") -> "RayPlacement":

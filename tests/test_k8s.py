@@ -13,6 +13,7 @@
 
 import ast
 import copy
+import dataclasses
 import functools
 import importlib
 import re
@@ -30,9 +31,16 @@ CRD_DIR = ROOT.parent / "shared" / "kuberay" / "crds"
 SERVE_CONFIG = ROOT / "cluster" / "serve_config.yaml"
 EXPECTED_MANIFESTS = ["raycluster-batch.yaml", "rayservice-multinode-tp.yaml", "rayservice-single-gpu.yaml"]
 
-# The keyword arguments of specray.cluster.serve:build_app(args).
-BUILD_APP_ARGS = {"model", "tensor_parallel_size", "spec_method", "num_spec_tokens", "max_model_len",
-                  "max_num_seqs", "served_model_name", "num_replicas"}
+
+
+def build_app_args() -> set[str]:
+    """The keys specray.cluster.serve:build_app(args) accepts (the fields of ServeArgs)."""
+    from specray.cluster.serve import ServeArgs
+
+    return {f.name for f in dataclasses.fields(ServeArgs)}
+
+
+BUILD_APP_ARGS = build_app_args()
 GPU = "nvidia.com/gpu"
 RAY_KINDS = {"RayCluster", "RayService", "RayJob"}
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -432,6 +440,8 @@ def serve_config_errors(cfg) -> list[str]:
         for key in ("model", "served_model_name"):
             if key in args and not (isinstance(args[key], str) and args[key]):
                 errors.append(f"{where}: args.{key}={args[key]!r} must be a non-empty string")
+        if not set(args) - BUILD_APP_ARGS:
+            errors += serve_args_errors(where, args)
         method = args.get("spec_method")
         if method is not None:
             from specray.drafters.registry import drafter_names
@@ -439,6 +449,18 @@ def serve_config_errors(cfg) -> list[str]:
             if method not in drafter_names():
                 errors.append(f"{where}: args.spec_method={method!r} is not one of {drafter_names()}")
     return errors
+
+
+def serve_args_errors(where: str, args: dict) -> list[str]:
+    """build_app's own validation of the args (types, ranges, placement strategy, dtype), without Ray or a model;
+    a missing model stands for the default one baked into the image."""
+    from specray.cluster.serve import ServeArgs
+
+    try:
+        ServeArgs.from_dict({"model": "image-default-model", **args})
+    except ValueError as err:
+        return [f"{where}: build_app rejects its args: {err}"]
+    return []
 
 
 def resolve_import_path(import_path: str):
@@ -682,7 +704,10 @@ def test_serve_checks_reject_broken_copies():
     cfg = yaml.safe_load(SERVE_CONFIG.read_text())
     assert not serve_config_errors(cfg)
     cases = [
-        lambda c: c["applications"][0]["args"].__setitem__("draft_model", "x"),
+        lambda c: c["applications"][0]["args"].__setitem__("drafter_model", "x"),
+        lambda c: c["applications"][0]["args"].__setitem__("placement_strategy", "SIDEWAYS"),
+        lambda c: c["applications"][0]["args"].__setitem__("dtype", "float8"),
+        lambda c: c["applications"][0]["args"].__setitem__("worker_num_gpus", -1),
         lambda c: c["applications"][0]["args"].__setitem__("tensor_parallel_size", "2"),
         lambda c: c["applications"][0]["args"].__setitem__("spec_method", "telepathy"),
         lambda c: c["applications"][0].__setitem__("import_path", "specray.cluster.serve"),

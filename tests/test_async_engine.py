@@ -1,0 +1,142 @@
+"""AsyncLLMEngine: many asyncio callers, one engine thread. Outputs equal the offline engine's; a caller that goes
+away at any moment (before its add ran, mid-stream) leaves no request and no KV block behind."""
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from specray import LLM, SamplingParams
+from specray.async_engine import AsyncLLMEngine
+from specray.errors import EngineError
+
+PROMPT_IDS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=128,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.fixture
+def aengine(llm):
+    aeng = AsyncLLMEngine(llm.engine)
+    yield aeng
+    aeng.shutdown()
+
+
+def free_blocks(engine) -> int:
+    return engine.scheduler.block_manager.num_free_blocks
+
+
+async def collect(aeng: AsyncLLMEngine, ids: list[int]) -> list[int]:
+    last = None
+    async for out in aeng.generate(ids, GREEDY):
+        last = out
+    assert last.finished
+    return last.outputs[0].token_ids
+
+
+def offline(llm, ids_list):
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in ids_list], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_concurrent_callers_match_offline(llm, aengine):
+    expected = offline(llm, PROMPT_IDS)
+    start = free_blocks(llm.engine)
+
+    async def main():
+        return await asyncio.gather(*(collect(aengine, ids) for ids in PROMPT_IDS))
+
+    assert asyncio.run(main()) == expected
+    assert free_blocks(llm.engine) == start
+
+
+def test_leaving_early_aborts(llm, aengine):
+    """Closing the stream (aclosing, or the generator's finalizer later) aborts the request at once."""
+    start = free_blocks(llm.engine)
+
+    async def main():
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        async with contextlib.aclosing(aengine.generate(PROMPT_IDS[2], params)) as stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 2:
+                    break
+        return await aengine.call(lambda e: (e.has_unfinished_requests(), free_blocks(e)))
+
+    unfinished, free = asyncio.run(main())
+    assert not unfinished and free == start
+
+
+def test_cancelled_mid_stream_aborts(llm, aengine):
+    """A client disconnect cancels the task that reads the stream."""
+    start = free_blocks(llm.engine)
+
+    async def main():
+        got_one = asyncio.Event()
+
+        async def reader():
+            async for _ in aengine.generate(PROMPT_IDS[1], SamplingParams(max_tokens=100, ignore_eos=True)):
+                got_one.set()
+
+        task = asyncio.create_task(reader())
+        await got_one.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await aengine.call(lambda e: (e.has_unfinished_requests(), free_blocks(e)))
+
+    unfinished, free = asyncio.run(main())
+    assert not unfinished and free == start
+
+
+def test_cancel_before_the_add_runs(llm, aengine):
+    """The caller is cancelled while its add still waits in the engine thread's queue: the add runs later, and
+    the abort queued behind it removes the request."""
+    start = free_blocks(llm.engine)
+    gate = threading.Event()
+
+    async def main():
+        aengine.submit(lambda e: gate.wait(30))  # hold the engine thread
+        task = asyncio.create_task(collect(aengine, PROMPT_IDS[0]))
+        await asyncio.sleep(0.05)  # the add is queued behind the gate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        return await aengine.call(lambda e: (e.has_unfinished_requests(), free_blocks(e)))
+
+    unfinished, free = asyncio.run(main())
+    assert not unfinished and free == start
+
+
+def test_bad_request_does_not_disturb_others(llm, aengine):
+    expected = offline(llm, PROMPT_IDS[:2])
+
+    async def bad():
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in aengine.generate([5, 6], SamplingParams(max_tokens=0)):
+                pass
+
+    async def main():
+        results = await asyncio.gather(collect(aengine, PROMPT_IDS[0]), bad(), collect(aengine, PROMPT_IDS[1]))
+        return [results[0], results[2]]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_after_shutdown_new_requests_fail_clearly(llm):
+    aeng = AsyncLLMEngine(llm.engine)
+    aeng.shutdown()
+    assert not aeng.is_running
+
+    async def main():
+        async for _ in aeng.generate(PROMPT_IDS[0], GREEDY):
+            pass
+
+    with pytest.raises(EngineError, match="shut down"):
+        asyncio.run(main())
