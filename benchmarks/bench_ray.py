@@ -56,7 +56,8 @@ def tiny_model(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=49152,  # SmolLM2's tokenizer
+                         hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -78,7 +79,7 @@ def main() -> None:
             for batch in (1, 8):
                 rows = []
                 for backend, tp in (("uni", 1), ("ray", 1), ("ray", 2)):
-                    args = EngineArgs(model=model, max_model_len=512, max_num_seqs=batch, tensor_parallel_size=tp,
+                    args = EngineArgs(model=model, tokenizer=default_model_path(), max_model_len=512, max_num_seqs=batch, tensor_parallel_size=tp,
                                       distributed_executor_backend=backend, num_threads=opts.threads // tp,
                                       ray_placement={"worker_num_cpus": opts.threads / tp / 2})
                     times = decode_step_times(args, batch, opts.steps)

@@ -73,6 +73,10 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when the model's process sees a GPU)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="how tensor-parallel ranks spread over Ray nodes (default PACK: one node when they fit)")
 
 
 def _add_bench_parser(sub) -> None:
@@ -158,7 +162,8 @@ def serve_app_args(args) -> dict:
             "tensor_parallel_size": args.tensor_parallel_size, "spec_method": args.spec_method,
             "num_spec_tokens": args.num_spec_tokens, "draft_model": args.draft_model,
             "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_queue_len": args.max_queue_len, "num_replicas": args.num_replicas, "seed": args.seed}
+            "max_queue_len": args.max_queue_len, "num_replicas": args.num_replicas, "seed": args.seed,
+            "device": args.device, "dtype": args.dtype, "placement_strategy": args.placement_strategy}
 
 
 def cmd_serve(args) -> int:
