@@ -1,9 +1,11 @@
 """The Ray executor: one actor per tensor-parallel rank of the target, in one placement group.
 
-Per step the plan is put in the object store once and every rank gets the same reference; only rank 0 (the
-driver rank, which verifies and samples) gets the drafter's probabilities and answers. A rank that dies is
-noticed as soon as its call fails, without waiting for the others (which may be stuck in a collective with
-it): the whole group is failed with :class:`WorkerDiedError` and ``restart`` builds a fresh one.
+Ray places, starts and kills the ranks and carries their control calls; steps travel on the step channel
+(:mod:`specray.cluster.step_channel`: the plan pickled once, the same bytes written to every rank's socket), since
+a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
+drafter's probabilities and answers with the result. A rank that dies or fails is noticed at once, without
+waiting for the others (which may be stuck in a collective with it): the whole group is failed with
+:class:`WorkerDiedError` and ``restart`` builds a fresh one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import socket
 import time
 
 from specray.cluster.ray_env import ensure_ray, ray
+from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import StepPlan, StepResult
 from specray.errors import WorkerDiedError
@@ -54,6 +57,11 @@ class TargetWorker:
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
         return self.worker.execute(plan, draft_probs)
 
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """Listen for the engine's step channel; returns (host, port, token)."""
+        self.step_server = StepServer(self.execute, ray.util.get_node_ip_address(), self.worker.bind_thread)
+        return self.step_server.address
+
     def call(self, method: str, *args):
         """Any other Worker method (kv_snapshot, kv_head_range, ping): for tests and debugging."""
         return getattr(self.worker, method)(*args)
@@ -85,6 +93,7 @@ class RayExecutor:
         ensure_ray(self.placement.address)
         self.workers: list = []
         self.pg = None
+        self.channel: StepClient | None = None
         self._start()
 
     # ---- the group ----------------------------------------------------------------------------------------
@@ -117,6 +126,8 @@ class RayExecutor:
         self.info = infos[0]
         self.num_kv_blocks = plan_num_blocks(infos, self.cache)
         self._get([w.init_cache.remote(self.num_kv_blocks) for w in self.workers], SETUP_TIMEOUT_S, "KV cache")
+        addresses = self._get([w.open_step_channel.remote() for w in self.workers], SETUP_TIMEOUT_S, "channel")
+        self.channel = StepClient(addresses)
         logger.info("Ray executor: %d ranks (%s) up, %d KV blocks each", self.tp_size, self.placement.strategy,
                     self.num_kv_blocks)
 
@@ -149,6 +160,9 @@ class RayExecutor:
                 "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
 
     def _kill(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
@@ -166,10 +180,9 @@ class RayExecutor:
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
-        plan_ref = ray.put(plan)  # one copy in the object store, read by every rank
-        refs = [self.workers[0].execute.remote(plan_ref, draft_probs or None)]
-        refs += [w.execute.remote(plan_ref) for w in self.workers[1:]]
-        return self._get(refs, STEP_TIMEOUT_S, f"step {plan.step_id}")[0]
+        shared = (plan, None)  # one message object, pickled once for every rank that gets it
+        messages = [(plan, draft_probs) if draft_probs else shared] + [shared] * (self.tp_size - 1)
+        return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
 
     def _get(self, refs: list, timeout: float, what: str) -> list:
         """Every result, failing fast: the first rank that errors fails the group, even while the others

@@ -80,9 +80,10 @@ class ServeArgs:
 
     def validate(self) -> None:
         if self.model is None:
-            from specray.default_model import default_model_path
+            from specray.default_model import DEFAULT_MODEL_NAME, default_model_path
 
             self.model = default_model_path()  # a ValueError that says how to install it
+            self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         for name in ("tensor_parallel_size", "num_spec_tokens", "max_num_seqs", "num_replicas",
                      "max_ongoing_requests"):
             if getattr(self, name) < 1:

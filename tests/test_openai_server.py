@@ -513,6 +513,14 @@ def test_load_long(server, offline, start_blocks):
 
 # ---- build_app arguments ---------------------------------------------------------------------------------
 
+def test_default_model_is_served_under_its_name(smollm2_gguf):
+    from specray.cluster.serve import ServeArgs
+
+    parsed = ServeArgs.from_dict({})
+    assert parsed.model == str(smollm2_gguf) and parsed.served_model_name == "SmolLM2-135M-Instruct"
+    assert ServeArgs.from_dict({"served_model_name": "smol"}).served_model_name == "smol"
+
+
 def test_build_app_args_accept_serve_cli_strings(tiny_llama_dir):
     from specray.cluster.serve import ServeArgs, replica_resources
 

@@ -66,8 +66,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.num_threads = config.num_threads or torch.get_num_threads()
+        self.bind_thread()
         tp = self._join_group(world_size, init_method)
         hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
@@ -75,11 +75,17 @@ class Worker:
         self.model = load_model(config.model, tp, dtype=self.dtype, device=self.device)
         self.runner: ModelRunner | None = None
 
+    def bind_thread(self) -> None:
+        """Make the calling thread run this rank's work as the constructing one does: the CPU thread count and
+        the current CUDA device are per-thread settings (OpenMP, CUDA), so a thread that executes steps calls
+        this first."""
+        torch.set_num_threads(self.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _join_group(self, world_size: int, init_method: str | None) -> TPGroup:
         if world_size == 1:
             return TPGroup.single()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

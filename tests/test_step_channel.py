@@ -1,0 +1,95 @@
+"""The step channel between the engine and its ranks (no Ray): every rank gets its message, rank 0's answer comes
+back, and a rank that fails, dies or hangs fails the step at once with WorkerDiedError."""
+
+import threading
+import time
+
+import pytest
+
+from specray.cluster.step_channel import StepClient, StepServer, send_frame
+from specray.errors import WorkerDiedError
+
+
+class Rank:
+    def __init__(self, rank: int, behaviour=None):
+        self.rank, self.behaviour, self.seen = rank, behaviour, []
+        self.server = StepServer(self.handle, "127.0.0.1")
+
+    def handle(self, plan, extra=None):
+        self.seen.append((plan, extra))
+        if self.behaviour is not None:
+            self.behaviour(plan)
+        return {"rank": self.rank, "plan": plan, "extra": extra}
+
+
+def connect(ranks):
+    return StepClient([r.server.address for r in ranks])
+
+
+def test_every_rank_gets_its_message_and_rank0_answers():
+    ranks = [Rank(0), Rank(1, lambda plan: time.sleep(0.05)), Rank(2)]
+    client = connect(ranks)
+    shared = ({"step": 1}, None)
+    reply = client.step([({"step": 1}, "probs"), shared, shared], timeout=10, what="step 1")
+    assert reply == {"rank": 0, "plan": {"step": 1}, "extra": "probs"}
+    assert [r.seen for r in ranks] == [[({"step": 1}, "probs")], [({"step": 1}, None)], [({"step": 1}, None)]]
+    assert len(client.last_busy_s) == 3 and client.last_busy_s[1] >= 0.05 > client.last_busy_s[0]
+    big = list(range(1_000_000))  # several MB: frames are read whole
+    assert client.step([(big, None)] * 3, timeout=30, what="big")["plan"] == big
+    client.close()
+
+
+def test_a_failing_rank_fails_the_step_with_its_error():
+    def fail(plan):
+        if plan == "bad":
+            raise RuntimeError("shape mismatch in layer 3")
+
+    ranks = [Rank(0), Rank(1, fail)]
+    client = connect(ranks)
+    with pytest.raises(WorkerDiedError, match="rank 1 failed: RuntimeError: shape mismatch in layer 3"):
+        client.step([("bad", None)] * 2, timeout=10, what="step 7")
+    client.close()
+
+
+def test_a_dead_rank_fails_the_step_at_once_even_while_another_waits_for_it():
+    release = threading.Event()
+    ranks = [Rank(0, lambda plan: release.wait(30)), Rank(1)]
+    ranks[1].behaviour = lambda plan: ranks[1].server.close()  # its process died: the socket closes unanswered
+    client = connect(ranks)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 died"):
+        client.step([("x", None)] * 2, timeout=60, what="step 2")
+    assert time.monotonic() - start < 5
+    release.set()
+    client.close()
+
+
+def test_a_hung_rank_times_out():
+    release = threading.Event()
+    ranks = [Rank(0, lambda plan: release.wait(30))]
+    client = connect(ranks)
+    with pytest.raises(WorkerDiedError, match=r"no answer from target ranks \[0\]"):
+        client.step([("x", None)], timeout=0.3, what="step 3")
+    release.set()
+    client.close()
+
+
+def test_only_the_token_holder_drives_a_rank():
+    import socket
+
+    rank = Rank(0)
+    host, port, token = rank.server.address
+    with socket.create_connection((host, port)) as stranger:
+        send_frame(stranger, b"not the token")
+        assert stranger.recv(1) == b""  # turned away
+    client = StepClient([(host, port, token)])
+    assert client.step([("ok", None)], timeout=10, what="step 1")["plan"] == "ok"
+    assert rank.seen == [("ok", None)]
+    client.close()
+
+
+def test_an_unreachable_rank_is_a_clear_error():
+    rank = Rank(0)
+    host, port, token = rank.server.address
+    with pytest.raises(WorkerDiedError, match="cannot reach"):
+        StepClient([(host, port, token), ("127.0.0.1", 1, token)])
