@@ -1,23 +1,27 @@
 """Drafters as Ray actors, placed apart from the target (another node, or CPU only).
 
 :class:`RemoteDrafter` is the engine's :class:`Drafter`: it sends each request's new tokens only (the actor
-keeps every history), gets the proposals back, and when the actor is lost it drafts nothing (the engine then
+keeps every history) on a step channel (a socket, as the target's steps: a Ray call per step costs more than
+an n-gram lookup), gets the proposals back, and when the actor is lost it drafts nothing (the engine then
 decodes without speculation: slower, never wrong) while a replacement starts in the background.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import replace
 
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
+from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import drafter_class
-from ray.exceptions import GetTimeoutError, RayError
+from specray.errors import WorkerDiedError
+from ray.exceptions import RayError
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,8 @@ RESPAWN_BACKOFF_S = 5.0
 
 
 class DrafterWorker:
-    """The actor: one drafter and the token history of every request it drafts for."""
+    """The actor: one drafter and the token history of every request it drafts for. ``propose`` comes on the
+    step channel's thread, the rest as Ray calls on the actor's thread: a lock keeps them one at a time."""
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str,
                  pool_name: str | None = None):
@@ -36,30 +41,43 @@ class DrafterWorker:
             ctx = replace(ctx, target_tokenizer=load_tokenizer(tokenizer_source))
         self.drafter = drafter_class(spec.method)(spec, ctx)
         self.histories: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
         if pool_name is not None and spec.is_public_pool:
             link = RayPoolLink(get_pool_actor(pool_name), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
 
     def propose(self, updates: list[tuple]) -> list[Proposal]:
         """``updates``: (req_id, start, token_ids[start:], max_draft_tokens, sampling_params) per request."""
-        batch = []
-        for req_id, start, tokens, max_draft, params in updates:
-            history = self.histories.setdefault(req_id, [])
-            del history[start:]
-            history.extend(tokens)
-            batch.append(DraftRequest(req_id, history, max_draft, params))
-        return self.drafter.propose(batch)
+        with self.lock:
+            batch = []
+            for req_id, start, tokens, max_draft, params in updates:
+                history = self.histories.setdefault(req_id, [])
+                del history[start:]
+                history.extend(tokens)
+                batch.append(DraftRequest(req_id, history, max_draft, params))
+            return self.drafter.propose(batch)
 
     def finish(self, req_ids: list[str]) -> None:
-        for rid in req_ids:
-            self.histories.pop(rid, None)
-        self.drafter.finish(req_ids)
+        with self.lock:
+            for rid in req_ids:
+                self.histories.pop(rid, None)
+            self.drafter.finish(req_ids)
 
     def sync_pool(self) -> None:
         """Finish an exchange with the shared pool now (tests; normally it happens with every proposal)."""
-        if getattr(self.drafter, "pool_link", None) is not None:
-            self.drafter.sync_pool(wait=True)
-            self.drafter.sync_pool(wait=True)
+        with self.lock:
+            if getattr(self.drafter, "pool_link", None) is not None:
+                self.drafter.sync_pool(wait=True)
+                self.drafter.sync_pool(wait=True)
+
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """Serve ``propose`` on a socket; returns (host, port, token) for :class:`StepClient`."""
+        import torch  # the channel's thread runs the drafter with this thread's torch thread count
+
+        threads = torch.get_num_threads()
+        self.step_server = StepServer(self.propose, ray.util.get_node_ip_address(),
+                                      lambda: torch.set_num_threads(threads))
+        return self.step_server.address
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -75,8 +93,8 @@ class RemoteDrafter:
         self.tokenizer_source = tokenizer_source
         self.sent: dict[str, int] = {}  # req_id -> tokens of its history the actor has
         self.actor = self._spawn()
-        try:
-            ray.get(self.actor.node_id.remote())  # surfaces a user error (wrong vocabulary...) at start
+        try:  # surfaces a user error (wrong vocabulary...) at start
+            self.channel = StepClient([ray.get(self.actor.open_step_channel.remote())])
         except RayError as err:
             ray.kill(self.actor)
             if isinstance(getattr(err, "cause", None), ValueError):
@@ -102,8 +120,8 @@ class RemoteDrafter:
             start = min(self.sent.get(r.req_id, 0), len(r.token_ids))
             updates.append((r.req_id, start, list(r.token_ids[start:]), r.max_draft_tokens, r.sampling_params))
         try:
-            proposals = ray.get(self.actor.propose.remote(updates), timeout=DRAFT_TIMEOUT_S)
-        except (RayError, GetTimeoutError) as err:
+            proposals = self.channel.step([(updates,)], DRAFT_TIMEOUT_S, "drafting")
+        except WorkerDiedError as err:
             self._lost(err)
             return [Proposal([]) for _ in batch]
         for r in batch:
@@ -116,6 +134,8 @@ class RemoteDrafter:
             self.actor.finish.remote(req_ids)  # no wait: nothing depends on it
 
     def shutdown(self) -> None:
+        if self.actor is not None:
+            self.channel.close()
         for actor in (self.actor, self.starting):
             if actor is not None:
                 ray.kill(actor)
@@ -123,6 +143,7 @@ class RemoteDrafter:
     # ---- failure -------------------------------------------------------------------------------------------
     def _lost(self, err: BaseException) -> None:
         logger.warning("drafter actor lost (%s): decoding without speculation until a new one is up", err)
+        self.channel.close()
         ray.kill(self.actor)
         self.actor, self.sent, self.lost_at = None, {}, time.monotonic()
 
@@ -132,16 +153,17 @@ class RemoteDrafter:
             if time.monotonic() - self.lost_at < RESPAWN_BACKOFF_S:
                 return False
             self.starting, self.ready_ref = self._spawn(), None
-            self.ready_ref = self.starting.node_id.remote()
+            self.ready_ref = self.starting.open_step_channel.remote()
         ready, _ = ray.wait([self.ready_ref], timeout=0)
         if not ready:
             return False
         try:
-            ray.get(self.ready_ref)
-        except RayError as err:
+            channel = StepClient([ray.get(self.ready_ref)])
+        except (RayError, WorkerDiedError) as err:
             logger.warning("replacement drafter failed to start (%s)", err)
+            ray.kill(self.starting)
             self.starting, self.lost_at = None, time.monotonic()
             return False
-        self.actor, self.starting = self.starting, None
+        self.actor, self.channel, self.starting = self.starting, channel, None
         logger.info("drafter actor replaced: speculation resumes")
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 from specray.cluster.ray_env import ensure_ray, ray
@@ -38,6 +39,7 @@ class TargetWorker:
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        self.lock = threading.Lock()  # steps come on the channel's thread, other calls on the actor's
 
     def rendezvous(self) -> str:
         """A tcp:// address on this node with a free port, for rank 0 to host the process group's store."""
@@ -55,7 +57,8 @@ class TargetWorker:
         self.worker.init_cache(num_blocks)
 
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
-        return self.worker.execute(plan, draft_probs)
+        with self.lock:
+            return self.worker.execute(plan, draft_probs)
 
     def open_step_channel(self) -> tuple[str, int, bytes]:
         """Listen for the engine's step channel; returns (host, port, token)."""
@@ -64,7 +67,8 @@ class TargetWorker:
 
     def call(self, method: str, *args):
         """Any other Worker method (kv_snapshot, kv_head_range, ping): for tests and debugging."""
-        return getattr(self.worker, method)(*args)
+        with self.lock:
+            return getattr(self.worker, method)(*args)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
