@@ -91,7 +91,12 @@ class RemoteDrafter:
         device = "cuda" if self.placement.drafter_num_gpus else "cpu"
         self.ctx = replace(ctx, target_tokenizer=None, device=device)
         self.tokenizer_source = tokenizer_source
-        self.sent: dict[str, int] = {}  # req_id -> tokens of its history the actor has
+        # req_id -> (n, tail): the actor's copy of the history is its first n tokens, then ``tail`` (drafts a
+        # prefetch assumed kept; they may turn out wrong)
+        self.sent: dict[str, tuple[int, list[int]]] = {}
+        self.pending, self.pending_ids = False, []  # a prefetch whose answer is still on the channel
+        self.num_prefetch_hits = 0
+        self.drafts_ahead = self.placement.draft_ahead  # the engine then calls prefetch every step
         self.actor = self._spawn()
         try:  # surfaces a user error (wrong vocabulary...) at start
             self.channel = StepClient([ray.get(self.actor.open_step_channel.remote())])
@@ -113,20 +118,82 @@ class RemoteDrafter:
 
     # ---- the Drafter protocol ------------------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """Proposals for ``batch``: taken from the prefetch when it guessed right, else asked for now."""
         if self.actor is None and not self._replaced():
             return [Proposal([]) for _ in batch]
+        prefetched = self._collect_prefetch()
+        out: list[Proposal | None] = [self._prefetch_hit(r, prefetched.get(r.req_id)) for r in batch]
+        misses = [r for r, p in zip(batch, out) if p is None]
+        if misses and self._send(misses):
+            fresh = self._receive()
+            if fresh is None:
+                return [Proposal([]) for _ in batch]
+            fresh_iter = iter(fresh)
+            out = [p if p is not None else next(fresh_iter) for p in out]
+        self.num_prefetch_hits += len(batch) - len(misses)
+        return [p if p is not None else Proposal([]) for p in out]
+
+    def prefetch(self, batch: list[DraftRequest]) -> None:
+        """Start drafting the next step now, while the target verifies this one. ``batch`` holds each request's
+        history as it will be if the target keeps every draft; ``max_draft_tokens`` counts one token more, the
+        drafter's guess of the target's own token. The next ``propose`` uses a request's drafts only when the
+        target did keep every draft and its own token is that guess, so the drafts follow the real history."""
+        if self.actor is None or self.pending:
+            return
+        if self._send(batch):
+            self.pending = True
+            self.pending_ids = [r.req_id for r in batch]
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _send(self, batch: list[DraftRequest]) -> bool:
+        """Send the histories' new tokens (from where the actor's copy first differs) and the draft budgets."""
         updates = []
         for r in batch:
-            start = min(self.sent.get(r.req_id, 0), len(r.token_ids))
-            updates.append((r.req_id, start, list(r.token_ids[start:]), r.max_draft_tokens, r.sampling_params))
+            begin = self._synced_prefix(r)
+            updates.append((r.req_id, begin, list(r.token_ids[begin:]), r.max_draft_tokens, r.sampling_params))
+            real = len(r.token_ids) - r.num_assumed  # the actor's copy now ends in the assumed drafts, if any
+            self.sent[r.req_id] = (real, list(r.token_ids[real:]))
         try:
-            proposals = self.channel.step([(updates,)], DRAFT_TIMEOUT_S, "drafting")
+            self.channel.send([(updates,)], "drafting")
         except WorkerDiedError as err:
             self._lost(err)
-            return [Proposal([]) for _ in batch]
-        for r in batch:
-            self.sent[r.req_id] = len(r.token_ids)
-        return proposals
+            return False
+        return True
+
+    def _receive(self) -> list[Proposal] | None:
+        try:
+            return self.channel.receive(DRAFT_TIMEOUT_S, "drafting")
+        except WorkerDiedError as err:
+            self._lost(err)
+            return None
+
+    def _collect_prefetch(self) -> dict[str, Proposal]:
+        if not self.pending:
+            return {}
+        self.pending = False
+        proposals = self._receive()
+        return dict(zip(self.pending_ids, proposals)) if proposals is not None else {}
+
+    def _prefetch_hit(self, r: DraftRequest, p: Proposal | None) -> Proposal | None:
+        if p is None or not p.token_ids or r.max_draft_tokens == 0:
+            return None
+        n0, tail = self.sent.get(r.req_id, (0, []))
+        if len(r.token_ids) != n0 + len(tail) + 1 or list(r.token_ids[n0:]) != tail + p.token_ids[:1]:
+            return None
+        self.sent[r.req_id] = (n0 + len(tail), [])  # every token the actor holds turned out right
+        k = r.max_draft_tokens
+        return Proposal(p.token_ids[1:1 + k], None if p.probs is None else p.probs[1:1 + k])
+
+    def _synced_prefix(self, r: DraftRequest) -> int:
+        """How many leading tokens of ``r``'s history the actor's copy already holds."""
+        n0, tail = self.sent.get(r.req_id, (0, []))
+        n0 = min(n0, len(r.token_ids))
+        same = 0
+        for a, b in zip(tail, r.token_ids[n0:]):
+            if a != b:
+                break
+            same += 1
+        return n0 + same
 
     def finish(self, req_ids) -> None:
         req_ids = [r for r in req_ids if self.sent.pop(r, None) is not None]
@@ -146,6 +213,7 @@ class RemoteDrafter:
         self.channel.close()
         ray.kill(self.actor)
         self.actor, self.sent, self.lost_at = None, {}, time.monotonic()
+        self.pending, self.pending_ids = False, []
 
     def _replaced(self) -> bool:
         """Start a replacement (after a back-off) and switch to it once it answers; never blocks."""

@@ -132,6 +132,12 @@ class StepClient:
 
     def step(self, messages: list[tuple], timeout: float, what: str) -> Any:
         """``messages[i]`` goes to rank i (arguments of its handler); rank 0's answer comes back."""
+        self.send(messages, what)
+        return self.receive(timeout, what)
+
+    def send(self, messages: list[tuple], what: str) -> None:
+        """The first half of ``step``: the ranks start working; ``receive`` collects the answers (answers come
+        back in the order the messages went)."""
         payloads: dict[int, bytes] = {}
         try:
             for rank, (sock, message) in enumerate(zip(self.socks, messages)):
@@ -140,6 +146,9 @@ class StepClient:
                 send_frame(sock, payload)
         except OSError as err:
             raise WorkerDiedError(f"{what}: target rank {rank} is gone ({err})") from err
+
+    def receive(self, timeout: float, what: str) -> Any:
+        """Rank 0's answer to the oldest message not yet received (every rank's answer is read)."""
         return self._replies(timeout, what)[0]
 
     def _replies(self, timeout: float, what: str) -> list[Any]:

@@ -99,6 +99,9 @@ class RayPlacement:
     engine_num_cpus: float = 0.1  # the supervisor actor that runs the engine loop
     address: str | None = None  # the Ray cluster to join; None: the running one, else start a local one
     pool_name: str | None = None  # a named shared n-gram pool actor (is_public_pool): replicas share it
+    # draft step t+1 while the target verifies step t (assuming step t's drafts are kept): pays when the drafter
+    # has hardware of its own; on a small CPU node the two only fight for cores (docs/benchmarks.md)
+    draft_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in PLACEMENT_STRATEGIES:

@@ -92,6 +92,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         draft_probs = self._draft()
         plan = self.scheduler.schedule()
+        self._prefetch_drafts(plan)
         start = time.perf_counter()
         try:
             result = self.executor.execute(plan, draft_probs)
@@ -136,6 +137,24 @@ class LLMEngine:
             if proposal.probs is not None and request.draft_token_ids:
                 probs[dreq.req_id] = proposal.probs
         return probs
+
+    def _prefetch_drafts(self, plan: StepPlan) -> None:
+        """A drafter that runs elsewhere and ``drafts_ahead`` starts drafting for the next step while the target
+        verifies this one: each sampled request's history as if every draft is kept, with room for one more
+        token, the drafter's guess of the target's own (see ``RemoteDrafter.prefetch``)."""
+        if not getattr(self.drafter, "drafts_ahead", False):
+            return
+        batch = []
+        for chunk in plan.chunks:
+            request = self.scheduler.get_request(chunk.req_id)
+            if not chunk.sample or request is None or self.policy.max_k_for(request) == 0:
+                continue
+            max_k = self.policy.max_k_for(request)
+            drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
+            batch.append(DraftRequest(request.req_id, request.all_token_ids + drafts, max_k + 1,
+                                      request.sampling_params, num_assumed=len(drafts)))
+        if batch:
+            self.drafter.prefetch(batch)
 
     def _record_logprobs(self, plan: StepPlan, result: StepResult) -> None:
         """Keep the logprobs of the output tokens the scheduler just appended (a prefix of each chunk's kept

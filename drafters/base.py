@@ -25,6 +25,9 @@ class DraftRequest:
     token_ids: Sequence[int]  # prompt + kept output; the last one is not yet in the target's KV cache
     max_draft_tokens: int
     sampling_params: SamplingParams
+    # a prefetch (drafting ahead while the target verifies): the last ``num_assumed`` tokens are drafts the
+    # target is still checking, assumed kept
+    num_assumed: int = 0
 
 
 @dataclass

@@ -251,6 +251,7 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
                 if out.finished:
                     done[out.request_id] = out.outputs[0].token_ids
         assert [done[i] for i in ids] == references
+        assert engine.drafter.num_prefetch_hits == 0  # no drafting ahead unless ray_placement.draft_ahead
         deadline = time.monotonic() + 60
         while engine.drafter.actor is None and time.monotonic() < deadline:  # a replacement comes up
             engine.drafter.propose([])
@@ -317,3 +318,66 @@ def test_tp_ranks_on_two_nodes_and_the_draft_model_on_a_third(tiny_llama_dir, ti
     finally:
         engine.drafter.shutdown()
         engine.executor.shutdown()
+
+
+# ---- drafting ahead while the target verifies ------------------------------------------------------------------
+
+def test_prefetched_drafts_keep_greedy_output_exact(tiny_llama_dir):
+    """The drafter actor drafts step t+1 during step t's verification, assuming every draft is kept. A
+    self-draft (the target drafting for itself) always guesses right, so most steps use prefetched drafts; an
+    n-gram drafter guesses right only sometimes. Either way the output is the plain greedy output."""
+    prompts = prompts_for(4, seed=5)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    for spec in ({"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray",
+                            ray_placement=dict(HALF_CPU, draft_ahead=True), speculative_config=spec)
+        try:
+            assert run_to_end(engine, prompts) == references, spec["method"]
+            assert engine.drafter.num_prefetch_hits > 0, spec["method"]
+            if spec["method"] == "draft_model":
+                assert engine.spec_stats.accepted_tokens == engine.spec_stats.draft_tokens
+                assert engine.drafter.num_prefetch_hits >= engine.spec_stats.drafts // 2
+        finally:
+            engine.drafter.shutdown()
+            engine.executor.shutdown()
+
+
+class FakeChannel:
+    """Stands for the drafter actor's channel: answers each message with the queued proposals."""
+
+    def __init__(self):
+        self.sent, self.answers = [], []
+
+    def send(self, messages, what):
+        self.sent.append(messages[0][0])
+
+    def receive(self, timeout, what):
+        return self.answers.pop(0)
+
+
+def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_token_was_guessed():
+    from specray.cluster.drafter_actor import RemoteDrafter
+
+    drafter = RemoteDrafter.__new__(RemoteDrafter)
+    drafter.actor, drafter.channel = object(), FakeChannel()
+    drafter.sent, drafter.pending, drafter.pending_ids, drafter.num_prefetch_hits = {}, False, [], 0
+    sp = SamplingParams(temperature=0.0)
+    history = [1, 2, 3]
+    # step t: the drafts [4, 5] are being verified; prefetch with them assumed kept (and one token more)
+    drafter.sent["a"] = (3, [])
+    drafter.prefetch([DraftRequest("a", history + [4, 5], 4, sp, num_assumed=2)])
+    assert drafter.channel.sent[-1] == [("a", 3, [4, 5], 4, sp)]  # only what the actor lacks
+    drafter.channel.answers.append([Proposal([6, 7, 8, 9])])
+    # the target kept 4 and 5 and its own token is the guess 6: drafts 7, 8 (k=2) without asking the actor
+    assert drafter.propose([DraftRequest("a", history + [4, 5, 6], 2, sp)])[0].token_ids == [7, 8]
+    assert drafter.num_prefetch_hits == 1 and len(drafter.channel.sent) == 1
+    assert drafter._synced_prefix(DraftRequest("a", history + [4, 5, 6], 2, sp)) == 5
+    # next step: drafts [7, 8] under verification, prefetch again; the target keeps 7, rejects 8, says 10
+    drafter.prefetch([DraftRequest("a", history + [4, 5, 6, 7, 8], 4, sp, num_assumed=2)])
+    assert drafter.channel.sent[-1] == [("a", 5, [6, 7, 8], 4, sp)]
+    drafter.channel.answers += [[Proposal([9, 1])], [Proposal([11])]]
+    real = history + [4, 5, 6, 7, 10]
+    assert drafter.propose([DraftRequest("a", real, 3, sp)])[0].token_ids == [11]  # asked afresh
+    assert drafter.channel.sent[-1] == [("a", 7, [10], 3, sp)]  # the actor rewinds to the kept 7
+    assert drafter.num_prefetch_hits == 1
