@@ -9,6 +9,7 @@ decodes without speculation: slower, never wrong) while a replacement starts in 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -21,11 +22,15 @@ from specray.config import RayPlacement, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import drafter_class
 from specray.errors import WorkerDiedError
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
 DRAFT_TIMEOUT_S = 60.0  # a drafter slower than this is treated as lost
+SETUP_TIMEOUT_S = 600.0  # loading a draft model
+PLACEMENT_TIMEOUT_S = 60.0
 RESPAWN_BACKOFF_S = 5.0
 
 
@@ -33,21 +38,42 @@ class DrafterWorker:
     """The actor: one drafter and the token history of every request it drafts for. ``propose`` comes on the
     step channel's thread, the rest as Ray calls on the actor's thread: a lock keeps them one at a time."""
 
-    def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str,
-                 pool_name: str | None = None):
+    def __init__(self):
+        self.drafter = None
+        self.histories: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        self.rank = 0
+
+    def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str, pool_name: str | None = None,
+              rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+        """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError)."""
         if ctx.target_tokenizer is None and spec.method == "draft_model":
             from specray.models.loader import load_tokenizer
 
             ctx = replace(ctx, target_tokenizer=load_tokenizer(tokenizer_source))
+        self.rank = rank
+        if world_size > 1:  # a draft model split over ranks: every rank runs the same drafter on its shard
+            ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
         self.drafter = drafter_class(spec.method)(spec, ctx)
-        self.histories: dict[str, list[int]] = {}
-        self.lock = threading.Lock()
         if pool_name is not None and spec.is_public_pool:
             link = RayPoolLink(get_pool_actor(pool_name), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
 
+    @staticmethod
+    def _join(ctx: DrafterContext, rank: int, world_size: int, init_method: str):
+        import torch
+
+        from specray.workers.worker import join_tp_group
+
+        device = torch.device(ctx.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.manual_seed(ctx.seed)  # unseeded requests sample the same tokens on every rank
+        return join_tp_group(device, rank, world_size, init_method)
+
     def propose(self, updates: list[tuple]) -> list[Proposal]:
-        """``updates``: (req_id, start, token_ids[start:], max_draft_tokens, sampling_params) per request."""
+        """``updates``: (req_id, start, token_ids[start:], max_draft_tokens, sampling_params) per request. Every
+        rank drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
         with self.lock:
             batch = []
             for req_id, start, tokens, max_draft, params in updates:
@@ -55,7 +81,8 @@ class DrafterWorker:
                 del history[start:]
                 history.extend(tokens)
                 batch.append(DraftRequest(req_id, history, max_draft, params))
-            return self.drafter.propose(batch)
+            proposals = self.drafter.propose(batch)
+            return proposals if self.rank == 0 else []
 
     def finish(self, req_ids: list[str]) -> None:
         with self.lock:
@@ -97,24 +124,63 @@ class RemoteDrafter:
         self.pending, self.pending_ids = False, []  # a prefetch whose answer is still on the channel
         self.num_prefetch_hits = 0
         self.drafts_ahead = self.placement.draft_ahead  # the engine then calls prefetch every step
-        self.actor = self._spawn()
-        try:  # surfaces a user error (wrong vocabulary...) at start
-            self.channel = StepClient([ray.get(self.actor.open_step_channel.remote())])
-        except RayError as err:
-            ray.kill(self.actor)
-            if isinstance(getattr(err, "cause", None), ValueError):
+        self.tp_size = spec.draft_tensor_parallel_size
+        self.actors, self.pg, refs = self._spawn()
+        try:  # surfaces a user error (wrong vocabulary, heads not divisible...) at start
+            self.channel = StepClient(ray.get(refs, timeout=SETUP_TIMEOUT_S)[self.tp_size:])
+        except RayTaskError as err:
+            self._kill(self.actors, self.pg)
+            if isinstance(err.cause, ValueError):
                 raise ValueError(str(err.cause)) from None
             raise
-        self.starting = None  # a replacement actor being brought up after a failure
+        except (RayError, WorkerDiedError):
+            self._kill(self.actors, self.pg)
+            raise
+        self.starting = None  # a replacement group being brought up after a failure: (actors, pg, ready refs)
         self.lost_at = 0.0
 
-    def _spawn(self):
+    @property
+    def actor(self):
+        """Rank 0's actor (the one that answers), or None while the drafter is lost."""
+        return self.actors[0] if self.actors else None
+
+    def _spawn(self) -> tuple[list, object | None, list]:
+        """The drafter's actors (one per draft TP rank), their placement group (several ranks only), and the
+        refs of their setups followed by their step channels' addresses."""
         options = dict(num_cpus=self.placement.drafter_num_cpus, num_gpus=self.placement.drafter_num_gpus,
                        max_restarts=0)
         if self.placement.drafter_resources:
             options["resources"] = dict(self.placement.drafter_resources)
-        return ray.remote(DrafterWorker).options(**options).remote(
-            self.spec, self.ctx, self.tokenizer_source, self.placement.pool_name)
+        actor_cls = ray.remote(DrafterWorker)
+        args = (self.spec, self.ctx, self.tokenizer_source, self.placement.pool_name)
+        if self.tp_size == 1:
+            actors, pg, init_method = [actor_cls.options(**options).remote()], None, None
+        else:
+            pg, in_bundle = self._placement_group(options)
+            init_method = ray.get(_free_address.options(num_cpus=0, scheduling_strategy=in_bundle[0]).remote(),
+                                  timeout=SETUP_TIMEOUT_S)
+            actors = [actor_cls.options(**options, scheduling_strategy=s).remote() for s in in_bundle]
+        setups = [a.setup.remote(*args, rank=rank, world_size=self.tp_size, init_method=init_method)
+                  for rank, a in enumerate(actors)]
+        return actors, pg, setups + [a.open_step_channel.remote() for a in actors]
+
+    def _placement_group(self, options: dict) -> tuple[object, list]:
+        bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
+                  **options.pop("resources", {})}
+        pg = placement_group([bundle] * self.tp_size, strategy=self.placement.strategy)
+        if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
+            remove_placement_group(pg)
+            raise ValueError(f"cannot place {self.tp_size} draft ranks with {bundle} each "
+                             f"({self.placement.strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; lower "
+                             "speculative_config.draft_tensor_parallel_size or ray_placement.drafter_num_cpus/gpus")
+        return pg, [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(self.tp_size)]
+
+    @staticmethod
+    def _kill(actors: list, pg) -> None:
+        for actor in actors:
+            ray.kill(actor)
+        if pg is not None:
+            remove_placement_group(pg)
 
     # ---- the Drafter protocol ------------------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
@@ -138,7 +204,7 @@ class RemoteDrafter:
         history as it will be if the target keeps every draft; ``max_draft_tokens`` counts one token more, the
         drafter's guess of the target's own token. The next ``propose`` uses a request's drafts only when the
         target did keep every draft and its own token is that guess, so the drafts follow the real history."""
-        if self.actor is None or self.pending:
+        if not self.actors or self.pending:
             return
         if self._send(batch):
             self.pending = True
@@ -154,7 +220,8 @@ class RemoteDrafter:
             real = len(r.token_ids) - r.num_assumed  # the actor's copy now ends in the assumed drafts, if any
             self.sent[r.req_id] = (real, list(r.token_ids[real:]))
         try:
-            self.channel.send([(updates,)], "drafting")
+            message = (updates,)  # one object: pickled once for every rank
+            self.channel.send([message] * len(self.actors), "drafting")
         except WorkerDiedError as err:
             self._lost(err)
             return False
@@ -197,41 +264,52 @@ class RemoteDrafter:
 
     def finish(self, req_ids) -> None:
         req_ids = [r for r in req_ids if self.sent.pop(r, None) is not None]
-        if req_ids and self.actor is not None:
-            self.actor.finish.remote(req_ids)  # no wait: nothing depends on it
+        for actor in self.actors if req_ids else []:
+            actor.finish.remote(req_ids)  # no wait: nothing depends on it
 
     def shutdown(self) -> None:
-        if self.actor is not None:
+        if self.actors:
             self.channel.close()
-        for actor in (self.actor, self.starting):
-            if actor is not None:
-                ray.kill(actor)
+            self._kill(self.actors, self.pg)
+        if self.starting is not None:
+            self._kill(*self.starting[:2])
+        self.actors, self.pg, self.starting = [], None, None
 
     # ---- failure -------------------------------------------------------------------------------------------
     def _lost(self, err: BaseException) -> None:
         logger.warning("drafter actor lost (%s): decoding without speculation until a new one is up", err)
         self.channel.close()
-        ray.kill(self.actor)
-        self.actor, self.sent, self.lost_at = None, {}, time.monotonic()
+        self._kill(self.actors, self.pg)
+        self.actors, self.pg, self.sent, self.lost_at = [], None, {}, time.monotonic()
         self.pending, self.pending_ids = False, []
 
     def _replaced(self) -> bool:
-        """Start a replacement (after a back-off) and switch to it once it answers; never blocks."""
+        """Start a replacement (after a back-off) and switch to it once every rank answers; never blocks."""
         if self.starting is None:
             if time.monotonic() - self.lost_at < RESPAWN_BACKOFF_S:
                 return False
-            self.starting, self.ready_ref = self._spawn(), None
-            self.ready_ref = self.starting.open_step_channel.remote()
-        ready, _ = ray.wait([self.ready_ref], timeout=0)
-        if not ready:
+            self.starting = self._spawn()
+        actors, pg, refs = self.starting
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) < len(refs):
             return False
         try:
-            channel = StepClient([ray.get(self.ready_ref)])
+            channel = StepClient(ray.get(refs)[len(actors):])
         except (RayError, WorkerDiedError) as err:
             logger.warning("replacement drafter failed to start (%s)", err)
-            ray.kill(self.starting)
+            self._kill(actors, pg)
             self.starting, self.lost_at = None, time.monotonic()
             return False
-        self.actor, self.channel, self.starting = self.starting, channel, None
+        self.actors, self.pg, self.channel, self.starting = actors, pg, channel, None
         logger.info("drafter actor replaced: speculation resumes")
         return True
+
+
+@ray.remote
+def _free_address() -> str:
+    """A tcp:// address with a free port on the node this task runs on (rank 0's bundle): the draft ranks'
+    rendezvous."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((ip, 0))
+        return f"tcp://{ip}:{sock.getsockname()[1]}"

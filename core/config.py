@@ -63,9 +63,12 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
                              "smaller model with the target's tokenizer")
-        if self.draft_tensor_parallel_size != 1:
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size}: "
-                             "the draft model runs on one rank (its own actor with the Ray backend); use 1")
+        if not isinstance(self.draft_tensor_parallel_size, int) or self.draft_tensor_parallel_size < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r} "
+                             "must be an int >= 1")
+        if self.draft_tensor_parallel_size > 1 and self.method != "draft_model":
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size} "
+                             f"applies to method='draft_model' only ({self.method!r} has no weights to split); use 1")
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -171,6 +174,10 @@ class EngineArgs:
                              "distributed_executor_backend='ray' (or leave it None)")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
+        spec = self.speculative_config
+        if spec is not None and spec.draft_tensor_parallel_size > 1 and self.executor_backend != "ray":
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
+                             "needs the Ray backend (its ranks are actors): set distributed_executor_backend='ray'")
         if self.dtype not in self._DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(self._DTYPES)}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):

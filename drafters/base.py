@@ -61,3 +61,4 @@ class DrafterContext:
     device: str = "cpu"
     seed: int = 0
     target_tokenizer: object | None = None  # the target's HF tokenizer, when a drafter must check it matches
+    tp_group: object | None = None  # a draft model split over ranks: this process's TPGroup (None: one rank)

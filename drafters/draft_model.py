@@ -57,7 +57,8 @@ class DraftModelDrafter:
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)
         check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(spec.model), ctx.target_model, spec.model)
-        self.model = load_model(spec.model, TPGroup.single(), dtype=getattr(torch, ctx.dtype), device=self.device)
+        tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
+        self.model = load_model(spec.model, tp, dtype=getattr(torch, ctx.dtype), device=self.device)
         if self.model.vocab_size > ctx.vocab_size:
             raise ValueError(f"speculative_config.model={spec.model!r} has vocab_size={self.model.vocab_size}, "
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")

@@ -360,7 +360,7 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
     from specray.cluster.drafter_actor import RemoteDrafter
 
     drafter = RemoteDrafter.__new__(RemoteDrafter)
-    drafter.actor, drafter.channel = object(), FakeChannel()
+    drafter.actors, drafter.channel = [object()], FakeChannel()
     drafter.sent, drafter.pending, drafter.pending_ids, drafter.num_prefetch_hits = {}, False, [], 0
     sp = SamplingParams(temperature=0.0)
     history = [1, 2, 3]
@@ -381,3 +381,52 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
     assert drafter.propose([DraftRequest("a", real, 3, sp)])[0].token_ids == [11]  # asked afresh
     assert drafter.channel.sent[-1] == [("a", 7, [10], 3, sp)]  # the actor rewinds to the kept 7
     assert drafter.num_prefetch_hits == 1
+
+
+# ---- a draft model split over ranks ----------------------------------------------------------------------------
+
+def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, tiny_draft_dir):
+    """draft_tensor_parallel_size=2: two drafter actors (gloo) hold half the draft model each and draft in
+    lockstep. With a fixed K (no timing-driven policy), greedy drafts from the split model are the one-rank
+    drafts, so every acceptance count matches exactly, and the output is the plain greedy output. The target
+    drafting for itself over two ranks gets every draft accepted."""
+    prompts = prompts_for(4, seed=8)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    stats = {}
+    for name, draft_tp in (("tiny", 1), ("tiny", 2), ("self", 2)):
+        model = tiny_draft_dir if name == "tiny" else tiny_llama_dir
+        spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, "adaptive": False,
+                "draft_tensor_parallel_size": draft_tp}
+        engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+                            speculative_config=spec)
+        try:
+            assert len(engine.drafter.actors) == draft_tp
+            assert run_to_end(engine, prompts) == references
+            s = engine.spec_stats
+            stats[name, draft_tp] = (s.drafts, s.draft_tokens, s.accepted_tokens)
+        finally:
+            engine.drafter.shutdown()
+            engine.executor.shutdown()
+    assert stats["tiny", 2] == stats["tiny", 1], stats
+    drafts, draft_tokens, accepted = stats["self", 2]
+    assert drafts > 0 and accepted == draft_tokens, stats
+
+
+def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model):
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 applies to method='draft_model' only"):
+        SpeculativeConfig(method="ngram", draft_tensor_parallel_size=2)
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "draft_tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match="needs the Ray backend"):
+        EngineArgs(model=str(tiny_llama_dir), speculative_config=spec)
+    with pytest.raises(ValueError, match="divisible"):  # 4 heads over 3 draft ranks
+        engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+                   speculative_config=dict(spec, draft_tensor_parallel_size=3))
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)  # a drafter actor's user error stays one
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra_token_a>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+                   speculative_config={"method": "draft_model", "model": str(other)})

@@ -61,6 +61,19 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def join_tp_group(device: torch.device, rank: int, world_size: int, init_method: str | None) -> TPGroup:
+    """Join this process's tensor-parallel group (NCCL on a GPU, gloo on CPU); one rank needs none."""
+    if world_size == 1:
+        return TPGroup.single()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, init_method)
+    return TPGroup.from_world()
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
         self.config = config
@@ -84,15 +97,7 @@ class Worker:
             torch.cuda.set_device(self.device)
 
     def _join_group(self, world_size: int, init_method: str | None) -> TPGroup:
-        if world_size == 1:
-            return TPGroup.single()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=self.rank,
-                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
-        logger.info("rank %d/%d joined the %s group at %s", self.rank, world_size, backend, init_method)
-        return TPGroup.from_world()
+        return join_tp_group(self.device, self.rank, world_size, init_method)
 
     # ---- KV cache -----------------------------------------------------------------------------------------
     def kv_cache_info(self) -> dict:
