@@ -2,10 +2,13 @@
 
 Compares transformers `generate` (plain and with prompt lookup), specray without speculation, specray `ngram`
 and specray `draft_model` (SmolLM2 drafting for itself: a check of the mechanics, not a useful speed-up), for
-one request at a time and for 8 concurrent requests, on input-grounded and open-ended prompts. Prints a
-markdown table of tokens/s and mean accepted length.
+one request at a time and for 8 concurrent requests, on input-grounded and open-ended prompts. Every system is
+built once and timed ``--repeats`` times, the rows interleaved (this shared machine's speed drifts); the table
+shows the median tokens/s, every run, the mean accepted length and each prompt's output length. Requests stop at
+EOS or ``--max-tokens``; ``--ignore-eos`` forces ``--max-tokens`` tokens (then an input-grounded answer is
+followed by text the model makes up after its EOS, which is no longer grounded in the input).
 
-    python benchmarks/bench_offline.py --threads 2 --max-tokens 128
+    python benchmarks/bench_offline.py --threads 2 --max-tokens 128 --num-spec-tokens 5
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import statistics
 import time
 
 import torch
@@ -44,47 +48,58 @@ def chat_prompts(tokenizer, prompts):
                                           add_generation_prompt=True) for p in prompts]
 
 
-def bench_specray(model, prompts, spec, max_tokens, concurrent):
-    from specray import LLM, SamplingParams
+class SpecrayRun:
+    """One specray configuration, built once and timed several times (interleaved with the others)."""
 
-    llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    texts = chat_prompts(llm.get_tokenizer(), prompts)
-    llm.generate(texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    before = llm.spec_stats.drafts, llm.spec_stats.accepted_tokens
-    start = time.perf_counter()
-    if concurrent:
-        outs = llm.generate(texts, params, use_tqdm=False)
-    else:
-        outs = [o for t in texts for o in llm.generate([t], params, use_tqdm=False)]
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = llm.spec_stats.drafts - before[0]
-    accepted = llm.spec_stats.accepted_tokens - before[1]
-    mal = 1 + accepted / drafts if drafts else float("nan")
-    return tokens / elapsed, mal, [o.outputs[0].token_ids for o in outs]
+    def __init__(self, model, spec, prompts, max_tokens, ignore_eos, concurrent):
+        from specray import LLM, SamplingParams
+
+        self.llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        self.texts = chat_prompts(self.llm.get_tokenizer(), prompts) * (2 if concurrent else 1)
+        self.concurrent = concurrent
+        self.llm.generate(self.texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+
+    def __call__(self):
+        """tokens/s, mean accepted length (NaN without drafts), the outputs' token ids."""
+        stats = self.llm.spec_stats
+        before = stats.drafts, stats.accepted_tokens
+        start = time.perf_counter()
+        if self.concurrent:
+            outs = self.llm.generate(self.texts, self.params, use_tqdm=False)
+        else:
+            outs = [o for t in self.texts for o in self.llm.generate([t], self.params, use_tqdm=False)]
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        drafts, accepted = stats.drafts - before[0], stats.accepted_tokens - before[1]
+        mal = 1 + accepted / drafts if drafts else float("nan")
+        return tokens / elapsed, mal, [o.outputs[0].token_ids for o in outs]
 
 
-def bench_hf(folder, prompts, max_tokens, lookup):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class HFRun:
+    """transformers ``generate`` on the same dequantized weights, one prompt at a time."""
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    texts = chat_prompts(tok, prompts)
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    if lookup:
-        kwargs["prompt_lookup_num_tokens"] = lookup
-    ids = tok(texts[0], return_tensors="pt").input_ids
-    model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
-    tokens, start = 0, time.perf_counter()
-    outs = []
-    for t in texts:
-        ids = tok(t, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, **kwargs)
-        tokens += out.shape[1] - ids.shape[1]
-        outs.append(out[0, ids.shape[1]:].tolist())
-    return tokens / (time.perf_counter() - start), outs
+    def __init__(self, folder, prompts, max_tokens, ignore_eos, lookup):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.ids = [tok(t, return_tensors="pt").input_ids for t in chat_prompts(tok, prompts)]
+        self.kwargs = dict(max_new_tokens=max_tokens, do_sample=False)
+        if ignore_eos:
+            self.kwargs["min_new_tokens"] = max_tokens
+        if lookup:
+            self.kwargs["prompt_lookup_num_tokens"] = lookup
+        self.model.generate(self.ids[0], max_new_tokens=8, do_sample=False)  # warm-up
+
+    @torch.inference_mode()
+    def __call__(self):
+        tokens, outs, start = 0, [], time.perf_counter()
+        for ids in self.ids:
+            out = self.model.generate(ids, **self.kwargs)
+            tokens += out.shape[1] - ids.shape[1]
+            outs.append(out[0, ids.shape[1]:].tolist())
+        return tokens / (time.perf_counter() - start), float("nan"), outs
 
 
 def main():
@@ -92,8 +107,12 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-spec-tokens", type=int, default=5)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly max-tokens per request (past EOS); default: stop at EOS")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
+    parser.add_argument("--kinds", default="input-grounded,open-ended")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -104,31 +123,45 @@ def main():
     model = default_model_path()
     folder = resolve_model(model).folder  # the dequantized, cached HF folder
     k = args.num_spec_tokens
-    rows = {
+    specs = {
         "specray (no speculation)": None,
-        "specray ngram": {"method": "ngram", "num_speculative_tokens": k},
-        "specray draft_model (self-draft)": {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+        f"specray ngram (K={k})": {"method": "ngram", "num_speculative_tokens": k},
+        "specray draft_model (self-draft, K=3)": {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
     }
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}, max_tokens={args.max_tokens}\n")
-    print("| system | prompts | batch | tokens/s | mean accepted length |\n|---|---|---|---|---|")
+          f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, "
+          f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}\n")
+    print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens |\n"
+          "|---|---|---|---|---|---|---|")
     only = args.only.split(",") if args.only else None
-    for kind, prompts in (("input-grounded", GROUNDED), ("open-ended", OPEN_ENDED)):
+    sets = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
+    for kind in args.kinds.split(","):
+        prompts = sets[kind]
+        runs = {}
         if not args.skip_hf:
             for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={k})", k)):
-                if only and name not in only:
-                    continue
-                tps, _ = bench_hf(folder, prompts, args.max_tokens, lookup)
-                print(f"| {name} | {kind} | 1 | {tps:.1f} | - |", flush=True)
-        for name, spec in rows.items():
-            if only and name not in only:
-                continue
+                runs[name, 1] = lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos, lookup)
+        for name, spec in specs.items():
             for concurrent in (False, True):
-                tps, mal, _ = bench_specray(model, prompts * (2 if concurrent else 1), spec, args.max_tokens,
-                                            concurrent)
-                batch = 8 if concurrent else 1
-                mal_s = "-" if spec is None else f"{mal:.2f}"
-                print(f"| {name} | {kind} | {batch} | {tps:.1f} | {mal_s} |", flush=True)
+                runs[name, 8 if concurrent else 1] = lambda spec=spec, c=concurrent: SpecrayRun(
+                    model, spec, prompts, args.max_tokens, args.ignore_eos, c)
+        runs = {key: make() for key, make in runs.items() if not only or key[0] in only}
+        results = {key: [] for key in runs}
+        for _ in range(args.repeats):
+            for key, run in runs.items():
+                results[key].append(run())
+        reference = None
+        for (name, batch), rs in results.items():
+            tps = sorted(r[0] for r in rs)
+            outputs = rs[0][2]
+            if batch == 1 and reference is None:
+                reference = outputs
+            same = "" if batch != 1 or outputs == reference else " (outputs differ!)"
+            mal = rs[0][1]
+            print(f"| {name} | {kind} | {batch} | {statistics.median(tps):.1f} | "
+                  f"{', '.join(f'{t:.1f}' for t in tps)} | {'-' if mal != mal else f'{mal:.2f}'} | "
+                  f"{'/'.join(str(len(o)) for o in outputs[:len(prompts)])}{same} |", flush=True)
+        del runs
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class LLMEngine:
         except WorkerDiedError as err:
             self._recover(err)
             raise
-        if self.policy is not None and not plan.is_empty:
+        if self.policy is not None and _is_decode_step(plan):
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - start)
         touched = self.scheduler.update_from_output(plan, result)
         self._record_logprobs(plan, result)
@@ -224,6 +224,12 @@ class LLMEngine:
             self.tracked.pop(rid, None)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
+
+
+def _is_decode_step(plan: StepPlan) -> bool:
+    """Every chunk is one request's last token plus its drafts: the steps the draft policy prices. A prefill
+    chunk's tokens cost far less each (one large matmul) and would bend the fitted cost line."""
+    return not plan.is_empty and all(c.sample and c.num_tokens == 1 + c.num_draft_tokens for c in plan.chunks)
 
 
 def _request_spec_stats(request: Request) -> SpecStats:
