@@ -24,7 +24,8 @@ from specray.sampling_params import SamplingParams
 
 @dataclass
 class NewRequest:
-    """A request the worker has not seen yet (or sees again after preemption)."""
+    """A request the worker has not seen yet, or sees again after preemption (then it keeps the sampling state
+    it held: ``sampling_params`` are the same)."""
 
     req_id: str
     sampling_params: SamplingParams
@@ -64,7 +65,10 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     block_deltas: list[BlockTableDelta] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # drop everything held for these
+    # preempted since the last plan: drop their block tables but keep their sampling state, so that a seeded
+    # request's random stream goes on where it stopped when it comes back (as a NewRequest)
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,8 @@ drafts the engine wants verified. A step is planned in three passes:
 Worker-side state is tracked per request: how many block ids the worker holds and how much of that prefix is
 still unchanged since the last plan (``rewind`` only cuts a table's end, ``allocate`` only appends), which is
 exactly a :class:`BlockTableDelta`. ``StepPlan.finished_req_ids`` lists the requests the worker holds that
-finished, were aborted or were preempted since the last plan; the worker handles it before ``new_requests``.
+finished or were aborted since the last plan, ``StepPlan.preempted_req_ids`` those it must drop the block tables
+of but whose sampling state it keeps; the worker handles both before ``new_requests``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Scheduler:
         self._worker_blocks: dict[str, int] = {}  # req_id -> length of the block table the worker holds
         self._kept_blocks: dict[str, int] = {}  # req_id -> prefix of it unchanged since the last plan, if cut
         self._dropped_ids: list[str] = []  # the next plan's finished_req_ids
+        self._preempted_ids: list[str] = []  # the next plan's preempted_req_ids
+        self._worker_requests: set[str] = set()  # requests whose sampling state the worker holds
         self._finished_unreported: list[Request] = []  # finished inside schedule(), returned by the next update
         self._just_finished: dict[str, Request] = {}  # finished since the last schedule(): finish_request may fix
 
@@ -215,7 +218,8 @@ class Scheduler:
         """Preemption by recompute: drop its KV; it resumes later by prefilling its prompt and output again."""
         self.running.remove(req)
         self.block_manager.free(req)
-        self._forget_worker_state(req)
+        if self._forget_worker_blocks(req):
+            self._preempted_ids.append(req.req_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.draft_token_ids = []
@@ -274,11 +278,13 @@ class Scheduler:
         return chunks
 
     def _make_plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
-        plan = StepPlan(next(self._step_ids), chunks=chunks, finished_req_ids=self._dropped_ids)
-        self._dropped_ids = []
+        plan = StepPlan(next(self._step_ids), chunks=chunks, finished_req_ids=self._dropped_ids,
+                        preempted_req_ids=self._preempted_ids)
+        self._dropped_ids, self._preempted_ids = [], []
         for req in self.running:
             if req.req_id not in self._worker_blocks:
                 plan.new_requests.append(NewRequest(req.req_id, req.sampling_params, list(req.block_ids)))
+                self._worker_requests.add(req.req_id)
             else:
                 self._add_delta(plan, req)
             self._worker_blocks[req.req_id] = len(req.block_ids)
@@ -354,8 +360,15 @@ class Scheduler:
         self._just_finished[req.req_id] = req
 
     def _forget_worker_state(self, req: Request) -> None:
-        """Tell the worker (in the next plan) to drop a request it holds."""
-        if req.req_id in self._worker_blocks:
-            del self._worker_blocks[req.req_id]
-            self._kept_blocks.pop(req.req_id, None)
+        """Tell the worker (in the next plan) to drop a request it holds, preempted or not."""
+        self._forget_worker_blocks(req)
+        if req.req_id in self._worker_requests:
+            self._worker_requests.discard(req.req_id)
             self._dropped_ids.append(req.req_id)
+
+    def _forget_worker_blocks(self, req: Request) -> bool:
+        """Forget the block table the worker holds for ``req``; False if it holds none."""
+        if self._worker_blocks.pop(req.req_id, None) is None:
+            return False
+        self._kept_blocks.pop(req.req_id, None)
+        return True

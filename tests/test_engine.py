@@ -112,6 +112,17 @@ def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
     assert free_blocks(llm) == 40
 
 
+def test_preemption_keeps_seeded_sampled_output(tiny_llama_dir):
+    """A preempted seeded request resumes its random stream where it stopped (the worker keeps its generator):
+    the same tokens as with a pool large enough for no preemption."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    roomy = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4)
+    tight = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, num_kv_blocks=40)
+    expected = token_ids(roomy.generate(PROMPTS, params, use_tqdm=False))
+    assert token_ids(tight.generate(PROMPTS, params, use_tqdm=False)) == expected
+    assert tight.engine.scheduler.num_preemptions > 0 and free_blocks(tight) == 40
+
+
 def test_seeded_sampling_is_reproducible(plain):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     a = token_ids(plain.generate(PROMPTS[:2], params, use_tqdm=False))

@@ -58,12 +58,18 @@ class FakeWorker:
         self.cache = [None] * (num_blocks * block_size)
         self.tables: dict[str, list[int]] = {}
         self.incarnation: dict[str, int] = {}
+        self.known: set[str] = set()  # requests whose (sampling) state the worker holds
 
     def apply(self, plan: StepPlan) -> None:
         for rid in plan.finished_req_ids:
+            self.tables.pop(rid, None)  # a preempted request may finish (abort) while it waits
+            self.known.discard(rid)
+        for rid in plan.preempted_req_ids:
             del self.tables[rid]
+            assert rid in self.known
         for new in plan.new_requests:
             assert new.req_id not in self.tables
+            self.known.add(new.req_id)
             self.tables[new.req_id] = list(new.block_ids)
             self.incarnation[new.req_id] = self.incarnation.get(new.req_id, 0) + 1
         for delta in plan.block_deltas:
@@ -236,7 +242,8 @@ def test_preemption_by_recompute():
     worker_step(sched, worker)  # both prefill 2 blocks each; 1 free
     b_out = list(b.output_token_ids)
     plan, touched = worker_step(sched, worker)  # a takes the last block; b (newest) must preempt itself
-    assert [c.req_id for c in plan.chunks] == ["a"] and plan.finished_req_ids == ["b"]
+    assert [c.req_id for c in plan.chunks] == ["a"] and plan.preempted_req_ids == ["b"]
+    assert not plan.finished_req_ids  # the worker keeps b's sampling state
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
     assert list(sched.waiting) == [b] and b.num_preemptions == 1 and sched.num_preemptions == 1
     assert b.output_token_ids == b_out and touched == [a]
@@ -252,6 +259,22 @@ def test_preemption_by_recompute():
     assert sched.block_manager.num_free_blocks == 5
 
 
+def test_a_preempted_request_aborted_while_waiting_is_dropped_by_the_worker():
+    sched = make_sched(num_blocks=5, block_size=4)
+    worker = FakeWorker(5, 4)
+    a, b = make_req("a", 8, 6, arrival=0.0), make_req("b", 8, 4, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    worker_step(sched, worker)
+    plan, _ = worker_step(sched, worker)
+    assert plan.preempted_req_ids == ["b"] and "b" in worker.known
+    sched.abort_requests("b")
+    plan, _ = worker_step(sched, worker)
+    assert plan.finished_req_ids == ["b"] and "b" not in worker.known
+    run_to_end(sched, worker)
+    assert not worker.known and sched.block_manager.num_free_blocks == 5
+
+
 def test_preemption_takes_the_newest_running_request_first():
     sched = make_sched(num_blocks=6, block_size=4)
     reqs = [make_req(name, 8, 30, arrival=t) for name, t in (("old", 0.0), ("new", 2.0), ("mid", 1.0))]
@@ -259,7 +282,7 @@ def test_preemption_takes_the_newest_running_request_first():
         sched.add_request(r)
     step(sched)  # 3 x 2 blocks, 0 free
     plan, _ = step(sched)  # "old" needs a block: "new" (arrived last) goes, then "mid" gets the freed blocks
-    assert plan.finished_req_ids == ["new"] and [c.req_id for c in plan.chunks] == ["old", "mid"]
+    assert plan.preempted_req_ids == ["new"] and [c.req_id for c in plan.chunks] == ["old", "mid"]
     assert list(sched.waiting) == [reqs[1]] and not plan.new_requests  # no readmission in a preempting step
 
 

@@ -33,15 +33,19 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
 
     def apply_plan_state(self, plan: StepPlan) -> None:
-        """Finished ids first, then new requests, then block-table deltas (the contract's order)."""
+        """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
+        A preempted request keeps its generator: resumed, it samples on from where its stream stopped."""
         for rid in plan.finished_req_ids:
             self.block_tables.pop(rid, None)
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
+        for rid in plan.preempted_req_ids:
+            self.block_tables.pop(rid, None)
         for new in plan.new_requests:
             self.block_tables[new.req_id] = list(new.block_ids)
-            self.params[new.req_id] = new.sampling_params
-            self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
+            if new.req_id not in self.params:
+                self.params[new.req_id] = new.sampling_params
+                self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
         for delta in plan.block_deltas:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]
