@@ -8,7 +8,7 @@ shows the median tokens/s, every run, the mean accepted length and each prompt's
 EOS or ``--max-tokens``; ``--ignore-eos`` forces ``--max-tokens`` tokens (then an input-grounded answer is
 followed by text the model makes up after its EOS, which is no longer grounded in the input).
 
-    python benchmarks/bench_offline.py --threads 2 --max-tokens 128 --num-spec-tokens 5
+    python benchmarks/bench_offline.py --threads 2 --max-tokens 128 --num-spec-tokens 5,12
 """
 
 from __future__ import annotations
@@ -34,12 +34,42 @@ GROUNDED = [
     "said the budget reflects the priorities of residents, who asked for better buses and schools.",
     "Fix the bug in this function and return the corrected function:\n"
     "def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(value)\n",
+    # Added on 2026-11-23, before any was run, so that one prompt's quirks weigh less.
+    "Add a docstring to this function and return the whole function:\n"
+    "def clamp(value, low, high):\n    if value < low:\n        return low\n    if value > high:\n"
+    "        return high\n    return value\n",
+    "Convert this JavaScript function to Python:\n"
+    "function greet(name) {\n  if (!name) {\n    return 'Hello, stranger!';\n  }\n"
+    "  return 'Hello, ' + name + '!';\n}\n",
+    "Add type hints to this Python code and return the whole code:\n"
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n",
+    "List every date mentioned in this email, one per line, with what happens on it:\n"
+    "Hi team, the design review moves to March 3. Code freeze is on March 10, and the release candidate "
+    "ships on March 14. We will hold the retrospective on March 21.",
+    "Extract the product names and prices from this text as a JSON list of objects with keys name and price:\n"
+    "The store sells the Basic Kettle for $25, the Deluxe Kettle for $40, the Travel Mug for $12 and the "
+    "Tea Sampler for $18.",
+    "Turn these meeting notes into a bulleted list of action items with their owners:\n"
+    "Maria will update the budget spreadsheet. Tom will book the venue for the conference. Priya will send the "
+    "invitations to the speakers. Everyone will review the draft agenda by Friday.",
+    "Summarize this product review in one sentence, reusing its words:\n"
+    "The blender is powerful and easy to clean. It crushes ice in seconds and makes smooth soups. However, "
+    "it is loud, and the lid sometimes leaks when the jar is full. Overall it is a good blender for the price.",
+    "Rewrite this paragraph in the past tense:\n"
+    "Every morning Sam walks to the bakery. He buys a loaf of bread and a coffee. Then he sits by the window "
+    "and reads the newspaper before he goes to work.",
 ]
 OPEN_ENDED = [
     "Write a short story about a robot who learns to paint.",
     "Explain why the sky is blue to a ten-year-old.",
     "Give me five ideas for a weekend trip in the mountains.",
     "What are the pros and cons of working from home?",
+    # Added on 2026-11-23, before any was run.
+    "Write a poem about the ocean at night.",
+    "How do vaccines train the immune system?",
+    "Describe your ideal city of the future.",
+    "What should a beginner know before learning to play the guitar?",
 ]
 
 
@@ -106,7 +136,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-spec-tokens", type=int, default=5)
+    parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max-tokens per request (past EOS); default: stop at EOS")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
@@ -122,24 +152,23 @@ def main():
 
     model = default_model_path()
     folder = resolve_model(model).folder  # the dequantized, cached HF folder
-    k = args.num_spec_tokens
-    specs = {
-        "specray (no speculation)": None,
-        f"specray ngram (K={k})": {"method": "ngram", "num_speculative_tokens": k},
-        "specray draft_model (self-draft, K=3)": {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
-    }
+    ks = [int(k) for k in args.num_spec_tokens.split(",")]
+    specs = {"specray (no speculation)": None}
+    specs.update({f"specray ngram (K={k})": {"method": "ngram", "num_speculative_tokens": k} for k in ks})
+    specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
+                                                      "num_speculative_tokens": 3}
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, "
           f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}\n")
-    print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens | outputs unlike the "
+          "first row's |\n|---|---|---|---|---|---|---|---|")
     only = args.only.split(",") if args.only else None
     sets = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
     for kind in args.kinds.split(","):
         prompts = sets[kind]
         runs = {}
         if not args.skip_hf:
-            for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={k})", k)):
+            for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={ks[0]})", ks[0])):
                 runs[name, 1] = lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos, lookup)
         for name, spec in specs.items():
             for concurrent in (False, True):
@@ -153,14 +182,14 @@ def main():
         reference = None
         for (name, batch), rs in results.items():
             tps = sorted(r[0] for r in rs)
-            outputs = rs[0][2]
-            if batch == 1 and reference is None:
-                reference = outputs
-            same = "" if batch != 1 or outputs == reference else " (outputs differ!)"
+            outputs = rs[0][2][:len(prompts)]
+            reference = reference or outputs
+            diff = sum(o != r for o, r in zip(outputs, reference))
             mal = rs[0][1]
             print(f"| {name} | {kind} | {batch} | {statistics.median(tps):.1f} | "
                   f"{', '.join(f'{t:.1f}' for t in tps)} | {'-' if mal != mal else f'{mal:.2f}'} | "
-                  f"{'/'.join(str(len(o)) for o in outputs[:len(prompts)])}{same} |", flush=True)
+                  f"{sum(len(o) for o in outputs)} | {diff} |", flush=True)
+        print(f"<!-- {kind} output tokens per prompt: {[len(o) for o in reference]} -->", flush=True)
         del runs
 
 
