@@ -233,13 +233,19 @@ def test_continuous_batching_respects_max_num_seqs():
 
 
 # ---- preemption --------------------------------------------------------------------------------------
-def test_preemption_by_recompute():
+def two_requests_in_five_blocks():
+    """a and b (newer) have prefilled 2 blocks of 4 each; 1 block is free, so a's next block preempts b."""
     sched = make_sched(num_blocks=5, block_size=4)
     worker = FakeWorker(5, 4)
     a, b = make_req("a", 8, 6, arrival=0.0), make_req("b", 8, 4, arrival=1.0)
     sched.add_request(a)
     sched.add_request(b)
-    worker_step(sched, worker)  # both prefill 2 blocks each; 1 free
+    worker_step(sched, worker)
+    return sched, worker, a, b
+
+
+def test_preemption_by_recompute():
+    sched, worker, a, b = two_requests_in_five_blocks()
     b_out = list(b.output_token_ids)
     plan, touched = worker_step(sched, worker)  # a takes the last block; b (newest) must preempt itself
     assert [c.req_id for c in plan.chunks] == ["a"] and plan.preempted_req_ids == ["b"]
@@ -260,12 +266,7 @@ def test_preemption_by_recompute():
 
 
 def test_a_preempted_request_aborted_while_waiting_is_dropped_by_the_worker():
-    sched = make_sched(num_blocks=5, block_size=4)
-    worker = FakeWorker(5, 4)
-    a, b = make_req("a", 8, 6, arrival=0.0), make_req("b", 8, 4, arrival=1.0)
-    sched.add_request(a)
-    sched.add_request(b)
-    worker_step(sched, worker)
+    sched, worker, _, _ = two_requests_in_five_blocks()
     plan, _ = worker_step(sched, worker)
     assert plan.preempted_req_ids == ["b"] and "b" in worker.known
     sched.abort_requests("b")
