@@ -21,6 +21,7 @@ import time
 
 import torch
 
+KV_BYTES = 192 << 20  # per engine: 8 requests of ~300 tokens need far less; the default (1 GiB) x 8 engines OOMs
 GROUNDED = [
     "Rename the variable `x` to `count` everywhere in this code and return the whole code:\n"
     "def tally(items):\n    x = 0\n    for item in items:\n        if item:\n            x += 1\n    return x\n\n"
@@ -79,24 +80,25 @@ def chat_prompts(tokenizer, prompts):
 
 
 class SpecrayRun:
-    """One specray configuration, built once and timed several times (interleaved with the others)."""
+    """One specray configuration, built once and timed several times (interleaved with the others), one request
+    at a time or all at once (up to 8 running)."""
 
-    def __init__(self, model, spec, prompts, max_tokens, ignore_eos, concurrent):
+    def __init__(self, model, spec, prompts, max_tokens, ignore_eos):
         from specray import LLM, SamplingParams
 
-        self.llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048)
+        self.llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048,
+                       kv_cache_memory_bytes=KV_BYTES)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        self.texts = chat_prompts(self.llm.get_tokenizer(), prompts) * (2 if concurrent else 1)
-        self.concurrent = concurrent
+        self.texts = chat_prompts(self.llm.get_tokenizer(), prompts)
         self.llm.generate(self.texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
 
-    def __call__(self):
+    def __call__(self, concurrent: bool):
         """tokens/s, mean accepted length (NaN without drafts), the outputs' token ids."""
         stats = self.llm.spec_stats
         before = stats.drafts, stats.accepted_tokens
         start = time.perf_counter()
-        if self.concurrent:
-            outs = self.llm.generate(self.texts, self.params, use_tqdm=False)
+        if concurrent:  # every prompt twice
+            outs = self.llm.generate(self.texts * 2, self.params, use_tqdm=False)
         else:
             outs = [o for t in self.texts for o in self.llm.generate([t], self.params, use_tqdm=False)]
         elapsed = time.perf_counter() - start
@@ -123,7 +125,7 @@ class HFRun:
         self.model.generate(self.ids[0], max_new_tokens=8, do_sample=False)  # warm-up
 
     @torch.inference_mode()
-    def __call__(self):
+    def __call__(self, concurrent: bool = False):
         tokens, outs, start = 0, [], time.perf_counter()
         for ids in self.ids:
             out = self.model.generate(ids, **self.kwargs)
@@ -166,19 +168,20 @@ def main():
     sets = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
     for kind in args.kinds.split(","):
         prompts = sets[kind]
-        runs = {}
+        builders = {}
         if not args.skip_hf:
             for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={ks[0]})", ks[0])):
-                runs[name, 1] = lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos, lookup)
+                builders[name] = (lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos,
+                                                              lookup), [1])
         for name, spec in specs.items():
-            for concurrent in (False, True):
-                runs[name, 8 if concurrent else 1] = lambda spec=spec, c=concurrent: SpecrayRun(
-                    model, spec, prompts, args.max_tokens, args.ignore_eos, c)
-        runs = {key: make() for key, make in runs.items() if not only or key[0] in only}
-        results = {key: [] for key in runs}
+            builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos),
+                              [1, 8])
+        runs = {name: (make(), batches) for name, (make, batches) in builders.items() if not only or name in only}
+        results = {(name, b): [] for name, (_, batches) in runs.items() for b in batches}
         for _ in range(args.repeats):
-            for key, run in runs.items():
-                results[key].append(run())
+            for name, (run, batches) in runs.items():
+                for b in batches:
+                    results[name, b].append(run(b == 8))
         reference = None
         for (name, batch), rs in results.items():
             tps = sorted(r[0] for r in rs)
