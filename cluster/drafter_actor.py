@@ -9,12 +9,12 @@ decodes without speculation: slower, never wrong) while a replacement starts in 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import uuid
 from dataclasses import replace
 
+from specray.cluster.executor import PLACEMENT_TIMEOUT_S, SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
 from specray.cluster.step_channel import StepClient, StepServer
@@ -29,8 +29,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 logger = logging.getLogger(__name__)
 
 DRAFT_TIMEOUT_S = 60.0  # a drafter slower than this is treated as lost
-SETUP_TIMEOUT_S = 600.0  # loading a draft model
-PLACEMENT_TIMEOUT_S = 60.0
 RESPAWN_BACKOFF_S = 5.0
 
 
@@ -97,6 +95,9 @@ class DrafterWorker:
                 self.drafter.sync_pool(wait=True)
                 self.drafter.sync_pool(wait=True)
 
+    def rendezvous(self) -> str:
+        return rendezvous_address()
+
     def open_step_channel(self) -> tuple[str, int, bytes]:
         """Serve ``propose`` on a socket; returns (host, port, token) for :class:`StepClient`."""
         import torch  # the channel's thread runs the drafter with this thread's torch thread count
@@ -157,9 +158,8 @@ class RemoteDrafter:
             actors, pg, init_method = [actor_cls.options(**options).remote()], None, None
         else:
             pg, in_bundle = self._placement_group(options)
-            init_method = ray.get(_free_address.options(num_cpus=0, scheduling_strategy=in_bundle[0]).remote(),
-                                  timeout=SETUP_TIMEOUT_S)
             actors = [actor_cls.options(**options, scheduling_strategy=s).remote() for s in in_bundle]
+            init_method = ray.get(actors[0].rendezvous.remote(), timeout=SETUP_TIMEOUT_S)
         setups = [a.setup.remote(*args, rank=rank, world_size=self.tp_size, init_method=init_method)
                   for rank, a in enumerate(actors)]
         return actors, pg, setups + [a.open_step_channel.remote() for a in actors]
@@ -304,12 +304,3 @@ class RemoteDrafter:
         logger.info("drafter actor replaced: speculation resumes")
         return True
 
-
-@ray.remote
-def _free_address() -> str:
-    """A tcp:// address with a free port on the node this task runs on (rank 0's bundle): the draft ranks'
-    rendezvous."""
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as sock:
-        sock.bind((ip, 0))
-        return f"tcp://{ip}:{sock.getsockname()[1]}"

@@ -33,6 +33,15 @@ SETUP_TIMEOUT_S = 600.0  # loading a shard of a large model
 STEP_TIMEOUT_S = 600.0  # no step takes this long; a rank that does is treated as lost
 
 
+def rendezvous_address() -> str:
+    """A tcp:// address on this node with a free port, for rank 0 of a group to host the process group's store."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{ip}:{port}"
+
+
 class TargetWorker:
     """The actor around one :class:`Worker`. Created empty so the group can agree on a rendezvous address
     before any rank blocks in ``init_process_group``."""
@@ -42,12 +51,7 @@ class TargetWorker:
         self.lock = threading.Lock()  # steps come on the channel's thread, other calls on the actor's
 
     def rendezvous(self) -> str:
-        """A tcp:// address on this node with a free port, for rank 0 to host the process group's store."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        return rendezvous_address()
 
     def setup(self, config: WorkerConfig, rank: int, world_size: int, init_method: str) -> dict:
         self.worker = Worker(config, rank, world_size, init_method)

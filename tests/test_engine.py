@@ -287,7 +287,7 @@ def test_policy_caps_draft_length_per_request():
 
 def test_draft_policy_prices_decode_steps_only(tiny_llama_dir):
     """Prefill chunks cost far less per token than decode tokens; the policy's cost line is fitted on steps of
-    last tokens plus drafts only (batch 1 here: at most 1 + K tokens a step)."""
+    last tokens plus drafts only (two requests here: at most 2 * (1 + K) tokens a step)."""
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     llm.generate([PROMPTS[0] * 3, PROMPTS[1]], greedy(16), use_tqdm=False)  # prefills of 20-60 tokens
     sizes = {n for n, _ in llm.engine.policy._samples}
