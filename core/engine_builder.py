@@ -10,6 +10,7 @@ from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
 from specray.engine import LLMEngine
 from specray.executor import CacheConfig, executor_class
+from specray.models.layers import rows_for
 from specray.models.loader import load_hf_config, load_tokenizer
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -82,7 +83,8 @@ def build_drafter(args: EngineArgs, target_info: dict, tokenizer, max_model_len:
         seed=args.seed,
         target_tokenizer=tokenizer,
     )
-    policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive)
+    policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
+                               rows=rows_for(target_info["device"], target_info["dtype"]))
     if backend == "ray":
         module, cls = _REMOTE_DRAFTER.split(":")
         return getattr(import_module(module), cls)(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy

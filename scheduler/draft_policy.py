@@ -10,10 +10,12 @@ that Bernoulli(alpha); a request's evidence is kept as exponentially discounted 
 request: ``draft_accepts``, ``draft_rejects``) and read as the posterior mean under a Beta prior of strength m
 centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
 
-Cost model: a step over n tokens takes cost(n) = a + b * n, fitted by least squares over a sliding window of
-measured steps (with one pass that drops outliers beyond 3 median absolute residuals, e.g. a GC pause). Until
-the window holds steps of two distinct sizes, a prior (a = 1, b = 0.15, relative units) stands in. In a batch
-of B requests one request's share of a step with k drafts is  a / B + b * (1 + k).
+Cost model: a step over n tokens takes cost(n) = a + b * rows(n), fitted by least squares over a sliding window
+of measured steps (with one pass that drops outliers beyond 3 median absolute residuals, e.g. a GC pause).
+rows(n) is the row count the target's matmuls really run n tokens as (on CPU they pad to fast widths, so 4
+tokens cost what 2 do; identity elsewhere). Until the window holds steps of two distinct sizes, a prior
+(a = 1, b = 0.15, relative units) stands in. A lone request's step with k drafts costs a + b * rows(1 + k); in
+a batch of B requests one request's share is  a / B + b * (1 + k).
 
 Choice: k in [0, max_k] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time. k = 0 unless the best
 k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets one cheap probe of
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from statistics import median
+from typing import Callable
 
 PRIOR_COST = (1.0, 0.15)  # (a, b): the fixed cost of a step, and of each token in it, in relative units
 
@@ -61,7 +64,7 @@ def robust_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 class DraftLengthPolicy:
     def __init__(self, max_k: int, adaptive: bool = True, *, window: int = 64, margin: float = 0.03,
                  probe_after: int = 8, probe_k: int = 2, prior_alpha: float = 0.5, prior_strength: float = 2.0,
-                 decay: float = 0.9):
+                 decay: float = 0.9, rows: Callable[[int], int] | None = None):
         if not isinstance(max_k, int) or max_k < 0:
             raise ValueError(f"max_k={max_k!r} must be an int >= 0 (num_speculative_tokens)")
         if window < 2:
@@ -76,20 +79,21 @@ class DraftLengthPolicy:
         self.prior_alpha = prior_alpha
         self.prior_strength = prior_strength
         self.decay = decay
+        self.rows = rows or (lambda n: n)
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._cost = PRIOR_COST
         self._stale = False
 
     # ---- cost -----------------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """Record one measured step over ``num_tokens`` tokens (``num_seqs`` requests; the fit uses tokens)."""
+        """Record one measured step over ``num_tokens`` tokens (``num_seqs`` requests; the fit uses their rows)."""
         if num_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        self._samples.append((float(num_tokens), seconds))
+        self._samples.append((float(self.rows(num_tokens)), seconds))
         self._stale = True
 
     def cost_model(self) -> tuple[float, float]:
-        """(a, b) of cost(n) = a + b * n: fitted once the window has two distinct n, else the prior."""
+        """(a, b) of cost(n) = a + b * rows(n): fitted once the window has two distinct n, else the prior."""
         if self._stale:
             self._stale = False
             self._cost = self._fit()
@@ -143,7 +147,10 @@ class DraftLengthPolicy:
         beats k = 0 by ``margin``."""
         max_k = self.max_k if max_k is None else max_k
         a, b = self.cost_model()
-        share = a / max(batch_size, 1)
-        rates = [expected_tokens(alpha, k) / (share + b * (1 + k)) for k in range(max_k + 1)]
+        if batch_size <= 1:
+            costs = [a + b * self.rows(1 + k) for k in range(max_k + 1)]
+        else:
+            costs = [a / batch_size + b * (1 + k) for k in range(max_k + 1)]
+        rates = [expected_tokens(alpha, k) / cost for k, cost in enumerate(costs)]
         best = max(range(len(rates)), key=rates.__getitem__)  # ties go to the smaller k
         return best if rates[best] >= rates[0] * (1.0 + self.margin) else 0

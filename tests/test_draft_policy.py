@@ -125,3 +125,20 @@ def test_deterministic():
 def test_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         DraftLengthPolicy(**kw)
+
+
+def test_alone_it_fills_the_rows_the_matmuls_run_anyway():
+    """With steps padded to fast widths (4 tokens cost what 2 do), a lone request drafts to fill the width:
+    1 + k is always a width (1 or 3 drafts, never 2; 7, never 4-6), as a fit over raw token counts misses."""
+    def rows(n):
+        return next(w for w in (2, 4, 8, 16) if n <= w)
+
+    padded, plain = DraftLengthPolicy(15, rows=rows), DraftLengthPolicy(15)
+    for n in range(1, 17):
+        for policy in (padded, plain):
+            policy.observe_step(n, 1, 0.030 + 0.002 * rows(n))
+    assert padded.cost_model() == pytest.approx((0.030, 0.002))
+    ks = [padded.best_k(alpha / 20, batch_size=1) for alpha in range(20)]
+    assert all(1 + k in (1, 2, 4, 8, 16) for k in ks), ks
+    assert ks == sorted(ks) and {1, 3, 7} <= set(ks), ks
+    assert any(1 + plain.best_k(alpha / 20, batch_size=1) not in (1, 2, 4, 8, 16) for alpha in range(20))

@@ -36,7 +36,9 @@ def assert_matches_hf(model, hf, ids: list[int] | None = None) -> None:
     ids = ids or [5, 17, 3, 99, 250, 42, 7, 8, 1, 64, 128, 200, 31, 2, 9, 77, 150, 11, 13]  # > 16: long path too
     ref = hf(torch.tensor([ids])).logits[0]
     diff = (prefill_logits(model, ids) - ref).abs().max().item()
-    assert diff < TOL, diff
+    # oneDNN's packed matmuls sum in another order than MKL: over SmolLM2's 30 layers that is ~1e-4 on logits
+    # of size 30 (3e-6 relative), so the bound is TOL or 1e-5 of the logits' scale, whichever is larger
+    assert diff < max(TOL, 1e-5 * ref.abs().max().item()), diff
 
 
 def copy_config(src: Path, dst: Path, **changes) -> Path:
@@ -194,5 +196,9 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
     source = resolve_model(str(smollm2_gguf))
     assert source.gguf_file == smollm2_gguf.resolve() and source.path.parent.parent == gguf_cache
     assert [f.name for f in source.weight_files] == ["model.safetensors"]
-    again = load_model(str(smollm2_gguf))
-    assert torch.equal(again.model.layers[3].self_attn.qkv_proj.weight, smol.model.layers[3].self_attn.qkv_proj.weight)
+    again = load_model(str(smollm2_gguf), pack=False)
+    assert torch.equal(again.lm_head.weight, smol.lm_head.weight)  # (smol's linears are packed: opaque)
+    x = torch.randn(3, smol.config.hidden_size)
+    with torch.no_grad():
+        # packed vs dense sums differ by fp32 rounding (~1e-4 here); wrong weights would differ by O(1)
+        torch.testing.assert_close(again.model.layers[3].mlp(x), smol.model.layers[3].mlp(x), rtol=1e-3, atol=1e-3)

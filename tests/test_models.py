@@ -327,3 +327,57 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
             assert diff < TOL, (r, folder, diff)
             assert vocab_rows == (162 if "llama" in folder else 161)  # this rank's padded half of the vocab
             assert kv_heads == 1
+
+
+# ---- the CPU small-row matmul path ---------------------------------------------------------------------------------
+
+
+def test_padded_rows_picks_a_fast_width_at_least_m():
+    from specray.models.layers import FAST_ROWS, SMALL_BATCH_ROWS, padded_rows
+
+    for m in range(1, SMALL_BATCH_ROWS + 1):
+        rows = padded_rows(m)
+        assert rows >= m and (rows in FAST_ROWS or rows % 8 == 0), (m, rows)
+        assert rows < m + 8, (m, rows)
+    assert [padded_rows(m) for m in (1, 3, 7, 10, 17)] == [2, 4, 8, 16, 24]
+    assert padded_rows(SMALL_BATCH_ROWS + 1) == SMALL_BATCH_ROWS + 1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 17, 128, 129])
+def test_small_row_linear_equals_f_linear(rows):
+    import torch.nn.functional as F
+
+    from specray.models.layers import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w, bias = (torch.randn(*s, generator=gen) for s in ((rows, 48), (40, 48), (40,)))
+    for b in (None, bias):
+        y = linear(x, w, b)
+        assert y.shape == (rows, 40) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_load_model_packs_cpu_fp32_linears_and_keeps_the_logits(request):
+    """On CPU in fp32 the linears run from oneDNN's blocked copy (dense weights freed, the LM head's kept for the
+    tied embedding); the logits equal the dense model's, and the transformers tests above run packed."""
+    from specray.models.layers import PackableLinear, can_pack
+
+    folder = str(request.getfixturevalue(MODEL_FIXTURES[0]))
+    packed, dense = load_model(folder), load_model(folder, pack=False)
+    assert can_pack("cpu", "float32")
+    linears = [m for m in packed.modules() if isinstance(m, PackableLinear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert all(m.weight is None for m in linears if m is not packed.lm_head)
+    assert packed.lm_head.weight is not None and packed.dtype == torch.float32
+    assert all(m.packed is None and m.weight is not None for m in dense.modules() if isinstance(m, PackableLinear))
+    for rows in (1, 6, 40):
+        ids = tokens(rows, rows)
+        a, b = Paged(packed), Paged(dense)
+        torch.testing.assert_close(a.step([(ids, 0, a.table(rows))])[0], b.step([(ids, 0, b.table(rows))])[0],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_loading_weights_into_a_packed_model_is_refused(tiny_llama_dir):
+    model = load_model(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match="packed"):
+        model.load_weights([])

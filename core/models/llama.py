@@ -211,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load HF-named checkpoint tensors (torch tensors or safetensors slices), keeping this rank's shard."""
+        if any(getattr(m, "packed", None) is not None for m in self.modules()):
+            raise ValueError("this model's linear weights are packed for CPU inference (load_model packs them); "
+                             "load weights into a fresh model, or build it with load_model(..., pack=False)")
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specray.models.layers import can_pack, pack_linear_weights
 from specray.models.registry import get_model_class
 from specray.parallel import TPGroup
 
@@ -152,8 +153,9 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> nn.Module:
-    """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``."""
+               device: str | torch.device = "cpu", pack: bool = True) -> nn.Module:
+    """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
+    with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``layers.pack_weight``)."""
     from transformers import AutoConfig
 
     if not dtype.is_floating_point:
@@ -167,6 +169,8 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)
+    if pack and can_pack(torch.device(device).type, str(dtype).removeprefix("torch.")):
+        pack_linear_weights(net)
     return net
 
 
