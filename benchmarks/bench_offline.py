@@ -139,12 +139,15 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
+    parser.add_argument("--prompt-lookup-min", default="2", help="the ngram rows' prompt_lookup_min, or a comma "
+                        "list (each K runs with each)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max-tokens per request (past EOS); default: stop at EOS")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
     parser.add_argument("--kinds", default="input-grounded,open-ended")
+    parser.add_argument("--batches", default="1,8", help="the specray rows' batch modes: 1, 8 or 1,8")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -156,7 +159,10 @@ def main():
     folder = resolve_model(model).folder  # the dequantized, cached HF folder
     ks = [int(k) for k in args.num_spec_tokens.split(",")]
     specs = {"specray (no speculation)": None}
-    specs.update({f"specray ngram (K={k})": {"method": "ngram", "num_speculative_tokens": k} for k in ks})
+    for k in ks:
+        for lookup_min in (int(m) for m in args.prompt_lookup_min.split(",")):
+            name = f"specray ngram (K={k})" if lookup_min == 2 else f"specray ngram min {lookup_min} (K={k})"
+            specs[name] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
     specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
                                                       "num_speculative_tokens": 3}
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
@@ -175,7 +181,7 @@ def main():
                                                               lookup), [1])
         for name, spec in specs.items():
             builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos),
-                              [1, 8])
+                              [int(b) for b in args.batches.split(",")])
         runs = {name: (make(), batches) for name, (make, batches) in builders.items() if not only or name in only}
         results = {(name, b): [] for name, (_, batches) in runs.items() for b in batches}
         for _ in range(args.repeats):
