@@ -19,7 +19,7 @@ from specray.models.loader import load_model
 
 def weights(model) -> list[torch.Tensor]:
     """Every 2-D weight a decode step multiplies by (the embedding is the tied LM head)."""
-    return [p for name, p in model.named_parameters() if p.dim() == 2]
+    return [p for p in model.parameters() if p.dim() == 2]
 
 
 @torch.inference_mode()

@@ -109,8 +109,9 @@ def padded_rows(m: int) -> int:
 
 
 def rows_for(device: str, dtype: str):
-    """The ``padded_rows`` rule where ``linear`` pads (unpacked fp32 on CPU), else None (tokens are rows)."""
-    return padded_rows if device == "cpu" and dtype == "float32" and not can_pack(device, dtype) else None
+    """The ``padded_rows`` rule where ``linear`` pads (fp32 on CPU, unpacked: no oneDNN), else None (tokens
+    are rows)."""
+    return padded_rows if device == "cpu" and dtype == "float32" and not torch.backends.mkldnn.is_available() else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
@@ -148,12 +149,11 @@ class PackableLinear(nn.Module):
             self.weight = None  # the parameter is gone: load weights before packing
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every linear's weight of a loaded fp32 CPU ``model`` (see ``pack_weight``); returns how many."""
-    linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
-    for module in linears:
-        module.pack(keep_dense=isinstance(module, ParallelLMHead))
-    return len(linears)
+def pack_linear_weights(model: nn.Module) -> None:
+    """Pack every linear's weight of a loaded fp32 CPU ``model`` (see ``pack_weight``)."""
+    for module in model.modules():
+        if isinstance(module, PackableLinear):
+            module.pack(keep_dense=isinstance(module, ParallelLMHead))
 
 
 class ColumnParallelLinear(PackableLinear):
