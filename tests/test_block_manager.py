@@ -1,5 +1,6 @@
-"""The KV block pool: allocation from a free list, rewind, free, double-free detection, duck-typed owners."""
+"""The KV block pool: allocation, contiguous placement, rewind, free, double-free detection, duck-typed owners."""
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -78,3 +79,59 @@ def test_double_free_is_caught():
 def test_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
         BlockManager(*args)
+
+
+def runs(table: list[int]) -> int:
+    """How many runs of consecutive blocks a table is made of."""
+    return sum(1 for i, b in enumerate(table) if i == 0 or b != table[i - 1] + 1)
+
+
+def test_tables_growing_side_by_side_stay_contiguous():
+    """Decode tails interleave (every table grows by a block in turn); each table still stays one run, because
+    new tables start half way into the largest gap, leaving room for the table before them."""
+    bm = BlockManager(256, 4)
+    owners = [Owner() for _ in range(6)]
+    for o in owners:
+        bm.allocate(o, 3 * 4)  # prefill: 3 blocks
+    for n in range(4, 30):
+        for o in owners:
+            bm.allocate(o, n * 4)
+    assert all(len(o.block_ids) == 29 and runs(o.block_ids) == 1 for o in owners)
+
+
+def test_a_blocked_table_continues_in_the_largest_gap():
+    bm = BlockManager(16, 1)
+    a, b, c = Owner(), Owner(), Owner()
+    bm.allocate(a, 2)
+    bm.allocate(b, 2)  # half way into [2, 16): blocks 9, 10
+    assert a.block_ids == [0, 1] and b.block_ids == [9, 10]
+    bm.allocate(c, 7)  # the largest gap is [11, 16) (5) vs [2, 9) (7): c fills [2, 9) from its start + 0
+    assert c.block_ids == [2, 3, 4, 5, 6, 7, 8]
+    bm.allocate(a, 4)  # block 2 is taken: a continues in the largest gap, [11, 16), after b's tail: half way
+    assert a.block_ids == [0, 1, 13, 14] and runs(a.block_ids) == 2
+
+
+def test_random_workload_keeps_the_pool_consistent():
+    """Allocate, rewind and free at random: no block is ever held twice, free + held = all, and a fragmented
+    pool still hands out every free block."""
+    rng = random.Random(0)
+    bm = BlockManager(64, 2)
+    owners = [Owner() for _ in range(8)]
+    for _ in range(3000):
+        o = rng.choice(owners)
+        op = rng.random()
+        if op < 0.6:
+            slots = len(o.block_ids) * 2 + rng.randint(1, 9)
+            if bm.can_fit(o, slots):
+                bm.allocate(o, slots)
+        elif op < 0.9:
+            bm.rewind(o, rng.randint(0, len(o.block_ids) * 2))
+        else:
+            bm.free(o)
+        held = [b for w in owners for b in w.block_ids]
+        assert len(held) == len(set(held)) and len(held) + bm.num_free_blocks == 64
+    for o in owners:
+        bm.free(o)
+    big = Owner()
+    bm.allocate(big, 128)
+    assert sorted(big.block_ids) == list(range(64)) and bm.num_free_blocks == 0

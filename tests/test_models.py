@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specray.models import get_model_class
+from specray.models import attention
 from specray.models.attention import build_attention_metadata
 from specray.models.llama import LlamaForCausalLM
 from specray.models.loader import load_model
@@ -31,13 +32,15 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 class Paged:
-    """Our model over a paged cache whose block tables are small, shuffled and non-contiguous."""
+    """Our model over a paged cache whose block tables are small, shuffled and non-contiguous (or, with
+    ``contiguous``, runs of consecutive blocks, which attention may read in place)."""
 
-    def __init__(self, model, num_blocks: int = 160, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 160, seed: int = 0, contiguous: bool = False):
         self.model = model
         model.allocate_kv_cache(num_blocks, BLOCK)
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
+        self.free = list(range(num_blocks))[::-1]
+        if not contiguous:
+            random.Random(seed).shuffle(self.free)
 
     def table(self, length: int) -> list[int]:
         return [self.free.pop() for _ in range(-(-length // BLOCK))]
@@ -84,6 +87,16 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     return ours, hf
 
 
+@pytest.fixture(params=["batched", "own-gathered", "own-in-place"])
+def contiguous(request, monkeypatch) -> bool:
+    """Which attention path short queries take: the padded batch (contexts here are short), or one sequence at
+    a time (as on CPU at long contexts) with shuffled blocks gathered, or consecutive blocks read in place.
+    Returns whether tables should be contiguous."""
+    if request.param != "batched":
+        monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 0)
+    return request.param == "own-in-place"
+
+
 @pytest.fixture(scope="module", params=MODEL_FIXTURES)
 def pair(request):
     from transformers import AutoModelForCausalLM
@@ -103,9 +116,9 @@ def test_full_prefill(pair):
         close(paged.step([(ids, 0, paged.table(n))])[0], hf_logits(hf, ids))
 
 
-def test_decode_after_prefill(pair):
+def test_decode_after_prefill(pair, contiguous):
     ours, hf = pair
-    paged = Paged(ours)
+    paged = Paged(ours, contiguous=contiguous)
     ids = tokens(24, 3)
     ref = hf_logits(hf, ids)
     table = paged.table(len(ids))
@@ -114,9 +127,9 @@ def test_decode_after_prefill(pair):
         close(paged.step([(ids[p : p + 1], p, table)])[0], ref[p : p + 1])
 
 
-def test_chunked_prefill_every_boundary(pair):
+def test_chunked_prefill_every_boundary(pair, contiguous):
     ours, hf = pair
-    paged = Paged(ours, num_blocks=256)
+    paged = Paged(ours, num_blocks=256, contiguous=contiguous)
     ids = tokens(12, 4)
     ref = hf_logits(hf, ids)
     for split in range(1, len(ids)):
@@ -131,9 +144,9 @@ def test_chunked_prefill_every_boundary(pair):
         close(paged.step([(ids[a:b], a, table)])[0], ref[a:b])
 
 
-def test_mixed_batch_in_one_forward(pair):
+def test_mixed_batch_in_one_forward(pair, contiguous):
     ours, hf = pair
-    paged = Paged(ours)
+    paged = Paged(ours, contiguous=contiguous)
     seqs = {name: tokens(n, 10 + i) for i, (name, n) in enumerate(
         [("A", 40), ("B", 10), ("C", 14), ("D", 30), ("E", 9), ("F", 12)])}
     refs = {name: hf_logits(hf, ids) for name, ids in seqs.items()}
@@ -151,10 +164,10 @@ def test_mixed_batch_in_one_forward(pair):
             close(out, refs[name][a:b])
 
 
-def test_uniform_batches_decode_and_drafts(pair):
+def test_uniform_batches_decode_and_drafts(pair, contiguous):
     """Equal query lengths in batch order take the no-gather layout: prefill, 1 + 5 drafts, single tokens."""
     ours, hf = pair
-    paged = Paged(ours)
+    paged = Paged(ours, contiguous=contiguous)
     seqs = [tokens(18, 20 + i) for i in range(4)]
     refs = [hf_logits(hf, ids) for ids in seqs]
     tables = [paged.table(18) for _ in seqs]
@@ -167,8 +180,8 @@ def test_uniform_batches_decode_and_drafts(pair):
 # ------------------------------------------------------------------------------------------ config variants
 
 
-def check_variant(ours, hf, n: int = 44) -> None:
-    paged = Paged(ours)
+def check_variant(ours, hf, n: int = 44, contiguous: bool = False) -> None:
+    paged = Paged(ours, contiguous=contiguous)
     ids = tokens(n, 30)
     ref = hf_logits(hf, ids)
     close(paged.step([(ids, 0, paged.table(n))])[0], ref)
@@ -209,16 +222,31 @@ def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
             close(paged.step([([t], p, table)])[0], ref)
 
 
-def test_mistral_sliding_window():
+def test_mistral_sliding_window(contiguous):
     ours, hf = in_memory_pair("mistral", seed=7, sliding_window=5)
     assert all(layer.self_attn.attn.sliding_window == 5 for layer in ours.model.layers)
-    check_variant(ours, hf)
+    check_variant(ours, hf, contiguous=contiguous)
 
 
-def test_qwen2_sliding_window_layers():
+def test_qwen2_sliding_window_layers(contiguous):
     ours, hf = in_memory_pair("qwen2", seed=8, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     assert [layer.self_attn.attn.sliding_window for layer in ours.model.layers] == [None, 6]
-    check_variant(ours, hf)
+    check_variant(ours, hf, contiguous=contiguous)
+
+
+def test_attention_plan_reads_consecutive_blocks_in_place(monkeypatch):
+    """Short queries go to the padded batch at short contexts and one at a time at long ones (on CPU); a
+    sequence whose blocks are consecutive is read as one view, any other is gathered."""
+    plan = build_attention_metadata([1, 3], [40, 30], [list(range(3, 14)), [20, 22, 21, 23, 24, 25, 26, 27, 28]], 4)
+    assert plan.short is not None and plan.short.num_seqs == 2 and not plan.own
+    monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 30)
+    plan = build_attention_metadata([1, 3, 20], [40, 30, 0], [list(range(3, 14)), [20, 22, 21, 23, 24, 25, 26, 27, 28],
+                                                             [30, 31, 32, 33, 34]], 4)
+    assert plan.short is None and [s.token_start for s in plan.own] == [0, 1, 4]
+    assert plan.own[0].first_slot == 12 and plan.own[0].block_index is None
+    assert plan.own[1].first_slot is None and plan.own[1].block_index.tolist() == [20, 22, 21, 23, 24, 25, 26, 27, 28]
+    assert plan.own[2].fresh and plan.own[2].first_slot is None and plan.own[2].block_index is None
+    assert not build_attention_metadata([1], [40], [list(range(11))], 4, "meta").own  # batched off the CPU
 
 
 def test_llama_biases_and_explicit_head_dim():
@@ -246,7 +274,7 @@ def test_kv_cache_sizing_and_errors():
         ours(torch.tensor([1, 2]), build_attention_metadata([2], [0], [[0]], 4))
     assert ours.kv_cache_bytes_per_block(16) == 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * bs * Hkv * D * fp32
     ours.allocate_kv_cache(3, 16)
-    assert ours.model.layers[0].self_attn.attn.k_cache.shape == (3, 16, 2, 16)
+    assert ours.model.layers[0].self_attn.attn.k_cache.shape == (2, 3 * 16, 16)  # [Hkv, num_blocks * block_size, D]
     with pytest.raises(ValueError, match="block table has 1 blocks"):
         build_attention_metadata([5], [0], [[0]], 4)
     with pytest.raises(ValueError, match="equal length"):

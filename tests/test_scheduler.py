@@ -169,15 +169,15 @@ def test_rewind_frees_exactly_the_blocks_without_accepted_tokens():
     assert r.num_computed_tokens == 8 and r.block_ids == [0, 1] and bm.num_free_blocks == 14
 
     r.draft_token_ids = [truth("a", p) for p in range(9, 13)] + [0]  # 4 right (slots 9..12), 1 wrong (slot 13)
-    plan = sched.schedule()
-    assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [4, 5])]
+    plan = sched.schedule()  # the freed blocks 2, 3 are the table's contiguous extension again
+    assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [2, 3])]
     sched.update_from_output(plan, answer(plan, {"a": r.draft_token_ids[:4] + [truth("a", 13)]}))
-    assert r.num_computed_tokens == 13 and r.block_ids == [0, 1, 4, 5]  # slot 12 holds an accepted draft
+    assert r.num_computed_tokens == 13 and r.block_ids == [0, 1, 2, 3]  # slot 12 holds an accepted draft
     assert r.accepted_per_position == [1, 1, 1, 1, 0]
 
     r.draft_token_ids = [0, 0, 0]  # slots 13..16 -> a fifth block, then rejected
     plan, _ = step(sched)
-    assert r.num_computed_tokens == 14 and r.block_ids == [0, 1, 4, 5]
+    assert r.num_computed_tokens == 14 and r.block_ids == [0, 1, 2, 3]
     plan = sched.schedule()  # no new block needed for slot 14, but the worker's table shrank
     assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(4, [])]
     sched.update_from_output(plan, answer(plan))

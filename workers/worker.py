@@ -147,9 +147,7 @@ class Worker:
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
         layers = []
         for attn in self.model._attention_layers():
-            k = attn.k_cache.view(-1, attn.num_kv_heads, attn.head_dim)[slots]
-            v = attn.v_cache.view(-1, attn.num_kv_heads, attn.head_dim)[slots]
-            layers.append(torch.stack([k, v]))
+            layers.append(torch.stack(attn.read_slots(slots)))
         return torch.stack(layers).cpu()
 
     def kv_snapshots(self, requests: list[tuple[str, int]]) -> list[torch.Tensor]:

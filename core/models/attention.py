@@ -4,14 +4,22 @@ The batch is the concatenation of B sequences. Sequence i brings ``query_lens[i]
 ``start_positions[i] ..``; its first ``start_positions[i]`` tokens are already in the paged KV cache. Position p
 of sequence i lives in slot ``block_tables[i][p // block_size] * block_size + p % block_size``.
 
+The cache of one layer is ``[Hkv, num_blocks * block_size, D]`` (k and v): slot ``s`` of every KV head is row
+``s`` of that head's matrix, so the context of a sequence whose blocks are consecutive is one view of the cache.
+
 Two paths, both planned once per step in :func:`build_attention_metadata` (all index tensors are built there from
 Python lists, so a forward has no host syncs):
 
 * short queries (at most ``SHORT_QUERY_MAX`` new tokens: decode, last token + drafts, small prefills) run as one
   padded batched SDPA. Each sequence's context is gathered from the cache by whole blocks; the query's GQA group
   is folded into the query length (``[Bs, Hkv, G*Q, D]``) so the keys are never repeated;
-* long prefill chunks run one SDPA each: a fresh prefill attends to its own new k/v with ``is_causal``, a
-  continued chunk gathers its context and uses a precomputed causal mask.
+* sequences attended on their own, one SDPA each: long prefill chunks, and on CPU also the short queries once
+  their contexts average ``OWN_MIN_CONTEXT`` tokens. There gathering costs more than attending: a decode step
+  of 8 x 1.6k contexts took 300 ms gathered and 190 ms read in place, and gathered up to 650 ms when the
+  allocator returned the large temporaries to the OS between steps; below ~512 tokens the padded batch is as
+  fast or faster (``benchmarks/bench_long_context.py``). A fresh prefill attends to its own new k/v
+  with ``is_causal``; a sequence with context reads it in place when its blocks are consecutive (the block
+  manager keeps them so where it can), else gathers its blocks, and folds its GQA group like the short path.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
+OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this mean context length
 
 
 @dataclass
@@ -44,14 +53,23 @@ class ShortBatch:
 
 
 @dataclass
-class LongSeq:
-    """One long prefill chunk, attended on its own."""
+class OwnSeq:
+    """One sequence attended on its own."""
 
     token_start: int
     token_end: int
     start_pos: int
     context_len: int
-    block_index: torch.Tensor | None  # [nb] blocks of its context; None for a fresh prefill (start_pos == 0)
+    first_slot: int | None  # its blocks are consecutive: the slot of position 0 (its context is one view)
+    block_index: torch.Tensor | None  # [nb] else the blocks of its context; both None for a fresh prefill
+
+    @property
+    def fresh(self) -> bool:
+        return self.start_pos == 0
+
+    @property
+    def query_len(self) -> int:
+        return self.token_end - self.token_start
 
 
 @dataclass
@@ -66,7 +84,7 @@ class AttentionMetadata:
     block_size: int
     max_position: int  # largest position in the step (a Python int: no sync to size RoPE tables)
     short: ShortBatch | None
-    long: list[LongSeq]
+    own: list[OwnSeq]
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -84,16 +102,18 @@ class AttentionMetadata:
             self._masks[key] = _short_mask(self.short, self.block_size, groups, window)
         return self._masks[key]
 
-    def long_mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """[q, ctx] bool for long chunk ``i``; None means plain ``is_causal`` over its own tokens."""
-        seq = self.long[i]
-        if seq.start_pos == 0 and window is None:
+    def own_mask(self, i: int, groups: int, window: int | None) -> torch.Tensor | None:
+        """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
+        over its GQA-folded query rows (None: every row sees the whole context)."""
+        seq = self.own[i]
+        if window is None and (seq.fresh or seq.query_len == 1):
             return None
-        key = ("long", i, window)
+        key = ("own", i, groups, window)
         if key not in self._masks:
-            self._masks[key] = _causal_mask(
-                seq.start_pos, seq.token_end - seq.token_start, seq.context_len, window, self.positions.device
-            )
+            mask = _causal_mask(seq.start_pos, seq.query_len, seq.context_len, window, self.positions.device)
+            if not seq.fresh:
+                mask = mask.repeat(groups, 1)  # [G*q, ctx]: folded row g*q + j is query j
+            self._masks[key] = mask
         return self._masks[key]
 
 
@@ -137,11 +157,13 @@ def build_attention_metadata(
         offsets.append(offsets[-1] + q_len)
 
     short_ids = [i for i, q in enumerate(query_lens) if q <= SHORT_QUERY_MAX]
-    long_ids = [i for i, q in enumerate(query_lens) if q > SHORT_QUERY_MAX]
+    if short_ids and _read_in_place(device, [context_lens[i] for i in short_ids]):
+        short_ids = []
+    own_ids = sorted(set(range(len(query_lens))) - set(short_ids))
     short = _plan_short(short_ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
                         device) if short_ids else None
-    long = [_plan_long(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets, device)
-            for i in long_ids]
+    own = [_plan_own(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets, device)
+           for i in own_ids]
     return AttentionMetadata(
         positions=_long_tensor(positions, device),
         slot_mapping=_long_tensor(slots, device),
@@ -151,8 +173,13 @@ def build_attention_metadata(
         block_size=block_size,
         max_position=max(context_lens) - 1,
         short=short,
-        long=long,
+        own=own,
     )
+
+
+def _read_in_place(device, context_lens: list[int]) -> bool:
+    """Whether short queries attend one sequence at a time, reading contexts in place (CPU, long contexts)."""
+    return torch.device(device).type == "cpu" and sum(context_lens) >= OWN_MIN_CONTEXT * len(context_lens)
 
 
 def _validate(query_lens, start_positions, block_tables, block_size) -> None:
@@ -207,18 +234,21 @@ def _long_tensor(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _plan_long(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
-               device) -> LongSeq:
+def _plan_own(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
+              device) -> OwnSeq:
     start = start_positions[i]
-    block_index = None
+    first_slot = block_index = None
     if start > 0:
-        used = -(-context_lens[i] // block_size)
-        block_index = _long_tensor(block_tables[i][:used], device)
-    return LongSeq(offsets[i], offsets[i] + query_lens[i], start, context_lens[i], block_index)
+        blocks = block_tables[i][: -(-context_lens[i] // block_size)]
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            first_slot = blocks[0] * block_size
+        else:
+            block_index = _long_tensor(blocks, device)
+    return OwnSeq(offsets[i], offsets[i] + query_lens[i], start, context_lens[i], first_slot, block_index)
 
 
 class PagedAttention(nn.Module):
-    """Attention of one layer over its paged KV cache ``[num_blocks, block_size, Hkv, D]`` (k and v)."""
+    """Attention of one layer over its paged KV cache ``[Hkv, num_blocks * block_size, D]`` (k and v)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
@@ -230,8 +260,20 @@ class PagedAttention(nn.Module):
         self.groups = num_heads // num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.block_size = 1
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+        """Zeroed caches (masked-out slots must hold finite values) of ``num_blocks`` blocks."""
+        shape = (self.num_kv_heads, num_blocks * block_size, self.head_dim)
+        self.block_size = block_size
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v cached at ``slots`` [n]: two [n, Hkv, D] (for tests and debugging)."""
+        return self.k_cache[:, slots].transpose(0, 1), self.v_cache[:, slots].transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]
@@ -242,45 +284,60 @@ class PagedAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if short is not None:
             out.index_copy_(0, meta.short.out_dst, short.index_select(0, meta.short.out_src))
-        for i, seq in enumerate(meta.long):
-            out[seq.token_start : seq.token_end] = self._long(q, k, v, meta, i)
+        for i, seq in enumerate(meta.own):
+            out[seq.token_start : seq.token_end] = self._own(q, k, v, meta, i)
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         # k, v: [T, Hkv, D]; slots: [T]
-        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
     def _gather(self, cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        # cache: [N, bs, Hkv, D]; block_index: [num_seqs * nb] -> [num_seqs, Hkv, nb*bs, D]
-        ctx = cache.index_select(0, block_index).view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        return ctx.transpose(1, 2)
+        # cache: [Hkv, N*bs, D]; block_index: [num_seqs * nb] -> [num_seqs, Hkv, nb*bs, D]
+        blocks = cache.view(self.num_kv_heads, -1, self.block_size, self.head_dim).index_select(1, block_index)
+        return blocks.view(self.num_kv_heads, num_seqs, -1, self.head_dim).transpose(0, 1)
+
+    def _context(self, cache: torch.Tensor, seq: OwnSeq) -> torch.Tensor:
+        # -> [1, Hkv, ctx, D]: a view of the cache when the sequence's blocks are consecutive, else gathered
+        if seq.first_slot is not None:
+            return cache[None, :, seq.first_slot : seq.first_slot + seq.context_len]
+        return self._gather(cache, seq.block_index, 1)[:, :, : seq.context_len]
+
+    def _fold(self, q: torch.Tensor, bs: int, q_len: int) -> torch.Tensor:
+        # q: [bs*q_len, Hq, D] -> [bs, Hkv, G*q_len, D]: each KV head's G query heads as more query rows
+        hkv, g, d = self.num_kv_heads, self.groups, self.head_dim
+        return q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
+
+    def _unfold(self, o: torch.Tensor, bs: int, q_len: int) -> torch.Tensor:
+        # o: [bs, Hkv, G*q_len, D] -> [bs*q_len, Hq*D]
+        hkv, g, d = self.num_kv_heads, self.groups, self.head_dim
+        return o.view(bs, hkv, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(bs * q_len, hkv * g * d)
 
     def _short(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D] -> [Bs*Q, Hq*D] (padded rows included)
         sb = meta.short
-        bs, q_len, hkv, g, d = sb.num_seqs, sb.max_query_len, self.num_kv_heads, self.groups, self.head_dim
+        bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
-        q = q.view(bs, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * q_len, d)
         k = self._gather(self.k_cache, sb.block_index, bs)  # [Bs, Hkv, L, D]
         v = self._gather(self.v_cache, sb.block_index, bs)
-        mask = meta.short_mask(g, self.sliding_window)  # [Bs, 1, G*Q, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [Bs, Hkv, G*Q, D]
-        return o.view(bs, hkv, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(bs * q_len, hkv * g * d)
+        mask = meta.short_mask(self.groups, self.sliding_window)  # [Bs, 1, G*Q, L]
+        o = F.scaled_dot_product_attention(self._fold(q, bs, q_len), k, v, attn_mask=mask, scale=self.scale)
+        return self._unfold(o, bs, q_len)
 
-    def _long(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-              i: int) -> torch.Tensor:
+    def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+             i: int) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]
-        seq = meta.long[i]
-        qs = q[seq.token_start : seq.token_end].transpose(0, 1)[None]  # [1, Hq, q, D]
-        if seq.block_index is None:
-            ks = k[seq.token_start : seq.token_end].transpose(0, 1)[None]  # [1, Hkv, q, D]
-            vs = v[seq.token_start : seq.token_end].transpose(0, 1)[None]
-        else:
-            ks = self._gather(self.k_cache, seq.block_index, 1)[:, :, : seq.context_len]  # [1, Hkv, ctx, D]
-            vs = self._gather(self.v_cache, seq.block_index, 1)[:, :, : seq.context_len]
-        mask = meta.long_mask(i, self.sliding_window)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                           enable_gqa=self.groups > 1)  # [1, Hq, q, D]
-        return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
+        seq = meta.own[i]
+        rows = slice(seq.token_start, seq.token_end)
+        mask = meta.own_mask(i, self.groups, self.sliding_window)
+        if seq.fresh:  # only its own new tokens: causal, GQA in the kernel
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+                                               v[rows].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=self.groups > 1)  # [1, Hq, q, D]
+            return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
+        ks, vs = self._context(self.k_cache, seq), self._context(self.v_cache, seq)  # [1, Hkv, ctx, D]
+        o = F.scaled_dot_product_attention(self._fold(q[rows], 1, seq.query_len), ks, vs, attn_mask=mask,
+                                           scale=self.scale)  # [1, Hkv, G*q, D]
+        return self._unfold(o, 1, seq.query_len)

@@ -198,13 +198,11 @@ class LlamaForCausalLM(nn.Module):
         return per_layer * len(self.model.layers)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Zeroed (masked-out slots must hold finite values) per-layer caches [num_blocks, block_size, Hkv, D]."""
+        """Zeroed per-layer caches of ``num_blocks`` blocks (see :class:`PagedAttention` for the layout)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"allocate_kv_cache(num_blocks={num_blocks}, block_size={block_size}): both must be >= 1")
         for attn in self._attention_layers():
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.allocate(num_blocks, block_size, self.dtype, self.device)
         self.kv_cache_allocated = True
 
     # ------------------------------------------------------------------------------------------ weights
