@@ -112,6 +112,21 @@ def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
     assert free_blocks(llm) == 40
 
 
+@pytest.mark.parametrize("spec", [NGRAM, "draft_model"])
+def test_contexts_read_in_place_keep_greedy_output(tiny_llama_dir, tiny_draft_dir, plain_outputs, spec, monkeypatch):
+    """Every decode step attending one sequence at a time (contexts read in place from consecutive blocks, or
+    gathered where the pool is fragmented), with drafts, rewinds and preemption, for the target and the drafter."""
+    from specray.models import attention
+
+    monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 1)
+    if spec == "draft_model":
+        spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=40)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.spec_stats.accepted_tokens > 0
+    assert free_blocks(llm) == 40
+
+
 def test_preemption_keeps_seeded_sampled_output(tiny_llama_dir):
     """A preempted seeded request resumes its random stream where it stopped (the worker keeps its generator):
     the same tokens as with a pool large enough for no preemption."""
