@@ -47,6 +47,9 @@ class LLMEngine:
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
+        # Requests come in batches whose total time is what counts (offline generate), not each request's
+        # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
+        self.closed_batches = False
         self._ids = itertools.count()
 
     @classmethod
@@ -123,9 +126,10 @@ class LLMEngine:
         if self.drafter is None:
             return {}
         running = self.scheduler.running
+        idle = self._off_critical_path(running)
         batch = [
-            DraftRequest(r.req_id, r.all_token_ids, self.policy.choose(r, len(running)), r.sampling_params)
-            for r in running
+            DraftRequest(r.req_id, r.all_token_ids, self.policy.choose(r, len(running), off), r.sampling_params)
+            for r, off in zip(running, idle)
             if r.num_computed_tokens == r.num_tokens - 1
         ]
         if not batch:
@@ -137,6 +141,13 @@ class LLMEngine:
             if proposal.probs is not None and request.draft_token_ids:
                 probs[dreq.req_id] = proposal.probs
         return probs
+
+    def _off_critical_path(self, running: list[Request]) -> list[bool]:
+        """Per running request: whether it would finish before its closed batch ends even without drafting."""
+        if not self.closed_batches or self.scheduler.num_waiting or len(running) < 2:
+            return [False] * len(running)
+        budgets = [r.tokens_left(self.max_model_len) for r in running]
+        return self.policy.off_critical_path(running, budgets, len(running))
 
     def _prefetch_drafts(self, plan: StepPlan) -> None:
         """A drafter that runs elsewhere and ``drafts_ahead`` starts drafting for the next step while the target

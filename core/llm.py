@@ -34,6 +34,7 @@ class LLM:
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
         else:
             self.engine = LLMEngine.from_engine_args(self.engine_args)
+            self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

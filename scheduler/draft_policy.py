@@ -21,6 +21,12 @@ Choice: k in [0, max_k] maximising E(k) / (a / B + b * (1 + k)), tokens per unit
 k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets one cheap probe of
 ``probe_k`` drafts, so a request whose text turned predictable can recover.
 
+Closed batches (offline ``generate``, where the time of the whole batch is what counts): once nothing waits, the
+batch only drains and ends with its last request. Request j, with budget r_j tokens left (``max_tokens``; EOS may
+end it sooner) and E_j expected tokens per step at its best k, needs about r_j / E_j more steps, so the batch
+needs T = max_j r_j / E_j. A request with r_i < T finishes before the batch does even without drafting: its drafts
+would bring its tokens sooner but not the end of the batch, and make every step dearer. It drafts nothing.
+
 Per request, ``SamplingParams.num_speculative_tokens`` caps max_k (0: that request never drafts).
 """
 
@@ -127,11 +133,14 @@ class DraftLengthPolicy:
         cap = req.sampling_params.num_speculative_tokens
         return self.max_k if cap is None else min(self.max_k, cap)
 
-    def choose(self, req, batch_size: int) -> int:
-        """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests."""
+    def choose(self, req, batch_size: int, idle: bool = False) -> int:
+        """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests; none when it
+        is ``idle``, off the critical path of a closed batch (see :meth:`off_critical_path`)."""
         max_k = self.max_k_for(req)
         if not self.adaptive or max_k == 0:
             return max_k
+        if idle:
+            return 0
         k = self.best_k(self.acceptance(req), batch_size, max_k)
         if k > 0:
             req.num_undrafted_steps = 0
@@ -141,6 +150,17 @@ class DraftLengthPolicy:
             return min(self.probe_k, max_k)
         req.num_undrafted_steps += 1
         return 0
+
+    def off_critical_path(self, reqs: list, budgets: list[int], batch_size: int) -> list[bool]:
+        """For a closed batch that only drains: which of ``reqs`` (every running request; ``budgets``: the tokens
+        each may still produce) finish before the batch ends even without drafting: r_i < max_j r_j / E_j."""
+        rates = []
+        for req in reqs:
+            alpha = self.acceptance(req)
+            k = self.best_k(alpha, batch_size, self.max_k_for(req)) if self.adaptive else self.max_k_for(req)
+            rates.append(expected_tokens(alpha, k))
+        steps = max(r / e for r, e in zip(budgets, rates))
+        return [r < steps for r in budgets]
 
     def best_k(self, alpha: float, batch_size: int, max_k: int | None = None) -> int:
         """The k in [0, max_k] (default: the engine's) maximising expected tokens per unit cost; 0 unless it

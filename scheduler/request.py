@@ -83,6 +83,14 @@ class Request:
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """The most output tokens this request may still produce (``max_tokens``, ``max_model_len``); EOS or a
+        stop may end it sooner."""
+        left = max_model_len - self.num_tokens
+        if self.max_tokens is not None:
+            left = min(left, self.max_tokens - self.num_output_tokens)
+        return left
+
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)

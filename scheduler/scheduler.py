@@ -246,9 +246,7 @@ class Scheduler:
         end = req.num_computed_tokens + num_new
         if not req.draft_token_ids or end < req.num_tokens:
             return 0
-        left = self.config.max_model_len - req.num_tokens
-        if req.max_tokens is not None:
-            left = min(left, req.max_tokens - req.num_output_tokens)
+        left = req.tokens_left(self.config.max_model_len)
         bm = self.block_manager
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - end
         return max(0, min(len(req.draft_token_ids), budget, left - 1, free_slots))

@@ -142,3 +142,21 @@ def test_alone_it_fills_the_rows_the_matmuls_run_anyway():
     assert all(1 + k in (1, 2, 4, 8, 16) for k in ks), ks
     assert ks == sorted(ks) and {1, 3, 7} <= set(ks), ks
     assert any(1 + plain.best_k(alpha / 20, batch_size=1) not in (1, 2, 4, 8, 16) for alpha in range(20))
+
+
+def test_closed_batch_requests_off_the_critical_path_draft_nothing():
+    """A drained closed batch ends with its last request. Budgets 100, 60 and 95 with poor acceptance (about 1
+    token per step): the batch needs ~100 more steps, and the 60- and 95-token requests finish before that
+    without drafting. The 100-token one drafting well (~4.7 tokens per step): the 95-token one is now the
+    longest (~90 steps). All drafting well: the batch needs ~21 steps, and every request is on its critical
+    path."""
+    policy = DraftLengthPolicy(5)
+    feed_cost(policy, 1.0, 0.05)
+    poor = [trained(policy, 0.1, seed=i) for i in range(3)]
+    good = [trained(policy, 0.9, seed=i) for i in range(3)]
+    assert policy.off_critical_path(poor, [100, 60, 95], 3) == [False, True, True]
+    assert policy.off_critical_path(good[:1] + poor[1:], [100, 60, 95], 3) == [False, True, False]
+    assert policy.off_critical_path(good, [100, 60, 95], 3) == [False, False, False]
+    idle = trained(policy, 0.9, seed=4)
+    assert policy.choose(idle, 3) > 0 and policy.choose(idle, 3, idle=True) == 0
+    assert DraftLengthPolicy(4, adaptive=False).choose(idle, 3, idle=True) == 4  # a fixed K is the user's

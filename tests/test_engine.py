@@ -127,6 +127,23 @@ def test_contexts_read_in_place_keep_greedy_output(tiny_llama_dir, tiny_draft_di
     assert free_blocks(llm) == 40
 
 
+def test_closed_batch_requests_off_the_critical_path_do_not_draft(tiny_llama_dir, plain_outputs):
+    """Offline generate is a closed batch: once nothing waits, requests that finish before the longest one
+    even without drafting draft nothing (their tokens would come sooner, the batch's end would not). A serving
+    engine (closed_batches off) drafts for them; greedy output is the same either way."""
+    spec = {**NGRAM, "adaptive": True}
+    params = [greedy(24)] + [greedy(4)] * 3
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    assert llm.engine.closed_batches
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert token_ids(outs) == [plain_outputs[0]] + [ids[:4] for ids in plain_outputs[1:4]]
+    assert [o.spec_stats.drafts for o in outs[1:]] == [0, 0, 0] and outs[0].spec_stats.drafts > 0
+    llm.engine.closed_batches = False
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert token_ids(outs) == [plain_outputs[0]] + [ids[:4] for ids in plain_outputs[1:4]]
+    assert sum(o.spec_stats.drafts for o in outs[1:]) > 0
+
+
 def test_preemption_keeps_seeded_sampled_output(tiny_llama_dir):
     """A preempted seeded request resumes its random stream where it stopped (the worker keeps its generator):
     the same tokens as with a pool large enough for no preemption."""
