@@ -247,6 +247,9 @@ def test_attention_plan_reads_consecutive_blocks_in_place(monkeypatch):
     assert plan.own[1].first_slot is None and plan.own[1].block_index.tolist() == [20, 22, 21, 23, 24, 25, 26, 27, 28]
     assert plan.own[2].fresh and plan.own[2].first_slot is None and plan.own[2].block_index is None
     assert not build_attention_metadata([1], [40], [list(range(11))], 4, "meta").own  # batched off the CPU
+    monkeypatch.undo()  # the default threshold: the longest context decides (the padded batch pads to it)
+    mixed = build_attention_metadata([1, 1], [attention.OWN_MIN_CONTEXT, 10], [list(range(200)), [300, 301, 302]], 4)
+    assert mixed.short is None and len(mixed.own) == 2
 
 
 def test_llama_biases_and_explicit_head_dim():

@@ -14,12 +14,13 @@ Python lists, so a forward has no host syncs):
   padded batched SDPA. Each sequence's context is gathered from the cache by whole blocks; the query's GQA group
   is folded into the query length (``[Bs, Hkv, G*Q, D]``) so the keys are never repeated;
 * sequences attended on their own, one SDPA each: long prefill chunks, and on CPU also the short queries once
-  their contexts average ``OWN_MIN_CONTEXT`` tokens. There gathering costs more than attending: a decode step
-  of 8 x 1.6k contexts took 300 ms gathered and 190 ms read in place, and gathered up to 650 ms when the
-  allocator returned the large temporaries to the OS between steps; below ~512 tokens the padded batch is as
-  fast or faster (``benchmarks/bench_long_context.py``). A fresh prefill attends to its own new k/v
-  with ``is_causal``; a sequence with context reads it in place when its blocks are consecutive (the block
-  manager keeps them so where it can), else gathers its blocks, and folds its GQA group like the short path.
+  the longest of their contexts reaches ``OWN_MIN_CONTEXT`` tokens (the padded batch gathers every context padded
+  to the longest). There gathering costs more than attending: a decode step of 8 x 1.6k contexts took 300 ms
+  gathered and 190 ms read in place, and gathered up to 650 ms when the allocator returned the large temporaries
+  to the OS between steps; below ~512 tokens the padded batch is as fast or faster
+  (``benchmarks/bench_long_context.py``). A fresh prefill attends to its own new k/v with ``is_causal``; a
+  sequence with context reads it in place when its blocks are consecutive (the block manager keeps them so
+  where it can), else gathers its blocks, and folds its GQA group like the short path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
-OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this mean context length
+OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
 
 
 @dataclass
@@ -178,8 +179,9 @@ def build_attention_metadata(
 
 
 def _read_in_place(device, context_lens: list[int]) -> bool:
-    """Whether short queries attend one sequence at a time, reading contexts in place (CPU, long contexts)."""
-    return torch.device(device).type == "cpu" and sum(context_lens) >= OWN_MIN_CONTEXT * len(context_lens)
+    """Whether short queries attend one sequence at a time, reading contexts in place (CPU, long contexts). The
+    padded batch gathers every sequence's context padded to the longest, so the longest decides."""
+    return torch.device(device).type == "cpu" and max(context_lens) >= OWN_MIN_CONTEXT
 
 
 def _validate(query_lens, start_positions, block_tables, block_size) -> None:
