@@ -134,13 +134,28 @@ class HFRun:
         return tokens / (time.perf_counter() - start), float("nan"), outs
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options this script shares with bench_lockstep.py."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
     parser.add_argument("--prompt-lookup-min", default="2", help="the ngram rows' prompt_lookup_min, or a comma "
                         "list (each K runs with each)")
+
+
+def ngram_specs(args) -> dict[str, dict]:
+    """One ngram speculative_config per (K, prompt_lookup_min) of the options, by row name."""
+    specs = {}
+    for k in (int(k) for k in args.num_spec_tokens.split(",")):
+        for lookup_min in (int(m) for m in args.prompt_lookup_min.split(",")):
+            name = f"specray ngram (K={k})" if lookup_min == 2 else f"specray ngram min {lookup_min} (K={k})"
+            specs[name] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
+    return specs
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max-tokens per request (past EOS); default: stop at EOS")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
@@ -159,10 +174,7 @@ def main():
     folder = resolve_model(model).folder  # the dequantized, cached HF folder
     ks = [int(k) for k in args.num_spec_tokens.split(",")]
     specs = {"specray (no speculation)": None}
-    for k in ks:
-        for lookup_min in (int(m) for m in args.prompt_lookup_min.split(",")):
-            name = f"specray ngram (K={k})" if lookup_min == 2 else f"specray ngram min {lookup_min} (K={k})"
-            specs[name] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
+    specs.update(ngram_specs(args))
     specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
                                                       "num_speculative_tokens": 3}
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "

@@ -125,6 +125,7 @@ class RemoteDrafter:
         self.pending, self.pending_ids = False, []  # a prefetch whose answer is still on the channel
         self.num_prefetch_hits = 0
         self.drafts_ahead = self.placement.draft_ahead  # the engine then calls prefetch every step
+        self.cheap_proposals = getattr(drafter_class(spec.method), "cheap_proposals", False)  # sized by key
         self.tp_size = spec.draft_tensor_parallel_size
         self.actors, self.pg, refs = self._spawn()
         try:  # surfaces a user error (wrong vocabulary, heads not divisible...) at start
@@ -249,7 +250,7 @@ class RemoteDrafter:
             return None
         self.sent[r.req_id] = (n0 + len(tail), [])  # every token the actor holds turned out right
         k = r.max_draft_tokens
-        return Proposal(p.token_ids[1:1 + k], None if p.probs is None else p.probs[1:1 + k])
+        return Proposal(p.token_ids[1:1 + k], None if p.probs is None else p.probs[1:1 + k], p.key)
 
     def _synced_prefix(self, r: DraftRequest) -> int:
         """How many leading tokens of ``r``'s history the actor's copy already holds."""

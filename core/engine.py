@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specray.config import EngineArgs
 from specray.contract import StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
-from specray.drafters.base import DraftRequest, Drafter
+from specray.drafters.base import DraftRequest, Drafter, proposes_cheaply
 from specray.errors import WorkerDiedError
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -122,25 +122,34 @@ class LLMEngine:
 
     def _draft(self) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
-        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none)."""
+        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none). A drafter that proposes cheaply
+        is asked for the most each request may have, and the policy sizes K by the proposal's key."""
         if self.drafter is None:
             return {}
         running = self.scheduler.running
-        idle = self._off_critical_path(running)
-        batch = [
-            DraftRequest(r.req_id, r.all_token_ids, self.policy.choose(r, len(running), off), r.sampling_params)
-            for r, off in zip(running, idle)
-            if r.num_computed_tokens == r.num_tokens - 1
-        ]
-        if not batch:
+        decoding = [(r, off) for r, off in zip(running, self._off_critical_path(running))
+                    if r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
             return {}
+        cheap = proposes_cheaply(self.drafter)
+        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off, cheap), r.sampling_params)
+                 for r, off in decoding]
         probs = {}
-        for dreq, proposal in zip(batch, self.drafter.propose(batch)):
-            request = self.scheduler.get_request(dreq.req_id)
-            request.draft_token_ids = list(proposal.token_ids[: dreq.max_draft_tokens])
+        for (request, off), dreq, proposal in zip(decoding, batch, self.drafter.propose(batch)):
+            tokens = proposal.token_ids[: dreq.max_draft_tokens]
+            if cheap and tokens:
+                tokens = tokens[: self.policy.choose(request, len(running), off, proposal.key)]
+            request.draft_token_ids = list(tokens)
+            request.draft_key = proposal.key if cheap else None
             if proposal.probs is not None and request.draft_token_ids:
                 probs[dreq.req_id] = proposal.probs
         return probs
+
+    def _ask(self, request: Request, batch_size: int, idle: bool, cheap: bool) -> int:
+        """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
+        if not cheap:
+            return self.policy.choose(request, batch_size, idle)
+        return 0 if idle and self.policy.adaptive else self.policy.max_k_for(request)
 
     def _off_critical_path(self, running: list[Request]) -> list[bool]:
         """Per running request: whether it would finish before its closed batch ends even without drafting."""
@@ -186,7 +195,7 @@ class LLMEngine:
             if chunk.sample and chunk.num_draft_tokens:
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is not None:
-                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0))
+                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0), request.draft_key)
 
     # ---- outputs --------------------------------------------------------------------------------------
     def _make_output(self, tracked: _Tracked) -> RequestOutput:

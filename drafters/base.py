@@ -36,6 +36,9 @@ class Proposal:
     # [len(token_ids), vocab] the drafter's distribution q for each proposed token, after the request's
     # temperature/top-k/top-p/min-p; None for a deterministic drafter (q is one-hot on the token).
     probs: "torch.Tensor | None" = None
+    # how strong the guess is, for drafters that can tell (an n-gram draft: the length of the match it
+    # continues); the draft-length policy keeps acceptance evidence per key. None: the drafter tells none.
+    key: int | None = None
 
 
 @runtime_checkable
@@ -47,6 +50,13 @@ class Drafter(Protocol):
     def finish(self, req_ids: Sequence[str]) -> None:
         """Forget these requests and free what they hold (finished, aborted, or preempted)."""
         ...
+
+
+def proposes_cheaply(drafter) -> bool:
+    """A drafter whose proposals cost next to nothing (a lookup, no model) says so with ``cheap_proposals =
+    True``: the engine then asks it for the most drafts each request may have and sizes k after seeing the
+    proposal's key."""
+    return bool(getattr(drafter, "cheap_proposals", False))
 
 
 @dataclass

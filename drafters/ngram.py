@@ -307,17 +307,21 @@ class NgramPool:
     def lookup(self, context_tail: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The continuation of the longest n-gram ending ``context_tail`` (n from max down to min), at most
         ``min(max_tokens, max_draft_len)`` tokens; ``[]`` when no n-gram of at least min tokens is known."""
+        return self.lookup_match(context_tail, max_tokens)[0]
+
+    def lookup_match(self, context_tail: Sequence[int], max_tokens: int | None = None) -> tuple[list[int], int]:
+        """:meth:`lookup`, and the length n of the match it continues (0 when it found none)."""
         k = self.max_draft_len if max_tokens is None else min(max_tokens, self.max_draft_len)
         if k <= 0:
-            return []
+            return [], 0
         tail = list(context_tail[-self.max_n:])
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             refs = self._table.get(tuple(tail[-n:]))
             if refs:
                 ref = refs[0] if self.is_use_oldest else refs[-1]
                 pos = ref & _POS_MASK
-                return self._tokens[ref >> _POS_BITS][pos:pos + k]
-        return []
+                return self._tokens[ref >> _POS_BITS][pos:pos + k], n
+        return [], 0
 
     # ---- shipping ------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -364,7 +368,10 @@ class NgramDrafter:
 
     Each request gets its own pool, or all share one with ``spec.is_public_pool`` (so a request can draft from
     text another one produced; finished requests' text stays until evicted). Deterministic: ``probs`` is None.
+    A proposal's ``key`` is the length of the match it continues: longer matches are accepted more often.
     """
+
+    cheap_proposals = True  # a lookup: the engine asks for the most drafts and sizes k by the match
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.spec = spec
@@ -428,7 +435,8 @@ class NgramDrafter:
         if req.max_draft_tokens <= 0:
             return Proposal([])
         tail = state.pool.tail(state.seq_key, self.spec.prompt_lookup_max)
-        return Proposal(state.pool.lookup(tail, req.max_draft_tokens))
+        tokens, n = state.pool.lookup_match(tail, req.max_draft_tokens)
+        return Proposal(tokens, key=n or None)
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)

@@ -64,6 +64,9 @@ class Request:
         # a geometric acceptance model) and how many steps in a row it chose to draft nothing.
         self.draft_accepts = 0.0
         self.draft_rejects = 0.0
+        # the same evidence kept apart by the kind of guess (an n-gram draft's match length): {key: [S, F]}
+        self.keyed_evidence: dict[int, list[float]] = {}
+        self.draft_key: int | None = None  # the kind of the drafts now in draft_token_ids
         self.num_undrafted_steps = 0
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
 

@@ -160,3 +160,27 @@ def test_closed_batch_requests_off_the_critical_path_draft_nothing():
     idle = trained(policy, 0.9, seed=4)
     assert policy.choose(idle, 3) > 0 and policy.choose(idle, 3, idle=True) == 0
     assert DraftLengthPolicy(4, adaptive=False).choose(idle, 3, idle=True) == 4  # a fixed K is the user's
+
+
+def test_evidence_per_kind_of_guess():
+    """Drafts after short n-gram matches fail where drafts after long ones hold: with the key of each
+    verification kept, a request drafts for its long matches and not its short ones, where its overall
+    acceptance (between the two) would draft after both. A new request starts from the engine's evidence for
+    each key."""
+    policy = DraftLengthPolicy(5)
+    feed_cost(policy, 1.0, 0.05)
+    req, rng = make_req(), random.Random(0)
+    for _ in range(40):
+        for key, alpha in ((1, 0.1), (4, 0.9)):
+            accepted = 0
+            while accepted < 5 and rng.random() < alpha:
+                accepted += 1
+            policy.observe(req, 5, accepted, key)
+    assert policy.acceptance(req, 1) < 0.3 < 0.7 < policy.acceptance(req, 4)
+    assert policy.acceptance(req, 1) < policy.acceptance(req) < policy.acceptance(req, 4)
+    assert policy.choose(req, 8, key=1) == 0 < policy.choose(req, 8)  # the blended estimate drafts after both
+    assert policy.choose(req, 8, key=4) >= 3
+    fresh = make_req("fresh")
+    assert policy.acceptance(fresh) == pytest.approx(0.5)  # nothing of its own yet
+    assert policy.acceptance(fresh, 1) < 0.3 and policy.acceptance(fresh, 4) > 0.7
+    assert policy.acceptance(fresh, 2) == pytest.approx(0.5)  # no request drafted after a 2-token match

@@ -144,6 +144,47 @@ def test_closed_batch_requests_off_the_critical_path_do_not_draft(tiny_llama_dir
     assert sum(o.spec_stats.drafts for o in outs[1:]) > 0
 
 
+def test_cheap_drafter_drafts_sized_by_the_kind_of_guess(tiny_llama_dir, plain_outputs):
+    """A drafter with ``cheap_proposals`` is asked for the most drafts and tells each proposal's key; the policy
+    sizes K by the evidence for that key. An oracle right on even output positions (key 2) and wrong on odd
+    ones (key 1): after a few failures no request verifies key-1 drafts beyond probes; output is unchanged."""
+    from specray.drafters.base import Proposal
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={**NGRAM, "adaptive": True})
+    tok, vocab = llm.get_tokenizer(), llm.engine.vocab_size
+    expected = {tuple(tok.encode(p)): out for p, out in zip(PROMPTS, plain_outputs)}
+
+    class Oracle:
+        cheap_proposals = True
+
+        def propose(self, batch):
+            proposals = []
+            for req in batch:
+                prompt = max((p for p in expected if tuple(req.token_ids[:len(p)]) == p), key=len)
+                done = len(req.token_ids) - len(prompt)
+                right = expected[prompt][done:done + req.max_draft_tokens]
+                wrong = Proposal([(t + 1) % vocab for t in right], key=1)
+                proposals.append(wrong if done % 2 else Proposal(right, key=2))
+            return proposals
+
+        def finish(self, req_ids):
+            pass
+
+    llm.engine.drafter = Oracle()
+    llm.engine.closed_batches = False  # every request drafts by its own evidence
+    policy = llm.engine.policy
+    for n in range(1, 41):  # a step's fixed cost dominates, as for real models (a tiny one's has none)
+        policy.observe_step(n, 8, 0.05 + 0.001 * n)
+    policy.observe_step = lambda *args: None
+    verified, observe = [], policy.observe
+    policy.observe = lambda req, n, acc, key=None: (verified.append((key, n)), observe(req, n, acc, key))
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
+    short = [n for key, n in verified if key == 1]
+    assert sum(n for key, n in verified if key == 2) > 3 * sum(short) > 0
+    late = [n for key, n in verified[len(verified) // 2:] if key == 1]
+    assert all(n <= policy.probe_k for n in late), late
+
+
 def test_preemption_keeps_seeded_sampled_output(tiny_llama_dir):
     """A preempted seeded request resumes its random stream where it stopped (the worker keeps its generator):
     the same tokens as with a pool large enough for no preemption."""

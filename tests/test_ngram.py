@@ -41,6 +41,18 @@ def test_longest_match_wins():
     assert draft(make(prompt_lookup_min=1, prompt_lookup_max=1, is_use_oldest=False), history) == [7, 0, 1, 2]
 
 
+def test_proposal_key_is_the_match_length():
+    """Each proposal tells the length of the match it continues (the policy's evidence is kept per length)."""
+    history = [1, 2, 3, 9, 9, 8, 2, 3, 4, 5, 6, 3, 7, 0, 1, 2, 3]
+    drafter = make(prompt_lookup_min=1, prompt_lookup_max=3, is_use_oldest=False)
+    assert drafter.cheap_proposals
+    for max_n, tokens in ((3, [9, 9, 8, 2]), (2, [4, 5, 6, 3]), (1, [7, 0, 1, 2])):
+        pool = make(prompt_lookup_min=1, prompt_lookup_max=max_n, is_use_oldest=False)
+        proposal = pool.propose([DraftRequest("r", history, 4, GREEDY)])[0]
+        assert (proposal.token_ids, proposal.key) == (tokens, max_n)
+    assert drafter.propose([DraftRequest("s", [5, 6, 7], 4, GREEDY)])[0].key is None  # no match
+
+
 def test_min_length_respected():
     history = [5, 6, 7, 8, 1, 9, 1]  # only the 1-gram [1] matches earlier
     assert draft(make(prompt_lookup_min=2, prompt_lookup_max=3), history) == []

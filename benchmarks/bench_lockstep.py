@@ -1,0 +1,101 @@
+"""Paired offline speed: several engines stepped in lockstep, so that this shared machine's drifts hit all alike.
+
+``bench_offline.py`` times whole runs one after another, and on this machine the speed of runs a minute apart
+differs by 10-27%: too much to tell a 5% difference. Here every engine (specray without speculation, and each
+``ngram`` K) gets the same requests, as ``LLM.generate`` gives them (a closed batch, up to 8 running), and the
+engines take turns one step at a time. An engine's time is the sum of its own steps (drafting, scheduling, the
+forward pass, verification, detokenization: all of ``LLMEngine.step``), so a slow second slows the step that
+ran in it, whichever engine's it was, and consecutive steps of two engines share the same conditions. Prints
+tokens/s by that time, every run, and each run's ratio to the plain engine's; outputs must be token-identical.
+
+    python benchmarks/bench_lockstep.py --kinds open-ended,input-grounded --num-spec-tokens 5,15 --repeats 5
+    python benchmarks/bench_lockstep.py --batch 1 --num-spec-tokens 15 --prompt-lookup-min 2,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
+from bench_offline import GROUNDED, KV_BYTES, OPEN_ENDED, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+
+
+def build(model, spec, batch):
+    from specray import LLM, SamplingParams
+
+    llm = LLM(model=model, speculative_config=spec, max_num_seqs=batch, max_model_len=2048,
+              kv_cache_memory_bytes=KV_BYTES)
+    llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    return llm.engine
+
+
+def run_lockstep(engines: dict, prompt_ids: list[list[int]], params) -> dict:
+    """Give every engine the same requests, step them in turn; per engine: (seconds of its steps, outputs)."""
+    from dataclasses import replace
+
+    ids = {name: [engine.add_request(p, replace(params)) for p in prompt_ids] for name, engine in engines.items()}
+    seconds = dict.fromkeys(engines, 0.0)
+    outputs = {name: {} for name in engines}
+    while any(engine.has_unfinished_requests() for engine in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outs = engine.step()
+            seconds[name] += time.perf_counter() - start
+            outputs[name].update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
+    return {name: (seconds[name], [outputs[name][rid] for rid in ids[name]]) for name in engines}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    parser.add_argument("--kinds", default="open-ended,input-grounded")
+    parser.add_argument("--batch", type=int, default=8, help="max_num_seqs; every prompt is given twice")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    from specray import SamplingParams
+    from specray.default_model import default_model_path
+
+    model = default_model_path()
+    specs = {"specray (no speculation)": None}
+    specs.update(ngram_specs(args))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} (every prompt twice), max_tokens="
+          f"{args.max_tokens}, stop at EOS, engines stepped in lockstep, {args.repeats} runs\n")
+    print("| system | prompts | tokens/s (median) | runs | ratio to plain, per run | median ratio |\n"
+          "|---|---|---|---|---|---|")
+    for kind in args.kinds.split(","):
+        prompts = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}[kind]
+        engines = {name: build(model, spec, args.batch) for name, spec in specs.items()}
+        tokenizer = next(iter(engines.values())).tokenizer
+        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * 2
+        rates = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            results = run_lockstep(engines, prompt_ids, params)
+            reference = results["specray (no speculation)"][1]
+            for name, (seconds, outputs) in results.items():
+                assert outputs == reference, f"{name}: outputs differ from the plain engine's"
+                rates[name].append(sum(map(len, outputs)) / seconds)
+        plain = rates["specray (no speculation)"]
+        for name, rs in rates.items():
+            ratios = [r / p for r, p in zip(rs, plain)]
+            print(f"| {name} | {kind} | {statistics.median(rs):.1f} | {', '.join(f'{r:.1f}' for r in rs)} | "
+                  f"{', '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
+        del engines
+
+
+if __name__ == "__main__":
+    main()
