@@ -8,8 +8,8 @@ The cache holds random values; attention's cost does not depend on them.
 
 import argparse
 import random
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,6 +18,9 @@ from specray.models import attention
 from specray.models.attention import build_attention_metadata
 from specray.models.loader import load_model
 from specray.scheduler.block_manager import BlockManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run standalone
+from bench_forward import timeit  # noqa: E402
 
 BS = 16
 
@@ -39,16 +42,6 @@ def tables_for(batch: int, context: int, num_blocks: int, shuffled: bool) -> lis
         random.Random(0).shuffle(pool)
         return [[pool.pop() for _ in o.block_ids] for o in owners]
     return [o.block_ids for o in owners]
-
-
-def timeit(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 @torch.inference_mode()
@@ -81,7 +74,7 @@ def main():
             for tables, threshold in ((placed, 1 << 30), (shuffled, 0), (placed, 0)):
                 attention.OWN_MIN_CONTEXT = threshold
                 meta = build_attention_metadata([q] * args.batch, [context] * args.batch, tables, BS)
-                row.append(timeit(lambda: model.compute_logits(model(ids, meta)), args.repeats))
+                row.append(timeit(lambda: model.compute_logits(model(ids, meta)), args.repeats, warm=1))
             attention.OWN_MIN_CONTEXT = own_min
             print(f"| {context} | {q} | " + " | ".join(f"{t:.0f}" for t in row) + " |", flush=True)
 

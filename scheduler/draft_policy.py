@@ -145,13 +145,15 @@ class DraftLengthPolicy:
 
     def acceptance(self, req, key: int | None = None) -> float:
         """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts (of ``key``)."""
-        m = self.prior_strength
         if key is None:
-            return (req.draft_accepts + self.prior_alpha * m) / (req.draft_accepts + req.draft_rejects + m)
-        engine_s, engine_f = self._key_evidence.get(key, (0.0, 0.0))
-        prior = (engine_s + self.prior_alpha * m) / (engine_s + engine_f + m)
-        s, f = req.keyed_evidence.get(key, (0.0, 0.0))
-        return (s + prior * m) / (s + f + m)
+            return self._posterior(req.draft_accepts, req.draft_rejects, self.prior_alpha)
+        prior = self._posterior(*self._key_evidence.get(key, (0.0, 0.0)), self.prior_alpha)
+        return self._posterior(*req.keyed_evidence.get(key, (0.0, 0.0)), prior)
+
+    def _posterior(self, accepts: float, rejects: float, prior: float) -> float:
+        """The Beta posterior mean of S accepts and F rejects with a prior of strength m centred on ``prior``."""
+        m = self.prior_strength
+        return (accepts + prior * m) / (accepts + rejects + m)
 
     # ---- choice ---------------------------------------------------------------------------------------
     def max_k_for(self, req) -> int:
