@@ -47,6 +47,7 @@ class LLMEngine:
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
+        self.clock = time.perf_counter  # times steps for the draft policy's cost fit (a replay sets a virtual one)
         # Requests come in batches whose total time is what counts (offline generate), not each request's
         # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
         self.closed_batches = False
@@ -96,14 +97,14 @@ class LLMEngine:
         draft_probs = self._draft()
         plan = self.scheduler.schedule()
         self._prefetch_drafts(plan)
-        start = time.perf_counter()
+        start = self.clock()
         try:
             result = self.executor.execute(plan, draft_probs)
         except WorkerDiedError as err:
             self._recover(err)
             raise
         if self.policy is not None and _is_decode_step(plan):
-            self.policy.observe_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - start)
+            self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         touched = self.scheduler.update_from_output(plan, result)
         self._record_logprobs(plan, result)
         self._observe_acceptance(plan, result)

@@ -365,3 +365,20 @@ def test_draft_policy_prices_decode_steps_only(tiny_llama_dir):
     llm.generate([PROMPTS[0] * 3, PROMPTS[1]], greedy(16), use_tqdm=False)  # prefills of 20-60 tokens
     sizes = {n for n, _ in llm.engine.policy._samples}
     assert sizes and max(sizes) <= 2 * (1 + NGRAM["num_speculative_tokens"]), sizes
+
+
+def test_steps_are_timed_by_the_engine_clock(tiny_llama_dir):
+    """The policy's cost fit reads ``engine.clock``: a virtual clock that only the executor advances (as a replay
+    of recorded answers uses) is what the fit sees, not wall time."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    engine, now = llm.engine, [0.0]
+    execute = engine.executor.execute
+
+    def charged(plan, draft_probs):
+        now[0] += 0.25 + 0.01 * plan.num_tokens
+        return execute(plan, draft_probs)
+
+    engine.executor.execute, engine.clock = charged, lambda: now[0]
+    llm.generate([PROMPTS[0] * 3, PROMPTS[1]], greedy(16), use_tqdm=False)
+    samples = list(engine.policy._samples)
+    assert samples and all(t == pytest.approx(0.25 + 0.01 * n) for n, t in samples), samples

@@ -1,0 +1,219 @@
+"""Replay: the real engine against the target's recorded greedy answers, timed by a cost curve; and the ceiling.
+
+A paired run (``bench_lockstep.py``) takes minutes and still moves by a few percent. Greedy decoding is
+deterministic, so the target's answers can be recorded once and replayed: the engine (scheduler, n-gram drafter,
+draft-length policy, all of it real) runs against an executor that answers each step from the recording (a
+draft is kept while it matches the recorded answer, then the recorded token follows) and charges the step what a
+forward pass of its size cost when measured here. The engine's step timer is a virtual clock advanced by those
+charges, so the policy's cost fit sees them too. Each replay takes seconds, and repeats exactly.
+
+It also gives the ceiling of n-gram drafting on the recording: an *oracle* drafter that proposes what the
+n-gram drafter would, cut to the tokens the target will accept, so no drafted token is ever wasted and K never
+falls short of the match. No policy that sizes the same proposals can beat it.
+
+The cost curve is measured at the start (one sequence at context ~100: the model body for n tokens, and the
+logits for m rows): a step costs body(tokens in the step) + logits(rows that sample), interpolated. It leaves
+out the engine's own host work (scheduling, drafting, detokenizing: ~0.5% of a step at batch 1, measured).
+
+    python benchmarks/bench_replay.py --batch 1,8 --num-spec-tokens 5,15 --prompt-lookup-min 2,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
+from bench_offline import GROUNDED, KV_BYTES, OPEN_ENDED, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+
+from specray.contract import StepPlan, StepResult  # noqa: E402
+
+GRID = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ---- the cost curve ------------------------------------------------------------------------------------------
+@dataclass
+class CostCurve:
+    """Seconds of a forward pass: body(n tokens) + logits(m rows), piecewise linear between measured points."""
+
+    body: dict[int, float]
+    logits: dict[int, float]
+
+    def __call__(self, num_tokens: int, num_rows: int) -> float:
+        return _interp(self.body, num_tokens) + (_interp(self.logits, num_rows) if num_rows else 0.0)
+
+
+def _interp(points: dict[int, float], x: int) -> float:
+    xs = sorted(points)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # extrapolate past either end with the end segment
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+@torch.inference_mode()
+def measure_cost(model_path: str, repeats: int = 15) -> CostCurve:
+    from bench_forward import timeit
+
+    from specray.models.attention import build_attention_metadata
+    from specray.models.loader import load_model
+
+    block, ctx = 16, 100
+    model = load_model(model_path)
+    model.allocate_kv_cache(-(-(ctx + max(GRID)) // block), block)
+    table = [list(range(-(-(ctx + max(GRID)) // block)))]
+    ids = torch.randint(0, model.config.vocab_size, (ctx + max(GRID),), generator=torch.Generator().manual_seed(0))
+    model(ids[:ctx], build_attention_metadata([ctx], [0], table, block))
+    body, logits = {}, {}
+    for n in GRID:
+        hidden = model(ids[ctx:ctx + n], build_attention_metadata([n], [ctx], table, block))  # [n, hidden]
+        body[n] = timeit(lambda n=n: model(ids[ctx:ctx + n], build_attention_metadata([n], [ctx], table, block)),
+                         n=repeats, warm=2) / 1e3
+        logits[n] = timeit(lambda h=hidden: model.compute_logits(h).argmax(-1).tolist(), n=repeats, warm=2) / 1e3
+    return CostCurve(body, logits)
+
+
+# ---- recording and replaying --------------------------------------------------------------------------------
+def record(model_path: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The target's greedy answers (the plain engine's)."""
+    from specray import LLM, SamplingParams
+
+    llm = LLM(model=model_path, max_num_seqs=8, max_model_len=2048, kv_cache_memory_bytes=KV_BYTES)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class ReplayExecutor:
+    """Answers each step from the recorded full sequences (prompt + answer) and advances a virtual clock."""
+
+    def __init__(self, cost: CostCurve):
+        self.cost = cost
+        self.truth: dict[str, list[int]] = {}
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, plan: StepPlan, draft_probs: dict) -> StepResult:
+        kept, rows = [], 0
+        for chunk in plan.chunks:
+            kept.append(self._kept(chunk) if chunk.sample else [])
+            rows += (1 + chunk.num_draft_tokens) if chunk.sample else 0
+        self.now += self.cost(plan.num_tokens, rows)
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], kept)
+
+    def _kept(self, chunk) -> list[int]:
+        full = self.truth[chunk.req_id]
+        nxt = chunk.start_pos + chunk.num_tokens - chunk.num_draft_tokens  # position of the first draft
+        drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
+        accepted = 0
+        while accepted < len(drafts) and nxt + accepted < len(full) - 1 and drafts[accepted] == full[nxt + accepted]:
+            accepted += 1
+        return drafts[:accepted] + [full[nxt + accepted]]  # a recording ends at its last token: no draft past it
+
+
+class OracleDrafter:
+    """The n-gram drafter's proposals cut to what the target will accept (the recording tells)."""
+
+    cheap_proposals = True
+
+    def __init__(self, inner, truth: dict[str, list[int]]):
+        self.inner, self.truth = inner, truth
+
+    def propose(self, batch):
+        proposals = self.inner.propose(batch)
+        for dreq, proposal in zip(batch, proposals):
+            future = self.truth[dreq.req_id][len(dreq.token_ids):]
+            n = 0
+            while n < len(proposal.token_ids) and n < len(future) - 1 and proposal.token_ids[n] == future[n]:
+                n += 1
+            proposal.token_ids = proposal.token_ids[:n]
+        return proposals
+
+    def finish(self, req_ids):
+        self.inner.finish(req_ids)
+
+
+def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prompt_ids, answers, max_tokens: int,
+           oracle: bool = False) -> dict:
+    """Run the engine over the recording; its virtual seconds, tokens, steps and speculation stats."""
+    from specray import LLM, SamplingParams
+
+    if oracle:
+        spec = {**spec, "adaptive": False}  # the oracle sizes its own proposals
+    engine = LLM(model=model_path, speculative_config=spec, max_num_seqs=batch, max_model_len=2048,
+                 kv_cache_memory_bytes=KV_BYTES).engine
+    executor = ReplayExecutor(cost)
+    engine.executor, engine.clock = executor, executor.clock
+    if oracle:
+        engine.drafter = OracleDrafter(engine.drafter, executor.truth)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for prompt, answer in zip(prompt_ids, answers):
+        executor.truth[engine.add_request(prompt, replace(params))] = prompt + answer
+    tokens = steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert list(out.outputs[0].token_ids) == executor.truth[out.request_id][len(out.prompt_token_ids):]
+                tokens += len(out.outputs[0].token_ids)
+        steps += 1
+    return {"seconds": executor.now, "tokens": tokens, "steps": steps, "stats": engine.spec_stats}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    parser.add_argument("--kinds", default="input-grounded,open-ended")
+    parser.add_argument("--batch", default="1,8", help="max_num_seqs, or a comma list; every prompt is given twice")
+    parser.add_argument("--answers", type=Path, help="a JSON file of recorded answers: read if it exists, "
+                        "else written (record once, replay many times)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    from specray.default_model import default_model_path
+
+    model = default_model_path()
+    cost = measure_cost(model)
+    print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, stop at EOS, every prompt twice\n"
+          f"# cost curve (ms), body(n): " + ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in cost.body.items())
+          + "; logits(m): " + ", ".join(f"{m}: {t * 1e3:.1f}" for m, t in cost.logits.items()) + "\n")
+    recorded = json.loads(args.answers.read_text()) if args.answers and args.answers.exists() else {}
+    print("| prompts | batch | system | replayed tokens/s | steps | mean accepted length | ratio to plain |\n"
+          "|---|---|---|---|---|---|---|")
+    for kind in args.kinds.split(","):
+        from specray.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        prompts = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}[kind]
+        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)]
+        if kind not in recorded:
+            recorded[kind] = record(model, prompt_ids, args.max_tokens)
+        prompt_ids, answers = prompt_ids * 2, recorded[kind] * 2
+        for batch in (int(b) for b in args.batch.split(",")):
+            plain = replay(model, None, batch, cost, prompt_ids, answers, args.max_tokens)
+            rows = [("specray (no speculation)", plain)]
+            for name, spec in ngram_specs(args).items():
+                rows.append((name, replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens)))
+                rows.append((name.replace("ngram", "ngram oracle"),
+                              replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens, oracle=True)))
+            for name, r in rows:
+                mal = r["stats"].mean_accepted_length if r["stats"].drafts else float("nan")
+                print(f"| {kind} | {batch} | {name} | {r['tokens'] / r['seconds']:.1f} | {r['steps']} | {mal:.2f} | "
+                      f"{plain['seconds'] / r['seconds']:.3f} |", flush=True)
+    if args.answers and not args.answers.exists():
+        args.answers.write_text(json.dumps(recorded))
+
+
+if __name__ == "__main__":
+    main()
