@@ -46,7 +46,8 @@ def test_acceptance_estimate_starts_at_the_prior_and_tracks_evidence():
 
 def test_low_acceptance_drafts_nothing_high_acceptance_drafts_a_lot():
     policy = DraftLengthPolicy(8)
-    assert policy.choose(trained(policy, 0.05), batch_size=1) == 0
+    feed_cost(policy, 0.030, 0.002)  # SmolLM2 on 2 CPU cores: a step ~30 ms, each token in it ~2 ms more
+    assert policy.choose(trained(policy, 0.0), batch_size=1) == 0
     assert policy.choose(trained(policy, 0.95), batch_size=1) >= 5
 
 
@@ -62,6 +63,14 @@ def test_prior_cost_until_two_distinct_sizes():
     assert policy.cost_model() == PRIOR_COST
     policy.observe_step(16, 8, 0.02)
     assert policy.cost_model() != PRIOR_COST
+
+
+def test_fresh_policy_drafts_in_a_batch_before_any_cost_is_measured():
+    """Until steps of two sizes are measured the prior prices a step; a batch of 8 that has drafted nothing yet
+    must still draft (at the prior's even odds) or its cost of drafting is never measured."""
+    policy = DraftLengthPolicy(8)
+    assert policy.cost_model() == PRIOR_COST
+    assert policy.choose(make_req(), batch_size=8) > 0
 
 
 def test_cost_fit_recovers_the_line_despite_noise_and_outliers():
@@ -97,6 +106,7 @@ def test_bigger_batches_draft_less():
 
 def test_probe_after_consecutive_zero_steps():
     policy = DraftLengthPolicy(5, probe_after=8, probe_k=2)
+    feed_cost(policy, 0.030, 0.002)
     req = trained(policy, 0.0)
     picks = [policy.choose(req, batch_size=1) for _ in range(18)]
     assert picks == [0] * 8 + [2] + [0] * 8 + [2]
