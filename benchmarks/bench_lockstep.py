@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import GROUNDED, KV_BYTES, OPEN_ENDED, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, chat_prompts, ngram_specs  # noqa: E402
 
 
 def build(model, spec, batch):
@@ -78,7 +78,7 @@ def main():
     print("| system | prompts | tokens/s (median) | runs | ratio to plain, per run | median ratio |\n"
           "|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
-        prompts = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}[kind]
+        prompts = PROMPT_SETS[kind]
         engines = {name: build(model, spec, args.batch) for name, spec in specs.items()}
         tokenizer = next(iter(engines.values())).tokenizer
         prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * 2

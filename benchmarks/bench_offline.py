@@ -72,6 +72,7 @@ OPEN_ENDED = [
     "Describe your ideal city of the future.",
     "What should a beginner know before learning to play the guitar?",
 ]
+PROMPT_SETS = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
 
 
 def chat_prompts(tokenizer, prompts):
@@ -135,7 +136,7 @@ class HFRun:
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """The options this script shares with bench_lockstep.py."""
+    """The options this script shares with bench_lockstep.py and bench_replay.py."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
@@ -183,9 +184,8 @@ def main():
     print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens | outputs unlike the "
           "first row's |\n|---|---|---|---|---|---|---|---|")
     only = args.only.split(",") if args.only else None
-    sets = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
     for kind in args.kinds.split(","):
-        prompts = sets[kind]
+        prompts = PROMPT_SETS[kind]
         builders = {}
         if not args.skip_hf:
             for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={ks[0]})", ks[0])):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import GROUNDED, KV_BYTES, OPEN_ENDED, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, chat_prompts, ngram_specs  # noqa: E402
 
 from specray.contract import StepPlan, StepResult  # noqa: E402
 
@@ -92,6 +92,15 @@ def record(model_path: str, prompt_ids: list[list[int]], max_tokens: int) -> lis
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def agreed(drafts: list[int], future: list[int]) -> int:
+    """How many leading drafts the recorded ``future`` confirms; never its last token, which the target must
+    produce itself (a recording ends there: nothing past it is known)."""
+    n = 0
+    while n < len(drafts) and n < len(future) - 1 and drafts[n] == future[n]:
+        n += 1
+    return n
+
+
 class ReplayExecutor:
     """Answers each step from the recorded full sequences (prompt + answer) and advances a virtual clock."""
 
@@ -115,10 +124,8 @@ class ReplayExecutor:
         full = self.truth[chunk.req_id]
         nxt = chunk.start_pos + chunk.num_tokens - chunk.num_draft_tokens  # position of the first draft
         drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
-        accepted = 0
-        while accepted < len(drafts) and nxt + accepted < len(full) - 1 and drafts[accepted] == full[nxt + accepted]:
-            accepted += 1
-        return drafts[:accepted] + [full[nxt + accepted]]  # a recording ends at its last token: no draft past it
+        accepted = agreed(drafts, full[nxt:])
+        return drafts[:accepted] + [full[nxt + accepted]]
 
 
 class OracleDrafter:
@@ -133,10 +140,7 @@ class OracleDrafter:
         proposals = self.inner.propose(batch)
         for dreq, proposal in zip(batch, proposals):
             future = self.truth[dreq.req_id][len(dreq.token_ids):]
-            n = 0
-            while n < len(proposal.token_ids) and n < len(future) - 1 and proposal.token_ids[n] == future[n]:
-                n += 1
-            proposal.token_ids = proposal.token_ids[:n]
+            proposal.token_ids = proposal.token_ids[:agreed(proposal.token_ids, future)]
         return proposals
 
     def finish(self, req_ids):
@@ -181,6 +185,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     from specray.default_model import default_model_path
+    from specray.models.loader import load_tokenizer
 
     model = default_model_path()
     cost = measure_cost(model)
@@ -191,12 +196,9 @@ def main():
     recorded = json.loads(args.answers.read_text()) if args.answers and args.answers.exists() else {}
     print("| prompts | batch | system | replayed tokens/s | steps | mean accepted length | ratio to plain |\n"
           "|---|---|---|---|---|---|---|")
+    tokenizer = load_tokenizer(model)
     for kind in args.kinds.split(","):
-        from specray.models.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(model)
-        prompts = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}[kind]
-        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)]
+        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
         if kind not in recorded:
             recorded[kind] = record(model, prompt_ids, args.max_tokens)
         prompt_ids, answers = prompt_ids * 2, recorded[kind] * 2
