@@ -1,0 +1,98 @@
+"""A seeded random workload against one engine per drafter: requests arrive while others run, with mixed sampling
+settings, stop strings, per-request draft caps, aborts, rejected bad requests, a KV pool small enough to preempt
+and chunked prefill. Afterwards: no KV block leaked, and every finished greedy request (and, without speculation,
+every seeded sampled one) has the tokens the plain engine gives it alone."""
+
+import random
+
+import pytest
+
+from specray import LLM, SamplingParams
+
+WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
+STEPS = 120
+DRAIN_STEPS = 2000
+
+
+def random_prompt(rng: random.Random) -> str:
+    return "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(1, 40)))
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    greedy = rng.random() < 0.6
+    return SamplingParams(temperature=0.0 if greedy else rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5]),
+                          top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randint(1, 30), seed=rng.randint(0, 99),
+                          ignore_eos=rng.random() < 0.7, stop=rng.choice([None, ["fox"], ["\n"]]),
+                          num_speculative_tokens=rng.choice([None, None, 0, 2]))
+
+
+def comparable(got, want, max_tokens: int) -> tuple[list[int], list[int]]:
+    """Both outputs' tokens, the longer cut to the shorter where a run ended early because its request outgrew the
+    whole KV pool (finish_reason "length" before ``max_tokens``)."""
+    a, b = list(got.token_ids), list(want.token_ids)
+    for out, other in ((got, b), (want, a)):
+        cut = len(out.token_ids)
+        if out.finish_reason == "length" and cut < max_tokens:
+            del other[cut:]
+    return a, b
+
+
+def run_workload(llm: LLM, rng: random.Random) -> tuple[dict, set]:
+    """Add, step and abort at random; the finished outputs and the aborted ids."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    finished, requests, aborted = {}, {}, set()
+    for _ in range(STEPS):
+        if rng.random() < 0.35:
+            if rng.random() < 0.1:  # a bad request in the middle of the traffic: refused, nothing else harmed
+                with pytest.raises(ValueError):
+                    engine.add_request(tok.encode("Hello"), SamplingParams(temperature=-1.0))
+            prompt = tok.encode(random_prompt(rng))
+            params = random_params(rng)
+            requests[engine.add_request(prompt, params)] = (prompt, params)
+        running = sorted(r.req_id for r in engine.scheduler.running)
+        if running and rng.random() < 0.04:
+            victim = rng.choice(running)  # a running request holds blocks: aborting it must free them
+            engine.abort_request([victim])
+            aborted.add(victim)
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            if out.finished:
+                finished[out.request_id] = out
+    for _ in range(DRAIN_STEPS):  # bounded: a leaked pool would leave requests waiting forever
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not engine.has_unfinished_requests(), f"requests still unfinished after {DRAIN_STEPS} more steps"
+    return {r: (requests[r], finished[r]) for r in finished if r not in aborted}, aborted
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-public-pool", "draft_model"])
+def test_random_workload_keeps_outputs_and_blocks(tiny_llama_dir, tiny_draft_dir, alone, name):
+    rng = random.Random(name)
+    spec = {"plain": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "ngram-public-pool": {"method": "ngram", "num_speculative_tokens": 4, "is_public_pool": True,
+                                  "adaptive": False},
+            "draft_model": {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3,
+                            "adaptive": False}}[name]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, num_kv_blocks=14,
+              block_size=8, max_num_seqs=4, max_num_batched_tokens=48)
+    blocks = llm.engine.scheduler.block_manager
+    start = blocks.num_free_blocks
+    done, aborted = run_workload(llm, rng)
+    assert blocks.num_free_blocks == start
+    # the workload really ran: enough requests finished, something was aborted, the pool ran out
+    assert len(done) >= 15 and aborted and llm.engine.scheduler.num_preemptions, (len(done), aborted)
+    checked = 0
+    for (prompt, params), out in done.values():
+        if params.temperature > 0 and spec is not None:
+            continue  # sampled with speculation: the same distribution, not the same tokens
+        want = alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        got, expected = comparable(out.outputs[0], want, params.max_tokens)
+        assert got == expected, (prompt, params)
+        checked += 1
+    assert checked >= 10
