@@ -1,13 +1,16 @@
-"""A seeded random workload against one engine per drafter: requests arrive while others run, with mixed sampling
-settings, stop strings, per-request draft caps, aborts, rejected bad requests, a KV pool small enough to preempt
-and chunked prefill. Afterwards: no KV block leaked, and every finished greedy request (and, without speculation,
-every seeded sampled one) has the tokens the plain engine gives it alone."""
+"""A seeded random workload against one engine per drafter (and one with two tensor-parallel Ray ranks): requests
+arrive while others run, with mixed sampling settings, stop strings, per-request draft caps, aborts of running
+requests, rejected bad requests, a KV pool small enough to preempt and chunked prefill. Afterwards: no KV block
+leaked, and every finished greedy request (and, without speculation, every seeded sampled one) has the tokens the
+plain engine gives it alone."""
 
 import random
 
 import pytest
 
 from specray import LLM, SamplingParams
+from specray.config import EngineArgs
+from specray.engine import LLMEngine
 
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120
@@ -37,9 +40,9 @@ def comparable(got, want, max_tokens: int) -> tuple[list[int], list[int]]:
     return a, b
 
 
-def run_workload(llm: LLM, rng: random.Random) -> tuple[dict, set]:
+def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
     """Add, step and abort at random; the finished outputs and the aborted ids."""
-    engine, tok = llm.engine, llm.get_tokenizer()
+    tok = engine.tokenizer
     finished, requests, aborted = {}, {}, set()
     for _ in range(STEPS):
         if rng.random() < 0.35:
@@ -70,26 +73,49 @@ def alone(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), max_model_len=256)
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-public-pool", "draft_model"])
-def test_random_workload_keeps_outputs_and_blocks(tiny_llama_dir, tiny_draft_dir, alone, name):
-    rng = random.Random(name)
-    spec = {"plain": None,
-            "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-            "ngram-public-pool": {"method": "ngram", "num_speculative_tokens": 4, "is_public_pool": True,
-                                  "adaptive": False},
-            "draft_model": {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3,
-                            "adaptive": False}}[name]
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, num_kv_blocks=14,
-              block_size=8, max_num_seqs=4, max_num_batched_tokens=48)
-    blocks = llm.engine.scheduler.block_manager
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+CASES = {
+    "plain": {},
+    "ngram": {"speculative_config": NGRAM},
+    "ngram-public-pool": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                 "is_public_pool": True, "adaptive": False}},
+    "draft_model": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}},
+    # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
+    # preemption reaches both shards' caches
+    "ngram-tp2-ray": {"speculative_config": NGRAM, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
+                      "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_draft_dir, alone, name):
+    kwargs = {**CASES[name]}
+    spec = kwargs.get("speculative_config")
+    if spec is not None and spec["method"] == "draft_model":
+        kwargs["speculative_config"] = {**spec, "model": str(tiny_draft_dir)}
+    if kwargs.get("distributed_executor_backend") == "ray":
+        request.getfixturevalue("ray_cluster")
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=14, block_size=8, max_num_seqs=4,
+        max_num_batched_tokens=48, **kwargs))
+    try:
+        check_workload(engine, alone, random.Random(name), speculative=spec is not None)
+    finally:
+        engine.executor.shutdown()
+        if hasattr(engine.drafter, "shutdown"):  # a drafter actor
+            engine.drafter.shutdown()
+
+
+def check_workload(engine: LLMEngine, alone: LLM, rng: random.Random, speculative: bool) -> None:
+    blocks = engine.scheduler.block_manager
     start = blocks.num_free_blocks
-    done, aborted = run_workload(llm, rng)
+    done, aborted = run_workload(engine, rng)
     assert blocks.num_free_blocks == start
     # the workload really ran: enough requests finished, something was aborted, the pool ran out
-    assert len(done) >= 15 and aborted and llm.engine.scheduler.num_preemptions, (len(done), aborted)
+    assert len(done) >= 15 and aborted and engine.scheduler.num_preemptions, (len(done), aborted)
     checked = 0
     for (prompt, params), out in done.values():
-        if params.temperature > 0 and spec is not None:
+        if params.temperature > 0 and speculative:
             continue  # sampled with speculation: the same distribution, not the same tokens
         want = alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
         got, expected = comparable(out.outputs[0], want, params.max_tokens)
