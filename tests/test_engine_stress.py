@@ -43,17 +43,22 @@ def comparable(got, want, max_tokens: int) -> tuple[list[int], list[int]]:
 def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
     """Add, step and abort at random; the finished outputs and the aborted ids."""
     tok = engine.tokenizer
+    pool_slots = engine.scheduler.block_manager.num_blocks * engine.scheduler.block_manager.block_size
     finished, requests, aborted = {}, {}, set()
-    for _ in range(STEPS):
+    for step in range(STEPS):
         if rng.random() < 0.35:
             if rng.random() < 0.1:  # a bad request in the middle of the traffic: refused, nothing else harmed
                 with pytest.raises(ValueError):
                     engine.add_request(tok.encode("Hello"), SamplingParams(temperature=-1.0))
             prompt = tok.encode(random_prompt(rng))
             params = random_params(rng)
-            requests[engine.add_request(prompt, params)] = (prompt, params)
+            if len(prompt) > pool_slots:  # could never fit: refused up front, nothing else harmed
+                with pytest.raises(ValueError, match="KV cache holds only"):
+                    engine.add_request(prompt, params)
+            else:
+                requests[engine.add_request(prompt, params)] = (prompt, params)
         running = sorted(r.req_id for r in engine.scheduler.running)
-        if running and rng.random() < 0.04:
+        if running and (rng.random() < 0.04 or (step >= STEPS // 2 and not aborted)):  # at least one abort
             victim = rng.choice(running)  # a running request holds blocks: aborting it must free them
             engine.abort_request([victim])
             aborted.add(victim)
@@ -121,4 +126,4 @@ def check_workload(engine: LLMEngine, alone: LLM, rng: random.Random, speculativ
         got, expected = comparable(out.outputs[0], want, params.max_tokens)
         assert got == expected, (prompt, params)
         checked += 1
-    assert checked >= 10
+    assert checked >= 8  # 13-45 in 32 seeded runs of the plain and ngram workloads
