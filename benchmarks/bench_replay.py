@@ -9,13 +9,19 @@ charges, so the policy's cost fit sees them too. Each replay takes seconds, and 
 
 It also gives the ceiling of n-gram drafting on the recording: an *oracle* drafter that proposes what the
 n-gram drafter would, cut to the tokens the target will accept, so no drafted token is ever wasted and K never
-falls short of the match. No policy that sizes the same proposals can beat it.
+falls short of the match. No policy that sizes the same proposals can beat it. A "fixed K" row drafts every
+proposal whole (``adaptive=False``), for what the policy's sizing buys.
 
 The cost curve is measured at the start (one sequence at context ~100: the model body for n tokens, and the
 logits for m rows): a step costs body(tokens in the step) + logits(rows that sample), interpolated. It leaves
 out the engine's own host work (scheduling, drafting, detokenizing: ~0.5% of a step at batch 1, measured).
 
     python benchmarks/bench_replay.py --batch 1,8 --num-spec-tokens 5,15 --prompt-lookup-min 2,1
+
+``--cost-curve FILE`` replays on a curve from a file instead (one measured on other hardware and saved by the same
+option, or a synthetic one such as ``benchmarks/cost_flat_synthetic.json``: a step that costs the same up to 64
+tokens, as a memory-bound small model's step does on a GPU; made up, not measured), to see how the policy sizes
+drafts where verification is nearly free.
 """
 
 from __future__ import annotations
@@ -79,6 +85,12 @@ def measure_cost(model_path: str, repeats: int = 15) -> CostCurve:
                          n=repeats, warm=2) / 1e3
         logits[n] = timeit(lambda h=hidden: model.compute_logits(h).argmax(-1).tolist(), n=repeats, warm=2) / 1e3
     return CostCurve(body, logits)
+
+
+def load_cost(path: Path) -> CostCurve:
+    data = json.loads(path.read_text())
+    return CostCurve({int(n): float(t) for n, t in data["body"].items()},
+                     {int(m): float(t) for m, t in data["logits"].items()})
 
 
 # ---- recording and replaying --------------------------------------------------------------------------------
@@ -180,6 +192,9 @@ def main():
     parser.add_argument("--batch", default="1,8", help="max_num_seqs, or a comma list; every prompt is given twice")
     parser.add_argument("--answers", type=Path, help="a JSON file of recorded answers: read if it exists, "
                         "else written (record once, replay many times)")
+    parser.add_argument("--cost-curve", type=Path, help="a JSON cost curve ({\"body\": {tokens: seconds}, "
+                        "\"logits\": {rows: seconds}}): read if it exists (say, one measured on other hardware, or "
+                        "a synthetic one), else measured here and written")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -188,10 +203,15 @@ def main():
     from specray.models.loader import load_tokenizer
 
     model = default_model_path()
-    cost = measure_cost(model)
+    if args.cost_curve and args.cost_curve.exists():
+        cost, source = load_cost(args.cost_curve), f"read from {args.cost_curve}"
+    else:
+        cost, source = measure_cost(model), "measured here"
+        if args.cost_curve:
+            args.cost_curve.write_text(json.dumps({"body": cost.body, "logits": cost.logits}, indent=1))
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, stop at EOS, every prompt twice\n"
-          f"# cost curve (ms), body(n): " + ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in cost.body.items())
+          f"# cost curve ({source}; ms), body(n): " + ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in cost.body.items())
           + "; logits(m): " + ", ".join(f"{m}: {t * 1e3:.1f}" for m, t in cost.logits.items()) + "\n")
     recorded = json.loads(args.answers.read_text()) if args.answers and args.answers.exists() else {}
     print("| prompts | batch | system | replayed tokens/s | steps | mean accepted length | ratio to plain |\n"
@@ -207,6 +227,8 @@ def main():
             rows = [("specray (no speculation)", plain)]
             for name, spec in ngram_specs(args).items():
                 rows.append((name, replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens)))
+                rows.append((name.replace("ngram", "ngram fixed K"), replay(
+                    model, {**spec, "adaptive": False}, batch, cost, prompt_ids, answers, args.max_tokens)))
                 rows.append((name.replace("ngram", "ngram oracle"),
                               replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens, oracle=True)))
             for name, r in rows:
