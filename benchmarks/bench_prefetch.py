@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from specray.config import EngineArgs  # noqa: E402
 from specray.default_model import default_model_path  # noqa: E402
-from specray.engine import LLMEngine  # noqa: E402
+from specray.engine.builder import build_engine  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -30,7 +30,7 @@ PROMPTS = [
 
 def tokens_per_s(spec: dict, prefetch: bool, max_tokens: int) -> tuple[float, int, float]:
     model = default_model_path()
-    engine = LLMEngine.from_engine_args(EngineArgs(
+    engine = build_engine(EngineArgs(
         model=model, dtype="float32", max_model_len=512, num_threads=1, distributed_executor_backend="ray",
         speculative_config=spec,
         ray_placement={"worker_num_cpus": 0.5, "drafter_num_cpus": 0.5, "draft_ahead": prefetch}))

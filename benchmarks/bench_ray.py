@@ -24,7 +24,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from specray.config import EngineArgs  # noqa: E402
 from specray.default_model import default_model_path  # noqa: E402
-from specray.engine import LLMEngine  # noqa: E402
+from specray.engine.builder import build_engine  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN = 32
@@ -32,7 +32,7 @@ PROMPT_LEN = 32
 
 def decode_step_times(args: EngineArgs, batch: int, steps: int) -> tuple[list[float], list[float]]:
     """Per decode step: the executor's wall time, and (Ray) the part of it that rank 0 was not busy (transport)."""
-    engine = LLMEngine.from_engine_args(args)
+    engine = build_engine(args)
     try:
         times: list[float] = []
         transport: list[float] = []

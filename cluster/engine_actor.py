@@ -11,10 +11,10 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
-from specray.async_engine import AsyncLLMEngine
+from specray.engine.async_engine import AsyncLLMEngine
 from specray.cluster.ray_env import ensure_ray, ray
 from specray.config import EngineArgs
-from specray.engine_builder import build_engine
+from specray.engine.builder import build_engine
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from ray.exceptions import RayTaskError

@@ -20,7 +20,7 @@ from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import StepPlan, StepResult
 from specray.errors import WorkerDiedError
-from specray.executor import CacheConfig, plan_num_blocks
+from specray.engine.executor import CacheConfig, plan_num_blocks
 from specray.workers.worker import Worker, WorkerConfig
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group

@@ -148,12 +148,12 @@ class SpecrayServer:
     """One replica: an engine in a background thread behind the OpenAI app."""
 
     def __init__(self, args: ServeArgs):
-        from specray.async_engine import AsyncLLMEngine
-        from specray.engine import LLMEngine
+        from specray.engine.async_engine import AsyncLLMEngine
+        from specray.engine.builder import build_engine
 
         self.args = args
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True)
-        engine = LLMEngine.from_engine_args(args.engine_args())
+        engine = build_engine(args.engine_args())
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
         logger.info("replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)

@@ -135,7 +135,7 @@ EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 @dataclass
 class EngineArgs:
-    """The arguments of :class:`specray.LLM` (vLLM's names). Only ``LLMEngine.from_engine_args`` reads this;
+    """The arguments of :class:`specray.LLM` (vLLM's names). Only ``specray.engine.build_engine`` reads this;
     every component gets its own small config from it."""
 
     model: str

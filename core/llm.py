@@ -8,7 +8,7 @@ from importlib import import_module
 from typing import Any
 
 from specray.config import EngineArgs
-from specray.engine import LLMEngine
+from specray.engine.builder import build_engine
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ class LLM:
             self.engine = client_cls(self.engine_args)
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
         else:
-            self.engine = LLMEngine.from_engine_args(self.engine_args)
+            self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
 

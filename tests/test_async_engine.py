@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from specray import LLM, SamplingParams
-from specray.async_engine import AsyncLLMEngine
+from specray.engine.async_engine import AsyncLLMEngine
 from specray.errors import EngineError
 
 PROMPT_IDS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21], [22, 23]]

@@ -11,7 +11,8 @@ import torch
 from specray import LLM, SamplingParams
 from specray.config import EngineArgs, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
-from specray.engine import LLMEngine
+from specray.engine.builder import build_engine
+from specray.engine.llm_engine import LLMEngine
 from specray.errors import RequestFailedError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -23,7 +24,7 @@ MAX_TOKENS = 20
 def engine_for(model, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_seqs", 8)
-    return LLMEngine.from_engine_args(EngineArgs(model=str(model), **kw))
+    return build_engine(EngineArgs(model=str(model), **kw))
 
 
 def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
@@ -197,7 +198,7 @@ def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
 
 def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
     import ray
-    from specray.async_engine import AsyncLLMEngine
+    from specray.engine.async_engine import AsyncLLMEngine
 
     prompt = prompts_for(1, seed=5)[0]
     reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]

@@ -10,7 +10,8 @@ import pytest
 
 from specray import LLM, SamplingParams
 from specray.config import EngineArgs
-from specray.engine import LLMEngine
+from specray.engine.builder import build_engine
+from specray.engine.llm_engine import LLMEngine
 
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120
@@ -100,7 +101,7 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
         kwargs["speculative_config"] = {**spec, "model": str(tiny_draft_dir)}
     if kwargs.get("distributed_executor_backend") == "ray":
         request.getfixturevalue("ray_cluster")
-    engine = LLMEngine.from_engine_args(EngineArgs(
+    engine = build_engine(EngineArgs(
         model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=14, block_size=8, max_num_seqs=4,
         max_num_batched_tokens=48, **kwargs))
     try:

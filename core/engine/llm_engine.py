@@ -1,5 +1,5 @@
-"""The engine loop: draft, schedule, execute, verify, update, detokenize. One process; the Ray issue wraps
-the executor and drafter in actors without changing this loop."""
+"""The engine loop: draft, schedule, execute, verify, update, detokenize. One process; the Ray backend wraps
+the executor and drafter in actors without changing this loop. Built by :func:`specray.engine.builder.build_engine`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from specray.config import EngineArgs
 from specray.contract import StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
 from specray.drafters.base import DraftRequest, Drafter, proposes_cheaply
@@ -52,12 +51,6 @@ class LLMEngine:
         # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
         self.closed_batches = False
         self._ids = itertools.count()
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        from specray.engine_builder import build_engine
-
-        return build_engine(args)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

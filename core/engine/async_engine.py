@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specray.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.errors import EngineError, RequestFailedError, WorkerDiedError
 from specray.outputs import RequestOutput
 from specray.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from specray.contract import StepPlan, StepResult
 from specray.workers.worker import Worker, WorkerConfig
 
 _EXECUTORS = {
-    "uni": "specray.executor:LocalExecutor",
+    "uni": "specray.engine.executor:LocalExecutor",
     "ray": "specray.cluster.executor:RayExecutor",
 }
 
