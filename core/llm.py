@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from importlib import import_module
 from typing import Any
 
 from specray.config import EngineArgs
-from specray.engine.builder import build_engine
+from specray.engine import plugins
+from specray.engine.builder import build_engine, check_engine_args
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_RAY_CLIENT = ("specray.cluster.engine_actor", "RayEngineClient")  # imported only for the Ray backend
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -29,7 +27,8 @@ class LLM:
         if self.engine_args.executor_backend == "ray":
             from specray.models.loader import load_tokenizer
 
-            client_cls = getattr(import_module(_RAY_CLIENT[0]), _RAY_CLIENT[1])
+            check_engine_args(self.engine_args)  # before any actor starts
+            client_cls = plugins.lookup("engine_client", self.engine_args.executor_backend)
             self.engine = client_cls(self.engine_args)
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
         else:

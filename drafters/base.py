@@ -70,5 +70,6 @@ class DrafterContext:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    block_size: int = 16  # tokens per KV block of a drafter's own paged cache (the engine's block_size)
     target_tokenizer: object | None = None  # the target's HF tokenizer, when a drafter must check it matches
     tp_group: object | None = None  # a draft model split over ranks: this process's TPGroup (None: one rank)

@@ -348,7 +348,7 @@ class NgramPool:
 
 
 class PoolLink(Protocol):
-    """A channel to a pool shared with other engine replicas (specray.cluster's named pool actor)."""
+    """A channel to a pool shared with other engine replicas (the Ray backend's named pool actor)."""
 
     def exchange(self, updates: list[tuple[str, int, list[int]]], wait: bool = False) -> list[tuple[str, int, list[int]]]:
         """Publish ``(seq_key, start, tokens[start:])`` of this replica's sequences; return the other replicas'

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specray.contract import BlockTableDelta, NewRequest, ScheduledChunk, StepPlan, StepResult
-from specray.scheduler.block_manager import BlockManager
+from specray.kv_blocks import BlockPool
 from specray.scheduler.request import Request, RequestStatus, count_positions
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class StepStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockPool(config.num_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted oldest first at each schedule()

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from specray import LLM, SamplingParams, SpeculativeConfig
+from specray.config import EngineArgs
+from specray.engine.builder import build_engine
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -267,7 +269,8 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: SamplingParams(top_p=1.5), "top_p"),
     (lambda llm: SamplingParams(num_speculative_tokens=-1), "num_speculative_tokens"),
     (lambda llm: SamplingParams(num_speculative_tokens=1.5), "num_speculative_tokens"),
-    (lambda llm: SpeculativeConfig(method="medusa-ish"), "method"),
+    (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config={"method": "medusa-ish"})),
+     "method"),
     (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
     (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
 ])
