@@ -51,6 +51,10 @@ class Drafter(Protocol):
         """Forget these requests and free what they hold (finished, aborted, or preempted)."""
         ...
 
+    def shutdown(self) -> None:
+        """Release what the drafter holds beyond its requests (actors, links); the engine is shutting down."""
+        ...
+
 
 def proposes_cheaply(drafter) -> bool:
     """A drafter whose proposals cost next to nothing (a lookup, no model) says so with ``cheap_proposals =

@@ -83,6 +83,10 @@ class DraftModelDrafter:
             if state is not None:
                 self.blocks.free(state)
 
+    def shutdown(self) -> None:
+        """Free the draft model's KV cache and every request's state."""
+        self.finish(list(self.states))
+
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in batch]

@@ -400,6 +400,9 @@ class NgramDrafter:
                     self._published.pop(state.seq_key, None)
                 self.shared_pool.close(state.seq_key)
 
+    def shutdown(self) -> None:
+        """Nothing to release: the pool lives in this process (a link to a shared pool is the actor's)."""
+
     # ---- sharing the pool with other replicas -----------------------------------------------------------
     def attach_pool_link(self, link: PoolLink) -> None:
         if self.shared_pool is None:

@@ -82,6 +82,8 @@ def test_ngram_greedy_equals_plain(tiny_llama_dir, plain_outputs, batch):
     assert token_ids(outs) == plain_outputs
     assert llm.spec_stats.drafts > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
     assert free_blocks(llm) == start
+    assert not llm.engine.policy._evidence and not llm.engine.tracked  # finished requests leave no state behind
+    assert sum(o.spec_stats.drafts for o in outs) == llm.spec_stats.drafts  # one counter type, summed
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -353,7 +355,8 @@ def test_policy_caps_draft_length_per_request():
 
     def req(k):
         r = Request(str(k), [1, 2, 3], SamplingParams(temperature=0.0, num_speculative_tokens=k))
-        r.draft_accepts, r.draft_rejects = 100.0, 0.0  # alpha ~ 1: the policy wants the most drafts
+        ev = policy.evidence(r.req_id)
+        ev.accepts, ev.rejects = 100.0, 0.0  # alpha ~ 1: the policy wants the most drafts
         return r
 
     for adaptive in (False, True):

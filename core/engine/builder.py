@@ -66,6 +66,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         max_model_len=max_model_len,
         block_size=args.block_size,
         num_blocks=executor.num_kv_blocks,
+        vocab_size=hf_config.vocab_size,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info["dtype"], backend, args.tensor_parallel_size)

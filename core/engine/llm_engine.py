@@ -50,16 +50,15 @@ class LLMEngine:
         # Requests come in batches whose total time is what counts (offline generate), not each request's
         # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
         self.closed_batches = False
+        self._draft_keys: dict[str, int] = {}  # the kind of each request's pending drafts (cheap drafters)
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     req_id: str | None = None) -> str:
-        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+        """Queue one request; a bad one raises ValueError (the scheduler's admission checks) and changes
+        nothing."""
         req_id = req_id if req_id is not None else str(next(self._ids))
-        if req_id in self.tracked:
-            raise ValueError(f"request_id={req_id!r} is already in use; pass a unique request id")
-        self._check_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
@@ -70,13 +69,6 @@ class LLMEngine:
         self.tracked[req_id] = _Tracked(request, prompt, detok)
         return req_id
 
-    def _check_tokens(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token (prompt or prompt_token_ids)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-
     def abort_request(self, req_ids: list[str]) -> None:
         live = [r for r in req_ids if r in self.tracked]
         self.scheduler.abort_requests(live)
@@ -84,6 +76,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Release the executor's workers and a remote drafter; every request the engine holds is dropped."""
+        self.abort_request(list(self.tracked))
+        if self.drafter is not None:
+            self.drafter.shutdown()
+        self.executor.shutdown()
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -116,34 +115,38 @@ class LLMEngine:
 
     def _draft(self) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
-        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none). A drafter that proposes cheaply
-        is asked for the most each request may have, and the policy sizes K by the proposal's key."""
+        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
+        A drafter that proposes cheaply is asked for the most each request may have, and the policy sizes K by
+        the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id."""
+        self._draft_keys = {}
         if self.drafter is None:
             return {}
         running = self.scheduler.running
-        decoding = [(r, off) for r, off in zip(running, self._off_critical_path(running))
+        decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
                     if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             return {}
         cheap = proposes_cheaply(self.drafter)
-        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off, cheap), r.sampling_params)
-                 for r, off in decoding]
-        probs = {}
-        for (request, off), dreq, proposal in zip(decoding, batch, self.drafter.propose(batch)):
+        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap), r.sampling_params)
+                 for r, off_path in decoding]
+        drafts, probs = {}, {}
+        for (request, off_path), dreq, proposal in zip(decoding, batch, self.drafter.propose(batch)):
             tokens = proposal.token_ids[: dreq.max_draft_tokens]
             if cheap and tokens:
-                tokens = tokens[: self.policy.choose(request, len(running), off, proposal.key)]
-            request.draft_token_ids = list(tokens)
-            request.draft_key = proposal.key if cheap else None
-            if proposal.probs is not None and request.draft_token_ids:
+                tokens = tokens[: self.policy.choose(request, len(running), off_path, proposal.key)]
+                if proposal.key is not None:
+                    self._draft_keys[request.req_id] = proposal.key
+            drafts[request.req_id] = tokens
+            if proposal.probs is not None and tokens:
                 probs[dreq.req_id] = proposal.probs
+        self.scheduler.update_draft_token_ids(drafts)
         return probs
 
-    def _ask(self, request: Request, batch_size: int, idle: bool, cheap: bool) -> int:
+    def _ask(self, request: Request, batch_size: int, off_critical_path: bool, cheap: bool) -> int:
         """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
         if not cheap:
-            return self.policy.choose(request, batch_size, idle)
-        return 0 if idle and self.policy.adaptive else self.policy.max_k_for(request)
+            return self.policy.choose(request, batch_size, off_critical_path)
+        return 0 if off_critical_path and self.policy.adaptive else self.policy.max_k_for(request)
 
     def _off_critical_path(self, running: list[Request]) -> list[bool]:
         """Per running request: whether it would finish before its closed batch ends even without drafting."""
@@ -189,7 +192,8 @@ class LLMEngine:
             if chunk.sample and chunk.num_draft_tokens:
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is not None:
-                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0), request.draft_key)
+                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0),
+                                        self._draft_keys.get(chunk.req_id))
 
     # ---- outputs --------------------------------------------------------------------------------------
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
@@ -211,7 +215,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.status.is_finished,
-            spec_stats=_request_spec_stats(request),
+            spec_stats=request.spec_stats.copy(),
         )
 
     def _detokenize(self, tracked: _Tracked) -> None:
@@ -236,6 +240,8 @@ class LLMEngine:
     def _forget(self, req_ids: list[str]) -> None:
         for rid in req_ids:
             self.tracked.pop(rid, None)
+        if self.policy is not None:
+            self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
 
@@ -244,10 +250,3 @@ def _is_decode_step(plan: StepPlan) -> bool:
     """Every chunk is one request's last token plus its drafts: the steps the draft policy prices. A prefill
     chunk's tokens cost far less each (one large matmul) and would bend the fitted cost line."""
     return not plan.is_empty and all(c.sample and c.num_tokens == 1 + c.num_draft_tokens for c in plan.chunks)
-
-
-def _request_spec_stats(request: Request) -> SpecStats:
-    stats = SpecStats()
-    stats.add(request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens,
-              request.accepted_per_position)
-    return stats
