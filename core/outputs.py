@@ -81,7 +81,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -90,6 +90,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's state after a step (the whole of it so far). ``finished`` with ``finish_reason == "error"``
+    means a step failed for this request and ``error`` says why; the engine's other requests were unharmed."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -97,3 +100,5 @@ class RequestOutput:
     finished: bool
     spec_stats: SpecStats = field(default_factory=SpecStats)
     metrics: dict[str, float] = field(default_factory=dict)
+    # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
+    error: str | None = None

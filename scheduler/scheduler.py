@@ -332,6 +332,25 @@ class Scheduler:
             kept = self._kept_blocks.get(req.req_id, held)
             self._kept_blocks[req.req_id] = min(kept, len(req.block_ids))
 
+    # ---- a failed step ---------------------------------------------------------------------------------
+    def forget_worker_state(self, plan: StepPlan) -> None:
+        """``plan`` failed on the worker, which may have applied any part of it: the next plan repeats its drops
+        and sends every running request whole (a NewRequest with its full block table; the worker keeps the
+        sampling state it holds). Nothing of the plan's tokens was counted, so its requests run again."""
+        self._dropped_ids = list(plan.finished_req_ids) + self._dropped_ids
+        self._preempted_ids = list(plan.preempted_req_ids) + self._preempted_ids
+        self._worker_blocks.clear()
+        self._kept_blocks.clear()
+
+    def retry_plan(self, plan: StepPlan, chunks: list[ScheduledChunk]) -> StepPlan:
+        """A plan that runs again ``chunks`` (some of failed ``plan``'s), safe whatever part of ``plan`` the
+        worker applied: it repeats the drops and gives each request its whole block table. Running a chunk
+        twice only rewrites its KV slots with the same values."""
+        new = [NewRequest(c.req_id, self.requests[c.req_id].sampling_params, list(self.requests[c.req_id].block_ids))
+               for c in chunks]
+        return StepPlan(plan.step_id, new_requests=new, chunks=list(chunks),
+                        finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids))
+
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _retire(self, req: Request) -> None:
         """A finished request leaves its queue and frees its blocks at once."""
