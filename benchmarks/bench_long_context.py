@@ -17,7 +17,7 @@ from specray.default_model import default_model_path
 from specray.models import attention
 from specray.models.attention import build_attention_metadata
 from specray.models.loader import load_model
-from specray.scheduler.block_manager import BlockManager
+from specray.kv_blocks import BlockPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts run standalone
 from bench_forward import timeit  # noqa: E402
@@ -33,7 +33,7 @@ class Table:
 def tables_for(batch: int, context: int, num_blocks: int, shuffled: bool) -> list[list[int]]:
     """Tables grown as decoding grows them: a prefill of a quarter of the context each, then block by block in
     turn (the manager keeps them contiguous); or the same sizes from a shuffled pool."""
-    bm, owners = BlockManager(num_blocks, BS), [Table() for _ in range(batch)]
+    bm, owners = BlockPool(num_blocks, BS), [Table() for _ in range(batch)]
     for slots in [context // 4] + list(range(context // 4 + BS, context + BS + 1, BS)):
         for o in owners:
             bm.allocate(o, min(slots, context + BS))

@@ -158,6 +158,9 @@ class OracleDrafter:
     def finish(self, req_ids):
         self.inner.finish(req_ids)
 
+    def shutdown(self):
+        self.inner.shutdown()
+
 
 def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prompt_ids, answers, max_tokens: int,
            oracle: bool = False) -> dict:

@@ -44,13 +44,7 @@ class SpeculativeConfig:
         self._validate()
 
     def _validate(self) -> None:
-        from specray.drafters.registry import drafter_names
-
-        names = drafter_names()
-        if self.method not in names:
-            raise ValueError(
-                f"speculative_config.method={self.method!r} is unknown; choose one of {sorted(names)}"
-            )
+        # the method itself is checked by the drafter registry (above this module) when the engine is built
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens={self.num_speculative_tokens!r} must be an int >= 1"

@@ -11,6 +11,16 @@ class WorkerDiedError(EngineError):
     """A target worker (a TP rank) died or stopped answering; the step's requests cannot finish."""
 
 
+class RequestError(EngineError):
+    """A step failed because of these requests alone (a worker checked their inputs and refused them): the
+    engine fails them and runs the others again."""
+
+    def __init__(self, req_ids: list[str], cause: BaseException | str):
+        super().__init__(f"requests {list(req_ids)} failed: {cause}")
+        self.req_ids = list(req_ids)
+        self.cause = cause
+
+
 class RequestFailedError(EngineError):
     """This request was in flight when the engine failed; it was aborted and its KV blocks freed."""
 

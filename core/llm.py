@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from importlib import import_module
 from typing import Any
 
 from specray.config import EngineArgs
-from specray.engine.builder import build_engine
+from specray.engine import plugins
+from specray.engine.builder import build_engine, check_engine_args
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
+from specray.scheduler.request import check_prompt
 
 logger = logging.getLogger(__name__)
-
-_RAY_CLIENT = ("specray.cluster.engine_actor", "RayEngineClient")  # imported only for the Ray backend
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -29,7 +28,8 @@ class LLM:
         if self.engine_args.executor_backend == "ray":
             from specray.models.loader import load_tokenizer
 
-            client_cls = getattr(import_module(_RAY_CLIENT[0]), _RAY_CLIENT[1])
+            check_engine_args(self.engine_args)  # before any actor starts
+            client_cls = plugins.lookup("engine_client", self.engine_args.executor_backend)
             self.engine = client_cls(self.engine_args)
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
         else:
@@ -100,15 +100,8 @@ class LLM:
         raise ValueError(f"prompt {prompt!r:.80} is not a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}")
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token (prompt or prompt_token_ids)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={limit} leaves no room to generate; "
-                             f"shorten the prompt to at most {limit - 1} tokens or raise max_model_len")
+        check_prompt(ids, self.engine.max_model_len, self.engine.vocab_size)
+        params.check(self.engine.vocab_size)
 
     def _run_local(self, requests: list) -> Iterator[tuple[int, RequestOutput]]:
         """Add every request (all or none), then step until each has finished, yielding them as they do."""

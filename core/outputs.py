@@ -19,17 +19,33 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def add(self, drafts: int, draft_tokens: int, accepted_tokens: int, per_position: list[int]) -> None:
-        self.drafts += drafts
-        self.draft_tokens += draft_tokens
-        self.accepted_tokens += accepted_tokens
-        if len(per_position) > len(self.accepted_per_position):
-            self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
-        for i, n in enumerate(per_position):
-            self.accepted_per_position[i] += n
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification of ``num_draft_tokens`` drafts of which the first ``num_accepted`` were kept
+        (nothing when none was drafted)."""
+        if num_draft_tokens == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += num_draft_tokens
+        self.accepted_tokens += num_accepted
+        self._grow(num_draft_tokens)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        self.add(other.drafts, other.draft_tokens, other.accepted_tokens, other.accepted_per_position)
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self._grow(len(other.accepted_per_position))
+        for i, n in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += n
+
+    def copy(self) -> "SpecStats":
+        return SpecStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_position))
+
+    def _grow(self, num_positions: int) -> None:
+        missing = num_positions - len(self.accepted_per_position)
+        if missing > 0:
+            self.accepted_per_position.extend([0] * missing)
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,7 +81,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -74,6 +90,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's state after a step (the whole of it so far). ``finished`` with ``finish_reason == "error"``
+    means a step failed for this request and ``error`` says why; the engine's other requests were unharmed."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -81,3 +100,5 @@ class RequestOutput:
     finished: bool
     spec_stats: SpecStats = field(default_factory=SpecStats)
     metrics: dict[str, float] = field(default_factory=dict)
+    # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
+    error: str | None = None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# What a request's own random stream (torch.Generator.manual_seed) accepts: a signed or unsigned 64-bit int.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+TOP_K_MAX = (1 << 31) - 1  # the sampler packs top_k into a tensor; any k past the vocabulary means all of it
 
 
 @dataclass
@@ -51,27 +56,55 @@ class SamplingParams:
     def _validate(self) -> None:
         if self.n != 1:
             raise ValueError(f"n={self.n}: only n=1 is supported per request; submit the prompt n times instead")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1 to disable top-p")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0, or -1/0 to disable top-k")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0 to disable min-p")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (or None for up to max_model_len)")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]; use 1 to disable top-p")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
+            raise ValueError(f"top_k={self.top_k!r} must be an int in [0, {TOP_K_MAX}], or -1/0 to disable top-k")
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]; use 0 to disable min-p")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 (or None for up to max_model_len)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty string")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs} must be >= 0 or None")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs={self.logprobs!r} must be an int >= 0 or None")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
                              "request) or None (the engine's setting)")
 
+    def check(self, vocab_size: int | None = None) -> None:
+        """Admission: validate again (a field may have changed since construction) and, given the model's
+        ``vocab_size``, what needs the model: token ids inside its vocabulary, at most all of it as logprobs."""
+        self._validate()
+        if vocab_size is None:
+            return
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs={self.logprobs} exceeds the vocabulary size {vocab_size}; ask for fewer")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    """A real number a step can turn into a float tensor (not NaN, not infinite, not too large for a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

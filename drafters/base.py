@@ -51,6 +51,10 @@ class Drafter(Protocol):
         """Forget these requests and free what they hold (finished, aborted, or preempted)."""
         ...
 
+    def shutdown(self) -> None:
+        """Release what the drafter holds beyond its requests (actors, links); the engine is shutting down."""
+        ...
+
 
 def proposes_cheaply(drafter) -> bool:
     """A drafter whose proposals cost next to nothing (a lookup, no model) says so with ``cheap_proposals =
@@ -70,5 +74,6 @@ class DrafterContext:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    block_size: int = 16  # tokens per KV block of a drafter's own paged cache (the engine's block_size)
     target_tokenizer: object | None = None  # the target's HF tokenizer, when a drafter must check it matches
     tp_group: object | None = None  # a draft model split over ranks: this process's TPGroup (None: one rank)

@@ -20,11 +20,9 @@ from specray.models.attention import build_attention_metadata
 from specray.models.loader import load_model, load_tokenizer
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
-from specray.scheduler.block_manager import BlockManager
+from specray.kv_blocks import BlockPool
 
 logger = logging.getLogger(__name__)
-
-BLOCK_SIZE = 16
 
 
 @dataclass
@@ -53,6 +51,12 @@ def _common_prefix(a: list[int], b) -> int:
     return i
 
 
+def _draft_seed(seed: int | None) -> int | None:
+    """The draft's random stream, apart from the target's (seed + 1), kept in the 64-bit range a
+    ``torch.Generator`` accepts: SamplingParams allows seeds up to 2**64 - 1."""
+    return None if seed is None else (seed + 1) % (1 << 64)
+
+
 class DraftModelDrafter:
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)
@@ -64,10 +68,11 @@ class DraftModelDrafter:
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")
         self.vocab_size = ctx.vocab_size
         self.max_len = min(ctx.max_model_len, getattr(self.model, "max_position_embeddings", ctx.max_model_len))
-        per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // BLOCK_SIZE) + 1
+        self.block_size = ctx.block_size
+        per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // self.block_size) + 1
         num_blocks = ctx.max_num_seqs * per_seq
-        self.model.allocate_kv_cache(num_blocks, BLOCK_SIZE)
-        self.blocks = BlockManager(num_blocks, BLOCK_SIZE)
+        self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.blocks = BlockPool(num_blocks, self.block_size)
         self.seed = ctx.seed
         self.states: dict[str, _DraftState] = {}
 
@@ -77,6 +82,10 @@ class DraftModelDrafter:
             state = self.states.pop(rid, None)
             if state is not None:
                 self.blocks.free(state)
+
+    def shutdown(self) -> None:
+        """Free the draft model's KV cache and every request's state."""
+        self.finish(list(self.states))
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
@@ -96,7 +105,7 @@ class DraftModelDrafter:
         state = self.states.get(d.req_id)
         if state is None:
             seed = d.sampling_params.seed
-            state = _DraftState(generator=make_generator(None if seed is None else seed + 1, self.device))
+            state = _DraftState(generator=make_generator(_draft_seed(seed), self.device))
             self.states[d.req_id] = state
         keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
         del state.cached[keep:]
@@ -131,7 +140,7 @@ class DraftModelDrafter:
     def _forward(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
         input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
         meta = build_attention_metadata([len(f) for f in feeds], [len(s.cached) for s in states],
-                                        [s.block_ids for s in states], BLOCK_SIZE, self.device)
+                                        [s.block_ids for s in states], self.block_size, self.device)
         hidden = self.model(input_ids, meta)  # [T, H]
         last = torch.tensor([sum(len(f) for f in feeds[: j + 1]) - 1 for j in range(len(feeds))], device=self.device)
         return self.model.compute_logits(hidden[last])  # [B, V_draft]

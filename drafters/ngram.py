@@ -348,7 +348,7 @@ class NgramPool:
 
 
 class PoolLink(Protocol):
-    """A channel to a pool shared with other engine replicas (specray.cluster's named pool actor)."""
+    """A channel to a pool shared with other engine replicas (the Ray backend's named pool actor)."""
 
     def exchange(self, updates: list[tuple[str, int, list[int]]], wait: bool = False) -> list[tuple[str, int, list[int]]]:
         """Publish ``(seq_key, start, tokens[start:])`` of this replica's sequences; return the other replicas'
@@ -399,6 +399,9 @@ class NgramDrafter:
                     self._publish_one(state.seq_key, self._unsent)
                     self._published.pop(state.seq_key, None)
                 self.shared_pool.close(state.seq_key)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the pool lives in this process (a link to a shared pool is the actor's)."""
 
     # ---- sharing the pool with other replicas -----------------------------------------------------------
     def attach_pool_link(self, link: PoolLink) -> None:

@@ -6,8 +6,8 @@ positions before it were. Verifying k drafts then yields, counting the target's 
     E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)        (= k + 1 when alpha = 1)
 
 tokens. One verification of k drafts with ``acc`` accepted is ``acc`` successes and, if acc < k, one failure of
-that Bernoulli(alpha); a request's evidence is kept as exponentially discounted counts S and F (on the
-request: ``draft_accepts``, ``draft_rejects``) and read as the posterior mean under a Beta prior of strength m
+that Bernoulli(alpha); a request's evidence is kept as exponentially discounted counts S and F (the policy's
+:class:`Evidence` per request id, forgotten when the request finishes) and read as the posterior mean under a Beta prior of strength m
 centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
 
 Cost model: a step over n tokens takes cost(n) = a + b * rows(n), fitted by least squares over a sliding window
@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Callable
 
@@ -53,6 +55,21 @@ from typing import Callable
 # measured (replayed: a closed batch of 8 skipped 30 4-token matches worth ~11 tokens each at 0.15).
 PRIOR_COST = (1.0, 0.05)
 ENGINE_DECAY = 0.99  # the engine's evidence per key is every request's, so it forgets more slowly
+
+
+@dataclass
+class Evidence:
+    """What the policy knows of one request: discounted counts of accepted / rejected draft positions (the
+    evidence of the geometric acceptance model), the same kept apart per kind of guess ({key: [S, F]}), and how
+    many steps in a row it chose to draft nothing."""
+
+    accepts: float = 0.0
+    rejects: float = 0.0
+    keyed: dict[int, list[float]] = field(default_factory=dict)
+    undrafted_steps: int = 0
+
+
+_NO_EVIDENCE = Evidence()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -107,6 +124,7 @@ class DraftLengthPolicy:
         self.decay = decay
         self.rows = rows or (lambda n: n)
         self._key_evidence: dict[int, list[float]] = {}  # the engine's [S, F] per key, over every request
+        self._evidence: dict[str, Evidence] = {}  # per request id, until forget()
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._cost = PRIOR_COST
         self._stale = False
@@ -135,24 +153,38 @@ class DraftLengthPolicy:
         return (a, b) if a + b > 0 else PRIOR_COST
 
     # ---- acceptance -----------------------------------------------------------------------------------
+    def evidence(self, req_id: str) -> Evidence:
+        """The evidence kept for one request (created empty on first use)."""
+        found = self._evidence.get(req_id)
+        if found is None:
+            found = self._evidence[req_id] = Evidence()
+        return found
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop finished requests' evidence."""
+        for req_id in req_ids:
+            self._evidence.pop(req_id, None)
+
     def observe(self, req, num_drafted: int, num_accepted: int, key: int | None = None) -> None:
         """Update ``req``'s acceptance evidence from one verification of ``num_drafted`` drafts (of ``key``)."""
         assert 0 <= num_accepted <= num_drafted, (num_drafted, num_accepted)
         if num_drafted == 0:
             return
         rejected = num_accepted < num_drafted
-        req.draft_accepts = self.decay * req.draft_accepts + num_accepted
-        req.draft_rejects = self.decay * req.draft_rejects + rejected
+        ev = self.evidence(req.req_id)
+        ev.accepts = self.decay * ev.accepts + num_accepted
+        ev.rejects = self.decay * ev.rejects + rejected
         if key is not None:
-            _discount(req.keyed_evidence.setdefault(key, [0.0, 0.0]), self.decay, num_accepted, rejected)
+            _discount(ev.keyed.setdefault(key, [0.0, 0.0]), self.decay, num_accepted, rejected)
             _discount(self._key_evidence.setdefault(key, [0.0, 0.0]), ENGINE_DECAY, num_accepted, rejected)
 
     def acceptance(self, req, key: int | None = None) -> float:
         """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts (of ``key``)."""
+        ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
         if key is None:
-            return self._posterior(req.draft_accepts, req.draft_rejects, self.prior_alpha)
+            return self._posterior(ev.accepts, ev.rejects, self.prior_alpha)
         prior = self._posterior(*self._key_evidence.get(key, (0.0, 0.0)), self.prior_alpha)
-        return self._posterior(*req.keyed_evidence.get(key, (0.0, 0.0)), prior)
+        return self._posterior(*ev.keyed.get(key, (0.0, 0.0)), prior)
 
     def _posterior(self, accepts: float, rejects: float, prior: float) -> float:
         """The Beta posterior mean of S accepts and F rejects with a prior of strength m centred on ``prior``."""
@@ -165,23 +197,24 @@ class DraftLengthPolicy:
         cap = req.sampling_params.num_speculative_tokens
         return self.max_k if cap is None else min(self.max_k, cap)
 
-    def choose(self, req, batch_size: int, idle: bool = False, key: int | None = None) -> int:
+    def choose(self, req, batch_size: int, off_critical_path: bool = False, key: int | None = None) -> int:
         """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests, when its
-        proposal is of ``key`` (None: not known yet, or the drafter tells none); none when it is ``idle``, off
-        the critical path of a closed batch (see :meth:`off_critical_path`)."""
+        proposal is of ``key`` (None: not known yet, or the drafter tells none); none when it is
+        ``off_critical_path`` of a closed batch (see :meth:`off_critical_path`)."""
         max_k = self.max_k_for(req)
         if not self.adaptive or max_k == 0:
             return max_k
-        if idle:
+        if off_critical_path:
             return 0
         k = self.best_k(self.acceptance(req, key), batch_size, max_k)
+        ev = self.evidence(req.req_id)
         if k > 0:
-            req.num_undrafted_steps = 0
+            ev.undrafted_steps = 0
             return k
-        if req.num_undrafted_steps >= self.probe_after:
-            req.num_undrafted_steps = 0
+        if ev.undrafted_steps >= self.probe_after:
+            ev.undrafted_steps = 0
             return min(self.probe_k, max_k)
-        req.num_undrafted_steps += 1
+        ev.undrafted_steps += 1
         return 0
 
     def off_critical_path(self, reqs: list, budgets: list[int], batch_size: int) -> list[bool]:

@@ -1,4 +1,6 @@
-"""One generation request as the scheduler sees it: its tokens, its KV bookkeeping, and its counters.
+"""One generation request as the scheduler sees it: its tokens, its KV bookkeeping, and its counters. Only the
+scheduler mutates a :class:`Request`; the others read it (drafts come in through
+``Scheduler.update_draft_token_ids``, the draft policy keeps its evidence itself).
 
 Token bookkeeping (see ``specray.contract``): ``all_token_ids`` is the prompt followed by every kept output
 token; ``num_computed_tokens`` of them have valid KV in the cache. While decoding, the newest token is never in
@@ -11,6 +13,7 @@ import enum
 import itertools
 import time
 
+from specray.outputs import SpecStats
 from specray.sampling_params import SamplingParams
 
 _creation_order = itertools.count()
@@ -22,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a step failed for this request alone (the others went on)
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +36,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -51,23 +56,11 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # appended in place, never rebuilt
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.draft_token_ids: list[int] = []  # set by the engine before schedule(): drafts to verify next
+        self.draft_token_ids: list[int] = []  # drafts to verify next (Scheduler.update_draft_token_ids)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # Speculation counters. A "draft" is one step that verified >= 1 draft token.
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_position: list[int] = []  # [i]: drafts whose i-th token was accepted
-        # Owned by DraftLengthPolicy: discounted counts of accepted / rejected draft positions (the evidence of
-        # a geometric acceptance model) and how many steps in a row it chose to draft nothing.
-        self.draft_accepts = 0.0
-        self.draft_rejects = 0.0
-        # the same evidence kept apart by the kind of guess (an n-gram draft's match length): {key: [S, F]}
-        self.keyed_evidence: dict[int, list[float]] = {}
-        self.draft_key: int | None = None  # the kind of the drafts now in draft_token_ids
-        self.num_undrafted_steps = 0
+        self.spec_stats = SpecStats()  # this request's verifications
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
 
     @property
@@ -146,23 +139,23 @@ class Request:
         self.stop_reason = stop_reason
         return True
 
-    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """Count one verification of ``num_draft_tokens`` drafts of which the first ``num_accepted`` were kept."""
-        if num_draft_tokens == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        count_positions(self.accepted_per_position, num_draft_tokens, num_accepted)
-
     def __repr__(self) -> str:
         return (f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
 
 
-def count_positions(per_position: list[int], num_draft_tokens: int, num_accepted: int) -> None:
-    """Grow ``per_position`` to cover every drafted position and count the accepted ones."""
-    if len(per_position) < num_draft_tokens:
-        per_position.extend([0] * (num_draft_tokens - len(per_position)))
-    for i in range(num_accepted):
-        per_position[i] += 1
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int | None = None) -> None:
+    """The one check of a prompt against the model: not empty, every id a token of the vocabulary (when
+    ``vocab_size`` is known), and room for at least one generated token. Raises an actionable ValueError."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt_token_ids is empty: give at least one prompt token (prompt or prompt_token_ids)")
+    if vocab_size is not None:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                             "pass token ids of this model's tokenizer")
+    if n >= max_model_len:
+        raise ValueError(f"prompt_token_ids has {n} tokens but max_model_len={max_model_len} must leave room for "
+                         f"at least one generated token; shorten the prompt to <= {max_model_len - 1} tokens or "
+                         "raise max_model_len")

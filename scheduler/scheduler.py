@@ -29,16 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specray.contract import BlockTableDelta, NewRequest, ScheduledChunk, StepPlan, StepResult
-from specray.scheduler.block_manager import BlockManager
-from specray.scheduler.request import Request, RequestStatus, count_positions
+from specray.kv_blocks import BlockPool
+from specray.outputs import SpecStats
+from specray.scheduler.request import FINISH_REASONS, Request, RequestStatus, check_prompt
 
 logger = logging.getLogger(__name__)
 
-_FINISH_STATUS = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-}
+_FINISH_STATUS = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 @dataclass
@@ -48,6 +45,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     block_size: int = 16
     num_blocks: int = field(kw_only=True)
+    vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -59,33 +57,15 @@ class SchedulerConfig:
                              "(one prompt token plus one generated token)")
 
 
-@dataclass
-class StepStats:
-    """Speculation counters of one step (the attribute names of ``specray.outputs.SpecStats``)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        if num_draft_tokens == 0:
-            return
-        self.drafts += 1
-        self.draft_tokens += num_draft_tokens
-        self.accepted_tokens += num_accepted
-        count_positions(self.accepted_per_position, num_draft_tokens, num_accepted)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockPool(config.num_blocks, config.block_size)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted oldest first at each schedule()
         self.num_preemptions = 0  # preemptions since start, over all requests
-        self.last_step_stats = StepStats()
+        self.last_step_stats = SpecStats()
         self._step_ids = itertools.count()
         self._pool_slots = config.num_blocks * config.block_size
         self._worker_blocks: dict[str, int] = {}  # req_id -> length of the block table the worker holds
@@ -104,28 +84,37 @@ class Scheduler:
         self.waiting.append(req)
 
     def _validate(self, req: Request) -> None:
+        """Admission: everything a step will touch is checked here, so a bad request cannot fail a step."""
         cfg, n = self.config, req.num_prompt_tokens
         if req.req_id in self.requests:
             raise ValueError(f"req_id={req.req_id!r} is already in use; give each request a unique id")
-        if n == 0:
-            raise ValueError("prompt_token_ids is empty: give at least one prompt token")
-        if n >= cfg.max_model_len:
-            raise ValueError(f"prompt_token_ids has {n} tokens but max_model_len={cfg.max_model_len} must leave room "
-                             f"for at least one generated token; shorten the prompt to <= {cfg.max_model_len - 1} "
-                             "tokens or raise max_model_len")
+        check_prompt(req.prompt_token_ids, cfg.max_model_len, cfg.vocab_size)
+        req.sampling_params.check(cfg.vocab_size)
         if n > self._pool_slots:
             raise ValueError(f"prompt_token_ids has {n} tokens but the KV cache holds only {self._pool_slots} "
                              f"(num_blocks={cfg.num_blocks} x block_size={cfg.block_size}); raise num_blocks "
                              "(num_kv_blocks) or shorten the prompt")
         assert req.status is RequestStatus.WAITING and not req.block_ids and req.num_computed_tokens == 0
 
-    def abort_requests(self, req_ids: str | list[str]) -> None:
-        """Abort these requests (unknown or finished ids are ignored) and free their blocks now."""
+    def abort_requests(self, req_ids: str | list[str], reason: str = "abort") -> list[Request]:
+        """Finish these requests now with ``reason`` ("abort", or "error" when a step failed for them), free
+        their blocks, and return them; unknown or finished ids are ignored."""
+        done = []
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
             req = self.requests.get(req_id)
             if req is not None:
-                req.status = RequestStatus.FINISHED_ABORTED
+                req.status = _FINISH_STATUS[reason]
                 self._retire(req)
+                done.append(req)
+        return done
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts each request should verify in the next step (the only way drafts come in); ids of
+        requests that are not running are ignored. A request not named keeps none."""
+        for req_id, tokens in drafts.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.draft_token_ids = list(tokens)
 
     def finish_request(self, req_id: str, num_output_tokens: int | None = None,
                        stop_reason: int | str | None = None, reason: str = "stop") -> None:
@@ -301,7 +290,7 @@ class Scheduler:
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
         assert result.req_ids == [c.req_id for c in plan.chunks], (result.req_ids, plan.chunks)
         touched, self._finished_unreported = self._finished_unreported, []
-        stats = StepStats()
+        stats = SpecStats()
         for chunk, tokens in zip(plan.chunks, result.sampled_token_ids):
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -316,7 +305,7 @@ class Scheduler:
         self.last_step_stats = stats
         return touched
 
-    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int], stats: StepStats) -> None:
+    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int], stats: SpecStats) -> None:
         """Keep the accepted drafts plus the target's token, stopping early on a stop condition."""
         k = chunk.num_draft_tokens
         accepted = len(tokens) - 1
@@ -325,7 +314,7 @@ class Scheduler:
         assert tokens[:accepted] == drafts[:accepted], (drafts, tokens)
         # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
         req.num_computed_tokens += chunk.num_tokens - k + accepted
-        req.record_verification(k, accepted)
+        req.spec_stats.record(k, accepted)
         stats.record(k, accepted)
         for token in tokens:
             req.append_token(token)
@@ -342,6 +331,25 @@ class Scheduler:
         if held is not None:
             kept = self._kept_blocks.get(req.req_id, held)
             self._kept_blocks[req.req_id] = min(kept, len(req.block_ids))
+
+    # ---- a failed step ---------------------------------------------------------------------------------
+    def forget_worker_state(self, plan: StepPlan) -> None:
+        """``plan`` failed on the worker, which may have applied any part of it: the next plan repeats its drops
+        and sends every running request whole (a NewRequest with its full block table; the worker keeps the
+        sampling state it holds). Nothing of the plan's tokens was counted, so its requests run again."""
+        self._dropped_ids = list(plan.finished_req_ids) + self._dropped_ids
+        self._preempted_ids = list(plan.preempted_req_ids) + self._preempted_ids
+        self._worker_blocks.clear()
+        self._kept_blocks.clear()
+
+    def retry_plan(self, plan: StepPlan, chunks: list[ScheduledChunk]) -> StepPlan:
+        """A plan that runs again ``chunks`` (some of failed ``plan``'s), safe whatever part of ``plan`` the
+        worker applied: it repeats the drops and gives each request its whole block table. Running a chunk
+        twice only rewrites its KV slots with the same values."""
+        new = [NewRequest(c.req_id, self.requests[c.req_id].sampling_params, list(self.requests[c.req_id].block_ids))
+               for c in chunks]
+        return StepPlan(plan.step_id, new_requests=new, chunks=list(chunks),
+                        finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids))
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _retire(self, req: Request) -> None:

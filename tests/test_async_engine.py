@@ -140,3 +140,40 @@ def test_after_shutdown_new_requests_fail_clearly(llm):
 
     with pytest.raises(EngineError, match="shut down"):
         asyncio.run(main())
+
+
+def test_a_step_failing_for_one_caller_fails_only_that_caller(llm, aengine):
+    """The poisoned request's caller gets RequestFailedError; the other callers get their whole outputs."""
+    from specray.errors import RequestFailedError
+
+    expected = offline(llm, PROMPT_IDS)
+    engine, start = llm.engine, free_blocks(llm.engine)
+    real = engine.executor
+
+    class Faulty:  # runs every plan, then raises for one request's plans from its second one on
+        seen = 0
+
+        def execute(self, plan, draft_probs=None):
+            result = real.execute(plan, draft_probs)
+            if any(c.req_id == "poisoned" for c in plan.chunks):
+                Faulty.seen += 1
+                if Faulty.seen >= 2:
+                    raise RuntimeError("injected fault")
+            return result
+
+    async def poisoned():
+        with pytest.raises(RequestFailedError, match="injected fault"):
+            async for _ in aengine.generate(PROMPT_IDS[0], GREEDY, req_id="poisoned"):
+                pass
+        return True
+
+    async def main():
+        return await asyncio.gather(poisoned(), *(collect(aengine, ids) for ids in PROMPT_IDS))
+
+    engine.executor = Faulty()
+    try:
+        ok, *outs = asyncio.run(main())
+    finally:
+        engine.executor = real
+    assert ok and outs == expected and Faulty.seen >= 2
+    assert free_blocks(engine) == start and not engine.has_unfinished_requests()

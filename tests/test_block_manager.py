@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from specray.scheduler.block_manager import BlockManager
+from specray.kv_blocks import BlockPool
 
 
 @dataclass
@@ -16,12 +16,12 @@ class Owner:
 
 
 def test_blocks_for():
-    bm = BlockManager(8, 4)
+    bm = BlockPool(8, 4)
     assert [bm.blocks_for(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_allocate_grows_to_cover_slots_and_is_idempotent():
-    bm = BlockManager(8, 4)
+    bm = BlockPool(8, 4)
     a = Owner()
     bm.allocate(a, 5)
     assert a.block_ids == [0, 1] and bm.num_free_blocks == 6
@@ -32,7 +32,7 @@ def test_allocate_grows_to_cover_slots_and_is_idempotent():
 
 
 def test_can_fit_counts_blocks_already_held():
-    bm = BlockManager(4, 4)
+    bm = BlockPool(4, 4)
     a, b = Owner(), Owner()
     bm.allocate(a, 8)
     assert bm.can_fit(a, 16) and not bm.can_fit(a, 17)
@@ -40,7 +40,7 @@ def test_can_fit_counts_blocks_already_held():
 
 
 def test_rewind_frees_blocks_wholly_beyond_the_kept_slots():
-    bm = BlockManager(8, 4)
+    bm = BlockPool(8, 4)
     a = Owner()
     bm.allocate(a, 16)
     bm.rewind(a, 9)  # slot 8 is in block 2: blocks 0..2 stay
@@ -54,7 +54,7 @@ def test_rewind_frees_blocks_wholly_beyond_the_kept_slots():
 
 
 def test_freed_blocks_are_reused_and_never_shared():
-    bm = BlockManager(6, 2)
+    bm = BlockPool(6, 2)
     owners = [Owner() for _ in range(3)]
     for o in owners:
         bm.allocate(o, 4)
@@ -66,7 +66,7 @@ def test_freed_blocks_are_reused_and_never_shared():
 
 
 def test_double_free_is_caught():
-    bm = BlockManager(4, 4)
+    bm = BlockPool(4, 4)
     a = Owner()
     bm.allocate(a, 4)
     stale = Owner(list(a.block_ids))
@@ -78,7 +78,7 @@ def test_double_free_is_caught():
 @pytest.mark.parametrize("args, match", [((0, 4), "num_blocks=0"), ((4, 0), "block_size=0"), ((2.5, 4), "num_blocks")])
 def test_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
-        BlockManager(*args)
+        BlockPool(*args)
 
 
 def runs(table: list[int]) -> int:
@@ -89,7 +89,7 @@ def runs(table: list[int]) -> int:
 def test_tables_growing_side_by_side_stay_contiguous():
     """Decode tails interleave (every table grows by a block in turn); each table still stays one run, because
     new tables start half way into the largest gap, leaving room for the table before them."""
-    bm = BlockManager(256, 4)
+    bm = BlockPool(256, 4)
     owners = [Owner() for _ in range(6)]
     for o in owners:
         bm.allocate(o, 3 * 4)  # prefill: 3 blocks
@@ -100,7 +100,7 @@ def test_tables_growing_side_by_side_stay_contiguous():
 
 
 def test_a_blocked_table_continues_in_the_largest_gap():
-    bm = BlockManager(16, 1)
+    bm = BlockPool(16, 1)
     a, b, c = Owner(), Owner(), Owner()
     bm.allocate(a, 2)
     bm.allocate(b, 2)  # half way into [2, 16): blocks 9, 10
@@ -115,7 +115,7 @@ def test_random_workload_keeps_the_pool_consistent():
     """Allocate, rewind and free at random: no block is ever held twice, free + held = all, and a fragmented
     pool still hands out every free block."""
     rng = random.Random(0)
-    bm = BlockManager(64, 2)
+    bm = BlockPool(64, 2)
     owners = [Owner() for _ in range(8)]
     for _ in range(3000):
         o = rng.choice(owners)

@@ -1,5 +1,6 @@
 """The draft-length policy: acceptance estimates, the fitted cost model, and the k it picks."""
 
+import itertools
 import random
 
 import pytest
@@ -9,8 +10,12 @@ from specray.scheduler.draft_policy import DraftLengthPolicy, PRIOR_COST, expect
 from specray.scheduler.request import Request
 
 
-def make_req(name="r") -> Request:
-    return Request(name, [1, 2, 3], SamplingParams(temperature=0.0))
+_names = itertools.count()
+
+
+def make_req(name=None) -> Request:
+    """A request with its own id (the policy keeps evidence per id)."""
+    return Request(name or f"r{next(_names)}", [1, 2, 3], SamplingParams(temperature=0.0))
 
 
 def trained(policy: DraftLengthPolicy, alpha: float, steps: int = 60, k: int = 5, seed: int = 0) -> Request:
@@ -167,9 +172,9 @@ def test_closed_batch_requests_off_the_critical_path_draft_nothing():
     assert policy.off_critical_path(poor, [100, 60, 95], 3) == [False, True, True]
     assert policy.off_critical_path(good[:1] + poor[1:], [100, 60, 95], 3) == [False, True, False]
     assert policy.off_critical_path(good, [100, 60, 95], 3) == [False, False, False]
-    idle = trained(policy, 0.9, seed=4)
-    assert policy.choose(idle, 3) > 0 and policy.choose(idle, 3, idle=True) == 0
-    assert DraftLengthPolicy(4, adaptive=False).choose(idle, 3, idle=True) == 4  # a fixed K is the user's
+    drained = trained(policy, 0.9, seed=4)
+    assert policy.choose(drained, 3) > 0 and policy.choose(drained, 3, off_critical_path=True) == 0
+    assert DraftLengthPolicy(4, adaptive=False).choose(drained, 3, off_critical_path=True) == 4  # a fixed K is the user's
 
 
 def test_evidence_per_kind_of_guess():
@@ -194,3 +199,11 @@ def test_evidence_per_kind_of_guess():
     assert policy.acceptance(fresh) == pytest.approx(0.5)  # nothing of its own yet
     assert policy.acceptance(fresh, 1) < 0.3 and policy.acceptance(fresh, 4) > 0.7
     assert policy.acceptance(fresh, 2) == pytest.approx(0.5)  # no request drafted after a 2-token match
+
+
+def test_evidence_lives_in_the_policy_until_forgotten():
+    policy = DraftLengthPolicy(5)
+    req = trained(policy, 0.9)
+    assert policy.acceptance(req) > 0.8 and not hasattr(req, "draft_accepts")
+    policy.forget([req.req_id])
+    assert policy.acceptance(req) == pytest.approx(0.5) and req.req_id not in policy._evidence

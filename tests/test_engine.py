@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from specray import LLM, SamplingParams, SpeculativeConfig
+from specray.config import EngineArgs
+from specray.engine.builder import build_engine
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -80,6 +82,8 @@ def test_ngram_greedy_equals_plain(tiny_llama_dir, plain_outputs, batch):
     assert token_ids(outs) == plain_outputs
     assert llm.spec_stats.drafts > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
     assert free_blocks(llm) == start
+    assert not llm.engine.policy._evidence and not llm.engine.tracked  # finished requests leave no state behind
+    assert sum(o.spec_stats.drafts for o in outs) == llm.spec_stats.drafts  # one counter type, summed
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -267,8 +271,13 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: SamplingParams(top_p=1.5), "top_p"),
     (lambda llm: SamplingParams(num_speculative_tokens=-1), "num_speculative_tokens"),
     (lambda llm: SamplingParams(num_speculative_tokens=1.5), "num_speculative_tokens"),
-    (lambda llm: SpeculativeConfig(method="medusa-ish"), "method"),
+    (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config={"method": "medusa-ish"})),
+     "method"),
     (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
+    (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
+    (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
+    (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
+    (lambda llm: SamplingParams(temperature=float("nan")), "temperature"),
     (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
 ])
 def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make_bad, field):
@@ -350,7 +359,8 @@ def test_policy_caps_draft_length_per_request():
 
     def req(k):
         r = Request(str(k), [1, 2, 3], SamplingParams(temperature=0.0, num_speculative_tokens=k))
-        r.draft_accepts, r.draft_rejects = 100.0, 0.0  # alpha ~ 1: the policy wants the most drafts
+        ev = policy.evidence(r.req_id)
+        ev.accepts, ev.rejects = 100.0, 0.0  # alpha ~ 1: the policy wants the most drafts
         return r
 
     for adaptive in (False, True):
@@ -382,3 +392,97 @@ def test_steps_are_timed_by_the_engine_clock(tiny_llama_dir):
     llm.generate([PROMPTS[0] * 3, PROMPTS[1]], greedy(16), use_tqdm=False)
     samples = list(engine.policy._samples)
     assert samples and all(t == pytest.approx(0.25 + 0.01 * n) for n, t in samples), samples
+
+
+# ---- one request cannot fail everyone's ------------------------------------------------------------------------
+class FaultyExecutor:
+    """A test wrapper around the real executor: a plan holding a poisoned request raises, from the third such
+    plan on, either after the worker ran it whole (KV and random streams written: the hardest case to run again)
+    or before it ran at all; as a plain error, or as a RequestError naming the request."""
+
+    def __init__(self, inner, poisoned: str, when: str, typed: bool):
+        self.inner, self.poisoned, self.when, self.typed = inner, poisoned, when, typed
+        self.seen = self.raised = 0
+
+    def execute(self, plan, draft_probs=None):
+        hit = any(c.req_id == self.poisoned for c in plan.chunks)
+        self.seen += hit
+        fail = hit and self.seen >= 3
+        if fail and self.when == "before":
+            self._raise()
+        result = self.inner.execute(plan, draft_probs)
+        if fail:
+            self._raise()
+        return result
+
+    def _raise(self):
+        from specray.errors import RequestError
+
+        self.raised += 1
+        if self.typed:
+            raise RequestError([self.poisoned], "injected fault")
+        raise RuntimeError("injected fault")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("when, typed", [("after", False), ("before", False), ("after", True)])
+def test_a_step_failing_for_one_request_fails_only_that_one(tiny_llama_dir, plain_outputs, spec, when, typed):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    start = free_blocks(llm)
+    ids = [engine.add_request(tok.encode(p), greedy()) for p in PROMPTS]
+    engine.executor = FaultyExecutor(engine.executor, ids[3], when, typed)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.executor.raised >= 1
+    bad = done.pop(ids[3])
+    assert bad.outputs[0].finish_reason == "error" and "injected fault" in bad.error
+    assert [done[i].outputs[0].token_ids for i in ids if i != ids[3]] == plain_outputs[:3] + plain_outputs[4:]
+    assert all(o.error is None for o in done.values())
+    assert free_blocks(llm) == start and not engine.tracked
+    assert token_ids(llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == plain_outputs[:2]  # still serving
+
+
+def test_drafter_failing_for_one_request_fails_only_that_one(tiny_llama_dir, plain_outputs):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    ids = [engine.add_request(tok.encode(p), greedy()) for p in PROMPTS[:4]]
+    propose = engine.drafter.propose
+
+    def faulty(batch):
+        if any(d.req_id == ids[1] and len(d.token_ids) > 8 for d in batch):
+            raise RuntimeError("injected drafter fault")
+        return propose(batch)
+
+    engine.drafter.propose = faulty
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[ids[1]].outputs[0].finish_reason == "error" and "injected drafter fault" in done[ids[1]].error
+    assert [done[i].outputs[0].token_ids for i in ids if i != ids[1]] == [plain_outputs[0]] + plain_outputs[2:4]
+
+
+def test_seed_outside_64_bits_is_refused_at_admission(plain):
+    """A seed a torch.Generator cannot take used to pass validation and fail the whole step (every request)."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)
+    params = greedy(seed=1)
+    params.seed = 2**70  # changed after validation: admission checks again
+    with pytest.raises(ValueError, match="seed"):
+        plain.engine.add_request([5, 6, 7], params)
+    assert not plain.engine.has_unfinished_requests()
+    for seed in (-(2**63), 2**64 - 1):  # the edges of the range run
+        out = plain.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, seed=seed), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_draft_model_takes_the_largest_seed(tiny_llama_dir, tiny_draft_dir):
+    """The draft model's own stream is seeded seed + 1: kept inside 64 bits for seed = 2**64 - 1."""
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, seed=2**64 - 1, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6 and out[0].error is None

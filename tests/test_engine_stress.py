@@ -107,9 +107,7 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
     try:
         check_workload(engine, alone, random.Random(name), speculative=spec is not None)
     finally:
-        engine.executor.shutdown()
-        if hasattr(engine.drafter, "shutdown"):  # a drafter actor
-            engine.drafter.shutdown()
+        engine.shutdown()
 
 
 def check_workload(engine: LLMEngine, alone: LLM, rng: random.Random, speculative: bool) -> None:

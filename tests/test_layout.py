@@ -70,3 +70,93 @@ def test_ray_only_in_cluster():
     bad = [(str(p.relative_to(ROOT)), n) for p in _py_files("core", "scheduler", "workers", "drafters")
            for n in _imports(p) if n.split(".")[0] == "ray"]
     assert not bad
+
+
+# ---- layering: imports point down, never up, and never in a circle ----------------------------------------
+_FOLDER_PACKAGE = {"core": "specray", "scheduler": "specray.scheduler", "workers": "specray.workers",
+                   "drafters": "specray.drafters", "cluster": "specray.cluster"}
+# floor of each module (longest prefix wins): a module imports its own package or lower floors, never a higher
+# floor nor a sibling on its own floor (the scheduler, the workers and the drafters know nothing of each other)
+FLOORS = {
+    "specray": 0,  # the plain-data floor: config, contract, sampling_params, outputs, errors, kv_blocks, ...
+    "specray.parallel": 0,
+    "specray.models": 1,
+    "specray.sampling": 1,
+    "specray.verification": 2,
+    "specray.scheduler": 3,
+    "specray.workers": 3,
+    "specray.drafters": 3,
+    "specray.engine": 4,
+    "specray.llm": 5,
+    "specray.cluster": 6,
+}
+
+
+def _module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [p for p in rest if p != "__init__"]
+    return ".".join([_FOLDER_PACKAGE[folder]] + parts)
+
+
+def _floor_key(module: str) -> str:
+    return max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len)
+
+
+def _points_down(mod: str, dep: str) -> bool:
+    mine, theirs = _floor_key(mod), _floor_key(dep)
+    return mine == theirs or FLOORS[theirs] < FLOORS[mine]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every specray module -> the specray modules it imports (anywhere in the file, lazy imports included;
+    ``from specray import X`` of the lazy root package counts as the root)."""
+    graph = {}
+    for path in _py_files(*_FOLDER_PACKAGE):
+        graph[_module_name(path)] = {n for n in _imports(path) if n.split(".")[0] == "specray"}
+    return graph
+
+
+def test_imports_point_down():
+    graph = _import_graph()
+    up = [(mod, dep) for mod, deps in graph.items() for dep in deps if dep != "specray" and not _points_down(mod, dep)]
+    assert not up, f"imports pointing up a floor or sideways (see FLOORS): {sorted(up)}"
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(mod: str, path: list[str]) -> list[str] | None:
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            if state.get(dep) == 1:
+                return path + [mod, dep]
+            if dep in graph and not state.get(dep):
+                cycle = visit(dep, path + [mod])
+                if cycle:
+                    return cycle
+        state[mod] = 2
+        return None
+
+    for mod in sorted(graph):
+        if not state.get(mod):
+            cycle = visit(mod, [])
+            assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_core_never_names_the_cluster_package():
+    """cluster registers its executor, remote drafter and engine client (entry points in pyproject.toml): the
+    core finds them through specray.engine.plugins, never by a module path in a string."""
+    bad = []
+    for path in _py_files("core", "scheduler", "workers", "drafters"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "specray.cluster" in node.value:
+                bad.append((str(path.relative_to(ROOT)), node.lineno))
+    assert not bad, f"strings naming specray.cluster below it: {bad}"
+
+
+def test_cluster_backends_are_registered():
+    from specray.engine import plugins
+
+    for kind in plugins.GROUPS:
+        assert "ray" in plugins.names(kind), kind

@@ -271,3 +271,30 @@ def test_sampling_has_no_host_sync(no_host_sync, device):
         sample_logits(logits, batch)
         sample_logits(logits[:2], greedy)
         compute_logprobs(logits, torch.zeros(len(batch), dtype=torch.long, device=device), 5)
+
+
+# ---- SamplingParams: everything a step turns into a tensor is checked when the params are made ----------------
+@pytest.mark.parametrize("kw, field", [
+    ({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**70}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": 10**400}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_k": 2.5}, "top_k"), ({"top_k": 2**40}, "top_k"),
+    ({"min_p": float("nan")}, "min_p"), ({"max_tokens": 2.5}, "max_tokens"), ({"logprobs": 1.5}, "logprobs"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+])
+def test_sampling_params_refuse_what_a_step_cannot_take(kw, field):
+    from specray.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_take_every_seed_a_generator_takes():
+    from specray.sampling import make_generator
+    from specray.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+
+    for seed in (SEED_MIN, -1, 0, 2**63, SEED_MAX):
+        assert make_generator(SamplingParams(seed=seed).seed, "cpu") is not None
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[7]).check(vocab_size=5)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=6).check(vocab_size=5)

@@ -135,22 +135,35 @@ def test_accept_lengths_and_counters():
     assert [n.req_id for n in plan.new_requests] == ["a"] and plan.new_requests[0].block_ids == [0, 1]
     assert touched == [r] and r.output_token_ids == [50] and r.num_computed_tokens == 6
 
-    r.draft_token_ids = [51, 52, 53]
+    sched.update_draft_token_ids({r.req_id: [51, 52, 53]})
     plan, touched = step(sched, {"a": [51, 52, 60]})
     (chunk,) = plan.chunks
     assert (chunk.token_ids, chunk.start_pos, chunk.num_draft_tokens) == ([50, 51, 52, 53], 6, 3)
     assert r.output_token_ids == [50, 51, 52, 60] and r.all_token_ids[-4:] == [50, 51, 52, 60]
     assert (r.num_computed_tokens, r.num_tokens, r.num_output_tokens) == (9, 10, 4)
-    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens) == (1, 3, 2)
-    assert r.accepted_per_position == [1, 1, 0] and r.draft_token_ids == []
+    own = r.spec_stats
+    assert (own.drafts, own.draft_tokens, own.accepted_tokens) == (1, 3, 2)
+    assert own.accepted_per_position == [1, 1, 0] and r.draft_token_ids == []
     stats = sched.last_step_stats
     assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens, stats.accepted_per_position) == (1, 3, 2, [1, 1, 0])
 
-    r.draft_token_ids = [61, 62]
+    sched.update_draft_token_ids({r.req_id: [61, 62]})
     step(sched, {"a": [61, 70]})
-    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_position) == (2, 5, 3, [2, 1, 0])
+    assert (own.drafts, own.draft_tokens, own.accepted_tokens, own.accepted_per_position) == (2, 5, 3, [2, 1, 0])
     step(sched)  # no drafts: not a "draft"
-    assert r.num_drafts == 2 and sched.last_step_stats.drafts == 0
+    assert own.drafts == 2 and sched.last_step_stats.drafts == 0
+
+
+def test_drafts_come_in_only_for_running_requests():
+    sched = make_sched()
+    r, w = make_req("a", 3), make_req("w", 3)
+    sched.add_request(r)
+    step(sched)
+    sched.add_request(w)  # waiting: drafts for it (or for an unknown id) are ignored
+    sched.update_draft_token_ids({"a": [5, 6], "w": [7], "gone": [8]})
+    assert r.draft_token_ids == [5, 6] and w.draft_token_ids == []
+    plan, _ = step(sched)
+    assert [c.num_draft_tokens for c in plan.chunks] == [2, 0]
 
 
 def test_rewind_frees_exactly_the_blocks_without_accepted_tokens():
@@ -161,21 +174,22 @@ def test_rewind_frees_exactly_the_blocks_without_accepted_tokens():
     step(sched)  # prefill 7 slots: blocks 0, 1; token at position 7 not in KV
     assert r.block_ids == [0, 1] and r.num_computed_tokens == 7
 
-    r.draft_token_ids = [90, 91, 92, 93, 94]  # slots 7..12 -> 4 blocks
+    sched.update_draft_token_ids({r.req_id: [90, 91, 92, 93, 94]})  # slots 7..12 -> 4 blocks
     plan = sched.schedule()
     assert r.block_ids == [0, 1, 2, 3] and bm.num_free_blocks == 12
     assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [2, 3])]
     sched.update_from_output(plan, answer(plan))  # all rejected: KV valid for slots < 8
     assert r.num_computed_tokens == 8 and r.block_ids == [0, 1] and bm.num_free_blocks == 14
 
-    r.draft_token_ids = [truth("a", p) for p in range(9, 13)] + [0]  # 4 right (slots 9..12), 1 wrong (slot 13)
+    # 4 right (slots 9..12), 1 wrong (slot 13)
+    sched.update_draft_token_ids({r.req_id: [truth("a", p) for p in range(9, 13)] + [0]})
     plan = sched.schedule()  # the freed blocks 2, 3 are the table's contiguous extension again
     assert [(d.num_kept_blocks, d.new_block_ids) for d in plan.block_deltas] == [(2, [2, 3])]
     sched.update_from_output(plan, answer(plan, {"a": r.draft_token_ids[:4] + [truth("a", 13)]}))
     assert r.num_computed_tokens == 13 and r.block_ids == [0, 1, 2, 3]  # slot 12 holds an accepted draft
-    assert r.accepted_per_position == [1, 1, 1, 1, 0]
+    assert r.spec_stats.accepted_per_position == [1, 1, 1, 1, 0]
 
-    r.draft_token_ids = [0, 0, 0]  # slots 13..16 -> a fifth block, then rejected
+    sched.update_draft_token_ids({r.req_id: [0, 0, 0]})  # slots 13..16 -> a fifth block, then rejected
     plan, _ = step(sched)
     assert r.num_computed_tokens == 14 and r.block_ids == [0, 1, 2, 3]
     plan = sched.schedule()  # no new block needed for slot 14, but the worker's table shrank
@@ -192,7 +206,8 @@ def test_chunked_prefill_over_several_steps():
     sched.add_request(r)
     seen = []
     for i in range(4):
-        r.draft_token_ids = [0, 0] if i == 1 else []  # ignored: that chunk does not reach the end of the prompt
+        # ignored: that chunk does not reach the end of the prompt
+        sched.update_draft_token_ids({r.req_id: [0, 0] if i == 1 else []})
         plan, touched = step(sched)
         c = plan.chunks[0]
         seen.append((c.start_pos, c.num_tokens, c.sample, len(plan.new_requests), len(plan.block_deltas)))
@@ -293,7 +308,7 @@ def test_drafts_never_preempt():
     sched.add_request(a)
     sched.add_request(b)
     step(sched)  # a: 2 blocks, b: 2 blocks, 1 free
-    a.draft_token_ids = [0] * 8
+    sched.update_draft_token_ids({a.req_id: [0] * 8})
     plan = sched.schedule()  # a's slot 7 fits its block; b needs the free block for slot 8; drafts get none
     assert [(c.req_id, c.num_draft_tokens) for c in plan.chunks] == [("a", 0), ("b", 0)]
     assert sched.num_preemptions == 0 and sched.block_manager.num_free_blocks == 0
@@ -313,18 +328,18 @@ def prefilled(sched, name, prompt_len=6, **kw) -> Request:
 def test_eos_mid_accepted_run_drops_the_rest_and_frees_blocks():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=20)
-    r.draft_token_ids = [5, EOS, 7]
+    sched.update_draft_token_ids({r.req_id: [5, EOS, 7]})
     _, touched = step(sched, {"a": [5, EOS, 7, 8]})
     assert r.output_token_ids == [40, 5, EOS] and r.finish_reason == "stop" and r.stop_reason is None
     assert touched == [r] and r.block_ids == [] and sched.block_manager.num_free_blocks == 64
-    assert r.num_accepted_tokens == 3  # the verifier's verdict, before the stop cut
+    assert r.spec_stats.accepted_tokens == 3  # the verifier's verdict, before the stop cut
     assert sched.schedule().finished_req_ids == ["a"] and sched.get_request("a") is None
 
 
 def test_ignore_eos_keeps_going():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=20, ignore_eos=True)
-    r.draft_token_ids = [5, EOS, 7]
+    sched.update_draft_token_ids({r.req_id: [5, EOS, 7]})
     step(sched, {"a": [5, EOS, 7, 8]})
     assert r.output_token_ids == [40, 5, EOS, 7, 8] and r.status is RequestStatus.RUNNING
 
@@ -332,7 +347,7 @@ def test_ignore_eos_keeps_going():
 def test_stop_token_ids():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=20, stop_token_ids=[7])
-    r.draft_token_ids = [5, 7, 9]
+    sched.update_draft_token_ids({r.req_id: [5, 7, 9]})
     step(sched, {"a": [5, 7, 9, 2]})
     assert r.output_token_ids == [40, 5, 7] and r.finish_reason == "stop" and r.stop_reason == 7
 
@@ -340,7 +355,7 @@ def test_stop_token_ids():
 def test_max_tokens_trims_drafts_and_ends_on_length():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=4)
-    r.draft_token_ids = [5, 6, 7, 8, 9]
+    sched.update_draft_token_ids({r.req_id: [5, 6, 7, 8, 9]})
     plan = sched.schedule()
     assert plan.chunks[0].num_draft_tokens == 2  # 3 tokens left: at most 2 drafts + the target's own
     sched.update_from_output(plan, answer(plan, {"a": [5, 6, 10]}))
@@ -350,7 +365,7 @@ def test_max_tokens_trims_drafts_and_ends_on_length():
 def test_max_model_len_trims_drafts_and_ends_on_length():
     sched = make_sched(max_model_len=12)
     r = prefilled(sched, "a", prompt_len=8, max_tokens=None)
-    r.draft_token_ids = [5, 6, 7, 8, 9]
+    sched.update_draft_token_ids({r.req_id: [5, 6, 7, 8, 9]})
     plan = sched.schedule()
     assert plan.chunks[0].num_draft_tokens == 2 and plan.chunks[0].start_pos + plan.chunks[0].num_tokens == 12 - 1
     sched.update_from_output(plan, answer(plan, {"a": [5, 6, 10]}))
@@ -363,7 +378,7 @@ def test_draft_trimming_by_budget():
     sched.add_request(a)
     sched.add_request(b)
     step(sched)
-    a.draft_token_ids, b.draft_token_ids = [0] * 5, [0] * 5
+    sched.update_draft_token_ids({"a": [0] * 5, "b": [0] * 5})
     plan = sched.schedule()  # 1 + 1 required tokens first, then a's drafts take the 2 left
     assert [(c.req_id, c.num_tokens, c.num_draft_tokens) for c in plan.chunks] == [("a", 3, 2), ("b", 1, 0)]
     sched.update_from_output(plan, answer(plan))
@@ -374,7 +389,7 @@ def test_draft_trimming_by_budget():
 def test_finish_request_on_a_stop_string_drops_trailing_tokens():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=20)
-    r.draft_token_ids = [5, 6, 7]
+    sched.update_draft_token_ids({r.req_id: [5, 6, 7]})
     step(sched, {"a": [5, 6, 7, 8]})
     sched.finish_request("a", 2, "xy")  # the engine's call: keep 2 output tokens, stop string "xy"
     assert r.output_token_ids == [40, 5] and r.all_token_ids == r.prompt_token_ids + [40, 5]
@@ -386,7 +401,7 @@ def test_finish_request_on_a_stop_string_drops_trailing_tokens():
 def test_finish_request_corrects_a_request_that_just_finished_on_length():
     sched = make_sched()
     r = prefilled(sched, "a", max_tokens=3)
-    r.draft_token_ids = [5, 6]  # 2 tokens left: one draft is used
+    sched.update_draft_token_ids({r.req_id: [5, 6]})  # 2 tokens left: one draft is used
     _, touched = step(sched, {"a": [5, 7]})
     assert touched == [r] and r.finish_reason == "length"
     sched.finish_request("a", 2, "stop!")
@@ -441,8 +456,8 @@ def test_randomized_runs_replay_exactly_on_a_fake_worker(seed):
         for r in sched.running:
             if r.num_computed_tokens == r.num_tokens - 1:
                 pos = r.num_tokens
-                r.draft_token_ids = [truth(r.req_id, pos + i) if rng.random() < quality[r.req_id] else 0
-                                     for i in range(rng.randint(0, 5))]
+                sched.update_draft_token_ids({r.req_id: [truth(r.req_id, pos + i) if rng.random() < quality[r.req_id]
+                                                         else 0 for i in range(rng.randint(0, 5))]})
         if sched.requests and rng.random() < 0.01:
             victim = rng.choice(sorted(sched.requests))
             sched.abort_requests([victim])

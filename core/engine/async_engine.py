@@ -53,7 +53,8 @@ class AsyncLLMEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                        req_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Bad input raises ValueError before the
-        first output; an engine failure raises :class:`RequestFailedError`."""
+        first output; an engine failure, or a step that failed for this request alone (its output's
+        ``finish_reason == "error"``), raises :class:`RequestFailedError`."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         try:
             req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream))
@@ -158,7 +159,8 @@ class AsyncLLMEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                # a step failed for this request alone: its caller gets the error, the others go on
+                stream.put(out if out.error is None else RequestFailedError(out.request_id, out.error))
                 if out.finished:
                     del self._streams[out.request_id]
         if self.on_step is not None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from importlib import import_module
 
 from specray.config import EngineArgs, SpeculativeConfig
 from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
+from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.models.layers import rows_for
@@ -17,10 +17,6 @@ from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
-
-# executor backend -> how its drafter runs: in this process, or as a Ray actor beside the target's ranks
-_REMOTE_DRAFTER = "specray.cluster.drafter_actor:RemoteDrafter"
-
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -42,7 +38,15 @@ def eos_ids(hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def check_engine_args(args: EngineArgs) -> None:
+    """What :class:`EngineArgs` cannot check on its own (it sits below the drafter registry): call before
+    anything starts, so a user error is a ValueError here and not an actor's failure."""
+    if args.speculative_config is not None:
+        drafter_class(args.speculative_config.method)
+
+
 def build_engine(args: EngineArgs) -> LLMEngine:
+    check_engine_args(args)
     hf_config = load_hf_config(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
@@ -62,6 +66,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         max_model_len=max_model_len,
         block_size=args.block_size,
         num_blocks=executor.num_kv_blocks,
+        vocab_size=hf_config.vocab_size,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info["dtype"], backend, args.tensor_parallel_size)
@@ -81,11 +86,12 @@ def build_drafter(args: EngineArgs, target_info: dict, tokenizer, max_model_len:
         dtype=target_info["dtype"],
         device=target_info["device"],
         seed=args.seed,
+        block_size=args.block_size,
         target_tokenizer=tokenizer,
     )
     policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
                                rows=rows_for(target_info["device"], target_info["dtype"]))
-    if backend == "ray":
-        module, cls = _REMOTE_DRAFTER.split(":")
-        return getattr(import_module(module), cls)(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy
+    remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
+    if remote is not None:
+        return remote(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy
     return drafter_class(spec.method)(spec, ctx), policy

@@ -6,22 +6,17 @@
     executor.restart()                # a fresh group (after a failure); every request is gone
     executor.shutdown()
 
-``uni`` runs one rank in this process; ``ray`` (specray.cluster.executor) one Ray actor per TP rank.
+``uni`` runs one rank in this process (registered here); other backends (``ray``: one Ray actor per TP rank)
+register through :mod:`specray.engine.plugins`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import import_module
 
 from specray.contract import StepPlan, StepResult
+from specray.engine import plugins
 from specray.workers.worker import Worker, WorkerConfig
-
-_EXECUTORS = {
-    "uni": "specray.engine.executor:LocalExecutor",
-    "ray": "specray.cluster.executor:RayExecutor",
-}
-
 
 @dataclass
 class CacheConfig:
@@ -45,10 +40,7 @@ def plan_num_blocks(infos: list[dict], cache: CacheConfig) -> int:
 
 
 def executor_class(backend: str):
-    if backend not in _EXECUTORS:
-        raise ValueError(f"distributed_executor_backend={backend!r} is unknown; choose one of {sorted(_EXECUTORS)}")
-    module, cls = _EXECUTORS[backend].split(":")
-    return getattr(import_module(module), cls)
+    return plugins.lookup("executor", backend)
 
 
 class LocalExecutor:
@@ -74,3 +66,6 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+plugins.register("executor", "uni", LocalExecutor)

@@ -8,10 +8,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from specray.contract import StepPlan, StepResult
+from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
-from specray.drafters.base import DraftRequest, Drafter, proposes_cheaply
-from specray.errors import WorkerDiedError
+from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
+from specray.errors import RequestError, WorkerDiedError
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -29,6 +29,7 @@ class _Tracked:
     prompt: str | None
     detok: IncrementalDetokenizer | None
     num_sent: int = 0  # output tokens already reported (for streaming deltas)
+    error: str | None = None  # why a step failed for this request (finish_reason "error")
 
 
 class LLMEngine:
@@ -50,16 +51,15 @@ class LLMEngine:
         # Requests come in batches whose total time is what counts (offline generate), not each request's
         # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
         self.closed_batches = False
+        self._draft_keys: dict[str, int] = {}  # the kind of each request's pending drafts (cheap drafters)
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     req_id: str | None = None) -> str:
-        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+        """Queue one request; a bad one raises ValueError (the scheduler's admission checks) and changes
+        nothing."""
         req_id = req_id if req_id is not None else str(next(self._ids))
-        if req_id in self.tracked:
-            raise ValueError(f"request_id={req_id!r} is already in use; pass a unique request id")
-        self._check_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
@@ -70,13 +70,6 @@ class LLMEngine:
         self.tracked[req_id] = _Tracked(request, prompt, detok)
         return req_id
 
-    def _check_tokens(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token (prompt or prompt_token_ids)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-
     def abort_request(self, req_ids: list[str]) -> None:
         live = [r for r in req_ids if r in self.tracked]
         self.scheduler.abort_requests(live)
@@ -85,25 +78,81 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Release the executor's workers and a remote drafter; every request the engine holds is dropped."""
+        self.abort_request(list(self.tracked))
+        if self.drafter is not None:
+            self.drafter.shutdown()
+        self.executor.shutdown()
+
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        draft_probs = self._draft()
+        failed: dict[str, str] = {}  # req_id -> why drafting, then the step, failed for it
+        draft_probs = self._draft(failed)
+        outputs = self._fail(failed)  # before scheduling: they take no part in this step
         plan = self.scheduler.schedule()
         self._prefetch_drafts(plan)
         start = self.clock()
+        failed = {}
         try:
             result = self.executor.execute(plan, draft_probs)
         except WorkerDiedError as err:
             self._recover(err)
             raise
-        if self.policy is not None and _is_decode_step(plan):
+        except Exception as err:  # noqa: BLE001 -- one request's failure must not fail the others': isolate it
+            result, failed = self._isolate(plan, draft_probs, err)
+        if self.policy is not None and _is_decode_step(plan) and not failed:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
+        outputs += self._fail(failed)
         touched = self.scheduler.update_from_output(plan, result)
         self._record_logprobs(plan, result)
         self._observe_acceptance(plan, result)
         self.num_steps += 1
-        outputs = [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
+        outputs += [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
         self._forget([o.request_id for o in outputs if o.finished])
+        return outputs
+
+    # ---- a step that failed for some of its requests ---------------------------------------------------
+    def _isolate(self, plan: StepPlan, draft_probs: dict, err: Exception) -> tuple[StepResult, dict[str, str]]:
+        """``plan`` raised (not a dead worker): run its chunks again without the requests that caused it, and
+        return the plan's result (the failed requests' entries empty) and why each failed request failed.
+
+        A worker that names the bad requests (:class:`RequestError`) has them dropped and the rest run again
+        together; otherwise, or when that fails too, each chunk runs alone. Running a chunk again is safe: no
+        token of the failed plan was counted and its KV slots are rewritten with the same values; the worker
+        may hold any part of the plan's state, so every retry carries the requests' whole block tables."""
+        logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
+                     plan.step_id, len(plan.chunks), err)
+        self.scheduler.forget_worker_state(plan)
+        failed = {rid: repr(err.cause) for rid in err.req_ids} if isinstance(err, RequestError) else {}
+        rest = [c for c in plan.chunks if c.req_id not in failed]
+        groups = [rest] if failed and rest else [[c] for c in rest]
+        done: dict[str, tuple[list[int], list | None]] = {}
+        while groups:
+            group = groups.pop()
+            try:
+                result = self.executor.execute(self.scheduler.retry_plan(plan, group), draft_probs)
+            except WorkerDiedError as died:
+                self._recover(died)
+                raise
+            except Exception as again:  # noqa: BLE001 -- the same isolation, one level down
+                if len(group) > 1:
+                    groups += [[c] for c in group]
+                else:
+                    failed[group[0].req_id] = repr(again)
+                continue
+            done.update(_by_request(result))
+        return _merge(plan, done), failed
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish the requests a step failed for (finish_reason "error") and report them to their callers."""
+        outputs = []
+        for req in self.scheduler.abort_requests(list(failed), reason="error"):
+            logger.error("request %s failed in a step and was finished with an error: %s", req.req_id,
+                         failed[req.req_id])
+            tracked = self.tracked[req.req_id]
+            tracked.error = failed[req.req_id]
+            outputs.append(self._make_output(tracked))
         return outputs
 
     def _recover(self, err: WorkerDiedError) -> None:
@@ -114,36 +163,60 @@ class LLMEngine:
         self.abort_request(err.req_ids)
         self.executor.restart()
 
-    def _draft(self) -> dict:
+    def _draft(self, failed: dict[str, str]) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
-        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none). A drafter that proposes cheaply
-        is asked for the most each request may have, and the policy sizes K by the proposal's key."""
+        request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
+        A drafter that proposes cheaply is asked for the most each request may have, and the policy sizes K by
+        the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
+        request the drafter fails on goes into ``failed``."""
+        self._draft_keys = {}
         if self.drafter is None:
             return {}
         running = self.scheduler.running
-        decoding = [(r, off) for r, off in zip(running, self._off_critical_path(running))
+        decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
                     if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             return {}
         cheap = proposes_cheaply(self.drafter)
-        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off, cheap), r.sampling_params)
-                 for r, off in decoding]
-        probs = {}
-        for (request, off), dreq, proposal in zip(decoding, batch, self.drafter.propose(batch)):
+        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap), r.sampling_params)
+                 for r, off_path in decoding]
+        drafts, probs = {}, {}
+        for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
+            if proposal is None:
+                continue
             tokens = proposal.token_ids[: dreq.max_draft_tokens]
             if cheap and tokens:
-                tokens = tokens[: self.policy.choose(request, len(running), off, proposal.key)]
-            request.draft_token_ids = list(tokens)
-            request.draft_key = proposal.key if cheap else None
-            if proposal.probs is not None and request.draft_token_ids:
+                tokens = tokens[: self.policy.choose(request, len(running), off_path, proposal.key)]
+                if proposal.key is not None:
+                    self._draft_keys[request.req_id] = proposal.key
+            drafts[request.req_id] = tokens
+            if proposal.probs is not None and tokens:
                 probs[dreq.req_id] = proposal.probs
+        self.scheduler.update_draft_token_ids(drafts)
         return probs
 
-    def _ask(self, request: Request, batch_size: int, idle: bool, cheap: bool) -> int:
+    def _propose(self, batch: list[DraftRequest], failed: dict[str, str]) -> list[Proposal | None]:
+        """The drafter's proposals; when the batch raises, each request is asked alone and one that still
+        raises gets None and goes into ``failed`` (a drafter rewinds its state to each history it is given, so
+        asking again is safe)."""
+        try:
+            return self.drafter.propose(batch)
+        except Exception as err:  # noqa: BLE001 -- one request's failure must not fail the others': isolate it
+            logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
+        proposals: list[Proposal | None] = []
+        for dreq in batch:
+            try:
+                proposals += self.drafter.propose([dreq])
+            except Exception as err:  # noqa: BLE001 -- this request's own failure
+                failed[dreq.req_id] = f"drafting failed: {err!r}"
+                proposals.append(None)
+        return proposals
+
+    def _ask(self, request: Request, batch_size: int, off_critical_path: bool, cheap: bool) -> int:
         """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
         if not cheap:
-            return self.policy.choose(request, batch_size, idle)
-        return 0 if idle and self.policy.adaptive else self.policy.max_k_for(request)
+            return self.policy.choose(request, batch_size, off_critical_path)
+        return 0 if off_critical_path and self.policy.adaptive else self.policy.max_k_for(request)
 
     def _off_critical_path(self, running: list[Request]) -> list[bool]:
         """Per running request: whether it would finish before its closed batch ends even without drafting."""
@@ -189,7 +262,8 @@ class LLMEngine:
             if chunk.sample and chunk.num_draft_tokens:
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is not None:
-                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0), request.draft_key)
+                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0),
+                                        self._draft_keys.get(chunk.req_id))
 
     # ---- outputs --------------------------------------------------------------------------------------
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
@@ -211,7 +285,8 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.status.is_finished,
-            spec_stats=_request_spec_stats(request),
+            spec_stats=request.spec_stats.copy(),
+            error=tracked.error,
         )
 
     def _detokenize(self, tracked: _Tracked) -> None:
@@ -236,6 +311,8 @@ class LLMEngine:
     def _forget(self, req_ids: list[str]) -> None:
         for rid in req_ids:
             self.tracked.pop(rid, None)
+        if self.policy is not None:
+            self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
 
@@ -246,8 +323,16 @@ def _is_decode_step(plan: StepPlan) -> bool:
     return not plan.is_empty and all(c.sample and c.num_tokens == 1 + c.num_draft_tokens for c in plan.chunks)
 
 
-def _request_spec_stats(request: Request) -> SpecStats:
-    stats = SpecStats()
-    stats.add(request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens,
-              request.accepted_per_position)
-    return stats
+def _by_request(result: StepResult) -> dict[str, tuple[list[int], list | None]]:
+    """A step's answer per request id: its kept tokens and their logprobs (None when none were asked)."""
+    logprobs = result.logprobs or [None] * len(result.req_ids)
+    return {rid: (tokens, lp) for rid, tokens, lp in zip(result.req_ids, result.sampled_token_ids, logprobs)}
+
+
+def _merge(plan: StepPlan, done: dict[str, tuple[list[int], list | None]]) -> StepResult:
+    """One result for ``plan`` from the answers of its retried chunks; a failed chunk's entry is empty (the
+    scheduler skips it: the request is finished by then)."""
+    chunks: list[ScheduledChunk] = plan.chunks
+    answers = [done.get(c.req_id, ([], None)) for c in chunks]
+    logprobs = [lp or [] for _, lp in answers] if any(lp is not None for _, lp in answers) else None
+    return StepResult(plan.step_id, [c.req_id for c in chunks], [tokens for tokens, _ in answers], logprobs)

@@ -1,4 +1,5 @@
 """The paged KV cache's block pool: fixed-size blocks, handed out so that each table stays contiguous.
+Torch-free and below both of its users (the scheduler's pool, and a draft model's own cache).
 
 It works on anything with a ``block_ids`` list (a scheduler :class:`~specray.scheduler.request.Request`, or a
 drafter's own per-request state): slot ``p`` of a request lives in block ``block_ids[p // block_size]``.
@@ -19,7 +20,7 @@ import re
 _FREE_RUN = re.compile(rb"\x01+")
 
 
-class BlockManager:
+class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1; give the KV cache at least one block")
