@@ -13,6 +13,7 @@ import torch
 
 from specray.contract import StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
@@ -27,7 +28,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
-        model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks, block_size)  # this runner owns it
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -76,6 +77,7 @@ class ModelRunner:
             [self.block_tables[c.req_id] for c in chunks],
             self.block_size,
             self.device,
+            positions=[p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)],
         )
         return self.model(input_ids, meta)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from specray.contract import StepPlan, StepResult
+from specray.models.kv_cache import bytes_per_block
 from specray.models.loader import load_hf_config, load_model
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
@@ -108,7 +109,7 @@ class Worker:
                 budget = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
             else:
                 budget = CPU_KV_CACHE_BYTES
-        return {"bytes_per_block": self.model.kv_cache_bytes_per_block(self.config.block_size),
+        return {"bytes_per_block": bytes_per_block(self.model.kv_cache_specs(), self.config.block_size, self.dtype),
                 "budget_bytes": budget, "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "vocab_size": self.model.vocab_size}
 
@@ -146,8 +147,8 @@ class Worker:
         bs = self.config.block_size
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
         layers = []
-        for attn in self.model._attention_layers():
-            layers.append(torch.stack(attn.read_slots(slots)))
+        for kv in self.runner.kv_cache.snapshot(slots):  # [2, Hkv, n, D] per layer
+            layers.append(kv.transpose(1, 2))
         return torch.stack(layers).cpu()
 
     def kv_snapshots(self, requests: list[tuple[str, int]]) -> list[torch.Tensor]:

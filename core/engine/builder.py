@@ -10,7 +10,7 @@ from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
-from specray.models.layers import rows_for
+from specray.models.cpu_kernels import rows_for
 from specray.models.loader import load_hf_config, load_tokenizer
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
