@@ -405,6 +405,36 @@ def test_positions_apart_from_slots_match_transformers(contiguous):
         close(out, ref[order])
 
 
+# ------------------------------------------------------------------------------------------ the model interface
+
+
+def test_aux_layers_equal_transformers_hidden_states(contiguous):
+    """forward(..., aux_layers) returns the residual stream entering those layers, equal to transformers'
+    output_hidden_states[i], over a chunked prefill; the final hidden states are unchanged by asking."""
+    from specray.models.interface import CausalLM
+
+    ours, hf = in_memory_pair("llama", seed=10, num_hidden_layers=6)
+    assert isinstance(ours, CausalLM)
+    num_layers = 6
+    aux_layers = (2, num_layers // 2, num_layers - 3, 0, 5)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(30, 70)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # (L + 1) x [1, n, H]
+        assert torch.equal(ours.embed(torch.tensor(ids)), ref[0][0])
+    table = paged.table(30)
+    for a, b in ((0, 20), (20, 26), (26, 27)):
+        meta = build_attention_metadata([b - a], [a], [table], BLOCK)
+        with torch.no_grad():
+            hidden, aux = ours(torch.tensor(ids[a:b]), meta, aux_layers=aux_layers)
+        assert len(aux) == len(aux_layers)
+        for i, got in zip(aux_layers, aux):
+            close(got, ref[i][0, a:b])
+        close(ours.compute_logits(hidden), hf_logits(hf, ids)[a:b])
+    with pytest.raises(ValueError, match="aux_layers"):
+        ours(torch.tensor(ids[:1]), build_attention_metadata([1], [0], [table], BLOCK), aux_layers=(6,))
+
+
 # ------------------------------------------------------------------------------------------ plumbing
 
 

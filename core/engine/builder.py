@@ -6,6 +6,7 @@ import logging
 from importlib import import_module
 
 from specray.config import EngineArgs, SpeculativeConfig
+from specray.contract import KVCacheInfo
 from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
 from specray.engine.llm_engine import LLMEngine
@@ -64,27 +65,27 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         num_blocks=executor.num_kv_blocks,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
-                args.block_size, executor.info["dtype"], backend, args.tensor_parallel_size)
+                args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy)
 
 
-def build_drafter(args: EngineArgs, target_info: dict, tokenizer, max_model_len: int, backend: str):
+def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
     spec: SpeculativeConfig | None = args.speculative_config
     if spec is None:
         return None, None
     ctx = DrafterContext(
         target_model=args.model,
-        vocab_size=target_info["vocab_size"],
+        vocab_size=target_info.vocab_size,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
-        dtype=target_info["dtype"],
-        device=target_info["device"],
+        dtype=target_info.dtype,
+        device=target_info.device,
         seed=args.seed,
         target_tokenizer=tokenizer,
     )
     policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
-                               rows=rows_for(target_info["device"], target_info["dtype"]))
+                               rows=rows_for(target_info.device, target_info.dtype))
     if backend == "ray":
         module, cls = _REMOTE_DRAFTER.split(":")
         return getattr(import_module(module), cls)(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy

@@ -8,7 +8,7 @@ bias (``attention_bias``), MLP bias (``mlp_bias``), sliding-window layers (Mistr
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -138,16 +138,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids: [T] -> [T, H]
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
         x = self.embed_tokens(input_ids)
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
             x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
-        return x
+        return x, [aux[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,12 +186,23 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids: [T] int64 -> hidden [T, H]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] int64 -> [T, H]
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states; with ``aux_layers`` also the residual stream entering those layers (see
+        :class:`specray.models.interface.CausalLM`)."""
+        # input_ids: [T] int64 -> hidden [T, H] (and [T, H] per aux layer)
         if not self.kv_cache_allocated:
             raise ValueError("the KV cache is not allocated: call specray.models.kv_cache.allocate_kv_cache(model, "
                              "num_blocks, block_size) before the first forward")
-        return self.model(input_ids, meta)
+        num_layers = len(self.model.layers)
+        if any(not 0 <= i < num_layers for i in aux_layers):
+            raise ValueError(f"aux_layers={tuple(aux_layers)}: layer indices must lie in [0, {num_layers})")
+        hidden, aux = self.model(input_ids, meta, aux_layers)
+        return (hidden, aux) if aux_layers else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32, full vocab on every rank

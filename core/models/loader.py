@@ -45,10 +45,6 @@ class ModelSource:
     weight_format: str  # "safetensors" | "bin"
     gguf_file: Path | None = None
 
-    @property
-    def folder(self) -> Path:  # alias of `path`
-        return self.path
-
 
 # ---------------------------------------------------------------------------------------------- resolving
 
