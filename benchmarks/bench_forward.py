@@ -15,6 +15,7 @@ from transformers.initialization import no_init_weights
 
 from specray.default_model import default_model_path
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model, resolve_model
 
 BS, CTX = 16, 100
@@ -44,7 +45,7 @@ def main():
         hf = LlamaForCausalLM(config).float().eval()
     hf.load_state_dict(load_file(src.path / "model.safetensors"), strict=False)
     hf.tie_weights()
-    ours.allocate_kv_cache(8 * 8 + 8, BS)
+    allocate_kv_cache(ours, 8 * 8 + 8, BS)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(8)]
     prompts = torch.randint(0, config.vocab_size, (8, CTX + 6), generator=torch.Generator().manual_seed(0))
     ours(prompts[:, :CTX].reshape(-1), build_attention_metadata([CTX] * 8, [0] * 8, tables, BS))

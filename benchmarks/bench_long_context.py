@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from specray.default_model import default_model_path
-from specray.models import attention
+from specray.models import cpu_kernels
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model
 from specray.kv_blocks import BlockPool
 
@@ -57,11 +58,10 @@ def main():
     contexts = [int(c) for c in args.contexts.split(",")]
     model = load_model(default_model_path())
     num_blocks = args.batch * (max(contexts) // BS + 2) + 8
-    model.allocate_kv_cache(num_blocks, BS)
-    for attn in model._attention_layers():
-        attn.k_cache.normal_()
-        attn.v_cache.normal_()
-    own_min = attention.OWN_MIN_CONTEXT
+    cache = allocate_kv_cache(model, num_blocks, BS)
+    for i in range(cache.num_layers):
+        cache.layer(i).normal_()
+    own_min = cpu_kernels.OWN_MIN_CONTEXT
     print(f"batch {args.batch}, ms per decode step (median of {args.repeats})\n")
     print("| context | tokens/seq | padded batch, gathered | one at a time, shuffled blocks (gathered) "
           "| one at a time, manager's blocks (in place) |\n|---|---|---|---|---|")
@@ -72,10 +72,10 @@ def main():
             ids = torch.randint(0, 1000, (args.batch * q,))
             row = []
             for tables, threshold in ((placed, 1 << 30), (shuffled, 0), (placed, 0)):
-                attention.OWN_MIN_CONTEXT = threshold
+                cpu_kernels.OWN_MIN_CONTEXT = threshold
                 meta = build_attention_metadata([q] * args.batch, [context] * args.batch, tables, BS)
                 row.append(timeit(lambda: model.compute_logits(model(ids, meta)), args.repeats, warm=1))
-            attention.OWN_MIN_CONTEXT = own_min
+            cpu_kernels.OWN_MIN_CONTEXT = own_min
             print(f"| {context} | {q} | " + " | ".join(f"{t:.0f}" for t in row) + " |", flush=True)
 
 

@@ -172,7 +172,7 @@ def main():
     from specray.models.loader import resolve_model
 
     model = default_model_path()
-    folder = resolve_model(model).folder  # the dequantized, cached HF folder
+    folder = resolve_model(model).path  # the dequantized, cached HF folder
     ks = [int(k) for k in args.num_spec_tokens.split(",")]
     specs = {"specray (no speculation)": None}
     specs.update(ngram_specs(args))

@@ -70,11 +70,12 @@ def measure_cost(model_path: str, repeats: int = 15) -> CostCurve:
     from bench_forward import timeit
 
     from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache
     from specray.models.loader import load_model
 
     block, ctx = 16, 100
     model = load_model(model_path)
-    model.allocate_kv_cache(-(-(ctx + max(GRID)) // block), block)
+    allocate_kv_cache(model, -(-(ctx + max(GRID)) // block), block)
     table = [list(range(-(-(ctx + max(GRID)) // block)))]
     ids = torch.randint(0, model.config.vocab_size, (ctx + max(GRID),), generator=torch.Generator().manual_seed(0))
     model(ids[:ctx], build_attention_metadata([ctx], [0], table, block))

@@ -13,7 +13,8 @@ import time
 import torch
 
 from specray.default_model import default_model_path
-from specray.models.layers import linear, pack_weight, padded_rows
+from specray.models.cpu_kernels import pack_weight, padded_rows
+from specray.models.layers import linear
 from specray.models.loader import load_model
 
 

@@ -14,11 +14,12 @@ import logging
 import socket
 import threading
 import time
+from typing import Any, Callable
 
 from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
-from specray.contract import StepPlan, StepResult
+from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.errors import WorkerDiedError
 from specray.engine.executor import CacheConfig, plan_num_blocks
 from specray.workers.worker import Worker, WorkerConfig
@@ -53,7 +54,7 @@ class TargetWorker:
     def rendezvous(self) -> str:
         return rendezvous_address()
 
-    def setup(self, config: WorkerConfig, rank: int, world_size: int, init_method: str) -> dict:
+    def setup(self, config: WorkerConfig, rank: int, world_size: int, init_method: str) -> KVCacheInfo:
         self.worker = Worker(config, rank, world_size, init_method)
         return self.worker.kv_cache_info()
 
@@ -69,10 +70,11 @@ class TargetWorker:
         self.step_server = StepServer(self.execute, ray.util.get_node_ip_address(), self.worker.bind_thread)
         return self.step_server.address
 
-    def call(self, method: str, *args):
-        """Any other Worker method (kv_snapshot, kv_head_range, ping): for tests and debugging."""
+    def run(self, fn: Callable[..., Any], *args) -> Any:
+        """``fn(worker, *args)`` on this rank's :class:`Worker`, between steps (``fn`` is pickled by the caller):
+        inspection, debugging and tests without test hooks in the worker."""
         with self.lock:
-            return getattr(self.worker, method)(*args)
+            return fn(self.worker, *args)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -216,6 +218,8 @@ class RayExecutor:
         except RayError as err:
             raise WorkerDiedError(f"{what}: a target rank failed: {err}") from err
 
-    # ---- tests and debugging ------------------------------------------------------------------------------
-    def call_all(self, method: str, *args) -> list:
-        return ray.get([w.call.remote(method, *args) for w in self.workers])
+    # ---- inspection ---------------------------------------------------------------------------------------
+    def collective_rpc(self, fn: Callable[..., Any], *args) -> list:
+        """``fn(worker, *args)`` on every rank, in rank order (vLLM's ``collective_rpc``); ``fn`` must be
+        picklable. A function that runs a collective must run on every rank, as this does."""
+        return ray.get([w.run.remote(fn, *args) for w in self.workers])

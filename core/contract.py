@@ -94,6 +94,14 @@ class StepResult:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None = None
 
-    def num_accepted(self, i: int) -> int:
-        """Accepted draft tokens of chunk ``i`` (only meaningful for a chunk that sampled)."""
-        return max(len(self.sampled_token_ids[i]) - 1, 0)
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What one rank tells the executor before the KV cache is sized: the block count is the tightest rank's
+    ``budget_bytes // bytes_per_block``; rank 0's dtype, device and vocabulary size configure the drafter."""
+
+    bytes_per_block: int  # one block over every layer on this rank
+    budget_bytes: int  # what this rank can give the cache
+    dtype: str  # e.g. "float32"
+    device: str  # e.g. "cpu", "cuda:0"
+    vocab_size: int

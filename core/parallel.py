@@ -38,15 +38,6 @@ class TPGroup:
                              "torch.distributed.init_process_group(backend='gloo' or 'nccl', ...)")
         return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
 
-    @classmethod
-    def from_group(cls, group) -> "TPGroup":
-        """A subgroup made with ``torch.distributed.new_group(ranks)``; call on the member ranks only."""
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (in place when distributed; returns ``x``)."""
         if self.size == 1:

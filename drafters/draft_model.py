@@ -17,6 +17,7 @@ import torch
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model, load_tokenizer
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
@@ -71,7 +72,7 @@ class DraftModelDrafter:
         self.block_size = ctx.block_size
         per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // self.block_size) + 1
         num_blocks = ctx.max_num_seqs * per_seq
-        self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size)
         self.blocks = BlockPool(num_blocks, self.block_size)
         self.seed = ctx.seed
         self.states: dict[str, _DraftState] = {}

@@ -2,8 +2,10 @@
 the shared n-gram pool, failures, and placement across nodes."""
 
 import asyncio
+import importlib.util
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,17 @@ from specray.engine.llm_engine import LLMEngine
 from specray.errors import RequestFailedError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def _load_probes():
+    """tests/probes.py under a name outside sys.modules, so cloudpickle ships its functions to the ranks by value."""
+    spec = importlib.util.spec_from_file_location("specray_test_probes", Path(__file__).with_name("probes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probes = _load_probes()  # fn(worker, *args) probes run on every rank through collective_rpc / TargetWorker.run
 
 HALF_CPU = {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}
 MAX_TOKENS = 20
@@ -73,16 +86,16 @@ def replay_on(executor, plan, probs):
     """Run ``plan`` on every rank of a Ray executor; rank 0's (result, logits)."""
     import ray
 
-    refs = [w.call.remote("execute_with_logits", plan, probs if i == 0 else None)
+    refs = [w.run.remote(probes.execute_with_logits, plan, probs if i == 0 else None)
             for i, w in enumerate(executor.workers)]
     return ray.get(refs)[0]
 
 
 def assert_kv_matches(reference_worker, executor, live: list[tuple[str, int]], heads) -> None:
     """Every rank's cached k/v for the live positions of each request equal one rank's, head by head."""
-    per_rank = executor.call_all("kv_snapshots", live)
+    per_rank = executor.collective_rpc(probes.kv_snapshots, live)
     for i, (req_id, num_tokens) in enumerate(live):
-        full = reference_worker.kv_snapshot(req_id, num_tokens)  # [L, 2, n, Hkv, D]
+        full = probes.kv_snapshot(reference_worker, req_id, num_tokens)  # [L, 2, n, Hkv, D]
         for shards, (start, count) in zip(per_rank, heads):
             torch.testing.assert_close(shards[i], full[:, :, :, start:start + count], atol=1e-5, rtol=0)
 
@@ -128,7 +141,7 @@ def replay_steps(engine: LLMEngine, worker, tp_executor) -> int:
     original = engine.executor.execute
 
     def recording_execute(plan, draft_probs=None):
-        result, logits = worker.execute_with_logits(plan, draft_probs)
+        result, logits = probes.execute_with_logits(worker, plan, draft_probs)
         tp_result, tp_logits = replay_on(tp_executor, plan, draft_probs)
         assert tp_result.sampled_token_ids == result.sampled_token_ids
         if logits is not None:
@@ -136,7 +149,7 @@ def replay_steps(engine: LLMEngine, worker, tp_executor) -> int:
         return result
 
     engine.executor.execute = recording_execute
-    heads = tp_executor.call_all("kv_head_range")
+    heads = tp_executor.collective_rpc(probes.kv_head_range)
     try:
         while engine.has_unfinished_requests():
             engine.step()

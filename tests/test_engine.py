@@ -120,9 +120,9 @@ def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
 def test_contexts_read_in_place_keep_greedy_output(tiny_llama_dir, tiny_draft_dir, plain_outputs, spec, monkeypatch):
     """Every decode step attending one sequence at a time (contexts read in place from consecutive blocks, or
     gathered where the pool is fragmented), with drafts, rewinds and preemption, for the target and the drafter."""
-    from specray.models import attention
+    from specray.models import cpu_kernels
 
-    monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 1)
+    monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 1)
     if spec == "draft_model":
         spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=40)

@@ -13,6 +13,7 @@ import torch
 
 from specray.models import loader
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
 
 TOL = 1e-4
@@ -20,7 +21,7 @@ TOL = 1e-4
 
 @torch.no_grad()
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    model.allocate_kv_cache(-(-len(ids) // 4) + 1, 4)
+    allocate_kv_cache(model, -(-len(ids) // 4) + 1, 4)
     meta = build_attention_metadata([len(ids)], [0], [list(range(-(-len(ids) // 4)))[::-1]], 4, model.device)
     return model.compute_logits(model(torch.tensor(ids, device=model.device), meta))
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from specray.models import get_model_class
-from specray.models import attention
+from specray.models import cpu_kernels
 from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache, bytes_per_block
 from specray.models.llama import LlamaForCausalLM
 from specray.models.loader import load_model
 from specray.parallel import TPGroup
@@ -37,7 +38,7 @@ class Paged:
 
     def __init__(self, model, num_blocks: int = 160, seed: int = 0, contiguous: bool = False):
         self.model = model
-        model.allocate_kv_cache(num_blocks, BLOCK)
+        self.cache = allocate_kv_cache(model, num_blocks, BLOCK)
         self.free = list(range(num_blocks))[::-1]
         if not contiguous:
             random.Random(seed).shuffle(self.free)
@@ -46,11 +47,12 @@ class Paged:
         return [self.free.pop() for _ in range(-(-length // BLOCK))]
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
-        """chunks: (new token ids, start position, block table) per sequence -> logits [q, V] per sequence."""
+    def step(self, chunks: list[tuple[list[int], int, list[int]]], **meta_kw) -> list[torch.Tensor]:
+        """chunks: (new token ids, start position, block table) per sequence -> logits [q, V] per sequence;
+        ``meta_kw``: explicit positions or ancestor masks for build_attention_metadata."""
         ids = torch.tensor([t for c in chunks for t in c[0]])
         meta = build_attention_metadata([len(c[0]) for c in chunks], [c[1] for c in chunks],
-                                        [c[2] for c in chunks], BLOCK, "cpu")
+                                        [c[2] for c in chunks], BLOCK, "cpu", **meta_kw)
         logits = self.model.compute_logits(self.model(ids, meta))
         assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.config.vocab_size)
         return list(logits.split([len(c[0]) for c in chunks]))
@@ -93,7 +95,7 @@ def contiguous(request, monkeypatch) -> bool:
     a time (as on CPU at long contexts) with shuffled blocks gathered, or consecutive blocks read in place.
     Returns whether tables should be contiguous."""
     if request.param != "batched":
-        monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 0)
+        monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
     return request.param == "own-in-place"
 
 
@@ -224,13 +226,13 @@ def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
 
 def test_mistral_sliding_window(contiguous):
     ours, hf = in_memory_pair("mistral", seed=7, sliding_window=5)
-    assert all(layer.self_attn.attn.sliding_window == 5 for layer in ours.model.layers)
+    assert all(spec.mask_kind.window == 5 for spec in ours.kv_cache_specs())
     check_variant(ours, hf, contiguous=contiguous)
 
 
 def test_qwen2_sliding_window_layers(contiguous):
     ours, hf = in_memory_pair("qwen2", seed=8, use_sliding_window=True, sliding_window=6, max_window_layers=1)
-    assert [layer.self_attn.attn.sliding_window for layer in ours.model.layers] == [None, 6]
+    assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [None, 6]
     check_variant(ours, hf, contiguous=contiguous)
 
 
@@ -239,7 +241,7 @@ def test_attention_plan_reads_consecutive_blocks_in_place(monkeypatch):
     sequence whose blocks are consecutive is read as one view, any other is gathered."""
     plan = build_attention_metadata([1, 3], [40, 30], [list(range(3, 14)), [20, 22, 21, 23, 24, 25, 26, 27, 28]], 4)
     assert plan.short is not None and plan.short.num_seqs == 2 and not plan.own
-    monkeypatch.setattr(attention, "OWN_MIN_CONTEXT", 30)
+    monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 30)
     plan = build_attention_metadata([1, 3, 20], [40, 30, 0], [list(range(3, 14)), [20, 22, 21, 23, 24, 25, 26, 27, 28],
                                                              [30, 31, 32, 33, 34]], 4)
     assert plan.short is None and [s.token_start for s in plan.own] == [0, 1, 4]
@@ -248,7 +250,7 @@ def test_attention_plan_reads_consecutive_blocks_in_place(monkeypatch):
     assert plan.own[2].fresh and plan.own[2].first_slot is None and plan.own[2].block_index is None
     assert not build_attention_metadata([1], [40], [list(range(11))], 4, "meta").own  # batched off the CPU
     monkeypatch.undo()  # the default threshold: the longest context decides (the padded batch pads to it)
-    mixed = build_attention_metadata([1, 1], [attention.OWN_MIN_CONTEXT, 10], [list(range(200)), [300, 301, 302]], 4)
+    mixed = build_attention_metadata([1, 1], [cpu_kernels.OWN_MIN_CONTEXT, 10], [list(range(200)), [300, 301, 302]], 4)
     assert mixed.short is None and len(mixed.own) == 2
 
 
@@ -257,6 +259,180 @@ def test_llama_biases_and_explicit_head_dim():
                               tie_word_embeddings=False)
     assert ours.model.layers[0].self_attn.o_proj.bias is not None
     check_variant(ours, hf)
+
+
+# ------------------------------------------------------------------------------------------ KV cache and masks
+
+
+def test_kv_cache_spec_bytes_per_block_and_groups():
+    """Each spec's bytes per block; the cache sums them over layers and shares one tensor per slot shape."""
+    from specray.models.kv_cache import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCache, MLAAttentionSpec,
+                                         SlidingWindowSpec)
+
+    full = FullAttentionSpec(num_kv_heads=2, head_dim=16, kv_head_start=2)
+    window = SlidingWindowSpec(num_kv_heads=2, head_dim=16, sliding_window=8)
+    chunked = ChunkedLocalAttentionSpec(num_kv_heads=2, head_dim=16, attention_chunk_size=32)
+    mla = MLAAttentionSpec(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert full.bytes_per_block(16, torch.float32) == 2 * 2 * 16 * 16 * 4  # (k, v) * Hkv * bs * D * fp32
+    assert window.bytes_per_block(16, torch.bfloat16) == chunked.bytes_per_block(16, torch.bfloat16) == 2 * 2 * 16 * 16 * 2
+    assert mla.bytes_per_block(16, torch.bfloat16) == 16 * (512 + 64) * 2  # one latent + rope key, no v
+    assert full.kv_head_range == (2, 2) and window.mask_kind.window == 8 and chunked.mask_kind.chunk == 32
+    specs = [full, window, mla, chunked, full]  # a draft head's extra layer is one more full spec
+    assert bytes_per_block(specs, 4, torch.float32) == sum(x.bytes_per_block(4, torch.float32) for x in specs)
+    cache = KVCache(specs, 3, 4, torch.float32, "cpu")
+    assert cache.bytes_per_block() == bytes_per_block(specs, 4, torch.float32)
+    assert cache.layer(0).shape == (2, 2, 12, 16) and cache.layer(2).shape == (12, 576)
+    storages = {cache.layer(i).untyped_storage().data_ptr() for i in range(5)}
+    assert len(storages) == 2  # attention layers share one tensor, the latent layer has its own
+
+
+def test_copy_slots_moves_every_layers_kv_and_decode_goes_on(contiguous):
+    """A chain's K/V moved to other blocks in one call (every layer) equals the original, and decoding from the
+    new block table still matches transformers; overlapping moves read every source before writing."""
+    from specray.models.kv_cache import slots_of
+
+    ours, hf = in_memory_pair("llama", seed=3)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(20, 40)
+    ref = hf_logits(hf, ids)
+    old = paged.table(20)
+    close(paged.step([(ids[:13], 0, old)])[0], ref[:13])
+    new = paged.table(20)
+    src, dst = (torch.tensor(slots_of(t, range(13), BLOCK)) for t in (old, new))
+    before = paged.cache.snapshot(src)
+    paged.cache.copy_slots(src, dst)
+    for a, b in zip(before, paged.cache.snapshot(dst)):
+        assert torch.equal(a, b) and a.shape == (2, 2, 13, 16)  # [(k, v), Hkv, n, D]
+    for p in range(13, 20):
+        close(paged.step([(ids[p : p + 1], p, new)])[0], ref[p : p + 1])
+    layer0 = paged.cache.layer(0).clone()
+    shift_src, shift_dst = torch.arange(0, 8), torch.arange(2, 10)
+    paged.cache.copy_slots(shift_src, shift_dst)
+    layer0[:, :, 2:10] = layer0[:, :, 0:8].clone()
+    assert torch.equal(paged.cache.layer(0), layer0)
+
+
+def dense_attention(q, k, v, allowed, scale):
+    # q: [n, Hq, D]; k, v: [m, Hkv, D]; allowed: [n, m] bool -> [n, Hq*D]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = torch.einsum("nhd,mhd->hnm", q, k) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", probs, v).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("kind", ["chunked", "window"])
+def test_local_masks_match_a_dense_reference(contiguous, kind):
+    """Chunked-local (and sliding-window) attention over a paged cache, prefill then a mixed step (decode, last
+    token + drafts, a long continued chunk), equals dense attention under the mask written out by hand."""
+    from specray.models.attention import PagedAttention
+    from specray.models.kv_cache import ChunkedLocalAttentionSpec, KVCache, SlidingWindowSpec
+
+    spec = (ChunkedLocalAttentionSpec(num_kv_heads=2, head_dim=8, attention_chunk_size=5) if kind == "chunked"
+            else SlidingWindowSpec(num_kv_heads=2, head_dim=8, sliding_window=6))
+
+    def allowed(qp: int, kp: int) -> bool:
+        local = kp // 5 == qp // 5 if kind == "chunked" else kp > qp - 6
+        return kp <= qp and local
+
+    attn = PagedAttention(4, spec, 8**-0.5)
+    free = list(range(64)) if contiguous else random.Random(1).sample(range(64), 64)
+    cache = KVCache([spec], 64, BLOCK, torch.float32, "cpu")
+    attn.bind_cache(cache.layer(0), BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    lens = [24, 11, 40]
+    full = [(torch.randn(n, 4, 8, generator=gen), torch.randn(n, 2, 8, generator=gen),
+             torch.randn(n, 2, 8, generator=gen)) for n in lens]  # q, k, v of every position
+    tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in lens]
+    for step in ([(0, 9), (0, 7), (0, 12)], [(9, 10), (7, 11), (12, 40)]):  # prefill, then decode/drafts/long
+        meta = build_attention_metadata([b - a for a, b in step], [a for a, _ in step], tables, BLOCK)
+        q, k, v = (torch.cat([full[i][j][a:b] for i, (a, b) in enumerate(step)]) for j in range(3))
+        outs = attn(q, k, v, meta).split([b - a for a, b in step])
+        for (a, b), out, (fq, fk, fv) in zip(step, outs, full):
+            mask = torch.tensor([[allowed(qp, kp) for kp in range(b)] for qp in range(a, b)])
+            torch.testing.assert_close(out, dense_attention(fq[a:b], fk[:b], fv[:b], mask, 8**-0.5))
+
+
+def test_ancestor_mask_equal_to_causal_keeps_the_logits(contiguous):
+    """An explicit per-sequence ancestor mask that equals causal reproduces the causal logits, on the padded
+    short path (last token + drafts) and one sequence at a time (a long chunk, a fresh prefill)."""
+    ours, hf = in_memory_pair("llama", seed=4)
+    paged = Paged(ours, contiguous=contiguous)
+    a, b = tokens(30, 50), tokens(22, 51)
+    refs = hf_logits(hf, a), hf_logits(hf, b)
+    ta, tb = paged.table(30), paged.table(22)
+
+    def causal(n):
+        return torch.ones(n, n, dtype=torch.bool).tril()
+
+    outs = paged.step([(a[:8], 0, ta), (b, 0, tb)], ancestors=[causal(8), causal(22)])
+    close(outs[0], refs[0][:8])
+    close(outs[1], refs[1])
+    outs = paged.step([(a[8:14], 8, ta)], ancestors=[causal(6)])  # last token + 5 drafts
+    close(outs[0], refs[0][8:14])
+    outs = paged.step([(a[14:30], 14, ta)], ancestors=[causal(16)])
+    close(outs[0], refs[0][14:30])
+
+
+def test_ancestor_mask_with_siblings_matches_each_branch(contiguous):
+    """Two children of one token at the same position (a tree of drafts): with an ancestor mask, each sees the
+    context, its parent and itself, and its logits equal transformers' on its own branch as a chain."""
+    ours, hf = in_memory_pair("llama", seed=6)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(12, 52)
+    other = (ids[10] + 1) % 300
+    table = paged.table(13)
+    paged.step([(ids[:9], 0, table)])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    out = paged.step([([ids[9], ids[10], other], 9, table)], positions=[9, 10, 10], ancestors=[tree])[0]
+    close(out[:2], hf_logits(hf, ids[:11])[9:11])
+    close(out[2:], hf_logits(hf, ids[:10] + [other])[10:])
+
+
+def test_positions_apart_from_slots_match_transformers(contiguous):
+    """Tokens written to slots in shuffled order, each with its own RoPE position (masks compare positions,
+    not slots): each row's logits equal transformers' at that token's position, short and long chunks."""
+    ours, hf = in_memory_pair("qwen2", seed=5)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(40, 60)
+    ref = hf_logits(hf, ids)
+    table = paged.table(40)
+    rng = random.Random(0)
+    for a, b in ((0, 10), (10, 16), (16, 36), (36, 37)):
+        order = list(range(a, b))
+        rng.shuffle(order)
+        out = paged.step([([ids[p] for p in order], a, table)], positions=order)[0]
+        close(out, ref[order])
+
+
+# ------------------------------------------------------------------------------------------ the model interface
+
+
+def test_aux_layers_equal_transformers_hidden_states(contiguous):
+    """forward(..., aux_layers) returns the residual stream entering those layers, equal to transformers'
+    output_hidden_states[i], over a chunked prefill; the final hidden states are unchanged by asking."""
+    from specray.models.interface import CausalLM
+
+    ours, hf = in_memory_pair("llama", seed=10, num_hidden_layers=6)
+    assert isinstance(ours, CausalLM)
+    num_layers = 6
+    aux_layers = (2, num_layers // 2, num_layers - 3, 0, 5)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(30, 70)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # (L + 1) x [1, n, H]
+        assert torch.equal(ours.embed(torch.tensor(ids)), ref[0][0])
+    table = paged.table(30)
+    for a, b in ((0, 20), (20, 26), (26, 27)):
+        meta = build_attention_metadata([b - a], [a], [table], BLOCK)
+        with torch.no_grad():
+            hidden, aux = ours(torch.tensor(ids[a:b]), meta, aux_layers=aux_layers)
+        assert len(aux) == len(aux_layers)
+        for i, got in zip(aux_layers, aux):
+            close(got, ref[i][0, a:b])
+        close(ours.compute_logits(hidden), hf_logits(hf, ids)[a:b])
+    with pytest.raises(ValueError, match="aux_layers"):
+        ours(torch.tensor(ids[:1]), build_attention_metadata([1], [0], [table], BLOCK), aux_layers=(6,))
 
 
 # ------------------------------------------------------------------------------------------ plumbing
@@ -275,8 +451,9 @@ def test_kv_cache_sizing_and_errors():
     ours, _ = in_memory_pair("llama")
     with pytest.raises(ValueError, match="allocate_kv_cache"):
         ours(torch.tensor([1, 2]), build_attention_metadata([2], [0], [[0]], 4))
-    assert ours.kv_cache_bytes_per_block(16) == 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * bs * Hkv * D * fp32
-    ours.allocate_kv_cache(3, 16)
+    per_block = bytes_per_block(ours.kv_cache_specs(), 16, torch.float32)
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * bs * Hkv * D * fp32
+    assert allocate_kv_cache(ours, 3, 16).bytes_per_block() == per_block
     assert ours.model.layers[0].self_attn.attn.k_cache.shape == (2, 3 * 16, 16)  # [Hkv, num_blocks * block_size, D]
     with pytest.raises(ValueError, match="block table has 1 blocks"):
         build_attention_metadata([5], [0], [[0]], 4)
@@ -296,8 +473,9 @@ def test_missing_weight_is_reported():
 TP_WORKER = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
-    from specray.models import attention
+    from specray.models import cpu_kernels
     from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache
     from specray.models.loader import load_model
     from specray.parallel import TPGroup
 
@@ -308,7 +486,7 @@ TP_WORKER = textwrap.dedent("""
 
     @torch.no_grad()
     def run(model):
-        model.allocate_kv_cache(32, 4)
+        allocate_kv_cache(model, 32, 4)
         ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
         t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]  # shuffled (gathered), consecutive
         meta = build_attention_metadata([20, 7], [0, 0], [t1, t2], 4)
@@ -320,12 +498,12 @@ TP_WORKER = textwrap.dedent("""
     result = {}
     for folder in folders:
         model = load_model(folder, TPGroup.from_world())
-        kv_heads = model.model.layers[0].self_attn.num_kv_heads
+        kv_heads = model.kv_cache_specs()[0].num_kv_heads
         one_rank = run(load_model(folder))
         diff = (run(model) - one_rank).abs().max().item()
-        attention.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
+        cpu_kernels.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
         own_diff = (run(model) - one_rank).abs().max().item()
-        attention.OWN_MIN_CONTEXT = 1 << 30
+        cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
         result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads]
     json.dump(result, open(f"{out}/{rank}.json", "w"))
     dist.destroy_process_group()
@@ -370,7 +548,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
 
 
 def test_padded_rows_picks_a_fast_width_at_least_m():
-    from specray.models.layers import FAST_ROWS, SMALL_BATCH_ROWS, padded_rows
+    from specray.models.cpu_kernels import FAST_ROWS, SMALL_BATCH_ROWS, padded_rows
 
     for m in range(1, SMALL_BATCH_ROWS + 1):
         rows = padded_rows(m)
@@ -397,16 +575,17 @@ def test_small_row_linear_equals_f_linear(rows):
 def test_load_model_packs_cpu_fp32_linears_and_keeps_the_logits(request):
     """On CPU in fp32 the linears run from oneDNN's blocked copy (dense weights freed, the LM head's kept for the
     tied embedding); the logits equal the dense model's, and the transformers tests above run packed."""
-    from specray.models.layers import PackableLinear, can_pack
+    from specray.models.cpu_kernels import can_pack
+    from specray.models.layers import LinearBase
 
     folder = str(request.getfixturevalue(MODEL_FIXTURES[0]))
     packed, dense = load_model(folder), load_model(folder, pack=False)
     assert can_pack("cpu", "float32")
-    linears = [m for m in packed.modules() if isinstance(m, PackableLinear)]
+    linears = [m for m in packed.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.packed is not None for m in linears)
     assert all(m.weight is None for m in linears if m is not packed.lm_head)
     assert packed.lm_head.weight is not None and packed.dtype == torch.float32
-    assert all(m.packed is None and m.weight is not None for m in dense.modules() if isinstance(m, PackableLinear))
+    assert all(m.packed is None and m.weight is not None for m in dense.modules() if isinstance(m, LinearBase))
     for rows in (1, 6, 40):
         ids = tokens(rows, rows)
         a, b = Paged(packed), Paged(dense)

@@ -13,6 +13,8 @@ import torch
 
 from specray.contract import StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
+from specray.models.interface import CausalLM
+from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
@@ -21,13 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
                  is_driver: bool = True):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
-        model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks, block_size)  # this runner owns it
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -58,7 +60,7 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
         hidden = self._forward(plan)  # [T, H]
         sampled = [i for i, c in enumerate(plan.chunks) if c.sample]
-        rows = self._logit_rows(plan)
+        rows = logit_rows(plan)
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
@@ -76,18 +78,9 @@ class ModelRunner:
             [self.block_tables[c.req_id] for c in chunks],
             self.block_size,
             self.device,
+            positions=[p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)],
         )
         return self.model(input_ids, meta)
-
-    @staticmethod
-    def _logit_rows(plan: StepPlan) -> list[int]:
-        """Hidden rows whose logits we need: the last 1 + k tokens of every chunk that samples."""
-        rows, offset = [], 0
-        for c in plan.chunks:
-            offset += c.num_tokens
-            if c.sample:
-                rows.extend(range(offset - 1 - c.num_draft_tokens, offset))
-        return rows
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
                 ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
@@ -101,9 +94,20 @@ class ModelRunner:
         padded = pad_drafts(logits, drafts, probs)
         params = [self.params[c.req_id] for c in chunks]
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
-        tokens, num_accepted = verify(*padded[:4], batch, draft_counts=padded.draft_counts)
+        tokens, num_accepted = verify(padded.target_logits, padded.draft_token_ids, padded.num_drafts,
+                                      padded.draft_probs, batch, draft_counts=padded.draft_counts)
         logprobs = target_logprobs(padded.target_logits, tokens, [sp.logprobs for sp in params])
         return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
+
+
+def logit_rows(plan: StepPlan) -> list[int]:
+    """Hidden rows of the step whose logits it needs: the last 1 + k tokens of every chunk that samples."""
+    rows, offset = [], 0
+    for c in plan.chunks:
+        offset += c.num_tokens
+        if c.sample:
+            rows.extend(range(offset - 1 - c.num_draft_tokens, offset))
+    return rows
 
 
 def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:

@@ -16,7 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specray.contract import StepPlan, StepResult
+from specray.contract import KVCacheInfo, StepPlan, StepResult
+from specray.models.interface import CausalLM
+from specray.models.kv_cache import bytes_per_block
 from specray.models.loader import load_hf_config, load_model
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
@@ -85,7 +87,7 @@ class Worker:
         hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, tp, dtype=self.dtype, device=self.device)
+        self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device)
         self.runner: ModelRunner | None = None
 
     def bind_thread(self) -> None:
@@ -100,7 +102,7 @@ class Worker:
         return join_tp_group(self.device, self.rank, world_size, init_method)
 
     # ---- KV cache -----------------------------------------------------------------------------------------
-    def kv_cache_info(self) -> dict:
+    def kv_cache_info(self) -> KVCacheInfo:
         """This rank's bytes per KV block and the bytes it can give the cache."""
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
@@ -108,9 +110,10 @@ class Worker:
                 budget = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
             else:
                 budget = CPU_KV_CACHE_BYTES
-        return {"bytes_per_block": self.model.kv_cache_bytes_per_block(self.config.block_size),
-                "budget_bytes": budget, "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "vocab_size": self.model.vocab_size}
+        return KVCacheInfo(bytes_per_block=bytes_per_block(self.model.kv_cache_specs(), self.config.block_size,
+                                                           self.dtype),
+                           budget_bytes=budget, dtype=str(self.dtype).removeprefix("torch."),
+                           device=str(self.device), vocab_size=self.model.vocab_size)
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
@@ -120,47 +123,6 @@ class Worker:
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
         assert self.runner is not None, "init_cache must run before the first step"
         return self.runner.execute(plan, draft_probs)
-
-    def execute_with_logits(self, plan: StepPlan, draft_probs: dict | None = None):
-        """``execute`` that also returns the step's logits rows ([N, V] on CPU, None if nothing sampled), for
-        tests that compare ranks and TP sizes step by step."""
-        captured = []
-        compute = self.model.compute_logits
-
-        def capture(hidden):
-            logits = compute(hidden)
-            captured.append(logits)
-            return logits
-
-        self.model.compute_logits = capture
-        try:
-            result = self.execute(plan, draft_probs)
-        finally:
-            del self.model.compute_logits
-        return result, (captured[0].cpu() if captured else None)
-
-    def kv_snapshot(self, req_id: str, num_tokens: int) -> torch.Tensor:
-        """[layers, 2, num_tokens, local_kv_heads, head_dim] on CPU: the cached k and v of the request's first
-        ``num_tokens`` positions, read through its block table (for tests and debugging)."""
-        table = self.runner.block_tables[req_id]
-        bs = self.config.block_size
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device)
-        layers = []
-        for attn in self.model._attention_layers():
-            layers.append(torch.stack(attn.read_slots(slots)))
-        return torch.stack(layers).cpu()
-
-    def kv_snapshots(self, requests: list[tuple[str, int]]) -> list[torch.Tensor]:
-        """:meth:`kv_snapshot` of several ``(req_id, num_tokens)`` at once."""
-        return [self.kv_snapshot(req_id, n) for req_id, n in requests]
-
-    def kv_head_range(self) -> tuple[int, int]:
-        """The global KV heads this rank holds: [start, start + count)."""
-        qkv = self.model.model.layers[0].self_attn.qkv_proj
-        return qkv.kv_head_start, qkv.num_kv_heads
-
-    def ping(self) -> int:
-        return self.rank
 
     def shutdown(self) -> None:
         if dist.is_initialized():

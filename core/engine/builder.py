@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 
 from specray.config import EngineArgs, SpeculativeConfig
+from specray.contract import KVCacheInfo
 from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
-from specray.models.layers import rows_for
+from specray.models.cpu_kernels import rows_for
 from specray.models.loader import load_hf_config, load_tokenizer
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -69,28 +70,28 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         vocab_size=hf_config.vocab_size,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
-                args.block_size, executor.info["dtype"], backend, args.tensor_parallel_size)
+                args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy)
 
 
-def build_drafter(args: EngineArgs, target_info: dict, tokenizer, max_model_len: int, backend: str):
+def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
     spec: SpeculativeConfig | None = args.speculative_config
     if spec is None:
         return None, None
     ctx = DrafterContext(
         target_model=args.model,
-        vocab_size=target_info["vocab_size"],
+        vocab_size=target_info.vocab_size,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
-        dtype=target_info["dtype"],
-        device=target_info["device"],
+        dtype=target_info.dtype,
+        device=target_info.device,
         seed=args.seed,
         block_size=args.block_size,
         target_tokenizer=tokenizer,
     )
     policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
-                               rows=rows_for(target_info["device"], target_info["dtype"]))
+                               rows=rows_for(target_info.device, target_info.dtype))
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
         return remote(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy

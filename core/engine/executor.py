@@ -1,9 +1,10 @@
 """Executors run step plans on the target's ranks. The engine sees one interface::
 
     executor.num_kv_blocks            # blocks every rank allocated (the scheduler's pool)
-    executor.info                     # rank 0's dtype, device, vocab_size
+    executor.info                     # rank 0's KVCacheInfo (dtype, device, vocab_size)
     executor.execute(plan, draft_probs) -> StepResult     # raises WorkerDiedError when a rank is lost
     executor.restart()                # a fresh group (after a failure); every request is gone
+    executor.collective_rpc(fn, *args) -> list             # fn(worker, *args) on every rank
     executor.shutdown()
 
 ``uni`` runs one rank in this process (registered here); other backends (``ray``: one Ray actor per TP rank)
@@ -13,10 +14,12 @@ register through :mod:`specray.engine.plugins`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from specray.contract import StepPlan, StepResult
+from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.engine import plugins
 from specray.workers.worker import Worker, WorkerConfig
+
 
 @dataclass
 class CacheConfig:
@@ -26,16 +29,16 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides the size computed from the ranks' memory budgets
 
 
-def plan_num_blocks(infos: list[dict], cache: CacheConfig) -> int:
+def plan_num_blocks(infos: list[KVCacheInfo], cache: CacheConfig) -> int:
     """Enough blocks for every seat at full length, capped by the tightest rank's KV memory budget."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     wanted = cache.max_num_seqs * (-(-cache.max_model_len // cache.block_size) + 1)
-    fits = min(info["budget_bytes"] // info["bytes_per_block"] for info in infos)
+    fits = min(info.budget_bytes // info.bytes_per_block for info in infos)
     if fits < 1:
-        worst = min(infos, key=lambda i: i["budget_bytes"] // i["bytes_per_block"])
-        raise ValueError(f"kv_cache_memory_bytes={worst['budget_bytes']} holds no KV block of "
-                         f"{worst['bytes_per_block']} bytes; raise it")
+        worst = min(infos, key=lambda i: i.budget_bytes // i.bytes_per_block)
+        raise ValueError(f"kv_cache_memory_bytes={worst.budget_bytes} holds no KV block of "
+                         f"{worst.bytes_per_block} bytes; raise it")
     return min(wanted, fits)
 
 
@@ -60,6 +63,10 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
         return self.worker.execute(plan, draft_probs)
+
+    def collective_rpc(self, fn: Callable[..., Any], *args) -> list:
+        """``fn(worker, *args)`` on every rank (here the one), in rank order: for inspection and tests."""
+        return [fn(self.worker, *args)]
 
     def restart(self) -> None:
         self._start()

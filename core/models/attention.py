@@ -1,11 +1,20 @@
 """Paged attention over a mixed batch (prefill chunks, decode tokens, last token + drafts) in one call.
 
-The batch is the concatenation of B sequences. Sequence i brings ``query_lens[i]`` new tokens at positions
-``start_positions[i] ..``; its first ``start_positions[i]`` tokens are already in the paged KV cache. Position p
-of sequence i lives in slot ``block_tables[i][p // block_size] * block_size + p % block_size``.
+The batch is the concatenation of B sequences. Sequence i brings ``query_lens[i]`` new tokens; its first
+``start_positions[i]`` tokens are already in the paged KV cache, and its new tokens take the next slot indices
+``start_positions[i] ..``. Slot index p of sequence i is slot ``block_tables[i][p // block_size] * block_size +
+p % block_size``. Each new token also has a RoPE position, by default its slot index; a caller may give others
+(a token tree: siblings share a depth). Cached keys sit at the position equal to their slot index (a step's kept
+tokens are a chain, moved to consecutive slots when they were not).
 
-The cache of one layer is ``[Hkv, num_blocks * block_size, D]`` (k and v): slot ``s`` of every KV head is row
-``s`` of that head's matrix, so the context of a sequence whose blocks are consecutive is one view of the cache.
+Masks compare positions, never slots: a query sees a key when its layer's :class:`MaskKind` allows the pair of
+positions (causal, plus a sliding window or a chunk). A sequence may also bring an ancestor mask ``[q, q]``
+among its new tokens, which replaces the causal comparison there (every cached key stays visible). The masks
+are built once per step, by one builder, for both paths below.
+
+The cache of one layer is ``[Hkv, num_blocks * block_size, D]`` (k and v, views of the runner's
+:class:`~specray.models.kv_cache.KVCache`): slot ``s`` of every KV head is row ``s`` of that head's matrix, so
+the context of a sequence whose blocks are consecutive is one view of the cache.
 
 Two paths, both planned once per step in :func:`build_attention_metadata` (all index tensors are built there from
 Python lists, so a forward has no host syncs):
@@ -13,14 +22,11 @@ Python lists, so a forward has no host syncs):
 * short queries (at most ``SHORT_QUERY_MAX`` new tokens: decode, last token + drafts, small prefills) run as one
   padded batched SDPA. Each sequence's context is gathered from the cache by whole blocks; the query's GQA group
   is folded into the query length (``[Bs, Hkv, G*Q, D]``) so the keys are never repeated;
-* sequences attended on their own, one SDPA each: long prefill chunks, and on CPU also the short queries once
-  the longest of their contexts reaches ``OWN_MIN_CONTEXT`` tokens (the padded batch gathers every context padded
-  to the longest). There gathering costs more than attending: a decode step of 8 x 1.6k contexts took 300 ms
-  gathered and 190 ms read in place, and gathered up to 650 ms when the allocator returned the large temporaries
-  to the OS between steps; below ~512 tokens the padded batch is as fast or faster
-  (``benchmarks/bench_long_context.py``). A fresh prefill attends to its own new k/v with ``is_causal``; a
-  sequence with context reads it in place when its blocks are consecutive (the block manager keeps them so
-  where it can), else gathers its blocks, and folds its GQA group like the short path.
+* sequences attended on their own, one SDPA each: long prefill chunks, and the short queries too where
+  :func:`specray.models.cpu_kernels.reads_in_place` says gathering costs more than attending (long contexts on
+  CPU). A fresh prefill attends to its own new k/v (``is_causal`` when it can); a sequence with context reads it
+  in place when its blocks are consecutive (the block manager keeps them so where it can), else gathers its
+  blocks, and folds its GQA group like the short path.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models import cpu_kernels
+from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind
+
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
-OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
 
 
 @dataclass
@@ -43,7 +51,7 @@ class ShortBatch:
     max_query_len: int  # Q (padded query length)
     num_ctx_blocks: int  # blocks gathered per sequence; padded context length L = num_ctx_blocks * block_size
     block_index: torch.Tensor  # [Bs * num_ctx_blocks] block ids (padding: block 0, masked out)
-    query_positions: torch.Tensor  # [Bs, Q] position of every padded query row (pads repeat the last one)
+    query_positions: torch.Tensor  # [Bs, Q] RoPE position of every padded query row (pads repeat the last one)
     token_index: torch.Tensor | None  # [Bs * Q] row of the step for each padded query row; None: identity
     out_src: torch.Tensor | None  # [n] real rows of the padded output
     out_dst: torch.Tensor | None  # [n] their rows in the step
@@ -57,11 +65,12 @@ class ShortBatch:
 class OwnSeq:
     """One sequence attended on its own."""
 
+    seq_id: int  # index into the step's sequences
     token_start: int
     token_end: int
-    start_pos: int
+    start_pos: int  # slot index of its first new token (= its cached tokens)
     context_len: int
-    first_slot: int | None  # its blocks are consecutive: the slot of position 0 (its context is one view)
+    first_slot: int | None  # its blocks are consecutive: the slot of slot index 0 (its context is one view)
     block_index: torch.Tensor | None  # [nb] else the blocks of its context; both None for a fresh prefill
 
     @property
@@ -77,7 +86,7 @@ class OwnSeq:
 class AttentionMetadata:
     """Built once per forward, shared by every layer."""
 
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 RoPE positions
     slot_mapping: torch.Tensor  # [T] int64
     query_lens: list[int]
     start_positions: list[int]
@@ -86,6 +95,10 @@ class AttentionMetadata:
     max_position: int  # largest position in the step (a Python int: no sync to size RoPE tables)
     short: ShortBatch | None
     own: list[OwnSeq]
+    # per sequence, its new tokens' positions when some differ from their slot indices (else None)
+    seq_positions: list[list[int]] | None = None
+    # per sequence, None or [q, q] bool: new token r may attend new token c (replaces causal among new tokens)
+    ancestors: list[torch.Tensor | None] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -96,45 +109,91 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    def short_mask(self, groups: int, window: int | None) -> torch.Tensor:
+    def _plain(self, i: int) -> bool:
+        """Sequence ``i``'s new tokens sit at positions equal to their slot indices, in causal order."""
+        return self.seq_positions is None and (self.ancestors is None or self.ancestors[i] is None)
+
+    def short_mask(self, groups: int, kind: MaskKind) -> torch.Tensor:
         """[Bs, 1, G*Q, L] bool, True where a folded query row may attend a context slot (cached per step)."""
-        key = ("short", groups, window)
+        key = ("short", groups, kind)
         if key not in self._masks:
-            self._masks[key] = _short_mask(self.short, self.block_size, groups, window)
+            self._masks[key] = _fold_rows(_short_mask(self, kind), groups)
         return self._masks[key]
 
-    def own_mask(self, i: int, groups: int, window: int | None) -> torch.Tensor | None:
+    def own_mask(self, i: int, groups: int, kind: MaskKind) -> torch.Tensor | None:
         """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
         over its GQA-folded query rows (None: every row sees the whole context)."""
         seq = self.own[i]
-        if window is None and (seq.fresh or seq.query_len == 1):
+        if kind == CAUSAL and self._plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
             return None
-        key = ("own", i, groups, window)
+        key = ("own", i, groups, kind)
         if key not in self._masks:
-            mask = _causal_mask(seq.start_pos, seq.query_len, seq.context_len, window, self.positions.device)
-            if not seq.fresh:
-                mask = mask.repeat(groups, 1)  # [G*q, ctx]: folded row g*q + j is query j
-            self._masks[key] = mask
+            mask = _own_mask(self, i, kind)  # [q, ctx]
+            self._masks[key] = mask if seq.fresh else mask.repeat(groups, 1)
         return self._masks[key]
 
 
-def _causal_mask(start: int, q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
-    q_pos = torch.arange(start, start + q_len, device=device)[:, None]  # [q, 1]
-    k_pos = torch.arange(ctx_len, device=device)[None, :]  # [1, ctx]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
+# ---------------------------------------------------------------------------------------------- masks
+#
+# One builder for both paths: per sequence, the query rows' positions [.., Q] and the keys' positions [.., L]
+# (cached keys: their slot index; new keys: their positions), then MaskKind.allows, with the sequence's ancestor
+# mask replacing the causal comparison among its new tokens.
 
 
-def _short_mask(short: ShortBatch, block_size: int, groups: int, window: int | None) -> torch.Tensor:
+def _short_mask(meta: AttentionMetadata, kind: MaskKind) -> torch.Tensor:
+    # -> [Bs, Q, L]
+    short = meta.short
     q_pos = short.query_positions[:, :, None]  # [Bs, Q, 1]
-    k_pos = torch.arange(short.num_ctx_blocks * block_size, device=q_pos.device)  # [L]
-    mask = k_pos <= q_pos  # [Bs, Q, L]; also hides padded context, which lies past every query position
-    if window is not None:
-        mask &= k_pos > q_pos - window
+    length = short.num_ctx_blocks * meta.block_size
+    k_idx = torch.arange(length, device=q_pos.device)  # [L]
+    if all(meta._plain(i) for i in short.seq_ids):  # padded context lies past every query position
+        return kind.allows(q_pos, k_idx)
+    starts = [meta.start_positions[i] for i in short.seq_ids]
+    k_pos = k_idx.repeat(short.num_seqs, 1)  # [Bs, L]
+    if meta.seq_positions is not None:
+        rows = [b for b, i in enumerate(short.seq_ids) for _ in meta.seq_positions[i]]
+        cols = [starts[b] + j for b, i in enumerate(short.seq_ids) for j in range(len(meta.seq_positions[i]))]
+        vals = [p for i in short.seq_ids for p in meta.seq_positions[i]]
+        k_pos[_long(rows, k_pos.device), _long(cols, k_pos.device)] = _long(vals, k_pos.device)
+    k_pos = k_pos[:, None, :]  # [Bs, 1, L]
+    causal = k_pos <= q_pos  # [Bs, Q, L]
+    for b, i in enumerate(short.seq_ids):
+        anc = None if meta.ancestors is None else meta.ancestors[i]
+        if anc is not None:
+            q_len, start = meta.query_lens[i], starts[b]
+            pad_rows = anc[-1:].expand(short.max_query_len - q_len, q_len)  # pad rows repeat the last query
+            causal[b, :, start : start + q_len] = torch.cat([anc, pad_rows]).to(causal.device)
+    ctx = _long([meta.context_lens[i] for i in short.seq_ids], k_pos.device)[:, None, None]  # [Bs, 1, 1]
+    return kind.allows(q_pos, k_pos, causal) & (k_idx < ctx)
+
+
+def _own_mask(meta: AttentionMetadata, i: int, kind: MaskKind) -> torch.Tensor:
+    # -> [q, ctx] over own sequence i's whole context (cached keys and new ones)
+    seq, device = meta.own[i], meta.positions.device
+    new_pos = _seq_positions(meta, seq.seq_id)
+    q_pos = _long(new_pos, device)[:, None]  # [q, 1]
+    k_pos = _long(list(range(seq.start_pos)) + new_pos, device)[None, :]  # [1, ctx]
+    causal = k_pos <= q_pos
+    anc = None if meta.ancestors is None else meta.ancestors[seq.seq_id]
+    if anc is not None:
+        causal[:, seq.start_pos :] = anc.to(device)
+    return kind.allows(q_pos, k_pos, causal)
+
+
+def _seq_positions(meta: AttentionMetadata, i: int) -> list[int]:
+    if meta.seq_positions is not None:
+        return meta.seq_positions[i]
+    start = meta.start_positions[i]
+    return list(range(start, start + meta.query_lens[i]))
+
+
+def _fold_rows(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    # mask: [Bs, Q, L] -> [Bs, 1, G*Q, L]: folded query row g*Q + j is query j
     bs, q, length = mask.shape
     return mask[:, None].expand(bs, groups, q, length).reshape(bs, 1, groups * q, length)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
 
 
 def build_attention_metadata(
@@ -143,48 +202,53 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    positions: list[int] | None = None,
+    ancestors: list[torch.Tensor | None] | None = None,
 ) -> AttentionMetadata:
-    """Plan one forward over a mixed batch (see the module docstring for the semantics)."""
-    _validate(query_lens, start_positions, block_tables, block_size)
-    positions: list[int] = []
+    """Plan one forward over a mixed batch (see the module docstring for the semantics). ``positions``: [T] RoPE
+    position of every new token (None: its slot index); ``ancestors``: per sequence None or a [q, q] bool mask
+    among its new tokens."""
+    _validate(query_lens, start_positions, block_tables, block_size, positions, ancestors)
+    slot_index = [p for q_len, start in zip(query_lens, start_positions) for p in range(start, start + q_len)]
     slots: list[int] = []
     for q_len, start, table in zip(query_lens, start_positions, block_tables):
-        for p in range(start, start + q_len):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + q_len))
     context_lens = [s + q for s, q in zip(start_positions, query_lens)]
     offsets = [0]
     for q_len in query_lens:
         offsets.append(offsets[-1] + q_len)
+    seq_positions = None
+    if positions is not None and positions != slot_index:
+        seq_positions = [positions[offsets[i] : offsets[i + 1]] for i in range(len(query_lens))]
+    else:
+        positions = slot_index
+    if ancestors is not None and all(a is None for a in ancestors):
+        ancestors = None
 
     short_ids = [i for i, q in enumerate(query_lens) if q <= SHORT_QUERY_MAX]
-    if short_ids and _read_in_place(device, [context_lens[i] for i in short_ids]):
+    if short_ids and cpu_kernels.reads_in_place(device, [context_lens[i] for i in short_ids]):
         short_ids = []
     own_ids = sorted(set(range(len(query_lens))) - set(short_ids))
     short = _plan_short(short_ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
-                        device) if short_ids else None
+                        positions, device) if short_ids else None
     own = [_plan_own(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets, device)
            for i in own_ids]
     return AttentionMetadata(
-        positions=_long_tensor(positions, device),
-        slot_mapping=_long_tensor(slots, device),
+        positions=_long(positions, device),
+        slot_mapping=_long(slots, device),
         query_lens=list(query_lens),
         start_positions=list(start_positions),
         context_lens=context_lens,
         block_size=block_size,
-        max_position=max(context_lens) - 1,
+        max_position=max(positions),
         short=short,
         own=own,
+        seq_positions=seq_positions,
+        ancestors=ancestors,
     )
 
 
-def _read_in_place(device, context_lens: list[int]) -> bool:
-    """Whether short queries attend one sequence at a time, reading contexts in place (CPU, long contexts). The
-    padded batch gathers every sequence's context padded to the longest, so the longest decides."""
-    return torch.device(device).type == "cpu" and max(context_lens) >= OWN_MIN_CONTEXT
-
-
-def _validate(query_lens, start_positions, block_tables, block_size) -> None:
+def _validate(query_lens, start_positions, block_tables, block_size, positions, ancestors) -> None:
     if not (len(query_lens) == len(start_positions) == len(block_tables)) or not query_lens:
         raise ValueError(
             f"build_attention_metadata: query_lens ({len(query_lens)}), start_positions ({len(start_positions)}) "
@@ -201,9 +265,20 @@ def _validate(query_lens, start_positions, block_tables, block_size) -> None:
                 f"sequence {i}: block table has {len(table)} blocks but context {start + q_len} needs {needed} "
                 f"blocks of {block_size}; allocate blocks before scheduling the step"
             )
+    if positions is not None and (len(positions) != sum(query_lens) or min(positions) < 0):
+        raise ValueError(f"build_attention_metadata: positions has {len(positions)} entries (min "
+                         f"{min(positions, default=None)}); give one position >= 0 per new token ({sum(query_lens)})")
+    if ancestors is not None:
+        if len(ancestors) != len(query_lens):
+            raise ValueError(f"build_attention_metadata: ancestors has {len(ancestors)} entries for "
+                             f"{len(query_lens)} sequences; give one (None or a [q, q] bool mask) per sequence")
+        for i, (anc, q_len) in enumerate(zip(ancestors, query_lens)):
+            if anc is not None and (tuple(anc.shape) != (q_len, q_len) or anc.dtype != torch.bool):
+                raise ValueError(f"sequence {i}: ancestor mask of shape {tuple(anc.shape)} and dtype {anc.dtype}; "
+                                 f"it must be [{q_len}, {q_len}] bool (one row and column per new token)")
 
 
-def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
+def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets, positions,
                 device) -> ShortBatch:
     q_max = max(query_lens[i] for i in ids)
     nb = max(-(-context_lens[i] // block_size) for i in ids)
@@ -212,10 +287,10 @@ def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, bl
         used = -(-context_lens[i] // block_size)
         blocks.extend(block_tables[i][:used])
         blocks.extend([0] * (nb - used))
-        q_len, start, off = query_lens[i], start_positions[i], offsets[i]
+        q_len, off = query_lens[i], offsets[i]
         for j in range(q_max):
             jj = min(j, q_len - 1)  # pad rows repeat the last real query (finite softmax, result dropped)
-            q_pos.append(start + jj)
+            q_pos.append(positions[off + jj])
             tok_idx.append(off + jj)
         src.extend(range(b * q_max, b * q_max + q_len))
         dst.extend(range(off, off + q_len))
@@ -224,15 +299,15 @@ def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, bl
         seq_ids=list(ids),
         max_query_len=q_max,
         num_ctx_blocks=nb,
-        block_index=_long_tensor(blocks, device),
-        query_positions=_long_tensor(q_pos, device).view(len(ids), q_max),
-        token_index=None if identity else _long_tensor(tok_idx, device),
-        out_src=None if identity else _long_tensor(src, device),
-        out_dst=None if identity else _long_tensor(dst, device),
+        block_index=_long(blocks, device),
+        query_positions=_long(q_pos, device).view(len(ids), q_max),
+        token_index=None if identity else _long(tok_idx, device),
+        out_src=None if identity else _long(src, device),
+        out_dst=None if identity else _long(dst, device),
     )
 
 
-def _long_tensor(values: list[int], device) -> torch.Tensor:
+def _long(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
@@ -245,37 +320,37 @@ def _plan_own(i, query_lens, start_positions, context_lens, block_tables, block_
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             first_slot = blocks[0] * block_size
         else:
-            block_index = _long_tensor(blocks, device)
-    return OwnSeq(offsets[i], offsets[i] + query_lens[i], start, context_lens[i], first_slot, block_index)
+            block_index = _long(blocks, device)
+    return OwnSeq(i, offsets[i], offsets[i] + query_lens[i], start, context_lens[i], first_slot, block_index)
+
+
+# ---------------------------------------------------------------------------------------------- the layer
 
 
 class PagedAttention(nn.Module):
-    """Attention of one layer over its paged KV cache ``[Hkv, num_blocks * block_size, D]`` (k and v)."""
+    """Attention of one layer over its paged KV cache ``[Hkv, num_blocks * block_size, D]`` (k and v), a view of
+    the runner's :class:`~specray.models.kv_cache.KVCache` that :meth:`bind_cache` hands in. ``kv_spec`` says
+    what the layer caches and which keys it may see."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+    def __init__(self, num_heads: int, kv_spec: FullAttentionSpec, scale: float):
         super().__init__()
-        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        assert num_heads % kv_spec.num_kv_heads == 0, (num_heads, kv_spec.num_kv_heads)
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.groups = num_heads // num_kv_heads
+        self.kv_spec = kv_spec
+        self.num_kv_heads = kv_spec.num_kv_heads
+        self.head_dim = kv_spec.head_dim
+        self.groups = num_heads // self.num_kv_heads
         self.scale = scale
-        self.sliding_window = sliding_window
+        self.mask_kind = kv_spec.mask_kind
         self.block_size = 1
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
-        """Zeroed caches (masked-out slots must hold finite values) of ``num_blocks`` blocks."""
-        shape = (self.num_kv_heads, num_blocks * block_size, self.head_dim)
+    def bind_cache(self, cache: torch.Tensor, block_size: int) -> None:
+        """Attend over ``cache`` [2, Hkv, slots, D] (k, v), owned by the caller."""
+        assert cache.shape == self.kv_spec.shape(cache.shape[2]), (tuple(cache.shape), self.kv_spec)
         self.block_size = block_size
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v cached at ``slots`` [n]: two [n, Hkv, D] (for tests and debugging)."""
-        return self.k_cache[:, slots].transpose(0, 1), self.v_cache[:, slots].transpose(0, 1)
+        self.k_cache, self.v_cache = cache[0], cache[1]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]
@@ -324,7 +399,7 @@ class PagedAttention(nn.Module):
             q = q.index_select(0, sb.token_index)
         k = self._gather(self.k_cache, sb.block_index, bs)  # [Bs, Hkv, L, D]
         v = self._gather(self.v_cache, sb.block_index, bs)
-        mask = meta.short_mask(self.groups, self.sliding_window)  # [Bs, 1, G*Q, L]
+        mask = meta.short_mask(self.groups, self.mask_kind)  # [Bs, 1, G*Q, L]
         o = F.scaled_dot_product_attention(self._fold(q, bs, q_len), k, v, attn_mask=mask, scale=self.scale)
         return self._unfold(o, bs, q_len)
 
@@ -333,7 +408,7 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
-        mask = meta.own_mask(i, self.groups, self.sliding_window)
+        mask = meta.own_mask(i, self.groups, self.mask_kind)
         if seq.fresh:  # only its own new tokens: causal, GQA in the kernel
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
                                                v[rows].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models import cpu_kernels
 from specray.parallel import TPGroup
 
 # ---------------------------------------------------------------------------------------------- weight helpers
@@ -56,107 +57,28 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-# ---------------------------------------------------------------------------------------------- CPU matmuls
-#
-# A decode step multiplies a handful of rows by every weight, so on CPU it streams the weights from memory. Two
-# paths, best first:
-# 1. oneDNN with the weight reordered once, at load, into its blocked layout (``pack_weight``): its narrow-M
-#    kernels neither repack W on every call (as MKL's gemm does) nor fall back to one-thread gemv. SmolLM2's
-#    weights, 2 threads, median of 7 (2026-11-23), against path 2: 1 row 35 vs 35 ms, 4: 39 vs 38, 6: 45 vs 51,
-#    8: 49 vs 56, 12: 53 vs 75, 16: 61 vs 76, 24: 74 vs 102, 32: 92 vs 107; a 300-row prefill 599 vs 630 (MKL).
-#    Its cost grows smoothly with the rows (about a + b * rows), so no padding.
-# 2. Unpacked fp32 weights (no oneDNN, or a model used before ``pack_linear_weights``): W @ x^T at the widths
-#    of ``padded_rows``.
-PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was 1.5x slower at 2-8 rows)
-
-
-def can_pack(device: str, dtype: str) -> bool:
-    """Whether weights of this device and dtype get oneDNN's blocked layout (fp32 on a CPU with oneDNN)."""
-    return device == "cpu" and dtype == "float32" and torch.backends.mkldnn.is_available()
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of ``weight`` [N, K] (an opaque mkldnn tensor that only ``linear`` reads)."""
-    assert can_pack(weight.device.type, str(weight.dtype).removeprefix("torch.")), (weight.device, weight.dtype)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-
-
-# fp32 CPU, SmolLM2's layer shapes, 2 threads (2026-11-23, best of 5): (W @ x^T)^T against x @ W^T (MKL) for all
-# layers' weights: 8 rows 44 vs 67 ms, 9 rows 51 vs 86, 16: 61 vs 81, 48: 104 vs 126, 128: 217 vs 228, 256 even,
-# 512: 1023 vs 715. Batch 8 with drafts (9-128 rows) used to fall off that cliff at 9 rows.
-SMALL_BATCH_ROWS = 128
-LM_HEAD_SMALL_ROWS = 128  # the LM head's very tall W keeps the advantage as long (~15-20% at 16-128 rows)
-
-
-# Row counts that MKL's narrow-gemm kernels run fast on this kind of CPU (AVX2); past the last, multiples of 8.
-FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)
-
-
-def padded_rows(m: int) -> int:
-    """The row count ``linear`` runs ``m`` rows as on CPU: the next of ``FAST_ROWS``, then the next multiple of
-    8 (up to ``SMALL_BATCH_ROWS``; past it, ``m``); zero rows fill the rest.
-
-    MKL's gemv (one row) runs on one thread, and its narrow gemm is fast only at some widths. A whole SmolLM2
-    step (all layers and the LM head over every row), 2 threads, median of 7 (2026-11-23), unpadded -> padded:
-    3 rows 50 -> 45 ms, 7: 68 -> 63, 12: 106 -> 88, 13: 128 -> 87; while 5 (53) and 9 (73) are faster than 8
-    (63) and 16 (87). ``benchmarks/bench_rows.py`` prints the table for the machine at hand.
-    """
-    for rows in FAST_ROWS:
-        if m <= rows:
-            return rows
-    padded = -(-m // 8) * 8
-    return padded if padded <= SMALL_BATCH_ROWS else m
-
-
-def rows_for(device: str, dtype: str):
-    """The ``padded_rows`` rule where ``linear`` pads (fp32 on CPU, unpacked: no oneDNN), else None (tokens
-    are rows)."""
-    return padded_rows if device == "cpu" and dtype == "float32" and not torch.backends.mkldnn.is_available() else None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           small_rows: int = SMALL_BATCH_ROWS, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D ``x``, faster on CPU: through ``packed`` (``pack_weight(weight)``) when given, else
-    faster for decode-sized inputs.
-
-    MKL's x @ W^T for a handful of rows (gemv for one) does not use the memory bandwidth well; W @ x^T with
-    x^T as a narrow right-hand side does, at the row counts of ``padded_rows`` (zero rows fill the rest).
-    """
-    # x: [M, K]; weight: [N, K] -> [M, N]
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    m = x.shape[0]
-    if m > small_rows or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-        return F.linear(x, weight, bias)
-    pad = padded_rows(m) - m
-    rhs = (F.pad(x, (0, 0, 0, pad)) if pad else x).t()  # [K, padded_rows(M)]
-    y = torch.mm(weight, rhs)[:, :m].t().contiguous()  # [M, N]
-    return y if bias is None else y + bias
-
-
 # ---------------------------------------------------------------------------------------------- linears
 
 
-class PackableLinear(nn.Module):
-    """A linear whose weight can be swapped, once loaded, for oneDNN's blocked copy (``pack``)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x``, the one entry every linear calls: on CPU the kernels of
+    :mod:`specray.models.cpu_kernels` (``packed`` is a weight they prepared at load), elsewhere plain."""
+    # x: [M, K]; weight: [N, K] -> [M, N]
+    if x.device.type == "cpu":
+        return cpu_kernels.cpu_linear(x, weight, bias, packed)
+    return F.linear(x, weight, bias)
+
+
+class LinearBase(nn.Module):
+    """Base of the TP linears. ``packed`` is a kernel-specific copy of ``weight`` made once after loading
+    (:func:`specray.models.cpu_kernels.pack_linear_weights`), None until then."""
 
     packed: torch.Tensor | None = None
-
-    def pack(self, keep_dense: bool = False) -> None:
-        """Replace the weight by its blocked copy (``keep_dense``: keep both, e.g. a weight tied elsewhere)."""
-        self.packed = pack_weight(self.weight)
-        if not keep_dense:
-            self.weight = None  # the parameter is gone: load weights before packing
+    keeps_dense_weight = False  # packing keeps ``weight`` too
 
 
-def pack_linear_weights(model: nn.Module) -> None:
-    """Pack every linear's weight of a loaded fp32 CPU ``model`` (see ``pack_weight``)."""
-    for module in model.modules():
-        if isinstance(module, PackableLinear):
-            module.pack(keep_dense=isinstance(module, ParallelLMHead))
-
-
-class ColumnParallelLinear(PackableLinear):
+class ColumnParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's output rows split across ranks; each rank returns its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
@@ -226,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, src, size))
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's input columns split across ranks: partial products are summed (all-reduce)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
@@ -284,13 +206,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """Logits over this rank's vocab slice, all-gathered to the full vocabulary. Packed, it keeps its dense
     weight too (the embedding's, when tied; the model reads its dtype and device)."""
 
+    keeps_dense_weight = True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V]
-        logits = linear(hidden, self.weight, small_rows=LM_HEAD_SMALL_ROWS, packed=self.packed)
+        logits = linear(hidden, self.weight, packed=self.packed)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]

@@ -8,7 +8,7 @@ bias (``attention_bias``), MLP bias (``mlp_bias``), sliding-window layers (Mistr
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, SlidingWindowSpec
 from specray.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -58,6 +59,13 @@ def _sliding_window(config, layer: int) -> int | None:
     return window
 
 
+def _kv_spec(config, layer: int, qkv: QKVParallelLinear) -> FullAttentionSpec:
+    """What layer ``layer`` caches on this rank: its KV heads, and a sliding window where it has one."""
+    heads = dict(num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, kv_head_start=qkv.kv_head_start)
+    window = _sliding_window(config, layer)
+    return FullAttentionSpec(**heads) if window is None else SlidingWindowSpec(**heads, sliding_window=window)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, tp: TPGroup, layer: int):
         super().__init__()
@@ -71,8 +79,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
-                                   _sliding_window(config, layer))
+        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -131,16 +138,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids: [T] -> [T, H]
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
         x = self.embed_tokens(input_ids)
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
             x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
-        return x
+        return x, [aux[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,12 +186,23 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids: [T] int64 -> hidden [T, H]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] int64 -> [T, H]
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states; with ``aux_layers`` also the residual stream entering those layers (see
+        :class:`specray.models.interface.CausalLM`)."""
+        # input_ids: [T] int64 -> hidden [T, H] (and [T, H] per aux layer)
         if not self.kv_cache_allocated:
-            raise ValueError("the KV cache is not allocated: call model.allocate_kv_cache(num_blocks, block_size) "
-                             "before the first forward")
-        return self.model(input_ids, meta)
+            raise ValueError("the KV cache is not allocated: call specray.models.kv_cache.allocate_kv_cache(model, "
+                             "num_blocks, block_size) before the first forward")
+        num_layers = len(self.model.layers)
+        if any(not 0 <= i < num_layers for i in aux_layers):
+            raise ValueError(f"aux_layers={tuple(aux_layers)}: layer indices must lie in [0, {num_layers})")
+        hidden, aux = self.model(input_ids, meta, aux_layers)
+        return (hidden, aux) if aux_layers else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32, full vocab on every rank
@@ -188,21 +210,16 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------------------------------ KV cache
 
-    def _attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per attention layer, in layer order: what each caches on this rank."""
+        return [layer.self_attn.attn.kv_spec for layer in self.model.layers]
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of k + v cache one block takes on this rank, over all layers."""
-        attn = self._attention_layers()[0]
-        per_layer = 2 * block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_layer * len(self.model.layers)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Zeroed per-layer caches of ``num_blocks`` blocks (see :class:`PagedAttention` for the layout)."""
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"allocate_kv_cache(num_blocks={num_blocks}, block_size={block_size}): both must be >= 1")
-        for attn in self._attention_layers():
-            attn.allocate(num_blocks, block_size, self.dtype, self.device)
+    def bind_kv_cache(self, cache: KVCache) -> None:
+        """Attend over ``cache`` (allocated for :meth:`kv_cache_specs` by its owner, see
+        :func:`specray.models.kv_cache.allocate_kv_cache`)."""
+        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size)
         self.kv_cache_allocated = True
 
     # ------------------------------------------------------------------------------------------ weights

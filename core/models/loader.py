@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.models.layers import can_pack, pack_linear_weights
+from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.registry import get_model_class
 from specray.parallel import TPGroup
 
@@ -44,10 +44,6 @@ class ModelSource:
     weight_files: tuple[Path, ...]
     weight_format: str  # "safetensors" | "bin"
     gguf_file: Path | None = None
-
-    @property
-    def folder(self) -> Path:  # alias of `path`
-        return self.path
 
 
 # ---------------------------------------------------------------------------------------------- resolving
@@ -155,7 +151,7 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True) -> nn.Module:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
-    with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``layers.pack_weight``)."""
+    with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``)."""
     from transformers import AutoConfig
 
     if not dtype.is_floating_point:

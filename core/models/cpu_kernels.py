@@ -1,0 +1,99 @@
+"""CPU-specific choices of the model layers, in one place so that the layers stay plain.
+
+* Linears. A decode step multiplies a handful of rows by every weight, so on CPU it streams the weights from
+  memory. Best first: (1) oneDNN with each weight reordered once, at load, into its blocked layout
+  (:func:`pack_weight`): its narrow-M kernels neither repack W on every call (as MKL's gemm does) nor fall back to
+  a one-thread gemv, and their cost grows smoothly with the rows, so no padding; (2) unpacked fp32 weights (no
+  oneDNN, or a model used before :func:`pack_linear_weights`): ``W @ x^T`` with ``x^T`` as a narrow right-hand
+  side, padded to a row count MKL runs fast (:func:`padded_rows`), since ``x @ W^T`` for a few rows does not use
+  the memory bandwidth well and MKL's narrow gemm is fast only at some widths.
+* Attention. The padded short-query batch gathers every sequence's context, padded to the longest; on CPU that
+  copy costs more than attending once contexts are long, so from ``OWN_MIN_CONTEXT`` tokens short queries attend
+  one sequence at a time, reading consecutive blocks in place (:func:`reads_in_place`).
+
+``benchmarks/bench_rows.py`` and ``benchmarks/bench_long_context.py`` measure these thresholds; ``docs/`` keeps
+the results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was slower at decode batch sizes)
+SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and later faster
+FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
+OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
+
+
+# ---------------------------------------------------------------------------------------------- linears
+
+
+def can_pack(device: str, dtype: str) -> bool:
+    """Whether weights of this device and dtype get oneDNN's blocked layout (fp32 on a CPU with oneDNN)."""
+    return device == "cpu" and dtype == "float32" and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of ``weight`` [N, K] (an opaque mkldnn tensor that only ``cpu_linear`` reads)."""
+    assert can_pack(weight.device.type, str(weight.dtype).removeprefix("torch.")), (weight.device, weight.dtype)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def pack_linear(module: nn.Module, keep_dense: bool = False) -> None:
+    """Give a linear (any module with ``weight`` and a ``packed`` slot) its blocked copy; drop the dense weight
+    unless ``keep_dense`` (a weight tied elsewhere). Load weights before packing: the parameter is gone after."""
+    module.packed = pack_weight(module.weight)
+    if not keep_dense:
+        module.weight = None
+
+
+def pack_linear_weights(model: nn.Module) -> None:
+    """Pack every linear of a loaded fp32 CPU ``model``: the modules with a ``packed`` slot. Those that say
+    ``keeps_dense_weight`` (an LM head, whose weight may be the tied embedding's) keep it too."""
+    for module in model.modules():
+        if hasattr(module, "packed") and getattr(module, "weight", None) is not None:
+            pack_linear(module, keep_dense=getattr(module, "keeps_dense_weight", False))
+
+
+def padded_rows(m: int) -> int:
+    """The row count ``cpu_linear`` runs ``m`` rows as on unpacked weights: the next of ``FAST_ROWS``, then the
+    next multiple of 8 (up to ``SMALL_BATCH_ROWS``; past it, ``m``); zero rows fill the rest. MKL's gemv (one
+    row) runs on one thread, and its narrow gemm is fast only at some widths."""
+    for rows in FAST_ROWS:
+        if m <= rows:
+            return rows
+    padded = -(-m // 8) * 8
+    return padded if padded <= SMALL_BATCH_ROWS else m
+
+
+def rows_for(device: str, dtype: str):
+    """The ``padded_rows`` rule where linears pad (fp32 on CPU, unpacked: no oneDNN), else None (tokens are
+    rows): the draft-length policy prices a step by the rows it really runs."""
+    return padded_rows if device == "cpu" and dtype == "float32" and not torch.backends.mkldnn.is_available() else None
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x`` on CPU: through ``packed`` (``pack_weight(weight)``) when given, else
+    ``W @ x^T`` at the row counts of ``padded_rows`` for fp32 decode-sized inputs."""
+    # x: [M, K]; weight: [N, K] -> [M, N]
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    m = x.shape[0]
+    if m > SMALL_BATCH_ROWS or x.dtype != torch.float32 or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    pad = padded_rows(m) - m
+    rhs = (F.pad(x, (0, 0, 0, pad)) if pad else x).t()  # [K, padded_rows(M)]
+    y = torch.mm(weight, rhs)[:, :m].t().contiguous()  # [M, N]
+    return y if bias is None else y + bias
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def reads_in_place(device: torch.device | str, context_lens: list[int]) -> bool:
+    """Whether short queries attend one sequence at a time, reading contexts in place (CPU, long contexts). The
+    padded batch gathers every sequence's context padded to the longest, so the longest decides."""
+    return torch.device(device).type == "cpu" and max(context_lens) >= OWN_MIN_CONTEXT

@@ -1,0 +1,215 @@
+"""The paged KV cache: what each attention layer needs (a :class:`KVCacheSpec`), and one owner that allocates it.
+
+A model states one spec per attention layer (``kv_cache_specs()``); the :class:`KVCache` allocates one tensor per
+group of layers whose slots have the same shape and hands each layer a view of it (``bind_kv_cache``). Sizing
+(bytes per block over all layers), snapshots of slots and moving K/V between slots are calls on the cache, so the
+runner never loops over the model's layers, and a move over every layer is one ``index_copy_`` per group.
+
+Slots: slot ``s`` is position ``s % block_size`` of block ``s // block_size``. Every spec keeps all of a
+sequence's slots (a sliding-window or chunked-local layer masks what it may not see instead of freeing it), so
+one block table serves every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    """Which earlier keys a query may attend, compared by RoPE position (not by slot): always causal, plus a
+    sliding ``window`` (keys within ``window`` positions) or a ``chunk`` (keys in the same chunk of positions,
+    Llama-4's chunked-local attention)."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
+        """Bool mask, broadcast over ``q_pos`` and ``k_pos``; ``causal`` replaces ``k_pos <= q_pos`` where a
+        caller knows better (a tree's ancestors)."""
+        mask = k_pos <= q_pos if causal is None else causal
+        if self.window is not None:
+            mask = mask & (k_pos > q_pos - self.window)
+        if self.chunk is not None:
+            mask = mask & (k_pos // self.chunk == q_pos // self.chunk)
+        return mask
+
+
+CAUSAL = MaskKind()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer caches per slot on this rank. Base of the concrete specs."""
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """The shape of the layer's cache with the slot dimension of size 1 (see :attr:`slot_dim`)."""
+        raise NotImplementedError
+
+    @property
+    def slot_dim(self) -> int:
+        """Which dimension of the layer's cache indexes slots."""
+        raise NotImplementedError
+
+    @property
+    def mask_kind(self) -> MaskKind:
+        return CAUSAL
+
+    def shape(self, num_slots: int) -> tuple[int, ...]:
+        shape = list(self.slot_shape)
+        shape[self.slot_dim] = num_slots
+        return tuple(shape)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block of ``block_size`` slots takes in this layer."""
+        per_slot = 1
+        for n in self.slot_shape:
+            per_slot *= n
+        return per_slot * block_size * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """k and v of this rank's KV heads: the layer's cache is ``[2, Hkv, slots, D]`` (k = [0], v = [1]), so one
+    head's context of consecutive blocks is one view. ``kv_head_start`` is the global index of this rank's first
+    KV head (heads are split over TP ranks, or replicated when there are fewer than ranks). A draft head's extra
+    layers are more of these."""
+
+    num_kv_heads: int
+    head_dim: int
+    kv_head_start: int = 0
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, 1, self.head_dim)
+
+    @property
+    def slot_dim(self) -> int:
+        return 2
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """The global KV heads this rank holds: ``(start, count)``."""
+        return self.kv_head_start, self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Full-attention layout; queries see the last ``sliding_window`` positions (Mistral, Qwen2 layers)."""
+
+    sliding_window: int = 0
+
+    @property
+    def mask_kind(self) -> MaskKind:
+        return MaskKind(window=self.sliding_window)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    """Full-attention layout; queries see earlier positions of their own chunk of ``attention_chunk_size``
+    (Llama-4's local layers)."""
+
+    attention_chunk_size: int = 0
+
+    @property
+    def mask_kind(self) -> MaskKind:
+        return MaskKind(chunk=self.attention_chunk_size)
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one compressed latent plus the RoPE part of the key per
+    slot, ``[slots, kv_lora_rank + qk_rope_head_dim]``, the same on every TP rank."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
+    def slot_dim(self) -> int:
+        return 0
+
+
+def bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over every layer of ``specs``: the unit a rank's memory budget is divided by."""
+    return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
+
+
+def slots_of(block_table: list[int], positions: range | list[int], block_size: int) -> list[int]:
+    """The slots of a sequence's slot indices ``positions`` through its block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+class HasKVCache(Protocol):
+    dtype: torch.dtype
+    device: torch.device
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]: ...
+
+    def bind_kv_cache(self, cache: "KVCache") -> None: ...
+
+
+class KVCache:
+    """Every layer's paged cache on one rank: one zeroed tensor ``[layers_in_group, *spec.shape(slots)]`` per
+    group of layers with equal slot shapes (masked-out slots must hold finite values), and one view per layer."""
+
+    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"allocate_kv_cache(num_blocks={num_blocks}, block_size={block_size}): both must be >= 1")
+        self.specs = list(specs)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_slots = num_blocks * block_size
+        groups: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(self.specs):
+            groups.setdefault((spec.slot_shape, spec.slot_dim), []).append(i)
+        self._groups: list[tuple[torch.Tensor, int, list[int]]] = []  # (tensor, slot dim in it, layer ids)
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self.specs)
+        for (_, slot_dim), layers in groups.items():
+            shape = self.specs[layers[0]].shape(self.num_slots)
+            tensor = torch.zeros((len(layers), *shape), dtype=dtype, device=device)
+            self._groups.append((tensor, slot_dim + 1, layers))
+            for j, layer in enumerate(layers):
+                self._views[layer] = tensor[j]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s cache, a view: ``spec.shape(num_slots)``."""
+        return self._views[i]
+
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.specs, self.block_size, self.dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move every layer's cached values at slots ``src`` [n] to slots ``dst`` [n] (int64, on the cache's
+        device): all sources are read before any destination is written, so the two may overlap."""
+        for tensor, dim, _ in self._groups:
+            tensor.index_copy_(dim, dst, tensor.index_select(dim, src))
+
+    def snapshot(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """A copy of every layer's values at ``slots`` [n]: per layer, ``spec.shape(n)`` (for tests and
+        debugging)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * self.num_layers
+        for tensor, dim, layers in self._groups:
+            picked = tensor.index_select(dim, slots)
+            for j, layer in enumerate(layers):
+                out[layer] = picked[j]
+        return out
+
+
+def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int) -> KVCache:
+    """A cache of ``num_blocks`` blocks for ``model``'s layers, in its dtype and on its device, bound to them.
+    The caller owns it (the model runner, a drafter, a test)."""
+    cache = KVCache(model.kv_cache_specs(), num_blocks, block_size, model.dtype, model.device)
+    model.bind_kv_cache(cache)
+    return cache

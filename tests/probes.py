@@ -1,0 +1,56 @@
+"""Probe functions the tests run on a worker, in process or on every rank through ``collective_rpc`` /
+``TargetWorker.run``: each is ``fn(worker, *args)`` and reads the worker through its public seams (the runner's
+KV cache object and block tables, the model's KV specs and its forward), so the worker carries no test hooks.
+
+The tests folder is not a package: load this file with ``importlib.util.spec_from_file_location`` under a name
+outside ``sys.modules``, so that cloudpickle ships its functions by value and Ray actors run them without
+importing anything from ``tests/``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.contract import StepPlan, StepResult
+from specray.models.kv_cache import slots_of
+from specray.workers.model_runner import logit_rows
+
+
+def execute_with_logits(worker, plan: StepPlan, draft_probs: dict | None = None
+                        ) -> tuple[StepResult | None, torch.Tensor | None]:
+    """``worker.execute`` plus the step's logits rows ([N, V] on CPU; None when nothing sampled), recomputed from
+    the hidden states the model's forward returned (on every rank: the LM head gathers over the TP group)."""
+    hidden: list[torch.Tensor] = []
+    handle = worker.model.register_forward_hook(lambda _module, _args, out: hidden.append(out))
+    try:
+        result = worker.execute(plan, draft_probs)
+    finally:
+        handle.remove()
+    rows = logit_rows(plan)
+    if not rows:
+        return result, None
+    with torch.inference_mode():
+        return result, worker.model.compute_logits(hidden[0][rows]).cpu()
+
+
+def kv_snapshot(worker, req_id: str, num_tokens: int) -> torch.Tensor:
+    """[layers, 2, num_tokens, local_kv_heads, head_dim] on CPU: the cached k and v of the request's first
+    ``num_tokens`` positions, read through its block table."""
+    runner = worker.runner
+    slots = slots_of(runner.block_tables[req_id], range(num_tokens), runner.block_size)
+    layers = runner.kv_cache.snapshot(torch.tensor(slots, device=worker.device))  # [2, Hkv, n, D] each
+    return torch.stack([kv.transpose(1, 2) for kv in layers]).cpu()
+
+
+def kv_snapshots(worker, requests: list[tuple[str, int]]) -> list[torch.Tensor]:
+    """:func:`kv_snapshot` of several ``(req_id, num_tokens)`` at once."""
+    return [kv_snapshot(worker, req_id, n) for req_id, n in requests]
+
+
+def kv_head_range(worker) -> tuple[int, int]:
+    """The global KV heads the worker's rank holds: ``(start, count)``."""
+    return worker.model.kv_cache_specs()[0].kv_head_range
+
+
+def rank(worker) -> int:
+    return worker.rank
