@@ -383,7 +383,8 @@ class OpenAIServing:
 
     def _encode_completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(prompt, self.client.tokenizer.encode(prompt))
+            with _user_text_errors("prompt"):
+                return _Prompt(prompt, self.client.tokenizer.encode(prompt))
         return _Prompt(None, list(prompt))
 
     def _encode_chat_prompt(self, req: proto.ChatCompletionRequest) -> _Prompt:
@@ -391,12 +392,10 @@ class OpenAIServing:
         if not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
                                     "messages")
-        try:
+        with _user_text_errors("messages"):
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
                                                  add_generation_prompt=req.add_generation_prompt)
-        except (TemplateError, ValueError) as err:
-            raise proto.bad_request(f"the chat template rejected the messages: {err}", "messages") from None
-        return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+            return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
                  request_id: str) -> list[_Choice]:
@@ -465,6 +464,18 @@ class OpenAIServing:
 
 
 # ---- errors --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _user_text_errors(param: str):
+    """The chat template and the tokenizer fail on what the client sent (a template's own ``raise_exception``,
+    text a tokenizer cannot encode): a 400 naming ``param``, not a 500."""
+    try:
+        yield
+    except (TemplateError, ValueError, TypeError, UnicodeError) as err:
+        logger.info("rejected %s: %r", param, err)
+        raise proto.bad_request(f"{param} could not be tokenized: {err}; check the text and the roles",
+                                param) from None
+
 
 def to_openai_error(exc: BaseException) -> proto.OpenAIError:
     if isinstance(exc, proto.OpenAIError):

@@ -349,6 +349,48 @@ def test_bad_chat_parameters(server, override, param):
     assert (status, err["param"]) == (400, param)
 
 
+def test_out_of_range_seed_is_400_and_does_not_touch_other_requests(server, client, offline):
+    prompt = "Extract the names from: Alice"
+    want = offline_greedy(offline, [prompt], 24)[0].outputs[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    parts = [next(iter(stream)).choices[0].text]
+    for seed in (2 ** 70, 2 ** 63, -(2 ** 63) - 1):
+        status, err = error_of(http_json(server + "/v1/completions",
+                                         {"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": seed}))
+        assert (status, err["param"]) == (400, "seed") and "922337203685477580" in err["message"]
+    parts += [c.choices[0].text for c in stream]
+    assert "".join(parts) == want
+    edge = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=1.0, n=2,
+                                     seed=2 ** 63 - 1)  # choice 1's seed wraps around
+    assert len(edge.choices) == 2
+
+
+def test_chat_messages_are_checked_in_openai_terms(server):
+    url = server + "/v1/chat/completions"
+    status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": None}]}))
+    assert (status, err["param"]) == (400, "messages.0.content")
+    assert "null" in err["message"] and "'user'" in err["message"] and "template" not in err["message"]
+    status, err = error_of(http_json(url, {"messages": [{"role": "system", "content": "x"},
+                                                        {"role": "wizard", "content": "hi"}]}))
+    assert (status, err["param"]) == (400, "messages.1.role")
+    assert "'wizard'" in err["message"] and all(r in err["message"] for r in ("user", "assistant", "developer"))
+    status, body = http_json(url, {"messages": [{"role": "developer", "content": "Be brief."},
+                                                {"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_lone_surrogate_is_400(server):
+    surrogate = b'"Hi \\ud800 there"'
+    for path, body, param in (
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": %s}]}', "messages.0.content"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+             "messages.0.content.0.text"),
+            ("/v1/completions", b'{"prompt": %s}', "prompt"),
+            ("/v1/completions", b'{"prompt": "x", "stop": [%s]}', "stop")):
+        status, err = error_of(http_json(server + path, body % surrogate))
+        assert (status, err["param"]) == (400, param) and "surrogate" in err["message"], (path, err)
+
+
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
