@@ -58,6 +58,18 @@ def queue_full(max_queue_len: int) -> OpenAIError:
                             "(max_queue_len); retry later", "server_error", None, "queue_full")
 
 
+def body_too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than this server accepts ({size} bytes or more; the "
+                            f"limit is {limit}, max_request_body_bytes); shorten the request",
+                       "invalid_request_error", None, "request_too_large")
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' with "
+                            "the key the server was started with (--api-key or SPECRAY_API_KEY)",
+                       "invalid_request_error", None, "invalid_api_key")
+
+
 def server_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 

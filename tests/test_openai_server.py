@@ -44,10 +44,11 @@ def free_port() -> int:
 
 # ---- HTTP helpers ---------------------------------------------------------------------------------------
 
-def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0,
+              headers: dict | None = None) -> tuple[int, dict]:
     """GET (body None) or POST ``body``; returns (status, parsed JSON)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -106,7 +107,8 @@ def server(ray_cluster, tiny_llama_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "spec_method": SPEC["method"],
                      "num_spec_tokens": SPEC["num_speculative_tokens"], "max_model_len": MAX_MODEL_LEN,
-                     "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5})
+                     "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5,
+                     "enable_debug_routes": True})
     serve.run(app, name="specray", route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
@@ -568,7 +570,7 @@ def test_build_app_args_accept_serve_cli_strings(tiny_llama_dir):
 
     parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir), "max_num_seqs": "4", "spec_method": "null",
                                   "max_queue_len": "none", "num_cpus": "0.25"})
-    assert (parsed.max_num_seqs, parsed.spec_method, parsed.max_queue_len) == (4, None, None)
+    assert (parsed.engine_args().max_num_seqs, parsed.max_queue_len) == (4, None)
     assert parsed.served_model_name == tiny_llama_dir.name
     assert parsed.engine_args().speculative_config is None
     assert replica_resources(parsed)["num_cpus"] == 0.25
@@ -608,11 +610,22 @@ class FakeEngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.gate: asyncio.Event | None = None
         self.open = True
+        self.active = 0  # engine requests in flight now, and the most at once
+        self.max_active = 0
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            async for out in self._generate(prompt_token_ids, params, prompt, req_id):
+                yield out
+        finally:
+            self.active -= 1
 
     def release(self) -> None:
         self.loop.call_soon_threadsafe(self.gate.set)
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
         from specray.errors import RequestFailedError
 
         self.loop = asyncio.get_running_loop()
@@ -637,12 +650,12 @@ class FakeEngineClient:
 
 
 @contextlib.contextmanager
-def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None):
+def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, **config):
     import uvicorn
 
     from specray.cluster.openai_app import ServerConfig, build_openai_app
 
-    app = build_openai_app(fake, ServerConfig("fake", max_queue_len))
+    app = build_openai_app(fake, ServerConfig("fake", max_queue_len, **{"enable_debug_routes": True, **config}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -701,3 +714,104 @@ def test_n_choices_stream_interleaved_with_indices():
         assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == 2
         assert usage["speculative"] == {"drafts": 16, "draft_tokens": 32, "accepted_tokens": 16,
                                         "acceptance_rate": 0.5, "mean_accepted_length": 2.0}  # summed over choices
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(http_json(url, body)), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_api_key_is_required_except_for_health_and_debug_route_is_off():
+    with app_in_thread(FakeEngineClient(), api_key="sekret", enable_debug_routes=False) as base:
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi"}))
+        assert (status, err["type"], err["code"]) == (401, "invalid_request_error", "invalid_api_key")
+        status, err = error_of(http_json(base + "/v1/models", headers={"Authorization": "Bearer wrong"}))
+        assert status == 401
+        assert http_json(base + "/health")[0] == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0, timeout=30)
+        assert client.completions.create(model="fake", prompt="hi").choices[0].text == "xxx"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        status, err = error_of(http_json(base + "/v1/debug/kv", headers={"Authorization": "Bearer sekret"}))
+        assert status == 404
+
+
+def test_one_request_cannot_hold_every_seat_or_fill_the_queue():
+    fake = FakeEngineClient(tokens=2)
+    fake.open = False
+    caps = dict(max_seats_per_request=2, max_n=4, max_tokens_per_request=40)
+    with app_in_thread(fake, max_queue_len=3, **caps) as base:
+        url = base + "/v1/completions"
+        status, err = error_of(http_json(url, {"prompt": "hi", "n": 5, "max_tokens": 2}))
+        assert (status, err["param"]) == (400, "n") and "4" in err["message"]
+        status, err = error_of(http_json(url, {"prompt": ["a", "b"], "n": 2, "max_tokens": 11}))
+        assert (status, err["param"]) == (400, "max_tokens") and "44" in err["message"] and "40" in err["message"]
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "hi"}], "n": 2}))
+        assert (status, err["param"]) == (400, "max_tokens")  # no max_tokens: each choice may take the context
+        big: list = []
+        big_thread = post_in_thread(url, {"prompt": "hi", "n": 4, "max_tokens": 2}, big)
+        wait_until(lambda: kv_state(base)["num_queued"] == 2)
+        assert fake.active == 2  # two of its four choices hold engine seats; the others wait their turn
+        small: list = []
+        small_thread = post_in_thread(url, {"prompt": "hi", "max_tokens": 2}, small)
+        wait_until(lambda: kv_state(base)["num_queued"] == 3)
+        status, err = error_of(http_json(url, {"prompt": "hi", "max_tokens": 2}))
+        assert (status, err["code"]) == (503, "queue_full")
+        fake.release()
+        big_thread.join(timeout=30)
+        small_thread.join(timeout=30)
+        assert big[0][0] == 200 and len(big[0][1]["choices"]) == 4 and small[0][0] == 200
+        assert fake.max_active == 3 and kv_state(base)["num_queued"] == 0
+
+
+class SlowTokenizer(FakeTokenizer):
+    """Counts encodes; each takes ``delay`` seconds (a long prompt's tokenization)."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        time.sleep(self.delay)
+        return super().encode(text, add_special_tokens)
+
+
+def test_body_limit_and_text_too_long_to_fit_are_refused_before_tokenizing():
+    fake = FakeEngineClient()
+    fake.tokenizer = SlowTokenizer()
+    with app_in_thread(fake, max_request_body_bytes=10_000) as base:
+        start = time.monotonic()
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "x" * 20_000}))
+        assert (status, err["code"]) == (413, "request_too_large") and "10000" in err["message"]
+        assert time.monotonic() - start < 5
+        # 64 tokens of at most 32 characters (FakeTokenizer lists no vocabulary), with slack 2: 4096 characters
+        for path, body in (("/v1/completions", {"prompt": "x" * 5000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]})):
+            status, err = error_of(http_json(base + path, body))
+            assert (status, err["code"]) == (400, "context_length_exceeded") and "5000 characters" in err["message"]
+        assert fake.tokenizer.calls == 0
+        assert http_json(base + "/v1/completions", {"prompt": "x" * 40, "max_tokens": 3})[0] == 200
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
+    fake = FakeEngineClient()
+    fake.tokenizer = SlowTokenizer(delay=1.5)
+    with app_in_thread(fake) as base:
+        slow: list = []
+        thread = post_in_thread(base + "/v1/completions", {"prompt": "a long prompt", "max_tokens": 3}, slow)
+        wait_until(lambda: fake.tokenizer.calls == 1)
+        start = time.monotonic()
+        assert http_json(base + "/health")[0] == 200
+        assert time.monotonic() - start < 0.75  # the event loop was free while the tokenizer ran
+        thread.join(timeout=30)
+        assert slow[0][0] == 200
