@@ -241,11 +241,15 @@ def serve_app_args(args) -> dict:
 
 
 def cmd_serve(args) -> int:
-    from specray.cluster.serve import run_server
+    from specray.cluster.serve import ServerStartError, run_server
 
     logging.getLogger("specray").setLevel(logging.INFO)
     print(f"specray: starting the server on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
-    run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
+    try:
+        run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
+    except ServerStartError as err:
+        print(f"specray: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

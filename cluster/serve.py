@@ -10,10 +10,12 @@ queue lengths), the same numbers as ``GET /v1/debug/kv``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +36,11 @@ from specray.config import EngineArgs  # noqa: E402
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "specray"
+CONSTRUCTOR_RETRIES = 1
+
+
+class ServerStartError(RuntimeError):
+    """The server could not start; the message is the cause (a replica's own error included)."""
 API_KEY_ENV = "SPECRAY_API_KEY"
 
 # Shorthands from the first version of these args, each one key of an EngineArgs sub-config (vLLM's serve has
@@ -271,6 +278,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=parsed.num_replicas,
         max_ongoing_requests=parsed.max_ongoing_requests,
         ray_actor_options=replica_resources(parsed),
+        # A replica that cannot construct its engine fails on its configuration (model, heads, placement):
+        # retrying only delays the error, so the deploy fails at the first failure and says why.
+        max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     return deployment.bind(parsed)
 
@@ -296,13 +306,23 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     """Deploy the server on Ray Serve at http://host:port/ (starting a local Ray when ``ray_address`` is None and
     this process is not connected yet). The HTTP proxy runs on the head node only (``proxy_location``), so
     host:port is the one address clients use. With ``blocking`` it serves until Ctrl-C, then shuts Serve down;
-    otherwise it returns the app's handle."""
-    ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
+    otherwise it returns the app's handle. What can be known before Ray starts is checked first (arguments, a
+    busy port, and on a local cluster the model and its heads); a replica's construction error is raised as a
+    :class:`ServerStartError` carrying that error."""
+    parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
+    check_port_free(host, port)
+    if ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a cluster on this machine loads the model
+        check_model(parsed.engine_args())
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
-    app = build_app(args)
-    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    handle = serve.run(app, name=name, route_prefix="/")
+    try:
+        check_resources(parsed, autoscaling=not (started_ray and ray_address is None))
+        app = build_app(args)
+        serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
+        handle = _deploy(app, name)
+    except BaseException:
+        _clean_up_failed_start(started_ray, name)
+        raise
     logger.info("serving at http://%s:%d/v1", host, port)
     if not blocking:
         return handle
@@ -310,10 +330,100 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         wait_for_stop_signal()
         logger.info("shutting down")
     finally:
-        serve.shutdown()
-        if started_ray:
-            ray.shutdown()
+        _stop(started_ray)
     return None
+
+
+def _stop(started_ray: bool) -> None:
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()
+
+
+def _clean_up_failed_start(started_ray: bool, name: str) -> None:
+    if started_ray:
+        _stop(started_ray)
+    elif name in serve.status().applications:  # a Serve shared with others: remove only what we deployed
+        serve.delete(name)
+
+
+def _deploy(app: Application, name: str, route_prefix: str = "/"):
+    try:
+        return serve.run(app, name=name, route_prefix=route_prefix)
+    except RuntimeError as err:  # Serve says only that the deploy failed; the cause is in the replica's status
+        raise ServerStartError(f"the server did not start: {replica_errors(name) or err}") from None
+
+
+def replica_errors(name: str) -> str:
+    """The deployments' status messages of application ``name`` (a failed replica's traceback is there)."""
+    app = serve.status().applications.get(name)
+    if app is None:
+        return ""
+    return "\n".join(f"{dep}: {status.message}" for dep, status in app.deployments.items() if status.message)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port that something already listens on (another ``specray serve``: Serve's proxy would share it
+    and requests would alternate between the two servers). An address of another machine is Serve's to bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use (another specray serve or another "
+                                 "server); stop it, or pass a free --port") from None
+            logger.debug("not checking %s:%d here: %s", host, port, err)
+
+
+def check_model(engine_args: EngineArgs) -> None:
+    """The model exists, its config loads, and tensor_parallel_size splits its attention and KV heads; a hub id
+    that is not on this machine is left to the replica."""
+    from specray.models.loader import load_hf_config
+
+    model = engine_args.model
+    looks_local = Path(model).expanduser().exists() or model.startswith(("/", ".", "~")) or model.endswith(".gguf")
+    if not looks_local:
+        return
+    try:
+        config = load_hf_config(model)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
+    check_heads(config, engine_args.tensor_parallel_size)
+
+
+def check_heads(config, tp: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not _splits(heads, kv, tp):
+        fits = [d for d in range(1, heads + 1) if _splits(heads, kv, d)]
+        raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv}); choose one of {fits}")
+
+
+def _splits(heads: int, kv: int, tp: int) -> bool:
+    """TP divides the query heads, and divides the KV heads or is a multiple of them (KV heads replicated)."""
+    return heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
+def check_resources(args: ServeArgs, autoscaling: bool) -> None:
+    """On a cluster that cannot grow, refuse what its CPUs can never hold: the replicas, and per replica one
+    bundle per tensor-parallel rank (the advice names the option that sets a rank's CPUs)."""
+    if autoscaling:
+        return
+    engine_args = args.engine_args()
+    total = ray.cluster_resources().get("CPU", 0.0)
+    ranks = engine_args.tensor_parallel_size if engine_args.executor_backend == "ray" else 0
+    rank_cpus = engine_args.ray_placement.worker_num_cpus
+    need = args.num_replicas * (args.num_cpus + ranks * rank_cpus)
+    if need > total:
+        raise ValueError(
+            f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + "
+            f"{ranks} rank(s) x {rank_cpus:g})) but this Ray cluster has {total:g}; lower the rank's CPUs with "
+            "--engine-kwargs '{\"ray_placement\": {\"worker_num_cpus\": 0.5}}', or --tensor-parallel-size, or "
+            "--num-replicas")
 
 
 def wait_for_stop_signal() -> None:
