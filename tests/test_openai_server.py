@@ -507,9 +507,24 @@ def test_bench_serve_library_reports(server):
     assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"]
     report = format_report(summary)
     assert "req/s" in report and "TTFT" in report and "p99" in report
+    spec = summary["speculation"]
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"] and set(spec) >= {"drafts", "acceptance_rate"}
     chat = benchmark(base_url=server, model=MODEL, prompts=["Hello"], num_requests=2, request_rate=20.0,
                      max_tokens=4, stream=False, chat=True)
     assert chat["completed"] == 2 and chat["ttft_ms"]["p50"] is None
+
+
+def test_bench_serve_prints_acceptance_figures(server, capsys):
+    from specray.cluster.cli import main
+
+    argv = ["bench-serve", "--base-url", server, "--prompt", "Hello world! How are", "--num-requests", "2",
+            "--max-tokens", "24", "--concurrency", "2"]
+    assert main([*argv, "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "speculation:" in out and "accepted (acceptance rate" in out, out
+    assert main([*argv, "--json"]) == 0  # non-streaming: the figures come from the response's usage
+    spec = json.loads(capsys.readouterr().out)["speculation"]
+    assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
 
 
 def _load(server, offline, start_blocks, seconds: float) -> None:
