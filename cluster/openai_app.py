@@ -64,6 +64,11 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
 
+class EngineUnavailableError(EngineError):
+    """No engine can take the request now (its loop stopped; the replica is being replaced): a fast 503 that
+    tells the client to retry, rather than a wait or a 500."""
+
+
 class AsyncEngineClient:
     """:class:`EngineClient` over a :class:`specray.async_engine.AsyncLLMEngine`."""
 
@@ -88,8 +93,8 @@ class AsyncEngineClient:
 
     def _check_running(self) -> None:
         if not self.aengine.is_running:  # a command would wait forever for a dead engine thread
-            raise EngineError("the engine loop is not running; restart the server (Serve replaces an unhealthy "
-                              "replica on its own)")
+            raise EngineUnavailableError("the engine loop is not running; retry shortly (Serve replaces an "
+                                         "unhealthy replica on its own)")
 
     def is_healthy(self) -> bool:
         return self.aengine.is_running
@@ -559,6 +564,8 @@ def to_openai_error(exc: BaseException) -> proto.OpenAIError:
         return proto.from_validation_error(exc)
     if isinstance(exc, ValueError):  # the engine rejected the request's input
         return proto.from_value_error(exc, "prompt")
+    if isinstance(exc, EngineUnavailableError):
+        return proto.OpenAIError(503, str(exc), "server_error", None, "engine_unavailable")
     if isinstance(exc, EngineError):
         logger.warning("engine error: %s", exc)
         return proto.server_error(f"the engine failed this request: {exc}; retry it")

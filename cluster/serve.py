@@ -319,7 +319,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         check_resources(parsed, autoscaling=not (started_ray and ray_address is None))
         app = build_app(args)
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-        handle = _deploy(app, name)
+        handle = deploy_app(app, name)
     except BaseException:
         _clean_up_failed_start(started_ray, name)
         raise
@@ -347,7 +347,7 @@ def _clean_up_failed_start(started_ray: bool, name: str) -> None:
         serve.delete(name)
 
 
-def _deploy(app: Application, name: str, route_prefix: str = "/"):
+def deploy_app(app: Application, name: str, route_prefix: str = "/"):
     try:
         return serve.run(app, name=name, route_prefix=route_prefix)
     except RuntimeError as err:  # Serve says only that the deploy failed; the cause is in the replica's status

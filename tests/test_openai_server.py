@@ -572,6 +572,22 @@ def test_load_long(server, offline, start_blocks):
 
 # ---- build_app arguments ---------------------------------------------------------------------------------
 
+def test_a_replica_that_cannot_start_fails_the_deploy_with_its_own_error(server, tiny_llama_dir):
+    from ray import serve
+
+    from specray.cluster.serve import ServerStartError, build_app, deploy_app
+
+    app = build_app({"model": str(tiny_llama_dir), "max_model_len": 100_000, "num_cpus": 0.1})
+    start = time.monotonic()
+    try:
+        with pytest.raises(ServerStartError, match="max_model_len=100000 exceeds the model's max_position_emb"):
+            deploy_app(app, "broken", route_prefix="/broken")
+    finally:
+        serve.delete("broken")
+    assert time.monotonic() - start < 60  # one try, not three
+
+
+
 def test_default_model_is_served_under_its_name(smollm2_gguf):
     from specray.cluster.serve import ServeArgs
 
@@ -830,3 +846,20 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
         assert time.monotonic() - start < 0.75  # the event loop was free while the tokenizer ran
         thread.join(timeout=30)
         assert slow[0][0] == 200
+
+
+def test_dead_engine_gives_a_fast_503_in_openai_shape():
+    from types import SimpleNamespace
+
+    from specray.cluster.openai_app import AsyncEngineClient
+
+    dead = SimpleNamespace(is_running=False, engine=SimpleNamespace(tokenizer=FakeTokenizer(), max_model_len=64))
+    with app_in_thread(AsyncEngineClient(dead)) as base:
+        start = time.monotonic()
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+        assert (status, err["type"], err["code"]) == (503, "server_error", "engine_unavailable")
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "hi"}], "stream": True}))
+        assert (status, err["code"]) == (503, "engine_unavailable")
+        assert error_of(http_json(base + "/health"))[0] == 503
+        assert time.monotonic() - start < 5
