@@ -388,7 +388,7 @@ def test_lone_surrogate_is_400(server):
             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
              "messages.0.content.0.text"),
             ("/v1/completions", b'{"prompt": %s}', "prompt"),
-            ("/v1/completions", b'{"prompt": "x", "stop": [%s]}', "stop")):
+            ("/v1/completions", b'{"prompt": "x", "stop": [%s]}', "stop.0")):
         status, err = error_of(http_json(server + path, body % surrogate))
         assert (status, err["param"]) == (400, param) and "surrogate" in err["message"], (path, err)
 
