@@ -90,6 +90,7 @@ def _add_serve_parser(sub) -> None:
                    help="choices of one request running at once (default: half of --max-num-seqs)")
     p.add_argument("--max-tokens-per-request", type=int, default=None,
                    help="n x max_tokens over a request's choices; more is a 400 (default: no bound)")
+    p.add_argument("--max-n", type=int, default=None, help="most choices (n) per request; more is a 400 (default 64)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     p.add_argument("--num-replicas", type=int, default=1)
@@ -228,7 +229,7 @@ def cmd_generate(args) -> int:
 _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
-                "max_request_body_bytes", "num_replicas", "api_key")
+                "max_request_body_bytes", "max_n", "num_replicas", "api_key")
 
 
 def serve_app_args(args) -> dict:

@@ -78,8 +78,9 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\-]")  # 'lis
 
 
 def from_validation_error(err: ValidationError) -> OpenAIError:
-    """The first pydantic error (our own validators' first) as a 400 naming its parameter (``messages.0.content`` for nested ones; the
-    union-member tags pydantic puts in a location, such as ``stop.str``, are dropped)."""
+    """The first pydantic error (our own validators' first) as a 400 naming its parameter
+    (``messages.0.content`` for nested ones; the union-member tags pydantic puts in a location, such as
+    ``stop.str``, are dropped)."""
     errors = err.errors()
     # in a union (content: str | list of parts) our own validators' errors say more than "not a string"
     first = next((e for e in errors if e["type"] == "value_error"), errors[0])

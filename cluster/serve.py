@@ -1,7 +1,8 @@
 """The Ray Serve deployment of the OpenAI-compatible server.
 
 ``build_app(args)`` is a Serve application builder (``serve run specray.cluster.serve:build_app model=...``
-works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
+works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field
+through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
 Each replica holds one engine in an :class:`AsyncLLMEngine` and serves :func:`build_openai_app` through
 ``@serve.ingress``. Besides HTTP, a replica answers ``handle.engine_state.remote()`` (KV blocks free/total,
 queue lengths), the same numbers as ``GET /v1/debug/kv``.
@@ -31,6 +32,7 @@ from ray.serve import Application  # noqa: E402
 from specray.cluster.metrics import ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, ServerConfig, build_openai_app)
+from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class ServeArgs:
     # tokens of all its choices (n x max_tokens; None: no bound beyond the context length)
     max_seats_per_request: int | None = None
     max_tokens_per_request: int | None = None
+    max_n: int = MAX_N  # choices per prompt (OpenAI's n)
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     api_key: str | None = None  # None: $SPECRAY_API_KEY, else no key needed
     enable_debug_routes: bool = False  # GET /v1/debug/kv
@@ -119,7 +122,7 @@ class ServeArgs:
 
             self.engine_kwargs["model"] = default_model_path()  # a ValueError that says how to install it
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
-        for name in ("num_replicas", "max_ongoing_requests"):
+        for name in ("num_replicas", "max_ongoing_requests", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_seats_per_request", "max_tokens_per_request", "max_request_body_bytes"):
@@ -146,7 +149,7 @@ class ServeArgs:
         return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
                             enable_debug_routes=self.enable_debug_routes,
                             max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
-                            max_tokens_per_request=self.max_tokens_per_request)
+                            max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

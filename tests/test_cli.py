@@ -120,7 +120,8 @@ def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
     assert parsed.api_key == "k" and parsed.enable_debug_routes
     # the Serve config's engine_kwargs, as Serve's CLI passes them (strings) or as YAML has them
     config = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]
-    assert ServeArgs.from_dict({"model": str(tiny_llama_dir), **config}).engine_args().speculative_config.method == "ngram"
+    from_config = ServeArgs.from_dict({"model": str(tiny_llama_dir), **config}).engine_args()
+    assert from_config.speculative_config.method == "ngram"
     from_strings = ServeArgs.from_dict({"model": str(tiny_llama_dir), "engine_kwargs": '{"max_num_seqs": 3}'})
     assert from_strings.engine_args().max_num_seqs == 3
     port = str(_free_port())
@@ -181,3 +182,17 @@ def test_head_split_rules():
     check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8), 8)
     with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4, 12\]"):
         check_heads(SimpleNamespace(num_attention_heads=12, num_key_value_heads=4), 3)
+
+
+def test_serve_request_caps_reach_the_app_config(tiny_llama_dir):
+    from specray.cluster.cli import build_parser, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--max-n", "3",
+                                      "--max-seats-per-request", "2", "--max-tokens-per-request", "500",
+                                      "--max-request-body-bytes", "1000"])
+    config = ServeArgs.from_dict(serve_app_args(args)).server_config(max_num_seqs=8)
+    assert (config.max_n, config.max_seats_per_request, config.max_tokens_per_request) == (3, 2, 500)
+    assert config.max_request_body_bytes == 1000 and not config.enable_debug_routes and config.api_key is None
+    default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
+    assert default.max_seats_per_request == 4 and default.max_request_body_bytes == 4 * 2 ** 20
