@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -358,11 +359,23 @@ def deploy_app(app: Application, name: str, route_prefix: str = "/"):
 
 
 def replica_errors(name: str) -> str:
-    """The deployments' status messages of application ``name`` (a failed replica's traceback is there)."""
+    """The cause each deployment of application ``name`` reports (a failed replica's own exception, the last
+    ``SomethingError: message`` line of the traceback in its status); the whole status goes to the log."""
     app = serve.status().applications.get(name)
     if app is None:
         return ""
-    return "\n".join(f"{dep}: {status.message}" for dep, status in app.deployments.items() if status.message)
+    causes = []
+    for deployment, status in app.deployments.items():
+        if status.message:
+            logger.info("deployment %s: %s", deployment, status.message)
+            causes.append(f"{deployment}: {_last_exception_line(status.message)}")
+    return "\n".join(causes)
+
+
+def _last_exception_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", line)]
+    return errors[-1] if errors else message.strip()
 
 
 def check_port_free(host: str, port: int) -> None:

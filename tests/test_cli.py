@@ -196,3 +196,17 @@ def test_serve_request_caps_reach_the_app_config(tiny_llama_dir):
     assert config.max_request_body_bytes == 1000 and not config.enable_debug_routes and config.api_key is None
     default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
     assert default.max_seats_per_request == 4 and default.max_request_body_bytes == 4 * 2 ** 20
+
+
+def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama_dir, monkeypatch):
+    import specray.cluster.serve as serve_module
+    from specray.cluster.serve import ServeArgs, check_resources
+
+    monkeypatch.setattr(serve_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    too_big = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"needs 2.5 CPUs.*has 2; .*worker_num_cpus"):
+        check_resources(too_big, autoscaling=False)
+    check_resources(too_big, autoscaling=True)  # an autoscaler may add nodes: the placement waits for them
+    fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
+                                "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
+    check_resources(fits, autoscaling=False)
