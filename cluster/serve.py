@@ -19,7 +19,6 @@ import re
 import signal
 import socket
 import threading
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +55,8 @@ SHORTHANDS: dict[str, tuple[str, str]] = {
     "worker_num_cpus": ("ray_placement", "worker_num_cpus"),
     "worker_num_gpus": ("ray_placement", "worker_num_gpus"),
 }
-_SHORTHAND_TYPES = {"spec_method": str, "num_spec_tokens": int, "draft_model": str, "placement_strategy": str,
-                    "worker_num_cpus": float, "worker_num_gpus": float}
+_SHORTHAND_TYPES = {"spec_method": "str", "num_spec_tokens": "int", "draft_model": "str",
+                    "placement_strategy": "str", "worker_num_cpus": "float", "worker_num_gpus": "float | None"}
 
 
 def engine_arg_names() -> set[str]:
@@ -107,7 +106,7 @@ class ServeArgs:
             raise ValueError(f"build_app got unknown keys {unknown}; known keys: the server's "
                              f"{sorted(cls.server_keys())}, the engine's {sorted(engine_arg_names())} (at the top "
                              f"level or under engine_kwargs), and the shorthands {sorted(SHORTHANDS)}")
-        hints = typing.get_type_hints(cls)
+        hints = _annotations(cls)
         server = {k: _coerce(k, v, hints[k]) for k, v in args.items() if k in cls.server_keys()}
         parsed = cls(engine_kwargs=merge_engine_kwargs(args), **server)
         parsed.validate()
@@ -165,7 +164,7 @@ def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(given) - names)
     if unknown:
         raise ValueError(f"engine_kwargs has unknown keys {unknown}; EngineArgs fields: {sorted(names)}")
-    hints = typing.get_type_hints(EngineArgs)
+    hints = _annotations(EngineArgs)
     merged = {k: _coerce(k, v, hints[k]) for k, v in given.items()}
     for key in sorted(names & set(args)):
         if key in merged:
@@ -176,7 +175,7 @@ def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_shorthands(args: dict[str, Any], merged: dict[str, Any]) -> None:
-    values = {k: _coerce(k, args[k], _SHORTHAND_TYPES[k] | None) for k in SHORTHANDS if k in args}
+    values = {k: _coerce(k, args[k], _SHORTHAND_TYPES[k]) for k in SHORTHANDS if k in args}
     values = {k: v for k, v in values.items() if v is not None}
     spec_keys = [k for k in values if SHORTHANDS[k][0] == "speculative_config"]
     if spec_keys and "spec_method" not in values:
@@ -202,30 +201,38 @@ def _json_object(key: str, text: str) -> dict:
     return value
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Serve's CLI passes every value as a string: 'null'/'none' become None, and a string becomes the int,
-    float, bool or dict (JSON) that the field's type asks for."""
+def _annotations(cls) -> dict[str, str]:
+    """Each dataclass field's annotation as written (``"int | None"``): enough to coerce a string, and it never
+    needs the annotated types to be importable here."""
+    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Serve's CLI passes every value as a string: 'null'/'none' become None, and a string becomes the bool,
+    int, float or JSON dict/list that the field's annotation asks for."""
     if not isinstance(value, str):
         return value
     if value.lower() in ("", "none", "null"):
         return None
-    kinds = set(typing.get_args(hint)) or {hint}
-    if bool in kinds:
+    kinds = {part.strip() for part in annotation.split("|")}
+    if "bool" in kinds:
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{key}={value!r} must be true or false")
         return value.lower() in ("true", "1")
-    if int in kinds:
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} must be an integer") from None
-    if float in kinds:
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} must be a number") from None
-    if dict in kinds:
+    for kind, convert, what in (("int", int, "an integer"), ("float", float, "a number")):
+        if kind in kinds:
+            try:
+                return convert(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} must be {what}") from None
+    if "dict" in kinds:
         return _json_object(key, value)
+    if value.lstrip().startswith("[") and any(k.startswith("list") for k in kinds):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key}={value!r} is not valid JSON: {err}") from None
     return value
 
 
