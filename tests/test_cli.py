@@ -210,3 +210,16 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
     fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
                                 "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
     check_resources(fits, autoscaling=False)
+
+
+def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
+    from specray.cluster.cli import build_parser, engine_kwargs
+    from specray.config import EngineArgs
+
+    args = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x",
+                                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      "--engine-kwargs", "block_size=32"])
+    engine_args = EngineArgs(**engine_kwargs(args))
+    assert engine_args.speculative_config.num_speculative_tokens == 2 and engine_args.block_size == 32
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--engine-kwargs", "blok=1"]) == 2
+    assert "blok" in capsys.readouterr().err
