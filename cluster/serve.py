@@ -122,6 +122,14 @@ class ServeArgs:
 
             self.engine_kwargs["model"] = default_model_path()  # a ValueError that says how to install it
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
+        self._check_limits()
+        if self.served_model_name is None:
+            self.served_model_name = default_served_name(self.model)
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        self.engine_args()  # device, dtype and placement errors before any replica starts
+
+    def _check_limits(self) -> None:
         for name in ("num_replicas", "max_ongoing_requests", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -134,11 +142,6 @@ class ServeArgs:
             raise ValueError(f"num_cpus={self.num_cpus} must be > 0 (a fraction such as 0.5 is fine)")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 0 (or None to decide from the cluster)")
-        if self.served_model_name is None:
-            self.served_model_name = default_served_name(self.model)
-        if self.api_key is None:
-            self.api_key = os.environ.get(API_KEY_ENV) or None
-        self.engine_args()  # device, dtype and placement errors before any replica starts
 
     def engine_args(self) -> EngineArgs:
         # TP 1: the engine runs in the replica; TP > 1: it runs there too, its ranks are Ray actors.
