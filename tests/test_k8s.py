@@ -13,7 +13,6 @@
 
 import ast
 import copy
-import dataclasses
 import functools
 import importlib
 import re
@@ -34,10 +33,10 @@ EXPECTED_MANIFESTS = ["raycluster-batch.yaml", "rayservice-multinode-tp.yaml", "
 
 
 def build_app_args() -> set[str]:
-    """The keys specray.cluster.serve:build_app(args) accepts (the fields of ServeArgs)."""
+    """The keys specray.cluster.serve:build_app(args) accepts (ServeArgs' own, EngineArgs', the shorthands)."""
     from specray.cluster.serve import ServeArgs
 
-    return {f.name for f in dataclasses.fields(ServeArgs)}
+    return ServeArgs.accepted_keys()
 
 
 BUILD_APP_ARGS = build_app_args()

@@ -44,10 +44,11 @@ def free_port() -> int:
 
 # ---- HTTP helpers ---------------------------------------------------------------------------------------
 
-def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0,
+              headers: dict | None = None) -> tuple[int, dict]:
     """GET (body None) or POST ``body``; returns (status, parsed JSON)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -106,7 +107,8 @@ def server(ray_cluster, tiny_llama_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "spec_method": SPEC["method"],
                      "num_spec_tokens": SPEC["num_speculative_tokens"], "max_model_len": MAX_MODEL_LEN,
-                     "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5})
+                     "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5,
+                     "enable_debug_routes": True})
     serve.run(app, name="specray", route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
@@ -349,6 +351,48 @@ def test_bad_chat_parameters(server, override, param):
     assert (status, err["param"]) == (400, param)
 
 
+def test_out_of_range_seed_is_400_and_does_not_touch_other_requests(server, client, offline):
+    prompt = "Extract the names from: Alice"
+    want = offline_greedy(offline, [prompt], 24)[0].outputs[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    parts = [next(iter(stream)).choices[0].text]
+    for seed in (2 ** 70, 2 ** 63, -(2 ** 63) - 1):
+        status, err = error_of(http_json(server + "/v1/completions",
+                                         {"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": seed}))
+        assert (status, err["param"]) == (400, "seed") and "922337203685477580" in err["message"]
+    parts += [c.choices[0].text for c in stream]
+    assert "".join(parts) == want
+    edge = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=1.0, n=2,
+                                     seed=2 ** 63 - 1)  # choice 1's seed wraps around
+    assert len(edge.choices) == 2
+
+
+def test_chat_messages_are_checked_in_openai_terms(server):
+    url = server + "/v1/chat/completions"
+    status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": None}]}))
+    assert (status, err["param"]) == (400, "messages.0.content")
+    assert "null" in err["message"] and "'user'" in err["message"] and "template" not in err["message"]
+    status, err = error_of(http_json(url, {"messages": [{"role": "system", "content": "x"},
+                                                        {"role": "wizard", "content": "hi"}]}))
+    assert (status, err["param"]) == (400, "messages.1.role")
+    assert "'wizard'" in err["message"] and all(r in err["message"] for r in ("user", "assistant", "developer"))
+    status, body = http_json(url, {"messages": [{"role": "developer", "content": "Be brief."},
+                                                {"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_lone_surrogate_is_400(server):
+    surrogate = b'"Hi \\ud800 there"'
+    for path, body, param in (
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": %s}]}', "messages.0.content"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+             "messages.0.content.0.text"),
+            ("/v1/completions", b'{"prompt": %s}', "prompt"),
+            ("/v1/completions", b'{"prompt": "x", "stop": [%s]}', "stop.0")):
+        status, err = error_of(http_json(server + path, body % surrogate))
+        assert (status, err["param"]) == (400, param) and "surrogate" in err["message"], (path, err)
+
+
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
@@ -463,9 +507,24 @@ def test_bench_serve_library_reports(server):
     assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"]
     report = format_report(summary)
     assert "req/s" in report and "TTFT" in report and "p99" in report
+    spec = summary["speculation"]
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"] and set(spec) >= {"drafts", "acceptance_rate"}
     chat = benchmark(base_url=server, model=MODEL, prompts=["Hello"], num_requests=2, request_rate=20.0,
                      max_tokens=4, stream=False, chat=True)
     assert chat["completed"] == 2 and chat["ttft_ms"]["p50"] is None
+
+
+def test_bench_serve_prints_acceptance_figures(server, capsys):
+    from specray.cluster.cli import main
+
+    argv = ["bench-serve", "--base-url", server, "--prompt", "Hello world! How are", "--num-requests", "2",
+            "--max-tokens", "24", "--concurrency", "2"]
+    assert main([*argv, "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "speculation:" in out and "accepted (acceptance rate" in out, out
+    assert main([*argv, "--json"]) == 0  # non-streaming: the figures come from the response's usage
+    spec = json.loads(capsys.readouterr().out)["speculation"]
+    assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
 
 
 def _load(server, offline, start_blocks, seconds: float) -> None:
@@ -513,6 +572,22 @@ def test_load_long(server, offline, start_blocks):
 
 # ---- build_app arguments ---------------------------------------------------------------------------------
 
+def test_a_replica_that_cannot_start_fails_the_deploy_with_its_own_error(server, tiny_llama_dir):
+    from ray import serve
+
+    from specray.cluster.serve import ServerStartError, build_app, deploy_app
+
+    app = build_app({"model": str(tiny_llama_dir), "max_model_len": 100_000, "num_cpus": 0.1})
+    start = time.monotonic()
+    try:
+        with pytest.raises(ServerStartError, match="max_model_len=100000 exceeds the model's max_position_emb"):
+            deploy_app(app, "broken", route_prefix="/broken")
+    finally:
+        serve.delete("broken")
+    assert time.monotonic() - start < 60  # one try, not three
+
+
+
 def test_default_model_is_served_under_its_name(smollm2_gguf):
     from specray.cluster.serve import ServeArgs
 
@@ -526,7 +601,7 @@ def test_build_app_args_accept_serve_cli_strings(tiny_llama_dir):
 
     parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir), "max_num_seqs": "4", "spec_method": "null",
                                   "max_queue_len": "none", "num_cpus": "0.25"})
-    assert (parsed.max_num_seqs, parsed.spec_method, parsed.max_queue_len) == (4, None, None)
+    assert (parsed.engine_args().max_num_seqs, parsed.max_queue_len) == (4, None)
     assert parsed.served_model_name == tiny_llama_dir.name
     assert parsed.engine_args().speculative_config is None
     assert replica_resources(parsed)["num_cpus"] == 0.25
@@ -566,11 +641,22 @@ class FakeEngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.gate: asyncio.Event | None = None
         self.open = True
+        self.active = 0  # engine requests in flight now, and the most at once
+        self.max_active = 0
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            async for out in self._generate(prompt_token_ids, params, prompt, req_id):
+                yield out
+        finally:
+            self.active -= 1
 
     def release(self) -> None:
         self.loop.call_soon_threadsafe(self.gate.set)
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
         from specray.errors import RequestFailedError
 
         self.loop = asyncio.get_running_loop()
@@ -595,12 +681,12 @@ class FakeEngineClient:
 
 
 @contextlib.contextmanager
-def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None):
+def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, **config):
     import uvicorn
 
     from specray.cluster.openai_app import ServerConfig, build_openai_app
 
-    app = build_openai_app(fake, ServerConfig("fake", max_queue_len))
+    app = build_openai_app(fake, ServerConfig("fake", max_queue_len, **{"enable_debug_routes": True, **config}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -659,3 +745,121 @@ def test_n_choices_stream_interleaved_with_indices():
         assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == 2
         assert usage["speculative"] == {"drafts": 16, "draft_tokens": 32, "accepted_tokens": 16,
                                         "acceptance_rate": 0.5, "mean_accepted_length": 2.0}  # summed over choices
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(http_json(url, body)), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_api_key_is_required_except_for_health_and_debug_route_is_off():
+    with app_in_thread(FakeEngineClient(), api_key="sekret", enable_debug_routes=False) as base:
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi"}))
+        assert (status, err["type"], err["code"]) == (401, "invalid_request_error", "invalid_api_key")
+        status, err = error_of(http_json(base + "/v1/models", headers={"Authorization": "Bearer wrong"}))
+        assert status == 401
+        assert http_json(base + "/health")[0] == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0, timeout=30)
+        assert client.completions.create(model="fake", prompt="hi").choices[0].text == "xxx"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        status, err = error_of(http_json(base + "/v1/debug/kv", headers={"Authorization": "Bearer sekret"}))
+        assert status == 404
+
+
+def test_one_request_cannot_hold_every_seat_or_fill_the_queue():
+    fake = FakeEngineClient(tokens=2)
+    fake.open = False
+    caps = dict(max_seats_per_request=2, max_n=4, max_tokens_per_request=40)
+    with app_in_thread(fake, max_queue_len=3, **caps) as base:
+        url = base + "/v1/completions"
+        status, err = error_of(http_json(url, {"prompt": "hi", "n": 5, "max_tokens": 2}))
+        assert (status, err["param"]) == (400, "n") and "4" in err["message"]
+        status, err = error_of(http_json(url, {"prompt": ["a", "b"], "n": 2, "max_tokens": 11}))
+        assert (status, err["param"]) == (400, "max_tokens") and "44" in err["message"] and "40" in err["message"]
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "hi"}], "n": 2}))
+        assert (status, err["param"]) == (400, "max_tokens")  # no max_tokens: each choice may take the context
+        big: list = []
+        big_thread = post_in_thread(url, {"prompt": "hi", "n": 4, "max_tokens": 2}, big)
+        wait_until(lambda: kv_state(base)["num_queued"] == 2)
+        assert fake.active == 2  # two of its four choices hold engine seats; the others wait their turn
+        small: list = []
+        small_thread = post_in_thread(url, {"prompt": "hi", "max_tokens": 2}, small)
+        wait_until(lambda: kv_state(base)["num_queued"] == 3)
+        status, err = error_of(http_json(url, {"prompt": "hi", "max_tokens": 2}))
+        assert (status, err["code"]) == (503, "queue_full")
+        fake.release()
+        big_thread.join(timeout=30)
+        small_thread.join(timeout=30)
+        assert big[0][0] == 200 and len(big[0][1]["choices"]) == 4 and small[0][0] == 200
+        assert fake.max_active == 3 and kv_state(base)["num_queued"] == 0
+
+
+class SlowTokenizer(FakeTokenizer):
+    """Counts encodes; each takes ``delay`` seconds (a long prompt's tokenization)."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        time.sleep(self.delay)
+        return super().encode(text, add_special_tokens)
+
+
+def test_body_limit_and_text_too_long_to_fit_are_refused_before_tokenizing():
+    fake = FakeEngineClient()
+    fake.tokenizer = SlowTokenizer()
+    with app_in_thread(fake, max_request_body_bytes=10_000) as base:
+        start = time.monotonic()
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "x" * 20_000}))
+        assert (status, err["code"]) == (413, "request_too_large") and "10000" in err["message"]
+        assert time.monotonic() - start < 5
+        # 64 tokens of at most 32 characters (FakeTokenizer lists no vocabulary), with slack 2: 4096 characters
+        for path, body in (("/v1/completions", {"prompt": "x" * 5000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]})):
+            status, err = error_of(http_json(base + path, body))
+            assert (status, err["code"]) == (400, "context_length_exceeded") and "5000 characters" in err["message"]
+        assert fake.tokenizer.calls == 0
+        assert http_json(base + "/v1/completions", {"prompt": "x" * 40, "max_tokens": 3})[0] == 200
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
+    fake = FakeEngineClient()
+    fake.tokenizer = SlowTokenizer(delay=1.5)
+    with app_in_thread(fake) as base:
+        slow: list = []
+        thread = post_in_thread(base + "/v1/completions", {"prompt": "a long prompt", "max_tokens": 3}, slow)
+        wait_until(lambda: fake.tokenizer.calls == 1)
+        start = time.monotonic()
+        assert http_json(base + "/health")[0] == 200
+        assert time.monotonic() - start < 0.75  # the event loop was free while the tokenizer ran
+        thread.join(timeout=30)
+        assert slow[0][0] == 200
+
+
+def test_dead_engine_gives_a_fast_503_in_openai_shape():
+    from types import SimpleNamespace
+
+    from specray.cluster.openai_app import AsyncEngineClient
+
+    dead = SimpleNamespace(is_running=False, engine=SimpleNamespace(tokenizer=FakeTokenizer(), max_model_len=64))
+    with app_in_thread(AsyncEngineClient(dead)) as base:
+        start = time.monotonic()
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+        assert (status, err["type"], err["code"]) == (503, "server_error", "engine_unavailable")
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "hi"}], "stream": True}))
+        assert (status, err["code"]) == (503, "engine_unavailable")
+        assert error_of(http_json(base + "/health"))[0] == 503
+        assert time.monotonic() - start < 5
