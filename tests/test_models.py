@@ -379,14 +379,16 @@ def test_ancestor_mask_with_siblings_matches_each_branch(contiguous):
     context, its parent and itself, and its logits equal transformers' on its own branch as a chain."""
     ours, hf = in_memory_pair("llama", seed=6)
     paged = Paged(ours, contiguous=contiguous)
-    ids = tokens(12, 52)
+    ids, chain = tokens(12, 52), tokens(16, 53)
     other = (ids[10] + 1) % 300
-    table = paged.table(13)
-    paged.step([(ids[:9], 0, table)])
+    table, chain_table = paged.table(13), paged.table(16)
+    paged.step([(ids[:9], 0, table), (chain[:10], 0, chain_table)])
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    out = paged.step([([ids[9], ids[10], other], 9, table)], positions=[9, 10, 10], ancestors=[tree])[0]
+    out_chain, out = paged.step([(chain[10:16], 10, chain_table), ([ids[9], ids[10], other], 9, table)],
+                                positions=list(range(10, 16)) + [9, 10, 10], ancestors=[None, tree])
     close(out[:2], hf_logits(hf, ids[:11])[9:11])
     close(out[2:], hf_logits(hf, ids[:10] + [other])[10:])
+    close(out_chain, hf_logits(hf, chain)[10:16])  # a plain chain beside the tree, in the same padded batch
 
 
 def test_positions_apart_from_slots_match_transformers(contiguous):

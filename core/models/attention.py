@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models import cpu_kernels
-from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind
+from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind, slots_of
 
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
 
@@ -171,8 +171,9 @@ def _own_mask(meta: AttentionMetadata, i: int, kind: MaskKind) -> torch.Tensor:
     # -> [q, ctx] over own sequence i's whole context (cached keys and new ones)
     seq, device = meta.own[i], meta.positions.device
     new_pos = _seq_positions(meta, seq.seq_id)
-    q_pos = _long(new_pos, device)[:, None]  # [q, 1]
-    k_pos = _long(list(range(seq.start_pos)) + new_pos, device)[None, :]  # [1, ctx]
+    new_pos = _long(new_pos, device)  # [q]
+    q_pos = new_pos[:, None]  # [q, 1]
+    k_pos = torch.cat([torch.arange(seq.start_pos, device=device), new_pos])[None, :]  # [1, ctx]
     causal = k_pos <= q_pos
     anc = None if meta.ancestors is None else meta.ancestors[seq.seq_id]
     if anc is not None:
@@ -212,7 +213,7 @@ def build_attention_metadata(
     slot_index = [p for q_len, start in zip(query_lens, start_positions) for p in range(start, start + q_len)]
     slots: list[int] = []
     for q_len, start, table in zip(query_lens, start_positions, block_tables):
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + q_len))
+        slots.extend(slots_of(table, range(start, start + q_len), block_size))
     context_lens = [s + q for s, q in zip(start_positions, query_lens)]
     offsets = [0]
     for q_len in query_lens:

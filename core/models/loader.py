@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
+from specray.models.interface import CausalLM
 from specray.models.registry import get_model_class
 from specray.parallel import TPGroup
 
@@ -149,7 +150,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", pack: bool = True) -> nn.Module:
+               device: str | torch.device = "cpu", pack: bool = True) -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
     with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``)."""
     from transformers import AutoConfig
