@@ -166,7 +166,7 @@ def test_cheap_drafter_drafts_sized_by_the_kind_of_guess(tiny_llama_dir, plain_o
             for req in batch:
                 prompt = max((p for p in expected if tuple(req.token_ids[:len(p)]) == p), key=len)
                 done = len(req.token_ids) - len(prompt)
-                right = expected[prompt][done:done + req.max_draft_tokens]
+                right = expected[prompt][done:done + req.num_speculative_tokens]
                 wrong = Proposal([(t + 1) % vocab for t in right], key=1)
                 proposals.append(wrong if done % 2 else Proposal(right, key=2))
             return proposals
@@ -273,12 +273,17 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: SamplingParams(num_speculative_tokens=1.5), "num_speculative_tokens"),
     (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config={"method": "medusa-ish"})),
      "method"),
-    (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
+    (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config=SpeculativeConfig.from_any(
+        {"method": "ngram", "num_spec": 3}))), r"unknown keys \['num_spec'\] for method='ngram'"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "model": "x"}),
+     r"unknown keys \['model'\] for method='ngram'; known keys: \['adaptive', "),
     (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
     (lambda llm: SamplingParams(temperature=float("nan")), "temperature"),
-    (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
+    (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
+    (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),
 ])
 def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make_bad, field):
     start = free_blocks(plain)
