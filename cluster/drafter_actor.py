@@ -20,7 +20,7 @@ from specray.cluster.ray_env import ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
-from specray.drafters.registry import drafter_class
+from specray.drafters.registry import drafter_class, has_weights, tensor_parallel_size, uses_public_pool
 from specray.errors import WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -45,7 +45,7 @@ class DrafterWorker:
     def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str, pool_name: str | None = None,
               rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
         """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError)."""
-        if ctx.target_tokenizer is None and spec.method == "draft_model":
+        if ctx.target_tokenizer is None and has_weights(spec.method):
             from specray.models.loader import load_tokenizer
 
             ctx = replace(ctx, target_tokenizer=load_tokenizer(tokenizer_source))
@@ -53,7 +53,7 @@ class DrafterWorker:
         if world_size > 1:  # a draft model split over ranks: every rank runs the same drafter on its shard
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
         self.drafter = drafter_class(spec.method)(spec, ctx)
-        if pool_name is not None and spec.is_public_pool:
+        if pool_name is not None and uses_public_pool(spec):
             link = RayPoolLink(get_pool_actor(pool_name), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
 
@@ -70,15 +70,15 @@ class DrafterWorker:
         return join_tp_group(device, rank, world_size, init_method)
 
     def propose(self, updates: list[tuple]) -> list[Proposal]:
-        """``updates``: (req_id, start, token_ids[start:], max_draft_tokens, sampling_params) per request. Every
-        rank drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
+        """``updates``: (req_id, start, token_ids[start:], num_speculative_tokens, sampling_params) per request.
+        Every rank drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
         with self.lock:
             batch = []
-            for req_id, start, tokens, max_draft, params in updates:
+            for req_id, start, tokens, num_speculative_tokens, params in updates:
                 history = self.histories.setdefault(req_id, [])
                 del history[start:]
                 history.extend(tokens)
-                batch.append(DraftRequest(req_id, history, max_draft, params))
+                batch.append(DraftRequest(req_id, history, num_speculative_tokens, params))
             proposals = self.drafter.propose(batch)
             return proposals if self.rank == 0 else []
 
@@ -126,7 +126,7 @@ class RemoteDrafter:
         self.num_prefetch_hits = 0
         self.drafts_ahead = self.placement.draft_ahead  # the engine then calls prefetch every step
         self.cheap_proposals = getattr(drafter_class(spec.method), "cheap_proposals", False)  # sized by key
-        self.tp_size = spec.draft_tensor_parallel_size
+        self.tp_size = tensor_parallel_size(spec)
         self.actors, self.pg, refs = self._spawn()
         try:  # surfaces a user error (wrong vocabulary, heads not divisible...) at start
             self.channel = StepClient(ray.get(refs, timeout=SETUP_TIMEOUT_S)[self.tp_size:])
@@ -202,8 +202,8 @@ class RemoteDrafter:
 
     def prefetch(self, batch: list[DraftRequest]) -> None:
         """Start drafting the next step now, while the target verifies this one. ``batch`` holds each request's
-        history as it will be if the target keeps every draft; ``max_draft_tokens`` counts one token more, the
-        drafter's guess of the target's own token. The next ``propose`` uses a request's drafts only when the
+        history as it will be if the target keeps every draft; ``num_speculative_tokens`` counts one token more,
+        the drafter's guess of the target's own token. The next ``propose`` uses a request's drafts only when the
         target did keep every draft and its own token is that guess, so the drafts follow the real history."""
         if not self.actors or self.pending:
             return
@@ -217,7 +217,8 @@ class RemoteDrafter:
         updates = []
         for r in batch:
             begin = self._synced_prefix(r)
-            updates.append((r.req_id, begin, list(r.token_ids[begin:]), r.max_draft_tokens, r.sampling_params))
+            updates.append((r.req_id, begin, list(r.token_ids[begin:]), r.num_speculative_tokens,
+                            r.sampling_params))
             real = len(r.token_ids) - r.num_assumed  # the actor's copy now ends in the assumed drafts, if any
             self.sent[r.req_id] = (real, list(r.token_ids[real:]))
         try:
@@ -243,13 +244,13 @@ class RemoteDrafter:
         return dict(zip(self.pending_ids, proposals)) if proposals is not None else {}
 
     def _prefetch_hit(self, r: DraftRequest, p: Proposal | None) -> Proposal | None:
-        if p is None or not p.token_ids or r.max_draft_tokens == 0:
+        if p is None or not p.token_ids or r.num_speculative_tokens == 0:
             return None
         n0, tail = self.sent.get(r.req_id, (0, []))
         if len(r.token_ids) != n0 + len(tail) + 1 or list(r.token_ids[n0:]) != tail + p.token_ids[:1]:
             return None
         self.sent[r.req_id] = (n0 + len(tail), [])  # every token the actor holds turned out right
-        k = r.max_draft_tokens
+        k = r.num_speculative_tokens
         return Proposal(p.token_ids[1:1 + k], None if p.probs is None else p.probs[1:1 + k], p.key)
 
     def _synced_prefix(self, r: DraftRequest) -> int:

@@ -1,4 +1,5 @@
-"""User-facing configuration: :class:`SpeculativeConfig`. Torch-free."""
+"""User-facing configuration: :class:`EngineArgs` and the records it holds. Torch-free, and below every other
+module: the drafter registry (above) checks a method's options, this module only carries them."""
 
 from __future__ import annotations
 
@@ -7,62 +8,88 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
-class SpeculativeConfig:
-    """How to speculate. Keys follow vLLM (``method``, ``num_speculative_tokens``, ``model``,
-    ``prompt_lookup_min``/``prompt_lookup_max``) and TensorRT-LLM's n-gram pool (``max_draft_len``,
-    ``max_matching_ngram_size``, ``is_public_pool``, ``is_keep_all``, ``is_use_oldest``), as aliases.
+def check_keys(what: str, given: Any, known: Any, hint: str = "") -> None:
+    """The one unknown-keys check: a ValueError naming the unknown keys, where they were given and the known
+    ones."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"{what} has unknown keys {unknown}{hint}; known keys: {sorted(known)}")
 
-    ``num_speculative_tokens`` is the most drafts per step; with ``adaptive=True`` (default) the engine drafts
-    fewer, or none, per request when the measured cost of a verification pass and the request's recent
-    acceptance say more would not pay.
+
+def jsonable_fields(cls) -> dict[str, dict[str, Any]]:
+    """A dataclass's fields as JSON-able data, ``{name: {"type": "int | None", "default": 5}}``, for servers
+    and tools that pass these keys through."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        entry: dict[str, Any] = {"type": str(f.type)}
+        if f.default is not dataclasses.MISSING:
+            entry["default"] = f.default if _is_jsonable(f.default) else repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            entry["default"] = repr(f.default_factory())
+        else:
+            entry["required"] = True
+        out[f.name] = entry
+    return out
+
+
+def _is_jsonable(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+# TensorRT-LLM's spelling of the draft count, accepted as input only
+_COUNT_ALIASES = ("max_draft_len",)
+
+
+@dataclass(init=False)
+class SpeculativeConfig:
+    """How to speculate: the keys every method has, and the method's own options.
+
+    ``SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=2)``, or the same as a dict
+    (:meth:`from_any`). ``num_speculative_tokens`` is the most drafts per step (TensorRT-LLM's ``max_draft_len``
+    is accepted for it); with ``adaptive=True`` (default) the engine drafts fewer, or none, per request when the
+    measured cost of a verification pass and the request's recent acceptance say more would not pay.
+
+    Every other key is an option of ``method``, declared next to its drafter class and registered with it in
+    ``specray.drafters.registry`` (``options_of`` parses them; an unknown or misplaced key is a ValueError
+    naming it, the method and the known keys, raised at the latest when the engine is built). A key given as
+    None counts as not given.
     """
+
+    COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive")
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
-    model: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    is_public_pool: bool = False
-    is_keep_all: bool = True
-    is_use_oldest: bool = True
-    max_pool_entries: int | None = None  # cap on a public n-gram pool (oldest entries evicted first)
-    draft_tensor_parallel_size: int = 1
     adaptive: bool = True
-    # TensorRT-LLM spellings; when given they override the vLLM ones.
-    max_draft_len: int | None = None
-    max_matching_ngram_size: int | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's own options, as given
 
-    def __post_init__(self) -> None:
-        if self.max_draft_len is not None:
-            self.num_speculative_tokens = self.max_draft_len
-        if self.max_matching_ngram_size is not None:
-            self.prompt_lookup_max = self.max_matching_ngram_size
-            self.prompt_lookup_min = min(self.prompt_lookup_min, self.prompt_lookup_max)
-        self.max_draft_len = self.num_speculative_tokens
-        self.max_matching_ngram_size = self.prompt_lookup_max
+    def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
+                 options: dict[str, Any] | None = None, **method_options: Any):
+        aliases = {k: method_options.pop(k) for k in _COUNT_ALIASES if k in method_options}
+        given = [v for v in (num_speculative_tokens, *aliases.values()) if v is not None]
+        if len(set(given)) > 1:
+            raise ValueError(f"speculative_config gives the draft count twice, num_speculative_tokens="
+                             f"{num_speculative_tokens!r} and {aliases}; give num_speculative_tokens only")
+        self.method = method
+        self.num_speculative_tokens = given[0] if given else 5
+        self.adaptive = adaptive
+        merged = {**(options or {}), **method_options}
+        self.options = {k: v for k, v in merged.items() if v is not None}
         self._validate()
 
     def _validate(self) -> None:
-        # the method itself is checked by the drafter registry (above this module) when the engine is built
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"speculative_config.num_speculative_tokens={self.num_speculative_tokens!r} must be an int >= 1"
-            )
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
-                f"{self.prompt_lookup_max} must satisfy 1 <= min <= max"
-            )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
-                             "smaller model with the target's tokenizer")
-        if not isinstance(self.draft_tensor_parallel_size, int) or self.draft_tensor_parallel_size < 1:
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r} "
-                             "must be an int >= 1")
-        if self.draft_tensor_parallel_size > 1 and self.method != "draft_model":
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size} "
-                             f"applies to method='draft_model' only ({self.method!r} has no weights to split); use 1")
+        # the method and its options are checked by the drafter registry (above this module)
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"speculative_config.method={self.method!r} must be a drafter's name, e.g. 'ngram'")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an int >= 1")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive={self.adaptive!r} must be true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat, JSON-able form :meth:`from_any` reads back."""
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "adaptive": self.adaptive, **self.options}
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -70,10 +97,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known keys: {sorted(known)}")
+        if any(not isinstance(key, str) for key in value):
+            raise ValueError(f"speculative_config keys must be strings, got {sorted(map(repr, value))}")
         return cls(**value)
 
 
@@ -97,7 +122,7 @@ class RayPlacement:
     address: str | None = None  # the Ray cluster to join; None: the running one, else start a local one
     pool_name: str | None = None  # a named shared n-gram pool actor (is_public_pool): replicas share it
     # draft step t+1 while the target verifies step t (assuming step t's drafts are kept): pays when the drafter
-    # has hardware of its own; on a small CPU node the two only fight for cores (docs/benchmarks.md)
+    # has hardware of its own; where the two share a few CPU cores they only fight for them
     draft_ahead: bool = False
 
     def __post_init__(self) -> None:
@@ -117,10 +142,7 @@ class RayPlacement:
             return cls()
         if isinstance(value, cls):
             return value
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"ray_placement has unknown keys {unknown}; known keys: {sorted(known)}")
+        check_keys("ray_placement", value, {f.name for f in dataclasses.fields(cls)})
         return cls(**value)
 
 
@@ -151,6 +173,23 @@ class EngineArgs:
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+    @classmethod
+    def from_dict(cls, kwargs: dict[str, Any]) -> "EngineArgs":
+        """From plain data (a server's ``engine_kwargs``, JSON): ``speculative_config`` and ``ray_placement``
+        may be dicts. Unknown keys are a ValueError naming them."""
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"engine arguments must be a dict, got {type(kwargs).__name__}")
+        check_keys("engine arguments", kwargs, {f.name for f in dataclasses.fields(cls)})
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able data that :meth:`from_dict` reads back."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.speculative_config is not None:
+            out["speculative_config"] = self.speculative_config.to_dict()
+        out["ray_placement"] = dataclasses.asdict(self.ray_placement)
+        return out
+
     @property
     def executor_backend(self) -> str:
         if self.distributed_executor_backend is not None:
@@ -168,10 +207,6 @@ class EngineArgs:
                              "distributed_executor_backend='ray' (or leave it None)")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
-        spec = self.speculative_config
-        if spec is not None and spec.draft_tensor_parallel_size > 1 and self.executor_backend != "ray":
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
-                             "needs the Ray backend (its ranks are actors): set distributed_executor_backend='ray'")
         if self.dtype not in self._DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(self._DTYPES)}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):

@@ -6,7 +6,7 @@ drafter's own per-request state): slot ``p`` of a request lives in block ``block
 A table only grows at its end (``allocate``) and shrinks at its end (``rewind``, ``free``).
 
 Placement: a table whose blocks are consecutive lets attention read its context as one view of the cache rather
-than gathering it block by block (on CPU, half the time of a step's attention at long contexts). So a table
+than gathering it block by block (much the larger part of a step's attention at long contexts on CPU). So a table
 grows into the block right after its last one whenever that block is free. Otherwise (a new table, or its
 neighbour is taken) it starts a new run in the largest free gap: at the gap's start when no table ends just
 before the gap, else half way in, leaving that table room to grow. Which blocks are free is one byte each, so

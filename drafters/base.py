@@ -1,10 +1,10 @@
 """The one protocol every drafter implements.
 
-A drafter proposes, for a batch of requests, up to ``max_draft_tokens`` next tokens each. It is told each
-request's whole token history every time it is asked (prompt + every token the target kept), so it can see
+A drafter proposes, for a batch of requests, up to ``num_speculative_tokens`` next tokens each. It is told
+each request's whole token history every time it is asked (prompt + every token the target kept), so it can see
 for itself what was accepted since its last proposal, rewind its own state to that, and update any pool.
-It is asked every step for every decoding request, with ``max_draft_tokens == 0`` when the engine wants no
-draft this step (the drafter may still learn from the history).
+It is asked every step for every decoding request, with ``num_speculative_tokens == 0`` when the engine wants
+no draft this step (the drafter may still learn from the history).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class DraftRequest:
     req_id: str
     token_ids: Sequence[int]  # prompt + kept output; the last one is not yet in the target's KV cache
-    max_draft_tokens: int
+    num_speculative_tokens: int
     sampling_params: SamplingParams
     # a prefetch (drafting ahead while the target verifies): the last ``num_assumed`` tokens are drafts the
     # target is still checking, assumed kept
@@ -44,7 +44,7 @@ class Proposal:
 @runtime_checkable
 class Drafter(Protocol):
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        """One proposal per request, in batch order, each at most ``max_draft_tokens`` long."""
+        """One proposal per request, in batch order, each at most ``num_speculative_tokens`` long."""
         ...
 
     def finish(self, req_ids: Sequence[str]) -> None:

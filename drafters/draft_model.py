@@ -16,6 +16,7 @@ import torch
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model, load_tokenizer
@@ -24,6 +25,22 @@ from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sam
 from specray.kv_blocks import BlockPool
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModelOptions:
+    """``speculative_config`` keys of ``method="draft_model"`` (vLLM's names)."""
+
+    model: str | None = None  # required: a smaller model with the target's tokenizer
+    draft_tensor_parallel_size: int = 1  # ranks its weights are split over (Ray actors of their own)
+
+    def __post_init__(self) -> None:
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
+                             "smaller model with the target's tokenizer")
+        tp = self.draft_tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be an int >= 1")
 
 
 @dataclass
@@ -61,11 +78,12 @@ def _draft_seed(seed: int | None) -> int | None:
 class DraftModelDrafter:
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)
-        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(spec.model), ctx.target_model, spec.model)
+        path = options_of(spec).model
+        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
-        self.model = load_model(spec.model, tp, dtype=getattr(torch, ctx.dtype), device=self.device)
+        self.model = load_model(path, tp, dtype=getattr(torch, ctx.dtype), device=self.device)
         if self.model.vocab_size > ctx.vocab_size:
-            raise ValueError(f"speculative_config.model={spec.model!r} has vocab_size={self.model.vocab_size}, "
+            raise ValueError(f"speculative_config.model={path!r} has vocab_size={self.model.vocab_size}, "
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")
         self.vocab_size = ctx.vocab_size
         self.max_len = min(ctx.max_model_len, getattr(self.model, "max_position_embeddings", ctx.max_model_len))
@@ -91,7 +109,7 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in batch]
-        active = [i for i, d in enumerate(batch) if d.max_draft_tokens > 0 and self._prepare(d)]
+        active = [i for i, d in enumerate(batch) if d.num_speculative_tokens > 0 and self._prepare(d)]
         if not active:
             return proposals
         reqs = [batch[i] for i in active]
@@ -111,7 +129,7 @@ class DraftModelDrafter:
         keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
         del state.cached[keep:]
         self.blocks.rewind(state, keep)
-        slots = len(d.token_ids) + d.max_draft_tokens - 1
+        slots = len(d.token_ids) + d.num_speculative_tokens - 1
         if slots > self.max_len or not self.blocks.can_fit(state, slots):
             return False
         self.blocks.allocate(state, slots)
@@ -123,7 +141,7 @@ class DraftModelDrafter:
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         live = list(range(len(reqs)))
-        for step in range(max(d.max_draft_tokens for d in reqs)):
+        for step in range(max(d.num_speculative_tokens for d in reqs)):
             logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V]
             tokens, q = self._sample(logits, [reqs[i] for i in live], [states[i] for i in live])
             for j, i in enumerate(live):
@@ -132,7 +150,7 @@ class DraftModelDrafter:
                 if q is not None:
                     qs[i].append(q[j])
                 feeds[i] = [tokens[j]]
-            live = [i for i in live if len(drafts[i]) < reqs[i].max_draft_tokens]
+            live = [i for i in live if len(drafts[i]) < reqs[i].num_speculative_tokens]
             if not live:
                 break
         probs = [torch.stack(q) if q and not d.sampling_params.greedy else None for q, d in zip(qs, reqs)]

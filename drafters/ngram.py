@@ -43,18 +43,53 @@ import uuid
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.registry import options_of
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_POOL_ENTRIES = 1 << 18  # references the public pool keeps (~65 MB) unless the config says otherwise
-SNAPSHOT_VERSION = 1
+DEFAULT_MAX_POOL_ENTRIES = 1 << 18  # references the public pool keeps unless max_pool_entries says otherwise
+SNAPSHOT_VERSION = 2  # 2: the draft count is named num_speculative_tokens
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 _CHUNK = 1024  # tokens compared per slice when looking for a common prefix
+
+
+@dataclass
+class NgramOptions:
+    """``speculative_config`` keys of ``method="ngram"`` (vLLM's prompt lookup, TensorRT-LLM's pool flags)."""
+
+    ALIASES: ClassVar[dict[str, str]] = {"max_matching_ngram_size": "prompt_lookup_max"}  # TensorRT-LLM's name
+
+    prompt_lookup_min: int | None = None  # shortest match drafted from; None: 2, or prompt_lookup_max if smaller
+    prompt_lookup_max: int = 4  # longest match looked for (the longest found wins)
+    is_public_pool: bool = False  # one pool for every request (and, with a pool_name, every replica)
+    is_keep_all: bool = True  # keep every sighting of an n-gram (False: only the newest)
+    is_use_oldest: bool = True  # propose the oldest sighting's continuation (False: the newest's)
+    max_pool_entries: int | None = None  # cap on a public pool (oldest entries evicted first)
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = min(2, self.prompt_lookup_max) if _is_count(self.prompt_lookup_max) else 2
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be an int >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                             f"{self.prompt_lookup_max} must satisfy 1 <= min <= max")
+        for name in ("is_public_pool", "is_keep_all", "is_use_oldest"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be true or false")
+        if self.max_pool_entries is not None and not _is_count(self.max_pool_entries):
+            raise ValueError(f"speculative_config.max_pool_entries={self.max_pool_entries!r} must be an int >= 1 "
+                             "(or None for the default cap)")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:
@@ -72,13 +107,14 @@ def _common_prefix(a: list[int], b: Sequence[int]) -> int:
 
 
 class NgramPool:
-    """N-grams of ``prompt_lookup_min..prompt_lookup_max`` tokens -> continuations of up to ``max_draft_len``."""
+    """N-grams of ``prompt_lookup_min..prompt_lookup_max`` tokens -> continuations of up to
+    ``num_speculative_tokens``."""
 
     def __init__(
         self,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
-        max_draft_len: int = 5,
+        num_speculative_tokens: int = 5,
         *,
         is_keep_all: bool = True,
         is_use_oldest: bool = True,
@@ -87,13 +123,13 @@ class NgramPool:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={prompt_lookup_min} and prompt_lookup_max={prompt_lookup_max} "
                              "must satisfy 1 <= min <= max")
-        if max_draft_len < 1:
-            raise ValueError(f"max_draft_len={max_draft_len} must be >= 1")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         if max_pool_entries is not None and max_pool_entries < 1:
             raise ValueError(f"max_pool_entries={max_pool_entries} must be >= 1 (or None for no bound)")
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self.max_draft_len = max_draft_len
+        self.num_speculative_tokens = num_speculative_tokens
         self.is_keep_all = is_keep_all
         self.is_use_oldest = is_use_oldest
         self.max_pool_entries = max_pool_entries
@@ -111,9 +147,10 @@ class NgramPool:
         self.num_refs = 0  # references now held
 
     @classmethod
-    def from_config(cls, spec: SpeculativeConfig, max_pool_entries: int | None = None) -> "NgramPool":
-        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
-                   is_keep_all=spec.is_keep_all, is_use_oldest=spec.is_use_oldest,
+    def from_options(cls, options: NgramOptions, num_speculative_tokens: int,
+                     max_pool_entries: int | None = None) -> "NgramPool":
+        return cls(options.prompt_lookup_min, options.prompt_lookup_max, num_speculative_tokens,
+                   is_keep_all=options.is_keep_all, is_use_oldest=options.is_use_oldest,
                    max_pool_entries=max_pool_entries)
 
     # ---- sequences -----------------------------------------------------------------------------------
@@ -306,12 +343,12 @@ class NgramPool:
     # ---- lookup --------------------------------------------------------------------------------------
     def lookup(self, context_tail: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The continuation of the longest n-gram ending ``context_tail`` (n from max down to min), at most
-        ``min(max_tokens, max_draft_len)`` tokens; ``[]`` when no n-gram of at least min tokens is known."""
+        ``min(max_tokens, num_speculative_tokens)`` tokens; ``[]`` when no n-gram of at least min tokens is known."""
         return self.lookup_match(context_tail, max_tokens)[0]
 
     def lookup_match(self, context_tail: Sequence[int], max_tokens: int | None = None) -> tuple[list[int], int]:
         """:meth:`lookup`, and the length n of the match it continues (0 when it found none)."""
-        k = self.max_draft_len if max_tokens is None else min(max_tokens, self.max_draft_len)
+        k = self.num_speculative_tokens if max_tokens is None else min(max_tokens, self.num_speculative_tokens)
         if k <= 0:
             return [], 0
         tail = list(context_tail[-self.max_n:])
@@ -330,7 +367,7 @@ class NgramPool:
             "version": SNAPSHOT_VERSION,
             "prompt_lookup_min": self.min_n,
             "prompt_lookup_max": self.max_n,
-            "max_draft_len": self.max_draft_len,
+            "num_speculative_tokens": self.num_speculative_tokens,
             "sequences": [[self._seq_key[sid], list(tokens)] for sid, tokens in self._tokens.items()],
         }
 
@@ -366,7 +403,7 @@ class _RequestState:
 class NgramDrafter:
     """Prompt lookup: propose what followed the longest earlier occurrence of the history's last n tokens.
 
-    Each request gets its own pool, or all share one with ``spec.is_public_pool`` (so a request can draft from
+    Each request gets its own pool, or all share one with ``is_public_pool`` (so a request can draft from
     text another one produced; finished requests' text stays until evicted). Deterministic: ``probs`` is None.
     A proposal's ``key`` is the length of the match it continues: longer matches are accepted more often.
     """
@@ -374,12 +411,13 @@ class NgramDrafter:
     cheap_proposals = True  # a lookup: the engine asks for the most drafts and sizes k by the match
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
-        self.spec = spec
+        self.options: NgramOptions = options_of(spec)
+        self.num_speculative_tokens = spec.num_speculative_tokens
         self.ctx = ctx
         self.shared_pool: NgramPool | None = None
-        if spec.is_public_pool:
-            cap = getattr(spec, "max_pool_entries", None) or DEFAULT_MAX_POOL_ENTRIES
-            self.shared_pool = NgramPool.from_config(spec, max_pool_entries=cap)
+        if self.options.is_public_pool:
+            cap = self.options.max_pool_entries or DEFAULT_MAX_POOL_ENTRIES
+            self.shared_pool = self._new_pool(cap)
         self._requests: dict[str, _RequestState] = {}
         self.pool_link: PoolLink | None = None
         self._published: dict[str, int] = {}  # seq_key -> tokens of it sent through the link
@@ -435,18 +473,21 @@ class NgramDrafter:
     def _propose_one(self, req: DraftRequest) -> Proposal:
         state = self._state(req.req_id)
         self._catch_up(state, req.token_ids)
-        if req.max_draft_tokens <= 0:
+        if req.num_speculative_tokens <= 0:
             return Proposal([])
-        tail = state.pool.tail(state.seq_key, self.spec.prompt_lookup_max)
-        tokens, n = state.pool.lookup_match(tail, req.max_draft_tokens)
+        tail = state.pool.tail(state.seq_key, self.options.prompt_lookup_max)
+        tokens, n = state.pool.lookup_match(tail, req.num_speculative_tokens)
         return Proposal(tokens, key=n or None)
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)
         if state is None:
-            pool = self.shared_pool or NgramPool.from_config(self.spec)
+            pool = self.shared_pool or self._new_pool()
             state = self._requests[req_id] = _RequestState(pool, pool.new_key())
         return state
+
+    def _new_pool(self, max_pool_entries: int | None = None) -> NgramPool:
+        return NgramPool.from_options(self.options, self.num_speculative_tokens, max_pool_entries)
 
     def _catch_up(self, state: _RequestState, history: Sequence[int]) -> None:
         """Index what is new in ``history``: O(new tokens) when it is the list seen last time, grown by
@@ -464,5 +505,5 @@ class NgramDrafter:
 
     def _boundary_holds(self, state: _RequestState, history: Sequence[int], indexed: int) -> bool:
         """The last indexed tokens are still there (guards against a list rewound in place)."""
-        lo = max(0, indexed - self.spec.prompt_lookup_max)
+        lo = max(0, indexed - self.options.prompt_lookup_max)
         return list(history[lo:indexed]) == state.pool.tokens(state.seq_key)[lo:indexed]

@@ -1,13 +1,36 @@
-"""The one registry from ``speculative_config.method`` to a drafter class."""
+"""The one registry from ``speculative_config.method`` to a drafter: its class, its options and what it can do.
+
+Each drafter declares its options as a dataclass next to its class (``NgramOptions`` beside ``NgramDrafter``);
+:class:`specray.config.SpeculativeConfig` carries them as given and :func:`options_of` checks and parses them,
+so every method-specific question is answered here and nowhere else. Modules import lazily: the draft model
+needs torch, the n-gram drafter does not.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from importlib import import_module
+from typing import Any
 
-# method name -> "module:Class"; modules import lazily (the draft model needs torch, the n-gram drafter not).
+from specray.config import SpeculativeConfig, check_keys, jsonable_fields
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    drafter: str  # "module:Class"
+    options: str  # "module:Class", the dataclass of the method's own options
+    # a model of its own: the target's tokenizer must match it, and its options carry
+    # ``draft_tensor_parallel_size`` (its weights can be split over ranks)
+    has_weights: bool = False
+    # its options carry ``is_public_pool``: replicas may share what it learns through a named pool
+    shares_pool: bool = False
+
+
 _DRAFTERS = {
-    "ngram": "specray.drafters.ngram:NgramDrafter",
-    "draft_model": "specray.drafters.draft_model:DraftModelDrafter",
+    "ngram": DrafterEntry("specray.drafters.ngram:NgramDrafter", "specray.drafters.ngram:NgramOptions",
+                          shares_pool=True),
+    "draft_model": DrafterEntry("specray.drafters.draft_model:DraftModelDrafter",
+                                "specray.drafters.draft_model:DraftModelOptions", has_weights=True),
 }
 
 
@@ -15,8 +38,64 @@ def drafter_names() -> list[str]:
     return list(_DRAFTERS)
 
 
-def drafter_class(method: str):
+def entry(method: str) -> DrafterEntry:
     if method not in _DRAFTERS:
         raise ValueError(f"speculative_config.method={method!r} is unknown; choose one of {sorted(_DRAFTERS)}")
-    module, cls = _DRAFTERS[method].split(":")
-    return getattr(import_module(module), cls)
+    return _DRAFTERS[method]
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(import_module(module), name)
+
+
+def drafter_class(method: str):
+    return _load(entry(method).drafter)
+
+
+def options_class(method: str):
+    return _load(entry(method).options)
+
+
+def options_of(spec: SpeculativeConfig) -> Any:
+    """``spec``'s method options as that method's options dataclass: input aliases (an options class's
+    ``ALIASES``, e.g. TensorRT-LLM's ``max_matching_ngram_size``) mapped, unknown or misplaced keys refused."""
+    cls = options_class(spec.method)
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    given = dict(spec.options)
+    for alias, name in aliases.items():
+        if alias in given:
+            if name in given and given[name] != given[alias]:
+                raise ValueError(f"speculative_config gives {name}={given[name]!r} and its alias {alias}="
+                                 f"{given[alias]!r}; give {name} only")
+            given[name] = given.pop(alias)
+    own = [f.name for f in fields(cls)]
+    check_keys("speculative_config", given, [*SpeculativeConfig.COMMON_KEYS, *own], f" for method={spec.method!r}")
+    return cls(**given)
+
+
+def check(spec: SpeculativeConfig | None) -> None:
+    """Everything about ``spec`` that needs its method: the name, and its options."""
+    if spec is not None:
+        options_of(spec)
+
+
+def has_weights(method: str) -> bool:
+    """The method loads a model of its own (its tokenizer must be the target's)."""
+    return entry(method).has_weights
+
+
+def tensor_parallel_size(spec: SpeculativeConfig) -> int:
+    """Over how many ranks the drafter's weights are split (1 for a drafter without weights)."""
+    return options_of(spec).draft_tensor_parallel_size if has_weights(spec.method) else 1
+
+
+def uses_public_pool(spec: SpeculativeConfig) -> bool:
+    """The drafter shares its n-gram pool (``is_public_pool``), so replicas may link theirs."""
+    return entry(spec.method).shares_pool and options_of(spec).is_public_pool
+
+
+def options_schema() -> dict[str, Any]:
+    """JSON-able: the keys every method has and each method's own options with their types and defaults."""
+    common = {k: v for k, v in jsonable_fields(SpeculativeConfig).items() if k in SpeculativeConfig.COMMON_KEYS}
+    return {"common": common, "methods": {m: jsonable_fields(options_class(m)) for m in _DRAFTERS}}

@@ -7,8 +7,8 @@ positions before it were. Verifying k drafts then yields, counting the target's 
 
 tokens. One verification of k drafts with ``acc`` accepted is ``acc`` successes and, if acc < k, one failure of
 that Bernoulli(alpha); a request's evidence is kept as exponentially discounted counts S and F (the policy's
-:class:`Evidence` per request id, forgotten when the request finishes) and read as the posterior mean under a Beta prior of strength m
-centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
+:class:`Evidence` per request id, forgotten when the request finishes) and read as the posterior mean under a
+Beta prior of strength m centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
 
 Cost model: a step over n tokens takes cost(n) = a + b * rows(n), fitted by least squares over a sliding window
 of measured steps (with one pass that drops outliers beyond 3 median absolute residuals, e.g. a GC pause).
@@ -17,9 +17,9 @@ tokens cost what 2 do; identity elsewhere). Until the window holds steps of two 
 (a = 1, b = 0.05, relative units) stands in. A lone request's step with k drafts costs a + b * rows(1 + k); in
 a batch of B requests one request's share is  a / B + b * (1 + k).
 
-Choice: k in [0, max_k] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time. k = 0 unless the best
-k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets one cheap probe of
-``probe_k`` drafts, so a request whose text turned predictable can recover.
+Choice: k in [0, num_speculative_tokens] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time.
+k = 0 unless the best k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets
+one cheap probe of ``probe_k`` drafts, so a request whose text turned predictable can recover.
 
 Closed batches (offline ``generate``, where the time of the whole batch is what counts): once nothing waits, the
 batch only drains and ends with its last request. Request j, with budget r_j tokens left (``max_tokens``; EOS may
@@ -28,16 +28,17 @@ needs T = max_j r_j / E_j. A request with r_i < T finishes before the batch does
 would bring its tokens sooner but not the end of the batch, and make every step dearer. It drafts nothing.
 
 Kinds of guess (keys). A drafter may tell how strong each proposal's evidence is: an n-gram draft's key is the
-length of the match it continues (on SmolLM2's open-ended answers, drafts after a 1-token match were accepted at
-0.15 per position, after a 4-token match at 0.76). A drafter that proposes cheaply then proposes first, and the
-policy sizes k with the request's evidence for that key, read with the engine's evidence for the key (every
-request's, discounted by ENGINE_DECAY per verification) as the prior mean:
+length of the match it continues (a longer match is accepted far more often: on open-ended answers a 1-token
+match is mostly a guess, a 4-token match mostly right; docs/benchmarks.md has the figures). A drafter that
+proposes cheaply then proposes first, and the policy sizes k with the request's evidence for that key, read
+with the engine's evidence for the key (every request's, discounted by ENGINE_DECAY per verification) as the
+prior mean:
 
     alpha(req, key) = (S_key + alpha_key * m) / (S_key + F_key + m),   alpha_key = (S + alpha0 * m) / (S + F + m)
 
 The request's overall counts (above) still take every verification.
 
-Per request, ``SamplingParams.num_speculative_tokens`` caps max_k (0: that request never drafts).
+Per request, ``SamplingParams.num_speculative_tokens`` caps the engine's (0: that request never drafts).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from statistics import median
 from typing import Callable
 
 # (a, b): the fixed cost of a step, and of each token in it, in relative units, until steps of two sizes are
-# measured. On these 2 CPU cores a single-token step costs what ~15-20 more tokens in it do (on a GPU, far more);
-# a prior that prices tokens dearer keeps a batch that has not drafted yet from drafting, so its cost is never
-# measured (replayed: a closed batch of 8 skipped 30 4-token matches worth ~11 tokens each at 0.15).
+# measured. A step's fixed cost dwarfs one more token's (on a CPU, and far more on a GPU); a prior that prices
+# tokens dearer keeps a batch that has not drafted yet from drafting, so the cost of drafting is never measured
+# and the policy never learns it would pay.
 PRIOR_COST = (1.0, 0.05)
 ENGINE_DECAY = 0.99  # the engine's evidence per key is every request's, so it forgets more slowly
 
@@ -105,16 +106,16 @@ def robust_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, adaptive: bool = True, *, window: int = 64, margin: float = 0.03,
+    def __init__(self, num_speculative_tokens: int, adaptive: bool = True, *, window: int = 64, margin: float = 0.03,
                  probe_after: int = 8, probe_k: int = 2, prior_alpha: float = 0.5, prior_strength: float = 2.0,
                  decay: float = 0.9, rows: Callable[[int], int] | None = None):
-        if not isinstance(max_k, int) or max_k < 0:
-            raise ValueError(f"max_k={max_k!r} must be an int >= 0 (num_speculative_tokens)")
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
         if window < 2:
             raise ValueError(f"window={window} must be >= 2 steps to fit a line")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay={decay} must be in (0, 1]; 1 keeps all evidence forever")
-        self.max_k = max_k
+        self.num_speculative_tokens = num_speculative_tokens
         self.adaptive = adaptive
         self.margin = margin
         self.probe_after = probe_after
@@ -192,28 +193,28 @@ class DraftLengthPolicy:
         return (accepts + prior * m) / (accepts + rejects + m)
 
     # ---- choice ---------------------------------------------------------------------------------------
-    def max_k_for(self, req) -> int:
-        """The engine's max_k, capped by the request's own ``num_speculative_tokens`` (None: no cap)."""
+    def num_speculative_tokens_for(self, req) -> int:
+        """The engine's ``num_speculative_tokens``, capped by the request's own (None: no cap)."""
         cap = req.sampling_params.num_speculative_tokens
-        return self.max_k if cap is None else min(self.max_k, cap)
+        return self.num_speculative_tokens if cap is None else min(self.num_speculative_tokens, cap)
 
     def choose(self, req, batch_size: int, off_critical_path: bool = False, key: int | None = None) -> int:
         """How many drafts ``req`` should verify next step, in a batch of ``batch_size`` requests, when its
         proposal is of ``key`` (None: not known yet, or the drafter tells none); none when it is
         ``off_critical_path`` of a closed batch (see :meth:`off_critical_path`)."""
-        max_k = self.max_k_for(req)
-        if not self.adaptive or max_k == 0:
-            return max_k
+        limit = self.num_speculative_tokens_for(req)
+        if not self.adaptive or limit == 0:
+            return limit
         if off_critical_path:
             return 0
-        k = self.best_k(self.acceptance(req, key), batch_size, max_k)
+        k = self.best_k(self.acceptance(req, key), batch_size, limit)
         ev = self.evidence(req.req_id)
         if k > 0:
             ev.undrafted_steps = 0
             return k
         if ev.undrafted_steps >= self.probe_after:
             ev.undrafted_steps = 0
-            return min(self.probe_k, max_k)
+            return min(self.probe_k, limit)
         ev.undrafted_steps += 1
         return 0
 
@@ -223,20 +224,21 @@ class DraftLengthPolicy:
         rates = []
         for req in reqs:
             alpha = self.acceptance(req)
-            k = self.best_k(alpha, batch_size, self.max_k_for(req)) if self.adaptive else self.max_k_for(req)
+            limit = self.num_speculative_tokens_for(req)
+            k = self.best_k(alpha, batch_size, limit) if self.adaptive else limit
             rates.append(expected_tokens(alpha, k))
         steps = max(r / e for r, e in zip(budgets, rates))
         return [r < steps for r in budgets]
 
-    def best_k(self, alpha: float, batch_size: int, max_k: int | None = None) -> int:
-        """The k in [0, max_k] (default: the engine's) maximising expected tokens per unit cost; 0 unless it
-        beats k = 0 by ``margin``."""
-        max_k = self.max_k if max_k is None else max_k
+    def best_k(self, alpha: float, batch_size: int, limit: int | None = None) -> int:
+        """The k in [0, limit] (default: the engine's ``num_speculative_tokens``) maximising expected tokens per
+        unit cost; 0 unless it beats k = 0 by ``margin``."""
+        limit = self.num_speculative_tokens if limit is None else limit
         a, b = self.cost_model()
         if batch_size <= 1:
-            costs = [a + b * self.rows(1 + k) for k in range(max_k + 1)]
+            costs = [a + b * self.rows(1 + k) for k in range(limit + 1)]
         else:
-            costs = [a / batch_size + b * (1 + k) for k in range(max_k + 1)]
+            costs = [a / batch_size + b * (1 + k) for k in range(limit + 1)]
         rates = [expected_tokens(alpha, k) / cost for k, cost in enumerate(costs)]
         best = max(range(len(rates)), key=rates.__getitem__)  # ties go to the smaller k
         return best if rates[best] >= rates[0] * (1.0 + self.margin) else 0

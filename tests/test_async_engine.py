@@ -21,6 +21,13 @@ def llm(tiny_llama_dir):
                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
+@pytest.fixture(scope="module")
+def expected(llm):
+    """The offline outputs of PROMPT_IDS, computed before any AsyncLLMEngine thread shares ``llm.engine`` (the
+    engine is not thread-safe: that thread would step it too)."""
+    return offline(llm, PROMPT_IDS)
+
+
 @pytest.fixture
 def aengine(llm):
     aeng = AsyncLLMEngine(llm.engine)
@@ -45,8 +52,7 @@ def offline(llm, ids_list):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_concurrent_callers_match_offline(llm, aengine):
-    expected = offline(llm, PROMPT_IDS)
+def test_concurrent_callers_match_offline(llm, expected, aengine):
     start = free_blocks(llm.engine)
 
     async def main():
@@ -114,8 +120,7 @@ def test_cancel_before_the_add_runs(llm, aengine):
     assert not unfinished and free == start
 
 
-def test_bad_request_does_not_disturb_others(llm, aengine):
-    expected = offline(llm, PROMPT_IDS[:2])
+def test_bad_request_does_not_disturb_others(llm, expected, aengine):
 
     async def bad():
         with pytest.raises(ValueError, match="max_tokens"):
@@ -126,7 +131,7 @@ def test_bad_request_does_not_disturb_others(llm, aengine):
         results = await asyncio.gather(collect(aengine, PROMPT_IDS[0]), bad(), collect(aengine, PROMPT_IDS[1]))
         return [results[0], results[2]]
 
-    assert asyncio.run(main()) == expected
+    assert asyncio.run(main()) == expected[:2]
 
 
 def test_after_shutdown_new_requests_fail_clearly(llm):
@@ -142,11 +147,10 @@ def test_after_shutdown_new_requests_fail_clearly(llm):
         asyncio.run(main())
 
 
-def test_a_step_failing_for_one_caller_fails_only_that_caller(llm, aengine):
+def test_a_step_failing_for_one_caller_fails_only_that_caller(llm, expected, aengine):
     """The poisoned request's caller gets RequestFailedError; the other callers get their whole outputs."""
     from specray.errors import RequestFailedError
 
-    expected = offline(llm, PROMPT_IDS)
     engine, start = llm.engine, free_blocks(llm.engine)
     real = engine.executor
 

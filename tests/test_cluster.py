@@ -69,7 +69,7 @@ class NoisyOracle:
         out = []
         for d in batch:
             plen, ref = self.references[d.req_id]
-            draft = list(ref[len(d.token_ids) - plen: len(d.token_ids) - plen + d.max_draft_tokens])
+            draft = list(ref[len(d.token_ids) - plen: len(d.token_ids) - plen + d.num_speculative_tokens])
             if draft and self.rng.random() < 0.5:
                 j = self.rng.randrange(len(draft))
                 draft[j] = (draft[j] + 1) % self.vocab_size
@@ -427,11 +427,14 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
 
 
 def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model):
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 applies to method='draft_model' only"):
-        SpeculativeConfig(method="ngram", draft_tensor_parallel_size=2)
+    from specray.engine.builder import check_engine_args
+
+    with pytest.raises(ValueError, match=r"unknown keys \['draft_tensor_parallel_size'\] for method='ngram'"):
+        check_engine_args(EngineArgs(model=str(tiny_llama_dir), speculative_config=SpeculativeConfig(
+            method="ngram", draft_tensor_parallel_size=2)))
     spec = {"method": "draft_model", "model": str(tiny_draft_dir), "draft_tensor_parallel_size": 2}
-    with pytest.raises(ValueError, match="needs the Ray backend"):
-        EngineArgs(model=str(tiny_llama_dir), speculative_config=spec)
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
+        check_engine_args(EngineArgs(model=str(tiny_llama_dir), speculative_config=spec))
     with pytest.raises(ValueError, match="divisible"):  # 4 heads over 3 draft ranks
         engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                    speculative_config=dict(spec, draft_tensor_parallel_size=3))

@@ -56,7 +56,7 @@ def test_low_acceptance_drafts_nothing_high_acceptance_drafts_a_lot():
     assert policy.choose(trained(policy, 0.95), batch_size=1) >= 5
 
 
-def test_not_adaptive_is_always_max_k():
+def test_not_adaptive_is_always_num_speculative_tokens():
     policy = DraftLengthPolicy(4, adaptive=False)
     assert policy.choose(trained(policy, 0.0), batch_size=64) == 4
 
@@ -135,8 +135,9 @@ def test_deterministic():
     assert [a.choose(ra, n) for n in range(1, 20)] == [b.choose(rb, n) for n in range(1, 20)]
 
 
-@pytest.mark.parametrize("kw, match", [({"max_k": -1}, "max_k=-1"), ({"max_k": 2, "decay": 0}, "decay=0"),
-                                       ({"max_k": 2, "window": 1}, "window=1")])
+@pytest.mark.parametrize("kw, match", [({"num_speculative_tokens": -1}, "num_speculative_tokens=-1"),
+                                       ({"num_speculative_tokens": 2, "decay": 0}, "decay=0"),
+                                       ({"num_speculative_tokens": 2, "window": 1}, "window=1")])
 def test_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         DraftLengthPolicy(**kw)

@@ -166,7 +166,7 @@ def test_cheap_drafter_drafts_sized_by_the_kind_of_guess(tiny_llama_dir, plain_o
             for req in batch:
                 prompt = max((p for p in expected if tuple(req.token_ids[:len(p)]) == p), key=len)
                 done = len(req.token_ids) - len(prompt)
-                right = expected[prompt][done:done + req.max_draft_tokens]
+                right = expected[prompt][done:done + req.num_speculative_tokens]
                 wrong = Proposal([(t + 1) % vocab for t in right], key=1)
                 proposals.append(wrong if done % 2 else Proposal(right, key=2))
             return proposals
@@ -273,12 +273,17 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: SamplingParams(num_speculative_tokens=1.5), "num_speculative_tokens"),
     (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config={"method": "medusa-ish"})),
      "method"),
-    (lambda llm: SpeculativeConfig.from_any({"method": "ngram", "num_spec": 3}), "unknown keys"),
+    (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config=SpeculativeConfig.from_any(
+        {"method": "ngram", "num_spec": 3}))), r"unknown keys \['num_spec'\] for method='ngram'"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "model": "x"}),
+     r"unknown keys \['model'\] for method='ngram'; known keys: \['adaptive', "),
     (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
     (lambda llm: SamplingParams(temperature=float("nan")), "temperature"),
-    (lambda llm: SpeculativeConfig(method="draft_model"), "model"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
+    (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
+    (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),
 ])
 def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make_bad, field):
     start = free_blocks(plain)
@@ -486,3 +491,40 @@ def test_draft_model_takes_the_largest_seed(tiny_llama_dir, tiny_draft_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, seed=2**64 - 1, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].error is None
+
+
+# ---- one configuration path ----------------------------------------------------------------------------------
+def test_speculative_config_forms_and_aliases():
+    from specray.drafters.registry import options_of
+
+    flat = SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=2)
+    assert flat == SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 5,
+                                               "prompt_lookup_min": 2})
+    assert options_of(flat).prompt_lookup_min == 2 and options_of(flat).prompt_lookup_max == 4
+    trt = SpeculativeConfig.from_any({"method": "ngram", "max_draft_len": 3, "max_matching_ngram_size": 2})
+    assert trt.num_speculative_tokens == 3 and options_of(trt).prompt_lookup_max == 2
+    assert SpeculativeConfig.from_any(trt.to_dict()) == trt
+
+
+def test_misplaced_option_fails_before_any_actor_starts(tiny_llama_dir):
+    """The Ray backend checks the options in this process, before its engine actor starts."""
+    with pytest.raises(ValueError, match=r"unknown keys \['prompt_lookup_min'\] for method='draft_model'"):
+        LLM(str(tiny_llama_dir), distributed_executor_backend="ray",
+            speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "prompt_lookup_min": 1})
+
+
+def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):
+    import json
+
+    from specray.engine.builder import engine_args_schema
+
+    args = EngineArgs.from_dict({"model": str(tiny_llama_dir), "max_num_seqs": 4,
+                                 "speculative_config": {"method": "ngram", "is_public_pool": True},
+                                 "ray_placement": {"pool_name": "shared"}})
+    assert EngineArgs.from_dict(json.loads(json.dumps(args.to_dict()))) == args
+    schema = json.loads(json.dumps(engine_args_schema()))  # JSON-able
+    assert schema["max_num_seqs"] == {"type": "int", "default": 8} and schema["model"]["required"]
+    spec_keys = schema["speculative_config"]["keys"]
+    assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive"}
+    assert "is_public_pool" in spec_keys["methods"]["ngram"] and "model" in spec_keys["methods"]["draft_model"]
+    assert "pool_name" in schema["ray_placement"]["keys"]

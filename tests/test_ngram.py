@@ -66,7 +66,7 @@ def test_no_self_match():
     assert draft(make(prompt_lookup_min=2), [7, 7, 7]) == [7]
 
 
-def test_truncation_to_max_draft_tokens():
+def test_truncation_to_num_speculative_tokens():
     drafter = make(prompt_lookup_min=2, num_speculative_tokens=3)
     history = [1, 2, 10, 11, 12, 13, 14, 1, 2]
     assert draft(drafter, history, k=2) == [10, 11]
@@ -215,7 +215,8 @@ def test_trt_spelled_config_keys():
     # max 2-gram [2, 3] -> 4 5; a 3-gram would be no different here, but 2 tokens is the draft cap.
     assert draft(drafter, history, k=8) == [4, 5]
     assert NgramDrafter(SpeculativeConfig(method="ngram", max_matching_ngram_size=1, prompt_lookup_min=1),
-                        CTX).spec.prompt_lookup_max == 1
+                        CTX).options.prompt_lookup_max == 1
+    assert spec.num_speculative_tokens == 2 and "max_draft_len" not in spec.to_dict()  # input aliases only
     assert draft(NgramDrafter(SpeculativeConfig(method="ngram", max_matching_ngram_size=1, prompt_lookup_min=1),
                               CTX), [1, 5, 2, 9, 1, 6, 2]) == [9, 1, 6, 2]
 

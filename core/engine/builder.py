@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from specray.config import EngineArgs, SpeculativeConfig
+from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
 from specray.contract import KVCacheInfo
+from specray.drafters import registry
 from specray.drafters.base import DrafterContext
-from specray.drafters.registry import drafter_class
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
@@ -18,6 +19,7 @@ from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
+
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -40,10 +42,27 @@ def eos_ids(hf_config, tokenizer) -> frozenset[int]:
 
 
 def check_engine_args(args: EngineArgs) -> None:
-    """What :class:`EngineArgs` cannot check on its own (it sits below the drafter registry): call before
-    anything starts, so a user error is a ValueError here and not an actor's failure."""
-    if args.speculative_config is not None:
-        drafter_class(args.speculative_config.method)
+    """What :class:`EngineArgs` cannot check on its own (it sits below the drafter registry and the backends):
+    the speculation method and its options, and where a split drafter can run. Call before anything starts, so
+    a user error is a ValueError here and not an actor's failure."""
+    spec = args.speculative_config
+    registry.check(spec)
+    if spec is None:
+        return
+    tp = registry.tensor_parallel_size(spec)
+    if tp > 1 and plugins.find("remote_drafter", args.executor_backend) is None:
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs a backend that runs drafters "
+                         f"as actors (its ranks are actors), not {args.executor_backend!r}: set "
+                         "distributed_executor_backend='ray'")
+
+
+def engine_args_schema() -> dict[str, Any]:
+    """Every engine argument as JSON-able data (type, default), with the keys of ``ray_placement`` and of
+    ``speculative_config`` (common and per method): what a server passes through as ``engine_kwargs``."""
+    schema: dict[str, Any] = jsonable_fields(EngineArgs)
+    schema["ray_placement"]["keys"] = jsonable_fields(RayPlacement)
+    schema["speculative_config"]["keys"] = registry.options_schema()
+    return schema
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -95,4 +114,4 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
         return remote(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy
-    return drafter_class(spec.method)(spec, ctx), policy
+    return registry.drafter_class(spec.method)(spec, ctx), policy

@@ -122,10 +122,12 @@ class LLMEngine:
         token of the failed plan was counted and its KV slots are rewritten with the same values; the worker
         may hold any part of the plan's state, so every retry carries the requests' whole block tables."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
-                     plan.step_id, len(plan.chunks), err)
+                     plan.step_id, len(plan.chunks), err, exc_info=err)
         self.scheduler.forget_worker_state(plan)
         failed = {rid: repr(err.cause) for rid in err.req_ids} if isinstance(err, RequestError) else {}
         rest = [c for c in plan.chunks if c.req_id not in failed]
+        if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
+            raise err
         groups = [rest] if failed and rest else [[c] for c in rest]
         done: dict[str, tuple[list[int], list | None]] = {}
         while groups:
@@ -184,7 +186,7 @@ class LLMEngine:
         for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
             if proposal is None:
                 continue
-            tokens = proposal.token_ids[: dreq.max_draft_tokens]
+            tokens = proposal.token_ids[: dreq.num_speculative_tokens]
             if cheap and tokens:
                 tokens = tokens[: self.policy.choose(request, len(running), off_path, proposal.key)]
                 if proposal.key is not None:
@@ -216,7 +218,7 @@ class LLMEngine:
         """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
         if not cheap:
             return self.policy.choose(request, batch_size, off_critical_path)
-        return 0 if off_critical_path and self.policy.adaptive else self.policy.max_k_for(request)
+        return 0 if off_critical_path and self.policy.adaptive else self.policy.num_speculative_tokens_for(request)
 
     def _off_critical_path(self, running: list[Request]) -> list[bool]:
         """Per running request: whether it would finish before its closed batch ends even without drafting."""
@@ -234,11 +236,11 @@ class LLMEngine:
         batch = []
         for chunk in plan.chunks:
             request = self.scheduler.get_request(chunk.req_id)
-            if not chunk.sample or request is None or self.policy.max_k_for(request) == 0:
+            if not chunk.sample or request is None or self.policy.num_speculative_tokens_for(request) == 0:
                 continue
-            max_k = self.policy.max_k_for(request)
+            limit = self.policy.num_speculative_tokens_for(request)
             drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
-            batch.append(DraftRequest(request.req_id, request.all_token_ids + drafts, max_k + 1,
+            batch.append(DraftRequest(request.req_id, request.all_token_ids + drafts, limit + 1,
                                       request.sampling_params, num_assumed=len(drafts)))
         if batch:
             self.drafter.prefetch(batch)
