@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from specray.engine.async_engine import AsyncLLMEngine
 from specray.cluster.ray_env import ensure_ray, ray
+from specray.cluster.remote_errors import raise_remote
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
 from specray.outputs import RequestOutput, SpecStats
@@ -92,9 +93,7 @@ class RayEngineClient:
             info = ray.get(self.actor.start.remote(args))
         except RayTaskError as err:
             ray.kill(self.actor)
-            if isinstance(err.cause, ValueError):
-                raise ValueError(str(err.cause)) from None
-            raise
+            raise_remote(err)
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
 

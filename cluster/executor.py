@@ -3,9 +3,10 @@
 Ray places, starts and kills the ranks and carries their control calls; steps travel on the step channel
 (:mod:`specray.cluster.step_channel`: the plan pickled once, the same bytes written to every rank's socket), since
 a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
-drafter's probabilities and answers with the result. A rank that dies or fails is noticed at once, without
-waiting for the others (which may be stuck in a collective with it): the whole group is failed with
-:class:`WorkerDiedError` and ``restart`` builds a fresh one.
+drafter's probabilities and answers with the result. A rank that dies is noticed at once, without waiting for the
+others (which may be stuck in a collective with it): the whole group is failed with :class:`WorkerDiedError` and
+``restart`` builds a fresh one. A step that raised on live ranks (a bug, a bad input) is a :class:`StepError`: the
+group is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import StepPlan, StepResult
-from specray.errors import WorkerDiedError
+from specray.cluster.remote_errors import raise_remote
+from specray.errors import StepError, WorkerDiedError, log_error_detail
 from specray.engine.executor import CacheConfig, plan_num_blocks
 from specray.workers.worker import Worker, WorkerConfig
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
@@ -125,9 +127,7 @@ class RayExecutor:
             infos = ray.get(setups, timeout=SETUP_TIMEOUT_S)
         except RayTaskError as err:  # a user error (e.g. heads not divisible by the TP size) stays a ValueError
             self._kill()
-            if isinstance(err.cause, ValueError):
-                raise ValueError(str(err.cause)) from None
-            raise WorkerDiedError(f"loading the model failed: {err}") from err
+            raise_remote(err, lambda message: WorkerDiedError(f"loading the model failed: {message}"))
         except (GetTimeoutError, RayError) as err:
             self._kill()
             raise WorkerDiedError(f"loading the model failed: {err}") from err
@@ -188,9 +188,16 @@ class RayExecutor:
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        """Rank 0's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
+        a rank that is gone, or a group left out of step, raises :class:`WorkerDiedError`. Either way the plan
+        and the remote traceback are logged first."""
         shared = (plan, None)  # one message object, pickled once for every rank that gets it
         messages = [(plan, draft_probs) if draft_probs else shared] + [shared] * (self.tp_size - 1)
-        return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
+        try:
+            return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
+        except (StepError, WorkerDiedError) as err:
+            log_error_detail(logger, plan, err)
+            raise
 
     def _get(self, refs: list, timeout: float, what: str) -> list:
         """Every result, failing fast: the first rank that errors fails the group, even while the others

@@ -196,6 +196,30 @@ def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
 
 # ---- failures ------------------------------------------------------------------------------------------------
 
+def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_llama_dir, caplog):
+    """A plan the ranks cannot run (a block-table delta for a request they never saw) raises KeyError on every
+    rank: that is a StepError with the remote traceback, the plan is logged, and the same ranks go on serving."""
+    from specray.contract import BlockTableDelta, StepPlan
+    from specray.errors import StepError, WorkerDiedError
+
+    prompt = prompts_for(1, seed=4)[0]
+    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
+    try:
+        workers = list(engine.executor.workers)
+        bad = StepPlan(10_000, block_deltas=[BlockTableDelta("ghost", 0, [1])])
+        with caplog.at_level("ERROR", logger="specray.cluster.executor"):
+            with pytest.raises(StepError, match="KeyError") as info:
+                engine.executor.execute(bad)
+        assert not isinstance(info.value, WorkerDiedError)
+        assert "apply_plan_state" in info.value.remote_traceback
+        assert "step 10000: 0 chunks" in caplog.text and "remote traceback" in caplog.text
+        assert engine.executor.workers == workers  # not restarted
+        assert run_to_end(engine, [prompt]) == [reference]
+    finally:
+        engine.executor.shutdown()
+
+
 def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
     import ray
     from specray.engine.async_engine import AsyncLLMEngine

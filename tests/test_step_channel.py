@@ -1,5 +1,6 @@
 """The step channel between the engine and its ranks (no Ray): every rank gets its message, rank 0's answer comes
-back, and a rank that fails, dies or hangs fails the step at once with WorkerDiedError."""
+back; a rank that raises fails the step with StepError (the group is intact and keeps serving), and a rank that
+dies, hangs or leaves the others stuck fails it with WorkerDiedError."""
 
 import threading
 import time
@@ -7,7 +8,8 @@ import time
 import pytest
 
 from specray.cluster.step_channel import StepClient, StepServer, send_frame
-from specray.errors import WorkerDiedError
+from specray.cluster import step_channel
+from specray.errors import StepError, WorkerDiedError
 
 
 class Rank:
@@ -39,15 +41,56 @@ def test_every_rank_gets_its_message_and_rank0_answers():
     client.close()
 
 
-def test_a_failing_rank_fails_the_step_with_its_error():
+def test_a_rank_that_raises_is_a_step_error_not_a_dead_group():
+    """A plain Python error on a live rank (a bug, a bad input) comes back as StepError with the remote type,
+    message and traceback, and the request ids the error names; the channel keeps serving the next step."""
+
+    class BadRequest(KeyError):
+        req_ids = ["r7"]
+
     def fail(plan):
         if plan == "bad":
             raise RuntimeError("shape mismatch in layer 3")
+        if plan == "bad request":
+            raise BadRequest("r7")
 
     ranks = [Rank(0), Rank(1, fail)]
     client = connect(ranks)
-    with pytest.raises(WorkerDiedError, match="rank 1 failed: RuntimeError: shape mismatch in layer 3"):
+    with pytest.raises(StepError, match="rank 1 raised RuntimeError: shape mismatch in layer 3") as info:
         client.step([("bad", None)] * 2, timeout=10, what="step 7")
+    err = info.value
+    assert not isinstance(err, WorkerDiedError)
+    assert (err.rank, err.exc_type, err.exc_message, err.req_ids) == (1, "RuntimeError", "shape mismatch in layer 3", [])
+    assert "in fail" in err.remote_traceback and "Traceback" in err.remote_traceback
+    with pytest.raises(StepError) as info:
+        client.step([("bad request", None)] * 2, timeout=10, what="step 8")
+    assert info.value.req_ids == ["r7"] and info.value.exc_type == "BadRequest"
+    assert client.step([("ok", None)] * 2, timeout=10, what="step 9")["plan"] == "ok"  # still in step
+    client.close()
+
+
+def test_a_rank_that_raises_while_another_waits_for_it_leaves_the_group_out_of_step(monkeypatch):
+    """Rank 1 raised before a collective; rank 0 waits in it for rank 1 and never answers: the group is stuck,
+    which only a restart mends (WorkerDiedError naming both and carrying the traceback)."""
+    monkeypatch.setattr(step_channel, "DESYNC_GRACE_S", 0.3)
+    release = threading.Event()
+    ranks = [Rank(0, lambda plan: release.wait(30)), Rank(1, lambda plan: 1 / 0)]
+    client = connect(ranks)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 raised ZeroDivisionError.*ranks \[0\] did not finish") as info:
+        client.step([("x", None)] * 2, timeout=60, what="step 4")
+    assert time.monotonic() - start < 5
+    assert "ZeroDivisionError" in info.value.remote_traceback
+    release.set()
+    client.close()
+
+
+def test_errors_name_the_peer():
+    ranks = [Rank(0)]
+    ranks[0].behaviour = lambda plan: ranks[0].server.close()
+    client = StepClient([r.server.address for r in ranks], peer="drafter actor rank")
+    with pytest.raises(WorkerDiedError, match="drafting: drafter actor rank 0 died"):
+        client.step([("x", None)], timeout=10, what="drafting")
     client.close()
 
 
