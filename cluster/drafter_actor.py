@@ -14,7 +14,8 @@ import time
 import uuid
 from dataclasses import replace
 
-from specray.cluster.executor import PLACEMENT_TIMEOUT_S, SETUP_TIMEOUT_S, rendezvous_address
+from specray.cluster import placement
+from specray.cluster.executor import SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
 from specray.cluster.remote_errors import raise_remote
@@ -24,7 +25,6 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import drafter_class
 from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
@@ -168,20 +168,16 @@ class RemoteDrafter:
     def _placement_group(self, options: dict) -> tuple[object, list]:
         bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
                   **options.pop("resources", {})}
-        pg = placement_group([bundle] * self.tp_size, strategy=self.placement.strategy)
-        if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
-            remove_placement_group(pg)
-            raise ValueError(f"cannot place {self.tp_size} draft ranks with {bundle} each "
-                             f"({self.placement.strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; lower "
-                             "speculative_config.draft_tensor_parallel_size or ray_placement.drafter_num_cpus/gpus")
+        pg = placement.create([bundle] * self.tp_size, self.placement.strategy, "draft",
+                              "lower speculative_config.draft_tensor_parallel_size or "
+                              "ray_placement.drafter_num_cpus/drafter_num_gpus")
         return pg, [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(self.tp_size)]
 
     @staticmethod
     def _kill(actors: list, pg) -> None:
         for actor in actors:
             ray.kill(actor)
-        if pg is not None:
-            remove_placement_group(pg)
+        placement.remove(pg)
 
     # ---- the Drafter protocol ------------------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:

@@ -20,17 +20,16 @@ from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import StepPlan, StepResult
+from specray.cluster import placement
 from specray.cluster.remote_errors import raise_remote
 from specray.errors import StepError, WorkerDiedError, log_error_detail
 from specray.engine.executor import CacheConfig, plan_num_blocks
 from specray.workers.worker import Worker, WorkerConfig
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed in this long asks for more than the cluster has
 SETUP_TIMEOUT_S = 600.0  # loading a shard of a large model
 STEP_TIMEOUT_S = 600.0  # no step takes this long; a rank that does is treated as lost
 
@@ -78,22 +77,6 @@ class TargetWorker:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-
-def _could_ever_fit(bundles: list[dict], strategy: str) -> bool:
-    """Whether the cluster's nodes, empty, could hold the bundles (so an impossible request fails at once
-    instead of waiting for resources that will never come)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-
-    def fits(need: dict, node: dict) -> bool:
-        return all(node.get(k, 0) >= v for k, v in need.items())
-
-    if strategy == "STRICT_PACK":
-        total = {k: sum(b.get(k, 0) for b in bundles) for b in bundles for k in b}
-        return any(fits(total, node) for node in nodes)
-    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
-        return False
-    return all(any(fits(b, node) for node in nodes) for b in bundles)
 
 
 class RayExecutor:
@@ -153,19 +136,9 @@ class RayExecutor:
                              f"{self.tp_size}; give one dict per rank")
         gpus = self._gpus_per_rank()
         bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
-        if not _could_ever_fit(bundles, self.placement.strategy):
-            raise ValueError(self._unplaceable(bundles, "no node set of this cluster can hold them"))
-        pg = placement_group(bundles, strategy=self.placement.strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(pg)
-            raise ValueError(self._unplaceable(bundles, f"still not placed after {PLACEMENT_TIMEOUT_S:.0f}s"))
-        return pg
-
-    def _unplaceable(self, bundles: list[dict], why: str) -> str:
-        return (f"cannot place {self.tp_size} target ranks with {bundles[0]} each ({self.placement.strategy}): "
-                f"{why} (free now: {ray.available_resources()}); lower tensor_parallel_size or "
-                "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
+        return placement.create(bundles, self.placement.strategy, "target",
+                                "lower tensor_parallel_size or ray_placement.worker_num_cpus/worker_num_gpus, or "
+                                "change ray_placement.strategy")
 
     def _kill(self) -> None:
         if self.channel is not None:
@@ -174,9 +147,8 @@ class RayExecutor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        placement.remove(self.pg)
+        self.pg = None
 
     def restart(self) -> None:
         logger.warning("restarting the target's %d ranks", self.tp_size)

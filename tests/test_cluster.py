@@ -187,6 +187,45 @@ async def stream_concurrently(actor, prompts, params):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def live_groups() -> set[str]:
+    """Every placement group of the cluster that is not removed (named or not)."""
+    import ray
+
+    return {pg_id for pg_id, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def test_llm_releases_its_actors_and_placement_groups(tiny_llama_dir):
+    """shutdown(), the end of a ``with`` block and garbage collection each release the engine actor, its ranks
+    and their placement group. The ranks ask for 1.5 CPUs each, so two groups never fit in the three 2-CPU nodes
+    together: a group left behind would keep the next LLM waiting (and failing after PLACEMENT_TIMEOUT_S)."""
+    import gc
+
+    import ray
+
+    kw = dict(max_model_len=256, tensor_parallel_size=2, ray_placement=dict(HALF_CPU, worker_num_cpus=1.5))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts_for(1, seed=2)[0]}
+    before = live_groups()
+    llm = LLM(str(tiny_llama_dir), **kw)
+    actor = llm.engine.actor
+    assert len(live_groups() - before) == 1
+    first = llm.generate(prompt, sp, use_tqdm=False)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert live_groups() == before
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.describe.remote(), timeout=30)
+    start = time.monotonic()
+    with LLM(str(tiny_llama_dir), **kw) as llm:
+        assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert time.monotonic() - start < 50  # started at once: not after waiting on a leftover group
+    assert live_groups() == before
+    llm = LLM(str(tiny_llama_dir), **kw)
+    del llm
+    gc.collect()
+    assert live_groups() == before
+
+
 def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="num_attention_heads|divisible"):
         engine_for(tiny_llama_dir, tensor_parallel_size=3, ray_placement=HALF_CPU)
