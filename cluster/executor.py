@@ -5,7 +5,7 @@ Ray places, starts and kills the ranks and carries their control calls; steps tr
 a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
 drafter's probabilities and answers with the result. A rank that dies is noticed at once, without waiting for the
 others (which may be stuck in a collective with it): the whole group is failed with :class:`WorkerDiedError` and
-``restart`` builds a fresh one. A step that raised on live ranks (a bug, a bad input) is a :class:`StepError`: the
+``restart`` builds a fresh one in the background (the next step waits for it). A step that raised on live ranks (a bug, a bad input) is a :class:`StepError`: the
 group is kept.
 """
 
@@ -87,6 +87,8 @@ class RayExecutor:
         self.workers: list = []
         self.pg = None
         self.channel: StepClient | None = None
+        self._restarting: threading.Thread | None = None  # a fresh group coming up after a failure
+        self._restart_error: BaseException | None = None
         self._start()
 
     # ---- the group ----------------------------------------------------------------------------------------
@@ -151,11 +153,38 @@ class RayExecutor:
         self.pg = None
 
     def restart(self) -> None:
-        logger.warning("restarting the target's %d ranks", self.tp_size)
+        """Kill the group now and bring up a fresh one in the background: the engine tells the failed requests at
+        once and keeps the waiting ones queued; its next step waits for the new group."""
+        logger.warning("restarting the target's %d ranks (in the background)", self.tp_size)
+        self._await_group(raise_error=False)
         self._kill()
-        self._start()
+        self._restart_error = None
+        self._restarting = threading.Thread(target=self._start_in_background, name="specray-restart", daemon=True)
+        self._restarting.start()
+
+    def _start_in_background(self) -> None:
+        try:
+            self._start()
+        except Exception as err:  # raised by the next step, which restarts again
+            logger.error("restarting the target's ranks failed: %s", err)
+            self._restart_error = err
+
+    def _await_group(self, raise_error: bool = True) -> None:
+        """Wait for a restart in progress; a restart that failed fails the step that waited for it."""
+        if self._restarting is None:
+            return
+        self._restarting.join()
+        self._restarting = None
+        err, self._restart_error = self._restart_error, None
+        if err is not None and raise_error:
+            raise WorkerDiedError(f"restarting the target's {self.tp_size} ranks failed: {err}") from err
+
+    @property
+    def restarting(self) -> bool:
+        return self._restarting is not None and self._restarting.is_alive()
 
     def shutdown(self) -> None:
+        self._await_group(raise_error=False)
         self._kill()
 
     # ---- steps --------------------------------------------------------------------------------------------
@@ -166,6 +195,7 @@ class RayExecutor:
         shared = (plan, None)  # one message object, pickled once for every rank that gets it
         messages = [(plan, draft_probs) if draft_probs else shared] + [shared] * (self.tp_size - 1)
         try:
+            self._await_group()
             return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
         except (StepError, WorkerDiedError) as err:
             log_error_detail(logger, plan, err)

@@ -259,33 +259,43 @@ def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_lla
         engine.executor.shutdown()
 
 
-def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
+def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_serves(tiny_llama_dir):
+    """A rank killed mid-run: the running request fails at once (while the group is still restarting in the
+    background), the request that was only waiting for a seat (max_num_seqs=1; no KV on the dead group) stays
+    queued and completes on the new group, and so does a request sent afterwards."""
     import ray
     from specray.engine.async_engine import AsyncLLMEngine
 
-    prompt = prompts_for(1, seed=5)[0]
-    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
+    prompt, other = prompts_for(2, seed=5)
+    reference, other_reference = run_to_end(engine_for(tiny_llama_dir), [prompt, other])
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, max_num_seqs=1)
     aengine = AsyncLLMEngine(engine)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    async def last(stream):
+        final = None
+        async for final in stream:
+            pass
+        return final
 
     async def scenario():
         stream = aengine.generate(prompt, long)
         await stream.__anext__()  # the request is running on both ranks
+        waiting = asyncio.create_task(last(aengine.generate(other, greedy)))
+        while await aengine.call(lambda e: e.scheduler.num_waiting) == 0:
+            await asyncio.sleep(0.01)
         ray.kill(engine.executor.workers[1])
         start = time.monotonic()
         with pytest.raises(RequestFailedError, match="target rank"):
-            async for _ in stream:
-                pass
-        failed_after = time.monotonic() - start
-        final = None
-        async for final in aengine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)):
-            pass
-        return failed_after, final
+            await last(stream)
+        failed_after, restarting = time.monotonic() - start, engine.executor.restarting
+        return failed_after, restarting, await waiting, await last(aengine.generate(prompt, greedy))
 
     try:
-        failed_after, final = asyncio.run(scenario())
-        assert failed_after < 60  # restart included; the failure itself is seen at once
+        failed_after, restarting, waited, final = asyncio.run(scenario())
+        assert failed_after < 10 and restarting  # told before the new group was up
+        assert waited.outputs[0].token_ids == other_reference
         assert final.outputs[0].token_ids == reference
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
@@ -294,7 +304,7 @@ def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
         engine.executor.shutdown()
 
 
-def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch):
+def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch, caplog):
     import ray
     from specray.cluster import drafter_actor
 
@@ -310,11 +320,14 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
             engine.step()
         ray.kill(engine.drafter.actor)
         done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        with caplog.at_level("WARNING", logger="specray.cluster.drafter_actor"):
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
         assert [done[i] for i in ids] == references
+        lost = [r.getMessage() for r in caplog.records if "drafter actor lost" in r.getMessage()]
+        assert len(lost) == 1 and "drafter actor rank 0" in lost[0] and "target rank" not in lost[0], lost
         assert engine.drafter.num_prefetch_hits == 0  # no drafting ahead unless ray_placement.draft_ahead
         deadline = time.monotonic() + 60
         while engine.drafter.actor is None and time.monotonic() < deadline:  # a replacement comes up

@@ -107,10 +107,13 @@ class LLMEngine:
         return outputs
 
     def _recover(self, err: WorkerDiedError) -> None:
-        """A worker died mid-step: fail every request the engine holds (their KV lived on the dead group),
-        free their blocks, and bring up a fresh worker group so new requests are served."""
-        err.req_ids = list(self.tracked)
-        logger.error("worker failure (%s): failing %d requests and restarting the workers", err, len(err.req_ids))
+        """A worker died mid-step: fail the requests that were running (their KV and sampling state lived on the
+        dead group), free their blocks, and restart the group (the Ray executor does it in the background, so
+        their callers hear at once). Waiting requests held nothing there: they stay queued and run on the new
+        group (one preempted earlier recomputes its tokens, as after any preemption)."""
+        err.req_ids = [r.req_id for r in self.scheduler.running]
+        logger.error("worker failure (%s): failing %d running requests, keeping %d waiting, restarting the workers",
+                     err, len(err.req_ids), self.scheduler.num_waiting)
         self.abort_request(err.req_ids)
         self.executor.restart()
 
