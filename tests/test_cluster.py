@@ -233,6 +233,37 @@ def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
         engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement={"worker_num_cpus": 64})
 
 
+def test_could_ever_fit_packs_bundles_into_the_nodes():
+    from specray.cluster.placement import could_ever_fit
+
+    two, one_gpu = {"CPU": 2}, {"CPU": 4, "GPU": 1}
+    assert could_ever_fit([{"CPU": 1}] * 2, "PACK", [two])
+    assert not could_ever_fit([{"CPU": 1}] * 3, "PACK", [two])  # each fits a node, all three never do
+    assert could_ever_fit([{"CPU": 1.5}] * 3, "SPREAD", [two] * 3)
+    assert not could_ever_fit([{"CPU": 1.5}] * 4, "PACK", [two] * 3)
+    assert could_ever_fit([{"CPU": 2}, {"CPU": 1}, {"CPU": 1}], "PACK", [{"CPU": 3}, {"CPU": 1}])
+    assert not could_ever_fit([{"CPU": 1}] * 2, "STRICT_SPREAD", [{"CPU": 8}])
+    assert not could_ever_fit([{"CPU": 1}] * 3, "STRICT_PACK", [two, two])
+    assert not could_ever_fit([{"CPU": 1, "GPU": 1}] * 2, "PACK", [one_gpu, two])
+    assert not could_ever_fit([{"CPU": 0.5, "node5": 0.01}], "PACK", [two])
+
+
+def test_a_group_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir, monkeypatch):
+    """Four ranks of 2 CPUs each: every rank fits a node, but the three 2-CPU nodes can never hold all four. With
+    no autoscaler that is a ValueError at once, naming the options to change; with one, it waits (up to the
+    placement timeout) for nodes to be added."""
+    from specray.cluster import placement
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="could never hold them.*ray_placement.worker_num_cpus"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
+    assert time.monotonic() - start < 10
+    monkeypatch.setenv(placement.AUTOSCALING_ENV, "1")
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 1.0)
+    with pytest.raises(ValueError, match="still not placed after 1s"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
+
+
 # ---- failures ------------------------------------------------------------------------------------------------
 
 def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_llama_dir, caplog):
