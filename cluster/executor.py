@@ -5,8 +5,8 @@ Ray places, starts and kills the ranks and carries their control calls; steps tr
 a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
 drafter's probabilities and answers with the result. A rank that dies is noticed at once, without waiting for the
 others (which may be stuck in a collective with it): the whole group is failed with :class:`WorkerDiedError` and
-``restart`` builds a fresh one in the background (the next step waits for it). A step that raised on live ranks (a bug, a bad input) is a :class:`StepError`: the
-group is kept.
+``restart`` builds a fresh one in the background (the next step waits for it). A step that raised on live ranks (a
+bug, a bad input) is a :class:`StepError`: the group is kept.
 """
 
 from __future__ import annotations
