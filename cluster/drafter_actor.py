@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from specray.cluster import placement
+from specray.cluster import placement as placement_groups
 from specray.cluster.executor import SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
@@ -168,16 +168,16 @@ class RemoteDrafter:
     def _placement_group(self, options: dict) -> tuple[object, list]:
         bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
                   **options.pop("resources", {})}
-        pg = placement.create([bundle] * self.tp_size, self.placement.strategy, "draft",
-                              "lower speculative_config.draft_tensor_parallel_size or "
-                              "ray_placement.drafter_num_cpus/drafter_num_gpus")
+        pg = placement_groups.create([bundle] * self.tp_size, self.placement.strategy, "draft",
+                                     "lower speculative_config.draft_tensor_parallel_size or "
+                                     "ray_placement.drafter_num_cpus/drafter_num_gpus")
         return pg, [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(self.tp_size)]
 
     @staticmethod
     def _kill(actors: list, pg) -> None:
         for actor in actors:
             ray.kill(actor)
-        placement.remove(pg)
+        placement_groups.remove(pg)
 
     # ---- the Drafter protocol ------------------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:

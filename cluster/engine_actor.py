@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from specray.engine.async_engine import AsyncLLMEngine
 from specray.cluster.ray_env import ensure_ray, ray
-from specray.cluster import placement
+from specray.cluster import placement as placement_groups
 from specray.cluster.remote_errors import raise_remote
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
@@ -140,4 +140,4 @@ class RayEngineClient:
         except (RayError, GetTimeoutError) as err:
             logger.warning("engine actor did not shut down cleanly (%s): killing it", err)
         ray.kill(actor)
-        placement.remove_owned(owner)
+        placement_groups.remove_owned(owner)

@@ -20,7 +20,7 @@ from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import StepPlan, StepResult
-from specray.cluster import placement
+from specray.cluster import placement as placement_groups
 from specray.cluster.remote_errors import raise_remote
 from specray.errors import StepError, WorkerDiedError, log_error_detail
 from specray.engine.executor import CacheConfig, plan_num_blocks
@@ -138,9 +138,9 @@ class RayExecutor:
                              f"{self.tp_size}; give one dict per rank")
         gpus = self._gpus_per_rank()
         bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
-        return placement.create(bundles, self.placement.strategy, "target",
-                                "lower tensor_parallel_size or ray_placement.worker_num_cpus/worker_num_gpus, or "
-                                "change ray_placement.strategy")
+        return placement_groups.create(bundles, self.placement.strategy, "target",
+                                       "lower tensor_parallel_size or ray_placement.worker_num_cpus/worker_num_gpus, "
+                                       "or change ray_placement.strategy")
 
     def _kill(self) -> None:
         if self.channel is not None:
@@ -149,7 +149,7 @@ class RayExecutor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
-        placement.remove(self.pg)
+        placement_groups.remove(self.pg)
         self.pg = None
 
     def restart(self) -> None:
