@@ -2,6 +2,7 @@
 back; a rank that raises fails the step with StepError (the group is intact and keeps serving), and a rank that
 dies, hangs or leaves the others stuck fails it with WorkerDiedError."""
 
+import logging
 import threading
 import time
 
@@ -137,3 +138,47 @@ def test_an_unreachable_rank_is_a_clear_error():
     host, port, token = rank.server.address
     with pytest.raises(WorkerDiedError, match="cannot reach"):
         StepClient([(host, port, token), ("127.0.0.1", 1, token)])
+
+
+def test_a_failed_step_logs_its_plan_and_the_remote_traceback(caplog):
+    from specray.contract import NewRequest, ScheduledChunk, StepPlan
+    from specray.errors import log_error_detail
+    from specray.sampling_params import SamplingParams
+
+    plan = StepPlan(42, new_requests=[NewRequest("b", SamplingParams(), [3])],
+                    chunks=[ScheduledChunk("a", [1, 2, 3], 7, num_draft_tokens=2), ScheduledChunk("b", [4] * 9, 0)],
+                    finished_req_ids=["z"])
+    err = StepError("step 42", 0, "KeyError", "'a'", "Traceback (most recent call last):\n  File \"runner.py\"\n")
+    with caplog.at_level("ERROR"):
+        log_error_detail(logging.getLogger("test"), plan, err)
+    text = caplog.text
+    assert "step 42: 2 chunks [a(+3@7, drafts=2), b(+9@0, drafts=0)]; new=['b'], finished=['z']" in text
+    assert 'remote traceback:\nTraceback (most recent call last):\n  File "runner.py"' in text
+
+
+def test_a_remote_user_error_is_raised_as_itself_with_the_remote_traceback_chained():
+    from specray.cluster.remote_errors import raise_remote
+    from specray.errors import RemoteTraceback
+
+    class FakeTaskError(Exception):  # what ray.exceptions.RayTaskError carries
+        def __init__(self, cause):
+            super().__init__(f"remote: {cause}")
+            self.cause, self.traceback_str = cause, "Traceback ...\n  File \"worker.py\", line 9, in setup"
+
+    with pytest.raises(ValueError, match="heads") as info:
+        raise_remote(FakeTaskError(ValueError("num_attention_heads=9 is not divisible by 2")))
+    assert isinstance(info.value.__cause__, RemoteTraceback) and 'worker.py", line 9' in str(info.value.__cause__)
+    with pytest.raises(WorkerDiedError, match="loading failed: boom") as info:
+        raise_remote(FakeTaskError(RuntimeError("boom")), lambda m: WorkerDiedError(f"loading failed: {m}"))
+    assert "worker.py" in str(info.value.__cause__)
+
+
+def test_step_errors_cross_processes_whole():
+    import pickle
+
+    from specray.errors import RequestFailedError
+
+    err = StepError("step 3", 1, "KeyError", "'x'", "tb", ["x"])
+    back = pickle.loads(pickle.dumps(RequestFailedError("x", err)))
+    assert (back.req_id, back.cause.req_ids, back.cause.remote_traceback, str(back.cause)) == \
+        ("x", ["x"], "tb", str(err))
