@@ -10,11 +10,11 @@ prefetch), with ``ngram`` the prompts are input-grounded. Greedy, fp32, one torc
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from specray.cluster.ray_env import apply_ray_env  # imports no ray
+
+apply_ray_env()  # before anything imports ray
 
 from specray.config import EngineArgs  # noqa: E402
 from specray.default_model import default_model_path  # noqa: E402

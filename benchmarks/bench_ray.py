@@ -13,14 +13,14 @@ no work; SmolLM2-135M (fp32) against real work. SmolLM2 has 9 attention heads, s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from specray.cluster.ray_env import apply_ray_env  # imports no ray
+
+apply_ray_env()  # before anything imports ray
 
 from specray.config import EngineArgs  # noqa: E402
 from specray.default_model import default_model_path  # noqa: E402

@@ -14,22 +14,24 @@ import time
 import uuid
 from dataclasses import replace
 
-from specray.cluster.executor import PLACEMENT_TIMEOUT_S, SETUP_TIMEOUT_S, rendezvous_address
+from specray.cluster import placement as placement_groups
+from specray.cluster.executor import SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
+from specray.cluster.remote_errors import raise_remote
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import drafter_class, has_weights, tensor_parallel_size, uses_public_pool
-from specray.errors import WorkerDiedError
+from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
 DRAFT_TIMEOUT_S = 60.0  # a drafter slower than this is treated as lost
 RESPAWN_BACKOFF_S = 5.0
+DRAFTER_PEER = "drafter actor rank"  # how errors and logs name the drafter's ranks (not the target's)
 
 
 class DrafterWorker:
@@ -129,12 +131,10 @@ class RemoteDrafter:
         self.tp_size = tensor_parallel_size(spec)
         self.actors, self.pg, refs = self._spawn()
         try:  # surfaces a user error (wrong vocabulary, heads not divisible...) at start
-            self.channel = StepClient(ray.get(refs, timeout=SETUP_TIMEOUT_S)[self.tp_size:])
+            self.channel = StepClient(ray.get(refs, timeout=SETUP_TIMEOUT_S)[self.tp_size:], peer=DRAFTER_PEER)
         except RayTaskError as err:
             self._kill(self.actors, self.pg)
-            if isinstance(err.cause, ValueError):
-                raise ValueError(str(err.cause)) from None
-            raise
+            raise_remote(err)
         except (RayError, WorkerDiedError):
             self._kill(self.actors, self.pg)
             raise
@@ -168,20 +168,16 @@ class RemoteDrafter:
     def _placement_group(self, options: dict) -> tuple[object, list]:
         bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
                   **options.pop("resources", {})}
-        pg = placement_group([bundle] * self.tp_size, strategy=self.placement.strategy)
-        if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
-            remove_placement_group(pg)
-            raise ValueError(f"cannot place {self.tp_size} draft ranks with {bundle} each "
-                             f"({self.placement.strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; lower "
-                             "speculative_config.draft_tensor_parallel_size or ray_placement.drafter_num_cpus/gpus")
+        pg = placement_groups.create([bundle] * self.tp_size, self.placement.strategy, "draft",
+                                     "lower speculative_config.draft_tensor_parallel_size or "
+                                     "ray_placement.drafter_num_cpus/drafter_num_gpus")
         return pg, [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(self.tp_size)]
 
     @staticmethod
     def _kill(actors: list, pg) -> None:
         for actor in actors:
             ray.kill(actor)
-        if pg is not None:
-            remove_placement_group(pg)
+        placement_groups.remove(pg)
 
     # ---- the Drafter protocol ------------------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
@@ -232,7 +228,7 @@ class RemoteDrafter:
     def _receive(self) -> list[Proposal] | None:
         try:
             return self.channel.receive(DRAFT_TIMEOUT_S, "drafting")
-        except WorkerDiedError as err:
+        except (WorkerDiedError, StepError) as err:  # a drafter that raised may hold half-updated histories
             self._lost(err)
             return None
 
@@ -279,7 +275,9 @@ class RemoteDrafter:
 
     # ---- failure -------------------------------------------------------------------------------------------
     def _lost(self, err: BaseException) -> None:
-        logger.warning("drafter actor lost (%s): decoding without speculation until a new one is up", err)
+        remote = getattr(err, "remote_traceback", "")
+        logger.warning("drafter actor lost (%s): decoding without speculation until a new one is up (the target's "
+                       "ranks are unaffected)%s", err, f"\nremote traceback:\n{remote}" if remote else "")
         self.channel.close()
         self._kill(self.actors, self.pg)
         self.actors, self.pg, self.sent, self.lost_at = [], None, {}, time.monotonic()
@@ -296,7 +294,7 @@ class RemoteDrafter:
         if len(ready) < len(refs):
             return False
         try:
-            channel = StepClient(ray.get(refs)[len(actors):])
+            channel = StepClient(ray.get(refs)[len(actors):], peer=DRAFTER_PEER)
         except (RayError, WorkerDiedError) as err:
             logger.warning("replacement drafter failed to start (%s)", err)
             self._kill(actors, pg)

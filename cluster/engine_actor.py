@@ -13,13 +13,17 @@ from collections.abc import Iterator
 
 from specray.engine.async_engine import AsyncLLMEngine
 from specray.cluster.ray_env import ensure_ray, ray
+from specray.cluster import placement as placement_groups
+from specray.cluster.remote_errors import raise_remote
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 60.0  # the engine finishing its step and releasing its actors; then it is killed regardless
 
 
 class EngineActor:
@@ -80,9 +84,23 @@ class EngineActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    async def shutdown(self) -> None:
+        """Stop the loop, then release what the engine holds: the target's ranks and the drafter's actors and
+        their placement groups (a group created here would outlive this actor: it lives as long as the job)."""
+        if self.aengine is None:
+            return
+        aengine, self.aengine = self.aengine, None
+        await asyncio.to_thread(aengine.shutdown)
+        engine = aengine.engine
+        for part in (engine.drafter, engine.executor):
+            if part is not None and hasattr(part, "shutdown"):
+                await asyncio.to_thread(part.shutdown)
+
 
 class RayEngineClient:
-    """The driver's handle on an :class:`EngineActor`, with what :class:`specray.LLM` needs."""
+    """The driver's handle on an :class:`EngineActor`, with what :class:`specray.LLM` needs. ``shutdown`` (or
+    losing the last reference: :class:`specray.LLM` calls it on garbage collection) releases every actor and
+    placement group the engine created."""
 
     def __init__(self, args: EngineArgs):
         ensure_ray(args.ray_placement.address)
@@ -91,10 +109,8 @@ class RayEngineClient:
         try:
             info = ray.get(self.actor.start.remote(args))
         except RayTaskError as err:
-            ray.kill(self.actor)
-            if isinstance(err.cause, ValueError):
-                raise ValueError(str(err.cause)) from None
-            raise
+            self.shutdown()
+            raise_remote(err)
         self.vocab_size = info["vocab_size"]
         self.max_model_len = info["max_model_len"]
 
@@ -113,4 +129,15 @@ class RayEngineClient:
             yield i, out
 
     def shutdown(self) -> None:
-        ray.kill(self.actor)
+        """Ask the engine actor to release its workers, drafters and placement groups, kill it, and remove any
+        group it left behind (it may be dead or stuck). Idempotent; a no-op once Ray itself is shut down."""
+        actor, self.actor = self.actor, None
+        if actor is None or not ray.is_initialized():
+            return
+        owner = actor._actor_id.hex()
+        try:
+            ray.get(actor.shutdown.remote(), timeout=SHUTDOWN_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as err:
+            logger.warning("engine actor did not shut down cleanly (%s): killing it", err)
+        ray.kill(actor)
+        placement_groups.remove_owned(owner)

@@ -3,9 +3,10 @@
 Ray places, starts and kills the ranks and carries their control calls; steps travel on the step channel
 (:mod:`specray.cluster.step_channel`: the plan pickled once, the same bytes written to every rank's socket), since
 a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
-drafter's probabilities and answers with the result. A rank that dies or fails is noticed at once, without
-waiting for the others (which may be stuck in a collective with it): the whole group is failed with
-:class:`WorkerDiedError` and ``restart`` builds a fresh one.
+drafter's probabilities and answers with the result. A rank that dies is noticed at once, without waiting for the
+others (which may be stuck in a collective with it): the whole group is failed with :class:`WorkerDiedError` and
+``restart`` builds a fresh one in the background (the next step waits for it). A step that raised on live ranks (a
+bug, a bad input) is a :class:`StepError`: the group is kept.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import KVCacheInfo, StepPlan, StepResult
-from specray.errors import WorkerDiedError
+from specray.cluster import placement as placement_groups
+from specray.cluster.remote_errors import raise_remote
+from specray.errors import StepError, WorkerDiedError, log_error_detail
 from specray.engine.executor import CacheConfig, plan_num_blocks
 from specray.workers.worker import Worker, WorkerConfig
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed in this long asks for more than the cluster has
 SETUP_TIMEOUT_S = 600.0  # loading a shard of a large model
 STEP_TIMEOUT_S = 600.0  # no step takes this long; a rank that does is treated as lost
 
@@ -80,22 +81,6 @@ class TargetWorker:
         return ray.get_runtime_context().get_node_id()
 
 
-def _could_ever_fit(bundles: list[dict], strategy: str) -> bool:
-    """Whether the cluster's nodes, empty, could hold the bundles (so an impossible request fails at once
-    instead of waiting for resources that will never come)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-
-    def fits(need: dict, node: dict) -> bool:
-        return all(node.get(k, 0) >= v for k, v in need.items())
-
-    if strategy == "STRICT_PACK":
-        total = {k: sum(b.get(k, 0) for b in bundles) for b in bundles for k in b}
-        return any(fits(total, node) for node in nodes)
-    if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
-        return False
-    return all(any(fits(b, node) for node in nodes) for b in bundles)
-
-
 class RayExecutor:
     def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement: RayPlacement | None):
         self.config, self.tp_size, self.cache = config, tp_size, cache
@@ -104,6 +89,8 @@ class RayExecutor:
         self.workers: list = []
         self.pg = None
         self.channel: StepClient | None = None
+        self._restarting: threading.Thread | None = None  # a fresh group coming up after a failure
+        self._restart_error: BaseException | None = None
         self._start()
 
     # ---- the group ----------------------------------------------------------------------------------------
@@ -127,9 +114,7 @@ class RayExecutor:
             infos = ray.get(setups, timeout=SETUP_TIMEOUT_S)
         except RayTaskError as err:  # a user error (e.g. heads not divisible by the TP size) stays a ValueError
             self._kill()
-            if isinstance(err.cause, ValueError):
-                raise ValueError(str(err.cause)) from None
-            raise WorkerDiedError(f"loading the model failed: {err}") from err
+            raise_remote(err, lambda message: WorkerDiedError(f"loading the model failed: {message}"))
         except (GetTimeoutError, RayError) as err:
             self._kill()
             raise WorkerDiedError(f"loading the model failed: {err}") from err
@@ -155,19 +140,9 @@ class RayExecutor:
                              f"{self.tp_size}; give one dict per rank")
         gpus = self._gpus_per_rank()
         bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
-        if not _could_ever_fit(bundles, self.placement.strategy):
-            raise ValueError(self._unplaceable(bundles, "no node set of this cluster can hold them"))
-        pg = placement_group(bundles, strategy=self.placement.strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(pg)
-            raise ValueError(self._unplaceable(bundles, f"still not placed after {PLACEMENT_TIMEOUT_S:.0f}s"))
-        return pg
-
-    def _unplaceable(self, bundles: list[dict], why: str) -> str:
-        return (f"cannot place {self.tp_size} target ranks with {bundles[0]} each ({self.placement.strategy}): "
-                f"{why} (free now: {ray.available_resources()}); lower tensor_parallel_size or "
-                "ray_placement.worker_num_cpus/worker_num_gpus, or change ray_placement.strategy")
+        return placement_groups.create(bundles, self.placement.strategy, "target",
+                                       "lower tensor_parallel_size or ray_placement.worker_num_cpus/worker_num_gpus, "
+                                       "or change ray_placement.strategy")
 
     def _kill(self) -> None:
         if self.channel is not None:
@@ -176,23 +151,57 @@ class RayExecutor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        placement_groups.remove(self.pg)
+        self.pg = None
 
     def restart(self) -> None:
-        logger.warning("restarting the target's %d ranks", self.tp_size)
+        """Kill the group now and bring up a fresh one in the background: the engine tells the failed requests at
+        once and keeps the waiting ones queued; its next step waits for the new group."""
+        logger.warning("restarting the target's %d ranks (in the background)", self.tp_size)
+        self._await_group(raise_error=False)
         self._kill()
-        self._start()
+        self._restart_error = None
+        self._restarting = threading.Thread(target=self._start_in_background, name="specray-restart", daemon=True)
+        self._restarting.start()
+
+    def _start_in_background(self) -> None:
+        try:
+            self._start()
+        except Exception as err:  # raised by the next step, which restarts again
+            logger.error("restarting the target's ranks failed: %s", err)
+            self._restart_error = err
+
+    def _await_group(self, raise_error: bool = True) -> None:
+        """Wait for a restart in progress; a restart that failed fails the step that waited for it."""
+        if self._restarting is None:
+            return
+        self._restarting.join()
+        self._restarting = None
+        err, self._restart_error = self._restart_error, None
+        if err is not None and raise_error:
+            raise WorkerDiedError(f"restarting the target's {self.tp_size} ranks failed: {err}") from err
+
+    @property
+    def restarting(self) -> bool:
+        return self._restarting is not None and self._restarting.is_alive()
 
     def shutdown(self) -> None:
+        self._await_group(raise_error=False)
         self._kill()
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        """Rank 0's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
+        a rank that is gone, or a group left out of step, raises :class:`WorkerDiedError`. Either way the plan
+        and the remote traceback are logged first."""
         shared = (plan, None)  # one message object, pickled once for every rank that gets it
         messages = [(plan, draft_probs) if draft_probs else shared] + [shared] * (self.tp_size - 1)
-        return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
+        try:
+            self._await_group()
+            return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
+        except (StepError, WorkerDiedError) as err:
+            log_error_detail(logger, plan, err)
+            raise
 
     def _get(self, refs: list, timeout: float, what: str) -> list:
         """Every result, failing fast: the first rank that errors fails the group, even while the others

@@ -1,9 +1,16 @@
-"""Ray settings for these machines, applied before ``ray`` is imported, and joining or starting a cluster."""
+"""Ray settings for these machines, in one place, and joining or starting a cluster.
+
+The settings must be in the environment before ``ray`` is first imported, so this module does not import ray
+when it is imported: ``from specray.cluster.ray_env import ray`` applies them and then imports it (every module
+of ``specray.cluster`` gets ray that way), and scripts and test setups that import ray themselves call
+:func:`apply_ray_env` first.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -12,21 +19,37 @@ RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# A throwaway cluster on one host (tests): no token to hand around, gloo on loopback. (Elsewhere
+# GLOO_SOCKET_IFNAME is the worker's business: it picks loopback only for a loopback rendezvous.)
+LOCAL_TEST_ENV_DEFAULTS = {
+    "RAY_AUTH_MODE": "disabled",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
 
 
-def apply_ray_env() -> None:
-    for key, value in RAY_ENV_DEFAULTS.items():
+def apply_ray_env(local_test: bool = False) -> None:
+    """Set the defaults (never overriding what the environment already says); ``local_test`` adds the
+    single-host test cluster's."""
+    for key, value in {**RAY_ENV_DEFAULTS, **(LOCAL_TEST_ENV_DEFAULTS if local_test else {})}.items():
         os.environ.setdefault(key, value)
 
 
-apply_ray_env()
+def __getattr__(name: str) -> ModuleType:
+    """``ray`` itself, imported on first use, after the settings above."""
+    if name != "ray":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    apply_ray_env()
+    import ray
 
-import ray  # noqa: E402  (after the environment above)
+    return ray
 
 
 def ensure_ray(address: str | None = None) -> None:
     """Use the cluster this process is connected to; else join ``address`` ("auto" finds a running one on this
     host) or $RAY_ADDRESS; else start a fresh local instance (never a stale one from an old address file)."""
+    apply_ray_env()
+    import ray
+
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")

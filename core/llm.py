@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,10 @@ PromptType = str | dict[str, Any] | list[int]
 class LLM:
     """Keyword arguments are those of :class:`specray.config.EngineArgs`. With ``tensor_parallel_size > 1`` or
     ``distributed_executor_backend="ray"`` the engine runs in a Ray actor that owns the target's TP workers and
-    the drafter actors; otherwise everything runs in this process."""
+    the drafter actors; otherwise everything runs in this process.
+
+    What the engine holds outside this process (Ray actors, placement groups) is released by :meth:`shutdown`, at
+    the end of a ``with LLM(...) as llm:`` block, or when the object is garbage collected, whichever comes first."""
 
     def __init__(self, model: str, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
@@ -36,14 +40,21 @@ class LLM:
             self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
+        # runs once: on shutdown(), on garbage collection, or at exit; holds the engine, never self
+        self._release = weakref.finalize(self, _release_engine, self.engine)
 
     def get_tokenizer(self):
         return self._tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's actors (Ray backend); the in-process engine needs nothing."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        """Release the engine: its actors and placement groups (Ray backend), its workers. Idempotent."""
+        self._release()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def spec_stats(self) -> SpecStats:
@@ -117,6 +128,12 @@ class LLM:
             for out in self.engine.step():
                 if out.finished and out.request_id in index:
                     yield index.pop(out.request_id), out
+
+
+def _release_engine(engine) -> None:
+    """Shut down the engine client (Ray backend); the in-process engine holds nothing outside this process."""
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
 
 
 def _as_list(prompts) -> list:

@@ -2,13 +2,11 @@
 
 import os
 
-# Ray's settings for these machines, before anything imports ray.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+from specray.cluster.ray_env import apply_ray_env  # imports no ray
+
+# Ray's settings for these machines (one place: specray.cluster.ray_env), before anything imports ray.
+apply_ray_env(local_test=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util
 from pathlib import Path

@@ -200,6 +200,45 @@ async def stream_concurrently(actor, prompts, params):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def live_groups() -> set[str]:
+    """Every placement group of the cluster that is not removed (named or not)."""
+    import ray
+
+    return {pg_id for pg_id, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def test_llm_releases_its_actors_and_placement_groups(tiny_llama_dir):
+    """shutdown(), the end of a ``with`` block and garbage collection each release the engine actor, its ranks
+    and their placement group. The ranks ask for 1.5 CPUs each, so two groups never fit in the three 2-CPU nodes
+    together: a group left behind would keep the next LLM waiting (and failing after PLACEMENT_TIMEOUT_S)."""
+    import gc
+
+    import ray
+
+    kw = dict(max_model_len=256, tensor_parallel_size=2, ray_placement=dict(HALF_CPU, worker_num_cpus=1.5))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts_for(1, seed=2)[0]}
+    before = live_groups()
+    llm = LLM(str(tiny_llama_dir), **kw)
+    actor = llm.engine.actor
+    assert len(live_groups() - before) == 1
+    first = llm.generate(prompt, sp, use_tqdm=False)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert live_groups() == before
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.describe.remote(), timeout=30)
+    start = time.monotonic()
+    with LLM(str(tiny_llama_dir), **kw) as llm:
+        assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert time.monotonic() - start < 50  # started at once: not after waiting on a leftover group
+    assert live_groups() == before
+    llm = LLM(str(tiny_llama_dir), **kw)
+    del llm
+    gc.collect()
+    assert live_groups() == before
+
+
 def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="num_attention_heads|divisible"):
         engine_for(tiny_llama_dir, tensor_parallel_size=3, ray_placement=HALF_CPU)
@@ -207,35 +246,100 @@ def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
         engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement={"worker_num_cpus": 64})
 
 
+def test_could_ever_fit_packs_bundles_into_the_nodes():
+    from specray.cluster.placement import could_ever_fit
+
+    two, one_gpu = {"CPU": 2}, {"CPU": 4, "GPU": 1}
+    assert could_ever_fit([{"CPU": 1}] * 2, "PACK", [two])
+    assert not could_ever_fit([{"CPU": 1}] * 3, "PACK", [two])  # each fits a node, all three never do
+    assert could_ever_fit([{"CPU": 1.5}] * 3, "SPREAD", [two] * 3)
+    assert not could_ever_fit([{"CPU": 1.5}] * 4, "PACK", [two] * 3)
+    assert could_ever_fit([{"CPU": 2}, {"CPU": 1}, {"CPU": 1}], "PACK", [{"CPU": 3}, {"CPU": 1}])
+    assert not could_ever_fit([{"CPU": 1}] * 2, "STRICT_SPREAD", [{"CPU": 8}])
+    assert not could_ever_fit([{"CPU": 1}] * 3, "STRICT_PACK", [two, two])
+    assert not could_ever_fit([{"CPU": 1, "GPU": 1}] * 2, "PACK", [one_gpu, two])
+    assert not could_ever_fit([{"CPU": 0.5, "node5": 0.01}], "PACK", [two])
+
+
+def test_a_group_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir, monkeypatch):
+    """Four ranks of 2 CPUs each: every rank fits a node, but the three 2-CPU nodes can never hold all four. With
+    no autoscaler that is a ValueError at once, naming the options to change; with one, it waits (up to the
+    placement timeout) for nodes to be added."""
+    from specray.cluster import placement
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="could never hold them.*ray_placement.worker_num_cpus"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
+    assert time.monotonic() - start < 10
+    monkeypatch.setenv(placement.AUTOSCALING_ENV, "1")
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 1.0)
+    with pytest.raises(ValueError, match="still not placed after 1s"):
+        engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
+
+
 # ---- failures ------------------------------------------------------------------------------------------------
 
-def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
+def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_llama_dir, caplog):
+    """A plan the ranks cannot run (a block-table delta for a request they never saw) raises KeyError on every
+    rank: that is a StepError with the remote traceback, the plan is logged, and the same ranks go on serving."""
+    from specray.contract import BlockTableDelta, StepPlan
+    from specray.errors import StepError, WorkerDiedError
+
+    prompt = prompts_for(1, seed=4)[0]
+    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
+    try:
+        workers = list(engine.executor.workers)
+        bad = StepPlan(10_000, block_deltas=[BlockTableDelta("ghost", 0, [1])])
+        with caplog.at_level("ERROR", logger="specray.cluster.executor"):
+            with pytest.raises(StepError, match="KeyError") as info:
+                engine.executor.execute(bad)
+        assert not isinstance(info.value, WorkerDiedError)
+        assert "apply_plan_state" in info.value.remote_traceback
+        assert "step 10000: 0 chunks" in caplog.text and "remote traceback" in caplog.text
+        assert engine.executor.workers == workers  # not restarted
+        assert run_to_end(engine, [prompt]) == [reference]
+    finally:
+        engine.executor.shutdown()
+
+
+def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_serves(tiny_llama_dir):
+    """A rank killed mid-run: the running request fails at once (while the group is still restarting in the
+    background), the request that was only waiting for a seat (max_num_seqs=1; no KV on the dead group) stays
+    queued and completes on the new group, and so does a request sent afterwards."""
     import ray
     from specray.engine.async_engine import AsyncLLMEngine
 
-    prompt = prompts_for(1, seed=5)[0]
-    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
+    prompt, other = prompts_for(2, seed=5)
+    reference, other_reference = run_to_end(engine_for(tiny_llama_dir), [prompt, other])
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, max_num_seqs=1)
     aengine = AsyncLLMEngine(engine)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    async def last(stream):
+        final = None
+        async for final in stream:
+            pass
+        return final
 
     async def scenario():
         stream = aengine.generate(prompt, long)
         await stream.__anext__()  # the request is running on both ranks
+        waiting = asyncio.create_task(last(aengine.generate(other, greedy)))
+        while await aengine.call(lambda e: e.scheduler.num_waiting) == 0:
+            await asyncio.sleep(0.01)
         ray.kill(engine.executor.workers[1])
         start = time.monotonic()
         with pytest.raises(RequestFailedError, match="target rank"):
-            async for _ in stream:
-                pass
-        failed_after = time.monotonic() - start
-        final = None
-        async for final in aengine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)):
-            pass
-        return failed_after, final
+            await last(stream)
+        failed_after, restarting = time.monotonic() - start, engine.executor.restarting
+        return failed_after, restarting, await waiting, await last(aengine.generate(prompt, greedy))
 
     try:
-        failed_after, final = asyncio.run(scenario())
-        assert failed_after < 60  # restart included; the failure itself is seen at once
+        failed_after, restarting, waited, final = asyncio.run(scenario())
+        assert failed_after < 10 and restarting  # told before the new group was up
+        assert waited.outputs[0].token_ids == other_reference
         assert final.outputs[0].token_ids == reference
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
@@ -244,7 +348,7 @@ def test_killed_worker_fails_in_flight_request_then_serves(tiny_llama_dir):
         engine.executor.shutdown()
 
 
-def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch):
+def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch, caplog):
     import ray
     from specray.cluster import drafter_actor
 
@@ -260,11 +364,14 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
             engine.step()
         ray.kill(engine.drafter.actor)
         done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        with caplog.at_level("WARNING", logger="specray.cluster.drafter_actor"):
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
         assert [done[i] for i in ids] == references
+        lost = [r.getMessage() for r in caplog.records if "drafter actor lost" in r.getMessage()]
+        assert len(lost) == 1 and "drafter actor rank 0" in lost[0] and "target rank" not in lost[0], lost
         assert engine.drafter.num_prefetch_hits == 0  # no drafting ahead unless ray_placement.draft_ahead
         deadline = time.monotonic() + 60
         while engine.drafter.actor is None and time.monotonic() < deadline:  # a replacement comes up

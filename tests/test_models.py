@@ -473,7 +473,7 @@ def test_missing_weight_is_reported():
 # ------------------------------------------------------------------------------------------ tensor parallel
 
 TP_WORKER = textwrap.dedent("""
-    import json, sys
+    import gc, json, os, sys
     import torch, torch.distributed as dist
     from specray.models import cpu_kernels
     from specray.models.attention import build_attention_metadata
@@ -484,6 +484,9 @@ TP_WORKER = textwrap.dedent("""
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     folders = sys.argv[5:]
     torch.set_num_threads(1)
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    threads_before = threads()
+    import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     @torch.no_grad()
@@ -507,8 +510,13 @@ TP_WORKER = textwrap.dedent("""
         own_diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
         result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads]
-    json.dump(result, open(f"{out}/{rank}.json", "w"))
+    # While anything holds the process group (the model's layers), destroy_process_group leaves gloo's threads
+    # running into interpreter shutdown, where one still freeing a collective's tensors aborts the process.
+    del model
+    gc.collect()
     dist.destroy_process_group()
+    result["threads"] = [threads_before, threads()]  # gloo's threads joined: none left behind
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
 """)
 
 
@@ -539,6 +547,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     assert all(p.wait(timeout=240) == 0 for p in procs)
     for r in range(world):
         result = json.loads((tmp_path / f"{r}.json").read_text())
+        before, after = result.pop("threads")
+        assert after == before, f"rank {r}: {after - before} threads outlive destroy_process_group"
         assert set(result) == set(folders)
         for folder, (diff, vocab_rows, kv_heads) in result.items():
             assert diff < TOL, (r, folder, diff)

@@ -8,6 +8,7 @@ executes step plans. Only rank 0 (the driver) samples and answers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ def join_tp_group(device: torch.device, rank: int, world_size: int, init_method:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` defaults when imported; imported after the group
+    # exists (transformers does, inside from_pretrained) they pin it for good, so destroy_process_group can never
+    # free it and gloo's threads outlive it into interpreter shutdown (where a late one aborts the process).
+    import torch.distributed.nn  # noqa: F401
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timedelta(seconds=DIST_TIMEOUT_S))
     logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, init_method)
@@ -125,5 +130,9 @@ class Worker:
         return self.runner.execute(plan, draft_probs)
 
     def shutdown(self) -> None:
+        """Drop the model (its layers hold the process group) before destroying the group, so that the group is
+        freed and gloo's threads are joined now, not left running into interpreter shutdown."""
+        self.runner = self.model = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

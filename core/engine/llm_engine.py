@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
-from specray.errors import RequestError, WorkerDiedError
+from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -117,14 +117,18 @@ class LLMEngine:
         """``plan`` raised (not a dead worker): run its chunks again without the requests that caused it, and
         return the plan's result (the failed requests' entries empty) and why each failed request failed.
 
-        A worker that names the bad requests (:class:`RequestError`) has them dropped and the rest run again
+        A worker that names the bad requests (:class:`RequestError`, or a Ray rank's :class:`StepError`) has them dropped and the rest run again
         together; otherwise, or when that fails too, each chunk runs alone. Running a chunk again is safe: no
         token of the failed plan was counted and its KV slots are rewritten with the same values; the worker
         may hold any part of the plan's state, so every retry carries the requests' whole block tables."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
                      plan.step_id, len(plan.chunks), err, exc_info=err)
         self.scheduler.forget_worker_state(plan)
-        failed = {rid: repr(err.cause) for rid in err.req_ids} if isinstance(err, RequestError) else {}
+        failed = {}
+        if isinstance(err, RequestError):
+            failed = {rid: repr(err.cause) for rid in err.req_ids}
+        elif isinstance(err, StepError):  # raised on a live rank of a Ray group; req_ids as the rank named them
+            failed = {rid: f"{err.exc_type}: {err.exc_message}" for rid in err.req_ids}
         rest = [c for c in plan.chunks if c.req_id not in failed]
         if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
             raise err
@@ -158,10 +162,13 @@ class LLMEngine:
         return outputs
 
     def _recover(self, err: WorkerDiedError) -> None:
-        """A worker died mid-step: fail every request the engine holds (their KV lived on the dead group),
-        free their blocks, and bring up a fresh worker group so new requests are served."""
-        err.req_ids = list(self.tracked)
-        logger.error("worker failure (%s): failing %d requests and restarting the workers", err, len(err.req_ids))
+        """A worker died mid-step: fail the requests that were running (their KV and sampling state lived on the
+        dead group), free their blocks, and restart the group (the Ray executor does it in the background, so
+        their callers hear at once). Waiting requests held nothing there: they stay queued and run on the new
+        group (one preempted earlier recomputes its tokens, as after any preemption)."""
+        err.req_ids = [r.req_id for r in self.scheduler.running]
+        logger.error("worker failure (%s): failing %d running requests, keeping %d waiting, restarting the workers",
+                     err, len(err.req_ids), self.scheduler.num_waiting)
         self.abort_request(err.req_ids)
         self.executor.restart()
 

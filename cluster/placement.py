@@ -1,0 +1,112 @@
+"""Placement groups for the target's ranks and the drafter's: created, awaited and removed in one place.
+
+Every group is named ``specray:<owner>:<role>:<random>``, the owner being the actor (or job) that created it,
+so whoever owns that actor can remove what it left behind (:func:`remove_owned`) when it could not clean up
+itself: a placement group created by a non-detached actor outlives the actor, until the job ends.
+
+A request the cluster can never hold (more CPUs per node than any node has, more ranks than fit in all the nodes
+together) fails at once with what to change, instead of waiting for resources that will not come; on a cluster
+that grows (an autoscaler: set ``SPECRAY_RAY_AUTOSCALING=1``) it waits, up to ``PLACEMENT_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+from specray.cluster.ray_env import ray
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed in this long asks for more than the cluster has
+NAME_PREFIX = "specray"
+AUTOSCALING_ENV = "SPECRAY_RAY_AUTOSCALING"
+
+
+def owner_id() -> str:
+    """The actor this code runs in (else the job): the owner part of the names of the groups it creates."""
+    context = ray.get_runtime_context()
+    return context.get_actor_id() or context.get_job_id()
+
+
+def create(bundles: list[dict], strategy: str, role: str, advice: str):
+    """A ready placement group for ``bundles``; ValueError (ending in ``advice``, what to change) at once when
+    no autoscaler may grow the cluster and its nodes could never hold them, or after ``PLACEMENT_TIMEOUT_S``."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    what = f"{len(bundles)} {role} ranks with {bundles[0]} each ({strategy})"
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if not could_ever_fit(bundles, strategy, nodes) and not autoscaling():
+        raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total: "
+                         f"{[_cpus_gpus(n) for n in nodes]}; no autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
+    pg = placement_group(bundles, strategy=strategy, name=f"{NAME_PREFIX}:{owner_id()}:{role}:{uuid.uuid4().hex[:8]}")
+    if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
+        remove_placement_group(pg)
+        raise ValueError(f"cannot place {what}: still not placed after {PLACEMENT_TIMEOUT_S:.0f}s (free now: "
+                         f"{ray.available_resources()}); {advice}")
+    return pg
+
+
+def remove(pg) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+def remove_owned(owner: str) -> int:
+    """Remove every live group that ``owner`` (an actor id) created; returns how many there were."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    removed = 0
+    for info in ray.util.placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith(f"{NAME_PREFIX}:{owner}:") and info.get("state") != "REMOVED":
+            remove_placement_group(get_placement_group(name))
+            removed += 1
+    if removed:
+        logger.warning("removed %d placement groups left behind by actor %s", removed, owner)
+    return removed
+
+
+def autoscaling() -> bool:
+    """Whether the cluster may grow (then a group that does not fit now may fit later)."""
+    return os.environ.get(AUTOSCALING_ENV, "").lower() in ("1", "true", "yes")
+
+
+def could_ever_fit(bundles: list[dict], strategy: str, nodes: list[dict]) -> bool:
+    """Whether ``nodes`` (each its total resources), all empty, could hold ``bundles`` under ``strategy``: on one
+    node (STRICT_PACK), each on its own node (STRICT_SPREAD), or anyhow (PACK, SPREAD: a bin packing, solved
+    exactly by search; groups are a few ranks)."""
+    if strategy == "STRICT_PACK":
+        total = {k: sum(b.get(k, 0) for b in bundles) for b in bundles for k in b}
+        return any(_fits(total, node) for node in nodes)
+    order = sorted(bundles, key=lambda b: -sum(b.values()))  # big first: dead ends show early
+    return _place(order, [dict(n) for n in nodes], strategy == "STRICT_SPREAD", set())
+
+
+def _place(bundles: list[dict], free: list[dict], one_per_node: bool, used: set[int]) -> bool:
+    if not bundles:
+        return True
+    need, rest = bundles[0], bundles[1:]
+    tried: list[dict] = []
+    for i, node in enumerate(free):
+        if (one_per_node and i in used) or not _fits(need, node) or node in tried:
+            continue
+        tried.append(dict(node))  # an identical node left as it was would fail the same way
+        for k, v in need.items():
+            node[k] = node.get(k, 0) - v
+        if _place(rest, free, one_per_node, used | {i}):
+            return True
+        for k, v in need.items():
+            node[k] += v
+    return False
+
+
+def _fits(need: dict, node: dict) -> bool:
+    return all(node.get(k, 0) >= v for k, v in need.items())
+
+
+def _cpus_gpus(node: dict) -> dict:
+    return {k: node[k] for k in ("CPU", "GPU") if node.get(k)}
