@@ -117,8 +117,8 @@ class LLMEngine:
         """``plan`` raised (not a dead worker): run its chunks again without the requests that caused it, and
         return the plan's result (the failed requests' entries empty) and why each failed request failed.
 
-        A worker that names the bad requests (:class:`RequestError`, or a Ray rank's :class:`StepError`) has them dropped and the rest run again
-        together; otherwise, or when that fails too, each chunk runs alone. Running a chunk again is safe: no
+        A worker that names the bad requests (:class:`RequestError`, or a Ray rank's :class:`StepError`) has
+        them dropped and the rest run again together; otherwise, or when that fails too, each chunk runs alone. Running a chunk again is safe: no
         token of the failed plan was counted and its KV slots are rewritten with the same values; the worker
         may hold any part of the plan's state, so every retry carries the requests' whole block tables."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
