@@ -495,6 +495,59 @@ def test_engine_state_through_the_deployment_handle(server):
     assert state["total_blocks"] > 0 and set(state) >= {"free_blocks", "num_waiting", "num_running"}
 
 
+def _engine_replica_actor():
+    """The engine deployment's replica actor (Serve names its replica actors in the "serve" namespace)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and "SpecrayEngine" in a["name"]]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _stream_lines(url: str, body: dict):
+    """POST a streaming request; returns the open response and an iterator over its `data:` payloads."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    payloads = (line.decode().strip()[len("data: "):] for line in resp if line.startswith(b"data: "))
+    return resp, payloads
+
+
+def test_engine_replica_death_gives_openai_errors_a_fast_503_then_recovers(server):
+    """Killing the engine replica: an open stream ends with an error event, a request in flight (and its queued
+    choices) gets OpenAI error JSON, a request sent right after gets a fast 503, and once Serve has started a new
+    replica, requests succeed again."""
+    import ray
+
+    long = {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
+            "temperature": 0}
+    in_flight: list = []  # n=8 with 4 seats per request: 4 choices run, 4 wait their turn
+    waiter = threading.Thread(target=lambda: in_flight.append(
+        http_json(server + "/v1/completions", {**long, "n": 8})))
+    waiter.start()
+    resp, payloads = _stream_lines(server + "/v1/completions", {**long, "stream": True})
+    with resp:
+        first = json.loads(next(payloads))
+        assert first["choices"][0]["finish_reason"] is None
+        ray.kill(_engine_replica_actor(), no_restart=True)
+        rest = list(payloads)
+    error = json.loads(rest[-2])["error"]
+    assert rest[-1] == "[DONE]" and (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+    waiter.join(timeout=60)
+    status, err = error_of(in_flight[0])
+    assert (status, err["code"]) == (503, "engine_unavailable"), in_flight
+    start = time.monotonic()
+    status, err = error_of(http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+    assert (status, err["type"], err["code"]) == (503, "server_error", "engine_unavailable")
+    assert time.monotonic() - start < 2
+    assert error_of(http_json(server + "/health"))[0] == 503
+    deadline = time.monotonic() + 45
+    while http_json(server + "/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
 # ---- bench-serve and load --------------------------------------------------------------------------------
 
 def test_bench_serve_library_reports(server):
@@ -675,6 +728,9 @@ class FakeEngineClient:
 
     async def engine_state(self) -> dict:
         return {"free_blocks": 1, "total_blocks": 1, "used_blocks": 0, "num_waiting": 0, "num_running": 0}
+
+    async def engine_metrics(self) -> bytes:
+        return b""
 
     def is_healthy(self) -> bool:
         return True
