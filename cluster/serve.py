@@ -3,9 +3,13 @@
 ``build_app(args)`` is a Serve application builder (``serve run specray.cluster.serve:build_app model=...``
 works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field
 through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
-Each replica holds one engine in an :class:`AsyncLLMEngine` and serves :func:`build_openai_app` through
-``@serve.ingress``. Besides HTTP, a replica answers ``handle.engine_state.remote()`` (KV blocks free/total,
-queue lengths), the same numbers as ``GET /v1/debug/kv``.
+The application is two deployments (the shape of Ray Serve LLM's router over its LLM servers): the ingress
+``SpecrayServer`` serves :func:`build_openai_app` through ``@serve.ingress`` (parsing, chat template,
+tokenization, admission, SSE) and calls the engine deployment ``SpecrayEngine`` (one :class:`AsyncLLMEngine`
+per replica) through a streaming DeploymentHandle. When an engine replica dies, Serve's proxy is not the one
+answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
+Besides HTTP, ``handle.engine_state.remote()`` on the app's handle returns an engine replica's KV blocks
+free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 """
 
 from __future__ import annotations

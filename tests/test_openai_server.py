@@ -919,3 +919,38 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         assert (status, err["code"]) == (503, "engine_unavailable")
         assert error_of(http_json(base + "/health"))[0] == 503
         assert time.monotonic() - start < 5
+
+
+def test_engine_replica_sends_the_newest_output_to_a_slow_reader():
+    """Outputs are cumulative: a reader that falls behind gets the newest state per read (one hop, not one per
+    step), and an engine error still comes after the last output."""
+    from specray.cluster.serve import newest_outputs
+    from specray.errors import EngineError
+
+    def output(n: int) -> RequestOutput:
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+
+    async def engine(gate: asyncio.Event, fail: bool):
+        yield output(1)
+        await gate.wait()
+        for n in (2, 3):
+            yield output(n)
+        if fail:
+            raise EngineError("worker died")
+
+    async def read(fail: bool) -> tuple[list[int], BaseException | None]:
+        gate = asyncio.Event()
+        stream = newest_outputs(engine(gate, fail))
+        seen = [len((await anext(stream)).outputs[0].token_ids)]
+        gate.set()
+        await asyncio.sleep(0.05)  # the engine produced the rest meanwhile
+        try:
+            async for out in stream:
+                seen.append(len(out.outputs[0].token_ids))
+        except EngineError as err:
+            return seen, err
+        return seen, None
+
+    assert asyncio.run(read(fail=False)) == ([1, 3], None)
+    seen, err = asyncio.run(read(fail=True))
+    assert seen == [1, 3] and "worker died" in str(err)
