@@ -340,6 +340,7 @@ def test_bad_parameters_are_400_naming_the_param(server, override, param):
     status, err = error_of(http_json(server + "/v1/completions", body))
     assert status == 400 and err["type"] == "invalid_request_error"
     assert err["param"] == param and param.split(".")[-1] in err["message"]
+    assert "Traceback" not in err["message"] and "Ray" not in err["message"]  # an engine replica's error, unwrapped
 
 
 @pytest.mark.parametrize("override,param", [({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages"),
