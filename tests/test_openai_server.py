@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -906,8 +907,6 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
 
 
 def test_dead_engine_gives_a_fast_503_in_openai_shape():
-    from types import SimpleNamespace
-
     from specray.cluster.openai_app import AsyncEngineClient
 
     dead = SimpleNamespace(is_running=False, engine=SimpleNamespace(tokenizer=FakeTokenizer(), max_model_len=64))
@@ -955,3 +954,66 @@ def test_engine_replica_sends_the_newest_output_to_a_slow_reader():
     assert asyncio.run(read(fail=False)) == ([1, 3], None)
     seen, err = asyncio.run(read(fail=True))
     assert seen == [1, 3] and "worker died" in str(err)
+
+
+class _FakeEngineHandle:
+    """A DeploymentHandle stand-in for the engine: streams that no replica takes (they never yield), and a
+    ``ready`` probe that succeeds once ``up`` is set."""
+
+    def __init__(self):
+        self.up = False
+        self.cancelled = 0
+        self.generate = SimpleNamespace(remote=lambda *args: self._Stream(self))
+        self.ready = SimpleNamespace(remote=lambda: self._Probe(self))
+
+    def options(self, stream: bool = False):
+        return self
+
+    class _Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.Event().wait()  # no replica takes the request
+
+        def cancel(self):
+            self.handle.cancelled += 1
+
+    class _Probe:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __await__(self):
+            yield from asyncio.sleep(0).__await__()
+            return self.handle.up
+
+        def cancel(self):
+            pass
+
+
+def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_until_one_is_ready():
+    """While no engine replica runs, Serve's router would hold a request until one starts: the ingress gives up
+    after the acknowledgement timeout, answers 503 at once from then on, and serves again once a probe succeeds."""
+    from specray.cluster.openai_app import EngineUnavailableError
+    from specray.cluster.serve import RemoteEngineClient
+
+    async def scenario() -> None:
+        handle = _FakeEngineHandle()
+        client = RemoteEngineClient(handle, FakeTokenizer(), 64, ack_timeout_s=0.2, probe_interval_s=0.05)
+        with pytest.raises(EngineUnavailableError, match="no engine replica took the request"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert handle.cancelled == 1 and not client.is_healthy()
+        start = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="retry shortly"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert time.monotonic() - start < 0.1
+        handle.up = True
+        deadline = time.monotonic() + 5
+        while not client.is_healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert client.is_healthy()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))  # a client that waits for a replica fails, not hangs
