@@ -408,14 +408,23 @@ class RemoteEngineClient:
                                          "(none is running or all are busy); retry shortly") from None
 
     async def engine_state(self) -> dict:
-        self._check_up()
-        with self._translated():
-            return await self._handle.engine_state.remote()
+        return await self._call("engine_state")
 
     async def engine_metrics(self) -> bytes:
+        return await self._call("metrics_text")
+
+    async def _call(self, method: str) -> Any:
+        """A unary call on an engine replica, bounded like a request's acknowledgement."""
         self._check_up()
+        response = getattr(self._handle, method).remote()
         with self._translated():
-            return await self._handle.metrics_text.remote()
+            try:
+                return await asyncio.wait_for(response, self.ack_timeout_s)
+            except asyncio.TimeoutError:
+                response.cancel()
+                self._mark_down()
+                raise EngineUnavailableError(f"no engine replica answered within {self.ack_timeout_s:g} s; retry "
+                                             "shortly") from None
 
     def is_healthy(self) -> bool:
         return self._down_since is None

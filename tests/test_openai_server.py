@@ -965,6 +965,7 @@ class _FakeEngineHandle:
         self.cancelled = 0
         self.generate = SimpleNamespace(remote=lambda *args: self._Stream(self))
         self.ready = SimpleNamespace(remote=lambda: self._Probe(self))
+        self.engine_state = SimpleNamespace(remote=lambda: self._Probe(self, hang=True))
 
     def options(self, stream: bool = False):
         return self
@@ -983,11 +984,12 @@ class _FakeEngineHandle:
             self.handle.cancelled += 1
 
     class _Probe:
-        def __init__(self, handle):
+        def __init__(self, handle, hang: bool = False):
             self.handle = handle
+            self.hang = hang
 
         def __await__(self):
-            yield from asyncio.sleep(0).__await__()
+            yield from (asyncio.Event().wait() if self.hang else asyncio.sleep(0)).__await__()
             return self.handle.up
 
         def cancel(self):
@@ -1003,6 +1005,12 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
     async def scenario() -> None:
         handle = _FakeEngineHandle()
         client = RemoteEngineClient(handle, FakeTokenizer(), 64, ack_timeout_s=0.2, probe_interval_s=0.05)
+        with pytest.raises(EngineUnavailableError, match="no engine replica answered"):
+            await client.engine_state()  # /metrics and the debug route do not hang either
+        handle.up = True
+        while not client.is_healthy():
+            await asyncio.sleep(0.02)
+        handle.up = False
         with pytest.raises(EngineUnavailableError, match="no engine replica took the request"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
         assert handle.cancelled == 1 and not client.is_healthy()
