@@ -46,6 +46,7 @@ from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput  # noqa: E402
+from specray.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class SpecrayEngine:
         self.client = AsyncEngineClient(self.aengine)
         logger.info("engine replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
-    async def generate(self, prompt_token_ids: list[int], params, prompt: str | None = None,
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                        req_id: str | None = None) -> AsyncIterator[RequestOutput | None]:
         """Streamed through ``handle.options(stream=True)``: first ``None`` (a live replica took the request),
         then the request's outputs. Each output is the request's whole state so far, so when the ingress reads
