@@ -6,6 +6,11 @@ metrics agent on its own port and aggregated over replicas). Ray is imported onl
 
 Acceptance rate = accepted_tokens / draft_tokens and mean accepted length = 1 + accepted_tokens / drafts are
 derived from the counters (and also exported as gauges for convenience).
+
+The metrics fall into two groups: ``request`` metrics, recorded where HTTP requests are served, and ``engine``
+metrics (scheduler/KV gauges, speculation counters), recorded where the engine steps. In one process a
+:class:`ServerMetrics` holds both; on Ray Serve the ingress holds the first and the engine replica the second,
+and ``/metrics`` renders the two registries one after the other (no metric is in both, so the text stays valid).
 """
 
 from __future__ import annotations
@@ -66,8 +71,12 @@ def _ray_metric(kind: str, name: str, doc: str, labels: tuple[str, ...], buckets
     return cls(name, doc, tag_keys=labels)
 
 
+REQUEST_METRICS = "request"
+ENGINE_METRICS = "engine"
+ALL_METRICS = frozenset({REQUEST_METRICS, ENGINE_METRICS})
+
 _DEFINITIONS = [
-    # attribute, kind, name, doc, extra labels, buckets
+    # attribute, kind, name, doc, extra labels, buckets (the group: see _ENGINE_ATTRS)
     ("requests", "counter", "specray_requests", "HTTP generation requests by outcome (HTTP status, or "
      "'cancelled' for a client that went away)", ("status",), None),
     ("ttft", "histogram", "specray_time_to_first_token_seconds", "Time from arrival to the first output token",
@@ -93,6 +102,12 @@ _DEFINITIONS = [
     ("mean_accepted_length", "gauge", "specray_spec_mean_accepted_length",
      "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
 ]
+_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "drafts", "draft_tokens", "accepted",
+                           "accepted_per_position", "acceptance_rate", "mean_accepted_length"})
+
+
+def _group(attr: str) -> str:
+    return ENGINE_METRICS if attr in _ENGINE_ATTRS else REQUEST_METRICS
 
 
 class ServerMetrics:
@@ -101,13 +116,20 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST  # of :meth:`render`
 
-    def __init__(self, model_name: str, use_ray: bool = False):
+    def __init__(self, model_name: str, use_ray: bool = False, groups: frozenset[str] = ALL_METRICS):
         self.registry = CollectorRegistry()
         self._labels = {"model": model_name}
+        self.groups = groups
         for attr, kind, name, doc, labels, buckets in _DEFINITIONS:
+            if _group(attr) not in groups:
+                continue
             setattr(self, attr, _Metric(kind, name, doc, ("model",) + labels, self.registry, use_ray, buckets))
         self._lock = threading.Lock()
         self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
+
+    @property
+    def has_engine_metrics(self) -> bool:
+        return ENGINE_METRICS in self.groups
 
     # ---- event loop ------------------------------------------------------------------------------------
     def record_request(self, status: str) -> None:

@@ -61,6 +61,11 @@ class EngineClient(Protocol):
 
     async def engine_state(self) -> dict: ...
 
+    async def engine_metrics(self) -> bytes:
+        """Prometheus text of the metrics the engine records itself, where they live apart from the app's
+        (an engine in another process); empty when the app's own :class:`ServerMetrics` holds them."""
+        ...
+
     def is_healthy(self) -> bool: ...
 
 
@@ -90,6 +95,9 @@ class AsyncEngineClient:
     async def engine_state(self) -> dict:
         self._check_running()
         return await self.aengine.call(engine_state)
+
+    async def engine_metrics(self) -> bytes:
+        return b""  # the engine runs in this process: the app's own metrics hold its step metrics
 
     def _check_running(self) -> None:
         if not self.aengine.is_running:  # a command would wait forever for a dead engine thread
@@ -375,11 +383,14 @@ class OpenAIServing:
                                                 code="engine_dead"))
 
     async def prometheus(self) -> Response:
+        engine_text = b""
         try:
-            self.metrics.record_engine_state(await self.client.engine_state())
+            if self.metrics.has_engine_metrics:
+                self.metrics.record_engine_state(await self.client.engine_state())
+            engine_text = await self.client.engine_metrics()
         except EngineError as err:  # still serve the counters; /health reports the dead engine
             logger.warning("metrics without fresh engine state: %s", err)
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+        return Response(self.metrics.render() + engine_text, media_type=self.metrics.content_type)
 
     async def debug_kv(self) -> dict:
         return {**await self.client.engine_state(), "num_queued": self.num_queued}

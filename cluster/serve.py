@@ -3,13 +3,19 @@
 ``build_app(args)`` is a Serve application builder (``serve run specray.cluster.serve:build_app model=...``
 works, string values are coerced; ``engine_kwargs`` passes any :class:`specray.config.EngineArgs` field
 through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray serve``).
-Each replica holds one engine in an :class:`AsyncLLMEngine` and serves :func:`build_openai_app` through
-``@serve.ingress``. Besides HTTP, a replica answers ``handle.engine_state.remote()`` (KV blocks free/total,
-queue lengths), the same numbers as ``GET /v1/debug/kv``.
+The application is two deployments (the shape of Ray Serve LLM's router over its LLM servers): the ingress
+``SpecrayServer`` serves :func:`build_openai_app` through ``@serve.ingress`` (parsing, chat template,
+tokenization, admission, SSE) and calls the engine deployment ``SpecrayEngine`` (one :class:`AsyncLLMEngine`
+per replica) through a streaming DeploymentHandle. When an engine replica dies, Serve's proxy is not the one
+answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
+Besides HTTP, ``handle.engine_state.remote()`` on the app's handle returns an engine replica's KV blocks
+free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
@@ -19,6 +25,8 @@ import re
 import signal
 import socket
 import threading
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,18 +35,27 @@ from specray.cluster.ray_env import ensure_ray  # first: it sets Ray's environme
 
 import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
+from ray.exceptions import RayActorError, RayTaskError  # noqa: E402
 from ray.serve import Application  # noqa: E402
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError  # noqa: E402
 
-from specray.cluster.metrics import ServerMetrics  # noqa: E402
+from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
-    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, ServerConfig, build_openai_app)
+    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
+from specray.errors import EngineError  # noqa: E402
+from specray.outputs import RequestOutput  # noqa: E402
+from specray.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_APP_NAME = "specray"
 CONSTRUCTOR_RETRIES = 1
+INGRESS_NUM_CPUS = 0.0  # the ingress tokenizes and streams; the CPUs to reserve are the engine replica's
+ACK_TIMEOUT_S = 10.0  # a request that no engine replica takes this long is a 503, not a wait for a restart
+PROBE_INTERVAL_S = 0.5  # while the engine is down, how often the ingress asks whether a replica is ready
+ENGINE_HEALTH_CHECK_PERIOD_S = 2.0  # a dead engine thread is noticed (and the replica replaced) this soon
 
 
 class ServerStartError(RuntimeError):
@@ -249,31 +266,45 @@ def default_served_name(model: str) -> str:
     return model
 
 
-@serve.deployment
-@serve.ingress()
-class SpecrayServer:
-    """One replica: an engine in a background thread behind the OpenAI app."""
+class SpecrayEngine:
+    """An engine replica: one :class:`AsyncLLMEngine` in a background thread, called by the ingress through a
+    DeploymentHandle. It records the engine-side metrics (step, scheduler and KV) itself."""
 
     def __init__(self, args: ServeArgs):
         from specray.engine.async_engine import AsyncLLMEngine
         from specray.engine.builder import build_engine
 
-        self.args = args
-        self.metrics = ServerMetrics(args.served_model_name, use_ray=True)
-        engine_args = args.engine_args()
-        self.max_num_seqs = engine_args.max_num_seqs
-        engine = build_engine(engine_args)
+        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({ENGINE_METRICS}))
+        engine = build_engine(args.engine_args())
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
-        logger.info("replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
+        logger.info("engine replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
-    def __serve_build_asgi_app__(self):
-        config = self.args.server_config(self.max_num_seqs)
-        return build_openai_app(self.client, config, self.metrics)
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                       req_id: str | None = None) -> AsyncIterator[RequestOutput | None]:
+        """Streamed through ``handle.options(stream=True)``: first ``None`` (a live replica took the request),
+        then the request's outputs. Each output is the request's whole state so far, so when the ingress reads
+        slower than the engine steps, only the newest output is sent: one hop per read, not per token."""
+        yield None
+        with _portable_errors():
+            stream = self.client.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
+            async for out in newest_outputs(stream):
+                yield out
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts, read in the engine thread."""
-        return await self.client.engine_state()
+        with _portable_errors():
+            return await self.client.engine_state()
+
+    async def metrics_text(self) -> bytes:
+        """This replica's engine metrics in Prometheus text, the scheduler/KV gauges read now."""
+        with _portable_errors():
+            self.metrics.record_engine_state(await self.client.engine_state())
+        return self.metrics.render()
+
+    async def ready(self) -> bool:
+        """The ingress's probe while it believes no engine replica is up."""
+        return self.aengine.is_running
 
     def check_health(self) -> None:
         if not self.aengine.is_running:
@@ -285,18 +316,200 @@ class SpecrayServer:
             aengine.shutdown()
 
 
+@contextlib.contextmanager
+def _portable_errors():
+    """Errors that cross to the ingress as plain exception types (an EngineError subclass with its own
+    constructor arguments would not unpickle there); the message is kept."""
+    try:
+        yield
+    except EngineUnavailableError:
+        raise
+    except EngineError as err:
+        raise EngineError(str(err)) from None
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+
+
+async def newest_outputs(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """``stream``'s outputs, skipping those that a newer one already holds (outputs are cumulative): a reader
+    that is slower than the engine gets the newest state at each read. An error comes after the last output."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait(out)
+            queue.put_nowait(_END)
+        except Exception as exc:  # handed to the reader, who raises it
+            queue.put_nowait(exc)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            outputs = [item for item in items if isinstance(item, RequestOutput)]
+            if outputs:
+                yield outputs[-1]
+            if isinstance(items[-1], BaseException):
+                raise items[-1]
+            if items[-1] is _END:
+                return
+    finally:
+        task.cancel()  # a reader that left early: closing the stream aborts the engine request
+
+
+_END = object()
+
+# What a handle call raises when the engine replica is gone (killed, crashed, being replaced) or none is placed.
+_UNAVAILABLE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+
+
+def _is_unavailable(err: BaseException) -> bool:
+    return isinstance(err, _UNAVAILABLE) or isinstance(err.__cause__, _UNAVAILABLE)
+
+
+class RemoteEngineClient:
+    """:class:`EngineClient` over the engine deployment's handle, for the ingress. The tokenizer and the context
+    length are loaded here (no engine needed). When the engine replica is gone, requests in flight fail with
+    :class:`EngineUnavailableError` (503 in OpenAI's shape, an error event in a stream), and from then on every
+    request gets that 503 at once until a probe finds a ready replica again (Serve starts a new one on its own);
+    a request that no replica takes within ``ack_timeout_s`` gets it too, rather than waiting for a restart."""
+
+    def __init__(self, handle, tokenizer, max_model_len: int, ack_timeout_s: float = ACK_TIMEOUT_S,
+                 probe_interval_s: float = PROBE_INTERVAL_S):
+        self._handle = handle
+        self._streams = handle.options(stream=True)
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.ack_timeout_s = ack_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self._down_since: float | None = None
+        self._probe: asyncio.Task | None = None
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self._check_up()
+        responses = self._streams.generate.remote(prompt_token_ids, params, prompt, req_id)
+        try:
+            with self._translated():
+                await self._acknowledged(responses)
+                async for out in responses:
+                    yield out
+        finally:
+            responses.cancel()  # no-op once the stream ended; else it aborts the engine request
+
+    async def _acknowledged(self, responses) -> None:
+        try:
+            await asyncio.wait_for(responses.__anext__(), self.ack_timeout_s)
+        except asyncio.TimeoutError:
+            self._mark_down()
+            raise EngineUnavailableError(f"no engine replica took the request within {self.ack_timeout_s:g} s "
+                                         "(none is running or all are busy); retry shortly") from None
+
+    async def engine_state(self) -> dict:
+        return await self._call("engine_state")
+
+    async def engine_metrics(self) -> bytes:
+        return await self._call("metrics_text")
+
+    async def _call(self, method: str) -> Any:
+        """A unary call on an engine replica, bounded like a request's acknowledgement."""
+        self._check_up()
+        response = getattr(self._handle, method).remote()
+        with self._translated():
+            try:
+                return await asyncio.wait_for(response, self.ack_timeout_s)
+            except asyncio.TimeoutError:
+                response.cancel()
+                self._mark_down()
+                raise EngineUnavailableError(f"no engine replica answered within {self.ack_timeout_s:g} s; retry "
+                                             "shortly") from None
+
+    def is_healthy(self) -> bool:
+        return self._down_since is None
+
+    def _check_up(self) -> None:
+        if self._down_since is not None:
+            raise EngineUnavailableError("the engine replica is down and Serve is starting a new one; retry "
+                                         "shortly")
+
+    @contextlib.contextmanager
+    def _translated(self):
+        """Handle errors as the app's: a gone replica is :class:`EngineUnavailableError`, a replica's own
+        exception is itself (without Ray's wrapper and remote traceback)."""
+        try:
+            yield
+        except Exception as err:
+            if _is_unavailable(err):
+                self._mark_down()
+                raise EngineUnavailableError(f"the engine replica died ({type(err).__name__}); Serve is starting "
+                                             "a new one, retry shortly") from None
+            if isinstance(err, RayTaskError) and isinstance(err.cause, Exception):
+                raise err.cause from None
+            raise
+
+    def _mark_down(self) -> None:
+        if self._down_since is None:
+            logger.warning("the engine replica is unavailable; answering 503 until one is ready")
+            self._down_since = time.monotonic()
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_ready())
+
+    async def _probe_until_ready(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            response = self._handle.ready.remote()
+            try:
+                if await asyncio.wait_for(response, self.ack_timeout_s):
+                    break
+            except Exception as err:  # any failure means: not ready yet
+                response.cancel()
+                logger.debug("engine probe: %r", err)
+        logger.info("an engine replica is ready again after %.1f s", time.monotonic() - self._down_since)
+        self._down_since = None
+
+
+@serve.ingress()
+class SpecrayServer:
+    """The ingress replica: the OpenAI app (parsing, templating, tokenization, admission, SSE) over the engine
+    deployment's handle. It holds no model, so it stays up while an engine replica is replaced and answers
+    for it in OpenAI's shape."""
+
+    def __init__(self, args: ServeArgs, engine):
+        from specray.engine.builder import resolve_max_model_len
+        from specray.models.loader import load_hf_config, load_tokenizer
+
+        engine_args = args.engine_args()
+        self.args = args
+        self.max_num_seqs = engine_args.max_num_seqs
+        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({REQUEST_METRICS}))
+        max_model_len = resolve_max_model_len(engine_args.max_model_len, load_hf_config(engine_args.model))
+        tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+        self.client = RemoteEngineClient(engine, tokenizer, max_model_len)
+
+    def __serve_build_asgi_app__(self):
+        config = self.args.server_config(self.max_num_seqs)
+        return build_openai_app(self.client, config, self.metrics)
+
+    async def engine_state(self) -> dict:
+        """KV blocks free/total and waiting/running counts of an engine replica."""
+        return await self.client.engine_state()
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The Serve application for ``args`` (the keys of :class:`ServeArgs`)."""
+    """The Serve application for ``args`` (the keys of :class:`ServeArgs`): the ingress over the engine."""
     parsed = ServeArgs.from_dict(args)
-    deployment = SpecrayServer.options(
-        num_replicas=parsed.num_replicas,
-        max_ongoing_requests=parsed.max_ongoing_requests,
-        ray_actor_options=replica_resources(parsed),
-        # A replica that cannot construct its engine fails on its configuration (model, heads, placement):
-        # retrying only delays the error, so the deploy fails at the first failure and says why.
-        max_constructor_retry_count=CONSTRUCTOR_RETRIES,
-    )
-    return deployment.bind(parsed)
+    # A replica that cannot construct its engine fails on its configuration (model, heads, placement):
+    # retrying only delays the error, so the deploy fails at the first failure and says why.
+    common = {"num_replicas": parsed.num_replicas, "max_ongoing_requests": parsed.max_ongoing_requests,
+              "max_constructor_retry_count": CONSTRUCTOR_RETRIES}
+    engine = serve.deployment(SpecrayEngine).options(
+        ray_actor_options=replica_resources(parsed), health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        **common).bind(parsed)
+    ingress = serve.deployment(SpecrayServer).options(ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, **common)
+    return ingress.bind(parsed, engine)
 
 
 def replica_resources(args: ServeArgs) -> dict[str, float]:

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -340,6 +341,7 @@ def test_bad_parameters_are_400_naming_the_param(server, override, param):
     status, err = error_of(http_json(server + "/v1/completions", body))
     assert status == 400 and err["type"] == "invalid_request_error"
     assert err["param"] == param and param.split(".")[-1] in err["message"]
+    assert "Traceback" not in err["message"] and "Ray" not in err["message"]  # an engine replica's error, unwrapped
 
 
 @pytest.mark.parametrize("override,param", [({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages"),
@@ -493,6 +495,59 @@ def test_engine_state_through_the_deployment_handle(server):
     handle = serve.get_app_handle("specray")
     state = handle.engine_state.remote().result(timeout_s=60)
     assert state["total_blocks"] > 0 and set(state) >= {"free_blocks", "num_waiting", "num_running"}
+
+
+def _engine_replica_actor():
+    """The engine deployment's replica actor (Serve names its replica actors in the "serve" namespace)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and "SpecrayEngine" in a["name"]]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _stream_lines(url: str, body: dict):
+    """POST a streaming request; returns the open response and an iterator over its `data:` payloads."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    payloads = (line.decode().strip()[len("data: "):] for line in resp if line.startswith(b"data: "))
+    return resp, payloads
+
+
+def test_engine_replica_death_gives_openai_errors_a_fast_503_then_recovers(server):
+    """Killing the engine replica: an open stream ends with an error event, a request in flight (and its queued
+    choices) gets OpenAI error JSON, a request sent right after gets a fast 503, and once Serve has started a new
+    replica, requests succeed again."""
+    import ray
+
+    long = {"model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
+            "temperature": 0}
+    in_flight: list = []  # n=8 with 4 seats per request: 4 choices run, 4 wait their turn
+    waiter = threading.Thread(target=lambda: in_flight.append(
+        http_json(server + "/v1/completions", {**long, "n": 8})))
+    waiter.start()
+    resp, payloads = _stream_lines(server + "/v1/completions", {**long, "stream": True})
+    with resp:
+        first = json.loads(next(payloads))
+        assert first["choices"][0]["finish_reason"] is None
+        ray.kill(_engine_replica_actor(), no_restart=True)
+        rest = list(payloads)
+    error = json.loads(rest[-2])["error"]
+    assert rest[-1] == "[DONE]" and (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+    waiter.join(timeout=60)
+    status, err = error_of(in_flight[0])
+    assert (status, err["code"]) == (503, "engine_unavailable"), in_flight
+    start = time.monotonic()
+    status, err = error_of(http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+    assert (status, err["type"], err["code"]) == (503, "server_error", "engine_unavailable")
+    assert time.monotonic() - start < 2
+    assert error_of(http_json(server + "/health"))[0] == 503
+    deadline = time.monotonic() + 45
+    while http_json(server + "/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
 # ---- bench-serve and load --------------------------------------------------------------------------------
@@ -676,6 +731,9 @@ class FakeEngineClient:
     async def engine_state(self) -> dict:
         return {"free_blocks": 1, "total_blocks": 1, "used_blocks": 0, "num_waiting": 0, "num_running": 0}
 
+    async def engine_metrics(self) -> bytes:
+        return b""
+
     def is_healthy(self) -> bool:
         return True
 
@@ -849,8 +907,6 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
 
 
 def test_dead_engine_gives_a_fast_503_in_openai_shape():
-    from types import SimpleNamespace
-
     from specray.cluster.openai_app import AsyncEngineClient
 
     dead = SimpleNamespace(is_running=False, engine=SimpleNamespace(tokenizer=FakeTokenizer(), max_model_len=64))
@@ -863,3 +919,109 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         assert (status, err["code"]) == (503, "engine_unavailable")
         assert error_of(http_json(base + "/health"))[0] == 503
         assert time.monotonic() - start < 5
+
+
+def test_engine_replica_sends_the_newest_output_to_a_slow_reader():
+    """Outputs are cumulative: a reader that falls behind gets the newest state per read (one hop, not one per
+    step), and an engine error still comes after the last output."""
+    from specray.cluster.serve import newest_outputs
+    from specray.errors import EngineError
+
+    def output(n: int) -> RequestOutput:
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+
+    async def engine(gate: asyncio.Event, fail: bool):
+        yield output(1)
+        await gate.wait()
+        for n in (2, 3):
+            yield output(n)
+        if fail:
+            raise EngineError("worker died")
+
+    async def read(fail: bool) -> tuple[list[int], BaseException | None]:
+        gate = asyncio.Event()
+        stream = newest_outputs(engine(gate, fail))
+        seen = [len((await anext(stream)).outputs[0].token_ids)]
+        gate.set()
+        await asyncio.sleep(0.05)  # the engine produced the rest meanwhile
+        try:
+            async for out in stream:
+                seen.append(len(out.outputs[0].token_ids))
+        except EngineError as err:
+            return seen, err
+        return seen, None
+
+    assert asyncio.run(read(fail=False)) == ([1, 3], None)
+    seen, err = asyncio.run(read(fail=True))
+    assert seen == [1, 3] and "worker died" in str(err)
+
+
+class _FakeEngineHandle:
+    """A DeploymentHandle stand-in for the engine: streams that no replica takes (they never yield), and a
+    ``ready`` probe that succeeds once ``up`` is set."""
+
+    def __init__(self):
+        self.up = False
+        self.cancelled = 0
+        self.generate = SimpleNamespace(remote=lambda *args: self._Stream(self))
+        self.ready = SimpleNamespace(remote=lambda: self._Probe(self))
+        self.engine_state = SimpleNamespace(remote=lambda: self._Probe(self, hang=True))
+
+    def options(self, stream: bool = False):
+        return self
+
+    class _Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.Event().wait()  # no replica takes the request
+
+        def cancel(self):
+            self.handle.cancelled += 1
+
+    class _Probe:
+        def __init__(self, handle, hang: bool = False):
+            self.handle = handle
+            self.hang = hang
+
+        def __await__(self):
+            yield from (asyncio.Event().wait() if self.hang else asyncio.sleep(0)).__await__()
+            return self.handle.up
+
+        def cancel(self):
+            pass
+
+
+def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_until_one_is_ready():
+    """While no engine replica runs, Serve's router would hold a request until one starts: the ingress gives up
+    after the acknowledgement timeout, answers 503 at once from then on, and serves again once a probe succeeds."""
+    from specray.cluster.openai_app import EngineUnavailableError
+    from specray.cluster.serve import RemoteEngineClient
+
+    async def scenario() -> None:
+        handle = _FakeEngineHandle()
+        client = RemoteEngineClient(handle, FakeTokenizer(), 64, ack_timeout_s=0.2, probe_interval_s=0.05)
+        with pytest.raises(EngineUnavailableError, match="no engine replica answered"):
+            await client.engine_state()  # /metrics and the debug route do not hang either
+        handle.up = True
+        while not client.is_healthy():
+            await asyncio.sleep(0.02)
+        handle.up = False
+        with pytest.raises(EngineUnavailableError, match="no engine replica took the request"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert handle.cancelled == 1 and not client.is_healthy()
+        start = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="retry shortly"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert time.monotonic() - start < 0.1
+        handle.up = True
+        deadline = time.monotonic() + 5
+        while not client.is_healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert client.is_healthy()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))  # a client that waits for a replica fails, not hangs
