@@ -1,6 +1,8 @@
 """The engine layer: the step loop (:class:`LLMEngine`), its wiring from :class:`specray.config.EngineArgs`
-(:func:`build_engine`), the executors that run a step on the target's ranks, and the asyncio front
-(:class:`AsyncLLMEngine`). Imports point down only: nothing below this package imports it.
+(:func:`build_engine`), the executors that run a step on the target's ranks, the asyncio front
+(:class:`AsyncLLMEngine`), and :mod:`specray.engine.plugins`, where backends above the core (the cluster
+package's executor, remote drafter and engine client) register. Imports point down only: nothing below this
+package imports it (``tests/test_layout.py``).
 
 Names resolve lazily, so ``import specray.engine`` costs nothing until one is used.
 """

@@ -87,21 +87,18 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed: dict[str, str] = {}  # req_id -> why drafting, then the step, failed for it
+        failed: dict[str, str] = {}  # req_id -> why drafting failed for it
         draft_probs = self._draft(failed)
         outputs = self._fail(failed)  # before scheduling: they take no part in this step
         plan = self.scheduler.schedule()
         self._prefetch_drafts(plan)
         start = self.clock()
-        failed = {}
         try:
-            result = self.executor.execute(plan, draft_probs)
+            result, failed = self._execute(plan, draft_probs)
         except WorkerDiedError as err:
             self._recover(err)
             raise
-        except Exception as err:  # noqa: BLE001 -- one request's failure must not fail the others': isolate it
-            result, failed = self._isolate(plan, draft_probs, err)
-        if self.policy is not None and _is_decode_step(plan) and not failed:
+        if self.policy is not None and _is_decode_step(plan):
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
         touched = self.scheduler.update_from_output(plan, result)
@@ -113,35 +110,46 @@ class LLMEngine:
         return outputs
 
     # ---- a step that failed for some of its requests ---------------------------------------------------
+    def _execute(self, plan: StepPlan, draft_probs: dict) -> tuple[StepResult, dict[str, str]]:
+        """Run ``plan``; when it raises (not a dead worker: that propagates), run it again without the requests
+        that caused it. Returns the plan's result and why each failed request failed (the others' tokens are
+        in the result as if nothing happened)."""
+        try:
+            return self.executor.execute(plan, draft_probs), {}
+        except WorkerDiedError:
+            raise
+        except Exception as err:  # one request's failure must not fail the others': isolate it
+            return self._isolate(plan, draft_probs, err)
+
     def _isolate(self, plan: StepPlan, draft_probs: dict, err: Exception) -> tuple[StepResult, dict[str, str]]:
-        """``plan`` raised (not a dead worker): run its chunks again without the requests that caused it, and
-        return the plan's result (the failed requests' entries empty) and why each failed request failed.
+        """``plan`` raised ``err``: run its chunks again without the requests that caused it, and return the
+        plan's result (the failed requests' entries empty) and why each failed request failed.
 
         A worker that names the bad requests (:class:`RequestError`, or a Ray rank's :class:`StepError`) has
-        them dropped and the rest run again together; otherwise, or when that fails too, each chunk runs alone. Running a chunk again is safe: no
-        token of the failed plan was counted and its KV slots are rewritten with the same values; the worker
-        may hold any part of the plan's state, so every retry carries the requests' whole block tables."""
+        them dropped and the rest run again together; otherwise, or when that fails too, each chunk runs alone.
+        Running a chunk again is safe: no token of the failed plan was counted and its KV slots are rewritten with
+        the same values; the worker may hold any part of the plan's state, so every retry carries the requests'
+        whole block tables."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
                      plan.step_id, len(plan.chunks), err, exc_info=err)
         self.scheduler.forget_worker_state(plan)
+        if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
+            raise err
         failed = {}
         if isinstance(err, RequestError):
             failed = {rid: repr(err.cause) for rid in err.req_ids}
         elif isinstance(err, StepError):  # raised on a live rank of a Ray group; req_ids as the rank named them
             failed = {rid: f"{err.exc_type}: {err.exc_message}" for rid in err.req_ids}
         rest = [c for c in plan.chunks if c.req_id not in failed]
-        if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
-            raise err
         groups = [rest] if failed and rest else [[c] for c in rest]
         done: dict[str, tuple[list[int], list | None]] = {}
         while groups:
             group = groups.pop()
             try:
                 result = self.executor.execute(self.scheduler.retry_plan(plan, group), draft_probs)
-            except WorkerDiedError as died:
-                self._recover(died)
+            except WorkerDiedError:
                 raise
-            except Exception as again:  # noqa: BLE001 -- the same isolation, one level down
+            except Exception as again:  # the same isolation, one level down
                 if len(group) > 1:
                     groups += [[c] for c in group]
                 else:
@@ -187,8 +195,8 @@ class LLMEngine:
         if not decoding:
             return {}
         cheap = proposes_cheaply(self.drafter)
-        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap), r.sampling_params)
-                 for r, off_path in decoding]
+        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
+                              r.sampling_params) for r, off_path in decoding]
         drafts, probs = {}, {}
         for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
             if proposal is None:
@@ -210,13 +218,13 @@ class LLMEngine:
         asking again is safe)."""
         try:
             return self.drafter.propose(batch)
-        except Exception as err:  # noqa: BLE001 -- one request's failure must not fail the others': isolate it
+        except Exception as err:  # one request's failure must not fail the others': isolate it
             logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
         proposals: list[Proposal | None] = []
         for dreq in batch:
             try:
                 proposals += self.drafter.propose([dreq])
-            except Exception as err:  # noqa: BLE001 -- this request's own failure
+            except Exception as err:  # this request's own failure
                 failed[dreq.req_id] = f"drafting failed: {err!r}"
                 proposals.append(None)
         return proposals
