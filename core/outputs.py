@@ -84,9 +84,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:
@@ -99,6 +96,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     spec_stats: SpecStats = field(default_factory=SpecStats)
-    metrics: dict[str, float] = field(default_factory=dict)
     # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
     error: str | None = None

@@ -528,3 +528,15 @@ def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):
     assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive"}
     assert "is_public_pool" in spec_keys["methods"]["ngram"] and "model" in spec_keys["methods"]["draft_model"]
     assert "pool_name" in schema["ray_placement"]["keys"]
+
+
+def test_engine_shutdown_drops_requests_and_releases_the_executor(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    engine, released = llm.engine, []
+    engine.add_request([5, 6, 7], greedy())
+    engine.step()
+    shutdown = engine.executor.shutdown
+    engine.executor.shutdown = lambda: released.append(shutdown())
+    engine.shutdown()
+    assert released and not engine.tracked and not engine.has_unfinished_requests()
+    assert free_blocks(llm) == engine.scheduler.block_manager.num_blocks

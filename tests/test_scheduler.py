@@ -531,3 +531,52 @@ def test_duplicate_id_and_bad_finish_calls_raise():
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**kw)
+
+
+# ---- a failed step ---------------------------------------------------------------------------------------------
+class ResendingWorker(FakeWorker):
+    """A FakeWorker that takes a NewRequest for a request whose table it holds as the real runner does: the table
+    is replaced, the KV stays (a plan re-sent after a failure, not a readmission)."""
+
+    def apply(self, plan: StepPlan) -> None:
+        resent = {n.req_id: n for n in plan.new_requests if n.req_id in self.tables}
+        for rid in resent:
+            del self.tables[rid]
+        super().apply(plan)
+        for rid in resent:
+            self.incarnation[rid] -= 1  # the same KV, not a new incarnation
+
+
+@pytest.mark.parametrize("applied", ["none", "state", "all"])
+def test_a_failed_plan_runs_again_whatever_part_the_worker_applied(applied):
+    """The engine's retry after a failed step: the scheduler forgets what the worker holds and re-sends whole
+    tables; the retried chunks and every later step replay exactly on the worker, whether it applied none of
+    the failed plan, its state only, or all of it. The failed plan carries a table cut (r2's rejected drafts)
+    for a request it does not schedule (r0's prefill takes the budget), so only forgetting reaches it."""
+    sched, worker = make_sched(num_blocks=40, block_size=4, max_num_batched_tokens=8), ResendingWorker(40, 4)
+    r1, r2 = make_req("r1", 5, max_tokens=12, arrival=1.0), make_req("r2", 5, max_tokens=12, arrival=2.0)
+    sched.add_request(r1)
+    sched.add_request(r2)
+    while not all(r.num_computed_tokens == r.num_tokens - 1 for r in (r1, r2)):
+        worker_step(sched, worker)
+    sched.add_request(make_req("r0", 40, max_tokens=12, arrival=0.0))  # first in line once admitted
+    sched.update_draft_token_ids({"r2": [0] * 5})  # all wrong: a block grown, then cut
+    worker_step(sched, worker)
+    plan = sched.schedule()
+    assert [c.req_id for c in plan.chunks] == ["r0"] and "r2" in [d.req_id for d in plan.block_deltas]
+    if applied != "none":
+        worker.apply(plan)
+    if applied == "all":
+        worker.run(plan)  # KV written, tokens never counted
+    sched.forget_worker_state(plan)
+    sched.abort_requests(["r1"], reason="error")  # the request the step failed for
+    retry = sched.retry_plan(plan, plan.chunks)
+    worker.apply(retry)
+    result = worker.run(retry)
+    sched.update_from_output(plan, StepResult(plan.step_id, result.req_ids, result.sampled_token_ids))
+    assert r1.finish_reason == "error"
+    done = run_to_end(sched, worker)
+    assert sorted(done) == ["r0", "r2"] and "r1" not in worker.tables
+    assert all(r.output_token_ids == [truth(r.req_id, r.num_prompt_tokens + i) for i in range(12)]
+               for r in done.values())
+    assert sched.block_manager.num_free_blocks == 40
