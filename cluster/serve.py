@@ -44,6 +44,7 @@ from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
+from specray.engine.builder import check_engine_args  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
@@ -144,7 +145,7 @@ class ServeArgs:
             self.served_model_name = default_served_name(self.model)
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
-        self.engine_args()  # device, dtype and placement errors before any replica starts
+        check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
 
     def _check_limits(self) -> None:
         for name in ("num_replicas", "max_ongoing_requests", "max_n"):

@@ -114,7 +114,8 @@ def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
         "--engine-kwargs", "block_size=32", "--api-key", "k", "--enable-debug-routes"])
     parsed = ServeArgs.from_dict(serve_app_args(args))
     engine_args = parsed.engine_args()
-    assert engine_args.speculative_config.is_public_pool and engine_args.speculative_config.num_speculative_tokens == 4
+    spec = engine_args.speculative_config
+    assert spec.options["is_public_pool"] is True and spec.num_speculative_tokens == 4
     assert engine_args.ray_placement.pool_name == "shared" and engine_args.block_size == 32
     assert engine_args.executor_backend == "ray"
     assert parsed.api_key == "k" and parsed.enable_debug_routes
