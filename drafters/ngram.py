@@ -235,11 +235,12 @@ class NgramPool:
         """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
         (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
         tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
-        base, recorded, added = sid << _POS_BITS, 0, 0
+        base, recorded, added, min_n, max_n = sid << _POS_BITS, 0, 0, self.min_n, self.max_n
         for pos in range(max(lo, 1), len(tokens)):
             ref = base | pos
-            for n in range(self.min_n, min(self.max_n, pos) + 1):
-                gram = tuple(tokens[pos - n:pos])
+            window = tuple(tokens[max(0, pos - max_n):pos])  # its suffixes are the n-grams (one copy, not one per n)
+            for n in range(min_n, min(max_n, pos) + 1):
+                gram = window[-n:]
                 refs = table.get(gram)
                 if refs is None:
                     table[gram] = [ref]
@@ -314,9 +315,10 @@ class NgramPool:
         k = self.max_draft_len if max_tokens is None else min(max_tokens, self.max_draft_len)
         if k <= 0:
             return [], 0
-        tail = list(context_tail[-self.max_n:])
+        tail = tuple(context_tail[-self.max_n:])
+        table = self._table
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            refs = self._table.get(tuple(tail[-n:]))
+            refs = table.get(tail[-n:])
             if refs:
                 ref = refs[0] if self.is_use_oldest else refs[-1]
                 pos = ref & _POS_MASK
@@ -430,12 +432,11 @@ class NgramDrafter:
             pool.close(key)
 
     def _propose_one(self, req: DraftRequest) -> Proposal:
-        state = self._state(req.req_id)
-        self._catch_up(state, req.token_ids)
+        state = self._requests.get(req.req_id) or self._state(req.req_id)
+        indexed = self._catch_up(state, req.token_ids)
         if req.max_draft_tokens <= 0:
             return Proposal([])
-        tail = state.pool.tail(state.seq_key, self.spec.prompt_lookup_max)
-        tokens, n = state.pool.lookup_match(tail, req.max_draft_tokens)
+        tokens, n = state.pool.lookup_match(indexed, req.max_draft_tokens)  # it reads only the last max_n
         return Proposal(tokens, key=n or None)
 
     def _state(self, req_id: str) -> _RequestState:
@@ -445,21 +446,26 @@ class NgramDrafter:
             state = self._requests[req_id] = _RequestState(pool, pool.new_key())
         return state
 
-    def _catch_up(self, state: _RequestState, history: Sequence[int]) -> None:
+    def _catch_up(self, state: _RequestState, history: Sequence[int]) -> list[int]:
         """Index what is new in ``history``: O(new tokens) when it is the list seen last time, grown by
-        appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index."""
+        appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index.
+        Returns the pool's copy of the history (do not modify it)."""
         pool, key = state.pool, state.seq_key
-        indexed = pool.num_tokens(key)
-        if history is state.source and len(history) >= indexed and self._boundary_holds(state, history, indexed):
-            pool.extend(key, history[indexed:])
+        stored = pool.tokens(key)
+        indexed = len(stored)
+        if history is state.source and len(history) >= indexed and self._boundary_holds(stored, history, indexed):
+            if len(history) > indexed:
+                pool.extend(key, history[indexed:])
         else:
             kept = pool.sync(key, history)
             if kept < indexed:
                 logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
                              kept, indexed)
+            stored = pool.tokens(key)  # a sequence the pool did not hold until now
         state.source = history
+        return stored
 
-    def _boundary_holds(self, state: _RequestState, history: Sequence[int], indexed: int) -> bool:
+    def _boundary_holds(self, stored: list[int], history: Sequence[int], indexed: int) -> bool:
         """The last indexed tokens are still there (guards against a list rewound in place)."""
         lo = max(0, indexed - self.spec.prompt_lookup_max)
-        return list(history[lo:indexed]) == state.pool.tokens(state.seq_key)[lo:indexed]
+        return list(history[lo:indexed]) == stored[lo:indexed]
