@@ -91,7 +91,8 @@ class NullExecutor:
 class PhaseTimer:
     """Wraps bound methods so that each call's time is charged to a phase, exclusive of nested phases."""
 
-    def __init__(self):
+    def __init__(self, clock=time.thread_time):
+        self.clock = clock
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[float] = []  # per open phase: time spent in its nested phases
 
@@ -100,11 +101,11 @@ class PhaseTimer:
 
         def timed(*args, **kwargs):
             self._stack.append(0.0)
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - start
+                spent = self.clock() - start
                 nested = self._stack.pop()
                 self.totals[phase] += spent - nested
                 if self._stack:
@@ -120,8 +121,12 @@ class PhaseTimer:
 PHASES = ("schedule", "plan", "draft", "update", "detokenize", "executor")
 
 
-def instrument(engine: LLMEngine) -> PhaseTimer:
-    timer = PhaseTimer()
+def instrument(engine: LLMEngine, clock, phases: bool) -> PhaseTimer:
+    """Time the executor (not host work: it is subtracted), and with ``phases`` every phase."""
+    timer = PhaseTimer(clock)
+    timer.wrap(engine.executor, "execute", "executor")
+    if not phases:
+        return timer
     sched = engine.scheduler
     timer.wrap(sched, "schedule", "schedule")
     timer.wrap(sched, "_make_plan", "plan")
@@ -132,7 +137,6 @@ def instrument(engine: LLMEngine) -> PhaseTimer:
     timer.wrap(engine, "_observe_acceptance", "update")
     timer.wrap(engine, "_make_output", "detokenize")
     timer.wrap(engine, "_forget", "update")
-    timer.wrap(engine.executor, "execute", "executor")
     return timer
 
 
@@ -189,28 +193,33 @@ class Feeder:
         self.engine.executor.truth[req_id] = text
 
 
-def run(batch: int, method: str | None, tokenizer, args, profiler=None) -> Result:
+def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, profiler=None) -> Result:
+    """Median host time per step; with ``phases`` its breakdown too (the wrappers' clock reads add a little, so
+    the headline comes from a run without them)."""
     engine = build(batch, method, tokenizer, args)
     feeder = Feeder(engine, args, seed=batch)
     for _ in range(batch):
         feeder.add()
-    timer = instrument(engine)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    timer = instrument(engine, clock, phases)
     times, phases, seen, new_tokens = [], defaultdict(list), {}, 0
-    # Warm up until every request decodes and histories have grown past the prompt, then measure.
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and profiler is not None:
+    # Warm up until every request decodes (the prompts' prefill takes batch * prompt_len / 2048 steps), then
+    # measure: requests that finish are replaced, so arrivals (a prompt to prefill and index) are part of it.
+    warmup = args.warmup + -(-batch * args.prompt_len // 2048)
+    for i in range(warmup + args.steps):
+        if i == warmup and profiler is not None:
             profiler.enable()
         timer.take()
-        start = time.perf_counter()
+        start = clock()
         outputs = engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         for out in outputs:
             num = len(out.outputs[0].token_ids)
-            new_tokens += (num - seen.get(out.request_id, 0)) * (i >= args.warmup)
+            new_tokens += (num - seen.get(out.request_id, 0)) * (i >= warmup)
             seen[out.request_id] = num
             if out.finished:
                 feeder.add()
-        if i < args.warmup:
+        if i < warmup:
             continue
         spent = timer.take()
         executor_s = spent.pop("executor", 0.0)
@@ -230,7 +239,7 @@ def main() -> None:
     parser.add_argument("--batch", default="8,64,256", help="comma list of batch sizes (max_num_seqs, all decoding)")
     parser.add_argument("--methods", default="ngram,none", help="comma list: a drafter name, or none")
     parser.add_argument("--steps", type=int, default=300, help="measured steps per row")
-    parser.add_argument("--warmup", type=int, default=60, help="steps before measuring (prefill, growth)")
+    parser.add_argument("--warmup", type=int, default=40, help="steps before measuring, after the prompts' prefill")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--phrases", type=int, default=300, help="stock of phrases the texts draw from")
@@ -238,6 +247,8 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
     parser.add_argument("--step-ms", type=float, default=4.0, help="virtual GPU step, for the draft policy's fit")
     parser.add_argument("--token-us", type=float, default=2.0, help="virtual GPU cost per token in a step")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: this thread's CPU time "
+                        "(steady on a machine other jobs share); wall: elapsed time")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip detokenizing")
     parser.add_argument("--profile", action="store_true", help="cProfile the first row's measured steps; print the top functions")
     args = parser.parse_args()
@@ -245,7 +256,7 @@ def main() -> None:
     tokenizer, tok_name = (None, "none (--no-tokenizer)") if args.no_tokenizer else load_bench_tokenizer()
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; tokenizer {tok_name}; prompt {args.prompt_len}, max_tokens "
-          f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after {args.warmup}\n")
+          f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; {args.clock} time\n")
     print("| batch | drafter | host ms/step (median) | p90 | " + " | ".join(PHASES[:-1]) + " | other | tokens per request-step |")
     print("|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     for batch in (int(b) for b in args.batch.split(",")):
@@ -255,7 +266,7 @@ def main() -> None:
                 profile(batch, name, tokenizer, args)
                 return
             r = run(batch, name, tokenizer, args)
-            cells = " | ".join(f"{r.phases_ms.get(p, 0.0):.3f}" for p in (*PHASES[:-1], "other"))
+            cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
             print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {cells} | {r.tokens_per_request_step:.2f} |",
                   flush=True)
 
@@ -265,7 +276,7 @@ def profile(batch: int, method: str | None, tokenizer, args) -> None:
     import pstats
 
     prof = cProfile.Profile()
-    run(batch, method, tokenizer, args, prof)
+    run(batch, method, tokenizer, args, profiler=prof)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 

@@ -55,6 +55,7 @@ SNAPSHOT_VERSION = 1
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 _CHUNK = 1024  # tokens compared per slice when looking for a common prefix
+_BULK = 16  # new tokens from which indexing goes n-major (a prompt), where no FIFO keeps the text order
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:
@@ -234,13 +235,18 @@ class NgramPool:
     def _index(self, sid: int, lo: int) -> None:
         """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
         (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
+        if self._fifo is None and len(self._tokens[sid]) - lo >= _BULK:
+            self._index_bulk(sid, lo)
+            return
         tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
         base, recorded, added, min_n, max_n = sid << _POS_BITS, 0, 0, self.min_n, self.max_n
-        for pos in range(max(lo, 1), len(tokens)):
-            ref = base | pos
-            window = tuple(tokens[max(0, pos - max_n):pos])  # its suffixes are the n-grams (one copy, not one per n)
+        lo = max(lo, 1)
+        first = max(0, lo - max_n)
+        seg = tuple(tokens[first:])  # every n-gram is a slice of it: one copy of the new part, not one per n-gram
+        for pos in range(lo, len(tokens)):
+            ref, i = base | pos, pos - first
             for n in range(min_n, min(max_n, pos) + 1):
-                gram = window[-n:]
+                gram = seg[i - n:i]
                 refs = table.get(gram)
                 if refs is None:
                     table[gram] = [ref]
@@ -257,6 +263,27 @@ class NgramPool:
         if fifo is not None and recorded:
             self._fifo_count[sid] = self._fifo_count.get(sid, 0) + recorded
             self._evict()
+
+    def _index_bulk(self, sid: int, lo: int) -> None:
+        """:meth:`_index` for many new tokens (a prompt) in a pool without a FIFO: n-major, the n-grams built by
+        ``zip`` in C. Each n-gram's references still arrive in text order (all its sightings have the same n), so
+        the table is the one position-major indexing builds."""
+        tokens, table, keep_all = self._tokens[sid], self._table, self.is_keep_all
+        base, added, end = sid << _POS_BITS, 0, len(tokens)
+        for n in range(self.min_n, self.max_n + 1):
+            start = max(lo, n)
+            grams = zip(*(tokens[start - n + j:end - n + j] for j in range(n)))  # the n tokens before each pos
+            for ref, gram in zip(range(base | start, base | end), grams):
+                refs = table.get(gram)
+                if refs is None:
+                    table[gram] = [ref]
+                    added += 1
+                elif keep_all:
+                    refs.append(ref)
+                    added += 1
+                else:
+                    refs[0] = ref
+        self.num_refs += added
 
     def _unindex(self, sid: int, lo: int, hi: int) -> None:
         """Drop the references at positions ``[lo, hi)`` of sequence ``sid`` (its tokens must still be there)."""
@@ -468,4 +495,5 @@ class NgramDrafter:
     def _boundary_holds(self, stored: list[int], history: Sequence[int], indexed: int) -> bool:
         """The last indexed tokens are still there (guards against a list rewound in place)."""
         lo = max(0, indexed - self.spec.prompt_lookup_max)
-        return list(history[lo:indexed]) == stored[lo:indexed]
+        seen = history[lo:indexed]
+        return (seen if isinstance(seen, list) else list(seen)) == stored[lo:indexed]

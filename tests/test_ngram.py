@@ -264,3 +264,22 @@ def test_matches_brute_force_under_appends_and_rewinds(keep_all, use_oldest):
         k = rng.randrange(0, 7)
         expected = _naive(history, 1, 3, min(k, 5), use_oldest) if k else []
         assert draft(drafter, history, k=k) == expected, (step, history)
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+@pytest.mark.parametrize("lookup_min, lookup_max", [(1, 3), (2, 4), (3, 3)])
+def test_bulk_indexing_builds_the_table_token_by_token_indexing_builds(keep_all, lookup_min, lookup_max):
+    """A prompt is indexed n-major in one go (``_index_bulk``); the table, reference order included, must be
+    the one that appending the same tokens a few at a time (position-major ``_index``) builds."""
+    import random
+
+    rng = random.Random(lookup_min * 10 + lookup_max)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    bulk = NgramPool(lookup_min, lookup_max, 5, is_keep_all=keep_all)
+    bulk.extend("s", tokens[:200])  # bulk
+    bulk.extend("s", tokens[200:203])  # then a few at a time, as decoding does
+    bulk.extend("s", tokens[203:])  # bulk again, from the middle of the text
+    stepwise = NgramPool(lookup_min, lookup_max, 5, is_keep_all=keep_all)
+    for i in range(0, len(tokens), 3):
+        stepwise.extend("s", tokens[i:i + 3])
+    assert bulk._table == stepwise._table and bulk.num_refs == stepwise.num_refs

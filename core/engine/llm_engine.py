@@ -247,7 +247,5 @@ def _is_decode_step(plan: StepPlan) -> bool:
 
 
 def _request_spec_stats(request: Request) -> SpecStats:
-    stats = SpecStats()
-    stats.add(request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens,
-              request.accepted_per_position)
-    return stats
+    return SpecStats(request.num_drafts, request.num_draft_tokens, request.num_accepted_tokens,
+                     list(request.accepted_per_position))
