@@ -194,3 +194,28 @@ def test_evidence_per_kind_of_guess():
     assert policy.acceptance(fresh) == pytest.approx(0.5)  # nothing of its own yet
     assert policy.acceptance(fresh, 1) < 0.3 and policy.acceptance(fresh, 4) > 0.7
     assert policy.acceptance(fresh, 2) == pytest.approx(0.5)  # no request drafted after a 2-token match
+
+
+def _best_k_by_definition(policy: DraftLengthPolicy, alpha: float, batch_size: int, max_k: int) -> int:
+    a, b = policy.cost_model()
+    if batch_size <= 1:
+        costs = [a + b * policy.rows(1 + k) for k in range(max_k + 1)]
+    else:
+        costs = [a / batch_size + b * (1 + k) for k in range(max_k + 1)]
+    rates = [expected_tokens(alpha, k) / cost for k, cost in enumerate(costs)]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return best if rates[best] >= rates[0] * (1.0 + policy.margin) else 0
+
+
+def test_best_k_equals_its_definition_as_the_cost_model_changes():
+    """best_k keeps each step's costs and inlines E(k)/cost; it must pick what the formula picks, ties and the
+    margin included, at every alpha, batch size and max_k, before and after the cost model is refitted."""
+    rng = random.Random(0)
+    policy = DraftLengthPolicy(8, rows=lambda n: max(n, 4))
+    for round_ in range(4):
+        if round_:
+            feed_cost(policy, a=rng.uniform(0.0, 5.0), b=rng.uniform(0.01, 1.0), seed=round_)
+        for _ in range(500):
+            alpha = rng.choice([0.0, 1.0, 0.5, rng.random()])
+            batch, max_k = rng.choice([0, 1, 2, 8, 256]), rng.randint(0, 8)
+            assert policy.best_k(alpha, batch, max_k) == _best_k_by_definition(policy, alpha, batch, max_k)
