@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # built for every request every step
 class SpecStats:
     """Speculation counters. A *draft* is one verification of >= 1 draft token for one request.
 
@@ -54,7 +54,7 @@ class SpecStats:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion. With ``SamplingParams.logprobs = k``: ``logprobs[i]`` is {token_id: logprob} for output
     token i (that token first, then the k most likely), raw logprobs (log_softmax of the target's logits at that
@@ -72,7 +72,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
