@@ -390,6 +390,8 @@ class _RequestState:
     pool: NgramPool
     seq_key: str
     source: Sequence[int] | None = None  # the history object indexed last time
+    sid: int = -1  # the pool's id of seq_key, and its copy of the history (read every step without a lookup)
+    stored: list[int] | None = None
 
 
 class NgramDrafter:
@@ -477,23 +479,21 @@ class NgramDrafter:
         """Index what is new in ``history``: O(new tokens) when it is the list seen last time, grown by
         appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index.
         Returns the pool's copy of the history (do not modify it)."""
-        pool, key = state.pool, state.seq_key
-        stored = pool.tokens(key)
-        indexed = len(stored)
-        if history is state.source and len(history) >= indexed and self._boundary_holds(stored, history, indexed):
-            if len(history) > indexed:
-                pool.extend(key, history[indexed:])
-        else:
-            kept = pool.sync(key, history)
-            if kept < indexed:
-                logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
-                             kept, indexed)
-            stored = pool.tokens(key)  # a sequence the pool did not hold until now
+        pool, stored = state.pool, state.stored
+        if history is state.source and pool._tokens.get(state.sid) is stored:
+            indexed = len(stored)
+            lo = max(0, indexed - self.spec.prompt_lookup_max)
+            seen = history[lo:indexed]  # the last indexed tokens are still there (not a list rewound in place)
+            if len(history) >= indexed and (seen if isinstance(seen, list) else list(seen)) == stored[lo:indexed]:
+                if len(history) > indexed:
+                    pool._append(state.sid, history[indexed:])
+                return stored
+        indexed = pool.num_tokens(state.seq_key)
+        kept = pool.sync(state.seq_key, history)
+        if kept < indexed:
+            logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
+                         kept, indexed)
+        state.sid = pool._sid[state.seq_key]
+        state.stored = pool._tokens[state.sid]
         state.source = history
-        return stored
-
-    def _boundary_holds(self, stored: list[int], history: Sequence[int], indexed: int) -> bool:
-        """The last indexed tokens are still there (guards against a list rewound in place)."""
-        lo = max(0, indexed - self.spec.prompt_lookup_max)
-        seen = history[lo:indexed]
-        return (seen if isinstance(seen, list) else list(seen)) == stored[lo:indexed]
+        return state.stored

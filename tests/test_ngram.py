@@ -283,3 +283,31 @@ def test_bulk_indexing_builds_the_table_token_by_token_indexing_builds(keep_all,
     for i in range(0, len(tokens), 3):
         stepwise.extend("s", tokens[i:i + 3])
     assert bulk._table == stepwise._table and bulk.num_refs == stepwise.num_refs
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_incremental_state_equals_indexing_the_whole_history(keep_all):
+    """The drafter indexes only what each step appends; under appends, in-place rewinds (a stop string), new
+    list objects and skipped steps (a preempted request is not asked), its copy and table must equal those of a
+    pool that indexes the whole current history at once."""
+    import random
+
+    rng = random.Random(1)
+    drafter = make(prompt_lookup_min=1, prompt_lookup_max=3, is_keep_all=keep_all)
+    history = [rng.randrange(5) for _ in range(40)]
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.05 and keep_all:
+            del history[rng.randrange(1, len(history) + 1):]  # rewound in place
+        elif roll < 0.1 and keep_all:
+            history = list(history[: rng.randrange(1, len(history) + 1)])  # a new list
+        if rng.random() < 0.2:
+            history.extend(rng.randrange(5) for _ in range(rng.randrange(1, 4)))
+            continue  # not asked this step (preempted, or waiting): the next ask sees several new tokens
+        history.extend(rng.randrange(5) for _ in range(rng.randrange(0, 3)))
+        draft(drafter, history, k=rng.randrange(0, 5))
+        state = drafter._requests["r"]
+        whole = NgramPool(1, 3, 4, is_keep_all=keep_all)
+        whole.extend("w", history)
+        assert state.pool.tokens(state.seq_key) == history, step
+        assert state.pool._table == whole._table and state.pool.num_refs == whole.num_refs, step
