@@ -42,7 +42,7 @@ class BlockTableDelta:
     new_block_ids: list[int]
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled request every step
 class ScheduledChunk:
     """The tokens one request runs through the model this step."""
 

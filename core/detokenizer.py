@@ -2,6 +2,31 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+# The transformers modules whose ``decode``/``_decode`` are the generic ones: a fast tokenizer's ``decode`` is its
+# Rust backend's, plus an optional space clean-up (transformers 5's TokenizersBackend, 4.x's PreTrainedTokenizerFast).
+_GENERIC_DECODE = {"transformers.tokenization_utils_base"}
+_GENERIC_BACKEND_DECODE = {"transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"}
+
+
+def decoder_for(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, calling the Rust backend directly when that is
+    what ``decode`` would do: the detokenizer decodes two short windows per generated token, and transformers'
+    generic wrapper around the backend costs several times the decode itself."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    generic = (getattr(cls.decode, "__module__", None) in _GENERIC_DECODE
+               and getattr(getattr(cls, "_decode", None), "__module__", None) in _GENERIC_BACKEND_DECODE)
+    if backend is None or not generic or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return functools.partial(_slow_decode, tokenizer, skip_special_tokens)
+    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _slow_decode(tokenizer, skip_special_tokens: bool, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text without re-decoding the whole output every step.
@@ -13,13 +38,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self._decode = decoder_for(tokenizer, skip_special_tokens)
         self.tokens: list[int] = list(prompt_token_ids[-6:])  # a little context for leading spaces
         self.prefix = 0
         self.read = len(self.tokens)
         self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # built for every request every step
 class SpecStats:
     """Speculation counters. A *draft* is one verification of >= 1 draft token for one request.
 
@@ -70,7 +70,7 @@ class SpecStats:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion. With ``SamplingParams.logprobs = k``: ``logprobs[i]`` is {token_id: logprob} for output
     token i (that token first, then the k most likely), raw logprobs (log_softmax of the target's logits at that
@@ -85,7 +85,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's state after a step (the whole of it so far). ``finished`` with ``finish_reason == "error"``
     means a step failed for this request and ``error`` says why; the engine's other requests were unharmed."""

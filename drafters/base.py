@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(slots=True)  # one per decoding request every step
 class DraftRequest:
     req_id: str
     token_ids: Sequence[int]  # prompt + kept output; the last one is not yet in the target's KV cache
@@ -30,7 +30,7 @@ class DraftRequest:
     num_assumed: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Proposal:
     token_ids: list[int]  # may be empty: nothing convincing to propose
     # [len(token_ids), vocab] the drafter's distribution q for each proposed token, after the request's

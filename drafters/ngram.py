@@ -56,6 +56,7 @@ SNAPSHOT_VERSION = 2  # 2: the draft count is named num_speculative_tokens
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 _CHUNK = 1024  # tokens compared per slice when looking for a common prefix
+_BULK = 16  # new tokens from which indexing goes n-major (a prompt), where no FIFO keeps the text order
 
 
 @dataclass
@@ -271,12 +272,18 @@ class NgramPool:
     def _index(self, sid: int, lo: int) -> None:
         """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
         (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
+        if self._fifo is None and len(self._tokens[sid]) - lo >= _BULK:
+            self._index_bulk(sid, lo)
+            return
         tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
-        base, recorded, added = sid << _POS_BITS, 0, 0
-        for pos in range(max(lo, 1), len(tokens)):
-            ref = base | pos
-            for n in range(self.min_n, min(self.max_n, pos) + 1):
-                gram = tuple(tokens[pos - n:pos])
+        base, recorded, added, min_n, max_n = sid << _POS_BITS, 0, 0, self.min_n, self.max_n
+        lo = max(lo, 1)
+        first = max(0, lo - max_n)
+        seg = tuple(tokens[first:])  # every n-gram is a slice of it: one copy of the new part, not one per n-gram
+        for pos in range(lo, len(tokens)):
+            ref, i = base | pos, pos - first
+            for n in range(min_n, min(max_n, pos) + 1):
+                gram = seg[i - n:i]
                 refs = table.get(gram)
                 if refs is None:
                     table[gram] = [ref]
@@ -293,6 +300,27 @@ class NgramPool:
         if fifo is not None and recorded:
             self._fifo_count[sid] = self._fifo_count.get(sid, 0) + recorded
             self._evict()
+
+    def _index_bulk(self, sid: int, lo: int) -> None:
+        """:meth:`_index` for many new tokens (a prompt) in a pool without a FIFO: n-major, the n-grams built by
+        ``zip`` in C. Each n-gram's references still arrive in text order (all its sightings have the same n), so
+        the table is the one position-major indexing builds."""
+        tokens, table, keep_all = self._tokens[sid], self._table, self.is_keep_all
+        base, added, end = sid << _POS_BITS, 0, len(tokens)
+        for n in range(self.min_n, self.max_n + 1):
+            start = max(lo, n)
+            grams = zip(*(tokens[start - n + j:end - n + j] for j in range(n)))  # the n tokens before each pos
+            for ref, gram in zip(range(base | start, base | end), grams):
+                refs = table.get(gram)
+                if refs is None:
+                    table[gram] = [ref]
+                    added += 1
+                elif keep_all:
+                    refs.append(ref)
+                    added += 1
+                else:
+                    refs[0] = ref
+        self.num_refs += added
 
     def _unindex(self, sid: int, lo: int, hi: int) -> None:
         """Drop the references at positions ``[lo, hi)`` of sequence ``sid`` (its tokens must still be there)."""
@@ -351,9 +379,10 @@ class NgramPool:
         k = self.num_speculative_tokens if max_tokens is None else min(max_tokens, self.num_speculative_tokens)
         if k <= 0:
             return [], 0
-        tail = list(context_tail[-self.max_n:])
+        tail = tuple(context_tail[-self.max_n:])
+        table = self._table
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            refs = self._table.get(tuple(tail[-n:]))
+            refs = table.get(tail[-n:])
             if refs:
                 ref = refs[0] if self.is_use_oldest else refs[-1]
                 pos = ref & _POS_MASK
@@ -398,6 +427,8 @@ class _RequestState:
     pool: NgramPool
     seq_key: str
     source: Sequence[int] | None = None  # the history object indexed last time
+    sid: int = -1  # the pool's id of seq_key, and its copy of the history (read every step without a lookup)
+    stored: list[int] | None = None
 
 
 class NgramDrafter:
@@ -471,12 +502,11 @@ class NgramDrafter:
             pool.close(key)
 
     def _propose_one(self, req: DraftRequest) -> Proposal:
-        state = self._state(req.req_id)
-        self._catch_up(state, req.token_ids)
+        state = self._requests.get(req.req_id) or self._state(req.req_id)
+        indexed = self._catch_up(state, req.token_ids)
         if req.num_speculative_tokens <= 0:
             return Proposal([])
-        tail = state.pool.tail(state.seq_key, self.options.prompt_lookup_max)
-        tokens, n = state.pool.lookup_match(tail, req.num_speculative_tokens)
+        tokens, n = state.pool.lookup_match(indexed, req.num_speculative_tokens)  # it reads only the last max_n
         return Proposal(tokens, key=n or None)
 
     def _state(self, req_id: str) -> _RequestState:
@@ -489,21 +519,25 @@ class NgramDrafter:
     def _new_pool(self, max_pool_entries: int | None = None) -> NgramPool:
         return NgramPool.from_options(self.options, self.num_speculative_tokens, max_pool_entries)
 
-    def _catch_up(self, state: _RequestState, history: Sequence[int]) -> None:
+    def _catch_up(self, state: _RequestState, history: Sequence[int]) -> list[int]:
         """Index what is new in ``history``: O(new tokens) when it is the list seen last time, grown by
-        appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index."""
-        pool, key = state.pool, state.seq_key
-        indexed = pool.num_tokens(key)
-        if history is state.source and len(history) >= indexed and self._boundary_holds(state, history, indexed):
-            pool.extend(key, history[indexed:])
-        else:
-            kept = pool.sync(key, history)
-            if kept < indexed:
-                logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
-                             kept, indexed)
+        appends; otherwise (a new list, or a shorter one) compare it with the pool's copy and re-index.
+        Returns the pool's copy of the history (do not modify it)."""
+        pool, stored = state.pool, state.stored
+        if history is state.source and pool._tokens.get(state.sid) is stored:
+            indexed = len(stored)
+            lo = max(0, indexed - self.options.prompt_lookup_max)
+            seen = history[lo:indexed]  # the last indexed tokens are still there (not a list rewound in place)
+            if len(history) >= indexed and (seen if isinstance(seen, list) else list(seen)) == stored[lo:indexed]:
+                if len(history) > indexed:
+                    pool._append(state.sid, history[indexed:])
+                return stored
+        indexed = pool.num_tokens(state.seq_key)
+        kept = pool.sync(state.seq_key, history)
+        if kept < indexed:
+            logger.debug("n-gram drafter: request history changed at token %d of %d; re-indexed from there",
+                         kept, indexed)
+        state.sid = pool._sid[state.seq_key]
+        state.stored = pool._tokens[state.sid]
         state.source = history
-
-    def _boundary_holds(self, state: _RequestState, history: Sequence[int], indexed: int) -> bool:
-        """The last indexed tokens are still there (guards against a list rewound in place)."""
-        lo = max(0, indexed - self.options.prompt_lookup_max)
-        return list(history[lo:indexed]) == state.pool.tokens(state.seq_key)[lo:indexed]
+        return state.stored

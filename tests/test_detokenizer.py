@@ -1,0 +1,74 @@
+"""The incremental detokenizer: its direct backend decode equals ``tokenizer.decode``, token by token."""
+
+import functools
+import random
+
+import pytest
+
+from specray.detokenizer import IncrementalDetokenizer, _slow_decode, decoder_for
+from tests.conftest import build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from specray.default_model import default_model_path
+    from specray.models.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(default_model_path())
+    except ValueError as err:
+        pytest.skip(str(err))
+
+
+def _texts(detok_factory, sequences):
+    out = []
+    for prompt, output in sequences:
+        detok = detok_factory(prompt)
+        out.append([detok.push(t) for t in output] + [detok.text])
+    return out
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_fast_decode_matches_tokenizer_decode(request, which, skip):
+    """Random ids (special tokens and partial UTF-8 byte tokens included): every pushed delta and the final text
+    equal what the same detokenizer gives through ``tokenizer.decode``."""
+    tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
+    rng = random.Random(0)
+    extra = tokenizer.encode("héllo wörld 日本語 🙂 ok")  # multi-byte characters split over byte tokens
+    vocab = len(tokenizer)
+    sequences = [([rng.randrange(vocab) for _ in range(rng.randint(1, 9))],
+                  [rng.choice(extra) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(40)])
+                 for _ in range(60)]
+
+    def slow(prompt):
+        detok = IncrementalDetokenizer(tokenizer, prompt, skip)
+        detok._decode = functools.partial(_slow_decode, tokenizer, skip)
+        return detok
+
+    assert _texts(lambda p: IncrementalDetokenizer(tokenizer, p, skip), sequences) == _texts(slow, sequences)
+
+
+def test_backend_decode_is_taken_only_when_exact(tokenizer):
+    """The Rust backend is called directly for a generic fast tokenizer without space clean-up; a tokenizer that
+    cleans up spaces (or overrides decode) keeps transformers' decode."""
+    tokenizer.clean_up_tokenization_spaces = False
+    assert decoder_for(tokenizer, True).func == tokenizer._tokenizer.decode
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert decoder_for(tokenizer, True).func is _slow_decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
+
+    class Custom(type(tokenizer)):
+        def decode(self, ids, **kwargs):
+            return "custom"
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(tokenizer.__dict__)
+    assert decoder_for(custom, True).func is _slow_decode
