@@ -921,64 +921,61 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         assert time.monotonic() - start < 5
 
 
-def test_engine_replica_sends_the_newest_output_to_a_slow_reader():
-    """Outputs are cumulative: a reader that falls behind gets the newest state per read (one hop, not one per
-    step), and an engine error still comes after the last output."""
-    from specray.cluster.serve import newest_outputs
+def test_engine_replica_sends_each_request_s_newest_output_per_item():
+    """An ingress's output stream carries, per item, every request's newest output since the last item
+    (outputs are cumulative: a reader that falls behind gets the newest state, one hop per read, not one per
+    request per step), and an engine error still reaches its request."""
+    from specray.cluster.serve import _Outbox
     from specray.errors import EngineError
 
-    def output(n: int) -> RequestOutput:
-        return RequestOutput("r", "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+    def output(rid: str, n: int) -> RequestOutput:
+        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
 
-    async def engine(gate: asyncio.Event, fail: bool):
-        yield output(1)
+    async def engine(rid: str, gate: asyncio.Event, fail: bool):
+        yield output(rid, 1)
         await gate.wait()
         for n in (2, 3):
-            yield output(n)
+            yield output(rid, n)
         if fail:
             raise EngineError("worker died")
 
-    async def read(fail: bool) -> tuple[list[int], BaseException | None]:
-        gate = asyncio.Event()
-        stream = newest_outputs(engine(gate, fail))
-        seen = [len((await anext(stream)).outputs[0].token_ids)]
+    async def read() -> list[dict]:
+        box, gate = _Outbox(), asyncio.Event()
+        for rid, fail in (("a", False), ("b", True)):
+            box.tasks[rid] = asyncio.create_task(box.pump(rid, engine(rid, gate, fail)))
+        batches = [await box.take(1.0)]
         gate.set()
         await asyncio.sleep(0.05)  # the engine produced the rest meanwhile
-        try:
-            async for out in stream:
-                seen.append(len(out.outputs[0].token_ids))
-        except EngineError as err:
-            return seen, err
-        return seen, None
+        batches.append(await box.take(1.0))
+        assert await box.take(0.05) is None and not box.tasks  # nothing in flight: the stream may end
+        return batches
 
-    assert asyncio.run(read(fail=False)) == ([1, 3], None)
-    seen, err = asyncio.run(read(fail=True))
-    assert seen == [1, 3] and "worker died" in str(err)
+    first, rest = asyncio.run(read())
+    assert {rid: len(out.outputs[0].token_ids) for rid, out in first.items()} == {"a": 1, "b": 1}
+    assert len(rest["a"].outputs[0].token_ids) == 3
+    assert isinstance(rest["b"], EngineError) and "worker died" in str(rest["b"])
 
 
 class _FakeEngineHandle:
-    """A DeploymentHandle stand-in for the engine: streams that no replica takes (they never yield), and a
+    """A DeploymentHandle stand-in for the engine: requests that no replica takes (the add never returns), and a
     ``ready`` probe that succeeds once ``up`` is set."""
 
     def __init__(self):
         self.up = False
         self.cancelled = 0
-        self.generate = SimpleNamespace(remote=lambda *args: self._Stream(self))
+        self.add = SimpleNamespace(remote=lambda *args: self._Add(self))
         self.ready = SimpleNamespace(remote=lambda: self._Probe(self))
         self.engine_state = SimpleNamespace(remote=lambda: self._Probe(self, hang=True))
 
-    def options(self, stream: bool = False):
+    def options(self, **_options):
         return self
 
-    class _Stream:
+    class _Add:
         def __init__(self, handle):
             self.handle = handle
 
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            await asyncio.Event().wait()  # no replica takes the request
+        def __await__(self):
+            yield from asyncio.Event().wait().__await__()  # no replica takes the request
 
         def cancel(self):
             self.handle.cancelled += 1
