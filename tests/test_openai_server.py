@@ -1022,3 +1022,21 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
         assert client.is_healthy()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))  # a client that waits for a replica fails, not hangs
+
+
+def test_pinned_calls_reach_the_named_engine_replica_only():
+    """An ingress's output stream and its aborts name the engine replica that holds its requests: the router
+    sends them there or nowhere (a call that waits is bounded by the caller), never to another replica."""
+    from specray.cluster.serve import PIN_PREFIX, PinnedRouter
+
+    def replica(uid: str):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
+
+    def pending(session: str):
+        return SimpleNamespace(metadata=SimpleNamespace(session_id=session),
+                               routing_context=SimpleNamespace(should_backoff=False))
+
+    router = object.__new__(PinnedRouter)  # the pinned path uses no router state
+    a, b = replica("a"), replica("b")
+    assert asyncio.run(router.choose_replicas([a, b], pending(PIN_PREFIX + "b"))) == [[b]]
+    assert asyncio.run(router.choose_replicas([a], pending(PIN_PREFIX + "b"))) == []
