@@ -6,8 +6,12 @@ through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray ser
 The application is two deployments (the shape of Ray Serve LLM's router over its LLM servers): the ingress
 ``SpecrayServer`` serves :func:`build_openai_app` through ``@serve.ingress`` (parsing, chat template,
 tokenization, admission, SSE) and calls the engine deployment ``SpecrayEngine`` (one :class:`AsyncLLMEngine`
-per replica) through a streaming DeploymentHandle. When an engine replica dies, Serve's proxy is not the one
-answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
+per replica) through DeploymentHandles. A request is added with a unary call (Serve picks the engine replica);
+its outputs come back on one stream per (ingress replica, engine replica) whose items carry every request's
+newest output since the last item (vLLM's engine core sends its front end one batch per step the same way), so
+the Ray hop is paid per step rather than per request per step. That stream and the aborts of clients that left
+are pinned to their engine replica by :class:`PinnedRouter`. When an engine replica dies, Serve's proxy is not
+the one answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
 Besides HTTP, ``handle.engine_state.remote()`` on the app's handle returns an engine replica's KV blocks
 free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 """
@@ -312,10 +316,11 @@ class SpecrayEngine:
         requests here since the last item, ``{req_id: newest output or error}`` (outputs are cumulative), so
         the hop is paid per engine step, not per request per step. It ends after ``OUTBOX_IDLE_S`` with nothing
         in flight (the ingress opens a new one with its next request); if the ingress goes away, its requests
-        are aborted."""
+        are aborted. The first item is empty: it tells the ingress that the replica is still there."""
         box = self._outbox(ingress_id)
         idle = False
         try:
+            yield {}  # this replica is alive and holds the stream
             while True:
                 batch = await box.take(OUTBOX_IDLE_S)
                 if batch is None:
@@ -473,6 +478,7 @@ class RemoteEngineClient:
                 replica_id = await asyncio.wait_for(asyncio.shield(added), self.ack_timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
+            added.cancel()
             self._mark_down()
             raise EngineUnavailableError(f"no engine replica took the request within {self.ack_timeout_s:g} s "
                                          "(none is running or all are busy); retry shortly") from None
@@ -580,6 +586,7 @@ class _EngineLink:
             while True:  # the engine ends an idle stream; a request added meanwhile needs a new one
                 stream = self._pinned.options(stream=True).outputs.remote(self.client._id)
                 with self.client._translated():
+                    await self._opened(stream)
                     async for batch in stream:
                         self.client._deliver(batch)
                 if not self.requests:
@@ -594,20 +601,33 @@ class _EngineLink:
             if self.client._links.get(self.replica_id) is self:
                 del self.client._links[self.replica_id]
 
+    async def _opened(self, stream) -> None:
+        """Wait for the stream's first (empty) item: a pinned call to a replica that Serve has already removed
+        would otherwise wait for it forever."""
+        try:
+            await asyncio.wait_for(stream.__anext__(), self.client.ack_timeout_s)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            self.client._mark_down()
+            raise EngineUnavailableError(f"the engine replica holding these requests did not answer within "
+                                         f"{self.client.ack_timeout_s:g} s; retry shortly") from None
+
     def abort(self, req_id: str) -> None:
         if not self.closed:
             response = self._pinned.abort.remote(self.client._id, [req_id])
-            asyncio.ensure_future(_quietly(response))
+            asyncio.ensure_future(_quietly(response, self.client.ack_timeout_s))
 
 
 async def _result(response) -> Any:
     return await response
 
 
-async def _quietly(response) -> None:
+async def _quietly(response, timeout_s: float) -> None:
     """Await a fire-and-forget call; a failure is the engine link's to report, not this task's."""
     try:
-        await response
+        await asyncio.wait_for(_result(response), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
     except Exception as err:
         logger.debug("engine abort: %r", err)
 

@@ -1040,3 +1040,95 @@ def test_pinned_calls_reach_the_named_engine_replica_only():
     a, b = replica("a"), replica("b")
     assert asyncio.run(router.choose_replicas([a, b], pending(PIN_PREFIX + "b"))) == [[b]]
     assert asyncio.run(router.choose_replicas([a], pending(PIN_PREFIX + "b"))) == []
+
+
+class _FakeEngineReplica:
+    """A DeploymentHandle stand-in for one live engine replica ``r1``: ``add`` answers its id, ``outputs``
+    streams what the test puts into ``batches`` (after the empty first item), ``abort`` records its ids."""
+
+    def __init__(self):
+        self.batches: asyncio.Queue = asyncio.Queue()
+        self.streams = 0
+        self.aborted: list[str] = []
+        self.pins: set[str] = set()
+        self.add = SimpleNamespace(remote=lambda *args: self._Call("r1"))
+        self.abort = SimpleNamespace(remote=lambda _ingress, req_ids: self._Call(self.aborted.extend(req_ids)))
+        self.outputs = SimpleNamespace(remote=lambda _ingress: self._Stream(self))
+        self.ready = SimpleNamespace(remote=lambda: self._Call(False))
+
+    def options(self, stream: bool = False, session_id: str | None = None):
+        if session_id is not None:
+            self.pins.add(session_id)
+        return self
+
+    class _Call:
+        def __init__(self, value):
+            self.value = value
+
+        def __await__(self):
+            yield from asyncio.sleep(0).__await__()
+            return self.value
+
+        def cancel(self):
+            pass
+
+    class _Stream:
+        def __init__(self, replica):
+            self.replica = replica
+            self.first = True
+            replica.streams += 1
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.first:
+                self.first = False
+                return {}
+            item = await self.replica.batches.get()
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+        def cancel(self):
+            pass
+
+
+def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_together():
+    """The ingress reads one stream per engine replica whose items carry every request's newest output; a
+    client that leaves is aborted on that replica (pinned by its id); when the replica dies, every request on
+    the stream gets the dead-replica 503 and the next ones fail fast."""
+    from ray.exceptions import RayActorError
+
+    from specray.cluster.openai_app import EngineUnavailableError
+    from specray.cluster.serve import PIN_PREFIX, RemoteEngineClient
+
+    def output(rid: str, n: int) -> RequestOutput:
+        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+
+    async def scenario() -> None:
+        replica = _FakeEngineReplica()
+        client = RemoteEngineClient(replica, FakeTokenizer(), 64, ack_timeout_s=1.0, probe_interval_s=0.05)
+        streams = {rid: client.generate([1], SamplingParams(max_tokens=8), req_id=rid) for rid in "abc"}
+        firsts = {rid: asyncio.ensure_future(anext(s)) for rid, s in streams.items()}
+        await asyncio.sleep(0.05)
+        replica.batches.put_nowait({rid: output(rid, 1) for rid in "abc"})
+        assert [(await f).request_id for f in firsts.values()] == list("abc")
+        assert replica.streams == 1 and replica.pins == {PIN_PREFIX + "r1"}
+        await streams["a"].aclose()  # the client left
+        await asyncio.sleep(0.05)
+        assert replica.aborted == ["a"]
+        replica.batches.put_nowait({"b": output("b", 2), "c": output("c", 2)})
+        replica.batches.put_nowait({"b": output("b", 3)})
+        await asyncio.sleep(0.05)
+        assert len((await anext(streams["b"])).outputs[0].token_ids) == 3  # a slow reader gets the newest
+        replica.batches.put_nowait(RayActorError())  # the replica died
+        for rid in "bc":
+            with pytest.raises(EngineUnavailableError, match="engine replica died"):
+                while True:
+                    await anext(streams[rid])
+        assert not client.is_healthy()
+        with pytest.raises(EngineUnavailableError, match="retry shortly"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
