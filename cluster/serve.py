@@ -19,12 +19,14 @@ free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -420,6 +422,9 @@ def _portable_errors():
         raise ValueError(str(err)) from None
 
 
+# Engine replica id -> this process's requests in flight on it (the ingress counts, its router reads).
+_IN_FLIGHT: collections.Counter[str] = collections.Counter()
+
 # What a handle call raises when the engine replica is gone (killed, crashed, being replaced) or none is placed.
 _UNAVAILABLE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
 
@@ -467,6 +472,7 @@ class RemoteEngineClient:
             self._queues.pop(req_id, None)
             if link is not None:
                 link.requests.discard(req_id)
+                _IN_FLIGHT[link.replica_id] -= 1
                 if not ended:  # the client left: free the request's seat and KV on the engine replica
                     link.abort(req_id)
 
@@ -487,6 +493,7 @@ class RemoteEngineClient:
             raise
         link = self._link(replica_id)
         link.requests.add(req_id)
+        _IN_FLIGHT[replica_id] += 1
         return link
 
     def _abort_added(self, added: asyncio.Future, req_id: str) -> None:
@@ -669,20 +676,29 @@ class SpecrayServer:
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):
-    """Serve's default routing, except that a call whose ``session_id`` is ``PIN_PREFIX + replica id`` goes to
-    that replica only (an ingress's output stream and its aborts must reach the replica that holds its
-    requests); while that replica is not among the running ones, the call waits, and the caller's timeout or
-    the stream's error decides."""
+    """The engine deployment's router. A call whose ``session_id`` is ``PIN_PREFIX + replica id`` goes to that
+    replica only (an ingress's output stream and its aborts must reach the replica that holds its requests);
+    while that replica is not among the running ones, the call waits, and the caller's timeout or the stream's
+    error decides. Any other call (a request's add) goes to the replica with the fewest of this process's
+    requests in flight: an add returns at once, so Serve's own count of ongoing calls no longer says how
+    loaded a replica is."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
         session = pending_request.metadata.session_id if pending_request is not None else ""
         if not session.startswith(PIN_PREFIX):
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        pending_request.routing_context.should_backoff = True
+            return [[replica] for replica in least_loaded(candidate_replicas)]
         target = session[len(PIN_PREFIX):]
         pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
         return [pinned] if pinned else []
+
+
+def least_loaded(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """``replicas`` by this process's requests in flight on each, ties in random order."""
+    shuffled = random.sample(replicas, len(replicas))
+    return sorted(shuffled, key=lambda replica: _IN_FLIGHT[replica.replica_id.unique_id])
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

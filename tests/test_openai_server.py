@@ -1026,7 +1026,9 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
 
 def test_pinned_calls_reach_the_named_engine_replica_only():
     """An ingress's output stream and its aborts name the engine replica that holds its requests: the router
-    sends them there or nowhere (a call that waits is bounded by the caller), never to another replica."""
+    sends them there or nowhere (a call that waits is bounded by the caller), never to another replica. A new
+    request goes to the replica with the fewest of this process's requests in flight."""
+    from specray.cluster import serve as serve_module
     from specray.cluster.serve import PIN_PREFIX, PinnedRouter
 
     def replica(uid: str):
@@ -1040,6 +1042,11 @@ def test_pinned_calls_reach_the_named_engine_replica_only():
     a, b = replica("a"), replica("b")
     assert asyncio.run(router.choose_replicas([a, b], pending(PIN_PREFIX + "b"))) == [[b]]
     assert asyncio.run(router.choose_replicas([a], pending(PIN_PREFIX + "b"))) == []
+    serve_module._IN_FLIGHT.update({"a": 3, "b": 1})
+    try:
+        assert asyncio.run(router.choose_replicas([a, b], pending(""))) == [[b], [a]]
+    finally:
+        serve_module._IN_FLIGHT.subtract({"a": 3, "b": 1})
 
 
 class _FakeEngineReplica:
@@ -1101,7 +1108,7 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
     from ray.exceptions import RayActorError
 
     from specray.cluster.openai_app import EngineUnavailableError
-    from specray.cluster.serve import PIN_PREFIX, RemoteEngineClient
+    from specray.cluster.serve import _IN_FLIGHT, PIN_PREFIX, RemoteEngineClient
 
     def output(rid: str, n: int) -> RequestOutput:
         return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
@@ -1114,7 +1121,7 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
         await asyncio.sleep(0.05)
         replica.batches.put_nowait({rid: output(rid, 1) for rid in "abc"})
         assert [(await f).request_id for f in firsts.values()] == list("abc")
-        assert replica.streams == 1 and replica.pins == {PIN_PREFIX + "r1"}
+        assert replica.streams == 1 and replica.pins == {PIN_PREFIX + "r1"} and _IN_FLIGHT["r1"] == 3
         await streams["a"].aclose()  # the client left
         await asyncio.sleep(0.05)
         assert replica.aborted == ["a"]
@@ -1130,5 +1137,6 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
         assert not client.is_healthy()
         with pytest.raises(EngineUnavailableError, match="retry shortly"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert _IN_FLIGHT["r1"] == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
