@@ -6,8 +6,12 @@ through); ``run_server(...)`` starts Ray and Serve and deploys it (``specray ser
 The application is two deployments (the shape of Ray Serve LLM's router over its LLM servers): the ingress
 ``SpecrayServer`` serves :func:`build_openai_app` through ``@serve.ingress`` (parsing, chat template,
 tokenization, admission, SSE) and calls the engine deployment ``SpecrayEngine`` (one :class:`AsyncLLMEngine`
-per replica) through a streaming DeploymentHandle. When an engine replica dies, Serve's proxy is not the one
-answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
+per replica) through DeploymentHandles. A request is added with a unary call (Serve picks the engine replica);
+its outputs come back on one stream per (ingress replica, engine replica) whose items carry every request's
+newest output since the last item (vLLM's engine core sends its front end one batch per step the same way), so
+the Ray hop is paid per step rather than per request per step. That stream and the aborts of clients that left
+are pinned to their engine replica by :class:`PinnedRouter`. When an engine replica dies, Serve's proxy is not
+the one answering: the ingress turns the dead replica into OpenAI errors and a fast 503 until a new one is ready.
 Besides HTTP, ``handle.engine_state.remote()`` on the app's handle returns an engine replica's KV blocks
 free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 """
@@ -15,17 +19,20 @@ free/total and queue lengths, the same numbers as ``GET /v1/debug/kv``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +44,9 @@ import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
 from ray.exceptions import RayActorError, RayTaskError  # noqa: E402
 from ray.serve import Application  # noqa: E402
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # noqa: E402
+from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError  # noqa: E402
 
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
@@ -56,6 +66,8 @@ CONSTRUCTOR_RETRIES = 1
 INGRESS_NUM_CPUS = 0.0  # the ingress tokenizes and streams; the CPUs to reserve are the engine replica's
 ACK_TIMEOUT_S = 10.0  # a request that no engine replica takes this long is a 503, not a wait for a restart
 PROBE_INTERVAL_S = 0.5  # while the engine is down, how often the ingress asks whether a replica is ready
+OUTBOX_IDLE_S = 1.0  # an ingress's output stream with nothing in flight this long ends (so a replica can stop)
+PIN_PREFIX = "specray-replica:"  # a handle's session_id that names the engine replica to route to
 ENGINE_HEALTH_CHECK_PERIOD_S = 2.0  # a dead engine thread is noticed (and the replica replaced) this soon
 
 
@@ -279,18 +291,55 @@ class SpecrayEngine:
         engine = build_engine(args.engine_args())
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._outboxes: dict[str, _Outbox] = {}
         logger.info("engine replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       req_id: str | None = None) -> AsyncIterator[RequestOutput | None]:
-        """Streamed through ``handle.options(stream=True)``: first ``None`` (a live replica took the request),
-        then the request's outputs. Each output is the request's whole state so far, so when the ingress reads
-        slower than the engine steps, only the newest output is sent: one hop per read, not per token."""
-        yield None
+    async def add(self, ingress_id: str, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  prompt: str | None = None) -> str:
+        """Start a request whose outputs travel on ingress ``ingress_id``'s stream (:meth:`outputs`) and return
+        this replica's id, which the ingress pins that stream and its aborts to. Bad input is the request's
+        first (and last) item on that stream."""
+        box = self._outbox(ingress_id)
         with _portable_errors():
             stream = self.client.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
-            async for out in newest_outputs(stream):
-                yield out
+        box.tasks[req_id] = asyncio.create_task(box.pump(req_id, stream))
+        return self.replica_id
+
+    async def abort(self, ingress_id: str, req_ids: list[str]) -> None:
+        """The ingress's clients left: closing their engine streams aborts the requests and frees their KV."""
+        box = self._outboxes.get(ingress_id)
+        for req_id in req_ids if box is not None else []:
+            task = box.tasks.pop(req_id, None)
+            if task is not None:
+                task.cancel()
+
+    async def outputs(self, ingress_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Streamed through a handle pinned to this replica: per item, everything produced for the ingress's
+        requests here since the last item, ``{req_id: newest output or error}`` (outputs are cumulative), so
+        the hop is paid per engine step, not per request per step. It ends after ``OUTBOX_IDLE_S`` with nothing
+        in flight (the ingress opens a new one with its next request); if the ingress goes away, its requests
+        are aborted. The first item is empty: it tells the ingress that the replica is still there."""
+        box = self._outbox(ingress_id)
+        idle = False
+        try:
+            yield {}  # this replica is alive and holds the stream
+            while True:
+                batch = await box.take(OUTBOX_IDLE_S)
+                if batch is None:
+                    idle = True
+                    return
+                yield batch
+        finally:
+            if not idle:
+                self._outboxes.pop(ingress_id, None)
+                box.cancel_all()
+
+    def _outbox(self, ingress_id: str) -> "_Outbox":
+        box = self._outboxes.get(ingress_id)
+        if box is None:
+            box = self._outboxes[ingress_id] = _Outbox()
+        return box
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts, read in the engine thread."""
@@ -317,6 +366,49 @@ class SpecrayEngine:
             aengine.shutdown()
 
 
+class _Outbox:
+    """One ingress replica's requests on this engine replica: each request's newest output (or its error)
+    since the ingress's stream last took them, and the tasks that read the requests' engine streams."""
+
+    def __init__(self):
+        self.pending: dict[str, Any] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._ready = asyncio.Event()
+
+    async def pump(self, req_id: str, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            with _portable_errors():
+                async with contextlib.aclosing(stream):  # closing it early aborts the engine request
+                    async for out in stream:
+                        self._put(req_id, out)
+        except Exception as exc:  # the request's error, handed to the ingress on the stream
+            self._put(req_id, exc)
+        finally:
+            self.tasks.pop(req_id, None)
+
+    def _put(self, req_id: str, item: Any) -> None:
+        self.pending[req_id] = item
+        self._ready.set()
+
+    async def take(self, idle_s: float) -> dict[str, Any] | None:
+        """The pending items, once there are any; None after ``idle_s`` with no request in flight."""
+        while not self.pending:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), idle_s)
+            except asyncio.TimeoutError:
+                if not self.tasks and not self.pending:
+                    return None
+        await asyncio.sleep(0)  # the other requests' outputs of the same engine step join this item
+        batch, self.pending = self.pending, {}
+        return batch
+
+    def cancel_all(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        self.tasks.clear()
+
+
 @contextlib.contextmanager
 def _portable_errors():
     """Errors that cross to the ingress as plain exception types (an EngineError subclass with its own
@@ -331,38 +423,8 @@ def _portable_errors():
         raise ValueError(str(err)) from None
 
 
-async def newest_outputs(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """``stream``'s outputs, skipping those that a newer one already holds (outputs are cumulative): a reader
-    that is slower than the engine gets the newest state at each read. An error comes after the last output."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    queue.put_nowait(out)
-            queue.put_nowait(_END)
-        except Exception as exc:  # handed to the reader, who raises it
-            queue.put_nowait(exc)
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
-            outputs = [item for item in items if isinstance(item, RequestOutput)]
-            if outputs:
-                yield outputs[-1]
-            if isinstance(items[-1], BaseException):
-                raise items[-1]
-            if items[-1] is _END:
-                return
-    finally:
-        task.cancel()  # a reader that left early: closing the stream aborts the engine request
-
-
-_END = object()
+# Engine replica id -> this process's requests in flight on it (the ingress counts, its router reads).
+_IN_FLIGHT: collections.Counter[str] = collections.Counter()
 
 # What a handle call raises when the engine replica is gone (killed, crashed, being replaced) or none is placed.
 _UNAVAILABLE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
@@ -382,32 +444,74 @@ class RemoteEngineClient:
     def __init__(self, handle, tokenizer, max_model_len: int, ack_timeout_s: float = ACK_TIMEOUT_S,
                  probe_interval_s: float = PROBE_INTERVAL_S):
         self._handle = handle
-        self._streams = handle.options(stream=True)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.ack_timeout_s = ack_timeout_s
         self.probe_interval_s = probe_interval_s
         self._down_since: float | None = None
         self._probe: asyncio.Task | None = None
+        self._id = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
+        self._queues: dict[str, asyncio.Queue] = {}  # req_id -> its outputs, then possibly an error
+        self._links: dict[str, _EngineLink] = {}  # engine replica id -> the stream of its outputs for us
 
     async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        """Add the request on an engine replica (Serve picks it), then read its outputs from that replica's
+        per-step batches; leaving early aborts it there."""
         self._check_up()
-        responses = self._streams.generate.remote(prompt_token_ids, params, prompt, req_id)
+        req_id = req_id or f"{self._id[:8]}-{uuid.uuid4().hex}"
+        queue = self._queues[req_id] = asyncio.Queue()
+        link, ended = None, False
+        try:
+            link = await self._add(req_id, prompt_token_ids, params, prompt)
+            while not ended:
+                item = await _newest(queue)
+                ended = isinstance(item, BaseException) or item.finished
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._queues.pop(req_id, None)
+            if link is not None:
+                link.requests.discard(req_id)
+                _IN_FLIGHT[link.replica_id] -= 1
+                if not ended:  # the client left: free the request's seat and KV on the engine replica
+                    link.abort(req_id)
+
+    async def _add(self, req_id: str, prompt_token_ids, params, prompt) -> "_EngineLink":
+        response = self._handle.add.remote(self._id, req_id, prompt_token_ids, params, prompt)
+        added = asyncio.ensure_future(_result(response))
         try:
             with self._translated():
-                await self._acknowledged(responses)
-                async for out in responses:
-                    yield out
-        finally:
-            responses.cancel()  # no-op once the stream ended; else it aborts the engine request
-
-    async def _acknowledged(self, responses) -> None:
-        try:
-            await asyncio.wait_for(responses.__anext__(), self.ack_timeout_s)
+                replica_id = await asyncio.wait_for(asyncio.shield(added), self.ack_timeout_s)
         except asyncio.TimeoutError:
+            response.cancel()
+            added.cancel()
             self._mark_down()
             raise EngineUnavailableError(f"no engine replica took the request within {self.ack_timeout_s:g} s "
                                          "(none is running or all are busy); retry shortly") from None
+        except asyncio.CancelledError:  # the client left while the add was under way: abort it where it lands
+            added.add_done_callback(lambda done: self._abort_added(done, req_id))
+            raise
+        link = self._link(replica_id)
+        link.requests.add(req_id)
+        _IN_FLIGHT[replica_id] += 1
+        return link
+
+    def _abort_added(self, added: asyncio.Future, req_id: str) -> None:
+        if not added.cancelled() and added.exception() is None:
+            self._link(added.result()).abort(req_id)
+
+    def _link(self, replica_id: str) -> "_EngineLink":
+        link = self._links.get(replica_id)
+        if link is None or link.closed:
+            link = self._links[replica_id] = _EngineLink(self, replica_id)
+        return link
+
+    def _deliver(self, batch: dict[str, Any]) -> None:
+        for req_id, item in batch.items():
+            queue = self._queues.get(req_id)
+            if queue is not None:
+                queue.put_nowait(item)
 
     async def engine_state(self) -> dict:
         return await self._call("engine_state")
@@ -472,6 +576,79 @@ class RemoteEngineClient:
         self._down_since = None
 
 
+class _EngineLink:
+    """The ingress's side of one engine replica's output stream: a task reads its per-step batches and hands
+    each request its items; aborts go to that replica too (the handle is pinned by its replica id). When the
+    replica dies, every request on it gets the app's error for a dead replica."""
+
+    def __init__(self, client: RemoteEngineClient, replica_id: str):
+        self.client = client
+        self.replica_id = replica_id
+        self.requests: set[str] = set()
+        self.closed = False
+        self._pinned = client._handle.options(session_id=PIN_PREFIX + replica_id)
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:  # the engine ends an idle stream; a request added meanwhile needs a new one
+                stream = self._pinned.options(stream=True).outputs.remote(self.client._id)
+                with self.client._translated():
+                    await self._opened(stream)
+                    async for batch in stream:
+                        self.client._deliver(batch)
+                if not self.requests:
+                    return
+        except Exception as err:  # the replica is gone (or our bug): its requests fail, not hang
+            if not isinstance(err, EngineError):
+                logger.exception("the engine output stream of replica %s failed", self.replica_id)
+                err = EngineError(f"the engine output stream failed: {err!r}")
+            self.client._deliver({req_id: err for req_id in self.requests})
+        finally:
+            self.closed = True
+            if self.client._links.get(self.replica_id) is self:
+                del self.client._links[self.replica_id]
+
+    async def _opened(self, stream) -> None:
+        """Wait for the stream's first (empty) item: a pinned call to a replica that Serve has already removed
+        would otherwise wait for it forever."""
+        try:
+            await asyncio.wait_for(stream.__anext__(), self.client.ack_timeout_s)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            self.client._mark_down()
+            raise EngineUnavailableError(f"the engine replica holding these requests did not answer within "
+                                         f"{self.client.ack_timeout_s:g} s; retry shortly") from None
+
+    def abort(self, req_id: str) -> None:
+        if not self.closed:
+            response = self._pinned.abort.remote(self.client._id, [req_id])
+            asyncio.ensure_future(_quietly(response, self.client.ack_timeout_s))
+
+
+async def _result(response) -> Any:
+    return await response
+
+
+async def _quietly(response, timeout_s: float) -> None:
+    """Await a fire-and-forget call; a failure is the engine link's to report, not this task's."""
+    try:
+        await asyncio.wait_for(_result(response), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+    except Exception as err:
+        logger.debug("engine abort: %r", err)
+
+
+async def _newest(queue: asyncio.Queue) -> Any:
+    """The queue's newest item (outputs are cumulative, so a slow reader skips the older ones); an error is
+    never skipped."""
+    item = await queue.get()
+    while not queue.empty() and not isinstance(item, BaseException):
+        item = queue.get_nowait()
+    return item
+
+
 @serve.ingress()
 class SpecrayServer:
     """The ingress replica: the OpenAI app (parsing, templating, tokenization, admission, SSE) over the engine
@@ -499,6 +676,32 @@ class SpecrayServer:
         return await self.client.engine_state()
 
 
+class PinnedRouter(PowerOfTwoChoicesRequestRouter):
+    """The engine deployment's router. A call whose ``session_id`` is ``PIN_PREFIX + replica id`` goes to that
+    replica only (an ingress's output stream and its aborts must reach the replica that holds its requests);
+    while that replica is not among the running ones, the call waits, and the caller's timeout or the stream's
+    error decides. Any other call (a request's add) goes to the replica with the fewest of this process's
+    requests in flight: an add returns at once, so Serve's own count of ongoing calls no longer says how
+    loaded a replica is."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        session = pending_request.metadata.session_id if pending_request is not None else ""
+        if not session.startswith(PIN_PREFIX):
+            return [[replica] for replica in least_loaded(candidate_replicas)]
+        target = session[len(PIN_PREFIX):]
+        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+        return [pinned] if pinned else []
+
+
+def least_loaded(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """``replicas`` by this process's requests in flight on each, ties in random order."""
+    shuffled = random.sample(replicas, len(replicas))
+    return sorted(shuffled, key=lambda replica: _IN_FLIGHT[replica.replica_id.unique_id])
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve application for ``args`` (the keys of :class:`ServeArgs`): the ingress over the engine."""
     parsed = ServeArgs.from_dict(args)
@@ -508,7 +711,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
               "max_constructor_retry_count": CONSTRUCTOR_RETRIES}
     engine = serve.deployment(SpecrayEngine).options(
         ray_actor_options=replica_resources(parsed), health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
-        **common).bind(parsed)
+        request_router_config=RequestRouterConfig(request_router_class=PinnedRouter), **common).bind(parsed)
     ingress = serve.deployment(SpecrayServer).options(ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, **common)
     return ingress.bind(parsed, engine)
 

@@ -921,64 +921,61 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         assert time.monotonic() - start < 5
 
 
-def test_engine_replica_sends_the_newest_output_to_a_slow_reader():
-    """Outputs are cumulative: a reader that falls behind gets the newest state per read (one hop, not one per
-    step), and an engine error still comes after the last output."""
-    from specray.cluster.serve import newest_outputs
+def test_engine_replica_sends_each_request_s_newest_output_per_item():
+    """An ingress's output stream carries, per item, every request's newest output since the last item
+    (outputs are cumulative: a reader that falls behind gets the newest state, one hop per read, not one per
+    request per step), and an engine error still reaches its request."""
+    from specray.cluster.serve import _Outbox
     from specray.errors import EngineError
 
-    def output(n: int) -> RequestOutput:
-        return RequestOutput("r", "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+    def output(rid: str, n: int) -> RequestOutput:
+        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
 
-    async def engine(gate: asyncio.Event, fail: bool):
-        yield output(1)
+    async def engine(rid: str, gate: asyncio.Event, fail: bool):
+        yield output(rid, 1)
         await gate.wait()
         for n in (2, 3):
-            yield output(n)
+            yield output(rid, n)
         if fail:
             raise EngineError("worker died")
 
-    async def read(fail: bool) -> tuple[list[int], BaseException | None]:
-        gate = asyncio.Event()
-        stream = newest_outputs(engine(gate, fail))
-        seen = [len((await anext(stream)).outputs[0].token_ids)]
+    async def read() -> list[dict]:
+        box, gate = _Outbox(), asyncio.Event()
+        for rid, fail in (("a", False), ("b", True)):
+            box.tasks[rid] = asyncio.create_task(box.pump(rid, engine(rid, gate, fail)))
+        batches = [await box.take(1.0)]
         gate.set()
         await asyncio.sleep(0.05)  # the engine produced the rest meanwhile
-        try:
-            async for out in stream:
-                seen.append(len(out.outputs[0].token_ids))
-        except EngineError as err:
-            return seen, err
-        return seen, None
+        batches.append(await box.take(1.0))
+        assert await box.take(0.05) is None and not box.tasks  # nothing in flight: the stream may end
+        return batches
 
-    assert asyncio.run(read(fail=False)) == ([1, 3], None)
-    seen, err = asyncio.run(read(fail=True))
-    assert seen == [1, 3] and "worker died" in str(err)
+    first, rest = asyncio.run(read())
+    assert {rid: len(out.outputs[0].token_ids) for rid, out in first.items()} == {"a": 1, "b": 1}
+    assert len(rest["a"].outputs[0].token_ids) == 3
+    assert isinstance(rest["b"], EngineError) and "worker died" in str(rest["b"])
 
 
 class _FakeEngineHandle:
-    """A DeploymentHandle stand-in for the engine: streams that no replica takes (they never yield), and a
+    """A DeploymentHandle stand-in for the engine: requests that no replica takes (the add never returns), and a
     ``ready`` probe that succeeds once ``up`` is set."""
 
     def __init__(self):
         self.up = False
         self.cancelled = 0
-        self.generate = SimpleNamespace(remote=lambda *args: self._Stream(self))
+        self.add = SimpleNamespace(remote=lambda *args: self._Add(self))
         self.ready = SimpleNamespace(remote=lambda: self._Probe(self))
         self.engine_state = SimpleNamespace(remote=lambda: self._Probe(self, hang=True))
 
-    def options(self, stream: bool = False):
+    def options(self, **_options):
         return self
 
-    class _Stream:
+    class _Add:
         def __init__(self, handle):
             self.handle = handle
 
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            await asyncio.Event().wait()  # no replica takes the request
+        def __await__(self):
+            yield from asyncio.Event().wait().__await__()  # no replica takes the request
 
         def cancel(self):
             self.handle.cancelled += 1
@@ -1025,3 +1022,121 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
         assert client.is_healthy()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))  # a client that waits for a replica fails, not hangs
+
+
+def test_pinned_calls_reach_the_named_engine_replica_only():
+    """An ingress's output stream and its aborts name the engine replica that holds its requests: the router
+    sends them there or nowhere (a call that waits is bounded by the caller), never to another replica. A new
+    request goes to the replica with the fewest of this process's requests in flight."""
+    from specray.cluster import serve as serve_module
+    from specray.cluster.serve import PIN_PREFIX, PinnedRouter
+
+    def replica(uid: str):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
+
+    def pending(session: str):
+        return SimpleNamespace(metadata=SimpleNamespace(session_id=session),
+                               routing_context=SimpleNamespace(should_backoff=False))
+
+    router = object.__new__(PinnedRouter)  # the pinned path uses no router state
+    a, b = replica("a"), replica("b")
+    assert asyncio.run(router.choose_replicas([a, b], pending(PIN_PREFIX + "b"))) == [[b]]
+    assert asyncio.run(router.choose_replicas([a], pending(PIN_PREFIX + "b"))) == []
+    serve_module._IN_FLIGHT.update({"a": 3, "b": 1})
+    try:
+        assert asyncio.run(router.choose_replicas([a, b], pending(""))) == [[b], [a]]
+    finally:
+        serve_module._IN_FLIGHT.subtract({"a": 3, "b": 1})
+
+
+class _FakeEngineReplica:
+    """A DeploymentHandle stand-in for one live engine replica ``r1``: ``add`` answers its id, ``outputs``
+    streams what the test puts into ``batches`` (after the empty first item), ``abort`` records its ids."""
+
+    def __init__(self):
+        self.batches: asyncio.Queue = asyncio.Queue()
+        self.streams = 0
+        self.aborted: list[str] = []
+        self.pins: set[str] = set()
+        self.add = SimpleNamespace(remote=lambda *args: self._Call("r1"))
+        self.abort = SimpleNamespace(remote=lambda _ingress, req_ids: self._Call(self.aborted.extend(req_ids)))
+        self.outputs = SimpleNamespace(remote=lambda _ingress: self._Stream(self))
+        self.ready = SimpleNamespace(remote=lambda: self._Call(False))
+
+    def options(self, stream: bool = False, session_id: str | None = None):
+        if session_id is not None:
+            self.pins.add(session_id)
+        return self
+
+    class _Call:
+        def __init__(self, value):
+            self.value = value
+
+        def __await__(self):
+            yield from asyncio.sleep(0).__await__()
+            return self.value
+
+        def cancel(self):
+            pass
+
+    class _Stream:
+        def __init__(self, replica):
+            self.replica = replica
+            self.first = True
+            replica.streams += 1
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.first:
+                self.first = False
+                return {}
+            item = await self.replica.batches.get()
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+        def cancel(self):
+            pass
+
+
+def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_together():
+    """The ingress reads one stream per engine replica whose items carry every request's newest output; a
+    client that leaves is aborted on that replica (pinned by its id); when the replica dies, every request on
+    the stream gets the dead-replica 503 and the next ones fail fast."""
+    from ray.exceptions import RayActorError
+
+    from specray.cluster.openai_app import EngineUnavailableError
+    from specray.cluster.serve import _IN_FLIGHT, PIN_PREFIX, RemoteEngineClient
+
+    def output(rid: str, n: int) -> RequestOutput:
+        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+
+    async def scenario() -> None:
+        replica = _FakeEngineReplica()
+        client = RemoteEngineClient(replica, FakeTokenizer(), 64, ack_timeout_s=1.0, probe_interval_s=0.05)
+        streams = {rid: client.generate([1], SamplingParams(max_tokens=8), req_id=rid) for rid in "abc"}
+        firsts = {rid: asyncio.ensure_future(anext(s)) for rid, s in streams.items()}
+        await asyncio.sleep(0.05)
+        replica.batches.put_nowait({rid: output(rid, 1) for rid in "abc"})
+        assert [(await f).request_id for f in firsts.values()] == list("abc")
+        assert replica.streams == 1 and replica.pins == {PIN_PREFIX + "r1"} and _IN_FLIGHT["r1"] == 3
+        await streams["a"].aclose()  # the client left
+        await asyncio.sleep(0.05)
+        assert replica.aborted == ["a"]
+        replica.batches.put_nowait({"b": output("b", 2), "c": output("c", 2)})
+        replica.batches.put_nowait({"b": output("b", 3)})
+        await asyncio.sleep(0.05)
+        assert len((await anext(streams["b"])).outputs[0].token_ids) == 3  # a slow reader gets the newest
+        replica.batches.put_nowait(RayActorError())  # the replica died
+        for rid in "bc":
+            with pytest.raises(EngineUnavailableError, match="engine replica died"):
+                while True:
+                    await anext(streams[rid])
+        assert not client.is_healthy()
+        with pytest.raises(EngineUnavailableError, match="retry shortly"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        assert _IN_FLIGHT["r1"] == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
