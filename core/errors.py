@@ -11,7 +11,12 @@ class EngineError(RuntimeError):
 
 
 class WorkerDiedError(EngineError):
-    """A target worker (a TP rank) died or stopped answering; the step's requests cannot finish."""
+    """A target worker (a TP rank) died or stopped answering; the step's requests cannot finish. ``req_ids``:
+    the requests the engine failed because of it (set by the engine when it recovers)."""
+
+    def __init__(self, *args: object):
+        super().__init__(*args)
+        self.req_ids: list[str] = []
 
 
 class RequestError(EngineError):

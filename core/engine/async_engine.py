@@ -147,7 +147,7 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except WorkerDiedError as err:  # the engine already aborted these requests and restarted its workers
-            for rid in getattr(err, "req_ids", []):
+            for rid in err.req_ids:
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
                     stream.put(RequestFailedError(rid, err))
