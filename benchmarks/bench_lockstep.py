@@ -29,12 +29,13 @@ from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, chat_prompts, 
 
 
 def build(model, spec, batch):
+    """An LLM, warmed up; the caller steps its engine (and keeps the LLM: releasing it shuts the engine down)."""
     from specray import LLM, SamplingParams
 
     llm = LLM(model=model, speculative_config=spec, max_num_seqs=batch, max_model_len=2048,
               kv_cache_memory_bytes=KV_BYTES)
     llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    return llm.engine
+    return llm
 
 
 def run_lockstep(engines: dict, prompt_ids: list[list[int]], params) -> dict:
@@ -79,7 +80,8 @@ def main():
           "|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
         prompts = PROMPT_SETS[kind]
-        engines = {name: build(model, spec, args.batch) for name, spec in specs.items()}
+        llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
+        engines = {name: llm.engine for name, llm in llms.items()}
         tokenizer = next(iter(engines.values())).tokenizer
         prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * 2
         rates = {name: [] for name in engines}
@@ -94,7 +96,7 @@ def main():
             ratios = [r / p for r, p in zip(rs, plain)]
             print(f"| {name} | {kind} | {statistics.median(rs):.1f} | {', '.join(f'{r:.1f}' for r in rs)} | "
                   f"{', '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
-        del engines
+        del engines, llms
 
 
 if __name__ == "__main__":

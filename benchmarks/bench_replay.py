@@ -170,8 +170,9 @@ def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prom
 
     if oracle:
         spec = {**spec, "adaptive": False}  # the oracle sizes its own proposals
-    engine = LLM(model=model_path, speculative_config=spec, max_num_seqs=batch, max_model_len=2048,
-                 kv_cache_memory_bytes=KV_BYTES).engine
+    llm = LLM(model=model_path, speculative_config=spec, max_num_seqs=batch, max_model_len=2048,
+              kv_cache_memory_bytes=KV_BYTES)  # kept alive: releasing it shuts its engine down
+    engine = llm.engine
     executor = ReplayExecutor(cost)
     engine.executor, engine.clock = executor, executor.clock
     if oracle:

@@ -452,6 +452,32 @@ def test_a_step_failing_for_one_request_fails_only_that_one(tiny_llama_dir, plai
     assert token_ids(llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == plain_outputs[:2]  # still serving
 
 
+class BrokenExecutor:
+    """Every step raises, whatever it holds: a broken step, not one request's input."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def execute(self, plan, draft_probs=None):
+        self.calls += 1
+        raise RuntimeError("broken step")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_step_that_fails_for_every_request_alone_is_raised_not_blamed_on_each(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    for p in PROMPTS[:3]:
+        engine.add_request(tok.encode(p), greedy())
+    engine.executor = BrokenExecutor(engine.executor)
+    with pytest.raises(RuntimeError, match="broken step"):
+        engine.step()
+    assert engine.executor.calls == 1 + 3  # the step, then each request alone
+    assert len(engine.tracked) == 3  # nobody was finished with an "error" that is not theirs
+
+
 def test_drafter_failing_for_one_request_fails_only_that_one(tiny_llama_dir, plain_outputs):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     engine, tok = llm.engine, llm.get_tokenizer()

@@ -129,7 +129,8 @@ class LLMEngine:
         them dropped and the rest run again together; otherwise, or when that fails too, each chunk runs alone.
         Running a chunk again is safe: no token of the failed plan was counted and its KV slots are rewritten with
         the same values; the worker may hold any part of the plan's state, so every retry carries the requests'
-        whole block tables."""
+        whole block tables. When no request of several runs even alone, nobody's input is to blame: ``err``
+        propagates (the async engine then fails everything in flight, loudly)."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
                      plan.step_id, len(plan.chunks), err, exc_info=err)
         self.scheduler.forget_worker_state(plan)
@@ -156,6 +157,8 @@ class LLMEngine:
                     failed[group[0].req_id] = repr(again)
                 continue
             done.update(_by_request(result))
+        if not done and len(plan.chunks) > 1 and not isinstance(err, (RequestError, StepError)):
+            raise err  # every request fails, each on its own: the step is broken, not one request's input
         return _merge(plan, done), failed
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
