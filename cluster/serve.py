@@ -49,6 +49,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E40
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError  # noqa: E402
 
+from specray.cluster.autoscaling import IN_FLIGHT_METRIC  # noqa: E402
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app)
@@ -340,6 +341,13 @@ class SpecrayEngine:
         if box is None:
             box = self._outboxes[ingress_id] = _Outbox()
         return box
+
+    async def record_autoscaling_stats(self) -> dict[str, int]:
+        """Serve's autoscaling metric for :func:`specray.cluster.autoscaling.scale_by_requests_in_flight`: the
+        requests added here and not yet finished or aborted (an ``add`` call returns at once and the output
+        stream is shared, so Serve's own ongoing-call count does not see them). A count, no engine step; async so
+        that it reads the outboxes on the replica's event loop, never from a thread while they change."""
+        return {IN_FLIGHT_METRIC: sum(len(box.tasks) for box in self._outboxes.values())}
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts, read in the engine thread."""

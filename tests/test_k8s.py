@@ -721,3 +721,36 @@ def test_serve_checks_reject_broken_copies():
         resolve_import_path("specray.cluster.no_such_module:build_app")
     with pytest.raises(AssertionError):
         resolve_import_path("specray.cluster.cli:no_such_attr")
+
+
+def readme_autoscaling_override() -> dict:
+    """The ``deployments`` override of the README's **Serve autoscaling** item, as YAML."""
+    text = (K8S_DIR / "README.md").read_text()
+    item = text[text.index("**Serve autoscaling**"):]
+    block = re.search(r"```yaml\n(.*?)```", item, re.S)
+    assert block, "the README's Serve autoscaling item has no ```yaml block"
+    return yaml.safe_load(block.group(1))
+
+
+def test_readme_autoscaling_override_is_valid_and_uses_the_in_flight_policy():
+    """The override pasted into a manifest's Serve config passes Serve's schema, names the engine deployment, and
+    its policy resolves to specray's (Serve's default policy would count the unary add calls, not the load)."""
+    from ray.serve.config import AutoscalingConfig
+
+    from specray.cluster.autoscaling import scale_by_requests_in_flight
+    from specray.cluster.serve import SpecrayEngine
+
+    override = readme_autoscaling_override()
+    for where, cfg in serve_configs():
+        merged = copy.deepcopy(cfg)
+        merged["applications"][0]["deployments"] = copy.deepcopy(override["deployments"])
+        assert not serve_config_errors(merged), (where, serve_config_errors(merged))
+    (engine,) = override["deployments"]
+    assert engine["name"] == SpecrayEngine.__name__
+    config = AutoscalingConfig(**engine["autoscaling_config"])
+    assert config.policy.policy_function == "specray.cluster.autoscaling:scale_by_requests_in_flight"
+    assert config.policy.get_policy().__name__ == scale_by_requests_in_flight.__name__
+    broken = copy.deepcopy(engine["autoscaling_config"])
+    broken["policy"]["policy_function"] = "specray.cluster.autoscaling:no_such_policy"
+    with pytest.raises((ValueError, AttributeError)):
+        AutoscalingConfig(**broken)

@@ -1140,3 +1140,85 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
         assert _IN_FLIGHT["r1"] == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class GatedEngineClient:
+    """Each request waits for its own gate, then finishes with one output."""
+
+    def __init__(self):
+        self.gates: dict[str, asyncio.Event] = {}
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        gate = self.gates[req_id] = asyncio.Event()
+        await gate.wait()
+        out = CompletionOutput(0, "x", [0], finish_reason="length")
+        yield RequestOutput(req_id, prompt, prompt_token_ids, [out], finished=True)
+
+
+async def _until(condition, steps: int = 200) -> None:
+    for _ in range(steps):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def test_engine_replica_reports_its_requests_in_flight_to_the_autoscaler():
+    """record_autoscaling_stats counts the requests added and not yet finished or aborted, across ingresses,
+    without an engine step: what Serve's ongoing-call count misses once an add returns at once."""
+    from specray.cluster.autoscaling import IN_FLIGHT_METRIC
+    from specray.cluster.serve import SpecrayEngine
+
+    async def scenario() -> None:
+        engine = object.__new__(SpecrayEngine)  # no Ray, no model: the outboxes over a fake engine client
+        engine.client, engine.replica_id, engine._outboxes = GatedEngineClient(), "replica-0", {}
+        stats = engine.record_autoscaling_stats
+        assert await stats() == {IN_FLIGHT_METRIC: 0}
+        for ingress, req_id in (("ingress-a", "a"), ("ingress-b", "b"), ("ingress-a", "c")):
+            await engine.add(ingress, req_id, [1, 2], SamplingParams(max_tokens=1))
+        await _until(lambda: len(engine.client.gates) == 3)
+        assert await stats() == {IN_FLIGHT_METRIC: 3}
+        engine.client.gates["a"].set()  # finishes
+        await _until(lambda: "a" not in engine._outboxes["ingress-a"].tasks)
+        assert await stats() == {IN_FLIGHT_METRIC: 2}
+        await engine.abort("ingress-b", ["b"])  # its client left
+        assert await stats() == {IN_FLIGHT_METRIC: 1}
+        await engine.abort("ingress-a", ["c"])
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+
+
+def _autoscaling_context(in_flight: dict[str, float] | None, current: int, target: int, **config):
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from specray.cluster.autoscaling import IN_FLIGHT_METRIC
+
+    cfg = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=32, **config)
+    return AutoscalingContext(
+        deployment_id=DeploymentID(name="SpecrayEngine", app_name="default"), deployment_name="SpecrayEngine",
+        app_name="default", current_num_replicas=current, target_num_replicas=target,
+        running_replicas=[], total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics={} if in_flight is None else {IN_FLIGHT_METRIC: in_flight}, raw_metrics={},
+        capacity_adjusted_min_replicas=cfg.min_replicas, capacity_adjusted_max_replicas=cfg.max_replicas,
+        policy_state={}, last_scale_up_time=None, last_scale_down_time=None, current_time=time.time(),
+        config=cfg)
+
+
+def test_autoscaling_policy_sizes_by_requests_in_flight():
+    """Replicas = total in-flight requests / target_ongoing_requests; with nothing reported it holds the target.
+    Through Serve's own wrapper (factors, delays) the count is rounded up and, by default, delayed."""
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+    from specray.cluster.autoscaling import scale_by_requests_in_flight as policy
+
+    assert policy(_autoscaling_context({"r1": 40, "r2": 60}, current=2, target=2))[0] == pytest.approx(100 / 32)
+    assert policy(_autoscaling_context({"r1": 0, "r2": 0}, current=2, target=2))[0] == 0
+    assert policy(_autoscaling_context(None, current=2, target=3))[0] == 3  # no replica reported yet
+    assert policy(_autoscaling_context({}, current=0, target=1))[0] == 1
+    wrapped = _apply_autoscaling_config(policy)
+    now = {"upscale_delay_s": 0, "downscale_delay_s": 0}
+    assert wrapped(_autoscaling_context({"r1": 40, "r2": 60}, current=2, target=2, **now))[0] == 4
+    assert wrapped(_autoscaling_context({"r1": 10, "r2": 5}, current=2, target=2, **now))[0] == 1
+    assert wrapped(_autoscaling_context({"r1": 40, "r2": 60}, current=2, target=2))[0] == 2  # upscale delay
