@@ -719,7 +719,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
               "max_constructor_retry_count": CONSTRUCTOR_RETRIES}
     engine = serve.deployment(SpecrayEngine).options(
         ray_actor_options=replica_resources(parsed), health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
-        request_router_config=RequestRouterConfig(request_router_class=PinnedRouter), **common).bind(parsed)
+        request_router_config=RequestRouterConfig(request_router_class=PinnedRouter),
+        logging_config={"enable_access_log": False},  # its calls are internal hops; the ingress logs requests
+        **common).bind(parsed)
     ingress = serve.deployment(SpecrayServer).options(ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, **common)
     return ingress.bind(parsed, engine)
 
