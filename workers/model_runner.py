@@ -78,7 +78,6 @@ class ModelRunner:
             [self.block_tables[c.req_id] for c in chunks],
             self.block_size,
             self.device,
-            positions=[p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)],
         )
         return self.model(input_ids, meta)
 

@@ -254,9 +254,9 @@ class LLMEngine:
         batch = []
         for chunk in plan.chunks:
             request = self.scheduler.get_request(chunk.req_id)
-            if not chunk.sample or request is None or self.policy.num_speculative_tokens_for(request) == 0:
+            limit = 0 if not chunk.sample or request is None else self.policy.num_speculative_tokens_for(request)
+            if limit == 0:
                 continue
-            limit = self.policy.num_speculative_tokens_for(request)
             drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
             batch.append(DraftRequest(request.req_id, request.all_token_ids + drafts, limit + 1,
                                       request.sampling_params, num_assumed=len(drafts)))
