@@ -846,19 +846,16 @@ def check_model(engine_args: EngineArgs) -> None:
 
 
 def check_heads(config, tp: int) -> None:
+    from specray.models.layers import splits_heads
+
     heads = getattr(config, "num_attention_heads", None)
     if heads is None:
         return
     kv = getattr(config, "num_key_value_heads", None) or heads
-    if not _splits(heads, kv, tp):
-        fits = [d for d in range(1, heads + 1) if _splits(heads, kv, d)]
+    if not splits_heads(heads, kv, tp):
+        fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
         raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
                          f"num_key_value_heads={kv}); choose one of {fits}")
-
-
-def _splits(heads: int, kv: int, tp: int) -> bool:
-    """TP divides the query heads, and divides the KV heads or is a multiple of them (KV heads replicated)."""
-    return heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
 
 
 def check_resources(args: ServeArgs, autoscaling: bool) -> None:

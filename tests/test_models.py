@@ -609,3 +609,19 @@ def test_loading_weights_into_a_packed_model_is_refused(tiny_llama_dir):
     model = load_model(str(tiny_llama_dir))
     with pytest.raises(ValueError, match="packed"):
         model.load_weights([])
+
+
+def test_splits_heads_is_the_rule_qkv_sharding_follows():
+    """The server checks head splits before Ray starts with ``splits_heads``; it must accept exactly the
+    tensor-parallel sizes QKVParallelLinear can shard."""
+    from specray.models.layers import QKVParallelLinear, splits_heads
+    from specray.parallel import TPGroup
+
+    for heads, kv in [(4, 4), (4, 2), (8, 2), (9, 3), (9, 9), (6, 1)]:
+        for tp in range(1, 10):
+            try:
+                QKVParallelLinear(8, 2, heads, kv, TPGroup(0, tp))
+                shardable = True
+            except ValueError:
+                shardable = False
+            assert splits_heads(heads, kv, tp) == shardable, (heads, kv, tp)

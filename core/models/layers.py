@@ -115,6 +115,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, self.tp.rank * size, size))
 
 
+def splits_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
+    """Whether :class:`QKVParallelLinear` can shard these heads over ``tp_size`` ranks: the query heads divide,
+    and the KV heads divide too or, fewer than the ranks, are replicated (``tp_size`` a multiple of them)."""
+    kv_ok = num_kv_heads % tp_size == 0 if num_kv_heads >= tp_size else tp_size % num_kv_heads == 0
+    return num_heads % tp_size == 0 and kv_ok
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul. Query heads split across ranks; key/value heads too, or replicated
     (one per rank) when there are fewer KV heads than ranks."""
