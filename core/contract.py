@@ -13,6 +13,13 @@ Token bookkeeping for one request, in the scheduler's terms::
 ``num_draft_tokens`` is ``k``. If the chunk reaches the end of the known tokens (``sample=True``), the worker
 verifies the drafts and returns the accepted drafts plus one token of the target's own; otherwise (a
 non-final prefill chunk) it returns nothing for that request.
+
+Token trees (``specray.tree``): the drafts ``d1 .. dk`` may form a tree, ``ScheduledChunk.draft_parents[i]``
+naming node i's parent (-1: the chunk's last non-draft token). Node i then takes slot index ``n + i`` (scratch) but
+the RoPE position of its depth, ``n - 1 + depth``, and attends to the context and its ancestors only. The worker
+returns the accepted path's node indices (``StepResult.accepted_draft_indices``); when they are not the first
+nodes in order, the next plan carries a :class:`KVMove` that every rank applies, before its block deltas, to move
+their K/V to the committed slots ``n .. n + accepted - 1``.
 """
 
 from __future__ import annotations
@@ -51,10 +58,22 @@ class ScheduledChunk:
     start_pos: int
     num_draft_tokens: int = 0
     sample: bool = True
+    draft_parents: list[int] | None = None  # the drafts form this tree (None: a chain)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class KVMove:
+    """Move a running request's K/V from slot indices ``src`` to ``dst`` (positions in its block table, as the
+    worker holds it before this plan's deltas): the accepted path of a token tree, into consecutive slots. All
+    sources are read before any destination is written."""
+
+    req_id: str
+    src: list[int]
+    dst: list[int]
 
 
 @dataclass
@@ -69,6 +88,8 @@ class StepPlan:
     # preempted since the last plan: drop their block tables but keep their sampling state, so that a seeded
     # request's random stream goes on where it stopped when it comes back (as a NewRequest)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # applied after the drops and before new requests and block deltas: the previous step's accepted tree paths
+    kv_moves: list[KVMove] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +114,9 @@ class StepResult:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None = None
+    # None unless some chunk brought a tree; then per chunk the draft indices of its accepted nodes, root first
+    # ([] for a chain chunk: its accepted drafts are its first ones)
+    accepted_draft_indices: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

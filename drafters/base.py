@@ -1,6 +1,7 @@
 """The one protocol every drafter implements.
 
-A drafter proposes, for a batch of requests, up to ``num_speculative_tokens`` next tokens each. It is told
+A drafter proposes, for a batch of requests, up to ``num_speculative_tokens`` next tokens each: a chain, or a
+token tree of that many nodes (``Proposal.parents``; see ``specray.tree``). It is told
 each request's whole token history every time it is asked (prompt + every token the target kept), so it can see
 for itself what was accepted since its last proposal, rewind its own state to that, and update any pool.
 It is asked every step for every decoding request, with ``num_speculative_tokens == 0`` when the engine wants
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specray.sampling_params import SamplingParams
+from specray.tree import DraftTree, chain_parents
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,17 @@ class Proposal:
     # how strong the guess is, for drafters that can tell (an n-gram draft: the length of the match it
     # continues); the draft-length policy keeps acceptance evidence per key. None: the drafter tells none.
     key: int | None = None
+    # a token tree (``specray.tree``): node i's parent, -1 for the root (the last kept token), else an earlier
+    # node; None: the tokens are a chain. Nodes best first, so cutting to the first n keeps a tree. Only
+    # deterministic drafters (probs None) propose trees.
+    parents: list[int] | None = None
+    # per node, the drafter's estimate of P(node accepted | its parent accepted); None: it tells none
+    scores: list[float] | None = None
+
+    def tree(self) -> DraftTree:
+        """The proposal as a :class:`~specray.tree.DraftTree` (a chain when it names no parents)."""
+        parents = chain_parents(len(self.token_ids)) if self.parents is None else self.parents
+        return DraftTree(list(self.token_ids), list(parents), self.scores)
 
 
 @runtime_checkable
