@@ -1,0 +1,102 @@
+"""Per-drafter statistics in llama.cpp's terms (``statistics ngram_mod: #calls = .., #gen drafts = .., ..``).
+
+A drafter is told each request's whole history every time it is asked, so it learns what the target kept of its
+previous proposal by itself: :meth:`DrafterStats.begin_call` compares the new history with the proposal it
+remembers for that request (the longest path of the proposed tree the history follows) and counts it.
+
+* ``calls``: proposals asked for (one per request per step)
+* ``gen_drafts`` / ``gen_tokens``: non-empty proposals / the tokens (tree nodes) in them
+* ``acc_drafts`` / ``acc_tokens``: proposals of which the target kept at least one token / the tokens it kept
+* ``dur_begin_ms``, ``dur_gen_ms``, ``dur_acc_ms``: time spent indexing new prompts, proposing, and learning
+  from accepted tokens (the drafter measures these around its own code)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specray.tree import DraftTree
+
+_COUNTERS = ("calls", "gen_drafts", "acc_drafts", "gen_tokens", "acc_tokens")
+
+
+def accepted_length(tree: DraftTree, continuation: Sequence[int]) -> int:
+    """How many tokens of ``continuation`` (the history after the proposal's root) follow one path of ``tree``."""
+    node, depth = -1, 0
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    for token in continuation:
+        nxt = children.get(node, {}).get(token)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
+@dataclass
+class DrafterStats:
+    name: str
+    calls: int = 0
+    gen_drafts: int = 0
+    acc_drafts: int = 0
+    gen_tokens: int = 0
+    acc_tokens: int = 0
+    dur_begin_s: float = 0.0
+    dur_gen_s: float = 0.0
+    dur_acc_s: float = 0.0
+    _pending: dict[str, tuple[int, DraftTree]] = field(default_factory=dict, repr=False)
+
+    def begin_call(self, req_id: str, history: Sequence[int]) -> None:
+        """Count a call for ``req_id`` and what the target kept of the request's previous proposal."""
+        self.calls += 1
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            return
+        root_len, tree = pending
+        if len(history) > root_len:
+            kept = accepted_length(tree, history[root_len : root_len + len(tree)])
+            self.acc_tokens += kept
+            self.acc_drafts += kept > 0
+
+    def proposed(self, req_id: str, history_len: int, tree: DraftTree) -> None:
+        """Remember a non-empty proposal made after ``history_len`` tokens of history."""
+        if len(tree):
+            self.gen_drafts += 1
+            self.gen_tokens += len(tree)
+            self._pending[req_id] = (history_len, tree)
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            self._pending.pop(req_id, None)
+
+    def timer(self, which: str) -> "_Timer":
+        """``with stats.timer("gen"): ...`` adds the block's wall time to ``dur_gen_s`` (begin, gen or acc)."""
+        return _Timer(self, f"dur_{which}_s")
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {"name": self.name}
+        out.update({k: getattr(self, k) for k in _COUNTERS})
+        out.update({f"dur_{k}_ms": round(getattr(self, f"dur_{k}_s") * 1e3, 3) for k in ("begin", "gen", "acc")})
+        return out
+
+    def __str__(self) -> str:
+        d = self.as_dict()
+        return (f"statistics {self.name}: #calls = {d['calls']}, #gen drafts = {d['gen_drafts']}, #acc drafts = "
+                f"{d['acc_drafts']}, #gen tokens = {d['gen_tokens']}, #acc tokens = {d['acc_tokens']}, "
+                f"dur(b,g,a) = {d['dur_begin_ms']:.3f}, {d['dur_gen_ms']:.3f}, {d['dur_acc_ms']:.3f} ms")
+
+
+class _Timer:
+    __slots__ = ("stats", "attr", "start")
+
+    def __init__(self, stats: DrafterStats, attr: str):
+        self.stats, self.attr = stats, attr
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.start)
