@@ -20,6 +20,11 @@ import re
 _FREE_RUN = re.compile(rb"\x01+")
 
 
+def slots_of(block_table: list[int], positions: range | list[int], block_size: int) -> list[int]:
+    """The slots of a sequence's slot indices ``positions`` through its block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         if not isinstance(num_blocks, int) or num_blocks < 1:

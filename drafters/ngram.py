@@ -31,6 +31,12 @@ Cost: indexing is O(new tokens x (max - min + 1)) dict operations on tuples of a
 is at most ``max - min + 1`` dict lookups plus the slice it returns. Memory is about one reference per
 indexed token per n (bounded by ``max_pool_entries`` where set) plus the tokens.
 
+Trees: with ``num_branches > 1`` or a ``speculative_token_tree``, a lookup reads the continuations of up to
+``max_tree_refs`` sightings of the longest matching n-gram (the preferred ones: oldest first with
+``is_use_oldest``) into a trie with counts, and proposes a token tree of it (``specray.tree``): each node's score
+is the share of the sightings through its parent that continue with it. Static shape (``speculative_token_tree``,
+paths of candidate ranks) or dynamic (best-first by path share, ``num_branches`` children per node at most).
+
 Shipping a pool: :meth:`NgramPool.snapshot` returns plain lists and dicts (the sequences' tokens; the table is
 rebuilt on the other side) and :meth:`NgramPool.merge` folds one in, extending sequences it already has.
 """
@@ -48,6 +54,7 @@ from typing import Any, ClassVar, Protocol
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
+from specray.tree import DraftTree, dynamic_tree, parse_token_tree, static_tree
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,10 @@ class NgramOptions:
     is_keep_all: bool = True  # keep every sighting of an n-gram (False: only the newest)
     is_use_oldest: bool = True  # propose the oldest sighting's continuation (False: the newest's)
     max_pool_entries: int | None = None  # cap on a public pool (oldest entries evicted first)
+    # token trees: candidates per node (1: one chain, as TensorRT-LLM's pool), or a static shape of rank paths
+    num_branches: int = 1
+    speculative_token_tree: list | str | None = None
+    max_tree_refs: int = 32  # sightings of the matched n-gram a tree is read from
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min is None:
@@ -87,6 +98,15 @@ class NgramOptions:
         if self.max_pool_entries is not None and not _is_count(self.max_pool_entries):
             raise ValueError(f"speculative_config.max_pool_entries={self.max_pool_entries!r} must be an int >= 1 "
                              "(or None for the default cap)")
+        for name in ("num_branches", "max_tree_refs"):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be an int >= 1")
+        if self.speculative_token_tree is not None:
+            self.speculative_token_tree = parse_token_tree(self.speculative_token_tree)
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.num_branches > 1 or self.speculative_token_tree is not None
 
 
 def _is_count(value) -> bool:
@@ -389,6 +409,23 @@ class NgramPool:
                 return self._tokens[ref >> _POS_BITS][pos:pos + k], n
         return [], 0
 
+    def lookup_tree(self, context_tail: Sequence[int], max_nodes: int, num_branches: int, max_refs: int,
+                    shape: list[tuple[int, ...]] | None = None) -> tuple[DraftTree, int]:
+        """A token tree of what followed the longest n-gram ending ``context_tail`` in up to ``max_refs`` of its
+        sightings (see the module docstring), at most ``max_nodes`` nodes and ``num_speculative_tokens`` deep,
+        and the match length (0: no match, an empty tree)."""
+        depth = min(max_nodes, self.num_speculative_tokens)
+        tail = tuple(context_tail[-self.max_n:])
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            refs = self._table.get(tail[-n:])
+            if refs:
+                chosen = refs[:max_refs] if self.is_use_oldest else refs[: -max_refs - 1 : -1]
+                trie = _Trie([self._tokens[r >> _POS_BITS][(r & _POS_MASK) : (r & _POS_MASK) + depth] for r in chosen])
+                if shape is not None:
+                    return static_tree(shape, trie.expand, max_nodes), n
+                return dynamic_tree(trie.expand, max_nodes, num_branches, depth), n
+        return DraftTree([], []), 0
+
     # ---- shipping ------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Plain data (lists, dicts, ints, the sequence keys) for another process's :meth:`merge`."""
@@ -411,6 +448,35 @@ class NgramPool:
             self.sync(seq_key, tokens)
             if is_new:
                 self.close(seq_key)
+
+
+class _Trie:
+    """Continuations with counts: node -> {token: child}; expand(path) -> children by count (ties: first seen)
+    with their share of the parent's count."""
+
+    def __init__(self, continuations: list[list[int]]):
+        self.children: list[dict[int, int]] = [{}]
+        self.counts = [len(continuations)]
+        for tokens in continuations:
+            node = 0
+            for token in tokens:
+                child = self.children[node].get(token)
+                if child is None:
+                    child = self.children[node][token] = len(self.counts)
+                    self.children.append({})
+                    self.counts.append(0)
+                self.counts[child] += 1
+                node = child
+
+    def expand(self, path: list[int]) -> list[tuple[int, float]]:
+        node = 0
+        for token in path:
+            node = self.children[node].get(token)
+            if node is None:
+                return []
+        total = self.counts[node]
+        ranked = sorted(self.children[node].items(), key=lambda item: -self.counts[item[1]])
+        return [(token, self.counts[child] / total) for token, child in ranked]
 
 
 class PoolLink(Protocol):
@@ -506,6 +572,11 @@ class NgramDrafter:
         indexed = self._catch_up(state, req.token_ids)
         if req.num_speculative_tokens <= 0:
             return Proposal([])
+        opts = self.options
+        if opts.proposes_trees:
+            tree, n = state.pool.lookup_tree(indexed, req.num_speculative_tokens, opts.num_branches,
+                                             opts.max_tree_refs, opts.speculative_token_tree)
+            return Proposal(tree.token_ids, key=n or None, parents=tree.parents, scores=tree.scores)
         tokens, n = state.pool.lookup_match(indexed, req.num_speculative_tokens)  # it reads only the last max_n
         return Proposal(tokens, key=n or None)
 

@@ -38,6 +38,14 @@ prior mean:
 
 The request's overall counts (above) still take every verification.
 
+Token trees. A tree drafter proposes nodes best first (``specray.tree``); verifying its first n nodes keeps, in
+expectation, 1 + sum_{i<n} P(path to node i accepted) tokens. The path probability is the product of the nodes'
+scores when the drafter gives them (a suffix tree's frequencies), scaled by the request's calibration c =
+(kept + m) / (predicted + m) (discounted counts of what its trees kept against what their scores predicted),
+else alpha^depth_i with alpha as above (a tree's per-level acceptance). The policy verifies the n in
+[0, nodes] maximising expected tokens per unit cost, with the margin and probes of chains: the same rule, with
+node counts in place of k.
+
 Per request, ``SamplingParams.num_speculative_tokens`` caps the engine's (0: that request never drafts).
 """
 
@@ -49,6 +57,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Callable
+
+from specray.tree import DraftTree, depths, path_scores
 
 # (a, b): the fixed cost of a step, and of each token in it, in relative units, until steps of two sizes are
 # measured. A step's fixed cost dwarfs one more token's (on a CPU, and far more on a GPU); a prior that prices
@@ -68,6 +78,8 @@ class Evidence:
     rejects: float = 0.0
     keyed: dict[int, list[float]] = field(default_factory=dict)
     undrafted_steps: int = 0
+    predicted: float = 0.0  # scored trees: discounted tokens their scores predicted ...
+    kept: float = 0.0  # ... and the tokens verification kept of them
 
 
 _NO_EVIDENCE = Evidence()
@@ -181,6 +193,61 @@ class DraftLengthPolicy:
             _discount(ev.keyed.setdefault(key, [0.0, 0.0]), self.decay, num_accepted, rejected)
             _discount(self._key_evidence.setdefault(key, [0.0, 0.0]), ENGINE_DECAY, num_accepted, rejected)
 
+    def observe_tree(self, req, tree: DraftTree, num_accepted: int, key: int | None = None) -> None:
+        """One verification of ``tree`` that kept ``num_accepted`` of its nodes (a path): the per-level evidence
+        (accepted levels, one rejection if the path stopped above the tree's deepest node) and, for a scored
+        tree, the calibration counts."""
+        if not len(tree):
+            return
+        depth = max(depths(tree.parents))
+        self.observe(req, depth, num_accepted, key)
+        if tree.scores is not None:
+            ev = self.evidence(req.req_id)
+            ev.predicted = self.decay * ev.predicted + sum(path_scores(tree, 1.0))
+            ev.kept = self.decay * ev.kept + num_accepted
+
+    def calibration(self, req) -> float:
+        """c: what the request's scored trees kept per token their scores predicted (1 before any evidence)."""
+        ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
+        m = self.prior_strength
+        return (ev.kept + m) / (ev.predicted + m)
+
+    def choose_tree(self, req, batch_size: int, tree: DraftTree, off_critical_path: bool = False,
+                    key: int | None = None) -> int:
+        """How many of ``tree``'s first nodes ``req`` should verify next step (see the module docstring)."""
+        limit = min(len(tree), self.num_speculative_tokens_for(req))
+        if not self.adaptive or limit == 0:
+            return limit
+        if off_critical_path:
+            return 0
+        if tree.scores is None:
+            gains = path_scores(tree, self.acceptance(req, key))
+        else:
+            c = self.calibration(req)
+            gains = [min(1.0, c * s) for s in path_scores(tree, 1.0)]
+        costs = self._step_costs(batch_size, limit)
+        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
+        base_rate = best_rate
+        for n in range(1, limit + 1):
+            expected += gains[n - 1]
+            rate = expected / costs[n]
+            if rate > best_rate:
+                best, best_rate = n, rate
+        n = best if best_rate >= base_rate * (1.0 + self.margin) else 0
+        return self._with_probes(req, n, limit)
+
+    def _with_probes(self, req, n: int, limit: int) -> int:
+        """``n`` drafts, or after ``probe_after`` steps in a row without any a probe of ``probe_k``."""
+        ev = self.evidence(req.req_id)
+        if n > 0:
+            ev.undrafted_steps = 0
+            return n
+        if ev.undrafted_steps >= self.probe_after:
+            ev.undrafted_steps = 0
+            return min(self.probe_k, limit)
+        ev.undrafted_steps += 1
+        return 0
+
     def acceptance(self, req, key: int | None = None) -> float:
         """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts (of ``key``)."""
         ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
@@ -209,16 +276,7 @@ class DraftLengthPolicy:
             return limit
         if off_critical_path:
             return 0
-        k = self.best_k(self.acceptance(req, key), batch_size, limit)
-        ev = self.evidence(req.req_id)
-        if k > 0:
-            ev.undrafted_steps = 0
-            return k
-        if ev.undrafted_steps >= self.probe_after:
-            ev.undrafted_steps = 0
-            return min(self.probe_k, limit)
-        ev.undrafted_steps += 1
-        return 0
+        return self._with_probes(req, self.best_k(self.acceptance(req, key), batch_size, limit), limit)
 
     def off_critical_path(self, reqs: list, budgets: list[int], batch_size: int) -> list[bool]:
         """For a closed batch that only drains: which of ``reqs`` (every running request; ``budgets``: the tokens

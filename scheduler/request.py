@@ -57,6 +57,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.draft_token_ids: list[int] = []  # drafts to verify next (Scheduler.update_draft_token_ids)
+        self.draft_parents: list[int] | None = None  # they form this token tree (specray.tree); None: a chain
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

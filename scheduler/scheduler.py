@@ -28,10 +28,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from specray.contract import BlockTableDelta, NewRequest, ScheduledChunk, StepPlan, StepResult
-from specray.kv_blocks import BlockPool
+from specray.contract import BlockTableDelta, KVMove, NewRequest, ScheduledChunk, StepPlan, StepResult
+from specray.kv_blocks import BlockPool, slots_of
 from specray.outputs import SpecStats
 from specray.scheduler.request import FINISH_REASONS, Request, RequestStatus, check_prompt
+from specray.tree import DraftTree, is_chain, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Scheduler:
         self._worker_requests: set[str] = set()  # requests whose sampling state the worker holds
         self._finished_unreported: list[Request] = []  # finished inside schedule(), returned by the next update
         self._just_finished: dict[str, Request] = {}  # finished since the last schedule(): finish_request may fix
+        self._kv_moves: dict[str, KVMove] = {}  # accepted tree paths to move into committed slots (next plan)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -108,13 +110,18 @@ class Scheduler:
                 done.append(req)
         return done
 
-    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
-        """The drafts each request should verify in the next step (the only way drafts come in); ids of
-        requests that are not running are ignored. A request not named keeps none."""
+    def update_draft_token_ids(self, drafts: dict[str, list[int] | DraftTree]) -> None:
+        """The drafts each request should verify in the next step (the only way drafts come in): a chain of
+        token ids, or a :class:`~specray.tree.DraftTree`. Ids of requests that are not running are ignored. A
+        request not named keeps none."""
         for req_id, tokens in drafts.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                req.draft_token_ids = list(tokens)
+                if isinstance(tokens, DraftTree):
+                    req.draft_token_ids = list(tokens.token_ids)
+                    req.draft_parents = None if is_chain(tokens.parents) else list(tokens.parents)
+                else:
+                    req.draft_token_ids, req.draft_parents = list(tokens), None
 
     def finish_request(self, req_id: str, num_output_tokens: int | None = None,
                        stop_reason: int | str | None = None, reason: str = "stop") -> None:
@@ -169,9 +176,9 @@ class Scheduler:
         budget -= sum(n for _, n in required)
         chunks = []
         for req, num_new in required:
-            num_drafts = self._num_drafts(req, num_new, budget)
-            budget -= num_drafts
-            chunks.append(self._chunk(req, num_new, num_drafts))
+            drafts = self._drafts(req, num_new, budget)
+            budget -= len(drafts)
+            chunks.append(self._chunk(req, num_new, drafts))
         if self.num_preemptions == preemptions:
             chunks += self._admit_waiting(budget)
         return self._make_plan(chunks)
@@ -211,7 +218,8 @@ class Scheduler:
             self._preempted_ids.append(req.req_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.draft_token_ids = []
+        _drop_drafts(req)
+        self._kv_moves.pop(req.req_id, None)  # its KV is recomputed
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -229,23 +237,32 @@ class Scheduler:
         self._finished_unreported.append(req)
         return True
 
-    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
-        """Pass 2: how many of ``req``'s drafts to verify. A request with r tokens left to generate can use at
-        most r - 1 drafts (the target adds one); drafts only take blocks that are free."""
+    def _drafts(self, req: Request, num_new: int, budget: int) -> DraftTree:
+        """Pass 2: which of ``req``'s drafts to verify. A request with r tokens left to generate can use drafts
+        at most r - 1 deep (the target adds one); every draft (tree node) takes one token of the budget and one
+        slot, and drafts only take blocks that are free."""
         end = req.num_computed_tokens + num_new
         if not req.draft_token_ids or end < req.num_tokens:
-            return 0
+            return _NO_DRAFTS
         left = req.tokens_left(self.config.max_model_len)
         bm = self.block_manager
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - end
-        return max(0, min(len(req.draft_token_ids), budget, left - 1, free_slots))
+        max_nodes = min(budget, free_slots)
+        if req.draft_parents is None:
+            return DraftTree(req.draft_token_ids[: max(0, min(max_nodes, left - 1))], [])
+        tree = trim_tree(DraftTree(req.draft_token_ids, req.draft_parents), max(0, max_nodes), left - 1)
+        return tree if not is_chain(tree.parents) else DraftTree(tree.token_ids, [])
 
-    def _chunk(self, req: Request, num_new: int, num_drafts: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, drafts: DraftTree = None) -> ScheduledChunk:
+        """``drafts``: the drafts to verify, ``parents`` empty for a chain."""
+        drafts = drafts or _NO_DRAFTS
         start = req.num_computed_tokens
         end = start + num_new
-        self.block_manager.allocate(req, end + num_drafts)
-        tokens = req.all_token_ids[start:end] + req.draft_token_ids[:num_drafts]
-        return ScheduledChunk(req.req_id, tokens, start, num_drafts, sample=end == req.num_tokens)
+        k = len(drafts)
+        self.block_manager.allocate(req, end + k)
+        tokens = req.all_token_ids[start:end] + drafts.token_ids
+        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens,
+                              draft_parents=list(drafts.parents) if drafts.parents else None)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
@@ -260,14 +277,14 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(self._chunk(req, num_new, 0))
+            chunks.append(self._chunk(req, num_new))
             budget -= num_new
         return chunks
 
     def _make_plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
         plan = StepPlan(next(self._step_ids), chunks=chunks, finished_req_ids=self._dropped_ids,
-                        preempted_req_ids=self._preempted_ids)
-        self._dropped_ids, self._preempted_ids = [], []
+                        preempted_req_ids=self._preempted_ids, kv_moves=list(self._kv_moves.values()))
+        self._dropped_ids, self._preempted_ids, self._kv_moves = [], [], {}
         for req in self.running:
             if req.req_id not in self._worker_blocks:
                 plan.new_requests.append(NewRequest(req.req_id, req.sampling_params, list(req.block_ids)))
@@ -291,13 +308,14 @@ class Scheduler:
         assert result.req_ids == [c.req_id for c in plan.chunks], (result.req_ids, plan.chunks)
         touched, self._finished_unreported = self._finished_unreported, []
         stats = SpecStats()
-        for chunk, tokens in zip(plan.chunks, result.sampled_token_ids):
+        paths = result.accepted_draft_indices or [None] * len(plan.chunks)
+        for chunk, tokens, path in zip(plan.chunks, result.sampled_token_ids, paths):
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished since the plan was made
-            req.draft_token_ids = []
+            _drop_drafts(req)
             if chunk.sample:
-                self._accept(req, chunk, tokens, stats)
+                self._accept(req, chunk, tokens, path, stats)
                 touched.append(req)
             else:
                 assert not tokens, (chunk, tokens)
@@ -305,14 +323,19 @@ class Scheduler:
         self.last_step_stats = stats
         return touched
 
-    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int], stats: SpecStats) -> None:
-        """Keep the accepted drafts plus the target's token, stopping early on a stop condition."""
+    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int], path: list[int] | None,
+                stats: SpecStats) -> None:
+        """Keep the accepted drafts plus the target's token, stopping early on a stop condition. ``path``: the
+        accepted tree nodes' draft indices (None or [] for a chain: its first drafts)."""
         k = chunk.num_draft_tokens
         accepted = len(tokens) - 1
         assert 0 <= accepted <= k, (chunk, tokens)
         drafts = chunk.token_ids[chunk.num_tokens - k:]
-        assert tokens[:accepted] == drafts[:accepted], (drafts, tokens)
+        path = list(path) if chunk.draft_parents is not None and path else list(range(accepted))
+        assert len(path) == accepted and tokens[:accepted] == [drafts[i] for i in path], (drafts, path, tokens)
         # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
+        base = chunk.start_pos + chunk.num_tokens - k
+        self._move_accepted(req, base, path)
         req.num_computed_tokens += chunk.num_tokens - k + accepted
         req.spec_stats.record(k, accepted)
         stats.record(k, accepted)
@@ -324,6 +347,16 @@ class Scheduler:
         assert req.num_computed_tokens == req.num_tokens - 1, req
         self._rewind(req, req.num_computed_tokens)
 
+    def _move_accepted(self, req: Request, base: int, path: list[int]) -> None:
+        """An accepted tree path whose nodes are not the first drafts: their K/V (scratch slot indices base +
+        node) moves to the committed slot indices base + j, in the next plan, before anything frees or reuses
+        the blocks (physical slots, computed with the table as it is now, before the rewind)."""
+        pairs = [(base + node, base + j) for j, node in enumerate(path) if node != j]
+        if pairs:
+            table, bs = req.block_ids, self.config.block_size
+            self._kv_moves[req.req_id] = KVMove(req.req_id, slots_of(table, [s for s, _ in pairs], bs),
+                                                slots_of(table, [d for _, d in pairs], bs))
+
     def _rewind(self, req: Request, num_tokens: int) -> None:
         """Free the blocks beyond the first ``num_tokens`` slots (only rejected drafts' KV was in them)."""
         self.block_manager.rewind(req, num_tokens)
@@ -333,14 +366,21 @@ class Scheduler:
             self._kept_blocks[req.req_id] = min(kept, len(req.block_ids))
 
     # ---- a failed step ---------------------------------------------------------------------------------
-    def forget_worker_state(self, plan: StepPlan) -> None:
+    def forget_worker_state(self, plan: StepPlan) -> list[str]:
         """``plan`` failed on the worker, which may have applied any part of it: the next plan repeats its drops
         and sends every running request whole (a NewRequest with its full block table; the worker keeps the
-        sampling state it holds). Nothing of the plan's tokens was counted, so its requests run again."""
+        sampling state it holds). Nothing of the plan's tokens was counted, so its requests run again, except
+        those whose K/V the plan was moving (a tree's accepted path): a move applied once or twice, or not at
+        all, cannot be told apart, so they are preempted and recompute their KV. Returns those ids."""
         self._dropped_ids = list(plan.finished_req_ids) + self._dropped_ids
         self._preempted_ids = list(plan.preempted_req_ids) + self._preempted_ids
         self._worker_blocks.clear()
         self._kept_blocks.clear()
+        moved = [m.req_id for m in plan.kv_moves if m.req_id in self.requests
+                 and self.requests[m.req_id].status is RequestStatus.RUNNING]
+        for req_id in moved:
+            self._preempt(self.requests[req_id])
+        return moved
 
     def retry_plan(self, plan: StepPlan, chunks: list[ScheduledChunk]) -> StepPlan:
         """A plan that runs again ``chunks`` (some of failed ``plan``'s), safe whatever part of ``plan`` the
@@ -361,7 +401,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req)
         self._forget_worker_state(req)
-        req.draft_token_ids = []
+        self._kv_moves.pop(req.req_id, None)
+        _drop_drafts(req)
         del self.requests[req.req_id]
         self._just_finished[req.req_id] = req
 
@@ -378,3 +419,10 @@ class Scheduler:
             return False
         self._kept_blocks.pop(req.req_id, None)
         return True
+
+
+_NO_DRAFTS = DraftTree([], [])
+
+
+def _drop_drafts(req: Request) -> None:
+    req.draft_token_ids, req.draft_parents = [], None

@@ -54,3 +54,46 @@ def kv_head_range(worker) -> tuple[int, int]:
 
 def rank(worker) -> int:
     return worker.rank
+
+
+class NoisyTreeOracle:
+    """A drafter for tests that knows each request's greedy continuation (``references``: req_id -> (prompt
+    length, greedy output)) and proposes token trees: per level 1..branches siblings, the right token at a random
+    sibling rank (so accepted paths are often not the first nodes: their K/V must move), wrong from a random depth
+    on half the time. Deterministic for a seed."""
+
+    def __init__(self, references: dict, vocab_size: int, seed: int = 0, branches: int = 3, depth: int = 4):
+        import random
+
+        self.references, self.vocab_size = references, vocab_size
+        self.rng, self.branches, self.depth = random.Random(seed), branches, depth
+
+    def propose(self, batch):
+        from specray.drafters.base import Proposal
+
+        out = []
+        for d in batch:
+            plen, ref = self.references[d.req_id]
+            truth = list(ref[len(d.token_ids) - plen:][: self.depth])
+            wrong_from = self.rng.randrange(len(truth) + 1) if self.rng.random() < 0.5 else len(truth)
+            tokens, parents, parent = [], [], -1
+            for level, right in enumerate(truth):
+                if len(tokens) >= d.num_speculative_tokens:
+                    break
+                right = right if level < wrong_from else (right + 1) % self.vocab_size
+                width = min(self.rng.randint(1, self.branches), d.num_speculative_tokens - len(tokens))
+                rank = self.rng.randrange(width)
+                siblings = [(right + 2 + j) % self.vocab_size for j in range(width)]  # wrong ones, distinct
+                siblings[rank] = right
+                first = len(tokens)
+                tokens += siblings
+                parents += [parent] * width
+                parent = first + rank
+            out.append(Proposal(tokens, parents=parents))
+        return out
+
+    def finish(self, req_ids) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

@@ -1,8 +1,14 @@
 """Executes one step plan on one shard of the target model.
 
 The runner sees only block tables and token ids (never the scheduler's requests): it applies the plan's
-request deltas, runs one forward pass over the mixed batch, and on the driver rank verifies the drafts and
-samples, answering with the tokens each request keeps.
+request deltas and K/V moves, runs one forward pass over the mixed batch, and on the driver rank verifies the
+drafts and samples, answering with the tokens each request keeps.
+
+A chunk whose drafts form a token tree (``ScheduledChunk.draft_parents``) gives each draft node the RoPE position
+of its depth and an ancestor mask (it sees the context, the chunk's other tokens and its own ancestors); its
+drafts are verified by :func:`specray.tree_verification.verify_tree`, and the accepted nodes' indices go back in
+``StepResult.accepted_draft_indices`` so the scheduler can have their K/V moved into place (``StepPlan.kv_moves``).
+Every rank builds the same positions and masks from the plan and applies the same moves: no collective.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ import logging
 
 import torch
 
-from specray.contract import StepPlan, StepResult
+from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
+from specray.tree import depths
+from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,10 @@ class ModelRunner:
             self.generators.pop(rid, None)
         for rid in plan.preempted_req_ids:
             self.block_tables.pop(rid, None)
+        if plan.kv_moves:  # every request's moves at once: all sources are read before any is written
+            src = [s for m in plan.kv_moves for s in m.src]
+            dst = [d for m in plan.kv_moves for d in m.dst]
+            self.kv_cache.copy_slots(_long(src, self.device), _long(dst, self.device))
         for new in plan.new_requests:
             self.block_tables[new.req_id] = list(new.block_ids)
             if new.req_id not in self.params:
@@ -64,20 +76,29 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
-        kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {}) if sampled else ([], None)
+        if not sampled:
+            kept, logprobs, paths = [], None, None
+        elif any(plan.chunks[i].draft_parents is not None for i in sampled):
+            kept, logprobs, paths = self._verify_trees(plan, sampled, logits)
+        else:
+            (kept, logprobs), paths = self._verify(plan, sampled, logits, draft_probs or {}), None
         n = len(plan.chunks)
         return StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
-                          None if logprobs is None else _per_chunk(n, sampled, logprobs))
+                          None if logprobs is None else _per_chunk(n, sampled, logprobs),
+                          None if paths is None else _per_chunk(n, sampled, paths))
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        trees = any(c.draft_parents is not None for c in chunks)
         meta = build_attention_metadata(
             [c.num_tokens for c in chunks],
             [c.start_pos for c in chunks],
             [self.block_tables[c.req_id] for c in chunks],
             self.block_size,
             self.device,
+            positions=[p for c in chunks for p in tree_positions(c)] if trees else None,
+            ancestors=[ancestor_mask(c) for c in chunks] if trees else None,
         )
         return self.model(input_ids, meta)
 
@@ -97,6 +118,53 @@ class ModelRunner:
                                       padded.draft_probs, batch, draft_counts=padded.draft_counts)
         logprobs = target_logprobs(padded.target_logits, tokens, [sp.logprobs for sp in params])
         return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
+
+
+    def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor
+                      ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]]]:
+        """Every sampled chunk through tree verification (a chain is a tree); drafts with a drafter's q are
+        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine)."""
+        chunks = [plan.chunks[i] for i in sampled]
+        drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
+        parents = [c.draft_parents if c.draft_parents is not None else list(range(-1, c.num_draft_tokens - 1))
+                   for c in chunks]
+        padded = pad_tree_drafts(logits, drafts, parents)
+        params = [self.params[c.req_id] for c in chunks]
+        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
+        verdict = verify_tree(padded, batch)
+        logprobs = tree_logprobs(padded, verdict, [sp.logprobs for sp in params])
+        kept, paths, per_request = unpad_tree(verdict, logprobs)  # the step's one host sync
+        return kept, per_request, paths
+
+
+def tree_positions(chunk: ScheduledChunk) -> list[int]:
+    """RoPE positions of a chunk's tokens: slot indices for its ordinary tokens and a chain's drafts; a tree
+    node at depth d sits at the root's position + d."""
+    if chunk.draft_parents is None:
+        return list(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
+    root = chunk.start_pos + chunk.num_tokens - chunk.num_draft_tokens - 1
+    return list(range(chunk.start_pos, root + 1)) + [root + d for d in depths(chunk.draft_parents)]
+
+
+def ancestor_mask(chunk: ScheduledChunk) -> torch.Tensor | None:
+    """[q, q] bool among a tree chunk's tokens: ordinary tokens are causal; a node sees them, its ancestors and
+    itself. None for a chunk without a tree (plain causal)."""
+    if chunk.draft_parents is None:
+        return None
+    q, k = chunk.num_tokens, chunk.num_draft_tokens
+    n = q - k
+    mask = torch.ones(q, q, dtype=torch.bool).tril_()
+    mask[n:, n:] = False
+    for i, parent in enumerate(chunk.draft_parents):
+        row = mask[n + i]
+        row[n + i] = True
+        if parent >= 0:
+            row[n:] |= mask[n + parent, n:]  # a node sees what its parent sees, and itself
+    return mask
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def logit_rows(plan: StepPlan) -> list[int]:

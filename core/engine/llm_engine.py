@@ -17,6 +17,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
+from specray.tree import DraftTree, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class LLMEngine:
         # latency: once nothing waits, requests off the batch's critical path draft nothing (DraftLengthPolicy).
         self.closed_batches = False
         self._draft_keys: dict[str, int] = {}  # the kind of each request's pending drafts (cheap drafters)
+        self._draft_trees: dict[str, DraftTree] = {}  # each request's pending token tree, as proposed
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -133,7 +135,7 @@ class LLMEngine:
         propagates (the async engine then fails everything in flight, loudly)."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
                      plan.step_id, len(plan.chunks), err, exc_info=err)
-        self.scheduler.forget_worker_state(plan)
+        preempted = set(self.scheduler.forget_worker_state(plan))  # their K/V was moving: they recompute it
         if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
             raise err
         failed = {}
@@ -141,7 +143,7 @@ class LLMEngine:
             failed = {rid: repr(err.cause) for rid in err.req_ids}
         elif isinstance(err, StepError):  # raised on a live rank of a Ray group; req_ids as the rank named them
             failed = {rid: f"{err.exc_type}: {err.exc_message}" for rid in err.req_ids}
-        rest = [c for c in plan.chunks if c.req_id not in failed]
+        rest = [c for c in plan.chunks if c.req_id not in failed and c.req_id not in preempted]
         groups = [rest] if failed and rest else [[c] for c in rest]
         done: dict[str, tuple[list[int], list | None]] = {}
         while groups:
@@ -157,7 +159,7 @@ class LLMEngine:
                     failed[group[0].req_id] = repr(again)
                 continue
             done.update(_by_request(result))
-        if not done and len(plan.chunks) > 1 and not isinstance(err, (RequestError, StepError)):
+        if not done and len(rest) > 1 and not isinstance(err, (RequestError, StepError)):
             raise err  # every request fails, each on its own: the step is broken, not one request's input
         return _merge(plan, done), failed
 
@@ -189,7 +191,7 @@ class LLMEngine:
         A drafter that proposes cheaply is asked for the most each request may have, and the policy sizes K by
         the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
         request the drafter fails on goes into ``failed``."""
-        self._draft_keys = {}
+        self._draft_keys, self._draft_trees = {}, {}
         if self.drafter is None:
             return {}
         running = self.scheduler.running
@@ -204,6 +206,9 @@ class LLMEngine:
         for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
             if proposal is None:
                 continue
+            if proposal.parents is not None:
+                drafts[request.req_id] = self._tree(request, dreq, proposal, len(running), off_path, cheap)
+                continue
             tokens = proposal.token_ids[: dreq.num_speculative_tokens]
             if cheap and tokens:
                 tokens = tokens[: self.policy.choose(request, len(running), off_path, proposal.key)]
@@ -214,6 +219,22 @@ class LLMEngine:
                 probs[dreq.req_id] = proposal.probs
         self.scheduler.update_draft_token_ids(drafts)
         return probs
+
+    def _tree(self, request: Request, dreq: DraftRequest, proposal: Proposal, batch_size: int, off_path: bool,
+              cheap: bool) -> DraftTree:
+        """A proposed token tree, cut to the nodes worth verifying (the policy prices its first n nodes for a
+        drafter that proposes cheaply; otherwise the n asked for)."""
+        assert proposal.probs is None, "a token tree's drafts are deterministic (a drafter with q proposes chains)"
+        tree = proposal.tree()
+        n = min(len(tree), dreq.num_speculative_tokens)
+        if cheap and n:
+            n = self.policy.choose_tree(request, batch_size, tree, off_path, proposal.key)
+        tree = trim_tree(tree, n)
+        if len(tree):
+            self._draft_trees[request.req_id] = tree
+            if proposal.key is not None:
+                self._draft_keys[request.req_id] = proposal.key
+        return tree
 
     def _propose(self, batch: list[DraftRequest], failed: dict[str, str]) -> list[Proposal | None]:
         """The drafter's proposals; when the batch raises, each request is asked alone and one that still
@@ -254,7 +275,9 @@ class LLMEngine:
         batch = []
         for chunk in plan.chunks:
             request = self.scheduler.get_request(chunk.req_id)
-            limit = 0 if not chunk.sample or request is None else self.policy.num_speculative_tokens_for(request)
+            if not chunk.sample or request is None or chunk.draft_parents is not None:
+                continue  # nothing to sample, or a tree: no one history to draft ahead from
+            limit = self.policy.num_speculative_tokens_for(request)
             if limit == 0:
                 continue
             drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
@@ -281,9 +304,20 @@ class LLMEngine:
         for chunk, kept in zip(plan.chunks, result.sampled_token_ids):
             if chunk.sample and chunk.num_draft_tokens:
                 request = self.scheduler.get_request(chunk.req_id)
-                if request is not None:
-                    self.policy.observe(request, chunk.num_draft_tokens, max(len(kept) - 1, 0),
-                                        self._draft_keys.get(chunk.req_id))
+                if request is None:
+                    continue
+                key, accepted = self._draft_keys.get(chunk.req_id), max(len(kept) - 1, 0)
+                if chunk.draft_parents is None:
+                    self.policy.observe(request, chunk.num_draft_tokens, accepted, key)
+                else:
+                    self.policy.observe_tree(request, self._verified_tree(chunk), accepted, key)
+
+    def _verified_tree(self, chunk: ScheduledChunk) -> DraftTree:
+        """The tree a chunk verified, with the drafter's scores when the scheduler verified it whole."""
+        proposed = self._draft_trees.get(chunk.req_id)
+        if proposed is not None and len(proposed) == chunk.num_draft_tokens:
+            return proposed
+        return DraftTree(chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:], list(chunk.draft_parents))
 
     # ---- outputs --------------------------------------------------------------------------------------
     def _make_output(self, tracked: _Tracked) -> RequestOutput:

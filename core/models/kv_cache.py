@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from specray.kv_blocks import slots_of  # noqa: F401  (re-exported: the attention builder's slot arithmetic)
+
 
 @dataclass(frozen=True)
 class MaskKind:
@@ -140,11 +142,6 @@ class MLAAttentionSpec(KVCacheSpec):
 def bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over every layer of ``specs``: the unit a rank's memory budget is divided by."""
     return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
-
-
-def slots_of(block_table: list[int], positions: range | list[int], block_size: int) -> list[int]:
-    """The slots of a sequence's slot indices ``positions`` through its block table."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 class HasKVCache(Protocol):

@@ -1,0 +1,247 @@
+"""Token trees end to end on tiny random models: the scheduler's tree bookkeeping (trimming, K/V moves, a failed
+plan that was moving K/V), the committed K/V after a non-leftmost path equal to a fresh prefill, and greedy output
+of the tree drafters equal to plain greedy output (batch 1 and 8, preemption, chunked prefill, stop strings)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams
+from specray.config import EngineArgs
+from specray.contract import StepResult
+from specray.engine.builder import build_engine
+from specray.sampling_params import SamplingParams as SP
+from specray.scheduler.request import Request
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+from specray.tree import DraftTree
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probes = _load("probes")
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "Hello",
+    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):",
+    "Extract the names from: Alice met Bob",
+    "def mul(a, b):\n    return a * b\ndef add(a, b):",
+    "I am fine, thank you. Hello world! How are",
+]
+NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+              "num_branches": 3, "adaptive": False}
+NGRAM_STATIC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                "speculative_token_tree": [[0, 0, 0, 0], [1, 0], [2], [0, 1]], "adaptive": False}
+TREE_SPECS = {"ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC,
+              "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}}
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain):
+    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+
+
+class PathCounter:
+    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes."""
+
+    def __init__(self, inner):
+        self.inner, self.trees, self.moved, self.last_moved = inner, 0, 0, set()
+
+    def execute(self, plan, draft_probs=None):
+        result = self.inner.execute(plan, draft_probs)
+        self.trees += sum(c.draft_parents is not None for c in plan.chunks)
+        paths = result.accepted_draft_indices or [[]] * len(plan.chunks)
+        self.last_moved = {rid for rid, path in zip(result.req_ids, paths) if path != list(range(len(path)))}
+        self.moved += len(self.last_moved)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+# ---- the scheduler --------------------------------------------------------------------------------------------
+
+def _scheduler(**kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4,
+                                     num_blocks=kw.pop("num_blocks", 32), **kw))
+
+
+def _decoding(sched: Scheduler, prompt=(1, 2, 3, 4, 5), max_tokens=20) -> Request:
+    req = Request("r", list(prompt), SP(temperature=0.0, max_tokens=max_tokens))
+    sched.add_request(req)
+    plan = sched.schedule()
+    sched.update_from_output(plan, StepResult(plan.step_id, ["r"], [[9]]))
+    return req
+
+
+def test_tree_chunk_and_kv_move_of_a_non_leftmost_path():
+    sched = _scheduler()
+    req = _decoding(sched)  # 5 prompt tokens + 9: computed 5
+    tree = DraftTree([10, 11, 12, 13], [-1, -1, 1, 1])  # 10 | 11 -> (12 | 13)
+    sched.update_draft_token_ids({"r": tree})
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.token_ids == [9, 10, 11, 12, 13] and chunk.draft_parents == [-1, -1, 1, 1]
+    assert chunk.num_draft_tokens == 4 and chunk.start_pos == 5
+    table = list(req.block_ids)
+    # the target kept 11, 13 (nodes 1 and 3) and added 7
+    result = StepResult(plan.step_id, ["r"], [[11, 13, 7]], accepted_draft_indices=[[1, 3]])
+    sched.update_from_output(plan, result)
+    assert req.output_token_ids == [9, 11, 13, 7] and req.num_computed_tokens == 8
+    nxt = sched.schedule()
+    (move,) = nxt.kv_moves
+    # node 1 sits at slot index 6 + 1 = 7 -> committed index 6; node 3 at 9 -> 7 (physical, through the old table)
+    slot = lambda i: table[i // 4] * 4 + i % 4  # noqa: E731
+    assert move.req_id == "r" and move.src == [slot(7), slot(9)] and move.dst == [slot(6), slot(7)]
+    assert sched.schedule().kv_moves == []  # carried once
+
+
+def test_leftmost_path_needs_no_move_and_a_chain_tree_is_a_chain():
+    sched = _scheduler()
+    _decoding(sched)
+    sched.update_draft_token_ids({"r": DraftTree([10, 11, 12], [-1, 0, -1])})
+    plan = sched.schedule()
+    sched.update_from_output(plan, StepResult(plan.step_id, ["r"], [[10, 11, 5]], accepted_draft_indices=[[0, 1]]))
+    assert sched.schedule().kv_moves == []
+    sched.update_draft_token_ids({"r": DraftTree([1, 2], [-1, 0])})
+    assert sched.schedule().chunks[0].draft_parents is None  # a chain is sent as one
+
+
+def test_tree_is_trimmed_to_budget_and_to_what_max_tokens_allows():
+    sched = _scheduler()
+    req = _decoding(sched, max_tokens=3)  # 1 generated, 2 left: drafts at most 1 deep
+    sched.update_draft_token_ids({"r": DraftTree([10, 11, 12, 13], [-1, 0, -1, 2])})
+    chunk = sched.schedule().chunks[0]
+    assert chunk.token_ids[1:] == [10, 12] and chunk.draft_parents == [-1, -1]
+    assert req.num_computed_tokens == 5
+    sched2 = _scheduler()
+    _decoding(sched2)
+    sched2.config.max_num_batched_tokens = 3  # the last token + 2 nodes
+    sched2.update_draft_token_ids({"r": DraftTree([10, 11, 12, 13], [-1, -1, 0, 1])})
+    assert sched2.schedule().chunks[0].token_ids == [9, 10, 11]
+
+
+def test_failed_plan_that_moved_kv_preempts_the_request():
+    sched = _scheduler()
+    req = _decoding(sched)
+    sched.update_draft_token_ids({"r": DraftTree([10, 11], [-1, -1])})
+    plan = sched.schedule()
+    sched.update_from_output(plan, StepResult(plan.step_id, ["r"], [[11, 3]], accepted_draft_indices=[[1]]))
+    failed = sched.schedule()
+    assert failed.kv_moves
+    assert sched.forget_worker_state(failed) == ["r"]
+    assert req.num_computed_tokens == 0 and req in sched.waiting  # recomputes its K/V
+    again = sched.schedule()
+    assert again.kv_moves == [] and again.new_requests[0].req_id == "r"
+
+
+# ---- K/V after acceptance ---------------------------------------------------------------------------------------
+
+def test_committed_kv_after_tree_paths_equals_a_fresh_prefill(tiny_llama_dir, plain):
+    """A drafter proposing trees with the right token at random sibling ranks: once a step that accepted a
+    non-leftmost path is followed by the next (whose plan carries the K/V moves), each such request's committed
+    K/V equals a fresh prefill of its tokens; the output equals plain greedy output."""
+    engine = build_engine(EngineArgs(model=str(tiny_llama_dir), max_model_len=256,
+                                     speculative_config={"method": "ngram", "num_speculative_tokens": 9,
+                                                         "adaptive": False}))
+    reference = build_engine(EngineArgs(model=str(tiny_llama_dir), max_model_len=256))
+    tok = plain.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    want = token_ids(plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False))
+    ids = [engine.add_request(p, greedy()) for p in prompts]
+    engine.drafter = probes.NoisyTreeOracle({i: (len(p), w) for i, p, w in zip(ids, prompts, want)},
+                                            engine.vocab_size, seed=3)
+    engine.executor = counter = PathCounter(engine.executor)
+    worker, pending, checked, done = counter.inner.worker, [], 0, {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        for rid, tokens in pending:  # the step after the move: the first len(tokens) slots are final
+            if rid in worker.runner.block_tables:
+                torch.testing.assert_close(probes.kv_snapshot(worker, rid, len(tokens)),
+                                           _fresh_prefill_kv(reference, tokens), atol=1e-5, rtol=1e-4)
+                checked += 1
+        pending = [(r.req_id, r.all_token_ids[: r.num_computed_tokens]) for r in engine.scheduler.running
+                   if r.req_id in counter.last_moved]
+    assert [done[i] for i in ids] == want
+    assert counter.moved > 0 and checked >= 3
+
+
+def _fresh_prefill_kv(engine, tokens: list[int]) -> torch.Tensor:
+    rid = engine.add_request(list(tokens), greedy(2))
+    engine.step()  # the prefill and the first token
+    kv = probes.kv_snapshot(engine.executor.worker, rid, len(tokens))
+    engine.abort_request([rid])
+    return kv
+
+
+# ---- greedy output -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(TREE_SPECS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tree_drafters_greedy_equal_plain(tiny_llama_dir, plain_outputs, name, batch):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=TREE_SPECS[name])
+    llm.engine.executor = counter = PathCounter(llm.engine.executor)
+    start = llm.engine.scheduler.block_manager.num_free_blocks
+    if batch == 1:
+        outs = [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
+    else:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
+    assert llm.engine.scheduler.block_manager.num_free_blocks == start
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 4, "num_kv_blocks": 40}, {"max_num_batched_tokens": 16}],
+                         ids=["preemption", "chunked-prefill"])
+def test_tree_greedy_under_preemption_and_chunked_prefill(tiny_llama_dir, plain_outputs, kw):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_TREE, **kw)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    if "num_kv_blocks" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.block_manager.num_free_blocks == 40
+
+
+def test_tree_stop_string(tiny_llama_dir, plain):
+    text = plain.generate([PROMPTS[0]], greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = text[5:9]
+    want = plain.generate([PROMPTS[0]], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_TREE)
+    got = llm.generate([PROMPTS[0]], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_sampled_tree_drafts_run_and_are_seeded(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_TREE)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=5, ignore_eos=True)
+    first = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert token_ids(llm.generate(PROMPTS[::-1], params, use_tqdm=False))[::-1] == first
+
+
+def test_bad_token_tree_is_a_clear_error(tiny_llama_dir):
+    for bad, match in [("[[0], [", "not JSON"), ([[0], [-1]], "ranks >= 0"), ([], "non-empty"), ([[0], 3], "path")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(tiny_llama_dir), max_model_len=256,
+                speculative_config={**NGRAM_STATIC, "speculative_token_tree": bad})
