@@ -1,0 +1,267 @@
+"""Verify a token tree of drafts against the target, batched: greedy matching and sibling rejection sampling.
+
+Request b proposed k_b draft nodes; node i has token x_i and a parent (-1: the root, the last kept token; else an
+earlier node, so nodes are in topological order). The target scored k_b + 1 rows: row 0 the root, row i + 1 node
+i, and p_r = the request's warped target distribution at row r (the token AFTER that row's token). Row r's
+children are tried in node order.
+
+Sampling (deterministic drafts, q = one-hot; the sibling scheme of EAGLE and SGLang's tree speculative
+sampling). Start at the root with r = p_0; for each child c of the current row, with u_c ~ U[0, 1):
+
+    accept c   iff   u_c * sum(r) < r(x_c)           (u_c < r(x_c) / sum(r): r renormalised implicitly)
+    on accept:  move to c's row and restart with r = p_(row of c)
+    on reject:  r(x_c) = 0, then try the next sibling
+    extra token ~ r / sum(r)  once every child of the current row is rejected (or it has none)
+
+Each sibling test is the one-draft rejection step of Leviathan et al. against the residual left by the earlier
+siblings, so the token emitted at each row is distributed exactly as p_row, and the path plus the extra token is
+distributed as sampling from the target one token at a time.
+
+Greedy: a = argmax of every row; node i is correct iff x_i == a[parent row of i] and its parent is correct (the
+root always is). The deepest correct node is accepted (ties: the smallest index; with distinct sibling tokens the
+correct nodes form one chain and the sampling rule gives the same path for greedy rows, whose p is one-hot and
+u = 0), and the extra token is a at its row.
+
+Everything is padded (K nodes, M children per row, D = max depth, over the batch) and masked; the loops run over
+depth and sibling index only (host ints), so nothing reads a tensor value back to the host except
+:func:`unpad_tree`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from specray.sampling import SamplingBatch, logits_to_probs, sample
+from specray.verification import (TargetLogprobs, _accept_uniforms, _assemble, _entry, _gather_position, _to_host,
+                                  target_logprobs)
+
+
+class PaddedTree(NamedTuple):
+    target_logits: torch.Tensor  # [B, K+1, V]: row 0 the root, row i+1 node i; padding repeats the last row
+    draft_token_ids: torch.Tensor  # [B, K] int64 x_i (padding: 0)
+    parent_rows: torch.Tensor  # [B, K] int64: the row of node i's parent (0: the root; padding points at 0)
+    num_drafts: torch.Tensor  # [B] int64 k_b
+    draft_counts: list[int]  # the host copy of num_drafts
+    children: torch.Tensor  # [B, K+1, M] int64: each row's children rows in node order, -1 padded
+    max_depth: int  # D: the deepest node over the batch (the root is depth 0, the first level 1)
+    depths: torch.Tensor  # [B, K] int64: each node's depth (padding: 0)
+
+
+class TreeVerdict(NamedTuple):
+    output_tokens: torch.Tensor  # [B, D+1] int64: the accepted path's tokens, the extra token, then -1
+    num_accepted: torch.Tensor  # [B] int64 n_b: the accepted path's length (its last node's depth)
+    path_rows: torch.Tensor  # [B, D+1] int64: output token j was chosen at row path_rows[b, j]; then repeats
+
+
+# ---- the padded layout --------------------------------------------------------------------------------------
+
+
+def _depths(parents: Sequence[int]) -> list[int]:
+    """depth(i) = 1 for a child of the root, else depth(parent) + 1 (parents[i] < i: one pass)."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        assert -1 <= p < i, f"node {i} has parent {p}: parents must be -1 or an earlier node"
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def _children_rows(parents: Sequence[int]) -> list[list[int]]:
+    """The children rows of each of the k + 1 rows, in node order (node i is row i + 1, its parent row p + 1)."""
+    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        kids[p + 1].append(i + 1)
+    return kids
+
+
+def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]],
+                    draft_parents: Sequence[Sequence[int]]) -> PaddedTree:
+    """Ragged per-request trees -> the padded layout of :func:`verify_tree`, built from host lists only.
+
+    logits [T, V]: request b's k_b + 1 rows (root, then its nodes in order), requests back to back
+    (T = sum_b (k_b + 1)). draft_token_ids[b], draft_parents[b]: request b's k_b tokens and parents
+    (-1 = the root, else an earlier node). A chain is parents = [-1, 0, 1, ..., k - 2].
+    """
+    counts = [len(d) for d in draft_token_ids]
+    assert len(draft_parents) == len(counts) and [len(p) for p in draft_parents] == counts, (counts, draft_parents)
+    B, K, V = len(counts), max(counts, default=0), logits.shape[-1]
+    assert logits.shape[0] == sum(counts) + B, (logits.shape, counts)
+    device = logits.device
+    depths = [_depths(p) for p in draft_parents]
+    kids = [_children_rows(p) for p in draft_parents]
+    M = max((len(c) for rows in kids for c in rows), default=0) or 1
+    rows, table, children, start = [], [], [], 0
+    for k, ids, parents, dep, ks in zip(counts, draft_token_ids, draft_parents, depths, kids):
+        rows.extend(start + min(j, k) for j in range(K + 1))
+        pad = [0] * (K - k)
+        table.append([list(ids) + pad, [p + 1 for p in parents] + pad, dep + pad])  # [3, K]
+        children.extend(c + [-1] * (M - len(c)) for c in ks + [[]] * (K - k))  # K+1 rows of M
+        start += k + 1
+    target = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)).view(B, K + 1, V)
+    ids_t, parent_rows, depth_t = torch.tensor(table, dtype=torch.long, device=device).view(B, 3, K).unbind(1)
+    children_t = torch.tensor(children, dtype=torch.long, device=device).view(B, K + 1, M)
+    num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
+    max_depth = max((max(d, default=0) for d in depths), default=0)
+    return PaddedTree(target, ids_t, parent_rows, num_drafts, counts, children_t, max_depth, depth_t)
+
+
+# ---- verification -------------------------------------------------------------------------------------------
+
+
+def verify_tree(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
+    """Verify every request's tree in one batch: the greedy walk for an all-greedy batch (argmax only), else
+    sibling rejection sampling (greedy rows inside it are greedy through their one-hot p and u = 0).
+
+    Per seeded request the randomness drawn is k_b uniforms (node i's u, tested at most once), then V
+    exponentials for the extra token, so its stream depends only on its own tree; greedy requests draw none.
+    """
+    B, K1, _ = padded.target_logits.shape
+    assert len(batch) == B, (len(batch), B)
+    assert padded.draft_token_ids.shape == (B, K1 - 1), (padded.draft_token_ids.shape, B, K1)
+    if batch.all_greedy:
+        return _verify_greedy(padded)
+    return _verify_sampled(padded, batch)
+
+
+def _row_table(x: torch.Tensor, root: float | int) -> torch.Tensor:
+    """A per-node table [B, K] -> per-row [B, K+1] (row i + 1 = node i), row 0 holding ``root``."""
+    return F.pad(x, (1, 0), value=root)
+
+
+def _verdict(padded: PaddedTree, path: torch.Tensor, n: torch.Tensor, extra: torch.Tensor) -> TreeVerdict:
+    """path [B, D+1] rows, n [B], extra [B] -> the tokens of rows path[1 .. n], the extra token, then -1."""
+    row_tokens = _row_table(padded.draft_token_ids, 0)  # [B, K+1]
+    path_tokens = row_tokens.gather(1, path[:, 1:])  # [B, D]
+    return TreeVerdict(_assemble(path_tokens, n, extra), n, path)
+
+
+def _verify_greedy(padded: PaddedTree) -> TreeVerdict:
+    """a = argmax [B, K+1]; accept the deepest correct node (ties: the smallest index); extra = a at its row."""
+    a = padded.target_logits.argmax(dim=-1)  # [B, K+1]
+    correct = _correct_rows(a, padded)  # [B, K+1]
+    K1 = a.shape[1]
+    depth = _row_table(padded.depths, 0)  # [B, K+1]
+    rows = torch.arange(K1, device=a.device)  # [K+1]
+    key = torch.where(correct, depth * (K1 + 1) - rows, -1)  # deeper first, then the smaller row; row 0: 0
+    best = key.argmax(dim=-1)  # [B]
+    n = depth.gather(1, best[:, None]).squeeze(1)  # [B]
+    path = _ancestor_path(_row_table(padded.parent_rows, 0), best, n, padded.max_depth)  # [B, D+1]
+    return _verdict(padded, path, n, a.gather(1, best[:, None]).squeeze(1))
+
+
+def _correct_rows(a: torch.Tensor, padded: PaddedTree) -> torch.Tensor:
+    """a [B, K+1] -> correct [B, K+1] bool: row 0 always; node i iff i < k_b, x_i == a[parent row] and its parent
+    is correct. ``match`` alone is exact at depth 1; each further round of gather makes one more level exact."""
+    K = padded.draft_token_ids.shape[1]
+    real = torch.arange(K, device=a.device)[None, :] < padded.num_drafts[:, None]  # [B, K]
+    match = (padded.draft_token_ids == a.gather(1, padded.parent_rows)) & real  # [B, K]
+    correct = match
+    for _ in range(padded.max_depth - 1):
+        correct = match & _row_table(correct, True).gather(1, padded.parent_rows)
+    return _row_table(correct, True)
+
+
+def _ancestor_path(parent_of_row: torch.Tensor, last: torch.Tensor, n: torch.Tensor, D: int) -> torch.Tensor:
+    """parent_of_row [B, K+1], last [B] (a row at depth n [B]) -> path [B, D+1]: its ancestor at depth j for
+    j <= n, then ``last`` repeated. Walks up from depth D: entering step j the row is at depth min(n, j + 1)."""
+    cur, cols = last, [last]
+    for j in range(D - 1, -1, -1):
+        up = parent_of_row.gather(1, cur[:, None]).squeeze(1)  # [B]
+        cur = torch.where(j < n, up, cur)
+        cols.append(cur)
+    return torch.stack(cols[::-1], dim=1)
+
+
+def _verify_sampled(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
+    """Walk down one level per round (D + 1 rounds; at depth D no row has children): r = p of the current row
+    [B, V] (only the rows needed), try its children; rows that accepted none stop with their residual r."""
+    logits, children, D = padded.target_logits, padded.children, padded.max_depth
+    B, K1, V = logits.shape
+    device = logits.device
+    u = _row_table(_accept_uniforms(batch, K1 - 1, padded.draft_counts, device), 0.0)  # [B, K+1] u of each row
+    row_tokens = _row_table(padded.draft_token_ids, 0)  # [B, K+1]
+    cur = torch.zeros(B, dtype=torch.long, device=device)  # [B] the current row
+    live = torch.ones(B, dtype=torch.bool, device=device)  # [B] still walking
+    n = torch.zeros(B, dtype=torch.long, device=device)
+    path, residual, p_stop = [cur], None, None
+    for level in range(D + 1):
+        p = logits_to_probs(_gather_position(logits, cur), batch)  # [B, V] p of the current row
+        r, moved = p, torch.zeros_like(live)
+        if level < D:
+            r, nxt, moved = _try_children(p, _gather_position(children, cur), row_tokens, u, live)
+            cur = torch.where(moved, nxt, cur)
+            n = n + moved.long()
+            path.append(cur)  # a stopped row repeats its last row
+        stop = (live & ~moved)[:, None]  # [B, 1] rows that end here keep this r (and p, the fallback)
+        residual = r if residual is None else torch.where(stop, r, residual)
+        p_stop = p if p_stop is None else torch.where(stop, p, p_stop)
+        live = moved
+    extra_dist = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)  # no mass left: fall back to p
+    return _verdict(padded, torch.stack(path, dim=1), n, sample(extra_dist, batch))
+
+
+def _try_children(p: torch.Tensor, kids: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor,
+                  live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p [B, V], kids [B, M] (rows, -1 padded), row_tokens, u [B, K+1], live [B] -> (r [B, V], next row [B],
+    moved [B]): the children tried in order against the residual r (starting at p) until one is accepted."""
+    r, nxt, moved = p, kids[:, 0], torch.zeros_like(live)
+    for s in range(kids.shape[1]):
+        c = kids[:, s]  # [B]
+        r, accept = _try_child(r, c, row_tokens, u, live & ~moved)
+        nxt = torch.where(accept, c, nxt)
+        moved = moved | accept
+    return r, nxt, moved
+
+
+def _try_child(r: torch.Tensor, c: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor,
+               tested: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """r [B, V], c [B] (a child row or -1), tested [B] -> (r, accept [B]):
+    accept iff c exists and u_c * sum(r) < r(x_c); a rejected x_c leaves r (r(x_c) = 0)."""
+    tested = tested & (c >= 0)
+    c = c.clamp_min(0)[:, None]  # [B, 1]
+    x = row_tokens.gather(1, c)  # [B, 1]
+    accept = tested & (u.gather(1, c).squeeze(1) * r.sum(-1) < r.gather(1, x).squeeze(1))  # [B]
+    return _remove_token(r, x, tested & ~accept), accept
+
+
+def _remove_token(r: torch.Tensor, x: torch.Tensor, reject: torch.Tensor) -> torch.Tensor:
+    """r [B, V], x [B, 1], reject [B] -> r with r(x) = 0 on the rejected rows (the renormalisation is implicit:
+    the next test and the sampler divide by sum(r))."""
+    return torch.where(reject[:, None], r.scatter(1, x, 0.0), r)
+
+
+# ---- logprobs and the host sync -----------------------------------------------------------------------------
+
+
+def tree_logprobs(padded: PaddedTree, verdict: TreeVerdict,
+                  num_logprobs: Sequence[int | None]) -> TargetLogprobs | None:
+    """Raw logprobs (log_softmax of the raw logits) of each output token and the top-k: output token j was chosen
+    at row path_rows[b, j], so the path's logits [B, D+1, V] go to :func:`verification.target_logprobs`."""
+    if all(k is None for k in num_logprobs):
+        return None
+    logits = padded.target_logits
+    index = verdict.path_rows[..., None].expand(-1, -1, logits.shape[-1])  # [B, D+1, V]
+    return target_logprobs(logits.gather(1, index), verdict.output_tokens, num_logprobs)
+
+
+def unpad_tree(verdict: TreeVerdict, logprobs: TargetLogprobs | None
+               ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None]:
+    """The step's one host sync -> (each request's kept tokens, the accepted draft indices in path order, and per
+    request one {token_id: logprob} per kept token ([] for a request that asked for none; None when none asked))."""
+    tensors = [verdict.output_tokens, verdict.num_accepted, verdict.path_rows]
+    if logprobs is not None:
+        tensors += [logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs]
+    host = _to_host(tensors)
+    tokens, counts, path = host[0], [int(k) for k in host[1]], host[2]
+    kept = [[int(t) for t in row[: k + 1]] for row, k in zip(tokens, counts)]
+    nodes = [[int(r) - 1 for r in row[1 : k + 1]] for row, k in zip(path, counts)]
+    if logprobs is None:
+        return kept, nodes, None
+    per_request: list[list[dict[int, float]]] = [[] for _ in kept]
+    for m, (b, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
+        per_request[b] = [_entry(t, host[3][m][j], host[4][m][j][:k], host[5][m][j][:k])
+                          for j, t in enumerate(kept[b])]
+    return kept, nodes, per_request

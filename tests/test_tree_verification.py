@@ -1,0 +1,432 @@
+"""specray.tree_verification: the padded layout; greedy trees against a plain reference walk (and chains against
+verification.verify); sibling rejection sampling reproduces the target (chi-square over the first token and the
+first pair, with a broken variant that must fail); seeded streams are batch-independent; mixed and empty rows;
+a 64-node tree; logprobs at the path rows; nothing syncs with the host."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specray import tree_verification
+from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
+from specray.sampling_params import SamplingParams as SP
+from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
+from specray.verification import pad_drafts, verify
+
+GREEDY = SP(temperature=0.0)
+
+
+def build(params, seeds=None):
+    seeds = seeds or [p.seed for p in params]
+    return SamplingBatch.build(params, [make_generator(s, "cpu") for s in seeds], "cpu")
+
+
+def run(logits, tokens, parents, params, seeds=None):
+    """pad + verify + unpad -> (kept, accepted nodes, the padded tree, the verdict)."""
+    padded = pad_tree_drafts(logits, tokens, parents)
+    verdict = verify_tree(padded, build(params, seeds))
+    kept, nodes, _ = unpad_tree(verdict, None)
+    return kept, nodes, padded, verdict
+
+
+# ---- the padded layout --------------------------------------------------------------------------------------
+
+
+def test_pad_tree_layout():
+    V = 5
+    logits = torch.arange(11 * V, dtype=torch.float32).view(11, V)  # rows: 5 + 1 + 2 + 3
+    tokens = [[1, 2, 3, 4], [], [0], [2, 3]]
+    parents = [[-1, -1, 0, 2], [], [-1], [-1, 0]]
+    pt = pad_tree_drafts(logits, tokens, parents)
+    assert pt.target_logits.shape == (4, 5, V)
+    assert pt.target_logits[:, :, 0].tolist() == [[0, 5, 10, 15, 20], [25] * 5, [30, 35, 35, 35, 35],
+                                                  [40, 45, 50, 50, 50]]
+    assert pt.draft_token_ids.tolist() == [[1, 2, 3, 4], [0] * 4, [0] * 4, [2, 3, 0, 0]]
+    assert pt.parent_rows.tolist() == [[0, 0, 1, 3], [0] * 4, [0] * 4, [0, 1, 0, 0]]
+    assert pt.depths.tolist() == [[1, 1, 2, 3], [0] * 4, [1, 0, 0, 0], [1, 2, 0, 0]]
+    assert pt.num_drafts.tolist() == [4, 0, 1, 2] and pt.draft_counts == [4, 0, 1, 2] and pt.max_depth == 3
+    assert pt.children.tolist() == [
+        [[1, 2], [3, -1], [-1, -1], [4, -1], [-1, -1]],
+        [[-1, -1]] * 5,
+        [[1, -1]] + [[-1, -1]] * 4,
+        [[1, -1], [2, -1]] + [[-1, -1]] * 3,
+    ]
+    empty = pad_tree_drafts(logits[:2], [[], []], [[], []])
+    assert empty.children.shape == (2, 1, 1) and empty.max_depth == 0 and empty.draft_token_ids.shape == (2, 0)
+    with pytest.raises(AssertionError):
+        pad_tree_drafts(logits[:3], [[1, 2]], [[-1, 1]])  # a parent must be an earlier node
+
+
+# ---- greedy -------------------------------------------------------------------------------------------------
+
+
+def random_tree(rng: random.Random, argmax_of_row, V: int, max_nodes: int, max_depth: int = 4,
+                max_children: int = 3, p_match: float = 0.6):
+    """(tokens, parents): nodes attach to random earlier rows (depth < max_depth, < max_children children);
+    a node's token is its parent row's argmax with probability p_match (if no sibling took it), else another
+    token no sibling has, so sibling tokens are distinct."""
+    tokens, parents, depth, kids = [], [], {-1: 0}, {-1: []}
+    for i in range(rng.randrange(max_nodes + 1)):
+        open_ = [p for p in [-1] + list(range(i)) if depth[p] < max_depth and len(kids[p]) < max_children]
+        p = rng.choice(open_)
+        taken = {tokens[c] for c in kids[p]}
+        a = argmax_of_row(p + 1)
+        free = [t for t in range(V) if t not in taken and t != a]
+        tok = a if a not in taken and rng.random() < p_match else rng.choice(free)
+        tokens.append(tok)
+        parents.append(p)
+        depth[i], kids[i] = depth[p] + 1, []
+        kids[p].append(i)
+    return tokens, parents
+
+
+def reference_walk(row_logits: torch.Tensor, tokens, parents):
+    """Plain python: from the root follow the child whose token is the argmax of the current row."""
+    argmax = row_logits.argmax(-1).tolist()
+    cur, nodes = -1, []
+    while True:
+        nxt = [i for i, p in enumerate(parents) if p == cur and tokens[i] == argmax[cur + 1]]
+        if not nxt:
+            return [tokens[i] for i in nodes] + [argmax[cur + 1]], nodes
+        cur = nxt[0]
+        nodes.append(cur)
+
+
+def random_greedy_batch(seed: int, B: int = 24, V: int = 8, max_nodes: int = 12):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    rows, tokens, parents = [], [], []
+    for _ in range(B):
+        logits = torch.randn(max_nodes + 1, V, generator=g)
+        argmax = logits.argmax(-1).tolist()
+        t, p = random_tree(rng, lambda r: argmax[r], V, max_nodes)
+        rows.append(logits[: len(t) + 1])
+        tokens.append(t)
+        parents.append(p)
+    return torch.cat(rows), rows, tokens, parents
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("general_path", [False, True])
+def test_greedy_equals_the_reference_walk(seed, general_path):
+    """Random trees (depth <= 4, branching <= 3); the all-greedy fast path, and greedy rows beside a sampled row
+    (the sampling path with one-hot p and u = 0), both give the reference walk."""
+    logits, rows, tokens, parents = random_greedy_batch(seed)
+    B = len(tokens)
+    params = [GREEDY] * B
+    if general_path:  # one sampled request appended forces the general path
+        logits, params = torch.cat([logits, rows[0]]), params + [SP()]
+        tokens, parents = tokens + [tokens[0]], parents + [parents[0]]
+    kept, nodes, padded, verdict = run(logits, tokens, parents, params)
+    depths = []
+    for b in range(B):
+        assert (kept[b], nodes[b]) == reference_walk(rows[b], tokens[b], parents[b]), b
+        depths.append(len(nodes[b]))
+    assert len(set(depths)) >= 3 and max(depths) >= 2, depths  # the trees match to various depths
+    # path_rows: row 0, the accepted nodes' rows, then the last one repeated; -1 after the extra token.
+    path = verdict.path_rows.tolist()
+    for b in range(B):
+        n = len(nodes[b])
+        assert path[b] == [0] + [i + 1 for i in nodes[b]] + [path[b][n]] * (padded.max_depth - n)
+        assert verdict.output_tokens[b].tolist() == kept[b] + [-1] * (padded.max_depth - n)
+
+
+def test_greedy_duplicate_siblings_deepest_then_smallest_index():
+    """Siblings with the same token (a drafter that does not dedupe): the fast path accepts the deepest correct
+    node, ties to the smallest index. (The sampling path, greedy rows included, takes the first accepted child;
+    the two agree whenever sibling tokens are distinct.)"""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    a = logits.argmax(-1).tolist()
+    trees = [([a[0], a[0], a[2]], [-1, -1, 1]),  # the second duplicate has a correct child: it wins
+             ([a[0], a[0], (a[1] + 1) % 8], [-1, -1, 0])]  # no correct child anywhere: the first duplicate
+    kept, nodes, _, _ = run(torch.cat([logits, logits]), [t for t, _ in trees], [p for _, p in trees],
+                            [GREEDY] * 2)
+    assert nodes == [[1, 2], [0]] and kept == [[a[0], a[2], a[3]], [a[0], a[1]]]
+
+
+def chain_inputs(seed: int, B: int = 16, V: int = 8, K: int = 4):
+    """Random chains with k_b in 0..K whose drafts are mostly the argmax: (flat logits, drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, drafts = [], []
+    for b in range(B):
+        k = b % (K + 1)
+        logits = torch.randn(k + 1, V, generator=g)
+        wrong = torch.rand(k, generator=g) < 0.25
+        drafts.append(torch.where(wrong, torch.randint(V, (k,), generator=g), logits[:k].argmax(-1)).tolist())
+        rows.append(logits)
+    return torch.cat(rows), drafts
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "mixed"])
+def test_chains_equal_verify(mode):
+    """A chain is parents = [-1, 0, ..., k-2]: the same outputs as verification.verify on the same inputs, for
+    sampled rows too (seeded and unseeded: the same uniforms, then the same exponentials)."""
+    logits, drafts = chain_inputs(seed=5)
+    B = len(drafts)
+    parents = [list(range(-1, len(d) - 1)) for d in drafts]
+    choices = {"greedy": [GREEDY], "sampled": [SP(seed=3), SP(), SP(temperature=0.7, top_k=3, seed=4)],
+               "mixed": [GREEDY, SP(seed=3), SP(top_p=0.8), SP(temperature=0.0, seed=5)]}[mode]
+    params = [choices[b % len(choices)] for b in range(B)]
+    for step in range(3):
+        torch.manual_seed(step)
+        pt = pad_tree_drafts(logits, drafts, parents)
+        tree = verify_tree(pt, build(params))
+        torch.manual_seed(step)
+        pd = pad_drafts(logits, drafts)
+        out, n = verify(*pd[:4], build(params), draft_counts=pd.draft_counts)
+        assert torch.equal(tree.output_tokens, out) and torch.equal(tree.num_accepted, n), step
+    if mode == "greedy":
+        assert int(n.sum()) > B // 2
+
+
+# ---- sibling rejection sampling reproduces the target ----------------------------------------------------------
+
+V = 6
+N_TRIALS = 40_000
+
+
+class ToyLM:
+    """Bigram logits over V tokens: the root row has fixed logits, a node's row depends on its token."""
+
+    def __init__(self, seed: int, scale: float = 1.2):
+        g = torch.Generator().manual_seed(seed)
+        self.first = torch.randn(V, generator=g) * scale  # [V]
+        self.bigram = torch.randn(V, V, generator=g) * scale  # [prev, V]
+
+    def tree_logits(self, root: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """root [n, V] logits of each request's root row; tokens: the tree's k tokens -> [n * (k + 1), V]."""
+        rows = [root] + [self.bigram[t].expand(root.shape[0], V) for t in tokens]
+        return torch.stack(rows, 1).reshape(-1, V)
+
+
+def reference_probs(logits: torch.Tensor, sp: SP) -> np.ndarray:
+    """The warped distribution from the definitions (float64 numpy): softmax(l / T), then top-k."""
+    z = logits.double().numpy() / sp.temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    if sp.top_k:
+        kth = -np.sort(-z, axis=-1)[..., sp.top_k - 1 : sp.top_k]
+        p = np.where(z >= kth, p, 0.0)
+    return p / p.sum(-1, keepdims=True)
+
+
+# (tokens, parents): 2 siblings at the first level with two children under the first; 3 siblings (the least
+# likely first, so later ones meet a residual) with a second level, and a third, under the third. Tokens are
+# fixed, sibling tokens distinct, and chosen so that every level both accepts and rejects often (with ToyLM(3) at
+# T = 1, p0 = [.39 .18 .17 .07 .16 .03]; the 2-sibling tree ends at depth 0 / 1 / 2 in 42% / 43% / 15% of the
+# trials, the 3-sibling tree in 28% / 62% / 10%).
+TREES = [
+    ([0, 1, 5, 4], [-1, -1, 0, 0]),
+    ([4, 0, 2, 5, 1, 2], [-1, -1, -1, 2, 2, 3]),
+]
+SECOND_STEP_TREE = ([0, 1], [-1, -1])  # the second step's tree, for the trials that kept one token
+
+
+def first_two_tokens(lm: ToyLM, tree, sp: SP, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """N_TRIALS independent requests in one batch until each has 2 tokens -> (t0 [N], t1 [N])."""
+    torch.manual_seed(seed)
+    n = N_TRIALS
+    tokens, parents = tree
+    logits = lm.tree_logits(lm.first.expand(n, V), tokens)
+    v = verify_tree(pad_tree_drafts(logits, [tokens] * n, [parents] * n), build([sp] * n, [None] * n))
+    t0, t1 = v.output_tokens[:, 0], v.output_tokens[:, 1].clone()
+    need = v.num_accepted == 0  # step 2 for those that kept one token: a tree after t0
+    m = int(need.sum())
+    tokens2, parents2 = SECOND_STEP_TREE
+    logits2 = lm.tree_logits(lm.bigram[t0[need]], tokens2)
+    v2 = verify_tree(pad_tree_drafts(logits2, [tokens2] * m, [parents2] * m), build([sp] * m, [None] * m))
+    t1[need] = v2.output_tokens[:, 0]
+    return t0, t1
+
+
+def chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Goodness of fit; cells with probability 0 must be empty (else p = 0)."""
+    if observed[expected_probs == 0].sum() > 0:
+        return 0.0
+    on = expected_probs > 0
+    return chisquare(observed[on], expected_probs[on] / expected_probs[on].sum() * observed.sum()).pvalue
+
+
+def pvalues(lm: ToyLM, sp: SP, t0: torch.Tensor, t1: torch.Tensor) -> tuple[float, float]:
+    """p-values of the first token against p(x0) and of the pair against p(x0) p(x1 | x0)."""
+    p0 = reference_probs(lm.first, sp)  # [V]
+    p1 = reference_probs(lm.bigram, sp)  # [V, V] rows: the previous token
+    first = np.bincount(t0.numpy(), minlength=V).astype(float)
+    pair = np.bincount((t0 * V + t1).numpy(), minlength=V * V).astype(float)
+    return chi2_pvalue(first, p0), chi2_pvalue(pair, (p0[:, None] * p1).ravel())
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["2-siblings", "3-siblings"])
+@pytest.mark.parametrize("sp", [SP(), SP(temperature=0.7, top_k=4)], ids=["T1", "T0.7-topk4"])
+def test_sibling_sampling_reproduces_the_target(tree, sp):
+    lm = ToyLM(seed=3)
+    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp))
+    assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
+
+
+def try_child_without_division(r, c, row_tokens, u, tested):
+    """Broken: removes rejected siblings but tests u_c < r(x_c), forgetting to renormalise by sum(r)."""
+    tested = tested & (c >= 0)
+    c = c.clamp_min(0)[:, None]
+    x = row_tokens.gather(1, c)
+    accept = tested & (u.gather(1, c).squeeze(1) < r.gather(1, x).squeeze(1))
+    return tree_verification._remove_token(r, x, tested & ~accept), accept
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["2-siblings", "3-siblings"])
+@pytest.mark.parametrize("broken", ["no_renormalisation", "no_division"])
+def test_broken_variants_fail_the_same_test(tree, broken, monkeypatch):
+    """no_renormalisation: a rejected sibling is never removed, so every sibling is tested against the original
+    p (accept iff u_c < p(x_c)) and the extra token comes from p, not the residual. no_division: removed, but
+    the test forgets sum(r). Both must fail, so the test has teeth."""
+    if broken == "no_renormalisation":
+        monkeypatch.setattr(tree_verification, "_remove_token", lambda r, x, reject: r)
+    else:
+        monkeypatch.setattr(tree_verification, "_try_child", try_child_without_division)
+    lm, sp = ToyLM(seed=3), SP()
+    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp))
+    assert max(p_first, p_pair) < 1e-6, (p_first, p_pair)
+
+
+# ---- mixed batches, empty rows, a big tree ----------------------------------------------------------------------
+
+
+def test_zero_drafts_everywhere_is_plain_sampling():
+    """K = 0 for every row: the same token sample() draws from the same generator state."""
+    logits = torch.randn(3, 50)
+    params = [SP(seed=1), SP(seed=2, top_k=5), SP(temperature=0.0, seed=3)]
+    kept, nodes, _, v = run(logits, [[], [], []], [[], [], []], params)
+    b = build(params)
+    assert kept == [[t] for t in sample(logits_to_probs(logits, b), b).tolist()] and nodes == [[], [], []]
+    assert v.output_tokens.shape == (3, 1) and v.path_rows.tolist() == [[0]] * 3
+
+
+def test_mixed_greedy_sampled_and_empty_rows():
+    """Greedy rows beside sampled ones give the all-greedy result and leave their generators untouched; a
+    seeded row with no drafts draws what plain sampling draws."""
+    logits, rows, tokens, parents = random_greedy_batch(seed=11, B=6)
+    tokens[2], parents[2] = [], []  # a greedy row with no drafts
+    logits = torch.cat([r[: len(t) + 1] for r, t in zip(rows, tokens)])
+    greedy_kept, greedy_nodes, _, _ = run(logits, tokens, parents, [GREEDY] * 6)
+    root = torch.randn(1, 8)
+    extra_rows = [rows[0][: len(tokens[0]) + 1], root, rows[1][: len(tokens[1]) + 1]]
+    params = [SP(temperature=0.0, seed=s) for s in range(6)] + [SP(seed=40), SP(seed=41, top_k=3), SP()]
+    gens = [make_generator(p.seed, "cpu") for p in params]
+    states = [g.get_state() for g in gens[:6]]
+    padded = pad_tree_drafts(torch.cat([logits] + extra_rows), tokens + [tokens[0], [], tokens[1]],
+                             parents + [parents[0], [], parents[1]])
+    kept, nodes, _ = unpad_tree(verify_tree(padded, SamplingBatch.build(params, gens, "cpu")), None)
+    assert kept[:6] == greedy_kept and nodes[:6] == greedy_nodes
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
+    alone = build([SP(seed=41, top_k=3)])
+    assert kept[7] == sample(logits_to_probs(root, alone), alone).tolist() and nodes[7] == []
+
+
+def big_tree(V: int = 32, seed: int = 0):
+    """64 nodes, depth 6: a chain of 6 along the argmax, then 58 nodes under random rows of depth < 6 (distinct
+    sibling tokens, none equal to the parent row's argmax) -> (logits [65, V], tokens, parents)."""
+    rng = random.Random(seed)
+    logits = torch.randn(65, V, generator=torch.Generator().manual_seed(seed))
+    argmax = logits.argmax(-1).tolist()
+    tokens, parents, depth = [], [], {-1: 0}
+    for i in range(64):
+        p = i - 1 if i < 6 else rng.choice([q for q in range(-1, i) if depth[q] < 6])
+        taken = {tokens[c] for c, q in enumerate(parents) if q == p} | {argmax[p + 1]}
+        tokens.append(argmax[p + 1] if i < 6 else rng.choice([t for t in range(V) if t not in taken]))
+        parents.append(p)
+        depth[i] = depth[p] + 1
+    return logits, tokens, parents
+
+
+def test_64_node_tree():
+    logits, tokens, parents = big_tree()
+    kept, nodes, padded, _ = run(logits, [tokens], [parents], [GREEDY])
+    assert padded.max_depth == 6 and padded.children.shape[-1] >= 3
+    assert nodes == [[0, 1, 2, 3, 4, 5]] and kept[0] == tokens[:6] + [int(logits[6].argmax())]
+    for params in ([SP(seed=1)], [SP(temperature=0.5, seed=2)], [GREEDY, SP(seed=3)]):
+        B = len(params)
+        kept, nodes, _, v = run(torch.cat([logits] * B), [tokens] * B, [parents] * B, params)
+        for b in range(B):  # a valid path: each accepted node's parent is the previous one, tokens match
+            assert [parents[i] for i in nodes[b]] == ([-1] + nodes[b])[:-1]
+            assert kept[b][:-1] == [tokens[i] for i in nodes[b]]
+    assert nodes[0] == [0, 1, 2, 3, 4, 5]  # the greedy row beside a sampled one
+
+
+# ---- seeded streams -------------------------------------------------------------------------------------------
+
+
+def test_seeded_request_same_alone_and_in_batch():
+    """A seeded request draws k_b uniforms then V exponentials from its own generator, whatever the other trees
+    (other K, branching and depth, seeded, unseeded and greedy neighbours) and its position in the batch."""
+    Vs = 40
+    g = torch.Generator().manual_seed(0)
+    tokens, parents = [3, 7, 1, 9, 2], [-1, -1, 0, 0, 3]
+    mine = torch.randn(6, Vs, generator=g) * 0.3  # flat: siblings get rejected now and then
+    sp = SP(temperature=1.0, top_k=30, seed=42)
+    others = [([4, 5, 6, 7, 8, 9, 10], [-1, -1, -1, -1, 0, 4, 5], SP()),
+              ([1], [-1], SP(seed=7)),
+              ([2, 3, 4], [-1, 0, 1], SP(temperature=0.0, seed=9)),
+              ([], [], SP(top_p=0.5, seed=8))]
+
+    def steps(neighbours, pos, n_steps=6):
+        reqs = neighbours[:pos] + [(tokens, parents, sp)] + neighbours[pos:]
+        logits = torch.cat([mine if t is tokens else torch.randn(len(t) + 1, Vs, generator=g) for t, _, _ in reqs])
+        padded = pad_tree_drafts(logits, [t for t, _, _ in reqs], [p for _, p, _ in reqs])
+        batch = build([s for _, _, s in reqs])
+        out = []
+        for _ in range(n_steps):
+            kept, nodes, _ = unpad_tree(verify_tree(padded, batch), None)
+            out.append((kept[pos], nodes[pos]))
+        return out
+
+    alone = steps([], 0)
+    assert len({tuple(k) for k, _ in alone}) > 1 and any(n for _, n in alone)  # the stream moves on
+    assert steps(others, 2) == alone
+    assert steps(others[::-1], 1) == alone
+    assert steps(others[1:], 3) == alone
+
+
+# ---- logprobs ------------------------------------------------------------------------------------------------
+
+
+def test_logprobs_at_the_path_rows():
+    logits, rows, tokens, parents = random_greedy_batch(seed=2, B=5, max_nodes=8)
+    num_logprobs = [2, None, 0, 3, 1]
+    params = [GREEDY, SP(seed=1), SP(seed=2), GREEDY, SP(temperature=0.5, seed=3)]
+    padded = pad_tree_drafts(logits, tokens, parents)
+    v = verify_tree(padded, build(params))
+    kept, nodes, lps = unpad_tree(v, tree_logprobs(padded, v, num_logprobs))
+    assert tree_logprobs(padded, v, [None] * 5) is None and unpad_tree(v, None)[2] is None
+    assert lps[1] == []
+    for b, k in enumerate(num_logprobs):
+        if k is None:
+            continue
+        assert len(lps[b]) == len(kept[b])
+        for j, (tok, entry) in enumerate(zip(kept[b], lps[b])):
+            row = int(v.path_rows[b, j])
+            assert row == (0 if j == 0 else nodes[b][j - 1] + 1)
+            ref = rows[b][row].log_softmax(-1)
+            assert next(iter(entry)) == tok and entry[tok] == pytest.approx(float(ref[tok]), abs=1e-5)
+            top = ref.topk(k)
+            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert entry[t] == pytest.approx(lp, abs=1e-5)
+            assert len(entry) <= k + 1
+
+
+# ---- no host syncs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [[GREEDY] * 4, [GREEDY, SP(seed=1, top_k=3), SP(top_p=0.7), SP(min_p=0.1)]],
+                         ids=["greedy", "mixed"])
+def test_verify_tree_has_no_host_sync(no_host_sync, params):
+    logits, tokens, parents = big_tree()
+    tokens, parents = [tokens, [], [1, 2], tokens[:10]], [parents, [], [-1, -1], parents[:10]]
+    flat = torch.cat([logits, logits[:1], logits[:3], logits[:11]])
+    batch = build(params)
+    with no_host_sync():
+        padded = pad_tree_drafts(flat, tokens, parents)
+        v = verify_tree(padded, batch)
+        tree_logprobs(padded, v, [1, None, 0, 2])
+        verify_tree(pad_tree_drafts(flat[:4], [[]] * 4, [[]] * 4), batch)
