@@ -107,12 +107,14 @@ TP_CASES = [("llama", 2, {}), ("qwen2", 2, {}), ("llama", 3, {"num_attention_hea
 
 @pytest.mark.parametrize("arch,tp,overrides", TP_CASES, ids=["llama-tp2", "qwen2-tp2", "llama-tp3", "llama-tp2-kv1"])
 def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, overrides):
-    """One rank runs batches of 1 and 8, plain and with randomly accepted drafts; every plan is replayed on a
-    TP group: same tokens, logits within 1e-4, and every shard's live KV slots equal to one rank's."""
+    """One rank runs batches of 1 and 8, plain and with randomly accepted drafts (chains, and token trees whose
+    accepted paths move K/V); every plan is replayed on a TP group: same tokens, logits within 1e-4, and every
+    shard's live KV slots equal to one rank's."""
     model = make_tiny_model(tmp_path / arch, arch, seed=7, tie_word_embeddings=False, **overrides)
     executor = engine_for(model, tensor_parallel_size=tp, ray_placement=HALF_CPU, num_kv_blocks=96).executor
     try:
-        for batch, speculate in [(1, False), (8, False), (1, True), (8, True)]:
+        cases = [(1, False), (8, False), (1, True), (8, True)] + ([(1, "tree"), (8, "tree")] if overrides == {} else [])
+        for batch, speculate in cases:
             compare_run(model, executor, prompts_for(batch, seed=batch), speculate)
     finally:
         executor.shutdown()
@@ -126,9 +128,9 @@ def compare_run(model, tp_executor, prompts, speculate: bool) -> None:
     worker = engine.executor.worker
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ids = [engine.add_request(p, params) for p in prompts]
+    oracle = probes.NoisyTreeOracle if speculate == "tree" else NoisyOracle  # trees: K/V moves on every rank
     if speculate:
-        engine.drafter = NoisyOracle({i: (len(p), r) for i, p, r in zip(ids, prompts, references)},
-                                     engine.vocab_size)
+        engine.drafter = oracle({i: (len(p), r) for i, p, r in zip(ids, prompts, references)}, engine.vocab_size)
     assert replay_steps(engine, worker, tp_executor) > 0
     assert not engine.has_unfinished_requests()
     if speculate:

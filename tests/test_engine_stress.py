@@ -85,10 +85,11 @@ CASES = {
     "ngram": {"speculative_config": NGRAM},
     "ngram-public-pool": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                  "is_public_pool": True, "adaptive": False}},
+    "ngram-tree": {"speculative_config": {**NGRAM, "num_speculative_tokens": 8, "num_branches": 3}},
     "draft_model": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
-    "ngram-tp2-ray": {"speculative_config": NGRAM, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
+    "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
 }
 
