@@ -31,6 +31,16 @@ _DRAFTERS = {
                           shares_pool=True),
     "draft_model": DrafterEntry("specray.drafters.draft_model:DraftModelDrafter",
                                 "specray.drafters.draft_model:DraftModelOptions", has_weights=True),
+    # llama.cpp's n-gram family (--spec-type ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache)
+    "ngram_simple": DrafterEntry("specray.drafters.ngram_simple:NgramSimpleDrafter",
+                                 "specray.drafters.ngram_simple:NgramSimpleOptions"),
+    "ngram_map_k": DrafterEntry("specray.drafters.ngram_map:NgramMapKDrafter",
+                                "specray.drafters.ngram_map:NgramMapOptions"),
+    "ngram_map_k4v": DrafterEntry("specray.drafters.ngram_map:NgramMapK4vDrafter",
+                                  "specray.drafters.ngram_map:NgramMapK4vOptions"),
+    "ngram_mod": DrafterEntry("specray.drafters.ngram_mod:NgramModDrafter", "specray.drafters.ngram_mod:NgramModOptions"),
+    "ngram_cache": DrafterEntry("specray.drafters.ngram_cache:NgramCacheDrafter",
+                                "specray.drafters.ngram_cache:NgramCacheOptions"),
 }
 
 
