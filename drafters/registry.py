@@ -4,12 +4,20 @@ Each drafter declares its options as a dataclass next to its class (``NgramOptio
 :class:`specray.config.SpeculativeConfig` carries them as given and :func:`options_of` checks and parses them,
 so every method-specific question is answered here and nowhere else. Modules import lazily: the draft model
 needs torch, the n-gram drafter does not.
+
+User-provided drafters (TensorRT-LLM's ``UserProvidedDecodingConfig``): any class with the ``Drafter`` protocol,
+built as ``cls(spec, ctx)``, is a method when ``method`` is its dotted path (``"my_pkg.drafts:MyDrafter"``) or
+the name of an entry point in the ``specray.drafters`` group (``my_drafter = "my_pkg.drafts:MyDrafter"`` in its
+package's ``pyproject.toml``). Its own options are the fields of its ``Options`` dataclass attribute (none when it
+has none); ``docs/user_drafter.md`` has an example.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from importlib import import_module
+from importlib.metadata import entry_points
 from typing import Any
 
 from specray.config import SpeculativeConfig, check_keys, jsonable_fields
@@ -44,14 +52,48 @@ _DRAFTERS = {
 }
 
 
+USER_GROUP = "specray.drafters"  # entry points of user-provided drafters
+
+
+@dataclass(frozen=True)
+class _NoOptions:
+    """A user-provided drafter without an ``Options`` dataclass takes no options of its own."""
+
+
 def drafter_names() -> list[str]:
-    return list(_DRAFTERS)
+    """The built-in methods and the user-provided drafters declared as entry points."""
+    return list(_DRAFTERS) + sorted(ep.name for ep in entry_points(group=USER_GROUP) if ep.name not in _DRAFTERS)
 
 
 def entry(method: str) -> DrafterEntry:
-    if method not in _DRAFTERS:
-        raise ValueError(f"speculative_config.method={method!r} is unknown; choose one of {sorted(_DRAFTERS)}")
-    return _DRAFTERS[method]
+    if not isinstance(method, str):
+        raise ValueError(f"speculative_config.method={method!r} must be a string")
+    if method in _DRAFTERS:
+        return _DRAFTERS[method]
+    return _user_entry(method)
+
+
+@lru_cache(maxsize=None)
+def _user_entry(method: str) -> DrafterEntry:
+    """A user-provided drafter: an entry point of that name, or a dotted path ``module:Class``; checked now."""
+    found = [ep.value for ep in entry_points(group=USER_GROUP, name=method)]
+    path = found[0] if found else method
+    if ":" not in path:
+        raise ValueError(f"speculative_config.method={method!r} is unknown; choose one of {drafter_names()}, or "
+                         "give a drafter class of your own as 'package.module:ClassName' (or an entry point of "
+                         f"that name in the {USER_GROUP!r} group)")
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"speculative_config.method={method!r}: cannot import {path!r} ({err}); give an "
+                         "importable 'package.module:ClassName' of a class with the Drafter protocol") from None
+    missing = [m for m in ("propose", "finish", "shutdown") if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ValueError(f"speculative_config.method={method!r}: {path!r} is not a drafter class (missing "
+                         f"{missing or 'a class'}); it must implement specray.drafters.base.Drafter "
+                         "(propose, finish, shutdown) and take (spec, ctx)")
+    return DrafterEntry(path, "")
 
 
 def _load(path: str):
@@ -64,7 +106,10 @@ def drafter_class(method: str):
 
 
 def options_class(method: str):
-    return _load(entry(method).options)
+    found = entry(method)
+    if not found.options:  # user-provided: its Options dataclass, if it declares one
+        return getattr(drafter_class(method), "Options", _NoOptions)
+    return _load(found.options)
 
 
 def options_of(spec: SpeculativeConfig) -> Any:
@@ -108,4 +153,4 @@ def uses_public_pool(spec: SpeculativeConfig) -> bool:
 def options_schema() -> dict[str, Any]:
     """JSON-able: the keys every method has and each method's own options with their types and defaults."""
     common = {k: v for k, v in jsonable_fields(SpeculativeConfig).items() if k in SpeculativeConfig.COMMON_KEYS}
-    return {"common": common, "methods": {m: jsonable_fields(options_class(m)) for m in _DRAFTERS}}
+    return {"common": common, "methods": {m: jsonable_fields(options_class(m)) for m in drafter_names()}}

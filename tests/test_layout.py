@@ -83,12 +83,13 @@ FLOORS = {
     "specray.models": 1,
     "specray.sampling": 1,
     "specray.verification": 2,
-    "specray.scheduler": 3,
-    "specray.workers": 3,
-    "specray.drafters": 3,
-    "specray.engine": 4,
-    "specray.llm": 5,
-    "specray.cluster": 6,
+    "specray.tree_verification": 3,  # trees of drafts, built on the chain verifier
+    "specray.scheduler": 4,
+    "specray.workers": 4,
+    "specray.drafters": 4,
+    "specray.engine": 5,
+    "specray.llm": 6,
+    "specray.cluster": 7,
 }
 
 

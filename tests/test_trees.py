@@ -249,3 +249,61 @@ def test_bad_token_tree_is_a_clear_error(tiny_llama_dir):
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_llama_dir), max_model_len=256,
                 speculative_config={**NGRAM_STATIC, "speculative_token_tree": bad})
+
+
+# ---- every drafter of the n-gram family, and a user-provided one ----------------------------------------------
+
+FAMILY = {
+    "ngram_simple": {"ngram_size_n": 2, "ngram_size_m": 8},
+    "ngram_map_k": {"ngram_size_n": 2, "ngram_size_m": 8, "min_hits": 1},
+    "ngram_map_k4v": {"ngram_size_n": 2, "ngram_size_m": 8, "min_hits": 1},
+    "ngram_mod": {"ngram_size_n": 3, "draft_min": 1, "draft_max": 8, "pool_size": 4096},
+    "ngram_cache": {},
+}
+
+
+@pytest.mark.parametrize("method", list(FAMILY))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ngram_family_greedy_equals_plain(tiny_llama_dir, plain_outputs, method, batch):
+    spec = {"method": method, "num_speculative_tokens": 6, **FAMILY[method]}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    start = llm.engine.scheduler.block_manager.num_free_blocks
+    if batch == 1:
+        outs = [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
+    else:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    stats = llm.engine.drafter.stats()
+    assert stats["calls"] > 0 and stats["gen_tokens"] >= stats["acc_tokens"], stats
+    assert llm.engine.scheduler.block_manager.num_free_blocks == start
+
+
+def test_user_provided_drafter_by_dotted_path(tiny_llama_dir, plain_outputs, tmp_path, monkeypatch):
+    """The example in docs/ (a tree of what followed the last token) plugged in by its dotted path."""
+    example = Path(__file__).parents[1] / "docs" / "examples" / "last_token_drafter.py"
+    (tmp_path / "my_drafters.py").write_text(example.read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"method": "my_drafters:LastTokenDrafter", "num_speculative_tokens": 6, "lookback": 64}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    llm.engine.executor = counter = PathCounter(llm.engine.executor)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
+    assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method, match", [
+    ("no_such_pkg.mod:Drafter", "cannot import"),
+    ("json:JSONDecoder", "not a drafter class"),
+    ("nonsense", "unknown"),
+])
+def test_bad_user_drafter_is_a_clear_error(tiny_llama_dir, method, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": method})
+
+
+def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch):
+    example = Path(__file__).parents[1] / "docs" / "examples" / "last_token_drafter.py"
+    (tmp_path / "my_drafters2.py").write_text(example.read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="lookbak"):
+        LLM(model=str(tiny_llama_dir), max_model_len=256,
+            speculative_config={"method": "my_drafters2:LastTokenDrafter", "lookbak": 3})
