@@ -227,7 +227,7 @@ def cmd_generate(args) -> int:
         else:
             print(f"--- prompt: {out.prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, "
                   f"tokens={len(c.token_ids)}]")
-    print_summary(outs, elapsed, llm.spec_stats)
+    print_summary(outs, elapsed, llm.spec_stats, llm.drafter_stats)
     return 0
 
 
@@ -271,7 +271,7 @@ def cmd_bench_serve(args) -> int:
     return 0 if summary["failed"] == 0 and summary["completed"] > 0 else 1
 
 
-def print_summary(outs, elapsed: float, stats) -> None:
+def print_summary(outs, elapsed: float, stats, drafter_stats: dict | None = None) -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     lines = [f"requests: {len(outs)}  generated tokens: {tokens}  time: {elapsed:.2f} s  "
              f"throughput: {tokens / max(elapsed, 1e-9):.1f} tok/s"]
@@ -280,6 +280,8 @@ def print_summary(outs, elapsed: float, stats) -> None:
         lines.append(f"speculation: drafts {stats.drafts}  draft tokens {stats.draft_tokens}  accepted "
                      f"{stats.accepted_tokens}  acceptance rate {stats.acceptance_rate:.2f}  mean accepted length "
                      f"{stats.mean_accepted_length:.2f}  per position [{per_pos}]")
+    if drafter_stats:
+        lines.append("drafter: " + "  ".join(f"{k} {v}" for k, v in drafter_stats.items()))
     print("\n".join(lines), file=sys.stderr)
 
 

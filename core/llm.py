@@ -61,6 +61,12 @@ class LLM:
         """Speculation counters over everything this LLM generated."""
         return self.engine.spec_stats
 
+    @property
+    def drafter_stats(self) -> dict | None:
+        """The drafter's own llama.cpp-style statistics (``#calls``, ``#gen drafts``, ...), when it keeps them."""
+        stats = getattr(getattr(self.engine, "drafter", None), "stats", None)
+        return stats() if callable(stats) else None
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

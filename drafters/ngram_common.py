@@ -178,6 +178,10 @@ class LookupDrafter:
         """llama.cpp-style statistics (``#calls``, ``#gen drafts``, ...; see ``specray.drafters.stats``)."""
         return {**self._stats.as_dict(), **self._extra_stats()}
 
+    def observe_verification(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        """The engine's count of what the target kept of this request's last proposal (exact statistics)."""
+        self._stats.verified(req_id, num_drafted, num_accepted)
+
     # ---- one request -----------------------------------------------------------------------------------
     def _propose_one(self, req: DraftRequest) -> Proposal:
         history = req.token_ids

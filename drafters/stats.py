@@ -1,8 +1,9 @@
 """Per-drafter statistics in llama.cpp's terms (``statistics ngram_mod: #calls = .., #gen drafts = .., ..``).
 
-A drafter is told each request's whole history every time it is asked, so it learns what the target kept of its
-previous proposal by itself: :meth:`DrafterStats.begin_call` compares the new history with the proposal it
-remembers for that request (the longest path of the proposed tree the history follows) and counts it.
+The engine tells an in-process drafter what each verification kept (``observe_verification(req_id, num_drafted,
+num_accepted)``: exact, after the policy and the scheduler cut the proposal); :meth:`DrafterStats.verified` counts
+it. Without that (a drafter in another process), :meth:`DrafterStats.begin_call` infers it from the next history
+(the longest path of the remembered proposal that history follows), which misses a request's last verification.
 
 * ``calls``: proposals asked for (one per request per step)
 * ``gen_drafts`` / ``gen_tokens``: non-empty proposals / the tokens (tree nodes) in them
@@ -67,6 +68,13 @@ class DrafterStats:
             self.gen_drafts += 1
             self.gen_tokens += len(tree)
             self._pending[req_id] = (history_len, tree)
+
+    def verified(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        """The engine's exact count of one verification of this drafter's proposal for ``req_id``."""
+        self._pending.pop(req_id, None)
+        if num_drafted:
+            self.acc_tokens += num_accepted
+            self.acc_drafts += num_accepted > 0
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:

@@ -275,6 +275,7 @@ def test_ngram_family_greedy_equals_plain(tiny_llama_dir, plain_outputs, method,
     assert token_ids(outs) == plain_outputs
     stats = llm.engine.drafter.stats()
     assert stats["calls"] > 0 and stats["gen_tokens"] >= stats["acc_tokens"], stats
+    assert stats["acc_tokens"] == llm.spec_stats.accepted_tokens  # the engine told it what was kept
     assert llm.engine.scheduler.block_manager.num_free_blocks == start
 
 

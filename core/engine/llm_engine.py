@@ -301,8 +301,11 @@ class LLMEngine:
         self.spec_stats.merge(stats)
         if self.policy is None:
             return
+        told = getattr(self.drafter, "observe_verification", None)  # optional: exact per-drafter statistics
         for chunk, kept in zip(plan.chunks, result.sampled_token_ids):
             if chunk.sample and chunk.num_draft_tokens:
+                if told is not None:
+                    told(chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is None:
                     continue
