@@ -2,8 +2,8 @@
 
 The engine tells an in-process drafter what each verification kept (``observe_verification(req_id, num_drafted,
 num_accepted)``: exact, after the policy and the scheduler cut the proposal); :meth:`DrafterStats.verified` counts
-it. Without that (a drafter in another process), :meth:`DrafterStats.begin_call` infers it from the next history
-(the longest path of the remembered proposal that history follows), which misses a request's last verification.
+it. (A proposal the policy cut to nothing was never verified: guessing acceptance from the next history would
+count it as if it had been.)
 
 * ``calls``: proposals asked for (one per request per step)
 * ``gen_drafts`` / ``gen_tokens``: non-empty proposals / the tokens (tree nodes) in them
@@ -48,37 +48,25 @@ class DrafterStats:
     dur_begin_s: float = 0.0
     dur_gen_s: float = 0.0
     dur_acc_s: float = 0.0
-    _pending: dict[str, tuple[int, DraftTree]] = field(default_factory=dict, repr=False)
 
     def begin_call(self, req_id: str, history: Sequence[int]) -> None:
-        """Count a call for ``req_id`` and what the target kept of the request's previous proposal."""
+        """Count a call for ``req_id``."""
         self.calls += 1
-        pending = self._pending.pop(req_id, None)
-        if pending is None:
-            return
-        root_len, tree = pending
-        if len(history) > root_len:
-            kept = accepted_length(tree, history[root_len : root_len + len(tree)])
-            self.acc_tokens += kept
-            self.acc_drafts += kept > 0
 
     def proposed(self, req_id: str, history_len: int, tree: DraftTree) -> None:
-        """Remember a non-empty proposal made after ``history_len`` tokens of history."""
+        """Count a proposal (made after ``history_len`` tokens of history); empty ones are not drafts."""
         if len(tree):
             self.gen_drafts += 1
             self.gen_tokens += len(tree)
-            self._pending[req_id] = (history_len, tree)
 
     def verified(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
         """The engine's exact count of one verification of this drafter's proposal for ``req_id``."""
-        self._pending.pop(req_id, None)
         if num_drafted:
             self.acc_tokens += num_accepted
             self.acc_drafts += num_accepted > 0
 
     def forget(self, req_ids: Sequence[str]) -> None:
-        for req_id in req_ids:
-            self._pending.pop(req_id, None)
+        """Nothing is kept per request."""
 
     def timer(self, which: str) -> "_Timer":
         """``with stats.timer("gen"): ...`` adds the block's wall time to ``dur_gen_s`` (begin, gen or acc)."""

@@ -512,12 +512,14 @@ def test_statistics_count_llama_cpp_style():
     drafter = make("ngram_simple")
     history = [1, 2, 3, 4, 1, 2]
     assert draft(drafter, history, k=3) == [3, 4, 1]  # call 1: a draft of 3
-    history += [3, 4, 9]  # the target kept 3 4, then said 9
-    assert draft(drafter, history, k=3) == []  # call 2: (4, 9) unknown; learns 2 of 3 kept
+    history += [3, 4, 9]  # the target kept 3 4, then said 9: the engine tells the drafter
+    drafter.observe_verification("r", 3, 2)
+    assert draft(drafter, history, k=3) == []  # call 2: (4, 9) unknown
     history += [1, 2]
     assert draft(drafter, history, k=0) == []  # call 3: no draft asked for
     assert draft(drafter, history, k=2) == [3, 4]  # call 4: (1, 2) last at 4, followed by 3 4 9
     history += [5]  # none kept
+    drafter.observe_verification("r", 2, 0)
     draft(drafter, history, k=2)
     stats = drafter.stats()
     assert {k: stats[k] for k in ("calls", "gen_drafts", "acc_drafts", "gen_tokens", "acc_tokens")} == \
