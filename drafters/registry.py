@@ -31,6 +31,7 @@ _DRAFTERS = {
                           shares_pool=True),
     "draft_model": DrafterEntry("specray.drafters.draft_model:DraftModelDrafter",
                                 "specray.drafters.draft_model:DraftModelOptions", has_weights=True),
+    "suffix": DrafterEntry("specray.drafters.suffix:SuffixDrafter", "specray.drafters.suffix:SuffixOptions"),
 }
 
 
