@@ -15,7 +15,7 @@ logger = logging.getLogger("specray.cli")
 
 
 _SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
-                     "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, or a drafter class of your own as "
+                     "ngram_map_k4v, ngram_mod, ngram_cache, or a drafter class of your own as "
                      "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
 
 

@@ -86,6 +86,9 @@ CASES = {
     "ngram-public-pool": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                  "is_public_pool": True, "adaptive": False}},
     "ngram-tree": {"speculative_config": {**NGRAM, "num_speculative_tokens": 8, "num_branches": 3}},
+    "suffix": {"speculative_config": {"method": "suffix", "num_speculative_tokens": 8}},
+    "ngram_mod": {"speculative_config": {"method": "ngram_mod", "num_speculative_tokens": 6, "ngram_size_n": 3,
+                                         "draft_min": 1, "draft_max": 8, "pool_size": 4096}},
     "draft_model": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches

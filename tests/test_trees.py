@@ -41,8 +41,10 @@ NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min
               "num_branches": 3, "adaptive": False}
 NGRAM_STATIC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                 "speculative_token_tree": [[0, 0, 0, 0], [1, 0], [2], [0, 1]], "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "max_spec_factor": 2.0, "min_token_prob": 0.05}
 TREE_SPECS = {"ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC,
-              "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}}
+              "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}, "suffix": SUFFIX,
+              "suffix-fixed": {**SUFFIX, "adaptive": False}}
 
 
 def greedy(n=24, **kw):

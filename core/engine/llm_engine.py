@@ -356,8 +356,13 @@ class LLMEngine:
         self.scheduler.finish_request(tracked.request.req_id, tracked.num_sent, stop)
 
     def _forget(self, req_ids: list[str]) -> None:
+        # a drafter that learns from finished text (suffix decoding's global tree) may see each one's whole
+        # history: the tokens of its last step reached no proposal
+        told = getattr(self.drafter, "observe_finished", None)
         for rid in req_ids:
-            self.tracked.pop(rid, None)
+            tracked = self.tracked.pop(rid, None)
+            if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
+                told(rid, tracked.request.all_token_ids)
         if self.policy is not None:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
