@@ -15,6 +15,7 @@ tokens/s by that time, every run, and each run's ratio to the plain engine's; ou
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import platform
 import statistics
@@ -62,6 +63,14 @@ def main():
     parser.add_argument("--kinds", default="open-ended,input-grounded")
     parser.add_argument("--batch", type=int, default=8, help="max_num_seqs; every prompt is given twice")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
+                        help="one more row: a speculative_config, e.g. 'suffix={\"method\": \"suffix\", "
+                             "\"num_speculative_tokens\": 12}' (repeatable)")
+    parser.add_argument("--no-ngram-rows", action="store_true", help="only the --spec rows (and plain)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="every prompt once, and new engines for every run: drafters that learn across requests "
+                             "(suffix's global tree, ngram_mod, ngram_cache, a public pool) never see the same "
+                             "prompt's earlier output")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -71,10 +80,14 @@ def main():
 
     model = default_model_path()
     specs = {"specray (no speculation)": None}
-    specs.update(ngram_specs(args))
+    if not args.no_ngram_rows:
+        specs.update(ngram_specs(args))
+    for row in args.spec:
+        name, _, config = row.partition("=")
+        specs[f"specray {name}"] = json.loads(config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} (every prompt twice), max_tokens="
+          f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} ({'every prompt once, new engines every run' if args.fresh else 'every prompt twice'}), max_tokens="
           f"{args.max_tokens}, stop at EOS, engines stepped in lockstep, {args.repeats} runs\n")
     print("| system | prompts | tokens/s (median) | runs | ratio to plain, per run | median ratio |\n"
           "|---|---|---|---|---|---|")
@@ -83,9 +96,13 @@ def main():
         llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
         engines = {name: llm.engine for name, llm in llms.items()}
         tokenizer = next(iter(engines.values())).tokenizer
-        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * 2
+        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * (1 if args.fresh else 2)
         rates = {name: [] for name in engines}
-        for _ in range(args.repeats):
+        for run in range(args.repeats):
+            if args.fresh and run:
+                del engines, llms
+                llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
+                engines = {name: llm.engine for name, llm in llms.items()}
             results = run_lockstep(engines, prompt_ids, params)
             reference = results["specray (no speculation)"][1]
             for name, (seconds, outputs) in results.items():

@@ -72,7 +72,27 @@ OPEN_ENDED = [
     "Describe your ideal city of the future.",
     "What should a beginner know before learning to play the guitar?",
 ]
-PROMPT_SETS = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED}
+# One task template applied to many inputs (where what earlier answers looked like predicts the next answer:
+# suffix decoding's global tree), and follow-up turns that quote an earlier answer. Added on 2026-11-24 for the
+# token-tree issue, before any was run.
+_PEOPLE = [("Alice Martin", "Paris", "nurse"), ("Bob Chen", "Toronto", "teacher"), ("Carol Diaz", "Madrid", "pilot"),
+           ("David Novak", "Prague", "chef"), ("Eve Tanaka", "Osaka", "lawyer"), ("Frank Okafor", "Lagos", "banker"),
+           ("Grace Kim", "Seoul", "architect"), ("Hugo Silva", "Lisbon", "baker"), ("Ines Moreau", "Lyon", "dentist"),
+           ("Jack Brown", "Leeds", "plumber"), ("Kara Singh", "Delhi", "engineer"), ("Liam Walsh", "Cork", "farmer")]
+REPEATED_TASK = [
+    f"Extract the person's name, city and job from this sentence as JSON with keys name, city and job:\n"
+    f"{name} works as a {job} in {city} and has lived there for many years."
+    for name, city, job in _PEOPLE
+] + [
+    "Earlier you wrote: \"The meeting is on Monday at 10 am in room 4. Bring the budget report and the slides.\" "
+    "Repeat that note exactly, but change Monday to Tuesday.",
+    "You answered: \"To reset the router, unplug it, wait thirty seconds, plug it back in, and wait for the light "
+    "to turn green.\" Repeat those steps as a numbered list.",
+    "Your last answer was: \"Paris is the capital of France. It is known for the Eiffel Tower and the Louvre.\" "
+    "Repeat it and add one sentence about the Seine.",
+    "Earlier you said: \"def square(x):\n    return x * x\" Repeat the function and add a docstring.",
+]
+PROMPT_SETS = {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED, "repeated-task": REPEATED_TASK}
 
 
 def chat_prompts(tokenizer, prompts):
