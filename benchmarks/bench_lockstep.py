@@ -83,8 +83,8 @@ def main():
     if not args.no_ngram_rows:
         specs.update(ngram_specs(args))
     for row in args.spec:
-        name, _, config = row.partition("=")
-        specs[f"specray {name}"] = json.loads(config)
+        name, _, config = row.partition("={")  # the name may hold "=" (K=8); the JSON starts at "{"
+        specs[f"specray {name}"] = json.loads("{" + config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} ({'every prompt once, new engines every run' if args.fresh else 'every prompt twice'}), max_tokens="
