@@ -310,3 +310,42 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="lookbak"):
         LLM(model=str(tiny_llama_dir), max_model_len=256,
             speculative_config={"method": "my_drafters2:LastTokenDrafter", "lookbak": 3})
+
+
+class BadTreeDrafter:
+    """Proposes a broken tree for one request and a good chain for the others."""
+
+    def __init__(self, bad_req: str, what: str):
+        self.bad_req, self.what = bad_req, what
+
+    def propose(self, batch):
+        from specray.drafters.base import Proposal
+
+        out = []
+        for d in batch:
+            if d.req_id != self.bad_req:
+                out.append(Proposal([]))
+            elif self.what == "parents":
+                out.append(Proposal([5, 6, 7], parents=[-1, 2, 0]))
+            else:
+                out.append(Proposal([5, 10 ** 9], parents=[-1, 0]))
+        return out
+
+    def finish(self, req_ids):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("what", ["parents", "vocab"])
+def test_a_broken_tree_from_a_drafter_fails_only_its_request(tiny_llama_dir, plain_outputs, what):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "ngram"})
+    engine, tok = llm.engine, llm.get_tokenizer()
+    ids = [engine.add_request(tok.encode(p), greedy()) for p in PROMPTS[:3]]
+    engine.drafter = BadTreeDrafter(ids[1], what)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[ids[1]].outputs[0].finish_reason == "error" and "drafting failed" in done[ids[1]].error
+    assert [done[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [plain_outputs[0], plain_outputs[2]]

@@ -206,6 +206,10 @@ class LLMEngine:
         for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
             if proposal is None:
                 continue
+            problem = _check_proposal(proposal, self.vocab_size)
+            if problem is not None:  # a drafter's fault (one of the user's own): this request only
+                failed[request.req_id] = f"drafting failed: {problem}"
+                continue
             if proposal.parents is not None:
                 drafts[request.req_id] = self._tree(request, dreq, proposal, len(running), off_path, cheap)
                 continue
@@ -224,7 +228,6 @@ class LLMEngine:
               cheap: bool) -> DraftTree:
         """A proposed token tree, cut to the nodes worth verifying (the policy prices its first n nodes for a
         drafter that proposes cheaply; otherwise the n asked for)."""
-        assert proposal.probs is None, "a token tree's drafts are deterministic (a drafter with q proposes chains)"
         tree = proposal.tree()
         n = min(len(tree), dreq.num_speculative_tokens)
         if cheap and n:
@@ -367,6 +370,24 @@ class LLMEngine:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
+
+
+def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
+    """What is wrong with a drafter's proposal (None: nothing): ids outside the vocabulary, or a tree that is not
+    one (a parent that is not an earlier node, lengths that differ, or a tree with a drafter's q)."""
+    tokens, parents = proposal.token_ids, proposal.parents
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
+        return f"the drafter proposed token ids outside the vocabulary [0, {vocab_size}): {list(tokens)[:8]}"
+    if parents is None:
+        return None
+    if proposal.probs is not None:
+        return "the drafter proposed a token tree with probs; a drafter with a distribution q proposes chains"
+    if len(parents) != len(tokens) or (proposal.scores is not None and len(proposal.scores) != len(tokens)):
+        return (f"the drafter's tree has {len(tokens)} tokens, {len(parents)} parents and "
+                f"{None if proposal.scores is None else len(proposal.scores)} scores; give one of each per node")
+    if any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)):
+        return f"the drafter's tree parents {list(parents)[:16]} are not -1 or an earlier node for every node"
+    return None
 
 
 def _is_decode_step(plan: StepPlan) -> bool:
