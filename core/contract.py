@@ -18,8 +18,8 @@ Token trees (``specray.tree``): the drafts ``d1 .. dk`` may form a tree, ``Sched
 naming node i's parent (-1: the chunk's last non-draft token). Node i then takes slot index ``n + i`` (scratch) but
 the RoPE position of its depth, ``n - 1 + depth``, and attends to the context and its ancestors only. The worker
 returns the accepted path's node indices (``StepResult.accepted_draft_indices``); when they are not the first
-nodes in order, the next plan carries a :class:`KVMove` that every rank applies, before its block deltas, to move
-their K/V to the committed slots ``n .. n + accepted - 1``.
+nodes in order, the next plan carries a :class:`KVMove` that every rank applies, before anything else of the plan
+but its drops, to move their K/V to the committed slot indices ``n .. n + accepted - 1``.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class KVMove:
-    """Move a running request's K/V from slot indices ``src`` to ``dst`` (positions in its block table, as the
-    worker holds it before this plan's deltas): the accepted path of a token tree, into consecutive slots. All
-    sources are read before any destination is written."""
+    """Move a running request's K/V from physical slots ``src`` to ``dst`` (the scheduler computed them with the
+    block table as it was before the rewind that freed the scratch blocks): the accepted path of a token tree,
+    into its committed slots. All sources are read before any destination is written."""
 
     req_id: str
     src: list[int]

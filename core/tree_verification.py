@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from specray.sampling import SamplingBatch, logits_to_probs, sample
+from specray.tree import check_parents
+from specray.tree import depths as node_depths
 from specray.verification import (TargetLogprobs, _accept_uniforms, _assemble, _entry, _gather_position, _to_host,
                                   target_logprobs)
 
@@ -60,13 +62,9 @@ class TreeVerdict(NamedTuple):
 # ---- the padded layout --------------------------------------------------------------------------------------
 
 
-def _depths(parents: Sequence[int]) -> list[int]:
-    """depth(i) = 1 for a child of the root, else depth(parent) + 1 (parents[i] < i: one pass)."""
-    depths: list[int] = []
-    for i, p in enumerate(parents):
-        assert -1 <= p < i, f"node {i} has parent {p}: parents must be -1 or an earlier node"
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
+def _checked_depths(parents: Sequence[int]) -> list[int]:
+    check_parents(parents)
+    return node_depths(parents)
 
 
 def _children_rows(parents: Sequence[int]) -> list[list[int]]:
@@ -90,7 +88,7 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
     B, K, V = len(counts), max(counts, default=0), logits.shape[-1]
     assert logits.shape[0] == sum(counts) + B, (logits.shape, counts)
     device = logits.device
-    depths = [_depths(p) for p in draft_parents]
+    depths = [_checked_depths(p) for p in draft_parents]
     kids = [_children_rows(p) for p in draft_parents]
     M = max((len(c) for rows in kids for c in rows), default=0) or 1
     rows, table, children, start = [], [], [], 0

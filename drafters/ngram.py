@@ -113,7 +113,7 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _common_prefix(a: list[int], b: Sequence[int]) -> int:
+def common_prefix(a: list[int], b: Sequence[int]) -> int:
     """Length of the common prefix of ``a`` and ``b``, comparing whole slices where they are equal."""
     n = min(len(a), len(b))
     lo = 0
@@ -227,7 +227,7 @@ class NgramPool:
     def sync(self, seq_key: Hashable, tokens: Sequence[int]) -> int:
         """Like :meth:`add`, finding for itself how much of the pool's copy still holds (O(len(tokens)), in
         slice compares). Returns that common prefix length."""
-        common = _common_prefix(self.tokens(seq_key), tokens)
+        common = common_prefix(self.tokens(seq_key), tokens)
         self.add(seq_key, tokens, common)
         return common
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
-from specray.drafters.ngram import _common_prefix
+from specray.drafters.ngram import common_prefix
 from specray.drafters.registry import options_of
 from specray.drafters.stats import DrafterStats
 
@@ -126,7 +126,7 @@ class LookupState:
             tail = history[lo:n]
             if (tail if isinstance(tail, list) else list(tail)) == tokens[lo:]:
                 return n
-        return _common_prefix(tokens, history)
+        return common_prefix(tokens, history)
 
     def check_due(self, check_rate: int) -> bool:
         """llama.cpp's ``--spec-ngram-check-rate``: look up only when ``check_rate`` tokens came since the last
@@ -169,7 +169,6 @@ class LookupDrafter:
             state = self._states.pop(req_id, None)
             if state is not None:
                 self._on_finish(req_id, state)
-        self._stats.forget(req_ids)
 
     def shutdown(self) -> None:
         """Nothing to release: every table lives in this process."""
@@ -185,7 +184,7 @@ class LookupDrafter:
     # ---- one request -----------------------------------------------------------------------------------
     def _propose_one(self, req: DraftRequest) -> Proposal:
         history = req.token_ids
-        self._stats.begin_call(req.req_id, history)
+        self._stats.begin_call()
         state = self._states.get(req.req_id)
         fresh = state is None
         if fresh:
@@ -202,7 +201,7 @@ class LookupDrafter:
         tree = proposal.tree()
         if len(tree):
             state.pending_root = len(state.tokens)
-            self._stats.proposed(req.req_id, len(history), tree)
+            self._stats.proposed(len(tree))
         return proposal
 
     def _settle(self, state: LookupState, kept: int) -> None:

@@ -49,24 +49,21 @@ class DrafterStats:
     dur_gen_s: float = 0.0
     dur_acc_s: float = 0.0
 
-    def begin_call(self, req_id: str, history: Sequence[int]) -> None:
-        """Count a call for ``req_id``."""
+    def begin_call(self) -> None:
+        """Count a call (one request asked for a proposal)."""
         self.calls += 1
 
-    def proposed(self, req_id: str, history_len: int, tree: DraftTree) -> None:
-        """Count a proposal (made after ``history_len`` tokens of history); empty ones are not drafts."""
-        if len(tree):
+    def proposed(self, num_tokens: int) -> None:
+        """Count a proposal of ``num_tokens`` tokens (tree nodes); empty ones are not drafts."""
+        if num_tokens:
             self.gen_drafts += 1
-            self.gen_tokens += len(tree)
+            self.gen_tokens += num_tokens
 
     def verified(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
         """The engine's exact count of one verification of this drafter's proposal for ``req_id``."""
         if num_drafted:
             self.acc_tokens += num_accepted
             self.acc_drafts += num_accepted > 0
-
-    def forget(self, req_ids: Sequence[str]) -> None:
-        """Nothing is kept per request."""
 
     def timer(self, which: str) -> "_Timer":
         """``with stats.timer("gen"): ...`` adds the block's wall time to ``dur_gen_s`` (begin, gen or acc)."""

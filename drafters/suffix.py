@@ -76,6 +76,7 @@ from typing import Any, ClassVar
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.ngram import common_prefix
 from specray.drafters.registry import options_of
 from specray.drafters.stats import DrafterStats
 from specray.tree import DraftTree, dynamic_tree, path_scores
@@ -89,7 +90,6 @@ _CAPPED = -2  # the tail of a node at depth D: nothing below it
 _UNDO_WINDOW = 64  # appends a request's trie can undo; a deeper rewind rebuilds it
 _MAX_KEY = 8  # proposal keys (match lengths) are capped here: the policy keeps evidence per key
 _TAIL_CHECK = 64  # tokens compared to trust a history that is the list seen last time
-_CHUNK = 1024  # tokens compared per slice when looking for a common prefix
 _EPS = 1e-9
 SNAPSHOT_VERSION = 1
 
@@ -537,7 +537,6 @@ class SuffixDrafter:
     def finish(self, req_ids: Sequence[str]) -> None:
         """Drop the requests' tries; their text goes into the global trie (a preempted request that comes back
         is rebuilt from its history, and its record is replaced when it finishes again)."""
-        self._stats.forget(req_ids)
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)
             if state is not None and self.cache is not None:
@@ -563,7 +562,7 @@ class SuffixDrafter:
 
     # ---- per request ---------------------------------------------------------------------------------
     def _propose_one(self, req: DraftRequest) -> Proposal:
-        self._stats.begin_call(req.req_id, req.token_ids)
+        self._stats.begin_call()
         state = self._requests.get(req.req_id) or self._new_state(req)
         self._catch_up(state, req.token_ids)
         state.assumed = req.num_assumed
@@ -571,7 +570,7 @@ class SuffixDrafter:
             return Proposal([])
         with self._stats.timer("gen"):
             proposal = self._draft(state, req.num_speculative_tokens)
-        self._stats.proposed(req.req_id, len(req.token_ids), proposal.tree())
+        self._stats.proposed(len(proposal.token_ids))
         return proposal
 
     def _new_state(self, req: DraftRequest) -> _RequestState:
@@ -590,7 +589,7 @@ class SuffixDrafter:
         if history is state.source and len(history) >= n and _tail_equal(tokens, history):
             keep = n
         else:
-            keep = _common_prefix(tokens, history)
+            keep = common_prefix(tokens, history)
             state.source = history
             if keep < n:
                 self._rewind(state, keep)
@@ -684,17 +683,3 @@ def _tail_equal(tokens: list[int], history: Sequence[int]) -> bool:
     lo = max(0, len(tokens) - _TAIL_CHECK)
     seen = history[lo:len(tokens)]
     return (seen if isinstance(seen, list) else list(seen)) == tokens[lo:]
-
-
-def _common_prefix(a: list[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b``, comparing whole slices where they are equal."""
-    n = min(len(a), len(b))
-    lo = 0
-    while lo < n:
-        hi = min(lo + _CHUNK, n)
-        if a[lo:hi] != list(b[lo:hi]):
-            break
-        lo = hi
-    while lo < n and a[lo] == b[lo]:
-        lo += 1
-    return lo

@@ -176,9 +176,9 @@ class Scheduler:
         budget -= sum(n for _, n in required)
         chunks = []
         for req, num_new in required:
-            drafts = self._drafts(req, num_new, budget)
+            drafts, parents = self._drafts(req, num_new, budget)
             budget -= len(drafts)
-            chunks.append(self._chunk(req, num_new, drafts))
+            chunks.append(self._chunk(req, num_new, drafts, parents))
         if self.num_preemptions == preemptions:
             chunks += self._admit_waiting(budget)
         return self._make_plan(chunks)
@@ -237,32 +237,31 @@ class Scheduler:
         self._finished_unreported.append(req)
         return True
 
-    def _drafts(self, req: Request, num_new: int, budget: int) -> DraftTree:
-        """Pass 2: which of ``req``'s drafts to verify. A request with r tokens left to generate can use drafts
-        at most r - 1 deep (the target adds one); every draft (tree node) takes one token of the budget and one
-        slot, and drafts only take blocks that are free."""
+    def _drafts(self, req: Request, num_new: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """Pass 2: which of ``req``'s drafts to verify, and their tree's parents (None: a chain). A request with
+        r tokens left to generate can use drafts at most r - 1 deep (the target adds one); every draft (tree
+        node) takes one token of the budget and one slot, and drafts only take blocks that are free."""
         end = req.num_computed_tokens + num_new
         if not req.draft_token_ids or end < req.num_tokens:
-            return _NO_DRAFTS
+            return [], None
         left = req.tokens_left(self.config.max_model_len)
         bm = self.block_manager
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - end
-        max_nodes = min(budget, free_slots)
+        max_nodes = max(0, min(budget, free_slots))
         if req.draft_parents is None:
-            return DraftTree(req.draft_token_ids[: max(0, min(max_nodes, left - 1))], [])
-        tree = trim_tree(DraftTree(req.draft_token_ids, req.draft_parents), max(0, max_nodes), left - 1)
-        return tree if not is_chain(tree.parents) else DraftTree(tree.token_ids, [])
+            return req.draft_token_ids[: max(0, min(max_nodes, left - 1))], None
+        tree = trim_tree(DraftTree(req.draft_token_ids, req.draft_parents), max_nodes, left - 1)
+        return tree.token_ids, None if is_chain(tree.parents) else tree.parents
 
-    def _chunk(self, req: Request, num_new: int, drafts: DraftTree = None) -> ScheduledChunk:
-        """``drafts``: the drafts to verify, ``parents`` empty for a chain."""
-        drafts = drafts or _NO_DRAFTS
+    def _chunk(self, req: Request, num_new: int, drafts: list[int] | None = None,
+               parents: list[int] | None = None) -> ScheduledChunk:
+        drafts = drafts or []
         start = req.num_computed_tokens
         end = start + num_new
         k = len(drafts)
         self.block_manager.allocate(req, end + k)
-        tokens = req.all_token_ids[start:end] + drafts.token_ids
-        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens,
-                              draft_parents=list(drafts.parents) if drafts.parents else None)
+        tokens = req.all_token_ids[start:end] + drafts
+        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens, draft_parents=parents)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
@@ -419,9 +418,6 @@ class Scheduler:
             return False
         self._kept_blocks.pop(req.req_id, None)
         return True
-
-
-_NO_DRAFTS = DraftTree([], [])
 
 
 def _drop_drafts(req: Request) -> None:

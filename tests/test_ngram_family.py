@@ -459,8 +459,8 @@ def test_draft_count_and_trees(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_appends_never_rescan_the_history(method, monkeypatch):
     calls = []
-    real = ngram_common._common_prefix
-    monkeypatch.setattr(ngram_common, "_common_prefix", lambda a, b: calls.append(len(b)) or real(a, b))
+    real = ngram_common.common_prefix
+    monkeypatch.setattr(ngram_common, "common_prefix", lambda a, b: calls.append(len(b)) or real(a, b))
     drafter = make(method)
     history = [1, 2, 3] * 100
     draft(drafter, history)

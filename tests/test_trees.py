@@ -55,6 +55,13 @@ def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def generate_greedy(llm, batch: int):
+    """Every prompt greedily: one request at a time (batch 1), or all at once."""
+    if batch == 1:
+        return [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
+    return llm.generate(PROMPTS, greedy(), use_tqdm=False)
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), max_model_len=256)
@@ -206,10 +213,7 @@ def test_tree_drafters_greedy_equal_plain(tiny_llama_dir, plain_outputs, name, b
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=TREE_SPECS[name])
     llm.engine.executor = counter = PathCounter(llm.engine.executor)
     start = llm.engine.scheduler.block_manager.num_free_blocks
-    if batch == 1:
-        outs = [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
-    else:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    outs = generate_greedy(llm, batch)
     assert token_ids(outs) == plain_outputs
     assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == start
@@ -270,10 +274,7 @@ def test_ngram_family_greedy_equals_plain(tiny_llama_dir, plain_outputs, method,
     spec = {"method": method, "num_speculative_tokens": 6, **FAMILY[method]}
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
     start = llm.engine.scheduler.block_manager.num_free_blocks
-    if batch == 1:
-        outs = [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
-    else:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    outs = generate_greedy(llm, batch)
     assert token_ids(outs) == plain_outputs
     stats = llm.engine.drafter.stats()
     assert stats["calls"] > 0 and stats["gen_tokens"] >= stats["acc_tokens"], stats

@@ -23,7 +23,7 @@ from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
-from specray.tree import depths
+from specray.tree import chain_parents, depths
 from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
@@ -126,7 +126,7 @@ class ModelRunner:
         chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine)."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
-        parents = [c.draft_parents if c.draft_parents is not None else list(range(-1, c.num_draft_tokens - 1))
+        parents = [c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
                    for c in chunks]
         padded = pad_tree_drafts(logits, drafts, parents)
         params = [self.params[c.req_id] for c in chunks]
