@@ -15,7 +15,6 @@ tokens/s by that time, every run, and each run's ratio to the plain engine's; ou
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import statistics
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts, spec_rows  # noqa: E402
 
 
 def build(model, spec, batch):
@@ -63,10 +62,7 @@ def main():
     parser.add_argument("--kinds", default="open-ended,input-grounded")
     parser.add_argument("--batch", type=int, default=8, help="max_num_seqs; every prompt is given twice")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
-                        help="one more row: a speculative_config, e.g. 'suffix={\"method\": \"suffix\", "
-                             "\"num_speculative_tokens\": 12}' (repeatable)")
-    parser.add_argument("--no-ngram-rows", action="store_true", help="only the --spec rows (and plain)")
+    add_spec_args(parser)
     parser.add_argument("--fresh", action="store_true",
                         help="every prompt once, and new engines for every run: drafters that learn across requests "
                              "(suffix's global tree, ngram_mod, ngram_cache, a public pool) never see the same "
@@ -79,12 +75,7 @@ def main():
     from specray.default_model import default_model_path
 
     model = default_model_path()
-    specs = {"specray (no speculation)": None}
-    if not args.no_ngram_rows:
-        specs.update(ngram_specs(args))
-    for row in args.spec:
-        name, _, config = row.partition("={")  # the name may hold "=" (K=8); the JSON starts at "{"
-        specs[f"specray {name}"] = json.loads("{" + config)
+    specs = {"specray (no speculation)": None, **spec_rows(args)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} ({'every prompt once, new engines every run' if args.fresh else 'every prompt twice'}), max_tokens="

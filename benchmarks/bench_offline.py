@@ -14,6 +14,7 @@ followed by text the model makes up after its EOS, which is no longer grounded i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import platform
 import statistics
@@ -162,6 +163,23 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
     parser.add_argument("--prompt-lookup-min", default="2", help="the ngram rows' prompt_lookup_min, or a comma "
                         "list (each K runs with each)")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    """Rows beyond the ngram grid (bench_lockstep.py and bench_replay.py)."""
+    parser.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
+                        help="one more row: a speculative_config, e.g. 'suffix={\"method\": \"suffix\", "
+                             "\"num_speculative_tokens\": 12}' (repeatable)")
+    parser.add_argument("--no-ngram-rows", action="store_true", help="only the --spec rows (and plain)")
+
+
+def spec_rows(args) -> dict[str, dict]:
+    """The speculative rows by name: the ngram grid (unless --no-ngram-rows), then each --spec."""
+    specs = {} if args.no_ngram_rows else ngram_specs(args)
+    for row in args.spec:
+        name, _, config = row.partition("={")  # the name may hold "=" (K=8); the JSON starts at "{"
+        specs[f"specray {name}"] = json.loads("{" + config)
+    return specs
 
 
 def ngram_specs(args) -> dict[str, dict]:

@@ -7,10 +7,18 @@ draft is kept while it matches the recorded answer, then the recorded token foll
 forward pass of its size cost when measured here. The engine's step timer is a virtual clock advanced by those
 charges, so the policy's cost fit sees them too. Each replay takes seconds, and repeats exactly.
 
-It also gives the ceiling of n-gram drafting on the recording: an *oracle* drafter that proposes what the
-n-gram drafter would, cut to the tokens the target will accept, so no drafted token is ever wasted and K never
-falls short of the match. No policy that sizes the same proposals can beat it. A "fixed K" row drafts every
-proposal whole (``adaptive=False``), for what the policy's sizing buys.
+It also gives the ceiling of each drafter on the recording: an *oracle* that proposes what the drafter would,
+cut to the tokens the target will accept (a token tree cut to its accepted path, verified as a chain), so no
+drafted token is ever wasted and K never falls short of the match. No policy that sizes or shapes the same
+proposals can beat it. A "fixed" row drafts every proposal whole (``adaptive=False``), for what the policy's sizing
+buys. Trees are verified greedily against the recording (the first child holding the recorded token); lookahead
+decoding cannot be replayed (it needs the target's tokens off the accepted path, which no recording holds).
+
+Rows: the ngram grid of ``--num-spec-tokens`` x ``--prompt-lookup-min``, and any speculative_config with ``--spec
+NAME=JSON`` (``--no-ngram-rows`` for those only). ``--once`` gives every prompt once, so drafters that learn across
+requests (suffix's global tree, ngram_mod, ngram_cache) never see the same prompt's earlier answer; ``--host-time``
+also charges each step the wall time the engine spent outside the executor (drafting, scheduling), measured while
+replaying.
 
 The cost curve is measured at the start (one sequence at context ~100: the model body for n tokens, and the
 logits for m rows): a step costs body(tokens in the step) + logits(rows that sample), interpolated. It leaves
@@ -34,12 +42,13 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, chat_prompts, ngram_specs  # noqa: E402
+from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts, spec_rows  # noqa: E402
 
 from specray.contract import StepPlan, StepResult  # noqa: E402
 
@@ -125,24 +134,49 @@ class ReplayExecutor:
     def clock(self) -> float:
         return self.now
 
+    def shutdown(self) -> None:
+        """Nothing to release (the engine shuts its executor down with it)."""
+
     def execute(self, plan: StepPlan, draft_probs: dict) -> StepResult:
-        kept, rows = [], 0
+        kept, paths, rows = [], [], 0
         for chunk in plan.chunks:
-            kept.append(self._kept(chunk) if chunk.sample else [])
+            tokens, path = self._kept(chunk) if chunk.sample else ([], [])
+            kept.append(tokens)
+            paths.append(path if chunk.draft_parents is not None else [])
             rows += (1 + chunk.num_draft_tokens) if chunk.sample else 0
         self.now += self.cost(plan.num_tokens, rows)
-        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], kept)
+        trees = any(c.draft_parents is not None for c in plan.chunks)
+        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], kept,
+                          accepted_draft_indices=paths if trees else None)
 
-    def _kept(self, chunk) -> list[int]:
+    def _kept(self, chunk) -> tuple[list[int], list[int]]:
+        """The tokens the target keeps (the accepted path's drafts, then its own) and the path's node indices."""
         full = self.truth[chunk.req_id]
         nxt = chunk.start_pos + chunk.num_tokens - chunk.num_draft_tokens  # position of the first draft
         drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
-        accepted = agreed(drafts, full[nxt:])
-        return drafts[:accepted] + [full[nxt + accepted]]
+        path = accepted_path(drafts, chunk.draft_parents, full[nxt:])
+        return [drafts[i] for i in path] + [full[nxt + len(path)]], path
+
+
+def accepted_path(drafts: list[int], parents: list[int] | None, future: list[int]) -> list[int]:
+    """Greedy verification against the recording: from the root, the first child holding the recorded next token,
+    as long as there is one; a chain (``parents`` None) is the tree whose node i is node i-1's child."""
+    if parents is None:
+        return list(range(agreed(drafts, future)))
+    path, node = [], -1
+    while len(path) < len(future) - 1:
+        child = next((i for i in range(node + 1, len(drafts)) if parents[i] == node and drafts[i] == future[len(path)]),
+                     None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
 
 
 class OracleDrafter:
-    """The n-gram drafter's proposals cut to what the target will accept (the recording tells)."""
+    """The drafter's proposals cut to what the target will accept (the recording tells): a tree becomes the chain
+    of its accepted path, so no node is ever wasted."""
 
     cheap_proposals = True
 
@@ -153,7 +187,9 @@ class OracleDrafter:
         proposals = self.inner.propose(batch)
         for dreq, proposal in zip(batch, proposals):
             future = self.truth[dreq.req_id][len(dreq.token_ids):]
-            proposal.token_ids = proposal.token_ids[:agreed(proposal.token_ids, future)]
+            path = accepted_path(proposal.token_ids, proposal.parents, future)
+            proposal.token_ids = [proposal.token_ids[i] for i in path]
+            proposal.parents = proposal.scores = None
         return proposals
 
     def finish(self, req_ids):
@@ -162,10 +198,17 @@ class OracleDrafter:
     def shutdown(self):
         self.inner.shutdown()
 
+    def __getattr__(self, name):  # the inner drafter's optional hooks (observe_verification, observe_finished)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
 
 def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prompt_ids, answers, max_tokens: int,
-           oracle: bool = False) -> dict:
-    """Run the engine over the recording; its virtual seconds, tokens, steps and speculation stats."""
+           oracle: bool = False, host_time: bool = False) -> dict:
+    """Run the engine over the recording; its virtual seconds, tokens, steps and speculation stats. With
+    ``host_time`` the clock also advances by the wall time of each step outside the executor (drafting, scheduling,
+    detokenizing: the engine's own host work, measured as it runs here)."""
     from specray import LLM, SamplingParams
 
     if oracle:
@@ -182,7 +225,11 @@ def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prom
         executor.truth[engine.add_request(prompt, replace(params))] = prompt + answer
     tokens = steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        start = time.perf_counter()
+        outs = engine.step()
+        if host_time:
+            executor.now += time.perf_counter() - start
+        for out in outs:
             if out.finished:
                 assert list(out.outputs[0].token_ids) == executor.truth[out.request_id][len(out.prompt_token_ids):]
                 tokens += len(out.outputs[0].token_ids)
@@ -195,6 +242,11 @@ def main():
     add_common_args(parser)
     parser.add_argument("--kinds", default="input-grounded,open-ended")
     parser.add_argument("--batch", default="1,8", help="max_num_seqs, or a comma list; every prompt is given twice")
+    parser.add_argument("--once", action="store_true", help="every prompt once (drafters that learn across requests "
+                        "never see the same prompt's earlier answer)")
+    add_spec_args(parser)
+    parser.add_argument("--host-time", action="store_true", help="charge each step's host work too (drafting, "
+                        "scheduling: the wall time of a step outside the executor, measured while replaying)")
     parser.add_argument("--answers", type=Path, help="a JSON file of recorded answers: read if it exists, "
                         "else written (record once, replay many times)")
     parser.add_argument("--cost-curve", type=Path, help="a JSON cost curve ({\"body\": {tokens: seconds}, "
@@ -214,10 +266,13 @@ def main():
         cost, source = measure_cost(model), "measured here"
         if args.cost_curve:
             args.cost_curve.write_text(json.dumps({"body": cost.body, "logits": cost.logits}, indent=1))
+    copies = "every prompt once" if args.once else "every prompt twice"
+    host = ", host work charged" if args.host_time else ""
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, stop at EOS, every prompt twice\n"
+          f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, stop at EOS, {copies}{host}\n"
           f"# cost curve ({source}; ms), body(n): " + ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in cost.body.items())
           + "; logits(m): " + ", ".join(f"{m}: {t * 1e3:.1f}" for m, t in cost.logits.items()) + "\n")
+    specs = spec_rows(args)
     recorded = json.loads(args.answers.read_text()) if args.answers and args.answers.exists() else {}
     print("| prompts | batch | system | replayed tokens/s | steps | mean accepted length | ratio to plain |\n"
           "|---|---|---|---|---|---|---|")
@@ -226,16 +281,17 @@ def main():
         prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
         if kind not in recorded:
             recorded[kind] = record(model, prompt_ids, args.max_tokens)
-        prompt_ids, answers = prompt_ids * 2, recorded[kind] * 2
+        copies = 1 if args.once else 2
+        prompt_ids, answers = prompt_ids * copies, recorded[kind] * copies
+        run = partial(replay, model, prompt_ids=prompt_ids, answers=answers, max_tokens=args.max_tokens,
+                      cost=cost, host_time=args.host_time)
         for batch in (int(b) for b in args.batch.split(",")):
-            plain = replay(model, None, batch, cost, prompt_ids, answers, args.max_tokens)
+            plain = run(None, batch)
             rows = [("specray (no speculation)", plain)]
-            for name, spec in ngram_specs(args).items():
-                rows.append((name, replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens)))
-                rows.append((name.replace("ngram", "ngram fixed K"), replay(
-                    model, {**spec, "adaptive": False}, batch, cost, prompt_ids, answers, args.max_tokens)))
-                rows.append((name.replace("ngram", "ngram oracle"),
-                              replay(model, spec, batch, cost, prompt_ids, answers, args.max_tokens, oracle=True)))
+            for name, spec in specs.items():
+                rows.append((name, run(spec, batch)))
+                rows.append((f"{name}, fixed", run({**spec, "adaptive": False}, batch)))
+                rows.append((f"{name}, oracle", run(spec, batch, oracle=True)))
             for name, r in rows:
                 mal = r["stats"].mean_accepted_length if r["stats"].drafts else float("nan")
                 print(f"| {kind} | {batch} | {name} | {r['tokens'] / r['seconds']:.1f} | {r['steps']} | {mal:.2f} | "

@@ -40,11 +40,12 @@ The request's overall counts (above) still take every verification.
 
 Token trees. A tree drafter proposes nodes best first (``specray.tree``); verifying its first n nodes keeps, in
 expectation, 1 + sum_{i<n} P(path to node i accepted) tokens. The path probability is the product of the nodes'
-scores when the drafter gives them (a suffix tree's frequencies), scaled by the request's calibration c =
-(kept + m) / (predicted + m) (discounted counts of what its trees kept against what their scores predicted),
-else alpha^depth_i with alpha as above (a tree's per-level acceptance). The policy verifies the n in
-[0, nodes] maximising expected tokens per unit cost, with the margin and probes of chains: the same rule, with
-node counts in place of k.
+scores when the drafter gives them, each times alpha (as above, of the tree's key): a node is accepted when its
+level continues at all (alpha, a tree's per-level acceptance) and the continuation is this node (its score, the
+drafter's share for it among its siblings: a suffix tree's frequency, an n-gram trie's share of sightings). So a
+single sighting's chain (every score 1) is priced as a chain of its kind of match is, alpha^depth, and siblings
+split what their level is worth. The policy verifies the n in [0, nodes] maximising expected tokens per
+unit cost, with the margin and probes of chains: the same rule, with node counts in place of k.
 
 Per request, ``SamplingParams.num_speculative_tokens`` caps the engine's (0: that request never drafts).
 """
@@ -78,8 +79,6 @@ class Evidence:
     rejects: float = 0.0
     keyed: dict[int, list[float]] = field(default_factory=dict)
     undrafted_steps: int = 0
-    predicted: float = 0.0  # scored trees: discounted tokens their scores predicted ...
-    kept: float = 0.0  # ... and the tokens verification kept of them
 
 
 _NO_EVIDENCE = Evidence()
@@ -195,22 +194,9 @@ class DraftLengthPolicy:
 
     def observe_tree(self, req, tree: DraftTree, num_accepted: int, key: int | None = None) -> None:
         """One verification of ``tree`` that kept ``num_accepted`` of its nodes (a path): the per-level evidence
-        (accepted levels, one rejection if the path stopped above the tree's deepest node) and, for a scored
-        tree, the calibration counts."""
-        if not len(tree):
-            return
-        depth = max(depths(tree.parents))
-        self.observe(req, depth, num_accepted, key)
-        if tree.scores is not None:
-            ev = self.evidence(req.req_id)
-            ev.predicted = self.decay * ev.predicted + sum(path_scores(tree, 1.0))
-            ev.kept = self.decay * ev.kept + num_accepted
-
-    def calibration(self, req) -> float:
-        """c: what the request's scored trees kept per token their scores predicted (1 before any evidence)."""
-        ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
-        m = self.prior_strength
-        return (ev.kept + m) / (ev.predicted + m)
+        (accepted levels, one rejection if the path stopped above the tree's deepest node)."""
+        if len(tree):
+            self.observe(req, max(depths(tree.parents)), num_accepted, key)
 
     def choose_tree(self, req, batch_size: int, tree: DraftTree, off_critical_path: bool = False,
                     key: int | None = None) -> int:
@@ -220,11 +206,11 @@ class DraftLengthPolicy:
             return limit
         if off_critical_path:
             return 0
+        alpha = self.acceptance(req, key)
         if tree.scores is None:
-            gains = path_scores(tree, self.acceptance(req, key))
-        else:
-            c = self.calibration(req)
-            gains = [min(1.0, c * s) for s in path_scores(tree, 1.0)]
+            gains = path_scores(tree, alpha)
+        else:  # P(path to node i) = prod over its nodes of alpha * score = alpha^depth * path score
+            gains = [s * alpha ** d for s, d in zip(path_scores(tree, 1.0), depths(tree.parents))]
         costs = self._step_costs(batch_size, limit)
         best, best_rate, expected = 0, 1.0 / costs[0], 1.0
         base_rate = best_rate

@@ -8,6 +8,7 @@ import pytest
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy, PRIOR_COST, expected_tokens, robust_fit
 from specray.scheduler.request import Request
+from specray.tree import DraftTree
 
 
 _names = itertools.count()
@@ -200,6 +201,27 @@ def test_evidence_per_kind_of_guess():
     assert policy.acceptance(fresh) == pytest.approx(0.5)  # nothing of its own yet
     assert policy.acceptance(fresh, 1) < 0.3 and policy.acceptance(fresh, 4) > 0.7
     assert policy.acceptance(fresh, 2) == pytest.approx(0.5)  # no request drafted after a 2-token match
+
+
+def test_scored_trees_are_priced_with_the_acceptance_of_their_kind_of_guess():
+    """An n-gram trie's shares are 1.0 along a single sighting whatever match it continues; what is kept is not.
+    A node's chance is alpha (of the tree's key) times its score, so a single sighting's chain is priced as the
+    chain of that key is, and siblings split their level's worth."""
+    policy = DraftLengthPolicy(8)
+    feed_cost(policy, 1.0, 0.05)
+    chain = DraftTree([5, 6, 7, 8], [-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0])  # one sighting: every score 1
+    req = make_req()
+    for _ in range(30):
+        policy.observe_tree(req, chain, 0, key=1)  # after a 1-token match nothing is kept
+        policy.observe_tree(req, chain, 4, key=4)  # after a 4-token match everything is
+    assert policy.choose_tree(req, 8, chain, key=1) == 0 == policy.choose(req, 8, key=1)
+    assert policy.choose_tree(req, 8, chain, key=4) == 4
+    fresh = make_req("fresh")  # the engine's evidence per key is its prior
+    assert policy.choose_tree(fresh, 8, chain, key=1) == 0 < policy.choose_tree(fresh, 8, chain, key=4)
+    # two siblings, each worth half its level: both pay after long matches (alpha near 1), neither after short
+    forks = DraftTree([5, 6], [-1, -1], [0.5, 0.5])
+    assert policy.choose_tree(req, 1, forks, key=4) == 2
+    assert policy.choose_tree(req, 1, forks, key=1) == 0
 
 
 def test_evidence_lives_in_the_policy_until_forgotten():

@@ -17,7 +17,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, trim_tree
+from specray.tree import DraftTree, chain_parents, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -313,17 +313,18 @@ class LLMEngine:
                 if request is None:
                     continue
                 key, accepted = self._draft_keys.get(chunk.req_id), max(len(kept) - 1, 0)
-                if chunk.draft_parents is None:
-                    self.policy.observe(request, chunk.num_draft_tokens, accepted, key)
-                else:
+                if chunk.req_id in self._draft_trees:  # proposed as a tree (it may have been a chain)
                     self.policy.observe_tree(request, self._verified_tree(chunk), accepted, key)
+                else:
+                    self.policy.observe(request, chunk.num_draft_tokens, accepted, key)
 
     def _verified_tree(self, chunk: ScheduledChunk) -> DraftTree:
         """The tree a chunk verified, with the drafter's scores when the scheduler verified it whole."""
         proposed = self._draft_trees.get(chunk.req_id)
         if proposed is not None and len(proposed) == chunk.num_draft_tokens:
             return proposed
-        return DraftTree(chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:], list(chunk.draft_parents))
+        parents = chunk.draft_parents if chunk.draft_parents is not None else chain_parents(chunk.num_draft_tokens)
+        return DraftTree(chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:], list(parents))
 
     # ---- outputs --------------------------------------------------------------------------------------
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
