@@ -67,7 +67,7 @@ class DrafterWorker:
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
         self.drafter = drafter_class(spec.method)(spec, ctx)
         if pool_name is not None and uses_public_pool(spec):
-            link = RayPoolLink(get_pool_actor(pool_name), uuid.uuid4().hex)
+            link = RayPoolLink(get_pool_actor(pool_name, spec.method), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
         hooks = [h for h in (*HOOKS, "stats") if callable(getattr(self.drafter, h, None))]
         self.handlers = {h: getattr(self.drafter, h) for h in hooks if h in HOOKS}

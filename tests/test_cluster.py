@@ -661,3 +661,38 @@ def ray_get(ref):
     import ray
 
     return ray.get(ref, timeout=60)
+
+
+# ---- suffix decoding's global tree shared across replicas ----------------------------------------------------------
+
+def test_suffix_global_tree_is_shared_by_replicas_naming_one_pool(tiny_llama_dir):
+    """Two engines whose suffix drafters name the pool "t-suffix": what A finished, B drafts from its first output
+    token on; C, with a pool of its own, has nothing to draft from. An n-gram drafter naming the same pool gets
+    another actor. Greedy output is the plain output everywhere."""
+    import ray
+
+    prompt = prompts_for(1, seed=44)[0]  # an output that repeats little: C drafts little from its own text
+    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])
+    spec = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False, "is_public_pool": True}
+    engines = {name: engine_for(tiny_llama_dir, distributed_executor_backend="ray", speculative_config=spec,
+                                ray_placement=dict(HALF_CPU, worker_num_cpus=0.25, pool_name=pool))
+               for name, pool in (("A", "t-suffix"), ("B", "t-suffix"), ("C", "t-suffix-other"))}
+    try:
+        accepted = {}
+        for name, engine in engines.items():
+            if name != "A":
+                engine.drafter.sync_pool()  # what A published reaches B now (else with B's next proposal)
+            assert run_to_end(engine, [prompt]) == reference, name
+            accepted[name] = engine.spec_stats.accepted_tokens
+            if name == "A":
+                engine.drafter.sync_pool()  # A's record goes out (else with A's next proposal)
+        assert accepted["B"] >= MAX_TOKENS - 1 - 3 and accepted["C"] <= 4, accepted  # B: all but one per step
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert {"specray-suffix-pool:t-suffix", "specray-suffix-pool:t-suffix-other"} <= names
+        assert "specray-ngram-pool:t-suffix" not in names  # the n-gram drafter's pools are other actors
+    finally:
+        for engine in engines.values():
+            engine.drafter.shutdown()
+            engine.executor.shutdown()
+        for name in ("t-suffix", "t-suffix-other"):
+            ray.kill(ray.get_actor("specray-suffix-pool:" + name, namespace="specray"))
