@@ -667,8 +667,8 @@ def ray_get(ref):
 
 def test_suffix_global_tree_is_shared_by_replicas_naming_one_pool(tiny_llama_dir):
     """Two engines whose suffix drafters name the pool "t-suffix": what A finished, B drafts from its first output
-    token on; C, with a pool of its own, has nothing to draft from. An n-gram drafter naming the same pool gets
-    another actor. Greedy output is the plain output everywhere."""
+    token on; C, with a pool of its own, has only its own text to draft from. The pools are suffix decoding's
+    actors, not the n-gram drafter's of the same name. Greedy output is the plain output everywhere."""
     import ray
 
     prompt = prompts_for(1, seed=44)[0]  # an output that repeats little: C drafts little from its own text
