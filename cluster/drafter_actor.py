@@ -4,6 +4,12 @@
 keeps every history) on a step channel (a socket, as the target's steps: a Ray call per step costs more than
 an n-gram lookup), gets the proposals back, and when the actor is lost it drafts nothing (the engine then
 decodes without speculation: slower, never wrong) while a replacement starts in the background.
+
+The drafter's optional hooks (``observe_verification``, ``observe_finished``, ``observe_node_tokens``; see
+:data:`HOOKS`) are exposed by :class:`RemoteDrafter` only when the actor's drafter has them (the engine calls
+what ``getattr`` finds). The engine's calls are queued as events and ride the channel's next message (a proposal,
+a prefetch, or the message ``finish`` sends), so the actor applies them in the order the engine made them, before
+it drafts, and a step costs no extra round trip. A finished history travels as a delta against the actor's copy.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import replace
 
 from specray.cluster import placement as placement_groups
@@ -32,6 +39,8 @@ logger = logging.getLogger(__name__)
 DRAFT_TIMEOUT_S = 60.0  # a drafter slower than this is treated as lost
 RESPAWN_BACKOFF_S = 5.0
 DRAFTER_PEER = "drafter actor rank"  # how errors and logs name the drafter's ranks (not the target's)
+# optional drafter hooks the engine calls (``getattr``); forwarded to the actor's drafter when it has them
+HOOKS = ("observe_verification", "observe_finished", "observe_node_tokens")
 
 
 class DrafterWorker:
@@ -43,10 +52,12 @@ class DrafterWorker:
         self.histories: dict[str, list[int]] = {}
         self.lock = threading.Lock()
         self.rank = 0
+        self.handlers: dict[str, object] = {}  # event name -> what applies it
 
     def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str, pool_name: str | None = None,
-              rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
-        """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError)."""
+              rank: int = 0, world_size: int = 1, init_method: str | None = None) -> list[str]:
+        """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError).
+        Returns the optional hooks it has (of :data:`HOOKS`, and ``stats``)."""
         if ctx.target_tokenizer is None and has_weights(spec.method):
             from specray.models.loader import load_tokenizer
 
@@ -56,8 +67,14 @@ class DrafterWorker:
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
         self.drafter = drafter_class(spec.method)(spec, ctx)
         if pool_name is not None and uses_public_pool(spec):
-            link = RayPoolLink(get_pool_actor(pool_name), uuid.uuid4().hex)
+            link = RayPoolLink(get_pool_actor(pool_name, spec.method), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
+        hooks = [h for h in (*HOOKS, "stats") if callable(getattr(self.drafter, h, None))]
+        self.handlers = {h: getattr(self.drafter, h) for h in hooks if h in HOOKS}
+        if "observe_finished" in self.handlers:  # the actor completes its copy of the history first
+            self.handlers["observe_finished"] = self._observe_finished
+        self.handlers["finish"] = self._finish
+        return hooks
 
     @staticmethod
     def _join(ctx: DrafterContext, rank: int, world_size: int, init_method: str):
@@ -71,10 +88,16 @@ class DrafterWorker:
         torch.manual_seed(ctx.seed)  # unseeded requests sample the same tokens on every rank
         return join_tp_group(device, rank, world_size, init_method)
 
-    def propose(self, updates: list[tuple]) -> list[Proposal]:
-        """``updates``: (req_id, start, token_ids[start:], num_speculative_tokens, sampling_params) per request.
-        Every rank drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
+    def propose(self, updates: list[tuple], events: list[tuple] = ()) -> list[Proposal]:
+        """``events``: the engine's hook calls and finishes since the last message, ``(name, *args)`` in order
+        (see :meth:`RemoteDrafter._queue`), applied first. ``updates``: (req_id, start, token_ids[start:],
+        num_speculative_tokens, sampling_params) per request (none: a message of events only). Every rank
+        applies and drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
         with self.lock:
+            for name, *args in events:
+                self.handlers[name](*args)
+            if not updates:
+                return []
             batch = []
             for req_id, start, tokens, num_speculative_tokens, params in updates:
                 history = self.histories.setdefault(req_id, [])
@@ -84,11 +107,28 @@ class DrafterWorker:
             proposals = self.drafter.propose(batch)
             return proposals if self.rank == 0 else []
 
-    def finish(self, req_ids: list[str]) -> None:
+    def _finish(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.histories.pop(rid, None)
+        self.drafter.finish(req_ids)
+
+    def _observe_finished(self, req_id: str, start: int, tokens: list[int]) -> None:
+        """The finished history is the actor's copy up to ``start``, then ``tokens``."""
+        history = self.histories.setdefault(req_id, [])
+        del history[start:]
+        history.extend(tokens)
+        self.drafter.observe_finished(req_id, history)
+
+    def stats(self) -> dict | None:
+        """The drafter's statistics as plain data (None: it keeps none)."""
         with self.lock:
-            for rid in req_ids:
-                self.histories.pop(rid, None)
-            self.drafter.finish(req_ids)
+            stats = getattr(self.drafter, "stats", None)
+            return dict(stats()) if callable(stats) else None
+
+    def run(self, fn, *args):
+        """``fn(drafter, *args)`` between proposals (``fn`` is pickled by the caller): inspection and tests."""
+        with self.lock:
+            return fn(self.drafter, *args)
 
     def sync_pool(self) -> None:
         """Finish an exchange with the shared pool now (tests; normally it happens with every proposal)."""
@@ -125,21 +165,34 @@ class RemoteDrafter:
         # prefetch assumed kept; they may turn out wrong)
         self.sent: dict[str, tuple[int, list[int]]] = {}
         self.pending, self.pending_ids = False, []  # a prefetch whose answer is still on the channel
+        self.prefetched: dict[str, Proposal] = {}  # a prefetch's answer read early (``stats``), by request id
+        self.events: list[tuple] = []  # hook calls and finishes for the channel's next message, in order
+        self.unanswered: deque[bool] = deque()  # per message whose answer is unread: whether one waits for it
         self.num_prefetch_hits = 0
         self.drafts_ahead = self.placement.draft_ahead  # the engine then calls prefetch every step
         self.cheap_proposals = getattr(drafter_class(spec.method), "cheap_proposals", False)  # sized by key
         self.tp_size = tensor_parallel_size(spec)
         self.actors, self.pg, refs = self._spawn()
         try:  # surfaces a user error (wrong vocabulary, heads not divisible...) at start
-            self.channel = StepClient(ray.get(refs, timeout=SETUP_TIMEOUT_S)[self.tp_size:], peer=DRAFTER_PEER)
+            ready = ray.get(refs, timeout=SETUP_TIMEOUT_S)
+            self.channel = StepClient(ready[self.tp_size:], peer=DRAFTER_PEER)
         except RayTaskError as err:
             self._kill(self.actors, self.pg)
             raise_remote(err)
         except (RayError, WorkerDiedError):
             self._kill(self.actors, self.pg)
             raise
+        self._expose(ready[0])
         self.starting = None  # a replacement group being brought up after a failure: (actors, pg, ready refs)
         self.lost_at = 0.0
+
+    def _expose(self, hooks: list[str]) -> None:
+        """Take on the optional hooks the actor's drafter has, and only those: the engine calls a hook when
+        ``getattr`` finds it, and a hook the drafter lacks would cost a queued event for nothing."""
+        forwarders = {"observe_verification": self._observe_verification, "observe_finished": self._observe_finished,
+                      "observe_node_tokens": self._observe_node_tokens, "stats": self._stats}
+        for name in hooks:
+            setattr(self, name, forwarders[name])
 
     @property
     def actor(self):
@@ -184,7 +237,8 @@ class RemoteDrafter:
         """Proposals for ``batch``: taken from the prefetch when it guessed right, else asked for now."""
         if self.actor is None and not self._replaced():
             return [Proposal([]) for _ in batch]
-        prefetched = self._collect_prefetch()
+        self._collect_prefetch()
+        prefetched, self.prefetched = self.prefetched, {}
         out: list[Proposal | None] = [self._prefetch_hit(r, prefetched.get(r.req_id)) for r in batch]
         misses = [r for r, p in zip(batch, out) if p is None]
         if misses and self._send(misses):
@@ -207,9 +261,55 @@ class RemoteDrafter:
             self.pending = True
             self.pending_ids = [r.req_id for r in batch]
 
+    # ---- the optional hooks (exposed by _expose when the actor's drafter has them) ----------------------------
+    def _observe_verification(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        self._queue(("observe_verification", req_id, num_drafted, num_accepted))
+
+    def _observe_node_tokens(self, req_id: str, node_tokens: list[int]) -> None:
+        self._queue(("observe_node_tokens", req_id, list(node_tokens)))
+
+    def _observe_finished(self, req_id: str, token_ids) -> None:
+        """Queued before the ``finish`` the engine calls next, so the actor completes the history it still
+        holds: only what its copy lacks travels."""
+        if not self.actors:
+            return
+        begin = self._held_prefix(req_id, token_ids)
+        self._queue(("observe_finished", req_id, begin, list(token_ids[begin:])))
+        self.sent[req_id] = (len(token_ids), [])  # the actor now holds it: ``finish`` releases it there
+
+    def _stats(self) -> dict | None:
+        """The actor's drafter's statistics, after it has applied every event queued so far (None while the
+        drafter is lost; a replacement counts from zero)."""
+        if not self.deliver():
+            return None
+        try:  # not ray.get: in the engine actor it would warn of blocking its event loop, which this is not on
+            return self.actor.stats.remote().future().result(timeout=DRAFT_TIMEOUT_S)
+        except (RayError, TimeoutError) as err:
+            logger.warning("drafter statistics unavailable (%s)", err)
+            return None
+
+    def deliver(self) -> bool:
+        """Send the queued events now and wait until the actor has applied them (before a Ray call that must
+        see them: statistics, inspection, tests). False when the drafter is lost."""
+        self._collect_prefetch()  # its answer comes first on the channel; ``propose`` still uses it
+        return self._send([]) and self._receive() is not None
+
+    def sync_pool(self) -> None:
+        """Deliver the queued events, then finish an exchange with the shared pool (tests; normally one happens
+        with every proposal)."""
+        if self.deliver():
+            ray.get(self.actor.sync_pool.remote(), timeout=DRAFT_TIMEOUT_S)
+
+    def _queue(self, event: tuple) -> None:
+        if self.actors:  # a replacement starts afresh: events for the lost actor are moot
+            self.events.append(event)
+
     # ---- helpers -------------------------------------------------------------------------------------------
-    def _send(self, batch: list[DraftRequest]) -> bool:
-        """Send the histories' new tokens (from where the actor's copy first differs) and the draft budgets."""
+    def _send(self, batch: list[DraftRequest], wanted: bool = True) -> bool:
+        """Send the queued events, the histories' new tokens (from where the actor's copy first differs) and
+        the draft budgets. ``wanted``: someone will read the answer (else ``_receive`` drops it)."""
+        if not self.actors:
+            return False
         updates = []
         for r in batch:
             begin = self._synced_prefix(r)
@@ -217,27 +317,36 @@ class RemoteDrafter:
                             r.sampling_params))
             real = len(r.token_ids) - r.num_assumed  # the actor's copy now ends in the assumed drafts, if any
             self.sent[r.req_id] = (real, list(r.token_ids[real:]))
+        events, self.events = self.events, []
         try:
-            message = (updates,)  # one object: pickled once for every rank
+            message = (updates, events)  # one object: pickled once for every rank
             self.channel.send([message] * len(self.actors), "drafting")
         except WorkerDiedError as err:
             self._lost(err)
             return False
+        self.unanswered.append(wanted)
         return True
 
     def _receive(self) -> list[Proposal] | None:
+        """The answer to the oldest message someone waits for (answers to ``finish``'s messages are dropped)."""
         try:
-            return self.channel.receive(DRAFT_TIMEOUT_S, "drafting")
+            while True:
+                wanted = self.unanswered.popleft()
+                answer = self.channel.receive(DRAFT_TIMEOUT_S, "drafting")
+                if wanted:
+                    return answer
         except (WorkerDiedError, StepError) as err:  # a drafter that raised may hold half-updated histories
             self._lost(err)
             return None
 
-    def _collect_prefetch(self) -> dict[str, Proposal]:
+    def _collect_prefetch(self) -> None:
+        """Read a prefetch's answer, if one is on the way, into ``prefetched``."""
         if not self.pending:
-            return {}
+            return
         self.pending = False
         proposals = self._receive()
-        return dict(zip(self.pending_ids, proposals)) if proposals is not None else {}
+        if proposals is not None:
+            self.prefetched = dict(zip(self.pending_ids, proposals))
 
     def _prefetch_hit(self, r: DraftRequest, p: Proposal | None) -> Proposal | None:
         if p is None or not p.token_ids or r.num_speculative_tokens == 0:
@@ -251,19 +360,26 @@ class RemoteDrafter:
 
     def _synced_prefix(self, r: DraftRequest) -> int:
         """How many leading tokens of ``r``'s history the actor's copy already holds."""
-        n0, tail = self.sent.get(r.req_id, (0, []))
-        n0 = min(n0, len(r.token_ids))
+        return self._held_prefix(r.req_id, r.token_ids)
+
+    def _held_prefix(self, req_id: str, token_ids) -> int:
+        """How many leading tokens of the history ``token_ids`` the actor's copy of ``req_id`` holds."""
+        n0, tail = self.sent.get(req_id, (0, []))
+        n0 = min(n0, len(token_ids))
         same = 0
-        for a, b in zip(tail, r.token_ids[n0:]):
+        for a, b in zip(tail, token_ids[n0:]):
             if a != b:
                 break
             same += 1
         return n0 + same
 
     def finish(self, req_ids) -> None:
+        """Sent at once with the queued events (after any ``observe_finished`` of these requests) on the
+        channel, in order with the proposals; nothing waits for the answer."""
         req_ids = [r for r in req_ids if self.sent.pop(r, None) is not None]
-        for actor in self.actors if req_ids else []:
-            actor.finish.remote(req_ids)  # no wait: nothing depends on it
+        if req_ids:
+            self._queue(("finish", req_ids))
+            self._send([], wanted=False)
 
     def shutdown(self) -> None:
         if self.actors:
@@ -281,7 +397,8 @@ class RemoteDrafter:
         self.channel.close()
         self._kill(self.actors, self.pg)
         self.actors, self.pg, self.sent, self.lost_at = [], None, {}, time.monotonic()
-        self.pending, self.pending_ids = False, []
+        self.pending, self.pending_ids, self.prefetched = False, [], {}
+        self.events, self.unanswered = [], deque()
 
     def _replaced(self) -> bool:
         """Start a replacement (after a back-off) and switch to it once every rank answers; never blocks."""

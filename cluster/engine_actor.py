@@ -77,6 +77,15 @@ class EngineActor:
     async def spec_stats(self) -> SpecStats:
         return await self.aengine.call(lambda engine: engine.spec_stats)
 
+    async def drafter_stats(self) -> dict | None:
+        """The drafter's own statistics (a drafter actor's come back as plain data), when it keeps them."""
+
+        def read(engine):
+            stats = getattr(engine.drafter, "stats", None)
+            return stats() if callable(stats) else None
+
+        return await self.aengine.call(read)
+
     async def call(self, fn):
         """Run ``fn(engine)`` in the engine thread (tests and debugging)."""
         return await self.aengine.call(fn)
@@ -117,6 +126,9 @@ class RayEngineClient:
     @property
     def spec_stats(self) -> SpecStats:
         return ray.get(self.actor.spec_stats.remote())
+
+    def drafter_stats(self) -> dict | None:
+        return ray.get(self.actor.drafter_stats.remote())
 
     def describe(self) -> dict:
         return ray.get(self.actor.describe.remote())

@@ -1,9 +1,11 @@
-"""A named actor that relays accepted text between engine replicas' n-gram pools.
+"""A named actor that relays text between engine replicas' drafters: the n-gram drafter's pool, suffix decoding's
+global tree of finished outputs.
 
-Every replica's n-gram drafter keeps its own indexed pool (lookups stay local and fast) and, through a
-:class:`RayPoolLink`, sends the actor what its requests added and receives what the others added: deltas only,
+Every replica's drafter keeps its own index (lookups stay local and fast) and, through a :class:`RayPoolLink`,
+sends the actor what its requests added and receives what the others added: deltas only,
 ``(seq_key, start, tokens[start:])``, so a growing sequence costs what it grew by. The actor keeps at most
-``max_tokens`` tokens, dropping the oldest sequences first.
+``max_tokens`` tokens, dropping the oldest sequences first. It knows nothing of the drafters: each method gets
+actors of its own (:func:`get_pool_actor`), so one method's records never reach another's drafter.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from ray.exceptions import RayError
 
 logger = logging.getLogger(__name__)
 
-POOL_ACTOR_PREFIX = "specray-ngram-pool:"
 POOL_NAMESPACE = "specray"  # one namespace, so replicas of any job or Serve app find the same pool
 DEFAULT_MAX_TOKENS = 1 << 22
 
@@ -64,10 +65,17 @@ class NgramPoolActor:
         return {"sequences": len(self.seqs), "tokens": self.num_tokens, "replicas": len(self.sent)}
 
 
-def get_pool_actor(name: str):
-    """The pool actor called ``name``, created on first use (detached: it outlives any one replica)."""
+def pool_actor_name(name: str, method: str = "ngram") -> str:
+    """The actor of pool ``name`` for drafting ``method``: replicas of one method share it, other methods that
+    name the same pool get their own (their records mean different things)."""
+    return f"specray-{method}-pool:{name}"
+
+
+def get_pool_actor(name: str, method: str = "ngram"):
+    """The pool actor called ``name`` for ``method``, created on first use (detached: it outlives any one
+    replica)."""
     return ray.remote(NgramPoolActor).options(
-        name=POOL_ACTOR_PREFIX + name, namespace=POOL_NAMESPACE, get_if_exists=True, lifetime="detached",
+        name=pool_actor_name(name, method), namespace=POOL_NAMESPACE, get_if_exists=True, lifetime="detached",
         num_cpus=0.05,
     ).remote()
 
@@ -104,6 +112,6 @@ class RayPoolLink:
         try:
             return ray.get(ref)
         except RayError as err:
-            logger.warning("shared n-gram pool unreachable (%s): drafting from this replica's text only", err)
+            logger.warning("shared drafter pool unreachable (%s): drafting from this replica's text only", err)
             self.failed = True
             return []

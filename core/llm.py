@@ -64,6 +64,9 @@ class LLM:
     @property
     def drafter_stats(self) -> dict | None:
         """The drafter's own llama.cpp-style statistics (``#calls``, ``#gen drafts``, ...), when it keeps them."""
+        remote = getattr(self.engine, "drafter_stats", None)  # the Ray backend's client asks its engine actor
+        if callable(remote):
+            return remote()
         stats = getattr(getattr(self.engine, "drafter", None), "stats", None)
         return stats() if callable(stats) else None
 

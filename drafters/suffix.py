@@ -59,6 +59,13 @@ already in each request's own trie). At most ``max_cached_requests`` such record
 first, and a record is a plain ``(key, start, tokens)`` so caches can be shipped (:meth:`SuffixCache.snapshot`,
 :meth:`SuffixCache.merge`) between engine replicas.
 
+Within one engine every request already drafts from the one global trie. ``is_public_pool`` links it with the
+global tries of other engine replicas that name the same pool (``RayPlacement.pool_name``, a drafter actor):
+through a :class:`specray.drafters.ngram.PoolLink`, each record this drafter adds is published as
+``(replica id:req_id, 0, tokens)``, and the records other replicas published are added as the newest, within
+``max_cached_requests`` as any record (a record is never published again by a replica that received it).
+Exchanges happen when proposing, one in flight, never waited for.
+
 Cost: an append is O(stored suffixes ending at the token) <= D dict operations; a proposal is O(budget x depth)
 for each tree grown plus, for the global trie, about log2(D) walks of at most D tokens. Memory: one ``_Node``
 (about 70 bytes, plus a dict once it has children) per stored node, at most D per token: measured, about 2 per
@@ -69,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -76,7 +84,7 @@ from typing import Any, ClassVar
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
-from specray.drafters.ngram import common_prefix
+from specray.drafters.ngram import PoolLink, common_prefix
 from specray.drafters.registry import options_of
 from specray.drafters.stats import DrafterStats
 from specray.tree import DraftTree, dynamic_tree, path_scores
@@ -114,6 +122,9 @@ class SuffixOptions:
     max_spec_offset: float = 0.0  # added to factor * m (negative: demand longer matches)
     min_token_prob: float = 0.1  # drop draft nodes whose path probability is below this
     use_global_tree: bool = True  # also draft from finished requests' text
+    # link the global trie with other replicas naming the same ray_placement.pool_name (within one engine every
+    # request shares it already)
+    is_public_pool: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tree_depth", self.max_tree_depth, 2,
@@ -123,8 +134,14 @@ class SuffixOptions:
         _check_real("max_spec_factor", self.max_spec_factor, 0.0, None, "e.g. 1.0: one draft per matched token")
         _check_real("max_spec_offset", self.max_spec_offset, None, None, "e.g. 0.0, or -2 to demand longer matches")
         _check_real("min_token_prob", self.min_token_prob, 0.0, 1.0, "e.g. 0.1")
-        if not isinstance(self.use_global_tree, bool):
-            raise ValueError(f"speculative_config.use_global_tree={self.use_global_tree!r} must be true or false")
+        for name in ("use_global_tree", "is_public_pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be true or false")
+        if self.is_public_pool and not (self.use_global_tree and self.max_cached_requests > 0):
+            raise ValueError("speculative_config.is_public_pool=True shares the global tree of finished requests, "
+                             f"which use_global_tree={self.use_global_tree} and max_cached_requests="
+                             f"{self.max_cached_requests} turn off; set use_global_tree=True and "
+                             "max_cached_requests >= 1, or is_public_pool=False")
         most = self.max_spec_factor * (self.max_tree_depth - 1) + self.max_spec_offset
         if math.ceil(most - _EPS) < 1:
             raise ValueError(f"speculative_config.max_spec_factor={self.max_spec_factor!r} and max_spec_offset="
@@ -530,8 +547,13 @@ class SuffixDrafter:
         self._requests: dict[str, _RequestState] = {}
         self._rooms: dict[int, int] = {}  # k -> _room(k)
         self._stats = DrafterStats("suffix")
+        self.pool_link: PoolLink | None = None
+        self._origin = uuid.uuid4().hex[:12]  # prefixes the keys this replica publishes
+        self._unsent: list[tuple[str, int, list[int]]] = []  # records for the next exchange
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        if self.pool_link is not None:  # before drafting: what other replicas finished may match already
+            self.sync_pool()
         return [self._propose_one(req) for req in batch]
 
     def finish(self, req_ids: Sequence[str]) -> None:
@@ -554,8 +576,31 @@ class SuffixDrafter:
         self._stats.verified(req_id, num_drafted, num_accepted)
 
     def shutdown(self) -> None:
-        """Nothing beyond memory to release."""
+        """Nothing beyond memory to release (a link to a shared pool is the actor's)."""
         self._requests.clear()
+
+    # ---- sharing the global trie with other replicas ------------------------------------------------------
+    def attach_pool_link(self, link: PoolLink) -> None:
+        if not self.options.is_public_pool:
+            raise ValueError("sharing suffix decoding's global tree needs speculative_config.is_public_pool=True")
+        self.pool_link = link
+
+    def sync_pool(self, wait: bool = False) -> None:
+        """Send the records added since the last exchange; add the records other replicas published."""
+        updates, self._unsent = self._unsent, []
+        received = self.pool_link.exchange(updates, wait=wait)
+        # only the newest max_cached_requests could stay: a replica joining late skips the older backlog
+        for key, start, tokens in received[-self.cache.max_requests:]:
+            self._merge_remote(key, start, tokens)
+
+    def _merge_remote(self, key: str, start: int, tokens: list[int]) -> None:
+        """``tokens`` continue the record ``key`` from ``start`` (0: a new record). Remote records are kept
+        under ``("pool", key)``, apart from this replica's request ids."""
+        local = ("pool", key)
+        held = self.cache.trie.tokens(local)
+        if start != len(held):
+            return  # we evicted the record it continues
+        self.cache.add(local, held + tokens if start else tokens)
 
     def stats(self) -> dict:
         return self._stats.as_dict()
@@ -617,6 +662,8 @@ class SuffixDrafter:
             start = min(start, earlier)
         if end > start:
             self.cache.add(req_id, tokens[start:end], start)
+            if self.pool_link is not None:
+                self._unsent.append((f"{self._origin}:{req_id}", 0, tokens[start:end]))
 
     # ---- proposing -----------------------------------------------------------------------------------
     def _draft(self, state: _RequestState, k: int) -> Proposal:

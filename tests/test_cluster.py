@@ -5,6 +5,7 @@ import asyncio
 import importlib.util
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -485,6 +486,7 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
     drafter = RemoteDrafter.__new__(RemoteDrafter)
     drafter.actors, drafter.channel = [object()], FakeChannel()
     drafter.sent, drafter.pending, drafter.pending_ids, drafter.num_prefetch_hits = {}, False, [], 0
+    drafter.prefetched, drafter.events, drafter.unanswered = {}, [], deque()
     sp = SamplingParams(temperature=0.0)
     history = [1, 2, 3]
     # step t: the drafts [4, 5] are being verified; prefetch with them assumed kept (and one token more)
@@ -556,3 +558,141 @@ def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, mak
     with pytest.raises(ValueError, match="tokenizer"):
         engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                    speculative_config={"method": "draft_model", "model": str(other)})
+
+
+# ---- the engine's drafter hooks through a drafter actor ----------------------------------------------------------
+
+class RecordingChannel(FakeChannel):
+    """FakeChannel that keeps whole messages: (updates, events)."""
+
+    def send(self, messages, what):
+        self.sent.append(messages[0])
+
+
+def _hooked_drafter(hooks: list[str]):
+    from specray.cluster.drafter_actor import RemoteDrafter
+
+    drafter = RemoteDrafter.__new__(RemoteDrafter)
+    drafter.actors, drafter.channel = [object()], RecordingChannel()
+    drafter.sent, drafter.pending, drafter.pending_ids, drafter.num_prefetch_hits = {}, False, [], 0
+    drafter.prefetched, drafter.events, drafter.unanswered = {}, [], deque()
+    drafter._expose(hooks)
+    return drafter
+
+
+def test_remote_drafter_queues_hooks_in_order_and_sends_a_finished_history_as_a_delta():
+    sp = SamplingParams(temperature=0.0)
+    assert all(getattr(_hooked_drafter([]), h, None) is None
+               for h in ("observe_verification", "observe_finished", "observe_node_tokens", "stats"))
+    drafter = _hooked_drafter(["observe_verification", "observe_finished", "observe_node_tokens"])
+    assert getattr(drafter, "stats", None) is None  # the actor's drafter keeps none: LLM.drafter_stats is None
+    drafter.channel.answers.append([Proposal([4])])
+    drafter.propose([DraftRequest("a", [1, 2, 3], 2, sp)])
+    assert drafter.channel.sent[-1] == ([("a", 0, [1, 2, 3], 2, sp)], [])
+    drafter.observe_verification("a", 1, 1)  # queued: no message per hook call
+    drafter.observe_node_tokens("a", [4, 7])
+    drafter.observe_finished("a", [1, 2, 3, 4, 9])
+    assert len(drafter.channel.sent) == 1
+    drafter.finish(["a"])  # one message: the events in the engine's order, the history's delta, the finish
+    assert drafter.channel.sent[-1] == ([], [("observe_verification", "a", 1, 1), ("observe_node_tokens", "a", [4, 7]),
+                                             ("observe_finished", "a", 3, [4, 9]), ("finish", ["a"])])
+    drafter.channel.answers += [[], [Proposal([8])]]  # finish's answer is read and dropped before the next one
+    assert drafter.propose([DraftRequest("b", [5, 6], 2, sp)])[0].token_ids == [8]
+    assert drafter.channel.sent[-1] == ([("b", 0, [5, 6], 2, sp)], []) and not drafter.unanswered
+
+
+def test_drafter_worker_applies_events_before_drafting():
+    """The actor's side, in this process: a finished history arrives as a delta and completes the actor's copy,
+    so suffix decoding's global tree gets the whole output, then ``finish`` releases it."""
+    from specray.cluster.drafter_actor import DrafterWorker
+
+    sp = SamplingParams(temperature=0.0)
+    worker = DrafterWorker()
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, max_tree_depth=8)
+    ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
+    assert worker.setup(spec, ctx, "unused") == ["observe_verification", "observe_finished", "stats"]
+    prompt, answer = list(range(100, 120)), list(range(500, 512))
+    worker.propose([("a", 0, prompt + answer[:1], 4, sp)])
+    worker.propose([("a", 21, answer[1:3], 4, sp)])
+    worker.propose([], [("observe_verification", "a", 4, 2), ("observe_finished", "a", 23, answer[3:]),
+                        ("finish", ["a"])])
+    (key, start, tokens), = worker.drafter.cache.records()
+    assert key == "a" and tokens == prompt[-8:] + answer and worker.histories == {}
+    assert worker.stats()["acc_tokens"] == 2
+    proposal, = worker.propose([("b", 0, [7] + prompt[-6:] + answer[:1], 4, sp)])
+    assert proposal.token_ids[:4] == answer[1:5]
+
+
+def test_llm_with_a_suffix_drafter_actor_gets_statistics_and_whole_outputs(tiny_llama_dir):
+    """LLM(distributed_executor_backend="ray"): the suffix drafter runs in an actor. Its statistics are the
+    engine's counts, and each finished output (its last step included) is in the actor's global tree, so the
+    same prompt again drafts its whole answer from it. Greedy output is the plain output."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(3, seed=31)]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), max_model_len=256).generate(
+        prompts, sp, use_tqdm=False)]
+    spec = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False}
+    with LLM(str(tiny_llama_dir), max_model_len=256, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+             speculative_config=spec) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == plain
+
+        def records(engine):
+            import ray
+
+            engine.drafter.deliver()
+            return ray.get(engine.drafter.actor.run.remote(lambda d: d.cache.records()))
+
+        cached = [(start, tokens) for _, start, tokens in ray_get(llm.engine.actor.call.remote(records))]
+        depth = 24  # max_tree_depth's default: the record starts that far before the first output token
+        for prompt, out in zip(prompts, plain):
+            ids = prompt["prompt_token_ids"]
+            start = max(0, len(ids) - depth)
+            assert (start, (ids + out)[start:]) in cached
+        again = llm.generate(prompts[:1], sp, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == plain[0]
+        assert again.spec_stats.accepted_tokens >= MAX_TOKENS - 1 - 3  # all but one token per step of 9
+        stats, spec_stats = llm.drafter_stats, llm.spec_stats
+    assert stats["name"] == "suffix" and stats["calls"] > 0 and stats["gen_tokens"] >= spec_stats.draft_tokens
+    assert (stats["acc_tokens"], stats["acc_drafts"]) == (spec_stats.accepted_tokens,
+                                                          spec_stats.accepted_per_position[0]), (stats, spec_stats)
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=60)
+
+
+# ---- suffix decoding's global tree shared across replicas ----------------------------------------------------------
+
+def test_suffix_global_tree_is_shared_by_replicas_naming_one_pool(tiny_llama_dir):
+    """Two engines whose suffix drafters name the pool "t-suffix": what A finished, B drafts from its first output
+    token on; C, with a pool of its own, has only its own text to draft from. The pools are suffix decoding's
+    actors, not the n-gram drafter's of the same name. Greedy output is the plain output everywhere."""
+    import ray
+
+    prompt = prompts_for(1, seed=44)[0]  # an output that repeats little: C drafts little from its own text
+    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])
+    spec = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False, "is_public_pool": True}
+    engines = {name: engine_for(tiny_llama_dir, distributed_executor_backend="ray", speculative_config=spec,
+                                ray_placement=dict(HALF_CPU, worker_num_cpus=0.25, pool_name=pool))
+               for name, pool in (("A", "t-suffix"), ("B", "t-suffix"), ("C", "t-suffix-other"))}
+    try:
+        accepted = {}
+        for name, engine in engines.items():
+            if name != "A":
+                engine.drafter.sync_pool()  # what A published reaches B now (else with B's next proposal)
+            assert run_to_end(engine, [prompt]) == reference, name
+            accepted[name] = engine.spec_stats.accepted_tokens
+            if name == "A":
+                engine.drafter.sync_pool()  # A's record goes out (else with A's next proposal)
+        assert accepted["B"] >= MAX_TOKENS - 1 - 3 and accepted["C"] <= 4, accepted  # B: all but one per step
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert {"specray-suffix-pool:t-suffix", "specray-suffix-pool:t-suffix-other"} <= names
+        assert "specray-ngram-pool:t-suffix" not in names  # the n-gram drafter's pools are other actors
+    finally:
+        for engine in engines.values():
+            engine.drafter.shutdown()
+            engine.executor.shutdown()
+        for name in ("t-suffix", "t-suffix-other"):
+            ray.kill(ray.get_actor("specray-suffix-pool:" + name, namespace="specray"))

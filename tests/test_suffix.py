@@ -372,3 +372,94 @@ def test_stats_count_calls_drafts_and_accepted_tokens():
     assert stats["dur_gen_ms"] > 0 and stats["dur_begin_ms"] > 0
     drafter.finish(["r"])
     assert drafter.stats()["calls"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- shared across replicas
+
+
+class Relay:
+    """An in-process stand-in for the pool actor: relays (key, start, tokens) deltas between linked drafters."""
+
+    def __init__(self):
+        self.seqs: dict[str, tuple[str, list[int]]] = {}  # key -> (origin, tokens)
+        self.sent: dict[str, dict[str, int]] = {}  # origin -> key -> tokens of it that origin has received
+        self.published: list[tuple[str, str, int]] = []  # (origin, key, start) of every update received
+
+    def link(self, origin: str) -> "RelayLink":
+        return RelayLink(self, origin)
+
+    def exchange(self, origin, updates):
+        for key, start, tokens in updates:
+            self.published.append((origin, key, start))
+            stored = self.seqs.setdefault(key, (origin, []))[1]
+            del stored[start:]
+            stored.extend(tokens)
+        sent, out = self.sent.setdefault(origin, {}), []
+        for key, (source, tokens) in self.seqs.items():
+            have = sent.get(key, 0)
+            if source != origin and len(tokens) > have:
+                out.append((key, have, tokens[have:]))
+                sent[key] = len(tokens)
+        return out
+
+
+class RelayLink:
+    def __init__(self, relay: Relay, origin: str):
+        self.relay, self.origin = relay, origin
+
+    def exchange(self, updates, wait=False):
+        return self.relay.exchange(self.origin, updates)
+
+
+def test_linked_replicas_draft_each_others_finished_answers():
+    """is_public_pool with a link: replica B drafts the answer replica A finished; an unlinked replica drafts
+    nothing from its empty global tree; B never publishes back what it received, A never gets its own back."""
+    prompts, answer = _template_requests()
+    relay = Relay()
+    a, b, alone = make(is_public_pool=True), make(is_public_pool=True), make(is_public_pool=True)
+    a.attach_pool_link(relay.link("A"))
+    b.attach_pool_link(relay.link("B"))
+    propose(a, prompts[0] + answer[:1], req_id="x")
+    propose(a, prompts[0] + answer, req_id="x")
+    a.finish(["x"])
+    a.sync_pool(wait=True)
+    assert [(origin, start) for origin, _, start in relay.published] == [("A", 0)]
+    key = relay.published[0][1]
+    assert key.endswith(":x") and key != "x"  # unique per replica: prefixed by the replica's id
+    for drafter, drafts in ((b, answer[1:6]), (alone, [])):
+        proposal = propose(drafter, prompts[1] + answer[:1], req_id="x")  # the same req_id: no clash
+        assert best_path(proposal) == drafts
+    assert [k for k, _, _ in b.cache.records()] == [("pool", key)]
+    (_, _, tokens), = b.cache.records()
+    assert tokens == a.cache.records()[0][2]  # the whole record: the prompt's end and the answer
+    b.finish(["x"])
+    b.sync_pool(wait=True)
+    a.sync_pool(wait=True)
+    assert [origin for origin, _, _ in relay.published] == ["A", "B"]  # B's own request only
+    theirs = relay.published[1][1]
+    assert theirs != key and [k for k, _, _ in a.cache.records()] == ["x", ("pool", theirs)]
+
+
+def test_remote_records_respect_the_global_trees_bound():
+    relay = Relay()
+    a, b = make(is_public_pool=True, max_cached_requests=3), make(is_public_pool=True, max_cached_requests=2)
+    a.attach_pool_link(relay.link("A"))
+    b.attach_pool_link(relay.link("B"))
+    for i in range(4):
+        propose(a, [1000 + i] * 3 + [i, i + 1], req_id=f"q{i}")
+        a.finish([f"q{i}"])
+    a.sync_pool(wait=True)
+    b.sync_pool(wait=True)
+    assert [k[1].split(":")[1] for k, _, _ in b.cache.records()] == ["q2", "q3"]  # the newest two
+    assert b.cache.trie.substring_counts() == brute_counts([t for _, _, t in b.cache.records()], 24)
+
+
+def test_public_pool_options_are_checked():
+    with pytest.raises(ValueError, match="is_public_pool"):
+        options_of(SpeculativeConfig(method="suffix", is_public_pool="yes"))
+    with pytest.raises(ValueError, match="is_public_pool=True.*use_global_tree=False"):
+        options_of(SpeculativeConfig(method="suffix", is_public_pool=True, use_global_tree=False))
+    with pytest.raises(ValueError, match="max_cached_requests=0"):
+        options_of(SpeculativeConfig(method="suffix", is_public_pool=True, max_cached_requests=0))
+    with pytest.raises(ValueError, match="is_public_pool=True"):
+        make().attach_pool_link(Relay().link("A"))
