@@ -18,6 +18,7 @@ whose requests never do pays nothing for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from specray.config import SpeculativeConfig
 from specray.drafters import registry
@@ -139,9 +140,9 @@ class DrafterRouter:
 def _namespaced(proposal: Proposal, dreq: DraftRequest) -> Proposal:
     """A routed drafter's key, made its method's own: the draft policy pools evidence per key over every
     request, and one method's key (a match length, a count) means something else to another."""
-    if proposal.key is not None:
-        proposal.key = (dreq.sampling_params.speculative_method, proposal.key)
-    return proposal
+    if proposal.key is None:
+        return proposal
+    return replace(proposal, key=(dreq.sampling_params.speculative_method, proposal.key))
 
 
 def _stats_of(drafter) -> dict | None:
