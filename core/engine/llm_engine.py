@@ -46,8 +46,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
         self.policy = policy
-        # the drafter in front of ``drafter`` once a request picks a method of its own (speculative_method):
-        # until then the engine asks ``drafter`` directly, so routing costs nothing when nobody asks for it
+        # becomes ``self.drafter`` (in front of the engine's own) once a request picks another method
+        # (speculative_method): until then the engine asks its drafter directly, so nobody pays for routing
         self.router = router
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
@@ -204,8 +204,8 @@ class LLMEngine:
     def _draft(self, failed: dict[str, str]) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
         request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
-        A drafter that proposes cheaply is asked for the most each request may have, and the policy sizes K by
-        the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
+        A drafter that proposes cheaply (per request: behind a router, the drafter the request is routed to) is
+        asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
         request the drafter fails on goes into ``failed``."""
         self._draft_keys, self._draft_trees = {}, {}
         if self.drafter is None:
