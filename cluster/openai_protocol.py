@@ -92,11 +92,17 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
     return bad_request(f"{param}: {first['msg']} (got {got!r:.100})", param)
 
 
+# SamplingParams fields that a request sets under another name: the client's name is the param to report
+_REQUEST_PARAMS = {"speculative_method": "speculative.method",
+                   "num_speculative_tokens": "speculative.num_speculative_tokens"}
+
+
 def from_value_error(err: ValueError, default_param: str | None = None) -> OpenAIError:
     """A 400 from an engine/SamplingParams ValueError, whose messages start with ``name=value``."""
     message = str(err)
     match = re.match(r"(\w+)=", message)
-    return bad_request(message, match.group(1) if match else default_param)
+    param = match.group(1) if match else default_param
+    return bad_request(message, _REQUEST_PARAMS.get(param, param))
 
 
 # ---- requests ------------------------------------------------------------------------------------------
@@ -122,10 +128,13 @@ class _Strict(BaseModel):
 
 
 class SpeculativeOptions(_Strict):
-    """Per-request speculation (a specray extension): ``{"enabled": false}`` or ``{"num_speculative_tokens": k}``."""
+    """Per-request speculation (a specray extension): ``{"enabled": false}``, ``{"num_speculative_tokens": k}``
+    and ``{"method": "suffix"}`` (the request's own drafting method, ``SamplingParams.speculative_method``; the
+    engine refuses one a request may not pick, a 400), alone or together."""
 
     enabled: bool = True
     num_speculative_tokens: int | None = Field(default=None, ge=0)
+    method: str | None = Field(default=None, min_length=1)
 
     def num_tokens(self) -> int | None:
         """The engine's ``SamplingParams.num_speculative_tokens``: 0 off, k at most k, None the server's."""
@@ -325,6 +334,8 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         kwargs["logprobs"] = logprobs
     if req.speculative is not None and req.speculative.num_tokens() is not None:
         kwargs["num_speculative_tokens"] = req.speculative.num_tokens()
+    if req.speculative is not None and req.speculative.method is not None:
+        kwargs["speculative_method"] = req.speculative.method
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:

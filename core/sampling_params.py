@@ -27,6 +27,13 @@ class SamplingParams:
     None follows the engine's ``speculative_config``; 0 turns speculation off for this request; k > 0 allows at
     most k, capped (silently, never an error) by the engine's ``num_speculative_tokens``. It has no effect on an
     engine without speculation, and greedy output is the same whatever its value.
+
+    ``speculative_method`` is a specray extension too: the drafting method for this request. None follows the
+    engine's ``speculative_config``; a name picks that method (``"suffix"``, ``"ngram_mod"``, ...), drafted with
+    its default options and the engine's ``num_speculative_tokens``. A request may pick the engine's own method or
+    a built-in method without a model of its own whose proposals are cheap (a lookup:
+    ``specray.drafters.registry.request_methods()``); anything else, or any method on an engine without
+    speculation, is refused at admission with a ValueError. Greedy output is the same whatever its value.
     """
 
     n: int = 1
@@ -43,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
+    speculative_method: str | None = None  # specray extension; see the class docstring
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +86,10 @@ class SamplingParams:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
                              "request) or None (the engine's setting)")
+        method = self.speculative_method
+        if method is not None and (not isinstance(method, str) or not method):
+            raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "
+                             "None (the engine's speculative_config)")
 
     def check(self, vocab_size: int | None = None) -> None:
         """Admission: validate again (a field may have changed since construction) and, given the model's

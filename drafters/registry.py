@@ -141,6 +141,16 @@ def has_weights(method: str) -> bool:
     return entry(method).has_weights
 
 
+@lru_cache(maxsize=None)
+def request_methods() -> tuple[str, ...]:
+    """The built-in methods a request may pick for itself (``SamplingParams.speculative_method``) whatever the
+    engine's: no model of their own and cheap proposals (a lookup), so the engine can build one for a request
+    at no real cost. A user-provided drafter is never imported on a request's word."""
+    from specray.drafters.base import proposes_cheaply
+
+    return tuple(m for m, found in _DRAFTERS.items() if not found.has_weights and proposes_cheaply(drafter_class(m)))
+
+
 def tensor_parallel_size(spec: SpeculativeConfig) -> int:
     """Over how many ranks the drafter's weights are split (1 for a drafter without weights)."""
     return options_of(spec).draft_tensor_parallel_size if has_weights(spec.method) else 1

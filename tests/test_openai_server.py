@@ -302,7 +302,10 @@ def test_speculative_extension(client):
     default = client.completions.create(**kwargs)
     off = client.completions.create(**kwargs, extra_body={"speculative": {"enabled": False}})
     one = client.completions.create(**kwargs, extra_body={"speculative": {"num_speculative_tokens": 1}})
+    suffix = client.completions.create(**kwargs, extra_body={"speculative": {"method": "suffix"}})
     assert off.choices[0].text == default.choices[0].text == one.choices[0].text  # greedy is lossless
+    assert suffix.choices[0].text == default.choices[0].text
+    assert suffix.usage.model_extra["speculative"]["drafts"] > 0  # suffix's own drafts (this prompt repeats)
     spec_on, spec_off = default.usage.model_extra["speculative"], off.usage.model_extra["speculative"]
     assert spec_on["drafts"] > 0
     assert spec_off == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": 0.0,
@@ -329,6 +332,8 @@ BAD_PARAMS = [
     ({"max_tokenz": 5}, "max_tokenz"),
     ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
     ({"speculative": {"enable": False}}, "speculative.enable"),
+    ({"speculative": {"method": "bogus"}}, "speculative.method"),  # refused by the engine replica
+    ({"speculative": {"method": "draft_model", "num_speculative_tokens": 2}}, "speculative.method"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),

@@ -9,6 +9,7 @@ from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
 from specray.drafters.base import DrafterContext
+from specray.drafters.router import DrafterRouter
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
@@ -76,7 +77,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
     try:
-        drafter, policy = build_drafter(args, executor.info, tokenizer, max_model_len, backend)
+        drafter, policy, router = build_drafter(args, executor.info, tokenizer, max_model_len, backend)
     except Exception:
         executor.shutdown()
         raise
@@ -91,13 +92,16 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
-                     eos_ids(hf_config, tokenizer), drafter, policy)
+                     eos_ids(hf_config, tokenizer), drafter, policy, router)
 
 
 def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
+    """The engine's drafter, its draft policy, and the router the engine puts in front of the drafter once a
+    request picks a method of its own (it builds those drafters here, in the engine's process); all None
+    without speculation."""
     spec: SpeculativeConfig | None = args.speculative_config
     if spec is None:
-        return None, None
+        return None, None, None
     ctx = DrafterContext(
         target_model=args.model,
         vocab_size=target_info.vocab_size,
@@ -113,5 +117,7 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
                                rows=rows_for(target_info.device, target_info.dtype))
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
-        return remote(spec, ctx, args.ray_placement, args.tokenizer or args.model), policy
-    return registry.drafter_class(spec.method)(spec, ctx), policy
+        drafter = remote(spec, ctx, args.ray_placement, args.tokenizer or args.model)
+    else:
+        drafter = registry.drafter_class(spec.method)(spec, ctx)
+    return drafter, policy, DrafterRouter(drafter, spec, ctx)

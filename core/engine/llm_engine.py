@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
+from specray.drafters.router import DrafterRouter, check_request_method
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
-                 policy: DraftLengthPolicy | None = None):
+                 policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -45,6 +46,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
         self.policy = policy
+        # becomes ``self.drafter`` (in front of the engine's own) once a request picks another method
+        # (speculative_method): until then the engine asks its drafter directly, so nobody pays for routing
+        self.router = router
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
@@ -65,12 +69,24 @@ class LLMEngine:
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
+        routed = self._admit_method(params)
         self.scheduler.add_request(request)
+        if routed:
+            self.drafter = self.router
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.tracked[req_id] = _Tracked(request, prompt, detok)
         return req_id
+
+    def _admit_method(self, params: SamplingParams) -> bool:
+        """A request's own drafting method (``speculative_method``): a ValueError when it may not have it; True
+        when it needs the router in front of the engine's drafter."""
+        method = params.speculative_method
+        if method is None:
+            return False
+        check_request_method(method, None if self.router is None else self.router.spec)
+        return method != self.router.method
 
     def abort_request(self, req_ids: list[str]) -> None:
         live = [r for r in req_ids if r in self.tracked]
@@ -188,8 +204,8 @@ class LLMEngine:
     def _draft(self, failed: dict[str, str]) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
         request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
-        A drafter that proposes cheaply is asked for the most each request may have, and the policy sizes K by
-        the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
+        A drafter that proposes cheaply (per request: behind a router, the drafter the request is routed to) is
+        asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
         request the drafter fails on goes into ``failed``."""
         self._draft_keys, self._draft_trees = {}, {}
         if self.drafter is None:
@@ -199,11 +215,12 @@ class LLMEngine:
                     if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             return {}
-        cheap = proposes_cheaply(self.drafter)
+        cheaps = self._cheapness(decoding)
         batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
-                              r.sampling_params) for r, off_path in decoding]
+                              r.sampling_params) for (r, off_path), cheap in zip(decoding, cheaps)]
         drafts, probs = {}, {}
-        for (request, off_path), dreq, proposal in zip(decoding, batch, self._propose(batch, failed)):
+        proposals = self._propose(batch, failed)
+        for (request, off_path), dreq, proposal, cheap in zip(decoding, batch, proposals, cheaps):
             if proposal is None:
                 continue
             problem = _check_proposal(proposal, self.vocab_size)
@@ -223,6 +240,13 @@ class LLMEngine:
                 probs[dreq.req_id] = proposal.probs
         self.scheduler.update_draft_token_ids(drafts)
         return probs
+
+    def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
+        """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""
+        per_request = getattr(self.drafter, "proposes_cheaply_for", None)
+        if per_request is None:
+            return [proposes_cheaply(self.drafter)] * len(decoding)
+        return [per_request(r.sampling_params) for r, _ in decoding]
 
     def _tree(self, request: Request, dreq: DraftRequest, proposal: Proposal, batch_size: int, off_path: bool,
               cheap: bool) -> DraftTree:
