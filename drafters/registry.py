@@ -50,7 +50,8 @@ _DRAFTERS = {
     "ngram_cache": DrafterEntry("specray.drafters.ngram_cache:NgramCacheDrafter",
                                 "specray.drafters.ngram_cache:NgramCacheOptions"),
     "suffix": DrafterEntry("specray.drafters.suffix:SuffixDrafter", "specray.drafters.suffix:SuffixOptions"),
-    "lookahead": DrafterEntry("specray.drafters.lookahead:LookaheadDrafter", "specray.drafters.lookahead:LookaheadOptions"),
+    "lookahead": DrafterEntry("specray.drafters.lookahead:LookaheadDrafter",
+                              "specray.drafters.lookahead:LookaheadOptions"),
 }
 
 
