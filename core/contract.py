@@ -20,6 +20,11 @@ the RoPE position of its depth, ``n - 1 + depth``, and attends to the context an
 returns the accepted path's node indices (``StepResult.accepted_draft_indices``); when they are not the first
 nodes in order, the next plan carries a :class:`KVMove` that every rank applies, before anything else of the plan
 but its drops, to move their K/V to the committed slot indices ``n .. n + accepted - 1``.
+
+Node tokens (lookahead decoding, whose drafter needs the target's own guesses beside the verdict): a chunk with
+``want_node_tokens`` gets back ``StepResult.node_tokens``, the target's argmax token after each of its draft nodes
+(row i + 1 of its logits, whatever the request's sampling settings), in node order. They are read back to the host
+with the verdict, in the step's one sync.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class ScheduledChunk:
     num_draft_tokens: int = 0
     sample: bool = True
     draft_parents: list[int] | None = None  # the drafts form this tree (None: a chain)
+    want_node_tokens: bool = False  # answer the target's argmax after each draft node (StepResult.node_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +123,9 @@ class StepResult:
     # None unless some chunk brought a tree; then per chunk the draft indices of its accepted nodes, root first
     # ([] for a chain chunk: its accepted drafts are its first ones)
     accepted_draft_indices: list[list[int]] | None = None
+    # None unless some chunk asked (``want_node_tokens``); then per chunk that asked the target's argmax token
+    # after each of its draft nodes, in node order (num_draft_tokens of them), [] for the other chunks
+    node_tokens: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,13 @@ Expand = Callable[[list[int]], Sequence[tuple[int, float]]]
 class DraftTree:
     """One request's draft nodes: ``token_ids[i]`` with parent ``parents[i]`` (see the module docstring) and the
     drafter's estimate ``scores[i]`` of the probability that node i is accepted given its parent was (None: it
-    tells none)."""
+    tells none). ``wants_node_tokens``: the drafter wants the target's argmax after each node once verified
+    (``specray.contract.StepResult.node_tokens``; lookahead decoding's Jacobi iterates)."""
 
     token_ids: list[int]
     parents: list[int]
     scores: list[float] | None = None
+    wants_node_tokens: bool = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -100,7 +102,18 @@ def trim_tree(tree: DraftTree, max_nodes: int, max_depth: int | None = None) -> 
     new_index = {old: new for new, old in enumerate(keep)}
     return DraftTree([tree.token_ids[i] for i in keep],
                      [-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in keep],
-                     None if tree.scores is None else [tree.scores[i] for i in keep])
+                     None if tree.scores is None else [tree.scores[i] for i in keep], tree.wants_node_tokens)
+
+
+def kept_nodes(parents: Sequence[int], kept_parents: Sequence[int]) -> list[int]:
+    """The indices (in the tree of ``parents``) of the nodes :func:`trim_tree` kept when it left a tree with
+    ``kept_parents``: the first ``len(kept_parents)`` nodes no deeper than its deepest node. (trim_tree kept the
+    first m nodes no deeper than some D >= that depth; they are also the first m no deeper than it.)"""
+    m = len(kept_parents)
+    if m == len(parents):
+        return list(range(m))
+    deepest = max(depths(kept_parents), default=0)
+    return [i for i, d in enumerate(depths(parents)) if d <= deepest][:m]
 
 
 # ---------------------------------------------------------------------------------------------- static shapes

@@ -25,6 +25,9 @@ u = 0), and the extra token is a at its row.
 Everything is padded (K nodes, M children per row, D = max depth, over the batch) and masked; the loops run over
 depth and sibling index only (host ints), so nothing reads a tensor value back to the host except
 :func:`unpad_tree`.
+
+Node tokens (:func:`node_argmax`): argmax of rows 1..K, the target's greedy token after each node, for a drafter
+that iterates on the target's guesses (lookahead decoding); read back in the same sync as the verdict.
 """
 
 from __future__ import annotations
@@ -245,21 +248,33 @@ def tree_logprobs(padded: PaddedTree, verdict: TreeVerdict,
     return target_logprobs(logits.gather(1, index), verdict.output_tokens, num_logprobs)
 
 
-def unpad_tree(verdict: TreeVerdict, logprobs: TargetLogprobs | None
-               ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None]:
-    """The step's one host sync -> (each request's kept tokens, the accepted draft indices in path order, and per
-    request one {token_id: logprob} per kept token ([] for a request that asked for none; None when none asked))."""
+def node_argmax(padded: PaddedTree) -> torch.Tensor:
+    """[B, K]: the target's argmax token after each node (rows 1..K; a padding node repeats the last row)."""
+    return padded.target_logits[:, 1:].argmax(dim=-1)
+
+
+def unpad_tree(verdict: TreeVerdict, logprobs: TargetLogprobs | None, node_tokens: torch.Tensor | None = None
+               ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None,
+                          list[list[int]] | None]:
+    """The step's one host sync -> (each request's kept tokens, the accepted draft indices in path order, per
+    request one {token_id: logprob} per kept token ([] for a request that asked for none; None when none asked),
+    and ``node_tokens`` [B, K] (:func:`node_argmax`) as per-request rows of the request's k_b nodes, or None)."""
     tensors = [verdict.output_tokens, verdict.num_accepted, verdict.path_rows]
+    if node_tokens is not None:
+        tensors.append(node_tokens)
     if logprobs is not None:
         tensors += [logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs]
     host = _to_host(tensors)
     tokens, counts, path = host[0], [int(k) for k in host[1]], host[2]
     kept = [[int(t) for t in row[: k + 1]] for row, k in zip(tokens, counts)]
     nodes = [[int(r) - 1 for r in row[1 : k + 1]] for row, k in zip(path, counts)]
+    per_node = None
+    if node_tokens is not None:
+        per_node = [[int(t) for t in row] for row in host.pop(3)]
     if logprobs is None:
-        return kept, nodes, None
+        return kept, nodes, None, per_node
     per_request: list[list[dict[int, float]]] = [[] for _ in kept]
     for m, (b, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
         per_request[b] = [_entry(t, host[3][m][j], host[4][m][j][:k], host[5][m][j][:k])
                           for j, t in enumerate(kept[b])]
-    return kept, nodes, per_request
+    return kept, nodes, per_request, per_node

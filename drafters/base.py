@@ -6,6 +6,11 @@ each request's whole token history every time it is asked (prompt + every token 
 for itself what was accepted since its last proposal, rewind its own state to that, and update any pool.
 It is asked every step for every decoding request, with ``num_speculative_tokens == 0`` when the engine wants
 no draft this step (the drafter may still learn from the history).
+
+Optional hooks the engine calls when a drafter has them: ``observe_verification(req_id, num_drafted,
+num_accepted)``, ``observe_finished(req_id, token_ids)``, and ``observe_node_tokens(req_id, node_tokens)``: after a
+step that verified a proposal with ``wants_node_tokens`` (a tree), the target's argmax token after each of its
+nodes, in the proposal's node order, -1 for a node the scheduler cut (the list may stop before the proposal's end).
 """
 
 from __future__ import annotations
@@ -47,11 +52,17 @@ class Proposal:
     parents: list[int] | None = None
     # per node, the drafter's estimate of P(node accepted | its parent accepted); None: it tells none
     scores: list[float] | None = None
+    # verify all nodes or none: the proposal is one investment (lookahead decoding's window, whose nodes pay by
+    # what the target's answers at them teach the drafter), priced whole by the draft policy, never cut by it
+    # (the scheduler may still cut it to the token budget or the free slots: a prefix of its nodes, by depth)
+    whole: bool = False
+    # the drafter wants the target's argmax after each verified node (``observe_node_tokens``); trees only
+    wants_node_tokens: bool = False
 
     def tree(self) -> DraftTree:
         """The proposal as a :class:`~specray.tree.DraftTree` (a chain when it names no parents)."""
         parents = chain_parents(len(self.token_ids)) if self.parents is None else self.parents
-        return DraftTree(list(self.token_ids), list(parents), self.scores)
+        return DraftTree(list(self.token_ids), list(parents), self.scores, self.wants_node_tokens)
 
 
 @runtime_checkable

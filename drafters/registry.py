@@ -49,7 +49,10 @@ _DRAFTERS = {
     "ngram_mod": DrafterEntry("specray.drafters.ngram_mod:NgramModDrafter", "specray.drafters.ngram_mod:NgramModOptions"),
     "ngram_cache": DrafterEntry("specray.drafters.ngram_cache:NgramCacheDrafter",
                                 "specray.drafters.ngram_cache:NgramCacheOptions"),
-    "suffix": DrafterEntry("specray.drafters.suffix:SuffixDrafter", "specray.drafters.suffix:SuffixOptions", shares_pool=True),
+    "suffix": DrafterEntry("specray.drafters.suffix:SuffixDrafter", "specray.drafters.suffix:SuffixOptions",
+                           shares_pool=True),
+    "lookahead": DrafterEntry("specray.drafters.lookahead:LookaheadDrafter",
+                              "specray.drafters.lookahead:LookaheadOptions"),
 }
 
 

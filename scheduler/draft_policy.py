@@ -45,7 +45,10 @@ level continues at all (alpha, a tree's per-level acceptance) and the continuati
 drafter's share for it among its siblings: a suffix tree's frequency, an n-gram trie's share of sightings). So a
 single sighting's chain (every score 1) is priced as a chain of its kind of match is, alpha^depth, and siblings
 split what their level is worth. The policy verifies the n in [0, nodes] maximising expected tokens per
-unit cost, with the margin and probes of chains: the same rule, with node counts in place of k.
+unit cost, with the margin and probes of chains: the same rule, with node counts in place of k. A proposal that is
+one investment (``Proposal.whole``: lookahead decoding's window, which pays by what it teaches the drafter as well
+as by its accepted nodes) is verified all or nothing: all when the whole tree's rate beats drafting nothing by the
+margin, or as the probe.
 
 Per request, ``SamplingParams.num_speculative_tokens`` caps the engine's (0: that request never drafts).
 """
@@ -206,11 +209,7 @@ class DraftLengthPolicy:
             return limit
         if off_critical_path:
             return 0
-        alpha = self.acceptance(req, key)
-        if tree.scores is None:
-            gains = path_scores(tree, alpha)
-        else:  # P(path to node i) = prod over its nodes of alpha * score = alpha^depth * path score
-            gains = [s * alpha ** d for s, d in zip(path_scores(tree, 1.0), depths(tree.parents))]
+        gains = self._tree_gains(req, tree, key)
         costs = self._step_costs(batch_size, limit)
         best, best_rate, expected = 0, 1.0 / costs[0], 1.0
         base_rate = best_rate
@@ -221,6 +220,29 @@ class DraftLengthPolicy:
                 best, best_rate = n, rate
         n = best if best_rate >= base_rate * (1.0 + self.margin) else 0
         return self._with_probes(req, n, limit)
+
+    def choose_whole(self, req, batch_size: int, tree: DraftTree, off_critical_path: bool = False,
+                     key: int | None = None) -> int:
+        """All of ``tree``'s nodes or none, for a proposal that is one investment (``Proposal.whole``): all when
+        the whole tree's expected tokens per unit cost beat drafting nothing by the margin, or when a probe is
+        due (the drafter learns only from verified trees). Capped by the request's draft count."""
+        limit = min(len(tree), self.num_speculative_tokens_for(req))
+        if not self.adaptive or limit == 0:
+            return limit
+        if off_critical_path:
+            return 0
+        costs = self._step_costs(batch_size, limit)
+        expected = 1.0 + sum(self._tree_gains(req, tree, key)[:limit])
+        pays = expected / costs[limit] >= (1.0 + self.margin) / costs[0]
+        return limit if self._with_probes(req, limit if pays else 0, limit) else 0
+
+    def _tree_gains(self, req, tree: DraftTree, key: int | None) -> list[float]:
+        """Per node, the probability that the path to it is kept: prod over its nodes of alpha * score, i.e.
+        alpha^depth * the path's score product (alpha^depth without scores)."""
+        alpha = self.acceptance(req, key)
+        if tree.scores is None:
+            return path_scores(tree, alpha)
+        return [s * alpha ** d for s, d in zip(path_scores(tree, 1.0), depths(tree.parents))]
 
     def _with_probes(self, req, n: int, limit: int) -> int:
         """``n`` drafts, or after ``probe_after`` steps in a row without any a probe of ``probe_k``."""

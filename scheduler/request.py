@@ -58,6 +58,7 @@ class Request:
         self.block_ids: list[int] = []
         self.draft_token_ids: list[int] = []  # drafts to verify next (Scheduler.update_draft_token_ids)
         self.draft_parents: list[int] | None = None  # they form this token tree (specray.tree); None: a chain
+        self.want_node_tokens = False  # the drafter wants the target's argmax after each of them (lookahead)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

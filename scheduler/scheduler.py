@@ -120,8 +120,9 @@ class Scheduler:
                 if isinstance(tokens, DraftTree):
                     req.draft_token_ids = list(tokens.token_ids)
                     req.draft_parents = None if is_chain(tokens.parents) else list(tokens.parents)
+                    req.want_node_tokens = tokens.wants_node_tokens
                 else:
-                    req.draft_token_ids, req.draft_parents = list(tokens), None
+                    req.draft_token_ids, req.draft_parents, req.want_node_tokens = list(tokens), None, False
 
     def finish_request(self, req_id: str, num_output_tokens: int | None = None,
                        stop_reason: int | str | None = None, reason: str = "stop") -> None:
@@ -261,7 +262,8 @@ class Scheduler:
         k = len(drafts)
         self.block_manager.allocate(req, end + k)
         tokens = req.all_token_ids[start:end] + drafts
-        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens, draft_parents=parents)
+        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens, draft_parents=parents,
+                              want_node_tokens=k > 0 and req.want_node_tokens)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
@@ -421,4 +423,4 @@ class Scheduler:
 
 
 def _drop_drafts(req: Request) -> None:
-    req.draft_token_ids, req.draft_parents = [], None
+    req.draft_token_ids, req.draft_parents, req.want_node_tokens = [], None, False

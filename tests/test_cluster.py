@@ -165,6 +165,28 @@ def replay_steps(engine: LLMEngine, worker, tp_executor) -> int:
     return steps
 
 
+def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
+    """Lookahead decoding on two tensor-parallel ranks: the node tokens come back through the step channel with
+    the verdict, the drafter (in this process) iterates on them, and greedy output equals one rank's."""
+    from specray.drafters.lookahead import LookaheadDrafter
+
+    prompts = prompts_for(8, seed=5)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    spec = {"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False}
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    try:
+        engine.drafter.shutdown()  # the drafter actor: replaced by one in this process, to watch its hook
+        engine.drafter = drafter = LookaheadDrafter(SpeculativeConfig(**spec), DrafterContext(
+            str(tiny_llama_dir), engine.vocab_size, 256, 8))
+        told = []
+        hook = drafter.observe_node_tokens
+        drafter.observe_node_tokens = lambda rid, tokens: (told.append(tokens), hook(rid, tokens))
+        assert run_to_end(engine, prompts) == references
+        assert told and engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
 # ---- end to end through the engine actor ---------------------------------------------------------------------
 
 def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):

@@ -90,6 +90,8 @@ CASES = {
     "ngram_mod": {"speculative_config": {"method": "ngram_mod", "num_speculative_tokens": 6, "ngram_size_n": 3,
                                          "draft_min": 1, "draft_max": 8, "pool_size": 4096}},
     "draft_model": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}},
+    # node tokens back from the runner, trees cut by the scheduler (budget, free slots, max_tokens), per-request caps
+    "lookahead": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",

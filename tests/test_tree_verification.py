@@ -28,7 +28,7 @@ def run(logits, tokens, parents, params, seeds=None):
     """pad + verify + unpad -> (kept, accepted nodes, the padded tree, the verdict)."""
     padded = pad_tree_drafts(logits, tokens, parents)
     verdict = verify_tree(padded, build(params, seeds))
-    kept, nodes, _ = unpad_tree(verdict, None)
+    kept, nodes, *_ = unpad_tree(verdict, None)
     return kept, nodes, padded, verdict
 
 
@@ -317,7 +317,7 @@ def test_mixed_greedy_sampled_and_empty_rows():
     states = [g.get_state() for g in gens[:6]]
     padded = pad_tree_drafts(torch.cat([logits] + extra_rows), tokens + [tokens[0], [], tokens[1]],
                              parents + [parents[0], [], parents[1]])
-    kept, nodes, _ = unpad_tree(verify_tree(padded, SamplingBatch.build(params, gens, "cpu")), None)
+    kept, nodes, *_ = unpad_tree(verify_tree(padded, SamplingBatch.build(params, gens, "cpu")), None)
     assert kept[:6] == greedy_kept and nodes[:6] == greedy_nodes
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
     alone = build([SP(seed=41, top_k=3)])
@@ -377,7 +377,7 @@ def test_seeded_request_same_alone_and_in_batch():
         batch = build([s for _, _, s in reqs])
         out = []
         for _ in range(n_steps):
-            kept, nodes, _ = unpad_tree(verify_tree(padded, batch), None)
+            kept, nodes, *_ = unpad_tree(verify_tree(padded, batch), None)
             out.append((kept[pos], nodes[pos]))
         return out
 
@@ -397,7 +397,7 @@ def test_logprobs_at_the_path_rows():
     params = [GREEDY, SP(seed=1), SP(seed=2), GREEDY, SP(temperature=0.5, seed=3)]
     padded = pad_tree_drafts(logits, tokens, parents)
     v = verify_tree(padded, build(params))
-    kept, nodes, lps = unpad_tree(v, tree_logprobs(padded, v, num_logprobs))
+    kept, nodes, lps, _ = unpad_tree(v, tree_logprobs(padded, v, num_logprobs))
     assert tree_logprobs(padded, v, [None] * 5) is None and unpad_tree(v, None)[2] is None
     assert lps[1] == []
     for b, k in enumerate(num_logprobs):

@@ -8,6 +8,8 @@ A chunk whose drafts form a token tree (``ScheduledChunk.draft_parents``) gives 
 of its depth and an ancestor mask (it sees the context, the chunk's other tokens and its own ancestors); its
 drafts are verified by :func:`specray.tree_verification.verify_tree`, and the accepted nodes' indices go back in
 ``StepResult.accepted_draft_indices`` so the scheduler can have their K/V moved into place (``StepPlan.kv_moves``).
+A chunk with ``want_node_tokens`` (a chain or a tree) goes through the same path and also gets the target's argmax
+after each of its nodes (``StepResult.node_tokens``).
 Every rank builds the same positions and masks from the plan and applies the same moves: no collective.
 """
 
@@ -24,7 +26,7 @@ from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
-from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
+from specray.tree_verification import node_argmax, pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
 logger = logging.getLogger(__name__)
@@ -76,16 +78,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
-        if not sampled:
-            kept, logprobs, paths = [], None, None
-        elif any(plan.chunks[i].draft_parents is not None for i in sampled):
-            kept, logprobs, paths = self._verify_trees(plan, sampled, logits)
-        else:
-            (kept, logprobs), paths = self._verify(plan, sampled, logits, draft_probs or {}), None
+        kept, logprobs, paths, nodes = [], None, None, None
+        if any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens for i in sampled):
+            kept, logprobs, paths, nodes = self._verify_trees(plan, sampled, logits)
+        elif sampled:
+            kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
         n = len(plan.chunks)
         return StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
                           None if logprobs is None else _per_chunk(n, sampled, logprobs),
-                          None if paths is None else _per_chunk(n, sampled, paths))
+                          None if paths is None else _per_chunk(n, sampled, paths),
+                          None if nodes is None else _per_chunk(n, sampled, nodes))
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks
@@ -121,9 +123,12 @@ class ModelRunner:
 
 
     def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor
-                      ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]]]:
+                      ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
+                                 list[list[int]] | None]:
         """Every sampled chunk through tree verification (a chain is a tree); drafts with a drafter's q are
-        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine)."""
+        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine). When
+        a chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
+        entries are [])."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
         parents = [c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
@@ -133,8 +138,12 @@ class ModelRunner:
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
         verdict = verify_tree(padded, batch)
         logprobs = tree_logprobs(padded, verdict, [sp.logprobs for sp in params])
-        kept, paths, per_request = unpad_tree(verdict, logprobs)  # the step's one host sync
-        return kept, per_request, paths
+        wanted = any(c.want_node_tokens for c in chunks)
+        kept, paths, per_request, per_node = unpad_tree(verdict, logprobs,  # the step's one host sync
+                                                        node_argmax(padded) if wanted else None)
+        if per_node is not None:
+            per_node = [row[: c.num_draft_tokens] if c.want_node_tokens else [] for row, c in zip(per_node, chunks)]
+        return kept, per_request, paths, per_node
 
 
 def tree_positions(chunk: ScheduledChunk) -> list[int]:

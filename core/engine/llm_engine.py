@@ -18,7 +18,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, chain_parents, trim_tree
+from specray.tree import DraftTree, chain_parents, kept_nodes, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(plan, result)
         self._record_logprobs(plan, result)
         self._observe_acceptance(plan, result)
+        self._observe_node_tokens(plan, result)
         self.num_steps += 1
         outputs += [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
         self._forget([o.request_id for o in outputs if o.finished])
@@ -251,11 +252,13 @@ class LLMEngine:
     def _tree(self, request: Request, dreq: DraftRequest, proposal: Proposal, batch_size: int, off_path: bool,
               cheap: bool) -> DraftTree:
         """A proposed token tree, cut to the nodes worth verifying (the policy prices its first n nodes for a
-        drafter that proposes cheaply; otherwise the n asked for)."""
+        drafter that proposes cheaply, or all against none for a ``whole`` proposal; otherwise the n asked
+        for)."""
         tree = proposal.tree()
         n = min(len(tree), dreq.num_speculative_tokens)
         if cheap and n:
-            n = self.policy.choose_tree(request, batch_size, tree, off_path, proposal.key)
+            choose = self.policy.choose_whole if proposal.whole else self.policy.choose_tree
+            n = choose(request, batch_size, tree, off_path, proposal.key)
         tree = trim_tree(tree, n)
         if len(tree):
             self._draft_trees[request.req_id] = tree
@@ -341,6 +344,23 @@ class LLMEngine:
                     self.policy.observe_tree(request, self._verified_tree(chunk), accepted, key)
                 else:
                     self.policy.observe(request, chunk.num_draft_tokens, accepted, key)
+
+    def _observe_node_tokens(self, plan: StepPlan, result: StepResult) -> None:
+        """Hand a drafter that asked for them (``observe_node_tokens``) the target's argmax after each node it
+        proposed, in its proposal's node order (-1: a node the scheduler cut)."""
+        told = getattr(self.drafter, "observe_node_tokens", None)
+        if told is None or result.node_tokens is None:
+            return
+        for chunk, tokens in zip(plan.chunks, result.node_tokens):
+            proposed = self._draft_trees.get(chunk.req_id)
+            if not (chunk.want_node_tokens and tokens and proposed is not None):
+                continue
+            parents = chunk.draft_parents if chunk.draft_parents is not None else chain_parents(len(tokens))
+            kept = kept_nodes(proposed.parents, parents)
+            in_order = [-1] * (kept[-1] + 1)
+            for node, token in zip(kept, tokens):
+                in_order[node] = token
+            told(chunk.req_id, in_order)
 
     def _verified_tree(self, chunk: ScheduledChunk) -> DraftTree:
         """The tree a chunk verified, with the drafter's scores when the scheduler verified it whole."""
