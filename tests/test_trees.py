@@ -197,6 +197,47 @@ def test_committed_kv_after_tree_paths_equals_a_fresh_prefill(tiny_llama_dir, pl
     assert counter.moved > 0 and checked >= 3
 
 
+class FailsAfterRunning:
+    """Wraps an executor: from the third plan holding ``poisoned`` on, the plan runs whole (K/V written) and then
+    raises, so the engine runs the others again and merges their answers."""
+
+    def __init__(self, inner, poisoned: str):
+        self.inner, self.poisoned, self.seen, self.raised = inner, poisoned, 0, 0
+
+    def execute(self, plan, draft_probs=None):
+        result = self.inner.execute(plan, draft_probs)
+        self.seen += any(c.req_id == self.poisoned for c in plan.chunks)
+        if self.seen >= 3 and any(c.req_id == self.poisoned for c in plan.chunks):
+            self.raised += 1
+            raise RuntimeError("injected fault")
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_tree_paths_survive_a_step_run_again_without_a_failing_request(tiny_llama_dir, plain):
+    """A step fails for one request and the others run again: their trees' accepted paths come through the merged
+    result (the K/V moves follow them), so their outputs still equal plain greedy output."""
+    engine = build_engine(EngineArgs(model=str(tiny_llama_dir), max_model_len=256,
+                                     speculative_config={"method": "ngram", "num_speculative_tokens": 9,
+                                                         "adaptive": False}))
+    tok = plain.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    want = token_ids(plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False))
+    ids = [engine.add_request(p, greedy()) for p in prompts]
+    engine.drafter = probes.NoisyTreeOracle({i: (len(p), w) for i, p, w in zip(ids, prompts, want)},
+                                            engine.vocab_size, seed=3)
+    counter = PathCounter(engine.executor)
+    engine.executor = faulty = FailsAfterRunning(counter, ids[0])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert faulty.raised >= 1 and done[ids[0]].outputs[0].finish_reason == "error"
+    assert [done[i].outputs[0].token_ids for i in ids[1:]] == want[1:]
+    assert counter.moved > 0
+
+
 def _fresh_prefill_kv(engine, tokens: list[int]) -> torch.Tensor:
     rid = engine.add_request(list(tokens), greedy(2))
     engine.step()  # the prefill and the first token

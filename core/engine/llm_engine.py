@@ -305,8 +305,9 @@ class LLMEngine:
         batch = []
         for chunk in plan.chunks:
             request = self.scheduler.get_request(chunk.req_id)
-            if not chunk.sample or request is None or chunk.draft_parents is not None:
-                continue  # nothing to sample, or a tree: no one history to draft ahead from
+            if not chunk.sample or request is None or chunk.draft_parents is not None or chunk.want_node_tokens:
+                continue  # nothing to sample, a tree (no one history to draft ahead from), or a drafter that
+                # learns from this step's node tokens
             limit = self.policy.num_speculative_tokens_for(request)
             if limit == 0:
                 continue
@@ -441,16 +442,24 @@ def _is_decode_step(plan: StepPlan) -> bool:
     return not plan.is_empty and all(c.sample and c.num_tokens == 1 + c.num_draft_tokens for c in plan.chunks)
 
 
-def _by_request(result: StepResult) -> dict[str, tuple[list[int], list | None]]:
-    """A step's answer per request id: its kept tokens and their logprobs (None when none were asked)."""
-    logprobs = result.logprobs or [None] * len(result.req_ids)
-    return {rid: (tokens, lp) for rid, tokens, lp in zip(result.req_ids, result.sampled_token_ids, logprobs)}
+def _by_request(result: StepResult) -> dict[str, tuple]:
+    """A step's answer per request id: its kept tokens, and their logprobs, its tree's accepted path and its node
+    tokens (each None when the step returned none)."""
+    none = [None] * len(result.req_ids)
+    return {rid: answer for rid, *answer in zip(result.req_ids, result.sampled_token_ids, result.logprobs or none,
+                                                result.accepted_draft_indices or none, result.node_tokens or none)}
 
 
-def _merge(plan: StepPlan, done: dict[str, tuple[list[int], list | None]]) -> StepResult:
+def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
     """One result for ``plan`` from the answers of its retried chunks; a failed chunk's entry is empty (the
-    scheduler skips it: the request is finished by then)."""
+    scheduler skips it: the request is finished by then). The optional fields stay None when no answer has them,
+    else [] for the chunks without (a tree's path must come through: its K/V moves by it)."""
     chunks: list[ScheduledChunk] = plan.chunks
-    answers = [done.get(c.req_id, ([], None)) for c in chunks]
-    logprobs = [lp or [] for _, lp in answers] if any(lp is not None for _, lp in answers) else None
-    return StepResult(plan.step_id, [c.req_id for c in chunks], [tokens for tokens, _ in answers], logprobs)
+    answers = [done.get(c.req_id, ([], None, None, None)) for c in chunks]
+    tokens, logprobs, paths, node_tokens = (list(column) for column in zip(*answers)) if answers else ([],) * 4
+    return StepResult(plan.step_id, [c.req_id for c in chunks], tokens, logprobs=_optional(logprobs),
+                      accepted_draft_indices=_optional(paths), node_tokens=_optional(node_tokens))
+
+
+def _optional(column: list) -> list | None:
+    return [[] if v is None else v for v in column] if any(v is not None for v in column) else None
