@@ -74,6 +74,16 @@ class DrafterRouter:
             owner = self._owners[dreq.req_id] = self._drafter(method)
         return owner
 
+    def prepare(self, method: str) -> None:
+        """Build ``method``'s drafter now, at a request's admission: a method that cannot run with this engine's
+        settings (lookahead's tree larger than ``num_speculative_tokens``) is that request's ValueError, not a
+        failed step."""
+        try:
+            self._drafter(method)
+        except ValueError as err:
+            raise ValueError(f"speculative_method={method!r} cannot run with this engine's speculative settings "
+                             f"({err}); pick another method or none for this request") from None
+
     def _drafter(self, method: str) -> Drafter:
         found = self._built.get(method)
         if found is None:

@@ -91,6 +91,7 @@ def test_routed_requests_are_cheap_behind_a_drafter_that_is_not(tiny_llama_dir, 
     ("bogus", ["speculative_method='bogus'", "'suffix'"]),
     ("specray.drafters.suffix:SuffixDrafter", ["speculative_method=", "user-provided"]),
     ("", ["speculative_method=''"]),
+    ("lookahead", ["speculative_method='lookahead'", "num_speculative_tokens"]),  # its tree exceeds the engine's K
 ])
 def test_refused_method_leaves_other_requests_unharmed(ngram_llm, plain_outputs, method, words):
     engine = ngram_llm.engine

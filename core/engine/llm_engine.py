@@ -86,7 +86,10 @@ class LLMEngine:
         if method is None:
             return False
         check_request_method(method, None if self.router is None else self.router.spec)
-        return method != self.router.method
+        if method == self.router.method:
+            return False
+        self.router.prepare(method)
+        return True
 
     def abort_request(self, req_ids: list[str]) -> None:
         live = [r for r in req_ids if r in self.tracked]
