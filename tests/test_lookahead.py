@@ -1,8 +1,8 @@
 """Lookahead decoding (``method="lookahead"``) on tiny random models: the runner's node tokens against
 transformers' argmax after each node's path (one host sync per step), the drafter's Jacobi window and pool with
 hand-made node tokens, the all-or-nothing policy, greedy output equal to plain greedy output (batch 1 and 8,
-per-request caps, preemption, chunked prefill, a stop string), accepted pool n-grams, option errors, and seeded
-sampling."""
+per-request caps; preemption, chunked prefill and stop strings in test_trees), accepted pool n-grams, option
+errors, and seeded sampling."""
 
 import importlib.util
 import random
@@ -32,7 +32,7 @@ trees = _load("test_trees")  # PROMPTS, greedy, token_ids, generate_greedy, Path
 conftest = _load("conftest")  # the host-sync recorder
 PROMPTS, greedy, token_ids = trees.PROMPTS, trees.greedy, trees.token_ids
 
-LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False}  # W=4, N=3, G=4: 15 nodes
+LOOKAHEAD = trees.LOOKAHEAD  # W=4, N=3, G=4: 15 nodes (test_trees runs it under preemption, chunked prefill, stops)
 SPECS = {
     "default": LOOKAHEAD,
     "adaptive": {**LOOKAHEAD, "adaptive": True},
@@ -268,29 +268,6 @@ def test_per_request_caps_shrink_the_tree(tiny_llama_dir, plain_outputs):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert token_ids(outs) == plain_outputs
     assert outs[0].spec_stats.draft_tokens == 0 and llm.spec_stats.accepted_tokens > 0
-
-
-@pytest.mark.parametrize("kw", [{"block_size": 4, "num_kv_blocks": 40}, {"max_num_batched_tokens": 16}],
-                         ids=["preemption", "chunked-prefill"])
-def test_lookahead_greedy_under_preemption_and_chunked_prefill(tiny_llama_dir, plain_outputs, kw):
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=LOOKAHEAD, **kw)
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
-    if "num_kv_blocks" in kw:
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert llm.engine.scheduler.block_manager.num_free_blocks == 40
-
-
-def test_lookahead_stop_string(tiny_llama_dir, plain):
-    fulls = [o.outputs[0] for o in plain.generate(PROMPTS, greedy(), use_tqdm=False)]
-    full = max(fulls, key=lambda c: len(set(c.text)))
-    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
-    assert stop.strip(), full.text
-    prompt = PROMPTS[fulls.index(full)]
-    want = plain.generate(prompt, greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=LOOKAHEAD)
-    got = llm.generate(prompt, greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
-    assert got.finish_reason == "stop"
-    assert (got.text, got.token_ids) == (want.text, want.token_ids)
 
 
 @pytest.mark.parametrize("from_history", [True, False])

@@ -42,6 +42,8 @@ NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min
 NGRAM_STATIC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                 "speculative_token_tree": [[0, 0, 0, 0], [1, 0], [2], [0, 1]], "adaptive": False}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "max_spec_factor": 2.0, "min_token_prob": 0.05}
+LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False}  # W=4, N=3, G=4: 15 nodes
+EXACTNESS_SPECS = {"ngram-tree": NGRAM_TREE, "lookahead": LOOKAHEAD}  # preemption, chunked prefill, stop strings
 TREE_SPECS = {"ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC,
               "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}, "suffix": SUFFIX,
               "suffix-fixed": {**SUFFIX, "adaptive": False}}
@@ -266,8 +268,9 @@ def test_tree_drafters_greedy_equal_plain(tiny_llama_dir, plain_outputs, name, b
 
 @pytest.mark.parametrize("kw", [{"block_size": 4, "num_kv_blocks": 40}, {"max_num_batched_tokens": 16}],
                          ids=["preemption", "chunked-prefill"])
-def test_tree_greedy_under_preemption_and_chunked_prefill(tiny_llama_dir, plain_outputs, kw):
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_TREE, **kw)
+@pytest.mark.parametrize("spec", list(EXACTNESS_SPECS))
+def test_tree_greedy_under_preemption_and_chunked_prefill(tiny_llama_dir, plain_outputs, kw, spec):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=EXACTNESS_SPECS[spec], **kw)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert token_ids(outs) == plain_outputs
     if "num_kv_blocks" in kw:
@@ -275,14 +278,15 @@ def test_tree_greedy_under_preemption_and_chunked_prefill(tiny_llama_dir, plain_
         assert llm.engine.scheduler.block_manager.num_free_blocks == 40
 
 
-def test_tree_stop_string(tiny_llama_dir, plain):
+@pytest.mark.parametrize("spec", list(EXACTNESS_SPECS))
+def test_tree_stop_string(tiny_llama_dir, plain, spec):
     fulls = [o.outputs[0] for o in plain.generate(PROMPTS, greedy(), use_tqdm=False)]
     full = max(fulls, key=lambda c: len(set(c.text)))
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
     assert stop.strip(), full.text
     prompt = PROMPTS[fulls.index(full)]
     want = plain.generate(prompt, greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_TREE)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=EXACTNESS_SPECS[spec])
     got = llm.generate(prompt, greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert got.finish_reason == "stop"
     assert (got.text, got.token_ids) == (want.text, want.token_ids)
