@@ -25,6 +25,12 @@ Node tokens (lookahead decoding, whose drafter needs the target's own guesses be
 ``want_node_tokens`` gets back ``StepResult.node_tokens``, the target's argmax token after each of its draft nodes
 (row i + 1 of its logits, whatever the request's sampling settings), in node order. They are read back to the host
 with the verdict, in the step's one sync.
+
+Worker-side drafting (hidden-state drafters: EAGLE, MTP): a chunk with ``num_next_drafts = m`` has the worker draft
+m tokens for the request's next step right after verifying this one, answered in ``StepResult.draft_token_ids``.
+Drafting past the verified drafts writes the head's K/V at up to m - 1 positions beyond them: the scheduler
+allocates those slots with the chunk's (and frees them on rewind; the next step rewrites them before reading).
+A non-final prefill chunk carries ``next_token_id``, the prompt token after its last one.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ class ScheduledChunk:
     sample: bool = True
     draft_parents: list[int] | None = None  # the drafts form this tree (None: a chain)
     want_node_tokens: bool = False  # answer the target's argmax after each draft node (StepResult.node_tokens)
+    # a hidden-state drafter on the worker (specray.drafters.hidden_state): how many drafts to make for the next
+    # step after verifying this chunk (the scheduler reserved the slots they write), and for a non-final prefill
+    # chunk the prompt token that follows it (the head reads the token after each position)
+    num_next_drafts: int = 0
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +137,9 @@ class StepResult:
     # None unless some chunk asked (``want_node_tokens``); then per chunk that asked the target's argmax token
     # after each of its draft nodes, in node order (num_draft_tokens of them), [] for the other chunks
     node_tokens: list[list[int]] | None = None
+    # None unless the worker drafts (a hidden-state drafter); then per chunk the drafts it made for the next step
+    # (``ScheduledChunk.num_next_drafts`` of them at most, [] for the others)
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

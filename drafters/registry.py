@@ -32,6 +32,9 @@ class DrafterEntry:
     has_weights: bool = False
     # its options carry ``is_public_pool``: replicas may share what it learns through a named pool
     shares_pool: bool = False
+    # it runs inside the target's driver rank and drafts from the target's hidden states
+    # (specray.drafters.hidden_state): the engine gets its drafts with each step's result, and builds no drafter
+    in_worker: bool = False
 
 
 _DRAFTERS = {
@@ -53,6 +56,14 @@ _DRAFTERS = {
                            shares_pool=True),
     "lookahead": DrafterEntry("specray.drafters.lookahead:LookaheadDrafter",
                               "specray.drafters.lookahead:LookaheadOptions"),
+    # heads that read the target's hidden states, on the target's driver rank (one module family:
+    # specray.models.draft_head)
+    "eagle": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+                          "specray.drafters.hidden_state:EagleOptions", in_worker=True),
+    "eagle3": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+                           "specray.drafters.hidden_state:EagleOptions", in_worker=True),
+    "mtp": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+                        "specray.drafters.hidden_state:MTPOptions", in_worker=True),
 }
 
 
@@ -151,7 +162,28 @@ def request_methods() -> tuple[str, ...]:
     at no real cost. A user-provided drafter is never imported on a request's word."""
     from specray.drafters.base import proposes_cheaply
 
-    return tuple(m for m, found in _DRAFTERS.items() if not found.has_weights and proposes_cheaply(drafter_class(m)))
+    return tuple(m for m, found in _DRAFTERS.items()
+                 if not found.has_weights and not found.in_worker and proposes_cheaply(drafter_class(m)))
+
+
+def runs_in_worker(method: str) -> bool:
+    """The method drafts inside the target's driver rank, from its hidden states."""
+    return entry(method).in_worker
+
+
+def worker_drafter_config(spec: SpeculativeConfig) -> dict[str, Any]:
+    """What the target's workers need to build ``spec``'s worker-side drafter (plain data: it crosses Ray)."""
+    from dataclasses import asdict
+
+    return {"method": spec.method, "options": asdict(options_of(spec))}
+
+
+def worker_drafter_head(config: dict[str, Any], target, target_config, target_model: str):
+    """The head of a worker-side drafter (on the driver rank), from :func:`worker_drafter_config`'s data."""
+    from specray.drafters.hidden_state import load_head
+
+    method = config["method"]
+    return load_head(method, options_class(method)(**config["options"]), target, target_config, target_model)
 
 
 def tensor_parallel_size(spec: SpeculativeConfig) -> int:

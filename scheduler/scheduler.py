@@ -47,8 +47,12 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = field(kw_only=True)
     vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
+    # a drafter on the worker drafts up to this many tokens after each step (0: none); its slots are reserved
+    worker_draft_steps: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.worker_draft_steps, int) or self.worker_draft_steps < 0:
+            raise ValueError(f"worker_draft_steps={self.worker_draft_steps!r} must be an int >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -110,10 +114,16 @@ class Scheduler:
                 done.append(req)
         return done
 
-    def update_draft_token_ids(self, drafts: dict[str, list[int] | DraftTree]) -> None:
+    def update_draft_token_ids(self, drafts: dict[str, list[int] | DraftTree],
+                               next_draft_lens: dict[str, int] | None = None) -> None:
         """The drafts each request should verify in the next step (the only way drafts come in): a chain of
         token ids, or a :class:`~specray.tree.DraftTree`. Ids of requests that are not running are ignored. A
-        request not named keeps none."""
+        request not named keeps none. ``next_draft_lens``: with a drafter on the worker, how many drafts to have
+        it make after the next step (a request not named gets the most, ``worker_draft_steps``)."""
+        for req_id, n in (next_draft_lens or {}).items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.num_next_drafts = n
         for req_id, tokens in drafts.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is RequestStatus.RUNNING:
@@ -260,10 +270,30 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_new
         k = len(drafts)
-        self.block_manager.allocate(req, end + k)
+        sample = end == req.num_tokens
+        next_drafts = self._next_drafts(req, end, k) if sample and self.config.worker_draft_steps else 0
+        self.block_manager.allocate(req, end + k + max(next_drafts - 1, 0))
         tokens = req.all_token_ids[start:end] + drafts
-        return ScheduledChunk(req.req_id, tokens, start, k, sample=end == req.num_tokens, draft_parents=parents,
-                              want_node_tokens=k > 0 and req.want_node_tokens)
+        chunk = ScheduledChunk(req.req_id, tokens, start, k, sample=sample, draft_parents=parents,
+                               want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts)
+        if not sample and self.config.worker_draft_steps:
+            chunk.next_token_id = req.all_token_ids[end]
+        return chunk
+
+    def _next_drafts(self, req: Request, end: int, k: int) -> int:
+        """How many drafts a worker-side drafter makes for ``req`` after this step: what the engine asked (else the
+        most), at most what the request can still use after this step even if all k drafts are kept, and the
+        m - 1 slots past its drafts that drafting writes taken only from free blocks."""
+        m = self.config.worker_draft_steps if req.num_next_drafts is None else req.num_next_drafts
+        cap = req.sampling_params.num_speculative_tokens
+        if cap is not None:
+            m = min(m, cap)
+        m = min(m, req.tokens_left(self.config.max_model_len) - k - 2)
+        if m <= 0:
+            return 0
+        bm = self.block_manager
+        free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - (end + k)
+        return min(m, free_slots + 1)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""

@@ -11,6 +11,10 @@ drafts are verified by :func:`specray.tree_verification.verify_tree`, and the ac
 A chunk with ``want_node_tokens`` (a chain or a tree) goes through the same path and also gets the target's argmax
 after each of its nodes (``StepResult.node_tokens``).
 Every rank builds the same positions and masks from the plan and applies the same moves: no collective.
+
+With a hidden-state drafter (``drafter``, driver rank only: EAGLE, MTP) the forward also returns the residual
+stream at the layers the drafter reads, and right after verification the drafter drafts each request's next
+step from them (``StepResult.draft_token_ids``; see :mod:`specray.drafters.hidden_state`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
-                 is_driver: bool = True):
+                 is_driver: bool = True, drafter=None):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -43,6 +47,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
+        self.drafter = drafter if is_driver else None  # a HiddenStateDrafter, on the driver rank
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -72,7 +77,7 @@ class ModelRunner:
         self.apply_plan_state(plan)
         if plan.is_empty:
             return StepResult(plan.step_id, [], [])
-        hidden = self._forward(plan)  # [T, H]
+        hidden, aux = self._forward(plan)  # [T, H], and the drafter's layers' residual stream
         sampled = [i for i, c in enumerate(plan.chunks) if c.sample]
         rows = logit_rows(plan)
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
@@ -84,12 +89,16 @@ class ModelRunner:
         elif sampled:
             kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
         n = len(plan.chunks)
+        drafts = None
+        if self.drafter is not None:
+            drafts = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
+                                        {} if paths is None else {i: p for i, p in zip(sampled, paths) if p})
         return StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
                           None if logprobs is None else _per_chunk(n, sampled, logprobs),
                           None if paths is None else _per_chunk(n, sampled, paths),
-                          None if nodes is None else _per_chunk(n, sampled, nodes))
+                          None if nodes is None else _per_chunk(n, sampled, nodes), drafts)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         chunks = plan.chunks
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         trees = any(c.draft_parents is not None for c in chunks)
@@ -102,7 +111,9 @@ class ModelRunner:
             positions=[p for c in chunks for p in tree_positions(c)] if trees else None,
             ancestors=[ancestor_mask(c) for c in chunks] if trees else None,
         )
-        return self.model(input_ids, meta)
+        if self.drafter is not None and self.drafter.aux_layers:
+            return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
+        return self.model(input_ids, meta), []
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
                 ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:

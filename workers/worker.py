@@ -42,6 +42,9 @@ class WorkerConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_threads: int | None = None  # torch CPU threads for this rank
+    # a drafter that runs on the driver rank beside the target (hidden-state heads): {"method": ..., "options":
+    # {...}} as the drafter registry parses them; None: none
+    worker_drafter: dict | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -93,7 +96,14 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device)
+        self.head = self._load_head(hf_config) if rank == 0 and config.worker_drafter else None
         self.runner: ModelRunner | None = None
+
+    def _load_head(self, hf_config):
+        """The worker-side drafter's head (driver rank only: it is replicated there, see docs/model_drafters.md)."""
+        from specray.drafters.registry import worker_drafter_head
+
+        return worker_drafter_head(self.config.worker_drafter, self.model, hf_config, self.config.model)
 
     def bind_thread(self) -> None:
         """Make the calling thread run this rank's work as the constructing one does: the CPU thread count and
@@ -115,14 +125,19 @@ class Worker:
                 budget = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
             else:
                 budget = CPU_KV_CACHE_BYTES
-        return KVCacheInfo(bytes_per_block=bytes_per_block(self.model.kv_cache_specs(), self.config.block_size,
-                                                           self.dtype),
+        specs = self.model.kv_cache_specs() + (self.head.kv_cache_specs() if self.head is not None else [])
+        return KVCacheInfo(bytes_per_block=bytes_per_block(specs, self.config.block_size, self.dtype),
                            budget_bytes=budget, dtype=str(self.dtype).removeprefix("torch."),
                            device=str(self.device), vocab_size=self.model.vocab_size)
 
     def init_cache(self, num_blocks: int) -> None:
+        drafter = None
+        if self.head is not None:
+            from specray.drafters.hidden_state import HiddenStateDrafter
+
+            drafter = HiddenStateDrafter(self.head, num_blocks, self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
-                                  is_driver=self.rank == 0)
+                                  is_driver=self.rank == 0, drafter=drafter)
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
@@ -132,7 +147,7 @@ class Worker:
     def shutdown(self) -> None:
         """Drop the model (its layers hold the process group) before destroying the group, so that the group is
         freed and gloo's threads are joined now, not left running into interpreter shutdown."""
-        self.runner = self.model = None
+        self.runner = self.model = self.head = None
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

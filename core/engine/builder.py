@@ -71,8 +71,11 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     hf_config = load_hf_config(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
+    spec = args.speculative_config
+    in_worker = spec is not None and registry.runs_in_worker(spec.method)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
-                                 args.kv_cache_memory_bytes, args.num_threads)
+                                 args.kv_cache_memory_bytes, args.num_threads,
+                                 worker_drafter=registry.worker_drafter_config(spec) if in_worker else None)
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
@@ -88,11 +91,13 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         block_size=args.block_size,
         num_blocks=executor.num_kv_blocks,
         vocab_size=hf_config.vocab_size,
+        worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
-                     eos_ids(hf_config, tokenizer), drafter, policy, router)
+                     eos_ids(hf_config, tokenizer), drafter, policy, router,
+                     worker_method=spec.method if in_worker else None)
 
 
 def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
@@ -115,6 +120,8 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
     )
     policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
                                rows=rows_for(target_info.device, target_info.dtype))
+    if registry.runs_in_worker(spec.method):  # it drafts inside the target's driver rank: nothing to build here
+        return None, policy, None
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
         drafter = remote(spec, ctx, args.ray_placement, args.tokenizer or args.model)

@@ -37,7 +37,8 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
-                 policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None):
+                 policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
+                 worker_method: str | None = None):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -49,6 +50,10 @@ class LLMEngine:
         # becomes ``self.drafter`` (in front of the engine's own) once a request picks another method
         # (speculative_method): until then the engine asks its drafter directly, so nobody pays for routing
         self.router = router
+        # the method of a drafter that runs in the target's driver rank (hidden-state heads): its drafts come back
+        # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
+        self.worker_method = worker_method
+        self._worker_drafts: dict[str, list[int]] = {}
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
@@ -84,6 +89,12 @@ class LLMEngine:
         when it needs the router in front of the engine's drafter."""
         method = params.speculative_method
         if method is None:
+            return False
+        if self.worker_method is not None:
+            if method != self.worker_method:
+                raise ValueError(f"speculative_method={method!r}: this engine drafts with {self.worker_method!r} "
+                                 "inside the target's worker, and a request cannot pick another method on it; "
+                                 f"leave speculative_method out or give {self.worker_method!r}")
             return False
         check_request_method(method, None if self.router is None else self.router.spec)
         if method == self.router.method:
@@ -123,6 +134,7 @@ class LLMEngine:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
         touched = self.scheduler.update_from_output(plan, result)
+        self._keep_worker_drafts(result)
         self._record_logprobs(plan, result)
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
@@ -212,6 +224,9 @@ class LLMEngine:
         asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
         request the drafter fails on goes into ``failed``."""
         self._draft_keys, self._draft_trees = {}, {}
+        if self.worker_method is not None:
+            self._hand_worker_drafts()
+            return {}
         if self.drafter is None:
             return {}
         running = self.scheduler.running
@@ -244,6 +259,24 @@ class LLMEngine:
                 probs[dreq.req_id] = proposal.probs
         self.scheduler.update_draft_token_ids(drafts)
         return probs
+
+    def _hand_worker_drafts(self) -> None:
+        """The drafts the worker made after the last step, cut to the K the policy now chooses for each decoding
+        request, and that K as what the worker should draft after this step (for the step after)."""
+        drafts, lengths = {}, {}
+        running = self.scheduler.running
+        for request, off_path in zip(running, self._off_critical_path(running)):
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # prefilling: the worker drafts after its last chunk
+            k = self.policy.choose(request, len(running), off_path)
+            drafts[request.req_id] = self._worker_drafts.get(request.req_id, [])[:k]
+            lengths[request.req_id] = k
+        self._worker_drafts = {}
+        self.scheduler.update_draft_token_ids(drafts, lengths)
+
+    def _keep_worker_drafts(self, result: StepResult) -> None:
+        if result.draft_token_ids is not None:
+            self._worker_drafts = {rid: d for rid, d in zip(result.req_ids, result.draft_token_ids) if d}
 
     def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
         """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""
@@ -446,11 +479,12 @@ def _is_decode_step(plan: StepPlan) -> bool:
 
 
 def _by_request(result: StepResult) -> dict[str, tuple]:
-    """A step's answer per request id: its kept tokens, and their logprobs, its tree's accepted path and its node
-    tokens (each None when the step returned none)."""
+    """A step's answer per request id: its kept tokens, and their logprobs, its tree's accepted path, its node
+    tokens and the worker's drafts for its next step (each None when the step returned none)."""
     none = [None] * len(result.req_ids)
     return {rid: answer for rid, *answer in zip(result.req_ids, result.sampled_token_ids, result.logprobs or none,
-                                                result.accepted_draft_indices or none, result.node_tokens or none)}
+                                                result.accepted_draft_indices or none, result.node_tokens or none,
+                                                result.draft_token_ids or none)}
 
 
 def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
@@ -458,10 +492,11 @@ def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
     scheduler skips it: the request is finished by then). The optional fields stay None when no answer has them,
     else [] for the chunks without (a tree's path must come through: its K/V moves by it)."""
     chunks: list[ScheduledChunk] = plan.chunks
-    answers = [done.get(c.req_id, ([], None, None, None)) for c in chunks]
-    tokens, logprobs, paths, node_tokens = (list(column) for column in zip(*answers)) if answers else ([],) * 4
+    answers = [done.get(c.req_id, ([], None, None, None, None)) for c in chunks]
+    tokens, logprobs, paths, node_tokens, drafts = (list(column) for column in zip(*answers)) if answers else ([],) * 5
     return StepResult(plan.step_id, [c.req_id for c in chunks], tokens, logprobs=_optional(logprobs),
-                      accepted_draft_indices=_optional(paths), node_tokens=_optional(node_tokens))
+                      accepted_draft_indices=_optional(paths), node_tokens=_optional(node_tokens),
+                      draft_token_ids=_optional(drafts))
 
 
 def _optional(column: list) -> list | None:

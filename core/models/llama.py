@@ -67,12 +67,13 @@ def _kv_spec(config, layer: int, qkv: QKVParallelLinear) -> FullAttentionSpec:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, tp: TPGroup, layer: int):
+    def __init__(self, config, tp: TPGroup, layer: int, input_size: int | None = None):
+        # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)
         super().__init__()
         head_dim = _head_dim(config)
         is_qwen2 = config.model_type == "qwen2"
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, tp, bias=attention_bias or is_qwen2)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
                                         bias=attention_bias and not is_qwen2)
@@ -231,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
                              "load weights into a fresh model, or build it with load_model(..., pack=False)")
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        beyond = f"model.layers.{len(self.model.layers)}."  # a multi-token-prediction layer: the MTP drafter's
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith(beyond) or _layer_index(name) > len(self.model.layers):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
@@ -266,6 +270,14 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
                              f"{self.config.model_type} checkpoint matching its config.json?")
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint name belongs to (-1: none)."""
+    if not name.startswith("model.layers."):
+        return -1
+    index = name[len("model.layers."):].split(".", 1)[0]
+    return int(index) if index.isdigit() else -1
 
 
 def _map_name(name: str) -> tuple[str, Any]:

@@ -1,0 +1,285 @@
+"""Draft heads that read the target's hidden states: EAGLE-1, EAGLE-3 and DeepSeek-style MTP, one module.
+
+A head is one decoder layer of the target's family that, at position p, reads the next token's embedding
+``e(t[p+1])`` and a feature of position p, and predicts the token after: ``t[p+2]``. Its first pass runs over the
+positions the target just committed, with the target's own features; each later draft step runs one position
+further with the feature the head itself produced (``feedback``) and the token it just drafted.
+
+What differs between the papers is configuration (:class:`HeadLayout`), not a class each:
+
+============  =====================================  ====================================  ==========================
+layout        feature of a target position           fusion with the token's embedding      logits
+============  =====================================  ====================================  ==========================
+``eagle``     the target's last hidden state         ``fc(cat(e, h))`` into the layer,      the target's LM head on
+              (after its final norm)                 which has no input norm                the layer's output
+``eagle3``    ``fc(cat(aux))``: the residual stream  the layer's qkv reads                  ``lm_head(norm(out))`` over
+              entering three target layers           ``cat(input_layernorm(e),              a draft vocabulary, mapped
+              (2, L/2, L-3)                          hidden_norm(h))`` (2H wide)            to target ids by ``d2t``
+``mtp``       the target's last hidden state         ``eh_proj(cat(enorm(e), hnorm(h)))``   the target's LM head on
+                                                     into a full block                      ``norm(out)``
+============  =====================================  ====================================  ==========================
+
+The head's attention caches K/V per target position in a paged cache laid out on the target's block tables
+(:meth:`kv_cache_specs`; the runner allocates it beside the target's), so rewind and preemption need nothing of
+their own. The embedding and (except EAGLE-3's) the LM head are the target's, read through its
+:class:`~specray.models.interface.CausalLM` interface, never copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specray.models.attention import AttentionMetadata
+from specray.models.kv_cache import KVCache, KVCacheSpec
+from specray.models.layers import RMSNorm, RotaryEmbedding, materialize, rope_parameters
+from specray.models.llama import LlamaAttention, LlamaMLP, _copy_full, _map_name
+from specray.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How one kind of head reads the target (see the module docstring's table)."""
+
+    name: str
+    aux_features: bool  # the target's residual stream at three layers (EAGLE-3), else its last hidden state
+    fusion: str  # "fc" (EAGLE-1), "split" (EAGLE-3), "eh_proj" (MTP)
+    final_norm: bool  # a norm before the LM head
+    own_lm_head: bool  # an LM head over a draft vocabulary of its own
+
+
+LAYOUTS = {
+    "eagle": HeadLayout("eagle", aux_features=False, fusion="fc", final_norm=False, own_lm_head=False),
+    "eagle3": HeadLayout("eagle3", aux_features=True, fusion="split", final_norm=True, own_lm_head=True),
+    "mtp": HeadLayout("mtp", aux_features=False, fusion="eh_proj", final_norm=True, own_lm_head=False),
+}
+
+
+def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The target layers whose input residual stream EAGLE-3 reads (as the EAGLE repository and vLLM do)."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+class HeadLayer(nn.Module):
+    """One decoder layer of the Llama family whose attention reads ``input_size`` features (2H for EAGLE-3)."""
+
+    def __init__(self, config, tp: TPGroup, input_size: int, input_norm: bool, hidden_norm: bool):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps) if input_norm else None
+        self.hidden_norm = RMSNorm(h, eps) if hidden_norm else None
+        self.self_attn = LlamaAttention(config, tp, 0, input_size=input_size)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: the attention's input [T, input_size]; residual [T, H] -> the layer's output [T, H] (pre-norm)
+        a = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(x) + residual
+
+
+class DraftHead(nn.Module):
+    """A hidden-state draft head over ``target`` (see the module docstring). ``config`` is the head's own
+    HF-style config (hidden size, heads, MLP width, RoPE), ``draft_vocab_size`` EAGLE-3's draft vocabulary.
+    Build it under the target's device and dtype; it holds no reference to the target's parameters."""
+
+    def __init__(self, layout: HeadLayout | str, config, target, *, aux_layers: Sequence[int] = (),
+                 draft_vocab_size: int | None = None, fc_bias: bool = False, feedback_normed: bool = False,
+                 target_hidden_size: int | None = None):
+        super().__init__()
+        self.layout = LAYOUTS[layout] if isinstance(layout, str) else layout
+        self.config = config
+        self._target = (target,)  # a tuple: not a submodule, so its weights are never ours
+        h = config.hidden_size
+        th = target_hidden_size or h
+        self.hidden_size = h
+        self.aux_layers = tuple(aux_layers) if self.layout.aux_features else ()
+        if self.layout.aux_features and len(self.aux_layers) == 0:
+            raise ValueError(f"a {self.layout.name} head reads target layers: give aux_layers")
+        self.feedback_normed = feedback_normed  # MTP as transformers runs it: the normed output feeds the next step
+        tp = TPGroup.single()  # replicated on the driver rank (docs/model_drafters.md: sharding at scale)
+        fusion = self.layout.fusion
+        if fusion == "fc":
+            self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+            self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=False, hidden_norm=False)])
+        elif fusion == "eh_proj":
+            self.enorm = RMSNorm(h, config.rms_norm_eps)
+            self.hnorm = RMSNorm(h, config.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * h, h, bias=False)
+            self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False)])
+        elif fusion == "split":
+            self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
+            self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
+        else:
+            raise ValueError(f"unknown head fusion {fusion!r}")
+        self.norm = RMSNorm(h, config.rms_norm_eps) if self.layout.final_norm else None
+        self.target_vocab_size = target.vocab_size
+        if self.layout.own_lm_head:
+            vd = draft_vocab_size or target.vocab_size
+            self.draft_vocab_size = vd
+            self.lm_head = nn.Linear(h, vd, bias=False)
+            # draft id d is target id d + d2t[d] (the EAGLE repository's buffer)
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
+        else:
+            self.draft_vocab_size = target.vocab_size
+            self.lm_head = None
+        self.rotary_emb = RotaryEmbedding(config.head_dim if getattr(config, "head_dim", None)
+                                          else h // config.num_attention_heads,
+                                          rope_parameters(config), config.max_position_embeddings)
+        self.kv_cache_bound = False
+
+    # ------------------------------------------------------------------------------------------ reading the target
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].post_attention_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].post_attention_layernorm.weight.device
+
+    def target_features(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The feature of each target position the head reads: [T, H] from the target's last hidden states [T, H]
+        (or, EAGLE-3, its residual stream at ``aux_layers``, each [T, H_target], fused by ``fc``)."""
+        if self.layout.aux_features:
+            return self.fc(torch.cat(list(aux), dim=-1))
+        return hidden
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] (the token after each position), features [T, H] (the target's, or the head's own
+        feedback) -> (feedback [T, H] for the next draft step, hidden [T, H] for :meth:`draft_logits`)."""
+        if not self.kv_cache_bound:
+            raise ValueError("the draft head's KV cache is not allocated: allocate_kv_cache(head, ...) first")
+        e = self.target.embed(input_ids).to(features.dtype)
+        layer = self.layers[0]
+        fusion = self.layout.fusion
+        if fusion == "fc":
+            residual = self.fc(torch.cat((e, features), dim=-1))
+            x = residual
+        elif fusion == "eh_proj":
+            residual = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(features)), dim=-1))
+            x = layer.input_layernorm(residual)
+        else:
+            residual = features
+            x = torch.cat((layer.input_layernorm(e), layer.hidden_norm(features)), dim=-1)
+        self.rotary_emb.ensure(meta.max_position + 1)
+        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        out = layer(x, residual, cos, sin, meta)
+        hidden = out if self.norm is None else self.norm(out)
+        return (hidden if self.feedback_normed else out), hidden
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V_draft] float32: over the draft vocabulary (EAGLE-3's own head; map its
+        argmax with :meth:`to_target_ids`), else the target's full vocabulary."""
+        if self.lm_head is None:
+            return self.target.compute_logits(hidden)
+        return self.lm_head(hidden).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity without a draft vocabulary)."""
+        if self.lm_head is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def full_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V_target] float32, -inf outside the draft vocabulary (for tests and for
+        sampling from the head; drafting itself reads :meth:`draft_logits`)."""
+        logits = self.draft_logits(hidden)
+        if self.lm_head is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        ids = self.to_target_ids(torch.arange(self.draft_vocab_size, device=logits.device))
+        return full.index_copy_(1, ids, logits)
+
+    # ------------------------------------------------------------------------------------------ KV cache
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return [layer.self_attn.attn.kv_spec for layer in self.layers]
+
+    def bind_kv_cache(self, cache: KVCache) -> None:
+        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size)
+        self.kv_cache_bound = True
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Tensors named as this module names them (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...,
+        ``d2t``); :func:`specray.models.draft_head_loader.load_draft_head` maps the public layouts to these."""
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = _map_name(name)
+            if target in buffers and target == "d2t":
+                value = materialize(tensor).to(torch.long)
+                if value.shape != buffers[target].shape:
+                    raise ValueError(f"d2t has {tuple(value.shape)} entries but the head's draft vocabulary is "
+                                     f"{self.draft_vocab_size}")
+                buffers[target].copy_(value)
+                loaded.add(target)
+                continue
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"draft head checkpoint tensor {name!r} has no place in a {self.layout.name} head")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _copy_full(param, tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target if shard is None else f"{target}:{shard}")
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected.update(f"{name}:{s}" for s in "qkv")
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}:{s}" for s in (0, 1))
+            else:
+                expected.add(name)
+        if self.lm_head is not None:
+            expected.add("d2t")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the {self.layout.name} head checkpoint is missing {len(missing)} weights, e.g. "
+                             f"{missing[:5]}")
+
+    def state_for_saving(self) -> dict[str, torch.Tensor]:
+        """This head's weights under public names (q/k/v and gate/up split), for safetensors."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict().items():
+            if name.endswith("inv_freq") or "rotary_emb" in name:
+                continue
+            out.update(_split_merged(self, name, tensor.detach()))
+        return out
+
+
+def _split_merged(head: DraftHead, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our merged qkv / gate_up tensors back into the checkpoint's separate ones."""
+    if ".qkv_proj." in name:
+        attn = head.layers[0].self_attn.qkv_proj
+        q, k, v = tensor.split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
+        return {name.replace(".qkv_proj.", f".{p}_proj."): t.contiguous() for p, t in zip("qkv", (q, k, v))}
+    if ".gate_up_proj." in name:
+        gate, up = tensor.chunk(2, dim=0)
+        return {name.replace(".gate_up_proj.", ".gate_proj."): gate.contiguous(),
+                name.replace(".gate_up_proj.", ".up_proj."): up.contiguous()}
+    return {name: tensor.contiguous()}

@@ -1,0 +1,184 @@
+"""Load a hidden-state draft head from the public checkpoint layouts into :class:`~specray.models.draft_head.DraftHead`.
+
+* **EAGLE-1** (the EAGLE repository, vLLM's ``EagleLlamaForCausalLM``): a folder with ``config.json`` (a Llama
+  config of one layer) and ``fc.weight`` [H, 2H] (+ ``fc.bias``), ``layers.0.*`` without ``input_layernorm``.
+* **EAGLE-3** (the EAGLE repository, SpecForge, vLLM's ``LlamaForCausalLMEagle3``): ``fc.weight`` [H, 3H_target],
+  ``midlayer.*`` or ``layers.0.*`` (with ``input_layernorm``, ``hidden_norm`` and a 2H-wide ``q/k/v_proj``),
+  ``norm.weight``, ``lm_head.weight`` [V_draft, H] and ``d2t`` [V_draft] (``t2d`` is derived, so ignored).
+  ``config.json`` may give ``draft_vocab_size``, ``target_hidden_size`` and
+  ``eagle_config.eagle_aux_hidden_state_layer_ids``. specray extension: without ``lm_head.weight`` the head uses
+  the target's LM head rows of its draft vocabulary (what ``specray train-draft`` writes, to stay small).
+* **MTP** (DeepSeek-V3 layout): the target's own checkpoint, module k at ``model.layers.{num_hidden_layers + k}``
+  (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's ``self_attn``/``mlp``/norms); the shared
+  embedding and head are the target's. Or a folder of its own in the same names. specray reuses module 0 for
+  every draft step (TensorRT-LLM's "MTP-Eagle").
+
+Tensors shared with the target (``embed_tokens``, ``shared_head.head``, EAGLE-1's ``lm_head``) are not loaded: the
+head reads the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specray.models.draft_head import LAYOUTS, DraftHead, eagle3_aux_layers
+from specray.models.layers import materialize, shape_of
+from specray.models.loader import _default_dtype, iter_weights, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def load_draft_head(method: str, path: str | os.PathLike | None, target, target_config,
+                    feedback_normed: bool = False) -> DraftHead:
+    """The ``method`` head ("eagle", "eagle3", "mtp") for ``target`` from ``path`` (a folder or hub id; for MTP the
+    checkpoint holding the MTP layers, usually the target's own), on the target's device and dtype, in eval mode."""
+    if method not in LAYOUTS:
+        raise ValueError(f"speculative_config.method={method!r} has no draft head layout; one of {sorted(LAYOUTS)}")
+    if path is None:
+        raise ValueError(f"speculative_config.model is required for method={method!r}: the head's checkpoint "
+                         "folder (or hub id)")
+    config, weights = _mtp_source(path, target_config) if method == "mtp" else _head_source(path)
+    weights = dict(weights)
+    kwargs = _layout_kwargs(method, config, target_config, weights)
+    with _default_dtype(target.dtype), torch.device(target.device):
+        head = DraftHead(method, config, target, feedback_normed=feedback_normed, **kwargs)
+    lm_from_target = method == "eagle3" and "lm_head.weight" not in weights
+    head.load_weights(_with_target_rows(head, weights) if lm_from_target else weights.items())
+    head.eval()
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return head
+
+
+def _with_target_rows(head: DraftHead, weights: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    d2t = materialize(weights["d2t"]).to(torch.long)
+    ids = torch.arange(d2t.shape[0]) + d2t
+    rows = target_head_rows(head.target, ids)
+    yield from weights.items()
+    yield "lm_head.weight", rows
+
+
+def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head rows of ``target_ids`` [Vd, H]: read as the logits of unit vectors would be too costly,
+    so from the head's weight (the embedding's when tied), which a single-rank target keeps dense."""
+    head = getattr(target, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.shape[0] < int(target_ids.max()) + 1:
+        raise ValueError("the target's LM head weight is not readable here (sharded?); give the head's own "
+                         "lm_head.weight")
+    return weight.detach()[target_ids.to(weight.device)].clone()
+
+
+def _head_source(path) -> tuple[Any, list[tuple[str, Any]]]:
+    from transformers import AutoConfig, LlamaConfig
+
+    source = resolve_model(path)
+    raw = json.loads((Path(source.path) / "config.json").read_text())
+    try:
+        config = AutoConfig.from_pretrained(source.path)
+    except (ValueError, KeyError):  # an architecture transformers does not know (vLLM's Eagle ones): a Llama layer
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_config"):
+        if key in raw and getattr(config, key, None) is None:
+            setattr(config, key, raw[key])
+    names = []
+    for name, tensor in iter_weights(source):
+        if name.startswith("model."):
+            name = name[len("model."):]
+        name = name.replace("midlayer.", "layers.0.")
+        names.append((name, tensor))
+    return config, names
+
+
+def _mtp_source(path, target_config) -> tuple[Any, list[tuple[str, Any]]]:
+    """Module 0 of the MTP layers in a checkpoint laid out as DeepSeek-V3's (``model.layers.{L}``)."""
+    num_layers = target_config.num_hidden_layers
+    prefix = f"model.layers.{num_layers}."
+    source = resolve_model(path)
+    weights = []
+    for name, tensor in iter_weights(source):
+        if not name.startswith(prefix):
+            continue
+        name = name[len(prefix):]
+        if name in _SHARED:
+            continue
+        if name.startswith("shared_head.norm."):
+            name = "norm." + name[len("shared_head.norm."):]
+        elif not name.startswith(("enorm.", "hnorm.", "eh_proj.")):
+            name = "layers.0." + name
+        weights.append((name, tensor))
+    if not weights:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix}*): method='mtp' needs a "
+                         "model trained with multi-token prediction (num_nextn_predict_layers >= 1); use another "
+                         "speculative method for this model")
+    return target_config, weights
+
+
+def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) -> dict[str, Any]:
+    """Sizes the head takes from its config and checkpoint, checked against the target: a ValueError naming
+    both when they do not fit."""
+    h, th = config.hidden_size, target_config.hidden_size
+    kwargs: dict[str, Any] = {}
+    if method in ("eagle", "mtp") and h != th:
+        raise ValueError(f"the {method} head's hidden_size={h} does not fit the target's hidden_size={th}: the "
+                         "head was trained for another model")
+    if getattr(config, "vocab_size", target_config.vocab_size) != target_config.vocab_size and method != "eagle3":
+        raise ValueError(f"the {method} head's vocab_size={config.vocab_size} does not match the target's "
+                         f"vocab_size={target_config.vocab_size}")
+    if method == "eagle":
+        kwargs["fc_bias"] = "fc.bias" in weights
+        fc = weights.get("fc.weight")
+        if fc is not None and tuple(shape_of(fc)) != (h, 2 * h):
+            raise ValueError(f"the eagle head's fc.weight is {tuple(shape_of(fc))}, expected {(h, 2 * h)}")
+    if method == "eagle3":
+        eagle_config = getattr(config, "eagle_config", None) or {}
+        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or eagle3_aux_layers(target_config.num_hidden_layers)
+        if any(not 0 <= i < target_config.num_hidden_layers for i in aux):
+            raise ValueError(f"the eagle3 head reads target layers {list(aux)} but the target has "
+                             f"{target_config.num_hidden_layers}")
+        head_th = getattr(config, "target_hidden_size", None) or th
+        fc = weights.get("fc.weight")
+        if head_th != th or (fc is not None and tuple(shape_of(fc)) != (h, len(aux) * th)):
+            raise ValueError(f"the eagle3 head's fc.weight is {None if fc is None else tuple(shape_of(fc))} "
+                             f"(target_hidden_size={head_th}) but the target's hidden_size={th} needs "
+                             f"{(h, len(aux) * th)}: the head was trained for another model")
+        d2t = weights.get("d2t")
+        vd = getattr(config, "draft_vocab_size", None) or (shape_of(d2t)[0] if d2t is not None else th)
+        if d2t is None:
+            raise ValueError("the eagle3 head checkpoint has no d2t (draft-to-target vocabulary offsets)")
+        if shape_of(d2t)[0] != vd:
+            raise ValueError(f"the eagle3 head's d2t has {shape_of(d2t)[0]} entries but draft_vocab_size={vd}")
+        ids = torch.arange(vd) + materialize(d2t).to(torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size:
+            raise ValueError(f"the eagle3 head's d2t maps draft ids outside the target's vocabulary "
+                             f"[0, {target_config.vocab_size})")
+        kwargs.update(aux_layers=tuple(aux), draft_vocab_size=vd, fc_bias="fc.bias" in weights, target_hidden_size=th)
+    for name in _SHARED + (("lm_head.weight",) if method != "eagle3" else ()):
+        weights.pop(name, None)
+    weights.pop("t2d", None)
+    return kwargs
+
+
+def save_draft_head(head: DraftHead, folder: str | os.PathLike, config: dict[str, Any], *, with_lm_head: bool = True,
+                    dtype: torch.dtype = torch.float16) -> None:
+    """Write ``head`` as a public-layout checkpoint folder (``config.json`` + ``model.safetensors``); an EAGLE-3
+    head without ``with_lm_head`` leaves its LM head out (the target's rows are used when it loads)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = head.state_for_saving()
+    if not with_lm_head:
+        tensors.pop("lm_head.weight", None)
+    tensors = {k: (v if k == "d2t" else v.to(dtype)) for k, v in tensors.items()}
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
