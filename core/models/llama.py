@@ -232,12 +232,11 @@ class LlamaForCausalLM(nn.Module):
                              "load weights into a fresh model, or build it with load_model(..., pack=False)")
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        beyond = f"model.layers.{len(self.model.layers)}."  # a multi-token-prediction layer: the MTP drafter's
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name.startswith(beyond) or _layer_index(name) > len(self.model.layers):
-                continue
+            if _layer_index(name) >= len(self.model.layers):
+                continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             target, shard = _map_name(name)
