@@ -82,7 +82,10 @@ class HeadLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: the attention's input [T, input_size]; residual [T, H] -> the layer's output [T, H] (pre-norm)
-        a = self.self_attn(x, cos, sin, meta)
+        return self.after_attention(self.self_attn(x, cos, sin, meta), residual)
+
+    def after_attention(self, a: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # a: the attention's output after o_proj [T, H] -> the layer's output [T, H] (pre-norm)
         x, residual = self.post_attention_layernorm(a, residual)
         return self.mlp(x) + residual
 
@@ -166,21 +169,25 @@ class DraftHead(nn.Module):
         feedback) -> (feedback [T, H] for the next draft step, hidden [T, H] for :meth:`draft_logits`)."""
         if not self.kv_cache_bound:
             raise ValueError("the draft head's KV cache is not allocated: allocate_kv_cache(head, ...) first")
-        e = self.target.embed(input_ids).to(features.dtype)
+        x, residual = self.fuse(self.target.embed(input_ids).to(features.dtype), features)
+        self.rotary_emb.ensure(meta.max_position + 1)
+        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        return self.finish(self.layers[0](x, residual, cos, sin, meta))
+
+    def fuse(self, e: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token embeddings and features [..., H] -> (the layer's attention input, its residual)."""
         layer = self.layers[0]
         fusion = self.layout.fusion
         if fusion == "fc":
             residual = self.fc(torch.cat((e, features), dim=-1))
-            x = residual
-        elif fusion == "eh_proj":
+            return residual, residual
+        if fusion == "eh_proj":
             residual = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(features)), dim=-1))
-            x = layer.input_layernorm(residual)
-        else:
-            residual = features
-            x = torch.cat((layer.input_layernorm(e), layer.hidden_norm(features)), dim=-1)
-        self.rotary_emb.ensure(meta.max_position + 1)
-        cos, sin = self.rotary_emb(meta.positions, x.dtype)
-        out = layer(x, residual, cos, sin, meta)
+            return layer.input_layernorm(residual), residual
+        return torch.cat((layer.input_layernorm(e), layer.hidden_norm(features)), dim=-1), features
+
+    def finish(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output -> (feedback for the next draft step, hidden for :meth:`draft_logits`)."""
         hidden = out if self.norm is None else self.norm(out)
         return (hidden if self.feedback_normed else out), hidden
 
