@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     _add_serve_parser(sub)
     _add_bench_parser(sub)
+    _add_train_draft_parser(sub)
     return parser
 
 
@@ -125,6 +126,49 @@ def _add_bench_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable; requests cycle through them)")
     src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
+
+
+def _add_train_draft_parser(sub) -> None:
+    p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP) on the target's "
+                       "own text; resumable: run the same command again to go on")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp"])
+    p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="working folder (data, features, checkpoints, the head)")
+    p.add_argument("--head-dir", default=None, help="where to write the trained head (default OUT/head)")
+    p.add_argument("--stages", default="data,features,train,export", help="comma-separated subset of "
+                   "data,features,train,export")
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--prompt-file", default=None, help="prompts of your own (one per line); default: the target "
+                   "writes them (Magpie)")
+    p.add_argument("--answer-max-tokens", type=int, default=256)
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_train_draft(args) -> int:
+    from specray.default_model import default_model_path
+    from specray.training.data import DataConfig
+    from specray.training.pipeline import PipelineConfig, run
+    from specray.training.train import TrainConfig
+
+    logging.getLogger("specray.training").setLevel(logging.INFO)
+    config = PipelineConfig(
+        model=args.model or default_model_path(), out_dir=args.out,
+        data=DataConfig(num_prompts=args.num_prompts, prompt_file=args.prompt_file,
+                        answer_max_tokens=args.answer_max_tokens, seed=args.seed),
+        train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
+                          ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed),
+        stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), head_dir=args.head_dir,
+        num_threads=args.num_threads)
+    metrics = run(config)
+    if metrics:
+        print(json.dumps(metrics, indent=2))
+    return 0
 
 
 def _json_arg(text: str) -> dict:
@@ -289,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": cmd_generate, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
+        commands = {"generate": cmd_generate, "serve": cmd_serve, "bench-serve": cmd_bench_serve,
+                    "train-draft": cmd_train_draft}
         return commands[args.command](args)
     except ValueError as e:
         print(f"specray: error: {e}", file=sys.stderr)

@@ -120,7 +120,13 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     prefix = tokenizer.encode(user_turn_prefix(tokenizer), add_special_tokens=False)
     seen = set(have)
     round_no = len(have)
+    tries = 0
     while len(have) < config.num_prompts:
+        tries += 1
+        if tries > 20 and len(have) < tries:  # fewer than one usable prompt per round: it will not get there
+            raise ValueError(f"the target wrote only {len(have)} usable prompts in {tries} rounds of "
+                             f"{config.batch_size} (each must end within prompt_max_tokens="
+                             f"{config.prompt_max_tokens} and be new); give prompts with --prompt-file")
         n = min(config.batch_size, config.num_prompts - len(have))
         params = [SamplingParams(temperature=config.prompt_temperature, top_p=config.prompt_top_p,
                                  max_tokens=config.prompt_max_tokens, seed=config.seed * 1_000_003 + round_no + i)

@@ -1,0 +1,103 @@
+"""``specray train-draft``: data -> features -> training -> export, each stage resumable in one output folder.
+
+    OUT/prompts.jsonl, OUT/samples.jsonl    the target's own text (specray.training.data)
+    OUT/features/                           the target's features and labels (specray.training.features)
+    OUT/train/checkpoint.pt                 the head being trained (specray.training.train)
+    OUT/head/                               the trained head, public layout, + card.json (its metrics)
+
+Stopped at any point (a session's end), the same command picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+from specray.training.data import DataConfig
+from specray.training.train import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("data", "features", "train", "export")
+
+
+@dataclass
+class PipelineConfig:
+    model: str
+    out_dir: str
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stages: tuple[str, ...] = STAGES
+    head_dir: str | None = None  # default OUT/head
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"stages {unknown} are unknown; choose from {list(STAGES)}")
+
+
+def _say(msg: str) -> None:
+    logger.warning(msg)
+
+
+def run(config: PipelineConfig) -> dict:
+    """Run the asked stages in order; returns the trained head's held-out metrics (empty before training)."""
+    import torch
+
+    from specray.models.loader import load_hf_config, load_model
+    from specray.training.data import SAMPLES_FILE, make_prompts, make_samples, read_jsonl
+    from specray.training.features import compute_features
+    from specray.training.train import export, feature_layers, train
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    os.makedirs(config.out_dir, exist_ok=True)
+    if "data" in config.stages:
+        from specray import LLM
+
+        llm = LLM(config.model, max_num_seqs=config.data.max_num_seqs, num_threads=config.num_threads)
+        prompts = make_prompts(llm, config.data, config.out_dir,
+                               progress=lambda a, b: _say(f"prompts {a}/{b}"))
+        make_samples(llm, prompts, config.data, config.out_dir, progress=lambda a, b: _say(f"answers {a}/{b}"))
+        llm.shutdown()
+        del llm
+    metrics: dict = {}
+    stages = [s for s in config.stages if s != "data"]
+    if not stages:
+        return metrics
+    samples = read_jsonl(os.path.join(config.out_dir, SAMPLES_FILE))
+    if not samples:
+        raise ValueError(f"{config.out_dir}/{SAMPLES_FILE} holds no samples: run the 'data' stage first")
+    target_config = load_hf_config(config.model)
+    target = load_model(config.model, pack=False)
+    layers = feature_layers(config.train.method, target_config.num_hidden_layers)
+    feature_dir = os.path.join(config.out_dir, "features")
+    if "features" in stages:
+        store = compute_features(target, samples, layers, feature_dir,
+                                 progress=lambda a, b: _say(f"features {a}/{b}") if a % 50 == 0 or a == b else None)
+    if "train" in stages or "export" in stages:
+        from specray.training.features import FeatureStore
+
+        store = FeatureStore.open(feature_dir, samples)
+        prompt_lens = [s["num_prompt_tokens"] for s in samples[: len(store.lengths)]]
+        train_dir = os.path.join(config.out_dir, "train")
+        if "train" in stages:
+            metrics = train(target, target_config, store, prompt_lens, config.train, train_dir)
+            with open(os.path.join(train_dir, "metrics.json"), "w", encoding="utf-8") as f:
+                json.dump(metrics, f, indent=2)
+            _say(f"held-out: {json.dumps(metrics)}")
+        if "export" in stages:
+            head_dir = config.head_dir or os.path.join(config.out_dir, "head")
+            export(target, target_config, config.train, train_dir, head_dir)
+            metrics_path = os.path.join(train_dir, "metrics.json")
+            card = {"target": os.path.basename(str(config.model)), "method": config.train.method,
+                    "train": asdict(config.train), "data": asdict(config.data)}
+            if os.path.exists(metrics_path):
+                card["held_out"] = json.loads(open(metrics_path, encoding="utf-8").read())
+            with open(os.path.join(head_dir, "card.json"), "w", encoding="utf-8") as f:
+                json.dump(card, f, indent=2)
+            _say(f"head written to {head_dir}")
+    return metrics
