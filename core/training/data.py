@@ -14,6 +14,7 @@ The text is the target's own, so a head trained on it learns what the target say
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -109,6 +110,7 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     """``prompts.jsonl`` in ``out_dir``, completed to ``config.num_prompts`` prompts (resumed when it exists)."""
     from specray.sampling_params import SamplingParams
 
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, PROMPTS_FILE)
     have = [r["prompt"] for r in read_jsonl(path)]
     if config.prompt_file is not None:
@@ -119,8 +121,7 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     tokenizer = llm.get_tokenizer()
     prefix = tokenizer.encode(user_turn_prefix(tokenizer), add_special_tokens=False)
     seen = set(have)
-    round_no = len(have)
-    tries = 0
+    tries, attempt, last_len = 0, 0, -1
     while len(have) < config.num_prompts:
         tries += 1
         if tries > 20 and len(have) < tries:  # fewer than one usable prompt per round: it will not get there
@@ -128,10 +129,13 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
                              f"{config.batch_size} (each must end within prompt_max_tokens="
                              f"{config.prompt_max_tokens} and be new); give prompts with --prompt-file")
         n = min(config.batch_size, config.num_prompts - len(have))
+        attempt = attempt + 1 if len(have) == last_len else 0
+        last_len = len(have)
+        # a seed per (prompts kept so far, attempt at that count, i): a resumed run draws new samples, never the
+        # ones an earlier run drew and kept
         params = [SamplingParams(temperature=config.prompt_temperature, top_p=config.prompt_top_p,
-                                 max_tokens=config.prompt_max_tokens, seed=config.seed * 1_000_003 + round_no + i)
+                                 max_tokens=config.prompt_max_tokens, seed=_seed(config.seed, len(have), attempt, i))
                   for i in range(n)]
-        round_no += n
         outs = llm.generate([{"prompt_token_ids": prefix}] * n, params, use_tqdm=False)
         fresh = []
         for out in outs:
@@ -149,11 +153,17 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     return have
 
 
+def _seed(*parts: int) -> int:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def make_samples(llm, prompts: list[str], config: DataConfig, out_dir: str, progress=None) -> list[dict[str, Any]]:
     """``samples.jsonl`` in ``out_dir``: every prompt answered greedily (resumed when it exists). A record is
     ``{"prompt": i, "token_ids": [...], "num_prompt_tokens": n}``: the whole sequence the target saw and wrote."""
     from specray.sampling_params import SamplingParams
 
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, SAMPLES_FILE)
     done = read_jsonl(path)
     tokenizer = llm.get_tokenizer()

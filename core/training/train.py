@@ -372,7 +372,7 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
             step += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.3f}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accs[0]:.3f}")
             if step % config.checkpoint_every == 0 or step == total_steps:
                 _save(ckpt_path, head, opt, step, vocab_ids, config)
     if bar is not None:

@@ -1,0 +1,140 @@
+"""specray train-draft: training-time test equals serving's drafting, and the pipeline trains a head that drafts.
+
+Tiny random target (6 layers, so EAGLE-3's layers 2, L/2, L-3 exist); prompts from a file."""
+
+import json
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams
+from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
+from specray.models.loader import load_hf_config, load_model
+from specray.training.data import DataConfig
+from specray.training.pipeline import PipelineConfig, run
+from specray.training.train import TrainConfig, build_head, unroll
+
+PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in range(10):", "Summarize the text",
+           "Extract the names", "How are you today?", "print(i)"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, make_tiny_model):
+    return make_tiny_model(tmp_path_factory.mktemp("train_target"), "llama", seed=5, num_hidden_layers=6,
+                           tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp"])
+def test_unrolled_training_steps_equal_paged_drafting(target_dir, method):
+    """What training optimises is what serving runs: the training-time-test unroll's step j at position R + j
+    equals a first pass over positions 0..R through the paged cache followed by j one-token draft steps, each fed
+    the head's own feedback (and the true next token)."""
+    target = load_model(str(target_dir), pack=False)
+    config = load_hf_config(str(target_dir))
+    torch.manual_seed(0)
+    head = build_head(target, config, TrainConfig(method=method, draft_vocab_size=64, init_from_target=False),
+                      torch.arange(0, 128, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    allocate_kv_cache(target, 8, 16)
+    table = [5, 2, 7, 0]  # shuffled blocks
+    with torch.no_grad():
+        meta = build_attention_metadata([40], [0], [table], 16)
+        out = target(ids, meta, aux_layers=head.aux_layers) if head.aux_layers else (target(ids, meta), [])
+        hidden, aux = out
+        features = torch.cat(aux, -1) if aux else hidden
+        steps = 3
+        trained = unroll(head, ids[1:][None], features[:-1][None], torch.ones(1, 39, dtype=torch.bool), steps)
+        allocate_kv_cache(head, 8, 16)
+        r = 30
+        feats = head.target_features(hidden[: r + 1], [a[: r + 1] for a in aux])
+        # the first pass in two chunks, as a chunked prefill writes it
+        fb, normed = None, None
+        for a, b in ((0, 17), (17, r + 1)):
+            m = build_attention_metadata([b - a], [a], [table], 16)
+            fb, normed = head(ids[a + 1 : b + 1], feats[a:b], m)
+        got = [normed[-1]]
+        feedback = fb[-1:]
+        for j in range(1, steps):
+            m = build_attention_metadata([1], [r + j], [table], 16)
+            feedback, normed = head(ids[r + j + 1 : r + j + 2], feedback, m)
+            got.append(normed[0])
+    for j in range(steps):
+        torch.testing.assert_close(got[j], trained[j][0, r + j], rtol=1e-4, atol=1e-4)
+
+
+def test_train_draft_pipeline_trains_resumes_and_drafts(tmp_path, target_dir):
+    """The whole pipeline on a tiny target: data, features, training (stopped and resumed), export. The head
+    agrees with the target on held-out text and, served, keeps greedy output identical while getting drafts
+    accepted."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 4))
+    data = DataConfig(num_prompts=32, prompt_file=str(prompts), answer_max_tokens=40, batch_size=16)
+    train = dict(method="eagle3", lr=3e-3, draft_vocab_size=128, tokens_per_batch=512, warmup_steps=5,
+                 checkpoint_every=5, eval_fraction=0.15)
+    out = tmp_path / "out"
+    first = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=2, **train),
+                               stages=("data", "features", "train")))
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 32
+    step = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["step"]
+    assert step == first["step"] > 0
+    # the same command with more epochs goes on from the checkpoint (features are not recomputed)
+    second = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
+                                stages=("features", "train", "export")))
+    assert second["step"] > step
+    assert second["agreement"][0] > 0.5, second
+    assert second["mean_accepted_length"] > 1.5, second
+    card = json.loads((out / "head" / "card.json").read_text())
+    assert card["held_out"]["step"] == second["step"]
+
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    llm = LLM(str(target_dir))
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
+    plain = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
+    spec = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(out / "head"),
+                                                    "num_speculative_tokens": 3, "adaptive": False})
+    drafted = [o.outputs[0].token_ids for o in spec.chat(chats, sp, use_tqdm=False)]
+    assert drafted == plain
+    assert spec.spec_stats.acceptance_rate > 0.3, spec.spec_stats.as_dict()
+
+
+class _FakeLLM:
+    """Stands in for the target in the prompt stage: each sample's text is decided by its seed (few distinct
+    texts, so repeats happen), and ``stop`` decides whether it ended on EOS."""
+
+    def __init__(self, tokenizer, distinct: int = 40, stop: bool = True):
+        self.tokenizer, self.distinct, self.stop, self.seeds = tokenizer, distinct, stop, []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        outs = []
+        for p in params:
+            self.seeds.append(p.seed)
+            text = f"question number {p.seed % self.distinct}?"
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason="stop" if self.stop
+                                                                 else "length")]))
+        return outs
+
+
+def test_magpie_prompts_resume_without_repeats(tmp_path, target_dir):
+    from specray.models.loader import load_tokenizer
+    from specray.training.data import make_prompts, read_jsonl, user_turn_prefix
+
+    tok = load_tokenizer(str(target_dir))
+    assert user_turn_prefix(tok) == "<|im_start|>user\n"
+    fake = _FakeLLM(tok)
+    first = make_prompts(fake, DataConfig(num_prompts=10, batch_size=8), str(tmp_path))
+    again = _FakeLLM(tok)  # a new run in the same folder goes on from the 10 it finds
+    both = make_prompts(again, DataConfig(num_prompts=20, batch_size=8), str(tmp_path))
+    assert both[:10] == first and len(both) == 20 == len(set(both))
+    assert [r["prompt"] for r in read_jsonl(str(tmp_path / "prompts.jsonl"))] == both
+    assert not set(fake.seeds) & set(again.seeds)  # the resumed run drew new samples
+    with pytest.raises(ValueError, match="prompt-file"):
+        make_prompts(_FakeLLM(tok, stop=False), DataConfig(num_prompts=5, batch_size=4), str(tmp_path / "none"))
