@@ -140,6 +140,10 @@ class StepResult:
     # None unless the worker drafts (a hidden-state drafter); then per chunk the drafts it made for the next step
     # (``ScheduledChunk.num_next_drafts`` of them at most, [] for the others)
     draft_token_ids: list[list[int]] | None = None
+    # with them, for a worker drafter that drafts token trees: per chunk the drafts' parents and scores ([] for a
+    # chain or no drafts)
+    draft_parents: list[list[int]] | None = None
+    draft_scores: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EagleOptions:
-    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"``."""
+    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"`` (TensorRT-LLM's names for the tree)."""
 
     model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
+    # EAGLE-2: draft a dynamic token tree of num_speculative_tokens nodes instead of a chain
+    use_dynamic_tree: bool = False
+    dynamic_tree_max_topK: int = 4  # children offered per expanded node, and nodes expanded per level
+    dynamic_tree_depth: int = 4  # levels of the tree
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
+        if not isinstance(self.use_dynamic_tree, bool):
+            raise ValueError(f"speculative_config.use_dynamic_tree={self.use_dynamic_tree!r} must be a bool")
+        for name in ("dynamic_tree_max_topK", "dynamic_tree_depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name}={value!r} must be an int >= 1")
+
+    def tree_shape(self) -> "TreeShape | None":
+        return TreeShape(self.dynamic_tree_max_topK, self.dynamic_tree_depth) if self.use_dynamic_tree else None
 
 
 @dataclass
@@ -59,6 +72,30 @@ class MTPOptions:
             raise ValueError(f"speculative_config.mtp_feedback_normed={self.mtp_feedback_normed!r} must be a bool")
 
 
+@dataclass
+class Drafted:
+    """One request's drafts for its next step: a chain, or a token tree (``parents``, with each node's
+    probability under the head given its parent as ``scores``)."""
+
+    token_ids: list[int]
+    parents: list[int] | None = None
+    scores: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2's dynamic tree: each expanded node offers ``top_k`` children, ``top_k`` nodes are expanded per
+    level, ``depth`` levels; the best ``num_speculative_tokens`` nodes are proposed."""
+
+    top_k: int
+    depth: int
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Slots past the root the head writes while growing the tree (every node but the deepest level's)."""
+        return self.top_k * (self.depth - 1)
+
+
 @dataclass(frozen=True)
 class _Row:
     """One request's part of the first pass."""
@@ -73,8 +110,9 @@ class _Row:
 class HiddenStateDrafter:
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
-    def __init__(self, head: DraftHead, num_blocks: int, block_size: int):
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None):
         self.head = head
+        self.tree = tree
         self.block_size = block_size
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
 
@@ -83,12 +121,12 @@ class HiddenStateDrafter:
         return self.head.aux_layers
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[list[int]]:
-        """Drafts for every chunk of ``plan`` ([] where none were asked for). ``hidden`` [T, H] and ``aux`` are the
-        target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the target's),
-        ``paths[i]`` its accepted tree nodes (absent for a chain)."""
+              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
+        """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
+        the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
+        target's), ``paths[i]`` its accepted tree nodes (absent for a chain)."""
         work = self._first_pass_rows(plan, kept, paths)
-        out: list[list[int]] = [[] for _ in plan.chunks]
+        out: list[Drafted | None] = [None] * len(plan.chunks)
         if not work:
             return out
         device = hidden.device
@@ -98,34 +136,102 @@ class HiddenStateDrafter:
         meta = build_attention_metadata([len(w.rows) for w in work], [w.start for w in work],
                                         [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
         feedback, normed = self.head(ids, features, meta)
-        drafting = [i for i, w in enumerate(work) if w.drafts > 0]
+        drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
-        ends = torch.tensor([sum(len(w.rows) for w in work[: i + 1]) - 1 for i in drafting], device=device)
+        ends = torch.tensor([sum(len(w.rows) for w in work[: i + 1]) - 1 for i, w in enumerate(work) if w.drafts > 0],
+                            device=device)
         feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
+        block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
+        roots = [w.start + len(w.rows) for w in drafting]  # the position of the token the target just sampled
+        made = (self._tree if self.tree is not None else self._chain)(drafting, block_tables, roots, feedback, normed)
+        for w, drafted in zip(drafting, made):
+            out[w.chunk] = drafted
+        return out
+
+    def _chain(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
+               normed: torch.Tensor) -> list[Drafted]:
+        """Each request's chain of ``drafts`` argmax tokens: d1 from the first pass, then one row per step."""
+        device = feedback.device
         tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))  # [B] d1
         steps = [tokens]
-        live = list(range(len(drafting)))  # indices into `drafting` still drafting
-        positions = [work[i].start + len(work[i].rows) for i in drafting]  # the position whose next token is d1
-        for step in range(1, max(work[i].drafts for i in drafting)):
-            keep = [j for j in live if work[drafting[j]].drafts > step]
+        live = list(range(len(work)))  # requests still drafting
+        for step in range(1, max(w.drafts for w in work)):
+            keep = [j for j in live if work[j].drafts > step]
             if not keep:
                 break
             if len(keep) != len(live):
                 sel = torch.tensor([live.index(j) for j in keep], dtype=torch.long, device=device)
                 tokens, feedback = tokens.index_select(0, sel), feedback.index_select(0, sel)
             live = keep
-            meta = build_attention_metadata([1] * len(live), [positions[j] + step - 1 for j in live],
-                                            [tables[plan.chunks[work[drafting[j]].chunk].req_id] for j in live],
-                                            self.block_size, device)
+            # step s reads d_s at the position after the root's (root + s - 1), with the feedback of the last
+            meta = build_attention_metadata([1] * len(live), [roots[j] + step - 1 for j in live],
+                                            [tables[j] for j in live], self.block_size, device)
             feedback, normed = self.head(tokens, feedback, meta)
             tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
-            steps.append(_scatter(tokens, live, len(drafting)))
+            steps.append(_scatter(tokens, live, len(work)))
         table = torch.stack(steps, dim=1).tolist()  # the drafts' one host sync: [B, m]
-        for j, i in enumerate(drafting):
-            w = work[i]
-            out[w.chunk] = table[j][: w.drafts]
-        return out
+        return [Drafted(row[: w.drafts]) for row, w in zip(table, work)]
+
+    def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
+              normed: torch.Tensor) -> list[Drafted]:
+        """EAGLE-2's dynamic tree per request: the root's ``top_k`` best children; then ``depth - 1`` times, every
+        frontier node's ``top_k`` children, of which the ``top_k`` with the best path log-probability form the next
+        frontier; finally the ``drafts`` best nodes by path log-probability (a parent's is never below its child's,
+        so they form a tree). Each level runs the head once over every node so far as a token tree placed after the
+        root (positions root + depth, ancestor masks), recomputing earlier levels instead of keeping their K/V: the
+        nodes' slots are the scheduler's reserved ones past the root."""
+        k, depth = self.tree.top_k, self.tree.depth
+        device = feedback.device
+        b, h = feedback.shape
+        logp = torch.log_softmax(self.head.draft_logits(normed), dim=-1)
+        own, tok = logp.topk(k, dim=-1)  # [B, k]: draft-vocabulary ids
+        cum, parents = own.clone(), torch.full((b, k), -1, dtype=torch.long, device=device)
+        node_features = feedback[:, None, :].expand(b, k, h)  # each node reads its parent's feedback
+        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        frontier = torch.arange(k, device=device).expand(b, k)
+        node_depth = [1] * k
+        for d in range(2, depth + 1):
+            n = tok.shape[1]
+            # a node at depth dd reads its token at head position root + dd - 1, in the slots from the root's on
+            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, device,
+                                            positions=[r + dd - 1 for r in roots for dd in node_depth],
+                                            ancestors=list(ancestors))
+            fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
+            fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+            rows = frontier[:, :, None].expand(b, k, h)
+            child_lp, child_tok = torch.log_softmax(self.head.draft_logits(nm.gather(1, rows).reshape(b * k, h)),
+                                                    dim=-1).topk(k, dim=-1)  # [B*k, k]
+            cand = (cum.gather(1, frontier)[:, :, None] + child_lp.view(b, k, k)).view(b, k * k)
+            best_cum, best = cand.topk(k, dim=-1)  # [B, k]
+            parent = frontier.gather(1, best // k)  # node index of each new node's parent
+            new_tok = child_tok.view(b, k * k).gather(1, best)
+            tok = torch.cat([tok, new_tok], dim=1)
+            own = torch.cat([own, child_lp.view(b, k * k).gather(1, best)], dim=1)
+            cum = torch.cat([cum, best_cum], dim=1)
+            parents = torch.cat([parents, parent], dim=1)
+            node_features = torch.cat([node_features, fb.gather(1, parent[:, :, None].expand(b, k, h))], dim=1)
+            grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=device)
+            grown[:, :n, :n] = ancestors
+            grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
+            grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=device)
+            ancestors = grown
+            frontier = torch.arange(n, n + k, device=device).expand(b, k)
+            node_depth += [d] * k
+        # the best nodes by path log-probability, parents first (ties broken by depth, then node order)
+        order = torch.argsort(cum - 1e-6 * torch.tensor(node_depth, device=device), dim=-1, descending=True,
+                              stable=True)
+        host = torch.stack([self.head.to_target_ids(tok).float(), parents.float(), own.exp(), order.float()]
+                           ).tolist()  # the drafts' one host sync
+        made = []
+        for i, w in enumerate(work):
+            token_ids, par, prob, rank = host[0][i], host[1][i], host[2][i], [int(x) for x in host[3][i]]
+            chosen = rank[: w.drafts]
+            index = {node: j for j, node in enumerate(chosen)}
+            made.append(Drafted([int(token_ids[n]) for n in chosen],
+                                [-1 if par[n] < 0 else index[int(par[n])] for n in chosen],
+                                [prob[n] for n in chosen]))
+        return made
 
     def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[_Row]:
         work, offset = [], 0
@@ -157,6 +263,14 @@ def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:
     return out
 
 
+def tree_shape_of(config: dict) -> TreeShape | None:
+    """The dynamic tree a worker drafter's plain-data config (``registry.worker_drafter_config``) asks for."""
+    options = config.get("options", {})
+    if not options.get("use_dynamic_tree"):
+        return None
+    return TreeShape(options["dynamic_tree_max_topK"], options["dynamic_tree_depth"])
+
+
 def load_head(method: str, options, target, target_config, target_model: str) -> DraftHead:
     """The ``method`` head for ``target`` (on the driver rank): ``options.model``'s checkpoint; for EAGLE-3 on the
     default model, the bundled head; for MTP, the target's own checkpoint unless ``options.model`` names one."""
@@ -169,5 +283,10 @@ def load_head(method: str, options, target, target_config, target_model: str) ->
         path = bundled_head(target_model, method)
     if method == "mtp" and path is None:
         path = target_model
-    return load_draft_head(method, path, target, target_config,
+    from specray.models.cpu_kernels import can_pack, pack_linear_weights
+
+    head = load_draft_head(method, path, target, target_config,
                            feedback_normed=bool(getattr(options, "mtp_feedback_normed", False)))
+    if can_pack(head.device.type, str(head.dtype).removeprefix("torch.")):
+        pack_linear_weights(head)  # the CPU kernels' layout, as the target's (specray.models.cpu_kernels)
+    return head

@@ -47,12 +47,15 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = field(kw_only=True)
     vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
-    # a drafter on the worker drafts up to this many tokens after each step (0: none); its slots are reserved
+    # a drafter on the worker drafts up to this many tokens after each step (0: none); its slots are reserved:
+    # m - 1 past the verified drafts for a chain of m, or ``worker_tree_slots`` when it grows token trees
     worker_draft_steps: int = field(default=0, kw_only=True)
+    worker_tree_slots: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.worker_draft_steps, int) or self.worker_draft_steps < 0:
-            raise ValueError(f"worker_draft_steps={self.worker_draft_steps!r} must be an int >= 0")
+        for name in ("worker_draft_steps", "worker_tree_slots"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -272,7 +275,7 @@ class Scheduler:
         k = len(drafts)
         sample = end == req.num_tokens
         next_drafts = self._next_drafts(req, end, k) if sample and self.config.worker_draft_steps else 0
-        self.block_manager.allocate(req, end + k + max(next_drafts - 1, 0))
+        self.block_manager.allocate(req, end + k + self._lookahead_slots(next_drafts))
         tokens = req.all_token_ids[start:end] + drafts
         chunk = ScheduledChunk(req.req_id, tokens, start, k, sample=sample, draft_parents=parents,
                                want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts)
@@ -293,7 +296,15 @@ class Scheduler:
             return 0
         bm = self.block_manager
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - (end + k)
+        if self.config.worker_tree_slots:  # a tree needs all its slots, or is not drafted
+            return m if free_slots >= self.config.worker_tree_slots else 0
         return min(m, free_slots + 1)
+
+    def _lookahead_slots(self, next_drafts: int) -> int:
+        """Slots past a chunk's drafts that the worker's drafting writes (none when it drafts nothing)."""
+        if next_drafts == 0:
+            return 0
+        return self.config.worker_tree_slots or next_drafts - 1
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""

@@ -89,14 +89,18 @@ class ModelRunner:
         elif sampled:
             kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
         n = len(plan.chunks)
-        drafts = None
+        result = StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
+                            None if logprobs is None else _per_chunk(n, sampled, logprobs),
+                            None if paths is None else _per_chunk(n, sampled, paths),
+                            None if nodes is None else _per_chunk(n, sampled, nodes))
         if self.drafter is not None:
-            drafts = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
-                                        {} if paths is None else {i: p for i, p in zip(sampled, paths) if p})
-        return StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
-                          None if logprobs is None else _per_chunk(n, sampled, logprobs),
-                          None if paths is None else _per_chunk(n, sampled, paths),
-                          None if nodes is None else _per_chunk(n, sampled, nodes), drafts)
+            drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
+                                         {} if paths is None else {i: p for i, p in zip(sampled, paths) if p})
+            result.draft_token_ids = [[] if d is None else d.token_ids for d in drafted]
+            if any(d is not None and d.parents is not None for d in drafted):
+                result.draft_parents = [[] if d is None or d.parents is None else d.parents for d in drafted]
+                result.draft_scores = [[] if d is None or d.scores is None else d.scores for d in drafted]
+        return result
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         chunks = plan.chunks

@@ -133,9 +133,10 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
         if self.head is not None:
-            from specray.drafters.hidden_state import HiddenStateDrafter
+            from specray.drafters.hidden_state import HiddenStateDrafter, tree_shape_of
 
-            drafter = HiddenStateDrafter(self.head, num_blocks, self.config.block_size)
+            drafter = HiddenStateDrafter(self.head, num_blocks, self.config.block_size,
+                                         tree_shape_of(self.config.worker_drafter))
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter)
 

@@ -92,12 +92,19 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         num_blocks=executor.num_kv_blocks,
         vocab_size=hf_config.vocab_size,
         worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
+        worker_tree_slots=_worker_tree_slots(spec) if in_worker else 0,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
                      worker_method=spec.method if in_worker else None)
+
+
+def _worker_tree_slots(spec: SpeculativeConfig) -> int:
+    """Slots a worker drafter growing token trees writes past the root (0: it drafts chains)."""
+    shape = getattr(registry.options_of(spec), "tree_shape", lambda: None)()
+    return 0 if shape is None else shape.lookahead_slots
 
 
 def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):

@@ -18,7 +18,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, chain_parents, kept_nodes, trim_tree
+from specray.tree import DraftTree, chain_parents, is_chain, kept_nodes, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class LLMEngine:
         # the method of a drafter that runs in the target's driver rank (hidden-state heads): its drafts come back
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
-        self._worker_drafts: dict[str, list[int]] = {}
+        self._worker_drafts: dict[str, DraftTree] = {}
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
@@ -261,22 +261,36 @@ class LLMEngine:
         return probs
 
     def _hand_worker_drafts(self) -> None:
-        """The drafts the worker made after the last step, cut to the K the policy now chooses for each decoding
-        request, and that K as what the worker should draft after this step (for the step after)."""
+        """The drafts the worker made after the last step, cut to what the policy now chooses for each decoding
+        request (a chain's K; a tree's best n nodes, priced by the head's scores), and how many the worker should
+        draft after this step, for the step after (a chain: that K; a tree: all its nodes, or none at K = 0)."""
         drafts, lengths = {}, {}
         running = self.scheduler.running
         for request, off_path in zip(running, self._off_critical_path(running)):
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # prefilling: the worker drafts after its last chunk
             k = self.policy.choose(request, len(running), off_path)
-            drafts[request.req_id] = self._worker_drafts.get(request.req_id, [])[:k]
-            lengths[request.req_id] = k
+            made = self._worker_drafts.get(request.req_id)
+            if made is not None and not is_chain(made.parents):
+                n = self.policy.choose_tree(request, len(running), made, off_path) if k else 0
+                tree = trim_tree(made, n)
+                if len(tree):
+                    self._draft_trees[request.req_id] = tree
+                drafts[request.req_id] = tree
+                lengths[request.req_id] = self.policy.num_speculative_tokens_for(request) if k else 0
+            else:
+                drafts[request.req_id] = [] if made is None else made.token_ids[:k]
+                lengths[request.req_id] = k
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths)
 
     def _keep_worker_drafts(self, result: StepResult) -> None:
-        if result.draft_token_ids is not None:
-            self._worker_drafts = {rid: d for rid, d in zip(result.req_ids, result.draft_token_ids) if d}
+        if result.draft_token_ids is None:
+            return
+        parents = result.draft_parents or [[]] * len(result.req_ids)
+        scores = result.draft_scores or [[]] * len(result.req_ids)
+        self._worker_drafts = {rid: DraftTree(list(d), list(p) if p else chain_parents(len(d)), list(sc) or None)
+                               for rid, d, p, sc in zip(result.req_ids, result.draft_token_ids, parents, scores) if d}
 
     def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
         """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""
@@ -484,7 +498,8 @@ def _by_request(result: StepResult) -> dict[str, tuple]:
     none = [None] * len(result.req_ids)
     return {rid: answer for rid, *answer in zip(result.req_ids, result.sampled_token_ids, result.logprobs or none,
                                                 result.accepted_draft_indices or none, result.node_tokens or none,
-                                                result.draft_token_ids or none)}
+                                                result.draft_token_ids or none, result.draft_parents or none,
+                                                result.draft_scores or none)}
 
 
 def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
@@ -492,11 +507,13 @@ def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
     scheduler skips it: the request is finished by then). The optional fields stay None when no answer has them,
     else [] for the chunks without (a tree's path must come through: its K/V moves by it)."""
     chunks: list[ScheduledChunk] = plan.chunks
-    answers = [done.get(c.req_id, ([], None, None, None, None)) for c in chunks]
-    tokens, logprobs, paths, node_tokens, drafts = (list(column) for column in zip(*answers)) if answers else ([],) * 5
+    answers = [done.get(c.req_id, ([], None, None, None, None, None, None)) for c in chunks]
+    tokens, logprobs, paths, node_tokens, drafts, parents, scores = (
+        (list(column) for column in zip(*answers)) if answers else ([],) * 7)
     return StepResult(plan.step_id, [c.req_id for c in chunks], tokens, logprobs=_optional(logprobs),
                       accepted_draft_indices=_optional(paths), node_tokens=_optional(node_tokens),
-                      draft_token_ids=_optional(drafts))
+                      draft_token_ids=_optional(drafts), draft_parents=_optional(parents),
+                      draft_scores=_optional(scores))
 
 
 def _optional(column: list) -> list | None:

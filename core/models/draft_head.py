@@ -37,7 +37,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
-from specray.models.layers import RMSNorm, RotaryEmbedding, materialize, rope_parameters
+from specray.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, materialize, rope_parameters
 from specray.models.llama import LlamaAttention, LlamaMLP, _copy_full, _map_name
 from specray.parallel import TPGroup
 
@@ -112,15 +112,15 @@ class DraftHead(nn.Module):
         tp = TPGroup.single()  # replicated on the driver rank (docs/model_drafters.md: sharding at scale)
         fusion = self.layout.fusion
         if fusion == "fc":
-            self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+            self.fc = ColumnParallelLinear(2 * h, h, tp, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=False, hidden_norm=False)])
         elif fusion == "eh_proj":
             self.enorm = RMSNorm(h, config.rms_norm_eps)
             self.hnorm = RMSNorm(h, config.rms_norm_eps)
-            self.eh_proj = nn.Linear(2 * h, h, bias=False)
+            self.eh_proj = ColumnParallelLinear(2 * h, h, tp)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False)])
         elif fusion == "split":
-            self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
+            self.fc = ColumnParallelLinear(len(self.aux_layers) * th, h, tp, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
         else:
             raise ValueError(f"unknown head fusion {fusion!r}")
@@ -129,7 +129,7 @@ class DraftHead(nn.Module):
         if self.layout.own_lm_head:
             vd = draft_vocab_size or target.vocab_size
             self.draft_vocab_size = vd
-            self.lm_head = nn.Linear(h, vd, bias=False)
+            self.lm_head = ColumnParallelLinear(h, vd, tp)
             # draft id d is target id d + d2t[d] (the EAGLE repository's buffer)
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
         else:

@@ -107,6 +107,7 @@ def build_head(target, target_config, config: TrainConfig, vocab_ids: torch.Tens
                       draft_vocab_size=len(vocab_ids), target_hidden_size=target_config.hidden_size)
     head = DraftHead(config.method, llama, target, **kwargs)
     for name, p in head.named_parameters():
+        p.requires_grad_(not name.startswith("lm_head."))  # the model layers build frozen (inference) parameters
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
         elif "norm" in name:
@@ -116,7 +117,6 @@ def build_head(target, target_config, config: TrainConfig, vocab_ids: torch.Tens
     if head.lm_head is not None:
         head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
         head.lm_head.weight.data.copy_(target_head_rows(target, vocab_ids))
-        head.lm_head.weight.requires_grad_(False)
     if config.init_from_target:
         _init_from_target_layer(head, target)
     return head
