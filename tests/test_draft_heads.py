@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from specray.contract import ScheduledChunk, StepPlan
 from specray.drafters.hidden_state import HiddenStateDrafter
+from specray.models import cpu_kernels
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import eagle3_aux_layers
 from specray.models.draft_head_loader import load_draft_head, save_draft_head
@@ -180,9 +181,8 @@ def test_layout_loads_the_checkpoint_tensors(target, tmp_path, case):
     method, kw = LAYOUT_CASES[case]
     folder = helpers.write_random_head(tmp_path / case, method, target.dir, seed=1, **kw)
     tensors = read_tensors(folder)
-    if method == "eagle3":
-        assert ("midlayer.fc.weight" not in tensors) and any(k.startswith("midlayer.") for k in tensors) == \
-            kw.get("midlayer", True)
+    if method == "eagle3":  # the helper wrote the prefix asked for
+        assert any(k.startswith("midlayer.") for k in tensors) == kw.get("midlayer", True)
     head = target.load(method, folder)
     ckpt = canonical(method, tensors)
     expected = expected_params(ckpt)
@@ -199,10 +199,10 @@ def test_layout_loads_the_checkpoint_tensors(target, tmp_path, case):
     assert_params_equal(head, expected)
     assert not head.training and not any(p.requires_grad for p in head.parameters())
     assert head.dtype == target.model.dtype and head.device == target.model.device
-    # the target's embedding and LM head are read, never copied into the head
-    assert not any(p.data_ptr() == target.model.embed(torch.tensor([0])).data_ptr() for p in head.parameters())
-    names = [n for n, _ in head.named_parameters()]
-    assert not any("embed" in n for n in names)
+    # the target's embedding and LM head are read, never the head's own, and the head shares no storage with it
+    assert not any("embed" in n for n, _ in head.named_parameters())
+    target_storage = {p.untyped_storage().data_ptr() for p in target.model.parameters()}
+    assert not any(p.untyped_storage().data_ptr() in target_storage for p in head.parameters())
 
 
 def test_eagle_checkpoint_with_shared_tensors_and_model_prefix_loads(target, tmp_path):
@@ -657,12 +657,17 @@ DRAFT_CASES = {
     "eagle3-target-lm-head-aux": ("eagle3", {"midlayer": False, "with_lm_head": False, "aux_layers": [1, 2, 4]}, {}),
     "mtp": ("mtp", {}, {}),
     "mtp-feedback-normed": ("mtp", {}, {"feedback_normed": True}),
+    # short queries one sequence at a time with shuffled blocks gathered (as on CPU at long contexts), not the
+    # padded batch these short contexts take otherwise
+    "eagle3-per-sequence-attention": ("eagle3", {}, {}),
 }
 
 
 @pytest.mark.parametrize("case", list(DRAFT_CASES))
-def test_paged_head_drafts_as_the_dense_reference(target, tmp_path, case):
+def test_paged_head_drafts_as_the_dense_reference(target, tmp_path, monkeypatch, case):
     method, write_kw, load_kw = DRAFT_CASES[case]
+    if case.endswith("per-sequence-attention"):
+        monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
     folder = helpers.write_random_head(tmp_path / case, method, target.dir, seed=7, std=STD, **write_kw)
     head = target.load(method, folder, **load_kw)
     tensors = read_tensors(folder)
