@@ -28,7 +28,7 @@ from specray.contract import ScheduledChunk, StepPlan
 from specray.drafters.hidden_state import HiddenStateDrafter
 from specray.models import cpu_kernels
 from specray.models.attention import build_attention_metadata
-from specray.models.draft_head import eagle3_aux_layers
+from specray.models.draft_head import DraftHead, eagle3_aux_layers
 from specray.models.draft_head_loader import load_draft_head, save_draft_head
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model
@@ -257,6 +257,18 @@ def test_mtp_save_writes_the_deepseek_layout(target, tmp_path):
     assert sorted(saved) == sorted(original)
     for name, value in original.items():
         assert torch.equal(saved[name], value), name
+    # a head built on a one-layer config of the target's shape (as `specray train-draft` builds one) is numbered
+    # by the target's layers, not its own config's
+    from transformers import LlamaConfig
+
+    config = helpers.head_config(json.loads((target.dir / "config.json").read_text()))
+    config.pop("model_type")
+    fresh = DraftHead("mtp", LlamaConfig(**config), target.model)
+    assert fresh.config.num_hidden_layers == 1
+    fresh.load_state_dict(head.state_dict())
+    save_draft_head(fresh, tmp_path / "fresh", {}, dtype=torch.float32)
+    assert sorted(read_tensors(tmp_path / "fresh")) == sorted(original)
+    assert_params_equal(target.load("mtp", tmp_path / "fresh"), expected_params(canonical("mtp", original)))
 
 
 # ------------------------------------------------------------------------------------------ bad input

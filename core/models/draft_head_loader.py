@@ -186,16 +186,26 @@ def save_draft_head(head: DraftHead, folder: str | os.PathLike, config: dict[str
     if not with_lm_head:
         tensors.pop("lm_head.weight", None)
     if head.layout.name == "mtp":
-        tensors = _mtp_checkpoint_names(tensors, head.config.num_hidden_layers)
+        tensors = _mtp_checkpoint_names(tensors, _num_target_layers(head))
     tensors = {k: (v if k == "d2t" else v.to(dtype)) for k, v in tensors.items()}
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _num_target_layers(head: DraftHead) -> int:
+    """The target's decoder layer count, which numbers an MTP layer (the head's own config may be a one-layer one,
+    as ``specray train-draft`` builds it)."""
+    layers = getattr(getattr(head.target, "config", None), "num_hidden_layers", None)
+    if layers is None:
+        raise ValueError("saving an MTP head needs its target's config.num_hidden_layers: the layer is written as "
+                         "model.layers.{num_hidden_layers}.*")
+    return int(layers)
+
+
 def _mtp_checkpoint_names(tensors: dict[str, torch.Tensor], num_target_layers: int) -> dict[str, torch.Tensor]:
     """An MTP head's tensors under DeepSeek-V3's names (what :func:`_mtp_source` reads): module 0 at
     ``model.layers.{num_target_layers}``, the block's names without ``layers.0.``, the final norm as
-    ``shared_head.norm``. ``num_target_layers``: the head's config is the target's (as load_draft_head builds it)."""
+    ``shared_head.norm``."""
     prefix = f"model.layers.{num_target_layers}."
     out = {}
     for name, tensor in tensors.items():
