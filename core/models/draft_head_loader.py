@@ -134,6 +134,11 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
     if getattr(config, "vocab_size", target_config.vocab_size) != target_config.vocab_size and method != "eagle3":
         raise ValueError(f"the {method} head's vocab_size={config.vocab_size} does not match the target's "
                          f"vocab_size={target_config.vocab_size}")
+    if method == "mtp":
+        eh = weights.get("eh_proj.weight")
+        if eh is not None and tuple(shape_of(eh)) != (th, 2 * th):
+            raise ValueError(f"the mtp layer's eh_proj.weight is {tuple(shape_of(eh))}, expected {(th, 2 * th)} for "
+                             f"the target's hidden_size={th}: the MTP layer was trained for another model")
     if method == "eagle":
         kwargs["fc_bias"] = "fc.bias" in weights
         fc = weights.get("fc.weight")
@@ -171,7 +176,8 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
 def save_draft_head(head: DraftHead, folder: str | os.PathLike, config: dict[str, Any], *, with_lm_head: bool = True,
                     dtype: torch.dtype = torch.float16) -> None:
     """Write ``head`` as a public-layout checkpoint folder (``config.json`` + ``model.safetensors``); an EAGLE-3
-    head without ``with_lm_head`` leaves its LM head out (the target's rows are used when it loads)."""
+    head without ``with_lm_head`` leaves its LM head out (the target's rows are used when it loads); an MTP head
+    in DeepSeek-V3's names (``model.layers.{L}.*``), which :func:`load_draft_head` reads back."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -179,6 +185,33 @@ def save_draft_head(head: DraftHead, folder: str | os.PathLike, config: dict[str
     tensors = head.state_for_saving()
     if not with_lm_head:
         tensors.pop("lm_head.weight", None)
+    if head.layout.name == "mtp":
+        tensors = _mtp_checkpoint_names(tensors, _num_target_layers(head))
     tensors = {k: (v if k == "d2t" else v.to(dtype)) for k, v in tensors.items()}
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _num_target_layers(head: DraftHead) -> int:
+    """The target's decoder layer count, which numbers an MTP layer (the head's own config may be a one-layer one,
+    as ``specray train-draft`` builds it)."""
+    layers = getattr(getattr(head.target, "config", None), "num_hidden_layers", None)
+    if layers is None:
+        raise ValueError("saving an MTP head needs its target's config.num_hidden_layers: the layer is written as "
+                         "model.layers.{num_hidden_layers}.*")
+    return int(layers)
+
+
+def _mtp_checkpoint_names(tensors: dict[str, torch.Tensor], num_target_layers: int) -> dict[str, torch.Tensor]:
+    """An MTP head's tensors under DeepSeek-V3's names (what :func:`_mtp_source` reads): module 0 at
+    ``model.layers.{num_target_layers}``, the block's names without ``layers.0.``, the final norm as
+    ``shared_head.norm``."""
+    prefix = f"model.layers.{num_target_layers}."
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("layers.0."):
+            name = name[len("layers.0."):]
+        elif name.startswith("norm."):
+            name = "shared_head." + name
+        out[prefix + name] = tensor
+    return out
