@@ -80,8 +80,8 @@ def main():
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, batch {args.batch} ({'every prompt once, new engines every run' if args.fresh else 'every prompt twice'}), max_tokens="
           f"{args.max_tokens}, stop at EOS, engines stepped in lockstep, {args.repeats} runs\n")
-    print("| system | prompts | tokens/s (median) | runs | ratio to plain, per run | median ratio |\n"
-          "|---|---|---|---|---|---|")
+    print("| system | prompts | tokens/s (median) | runs | ratio to plain, per run | median ratio | mean accepted |\n"
+          "|---|---|---|---|---|---|---|")
     for kind in args.kinds.split(","):
         prompts = PROMPT_SETS[kind]
         llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
@@ -102,8 +102,10 @@ def main():
         plain = rates["specray (no speculation)"]
         for name, rs in rates.items():
             ratios = [r / p for r, p in zip(rs, plain)]
+            stats = engines[name].spec_stats  # over this kind's runs (the engines of the last run with --fresh)
+            tau = f"{stats.mean_accepted_length:.2f}" if stats.drafts else "-"
             print(f"| {name} | {kind} | {statistics.median(rs):.1f} | {', '.join(f'{r:.1f}' for r in rs)} | "
-                  f"{', '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
+                  f"{', '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} | {tau} |", flush=True)
         del engines, llms
 
 

@@ -89,6 +89,7 @@ FLOORS = {
     "specray.drafters": 4,
     "specray.engine": 5,
     "specray.llm": 6,
+    "specray.training": 6,  # train-draft: generates its data with LLM, trains heads of specray.models
     "specray.cluster": 7,
 }
 
