@@ -38,22 +38,67 @@ def build(model, spec, batch):
     return llm
 
 
-def run_lockstep(engines: dict, prompt_ids: list[list[int]], params) -> dict:
-    """Give every engine the same requests, step them in turn; per engine: (seconds of its steps, outputs)."""
+def run_lockstep(engines: dict, prompt_ids: list[list[int]], params, trace: dict | None = None) -> dict:
+    """Give every engine the same requests, step them in turn; per engine: (seconds of its steps, outputs). With
+    ``trace``, each engine's decode steps are appended to ``trace[name]`` as (seconds, drafts verified, drafts
+    accepted, tokens kept)."""
     from dataclasses import replace
 
     ids = {name: [engine.add_request(p, replace(params)) for p in prompt_ids] for name, engine in engines.items()}
     seconds = dict.fromkeys(engines, 0.0)
     outputs = {name: {} for name in engines}
+    plans = {name: _watch_plans(engine) for name, engine in engines.items()} if trace is not None else {}
     while any(engine.has_unfinished_requests() for engine in engines.values()):
         for name, engine in engines.items():
             if not engine.has_unfinished_requests():
                 continue
             start = time.perf_counter()
             outs = engine.step()
-            seconds[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            seconds[name] += elapsed
             outputs[name].update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
+            plan = plans[name][-1] if plans.get(name) else None
+            if plan is not None and plan.chunks and all(c.sample and c.num_tokens == 1 + c.num_draft_tokens
+                                                        for c in plan.chunks):
+                stats = engine.scheduler.last_step_stats
+                trace.setdefault(name, []).append((elapsed, stats.draft_tokens, stats.accepted_tokens,
+                                                   stats.accepted_tokens + len(plan.chunks)))
     return {name: (seconds[name], [outputs[name][rid] for rid in ids[name]]) for name in engines}
+
+
+def _watch_plans(engine) -> list:
+    """The plans ``engine`` executes, newest last (the executor's execute, wrapped)."""
+    seen, execute = [], engine.executor.execute
+
+    def recording(plan, *args, **kwargs):
+        seen[:] = [plan]
+        return execute(plan, *args, **kwargs)
+
+    engine.executor.execute = recording
+    return seen
+
+
+def oracle_ceiling(trace: dict, fixed: str, costed: list[str], plain: str) -> dict:
+    """How fast the drafter of row ``fixed`` (a fixed K, never adaptive: every step shows how many of K drafts the
+    target keeps) could be with an oracle that drafts exactly the drafts that will be kept, none at a miss: each
+    step then costs ``a + b * kept`` (a, b fitted by least squares over the decode steps of rows ``costed``: the
+    same drafter at various K, first pass and drafting included) and keeps ``kept + 1`` tokens per request. Against
+    the plain row's seconds per token."""
+    points = [(drafted, secs) for name in costed for secs, drafted, _, _ in trace.get(name, [])]
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    a = my - b * mx
+    steps = trace[fixed]
+    oracle_tokens = sum(tokens for _, _, _, tokens in steps)
+    oracle_seconds = sum(a + b * accepted for _, _, accepted, _ in steps)
+    plain_steps = trace[plain]
+    plain_rate = sum(t for *_, t in plain_steps) / sum(s for s, *_ in plain_steps)
+    measured_rate = oracle_tokens / sum(s for s, *_ in steps)
+    return {"fit_a_ms": 1e3 * a, "fit_b_ms_per_draft": 1e3 * b, "oracle_ratio": oracle_tokens / oracle_seconds / plain_rate,
+            "fixed_ratio": measured_rate / plain_rate, "steps": len(steps)}
 
 
 def main():
@@ -67,6 +112,9 @@ def main():
                         help="every prompt once, and new engines for every run: drafters that learn across requests "
                              "(suffix's global tree, ngram_mod, ngram_cache, a public pool) never see the same "
                              "prompt's earlier output")
+    parser.add_argument("--ceiling", default=None, metavar="FIXED_ROW:COSTED_ROW[,COSTED_ROW]",
+                        help="print the oracle ceiling of the --spec row FIXED_ROW (a fixed K, adaptive false), its "
+                             "step cost fitted on the COSTED rows (the same drafter at other K), decode steps only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -89,12 +137,13 @@ def main():
         tokenizer = next(iter(engines.values())).tokenizer
         prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)] * (1 if args.fresh else 2)
         rates = {name: [] for name in engines}
+        trace = {} if args.ceiling else None
         for run in range(args.repeats):
             if args.fresh and run:
                 del engines, llms
                 llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
                 engines = {name: llm.engine for name, llm in llms.items()}
-            results = run_lockstep(engines, prompt_ids, params)
+            results = run_lockstep(engines, prompt_ids, params, trace)
             reference = results["specray (no speculation)"][1]
             for name, (seconds, outputs) in results.items():
                 assert outputs == reference, f"{name}: outputs differ from the plain engine's"
@@ -106,6 +155,11 @@ def main():
             tau = f"{stats.mean_accepted_length:.2f}" if stats.drafts else "-"
             print(f"| {name} | {kind} | {statistics.median(rs):.1f} | {', '.join(f'{r:.1f}' for r in rs)} | "
                   f"{', '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} | {tau} |", flush=True)
+        if args.ceiling:
+            fixed, _, costed = args.ceiling.partition(":")
+            names = [f"specray {n}" for n in [fixed, *costed.split(",")] if n]
+            print(f"\noracle ceiling ({kind}): {oracle_ceiling(trace, names[0], names, 'specray (no speculation)')}\n",
+                  flush=True)
         del engines, llms
 
 
