@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -269,6 +270,47 @@ def tree_shape_of(config: dict) -> TreeShape | None:
     if not options.get("use_dynamic_tree"):
         return None
     return TreeShape(options["dynamic_tree_max_topK"], options["dynamic_tree_depth"])
+
+
+class WholeTarget:
+    """What a head reads of a target split over tensor-parallel ranks (its embedding and LM head), whole on the
+    driver rank. The target's own are split by vocabulary and end in a collective (an all-reduce per embedding, an
+    all-gather per logits) that the other ranks, which do not draft, would never join. Built by
+    :func:`whole_target`; it offers the head what it reads of a :class:`~specray.models.interface.CausalLM`."""
+
+    def __init__(self, target, embedding: torch.Tensor, lm_head: torch.Tensor):
+        self.vocab_size, self.dtype, self.device = target.vocab_size, target.dtype, target.device
+        self.embedding = embedding  # [V, H]
+        self.lm_head = SimpleNamespace(weight=lm_head)  # [V, H] (draft_head_loader.target_head_rows reads it)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_ids, self.embedding)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+
+@torch.inference_mode()
+def whole_target(target, keep: bool, chunk: int = 8192) -> WholeTarget | None:
+    """Every rank of a tensor-parallel target calls this (it runs the target's collectives): the embedding of every
+    token id and the LM head (the logits of the unit vectors: exact, a product with 1 and sums of zeros), a chunk at
+    a time; a :class:`WholeTarget` of them where ``keep`` (the driver rank), else None (nothing kept)."""
+    vocab, dtype, device = target.vocab_size, target.dtype, target.device
+    embedding, lm_head = [], []
+    for start in range(0, vocab, chunk):
+        rows = target.embed(torch.arange(start, min(start + chunk, vocab), device=device))  # [c, H]
+        if keep:
+            embedding.append(rows)
+    hidden_size = rows.shape[1]
+    step = max(1, min(chunk, (1 << 24) // vocab))  # unit vectors per call: [step, V] float32 logits at a time
+    for start in range(0, hidden_size, step):
+        units = torch.eye(hidden_size, dtype=dtype, device=device)[start: start + step]
+        columns = target.compute_logits(units).to(dtype)  # [step, V]: columns start.. of the head's [V, H]
+        if keep:
+            lm_head.append(columns)
+    if not keep:
+        return None
+    return WholeTarget(target, torch.cat(embedding), torch.cat(lm_head).t().contiguous())
 
 
 def load_head(method: str, options, target, target_config, target_model: str) -> DraftHead:

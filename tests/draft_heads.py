@@ -91,3 +91,39 @@ def write_random_head(folder: Path, method: str, target_dir: Path, seed: int = 0
     weights.update(_layer(p, h, inter, heads, kv, head_dim, h, True, False, gen, std))
     save_file(weights, str(folder / "model.safetensors"))
     return folder
+
+
+def write_accepting_head(folder: Path, method: str, target_dir: Path, seed: int = 5, gain: float = 10.0,
+                         alpha: float = 0.3) -> Path:
+    """A ``method`` head whose drafts a tiny random target often accepts, for tests of the accepted-drafts path
+    (written as :func:`write_random_head` writes its layout, so it loads and runs through the same code).
+
+    Its fusion passes one token's embedding straight through to the residual stream: EAGLE-1's ``fc`` and MTP's
+    ``eh_proj`` copy the embedding of the token the head reads (``t[p+1]``, the one the target just kept), and
+    EAGLE-3's ``fc`` copies the target's residual stream entering layer 0 (``aux_layers`` (0, ...)): the embedding
+    of ``t[p]`` (``gain`` lifts the raw embedding over the rest; MTP's ``enorm`` has already normed it). The rest stays random, scaled by ``alpha``: the target's features (EAGLE-3's other two layers)
+    still enter the residual stream, and the attention and MLP still shape every draft and write the head's K/V.
+    Under the tied LM head (the target's, or EAGLE-3's rows of it over a draft vocabulary with offsets) its argmax
+    is mostly that token: it drafts "the same token again", and a tiny random model's greedy output has runs of
+    repeated tokens. Not a trained head, but an honest one: nothing in it knows the target's continuation."""
+    from safetensors.torch import load_file, save_file
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, layers, vocab = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
+    if method == "eagle3":
+        aux = [0, layers // 2, layers - 1]
+        write_random_head(folder, method, target_dir, seed=seed, draft_vocab_size=vocab - 16, with_lm_head=False,
+                          aux_layers=aux)
+    else:
+        write_random_head(folder, method, target_dir, seed=seed)
+    weights = load_file(str(folder / "model.safetensors"))
+    prefix = {"eagle": "layers.0.", "eagle3": "midlayer.", "mtp": f"model.layers.{layers}."}[method]
+    weights[prefix + "self_attn.o_proj.weight"] *= alpha
+    weights[prefix + "mlp.down_proj.weight"] *= alpha
+    eye = torch.eye(h)
+    fc = "fc.weight" if method != "mtp" else prefix + "eh_proj.weight"
+    weights[fc] = torch.cat([(gain if method != "mtp" else 1.0) * eye, alpha * weights[fc][:, h:]], 1)
+    if method == "eagle":
+        weights["fc.bias"].zero_()
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder

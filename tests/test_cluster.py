@@ -31,6 +31,17 @@ def _load_probes():
 
 probes = _load_probes()  # fn(worker, *args) probes run on every rank through collective_rpc / TargetWorker.run
 
+
+def _load_draft_heads():
+    spec = importlib.util.spec_from_file_location("specray_test_draft_heads",
+                                                  Path(__file__).with_name("draft_heads.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+draft_heads = _load_draft_heads()
+
 HALF_CPU = {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}
 MAX_TOKENS = 20
 
@@ -183,6 +194,24 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         drafter.observe_node_tokens = lambda rid, tokens: (told.append(tokens), hook(rid, tokens))
         assert run_to_end(engine, prompts) == references
         assert told and engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_eagle3_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(tiny_llama_dir, tmp_path):
+    """EAGLE-3 drafting inside rank 0 of two tensor-parallel ranks: the head reads the target's embedding and LM
+    head gathered whole once (the split ones end in collectives that rank 1, which does not draft, never joins);
+    greedy output equals one rank's plain output, drafts were accepted, no block leaked."""
+    head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+    prompts = prompts_for(8, seed=3)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    try:
+        blocks = engine.scheduler.block_manager
+        assert run_to_end(engine, prompts) == references
+        assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
+        assert blocks.num_free_blocks == blocks.num_blocks
     finally:
         engine.shutdown()
 

@@ -4,7 +4,9 @@ requests, rejected bad requests, a KV pool small enough to preempt and chunked p
 leaked, and every finished greedy request (and, without speculation, every seeded sampled one) has the tokens the
 plain engine gives it alone."""
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +15,19 @@ from specray.config import EngineArgs
 from specray.engine.builder import build_engine
 from specray.engine.llm_engine import LLMEngine
 
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+draft_heads = _load("draft_heads")
+
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120
+HEADS = ("eagle", "eagle3", "mtp")  # drafters that run in the target's worker, from its hidden states
 DRAIN_STEPS = 2000
 
 
@@ -92,6 +105,11 @@ CASES = {
     "draft_model": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}},
     # node tokens back from the runner, trees cut by the scheduler (budget, free slots, max_tokens), per-request caps
     "lookahead": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15}},
+    # hidden-state heads drafting inside the target's worker (tests/draft_heads.py: heads often right): reserved
+    # draft slots, drafts cut by the scheduler and the policy, per-request caps, the head's K/V across preemption
+    "eagle": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
+    "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4}},
+    "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
@@ -100,18 +118,27 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_draft_dir, alone, name):
+def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_draft_dir, alone, tmp_path, name):
     kwargs = {**CASES[name]}
+    model = str(tiny_llama_dir)
     spec = kwargs.get("speculative_config")
     if spec is not None and spec["method"] == "draft_model":
         kwargs["speculative_config"] = {**spec, "model": str(tiny_draft_dir)}
+    if spec is not None and spec["method"] in HEADS:
+        head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir))
+        if spec["method"] == "mtp":
+            model = head  # the target's folder with its MTP layer added
+        else:
+            kwargs["speculative_config"] = {**spec, "model": head}
     if kwargs.get("distributed_executor_backend") == "ray":
         request.getfixturevalue("ray_cluster")
     engine = build_engine(EngineArgs(
-        model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=14, block_size=8, max_num_seqs=4,
+        model=model, max_model_len=256, num_kv_blocks=14, block_size=8, max_num_seqs=4,
         max_num_batched_tokens=48, **kwargs))
     try:
         check_workload(engine, alone, random.Random(name), speculative=spec is not None)
+        if spec is not None and spec["method"] in HEADS:  # the heads are often right: the accepted path ran
+            assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
     finally:
         engine.shutdown()
 

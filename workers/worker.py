@@ -96,14 +96,20 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device)
-        self.head = self._load_head(hf_config) if rank == 0 and config.worker_drafter else None
+        self.head = self._load_head(hf_config, world_size) if config.worker_drafter else None
         self.runner: ModelRunner | None = None
 
-    def _load_head(self, hf_config):
-        """The worker-side drafter's head (driver rank only: it is replicated there, see docs/model_drafters.md)."""
+    def _load_head(self, hf_config, world_size: int):
+        """The worker-side drafter's head, on the driver rank only (it is replicated there, see
+        docs/model_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
+        (:func:`~specray.drafters.hidden_state.whole_target`), which every rank takes part in."""
+        from specray.drafters.hidden_state import whole_target
         from specray.drafters.registry import worker_drafter_head
 
-        return worker_drafter_head(self.config.worker_drafter, self.model, hf_config, self.config.model)
+        target = self.model if world_size == 1 else whole_target(self.model, keep=self.rank == 0)
+        if self.rank != 0:
+            return None
+        return worker_drafter_head(self.config.worker_drafter, target, hf_config, self.config.model)
 
     def bind_thread(self) -> None:
         """Make the calling thread run this rank's work as the constructing one does: the CPU thread count and

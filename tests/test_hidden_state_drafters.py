@@ -1,0 +1,462 @@
+"""Hidden-state drafters (EAGLE-1, EAGLE-3, MTP) through the engine, on a tiny random 6-layer target: greedy output
+equals plain greedy output (batch 1 and 8, mixed per-request draft caps and max_tokens edges, preemption, chunked
+prefill, stop strings); the drafts the worker returns equal the head run densely over each request's committed
+tokens, and its K/V equals that run's; sampling keeps the target's distribution; no KV block leaks; a request cannot
+pick another method on such an engine.
+
+Two heads per method: a random one (``draft_heads.write_random_head``: ~0 acceptance, so every step verifies and
+rejects) and one built to be often right (``draft_heads.write_accepting_head``), so that the accepted-drafts path
+(the first pass over accepted rows, the head's K/V at accepted positions) really runs."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specray import LLM, SamplingParams
+from specray.models.attention import build_attention_metadata
+from specray.models.draft_head_loader import load_draft_head
+from specray.models.kv_cache import allocate_kv_cache, slots_of
+from specray.models.loader import load_hf_config, load_model
+from specray.sampling import SamplingBatch, logits_to_probs
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+draft_heads = _load("draft_heads")
+
+METHODS = ("eagle", "eagle3", "mtp")
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "Hello",
+    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):",
+    "Extract the names from: Alice met Bob",
+    "def mul(a, b):\n    return a * b\ndef add(a, b):",
+    "I am fine, thank you. Hello world! How are",
+]
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+# per prompt of the batch: draft caps (0: none for that request, 1, the engine's), max_tokens edges (1 and 2
+# leave no room for a draft; 3 for one) and logprobs (of the tokens kept from accepted drafts too)
+MIXED = [greedy(), greedy(num_speculative_tokens=0), greedy(1), greedy(2), greedy(3), greedy(num_speculative_tokens=1),
+         greedy(logprobs=2), greedy(7)]
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for this module's tiny models (engines, dense recomputations): faster than several, and on a
+    shared CPU far faster (no threads spinning while they wait for each other). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(make_tiny_model, tmp_path_factory) -> Path:
+    # 6 layers: EAGLE-3's default target layers (2, 3, 3) exist
+    return make_tiny_model(tmp_path_factory.mktemp("hs_target"), "llama", num_hidden_layers=6,
+                           tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(kind, method) -> the head's folder (for MTP, the target's folder with the MTP layer added)."""
+    out = {}
+    for method in METHODS:
+        out["random", method] = draft_heads.write_random_head(tmp_path_factory.mktemp(f"random_{method}"), method,
+                                                              target_dir)
+        out["accepting", method] = draft_heads.write_accepting_head(tmp_path_factory.mktemp(f"accepting_{method}"),
+                                                                    method, target_dir)
+    return out
+
+
+def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, **kw) -> dict:
+    """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
+    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+    if method == "mtp":
+        model = heads[kind, method]
+    else:
+        model, spec["model"] = target_dir, str(heads[kind, method])
+    return dict(model=str(model), max_model_len=256, speculative_config=spec, **kw)
+
+
+def make_llm(target_dir, heads, kind, method, **kw) -> LLM:
+    kwargs = engine_kwargs(target_dir, heads, kind, method, **kw)
+    return LLM(kwargs.pop("model"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return LLM(str(target_dir), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain_completions(plain):
+    return [o.outputs[0] for o in plain.generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_completions):
+    return [c.token_ids for c in plain_completions]
+
+
+@pytest.fixture(scope="module")
+def plain_mixed(plain):
+    return plain.generate(PROMPTS, MIXED, use_tqdm=False)
+
+
+def free_blocks(llm) -> int:
+    return llm.engine.scheduler.block_manager.num_free_blocks
+
+
+class Recorder:
+    """Wraps an executor: keeps every (plan, result) pair."""
+
+    def __init__(self, inner):
+        self.inner, self.steps = inner, []
+
+    def execute(self, plan, draft_probs=None):
+        result = self.inner.execute(plan, draft_probs)
+        self.steps.append((plan, result))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def chunks(self):
+        """(chunk, kept tokens, worker drafts) of every step."""
+        for plan, result in self.steps:
+            drafts = result.draft_token_ids or [[]] * len(plan.chunks)
+            yield from zip(plan.chunks, result.sampled_token_ids, drafts)
+
+
+# ---- greedy output ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["random", "accepting"])
+def test_greedy_batch_of_8_with_mixed_caps_and_max_tokens_equals_plain(target_dir, heads, plain_mixed, kind, method):
+    llm = make_llm(target_dir, heads, kind, method)
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain_mixed)
+    assert [len(t) for t in token_ids(outs)] == [p.max_tokens for p in MIXED]
+    got, want = outs[6].outputs[0], plain_mixed[6].outputs[0]
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+    stats = [o.spec_stats for o in outs]
+    assert stats[1].drafts == 0 and stats[2].drafts == 0 and stats[3].drafts == 0  # cap 0, max_tokens 1 and 2
+    assert 0 < stats[4].draft_tokens <= 1  # max_tokens 3: one draft, once
+    assert stats[5].drafts > 0 and stats[5].draft_tokens == stats[5].drafts  # cap 1
+    assert llm.spec_stats.drafts > 0
+    if kind == "accepting":
+        assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+        assert max(len(kept) for c, kept, _ in rec.chunks() if c.num_draft_tokens) > 2  # two drafts kept at once
+    # the worker drafts what the scheduler asked for, and only that; every draft verified is one it made
+    made = {}
+    for chunk, kept, drafts in rec.chunks():
+        verified = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
+        assert verified == made.pop(chunk.req_id, [])[: len(verified)], chunk
+        assert len(drafts) == (chunk.num_next_drafts if kept else 0), chunk
+        if drafts:
+            made[chunk.req_id] = drafts
+    assert free_blocks(llm) == start
+    assert not llm.engine.tracked and not llm.engine._worker_drafts
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_one_request_at_a_time_equals_plain(target_dir, heads, plain_outputs, method):
+    llm = make_llm(target_dir, heads, "accepting", method)
+    outs = [o for p in PROMPTS[:3] for o in llm.generate([p], greedy(16), use_tqdm=False)]
+    assert token_ids(outs) == [t[:16] for t in plain_outputs[:3]]
+    assert llm.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 4, "num_kv_blocks": 40}, {"max_num_batched_tokens": 16}],
+                         ids=["preemption", "chunked-prefill"])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_under_preemption_and_chunked_prefill(target_dir, heads, plain_outputs, method, kw):
+    llm = make_llm(target_dir, heads, "accepting", method, **kw)
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert llm.spec_stats.accepted_tokens > 0
+    if "num_kv_blocks" in kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert start == free_blocks(llm) == 40  # nothing leaked, reserved draft slots included
+    else:
+        assert any(c.next_token_id is not None for c, _, _ in rec.chunks())  # non-final prefill chunks ran
+        assert free_blocks(llm) == start
+
+
+def stop_strings(completions, tok) -> list[tuple[int, str]]:
+    """(prompt index, stop string) pairs from plain outputs: two characters from the middle of the most varied text,
+    and three times the text of a token an output repeats at least 5 times in a row (which the accepting heads
+    draft, so the stop string completes inside a step's accepted drafts)."""
+    full = max(completions, key=lambda c: len(set(c.text)))
+    varied = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    assert varied.strip(), full.text
+    for i, c in enumerate(completions):
+        ids = c.token_ids
+        for j in range(2, len(ids) - 4):
+            text = tok.decode([ids[j]])
+            if ids[j: j + 5] == [ids[j]] * 5 and text.strip() and text.isprintable() and "\ufffd" not in text:
+                return [(completions.index(full), varied), (i, text * 3)]
+    raise AssertionError("no output repeats a printable token 5 times")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_string(target_dir, heads, plain, plain_completions, method):
+    """Stop strings, one completed inside a run of accepted drafts: each output ends where plain decoding's does
+    (the tokens a step kept after it are dropped), with and without the stop string in the output."""
+    stops = stop_strings(plain_completions, plain.get_tokenizer())
+    prompts = [PROMPTS[i] for i, _ in stops]
+    # room left after the run: the scheduler asks for no drafts the request could not use before max_tokens
+    params = [greedy(stop=[stops[0][1]]), greedy(40, stop=[stops[1][1]], include_stop_str_in_output=True)]
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = make_llm(target_dir, heads, "accepting", method)
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = [o.outputs[0] for o in outs]
+    assert [(g.text, g.token_ids, g.finish_reason) for g in got] == [(w.text, w.token_ids, w.finish_reason)
+                                                                    for w in want]
+    assert [g.finish_reason for g in got] == ["stop", "stop"] and got[1].text.endswith(stops[1][1])
+    kept = sum(len(k) for c, k, _ in rec.chunks() if c.req_id == outs[1].request_id)
+    assert kept > len(got[1].token_ids)  # the step that completed it had kept more (accepted drafts)
+    assert free_blocks(llm) == start
+
+
+# ---- the worker's drafts against the head run densely over the committed tokens ---------------------------------
+
+class DenseHead:
+    """The target and the head loaded afresh (the public API: load_model, load_draft_head, allocate_kv_cache,
+    build_attention_metadata), run from scratch over one sequence: a full prefill of the target for its features,
+    then the head's first pass over every committed position and its draft steps."""
+
+    def __init__(self, model: str, method: str, head_path: str):
+        self.target = load_model(model)
+        self.head = load_draft_head(method, head_path, self.target, load_hf_config(model))
+        self.block_size, blocks = 16, 32
+        self.table = list(range(blocks))
+        allocate_kv_cache(self.target, blocks, self.block_size)
+        self.cache = allocate_kv_cache(self.head, blocks, self.block_size)
+
+    def _meta(self, n: int, start: int):
+        return build_attention_metadata([n], [start], [self.table], self.block_size)
+
+    @torch.inference_mode()
+    def first_pass(self, tokens: list[int], n: int):
+        """The head over positions 0..n-1 of ``tokens`` (it reads ``tokens[1..n]``): (feedback, normed, K/V)."""
+        ids = torch.tensor(tokens[:n])
+        out = self.target(ids, self._meta(n, 0), aux_layers=self.head.aux_layers)
+        hidden, aux = out if self.head.aux_layers else (out, [])
+        features = self.head.target_features(hidden, aux)
+        feedback, normed = self.head(torch.tensor(tokens[1: n + 1]), features, self._meta(n, 0))
+        kv = self.cache.snapshot(torch.tensor(slots_of(self.table, range(n), self.block_size)))
+        return feedback, normed, kv
+
+    @torch.inference_mode()
+    def check_drafts(self, tokens: list[int], drafts: list[int]) -> None:
+        """``drafts`` (the worker's, made after ``tokens`` were committed) are the head's argmax at each draft
+        step, fed the worker's own previous draft (a near tie, under 1e-4 apart, may go either way)."""
+        n = len(tokens) - 1  # the last token has no target K/V yet: the head's first pass ends at n - 1
+        feedback, normed, _ = self.first_pass(tokens, n)
+        feedback, normed = feedback[-1:], normed[-1:]
+        for step, token in enumerate(drafts):
+            if step:
+                feedback, normed = self.head(torch.tensor([drafts[step - 1]]), feedback, self._meta(1, n + step - 1))
+            logits = self.head.full_vocab_logits(normed)[0]
+            best = int(logits.argmax())
+            assert token == best or logits[best] - logits[token] < 1e-4, (step, tokens, drafts, best)
+
+
+def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
+    """The head's cached K/V of the request's first ``n`` positions, read through its block table on the worker."""
+    runner = engine.executor.worker.runner
+    slots = slots_of(runner.block_tables[req_id], range(n), runner.block_size)
+    return runner.drafter.kv_cache.snapshot(torch.tensor(slots))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads, method):
+    """After every step, for every running request: the head's K/V at its committed positions equals the head's
+    first pass over them from scratch, and the drafts the worker returned for it equal the head's argmax from
+    there. Small blocks, a pool that preempts and a token budget that chunks prefills: the checks run after
+    non-final prefill chunks, after preemption and recompute, and after steps that accepted drafts."""
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=28,
+                           max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    model = str(heads["accepting", "mtp"]) if method == "mtp" else str(target_dir)
+    dense = DenseHead(model, method, model if method == "mtp" else str(heads["accepting", method]))
+    tok = llm.get_tokenizer()
+    for prompt in PROMPTS[3:7]:
+        engine.add_request(tok.encode(prompt), greedy(20))
+    checked = {"kv": 0, "drafts": 0, "after a chunked prefill": 0, "after preemption": 0, "after acceptance": 0}
+    while engine.has_unfinished_requests():
+        engine.step()
+        plan, result = rec.steps[-1]
+        drafts = dict(zip(result.req_ids, result.draft_token_ids or [[]] * len(plan.chunks)))
+        chunks = {c.req_id: (c, kept) for c, kept in zip(plan.chunks, result.sampled_token_ids)}
+        for req in engine.scheduler.running:
+            n = req.num_computed_tokens
+            if n == 0 or req.req_id not in drafts:
+                continue  # not in this step: its head state was checked when it last ran
+            _, _, want = dense.first_pass(req.all_token_ids, n)
+            for got, ref in zip(worker_head_kv(engine, req.req_id, n), want):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+            checked["kv"] += 1
+            if drafts[req.req_id]:
+                assert n == req.num_tokens - 1
+                dense.check_drafts(req.all_token_ids, drafts[req.req_id])
+                chunk, kept = chunks[req.req_id]
+                checked["drafts"] += 1
+                checked["after a chunked prefill"] += chunk.start_pos > 0 and chunk.num_draft_tokens == 0 and \
+                    chunk.num_tokens > 1
+                checked["after preemption"] += req.num_preemptions > 0
+                checked["after acceptance"] += len(kept) > 1
+    assert engine.scheduler.num_preemptions > 0
+    assert all(checked.values()) and checked["drafts"] >= 10 and checked["kv"] > checked["drafts"], checked
+    assert free_blocks(llm) == 28
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+
+def chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Goodness of fit, the cells expected to hold fewer than 5 pooled into one; a cell with probability 0 must be
+    empty (else p = 0)."""
+    if observed[expected_probs == 0].sum() > 0:
+        return 0.0
+    expected = expected_probs / expected_probs.sum() * observed.sum()
+    small, big = (expected > 0) & (expected < 5), expected >= 5
+    if small.any():
+        return chisquare(np.append(observed[big], observed[small].sum()),
+                         np.append(expected[big], expected[small].sum())).pvalue
+    return chisquare(observed[big], expected[big]).pvalue
+
+
+SAMPLED = dict(temperature=0.7, top_k=3, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def looping_prompt(plain) -> list[int]:
+    """A prompt that ends in a run of the token the target then repeats (which the accepting heads draft)."""
+    prompt = plain.get_tokenizer().encode(PROMPTS[4])
+    return prompt + plain.generate({"prompt_token_ids": prompt}, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def target_triples(target_dir, looping_prompt):
+    """temperature -> {(x0, x1, x2): p(x0) p(x1 | x0) p(x2 | x0 x1)} of the target's warped distributions (SAMPLED's
+    top-k at that temperature) after ``looping_prompt``, from a fresh model."""
+    target = load_model(str(target_dir))
+    allocate_kv_cache(target, 8, 16)
+
+    @torch.inference_mode()
+    def probs(tokens: list[int], temperature: float) -> np.ndarray:
+        logits = target.compute_logits(target(torch.tensor(tokens), build_attention_metadata(
+            [len(tokens)], [0], [list(range(8))], 16))[-1:])
+        batch = SamplingBatch.build([SamplingParams(**{**SAMPLED, "temperature": temperature})], [None], "cpu")
+        return logits_to_probs(logits, batch)[0].double().numpy()
+
+    def triples(temperature: float) -> dict[tuple[int, int, int], float]:
+        out, prompt = {}, looping_prompt
+        p0 = probs(prompt, temperature)
+        for a in np.flatnonzero(p0):
+            p1 = probs(prompt + [int(a)], temperature)
+            for b in np.flatnonzero(p1):
+                p2 = probs(prompt + [int(a), int(b)], temperature)
+                out.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
+        return out
+
+    return {t: triples(t) for t in (SAMPLED["temperature"], 1.0)}
+
+
+def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800) -> float:
+    """``n`` seeded requests for ``prompt`` sampled with SAMPLED through an engine with ``method``'s accepting head:
+    the worker drafts two tokens after the first (the head's argmax: a one-hot q), which verification keeps with
+    probability p(draft) or replaces. The chi-square p-value of their first three tokens against ``expected``."""
+    llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
+                        use_tqdm=False)
+    stats = llm.spec_stats
+    assert stats.drafts == n and stats.draft_tokens > stats.accepted_tokens > 0, stats  # kept and rejected
+    triples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+    keys = sorted(set(expected) | set(triples))
+    observed = np.array([triples.count(key) for key in keys], dtype=float)
+    return chi2_pvalue(observed, np.array([expected.get(key, 0.0) for key in keys]))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping_prompt, target_triples, method):
+    """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target."""
+    assert sampled_pvalue(target_dir, heads, method, looping_prompt, target_triples[SAMPLED["temperature"]]) > 1e-3
+
+
+def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
+    """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug
+    (after a rejection, resample from p instead of p without the draft) fails the test."""
+    expected = target_triples[SAMPLED["temperature"]]
+    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, target_triples[1.0]) < 1e-3
+    from specray import verification
+
+    monkeypatch.setattr(verification, "_residual", lambda p, q: p)
+    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, expected) < 1e-3
+
+
+# ---- a tensor-parallel target's embedding and LM head, whole on the driver rank ----------------------------------
+
+def test_whole_target_reads_what_the_target_reads(target_dir):
+    """What a head reads of a tensor-parallel target (:func:`whole_target`; tests/test_cluster.py runs it over two
+    ranks) equals the target's own embedding (exactly) and logits (here over one rank, where both exist)."""
+    from specray.drafters.hidden_state import whole_target
+
+    target = load_model(str(target_dir))
+    assert whole_target(target, keep=False, chunk=20) is None
+    whole = whole_target(target, keep=True, chunk=20)  # several chunks of ids, and of unit vectors
+    ids = torch.arange(target.vocab_size)
+    hidden = torch.randn(5, whole.embedding.shape[1])
+    with torch.inference_mode():
+        assert torch.equal(whole.embed(ids), target.embed(ids))
+        torch.testing.assert_close(whole.compute_logits(hidden), target.compute_logits(hidden), atol=1e-5, rtol=1e-5)
+    assert (whole.vocab_size, whole.dtype, whole.device) == (target.vocab_size, target.dtype, target.device)
+
+
+# ---- a request's own method -----------------------------------------------------------------------------------
+
+def test_request_cannot_pick_another_method_on_a_worker_drafting_engine(target_dir, heads, plain_outputs):
+    """On an EAGLE-3 engine a request's ``speculative_method`` other than "eagle3" is a ValueError that leaves
+    nothing queued (not even the good requests of its batch); "eagle3" itself is fine."""
+    llm = make_llm(target_dir, heads, "accepting", "eagle3")
+    for other in ("ngram", "eagle", "mtp", "suffix"):
+        with pytest.raises(ValueError, match="inside the target's worker"):
+            llm.generate(PROMPTS[0], greedy(speculative_method=other), use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.tracked
+    with pytest.raises(ValueError, match="inside the target's worker"):  # a bad one among good ones: none run
+        llm.generate(PROMPTS[:3], [greedy(), greedy(speculative_method="ngram"), greedy()], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.tracked
+    outs = llm.generate(PROMPTS[:2], greedy(speculative_method="eagle3"), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs[:2]
+    assert llm.spec_stats.drafts > 0
