@@ -171,19 +171,17 @@ def runs_in_worker(method: str) -> bool:
     return entry(method).in_worker
 
 
-def worker_drafter_config(spec: SpeculativeConfig) -> dict[str, Any]:
-    """What the target's workers need to build ``spec``'s worker-side drafter (plain data: it crosses Ray)."""
-    from dataclasses import asdict
+def worker_drafter_config(spec: SpeculativeConfig, target_model: str) -> dict[str, Any]:
+    """What the target's workers need to build ``spec``'s worker-side drafter (plain data: it crosses Ray; see
+    :func:`specray.drafters.hidden_state.worker_config`)."""
+    from specray.drafters.hidden_state import worker_config
 
-    return {"method": spec.method, "options": asdict(options_of(spec))}
+    return worker_config(spec.method, options_of(spec), target_model)
 
 
-def worker_drafter_head(config: dict[str, Any], target, target_config, target_model: str):
-    """The head of a worker-side drafter (on the driver rank), from :func:`worker_drafter_config`'s data."""
-    from specray.drafters.hidden_state import load_head
-
-    method = config["method"]
-    return load_head(method, options_class(method)(**config["options"]), target, target_config, target_model)
+def worker_lookahead_slots(spec: SpeculativeConfig) -> int:
+    """Slots a worker drafter growing token trees writes past the root (0: it drafts chains)."""
+    return getattr(options_of(spec), "tree_lookahead_slots", lambda: 0)()
 
 
 def tensor_parallel_size(spec: SpeculativeConfig) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.contract import ScheduledChunk, StepPlan
-from specray.drafters.hidden_state import HiddenStateDrafter
+from specray.workers.head_drafter import HiddenStateDrafter
 from specray.models import cpu_kernels
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead, eagle3_aux_layers
@@ -585,7 +585,8 @@ class Run:
         plan = StepPlan(step_id=0, chunks=chunks)
         self.calls.clear()
         with torch.inference_mode():
-            drafts = self.drafter.draft(plan, self.tables, hidden, aux, kept, paths)
+            made = self.drafter.draft(plan, self.tables, hidden, aux, kept, paths)
+            drafts = [[] if d is None else d.token_ids for d in made]
         return drafts, list(self.calls)
 
 

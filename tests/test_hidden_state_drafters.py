@@ -431,7 +431,7 @@ def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, targe
 def test_whole_target_reads_what_the_target_reads(target_dir):
     """What a head reads of a tensor-parallel target (:func:`whole_target`; tests/test_cluster.py runs it over two
     ranks) equals the target's own embedding (exactly) and logits (here over one rank, where both exist)."""
-    from specray.drafters.hidden_state import whole_target
+    from specray.workers.head_drafter import whole_target
 
     target = load_model(str(target_dir))
     assert whole_target(target, keep=False, chunk=20) is None

@@ -42,8 +42,8 @@ class WorkerConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_threads: int | None = None  # torch CPU threads for this rank
-    # a drafter that runs on the driver rank beside the target (hidden-state heads): {"method": ..., "options":
-    # {...}} as the drafter registry parses them; None: none
+    # a drafter that runs on the driver rank beside the target (hidden-state heads), as plain data
+    # (specray.drafters.hidden_state.worker_config); None: none
     worker_drafter: dict | None = None
 
 
@@ -101,15 +101,14 @@ class Worker:
 
     def _load_head(self, hf_config, world_size: int):
         """The worker-side drafter's head, on the driver rank only (it is replicated there, see
-        docs/model_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
+        docs/hidden_state_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
         (:func:`~specray.drafters.hidden_state.whole_target`), which every rank takes part in."""
-        from specray.drafters.hidden_state import whole_target
-        from specray.drafters.registry import worker_drafter_head
+        from specray.workers.head_drafter import load_head, whole_target
 
         target = self.model if world_size == 1 else whole_target(self.model, keep=self.rank == 0)
         if self.rank != 0:
             return None
-        return worker_drafter_head(self.config.worker_drafter, target, hf_config, self.config.model)
+        return load_head(self.config.worker_drafter, target, hf_config)
 
     def bind_thread(self) -> None:
         """Make the calling thread run this rank's work as the constructing one does: the CPU thread count and
@@ -139,7 +138,7 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
         if self.head is not None:
-            from specray.drafters.hidden_state import HiddenStateDrafter, tree_shape_of
+            from specray.workers.head_drafter import HiddenStateDrafter, tree_shape_of
 
             drafter = HiddenStateDrafter(self.head, num_blocks, self.config.block_size,
                                          tree_shape_of(self.config.worker_drafter))

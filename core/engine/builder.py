@@ -75,7 +75,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
                                  args.kv_cache_memory_bytes, args.num_threads,
-                                 worker_drafter=registry.worker_drafter_config(spec) if in_worker else None)
+                                 worker_drafter=registry.worker_drafter_config(spec, args.model) if in_worker else None)
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
@@ -92,19 +92,13 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         num_blocks=executor.num_kv_blocks,
         vocab_size=hf_config.vocab_size,
         worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
-        worker_tree_slots=_worker_tree_slots(spec) if in_worker else 0,
+        worker_tree_slots=registry.worker_lookahead_slots(spec) if in_worker else 0,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
                      worker_method=spec.method if in_worker else None)
-
-
-def _worker_tree_slots(spec: SpeculativeConfig) -> int:
-    """Slots a worker drafter growing token trees writes past the root (0: it drafts chains)."""
-    shape = getattr(registry.options_of(spec), "tree_shape", lambda: None)()
-    return 0 if shape is None else shape.lookahead_slots
 
 
 def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):

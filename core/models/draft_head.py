@@ -109,7 +109,7 @@ class DraftHead(nn.Module):
         if self.layout.aux_features and len(self.aux_layers) == 0:
             raise ValueError(f"a {self.layout.name} head reads target layers: give aux_layers")
         self.feedback_normed = feedback_normed  # MTP as transformers runs it: the normed output feeds the next step
-        tp = TPGroup.single()  # replicated on the driver rank (docs/model_drafters.md: sharding at scale)
+        tp = TPGroup.single()  # replicated on the driver rank (docs/hidden_state_drafters.md: sharding at scale)
         fusion = self.layout.fusion
         if fusion == "fc":
             self.fc = ColumnParallelLinear(2 * h, h, tp, bias=fc_bias)

@@ -1,0 +1,287 @@
+"""The worker side of the drafters that read the target's hidden states (EAGLE-1, EAGLE-3, EAGLE-2 trees, MTP):
+they run inside the target's driver rank, right after verification, so drafting costs no round trip and nothing of
+vocabulary size leaves the worker. Their options live in :mod:`specray.drafters.hidden_state`; the worker gets them
+as plain data (:func:`specray.drafters.hidden_state.worker_config`).
+
+The step, for every request in the plan (one batched pass each):
+
+1. **First pass** over the positions the target just committed: a prefill chunk's tokens (a non-final chunk
+   reads the next prompt token from ``ScheduledChunk.next_token_id``), or a decode's real tokens plus its accepted
+   drafts (a tree's accepted path). At position p the head reads token ``t[p+1]`` and the target's feature of p
+   (its hidden row of that token), so the last row, whose next token is the one the target just sampled, drafts
+   ``d1``. Its K/V lands in the committed slots, in the head's own cache on the target's block tables.
+2. **Draft steps** 2..m (``ScheduledChunk.num_next_drafts``): one row per request at the next position, with the
+   head's own feedback feature and the token it just drafted. They write K/V into the slots the scheduler reserved
+   past the verified drafts; the next step's first pass rewrites those positions before anything reads them.
+
+Drafts are the head's argmax (deterministic candidates: with sampling, verification accepts draft x with
+probability p(x) and resamples from p without x, which keeps the target's distribution exactly). They return in
+``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from specray.contract import StepPlan
+from specray.models.attention import build_attention_metadata
+from specray.models.draft_head import DraftHead
+from specray.models.kv_cache import KVCache, allocate_kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Drafted:
+    """One request's drafts for its next step: a chain, or a token tree (``parents``, with each node's
+    probability under the head given its parent as ``scores``)."""
+
+    token_ids: list[int]
+    parents: list[int] | None = None
+    scores: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2's dynamic tree: each expanded node offers ``top_k`` children, ``top_k`` nodes are expanded per
+    level, ``depth`` levels; the best ``num_speculative_tokens`` nodes are proposed."""
+
+    top_k: int
+    depth: int
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Slots past the root the head writes while growing the tree (every node but the deepest level's)."""
+        return self.top_k * (self.depth - 1)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One request's part of the first pass."""
+
+    chunk: int  # index in the plan
+    rows: list[int]  # the target's hidden rows of its committed positions
+    tokens: list[int]  # the token after each of those positions
+    start: int  # position of the first
+    drafts: int  # how many drafts to make (0: only its K/V)
+
+
+class HiddenStateDrafter:
+    """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
+
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None):
+        self.head = head
+        self.tree = tree
+        self.block_size = block_size
+        self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.aux_layers
+
+    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
+        """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
+        the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
+        target's), ``paths[i]`` its accepted tree nodes (absent for a chain)."""
+        work = self._first_pass_rows(plan, kept, paths)
+        out: list[Drafted | None] = [None] * len(plan.chunks)
+        if not work:
+            return out
+        device = hidden.device
+        rows = torch.tensor([r for w in work for r in w.rows], dtype=torch.long, device=device)
+        features = self.head.target_features(hidden.index_select(0, rows), [a.index_select(0, rows) for a in aux])
+        ids = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=device)
+        meta = build_attention_metadata([len(w.rows) for w in work], [w.start for w in work],
+                                        [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
+        feedback, normed = self.head(ids, features, meta)
+        drafting = [w for w in work if w.drafts > 0]
+        if not drafting:
+            return out
+        ends = torch.tensor([sum(len(w.rows) for w in work[: i + 1]) - 1 for i, w in enumerate(work) if w.drafts > 0],
+                            device=device)
+        feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
+        block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
+        roots = [w.start + len(w.rows) for w in drafting]  # the position of the token the target just sampled
+        made = (self._tree if self.tree is not None else self._chain)(drafting, block_tables, roots, feedback, normed)
+        for w, drafted in zip(drafting, made):
+            out[w.chunk] = drafted
+        return out
+
+    def _chain(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
+               normed: torch.Tensor) -> list[Drafted]:
+        """Each request's chain of ``drafts`` argmax tokens: d1 from the first pass, then one row per step."""
+        device = feedback.device
+        tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))  # [B] d1
+        steps = [tokens]
+        live = list(range(len(work)))  # requests still drafting
+        for step in range(1, max(w.drafts for w in work)):
+            keep = [j for j in live if work[j].drafts > step]
+            if not keep:
+                break
+            if len(keep) != len(live):
+                sel = torch.tensor([live.index(j) for j in keep], dtype=torch.long, device=device)
+                tokens, feedback = tokens.index_select(0, sel), feedback.index_select(0, sel)
+            live = keep
+            # step s reads d_s at the position after the root's (root + s - 1), with the feedback of the last
+            meta = build_attention_metadata([1] * len(live), [roots[j] + step - 1 for j in live],
+                                            [tables[j] for j in live], self.block_size, device)
+            feedback, normed = self.head(tokens, feedback, meta)
+            tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
+            steps.append(_scatter(tokens, live, len(work)))
+        table = torch.stack(steps, dim=1).tolist()  # the drafts' one host sync: [B, m]
+        return [Drafted(row[: w.drafts]) for row, w in zip(table, work)]
+
+    def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
+              normed: torch.Tensor) -> list[Drafted]:
+        """EAGLE-2's dynamic tree per request: the root's ``top_k`` best children; then ``depth - 1`` times, every
+        frontier node's ``top_k`` children, of which the ``top_k`` with the best path log-probability form the next
+        frontier; finally the ``drafts`` best nodes by path log-probability (a parent's is never below its child's,
+        so they form a tree). Each level runs the head once over every node so far as a token tree placed after the
+        root (positions root + depth, ancestor masks), recomputing earlier levels instead of keeping their K/V: the
+        nodes' slots are the scheduler's reserved ones past the root."""
+        k, depth = self.tree.top_k, self.tree.depth
+        device = feedback.device
+        b, h = feedback.shape
+        logp = torch.log_softmax(self.head.draft_logits(normed), dim=-1)
+        own, tok = logp.topk(k, dim=-1)  # [B, k]: draft-vocabulary ids
+        cum, parents = own.clone(), torch.full((b, k), -1, dtype=torch.long, device=device)
+        node_features = feedback[:, None, :].expand(b, k, h)  # each node reads its parent's feedback
+        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        frontier = torch.arange(k, device=device).expand(b, k)
+        node_depth = [1] * k
+        for d in range(2, depth + 1):
+            n = tok.shape[1]
+            # a node at depth dd reads its token at head position root + dd - 1, in the slots from the root's on
+            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, device,
+                                            positions=[r + dd - 1 for r in roots for dd in node_depth],
+                                            ancestors=list(ancestors))
+            fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
+            fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+            rows = frontier[:, :, None].expand(b, k, h)
+            child_lp, child_tok = torch.log_softmax(self.head.draft_logits(nm.gather(1, rows).reshape(b * k, h)),
+                                                    dim=-1).topk(k, dim=-1)  # [B*k, k]
+            cand = (cum.gather(1, frontier)[:, :, None] + child_lp.view(b, k, k)).view(b, k * k)
+            best_cum, best = cand.topk(k, dim=-1)  # [B, k]
+            parent = frontier.gather(1, best // k)  # node index of each new node's parent
+            new_tok = child_tok.view(b, k * k).gather(1, best)
+            tok = torch.cat([tok, new_tok], dim=1)
+            own = torch.cat([own, child_lp.view(b, k * k).gather(1, best)], dim=1)
+            cum = torch.cat([cum, best_cum], dim=1)
+            parents = torch.cat([parents, parent], dim=1)
+            node_features = torch.cat([node_features, fb.gather(1, parent[:, :, None].expand(b, k, h))], dim=1)
+            grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=device)
+            grown[:, :n, :n] = ancestors
+            grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
+            grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=device)
+            ancestors = grown
+            frontier = torch.arange(n, n + k, device=device).expand(b, k)
+            node_depth += [d] * k
+        # the best nodes by path log-probability, parents first (ties broken by depth, then node order)
+        order = torch.argsort(cum - 1e-6 * torch.tensor(node_depth, device=device), dim=-1, descending=True,
+                              stable=True)
+        host = torch.stack([self.head.to_target_ids(tok).float(), parents.float(), own.exp(), order.float()]
+                           ).tolist()  # the drafts' one host sync
+        made = []
+        for i, w in enumerate(work):
+            token_ids, par, prob, rank = host[0][i], host[1][i], host[2][i], [int(x) for x in host[3][i]]
+            chosen = rank[: w.drafts]
+            index = {node: j for j, node in enumerate(chosen)}
+            made.append(Drafted([int(token_ids[n]) for n in chosen],
+                                [-1 if par[n] < 0 else index[int(par[n])] for n in chosen],
+                                [prob[n] for n in chosen]))
+        return made
+
+    def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[_Row]:
+        work, offset = [], 0
+        for i, chunk in enumerate(plan.chunks):
+            base = offset
+            offset += chunk.num_tokens
+            real = chunk.num_tokens - chunk.num_draft_tokens
+            if not chunk.sample:
+                if chunk.next_token_id is None:
+                    continue  # a plan made without a hidden-state drafter in mind
+                work.append(_Row(i, list(range(base, base + real)), chunk.token_ids[1:real] + [chunk.next_token_id],
+                                 chunk.start_pos, 0))
+                continue
+            tokens = kept.get(i)
+            if not tokens:
+                continue  # failed in this step: nothing committed
+            accepted = len(tokens) - 1
+            nodes = paths.get(i) or list(range(accepted))
+            rows = list(range(base, base + real)) + [base + real + n for n in nodes]
+            work.append(_Row(i, rows, chunk.token_ids[1:real] + list(tokens), chunk.start_pos,
+                             chunk.num_next_drafts))
+        return work
+
+
+def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:
+    """``tokens`` [len(live)] placed at ``live`` in a [size] row (-1 elsewhere: requests done drafting)."""
+    out = tokens.new_full((size,), -1)
+    out[torch.tensor(live, dtype=torch.long, device=tokens.device)] = tokens
+    return out
+
+
+def tree_shape_of(config: dict) -> TreeShape | None:
+    """The dynamic tree a worker drafter's plain-data config asks for (None: chains)."""
+    tree = config.get("tree")
+    return None if tree is None else TreeShape(*tree)
+
+
+class WholeTarget:
+    """What a head reads of a target split over tensor-parallel ranks (its embedding and LM head), whole on the
+    driver rank. The target's own are split by vocabulary and end in a collective (an all-reduce per embedding, an
+    all-gather per logits) that the other ranks, which do not draft, would never join. Built by
+    :func:`whole_target`; it offers the head what it reads of a :class:`~specray.models.interface.CausalLM`."""
+
+    def __init__(self, target, embedding: torch.Tensor, lm_head: torch.Tensor):
+        self.vocab_size, self.dtype, self.device = target.vocab_size, target.dtype, target.device
+        self.embedding = embedding  # [V, H]
+        self.lm_head = SimpleNamespace(weight=lm_head)  # [V, H] (draft_head_loader.target_head_rows reads it)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_ids, self.embedding)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+
+@torch.inference_mode()
+def whole_target(target, keep: bool, chunk: int = 8192) -> WholeTarget | None:
+    """Every rank of a tensor-parallel target calls this (it runs the target's collectives): the embedding of every
+    token id and the LM head (the logits of the unit vectors: exact, a product with 1 and sums of zeros), a chunk at
+    a time; a :class:`WholeTarget` of them where ``keep`` (the driver rank), else None (nothing kept)."""
+    vocab, dtype, device = target.vocab_size, target.dtype, target.device
+    embedding, lm_head = [], []
+    for start in range(0, vocab, chunk):
+        rows = target.embed(torch.arange(start, min(start + chunk, vocab), device=device))  # [c, H]
+        if keep:
+            embedding.append(rows)
+    hidden_size = rows.shape[1]
+    step = max(1, min(chunk, (1 << 24) // vocab))  # unit vectors per call: [step, V] float32 logits at a time
+    for start in range(0, hidden_size, step):
+        units = torch.eye(hidden_size, dtype=dtype, device=device)[start: start + step]
+        columns = target.compute_logits(units).to(dtype)  # [step, V]: columns start.. of the head's [V, H]
+        if keep:
+            lm_head.append(columns)
+    if not keep:
+        return None
+    return WholeTarget(target, torch.cat(embedding), torch.cat(lm_head).t().contiguous())
+
+
+
+def load_head(config: dict, target, target_config) -> DraftHead:
+    """The head a worker drafter's plain-data ``config`` names (on the driver rank), packed for the CPU kernels
+    where they apply."""
+    from specray.models.cpu_kernels import can_pack, pack_linear_weights
+    from specray.models.draft_head_loader import load_draft_head
+
+    head = load_draft_head(config["method"], config["model"], target, target_config,
+                           feedback_normed=bool(config.get("mtp_feedback_normed", False)))
+    if can_pack(head.device.type, str(head.dtype).removeprefix("torch.")):
+        pack_linear_weights(head)  # the CPU kernels' layout, as the target's (specray.models.cpu_kernels)
+    return head
