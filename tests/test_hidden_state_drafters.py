@@ -33,7 +33,10 @@ def _load(name: str):
 
 draft_heads = _load("draft_heads")
 
-METHODS = ("eagle", "eagle3", "mtp")
+CHAIN_METHODS = ("eagle", "eagle3", "mtp")
+# EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
+TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
+METHODS = CHAIN_METHODS + ("eagle3-tree",)
 PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox",
@@ -81,7 +84,7 @@ def target_dir(make_tiny_model, tmp_path_factory) -> Path:
 def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
     """(kind, method) -> the head's folder (for MTP, the target's folder with the MTP layer added)."""
     out = {}
-    for method in METHODS:
+    for method in CHAIN_METHODS:
         out["random", method] = draft_heads.write_random_head(tmp_path_factory.mktemp(f"random_{method}"), method,
                                                               target_dir)
         out["accepting", method] = draft_heads.write_accepting_head(tmp_path_factory.mktemp(f"accepting_{method}"),
@@ -91,7 +94,9 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, **kw) -> dict:
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
-    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+    tree = method.endswith("-tree")
+    method = method.removesuffix("-tree")
+    spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False, **(TREE if tree else {})}
     if method == "mtp":
         model = heads[kind, method]
     else:
@@ -165,7 +170,8 @@ def test_greedy_batch_of_8_with_mixed_caps_and_max_tokens_equals_plain(target_di
         assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
     stats = [o.spec_stats for o in outs]
     assert stats[1].drafts == 0 and stats[2].drafts == 0 and stats[3].drafts == 0  # cap 0, max_tokens 1 and 2
-    assert 0 < stats[4].draft_tokens <= 1  # max_tokens 3: one draft, once
+    # max_tokens 3: one draft, once (a tree: siblings at depth 1)
+    assert 0 < stats[4].draft_tokens <= (TREE["dynamic_tree_max_topK"] if method.endswith("-tree") else 1)
     assert stats[5].drafts > 0 and stats[5].draft_tokens == stats[5].drafts  # cap 1
     assert llm.spec_stats.drafts > 0
     if kind == "accepting":
@@ -298,7 +304,7 @@ def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     return runner.drafter.kv_cache.snapshot(torch.tensor(slots))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", CHAIN_METHODS)
 def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads, method):
     """After every step, for every running request: the head's K/V at its committed positions equals the head's
     first pass over them from scratch, and the drafts the worker returned for it equal the head's argmax from
