@@ -38,7 +38,7 @@ from torch import nn
 from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, materialize, rope_parameters
-from specray.models.llama import LlamaAttention, LlamaMLP, _copy_full, _map_name
+from specray.models.llama import LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -246,22 +246,8 @@ class DraftHead(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"draft head checkpoint tensor {name!r} has no place in a {self.layout.name} head")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                _copy_full(param, tensor)
-            elif shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-            loaded.add(target if shard is None else f"{target}:{shard}")
-        expected = set()
-        for name in params:
-            if ".qkv_proj." in name:
-                expected.update(f"{name}:{s}" for s in "qkv")
-            elif ".gate_up_proj." in name:
-                expected.update(f"{name}:{s}" for s in (0, 1))
-            else:
-                expected.add(name)
+            loaded.add(load_param(param, target, tensor, shard))
+        expected = expected_keys(params)
         if self.lm_head is not None:
             expected.add("d2t")
         missing = sorted(expected - loaded)

@@ -244,31 +244,41 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
                 continue
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                _copy_full(param, tensor)
-            elif shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-            loaded.add(target if shard is None else f"{target}:{shard}")
+            loaded.add(load_param(param, target, tensor, shard))
         self._check_loaded(loaded, params)
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
-        expected = set()
-        for name in params:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if ".qkv_proj." in name:
-                expected.update(f"{name}:{s}" for s in "qkv")
-            elif ".gate_up_proj." in name:
-                expected.update(f"{name}:{s}" for s in (0, 1))
-            else:
-                expected.add(name)
+        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings))
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
                              f"{self.config.model_type} checkpoint matching its config.json?")
+
+
+def load_param(param: nn.Parameter, name: str, tensor: Any, shard: Any) -> str:
+    """Load one checkpoint tensor into parameter ``name`` (this rank's shard of it; ``shard``: which part of a merged
+    parameter, or None). Returns the key :func:`expected_keys` names it by."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        _copy_full(param, tensor)
+    elif shard is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard)
+    return name if shard is None else f"{name}:{shard}"
+
+
+def expected_keys(names) -> set[str]:
+    """What a complete checkpoint loads into parameters ``names``: one key each, a merged one's parts apart."""
+    expected = set()
+    for name in names:
+        if ".qkv_proj." in name:
+            expected.update(f"{name}:{s}" for s in "qkv")
+        elif ".gate_up_proj." in name:
+            expected.update(f"{name}:{s}" for s in (0, 1))
+        else:
+            expected.add(name)
+    return expected
 
 
 def _layer_index(name: str) -> int:
