@@ -224,3 +224,16 @@ def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
     assert engine_args.speculative_config.num_speculative_tokens == 2 and engine_args.block_size == 32
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--engine-kwargs", "blok=1"]) == 2
     assert "blok" in capsys.readouterr().err
+
+
+def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\ndef add(a, b):\nThe quick brown fox\n")
+    out = tmp_path / "work"
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(out), "--stages", "data,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["train-draft", "--method", "eagle", "--model", str(tiny_llama_dir), "--out", str(out),
+                 "--stages", "data", "--prompt-file", str(prompts), "--num-prompts", "3",
+                 "--answer-max-tokens", "4"]) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 and all(len(s["token_ids"]) > s["num_prompt_tokens"] for s in samples)
