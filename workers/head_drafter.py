@@ -21,6 +21,7 @@ probability p(x) and resamples from p without x, which keeps the target's distri
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -102,8 +103,8 @@ class HiddenStateDrafter:
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
-        ends = torch.tensor([sum(len(w.rows) for w in work[: i + 1]) - 1 for i, w in enumerate(work) if w.drafts > 0],
-                            device=device)
+        last_rows = itertools.accumulate(len(w.rows) for w in work)  # one past each request's last first-pass row
+        ends = torch.tensor([end - 1 for end, w in zip(last_rows, work) if w.drafts > 0], device=device)
         feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
         roots = [w.start + len(w.rows) for w in drafting]  # the position of the token the target just sampled

@@ -14,7 +14,7 @@ Every rank builds the same positions and masks from the plan and applies the sam
 
 With a hidden-state drafter (``drafter``, driver rank only: EAGLE, MTP) the forward also returns the residual
 stream at the layers the drafter reads, and right after verification the drafter drafts each request's next
-step from them (``StepResult.draft_token_ids``; see :mod:`specray.drafters.hidden_state`).
+step from them (``StepResult.draft_token_ids``; see :mod:`specray.workers.head_drafter`).
 """
 
 from __future__ import annotations

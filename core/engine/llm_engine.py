@@ -18,7 +18,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, chain_parents, is_chain, kept_nodes, trim_tree
+from specray.tree import DraftTree, chain_parents, kept_nodes, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class LLMEngine:
         # the method of a drafter that runs in the target's driver rank (hidden-state heads): its drafts come back
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
-        self._worker_drafts: dict[str, DraftTree] = {}
+        self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
@@ -270,8 +270,8 @@ class LLMEngine:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # prefilling: the worker drafts after its last chunk
             k = self.policy.choose(request, len(running), off_path)
-            made = self._worker_drafts.get(request.req_id)
-            if made is not None and not is_chain(made.parents):
+            made = self._worker_drafts.get(request.req_id, [])
+            if isinstance(made, DraftTree):
                 n = self.policy.choose_tree(request, len(running), made, off_path) if k else 0
                 tree = trim_tree(made, n)
                 if len(tree):
@@ -279,7 +279,7 @@ class LLMEngine:
                 drafts[request.req_id] = tree
                 lengths[request.req_id] = self.policy.num_speculative_tokens_for(request) if k else 0
             else:
-                drafts[request.req_id] = [] if made is None else made.token_ids[:k]
+                drafts[request.req_id] = made[:k]
                 lengths[request.req_id] = k
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths)
@@ -287,10 +287,12 @@ class LLMEngine:
     def _keep_worker_drafts(self, result: StepResult) -> None:
         if result.draft_token_ids is None:
             return
-        parents = result.draft_parents or [[]] * len(result.req_ids)
-        scores = result.draft_scores or [[]] * len(result.req_ids)
-        self._worker_drafts = {rid: DraftTree(list(d), list(p) if p else chain_parents(len(d)), list(sc) or None)
-                               for rid, d, p, sc in zip(result.req_ids, result.draft_token_ids, parents, scores) if d}
+        if result.draft_parents is None:  # chains
+            self._worker_drafts = {rid: d for rid, d in zip(result.req_ids, result.draft_token_ids) if d}
+            return
+        self._worker_drafts = {rid: DraftTree(d, p, sc or None) for rid, d, p, sc in
+                               zip(result.req_ids, result.draft_token_ids, result.draft_parents, result.draft_scores)
+                               if d}
 
     def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
         """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""

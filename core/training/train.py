@@ -297,18 +297,13 @@ def chain_accepted(correct: list[torch.Tensor], batch: _Batch) -> tuple[float, i
     """Sum over answer positions R of the drafts a chain from R keeps (d1 = step 0 at R, d2 = step 1 at R + 1,
     ...: all right up to the first miss), and the count of positions."""
     t = batch.next_ids.shape[1]
-    steps = len(correct)
-    total, count = 0.0, 0
     alive = batch.answer & (batch.labels >= 0)
     kept = torch.zeros_like(batch.labels, dtype=torch.float32)
     run = torch.ones_like(alive)
-    for j in range(steps):
-        c = F.pad(correct[j], (0, j), value=False)[:, j : j + t]  # the draft of step j made from R sits at R + j
-        run = run & c
+    for j, hits in enumerate(correct):
+        run = run & F.pad(hits, (0, j), value=False)[:, j : j + t]  # step j's draft made from R sits at R + j
         kept = kept + run.float()
-    total += float(kept[alive].sum())
-    count += int(alive.sum())
-    return total, count
+    return float(kept[alive].sum()), int(alive.sum())
 
 
 def train(target, target_config, store: FeatureStore, prompt_lens: list[int], config: TrainConfig, out_dir: str,
