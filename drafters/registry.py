@@ -58,11 +58,11 @@ _DRAFTERS = {
                               "specray.drafters.lookahead:LookaheadOptions"),
     # heads that read the target's hidden states, on the target's driver rank (one module family:
     # specray.models.draft_head)
-    "eagle": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+    "eagle": DrafterEntry("specray.workers.head_drafter:HiddenStateDrafter",
                           "specray.drafters.hidden_state:EagleOptions", in_worker=True),
-    "eagle3": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+    "eagle3": DrafterEntry("specray.workers.head_drafter:HiddenStateDrafter",
                            "specray.drafters.hidden_state:EagleOptions", in_worker=True),
-    "mtp": DrafterEntry("specray.drafters.hidden_state:HiddenStateDrafter",
+    "mtp": DrafterEntry("specray.workers.head_drafter:HiddenStateDrafter",
                         "specray.drafters.hidden_state:MTPOptions", in_worker=True),
 }
 

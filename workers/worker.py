@@ -102,7 +102,7 @@ class Worker:
     def _load_head(self, hf_config, world_size: int):
         """The worker-side drafter's head, on the driver rank only (it is replicated there, see
         docs/hidden_state_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
-        (:func:`~specray.drafters.hidden_state.whole_target`), which every rank takes part in."""
+        (:func:`~specray.workers.head_drafter.whole_target`), which every rank takes part in."""
         from specray.workers.head_drafter import load_head, whole_target
 
         target = self.model if world_size == 1 else whole_target(self.model, keep=self.rank == 0)
