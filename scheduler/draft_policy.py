@@ -8,7 +8,11 @@ positions before it were. Verifying k drafts then yields, counting the target's 
 tokens. One verification of k drafts with ``acc`` accepted is ``acc`` successes and, if acc < k, one failure of
 that Bernoulli(alpha); a request's evidence is kept as exponentially discounted counts S and F (the policy's
 :class:`Evidence` per request id, forgotten when the request finishes) and read as the posterior mean under a
-Beta prior of strength m centred on alpha0:  alpha = (S + alpha0 * m) / (S + F + m).
+Beta prior of strength m centred on the engine's acceptance so far (every request's evidence, discounted by
+ENGINE_DECAY per verification, itself read with alpha0 as its prior), so a new request starts from what the drafter
+has been achieving here rather than from a guess:
+
+    alpha = (S + alpha_engine * m) / (S + F + m),   alpha_engine = (S_engine + alpha0 * m) / (S_engine + F_engine + m)
 
 Cost model: a step over n tokens takes cost(n) = a + b * rows(n), fitted by least squares over a sliding window
 of measured steps (with one pass that drops outliers beyond 3 median absolute residuals, e.g. a GC pause).
@@ -19,7 +23,9 @@ a batch of B requests one request's share is  a / B + b * (1 + k).
 
 Choice: k in [0, num_speculative_tokens] maximising E(k) / (a / B + b * (1 + k)), tokens per unit of time.
 k = 0 unless the best k beats it by ``margin``; after ``probe_after`` steps in a row at k = 0 the request gets
-one cheap probe of ``probe_k`` drafts, so a request whose text turned predictable can recover.
+one cheap probe of ``probe_k`` drafts, so a request whose text turned predictable can recover. Where a probe costs
+more than the rows it verifies (a drafter that runs a model to propose), each probe that leaves the request at k = 0
+doubles the wait before the next, up to ``probe_backoff`` times; a choice of k > 0 resets it.
 
 Closed batches (offline ``generate``, where the time of the whole batch is what counts): once nothing waits, the
 batch only drains and ends with its last request. Request j, with budget r_j tokens left (``max_tokens``; EOS may
@@ -82,6 +88,8 @@ class Evidence:
     rejects: float = 0.0
     keyed: dict[int, list[float]] = field(default_factory=dict)
     undrafted_steps: int = 0
+    probing: bool = False  # the last choice was a probe
+    probes: int = 0  # probes since the last choice of k > 0
 
 
 _NO_EVIDENCE = Evidence()
@@ -121,8 +129,8 @@ def robust_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 class DraftLengthPolicy:
     def __init__(self, num_speculative_tokens: int, adaptive: bool = True, *, window: int = 64, margin: float = 0.03,
-                 probe_after: int = 8, probe_k: int = 2, prior_alpha: float = 0.5, prior_strength: float = 2.0,
-                 decay: float = 0.9, rows: Callable[[int], int] | None = None):
+                 probe_after: int = 8, probe_k: int = 2, probe_backoff: int = 0, prior_alpha: float = 0.5,
+                 prior_strength: float = 2.0, decay: float = 0.9, rows: Callable[[int], int] | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 0")
         if window < 2:
@@ -134,11 +142,13 @@ class DraftLengthPolicy:
         self.margin = margin
         self.probe_after = probe_after
         self.probe_k = probe_k
+        self.probe_backoff = probe_backoff
         self.prior_alpha = prior_alpha
         self.prior_strength = prior_strength
         self.decay = decay
         self.rows = rows or (lambda n: n)
-        self._key_evidence: dict[int, list[float]] = {}  # the engine's [S, F] per key, over every request
+        # the engine's [S, F] per key, over every request (None: every verification, whatever its key)
+        self._key_evidence: dict[int | None, list[float]] = {None: [0.0, 0.0]}
         self._evidence: dict[str, Evidence] = {}  # per request id, until forget()
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._cost = PRIOR_COST
@@ -191,6 +201,7 @@ class DraftLengthPolicy:
         ev = self.evidence(req.req_id)
         ev.accepts = self.decay * ev.accepts + num_accepted
         ev.rejects = self.decay * ev.rejects + rejected
+        _discount(self._key_evidence[None], ENGINE_DECAY, num_accepted, rejected)
         if key is not None:
             _discount(ev.keyed.setdefault(key, [0.0, 0.0]), self.decay, num_accepted, rejected)
             _discount(self._key_evidence.setdefault(key, [0.0, 0.0]), ENGINE_DECAY, num_accepted, rejected)
@@ -244,14 +255,25 @@ class DraftLengthPolicy:
             return path_scores(tree, alpha)
         return [s * alpha ** d for s, d in zip(path_scores(tree, 1.0), depths(tree.parents))]
 
+    def wait_or_probe(self, req, off_critical_path: bool = False) -> int:
+        """No drafts for ``req`` this step unless a probe is due (then ``probe_k``): for a request whose last
+        proposal was priced at nothing and that has no proposal to price now (a tree drafter waiting to be asked)."""
+        limit = self.num_speculative_tokens_for(req)
+        if not self.adaptive or limit == 0:
+            return limit
+        return 0 if off_critical_path else self._with_probes(req, 0, limit)
+
     def _with_probes(self, req, n: int, limit: int) -> int:
-        """``n`` drafts, or after ``probe_after`` steps in a row without any a probe of ``probe_k``."""
+        """``n`` drafts, or after ``probe_after`` steps in a row without any (times 2 per probe since the last
+        k > 0, up to ``probe_backoff`` doublings) a probe of ``probe_k``."""
         ev = self.evidence(req.req_id)
+        ev.probing = False
         if n > 0:
-            ev.undrafted_steps = 0
+            ev.undrafted_steps = ev.probes = 0
             return n
-        if ev.undrafted_steps >= self.probe_after:
-            ev.undrafted_steps = 0
+        if ev.undrafted_steps >= self.probe_after << min(ev.probes, self.probe_backoff):
+            ev.undrafted_steps, ev.probing = 0, True
+            ev.probes += 1
             return min(self.probe_k, limit)
         ev.undrafted_steps += 1
         return 0
@@ -259,9 +281,9 @@ class DraftLengthPolicy:
     def acceptance(self, req, key: int | None = None) -> float:
         """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts (of ``key``)."""
         ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
-        if key is None:
-            return self._posterior(ev.accepts, ev.rejects, self.prior_alpha)
         prior = self._posterior(*self._key_evidence.get(key, (0.0, 0.0)), self.prior_alpha)
+        if key is None:
+            return self._posterior(ev.accepts, ev.rejects, prior)
         return self._posterior(*ev.keyed.get(key, (0.0, 0.0)), prior)
 
     def _posterior(self, accepts: float, rejects: float, prior: float) -> float:

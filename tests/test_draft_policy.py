@@ -118,6 +118,22 @@ def test_probe_after_consecutive_zero_steps():
     assert picks == [0] * 8 + [2] + [0] * 8 + [2]
 
 
+def test_probes_back_off_while_they_find_nothing():
+    policy = DraftLengthPolicy(5, probe_after=2, probe_k=2, probe_backoff=2)
+    feed_cost(policy, 0.030, 0.002)
+    req = trained(policy, 0.0)
+    picks = [policy.choose(req, batch_size=1) for _ in range(30)]
+    gaps = [len(run) for run in "".join("x" if k else "." for k in picks).split("x")[:-1]]
+    assert set(picks) == {0, 2} and gaps == [2, 4, 8, 8], picks  # 2 steps, doubled twice at most
+    policy.evidence(req.req_id).undrafted_steps = 0
+    for _ in range(20):
+        policy.observe(req, 2, 2)  # drafts match again: it drafts, and the next probe wait starts over
+    assert policy.choose(req, batch_size=1) > 0
+    ev = policy.evidence(req.req_id)
+    ev.accepts, ev.rejects = 0.0, 50.0  # and miss again: probes start from the shortest wait
+    assert [policy.choose(req, batch_size=1) for _ in range(3)] == [0, 0, 2]
+
+
 def test_recovers_when_drafts_start_matching():
     policy = DraftLengthPolicy(5)
     req = trained(policy, 0.0)
@@ -169,7 +185,7 @@ def test_closed_batch_requests_off_the_critical_path_draft_nothing():
     path."""
     policy = DraftLengthPolicy(5)
     feed_cost(policy, 1.0, 0.05)
-    poor = [trained(policy, 0.1, seed=i) for i in range(3)]
+    poor = [trained(policy, 0.05, seed=i) for i in range(3)]
     good = [trained(policy, 0.9, seed=i) for i in range(3)]
     assert policy.off_critical_path(poor, [100, 60, 95], 3) == [False, True, True]
     assert policy.off_critical_path(good[:1] + poor[1:], [100, 60, 95], 3) == [False, True, False]
@@ -198,7 +214,9 @@ def test_evidence_per_kind_of_guess():
     assert policy.choose(req, 8, key=1) == 0 < policy.choose(req, 8)  # the blended estimate drafts after both
     assert policy.choose(req, 8, key=4) >= 3
     fresh = make_req("fresh")
-    assert policy.acceptance(fresh) == pytest.approx(0.5)  # nothing of its own yet
+    # nothing of its own yet: every request's evidence, whatever its key, is its prior
+    assert policy.acceptance(fresh, 1) < policy.acceptance(fresh) < policy.acceptance(fresh, 4)
+    assert DraftLengthPolicy(5).acceptance(fresh) == pytest.approx(0.5)  # an engine that verified nothing yet
     assert policy.acceptance(fresh, 1) < 0.3 and policy.acceptance(fresh, 4) > 0.7
     assert policy.acceptance(fresh, 2) == pytest.approx(0.5)  # no request drafted after a 2-token match
 
@@ -228,8 +246,10 @@ def test_evidence_lives_in_the_policy_until_forgotten():
     policy = DraftLengthPolicy(5)
     req = trained(policy, 0.9)
     assert policy.acceptance(req) > 0.8 and not hasattr(req, "draft_accepts")
+    engine = policy.acceptance(make_req("new"))  # what a request with no evidence of its own starts from
+    assert policy.acceptance(req) > engine > 0.5
     policy.forget([req.req_id])
-    assert policy.acceptance(req) == pytest.approx(0.5) and req.req_id not in policy._evidence
+    assert policy.acceptance(req) == pytest.approx(engine) and req.req_id not in policy._evidence
 
 
 def _best_k_by_definition(policy: DraftLengthPolicy, alpha: float, batch_size: int, limit: int) -> int:

@@ -272,14 +272,16 @@ class DenseHead:
         return build_attention_metadata([n], [start], [self.table], self.block_size)
 
     @torch.inference_mode()
-    def first_pass(self, tokens: list[int], n: int):
-        """The head over positions 0..n-1 of ``tokens`` (it reads ``tokens[1..n]``): (feedback, normed, K/V)."""
+    def first_pass(self, tokens: list[int], n: int, kv_of: int | None = None):
+        """The head over positions 0..n-1 of ``tokens`` (it reads ``tokens[1..n]``): (feedback, normed, K/V of
+        the first ``kv_of`` positions, default n)."""
         ids = torch.tensor(tokens[:n])
         out = self.target(ids, self._meta(n, 0), aux_layers=self.head.aux_layers)
         hidden, aux = out if self.head.aux_layers else (out, [])
         features = self.head.target_features(hidden, aux)
         feedback, normed = self.head(torch.tensor(tokens[1: n + 1]), features, self._meta(n, 0))
-        kv = self.cache.snapshot(torch.tensor(slots_of(self.table, range(n), self.block_size)))
+        kv = self.cache.snapshot(torch.tensor(slots_of(self.table, range(n if kv_of is None else kv_of),
+                                                       self.block_size)))
         return feedback, normed, kv
 
     @torch.inference_mode()
@@ -330,8 +332,11 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
             n = req.num_computed_tokens
             if n == 0 or req.req_id not in drafts:
                 continue  # not in this step: its head state was checked when it last ran
-            _, _, want = dense.first_pass(req.all_token_ids, n)
-            for got, ref in zip(worker_head_kv(engine, req.req_id, n), want):
+            held = engine.executor.worker.runner.drafter.held.get(req.req_id)
+            written = n if held is None else held.start  # held positions get their first pass when it drafts
+            assert held is None or (not drafts[req.req_id] and held.start + len(held.tokens) == n)
+            _, _, want = dense.first_pass(req.all_token_ids, n, written)
+            for got, ref in zip(worker_head_kv(engine, req.req_id, written), want):
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
             checked["kv"] += 1
             if drafts[req.req_id]:
@@ -346,6 +351,95 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert engine.scheduler.num_preemptions > 0
     assert all(checked.values()) and checked["drafts"] >= 10 and checked["kv"] > checked["drafts"], checked
     assert free_blocks(llm) == 28
+
+
+def on_off_policy(engine, pattern: str):
+    """The engine's policy made to draft by ``pattern`` (one letter per step and request: "1" drafts the most,
+    "0" nothing), cycling, so the head is switched off and on again and again."""
+    policy, calls = engine.policy, {}
+
+    def turn(req) -> bool:
+        i = calls[req.req_id] = calls.get(req.req_id, -1) + 1
+        return pattern[i % len(pattern)] == "1"
+
+    policy.choose = lambda req, *a, **kw: policy.num_speculative_tokens_for(req) if turn(req) else 0
+    policy.choose_tree = lambda req, batch, tree, *a, **kw: len(tree) if turn(req) else 0
+
+
+@pytest.mark.parametrize("method", CHAIN_METHODS)
+def test_head_switched_off_catches_up_when_it_drafts_again(target_dir, heads, plain_outputs, method):
+    """Steps after which a request drafts nothing put its first pass off (its positions wait on the worker); when
+    it drafts again the head's K/V over every committed position and its drafts equal the dense recomputation.
+    Greedy output stays the plain output."""
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    on_off_policy(engine, "0010001")
+    drafter = engine.executor.worker.runner.drafter
+    model = str(heads["accepting", "mtp"]) if method == "mtp" else str(target_dir)
+    dense = DenseHead(model, method, model if method == "mtp" else str(heads["accepting", method]))
+    tok = llm.get_tokenizer()
+    ids = {engine.add_request(tok.encode(p), greedy(24)): i for i, p in enumerate(PROMPTS[:4])}
+    outputs, caught_up, most_held = {}, 0, 0
+    while engine.has_unfinished_requests():
+        was_held = {rid: len(h.tokens) for rid, h in drafter.held.items()}
+        finished = set()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+                finished.add(out.request_id)
+        # the worker drops a finished request's held positions with the next plan (which names it finished)
+        assert set(drafter.held) <= {r.req_id for r in engine.scheduler.running} | finished
+        plan, result = rec.steps[-1]
+        most_held = max([most_held] + [len(h.tokens) for h in drafter.held.values()])
+        for req_id, drafts in zip(result.req_ids, result.draft_token_ids or []):
+            req = engine.scheduler.requests.get(req_id)
+            if not drafts or req is None:
+                continue
+            n = req.num_computed_tokens
+            assert req_id not in drafter.held
+            _, _, want = dense.first_pass(req.all_token_ids, n)
+            for got, ref in zip(worker_head_kv(engine, req_id, n), want):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+            dense.check_drafts(req.all_token_ids, drafts)
+            caught_up += was_held.get(req_id, 0) >= 2
+    assert caught_up >= 4 and most_held >= 3, (caught_up, most_held)
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == plain_outputs[:4]
+    assert free_blocks(llm) == 64
+
+
+@pytest.mark.parametrize("pattern", ["0011", "011"])  # a tree drafted on "1" is verified on the next "1"
+def test_tree_head_switched_off_and_on_keeps_greedy_output(target_dir, heads, plain_outputs, pattern):
+    llm = make_llm(target_dir, heads, "accepting", "eagle3-tree")
+    start = free_blocks(llm)
+    on_off_policy(llm.engine, pattern)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    assert llm.engine.spec_stats.accepted_tokens > 0
+    assert free_blocks(llm) == start
+
+
+def test_adaptive_policy_probes_a_head_it_switched_off(target_dir, heads, plain_outputs):
+    """A random head is soon switched off by the adaptive policy; every ``probe_after`` steps the policy probes it
+    again, and the probe's drafts are verified (the policy learns only from verified drafts)."""
+    kwargs = engine_kwargs(target_dir, heads, "random", "eagle3")
+    kwargs["speculative_config"]["adaptive"] = True
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    outs = llm.generate(PROMPTS[:1], greedy(80), use_tqdm=False)
+    assert token_ids(outs)[0][:24] == plain_outputs[0]  # greedy(80) goes on where greedy() stopped at 24
+    verified = [c.num_draft_tokens for c, _, _ in rec.chunks() if c.sample]
+    gaps, run = [], 0
+    for k in verified:
+        if k:
+            gaps.append((run, k))
+            run = 0
+        else:
+            run += 1
+    probes = [k for gap, k in gaps if gap >= engine.policy.probe_after]
+    assert len(probes) >= 3 and set(probes) == {engine.policy.probe_k}, gaps
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------

@@ -14,6 +14,12 @@ The step, for every request in the plan (one batched pass each):
    head's own feedback feature and the token it just drafted. They write K/V into the slots the scheduler reserved
    past the verified drafts; the next step's first pass rewrites those positions before anything reads them.
 
+A request that drafts nothing after this step (the policy's K = 0) costs the head nothing: its first pass is put off,
+and the target's rows it would read (its features) wait on the worker (:class:`_Held`, at most ``HELD_POSITIONS``
+recent positions) until the request drafts again; then the first pass runs over the held positions and the new ones
+together, so the head's K/V is whole again before anything reads it. Positions dropped past the limit keep whatever
+the head's cache held in their slots: later drafts may be poorer, never the output (verification decides).
+
 Drafts are the head's argmax (deterministic candidates: with sampling, verification accepts draft x with
 probability p(x) and resamples from p without x, which keeps the target's distribution exactly). They return in
 ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
@@ -71,6 +77,32 @@ class _Row:
     drafts: int  # how many drafts to make (0: only its K/V)
 
 
+@dataclass
+class _Held:
+    """A request's positions whose first pass is put off (it drafted nothing after them): from ``start`` on, the
+    token after each and the target's rows the head reads there (a list of per-step pieces, each a tuple of
+    tensors as :meth:`HiddenStateDrafter._source` gives them)."""
+
+    start: int
+    tokens: list[int]
+    pieces: list[tuple[torch.Tensor, ...]]
+
+    def joined(self) -> tuple[torch.Tensor, ...]:
+        if len(self.pieces) > 1:
+            self.pieces = [tuple(torch.cat(parts) for parts in zip(*self.pieces))]
+        return self.pieces[0]
+
+    def cut(self, lo: int, hi: int) -> None:
+        """Keep positions ``start + lo`` .. ``start + hi - 1``."""
+        self.pieces = [tuple(t[lo:hi] for t in self.joined())]
+        self.start, self.tokens = self.start + lo, self.tokens[lo:hi]
+
+
+# the most positions one request keeps held for a later first pass: the adaptive policy probes every few steps,
+# so a request it keeps off holds a handful; one that never drafts (its own K of 0) holds no more than this
+HELD_POSITIONS = 64
+
+
 class HiddenStateDrafter:
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
@@ -79,39 +111,83 @@ class HiddenStateDrafter:
         self.tree = tree
         self.block_size = block_size
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
+        self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.head.aux_layers
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished or preempted request's held positions (a preempted one recomputes them)."""
+        self.held.pop(req_id, None)
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
               kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
         """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
         the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
         target's), ``paths[i]`` its accepted tree nodes (absent for a chain)."""
-        work = self._first_pass_rows(plan, kept, paths)
+        work, later = self._first_pass_rows(plan, kept, paths)
         out: list[Drafted | None] = [None] * len(plan.chunks)
+        device = hidden.device
+        for w in later:
+            self._hold(plan.chunks[w.chunk].req_id, w, self._source(hidden, aux, w.rows))
         if not work:
             return out
-        device = hidden.device
-        rows = torch.tensor([r for w in work for r in w.rows], dtype=torch.long, device=device)
-        features = self.head.target_features(hidden.index_select(0, rows), [a.index_select(0, rows) for a in aux])
+        work, source = self._with_held(plan, work, hidden, aux)
+        features = self.head.target_features(source[0], source)  # (hidden,) or the aux layers' rows: see _source
         ids = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=device)
-        meta = build_attention_metadata([len(w.rows) for w in work], [w.start for w in work],
+        meta = build_attention_metadata([len(w.tokens) for w in work], [w.start for w in work],
                                         [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
         feedback, normed = self.head(ids, features, meta)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
-        last_rows = itertools.accumulate(len(w.rows) for w in work)  # one past each request's last first-pass row
+        last_rows = itertools.accumulate(len(w.tokens) for w in work)  # one past each request's last first-pass row
         ends = torch.tensor([end - 1 for end, w in zip(last_rows, work) if w.drafts > 0], device=device)
         feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
-        roots = [w.start + len(w.rows) for w in drafting]  # the position of the token the target just sampled
+        roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
         made = (self._tree if self.tree is not None else self._chain)(drafting, block_tables, roots, feedback, normed)
         for w, drafted in zip(drafting, made):
             out[w.chunk] = drafted
         return out
+
+    def _source(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, ...]:
+        """The target's rows the head reads at ``rows``: its residual stream at the head's layers (EAGLE-3), else
+        its last hidden states."""
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        if self.head.aux_layers:
+            return tuple(a.index_select(0, index) for a in aux)
+        return (hidden.index_select(0, index),)
+
+    def _hold(self, req_id: str, w: _Row, piece: tuple[torch.Tensor, ...]) -> None:
+        held = self.held.get(req_id)
+        if held is None or not held.start <= w.start <= held.start + len(held.tokens):
+            self.held[req_id] = _Held(w.start, list(w.tokens), [piece])
+            return
+        if w.start < held.start + len(held.tokens):  # a step run again (a retry without a failed request)
+            held.cut(0, w.start - held.start)
+        held.tokens += w.tokens
+        held.pieces.append(piece)
+        if len(held.tokens) > HELD_POSITIONS:  # keep the most recent half: older positions stay as the cache has them
+            held.cut(len(held.tokens) - HELD_POSITIONS // 2, len(held.tokens))
+
+    def _with_held(self, plan: StepPlan, work: list[_Row], hidden: torch.Tensor, aux: list[torch.Tensor]
+                   ) -> tuple[list[_Row], tuple[torch.Tensor, ...]]:
+        """The first pass's rows and their sources: each request's held positions (if any) before this step's."""
+        if not any(plan.chunks[w.chunk].req_id in self.held for w in work):
+            return work, self._source(hidden, aux, [r for w in work for r in w.rows])
+        rows, pieces = [], []
+        for w in work:
+            piece = self._source(hidden, aux, w.rows)
+            held = self.held.pop(plan.chunks[w.chunk].req_id, None)
+            if held is not None and held.start < w.start <= held.start + len(held.tokens):
+                held.cut(0, w.start - held.start)  # all of it, but after a step that is run again
+                piece = tuple(torch.cat((h, p)) for h, p in zip(held.joined(), piece))
+                w = _Row(w.chunk, [], held.tokens + w.tokens, held.start, w.drafts)
+            rows.append(w)
+            pieces.append(piece)
+        return rows, tuple(torch.cat(parts) for parts in zip(*pieces))
 
     def _chain(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
                normed: torch.Tensor) -> list[Drafted]:
@@ -197,8 +273,10 @@ class HiddenStateDrafter:
                                 [prob[n] for n in chosen]))
         return made
 
-    def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[_Row]:
-        work, offset = [], 0
+    def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]
+                         ) -> tuple[list[_Row], list[_Row]]:
+        """The first pass's rows of this step, and the rows of requests that draft nothing after it (held)."""
+        work, later, offset = [], [], 0
         for i, chunk in enumerate(plan.chunks):
             base = offset
             offset += chunk.num_tokens
@@ -214,10 +292,10 @@ class HiddenStateDrafter:
                 continue  # failed in this step: nothing committed
             accepted = len(tokens) - 1
             nodes = paths.get(i) or list(range(accepted))
-            rows = list(range(base, base + real)) + [base + real + n for n in nodes]
-            work.append(_Row(i, rows, chunk.token_ids[1:real] + list(tokens), chunk.start_pos,
-                             chunk.num_next_drafts))
-        return work
+            row = _Row(i, list(range(base, base + real)) + [base + real + n for n in nodes],
+                       chunk.token_ids[1:real] + list(tokens), chunk.start_pos, chunk.num_next_drafts)
+            (work if row.drafts else later).append(row)
+        return work, later
 
 
 def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:

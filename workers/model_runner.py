@@ -56,8 +56,12 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.drop(rid)
         for rid in plan.preempted_req_ids:
             self.block_tables.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.drop(rid)
         if plan.kv_moves:  # every request's moves at once: all sources are read before any is written
             src = [s for m in plan.kv_moves for s in m.src]
             dst = [d for m in plan.kv_moves for d in m.dst]

@@ -8,7 +8,7 @@ from typing import Any
 from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
-from specray.drafters.base import DrafterContext
+from specray.drafters.base import DrafterContext, proposes_cheaply
 from specray.drafters.router import DrafterRouter
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
@@ -119,13 +119,15 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
         block_size=args.block_size,
         target_tokenizer=tokenizer,
     )
-    policy = DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
-                               rows=rows_for(target_info.device, target_info.dtype))
+    def policy(cheap: bool) -> DraftLengthPolicy:  # probes back off where proposing runs a model
+        return DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive, probe_backoff=0 if cheap else 3,
+                                 rows=rows_for(target_info.device, target_info.dtype))
+
     if registry.runs_in_worker(spec.method):  # it drafts inside the target's driver rank: nothing to build here
-        return None, policy, None
+        return None, policy(cheap=False), None
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
         drafter = remote(spec, ctx, args.ray_placement, args.tokenizer or args.model)
     else:
         drafter = registry.drafter_class(spec.method)(spec, ctx)
-    return drafter, policy, DrafterRouter(drafter, spec, ctx)
+    return drafter, policy(proposes_cheaply(drafter)), DrafterRouter(drafter, spec, ctx)

@@ -54,6 +54,7 @@ class LLMEngine:
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
         self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
+        self._worker_probes: set[str] = set()  # requests whose drafts in the making are the policy's probe
         self.tracked: dict[str, _Tracked] = {}
         self.spec_stats = SpecStats()
         self.num_steps = 0
@@ -261,26 +262,45 @@ class LLMEngine:
         return probs
 
     def _hand_worker_drafts(self) -> None:
-        """The drafts the worker made after the last step, cut to what the policy now chooses for each decoding
-        request (a chain's K; a tree's best n nodes, priced by the head's scores), and how many the worker should
-        draft after this step, for the step after (a chain: that K; a tree: all its nodes, or none at K = 0)."""
+        """The drafts the worker made after the last step go to verification, and the policy decides, once per
+        decoding request and step, how many the worker should draft after this step for the next (none: the
+        head's first pass for it is put off too, see :mod:`specray.workers.head_drafter`).
+
+        A chain was sized when it was asked for; the evidence that came in since (the step between) may cut it
+        shorter, but a probe is verified whole, as the policy learns only from verified drafts. A tree's nodes are
+        priced now that the head's scores are known (``choose_tree``); the worker drafts the next tree while this
+        one was worth verifying; once one is not, the next only as a probe (its best ``probe_k`` nodes verified).
+        A request just out of prefill drafts the most."""
         drafts, lengths = {}, {}
         running = self.scheduler.running
+        probes, self._worker_probes = self._worker_probes, set()
         for request, off_path in zip(running, self._off_critical_path(running)):
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # prefilling: the worker drafts after its last chunk
-            k = self.policy.choose(request, len(running), off_path)
-            made = self._worker_drafts.get(request.req_id, [])
+            rid = request.req_id
+            made = self._worker_drafts.get(rid)
             if isinstance(made, DraftTree):
-                n = self.policy.choose_tree(request, len(running), made, off_path) if k else 0
+                if rid in probes:
+                    n = min(len(made), self.policy.probe_k, self.policy.num_speculative_tokens_for(request))
+                else:
+                    n = self.policy.choose_tree(request, len(running), made, off_path)
                 tree = trim_tree(made, n)
                 if len(tree):
-                    self._draft_trees[request.req_id] = tree
-                drafts[request.req_id] = tree
-                lengths[request.req_id] = self.policy.num_speculative_tokens_for(request) if k else 0
+                    self._draft_trees[rid] = tree
+                drafts[rid] = tree
+                k = n
+            elif self.scheduler.config.worker_tree_slots:  # a tree drafter with no tree in hand
+                k = self.policy.wait_or_probe(request, off_path)
+                if self.policy.evidence(rid).probing:
+                    self._worker_probes.add(rid)
             else:
-                drafts[request.req_id] = made[:k]
-                lengths[request.req_id] = k
+                k = self.policy.choose(request, len(running), off_path)
+                if self.policy.evidence(rid).probing:
+                    self._worker_probes.add(rid)
+                drafts[rid] = [] if made is None else made if rid in probes else made[:k]
+            if k and self.scheduler.config.worker_tree_slots:
+                k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
+            lengths[rid] = k
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths)
 
