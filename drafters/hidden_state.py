@@ -11,7 +11,32 @@ from typing import Any
 
 
 @dataclass
-class EagleOptions:
+class HeadOptions:
+    """The keys every hidden-state drafter has."""
+
+    # a lookup drafter run beside the head in the engine (a method a request could pick for itself: "ngram",
+    # "suffix", ...; or a speculative_config dict of one, {"method": "suffix", "num_speculative_tokens": 12}):
+    # each step, each request verifies whichever of the two proposals the draft policy prices higher
+    combine_with: str | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        given = self.combine_with
+        if given is not None and not isinstance(given, str) and not (isinstance(given, dict) and "method" in given):
+            raise ValueError(f"speculative_config.combine_with={given!r} must be a method name such as 'ngram' or "
+                             "'suffix', or a speculative_config dict of one with its 'method'")
+
+    def lookup_config(self, num_speculative_tokens: int) -> dict[str, Any] | None:
+        """``combine_with`` as a speculative_config dict (its draft count defaults to the head's), or None."""
+        given = self.combine_with
+        if given is None:
+            return None
+        config = {"method": given} if isinstance(given, str) else dict(given)
+        config.setdefault("num_speculative_tokens", num_speculative_tokens)
+        return config
+
+
+@dataclass
+class EagleOptions(HeadOptions):
     """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"`` (TensorRT-LLM's names for the tree)."""
 
     model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
@@ -21,6 +46,7 @@ class EagleOptions:
     dynamic_tree_depth: int = 4  # levels of the tree
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
         if not isinstance(self.use_dynamic_tree, bool):
@@ -36,7 +62,7 @@ class EagleOptions:
 
 
 @dataclass
-class MTPOptions:
+class MTPOptions(HeadOptions):
     """``speculative_config`` keys of ``method="mtp"``."""
 
     model: str | None = None  # a checkpoint holding the MTP layers; None: the target's own
@@ -45,6 +71,7 @@ class MTPOptions:
     mtp_feedback_normed: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
         if not isinstance(self.mtp_feedback_normed, bool):

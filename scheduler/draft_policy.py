@@ -220,17 +220,45 @@ class DraftLengthPolicy:
             return limit
         if off_critical_path:
             return 0
-        gains = self._tree_gains(req, tree, key)
+        return self._with_probes(req, self._best_nodes(req, batch_size, tree, key, limit)[0], limit)
+
+    def price(self, req, batch_size: int, drafts: list[int] | DraftTree, key=None) -> tuple[int, float]:
+        """How many of a proposal's first drafts (a chain's, or a tree's nodes) are worth verifying for ``req``,
+        and the expected tokens per unit cost of verifying them, by the rule of :meth:`choose_tree` (a chain is a
+        tree without scores: alpha^depth per node, the geometric model) but with no probe and no other state
+        touched: for weighing the proposals of several drafters against each other."""
+        tree = drafts if isinstance(drafts, DraftTree) else DraftTree(list(drafts), list(range(-1, len(drafts) - 1)))
+        limit = min(len(tree), self.num_speculative_tokens_for(req))
+        if not self.adaptive:
+            return limit, 0.0
+        return self._best_nodes(req, batch_size, tree, key, limit)
+
+    def knows(self, key) -> bool:
+        """Whether any verification of proposals of ``key`` has been observed (by any request)."""
+        return sum(self._key_evidence.get(key, (0.0, 0.0))) > 0.0
+
+    def settle(self, req, n: int, limit: int) -> int:
+        """``n`` drafts (chosen by weighing proposals with :meth:`price`), or when n = 0 a probe if one is due:
+        the probe rule of :meth:`choose`, once per request and step."""
+        if not self.adaptive:
+            return n
+        return self._with_probes(req, n, limit)
+
+    def _best_nodes(self, req, batch_size: int, tree: DraftTree, key, limit: int) -> tuple[int, float]:
+        """(n, rate): the n in [0, limit] of ``tree``'s first nodes with the best expected tokens per unit cost
+        (0 unless it beats none by the margin)."""
         costs = self._step_costs(batch_size, limit)
-        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
-        base_rate = best_rate
+        base_rate = 1.0 / costs[0]
+        if limit == 0:
+            return 0, base_rate
+        gains = self._tree_gains(req, tree, key)
+        best, best_rate, expected = 0, base_rate, 1.0
         for n in range(1, limit + 1):
             expected += gains[n - 1]
             rate = expected / costs[n]
             if rate > best_rate:
                 best, best_rate = n, rate
-        n = best if best_rate >= base_rate * (1.0 + self.margin) else 0
-        return self._with_probes(req, n, limit)
+        return (best, best_rate) if best_rate >= base_rate * (1.0 + self.margin) else (0, base_rate)
 
     def choose_whole(self, req, batch_size: int, tree: DraftTree, off_critical_path: bool = False,
                      key: int | None = None) -> int:

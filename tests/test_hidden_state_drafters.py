@@ -94,9 +94,12 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, **kw) -> dict:
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
+    method, _, lookup = method.partition("+")  # "eagle3+ngram": combined with a lookup drafter
     tree = method.endswith("-tree")
     method = method.removesuffix("-tree")
     spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False, **(TREE if tree else {})}
+    if lookup:
+        spec["combine_with"] = lookup
     if method == "mtp":
         model = heads[kind, method]
     else:
@@ -421,8 +424,9 @@ def test_tree_head_switched_off_and_on_keeps_greedy_output(target_dir, heads, pl
 
 
 def test_adaptive_policy_probes_a_head_it_switched_off(target_dir, heads, plain_outputs):
-    """A random head is soon switched off by the adaptive policy; every ``probe_after`` steps the policy probes it
-    again, and the probe's drafts are verified (the policy learns only from verified drafts)."""
+    """A random head is soon switched off by the adaptive policy; after ``probe_after`` steps the policy probes it
+    again, waiting longer after each probe that finds nothing, and the probe's drafts are verified (the policy
+    learns only from verified drafts)."""
     kwargs = engine_kwargs(target_dir, heads, "random", "eagle3")
     kwargs["speculative_config"]["adaptive"] = True
     llm = LLM(kwargs.pop("model"), **kwargs)
@@ -438,8 +442,47 @@ def test_adaptive_policy_probes_a_head_it_switched_off(target_dir, heads, plain_
             run = 0
         else:
             run += 1
-    probes = [k for gap, k in gaps if gap >= engine.policy.probe_after]
-    assert len(probes) >= 3 and set(probes) == {engine.policy.probe_k}, gaps
+    probes = [(gap, k) for gap, k in gaps if gap >= engine.policy.probe_after]
+    assert len(probes) >= 3, gaps
+    # probe_k drafts each (the last may be cut by the request's end), each wait at least as long as the one before
+    assert {k for _, k in probes[:-1]} == {engine.policy.probe_k}, gaps
+    assert [g for g, _ in probes[:3]] == sorted(g for g, _ in probes[:3]) and probes[2][0] > probes[0][0], gaps
+
+
+@pytest.mark.parametrize("method", ["eagle3+ngram", "mtp+suffix", "eagle3-tree+suffix"])
+def test_combined_with_a_lookup_keeps_greedy_output_and_drafts_with_both(target_dir, heads, plain_mixed, method):
+    """``combine_with``: each step each request verifies the head's drafts or the lookup drafter's, whichever the
+    policy prices higher (adaptive); greedy output is the plain output, both kinds of draft are verified and
+    kept, and the lookup drafter is told only of its own drafts' verifications."""
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method)
+    kwargs["speculative_config"]["adaptive"] = True
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine, start = llm.engine, free_blocks(llm)
+    head = method.split("+")[0].removesuffix("-tree")
+    policy = engine.policy
+    for n in range(1, 41):  # a step's fixed cost dominates, as for real models (a tiny one's has none)
+        policy.observe_step(n, 8, 0.05 + 0.001 * n)
+    policy.observe_step = lambda *args: None
+    kept_by, observe = {}, policy.observe  # every verification's evidence (observe_tree's too) goes through it
+    policy.observe = lambda req, n, acc, key=None: (
+        kept_by.setdefault("head" if key == head else "lookup", []).append(acc), observe(req, n, acc, key))
+    told, own = [], getattr(engine.drafter, "observe_verification", lambda *args: None)
+    engine.drafter.observe_verification = lambda rid, n, acc: (told.append(n), own(rid, n, acc))
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain_mixed)
+    assert kept_by.get("head") and kept_by.get("lookup") and llm.spec_stats.accepted_tokens > 0, kept_by
+    assert len(told) == len(kept_by["lookup"])
+    assert free_blocks(llm) == start and not engine.tracked
+
+
+def test_combine_with_names_a_lookup_drafter(target_dir, heads):
+    for bad, why in [("draft_model", "lookup drafter only"), (5, "must be a method name"),
+                     ({"num_speculative_tokens": 3}, "must be a method name"),
+                     ({"method": "ngram", "prompt_lookup_minn": 1}, "unknown keys")]:
+        kwargs = engine_kwargs(target_dir, heads, "accepting", "eagle3")
+        kwargs["speculative_config"]["combine_with"] = bad
+        with pytest.raises(ValueError, match=why):
+            LLM(kwargs.pop("model"), **kwargs)
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------

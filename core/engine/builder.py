@@ -101,6 +101,20 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                      worker_method=spec.method if in_worker else None)
 
 
+def lookup_beside_head(spec: SpeculativeConfig) -> SpeculativeConfig | None:
+    """A hidden-state drafter's ``combine_with``: the lookup drafter's config (None without one); a ValueError
+    unless it names a method a request could pick for itself (no model of its own, cheap proposals)."""
+    given = registry.options_of(spec).lookup_config(spec.num_speculative_tokens)
+    if given is None:
+        return None
+    lookup = SpeculativeConfig.from_any(given)
+    if lookup.method not in registry.request_methods():
+        raise ValueError(f"speculative_config.combine_with names method {lookup.method!r}; a head can be combined "
+                         f"with a lookup drafter only: one of {list(registry.request_methods())}")
+    registry.check(lookup)
+    return lookup
+
+
 def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
     """The engine's drafter, its draft policy, and the router the engine puts in front of the drafter once a
     request picks a method of its own (it builds those drafters here, in the engine's process); all None
@@ -119,12 +133,16 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
         block_size=args.block_size,
         target_tokenizer=tokenizer,
     )
-    def policy(cheap: bool) -> DraftLengthPolicy:  # probes back off where proposing runs a model
-        return DraftLengthPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive, probe_backoff=0 if cheap else 3,
-                                 rows=rows_for(target_info.device, target_info.dtype))
+    def policy(cheap: bool, count: int = spec.num_speculative_tokens) -> DraftLengthPolicy:
+        return DraftLengthPolicy(count, adaptive=spec.adaptive, probe_backoff=0 if cheap else 3,  # probes back off
+                                 rows=rows_for(target_info.device, target_info.dtype))  # where proposing runs a model
 
     if registry.runs_in_worker(spec.method):  # it drafts inside the target's driver rank: nothing to build here
-        return None, policy(cheap=False), None
+        lookup = lookup_beside_head(spec)  # but a lookup drafter beside it, in this process
+        if lookup is None:
+            return None, policy(cheap=False), None
+        drafter = registry.drafter_class(lookup.method)(lookup, ctx)
+        return drafter, policy(False, max(spec.num_speculative_tokens, lookup.num_speculative_tokens)), None
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
         drafter = remote(spec, ctx, args.ray_placement, args.tokenizer or args.model)

@@ -222,11 +222,12 @@ class LLMEngine:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
         request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
         A drafter that proposes cheaply (per request: behind a router, the drafter the request is routed to) is
-        asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts' probabilities (a probabilistic drafter's q) by request id; a
-        request the drafter fails on goes into ``failed``."""
+        asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts'
+        probabilities (a probabilistic drafter's q) by request id; a request the drafter fails on goes into
+        ``failed``."""
         self._draft_keys, self._draft_trees = {}, {}
         if self.worker_method is not None:
-            self._hand_worker_drafts()
+            self._hand_worker_drafts(failed)
             return {}
         if self.drafter is None:
             return {}
@@ -261,7 +262,7 @@ class LLMEngine:
         self.scheduler.update_draft_token_ids(drafts)
         return probs
 
-    def _hand_worker_drafts(self) -> None:
+    def _hand_worker_drafts(self, failed: dict[str, str]) -> None:
         """The drafts the worker made after the last step go to verification, and the policy decides, once per
         decoding request and step, how many the worker should draft after this step for the next (none: the
         head's first pass for it is put off too, see :mod:`specray.workers.head_drafter`).
@@ -270,20 +271,31 @@ class LLMEngine:
         shorter, but a probe is verified whole, as the policy learns only from verified drafts. A tree's nodes are
         priced now that the head's scores are known (``choose_tree``); the worker drafts the next tree while this
         one was worth verifying; once one is not, the next only as a probe (its best ``probe_k`` nodes verified).
-        A request just out of prefill drafts the most."""
+        A request just out of prefill drafts the most, and until the engine has verified any of the head's drafts
+        they are verified as a probe's (else a prior could keep the head from ever being tried). With a lookup
+        drafter beside the head (``combine_with``), a request it proposes for takes whichever proposal pays more
+        (:meth:`_combine`)."""
         drafts, lengths = {}, {}
         running = self.scheduler.running
         probes, self._worker_probes = self._worker_probes, set()
-        for request, off_path in zip(running, self._off_critical_path(running)):
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # prefilling: the worker drafts after its last chunk
+        decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
+                    if r.num_computed_tokens == r.num_tokens - 1]  # prefilling: the worker drafts after its last chunk
+        lookups = self._lookup_proposals(decoding, failed) if self.drafter is not None else {}
+        for request, off_path in decoding:
             rid = request.req_id
             made = self._worker_drafts.get(rid)
+            if rid in lookups:
+                drafts[rid], lengths[rid] = self._combine(request, len(running), off_path, made, lookups[rid],
+                                                          rid in probes)
+                continue
+            head = self.worker_method  # the key of the head's drafts
+            if made and not off_path and not self.policy.knows(head):
+                probes.add(rid)  # nothing verified of the head yet: its first drafts are verified, as a probe's
             if isinstance(made, DraftTree):
                 if rid in probes:
                     n = min(len(made), self.policy.probe_k, self.policy.num_speculative_tokens_for(request))
                 else:
-                    n = self.policy.choose_tree(request, len(running), made, off_path)
+                    n = self.policy.choose_tree(request, len(running), made, off_path, head)
                 tree = trim_tree(made, n)
                 if len(tree):
                     self._draft_trees[rid] = tree
@@ -294,15 +306,78 @@ class LLMEngine:
                 if self.policy.evidence(rid).probing:
                     self._worker_probes.add(rid)
             else:
-                k = self.policy.choose(request, len(running), off_path)
+                k = self.policy.choose(request, len(running), off_path, head)
                 if self.policy.evidence(rid).probing:
                     self._worker_probes.add(rid)
                 drafts[rid] = [] if made is None else made if rid in probes else made[:k]
+            if drafts.get(rid):
+                self._draft_keys[rid] = head
             if k and self.scheduler.config.worker_tree_slots:
                 k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
-            lengths[rid] = k
+            lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths)
+
+    def _lookup_proposals(self, decoding: list[tuple[Request, bool]], failed: dict[str, str]) -> dict[str, Proposal]:
+        """The lookup drafter's non-empty proposals for the decoding requests (it proposes cheaply: asked for the
+        most each may have), by request id; a request it fails on goes into ``failed``."""
+        batch = [DraftRequest(r.req_id, r.all_token_ids,
+                              0 if off_path and self.policy.adaptive else self.policy.num_speculative_tokens_for(r),
+                              r.sampling_params) for r, off_path in decoding]
+        found = {}
+        for dreq, proposal in zip(batch, self._propose(batch, failed)):
+            if proposal is None or not proposal.token_ids:
+                continue
+            problem = _check_proposal(proposal, self.vocab_size)
+            if problem is not None:
+                failed[dreq.req_id] = f"drafting failed: {problem}"
+            else:
+                found[dreq.req_id] = proposal
+        return found
+
+    def _combine(self, request: Request, batch_size: int, off_path: bool, made: list[int] | DraftTree | None,
+                 proposal: Proposal, head_probe: bool) -> tuple[list[int] | DraftTree, int]:
+        """One request's drafts for this step when both the head (``made``, drafted after the last step) and the
+        lookup drafter (``proposal``) may have some, and how many the head should draft after this step.
+
+        Each proposal is priced by the policy with the evidence of its own kind (the head's verifications under the
+        head's method as key, the lookup's under its proposal's key): the best number of its drafts to verify and
+        their expected tokens per unit cost; the better rate wins (the lookup on a tie). A head probe in hand is
+        verified whole, and so are the head's first drafts (until the engine has any evidence of the head, its prior
+        could never beat a lookup's established acceptance). The head drafts next unless the lookup won this step (a
+        match that pays tends to go on paying: copying), by its own evidence, or as a probe when the request's probe
+        is due."""
+        head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
+        lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
+        options = [(lookup, proposal.key)] + ([(made, head_key)] if made else [])
+        if off_path:
+            return [], 0
+        probing = False
+        if made and (head_probe or not self.policy.knows(head_key)):  # a probe, or the head never verified yet
+            chosen, key, n = made, head_key, len(made)
+        else:
+            (chosen, key), (n, _) = max(((o, self.policy.price(request, batch_size, o[0], o[1])) for o in options),
+                                        key=lambda pair: pair[1][1])
+            n = self.policy.settle(request, n, min(len(chosen), limit))
+            probing = self.policy.evidence(request.req_id).probing
+        head_next = 0
+        if probing and not made:
+            head_next = self.policy.probe_k  # probe the head as well: its drafts come back as a probe
+            self._worker_probes.add(request.req_id)
+        elif key == head_key or n == 0:
+            head_next = self.policy.best_k(self.policy.acceptance(request, head_key), batch_size, limit)
+        if head_next and self.scheduler.config.worker_tree_slots:
+            head_next = limit  # the worker grows a whole tree
+        head_next = min(head_next, self.scheduler.config.worker_draft_steps)
+        if isinstance(chosen, DraftTree):
+            chosen = trim_tree(chosen, n)
+            if len(chosen):
+                self._draft_trees[request.req_id] = chosen
+        else:
+            chosen = chosen[:n]
+        if n and key is not None:
+            self._draft_keys[request.req_id] = key
+        return chosen, head_next
 
     def _keep_worker_drafts(self, result: StepResult) -> None:
         if result.draft_token_ids is None:
@@ -407,8 +482,9 @@ class LLMEngine:
         told = getattr(self.drafter, "observe_verification", None)  # optional: exact per-drafter statistics
         for chunk, kept in zip(plan.chunks, result.sampled_token_ids):
             if chunk.sample and chunk.num_draft_tokens:
-                if told is not None:
-                    told(chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))
+                if told is not None and (self.worker_method is None or
+                                         self._draft_keys.get(chunk.req_id) != self.worker_method):
+                    told(chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))  # its own drafts only
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is None:
                     continue
