@@ -1,7 +1,8 @@
-"""Options of the drafters that read the target's hidden states (``eagle``, ``eagle3``, ``mtp``), and the plain data
-the target's workers build them from. The drafting itself runs inside the target's driver rank:
-:mod:`specray.workers.head_drafter` (the step), :mod:`specray.models.draft_head` (the head),
-:mod:`specray.models.draft_head_loader` (checkpoints); ``docs/hidden_state_drafters.md`` explains it all.
+"""Options of the drafters that read the target's hidden states (``eagle``, ``eagle3``, ``mtp``, ``medusa``), and
+the plain data the target's workers build them from. The drafting itself runs inside the target's driver rank:
+:mod:`specray.workers.head_drafter` (the step; Medusa's in :mod:`specray.workers.medusa_drafter`),
+:mod:`specray.models.draft_head` (the head), :mod:`specray.models.draft_head_loader` (checkpoints);
+``docs/hidden_state_drafters.md`` explains it all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ class HeadOptions:
         if given is not None and not isinstance(given, str) and not (isinstance(given, dict) and "method" in given):
             raise ValueError(f"speculative_config.combine_with={given!r} must be a method name such as 'ngram' or "
                              "'suffix', or a speculative_config dict of one with its 'method'")
+
+    def drafts_trees(self) -> bool:
+        """Whether the worker drafts token trees (each is priced and cut by the policy) rather than chains."""
+        return False
+
+    def writes_kv(self) -> bool:
+        """Whether drafting writes the head's K/V past the verified drafts (slots the scheduler reserves)."""
+        return True
 
     def lookup_config(self, num_speculative_tokens: int) -> dict[str, Any] | None:
         """``combine_with`` as a speculative_config dict (its draft count defaults to the head's), or None."""
@@ -56,6 +65,9 @@ class EagleOptions(HeadOptions):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name}={value!r} must be an int >= 1")
 
+    def drafts_trees(self) -> bool:
+        return self.use_dynamic_tree
+
     def tree_lookahead_slots(self) -> int:
         """Slots past the root a dynamic tree's growth writes (every level's nodes but the deepest); 0: chains."""
         return self.dynamic_tree_max_topK * (self.dynamic_tree_depth - 1) if self.use_dynamic_tree else 0
@@ -78,6 +90,58 @@ class MTPOptions(HeadOptions):
             raise ValueError(f"speculative_config.mtp_feedback_normed={self.mtp_feedback_normed!r} must be a bool")
 
 
+# a small default tree: paths of top-k indices, one per head (best-first: each path's prefix comes before it)
+DEFAULT_MEDUSA_CHOICES = ([0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0], [0, 0, 1], [3])
+
+
+@dataclass
+class MedusaOptions(HeadOptions):
+    """``speculative_config`` keys of ``method="medusa"``: the heads' checkpoint and the token tree they fill."""
+
+    model: str | None = None  # the heads' checkpoint folder (FasterDecoding's or vLLM's layout)
+    # the tree: each path [i0, i1, ...] is the node holding head 0's i0-th best token, then head 1's i1-th best
+    # under it, ... (Medusa's and TensorRT-LLM's ``medusa_choices``); verified best-first, in the given order
+    # with every path after its prefix (sorted by length otherwise); the policy verifies a prefix of it
+    medusa_choices: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='medusa' needs the heads' checkpoint "
+                             "folder (or hub id)")
+        choices = self.medusa_choices
+        if choices is None:
+            return
+        if not isinstance(choices, (list, tuple)) or not choices or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                            for i in c) for c in choices):
+            raise ValueError(f"speculative_config.medusa_choices={choices!r} must be a non-empty list of paths, each "
+                             "a non-empty list of top-k indices >= 0, e.g. [[0], [1], [0, 0]]")
+        paths = {tuple(c) for c in choices}
+        if len(paths) != len(choices):
+            raise ValueError("speculative_config.medusa_choices lists a path twice")
+        orphans = [list(c) for c in choices if len(c) > 1 and tuple(c[:-1]) not in paths]
+        if orphans:
+            raise ValueError(f"speculative_config.medusa_choices has paths without their parent path: {orphans}; "
+                             "add each path's prefix as well")
+
+    def drafts_trees(self) -> bool:
+        return True
+
+    def writes_kv(self) -> bool:
+        return False  # no attention in Medusa's heads
+
+    def tree(self) -> list[list[int]]:
+        """The choices in verification order: as given when every path follows its prefix, else by length."""
+        choices = [list(c) for c in (self.medusa_choices or DEFAULT_MEDUSA_CHOICES)]
+        seen: set[tuple[int, ...]] = set()
+        for c in choices:
+            if len(c) > 1 and tuple(c[:-1]) not in seen:
+                return sorted(choices, key=lambda c: (len(c), c))
+            seen.add(tuple(c))
+        return choices
+
+
 def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any]:
     """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
     head's checkpoint (EAGLE-3 on the default model: the bundled head; MTP: the target's own checkpoint unless
@@ -89,6 +153,8 @@ def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any
         path = bundled_head(target_model, method)
     if method == "mtp" and path is None:
         path = target_model
+    if method == "medusa":
+        return {"method": method, "model": path, "choices": options.tree()}
     tree = getattr(options, "use_dynamic_tree", False)
     return {"method": method, "model": path, "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
             "tree": [options.dynamic_tree_max_topK, options.dynamic_tree_depth] if tree else None}

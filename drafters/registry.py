@@ -64,6 +64,8 @@ _DRAFTERS = {
                            "specray.drafters.hidden_state:EagleOptions", in_worker=True),
     "mtp": DrafterEntry("specray.workers.head_drafter:HiddenStateDrafter",
                         "specray.drafters.hidden_state:MTPOptions", in_worker=True),
+    "medusa": DrafterEntry("specray.workers.medusa_drafter:MedusaDrafter",
+                           "specray.drafters.hidden_state:MedusaOptions", in_worker=True),
 }
 
 
@@ -176,7 +178,17 @@ def worker_drafter_config(spec: SpeculativeConfig, target_model: str) -> dict[st
     :func:`specray.drafters.hidden_state.worker_config`)."""
     from specray.drafters.hidden_state import worker_config
 
-    return worker_config(spec.method, options_of(spec), target_model)
+    return {**worker_config(spec.method, options_of(spec), target_model), "drafter": entry(spec.method).drafter}
+
+
+def worker_drafts_trees(spec: SpeculativeConfig) -> bool:
+    """A worker drafter that drafts token trees (EAGLE-2, Medusa) rather than chains."""
+    return options_of(spec).drafts_trees()
+
+
+def worker_writes_kv(spec: SpeculativeConfig) -> bool:
+    """A worker drafter whose drafting writes K/V past the verified drafts (all but Medusa's attention-free heads)."""
+    return options_of(spec).writes_kv()
 
 
 def worker_lookahead_slots(spec: SpeculativeConfig) -> int:

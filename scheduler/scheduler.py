@@ -48,9 +48,11 @@ class SchedulerConfig:
     num_blocks: int = field(kw_only=True)
     vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
     # a drafter on the worker drafts up to this many tokens after each step (0: none); its slots are reserved:
-    # m - 1 past the verified drafts for a chain of m, or ``worker_tree_slots`` when it grows token trees
+    # m - 1 past the verified drafts for a chain of m, or ``worker_tree_slots`` when it grows token trees, or none
+    # when its drafting writes no K/V (``worker_writes_kv`` False: Medusa's heads)
     worker_draft_steps: int = field(default=0, kw_only=True)
     worker_tree_slots: int = field(default=0, kw_only=True)
+    worker_writes_kv: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("worker_draft_steps", "worker_tree_slots"):
@@ -294,6 +296,8 @@ class Scheduler:
         m = min(m, req.tokens_left(self.config.max_model_len) - k - 2)
         if m <= 0:
             return 0
+        if not self.config.worker_writes_kv:
+            return m
         bm = self.block_manager
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - (end + k)
         if self.config.worker_tree_slots:  # a tree needs all its slots, or is not drafted
@@ -302,7 +306,7 @@ class Scheduler:
 
     def _lookahead_slots(self, next_drafts: int) -> int:
         """Slots past a chunk's drafts that the worker's drafting writes (none when it drafts nothing)."""
-        if next_drafts == 0:
+        if next_drafts == 0 or not self.config.worker_writes_kv:
             return 0
         return self.config.worker_tree_slots or next_drafts - 1
 

@@ -127,3 +127,30 @@ def write_accepting_head(folder: Path, method: str, target_dir: Path, seed: int 
         weights["fc.bias"].zero_()
     save_file(weights, str(folder / "model.safetensors"))
     return folder
+
+
+def write_medusa_heads(folder: Path, target_dir: Path, num_heads: int = 4, num_layers: int = 1, seed: int = 0,
+                       std: float = 0.2, accepting: bool = False, layout: str = "medusa") -> Path:
+    """Random Medusa heads for the target in ``target_dir``, in FasterDecoding's layout (or vLLM's). ``accepting``:
+    identity blocks and the target's own LM head in every head, so each guesses "the token just sampled, again",
+    which a tiny random model's runs of repeated tokens often accept (nothing in it knows the continuation)."""
+    from safetensors.torch import load_file
+
+    from specray.models.medusa import MedusaHeads, save_medusa_heads
+
+    target = json.loads((target_dir / "config.json").read_text())
+    heads = MedusaHeads(num_heads, num_layers, target["hidden_size"], target["vocab_size"])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if accepting:
+            weights = load_file(str(target_dir / "model.safetensors"))
+            lm = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+            for k in range(num_heads):
+                for block in heads.blocks[k]:
+                    block.weight.zero_()
+                    block.bias.zero_()
+                heads.lm_heads[k].weight.copy_(lm)
+    save_medusa_heads(heads, folder, layout, {"base_model_name_or_path": str(target_dir)})
+    return folder

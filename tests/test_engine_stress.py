@@ -27,7 +27,7 @@ draft_heads = _load("draft_heads")
 
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120
-HEADS = ("eagle", "eagle3", "mtp")  # drafters that run in the target's worker, from its hidden states
+HEADS = ("eagle", "eagle3", "mtp", "medusa")  # drafters that run in the target's worker, from its hidden states
 DRAIN_STEPS = 2000
 
 
@@ -110,6 +110,10 @@ CASES = {
     "eagle": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
     "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4}},
     "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+    # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
+    "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
+    "eagle3+suffix": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3,
+                                             "combine_with": {"method": "suffix", "num_speculative_tokens": 6}}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
@@ -125,7 +129,10 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
     if spec is not None and spec["method"] == "draft_model":
         kwargs["speculative_config"] = {**spec, "model": str(tiny_draft_dir)}
     if spec is not None and spec["method"] in HEADS:
-        head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir))
+        if spec["method"] == "medusa":
+            head = str(draft_heads.write_medusa_heads(tmp_path / "head", tiny_llama_dir, accepting=True))
+        else:
+            head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir))
         if spec["method"] == "mtp":
             model = head  # the target's folder with its MTP layer added
         else:

@@ -36,7 +36,8 @@ draft_heads = _load("draft_heads")
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
-METHODS = CHAIN_METHODS + ("eagle3-tree",)
+METHODS = CHAIN_METHODS + ("eagle3-tree", "medusa")
+TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3}  # -> nodes at depth 1 of its tree
 PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox",
@@ -89,15 +90,19 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
                                                               target_dir)
         out["accepting", method] = draft_heads.write_accepting_head(tmp_path_factory.mktemp(f"accepting_{method}"),
                                                                     method, target_dir)
+    out["random", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("random_medusa"), target_dir)
+    out["accepting", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("accepting_medusa"),
+                                                                target_dir, accepting=True)
     return out
 
 
 def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, **kw) -> dict:
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
     method, _, lookup = method.partition("+")  # "eagle3+ngram": combined with a lookup drafter
-    tree = method.endswith("-tree")
+    tree = method in TREE_METHODS
     method = method.removesuffix("-tree")
-    spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False, **(TREE if tree else {})}
+    spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False,
+            **(TREE if tree and method == "eagle3" else {})}
     if lookup:
         spec["combine_with"] = lookup
     if method == "mtp":
@@ -174,7 +179,7 @@ def test_greedy_batch_of_8_with_mixed_caps_and_max_tokens_equals_plain(target_di
     stats = [o.spec_stats for o in outs]
     assert stats[1].drafts == 0 and stats[2].drafts == 0 and stats[3].drafts == 0  # cap 0, max_tokens 1 and 2
     # max_tokens 3: one draft, once (a tree: siblings at depth 1)
-    assert 0 < stats[4].draft_tokens <= (TREE["dynamic_tree_max_topK"] if method.endswith("-tree") else 1)
+    assert 0 < stats[4].draft_tokens <= TREE_METHODS.get(method, 1)
     assert stats[5].drafts > 0 and stats[5].draft_tokens == stats[5].drafts  # cap 1
     assert llm.spec_stats.drafts > 0
     if kind == "accepting":
@@ -354,6 +359,43 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert engine.scheduler.num_preemptions > 0
     assert all(checked.values()) and checked["drafts"] >= 10 and checked["kv"] > checked["drafts"], checked
     assert free_blocks(llm) == 28
+
+
+def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, heads):
+    """After every step, each request's Medusa tree is its heads' top-k over the target's hidden state at the last
+    committed position (recomputed densely from scratch), placed as medusa_choices says; greedy output is plain."""
+    from specray.drafters.hidden_state import DEFAULT_MEDUSA_CHOICES
+    from specray.models.medusa import load_medusa_heads
+
+    kwargs = engine_kwargs(target_dir, heads, "accepting", "medusa", block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    kwargs["speculative_config"]["num_speculative_tokens"] = len(DEFAULT_MEDUSA_CHOICES)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    target = load_model(str(target_dir))
+    medusa = load_medusa_heads(str(heads["accepting", "medusa"]), load_hf_config(str(target_dir)), torch.float32,
+                               "cpu")
+    allocate_kv_cache(target, 64, 16)
+    tok = llm.get_tokenizer()
+    for prompt in PROMPTS[3:7]:
+        engine.add_request(tok.encode(prompt), greedy(20))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        plan, result = rec.steps[-1]
+        for req_id, drafts in zip(result.req_ids, result.draft_token_ids or []):
+            req = engine.scheduler.requests.get(req_id)
+            if not drafts or req is None:
+                continue
+            n = req.num_computed_tokens  # the last token (just sampled) has no hidden state yet
+            with torch.inference_mode():
+                hidden = target(torch.tensor(req.all_token_ids[:n]),
+                                build_attention_metadata([n], [0], [list(range(64))], 16))
+                probs = torch.softmax(medusa(hidden[-1:]), dim=-1)[0]  # [K, V]
+            want = [int(probs[len(c) - 1].topk(4).indices[c[-1]]) for c in DEFAULT_MEDUSA_CHOICES[: len(drafts)]]
+            assert drafts == want, (req_id, drafts, want)
+            checked += 1
+    assert checked >= 10
 
 
 def on_off_policy(engine, pattern: str):

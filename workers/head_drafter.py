@@ -113,6 +113,15 @@ class HiddenStateDrafter:
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
 
+    @classmethod
+    def load_head(cls, config: dict, target, target_config) -> DraftHead:
+        """The head the worker's plain-data ``config`` names (see :func:`load_head`)."""
+        return load_head(config, target, target_config)
+
+    @classmethod
+    def build(cls, head: DraftHead, config: dict, num_blocks: int, block_size: int) -> "HiddenStateDrafter":
+        return cls(head, num_blocks, block_size, tree_shape_of(config))
+
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.head.aux_layers

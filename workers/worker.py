@@ -9,6 +9,7 @@ executes step plans. Only rank 0 (the driver) samples and answers.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -103,12 +104,18 @@ class Worker:
         """The worker-side drafter's head, on the driver rank only (it is replicated there, see
         docs/hidden_state_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
         (:func:`~specray.workers.head_drafter.whole_target`), which every rank takes part in."""
-        from specray.workers.head_drafter import load_head, whole_target
+        from specray.workers.head_drafter import whole_target
 
         target = self.model if world_size == 1 else whole_target(self.model, keep=self.rank == 0)
         if self.rank != 0:
             return None
-        return load_head(self.config.worker_drafter, target, hf_config)
+        return self._drafter_class().load_head(self.config.worker_drafter, target, hf_config)
+
+    def _drafter_class(self):
+        """The worker drafter's class (``HiddenStateDrafter``, ``MedusaDrafter``): the registry names it in the
+        plain-data config as ``"module:Class"``."""
+        module, _, name = self.config.worker_drafter["drafter"].partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def bind_thread(self) -> None:
         """Make the calling thread run this rank's work as the constructing one does: the CPU thread count and
@@ -138,10 +145,8 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
         if self.head is not None:
-            from specray.workers.head_drafter import HiddenStateDrafter, tree_shape_of
-
-            drafter = HiddenStateDrafter(self.head, num_blocks, self.config.block_size,
-                                         tree_shape_of(self.config.worker_drafter))
+            drafter = self._drafter_class().build(self.head, self.config.worker_drafter, num_blocks,
+                                                  self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter)
 

@@ -93,12 +93,14 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         vocab_size=hf_config.vocab_size,
         worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
         worker_tree_slots=registry.worker_lookahead_slots(spec) if in_worker else 0,
+        worker_writes_kv=not in_worker or registry.worker_writes_kv(spec),
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
-                     worker_method=spec.method if in_worker else None)
+                     worker_method=spec.method if in_worker else None,
+                     worker_trees=in_worker and registry.worker_drafts_trees(spec))
 
 
 def lookup_beside_head(spec: SpeculativeConfig) -> SpeculativeConfig | None:

@@ -38,7 +38,7 @@ class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
-                 worker_method: str | None = None):
+                 worker_method: str | None = None, worker_trees: bool = False):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -53,6 +53,7 @@ class LLMEngine:
         # the method of a drafter that runs in the target's driver rank (hidden-state heads): its drafts come back
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
+        self.worker_trees = worker_trees  # it drafts token trees (EAGLE-2, Medusa): each a whole tree, then priced
         self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
         self._worker_probes: set[str] = set()  # requests whose drafts in the making are the policy's probe
         self.tracked: dict[str, _Tracked] = {}
@@ -301,7 +302,7 @@ class LLMEngine:
                     self._draft_trees[rid] = tree
                 drafts[rid] = tree
                 k = n
-            elif self.scheduler.config.worker_tree_slots:  # a tree drafter with no tree in hand
+            elif self.worker_trees:  # a tree drafter with no tree in hand
                 k = self.policy.wait_or_probe(request, off_path)
                 if self.policy.evidence(rid).probing:
                     self._worker_probes.add(rid)
@@ -312,7 +313,7 @@ class LLMEngine:
                 drafts[rid] = [] if made is None else made if rid in probes else made[:k]
             if drafts.get(rid):
                 self._draft_keys[rid] = head
-            if k and self.scheduler.config.worker_tree_slots:
+            if k and self.worker_trees:
                 k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
@@ -366,7 +367,7 @@ class LLMEngine:
             self._worker_probes.add(request.req_id)
         elif key == head_key or n == 0:
             head_next = self.policy.best_k(self.policy.acceptance(request, head_key), batch_size, limit)
-        if head_next and self.scheduler.config.worker_tree_slots:
+        if head_next and self.worker_trees:
             head_next = limit  # the worker grows a whole tree
         head_next = min(head_next, self.scheduler.config.worker_draft_steps)
         if isinstance(chosen, DraftTree):

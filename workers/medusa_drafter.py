@@ -1,0 +1,74 @@
+"""The worker side of Medusa (``method="medusa"``): after verification, one row per request, the target's hidden
+state at the position whose logits gave the token it just sampled (the last accepted draft node's, or the last real
+token's), goes through the K heads; head k's top tokens fill depth k + 1 of the ``medusa_choices`` tree. No pass over
+earlier positions and no KV cache: Medusa's heads have no attention.
+
+Each node's score is its head's probability of its token, so the draft policy prices the tree as any scored tree
+(a path is kept with probability about alpha^depth times its scores' product) and verifies the best prefix of it.
+Drafts are deterministic candidates (top-k), so verification keeps the target's distribution exactly (sibling
+rejection sampling); Medusa's typical acceptance is not offered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.contract import StepPlan
+from specray.models.medusa import MedusaHeads, load_medusa_heads
+from specray.workers.head_drafter import Drafted
+
+
+class MedusaDrafter:
+    """K Medusa heads and the token tree they fill."""
+
+    aux_layers: tuple[int, ...] = ()
+    kv_cache = None
+
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
+        deepest = max(len(c) for c in choices)
+        if deepest > heads.num_heads:
+            raise ValueError(f"speculative_config.medusa_choices goes {deepest} levels deep but the checkpoint has "
+                             f"{heads.num_heads} heads: one level per head; drop the deeper paths")
+        self.heads = heads
+        self.choices = [list(c) for c in choices]
+        index = {tuple(c): i for i, c in enumerate(self.choices)}
+        self.parents = [index[tuple(c[:-1])] if len(c) > 1 else -1 for c in self.choices]
+        self.top_k = 1 + max(i for c in self.choices for i in c)
+
+    @classmethod
+    def load_head(cls, config: dict, target, target_config) -> MedusaHeads:
+        """The heads the worker's plain-data ``config`` names, on the target's device and dtype."""
+        return load_medusa_heads(config["model"], target_config, target.dtype, target.device)
+
+    @classmethod
+    def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
+        return cls(head, config["choices"])
+
+    def drop(self, req_id: str) -> None:
+        """Nothing is held per request."""
+
+    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
+        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of the tree for its next step (None where
+        none were asked for or nothing was committed)."""
+        rows, asked = [], []
+        offset = 0
+        for i, chunk in enumerate(plan.chunks):
+            base, offset = offset, offset + chunk.num_tokens
+            if not (chunk.sample and chunk.num_next_drafts and kept.get(i)):
+                continue
+            real = chunk.num_tokens - chunk.num_draft_tokens
+            nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
+            rows.append(base + real + nodes[-1] if nodes else base + real - 1)
+            asked.append((i, chunk.num_next_drafts))
+        out: list[Drafted | None] = [None] * len(plan.chunks)
+        if not rows:
+            return out
+        logits = self.heads(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device)))
+        probs, tokens = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # [B, K, top_k]
+        host = torch.stack([tokens.to(probs.dtype), probs]).tolist()  # the drafts' one host sync
+        for b, (i, n) in enumerate(asked):
+            chosen = self.choices[:n]
+            out[i] = Drafted([int(host[0][b][len(c) - 1][c[-1]]) for c in chosen], self.parents[: len(chosen)],
+                             [host[1][b][len(c) - 1][c[-1]] for c in chosen])
+        return out
