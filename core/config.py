@@ -48,6 +48,10 @@ class SpeculativeConfig:
     (:meth:`from_any`). ``num_speculative_tokens`` is the most drafts per step (TensorRT-LLM's ``max_draft_len``
     is accepted for it); with ``adaptive=True`` (default) the engine drafts fewer, or none, per request when the
     measured cost of a verification pass and the request's recent acceptance say more would not pay.
+    ``acceptance`` is how sampled requests' drafts are verified: ``"rejection"`` (default, lossless: the output keeps
+    the target's distribution exactly) or ``"typical"``, Medusa's typical acceptance (lossy, opt-in): a draft token x
+    after a position whose target distribution is p is kept when p(x) > min(``posterior_threshold``,
+    ``posterior_alpha`` * exp(-H(p))). Greedy requests are verified exactly either way.
 
     Every other key is an option of ``method``, declared next to its drafter class and registered with it in
     ``specray.drafters.registry`` (``options_of`` parses them; an unknown or misplaced key is a ValueError
@@ -55,15 +59,21 @@ class SpeculativeConfig:
     None counts as not given.
     """
 
-    COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive")
+    COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive", "acceptance", "posterior_threshold",
+                   "posterior_alpha")
+    ACCEPTANCE = ("rejection", "typical")
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
     adaptive: bool = True
+    acceptance: str = "rejection"
+    posterior_threshold: float = 0.09  # typical acceptance's epsilon (Medusa's default)
+    posterior_alpha: float = 0.3  # typical acceptance's delta (Medusa's default: sqrt(posterior_threshold))
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's own options, as given
 
     def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
-                 options: dict[str, Any] | None = None, **method_options: Any):
+                 options: dict[str, Any] | None = None, acceptance: str = "rejection",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, **method_options: Any):
         aliases = {k: method_options.pop(k) for k in _COUNT_ALIASES if k in method_options}
         given = [v for v in (num_speculative_tokens, *aliases.values()) if v is not None]
         if len(set(given)) > 1:
@@ -72,6 +82,8 @@ class SpeculativeConfig:
         self.method = method
         self.num_speculative_tokens = given[0] if given else 5
         self.adaptive = adaptive
+        self.acceptance = acceptance
+        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
         merged = {**(options or {}), **method_options}
         self.options = {k: v for k, v in merged.items() if v is not None}
         self._validate()
@@ -85,11 +97,25 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an int >= 1")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive={self.adaptive!r} must be true or false")
+        if self.acceptance not in self.ACCEPTANCE:
+            raise ValueError(f"speculative_config.acceptance={self.acceptance!r} must be one of {list(self.ACCEPTANCE)}"
+                             " ('typical' is Medusa's lossy typical acceptance)")
+        for name, high in (("posterior_threshold", 1.0), ("posterior_alpha", float("inf"))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < high:
+                raise ValueError(f"speculative_config.{name}={value!r} must be a number in [0, {high})")
+
+    @property
+    def typical_acceptance(self) -> tuple[float, float] | None:
+        """(posterior_threshold, posterior_alpha) when drafts are verified by typical acceptance, else None."""
+        return (float(self.posterior_threshold), float(self.posterior_alpha)) if self.acceptance == "typical" else None
 
     def to_dict(self) -> dict[str, Any]:
         """The flat, JSON-able form :meth:`from_any` reads back."""
+        typical = {"acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
+                   "posterior_alpha": self.posterior_alpha} if self.acceptance != "rejection" else {}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "adaptive": self.adaptive, **self.options}
+                "adaptive": self.adaptive, **typical, **self.options}
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

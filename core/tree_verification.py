@@ -26,6 +26,11 @@ Everything is padded (K nodes, M children per row, D = max depth, over the batch
 depth and sibling index only (host ints), so nothing reads a tensor value back to the host except
 :func:`unpad_tree`.
 
+Typical acceptance (Medusa's, lossy, opt-in: :class:`TypicalAcceptance`): node i passes when p_(parent row)(x_i)
+> min(epsilon, delta * exp(-H(p_(parent row)))); the deepest node whose whole path passes is accepted (ties: the
+smallest index) and the extra token is sampled from p at its row. A greedy row's p is one-hot, so there it is the
+greedy rule; a sampled request's output no longer follows the target's distribution exactly.
+
 Node tokens (:func:`node_argmax`): argmax of rows 1..K, the target's greedy token after each node, for a drafter
 that iterates on the target's guesses (lookahead decoding); read back in the same sync as the verdict.
 """
@@ -54,6 +59,14 @@ class PaddedTree(NamedTuple):
     children: torch.Tensor  # [B, K+1, M] int64: each row's children rows in node order, -1 padded
     max_depth: int  # D: the deepest node over the batch (the root is depth 0, the first level 1)
     depths: torch.Tensor  # [B, K] int64: each node's depth (padding: 0)
+
+
+class TypicalAcceptance(NamedTuple):
+    """Medusa's typical acceptance: keep x after p when p(x) > min(posterior_threshold, posterior_alpha *
+    exp(-H(p)))."""
+
+    posterior_threshold: float  # epsilon
+    posterior_alpha: float  # delta
 
 
 class TreeVerdict(NamedTuple):
@@ -112,9 +125,10 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
 # ---- verification -------------------------------------------------------------------------------------------
 
 
-def verify_tree(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
+def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAcceptance | None = None) -> TreeVerdict:
     """Verify every request's tree in one batch: the greedy walk for an all-greedy batch (argmax only), else
-    sibling rejection sampling (greedy rows inside it are greedy through their one-hot p and u = 0).
+    sibling rejection sampling (greedy rows inside it are greedy through their one-hot p and u = 0), or with
+    ``typical`` Medusa's typical acceptance (lossy).
 
     Per seeded request the randomness drawn is k_b uniforms (node i's u, tested at most once), then V
     exponentials for the extra token, so its stream depends only on its own tree; greedy requests draw none.
@@ -124,6 +138,8 @@ def verify_tree(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
     assert padded.draft_token_ids.shape == (B, K1 - 1), (padded.draft_token_ids.shape, B, K1)
     if batch.all_greedy:
         return _verify_greedy(padded)
+    if typical is not None:
+        return _verify_typical(padded, batch, typical)
     return _verify_sampled(padded, batch)
 
 
@@ -142,23 +158,45 @@ def _verdict(padded: PaddedTree, path: torch.Tensor, n: torch.Tensor, extra: tor
 def _verify_greedy(padded: PaddedTree) -> TreeVerdict:
     """a = argmax [B, K+1]; accept the deepest correct node (ties: the smallest index); extra = a at its row."""
     a = padded.target_logits.argmax(dim=-1)  # [B, K+1]
-    correct = _correct_rows(a, padded)  # [B, K+1]
-    K1 = a.shape[1]
-    depth = _row_table(padded.depths, 0)  # [B, K+1]
-    rows = torch.arange(K1, device=a.device)  # [K+1]
-    key = torch.where(correct, depth * (K1 + 1) - rows, -1)  # deeper first, then the smaller row; row 0: 0
-    best = key.argmax(dim=-1)  # [B]
-    n = depth.gather(1, best[:, None]).squeeze(1)  # [B]
-    path = _ancestor_path(_row_table(padded.parent_rows, 0), best, n, padded.max_depth)  # [B, D+1]
+    best, n, path = _deepest(padded, padded.draft_token_ids == a.gather(1, padded.parent_rows))
     return _verdict(padded, path, n, a.gather(1, best[:, None]).squeeze(1))
 
 
-def _correct_rows(a: torch.Tensor, padded: PaddedTree) -> torch.Tensor:
-    """a [B, K+1] -> correct [B, K+1] bool: row 0 always; node i iff i < k_b, x_i == a[parent row] and its parent
-    is correct. ``match`` alone is exact at depth 1; each further round of gather makes one more level exact."""
+def _verify_typical(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAcceptance) -> TreeVerdict:
+    """p of every row [B, K+1, V]; node i passes iff p_parent(x_i) > min(eps, delta * exp(-H(p_parent))); the
+    deepest node whose path passes is accepted; the extra token is sampled from p at its row."""
+    logits = padded.target_logits
+    B, K1, V = logits.shape
+    p = torch.stack([logits_to_probs(logits[:, j], batch) for j in range(K1)], dim=1)  # [B, K+1, V]
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, K+1] (0 log 0 = 0)
+    bar = torch.clamp(typical.posterior_alpha * torch.exp(-entropy), max=typical.posterior_threshold)  # [B, K+1]
+    flat = (torch.arange(B, device=logits.device)[:, None] * K1 + padded.parent_rows).reshape(-1)  # parent rows
+    p_x = p.view(B * K1, V)[flat, padded.draft_token_ids.reshape(-1)].view(B, K1 - 1)  # [B, K] p_parent(x_i)
+    best, n, path = _deepest(padded, p_x > bar.gather(1, padded.parent_rows))
+    extra = sample(p.view(B * K1, V)[torch.arange(B, device=logits.device) * K1 + best], batch)
+    return _verdict(padded, path, n, extra)
+
+
+def _deepest(padded: PaddedTree, passes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """passes [B, K] (node i's own test) -> (best row [B], its depth n [B], its path [B, D+1]): the deepest node
+    whose whole path passes (ties: the smallest index; row 0, the root, when none does)."""
+    correct = _correct_rows(passes, padded)  # [B, K+1]
+    K1 = correct.shape[1]
+    depth = _row_table(padded.depths, 0)  # [B, K+1]
+    rows = torch.arange(K1, device=correct.device)  # [K+1]
+    key = torch.where(correct, depth * (K1 + 1) - rows, -1)  # deeper first, then the smaller row; row 0: 0
+    best = key.argmax(dim=-1)  # [B]
+    n = depth.gather(1, best[:, None]).squeeze(1)  # [B]
+    return best, n, _ancestor_path(_row_table(padded.parent_rows, 0), best, n, padded.max_depth)  # [B, D+1]
+
+
+def _correct_rows(passes: torch.Tensor, padded: PaddedTree) -> torch.Tensor:
+    """passes [B, K] -> correct [B, K+1] bool: row 0 always; node i iff i < k_b, it passes its own test (greedy:
+    x_i == a[parent row]) and its parent is correct. ``match`` alone is exact at depth 1; each further round of
+    gather makes one more level exact."""
     K = padded.draft_token_ids.shape[1]
-    real = torch.arange(K, device=a.device)[None, :] < padded.num_drafts[:, None]  # [B, K]
-    match = (padded.draft_token_ids == a.gather(1, padded.parent_rows)) & real  # [B, K]
+    real = torch.arange(K, device=passes.device)[None, :] < padded.num_drafts[:, None]  # [B, K]
+    match = passes & real  # [B, K]
     correct = match
     for _ in range(padded.max_depth - 1):
         correct = match & _row_table(correct, True).gather(1, padded.parent_rows)

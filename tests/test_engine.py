@@ -161,6 +161,9 @@ def test_cheap_drafter_drafts_sized_by_the_kind_of_guess(tiny_llama_dir, plain_o
     class Oracle:
         cheap_proposals = True
 
+        def shutdown(self):
+            pass
+
         def propose(self, batch):
             proposals = []
             for req in batch:

@@ -527,6 +527,32 @@ def test_combine_with_names_a_lookup_drafter(target_dir, heads):
             LLM(kwargs.pop("model"), **kwargs)
 
 
+def test_typical_acceptance_is_opt_in_lossy_and_leaves_greedy_output_exact(target_dir, heads, plain_outputs):
+    """``acceptance="typical"``: greedy requests keep the plain output; with no bar (posterior_threshold 0) every
+    draft the target gives any probability is kept, where rejection sampling keeps fewer of the same heads'
+    drafts: the mode is lossy by design, which is why it is opt-in."""
+    def engine(**spec):
+        kwargs = engine_kwargs(target_dir, heads, "random", "medusa")
+        kwargs["speculative_config"].update(spec)
+        return LLM(kwargs.pop("model"), **kwargs)
+
+    typical = engine(acceptance="typical", posterior_threshold=0.0)
+    assert token_ids(typical.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=24) for i in range(len(PROMPTS))]
+    stats = {}
+    for name, llm in (("typical", engine(acceptance="typical", posterior_threshold=0.0)), ("rejection", engine())):
+        llm.generate(PROMPTS, sampled, use_tqdm=False)
+        stats[name] = llm.spec_stats
+    assert stats["typical"].draft_tokens > 0
+    typical_rate = stats["typical"].accepted_tokens / stats["typical"].draft_tokens
+    rejection_rate = stats["rejection"].accepted_tokens / stats["rejection"].draft_tokens
+    assert typical_rate > rejection_rate, stats
+    for bad, why in [({"acceptance": "lenient"}, "must be one of"), ({"posterior_threshold": 1.5}, r"\[0, 1.0\)"),
+                     ({"posterior_alpha": -1}, "posterior_alpha")]:
+        with pytest.raises(ValueError, match=why):
+            engine(**bad)
+
+
 # ---- sampling ----------------------------------------------------------------------------------------------------
 
 def chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:

@@ -34,7 +34,7 @@ LOAD_PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello world! How are",
 LOAD_MAX_TOKENS = 24
 LOAD_CLIENTS = 32
 SHORT_LOAD_SECONDS = 10.0
-LONG_LOAD_SECONDS = float(os.environ.get("SPECRAY_LOAD_SECONDS", "60"))
+LONG_LOAD_SECONDS = float(os.environ.get("SPECRAY_LOAD_SECONDS", "40"))
 
 
 def free_port() -> int:

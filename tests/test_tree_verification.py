@@ -430,3 +430,43 @@ def test_verify_tree_has_no_host_sync(no_host_sync, params):
         v = verify_tree(padded, batch)
         tree_logprobs(padded, v, [1, None, 0, 2])
         verify_tree(pad_tree_drafts(flat[:4], [[]] * 4, [[]] * 4), batch)
+
+
+# ---- typical acceptance (Medusa's, lossy, opt-in) -----------------------------------------------------------------
+
+def _typical(logits, tokens, parents, params, eps, delta, seeds=None):
+    padded = pad_tree_drafts(logits, tokens, parents)
+    verdict = verify_tree(padded, build(params, seeds), tree_verification.TypicalAcceptance(eps, delta))
+    kept, nodes, _, _ = unpad_tree(verdict, None)
+    return kept, nodes
+
+
+def test_typical_acceptance_keeps_what_passes_its_bar_and_follows_the_longest_passing_path():
+    """Root p = [0.5, 0.3, 0.15, 0.05] (T = 1): H = 1.14, delta * exp(-H) = 0.096 with delta 0.3, so the bar is
+    min(0.09, 0.096) = 0.09: tokens 0, 1, 2 pass, 3 does not. Node 0 (token 3) fails; its sibling node 1 (token 2)
+    passes and has a passing child, so the path 1 -> 2 is kept although node 0 came first."""
+    root = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    sure = torch.tensor([0.97, 0.01, 0.01, 0.01]).log()  # H small: bar = min(0.09, 0.3 * 0.87) = 0.09
+    logits = torch.stack([root, sure, sure, sure])  # rows: root, node 0, node 1, node 2
+    params = [SP(temperature=1.0, seed=3)]
+    kept, nodes = _typical(logits, [[3, 2, 0]], [[-1, -1, 1]], params, 0.09, 0.3)
+    assert nodes == [[1, 2]] and kept[0][:2] == [2, 0] and len(kept[0]) == 3
+    # a bar over every token: nothing is kept, the extra token is sampled from the root's p
+    kept, nodes = _typical(logits, [[3, 2, 0]], [[-1, -1, 1]], params, 0.9, 10.0)
+    assert nodes == [[]] and len(kept[0]) == 1
+    # no bar (threshold 0): every token the target gives any probability passes, the deepest path wins
+    kept, nodes = _typical(logits, [[3, 2, 0]], [[-1, -1, 1]], params, 0.0, 0.3)
+    assert nodes == [[1, 2]]
+
+
+def test_typical_acceptance_leaves_greedy_rows_greedy():
+    """In a batch with sampled rows, a greedy row's p is one-hot: its verdict is the greedy walk's."""
+    torch.manual_seed(0)
+    V, trees = 12, [([5, 1, 7, 2], [-1, -1, 0, 2]), ([4, 4, 9], [-1, 0, 1])]
+    logits = torch.randn(sum(len(t) + 1 for t, _ in trees), V)
+    tokens, parents = [t for t, _ in trees], [p for _, p in trees]
+    a = logits.argmax(-1).tolist()
+    tokens[0][0], tokens[0][2] = a[0], a[1]  # node 0 right, node 2 (child of 0) right: a path of 2
+    greedy, _, _, _ = run(logits, tokens, parents, [GREEDY, GREEDY])
+    mixed, _ = _typical(logits, tokens, parents, [GREEDY, SP(temperature=0.8, seed=1)], 0.09, 0.3)
+    assert mixed[0] == greedy[0] and len(greedy[0]) == 3

@@ -30,7 +30,8 @@ from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
-from specray.tree_verification import node_argmax, pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
+from specray.tree_verification import (TypicalAcceptance, node_argmax, pad_tree_drafts, tree_logprobs, unpad_tree,
+                                       verify_tree)
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
-                 is_driver: bool = True, drafter=None):
+                 is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -48,6 +49,9 @@ class ModelRunner:
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.drafter = drafter if is_driver else None  # a HiddenStateDrafter, on the driver rank
+        # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
+        # through tree verification (a chain is a tree), which implements it
+        self.typical = None if typical_acceptance is None else TypicalAcceptance(*typical_acceptance)
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -88,7 +92,8 @@ class ModelRunner:
         if not self.is_driver:
             return None
         kept, logprobs, paths, nodes = [], None, None, None
-        if any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens for i in sampled):
+        if self.typical is not None or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
+                                           for i in sampled):
             kept, logprobs, paths, nodes = self._verify_trees(plan, sampled, logits)
         elif sampled:
             kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
@@ -145,7 +150,8 @@ class ModelRunner:
                       ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
                                  list[list[int]] | None]:
         """Every sampled chunk through tree verification (a chain is a tree); drafts with a drafter's q are
-        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine). When
+        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine), unless
+        typical acceptance is on (it reads no q: every chunk comes here). When
         a chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
         entries are [])."""
         chunks = [plan.chunks[i] for i in sampled]
@@ -155,7 +161,7 @@ class ModelRunner:
         padded = pad_tree_drafts(logits, drafts, parents)
         params = [self.params[c.req_id] for c in chunks]
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
-        verdict = verify_tree(padded, batch)
+        verdict = verify_tree(padded, batch, self.typical)
         logprobs = tree_logprobs(padded, verdict, [sp.logprobs for sp in params])
         wanted = any(c.want_node_tokens for c in chunks)
         kept, paths, per_request, per_node = unpad_tree(verdict, logprobs,  # the step's one host sync

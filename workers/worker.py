@@ -46,6 +46,9 @@ class WorkerConfig:
     # a drafter that runs on the driver rank beside the target (hidden-state heads), as plain data
     # (specray.drafters.hidden_state.worker_config); None: none
     worker_drafter: dict | None = None
+    # sampled drafts verified by Medusa's typical acceptance, (posterior_threshold, posterior_alpha); None: rejection
+    # sampling (lossless)
+    typical_acceptance: tuple[float, float] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -148,7 +151,8 @@ class Worker:
             drafter = self._drafter_class().build(self.head, self.config.worker_drafter, num_blocks,
                                                   self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
-                                  is_driver=self.rank == 0, drafter=drafter)
+                                  is_driver=self.rank == 0, drafter=drafter,
+                                  typical_acceptance=self.config.typical_acceptance)
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:

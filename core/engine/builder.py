@@ -75,7 +75,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
                                  args.kv_cache_memory_bytes, args.num_threads,
-                                 worker_drafter=registry.worker_drafter_config(spec, args.model) if in_worker else None)
+                                 worker_drafter=registry.worker_drafter_config(spec, args.model) if in_worker else None,
+                                 typical_acceptance=spec.typical_acceptance if spec is not None else None)
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
