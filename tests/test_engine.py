@@ -279,7 +279,7 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config=SpeculativeConfig.from_any(
         {"method": "ngram", "num_spec": 3}))), r"unknown keys \['num_spec'\] for method='ngram'"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "model": "x"}),
-     r"unknown keys \['model'\] for method='ngram'; known keys: \['adaptive', "),
+     r"unknown keys \['model'\] for method='ngram'; known keys: \['acceptance', 'adaptive', "),
     (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
@@ -554,7 +554,8 @@ def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):
     schema = json.loads(json.dumps(engine_args_schema()))  # JSON-able
     assert schema["max_num_seqs"] == {"type": "int", "default": 8} and schema["model"]["required"]
     spec_keys = schema["speculative_config"]["keys"]
-    assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive"}
+    assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive", "acceptance",
+                                        "posterior_threshold", "posterior_alpha"}
     assert "is_public_pool" in spec_keys["methods"]["ngram"] and "model" in spec_keys["methods"]["draft_model"]
     assert "pool_name" in schema["ray_placement"]["keys"]
 
