@@ -273,7 +273,7 @@ class LLMEngine:
         priced now that the head's scores are known (``choose_tree``); the worker drafts the next tree while this
         one was worth verifying; once one is not, the next only as a probe (its best ``probe_k`` nodes verified).
         A request just out of prefill drafts the most, and until the engine has verified any of the head's drafts
-        they are verified as a probe's (else a prior could keep the head from ever being tried). With a lookup
+        a tree is verified as a probe's (else its scores could keep the head from ever being tried). With a lookup
         drafter beside the head (``combine_with``), a request it proposes for takes whichever proposal pays more
         (:meth:`_combine`)."""
         drafts, lengths = {}, {}
@@ -290,8 +290,8 @@ class LLMEngine:
                                                           rid in probes)
                 continue
             head = self.worker_method  # the key of the head's drafts
-            if made and not off_path and not self.policy.knows(head):
-                probes.add(rid)  # nothing verified of the head yet: its first drafts are verified, as a probe's
+            if isinstance(made, DraftTree) and not off_path and not self.policy.knows(head):
+                probes.add(rid)  # nothing of the head verified yet: its first tree is verified as a probe's
             if isinstance(made, DraftTree):
                 if rid in probes:
                     n = min(len(made), self.policy.probe_k, self.policy.num_speculative_tokens_for(request))
@@ -344,8 +344,8 @@ class LLMEngine:
         Each proposal is priced by the policy with the evidence of its own kind (the head's verifications under the
         head's method as key, the lookup's under its proposal's key): the best number of its drafts to verify and
         their expected tokens per unit cost; the better rate wins (the lookup on a tie). A head probe in hand is
-        verified whole, and so are the head's first drafts (until the engine has any evidence of the head, its prior
-        could never beat a lookup's established acceptance). The head drafts next unless the lookup won this step (a
+        verified whole, and the head's first drafts as a probe's (until the engine has any evidence of the head, its
+        prior could never beat a lookup's established acceptance). The head drafts next unless the lookup won this step (a
         match that pays tends to go on paying: copying), by its own evidence, or as a probe when the request's probe
         is due."""
         head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
@@ -355,7 +355,7 @@ class LLMEngine:
             return [], 0
         probing = False
         if made and (head_probe or not self.policy.knows(head_key)):  # a probe, or the head never verified yet
-            chosen, key, n = made, head_key, len(made)
+            chosen, key, n = made, head_key, min(len(made), self.policy.probe_k)
         else:
             (chosen, key), (n, _) = max(((o, self.policy.price(request, batch_size, o[0], o[1])) for o in options),
                                         key=lambda pair: pair[1][1])
