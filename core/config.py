@@ -48,10 +48,16 @@ class SpeculativeConfig:
     (:meth:`from_any`). ``num_speculative_tokens`` is the most drafts per step (TensorRT-LLM's ``max_draft_len``
     is accepted for it); with ``adaptive=True`` (default) the engine drafts fewer, or none, per request when the
     measured cost of a verification pass and the request's recent acceptance say more would not pay.
-    ``acceptance`` is how sampled requests' drafts are verified: ``"rejection"`` (default, lossless: the output keeps
-    the target's distribution exactly) or ``"typical"``, Medusa's typical acceptance (lossy, opt-in): a draft token x
-    after a position whose target distribution is p is kept when p(x) > min(``posterior_threshold``,
-    ``posterior_alpha`` * exp(-H(p))). Greedy requests are verified exactly either way.
+    ``acceptance`` is how drafts are verified: ``"rejection"`` (default, lossless: greedy output is plain greedy
+    output, sampled output keeps the target's distribution exactly); ``"typical"``, Medusa's typical acceptance
+    (lossy, opt-in, sampled requests only): a draft token x after a position whose target distribution is p is kept
+    when p(x) > min(``posterior_threshold``, ``posterior_alpha`` * exp(-H(p))); or ``"relaxed"``, TensorRT-LLM's
+    relaxed acceptance for a reasoning model's thinking phase (lossy, opt-in, greedy requests only; TensorRT-LLM's
+    ``use_relaxed_acceptance_for_thinking=True`` is accepted for it): after a position inside
+    ``begin_thinking_phase_token`` ... ``end_thinking_phase_token`` (default: the tokenizer's ``<think>`` and
+    ``</think>``), a draft is kept when it is among the target's ``relaxed_topk`` most likely tokens there and its
+    log-probability is within ``relaxed_delta`` of the most likely one's; outside that span, exactly. The other
+    requests of each mode are verified exactly.
 
     Every other key is an option of ``method``, declared next to its drafter class and registered with it in
     ``specray.drafters.registry`` (``options_of`` parses them; an unknown or misplaced key is a ValueError
@@ -60,8 +66,9 @@ class SpeculativeConfig:
     """
 
     COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive", "acceptance", "posterior_threshold",
-                   "posterior_alpha")
-    ACCEPTANCE = ("rejection", "typical")
+                   "posterior_alpha", "relaxed_topk", "relaxed_delta", "begin_thinking_phase_token",
+                   "end_thinking_phase_token")
+    ACCEPTANCE = ("rejection", "typical", "relaxed")
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
@@ -69,11 +76,25 @@ class SpeculativeConfig:
     acceptance: str = "rejection"
     posterior_threshold: float = 0.09  # typical acceptance's epsilon (Medusa's default)
     posterior_alpha: float = 0.3  # typical acceptance's delta (Medusa's default: sqrt(posterior_threshold))
+    # relaxed acceptance's candidates (TensorRT-LLM's defaults, which keep only the most likely token: strict; its
+    # DeepSeek-R1 blog used 10 and 0.6) and the thinking phase's token ids (None: the tokenizer's <think>, </think>)
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    begin_thinking_phase_token: int | None = None
+    end_thinking_phase_token: int | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's own options, as given
 
     def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
                  options: dict[str, Any] | None = None, acceptance: str = "rejection",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, **method_options: Any):
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, relaxed_topk: int = 1,
+                 relaxed_delta: float = 0.0, begin_thinking_phase_token: int | None = None,
+                 end_thinking_phase_token: int | None = None, **method_options: Any):
+        if "use_relaxed_acceptance_for_thinking" in method_options:  # TensorRT-LLM's switch for the same thing
+            relaxed = method_options.pop("use_relaxed_acceptance_for_thinking")
+            if not isinstance(relaxed, bool) or (relaxed and acceptance not in ("rejection", "relaxed")):
+                raise ValueError(f"speculative_config.use_relaxed_acceptance_for_thinking={relaxed!r} with acceptance="
+                                 f"{acceptance!r}: give acceptance='relaxed' (or the switch as true) only")
+            acceptance = "relaxed" if relaxed else acceptance
         aliases = {k: method_options.pop(k) for k in _COUNT_ALIASES if k in method_options}
         given = [v for v in (num_speculative_tokens, *aliases.values()) if v is not None]
         if len(set(given)) > 1:
@@ -84,6 +105,9 @@ class SpeculativeConfig:
         self.adaptive = adaptive
         self.acceptance = acceptance
         self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
+        self.relaxed_topk, self.relaxed_delta = relaxed_topk, relaxed_delta
+        self.begin_thinking_phase_token, self.end_thinking_phase_token = (begin_thinking_phase_token,
+                                                                          end_thinking_phase_token)
         merged = {**(options or {}), **method_options}
         self.options = {k: v for k, v in merged.items() if v is not None}
         self._validate()
@@ -99,7 +123,24 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.adaptive={self.adaptive!r} must be true or false")
         if self.acceptance not in self.ACCEPTANCE:
             raise ValueError(f"speculative_config.acceptance={self.acceptance!r} must be one of {list(self.ACCEPTANCE)}"
-                             " ('typical' is Medusa's lossy typical acceptance)")
+                             " ('typical' is Medusa's lossy typical acceptance, 'relaxed' TensorRT-LLM's lossy "
+                             "relaxed acceptance for the thinking phase)")
+        topk = self.relaxed_topk
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"speculative_config.relaxed_topk={topk!r} must be an int >= 1 (1: only the target's "
+                             "most likely token, i.e. strict)")
+        delta = self.relaxed_delta
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 <= delta < float("inf"):
+            raise ValueError(f"speculative_config.relaxed_delta={delta!r} must be a number >= 0 (a log-probability "
+                             "gap)")
+        for name in ("begin_thinking_phase_token", "end_thinking_phase_token"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"speculative_config.{name}={value!r} must be a token id (an int >= 0)")
+        tokens = (self.begin_thinking_phase_token, self.end_thinking_phase_token)
+        if tokens[0] is not None and tokens[0] == tokens[1]:
+            raise ValueError(f"speculative_config.begin_thinking_phase_token and end_thinking_phase_token are both "
+                             f"{tokens[0]}: give two different token ids")
         for name, high in (("posterior_threshold", 1.0), ("posterior_alpha", float("inf"))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < high:
@@ -110,12 +151,23 @@ class SpeculativeConfig:
         """(posterior_threshold, posterior_alpha) when drafts are verified by typical acceptance, else None."""
         return (float(self.posterior_threshold), float(self.posterior_alpha)) if self.acceptance == "typical" else None
 
+    @property
+    def relaxed_acceptance(self) -> tuple[int, float] | None:
+        """(relaxed_topk, relaxed_delta) when greedy drafts are verified by relaxed acceptance, else None."""
+        return (int(self.relaxed_topk), float(self.relaxed_delta)) if self.acceptance == "relaxed" else None
+
     def to_dict(self) -> dict[str, Any]:
         """The flat, JSON-able form :meth:`from_any` reads back."""
-        typical = {"acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
-                   "posterior_alpha": self.posterior_alpha} if self.acceptance != "rejection" else {}
+        rule: dict[str, Any] = {}
+        if self.acceptance == "typical":
+            rule = {"acceptance": "typical", "posterior_threshold": self.posterior_threshold,
+                    "posterior_alpha": self.posterior_alpha}
+        elif self.acceptance == "relaxed":
+            rule = {"acceptance": "relaxed", "relaxed_topk": self.relaxed_topk, "relaxed_delta": self.relaxed_delta}
+            phase = ("begin_thinking_phase_token", "end_thinking_phase_token")
+            rule.update({name: getattr(self, name) for name in phase if getattr(self, name) is not None})
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "adaptive": self.adaptive, **typical, **self.options}
+                "adaptive": self.adaptive, **rule, **self.options}
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

@@ -76,6 +76,8 @@ class ScheduledChunk:
     # chunk the prompt token that follows it (the head reads the token after each position)
     num_next_drafts: int = 0
     next_token_id: int | None = None
+    # relaxed acceptance (SchedulerConfig.thinking_tokens): the committed tokens end inside the thinking phase
+    thinking: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -140,8 +142,9 @@ class StepResult:
     # None unless the worker drafts (a hidden-state drafter); then per chunk the drafts it made for the next step
     # (``ScheduledChunk.num_next_drafts`` of them at most, [] for the others)
     draft_token_ids: list[list[int]] | None = None
-    # with them, for a worker drafter that drafts token trees: per chunk the drafts' parents and scores ([] for a
-    # chain or no drafts)
+    # with them, for a worker drafter that drafts token trees: per chunk the drafts' parents ([] for a chain or no
+    # drafts); and where the drafter scores its drafts, per chunk their scores (a tree node's probability under the
+    # drafter given its parent; a chain's drafts' probabilities: the drafter's confidence), [] for none
     draft_parents: list[list[int]] | None = None
     draft_scores: list[list[float]] | None = None
 

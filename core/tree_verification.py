@@ -31,6 +31,14 @@ Typical acceptance (Medusa's, lossy, opt-in: :class:`TypicalAcceptance`): node i
 smallest index) and the extra token is sampled from p at its row. A greedy row's p is one-hot, so there it is the
 greedy rule; a sampled request's output no longer follows the target's distribution exactly.
 
+Relaxed acceptance (TensorRT-LLM's, for a reasoning model's thinking phase; lossy, opt-in, greedy requests only:
+:class:`RelaxedAcceptance`): at a greedy row whose context is inside the thinking phase, the candidates are the
+target's ``topk`` most likely tokens whose log-probability is within ``delta`` of the most likely one's; the row's
+p is replaced by weights that are 1 on the most likely token, 1/2 on the other candidates and 0 elsewhere, and the
+walk of the sampling rule runs (u = 0 on greedy rows): the first child that is a candidate is accepted, and the
+extra token is the most likely one (it is never removed: were it a child, it would have been accepted). The walk
+runs for every batch with relaxed acceptance on, so a request's output never depends on what shares its batch.
+
 Node tokens (:func:`node_argmax`): argmax of rows 1..K, the target's greedy token after each node, for a drafter
 that iterates on the target's guesses (lookahead decoding); read back in the same sync as the verdict.
 """
@@ -67,6 +75,27 @@ class TypicalAcceptance(NamedTuple):
 
     posterior_threshold: float  # epsilon
     posterior_alpha: float  # delta
+
+
+class RelaxedAcceptance(NamedTuple):
+    """TensorRT-LLM's relaxed acceptance for the thinking phase: after a row inside ``begin_token`` ...
+    ``end_token``, a greedy request keeps a draft among the target's ``topk`` most likely tokens whose
+    log-probability is within ``delta`` of the most likely one's."""
+
+    topk: int
+    delta: float
+    begin_token: int
+    end_token: int
+
+    def phases(self, root: bool, token_ids: Sequence[int], parents: Sequence[int]) -> list[bool]:
+        """Whether each of a tree's k + 1 rows (the root, then the nodes) ends inside the thinking phase, given the
+        root's (``root``: the committed tokens'); a node's is its parent's, switched on by ``begin_token`` and off
+        by ``end_token``."""
+        rows = [root]
+        for token, parent in zip(token_ids, parents):
+            inside = rows[parent + 1]
+            rows.append(True if token == self.begin_token else False if token == self.end_token else inside)
+        return rows
 
 
 class TreeVerdict(NamedTuple):
@@ -125,10 +154,12 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
 # ---- verification -------------------------------------------------------------------------------------------
 
 
-def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAcceptance | None = None) -> TreeVerdict:
+def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAcceptance | None = None,
+                relaxed: RelaxedAcceptance | None = None, thinking: torch.Tensor | None = None) -> TreeVerdict:
     """Verify every request's tree in one batch: the greedy walk for an all-greedy batch (argmax only), else
     sibling rejection sampling (greedy rows inside it are greedy through their one-hot p and u = 0), or with
-    ``typical`` Medusa's typical acceptance (lossy).
+    ``typical`` Medusa's typical acceptance (lossy), or with ``relaxed`` relaxed acceptance at the rows ``thinking``
+    [B, K+1] bool marks (lossy; the caller marks greedy requests' rows only).
 
     Per seeded request the randomness drawn is k_b uniforms (node i's u, tested at most once), then V
     exponentials for the extra token, so its stream depends only on its own tree; greedy requests draw none.
@@ -136,6 +167,9 @@ def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAccept
     B, K1, _ = padded.target_logits.shape
     assert len(batch) == B, (len(batch), B)
     assert padded.draft_token_ids.shape == (B, K1 - 1), (padded.draft_token_ids.shape, B, K1)
+    if relaxed is not None:
+        assert thinking is not None and thinking.shape == (B, K1), (None if thinking is None else thinking.shape)
+        return _verify_sampled(padded, batch, relaxed, thinking)
     if batch.all_greedy:
         return _verify_greedy(padded)
     if typical is not None:
@@ -214,9 +248,11 @@ def _ancestor_path(parent_of_row: torch.Tensor, last: torch.Tensor, n: torch.Ten
     return torch.stack(cols[::-1], dim=1)
 
 
-def _verify_sampled(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
+def _verify_sampled(padded: PaddedTree, batch: SamplingBatch, relaxed: RelaxedAcceptance | None = None,
+                    thinking: torch.Tensor | None = None) -> TreeVerdict:
     """Walk down one level per round (D + 1 rounds; at depth D no row has children): r = p of the current row
-    [B, V] (only the rows needed), try its children; rows that accepted none stop with their residual r."""
+    [B, V] (only the rows needed; a ``thinking`` row's relaxed candidates' weights), try its children; rows that
+    accepted none stop with their residual r."""
     logits, children, D = padded.target_logits, padded.children, padded.max_depth
     B, K1, V = logits.shape
     device = logits.device
@@ -227,7 +263,10 @@ def _verify_sampled(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
     n = torch.zeros(B, dtype=torch.long, device=device)
     path, residual, p_stop = [cur], None, None
     for level in range(D + 1):
-        p = logits_to_probs(_gather_position(logits, cur), batch)  # [B, V] p of the current row
+        row_logits = _gather_position(logits, cur)  # [B, V]
+        p = logits_to_probs(row_logits, batch)  # [B, V] p of the current row
+        if relaxed is not None:
+            p = torch.where(thinking.gather(1, cur[:, None]), _candidate_weights(row_logits, relaxed), p)
         r, moved = p, torch.zeros_like(live)
         if level < D:
             r, nxt, moved = _try_children(p, _gather_position(children, cur), row_tokens, u, live)
@@ -240,6 +279,16 @@ def _verify_sampled(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
         live = moved
     extra_dist = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)  # no mass left: fall back to p
     return _verdict(padded, torch.stack(path, dim=1), n, sample(extra_dist, batch))
+
+
+def _candidate_weights(logits: torch.Tensor, relaxed: RelaxedAcceptance) -> torch.Tensor:
+    """logits [B, V] -> [B, V] float32: 1 on the most likely token, 1/2 on the other relaxed candidates (among the
+    ``topk`` most likely, log-probability within ``delta`` of the most likely one's: a gap of raw logits, as the
+    log-softmax shifts a row by one constant), 0 elsewhere."""
+    top = logits.topk(min(relaxed.topk, logits.shape[-1]), dim=-1).values  # [B, k], best first
+    candidates = (logits >= top[:, -1:]) & (top[:, :1] - logits <= relaxed.delta)
+    weights = candidates.float() * 0.5
+    return weights.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _try_children(p: torch.Tensor, kids: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor,

@@ -56,12 +56,27 @@ one investment (``Proposal.whole``: lookahead decoding's window, which pays by w
 as by its accepted nodes) is verified all or nothing: all when the whole tree's rate beats drafting nothing by the
 margin, or as the probe.
 
+Confidence. A drafter that runs a model can tell its probability p_i for each draft of a chain (a hidden-state
+head: the softmax of its own logits at its greedy choice). Were it calibrated, p_i would be the chance the target
+keeps d_i given it kept the drafts before; heads are not (a small one is overconfident), but p_i still sorts
+its drafts from likely to hopeless. So each draft is keyed by its ``Confidence`` (the drafter's key and the
+tenth of [0, 1] its p_i falls in) and read with that key's evidence, whose prior mean before any verification is
+the bin's middle (the calibrated guess), and a chain's first n drafts keep in expectation
+
+    E(n) = 1 + sum_{j<=n} prod_{i<=j} alpha(req, Confidence(key, bin(p_i)))
+
+tokens, priced as a tree's (the best n in [0, drafted]). A verified chain is evidence for each bin it reached:
+one success per accepted draft's bin and one failure for the first rejected draft's bin; its overall counts and
+its drafter's key take it as any chain's.
+
 Per request, ``SamplingParams.num_speculative_tokens`` caps the engine's (0: that request never drafts).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -93,6 +108,24 @@ class Evidence:
 
 
 _NO_EVIDENCE = Evidence()
+CONFIDENCE_BINS = 10
+
+
+@dataclass(frozen=True)
+class Confidence:
+    """The kind of a draft its drafter gave probability p for: the drafter's key (``source``) and the tenth of
+    [0, 1] p falls in; before any verification its acceptance is taken to be the bin's middle."""
+
+    source: object
+    bin: int
+
+    @classmethod
+    def of(cls, source, p: float) -> "Confidence":
+        return cls(source, min(max(int(p * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1))
+
+    @property
+    def prior(self) -> float:
+        return (self.bin + 0.5) / CONFIDENCE_BINS
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -192,8 +225,9 @@ class DraftLengthPolicy:
         for req_id in req_ids:
             self._evidence.pop(req_id, None)
 
-    def observe(self, req, num_drafted: int, num_accepted: int, key: int | None = None) -> None:
-        """Update ``req``'s acceptance evidence from one verification of ``num_drafted`` drafts (of ``key``)."""
+    def observe(self, req, num_drafted: int, num_accepted: int, key=None, scores: list[float] | None = None) -> None:
+        """Update ``req``'s acceptance evidence from one verification of ``num_drafted`` drafts (of ``key``; a
+        chain whose drafter gave each draft's probability as ``scores``: each draft's :class:`Confidence` too)."""
         assert 0 <= num_accepted <= num_drafted, (num_drafted, num_accepted)
         if num_drafted == 0:
             return
@@ -205,6 +239,13 @@ class DraftLengthPolicy:
         if key is not None:
             _discount(ev.keyed.setdefault(key, [0.0, 0.0]), self.decay, num_accepted, rejected)
             _discount(self._key_evidence.setdefault(key, [0.0, 0.0]), ENGINE_DECAY, num_accepted, rejected)
+        if scores is not None:
+            assert len(scores) >= num_drafted, (len(scores), num_drafted)
+            for i, p in enumerate(scores[: min(num_accepted + 1, num_drafted)]):  # up to the first rejected draft
+                conf = Confidence.of(key, p)
+                accepted = i < num_accepted
+                _discount(ev.keyed.setdefault(conf, [0.0, 0.0]), self.decay, accepted, not accepted)
+                _discount(self._key_evidence.setdefault(conf, [0.0, 0.0]), ENGINE_DECAY, accepted, not accepted)
 
     def observe_tree(self, req, tree: DraftTree, num_accepted: int, key: int | None = None) -> None:
         """One verification of ``tree`` that kept ``num_accepted`` of its nodes (a path): the per-level evidence
@@ -222,15 +263,22 @@ class DraftLengthPolicy:
             return 0
         return self._with_probes(req, self._best_nodes(req, batch_size, tree, key, limit)[0], limit)
 
-    def price(self, req, batch_size: int, drafts: list[int] | DraftTree, key=None) -> tuple[int, float]:
+    def price(self, req, batch_size: int, drafts: list[int] | DraftTree, key=None,
+              scores: list[float] | None = None) -> tuple[int, float]:
         """How many of a proposal's first drafts (a chain's, or a tree's nodes) are worth verifying for ``req``,
         and the expected tokens per unit cost of verifying them, by the rule of :meth:`choose_tree` (a chain is a
-        tree without scores: alpha^depth per node, the geometric model) but with no probe and no other state
-        touched: for weighing the proposals of several drafters against each other."""
+        tree without scores: alpha^depth per node, the geometric model; with its drafts' probabilities as
+        ``scores``, each read with its :class:`Confidence`'s evidence) but with no probe and no other state touched:
+        for weighing the proposals of several drafters against each other, and for cutting a scored chain."""
         tree = drafts if isinstance(drafts, DraftTree) else DraftTree(list(drafts), list(range(-1, len(drafts) - 1)))
         limit = min(len(tree), self.num_speculative_tokens_for(req))
         if not self.adaptive:
             return limit, 0.0
+        if scores is not None:
+            assert not isinstance(drafts, DraftTree) and len(scores) == len(drafts), (len(scores), len(drafts))
+            gains = list(itertools.accumulate((self.acceptance(req, Confidence.of(key, p)) for p in scores),
+                                              operator.mul))
+            return self._best_of_gains(batch_size, gains, limit)
         return self._best_nodes(req, batch_size, tree, key, limit)
 
     def knows(self, key) -> bool:
@@ -247,11 +295,14 @@ class DraftLengthPolicy:
     def _best_nodes(self, req, batch_size: int, tree: DraftTree, key, limit: int) -> tuple[int, float]:
         """(n, rate): the n in [0, limit] of ``tree``'s first nodes with the best expected tokens per unit cost
         (0 unless it beats none by the margin)."""
+        return self._best_of_gains(batch_size, self._tree_gains(req, tree, key) if limit else [], limit)
+
+    def _best_of_gains(self, batch_size: int, gains: list[float], limit: int) -> tuple[int, float]:
+        """(n, rate) of :meth:`_best_nodes` given each node's probability of being kept (``gains``)."""
         costs = self._step_costs(batch_size, limit)
         base_rate = 1.0 / costs[0]
         if limit == 0:
             return 0, base_rate
-        gains = self._tree_gains(req, tree, key)
         best, best_rate, expected = 0, base_rate, 1.0
         for n in range(1, limit + 1):
             expected += gains[n - 1]
@@ -309,7 +360,8 @@ class DraftLengthPolicy:
     def acceptance(self, req, key: int | None = None) -> float:
         """alpha: the posterior mean per-position acceptance probability of ``req``'s drafts (of ``key``)."""
         ev = self._evidence.get(req.req_id, _NO_EVIDENCE)
-        prior = self._posterior(*self._key_evidence.get(key, (0.0, 0.0)), self.prior_alpha)
+        prior = self._posterior(*self._key_evidence.get(key, (0.0, 0.0)),
+                                key.prior if isinstance(key, Confidence) else self.prior_alpha)
         if key is None:
             return self._posterior(ev.accepts, ev.rejects, prior)
         return self._posterior(*ev.keyed.get(key, (0.0, 0.0)), prior)

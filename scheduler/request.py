@@ -65,6 +65,7 @@ class Request:
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # this request's verifications
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self._span = (0, False)  # (tokens scanned by inside(), whether they end inside the span)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +109,18 @@ class Request:
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
         if self.output_logprobs is not None:
             del self.output_logprobs[num_output_tokens:]
+
+    def inside(self, begin: int, end: int) -> bool:
+        """Whether the tokens so far end inside a ``begin`` ... ``end`` span (a reasoning model's thinking phase):
+        the later of the last ``begin`` and the last ``end`` is ``begin``. Scans only the tokens appended since the
+        last call (all of them again after a truncation)."""
+        scanned, state = self._span
+        if scanned > self.num_tokens:
+            scanned, state = 0, False
+        for token in self.all_token_ids[scanned:]:
+            state = True if token == begin else False if token == end else state
+        self._span = (self.num_tokens, state)
+        return state
 
     def extend_logprobs(self, entries: list[dict[int, float]]) -> None:
         """Record the logprobs of the output tokens appended since the last call: ``entries`` are those of the

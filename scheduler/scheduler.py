@@ -53,6 +53,9 @@ class SchedulerConfig:
     worker_draft_steps: int = field(default=0, kw_only=True)
     worker_tree_slots: int = field(default=0, kw_only=True)
     worker_writes_kv: bool = field(default=True, kw_only=True)
+    # (begin, end) token ids of a reasoning model's thinking phase, for relaxed acceptance: each chunk with drafts
+    # says whether its request's committed tokens end inside it (ScheduledChunk.thinking); None: never
+    thinking_tokens: tuple[int, int] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("worker_draft_steps", "worker_tree_slots"):
@@ -283,6 +286,8 @@ class Scheduler:
                                want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts)
         if not sample and self.config.worker_draft_steps:
             chunk.next_token_id = req.all_token_ids[end]
+        if k and self.config.thinking_tokens is not None:
+            chunk.thinking = req.inside(*self.config.thinking_tokens)
         return chunk
 
     def _next_drafts(self, req: Request, end: int, k: int) -> int:

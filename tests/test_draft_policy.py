@@ -6,7 +6,8 @@ import random
 import pytest
 
 from specray.sampling_params import SamplingParams
-from specray.scheduler.draft_policy import DraftLengthPolicy, PRIOR_COST, expected_tokens, robust_fit
+from specray.scheduler.draft_policy import (CONFIDENCE_BINS, Confidence, DraftLengthPolicy, PRIOR_COST,
+                                            expected_tokens, robust_fit)
 from specray.scheduler.request import Request
 from specray.tree import DraftTree
 
@@ -275,3 +276,56 @@ def test_best_k_equals_its_definition_as_the_cost_model_changes():
             alpha = rng.choice([0.0, 1.0, 0.5, rng.random()])
             batch, limit = rng.choice([0, 1, 2, 8, 256]), rng.randint(0, 8)
             assert policy.best_k(alpha, batch, limit) == _best_k_by_definition(policy, alpha, batch, limit)
+
+
+def test_confidence_bins_and_their_priors():
+    assert Confidence.of("h", 0.0) == Confidence("h", 0)
+    assert Confidence.of("h", 1.0) == Confidence("h", CONFIDENCE_BINS - 1)
+    assert Confidence.of("h", 0.55).bin == 5 and Confidence.of("h", 0.55).prior == pytest.approx(0.55)
+    assert Confidence.of("h", 0.3) != Confidence.of("other", 0.3)
+    policy, req = DraftLengthPolicy(4), make_req()
+    # nothing verified yet: a bin's acceptance is its middle (a calibrated drafter's), not the policy's prior
+    assert policy.acceptance(req, Confidence.of("h", 0.95)) == pytest.approx(0.95)
+    assert policy.acceptance(req, Confidence.of("h", 0.05)) == pytest.approx(0.05)
+
+
+def test_scored_chain_is_cut_where_its_drafts_stop_paying():
+    """A chain priced by its drafts' probabilities keeps the sure drafts before a doubtful one, and the same chain
+    priced by the head's overall acceptance does not see where it turns."""
+    policy = DraftLengthPolicy(8)
+    feed_cost(policy, 1.0, 0.05)
+    req, chain = make_req(), [5, 6, 7, 8, 9]
+    sure_then_not = [0.99, 0.98, 0.97, 0.05, 0.9]
+    n, rate = policy.price(req, 8, chain, "h", sure_then_not)
+    assert n == 3 and rate > policy.price(req, 8, [], "h")[1]
+    assert policy.price(req, 8, chain, "h", [0.02] * 5)[0] == 0  # hopeless from the first
+    assert policy.price(req, 8, chain, "h", [0.99] * 5)[0] == 5
+    assert policy.price(req, 8, chain, "h")[0] not in (0, 3)  # by the head's prior alone (0.5 per draft)
+
+
+def test_verified_scored_chains_teach_each_confidence_bin():
+    """An overconfident head: drafts it gives 0.9 are kept a third of the time. After verifications the 0.9 bin
+    reads about 1/3, a bin it never reached keeps its prior, and the chain it was sure of is cut short where a
+    policy that believed it would verify it all; the key's own counts take each verification as any chain's."""
+    policy = DraftLengthPolicy(4)
+    feed_cost(policy, 1.0, 0.05)
+    req, rng = make_req(), random.Random(0)
+    for _ in range(300):
+        accepted = 0
+        while accepted < 4 and rng.random() < 1 / 3:
+            accepted += 1
+        policy.observe(req, 4, accepted, "h", [0.95] * 4)
+    assert policy.acceptance(req, Confidence.of("h", 0.95)) == pytest.approx(1 / 3, abs=0.08)
+    assert policy.acceptance(req, Confidence.of("h", 0.45)) == pytest.approx(0.45)
+    assert policy.acceptance(req, "h") == pytest.approx(1 / 3, abs=0.08)
+    assert policy.acceptance(make_req("fresh"), Confidence.of("h", 0.95)) == pytest.approx(1 / 3, abs=0.1)
+    believer = DraftLengthPolicy(4)
+    feed_cost(believer, 1.0, 0.05)
+    assert policy.price(req, 8, [1, 2, 3, 4], "h", [0.95] * 4)[0] <= 1 < 4 == believer.price(
+        make_req(), 8, [1, 2, 3, 4], "h", [0.95] * 4)[0]
+    # the first rejected draft's bin takes the failure, the drafts after it are no evidence
+    other = make_req()
+    policy.observe(other, 3, 1, "g", [0.95, 0.15, 0.55])
+    assert policy.acceptance(other, Confidence.of("g", 0.95)) > 0.95 > 0.15 > policy.acceptance(
+        other, Confidence.of("g", 0.15))
+    assert policy.acceptance(other, Confidence.of("g", 0.55)) == pytest.approx(0.55)

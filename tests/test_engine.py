@@ -184,7 +184,8 @@ def test_cheap_drafter_drafts_sized_by_the_kind_of_guess(tiny_llama_dir, plain_o
         policy.observe_step(n, 8, 0.05 + 0.001 * n)
     policy.observe_step = lambda *args: None
     verified, observe = [], policy.observe
-    policy.observe = lambda req, n, acc, key=None: (verified.append((key, n)), observe(req, n, acc, key))
+    policy.observe = lambda req, n, acc, key=None, scores=None: (verified.append((key, n)),
+                                                                 observe(req, n, acc, key, scores))
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
     short = [n for key, n in verified if key == 1]
     assert sum(n for key, n in verified if key == 2) > 3 * sum(short) > 0
@@ -555,7 +556,8 @@ def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):
     assert schema["max_num_seqs"] == {"type": "int", "default": 8} and schema["model"]["required"]
     spec_keys = schema["speculative_config"]["keys"]
     assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive", "acceptance",
-                                        "posterior_threshold", "posterior_alpha"}
+                                        "posterior_threshold", "posterior_alpha", "relaxed_topk", "relaxed_delta",
+                                        "begin_thinking_phase_token", "end_thinking_phase_token"}
     assert "is_public_pool" in spec_keys["methods"]["ngram"] and "model" in spec_keys["methods"]["draft_model"]
     assert "pool_name" in schema["ray_placement"]["keys"]
 

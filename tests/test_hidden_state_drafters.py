@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import AutoTokenizer
 
 from specray import LLM, SamplingParams
 from specray.models.attention import build_attention_metadata
@@ -293,9 +294,10 @@ class DenseHead:
         return feedback, normed, kv
 
     @torch.inference_mode()
-    def check_drafts(self, tokens: list[int], drafts: list[int]) -> None:
+    def check_drafts(self, tokens: list[int], drafts: list[int], scores: list[float] | None = None) -> None:
         """``drafts`` (the worker's, made after ``tokens`` were committed) are the head's argmax at each draft
-        step, fed the worker's own previous draft (a near tie, under 1e-4 apart, may go either way)."""
+        step, fed the worker's own previous draft (a near tie, under 1e-4 apart, may go either way); ``scores``,
+        where given, their probabilities under the head."""
         n = len(tokens) - 1  # the last token has no target K/V yet: the head's first pass ends at n - 1
         feedback, normed, _ = self.first_pass(tokens, n)
         feedback, normed = feedback[-1:], normed[-1:]
@@ -305,6 +307,8 @@ class DenseHead:
             logits = self.head.full_vocab_logits(normed)[0]
             best = int(logits.argmax())
             assert token == best or logits[best] - logits[token] < 1e-4, (step, tokens, drafts, best)
+            if scores is not None:
+                assert scores[step] == pytest.approx(float(logits.softmax(-1)[token]), abs=1e-5), (step, scores)
 
 
 def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
@@ -335,6 +339,7 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
         engine.step()
         plan, result = rec.steps[-1]
         drafts = dict(zip(result.req_ids, result.draft_token_ids or [[]] * len(plan.chunks)))
+        scores = dict(zip(result.req_ids, result.draft_scores or [[]] * len(plan.chunks)))
         chunks = {c.req_id: (c, kept) for c, kept in zip(plan.chunks, result.sampled_token_ids)}
         for req in engine.scheduler.running:
             n = req.num_computed_tokens
@@ -349,7 +354,8 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
             checked["kv"] += 1
             if drafts[req.req_id]:
                 assert n == req.num_tokens - 1
-                dense.check_drafts(req.all_token_ids, drafts[req.req_id])
+                assert len(scores[req.req_id]) == len(drafts[req.req_id])  # the head's confidence in each
+                dense.check_drafts(req.all_token_ids, drafts[req.req_id], scores[req.req_id])
                 chunk, kept = chunks[req.req_id]
                 checked["drafts"] += 1
                 checked["after a chunked prefill"] += chunk.start_pos > 0 and chunk.num_draft_tokens == 0 and \
@@ -409,6 +415,9 @@ def on_off_policy(engine, pattern: str):
 
     policy.choose = lambda req, *a, **kw: policy.num_speculative_tokens_for(req) if turn(req) else 0
     policy.choose_tree = lambda req, batch, tree, *a, **kw: len(tree) if turn(req) else 0
+    # a head that scores its chains: each is cut by price() and settle(), and with none in hand wait_or_probe()
+    policy.settle = lambda req, n, limit: limit if turn(req) else 0
+    policy.wait_or_probe = lambda req, *a, **kw: policy.num_speculative_tokens_for(req) if turn(req) else 0
 
 
 @pytest.mark.parametrize("method", CHAIN_METHODS)
@@ -491,6 +500,47 @@ def test_adaptive_policy_probes_a_head_it_switched_off(target_dir, heads, plain_
     assert [g for g, _ in probes[:3]] == sorted(g for g, _ in probes[:3]) and probes[2][0] > probes[0][0], gaps
 
 
+@pytest.mark.parametrize("method", CHAIN_METHODS)
+def test_adaptive_policy_cuts_a_head_chain_by_its_confidence(target_dir, heads, plain_outputs, method):
+    """With the adaptive policy, each chain the head made is verified up to where the policy, reading each draft's
+    confidence bin, prices it best (so some chains are verified short of their end), every bin the verified drafts
+    reached gains evidence, and greedy output stays the plain output."""
+    from specray.scheduler.draft_policy import Confidence
+
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method, k=5)
+    kwargs["speculative_config"]["adaptive"] = True
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine, policy = llm.engine, llm.engine.policy
+    engine.executor = rec = Recorder(engine.executor)
+    for n in (1, 2, 4, 8):  # a cost model where drafts are cheap against a step: price decides, not the step cost
+        policy.observe_step(n, 8, 0.05 + 0.001 * n)
+    policy.observe_step = lambda *args: None
+    priced, price = [], policy.price
+
+    def recorded(req, batch, drafts, key=None, scores=None):
+        out = price(req, batch, drafts, key, scores)
+        priced.append((list(drafts), scores, out[0]))
+        return out
+
+    policy.price = recorded
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == plain_outputs
+    made, cut, verified = {}, 0, 0
+    for chunk, _, drafts in rec.chunks():
+        n = chunk.num_draft_tokens
+        if n:
+            verified += 1
+            cut += n < len(made[chunk.req_id])
+        made.pop(chunk.req_id, None)
+        if drafts:
+            made[chunk.req_id] = drafts
+    assert verified >= 10 and cut >= 1, (verified, cut)
+    assert any(scores is not None and n < len(d) for d, scores, n in priced)  # a chain priced short of its end
+    bins = {k.bin for k in policy._key_evidence if isinstance(k, Confidence) and k.source == engine.worker_method}
+    assert len(bins) >= 2, bins
+    assert llm.spec_stats.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("method", ["eagle3+ngram", "mtp+suffix", "eagle3-tree+suffix"])
 def test_combined_with_a_lookup_keeps_greedy_output_and_drafts_with_both(target_dir, heads, plain_mixed, method):
     """``combine_with``: each step each request verifies the head's drafts or the lookup drafter's, whichever the
@@ -506,8 +556,8 @@ def test_combined_with_a_lookup_keeps_greedy_output_and_drafts_with_both(target_
         policy.observe_step(n, 8, 0.05 + 0.001 * n)
     policy.observe_step = lambda *args: None
     kept_by, observe = {}, policy.observe  # every verification's evidence (observe_tree's too) goes through it
-    policy.observe = lambda req, n, acc, key=None: (
-        kept_by.setdefault("head" if key == head else "lookup", []).append(acc), observe(req, n, acc, key))
+    policy.observe = lambda req, n, acc, key=None, scores=None: (
+        kept_by.setdefault("head" if key == head else "lookup", []).append(acc), observe(req, n, acc, key, scores))
     told, own = [], getattr(engine.drafter, "observe_verification", lambda *args: None)
     engine.drafter.observe_verification = lambda rid, n, acc: (told.append(n), own(rid, n, acc))
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
@@ -551,6 +601,35 @@ def test_typical_acceptance_is_opt_in_lossy_and_leaves_greedy_output_exact(targe
                      ({"posterior_alpha": -1}, "posterior_alpha")]:
         with pytest.raises(ValueError, match=why):
             engine(**bad)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3-tree"])
+def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(target_dir, heads, plain_outputs,
+                                                                               method):
+    """``acceptance="relaxed"`` (TensorRT-LLM's, paired there with MTP) with a phase that begins at the first
+    prompt token and never ends: every kept token is among the target's top 4 within 2.0 of its best logit (some
+    not the best: the relaxation ran, so output differs from plain); with top-1 the output is plain."""
+    from transformers import AutoModelForCausalLM
+
+    relaxed = _load("test_relaxed_acceptance")
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+
+    def engine(**spec):
+        kwargs = engine_kwargs(target_dir, heads, "accepting", method)
+        kwargs["speculative_config"].update(acceptance="relaxed", end_thinking_phase_token=0, **spec)
+        return LLM(kwargs.pop("model"), **kwargs)
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    off, outs = 0, []
+    for prompt, ids in zip(PROMPTS, prompts):  # the phase begins at each prompt's first token
+        llm = engine(relaxed_topk=4, relaxed_delta=2.0, begin_thinking_phase_token=ids[0])
+        out = llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+        off += relaxed.check_candidates(hf, ids, out, ids[0], 0, 4, 2.0)
+        outs.append(out)
+    assert off > 0 and outs != plain_outputs
+    strict = engine(relaxed_topk=1, relaxed_delta=2.0, begin_thinking_phase_token=prompts[0][0])
+    assert token_ids(strict.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------

@@ -470,3 +470,110 @@ def test_typical_acceptance_leaves_greedy_rows_greedy():
     greedy, _, _, _ = run(logits, tokens, parents, [GREEDY, GREEDY])
     mixed, _ = _typical(logits, tokens, parents, [GREEDY, SP(temperature=0.8, seed=1)], 0.09, 0.3)
     assert mixed[0] == greedy[0] and len(greedy[0]) == 3
+
+
+# ---- relaxed acceptance (TensorRT-LLM's, for the thinking phase; lossy, opt-in) ------------------------------------
+
+BEGIN, END = 6, 7  # the thinking phase's token ids in these tests
+
+
+def _relaxed(logits, tokens, parents, params, topk, delta, roots, seeds=None):
+    """Verify with relaxed acceptance, each request's root inside the thinking phase as ``roots`` says (greedy
+    requests only, as the runner marks them)."""
+    relaxed = tree_verification.RelaxedAcceptance(topk, delta, BEGIN, END)
+    padded = pad_tree_drafts(logits, tokens, parents)
+    width = padded.draft_token_ids.shape[1] + 1
+    rows = [relaxed.phases(r, t, p) if sp.greedy else [] for r, t, p, sp in zip(roots, tokens, parents, params)]
+    thinking = torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool)
+    kept, nodes, _, _ = unpad_tree(verify_tree(padded, build(params, seeds), relaxed=relaxed, thinking=thinking), None)
+    return kept, nodes
+
+
+def relaxed_reference(row_logits: torch.Tensor, tokens, parents, topk, delta, root: bool):
+    """Plain python: from the root, follow the first child (node order) whose token is a candidate of the current
+    row: the argmax, or inside the thinking phase one of the topk most likely within delta of it in logit; the
+    phase switches on BEGIN and off END along the path. The extra token is the argmax."""
+    cur, inside, nodes = -1, root, []
+    while True:
+        row = row_logits[cur + 1].tolist()
+        best = max(range(len(row)), key=lambda t: (row[t], -t))
+        ranked = sorted(range(len(row)), key=lambda t: -row[t])
+        ok = {best} | ({t for t in ranked[:topk] if row[best] - row[t] <= delta} if inside else set())
+        nxt = [i for i, p in enumerate(parents) if p == cur and tokens[i] in ok]
+        if not nxt:
+            return [tokens[i] for i in nodes] + [best], nodes
+        cur = nxt[0]
+        nodes.append(cur)
+        inside = True if tokens[cur] == BEGIN else False if tokens[cur] == END else inside
+
+
+def test_relaxed_phases_follow_each_path():
+    relaxed = tree_verification.RelaxedAcceptance(3, 1.0, BEGIN, END)
+    #            node:   0    1   2     3   4
+    tokens, parents = [1, END, 2, BEGIN, 3], [-1, -1, 1, 0, 3]
+    assert relaxed.phases(True, tokens, parents) == [True, True, False, False, True, True]
+    assert relaxed.phases(False, tokens, parents) == [False, False, False, False, True, True]
+    assert relaxed.phases(True, [], []) == [True]
+
+
+def test_relaxed_acceptance_keeps_close_candidates_inside_the_thinking_phase_only():
+    """Root logits: token 2 best (5.0), token 4 next (4.8), token 5 third (3.0). A chain drafting 4 then the
+    argmax after it: inside the phase with top-2 and delta 0.5 both are kept; a top-1 rule, a delta under the gap,
+    or a root outside the phase keeps none (the extra token is the argmax, 2)."""
+    V = 8
+    root = torch.full((V,), -1.0)
+    root[2], root[4], root[5] = 5.0, 4.8, 3.0
+    after = torch.full((V,), -1.0)
+    after[3] = 2.0
+    logits = torch.stack([root, after, after])
+    chain = ([[4, 3]], [[-1, 0]])
+    assert _relaxed(logits, *chain, [GREEDY], 2, 0.5, [True]) == ([[4, 3, 3]], [[0, 1]])
+    for topk, delta, inside in ((1, 0.5, True), (2, 0.1, True), (2, 0.5, False)):
+        assert _relaxed(logits, *chain, [GREEDY], topk, delta, [inside]) == ([[2]], [[]]), (topk, delta, inside)
+    assert _relaxed(logits[:2], [[5]], [[-1]], [GREEDY], 3, 2.5, [True])[1] == [[0]]  # third, 2.0 below: within 2.5
+    assert _relaxed(logits[:2], [[5]], [[-1]], [GREEDY], 2, 2.5, [True])[1] == [[]]  # but not in the top 2
+    # the draft that ends the phase is tested inside it; the draft after it strictly
+    logits = torch.stack([root, root, root])
+    assert _relaxed(logits, [[END, 4]], [[-1, 0]], [GREEDY], 2, 0.5, [True]) == ([[2]], [[]])  # END not close
+    root[END] = 4.9
+    logits = torch.stack([root, root, root])
+    assert _relaxed(logits, [[END, 4]], [[-1, 0]], [GREEDY], 2, 0.5, [True]) == ([[END, 2]], [[0]])
+    assert _relaxed(logits, [[BEGIN, 4]], [[-1, 0]], [GREEDY], 3, 5.0, [False]) == ([[2]], [[]])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_relaxed_acceptance_equals_the_reference_walk_alone_and_in_any_batch(seed):
+    """Random trees with BEGIN/END tokens among the drafts and random phases at the roots: every greedy request's
+    verdict is the reference walk's, in an all-greedy batch and beside sampled requests (whose verdicts, seeded,
+    are exactly those of verification without relaxed acceptance)."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    V, B, rows, tokens, parents, roots = 8, 16, [], [], [], []
+    for _ in range(B):
+        logits = torch.randn(13, V, generator=g) * 0.7
+        ranked = logits.argsort(-1, descending=True).tolist()
+        t, p = random_tree(rng, lambda r: ranked[r][rng.randrange(3)], V, 12, p_match=0.8)
+        rows.append(logits[: len(t) + 1])
+        tokens.append(t)
+        parents.append(p)
+        roots.append(rng.random() < 0.7)
+    topk, delta = 3, 0.6
+    want = [relaxed_reference(r, t, p, topk, delta, root) for r, t, p, root in zip(rows, tokens, parents, roots)]
+    assert sum(len(n) for _, n in want) > sum(len(reference_walk(r, t, p)[1]) for r, t, p in zip(rows, tokens, parents))
+    kept, nodes = _relaxed(torch.cat(rows), tokens, parents, [GREEDY] * B, topk, delta, roots)
+    assert list(zip(kept, nodes)) == want
+    # every other request sampled (seeded): the greedy ones keep their verdicts, the sampled ones get the verdict
+    # they would get without relaxed acceptance
+    params = [GREEDY if b % 2 else SP(temperature=0.9, seed=b) for b in range(B)]
+    kept, nodes = _relaxed(torch.cat(rows), tokens, parents, params, topk, delta, roots)
+    plain_kept, plain_nodes, _, _ = run(torch.cat(rows), tokens, parents, params)
+    for b in range(B):
+        assert (kept[b], nodes[b]) == (want[b] if b % 2 else (plain_kept[b], plain_nodes[b])), b
+
+
+def test_relaxed_acceptance_has_no_host_sync(no_host_sync):
+    logits, tokens, parents = big_tree()
+    relaxed = tree_verification.RelaxedAcceptance(4, 1.0, BEGIN, END)
+    thinking = torch.tensor([relaxed.phases(True, tokens, parents)])
+    batch = build([GREEDY])
+    with no_host_sync():
+        verify_tree(pad_tree_drafts(logits, [tokens], [parents]), batch, relaxed=relaxed, thinking=thinking)

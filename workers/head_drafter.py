@@ -200,10 +200,11 @@ class HiddenStateDrafter:
 
     def _chain(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
                normed: torch.Tensor) -> list[Drafted]:
-        """Each request's chain of ``drafts`` argmax tokens: d1 from the first pass, then one row per step."""
+        """Each request's chain of ``drafts`` argmax tokens: d1 from the first pass, then one row per step; each
+        with its probability under the head (its confidence, which the policy prices the chain by)."""
         device = feedback.device
-        tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))  # [B] d1
-        steps = [tokens]
+        conf, tokens = self._argmax(normed)  # [B] d1
+        steps, confs = [tokens], [conf]
         live = list(range(len(work)))  # requests still drafting
         for step in range(1, max(w.drafts for w in work)):
             keep = [j for j in live if work[j].drafts > step]
@@ -217,10 +218,18 @@ class HiddenStateDrafter:
             meta = build_attention_metadata([1] * len(live), [roots[j] + step - 1 for j in live],
                                             [tables[j] for j in live], self.block_size, device)
             feedback, normed = self.head(tokens, feedback, meta)
-            tokens = self.head.to_target_ids(self.head.draft_logits(normed).argmax(-1))
+            conf, tokens = self._argmax(normed)
             steps.append(_scatter(tokens, live, len(work)))
-        table = torch.stack(steps, dim=1).tolist()  # the drafts' one host sync: [B, m]
-        return [Drafted(row[: w.drafts]) for row, w in zip(table, work)]
+            confs.append(_scatter(conf, live, len(work)))
+        # the drafts' one host sync: [2, B, m] (token ids are exact in float64)
+        table = torch.stack([torch.stack(steps, dim=1).double(), torch.stack(confs, dim=1).double()]).tolist()
+        return [Drafted([int(t) for t in ids[: w.drafts]], scores=p[: w.drafts])
+                for ids, p, w in zip(table[0], table[1], work)]
+
+    def _argmax(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's greedy draft per row (target ids) and its probability under the head."""
+        conf, ids = self.head.draft_logits(normed).softmax(-1).max(-1)
+        return conf, self.head.to_target_ids(ids)
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
               normed: torch.Tensor) -> list[Drafted]:

@@ -30,8 +30,8 @@ from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
-from specray.tree_verification import (TypicalAcceptance, node_argmax, pad_tree_drafts, tree_logprobs, unpad_tree,
-                                       verify_tree)
+from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, node_argmax, pad_tree_drafts,
+                                       tree_logprobs, unpad_tree, verify_tree)
 from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
-                 is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None):
+                 is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
+                 relaxed_acceptance: tuple[int, float, int, int] | None = None):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -52,6 +53,8 @@ class ModelRunner:
         # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
         # through tree verification (a chain is a tree), which implements it
         self.typical = None if typical_acceptance is None else TypicalAcceptance(*typical_acceptance)
+        # greedy drafts in a thinking phase verified by relaxed acceptance: every chunk goes the same way
+        self.relaxed = None if relaxed_acceptance is None else RelaxedAcceptance(*relaxed_acceptance)
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -92,8 +95,9 @@ class ModelRunner:
         if not self.is_driver:
             return None
         kept, logprobs, paths, nodes = [], None, None, None
-        if self.typical is not None or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
-                                           for i in sampled):
+        every_chunk = self.typical is not None or self.relaxed is not None  # rules only tree verification has
+        if every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
+                              for i in sampled):
             kept, logprobs, paths, nodes = self._verify_trees(plan, sampled, logits)
         elif sampled:
             kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
@@ -108,6 +112,7 @@ class ModelRunner:
             result.draft_token_ids = [[] if d is None else d.token_ids for d in drafted]
             if any(d is not None and d.parents is not None for d in drafted):
                 result.draft_parents = [[] if d is None or d.parents is None else d.parents for d in drafted]
+            if any(d is not None and d.scores is not None for d in drafted):
                 result.draft_scores = [[] if d is None or d.scores is None else d.scores for d in drafted]
         return result
 
@@ -151,7 +156,7 @@ class ModelRunner:
                                  list[list[int]] | None]:
         """Every sampled chunk through tree verification (a chain is a tree); drafts with a drafter's q are
         chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine), unless
-        typical acceptance is on (it reads no q: every chunk comes here). When
+        typical or relaxed acceptance is on (they read no q: every chunk comes here). When
         a chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
         entries are [])."""
         chunks = [plan.chunks[i] for i in sampled]
@@ -161,7 +166,14 @@ class ModelRunner:
         padded = pad_tree_drafts(logits, drafts, parents)
         params = [self.params[c.req_id] for c in chunks]
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
-        verdict = verify_tree(padded, batch, self.typical)
+        thinking = None
+        if self.relaxed is not None:  # each row inside the thinking phase, for greedy requests only
+            width = padded.draft_token_ids.shape[1] + 1
+            rows = [self.relaxed.phases(c.thinking, d, p) if sp.greedy else [] for c, d, p, sp in
+                    zip(chunks, drafts, parents, params)]
+            thinking = torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool,
+                                    device=logits.device)
+        verdict = verify_tree(padded, batch, self.typical, self.relaxed, thinking)
         logprobs = tree_logprobs(padded, verdict, [sp.logprobs for sp in params])
         wanted = any(c.want_node_tokens for c in chunks)
         kept, paths, per_request, per_node = unpad_tree(verdict, logprobs,  # the step's one host sync

@@ -49,6 +49,9 @@ class WorkerConfig:
     # sampled drafts verified by Medusa's typical acceptance, (posterior_threshold, posterior_alpha); None: rejection
     # sampling (lossless)
     typical_acceptance: tuple[float, float] | None = None
+    # greedy drafts verified by relaxed acceptance in the thinking phase, (relaxed_topk, relaxed_delta, begin token,
+    # end token); None: exactly (specray.tree_verification.RelaxedAcceptance)
+    relaxed_acceptance: tuple[int, float, int, int] | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -152,7 +155,8 @@ class Worker:
                                                   self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
-                                  typical_acceptance=self.config.typical_acceptance)
+                                  typical_acceptance=self.config.typical_acceptance,
+                                  relaxed_acceptance=self.config.relaxed_acceptance)
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:

@@ -73,10 +73,12 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     spec = args.speculative_config
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
+    thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
                                  args.kv_cache_memory_bytes, args.num_threads,
                                  worker_drafter=registry.worker_drafter_config(spec, args.model) if in_worker else None,
-                                 typical_acceptance=spec.typical_acceptance if spec is not None else None)
+                                 typical_acceptance=spec.typical_acceptance if spec is not None else None,
+                                 relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking))
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
@@ -95,6 +97,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
         worker_tree_slots=registry.worker_lookahead_slots(spec) if in_worker else 0,
         worker_writes_kv=not in_worker or registry.worker_writes_kv(spec),
+        thinking_tokens=thinking,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
@@ -102,6 +105,34 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
                      worker_method=spec.method if in_worker else None,
                      worker_trees=in_worker and registry.worker_drafts_trees(spec))
+
+
+THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends
+
+
+def thinking_tokens(spec: SpeculativeConfig | None, tokenizer, vocab_size: int) -> tuple[int, int] | None:
+    """Relaxed acceptance's (begin, end) thinking-phase token ids: the config's, else the tokenizer's
+    ``<think>`` and ``</think>``; None unless ``acceptance="relaxed"``. A ValueError when neither names them or
+    an id is outside the vocabulary."""
+    if spec is None or spec.acceptance != "relaxed":
+        return None
+    vocab = tokenizer.get_vocab()
+    ids = []
+    for name, text in zip(("begin_thinking_phase_token", "end_thinking_phase_token"), THINKING_TOKENS):
+        given = getattr(spec, name)
+        token = vocab.get(text) if given is None else given
+        if token is None:
+            raise ValueError(f"speculative_config.acceptance='relaxed' relaxes only inside the thinking phase, and "
+                             f"this model's tokenizer has no {text!r} token: give speculative_config.{name} (a token "
+                             "id)")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"speculative_config.{name}={token} is outside the model's vocabulary (size "
+                             f"{vocab_size})")
+        ids.append(token)
+    if ids[0] == ids[1]:
+        raise ValueError(f"speculative_config's thinking phase begins and ends with the same token {ids[0]}: give "
+                         "begin_thinking_phase_token and end_thinking_phase_token")
+    return ids[0], ids[1]
 
 
 def lookup_beside_head(spec: SpeculativeConfig) -> SpeculativeConfig | None:

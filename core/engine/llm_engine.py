@@ -65,6 +65,9 @@ class LLMEngine:
         self.closed_batches = False
         self._draft_keys: dict[str, int] = {}  # the kind of each request's pending drafts (cheap drafters)
         self._draft_trees: dict[str, DraftTree] = {}  # each request's pending token tree, as proposed
+        self._draft_scores: dict[str, list[float]] = {}  # a scored chain's drafts' probabilities, as verified
+        self._worker_scores: dict[str, list[float]] = {}  # with a chain the worker made, the head's confidence
+        self.worker_scores_chains = False  # the worker's chains came with their drafts' probabilities
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ class LLMEngine:
         asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts'
         probabilities (a probabilistic drafter's q) by request id; a request the drafter fails on goes into
         ``failed``."""
-        self._draft_keys, self._draft_trees = {}, {}
+        self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
         if self.worker_method is not None:
             self._hand_worker_drafts(failed)
             return {}
@@ -302,15 +305,16 @@ class LLMEngine:
                     self._draft_trees[rid] = tree
                 drafts[rid] = tree
                 k = n
-            elif self.worker_trees:  # a tree drafter with no tree in hand
-                k = self.policy.wait_or_probe(request, off_path)
-                if self.policy.evidence(rid).probing:
-                    self._worker_probes.add(rid)
+            elif made is not None and rid in self._worker_scores:  # a probe due now probes this chain
+                drafts[rid], k = self._cut_scored_chain(request, len(running), off_path, made, rid in probes)
             else:
-                k = self.policy.choose(request, len(running), off_path, head)
+                if self.worker_trees or (made is None and self.worker_scores_chains):  # no scored proposal in hand
+                    k = self.policy.wait_or_probe(request, off_path)
+                else:
+                    k = self.policy.choose(request, len(running), off_path, head)
+                    drafts[rid] = [] if made is None else made if rid in probes else made[:k]
                 if self.policy.evidence(rid).probing:
-                    self._worker_probes.add(rid)
-                drafts[rid] = [] if made is None else made if rid in probes else made[:k]
+                    self._worker_probes.add(rid)  # the drafts the worker makes after this step are the probe
             if drafts.get(rid):
                 self._draft_keys[rid] = head
             if k and self.worker_trees:
@@ -318,6 +322,27 @@ class LLMEngine:
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths)
+
+    def _cut_scored_chain(self, request: Request, batch_size: int, off_path: bool, made: list[int], probe: bool
+                          ) -> tuple[list[int], int]:
+        """A chain the head made with its confidence in each draft: the first n worth verifying, priced draft by
+        draft by the policy (a probe: all of it; until any of the head's drafts were verified, a probe's share), and
+        how many the head should draft after this step: one more than
+        this chain was worth (it may go on being sure), none when nothing in it was (then only as the probe)."""
+        limit = self.policy.num_speculative_tokens_for(request)
+        if off_path and self.policy.adaptive:
+            return [], 0
+        scores = self._worker_scores[request.req_id]
+        if probe:
+            n = len(made)
+        elif self.policy.adaptive and not self.policy.knows(self.worker_method):  # none verified yet: a probe's
+            n = min(len(made), self.policy.probe_k, limit)
+        else:
+            n = self.policy.price(request, batch_size, made, self.worker_method, scores)[0]
+            n = self.policy.settle(request, n, min(len(made), limit))  # a probe of this chain when one is due
+        if n:
+            self._draft_scores[request.req_id] = scores[:n]
+        return made[:n], min(n + 1, limit) if n else 0
 
     def _lookup_proposals(self, decoding: list[tuple[Request, bool]], failed: dict[str, str]) -> dict[str, Proposal]:
         """The lookup drafter's non-empty proposals for the decoding requests (it proposes cheaply: asked for the
@@ -347,26 +372,32 @@ class LLMEngine:
         verified whole, and the head's first drafts as a probe's (until the engine has any evidence of the head, its
         prior could never beat a lookup's established acceptance). The head drafts next unless the lookup won this step (a
         match that pays tends to go on paying: copying), by its own evidence, or as a probe when the request's probe
-        is due."""
-        head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
-        lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
-        options = [(lookup, proposal.key)] + ([(made, head_key)] if made else [])
+        is due. A head that tells its confidence in each draft (a scored chain) is priced draft by draft, and drafts
+        next only when it won with drafts worth verifying (one more than those), else as the probe."""
         if off_path:
             return [], 0
+        head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
+        lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
+        scores = self._worker_scores.get(request.req_id) if isinstance(made, list) else None
+        options = [(lookup, proposal.key, None)] + ([(made, head_key, scores)] if made else [])
         probing = False
         if made and (head_probe or not self.policy.knows(head_key)):  # a probe, or the head never verified yet
             chosen, key, n = made, head_key, min(len(made), self.policy.probe_k)
         else:
-            (chosen, key), (n, _) = max(((o, self.policy.price(request, batch_size, o[0], o[1])) for o in options),
-                                        key=lambda pair: pair[1][1])
+            (chosen, key, _), (n, _) = max(((o, self.policy.price(request, batch_size, *o)) for o in options),
+                                           key=lambda pair: pair[1][1])
             n = self.policy.settle(request, n, min(len(chosen), limit))
             probing = self.policy.evidence(request.req_id).probing
         head_next = 0
         if probing and not made:
             head_next = self.policy.probe_k  # probe the head as well: its drafts come back as a probe
             self._worker_probes.add(request.req_id)
+        elif self.worker_scores_chains:
+            head_next = min(n + 1, limit) if key == head_key and n else 0
         elif key == head_key or n == 0:
             head_next = self.policy.best_k(self.policy.acceptance(request, head_key), batch_size, limit)
+        if key == head_key and scores is not None and n:
+            self._draft_scores[request.req_id] = scores[:n]
         if head_next and self.worker_trees:
             head_next = limit  # the worker grows a whole tree
         head_next = min(head_next, self.scheduler.config.worker_draft_steps)
@@ -383,8 +414,10 @@ class LLMEngine:
     def _keep_worker_drafts(self, result: StepResult) -> None:
         if result.draft_token_ids is None:
             return
-        if result.draft_parents is None:  # chains
+        if result.draft_parents is None:  # chains, and the head's confidence in each draft when it tells
             self._worker_drafts = {rid: d for rid, d in zip(result.req_ids, result.draft_token_ids) if d}
+            self._worker_scores = {rid: sc for rid, sc in zip(result.req_ids, result.draft_scores or ()) if sc}
+            self.worker_scores_chains |= bool(self._worker_scores)
             return
         self._worker_drafts = {rid: DraftTree(d, p, sc or None) for rid, d, p, sc in
                                zip(result.req_ids, result.draft_token_ids, result.draft_parents, result.draft_scores)
@@ -493,7 +526,8 @@ class LLMEngine:
                 if chunk.req_id in self._draft_trees:  # proposed as a tree (it may have been a chain)
                     self.policy.observe_tree(request, self._verified_tree(chunk), accepted, key)
                 else:
-                    self.policy.observe(request, chunk.num_draft_tokens, accepted, key)
+                    self.policy.observe(request, chunk.num_draft_tokens, accepted, key,
+                                        self._draft_scores.get(chunk.req_id))
 
     def _observe_node_tokens(self, plan: StepPlan, result: StepResult) -> None:
         """Hand a drafter that asked for them (``observe_node_tokens``) the target's argmax after each node it
