@@ -34,6 +34,9 @@ class HeadOptions:
         """Whether drafting writes the head's K/V past the verified drafts (slots the scheduler reserves)."""
         return True
 
+    def check_draft_count(self, num_speculative_tokens: int) -> None:
+        """A ValueError when the method cannot draft ``num_speculative_tokens`` per step (none here)."""
+
     def lookup_config(self, num_speculative_tokens: int) -> dict[str, Any] | None:
         """``combine_with`` as a speculative_config dict (its draft count defaults to the head's), or None."""
         given = self.combine_with
@@ -81,6 +84,9 @@ class MTPOptions(HeadOptions):
     # feed the next draft step the head's normed output, as transformers' MtpModel does (vLLM and SGLang feed the
     # block's output before the norm, the default)
     mtp_feedback_normed: bool = False
+    # DeepSeek's MTP modules to draft with: None or 1 reuses module 0 for every draft (TensorRT-LLM's "MTP-Eagle");
+    # K > 1 drafts the k-th token with module k - 1 of the checkpoint's (at most K drafts per step)
+    num_nextn_predict_layers: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,6 +94,24 @@ class MTPOptions(HeadOptions):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
         if not isinstance(self.mtp_feedback_normed, bool):
             raise ValueError(f"speculative_config.mtp_feedback_normed={self.mtp_feedback_normed!r} must be a bool")
+        n = self.num_nextn_predict_layers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.num_nextn_predict_layers={n!r} must be an int >= 1 (the MTP "
+                             "modules to draft with)")
+
+    @property
+    def num_modules(self) -> int:
+        return self.num_nextn_predict_layers or 1
+
+    def check_draft_count(self, num_speculative_tokens: int) -> None:
+        if self.num_modules > 1 and num_speculative_tokens > self.num_modules:
+            raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens} with "
+                             f"num_nextn_predict_layers={self.num_modules}: each draft comes from its own MTP module; "
+                             f"give num_speculative_tokens <= {self.num_modules}, or num_nextn_predict_layers=1 to "
+                             "reuse module 0 for every draft")
+
+    def writes_kv(self) -> bool:
+        return self.num_modules == 1  # distinct modules write K/V at committed positions only
 
 
 # a small default tree: paths of top-k indices, one per head (best-first: each path's prefix comes before it)
@@ -157,4 +181,5 @@ def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any
         return {"method": method, "model": path, "choices": options.tree()}
     tree = getattr(options, "use_dynamic_tree", False)
     return {"method": method, "model": path, "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
+            "mtp_modules": getattr(options, "num_modules", 1),
             "tree": [options.dynamic_tree_max_topK, options.dynamic_tree_depth] if tree else None}

@@ -178,7 +178,9 @@ def worker_drafter_config(spec: SpeculativeConfig, target_model: str) -> dict[st
     :func:`specray.drafters.hidden_state.worker_config`)."""
     from specray.drafters.hidden_state import worker_config
 
-    return {**worker_config(spec.method, options_of(spec), target_model), "drafter": entry(spec.method).drafter}
+    options = options_of(spec)
+    options.check_draft_count(spec.num_speculative_tokens)
+    return {**worker_config(spec.method, options, target_model), "drafter": entry(spec.method).drafter}
 
 
 def worker_drafts_trees(spec: SpeculativeConfig) -> bool:

@@ -53,9 +53,9 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3"}. Returns the folder."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path)
@@ -74,7 +74,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         bos_token_id=None,
     )
     common.update(overrides)
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -95,6 +96,13 @@ def tiny_llama_untied_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    # q/k norms (random weights, so the test sees them), head_dim apart from hidden_size / heads
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=3, tie_word_embeddings=True,
+                            head_dim=24)
 
 
 @pytest.fixture(scope="session")

@@ -43,9 +43,10 @@ def head_config(target_config: dict, **extra) -> dict:
 
 def write_random_head(folder: Path, method: str, target_dir: Path, seed: int = 0, std: float = 0.2,
                       draft_vocab_size: int = 96, midlayer: bool = True, with_lm_head: bool = True,
-                      aux_layers: list[int] | None = None) -> Path:
+                      aux_layers: list[int] | None = None, num_modules: int = 1) -> Path:
     """A random ``method`` head for the target in ``target_dir``, written as its public layout: a folder of its
-    own for EAGLE-1/EAGLE-3; for MTP, a copy of the target's folder with ``model.layers.{L}.*`` added."""
+    own for EAGLE-1/EAGLE-3; for MTP, a copy of the target's folder with ``model.layers.{L}.*`` added (and
+    ``num_modules`` - 1 more modules at ``model.layers.{L+1}`` ...)."""
     from safetensors.torch import load_file, save_file
 
     target = json.loads((target_dir / "config.json").read_text())
@@ -83,18 +84,19 @@ def write_random_head(folder: Path, method: str, target_dir: Path, seed: int = 0
 
     shutil.copytree(target_dir, folder, dirs_exist_ok=True)
     weights = load_file(str(folder / "model.safetensors"))
-    p = f"model.layers.{target['num_hidden_layers']}."
-    weights.update({f"{p}enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
-                    f"{p}hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
-                    f"{p}eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * std,
-                    f"{p}shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
-    weights.update(_layer(p, h, inter, heads, kv, head_dim, h, True, False, gen, std))
+    for k in range(num_modules):
+        p = f"model.layers.{target['num_hidden_layers'] + k}."
+        weights.update({f"{p}enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                        f"{p}hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                        f"{p}eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * std,
+                        f"{p}shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
+        weights.update(_layer(p, h, inter, heads, kv, head_dim, h, True, False, gen, std))
     save_file(weights, str(folder / "model.safetensors"))
     return folder
 
 
 def write_accepting_head(folder: Path, method: str, target_dir: Path, seed: int = 5, gain: float = 10.0,
-                         alpha: float = 0.3) -> Path:
+                         alpha: float = 0.3, num_modules: int = 1) -> Path:
     """A ``method`` head whose drafts a tiny random target often accepts, for tests of the accepted-drafts path
     (written as :func:`write_random_head` writes its layout, so it loads and runs through the same code).
 
@@ -115,14 +117,16 @@ def write_accepting_head(folder: Path, method: str, target_dir: Path, seed: int 
         write_random_head(folder, method, target_dir, seed=seed, draft_vocab_size=vocab - 16, with_lm_head=False,
                           aux_layers=aux)
     else:
-        write_random_head(folder, method, target_dir, seed=seed)
+        write_random_head(folder, method, target_dir, seed=seed, num_modules=num_modules)
     weights = load_file(str(folder / "model.safetensors"))
-    prefix = {"eagle": "layers.0.", "eagle3": "midlayer.", "mtp": f"model.layers.{layers}."}[method]
-    weights[prefix + "self_attn.o_proj.weight"] *= alpha
-    weights[prefix + "mlp.down_proj.weight"] *= alpha
+    prefixes = {"eagle": ["layers.0."], "eagle3": ["midlayer."],
+                "mtp": [f"model.layers.{layers + k}." for k in range(num_modules)]}[method]
     eye = torch.eye(h)
-    fc = "fc.weight" if method != "mtp" else prefix + "eh_proj.weight"
-    weights[fc] = torch.cat([(gain if method != "mtp" else 1.0) * eye, alpha * weights[fc][:, h:]], 1)
+    for prefix in prefixes:
+        weights[prefix + "self_attn.o_proj.weight"] *= alpha
+        weights[prefix + "mlp.down_proj.weight"] *= alpha
+        fc = "fc.weight" if method != "mtp" else prefix + "eh_proj.weight"
+        weights[fc] = torch.cat([(gain if method != "mtp" else 1.0) * eye, alpha * weights[fc][:, h:]], 1)
     if method == "eagle":
         weights["fc.bias"].zero_()
     save_file(weights, str(folder / "model.safetensors"))

@@ -198,15 +198,22 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_eagle3_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(tiny_llama_dir, tmp_path):
-    """EAGLE-3 drafting inside rank 0 of two tensor-parallel ranks: the head reads the target's embedding and LM
-    head gathered whole once (the split ones end in collectives that rank 1, which does not draft, never joins);
-    greedy output equals one rank's plain output, drafts were accepted, no block leaked."""
-    head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+@pytest.mark.parametrize("method", ["eagle3", "mtp3"])
+def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(tiny_llama_dir, tmp_path, method):
+    """EAGLE-3, and three distinct MTP modules (num_nextn_predict_layers=3), drafting inside rank 0 of two
+    tensor-parallel ranks: the head reads the target's embedding and LM head gathered whole once (the split ones
+    end in collectives that rank 1, which does not draft, never joins); greedy output equals one rank's plain
+    output, drafts were accepted, no block leaked."""
     prompts = prompts_for(8, seed=3)
     references = run_to_end(engine_for(tiny_llama_dir), prompts)
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    if method == "eagle3":
+        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+        model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
+    else:  # the target's folder with its MTP modules added
+        model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
+        spec = {"method": "mtp", "num_nextn_predict_layers": 3}
+    spec.update(num_speculative_tokens=3, adaptive=False)
+    engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
     try:
         blocks = engine.scheduler.block_manager
         assert run_to_end(engine, prompts) == references

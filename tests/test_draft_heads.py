@@ -620,13 +620,19 @@ def check_step(run: Run, refs, chunks, kept, paths=None) -> list[list[int]]:
     return drafts
 
 
-def run_scenario(run: Run, refs, seed: int) -> None:
+def run_scenario(run: Run, refs, seed: int, check=None, limit: int | None = None) -> None:
     """Five plans over two requests: A's prompt in three chunks (the last samples and drafts 4), then chains; B's
     prompt in one, then a chain with one accepted draft, a token tree whose accepted path is nodes 1 and 2, a
     chain with none accepted and no drafts asked for, and a plain decode drafting 5. Requests in one plan draft
     different counts, so rows leave the draft loop at different steps."""
     vocab = run.target.vocab
     g = torch.Generator().manual_seed(seed)
+    check_step_ = check or check_step
+
+    def check_step(run, refs, chunks, kept, paths=None):  # the scenario's draft counts, at most ``limit``
+        for c in chunks:
+            c.num_next_drafts = min(c.num_next_drafts, limit or c.num_next_drafts)
+        return check_step_(run, refs, chunks, kept, paths)
 
     def toks(n):
         return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -692,6 +698,114 @@ def test_paged_head_drafts_as_the_dense_reference(target, tmp_path, monkeypatch,
     if load_kw.get("feedback_normed"):
         refs.append(TransformersMtp(target, tensors))
     run_scenario(Run(head, target, seed=11), refs, seed=13)
+
+
+class TransformersMtpChain:
+    """transformers' ``MtpModel`` with M layers (DeepSeek's sequential modules) over a whole sequence from scratch:
+    layer k reads layer k-1's normed output and the tokens one further, the last row's token being the draft layer
+    k-1 just made (its ``forward`` with no cache)."""
+
+    def __init__(self, target: Target, tensors: dict[str, torch.Tensor], num_modules: int):
+        from transformers.modeling_layers import MtpModel
+
+        main = copy.deepcopy(target.hf)
+        main.config.num_mtp_layers = num_modules
+        self.mtp = MtpModel(main, num_modules).float().eval()
+        state = {}
+        for k in range(num_modules):
+            p = f"model.layers.{NUM_LAYERS + k}."
+            for name, tensor in tensors.items():
+                if not name.startswith(p) or name[len(p):] in ("embed_tokens.weight", "shared_head.head.weight"):
+                    continue
+                name = name[len(p):]
+                if name.startswith(("enorm.", "hnorm.", "eh_proj.")):
+                    state[f"layers.{k}.{name}"] = tensor
+                elif name.startswith("shared_head.norm."):
+                    state[f"layers.{k}.post_norm." + name[len("shared_head.norm."):]] = tensor
+                else:
+                    state[f"layers.{k}.mtp_block.{name}"] = tensor
+        missing, unexpected = self.mtp.load_state_dict(state, strict=False)
+        assert unexpected == [] and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
+
+    @torch.no_grad()
+    def drafts(self, sequence: list[int], features: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """``sequence`` t_0..t_N, ``features`` the target's last hidden states of positions 0..N-1 -> the M drafts
+        and each layer's logits at the last position [M, V]."""
+        n = len(sequence) - 1
+        tokens, logits, _ = self.mtp(input_ids=torch.tensor([sequence[1:]]), last_hidden_states=features[None, :n],
+                                     attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+        return tokens[0].tolist(), logits[0]
+
+
+def check_chained_step(run: Run, refs, chunks, kept, paths=None) -> list[list[int]]:
+    """One plan through the drafter of chained MTP modules: every module runs over every first-pass row (one
+    draft_logits call each, a row per request in the pass); each drafting request's drafts and every module's
+    logits at its last position equal transformers' ``MtpModel`` over its committed sequence from scratch."""
+    paths = paths or {}
+    drafts, calls = run.step(chunks, kept, paths)
+    wanted = [c.num_next_drafts if c.sample else 0 for c in chunks]
+    assert [len(d) for d in drafts] == wanted
+    in_pass = [i for i, c in enumerate(chunks) if (c.sample and c.num_next_drafts) or c.next_token_id is not None]
+    if in_pass:
+        assert len(calls) == run.head.num_modules and all(len(c) == len(in_pass) for c in calls)
+    for i, chunk in enumerate(chunks):
+        if not wanted[i]:
+            continue
+        sequence = run.committed[chunk.req_id]
+        last, _ = run.target.features(sequence[:-1])
+        for ref in refs:
+            ref_drafts, ref_logits = ref.drafts(sequence, last)
+            assert drafts[i] == ref_drafts[: wanted[i]], (chunk.req_id, drafts[i], ref_drafts)
+            for k, call in enumerate(calls):
+                close(call[in_pass.index(i)], ref_logits[k])
+    return drafts
+
+
+@pytest.mark.parametrize("num_modules", [2, 3])
+def test_chained_mtp_modules_draft_as_transformers_mtp_model(target, tmp_path, num_modules):
+    """DeepSeek's distinct MTP modules, paged: drafts and every module's logits equal transformers' MtpModel with
+    num_modules layers over the committed sequence from scratch at every step. Three modules through the scenario
+    above (chunked prefill, accepted drafts, a tree's accepted path, a request that drafts nothing for a step,
+    requests drafting different counts); two through a short one of chains (all, some and none accepted, a step
+    without drafts, a chunked prefill beside)."""
+    folder = helpers.write_random_head(tmp_path / "mtp", "mtp", target.dir, seed=7, std=STD, num_modules=3)
+    head = target.load("mtp", folder, feedback_normed=True, num_modules=num_modules)
+    assert head.num_modules == num_modules and len(head.kv_cache_specs()) == num_modules
+    refs = [TransformersMtpChain(target, read_tensors(folder), num_modules)]
+    run = Run(head, target, seed=11)
+    if num_modules == 3:
+        run_scenario(run, refs, seed=13, check=check_chained_step, limit=num_modules)
+        return
+    g = torch.Generator().manual_seed(5)
+
+    def toks(n):
+        return torch.randint(0, target.vocab, (n,), generator=g).tolist()
+
+    def last(req):
+        return run.committed[req][-1], len(run.committed[req]) - 1
+
+    a, b = toks(11), toks(7)
+    d = check_chained_step(run, refs, [chain("B", b, 0, next_drafts=2),
+                                       chain("A", a[:6], 0, sample=False, next_token_id=a[6])], {0: toks(1)})[0]
+    for keep, nxt in ((2, 2), (1, 0), (0, 2)):  # all kept, one kept (then no drafts), none kept
+        tok, start = last("B")
+        chunks = [chain("B", [tok] + d, start, drafts=len(d), next_drafts=nxt)]
+        if keep == 1:
+            chunks.append(chain("A", a[6:], 6, next_drafts=2))
+        d = check_chained_step(run, refs, chunks, {0: d[:keep] + toks(1), 1: toks(1)})[0]
+        if nxt == 0:
+            (tok, start), d = last("B"), []
+            check_chained_step(run, refs, [chain("B", [tok], start, next_drafts=2)], {0: toks(1)})
+            d = check_chained_step(run, refs, [chain("B", [last("B")[0]], last("B")[1], next_drafts=2)],
+                                   {0: toks(1)})[0]
+
+
+def test_chained_mtp_modules_need_the_checkpoints_modules(target, tmp_path):
+    folder = helpers.write_random_head(tmp_path / "mtp", "mtp", target.dir, seed=7, std=STD, num_modules=2)
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers=3 but the checkpoint .* has 2 MTP module"):
+        target.load("mtp", folder, num_modules=3)
+    with pytest.raises(ValueError, match="method='mtp' only"):
+        target.load("eagle", helpers.write_random_head(tmp_path / "e", "eagle", target.dir), num_modules=2)
 
 
 def test_mtp_feedback_normed_changes_the_later_drafts_only(target, tmp_path):

@@ -63,11 +63,13 @@ def test_plain_matches_transformers(tiny_llama_dir, plain, plain_outputs):
     assert plain_outputs == hf_greedy(tiny_llama_dir, plain, PROMPTS, 24)
 
 
-def test_qwen2_plain_and_ngram_match_transformers(tiny_qwen2_dir):
-    llm = LLM(model=str(tiny_qwen2_dir), max_model_len=256)
-    expected = hf_greedy(tiny_qwen2_dir, llm, PROMPTS[:4], 16)
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_qwen_plain_and_ngram_match_transformers(request, fixture):
+    folder = request.getfixturevalue(fixture)
+    llm = LLM(model=str(folder), max_model_len=256)
+    expected = hf_greedy(folder, llm, PROMPTS[:4], 16)
     assert token_ids(llm.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
-    spec = LLM(model=str(tiny_qwen2_dir), max_model_len=256, speculative_config=NGRAM)
+    spec = LLM(model=str(folder), max_model_len=256, speculative_config=NGRAM)
     assert token_ids(spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
 
 

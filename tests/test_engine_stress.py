@@ -110,6 +110,7 @@ CASES = {
     "eagle": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
     "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4}},
     "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+    "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
     "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
     "eagle3+suffix": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3,
@@ -132,7 +133,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
         if spec["method"] == "medusa":
             head = str(draft_heads.write_medusa_heads(tmp_path / "head", tiny_llama_dir, accepting=True))
         else:
-            head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir))
+            head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir,
+                                                        num_modules=spec.get("num_nextn_predict_layers", 1)))
         if spec["method"] == "mtp":
             model = head  # the target's folder with its MTP layer added
         else:

@@ -37,7 +37,8 @@ draft_heads = _load("draft_heads")
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
-METHODS = CHAIN_METHODS + ("eagle3-tree", "medusa")
+# "mtp3": three distinct MTP modules (num_nextn_predict_layers=3), each drafting one position further
+METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "medusa")
 TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3}  # -> nodes at depth 1 of its tree
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -91,6 +92,8 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
                                                               target_dir)
         out["accepting", method] = draft_heads.write_accepting_head(tmp_path_factory.mktemp(f"accepting_{method}"),
                                                                     method, target_dir)
+    for kind, write in (("random", draft_heads.write_random_head), ("accepting", draft_heads.write_accepting_head)):
+        out[kind, "mtp3"] = write(tmp_path_factory.mktemp(f"{kind}_mtp3"), "mtp", target_dir, num_modules=3)
     out["random", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("random_medusa"), target_dir)
     out["accepting", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("accepting_medusa"),
                                                                 target_dir, accepting=True)
@@ -101,13 +104,17 @@ def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, *
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
     method, _, lookup = method.partition("+")  # "eagle3+ngram": combined with a lookup drafter
     tree = method in TREE_METHODS
+    folder = heads.get((kind, method))
     method = method.removesuffix("-tree")
     spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False,
             **(TREE if tree and method == "eagle3" else {})}
+    if method == "mtp3":
+        method = spec["method"] = "mtp"
+        spec["num_nextn_predict_layers"] = 3
     if lookup:
         spec["combine_with"] = lookup
     if method == "mtp":
-        model = heads[kind, method]
+        model = folder
     else:
         model, spec["model"] = target_dir, str(heads[kind, method])
     return dict(model=str(model), max_model_len=256, speculative_config=spec, **kw)
@@ -630,6 +637,26 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
     assert off > 0 and outs != plain_outputs
     strict = engine(relaxed_topk=1, relaxed_delta=2.0, begin_thinking_phase_token=prompts[0][0])
     assert token_ids(strict.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"num_speculative_tokens": 4}, r"num_speculative_tokens=4 with num_nextn_predict_layers=3.*<= 3"),
+    ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers=0 must be an int >= 1"),
+    ({"num_nextn_predict_layers": 4, "num_speculative_tokens": 2}, r"num_nextn_predict_layers=4 but the checkpoint "
+                                                                   r".* has 3 MTP module"),
+])
+def test_distinct_mtp_modules_settings_are_checked(target_dir, heads, spec, match):
+    kwargs = engine_kwargs(target_dir, heads, "accepting", "mtp3")
+    kwargs["speculative_config"].update(spec)
+    with pytest.raises(ValueError, match=match):
+        LLM(kwargs.pop("model"), **kwargs)
+
+
+def test_distinct_mtp_modules_write_no_kv_past_the_committed_tokens(target_dir, heads):
+    """Module k drafts at the last committed position (it reads the draft before it as its token), so no slots
+    are reserved past the verified drafts, unlike one module drafting K positions ahead."""
+    engines = {m: make_llm(target_dir, heads, "accepting", m).engine for m in ("mtp", "mtp3")}
+    assert engines["mtp"].scheduler.config.worker_writes_kv and not engines["mtp3"].scheduler.config.worker_writes_kv
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------

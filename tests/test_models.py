@@ -26,7 +26,7 @@ from specray.parallel import TPGroup
 
 TOL = 1e-4
 BLOCK = 4
-MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir"]
+MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -76,14 +76,18 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
     hf = model_cls(config).float().eval()
+    with torch.no_grad():  # q/k norms start at ones: random ones, so that a test would see them misapplied
+        for name, param in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     ours = LlamaForCausalLM(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
     return ours, hf
@@ -227,6 +231,13 @@ def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
 def test_mistral_sliding_window(contiguous):
     ours, hf = in_memory_pair("mistral", seed=7, sliding_window=5)
     assert all(spec.mask_kind.window == 5 for spec in ours.kv_cache_specs())
+    check_variant(ours, hf, contiguous=contiguous)
+
+
+def test_qwen3_sliding_window_layers(contiguous):
+    ours, hf = in_memory_pair("qwen3", seed=9, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                              head_dim=24)
+    assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [None, 6]
     check_variant(ours, hf, contiguous=contiguous)
 
 
@@ -441,9 +452,10 @@ def test_aux_layers_equal_transformers_hidden_states(contiguous):
 
 
 def test_registry():
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"])):
+    for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"]),
+                Qwen3Config(architectures=["Qwen3ForCausalLM"]), Qwen3Config()):
         assert get_model_class(cfg) is LlamaForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
@@ -534,11 +546,13 @@ def free_port() -> int:
 
 def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
-    biases in q/k/v, o_proj (row parallel, added once) and the MLP, tied and untied heads; decode attention both
+    biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
+    tied and untied heads; decode attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
-                         tie_word_embeddings=True)]
+                         tie_word_embeddings=True),
+               save_tiny(tmp_path / "qwen3", "qwen3", 13, vocab_size=321, head_dim=24)]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2

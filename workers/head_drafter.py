@@ -14,6 +14,15 @@ The step, for every request in the plan (one batched pass each):
    head's own feedback feature and the token it just drafted. They write K/V into the slots the scheduler reserved
    past the verified drafts; the next step's first pass rewrites those positions before anything reads them.
 
+**Distinct MTP modules** (:class:`~specray.models.draft_head.ChainedModules`, DeepSeek's
+``num_nextn_predict_layers`` = M): module k at position p reads the token ``t[p+1+k]`` and module k-1's output at p,
+so its K/V is exact only where that token is committed: up to position N - 1 - k once ``t[N]`` is. Every module runs
+over the first pass's rows, each reading the tokens one further than the module before and, at each request's last
+row, the draft the module before just made; the drafts are each module's argmax at the last row. The last M - 1
+positions' target rows and tokens stay on the worker (:attr:`HiddenStateDrafter.tails`) and lead the next first
+pass, so the positions each module computed from drafts are computed again from the committed tokens. Every module
+runs whenever the request drafts, whatever its K (at most M).
+
 A request that drafts nothing after this step (the policy's K = 0) costs the head nothing: its first pass is put off,
 and the target's rows it would read (its features) wait on the worker (:class:`_Held`, at most ``HELD_POSITIONS``
 recent positions) until the request drafts again; then the first pass runs over the held positions and the new ones
@@ -112,6 +121,9 @@ class HiddenStateDrafter:
         self.block_size = block_size
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
+        # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
+        self.tails: dict[str, _Held] = {}
+        self.tail_positions = getattr(head, "num_modules", 1) - 1
 
     @classmethod
     def load_head(cls, config: dict, target, target_config) -> DraftHead:
@@ -129,6 +141,7 @@ class HiddenStateDrafter:
     def drop(self, req_id: str) -> None:
         """Forget a finished or preempted request's held positions (a preempted one recomputes them)."""
         self.held.pop(req_id, None)
+        self.tails.pop(req_id, None)
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
               kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
@@ -147,6 +160,8 @@ class HiddenStateDrafter:
         ids = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=device)
         meta = build_attention_metadata([len(w.tokens) for w in work], [w.start for w in work],
                                         [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
+        if self.tail_positions:
+            return self._chained(plan, work, source, ids, features, meta, out)
         feedback, normed = self.head(ids, features, meta)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
@@ -160,6 +175,39 @@ class HiddenStateDrafter:
         for w, drafted in zip(drafting, made):
             out[w.chunk] = drafted
         return out
+
+    def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
+                 features: torch.Tensor, meta, out: list[Drafted | None]) -> list[Drafted | None]:
+        """Distinct MTP modules over the first pass's rows: module k + 1 reads module k's outputs and the tokens one
+        further (each request's last row: module k's draft); draft k + 1 is module k's argmax at the last row."""
+        device = ids.device
+        ends = torch.tensor(list(itertools.accumulate(len(w.tokens) for w in work)), device=device) - 1
+        tokens, confs = [], []
+        for k in range(self.head.num_modules):
+            features, normed = self.head.module(k, ids, features, meta)
+            conf, tok = self._argmax(normed.index_select(0, ends))  # [B]: draft k + 1
+            tokens.append(tok)
+            confs.append(conf)
+            ids = ids.roll(-1).index_copy(0, ends, tok)  # t[p+2+k] for module k + 1 (a request's last row: its draft)
+        self._keep_tails(plan, work, source)
+        if not any(w.drafts for w in work):
+            return out
+        # the drafts' one host sync: [2, B, M] (token ids are exact in float64)
+        table = torch.stack([torch.stack(tokens, dim=1).double(), torch.stack(confs, dim=1).double()]).tolist()
+        for w, ids_, p in zip(work, table[0], table[1]):
+            if w.drafts:
+                assert w.drafts <= len(ids_), (w.drafts, len(ids_))
+                out[w.chunk] = Drafted([int(t) for t in ids_[: w.drafts]], scores=p[: w.drafts])
+        return out
+
+    def _keep_tails(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...]) -> None:
+        """Each request's last ``tail_positions`` positions (their tokens and target rows), for the next first pass."""
+        end = 0
+        for w in work:
+            end += len(w.tokens)
+            n = min(self.tail_positions, len(w.tokens))
+            piece = tuple(t[end - n: end].clone() for t in source)
+            self.tails[plan.chunks[w.chunk].req_id] = _Held(w.start + len(w.tokens) - n, w.tokens[-n:], [piece])
 
     def _source(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, ...]:
         """The target's rows the head reads at ``rows``: its residual stream at the head's layers (EAGLE-3), else
@@ -183,17 +231,20 @@ class HiddenStateDrafter:
 
     def _with_held(self, plan: StepPlan, work: list[_Row], hidden: torch.Tensor, aux: list[torch.Tensor]
                    ) -> tuple[list[_Row], tuple[torch.Tensor, ...]]:
-        """The first pass's rows and their sources: each request's held positions (if any) before this step's."""
-        if not any(plan.chunks[w.chunk].req_id in self.held for w in work):
+        """The first pass's rows and their sources: each request's tail and held positions (where they run on
+        into this step's) before this step's."""
+        if not any(plan.chunks[w.chunk].req_id in self.held or plan.chunks[w.chunk].req_id in self.tails
+                   for w in work):
             return work, self._source(hidden, aux, [r for w in work for r in w.rows])
         rows, pieces = [], []
         for w in work:
             piece = self._source(hidden, aux, w.rows)
-            held = self.held.pop(plan.chunks[w.chunk].req_id, None)
-            if held is not None and held.start < w.start <= held.start + len(held.tokens):
-                held.cut(0, w.start - held.start)  # all of it, but after a step that is run again
-                piece = tuple(torch.cat((h, p)) for h, p in zip(held.joined(), piece))
-                w = _Row(w.chunk, [], held.tokens + w.tokens, held.start, w.drafts)
+            rid = plan.chunks[w.chunk].req_id
+            for before in (self.held.pop(rid, None), self.tails.pop(rid, None)):  # held, then the tail before it
+                if before is not None and before.start < w.start <= before.start + len(before.tokens):
+                    before.cut(0, w.start - before.start)  # all of it, but after a step that is run again
+                    piece = tuple(torch.cat((h, p)) for h, p in zip(before.joined(), piece))
+                    w = _Row(w.chunk, [], before.tokens + w.tokens, before.start, w.drafts)
             rows.append(w)
             pieces.append(piece)
         return rows, tuple(torch.cat(parts) for parts in zip(*pieces))
@@ -378,7 +429,8 @@ def load_head(config: dict, target, target_config) -> DraftHead:
     from specray.models.draft_head_loader import load_draft_head
 
     head = load_draft_head(config["method"], config["model"], target, target_config,
-                           feedback_normed=bool(config.get("mtp_feedback_normed", False)))
+                           feedback_normed=bool(config.get("mtp_feedback_normed", False)),
+                           num_modules=int(config.get("mtp_modules", 1)))
     if can_pack(head.device.type, str(head.dtype).removeprefix("torch.")):
         pack_linear_weights(head)  # the CPU kernels' layout, as the target's (specray.models.cpu_kernels)
     return head

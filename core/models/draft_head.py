@@ -19,6 +19,11 @@ layout        feature of a target position           fusion with the token's emb
                                                      into a full block                      ``norm(out)``
 ============  =====================================  ====================================  ==========================
 
+DeepSeek-V3's MTP with K distinct modules (``num_nextn_predict_layers``) is :class:`ChainedModules`: K ``mtp``
+heads where module k at position p reads module k-1's output at p (the target's feature for module 0) and the
+token k + 1 after ``t[p+1]``, as the paper trains them and transformers' ``MtpModel`` runs them; one module reused
+for every draft step (TensorRT-LLM's "MTP-Eagle") is the plain ``mtp`` head.
+
 The head's attention caches K/V per target position in a paged cache laid out on the target's block tables
 (:meth:`kv_cache_specs`; the runner allocates it beside the target's), so rewind and preemption need nothing of
 their own. The embedding and (except EAGLE-3's) the LM head are the target's, read through its
@@ -221,8 +226,12 @@ class DraftHead(nn.Module):
 
     def bind_kv_cache(self, cache: KVCache) -> None:
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size)
+        self.bind_layers([cache.layer(i) for i in range(len(self.layers))], cache.block_size)
+
+    def bind_layers(self, layers: list[torch.Tensor], block_size: int) -> None:
+        """Bind each of this head's layers to its part of a cache (one tensor per layer)."""
+        for layer, tensor in zip(self.layers, layers, strict=True):
+            layer.self_attn.attn.bind_cache(tensor, block_size)
         self.kv_cache_bound = True
 
     # ------------------------------------------------------------------------------------------ weights
@@ -263,6 +272,63 @@ class DraftHead(nn.Module):
                 continue
             out.update(_split_merged(self, name, tensor.detach()))
         return out
+
+
+class ChainedModules(nn.Module):
+    """DeepSeek-V3's multi-token prediction with distinct modules: ``modules[k]`` (an ``mtp`` :class:`DraftHead`)
+    at position p reads ``modules[k-1]``'s output at p (module 0: the target's last hidden state) and the token
+    ``t[p+1+k]``, and predicts ``t[p+2+k]``. Drafting after the target committed ``t[N]`` runs every module at the
+    same last position N - 1, module k with draft k as its token: draft k + 1 (a chain of at most
+    ``num_modules``). Each module has its own attention layer in one paged cache, on the target's block tables."""
+
+    def __init__(self, modules: Sequence[DraftHead]):
+        super().__init__()
+        if not modules or any(m.layout.name != "mtp" for m in modules):
+            raise ValueError("ChainedModules takes one or more mtp heads")
+        self.heads = nn.ModuleList(modules)
+        self.layout = modules[0].layout
+        self.aux_layers: tuple[int, ...] = ()
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.heads)
+
+    @property
+    def target(self):
+        return self.heads[0].target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.heads[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.heads[0].device
+
+    def target_features(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        return hidden
+
+    def module(self, k: int, input_ids: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module k over rows: (its output for module k + 1, the normed hidden for :meth:`draft_logits`)."""
+        return self.heads[k](input_ids, features, meta)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.heads[0].draft_logits(hidden)  # every module's: the target's shared head
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def full_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft_logits(hidden)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return [spec for head in self.heads for spec in head.kv_cache_specs()]
+
+    def bind_kv_cache(self, cache: KVCache) -> None:
+        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
+        for k, head in enumerate(self.heads):
+            head.bind_layers([cache.layer(k)], cache.block_size)
 
 
 def _split_merged(head: DraftHead, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

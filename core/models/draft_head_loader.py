@@ -10,8 +10,9 @@
   the target's LM head rows of its draft vocabulary (what ``specray train-draft`` writes, to stay small).
 * **MTP** (DeepSeek-V3 layout): the target's own checkpoint, module k at ``model.layers.{num_hidden_layers + k}``
   (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's ``self_attn``/``mlp``/norms); the shared
-  embedding and head are the target's. Or a folder of its own in the same names. specray reuses module 0 for
-  every draft step (TensorRT-LLM's "MTP-Eagle").
+  embedding and head are the target's. Or a folder of its own in the same names. With ``num_modules`` = 1 specray
+  reuses module 0 for every draft step (TensorRT-LLM's "MTP-Eagle"); with more, modules 0..K-1 each draft one
+  position further (:class:`~specray.models.draft_head.ChainedModules`, DeepSeek's ``num_nextn_predict_layers``).
 
 Tensors shared with the target (``embed_tokens``, ``shared_head.head``, EAGLE-1's ``lm_head``) are not loaded: the
 head reads the target's.
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from specray.models.draft_head import LAYOUTS, DraftHead, eagle3_aux_layers
+from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
 from specray.models.layers import materialize, shape_of
 from specray.models.loader import _default_dtype, iter_weights, resolve_model
 
@@ -38,15 +39,27 @@ _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def load_draft_head(method: str, path: str | os.PathLike | None, target, target_config,
-                    feedback_normed: bool = False) -> DraftHead:
+                    feedback_normed: bool = False, num_modules: int = 1) -> DraftHead | ChainedModules:
     """The ``method`` head ("eagle", "eagle3", "mtp") for ``target`` from ``path`` (a folder or hub id; for MTP the
-    checkpoint holding the MTP layers, usually the target's own), on the target's device and dtype, in eval mode."""
+    checkpoint holding the MTP layers, usually the target's own), on the target's device and dtype, in eval mode.
+    MTP with ``num_modules`` > 1: the checkpoint's first ``num_modules`` MTP modules, chained."""
     if method not in LAYOUTS:
         raise ValueError(f"speculative_config.method={method!r} has no draft head layout; one of {sorted(LAYOUTS)}")
     if path is None:
         raise ValueError(f"speculative_config.model is required for method={method!r}: the head's checkpoint "
                          "folder (or hub id)")
-    config, weights = _mtp_source(path, target_config) if method == "mtp" else _head_source(path)
+    if method == "mtp":
+        config, modules = _mtp_sources(path, target_config, num_modules)
+        heads = [_build(method, config, target_config, weights, target, feedback_normed) for weights in modules]
+        return heads[0] if num_modules == 1 else ChainedModules(heads)
+    if num_modules != 1:
+        raise ValueError(f"num_modules={num_modules} is for method='mtp' only")
+    config, weights = _head_source(path)
+    return _build(method, config, target_config, weights, target, feedback_normed)
+
+
+def _build(method: str, config, target_config, weights: list[tuple[str, Any]], target,
+           feedback_normed: bool) -> DraftHead:
     weights = dict(weights)
     kwargs = _layout_kwargs(method, config, target_config, weights)
     with _default_dtype(target.dtype), torch.device(target.device):
@@ -99,28 +112,37 @@ def _head_source(path) -> tuple[Any, list[tuple[str, Any]]]:
     return config, names
 
 
-def _mtp_source(path, target_config) -> tuple[Any, list[tuple[str, Any]]]:
-    """Module 0 of the MTP layers in a checkpoint laid out as DeepSeek-V3's (``model.layers.{L}``)."""
+def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[list[tuple[str, Any]]]]:
+    """Modules 0..num_modules-1 of the MTP layers in a checkpoint laid out as DeepSeek-V3's (module k at
+    ``model.layers.{L + k}``), each under the head's names; one pass over the checkpoint."""
     num_layers = target_config.num_hidden_layers
-    prefix = f"model.layers.{num_layers}."
+    if not isinstance(num_modules, int) or isinstance(num_modules, bool) or num_modules < 1:
+        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules!r} must be an int >= 1")
+    prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
     source = resolve_model(path)
-    weights = []
+    modules: list[list[tuple[str, Any]]] = [[] for _ in prefixes]
     for name, tensor in iter_weights(source):
-        if not name.startswith(prefix):
+        k = next((k for k, p in enumerate(prefixes) if name.startswith(p)), None)
+        if k is None:
             continue
-        name = name[len(prefix):]
+        name = name[len(prefixes[k]):]
         if name in _SHARED:
             continue
         if name.startswith("shared_head.norm."):
             name = "norm." + name[len("shared_head.norm."):]
         elif not name.startswith(("enorm.", "hnorm.", "eh_proj.")):
             name = "layers.0." + name
-        weights.append((name, tensor))
-    if not weights:
-        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix}*): method='mtp' needs a "
-                         "model trained with multi-token prediction (num_nextn_predict_layers >= 1); use another "
+        modules[k].append((name, tensor))
+    if not modules[0]:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefixes[0]}*): method='mtp' needs "
+                         "a model trained with multi-token prediction (num_nextn_predict_layers >= 1); use another "
                          "speculative method for this model")
-    return target_config, weights
+    found = next((k for k, weights in enumerate(modules) if not weights), num_modules)
+    if found < num_modules:
+        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
+                         f"{str(source.path)!r} has {found} MTP module(s) (model.layers.{num_layers}.. "
+                         f"model.layers.{num_layers + found - 1}); give num_nextn_predict_layers <= {found}")
+    return target_config, modules
 
 
 def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) -> dict[str, Any]:

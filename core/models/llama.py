@@ -1,8 +1,9 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama) and Qwen2, written with tensor-parallel layers.
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama), Qwen2 and Qwen3, written with tensor-parallel layers.
 
 One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
-bias (``attention_bias``), MLP bias (``mlp_bias``), sliding-window layers (Mistral ``sliding_window``, Qwen2
-``layer_types``), tied embeddings and RoPE scaling.
+bias (``attention_bias``), MLP bias (``mlp_bias``), an RMSNorm over each query and key head before RoPE (Qwen3),
+sliding-window layers (Mistral ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), tied embeddings and RoPE
+scaling.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ _STACKED = {
 }
 
 
+QK_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head (head_dim wide) before RoPE
+
+
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -80,6 +84,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
+        qk_norm = config.model_type in QK_NORM_MODEL_TYPES
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,8 +95,10 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qk = apply_rotary(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                          cos, sin)  # rotate q and k in one go
+        qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head normed over its D before RoPE (Qwen3)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = apply_rotary(qk, cos, sin)  # rotate q and k in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
@@ -156,7 +165,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 for causal LM, sharded over ``tp``. Build it under ``torch.device(...)`` and the
+    """Llama / Mistral / Qwen2 / Qwen3 for causal LM, sharded over ``tp``. Build it under ``torch.device(...)`` and the
     default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
 
     def __init__(self, hf_config, tp: TPGroup | None = None):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from importlib import import_module
 
-# HF architecture name -> "module:Class". Llama, Mistral and Qwen2 share one class; config flags pick the variant.
+# HF architecture name -> "module:Class". Llama, Mistral, Qwen2 and Qwen3 share one class; config flags pick the
+# variant.
 _ARCHITECTURES = {
     "LlamaForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
