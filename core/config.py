@@ -245,6 +245,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
+    # a mixture-of-experts target's experts split whole over the tensor-parallel ranks (vLLM's name); else each
+    # expert is split by width as a dense MLP is
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None  # None: "uni" (this process) at TP=1, else "ray"
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
@@ -280,6 +283,8 @@ class EngineArgs:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs several processes: use "
                              "distributed_executor_backend='ray' (or leave it None)")

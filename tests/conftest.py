@@ -53,9 +53,10 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3", "qwen3_moe"}. Returns the folder."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path)
@@ -75,10 +76,15 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     )
     common.update(overrides)
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -103,6 +109,14 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     # q/k norms (random weights, so the test sees them), head_dim apart from hidden_size / heads
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=3, tie_word_embeddings=True,
                             head_dim=24)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    # layers 0 and 2 sparse (8 experts, top 2), layer 1 dense
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=4, num_hidden_layers=3,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                            mlp_only_layers=[1], tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -223,6 +223,23 @@ def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(tiny_llama_dir
         engine.shutdown()
 
 
+def test_mixture_of_experts_over_two_expert_parallel_ranks_keeps_greedy_output(tiny_qwen3_moe_dir):
+    """Qwen3-MoE over two tensor-parallel Ray ranks with ``enable_expert_parallel`` (whole experts per rank; the
+    split by width, and both against one rank layer by layer, are tests/test_models.py's), with n-gram drafts:
+    greedy output equals one rank's, no block leaked."""
+    prompts = prompts_for(2, seed=5)
+    references = run_to_end(engine_for(tiny_qwen3_moe_dir), prompts)
+    engine = engine_for(tiny_qwen3_moe_dir, tensor_parallel_size=2, ray_placement=HALF_CPU,
+                        enable_expert_parallel=True,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    try:
+        blocks = engine.scheduler.block_manager
+        assert run_to_end(engine, prompts) == references
+        assert engine.spec_stats.drafts > 0 and blocks.num_free_blocks == blocks.num_blocks
+    finally:
+        engine.shutdown()
+
+
 # ---- end to end through the engine actor ---------------------------------------------------------------------
 
 def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):

@@ -117,6 +117,8 @@ CASES = {
                                              "combine_with": {"method": "suffix", "num_speculative_tokens": 6}}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
+    # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)
+    "ngram-moe": {"model_fixture": "tiny_qwen3_moe_dir", "speculative_config": {**NGRAM}},
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
 }
@@ -125,7 +127,10 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_draft_dir, alone, tmp_path, name):
     kwargs = {**CASES[name]}
-    model = str(tiny_llama_dir)
+    fixture = kwargs.pop("model_fixture", None)
+    model = str(tiny_llama_dir if fixture is None else request.getfixturevalue(fixture))
+    if fixture is not None:
+        alone = LLM(model=model, max_model_len=256)  # the same model's plain output, one rank
     spec = kwargs.get("speculative_config")
     if spec is not None and spec["method"] == "draft_model":
         kwargs["speculative_config"] = {**spec, "model": str(tiny_draft_dir)}

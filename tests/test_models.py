@@ -76,18 +76,22 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
     hf = model_cls(config).float().eval()
-    with torch.no_grad():  # q/k norms start at ones: random ones, so that a test would see them misapplied
+    with torch.no_grad():  # q/k norms start at ones, routers at zeros: random ones, so a test sees them misapplied
         for name, param in hf.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
     ours = LlamaForCausalLM(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
     return ours, hf
@@ -239,6 +243,65 @@ def test_qwen3_sliding_window_layers(contiguous):
                               head_dim=24)
     assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [None, 6]
     check_variant(ours, hf, contiguous=contiguous)
+
+
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+           head_dim=24)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_matches_transformers(contiguous, norm_topk_prob):
+    """Qwen3-MoE: layer 0 sparse (8 experts, top 2), layer 1 dense (mlp_only_layers); a full prefill and a prefill
+    chunked at odd boundaries give transformers' logits; the router picks transformers' experts."""
+    ours, hf = in_memory_pair("qwen3_moe", seed=6, norm_topk_prob=norm_topk_prob, **MOE)
+    from specray.models.moe import SparseMoE
+
+    assert isinstance(ours.model.layers[0].mlp, SparseMoE) and not isinstance(ours.model.layers[1].mlp, SparseMoE)
+    check_variant(ours, hf, contiguous=contiguous)
+    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, weights, ids = hf.model.layers[0].mlp.gate(x)
+        our_weights, our_ids = ours.model.layers[0].mlp.route(x)
+    assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MOE["num_experts"]
+    close(our_weights, weights)
+
+
+def test_qwen3_moe_loads_per_expert_and_fused_checkpoints(tmp_path):
+    """HF checkpoints name each expert's projections (``mlp.experts.{e}.gate_proj.weight``); transformers 5 keeps
+    them fused (``mlp.experts.gate_up_proj`` [E, 2I, H]): both load to the same model; a missing expert is named."""
+    ours, hf = in_memory_pair("qwen3_moe", seed=6, **MOE)
+    state = hf.state_dict()
+    per_expert = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                per_expert[f"{prefix}{e}.gate_proj.weight"] = tensor[e, :inter]
+                per_expert[f"{prefix}{e}.up_proj.weight"] = tensor[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                per_expert[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = tensor[e]
+        else:
+            per_expert[name] = tensor
+    assert any(".experts.7.up_proj." in n for n in per_expert)
+    again = LlamaForCausalLM(ours.config, TPGroup.single())
+    again.load_weights(per_expert.items())
+    for (name, a), (_, b) in zip(ours.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+    missing = {n: t for n, t in per_expert.items() if ".experts.3.down_proj." not in n}
+    with pytest.raises(ValueError, match=r"missing 1 weights.*w2:3"):
+        LlamaForCausalLM(ours.config, TPGroup.single()).load_weights(missing.items())
+
+
+def test_qwen3_moe_experts_must_split_over_the_ranks():
+    from specray.models.moe import SparseMoE
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**{**TINY, **MOE, "num_experts": 6, "moe_intermediate_size": 30})
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by tensor_parallel_size=4"):
+        SparseMoE(config, TPGroup(rank=0, size=4), expert_parallel=True)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30 is not divisible by tensor_parallel_size=4"):
+        SparseMoE(config, TPGroup(rank=0, size=4))
 
 
 def test_qwen2_sliding_window_layers(contiguous):
@@ -513,8 +576,8 @@ TP_WORKER = textwrap.dedent("""
         return model.compute_logits(torch.cat([h1, h2]))
 
     result = {}
-    for folder in folders:
-        model = load_model(folder, TPGroup.from_world())
+    for folder in folders:  # a folder named *-ep: a mixture of experts split by whole experts
+        model = load_model(folder, TPGroup.from_world(), expert_parallel=folder.endswith("-ep"))
         kv_heads = model.kv_cache_specs()[0].num_kv_heads
         one_rank = run(load_model(folder))
         diff = (run(model) - one_rank).abs().max().item()
@@ -547,12 +610,15 @@ def free_port() -> int:
 def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
-    tied and untied heads; decode attention both
+    Qwen3-MoE's experts split by width and (expert parallel) by whole experts, tied and untied heads; decode
+    attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
-               save_tiny(tmp_path / "qwen3", "qwen3", 13, vocab_size=321, head_dim=24)]
+               save_tiny(tmp_path / "qwen3", "qwen3", 13, vocab_size=321, head_dim=24),
+               save_tiny(tmp_path / "qwen3moe", "qwen3_moe", 14, vocab_size=321, **MOE),
+               save_tiny(tmp_path / "qwen3moe-ep", "qwen3_moe", 14, vocab_size=321, **MOE)]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2

@@ -52,6 +52,7 @@ class WorkerConfig:
     # greedy drafts verified by relaxed acceptance in the thinking phase, (relaxed_topk, relaxed_delta, begin token,
     # end token); None: exactly (specray.tree_verification.RelaxedAcceptance)
     relaxed_acceptance: tuple[int, float, int, int] | None = None
+    enable_expert_parallel: bool = False  # a mixture of experts' experts whole per rank (else split by width)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -102,7 +103,8 @@ class Worker:
         hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
-        self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device)
+        self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
+                                          expert_parallel=config.enable_expert_parallel)
         self.head = self._load_head(hf_config, world_size) if config.worker_drafter else None
         self.runner: ModelRunner | None = None
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, SlidingWindowSpec
+from specray.models.moe import SparseMoE, is_expert_tensor
 from specray.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -44,7 +45,7 @@ _STACKED = {
 }
 
 
-QK_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head (head_dim wide) before RoPE
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and key head (head_dim wide) before RoPE
 
 
 def _head_dim(config) -> int:
@@ -120,11 +121,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def _is_sparse(config, layer: int) -> bool:
+    """Qwen3-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except ``mlp_only_layers``)."""
+    if config.model_type != "qwen3_moe" or not getattr(config, "num_experts", 0):
+        return False
+    return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, tp: TPGroup, layer: int):
+    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, layer)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,10 +149,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, tp: TPGroup):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, tp, i, expert_parallel)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
@@ -165,15 +174,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 for causal LM, sharded over ``tp``. Build it under ``torch.device(...)`` and the
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE for causal LM, sharded over ``tp`` (a MoE's experts split by
+    width, or whole experts per rank with ``expert_parallel``). Build it under ``torch.device(...)`` and the
     default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
 
-    def __init__(self, hf_config, tp: TPGroup | None = None):
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = hf_config
         self.tp = tp
-        self.model = LlamaModel(hf_config, tp)
+        self.model = LlamaModel(hf_config, tp, expert_parallel)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -248,6 +258,11 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if is_expert_tensor(name):
+                layer = _layer_index(name)
+                loaded.update(f"model.layers.{layer}.mlp.{key}"
+                              for key in self.model.layers[layer].mlp.load_expert_tensor(name, tensor))
+                continue
             target, shard = _map_name(name)
             param = params.get(target)
             if param is None:
@@ -257,7 +272,11 @@ class LlamaForCausalLM(nn.Module):
         self._check_loaded(loaded, params)
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
-        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings))
+        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)
+                                 and not n.endswith((".mlp.w13", ".mlp.w2")))
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                expected.update(f"model.layers.{i}.mlp.{key}" for key in layer.mlp.expected_keys())
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "

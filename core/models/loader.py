@@ -150,9 +150,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", pack: bool = True) -> CausalLM:
+               device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False) -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
-    with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``)."""
+    with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``).
+    ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width)."""
     from transformers import AutoConfig
 
     if not dtype.is_floating_point:
@@ -161,7 +162,7 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     config = AutoConfig.from_pretrained(source.path)
     model_cls = get_model_class(config)
     with _default_dtype(dtype), torch.device(device):
-        net = model_cls(config, tp or TPGroup.single())
+        net = model_cls(config, tp or TPGroup.single(), **({"expert_parallel": True} if expert_parallel else {}))
     net.load_weights(iter_weights(source))
     net.eval()
     for p in net.parameters():

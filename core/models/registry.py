@@ -11,9 +11,10 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,138 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE's), split over tensor-parallel ranks by either of two rules.
+
+Every token goes to its ``top_k`` experts by the router's softmax (renormalised over the chosen ones with
+``norm_topk_prob``), and its output is the routing-weighted sum of those experts' SwiGLU MLPs. The ranks all hold
+every token (as everywhere in a tensor-parallel model); what they split is the experts' weights:
+
+* tensor parallel (default): every rank holds every expert with its intermediate width split, as a dense MLP's
+  (``gate_up`` by columns, ``down`` by rows); each rank's sum is partial and one all-reduce completes it;
+* expert parallel (``expert_parallel``, vLLM's ``enable_expert_parallel``): each rank holds ``num_experts / size``
+  whole experts and computes only the tokens routed to them; the same all-reduce sums the ranks' parts.
+
+The router is replicated. Tokens are grouped by expert with one sort, and the group sizes are read back to the host
+once per layer (the only host sync), then each local expert runs one matmul pair over its tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.layers import _copy, _param, divide, materialize, narrow, shape_of
+from specray.parallel import TPGroup
+
+# a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names)
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse MLP block over ``tp`` (see the module docstring)."""
+
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
+        self.tp = tp
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.expert_parallel = expert_parallel
+        inter, h = config.moe_intermediate_size, config.hidden_size
+        if expert_parallel:
+            if self.num_experts % tp.size:
+                raise ValueError(f"num_experts={self.num_experts} is not divisible by tensor_parallel_size={tp.size} "
+                                 "with enable_expert_parallel: choose a tensor_parallel_size that divides "
+                                 "num_experts, or turn expert parallelism off (experts split by width)")
+            self.local_experts = self.num_experts // tp.size
+            self.inter_local = inter
+        else:
+            self.local_experts = self.num_experts
+            self.inter_local = divide(inter, tp.size, "moe_intermediate_size")
+        self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
+        self.gate = nn.Linear(h, self.num_experts, bias=False)  # the router, replicated
+        self.w13 = _param(self.local_experts, 2 * self.inter_local, h)  # gate rows, then up rows
+        self.w2 = _param(self.local_experts, h, self.inter_local)
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3-MoE's router picks them."""
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        weights, ids = self.route(x)
+        flat = ids.flatten()  # [T*k]: token t's j-th expert at t*k + j
+        order = flat.argsort(stable=True)  # grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        before = counts[: self.expert_start].sum().reshape(1)  # pairs routed to earlier ranks' experts
+        skip, *sizes = torch.cat((before, counts[self.expert_start: self.expert_start + self.local_experts])).tolist()
+        rows = order[skip: skip + sum(sizes)]  # the (token, slot) pairs routed to this rank's experts (one sync)
+        tokens = rows // self.top_k
+        out = torch.zeros_like(x)
+        if rows.numel():
+            parts = []
+            for e, xe in enumerate(x.index_select(0, tokens).split(sizes)):
+                if xe.shape[0]:
+                    gate, up = F.linear(xe, self.w13[e]).chunk(2, dim=-1)
+                    parts.append(F.linear(F.silu(gate) * up, self.w2[e]))
+            y = torch.cat(parts) * weights.flatten().index_select(0, rows)[:, None]
+            out.index_add_(0, tokens, y)
+        return self.tp.all_reduce(out)
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def load_expert_tensor(self, name: str, tensor: Any) -> list[str]:
+        """Load one checkpoint tensor of this block's experts (either naming); returns the keys it filled (none
+        when it belongs to another rank's experts)."""
+        found = _PER_EXPERT.search(name)
+        if found:
+            expert, kind = int(found.group(1)), found.group(2)
+            local = expert - self.expert_start
+            if not 0 <= local < self.local_experts:
+                return []
+            self._load_one(local, kind, tensor)
+            return [f"w13:{expert}:0" if kind == "gate_proj" else f"w13:{expert}:1" if kind == "up_proj"
+                    else f"w2:{expert}"]
+        found = _FUSED.search(name)
+        assert found, name
+        value = materialize(tensor)
+        keys = []
+        for local in range(self.local_experts):
+            expert = self.expert_start + local
+            if found.group(1) == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+                inter = shape_of(value)[1] // 2
+                self._load_one(local, "gate_proj", value[expert, :inter])
+                self._load_one(local, "up_proj", value[expert, inter:])
+                keys += [f"w13:{expert}:0", f"w13:{expert}:1"]
+            else:
+                self._load_one(local, "down_proj", value[expert])
+                keys.append(f"w2:{expert}")
+        return keys
+
+    def _load_one(self, local: int, kind: str, tensor: Any) -> None:
+        # gate/up [I, H]: this rank's rows of the intermediate width; down [H, I]: its columns
+        start = 0 if self.expert_parallel else self.tp.rank * self.inter_local
+        if kind == "down_proj":
+            _copy(self.w2.data[local], narrow(tensor, 1, start, self.inter_local))
+            return
+        rows = self.w13.data[local]
+        offset = 0 if kind == "gate_proj" else self.inter_local
+        _copy(rows[offset: offset + self.inter_local], narrow(tensor, 0, start, self.inter_local))
+
+    def expected_keys(self) -> set[str]:
+        experts = range(self.expert_start, self.expert_start + self.local_experts)
+        return {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
+
+
+def is_expert_tensor(name: str) -> bool:
+    return bool(_PER_EXPERT.search(name) or _FUSED.search(name))
