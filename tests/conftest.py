@@ -53,10 +53,10 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"}. Returns the folder."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path)
@@ -77,7 +77,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     common.update(overrides)
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
+                          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -85,6 +86,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
+            elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
+                param.normal_(0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -117,6 +120,14 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=4, num_hidden_layers=3,
                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                             mlp_only_layers=[1], tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    # a sliding layer (window 8) beside a global one, each with its RoPE
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=5, head_dim=16,
+                            query_pre_attn_scalar=16, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.fixture(scope="session")

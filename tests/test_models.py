@@ -76,12 +76,12 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -92,7 +92,9 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                 param.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
-    ours = LlamaForCausalLM(config, TPGroup.single())
+            elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
+                param.normal_(0.0, 0.3)
+    ours = get_model_class(config)(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
     return ours, hf
 
@@ -302,6 +304,36 @@ def test_qwen3_moe_experts_must_split_over_the_ranks():
         SparseMoE(config, TPGroup(rank=0, size=4), expert_parallel=True)
     with pytest.raises(ValueError, match="moe_intermediate_size=30 is not divisible by tensor_parallel_size=4"):
         SparseMoE(config, TPGroup(rank=0, size=4))
+
+
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_gemma3_matches_transformers(contiguous, softcap):
+    """Gemma 3 text: (1 + w) norms around attention and MLP, q/k norms, a scaled embedding, query_pre_attn_scalar,
+    a sliding layer (window 6, local RoPE) beside a global one (linear-scaled RoPE), tied embeddings, and final
+    logit softcapping; a full prefill and a chunked one against transformers."""
+    ours, hf = in_memory_pair("gemma3", seed=10, final_logit_softcapping=softcap, **GEMMA)
+    from specray.models.gemma3 import Gemma3ForCausalLM
+
+    assert isinstance(ours, Gemma3ForCausalLM) and ours.tie_word_embeddings
+    assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [6, None]
+    check_variant(ours, hf, contiguous=contiguous)
+
+
+def test_gemma3_unsupported_settings_are_named():
+    from transformers import Gemma3TextConfig
+
+    from specray.models.gemma3 import Gemma3ForCausalLM
+
+    for bad, match in (({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+                       ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
+                       ({"use_bidirectional_attention": True}, "use_bidirectional_attention")):
+        with pytest.raises(ValueError, match=match):
+            Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
 
 
 def test_qwen2_sliding_window_layers(contiguous):
@@ -520,6 +552,13 @@ def test_registry():
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"]),
                 Qwen3Config(architectures=["Qwen3ForCausalLM"]), Qwen3Config()):
         assert get_model_class(cfg) is LlamaForCausalLM
+    from transformers import Gemma3TextConfig, Qwen3MoeConfig
+
+    from specray.models.gemma3 import Gemma3ForCausalLM
+
+    assert get_model_class(Qwen3MoeConfig()) is LlamaForCausalLM
+    assert get_model_class(Gemma3TextConfig()) is Gemma3ForCausalLM
+    assert get_model_class(Gemma3TextConfig(architectures=["Gemma3ForCausalLM"])) is Gemma3ForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
 
@@ -610,7 +649,8 @@ def free_port() -> int:
 def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
-    Qwen3-MoE's experts split by width and (expert parallel) by whole experts, tied and untied heads; decode
+    Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
+    RoPEs, tied and untied heads; decode
     attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
@@ -618,7 +658,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                          tie_word_embeddings=True),
                save_tiny(tmp_path / "qwen3", "qwen3", 13, vocab_size=321, head_dim=24),
                save_tiny(tmp_path / "qwen3moe", "qwen3_moe", 14, vocab_size=321, **MOE),
-               save_tiny(tmp_path / "qwen3moe-ep", "qwen3_moe", 14, vocab_size=321, **MOE)]
+               save_tiny(tmp_path / "qwen3moe-ep", "qwen3_moe", 14, vocab_size=321, **MOE),
+               save_tiny(tmp_path / "gemma3", "gemma3", 15, vocab_size=321, **GEMMA)]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2

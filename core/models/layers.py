@@ -259,14 +259,17 @@ class RMSNorm(nn.Module):
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The config's RoPE settings as one flat dict with ``rope_type`` and ``rope_theta`` (transformers 5 keeps
-    them in ``config.rope_parameters``; older configs in ``rope_scaling`` + ``rope_theta``)."""
+    them in ``config.rope_parameters``; older configs in ``rope_scaling`` + ``rope_theta``); with ``layer_type``,
+    that kind of layer's where the config gives them per kind (Gemma 3: ``sliding_attention``, ``full_attention``)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported; use a model with one "
-                         "RoPE setting for all layers")
+        if layer_type is None or layer_type not in params:
+            raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported for this model; "
+                             "use a model with one RoPE setting for all layers")
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] not in ROPE_TYPES:

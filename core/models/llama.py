@@ -178,12 +178,14 @@ class LlamaForCausalLM(nn.Module):
     width, or whole experts per rank with ``expert_parallel``). Build it under ``torch.device(...)`` and the
     default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
 
+    model_class: type[nn.Module] = LlamaModel  # the decoder stack (a family with other layers gives its own)
+
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = hf_config
         self.tp = tp
-        self.model = LlamaModel(hf_config, tp, expert_parallel)
+        self.model = self.model_class(hf_config, tp, expert_parallel)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from importlib import import_module
 
-# HF architecture name -> "module:Class". Llama, Mistral, Qwen2 and Qwen3 share one class; config flags pick the
-# variant.
+# HF architecture name -> "module:Class". Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE share one class (config flags
+# pick the variant); Gemma 3 has its own layers on the same plumbing.
 _ARCHITECTURES = {
     "LlamaForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,161 @@
+"""Gemma 3 (text), written with tensor-parallel layers.
+
+Where it differs from the Llama family (:mod:`specray.models.llama`, whose plumbing it shares: paged KV per layer,
+weight loading, the model interface):
+
+* RMSNorm scales by ``1 + weight`` and multiplies in float32 before casting back;
+* every layer is a sandwich: norms before and after attention, and before and after the MLP, with the residual
+  added after the post-norms; an RMSNorm over each query and key head before RoPE;
+* the embedding is scaled by sqrt(hidden_size) (in the embedding's dtype); attention scales by
+  ``query_pre_attn_scalar ** -0.5``; the MLP is gated GELU (tanh approximation);
+* sliding-window layers interleave with global ones (``layer_types``), each kind with its own RoPE
+  (``rope_parameters[layer_type]``: a local base, and a global base with optional scaling);
+* ``final_logit_softcapping`` caps the logits by ``cap * tanh(logits / cap)`` where the config sets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.layers import (MergedColumnParallelLinear, QKVParallelLinear, RotaryEmbedding, RowParallelLinear,
+                                   VocabParallelEmbedding, _param, apply_rotary, rope_parameters)
+from specray.models.llama import LlamaForCausalLM, _head_dim, _kv_spec
+from specray.parallel import TPGroup
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)`` in float32, cast back to x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported (Gemma 2's; "
+                             "Gemma 3 sets none)")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True is not supported: a causal LM is served causally")
+        head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, tp, bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj),
+                                   config.query_pre_attn_scalar ** -0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, q_size: q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 3 uses 'gelu_pytorch_tanh'")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{layer}]={self.layer_type!r} is not supported; one of {list(LAYER_TYPES)}")
+        self.self_attn = Gemma3Attention(config, tp, layer)
+        self.mlp = Gemma3MLP(config, tp)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: the residual stream [T, H] -> the next layer's
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = _head_dim(config)
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim, rope_parameters(config, kind),
+                                                           config.max_position_embeddings)
+                                     for kind in sorted(set(config.layer_types))})
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
+        x = self.embed(input_ids)
+        tables = {}
+        for kind, rotary in self.rotary.items():
+            rotary.ensure(meta.max_position + 1)
+            tables[kind] = rotary(meta.positions, x.dtype)
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x
+            x = layer(x, *tables[layer.layer_type], meta)
+        return self.norm(x), [aux[i] for i in aux_layers]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model for causal LM, sharded over ``tp`` (the plumbing is
+    :class:`~specray.models.llama.LlamaForCausalLM`'s)."""
+
+    model_class = Gemma3Model
+
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
+        super().__init__(hf_config, tp, expert_parallel)
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
