@@ -53,10 +53,11 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3"}. Returns the folder."""
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                              LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path)
@@ -78,7 +79,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[arch]
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+                          "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -88,6 +90,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                 param.normal_(0.0, 0.5)
             elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
+            elif name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -128,6 +132,19 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=5, head_dim=16,
                             query_pre_attn_scalar=16, sliding_window=8,
                             layer_types=["sliding_attention", "full_attention"])
+
+
+DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=16,
+                     q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory) -> Path:
+    # MLA over a latent cache, a dense first layer then grouped-router MoE layers with a shared expert
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, **DEEPSEEK_TINY)
 
 
 @pytest.fixture(scope="session")

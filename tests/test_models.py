@@ -76,12 +76,14 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+               "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -92,6 +94,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                 param.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.1)
             elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
     ours = get_model_class(config)(config, TPGroup.single())
@@ -334,6 +338,38 @@ def test_gemma3_unsupported_settings_are_named():
                        ({"use_bidirectional_attention": True}, "use_bidirectional_attention")):
         with pytest.raises(ValueError, match=match):
             Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
+
+
+DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                num_key_value_heads=4, rope_interleave=True,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+@pytest.mark.parametrize("variant", ["q-lora", "no-q-lora", "not-interleaved"])
+def test_deepseek_v3_matches_transformers(contiguous, variant):
+    """DeepSeek-V3: weight-absorbed MLA over a latent paged cache (q LoRA or a plain q_proj, interleaved RoPE pairs
+    or not, YaRN with mscale), a dense first layer then MoE layers (grouped sigmoid router with the correction bias,
+    shared experts, routed scaling); a full prefill and a chunked one against transformers; the router picks
+    transformers' experts."""
+    extra = {"no-q-lora": {"q_lora_rank": None}, "not-interleaved": {"rope_interleave": False}}.get(variant, {})
+    ours, hf = in_memory_pair("deepseek_v3", seed=12, **{**DEEPSEEK, **extra})
+    from specray.models.kv_cache import MLAAttentionSpec
+    from specray.models.moe import SparseMoE
+
+    assert all(spec == MLAAttentionSpec(16, 8) for spec in ours.kv_cache_specs())
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == [False, True, True]
+    check_variant(ours, hf, contiguous=contiguous)
+    x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, weights, ids = hf.model.layers[1].mlp.gate(x)
+        our_weights, our_ids = ours.model.layers[1].mlp.route(x)
+    order, our_order = ids.sort(-1), our_ids.sort(-1)
+    assert torch.equal(our_order.values, order.values)
+    close(our_weights.gather(1, our_order.indices), weights.gather(1, order.indices))
 
 
 def test_qwen2_sliding_window_layers(contiguous):
@@ -617,7 +653,7 @@ TP_WORKER = textwrap.dedent("""
     result = {}
     for folder in folders:  # a folder named *-ep: a mixture of experts split by whole experts
         model = load_model(folder, TPGroup.from_world(), expert_parallel=folder.endswith("-ep"))
-        kv_heads = model.kv_cache_specs()[0].num_kv_heads
+        kv_heads = getattr(model.kv_cache_specs()[0], "num_kv_heads", 1)  # MLA: one latent, replicated
         one_rank = run(load_model(folder))
         diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
@@ -650,7 +686,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
     Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
-    RoPEs, tied and untied heads; decode
+    RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, tied and
+    untied heads; decode
     attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
@@ -659,7 +696,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "qwen3", "qwen3", 13, vocab_size=321, head_dim=24),
                save_tiny(tmp_path / "qwen3moe", "qwen3_moe", 14, vocab_size=321, **MOE),
                save_tiny(tmp_path / "qwen3moe-ep", "qwen3_moe", 14, vocab_size=321, **MOE),
-               save_tiny(tmp_path / "gemma3", "gemma3", 15, vocab_size=321, **GEMMA)]
+               save_tiny(tmp_path / "gemma3", "gemma3", 15, vocab_size=321, **GEMMA),
+               save_tiny(tmp_path / "deepseek", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
+               save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK)]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2

@@ -179,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
     default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
 
     model_class: type[nn.Module] = LlamaModel  # the decoder stack (a family with other layers gives its own)
+    stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
@@ -265,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.update(f"model.layers.{layer}.mlp.{key}"
                               for key in self.model.layers[layer].mlp.load_expert_tensor(name, tensor))
                 continue
-            target, shard = _map_name(name)
+            target, shard = _map_name(name, self.stacked)
             param = params.get(target)
             if param is None:
                 logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
@@ -319,8 +320,8 @@ def _layer_index(name: str) -> int:
     return int(index) if index.isdigit() else -1
 
 
-def _map_name(name: str) -> tuple[str, Any]:
-    for piece, (merged, shard) in _STACKED.items():
+def _map_name(name: str, stacked: dict[str, tuple[str, Any]] = _STACKED) -> tuple[str, Any]:
+    for piece, (merged, shard) in stacked.items():
         if piece in name:
             return name.replace(piece, merged), shard
     return name, None

@@ -1,7 +1,15 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE's), split over tensor-parallel ranks by either of two rules.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE's, DeepSeek-V3's), split over tensor-parallel ranks by either of two
+rules.
 
-Every token goes to its ``top_k`` experts by the router's softmax (renormalised over the chosen ones with
-``norm_topk_prob``), and its output is the routing-weighted sum of those experts' SwiGLU MLPs. The ranks all hold
+Every token goes to its ``top_k`` experts, and its output is the routing-weighted sum of those experts' SwiGLU MLPs
+(plus, DeepSeek, the shared experts' MLP, which every token takes). Routers:
+
+* Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
+* DeepSeek-V3: sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group`` best of
+  ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
+  scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32.
+
+The ranks all hold
 every token (as everywhere in a tensor-parallel model); what they split is the experts' weights:
 
 * tensor parallel (default): every rank holds every expert with its intermediate width split, as a dense MLP's
@@ -22,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.layers import _copy, _param, divide, materialize, narrow, shape_of
+from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
+                                   narrow, shape_of)
 from specray.parallel import TPGroup
 
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names)
@@ -30,17 +39,48 @@ _PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\
 _FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP of width ``intermediate_size`` split over ``tp`` (DeepSeek's shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] (and DeepSeek's ``e_score_correction_bias`` [E]), replicated."""
+
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool):
+        super().__init__()
+        self.weight = _param(num_experts, hidden_size)
+        self.e_score_correction_bias = _param(num_experts) if correction_bias else None
+
+
 class SparseMoE(nn.Module):
-    """Qwen3-MoE's sparse MLP block over ``tp`` (see the module docstring)."""
+    """A sparse MLP block over ``tp`` (see the module docstring): Qwen3-MoE's, or DeepSeek-V3's
+    (``model_type`` "deepseek_v3": grouped sigmoid routing and shared experts)."""
 
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.tp = tp
-        self.num_experts = config.num_experts
+        self.num_experts = getattr(config, "num_experts", None) or config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.grouped = config.model_type == "deepseek_v3"
+        if self.grouped:
+            self.n_group, self.topk_group = config.n_group, config.topk_group
+            self.routed_scaling_factor = float(config.routed_scaling_factor)
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"n_routed_experts={self.num_experts}, n_group={self.n_group}, topk_group="
+                                 f"{self.topk_group}: the experts must split into n_group groups and 0 < topk_group "
+                                 "<= n_group")
         self.expert_parallel = expert_parallel
         inter, h = config.moe_intermediate_size, config.hidden_size
         if expert_parallel:
@@ -54,19 +94,37 @@ class SparseMoE(nn.Module):
             self.local_experts = self.num_experts
             self.inter_local = divide(inter, tp.size, "moe_intermediate_size")
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
-        self.gate = nn.Linear(h, self.num_experts, bias=False)  # the router, replicated
+        self.gate = Router(self.num_experts, h, correction_bias=self.grouped)
         self.w13 = _param(self.local_experts, 2 * self.inter_local, h)  # gate rows, then up rows
         self.w2 = _param(self.local_experts, h, self.inter_local)
+        shared = getattr(config, "n_shared_experts", None) if self.grouped else None
+        self.shared_experts = GatedMLP(h, inter * shared, tp) if shared else None
 
     # ------------------------------------------------------------------------------------------ forward
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as Qwen3-MoE's router picks them."""
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as the family's router picks them."""
+        if self.grouped:
+            return self._route_grouped(x)
         probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, e, g = x.shape[0], self.num_experts, self.n_group
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.gate.e_score_correction_bias.float()
+        group_worth = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        groups = group_worth.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+        allowed = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(e // g, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -87,7 +145,8 @@ class SparseMoE(nn.Module):
                     parts.append(F.linear(F.silu(gate) * up, self.w2[e]))
             y = torch.cat(parts) * weights.flatten().index_select(0, rows)[:, None]
             out.index_add_(0, tokens, y)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     # ------------------------------------------------------------------------------------------ weights
 

@@ -13,9 +13,11 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
+    "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

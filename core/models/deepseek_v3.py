@@ -1,0 +1,148 @@
+"""DeepSeek-V3 / R1 (``DeepseekV3ForCausalLM``), written with tensor-parallel layers on the Llama plumbing.
+
+**Multi-head latent attention, weight-absorbed.** A token's keys and values come from one latent ``c`` (width
+``kv_lora_rank`` R, after ``kv_a_layernorm``) and one RoPE key ``k_rot`` shared by every head (width r): head h's key
+is ``[W_UK_h c ; k_rot]`` and its value ``W_UV_h c`` (``kv_b_proj``'s rows). Since
+
+    q_h . k_h = (W_UK_h^T q_nope_h) . c + q_rot_h . k_rot      and      sum_j a_hj W_UV_h c_j = W_UV_h sum_j a_hj c_j,
+
+attention runs as multi-query attention over ``[c ; k_rot]`` (one KV head of width R + r, the same tensor as key
+and value) with head h's query ``[W_UK_h^T q_nope_h ; q_rot_h]``, and ``W_UV_h`` maps the first R columns of its
+output. The paged cache holds only ``[c ; k_rot]`` per token (:class:`~specray.models.kv_cache.MLAAttentionSpec`):
+(R + r) numbers per layer where a Llama-style cache of the same heads would hold 2 x heads x head_dim. The softmax
+scale is the unabsorbed one, ``qk_head_dim ** -0.5`` (times YaRN's mscale squared when ``mscale_all_dim`` is set).
+
+**RoPE** covers ``qk_rope_head_dim`` only (YaRN scaling); ``rope_interleave`` checkpoints rotate interleaved pairs,
+which is the rotate-half rotation of the de-interleaved vector: q and k are de-interleaved alike (a dot product
+does not see the order).
+
+**Tensor parallelism**: heads split over the ranks (``q_b_proj``/``q_proj`` and ``kv_b_proj`` by head, ``o_proj``
+by input); the latent (``q_a_proj``, ``kv_a_proj_with_mqa``, their norms) and its cache are replicated on every rank,
+since every head reads all of it (splitting it would need a gather per layer; it is small).
+
+**MoE**: layers from ``first_k_dense_replace`` on use :class:`~specray.models.moe.SparseMoE` with DeepSeek's grouped
+sigmoid router and shared experts; the ones before, a dense MLP. The MTP layers (``model.layers.{L..}``) are the
+MTP drafter's, skipped here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.kv_cache import MLAAttentionSpec
+from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                   VocabParallelEmbedding, apply_rotary, divide, rope_parameters)
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.moe import SparseMoE
+from specray.parallel import TPGroup
+
+
+class LatentAttention(PagedAttention):
+    """Multi-query attention over a latent cache ``[slots, R + r]`` whose rows are both key and value."""
+
+    def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float):
+        nn.Module.__init__(self)
+        self.num_heads, self.kv_spec, self.scale = num_heads, kv_spec, scale
+        self.num_kv_heads, self.head_dim, self.groups = 1, kv_spec.kv_lora_rank + kv_spec.qk_rope_head_dim, num_heads
+        self.mask_kind = kv_spec.mask_kind
+        self.block_size = 1
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def bind_cache(self, cache: torch.Tensor, block_size: int) -> None:
+        assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
+        self.block_size = block_size
+        self.k_cache = self.v_cache = cache[None]  # [1, slots, R + r]: one "head", key and value alike
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # v is k: one write
+
+
+def _yarn_softmax_scale(config) -> float:
+    scale = config.qk_head_dim ** -0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, weight-absorbed (see the module docstring), over ``tp``."""
+
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        self.num_heads = divide(config.num_attention_heads, tp.size, "num_attention_heads")
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.rank = config.kv_lora_rank
+        self.interleave = bool(getattr(config, "rope_interleave", False))
+        one, bias, h = TPGroup.single(), bool(config.attention_bias), config.hidden_size
+        heads = config.num_attention_heads
+        if config.q_lora_rank is None:
+            self.q_a_proj = self.q_a_layernorm = None
+            self.q_proj = ColumnParallelLinear(h, heads * (self.nope + self.rope), tp)
+        else:
+            self.q_a_proj = ColumnParallelLinear(h, config.q_lora_rank, one, bias=bias)  # replicated
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * (self.nope + self.rope), tp)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(h, self.rank + self.rope, one, bias=bias)  # replicated
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), tp)  # by head
+        self.kv_b_proj.keeps_dense_weight = True  # read as W_UK and W_UV, never applied as a linear
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h, tp, bias=bias)
+        self.attn = LatentAttention(self.num_heads, MLAAttentionSpec(self.rank, self.rope), _yarn_softmax_scale(config))
+
+    def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, 1, r/2] -> [T, H]
+        t, hl = x.shape[0], self.num_heads
+        q = self.q_proj(x) if self.q_a_proj is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(t, hl, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, R]
+        rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
+        w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # W_UK_h^T q_nope_h
+        query = torch.cat((q_latent, rot[:, :hl]), dim=-1)  # [T, Hl, R + r]
+        kv = torch.cat((latent, rot[:, hl]), dim=-1)[:, None]  # [T, 1, R + r]
+        o = self.attn(query, kv, kv, meta).view(t, hl, self.rank + self.rope)[..., : self.rank]
+        return self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, hl * self.v_dim))
+
+
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.self_attn = MLAttention(config, tp, layer)
+        dense = layer < (config.first_k_dense_replace or 0)
+        self.mlp = LlamaMLP(config, tp) if dense else SparseMoE(config, tp, expert_parallel)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3Model(LlamaModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+        nn.Module.__init__(self)
+        if getattr(config, "quantization_config", None):
+            raise ValueError(f"quantized checkpoints ({config.quantization_config.get('quant_method', '?')}) are not "
+                             "supported: load a bf16 conversion of the checkpoint")
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList([DeepseekV3DecoderLayer(config, tp, i, expert_parallel)
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config),
+                                          config.max_position_embeddings)
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V3 / R1 for causal LM, sharded over ``tp`` (see the module docstring)."""
+
+    model_class = DeepseekV3Model
+    stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
