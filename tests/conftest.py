@@ -137,6 +137,7 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
                      n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=16,
                      q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                     tie_word_embeddings=True,
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0})
 

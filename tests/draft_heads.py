@@ -158,3 +158,41 @@ def write_medusa_heads(folder: Path, target_dir: Path, num_heads: int = 4, num_l
                 heads.lm_heads[k].weight.copy_(lm)
     save_medusa_heads(heads, folder, layout, {"base_model_name_or_path": str(target_dir)})
     return folder
+
+
+def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting: bool = True,
+                       alpha: float = 0.1) -> Path:
+    """A copy of a tiny DeepSeek-V3 target's folder with one MTP module added at ``model.layers.{L}``: a DeepSeek
+    block (latent attention, experts with a shared one) from a random model one layer deeper, plus ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``accepting``: ``eh_proj`` passes the token's embedding
+    through and the block's outputs are scaled by ``alpha``, so the module mostly drafts "the same token again"
+    (as :func:`write_accepting_head`'s heads do)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(target_dir)
+    layers, h = config.num_hidden_layers, config.hidden_size
+    config.num_hidden_layers = layers + 1
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    p = f"model.layers.{layers}."
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, tensor in deeper.state_dict().items():
+        if name.startswith(p):
+            weights[name] = tensor.detach().clone().contiguous()
+    eh = torch.randn(h, 2 * h, generator=gen) * 0.2
+    if accepting:
+        eh = torch.cat([torch.eye(h), alpha * eh[:, h:]], 1)
+        for name in list(weights):
+            if name.startswith(p) and name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                weights[name] = weights[name] * alpha
+    weights.update({f"{p}enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                    f"{p}hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                    f"{p}eh_proj.weight": eh,
+                    f"{p}shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder

@@ -198,15 +198,18 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp3"])
-def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(tiny_llama_dir, tmp_path, method):
-    """EAGLE-3, and three distinct MTP modules (num_nextn_predict_layers=3), drafting inside rank 0 of two
-    tensor-parallel ranks: the head reads the target's embedding and LM head gathered whole once (the split ones
-    end in collectives that rank 1, which does not draft, never joins); greedy output equals one rank's plain
-    output, drafts were accepted, no block leaked."""
+@pytest.mark.parametrize("method", ["eagle3", "mtp3", "deepseek-mtp"])
+def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
+    """EAGLE-3, three distinct MTP modules (num_nextn_predict_layers=3), and DeepSeek-V3's own MTP module (its
+    block's latent attention and experts), drafting inside rank 0 of two tensor-parallel ranks: the head reads the
+    target's embedding and LM head gathered whole once (the split ones end in collectives that rank 1, which does
+    not draft, never joins); greedy output equals one rank's plain output, drafts were accepted, no block leaked."""
     prompts = prompts_for(8, seed=3)
-    references = run_to_end(engine_for(tiny_llama_dir), prompts)
-    if method == "eagle3":
+    target = request.getfixturevalue("tiny_deepseek_dir") if method == "deepseek-mtp" else tiny_llama_dir
+    references = run_to_end(engine_for(target), prompts)
+    if method == "deepseek-mtp":
+        model, spec = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {"method": "mtp"}
+    elif method == "eagle3":
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
     else:  # the target's folder with its MTP modules added

@@ -777,3 +777,68 @@ def test_request_cannot_pick_another_method_on_a_worker_drafting_engine(target_d
     outs = llm.generate(PROMPTS[:2], greedy(speculative_method="eagle3"), use_tqdm=False)
     assert token_ids(outs) == plain_outputs[:2]
     assert llm.spec_stats.drafts > 0
+
+
+# ---- DeepSeek-V3's own MTP module (its block: latent attention and experts) -------------------------------------
+
+def test_deepseek_mtp_module_drafts_with_its_own_block(tiny_deepseek_dir, tmp_path):
+    """``method="mtp"`` on a DeepSeek-V3 checkpoint reads its MTP module at ``model.layers.{L}``, whose block is
+    DeepSeek's (latent attention over its own latent cache, experts with a shared one): greedy output equals plain
+    decoding (batch of 8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals
+    transformers' ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specray.models.deepseek_v3 import MLAttention
+    from specray.models.kv_cache import MLAAttentionSpec
+    from specray.models.moe import SparseMoE
+
+    folder = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", tiny_deepseek_dir)
+    plain = LLM(str(tiny_deepseek_dir), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    llm = LLM(str(folder), max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    drafter = llm.engine.executor.worker.runner.drafter
+    layer = drafter.head.layers[0]
+    assert isinstance(layer.self_attn, MLAttention) and isinstance(layer.mlp, SparseMoE)
+    assert drafter.head.kv_cache_specs() == [MLAAttentionSpec(16, 8)]
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain)
+    assert llm.spec_stats.accepted_tokens > 0 and free_blocks(llm) == start
+    # the first drafts against transformers' MTP module over each committed sequence
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.config.num_mtp_layers = 1
+    mtp = MtpModel(hf, 1).float().eval()
+    from safetensors.torch import load_file
+
+    p = f"model.layers.{hf.config.num_hidden_layers}."
+    state = {}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        if name.startswith(p):
+            rest = name[len(p):]
+            key = (f"layers.0.{rest}" if rest.startswith(("enorm.", "hnorm.", "eh_proj.")) else
+                   "layers.0.post_norm." + rest[len("shared_head.norm."):] if rest.startswith("shared_head.norm.")
+                   else f"layers.0.mtp_block.{rest}")
+            state[key] = tensor
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
+    tok = llm.get_tokenizer()
+    committed = {o.request_id: tok.encode(prompt) for o, prompt in zip(outs, PROMPTS)}  # the prompt, then kept
+    checked = 0
+    for plan, result in rec.steps:
+        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
+            if not kept or chunk.req_id not in committed:
+                continue
+            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
+                                                                   - chunk.num_draft_tokens] + list(kept)
+            if not drafts or checked >= 12:
+                continue
+            n = len(seq) - 1
+            with torch.no_grad():
+                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
+                draft, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden,
+                                  attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+            assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
+            checked += 1
+    assert checked >= 12

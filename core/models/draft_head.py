@@ -43,7 +43,8 @@ from torch import nn
 from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, materialize, rope_parameters
-from specray.models.llama import LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
+from specray.models.llama import _STACKED, LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
+from specray.models.moe import SparseMoE, is_expert_tensor
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -73,16 +74,19 @@ def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 
 class HeadLayer(nn.Module):
-    """One decoder layer of the Llama family whose attention reads ``input_size`` features (2H for EAGLE-3)."""
+    """One decoder layer of the Llama family whose attention reads ``input_size`` features (2H for EAGLE-3); or,
+    given ``parts``, the target family's own attention and MLP (an MTP module's block: DeepSeek's latent attention
+    and experts)."""
 
-    def __init__(self, config, tp: TPGroup, input_size: int, input_norm: bool, hidden_norm: bool):
+    def __init__(self, config, tp: TPGroup, input_size: int, input_norm: bool, hidden_norm: bool,
+                 parts: tuple[nn.Module, nn.Module] | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps) if input_norm else None
         self.hidden_norm = RMSNorm(h, eps) if hidden_norm else None
-        self.self_attn = LlamaAttention(config, tp, 0, input_size=input_size)
+        self.self_attn = LlamaAttention(config, tp, 0, input_size=input_size) if parts is None else parts[0]
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp) if parts is None else parts[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -115,6 +119,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"a {self.layout.name} head reads target layers: give aux_layers")
         self.feedback_normed = feedback_normed  # MTP as transformers runs it: the normed output feeds the next step
         tp = TPGroup.single()  # replicated on the driver rank (docs/hidden_state_drafters.md: sharding at scale)
+        family = _family(config)  # the model class of the config's architecture, None for a plain head config
+        self.stacked = getattr(family, "stacked", _STACKED)  # checkpoint names its parameters merge
         fusion = self.layout.fusion
         if fusion == "fc":
             self.fc = ColumnParallelLinear(2 * h, h, tp, bias=fc_bias)
@@ -123,7 +129,9 @@ class DraftHead(nn.Module):
             self.enorm = RMSNorm(h, config.rms_norm_eps)
             self.hnorm = RMSNorm(h, config.rms_norm_eps)
             self.eh_proj = ColumnParallelLinear(2 * h, h, tp)
-            self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False)])
+            parts = getattr(family, "mtp_layer_parts", None)  # the target family's block (DeepSeek's)
+            self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False,
+                                                   parts=None if parts is None else parts(config, tp))])
         elif fusion == "split":
             self.fc = ColumnParallelLinear(len(self.aux_layers) * th, h, tp, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
@@ -242,8 +250,13 @@ class DraftHead(nn.Module):
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
+        moe = {f"layers.{i}.mlp.": layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)}
         for name, tensor in weights:
-            target, shard = _map_name(name)
+            if moe and is_expert_tensor("." + name):
+                prefix = name[: name.index("mlp.") + len("mlp.")]
+                loaded.update(prefix + key for key in moe[prefix].load_expert_tensor("." + name, tensor))
+                continue
+            target, shard = _map_name(name, self.stacked)
             if target in buffers and target == "d2t":
                 value = materialize(tensor).to(torch.long)
                 if value.shape != buffers[target].shape:
@@ -256,7 +269,9 @@ class DraftHead(nn.Module):
             if param is None:
                 raise ValueError(f"draft head checkpoint tensor {name!r} has no place in a {self.layout.name} head")
             loaded.add(load_param(param, target, tensor, shard))
-        expected = expected_keys(params)
+        expected = expected_keys(n for n in params if not n.endswith((".mlp.w13", ".mlp.w2")))
+        for prefix, block in moe.items():
+            expected.update(prefix + key for key in block.expected_keys())
         if self.lm_head is not None:
             expected.add("d2t")
         missing = sorted(expected - loaded)
@@ -329,6 +344,16 @@ class ChainedModules(nn.Module):
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
         for k, head in enumerate(self.heads):
             head.bind_layers([cache.layer(k)], cache.block_size)
+
+
+def _family(config):
+    """Our model class for ``config``'s architecture (None when it names none we serve: a draft head's own)."""
+    from specray.models.registry import get_model_class
+
+    try:
+        return get_model_class(config)
+    except ValueError:
+        return None
 
 
 def _split_merged(head: DraftHead, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
