@@ -627,24 +627,24 @@ def run_scenario(run: Run, refs, seed: int, check=None, limit: int | None = None
     different counts, so rows leave the draft loop at different steps."""
     vocab = run.target.vocab
     g = torch.Generator().manual_seed(seed)
-    check_step_ = check or check_step
+    check = check or check_step
 
-    def check_step(run, refs, chunks, kept, paths=None):  # the scenario's draft counts, at most ``limit``
+    def step(run, refs, chunks, kept, paths=None):  # the scenario's draft counts, at most ``limit``
         for c in chunks:
             c.num_next_drafts = min(c.num_next_drafts, limit or c.num_next_drafts)
-        return check_step_(run, refs, chunks, kept, paths)
+        return check(run, refs, chunks, kept, paths)
 
     def toks(n):
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     a, b = toks(14), toks(9)
     # plan 1: A's first prompt chunk (no drafts; it reads the next prompt token) + B's whole prompt
-    d = check_step(run, refs, [chain("A", a[:5], 0, sample=False, next_token_id=a[5]), chain("B", b, 0, next_drafts=3)],
+    d = step(run, refs, [chain("A", a[:5], 0, sample=False, next_token_id=a[5]), chain("B", b, 0, next_drafts=3)],
                    {1: toks(1)})
     db = d[1]
     # plan 2: A's second chunk + B verifies 3 drafts, keeps 1 and its own token
     last_b = run.committed["B"][-1]
-    d = check_step(run, refs, [chain("A", a[5:11], 5, sample=False, next_token_id=a[11]),
+    d = step(run, refs, [chain("A", a[5:11], 5, sample=False, next_token_id=a[11]),
                                chain("B", [last_b] + db, 9, drafts=3, next_drafts=2)], {1: db[:1] + toks(1)})
     db = d[1]
     # plan 3: A's last chunk samples; B verifies a tree: nodes 0 (root's child), 1 (root's child), 2 (child of 1),
@@ -653,20 +653,20 @@ def run_scenario(run: Run, refs, seed: int, check=None, limit: int | None = None
     nodes = [toks(1)[0], db[0], db[1], toks(1)[0]]
     tree = ScheduledChunk("B", [last_b] + nodes, start_b, num_draft_tokens=4, draft_parents=[-1, -1, 1, 0],
                           num_next_drafts=3)
-    d = check_step(run, refs, [chain("A", a[11:], 11, next_drafts=4), tree], {0: toks(1), 1: [db[0], db[1]] + toks(1)},
+    d = step(run, refs, [chain("A", a[11:], 11, next_drafts=4), tree], {0: toks(1), 1: [db[0], db[1]] + toks(1)},
                    {1: [1, 2]})
     da, db = d
     # plan 4: B verifies 2 drafts, keeps none and drafts nothing (only its K/V); A keeps all 3 of 3 verified drafts
     last_a, start_a = run.committed["A"][-1], len(run.committed["A"]) - 1
     last_b, start_b = run.committed["B"][-1], len(run.committed["B"]) - 1
-    d = check_step(run, refs, [chain("B", [last_b] + db[:2], start_b, drafts=2, next_drafts=0),
+    d = step(run, refs, [chain("B", [last_b] + db[:2], start_b, drafts=2, next_drafts=0),
                                chain("A", [last_a] + da[:3], start_a, drafts=3, next_drafts=3)],
                    {0: toks(1), 1: da[:3] + toks(1)})
     da = d[1]
     # plan 5: A keeps 2 of 3 and drafts 1; B decodes without drafts and drafts 5 (reading plan 4's K/V)
     last_a, start_a = run.committed["A"][-1], len(run.committed["A"]) - 1
     last_b, start_b = run.committed["B"][-1], len(run.committed["B"]) - 1
-    check_step(run, refs, [chain("A", [last_a] + da, start_a, drafts=3, next_drafts=1),
+    step(run, refs, [chain("A", [last_a] + da, start_a, drafts=3, next_drafts=1),
                            chain("B", [last_b], start_b, next_drafts=5)], {0: da[:2] + toks(1), 1: toks(1)})
 
 
