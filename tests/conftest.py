@@ -53,11 +53,11 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "llama4"}. Returns the folder."""
     import torch
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                              LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path)
@@ -80,13 +80,14 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-                          "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}[arch]
+                          "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+                          "llama4": (Llama4TextConfig, Llama4ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                 param.normal_(0.0, 0.5)
             elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
@@ -146,6 +147,16 @@ DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_expe
 def tiny_deepseek_dir(tmp_path_factory) -> Path:
     # MLA over a latent cache, a dense first layer then grouped-router MoE layers with a shared expert
     return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, **DEEPSEEK_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_dir(tmp_path_factory) -> Path:
+    # 6 layers (EAGLE-3 reads layers 2, 3, 3): chunked RoPE layers (chunks of 16) and a NoPE one with temperature
+    # tuning, dense and MoE layers interleaved
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama4"), "llama4", seed=7, num_hidden_layers=6,
+                            head_dim=16, no_rope_layers=[1, 1, 1, 0, 1, 1], attention_chunk_size=16,
+                            interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1,
+                            intermediate_size=32, intermediate_size_mlp=64, floor_scale=8, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

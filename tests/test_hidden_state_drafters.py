@@ -779,6 +779,18 @@ def test_request_cannot_pick_another_method_on_a_worker_drafting_engine(target_d
     assert llm.spec_stats.drafts > 0
 
 
+def test_eagle3_on_llama4_keeps_greedy_output(tiny_llama4_dir, tmp_path):
+    """An EAGLE-3 head over a Llama-4 target (its residual stream read at layers 2, 3 and 3, across chunked RoPE
+    layers, a NoPE layer and experts): greedy output equals plain decoding at batch 8, drafts accepted."""
+    head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama4_dir)
+    plain = LLM(str(tiny_llama4_dir), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    llm = LLM(str(tiny_llama4_dir), max_model_len=256, speculative_config={
+        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    start = free_blocks(llm)
+    assert token_ids(llm.generate(PROMPTS, MIXED, use_tqdm=False)) == token_ids(plain)
+    assert llm.spec_stats.accepted_tokens > 0 and free_blocks(llm) == start
+
+
 # ---- DeepSeek-V3's own MTP module (its block: latent attention and experts) -------------------------------------
 
 def test_deepseek_mtp_module_drafts_with_its_own_block(tiny_deepseek_dir, tmp_path):

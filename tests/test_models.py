@@ -77,13 +77,13 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+                              Llama4ForCausalLM, Llama4TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-               "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
+               "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "llama4": (Llama4TextConfig, Llama4ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -92,7 +92,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
         for name, param in hf.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
@@ -372,6 +372,34 @@ def test_deepseek_v3_matches_transformers(contiguous, variant):
     close(our_weights.gather(1, our_order.indices), weights.gather(1, order.indices))
 
 
+LLAMA4 = dict(num_hidden_layers=4, head_dim=16, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8,
+              interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
+              intermediate_size_mlp=64, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+@pytest.mark.parametrize("variant", ["qk-norm", "no-qk-norm", "top-2"])
+def test_llama4_matches_transformers(contiguous, variant):
+    """Llama-4 text: chunked local attention on the RoPE layers (chunks of 8), interleaved-pair llama3 RoPE, q/k L2
+    norms, a NoPE layer with attention temperature tuning (floor_scale 4: the scale steps within the prompt),
+    dense and MoE layers interleaved (sigmoid router scaling the experts' input, a shared expert); a full prefill
+    and a chunked one against transformers; the router picks transformers' experts."""
+    extra = {"no-qk-norm": {"use_qk_norm": False}, "top-2": {"num_experts_per_tok": 2}}.get(variant, {})
+    ours, hf = in_memory_pair("llama4", seed=17, **{**LLAMA4, **extra})
+    from specray.models.moe import SparseMoE
+
+    assert [spec.mask_kind.chunk for spec in ours.kv_cache_specs()] == [8, 8, 8, None]
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == [False, True, False, True]
+    check_variant(ours, hf, contiguous=contiguous)
+    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        scores, _ = hf.model.layers[1].feed_forward.router(x)  # [T, E]: sigmoid at the chosen, 0 elsewhere
+        weights, ids = ours.model.layers[1].mlp.route(x)
+    chosen = torch.zeros_like(scores).scatter_(1, ids, weights)
+    close(chosen, scores)
+
+
 def test_qwen2_sliding_window_layers(contiguous):
     ours, hf = in_memory_pair("qwen2", seed=8, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [None, 6]
@@ -588,9 +616,14 @@ def test_registry():
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"]),
                 Qwen3Config(architectures=["Qwen3ForCausalLM"]), Qwen3Config()):
         assert get_model_class(cfg) is LlamaForCausalLM
-    from transformers import Gemma3TextConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, Gemma3TextConfig, Llama4TextConfig, Qwen3MoeConfig
 
+    from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
     from specray.models.gemma3 import Gemma3ForCausalLM
+    from specray.models.llama4 import Llama4ForCausalLM
+
+    assert get_model_class(DeepseekV3Config()) is DeepseekV3ForCausalLM
+    assert get_model_class(Llama4TextConfig()) is Llama4ForCausalLM
 
     assert get_model_class(Qwen3MoeConfig()) is LlamaForCausalLM
     assert get_model_class(Gemma3TextConfig()) is Gemma3ForCausalLM
@@ -686,8 +719,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: KV heads split (2 KV heads) and replicated (1 KV head), odd vocab sizes (padded shards),
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
     Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
-    RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, tied and
-    untied heads; decode
+    RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
+    chunked and NoPE layers and its experts both ways, tied and untied heads; decode
     attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
@@ -698,7 +731,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "qwen3moe-ep", "qwen3_moe", 14, vocab_size=321, **MOE),
                save_tiny(tmp_path / "gemma3", "gemma3", 15, vocab_size=321, **GEMMA),
                save_tiny(tmp_path / "deepseek", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
-               save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK)]
+               save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
+               save_tiny(tmp_path / "llama4", "llama4", 17, vocab_size=321, **LLAMA4),
+               save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4)]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2
@@ -712,7 +747,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         assert set(result) == set(folders)
         for folder, (diff, vocab_rows, kv_heads) in result.items():
             assert diff < TOL, (r, folder, diff)
-            assert vocab_rows == (162 if "llama" in folder else 161)  # this rank's padded half of the vocab
+            assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1
 
 

@@ -106,12 +106,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup):
+    def __init__(self, config, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, bias=bias)
 
@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)
-                                 and not n.endswith((".mlp.w13", ".mlp.w2")))
+                                 and not n.endswith((".w13", ".w2")))  # experts: by expert, below
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, SparseMoE):
                 expected.update(f"model.layers.{i}.mlp.{key}" for key in layer.mlp.expected_keys())

@@ -7,7 +7,12 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
 * DeepSeek-V3: sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group`` best of
   ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
-  scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32.
+  scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
+* Llama-4: the top k router logits, each through a sigmoid; the weight scales the expert's *input* (not its
+  output), and a shared expert is added.
+
+What differs by family (names, router, where the weight applies, the fused tensors' layout) is one row of
+:data:`FAMILIES`.
 
 The ranks all hold
 every token (as everywhere in a tensor-parallel model); what they split is the experts' weights:
@@ -24,6 +29,7 @@ once per layer (the only host sync), then each local expert runs one matmul pair
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +40,34 @@ from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear
                                    narrow, shape_of)
 from specray.parallel import TPGroup
 
-# a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names)
-_PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
+# Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
+_PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How one family's sparse block is named, routed and stored."""
+
+    routing: str  # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4)
+    num_experts: str  # the config field that counts the routed experts
+    expert_width: str  # the config field of one expert's intermediate width
+    router: str = "gate"  # the router's module name in the checkpoint
+    shared: str | None = None  # the shared expert's module name, if the family has one
+    shared_width: str | None = None  # its width: a config field, times n_shared_experts when that exists
+    scale_input: bool = False  # the routing weight scales the expert's input (Llama-4), else its output
+    fused_in_out: bool = False  # fused tensors are [E, H, 2I] and [E, I, H] (Llama-4), else [E, 2I, H], [E, H, I]
+
+
+FAMILIES = {
+    "qwen3_moe": MoEFamily("softmax", "num_experts", "moe_intermediate_size"),
+    "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
+                             shared_width="moe_intermediate_size"),
+    "llama4_text": MoEFamily("topk_sigmoid", "num_local_experts", "intermediate_size", router="router",
+                             shared="shared_expert", shared_width="intermediate_size", scale_input=True,
+                             fused_in_out=True),
+}
 
 
 class GatedMLP(nn.Module):
@@ -62,18 +93,18 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A sparse MLP block over ``tp`` (see the module docstring): Qwen3-MoE's, or DeepSeek-V3's
-    (``model_type`` "deepseek_v3": grouped sigmoid routing and shared experts)."""
+    """A sparse MLP block over ``tp`` (see the module docstring), the family's by ``config.model_type``."""
 
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
+        self.family = family = FAMILIES[config.model_type]
         self.tp = tp
-        self.num_experts = getattr(config, "num_experts", None) or config.n_routed_experts
+        self.num_experts = getattr(config, family.num_experts)
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(config.norm_topk_prob)
-        self.grouped = config.model_type == "deepseek_v3"
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        self.grouped = family.routing == "grouped_sigmoid"
         if self.grouped:
             self.n_group, self.topk_group = config.n_group, config.topk_group
             self.routed_scaling_factor = float(config.routed_scaling_factor)
@@ -82,7 +113,7 @@ class SparseMoE(nn.Module):
                                  f"{self.topk_group}: the experts must split into n_group groups and 0 < topk_group "
                                  "<= n_group")
         self.expert_parallel = expert_parallel
-        inter, h = config.moe_intermediate_size, config.hidden_size
+        inter, h = getattr(config, family.expert_width), config.hidden_size
         if expert_parallel:
             if self.num_experts % tp.size:
                 raise ValueError(f"num_experts={self.num_experts} is not divisible by tensor_parallel_size={tp.size} "
@@ -92,13 +123,22 @@ class SparseMoE(nn.Module):
             self.inter_local = inter
         else:
             self.local_experts = self.num_experts
-            self.inter_local = divide(inter, tp.size, "moe_intermediate_size")
+            self.inter_local = divide(inter, tp.size, family.expert_width)
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
-        self.gate = Router(self.num_experts, h, correction_bias=self.grouped)
+        self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped))
         self.w13 = _param(self.local_experts, 2 * self.inter_local, h)  # gate rows, then up rows
         self.w2 = _param(self.local_experts, h, self.inter_local)
-        shared = getattr(config, "n_shared_experts", None) if self.grouped else None
-        self.shared_experts = GatedMLP(h, inter * shared, tp) if shared else None
+        if family.shared is not None:
+            width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
+            self.add_module(family.shared, GatedMLP(h, width, tp))
+
+    @property
+    def router_module(self) -> Router:
+        return getattr(self, self.family.router)
+
+    @property
+    def shared(self) -> GatedMLP | None:
+        return None if self.family.shared is None else getattr(self, self.family.shared)
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -106,7 +146,10 @@ class SparseMoE(nn.Module):
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as the family's router picks them."""
         if self.grouped:
             return self._route_grouped(x)
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        if self.family.routing == "topk_sigmoid":
+            logits, ids = F.linear(x, self.router_module.weight).topk(self.top_k, dim=-1)
+            return torch.sigmoid(logits.float()).to(x.dtype), ids
+        probs = F.softmax(F.linear(x, self.router_module.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -114,8 +157,8 @@ class SparseMoE(nn.Module):
 
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e, g = x.shape[0], self.num_experts, self.n_group
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.gate.e_score_correction_bias.float()
+        scores = F.linear(x.float(), self.router_module.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.router_module.e_score_correction_bias.float()
         group_worth = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         groups = group_worth.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
         allowed = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, groups, True)
@@ -138,15 +181,19 @@ class SparseMoE(nn.Module):
         tokens = rows // self.top_k
         out = torch.zeros_like(x)
         if rows.numel():
+            w = weights.flatten().index_select(0, rows)[:, None]  # each (token, slot) pair's routing weight
+            routed = x.index_select(0, tokens)
+            if self.family.scale_input:
+                routed = routed * w
             parts = []
-            for e, xe in enumerate(x.index_select(0, tokens).split(sizes)):
+            for e, xe in enumerate(routed.split(sizes)):
                 if xe.shape[0]:
                     gate, up = F.linear(xe, self.w13[e]).chunk(2, dim=-1)
                     parts.append(F.linear(F.silu(gate) * up, self.w2[e]))
-            y = torch.cat(parts) * weights.flatten().index_select(0, rows)[:, None]
-            out.index_add_(0, tokens, y)
+            y = torch.cat(parts)
+            out.index_add_(0, tokens, y if self.family.scale_input else y * w)
         out = self.tp.all_reduce(out)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared is None else out + self.shared(x)
 
     # ------------------------------------------------------------------------------------------ weights
 
@@ -165,6 +212,8 @@ class SparseMoE(nn.Module):
         found = _FUSED.search(name)
         assert found, name
         value = materialize(tensor)
+        if self.family.fused_in_out:  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
+            value = value.transpose(1, 2)
         keys = []
         for local in range(self.local_experts):
             expert = self.expert_start + local

@@ -14,10 +14,11 @@ _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM"}
+                "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
