@@ -146,7 +146,10 @@ DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_expe
 @pytest.fixture(scope="session")
 def tiny_deepseek_dir(tmp_path_factory) -> Path:
     # MLA over a latent cache, a dense first layer then grouped-router MoE layers with a shared expert
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, **DEEPSEEK_TINY)
+    # (initializer_range 0.05: logits of a few units, so the absorbed attention's float reassociation stays far
+    # below the 1e-4 tolerance)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, initializer_range=0.05,
+                            **DEEPSEEK_TINY)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,8 @@ from specray.parallel import TPGroup
 
 TOL = 1e-4
 BLOCK = 4
-MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
+                  "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -340,7 +341,7 @@ def test_gemma3_unsupported_settings_are_named():
             Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
 
 
-DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                 topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
                 kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                 num_key_value_heads=4, rope_interleave=True,
