@@ -84,7 +84,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-               "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "llama4": (Llama4TextConfig, Llama4ForCausalLM)}
+               "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+               "llama4": (Llama4TextConfig, Llama4ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -311,7 +312,8 @@ def test_qwen3_moe_experts_must_split_over_the_ranks():
         SparseMoE(config, TPGroup(rank=0, size=4))
 
 
-GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"],
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})
 
@@ -341,8 +343,9 @@ def test_gemma3_unsupported_settings_are_named():
             Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
 
 
-DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+                routed_scaling_factor=2.5,
                 kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                 num_key_value_heads=4, rope_interleave=True,
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
