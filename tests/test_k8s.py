@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S_DIR = ROOT / "k8s"
 CRD_DIR = ROOT.parent / "shared" / "kuberay" / "crds"
 SERVE_CONFIG = ROOT / "cluster" / "serve_config.yaml"
-EXPECTED_MANIFESTS = ["raycluster-batch.yaml", "rayservice-deepseek-v3-mtp.yaml", "rayservice-multinode-tp.yaml",
+EXPECTED_MANIFESTS = ["raycluster-batch.yaml", "rayservice-deepseek-v3-mtp.yaml",
+                      "rayservice-llama4-maverick-eagle3.yaml", "rayservice-multinode-tp.yaml",
                       "rayservice-single-gpu.yaml"]
 
 

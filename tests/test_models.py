@@ -824,3 +824,27 @@ def test_splits_heads_is_the_rule_qkv_sharding_follows():
             except ValueError:
                 shardable = False
             assert splits_heads(heads, kv, tp) == shardable, (heads, kv, tp)
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """The released Llama-4 checkpoints are ``Llama4ForConditionalGeneration``: the text model's tensors under
+    ``language_model.``, beside a vision tower. specray loads the text model from such a folder (config and
+    tensors), whose logits equal transformers' text model's; the engine reads the text config too."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from specray.models.llama4 import Llama4ForCausalLM
+    from specray.models.loader import load_hf_config
+
+    text = {**TINY, **LLAMA4, "vocab_size": 300}
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(3)
+    full = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).float().eval()
+    full.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), pack=False)
+    assert isinstance(ours, Llama4ForCausalLM) and load_hf_config(str(tmp_path)).model_type == "llama4_text"
+    ids = tokens(40, 6)
+    with torch.no_grad():
+        ref = full.language_model(torch.tensor([ids])).logits[0].float()
+    paged = Paged(ours)
+    close(paged.step([(ids, 0, paged.table(40))])[0], ref)

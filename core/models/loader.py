@@ -26,7 +26,7 @@ from torch import nn
 
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.interface import CausalLM
-from specray.models.registry import get_model_class
+from specray.models.registry import get_model_class, text_part
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -112,10 +112,13 @@ def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
 
 
 def load_hf_config(model: str | os.PathLike):
-    """The transformers ``PretrainedConfig`` of ``model``."""
+    """The transformers ``PretrainedConfig`` of ``model`` (of its text model, for a multimodal checkpoint whose
+    text we serve: :func:`specray.models.registry.text_part`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(model).path)
+    config = AutoConfig.from_pretrained(resolve_model(model).path)
+    part = text_part(config)
+    return config if part is None else part[0]
 
 
 def load_tokenizer(model: str | os.PathLike):
@@ -160,10 +163,15 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
     source = resolve_model(model)
     config = AutoConfig.from_pretrained(source.path)
+    weights = iter_weights(source)
+    part = text_part(config)
+    if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
+        config, prefix = part
+        weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
     model_cls = get_model_class(config)
     with _default_dtype(dtype), torch.device(device):
         net = model_cls(config, tp or TPGroup.single(), **({"expert_parallel": True} if expert_parallel else {}))
-    net.load_weights(iter_weights(source))
+    net.load_weights(weights)
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)

@@ -21,6 +21,19 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
 
+# a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
+# rest, the vision tower and projector, is not loaded)
+_TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model."}
+
+
+def text_part(hf_config) -> tuple[object, str] | None:
+    """(the text model's config, its tensors' prefix) for a multimodal checkpoint we serve the text of, else None."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in _TEXT_PARTS and getattr(hf_config, "text_config", None) is not None:
+            return hf_config.text_config, _TEXT_PARTS[arch]
+    return None
+
+
 def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
