@@ -9,9 +9,23 @@ apply_ray_env(local_test=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+
+
+def _register_helper(name: str) -> None:
+    """Make ``tests/<name>.py`` importable as ``specray_test_<name>`` (tests/ is not a package, and not on sys.path
+    under --import-mode=importlib), for the test modules that share it. Only for helpers used in this process: a
+    function pickled to a Ray worker by reference would not import there."""
+    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_register_helper("draft_heads")  # tiny random draft-head checkpoints in the public layouts
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -32,15 +32,7 @@ def _load_probes():
 probes = _load_probes()  # fn(worker, *args) probes run on every rank through collective_rpc / TargetWorker.run
 
 
-def _load_draft_heads():
-    spec = importlib.util.spec_from_file_location("specray_test_draft_heads",
-                                                  Path(__file__).with_name("draft_heads.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-draft_heads = _load_draft_heads()
+import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
 
 HALF_CPU = {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}
 MAX_TOKENS = 20

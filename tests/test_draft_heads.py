@@ -15,7 +15,6 @@ in fp32 on the CPU:
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -40,15 +39,7 @@ NUM_BLOCKS = 64
 STD = 0.1  # random head weights: EAGLE-1 has no norm before the LM head, so larger ones give logits in the 100s
 
 
-def _load_helpers():
-    """tests/draft_heads.py (tests/ is not a package and not on sys.path under --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location("specray_test_draft_heads", Path(__file__).with_name("draft_heads.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load_helpers()
+import specray_test_draft_heads as helpers  # tests/draft_heads.py (tests/conftest.py registers it)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,9 +4,7 @@ requests, rejected bad requests, a KV pool small enough to preempt and chunked p
 leaked, and every finished greedy request (and, without speculation, every seeded sampled one) has the tokens the
 plain engine gives it alone."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,14 +14,7 @@ from specray.engine.builder import build_engine
 from specray.engine.llm_engine import LLMEngine
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-draft_heads = _load("draft_heads")
+import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
 
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120

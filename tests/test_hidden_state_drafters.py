@@ -32,7 +32,7 @@ def _load(name: str):
     return module
 
 
-draft_heads = _load("draft_heads")
+import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
 
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)

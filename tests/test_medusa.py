@@ -3,9 +3,7 @@ preemption, stop strings and distribution tests run Medusa in tests/test_hidden_
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +14,7 @@ from specray.models.loader import load_hf_config
 from specray.models.medusa import MedusaHeads, load_medusa_heads, save_medusa_heads
 
 
-def _draft_heads():
-    """tests/draft_heads.py (tests/ is not a package and not on sys.path under --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location("specray_test_draft_heads", Path(__file__).with_name("draft_heads.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-draft_heads = _draft_heads()
+import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
 
 
 @pytest.fixture(scope="module")
