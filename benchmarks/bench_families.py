@@ -9,8 +9,8 @@ our decode step against a dense model of the same family whose MLP is as wide as
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,6 +18,9 @@ from specray.models import get_model_class
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.parallel import TPGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_forward's timer (scripts run standalone)
+from bench_forward import timeit  # noqa: E402
 
 SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
              max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -48,17 +51,6 @@ def families() -> dict[str, tuple]:
                         dict(deepseek, first_k_dense_replace=4, intermediate_size=384)),
         "llama4": (Llama4TextConfig, Llama4ForCausalLM, llama4, dict(llama4, moe_layers=[])),
     }
-
-
-def timeit(fn, n: int = 20, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def build(cfg_cls, hf_cls, overrides: dict):

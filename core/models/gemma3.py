@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.layers import (MergedColumnParallelLinear, QKVParallelLinear, RotaryEmbedding, RowParallelLinear,
+from specray.models.layers import (MergedColumnParallelLinear, RotaryEmbedding, RowParallelLinear,
                                    VocabParallelEmbedding, _param, apply_rotary, rope_parameters)
-from specray.models.llama import LlamaForCausalLM, _head_dim, _kv_spec
+from specray.models.llama import LlamaForCausalLM, _head_dim, _kv_spec, attention_projections
 from specray.parallel import TPGroup
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -52,12 +52,7 @@ class Gemma3Attention(nn.Module):
                              "Gemma 3 sets none)")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True is not supported: a causal LM is served causally")
-        head_dim = _head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, tp, bias=bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias)
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        head_dim = attention_projections(self, config, tp)
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj),

@@ -71,6 +71,20 @@ def _kv_spec(config, layer: int, qkv: QKVParallelLinear) -> FullAttentionSpec:
     return FullAttentionSpec(**heads) if window is None else SlidingWindowSpec(**heads, sliding_window=window)
 
 
+def attention_projections(module: nn.Module, config, tp: TPGroup) -> int:
+    """Give an attention ``module`` of the config's heads (``attention_bias`` on q/k/v and o) its ``qkv_proj`` and
+    ``o_proj`` over ``tp``, and its ``num_heads``, ``num_kv_heads`` (this rank's) and ``head_dim``; returns
+    ``head_dim``."""
+    head_dim = _head_dim(config)
+    bias = bool(getattr(config, "attention_bias", False))
+    module.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                        config.num_key_value_heads, tp, bias=bias)
+    module.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias)
+    module.num_heads, module.num_kv_heads = module.qkv_proj.num_heads, module.qkv_proj.num_kv_heads
+    module.head_dim = head_dim
+    return head_dim
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, tp: TPGroup, layer: int, input_size: int | None = None):
         # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)

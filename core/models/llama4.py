@@ -21,9 +21,9 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import ChunkedLocalAttentionSpec, FullAttentionSpec
-from specray.models.layers import (QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                   VocabParallelEmbedding, apply_rotary, rope_parameters)
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
+from specray.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding, apply_rotary, rope_parameters
+from specray.models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim,
+                                  attention_projections)
 from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
 
@@ -36,12 +36,7 @@ def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 class Llama4Attention(nn.Module):
     def __init__(self, config, tp: TPGroup, layer: int):
         super().__init__()
-        head_dim = _head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, tp, bias=bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias)
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        head_dim = attention_projections(self, config, tp)
         self.use_rope = bool(config.no_rope_layers[layer])
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature = (float(config.attn_scale), float(config.floor_scale)) if (
