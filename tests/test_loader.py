@@ -203,3 +203,82 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
     with torch.no_grad():
         # packed vs dense sums differ by fp32 rounding (~1e-4 here); wrong weights would differ by O(1)
         torch.testing.assert_close(again.model.layers[3].mlp(x), smol.model.layers[3].mlp(x), rtol=1e-3, atol=1e-3)
+
+
+# ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
+
+def write_gguf(folder: Path, out: Path, arch: str) -> Path:
+    """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp lays ``arch`` out (``qwen3``, ``qwen3moe``):
+    its hyperparameters, its byte-level BPE tokenizer (``gpt2``: tokens, types, merges) and its tensors under
+    GGUF names, a mixture of experts' stacked per kind (``ffn_gate_exps`` [E, I, H], ...)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    layers = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    special = {t["id"]: t["content"] for t in tok["added_tokens"]}
+    tokens = {i: t for t, i in tok["model"]["vocab"].items()} | special
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([tokens.get(i, f"<unused{i}>") for i in range(cfg["vocab_size"])])
+    w.add_token_types([3 if i in special else 1 for i in range(cfg["vocab_size"])])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+    stacked: dict[str, list] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight -> stacked by kind
+            stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
+            continue
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    for name, experts in stacked.items():
+        w.add_tensor(names.get_name(name) + ".weight",
+                     torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
+    """A GGUF of Qwen3 and of Qwen3-MoE (as llama.cpp writes them: stacked experts) goes through transformers' GGUF
+    mapping to our model: its logits equal transformers' on the original folder, and the engine's greedy output on
+    the GGUF equals the one on the folder (the tokenizer came through the GGUF too). transformers' GGUF mapping
+    reads neither Qwen3's head_dim nor the experts' width from the file: these models use transformers' defaults
+    for them (128, 768), as the released ones do."""
+    from specray import LLM, SamplingParams
+
+    kind = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe"}[arch]
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
+                 decoder_sparse_step=1) if kind == "qwen3_moe" else {}
+    folder = make_tiny_model(tmp_path / kind, kind, seed=9, head_dim=128, tie_word_embeddings=False, **extra)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    model = load_model(str(path), pack=False)
+    assert_matches_hf(model, hf_model(folder))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128).generate(prompts, greedy,
+                                                                                           use_tqdm=False)]
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
