@@ -53,12 +53,14 @@ class TrainConfig:
     eval_fraction: float = 0.05
     checkpoint_every: int = 25
     init_from_target: bool = True  # start the decoder layer from the target's last layer
+    medusa_num_heads: int = 4  # Medusa: the heads trained (head k predicts the token k + 2 after a position)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3", "mtp"):
-            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3' or 'mtp' heads")
-        for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every"):
+        if self.method not in ("eagle", "eagle3", "mtp", "medusa"):
+            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp' or 'medusa' heads")
+        for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every",
+                     "medusa_num_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.eval_fraction < 1:
@@ -329,15 +331,35 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
     t2d[vocab_ids] = torch.arange(len(vocab_ids))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    per_epoch = len(_batches(train_ids, store, config.tokens_per_batch, None))
-    total_steps = max(1, int(per_epoch * config.epochs))
     step = 0
     if state is not None:
         head.load_state_dict(state["head"], strict=False)
         opt.load_state_dict(state["opt"])
         step = state["step"]
-        logger.info("resuming %s at step %d of %d", ckpt_path, step, total_steps)
+        logger.info("resuming %s at step %d", ckpt_path, step)
     head.train()
+
+    def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
+        loss, accs, _ = _losses(head, _load(batch_ids, store, feats, labels, prompt_lens), config.ttt_steps, t2d,
+                                config.step_decay)
+        return loss, accs[0]
+
+    step = optimize(params, opt, config, train_ids, store, step, run_batch,
+                    lambda s: _save(ckpt_path, head, opt, s, vocab_ids, config), progress)
+    metrics = evaluate(head, store, eval_ids, feats, labels, prompt_lens, config, t2d)
+    metrics.update(step=step, train_samples=len(train_ids), eval_samples=len(eval_ids),
+                   train_tokens=int(sum(store.lengths[i] for i in train_ids)), draft_vocab_size=len(vocab_ids))
+    return metrics
+
+
+def optimize(params: list[torch.Tensor], opt, config: TrainConfig, train_ids: list[int], store: FeatureStore,
+             step: int, run_batch, save, progress: bool = True) -> int:
+    """The training loop every method shares: epochs of token-budgeted batches (shuffled per epoch by seed), linear
+    warmup then cosine decay, gradient clipping, a checkpoint every ``checkpoint_every`` steps and at the end,
+    resumable from ``step``. ``run_batch(batch_ids) -> (loss, first agreement)``; ``save(step)``. Returns the step
+    reached."""
+    per_epoch = len(_batches(train_ids, store, config.tokens_per_batch, None))
+    total_steps = max(1, int(per_epoch * config.epochs))
 
     def lr_at(s: int) -> float:
         if s < config.warmup_steps:
@@ -356,10 +378,9 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
         for batch_ids in order[within:]:
             if step >= total_steps:
                 break
-            batch = _load(batch_ids, store, feats, labels, prompt_lens)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            loss, accs, _ = _losses(head, batch, config.ttt_steps, t2d, config.step_decay)
+            loss, acc0 = run_batch(batch_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -367,15 +388,12 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
             step += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accs[0]:.3f}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{acc0:.3f}")
             if step % config.checkpoint_every == 0 or step == total_steps:
-                _save(ckpt_path, head, opt, step, vocab_ids, config)
+                save(step)
     if bar is not None:
         bar.close()
-    metrics = evaluate(head, store, eval_ids, feats, labels, prompt_lens, config, t2d)
-    metrics.update(step=step, train_samples=len(train_ids), eval_samples=len(eval_ids),
-                   train_tokens=int(sum(store.lengths[i] for i in train_ids)), draft_vocab_size=len(vocab_ids))
-    return metrics
+    return step
 
 
 @torch.no_grad()
