@@ -176,8 +176,13 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_local] -> [T, out]
-        y = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
+        y = self.tp.all_reduce(self.partial(x))
         return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``x W^T`` before the sum over ranks (no bias): for a caller that adds several
+        row-parallel outputs and reduces once."""
+        return linear(x, self.weight, packed=self.packed)
 
 
 # ---------------------------------------------------------------------------------------------- embeddings

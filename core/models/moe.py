@@ -23,7 +23,8 @@ every token (as everywhere in a tensor-parallel model); what they split is the e
   whole experts and computes only the tokens routed to them; the same all-reduce sums the ranks' parts.
 
 The router is replicated. Tokens are grouped by expert with one sort, and the group sizes are read back to the host
-once per layer (the only host sync), then each local expert runs one matmul pair over its tokens.
+once per layer (the only host sync), then each local expert runs one matmul pair over its tokens. A shared expert
+(split by width like a dense MLP) adds its share to the experts' before the block's one all-reduce.
 """
 
 from __future__ import annotations
@@ -71,16 +72,17 @@ FAMILIES = {
 
 
 class GatedMLP(nn.Module):
-    """A SwiGLU MLP of width ``intermediate_size`` split over ``tp`` (DeepSeek's shared experts)."""
+    """A SwiGLU MLP of width ``intermediate_size`` split over ``tp`` (the shared experts). ``partial`` gives this
+    rank's share before the sum over ranks, which the MoE block adds to its experts' and reduces once."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.partial(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -192,8 +194,9 @@ class SparseMoE(nn.Module):
                     parts.append(F.linear(F.silu(gate) * up, self.w2[e]))
             y = torch.cat(parts)
             out.index_add_(0, tokens, y if self.family.scale_input else y * w)
-        out = self.tp.all_reduce(out)
-        return out if self.shared is None else out + self.shared(x)
+        if self.shared is not None:  # its share joins the experts' before the one sum over ranks
+            out = out + self.shared.partial(x)
+        return self.tp.all_reduce(out)
 
     # ------------------------------------------------------------------------------------------ weights
 
