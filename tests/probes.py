@@ -33,13 +33,14 @@ def execute_with_logits(worker, plan: StepPlan, draft_probs: dict | None = None
         return result, worker.model.compute_logits(hidden[0][rows]).cpu()
 
 
-def kv_snapshot(worker, req_id: str, num_tokens: int) -> torch.Tensor:
-    """[layers, 2, num_tokens, local_kv_heads, head_dim] on CPU: the cached k and v of the request's first
-    ``num_tokens`` positions, read through its block table."""
+def kv_snapshot(worker, req_id: str, num_tokens: int) -> list[torch.Tensor]:
+    """Per layer on CPU, the cache of the request's first ``num_tokens`` positions read through its block table:
+    k and v ``[2, num_tokens, local_kv_heads, head_dim]``, or a latent layer's ``[num_tokens, width]`` (MLA: the
+    same on every rank)."""
     runner = worker.runner
     slots = slots_of(runner.block_tables[req_id], range(num_tokens), runner.block_size)
-    layers = runner.kv_cache.snapshot(torch.tensor(slots, device=worker.device))  # [2, Hkv, n, D] each
-    return torch.stack([kv.transpose(1, 2) for kv in layers]).cpu()
+    layers = runner.kv_cache.snapshot(torch.tensor(slots, device=worker.device))  # [2, Hkv, n, D] or [n, W] each
+    return [(kv.transpose(1, 2) if kv.dim() == 4 else kv).cpu() for kv in layers]
 
 
 def kv_snapshots(worker, requests: list[tuple[str, int]]) -> list[torch.Tensor]:
@@ -48,8 +49,8 @@ def kv_snapshots(worker, requests: list[tuple[str, int]]) -> list[torch.Tensor]:
 
 
 def kv_head_range(worker) -> tuple[int, int]:
-    """The global KV heads the worker's rank holds: ``(start, count)``."""
-    return worker.model.kv_cache_specs()[0].kv_head_range
+    """The global KV heads the worker's rank holds: ``(start, count)`` (a latent cache: ``(0, 1)``, replicated)."""
+    return getattr(worker.model.kv_cache_specs()[0], "kv_head_range", (0, 1))
 
 
 def rank(worker) -> int:
