@@ -75,13 +75,28 @@ def test_unrolled_training_steps_equal_paged_drafting(target_dir, method):
         torch.testing.assert_close(got[j], trained[j][0, r + j], rtol=1e-4, atol=1e-4)
 
 
+def tiny_data(tmp_path) -> DataConfig:
+    """The data stage's settings for the pipeline tests: 32 samples from the prompts above, 40-token answers."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 4))
+    return DataConfig(num_prompts=32, prompt_file=str(prompts), answer_max_tokens=40, batch_size=16)
+
+
+def served_like_plain(target_dir, spec: dict):
+    """Greedy chats with ``spec`` equal plain ones; returns the speculating engine's stats."""
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
+    plain = [o.outputs[0].token_ids for o in LLM(str(target_dir)).chat(chats, sp, use_tqdm=False)]
+    llm = LLM(str(target_dir), speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)] == plain
+    return llm.spec_stats
+
+
 def test_train_draft_pipeline_trains_resumes_and_drafts(tmp_path, target_dir):
     """The whole pipeline on a tiny target: data, features, training (stopped and resumed), export. The head
     agrees with the target on held-out text and, served, keeps greedy output identical while getting drafts
     accepted."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS * 4))
-    data = DataConfig(num_prompts=32, prompt_file=str(prompts), answer_max_tokens=40, batch_size=16)
+    data = tiny_data(tmp_path)
     train = dict(method="eagle3", lr=3e-3, draft_vocab_size=128, tokens_per_batch=512, warmup_steps=5,
                  checkpoint_every=5, eval_fraction=0.15)
     out = tmp_path / "out"
@@ -99,15 +114,9 @@ def test_train_draft_pipeline_trains_resumes_and_drafts(tmp_path, target_dir):
     card = json.loads((out / "head" / "card.json").read_text())
     assert card["held_out"]["step"] == second["step"]
 
-    sp = SamplingParams(temperature=0, max_tokens=32)
-    llm = LLM(str(target_dir))
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
-    plain = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
-    spec = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(out / "head"),
-                                                    "num_speculative_tokens": 3, "adaptive": False})
-    drafted = [o.outputs[0].token_ids for o in spec.chat(chats, sp, use_tqdm=False)]
-    assert drafted == plain
-    assert spec.spec_stats.acceptance_rate > 0.3, spec.spec_stats.as_dict()
+    stats = served_like_plain(target_dir, {"method": "eagle3", "model": str(out / "head"),
+                                           "num_speculative_tokens": 3, "adaptive": False})
+    assert stats.acceptance_rate > 0.3, stats.as_dict()
 
 
 class _FakeLLM:
@@ -151,12 +160,10 @@ def test_magpie_prompts_resume_without_repeats(tmp_path, target_dir):
 
 def test_train_draft_medusa_trains_resumes_and_drafts(tmp_path, target_dir):
     """``--method medusa``: the pipeline trains Medusa heads on the target's own text (stopped after one step and
-    resumed: the loss falls), the heads agree with the target on held-out text, they are written in
+    resumed from its checkpoint), the heads agree with the target on held-out text, they are written in
     FasterDecoding's layout, and served (``method="medusa"``, a token tree) they keep greedy output identical while
     getting drafts accepted."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS * 4))
-    data = DataConfig(num_prompts=32, prompt_file=str(prompts), answer_max_tokens=40, batch_size=16)
+    data = tiny_data(tmp_path)
     train = dict(method="medusa", lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
                  eval_fraction=0.15, medusa_num_heads=4)
     out = tmp_path / "out"
@@ -170,10 +177,6 @@ def test_train_draft_medusa_trains_resumes_and_drafts(tmp_path, target_dir):
     assert (out / "head" / "medusa_lm_head.safetensors").exists()
     assert json.loads((out / "head" / "card.json").read_text())["method"] == "medusa"
 
-    sp = SamplingParams(temperature=0, max_tokens=32)
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
-    plain = [o.outputs[0].token_ids for o in LLM(str(target_dir)).chat(chats, sp, use_tqdm=False)]
-    spec = LLM(str(target_dir), speculative_config={"method": "medusa", "model": str(out / "head"),
-                                                    "num_speculative_tokens": 6, "adaptive": False})
-    assert [o.outputs[0].token_ids for o in spec.chat(chats, sp, use_tqdm=False)] == plain
-    assert spec.spec_stats.accepted_tokens > 0, spec.spec_stats.as_dict()
+    stats = served_like_plain(target_dir, {"method": "medusa", "model": str(out / "head"),
+                                           "num_speculative_tokens": 6, "adaptive": False})
+    assert stats.accepted_tokens > 0, stats.as_dict()

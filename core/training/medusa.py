@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.medusa import MedusaHeads, save_medusa_heads
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, optimize
+from specray.training.train import CHECKPOINT, TrainConfig, _batches, optimize, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,7 @@ def _losses(heads: MedusaHeads, x: torch.Tensor, y: torch.Tensor, decay: float) 
 def train_medusa(target, target_config, store: FeatureStore, prompt_lens: list[int], config: TrainConfig,
                  out_dir: str, progress: bool = True) -> dict:
     """Train (or resume) Medusa heads in ``out_dir``; returns each head's held-out agreement."""
-    os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(config.seed)
-    feats, labels = store.features(), store.labels()
-    n = len(store.lengths)
-    n_eval = max(1, int(n * config.eval_fraction))
-    train_ids, eval_ids = list(range(n - n_eval)), list(range(n - n_eval, n))
-    ckpt_path = os.path.join(out_dir, CHECKPOINT)
+    feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
     heads = build_heads(target, target_config, config)
     params = list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)

@@ -308,17 +308,22 @@ def chain_accepted(correct: list[torch.Tensor], batch: _Batch) -> tuple[float, i
     return float(kept[alive].sum()), int(alive.sum())
 
 
+def prepare(store: FeatureStore, config: TrainConfig, out_dir: str):
+    """What every method's training starts from: ``out_dir`` made, the seed set, the features and labels, the
+    train and held-out sample ids (the last ``eval_fraction`` of the samples), and the checkpoint's path."""
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(config.seed)
+    n = len(store.lengths)
+    n_eval = max(1, int(n * config.eval_fraction))
+    return (store.features(), store.labels(), list(range(n - n_eval)), list(range(n - n_eval, n)),
+            os.path.join(out_dir, CHECKPOINT))
+
+
 def train(target, target_config, store: FeatureStore, prompt_lens: list[int], config: TrainConfig, out_dir: str,
           progress: bool = True) -> dict:
     """Train (or resume) a head in ``out_dir``; returns the held-out metrics. The trained head is
     ``out_dir/checkpoint.pt``; :func:`export` writes it in the public layout."""
-    os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(config.seed)
-    feats, labels = store.features(), store.labels()
-    n = len(store.lengths)
-    n_eval = max(1, int(n * config.eval_fraction))
-    train_ids, eval_ids = list(range(n - n_eval)), list(range(n - n_eval, n))
-    ckpt_path = os.path.join(out_dir, CHECKPOINT)
+    feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
     state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
     if state is not None:
         vocab_ids = state["vocab_ids"]
