@@ -27,15 +27,14 @@ MTP drafter's, skipped here.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import MLAAttentionSpec
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                   VocabParallelEmbedding, apply_rotary, divide, rope_parameters)
+                                   VocabParallelEmbedding, _yarn_mscale, apply_rotary, divide,
+                                   rope_parameters)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
@@ -66,9 +65,7 @@ def _yarn_softmax_scale(config) -> float:
     params = rope_parameters(config)
     mscale_all_dim = params.get("mscale_all_dim")
     if params["rope_type"] != "default" and mscale_all_dim:
-        factor = params["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
-        scale *= mscale * mscale
+        scale *= _yarn_mscale(params["factor"], mscale_all_dim) ** 2
     return scale
 
 
