@@ -67,7 +67,8 @@ def main():
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
         got = [o.outputs[0].token_ids for o in head.generate(prompts, params, use_tqdm=False)]
         assert got == want, f"{kind}: outputs differ from plain decoding"
-        print(f"| confidence ({kind}) | drafts verified | kept given the ones before | first drafts |\n|---|---|---|---|")
+        print(f"| confidence ({kind}) | drafts verified | kept given the ones before | first drafts |\n"
+              "|---|---|---|---|")
         for b in range(CONFIDENCE_BINS):
             kept, verified = tally.get(b, (0, 0))
             rate = f"{kept / verified:.2f}" if verified else "-"

@@ -305,7 +305,7 @@ class LLMEngine:
                     self._draft_trees[rid] = tree
                 drafts[rid] = tree
                 k = n
-            elif made is not None and rid in self._worker_scores:  # a probe due now probes this chain
+            elif made is not None and rid in self._worker_scores:  # a chain with the head's confidence per draft
                 drafts[rid], k = self._cut_scored_chain(request, len(running), off_path, made, rid in probes)
             else:
                 if self.worker_trees or (made is None and self.worker_scores_chains):  # no scored proposal in hand
@@ -327,8 +327,8 @@ class LLMEngine:
                           ) -> tuple[list[int], int]:
         """A chain the head made with its confidence in each draft: the first n worth verifying, priced draft by
         draft by the policy (a probe: all of it; until any of the head's drafts were verified, a probe's share), and
-        how many the head should draft after this step: one more than
-        this chain was worth (it may go on being sure), none when nothing in it was (then only as the probe)."""
+        how many the head should draft after this step: one more than this chain was worth (it may go on being
+        sure), none when nothing in it was (then only as the probe)."""
         limit = self.policy.num_speculative_tokens_for(request)
         if off_path and self.policy.adaptive:
             return [], 0
@@ -370,9 +370,9 @@ class LLMEngine:
         head's method as key, the lookup's under its proposal's key): the best number of its drafts to verify and
         their expected tokens per unit cost; the better rate wins (the lookup on a tie). A head probe in hand is
         verified whole, and the head's first drafts as a probe's (until the engine has any evidence of the head, its
-        prior could never beat a lookup's established acceptance). The head drafts next unless the lookup won this step (a
-        match that pays tends to go on paying: copying), by its own evidence, or as a probe when the request's probe
-        is due. A head that tells its confidence in each draft (a scored chain) is priced draft by draft, and drafts
+        prior could never beat a lookup's established acceptance). The head drafts next unless the lookup won this
+        step (a match that pays tends to go on paying: copying), by its own evidence, or as a probe when the
+        request's probe is due. A head that tells its confidence in each draft (a scored chain) is priced draft by draft, and drafts
         next only when it won with drafts worth verifying (one more than those), else as the probe."""
         if off_path:
             return [], 0
