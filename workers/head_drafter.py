@@ -279,8 +279,9 @@ class HiddenStateDrafter:
 
     def _argmax(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's greedy draft per row (target ids) and its probability under the head."""
-        conf, ids = self.head.draft_logits(normed).softmax(-1).max(-1)
-        return conf, self.head.to_target_ids(ids)
+        logits = self.head.draft_logits(normed)
+        best, ids = logits.max(-1)
+        return (best - logits.logsumexp(-1)).exp(), self.head.to_target_ids(ids)  # softmax at the argmax, unwritten
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
               normed: torch.Tensor) -> list[Drafted]:
