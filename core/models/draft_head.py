@@ -309,10 +309,6 @@ class ChainedModules(nn.Module):
         return len(self.heads)
 
     @property
-    def target(self):
-        return self.heads[0].target
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.heads[0].dtype
 
@@ -333,9 +329,6 @@ class ChainedModules(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
-
-    def full_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft_logits(hidden)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [spec for head in self.heads for spec in head.kv_cache_specs()]
