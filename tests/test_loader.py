@@ -208,31 +208,65 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
 def write_gguf(folder: Path, out: Path, arch: str) -> Path:
-    """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp lays ``arch`` out (``qwen3``, ``qwen3moe``):
-    its hyperparameters, its byte-level BPE tokenizer (``gpt2``: tokens, types, merges) and its tensors under
-    GGUF names, a mixture of experts' stacked per kind (``ffn_gate_exps`` [E, I, H], ...)."""
+    """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp's converter lays ``arch`` out (``qwen3``,
+    ``qwen3moe``, ``gemma3``): its hyperparameters, its byte-level BPE tokenizer (``gpt2``: tokens, types, merges)
+    and its tensors under GGUF names, a mixture of experts' stacked per kind (``ffn_gate_exps`` [E, I, H], ...),
+    Gemma's norm weights stored as the ``1 + w`` they scale by."""
     import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    layers = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(str(out), arch)
+    _write_gguf_params(w, cfg, arch)
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg["num_hidden_layers"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_gguf_params(w, cfg: dict, arch: str) -> None:
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3 keeps one per kind of layer: the file's is the global one
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(layers)
+    w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "gemma3":
+        _write_gemma3_params(w, cfg, rope)
+
+
+def _write_gemma3_params(w, cfg: dict, rope: dict) -> None:
+    """What llama.cpp's converter adds for Gemma 3: the window, the global layers' RoPE scaling. The rest is fixed
+    in llama.cpp (every 6th layer global, a local RoPE base of 10000, a query scale of 1/sqrt(head_dim)), so the
+    model must have those to be written faithfully."""
+    import gguf
+
+    layers = cfg["num_hidden_layers"]
+    assert cfg["layer_types"] == ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                  for i in range(layers)], "a Gemma 3 GGUF has no other layer pattern"
+    assert cfg["query_pre_attn_scalar"] == cfg["head_dim"], "a Gemma 3 GGUF scales queries by 1/sqrt(head_dim)"
+    assert cfg["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    w.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type", "default") != "default":
+        assert rope["rope_type"] == "linear"
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+
+
+def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
     special = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = {i: t for t, i in tok["model"]["vocab"].items()} | special
     w.add_tokenizer_model("gpt2")
@@ -242,6 +276,11 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg["pad_token_id"])
+
+
+def _write_gguf_tensors(w, tensors: dict, arch: str, layers: int) -> None:
+    import gguf
+
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
     stacked: dict[str, list] = {}
     for name, tensor in tensors.items():
@@ -249,30 +288,39 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
         if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight -> stacked by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
+        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's RMSNorms scale by 1 + w: llama.cpp's by w
+            tensor = tensor + 1
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(names.get_name(name) + ".weight",
                      torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+# llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping reads neither
+# Qwen3's head_dim nor the experts' width from the file: those models use transformers' defaults for them (128,
+# 768), as the released ones do. Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local, 1
+# global), a window (8) shorter than the prompts and, as Gemma 3 4B-27B, linearly scaled RoPE on its global layer.
+GGUF_TINY = {
+    "qwen3": ("qwen3", dict(head_dim=128, tie_word_embeddings=False)),
+    "qwen3moe": ("qwen3_moe", dict(head_dim=128, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1)),
+    "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Qwen3 and of Qwen3-MoE (as llama.cpp writes them: stacked experts) goes through transformers' GGUF
-    mapping to our model: its logits equal transformers' on the original folder, and the engine's greedy output on
-    the GGUF equals the one on the folder (the tokenizer came through the GGUF too). transformers' GGUF mapping
-    reads neither Qwen3's head_dim nor the experts' width from the file: these models use transformers' defaults
-    for them (128, 768), as the released ones do."""
+    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts) and Gemma 3 text (as llama.cpp writes
+    it: 1 + w norms, its attention settings implied) goes through transformers' GGUF mapping to our model: its
+    logits equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on
+    the folder (the tokenizer came through the GGUF too)."""
     from specray import LLM, SamplingParams
 
-    kind = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe"}[arch]
-    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
-                 decoder_sparse_step=1) if kind == "qwen3_moe" else {}
-    folder = make_tiny_model(tmp_path / kind, kind, seed=9, head_dim=128, tie_word_embeddings=False, **extra)
+    kind, overrides = GGUF_TINY[arch]
+    folder = make_tiny_model(tmp_path / kind, kind, seed=9, **overrides)
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     model = load_model(str(path), pack=False)
     assert_matches_hf(model, hf_model(folder))
@@ -282,3 +330,47 @@ def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, 
                                                                                            use_tqdm=False)]
             for m in (folder, path)]
     assert outs[0] == outs[1]
+
+
+def write_bare_gguf(path: Path, arch: str) -> Path:
+    """A GGUF of llama.cpp architecture ``arch`` with a few hyperparameters and two tensors: enough to be refused."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
+
+
+@pytest.mark.parametrize("arch, match", [
+    ("deepseek2", rf"general.architecture='deepseek2' \(DeepSeek-V3 / R1\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
+    ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
+    ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
+              r"\['gemma3', 'llama', 'qwen2', 'qwen3', 'qwen3moe'\]"),
+])
+def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
+    """A GGUF transformers has no mapping for -- DeepSeek-V3's and Llama-4's (families we serve from their HF
+    checkpoints only), or one of a family we do not serve at all -- is refused by ``LLM(model="x.gguf")`` up front
+    with the architecture and the way out, before transformers reads it (its own error names neither fix)."""
+    import transformers
+
+    from specray import LLM
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("transformers read a GGUF the loader should have refused")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    path = write_bare_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(path))
+    assert not any((gguf_cache / "gguf").glob(f"*{arch}*"))  # no conversion, not even a partial one, left behind

@@ -4,7 +4,9 @@ model with this rank's shard of the weights.
 A GGUF file is converted once with transformers' GGUF support (dequantized, llama.cpp's q/k RoPE permutation
 undone) into an HF folder -- config.json, model.safetensors, tokenizer files -- cached under
 ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads
-read the cached folder.
+read the cached folder. Only the families transformers can map from GGUF load this way (Llama/Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 3 text); a GGUF of another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``) is
+refused before any conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.interface import CausalLM
-from specray.models.registry import get_model_class, text_part
+from specray.models.registry import get_model_class, supported_architectures, text_part
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,11 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
+_GGUF_FAMILIES = {"llama": "Llama / Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
+                  "gemma3": "Gemma 3 text", "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text"}
+# where transformers' GGUF tables spell llama.cpp's architecture name otherwise
+_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -233,12 +240,92 @@ class _NameOnlyModel(nn.Module):
         return dict.fromkeys(self._names)
 
 
+def _gguf_metadata(gguf: Path) -> dict[str, Any]:
+    """The GGUF's scalar metadata, key -> value (arrays, the tokenizer's vocabulary and merges, are left out)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = GGUFReader(str(gguf)).fields
+    return {key: f.contents() for key, f in fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
+
+
+def _transformers_maps_gguf(arch: str) -> bool:
+    """Whether the installed transformers can turn a GGUF of llama.cpp's ``arch`` into a config and HF tensors."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in GGUF_SUPPORTED_ARCHITECTURES
+
+
+def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
+    """ValueError, naming the fix, for a GGUF we cannot convert: one of a family we do not serve, or of one
+    transformers has no GGUF mapping for (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``: we serve them from
+    their HF checkpoints only). Called before transformers reads the file, whose own error names no way out."""
+    loadable = sorted(a for a in _GGUF_FAMILIES if _transformers_maps_gguf(a))
+    family = _GGUF_FAMILIES.get(arch)
+    if family is None:
+        raise ValueError(
+            f"GGUF {str(gguf)!r} has general.architecture={arch!r}, not a family specray serves; GGUF "
+            f"architectures it loads: {loadable}. Pass a GGUF of one of those, or an HF model folder of a supported "
+            f"architecture ({supported_architectures()})")
+    if arch not in loadable:
+        import transformers
+
+        raise ValueError(
+            f"GGUF {str(gguf)!r} has general.architecture={arch!r} ({family}), which transformers "
+            f"{transformers.__version__} cannot map from GGUF (specray converts GGUF files through it; GGUF "
+            f"architectures it loads: {loadable}). specray serves {family} from its HF checkpoint: pass the model's "
+            "HF folder (config.json + *.safetensors) or its hub id instead of the .gguf, or convert the model to "
+            "that layout first")
+
+
+def _fix_gemma3_gguf_config(config, meta: dict[str, Any]) -> None:
+    """Set what transformers' Gemma 3 GGUF mapping leaves at its defaults although llama.cpp (whose files these
+    are) derives it otherwise: the query scale, ``query_pre_attn_scalar`` (llama.cpp: ``head_dim``, or
+    ``hidden_size / heads`` for the 62-layer 27B; transformers: 256 whatever the head size) and the global
+    layers' linear RoPE scaling (``rope.scaling.*``; Gemma 3 4B, 12B and 27B scale by 8). The local layers' RoPE
+    (base 10000, unscaled) and the sliding pattern (every 6th layer global) are fixed in llama.cpp and
+    transformers' defaults alike."""
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads \
+        if config.num_hidden_layers == 62 else config.head_dim
+    scaling = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling == "none":
+        return
+    factor = meta.get("gemma3.rope.scaling.factor")
+    if scaling != "linear" or factor is None:
+        raise ValueError(f"GGUF gemma3.rope.scaling.type={scaling!r} with gemma3.rope.scaling.factor={factor!r} is "
+                         "not Gemma 3's RoPE scaling (linear, with a factor); pass the model's HF checkpoint instead")
+    config.rope_parameters["full_attention"].update(rope_type="linear", factor=float(factor))
+
+
+_GGUF_CONFIG_FIXES = {"gemma3": _fix_gemma3_gguf_config}
+
+
+def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
+    """The GGUF's tokenizer, as transformers builds it from the file, saved into ``out``. A byte-level BPE
+    vocabulary (``tokenizer.ggml.model`` ``gpt2``) is saved under the generic class, so that loading the folder
+    reads its tokenizer.json as written: the model type's own class would rebuild its pipeline around the
+    vocabulary (Gemma's: a sentencepiece one, spaces as metaspaces and no byte level, which then fails on the
+    first byte it lacks, having no unk token), where loading the GGUF itself kept the byte-level one."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        path = out / "tokenizer_config.json"
+        tokenizer_config = json.loads(path.read_text())
+        tokenizer_config["tokenizer_class"] = "TokenizersBackend"
+        path.write_text(json.dumps(tokenizer_config, indent=2))
+
+
 def _write_gguf_folder(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    meta = _gguf_metadata(gguf)
+    arch = meta.get("general.architecture")
+    _check_gguf_architecture(gguf, arch)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if arch in _GGUF_CONFIG_FIXES:
+        _GGUF_CONFIG_FIXES[arch](config, meta)
     get_model_class(config)  # fail early on an architecture we do not serve
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
@@ -253,7 +340,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
     marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     (out / _GGUF_MARKER).write_text(json.dumps(marker))
