@@ -30,7 +30,10 @@ Worker-side drafting (hidden-state drafters: EAGLE, MTP): a chunk with ``num_nex
 m tokens for the request's next step right after verifying this one, answered in ``StepResult.draft_token_ids``.
 Drafting past the verified drafts writes the head's K/V at up to m - 1 positions beyond them: the scheduler
 allocates those slots with the chunk's (and frees them on rewind; the next step rewrites them before reading).
-A non-final prefill chunk carries ``next_token_id``, the prompt token after its last one.
+A non-final prefill chunk carries ``next_token_id``, the prompt token after its last one. A chunk with
+``worker_drafts`` verifies (a prefix of) the chain the worker drafted for it after the last step: for a sampled
+request the worker drew those drafts from the head's q and keeps q for their verification (nothing of vocabulary size
+crosses Ray).
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class ScheduledChunk:
     next_token_id: int | None = None
     # relaxed acceptance (SchedulerConfig.thinking_tokens): the committed tokens end inside the thinking phase
     thinking: bool = False
+    # the drafts are (a prefix of) the chain the worker drafted for this request after the last step (not a lookup
+    # drafter's): a sampled request's q for them is on the worker
+    worker_drafts: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -133,6 +133,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+def draft_seed(seed: int | None) -> int | None:
+    """A seeded request's drafts' own random stream, apart from the target's (seed + 1), kept in the 64-bit range a
+    ``torch.Generator`` accepts: SamplingParams allows seeds up to 2**64 - 1."""
+    return None if seed is None else (seed + 1) % (1 << 64)
+
+
 # ---- warping -----------------------------------------------------------------------------------------------
 
 

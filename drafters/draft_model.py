@@ -21,7 +21,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model, load_tokenizer
 from specray.parallel import TPGroup
-from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
+from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
 from specray.kv_blocks import BlockPool
 
 logger = logging.getLogger(__name__)
@@ -67,12 +67,6 @@ def _common_prefix(a: list[int], b) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _draft_seed(seed: int | None) -> int | None:
-    """The draft's random stream, apart from the target's (seed + 1), kept in the 64-bit range a
-    ``torch.Generator`` accepts: SamplingParams allows seeds up to 2**64 - 1."""
-    return None if seed is None else (seed + 1) % (1 << 64)
 
 
 class DraftModelDrafter:
@@ -124,7 +118,7 @@ class DraftModelDrafter:
         state = self.states.get(d.req_id)
         if state is None:
             seed = d.sampling_params.seed
-            state = _DraftState(generator=make_generator(_draft_seed(seed), self.device))
+            state = _DraftState(generator=make_generator(draft_seed(seed), self.device))
             self.states[d.req_id] = state
         keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
         del state.cached[keep:]

@@ -59,6 +59,7 @@ class Request:
         self.draft_token_ids: list[int] = []  # drafts to verify next (Scheduler.update_draft_token_ids)
         self.draft_parents: list[int] | None = None  # they form this token tree (specray.tree); None: a chain
         self.want_node_tokens = False  # the drafter wants the target's argmax after each of them (lookahead)
+        self.drafts_from_worker = False  # they are the chain a worker-side drafter made (ScheduledChunk.worker_drafts)
         self.num_next_drafts: int | None = None  # a worker-side drafter makes this many after its step (None: most)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

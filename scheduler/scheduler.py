@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from specray.contract import BlockTableDelta, KVMove, NewRequest, ScheduledChunk, StepPlan, StepResult
@@ -123,11 +124,14 @@ class Scheduler:
         return done
 
     def update_draft_token_ids(self, drafts: dict[str, list[int] | DraftTree],
-                               next_draft_lens: dict[str, int] | None = None) -> None:
+                               next_draft_lens: dict[str, int] | None = None,
+                               from_worker: Collection[str] = ()) -> None:
         """The drafts each request should verify in the next step (the only way drafts come in): a chain of
         token ids, or a :class:`~specray.tree.DraftTree`. Ids of requests that are not running are ignored. A
         request not named keeps none. ``next_draft_lens``: with a drafter on the worker, how many drafts to have
-        it make after the next step (a request not named gets the most, ``worker_draft_steps``)."""
+        it make after the next step (a request not named gets the most, ``worker_draft_steps``). ``from_worker``:
+        the requests whose drafts are (a prefix of) the chain the worker drafted for them (their chunks say so:
+        ``ScheduledChunk.worker_drafts``)."""
         for req_id, n in (next_draft_lens or {}).items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -141,6 +145,7 @@ class Scheduler:
                     req.want_node_tokens = tokens.wants_node_tokens
                 else:
                     req.draft_token_ids, req.draft_parents, req.want_node_tokens = list(tokens), None, False
+                req.drafts_from_worker = req_id in from_worker
 
     def finish_request(self, req_id: str, num_output_tokens: int | None = None,
                        stop_reason: int | str | None = None, reason: str = "stop") -> None:
@@ -283,7 +288,8 @@ class Scheduler:
         self.block_manager.allocate(req, end + k + self._lookahead_slots(next_drafts))
         tokens = req.all_token_ids[start:end] + drafts
         chunk = ScheduledChunk(req.req_id, tokens, start, k, sample=sample, draft_parents=parents,
-                               want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts)
+                               want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts,
+                               worker_drafts=k > 0 and req.drafts_from_worker)
         if not sample and self.config.worker_draft_steps:
             chunk.next_token_id = req.all_token_ids[end]
         if k and self.config.thinking_tokens is not None:
@@ -473,4 +479,4 @@ class Scheduler:
 
 
 def _drop_drafts(req: Request) -> None:
-    req.draft_token_ids, req.draft_parents, req.want_node_tokens = [], None, False
+    req.draft_token_ids, req.draft_parents, req.want_node_tokens, req.drafts_from_worker = [], None, False, False

@@ -301,10 +301,13 @@ class DenseHead:
         return feedback, normed, kv
 
     @torch.inference_mode()
-    def check_drafts(self, tokens: list[int], drafts: list[int], scores: list[float] | None = None) -> None:
+    def check_drafts(self, tokens: list[int], drafts: list[int], scores: list[float] | None = None,
+                     params: SamplingParams | None = None, q: torch.Tensor | None = None) -> None:
         """``drafts`` (the worker's, made after ``tokens`` were committed) are the head's argmax at each draft
         step, fed the worker's own previous draft (a near tie, under 1e-4 apart, may go either way); ``scores``,
-        where given, their probabilities under the head."""
+        where given, their probabilities under the head. For a sampled request (``params``), ``q`` (the worker's,
+        kept for verification) is instead the request's warpers over the head's logits at each step, and each
+        draft lies in its support."""
         n = len(tokens) - 1  # the last token has no target K/V yet: the head's first pass ends at n - 1
         feedback, normed, _ = self.first_pass(tokens, n)
         feedback, normed = feedback[-1:], normed[-1:]
@@ -312,6 +315,11 @@ class DenseHead:
             if step:
                 feedback, normed = self.head(torch.tensor([drafts[step - 1]]), feedback, self._meta(1, n + step - 1))
             logits = self.head.full_vocab_logits(normed)[0]
+            if params is not None:
+                want = logits_to_probs(logits[None], SamplingBatch.build([params], [None], "cpu"))[0]
+                torch.testing.assert_close(q[step], want, atol=1e-5, rtol=1e-4)
+                assert q[step, token] > 0, (step, token)
+                continue
             best = int(logits.argmax())
             assert token == best or logits[best] - logits[token] < 1e-4, (step, tokens, drafts, best)
             if scores is not None:
@@ -329,8 +337,10 @@ def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
 def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads, method):
     """After every step, for every running request: the head's K/V at its committed positions equals the head's
     first pass over them from scratch, and the drafts the worker returned for it equal the head's argmax from
-    there. Small blocks, a pool that preempts and a token budget that chunks prefills: the checks run after
-    non-final prefill chunks, after preemption and recompute, and after steps that accepted drafts."""
+    there (a sampled request's: q, the request's warpers over the head's logits, kept on the worker with its
+    chain, which verification then reads). Small blocks, a pool that preempts and a token budget that chunks
+    prefills: the checks run after non-final prefill chunks, after preemption and recompute, and after steps that
+    accepted drafts."""
     kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=28,
                            max_num_batched_tokens=16, max_num_seqs=4)
     llm = LLM(kwargs.pop("model"), **kwargs)
@@ -339,9 +349,16 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     model = str(heads["accepting", "mtp"]) if method == "mtp" else str(target_dir)
     dense = DenseHead(model, method, model if method == "mtp" else str(heads["accepting", method]))
     tok = llm.get_tokenizer()
-    for prompt in PROMPTS[3:7]:
-        engine.add_request(tok.encode(prompt), greedy(20))
-    checked = {"kv": 0, "drafts": 0, "after a chunked prefill": 0, "after preemption": 0, "after acceptance": 0}
+    params = [greedy(20), SamplingParams(temperature=0.8, top_k=5, max_tokens=20, ignore_eos=True, seed=1),
+              greedy(20), SamplingParams(temperature=1.3, top_p=0.9, min_p=0.01, max_tokens=20, ignore_eos=True)]
+    for prompt, sp in zip(PROMPTS[3:7], params):
+        engine.add_request(tok.encode(prompt), sp)
+    drafter = engine.executor.worker.runner.drafter
+    verified_with_q = []
+    verify = drafter.q_of
+    drafter.q_of = lambda rid, d: verified_with_q.append(len(d)) or verify(rid, d)
+    checked = {"kv": 0, "drafts": 0, "after a chunked prefill": 0, "after preemption": 0, "after acceptance": 0,
+               "drawn": 0}
     while engine.has_unfinished_requests():
         engine.step()
         plan, result = rec.steps[-1]
@@ -361,8 +378,14 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
             checked["kv"] += 1
             if drafts[req.req_id]:
                 assert n == req.num_tokens - 1
-                assert len(scores[req.req_id]) == len(drafts[req.req_id])  # the head's confidence in each
-                dense.check_drafts(req.all_token_ids, drafts[req.req_id], scores[req.req_id])
+                if req.sampling_params.greedy:
+                    assert len(scores[req.req_id]) == len(drafts[req.req_id])  # the head's confidence in each
+                    dense.check_drafts(req.all_token_ids, drafts[req.req_id], scores[req.req_id])
+                else:  # drawn from q: no scores (the policy must not size the chain by what was drawn)
+                    assert not scores[req.req_id]
+                    q = verify(req.req_id, drafts[req.req_id])
+                    dense.check_drafts(req.all_token_ids, drafts[req.req_id], params=req.sampling_params, q=q)
+                    checked["drawn"] += 1
                 chunk, kept = chunks[req.req_id]
                 checked["drafts"] += 1
                 checked["after a chunked prefill"] += chunk.start_pos > 0 and chunk.num_draft_tokens == 0 and \
@@ -371,6 +394,7 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
                 checked["after acceptance"] += len(kept) > 1
     assert engine.scheduler.num_preemptions > 0
     assert all(checked.values()) and checked["drafts"] >= 10 and checked["kv"] > checked["drafts"], checked
+    assert any(verified_with_q), verified_with_q  # some drawn chain was verified against its q
     assert free_blocks(llm) == 28
 
 
@@ -574,6 +598,62 @@ def test_combined_with_a_lookup_keeps_greedy_output_and_drafts_with_both(target_
     assert free_blocks(llm) == start and not engine.tracked
 
 
+def test_combined_mode_verifies_drawn_chains_against_their_q_beside_lookup_trees(target_dir, heads, plain_mixed):
+    """Sampled requests beside greedy ones, the head combined with suffix decoding (whose drafts are trees): a
+    sampled request's chain drawn from q is verified against that q (read from the drafter only for chunks marked
+    ``worker_drafts``), a lookup's drafts never are, steps that mix such chains with trees verify both groups,
+    and the greedy requests' output stays the plain output."""
+    from specray.workers.head_drafter import HiddenStateDrafter
+
+    kwargs = engine_kwargs(target_dir, heads, "accepting", "eagle3+suffix", k=6)  # fixed K: the lookup wins ties
+    kwargs["speculative_config"]["combine_with"] = {"method": "suffix", "min_token_prob": 0.01,  # wide trees
+                                                  "max_spec_factor": 4.0}
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine, start = llm.engine, free_blocks(llm)
+    price = engine.policy.price
+
+    def half_on_the_head(req, batch, drafts, key=None, scores=None):  # sampled requests with an even seed take
+        n, rate = price(req, batch, drafts, key, scores)          # the head's chains, the others the lookup's
+        if not req.sampling_params.greedy:
+            return (len(drafts), 1e9) if (key == engine.worker_method) == (req.sampling_params.seed % 2 == 0) \
+                else (0, -1.0)
+        return n, rate
+
+    engine.policy.price = half_on_the_head
+    varied = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i) for i in range(32)]
+    llm.generate(PROMPTS * 4, varied, use_tqdm=False)  # the suffix trie learns branching continuations
+    engine.executor = rec = Recorder(engine.executor)
+    drafter = engine.executor.worker.runner.drafter
+    read = []
+    q_of = drafter.q_of
+
+    def spy(rid, drafts):
+        q = q_of(rid, drafts)
+        if q is not None:
+            read.append((len(rec.steps), rid))
+        return q
+
+    drafter.q_of = spy
+    sampled = [SamplingParams(temperature=0.8, top_k=4, max_tokens=24, ignore_eos=True, seed=i) for i in range(8)]
+    outs = llm.generate(PROMPTS * 2, MIXED + sampled, use_tqdm=False)
+    assert token_ids(outs[:8]) == token_ids(plain_mixed)
+    greedy_ids = {o.request_id for o in outs[:8]}
+    counts = {"chain with q": 0, "lookup drafts of a sampled request": 0, "mixed step": 0, "trees": 0}
+    for step, (plan, _) in enumerate(rec.steps):
+        with_q = {rid for s, rid in read if s == step}
+        marked = {c.req_id for c in plan.chunks if c.worker_drafts}
+        assert with_q <= marked and not with_q & greedy_ids, (with_q, marked)
+        counts["chain with q"] += len(with_q)
+        counts["lookup drafts of a sampled request"] += sum(
+            c.num_draft_tokens > 0 and not c.worker_drafts and c.req_id not in greedy_ids for c in plan.chunks)
+        counts["mixed step"] += bool(with_q) and any(c.draft_parents is not None for c in plan.chunks)
+        counts["trees"] += sum(c.draft_parents is not None for c in plan.chunks)
+    assert all(counts.values()), counts
+    runner = engine.executor.worker.runner  # the worker forgets a request with the plan after it finished
+    assert isinstance(drafter, HiddenStateDrafter) and set(drafter.generators) <= set(runner.params)
+    assert free_blocks(llm) == start and not engine.tracked
+
+
 def test_combine_with_names_a_lookup_drafter(target_dir, heads):
     for bad, why in [("draft_model", "lookup drafter only"), (5, "must be a method name"),
                      ({"num_speculative_tokens": 3}, "must be a method name"),
@@ -711,36 +791,44 @@ def target_triples(target_dir, looping_prompt):
     return {t: triples(t) for t in (SAMPLED["temperature"], 1.0)}
 
 
-def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800) -> float:
+def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800, depth: int = 3) -> float:
     """``n`` seeded requests for ``prompt`` sampled with SAMPLED through an engine with ``method``'s accepting head:
-    the worker drafts two tokens after the first (the head's argmax: a one-hot q), which verification keeps with
-    probability p(draft) or replaces. The chi-square p-value of their first three tokens against ``expected``."""
+    the worker drafts two tokens after the first (a chain drawn from the head's q, which verification keeps with
+    probability min(1, p/q) or replaces from the residual; a tree's nodes are the head's best, a one-hot q). The
+    chi-square p-value of their first three tokens against ``expected`` (of the first ``depth``: its marginals)."""
     llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
                         use_tqdm=False)
     stats = llm.spec_stats
-    assert stats.drafts == n and stats.draft_tokens > stats.accepted_tokens > 0, stats  # kept and rejected
-    triples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+    assert stats.drafts >= n and stats.draft_tokens > stats.accepted_tokens > 0, stats  # kept and rejected
+    triples = [tuple(o.outputs[0].token_ids[:depth]) for o in outs]
+    if depth < 3:
+        marginals: dict[tuple, float] = {}
+        for key, p in expected.items():
+            marginals[key[:depth]] = marginals.get(key[:depth], 0.0) + p
+        expected = marginals
     keys = sorted(set(expected) | set(triples))
     observed = np.array([triples.count(key) for key in keys], dtype=float)
     return chi2_pvalue(observed, np.array([expected.get(key, 0.0) for key in keys]))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ("eagle3+suffix",))
 def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping_prompt, target_triples, method):
     """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target."""
     assert sampled_pvalue(target_dir, heads, method, looping_prompt, target_triples[SAMPLED["temperature"]]) > 1e-3
 
 
 def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
-    """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug
-    (after a rejection, resample from p instead of p without the draft) fails the test."""
-    expected = target_triples[SAMPLED["temperature"]]
-    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, target_triples[1.0]) < 1e-3
+    """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug (after
+    a rejection, resample from p instead of the residual norm(max(0, p - q))) fails the test on the first drafted
+    token (the second sampled: the first is the target's alone), with more samples to see it (drafts drawn from q
+    lie close to p, so the bug shifts little)."""
     from specray import verification
 
+    expected = target_triples[SAMPLED["temperature"]]
+    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, target_triples[1.0]) < 1e-3
     monkeypatch.setattr(verification, "_residual", lambda p, q: p)
-    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, expected) < 1e-3
+    assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, expected, n=1600, depth=2) < 1e-3
 
 
 # ---- a tensor-parallel target's embedding and LM head, whole on the driver rank ----------------------------------

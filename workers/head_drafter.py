@@ -29,9 +29,15 @@ recent positions) until the request drafts again; then the first pass runs over 
 together, so the head's K/V is whole again before anything reads it. Positions dropped past the limit keep whatever
 the head's cache held in their slots: later drafts may be poorer, never the output (verification decides).
 
-Drafts are the head's argmax (deterministic candidates: with sampling, verification accepts draft x with
-probability p(x) and resamples from p without x, which keeps the target's distribution exactly). They return in
-``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
+A greedy request's drafts are the head's argmax, each with its probability under the head (the confidence the
+draft policy prices chains by). A sampled request's chain is drawn from q, the request's own warpers (temperature,
+top-k, top-p, min-p) over the head's logits, from the request's draft stream (seeded apart from the target's); q
+stays here (:meth:`HiddenStateDrafter.q_of`) for the chain's verification by rejection sampling (accept x with
+min(1, p(x)/q(x)), else resample from norm(max(0, p - q))), which keeps the target's distribution exactly. A drawn
+chain carries no scores: a choice of how many to verify that looked at the drawn tokens would bias the output, so
+the policy sizes it by its evidence alone. Trees are deterministic (the best nodes by path probability), verified
+with one-hot q. Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the
+next step.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
+from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +115,18 @@ class _Held:
         self.start, self.tokens = self.start + lo, self.tokens[lo:hi]
 
 
+class _Draw:
+    """The drafting requests' sampling: their params and draft streams, by drafting row."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None]):
+        self.params, self.generators = params, generators
+
+    def batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
+        return SamplingBatch.build([self.params[j] for j in rows], [self.generators[j] for j in rows], device)
+
+
+_GREEDY = SamplingParams(temperature=0.0)  # a request that draws nothing this step
+
 # the most positions one request keeps held for a later first pass: the adaptive policy probes every few steps,
 # so a request it keeps off holds a handful; one that never drafts (its own K of 0) holds no more than this
 HELD_POSITIONS = 64
@@ -124,6 +144,25 @@ class HiddenStateDrafter:
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
         self.tail_positions = getattr(head, "num_modules", 1) - 1
+        # a sampled request's last drawn chain and its q [k, V] (for that chain's verification), and its draft stream
+        self.q: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self._drawn: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    @property
+    def samples_from_q(self) -> bool:
+        """Chains are drawn from q for sampled requests; trees are always deterministic."""
+        return self.tree is None
+
+    def q_of(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """q [len(drafts), V] of the chain drawn for ``req_id`` after the last step, whose prefix ``drafts`` is
+        (None: its drafts were the head's argmax: a greedy request)."""
+        drawn = self.q.get(req_id)
+        if drawn is None:
+            return None
+        tokens, q = drawn
+        assert tokens[: len(drafts)] == drafts, (req_id, tokens, drafts)  # the engine verifies what was drawn
+        return q[: len(drafts)]
 
     @classmethod
     def load_head(cls, config: dict, target, target_config) -> DraftHead:
@@ -138,16 +177,32 @@ class HiddenStateDrafter:
     def aux_layers(self) -> tuple[int, ...]:
         return self.head.aux_layers
 
-    def drop(self, req_id: str) -> None:
-        """Forget a finished or preempted request's held positions (a preempted one recomputes them)."""
+    def drop(self, req_id: str, finished: bool = True) -> None:
+        """Forget a finished or preempted request's held positions (a preempted one recomputes them) and drawn
+        chain; a preempted one keeps its draft stream (resumed, it draws on from where it stopped)."""
         self.held.pop(req_id, None)
         self.tails.pop(req_id, None)
+        self.q.pop(req_id, None)
+        if finished:
+            self.generators.pop(req_id, None)
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
+              kept: dict[int, list[int]], paths: dict[int, list[int]],
+              params: dict[str, SamplingParams] | None = None) -> list[Drafted | None]:
         """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
         the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
-        target's), ``paths[i]`` its accepted tree nodes (absent for a chain)."""
+        target's), ``paths[i]`` its accepted tree nodes (absent for a chain). ``params``: every request's sampling
+        parameters when a sampled request's chain may be drawn from q (None: every draft is the head's argmax).
+        The chains drawn replace, once all drafting is done, the ones this step's chunks verified."""
+        self._drawn = {}
+        out = self._draft(plan, tables, hidden, aux, kept, paths, params)
+        verified = {c.req_id for c in plan.chunks if c.sample}
+        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | self._drawn
+        return out
+
+    def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+               kept: dict[int, list[int]], paths: dict[int, list[int]],
+               params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
         work, later = self._first_pass_rows(plan, kept, paths)
         out: list[Drafted | None] = [None] * len(plan.chunks)
         device = hidden.device
@@ -161,7 +216,7 @@ class HiddenStateDrafter:
         meta = build_attention_metadata([len(w.tokens) for w in work], [w.start for w in work],
                                         [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
         if self.tail_positions:
-            return self._chained(plan, work, source, ids, features, meta, out)
+            return self._chained(plan, work, source, ids, features, meta, out, self._draw(plan, work, params))
         feedback, normed = self.head(ids, features, meta)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
@@ -171,33 +226,72 @@ class HiddenStateDrafter:
         feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
         roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
-        made = (self._tree if self.tree is not None else self._chain)(drafting, block_tables, roots, feedback, normed)
+        if self.tree is not None:
+            made = self._tree(drafting, block_tables, roots, feedback, normed)
+        else:
+            made = self._chain(plan, drafting, block_tables, roots, feedback, normed,
+                               self._draw(plan, drafting, params))
         for w, drafted in zip(drafting, made):
             out[w.chunk] = drafted
         return out
 
+    def _draw(self, plan: StepPlan, work: list[_Row], params: dict[str, SamplingParams] | None) -> _Draw | None:
+        """The sampling of ``work``'s requests when some of them draft and sample (None: all drafts are argmax); a
+        request that drafts nothing counts as greedy (it draws nothing from its stream)."""
+        if params is None:
+            return None
+        rows = [params[plan.chunks[w.chunk].req_id] if w.drafts else _GREEDY for w in work]
+        if all(sp.greedy for sp in rows):
+            return None
+        generators = []
+        for sp, w in zip(rows, work):
+            rid = plan.chunks[w.chunk].req_id
+            if rid not in self.generators and not sp.greedy:
+                self.generators[rid] = make_generator(draft_seed(sp.seed), self.head.device)
+            generators.append(None if sp.greedy else self.generators[rid])
+        return _Draw(rows, generators)
+
+    def _keep_drawn(self, plan: StepPlan, work: list[_Row], draw: _Draw | None, tokens: list[list[float]],
+                    probs: list[torch.Tensor | None]) -> list[bool]:
+        """Keep the drawn chains and their q (``probs``: per draft step [B, V], zero rows where a request was done
+        drafting) for their verification. Per row of ``work``: whether its chain was drawn."""
+        if draw is None:
+            return [False] * len(work)
+        drawn = [not sp.greedy for sp in draw.params]
+        rows = [j for j, d in enumerate(drawn) if d]
+        q = torch.stack(probs, dim=1).index_select(0, _index(rows, probs[0].device))  # [b, m, V]
+        for n, j in enumerate(rows):
+            w = work[j]
+            self._drawn[plan.chunks[w.chunk].req_id] = ([int(t) for t in tokens[j][: w.drafts]], q[n, : w.drafts])
+        return drawn
+
     def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
-                 features: torch.Tensor, meta, out: list[Drafted | None]) -> list[Drafted | None]:
+                 features: torch.Tensor, meta, out: list[Drafted | None], draw: _Draw | None
+                 ) -> list[Drafted | None]:
         """Distinct MTP modules over the first pass's rows: module k + 1 reads module k's outputs and the tokens one
-        further (each request's last row: module k's draft); draft k + 1 is module k's argmax at the last row."""
+        further (each request's last row: module k's draft); draft k + 1 is module k's argmax at the last row (for
+        a sampled request, drawn from module k's q there)."""
         device = ids.device
         ends = torch.tensor(list(itertools.accumulate(len(w.tokens) for w in work)), device=device) - 1
-        tokens, confs = [], []
+        tokens, confs, qs = [], [], []
+        everyone = list(range(len(work)))
         for k in range(self.head.num_modules):
             features, normed = self.head.module(k, ids, features, meta)
-            conf, tok = self._argmax(normed.index_select(0, ends))  # [B]: draft k + 1
+            conf, tok, probs = self._pick(normed.index_select(0, ends), draw, everyone)  # [B]: draft k + 1
             tokens.append(tok)
             confs.append(conf)
+            qs.append(probs)
             ids = ids.roll(-1).index_copy(0, ends, tok)  # t[p+2+k] for module k + 1 (a request's last row: its draft)
         self._keep_tails(plan, work, source)
         if not any(w.drafts for w in work):
             return out
         # the drafts' one host sync: [2, B, M] (token ids are exact in float64)
         table = torch.stack([torch.stack(tokens, dim=1).double(), torch.stack(confs, dim=1).double()]).tolist()
-        for w, ids_, p in zip(work, table[0], table[1]):
+        drawn = self._keep_drawn(plan, work, draw, table[0], qs)
+        for w, ids_, p, d in zip(work, table[0], table[1], drawn):
             if w.drafts:
                 assert w.drafts <= len(ids_), (w.drafts, len(ids_))
-                out[w.chunk] = Drafted([int(t) for t in ids_[: w.drafts]], scores=p[: w.drafts])
+                out[w.chunk] = Drafted([int(t) for t in ids_[: w.drafts]], scores=None if d else p[: w.drafts])
         return out
 
     def _keep_tails(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...]) -> None:
@@ -249,14 +343,16 @@ class HiddenStateDrafter:
             pieces.append(piece)
         return rows, tuple(torch.cat(parts) for parts in zip(*pieces))
 
-    def _chain(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
-               normed: torch.Tensor) -> list[Drafted]:
-        """Each request's chain of ``drafts`` argmax tokens: d1 from the first pass, then one row per step; each
-        with its probability under the head (its confidence, which the policy prices the chain by)."""
+    def _chain(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
+               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None) -> list[Drafted]:
+        """Each request's chain of ``drafts`` tokens: d1 from the first pass, then one row per step; a greedy
+        request's the head's argmax, each with its probability under the head (its confidence, which the policy
+        prices the chain by); a sampled one's drawn from q (``draw``), kept for its verification."""
         device = feedback.device
-        conf, tokens = self._argmax(normed)  # [B] d1
-        steps, confs = [tokens], [conf]
-        live = list(range(len(work)))  # requests still drafting
+        everyone = list(range(len(work)))
+        conf, tokens, probs = self._pick(normed, draw, everyone)  # [B] d1
+        steps, confs, qs = [tokens], [conf], [probs]
+        live = everyone  # requests still drafting
         for step in range(1, max(w.drafts for w in work)):
             keep = [j for j in live if work[j].drafts > step]
             if not keep:
@@ -269,19 +365,31 @@ class HiddenStateDrafter:
             meta = build_attention_metadata([1] * len(live), [roots[j] + step - 1 for j in live],
                                             [tables[j] for j in live], self.block_size, device)
             feedback, normed = self.head(tokens, feedback, meta)
-            conf, tokens = self._argmax(normed)
+            conf, tokens, probs = self._pick(normed, draw, live)
             steps.append(_scatter(tokens, live, len(work)))
             confs.append(_scatter(conf, live, len(work)))
+            if probs is not None:
+                qs.append(probs.new_zeros(len(work), probs.shape[1]).index_copy_(0, _index(live, device), probs))
         # the drafts' one host sync: [2, B, m] (token ids are exact in float64)
         table = torch.stack([torch.stack(steps, dim=1).double(), torch.stack(confs, dim=1).double()]).tolist()
-        return [Drafted([int(t) for t in ids[: w.drafts]], scores=p[: w.drafts])
-                for ids, p, w in zip(table[0], table[1], work)]
+        drawn = self._keep_drawn(plan, work, draw, table[0], qs)
+        return [Drafted([int(t) for t in ids[: w.drafts]], scores=None if d else p[: w.drafts])
+                for ids, p, w, d in zip(table[0], table[1], work, drawn)]
 
-    def _argmax(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's greedy draft per row (target ids) and its probability under the head."""
+    def _pick(self, normed: torch.Tensor, draw: _Draw | None, rows: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per row (``rows``: which of the drafting requests): the draft (target ids) and its probability under
+        the head: the head's argmax, or for a sampled request (``draw``) a token drawn from q, whose [N, V] rows
+        (over the target's vocabulary; one-hot on greedy rows) come third (None when no row samples)."""
         logits = self.head.draft_logits(normed)
         best, ids = logits.max(-1)
-        return (best - logits.logsumexp(-1)).exp(), self.head.to_target_ids(ids)  # softmax at the argmax, unwritten
+        conf, tokens = (best - logits.logsumexp(-1)).exp(), self.head.to_target_ids(ids)  # softmax at the argmax
+        batch = None if draw is None else draw.batch(rows, normed.device)
+        if batch is None or batch.all_greedy:
+            return conf, tokens, None
+        probs = logits_to_probs(self.head.full_vocab(logits), batch)  # q: the request's warpers over the head's
+        drawn = sample(probs, batch)
+        return conf, torch.where(batch.greedy, tokens, drawn) if batch.any_greedy else drawn, probs
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
               normed: torch.Tensor) -> list[Drafted]:
@@ -371,8 +479,12 @@ class HiddenStateDrafter:
 def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:
     """``tokens`` [len(live)] placed at ``live`` in a [size] row (-1 elsewhere: requests done drafting)."""
     out = tokens.new_full((size,), -1)
-    out[torch.tensor(live, dtype=torch.long, device=tokens.device)] = tokens
+    out[_index(live, tokens.device)] = tokens
     return out
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def tree_shape_of(config: dict) -> TreeShape | None:

@@ -23,6 +23,7 @@ class MedusaDrafter:
 
     aux_layers: tuple[int, ...] = ()
     kv_cache = None
+    samples_from_q = False  # its trees are deterministic candidates
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
         deepest = max(len(c) for c in choices)
@@ -44,11 +45,12 @@ class MedusaDrafter:
     def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
         return cls(head, config["choices"])
 
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: str, finished: bool = True) -> None:
         """Nothing is held per request."""
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-              kept: dict[int, list[int]], paths: dict[int, list[int]]) -> list[Drafted | None]:
+              kept: dict[int, list[int]], paths: dict[int, list[int]],
+              params: dict | None = None) -> list[Drafted | None]:
         """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of the tree for its next step (None where
         none were asked for or nothing was committed)."""
         rows, asked = [], []

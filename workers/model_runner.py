@@ -55,6 +55,10 @@ class ModelRunner:
         self.typical = None if typical_acceptance is None else TypicalAcceptance(*typical_acceptance)
         # greedy drafts in a thinking phase verified by relaxed acceptance: every chunk goes the same way
         self.relaxed = None if relaxed_acceptance is None else RelaxedAcceptance(*relaxed_acceptance)
+        # a chain drafter on the worker draws a sampled request's drafts from its q, which rejection sampling then
+        # reads; typical and relaxed acceptance read no q, so with them every draft is the head's argmax
+        self.q_drafts = (self.drafter is not None and self.drafter.samples_from_q and self.typical is None
+                         and self.relaxed is None)
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -64,11 +68,11 @@ class ModelRunner:
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
             if self.drafter is not None:
-                self.drafter.drop(rid)
+                self.drafter.drop(rid, finished=True)
         for rid in plan.preempted_req_ids:
             self.block_tables.pop(rid, None)
             if self.drafter is not None:
-                self.drafter.drop(rid)
+                self.drafter.drop(rid, finished=False)
         if plan.kv_moves:  # every request's moves at once: all sources are read before any is written
             src = [s for m in plan.kv_moves for s in m.src]
             dst = [d for m in plan.kv_moves for d in m.dst]
@@ -94,13 +98,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
-        kept, logprobs, paths, nodes = [], None, None, None
-        every_chunk = self.typical is not None or self.relaxed is not None  # rules only tree verification has
-        if every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
-                              for i in sampled):
-            kept, logprobs, paths, nodes = self._verify_trees(plan, sampled, logits)
-        elif sampled:
-            kept, logprobs = self._verify(plan, sampled, logits, draft_probs or {})
+        kept, logprobs, paths, nodes = self._verify_all(plan, sampled, logits, self._with_worker_q(plan, draft_probs))
         n = len(plan.chunks)
         result = StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
                             None if logprobs is None else _per_chunk(n, sampled, logprobs),
@@ -108,7 +106,8 @@ class ModelRunner:
                             None if nodes is None else _per_chunk(n, sampled, nodes))
         if self.drafter is not None:
             drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
-                                         {} if paths is None else {i: p for i, p in zip(sampled, paths) if p})
+                                         {} if paths is None else {i: p for i, p in zip(sampled, paths) if p},
+                                         self.params if self.q_drafts else None)
             result.draft_token_ids = [[] if d is None else d.token_ids for d in drafted]
             if any(d is not None and d.parents is not None for d in drafted):
                 result.draft_parents = [[] if d is None or d.parents is None else d.parents for d in drafted]
@@ -133,6 +132,41 @@ class ModelRunner:
             return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
         return self.model(input_ids, meta), []
 
+    def _with_worker_q(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None
+                       ) -> dict[str, torch.Tensor]:
+        """The drafts' q by request id: a probabilistic drafter's from the engine, and for a chunk that verifies
+        the chain this worker's drafter drew from its q (a sampled request), that q."""
+        probs = dict(draft_probs or {})
+        if self.q_drafts:
+            for c in plan.chunks:
+                if c.worker_drafts and c.sample:
+                    q = self.drafter.q_of(c.req_id, c.token_ids[len(c.token_ids) - c.num_draft_tokens:])
+                    if q is not None:
+                        probs[c.req_id] = q
+        return probs
+
+    def _verify_all(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor | None,
+                    draft_probs: dict[str, torch.Tensor]) -> tuple[list, list | None, list | None, list | None]:
+        """Every sampled chunk's kept tokens, logprobs, accepted tree paths and node tokens (the last three None
+        when no chunk has them). Chains with a drafter's q go through :meth:`_verify` (rejection sampling against
+        q); trees, chunks that want node tokens, and every chunk under typical or relaxed acceptance (rules only
+        tree verification has) through :meth:`_verify_trees`. A step with both (a sampled request verifying the
+        head's chain beside a lookup's tree) verifies the two groups apart, at one host sync each."""
+        if not sampled:
+            return [], None, None, None
+        every_chunk = self.typical is not None or self.relaxed is not None
+        with_q = [] if every_chunk else [i for i in sampled if plan.chunks[i].req_id in draft_probs]
+        rest = [i for i in sampled if i not in with_q] if with_q else sampled
+        if not (every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
+                                   for i in rest)):
+            return (*self._verify(plan, sampled, logits, draft_probs), None, None)
+        if not with_q:
+            return self._verify_trees(plan, sampled, logits)
+        rows = _logit_rows_by_chunk(plan, sampled)
+        chains = self._verify(plan, with_q, _rows(logits, rows, with_q), draft_probs)
+        trees = self._verify_trees(plan, rest, _rows(logits, rows, rest))
+        return _merge_groups(sampled, (with_q, chains), (rest, trees))
+
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
                 ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
         """logits [N, V]: the 1 + k rows of each sampled chunk, back to back. Returns each sampled chunk's kept
@@ -154,10 +188,9 @@ class ModelRunner:
     def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor
                       ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
                                  list[list[int]] | None]:
-        """Every sampled chunk through tree verification (a chain is a tree); drafts with a drafter's q are
-        chains verified by :meth:`_verify`, and never share a step with a tree (one drafter per engine), unless
-        typical or relaxed acceptance is on (they read no q: every chunk comes here). When
-        a chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
+        """``sampled`` chunks through tree verification (a chain is a tree): drafts without q (a chain with a
+        drafter's q goes through :meth:`_verify`; under typical or relaxed acceptance no draft has one). When a
+        chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
         entries are [])."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
@@ -221,6 +254,38 @@ def logit_rows(plan: StepPlan) -> list[int]:
         if c.sample:
             rows.extend(range(offset - 1 - c.num_draft_tokens, offset))
     return rows
+
+
+def _logit_rows_by_chunk(plan: StepPlan, sampled: list[int]) -> dict[int, list[int]]:
+    """Per sampled chunk, its rows of the step's logits (:func:`logit_rows` order: 1 + k per chunk, back to back)."""
+    out, start = {}, 0
+    for i in sampled:
+        n = 1 + plan.chunks[i].num_draft_tokens
+        out[i], start = list(range(start, start + n)), start + n
+    return out
+
+
+def _rows(logits: torch.Tensor, rows: dict[int, list[int]], chunks: list[int]) -> torch.Tensor:
+    return logits.index_select(0, _long([r for i in chunks for r in rows[i]], logits.device))
+
+
+def _merge_groups(sampled: list[int], *groups: tuple[list[int], tuple]) -> tuple[list, list | None, list | None,
+                                                                                 list | None]:
+    """Two verification groups' answers (kept tokens, logprobs, tree paths, node tokens; a chain group has only
+    the first two) back in ``sampled`` order; a column no group has stays None, one that only some group has gets
+    its empty value ([] per chunk) for the others' chunks."""
+    position = {i: n for n, i in enumerate(sampled)}
+    columns: list[list | None] = [None] * 4
+    for chunks, answers in groups:
+        for c, values in enumerate(answers):
+            if values is None:
+                continue
+            if columns[c] is None:
+                columns[c] = [[] for _ in sampled]
+            for i, value in zip(chunks, values):
+                columns[c][position[i]] = value
+    kept = columns[0] if columns[0] is not None else [[] for _ in sampled]
+    return kept, columns[1], columns[2], columns[3]
 
 
 def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:

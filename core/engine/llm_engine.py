@@ -285,12 +285,15 @@ class LLMEngine:
         decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
                     if r.num_computed_tokens == r.num_tokens - 1]  # prefilling: the worker drafts after its last chunk
         lookups = self._lookup_proposals(decoding, failed) if self.drafter is not None else {}
+        head_drafted = []  # requests that verify the head's drafts (a sampled one's q is on the worker)
         for request, off_path in decoding:
             rid = request.req_id
             made = self._worker_drafts.get(rid)
             if rid in lookups:
-                drafts[rid], lengths[rid] = self._combine(request, len(running), off_path, made, lookups[rid],
-                                                          rid in probes)
+                drafts[rid], lengths[rid], from_head = self._combine(request, len(running), off_path, made,
+                                                                     lookups[rid], rid in probes)
+                if from_head:
+                    head_drafted.append(rid)
                 continue
             head = self.worker_method  # the key of the head's drafts
             if isinstance(made, DraftTree) and not off_path and not self.policy.knows(head):
@@ -317,11 +320,12 @@ class LLMEngine:
                     self._worker_probes.add(rid)  # the drafts the worker makes after this step are the probe
             if drafts.get(rid):
                 self._draft_keys[rid] = head
+                head_drafted.append(rid)
             if k and self.worker_trees:
                 k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
-        self.scheduler.update_draft_token_ids(drafts, lengths)
+        self.scheduler.update_draft_token_ids(drafts, lengths, from_worker=head_drafted)
 
     def _cut_scored_chain(self, request: Request, batch_size: int, off_path: bool, made: list[int], probe: bool
                           ) -> tuple[list[int], int]:
@@ -362,9 +366,10 @@ class LLMEngine:
         return found
 
     def _combine(self, request: Request, batch_size: int, off_path: bool, made: list[int] | DraftTree | None,
-                 proposal: Proposal, head_probe: bool) -> tuple[list[int] | DraftTree, int]:
+                 proposal: Proposal, head_probe: bool) -> tuple[list[int] | DraftTree, int, bool]:
         """One request's drafts for this step when both the head (``made``, drafted after the last step) and the
-        lookup drafter (``proposal``) may have some, and how many the head should draft after this step.
+        lookup drafter (``proposal``) may have some, how many the head should draft after this step, and whether
+        the drafts are the head's.
 
         Each proposal is priced by the policy with the evidence of its own kind (the head's verifications under the
         head's method as key, the lookup's under its proposal's key): the best number of its drafts to verify and
@@ -375,7 +380,7 @@ class LLMEngine:
         request's probe is due. A head that tells its confidence in each draft (a scored chain) is priced draft by draft, and drafts
         next only when it won with drafts worth verifying (one more than those), else as the probe."""
         if off_path:
-            return [], 0
+            return [], 0, False
         head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
         lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
         scores = self._worker_scores.get(request.req_id) if isinstance(made, list) else None
@@ -388,6 +393,7 @@ class LLMEngine:
                                            key=lambda pair: pair[1][1])
             n = self.policy.settle(request, n, min(len(chosen), limit))
             probing = self.policy.evidence(request.req_id).probing
+        from_head = made is not None and chosen is made
         head_next = 0
         if probing and not made:
             head_next = self.policy.probe_k  # probe the head as well: its drafts come back as a probe
@@ -409,7 +415,7 @@ class LLMEngine:
             chosen = chosen[:n]
         if n and key is not None:
             self._draft_keys[request.req_id] = key
-        return chosen, head_next
+        return chosen, head_next, from_head and n > 0
 
     def _keep_worker_drafts(self, result: StepResult) -> None:
         if result.draft_token_ids is None:

@@ -218,9 +218,13 @@ class DraftHead(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def full_vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V_target] float32, -inf outside the draft vocabulary (for tests and for
-        sampling from the head; drafting itself reads :meth:`draft_logits`)."""
-        logits = self.draft_logits(hidden)
+        """hidden [N, H] -> logits [N, V_target] float32, -inf outside the draft vocabulary (for tests; drafting
+        reads :meth:`draft_logits`)."""
+        return self.full_vocab(self.draft_logits(hidden))
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`draft_logits` [N, V_draft] -> [N, V_target], -inf outside the draft vocabulary (a sampled
+        request's drafts are drawn over the target's ids)."""
         if self.lm_head is None:
             return logits
         full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
@@ -329,6 +333,9 @@ class ChainedModules(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits  # the target's own head: its vocabulary already
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [spec for head in self.heads for spec in head.kv_cache_specs()]

@@ -1,0 +1,89 @@
+"""Sampled requests with a hidden-state head: drafts drawn from the head's q against the head's argmax.
+
+A sampled request's chain is drawn from q (its own temperature/top-k/top-p over the head's logits) and verified by
+rejection sampling against that q (kept with probability min(1, p/q)); with the argmax as drafts, verification keeps
+draft x with probability p(x). Both keep the target's distribution; they differ in how much they keep: sum_x min(p, q)
+against sum_x q_argmax p. Steps in lockstep (``bench_lockstep.run_lockstep``, fresh engines every run): plain
+sampled decoding, and the head with each kind of draft, at a fixed chain of K (every draft verified) and with the
+adaptive policy. Prints each configuration's median ratio to plain and its mean accepted length.
+
+    python benchmarks/bench_sampled_drafts.py --batch 8 --repeats 2 --max-tokens 96 --temperatures 0.7,1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_lockstep and bench_offline (run standalone)
+from bench_lockstep import build, run_lockstep  # noqa: E402
+from bench_offline import PROMPT_SETS, chat_prompts  # noqa: E402
+
+
+def argmax_drafts(llm) -> None:
+    """Make an engine's head draft its argmax for sampled requests too (verified with a one-hot q)."""
+    llm.engine.executor.worker.runner.q_drafts = False
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kinds", default="open-ended,input-grounded")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--temperatures", default="0.7,1.0")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--head", default="eagle3")
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    from specray import SamplingParams
+    from specray.default_model import default_model_path
+
+    fixed = {"method": args.head, "num_speculative_tokens": args.k, "adaptive": False}
+    adaptive = {"method": args.head, "num_speculative_tokens": args.k}
+    configs = {"plain": (None, False), f"K={args.k}, argmax drafts": (fixed, True),
+               f"K={args.k}, drawn from q": (fixed, False), "adaptive, argmax drafts": (adaptive, True),
+               "adaptive, drawn from q": (adaptive, False)}
+    model = default_model_path()
+    print(f"# {args.head}, batch {args.batch}, {args.threads} threads, max_tokens {args.max_tokens}, top_p "
+          f"{args.top_p}, {args.repeats} runs, fresh engines each\n")
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        params = SamplingParams(temperature=temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                ignore_eos=True)
+        for kind in args.kinds.split(","):
+            ratios: dict[str, list[float]] = {name: [] for name in configs}
+            accepted: dict[str, list[float]] = {name: [] for name in configs}
+            for _ in range(args.repeats):
+                llms = {name: build(model, spec, args.batch) for name, (spec, _) in configs.items()}
+                for name, (_, argmax) in configs.items():
+                    if argmax:
+                        argmax_drafts(llms[name])
+                engines = {name: llm.engine for name, llm in llms.items()}
+                tokenizer = engines["plain"].tokenizer
+                prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
+                results = run_lockstep(engines, prompt_ids, params)
+                plain_seconds = results["plain"][0]
+                for name, (seconds, _) in results.items():
+                    ratios[name].append(plain_seconds / seconds)
+                    if engines[name].spec_stats.drafts:
+                        accepted[name].append(engines[name].spec_stats.mean_accepted_length)
+                del engines, llms
+            print(f"| T={temperature}, {kind} | per run | median ratio to plain | mean accepted |\n|---|---|---|---|")
+            for name in configs:
+                tau = f"{statistics.mean(accepted[name]):.2f}" if accepted[name] else "-"
+                print(f"| {name} | {', '.join(f'{r:.3f}' for r in ratios[name])} | "
+                      f"{statistics.median(ratios[name]):.3f} | {tau} |", flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()
