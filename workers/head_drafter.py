@@ -259,7 +259,7 @@ class HiddenStateDrafter:
             return [False] * len(work)
         drawn = [not sp.greedy for sp in draw.params]
         rows = [j for j, d in enumerate(drawn) if d]
-        q = torch.stack(probs, dim=1).index_select(0, _index(rows, probs[0].device))  # [b, m, V]
+        q = self.head.full_vocab(torch.stack(probs, dim=1).index_select(0, _index(rows, probs[0].device)), 0.0)
         for n, j in enumerate(rows):
             w = work[j]
             self._drawn[plan.chunks[w.chunk].req_id] = ([int(t) for t in tokens[j][: w.drafts]], q[n, : w.drafts])
@@ -379,16 +379,16 @@ class HiddenStateDrafter:
     def _pick(self, normed: torch.Tensor, draw: _Draw | None, rows: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per row (``rows``: which of the drafting requests): the draft (target ids) and its probability under
-        the head: the head's argmax, or for a sampled request (``draw``) a token drawn from q, whose [N, V] rows
-        (over the target's vocabulary; one-hot on greedy rows) come third (None when no row samples)."""
+        the head: the head's argmax, or for a sampled request (``draw``) a token drawn from q, whose [N, V_draft]
+        rows (over the head's vocabulary; one-hot on greedy rows) come third (None when no row samples)."""
         logits = self.head.draft_logits(normed)
         best, ids = logits.max(-1)
         conf, tokens = (best - logits.logsumexp(-1)).exp(), self.head.to_target_ids(ids)  # softmax at the argmax
         batch = None if draw is None else draw.batch(rows, normed.device)
         if batch is None or batch.all_greedy:
             return conf, tokens, None
-        probs = logits_to_probs(self.head.full_vocab(logits), batch)  # q: the request's warpers over the head's
-        drawn = sample(probs, batch)
+        probs = logits_to_probs(logits, batch)  # q: the request's warpers over the head's logits (its vocabulary)
+        drawn = self.head.to_target_ids(sample(probs, batch))
         return conf, torch.where(batch.greedy, tokens, drawn) if batch.any_greedy else drawn, probs
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,

@@ -222,14 +222,14 @@ class DraftHead(nn.Module):
         reads :meth:`draft_logits`)."""
         return self.full_vocab(self.draft_logits(hidden))
 
-    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """:meth:`draft_logits` [N, V_draft] -> [N, V_target], -inf outside the draft vocabulary (a sampled
-        request's drafts are drawn over the target's ids)."""
+    def full_vocab(self, values: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Rows over the draft vocabulary [..., V_draft] (logits; or probabilities with ``fill`` 0) -> over the
+        target's [..., V_target], ``fill`` outside the draft vocabulary."""
         if self.lm_head is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
-        ids = self.to_target_ids(torch.arange(self.draft_vocab_size, device=logits.device))
-        return full.index_copy_(1, ids, logits)
+            return values
+        full = values.new_full((*values.shape[:-1], self.target_vocab_size), fill)
+        ids = self.to_target_ids(torch.arange(self.draft_vocab_size, device=values.device))
+        return full.index_copy_(-1, ids, values)
 
     # ------------------------------------------------------------------------------------------ KV cache
 
@@ -334,8 +334,8 @@ class ChainedModules(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
-    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits  # the target's own head: its vocabulary already
+    def full_vocab(self, values: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        return values  # the target's own head: its vocabulary already
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [spec for head in self.heads for spec in head.kv_cache_specs()]
