@@ -15,9 +15,9 @@ logger = logging.getLogger("specray.cli")
 
 
 _SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
-                     "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, eagle3, eagle, mtp, or a drafter class of "
-                     "your own as "
-                     "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
+                     "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, eagle3, eagle, mtp, medusa, redrafter, or a "
+                     "drafter class of your own as 'package.module:Class' (docs/user_drafter.md); its options go in "
+                     "--speculative-config")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -132,9 +132,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_train_draft_parser(sub) -> None:
-    p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP, Medusa) on the "
+    p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP, Medusa, ReDrafter) on the "
                        "target's own text; resumable: run the same command again to go on")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp", "medusa"])
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp", "medusa", "redrafter"])
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="working folder (data, features, checkpoints, the head)")
     p.add_argument("--head-dir", default=None, help="where to write the trained head (default OUT/head)")

@@ -1,6 +1,7 @@
-"""Options of the drafters that read the target's hidden states (``eagle``, ``eagle3``, ``mtp``, ``medusa``), and
-the plain data the target's workers build them from. The drafting itself runs inside the target's driver rank:
-:mod:`specray.workers.head_drafter` (the step; Medusa's in :mod:`specray.workers.medusa_drafter`),
+"""Options of the drafters that read the target's hidden states (``eagle``, ``eagle3``, ``mtp``, ``medusa``,
+``redrafter``), and the plain data the target's workers build them from. The drafting itself runs inside the target's
+driver rank: :mod:`specray.workers.head_drafter` (the step; Medusa's in :mod:`specray.workers.medusa_drafter`,
+ReDrafter's in :mod:`specray.workers.redrafter_drafter`),
 :mod:`specray.models.draft_head` (the head), :mod:`specray.models.draft_head_loader` (checkpoints);
 ``docs/hidden_state_drafters.md`` explains it all.
 """
@@ -166,6 +167,33 @@ class MedusaOptions(HeadOptions):
         return choices
 
 
+@dataclass
+class ReDrafterOptions(HeadOptions):
+    """``speculative_config`` keys of ``method="redrafter"`` (TensorRT-LLM's names for the beams): the recurrent
+    drafter's checkpoint and its beam search, whose beams' prefix tree is verified (``num_speculative_tokens``: the
+    most nodes of it per step)."""
+
+    model: str | None = None  # the drafter's checkpoint folder (Apple's recurrent_drafting layout) or hub id
+    redrafter_num_beams: int = 5  # beams kept by the beam search
+    redrafter_draft_len_per_beam: int = 5  # drafts per beam (the tree's depth)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='redrafter' needs the drafter's "
+                             "checkpoint folder (or hub id)")
+        for name in ("redrafter_num_beams", "redrafter_draft_len_per_beam"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name}={value!r} must be an int >= 1 (TensorRT-LLM's default: 5)")
+
+    def drafts_trees(self) -> bool:
+        return True
+
+    def writes_kv(self) -> bool:
+        return False  # no attention in the recurrent drafter
+
+
 def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any]:
     """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
     head's checkpoint (EAGLE-3 on the default model: the bundled head; MTP: the target's own checkpoint unless
@@ -179,6 +207,9 @@ def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any
         path = target_model
     if method == "medusa":
         return {"method": method, "model": path, "choices": options.tree()}
+    if method == "redrafter":
+        return {"method": method, "model": path, "beams": options.redrafter_num_beams,
+                "beam_length": options.redrafter_draft_len_per_beam}
     tree = getattr(options, "use_dynamic_tree", False)
     return {"method": method, "model": path, "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
             "mtp_modules": getattr(options, "num_modules", 1),

@@ -66,6 +66,8 @@ _DRAFTERS = {
                         "specray.drafters.hidden_state:MTPOptions", in_worker=True),
     "medusa": DrafterEntry("specray.workers.medusa_drafter:MedusaDrafter",
                            "specray.drafters.hidden_state:MedusaOptions", in_worker=True),
+    "redrafter": DrafterEntry("specray.workers.redrafter_drafter:ReDrafterDrafter",
+                              "specray.drafters.hidden_state:ReDrafterOptions", in_worker=True),
 }
 
 

@@ -160,6 +160,37 @@ def write_medusa_heads(folder: Path, target_dir: Path, num_heads: int = 4, num_l
     return folder
 
 
+def write_redrafter(folder: Path, target_dir: Path, seed: int = 0, std: float = 0.2, accepting: bool = False,
+                    rnn: bool = True, exit_dim: int | None = None, num_draft_layers: int = 1,
+                    gain: float = 8.0) -> Path:
+    """A random recurrent drafter (ReDrafter) for the target in ``target_dir``, in Apple's layout (``exit_dim``
+    other than 2H adds ``input_proj``). ``accepting``: its state is SiLU(gain E(last token)) (W = gain I, U = 0),
+    its blocks identities and its LM head the target's embedding over the state (nothing over the context), so it
+    guesses "the last token again", which a tiny random model's runs of repeated tokens often accept."""
+    from safetensors.torch import load_file
+
+    from specray.models.redrafter import ReDrafterHead, save_redrafter
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, v = target["hidden_size"], target["vocab_size"]
+    head = ReDrafterHead(h, v, 2 * h if accepting or exit_dim is None else exit_dim, num_draft_layers, rnn)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if accepting:
+            embedding = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+            for block in head.blocks:
+                block.weight.zero_()
+                block.bias.zero_()
+            head.rnn_w.weight.copy_(gain * torch.eye(h))
+            head.rnn_u.weight.zero_()
+            head.rnn_u.bias.zero_()
+            head.lm_head.weight.copy_(torch.cat([torch.zeros(v, h), embedding], dim=1))
+    save_redrafter(head, folder, {"base_model_name_or_path": str(target_dir)})
+    return folder
+
+
 def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting: bool = True,
                        alpha: float = 0.1) -> Path:
     """A copy of a tiny DeepSeek-V3 target's folder with one MTP module added at ``model.layers.{L}``: a DeepSeek

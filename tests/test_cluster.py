@@ -212,12 +212,13 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp3", "deepseek-mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "mtp3", "deepseek-mtp", "redrafter"])
 def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
-    """EAGLE-3, three distinct MTP modules (num_nextn_predict_layers=3), and DeepSeek-V3's own MTP module (its
-    block's latent attention and experts), drafting inside rank 0 of two tensor-parallel ranks: the head reads the
-    target's embedding and LM head gathered whole once (the split ones end in collectives that rank 1, which does
-    not draft, never joins); greedy output equals one rank's plain output, drafts were accepted, no block leaked."""
+    """EAGLE-3, three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's
+    latent attention and experts), and ReDrafter's recurrent drafter (beams merged into a tree), drafting inside
+    rank 0 of two tensor-parallel ranks: the head reads the target's embedding and LM head gathered whole once (the
+    split ones end in collectives that rank 1, which does not draft, never joins); greedy output equals one rank's
+    plain output, drafts were accepted, no block leaked."""
     prompts = prompts_for(8, seed=3)
     target = request.getfixturevalue("tiny_deepseek_dir") if method == "deepseek-mtp" else tiny_llama_dir
     references = run_to_end(engine_for(target), prompts)
@@ -226,6 +227,10 @@ def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_
     elif method == "eagle3":
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
+    elif method == "redrafter":
+        head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
+        model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
+                                       "redrafter_draft_len_per_beam": 3}
     else:  # the target's folder with its MTP modules added
         model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
         spec = {"method": "mtp", "num_nextn_predict_layers": 3}

@@ -18,7 +18,7 @@ import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.
 
 WORDS = ["def", "add", "(a, b)", ":", "\n", "return", "a", "+", "b", "the", "quick", "fox", "Hello", "world", "!"]
 STEPS = 120
-HEADS = ("eagle", "eagle3", "mtp", "medusa")  # drafters that run in the target's worker, from its hidden states
+HEADS = ("eagle", "eagle3", "mtp", "medusa", "redrafter")  # drafters that run in the target's worker, from its hidden states
 DRAIN_STEPS = 2000
 
 
@@ -104,6 +104,8 @@ CASES = {
     "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
     "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
+    "redrafter": {"speculative_config": {"method": "redrafter", "num_speculative_tokens": 6, "redrafter_num_beams": 3,
+                                         "redrafter_draft_len_per_beam": 3}},
     "eagle3+suffix": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3,
                                              "combine_with": {"method": "suffix", "num_speculative_tokens": 6}}},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
@@ -128,6 +130,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
     if spec is not None and spec["method"] in HEADS:
         if spec["method"] == "medusa":
             head = str(draft_heads.write_medusa_heads(tmp_path / "head", tiny_llama_dir, accepting=True))
+        elif spec["method"] == "redrafter":
+            head = str(draft_heads.write_redrafter(tmp_path / "head", tiny_llama_dir, accepting=True))
         else:
             head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir,
                                                         num_modules=spec.get("num_nextn_predict_layers", 1)))

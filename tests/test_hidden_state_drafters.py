@@ -9,6 +9,7 @@ rejects) and one built to be often right (``draft_heads.write_accepting_head``),
 (the first pass over accepted rows, the head's K/V at accepted positions) really runs."""
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,11 @@ CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
 # "mtp3": three distinct MTP modules (num_nextn_predict_layers=3), each drafting one position further
-METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "medusa")
-TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3}  # -> nodes at depth 1 of its tree
+METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "medusa", "redrafter")
+# ReDrafter: 3 beams of 3 drafts each, merged into a prefix tree
+BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
+TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3,  # -> nodes at depth 1 of its tree
+                "redrafter": BEAMS["redrafter_num_beams"]}
 PROMPTS = [
     "def add(a, b):\n    return",
     "The quick brown fox",
@@ -97,6 +101,10 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
     out["random", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("random_medusa"), target_dir)
     out["accepting", "medusa"] = draft_heads.write_medusa_heads(tmp_path_factory.mktemp("accepting_medusa"),
                                                                 target_dir, accepting=True)
+    out["random", "redrafter"] = draft_heads.write_redrafter(tmp_path_factory.mktemp("random_redrafter"), target_dir,
+                                                             exit_dim=24)  # with input_proj
+    out["accepting", "redrafter"] = draft_heads.write_redrafter(tmp_path_factory.mktemp("accepting_redrafter"),
+                                                                target_dir, accepting=True)
     return out
 
 
@@ -107,7 +115,7 @@ def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, *
     folder = heads.get((kind, method))
     method = method.removesuffix("-tree")
     spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False,
-            **(TREE if tree and method == "eagle3" else {})}
+            **(TREE if tree and method == "eagle3" else {}), **(BEAMS if method == "redrafter" else {})}
     if method == "mtp3":
         method = spec["method"] = "mtp"
         spec["num_nextn_predict_layers"] = 3
@@ -433,6 +441,75 @@ def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, he
             assert drafts == want, (req_id, drafts, want)
             checked += 1
     assert checked >= 10
+
+
+def reference_beams(drafter, embedding: torch.Tensor, context: torch.Tensor, first: int, width: int, length: int
+                    ) -> list[tuple[list[int], list[float]]]:
+    """ReDrafter's beam search one beam and one candidate at a time: the ``width`` best continuations by path
+    log-probability, each (tokens, each token's log q given the ones before)."""
+    beams = [([], [], torch.zeros(embedding.shape[1]), 0.0)]  # (tokens, log qs, state, path log q)
+    for _ in range(length):
+        candidates = []
+        for tokens, lps, state, path in beams:
+            state = drafter.step(state, embedding[(tokens or [first])[-1]])
+            lp = drafter.log_probs(context, state)
+            candidates += [(path + float(lp[v]), tokens + [v], lps + [float(lp[v])], state) for v in range(len(lp))]
+        candidates.sort(key=lambda c: -c[0])
+        beams = [(t, lps, st, path) for path, t, lps, st in candidates[:width]]
+    return [(t, lps) for t, lps, _, _ in beams]
+
+
+def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads):
+    """After every step, each request's tree is the prefix tree of the drafter's beams from the target's hidden
+    state at the last committed position (recomputed densely from scratch) and the token it gave, searched one beam
+    at a time: its best nodes by path log-probability, each scored with its q given its parent."""
+    from specray.models.redrafter import load_redrafter
+    from specray.workers.redrafter_drafter import prefix_tree
+
+    kwargs = engine_kwargs(target_dir, heads, "random", "redrafter", block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    kwargs["speculative_config"]["num_speculative_tokens"] = 7
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    target = load_model(str(target_dir))
+    drafter = load_redrafter(str(heads["random", "redrafter"]), load_hf_config(str(target_dir)), torch.float32, "cpu")
+    assert drafter.input_proj is not None and drafter.rnn
+    allocate_kv_cache(target, 64, 16)
+    tok = llm.get_tokenizer()
+    for prompt in PROMPTS[3:7]:
+        engine.add_request(tok.encode(prompt), greedy(16))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        plan, result = rec.steps[-1]
+        for req_id, drafts, parents, scores in zip(result.req_ids, result.draft_token_ids or [],
+                                                   result.draft_parents or [], result.draft_scores or []):
+            req = engine.scheduler.requests.get(req_id)
+            if not drafts or req is None:
+                continue
+            n = req.num_computed_tokens  # the last token (just sampled) has no hidden state yet
+            with torch.inference_mode():
+                hidden = target(torch.tensor(req.all_token_ids[:n]),
+                                build_attention_metadata([n], [0], [list(range(64))], 16))
+                beams = reference_beams(drafter, target.embed(torch.arange(target.vocab_size)), hidden[-1],
+                                        req.all_token_ids[-1], **{"width": 3, "length": 3})
+            want = prefix_tree([b for b, _ in beams], [lps for _, lps in beams], len(drafts))
+            assert (drafts, parents) == (want.token_ids, want.parents), (req_id, drafts, parents, want)
+            assert scores == pytest.approx(want.scores, abs=1e-5)
+            checked += 1
+    assert checked >= 10
+
+
+def test_redrafter_prefix_tree_merges_shared_prefixes():
+    """Beams that share a prefix share its nodes; nodes go best first by path log-probability, parents first."""
+    from specray.workers.redrafter_drafter import prefix_tree
+
+    beams = [[5, 6, 7], [5, 6, 8], [9, 1, 1]]
+    lps = [[-0.1, -0.2, -0.3], [-0.1, -0.2, -0.5], [-1.0, -0.1, -0.1]]
+    tree = prefix_tree(beams, lps, 10)
+    assert tree.token_ids == [5, 6, 7, 8, 9, 1, 1] and tree.parents == [-1, 0, 1, 1, -1, 4, 5]
+    assert tree.scores == pytest.approx([math.exp(x) for x in (-0.1, -0.2, -0.3, -0.5, -1.0, -0.1, -0.1)])
+    assert prefix_tree(beams, lps, 3).token_ids == [5, 6, 7]
 
 
 def on_off_policy(engine, pattern: str):

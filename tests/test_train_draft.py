@@ -180,3 +180,29 @@ def test_train_draft_medusa_trains_resumes_and_drafts(tmp_path, target_dir):
     stats = served_like_plain(target_dir, {"method": "medusa", "model": str(out / "head"),
                                            "num_speculative_tokens": 6, "adaptive": False})
     assert stats.accepted_tokens > 0, stats.as_dict()
+
+
+def test_train_draft_redrafter_trains_resumes_and_drafts(tmp_path, target_dir):
+    """``--method redrafter``: the pipeline trains a recurrent drafter on the target's own text (stopped after one
+    step and resumed from its checkpoint), each teacher-forced draft step agrees with the target on held-out text,
+    it is written in Apple's layout, and served (``method="redrafter"``, beams merged into a tree) it keeps greedy
+    output identical while getting drafts accepted."""
+    data = tiny_data(tmp_path)
+    train = dict(method="redrafter", lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
+                 eval_fraction=0.15, ttt_steps=3)
+    out = tmp_path / "out"
+    run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=0.01, **train),
+                       stages=("data", "features", "train")))
+    first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["step"]
+    trained = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
+                                 stages=("features", "train", "export")))
+    assert trained["step"] > first >= 1
+    assert len(trained["agreement"]) == 3 and min(trained["agreement"]) > 0.5, trained
+    assert trained["expected_accepted_length_one_beam"] > 1.5, trained
+    assert json.loads((out / "head" / "config.json").read_text())["model_type"] == "recurrent_drafting_drafter"
+    assert json.loads((out / "head" / "card.json").read_text())["method"] == "redrafter"
+
+    stats = served_like_plain(target_dir, {"method": "redrafter", "model": str(out / "head"),
+                                           "num_speculative_tokens": 6, "adaptive": False,
+                                           "redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3})
+    assert stats.accepted_tokens > 0, stats.as_dict()

@@ -51,7 +51,11 @@ def run(config: PipelineConfig) -> dict:
     from specray.training.data import SAMPLES_FILE, make_prompts, make_samples, read_jsonl
     from specray.training.features import compute_features
     from specray.training.medusa import export_medusa, train_medusa
+    from specray.training.redrafter import export_redrafter, train_redrafter
     from specray.training.train import export, feature_layers, train
+
+    fit, write = {"medusa": (train_medusa, export_medusa),
+                  "redrafter": (train_redrafter, export_redrafter)}.get(config.train.method, (train, export))
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -86,15 +90,13 @@ def run(config: PipelineConfig) -> dict:
         prompt_lens = [s["num_prompt_tokens"] for s in samples[: len(store.lengths)]]
         train_dir = os.path.join(config.out_dir, "train")
         if "train" in stages:
-            fit = train_medusa if config.train.method == "medusa" else train
             metrics = fit(target, target_config, store, prompt_lens, config.train, train_dir)
             with open(os.path.join(train_dir, "metrics.json"), "w", encoding="utf-8") as f:
                 json.dump(metrics, f, indent=2)
             _say(f"held-out: {json.dumps(metrics)}")
         if "export" in stages:
             head_dir = config.head_dir or os.path.join(config.out_dir, "head")
-            (export_medusa if config.train.method == "medusa" else export)(target, target_config, config.train,
-                                                                          train_dir, head_dir)
+            write(target, target_config, config.train, train_dir, head_dir)
             metrics_path = os.path.join(train_dir, "metrics.json")
             card = {"target": os.path.basename(str(config.model)), "method": config.train.method,
                     "train": asdict(config.train), "data": asdict(config.data)}

@@ -42,7 +42,7 @@ CHECKPOINT = "checkpoint.pt"
 class TrainConfig:
     method: str = "eagle3"
     draft_vocab_size: int = 8192
-    ttt_steps: int = 3  # draft steps unrolled in training
+    ttt_steps: int = 3  # draft steps unrolled in training (ReDrafter: the beam length it learns)
     eval_steps: int = 4  # draft steps evaluated: the chain whose accepted length is estimated
     epochs: float = 4.0
     lr: float = 1e-3
@@ -57,8 +57,9 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3", "mtp", "medusa"):
-            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp' or 'medusa' heads")
+        if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter"):
+            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp', 'medusa' or "
+                             "'redrafter' heads")
         for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every",
                      "medusa_num_heads"):
             if getattr(self, name) < 1:

@@ -1,0 +1,123 @@
+"""The worker side of ReDrafter (``method="redrafter"``): after verification, per request, the target's hidden state
+at the position whose logits gave the token it just sampled (the last accepted draft node's, or the last real
+token's) and that token start a beam search of the recurrent drafter (:mod:`specray.models.redrafter`): ``beams``
+beams of ``beam_length`` drafts, the best by the drafter's path log-probability. Beams share prefixes (they all start
+from the same token, and keep forking from each other), so they are merged into a prefix tree, which is verified as
+any token tree (ReDrafter's "dynamic tree attention" is this tree's ancestor mask). No KV cache: the drafter has no
+attention.
+
+Nodes go best first by path log-probability (a parent's is never below its child's, so every prefix of the order is a
+tree), each scored with its probability under the drafter given its parent, so the draft policy prices the tree as
+any scored tree and verifies the best prefix. Beam search is deterministic, so the nodes are deterministic
+candidates: verification keeps the target's distribution exactly with sampling too (sibling rejection sampling).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specray.contract import StepPlan
+from specray.models.redrafter import ReDrafterHead, load_redrafter
+from specray.workers.head_drafter import Drafted
+
+DEAD = -1e9  # the log-probability of a beam that is not there yet (all but the first before the first step)
+
+
+class ReDrafterDrafter:
+    """A recurrent drafter, its beam search, and the prefix tree of its beams."""
+
+    aux_layers: tuple[int, ...] = ()
+    kv_cache = None
+    samples_from_q = False  # its trees are deterministic candidates
+
+    def __init__(self, head: ReDrafterHead, beams: int, beam_length: int):
+        self.head, self.beams, self.beam_length = head, beams, beam_length
+
+    @classmethod
+    def load_head(cls, config: dict, target, target_config) -> ReDrafterHead:
+        """The drafter the worker's plain-data ``config`` names, on the target's device and dtype, reading the
+        target's token embeddings."""
+        return load_redrafter(config["model"], target_config, target.dtype, target.device, target=target)
+
+    @classmethod
+    def build(cls, head: ReDrafterHead, config: dict, num_blocks: int, block_size: int) -> "ReDrafterDrafter":
+        return cls(head, int(config["beams"]), int(config["beam_length"]))
+
+    def drop(self, req_id: str, finished: bool = True) -> None:
+        """Nothing is held per request."""
+
+    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+              kept: dict[int, list[int]], paths: dict[int, list[int]],
+              params: dict | None = None) -> list[Drafted | None]:
+        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of its beams' prefix tree (None where none were
+        asked for or nothing was committed)."""
+        rows, last, asked = [], [], []
+        offset = 0
+        for i, chunk in enumerate(plan.chunks):
+            base, offset = offset, offset + chunk.num_tokens
+            if not (chunk.sample and chunk.num_next_drafts and kept.get(i)):
+                continue
+            real = chunk.num_tokens - chunk.num_draft_tokens
+            nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
+            rows.append(base + real + nodes[-1] if nodes else base + real - 1)
+            last.append(kept[i][-1])
+            asked.append((i, chunk.num_next_drafts))
+        out: list[Drafted | None] = [None] * len(plan.chunks)
+        if not rows:
+            return out
+        device = hidden.device
+        context = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+        tokens, own = self.beam_search(context, torch.tensor(last, dtype=torch.long, device=device))
+        host = torch.stack([tokens.to(own.dtype), own]).tolist()  # the drafts' one host sync: [2, B, M, L]
+        for b, (i, n) in enumerate(asked):
+            out[i] = prefix_tree(host[0][b], host[1][b], n)
+        return out
+
+    def beam_search(self, context: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """context [B, H] (the target's hidden state), first [B] (the token it gave) -> each request's ``beams``
+        best beams by path log-probability: tokens [B, M, L] and each token's log q given its beam's earlier ones
+        [B, M, L]."""
+        b, m, length = context.shape[0], self.beams, self.beam_length
+        vocab = self.head.vocab_size
+        device = context.device
+        ctx = context[:, None, :].expand(b, m, context.shape[1])
+        state = torch.zeros_like(ctx)
+        last = first[:, None].expand(b, m)
+        # only the first beam exists before the first step: the first step's M best tokens all grow from it
+        beam_lp = torch.full((b, m), DEAD, device=device)
+        beam_lp[:, 0] = 0.0
+        tokens = torch.empty(b, m, 0, dtype=torch.long, device=device)
+        own = torch.empty(b, m, 0, device=device)
+        for _ in range(length):
+            state = self.head.step(state, self.head.embed(last))  # [B, M, H]
+            lp = self.head.log_probs(ctx, state)  # [B, M, V]: log q(next | beam)
+            beam_lp, best = (beam_lp[:, :, None] + lp).view(b, m * vocab).topk(m, dim=-1)  # [B, M]
+            parent, last = best // vocab, best % vocab
+            tokens = torch.cat((tokens.gather(1, parent[:, :, None].expand_as(tokens)), last[:, :, None]), dim=2)
+            own = torch.cat((own.gather(1, parent[:, :, None].expand_as(own)),
+                             lp.gather(1, parent[:, :, None].expand(b, m, vocab)).gather(2, last[:, :, None])), dim=2)
+            state = state.gather(1, parent[:, :, None].expand_as(state))
+        return tokens, own
+
+
+def prefix_tree(beams: list[list[float]], log_probs: list[list[float]], n: int) -> Drafted:
+    """One request's beams (token ids and each token's log q given the beam before it) merged into a prefix tree;
+    its best ``n`` nodes by path log-probability, parents first (ties by depth, then the order found), with parents
+    and each node's q given its parent."""
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    nodes: list[tuple[int, int, float, float, int]] = []  # (token, parent, path log q, own log q, depth)
+    for beam, lps in zip(beams, log_probs):
+        parent, path = -1, 0.0
+        for depth, (token, lp) in enumerate(zip(beam, lps), start=1):
+            token, path = int(token), path + lp
+            node = index.get((parent, token))
+            if node is None:
+                node = index[parent, token] = len(nodes)
+                nodes.append((token, parent, path, lp, depth))
+            parent = node
+    order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][2], nodes[j][4], j))[:n]
+    where = {node: k for k, node in enumerate(order)}
+    return Drafted([nodes[j][0] for j in order], [-1 if nodes[j][1] < 0 else where[nodes[j][1]] for j in order],
+                   [math.exp(nodes[j][3]) for j in order])
