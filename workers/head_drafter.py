@@ -487,6 +487,22 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def rows_of_last_tokens(plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]
+                        ) -> list[tuple[int, int]]:
+    """For the drafters that read one row per request (Medusa, ReDrafter): per chunk that asks for drafts and
+    committed tokens, (its index in the plan, the step's hidden row whose logits gave the token it just sampled: its
+    last accepted draft node's, or its last real token's)."""
+    out, offset = [], 0
+    for i, chunk in enumerate(plan.chunks):
+        base, offset = offset, offset + chunk.num_tokens
+        if not (chunk.sample and chunk.num_next_drafts and kept.get(i)):
+            continue
+        real = chunk.num_tokens - chunk.num_draft_tokens
+        nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
+        out.append((i, base + real + nodes[-1] if nodes else base + real - 1))
+    return out
+
+
 def tree_shape_of(config: dict) -> TreeShape | None:
     """The dynamic tree a worker drafter's plain-data config asks for (None: chains)."""
     tree = config.get("tree")

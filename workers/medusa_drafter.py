@@ -15,7 +15,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.medusa import MedusaHeads, load_medusa_heads
-from specray.workers.head_drafter import Drafted
+from specray.workers.head_drafter import Drafted, rows_of_last_tokens
 
 
 class MedusaDrafter:
@@ -53,16 +53,9 @@ class MedusaDrafter:
               params: dict | None = None) -> list[Drafted | None]:
         """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of the tree for its next step (None where
         none were asked for or nothing was committed)."""
-        rows, asked = [], []
-        offset = 0
-        for i, chunk in enumerate(plan.chunks):
-            base, offset = offset, offset + chunk.num_tokens
-            if not (chunk.sample and chunk.num_next_drafts and kept.get(i)):
-                continue
-            real = chunk.num_tokens - chunk.num_draft_tokens
-            nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
-            rows.append(base + real + nodes[-1] if nodes else base + real - 1)
-            asked.append((i, chunk.num_next_drafts))
+        found = rows_of_last_tokens(plan, kept, paths)
+        rows = [row for _, row in found]
+        asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
         out: list[Drafted | None] = [None] * len(plan.chunks)
         if not rows:
             return out

@@ -20,7 +20,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.redrafter import ReDrafterHead, load_redrafter
-from specray.workers.head_drafter import Drafted
+from specray.workers.head_drafter import Drafted, rows_of_last_tokens
 
 DEAD = -1e9  # the log-probability of a beam that is not there yet (all but the first before the first step)
 
@@ -53,17 +53,9 @@ class ReDrafterDrafter:
               params: dict | None = None) -> list[Drafted | None]:
         """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of its beams' prefix tree (None where none were
         asked for or nothing was committed)."""
-        rows, last, asked = [], [], []
-        offset = 0
-        for i, chunk in enumerate(plan.chunks):
-            base, offset = offset, offset + chunk.num_tokens
-            if not (chunk.sample and chunk.num_next_drafts and kept.get(i)):
-                continue
-            real = chunk.num_tokens - chunk.num_draft_tokens
-            nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
-            rows.append(base + real + nodes[-1] if nodes else base + real - 1)
-            last.append(kept[i][-1])
-            asked.append((i, chunk.num_next_drafts))
+        found = rows_of_last_tokens(plan, kept, paths)
+        rows, last = [row for _, row in found], [kept[i][-1] for i, _ in found]
+        asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
         out: list[Drafted | None] = [None] * len(plan.chunks)
         if not rows:
             return out

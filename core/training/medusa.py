@@ -11,9 +11,7 @@ layout (``medusa_lm_head.safetensors``), which ``method="medusa"`` loads.
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -22,9 +20,7 @@ import torch.nn.functional as F
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.medusa import MedusaHeads, save_medusa_heads
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, optimize, prepare
-
-logger = logging.getLogger(__name__)
+from specray.training.train import CHECKPOINT, TrainConfig, _batches, prepare, train_module
 
 
 def build_heads(target, target_config, config: TrainConfig) -> MedusaHeads:
@@ -85,29 +81,13 @@ def train_medusa(target, target_config, store: FeatureStore, prompt_lens: list[i
     """Train (or resume) Medusa heads in ``out_dir``; returns each head's held-out agreement."""
     feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
     heads = build_heads(target, target_config, config)
-    params = list(heads.parameters())
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    step = 0
-    if os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, weights_only=False)
-        heads.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        logger.info("resuming %s at step %d", ckpt_path, step)
-    heads.train()
 
     def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
         loss, accs = _losses(heads, *_load(batch_ids, store, feats, labels, prompt_lens, heads.num_heads),
                              config.step_decay)
         return loss, accs[0]
 
-    def save(s: int) -> None:
-        tmp = ckpt_path + ".tmp"
-        torch.save({"head": heads.state_dict(), "opt": opt.state_dict(), "step": s, "config": asdict(config)}, tmp)
-        os.replace(tmp, ckpt_path)
-
-    step = optimize(params, opt, config, train_ids, store, step, run_batch, save, progress)
-    heads.eval()
+    step = train_module(heads, config, train_ids, store, ckpt_path, run_batch, progress)
     sums, counts = np.zeros(heads.num_heads), np.zeros(heads.num_heads)
     with torch.no_grad():
         for batch_ids in _batches(eval_ids, store, config.tokens_per_batch, None):

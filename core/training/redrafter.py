@@ -13,9 +13,7 @@ loads.
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -24,9 +22,7 @@ import torch.nn.functional as F
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.redrafter import ReDrafterHead, save_redrafter
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, optimize, prepare
-
-logger = logging.getLogger(__name__)
+from specray.training.train import CHECKPOINT, TrainConfig, _batches, prepare, train_module
 
 
 def build_drafter(target, target_config, config: TrainConfig) -> ReDrafterHead:
@@ -102,16 +98,6 @@ def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: lis
     """Train (or resume) a recurrent drafter in ``out_dir``; returns each step's held-out agreement."""
     feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
     drafter = build_drafter(target, target_config, config)
-    params = list(drafter.parameters())
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    step = 0
-    if os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, weights_only=False)
-        drafter.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        logger.info("resuming %s at step %d", ckpt_path, step)
-    drafter.train()
     steps = config.ttt_steps
 
     def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
@@ -119,13 +105,7 @@ def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: lis
                              config.step_decay)
         return loss, accs[0]
 
-    def save(s: int) -> None:
-        tmp = ckpt_path + ".tmp"
-        torch.save({"head": drafter.state_dict(), "opt": opt.state_dict(), "step": s, "config": asdict(config)}, tmp)
-        os.replace(tmp, ckpt_path)
-
-    step = optimize(params, opt, config, train_ids, store, step, run_batch, save, progress)
-    drafter.eval()
+    step = train_module(drafter, config, train_ids, store, ckpt_path, run_batch, progress)
     sums, counts, chains = np.zeros(steps), np.zeros(steps), []
     with torch.no_grad():
         for batch_ids in _batches(eval_ids, store, config.tokens_per_batch, None):

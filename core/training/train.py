@@ -447,3 +447,29 @@ def export(target, target_config, config: TrainConfig, out_dir: str, head_dir: s
     save_draft_head(head, head_dir, head_config(target_config, config.method, len(state["vocab_ids"])),
                     with_lm_head=False)
     return head_dir
+
+
+def train_module(module: torch.nn.Module, config: TrainConfig, train_ids: list[int], store: FeatureStore,
+                 ckpt_path: str, run_batch, progress: bool = True) -> int:
+    """A whole trainable module (Medusa's heads, a recurrent drafter) through :func:`optimize`: AdamW over all its
+    parameters, resumed from ``ckpt_path`` when it exists (weights, optimizer, step), checkpointed there atomically.
+    Returns the step reached; the module is left in eval mode."""
+    params = list(module.parameters())
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    step = 0
+    if os.path.exists(ckpt_path):
+        state = torch.load(ckpt_path, weights_only=False)
+        module.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        logger.info("resuming %s at step %d", ckpt_path, step)
+    module.train()
+
+    def save(s: int) -> None:
+        tmp = ckpt_path + ".tmp"
+        torch.save({"head": module.state_dict(), "opt": opt.state_dict(), "step": s, "config": asdict(config)}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    step = optimize(params, opt, config, train_ids, store, step, run_batch, save, progress)
+    module.eval()
+    return step
