@@ -166,9 +166,10 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
+    """The request's own copy, reported only when it finishes (all ``generate`` hands back)."""
     from dataclasses import replace
 
-    return replace(params)
+    return replace(params, output_kind="final_only")
 
 
 def _progress(total: int):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # What a request's own random stream (torch.Generator.manual_seed) accepts: a signed or unsigned 64-bit int.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TOP_K_MAX = (1 << 31) - 1  # the sampler packs top_k into a tensor; any k past the vocabulary means all of it
+OUTPUT_KINDS = ("cumulative", "final_only")  # vLLM's RequestOutputKind (its DELTA is not offered)
 
 
 @dataclass
@@ -34,6 +35,11 @@ class SamplingParams:
     a built-in method without a model of its own whose proposals are cheap (a lookup:
     ``specray.drafters.registry.request_methods()``); anything else, or any method on an engine without
     speculation, is refused at admission with a ValueError. Greedy output is the same whatever its value.
+
+    ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
+    step it takes part in, with all its tokens and text so far (what streaming reads); ``"final_only"`` reports it
+    once, when it finishes, and decodes its text once then (per step only when it has stop strings to look for):
+    what ``LLM.generate`` asks for, as only finished outputs reach its caller.
     """
 
     n: int = 1
@@ -51,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
+    output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative" or "final_only"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +93,9 @@ class SamplingParams:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
                              "request) or None (the engine's setting)")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind={self.output_kind!r} must be one of {list(OUTPUT_KINDS)} ('cumulative': "
+                             "every step's output so far, for streaming; 'final_only': the finished output only)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "

@@ -72,3 +72,37 @@ def test_backend_decode_is_taken_only_when_exact(tokenizer):
     custom = Custom.__new__(Custom)
     custom.__dict__.update(tokenizer.__dict__)
     assert decoder_for(custom, True).func is _slow_decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_push_all_gives_the_text_of_pushing_one_at_a_time(request, which, skip):
+    """An output decoded once at the end (``output_kind="final_only"``) has the text the token-by-token path gives:
+    random ids with special tokens and multi-byte characters split over byte tokens, real text, pieces pushed in
+    several bulks, and text that ends in an incomplete UTF-8 sequence."""
+    tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
+    rng = random.Random(1)
+    extra = tokenizer.encode("héllo wörld 日本語 🙂 ok")
+    vocab = len(tokenizer)
+    real = tokenizer.encode(" The quick brown fox, naïvely: 'jumps' over 42 lazy dogs.\n\tdef f(x): return x")
+    sequences = [([rng.randrange(vocab) for _ in range(rng.randint(1, 9))],
+                  [rng.choice(extra) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(40)])
+                 for _ in range(60)]
+    sequences += [(real[:3], real[3:]), (real[:1], real[1:] + extra[:-1]), ([], real)]
+    bulk_ok = 0
+    for prompt, output in sequences:
+        one = IncrementalDetokenizer(tokenizer, prompt, skip)
+        for t in output:
+            one.push(t)
+        cuts = sorted(rng.sample(range(len(output) + 1), 2))
+        many = IncrementalDetokenizer(tokenizer, prompt, skip)
+        for piece in (output[: cuts[0]], output[cuts[0]: cuts[1]], output[cuts[1]:]):
+            many.push_all(piece)
+        assert many.text == one.text, (prompt, output)
+        whole = IncrementalDetokenizer(tokenizer, prompt, skip)
+        pushed = []
+        whole.push = lambda t, push=whole.push: (pushed.append(t), push(t))[1]  # the fallback's
+        whole.push_all(output)
+        assert whole.text == one.text, (prompt, output)
+        bulk_ok += not pushed
+    assert bulk_ok >= 3  # the two-decode path ran (the real texts at least), not only the token-by-token fallback

@@ -245,6 +245,36 @@ def test_stop_string(plain):
     assert free_blocks(plain) == plain.engine.scheduler.block_manager.num_blocks
 
 
+def test_final_only_outputs_equal_the_cumulative_ones(tiny_llama_dir, plain):
+    """``output_kind="final_only"`` (what ``LLM.generate`` asks for): a request is reported once, finished, with
+    the tokens, text and reasons it has when reported every step; with stop strings too (looked for every step,
+    so it stops where the cumulative one does), beside speculation."""
+    full = plain.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0]
+    stop = full.text[4:7]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    engine = llm.engine
+    kinds = {}
+    for kind in ("cumulative", "final_only"):
+        for i, params in enumerate([greedy(24), greedy(24, stop=[stop]), greedy(5),
+                                    SamplingParams(temperature=0.9, seed=3, max_tokens=20)]):
+            params.output_kind = kind
+            kinds[engine.add_request(engine.tokenizer.encode(PROMPTS[1 if i == 1 else i]), params)] = (kind, i)
+    reports: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+    finals = {}
+    for rid, (kind, i) in kinds.items():
+        outs = reports[rid]
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        assert kind == "cumulative" and len(outs) > 1 or kind == "final_only" and len(outs) == 1
+        c = outs[-1].outputs[0]
+        finals.setdefault(i, []).append((c.token_ids, c.text, c.finish_reason, c.stop_reason))
+    assert all(a == b for a, b in finals.values()), finals
+    assert finals[1][0][2] == "stop" and finals[1][0][1] == full.text[: full.text.index(stop)]
+    assert llm.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0].text == full.text
+
+
 def test_stop_string_with_speculation(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     outs = llm.generate(PROMPTS, greedy(24), use_tqdm=False)
@@ -288,6 +318,7 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
     (lambda llm: SamplingParams(temperature=float("nan")), "temperature"),
+    (lambda llm: SamplingParams(output_kind="delta"), "output_kind"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
     (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
     (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),

@@ -144,7 +144,7 @@ class LLMEngine:
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
         self.num_steps += 1
-        outputs += [self._make_output(self.tracked[r.req_id]) for r in touched if r.req_id in self.tracked]
+        outputs += self._report(touched)
         self._forget([o.request_id for o in outputs if o.finished])
         return outputs
 
@@ -561,8 +561,29 @@ class LLMEngine:
         return DraftTree(chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:], list(parents))
 
     # ---- outputs --------------------------------------------------------------------------------------
+    def _report(self, touched: list[Request]) -> list[RequestOutput]:
+        """The outputs of the requests this step touched: every one that reports each step (``output_kind``
+        "cumulative"), and the finished ones. A request reported only at the end is detokenized each step only
+        when it has stop strings to look for (a stop string may finish it now)."""
+        outputs = []
+        for request in touched:
+            tracked = self.tracked.get(request.req_id)
+            if tracked is None:
+                continue
+            if request.sampling_params.output_kind == "final_only":
+                if request.sampling_params.stop:
+                    self._detokenize(tracked)
+                if not request.status.is_finished:
+                    continue
+            outputs.append(self._make_output(tracked))
+        return outputs
+
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
+        if request.sampling_params.output_kind == "final_only" and not request.sampling_params.stop:
+            if tracked.detok is not None:  # decoded once, at the end
+                tracked.detok.push_all(request.output_token_ids[tracked.num_sent:])
+            tracked.num_sent = len(request.output_token_ids)
         self._detokenize(tracked)
         text = tracked.detok.text if tracked.detok is not None else ""
         logprobs = request.output_logprobs
