@@ -57,23 +57,27 @@ class IncrementalDetokenizer:
         return new
 
 
-    def push_all(self, token_ids: list[int]) -> None:
-        """Add many tokens at once (an output decoded only when it finishes): the text they complete from two
-        decodes instead of two per token. Where that text would not be what pushing them one at a time gives (it
-        holds an incomplete UTF-8 sequence, U+FFFD, or the window's text is not a prefix of the longer one), they
-        are pushed one at a time."""
-        if not token_ids:
-            return
+    def push_all(self, token_ids: list[int], piece: int = 32) -> None:
+        """Add many tokens at once (an output decoded only when it finishes), ``piece`` at a time: each piece's text
+        from two decodes instead of two per token. A piece whose text would not be what pushing its tokens one at a
+        time gives (it holds an incomplete UTF-8 sequence, U+FFFD, or the window's text is not a prefix of the
+        longer one) is pushed one token at a time."""
+        for start in range(0, len(token_ids), piece):
+            part = token_ids[start : start + piece]
+            if not self._push_piece(part):
+                for token_id in part:
+                    self.push(token_id)
+
+    def _push_piece(self, token_ids: list[int]) -> bool:
         tokens = self.tokens + list(token_ids)
         before = self._decode(self.tokens[self.prefix : self.read])
         after = self._decode(tokens[self.prefix :])
         new = after[len(before) :]
         if not after.startswith(before) or "\ufffd" in new:
-            for token_id in token_ids:
-                self.push(token_id)
-            return
+            return False
         self.tokens, self.text = tokens, self.text + new
         self.prefix, self.read = max(0, len(tokens) - 6), len(tokens)  # a little context, as at the start
+        return True
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

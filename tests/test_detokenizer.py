@@ -96,13 +96,14 @@ def test_push_all_gives_the_text_of_pushing_one_at_a_time(request, which, skip):
             one.push(t)
         cuts = sorted(rng.sample(range(len(output) + 1), 2))
         many = IncrementalDetokenizer(tokenizer, prompt, skip)
-        for piece in (output[: cuts[0]], output[cuts[0]: cuts[1]], output[cuts[1]:]):
-            many.push_all(piece)
+        for part in (output[: cuts[0]], output[cuts[0]: cuts[1]], output[cuts[1]:]):
+            many.push_all(part, 4)
         assert many.text == one.text, (prompt, output)
-        whole = IncrementalDetokenizer(tokenizer, prompt, skip)
-        pushed = []
-        whole.push = lambda t, push=whole.push: (pushed.append(t), push(t))[1]  # the fallback's
-        whole.push_all(output)
-        assert whole.text == one.text, (prompt, output)
-        bulk_ok += not pushed
-    assert bulk_ok >= 3  # the two-decode path ran (the real texts at least), not only the token-by-token fallback
+        for piece in (32, 5):
+            whole = IncrementalDetokenizer(tokenizer, prompt, skip)
+            pushed = []
+            whole.push = lambda t, push=whole.push: (pushed.append(t), push(t))[1]  # the fallback's
+            whole.push_all(output, piece)
+            assert whole.text == one.text, (prompt, output, piece)
+            bulk_ok += len(pushed) < len(output)
+    assert bulk_ok >= 20  # the two-decode path ran, not only the token-by-token fallback
