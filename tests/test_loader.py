@@ -374,3 +374,101 @@ def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeyp
     with pytest.raises(ValueError, match=match):
         LLM(model=str(path))
     assert not any((gguf_cache / "gguf").glob(f"*{arch}*"))  # no conversion, not even a partial one, left behind
+
+
+# ---- FP8 releases with block scales (specray.models.fp8) -------------------------------------------------------
+
+FP8_BLOCK = [16, 16]
+
+
+def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK) -> tuple[Path, Path]:
+    """``src``'s checkpoint as an FP8 release (every 2-D projection weight float8 e4m3 with a float32
+    ``weight_scale_inv`` per ``block``, as DeepSeek's and Qwen3's FP8 checkpoints store them), and beside it the
+    same model with those weights dequantized by hand (block by block, in a loop): the reference."""
+    from safetensors.torch import load_file, save_file
+
+    fp8, ref = dst / "fp8", dst / "dequantized"
+    for folder in (fp8, ref):
+        shutil.copytree(src, folder)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not (name.endswith("proj.weight") and w.dim() == 2):
+            quantized[name] = dequantized[name] = w
+            continue
+        rows, cols = w.shape
+        b0, b1 = block or (rows, cols)
+        scales = torch.empty(-(-rows // b0), -(-cols // b1))
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        back = torch.empty(rows, cols)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                part = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float()
+                scales[i, j] = part.abs().max().clamp_min(1e-12) / 448.0
+                q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (part / scales[i, j]).to(torch.float8_e4m3fn)
+                back[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = \
+                    q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scales[i, j]
+        quantized[name], quantized[name + "_scale_inv"] = q, scales if block else scales.reshape(())
+        dequantized[name] = back.to(w.dtype)
+    save_file(quantized, str(fp8 / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     **({"weight_block_size": block} if block else {})}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, ref
+
+
+@pytest.mark.parametrize("fixture,block", [("tiny_llama_dir", FP8_BLOCK), ("tiny_llama_dir", None),
+                                           ("tiny_deepseek_dir", FP8_BLOCK)])
+def test_fp8_release_loads_dequantized(request, tmp_path, fixture, block):
+    """An FP8 release (block scales, or one per tensor) loads with every weight its dequantized value: the model's
+    logits equal those of the same weights dequantized by hand and stored in full precision (DeepSeek-V3's
+    latent-attention and expert weights included)."""
+    fp8, ref = write_fp8(request.getfixturevalue(fixture), tmp_path, block)
+    ids = list(range(3, 40))
+    want = prefill_logits(load_model(ref), ids)
+    got = prefill_logits(load_model(fp8), ids)
+    assert torch.equal(got, want)
+    assert got.std() > 0.01
+
+
+def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path):
+    """DeepSeek-V3's MTP layer in an FP8 release serves method="mtp": greedy output equals the dequantized
+    checkpoint's, plain and speculative."""
+    import importlib
+
+    from specray import LLM, SamplingParams
+
+    heads = importlib.import_module("specray_test_draft_heads")
+    with_mtp = heads.write_deepseek_mtp(tmp_path / "mtp", tiny_deepseek_dir)
+    fp8, ref = write_fp8(with_mtp, tmp_path / "q")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7]}]
+    want = [o.outputs[0].token_ids for o in LLM(str(ref), max_model_len=128).generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(str(fp8), max_model_len=128, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert llm.spec_stats.drafts > 0
+
+
+def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
+    """Another quantization, static activation scales, a weight without its scale: ValueErrors naming the field."""
+    from safetensors.torch import load_file, save_file
+
+    fp8, _ = write_fp8(tiny_llama_dir, tmp_path)
+    config = json.loads((fp8 / "config.json").read_text())
+    for change, match in (({"quant_method": "awq"}, "quant_method='awq'"),
+                          ({"activation_scheme": "static"}, "activation_scheme='static'"),
+                          ({"weight_block_size": [16]}, "weight_block_size")):
+        (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
+            **config["quantization_config"], **change}}))
+        with pytest.raises(ValueError, match=match):
+            load_model(fp8)
+    (fp8 / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    dropped = next(n for n in tensors if n.endswith("_scale_inv"))
+    save_file({n: t for n, t in tensors.items() if n != dropped}, str(fp8 / "model.safetensors"))
+    with pytest.raises(ValueError, match="without their weight_scale_inv"):
+        load_model(fp8)

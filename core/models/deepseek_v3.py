@@ -127,9 +127,6 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
 class DeepseekV3Model(LlamaModel):
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
         nn.Module.__init__(self)
-        if getattr(config, "quantization_config", None):
-            raise ValueError(f"quantized checkpoints ({config.quantization_config.get('quant_method', '?')}) are not "
-                             "supported: load a bf16 conversion of the checkpoint")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList([DeepseekV3DecoderLayer(config, tp, i, expert_parallel)
                                      for i in range(config.num_hidden_layers)])

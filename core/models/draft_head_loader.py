@@ -31,7 +31,7 @@ import torch
 
 from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
 from specray.models.layers import materialize, shape_of
-from specray.models.loader import _default_dtype, iter_weights, resolve_model
+from specray.models.loader import _default_dtype, checkpoint_weights, iter_weights, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
     source = resolve_model(path)
     modules: list[list[tuple[str, Any]]] = [[] for _ in prefixes]
-    for name, tensor in iter_weights(source):
+    for name, tensor in checkpoint_weights(source):
         k = next((k for k, p in enumerate(prefixes) if name.startswith(p)), None)
         if k is None:
             continue

@@ -36,7 +36,7 @@ def narrow(w: Any, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def materialize(w: Any) -> torch.Tensor:
-    return w if isinstance(w, torch.Tensor) else w[:]
+    return w if isinstance(w, torch.Tensor) else w[...]  # "..." reads a 0-dim slice too
 
 
 def divide(n: int, d: int, what: str) -> int:

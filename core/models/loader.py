@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
+from specray.models.fp8 import dequantized, fp8_block_size
 from specray.models.interface import CausalLM
 from specray.models.registry import get_model_class, supported_architectures, text_part
 from specray.parallel import TPGroup
@@ -149,6 +150,14 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
             yield from state.items()
 
 
+def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+    """:func:`iter_weights`, with an FP8 release's weights dequantized as they come (:mod:`specray.models.fp8`)."""
+    config = json.loads((Path(source.path) / "config.json").read_text())
+    block = fp8_block_size(config.get("quantization_config") or config.get("text_config", {}).get(
+        "quantization_config"))
+    return iter_weights(source) if block is False else dequantized(iter_weights(source), block)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -170,7 +179,7 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
     source = resolve_model(model)
     config = AutoConfig.from_pretrained(source.path)
-    weights = iter_weights(source)
+    weights = checkpoint_weights(source)
     part = text_part(config)
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
         config, prefix = part

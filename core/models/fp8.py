@@ -1,0 +1,90 @@
+"""FP8 checkpoints with block scales (``quantization_config.quant_method == "fp8"``: DeepSeek-V3/R1's release,
+Qwen3's ``-FP8`` ones), dequantized as they load.
+
+Each quantized linear weight ``X.weight`` is stored as float8 (e4m3) beside ``X.weight_scale_inv``, one float32
+scale per ``weight_block_size`` block ([128, 128] in these releases; one per tensor without a block size). The
+weight is ``W = W_fp8 * scale`` over each block (the scale is the inverse of the quantizer's: multiply to
+dequantize). Activations are quantized per token at run time in these releases (``activation_scheme: dynamic``),
+which full-precision matmuls need not mimic. Weights come out in float32 and are then cast to the model's dtype,
+so a model loads at its dtype's size (bf16: twice the FP8 bytes); FP8 matmul kernels are a GPU feature not done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from specray.models.layers import materialize
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
+    """The block of a checkpoint's FP8 weights ([rows, cols]; None: one scale per tensor) by its config.json's
+    ``quantization_config`` (``quant``), or False when it has none. A quantization other than block FP8 is a
+    ValueError naming it."""
+    if not quant:
+        return False
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (specray loads FP8 block-"
+                         "quantized checkpoints, quant_method 'fp8'); load a bf16 or fp16 version of the checkpoint")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme={quant.get('activation_scheme')!r}: only dynamic "
+                         "activation scales (no input_scale tensors) are supported; load a bf16 version")
+    block = quant.get("weight_block_size")
+    if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints, e.g. [128, 128]")
+    return None if block is None else (int(block[0]), int(block[1]))
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """W [out, in] (float8) times its block's scale (``scale`` [ceil(out / b0), ceil(in / b1)], or one number)."""
+    w = weight.float()
+    if block is None or scale.numel() == 1:
+        return w * scale.float().reshape(())
+    rows, cols = w.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"a weight of shape {tuple(w.shape)} with weight_block_size {list(block)} needs scales of "
+                         f"shape {expected}, not {tuple(scale.shape)}: the checkpoint does not match its config")
+    full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return w * full
+
+
+def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale consumed); other
+    tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
+    any file; one without the other at the end is a ValueError."""
+    weights_waiting: dict[str, Any] = {}
+    scales_waiting: dict[str, Any] = {}
+    for name, tensor in weights:
+        if name.endswith(".weight" + SCALE_SUFFIX):
+            base = name[: -len(SCALE_SUFFIX)]
+            if base in weights_waiting:
+                yield base, dequantize(materialize(weights_waiting.pop(base)), materialize(tensor), block)
+            else:
+                scales_waiting[base] = tensor
+            continue
+        if name.endswith(".weight") and _is_fp8(tensor):
+            if name in scales_waiting:
+                yield name, dequantize(materialize(tensor), materialize(scales_waiting.pop(name)), block)
+            else:
+                weights_waiting[name] = tensor
+            continue
+        yield name, tensor
+    if weights_waiting or scales_waiting:
+        raise ValueError(f"FP8 weights without their weight{SCALE_SUFFIX} ({sorted(weights_waiting)[:4]}) or scales without "
+                         f"their weight ({sorted(scales_waiting)[:4]}): the checkpoint is incomplete")
+
+
+def _is_fp8(tensor: Any) -> bool:
+    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else _slice_dtype(tensor)
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _slice_dtype(tensor: Any) -> torch.dtype | None:
+    """A safetensors slice's dtype ("F8_E4M3", ...) as torch's."""
+    return {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}.get(tensor.get_dtype())
