@@ -848,3 +848,32 @@ def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
         ref = full.language_model(torch.tensor([ids])).logits[0].float()
     paged = Paged(ours)
     close(paged.step([(ids, 0, paged.table(40))])[0], ref)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3 4B/12B/27B are ``Gemma3ForConditionalGeneration``: the text model's tensors under ``language_model.``
+    beside a SigLIP vision tower. specray loads the text model (sliding and global layers, tied embeddings), whose
+    logits equal transformers' for a text-only prompt; the engine reads the text config, and greedy output runs."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from specray import LLM, SamplingParams
+    from specray.models.gemma3 import Gemma3ForCausalLM
+    from specray.models.loader import load_hf_config
+
+    text = {**TINY, **GEMMA, "num_key_value_heads": 1, "vocab_size": 300}
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=16, patch_size=8).to_dict()
+    torch.manual_seed(4)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299)
+    full = Gemma3ForConditionalGeneration(config).float().eval()
+    full.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), pack=False)
+    assert isinstance(ours, Gemma3ForCausalLM) and load_hf_config(str(tmp_path)).model_type == "gemma3_text"
+    ids = tokens(40, 7)
+    with torch.no_grad():
+        ref = full(input_ids=torch.tensor([ids])).logits[0].float()
+    paged = Paged(ours)
+    close(paged.step([(ids, 0, paged.table(40))])[0], ref)
+    out = LLM(str(tmp_path), max_model_len=128, tokenizer=None).generate(
+        {"prompt_token_ids": ids[:12]}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6

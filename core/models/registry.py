@@ -23,7 +23,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
 # rest, the vision tower and projector, is not loaded)
-_TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model."}
+_TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model.", "Gemma3ForConditionalGeneration": "language_model."}
 
 
 def text_part(hf_config) -> tuple[object, str] | None:
