@@ -353,20 +353,31 @@ DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_repla
                                  "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
-@pytest.mark.parametrize("variant", ["q-lora", "no-q-lora", "not-interleaved"])
+@pytest.mark.parametrize("variant", ["q-lora", "no-q-lora", "not-interleaved", "unabsorbed prefill"])
 def test_deepseek_v3_matches_transformers(contiguous, variant):
-    """DeepSeek-V3: weight-absorbed MLA over a latent paged cache (q LoRA or a plain q_proj, interleaved RoPE pairs
-    or not, YaRN with mscale), a dense first layer then MoE layers (grouped sigmoid router with the correction bias,
-    shared experts, routed scaling); a full prefill and a chunked one against transformers; the router picks
-    transformers' experts."""
+    """DeepSeek-V3: MLA over a latent paged cache (q LoRA or a plain q_proj, interleaved RoPE pairs or not, YaRN with
+    mscale), weight-absorbed, or unabsorbed for every sequence attended on its own (prefill chunks; at this size the
+    threshold is 112 new tokens, so the other variants run absorbed throughout), a dense first layer then MoE layers
+    (grouped sigmoid router with the correction bias, shared experts, routed scaling); a full prefill and a chunked
+    one against transformers; the router picks transformers' experts."""
+    from specray.models.deepseek_v3 import LatentAttention, unabsorbed_threshold
+
     extra = {"no-q-lora": {"q_lora_rank": None}, "not-interleaved": {"rope_interleave": False}}.get(variant, {})
     ours, hf = in_memory_pair("deepseek_v3", seed=12, **{**DEEPSEEK, **extra})
+    layers = [m for m in ours.modules() if isinstance(m, LatentAttention)]
+    assert [m.unabsorbed_from for m in layers] == [unabsorbed_threshold(16, 16, 12)] * 3 == [112] * 3
+    calls = []
+    if variant == "unabsorbed prefill":
+        for m in layers:
+            m.unabsorbed_from = 1
+            m._unabsorbed = lambda *args, run=m._unabsorbed: calls.append(1) or run(*args)
     from specray.models.kv_cache import MLAAttentionSpec
     from specray.models.moe import SparseMoE
 
     assert all(spec == MLAAttentionSpec(16, 8) for spec in ours.kv_cache_specs())
     assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == [False, True, True]
     check_variant(ours, hf, contiguous=contiguous)
+    assert bool(calls) == (variant == "unabsorbed prefill")
     x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         _, weights, ids = hf.model.layers[1].mlp.gate(x)

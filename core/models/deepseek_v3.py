@@ -1,6 +1,6 @@
 """DeepSeek-V3 / R1 (``DeepseekV3ForCausalLM``), written with tensor-parallel layers on the Llama plumbing.
 
-**Multi-head latent attention, weight-absorbed.** A token's keys and values come from one latent ``c`` (width
+**Multi-head latent attention, weight-absorbed for decode.** A token's keys and values come from one latent ``c`` (width
 ``kv_lora_rank`` R, after ``kv_a_layernorm``) and one RoPE key ``k_rot`` shared by every head (width r): head h's key
 is ``[W_UK_h c ; k_rot]`` and its value ``W_UV_h c`` (``kv_b_proj``'s rows). Since
 
@@ -11,6 +11,10 @@ and value) with head h's query ``[W_UK_h^T q_nope_h ; q_rot_h]``, and ``W_UV_h``
 output. The paged cache holds only ``[c ; k_rot]`` per token (:class:`~specray.models.kv_cache.MLAAttentionSpec`):
 (R + r) numbers per layer where a Llama-style cache of the same heads would hold 2 x heads x head_dim. The softmax
 scale is the unabsorbed one, ``qk_head_dim ** -0.5`` (times YaRN's mscale squared when ``mscale_all_dim`` is set).
+A sequence with many new tokens (a prefill chunk of at least :func:`unabsorbed_threshold` tokens, 171 at
+DeepSeek-V3's sizes) runs the unabsorbed form instead: its context's latent rows are expanded into per-head keys and
+values once, and its many queries attend them with nope + r + v products per pair instead of 2R + r
+(:meth:`LatentAttention.attend`); decode rows stay absorbed, where expanding the context would cost far more.
 
 **RoPE** covers ``qk_rope_head_dim`` only (YaRN scaling); ``rope_interleave`` checkpoints rotate interleaved pairs,
 which is the rotate-half rotation of the de-interleaved vector: q and k are de-interleaved alike (a dot product
@@ -28,6 +32,7 @@ MTP drafter's, skipped here.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
@@ -41,15 +46,19 @@ from specray.parallel import TPGroup
 
 
 class LatentAttention(PagedAttention):
-    """Multi-query attention over a latent cache ``[slots, R + r]`` whose rows are both key and value."""
+    """Attention over a latent cache ``[slots, R + r]`` whose rows are both key and value: multi-query attention in
+    the absorbed form, and for a sequence with many new tokens (a prefill chunk) the unabsorbed one (see
+    :meth:`attend`)."""
 
-    def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float):
+    def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float, nope: int, v_dim: int):
         nn.Module.__init__(self)
         self.num_heads, self.kv_spec, self.scale = num_heads, kv_spec, scale
         self.num_kv_heads, self.head_dim, self.groups = 1, kv_spec.kv_lora_rank + kv_spec.qk_rope_head_dim, num_heads
         self.mask_kind = kv_spec.mask_kind
         self.block_size = 1
         self.k_cache = self.v_cache = torch.empty(0)
+        self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
+        self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
 
     def bind_cache(self, cache: torch.Tensor, block_size: int) -> None:
         assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
@@ -58,6 +67,65 @@ class LatentAttention(PagedAttention):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # v is k: one write
+
+    def attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
+               w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q_nope [T, Hl, nope], q_rot [T, Hl, r] (rotated), kv [T, 1, R + r] (the latent and the rotated shared
+        key), W_UK [Hl, nope, R], W_UV [Hl, v, R] -> each token's attention output [T, Hl, v].
+
+        Absorbed (decode rows, short sequences): the query ``[W_UK^T q_nope ; q_rot]`` attends the latent rows as
+        keys and values, and W_UV maps the result. Unabsorbed (a sequence of at least ``unabsorbed_from`` new
+        tokens): its context's latent rows are expanded into each head's key ``[W_UK c ; k_rot]`` and value
+        ``W_UV c``, and it attends them as ordinary multi-head attention: per head and (query, key) pair nope + r
+        + v products instead of 2R + r, for R (nope + v) per context token to expand them, which pays from
+        ``R (nope + v) / (2R - nope - v)`` new tokens on (171 at DeepSeek-V3's sizes)."""
+        self._store(kv, kv, meta.slot_mapping)
+        t, hl = q_nope.shape[:2]
+        wide = [seq.query_len >= self.unabsorbed_from for seq in meta.own]
+        query = None
+        if meta.short is not None or not all(wide):
+            query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot), dim=-1)  # [T, Hl, R + r]
+        short = self._short(query, meta) if meta.short is not None else None
+        if short is not None and meta.short.token_index is None:  # identity layout: every sequence is short
+            return self._values(short, w_uv)
+        out = q_nope.new_empty(t, hl, self.v_dim)
+        if short is not None:
+            out.index_copy_(0, meta.short.out_dst, self._values(short, w_uv).index_select(0, meta.short.out_src))
+        for i, seq in enumerate(meta.own):
+            rows = slice(seq.token_start, seq.token_end)
+            if wide[i]:
+                out[rows] = self._unabsorbed(q_nope[rows], q_rot[rows], kv, w_uk, w_uv, meta, i)
+            else:
+                out[rows] = self._values(self._own(query, kv, kv, meta, i), w_uv)
+        return out
+
+    def _values(self, o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """Absorbed outputs [N, Hl * (R + r)] -> W_UV of their latent part [N, Hl, v]."""
+        o = o.view(o.shape[0], self.num_heads, self.head_dim)[..., : self.rank]
+        return torch.einsum("thr,hvr->thv", o, w_uv)
+
+    def _unabsorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
+                    w_uv: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+        seq = meta.own[i]
+        rows = slice(seq.token_start, seq.token_end)
+        ctx = kv[rows, 0] if seq.fresh else self._context(self.k_cache, seq)[0, 0]  # [ctx, R + r]
+        latent, k_rot = ctx[:, : self.rank], ctx[:, self.rank:]
+        hl = self.num_heads
+        keys = torch.cat((torch.einsum("cr,hnr->hcn", latent, w_uk), k_rot[None].expand(hl, -1, -1)), dim=-1)
+        values = torch.einsum("cr,hvr->hcv", latent, w_uv)  # [Hl, ctx, v]
+        query = torch.cat((q_nope, q_rot), dim=-1).transpose(0, 1)  # [Hl, q, nope + r]
+        mask = meta.own_mask(i, 1, self.mask_kind)  # [q, ctx] (a fresh prefill: None, causal)
+        o = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
+                                           is_causal=mask is None and seq.fresh, scale=self.scale)
+        return o[0].transpose(0, 1)  # [q, Hl, v]
+
+
+def unabsorbed_threshold(rank: int, nope: int, v_dim: int) -> int:
+    """The fewest new tokens of a sequence for which the unabsorbed form does fewer products: expanding its
+    context costs R (nope + v) per context token and head, and saves 2R - nope - v per (query, key) pair and
+    head (the latent's R + r key and R value widths against nope + r and v); never when nothing is saved."""
+    saved = 2 * rank - nope - v_dim
+    return -(-rank * (nope + v_dim) // saved) if saved > 0 else 1 << 62
 
 
 def _yarn_softmax_scale(config) -> float:
@@ -92,7 +160,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), tp)  # by head
         self.kv_b_proj.keeps_dense_weight = True  # read as W_UK and W_UV, never applied as a linear
         self.o_proj = RowParallelLinear(heads * self.v_dim, h, tp, bias=bias)
-        self.attn = LatentAttention(self.num_heads, MLAAttentionSpec(self.rank, self.rope), _yarn_softmax_scale(config))
+        self.attn = LatentAttention(self.num_heads, MLAAttentionSpec(self.rank, self.rope), _yarn_softmax_scale(config),
+                                    self.nope, self.v_dim)
 
     def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x
@@ -107,11 +176,9 @@ class MLAttention(nn.Module):
         rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
         w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # W_UK_h^T q_nope_h
-        query = torch.cat((q_latent, rot[:, :hl]), dim=-1)  # [T, Hl, R + r]
         kv = torch.cat((latent, rot[:, hl]), dim=-1)[:, None]  # [T, 1, R + r]
-        o = self.attn(query, kv, kv, meta).view(t, hl, self.rank + self.rope)[..., : self.rank]
-        return self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(t, hl * self.v_dim))
+        o = self.attn.attend(q_nope, rot[:, :hl], kv, w_uk, w_uv, meta)  # [T, Hl, v]
+        return self.o_proj(o.reshape(t, hl * self.v_dim))
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
