@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_lockstep and bench_offline (run standalone)
-from bench_lockstep import build, run_lockstep  # noqa: E402
-from bench_offline import PROMPT_SETS, chat_prompts  # noqa: E402
+from bench_lockstep import fresh_paired_runs  # noqa: E402
+from bench_offline import PROMPT_SETS  # noqa: E402
 
 
 def head_off(engine) -> None:
@@ -30,7 +29,7 @@ def head_off(engine) -> None:
     probe asks the head for drafts."""
     combine = engine._combine
     engine._combine = lambda request, batch, off_path, made, proposal, probe: (
-        combine(request, batch, off_path, None, proposal, False)[0], 0)
+        combine(request, batch, off_path, None, proposal, False)[0], 0, False)
     engine.policy.wait_or_probe = lambda *args, **kwargs: 0
 
 
@@ -58,29 +57,9 @@ def main():
     print(f"# batch {args.batch}, {args.threads} threads, max_tokens {args.max_tokens}, lookup {lookup}, "
           f"head {args.head}, {args.repeats} runs, fresh engines each\n")
     for kind in args.kinds.split(","):
-        ratios: dict[str, list[float]] = {name: [] for name in specs}
-        accepted: dict[str, list[float]] = {name: [] for name in specs}
-        for _ in range(args.repeats):
-            llms = {name: build(model, spec, args.batch) for name, spec in specs.items()}
-            head_off(llms["combined, head off"].engine)
-            engines = {name: llm.engine for name, llm in llms.items()}
-            tokenizer = engines["plain"].tokenizer
-            prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
-            results = run_lockstep(engines, prompt_ids, params)
-            plain_seconds, reference = results["plain"]
-            for name, (seconds, outputs) in results.items():
-                assert outputs == reference, f"{name}: outputs differ from the plain engine's"
-                ratios[name].append(plain_seconds / seconds)
-                if engines[name].spec_stats.drafts:
-                    accepted[name].append(engines[name].spec_stats.mean_accepted_length)
-            del engines, llms
         print(f"| {kind} | per run | median ratio to plain | mean accepted |\n|---|---|---|---|")
-        for name in specs:
-            tau = f"{statistics.mean(accepted[name]):.2f}" if accepted[name] else "-"
-            print(f"| {name} | {', '.join(f'{r:.3f}' for r in ratios[name])} | "
-                  f"{statistics.median(ratios[name]):.3f} | {tau} |", flush=True)
-        print()
-
+        fresh_paired_runs(model, specs, args.batch, PROMPT_SETS[kind], params, args.repeats,
+                          prepare=lambda llms: head_off(llms["combined, head off"].engine))
 
 if __name__ == "__main__":
     main()

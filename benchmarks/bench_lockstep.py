@@ -38,6 +38,35 @@ def build(model, spec, batch):
     return llm
 
 
+def fresh_paired_runs(model, specs: dict, batch: int, prompts: list[str], params, repeats: int, prepare=None,
+                      identical: bool = True) -> None:
+    """``repeats`` runs with fresh engines, one per ``specs`` row (``"plain"`` among them), stepped in lockstep over
+    ``prompts`` (chat-templated); ``prepare(llms)`` adjusts the engines first; ``identical``: every row's outputs must
+    equal plain's (greedy). Prints each row's ratio to plain per run, the median and the mean accepted length."""
+    ratios: dict[str, list[float]] = {name: [] for name in specs}
+    accepted: dict[str, list[float]] = {name: [] for name in specs}
+    for _ in range(repeats):
+        llms = {name: build(model, spec, batch) for name, spec in specs.items()}
+        if prepare is not None:
+            prepare(llms)
+        engines = {name: llm.engine for name, llm in llms.items()}
+        tokenizer = engines["plain"].tokenizer
+        prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, prompts)]
+        results = run_lockstep(engines, prompt_ids, params)
+        plain_seconds, reference = results["plain"]
+        for name, (seconds, outputs) in results.items():
+            assert not identical or outputs == reference, f"{name}: outputs differ from the plain engine's"
+            ratios[name].append(plain_seconds / seconds)
+            if engines[name].spec_stats.drafts:
+                accepted[name].append(engines[name].spec_stats.mean_accepted_length)
+        del engines, llms
+    for name in specs:
+        tau = f"{statistics.mean(accepted[name]):.2f}" if accepted[name] else "-"
+        print(f"| {name} | {', '.join(f'{r:.3f}' for r in ratios[name])} | {statistics.median(ratios[name]):.3f} | "
+              f"{tau} |", flush=True)
+    print()
+
+
 def run_lockstep(engines: dict, prompt_ids: list[list[int]], params, trace: dict | None = None) -> dict:
     """Give every engine the same requests, step them in turn; per engine: (seconds of its steps, outputs). With
     ``trace``, each engine's decode steps are appended to ``trace[name]`` as (seconds, drafts verified, drafts

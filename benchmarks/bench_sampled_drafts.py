@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_lockstep and bench_offline (run standalone)
-from bench_lockstep import build, run_lockstep  # noqa: E402
-from bench_offline import PROMPT_SETS, chat_prompts  # noqa: E402
+from bench_lockstep import fresh_paired_runs  # noqa: E402
+from bench_offline import PROMPT_SETS  # noqa: E402
 
 
 def argmax_drafts(llm) -> None:
@@ -60,30 +59,10 @@ def main():
         params = SamplingParams(temperature=temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 ignore_eos=True)
         for kind in args.kinds.split(","):
-            ratios: dict[str, list[float]] = {name: [] for name in configs}
-            accepted: dict[str, list[float]] = {name: [] for name in configs}
-            for _ in range(args.repeats):
-                llms = {name: build(model, spec, args.batch) for name, (spec, _) in configs.items()}
-                for name, (_, argmax) in configs.items():
-                    if argmax:
-                        argmax_drafts(llms[name])
-                engines = {name: llm.engine for name, llm in llms.items()}
-                tokenizer = engines["plain"].tokenizer
-                prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
-                results = run_lockstep(engines, prompt_ids, params)
-                plain_seconds = results["plain"][0]
-                for name, (seconds, _) in results.items():
-                    ratios[name].append(plain_seconds / seconds)
-                    if engines[name].spec_stats.drafts:
-                        accepted[name].append(engines[name].spec_stats.mean_accepted_length)
-                del engines, llms
             print(f"| T={temperature}, {kind} | per run | median ratio to plain | mean accepted |\n|---|---|---|---|")
-            for name in configs:
-                tau = f"{statistics.mean(accepted[name]):.2f}" if accepted[name] else "-"
-                print(f"| {name} | {', '.join(f'{r:.3f}' for r in ratios[name])} | "
-                      f"{statistics.median(ratios[name]):.3f} | {tau} |", flush=True)
-            print()
-
+            fresh_paired_runs(model, {name: spec for name, (spec, _) in configs.items()}, args.batch,
+                              PROMPT_SETS[kind], params, args.repeats, identical=False,
+                              prepare=lambda llms: [argmax_drafts(llms[n]) for n, (_, am) in configs.items() if am])
 
 if __name__ == "__main__":
     main()
