@@ -22,9 +22,6 @@ from specray.contract import StepPlan
 from specray.models.redrafter import ReDrafterHead, load_redrafter
 from specray.workers.head_drafter import Drafted, rows_of_last_tokens
 
-DEAD = -1e9  # the log-probability of a beam that is not there yet (all but the first before the first step)
-
-
 class ReDrafterDrafter:
     """A recurrent drafter, its beam search, and the prefix tree of its beams."""
 
@@ -70,27 +67,28 @@ class ReDrafterDrafter:
     def beam_search(self, context: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """context [B, H] (the target's hidden state), first [B] (the token it gave) -> each request's ``beams``
         best beams by path log-probability: tokens [B, M, L] and each token's log q given its beam's earlier ones
-        [B, M, L]."""
-        b, m, length = context.shape[0], self.beams, self.beam_length
-        vocab = self.head.vocab_size
+        [B, M, L]. The search starts from one beam (the first step's M best tokens all grow from it), so the first
+        step runs the drafter on one row per request, the others on M."""
+        b, length, vocab = context.shape[0], self.beam_length, self.head.vocab_size
         device = context.device
-        ctx = context[:, None, :].expand(b, m, context.shape[1])
-        state = torch.zeros_like(ctx)
-        last = first[:, None].expand(b, m)
-        # only the first beam exists before the first step: the first step's M best tokens all grow from it
-        beam_lp = torch.full((b, m), DEAD, device=device)
-        beam_lp[:, 0] = 0.0
-        tokens = torch.empty(b, m, 0, dtype=torch.long, device=device)
-        own = torch.empty(b, m, 0, device=device)
+        state = torch.zeros_like(context)[:, None]  # [B, 1, H]
+        last = first[:, None]  # [B, 1]
+        beam_lp = torch.zeros(b, 1, device=device)
+        tokens = torch.empty(b, 1, 0, dtype=torch.long, device=device)
+        own = torch.empty(b, 1, 0, device=device)
         for _ in range(length):
-            state = self.head.step(state, self.head.embed(last))  # [B, M, H]
-            lp = self.head.log_probs(ctx, state)  # [B, M, V]: log q(next | beam)
-            beam_lp, best = (beam_lp[:, :, None] + lp).view(b, m * vocab).topk(m, dim=-1)  # [B, M]
+            width = last.shape[1]
+            state = self.head.step(state, self.head.embed(last))  # [B, w, H]
+            lp = self.head.log_probs(context[:, None].expand(b, width, -1), state)  # [B, w, V]: log q(next | beam)
+            beam_lp, best = (beam_lp[:, :, None] + lp).view(b, width * vocab).topk(min(self.beams, width * vocab),
+                                                                                     dim=-1)  # [B, M]
             parent, last = best // vocab, best % vocab
-            tokens = torch.cat((tokens.gather(1, parent[:, :, None].expand_as(tokens)), last[:, :, None]), dim=2)
-            own = torch.cat((own.gather(1, parent[:, :, None].expand_as(own)),
+            m = last.shape[1]
+            tokens = torch.cat((tokens.gather(1, parent[:, :, None].expand(b, m, tokens.shape[2])),
+                                last[:, :, None]), dim=2)
+            own = torch.cat((own.gather(1, parent[:, :, None].expand(b, m, own.shape[2])),
                              lp.gather(1, parent[:, :, None].expand(b, m, vocab)).gather(2, last[:, :, None])), dim=2)
-            state = state.gather(1, parent[:, :, None].expand_as(state))
+            state = state.gather(1, parent[:, :, None].expand(b, m, state.shape[2]))
         return tokens, own
 
 
