@@ -868,12 +868,16 @@ def target_triples(target_dir, looping_prompt):
     return {t: triples(t) for t in (SAMPLED["temperature"], 1.0)}
 
 
-def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800, depth: int = 3) -> float:
+def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800, depth: int = 3,
+                   prepare=None) -> float:
     """``n`` seeded requests for ``prompt`` sampled with SAMPLED through an engine with ``method``'s accepting head:
     the worker drafts two tokens after the first (a chain drawn from the head's q, which verification keeps with
     probability min(1, p/q) or replaces from the residual; a tree's nodes are the head's best, a one-hot q). The
-    chi-square p-value of their first three tokens against ``expected`` (of the first ``depth``: its marginals)."""
+    chi-square p-value of their first three tokens against ``expected`` (of the first ``depth``: its marginals).
+    ``prepare(llm)`` adjusts the engine first."""
     llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64)
+    if prepare is not None:
+        prepare(llm)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
                         use_tqdm=False)
     stats = llm.spec_stats
@@ -893,6 +897,39 @@ def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 8
 def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping_prompt, target_triples, method):
     """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target."""
     assert sampled_pvalue(target_dir, heads, method, looping_prompt, target_triples[SAMPLED["temperature"]]) > 1e-3
+
+
+def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_trees_share_steps(
+        target_dir, heads, looping_prompt, target_triples):
+    """The head combined with suffix decoding, the choice forced so that even-seeded requests verify the head's
+    drawn chains (against their q) and odd-seeded ones the lookup's proposals, trees among them: steps mix the two,
+    each group verified apart, and the first three tokens still fit the target's distribution."""
+    mixed = []
+
+    def prepare(llm):
+        engine = llm.engine
+        price = engine.policy.price
+
+        def half_on_the_head(req, batch, drafts, key=None, scores=None):
+            n, rate = price(req, batch, drafts, key, scores)
+            if (key == engine.worker_method) == (req.sampling_params.seed % 2 == 0):
+                return len(drafts), 1e9
+            return 0, -1.0
+
+        engine.policy.price = half_on_the_head
+        execute = engine.executor.execute
+
+        def watch(plan, draft_probs=None):
+            mixed.append(any(c.worker_drafts for c in plan.chunks)
+                         and any(c.draft_parents is not None for c in plan.chunks))
+            return execute(plan, draft_probs)
+
+        engine.executor.execute = watch
+
+    pvalue = sampled_pvalue(target_dir, heads, "eagle3+suffix", looping_prompt, target_triples[SAMPLED["temperature"]],
+                            prepare=prepare)
+    assert sum(mixed) >= 5, sum(mixed)
+    assert pvalue > 1e-3
 
 
 def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
