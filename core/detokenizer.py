@@ -56,7 +56,6 @@ class IncrementalDetokenizer:
         self.text += new
         return new
 
-
     def push_all(self, token_ids: list[int], piece: int = 32) -> None:
         """Add many tokens at once (an output decoded only when it finishes), ``piece`` at a time: each piece's text
         from two decodes instead of two per token. A piece whose text would not be what pushing its tokens one at a

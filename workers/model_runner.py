@@ -156,7 +156,7 @@ class ModelRunner:
             return [], None, None, None
         every_chunk = self.typical is not None or self.relaxed is not None
         with_q = [] if every_chunk else [i for i in sampled if plan.chunks[i].req_id in draft_probs]
-        rest = [i for i in sampled if i not in with_q] if with_q else sampled
+        rest = [i for i in sampled if plan.chunks[i].req_id not in draft_probs] if with_q else sampled
         if not (every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
                                    for i in rest)):
             return (*self._verify(plan, sampled, logits, draft_probs), None, None)
@@ -278,14 +278,11 @@ def _merge_groups(sampled: list[int], *groups: tuple[list[int], tuple]) -> tuple
     columns: list[list | None] = [None] * 4
     for chunks, answers in groups:
         for c, values in enumerate(answers):
-            if values is None:
-                continue
-            if columns[c] is None:
-                columns[c] = [[] for _ in sampled]
-            for i, value in zip(chunks, values):
-                columns[c][position[i]] = value
-    kept = columns[0] if columns[0] is not None else [[] for _ in sampled]
-    return kept, columns[1], columns[2], columns[3]
+            if values is not None:
+                column = columns[c] = columns[c] or [[] for _ in sampled]
+                for i, value in zip(chunks, values):
+                    column[position[i]] = value
+    return columns[0], columns[1], columns[2], columns[3]
 
 
 def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:

@@ -150,10 +150,42 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
             yield from state.items()
 
 
+def head_tensors(path: str | os.PathLike, what: str, torch_files: tuple[str, ...]) -> tuple[Path, dict[str, Any]]:
+    """A small head's checkpoint (Medusa's, a recurrent drafter's): its folder (local, or a hub id fetched) and every
+    tensor in it by name: its ``*.safetensors`` as lazy slices, else the torch files matching ``torch_files``."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():  # a hub id
+        folder = Path(resolve_model(path).path)
+    tensors: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            tensors.update((name, fh.get_slice(name)) for name in fh.keys())
+    for file in [] if tensors else sorted(f for pattern in torch_files for f in folder.glob(pattern)):
+        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    if not tensors:
+        raise ValueError(f"the {what} checkpoint folder {str(folder)!r} has no *.safetensors or "
+                         f"{' / '.join(torch_files)} weights")
+    return folder, tensors
+
+
+def load_frozen(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> nn.Module:
+    """``module`` with ``state`` loaded (every parameter, nothing else: a ValueError naming ``what`` otherwise), in
+    eval mode, its parameters frozen."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
 def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with an FP8 release's weights dequantized as they come (:mod:`specray.models.fp8`)."""
     config = json.loads((Path(source.path) / "config.json").read_text())
-    block = fp8_block_size(config.get("quantization_config") or config.get("text_config", {}).get(
+    block = fp8_block_size(config.get("quantization_config") or (config.get("text_config") or {}).get(
         "quantization_config"))
     return iter_weights(source) if block is False else dequantized(iter_weights(source), block)
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specray.models.layers import materialize, shape_of
+from specray.models.loader import head_tensors, load_frozen
 
 _FASTER = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -72,35 +73,14 @@ def _canonical(name: str) -> tuple[str, int, int | None, str] | None:
     return None
 
 
-def _read(folder: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    files = sorted(folder.glob("*.safetensors"))
-    tensors: dict[str, Any] = {}
-    if files:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as fh:
-                for name in fh.keys():
-                    tensors[name] = fh.get_slice(name)
-        return tensors
-    pt = folder / "medusa_lm_head.pt"
-    if pt.is_file():
-        return dict(torch.load(pt, map_location="cpu", weights_only=True))
-    raise ValueError(f"the medusa checkpoint folder {str(folder)!r} has no *.safetensors or medusa_lm_head.pt")
-
-
 def load_medusa_heads(path: str | os.PathLike | None, target_config, dtype: torch.dtype,
                       device: torch.device | str) -> MedusaHeads:
     """The Medusa heads in ``path`` (a folder with ``config.json``), checked against the target's sizes."""
     if path is None:
         raise ValueError("speculative_config.model is required for method='medusa': the heads' checkpoint folder")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():  # a hub id
-        from specray.models.loader import resolve_model
-
-        folder = Path(resolve_model(path).path)
+    folder, tensors = head_tensors(path, "medusa", ("medusa_lm_head.pt",))
     parts: dict[tuple[str, int, int | None, str], Any] = {}
-    for name, tensor in _read(folder).items():
+    for name, tensor in tensors.items():
         key = _canonical(name)
         if key is not None:
             parts[key] = tensor
@@ -121,14 +101,8 @@ def load_medusa_heads(path: str | os.PathLike | None, target_config, dtype: torc
     for (kind, head, block, param), tensor in parts.items():
         name = f"lm_heads.{head}.{param}" if kind == "lm_head" else f"blocks.{head}.{block}.{param}"
         state[name] = materialize(tensor).to(dtype)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"the medusa checkpoint {str(folder)!r} does not fit {len(heads)} heads of {num_layers} "
-                         f"blocks: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
+    return load_frozen(module, state, f"the medusa checkpoint {str(folder)!r} does not fit {len(heads)} heads of "
+                                      f"{num_layers} blocks")
 
 
 def save_medusa_heads(heads: MedusaHeads, folder: str | os.PathLike, layout: str = "medusa",

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specray.models.layers import materialize
+from specray.models.loader import head_tensors, load_frozen
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 TOP_K = 50  # the drafter's logits kept per row (the reference's top-k warp)
@@ -84,37 +85,13 @@ class ReDrafterHead(nn.Module):
         return []  # no attention: nothing cached
 
 
-def _strip(name: str) -> str:
-    return name.removeprefix("drafter.")
-
-
-def _read(folder: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        tensors: dict[str, Any] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as fh:
-                tensors.update((_strip(name), fh.get_slice(name)) for name in fh.keys())
-        return tensors
-    bins = sorted(folder.glob("*.bin"))
-    if bins:
-        return {_strip(k): v for file in bins for k, v in torch.load(file, map_location="cpu", weights_only=True).items()}
-    raise ValueError(f"the redrafter checkpoint folder {str(folder)!r} has no *.safetensors or *.bin weights")
-
-
 def load_redrafter(path: str | os.PathLike | None, target_config, dtype: torch.dtype,
                    device: torch.device | str, target=None) -> ReDrafterHead:
     """The drafter in ``path`` (a folder with ``config.json``, or a hub id), checked against the target's sizes,
     reading its token embeddings from ``target``."""
     if path is None:
         raise ValueError("speculative_config.model is required for method='redrafter': the drafter's checkpoint folder")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():  # a hub id
-        from specray.models.loader import resolve_model
-
-        folder = Path(resolve_model(path).path)
+    folder, tensors = head_tensors(path, "redrafter", ("*.bin",))
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(f"the redrafter checkpoint folder {str(folder)!r} has no config.json")
@@ -130,14 +107,8 @@ def load_redrafter(path: str | os.PathLike | None, target_config, dtype: torch.d
     with torch.device(device):
         module = ReDrafterHead(h, v, int(config["exit_dim"]), int(config["num_draft_layers"]),
                                bool(config.get("rnn", False))).to(dtype)
-    state = {_ours(name, module): materialize(t).to(dtype) for name, t in _read(folder).items()}
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"the redrafter checkpoint {str(folder)!r} does not fit its config.json ({config}): "
-                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
+    state = {_ours(name.removeprefix("drafter."), module): materialize(t).to(dtype) for name, t in tensors.items()}
+    load_frozen(module, state, f"the redrafter checkpoint {str(folder)!r} does not fit its config.json ({config})")
     return module.bind(target) if target is not None else module
 
 
