@@ -158,14 +158,28 @@ def test_magpie_prompts_resume_without_repeats(tmp_path, target_dir):
         make_prompts(_FakeLLM(tok, stop=False), DataConfig(num_prompts=5, batch_size=4), str(tmp_path / "none"))
 
 
-def test_train_draft_medusa_trains_resumes_and_drafts(tmp_path, target_dir):
-    """``--method medusa``: the pipeline trains Medusa heads on the target's own text (stopped after one step and
-    resumed from its checkpoint), the heads agree with the target on held-out text, they are written in
-    FasterDecoding's layout, and served (``method="medusa"``, a token tree) they keep greedy output identical while
-    getting drafts accepted."""
+# per method: its own training options, what its export writes, how it is served
+WHOLE_MODULES = {
+    "medusa": (dict(medusa_num_heads=4), 4, lambda head: (head / "medusa_lm_head.safetensors").exists(),
+               {"num_speculative_tokens": 6}),
+    "redrafter": (dict(ttt_steps=3), 3,
+                  lambda head: json.loads((head / "config.json").read_text())["model_type"] ==
+                  "recurrent_drafting_drafter",
+                  {"num_speculative_tokens": 6, "redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}),
+}
+
+
+@pytest.mark.parametrize("method", list(WHOLE_MODULES))
+def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir, method):
+    """``--method medusa`` and ``--method redrafter``: the pipeline trains the heads (Medusa's) or the recurrent
+    drafter on the target's own text (stopped after one step and resumed from its checkpoint); each head, or each
+    teacher-forced draft step, agrees with the target on held-out text; they are written in their public layout
+    (FasterDecoding's, Apple's), and served (a token tree) they keep greedy output identical while getting drafts
+    accepted."""
+    options, steps, written, serving = WHOLE_MODULES[method]
     data = tiny_data(tmp_path)
-    train = dict(method="medusa", lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
-                 eval_fraction=0.15, medusa_num_heads=4)
+    train = dict(method=method, lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
+                 eval_fraction=0.15, **options)
     out = tmp_path / "out"
     run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=0.01, **train),
                        stages=("data", "features", "train")))
@@ -173,36 +187,11 @@ def test_train_draft_medusa_trains_resumes_and_drafts(tmp_path, target_dir):
     trained = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
                                  stages=("features", "train", "export")))
     assert trained["step"] > first >= 1
-    assert len(trained["agreement"]) == 4 and min(trained["agreement"]) > 0.5, trained
-    assert (out / "head" / "medusa_lm_head.safetensors").exists()
-    assert json.loads((out / "head" / "card.json").read_text())["method"] == "medusa"
+    assert len(trained["agreement"]) == steps and min(trained["agreement"]) > 0.5, trained
+    if method == "redrafter":
+        assert trained["expected_accepted_length_one_beam"] > 1.5, trained
+    assert written(out / "head")
+    assert json.loads((out / "head" / "card.json").read_text())["method"] == method
 
-    stats = served_like_plain(target_dir, {"method": "medusa", "model": str(out / "head"),
-                                           "num_speculative_tokens": 6, "adaptive": False})
-    assert stats.accepted_tokens > 0, stats.as_dict()
-
-
-def test_train_draft_redrafter_trains_resumes_and_drafts(tmp_path, target_dir):
-    """``--method redrafter``: the pipeline trains a recurrent drafter on the target's own text (stopped after one
-    step and resumed from its checkpoint), each teacher-forced draft step agrees with the target on held-out text,
-    it is written in Apple's layout, and served (``method="redrafter"``, beams merged into a tree) it keeps greedy
-    output identical while getting drafts accepted."""
-    data = tiny_data(tmp_path)
-    train = dict(method="redrafter", lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
-                 eval_fraction=0.15, ttt_steps=3)
-    out = tmp_path / "out"
-    run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=0.01, **train),
-                       stages=("data", "features", "train")))
-    first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["step"]
-    trained = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
-                                 stages=("features", "train", "export")))
-    assert trained["step"] > first >= 1
-    assert len(trained["agreement"]) == 3 and min(trained["agreement"]) > 0.5, trained
-    assert trained["expected_accepted_length_one_beam"] > 1.5, trained
-    assert json.loads((out / "head" / "config.json").read_text())["model_type"] == "recurrent_drafting_drafter"
-    assert json.loads((out / "head" / "card.json").read_text())["method"] == "redrafter"
-
-    stats = served_like_plain(target_dir, {"method": "redrafter", "model": str(out / "head"),
-                                           "num_speculative_tokens": 6, "adaptive": False,
-                                           "redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3})
+    stats = served_like_plain(target_dir, {"method": method, "model": str(out / "head"), "adaptive": False, **serving})
     assert stats.accepted_tokens > 0, stats.as_dict()
