@@ -406,29 +406,26 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert free_blocks(llm) == 28
 
 
-def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, heads):
-    """After every step, each request's Medusa tree is its heads' top-k over the target's hidden state at the last
-    committed position (recomputed densely from scratch), placed as medusa_choices says; greedy output is plain."""
-    from specray.drafters.hidden_state import DEFAULT_MEDUSA_CHOICES
-    from specray.models.medusa import load_medusa_heads
-
-    kwargs = engine_kwargs(target_dir, heads, "accepting", "medusa", block_size=4, num_kv_blocks=40, max_num_seqs=4)
-    kwargs["speculative_config"]["num_speculative_tokens"] = len(DEFAULT_MEDUSA_CHOICES)
+def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int):
+    """Run four prompts (small blocks, so they are preempted) through ``method``'s ``kind`` head drafting up to
+    ``num_nodes`` nodes; after every step, for every request that drafted: (its tokens, drafts, parents, scores,
+    the target's hidden state at its last committed position recomputed densely from scratch, the dense target)."""
+    kwargs = engine_kwargs(target_dir, heads, kind, method, block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    kwargs["speculative_config"]["num_speculative_tokens"] = num_nodes
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
     engine.executor = rec = Recorder(engine.executor)
     target = load_model(str(target_dir))
-    medusa = load_medusa_heads(str(heads["accepting", "medusa"]), load_hf_config(str(target_dir)), torch.float32,
-                               "cpu")
     allocate_kv_cache(target, 64, 16)
     tok = llm.get_tokenizer()
     for prompt in PROMPTS[3:7]:
-        engine.add_request(tok.encode(prompt), greedy(20))
-    checked = 0
+        engine.add_request(tok.encode(prompt), greedy(max_tokens))
     while engine.has_unfinished_requests():
         engine.step()
-        plan, result = rec.steps[-1]
-        for req_id, drafts in zip(result.req_ids, result.draft_token_ids or []):
+        _, result = rec.steps[-1]
+        none = [[]] * len(result.req_ids)
+        for req_id, drafts, parents, scores in zip(result.req_ids, result.draft_token_ids or none,
+                                                   result.draft_parents or none, result.draft_scores or none):
             req = engine.scheduler.requests.get(req_id)
             if not drafts or req is None:
                 continue
@@ -436,10 +433,25 @@ def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, he
             with torch.inference_mode():
                 hidden = target(torch.tensor(req.all_token_ids[:n]),
                                 build_attention_metadata([n], [0], [list(range(64))], 16))
-                probs = torch.softmax(medusa(hidden[-1:]), dim=-1)[0]  # [K, V]
-            want = [int(probs[len(c) - 1].topk(4).indices[c[-1]]) for c in DEFAULT_MEDUSA_CHOICES[: len(drafts)]]
-            assert drafts == want, (req_id, drafts, want)
-            checked += 1
+            yield list(req.all_token_ids), drafts, parents, scores, hidden[-1], target
+
+
+def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, heads):
+    """After every step, each request's Medusa tree is its heads' top-k over the target's hidden state at the last
+    committed position (recomputed densely from scratch), placed as medusa_choices says; greedy output is plain."""
+    from specray.drafters.hidden_state import DEFAULT_MEDUSA_CHOICES
+    from specray.models.medusa import load_medusa_heads
+
+    medusa = load_medusa_heads(str(heads["accepting", "medusa"]), load_hf_config(str(target_dir)), torch.float32,
+                               "cpu")
+    checked = 0
+    for tokens, drafts, _, _, hidden, _ in trees_over_dense_hidden(target_dir, heads, "accepting", "medusa",
+                                                                   len(DEFAULT_MEDUSA_CHOICES), 20):
+        with torch.inference_mode():
+            probs = torch.softmax(medusa(hidden[None]), dim=-1)[0]  # [K, V]
+        want = [int(probs[len(c) - 1].topk(4).indices[c[-1]]) for c in DEFAULT_MEDUSA_CHOICES[: len(drafts)]]
+        assert drafts == want, (tokens, drafts, want)
+        checked += 1
     assert checked >= 10
 
 
@@ -466,37 +478,18 @@ def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads):
     from specray.models.redrafter import load_redrafter
     from specray.workers.redrafter_drafter import prefix_tree
 
-    kwargs = engine_kwargs(target_dir, heads, "random", "redrafter", block_size=4, num_kv_blocks=40, max_num_seqs=4)
-    kwargs["speculative_config"]["num_speculative_tokens"] = 7
-    llm = LLM(kwargs.pop("model"), **kwargs)
-    engine = llm.engine
-    engine.executor = rec = Recorder(engine.executor)
-    target = load_model(str(target_dir))
     drafter = load_redrafter(str(heads["random", "redrafter"]), load_hf_config(str(target_dir)), torch.float32, "cpu")
     assert drafter.input_proj is not None and drafter.rnn
-    allocate_kv_cache(target, 64, 16)
-    tok = llm.get_tokenizer()
-    for prompt in PROMPTS[3:7]:
-        engine.add_request(tok.encode(prompt), greedy(16))
     checked = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        plan, result = rec.steps[-1]
-        for req_id, drafts, parents, scores in zip(result.req_ids, result.draft_token_ids or [],
-                                                   result.draft_parents or [], result.draft_scores or []):
-            req = engine.scheduler.requests.get(req_id)
-            if not drafts or req is None:
-                continue
-            n = req.num_computed_tokens  # the last token (just sampled) has no hidden state yet
-            with torch.inference_mode():
-                hidden = target(torch.tensor(req.all_token_ids[:n]),
-                                build_attention_metadata([n], [0], [list(range(64))], 16))
-                beams = reference_beams(drafter, target.embed(torch.arange(target.vocab_size)), hidden[-1],
-                                        req.all_token_ids[-1], **{"width": 3, "length": 3})
-            want = prefix_tree([b for b, _ in beams], [lps for _, lps in beams], len(drafts))
-            assert (drafts, parents) == (want.token_ids, want.parents), (req_id, drafts, parents, want)
-            assert scores == pytest.approx(want.scores, abs=1e-5)
-            checked += 1
+    for tokens, drafts, parents, scores, hidden, target in trees_over_dense_hidden(target_dir, heads, "random",
+                                                                                   "redrafter", 7, 16):
+        with torch.inference_mode():
+            beams = reference_beams(drafter, target.embed(torch.arange(target.vocab_size)), hidden, tokens[-1],
+                                    width=3, length=3)
+        want = prefix_tree([b for b, _ in beams], [lps for _, lps in beams], len(drafts))
+        assert (drafts, parents) == (want.token_ids, want.parents), (tokens, drafts, parents, want)
+        assert scores == pytest.approx(want.scores, abs=1e-5)
+        checked += 1
     assert checked >= 10
 
 
