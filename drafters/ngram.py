@@ -292,9 +292,40 @@ class NgramPool:
     def _index(self, sid: int, lo: int) -> None:
         """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
         (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
-        if self._fifo is None and len(self._tokens[sid]) - lo >= _BULK:
-            self._index_bulk(sid, lo)
+        tokens = self._tokens[sid]
+        end = len(tokens)
+        if self._fifo is None:
+            if end - lo >= _BULK:
+                self._index_bulk(sid, lo)
+            elif lo >= self.max_n:  # a decode step's few tokens, every n-gram whole
+                self._index_few(sid, lo)
+            else:
+                self._index_fifo(sid, lo)
             return
+        self._index_fifo(sid, lo)
+
+    def _index_few(self, sid: int, lo: int) -> None:
+        """:meth:`_index` for a few tokens appended at ``lo >= max_n`` in a pool without a FIFO (each step's)."""
+        tokens, table, keep_all = self._tokens[sid], self._table, self.is_keep_all
+        base, added, ns = sid << _POS_BITS, 0, range(self.min_n, self.max_n + 1)
+        seg = tuple(tokens[lo - self.max_n:])  # every n-gram is a slice of it
+        for i, pos in enumerate(range(lo, len(tokens)), self.max_n):
+            ref = base | pos
+            for n in ns:
+                gram = seg[i - n:i]
+                refs = table.get(gram)
+                if refs is None:
+                    table[gram] = [ref]
+                    added += 1
+                elif keep_all:
+                    refs.append(ref)
+                    added += 1
+                else:
+                    refs[0] = ref
+        self.num_refs += added
+
+    def _index_fifo(self, sid: int, lo: int) -> None:
+        """:meth:`_index`, every case: a FIFO to keep in text order, or n-grams cut by the sequence's start."""
         tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
         base, recorded, added, min_n, max_n = sid << _POS_BITS, 0, 0, self.min_n, self.max_n
         lo = max(lo, 1)
