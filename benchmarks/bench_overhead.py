@@ -228,6 +228,7 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     timer = instrument(engine, clock, phases)
     times, phases, seen, new_tokens = [], defaultdict(list), {}, 0
+    delta = args.output_kind == "delta"  # outputs carry only their new tokens
     # Warm up until every request decodes (the prompts' prefill takes batch * prompt_len / 2048 steps), then
     # measure: requests that finish are replaced, so arrivals (a prompt to prefill and index) are part of it.
     warmup = args.warmup + -(-batch * args.prompt_len // 2048)
@@ -239,7 +240,7 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
         outputs = engine.step()
         elapsed = clock() - start
         for out in outputs:
-            num = len(out.outputs[0].token_ids)
+            num = len(out.outputs[0].token_ids) + (seen.get(out.request_id, 0) if delta else 0)
             new_tokens += (num - seen.get(out.request_id, 0)) * (i >= warmup)
             seen[out.request_id] = num
             if out.finished:
@@ -275,9 +276,10 @@ def main() -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: this thread's CPU time "
                         "(steady on a machine other jobs share); wall: elapsed time")
     parser.add_argument("--no-tokenizer", action="store_true", help="skip detokenizing")
-    parser.add_argument("--output-kind", choices=("cumulative", "final_only"), default="cumulative",
-                        help="cumulative: every request reported each step (streaming); final_only: once, finished "
-                        "(LLM.generate's); tokens per request-step then counts finished requests' tokens")
+    parser.add_argument("--output-kind", choices=("cumulative", "delta", "final_only"), default="cumulative",
+                        help="cumulative: every request reported each step, whole; delta: each step, what it added "
+                        "(the Serve app's engine replicas); final_only: once, finished (LLM.generate's); tokens per "
+                        "request-step then counts finished requests' tokens")
     parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first row's measured steps; print the top functions")

@@ -136,7 +136,6 @@ class _Choice:
     prompt: _Prompt
     params: SamplingParams
     req_id: str
-    hold: int  # characters held back while streaming: a stop string may still complete there
     output: CompletionOutput | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     sent_chars: int = 0
@@ -148,11 +147,11 @@ class _Choice:
         self.spec_stats = out.spec_stats
 
     def take_delta(self) -> tuple[str, int, int]:
-        """The new text that is safe to send, and the range of new output tokens."""
+        """The new text (the engine reports none that a stop string may still take back), and the range of new
+        output tokens."""
         out = self.output
-        end = len(out.text) if out.finish_reason is not None else len(out.text) - self.hold
-        text = out.text[self.sent_chars:end] if end > self.sent_chars else ""
-        self.sent_chars = max(self.sent_chars, end)
+        text = out.text[self.sent_chars:]
+        self.sent_chars += len(text)
         start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
         return text, start, self.sent_tokens
 
@@ -487,13 +486,12 @@ class OpenAIServing:
 
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
                  request_id: str) -> list[_Choice]:
-        hold = max((len(s) for s in req.stop_list()), default=1) - 1
         choices = []
         for p, prompt in enumerate(prompts):
             for i in range(req.n):
                 index = p * req.n + i
                 params = proto.sampling_params(req, max_tokens, logprobs, i)
-                choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", hold))
+                choices.append(_Choice(index, prompt, params, f"{request_id}-{index}"))
         return choices
 
     async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:

@@ -57,7 +57,7 @@ from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.engine.builder import check_engine_args  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
-from specray.outputs import RequestOutput  # noqa: E402
+from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -300,8 +300,10 @@ class SpecrayEngine:
                   prompt: str | None = None) -> str:
         """Start a request whose outputs travel on ingress ``ingress_id``'s stream (:meth:`outputs`) and return
         this replica's id, which the ingress pins that stream and its aborts to. Bad input is the request's
-        first (and last) item on that stream."""
+        first (and last) item on that stream. Its outputs are deltas (``output_kind="delta"``): a step sends
+        what it added, not the whole output again."""
         box = self._outbox(ingress_id)
+        params = dataclasses.replace(params, output_kind="delta")
         with _portable_errors():
             stream = self.client.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
         box.tasks[req_id] = asyncio.create_task(box.pump(req_id, stream))
@@ -317,8 +319,8 @@ class SpecrayEngine:
 
     async def outputs(self, ingress_id: str) -> AsyncIterator[dict[str, Any]]:
         """Streamed through a handle pinned to this replica: per item, everything produced for the ingress's
-        requests here since the last item, ``{req_id: newest output or error}`` (outputs are cumulative), so
-        the hop is paid per engine step, not per request per step. It ends after ``OUTBOX_IDLE_S`` with nothing
+        requests here since the last item, ``{req_id: delta output or error}`` (a request's deltas since the last
+        item joined into one), so the hop is paid per engine step, not per request per step. It ends after ``OUTBOX_IDLE_S`` with nothing
         in flight (the ingress opens a new one with its next request); if the ingress goes away, its requests
         are aborted. The first item is empty: it tells the ingress that the replica is still there."""
         box = self._outbox(ingress_id)
@@ -375,8 +377,8 @@ class SpecrayEngine:
 
 
 class _Outbox:
-    """One ingress replica's requests on this engine replica: each request's newest output (or its error)
-    since the ingress's stream last took them, and the tasks that read the requests' engine streams."""
+    """One ingress replica's requests on this engine replica: each request's delta output since the ingress's
+    stream last took them (or its error), and the tasks that read the requests' engine streams."""
 
     def __init__(self):
         self.pending: dict[str, Any] = {}
@@ -395,6 +397,9 @@ class _Outbox:
             self.tasks.pop(req_id, None)
 
     def _put(self, req_id: str, item: Any) -> None:
+        older = self.pending.get(req_id)
+        if isinstance(older, RequestOutput) and isinstance(item, RequestOutput):
+            item = merge_deltas(older, item)
         self.pending[req_id] = item
         self._ready.set()
 
@@ -459,7 +464,8 @@ class RemoteEngineClient:
         self._down_since: float | None = None
         self._probe: asyncio.Task | None = None
         self._id = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
-        self._queues: dict[str, asyncio.Queue] = {}  # req_id -> its outputs, then possibly an error
+        self._queues: dict[str, asyncio.Queue] = {}  # req_id -> its cumulative outputs, then possibly an error
+        self._so_far: dict[str, RequestOutput] = {}  # req_id -> its outputs' deltas joined so far
         self._links: dict[str, _EngineLink] = {}  # engine replica id -> the stream of its outputs for us
 
     async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
@@ -479,6 +485,7 @@ class RemoteEngineClient:
                 yield item
         finally:
             self._queues.pop(req_id, None)
+            self._so_far.pop(req_id, None)
             if link is not None:
                 link.requests.discard(req_id)
                 _IN_FLIGHT[link.replica_id] -= 1
@@ -516,10 +523,14 @@ class RemoteEngineClient:
         return link
 
     def _deliver(self, batch: dict[str, Any]) -> None:
+        """Hand each request its cumulative output (the engine replica sends deltas) or its error."""
         for req_id, item in batch.items():
             queue = self._queues.get(req_id)
-            if queue is not None:
-                queue.put_nowait(item)
+            if queue is None:
+                continue
+            if isinstance(item, RequestOutput):
+                item = self._so_far[req_id] = accumulate(self._so_far.get(req_id), item)
+            queue.put_nowait(item)
 
     async def engine_state(self) -> dict:
         return await self._call("engine_state")

@@ -88,7 +88,13 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     """One request's state after a step (the whole of it so far). ``finished`` with ``finish_reason == "error"``
-    means a step failed for this request and ``error`` says why; the engine's other requests were unharmed."""
+    means a step failed for this request and ``error`` says why; the engine's other requests were unharmed.
+
+    With ``SamplingParams.output_kind="delta"`` it holds what is new since the request's previous report: the
+    outputs' ``token_ids``, ``text`` and ``logprobs`` are the new ones, ``prompt`` and ``prompt_token_ids`` come
+    in the first report only (None and [] after it); ``cumulative_logprob``, the reasons, ``finished``, ``error``
+    and ``spec_stats`` are the request's state at the report, as in a cumulative output. :func:`merge_deltas`
+    joins two consecutive deltas; :func:`accumulate` turns the sequence back into cumulative outputs."""
 
     request_id: str
     prompt: str | None
@@ -98,3 +104,35 @@ class RequestOutput:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
     error: str | None = None
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One delta output for two consecutive ones of the same request (a reader that fell behind takes both as
+    one): the new parts concatenated, the state (reasons, ``finished``, statistics) of ``newer``."""
+    return _joined(older, newer, older.prompt if older.prompt_token_ids else newer.prompt,
+                   older.prompt_token_ids or newer.prompt_token_ids)
+
+
+def accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The cumulative output after ``delta``, given the cumulative output before it (None before the first
+    delta, which carries the prompt). Builds new lists: outputs already handed out are never changed."""
+    if so_far is None:
+        return _joined(None, delta, delta.prompt, delta.prompt_token_ids)
+    return _joined(so_far, delta, so_far.prompt, so_far.prompt_token_ids)
+
+
+def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | None,
+            prompt_token_ids: list[int]) -> RequestOutput:
+    completions = []
+    for i, new in enumerate(newer.outputs):
+        old = older.outputs[i] if older is not None else None
+        if old is None:
+            token_ids, text = list(new.token_ids), new.text
+            logprobs = None if new.logprobs is None else list(new.logprobs)
+        else:
+            token_ids, text = old.token_ids + new.token_ids, old.text + new.text
+            logprobs = None if new.logprobs is None else (old.logprobs or []) + new.logprobs
+        completions.append(CompletionOutput(new.index, text, token_ids, new.cumulative_logprob, logprobs,
+                                            new.finish_reason, new.stop_reason))
+    return RequestOutput(newer.request_id, prompt, prompt_token_ids, completions, newer.finished,
+                         newer.spec_stats, newer.error)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 # What a request's own random stream (torch.Generator.manual_seed) accepts: a signed or unsigned 64-bit int.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TOP_K_MAX = (1 << 31) - 1  # the sampler packs top_k into a tensor; any k past the vocabulary means all of it
-OUTPUT_KINDS = ("cumulative", "final_only")  # vLLM's RequestOutputKind (its DELTA is not offered)
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind
 
 
 @dataclass
@@ -37,9 +37,15 @@ class SamplingParams:
     speculation, is refused at admission with a ValueError. Greedy output is the same whatever its value.
 
     ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
-    step it takes part in, with all its tokens and text so far (what streaming reads); ``"final_only"`` reports it
-    once, when it finishes, and decodes its text once then (per step only when it has stop strings to look for):
-    what ``LLM.generate`` asks for, as only finished outputs reach its caller.
+    step it takes part in, with all its tokens and text so far; ``"delta"`` reports it as often, with only what is
+    new since its last report (tokens, text, logprobs; the prompt in the first report only; see
+    :class:`~specray.outputs.RequestOutput`): a stream's cost per step stays the size of the step, not of the
+    output (the Serve app's engine replicas send deltas); ``"final_only"`` reports it once, when it finishes, and
+    decodes its text once then (per step only when it has stop strings to look for): what ``LLM.generate`` asks
+    for, as only finished outputs reach its caller. While a request has stop strings (and
+    ``include_stop_str_in_output`` is off) and is not finished, its reported text leaves out the last
+    ``max(len(stop)) - 1`` characters, where a stop string may still begin (vLLM's stop buffer), so text once
+    reported is never taken back.
     """
 
     n: int = 1
@@ -57,7 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
-    output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative" or "final_only"
+    output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,7 +101,7 @@ class SamplingParams:
                              "request) or None (the engine's setting)")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind={self.output_kind!r} must be one of {list(OUTPUT_KINDS)} ('cumulative': "
-                             "every step's output so far, for streaming; 'final_only': the finished output only)")
+                             "every step's output so far; 'delta': what each step added; 'final_only': the finished output only)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "

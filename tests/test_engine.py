@@ -275,6 +275,57 @@ def test_final_only_outputs_equal_the_cumulative_ones(tiny_llama_dir, plain):
     assert llm.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0].text == full.text
 
 
+def test_delta_outputs_join_to_the_cumulative_ones(tiny_llama_dir, plain):
+    """``output_kind="delta"`` reports as often as "cumulative", each report holding only what is new (tokens,
+    text, logprobs; the prompt once): joined in order they equal the cumulative report of the same step, for
+    stop strings (text a stop string may still take back is never reported), logprobs, sampling and speculation.
+    Cumulative text only grows too, and the last report of each kind is the whole output."""
+    from dataclasses import replace
+
+    from specray.outputs import accumulate, merge_deltas
+
+    full = plain.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0]
+    stop = full.text[6:10]
+    assert stop.strip() and full.text.index(stop) == 6, full.text
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    engine = llm.engine
+    cases = [greedy(24), greedy(24, stop=[stop, "zz"]), greedy(24, stop=[stop], include_stop_str_in_output=True),
+             greedy(12, logprobs=2), SamplingParams(temperature=0.9, seed=3, max_tokens=20, logprobs=1)]
+    kinds = {}
+    for kind in ("cumulative", "delta"):
+        for i, params in enumerate(cases):
+            params = SamplingParams(**{**params.__dict__, "output_kind": kind})
+            prompt = engine.tokenizer.encode(PROMPTS[1 if i in (1, 2) else i % len(PROMPTS)])
+            kinds[engine.add_request(prompt, params, prompt=f"prompt {i}")] = (kind, i)
+    reports: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports.setdefault(kinds[out.request_id], []).append(out)
+    for i, params in enumerate(cases):
+        cumulative, deltas = reports[("cumulative", i)], reports[("delta", i)]
+        assert len(cumulative) == len(deltas) > 1
+        assert deltas[0].prompt == f"prompt {i}" and deltas[0].prompt_token_ids
+        assert all(d.prompt is None and d.prompt_token_ids == [] for d in deltas[1:])
+        so_far = None
+        for step, (whole, delta) in enumerate(zip(cumulative, deltas)):
+            so_far = accumulate(so_far, delta)
+            assert replace(so_far, request_id=whole.request_id) == whole, (i, step)
+            if step:
+                assert whole.outputs[0].text.startswith(cumulative[step - 1].outputs[0].text), (i, step)
+        merged = deltas[0]
+        for delta in deltas[1:]:
+            merged = merge_deltas(merged, delta)
+        assert replace(merged, request_id=cumulative[-1].request_id) == cumulative[-1]
+        assert (cumulative[-1].outputs[0].logprobs is None) == (params.logprobs is None)
+    out = reports[("cumulative", 1)][-1].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == full.text[:6]
+    assert reports[("cumulative", 2)][-1].outputs[0].text == full.text[:10]
+    # while the stop string may still begin in them, the last len(stop) - 1 characters are held back
+    early = [r.outputs[0].text for r in reports[("cumulative", 1)][:-1]]
+    texts = [c.outputs[0].text for c in reports[("cumulative", 0)]]
+    assert all(len(t) <= 6 for t in early) and any(texts[j] != early[j] for j in range(len(early)))
+
+
 def test_stop_string_with_speculation(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     outs = llm.generate(PROMPTS, greedy(24), use_tqdm=False)
@@ -318,7 +369,7 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
     (lambda llm: SamplingParams(temperature=float("nan")), "temperature"),
-    (lambda llm: SamplingParams(output_kind="delta"), "output_kind"),
+    (lambda llm: SamplingParams(output_kind="deltas"), "output_kind"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
     (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
     (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),

@@ -926,21 +926,24 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         assert time.monotonic() - start < 5
 
 
-def test_engine_replica_sends_each_request_s_newest_output_per_item():
-    """An ingress's output stream carries, per item, every request's newest output since the last item
-    (outputs are cumulative: a reader that falls behind gets the newest state, one hop per read, not one per
-    request per step), and an engine error still reaches its request."""
+def test_engine_replica_sends_each_request_s_new_output_per_item():
+    """An ingress's output stream carries, per item, what every request produced since the last item (the
+    engine replica's outputs are deltas, and a reader that falls behind gets a request's deltas joined into one:
+    one hop per read, not one per request per step), the ingress rebuilds the cumulative outputs from them, and
+    an engine error still reaches its request."""
     from specray.cluster.serve import _Outbox
     from specray.errors import EngineError
+    from specray.outputs import accumulate
 
-    def output(rid: str, n: int) -> RequestOutput:
-        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+    def delta(rid: str, n: int) -> RequestOutput:  # token n-1, and the prompt in the first delta only
+        return RequestOutput(rid, "p" if n == 1 else None, [7] if n == 1 else [],
+                             [CompletionOutput(0, f"<{n}>", [n - 1])], finished=False)
 
     async def engine(rid: str, gate: asyncio.Event, fail: bool):
-        yield output(rid, 1)
+        yield delta(rid, 1)
         await gate.wait()
         for n in (2, 3):
-            yield output(rid, n)
+            yield delta(rid, n)
         if fail:
             raise EngineError("worker died")
 
@@ -956,9 +959,12 @@ def test_engine_replica_sends_each_request_s_newest_output_per_item():
         return batches
 
     first, rest = asyncio.run(read())
-    assert {rid: len(out.outputs[0].token_ids) for rid, out in first.items()} == {"a": 1, "b": 1}
-    assert len(rest["a"].outputs[0].token_ids) == 3
+    assert {rid: out.outputs[0].token_ids for rid, out in first.items()} == {"a": [0], "b": [0]}
+    assert (rest["a"].outputs[0].token_ids, rest["a"].outputs[0].text, rest["a"].prompt) == ([1, 2], "<2><3>", None)
     assert isinstance(rest["b"], EngineError) and "worker died" in str(rest["b"])
+    whole = accumulate(accumulate(None, first["a"]), rest["a"])
+    assert (whole.prompt, whole.prompt_token_ids, whole.outputs[0].token_ids, whole.outputs[0].text) == \
+        ("p", [7], [0, 1, 2], "<1><2><3>")
 
 
 class _FakeEngineHandle:
@@ -1107,16 +1113,18 @@ class _FakeEngineReplica:
 
 
 def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_together():
-    """The ingress reads one stream per engine replica whose items carry every request's newest output; a
-    client that leaves is aborted on that replica (pinned by its id); when the replica dies, every request on
-    the stream gets the dead-replica 503 and the next ones fail fast."""
+    """The ingress reads one stream per engine replica whose items carry every request's new output (a delta);
+    it hands each request its cumulative output, the newest to a slow reader; a client that leaves is aborted on
+    that replica (pinned by its id); when the replica dies, every request on the stream gets the dead-replica 503
+    and the next ones fail fast."""
     from ray.exceptions import RayActorError
 
     from specray.cluster.openai_app import EngineUnavailableError
     from specray.cluster.serve import _IN_FLIGHT, PIN_PREFIX, RemoteEngineClient
 
-    def output(rid: str, n: int) -> RequestOutput:
-        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=False)
+    def output(rid: str, n: int) -> RequestOutput:  # the delta adding token n - 1
+        return RequestOutput(rid, "p" if n == 1 else None, [1] if n == 1 else [],
+                             [CompletionOutput(0, "x", [n - 1])], finished=False)
 
     async def scenario() -> None:
         replica = _FakeEngineReplica()
@@ -1133,7 +1141,8 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
         replica.batches.put_nowait({"b": output("b", 2), "c": output("c", 2)})
         replica.batches.put_nowait({"b": output("b", 3)})
         await asyncio.sleep(0.05)
-        assert len((await anext(streams["b"])).outputs[0].token_ids) == 3  # a slow reader gets the newest
+        newest = await anext(streams["b"])  # a slow reader gets the newest
+        assert (newest.prompt_token_ids, newest.outputs[0].token_ids, newest.outputs[0].text) == ([1], [0, 1, 2], "xxx")
         replica.batches.put_nowait(RayActorError())  # the replica died
         for rid in "bc":
             with pytest.raises(EngineUnavailableError, match="engine replica died"):

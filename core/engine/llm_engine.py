@@ -30,8 +30,11 @@ class _Tracked:
     request: Request
     prompt: str | None
     detok: IncrementalDetokenizer | None
-    num_sent: int = 0  # output tokens already reported (for streaming deltas)
+    num_sent: int = 0  # output tokens already pushed through the detokenizer
     error: str | None = None  # why a step failed for this request (finish_reason "error")
+    hold: int = 0  # characters of text left out of reports until it finishes: a stop string may begin there
+    reported_tokens: int = -1  # output tokens reported so far (output_kind "delta"); -1: nothing reported yet
+    reported_chars: int = 0  # characters of text reported so far (output_kind "delta")
 
 
 class LLMEngine:
@@ -86,7 +89,8 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.tracked[req_id] = _Tracked(request, prompt, detok)
+        hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+        self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold)
         return req_id
 
     def _admit_method(self, params: SamplingParams) -> bool:
@@ -580,20 +584,35 @@ class LLMEngine:
 
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
-        if request.sampling_params.output_kind == "final_only" and not request.sampling_params.stop:
+        kind = request.sampling_params.output_kind
+        if kind == "final_only" and not request.sampling_params.stop:
             if tracked.detok is not None:  # decoded once, at the end
                 tracked.detok.push_all(request.output_token_ids[tracked.num_sent:])
             tracked.num_sent = len(request.output_token_ids)
         self._detokenize(tracked)
         text = tracked.detok.text if tracked.detok is not None else ""
-        logprobs = request.output_logprobs
+        finished = request.status.is_finished
+        if tracked.hold and not finished:  # a stop string may still begin in the last hold characters
+            text = text[: max(0, len(text) - tracked.hold)]
+        tokens, logprobs = request.output_token_ids, request.output_logprobs
+        cumulative_logprob = None if logprobs is None else request.cumulative_logprob
+        prompt, prompt_ids = tracked.prompt, request.prompt_token_ids
+        if kind == "delta":  # what is new since the last report; the prompt once
+            start = max(0, tracked.reported_tokens)
+            if tracked.reported_tokens >= 0:
+                prompt, prompt_ids = None, []
+            text = text[tracked.reported_chars:]
+            tracked.reported_chars += len(text)
+            tokens = tokens[start:]
+            logprobs = None if logprobs is None else logprobs[start:]
+            tracked.reported_tokens = len(request.output_token_ids)
+        else:
+            tokens, logprobs = list(tokens), None if logprobs is None else list(logprobs)
         # positional arguments, in the dataclasses' field order: built for every request every step
-        completion = CompletionOutput(0, text, list(request.output_token_ids),
-                                      None if logprobs is None else request.cumulative_logprob,
-                                      None if logprobs is None else list(logprobs),
-                                      request.finish_reason, request.stop_reason)
-        return RequestOutput(request.req_id, tracked.prompt, request.prompt_token_ids, [completion],
-                             request.status.is_finished, request.spec_stats.copy(), tracked.error)
+        completion = CompletionOutput(0, text, tokens, cumulative_logprob, logprobs, request.finish_reason,
+                                      request.stop_reason)
+        return RequestOutput(request.req_id, prompt, prompt_ids, [completion], finished, request.spec_stats.copy(),
+                             tracked.error)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Push the new output tokens through the detokenizer; finish the request on a stop string."""
