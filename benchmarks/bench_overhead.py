@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first row's measured steps; print the top functions")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the n-gram drafter's essential dict work alone, per batch size (its floor)")
     args = parser.parse_args()
 
     if args.no_tokenizer:
@@ -308,6 +310,47 @@ def main() -> None:
             cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
             print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {r.mean_ms:.3f} | {cells} | "
                   f"{r.tokens_per_request_step:.2f} |", flush=True)
+    if args.floor:
+        for batch in (int(b) for b in args.batch.split(",")):
+            print(f"\nngram floor at batch {batch}: {ngram_floor(batch, args):.3f} ms per step (dict work alone)")
+
+
+def ngram_floor(batch: int, args, steps: int = 300, lookup_min: int = 2, lookup_max: int = 4) -> float:
+    """The least Python work the ``ngram`` drafter's step can be: for every request, index the 1-3 tokens the
+    step added (one dict operation per n-gram, n = 2..4, tuples sliced from the history) and look up the
+    longest suffix match, in one loop with nothing else (no engine, no state checks, no proposal objects).
+    Median thread-CPU ms per step over ``steps`` steps, histories ``prompt_len`` tokens in."""
+    rng = random.Random(batch)
+    texts = make_texts(batch, args.prompt_len + steps * 3 + 8, batch, 49152, args.phrases, args.repeat)
+    tables: list[dict] = [{} for _ in range(batch)]
+    histories = [text[:args.prompt_len] for text in texts]
+    for table, history in zip(tables, histories):
+        for pos in range(lookup_max, len(history)):
+            for n in range(lookup_min, lookup_max + 1):
+                table.setdefault(tuple(history[pos - n:pos]), []).append(pos)
+    times = []
+    for _ in range(steps):
+        grow = [rng.choice((1, 1, 2, 2, 3)) for _ in range(batch)]
+        start = time.thread_time()
+        for table, history, text, k in zip(tables, histories, texts, grow):
+            lo = len(history)
+            history.extend(text[lo:lo + k])
+            for pos in range(lo, lo + k):
+                for n in range(lookup_min, lookup_max + 1):
+                    gram = tuple(history[pos - n:pos])
+                    refs = table.get(gram)
+                    if refs is None:
+                        table[gram] = [pos]
+                    else:
+                        refs.append(pos)
+            tail = tuple(history[-lookup_max:])
+            for n in range(lookup_max, lookup_min - 1, -1):
+                refs = table.get(tail[-n:])
+                if refs:
+                    _ = history[refs[0]:refs[0] + args.k]
+                    break
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e3
 
 
 def profile(batch: int, method: str | None, tokenizer, args) -> None:
