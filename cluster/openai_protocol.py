@@ -162,8 +162,9 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -179,13 +180,6 @@ class _GenerationRequest(_Strict):
     def _token_ids_not_negative(cls, value):
         if value and any(t < 0 for t in value):
             raise ValueError("token ids must be >= 0")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value):
-        if value:
-            raise ValueError("penalties are not supported by this server; omit it or pass 0")
         return value
 
     @field_validator("logit_bias")
@@ -329,6 +323,9 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

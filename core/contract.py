@@ -51,6 +51,7 @@ class NewRequest:
     req_id: str
     sampling_params: SamplingParams
     block_ids: list[int]
+    num_prompt_tokens: int = 0  # where its output starts (penalties count output tokens apart from the prompt)
 
 
 @dataclass

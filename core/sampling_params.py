@@ -24,6 +24,14 @@ class SamplingParams:
     default "raw logprobs": log_softmax of the target model's raw logits at that position, before temperature,
     top-k/top-p/min-p (so they do not depend on the sampling parameters). None (the default) computes nothing.
 
+    ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (> 0, 1 is off)
+    are vLLM's: with c_v the times token v occurs in the output so far, each logit drops by
+    ``frequency_penalty * c_v + presence_penalty * [c_v > 0]``, and for every token of the prompt or the output
+    so far a positive logit is divided by ``repetition_penalty`` and a negative one multiplied by it
+    (transformers' ``repetition_penalty``). They shape the distribution sampled from, greedy included; with
+    speculation every verified position is penalized by the tokens before it, drafts included, so the output is
+    the one decoding without speculation gives. Logprobs stay raw (before penalties).
+
     ``num_speculative_tokens`` is a specray extension: the most draft tokens verified per step for this request.
     None follows the engine's ``speculative_config``; 0 turns speculation off for this request; k > 0 allows at
     most k, capped (silently, never an error) by the engine's ``num_speculative_tokens``. It has no effect on an
@@ -61,6 +69,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
@@ -95,6 +106,13 @@ class SamplingParams:
             raise ValueError(f"logprobs={self.logprobs!r} must be an int >= 0 or None")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2] (0 turns it off)")
+        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0 (1 turns it off; "
+                             "above 1 discourages repeats)")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
@@ -122,6 +140,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty shapes this request's distribution."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _is_int(value) -> bool:

@@ -221,6 +221,18 @@ def test_greedy_one_request_at_a_time_equals_plain(target_dir, heads, plain_outp
     assert llm.spec_stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_penalties_equals_plain(target_dir, heads, plain, method):
+    """Penalized requests (each verified position penalized by its own prefix, drafts included) beside an
+    unpenalized one, under preemption: the heads' drafts know no penalty, the output is plain decoding's."""
+    params = [greedy(16, repetition_penalty=1.5), greedy(16, frequency_penalty=0.8, presence_penalty=0.3),
+              greedy(16), greedy(16, repetition_penalty=0.8)]
+    want = token_ids(plain.generate(PROMPTS[:4], params, use_tqdm=False))
+    llm = make_llm(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=24)
+    assert token_ids(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == want
+    assert llm.spec_stats.accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("kw", [{"block_size": 4, "num_kv_blocks": 40}, {"max_num_batched_tokens": 16}],
                          ids=["preemption", "chunked-prefill"])
 @pytest.mark.parametrize("method", METHODS)

@@ -166,6 +166,18 @@ def test_completion_matches_offline_greedy(client, offline):
     assert spec["accepted_tokens"] <= spec["draft_tokens"]
 
 
+def test_penalties_reach_the_engine(client, offline):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty give the offline engine's output
+    with the same penalties, which differs from the unpenalized one."""
+    prompt = "Alice met Bob"
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.8}
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      presence_penalty=1.5, frequency_penalty=0.5,
+                                      extra_body={"repetition_penalty": 1.8})
+    want = offline_greedy(offline, [prompt], 20, **penalties)[0].outputs[0].text
+    assert resp.choices[0].text == want != offline_greedy(offline, [prompt], 20)[0].outputs[0].text
+
+
 def test_completion_with_token_ids_and_batch_of_prompts(client, offline):
     ids = offline.get_tokenizer().encode("print(i)")
     resp = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0)
@@ -334,7 +346,9 @@ BAD_PARAMS = [
     ({"speculative": {"enable": False}}, "speculative.enable"),
     ({"speculative": {"method": "bogus"}}, "speculative.method"),  # refused by the engine replica
     ({"speculative": {"method": "draft_model", "num_speculative_tokens": 2}}, "speculative.method"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
 ]

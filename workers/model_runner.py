@@ -27,6 +27,7 @@ from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.penalties import PenaltyHistory, penalize
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
@@ -59,6 +60,7 @@ class ModelRunner:
         # reads; typical and relaxed acceptance read no q, so with them every draft is the head's argmax
         self.q_drafts = (self.drafter is not None and self.drafter.samples_from_q and self.typical is None
                          and self.relaxed is None)
+        self.penalties = PenaltyHistory()  # the committed tokens of penalized requests (driver rank)
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -67,6 +69,7 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
+            self.penalties.drop(rid)
             if self.drafter is not None:
                 self.drafter.drop(rid, finished=True)
         for rid in plan.preempted_req_ids:
@@ -82,6 +85,8 @@ class ModelRunner:
             if new.req_id not in self.params:
                 self.params[new.req_id] = new.sampling_params
                 self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
+                if self.is_driver:
+                    self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens)
         for delta in plan.block_deltas:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]
@@ -98,7 +103,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         if not self.is_driver:
             return None
+        for chunk in plan.chunks:
+            self.penalties.observe_chunk(chunk)
         kept, logprobs, paths, nodes = self._verify_all(plan, sampled, logits, self._with_worker_q(plan, draft_probs))
+        for i, tokens in zip(sampled, kept):
+            self.penalties.observe_kept(plan.chunks[i].req_id, tokens)
         n = len(plan.chunks)
         result = StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
                             None if logprobs is None else _per_chunk(n, sampled, logprobs),
@@ -154,23 +163,43 @@ class ModelRunner:
         head's chain beside a lookup's tree) verifies the two groups apart, at one host sync each."""
         if not sampled:
             return [], None, None, None
+        logits, raw = self._penalized(plan, sampled, logits), logits
+        if raw is logits:
+            raw = None
         every_chunk = self.typical is not None or self.relaxed is not None
         with_q = [] if every_chunk else [i for i in sampled if plan.chunks[i].req_id in draft_probs]
         rest = [i for i in sampled if plan.chunks[i].req_id not in draft_probs] if with_q else sampled
         if not (every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
                                    for i in rest)):
-            return (*self._verify(plan, sampled, logits, draft_probs), None, None)
+            return (*self._verify(plan, sampled, logits, draft_probs, raw), None, None)
         if not with_q:
-            return self._verify_trees(plan, sampled, logits)
+            return self._verify_trees(plan, sampled, logits, raw)
         rows = _logit_rows_by_chunk(plan, sampled)
-        chains = self._verify(plan, with_q, _rows(logits, rows, with_q), draft_probs)
-        trees = self._verify_trees(plan, rest, _rows(logits, rows, rest))
+        chains = self._verify(plan, with_q, _rows(logits, rows, with_q), draft_probs, _rows(raw, rows, with_q))
+        trees = self._verify_trees(plan, rest, _rows(logits, rows, rest), _rows(raw, rows, rest))
         return _merge_groups(sampled, (with_q, chains), (rest, trees))
 
-    def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
-                ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
-        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back. Returns each sampled chunk's kept
-        tokens and, when some request asked for them, their logprobs."""
+    def _penalized(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every penalized request's rows penalized by their own prefixes (a copy; the raw rows
+        stay for logprobs), or ``logits`` itself when no request in the step has penalties."""
+        chosen = [i for i in sampled if plan.chunks[i].req_id in self.penalties]
+        if not chosen:
+            return logits
+        logits = logits.clone()
+        rows = _logit_rows_by_chunk(plan, sampled)
+        for i in chosen:
+            c = plan.chunks[i]
+            prompt, output = self.penalties.prefix(c.req_id)
+            parents = c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
+            penalize(logits, rows[i], self.params[c.req_id], prompt, output,
+                     c.token_ids[c.num_tokens - c.num_draft_tokens:], parents)
+        return logits
+
+    def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor],
+                raw: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
+        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back (``raw``: before penalties, for
+        logprobs; None: the same). Returns each sampled chunk's kept tokens and, when some request asked for
+        them, their logprobs."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
         probs = [draft_probs.get(c.req_id) for c in chunks] if draft_probs else None
@@ -181,11 +210,14 @@ class ModelRunner:
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
         tokens, num_accepted = verify(padded.target_logits, padded.draft_token_ids, padded.num_drafts,
                                       padded.draft_probs, batch, draft_counts=padded.draft_counts)
-        logprobs = target_logprobs(padded.target_logits, tokens, [sp.logprobs for sp in params])
+        wanted = [sp.logprobs for sp in params]
+        if raw is not None and any(k is not None for k in wanted):
+            padded = pad_drafts(raw, drafts, None)
+        logprobs = target_logprobs(padded.target_logits, tokens, wanted)
         return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
 
 
-    def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor
+    def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, raw: torch.Tensor | None = None
                       ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
                                  list[list[int]] | None]:
         """``sampled`` chunks through tree verification (a chain is a tree): drafts without q (a chain with a
@@ -207,7 +239,9 @@ class ModelRunner:
             thinking = torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool,
                                     device=logits.device)
         verdict = verify_tree(padded, batch, self.typical, self.relaxed, thinking)
-        logprobs = tree_logprobs(padded, verdict, [sp.logprobs for sp in params])
+        wanted = [sp.logprobs for sp in params]
+        raw_padded = padded if raw is None or all(k is None for k in wanted) else pad_tree_drafts(raw, drafts, parents)
+        logprobs = tree_logprobs(raw_padded, verdict, wanted)
         wanted = any(c.want_node_tokens for c in chunks)
         kept, paths, per_request, per_node = unpad_tree(verdict, logprobs,  # the step's one host sync
                                                         node_argmax(padded) if wanted else None)
@@ -265,7 +299,9 @@ def _logit_rows_by_chunk(plan: StepPlan, sampled: list[int]) -> dict[int, list[i
     return out
 
 
-def _rows(logits: torch.Tensor, rows: dict[int, list[int]], chunks: list[int]) -> torch.Tensor:
+def _rows(logits: torch.Tensor | None, rows: dict[int, list[int]], chunks: list[int]) -> torch.Tensor | None:
+    if logits is None:
+        return None
     return logits.index_select(0, _long([r for i in chunks for r in rows[i]], logits.device))
 
 

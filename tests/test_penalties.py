@@ -1,0 +1,207 @@
+"""Presence, frequency and repetition penalties: the math against a reference and transformers, every verified
+position penalized by its own prefix (greedy speculative output equals greedy plain output, for chains, trees and
+a draft model), the target's penalized distribution kept under sampling, and bad values refused."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specray import LLM, SamplingParams
+from specray.penalties import penalize
+
+PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three one", "a b a b a b a",
+           "hello world, hello world, hello"]
+PENALTIES = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.9), dict(presence_penalty=1.2),
+             dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4)]
+
+
+def reference(row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """One row penalized by vLLM's definitions, token by token."""
+    row = row.clone()
+    for v in set(prompt) | set(output):
+        if params.repetition_penalty != 1.0:
+            row[v] = row[v] / params.repetition_penalty if row[v] > 0 else row[v] * params.repetition_penalty
+    for v in set(output):
+        row[v] -= params.frequency_penalty * output.count(v) + params.presence_penalty
+    return row
+
+
+@pytest.mark.parametrize("kw", PENALTIES)
+def test_every_row_is_penalized_by_its_own_prefix(kw):
+    """Row 0 after the committed tokens, row i + 1 after them and node i's path (random trees, chains among them)."""
+    rng = random.Random(3)
+    params = SamplingParams(**kw)
+    V = 40
+    for trial in range(30):
+        k = rng.randint(0, 6)
+        parents = [rng.randint(-1, i - 1) for i in range(k)] if trial % 2 else list(range(-1, k - 1))
+        drafts = [rng.randrange(V) for _ in range(k)]
+        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 8))]
+        output = [rng.randrange(V) for _ in range(rng.randint(0, 8))]
+        logits = torch.randn(k + 3, V) * 3
+        rows = list(range(2, k + 3))
+        got = logits.clone()
+        penalize(got, rows, params, prompt, output, drafts, parents)
+        assert torch.equal(got[:2], logits[:2])  # other requests' rows untouched
+        for j, row in enumerate(rows):
+            path, node = [], j - 1
+            while node >= 0:
+                path.insert(0, drafts[node])
+                node = parents[node]
+            want = reference(logits[row], prompt, output + path, params)
+            torch.testing.assert_close(got[row], want, msg=f"trial {trial} row {j}")
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([[3, 7, 7, 1, 9]])
+    logits = torch.randn(1, 12) * 4
+    want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
+    got = logits.clone()
+    penalize(got, [0], SamplingParams(repetition_penalty=1.7), [3, 7], [7, 1, 9], [], [])
+    torch.testing.assert_close(got, want)
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Greedy decoding with transformers' model and the reference penalties, no cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1].float()
+            out.append(int(reference(logits, prompt_ids, out, params).argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.mark.parametrize("kw", PENALTIES[:2] + PENALTIES[3:])
+def test_plain_greedy_with_penalties_matches_transformers(tiny_llama_dir, plain, kw):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **kw)
+    ids = plain.get_tokenizer().encode(PROMPTS[0])
+    got = plain.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(str(tiny_llama_dir), ids, 16, params)
+    unpenalized = plain.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=16,
+                                                                            ignore_eos=True), use_tqdm=False)
+    if kw is not PENALTIES[3]:  # a penalty against repeats changed the tiny model's loop (the mixed one favours it)
+        assert got != unpenalized[0].outputs[0].token_ids
+
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+              "adaptive": False},
+    "ngram-tree": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   "num_branches": 2, "adaptive": False},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_speculative_greedy_with_penalties_equals_plain(tiny_llama_dir, plain, spec):
+    """Batch 1 and 4, each request with its own penalties beside an unpenalized one; drafts are accepted and
+    rejected (the draft model is the target itself, whose q knows no penalty)."""
+    config = dict(SPECS[spec])
+    if spec == "draft_model":
+        config["model"] = str(tiny_llama_dir)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw) for kw in PENALTIES]
+    params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    for i in (0, 3):
+        assert llm.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0].token_ids == want[i]
+    stats = llm.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens > 0, stats
+
+
+def test_logprobs_stay_raw_with_penalties(plain):
+    """The sampled tokens follow the penalized distribution; their logprobs are the raw model's."""
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    raw = plain.generate(PROMPTS[1], base, use_tqdm=False)[0].outputs[0]
+    pen = plain.generate(PROMPTS[1], SamplingParams(**{**base.__dict__, "repetition_penalty": 3.0}),
+                         use_tqdm=False)[0].outputs[0]
+    first = raw.token_ids[0]
+    assert pen.token_ids[0] == first and pen.logprobs[0] == raw.logprobs[0]  # no repeat yet at the first token
+    # at every position the chosen token's logprob is the raw model's, which ranks its own argmax first
+    assert any(max(lp.values()) > lp[t] for t, lp in zip(pen.token_ids, pen.logprobs))
+
+
+SAMPLED = dict(temperature=0.8, top_k=3, max_tokens=3, ignore_eos=True, repetition_penalty=2.0,
+               frequency_penalty=0.7)
+
+
+def test_sampled_output_keeps_the_penalized_target_distribution(tiny_llama_dir, plain):
+    """A draft model equal to the target, whose q ignores the penalties, drafts every token: rejection sampling
+    against the penalized p must give the first three tokens' joint distribution of penalized plain sampling."""
+    from transformers import AutoModelForCausalLM
+
+    from specray.sampling import SamplingBatch, logits_to_probs
+
+    ids = plain.get_tokenizer().encode(PROMPTS[2])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32).eval()
+    params = SamplingParams(**SAMPLED)
+    batch = SamplingBatch.build([params], [None], "cpu")
+
+    @torch.no_grad()
+    def probs(out: list[int]) -> np.ndarray:
+        logits = reference(model(torch.tensor([ids + out])).logits[0, -1].float(), ids, out, params)
+        return logits_to_probs(logits[None], batch)[0].double().numpy()
+
+    expected = {}
+    p0 = probs([])
+    for a in np.flatnonzero(p0):
+        p1 = probs([int(a)])
+        for b in np.flatnonzero(p1):
+            p2 = probs([int(a), int(b)])
+            expected.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
+    config = {**SPECS["draft_model"], "model": str(tiny_llama_dir)}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=64)
+    n = 900
+    outs = llm.generate([{"prompt_token_ids": ids}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
+                        use_tqdm=False)
+    stats = llm.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens > 0, stats
+    triples = [tuple(o.outputs[0].token_ids) for o in outs]
+    keys = sorted(set(expected) | set(triples))
+    observed = np.array([triples.count(key) for key in keys], dtype=float)
+    want = np.array([expected.get(key, 0.0) for key in keys])
+    assert observed[want == 0].sum() == 0, "sampled a triple the penalized target gives no mass"
+    cells = want / want.sum() * n
+    big, small = cells >= 5, (cells > 0) & (cells < 5)
+    if small.any():  # the cells expected to hold fewer than 5 pooled into one
+        observed, cells = np.append(observed[big], observed[small].sum()), np.append(cells[big], cells[small].sum())
+    else:
+        observed, cells = observed[big], cells[big]
+    pvalue = chisquare(observed, cells).pvalue
+    assert pvalue > 1e-3, pvalue
+    # the control: the target's unpenalized distribution is not what came out
+    unpenalized = SamplingParams(**{**SAMPLED, "repetition_penalty": 1.0, "frequency_penalty": 0.0})
+    assert not np.allclose(probs([int(np.flatnonzero(p0)[0])]),
+                           _plain_probs(model, ids, [int(np.flatnonzero(p0)[0])], unpenalized))
+
+
+def _plain_probs(model, ids, out, params) -> np.ndarray:
+    from specray.sampling import SamplingBatch, logits_to_probs
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+    return logits_to_probs(logits[None], SamplingBatch.build([params], [None], "cpu"))[0].double().numpy()
+
+
+@pytest.mark.parametrize("kw, field", [(dict(presence_penalty=2.5), "presence_penalty"),
+                                       (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                                       (dict(repetition_penalty=0), "repetition_penalty"),
+                                       (dict(repetition_penalty=-1.0), "repetition_penalty")])
+def test_bad_penalties_are_clear_errors(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
