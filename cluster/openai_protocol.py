@@ -165,7 +165,7 @@ class _GenerationRequest(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameter
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias; a dict of ints once parsed
 
     @field_validator("stop")
     @classmethod
@@ -184,10 +184,18 @@ class _GenerationRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported by this server; omit it")
-        return value
+    def _logit_bias_token_ids(cls, value):
+        """OpenAI's keys are token ids written as strings: {"50256": -100}."""
+        if value is None:
+            return value
+        out = {}
+        for key, bias in value.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
+            out[int(key)] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -326,6 +334,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias or None,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

@@ -5,7 +5,8 @@ With ``c_v`` the number of times token v occurs in the output so far (the prompt
     logits_v -= frequency_penalty * c_v + presence_penalty * [c_v > 0]
 
 and for every token v of the prompt or the output so far, ``repetition_penalty`` r divides a positive logit by r
-and multiplies a negative one by r (transformers' ``repetition_penalty``, from CTRL).
+and multiplies a negative one by r (transformers' ``repetition_penalty``, from CTRL). ``logit_bias`` is added to
+the logits before the penalties (it depends on no position).
 
 The penalty at a position depends on every token before it. A request that verifies k drafts has 1 + k logit
 rows: row 0 follows its committed tokens, row i + 1 follows them plus the draft path to node i (a chain's drafts
@@ -82,6 +83,10 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, 
     assert len(rows) == k + 1 and len(parents) == k, (rows, k, parents)
     index = torch.tensor(rows, dtype=torch.long, device=device)
     block = logits.index_select(0, index).float()  # [k + 1, V]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        block[:, ids] += bias
     counts = _counts(output, V, device).expand(k + 1, V)  # [k + 1, V] the output's counts, every row
     if k:  # plus, from row i + 1 on, node i's path: paths[i + 1, j] = 1 when node j is on it
         paths = torch.zeros(k + 1, k, dtype=torch.float32)

@@ -28,7 +28,8 @@ class SamplingParams:
     are vLLM's: with c_v the times token v occurs in the output so far, each logit drops by
     ``frequency_penalty * c_v + presence_penalty * [c_v > 0]``, and for every token of the prompt or the output
     so far a positive logit is divided by ``repetition_penalty`` and a negative one multiplied by it
-    (transformers' ``repetition_penalty``). They shape the distribution sampled from, greedy included; with
+    (transformers' ``repetition_penalty``). ``logit_bias`` (OpenAI's) adds ``{token_id: bias}`` (bias in
+    [-100, 100]) to those logits first. They shape the distribution sampled from, greedy included; with
     speculation every verified position is penalized by the tokens before it, drafts included, so the output is
     the one decoding without speculation gives. Logprobs stay raw (before penalties).
 
@@ -72,6 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
@@ -113,6 +115,13 @@ class SamplingParams:
         if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0 (1 turns it off; "
                              "above 1 discourages repeats)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to biases in [-100, 100]")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0 or not _is_finite(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias={{{token!r}: {bias!r}, ...}}: each key must be a token id >= 0 "
+                                     "and each bias a number in [-100, 100]")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
@@ -134,6 +143,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias={{{bad[0]}: ...}} names token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {vocab_size}); drop them")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs={self.logprobs} exceeds the vocabulary size {vocab_size}; ask for fewer")
 
@@ -143,8 +156,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty shapes this request's distribution."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        """Whether a penalty or a logit bias shapes this request's distribution."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
 
 def _is_int(value) -> bool:

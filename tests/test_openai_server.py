@@ -176,6 +176,9 @@ def test_penalties_reach_the_engine(client, offline):
                                       extra_body={"repetition_penalty": 1.8})
     want = offline_greedy(offline, [prompt], 20, **penalties)[0].outputs[0].text
     assert resp.choices[0].text == want != offline_greedy(offline, [prompt], 20)[0].outputs[0].text
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                       logit_bias={"7": 100})
+    assert biased.choices[0].text == offline_greedy(offline, [prompt], 5, logit_bias={7: 100.0})[0].outputs[0].text
 
 
 def test_completion_with_token_ids_and_batch_of_prompts(client, offline):
@@ -349,6 +352,9 @@ BAD_PARAMS = [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary: refused by the engine replica
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
 ]

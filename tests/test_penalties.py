@@ -15,12 +15,15 @@ from specray.penalties import penalize
 PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three one", "a b a b a b a",
            "hello world, hello world, hello"]
 PENALTIES = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.9), dict(presence_penalty=1.2),
-             dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4)]
+             dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4),
+             dict(logit_bias={5: 4.0, 9: -100.0, 12: 2.5}, frequency_penalty=0.5)]
 
 
 def reference(row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
     """One row penalized by vLLM's definitions, token by token."""
     row = row.clone()
+    for v, bias in (params.logit_bias or {}).items():
+        row[v] += bias
     for v in set(prompt) | set(output):
         if params.repetition_penalty != 1.0:
             row[v] = row[v] / params.repetition_penalty if row[v] > 0 else row[v] * params.repetition_penalty
@@ -201,7 +204,27 @@ def _plain_probs(model, ids, out, params) -> np.ndarray:
 @pytest.mark.parametrize("kw, field", [(dict(presence_penalty=2.5), "presence_penalty"),
                                        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
                                        (dict(repetition_penalty=0), "repetition_penalty"),
-                                       (dict(repetition_penalty=-1.0), "repetition_penalty")])
+                                       (dict(repetition_penalty=-1.0), "repetition_penalty"),
+                                       (dict(logit_bias={3: 101.0}), "logit_bias"),
+                                       (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                                       (dict(logit_bias=[1, 2]), "logit_bias")])
 def test_bad_penalties_are_clear_errors(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_admission(plain):
+    with pytest.raises(ValueError, match=r"logit_bias=\{100000: \.\.\.\} names token ids \[100000\]"):
+        plain.generate("hi", SamplingParams(logit_bias={100000: 1.0}), use_tqdm=False)
+    assert not plain.engine.has_unfinished_requests()
+
+
+def test_logit_bias_forces_and_bans_tokens(plain):
+    """+100 on one token makes greedy pick it every time; -100 on the unbiased argmax bans it."""
+    base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = plain.generate(PROMPTS[0], base, use_tqdm=False)[0].outputs[0].token_ids
+    forced = plain.generate(PROMPTS[0], SamplingParams(**{**base.__dict__, "logit_bias": {7: 100.0}}),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    banned = plain.generate(PROMPTS[0], SamplingParams(**{**base.__dict__, "logit_bias": {first[0]: -100.0}}),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [7] * 6 and first[0] not in banned
