@@ -164,7 +164,8 @@ class _GenerationRequest(_Strict):
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameter
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameters: this and min_tokens
+    min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias; a dict of ints once parsed
 
     @field_validator("stop")
@@ -335,6 +336,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias or None,
+        min_tokens=req.min_tokens or 0,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

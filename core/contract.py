@@ -52,6 +52,8 @@ class NewRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_prompt_tokens: int = 0  # where its output starts (penalties count output tokens apart from the prompt)
+    # the tokens that would end it (stop token ids, EOS unless ignore_eos), banned before min_tokens outputs
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

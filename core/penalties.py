@@ -6,7 +6,8 @@ With ``c_v`` the number of times token v occurs in the output so far (the prompt
 
 and for every token v of the prompt or the output so far, ``repetition_penalty`` r divides a positive logit by r
 and multiplies a negative one by r (transformers' ``repetition_penalty``, from CTRL). ``logit_bias`` is added to
-the logits before the penalties (it depends on no position).
+the logits before the penalties (it depends on no position). Before ``min_tokens`` outputs (the row's own,
+drafts on its path counted) the tokens that would end the request get no probability.
 
 The penalty at a position depends on every token before it. A request that verifies k drafts has 1 + k logit
 rows: row 0 follows its committed tokens, row i + 1 follows them plus the draft path to node i (a chain's drafts
@@ -29,11 +30,13 @@ import torch
 
 from specray.contract import ScheduledChunk
 from specray.sampling_params import SamplingParams
+from specray.tree import depths
 
 
 @dataclass
 class _Tokens:
     num_prompt: int
+    banned: list[int]  # banned before min_tokens outputs
     ids: list[int] = field(default_factory=list)  # the request's committed tokens: prompt, then output
 
 
@@ -43,9 +46,9 @@ class PenaltyHistory:
     def __init__(self) -> None:
         self._requests: dict[str, _Tokens] = {}
 
-    def add(self, req_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def add(self, req_id: str, params: SamplingParams, num_prompt_tokens: int, banned: Sequence[int] = ()) -> None:
         if params.penalized and req_id not in self._requests:
-            self._requests[req_id] = _Tokens(num_prompt_tokens)
+            self._requests[req_id] = _Tokens(num_prompt_tokens, list(banned))
 
     def drop(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -67,17 +70,18 @@ class PenaltyHistory:
         if tokens is not None:
             tokens.ids.extend(kept[:-1])
 
-    def prefix(self, req_id: str) -> tuple[list[int], list[int]]:
-        """The prompt's and the output's committed tokens."""
+    def prefix(self, req_id: str) -> tuple[list[int], list[int], list[int]]:
+        """The prompt's and the output's committed tokens, and the tokens banned before ``min_tokens``."""
         tokens = self._requests[req_id]
-        return tokens.ids[: tokens.num_prompt], tokens.ids[tokens.num_prompt:]
+        return tokens.ids[: tokens.num_prompt], tokens.ids[tokens.num_prompt:], tokens.banned
 
 
 def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, prompt: Sequence[int],
-             output: Sequence[int], drafts: Sequence[int], parents: Sequence[int]) -> None:
+             output: Sequence[int], drafts: Sequence[int], parents: Sequence[int], banned: Sequence[int] = ()) -> None:
     """Penalize, in place, one request's 1 + k rows ``rows`` of ``logits`` [N, V]: row 0 after its committed
     ``prompt`` and ``output``, row i + 1 after those and node i's draft path (``parents``: -1 the root, else an
-    earlier node; a chain is [-1, 0, 1, ...])."""
+    earlier node; a chain is [-1, 0, 1, ...]). ``banned``: the tokens that get no probability on a row whose
+    output so far is shorter than ``params.min_tokens``."""
     V, device = logits.shape[-1], logits.device
     k = len(drafts)
     assert len(rows) == k + 1 and len(parents) == k, (rows, k, parents)
@@ -105,6 +109,11 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, 
         block = block - params.frequency_penalty * counts
     if params.presence_penalty != 0.0:
         block = block - params.presence_penalty * (counts > 0).float()
+    # row j follows len(output) + depth output tokens (row 0: depth 0; row i + 1: node i's depth)
+    early = [j for j, depth in enumerate([0] + depths(parents)) if len(output) + depth < params.min_tokens]
+    if early and banned:
+        block[torch.tensor(early, dtype=torch.long, device=device)[:, None],
+              torch.tensor(list(banned), dtype=torch.long, device=device)] = float("-inf")
     logits.index_copy_(0, index, block.to(logits.dtype))
 
 

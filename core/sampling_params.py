@@ -33,6 +33,9 @@ class SamplingParams:
     speculation every verified position is penalized by the tokens before it, drafts included, so the output is
     the one decoding without speculation gives. Logprobs stay raw (before penalties).
 
+    ``min_tokens`` (vLLM's) keeps a request from ending before it has that many output tokens: its stop token ids,
+    and EOS unless ``ignore_eos``, get no probability until then, and stop strings are not looked for.
+
     ``num_speculative_tokens`` is a specray extension: the most draft tokens verified per step for this request.
     None follows the engine's ``speculative_config``; 0 turns speculation off for this request; k > 0 allows at
     most k, capped (silently, never an error) by the engine's ``num_speculative_tokens``. It has no effect on an
@@ -74,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
@@ -115,6 +119,11 @@ class SamplingParams:
         if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0 (1 turns it off; "
                              "above 1 discourages repeats)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens or "
+                             "raise max_tokens")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to biases in [-100, 100]")
@@ -156,9 +165,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty or a logit bias shapes this request's distribution."""
+        """Whether a penalty, a logit bias or ``min_tokens`` shapes this request's distribution."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def _is_int(value) -> bool:

@@ -138,6 +138,14 @@ class Request:
             return None
         return sum(lp[t] for t, lp in zip(self.output_token_ids, self.output_logprobs))
 
+    def min_tokens_banned(self) -> list[int]:
+        """The token ids the worker bans before ``min_tokens`` outputs (those that would end the request), or []
+        when the request has no ``min_tokens``."""
+        if not self.sampling_params.min_tokens:
+            return []
+        eos = frozenset() if self.sampling_params.ignore_eos else self.eos_token_ids
+        return sorted(self._stop_token_ids | eos)
+
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: finish the request if that token ends it (vLLM's order: EOS, stop token
         ids, then length). Returns whether it finished."""

@@ -345,7 +345,7 @@ class Scheduler:
         for req in self.running:
             if req.req_id not in self._worker_blocks:
                 plan.new_requests.append(NewRequest(req.req_id, req.sampling_params, list(req.block_ids),
-                                                    req.num_prompt_tokens))
+                                                    req.num_prompt_tokens, req.min_tokens_banned()))
                 self._worker_requests.add(req.req_id)
             else:
                 self._add_delta(plan, req)
@@ -444,7 +444,7 @@ class Scheduler:
         """A plan that runs again ``chunks`` (some of failed ``plan``'s), safe whatever part of ``plan`` the
         worker applied: it repeats the drops and gives each request its whole block table. Running a chunk
         twice only rewrites its KV slots with the same values."""
-        new = [NewRequest(c.req_id, r.sampling_params, list(r.block_ids), r.num_prompt_tokens)
+        new = [NewRequest(c.req_id, r.sampling_params, list(r.block_ids), r.num_prompt_tokens, r.min_tokens_banned())
                for c, r in ((c, self.requests[c.req_id]) for c in chunks)]
         return StepPlan(plan.step_id, new_requests=new, chunks=list(chunks),
                         finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids))

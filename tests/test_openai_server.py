@@ -176,9 +176,12 @@ def test_penalties_reach_the_engine(client, offline):
                                       extra_body={"repetition_penalty": 1.8})
     want = offline_greedy(offline, [prompt], 20, **penalties)[0].outputs[0].text
     assert resp.choices[0].text == want != offline_greedy(offline, [prompt], 20)[0].outputs[0].text
+    eos = offline.get_tokenizer().eos_token_id
     biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
-                                       logit_bias={"7": 100})
-    assert biased.choices[0].text == offline_greedy(offline, [prompt], 5, logit_bias={7: 100.0})[0].outputs[0].text
+                                       logit_bias={str(eos): 100, "7": 50}, extra_body={"min_tokens": 3})
+    want = offline_greedy(offline, [prompt], 5, logit_bias={eos: 100.0, 7: 50.0}, min_tokens=3)[0].outputs[0]
+    assert biased.choices[0].text == want.text and want.token_ids[:3] == [7, 7, 7]
+    assert biased.choices[0].finish_reason == "stop" == want.finish_reason
 
 
 def test_completion_with_token_ids_and_batch_of_prompts(client, offline):
@@ -353,6 +356,8 @@ BAD_PARAMS = [
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9}, "min_tokens"),  # above max_tokens
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary: refused by the engine replica
     ({"prompt": ""}, "prompt"),

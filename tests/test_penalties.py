@@ -16,12 +16,17 @@ PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three on
            "hello world, hello world, hello"]
 PENALTIES = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.9), dict(presence_penalty=1.2),
              dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4),
-             dict(logit_bias={5: 4.0, 9: -100.0, 12: 2.5}, frequency_penalty=0.5)]
+             dict(logit_bias={5: 4.0, 9: -100.0, 12: 2.5}, frequency_penalty=0.5),
+             dict(min_tokens=9, presence_penalty=0.3)]
+BANNED = [0, 3]  # the ending tokens of the min_tokens case
 
 
-def reference(row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+def reference(row: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
+              banned: list[int] = ()) -> torch.Tensor:
     """One row penalized by vLLM's definitions, token by token."""
     row = row.clone()
+    if len(output) < params.min_tokens:
+        row[list(banned)] = float("-inf")
     for v, bias in (params.logit_bias or {}).items():
         row[v] += bias
     for v in set(prompt) | set(output):
@@ -47,15 +52,23 @@ def test_every_row_is_penalized_by_its_own_prefix(kw):
         logits = torch.randn(k + 3, V) * 3
         rows = list(range(2, k + 3))
         got = logits.clone()
-        penalize(got, rows, params, prompt, output, drafts, parents)
+        penalize(got, rows, params, prompt, output, drafts, parents, BANNED)
         assert torch.equal(got[:2], logits[:2])  # other requests' rows untouched
         for j, row in enumerate(rows):
             path, node = [], j - 1
             while node >= 0:
                 path.insert(0, drafts[node])
                 node = parents[node]
-            want = reference(logits[row], prompt, output + path, params)
+            want = reference(logits[row], prompt, output + path, params, BANNED)
             torch.testing.assert_close(got[row], want, msg=f"trial {trial} row {j}")
+
+
+def test_penalize_has_no_host_sync(no_host_sync):
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                            logit_bias={1: 2.0}, min_tokens=6)
+    logits = torch.randn(8, 30)
+    with no_host_sync():
+        penalize(logits, [3, 4, 5, 6], params, [1, 2, 3], [4, 4], [7, 8, 9], [-1, 0, 0], BANNED)
 
 
 def test_repetition_penalty_matches_transformers():
@@ -87,7 +100,7 @@ def plain(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), max_model_len=256)
 
 
-@pytest.mark.parametrize("kw", PENALTIES[:2] + PENALTIES[3:])
+@pytest.mark.parametrize("kw", PENALTIES[:2] + PENALTIES[3:5])
 def test_plain_greedy_with_penalties_matches_transformers(tiny_llama_dir, plain, kw):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **kw)
     ids = plain.get_tokenizer().encode(PROMPTS[0])
@@ -228,3 +241,42 @@ def test_logit_bias_forces_and_bans_tokens(plain):
     banned = plain.generate(PROMPTS[0], SamplingParams(**{**base.__dict__, "logit_bias": {first[0]: -100.0}}),
                             use_tqdm=False)[0].outputs[0].token_ids
     assert forced == [7] * 6 and first[0] not in banned
+
+
+@pytest.mark.parametrize("spec", [None] + list(SPECS))
+def test_min_tokens_keeps_ending_tokens_away_until_then(tiny_llama_dir, plain, spec):
+    """EOS and stop token ids, pushed up by a logit bias, get no probability before min_tokens outputs (on every
+    verified row: the drafts before it counted), then end the request at once; stop strings are not looked for
+    before then; with ignore_eos, EOS is not banned. Speculative output equals plain output."""
+    llm = plain
+    if spec is not None:
+        config = dict(SPECS[spec])
+        if spec == "draft_model":
+            config["model"] = str(tiny_llama_dir)
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=8)
+    eos = plain.get_tokenizer().eos_token_id
+    greedy = dict(temperature=0.0, max_tokens=12)
+    cases = [SamplingParams(**greedy, logit_bias={eos: 100.0}, min_tokens=5),
+             SamplingParams(**greedy, logit_bias={eos: 100.0}),
+             SamplingParams(**greedy, logit_bias={9: 100.0}, stop_token_ids=[9], min_tokens=3),
+             SamplingParams(**greedy, logit_bias={eos: 100.0}, min_tokens=4, ignore_eos=True)]
+    eos_min, eos_plain, stop_min, ignoring = [o.outputs[0] for o in
+                                              llm.generate([PROMPTS[0]] * len(cases), cases, use_tqdm=False)]
+    assert eos not in eos_min.token_ids[:5] and len(eos_min.token_ids) <= 6 and eos_min.finish_reason == "stop"
+    assert eos_plain.finish_reason == "stop" and len(eos_plain.token_ids) <= 1
+    assert 9 not in stop_min.token_ids[:3] and stop_min.token_ids[3] == 9 and stop_min.stop_reason == 9
+    assert ignoring.token_ids == [eos] * 12
+    text = plain.generate(PROMPTS[1], SamplingParams(**greedy, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    late = llm.generate(PROMPTS[1], SamplingParams(**greedy, ignore_eos=True, stop=[text[:2]], min_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    assert late.text == text and late.finish_reason == "length"  # the stop string came before min_tokens
+    if spec is not None:
+        want = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[0]] * len(cases), cases, use_tqdm=False)]
+        assert [eos_min.token_ids, eos_plain.token_ids, stop_min.token_ids, ignoring.token_ids] == want
+
+
+def test_min_tokens_above_max_tokens_is_a_clear_error():
+    with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=4"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)

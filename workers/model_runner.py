@@ -86,7 +86,7 @@ class ModelRunner:
                 self.params[new.req_id] = new.sampling_params
                 self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
                 if self.is_driver:
-                    self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens)
+                    self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens, new.stop_token_ids)
         for delta in plan.block_deltas:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]
@@ -189,10 +189,10 @@ class ModelRunner:
         rows = _logit_rows_by_chunk(plan, sampled)
         for i in chosen:
             c = plan.chunks[i]
-            prompt, output = self.penalties.prefix(c.req_id)
+            prompt, output, banned = self.penalties.prefix(c.req_id)
             parents = c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
             penalize(logits, rows[i], self.params[c.req_id], prompt, output,
-                     c.token_ids[c.num_tokens - c.num_draft_tokens:], parents)
+                     c.token_ids[c.num_tokens - c.num_draft_tokens:], parents, banned)
         return logits
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor],

@@ -622,7 +622,8 @@ class LLMEngine:
         while detok is not None and tracked.num_sent < len(outputs):
             new = detok.push(outputs[tracked.num_sent])
             tracked.num_sent += 1
-            hit = find_stop(detok.text, len(new), stops) if stops and new else None
+            early = tracked.num_sent <= request.sampling_params.min_tokens  # no stop before min_tokens outputs
+            hit = find_stop(detok.text, len(new), stops) if stops and new and not early else None
             if hit is not None:
                 self._stop_on_string(tracked, *hit)
                 return
