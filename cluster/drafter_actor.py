@@ -91,7 +91,7 @@ class DrafterWorker:
     def propose(self, updates: list[tuple], events: list[tuple] = ()) -> list[Proposal]:
         """``events``: the engine's hook calls and finishes since the last message, ``(name, *args)`` in order
         (see :meth:`RemoteDrafter._queue`), applied first. ``updates``: (req_id, start, token_ids[start:],
-        num_speculative_tokens, sampling_params) per request (none: a message of events only). Every rank
+        num_speculative_tokens, sampling_params, num_prompt_tokens) per request (none: a message of events only). Every rank
         applies and drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
         with self.lock:
             for name, *args in events:
@@ -99,11 +99,11 @@ class DrafterWorker:
             if not updates:
                 return []
             batch = []
-            for req_id, start, tokens, num_speculative_tokens, params in updates:
+            for req_id, start, tokens, num_speculative_tokens, params, num_prompt in updates:
                 history = self.histories.setdefault(req_id, [])
                 del history[start:]
                 history.extend(tokens)
-                batch.append(DraftRequest(req_id, history, num_speculative_tokens, params))
+                batch.append(DraftRequest(req_id, history, num_speculative_tokens, params, num_prompt_tokens=num_prompt))
             proposals = self.drafter.propose(batch)
             return proposals if self.rank == 0 else []
 
@@ -314,7 +314,7 @@ class RemoteDrafter:
         for r in batch:
             begin = self._synced_prefix(r)
             updates.append((r.req_id, begin, list(r.token_ids[begin:]), r.num_speculative_tokens,
-                            r.sampling_params))
+                            r.sampling_params, r.num_prompt_tokens))
             real = len(r.token_ids) - r.num_assumed  # the actor's copy now ends in the assumed drafts, if any
             self.sent[r.req_id] = (real, list(r.token_ids[real:]))
         events, self.events = self.events, []

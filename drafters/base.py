@@ -35,6 +35,7 @@ class DraftRequest:
     # a prefetch (drafting ahead while the target verifies): the last ``num_assumed`` tokens are drafts the
     # target is still checking, assumed kept
     num_assumed: int = 0
+    num_prompt_tokens: int = 0  # where the output starts in ``token_ids`` (a drafter applying penalties counts it)
 
 
 @dataclass(slots=True)

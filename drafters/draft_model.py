@@ -4,7 +4,9 @@ It keeps its own paged KV cache in step with each request's history: every time 
 longest prefix of the request's tokens that its cache already holds (the accepted drafts survive, rejected ones
 do not), rewinds to it, feeds the rest in one batched catch-up pass, then drafts K tokens autoregressively.
 For sampled requests it draws each draft from q (the request's warped distribution over the draft logits) and
-returns q, which rejection sampling needs.
+returns q, which rejection sampling needs. A request's penalties and logit bias shape its draft logits as they
+shape the target's (its history and the drafts before each one counted), so drafts follow the penalized target;
+verification against the target's own penalized distribution keeps the output exact either way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model, load_tokenizer
 from specray.parallel import TPGroup
+from specray.penalties import penalize
 from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
 from specray.kv_blocks import BlockPool
 
@@ -136,7 +139,15 @@ class DraftModelDrafter:
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         live = list(range(len(reqs)))
         for step in range(max(d.num_speculative_tokens for d in reqs)):
-            logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V]
+            logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V_draft]
+            if logits.shape[-1] < self.vocab_size:  # the target's vocabulary: q lives there, and penalties name its ids
+                logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+            for j, i in enumerate(live):
+                d = reqs[i]
+                if d.sampling_params.penalized:
+                    history = list(d.token_ids) + drafts[i]
+                    penalize(logits, [j], d.sampling_params, history[: d.num_prompt_tokens],
+                             history[d.num_prompt_tokens:], [], [])
             tokens, q = self._sample(logits, [reqs[i] for i in live], [states[i] for i in live])
             for j, i in enumerate(live):
                 states[i].cached.extend(feeds[i])
@@ -159,10 +170,8 @@ class DraftModelDrafter:
         return self.model.compute_logits(hidden[last])  # [B, V_draft]
 
     def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_DraftState]):
-        """Draw each request's next draft from q; q (padded to the target's vocabulary) only when some
+        """Draw each request's next draft from q (``logits`` over the target's vocabulary); q only when some
         request samples."""
-        if logits.shape[-1] < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         batch = SamplingBatch.build([d.sampling_params for d in reqs], [s.generator for s in states], self.device)
         if batch.all_greedy:
             return logits.argmax(dim=-1).tolist(), None

@@ -595,7 +595,7 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
     # step t: the drafts [4, 5] are being verified; prefetch with them assumed kept (and one token more)
     drafter.sent["a"] = (3, [])
     drafter.prefetch([DraftRequest("a", history + [4, 5], 4, sp, num_assumed=2)])
-    assert drafter.channel.sent[-1] == [("a", 3, [4, 5], 4, sp)]  # only what the actor lacks
+    assert drafter.channel.sent[-1] == [("a", 3, [4, 5], 4, sp, 0)]  # only what the actor lacks
     drafter.channel.answers.append([Proposal([6, 7, 8, 9])])
     # the target kept 4 and 5 and its own token is the guess 6: drafts 7, 8 (k=2) without asking the actor
     assert drafter.propose([DraftRequest("a", history + [4, 5, 6], 2, sp)])[0].token_ids == [7, 8]
@@ -603,11 +603,11 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
     assert drafter._synced_prefix(DraftRequest("a", history + [4, 5, 6], 2, sp)) == 5
     # next step: drafts [7, 8] under verification, prefetch again; the target keeps 7, rejects 8, says 10
     drafter.prefetch([DraftRequest("a", history + [4, 5, 6, 7, 8], 4, sp, num_assumed=2)])
-    assert drafter.channel.sent[-1] == [("a", 5, [6, 7, 8], 4, sp)]
+    assert drafter.channel.sent[-1] == [("a", 5, [6, 7, 8], 4, sp, 0)]
     drafter.channel.answers += [[Proposal([9, 1])], [Proposal([11])]]
     real = history + [4, 5, 6, 7, 10]
     assert drafter.propose([DraftRequest("a", real, 3, sp)])[0].token_ids == [11]  # asked afresh
-    assert drafter.channel.sent[-1] == [("a", 7, [10], 3, sp)]  # the actor rewinds to the kept 7
+    assert drafter.channel.sent[-1] == [("a", 7, [10], 3, sp, 0)]  # the actor rewinds to the kept 7
     assert drafter.num_prefetch_hits == 1
 
 
@@ -691,7 +691,7 @@ def test_remote_drafter_queues_hooks_in_order_and_sends_a_finished_history_as_a_
     assert getattr(drafter, "stats", None) is None  # the actor's drafter keeps none: LLM.drafter_stats is None
     drafter.channel.answers.append([Proposal([4])])
     drafter.propose([DraftRequest("a", [1, 2, 3], 2, sp)])
-    assert drafter.channel.sent[-1] == ([("a", 0, [1, 2, 3], 2, sp)], [])
+    assert drafter.channel.sent[-1] == ([("a", 0, [1, 2, 3], 2, sp, 0)], [])
     drafter.observe_verification("a", 1, 1)  # queued: no message per hook call
     drafter.observe_node_tokens("a", [4, 7])
     drafter.observe_finished("a", [1, 2, 3, 4, 9])
@@ -701,7 +701,7 @@ def test_remote_drafter_queues_hooks_in_order_and_sends_a_finished_history_as_a_
                                              ("observe_finished", "a", 3, [4, 9]), ("finish", ["a"])])
     drafter.channel.answers += [[], [Proposal([8])]]  # finish's answer is read and dropped before the next one
     assert drafter.propose([DraftRequest("b", [5, 6], 2, sp)])[0].token_ids == [8]
-    assert drafter.channel.sent[-1] == ([("b", 0, [5, 6], 2, sp)], []) and not drafter.unanswered
+    assert drafter.channel.sent[-1] == ([("b", 0, [5, 6], 2, sp, 0)], []) and not drafter.unanswered
 
 
 def test_drafter_worker_applies_events_before_drafting():
@@ -715,14 +715,14 @@ def test_drafter_worker_applies_events_before_drafting():
     ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
     assert worker.setup(spec, ctx, "unused") == ["observe_verification", "observe_finished", "stats"]
     prompt, answer = list(range(100, 120)), list(range(500, 512))
-    worker.propose([("a", 0, prompt + answer[:1], 4, sp)])
-    worker.propose([("a", 21, answer[1:3], 4, sp)])
+    worker.propose([("a", 0, prompt + answer[:1], 4, sp, 20)])
+    worker.propose([("a", 21, answer[1:3], 4, sp, 20)])
     worker.propose([], [("observe_verification", "a", 4, 2), ("observe_finished", "a", 23, answer[3:]),
                         ("finish", ["a"])])
     (key, start, tokens), = worker.drafter.cache.records()
     assert key == "a" and tokens == prompt[-8:] + answer and worker.histories == {}
     assert worker.stats()["acc_tokens"] == 2
-    proposal, = worker.propose([("b", 0, [7] + prompt[-6:] + answer[:1], 4, sp)])
+    proposal, = worker.propose([("b", 0, [7] + prompt[-6:] + answer[:1], 4, sp, 7)])
     assert proposal.token_ids[:4] == answer[1:5]
 
 

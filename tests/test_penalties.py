@@ -122,12 +122,12 @@ SPECS = {
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
-def test_speculative_greedy_with_penalties_equals_plain(tiny_llama_dir, plain, spec):
+def test_speculative_greedy_with_penalties_equals_plain(tiny_llama_dir, tiny_draft_dir, plain, spec):
     """Batch 1 and 4, each request with its own penalties beside an unpenalized one; drafts are accepted and
-    rejected (the draft model is the target itself, whose q knows no penalty)."""
+    rejected (the draft model is another model)."""
     config = dict(SPECS[spec])
     if spec == "draft_model":
-        config["model"] = str(tiny_llama_dir)
+        config["model"] = str(tiny_draft_dir)
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=8)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw) for kw in PENALTIES]
     params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -156,9 +156,10 @@ SAMPLED = dict(temperature=0.8, top_k=3, max_tokens=3, ignore_eos=True, repetiti
                frequency_penalty=0.7)
 
 
-def test_sampled_output_keeps_the_penalized_target_distribution(tiny_llama_dir, plain):
-    """A draft model equal to the target, whose q ignores the penalties, drafts every token: rejection sampling
-    against the penalized p must give the first three tokens' joint distribution of penalized plain sampling."""
+def test_sampled_output_keeps_the_penalized_target_distribution(tiny_llama_dir, tiny_draft_dir, plain):
+    """A draft model (another model, its q penalized by its own logits) drafts every token: rejection sampling
+    against the target's penalized p must give the first three tokens' joint distribution of penalized plain
+    sampling."""
     from transformers import AutoModelForCausalLM
 
     from specray.sampling import SamplingBatch, logits_to_probs
@@ -180,7 +181,7 @@ def test_sampled_output_keeps_the_penalized_target_distribution(tiny_llama_dir, 
         for b in np.flatnonzero(p1):
             p2 = probs([int(a), int(b)])
             expected.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
-    config = {**SPECS["draft_model"], "model": str(tiny_llama_dir)}
+    config = {**SPECS["draft_model"], "model": str(tiny_draft_dir)}
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=64)
     n = 900
     outs = llm.generate([{"prompt_token_ids": ids}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
@@ -247,7 +248,8 @@ def test_logit_bias_forces_and_bans_tokens(plain):
 def test_min_tokens_keeps_ending_tokens_away_until_then(tiny_llama_dir, plain, spec):
     """EOS and stop token ids, pushed up by a logit bias, get no probability before min_tokens outputs (on every
     verified row: the drafts before it counted), then end the request at once; stop strings are not looked for
-    before then; with ignore_eos, EOS is not banned. Speculative output equals plain output."""
+    before then; with ignore_eos, EOS is not banned. Speculative output equals plain output (the draft model's
+    logits carry the bias but not the ban, so it drafts the banned tokens, which verification rejects)."""
     llm = plain
     if spec is not None:
         config = dict(SPECS[spec])
@@ -280,3 +282,16 @@ def test_min_tokens_above_max_tokens_is_a_clear_error():
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
+
+
+def test_the_draft_model_drafts_from_penalized_logits(tiny_llama_dir, plain):
+    """A draft model equal to the target applies each request's penalties and logit bias to its own logits (its
+    drafts before each one counted), so its greedy drafts are the penalized target's: nearly all are kept."""
+    config = {**SPECS["draft_model"], "model": str(tiny_llama_dir)}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw) for kw in PENALTIES[:5]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                      plain.generate(prompts, params, use_tqdm=False)]
+    assert llm.spec_stats.acceptance_rate > 0.95, llm.spec_stats

@@ -246,7 +246,7 @@ class LLMEngine:
             return {}
         cheaps = self._cheapness(decoding)
         batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
-                              r.sampling_params) for (r, off_path), cheap in zip(decoding, cheaps)]
+                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens) for (r, off_path), cheap in zip(decoding, cheaps)]
         drafts, probs = {}, {}
         proposals = self._propose(batch, failed)
         for (request, off_path), dreq, proposal, cheap in zip(decoding, batch, proposals, cheaps):
@@ -357,7 +357,7 @@ class LLMEngine:
         most each may have), by request id; a request it fails on goes into ``failed``."""
         batch = [DraftRequest(r.req_id, r.all_token_ids,
                               0 if off_path and self.policy.adaptive else self.policy.num_speculative_tokens_for(r),
-                              r.sampling_params) for r, off_path in decoding]
+                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens) for r, off_path in decoding]
         found = {}
         for dreq, proposal in zip(batch, self._propose(batch, failed)):
             if proposal is None or not proposal.token_ids:
@@ -504,7 +504,8 @@ class LLMEngine:
                 continue
             drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
             batch.append(DraftRequest(request.req_id, request.all_token_ids + drafts, limit + 1,
-                                      request.sampling_params, num_assumed=len(drafts)))
+                                      request.sampling_params, num_assumed=len(drafts),
+                                      num_prompt_tokens=request.num_prompt_tokens))
         if batch:
             self.drafter.prefetch(batch)
 
