@@ -129,11 +129,17 @@ def test_speculative_greedy_with_penalties_equals_plain(tiny_llama_dir, tiny_dra
     if spec == "draft_model":
         config["model"] = str(tiny_draft_dir)
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, max_num_seqs=8)
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw) for kw in PENALTIES]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2 if i < 2 else None, **kw)
+              for i, kw in enumerate(PENALTIES)]
     params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    plain_outs = plain.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in plain_outs]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for got, ref in zip(outs[:2], plain_outs[:2]):  # raw logprobs at every position, drafted or not
+        for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     for i in (0, 3):
         assert llm.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0].token_ids == want[i]
     stats = llm.spec_stats

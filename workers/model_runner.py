@@ -163,9 +163,8 @@ class ModelRunner:
         head's chain beside a lookup's tree) verifies the two groups apart, at one host sync each."""
         if not sampled:
             return [], None, None, None
-        logits, raw = self._penalized(plan, sampled, logits), logits
-        if raw is logits:
-            raw = None
+        penalized = self._penalized(plan, sampled, logits)
+        raw, logits = (None if penalized is logits else logits), penalized  # raw logits stay for logprobs
         every_chunk = self.typical is not None or self.relaxed is not None
         with_q = [] if every_chunk else [i for i in sampled if plan.chunks[i].req_id in draft_probs]
         rest = [i for i in sampled if plan.chunks[i].req_id not in draft_probs] if with_q else sampled
@@ -210,10 +209,10 @@ class ModelRunner:
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
         tokens, num_accepted = verify(padded.target_logits, padded.draft_token_ids, padded.num_drafts,
                                       padded.draft_probs, batch, draft_counts=padded.draft_counts)
-        wanted = [sp.logprobs for sp in params]
-        if raw is not None and any(k is not None for k in wanted):
+        num_logprobs = [sp.logprobs for sp in params]
+        if raw is not None and any(k is not None for k in num_logprobs):
             padded = pad_drafts(raw, drafts, None)
-        logprobs = target_logprobs(padded.target_logits, tokens, wanted)
+        logprobs = target_logprobs(padded.target_logits, tokens, num_logprobs)
         return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
 
 
@@ -239,9 +238,10 @@ class ModelRunner:
             thinking = torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool,
                                     device=logits.device)
         verdict = verify_tree(padded, batch, self.typical, self.relaxed, thinking)
-        wanted = [sp.logprobs for sp in params]
-        raw_padded = padded if raw is None or all(k is None for k in wanted) else pad_tree_drafts(raw, drafts, parents)
-        logprobs = tree_logprobs(raw_padded, verdict, wanted)
+        num_logprobs = [sp.logprobs for sp in params]
+        raw_padded = (padded if raw is None or all(k is None for k in num_logprobs)
+                      else pad_tree_drafts(raw, drafts, parents))
+        logprobs = tree_logprobs(raw_padded, verdict, num_logprobs)
         wanted = any(c.want_node_tokens for c in chunks)
         kept, paths, per_request, per_node = unpad_tree(verdict, logprobs,  # the step's one host sync
                                                         node_argmax(padded) if wanted else None)
