@@ -91,8 +91,9 @@ class DrafterWorker:
     def propose(self, updates: list[tuple], events: list[tuple] = ()) -> list[Proposal]:
         """``events``: the engine's hook calls and finishes since the last message, ``(name, *args)`` in order
         (see :meth:`RemoteDrafter._queue`), applied first. ``updates``: (req_id, start, token_ids[start:],
-        num_speculative_tokens, sampling_params, num_prompt_tokens) per request (none: a message of events only). Every rank
-        applies and drafts (the model's collectives need them all); rank 0 answers, the others answer nothing."""
+        num_speculative_tokens, sampling_params, num_prompt_tokens) per request (none: a message of events only).
+        Every rank applies and drafts (the model's collectives need them all); rank 0 answers, the others answer
+        nothing."""
         with self.lock:
             for name, *args in events:
                 self.handlers[name](*args)
@@ -103,7 +104,8 @@ class DrafterWorker:
                 history = self.histories.setdefault(req_id, [])
                 del history[start:]
                 history.extend(tokens)
-                batch.append(DraftRequest(req_id, history, num_speculative_tokens, params, num_prompt_tokens=num_prompt))
+                batch.append(DraftRequest(req_id, history, num_speculative_tokens, params,
+                                          num_prompt_tokens=num_prompt))
             proposals = self.drafter.propose(batch)
             return proposals if self.rank == 0 else []
 

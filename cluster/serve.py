@@ -320,9 +320,9 @@ class SpecrayEngine:
     async def outputs(self, ingress_id: str) -> AsyncIterator[dict[str, Any]]:
         """Streamed through a handle pinned to this replica: per item, everything produced for the ingress's
         requests here since the last item, ``{req_id: delta output or error}`` (a request's deltas since the last
-        item joined into one), so the hop is paid per engine step, not per request per step. It ends after ``OUTBOX_IDLE_S`` with nothing
-        in flight (the ingress opens a new one with its next request); if the ingress goes away, its requests
-        are aborted. The first item is empty: it tells the ingress that the replica is still there."""
+        item joined into one), so the hop is paid per engine step, not per request per step. It ends after
+        ``OUTBOX_IDLE_S`` with nothing in flight (the ingress opens a new one with its next request); if the
+        ingress goes away, its requests are aborted. The first item is empty: it tells the ingress that the replica is still there."""
         box = self._outbox(ingress_id)
         idle = False
         try:

@@ -30,7 +30,7 @@ import torch
 
 from specray.contract import ScheduledChunk
 from specray.sampling_params import SamplingParams
-from specray.tree import depths
+from specray.tree import depths, path_to
 
 
 @dataclass
@@ -92,15 +92,11 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, 
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
         block[:, ids] += bias
     counts = _counts(output, V, device).expand(k + 1, V)  # [k + 1, V] the output's counts, every row
-    if k:  # plus, from row i + 1 on, node i's path: paths[i + 1, j] = 1 when node j is on it
-        paths = torch.zeros(k + 1, k, dtype=torch.float32)
-        for i, parent in enumerate(parents):
-            if parent >= 0:
-                paths[i + 1] = paths[parent + 1]
-            paths[i + 1, i] = 1.0
-        one_hot = torch.zeros(k, V, dtype=torch.float32, device=device)
-        one_hot[torch.arange(k, device=device), torch.tensor(list(drafts), dtype=torch.long, device=device)] = 1.0
-        counts = counts + paths.to(device) @ one_hot
+    if k:  # plus, on row i + 1, the drafts on node i's path
+        pairs = [(i + 1, drafts[j]) for i in range(k) for j in path_to(parents, i)]
+        at = torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+        ones = torch.ones(len(pairs), dtype=torch.float32, device=device)
+        counts = counts + torch.zeros(k + 1, V, dtype=torch.float32, device=device).index_put_(at, ones, accumulate=True)
     if params.repetition_penalty != 1.0:
         seen = (counts > 0) | (_counts(prompt, V, device) > 0)
         r = params.repetition_penalty

@@ -137,7 +137,8 @@ class SamplingParams:
                              "request) or None (the engine's setting)")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind={self.output_kind!r} must be one of {list(OUTPUT_KINDS)} ('cumulative': "
-                             "every step's output so far; 'delta': what each step added; 'final_only': the finished output only)")
+                             "every step's output so far; 'delta': what each step added; 'final_only': the finished "
+                             "output only)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "

@@ -291,49 +291,21 @@ class NgramPool:
 
     def _index(self, sid: int, lo: int) -> None:
         """Record, for every position ``pos >= lo`` now holding a token, the n-grams ending just before it
-        (position-major, so the FIFO evicts in text order). The hot loop: ``_insert`` inlined."""
-        tokens = self._tokens[sid]
-        end = len(tokens)
-        if self._fifo is None:
-            if end - lo >= _BULK:
-                self._index_bulk(sid, lo)
-            elif lo >= self.max_n:  # a decode step's few tokens, every n-gram whole
-                self._index_few(sid, lo)
-            else:
-                self._index_fifo(sid, lo)
-            return
-        self._index_fifo(sid, lo)
-
-    def _index_few(self, sid: int, lo: int) -> None:
-        """:meth:`_index` for a few tokens appended at ``lo >= max_n`` in a pool without a FIFO (each step's)."""
-        tokens, table, keep_all = self._tokens[sid], self._table, self.is_keep_all
-        base, added, ns = sid << _POS_BITS, 0, range(self.min_n, self.max_n + 1)
-        seg = tuple(tokens[lo - self.max_n:])  # every n-gram is a slice of it
-        for i, pos in enumerate(range(lo, len(tokens)), self.max_n):
-            ref = base | pos
-            for n in ns:
-                gram = seg[i - n:i]
-                refs = table.get(gram)
-                if refs is None:
-                    table[gram] = [ref]
-                    added += 1
-                elif keep_all:
-                    refs.append(ref)
-                    added += 1
-                else:
-                    refs[0] = ref
-        self.num_refs += added
-
-    def _index_fifo(self, sid: int, lo: int) -> None:
-        """:meth:`_index`, every case: a FIFO to keep in text order, or n-grams cut by the sequence's start."""
+        (position-major, so the FIFO evicts in text order). The hot loop (each decode step's few tokens):
+        ``_insert`` inlined."""
         tokens, table, fifo, keep_all = self._tokens[sid], self._table, self._fifo, self.is_keep_all
-        base, recorded, added, min_n, max_n = sid << _POS_BITS, 0, 0, self.min_n, self.max_n
+        if fifo is None and len(tokens) - lo >= _BULK:
+            self._index_bulk(sid, lo)
+            return
+        base, added, min_n, max_n = sid << _POS_BITS, 0, self.min_n, self.max_n
         lo = max(lo, 1)
         first = max(0, lo - max_n)
         seg = tuple(tokens[first:])  # every n-gram is a slice of it: one copy of the new part, not one per n-gram
+        every_n = range(min_n, max_n + 1)
+        queued = 0 if fifo is None else len(fifo)
         for pos in range(lo, len(tokens)):
             ref, i = base | pos, pos - first
-            for n in range(min_n, min(max_n, pos) + 1):
+            for n in every_n if pos >= max_n else range(min_n, pos + 1):  # near the start: the n-grams that fit
                 gram = seg[i - n:i]
                 refs = table.get(gram)
                 if refs is None:
@@ -346,10 +318,9 @@ class NgramPool:
                     refs[0] = ref
                 if fifo is not None:
                     fifo.append((gram, ref))
-                recorded += 1
         self.num_refs += added
-        if fifo is not None and recorded:
-            self._fifo_count[sid] = self._fifo_count.get(sid, 0) + recorded
+        if fifo is not None and len(fifo) > queued:
+            self._fifo_count[sid] = self._fifo_count.get(sid, 0) + len(fifo) - queued
             self._evict()
 
     def _index_bulk(self, sid: int, lo: int) -> None:

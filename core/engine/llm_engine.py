@@ -33,7 +33,8 @@ class _Tracked:
     num_sent: int = 0  # output tokens already pushed through the detokenizer
     error: str | None = None  # why a step failed for this request (finish_reason "error")
     hold: int = 0  # characters of text left out of reports until it finishes: a stop string may begin there
-    reported_tokens: int = -1  # output tokens reported so far (output_kind "delta"); -1: nothing reported yet
+    reported: bool = False  # a report went out (output_kind "delta": the prompt goes with the first only)
+    reported_tokens: int = 0  # output tokens reported so far (output_kind "delta")
     reported_chars: int = 0  # characters of text reported so far (output_kind "delta")
 
 
@@ -246,7 +247,8 @@ class LLMEngine:
             return {}
         cheaps = self._cheapness(decoding)
         batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
-                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens) for (r, off_path), cheap in zip(decoding, cheaps)]
+                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens)
+                 for (r, off_path), cheap in zip(decoding, cheaps)]
         drafts, probs = {}, {}
         proposals = self._propose(batch, failed)
         for (request, off_path), dreq, proposal, cheap in zip(decoding, batch, proposals, cheaps):
@@ -593,21 +595,22 @@ class LLMEngine:
         self._detokenize(tracked)
         text = tracked.detok.text if tracked.detok is not None else ""
         finished = request.status.is_finished
-        if tracked.hold and not finished:  # a stop string may still begin in the last hold characters
-            text = text[: max(0, len(text) - tracked.hold)]
+        # a stop string may still begin in the last hold characters: they wait until it finishes
+        end = len(text) if finished or not tracked.hold else max(0, len(text) - tracked.hold)
         tokens, logprobs = request.output_token_ids, request.output_logprobs
         cumulative_logprob = None if logprobs is None else request.cumulative_logprob
         prompt, prompt_ids = tracked.prompt, request.prompt_token_ids
         if kind == "delta":  # what is new since the last report; the prompt once
-            start = max(0, tracked.reported_tokens)
-            if tracked.reported_tokens >= 0:
+            if tracked.reported:
                 prompt, prompt_ids = None, []
-            text = text[tracked.reported_chars:]
+            start, tracked.reported = tracked.reported_tokens, True
+            text = text[tracked.reported_chars:end]
             tracked.reported_chars += len(text)
             tokens = tokens[start:]
             logprobs = None if logprobs is None else logprobs[start:]
             tracked.reported_tokens = len(request.output_token_ids)
         else:
+            text = text if end == len(text) else text[:end]
             tokens, logprobs = list(tokens), None if logprobs is None else list(logprobs)
         # positional arguments, in the dataclasses' field order: built for every request every step
         completion = CompletionOutput(0, text, tokens, cumulative_logprob, logprobs, request.finish_reason,
