@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import json
@@ -579,7 +580,7 @@ class RemoteEngineClient:
             logger.warning("the engine replica is unavailable; answering 503 until one is ready")
             self._down_since = time.monotonic()
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.create_task(self._probe_until_ready())
+            self._probe = _detached(asyncio.create_task, self._probe_until_ready())
 
     async def _probe_until_ready(self) -> None:
         while True:
@@ -606,7 +607,7 @@ class _EngineLink:
         self.requests: set[str] = set()
         self.closed = False
         self._pinned = client._handle.options(session_id=PIN_PREFIX + replica_id)
-        self._task = asyncio.create_task(self._read())
+        self._task = _detached(asyncio.create_task, self._read())  # it serves every request on the replica
 
     async def _read(self) -> None:
         try:
@@ -618,6 +619,10 @@ class _EngineLink:
                         self.client._deliver(batch)
                 if not self.requests:
                     return
+        except asyncio.CancelledError:  # never from a client leaving (the task is detached): its requests fail
+            self.client._deliver({req_id: EngineError("the engine output stream was cancelled")
+                                  for req_id in self.requests})
+            raise
         except Exception as err:  # the replica is gone (or our bug): its requests fail, not hang
             if not isinstance(err, EngineError):
                 logger.exception("the engine output stream of replica %s failed", self.replica_id)
@@ -640,9 +645,20 @@ class _EngineLink:
                                          f"{self.client.ack_timeout_s:g} s; retry shortly") from None
 
     def abort(self, req_id: str) -> None:
-        if not self.closed:
-            response = self._pinned.abort.remote(self.client._id, [req_id])
-            asyncio.ensure_future(_quietly(response, self.client.ack_timeout_s))
+        if not self.closed:  # called as its client leaves: detached, so it is not that request's child
+            _detached(self._send_abort, req_id)
+
+    def _send_abort(self, req_id: str) -> None:
+        response = self._pinned.abort.remote(self.client._id, [req_id])
+        asyncio.ensure_future(_quietly(response, self.client.ack_timeout_s))
+
+
+def _detached(fn, *args):
+    """``fn(*args)`` outside the Serve request being handled (in an empty context), so that the handle calls it
+    makes, and those of the tasks it creates, are not that request's children: Serve cancels an ingress request's
+    children when its client leaves, and a call shared by every request on an engine replica (its output stream)
+    or one that must outlive the client (an abort) would go with them."""
+    return contextvars.Context().run(fn, *args)
 
 
 async def _result(response) -> Any:

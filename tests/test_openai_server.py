@@ -495,6 +495,45 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server, start_blocks):
         metric_value(before, "specray_requests_total", status="cancelled") + 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_clients_that_leave_do_not_disturb_the_others(server, offline, start_blocks, stream):
+    """Requests arriving together after an idle spell: the first to reach the engine replica opens the ingress's
+    output stream that all of them share. Serve cancels a request's handle calls when its client leaves; the
+    shared stream must not be one of them, or the requests beside it never finish."""
+    from specray.cluster.serve import OUTBOX_IDLE_S
+
+    wait_for_free_blocks(server, start_blocks)
+    prompts = LOAD_PROMPTS[:3]
+    expected = [o.outputs[0].text for o in offline_greedy(offline, prompts, 24)]
+    long = {"model": MODEL, "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0, "ignore_eos": True, "n": 4,
+            "stream": stream}  # long enough that their clients leave before they finish
+    for _ in range(2):
+        time.sleep(OUTBOX_IDLE_S + 0.5)  # the shared stream ends; the next request opens a new one
+        results: list = []
+        leavers = [threading.Thread(target=_leave_after, args=(server, {**long, "prompt": f"Hello {i}"}, 0.15))
+                   for i in range(3)]
+        for thread in leavers:  # first, so that one of them opens the shared stream
+            thread.start()
+        time.sleep(0.05)
+        stayers = [post_in_thread(server + "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 24,
+                                                               "temperature": 0}, results) for p in prompts]
+        for thread in leavers + stayers:
+            thread.join(60)
+        assert len(results) == len(prompts) and all(status == 200 for status, _ in results), results
+        assert sorted(b["choices"][0]["text"] for _, b in results) == sorted(expected)
+    assert wait_for_free_blocks(server, start_blocks)["free_blocks"] == start_blocks
+
+
+def _leave_after(server: str, body: dict, seconds: float) -> None:
+    """POST ``body`` and hang up after ``seconds``, whatever came back by then."""
+    port = int(server.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=seconds)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    with contextlib.suppress(TimeoutError, OSError, http.client.HTTPException):
+        conn.getresponse().read()
+    conn.close()
+
+
 def http_json_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as resp:
         assert resp.status == 200
