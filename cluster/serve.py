@@ -845,6 +845,8 @@ def _last_exception_line(message: str) -> str:
 def check_port_free(host: str, port: int) -> None:
     """Refuse a port that something already listens on (another ``specray serve``: Serve's proxy would share it
     and requests would alternate between the two servers). An address of another machine is Serve's to bind."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise ValueError(f"port={port!r} is not a TCP port; pass --port between 1 and 65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
@@ -857,8 +859,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def check_model(engine_args: EngineArgs) -> None:
-    """The model exists, its config loads, and tensor_parallel_size splits its attention and KV heads; a hub id
-    that is not on this machine is left to the replica."""
+    """The model exists, its config loads, max_model_len fits its positions and tensor_parallel_size splits its
+    attention and KV heads; a hub id that is not on this machine is left to the replica."""
+    from specray.engine.builder import resolve_max_model_len
     from specray.models.loader import load_hf_config
 
     model = engine_args.model
@@ -869,6 +872,7 @@ def check_model(engine_args: EngineArgs) -> None:
         config = load_hf_config(model)
     except (OSError, ValueError) as err:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
+    resolve_max_model_len(engine_args.max_model_len, config)
     check_heads(config, engine_args.tensor_parallel_size)
 
 

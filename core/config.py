@@ -4,6 +4,7 @@ module: the drafter registry (above) checks a method's options, this module only
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +293,9 @@ class EngineArgs:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
         if self.dtype not in self._DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(self._DTYPES)}")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
+                             "(cuda when this process sees a GPU, else cpu)")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -172,6 +172,13 @@ def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, caps
     assert main(["serve", "--model", str(nine_heads), "--tensor-parallel-size", "2", "--port", port]) == 2
     err = capsys.readouterr().err
     assert "tensor_parallel_size=2" in err and "num_attention_heads=9" in err and "[1, 3, 9]" in err
+    limit = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    for flags, expected in ((["--max-model-len", str(limit + 1)], f"max_position_embeddings={limit}"),
+                            (["--device", "tpu"], "device='tpu' is not supported"),
+                            (["--port", "99999"], "port=99999 is not a TCP port")):
+        assert main(["serve", "--model", str(tiny_llama_dir), *flags, *([] if "--port" in flags else
+                                                                        ["--port", port])]) == 2, flags
+        assert expected in capsys.readouterr().err, flags
 
 
 def test_head_split_rules():
