@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from specray.config import EngineArgs
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args
 from specray.outputs import RequestOutput, SpecStats
-from specray.sampling_params import SamplingParams
+from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class LLM:
         """Release the engine: its actors and placement groups (Ray backend), its workers. Idempotent."""
         self._release()
 
+    def _check_open(self) -> None:
+        if not self._release.alive:
+            raise RuntimeError("this LLM was shut down (shutdown() or the end of its with-block); create a new LLM")
+
     def __enter__(self) -> "LLM":
         return self
 
@@ -73,25 +78,33 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order. Prompts are strings, token-id
-        prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``. All prompts are validated before any
-        runs, so a bad one raises ValueError and nothing else is disturbed."""
+        """Generate for every prompt; outputs come back in prompt order, each with ``n`` completions (its
+        sampling parameters' ``n``; with a seed, completion i draws from ``seed + i``). Prompts are strings,
+        token-id prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``. All prompts are validated
+        before any runs, so a bad one raises ValueError and nothing else is disturbed."""
+        self._check_open()
         prompts = _as_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for (text, ids), sp in zip(encoded, params):
             self._validate(ids, sp)
-        requests = [(ids, _copy(sp), text) for (text, ids), sp in zip(encoded, params)]
+        requests, owner = [], []  # one engine request per completion; owner: its (prompt, completion index)
+        for p, ((text, ids), sp) in enumerate(zip(encoded, params)):
+            for i in range(sp.n):
+                requests.append((ids, _choice(sp, i), text))
+                owner.append((p, i))
         batches = self.engine.run_batch if hasattr(self.engine, "run_batch") else self._run_local
-        final: list[RequestOutput | None] = [None] * len(requests)
-        bar = _progress(len(requests)) if use_tqdm else None
-        for i, out in batches(requests):
-            final[i] = out
-            if bar is not None:
+        done: list[list[RequestOutput]] = [[] for _ in prompts]
+        bar = _progress(len(prompts)) if use_tqdm else None
+        for k, out in batches(requests):
+            p, i = owner[k]
+            out.outputs[0].index = i
+            done[p].append(out)
+            if bar is not None and len(done[p]) == params[p].n:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return final
+        return [_joined(outs) for outs in done]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -148,6 +161,9 @@ def _release_engine(engine) -> None:
 def _as_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts={prompts!r:.80} is not a prompt or a list of prompts: pass a string, "
+                         "{'prompt': str}, {'prompt_token_ids': [...]}, a list of token ids, or a list of these")
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [{"prompt_token_ids": prompts}]
@@ -165,11 +181,25 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     return sampling_params
 
 
-def _copy(params: SamplingParams) -> SamplingParams:
-    """The request's own copy, reported only when it finishes (all ``generate`` hands back)."""
-    from dataclasses import replace
+def _choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index``'s own copy of a prompt's parameters: one sequence, its own seed, reported only when it
+    finishes (all ``generate`` hands back)."""
+    seed = None if params.seed is None else choice_seed(params.seed, index)
+    return replace(params, n=1, seed=seed, output_kind="final_only")
 
-    return replace(params, output_kind="final_only")
+
+def _joined(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's output from its completions' (each an engine request of its own), in completion order."""
+    if len(outs) == 1:
+        return outs[0]
+    outs = sorted(outs, key=lambda o: o.outputs[0].index)
+    stats = SpecStats()
+    for out in outs:
+        stats.merge(out.spec_stats)
+    first = outs[0]
+    error = next((o.error for o in outs if o.error is not None), None)
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
+                         finished=True, spec_stats=stats, error=error)
 
 
 def _progress(total: int):

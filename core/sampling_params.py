@@ -92,8 +92,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: only n=1 is supported per request; submit the prompt n times instead")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an int >= 1 (the completions to return for the prompt)")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
@@ -169,6 +169,13 @@ class SamplingParams:
         """Whether a penalty, a logit bias or ``min_tokens`` shapes this request's distribution."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's choice ``choice`` (0-based) when it asks for n > 1: ``seed + choice``, wrapped to
+    stay in [SEED_MIN, SEED_MAX], so the choices differ and each is reproducible."""
+    value = seed + choice
+    return value if value <= SEED_MAX else value - (1 << 64)
 
 
 def _is_int(value) -> bool:

@@ -2,6 +2,7 @@
 the shared n-gram pool, failures, and placement across nodes."""
 
 import asyncio
+import dataclasses
 import importlib.util
 import random
 import time
@@ -755,6 +756,8 @@ def test_llm_with_a_suffix_drafter_actor_gets_statistics_and_whole_outputs(tiny_
         assert again.outputs[0].token_ids == plain[0]
         assert again.spec_stats.accepted_tokens >= MAX_TOKENS - 1 - 3  # all but one token per step of 9
         stats, spec_stats = llm.drafter_stats, llm.spec_stats
+        twice = llm.generate(prompts[1], dataclasses.replace(sp, n=2), use_tqdm=False)[0]  # n through the actor
+        assert [(c.index, c.token_ids) for c in twice.outputs] == [(0, plain[1]), (1, plain[1])]
     assert stats["name"] == "suffix" and stats["calls"] > 0 and stats["gen_tokens"] >= spec_stats.draft_tokens
     assert (stats["acc_tokens"], stats["acc_drafts"]) == (spec_stats.accepted_tokens,
                                                           spec_stats.accepted_per_position[0]), (stats, spec_stats)

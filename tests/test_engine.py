@@ -23,8 +23,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
+GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
 def greedy(n=24, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+    return SamplingParams(**{**GREEDY, "max_tokens": n}, **kw)
 
 
 def token_ids(outs):
@@ -215,6 +218,31 @@ def test_seeded_sampling_is_reproducible(plain):
     c = token_ids(plain.generate(PROMPTS[:2], SamplingParams(temperature=0.8, seed=99, max_tokens=16,
                                                               ignore_eos=True), use_tqdm=False))
     assert c != a
+
+
+def test_n_completions_per_prompt(plain, plain_outputs):
+    """``n`` completions come back in one output per prompt: greedy ones all equal plain decoding's; seeded
+    sampled ones equal n=1 requests seeded seed + i, so they differ and each is reproducible."""
+    outs = plain.generate(PROMPTS[:2], SamplingParams(n=3, **GREEDY), use_tqdm=False)
+    assert [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2]] * 2
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[ids] * 3 for ids in plain_outputs[:2]]
+    sampled = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outs = plain.generate(PROMPTS[:2], SamplingParams(n=3, seed=2**64 - 2, **sampled), use_tqdm=False)
+    for prompt, out in zip(PROMPTS[:2], outs):
+        alone = [plain.generate(prompt, SamplingParams(seed=seed, **sampled), use_tqdm=False)[0].outputs[0]
+                 for seed in (2**64 - 2, 2**64 - 1, 0)]  # the last seed wrapped past SEED_MAX
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone]
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    mixed = plain.generate(PROMPTS[:2], [SamplingParams(n=2, **GREEDY), greedy()], use_tqdm=False)
+    assert [len(o.outputs) for o in mixed] == [2, 1]
+    with pytest.raises(ValueError, match="n=2: the engine runs one sequence per request"):
+        plain.engine.add_request([5, 6], SamplingParams(n=2, **GREEDY))
+    for bad in (None, 5):
+        with pytest.raises(ValueError, match="is not a prompt or a list of prompts"):
+            plain.generate(bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        SamplingParams(n=0)
+    assert not plain.engine.has_unfinished_requests()
 
 
 def test_sampled_ngram_runs_and_is_seeded(tiny_llama_dir):
@@ -657,3 +685,6 @@ def test_engine_shutdown_drops_requests_and_releases_the_executor(tiny_llama_dir
     engine.shutdown()
     assert released and not engine.tracked and not engine.has_unfinished_requests()
     assert free_blocks(llm) == engine.scheduler.block_manager.num_blocks
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        llm.generate("ok", greedy(), use_tqdm=False)

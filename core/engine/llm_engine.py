@@ -79,6 +79,9 @@ class LLMEngine:
                     req_id: str | None = None) -> str:
         """Queue one request; a bad one raises ValueError (the scheduler's admission checks) and changes
         nothing."""
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
+                             "(LLM.generate and the OpenAI server do)")
         req_id = req_id if req_id is not None else str(next(self._ids))
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
