@@ -566,9 +566,23 @@ def _user_text_errors(param: str):
                                 param) from None
 
 
+# Exception types that mean the client went away mid-request (the hosting layer names its own: Ray Serve's
+# cancellation); such a request is logged as a departure, not as an unexpected error.
+_CLIENT_GONE: tuple[type[BaseException], ...] = ()
+
+
+def register_client_gone(*types: type[BaseException]) -> None:
+    global _CLIENT_GONE
+    _CLIENT_GONE = tuple(dict.fromkeys(_CLIENT_GONE + types))
+
+
 def to_openai_error(exc: BaseException) -> proto.OpenAIError:
     if isinstance(exc, proto.OpenAIError):
         return exc
+    if isinstance(exc, _CLIENT_GONE):
+        logger.info("the client left before its response ended (%s)", type(exc).__name__)
+        return proto.OpenAIError(499, "the client closed the request", "invalid_request_error", None,
+                                 "client_closed_request")
     if isinstance(exc, ValidationError):
         return proto.from_validation_error(exc)
     if isinstance(exc, ValueError):  # the engine rejected the request's input

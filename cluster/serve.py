@@ -43,7 +43,7 @@ from specray.cluster.ray_env import ensure_ray  # first: it sets Ray's environme
 
 import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
-from ray.exceptions import RayActorError, RayTaskError  # noqa: E402
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError  # noqa: E402
 from ray.serve import Application  # noqa: E402
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # noqa: E402
 from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E402
@@ -53,7 +53,8 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from specray.cluster.autoscaling import IN_FLIGHT_METRIC  # noqa: E402
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
-    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app)
+    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app,
+    register_client_gone)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.engine.builder import check_engine_args  # noqa: E402
@@ -436,6 +437,8 @@ def _portable_errors():
     except ValueError as err:
         raise ValueError(str(err)) from None
 
+
+register_client_gone(TaskCancelledError)  # Serve cancels a request whose client left (RequestCancelledError)
 
 # Engine replica id -> this process's requests in flight on it (the ingress counts, its router reads).
 _IN_FLIGHT: collections.Counter[str] = collections.Counter()

@@ -534,6 +534,24 @@ def _leave_after(server: str, body: dict, seconds: float) -> None:
     conn.close()
 
 
+def test_a_client_leaving_is_logged_as_a_departure_not_an_error(caplog):
+    """What Serve raises in a request whose client left (on a stream's disconnect check) is no server fault."""
+    import logging
+
+    from ray.serve.exceptions import RequestCancelledError
+
+    import specray.cluster.serve  # noqa: F401  (it names Serve's cancellation to the app)
+    from specray.cluster.openai_app import to_openai_error
+
+    with caplog.at_level(logging.INFO, logger="specray.cluster.openai_app"):
+        err = to_openai_error(RequestCancelledError("r-1"))
+        assert to_openai_error(RuntimeError("a bug")).status == 500
+    assert (err.status, err.code) == (499, "client_closed_request")
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels[0][0] == logging.INFO and "client left" in levels[0][1]
+    assert levels[1][0] == logging.ERROR  # an unexpected error still is one
+
+
 def http_json_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as resp:
         assert resp.status == 200
