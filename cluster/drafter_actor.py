@@ -210,11 +210,12 @@ class RemoteDrafter:
             options["resources"] = dict(self.placement.drafter_resources)
         actor_cls = ray.remote(DrafterWorker)
         args = (self.spec, self.ctx, self.tokenizer_source, self.placement.pool_name)
-        if self.tp_size == 1:
-            actors, pg, init_method = [actor_cls.options(**options).remote()], None, None
-        else:
-            pg, in_bundle = self._placement_group(options)
-            actors = [actor_cls.options(**options, scheduling_strategy=s).remote() for s in in_bundle]
+        # a placement group even for one rank: one that can never be placed is an error at once, one that waits
+        # too long an error after placement's timeout, each naming the options to change
+        pg, in_bundle = self._placement_group(options)
+        actors = [actor_cls.options(**options, scheduling_strategy=s).remote() for s in in_bundle]
+        init_method = None
+        if self.tp_size > 1:
             init_method = ray.get(actors[0].rendezvous.remote(), timeout=SETUP_TIMEOUT_S)
         setups = [a.setup.remote(*args, rank=rank, world_size=self.tp_size, init_method=init_method)
                   for rank, a in enumerate(actors)]

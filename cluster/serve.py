@@ -57,6 +57,7 @@ from specray.cluster.openai_app import (  # noqa: E402
     register_client_gone)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
+from specray.drafters import registry as drafter_registry  # noqa: E402
 from specray.engine.builder import check_engine_args  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
@@ -893,21 +894,28 @@ def check_heads(config, tp: int) -> None:
 
 
 def check_resources(args: ServeArgs, autoscaling: bool) -> None:
-    """On a cluster that cannot grow, refuse what its CPUs can never hold: the replicas, and per replica one
-    bundle per tensor-parallel rank (the advice names the option that sets a rank's CPUs)."""
+    """On a cluster that cannot grow, refuse what its CPUs can never hold: per replica, the engine replica, one
+    bundle per tensor-parallel rank and the drafter's actors (the advice names the options that set them)."""
     if autoscaling:
         return
     engine_args = args.engine_args()
     total = ray.cluster_resources().get("CPU", 0.0)
-    ranks = engine_args.tensor_parallel_size if engine_args.executor_backend == "ray" else 0
-    rank_cpus = engine_args.ray_placement.worker_num_cpus
-    need = args.num_replicas * (args.num_cpus + ranks * rank_cpus)
+    placement = engine_args.ray_placement
+    on_ray = engine_args.executor_backend == "ray"
+    ranks = engine_args.tensor_parallel_size if on_ray else 0
+    spec = engine_args.speculative_config
+    drafters = 0  # the drafter runs in actors beside the ranks (Ray backend), except a head inside the target
+    if on_ray and spec is not None and not drafter_registry.runs_in_worker(spec.method):
+        drafters = drafter_registry.tensor_parallel_size(spec)
+    need = args.num_replicas * (args.num_cpus + ranks * placement.worker_num_cpus
+                                + drafters * placement.drafter_num_cpus)
     if need > total:
         raise ValueError(
-            f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + "
-            f"{ranks} rank(s) x {rank_cpus:g})) but this Ray cluster has {total:g}; lower the rank's CPUs with "
-            "--engine-kwargs '{\"ray_placement\": {\"worker_num_cpus\": 0.5}}', or --tensor-parallel-size, or "
-            "--num-replicas")
+            f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + {ranks} "
+            f"rank(s) x {placement.worker_num_cpus:g} + {drafters} drafter actor(s) x "
+            f"{placement.drafter_num_cpus:g})) but this Ray cluster has {total:g}; lower the CPUs of a rank or of "
+            "the drafter with --engine-kwargs '{\"ray_placement\": {\"worker_num_cpus\": 0.5, "
+            "\"drafter_num_cpus\": 0.25}}', or --tensor-parallel-size, or --num-replicas")
 
 
 def wait_for_stop_signal() -> None:

@@ -218,6 +218,15 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
     fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
                                 "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
     check_resources(fits, autoscaling=False)
+    # the drafter's actor counts too: 0.5 + 3 x 0.4 + 0.5 > 2 ...
+    three = {"model": str(tiny_llama_dir), "tensor_parallel_size": 3, "spec_method": "ngram"}
+    placement = {"worker_num_cpus": 0.4}
+    with pytest.raises(ValueError, match=r"needs 2.2 CPUs.*1 drafter actor\(s\) x 0.5.*drafter_num_cpus"):
+        check_resources(ServeArgs.from_dict({**three, "engine_kwargs": {"ray_placement": placement}}), False)
+    check_resources(ServeArgs.from_dict({**three, "engine_kwargs": {"ray_placement": {  # ... 0.25 fits
+        **placement, "drafter_num_cpus": 0.25}}}), autoscaling=False)
+    check_resources(ServeArgs.from_dict({**three, "spec_method": "eagle3", "engine_kwargs": {  # a head: no actor
+        "ray_placement": placement}}), autoscaling=False)
 
 
 def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):

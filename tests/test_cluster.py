@@ -384,6 +384,20 @@ def test_a_group_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir, monkey
         engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
 
 
+def test_a_drafter_actor_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir):
+    """A one-rank drafter actor asking for more CPUs than any node has is refused at once too (it used to wait
+    for its setup's long timeout), and what the engine had started is released."""
+    from ray.util import placement_group_table
+
+    before = sum(g["state"] != "REMOVED" for g in placement_group_table().values())
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="could never hold them.*drafter_num_cpus"):
+        engine_for(tiny_llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                   distributed_executor_backend="ray", ray_placement=dict(HALF_CPU, drafter_num_cpus=3))
+    assert time.monotonic() - start < 30
+    assert sum(g["state"] != "REMOVED" for g in placement_group_table().values()) == before
+
+
 # ---- failures ------------------------------------------------------------------------------------------------
 
 def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_llama_dir, caplog):
