@@ -391,8 +391,12 @@ class OpenAIServing:
             logger.warning("metrics without fresh engine state: %s", err)
         return Response(self.metrics.render() + engine_text, media_type=self.metrics.content_type)
 
-    async def debug_kv(self) -> dict:
-        return {**await self.client.engine_state(), "num_queued": self.num_queued}
+    async def debug_kv(self) -> Response:
+        try:
+            state = await self.client.engine_state()
+        except EngineError as err:  # a 503 while the engine replica is down, as the other routes answer
+            return error_response(to_openai_error(err))
+        return JSONResponse({**state, "num_queued": self.num_queued})
 
     # ---- request handling ------------------------------------------------------------------------------
     async def _handle(self, request: Request, endpoint) -> Response:

@@ -1005,6 +1005,8 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
                                          {"messages": [{"role": "user", "content": "hi"}], "stream": True}))
         assert (status, err["code"]) == (503, "engine_unavailable")
         assert error_of(http_json(base + "/health"))[0] == 503
+        status, err = error_of(http_json(base + "/v1/debug/kv"))
+        assert (status, err["code"]) == (503, "engine_unavailable")
         assert time.monotonic() - start < 5
 
 
