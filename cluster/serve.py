@@ -853,6 +853,9 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"port={port!r} is not a TCP port; pass --port between 1 and 65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # as the server's own socket does: a port whose last connections linger in TIME_WAIT (a server just
+        # stopped) is free to serve, and one that something listens on still is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as err:

@@ -159,6 +159,29 @@ def test_serve_on_a_busy_port_refuses_at_once(tiny_llama_dir, capsys, no_ray):
     assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
 
 
+def test_a_port_whose_last_connections_linger_is_free_to_serve():
+    """A server just stopped leaves its connections in TIME_WAIT: the port check must not call it busy (the
+    server's own socket would bind it), while a port something listens on stays refused."""
+    import socket
+
+    from specray.cluster.serve import check_port_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    with pytest.raises(ValueError, match="already in use"):
+        check_port_free("127.0.0.1", port)
+    accepted.close()  # the server side closes first: its end of the connection lingers in TIME_WAIT
+    time.sleep(0.1)
+    client.close()
+    server.close()
+    check_port_free("127.0.0.1", port)
+
+
 def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, capsys, no_ray):
     import shutil
 
