@@ -670,14 +670,15 @@ def test_bench_serve_prints_acceptance_figures(server, capsys):
 
 
 def _load(server, offline, start_blocks, seconds: float) -> None:
-    """LOAD_CLIENTS streaming greedy clients for ``seconds`` while a side task sends bad requests: no request
-    fails, every output equals the offline one, and the KV blocks all come back."""
+    """LOAD_CLIENTS streaming greedy clients for ``seconds`` while side tasks send bad requests and requests whose
+    clients leave early: no request fails, every output equals the offline one, and the KV blocks all come back."""
     from specray.cluster.bench_serve import benchmark
 
     reference = offline_greedy(offline, LOAD_PROMPTS, LOAD_MAX_TOKENS)
     expected = [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in reference]
     stop = threading.Event()
     bad_statuses: list[int] = []
+    leaving = {"model": MODEL, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "n": 2}
 
     def send_bad_requests() -> None:
         while not stop.is_set():
@@ -685,15 +686,24 @@ def _load(server, offline, start_blocks, seconds: float) -> None:
                                            {"model": MODEL, "prompt": "x", "top_p": 0})[0])
             time.sleep(0.2)
 
-    side = threading.Thread(target=send_bad_requests, daemon=True)
-    side.start()
+    def send_leaving_requests() -> None:
+        for i in range(10**6):
+            if stop.is_set():
+                return
+            _leave_after(server, {**leaving, "prompt": f"Leaving {i}", "stream": i % 2 == 0}, 0.05 + 0.1 * (i % 3))
+            time.sleep(0.1)
+
+    sides = [threading.Thread(target=f, daemon=True) for f in (send_bad_requests, send_leaving_requests)]
+    for side in sides:
+        side.start()
     try:
         summary = benchmark(return_outputs=True, base_url=server, model=MODEL, prompts=LOAD_PROMPTS,
                             num_requests=None, duration_s=seconds, concurrency=LOAD_CLIENTS,
                             max_tokens=LOAD_MAX_TOKENS, stream=True)
     finally:
         stop.set()
-        side.join()
+        for side in sides:
+            side.join()
     assert summary["failed"] == 0, summary["errors"]
     assert summary["completed"] >= LOAD_CLIENTS
     mismatches = [(o["prompt_index"], o["text"]) for o in summary["outputs"]
