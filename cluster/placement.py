@@ -36,10 +36,11 @@ def create(bundles: list[dict], strategy: str, role: str, advice: str):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     what = f"{len(bundles)} {role} ranks with {bundles[0]} each ({strategy})"
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    nodes = capacities()
     if not could_ever_fit(bundles, strategy, nodes) and not autoscaling():
-        raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total: "
-                         f"{[_cpus_gpus(n) for n in nodes]}; no autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
+        raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total, "
+                         f"less what the actor placing them holds: {[_cpus_gpus(n) for n in nodes]}; no "
+                         f"autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
     pg = placement_group(bundles, strategy=strategy, name=f"{NAME_PREFIX}:{owner_id()}:{role}:{uuid.uuid4().hex[:8]}")
     if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
         remove_placement_group(pg)
@@ -73,6 +74,23 @@ def remove_owned(owner: str) -> int:
 def autoscaling() -> bool:
     """Whether the cluster may grow (then a group that does not fit now may fit later)."""
     return os.environ.get(AUTOSCALING_ENV, "").lower() in ("1", "true", "yes")
+
+
+def capacities() -> list[dict]:
+    """Each live node's total resources, less what the actor calling this holds on its own node: it holds them
+    as long as the groups it creates live, so they can never go to those groups."""
+    context = ray.get_runtime_context()
+    here = context.get_node_id()
+    held = context.get_assigned_resources() if context.get_actor_id() else {}
+    nodes = []
+    for node in ray.nodes():
+        if node["Alive"]:
+            total = dict(node["Resources"])
+            if node["NodeID"] == here:
+                for key, amount in held.items():
+                    total[key] = total.get(key, 0) - amount
+            nodes.append(total)
+    return nodes
 
 
 def could_ever_fit(bundles: list[dict], strategy: str, nodes: list[dict]) -> bool:

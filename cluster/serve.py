@@ -58,7 +58,7 @@ from specray.cluster.openai_app import (  # noqa: E402
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
-from specray.engine.builder import check_engine_args  # noqa: E402
+from specray.engine.builder import check_engine_args, check_heads  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
@@ -881,19 +881,6 @@ def check_model(engine_args: EngineArgs) -> None:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
     resolve_max_model_len(engine_args.max_model_len, config)
     check_heads(config, engine_args.tensor_parallel_size)
-
-
-def check_heads(config, tp: int) -> None:
-    from specray.models.layers import splits_heads
-
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is None:
-        return
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if not splits_heads(heads, kv, tp):
-        fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
-        raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
-                         f"num_key_value_heads={kv}); choose one of {fits}")
 
 
 def check_resources(args: ServeArgs, autoscaling: bool) -> None:

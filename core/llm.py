@@ -10,7 +10,7 @@ from typing import Any
 
 from specray.config import EngineArgs
 from specray.engine import plugins
-from specray.engine.builder import build_engine, check_engine_args
+from specray.engine.builder import build_engine, check_engine_args, check_heads
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -31,9 +31,10 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
         if self.engine_args.executor_backend == "ray":
-            from specray.models.loader import load_tokenizer
+            from specray.models.loader import load_hf_config, load_tokenizer
 
             check_engine_args(self.engine_args)  # before any actor starts
+            check_heads(load_hf_config(model), self.engine_args.tensor_parallel_size)
             client_cls = plugins.lookup("engine_client", self.engine_args.executor_backend)
             self.engine = client_cls(self.engine_args)
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)

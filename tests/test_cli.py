@@ -207,7 +207,7 @@ def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, caps
 def test_head_split_rules():
     from types import SimpleNamespace
 
-    from specray.cluster.serve import check_heads
+    from specray.engine.builder import check_heads
 
     check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 4)  # KV heads replicated
     check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8), 8)

@@ -384,6 +384,33 @@ def test_a_group_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir, monkey
         engine_for(tiny_llama_dir, tensor_parallel_size=4, ray_placement=dict(HALF_CPU, worker_num_cpus=2))
 
 
+def test_what_the_placing_actor_holds_is_no_room_for_its_groups(ray_cluster):
+    """An actor (the engine's supervisor, a Serve engine replica) holds its own resources for as long as the
+    groups it places live: a group that fits its node only with them can never be placed, and says so at once."""
+    import ray
+
+    @ray.remote(num_cpus=0.01, resources={"node1": 0.6})
+    class Placer:
+        def place(self) -> str:
+            from specray.cluster import placement
+
+            try:
+                group = placement.create([{"CPU": 0.01, "node1": 0.5}], "PACK", "test", "hold less")
+            except ValueError as err:
+                return str(err)
+            placement.remove(group)
+            return "placed"
+
+    placer = Placer.remote()
+    try:
+        start = time.monotonic()
+        message = ray.get(placer.place.remote(), timeout=120)
+        assert "could never hold them" in message and "hold less" in message, message
+        assert time.monotonic() - start < 30
+    finally:
+        ray.kill(placer)
+
+
 def test_a_drafter_actor_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir):
     """A one-rank drafter actor asking for more CPUs than any node has is refused at once too (it used to wait
     for its setup's long timeout), and what the engine had started is released."""

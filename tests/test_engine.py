@@ -1,6 +1,8 @@
 """End to end on tiny random models: greedy speculative output equals greedy plain output and transformers'
 `generate`, for every drafter, batch sizes 1 and 8, under preemption; bad input; stops; KV accounting."""
 
+import json
+
 import pytest
 import torch
 
@@ -654,6 +656,9 @@ def test_misplaced_option_fails_before_any_actor_starts(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"unknown keys \['prompt_lookup_min'\] for method='draft_model'"):
         LLM(str(tiny_llama_dir), distributed_executor_backend="ray",
             speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "prompt_lookup_min": 1})
+    heads = json.loads((tiny_llama_dir / "config.json").read_text())["num_attention_heads"]
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={heads + 1} does not split this model's heads"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=heads + 1)  # said here, not by the ranks once placed
 
 
 def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):

@@ -57,6 +57,20 @@ def check_engine_args(args: EngineArgs) -> None:
                          "distributed_executor_backend='ray'")
 
 
+def check_heads(config, tp: int) -> None:
+    """``tp`` ranks split the model's attention and KV heads (checked before any rank starts)."""
+    from specray.models.layers import splits_heads
+
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not splits_heads(heads, kv, tp):
+        fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
+        raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv}); choose one of {fits}")
+
+
 def engine_args_schema() -> dict[str, Any]:
     """Every engine argument as JSON-able data (type, default), with the keys of ``ray_placement`` and of
     ``speculative_config`` (common and per method): what a server passes through as ``engine_kwargs``."""
