@@ -483,7 +483,8 @@ class OpenAIServing:
                                     "messages")
         with _user_text_errors("messages"):
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message)
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))

@@ -287,6 +287,19 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the last message (an assistant's start) is continued, not closed; needs add_generation_prompt=false
+    continue_final_message: bool = False
+    metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
+    store: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message=true continues the last message, so it needs "
+                              "add_generation_prompt=false", "continue_final_message")
+        if self.store:
+            raise bad_request("store=true is not supported: this server keeps no completions; omit it", "store")
+        return self
 
     @model_validator(mode="after")
     def _messages_are_renderable(self):

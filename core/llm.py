@@ -109,15 +109,21 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or to several."""
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or to several;
+        ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message instead of
+        closing it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message, so it needs "
+                             "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
         prompts = [
             tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+                                          chat_template=chat_template, continue_final_message=continue_final_message)
             for conv in conversations
         ]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,

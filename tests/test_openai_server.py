@@ -204,6 +204,24 @@ def test_chat_uses_the_chat_template(client, offline):
     assert resp.usage.prompt_tokens == len(want.prompt_token_ids) and resp.usage.completion_tokens == 12
 
 
+def test_chat_continues_the_final_message(server, offline):
+    """vLLM's continue_final_message: the assistant's started answer is continued, as offline; OpenAI's metadata
+    is accepted and store=true refused (nothing is stored)."""
+    messages = [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": "The answer"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True, "metadata": {"team": "a"}}
+    status, resp = http_json(server + "/v1/chat/completions", body)
+    want = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    closed = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                          add_generation_prompt=False)[0]
+    assert status == 200 and resp["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert resp["usage"]["prompt_tokens"] == len(want.prompt_token_ids) < len(closed.prompt_token_ids)
+    for override, param in (({"add_generation_prompt": True}, "continue_final_message"), ({"store": True}, "store")):
+        status, err = error_of(http_json(server + "/v1/chat/completions", {**body, **override}))
+        assert (status, err["param"]) == (400, param), err
+
+
 def test_streaming_completion_chunks_done_and_usage(server, client):
     body = {"model": MODEL, "prompt": "Hello world! How are", "max_tokens": 16, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
