@@ -482,9 +482,10 @@ class OpenAIServing:
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
                                     "messages")
         with _user_text_errors("messages"):
+            # named only when asked for: a tokenizer without the keyword (an older one) still renders the rest
+            continued = {"continue_final_message": True} if req.continue_final_message else {}
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 continue_final_message=req.continue_final_message)
+                                                 add_generation_prompt=req.add_generation_prompt, **continued)
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))

@@ -121,9 +121,10 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
+        continued = {"continue_final_message": True} if continue_final_message else {}  # only when asked for
         prompts = [
             tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, continue_final_message=continue_final_message)
+                                          chat_template=chat_template, **continued)
             for conv in conversations
         ]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
