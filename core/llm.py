@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import replace
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from specray.config import EngineArgs
