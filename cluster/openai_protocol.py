@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specray.outputs import SpecStats
-from specray.sampling_params import SamplingParams
+from specray.sampling_params import SamplingParams, choice_seed
 
 MAX_N = 64  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
@@ -361,11 +361,6 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         return SamplingParams(**kwargs)
     except ValueError as err:
         raise from_value_error(err) from None
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """``seed + choice``, wrapped to stay a 64-bit integer (``seed`` near the top of the range with n > 1)."""
-    return (seed + choice - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str) -> None:

@@ -105,7 +105,7 @@ class LLM:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return [_joined(outs) for outs in done]
+        return [_one_output(outs) for outs in done]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -196,7 +196,7 @@ def _choice(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, n=1, seed=seed, output_kind="final_only")
 
 
-def _joined(outs: list[RequestOutput]) -> RequestOutput:
+def _one_output(outs: list[RequestOutput]) -> RequestOutput:
     """One prompt's output from its completions' (each an engine request of its own), in completion order."""
     if len(outs) == 1:
         return outs[0]

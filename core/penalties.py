@@ -91,12 +91,11 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, 
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
         block[:, ids] += bias
-    counts = _counts(output, V, device).expand(k + 1, V)  # [k + 1, V] the output's counts, every row
+    counts = _counts(output, V, device).repeat(k + 1, 1)  # [k + 1, V] the output's counts, every row
     if k:  # plus, on row i + 1, the drafts on node i's path
         pairs = [(i + 1, drafts[j]) for i in range(k) for j in path_to(parents, i)]
         at = torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
-        ones = torch.ones(len(pairs), dtype=torch.float32, device=device)
-        counts = counts + torch.zeros(k + 1, V, dtype=torch.float32, device=device).index_put_(at, ones, accumulate=True)
+        counts.index_put_(at, torch.ones(len(pairs), dtype=torch.float32, device=device), accumulate=True)
     if params.repetition_penalty != 1.0:
         seen = (counts > 0) | (_counts(prompt, V, device) > 0)
         r = params.repetition_penalty

@@ -413,7 +413,7 @@ def test_out_of_range_seed_is_400_and_does_not_touch_other_requests(server, clie
     parts += [c.choices[0].text for c in stream]
     assert "".join(parts) == want
     edge = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=1.0, n=2,
-                                     seed=2 ** 63 - 1)  # choice 1's seed wraps around
+                                     seed=2 ** 63 - 1)  # choice 1's seed is past OpenAI's range
     assert len(edge.choices) == 2
 
 
