@@ -128,6 +128,8 @@ class ServerConfig:
 class _Prompt:
     text: str | None
     token_ids: list[int]
+    # SamplingParams.prompt_logprobs, from the first of the prompt's choices whose output has them
+    logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -141,10 +143,13 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
+    echoed: bool = False  # the prompt went out (completions with echo=true)
 
     def update(self, out: RequestOutput) -> None:
         self.output = out.outputs[0]
         self.spec_stats = out.spec_stats
+        if out.prompt_logprobs is not None:
+            self.prompt.logprobs = out.prompt_logprobs
 
     def take_delta(self) -> tuple[str, int, int]:
         """The new text (the engine reports none that a stop string may still take back), and the range of new
@@ -260,12 +265,19 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Format:
     """How one endpoint writes choices, stream chunks and usage."""
 
-    def __init__(self, request_id: str, model: str, logprobs: proto.LogprobFormatter, num_logprobs: int | None):
+    def __init__(self, request_id: str, model: str, logprobs: proto.LogprobFormatter, num_logprobs: int | None,
+                 num_prompt_logprobs: int | None = None):
         self.request_id = request_id
         self.model = model
         self.created = proto.now()
         self.logprob_fmt = logprobs
         self.num_logprobs = num_logprobs
+        self.num_prompt_logprobs = num_prompt_logprobs  # vLLM's prompt_logprobs field, when the request asked
+
+    def _prompt_logprobs(self, choice: _Choice) -> proto.PromptLogprobs | None:
+        if self.num_prompt_logprobs is None or choice.prompt.logprobs is None:
+            return None
+        return self.logprob_fmt.prompt_logprobs(choice.prompt.logprobs, self.num_prompt_logprobs)
 
     def _token_slice(self, choice: _Choice, start: int, end: int):
         out = self.num_logprobs is not None and choice.output.logprobs is not None
@@ -278,6 +290,10 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
+    def __init__(self, *args, echo: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # each choice's text (and logprobs) starts with its prompt's
+
     def _logprobs(self, choice: _Choice, start: int, end: int) -> proto.CompletionLogprobs | None:
         sliced = self._token_slice(choice, start, end)
         if sliced is None:
@@ -286,21 +302,43 @@ class _CompletionFormat(_Format):
         choice.logprob_offset += sum(len(t) for t in result.tokens)
         return result
 
+    def _echo(self, choice: _Choice, text: str, logprobs: proto.CompletionLogprobs | None
+              ) -> tuple[str, proto.CompletionLogprobs | None]:
+        """With echo, the first text (and logprobs) of a choice put its prompt's before the completion's."""
+        if not self.echo or choice.echoed:
+            return text, logprobs
+        choice.echoed = True
+        prompt = choice.prompt
+        if prompt.text is None:  # a token-id prompt: its text as the tokenizer decodes it
+            prompt.text = self.logprob_fmt.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        if logprobs is None or prompt.logprobs is None:
+            return prompt.text + text, logprobs
+        head = self.logprob_fmt.echoed_prompt(prompt.token_ids, prompt.logprobs, self.num_logprobs)
+        shift = sum(len(t) for t in head.tokens)
+        choice.logprob_offset += shift  # the completion's later tokens follow the prompt's text
+        return prompt.text + text, proto.CompletionLogprobs(
+            tokens=head.tokens + logprobs.tokens, token_logprobs=head.token_logprobs + logprobs.token_logprobs,
+            top_logprobs=head.top_logprobs + logprobs.top_logprobs,
+            text_offset=head.text_offset + [o + shift for o in logprobs.text_offset])
+
+    def _choice(self, choice: _Choice, text: str, start: int, end: int) -> proto.CompletionChoice:
+        text, logprobs = self._echo(choice, text, self._logprobs(choice, start, end))
+        return proto.CompletionChoice(index=choice.index, text=text, finish_reason=choice.output.finish_reason,
+                                      logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(choice))
+
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
-        items = [proto.CompletionChoice(index=c.index, text=c.output.text, finish_reason=c.output.finish_reason,
-                                        logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
-                 for c in choices]
+        items = [self._choice(c, c.output.text, 0, len(c.output.token_ids)) for c in choices]
         return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=items,
                                 usage=usage).model_dump()
 
     def chunk(self, choice: _Choice) -> proto.Completion | None:
         text, start, end = choice.take_delta()
         finish = choice.output.finish_reason
-        if not text and finish is None and (start == end or self.num_logprobs is None):
+        if (not text and finish is None and (start == end or self.num_logprobs is None)
+                and (choice.echoed or not self.echo)):
             return None
-        item = proto.CompletionChoice(index=choice.index, text=text, finish_reason=finish,
-                                      logprobs=self._logprobs(choice, start, end))
-        return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=[item])
+        return proto.Completion(id=self.request_id, created=self.created, model=self.model,
+                                choices=[self._choice(choice, text, start, end)])
 
     def usage_chunk(self, usage: proto.Usage) -> proto.Completion:
         return proto.Completion(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -318,7 +356,7 @@ class _ChatFormat(_Format):
                                   logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
                  for c in choices]
         return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
-                                    usage=usage).model_dump()
+                                    usage=usage, prompt_logprobs=self._prompt_logprobs(choices[0])).model_dump()
 
     def _chunk(self, choices: list[proto.ChatChunkChoice], usage: proto.Usage | None = None):
         return proto.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -424,7 +462,8 @@ class OpenAIServing:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
         choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id)
-        fmt = _CompletionFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.logprobs)
+        fmt = _CompletionFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.logprobs,
+                                req.prompt_logprobs, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
     async def _chat_completions(self, body: Any, arrival: float) -> Response:
@@ -436,7 +475,8 @@ class OpenAIServing:
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
         request_id = proto.new_id("chatcmpl")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
-        fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs())
+        fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
+                          req.prompt_logprobs)
         return await self._run(req, choices, fmt, arrival)
 
     def _check_model(self, name: str | None) -> None:

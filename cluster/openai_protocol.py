@@ -167,6 +167,20 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameters: this and min_tokens
     min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias; a dict of ints once parsed
+    # vLLM's: the logprobs of every prompt token and the k most likely there (the response's prompt_logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not available with stream=true; omit one of them (a streamed "
+                              "completion with echo=true and logprobs gives the prompt's logprobs first)",
+                              "prompt_logprobs")
+        return self
+
+    def num_prompt_logprobs(self) -> int | None:
+        """What the engine computes per prompt token (``SamplingParams.prompt_logprobs``), None for nothing."""
+        return self.prompt_logprobs
 
     @field_validator("stop")
     @classmethod
@@ -221,13 +235,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("the prompt is empty; give a non-empty string or token-id list")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported by this server; omit it")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value):
@@ -241,6 +248,12 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request(f"best_of={self.best_of} is not supported; omit it or set it equal to n={self.n}",
                               "best_of")
         return self
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs shows the prompt's tokens with their logprobs before the completion's (OpenAI's
+        legacy API), so the engine computes them too."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings and/or token-id lists."""
@@ -353,6 +366,9 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    # a prompt's n choices share its logprobs: the first computes them, unless each echoes its prompt as it streams
+    if req.num_prompt_logprobs() is not None and (choice == 0 or getattr(req, "echo", False)):
+        kwargs["prompt_logprobs"] = req.num_prompt_logprobs()
     if req.speculative is not None and req.speculative.num_tokens() is not None:
         kwargs["num_speculative_tokens"] = req.speculative.num_tokens()
     if req.speculative is not None and req.speculative.method is not None:
@@ -412,11 +428,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one entry of ``prompt_logprobs``: ``rank`` is the token's place among the most likely (1
+    the likeliest), null for a prompt token outside the top k the request asked for."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token: token id (a string) -> its entry
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class Completion(BaseModel):
@@ -461,6 +490,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class ChatChunkChoice(BaseModel):
@@ -538,6 +568,31 @@ class LogprobFormatter:
             out.top_logprobs.append({self.token(t): _finite(lp) for t, lp in top})
             out.text_offset.append(offset)
             offset += len(text)
+        return out
+
+    def echoed_prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], num: int,
+                      offset: int = 0) -> CompletionLogprobs:
+        """The legacy format for an echoed prompt: as :meth:`completion`, but the first token has no logprob and
+        no alternatives (null), as nothing precedes it."""
+        out = self.completion(token_ids[1:], logprobs[1:], num, offset + len(self.token(token_ids[0])))
+        first = self.token(token_ids[0])
+        return CompletionLogprobs(tokens=[first] + out.tokens, token_logprobs=[None] + out.token_logprobs,
+                                  top_logprobs=[None] + out.top_logprobs, text_offset=[offset] + out.text_offset)
+
+    def prompt_logprobs(self, logprobs: list[dict[int, float] | None], num: int) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs``: per prompt token null (the first) or {token id: {logprob, rank,
+        decoded_token}} for the token itself and the ``num`` most likely."""
+        out: PromptLogprobs = []
+        for entry in logprobs:
+            if entry is None:
+                out.append(None)
+                continue
+            token_id = next(iter(entry))  # the prompt token comes first
+            ranked = _ranked(entry)[:num]
+            ranks = {t: r for r, (t, _) in enumerate(ranked, start=1)}
+            chosen = [] if token_id in ranks else [(token_id, entry[token_id])]
+            out.append({str(t): PromptLogprob(logprob=_finite(lp), rank=ranks.get(t), decoded_token=self.token(t))
+                        for t, lp in chosen + ranked})
         return out
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], num: int) -> ChatLogprobs:

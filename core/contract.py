@@ -26,6 +26,13 @@ Node tokens (lookahead decoding, whose drafter needs the target's own guesses be
 (row i + 1 of its logits, whatever the request's sampling settings), in node order. They are read back to the host
 with the verdict, in the step's one sync.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``): for a request that asks, every rank computes the logits of
+each of its prefill chunk's rows before the prompt's last and reduces them to the logprob of the prompt token after
+the row (the chunk's next token, or for its last row ``next_token_id``, which a non-final chunk of such a request
+carries) and the top-k; ``StepResult.prompt_logprobs`` answers them per chunk from the chunk's first prompt token
+on (the entry for token ``start_pos + 1``). A prompt that is computed again after preemption is answered again;
+the engine keeps the first answer.
+
 Worker-side drafting (hidden-state drafters: EAGLE, MTP): a chunk with ``num_next_drafts = m`` has the worker draft
 m tokens for the request's next step right after verifying this one, answered in ``StepResult.draft_token_ids``.
 Drafting past the verified drafts writes the head's K/V at up to m - 1 positions beyond them: the scheduler
@@ -156,6 +163,9 @@ class StepResult:
     # drafter given its parent; a chain's drafts' probabilities: the drafter's confidence), [] for none
     draft_parents: list[list[int]] | None = None
     draft_scores: list[list[float]] | None = None
+    # None unless some chunk's request asked for prompt logprobs; then per chunk one {token_id: logprob} per prompt
+    # token from start_pos + 1 on that the chunk's rows predict ([] for the others: see the module docstring)
+    prompt_logprobs: list[list[dict[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -191,9 +191,10 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
 
 def _choice(params: SamplingParams, index: int) -> SamplingParams:
     """Completion ``index``'s own copy of a prompt's parameters: one sequence, its own seed, reported only when it
-    finishes (all ``generate`` hands back)."""
+    finishes (all ``generate`` hands back); the prompt's logprobs are computed by the first completion only."""
     seed = None if params.seed is None else choice_seed(params.seed, index)
-    return replace(params, n=1, seed=seed, output_kind="final_only")
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, seed=seed, output_kind="final_only", prompt_logprobs=prompt_logprobs)
 
 
 def _one_output(outs: list[RequestOutput]) -> RequestOutput:
@@ -207,7 +208,7 @@ def _one_output(outs: list[RequestOutput]) -> RequestOutput:
     first = outs[0]
     error = next((o.error for o in outs if o.error is not None), None)
     return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
-                         finished=True, spec_stats=stats, error=error)
+                         finished=True, spec_stats=stats, error=error, prompt_logprobs=first.prompt_logprobs)
 
 
 def _progress(total: int):

@@ -92,7 +92,7 @@ class RequestOutput:
 
     With ``SamplingParams.output_kind="delta"`` it holds what is new since the request's previous report: the
     outputs' ``token_ids``, ``text`` and ``logprobs`` are the new ones, ``prompt`` and ``prompt_token_ids`` come
-    in the first report only (None and [] after it); ``cumulative_logprob``, the reasons, ``finished``, ``error``
+    in the first report only (None and [] after it), and so do ``prompt_logprobs``; ``cumulative_logprob``, the reasons, ``finished``, ``error``
     and ``spec_stats`` are the request's state at the report, as in a cumulative output. :func:`merge_deltas`
     joins two consecutive deltas; :func:`accumulate` turns the sequence back into cumulative outputs."""
 
@@ -104,25 +104,27 @@ class RequestOutput:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
     error: str | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob} for each later one
+    # (that token first, then the k most likely); None when the request asked for none
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One delta output for two consecutive ones of the same request (a reader that fell behind takes both as
     one): the new parts concatenated, the state (reasons, ``finished``, statistics) of ``newer``."""
-    return _joined(older, newer, older.prompt if older.prompt_token_ids else newer.prompt,
-                   older.prompt_token_ids or newer.prompt_token_ids)
+    first = older if older.prompt_token_ids else newer
+    return _joined(older, newer, first.prompt, first.prompt_token_ids, first.prompt_logprobs)
 
 
 def accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """The cumulative output after ``delta``, given the cumulative output before it (None before the first
     delta, which carries the prompt). Builds new lists: outputs already handed out are never changed."""
-    if so_far is None:
-        return _joined(None, delta, delta.prompt, delta.prompt_token_ids)
-    return _joined(so_far, delta, so_far.prompt, so_far.prompt_token_ids)
+    first = delta if so_far is None else so_far
+    return _joined(so_far, delta, first.prompt, first.prompt_token_ids, first.prompt_logprobs)
 
 
-def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | None,
-            prompt_token_ids: list[int]) -> RequestOutput:
+def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | None, prompt_token_ids: list[int],
+            prompt_logprobs: list[dict[int, float] | None] | None) -> RequestOutput:
     completions = []
     for i, new in enumerate(newer.outputs):
         old = older.outputs[i] if older is not None else None
@@ -135,4 +137,4 @@ def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | Non
         completions.append(CompletionOutput(new.index, text, token_ids, new.cumulative_logprob, logprobs,
                                             new.finish_reason, new.stop_reason))
     return RequestOutput(newer.request_id, prompt, prompt_token_ids, completions, newer.finished,
-                         newer.spec_stats, newer.error)
+                         newer.spec_stats, newer.error, prompt_logprobs)

@@ -24,6 +24,11 @@ class SamplingParams:
     default "raw logprobs": log_softmax of the target model's raw logits at that position, before temperature,
     top-k/top-p/min-p (so they do not depend on the sampling parameters). None (the default) computes nothing.
 
+    ``prompt_logprobs=k`` (vLLM's, k >= 0) returns the same for every prompt token: ``RequestOutput.prompt_logprobs``
+    holds None for the first token (nothing precedes it), then one {token_id: logprob} per later prompt token,
+    that token first, then the k most likely at its position (the target's raw log_softmax after the tokens
+    before it). The prompt's logits are computed chunk by chunk and reduced on the device to these entries.
+
     ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (> 0, 1 is off)
     are vLLM's: with c_v the times token v occurs in the output so far, each logit drops by
     ``frequency_penalty * c_v + presence_penalty * [c_v > 0]``, and for every token of the prompt or the output
@@ -73,6 +78,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -108,8 +114,10 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty string")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs!r} must be an int >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -157,8 +165,10 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias={{{bad[0]}: ...}} names token ids {bad[:5]} outside the vocabulary "
                              f"[0, {vocab_size}); drop them")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs={self.logprobs} exceeds the vocabulary size {vocab_size}; ask for fewer")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name}={value} exceeds the vocabulary size {vocab_size}; ask for fewer")
 
     @property
     def greedy(self) -> bool:

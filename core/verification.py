@@ -240,6 +240,28 @@ def target_logprobs(target_logits: torch.Tensor, output_tokens: torch.Tensor,
     return TargetLogprobs(rows, num_top, chosen.view(M, K1), top_ids.view(M, K1, -1), top_lp.view(M, K1, -1))
 
 
+PROMPT_ROWS_PER_PASS = 256  # prompt logits are computed this many rows at a time (a [256, V] float32 slice)
+
+
+def prompt_logprob_entries(logits_of, rows: list[int], token_ids: list[int], num_top: list[int],
+                           rows_per_pass: int = PROMPT_ROWS_PER_PASS) -> list[dict[int, float]]:
+    """The raw logprob of ``token_ids[j]`` after hidden row ``rows[j]`` and the ``num_top[j]`` most likely there,
+    as one {token_id: logprob} per row (:func:`_entry`). ``logits_of(rows) -> [n, V]`` is called on slices of at
+    most ``rows_per_pass`` rows, so a long prompt never holds its whole [N, V] logits; each slice is reduced on the
+    device, and the entries come back in one host sync."""
+    if not rows:
+        return []
+    k = max(num_top)
+    parts = []
+    for start in range(0, len(rows), rows_per_pass):
+        logits = logits_of(rows[start : start + rows_per_pass])
+        ids = torch.tensor(token_ids[start : start + rows_per_pass], dtype=torch.long).to(logits.device)
+        parts.append(compute_logprobs(logits, ids, k))
+    chosen, top_ids, top_lp = (torch.cat(column) for column in zip(*parts))
+    host = _to_host([chosen, top_ids, top_lp])
+    return [_entry(t, host[0][j], host[1][j][:n], host[2][j][:n]) for j, (t, n) in enumerate(zip(token_ids, num_top))]
+
+
 def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
     """A host list -> an int64 index on ``device`` with no stream sync: on CUDA an asynchronous copy from pinned
     memory (a plain ``torch.tensor(rows, device=...)`` copies from pageable memory and waits for the stream)."""

@@ -290,8 +290,8 @@ class Scheduler:
         chunk = ScheduledChunk(req.req_id, tokens, start, k, sample=sample, draft_parents=parents,
                                want_node_tokens=k > 0 and req.want_node_tokens, num_next_drafts=next_drafts,
                                worker_drafts=k > 0 and req.drafts_from_worker)
-        if not sample and self.config.worker_draft_steps:
-            chunk.next_token_id = req.all_token_ids[end]
+        if not sample and (self.config.worker_draft_steps or req.sampling_params.prompt_logprobs is not None):
+            chunk.next_token_id = req.all_token_ids[end]  # the head reads it; so does the last prompt logprob
         if k and self.config.thinking_tokens is not None:
             chunk.thinking = req.inside(*self.config.thinking_tokens)
         return chunk

@@ -273,8 +273,9 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
     one_rank = LLM(str(tiny_llama_dir), max_model_len=256)
     local = one_rank.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     # penalized requests beside plain ones: the driver rank penalizes each verified position by its prefix
+    # (and prompt logprobs, whose logits every rank computes)
     penalized = [SamplingParams(**{**sp.__dict__, "repetition_penalty": 1.5, "frequency_penalty": 0.5}) if i % 2
-                 else sp for i in range(len(prompts))]
+                 else SamplingParams(**{**sp.__dict__, "prompt_logprobs": 2}) for i in range(len(prompts))]
     local_penalized = one_rank.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
     llm = LLM(str(tiny_llama_dir), max_model_len=256, tensor_parallel_size=2, ray_placement=HALF_CPU,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -284,6 +285,10 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
         assert llm.spec_stats.drafts > 0
         remote_penalized = llm.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in remote_penalized] == [o.outputs[0].token_ids for o in local_penalized]
+        for a, b in zip(remote_penalized[::2], local_penalized[::2]):
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert list(x) == list(y) and list(x.values()) == pytest.approx(list(y.values()), abs=1e-4)
         streams = asyncio.run(stream_concurrently(llm.engine.actor, prompts[:4], sp))
         for items, ref in zip(streams, local):
             assert len(items) > 1 and items[-1].finished and not any(i.finished for i in items[:-1])

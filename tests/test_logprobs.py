@@ -1,12 +1,15 @@
 """Logprobs (``SamplingParams.logprobs``): the target's raw log_softmax at each output token, with and without
-speculation, against transformers; top-k; truncation under stops and max_tokens; preemption; no host sync."""
+speculation, against transformers; top-k; truncation under stops and max_tokens; preemption; no host sync.
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the same for every prompt token, over chunked prefill,
+preemption, delta outputs and n > 1."""
 
 import pytest
 import torch
 
 from specray import LLM, SamplingParams
 from specray.scheduler.request import Request
-from specray.verification import target_logprobs, unpad_with_logprobs
+from specray.outputs import accumulate
+from specray.verification import prompt_logprob_entries, target_logprobs, unpad_with_logprobs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -161,6 +164,110 @@ def test_preemption_does_not_duplicate_logprobs(tiny_llama_dir, hf_model, spec):
     assert llm.engine.scheduler.num_preemptions > 0
     for out in outs:
         assert_matches_reference(out, hf_logprobs(hf_model, out.prompt_token_ids, out.outputs[0].token_ids), 2)
+
+
+# ---- prompt logprobs --------------------------------------------------------------------------------------------
+
+
+def assert_prompt_logprobs(hf_model, out, k: int) -> None:
+    """None for the first prompt token, then each later one's entry: that token first, then exactly the top-k, all
+    equal to transformers' log_softmax at the position before it."""
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
+    got = out.prompt_logprobs
+    assert got is not None and len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        entry, row = got[j], ref[j - 1]
+        assert next(iter(entry)) == ids[j]
+        assert set(entry) == {ids[j], *row.topk(k).indices.tolist()}
+        for t, lp in entry.items():
+            assert lp == pytest.approx(row[t].item(), abs=TOL)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 8}, {"speculative_config": NGRAM}],
+                         ids=["one-chunk", "chunked-prefill", "ngram"])
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, engine_kw):
+    """Chunked prefill splits the prompt over steps (a chunk's last row predicts the next chunk's first token);
+    requests without them and with sampled outputs share the steps; a one-token prompt has only its None."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, **engine_kw)
+    params = [greedy(8, prompt_logprobs=3), greedy(8), greedy(8, prompt_logprobs=0, logprobs=1),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=8, prompt_logprobs=2)]
+    outs = llm.generate(PROMPTS[:4] + [{"prompt_token_ids": [7]}],
+                        params + [greedy(4, prompt_logprobs=1)], use_tqdm=False)
+    for out, sp in zip(outs, params):
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert_prompt_logprobs(hf_model, out, sp.prompt_logprobs)
+    assert [list(e) for e in outs[2].prompt_logprobs[1:]] == [[t] for t in outs[2].prompt_token_ids[1:]]  # k = 0
+    assert outs[4].prompt_logprobs == [None]
+    blocks = llm.engine.scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_prompt_logprobs_once_under_preemption_deltas_and_n(tiny_llama_dir, hf_model):
+    """A preempted request computes its prompt again: the entries stay one per token. A delta stream carries them
+    in its first report only, and accumulating gives them back; n > 1 computes them once, for the first choice."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, num_kv_blocks=30,
+              speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, greedy(24, prompt_logprobs=2), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert_prompt_logprobs(hf_model, out, 2)
+
+    engine = llm.engine
+    engine.add_request(outs[3].prompt_token_ids, greedy(6, prompt_logprobs=2, output_kind="delta"), req_id="d")
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += [o for o in engine.step() if o.request_id == "d"]
+    assert reports[0].prompt_logprobs is not None and all(r.prompt_logprobs is None for r in reports[1:])
+    so_far = None
+    for r in reports:
+        so_far = accumulate(so_far, r)
+    assert so_far.prompt_logprobs == outs[3].prompt_logprobs
+
+    seen = []
+    execute = engine.executor.execute
+
+    def spy(plan, draft_probs=None):
+        result = execute(plan, draft_probs)
+        seen.append(sum(len(entries) for entries in result.prompt_logprobs or []))
+        return result
+
+    engine.executor.execute = spy
+    two = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    assert len(two.outputs) == 2 and sum(seen) == len(two.prompt_token_ids) - 1  # computed once
+    assert_prompt_logprobs(hf_model, two, 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_prompt_logprobs_are_checked(bad):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(ValueError, match="prompt_logprobs=400 exceeds the vocabulary"):
+        SamplingParams(prompt_logprobs=400).check(vocab_size=320)
+
+
+def test_prompt_logprob_entries_in_slices():
+    """Rows reduced a slice at a time give the entries the whole [N, V] would (one host sync at the end)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 17)
+    calls = []
+
+    def logits_of(rows):
+        calls.append(len(rows))
+        return hidden[torch.tensor(rows)]
+
+    rows, ids, tops = [0, 2, 3, 5, 9], [1, 16, 4, 0, 7], [2, 0, 3, 1, 2]
+    entries = prompt_logprob_entries(logits_of, rows, ids, tops, rows_per_pass=2)
+    assert calls == [2, 2, 1]
+    ref = hidden.log_softmax(-1)
+    for r, t, k, entry in zip(rows, ids, tops, entries):
+        assert next(iter(entry)) == t and set(entry) == {t, *ref[r].topk(k).indices.tolist()}
+        assert all(v == pytest.approx(ref[r, i].item(), abs=1e-6) for i, v in entry.items())
+    assert prompt_logprob_entries(logits_of, [], [], []) == []
 
 
 # ---- units ----------------------------------------------------------------------------------------------------

@@ -318,6 +318,75 @@ def test_completion_logprobs_legacy_format(client, offline):
         assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
 
 
+def test_completion_echo_with_logprobs_as_lm_eval_reads_it(client, offline):
+    """lm-evaluation-harness scores a continuation with echo=true, logprobs=1, max_tokens=1 over token-id prompts
+    and reads token_logprobs[ctxlen:-1]: every prompt token's logprob (null for the first), then the output's."""
+    prompts = [offline.engine.tokenizer.encode(p) for p in ("The quick brown fox jumps", "def add(a, b):")]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    want = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for choice, ids, ref in zip(sorted(resp.choices, key=lambda c: c.index), prompts, want):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for j in range(1, len(ids)):
+            assert lp.token_logprobs[j] == pytest.approx(ref.prompt_logprobs[j][ids[j]], abs=1e-3)
+            assert max(lp.top_logprobs[j].values()) >= lp.token_logprobs[j] - 1e-6 and len(lp.top_logprobs[j]) <= 2
+        assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)  # greedy
+        assert choice.text == offline.engine.tokenizer.decode(ids) + ref.outputs[0].text
+        assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens) == choice.text
+
+
+def test_completion_echo_text_streamed_and_not(server, client):
+    kwargs = dict(model=MODEL, prompt="Hello world! How are", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, echo=True).choices[0].text == kwargs["prompt"] + plain
+    events = sse_events(server + "/v1/completions", {**kwargs, "echo": True, "logprobs": 0, "stream": True})
+    chunks = [json.loads(e)["choices"] for e in events[:-1]]
+    first = chunks[0][0]
+    assert first["text"].startswith(kwargs["prompt"]) and first["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c[0]["text"] for c in chunks if c) == kwargs["prompt"] + plain
+    offsets = [o for c in chunks if c and c[0]["logprobs"] for o in c[0]["logprobs"]["text_offset"]]
+    tokens = [t for c in chunks if c and c[0]["logprobs"] for t in c[0]["logprobs"]["tokens"]]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_logprobs_extra_parameter(server, offline, endpoint):
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {id: {logprob, rank, decoded_token}}; on a
+    completion's choices, on a chat completion's response. Not with stream=true."""
+    if endpoint == "chat":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                "temperature": 0, "prompt_logprobs": 2}
+        status, resp = http_json(server + "/v1/chat/completions", body)
+        got = resp["prompt_logprobs"]
+        tokenizer = offline.engine.tokenizer
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                                             add_generation_prompt=True), add_special_tokens=False)
+    else:
+        body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 2, "temperature": 0,
+                "prompt_logprobs": 2, "n": 2}
+        status, resp = http_json(server + "/v1/completions", body)
+        got = resp["choices"][0]["prompt_logprobs"]
+        assert resp["choices"][1]["prompt_logprobs"] == got  # the prompt's, for each of its choices
+        ids = offline.engine.tokenizer.encode(body["prompt"])
+    assert status == 200, resp
+    ref = offline.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                           use_tqdm=False)[0].prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        entry = got[j]
+        assert str(ids[j]) in entry and 2 <= len(entry) <= 3
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1]["logprob"])
+        assert [e["rank"] for _, e in ranked if e["rank"] is not None] == [1, 2]
+        for token, e in entry.items():
+            assert e["logprob"] == pytest.approx(ref[j][int(token)], abs=1e-3)
+            assert e["decoded_token"] == offline.engine.tokenizer.decode([int(token)])
+    status, err = error_of(http_json(server + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions"),
+                                     {**body, "stream": True}))
+    assert status == 400 and err["param"] == "prompt_logprobs", err
+
+
 def test_chat_logprobs_format(client):
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)

@@ -33,7 +33,8 @@ from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
 from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, node_argmax, pad_tree_drafts,
                                        tree_logprobs, unpad_tree, verify_tree)
-from specray.verification import pad_drafts, target_logprobs, unpad_with_logprobs, verify
+from specray.verification import (PROMPT_ROWS_PER_PASS, pad_drafts, prompt_logprob_entries, target_logprobs,
+                                  unpad_with_logprobs, verify)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class ModelRunner:
         self.q_drafts = (self.drafter is not None and self.drafter.samples_from_q and self.typical is None
                          and self.relaxed is None)
         self.penalties = PenaltyHistory()  # the committed tokens of penalized requests (driver rank)
+        # requests that asked for prompt logprobs: (k, their prompt's length), on every rank (their logits are
+        # computed by every rank, as the step's others are)
+        self.prompt_logprobs: dict[str, tuple[int, int]] = {}
 
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
@@ -70,6 +74,7 @@ class ModelRunner:
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
             self.penalties.drop(rid)
+            self.prompt_logprobs.pop(rid, None)
             if self.drafter is not None:
                 self.drafter.drop(rid, finished=True)
         for rid in plan.preempted_req_ids:
@@ -85,6 +90,8 @@ class ModelRunner:
             if new.req_id not in self.params:
                 self.params[new.req_id] = new.sampling_params
                 self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
+                if new.sampling_params.prompt_logprobs is not None:
+                    self.prompt_logprobs[new.req_id] = (new.sampling_params.prompt_logprobs, new.num_prompt_tokens)
                 if self.is_driver:
                     self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens, new.stop_token_ids)
         for delta in plan.block_deltas:
@@ -101,6 +108,7 @@ class ModelRunner:
         sampled = [i for i, c in enumerate(plan.chunks) if c.sample]
         rows = logit_rows(plan)
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
+        prompt_logprobs = self._prompt_logprobs(plan, hidden) if self.prompt_logprobs else None
         if not self.is_driver:
             return None
         for chunk in plan.chunks:
@@ -112,7 +120,8 @@ class ModelRunner:
         result = StepResult(plan.step_id, [c.req_id for c in plan.chunks], _per_chunk(n, sampled, kept),
                             None if logprobs is None else _per_chunk(n, sampled, logprobs),
                             None if paths is None else _per_chunk(n, sampled, paths),
-                            None if nodes is None else _per_chunk(n, sampled, nodes))
+                            None if nodes is None else _per_chunk(n, sampled, nodes),
+                            prompt_logprobs=prompt_logprobs)
         if self.drafter is not None:
             drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
                                          {} if paths is None else {i: p for i, p in zip(sampled, paths) if p},
@@ -123,6 +132,43 @@ class ModelRunner:
             if any(d is not None and d.scores is not None for d in drafted):
                 result.draft_scores = [[] if d is None or d.scores is None else d.scores for d in drafted]
         return result
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[dict[int, float]]] | None:
+        """Per chunk, the logprobs of the prompt tokens its rows predict when its request asked for them ([] for
+        the others; None when no chunk's request asked): row j of a chunk (position start_pos + j) predicts prompt
+        token start_pos + j + 1, up to the prompt's last token. Every rank computes the logits (the step's other
+        logits are computed by every rank too); the driver reduces them to the entries, in one host sync."""
+        rows, token_ids, num_top, counts, offset = [], [], [], [], 0
+        for c in plan.chunks:
+            asked = self.prompt_logprobs.get(c.req_id)
+            count = 0
+            if asked is not None:
+                k, num_prompt = asked
+                end = c.start_pos + c.num_tokens - c.num_draft_tokens  # past the chunk's last non-draft token
+                count = max(0, min(end, num_prompt - 1) - c.start_pos)
+                nxt = c.token_ids[1 : c.num_tokens - c.num_draft_tokens] + [c.next_token_id]
+                assert count == 0 or nxt[count - 1] is not None, (c.req_id, c.start_pos, end, num_prompt)
+                rows.extend(range(offset, offset + count))
+                token_ids.extend(nxt[:count])
+                num_top.extend([k] * count)
+            counts.append(count)
+            offset += c.num_tokens
+        if not rows:
+            return None
+
+        def logits_of(part: list[int]) -> torch.Tensor:
+            return self.model.compute_logits(hidden[_long(part, hidden.device)])  # [n, V]
+
+        if not self.is_driver:  # the same logits calls, nothing else
+            for start in range(0, len(rows), PROMPT_ROWS_PER_PASS):
+                logits_of(rows[start : start + PROMPT_ROWS_PER_PASS])
+            return None
+        entries = prompt_logprob_entries(logits_of, rows, token_ids, num_top, PROMPT_ROWS_PER_PASS)
+        out, start = [], 0
+        for count in counts:
+            out.append(entries[start : start + count])
+            start += count
+        return out
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         chunks = plan.chunks

@@ -36,6 +36,9 @@ class _Tracked:
     reported: bool = False  # a report went out (output_kind "delta": the prompt goes with the first only)
     reported_tokens: int = 0  # output tokens reported so far (output_kind "delta")
     reported_chars: int = 0  # characters of text reported so far (output_kind "delta")
+    # SamplingParams.prompt_logprobs: [None] for the first prompt token, then one entry per later prompt token as
+    # the prefill chunks answer them; None when the request asked for none
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLMEngine:
@@ -94,7 +97,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
-        self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold)
+        self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold,
+                                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
         return req_id
 
     def _admit_method(self, params: SamplingParams) -> bool:
@@ -149,6 +153,7 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(plan, result)
         self._keep_worker_drafts(result)
         self._record_logprobs(plan, result)
+        self._record_prompt_logprobs(plan, result)
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
         self.num_steps += 1
@@ -524,6 +529,18 @@ class LLMEngine:
             if chunk.sample and entries and tracked is not None:
                 tracked.request.extend_logprobs(entries)
 
+    def _record_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Keep the prompt logprobs a step's prefill chunks answered: a chunk's entries are those of prompt tokens
+        start_pos + 1 on, so a prompt computed again after preemption adds nothing already kept."""
+        if result.prompt_logprobs is None:
+            return
+        for chunk, entries in zip(plan.chunks, result.prompt_logprobs):
+            tracked = self.tracked.get(chunk.req_id)
+            if entries and tracked is not None and tracked.prompt_logprobs is not None:
+                kept = tracked.prompt_logprobs
+                assert len(kept) >= chunk.start_pos + 1, (chunk.req_id, len(kept), chunk.start_pos)  # chunks in order
+                kept.extend(entries[len(kept) - chunk.start_pos - 1:])
+
     def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
         stats = self.scheduler.last_step_stats
         self.spec_stats.merge(stats)
@@ -602,10 +619,10 @@ class LLMEngine:
         end = len(text) if finished or not tracked.hold else max(0, len(text) - tracked.hold)
         tokens, logprobs = request.output_token_ids, request.output_logprobs
         cumulative_logprob = None if logprobs is None else request.cumulative_logprob
-        prompt, prompt_ids = tracked.prompt, request.prompt_token_ids
+        prompt, prompt_ids, prompt_logprobs = tracked.prompt, request.prompt_token_ids, tracked.prompt_logprobs
         if kind == "delta":  # what is new since the last report; the prompt once
             if tracked.reported:
-                prompt, prompt_ids = None, []
+                prompt, prompt_ids, prompt_logprobs = None, [], None
             start, tracked.reported = tracked.reported_tokens, True
             text = text[tracked.reported_chars:end]
             tracked.reported_chars += len(text)
@@ -618,8 +635,10 @@ class LLMEngine:
         # positional arguments, in the dataclasses' field order: built for every request every step
         completion = CompletionOutput(0, text, tokens, cumulative_logprob, logprobs, request.finish_reason,
                                       request.stop_reason)
+        if prompt_logprobs is not None and kind != "delta":
+            prompt_logprobs = list(prompt_logprobs)  # an output handed out never changes
         return RequestOutput(request.req_id, prompt, prompt_ids, [completion], finished, request.spec_stats.copy(),
-                             tracked.error)
+                             tracked.error, prompt_logprobs)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Push the new output tokens through the detokenizer; finish the request on a stop string."""
@@ -681,12 +700,13 @@ def _is_decode_step(plan: StepPlan) -> bool:
 
 def _by_request(result: StepResult) -> dict[str, tuple]:
     """A step's answer per request id: its kept tokens, and their logprobs, its tree's accepted path, its node
-    tokens and the worker's drafts for its next step (each None when the step returned none)."""
+    tokens, the worker's drafts for its next step and its prompt logprobs (each None when the step returned
+    none)."""
     none = [None] * len(result.req_ids)
     return {rid: answer for rid, *answer in zip(result.req_ids, result.sampled_token_ids, result.logprobs or none,
                                                 result.accepted_draft_indices or none, result.node_tokens or none,
                                                 result.draft_token_ids or none, result.draft_parents or none,
-                                                result.draft_scores or none)}
+                                                result.draft_scores or none, result.prompt_logprobs or none)}
 
 
 def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
@@ -694,13 +714,13 @@ def _merge(plan: StepPlan, done: dict[str, tuple]) -> StepResult:
     scheduler skips it: the request is finished by then). The optional fields stay None when no answer has them,
     else [] for the chunks without (a tree's path must come through: its K/V moves by it)."""
     chunks: list[ScheduledChunk] = plan.chunks
-    answers = [done.get(c.req_id, ([], None, None, None, None, None, None)) for c in chunks]
-    tokens, logprobs, paths, node_tokens, drafts, parents, scores = (
-        (list(column) for column in zip(*answers)) if answers else ([],) * 7)
+    answers = [done.get(c.req_id, ([], None, None, None, None, None, None, None)) for c in chunks]
+    tokens, logprobs, paths, node_tokens, drafts, parents, scores, prompt_logprobs = (
+        (list(column) for column in zip(*answers)) if answers else ([],) * 8)
     return StepResult(plan.step_id, [c.req_id for c in chunks], tokens, logprobs=_optional(logprobs),
                       accepted_draft_indices=_optional(paths), node_tokens=_optional(node_tokens),
                       draft_token_ids=_optional(drafts), draft_parents=_optional(parents),
-                      draft_scores=_optional(scores))
+                      draft_scores=_optional(scores), prompt_logprobs=_optional(prompt_logprobs))
 
 
 def _optional(column: list) -> list | None:
