@@ -169,6 +169,8 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias; a dict of ints once parsed
     # vLLM's: the logprobs of every prompt token and the k most likely there (the response's prompt_logprobs)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self):
@@ -363,6 +365,8 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias or None,
         min_tokens=req.min_tokens or 0,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

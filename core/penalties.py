@@ -7,7 +7,9 @@ With ``c_v`` the number of times token v occurs in the output so far (the prompt
 and for every token v of the prompt or the output so far, ``repetition_penalty`` r divides a positive logit by r
 and multiplies a negative one by r (transformers' ``repetition_penalty``, from CTRL). ``logit_bias`` is added to
 the logits before the penalties (it depends on no position). Before ``min_tokens`` outputs (the row's own,
-drafts on its path counted) the tokens that would end the request get no probability.
+drafts on its path counted) the tokens that would end the request get no probability. Outside
+``allowed_token_ids`` no token has any; nor has the last token of a bad word's sequence where the row's output so
+far (drafts on its path counted) ends with the rest of that sequence.
 
 The penalty at a position depends on every token before it. A request that verifies k drafts has 1 + k logit
 rows: row 0 follows its committed tokens, row i + 1 follows them plus the draft path to node i (a chain's drafts
@@ -109,7 +111,34 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], params: SamplingParams, 
     if early and banned:
         block[torch.tensor(early, dtype=torch.long, device=device)[:, None],
               torch.tensor(list(banned), dtype=torch.long, device=device)] = float("-inf")
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(V, dtype=torch.bool, device=device)
+        allowed[torch.tensor([t for t in params.allowed_token_ids if t < V], dtype=torch.long, device=device)] = True
+        block = block.masked_fill(~allowed, float("-inf"))
+    if params.bad_words_token_ids:
+        pairs = [(row, t) for row, t in _bad_word_bans(params.bad_words_token_ids, output, drafts, parents)
+                 if t < V]  # a draft model's vocabulary may be the smaller
+        if pairs:
+            at = torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+            block[at] = float("-inf")
     logits.index_copy_(0, index, block.to(logits.dtype))
+
+
+def _bad_word_bans(sequences: Sequence[Sequence[int]], output: Sequence[int], drafts: Sequence[int],
+                   parents: Sequence[int]) -> list[tuple[int, int]]:
+    """(row, token) pairs to ban: on each of the 1 + k rows, the last token of every sequence whose other tokens
+    end the row's output (the committed output, then the draft path to the row's node). Host lists only."""
+    longest = max(len(s) for s in sequences) - 1
+    tail = list(output[max(0, len(output) - longest):]) if longest else []
+    pairs = []
+    for row in range(len(drafts) + 1):
+        path = [] if row == 0 else [drafts[j] for j in path_to(parents, row - 1)]
+        before = (tail + path)[max(0, len(tail) + len(path) - longest):] if longest else []
+        for seq in sequences:
+            n = len(seq) - 1
+            if n == 0 or (len(before) >= n and before[len(before) - n:] == list(seq[:n])):
+                pairs.append((row, seq[-1]))
+    return pairs
 
 
 def _counts(tokens: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -38,6 +38,13 @@ class SamplingParams:
     speculation every verified position is penalized by the tokens before it, drafts included, so the output is
     the one decoding without speculation gives. Logprobs stay raw (before penalties).
 
+    ``allowed_token_ids`` (vLLM's) gives every other token no probability. ``bad_words`` (vLLM's) are strings the
+    output must not contain as tokens: each is tokenized at admission as it reads alone and after a space
+    (``bad_words_token_ids``, filled by the engine), and a sequence's last token gets no probability where the
+    output so far ends with the rest of it (a one-token word: everywhere). Like the penalties they apply at every
+    verified position, drafts on the path counted, so greedy output is plain decoding's and sampled output follows
+    the constrained distribution exactly.
+
     ``min_tokens`` (vLLM's) keeps a request from ending before it has that many output tokens: its stop token ids,
     and EOS unless ``ignore_eos``, get no probability until then, and stop strings are not looked for.
 
@@ -84,6 +91,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    # bad_words as token sequences: filled by the engine at admission from its tokenizer (None until then)
+    bad_words_token_ids: list[list[int]] | None = None
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
@@ -93,6 +104,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -139,6 +153,14 @@ class SamplingParams:
                 if not _is_int(token) or token < 0 or not _is_finite(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias={{{token!r}: {bias!r}, ...}}: each key must be a token id >= 0 "
                                      "and each bias a number in [-100, 100]")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, (list, tuple)) or
+                                                   not self.allowed_token_ids or
+                                                   any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of token ids >= 0 "
+                             "(or None: every token allowed)")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words={self.bad_words!r}: every bad word must be a string with a non-space "
+                             "character")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
@@ -165,6 +187,10 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias={{{bad[0]}: ...}} names token ids {bad[:5]} outside the vocabulary "
                              f"[0, {vocab_size}); drop them")
+        bad = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); drop "
+                             "them")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > vocab_size:
@@ -176,9 +202,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty, a logit bias or ``min_tokens`` shapes this request's distribution."""
+        """Whether a penalty, a logit bias, ``min_tokens``, ``allowed_token_ids`` or ``bad_words`` shapes this
+        request's distribution."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from specray import SamplingParams
+from specray.engine.llm_engine import bad_word_sequences
 from specray.outputs import CompletionOutput, RequestOutput, SpecStats
 
 MODEL = "tiny"
@@ -385,6 +386,27 @@ def test_prompt_logprobs_extra_parameter(server, offline, endpoint):
     status, err = error_of(http_json(server + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions"),
                                      {**body, "stream": True}))
     assert status == 400 and err["param"] == "prompt_logprobs", err
+
+
+def test_allowed_token_ids_and_bad_words(server, client, offline):
+    """vLLM's extra parameters: the served output is the offline one under the same constraint, which it
+    changes; bad values are 400s naming them."""
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    plain = offline_greedy(offline, [kwargs["prompt"]], 12)[0].outputs[0]
+    allowed = sorted(set(plain.token_ids[::2]))[:4] + [5, 9]
+    for extra in ({"allowed_token_ids": allowed}, {"bad_words": [offline.engine.tokenizer.decode(plain.token_ids[:2])]}):
+        resp = client.completions.create(**kwargs, extra_body=extra)
+        want = offline_greedy(offline, [kwargs["prompt"]], 12, **extra)[0].outputs[0]
+        assert resp.choices[0].text == want.text and want.token_ids != plain.token_ids, extra
+    for seq in bad_word_sequences(offline.engine.tokenizer, extra["bad_words"]):  # no banned sequence is left
+        assert not any(want.token_ids[i : i + len(seq)] == seq for i in range(len(want.token_ids)))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                          temperature=0, extra_body={"allowed_token_ids": allowed})
+    assert chat.choices[0].finish_reason == "length"
+    status, err = error_of(http_json(server + "/v1/completions", {**kwargs, "allowed_token_ids": [1, 10 ** 6]}))
+    assert status == 400 and "allowed_token_ids" in err["message"], err
+    status, err = error_of(http_json(server + "/v1/completions", {**kwargs, "bad_words": ["  "]}))
+    assert status == 400 and err["param"] == "bad_words", err
 
 
 def test_chat_logprobs_format(client):

@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from specray import LLM, SamplingParams
+from specray.engine.llm_engine import bad_word_sequences
 from specray.penalties import penalize
 
 PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three one", "a b a b a b a",
@@ -17,7 +18,10 @@ PROMPTS = ["the cat sat on the mat and the cat", "one two three one two three on
 PENALTIES = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.9), dict(presence_penalty=1.2),
              dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4),
              dict(logit_bias={5: 4.0, 9: -100.0, 12: 2.5}, frequency_penalty=0.5),
-             dict(min_tokens=9, presence_penalty=0.3)]
+             dict(min_tokens=9, presence_penalty=0.3),
+             dict(allowed_token_ids=list(range(0, 40, 3)) + [5, 7], frequency_penalty=0.3),
+             dict(bad_words=["unused: the token ids below are given"], bad_words_token_ids=[[7], [3, 4], [5, 6, 2]],
+                  presence_penalty=0.1)]
 BANNED = [0, 3]  # the ending tokens of the min_tokens case
 
 
@@ -34,6 +38,11 @@ def reference(row: torch.Tensor, prompt: list[int], output: list[int], params: S
             row[v] = row[v] / params.repetition_penalty if row[v] > 0 else row[v] * params.repetition_penalty
     for v in set(output):
         row[v] -= params.frequency_penalty * output.count(v) + params.presence_penalty
+    if params.allowed_token_ids is not None:
+        row[[v for v in range(row.shape[0]) if v not in params.allowed_token_ids]] = float("-inf")
+    for seq in params.bad_words_token_ids or []:
+        if len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1]:
+            row[seq[-1]] = float("-inf")
     return row
 
 
@@ -65,7 +74,8 @@ def test_every_row_is_penalized_by_its_own_prefix(kw):
 
 def test_penalize_has_no_host_sync(no_host_sync):
     params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
-                            logit_bias={1: 2.0}, min_tokens=6)
+                            logit_bias={1: 2.0}, min_tokens=6, allowed_token_ids=[1, 2, 4, 7, 8],
+                            bad_words=["w"], bad_words_token_ids=[[4, 7], [2]])
     logits = torch.randn(8, 30)
     with no_host_sync():
         penalize(logits, [3, 4, 5, 6], params, [1, 2, 3], [4, 4], [7, 8, 9], [-1, 0, 0], BANNED)
@@ -219,6 +229,61 @@ def _plain_probs(model, ids, out, params) -> np.ndarray:
     with torch.no_grad():
         logits = model(torch.tensor([ids + out])).logits[0, -1].float()
     return logits_to_probs(logits[None], SamplingBatch.build([params], [None], "cpu"))[0].double().numpy()
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "ngram-tree"])
+def test_bad_words_and_allowed_token_ids_hold_with_speculation(plain, tiny_llama_dir, spec):
+    """A two-token word of plain greedy output, banned: its tokens never follow each other again, and speculative
+    output is plain output; allowed_token_ids keep every output token inside the set, sampled ones too."""
+    tokenizer = plain.get_tokenizer()
+    llm = plain if spec is None else LLM(model=str(tiny_llama_dir), max_model_len=256,
+                                          speculative_config=SPECS[spec], max_num_seqs=8)
+    greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, SamplingParams(**greedy), use_tqdm=False)]
+    word = None
+    for ids in base:  # a pair of tokens that reads back as the same two tokens
+        for a, b in zip(ids, ids[1:]):
+            text = tokenizer.decode([a, b])
+            if text.strip() and tokenizer.encode(text.lstrip(), add_special_tokens=False) == [a, b]:
+                word = text
+                break
+        if word:
+            break
+    assert word is not None
+    params = SamplingParams(bad_words=[word], **greedy)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = plain.generate(PROMPTS, SamplingParams(bad_words=[word], **greedy), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    banned = bad_word_sequences(tokenizer, [word])
+    assert [a, b] in banned and any(_contains(ids, [a, b]) for ids in base)  # it bit
+    for out in outs:
+        assert not any(_contains(out.outputs[0].token_ids, seq) for seq in banned), (word, banned)
+
+    allowed = sorted({t for ids in base for t in ids[::3]})[:12]
+    for sp in (SamplingParams(allowed_token_ids=allowed, **greedy),
+               SamplingParams(allowed_token_ids=allowed, temperature=1.0, seed=5, max_tokens=32, ignore_eos=True)):
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
+        if sp.temperature == 0:
+            assert [o.outputs[0].token_ids for o in outs] == [
+                o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def _contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i : i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+@pytest.mark.parametrize("kw, match", [(dict(allowed_token_ids=[]), "allowed_token_ids"),
+                                       (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+                                       (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=[3]), "bad_words")])
+def test_bad_allowed_token_ids_and_bad_words_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused_at_admission(plain):
+    with pytest.raises(ValueError, match="allowed_token_ids contains"):
+        plain.generate("hi", SamplingParams(allowed_token_ids=[1, 10_000]), use_tqdm=False)
 
 
 @pytest.mark.parametrize("kw, field", [(dict(presence_penalty=2.5), "presence_penalty"),

@@ -88,6 +88,8 @@ class LLMEngine:
         req_id = req_id if req_id is not None else str(next(self._ids))
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)
         self.scheduler.add_request(request)
@@ -672,6 +674,21 @@ class LLMEngine:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
+
+
+def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
+    """``SamplingParams.bad_words`` as token sequences: each word as it reads alone and after a space (its
+    leading spaces dropped first), each sequence once."""
+    if tokenizer is None:
+        raise ValueError(f"bad_words={words!r} needs the model's tokenizer, and this engine has none; pass token ids "
+                         "to ban through logit_bias instead")
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
