@@ -7,7 +7,12 @@ against sum_x q_argmax p. Steps in lockstep (``bench_lockstep.run_lockstep``, fr
 sampled decoding, and the head with each kind of draft, at a fixed chain of K (every draft verified) and with the
 adaptive policy. Prints each configuration's median ratio to plain and its mean accepted length.
 
+With ``--tree TOPK,DEPTH`` the head drafts EAGLE-2 dynamic trees instead: a sampled request's tree drawn from q (each
+row's children without replacement, verified against q by recursive rejection sampling) against EAGLE-2's best
+nodes verified with a one-hot q ("argmax drafts").
+
     python benchmarks/bench_sampled_drafts.py --batch 8 --repeats 2 --max-tokens 96 --temperatures 0.7,1.0
+    python benchmarks/bench_sampled_drafts.py --tree 4,4 --k 16
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from bench_offline import PROMPT_SETS  # noqa: E402
 
 
 def argmax_drafts(llm) -> None:
-    """Make an engine's head draft its argmax for sampled requests too (verified with a one-hot q)."""
+    """Make an engine's head draft its argmax (a tree: EAGLE-2's best nodes) for sampled requests too (verified
+    with a one-hot q)."""
     llm.engine.executor.worker.runner.q_drafts = False
 
 
@@ -40,6 +46,7 @@ def main():
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--head", default="eagle3")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--tree", default=None, help="TOPK,DEPTH: EAGLE-2 dynamic trees of that shape")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -47,13 +54,18 @@ def main():
     from specray import SamplingParams
     from specray.default_model import default_model_path
 
-    fixed = {"method": args.head, "num_speculative_tokens": args.k, "adaptive": False}
-    adaptive = {"method": args.head, "num_speculative_tokens": args.k}
+    shape = {}
+    if args.tree:
+        top_k, depth = (int(x) for x in args.tree.split(","))
+        shape = {"use_dynamic_tree": True, "dynamic_tree_max_topK": top_k, "dynamic_tree_depth": depth}
+    fixed = {"method": args.head, "num_speculative_tokens": args.k, "adaptive": False, **shape}
+    adaptive = {"method": args.head, "num_speculative_tokens": args.k, **shape}
     configs = {"plain": (None, False), f"K={args.k}, argmax drafts": (fixed, True),
                f"K={args.k}, drawn from q": (fixed, False), "adaptive, argmax drafts": (adaptive, True),
                "adaptive, drawn from q": (adaptive, False)}
     model = default_model_path()
-    print(f"# {args.head}, batch {args.batch}, {args.threads} threads, max_tokens {args.max_tokens}, top_p "
+    print(f"# {args.head}{' trees ' + args.tree if args.tree else ''}, batch {args.batch}, {args.threads} threads, "
+          f"max_tokens {args.max_tokens}, top_p "
           f"{args.top_p}, {args.repeats} runs, fresh engines each\n")
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = SamplingParams(temperature=temperature, top_p=args.top_p, max_tokens=args.max_tokens,

@@ -231,6 +231,18 @@ def sample(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.greedy, probs.argmax(dim=-1), sampled) if batch.any_greedy else sampled
 
 
+def sample_without_replacement(probs: torch.Tensor, batch: SamplingBatch, k: int) -> torch.Tensor:
+    """probs [N, V] -> [N, k] int64: k distinct tokens per row, in the order that drawing them one after another
+    without replacement gives (the exponential race: the k largest p_v / E_v, largest first). Greedy rows: the k
+    most likely. A row with fewer than k tokens of mass ends with tokens of none (key 0): the caller drops them."""
+    k = min(k, probs.shape[-1])
+    if batch.all_greedy:
+        return probs.topk(k, dim=-1).indices
+    keys = probs.float() / _exponential_noise(batch, probs.shape[-1], probs.device)  # [N, V]
+    drawn = keys.topk(k, dim=-1).indices
+    return torch.where(batch.greedy[:, None], probs.topk(k, dim=-1).indices, drawn) if batch.any_greedy else drawn
+
+
 def sample_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> tokens [N] int64."""
     if batch.all_greedy:

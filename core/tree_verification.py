@@ -17,6 +17,20 @@ Each sibling test is the one-draft rejection step of Leviathan et al. against th
 siblings, so the token emitted at each row is distributed exactly as p_row, and the path plus the extra token is
 distributed as sampling from the target one token at a time.
 
+Sampling with drafts drawn from q (recursive rejection sampling without replacement, Jeon et al. 2024; SpecInfer's
+multi-draft verification with distinct siblings): a drafter that drew row r's children one after another without
+replacement from its distribution q_r (Gumbel top-k) hands q_r for every row. With q the current sibling's
+distribution (q_r, then q_r without the earlier siblings' tokens, renormalised), each child c is tested as
+
+    accept c   iff   u_c * q(x_c) * sum(r) < r(x_c)        (u_c < min(1, (r(x_c) / sum(r)) / q(x_c)))
+    on reject:  r = max(0, r - sum(r) * q)                  (norm(max(0, norm(r) - q)), scaled), q(x_c) = 0
+
+which is again the one-draft step against the residual, now with the draft distribution that x_c was drawn from
+given the earlier siblings: the token emitted at each row is still distributed exactly as p_row. A row without q
+(a deterministic drafter's, or a greedy request's) is the one-hot case above. Which children exist may depend on
+anything drawn before them (ancestors, earlier siblings, other rows), never on their own tokens (the drafter's
+side of the bargain: :mod:`specray.workers.head_drafter`).
+
 Greedy: a = argmax of every row; node i is correct iff x_i == a[parent row of i] and its parent is correct (the
 root always is). The deepest correct node is accepted (ties: the smallest index; with distinct sibling tokens the
 correct nodes form one chain and the sampling rule gives the same path for greedy rows, whose p is one-hot and
@@ -67,6 +81,10 @@ class PaddedTree(NamedTuple):
     children: torch.Tensor  # [B, K+1, M] int64: each row's children rows in node order, -1 padded
     max_depth: int  # D: the deepest node over the batch (the root is depth 0, the first level 1)
     depths: torch.Tensor  # [B, K] int64: each node's depth (padding: 0)
+    # the drafter's q at each row whose children it drew from q [B, K+1, V] (rows without: 0), and which requests
+    # drew theirs [B] bool; None when none did
+    draft_probs: torch.Tensor | None = None
+    has_q: torch.Tensor | None = None
 
 
 class TypicalAcceptance(NamedTuple):
@@ -121,12 +139,15 @@ def _children_rows(parents: Sequence[int]) -> list[list[int]]:
 
 
 def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]],
-                    draft_parents: Sequence[Sequence[int]]) -> PaddedTree:
+                    draft_parents: Sequence[Sequence[int]],
+                    draft_probs: Sequence[torch.Tensor | None] | None = None) -> PaddedTree:
     """Ragged per-request trees -> the padded layout of :func:`verify_tree`, built from host lists only.
 
     logits [T, V]: request b's k_b + 1 rows (root, then its nodes in order), requests back to back
     (T = sum_b (k_b + 1)). draft_token_ids[b], draft_parents[b]: request b's k_b tokens and parents
-    (-1 = the root, else an earlier node). A chain is parents = [-1, 0, 1, ..., k - 2].
+    (-1 = the root, else an earlier node). A chain is parents = [-1, 0, 1, ..., k - 2]. draft_probs[b]: the
+    drafter's q [k_b + 1, V'] (V' <= V) at each of request b's rows, when it drew each row's children from it
+    without replacement, else None.
     """
     counts = [len(d) for d in draft_token_ids]
     assert len(draft_parents) == len(counts) and [len(p) for p in draft_parents] == counts, (counts, draft_parents)
@@ -148,7 +169,16 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
     children_t = torch.tensor(children, dtype=torch.long, device=device).view(B, K + 1, M)
     num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
     max_depth = max((max(d, default=0) for d in depths), default=0)
-    return PaddedTree(target, ids_t, parent_rows, num_drafts, counts, children_t, max_depth, depth_t)
+    q, has_q = None, None
+    if draft_probs is not None and any(x is not None for x in draft_probs):
+        assert len(draft_probs) == B, (len(draft_probs), B)
+        q = torch.zeros(B, K + 1, V, device=device)
+        for b, (k, probs) in enumerate(zip(counts, draft_probs)):
+            if probs is not None:
+                assert probs.shape[0] == k + 1, (probs.shape, k)
+                q[b, : k + 1, : probs.shape[-1]] = probs
+        has_q = torch.tensor([x is not None for x in draft_probs], dtype=torch.bool).to(device)
+    return PaddedTree(target, ids_t, parent_rows, num_drafts, counts, children_t, max_depth, depth_t, q, has_q)
 
 
 # ---- verification -------------------------------------------------------------------------------------------
@@ -269,7 +299,8 @@ def _verify_sampled(padded: PaddedTree, batch: SamplingBatch, relaxed: RelaxedAc
             p = torch.where(thinking.gather(1, cur[:, None]), _candidate_weights(row_logits, relaxed), p)
         r, moved = p, torch.zeros_like(live)
         if level < D:
-            r, nxt, moved = _try_children(p, _gather_position(children, cur), row_tokens, u, live)
+            q = None if padded.draft_probs is None else _gather_position(padded.draft_probs, cur)  # [B, V]
+            r, nxt, moved = _try_children(p, _gather_position(children, cur), row_tokens, u, live, q, padded.has_q)
             cur = torch.where(moved, nxt, cur)
             n = n + moved.long()
             path.append(cur)  # a stopped row repeats its last row
@@ -292,27 +323,43 @@ def _candidate_weights(logits: torch.Tensor, relaxed: RelaxedAcceptance) -> torc
 
 
 def _try_children(p: torch.Tensor, kids: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor,
-                  live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  live: torch.Tensor, q: torch.Tensor | None = None, has_q: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """p [B, V], kids [B, M] (rows, -1 padded), row_tokens, u [B, K+1], live [B] -> (r [B, V], next row [B],
-    moved [B]): the children tried in order against the residual r (starting at p) until one is accepted."""
+    moved [B]): the children tried in order against the residual r (starting at p) until one is accepted. With
+    ``q`` [B, V] (the row's draft distribution; used where ``has_q`` [B]) each child is tested against the q it was
+    drawn from, the earlier siblings' tokens taken out of it."""
     r, nxt, moved = p, kids[:, 0], torch.zeros_like(live)
+    q = None if q is None else q.float()
     for s in range(kids.shape[1]):
         c = kids[:, s]  # [B]
-        r, accept = _try_child(r, c, row_tokens, u, live & ~moved)
+        r, accept, q = _try_child(r, c, row_tokens, u, live & ~moved, q, has_q)
         nxt = torch.where(accept, c, nxt)
         moved = moved | accept
     return r, nxt, moved
 
 
-def _try_child(r: torch.Tensor, c: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor,
-               tested: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """r [B, V], c [B] (a child row or -1), tested [B] -> (r, accept [B]):
-    accept iff c exists and u_c * sum(r) < r(x_c); a rejected x_c leaves r (r(x_c) = 0)."""
+def _try_child(r: torch.Tensor, c: torch.Tensor, row_tokens: torch.Tensor, u: torch.Tensor, tested: torch.Tensor,
+               q: torch.Tensor | None = None, has_q: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """r [B, V], c [B] (a child row or -1), tested [B] -> (r, accept [B], q):
+    accept iff c exists and u_c * q(x_c) * sum(r) < r(x_c), with q one-hot on x_c where there is no ``q``
+    (then a rejected x_c leaves r with r(x_c) = 0), else the row's q so far normalised (a rejected x_c leaves
+    max(0, r - sum(r) * q), and q without x_c)."""
     tested = tested & (c >= 0)
     c = c.clamp_min(0)[:, None]  # [B, 1]
     x = row_tokens.gather(1, c)  # [B, 1]
-    accept = tested & (u.gather(1, c).squeeze(1) * r.sum(-1) < r.gather(1, x).squeeze(1))  # [B]
-    return _remove_token(r, x, tested & ~accept), accept
+    total = r.sum(-1)  # [B]
+    if q is None:
+        accept = tested & (u.gather(1, c).squeeze(1) * total < r.gather(1, x).squeeze(1))  # [B]
+        return _remove_token(r, x, tested & ~accept), accept, None
+    q_norm = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)  # [B, V]
+    q_x = torch.where(has_q, q_norm.gather(1, x).squeeze(1), 1.0)  # [B]: q(x_c), 1 for one-hot rows
+    accept = tested & (u.gather(1, c).squeeze(1) * q_x * total < r.gather(1, x).squeeze(1))  # [B]
+    reject = tested & ~accept
+    residual = (r - total[:, None] * q_norm).clamp_min(0.0)  # [B, V] where there is q
+    r = torch.where((reject & has_q)[:, None], residual, _remove_token(r, x, reject & ~has_q))
+    return r, accept, torch.where(reject[:, None], q.scatter(1, x, 0.0), q)
 
 
 def _remove_token(r: torch.Tensor, x: torch.Tensor, reject: torch.Tensor) -> torch.Tensor:

@@ -937,6 +937,48 @@ def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_tree
     assert pvalue > 1e-3
 
 
+def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_dir, heads, looping_prompt,
+                                                                         monkeypatch):
+    """EAGLE-2 trees for sampled requests beside greedy ones: the sampled ones' rows carry the q their children were
+    drawn from (each a distribution, and every child's token has mass under its row's q), the greedy ones' none;
+    greedy output stays plain output."""
+    from specray.workers import model_runner
+
+    seen = []
+    verify = model_runner.verify_tree
+
+    def spy(padded, batch, *args):
+        if padded.draft_probs is not None:
+            seen.append((padded, batch.greedy.clone()))
+        return verify(padded, batch, *args)
+
+    monkeypatch.setattr(model_runner, "verify_tree", spy)
+    llm = make_llm(target_dir, heads, "accepting", "eagle3-tree", max_num_seqs=16)
+    sampled = [SamplingParams(seed=i, **{**SAMPLED, "max_tokens": 12}) for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": looping_prompt}] * 6 + PROMPTS[:2], sampled + [greedy(12)] * 2,
+                        use_tqdm=False)
+    plain = LLM(str(target_dir), max_model_len=256).generate(PROMPTS[:2], greedy(12), use_tqdm=False)
+    assert token_ids(outs[6:]) == token_ids(plain)
+    assert seen, "no tree was verified against a drafter's q"
+    branched = 0
+    for padded, greedy_rows in seen:
+        drafted = torch.tensor(padded.draft_counts) > 0
+        assert bool((padded.has_q == (~greedy_rows & drafted)).all())  # q for the sampled requests' trees only
+        for b in padded.has_q.nonzero().flatten().tolist():
+            k = padded.draft_counts[b]
+            kids = padded.children[b]
+            for row in range(k + 1):
+                children = [c for c in kids[row].tolist() if c >= 0]
+                if not children:
+                    continue
+                q = padded.draft_probs[b, row]
+                assert abs(q.sum().item() - 1.0) < 1e-4
+                tokens = [padded.draft_token_ids[b, c - 1].item() for c in children]
+                assert len(set(tokens)) == len(tokens) and all(q[t] > 0 for t in tokens)
+                branched += len(children) > 1
+    assert branched > 0
+
+
 def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
     """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug (after
     a rejection, resample from p instead of the residual norm(max(0, p - q))) fails the test on the first drafted

@@ -266,13 +266,13 @@ def test_sibling_sampling_reproduces_the_target(tree, sp):
     assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
 
 
-def try_child_without_division(r, c, row_tokens, u, tested):
+def try_child_without_division(r, c, row_tokens, u, tested, q=None, has_q=None):
     """Broken: removes rejected siblings but tests u_c < r(x_c), forgetting to renormalise by sum(r)."""
     tested = tested & (c >= 0)
     c = c.clamp_min(0)[:, None]
     x = row_tokens.gather(1, c)
     accept = tested & (u.gather(1, c).squeeze(1) < r.gather(1, x).squeeze(1))
-    return tree_verification._remove_token(r, x, tested & ~accept), accept
+    return tree_verification._remove_token(r, x, tested & ~accept), accept, q
 
 
 @pytest.mark.parametrize("tree", TREES, ids=["2-siblings", "3-siblings"])
@@ -288,6 +288,113 @@ def test_broken_variants_fail_the_same_test(tree, broken, monkeypatch):
     lm, sp = ToyLM(seed=3), SP()
     p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp))
     assert max(p_first, p_pair) < 1e-6, (p_first, p_pair)
+
+
+# ---- trees drawn from q (recursive rejection sampling without replacement) ------------------------------------
+
+Q_SHAPE = [-1, -1, -1, 0, 0, 2]  # 3 siblings; the first has 2 children, the third 1: 6 nodes, drawn per trial
+
+
+class ToyDraft(ToyLM):
+    """The drafter's bigram q, close to the target's (so siblings are accepted often and rejected often)."""
+
+    def __init__(self, lm: ToyLM, seed: int, noise: float):
+        g = torch.Generator().manual_seed(seed)
+        self.first = lm.first + noise * torch.randn(V, generator=g)
+        self.bigram = lm.bigram + noise * torch.randn(V, V, generator=g)
+
+
+def draw_q_trees(draft: ToyDraft, root_q: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+    """n trees of shape Q_SHAPE, each row's children drawn from its q without replacement (Gumbel top-k, in the
+    order drawn). root_q [n, V] -> (tokens per tree, q per row [n, 7, V])."""
+    n = root_q.shape[0]
+
+    def draw(q: torch.Tensor, k: int) -> torch.Tensor:
+        gumbel = -torch.log(-torch.log(torch.rand(q.shape).clamp_min(1e-20)))
+        return (q.log() + gumbel).topk(k, dim=-1).indices  # [n, k]
+
+    level1 = draw(root_q, 3)
+    q1 = draft.bigram[level1].softmax(-1)  # [n, 3, V]: q at the three first-level rows
+    under0, under2 = draw(q1[:, 0], 2), draw(q1[:, 2], 1)
+    tokens = torch.cat([level1, under0, under2], dim=1)  # [n, 6] in Q_SHAPE's node order
+    q_rows = torch.cat([root_q[:, None], draft.bigram[tokens].softmax(-1)], dim=1)  # [n, 7, V]
+    return tokens.tolist(), q_rows
+
+
+def first_two_tokens_q(lm: ToyLM, draft: ToyDraft, sp: SP, seed: int = 1, with_q: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`first_two_tokens`, every step's tree drawn from the drafter's q -> (t0, t1, accepted at step 1)."""
+    torch.manual_seed(seed)
+
+    def step(root_logits: torch.Tensor, root_q: torch.Tensor):
+        n = root_logits.shape[0]
+        tokens, q_rows = draw_q_trees(draft, root_q)
+        logits = torch.cat([root_logits[:, None], lm.bigram[torch.tensor(tokens)]], dim=1)  # [n, 7, V]
+        probs = list(q_rows) if with_q else None
+        return verify_tree(pad_tree_drafts(logits.reshape(-1, V), tokens, [Q_SHAPE] * n, probs),
+                           build([sp] * n, [None] * n))
+
+    n = N_TRIALS
+    v = step(lm.first.expand(n, V), draft.first.softmax(-1).expand(n, V))
+    t0, t1 = v.output_tokens[:, 0], v.output_tokens[:, 1].clone()
+    need = v.num_accepted == 0
+    if need.any():
+        t1[need] = step(lm.bigram[t0[need]], draft.bigram[t0[need]].softmax(-1)).output_tokens[:, 0]
+    return t0, t1, v.num_accepted
+
+
+@pytest.mark.parametrize("sp", [SP(), SP(temperature=0.7, top_k=4)], ids=["T1", "T0.7-topk4"])
+def test_trees_drawn_from_q_reproduce_the_target(sp):
+    """Siblings drawn without replacement from q and tested against it keep the target's distribution, and keep
+    more tokens than the same trees verified as if they were fixed (one-hot q), which is lossless too."""
+    lm = ToyLM(seed=3)
+    draft = ToyDraft(lm, seed=5, noise=0.4)
+    t0, t1, accepted = first_two_tokens_q(lm, draft, sp)
+    p_first, p_pair = pvalues(lm, sp, t0, t1)
+    assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
+    t0, t1, accepted_one_hot = first_two_tokens_q(lm, draft, sp, with_q=False)
+    assert min(pvalues(lm, sp, t0, t1)) > 1e-3
+    assert accepted.float().mean() > accepted_one_hot.float().mean() + 0.05, (accepted.float().mean(),
+                                                                             accepted_one_hot.float().mean())
+
+
+def test_a_tree_drawn_from_the_target_itself_keeps_its_first_path():
+    """q = p: min(1, p(x) / q(x)) = 1, so the first child of every row is accepted."""
+    lm = ToyLM(seed=3)
+    draft = ToyDraft(lm, seed=5, noise=0.0)
+    *_, accepted = first_two_tokens_q(lm, draft, SP())
+    assert bool((accepted == 2).all())  # node 0, then its first child (node 3)
+
+
+def try_child_keeping_q(r, c, row_tokens, u, tested, q=None, has_q=None):
+    """Broken: the earlier siblings' tokens are never taken out of q."""
+    r, accept, _ = _TRY_CHILD(r, c, row_tokens, u, tested, q, has_q)
+    return r, accept, q
+
+
+def try_child_unscaled_residual(r, c, row_tokens, u, tested, q=None, has_q=None):
+    """Broken: the residual subtracts q from the unnormalised r (max(0, r - q)); r sums to 1 until the first
+    rejection, so only later siblings see the difference."""
+    tested = tested & (c >= 0)
+    c = c.clamp_min(0)[:, None]
+    x = row_tokens.gather(1, c)
+    q_norm = q / q.sum(-1, keepdim=True)
+    accept = tested & (u.gather(1, c).squeeze(1) * q_norm.gather(1, x).squeeze(1) * r.sum(-1)
+                       < r.gather(1, x).squeeze(1))
+    reject = tested & ~accept
+    r = torch.where(reject[:, None], (r - q_norm).clamp_min(0.0), r)
+    return r, accept, torch.where(reject[:, None], q.scatter(1, x, 0.0), q)
+
+
+_TRY_CHILD = tree_verification._try_child
+
+
+@pytest.mark.parametrize("broken", [try_child_keeping_q, try_child_unscaled_residual], ids=["keeps-q", "unscaled"])
+def test_broken_q_variants_fail_the_same_test(broken, monkeypatch):
+    monkeypatch.setattr(tree_verification, "_try_child", broken)
+    lm = ToyLM(seed=3)
+    t0, t1, _ = first_two_tokens_q(lm, ToyDraft(lm, seed=5, noise=0.4), SP())
+    assert min(pvalues(lm, SP(), t0, t1)) < 1e-6
 
 
 # ---- mixed batches, empty rows, a big tree ----------------------------------------------------------------------

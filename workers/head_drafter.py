@@ -35,9 +35,17 @@ top-k, top-p, min-p) over the head's logits, from the request's draft stream (se
 stays here (:meth:`HiddenStateDrafter.q_of`) for the chain's verification by rejection sampling (accept x with
 min(1, p(x)/q(x)), else resample from norm(max(0, p - q))), which keeps the target's distribution exactly. A drawn
 chain carries no scores: a choice of how many to verify that looked at the drawn tokens would bias the output, so
-the policy sizes it by its evidence alone. Trees are deterministic (the best nodes by path probability), verified
-with one-hot q. Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the
-next step.
+the policy sizes it by its evidence alone. A greedy request's tree is EAGLE-2's (the best nodes by path
+probability), verified with one-hot q. A sampled request's tree is drawn from q (:meth:`HiddenStateDrafter._sampled_tree`):
+each row's children are drawn one after another without replacement, and verified against the q they were drawn
+from (:mod:`specray.tree_verification`). What may decide which children exist is fixed before they are drawn (the
+parents' draws and each parent's q), never the children's own tokens: EAGLE-2's choice of the best k among
+every frontier node's candidates looks at the candidates, so here the k slots of a level go to frontier node f's
+j-th child by the score the parent's path and q promise it (log path q of f + log of q_f's j-th largest
+probability), and each f then draws as many children as it got slots. The nodes go level by level (a level's
+children parent by parent, each parent's in draw order), the tree carries no scores, and it is only ever cut to a
+prefix of that order (the policy prices it by its depths alone), so the cut never looks at a drawn token either.
+Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
-from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
+from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
+                              sample_without_replacement)
 from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,25 +153,28 @@ class HiddenStateDrafter:
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
         self.tail_positions = getattr(head, "num_modules", 1) - 1
-        # a sampled request's last drawn chain and its q [k, V] (for that chain's verification), and its draft stream
+        # a sampled request's last drawn chain and its q [k, V] (for that chain's verification), or its last drawn
+        # tree and the q [k + 1, V] of each of its rows, and its draft stream
         self.q: dict[str, tuple[list[int], torch.Tensor]] = {}
         self._drawn: dict[str, tuple[list[int], torch.Tensor]] = {}
         self.generators: dict[str, torch.Generator | None] = {}
 
     @property
     def samples_from_q(self) -> bool:
-        """Chains are drawn from q for sampled requests; trees are always deterministic."""
-        return self.tree is None
+        """A sampled request's chain or tree is drawn from q."""
+        return True
 
     def q_of(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
-        """q [len(drafts), V] of the chain drawn for ``req_id`` after the last step, whose prefix ``drafts`` is
-        (None: its drafts were the head's argmax: a greedy request)."""
+        """q of what was drawn for ``req_id`` after the last step, whose prefix ``drafts`` is: a chain's [len(drafts),
+        V] (draft i's), a tree's [len(drafts) + 1, V] (each row's: the root's, then each node's; a tree cut to a
+        chain's shape reads its first len(drafts) rows the chain's way). None: its drafts were the head's argmax (a
+        greedy request)."""
         drawn = self.q.get(req_id)
         if drawn is None:
             return None
         tokens, q = drawn
         assert tokens[: len(drafts)] == drafts, (req_id, tokens, drafts)  # the engine verifies what was drawn
-        return q[: len(drafts)]
+        return q[: len(drafts) + (q.shape[0] > len(tokens))]
 
     @classmethod
     def load_head(cls, config: dict, target, target_config) -> DraftHead:
@@ -227,7 +239,7 @@ class HiddenStateDrafter:
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
         roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
         if self.tree is not None:
-            made = self._tree(drafting, block_tables, roots, feedback, normed)
+            made = self._trees(plan, drafting, block_tables, roots, feedback, normed, self._draw(plan, drafting, params))
         else:
             made = self._chain(plan, drafting, block_tables, roots, feedback, normed,
                                self._draw(plan, drafting, params))
@@ -390,6 +402,103 @@ class HiddenStateDrafter:
         probs = logits_to_probs(logits, batch)  # q: the request's warpers over the head's logits (its vocabulary)
         drawn = self.head.to_target_ids(sample(probs, batch))
         return conf, torch.where(batch.greedy, tokens, drawn) if batch.any_greedy else drawn, probs
+
+    def _trees(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
+               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None) -> list[Drafted]:
+        """Greedy requests' trees by :meth:`_tree`, sampled ones' by :meth:`_sampled_tree`, each group in one
+        batch."""
+        sampled = [] if draw is None else [j for j, sp in enumerate(draw.params) if not sp.greedy]
+        if not sampled:
+            return self._tree(work, tables, roots, feedback, normed)
+        greedy = [j for j in range(len(work)) if j not in set(sampled)]
+        made: list[Drafted | None] = [None] * len(work)
+        for group, build in ((greedy, self._tree), (sampled, None)):
+            if not group:
+                continue
+            index = _index(group, feedback.device)
+            args = ([work[j] for j in group], [tables[j] for j in group], [roots[j] for j in group],
+                    feedback.index_select(0, index), normed.index_select(0, index))
+            out = (self._tree(*args) if build is not None
+                   else self._sampled_tree(plan, *args, draw.batch(group, feedback.device)))
+            for j, drafted in zip(group, out):
+                made[j] = drafted
+        return made
+
+    def _sampled_tree(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
+                      feedback: torch.Tensor, normed: torch.Tensor, batch: SamplingBatch) -> list[Drafted]:
+        """Sampled requests' trees drawn from q (the module docstring): the root's ``top_k`` children drawn without
+        replacement from its q; then ``depth - 1`` times, the level's ``top_k`` slots shared out among the last
+        level's nodes by the score each one's path and q promise its j-th child, each node drawing as many children
+        as it got. A node's q [V_draft] is the request's warpers over the head's logits there; nodes past a q's
+        support (a top-k or top-p cut) are left out, as are their would-be children. Each request keeps the first
+        ``drafts`` nodes (level by level), and its rows' q stays here for their verification."""
+        k, depth = self.tree.top_k, self.tree.depth
+        device = feedback.device
+        b, h = feedback.shape
+        q_root = logits_to_probs(self.head.draft_logits(normed), batch)  # [B, Vd]
+        vd = q_root.shape[-1]
+        tok = sample_without_replacement(q_root, batch, k)  # [B, k] draft-vocabulary ids, in draw order
+        own = q_root.gather(1, tok)  # [B, k] q of each drawn child
+        valid = own > 0
+        cum = torch.where(valid, own.log(), float("-inf"))  # path log q
+        parents = torch.full((b, k), -1, dtype=torch.long, device=device)
+        q_nodes = torch.zeros(b, k * depth, vd, device=device)  # q at each node that gets children
+        node_features = feedback[:, None, :].expand(b, k, h)
+        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        frontier = torch.arange(k, device=device).expand(b, k)
+        node_depth = [1] * k
+        slots = torch.arange(k * k, device=device)
+        for d in range(2, depth + 1):
+            n = tok.shape[1]
+            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, device,
+                                            positions=[r + dd - 1 for r in roots for dd in node_depth],
+                                            ancestors=list(ancestors))
+            fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
+            fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+            rows = nm.gather(1, frontier[:, :, None].expand(b, k, h)).reshape(b * k, h)
+            q_f = logits_to_probs(self.head.draft_logits(rows), batch.repeat_rows(k)).view(b, k, vd)
+            q_nodes[:, n - k : n] = q_f  # the frontier is the last level: nodes n - k .. n - 1
+            # the slots: frontier node f's j-th child promises cum(f) + log(q_f's j-th largest probability)
+            promise = cum.gather(1, frontier)[:, :, None] + q_f.topk(k, dim=-1).values.log()  # [B, k, k]
+            top = promise.view(b, k * k).topk(k, dim=-1)
+            wins = torch.where(top.values > float("-inf"), 1, 0)  # a slot with a finite promise
+            counts = torch.zeros(b, k, dtype=torch.long, device=device).scatter_add_(1, top.indices // k, wins)
+            # the level's nodes: (f, j) for j < counts[f], parent by parent, each parent's in draw order
+            taken = (slots % k)[None, :] < counts.repeat_interleave(k, dim=1)  # [B, k*k]
+            pairs = torch.where(taken, slots, k * k).sort(dim=-1).values[:, :k]  # [B, k]; k*k: an empty slot
+            filled = pairs < k * k
+            pairs = pairs.clamp_max(k * k - 1)
+            drawn = sample_without_replacement(q_f.view(b * k, vd), batch.repeat_rows(k), k).view(b, k * k)
+            new_tok = drawn.gather(1, pairs)
+            slot_parent = pairs // k  # the frontier position of each new node's parent
+            parent = frontier.gather(1, slot_parent)
+            # q of each new node's token under its parent's q
+            new_own = q_f.gather(1, slot_parent[:, :, None].expand(b, k, vd)).gather(2, new_tok[:, :, None]).squeeze(2)
+            new_valid = filled & (new_own > 0)
+            tok = torch.cat([tok, new_tok], dim=1)
+            valid = torch.cat([valid, new_valid], dim=1)
+            cum = torch.cat([cum, torch.where(new_valid, cum.gather(1, parent) + new_own.log(), float("-inf"))], 1)
+            parents = torch.cat([parents, parent], dim=1)
+            node_features = torch.cat([node_features, fb.gather(1, parent[:, :, None].expand(b, k, h))], dim=1)
+            grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=device)
+            grown[:, :n, :n] = ancestors
+            grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
+            grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=device)
+            ancestors = grown
+            frontier = torch.arange(n, n + k, device=device).expand(b, k)
+            node_depth += [d] * k
+        host = torch.stack([self.head.to_target_ids(tok).float(), parents.float(), valid.float()]).tolist()  # one sync
+        q_rows = self.head.full_vocab(torch.cat([q_root[:, None], q_nodes[:, : tok.shape[1]]], dim=1), 0.0)
+        made = []
+        for i, w in enumerate(work):
+            token_ids, par, ok = host[0][i], host[1][i], host[2][i]
+            keep = [node for node in range(len(token_ids)) if ok[node]][: w.drafts]  # valid nodes come first per level
+            index = {node: j for j, node in enumerate(keep)}
+            tokens = [int(token_ids[node]) for node in keep]
+            made.append(Drafted(tokens, [-1 if par[node] < 0 else index[int(par[node])] for node in keep]))
+            rows = _index([0] + [node + 1 for node in keep], device)
+            self._drawn[plan.chunks[w.chunk].req_id] = (tokens, q_rows[i].index_select(0, rows))
+        return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
               normed: torch.Tensor) -> list[Drafted]:

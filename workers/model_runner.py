@@ -212,16 +212,17 @@ class ModelRunner:
         penalized = self._penalized(plan, sampled, logits)
         raw, logits = (None if penalized is logits else logits), penalized  # raw logits stay for logprobs
         every_chunk = self.typical is not None or self.relaxed is not None
-        with_q = [] if every_chunk else [i for i in sampled if plan.chunks[i].req_id in draft_probs]
-        rest = [i for i in sampled if plan.chunks[i].req_id not in draft_probs] if with_q else sampled
-        if not (every_chunk or any(plan.chunks[i].draft_parents is not None or plan.chunks[i].want_node_tokens
-                                   for i in rest)):
+        chunks = plan.chunks
+        with_q = [] if every_chunk else [i for i in sampled if chunks[i].req_id in draft_probs and
+                                         chunks[i].draft_parents is None and not chunks[i].want_node_tokens]
+        rest = [i for i in sampled if i not in set(with_q)] if with_q else sampled
+        if not (every_chunk or any(chunks[i].draft_parents is not None or chunks[i].want_node_tokens for i in rest)):
             return (*self._verify(plan, sampled, logits, draft_probs, raw), None, None)
         if not with_q:
-            return self._verify_trees(plan, sampled, logits, raw)
+            return self._verify_trees(plan, sampled, logits, raw, draft_probs)
         rows = _logit_rows_by_chunk(plan, sampled)
         chains = self._verify(plan, with_q, _rows(logits, rows, with_q), draft_probs, _rows(raw, rows, with_q))
-        trees = self._verify_trees(plan, rest, _rows(logits, rows, rest), _rows(raw, rows, rest))
+        trees = self._verify_trees(plan, rest, _rows(logits, rows, rest), _rows(raw, rows, rest), draft_probs)
         return _merge_groups(sampled, (with_q, chains), (rest, trees))
 
     def _penalized(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -262,18 +263,23 @@ class ModelRunner:
         return unpad_with_logprobs(tokens, num_accepted, logprobs)  # the step's one host sync
 
 
-    def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, raw: torch.Tensor | None = None
+    def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, raw: torch.Tensor | None = None,
+                      draft_probs: dict[str, torch.Tensor] | None = None
                       ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
                                  list[list[int]] | None]:
-        """``sampled`` chunks through tree verification (a chain is a tree): drafts without q (a chain with a
-        drafter's q goes through :meth:`_verify`; under typical or relaxed acceptance no draft has one). When a
-        chunk wants node tokens, the argmax after every node comes back in the same host sync (the others'
-        entries are [])."""
+        """``sampled`` chunks through tree verification (a chain is a tree): trees drawn from a drafter's q (its
+        rows' q in ``draft_probs``) and drafts without q (a chain with a drafter's q goes through :meth:`_verify`;
+        under typical or relaxed acceptance no draft has one). When a chunk wants node tokens, the argmax after
+        every node comes back in the same host sync (the others' entries are [])."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]
         parents = [c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
                    for c in chunks]
-        padded = pad_tree_drafts(logits, drafts, parents)
+        probs = None
+        if draft_probs:
+            probs = [draft_probs[c.req_id][: c.num_draft_tokens + 1]
+                     if c.draft_parents is not None and c.req_id in draft_probs else None for c in chunks]
+        padded = pad_tree_drafts(logits, drafts, parents, probs)
         params = [self.params[c.req_id] for c in chunks]
         batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
         thinking = None

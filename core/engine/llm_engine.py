@@ -441,9 +441,10 @@ class LLMEngine:
             self._worker_scores = {rid: sc for rid, sc in zip(result.req_ids, result.draft_scores or ()) if sc}
             self.worker_scores_chains |= bool(self._worker_scores)
             return
+        # a tree drawn from q (a sampled request's) carries no scores: the policy prices it by its depths alone
+        scores = result.draft_scores or [None] * len(result.req_ids)
         self._worker_drafts = {rid: DraftTree(d, p, sc or None) for rid, d, p, sc in
-                               zip(result.req_ids, result.draft_token_ids, result.draft_parents, result.draft_scores)
-                               if d}
+                               zip(result.req_ids, result.draft_token_ids, result.draft_parents, scores) if d}
 
     def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
         """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""
