@@ -979,6 +979,22 @@ def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_
     assert branched > 0
 
 
+def test_a_drawn_trees_level_goes_to_the_best_promises_as_prefixes_of_each_parents_draws():
+    """_slots: child (f, j) promises cum(f) + log(q_f's j-th largest); the k best win, listed parent by parent, each
+    parent's first c_f draws; an empty parent and q's empty tail fill nothing."""
+    from specray.workers.head_drafter import _slots
+
+    cum = torch.tensor([[0.0, -0.7, float("-inf")]])
+    q = torch.tensor([[[0.5, 0.3, 0.2, 0.0], [0.9, 0.1, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]])
+    pairs, filled = _slots(cum, q)
+    # promises: f0: log .5, log .3, log .2; f1: -.7 + log .9 = -.805, -.7 + log .1; f2: -inf
+    # best three: f0 j0 (-.69), f1 j0 (-.81), f0 j1 (-1.20) -> f0 gets 2, f1 gets 1, listed (0,0) (0,1) (1,0)
+    assert pairs.tolist() == [[0, 1, 3]] and filled.tolist() == [[True, True, True]]
+    sparse = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    pairs, filled = _slots(torch.tensor([[0.0, float("-inf"), float("-inf")]]), sparse)
+    assert pairs[0, 0].item() == 0 and filled.tolist() == [[True, False, False]]  # one child: q's support
+
+
 def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
     """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug (after
     a rejection, resample from p instead of the residual norm(max(0, p - q))) fails the test on the first drafted

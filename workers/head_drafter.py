@@ -447,27 +447,13 @@ class HiddenStateDrafter:
         ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
         frontier = torch.arange(k, device=device).expand(b, k)
         node_depth = [1] * k
-        slots = torch.arange(k * k, device=device)
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, device,
-                                            positions=[r + dd - 1 for r in roots for dd in node_depth],
-                                            ancestors=list(ancestors))
-            fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
-            fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
             rows = nm.gather(1, frontier[:, :, None].expand(b, k, h)).reshape(b * k, h)
             q_f = logits_to_probs(self.head.draft_logits(rows), batch.repeat_rows(k)).view(b, k, vd)
             q_nodes[:, n - k : n] = q_f  # the frontier is the last level: nodes n - k .. n - 1
-            # the slots: frontier node f's j-th child promises cum(f) + log(q_f's j-th largest probability)
-            promise = cum.gather(1, frontier)[:, :, None] + q_f.topk(k, dim=-1).values.log()  # [B, k, k]
-            top = promise.view(b, k * k).topk(k, dim=-1)
-            wins = torch.where(top.values > float("-inf"), 1, 0)  # a slot with a finite promise
-            counts = torch.zeros(b, k, dtype=torch.long, device=device).scatter_add_(1, top.indices // k, wins)
-            # the level's nodes: (f, j) for j < counts[f], parent by parent, each parent's in draw order
-            taken = (slots % k)[None, :] < counts.repeat_interleave(k, dim=1)  # [B, k*k]
-            pairs = torch.where(taken, slots, k * k).sort(dim=-1).values[:, :k]  # [B, k]; k*k: an empty slot
-            filled = pairs < k * k
-            pairs = pairs.clamp_max(k * k - 1)
+            pairs, filled = _slots(cum.gather(1, frontier), q_f)  # [B, k]: f * k + j of each new node
             drawn = sample_without_replacement(q_f.view(b * k, vd), batch.repeat_rows(k), k).view(b, k * k)
             new_tok = drawn.gather(1, pairs)
             slot_parent = pairs // k  # the frontier position of each new node's parent
@@ -480,11 +466,7 @@ class HiddenStateDrafter:
             cum = torch.cat([cum, torch.where(new_valid, cum.gather(1, parent) + new_own.log(), float("-inf"))], 1)
             parents = torch.cat([parents, parent], dim=1)
             node_features = torch.cat([node_features, fb.gather(1, parent[:, :, None].expand(b, k, h))], dim=1)
-            grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=device)
-            grown[:, :n, :n] = ancestors
-            grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
-            grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=device)
-            ancestors = grown
+            ancestors = _grown(ancestors, parent)
             frontier = torch.arange(n, n + k, device=device).expand(b, k)
             node_depth += [d] * k
         host = torch.stack([self.head.to_target_ids(tok).float(), parents.float(), valid.float()]).tolist()  # one sync
@@ -520,12 +502,7 @@ class HiddenStateDrafter:
         node_depth = [1] * k
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            # a node at depth dd reads its token at head position root + dd - 1, in the slots from the root's on
-            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, device,
-                                            positions=[r + dd - 1 for r in roots for dd in node_depth],
-                                            ancestors=list(ancestors))
-            fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
-            fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
             rows = frontier[:, :, None].expand(b, k, h)
             child_lp, child_tok = torch.log_softmax(self.head.draft_logits(nm.gather(1, rows).reshape(b * k, h)),
                                                     dim=-1).topk(k, dim=-1)  # [B*k, k]
@@ -538,11 +515,7 @@ class HiddenStateDrafter:
             cum = torch.cat([cum, best_cum], dim=1)
             parents = torch.cat([parents, parent], dim=1)
             node_features = torch.cat([node_features, fb.gather(1, parent[:, :, None].expand(b, k, h))], dim=1)
-            grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=device)
-            grown[:, :n, :n] = ancestors
-            grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
-            grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=device)
-            ancestors = grown
+            ancestors = _grown(ancestors, parent)
             frontier = torch.arange(n, n + k, device=device).expand(b, k)
             node_depth += [d] * k
         # the best nodes by path log-probability, parents first (ties broken by depth, then node order)
@@ -559,6 +532,20 @@ class HiddenStateDrafter:
                                 [-1 if par[n] < 0 else index[int(par[n])] for n in chosen],
                                 [prob[n] for n in chosen]))
         return made
+
+    def _over_nodes(self, tok: torch.Tensor, node_features: torch.Tensor, ancestors: torch.Tensor,
+                    node_depth: list[int], roots: list[int], tables: list[list[int]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head pass over every node of each request's tree so far (tok [B, n] draft ids, each reading its
+        parent's feedback ``node_features`` [B, n, H]): a node at depth dd reads its token at head position
+        root + dd - 1, seeing its ancestors (``ancestors`` [B, n, n]), in the slots from the root's on. Returns the
+        head's feedback and normed rows [B, n, H]."""
+        b, n, h = node_features.shape
+        meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
+                                        positions=[r + dd - 1 for r in roots for dd in node_depth],
+                                        ancestors=list(ancestors))
+        fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
+        return fb.view(b, n, h), nm.view(b, n, h)
 
     def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]
                          ) -> tuple[list[_Row], list[_Row]]:
@@ -583,6 +570,35 @@ class HiddenStateDrafter:
                        chunk.token_ids[1:real] + list(tokens), chunk.start_pos, chunk.num_next_drafts)
             (work if row.drafts else later).append(row)
         return work, later
+
+
+def _slots(cum: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A level of a tree drawn from q: the frontier's path log q ``cum`` [B, k] and q [B, k, V] -> the level's k
+    slots as f * k + j (frontier node f's j-th child) [B, k], and whether each is filled [B, k]. Child (f, j)
+    promises cum(f) + log(q_f's j-th largest probability): the k best promises win, known before anything is
+    drawn, and since a node's promises fall with j, f wins its first c_f; the slots list them parent by parent,
+    each parent's in draw order. A promise of -inf (an empty frontier node, or j past q_f's support) fills none."""
+    b, k = cum.shape
+    promise = cum[:, :, None] + q.topk(k, dim=-1).values.log()  # [B, k, k]
+    top = promise.view(b, k * k).topk(k, dim=-1)
+    wins = torch.where(top.values > float("-inf"), 1, 0)
+    counts = torch.zeros(b, k, dtype=torch.long, device=cum.device).scatter_add_(1, top.indices // k, wins)
+    slots = torch.arange(k * k, device=cum.device)
+    taken = (slots % k)[None, :] < counts.repeat_interleave(k, dim=1)  # [B, k*k]: j < c_f
+    pairs = torch.where(taken, slots, k * k).sort(dim=-1).values[:, :k]  # k*k: an empty slot
+    return pairs.clamp_max(k * k - 1), pairs < k * k
+
+
+def _grown(ancestors: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """ancestors [B, n, n] (node i sees node j) and the k new nodes' parents [B, k] -> [B, n + k, n + k]: a new
+    node sees what its parent sees, and itself."""
+    b, n, _ = ancestors.shape
+    k = parent.shape[1]
+    grown = torch.zeros(b, n + k, n + k, dtype=torch.bool, device=ancestors.device)
+    grown[:, :n, :n] = ancestors
+    grown[:, n:, :n] = ancestors.gather(1, parent[:, :, None].expand(b, k, n))
+    grown[:, n:, n:] = torch.eye(k, dtype=torch.bool, device=ancestors.device)
+    return grown
 
 
 def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:
