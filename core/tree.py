@@ -87,6 +87,15 @@ def path_scores(tree: DraftTree, default: float) -> list[float]:
     return out
 
 
+def level_tree(width: int, depth: int) -> DraftTree:
+    """A tree of ``width`` nodes on each of ``depth`` levels, level by level (a level's nodes under the first of
+    the level above): the depths of a tree grown level by level, for pricing one by its shape alone."""
+    parents = [-1] * width
+    for level in range(1, depth):
+        parents += [(level - 1) * width] * width
+    return DraftTree([0] * len(parents), parents)
+
+
 def trim_tree(tree: DraftTree, max_nodes: int, max_depth: int | None = None) -> DraftTree:
     """The first ``max_nodes`` nodes no deeper than ``max_depth``, renumbered (still topological: a kept node's
     parent comes before it and is kept, being shallower)."""

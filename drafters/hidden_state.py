@@ -76,6 +76,10 @@ class EagleOptions(HeadOptions):
         """Slots past the root a dynamic tree's growth writes (every level's nodes but the deepest); 0: chains."""
         return self.dynamic_tree_max_topK * (self.dynamic_tree_depth - 1) if self.use_dynamic_tree else 0
 
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(nodes per level, levels) of a dynamic tree; None: chains."""
+        return (self.dynamic_tree_max_topK, self.dynamic_tree_depth) if self.use_dynamic_tree else None
+
 
 @dataclass
 class MTPOptions(HeadOptions):

@@ -200,6 +200,11 @@ def worker_lookahead_slots(spec: SpeculativeConfig) -> int:
     return getattr(options_of(spec), "tree_lookahead_slots", lambda: 0)()
 
 
+def worker_tree_shape(spec: SpeculativeConfig) -> tuple[int, int] | None:
+    """(nodes per level, levels) of the trees a worker drafter grows level by level (EAGLE-2); None otherwise."""
+    return getattr(options_of(spec), "tree_shape", lambda: None)()
+
+
 def tensor_parallel_size(spec: SpeculativeConfig) -> int:
     """Over how many ranks the drafter's weights are split (1 for a drafter without weights)."""
     return options_of(spec).draft_tensor_parallel_size if has_weights(spec.method) else 1

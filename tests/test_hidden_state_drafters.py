@@ -979,6 +979,33 @@ def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_
     assert branched > 0
 
 
+def test_a_drawn_tree_is_priced_by_its_shape_not_by_what_was_drawn(target_dir, heads, looping_prompt):
+    """The policy sizes a sampled request's drawn tree (no scores) from the worker's level-by-level shape: the same
+    tree, however its levels came out, gets the same count; a greedy request's scored tree is priced as it is."""
+    from specray.tree import DraftTree, level_tree
+
+    llm = make_llm(target_dir, heads, "accepting", "eagle3-tree")
+    engine = llm.engine
+    assert engine.worker_tree_shape == (TREE["dynamic_tree_max_topK"], TREE["dynamic_tree_depth"])
+    priced = []
+    choose = engine.policy.choose_tree
+
+    def spy(req, batch, tree, *args):
+        priced.append((req.sampling_params.greedy, tree))
+        return choose(req, batch, tree, *args)
+
+    engine.policy.choose_tree = spy
+    llm.generate([{"prompt_token_ids": looping_prompt}] * 3 + PROMPTS[:1],
+                 [SamplingParams(seed=i, **{**SAMPLED, "max_tokens": 10}) for i in range(3)] + [greedy(10)],
+                 use_tqdm=False)
+    shape = level_tree(TREE["dynamic_tree_max_topK"], TREE["dynamic_tree_depth"])
+    assert any(g for g, _ in priced) and any(not g for g, _ in priced)
+    for was_greedy, tree in priced:
+        assert (tree.scores is not None) if was_greedy else (tree.parents == shape.parents and tree.scores is None)
+    assert level_tree(2, 3).parents == [-1, -1, 0, 0, 2, 2]
+    assert isinstance(shape, DraftTree)
+
+
 def test_a_drawn_trees_level_goes_to_the_best_promises_as_prefixes_of_each_parents_draws():
     """_slots: child (f, j) promises cum(f) + log(q_f's j-th largest); the k best win, listed parent by parent, each
     parent's first c_f draws; an empty parent and q's empty tail fill nothing."""

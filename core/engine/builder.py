@@ -119,7 +119,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
                      worker_method=spec.method if in_worker else None,
-                     worker_trees=in_worker and registry.worker_drafts_trees(spec))
+                     worker_trees=in_worker and registry.worker_drafts_trees(spec),
+                     worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None)
 
 
 THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends

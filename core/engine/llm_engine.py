@@ -18,7 +18,7 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, chain_parents, kept_nodes, trim_tree
+from specray.tree import DraftTree, chain_parents, kept_nodes, level_tree, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
-                 worker_method: str | None = None, worker_trees: bool = False):
+                 worker_method: str | None = None, worker_trees: bool = False,
+                 worker_tree_shape: tuple[int, int] | None = None):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -61,6 +62,8 @@ class LLMEngine:
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
         self.worker_trees = worker_trees  # it drafts token trees (EAGLE-2, Medusa): each a whole tree, then priced
+        # a tree the worker drew from q (a sampled request's EAGLE-2 tree) is priced by this shape, not its own
+        self.worker_tree_shape = worker_tree_shape
         self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
         self._worker_probes: set[str] = set()  # requests whose drafts in the making are the policy's probe
         self.tracked: dict[str, _Tracked] = {}
@@ -318,7 +321,7 @@ class LLMEngine:
                 if rid in probes:
                     n = min(len(made), self.policy.probe_k, self.policy.num_speculative_tokens_for(request))
                 else:
-                    n = self.policy.choose_tree(request, len(running), made, off_path, head)
+                    n = self.policy.choose_tree(request, len(running), self._as_priced(made), off_path, head)
                 tree = trim_tree(made, n)
                 if len(tree):
                     self._draft_trees[rid] = tree
@@ -342,6 +345,15 @@ class LLMEngine:
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
         self.scheduler.update_draft_token_ids(drafts, lengths, from_worker=head_drafted)
+
+    def _as_priced(self, made: list[int] | DraftTree) -> list[int] | DraftTree:
+        """What the policy prices for the head's drafts: a tree the worker drew from q (it carries no scores) by the
+        shape the worker grows its trees in, whatever was drawn, as its own level sizes follow its draws (a q's
+        support): pricing those could make which nodes are verified depend on the drawn tokens; anything else as
+        it is."""
+        if isinstance(made, DraftTree) and made.scores is None and self.worker_tree_shape is not None:
+            return level_tree(*self.worker_tree_shape)
+        return made
 
     def _cut_scored_chain(self, request: Request, batch_size: int, off_path: bool, made: list[int], probe: bool
                           ) -> tuple[list[int], int]:
@@ -400,13 +412,14 @@ class LLMEngine:
         head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
         lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
         scores = self._worker_scores.get(request.req_id) if isinstance(made, list) else None
+        priced = {id(lookup): lookup} | ({id(made): self._as_priced(made)} if made else {})
         options = [(lookup, proposal.key, None)] + ([(made, head_key, scores)] if made else [])
         probing = False
         if made and (head_probe or not self.policy.knows(head_key)):  # a probe, or the head never verified yet
             chosen, key, n = made, head_key, min(len(made), self.policy.probe_k)
         else:
-            (chosen, key, _), (n, _) = max(((o, self.policy.price(request, batch_size, *o)) for o in options),
-                                           key=lambda pair: pair[1][1])
+            (chosen, key, _), (n, _) = max(((o, self.policy.price(request, batch_size, priced[id(o[0])], *o[1:]))
+                                            for o in options), key=lambda pair: pair[1][1])
             n = self.policy.settle(request, n, min(len(chosen), limit))
             probing = self.policy.evidence(request.req_id).probing
         from_head = made is not None and chosen is made
