@@ -89,11 +89,13 @@ def path_scores(tree: DraftTree, default: float) -> list[float]:
 
 def level_tree(width: int, depth: int) -> DraftTree:
     """A tree of ``width`` nodes on each of ``depth`` levels, level by level (a level's nodes under the first of
-    the level above): the depths of a tree grown level by level, for pricing one by its shape alone."""
+    the level above), for pricing a tree grown level by level by its shape alone: each node's score makes its path
+    worth 1/width of its level (the first level's nodes score 1/width, the others 1), so that with a per-level
+    acceptance alpha a level adds alpha^depth in all, split evenly among its nodes (only one of them can be kept)."""
     parents = [-1] * width
     for level in range(1, depth):
         parents += [(level - 1) * width] * width
-    return DraftTree([0] * len(parents), parents)
+    return DraftTree([0] * len(parents), parents, [1.0 / width] * width + [1.0] * (len(parents) - width))
 
 
 def trim_tree(tree: DraftTree, max_nodes: int, max_depth: int | None = None) -> DraftTree:

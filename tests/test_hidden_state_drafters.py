@@ -1001,8 +1001,8 @@ def test_a_drawn_tree_is_priced_by_its_shape_not_by_what_was_drawn(target_dir, h
     shape = level_tree(TREE["dynamic_tree_max_topK"], TREE["dynamic_tree_depth"])
     assert any(g for g, _ in priced) and any(not g for g, _ in priced)
     for was_greedy, tree in priced:
-        assert (tree.scores is not None) if was_greedy else (tree.parents == shape.parents and tree.scores is None)
-    assert level_tree(2, 3).parents == [-1, -1, 0, 0, 2, 2]
+        assert (tree.scores is not None and tree != shape) if was_greedy else tree == shape
+    assert level_tree(2, 3) == DraftTree([0] * 6, [-1, -1, 0, 0, 2, 2], [0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
     assert isinstance(shape, DraftTree)
 
 

@@ -348,9 +348,9 @@ class LLMEngine:
 
     def _as_priced(self, made: list[int] | DraftTree) -> list[int] | DraftTree:
         """What the policy prices for the head's drafts: a tree the worker drew from q (it carries no scores) by the
-        shape the worker grows its trees in, whatever was drawn, as its own level sizes follow its draws (a q's
-        support): pricing those could make which nodes are verified depend on the drawn tokens; anything else as
-        it is."""
+        shape the worker grows its trees in (:func:`specray.tree.level_tree`: each level's worth split among its
+        nodes), whatever was drawn, as its own level sizes follow its draws (a q's support): pricing those could
+        make which nodes are verified depend on the drawn tokens; anything else as it is."""
         if isinstance(made, DraftTree) and made.scores is None and self.worker_tree_shape is not None:
             return level_tree(*self.worker_tree_shape)
         return made
