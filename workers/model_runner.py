@@ -215,7 +215,8 @@ class ModelRunner:
         chunks = plan.chunks
         with_q = [] if every_chunk else [i for i in sampled if chunks[i].req_id in draft_probs and
                                          chunks[i].draft_parents is None and not chunks[i].want_node_tokens]
-        rest = [i for i in sampled if i not in set(with_q)] if with_q else sampled
+        with_q_set = set(with_q)
+        rest = [i for i in sampled if i not in with_q_set] if with_q else sampled
         if not (every_chunk or any(chunks[i].draft_parents is not None or chunks[i].want_node_tokens for i in rest)):
             return (*self._verify(plan, sampled, logits, draft_probs, raw), None, None)
         if not with_q:
