@@ -92,8 +92,9 @@ class RequestOutput:
 
     With ``SamplingParams.output_kind="delta"`` it holds what is new since the request's previous report: the
     outputs' ``token_ids``, ``text`` and ``logprobs`` are the new ones, ``prompt`` and ``prompt_token_ids`` come
-    in the first report only (None and [] after it), and so do ``prompt_logprobs``; ``cumulative_logprob``, the reasons, ``finished``, ``error``
-    and ``spec_stats`` are the request's state at the report, as in a cumulative output. :func:`merge_deltas`
+    in the first report only (None and [] after it), and so do ``prompt_logprobs``; ``cumulative_logprob``, the
+    reasons, ``finished``, ``error`` and ``spec_stats`` are the request's state at the report, as in a cumulative
+    output. :func:`merge_deltas`
     joins two consecutive deltas; :func:`accumulate` turns the sequence back into cumulative outputs."""
 
     request_id: str

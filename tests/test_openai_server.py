@@ -394,7 +394,8 @@ def test_allowed_token_ids_and_bad_words(server, client, offline):
     kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
     plain = offline_greedy(offline, [kwargs["prompt"]], 12)[0].outputs[0]
     allowed = sorted(set(plain.token_ids[::2]))[:4] + [5, 9]
-    for extra in ({"allowed_token_ids": allowed}, {"bad_words": [offline.engine.tokenizer.decode(plain.token_ids[:2])]}):
+    banned = offline.engine.tokenizer.decode(plain.token_ids[:2])
+    for extra in ({"allowed_token_ids": allowed}, {"bad_words": [banned]}):
         resp = client.completions.create(**kwargs, extra_body=extra)
         want = offline_greedy(offline, [kwargs["prompt"]], 12, **extra)[0].outputs[0]
         assert resp.choices[0].text == want.text and want.token_ids != plain.token_ids, extra

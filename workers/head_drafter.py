@@ -36,15 +36,16 @@ stays here (:meth:`HiddenStateDrafter.q_of`) for the chain's verification by rej
 min(1, p(x)/q(x)), else resample from norm(max(0, p - q))), which keeps the target's distribution exactly. A drawn
 chain carries no scores: a choice of how many to verify that looked at the drawn tokens would bias the output, so
 the policy sizes it by its evidence alone. A greedy request's tree is EAGLE-2's (the best nodes by path
-probability), verified with one-hot q. A sampled request's tree is drawn from q (:meth:`HiddenStateDrafter._sampled_tree`):
-each row's children are drawn one after another without replacement, and verified against the q they were drawn
-from (:mod:`specray.tree_verification`). What may decide which children exist is fixed before they are drawn (the
-parents' draws and each parent's q), never the children's own tokens: EAGLE-2's choice of the best k among
-every frontier node's candidates looks at the candidates, so here the k slots of a level go to frontier node f's
-j-th child by the score the parent's path and q promise it (log path q of f + log of q_f's j-th largest
-probability), and each f then draws as many children as it got slots. The nodes go level by level (a level's
-children parent by parent, each parent's in draw order), the tree carries no scores, and it is only ever cut to a
-prefix of that order (the policy prices it by its depths alone), so the cut never looks at a drawn token either.
+probability), verified with one-hot q. A sampled request's tree is drawn from q
+(:meth:`HiddenStateDrafter._sampled_tree`): each row's children are drawn one after another without replacement,
+and verified against the q they were drawn from (:mod:`specray.tree_verification`). What may decide which children
+exist is fixed before they are drawn (the parents' draws and each parent's q), never the children's own tokens:
+EAGLE-2's choice of the best k among every frontier node's candidates looks at the candidates, so here the k slots
+of a level go to frontier node f's j-th child by the score the parent's path and q promise it (log path q of f +
+log of q_f's j-th largest probability), and each f then draws as many children as it got slots. The nodes go level
+by level (a level's children parent by parent, each parent's in draw order), the tree carries no scores, and it is
+only ever cut to a prefix of that order, sized by the worker's shape rather than the tree's own
+(``LLMEngine._as_priced``), so the cut never looks at a drawn token either.
 Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
 """
 
@@ -239,7 +240,8 @@ class HiddenStateDrafter:
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
         roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
         if self.tree is not None:
-            made = self._trees(plan, drafting, block_tables, roots, feedback, normed, self._draw(plan, drafting, params))
+            made = self._trees(plan, drafting, block_tables, roots, feedback, normed,
+                               self._draw(plan, drafting, params))
         else:
             made = self._chain(plan, drafting, block_tables, roots, feedback, normed,
                                self._draw(plan, drafting, params))
@@ -443,10 +445,7 @@ class HiddenStateDrafter:
         cum = torch.where(valid, own.log(), float("-inf"))  # path log q
         parents = torch.full((b, k), -1, dtype=torch.long, device=device)
         q_nodes = torch.zeros(b, k * depth, vd, device=device)  # q at each node that gets children
-        node_features = feedback[:, None, :].expand(b, k, h)
-        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
-        frontier = torch.arange(k, device=device).expand(b, k)
-        node_depth = [1] * k
+        node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
             fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
@@ -496,10 +495,7 @@ class HiddenStateDrafter:
         logp = torch.log_softmax(self.head.draft_logits(normed), dim=-1)
         own, tok = logp.topk(k, dim=-1)  # [B, k]: draft-vocabulary ids
         cum, parents = own.clone(), torch.full((b, k), -1, dtype=torch.long, device=device)
-        node_features = feedback[:, None, :].expand(b, k, h)  # each node reads its parent's feedback
-        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
-        frontier = torch.arange(k, device=device).expand(b, k)
-        node_depth = [1] * k
+        node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
             fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
@@ -587,6 +583,15 @@ def _slots(cum: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     taken = (slots % k)[None, :] < counts.repeat_interleave(k, dim=1)  # [B, k*k]: j < c_f
     pairs = torch.where(taken, slots, k * k).sort(dim=-1).values[:, :k]  # k*k: an empty slot
     return pairs.clamp_max(k * k - 1), pairs < k * k
+
+
+def _first_level(feedback: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """A tree's first level of k nodes under each request's root (feedback [B, H]): what each node reads (its
+    parent's feedback) [B, k, H], who sees whom [B, k, k], the frontier (node indices) [B, k], the depths."""
+    b, h = feedback.shape
+    ancestors = torch.eye(k, dtype=torch.bool, device=feedback.device).expand(b, k, k)
+    frontier = torch.arange(k, device=feedback.device).expand(b, k)
+    return feedback[:, None, :].expand(b, k, h), ancestors, frontier, [1] * k
 
 
 def _grown(ancestors: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
