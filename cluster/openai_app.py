@@ -408,6 +408,12 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, self._chat_completions)
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._detokenize)
+
     async def models(self) -> dict:
         card = proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
                                max_model_len=self.client.max_model_len)
@@ -478,6 +484,34 @@ class OpenAIServing:
         fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
                           req.prompt_logprobs)
         return await self._run(req, choices, fmt, arrival)
+
+    async def _tokenize(self, body: Any, arrival: float) -> Response:
+        """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the
+        context length."""
+        req = proto.parse_request(proto.TokenizeRequest, body)
+        self._check_model(req.model)
+        tokenizer = self.client.tokenizer
+
+        def encode() -> list[int]:
+            if req.messages is not None:
+                return self._encode_chat_prompt(req).token_ids
+            with _user_text_errors("prompt"):
+                return list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+
+        tokens = await self._off_loop(encode)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.client.max_model_len, "tokens": tokens})
+
+    async def _detokenize(self, body: Any, arrival: float) -> Response:
+        """vLLM's /detokenize: the text of token ids of this model's vocabulary."""
+        req = proto.parse_request(proto.DetokenizeRequest, body)
+        self._check_model(req.model)
+        tokenizer = self.client.tokenizer
+        vocab = len(tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise proto.bad_request(f"tokens contains {bad[:5]} outside the vocabulary [0, {vocab})", "tokens")
+        text = await self._off_loop(lambda: tokenizer.decode(req.tokens))
+        return JSONResponse({"prompt": text})
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -727,6 +761,8 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])  # vLLM's paths
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     if config.enable_debug_routes:

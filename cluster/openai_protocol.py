@@ -335,7 +335,37 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_request(model_cls: type[_GenerationRequest], body: Any) -> _GenerationRequest:
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template as a chat completion's."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # for a prompt (a rendered chat holds its own)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt (a string) and messages (a chat)",
+                              "prompt" if self.prompt is None else "messages")
+        for index, message in enumerate(self.messages or []):
+            message.check(index)
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message=true continues the last message, so it needs "
+                              "add_generation_prompt=false", "continue_final_message")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     try:

@@ -410,6 +410,25 @@ def test_allowed_token_ids_and_bad_words(server, client, offline):
     assert status == 400 and err["param"] == "bad_words", err
 
 
+def test_tokenize_and_detokenize(server, client, offline):
+    """vLLM's /tokenize (a prompt, or a chat rendered as a chat completion renders it) and /detokenize."""
+    tokenizer = offline.engine.tokenizer
+    status, got = http_json(server + "/tokenize", {"model": MODEL, "prompt": "The quick brown fox"})
+    assert status == 200 and got["tokens"] == tokenizer.encode("The quick brown fox")
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "Hello"}]
+    status, chat = http_json(server + "/tokenize", {"messages": messages})
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert status == 200 and chat["count"] == usage.prompt_tokens
+    status, text = http_json(server + "/detokenize", {"model": MODEL, "tokens": got["tokens"]})
+    assert status == 200 and text == {"prompt": "The quick brown fox"}
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": messages}, "messages"),
+                              ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")]:
+        status, err = error_of(http_json(server + path, body))
+        assert status in (400, 404) and err["param"] == param, (path, body, err)
+
+
 def test_chat_logprobs_format(client):
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
