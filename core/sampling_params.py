@@ -17,7 +17,11 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p;
     ``min_p == 0`` disables min-p. ``seed`` gives the request its own random stream, so the same seed gives the
-    same output.
+    same output without speculation. With speculation, verification draws from the stream as many numbers as the
+    step verifies drafts, so the output repeats when the drafts do: a fixed draft count (``adaptive=False``) and a
+    drafter whose proposals depend on the request alone. Adaptive drafting sizes drafts by the measured cost of a
+    step and what the engine has learnt, and a shared n-gram pool or suffix tree by other requests' text, so there a
+    seeded request's output can differ from run to run (each one an exact sample of the target).
 
     ``logprobs=k`` (k >= 0) returns, for every output token, a dict {token_id: logprob} holding the chosen token
     and the k most likely tokens, and ``cumulative_logprob``, the chosen tokens' sum. The values are vLLM's

@@ -1022,6 +1022,19 @@ def test_a_drawn_trees_level_goes_to_the_best_promises_as_prefixes_of_each_paren
     assert pairs[0, 0].item() == 0 and filled.tolist() == [[True, False, False]]  # one child: q's support
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampled_output_repeats_with_a_fixed_draft_count(target_dir, heads, looping_prompt, method):
+    """With adaptive=False nothing the engine learns changes how many drafts a step verifies (a tree head's first
+    tree was cut to a probe's size until the engine had verified one), so a seed gives the same output every time,
+    the first request on a fresh engine included."""
+    llm = make_llm(target_dir, heads, "accepting", method)
+    params = [SamplingParams(seed=3 + i, **{**SAMPLED, "max_tokens": 16}) for i in range(3)]
+    prompts = [{"prompt_token_ids": looping_prompt}] * 3
+    first = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert llm.spec_stats.drafts > 0
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == first
+
+
 def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, target_triples, monkeypatch):
     """Negative controls: the same samples do not fit the target at T=1, and a verifier with the classic bug (after
     a rejection, resample from p instead of the residual norm(max(0, p - q))) fails the test on the first drafted

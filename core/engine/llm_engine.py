@@ -315,7 +315,7 @@ class LLMEngine:
                     head_drafted.append(rid)
                 continue
             head = self.worker_method  # the key of the head's drafts
-            if isinstance(made, DraftTree) and not off_path and not self.policy.knows(head):
+            if isinstance(made, DraftTree) and self.policy.adaptive and not off_path and not self.policy.knows(head):
                 probes.add(rid)  # nothing of the head verified yet: its first tree is verified as a probe's
             if isinstance(made, DraftTree):
                 if rid in probes:
