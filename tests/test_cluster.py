@@ -213,21 +213,24 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp3", "deepseek-mtp", "redrafter"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-tree", "mtp3", "deepseek-mtp", "redrafter"])
 def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """EAGLE-3, three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's
     latent attention and experts), and ReDrafter's recurrent drafter (beams merged into a tree), drafting inside
     rank 0 of two tensor-parallel ranks: the head reads the target's embedding and LM head gathered whole once (the
     split ones end in collectives that rank 1, which does not draft, never joins); greedy output equals one rank's
-    plain output, drafts were accepted, no block leaked."""
+    plain output, drafts were accepted, no block leaked. EAGLE-2 trees also for sampled requests, drawn from q and
+    verified against it on rank 0: the same seeds give the same tokens as one rank."""
     prompts = prompts_for(8, seed=3)
     target = request.getfixturevalue("tiny_deepseek_dir") if method == "deepseek-mtp" else tiny_llama_dir
     references = run_to_end(engine_for(target), prompts)
     if method == "deepseek-mtp":
         model, spec = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {"method": "mtp"}
-    elif method == "eagle3":
+    elif method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
+        if method == "eagle3-tree":
+            spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
     elif method == "redrafter":
         head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
@@ -237,13 +240,20 @@ def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_
         spec = {"method": "mtp", "num_nextn_predict_layers": 3}
     spec.update(num_speculative_tokens=3, adaptive=False)
     engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    sampled = SamplingParams(temperature=0.8, top_k=5, seed=11, max_tokens=MAX_TOKENS)
     try:
         blocks = engine.scheduler.block_manager
         assert run_to_end(engine, prompts) == references
         assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
         assert blocks.num_free_blocks == blocks.num_blocks
+        if method == "eagle3-tree":
+            drawn = run_to_end(engine, prompts[:3], sampled)
+            assert blocks.num_free_blocks == blocks.num_blocks
     finally:
         engine.shutdown()
+    if method == "eagle3-tree":
+        one_rank = engine_for(model, speculative_config=spec)
+        assert run_to_end(one_rank, prompts[:3], sampled) == drawn
 
 
 def test_mixture_of_experts_over_two_expert_parallel_ranks_keeps_greedy_output(tiny_qwen3_moe_dir):
