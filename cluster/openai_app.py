@@ -464,6 +464,7 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
         prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
+        prompts = [_truncated(p, req.truncate_prompt_tokens) for p in prompts]
         for prompt in prompts:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
@@ -477,7 +478,7 @@ class OpenAIServing:
         self._check_model(req.model)
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_request_size(req, 1, req.output_limit(), limit_param)
-        prompt = await self._off_loop(lambda: self._encode_chat_prompt(req))
+        prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req)), req.truncate_prompt_tokens)
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
         request_id = proto.new_id("chatcmpl")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
@@ -559,7 +560,8 @@ class OpenAIServing:
             # named only when asked for: a tokenizer without the keyword (an older one) still renders the rest
             continued = {"continue_final_message": True} if req.continue_final_message else {}
             text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt, **continued)
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 **(req.chat_template_kwargs or {}), **continued)
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
@@ -630,6 +632,13 @@ class OpenAIServing:
         finally:
             fanout.close()
             self.metrics.record_request(status)
+
+
+def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (its text then comes from them)."""
+    if keep is None or len(prompt.token_ids) <= keep:
+        return prompt
+    return _Prompt(None, prompt.token_ids[-keep:])
 
 
 # ---- errors --------------------------------------------------------------------------------------------

@@ -170,6 +170,10 @@ class _GenerationRequest(_Strict):
     # vLLM's: the logprobs of every prompt token and the k most likely there (the response's prompt_logprobs)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
+    # vLLM's too: the detokenizer's and the stop strings' options, and left truncation of the prompt
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
 
     @model_validator(mode="after")
@@ -267,6 +271,20 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
+# apply_chat_template's own parameters: chat_template_kwargs may not set them
+TEMPLATE_CALL_PARAMS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                  "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                  "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """400 for chat_template_kwargs that name one of the template call's own parameters."""
+    taken = sorted(TEMPLATE_CALL_PARAMS & set(kwargs or {}))
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {taken}: they are parameters of the request or of the "
+                          "template call itself; give the template's own variables only", "chat_template_kwargs")
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -304,11 +322,13 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     # vLLM's: the last message (an assistant's start) is continued, not closed; needs add_generation_prompt=false
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
     store: bool = False
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):
+        check_template_kwargs(self.chat_template_kwargs)
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message=true continues the last message, so it needs "
                               "add_generation_prompt=false", "continue_final_message")
@@ -343,10 +363,12 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # for a prompt (a rendered chat holds its own)
 
     @model_validator(mode="after")
     def _one_input(self):
+        check_template_kwargs(self.chat_template_kwargs)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of prompt (a string) and messages (a chat)",
                               "prompt" if self.prompt is None else "messages")
@@ -397,6 +419,9 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         min_tokens=req.min_tokens or 0,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=list(req.bad_words or []),
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

@@ -86,7 +86,7 @@ class LLM:
         self._check_open()
         prompts = _as_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
         for (text, ids), sp in zip(encoded, params):
             self._validate(ids, sp)
         requests, owner = [], []  # one engine request per completion; owner: its (prompt, completion index)
@@ -110,13 +110,17 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to several;
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message instead of
-        closing it."""
+        closing it; ``chat_template_kwargs`` go to the template as variables (e.g. Qwen3's ``enable_thinking``)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True continues the last message, so it needs "
                              "add_generation_prompt=False")
+        reserved = sorted({"conversation", "tokenize", "add_generation_prompt", "chat_template",
+                           "continue_final_message"} & set(chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: pass them as chat()'s own arguments")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -124,7 +128,7 @@ class LLM:
         continued = {"continue_final_message": True} if continue_final_message else {}  # only when asked for
         prompts = [
             tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **continued)
+                                          chat_template=chat_template, **(chat_template_kwargs or {}), **continued)
             for conv in conversations
         ]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,

@@ -49,6 +49,9 @@ class SamplingParams:
     verified position, drafts on the path counted, so greedy output is plain decoding's and sampled output follows
     the constrained distribution exactly.
 
+    ``truncate_prompt_tokens=k`` (vLLM's) keeps only the prompt's last k tokens (left truncation; None keeps it
+    whole).
+
     ``min_tokens`` (vLLM's) keeps a request from ending before it has that many output tokens: its stop token ids,
     and EOS unless ``ignore_eos``, get no probability until then, and stop strings are not looked for.
 
@@ -96,6 +99,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     bad_words: list[str] = field(default_factory=list)
     # bad_words as token sequences: filled by the engine at admission from its tokenizer (None until then)
     bad_words_token_ids: list[list[int]] | None = None
@@ -162,6 +166,10 @@ class SamplingParams:
                                                    any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of token ids >= 0 "
                              "(or None: every token allowed)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens={k!r} must be an int >= 1 (the prompt tokens to keep, from its "
+                             "end) or None")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words={self.bad_words!r}: every bad word must be a string with a non-space "
                              "character")
@@ -199,6 +207,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"{name}={value} exceeds the vocabulary size {vocab_size}; ask for fewer")
+
+    def prompt_tokens(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt the request runs on: its last ``truncate_prompt_tokens`` tokens, or all of it."""
+        k = self.truncate_prompt_tokens
+        return list(prompt_token_ids) if k is None else list(prompt_token_ids[-k:])
 
     @property
     def greedy(self) -> bool:

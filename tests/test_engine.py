@@ -378,6 +378,23 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     assert chat.prompt == text and len(chat.outputs[0].token_ids) == 8
 
 
+def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
+    """truncate_prompt_tokens runs the request on its prompt's last tokens (a prompt past the context then fits);
+    chat_template_kwargs reach the template as its variables."""
+    ids = plain.get_tokenizer().encode(PROMPTS[0])
+    out = plain.generate({"prompt_token_ids": [7] * 300 + ids}, greedy(truncate_prompt_tokens=len(ids)),
+                         use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == plain_outputs[0]
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = plain.chat([{"role": "user", "content": "Hello"}], greedy(2), use_tqdm=False, chat_template=template,
+                      chat_template_kwargs={"greeting": "Hi! "})[0]
+    assert chat.prompt == "Hi! Hello"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        plain.chat([{"role": "user", "content": "Hello"}], chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 @pytest.mark.parametrize("make_bad, field", [
     (lambda llm: llm.generate("", greedy(), use_tqdm=False), "prompt"),
     (lambda llm: llm.generate({"prompt_token_ids": [1] * 300}, greedy(), use_tqdm=False), "max_model_len"),

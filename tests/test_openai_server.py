@@ -1459,3 +1459,52 @@ def test_autoscaling_policy_sizes_by_requests_in_flight():
     assert wrapped(_autoscaling_context({"r1": 40, "r2": 60}, current=2, target=2, **now))[0] == 4
     assert wrapped(_autoscaling_context({"r1": 10, "r2": 5}, current=2, target=2, **now))[0] == 1
     assert wrapped(_autoscaling_context({"r1": 40, "r2": 60}, current=2, target=2))[0] == 2  # upscale delay
+
+
+class TemplateTokenizer(FakeTokenizer):
+    """A chat template with a variable of its own (as Qwen3's enable_thinking)."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            greeting=""):
+        return greeting + "".join(m["content"] for m in messages)
+
+
+class RecordingEngineClient(FakeEngineClient):
+    tokenizer = TemplateTokenizer()
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[list[int], SamplingParams]] = []
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self.seen.append((list(prompt_token_ids), params))
+        async for out in super().generate(prompt_token_ids, params, prompt, req_id):
+            yield out
+
+
+def test_vllm_request_options_reach_the_engine():
+    """truncate_prompt_tokens keeps the prompt's last tokens (a prompt past the context then fits),
+    skip_special_tokens and include_stop_str_in_output go to the engine's parameters, and chat_template_kwargs to
+    the chat template (never in place of the call's own parameters)."""
+    fake = RecordingEngineClient()
+    with app_in_thread(fake) as base:
+        long = "abcdefghij" * 10  # 100 tokens, past the fake's 64
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": long, "max_tokens": 3}))
+        assert status == 400 and err["code"] == "context_length_exceeded"
+        body = {"prompt": long, "max_tokens": 3, "truncate_prompt_tokens": 10, "skip_special_tokens": False,
+                "include_stop_str_in_output": True, "stop": ["x"]}
+        status, resp = http_json(base + "/v1/completions", body)
+        assert status == 200 and resp["usage"]["prompt_tokens"] == 10
+        ids, params = fake.seen[-1]
+        assert ids == FakeTokenizer().encode(long)[-10:] and params.truncate_prompt_tokens == 10
+        assert params.skip_special_tokens is False and params.include_stop_str_in_output is True
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        plain = http_json(base + "/tokenize", chat)[1]["tokens"]
+        greeted = http_json(base + "/tokenize", {**chat, "chat_template_kwargs": {"greeting": "hey "}})[1]["tokens"]
+        assert greeted == FakeTokenizer().encode("hey ") + plain
+        status, resp = http_json(base + "/v1/chat/completions", {**chat, "max_tokens": 2,
+                                                                 "chat_template_kwargs": {"greeting": "hey "}})
+        assert status == 200 and fake.seen[-1][0] == greeted
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {**chat, "chat_template_kwargs": {"tokenize": True}}))
+        assert status == 400 and err["param"] == "chat_template_kwargs"

@@ -89,6 +89,7 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
                              "(LLM.generate and the OpenAI server do)")
         req_id = req_id if req_id is not None else str(next(self._ids))
+        prompt_token_ids = params.prompt_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         if params.bad_words and params.bad_words_token_ids is None:
