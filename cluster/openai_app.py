@@ -30,6 +30,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specray.chat import render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster.metrics import ServerMetrics, engine_state
 from specray.errors import EngineError
@@ -557,11 +558,8 @@ class OpenAIServing:
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
                                     "messages")
         with _user_text_errors("messages"):
-            # named only when asked for: a tokenizer without the keyword (an older one) still renders the rest
-            continued = {"continue_final_message": True} if req.continue_final_message else {}
-            text = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}), **continued)
+            text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
+                               req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specray.chat import check_chat_options
 from specray.outputs import SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 
@@ -271,18 +272,14 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-# apply_chat_template's own parameters: chat_template_kwargs may not set them
-TEMPLATE_CALL_PARAMS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                                  "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                  "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-def check_template_kwargs(kwargs: dict | None) -> None:
-    """400 for chat_template_kwargs that name one of the template call's own parameters."""
-    taken = sorted(TEMPLATE_CALL_PARAMS & set(kwargs or {}))
-    if taken:
-        raise bad_request(f"chat_template_kwargs may not set {taken}: they are parameters of the request or of the "
-                          "template call itself; give the template's own variables only", "chat_template_kwargs")
+def check_template_options(req) -> None:
+    """A 400 in the request's terms for chat options that cannot go together
+    (:func:`specray.chat.check_chat_options`)."""
+    try:
+        check_chat_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    except ValueError as err:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(err) else "continue_final_message"
+        raise bad_request(str(err), param) from None
 
 
 class TextPart(BaseModel):
@@ -328,10 +325,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):
-        check_template_kwargs(self.chat_template_kwargs)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("continue_final_message=true continues the last message, so it needs "
-                              "add_generation_prompt=false", "continue_final_message")
+        check_template_options(self)
         if self.store:
             raise bad_request("store=true is not supported: this server keeps no completions; omit it", "store")
         return self
@@ -368,15 +362,13 @@ class TokenizeRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_input(self):
-        check_template_kwargs(self.chat_template_kwargs)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of prompt (a string) and messages (a chat)",
                               "prompt" if self.prompt is None else "messages")
         for index, message in enumerate(self.messages or []):
             message.check(index)
-        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("continue_final_message=true continues the last message, so it needs "
-                              "add_generation_prompt=false", "continue_final_message")
+        if self.messages is not None:
+            check_template_options(self)
         return self
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from specray.chat import check_chat_options, render_chat
 from specray.config import EngineArgs
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_heads
@@ -114,23 +115,13 @@ class LLM:
         """Apply the model's chat template to one conversation (a list of messages) or to several;
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message instead of
         closing it; ``chat_template_kwargs`` go to the template as variables (e.g. Qwen3's ``enable_thinking``)."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=True continues the last message, so it needs "
-                             "add_generation_prompt=False")
-        reserved = sorted({"conversation", "tokenize", "add_generation_prompt", "chat_template",
-                           "continue_final_message"} & set(chat_template_kwargs or {}))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}: pass them as chat()'s own arguments")
+        check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
-        continued = {"continue_final_message": True} if continue_final_message else {}  # only when asked for
-        prompts = [
-            tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **(chat_template_kwargs or {}), **continued)
-            for conv in conversations
-        ]
+        prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
+                               chat_template_kwargs) for conv in conversations]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
                              use_tqdm)
 

@@ -412,16 +412,17 @@ class HiddenStateDrafter:
         sampled = [] if draw is None else [j for j, sp in enumerate(draw.params) if not sp.greedy]
         if not sampled:
             return self._tree(work, tables, roots, feedback, normed)
-        greedy = [j for j in range(len(work)) if j not in set(sampled)]
+        drawn = set(sampled)
+        greedy = [j for j in range(len(work)) if j not in drawn]
         made: list[Drafted | None] = [None] * len(work)
-        for group, build in ((greedy, self._tree), (sampled, None)):
+        for group, from_q in ((greedy, False), (sampled, True)):
             if not group:
                 continue
             index = _index(group, feedback.device)
             args = ([work[j] for j in group], [tables[j] for j in group], [roots[j] for j in group],
                     feedback.index_select(0, index), normed.index_select(0, index))
-            out = (self._tree(*args) if build is not None
-                   else self._sampled_tree(plan, *args, draw.batch(group, feedback.device)))
+            out = (self._sampled_tree(plan, *args, draw.batch(group, feedback.device)) if from_q
+                   else self._tree(*args))
             for j, drafted in zip(group, out):
                 made[j] = drafted
         return made
@@ -469,7 +470,7 @@ class HiddenStateDrafter:
             frontier = torch.arange(n, n + k, device=device).expand(b, k)
             node_depth += [d] * k
         host = torch.stack([self.head.to_target_ids(tok).float(), parents.float(), valid.float()]).tolist()  # one sync
-        q_rows = self.head.full_vocab(torch.cat([q_root[:, None], q_nodes[:, : tok.shape[1]]], dim=1), 0.0)
+        q_rows = torch.cat([q_root[:, None], q_nodes[:, : tok.shape[1]]], dim=1)  # [B, 1 + nodes, Vd]
         made = []
         for i, w in enumerate(work):
             token_ids, par, ok = host[0][i], host[1][i], host[2][i]
@@ -478,7 +479,9 @@ class HiddenStateDrafter:
             tokens = [int(token_ids[node]) for node in keep]
             made.append(Drafted(tokens, [-1 if par[node] < 0 else index[int(par[node])] for node in keep]))
             rows = _index([0] + [node + 1 for node in keep], device)
-            self._drawn[plan.chunks[w.chunk].req_id] = (tokens, q_rows[i].index_select(0, rows))
+            # over the target's vocabulary: only the kept rows
+            self._drawn[plan.chunks[w.chunk].req_id] = (tokens, self.head.full_vocab(q_rows[i].index_select(0, rows),
+                                                                                     0.0))
         return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,

@@ -413,14 +413,16 @@ class LLMEngine:
         head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
         lookup = proposal.tree() if proposal.parents is not None else list(proposal.token_ids)
         scores = self._worker_scores.get(request.req_id) if isinstance(made, list) else None
-        priced = {id(lookup): lookup} | ({id(made): self._as_priced(made)} if made else {})
-        options = [(lookup, proposal.key, None)] + ([(made, head_key, scores)] if made else [])
+        # (drafts, what the policy prices for them, their key, scores)
+        options = [(lookup, lookup, proposal.key, None)]
+        if made:
+            options.append((made, self._as_priced(made), head_key, scores))
         probing = False
         if made and (head_probe or not self.policy.knows(head_key)):  # a probe, or the head never verified yet
             chosen, key, n = made, head_key, min(len(made), self.policy.probe_k)
         else:
-            (chosen, key, _), (n, _) = max(((o, self.policy.price(request, batch_size, priced[id(o[0])], *o[1:]))
-                                            for o in options), key=lambda pair: pair[1][1])
+            (chosen, _, key, _), (n, _) = max(((o, self.policy.price(request, batch_size, *o[1:])) for o in options),
+                                              key=lambda pair: pair[1][1])
             n = self.policy.settle(request, n, min(len(chosen), limit))
             probing = self.policy.evidence(request.req_id).probing
         from_head = made is not None and chosen is made
@@ -455,7 +457,7 @@ class LLMEngine:
             self._worker_scores = {rid: sc for rid, sc in zip(result.req_ids, result.draft_scores or ()) if sc}
             self.worker_scores_chains |= bool(self._worker_scores)
             return
-        # a tree drawn from q (a sampled request's) carries no scores: the policy prices it by its depths alone
+        # a tree drawn from q (a sampled request's) carries no scores: the policy prices it by the worker's shape
         scores = result.draft_scores or [None] * len(result.req_ids)
         self._worker_drafts = {rid: DraftTree(d, p, sc or None) for rid, d, p, sc in
                                zip(result.req_ids, result.draft_token_ids, result.draft_parents, scores) if d}
@@ -652,8 +654,8 @@ class LLMEngine:
         # positional arguments, in the dataclasses' field order: built for every request every step
         completion = CompletionOutput(0, text, tokens, cumulative_logprob, logprobs, request.finish_reason,
                                       request.stop_reason)
-        if prompt_logprobs is not None and kind != "delta":
-            prompt_logprobs = list(prompt_logprobs)  # an output handed out never changes
+        if prompt_logprobs is not None and kind != "delta" and len(prompt_logprobs) < len(prompt_ids):
+            prompt_logprobs = list(prompt_logprobs)  # still growing (mid-prefill): an output handed out never changes
         return RequestOutput(request.req_id, prompt, prompt_ids, [completion], finished, request.spec_stats.copy(),
                              tracked.error, prompt_logprobs)
 
