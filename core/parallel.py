@@ -1,4 +1,5 @@
-"""Tensor-parallel process group: the two collectives our layers need (sum all-reduce, all-gather).
+"""Tensor-parallel process group: the collectives our layers need (sum all-reduce, all-gather) and the driver's
+broadcast of a step's verdict to a sharded draft head.
 
 Plain ``torch.distributed`` collectives, so gloo (CPU) and NCCL (GPU) both work. With ``size == 1`` every op is a
 no-op and torch.distributed need not be initialized at all.
@@ -53,3 +54,10 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` becomes rank 0's (in place when distributed; returns ``x``)."""
+        if self.size == 1:
+            return x
+        dist.broadcast(x, group=self.group, group_src=0)
+        return x

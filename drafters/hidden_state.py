@@ -9,7 +9,7 @@ ReDrafter's in :mod:`specray.workers.redrafter_drafter`),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -20,12 +20,32 @@ class HeadOptions:
     # "suffix", ...; or a speculative_config dict of one, {"method": "suffix", "num_speculative_tokens": 12}):
     # each step, each request verifies whichever of the two proposals the draft policy prices higher
     combine_with: str | dict[str, Any] | None = None
+    # the ranks the head is split over (vLLM's name): the target's tensor_parallel_size (None: that, where the head
+    # can be split), each rank holding its share as of a target layer; or 1, the head whole on the driver rank
+    draft_tensor_parallel_size: int | None = None
+
+    SPLITS: ClassVar[bool] = True  # the head can be split over the target's ranks
 
     def __post_init__(self) -> None:
         given = self.combine_with
         if given is not None and not isinstance(given, str) and not (isinstance(given, dict) and "method" in given):
             raise ValueError(f"speculative_config.combine_with={given!r} must be a method name such as 'ngram' or "
                              "'suffix', or a speculative_config dict of one with its 'method'")
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be an int >= 1")
+
+    def splits_over(self, tensor_parallel_size: int) -> bool:
+        """Whether the head is split over the target's ``tensor_parallel_size`` ranks (else whole on the driver
+        rank); a ValueError for a draft_tensor_parallel_size that is neither 1 nor the target's."""
+        tp = self.draft_tensor_parallel_size
+        allowed = (1, tensor_parallel_size) if self.SPLITS else (1,)
+        if tp is not None and tp not in allowed:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp}: the head runs with the target's "
+                             f"ranks, so it is {' or '.join(map(str, sorted(set(allowed))))} here (the target's "
+                             f"tensor_parallel_size={tensor_parallel_size}"
+                             + ("" if self.SPLITS else "; this method's head is not split over ranks") + ")")
+        return self.SPLITS and tensor_parallel_size > 1 and tp != 1
 
     def drafts_trees(self) -> bool:
         """Whether the worker drafts token trees (each is priced and cut by the policy) rather than chains."""
@@ -127,6 +147,8 @@ DEFAULT_MEDUSA_CHOICES = ([0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 
 class MedusaOptions(HeadOptions):
     """``speculative_config`` keys of ``method="medusa"``: the heads' checkpoint and the token tree they fill."""
 
+    SPLITS: ClassVar[bool] = False  # the heads stay whole on the driver rank
+
     model: str | None = None  # the heads' checkpoint folder (FasterDecoding's or vLLM's layout)
     # the tree: each path [i0, i1, ...] is the node holding head 0's i0-th best token, then head 1's i1-th best
     # under it, ... (Medusa's and TensorRT-LLM's ``medusa_choices``); verified best-first, in the given order
@@ -177,6 +199,8 @@ class ReDrafterOptions(HeadOptions):
     drafter's checkpoint and its beam search, whose beams' prefix tree is verified (``num_speculative_tokens``: the
     most nodes of it per step)."""
 
+    SPLITS: ClassVar[bool] = False  # the drafter stays whole on the driver rank
+
     model: str | None = None  # the drafter's checkpoint folder (Apple's recurrent_drafting layout) or hub id
     redrafter_num_beams: int = 5  # beams kept by the beam search
     redrafter_draft_len_per_beam: int = 5  # drafts per beam (the tree's depth)
@@ -198,10 +222,12 @@ class ReDrafterOptions(HeadOptions):
         return False  # no attention in the recurrent drafter
 
 
-def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any]:
+def worker_config(method: str, options: Any, target_model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
     head's checkpoint (EAGLE-3 on the default model: the bundled head; MTP: the target's own checkpoint unless
-    ``model`` names one), MTP's feedback, and an EAGLE-2 tree's shape."""
+    ``model`` names one), whether it is split over the target's ``tensor_parallel_size`` ranks, MTP's feedback,
+    and an EAGLE-2 tree's shape."""
+    split = options.splits_over(tensor_parallel_size)
     path = options.model
     if method == "eagle3" and path is None:
         from specray.models.bundled_heads import bundled_head  # torch-free
@@ -210,11 +236,12 @@ def worker_config(method: str, options: Any, target_model: str) -> dict[str, Any
     if method == "mtp" and path is None:
         path = target_model
     if method == "medusa":
-        return {"method": method, "model": path, "choices": options.tree()}
+        return {"method": method, "model": path, "split": split, "choices": options.tree()}
     if method == "redrafter":
-        return {"method": method, "model": path, "beams": options.redrafter_num_beams,
+        return {"method": method, "model": path, "split": split, "beams": options.redrafter_num_beams,
                 "beam_length": options.redrafter_draft_len_per_beam}
     tree = getattr(options, "use_dynamic_tree", False)
-    return {"method": method, "model": path, "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
+    return {"method": method, "model": path, "split": split,
+            "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
             "mtp_modules": getattr(options, "num_modules", 1),
             "tree": [options.dynamic_tree_max_topK, options.dynamic_tree_depth] if tree else None}

@@ -175,14 +175,16 @@ def runs_in_worker(method: str) -> bool:
     return entry(method).in_worker
 
 
-def worker_drafter_config(spec: SpeculativeConfig, target_model: str) -> dict[str, Any]:
-    """What the target's workers need to build ``spec``'s worker-side drafter (plain data: it crosses Ray; see
-    :func:`specray.drafters.hidden_state.worker_config`)."""
+def worker_drafter_config(spec: SpeculativeConfig, target_model: str, tensor_parallel_size: int = 1
+                          ) -> dict[str, Any]:
+    """What the target's ``tensor_parallel_size`` workers need to build ``spec``'s worker-side drafter (plain data:
+    it crosses Ray; see :func:`specray.drafters.hidden_state.worker_config`)."""
     from specray.drafters.hidden_state import worker_config
 
     options = options_of(spec)
     options.check_draft_count(spec.num_speculative_tokens)
-    return {**worker_config(spec.method, options, target_model), "drafter": entry(spec.method).drafter}
+    return {**worker_config(spec.method, options, target_model, tensor_parallel_size),
+            "drafter": entry(spec.method).drafter}
 
 
 def worker_drafts_trees(spec: SpeculativeConfig) -> bool:

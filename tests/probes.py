@@ -57,6 +57,24 @@ def rank(worker) -> int:
     return worker.rank
 
 
+def head_share(worker) -> tuple[int, int, bool, bool] | None:
+    """What of a hidden-state head the worker's rank holds (None: no head): its parameters' element count, its KV
+    cache's bytes per block, whether it reads the target model itself (not a copy gathered whole), and whether its
+    experts (an MTP block's) are whole per rank."""
+    from specray.models.kv_cache import bytes_per_block
+
+    head = worker.head
+    if head is None:
+        return None
+    size = sum(p.numel() for p in head.parameters())  # and the weights packed for the CPU kernels (held apart)
+    size += sum(m.packed.numel() for m in head.modules() if getattr(m, "packed", None) is not None)
+    specs = head.kv_cache_specs() if hasattr(head, "kv_cache_specs") else []  # ReDrafter's has no attention
+    first = head.heads[0] if hasattr(head, "heads") else head  # distinct MTP modules: the first's
+    return (size, bytes_per_block(specs, worker.config.block_size, worker.dtype),
+            getattr(first, "target", None) is worker.model,
+            any(getattr(m, "expert_parallel", False) for m in head.modules()))
+
+
 class NoisyTreeOracle:
     """A drafter for tests that knows each request's greedy continuation (``references``: req_id -> (prompt
     length, greedy output)) and proposes token trees: per level 1..branches siblings, the right token at a random
@@ -98,3 +116,19 @@ class NoisyTreeOracle:
 
     def shutdown(self) -> None:
         pass
+
+
+def fail_next_verification(worker) -> None:
+    """The driver rank's next verification raises, once (a fault in rank 0's own work after the forward that every
+    rank ran); the other ranks are left as they are."""
+    if worker.rank != 0:
+        return
+    runner = worker.runner
+    verify = runner._verify_all
+
+    def failing(*args, **kwargs):
+        runner._verify_all = verify
+        raise RuntimeError("injected verification fault")
+
+    runner._verify_all = failing
+

@@ -213,24 +213,35 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle3-tree", "mtp3", "deepseek-mtp", "redrafter"])
-def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
-    """EAGLE-3, three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's
-    latent attention and experts), and ReDrafter's recurrent drafter (beams merged into a tree), drafting inside
-    rank 0 of two tensor-parallel ranks: the head reads the target's embedding and LM head gathered whole once (the
-    split ones end in collectives that rank 1, which does not draft, never joins); greedy output equals one rank's
-    plain output, drafts were accepted, no block leaked. EAGLE-2 trees also for sampled requests, drawn from q and
-    verified against it on rank 0: the same seeds give the same tokens as one rank."""
+HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "redrafter"]
+
+
+@pytest.mark.parametrize("method", HEAD_CASES)
+def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
+    """EAGLE-3 (chains and EAGLE-2 trees), three distinct MTP modules (num_nextn_predict_layers=3) and DeepSeek-V3's
+    own MTP module (its block's latent attention and experts: split by width, or whole per rank with the target's
+    enable_expert_parallel) split over two tensor-parallel ranks, as vLLM runs them:
+    each rank holds half of the head's attention and MLP (and of EAGLE-3's draft-vocabulary LM head) and its heads'
+    share of the head's KV, reads the target's own split embedding and LM head, and drafts in lockstep with the driver
+    from the verdict the driver sends it. The drafts are one rank's: with a fixed draft count the same drafts are made
+    and kept as on one rank; greedy output equals one rank's plain output; no block leaked. EAGLE-2 trees also for
+    sampled requests, drawn from q and verified against it on rank 0: the same seeds give the same tokens as one rank,
+    and unseeded ones (each rank draws from a stream seeded alike) finish. ``eagle3-whole``
+    (draft_tensor_parallel_size=1) and ReDrafter's recurrent drafter (beams merged into a tree) run whole on rank 0,
+    reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of them."""
     prompts = prompts_for(8, seed=3)
-    target = request.getfixturevalue("tiny_deepseek_dir") if method == "deepseek-mtp" else tiny_llama_dir
+    deepseek = method.startswith("deepseek-mtp")
+    target = request.getfixturevalue("tiny_deepseek_dir") if deepseek else tiny_llama_dir
     references = run_to_end(engine_for(target), prompts)
-    if method == "deepseek-mtp":
+    if deepseek:
         model, spec = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {"method": "mtp"}
     elif method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
         if method == "eagle3-tree":
             spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
+        if method == "eagle3-whole":
+            spec.update(draft_tensor_parallel_size=1)
     elif method == "redrafter":
         head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
@@ -239,21 +250,71 @@ def test_head_on_the_driver_rank_of_two_ranks_keeps_greedy_output(request, tiny_
         model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
         spec = {"method": "mtp", "num_nextn_predict_layers": 3}
     spec.update(num_speculative_tokens=3, adaptive=False)
-    engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    split = method not in ("eagle3-whole", "redrafter")
+    one_rank = engine_for(model, speculative_config=spec)
+    assert run_to_end(one_rank, prompts) == references
+    engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec,
+                        enable_expert_parallel=method.endswith("-ep"))
     sampled = SamplingParams(temperature=0.8, top_k=5, seed=11, max_tokens=MAX_TOKENS)
     try:
         blocks = engine.scheduler.block_manager
         assert run_to_end(engine, prompts) == references
         assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
+        if split:  # the same drafts made and kept as on one rank, step by step
+            assert (engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens) == (
+                one_rank.spec_stats.draft_tokens, one_rank.spec_stats.accepted_tokens)
         assert blocks.num_free_blocks == blocks.num_blocks
+        shares = engine.executor.collective_rpc(probes.head_share)
         if method == "eagle3-tree":
             drawn = run_to_end(engine, prompts[:3], sampled)
+            unseeded = SamplingParams(**{**sampled.__dict__, "seed": None})
+            assert all(run_to_end(engine, prompts[3:6], unseeded))
             assert blocks.num_free_blocks == blocks.num_blocks
     finally:
         engine.shutdown()
+    whole = probes.head_share(one_rank.executor.worker)
+    if split:  # half of the layer's weights and of its KV on each rank, the fusion's projection and norms whole
+        assert all(share is not None and share[2] for share in shares)
+        assert all(whole[0] / 2 < share[0] < whole[0] for share in shares), (shares, whole)
+        assert all(share[3] == method.endswith("-ep") for share in shares)  # experts as the target's
+        latent = deepseek  # latent attention's cache is the same on every rank
+        assert all(share[1] * (1 if latent else 2) == whole[1] for share in shares), (shares, whole)
+    else:
+        assert shares[0] is not None and not shares[0][2] and shares[1] is None
     if method == "eagle3-tree":
-        one_rank = engine_for(model, speculative_config=spec)
         assert run_to_end(one_rank, prompts[:3], sampled) == drawn
+
+
+def test_a_verification_failing_on_the_driver_leaves_no_rank_of_a_split_head_waiting(tiny_llama_dir, tmp_path,
+                                                                                     caplog):
+    """With the head split over two ranks, rank 1 drafts only once rank 0 has sent its verdict. When rank 0's
+    verification raises after the forward both ran, rank 0 still tells rank 1 (nothing to draft) before the error
+    goes up: rank 1 does not sit in the broadcast until the collective timeout, the engine runs the step again
+    request by request, and greedy output equals one rank's plain output."""
+    prompts = prompts_for(4, seed=6)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    try:
+        blocks = engine.scheduler.block_manager
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        for _ in range(3):  # into decoding, drafts in hand
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        engine.executor.collective_rpc(probes.fail_next_verification)
+        start = time.monotonic()
+        with caplog.at_level("ERROR", logger="specray.engine.llm_engine"):
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        assert time.monotonic() - start < 30
+        assert "injected verification fault" in caplog.text  # the step failed on rank 0 and was run again
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        assert [done[i] for i in ids] == references
+        assert engine.spec_stats.accepted_tokens > 0 and blocks.num_free_blocks == blocks.num_blocks
+    finally:
+        engine.shutdown()
 
 
 def test_mixture_of_experts_over_two_expert_parallel_ranks_keeps_greedy_output(tiny_qwen3_moe_dir):

@@ -859,3 +859,27 @@ def test_draft_vocabulary_maps_to_target_ids(target, tmp_path):
     assert torch.equal(eagle.to_target_ids(torch.tensor([3, 1])), torch.tensor([3, 1]))
     with torch.no_grad():
         assert torch.equal(eagle.full_vocab_logits(hidden), target.model.compute_logits(hidden))
+
+
+def test_a_head_whose_heads_do_not_split_names_the_way_out(target):
+    """Split over the target's ranks, a head's attention heads must divide as a target layer's do; else the error
+    says to keep the head whole on the driver rank. Checked before any layer is built (no process group needed)."""
+    from transformers import LlamaConfig
+
+    from specray.parallel import TPGroup
+
+    config = LlamaConfig(hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=3,
+                         vocab_size=target.model.vocab_size)
+    with pytest.raises(ValueError, match=r"num_attention_heads=3 .* tensor_parallel_size=2: set "
+                                         r"speculative_config.draft_tensor_parallel_size=1"):
+        DraftHead("eagle", config, target.model, tp=TPGroup(0, 2))
+
+
+def test_an_unseeded_requests_draft_stream_is_seeded_alike_on_every_rank():
+    """The ranks of a split head draw an unseeded request's drafts from a stream seeded from the engine's seed and
+    the request's id: the same on every rank, apart per request and per engine seed."""
+    from specray.workers.head_drafter import shared_stream_seed
+
+    assert shared_stream_seed(0, "7") == shared_stream_seed(0, "7")
+    assert len({shared_stream_seed(0, "7"), shared_stream_seed(0, "8"), shared_stream_seed(1, "7")}) == 3
+    assert 0 <= shared_stream_seed(0, "7") < 1 << 64

@@ -114,6 +114,13 @@ CASES = {
     "ngram-moe": {"model_fixture": "tiny_qwen3_moe_dir", "speculative_config": {**NGRAM}},
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
+    # an EAGLE-3 head split over the two ranks, growing EAGLE-2 trees (sampled ones drawn from q): both shares of
+    # its K/V through preemption, rewinds and aborts, every step's verdict sent from rank 0
+    "eagle3-tree-tp2-ray": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4,
+                                                   "use_dynamic_tree": True, "dynamic_tree_max_topK": 2,
+                                                   "dynamic_tree_depth": 3},
+                            "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
+                            "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
 }
 
 

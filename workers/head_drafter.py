@@ -1,5 +1,6 @@
 """The worker side of the drafters that read the target's hidden states (EAGLE-1, EAGLE-3, EAGLE-2 trees, MTP):
-they run inside the target's driver rank, right after verification, so drafting costs no round trip and nothing of
+they run inside the target's workers (the driver rank, or every rank with the head split over them, each on its
+share, from the driver's verdict), right after verification, so drafting costs no round trip and nothing of
 vocabulary size leaves the worker. Their options live in :mod:`specray.drafters.hidden_state`; the worker gets them
 as plain data (:func:`specray.drafters.hidden_state.worker_config`).
 
@@ -51,6 +52,7 @@ Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
 from specray.sampling_params import SamplingParams
@@ -145,10 +148,18 @@ HELD_POSITIONS = 64
 class HiddenStateDrafter:
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
-    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None):
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
+                 driver: bool = True, seed: int = 0):
         self.head = head
         self.tree = tree
         self.block_size = block_size
+        # a head split over the target's ranks runs on every rank, each step the same passes in lockstep (their
+        # collectives pair up): the driver's verdict reaches the others before drafting (ModelRunner), and what
+        # each rank draws must be the same, so an unseeded request's drafts get a stream seeded alike on every rank
+        # (from the engine's seed and the request's id) rather than the process's own
+        self.tp: TPGroup = getattr(head, "tp", None) or TPGroup.single()
+        self.driver = driver  # only the driver verifies: only it keeps the drawn drafts' q
+        self.seed = seed
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
@@ -177,14 +188,21 @@ class HiddenStateDrafter:
         assert tokens[: len(drafts)] == drafts, (req_id, tokens, drafts)  # the engine verifies what was drawn
         return q[: len(drafts) + (q.shape[0] > len(tokens))]
 
+    @property
+    def split(self) -> bool:
+        """The head is split over the target's ranks (every rank drafts, see ``tp``)."""
+        return self.tp.size > 1
+
     @classmethod
-    def load_head(cls, config: dict, target, target_config) -> DraftHead:
-        """The head the worker's plain-data ``config`` names (see :func:`load_head`)."""
-        return load_head(config, target, target_config)
+    def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> DraftHead:
+        """The head the worker's plain-data ``config`` names (see :func:`load_head`); with ``tp``, this rank's
+        share of it."""
+        return load_head(config, target, target_config, tp)
 
     @classmethod
     def build(cls, head: DraftHead, config: dict, num_blocks: int, block_size: int) -> "HiddenStateDrafter":
-        return cls(head, num_blocks, block_size, tree_shape_of(config))
+        return cls(head, num_blocks, block_size, tree_shape_of(config), driver=bool(config.get("driver", True)),
+                   seed=int(config.get("seed", 0)))
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -210,7 +228,7 @@ class HiddenStateDrafter:
         self._drawn = {}
         out = self._draft(plan, tables, hidden, aux, kept, paths, params)
         verified = {c.req_id for c in plan.chunks if c.sample}
-        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | self._drawn
+        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | (self._drawn if self.driver else {})
         return out
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
@@ -261,7 +279,10 @@ class HiddenStateDrafter:
         for sp, w in zip(rows, work):
             rid = plan.chunks[w.chunk].req_id
             if rid not in self.generators and not sp.greedy:
-                self.generators[rid] = make_generator(draft_seed(sp.seed), self.head.device)
+                seed = draft_seed(sp.seed)
+                if seed is None and self.split:  # every rank must draw alike
+                    seed = shared_stream_seed(self.seed, rid)
+                self.generators[rid] = make_generator(seed, self.head.device)
             generators.append(None if sp.greedy else self.generators[rid])
         return _Draw(rows, generators)
 
@@ -684,15 +705,24 @@ def whole_target(target, keep: bool, chunk: int = 8192) -> WholeTarget | None:
 
 
 
-def load_head(config: dict, target, target_config) -> DraftHead:
-    """The head a worker drafter's plain-data ``config`` names (on the driver rank), packed for the CPU kernels
-    where they apply."""
+def shared_stream_seed(seed: int, req_id: str) -> int:
+    """The seed of an unseeded request's draft stream on the ranks of a split head: the same on every rank (from the
+    engine's ``seed`` and the request's id, never the process's RNG, which only the driver's sampling draws on) and
+    apart for every request."""
+    digest = hashlib.blake2b(f"{seed}:{req_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def load_head(config: dict, target, target_config, tp: TPGroup | None = None) -> DraftHead:
+    """The head a worker drafter's plain-data ``config`` names (on the driver rank; with ``tp``, this rank's share
+    of it on every rank), packed for the CPU kernels where they apply."""
     from specray.models.cpu_kernels import can_pack, pack_linear_weights
     from specray.models.draft_head_loader import load_draft_head
 
     head = load_draft_head(config["method"], config["model"], target, target_config,
                            feedback_normed=bool(config.get("mtp_feedback_normed", False)),
-                           num_modules=int(config.get("mtp_modules", 1)))
+                           num_modules=int(config.get("mtp_modules", 1)), tp=tp,
+                           expert_parallel=tp is not None and bool(config.get("expert_parallel", False)))
     if can_pack(head.device.type, str(head.dtype).removeprefix("torch.")):
         pack_linear_weights(head)  # the CPU kernels' layout, as the target's (specray.models.cpu_kernels)
     return head

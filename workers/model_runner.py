@@ -12,9 +12,11 @@ A chunk with ``want_node_tokens`` (a chain or a tree) goes through the same path
 after each of its nodes (``StepResult.node_tokens``).
 Every rank builds the same positions and masks from the plan and applies the same moves: no collective.
 
-With a hidden-state drafter (``drafter``, driver rank only: EAGLE, MTP) the forward also returns the residual
-stream at the layers the drafter reads, and right after verification the drafter drafts each request's next
-step from them (``StepResult.draft_token_ids``; see :mod:`specray.workers.head_drafter`).
+With a hidden-state drafter (``drafter``: EAGLE, MTP, Medusa, ReDrafter on the driver rank) the forward also returns
+the residual stream at the layers the drafter reads, and right after verification the drafter drafts each request's
+next step from them (``StepResult.draft_token_ids``; see :mod:`specray.workers.head_drafter`). A head split over the
+ranks has a drafter on every rank: the driver broadcasts its verdict (:func:`send_verdict`) and every rank drafts
+from it in lockstep; only the driver's drafts are answered.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.parallel import TPGroup
 from specray.penalties import PenaltyHistory, penalize
 from specray.sampling import SamplingBatch, make_generator
 from specray.sampling_params import SamplingParams
@@ -51,7 +54,10 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
-        self.drafter = drafter if is_driver else None  # a HiddenStateDrafter, on the driver rank
+        # a HiddenStateDrafter on the driver rank; a head split over the ranks has one on every rank, each drafting
+        # in lockstep with the driver's verdict (``split``)
+        self.drafter = drafter
+        self.split = drafter is not None and getattr(drafter, "split", False)
         # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
         # through tree verification (a chain is a tree), which implements it
         self.typical = None if typical_acceptance is None else TypicalAcceptance(*typical_acceptance)
@@ -110,10 +116,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]
         prompt_logprobs = self._prompt_logprobs(plan, hidden) if self.prompt_logprobs else None
         if not self.is_driver:
+            if self.split:  # this rank's share of the head drafts with the driver's verdict
+                verdict = receive_verdict(self.drafter.tp, plan, sampled, self.device)
+                if verdict is not None:
+                    self.drafter.draft(plan, self.block_tables, hidden, aux, *verdict,
+                                       self.params if self.q_drafts else None)
             return None
         for chunk in plan.chunks:
             self.penalties.observe_chunk(chunk)
-        kept, logprobs, paths, nodes = self._verify_all(plan, sampled, logits, self._with_worker_q(plan, draft_probs))
+        verdict = None
+        try:
+            kept, logprobs, paths, nodes = self._verify_all(plan, sampled, logits,
+                                                            self._with_worker_q(plan, draft_probs))
+            verdict = dict(zip(sampled, kept)), {} if paths is None else {i: p for i, p in zip(sampled, paths) if p}
+        finally:
+            if self.split:  # also when verification failed (None: the other ranks draft nothing), so none waits
+                send_verdict(self.drafter.tp, plan, sampled, verdict, self.device)
         for i, tokens in zip(sampled, kept):
             self.penalties.observe_kept(plan.chunks[i].req_id, tokens)
         n = len(plan.chunks)
@@ -123,8 +141,7 @@ class ModelRunner:
                             None if nodes is None else _per_chunk(n, sampled, nodes),
                             prompt_logprobs=prompt_logprobs)
         if self.drafter is not None:
-            drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, dict(zip(sampled, kept)),
-                                         {} if paths is None else {i: p for i, p in zip(sampled, paths) if p},
+            drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, *verdict,
                                          self.params if self.q_drafts else None)
             result.draft_token_ids = [[] if d is None else d.token_ids for d in drafted]
             if any(d is not None and d.parents is not None for d in drafted):
@@ -301,6 +318,48 @@ class ModelRunner:
         if per_node is not None:
             per_node = [row[: c.num_draft_tokens] if c.want_node_tokens else [] for row, c in zip(per_node, chunks)]
         return kept, per_request, paths, per_node
+
+
+# ---- a split head's verdict: the driver's kept tokens and tree paths, sent to the other ranks -------------------
+# One broadcast of int64 at a size every rank knows from the plan: a flag (1: a verdict follows, 0: the driver's
+# verification failed, nothing is drafted), then per sampled chunk of k drafts its kept count and up to k + 1 tokens,
+# its accepted path's length and up to k node indices.
+
+def _verdict_widths(plan: StepPlan, sampled: list[int]) -> list[int]:
+    return [2 * plan.chunks[i].num_draft_tokens + 3 for i in sampled]
+
+
+def send_verdict(tp: TPGroup, plan: StepPlan, sampled: list[int],
+                 verdict: tuple[dict[int, list[int]], dict[int, list[int]]] | None, device: torch.device) -> None:
+    """The driver's side: ``verdict`` (kept tokens and non-empty tree paths by chunk index), or None."""
+    values = [0]
+    if verdict is not None:
+        kept, paths = verdict
+        values = [1]
+        for i in sampled:
+            k, tokens, path = plan.chunks[i].num_draft_tokens, kept[i], paths.get(i, [])
+            values += [len(tokens), *tokens, *[0] * (k + 1 - len(tokens)), len(path), *path, *[0] * (k - len(path))]
+    buffer = torch.zeros(1 + sum(_verdict_widths(plan, sampled)), dtype=torch.long, device=device)
+    buffer[: len(values)] = torch.tensor(values, dtype=torch.long)
+    tp.broadcast(buffer)
+
+
+def receive_verdict(tp: TPGroup, plan: StepPlan, sampled: list[int], device: torch.device
+                    ) -> tuple[dict[int, list[int]], dict[int, list[int]]] | None:
+    """Another rank's side: the driver's verdict as the driver's drafter reads it, or None (nothing to draft)."""
+    widths = _verdict_widths(plan, sampled)
+    values = tp.broadcast(torch.zeros(1 + sum(widths), dtype=torch.long, device=device)).tolist()
+    if not values[0]:
+        return None
+    kept, paths, at = {}, {}, 1
+    for i, width in zip(sampled, widths):
+        k = plan.chunks[i].num_draft_tokens
+        kept[i] = values[at + 1: at + 1 + values[at]]
+        path_at = at + k + 2
+        if values[path_at]:
+            paths[i] = values[path_at + 1: path_at + 1 + values[path_at]]
+        at += width
+    return kept, paths
 
 
 def tree_positions(chunk: ScheduledChunk) -> list[int]:

@@ -105,19 +105,24 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
                                           expert_parallel=config.enable_expert_parallel)
-        self.head = self._load_head(hf_config, world_size) if config.worker_drafter else None
+        self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
         self.runner: ModelRunner | None = None
 
-    def _load_head(self, hf_config, world_size: int):
-        """The worker-side drafter's head, on the driver rank only (it is replicated there, see
-        docs/hidden_state_drafters.md). Over several ranks it reads the target's embedding and LM head gathered whole
-        (:func:`~specray.workers.head_drafter.whole_target`), which every rank takes part in."""
+    def _load_head(self, hf_config, tp: TPGroup):
+        """The worker-side drafter's head (see docs/hidden_state_drafters.md). Split over the ranks
+        (``worker_drafter["split"]``), every rank holds its share and reads the target's own split embedding and LM
+        head. Otherwise it is whole on the driver rank only, and over several ranks it reads the target's embedding
+        and LM head gathered whole (:func:`~specray.workers.head_drafter.whole_target`), which every rank takes part
+        in."""
         from specray.workers.head_drafter import whole_target
 
-        target = self.model if world_size == 1 else whole_target(self.model, keep=self.rank == 0)
+        config = {**self.config.worker_drafter, "expert_parallel": self.config.enable_expert_parallel}
+        if tp.size > 1 and config.get("split"):
+            return self._drafter_class().load_head(config, self.model, hf_config, tp)
+        target = self.model if tp.size == 1 else whole_target(self.model, keep=self.rank == 0)
         if self.rank != 0:
             return None
-        return self._drafter_class().load_head(self.config.worker_drafter, target, hf_config)
+        return self._drafter_class().load_head(config, target, hf_config)
 
     def _drafter_class(self):
         """The worker drafter's class (``HiddenStateDrafter``, ``MedusaDrafter``): the registry names it in the
@@ -152,9 +157,9 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
-        if self.head is not None:
-            drafter = self._drafter_class().build(self.head, self.config.worker_drafter, num_blocks,
-                                                  self.config.block_size)
+        if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
+            config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0}
+            drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,

@@ -50,6 +50,8 @@ def check_engine_args(args: EngineArgs) -> None:
     registry.check(spec)
     if spec is None:
         return
+    if registry.runs_in_worker(spec.method):
+        registry.options_of(spec).splits_over(args.tensor_parallel_size)  # a ValueError for a draft TP it cannot run
     tp = registry.tensor_parallel_size(spec)
     if tp > 1 and plugins.find("remote_drafter", args.executor_backend) is None:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs a backend that runs drafters "
@@ -88,9 +90,10 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     spec = args.speculative_config
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
+    worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
+                      else None)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
-                                 args.kv_cache_memory_bytes, args.num_threads,
-                                 worker_drafter=registry.worker_drafter_config(spec, args.model) if in_worker else None,
+                                 args.kv_cache_memory_bytes, args.num_threads, worker_drafter=worker_drafter,
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
                                  enable_expert_parallel=args.enable_expert_parallel)

@@ -209,7 +209,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
 
     @staticmethod
-    def mtp_layer_parts(config, tp: TPGroup) -> tuple[nn.Module, nn.Module]:
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
         """An MTP module's block (``model.layers.{num_hidden_layers + k}``): a layer past the dense ones, so latent
-        attention and the experts (:class:`~specray.models.draft_head.DraftHead` builds the rest)."""
-        return MLAttention(config, tp, config.num_hidden_layers), SparseMoE(config, tp)
+        attention and the experts, split over ``tp`` as the target's layers are (``expert_parallel``: whole experts
+        per rank) (:class:`~specray.models.draft_head.DraftHead` builds the rest)."""
+        return MLAttention(config, tp, config.num_hidden_layers), SparseMoE(config, tp, expert_parallel)

@@ -42,7 +42,8 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
-from specray.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, materialize, rope_parameters
+from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, materialize,
+                                   rope_parameters, splits_heads)
 from specray.models.llama import _STACKED, LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
 from specray.models.moe import SparseMoE, is_expert_tensor
 from specray.parallel import TPGroup
@@ -106,7 +107,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, layout: HeadLayout | str, config, target, *, aux_layers: Sequence[int] = (),
                  draft_vocab_size: int | None = None, fc_bias: bool = False, feedback_normed: bool = False,
-                 target_hidden_size: int | None = None):
+                 target_hidden_size: int | None = None, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         self.layout = LAYOUTS[layout] if isinstance(layout, str) else layout
         self.config = config
@@ -118,22 +119,28 @@ class DraftHead(nn.Module):
         if self.layout.aux_features and len(self.aux_layers) == 0:
             raise ValueError(f"a {self.layout.name} head reads target layers: give aux_layers")
         self.feedback_normed = feedback_normed  # MTP as transformers runs it: the normed output feeds the next step
-        tp = TPGroup.single()  # replicated on the driver rank (docs/hidden_state_drafters.md: sharding at scale)
+        # the ranks the layer is split over as a target layer is (heads column-wise, o_proj/down_proj row-wise, the
+        # draft vocabulary's LM head by rows), reading the target's own split embedding and LM head; one rank: the
+        # head whole (on the driver rank of a split target, reading them gathered whole)
+        self.tp = tp = tp or TPGroup.single()
+        whole = TPGroup.single()  # the fusion's projection and the norms: replicated (they are H x 2H at most)
+        _check_split(self.layout.name, config, tp)
         family = _family(config)  # the model class of the config's architecture, None for a plain head config
         self.stacked = getattr(family, "stacked", _STACKED)  # checkpoint names its parameters merge
         fusion = self.layout.fusion
         if fusion == "fc":
-            self.fc = ColumnParallelLinear(2 * h, h, tp, bias=fc_bias)
+            self.fc = ColumnParallelLinear(2 * h, h, whole, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=False, hidden_norm=False)])
         elif fusion == "eh_proj":
             self.enorm = RMSNorm(h, config.rms_norm_eps)
             self.hnorm = RMSNorm(h, config.rms_norm_eps)
-            self.eh_proj = ColumnParallelLinear(2 * h, h, tp)
+            self.eh_proj = ColumnParallelLinear(2 * h, h, whole)
             parts = getattr(family, "mtp_layer_parts", None)  # the target family's block (DeepSeek's)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False,
-                                                   parts=None if parts is None else parts(config, tp))])
+                                                   parts=None if parts is None else
+                                                   parts(config, tp, expert_parallel))])
         elif fusion == "split":
-            self.fc = ColumnParallelLinear(len(self.aux_layers) * th, h, tp, bias=fc_bias)
+            self.fc = ColumnParallelLinear(len(self.aux_layers) * th, h, whole, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
         else:
             raise ValueError(f"unknown head fusion {fusion!r}")
@@ -142,7 +149,7 @@ class DraftHead(nn.Module):
         if self.layout.own_lm_head:
             vd = draft_vocab_size or target.vocab_size
             self.draft_vocab_size = vd
-            self.lm_head = ColumnParallelLinear(h, vd, tp)
+            self.lm_head = ParallelLMHead(vd, h, tp)  # rows split over the ranks, logits all-gathered
             # draft id d is target id d + d2t[d] (the EAGLE repository's buffer)
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
         else:
@@ -306,6 +313,7 @@ class ChainedModules(nn.Module):
             raise ValueError("ChainedModules takes one or more mtp heads")
         self.heads = nn.ModuleList(modules)
         self.layout = modules[0].layout
+        self.tp = modules[0].tp
         self.aux_layers: tuple[int, ...] = ()
 
     @property
@@ -344,6 +352,17 @@ class ChainedModules(nn.Module):
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
         for k, head in enumerate(self.heads):
             head.bind_layers([cache.layer(k)], cache.block_size)
+
+
+def _check_split(layout: str, config, tp: TPGroup) -> None:
+    """A head split over ``tp`` ranks splits its attention heads as a target layer does: a ValueError naming the
+    way out (the head whole on the driver rank) when they do not divide."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if tp.size > 1 and not splits_heads(heads, kv, tp.size):
+        raise ValueError(f"the {layout} head's num_attention_heads={heads} and num_key_value_heads={kv} do not split "
+                         f"over tensor_parallel_size={tp.size}: set speculative_config.draft_tensor_parallel_size=1 "
+                         "(the head whole on the driver rank)")
 
 
 def _family(config):

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
-from specray.models.layers import materialize, shape_of
+from specray.models.layers import ParallelLMHead, materialize, shape_of
 from specray.models.loader import _default_dtype, checkpoint_weights, iter_weights, resolve_model
+from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,13 @@ _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def load_draft_head(method: str, path: str | os.PathLike | None, target, target_config,
-                    feedback_normed: bool = False, num_modules: int = 1) -> DraftHead | ChainedModules:
+                    feedback_normed: bool = False, num_modules: int = 1, tp: TPGroup | None = None,
+                    expert_parallel: bool = False) -> DraftHead | ChainedModules:
     """The ``method`` head ("eagle", "eagle3", "mtp") for ``target`` from ``path`` (a folder or hub id; for MTP the
     checkpoint holding the MTP layers, usually the target's own), on the target's device and dtype, in eval mode.
-    MTP with ``num_modules`` > 1: the checkpoint's first ``num_modules`` MTP modules, chained."""
+    MTP with ``num_modules`` > 1: the checkpoint's first ``num_modules`` MTP modules, chained. With ``tp`` (the
+    target's group, every rank calling this) each rank keeps its shard of the head, as of a target layer (an MTP
+    block's experts whole per rank with ``expert_parallel``, as the target's)."""
     if method not in LAYOUTS:
         raise ValueError(f"speculative_config.method={method!r} has no draft head layout; one of {sorted(LAYOUTS)}")
     if path is None:
@@ -50,20 +54,22 @@ def load_draft_head(method: str, path: str | os.PathLike | None, target, target_
                          "folder (or hub id)")
     if method == "mtp":
         config, modules = _mtp_sources(path, target_config, num_modules)
-        heads = [_build(method, config, target_config, weights, target, feedback_normed) for weights in modules]
+        heads = [_build(method, config, target_config, weights, target, feedback_normed, tp, expert_parallel)
+                 for weights in modules]
         return heads[0] if num_modules == 1 else ChainedModules(heads)
     if num_modules != 1:
         raise ValueError(f"num_modules={num_modules} is for method='mtp' only")
     config, weights = _head_source(path)
-    return _build(method, config, target_config, weights, target, feedback_normed)
+    return _build(method, config, target_config, weights, target, feedback_normed, tp)
 
 
 def _build(method: str, config, target_config, weights: list[tuple[str, Any]], target,
-           feedback_normed: bool) -> DraftHead:
+           feedback_normed: bool, tp: TPGroup | None = None, expert_parallel: bool = False) -> DraftHead:
     weights = dict(weights)
     kwargs = _layout_kwargs(method, config, target_config, weights)
     with _default_dtype(target.dtype), torch.device(target.device):
-        head = DraftHead(method, config, target, feedback_normed=feedback_normed, **kwargs)
+        head = DraftHead(method, config, target, feedback_normed=feedback_normed, tp=tp,
+                         expert_parallel=expert_parallel, **kwargs)
     lm_from_target = method == "eagle3" and "lm_head.weight" not in weights
     head.load_weights(_with_target_rows(head, weights) if lm_from_target else weights.items())
     head.eval()
@@ -82,12 +88,18 @@ def _with_target_rows(head: DraftHead, weights: dict[str, Any]) -> Iterator[tupl
 
 def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows of ``target_ids`` [Vd, H]: read as the logits of unit vectors would be too costly,
-    so from the head's weight (the embedding's when tied), which a single-rank target keeps dense."""
+    so from the head's weight (the embedding's when tied). A target split by vocabulary over ranks (its head a
+    :class:`ParallelLMHead` of a group of several; every rank calls this) has each rank put in the rows it holds
+    and zeros elsewhere, summed over the ranks: every rank gets them all."""
     head = getattr(target, "lm_head", None)
     weight = getattr(head, "weight", None)
+    if isinstance(head, ParallelLMHead) and head.tp.size > 1:
+        ids = target_ids.to(weight.device)
+        mine = (ids >= head.vocab_start) & (ids < head.vocab_end)
+        rows = weight.detach()[(ids - head.vocab_start) * mine] * mine[:, None].to(weight.dtype)
+        return head.tp.all_reduce(rows.contiguous())
     if weight is None or weight.shape[0] < int(target_ids.max()) + 1:
-        raise ValueError("the target's LM head weight is not readable here (sharded?); give the head's own "
-                         "lm_head.weight")
+        raise ValueError("the target's LM head weight is not readable here; give the head's own lm_head.weight")
     return weight.detach()[target_ids.to(weight.device)].clone()
 
 
