@@ -714,6 +714,21 @@ def test_a_heads_draft_tensor_parallel_size_is_checked_before_anything_starts(ti
         check_engine_args(args)
 
 
+def test_a_head_whose_heads_do_not_split_is_refused_before_anything_starts(tiny_llama_dir, tmp_path):
+    from specray.engine.builder import check_engine_args
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"num_attention_heads": 3, "num_key_value_heads": 3}))
+    args = {"model": str(tiny_llama_dir), "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
+            "speculative_config": {"method": "eagle3", "model": str(head)}}
+    with pytest.raises(ValueError, match=r"eagle3 head's num_attention_heads=3 .* set "
+                                         r"speculative_config.draft_tensor_parallel_size=1"):
+        check_engine_args(EngineArgs.from_dict(args))
+    args["speculative_config"]["draft_tensor_parallel_size"] = 1  # whole on rank 0: nothing to split
+    check_engine_args(EngineArgs.from_dict(args))
+
+
 def test_a_head_is_split_over_the_targets_ranks_unless_told_otherwise():
     from specray.drafters.registry import worker_drafter_config
 

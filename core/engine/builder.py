@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
@@ -50,8 +52,10 @@ def check_engine_args(args: EngineArgs) -> None:
     registry.check(spec)
     if spec is None:
         return
-    if registry.runs_in_worker(spec.method):
-        registry.options_of(spec).splits_over(args.tensor_parallel_size)  # a ValueError for a draft TP it cannot run
+    if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
+        options = registry.options_of(spec)
+        if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
+            check_head_split(spec.method, options.model, args.tensor_parallel_size)
     tp = registry.tensor_parallel_size(spec)
     if tp > 1 and plugins.find("remote_drafter", args.executor_backend) is None:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs a backend that runs drafters "
@@ -71,6 +75,18 @@ def check_heads(config, tp: int) -> None:
         fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
         raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
                          f"num_key_value_heads={kv}); choose one of {fits}")
+
+
+def check_head_split(method: str, model: str, tp: int) -> None:
+    """A head to split over ``tp`` ranks, in a local folder: its attention heads divide (checked from its config.json
+    before any rank starts; a hub id's, as the ranks load it)."""
+    from specray.models.draft_head import check_split
+
+    config = Path(model) / "config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text())
+        if "num_attention_heads" in raw:
+            check_split(method, raw["num_attention_heads"], raw.get("num_key_value_heads"), tp)
 
 
 def engine_args_schema() -> dict[str, Any]:

@@ -124,7 +124,8 @@ class DraftHead(nn.Module):
         # head whole (on the driver rank of a split target, reading them gathered whole)
         self.tp = tp = tp or TPGroup.single()
         whole = TPGroup.single()  # the fusion's projection and the norms: replicated (they are H x 2H at most)
-        _check_split(self.layout.name, config, tp)
+        check_split(self.layout.name, config.num_attention_heads, getattr(config, "num_key_value_heads", None),
+                    tp.size)
         family = _family(config)  # the model class of the config's architecture, None for a plain head config
         self.stacked = getattr(family, "stacked", _STACKED)  # checkpoint names its parameters merge
         fusion = self.layout.fusion
@@ -354,15 +355,14 @@ class ChainedModules(nn.Module):
             head.bind_layers([cache.layer(k)], cache.block_size)
 
 
-def _check_split(layout: str, config, tp: TPGroup) -> None:
-    """A head split over ``tp`` ranks splits its attention heads as a target layer does: a ValueError naming the
-    way out (the head whole on the driver rank) when they do not divide."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if tp.size > 1 and not splits_heads(heads, kv, tp.size):
-        raise ValueError(f"the {layout} head's num_attention_heads={heads} and num_key_value_heads={kv} do not split "
-                         f"over tensor_parallel_size={tp.size}: set speculative_config.draft_tensor_parallel_size=1 "
-                         "(the head whole on the driver rank)")
+def check_split(method: str, num_heads: int, num_kv_heads: int | None, tp_size: int) -> None:
+    """A head split over ``tp_size`` ranks splits its attention heads as a target layer does: a ValueError naming
+    the way out (the head whole on the driver rank) when they do not divide."""
+    kv = num_kv_heads or num_heads
+    if tp_size > 1 and not splits_heads(num_heads, kv, tp_size):
+        raise ValueError(f"the {method} head's num_attention_heads={num_heads} and num_key_value_heads={kv} do not "
+                         f"split over tensor_parallel_size={tp_size}: set "
+                         "speculative_config.draft_tensor_parallel_size=1 (the head whole on the driver rank)")
 
 
 def _family(config):
