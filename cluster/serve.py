@@ -506,6 +506,7 @@ class RemoteEngineClient:
         except asyncio.TimeoutError:
             response.cancel()
             added.cancel()
+            added.add_done_callback(_consume)  # the cancellation it may end with is expected: not "never retrieved"
             self._mark_down()
             raise EngineUnavailableError(f"no engine replica took the request within {self.ack_timeout_s:g} s "
                                          "(none is running or all are busy); retry shortly") from None
@@ -667,6 +668,12 @@ def _detached(fn, *args):
 
 async def _result(response) -> Any:
     return await response
+
+
+def _consume(done: asyncio.Future) -> None:
+    """Read a finished future's exception, so that asyncio does not log one we expected as never retrieved."""
+    if not done.cancelled():
+        done.exception()
 
 
 async def _quietly(response, timeout_s: float) -> None:
