@@ -147,8 +147,6 @@ DEFAULT_MEDUSA_CHOICES = ([0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 
 class MedusaOptions(HeadOptions):
     """``speculative_config`` keys of ``method="medusa"``: the heads' checkpoint and the token tree they fill."""
 
-    SPLITS: ClassVar[bool] = False  # the heads stay whole on the driver rank
-
     model: str | None = None  # the heads' checkpoint folder (FasterDecoding's or vLLM's layout)
     # the tree: each path [i0, i1, ...] is the node holding head 0's i0-th best token, then head 1's i1-th best
     # under it, ... (Medusa's and TensorRT-LLM's ``medusa_choices``); verified best-first, in the given order

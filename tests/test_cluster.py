@@ -213,14 +213,16 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "redrafter"]
+HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
+              "redrafter"]
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """EAGLE-3 (chains and EAGLE-2 trees), three distinct MTP modules (num_nextn_predict_layers=3) and DeepSeek-V3's
     own MTP module (its block's latent attention and experts: split by width, or whole per rank with the target's
-    enable_expert_parallel) split over two tensor-parallel ranks, as vLLM runs them:
+    enable_expert_parallel), and Medusa's heads (each rank its rows of every LM head) split over two tensor-parallel
+    ranks, as vLLM runs them:
     each rank holds half of the head's attention and MLP (and of EAGLE-3's draft-vocabulary LM head) and its heads'
     share of the head's KV, reads the target's own split embedding and LM head, and drafts in lockstep with the driver
     from the verdict the driver sends it. The drafts are one rank's: with a fixed draft count the same drafts are made
@@ -242,6 +244,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
             spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
         if method == "eagle3-whole":
             spec.update(draft_tensor_parallel_size=1)
+    elif method == "medusa":
+        head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
+        model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
     elif method == "redrafter":
         head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
@@ -274,7 +279,7 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
         engine.shutdown()
     whole = probes.head_share(one_rank.executor.worker)
     if split:  # half of the layer's weights and of its KV on each rank, the fusion's projection and norms whole
-        assert all(share is not None and share[2] for share in shares)
+        assert all(share is not None and share[2] == (method != "medusa") for share in shares)  # Medusa: no target
         assert all(whole[0] / 2 < share[0] < whole[0] for share in shares), (shares, whole)
         assert all(share[3] == method.endswith("-ep") for share in shares)  # experts as the target's
         latent = deepseek  # latent attention's cache is the same on every rank

@@ -15,6 +15,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.medusa import MedusaHeads, load_medusa_heads
+from specray.parallel import TPGroup
 from specray.workers.head_drafter import Drafted, rows_of_last_tokens
 
 
@@ -31,15 +32,21 @@ class MedusaDrafter:
             raise ValueError(f"speculative_config.medusa_choices goes {deepest} levels deep but the checkpoint has "
                              f"{heads.num_heads} heads: one level per head; drop the deeper paths")
         self.heads = heads
+        # split over the target's ranks: every rank runs the heads on its rows of their LM heads, in lockstep with
+        # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered, so the tree is
+        # the same on every rank
+        self.tp: TPGroup = heads.tp
+        self.split = self.tp.size > 1
         self.choices = [list(c) for c in choices]
         index = {tuple(c): i for i, c in enumerate(self.choices)}
         self.parents = [index[tuple(c[:-1])] if len(c) > 1 else -1 for c in self.choices]
         self.top_k = 1 + max(i for c in self.choices for i in c)
 
     @classmethod
-    def load_head(cls, config: dict, target, target_config) -> MedusaHeads:
-        """The heads the worker's plain-data ``config`` names, on the target's device and dtype."""
-        return load_medusa_heads(config["model"], target_config, target.dtype, target.device)
+    def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> MedusaHeads:
+        """The heads the worker's plain-data ``config`` names, on the target's device and dtype (with ``tp``, this
+        rank's share)."""
+        return load_medusa_heads(config["model"], target_config, target.dtype, target.device, tp)
 
     @classmethod
     def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":

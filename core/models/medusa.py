@@ -12,6 +12,10 @@ Checkpoint layouts, both read by :func:`load_medusa_heads` (and written by :func
   ``num_heads`` and ``num_hidden_layers``.
 
 The heads and block counts come from the tensors present; sizes that do not fit the target are a ValueError.
+
+Over a target's tensor-parallel ranks (``tp``) each rank holds its rows of every LM head (the vocabulary split as the
+target's LM head is, padded to a multiple of the ranks) and the blocks whole (H x H each); the logits are
+all-gathered, so every rank sees them all.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.models.layers import materialize, shape_of
+from specray.models.layers import materialize, narrow, shape_of
 from specray.models.loader import head_tensors, load_frozen
+from specray.parallel import TPGroup
 
 _FASTER = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
@@ -38,12 +43,15 @@ class MedusaHeads(nn.Module):
 
     aux_layers: tuple[int, ...] = ()  # reads the last hidden state only
 
-    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, tp: TPGroup | None = None):
         super().__init__()
-        self.num_heads, self.num_layers = num_heads, num_layers
+        self.num_heads, self.num_layers, self.vocab_size = num_heads, num_layers, vocab_size
+        self.tp = tp or TPGroup.single()
+        self.rows = -(-vocab_size // self.tp.size)  # this rank's rows of each LM head: from vocab_start on
+        self.vocab_start = self.tp.rank * self.rows
         self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
                                     for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, self.rows, bias=False) for _ in range(num_heads))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = []
@@ -52,7 +60,10 @@ class MedusaHeads(nn.Module):
             for block in blocks:
                 x = x + nn.functional.silu(block(x))
             out.append(lm_head(x))
-        return torch.stack(out, dim=1).float()
+        logits = torch.stack(out, dim=1)  # [B, K, rows]
+        if self.tp.size > 1:  # every rank's rows, in rank order; the padding past the vocabulary dropped
+            logits = self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
+        return logits.float()
 
     def kv_cache_specs(self) -> list:
         return []  # no attention: nothing cached
@@ -74,8 +85,9 @@ def _canonical(name: str) -> tuple[str, int, int | None, str] | None:
 
 
 def load_medusa_heads(path: str | os.PathLike | None, target_config, dtype: torch.dtype,
-                      device: torch.device | str) -> MedusaHeads:
-    """The Medusa heads in ``path`` (a folder with ``config.json``), checked against the target's sizes."""
+                      device: torch.device | str, tp: TPGroup | None = None) -> MedusaHeads:
+    """The Medusa heads in ``path`` (a folder with ``config.json``), checked against the target's sizes; with
+    ``tp``, this rank's share (its rows of each LM head)."""
     if path is None:
         raise ValueError("speculative_config.model is required for method='medusa': the heads' checkpoint folder")
     folder, tensors = head_tensors(path, "medusa", ("medusa_lm_head.pt",))
@@ -96,13 +108,22 @@ def load_medusa_heads(path: str | os.PathLike | None, target_config, dtype: torc
         raise ValueError(f"the medusa heads' LM head is {tuple(shape_of(lm))} but the target needs {(v, h)} "
                          f"(vocab_size={v}, hidden_size={h}): the heads were trained for another model")
     with torch.device(device):
-        module = MedusaHeads(len(heads), num_layers, h, v).to(dtype)
+        module = MedusaHeads(len(heads), num_layers, h, v, tp).to(dtype)
     state = {}
     for (kind, head, block, param), tensor in parts.items():
         name = f"lm_heads.{head}.{param}" if kind == "lm_head" else f"blocks.{head}.{block}.{param}"
-        state[name] = materialize(tensor).to(dtype)
+        state[name] = _rows_of(module, tensor).to(dtype) if kind == "lm_head" else materialize(tensor).to(dtype)
     return load_frozen(module, state, f"the medusa checkpoint {str(folder)!r} does not fit {len(heads)} heads of "
                                       f"{num_layers} blocks")
+
+
+def _rows_of(module: MedusaHeads, lm_head: Any) -> torch.Tensor:
+    """This rank's rows of an LM head [V, H] (zeros past the vocabulary)."""
+    if module.tp.size == 1:
+        return materialize(lm_head)
+    count = max(0, min(module.rows, module.vocab_size - module.vocab_start))
+    mine = materialize(narrow(lm_head, 0, module.vocab_start, count))
+    return torch.cat([mine, mine.new_zeros(module.rows - count, mine.shape[1])])
 
 
 def save_medusa_heads(heads: MedusaHeads, folder: str | os.PathLike, layout: str = "medusa",
