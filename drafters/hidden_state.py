@@ -9,7 +9,7 @@ ReDrafter's in :mod:`specray.workers.redrafter_drafter`),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 
 @dataclass
@@ -20,11 +20,9 @@ class HeadOptions:
     # "suffix", ...; or a speculative_config dict of one, {"method": "suffix", "num_speculative_tokens": 12}):
     # each step, each request verifies whichever of the two proposals the draft policy prices higher
     combine_with: str | dict[str, Any] | None = None
-    # the ranks the head is split over (vLLM's name): the target's tensor_parallel_size (None: that, where the head
-    # can be split), each rank holding its share as of a target layer; or 1, the head whole on the driver rank
+    # the ranks the head is split over (vLLM's name): the target's tensor_parallel_size (None: that), each rank
+    # holding its share as of a target layer; or 1, the head whole on the driver rank
     draft_tensor_parallel_size: int | None = None
-
-    SPLITS: ClassVar[bool] = True  # the head can be split over the target's ranks
 
     def __post_init__(self) -> None:
         given = self.combine_with
@@ -39,13 +37,12 @@ class HeadOptions:
         """Whether the head is split over the target's ``tensor_parallel_size`` ranks (else whole on the driver
         rank); a ValueError for a draft_tensor_parallel_size that is neither 1 nor the target's."""
         tp = self.draft_tensor_parallel_size
-        allowed = (1, tensor_parallel_size) if self.SPLITS else (1,)
+        allowed = sorted({1, tensor_parallel_size})
         if tp is not None and tp not in allowed:
             raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp}: the head runs with the target's "
-                             f"ranks, so it is {' or '.join(map(str, sorted(set(allowed))))} here (the target's "
-                             f"tensor_parallel_size={tensor_parallel_size}"
-                             + ("" if self.SPLITS else "; this method's head is not split over ranks") + ")")
-        return self.SPLITS and tensor_parallel_size > 1 and tp != 1
+                             f"ranks, so it is {' or '.join(map(str, allowed))} here (the target's "
+                             f"tensor_parallel_size={tensor_parallel_size})")
+        return tensor_parallel_size > 1 and tp != 1
 
     def drafts_trees(self) -> bool:
         """Whether the worker drafts token trees (each is priced and cut by the policy) rather than chains."""
@@ -196,8 +193,6 @@ class ReDrafterOptions(HeadOptions):
     """``speculative_config`` keys of ``method="redrafter"`` (TensorRT-LLM's names for the beams): the recurrent
     drafter's checkpoint and its beam search, whose beams' prefix tree is verified (``num_speculative_tokens``: the
     most nodes of it per step)."""
-
-    SPLITS: ClassVar[bool] = False  # the drafter stays whole on the driver rank
 
     model: str | None = None  # the drafter's checkpoint folder (Apple's recurrent_drafting layout) or hub id
     redrafter_num_beams: int = 5  # beams kept by the beam search

@@ -214,23 +214,22 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
 
 
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
-              "redrafter"]
+              "redrafter", "redrafter-whole"]
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
-    """EAGLE-3 (chains and EAGLE-2 trees), three distinct MTP modules (num_nextn_predict_layers=3) and DeepSeek-V3's
-    own MTP module (its block's latent attention and experts: split by width, or whole per rank with the target's
-    enable_expert_parallel), and Medusa's heads (each rank its rows of every LM head) split over two tensor-parallel
-    ranks, as vLLM runs them:
-    each rank holds half of the head's attention and MLP (and of EAGLE-3's draft-vocabulary LM head) and its heads'
-    share of the head's KV, reads the target's own split embedding and LM head, and drafts in lockstep with the driver
-    from the verdict the driver sends it. The drafts are one rank's: with a fixed draft count the same drafts are made
-    and kept as on one rank; greedy output equals one rank's plain output; no block leaked. EAGLE-2 trees also for
-    sampled requests, drawn from q and verified against it on rank 0: the same seeds give the same tokens as one rank,
-    and unseeded ones (each rank draws from a stream seeded alike) finish. ``eagle3-whole``
-    (draft_tensor_parallel_size=1) and ReDrafter's recurrent drafter (beams merged into a tree) run whole on rank 0,
-    reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of them."""
+    """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (chains and EAGLE-2
+    trees), three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent
+    attention and experts: split by width, or whole per rank with the target's enable_expert_parallel), Medusa's
+    heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads). Each rank
+    holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
+    LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:
+    with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain
+    output; no block leaked. EAGLE-2 trees also for sampled requests, drawn from q and verified against it on rank 0:
+    the same seeds give the same tokens as one rank, and unseeded ones (each rank draws from a stream seeded alike)
+    finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
+    LM head gathered whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
     deepseek = method.startswith("deepseek-mtp")
     target = request.getfixturevalue("tiny_deepseek_dir") if deepseek else tiny_llama_dir
@@ -247,15 +246,17 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     elif method == "medusa":
         head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
-    elif method == "redrafter":
+    elif method.startswith("redrafter"):
         head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
                                        "redrafter_draft_len_per_beam": 3}
+        if method == "redrafter-whole":
+            spec.update(draft_tensor_parallel_size=1)
     else:  # the target's folder with its MTP modules added
         model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
         spec = {"method": "mtp", "num_nextn_predict_layers": 3}
     spec.update(num_speculative_tokens=3, adaptive=False)
-    split = method not in ("eagle3-whole", "redrafter")
+    split = not method.endswith("-whole")
     one_rank = engine_for(model, speculative_config=spec)
     assert run_to_end(one_rank, prompts) == references
     engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec,
@@ -279,7 +280,8 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
         engine.shutdown()
     whole = probes.head_share(one_rank.executor.worker)
     if split:  # half of the layer's weights and of its KV on each rank, the fusion's projection and norms whole
-        assert all(share is not None and share[2] == (method != "medusa") for share in shares)  # Medusa: no target
+        # Medusa reads no target; ReDrafter reads the target's embedding
+        assert all(share is not None and share[2] == (method != "medusa") for share in shares)
         assert all(whole[0] / 2 < share[0] < whole[0] for share in shares), (shares, whole)
         assert all(share[3] == method.endswith("-ep") for share in shares)  # experts as the target's
         latent = deepseek  # latent attention's cache is the same on every rank

@@ -20,6 +20,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.redrafter import ReDrafterHead, load_redrafter
+from specray.parallel import TPGroup
 from specray.workers.head_drafter import Drafted, rows_of_last_tokens
 
 class ReDrafterDrafter:
@@ -31,12 +32,17 @@ class ReDrafterDrafter:
 
     def __init__(self, head: ReDrafterHead, beams: int, beam_length: int):
         self.head, self.beams, self.beam_length = head, beams, beam_length
+        # split over the target's ranks: every rank runs the beam search on its rows of the LM head, in lockstep with
+        # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered, so the beams are the
+        # same on every rank
+        self.tp: TPGroup = head.tp
+        self.split = self.tp.size > 1
 
     @classmethod
-    def load_head(cls, config: dict, target, target_config) -> ReDrafterHead:
+    def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> ReDrafterHead:
         """The drafter the worker's plain-data ``config`` names, on the target's device and dtype, reading the
-        target's token embeddings."""
-        return load_redrafter(config["model"], target_config, target.dtype, target.device, target=target)
+        target's token embeddings (with ``tp``, this rank's share)."""
+        return load_redrafter(config["model"], target_config, target.dtype, target.device, target=target, tp=tp)
 
     @classmethod
     def build(cls, head: ReDrafterHead, config: dict, num_blocks: int, block_size: int) -> "ReDrafterDrafter":

@@ -218,6 +218,28 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
+def vocab_shard(tp: TPGroup, vocab_size: int) -> tuple[int, int]:
+    """This rank's first row and row count of a matrix split by vocabulary over ``tp`` as :class:`ParallelLMHead`
+    splits it (padded to a multiple of the ranks; the last rank's padding rows are zeros)."""
+    rows = -(-vocab_size // tp.size)
+    return tp.rank * rows, rows
+
+
+def shard_vocab_rows(weight: Any, tp: TPGroup, vocab_size: int) -> torch.Tensor:
+    """This rank's rows of a checkpoint's [V, ...] matrix (a tensor or a safetensors slice), zeros past V."""
+    start, rows = vocab_shard(tp, vocab_size)
+    count = max(0, min(rows, vocab_size - start))
+    mine = materialize(narrow(weight, 0, start, count))
+    return mine if count == rows else torch.cat([mine, mine.new_zeros(rows - count, *mine.shape[1:])])
+
+
+def gather_vocab(logits: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Tensor:
+    """Logits over this rank's vocabulary rows [..., rows] -> over the whole vocabulary [..., V] on every rank."""
+    if tp.size == 1:
+        return logits
+    return tp.all_gather(logits, dim=-1)[..., :vocab_size]
+
+
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """Logits over this rank's vocab slice, all-gathered to the full vocabulary. Packed, it keeps its dense
     weight too (the embedding's, when tied; the model reads its dtype and device)."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.models.layers import materialize, narrow, shape_of
+from specray.models.layers import gather_vocab, materialize, shape_of, shard_vocab_rows, vocab_shard
 from specray.models.loader import head_tensors, load_frozen
 from specray.parallel import TPGroup
 
@@ -47,11 +47,10 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.num_heads, self.num_layers, self.vocab_size = num_heads, num_layers, vocab_size
         self.tp = tp or TPGroup.single()
-        self.rows = -(-vocab_size // self.tp.size)  # this rank's rows of each LM head: from vocab_start on
-        self.vocab_start = self.tp.rank * self.rows
+        rows = vocab_shard(self.tp, vocab_size)[1]  # this rank's rows of each LM head
         self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
                                     for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, self.rows, bias=False) for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows, bias=False) for _ in range(num_heads))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = []
@@ -60,10 +59,7 @@ class MedusaHeads(nn.Module):
             for block in blocks:
                 x = x + nn.functional.silu(block(x))
             out.append(lm_head(x))
-        logits = torch.stack(out, dim=1)  # [B, K, rows]
-        if self.tp.size > 1:  # every rank's rows, in rank order; the padding past the vocabulary dropped
-            logits = self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
-        return logits.float()
+        return gather_vocab(torch.stack(out, dim=1), self.tp, self.vocab_size).float()  # [B, K, rows] -> [B, K, V]
 
     def kv_cache_specs(self) -> list:
         return []  # no attention: nothing cached
@@ -112,18 +108,9 @@ def load_medusa_heads(path: str | os.PathLike | None, target_config, dtype: torc
     state = {}
     for (kind, head, block, param), tensor in parts.items():
         name = f"lm_heads.{head}.{param}" if kind == "lm_head" else f"blocks.{head}.{block}.{param}"
-        state[name] = _rows_of(module, tensor).to(dtype) if kind == "lm_head" else materialize(tensor).to(dtype)
+        state[name] = (shard_vocab_rows(tensor, module.tp, v) if kind == "lm_head" else materialize(tensor)).to(dtype)
     return load_frozen(module, state, f"the medusa checkpoint {str(folder)!r} does not fit {len(heads)} heads of "
                                       f"{num_layers} blocks")
-
-
-def _rows_of(module: MedusaHeads, lm_head: Any) -> torch.Tensor:
-    """This rank's rows of an LM head [V, H] (zeros past the vocabulary)."""
-    if module.tp.size == 1:
-        return materialize(lm_head)
-    count = max(0, min(module.rows, module.vocab_size - module.vocab_start))
-    mine = materialize(narrow(lm_head, 0, module.vocab_start, count))
-    return torch.cat([mine, mine.new_zeros(module.rows - count, mine.shape[1])])
 
 
 def save_medusa_heads(heads: MedusaHeads, folder: str | os.PathLike, layout: str = "medusa",

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.models.layers import materialize
+from specray.models.layers import gather_vocab, materialize, shard_vocab_rows, vocab_shard
 from specray.models.loader import head_tensors, load_frozen
+from specray.parallel import TPGroup
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 TOP_K = 50  # the drafter's logits kept per row (the reference's top-k warp)
@@ -42,12 +43,16 @@ class ReDrafterHead(nn.Module):
 
     aux_layers: tuple[int, ...] = ()  # reads the last hidden state only
 
-    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_draft_layers: int, rnn: bool):
+    def __init__(self, hidden_size: int, vocab_size: int, exit_dim: int, num_draft_layers: int, rnn: bool,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.hidden_size, self.vocab_size, self.rnn = hidden_size, vocab_size, rnn
+        # over a target's tensor-parallel ranks: this rank's rows of the LM head (its logits all-gathered), the rest
+        # whole, the embeddings read from the target's own split embedding
+        self.tp = tp or TPGroup.single()
         self.input_proj = nn.Linear(2 * hidden_size, exit_dim) if exit_dim != 2 * hidden_size else None
         self.blocks = nn.ModuleList(nn.Linear(exit_dim, exit_dim) for _ in range(num_draft_layers))
-        self.lm_head = nn.Linear(exit_dim, vocab_size, bias=False)
+        self.lm_head = nn.Linear(exit_dim, vocab_shard(self.tp, vocab_size)[1], bias=False)
         self.rnn_u = nn.Linear(hidden_size, hidden_size) if rnn else None
         self.rnn_w = nn.Linear(hidden_size, hidden_size, bias=False) if rnn else None
         self._target = ()  # (the target,) once bound: a tuple, not a submodule, so its weights are never ours
@@ -57,8 +62,14 @@ class ReDrafterHead(nn.Module):
         self._target = (target,)
         return self
 
+    @property
+    def target(self):
+        """What the drafter reads token embeddings from (None until bound)."""
+        return self._target[0] if self._target else None
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self._target[0].embed(token_ids)
+        """token_ids [...] -> [..., H] (the target embeds a flat row of ids)."""
+        return self._target[0].embed(token_ids.reshape(-1)).view(*token_ids.shape, -1)
 
     def step(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """s_t from s_{t-1} [..., H] and E(g_{t-1}) [..., H]."""
@@ -73,7 +84,7 @@ class ReDrafterHead(nn.Module):
             x = self.input_proj(x)
         for block in self.blocks:
             x = x + nn.functional.silu(block(x))
-        return self.lm_head(x).float()
+        return gather_vocab(self.lm_head(x), self.tp, self.vocab_size).float()
 
     def log_probs(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """log q [..., V] float32: :meth:`logits` restricted to their top 50."""
@@ -86,9 +97,9 @@ class ReDrafterHead(nn.Module):
 
 
 def load_redrafter(path: str | os.PathLike | None, target_config, dtype: torch.dtype,
-                   device: torch.device | str, target=None) -> ReDrafterHead:
+                   device: torch.device | str, target=None, tp: TPGroup | None = None) -> ReDrafterHead:
     """The drafter in ``path`` (a folder with ``config.json``, or a hub id), checked against the target's sizes,
-    reading its token embeddings from ``target``."""
+    reading its token embeddings from ``target``; with ``tp``, this rank's share (its rows of the LM head)."""
     if path is None:
         raise ValueError("speculative_config.model is required for method='redrafter': the drafter's checkpoint folder")
     folder, tensors = head_tensors(path, "redrafter", ("*.bin",))
@@ -106,8 +117,12 @@ def load_redrafter(path: str | os.PathLike | None, target_config, dtype: torch.d
                          "was trained for another model")
     with torch.device(device):
         module = ReDrafterHead(h, v, int(config["exit_dim"]), int(config["num_draft_layers"]),
-                               bool(config.get("rnn", False))).to(dtype)
-    state = {_ours(name.removeprefix("drafter."), module): materialize(t).to(dtype) for name, t in tensors.items()}
+                               bool(config.get("rnn", False)), tp).to(dtype)
+    state = {}
+    for name, tensor in tensors.items():
+        ours = _ours(name.removeprefix("drafter."), module)
+        state[ours] = (shard_vocab_rows(tensor, module.tp, v) if ours == "lm_head.weight" else materialize(tensor)
+                       ).to(dtype)
     load_frozen(module, state, f"the redrafter checkpoint {str(folder)!r} does not fit its config.json ({config})")
     return module.bind(target) if target is not None else module
 
