@@ -233,8 +233,7 @@ def worker_config(method: str, options: Any, target_model: str, tensor_parallel_
     if method == "redrafter":
         return {"method": method, "model": path, "split": split, "beams": options.redrafter_num_beams,
                 "beam_length": options.redrafter_draft_len_per_beam}
-    tree = getattr(options, "use_dynamic_tree", False)
+    tree = getattr(options, "tree_shape", lambda: None)()
     return {"method": method, "model": path, "split": split,
             "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
-            "mtp_modules": getattr(options, "num_modules", 1),
-            "tree": [options.dynamic_tree_max_topK, options.dynamic_tree_depth] if tree else None}
+            "mtp_modules": getattr(options, "num_modules", 1), "tree": None if tree is None else list(tree)}

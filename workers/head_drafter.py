@@ -158,7 +158,7 @@ class HiddenStateDrafter:
         # each rank draws must be the same, so an unseeded request's drafts get a stream seeded alike on every rank
         # (from the engine's seed and the request's id) rather than the process's own
         self.tp: TPGroup = getattr(head, "tp", None) or TPGroup.single()
-        self.driver = driver  # only the driver verifies: only it keeps the drawn drafts' q
+        self.driver = driver  # only the driver verifies: only it keeps (or maps) the drawn drafts' q
         self.seed = seed
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
@@ -228,7 +228,7 @@ class HiddenStateDrafter:
         self._drawn = {}
         out = self._draft(plan, tables, hidden, aux, kept, paths, params)
         verified = {c.req_id for c in plan.chunks if c.sample}
-        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | (self._drawn if self.driver else {})
+        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | self._drawn
         return out
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
@@ -289,10 +289,13 @@ class HiddenStateDrafter:
     def _keep_drawn(self, plan: StepPlan, work: list[_Row], draw: _Draw | None, tokens: list[list[float]],
                     probs: list[torch.Tensor | None]) -> list[bool]:
         """Keep the drawn chains and their q (``probs``: per draft step [B, V], zero rows where a request was done
-        drafting) for their verification. Per row of ``work``: whether its chain was drawn."""
+        drafting) for their verification (on the driver: only it verifies). Per row of ``work``: whether its chain
+        was drawn."""
         if draw is None:
             return [False] * len(work)
         drawn = [not sp.greedy for sp in draw.params]
+        if not self.driver:
+            return drawn
         rows = [j for j, d in enumerate(drawn) if d]
         q = self.head.full_vocab(torch.stack(probs, dim=1).index_select(0, _index(rows, probs[0].device)), 0.0)
         for n, j in enumerate(rows):
@@ -499,10 +502,10 @@ class HiddenStateDrafter:
             index = {node: j for j, node in enumerate(keep)}
             tokens = [int(token_ids[node]) for node in keep]
             made.append(Drafted(tokens, [-1 if par[node] < 0 else index[int(par[node])] for node in keep]))
-            rows = _index([0] + [node + 1 for node in keep], device)
-            # over the target's vocabulary: only the kept rows
-            self._drawn[plan.chunks[w.chunk].req_id] = (tokens, self.head.full_vocab(q_rows[i].index_select(0, rows),
-                                                                                     0.0))
+            if self.driver:  # the q it verifies against, over the target's vocabulary: only the kept rows
+                rows = _index([0] + [node + 1 for node in keep], device)
+                self._drawn[plan.chunks[w.chunk].req_id] = (tokens, self.head.full_vocab(
+                    q_rows[i].index_select(0, rows), 0.0))
         return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,

@@ -36,7 +36,6 @@ class MedusaDrafter:
         # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered, so the tree is
         # the same on every rank
         self.tp: TPGroup = heads.tp
-        self.split = self.tp.size > 1
         self.choices = [list(c) for c in choices]
         index = {tuple(c): i for i, c in enumerate(self.choices)}
         self.parents = [index[tuple(c[:-1])] if len(c) > 1 else -1 for c in self.choices]

@@ -57,7 +57,7 @@ class ModelRunner:
         # a HiddenStateDrafter on the driver rank; a head split over the ranks has one on every rank, each drafting
         # in lockstep with the driver's verdict (``split``)
         self.drafter = drafter
-        self.split = drafter is not None and getattr(drafter, "split", False)
+        self.split = getattr(drafter, "tp", None) is not None and drafter.tp.size > 1
         # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
         # through tree verification (a chain is a tree), which implements it
         self.typical = None if typical_acceptance is None else TypicalAcceptance(*typical_acceptance)

@@ -36,7 +36,6 @@ class ReDrafterDrafter:
         # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered, so the beams are the
         # same on every rank
         self.tp: TPGroup = head.tp
-        self.split = self.tp.size > 1
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> ReDrafterHead:

@@ -62,8 +62,10 @@ class LLMEngine:
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
         self.worker_trees = worker_trees  # it drafts token trees (EAGLE-2, Medusa): each a whole tree, then priced
-        # a tree the worker drew from q (a sampled request's EAGLE-2 tree) is priced by this shape, not its own
+        # a tree the worker drew from q (a sampled request's EAGLE-2 tree) is priced by the shape the worker grows
+        # its trees in, not its own (``_as_priced``)
         self.worker_tree_shape = worker_tree_shape
+        self._shape_tree = None if worker_tree_shape is None else level_tree(*worker_tree_shape)
         self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
         self._worker_probes: set[str] = set()  # requests whose drafts in the making are the policy's probe
         self.tracked: dict[str, _Tracked] = {}
@@ -352,8 +354,8 @@ class LLMEngine:
         shape the worker grows its trees in (:func:`specray.tree.level_tree`: each level's worth split among its
         nodes), whatever was drawn, as its own level sizes follow its draws (a q's support): pricing those could
         make which nodes are verified depend on the drawn tokens; anything else as it is."""
-        if isinstance(made, DraftTree) and made.scores is None and self.worker_tree_shape is not None:
-            return level_tree(*self.worker_tree_shape)
+        if isinstance(made, DraftTree) and made.scores is None and self._shape_tree is not None:
+            return self._shape_tree
         return made
 
     def _cut_scored_chain(self, request: Request, batch_size: int, off_path: bool, made: list[int], probe: bool

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
-from specray.models.layers import ParallelLMHead, materialize, shape_of
+from specray.models.layers import ParallelLMHead, VocabParallelEmbedding, materialize, shape_of
 from specray.models.loader import _default_dtype, checkpoint_weights, iter_weights, resolve_model
 from specray.parallel import TPGroup
 
@@ -88,16 +88,13 @@ def _with_target_rows(head: DraftHead, weights: dict[str, Any]) -> Iterator[tupl
 
 def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head rows of ``target_ids`` [Vd, H]: read as the logits of unit vectors would be too costly,
-    so from the head's weight (the embedding's when tied). A target split by vocabulary over ranks (its head a
-    :class:`ParallelLMHead` of a group of several; every rank calls this) has each rank put in the rows it holds
-    and zeros elsewhere, summed over the ranks: every rank gets them all."""
+    so from the head's weight (the embedding's when tied), looked up as the embedding looks up its rows: a target
+    split by vocabulary over ranks (every rank calls this) has each rank put in the rows it holds, summed over the
+    ranks, so every rank gets them all."""
     head = getattr(target, "lm_head", None)
     weight = getattr(head, "weight", None)
-    if isinstance(head, ParallelLMHead) and head.tp.size > 1:
-        ids = target_ids.to(weight.device)
-        mine = (ids >= head.vocab_start) & (ids < head.vocab_end)
-        rows = weight.detach()[(ids - head.vocab_start) * mine] * mine[:, None].to(weight.dtype)
-        return head.tp.all_reduce(rows.contiguous())
+    if isinstance(head, ParallelLMHead):
+        return VocabParallelEmbedding.forward(head, target_ids.to(weight.device)).detach().clone()
     if weight is None or weight.shape[0] < int(target_ids.max()) + 1:
         raise ValueError("the target's LM head weight is not readable here; give the head's own lm_head.weight")
     return weight.detach()[target_ids.to(weight.device)].clone()

@@ -188,6 +188,13 @@ class RowParallelLinear(LinearBase):
 # ---------------------------------------------------------------------------------------------- embeddings
 
 
+def vocab_shard(tp: TPGroup, vocab_size: int) -> tuple[int, int]:
+    """This rank's first row and row count of a matrix split by vocabulary over ``tp`` as :class:`ParallelLMHead`
+    splits it (padded to a multiple of the ranks; the last rank's padding rows are zeros)."""
+    rows = -(-vocab_size // tp.size)
+    return tp.rank * rows, rows
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks (vocab padded to a multiple of the TP size)."""
 
@@ -195,8 +202,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.num_embeddings = num_embeddings
-        self.per_rank = -(-num_embeddings // tp.size)
-        self.vocab_start = tp.rank * self.per_rank
+        self.vocab_start, self.per_rank = vocab_shard(tp, num_embeddings)
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
         self.weight = _param(self.per_rank, embedding_dim)
         self.weight.weight_loader = self.weight_loader
@@ -216,13 +222,6 @@ class VocabParallelEmbedding(nn.Module):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         y = F.embedding((ids - self.vocab_start) * mine, self.weight) * mine[:, None].to(self.weight.dtype)
         return self.tp.all_reduce(y)
-
-
-def vocab_shard(tp: TPGroup, vocab_size: int) -> tuple[int, int]:
-    """This rank's first row and row count of a matrix split by vocabulary over ``tp`` as :class:`ParallelLMHead`
-    splits it (padded to a multiple of the ranks; the last rank's padding rows are zeros)."""
-    rows = -(-vocab_size // tp.size)
-    return tp.rank * rows, rows
 
 
 def shard_vocab_rows(weight: Any, tp: TPGroup, vocab_size: int) -> torch.Tensor:
