@@ -75,12 +75,18 @@ def plain_outputs(plain):
 
 
 class PathCounter:
-    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes."""
+    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes. ``clock`` is a
+    virtual one that each step advances by what a small model's GPU step might cost (4 ms, plus 2 us a token), for
+    an engine whose draft policy should not follow this machine's load (``engine.clock = counter.clock``)."""
 
     def __init__(self, inner):
-        self.inner, self.trees, self.moved, self.last_moved = inner, 0, 0, set()
+        self.inner, self.trees, self.moved, self.last_moved, self.now = inner, 0, 0, set(), 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def execute(self, plan, draft_probs=None):
+        self.now += 4e-3 + 2e-6 * plan.num_tokens
         result = self.inner.execute(plan, draft_probs)
         self.trees += sum(c.draft_parents is not None for c in plan.chunks)
         paths = result.accepted_draft_indices or [[]] * len(plan.chunks)
@@ -255,6 +261,7 @@ def _fresh_prefill_kv(engine, tokens: list[int]) -> torch.Tensor:
 def test_tree_drafters_greedy_equal_plain(tiny_llama_dir, plain_outputs, name, batch):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=TREE_SPECS[name])
     llm.engine.executor = counter = PathCounter(llm.engine.executor)
+    llm.engine.clock = counter.clock  # the adaptive policy prices by step costs that do not follow this CPU's load
     start = llm.engine.scheduler.block_manager.num_free_blocks
     outs = generate_greedy(llm, batch)
     assert token_ids(outs) == plain_outputs
