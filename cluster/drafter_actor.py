@@ -28,7 +28,7 @@ from specray.cluster.ray_env import ray
 from specray.cluster.remote_errors import raise_remote
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
-from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.base import DraftRequest, DrafterContext, Proposal, prepared
 from specray.drafters.registry import drafter_class, has_weights, tensor_parallel_size, uses_public_pool
 from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
@@ -58,14 +58,15 @@ class DrafterWorker:
               rank: int = 0, world_size: int = 1, init_method: str | None = None) -> list[str]:
         """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError).
         Returns the optional hooks it has (of :data:`HOOKS`, and ``stats``)."""
-        if ctx.target_tokenizer is None and has_weights(spec.method):
-            from specray.models.loader import load_tokenizer
+        cls = drafter_class(spec.method)
+        if ctx.target_tokenizer is None and has_weights(spec.method) and not hasattr(cls, "prepare"):
+            from specray.models.loader import load_tokenizer  # a drafter that prepares checked it in the engine
 
             ctx = replace(ctx, target_tokenizer=load_tokenizer(tokenizer_source))
         self.rank = rank
         if world_size > 1:  # a draft model split over ranks: every rank runs the same drafter on its shard
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
-        self.drafter = drafter_class(spec.method)(spec, ctx)
+        self.drafter = cls(spec, ctx)
         if pool_name is not None and uses_public_pool(spec):
             link = RayPoolLink(get_pool_actor(pool_name, spec.method), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
@@ -161,7 +162,7 @@ class RemoteDrafter:
         self.spec = spec
         self.placement = placement or RayPlacement()
         device = "cuda" if self.placement.drafter_num_gpus else "cpu"
-        self.ctx = replace(ctx, target_tokenizer=None, device=device)
+        self.ctx = replace(prepared(drafter_class(spec.method), spec, ctx), target_tokenizer=None, device=device)
         self.tokenizer_source = tokenizer_source
         # req_id -> (n, tail): the actor's copy of the history is its first n tokens, then ``tail`` (drafts a
         # prefetch assumed kept; they may turn out wrong)

@@ -81,6 +81,14 @@ class Drafter(Protocol):
         ...
 
 
+def prepared(drafter_cls, spec, ctx: DrafterContext) -> DrafterContext:
+    """The context a drafter built in another process gets: a drafter class may define ``prepare(spec, ctx)``, the
+    work that needs the engine's process (checks against the target's tokenizer, reading its model's config), and
+    returns the context its remote copy is built from (the actor then imports no transformers)."""
+    prepare = getattr(drafter_cls, "prepare", None)
+    return ctx if prepare is None else prepare(spec, ctx)
+
+
 def proposes_cheaply(drafter) -> bool:
     """A drafter whose proposals cost next to nothing (a lookup, no model) says so with ``cheap_proposals =
     True``: the engine then asks it for the most drafts each request may have and sizes k after seeing the
@@ -102,3 +110,6 @@ class DrafterContext:
     block_size: int = 16  # tokens per KV block of a drafter's own paged cache (the engine's block_size)
     target_tokenizer: object | None = None  # the target's HF tokenizer, when a drafter must check it matches
     tp_group: object | None = None  # a draft model split over ranks: this process's TPGroup (None: one rank)
+    # the draft model's config (specray.models.plain_config.PlainConfig) as the engine's process read it, its
+    # tokenizer already checked against the target's there (``prepare``); None: the drafter reads and checks
+    draft_model_config: object | None = None

@@ -12,7 +12,7 @@ verification against the target's own penalized distribution keeps the output ex
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
-from specray.models.loader import load_model, load_tokenizer
+from specray.models.loader import load_model, load_tokenizer, read_config
 from specray.parallel import TPGroup
 from specray.penalties import penalize
 from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
@@ -73,12 +73,21 @@ def _common_prefix(a: list[int], b) -> int:
 
 
 class DraftModelDrafter:
+    @classmethod
+    def prepare(cls, spec: SpeculativeConfig, ctx: DrafterContext) -> DrafterContext:
+        """In the engine's process, before drafter actors start: the tokenizer check and the draft's config."""
+        path = options_of(spec).model
+        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
+        return replace(ctx, draft_model_config=read_config(path))
+
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)
         path = options_of(spec).model
-        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
+        if ctx.draft_model_config is None:
+            check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
-        self.model = load_model(path, tp, dtype=getattr(torch, ctx.dtype), device=self.device)
+        self.model = load_model(path, tp, dtype=getattr(torch, ctx.dtype), device=self.device,
+                                config=ctx.draft_model_config)
         if self.model.vocab_size > ctx.vocab_size:
             raise ValueError(f"speculative_config.model={path!r} has vocab_size={self.model.vocab_size}, "
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")

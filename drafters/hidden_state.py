@@ -234,6 +234,11 @@ def worker_config(method: str, options: Any, target_model: str, tensor_parallel_
         return {"method": method, "model": path, "split": split, "beams": options.redrafter_num_beams,
                 "beam_length": options.redrafter_draft_len_per_beam}
     tree = getattr(options, "tree_shape", lambda: None)()
-    return {"method": method, "model": path, "split": split,
+    head_config = None
+    if method in ("eagle", "eagle3") and path is not None:  # read here, so the ranks need no transformers
+        from specray.models.draft_head_loader import read_head_config
+
+        head_config = read_head_config(path)
+    return {"method": method, "model": path, "split": split, "head_config": head_config,
             "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
             "mtp_modules": getattr(options, "num_modules", 1), "tree": None if tree is None else list(tree)}

@@ -226,7 +226,7 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
     LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:
     with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain
-    output; no block leaked. EAGLE-2 trees also for sampled requests, drawn from q and verified against it on rank 0:
+    output; no block leaked; the ranks' processes never import transformers. EAGLE-2 trees also for sampled requests, drawn from q and verified against it on rank 0:
     the same seeds give the same tokens as one rank, and unseeded ones (each rank draws from a stream seeded alike)
     finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
     LM head gathered whole once; rank 1 holds nothing of it."""
@@ -271,6 +271,8 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
                 one_rank.spec_stats.draft_tokens, one_rank.spec_stats.accepted_tokens)
         assert blocks.num_free_blocks == blocks.num_blocks
         shares = engine.executor.collective_rpc(probes.head_share)
+        # the engine read the target's and the head's configs: the ranks never import transformers
+        assert engine.executor.collective_rpc(probes.imported, "transformers") == [False, False]
         if method == "eagle3-tree":
             drawn = run_to_end(engine, prompts[:3], sampled)
             unseeded = SamplingParams(**{**sampled.__dict__, "seed": None})
@@ -743,6 +745,8 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
     lockstep. With a fixed K (no timing-driven policy), greedy drafts from the split model are the one-rank
     drafts, so every acceptance count matches exactly, and the output is the plain greedy output. The target
     drafting for itself over two ranks gets every draft accepted."""
+    import ray
+
     prompts = prompts_for(4, seed=8)
     references = run_to_end(engine_for(tiny_llama_dir), prompts)
     stats = {}
@@ -754,6 +758,9 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
                             speculative_config=spec)
         try:
             assert len(engine.drafter.actors) == draft_tp
+            # the engine checked the tokenizer and read the draft's config: the actors never import transformers
+            assert ray.get([a.run.remote(probes.imported, "transformers") for a in engine.drafter.actors]) == [
+                False] * draft_tp
             assert run_to_end(engine, prompts) == references
             s = engine.spec_stats
             stats[name, draft_tp] = (s.drafts, s.draft_tokens, s.accepted_tokens)
@@ -777,7 +784,8 @@ def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, mak
     with pytest.raises(ValueError, match="divisible"):  # 4 heads over 3 draft ranks
         engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                    speculative_config=dict(spec, draft_tensor_parallel_size=3))
-    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)  # a drafter actor's user error stays one
+    # checked in the engine's process before any drafter actor starts (DraftModelDrafter.prepare)
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(other)

@@ -728,8 +728,11 @@ def test_a_head_whose_heads_do_not_split_is_refused_before_anything_starts(tiny_
     check_engine_args(EngineArgs.from_dict(args))
 
 
-def test_a_head_is_split_over_the_targets_ranks_unless_told_otherwise():
+def test_a_head_is_split_over_the_targets_ranks_unless_told_otherwise(monkeypatch):
     from specray.drafters.registry import worker_drafter_config
+    from specray.models import draft_head_loader
+
+    monkeypatch.setattr(draft_head_loader, "read_head_config", lambda path: None)  # no head folders here
 
     def split(method: str, tp: int, **options) -> bool:
         model = {"medusa": "heads", "redrafter": "drafter"}.get(method, "head")

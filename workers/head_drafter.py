@@ -725,7 +725,8 @@ def load_head(config: dict, target, target_config, tp: TPGroup | None = None) ->
     head = load_draft_head(config["method"], config["model"], target, target_config,
                            feedback_normed=bool(config.get("mtp_feedback_normed", False)),
                            num_modules=int(config.get("mtp_modules", 1)), tp=tp,
-                           expert_parallel=tp is not None and bool(config.get("expert_parallel", False)))
+                           expert_parallel=tp is not None and bool(config.get("expert_parallel", False)),
+                           head_config=config.get("head_config"))
     if can_pack(head.device.type, str(head.dtype).removeprefix("torch.")):
         pack_linear_weights(head)  # the CPU kernels' layout, as the target's (specray.models.cpu_kernels)
     return head

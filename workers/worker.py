@@ -21,7 +21,8 @@ import torch.distributed as dist
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import bytes_per_block
-from specray.models.loader import load_hf_config, load_model
+from specray.models.loader import load_hf_config, load_model, read_config
+from specray.models.plain_config import PlainConfig
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
 
@@ -53,6 +54,9 @@ class WorkerConfig:
     # end token); None: exactly (specray.tree_verification.RelaxedAcceptance)
     relaxed_acceptance: tuple[int, float, int, int] | None = None
     enable_expert_parallel: bool = False  # a mixture of experts' experts whole per rank (else split by width)
+    # the whole checkpoint's config as the engine read it (specray.models.loader.read_config), so a rank needs no
+    # transformers; None: the rank reads it
+    model_config: PlainConfig | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -100,11 +104,12 @@ class Worker:
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.bind_thread()
         tp = self._join_group(world_size, init_method)
-        hf_config = load_hf_config(config.model)
+        model_config = config.model_config or read_config(config.model)
+        hf_config = load_hf_config(config.model, model_config)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
-                                          expert_parallel=config.enable_expert_parallel)
+                                          expert_parallel=config.enable_expert_parallel, config=model_config)
         self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
         self.runner: ModelRunner | None = None
 

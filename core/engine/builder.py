@@ -16,7 +16,7 @@ from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.models.cpu_kernels import rows_for
-from specray.models.loader import load_hf_config, load_tokenizer
+from specray.models.loader import load_hf_config, load_tokenizer, read_config
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.workers.worker import WorkerConfig
@@ -100,7 +100,8 @@ def engine_args_schema() -> dict[str, Any]:
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
-    hf_config = load_hf_config(args.model)
+    model_config = read_config(args.model)
+    hf_config = load_hf_config(args.model, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     spec = args.speculative_config
@@ -112,7 +113,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  args.kv_cache_memory_bytes, args.num_threads, worker_drafter=worker_drafter,
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
-                                 enable_expert_parallel=args.enable_expert_parallel)
+                                 enable_expert_parallel=args.enable_expert_parallel, model_config=model_config)
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)

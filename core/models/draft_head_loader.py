@@ -32,6 +32,7 @@ import torch
 from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
 from specray.models.layers import ParallelLMHead, VocabParallelEmbedding, materialize, shape_of
 from specray.models.loader import _default_dtype, checkpoint_weights, iter_weights, resolve_model
+from specray.models.plain_config import PlainConfig, plain_config
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,14 @@ _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 def load_draft_head(method: str, path: str | os.PathLike | None, target, target_config,
                     feedback_normed: bool = False, num_modules: int = 1, tp: TPGroup | None = None,
-                    expert_parallel: bool = False) -> DraftHead | ChainedModules:
+                    expert_parallel: bool = False, head_config: PlainConfig | None = None
+                    ) -> DraftHead | ChainedModules:
     """The ``method`` head ("eagle", "eagle3", "mtp") for ``target`` from ``path`` (a folder or hub id; for MTP the
     checkpoint holding the MTP layers, usually the target's own), on the target's device and dtype, in eval mode.
     MTP with ``num_modules`` > 1: the checkpoint's first ``num_modules`` MTP modules, chained. With ``tp`` (the
     target's group, every rank calling this) each rank keeps its shard of the head, as of a target layer (an MTP
-    block's experts whole per rank with ``expert_parallel``, as the target's)."""
+    block's experts whole per rank with ``expert_parallel``, as the target's). ``head_config``: an EAGLE head's
+    config as :func:`read_head_config` gives it, if the caller has read it."""
     if method not in LAYOUTS:
         raise ValueError(f"speculative_config.method={method!r} has no draft head layout; one of {sorted(LAYOUTS)}")
     if path is None:
@@ -59,7 +62,7 @@ def load_draft_head(method: str, path: str | os.PathLike | None, target, target_
         return heads[0] if num_modules == 1 else ChainedModules(heads)
     if num_modules != 1:
         raise ValueError(f"num_modules={num_modules} is for method='mtp' only")
-    config, weights = _head_source(path)
+    config, weights = _head_source(path, head_config)
     return _build(method, config, target_config, weights, target, feedback_normed, tp)
 
 
@@ -100,18 +103,27 @@ def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
     return weight.detach()[target_ids.to(weight.device)].clone()
 
 
-def _head_source(path) -> tuple[Any, list[tuple[str, Any]]]:
+def read_head_config(path) -> PlainConfig:
+    """An EAGLE / EAGLE-3 head's config (read with transformers, where the engine runs; the ranks get it as plain
+    data): its own architecture's, or a Llama layer's for one transformers does not know (vLLM's Eagle ones), with
+    the EAGLE keys transformers drops."""
     from transformers import AutoConfig, LlamaConfig
 
     source = resolve_model(path)
     raw = json.loads((Path(source.path) / "config.json").read_text())
     try:
-        config = AutoConfig.from_pretrained(source.path)
+        config = plain_config(AutoConfig.from_pretrained(source.path))
     except (ValueError, KeyError):  # an architecture transformers does not know (vLLM's Eagle ones): a Llama layer
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+        config = plain_config(LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}))
     for key in ("draft_vocab_size", "target_hidden_size", "eagle_config"):
         if key in raw and getattr(config, key, None) is None:
             setattr(config, key, raw[key])
+    return config
+
+
+def _head_source(path, config: PlainConfig | None = None) -> tuple[Any, list[tuple[str, Any]]]:
+    config = config or read_head_config(path)
+    source = resolve_model(path)
     names = []
     for name, tensor in iter_weights(source):
         if name.startswith("model."):

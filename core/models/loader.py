@@ -29,6 +29,7 @@ from torch import nn
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size
 from specray.models.interface import CausalLM
+from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part
 from specray.parallel import TPGroup
 
@@ -119,12 +120,17 @@ def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
 # ---------------------------------------------------------------------------------------------- public loaders
 
 
-def load_hf_config(model: str | os.PathLike):
-    """The transformers ``PretrainedConfig`` of ``model`` (of its text model, for a multimodal checkpoint whose
-    text we serve: :func:`specray.models.registry.text_part`)."""
+def read_config(model: str | os.PathLike) -> PlainConfig:
+    """The whole checkpoint's config (transformers' ``AutoConfig``, read here) as plain attributes."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_model(model).path)
+    return plain_config(AutoConfig.from_pretrained(resolve_model(model).path))
+
+
+def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None) -> PlainConfig:
+    """The config of ``model`` (of its text model, for a multimodal checkpoint whose text we serve:
+    :func:`specray.models.registry.text_part`); ``config``: the whole checkpoint's, already read."""
+    config = config or read_config(model)
     part = text_part(config)
     return config if part is None else part[0]
 
@@ -201,16 +207,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False) -> CausalLM:
+               device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False,
+               config: PlainConfig | None = None) -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
     with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``).
-    ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width)."""
-    from transformers import AutoConfig
-
+    ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width).
+    ``config``: the whole checkpoint's config as :func:`read_config` gives it, if the caller has read it (then
+    transformers is not imported here)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
     source = resolve_model(model)
-    config = AutoConfig.from_pretrained(source.path)
+    config = config or read_config(source.path)
     weights = checkpoint_weights(source)
     part = text_part(config)
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
