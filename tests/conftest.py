@@ -304,3 +304,20 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# ---- two pytest-xdist workers (README's command: -n 2 --dist loadgroup) ------------------------------------------
+# Each worker is a session of its own. Every test that uses Ray runs in one worker ("ray": one Ray cluster, one
+# Serve app, its ports), and every test that converts the real model's GGUF in another group ("gguf": one
+# conversion); the rest go wherever a worker is free.
+RAY_FILES = {"test_cluster.py", "test_openai_server.py", "test_cli.py"}
+GGUF_FILES = {"test_loader.py", "test_real_model.py", "test_detokenizer.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "id", "")
+        if item.path.name in RAY_FILES or "ray_cluster" in item.fixturenames or "ray" in params.split("-"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.path.name in GGUF_FILES:
+            item.add_marker(pytest.mark.xdist_group("gguf"))
