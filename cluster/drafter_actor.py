@@ -29,7 +29,7 @@ from specray.cluster.remote_errors import raise_remote
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal, prepared
-from specray.drafters.registry import drafter_class, has_weights, tensor_parallel_size, uses_public_pool
+from specray.drafters.registry import drafter_class, tensor_parallel_size, uses_public_pool
 from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -54,19 +54,14 @@ class DrafterWorker:
         self.rank = 0
         self.handlers: dict[str, object] = {}  # event name -> what applies it
 
-    def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, tokenizer_source: str, pool_name: str | None = None,
+    def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, pool_name: str | None = None,
               rank: int = 0, world_size: int = 1, init_method: str | None = None) -> list[str]:
         """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError).
         Returns the optional hooks it has (of :data:`HOOKS`, and ``stats``)."""
-        cls = drafter_class(spec.method)
-        if ctx.target_tokenizer is None and has_weights(spec.method) and not hasattr(cls, "prepare"):
-            from specray.models.loader import load_tokenizer  # a drafter that prepares checked it in the engine
-
-            ctx = replace(ctx, target_tokenizer=load_tokenizer(tokenizer_source))
         self.rank = rank
         if world_size > 1:  # a draft model split over ranks: every rank runs the same drafter on its shard
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
-        self.drafter = cls(spec, ctx)
+        self.drafter = drafter_class(spec.method)(spec, ctx)
         if pool_name is not None and uses_public_pool(spec):
             link = RayPoolLink(get_pool_actor(pool_name, spec.method), uuid.uuid4().hex)
             self.drafter.attach_pool_link(link)
@@ -157,13 +152,11 @@ class DrafterWorker:
 
 
 class RemoteDrafter:
-    def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext, placement: RayPlacement | None,
-                 tokenizer_source: str):
+    def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext, placement: RayPlacement | None):
         self.spec = spec
         self.placement = placement or RayPlacement()
         device = "cuda" if self.placement.drafter_num_gpus else "cpu"
         self.ctx = replace(prepared(drafter_class(spec.method), spec, ctx), target_tokenizer=None, device=device)
-        self.tokenizer_source = tokenizer_source
         # req_id -> (n, tail): the actor's copy of the history is its first n tokens, then ``tail`` (drafts a
         # prefetch assumed kept; they may turn out wrong)
         self.sent: dict[str, tuple[int, list[int]]] = {}
@@ -210,7 +203,7 @@ class RemoteDrafter:
         if self.placement.drafter_resources:
             options["resources"] = dict(self.placement.drafter_resources)
         actor_cls = ray.remote(DrafterWorker)
-        args = (self.spec, self.ctx, self.tokenizer_source, self.placement.pool_name)
+        args = (self.spec, self.ctx, self.placement.pool_name)
         # a placement group even for one rank: one that can never be placed is an error at once, one that waits
         # too long an error after placement's timeout, each naming the options to change
         pg, in_bundle = self._placement_group(options)

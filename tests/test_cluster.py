@@ -626,7 +626,7 @@ def _pool_drafter(pool_name: str):
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3,
                              is_public_pool=True)
     ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
-    return RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool_name), "unused")
+    return RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool_name))
 
 
 def test_shared_pool_lets_a_replica_draft_from_another_replicas_text():

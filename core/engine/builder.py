@@ -215,7 +215,7 @@ def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_mod
         return drafter, policy(False, max(spec.num_speculative_tokens, lookup.num_speculative_tokens)), None
     remote = plugins.find("remote_drafter", backend)  # a backend may run its drafter beside the target's ranks
     if remote is not None:
-        drafter = remote(spec, ctx, args.ray_placement, args.tokenizer or args.model)
+        drafter = remote(spec, ctx, args.ray_placement)
     else:
         drafter = registry.drafter_class(spec.method)(spec, ctx)
     return drafter, policy(proposes_cheaply(drafter)), DrafterRouter(drafter, spec, ctx)

@@ -114,7 +114,8 @@ def read_head_config(path) -> PlainConfig:
     try:
         config = plain_config(AutoConfig.from_pretrained(source.path))
     except (ValueError, KeyError):  # an architecture transformers does not know (vLLM's Eagle ones): a Llama layer
-        config = plain_config(LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}))
+        layer = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+        config = plain_config(LlamaConfig(**layer))
     for key in ("draft_vocab_size", "target_hidden_size", "eagle_config"):
         if key in raw and getattr(config, key, None) is None:
             setattr(config, key, raw[key])

@@ -35,11 +35,12 @@ def plain_config(config: Any) -> PlainConfig:
     cls = type(config)
     values: dict[str, Any] = {}
     for name in dir(cls):
-        if name not in _DEPRECATED and not name.startswith("__") and isinstance(inspect.getattr_static(cls, name), property):
-            try:
-                values[name] = getattr(config, name)
-            except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError):
-                continue  # a property this config cannot answer: nothing to carry
+        if name in _DEPRECATED or name.startswith("__") or not isinstance(inspect.getattr_static(cls, name), property):
+            continue
+        try:
+            values[name] = getattr(config, name)
+        except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError):
+            continue  # a property this config cannot answer: nothing to carry
     values["model_type"] = getattr(config, "model_type", None)
     values.update(vars(config))
     for alias, target in (getattr(cls, "attribute_map", None) or {}).items():
