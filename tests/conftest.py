@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# The suite's models are tiny: on the 2-core CI machine one intra-op thread runs them faster than two (it spends
-# less on handing work between threads), and leaves the other core to the Ray actors that run beside the tests.
+# The suite's models are tiny: one intra-op thread is enough for them, and the 2-core CI machine's cores go to the
+# two xdist workers below (and the Ray actors beside them).
 torch.set_num_threads(1)
 
 
