@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from specray.config import SpeculativeConfig
 from specray.contract import StepPlan, StepResult
+from specray.drafters import ngram
 from specray.drafters.base import DrafterContext
 from specray.drafters.registry import drafter_class
 from specray.engine.llm_engine import LLMEngine
@@ -283,6 +284,8 @@ def main() -> None:
     parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first row's measured steps; print the top functions")
+    parser.add_argument("--ngram-index", default="c", help="comma list: c (the C index of private pools, when "
+                        "built), python (NgramPool everywhere, as without a compiler); rows alternate")
     parser.add_argument("--floor", action="store_true",
                         help="also time the n-gram drafter's essential dict work alone, per batch size (its floor)")
     args = parser.parse_args()
@@ -300,15 +303,21 @@ def main() -> None:
     print("| batch | drafter | host ms/step (median) | p90 | mean | " + " | ".join(PHASES[:-1])
           + " | other | tokens per request-step |")
     print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
+    built = ngram.NgramIndex
+    rows = [(m, kind) for m in args.methods.split(",") for kind in (args.ngram_index.split(",") if m == "ngram" else [""])]
     for batch in (int(b) for b in args.batch.split(",")):
-        for method in args.methods.split(","):
+        for method, kind in rows:
             name = None if method == "none" else method
+            if kind not in ("", "c", "python") or (kind == "c" and built is None):
+                raise SystemExit(f"--ngram-index {kind}: expected c or python (c needs drafters/_ngram_index.c built)")
+            ngram.NgramIndex = None if kind == "python" else built
             if args.profile:
                 profile(batch, name, tokenizer, args)
                 return
             r = run(batch, name, tokenizer, args)
             cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
-            print(f"| {batch} | {method} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {r.mean_ms:.3f} | {cells} | "
+            label = f"{method} ({kind} index)" if kind else method
+            print(f"| {batch} | {label} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {r.mean_ms:.3f} | {cells} | "
                   f"{r.tokens_per_request_step:.2f} |", flush=True)
     if args.floor:
         for batch in (int(b) for b in args.batch.split(",")):
@@ -382,7 +391,9 @@ def profile(batch: int, method: str | None, tokenizer, args) -> None:
     prof = cProfile.Profile()
     run(batch, method, tokenizer, args, profiler=prof)
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.print_callees("_draft|update_from_output|schedule")
 
 
 if __name__ == "__main__":

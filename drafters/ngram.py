@@ -6,7 +6,10 @@ and proposes what followed there. ``n`` runs from ``prompt_lookup_max`` down to 
 longest match wins, and with no match of at least ``prompt_lookup_min`` tokens it proposes nothing.
 
 :class:`NgramPool` is the n-gram -> continuations store, kept apart from the drafter so one pool can be shared
-(by all requests with ``is_public_pool``, later by engine replicas through a Ray actor).
+(by all requests with ``is_public_pool``, and by engine replicas through a Ray actor). A request's private pool
+with chain lookups (the default) is instead a C index, ``NgramIndex`` (``drafters/_ngram_index.c``), when the
+package was built with a compiler: it answers as an ``NgramPool`` indexing the current history from scratch
+would, for a fraction of the host time per step.
 
 Pool design
 -----------
@@ -55,6 +58,11 @@ from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.tree import DraftTree, dynamic_tree, parse_token_tree, static_tree
+
+try:  # the per-request index in C (drafters/_ngram_index.c), built when the package is installed with a compiler
+    from specray.drafters._ngram_index import NgramIndex
+except ImportError:  # no compiler at install: NgramPool serves private pools as well, answering the same
+    NgramIndex = None
 
 logger = logging.getLogger(__name__)
 
@@ -521,14 +529,27 @@ class NgramDrafter:
         self.pool_link: PoolLink | None = None
         self._published: dict[str, int] = {}  # seq_key -> tokens of it sent through the link
         self._unsent: list[tuple[str, int, list[int]]] = []  # finished requests' last updates
+        # Private pools with chain lookups (the common case) are one C index per request when it is built: the
+        # same answers as a private NgramPool's, at a fraction of the host time per step.
+        self._indexes: dict[str, Any] | None = None
+        if NgramIndex is not None and self.shared_pool is None and not self.options.proposes_trees:
+            self._indexes = {}
+        # a kept sighting that is not the oldest is the newest (is_keep_all=False keeps only that one)
+        self._use_newest = not (self.options.is_keep_all and self.options.is_use_oldest)
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        if self._indexes is not None:
+            return self._propose_native(batch)
         proposals = [self._propose_one(req) for req in batch]
         if self.pool_link is not None:
             self.sync_pool()
         return proposals
 
     def finish(self, req_ids: Sequence[str]) -> None:
+        if self._indexes is not None:
+            for req_id in req_ids:
+                self._indexes.pop(req_id, None)
+            return
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)
             if state is not None and self.shared_pool is not None:
@@ -568,6 +589,25 @@ class NgramDrafter:
         pool.extend(key, tokens)
         if is_new:
             pool.close(key)
+
+    def _propose_native(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """:meth:`_propose_one` over C indexes: each request's index syncs to its history (indexing what is new,
+        undoing a rewind) and looks up its longest match."""
+        indexes, most, proposals = self._indexes, self.num_speculative_tokens, []
+        lo, hi = self.options.prompt_lookup_min, self.options.prompt_lookup_max
+        for req in batch:
+            index = indexes.get(req.req_id)
+            if index is None:
+                index = indexes[req.req_id] = NgramIndex(lo, hi, self._use_newest)
+            if index.sync(req.token_ids):
+                logger.debug("n-gram drafter: request %s's history changed; re-indexed from the change", req.req_id)
+            k = req.num_speculative_tokens
+            if k <= 0:
+                proposals.append(Proposal([]))
+                continue
+            tokens, n = index.lookup(k if k < most else most)
+            proposals.append(Proposal(tokens, key=n or None))
+        return proposals
 
     def _propose_one(self, req: DraftRequest) -> Proposal:
         state = self._requests.get(req.req_id) or self._state(req.req_id)

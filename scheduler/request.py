@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 
 from specray.outputs import SpecStats
@@ -66,6 +67,9 @@ class Request:
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # this request's verifications
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # the tokens that end it (stop ids, and EOS unless ignored) and the length its output may reach
+        self._enders = self._stop_token_ids | (frozenset() if sampling_params.ignore_eos else self.eos_token_ids)
+        self._end_len = math.inf if self.max_tokens is None else self.num_prompt_tokens + self.max_tokens
         self._span = (0, False)  # (tokens scanned by inside(), whether they end inside the span)
 
     @property
@@ -103,6 +107,18 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_tokens(self, token_ids: list[int], max_model_len: int) -> bool:
+        """Append a step's kept tokens one at a time, stopping at the first that finishes the request
+        (:meth:`check_stop` decides how); returns whether one did."""
+        out, every, enders = self.output_token_ids, self.all_token_ids, self._enders
+        end_len = min(self._end_len, max_model_len)
+        for token in token_ids:
+            out.append(token)
+            every.append(token)
+            if token in enders or len(every) >= end_len:
+                return self.check_stop(max_model_len)
+        return False
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Keep only the first ``num_output_tokens`` output tokens (and their logprobs)."""

@@ -388,20 +388,21 @@ class Scheduler:
         k = chunk.num_draft_tokens
         accepted = len(tokens) - 1
         assert 0 <= accepted <= k, (chunk, tokens)
-        drafts = chunk.token_ids[chunk.num_tokens - k:]
-        path = list(path) if chunk.draft_parents is not None and path else list(range(accepted))
-        assert len(path) == accepted and tokens[:accepted] == [drafts[i] for i in path], (drafts, path, tokens)
-        # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
-        base = chunk.start_pos + chunk.num_tokens - k
-        self._move_accepted(req, base, path)
+        if k:
+            first = chunk.num_tokens - k  # the first draft's index in the chunk
+            if chunk.draft_parents is not None and path:
+                drafts, path = chunk.token_ids[first:], list(path)
+                assert len(path) == accepted and tokens[:accepted] == [drafts[i] for i in path], (drafts, path, tokens)
+                # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
+                self._move_accepted(req, chunk.start_pos + first, path)
+            else:  # a chain, or a tree accepted along its first drafts: they sit where they are
+                assert tokens[:accepted] == chunk.token_ids[first:first + accepted], (chunk, tokens)
+            req.spec_stats.record(k, accepted)
+            stats.record(k, accepted)
         req.num_computed_tokens += chunk.num_tokens - k + accepted
-        req.spec_stats.record(k, accepted)
-        stats.record(k, accepted)
-        for token in tokens:
-            req.append_token(token)
-            if req.check_stop(self.config.max_model_len):
-                self._retire(req)
-                return
+        if req.append_tokens(tokens, self.config.max_model_len):
+            self._retire(req)
+            return
         assert req.num_computed_tokens == req.num_tokens - 1, req
         self._rewind(req, req.num_computed_tokens)
 

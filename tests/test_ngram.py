@@ -4,6 +4,7 @@ match, continuations that grow, keep-all/use-oldest choices, public vs private p
 import pytest
 
 from specray import SamplingParams, SpeculativeConfig
+from specray.drafters import ngram
 from specray.drafters.base import Drafter, DraftRequest, DrafterContext
 from specray.drafters.ngram import NgramDrafter, NgramPool
 from specray.drafters.registry import drafter_class
@@ -16,6 +17,13 @@ def make(**kw) -> NgramDrafter:
     kw.setdefault("num_speculative_tokens", 4)
     kw.setdefault("adaptive", False)
     return NgramDrafter(SpeculativeConfig(method="ngram", **kw), CTX)
+
+
+@pytest.fixture
+def pure_python(monkeypatch):
+    """Private pools as NgramPools (the path without the C index), for the tests that read a pool's state; the
+    proposals of both paths are compared in test_ngram_native.py."""
+    monkeypatch.setattr(ngram, "NgramIndex", None)
 
 
 def draft(drafter, history, k=4, req_id="r"):
@@ -73,7 +81,7 @@ def test_truncation_to_num_speculative_tokens():
     assert draft(drafter, history, k=10) == [10, 11, 12]  # never more than num_speculative_tokens
 
 
-def test_zero_draft_tokens_returns_empty_and_still_indexes():
+def test_zero_draft_tokens_returns_empty_and_still_indexes(pure_python):
     drafter = make(prompt_lookup_min=2)
     history = [1, 2, 3, 4]
     assert draft(drafter, history, k=0) == []
@@ -151,7 +159,7 @@ def test_finish_frees_state():
     drafter = make(prompt_lookup_min=2)
     draft(drafter, [1, 2, 3, 1, 2], req_id="a")
     drafter.finish(["a", "unknown"])
-    assert drafter._requests == {}
+    assert drafter._requests == {} and not drafter._indexes
     assert draft(drafter, [9, 1, 2], req_id="a") == []  # a new request "a" starts afresh
 
     shared = make(prompt_lookup_min=2, is_public_pool=True)
@@ -160,7 +168,7 @@ def test_finish_frees_state():
     assert shared._requests == {} and shared.shared_pool.num_sequences == 1
 
 
-def test_rewound_history_is_reindexed():
+def test_rewound_history_is_reindexed(pure_python):
     drafter = make(prompt_lookup_min=2, prompt_lookup_max=3)
     history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
     assert draft(drafter, history) == [3, 4, 5, 6]
@@ -287,7 +295,7 @@ def test_bulk_indexing_builds_the_table_token_by_token_indexing_builds(keep_all,
 
 
 @pytest.mark.parametrize("keep_all", [True, False])
-def test_incremental_state_equals_indexing_the_whole_history(keep_all):
+def test_incremental_state_equals_indexing_the_whole_history(keep_all, pure_python):
     """The drafter indexes only what each step appends; under appends, in-place rewinds (a stop string), new
     list objects and skipped steps (a preempted request is not asked), its copy and table must equal those of a
     pool that indexes the whole current history at once."""
