@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#define MAX_N 1024      /* the longest n-gram an index takes (longer ones: NgramPool) */
 #define TAIL_CHECK 64  /* tokens of a history list seen before compared with the copy (as LookupState does) */
 
 typedef struct {
@@ -293,9 +294,9 @@ static int NgramIndex_init(NgramIndex *s, PyObject *args, PyObject *kwargs) {
     int min_n, max_n, use_newest;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iip", names, &min_n, &max_n, &use_newest))
         return -1;
-    if (min_n < 1 || max_n < min_n || max_n > 1024) {
+    if (min_n < 1 || max_n < min_n || max_n > MAX_N) {
         PyErr_Format(PyExc_ValueError, "prompt_lookup_min=%d and prompt_lookup_max=%d must satisfy "
-                     "1 <= min <= max <= 1024", min_n, max_n);
+                     "1 <= min <= max <= %d", min_n, max_n, MAX_N);
         return -1;
     }
     if (s->slots != NULL) {
@@ -368,6 +369,10 @@ PyMODINIT_FUNC PyInit__ngram_index(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddIntConstant(m, "MAX_N", MAX_N) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&NgramIndexType);
     if (PyModule_AddObject(m, "NgramIndex", (PyObject *)&NgramIndexType) < 0) {
         Py_DECREF(&NgramIndexType);

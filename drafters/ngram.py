@@ -60,9 +60,9 @@ from specray.drafters.registry import options_of
 from specray.tree import DraftTree, dynamic_tree, parse_token_tree, static_tree
 
 try:  # the per-request index in C (drafters/_ngram_index.c), built when the package is installed with a compiler
-    from specray.drafters._ngram_index import NgramIndex
+    from specray.drafters._ngram_index import MAX_N as NATIVE_MAX_N, NgramIndex
 except ImportError:  # no compiler at install: NgramPool serves private pools as well, answering the same
-    NgramIndex = None
+    NgramIndex, NATIVE_MAX_N = None, 0
 
 logger = logging.getLogger(__name__)
 
@@ -532,7 +532,8 @@ class NgramDrafter:
         # Private pools with chain lookups (the common case) are one C index per request when it is built: the
         # same answers as a private NgramPool's, at a fraction of the host time per step.
         self._indexes: dict[str, Any] | None = None
-        if NgramIndex is not None and self.shared_pool is None and not self.options.proposes_trees:
+        if (NgramIndex is not None and self.shared_pool is None and not self.options.proposes_trees
+                and self.options.prompt_lookup_max <= NATIVE_MAX_N):
             self._indexes = {}
         # a kept sighting that is not the oldest is the newest (is_keep_all=False keeps only that one)
         self._use_newest = not (self.options.is_keep_all and self.options.is_use_oldest)

@@ -116,3 +116,13 @@ def test_drafter_proposes_the_same_with_the_c_index(monkeypatch, keep_all, use_o
             assert got == [(p.token_ids, p.key) for p in pure.propose(batch)], step
     native.finish(list(histories))
     assert native._indexes == {}
+
+
+@needs_native
+def test_drafter_falls_back_to_the_pool_past_the_index_longest_n():
+    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2)
+    assert NgramDrafter(SpeculativeConfig(**spec, prompt_lookup_max=ngram.NATIVE_MAX_N), CTX)._indexes is not None
+    long = NgramDrafter(SpeculativeConfig(**spec, prompt_lookup_max=ngram.NATIVE_MAX_N + 1), CTX)
+    assert long._indexes is None
+    history = [1, 2, 3, 4, 1, 2]
+    assert [p.token_ids for p in long.propose([DraftRequest("r", history, 3, None)])] == [[3, 4, 1]]
