@@ -304,7 +304,8 @@ def main() -> None:
           + " | other | tokens per request-step |")
     print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     built = ngram.NgramIndex
-    rows = [(m, kind) for m in args.methods.split(",") for kind in (args.ngram_index.split(",") if m == "ngram" else [""])]
+    kinds = args.ngram_index.split(",")
+    rows = [(m, kind) for m in args.methods.split(",") for kind in (kinds if m == "ngram" else [""])]
     for batch in (int(b) for b in args.batch.split(",")):
         for method, kind in rows:
             name = None if method == "none" else method

@@ -61,7 +61,7 @@ from specray.tree import DraftTree, dynamic_tree, parse_token_tree, static_tree
 
 try:  # the per-request index in C (drafters/_ngram_index.c), built when the package is installed with a compiler
     from specray.drafters._ngram_index import MAX_N as NATIVE_MAX_N, NgramIndex
-except ImportError:  # no compiler at install: NgramPool serves private pools as well, answering the same
+except ImportError:  # no compiler at install: NgramPool serves private pools as well (DEVELOPERS.md: one difference)
     NgramIndex, NATIVE_MAX_N = None, 0
 
 logger = logging.getLogger(__name__)

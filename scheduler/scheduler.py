@@ -393,12 +393,12 @@ class Scheduler:
             if chunk.draft_parents is not None and path:
                 drafts, path = chunk.token_ids[first:], list(path)
                 assert len(path) == accepted and tokens[:accepted] == [drafts[i] for i in path], (drafts, path, tokens)
-                # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
                 self._move_accepted(req, chunk.start_pos + first, path)
             else:  # a chain, or a tree accepted along its first drafts: they sit where they are
                 assert tokens[:accepted] == chunk.token_ids[first:first + accepted], (chunk, tokens)
             req.spec_stats.record(k, accepted)
             stats.record(k, accepted)
+        # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
         req.num_computed_tokens += chunk.num_tokens - k + accepted
         if req.append_tokens(tokens, self.config.max_model_len):
             self._retire(req)

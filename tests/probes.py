@@ -133,7 +133,6 @@ def fail_next_verification(worker) -> None:
     runner._verify_all = failing
 
 
-
 def imported(_owner, module: str) -> bool:
     """Whether ``module`` has been imported in the process of the rank (or drafter actor) this runs on."""
     import sys

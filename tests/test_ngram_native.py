@@ -109,7 +109,8 @@ def test_drafter_proposes_the_same_with_the_c_index(monkeypatch, keep_all, use_o
             histories["r0"] = histories["r0"][:-2] + [4, 4]
         batch = [DraftRequest(rid, history, rng.choice([0, 2, 4]), None) for rid, history in histories.items()]
         got = [(p.token_ids, p.key) for p in native.propose(batch)]
-        fresh = [_from_scratch(r.token_ids, 1, 3, keep_all, use_oldest).lookup_match(r.token_ids, r.num_speculative_tokens)
+        fresh = [_from_scratch(r.token_ids, 1, 3, keep_all, use_oldest).lookup_match(r.token_ids,
+                                                                                      r.num_speculative_tokens)
                  if r.num_speculative_tokens else ([], 0) for r in batch]
         assert got == [(tokens, n or None) for tokens, n in fresh], step
         if keep_all:  # see test_index_matches_the_pool_through_appends_and_rewinds
