@@ -70,8 +70,10 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     extra_body: dict | None = None
+    api_key: str | None = None  # sent as "Authorization: Bearer <api_key>" (a server started with --api-key)
 
     def validate(self) -> None:
+        self.base_url = server_root(self.base_url)
         if not self.prompts:
             raise ValueError("no prompts: give --prompt or --input (a JSONL file of {\"prompt\": ...} lines)")
         if self.num_requests is None and self.duration_s is None:
@@ -221,7 +223,8 @@ async def run_benchmark(cfg: BenchConfig, return_outputs: bool = False) -> dict:
     cfg.validate()
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         if cfg.model is None:
             cfg.model = await served_model(session, cfg.base_url)
         budget = _Budget(cfg.num_requests, cfg.duration_s)
@@ -233,6 +236,13 @@ async def run_benchmark(cfg: BenchConfig, return_outputs: bool = False) -> dict:
     if return_outputs:
         summary["outputs"] = [asdict(r) for r in results]
     return summary
+
+
+def server_root(base_url: str) -> str:
+    """The server's root from either spelling users give: ``http://host:port`` or, as OpenAI clients take it,
+    ``http://host:port/v1``."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 
@@ -113,7 +114,10 @@ def _add_serve_parser(sub) -> None:
 
 def _add_bench_parser(sub) -> None:
     p = sub.add_parser("bench-serve", help="load-test a running server; print throughput and latency percentiles")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server, with or without /v1 (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $SPECRAY_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="served model name (default: the first one at /v1/models)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients (default 8)")
@@ -315,7 +319,8 @@ def cmd_bench_serve(args) -> int:
     summary = benchmark(base_url=args.base_url, model=args.model, prompts=read_prompts(args),
                         num_requests=None if args.duration else args.num_requests, duration_s=args.duration,
                         concurrency=concurrency, request_rate=args.request_rate, max_tokens=args.max_tokens,
-                        temperature=args.temperature, stream=args.stream, chat=args.chat, timeout_s=args.timeout)
+                        temperature=args.temperature, stream=args.stream, chat=args.chat, timeout_s=args.timeout,
+                        api_key=args.api_key or os.environ.get("SPECRAY_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     print(json.dumps(summary) if args.json else format_report(summary))
     return 0 if summary["failed"] == 0 and summary["completed"] > 0 else 1
 

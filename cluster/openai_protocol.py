@@ -284,8 +284,16 @@ def check_template_options(req) -> None:
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: str
     text: Text
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"a content part of type {value!r} is not supported: the served models read text "
+                             "only; send {'type': 'text', 'text': ...} parts or a string")
+        return value
 
 
 class ChatMessage(BaseModel):

@@ -239,6 +239,8 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None
+    # most tokens of one request's prefill per step (0: no bound); lets requests behind a long prompt start
+    long_prefill_token_threshold: int = 0
     dtype: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -299,6 +301,9 @@ class EngineArgs:
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
+                             ">= 0 (0: no bound)")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -45,6 +45,9 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # most tokens of one request's prefill in a step (vLLM's name; 0: no bound): a long prompt then leaves budget
+    # for requests that arrive after it, which otherwise wait until its whole prefill is done
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     num_blocks: int = field(kw_only=True)
     vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
@@ -66,6 +69,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
+                             ">= 0 (0: no bound)")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an int >= 2 "
                              "(one prompt token plus one generated token)")
@@ -214,7 +220,7 @@ class Scheduler:
             req = self.running[i]
             if self._beyond_pool(req):
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new(req, budget)
             assert num_new >= 1, req
             if not self._make_room(req, req.num_computed_tokens + num_new):
                 break
@@ -222,6 +228,12 @@ class Scheduler:
             budget -= num_new
             i += 1
         return required
+
+    def _num_new(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step: what is left of its prefill (or its one new token), within the
+        budget and, for a prefill, within ``long_prefill_token_threshold``."""
+        cap = self.config.long_prefill_token_threshold or budget
+        return min(req.num_tokens - req.num_computed_tokens, budget, cap)
 
     def _make_room(self, req: Request, num_slots: int) -> bool:
         """Preempt the newest running requests until ``req`` covers ``num_slots`` slots; False if ``req`` was
@@ -328,7 +340,7 @@ class Scheduler:
             req = self.waiting[0]
             if self._beyond_pool(req):
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new(req, budget)
             if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()

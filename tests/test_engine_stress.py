@@ -86,7 +86,8 @@ def alone(tiny_llama_dir):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 CASES = {
     "plain": {},
-    "ngram": {"speculative_config": NGRAM},
+    # long_prefill_token_threshold: prompts prefilled in chunks of at most 12 tokens beside other requests
+    "ngram": {"speculative_config": NGRAM, "long_prefill_token_threshold": 12},
     "ngram-public-pool": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                  "is_public_pool": True, "adaptive": False}},
     "ngram-tree": {"speculative_config": {**NGRAM, "num_speculative_tokens": 8, "num_branches": 3}},
@@ -99,7 +100,8 @@ CASES = {
     # hidden-state heads drafting inside the target's worker (tests/draft_heads.py: heads often right): reserved
     # draft slots, drafts cut by the scheduler and the policy, per-request caps, the head's K/V across preemption
     "eagle": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
-    "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4}},
+    "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
+               "long_prefill_token_threshold": 12},
     "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)

@@ -538,6 +538,10 @@ def test_chat_messages_are_checked_in_openai_terms(server):
                                                         {"role": "wizard", "content": "hi"}]}))
     assert (status, err["param"]) == (400, "messages.1.role")
     assert "'wizard'" in err["message"] and all(r in err["message"] for r in ("user", "assistant", "developer"))
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}
+    status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [image]}]}))
+    assert (status, err["param"]) == (400, "messages.0.content.0.type")
+    assert "'image_url'" in err["message"] and "text only" in err["message"]
     status, body = http_json(url, {"messages": [{"role": "developer", "content": "Be brief."},
                                                 {"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
@@ -1059,6 +1063,13 @@ def test_api_key_is_required_except_for_health_and_debug_route_is_off():
             openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
         status, err = error_of(http_json(base + "/v1/debug/kv", headers={"Authorization": "Bearer sekret"}))
         assert status == 404
+        # bench-serve takes the key, and the base URL as OpenAI clients spell it (with /v1)
+        from specray.cluster.bench_serve import benchmark
+
+        args = dict(base_url=base + "/v1/", model=None, prompts=["hi"], num_requests=2, concurrency=1, max_tokens=3)
+        assert benchmark(api_key="sekret", **args)["completed"] == 2
+        with pytest.raises(ValueError, match="401"):  # no key: listing the models fails
+            benchmark(**args)
 
 
 def test_one_request_cannot_hold_every_seat_or_fill_the_queue():

@@ -227,6 +227,22 @@ def test_running_prefill_has_priority_and_waiting_gets_the_rest():
     assert [(c.req_id, c.num_tokens, c.sample) for c in plan.chunks] == [("a", 3, True), ("b", 3, False)]
 
 
+def test_long_prefill_token_threshold_lets_a_later_request_start_beside_a_long_prompt():
+    def first_steps(threshold):
+        sched = make_sched(block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=threshold)
+        sched.add_request(make_req("long", 20, arrival=0.0))
+        step(sched)
+        sched.add_request(make_req("short", 2, 3, arrival=1.0))
+        return [[(c.req_id, c.num_tokens, c.sample) for c in step(sched)[0].chunks] for _ in range(3)]
+
+    # no bound: the short request waits while the long prompt takes the whole budget
+    assert first_steps(0) == [[("long", 8, False)], [("long", 4, True), ("short", 2, True)],
+                              [("long", 1, True), ("short", 1, True)]]
+    # at most 5 prefill tokens of one request a step: the short one starts at once and decodes beside it
+    assert first_steps(5) == [[("long", 5, False), ("short", 2, True)], [("long", 5, False), ("short", 1, True)],
+                              [("long", 5, True), ("short", 1, True)]]
+
+
 def test_continuous_batching_respects_max_num_seqs():
     sched = make_sched(max_num_seqs=2)
     a, b, c = make_req("a", 5, 2, arrival=0.0), make_req("b", 6, 5, arrival=1.0), make_req("c", 4, 3, arrival=2.0)
@@ -443,7 +459,8 @@ def test_randomized_runs_replay_exactly_on_a_fake_worker(seed):
     rng = random.Random(seed)
     num_blocks, block_size, max_model_len = 20, 4, 48
     sched = make_sched(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                       max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 64]))
+                       max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 64]),
+                       long_prefill_token_threshold=[0, 3, 0, 7, 0, 5][seed])
     worker = FakeWorker(num_blocks, block_size)
     pending = [make_req(f"r{seed}-{i}", rng.randint(1, 30), rng.randint(1, 40), arrival=float(i)) for i in range(14)]
     quality = {r.req_id: rng.random() for r in pending}
@@ -527,7 +544,9 @@ def test_duplicate_id_and_bad_finish_calls_raise():
 @pytest.mark.parametrize("kw, match", [({"num_blocks": 0}, "num_blocks=0"), ({"num_blocks": 4, "block_size": 0},
                                        "block_size=0"), ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs=0"),
                                        ({"num_blocks": 4, "max_model_len": 1}, "max_model_len=1"),
-                                       ({"num_blocks": 4, "max_num_batched_tokens": -1}, "max_num_batched_tokens")])
+                                       ({"num_blocks": 4, "max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+                                       ({"num_blocks": 4, "long_prefill_token_threshold": -1},
+                                        "long_prefill_token_threshold=-1")])
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**kw)

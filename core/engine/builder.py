@@ -126,6 +126,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
         max_model_len=max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size,
         num_blocks=executor.num_kv_blocks,
         vocab_size=hf_config.vocab_size,
