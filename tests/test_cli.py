@@ -43,8 +43,10 @@ def test_bad_arguments_are_clear_errors(tiny_llama_dir, capsys):
 
 def test_generate_accepts_the_executor_backend(tiny_llama_dir, capsys):
     rc = main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--prompt", "Hello",
-               "--max-model-len", "128", "--tensor-parallel-size", "1", "--distributed-executor-backend", "uni"])
-    assert rc == 0 and "requests: 1" in capsys.readouterr().err
+               "--spec-method", "none", "--max-model-len", "128", "--tensor-parallel-size", "1",
+               "--distributed-executor-backend", "uni"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "requests: 1" in err and "speculation" not in err  # "none": plain decoding
 
 
 def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
@@ -61,6 +63,9 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     engine_args = parsed.engine_args()
     assert engine_args.speculative_config.num_speculative_tokens == 3 and engine_args.max_model_len == 128
     assert engine_args.ray_placement.strategy == "STRICT_SPREAD" and engine_args.device == "cpu"
+    # "none", what the help calls the default, is plain decoding
+    plain = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--spec-method", "None"])
+    assert ServeArgs.from_dict(serve_app_args(plain)).engine_args().speculative_config is None
 
 
 def test_serve_without_the_default_model_says_how_to_install_it(monkeypatch, capsys):
