@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # What a request's own random stream (torch.Generator.manual_seed) accepts: a signed or unsigned 64-bit int.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -108,13 +109,9 @@ class SamplingParams:
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
-        self.bad_words = list(self.bad_words or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids", one_string=False)
+        self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings")
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -231,6 +228,18 @@ def choice_seed(seed: int, choice: int) -> int:
     stay in [SEED_MIN, SEED_MAX], so the choices differ and each is reproducible."""
     value = seed + choice
     return value if value <= SEED_MAX else value - (1 << 64)
+
+
+def _as_list(name: str, value: Any, what: str, one_string: bool = True) -> list:
+    """A list-valued field given as a list or tuple, None (empty) or, where ``one_string``, one string (one item);
+    anything else is a ValueError."""
+    if value is None:
+        return []
+    if isinstance(value, str) and one_string:
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name}={value!r} must be {what}")
 
 
 def _is_int(value) -> bool:

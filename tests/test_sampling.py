@@ -279,7 +279,8 @@ def test_sampling_has_no_host_sync(no_host_sync, device):
     ({"temperature": float("nan")}, "temperature"), ({"temperature": 10**400}, "temperature"),
     ({"top_p": float("nan")}, "top_p"), ({"top_k": 2.5}, "top_k"), ({"top_k": 2**40}, "top_k"),
     ({"min_p": float("nan")}, "min_p"), ({"max_tokens": 2.5}, "max_tokens"), ({"logprobs": 1.5}, "logprobs"),
-    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop": 123}, "stop=123"),
+    ({"stop_token_ids": "7"}, "stop_token_ids='7'"), ({"bad_words": {"x": 1}}, "bad_words"),
 ])
 def test_sampling_params_refuse_what_a_step_cannot_take(kw, field):
     from specray.sampling_params import SamplingParams
