@@ -18,6 +18,9 @@ RAY_ENV_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # otherwise Ray binds the external interface
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    # Ray warns at any ray.get in an async actor's process; the engine actors call it only from the engine's own
+    # thread (or asyncio.to_thread), never on the event loop, so the warning would only mislead
+    "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
 }
 # A throwaway cluster on one host (tests): no token to hand around, gloo on loopback. (Elsewhere
 # GLOO_SOCKET_IFNAME is the worker's business: it picks loopback only for a loopback rendezvous.)
