@@ -1,6 +1,7 @@
 """`specray generate` on a tiny model: prints outputs and a speed/acceptance summary."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -240,8 +241,10 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
 
     monkeypatch.setattr(serve_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
     too_big = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"needs 2.5 CPUs.*has 2; .*worker_num_cpus"):
+    with pytest.raises(ValueError, match=r"needs 2.5 CPUs.*has 2; .*worker_num_cpus") as info:
         check_resources(too_big, autoscaling=False)
+    # the advice is values that fit: 0.5 + 2 x 0.75 = 2
+    assert '{"ray_placement": {"worker_num_cpus": 0.75}}' in str(info.value)
     check_resources(too_big, autoscaling=True)  # an autoscaler may add nodes: the placement waits for them
     fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
                                 "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
@@ -249,8 +252,11 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
     # the drafter's actor counts too: 0.5 + 3 x 0.4 + 0.5 > 2 ...
     three = {"model": str(tiny_llama_dir), "tensor_parallel_size": 3, "spec_method": "ngram"}
     placement = {"worker_num_cpus": 0.4}
-    with pytest.raises(ValueError, match=r"needs 2.2 CPUs.*1 drafter actor\(s\) x 0.5.*drafter_num_cpus"):
+    with pytest.raises(ValueError, match=r"needs 2.2 CPUs.*1 drafter actor\(s\) x 0.5.*drafter_num_cpus") as info:
         check_resources(ServeArgs.from_dict({**three, "engine_kwargs": {"ray_placement": placement}}), False)
+    advice = json.loads(re.search(r"--engine-kwargs '(.*?)'", str(info.value)).group(1))
+    assert advice == {"ray_placement": {"worker_num_cpus": 0.35, "drafter_num_cpus": 0.4}}  # 1.95 of 2
+    check_resources(ServeArgs.from_dict({**three, "engine_kwargs": advice}), autoscaling=False)
     check_resources(ServeArgs.from_dict({**three, "engine_kwargs": {"ray_placement": {  # ... 0.25 fits
         **placement, "drafter_num_cpus": 0.25}}}), autoscaling=False)
     check_resources(ServeArgs.from_dict({**three, "spec_method": "eagle3", "engine_kwargs": {  # a head: no actor
