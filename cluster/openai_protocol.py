@@ -318,6 +318,20 @@ class ChatMessage(BaseModel):
         return data
 
 
+# OpenAI chat parameters for features this server does not have: the values that leave the feature off (what
+# client libraries often send anyway; null too) are dropped, any other is a 400 saying what is missing
+_FEATURE_OFF = {
+    "tools": (([],), "this server does not call tools"),
+    "functions": (([],), "this server does not call functions"),
+    "tool_choice": (("none",), "this server does not call tools"),
+    "function_call": (("none",), "this server does not call functions"),
+    "parallel_tool_calls": ((True, False), "it takes true or false"),  # meaningless without tools
+    "response_format": (({"type": "text"},), "structured output (JSON mode, JSON schema) is not available"),
+    "modalities": ((["text"],), "the served models write text only"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+}
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -330,6 +344,20 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
     store: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_features_left_off(cls, data: Any) -> Any:
+        """OpenAI's feature parameters sent with the value that leaves the feature off (or null) are dropped;
+        another value is a 400 naming the parameter and what is missing."""
+        if not isinstance(data, dict) or not _FEATURE_OFF.keys() & data.keys():
+            return data
+        data = dict(data)
+        for name, (off, why) in _FEATURE_OFF.items():
+            value = data.pop(name, None)
+            if value is not None and not any(value == v and type(value) is type(v) for v in off):
+                raise bad_request(f"{name}={value!r:.100} is not supported: {why}; omit it", name)
+        return data
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):

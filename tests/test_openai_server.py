@@ -547,6 +547,21 @@ def test_chat_messages_are_checked_in_openai_terms(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
+def test_feature_parameters_left_off_are_accepted_and_others_named(server):
+    url = server + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    off = {"tools": [], "tool_choice": "none", "parallel_tool_calls": False, "functions": None,
+           "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto"}
+    status, body = http_json(url, {**base, **off})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for name, value, says in (("tools", [tool], "call tools"), ("tool_choice", "auto", "call tools"),
+                              ("response_format", {"type": "json_object"}, "structured output"),
+                              ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "true or")):
+        status, err = error_of(http_json(url, {**base, name: value}))
+        assert (status, err["param"]) == (400, name) and says in err["message"], (name, err)
+
+
 def test_lone_surrogate_is_400(server):
     surrogate = b'"Hi \\ud800 there"'
     for path, body, param in (
