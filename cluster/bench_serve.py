@@ -39,10 +39,12 @@ class RequestResult:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    spec_reported: bool = False  # the usage had the speculative field
 
     def read_usage(self, usage: dict) -> None:
         self.output_tokens = usage["completion_tokens"]
         spec = usage.get("speculative") or {}
+        self.spec_reported = "speculative" in usage
         self.drafts = spec.get("drafts", 0)
         self.draft_tokens = spec.get("draft_tokens", 0)
         self.accepted_tokens = spec.get("accepted_tokens", 0)
@@ -289,7 +291,8 @@ def _speculation(results: list[RequestResult]) -> dict:
     drafts = sum(r.drafts for r in results)
     drafted = sum(r.draft_tokens for r in results)
     accepted = sum(r.accepted_tokens for r in results)
-    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+    return {"reported_by": sum(r.spec_reported for r in results),
+            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": 1.0 + accepted / drafts if drafts else 1.0}
 
@@ -329,8 +332,11 @@ def format_report(summary: dict) -> str:
         lines.append(f"speculation: {spec['draft_tokens']} draft tokens in {spec['drafts']} drafts, "
                      f"{spec['accepted_tokens']} accepted (acceptance rate {spec['acceptance_rate']:.2f}, "
                      f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per step)")
+    elif spec["reported_by"]:
+        lines.append("speculation: no tokens were drafted for these requests (speculation off, or the drafter "
+                     "found nothing to propose)")
     else:
-        lines.append("speculation: no draft tokens (speculation off, or a server that does not report it)")
+        lines.append("speculation: not reported (a server without usage.speculative)")
     for message, count in summary["errors"].items():
         lines.append(f"error x{count}: {message}")
     return "\n".join(lines)

@@ -287,3 +287,18 @@ def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tm
                  "--answer-max-tokens", "4"]) == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 and all(len(s["token_ids"]) > s["num_prompt_tokens"] for s in samples)
+
+
+def test_bench_serve_report_says_whether_the_server_reports_speculation():
+    from specray.cluster.bench_serve import RequestResult, format_report, summarize
+
+    def result(usage: dict) -> RequestResult:
+        r = RequestResult(0, ok=True, e2e=0.1)
+        r.read_usage({"completion_tokens": 4, **usage})
+        return r
+
+    spec = {"speculative": {"drafts": 2, "draft_tokens": 6, "accepted_tokens": 3}}
+    assert "6 draft tokens in 2 drafts, 3 accepted" in format_report(summarize([result(spec)], 1.0))
+    none = {"speculative": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}}
+    assert "no tokens were drafted" in format_report(summarize([result(none)], 1.0))
+    assert "not reported" in format_report(summarize([result({})], 1.0))
