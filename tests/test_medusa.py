@@ -95,3 +95,27 @@ def test_a_tree_deeper_than_the_heads_is_refused(target_dir, tmp_path):
     with pytest.raises(ValueError, match="3 levels deep but the checkpoint has 2 heads"):
         LLM(str(target_dir), speculative_config={"method": "medusa", "model": str(folder),
                                                  "medusa_choices": [[0], [0, 0], [0, 0, 0]]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_drafted_token_ids_survive_the_heads_dtype(dtype):
+    """A GPU model's heads run in bf16 or fp16, which hold integers exactly only up to 256 or 2048: the drafts'
+    token ids must reach the host exact (vocabularies run to 49k-256k)."""
+    from specray.contract import ScheduledChunk, StepPlan
+    from specray.workers.medusa_drafter import MedusaDrafter
+
+    vocab, peaks = 50000, (40001, 30003)
+
+    class Heads:
+        num_heads, tp = 2, None
+
+        def __call__(self, hidden):
+            logits = torch.zeros(hidden.shape[0], self.num_heads, vocab, dtype=dtype)
+            for k, token in enumerate(peaks):
+                logits[:, k, token] = 20.0
+            return logits
+
+    drafter = MedusaDrafter(Heads(), [[0], [0, 0]])
+    plan = StepPlan(0, chunks=[ScheduledChunk("r", [5], start_pos=3, num_next_drafts=2)])
+    [drafted] = drafter.draft(plan, {}, torch.zeros(1, 8, dtype=dtype), [], {0: [7]}, {})
+    assert drafted.token_ids == list(peaks) and drafted.parents == [-1, 0]

@@ -66,8 +66,9 @@ class MedusaDrafter:
         if not rows:
             return out
         logits = self.heads(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device)))
-        probs, tokens = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # [B, K, top_k]
-        host = torch.stack([tokens.to(probs.dtype), probs]).tolist()  # the drafts' one host sync
+        probs, tokens = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)  # [B, K, top_k]
+        # float64 holds every token id exactly (bf16 and fp16, a GPU model's dtypes, would round ids past 256)
+        host = torch.stack([tokens.double(), probs.double()]).tolist()  # the drafts' one host sync
         for b, (i, n) in enumerate(asked):
             chosen = self.choices[:n]
             out[i] = Drafted([int(host[0][b][len(c) - 1][c[-1]]) for c in chosen], self.parents[: len(chosen)],

@@ -64,7 +64,8 @@ class ReDrafterDrafter:
         device = hidden.device
         context = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
         tokens, own = self.beam_search(context, torch.tensor(last, dtype=torch.long, device=device))
-        host = torch.stack([tokens.to(own.dtype), own]).tolist()  # the drafts' one host sync: [2, B, M, L]
+        # float64 holds every token id exactly, whatever the head's dtype
+        host = torch.stack([tokens.double(), own.double()]).tolist()  # the drafts' one host sync: [2, B, M, L]
         for b, (i, n) in enumerate(asked):
             out[i] = prefix_tree(host[0][b], host[1][b], n)
         return out
