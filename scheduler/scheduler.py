@@ -216,11 +216,12 @@ class Scheduler:
     def _reserve_running(self, budget: int) -> list[tuple[Request, int]]:
         """Pass 1: blocks and budget for each running request's required tokens, preempting as needed."""
         required, i = [], 0
+        cap = self._prefill_cap()
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if self._beyond_pool(req):
                 continue
-            num_new = self._num_new(req, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             assert num_new >= 1, req
             if not self._make_room(req, req.num_computed_tokens + num_new):
                 break
@@ -229,11 +230,10 @@ class Scheduler:
             i += 1
         return required
 
-    def _num_new(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to compute this step: what is left of its prefill (or its one new token), within the
-        budget and, for a prefill, within ``long_prefill_token_threshold``."""
-        cap = self.config.long_prefill_token_threshold or budget
-        return min(req.num_tokens - req.num_computed_tokens, budget, cap)
+    def _prefill_cap(self) -> int:
+        """The most tokens one request computes in a step (its prefill's chunk; a decode computes one):
+        ``long_prefill_token_threshold``, else the whole budget."""
+        return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
 
     def _make_room(self, req: Request, num_slots: int) -> bool:
         """Preempt the newest running requests until ``req`` covers ``num_slots`` slots; False if ``req`` was
@@ -335,12 +335,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
-        chunks = []
+        chunks, cap = [], self._prefill_cap()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._beyond_pool(req):
                 continue
-            num_new = self._num_new(req, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
