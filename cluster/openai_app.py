@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app (FastAPI), written against an engine client; no Ray here.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text), and, with ``enable_debug_routes``, ``GET /v1/debug/kv`` (KV blocks free/total
-and queue lengths, read in the engine thread: tests use it to check that every scenario gives its blocks back).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``GET /health``, ``GET /metrics`` (Prometheus text), and, with ``enable_debug_routes``, ``GET /v1/debug/kv`` (KV
+blocks free/total and queue lengths, read in the engine thread: tests use it to check that every scenario gives its
+blocks back).
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
 
 One HTTP request with ``n`` choices (and, for completions, several prompts) fans out into one engine request
@@ -416,9 +417,17 @@ class OpenAIServing:
         return await self._handle(request, self._detokenize)
 
     async def models(self) -> dict:
-        card = proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
+        return proto.ModelList(data=[self._model_card()]).model_dump()
+
+    async def model(self, model_id: str) -> Response:
+        """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
+        if model_id != self.config.served_model_name:
+            return error_response(proto.model_not_found(model_id, self.config.served_model_name))
+        return JSONResponse(self._model_card().model_dump())
+
+    def _model_card(self) -> proto.ModelCard:
+        return proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
                                max_model_len=self.client.max_model_len)
-        return proto.ModelList(data=[card]).model_dump()
 
     async def health(self) -> Response:
         if self.client.is_healthy():
@@ -768,6 +777,7 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])  # ids may hold "/"
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])  # vLLM's paths
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])

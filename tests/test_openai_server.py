@@ -585,6 +585,12 @@ def test_unknown_model_is_404(server, client):
     assert (status, err["code"], err["param"]) == (404, "model_not_found", "model")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    # OpenAI's retrieve-model route
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    status, err = error_of(http_json(server + "/v1/models/org/gpt-9"))
+    assert (status, err["code"]) == (404, "model_not_found")
 
 
 def test_context_length_exceeded(server):
