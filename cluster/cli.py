@@ -250,11 +250,18 @@ def read_prompts(args) -> list:
     if args.prompt:
         return list(args.prompt)
     prompts = []
-    with open(args.input, encoding="utf-8") as f:
+    try:
+        f = open(args.input, encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"--input {args.input}: cannot read it ({err.strerror})") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{args.input}:{n}: not JSON ({err.msg}); give one JSON object per line") from None
             if isinstance(item, str):
                 item = {"prompt": item}
             if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
@@ -266,10 +273,10 @@ def read_prompts(args) -> list:
 def cmd_generate(args) -> int:
     from specray import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    prompts = read_prompts(args)  # before the model loads: a bad file fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
-    prompts = read_prompts(args)
+    llm = LLM(**engine_kwargs(args))
     start = time.perf_counter()
     if args.chat:
         convs = [[{"role": "user", "content": p if isinstance(p, str) else p["prompt"]}] for p in prompts]

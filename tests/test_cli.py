@@ -31,6 +31,11 @@ def test_generate_jsonl_input(tiny_llama_dir, tmp_path, capsys):
                  "--max-model-len", "128"]) == 0
     out, err = capsys.readouterr()
     assert out.count("--- prompt") == 2 and "requests: 2" in err
+    path.write_text('{"prompt": "Hello world"}\nnot json\n')
+    assert main(["generate", "--model", "/no/such/model", "--input", str(path)]) == 2  # read before the model
+    assert f"{path}:2: not JSON" in capsys.readouterr().err
+    assert main(["generate", "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: cannot read it" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_clear_errors(tiny_llama_dir, capsys):
