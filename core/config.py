@@ -4,6 +4,7 @@ module: the drafter registry (above) checks a method's options, this module only
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,10 @@ def check_keys(what: str, given: Any, known: Any, hint: str = "") -> None:
     ones."""
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ValueError(f"{what} has unknown keys {unknown}{hint}; known keys: {sorted(known)}")
+        close = {key: difflib.get_close_matches(key, list(known), n=1, cutoff=0.75) for key in unknown}
+        guess = ", ".join(f"{key!r} -> {match[0]!r}" for key, match in close.items() if match)
+        guess = f" (did you mean {guess}?)" if guess else ""
+        raise ValueError(f"{what} has unknown keys {unknown}{hint}{guess}; known keys: {sorted(known)}")
 
 
 def jsonable_fields(cls) -> dict[str, dict[str, Any]]:

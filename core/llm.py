@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -9,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from specray.chat import check_chat_options, render_chat
-from specray.config import EngineArgs
+from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_heads
 from specray.outputs import RequestOutput, SpecStats
@@ -30,6 +31,7 @@ class LLM:
     the end of a ``with LLM(...) as llm:`` block, or when the object is garbage collected, whichever comes first."""
 
     def __init__(self, model: str, **kwargs: Any):
+        check_keys("LLM(...)", kwargs, {f.name for f in dataclasses.fields(EngineArgs)} - {"model"})
         self.engine_args = EngineArgs(model=model, **kwargs)
         if self.engine_args.executor_backend == "ray":
             from specray.models.loader import load_hf_config, load_tokenizer

@@ -115,9 +115,13 @@ def test_self_drafting_accepts_everything(tiny_llama_dir, plain_outputs):
 
 
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
-def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec):
+def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec, caplog):
     """A KV pool too small for all 8 requests at once forces preemption by recompute."""
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4, num_kv_blocks=40)
+    with caplog.at_level("WARNING", logger="specray.engine.builder"):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4,
+                  num_kv_blocks=40)
+    # 160 slots, fewer than max_model_len: said at start
+    assert any("holds 160 tokens, fewer than max_model_len=256" in r.getMessage() for r in caplog.records)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert token_ids(outs) == plain_outputs
     assert llm.engine.scheduler.num_preemptions > 0
@@ -438,6 +442,10 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
     (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
     (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),
+    (lambda llm: LLM(llm.engine_args.model, max_num_seq=3),
+     r"LLM\(...\) has unknown keys \['max_num_seq'\] \(did you mean 'max_num_seq' -> 'max_num_seqs'\?\)"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "prompt_lookup_mx": 3}),
+     r"did you mean 'prompt_lookup_mx' -> 'prompt_lookup_max'"),
 ])
 def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make_bad, field):
     start = free_blocks(plain)

@@ -137,6 +137,11 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
+    pool_tokens = executor.num_kv_blocks * args.block_size
+    if pool_tokens < max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer prompts are refused and "
+                       "outputs end (length) when the cache is full; raise kv_cache_memory_bytes (or num_kv_blocks) "
+                       "or lower max_model_len", pool_tokens, max_model_len)
     return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
                      eos_ids(hf_config, tokenizer), drafter, policy, router,
                      worker_method=spec.method if in_worker else None,
