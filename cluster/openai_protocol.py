@@ -178,6 +178,13 @@ class _GenerationRequest(_Strict):
     bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
 
     @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only for streamed responses; set stream=true or omit it",
+                              "stream_options")
+        return self
+
+    @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available with stream=true; omit one of them (a streamed "

@@ -477,6 +477,7 @@ BAD_PARAMS = [
     ({"stop": 5}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"logprobs": 50}, "logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream=true
     ({"max_tokenz": 5}, "max_tokenz"),
     ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
     ({"speculative": {"enable": False}}, "speculative.enable"),
