@@ -69,7 +69,8 @@ def main() -> None:
     base = args.base_url.rstrip("/").removesuffix("/v1")
     model = asyncio.run(served_model(base))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, commit {commit}, {base}, model {model}, "
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    print(f"# {platform.machine()}, {when} UTC, commit {commit}, {base}, model {model}, "
           f"long prompt of {args.long_words} words, short request {args.delay} s later")
     for _ in range(args.rounds):
         print(json.dumps(asyncio.run(one_round(base, model, args.long_words, args.delay))))
