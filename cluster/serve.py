@@ -912,28 +912,24 @@ def check_resources(args: ServeArgs, autoscaling: bool) -> None:
             f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + {ranks} "
             f"rank(s) x {placement.worker_num_cpus:g} + {drafters} drafter actor(s) x "
             f"{placement.drafter_num_cpus:g})) but this Ray cluster has {total:g}; "
-            f"{_fitting_advice(total / args.num_replicas - args.num_cpus, ranks, drafters, placement)}"
-            "--tensor-parallel-size, or --num-replicas")
+            f"{_fitting_cpus(total / args.num_replicas - args.num_cpus, ranks, drafters, placement)}"
+            "lower --tensor-parallel-size, or --num-replicas")
 
 
-def _fitting_advice(budget: float, ranks: int, drafters: int, placement) -> str:
-    """Advice that fits: the ranks' and the drafter actors' CPUs scaled down (to 0.05 steps) into what a replica
-    leaves of its share of the cluster, when that is a real fraction; else only the other knobs."""
+def _fitting_cpus(budget: float, ranks: int, drafters: int, placement) -> str:
+    """Advice on the ranks' and drafter actors' CPUs, scaled down (to 0.05 steps) into ``budget``, what a replica
+    leaves of its share of the cluster; empty when no such fraction fits."""
     asked = ranks * placement.worker_num_cpus + drafters * placement.drafter_num_cpus
     if budget <= 0 or asked <= 0:
-        return "lower "
-
-    def scaled(cpus: float) -> float:
-        return math.floor(cpus * budget / asked / 0.05 + 1e-9) * 0.05
-
-    worker, drafter = scaled(placement.worker_num_cpus), scaled(placement.drafter_num_cpus)
-    if (ranks and worker <= 0) or (drafters and placement.drafter_num_cpus and drafter <= 0):
-        return "lower "
-    fit = {"worker_num_cpus": round(worker, 2)} if ranks else {}
-    if drafters:
-        fit["drafter_num_cpus"] = round(drafter, 2)
-    example = json.dumps({"ray_placement": fit})
-    return f"give the ranks and drafter fewer CPUs, e.g. --engine-kwargs '{example}', or lower "
+        return ""
+    fit = {}
+    for name, count in (("worker_num_cpus", ranks), ("drafter_num_cpus", drafters)):
+        cpus = getattr(placement, name)
+        if count and cpus:
+            fit[name] = round(math.floor(cpus * budget / asked / 0.05 + 1e-9) * 0.05, 2)
+    if not fit or min(fit.values()) <= 0:
+        return ""
+    return f"give the ranks and drafter fewer CPUs, e.g. --engine-kwargs '{json.dumps({'ray_placement': fit})}', or "
 
 
 def wait_for_stop_signal() -> None:

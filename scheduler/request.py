@@ -104,10 +104,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
     def append_tokens(self, token_ids: list[int], max_model_len: int) -> bool:
         """Append a step's kept tokens one at a time, stopping at the first that finishes the request
         (:meth:`check_stop` decides how); returns whether one did."""

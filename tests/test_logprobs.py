@@ -275,11 +275,11 @@ def test_prompt_logprob_entries_in_slices():
 
 def test_request_keeps_one_entry_per_output_token():
     req = Request("r", [1, 2], SamplingParams(logprobs=1))
-    req.append_token(5)
-    req.append_token(6)
+    req.append_tokens([5], 1024)
+    req.append_tokens([6], 1024)
     req.extend_logprobs([{5: -0.1}, {6: -0.2}, {7: -0.3}])  # the third token was dropped (a stop token)
     assert req.output_logprobs == [{5: -0.1}, {6: -0.2}] and req.cumulative_logprob == pytest.approx(-0.3)
-    req.append_token(8)
+    req.append_tokens([8], 1024)
     req.extend_logprobs([{8: -0.5}])
     req.truncate_output(1)
     assert req.output_logprobs == [{5: -0.1}] and req.cumulative_logprob == pytest.approx(-0.1)

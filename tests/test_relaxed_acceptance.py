@@ -171,7 +171,7 @@ def test_request_tracks_the_span_incrementally_and_after_truncation():
     req = Request("r", [1, 5, 2], SamplingParams(temperature=0.0))
     assert req.inside(5, 6)
     for token, want in ((3, True), (6, False), (4, False), (5, True)):
-        req.append_token(token)
+        req.append_tokens([token], 1024)
         assert req.inside(5, 6) == want, token
     req.truncate_output(2)  # [1, 5, 2, 3, 6]: the span ended
     assert not req.inside(5, 6)
