@@ -1,4 +1,5 @@
-"""Offline speed of speculative decoding on SmolLM2-135M-Instruct (fp32, CPU threads, greedy).
+"""Offline speed of speculative decoding on SmolLM2-135M-Instruct (greedy; fp32 on CPU threads by default, or
+``--device cuda``, where ``--dtype auto`` is bf16).
 
 Compares transformers `generate` (plain and with prompt lookup), specray without speculation, specray `ngram`
 and specray `draft_model` (SmolLM2 drafting for itself: a check of the mechanics, not a useful speed-up), for
@@ -9,6 +10,7 @@ EOS or ``--max-tokens``; ``--ignore-eos`` forces ``--max-tokens`` tokens (then a
 followed by text the model makes up after its EOS, which is no longer grounded in the input).
 
     python benchmarks/bench_offline.py --threads 2 --max-tokens 128 --num-spec-tokens 5,12
+    python benchmarks/bench_offline.py --device cuda --skip-hf --spec 'eagle3={"method": "eagle3"}'
 """
 
 from __future__ import annotations
@@ -105,11 +107,11 @@ class SpecrayRun:
     """One specray configuration, built once and timed several times (interleaved with the others), one request
     at a time or all at once (up to 8 running)."""
 
-    def __init__(self, model, spec, prompts, max_tokens, ignore_eos):
+    def __init__(self, model, spec, prompts, max_tokens, ignore_eos, device="cpu", dtype="auto"):
         from specray import LLM, SamplingParams
 
         self.llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048,
-                       kv_cache_memory_bytes=KV_BYTES)
+                       kv_cache_memory_bytes=KV_BYTES, device=device, dtype=dtype)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.texts = chat_prompts(self.llm.get_tokenizer(), prompts)
         self.llm.generate(self.texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -133,12 +135,12 @@ class SpecrayRun:
 class HFRun:
     """transformers ``generate`` on the same dequantized weights, one prompt at a time."""
 
-    def __init__(self, folder, prompts, max_tokens, ignore_eos, lookup):
+    def __init__(self, folder, prompts, max_tokens, ignore_eos, lookup, device="cpu", dtype=torch.float32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        self.ids = [tok(t, return_tensors="pt").input_ids for t in chat_prompts(tok, prompts)]
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.ids = [tok(t, return_tensors="pt").input_ids.to(device) for t in chat_prompts(tok, prompts)]
         self.kwargs = dict(max_new_tokens=max_tokens, do_sample=False)
         if ignore_eos:
             self.kwargs["min_new_tokens"] = max_tokens
@@ -159,6 +161,10 @@ class HFRun:
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """The options this script shares with bench_lockstep.py and bench_replay.py."""
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every row's)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="specray's dtype (auto: float32 on CPU, the checkpoint's half type on a GPU); the "
+                             "transformers rows take the same, float32 for auto on CPU, bfloat16 on a GPU")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-spec-tokens", default="5", help="the ngram rows' K, or a comma list: 5,12")
     parser.add_argument("--prompt-lookup-min", default="2", help="the ngram rows' prompt_lookup_min, or a comma "
@@ -199,6 +205,8 @@ def main():
                         help="generate exactly max-tokens per request (past EOS); default: stop at EOS")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-draft-model-row", action="store_true", help="skip the self-drafting draft_model row")
+    add_spec_args(parser)
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
     parser.add_argument("--kinds", default="input-grounded,open-ended")
     parser.add_argument("--batches", default="1,8", help="the specray rows' batch modes: 1, 8 or 1,8")
@@ -213,10 +221,16 @@ def main():
     folder = resolve_model(model).path  # the dequantized, cached HF folder
     ks = [int(k) for k in args.num_spec_tokens.split(",")]
     specs = {"specray (no speculation)": None}
-    specs.update(ngram_specs(args))
-    specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
-                                                      "num_speculative_tokens": 3}
-    print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
+    specs.update(spec_rows(args))
+    if not args.no_draft_model_row:
+        specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
+                                                          "num_speculative_tokens": 3}
+    hf_dtype = torch.float32 if args.dtype == "auto" and args.device == "cpu" else (
+        torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype))
+    device = ""
+    if args.device.startswith("cuda"):
+        device = f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype} (transformers {hf_dtype}), "
+    print(f"# {device}{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, "
           f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}\n")
     print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens | outputs unlike the "
@@ -228,9 +242,10 @@ def main():
         if not args.skip_hf:
             for name, lookup in (("transformers generate", None), (f"transformers prompt lookup (K={ks[0]})", ks[0])):
                 builders[name] = (lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos,
-                                                              lookup), [1])
+                                                              lookup, args.device, hf_dtype), [1])
         for name, spec in specs.items():
-            builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos),
+            builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos,
+                                                           args.device, args.dtype),
                               [int(b) for b in args.batches.split(",")])
         runs = {name: (make(), batches) for name, (make, batches) in builders.items() if not only or name in only}
         results = {(name, b): [] for name, (_, batches) in runs.items() for b in batches}

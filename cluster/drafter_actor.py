@@ -76,9 +76,9 @@ class DrafterWorker:
     def _join(ctx: DrafterContext, rank: int, world_size: int, init_method: str):
         import torch
 
-        from specray.workers.worker import join_tp_group
+        from specray.workers.worker import join_tp_group, resolve_device
 
-        device = torch.device(ctx.device)
+        device = resolve_device(ctx.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.manual_seed(ctx.seed)  # unseeded requests sample the same tokens on every rank

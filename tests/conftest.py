@@ -20,6 +20,23 @@ import torch
 torch.set_num_threads(1)
 
 
+def _share_a_gpu() -> None:
+    """On a machine with a GPU, engines built in this process: ``dtype="auto"`` resolves to float32 (as on CPU),
+    because the suite's invariants compare against float32 references (transformers on CPU, exact distributions)
+    and a half type's rounding differs from them by design; tests of half precision name their dtype. And each
+    engine's KV cache takes 2% of the free GPU memory, not 80%, so that the xdist workers share the GPU."""
+    import specray.workers.worker as worker
+
+    resolve = worker.resolve_dtype
+    worker.resolve_dtype = lambda dtype, hf_config, device: (
+        torch.float32 if dtype == "auto" else resolve(dtype, hf_config, device))
+    worker.GPU_KV_CACHE_FRACTION = 0.02
+
+
+if torch.cuda.is_available():
+    _share_a_gpu()
+
+
 def _register_helper(name: str) -> None:
     """Make ``tests/<name>.py`` importable as ``specray_test_<name>`` (tests/ is not a package, and not on sys.path
     under --import-mode=importlib), for the test modules that share it. Only for helpers used in this process: a

@@ -79,6 +79,22 @@ def test_other_families_plain_and_ngram_match_transformers(request, fixture):
     assert token_ids(spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
 
 
+def test_a_gpu_device_is_resolved_with_its_index(monkeypatch):
+    """``torch.cuda.set_device`` refuses a bare "cuda" (the suite's first run on a GPU failed every engine there):
+    the worker's device names the index the process sees as current; a named index is kept."""
+    from specray.workers import worker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert worker.resolve_device(None) == torch.device("cuda", 3)
+    assert worker.resolve_device("cuda") == torch.device("cuda", 3)
+    assert worker.resolve_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker.resolve_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        worker.resolve_device("cuda")
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_ngram_greedy_equals_plain(tiny_llama_dir, plain_outputs, batch):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)

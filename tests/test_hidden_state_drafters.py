@@ -337,7 +337,7 @@ class DenseHead:
             logits = self.head.full_vocab_logits(normed)[0]
             if params is not None:
                 want = logits_to_probs(logits[None], SamplingBatch.build([params], [None], "cpu"))[0]
-                torch.testing.assert_close(q[step], want, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(q[step].cpu(), want, atol=1e-5, rtol=1e-4)  # q: on the worker's device
                 assert q[step, token] > 0, (step, token)
                 continue
             best = int(logits.argmax())
@@ -350,7 +350,7 @@ def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     """The head's cached K/V of the request's first ``n`` positions, read through its block table on the worker."""
     runner = engine.executor.worker.runner
     slots = slots_of(runner.block_tables[req_id], range(n), runner.block_size)
-    return runner.drafter.kv_cache.snapshot(torch.tensor(slots))
+    return [t.cpu() for t in runner.drafter.kv_cache.snapshot(torch.tensor(slots))]  # on the worker's device
 
 
 @pytest.mark.parametrize("method", CHAIN_METHODS)
@@ -962,8 +962,9 @@ def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_
     assert seen, "no tree was verified against a drafter's q"
     branched = 0
     for padded, greedy_rows in seen:
+        # q for the sampled requests' trees only (compared on the host: the worker's tensors may be on a GPU)
         drafted = torch.tensor(padded.draft_counts) > 0
-        assert bool((padded.has_q == (~greedy_rows & drafted)).all())  # q for the sampled requests' trees only
+        assert bool((padded.has_q.cpu() == (~greedy_rows.cpu() & drafted)).all())
         for b in padded.has_q.nonzero().flatten().tolist():
             k = padded.draft_counts[b]
             kids = padded.children[b]

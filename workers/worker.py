@@ -60,11 +60,16 @@ class WorkerConfig:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """The device to run on, a GPU's with its index: ``torch.cuda.set_device`` refuses a bare "cuda", and the
+    index is the one the process sees (a Ray GPU actor sees only its own GPUs, from 0)."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:

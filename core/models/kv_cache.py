@@ -198,7 +198,7 @@ class KVCache:
         debugging)."""
         out: list[torch.Tensor] = [torch.empty(0)] * self.num_layers
         for tensor, dim, layers in self._groups:
-            picked = tensor.index_select(dim, slots)
+            picked = tensor.index_select(dim, slots.to(tensor.device))
             for j, layer in enumerate(layers):
                 out[layer] = picked[j]
         return out

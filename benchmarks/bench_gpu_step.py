@@ -1,0 +1,88 @@
+"""Where a decode step's time goes: wall time per step against the device's busy time and the kernels launched.
+
+Plain greedy decoding of the default model (SmolLM2-135M-Instruct), ``--batches`` requests at a time, each
+generating ``--tokens`` tokens past EOS. A step's wall time is timed without the profiler; then one more run under
+``torch.profiler`` counts, per step, the top-level aten ops the model and sampler dispatch (each is one or more
+kernel launches on a GPU) and, on a GPU, the kernels and their summed time (the GPU's busy time: one stream, so
+the kernels do not overlap). A step whose wall time is many times the GPU's busy time is bound by the host: the
+Python and launch cost of every op, which capturing the step in a CUDA graph removes. On a CPU the kernel columns
+are empty and the op count is the same proxy.
+
+    python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+PROMPTS = ["Write a short story about a robot who learns to paint.", "Explain why the sky is blue.",
+           "Give me five ideas for a weekend trip.", "What are the pros and cons of working from home?",
+           "Write a poem about the ocean at night.", "How do vaccines train the immune system?",
+           "Describe your ideal city of the future.", "What should a beginner know about the guitar?"]
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def top_level_aten(events) -> int:
+    """aten ops not called from inside another aten op: the ops Python dispatched."""
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument("--batches", default="1,8", help="comma list of concurrent requests")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per request (past EOS)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch; the median is shown")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    from specray import LLM, SamplingParams
+    from specray.default_model import default_model_path
+
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(model=default_model_path(), device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+              max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    worker = llm.engine.executor.worker
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    on_gpu = worker.device.type == "cuda"
+    name = torch.cuda.get_device_name(worker.device) if on_gpu else platform.processor() or platform.machine()
+    print(f"# {name}, {worker.dtype}, torch {torch.__version__}, {args.threads} CPU threads, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, {args.tokens} tokens per request, median of {args.repeats}\n")
+    print("| batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | tokens/s |\n"
+          "|---|---|---|---|---|---|")
+    for batch in batches:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        walls = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
+        wall = sorted(walls)[len(walls) // 2]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        events = prof.events()
+        steps = args.tokens  # one prefill step and tokens - 1 decode steps
+        busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3  # ms
+        launches = sum(1 for e in events if e.name in LAUNCHES)  # the host's launch calls
+        gpu = (f"{busy / steps:.2f}", f"{launches / steps:.0f}") if on_gpu else ("-", "-")
+        print(f"| {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | {top_level_aten(events) / steps:.0f} | "
+              f"{batch * args.tokens / wall:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
