@@ -5,10 +5,11 @@ generating ``--tokens`` tokens past EOS. A step's wall time is timed without the
 ``torch.profiler`` counts, per step, the top-level aten ops the model and sampler dispatch (each is one or more
 kernel launches on a GPU) and, on a GPU, the kernels and their summed time (the GPU's busy time: one stream, so
 the kernels do not overlap). A step whose wall time is many times the GPU's busy time is bound by the host: the
-Python and launch cost of every op, which capturing the step in a CUDA graph removes. On a CPU the kernel columns
-are empty and the op count is the same proxy.
+Python and launch cost of every op, which capturing the step in a CUDA graph removes: the ``graphs`` rows run
+with ``enforce_eager=False`` (on a GPU each decode step is one graph launch; on a CPU the same padded steps run
+eagerly). On a CPU the kernel columns are empty and the op count is the same proxy.
 
-    python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64
+    python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --modes eager,graphs
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ PROMPTS = ["Write a short story about a robot who learns to paint.", "Explain wh
            "Describe your ideal city of the future.", "What should a beginner know about the guitar?"]
 
 
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def top_level_aten(events) -> int:
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request (past EOS)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch; the median is shown")
+    parser.add_argument("--modes", default="eager,graphs", help="comma list: eager (enforce_eager=True), graphs "
+                        "(enforce_eager=False: CUDA graphs on a GPU, the same padded steps run eagerly on CPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -53,17 +56,27 @@ def main() -> None:
     from specray.default_model import default_model_path
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(model=default_model_path(), device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
-              max_model_len=1024, kv_cache_memory_bytes=256 << 20)
-    worker = llm.engine.executor.worker
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    on_gpu = worker.device.type == "cuda"
-    name = torch.cuda.get_device_name(worker.device) if on_gpu else platform.processor() or platform.machine()
-    print(f"# {name}, {worker.dtype}, torch {torch.__version__}, {args.threads} CPU threads, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, {args.tokens} tokens per request, median of {args.repeats}\n")
-    print("| batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | tokens/s |\n"
-          "|---|---|---|---|---|---|")
+    header = False
+    for mode in args.modes.split(","):
+        llm = LLM(model=default_model_path(), device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                  max_model_len=1024, kv_cache_memory_bytes=256 << 20, enforce_eager=mode == "eager")
+        worker = llm.engine.executor.worker
+        if not header:
+            on_gpu = worker.device.type == "cuda"
+            name = torch.cuda.get_device_name(worker.device) if on_gpu else platform.processor() or platform.machine()
+            print(f"# {name}, {worker.dtype}, torch {torch.__version__}, {args.threads} CPU threads, "
+                  f"{time.strftime('%Y-%m-%d %H:%M')}, {args.tokens} tokens per request, median of {args.repeats}\n")
+            print("| mode | batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | "
+                  "tokens/s |\n|---|---|---|---|---|---|---|")
+            header = True
+        run_mode(llm, mode, batches, params, args, on_gpu)
+        llm.shutdown()
+
+
+def run_mode(llm, mode: str, batches: list[int], params, args, on_gpu: bool) -> None:
+    for batch in batches:  # a first run per batch captures its graphs (and warms the eager path alike)
+        llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params, use_tqdm=False)
     for batch in batches:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         walls = []
@@ -80,8 +93,8 @@ def main() -> None:
         busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3  # ms
         launches = sum(1 for e in events if e.name in LAUNCHES)  # the host's launch calls
         gpu = (f"{busy / steps:.2f}", f"{launches / steps:.0f}") if on_gpu else ("-", "-")
-        print(f"| {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | {top_level_aten(events) / steps:.0f} | "
-              f"{batch * args.tokens / wall:.1f} |", flush=True)
+        print(f"| {mode} | {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | "
+              f"{top_level_aten(events) / steps:.0f} | {batch * args.tokens / wall:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

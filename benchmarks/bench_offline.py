@@ -107,11 +107,11 @@ class SpecrayRun:
     """One specray configuration, built once and timed several times (interleaved with the others), one request
     at a time or all at once (up to 8 running)."""
 
-    def __init__(self, model, spec, prompts, max_tokens, ignore_eos, device="cpu", dtype="auto"):
+    def __init__(self, model, spec, prompts, max_tokens, ignore_eos, device="cpu", dtype="auto", graphs=False):
         from specray import LLM, SamplingParams
 
         self.llm = LLM(model=model, speculative_config=spec, max_num_seqs=8, max_model_len=2048,
-                       kv_cache_memory_bytes=KV_BYTES, device=device, dtype=dtype)
+                       kv_cache_memory_bytes=KV_BYTES, device=device, dtype=dtype, enforce_eager=not graphs)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.texts = chat_prompts(self.llm.get_tokenizer(), prompts)
         self.llm.generate(self.texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -206,6 +206,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--no-draft-model-row", action="store_true", help="skip the self-drafting draft_model row")
+    parser.add_argument("--graphs", action="store_true", help="specray rows with enforce_eager=False (CUDA graphs)")
     add_spec_args(parser)
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
     parser.add_argument("--kinds", default="input-grounded,open-ended")
@@ -232,7 +233,8 @@ def main():
         device = f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype} (transformers {hf_dtype}), "
     print(f"# {device}{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, "
-          f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}\n")
+          f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}"
+          f"{', enforce_eager=False' if args.graphs else ''}\n")
     print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens | outputs unlike the "
           "first row's |\n|---|---|---|---|---|---|---|---|")
     only = args.only.split(",") if args.only else None
@@ -245,7 +247,7 @@ def main():
                                                               lookup, args.device, hf_dtype), [1])
         for name, spec in specs.items():
             builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos,
-                                                           args.device, args.dtype),
+                                                           args.device, args.dtype, args.graphs),
                               [int(b) for b in args.batches.split(",")])
         runs = {name: (make(), batches) for name, (make, batches) in builders.items() if not only or name in only}
         results = {(name, b): [] for name, (_, batches) in runs.items() for b in batches}

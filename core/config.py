@@ -258,6 +258,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # None: "uni" (this process) at TP=1, else "ray"
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
+    # vLLM's name. False: steps whose sequences all bring the same few tokens (plain decoding, a fixed draft count)
+    # replay CUDA graphs on a GPU, captured per padded shape. True by default until graphs have run on a GPU
+    enforce_eager: bool = True
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -292,6 +295,8 @@ class EngineArgs:
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true or false")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs several processes: use "
                              "distributed_executor_backend='ray' (or leave it None)")

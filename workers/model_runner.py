@@ -38,6 +38,7 @@ from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, nod
                                        tree_logprobs, unpad_tree, verify_tree)
 from specray.verification import (PROMPT_ROWS_PER_PASS, pad_drafts, prompt_logprob_entries, target_logprobs,
                                   unpad_with_logprobs, verify)
+from specray.workers.step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,17 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
-                 relaxed_acceptance: tuple[int, float, int, int] | None = None):
+                 relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
-        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks, block_size)  # this runner owns it
+        # uniform short steps replayed from graphs (CUDA graphs on a GPU), their padding rows in scratch blocks past
+        # the block manager's
+        scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
+        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size)  # this runner owns it
+        self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)),
+                                 self.device) if step_graphs else None
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -189,12 +195,19 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         chunks = plan.chunks
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        token_ids = [t for c in chunks for t in c.token_ids]
         trees = any(c.draft_parents is not None for c in chunks)
+        query_lens, starts = [c.num_tokens for c in chunks], [c.start_pos for c in chunks]
+        tables = [self.block_tables[c.req_id] for c in chunks]
+        decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
+        shape = self.graphs.shape(query_lens, starts, decode, trees) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.run(shape, token_ids, query_lens, starts, tables), []
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(
-            [c.num_tokens for c in chunks],
-            [c.start_pos for c in chunks],
-            [self.block_tables[c.req_id] for c in chunks],
+            query_lens,
+            starts,
+            tables,
             self.block_size,
             self.device,
             positions=[p for c in chunks for p in tree_positions(c)] if trees else None,

@@ -25,6 +25,7 @@ from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
+from specray.workers.step_graphs import graph_safe
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class WorkerConfig:
     # the whole checkpoint's config as the engine read it (specray.models.loader.read_config), so a rank needs no
     # transformers; None: the rank reads it
     model_config: PlainConfig | None = None
+    # False: uniform short steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs) where they can
+    enforce_eager: bool = True
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -109,6 +112,7 @@ class Worker:
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.bind_thread()
         tp = self._join_group(world_size, init_method)
+        self.world_size = world_size
         model_config = config.model_config or read_config(config.model)
         hf_config = load_hf_config(config.model, model_config)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
@@ -170,10 +174,23 @@ class Worker:
         if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
             config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
+        eager = self._eager_reason()
+        if eager is not None and not self.config.enforce_eager:
+            logger.warning("enforce_eager=False: every step runs eagerly, as %s", eager)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
-                                  relaxed_acceptance=self.config.relaxed_acceptance)
+                                  relaxed_acceptance=self.config.relaxed_acceptance,
+                                  step_graphs=not self.config.enforce_eager and eager is None)
+
+    def _eager_reason(self) -> str | None:
+        """Why this rank cannot replay steps from graphs (None: it can)."""
+        if self.head is not None:
+            return "a drafter reads the target's hidden states"
+        if self.world_size > 1:
+            return "graphs run at tensor_parallel_size=1 only, for now"
+        reason = graph_safe(self.model)
+        return None if reason is None else f"the model cannot be captured: {reason}"
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:

@@ -113,7 +113,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  args.kv_cache_memory_bytes, args.num_threads, worker_drafter=worker_drafter,
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
-                                 enable_expert_parallel=args.enable_expert_parallel, model_config=model_config)
+                                 enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
+                                 enforce_eager=args.enforce_eager)
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)

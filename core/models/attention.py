@@ -205,10 +205,13 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     positions: list[int] | None = None,
     ancestors: list[torch.Tensor | None] | None = None,
+    min_ctx_blocks: int = 0,
+    read_in_place: bool = True,
 ) -> AttentionMetadata:
     """Plan one forward over a mixed batch (see the module docstring for the semantics). ``positions``: [T] RoPE
     position of every new token (None: its slot index); ``ancestors``: per sequence None or a [q, q] bool mask
-    among its new tokens."""
+    among its new tokens. For a step of fixed shapes (a CUDA graph's): ``min_ctx_blocks`` pads the short path's
+    context to at least that many blocks, and ``read_in_place=False`` keeps every short query on the short path."""
     _validate(query_lens, start_positions, block_tables, block_size, positions, ancestors)
     slot_index = [p for q_len, start in zip(query_lens, start_positions) for p in range(start, start + q_len)]
     slots: list[int] = []
@@ -227,11 +230,11 @@ def build_attention_metadata(
         ancestors = None
 
     short_ids = [i for i, q in enumerate(query_lens) if q <= SHORT_QUERY_MAX]
-    if short_ids and cpu_kernels.reads_in_place(device, [context_lens[i] for i in short_ids]):
+    if short_ids and read_in_place and cpu_kernels.reads_in_place(device, [context_lens[i] for i in short_ids]):
         short_ids = []
     own_ids = sorted(set(range(len(query_lens))) - set(short_ids))
     short = _plan_short(short_ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets,
-                        positions, device) if short_ids else None
+                        positions, device, min_ctx_blocks) if short_ids else None
     own = [_plan_own(i, query_lens, start_positions, context_lens, block_tables, block_size, offsets, device)
            for i in own_ids]
     return AttentionMetadata(
@@ -280,9 +283,9 @@ def _validate(query_lens, start_positions, block_tables, block_size, positions, 
 
 
 def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, block_size, offsets, positions,
-                device) -> ShortBatch:
+                device, min_ctx_blocks: int = 0) -> ShortBatch:
     q_max = max(query_lens[i] for i in ids)
-    nb = max(-(-context_lens[i] // block_size) for i in ids)
+    nb = max(min_ctx_blocks, *(-(-context_lens[i] // block_size) for i in ids))
     blocks, q_pos, tok_idx, src, dst = [], [], [], [], []
     for b, i in enumerate(ids):
         used = -(-context_lens[i] // block_size)

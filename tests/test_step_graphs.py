@@ -1,0 +1,93 @@
+"""Steps replayed from graphs (``enforce_eager=False``): on CPU the same padded static inputs run eagerly, which is
+what a CUDA graph replays on a GPU. Outputs equal the eager engine's; padding rows touch no request's blocks; the
+forward on the static inputs has no host sync (a capture would refuse one); what cannot be captured runs eagerly."""
+
+import pytest
+import torch
+
+from specray import LLM, SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox", "Hello world! How are you today?",
+           "for i in range(10):", "Summarize the following text", "x"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def graphs_of(llm):
+    return llm.engine.executor.worker.runner.graphs
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_graph_steps_equal_eager_steps(request, fixture, spec):
+    """Batches of 6 (padded to 8) and of 1, block size 4 (contexts of many blocks, padded to powers of two), plain
+    decoding and a fixed draft count (uniform verify steps); Gemma 3's sliding-window masks included."""
+    folder = str(request.getfixturevalue(fixture))
+    kwargs = dict(max_model_len=256, block_size=4, speculative_config=spec)
+    eager = LLM(model=folder, **kwargs)
+    graphs = LLM(model=folder, enforce_eager=False, **kwargs)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        want = token_ids(eager.generate(prompts, greedy(), use_tqdm=False))
+        assert token_ids(graphs.generate(prompts, greedy(), use_tqdm=False)) == want
+    shapes = graphs_of(graphs).graphs
+    assert any(b == 1 for b, _, _ in shapes), list(shapes)
+    if spec is None:
+        assert {q for _, q, _ in shapes} == {1} and any(b == 8 for b, _, _ in shapes), list(shapes)
+    else:
+        assert any(q == NGRAM["num_speculative_tokens"] + 1 for _, q, _ in shapes), list(shapes)
+        assert graphs.spec_stats.accepted_tokens > 0
+    assert graphs.engine.scheduler.block_manager.num_free_blocks == graphs.engine.scheduler.config.num_blocks
+
+
+def test_padding_rows_write_only_scratch_blocks(tiny_llama_dir):
+    """Padding sequences' K/V go to the scratch blocks past the block manager's: every block a request can own
+    holds what the eager engine's holds after the same requests, and the scratch blocks were written."""
+    kwargs = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=64)
+    eager, llm = LLM(**kwargs), LLM(enforce_eager=False, **kwargs)
+    runner = llm.engine.executor.worker.runner
+    assert runner.graphs.scratch == list(range(64, 68))  # 16 tokens of 4-slot blocks
+    for engine in (eager, llm):
+        engine.generate(PROMPTS[:3], greedy(6), use_tqdm=False)  # 3 sequences padded to 4
+    owned = torch.arange(64 * 4)
+    want = eager.engine.executor.worker.runner.kv_cache.snapshot(owned)
+    for got, ref in zip(runner.kv_cache.snapshot(owned), want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    (batch, q, _), graph = next(iter(runner.graphs.graphs.items()))
+    assert (batch, q) == (4, 1) and len(runner.graphs.graphs) == 1
+    assert all(64 * 4 <= s < 68 * 4 for s in graph.meta.slot_mapping[3:].tolist())  # the padding row's slot
+
+
+def test_graph_forward_has_no_host_sync(tiny_llama_dir, no_host_sync):
+    """A replay's inputs are loaded and the model runs on them with no host sync (a capture fails on one)."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, enforce_eager=False)
+    llm.generate(PROMPTS[:2], greedy(3), use_tqdm=False)  # the shape (2, 1, 1) is set up
+    graphs = graphs_of(llm)
+    key, graph = next((k, g) for k, g in graphs.graphs.items() if k[:2] == (2, 1))
+    from specray.models.attention import build_attention_metadata
+
+    meta = build_attention_metadata([1, 1], [5, 6], [[0, 1], [2, 3]], 16, "cpu", min_ctx_blocks=key[2],
+                                    read_in_place=False)
+    with torch.inference_mode(), no_host_sync():
+        graphs._load(graph, meta, torch.tensor([3, 4]))
+        llm.engine.executor.worker.model(graph.input_ids, graph.meta)
+
+
+@pytest.mark.parametrize("fixture,why", [("tiny_qwen3_moe_dir", "routing"), ("tiny_deepseek_dir", "LatentAttention")])
+def test_models_that_cannot_be_captured_run_eagerly(request, fixture, why, caplog):
+    llm = LLM(model=str(request.getfixturevalue(fixture)), max_model_len=128, enforce_eager=False)
+    assert graphs_of(llm) is None
+    assert why in caplog.text and "runs eagerly" in caplog.text
+    assert len(token_ids(llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False))[0]) == 4
+
+
+def test_enforce_eager_must_be_a_bool(tiny_llama_dir):
+    with pytest.raises(ValueError, match="enforce_eager='no' must be true or false"):
+        LLM(model=str(tiny_llama_dir), enforce_eager="no")

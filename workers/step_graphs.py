@@ -1,0 +1,165 @@
+"""Forward passes of uniform short steps replayed from CUDA graphs (vLLM's and SGLang's cure for a host-bound step).
+
+On a GPU a small model's step is bound by the host: Python dispatches every op of every layer, and the GPU waits.
+A CUDA graph records one step's kernels once and replays them with one launch. A graph fixes every shape and
+every tensor it reads, so a step is padded to a *shape*: ``B`` sequences (the batch rounded up to a power of two),
+``Q`` new tokens each (every sequence of the step brings the same number: plain decoding's 1, or a fixed draft
+count + 1) and ``nb`` context blocks each (rounded up to a power of two). Each shape gets static input tensors
+(token ids, positions, slots, the blocks to gather, the masks) and its graph, captured the first time the shape
+occurs; a later step of that shape copies its inputs into them and replays.
+
+Padding rows are whole dummy sequences: token 0 at positions 0 .. Q-1, their K/V written to scratch blocks that
+the runner allocates past the block manager's and no request owns, their outputs dropped. Padding blocks of a
+real sequence point at block 0 and are masked out, as in the eager padded path.
+
+Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and the same
+number of drafts (at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain :class:`PagedAttention` everywhere (no
+latent attention) and no layer routes tokens to experts (routing sizes its work on the host); one rank, and no
+drafter reading the target's hidden states. On CPU the same static tensors are filled and the model runs on them
+eagerly, with no graph: what the suite checks (outputs equal to the eager path's, and no host sync in the
+forward, which a capture would refuse).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, PagedAttention, build_attention_metadata
+from specray.models.moe import SparseMoE
+
+logger = logging.getLogger(__name__)
+
+
+def graph_safe(model: torch.nn.Module) -> str | None:
+    """None when ``model``'s forward can be captured, else why not."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            return "its experts' routing sizes work on the host"
+        if isinstance(module, PagedAttention) and type(module) is not PagedAttention:
+            return f"{type(module).__name__} is not plain paged attention"
+    return None
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class StepShape:
+    batch: int  # sequences, padding included
+    query_len: int  # new tokens per sequence
+    ctx_blocks: int  # context blocks gathered per sequence
+
+
+@dataclass
+class _Graph:
+    meta: AttentionMetadata  # the static inputs: every tensor a graph reads
+    input_ids: torch.Tensor  # [B*Q]
+    hidden: torch.Tensor  # [B*Q, H]: the output, overwritten by each replay
+    graph: object | None  # torch.cuda.CUDAGraph; None on CPU (the model runs eagerly on the static inputs)
+
+
+class StepGraphs:
+    """The runner's graphs, one per step shape. ``scratch_blocks``: block ids no request owns, for padding rows."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.scratch = scratch_blocks
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.pool = None  # one memory pool shared by every graph (they never run at once)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+
+    @staticmethod
+    def scratch_blocks_needed(block_size: int) -> int:
+        return -(-SHORT_QUERY_MAX // block_size)
+
+    def shape(self, query_lens: list[int], start_positions: list[int], decode: bool, trees: bool) -> StepShape | None:
+        """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
+        token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM)."""
+        q = query_lens[0]
+        if not decode or trees or q > SHORT_QUERY_MAX or any(n != q for n in query_lens):
+            return None
+        blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
+        return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
+
+    def run(self, shape: StepShape, token_ids: list[int], query_lens: list[int], start_positions: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """The step's hidden states [T, H] (a view of the graph's output: read it before the next step)."""
+        pads = shape.batch - len(query_lens)
+        meta = build_attention_metadata(
+            query_lens + [shape.query_len] * pads, start_positions + [0] * pads,
+            block_tables + [self.scratch] * pads, self.block_size, self.device,
+            min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
+        ids = torch.tensor(token_ids + [0] * (pads * shape.query_len), dtype=torch.long, device=self.device)
+        key = (shape.batch, shape.query_len, shape.ctx_blocks)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(meta, ids)  # its warm-up ran this step
+        else:
+            self._load(graph, meta, ids)
+            if graph.graph is not None:
+                graph.graph.replay()
+            else:
+                graph.hidden.copy_(self.model(graph.input_ids, graph.meta))
+        return graph.hidden[: len(token_ids)]
+
+    def _static(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """A copy of ``meta`` whose tensors are the graph's own; its masks are made by the first forward on it.
+        ``max_position`` covers every position the model allows, so the RoPE tables never grow inside a graph."""
+        short = meta.short
+        assert short is not None and short.token_index is None and not meta.own, "a uniform short step"
+        return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
+                       max_position=self.model.max_position_embeddings - 1, _masks={},
+                       short=replace(short, block_index=short.block_index.clone(),
+                                     query_positions=short.query_positions.clone()))
+
+    @staticmethod
+    def _own_masks(static: AttentionMetadata) -> None:
+        """Give the masks the first forward made storage of their own (a folded mask is an expanded view, which
+        cannot be copied into)."""
+        static._masks = {key: mask.clone(memory_format=torch.contiguous_format)
+                         for key, mask in static._masks.items()}
+
+    def _load(self, graph: _Graph, meta: AttentionMetadata, ids: torch.Tensor) -> None:
+        """Copy this step's inputs into the graph's static tensors (device-side copies: no host sync)."""
+        static = graph.meta
+        graph.input_ids.copy_(ids)
+        static.positions.copy_(meta.positions)
+        static.slot_mapping.copy_(meta.slot_mapping)
+        static.short.block_index.copy_(meta.short.block_index)
+        static.short.query_positions.copy_(meta.short.query_positions)
+        for (_, groups, kind), mask in static._masks.items():
+            mask.copy_(meta.short_mask(groups, kind))
+
+    def _capture(self, meta: AttentionMetadata, ids: torch.Tensor) -> _Graph:
+        static = self._static(meta)
+        input_ids = ids.clone()
+        if not self.capture:
+            hidden = self.model(input_ids, static)
+            self._own_masks(static)
+            graph = _Graph(static, input_ids, hidden, None)
+            self._load(graph, meta, ids)  # the masks the forward just made, from this step's values
+            return graph
+        logger.info("capturing a CUDA graph for %d sequences x %d tokens, %d context blocks each",
+                    meta.num_seqs, meta.short.max_query_len, meta.short.num_ctx_blocks)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
+            self.model(input_ids, static)
+            self._own_masks(static)
+            self.model(input_ids, static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden = self.model(input_ids, static)
+        graph = _Graph(static, input_ids, hidden, cuda_graph)
+        self._load(graph, meta, ids)
+        cuda_graph.replay()
+        return graph
