@@ -26,10 +26,12 @@ def graphs_of(llm):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
-@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [None, NGRAM, {**NGRAM, "adaptive": True, "num_speculative_tokens": 5}],
+                         ids=["plain", "ngram", "ngram-adaptive"])
 def test_graph_steps_equal_eager_steps(request, fixture, spec):
-    """Batches of 6 (padded to 8) and of 1, block size 4 (contexts of many blocks, padded to powers of two), plain
-    decoding and a fixed draft count (uniform verify steps); Gemma 3's sliding-window masks included."""
+    """Batches of 6 (padded to 8) and of 1, block size 4 (contexts of many blocks, padded to powers of two, and
+    requests' padding rows past their blocks), plain decoding and verify steps whose requests bring different
+    draft counts (padded to the step's longest); Gemma 3's sliding-window masks included."""
     folder = str(request.getfixturevalue(fixture))
     kwargs = dict(max_model_len=256, block_size=4, speculative_config=spec)
     eager = LLM(model=folder, **kwargs)
@@ -42,7 +44,7 @@ def test_graph_steps_equal_eager_steps(request, fixture, spec):
     if spec is None:
         assert {q for _, q, _ in shapes} == {1} and any(b == 8 for b, _, _ in shapes), list(shapes)
     else:
-        assert any(q == NGRAM["num_speculative_tokens"] + 1 for _, q, _ in shapes), list(shapes)
+        assert any(q > 1 for _, q, _ in shapes), list(shapes)
         assert graphs.spec_stats.accepted_tokens > 0
     assert graphs.engine.scheduler.block_manager.num_free_blocks == graphs.engine.scheduler.config.num_blocks
 

@@ -3,21 +3,24 @@
 On a GPU a small model's step is bound by the host: Python dispatches every op of every layer, and the GPU waits.
 A CUDA graph records one step's kernels once and replays them with one launch. A graph fixes every shape and
 every tensor it reads, so a step is padded to a *shape*: ``B`` sequences (the batch rounded up to a power of two),
-``Q`` new tokens each (every sequence of the step brings the same number: plain decoding's 1, or a fixed draft
-count + 1) and ``nb`` context blocks each (rounded up to a power of two). Each shape gets static input tensors
-(token ids, positions, slots, the blocks to gather, the masks) and its graph, captured the first time the shape
-occurs; a later step of that shape copies its inputs into them and replays.
+``Q`` rows each (the step's most tokens of one sequence: plain decoding's 1, or the most drafts + 1) and ``nb``
+context blocks each (rounded up to a power of two). Each shape gets static input tensors (token ids, positions,
+slots, the blocks to gather, the masks) and its graph, captured the first time the shape occurs; a later step of
+that shape copies its inputs into them and replays.
 
-Padding rows are whole dummy sequences: token 0 at positions 0 .. Q-1, their K/V written to scratch blocks that
-the runner allocates past the block manager's and no request owns, their outputs dropped. Padding blocks of a
-real sequence point at block 0 and are masked out, as in the eager padded path.
+Padding: a sequence with fewer than ``Q`` tokens gets padding tokens after its own, at the next positions, whose
+K/V land in its own slots past its tokens (never attended: a row sees positions up to its own, and those slots
+are rewritten before any row reaches them, as rejected drafts' are) or, past its blocks, in scratch blocks that
+the runner allocates past the block manager's and no request owns. Padding sequences (token 0 at positions
+0 .. Q-1) write only the scratch blocks. Padding rows' outputs are dropped; padding blocks of the gathered context
+point at block 0 and are masked out, as in the eager padded path.
 
-Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and the same
-number of drafts (at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain :class:`PagedAttention` everywhere (no
-latent attention) and no layer routes tokens to experts (routing sizes its work on the host); one rank, and no
-drafter reading the target's hidden states. On CPU the same static tensors are filled and the model runs on them
-eagerly, with no graph: what the suite checks (outputs equal to the eager path's, and no host sync in the
-forward, which a capture would refuse).
+Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
+(at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain
+:class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
+work on the host); one rank, and no drafter reading the target's hidden states. On CPU the same static tensors
+are filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager
+path's, and no host sync in the forward, which a capture would refuse).
 """
 
 from __future__ import annotations
@@ -81,22 +84,29 @@ class StepGraphs:
     def shape(self, query_lens: list[int], start_positions: list[int], decode: bool, trees: bool) -> StepShape | None:
         """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
         token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM)."""
-        q = query_lens[0]
-        if not decode or trees or q > SHORT_QUERY_MAX or any(n != q for n in query_lens):
+        q = max(query_lens)
+        if not decode or trees or q > SHORT_QUERY_MAX:
             return None
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
         return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
 
     def run(self, shape: StepShape, token_ids: list[int], query_lens: list[int], start_positions: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
-        """The step's hidden states [T, H] (a view of the graph's output: read it before the next step)."""
-        pads = shape.batch - len(query_lens)
+        """The step's hidden states [T, H], T = sum(query_lens)."""
+        q, pads = shape.query_len, shape.batch - len(query_lens)
+        # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
+        ids, real = [], []
+        offset = 0
+        for b, n in enumerate(query_lens):
+            ids += token_ids[offset: offset + n] + [0] * (q - n)
+            real += range(b * q, b * q + n)
+            offset += n
         meta = build_attention_metadata(
-            query_lens + [shape.query_len] * pads, start_positions + [0] * pads,
-            block_tables + [self.scratch] * pads, self.block_size, self.device,
-            min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
-        ids = torch.tensor(token_ids + [0] * (pads * shape.query_len), dtype=torch.long, device=self.device)
-        key = (shape.batch, shape.query_len, shape.ctx_blocks)
+            [q] * shape.batch, start_positions + [0] * pads,
+            [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
+            self.device, min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
+        ids = torch.tensor(ids + [0] * (pads * q), dtype=torch.long, device=self.device)
+        key = (shape.batch, q, shape.ctx_blocks)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(meta, ids)  # its warm-up ran this step
@@ -106,15 +116,19 @@ class StepGraphs:
                 graph.graph.replay()
             else:
                 graph.hidden.copy_(self.model(graph.input_ids, graph.meta))
-        return graph.hidden[: len(token_ids)]
+        if len(real) == shape.batch * q:
+            return graph.hidden
+        return graph.hidden.index_select(0, torch.tensor(real, dtype=torch.long, device=self.device))
 
     def _static(self, meta: AttentionMetadata) -> AttentionMetadata:
         """A copy of ``meta`` whose tensors are the graph's own; its masks are made by the first forward on it.
-        ``max_position`` covers every position the model allows, so the RoPE tables never grow inside a graph."""
+        ``max_position`` covers every position the model allows and padding past it, so the RoPE tables never
+        grow inside a graph."""
         short = meta.short
         assert short is not None and short.token_index is None and not meta.own, "a uniform short step"
         return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
-                       max_position=self.model.max_position_embeddings - 1, _masks={},
+                       max_position=self.model.max_position_embeddings - 1 + SHORT_QUERY_MAX,
+                       _masks={},
                        short=replace(short, block_index=short.block_index.clone(),
                                      query_positions=short.query_positions.clone()))
 
