@@ -21,5 +21,6 @@ tail -1 "$out/tests.log"
 timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 \
   2>&1 | grep -v Warning | tee "$out/step.md"
 timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf --no-draft-model-row \
-  --repeats 1 --batches 8,1 --graphs --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
+  --kinds input-grounded --repeats 1 --batches 8,1 --graphs \
+  --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"
