@@ -222,6 +222,22 @@ def test_greedy_one_request_at_a_time_equals_plain(target_dir, heads, plain_outp
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method):
+    """``enforce_eager=False``: the target's decode and verify steps run from graphs (on CPU, their padded static
+    inputs, eagerly), the aux layers' residual streams among the graph's outputs; batch 6 padded to 8, block size 4
+    (padding past the requests' blocks). Chains go through graphs; trees' steps run eagerly."""
+    llm = make_llm(target_dir, heads, "accepting", method, enforce_eager=False, block_size=4, max_num_seqs=8)
+    outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
+    assert token_ids(outs) == [t[:16] for t in plain_outputs[:6]]
+    assert llm.spec_stats.accepted_tokens > 0
+    graphs = llm.engine.executor.worker.runner.graphs
+    assert graphs.aux_layers == llm.engine.executor.worker.runner.drafter.aux_layers
+    assert graphs.graphs, "no step ran from a graph"
+    if method not in TREE_METHODS:
+        assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_with_penalties_equals_plain(target_dir, heads, plain, method):
     """Penalized requests (each verified position penalized by its own prefix, drafts included) beside an
     unpenalized one, under preemption: the heads' drafts know no penalty, the output is plain decoding's."""

@@ -55,8 +55,9 @@ class ModelRunner:
         # the block manager's
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size)  # this runner owns it
-        self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)),
-                                 self.device) if step_graphs else None
+        aux_layers = drafter.aux_layers if drafter is not None else ()
+        self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)), self.device,
+                                 aux_layers) if step_graphs else None
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -202,7 +203,7 @@ class ModelRunner:
         decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
         shape = self.graphs.shape(query_lens, starts, decode, trees) if self.graphs is not None else None
         if shape is not None:
-            return self.graphs.run(shape, token_ids, query_lens, starts, tables), []
+            return self.graphs.run(shape, token_ids, query_lens, starts, tables)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(
             query_lens,

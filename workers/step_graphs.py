@@ -18,7 +18,8 @@ point at block 0 and are masked out, as in the eager padded path.
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
 (at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain
 :class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
-work on the host); one rank, and no drafter reading the target's hidden states. On CPU the same static tensors
+work on the host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
+states (its head runs eagerly). On CPU the same static tensors
 are filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager
 path's, and no host sync in the forward, which a capture would refuse).
 """
@@ -62,14 +63,17 @@ class _Graph:
     meta: AttentionMetadata  # the static inputs: every tensor a graph reads
     input_ids: torch.Tensor  # [B*Q]
     hidden: torch.Tensor  # [B*Q, H]: the output, overwritten by each replay
+    aux: list[torch.Tensor]  # [B*Q, H] each: the residual stream entering each of the drafter's aux layers
     graph: object | None  # torch.cuda.CUDAGraph; None on CPU (the model runs eagerly on the static inputs)
 
 
 class StepGraphs:
     """The runner's graphs, one per step shape. ``scratch_blocks``: block ids no request owns, for padding rows."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device):
+    def __init__(self, model: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
+                 aux_layers: tuple[int, ...] = ()):
         self.model = model
+        self.aux_layers = tuple(aux_layers)  # a hidden-state drafter's: its residual streams are outputs too
         self.block_size = block_size
         self.scratch = scratch_blocks
         self.device = device
@@ -91,8 +95,8 @@ class StepGraphs:
         return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
 
     def run(self, shape: StepShape, token_ids: list[int], query_lens: list[int], start_positions: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """The step's hidden states [T, H], T = sum(query_lens)."""
+            block_tables: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         ids, real = [], []
@@ -115,10 +119,18 @@ class StepGraphs:
             if graph.graph is not None:
                 graph.graph.replay()
             else:
-                graph.hidden.copy_(self.model(graph.input_ids, graph.meta))
+                hidden, aux = self._forward(graph.input_ids, graph.meta)
+                for out, value in zip([graph.hidden, *graph.aux], [hidden, *aux]):
+                    out.copy_(value)
         if len(real) == shape.batch * q:
-            return graph.hidden
-        return graph.hidden.index_select(0, torch.tensor(real, dtype=torch.long, device=self.device))
+            return graph.hidden, list(graph.aux)
+        index = torch.tensor(real, dtype=torch.long, device=self.device)
+        return graph.hidden.index_select(0, index), [a.index_select(0, index) for a in graph.aux]
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.aux_layers:
+            return self.model(input_ids, meta, aux_layers=self.aux_layers)
+        return self.model(input_ids, meta), []
 
     def _static(self, meta: AttentionMetadata) -> AttentionMetadata:
         """A copy of ``meta`` whose tensors are the graph's own; its masks are made by the first forward on it.
@@ -154,9 +166,9 @@ class StepGraphs:
         static = self._static(meta)
         input_ids = ids.clone()
         if not self.capture:
-            hidden = self.model(input_ids, static)
+            hidden, aux = self._forward(input_ids, static)
             self._own_masks(static)
-            graph = _Graph(static, input_ids, hidden, None)
+            graph = _Graph(static, input_ids, hidden, aux, None)
             self._load(graph, meta, ids)  # the masks the forward just made, from this step's values
             return graph
         logger.info("capturing a CUDA graph for %d sequences x %d tokens, %d context blocks each",
@@ -164,16 +176,16 @@ class StepGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
-            self.model(input_ids, static)
+            self._forward(input_ids, static)
             self._own_masks(static)
-            self.model(input_ids, static)
+            self._forward(input_ids, static)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden = self.model(input_ids, static)
-        graph = _Graph(static, input_ids, hidden, cuda_graph)
+            hidden, aux = self._forward(input_ids, static)
+        graph = _Graph(static, input_ids, hidden, aux, cuda_graph)
         self._load(graph, meta, ids)
         cuda_graph.replay()
         return graph

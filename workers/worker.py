@@ -185,8 +185,6 @@ class Worker:
 
     def _eager_reason(self) -> str | None:
         """Why this rank cannot replay steps from graphs (None: it can)."""
-        if self.head is not None:
-            return "a drafter reads the target's hidden states"
         if self.world_size > 1:
             return "graphs run at tensor_parallel_size=1 only, for now"
         reason = graph_safe(self.model)
