@@ -200,10 +200,11 @@ class ModelRunner:
         trees = any(c.draft_parents is not None for c in chunks)
         query_lens, starts = [c.num_tokens for c in chunks], [c.start_pos for c in chunks]
         tables = [self.block_tables[c.req_id] for c in chunks]
-        decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
-        shape = self.graphs.shape(query_lens, starts, decode, trees) if self.graphs is not None else None
-        if shape is not None:
-            return self.graphs.run(shape, token_ids, query_lens, starts, tables)
+        if self.graphs is not None:
+            decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
+            shape = self.graphs.shape(query_lens, starts, decode, trees)
+            if shape is not None:
+                return self.graphs.run(shape, token_ids, query_lens, starts, tables)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(
             query_lens,
