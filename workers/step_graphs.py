@@ -2,11 +2,11 @@
 
 On a GPU a small model's step is bound by the host: Python dispatches every op of every layer, and the GPU waits.
 A CUDA graph records one step's kernels once and replays them with one launch. A graph fixes every shape and
-every tensor it reads, so a step is padded to a *shape*: ``B`` sequences (the batch rounded up to a power of two),
-``Q`` rows each (the step's most tokens of one sequence: plain decoding's 1, or the most drafts + 1) and ``nb``
-context blocks each (rounded up to a power of two). Each shape gets static input tensors (token ids, positions,
-slots, the blocks to gather, the masks) and its graph, captured the first time the shape occurs; a later step of
-that shape copies its inputs into them and replays.
+every tensor it reads, so a step is padded to a *shape*: ``B`` sequences (the batch), ``Q`` rows each (the step's
+most tokens of one sequence: plain decoding's 1, or the most drafts + 1) and ``nb`` context blocks each, all three
+rounded up to powers of two. Each shape gets static input tensors (token ids, positions, slots, the blocks to
+gather, the masks) and its graph, captured the first time the shape occurs; a later step of that shape copies its
+inputs into them and replays.
 
 Padding: a sequence with fewer than ``Q`` tokens gets padding tokens after its own, at the next positions, whose
 K/V land in its own slots past its tokens (never attended: a row sees positions up to its own, and those slots
@@ -88,7 +88,7 @@ class StepGraphs:
     def shape(self, query_lens: list[int], start_positions: list[int], decode: bool, trees: bool) -> StepShape | None:
         """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
         token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM)."""
-        q = max(query_lens)
+        q = _bucket(max(query_lens))  # a power of two, as SHORT_QUERY_MAX is: fewer shapes as draft counts vary
         if not decode or trees or q > SHORT_QUERY_MAX:
             return None
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
