@@ -258,8 +258,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # None: "uni" (this process) at TP=1, else "ray"
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
-    # vLLM's name. False: steps whose sequences all bring the same few tokens (plain decoding, a fixed draft count)
-    # replay CUDA graphs on a GPU, captured per padded shape. True by default until graphs have run on a GPU
+    # vLLM's name. False: decode and chain-verify steps replay CUDA graphs on a GPU, captured per padded shape
+    # (specray.workers.step_graphs). True by default until graphs have run on a GPU
     enforce_eager: bool = True
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -51,8 +51,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
-        # uniform short steps replayed from graphs (CUDA graphs on a GPU), their padding rows in scratch blocks past
-        # the block manager's
+        # decode and chain-verify steps replayed from graphs (CUDA graphs on a GPU), their padding in scratch blocks
+        # past the block manager's
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size)  # this runner owns it
         aux_layers = drafter.aux_layers if drafter is not None else ()

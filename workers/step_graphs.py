@@ -1,4 +1,4 @@
-"""Forward passes of uniform short steps replayed from CUDA graphs (vLLM's and SGLang's cure for a host-bound step).
+"""Forward passes of decode steps replayed from CUDA graphs (vLLM's and SGLang's cure for a host-bound step).
 
 On a GPU a small model's step is bound by the host: Python dispatches every op of every layer, and the GPU waits.
 A CUDA graph records one step's kernels once and replays them with one launch. A graph fixes every shape and
@@ -19,15 +19,16 @@ Which steps qualify (the rest run eagerly): decode steps, every sequence bringin
 (at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain
 :class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
 work on the host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
-states (its head runs eagerly). On CPU the same static tensors
-are filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager
-path's, and no host sync in the forward, which a capture would refuse).
+states (its head runs eagerly). On CPU the same static tensors are filled and the model runs on them eagerly, with
+no graph: what the suite checks (outputs equal to the eager path's, and no host sync in the forward, which a
+capture would refuse).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -41,9 +42,9 @@ def graph_safe(model: torch.nn.Module) -> str | None:
     """None when ``model``'s forward can be captured, else why not."""
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            return "its experts' routing sizes work on the host"
+            return "the model cannot be captured: its experts' routing sizes work on the host"
         if isinstance(module, PagedAttention) and type(module) is not PagedAttention:
-            return f"{type(module).__name__} is not plain paged attention"
+            return f"the model cannot be captured: {type(module).__name__} is not plain paged attention"
     return None
 
 
@@ -51,8 +52,9 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-@dataclass
-class StepShape:
+class StepShape(NamedTuple):
+    """A step's padded shape, the key of its graph."""
+
     batch: int  # sequences, padding included
     query_len: int  # new tokens per sequence
     ctx_blocks: int  # context blocks gathered per sequence
@@ -79,7 +81,7 @@ class StepGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self.pool = None  # one memory pool shared by every graph (they never run at once)
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[StepShape, _Graph] = {}
 
     @staticmethod
     def scratch_blocks_needed(block_size: int) -> int:
@@ -110,10 +112,9 @@ class StepGraphs:
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
             self.device, min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
         ids = torch.tensor(ids + [0] * (pads * q), dtype=torch.long, device=self.device)
-        key = (shape.batch, q, shape.ctx_blocks)
-        graph = self.graphs.get(key)
+        graph = self.graphs.get(shape)
         if graph is None:
-            graph = self.graphs[key] = self._capture(meta, ids)  # its warm-up ran this step
+            graph = self.graphs[shape] = self._capture(meta, ids)  # its warm-up ran this step
         else:
             self._load(graph, meta, ids)
             if graph.graph is not None:
@@ -137,7 +138,7 @@ class StepGraphs:
         ``max_position`` covers every position the model allows and padding past it, so the RoPE tables never
         grow inside a graph."""
         short = meta.short
-        assert short is not None and short.token_index is None and not meta.own, "a uniform short step"
+        assert short is not None and short.token_index is None and not meta.own, "every sequence short, q rows each"
         return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
                        max_position=self.model.max_position_embeddings - 1 + SHORT_QUERY_MAX,
                        _masks={},

@@ -58,7 +58,7 @@ class WorkerConfig:
     # the whole checkpoint's config as the engine read it (specray.models.loader.read_config), so a rank needs no
     # transformers; None: the rank reads it
     model_config: PlainConfig | None = None
-    # False: uniform short steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs) where they can
+    # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs)
     enforce_eager: bool = True
 
 
@@ -174,21 +174,19 @@ class Worker:
         if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
             config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
-        eager = self._eager_reason()
-        if eager is not None and not self.config.enforce_eager:
-            logger.warning("enforce_eager=False: every step runs eagerly, as %s", eager)
+        graphs = not self.config.enforce_eager and self._graphs_possible()
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
-                                  step_graphs=not self.config.enforce_eager and eager is None)
+                                  step_graphs=graphs)
 
-    def _eager_reason(self) -> str | None:
-        """Why this rank cannot replay steps from graphs (None: it can)."""
-        if self.world_size > 1:
-            return "graphs run at tensor_parallel_size=1 only, for now"
-        reason = graph_safe(self.model)
-        return None if reason is None else f"the model cannot be captured: {reason}"
+    def _graphs_possible(self) -> bool:
+        """Whether this rank can replay steps from graphs; if not, a warning says why."""
+        reason = "graphs run at tensor_parallel_size=1 only, for now" if self.world_size > 1 else graph_safe(self.model)
+        if reason is not None:
+            logger.warning("enforce_eager=False: every step runs eagerly, as %s", reason)
+        return reason is None
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult | None:
