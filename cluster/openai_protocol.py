@@ -94,14 +94,15 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
 
 
 # SamplingParams fields that a request sets under another name: the client's name is the param to report
-_REQUEST_PARAMS = {"speculative_method": "speculative.method",
+_REQUEST_PARAMS = {"prompt_token_ids": "prompt", "speculative_method": "speculative.method",
                    "num_speculative_tokens": "speculative.num_speculative_tokens"}
 
 
 def from_value_error(err: ValueError, default_param: str | None = None) -> OpenAIError:
-    """A 400 from an engine/SamplingParams ValueError, whose messages start with ``name=value``."""
+    """A 400 from an engine/SamplingParams ValueError, whose messages start with ``name=value`` or
+    ``name contains``."""
     message = str(err)
-    match = re.match(r"(\w+)=", message)
+    match = re.match(r"(\w+)(?:=| contains )", message)
     param = match.group(1) if match else default_param
     return bad_request(message, _REQUEST_PARAMS.get(param, param))
 

@@ -191,7 +191,7 @@ class SamplingParams:
             return
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"stop_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); drop them")
         bad = [t for t in self.logit_bias or {} if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias={{{bad[0]}: ...}} names token ids {bad[:5]} outside the vocabulary "

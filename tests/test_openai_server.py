@@ -491,6 +491,7 @@ BAD_PARAMS = [
     ({"min_tokens": 9}, "min_tokens"),  # above max_tokens
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary: refused by the engine replica
+    ({"stop_token_ids": [99999]}, "stop_token_ids"),  # the same, with a message of the form "name contains ..."
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
 ]
