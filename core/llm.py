@@ -80,7 +80,7 @@ class LLM:
         return stats() if callable(stats) else None
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, each with ``n`` completions (its
         sampling parameters' ``n``; with a seed, completion i draws from ``seed + i``). Prompts are strings,
@@ -111,7 +111,8 @@ class LLM:
         return [_one_output(outs) for outs in done]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+             use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to several;
@@ -176,14 +177,28 @@ def _as_list(prompts) -> list:
 
 
 def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from one (a SamplingParams or a dict of its fields) or one per prompt."""
     if sampling_params is None:
         return [SamplingParams() for _ in range(n)]
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    sampling_params = list(sampling_params)
+    if isinstance(sampling_params, (SamplingParams, dict)):
+        return [_as_params(sampling_params)] * n
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Iterable):
+        raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them (one "
+                         f"per prompt), got {type(sampling_params).__name__}")
+    sampling_params = [_as_params(sp) for sp in sampling_params]
     if len(sampling_params) != n:
         raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one, or one per prompt")
     return sampling_params
+
+
+def _as_params(value: Any) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_params must be a SamplingParams or a dict of its fields, got "
+                         f"{type(value).__name__}")
+    check_keys("sampling_params", value, {f.name for f in dataclasses.fields(SamplingParams)})
+    return SamplingParams(**value)
 
 
 def _choice(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,6 +1,7 @@
 """End to end on tiny random models: greedy speculative output equals greedy plain output and transformers'
 `generate`, for every drafter, batch sizes 1 and 8, under preemption; bad input; stops; KV accounting."""
 
+import dataclasses
 import json
 
 import pytest
@@ -410,6 +411,9 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     ids = plain.get_tokenizer().encode(PROMPTS[0])
     out = plain.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain_outputs[0]
+    as_dict = dataclasses.asdict(greedy())  # sampling parameters as a dict of SamplingParams' fields, one or a list
+    assert token_ids(plain.generate(PROMPTS[:2], as_dict, use_tqdm=False)) == plain_outputs[:2]
+    assert token_ids(plain.generate(PROMPTS[:2], [as_dict, greedy()], use_tqdm=False)) == plain_outputs[:2]
     chat = plain.chat([{"role": "user", "content": "Hello"}], greedy(8), use_tqdm=False)[0]
     text = plain.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
                                                      add_generation_prompt=True)
@@ -438,6 +442,9 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: llm.generate({"prompt_token_ids": [1] * 300}, greedy(), use_tqdm=False), "max_model_len"),
     (lambda llm: llm.generate({"prompt_token_ids": [10**6]}, greedy(), use_tqdm=False), "vocabulary"),
     (lambda llm: llm.generate(["ok", "ok"], [greedy()], use_tqdm=False), "sampling_params"),
+    (lambda llm: llm.generate("ok", "greedy", use_tqdm=False), "sampling_params must be a SamplingParams"),
+    (lambda llm: llm.generate("ok", {"max_token": 4}, use_tqdm=False),
+     r"sampling_params has unknown keys \['max_token'\] \(did you mean 'max_token' -> 'max_tokens'\?\)"),
     (lambda llm: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda llm: SamplingParams(temperature=-1), "temperature"),
     (lambda llm: SamplingParams(top_p=0), "top_p"),
