@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from specray.sampling_params import SEED_MAX, SEED_MIN
+
 
 def check_keys(what: str, given: Any, known: Any, hint: str = "") -> None:
     """The one unknown-keys check: a ValueError naming the unknown keys, where they were given and the known
@@ -307,6 +309,8 @@ class EngineArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -16,7 +16,7 @@ from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.models.cpu_kernels import rows_for
-from specray.models.loader import load_hf_config, load_tokenizer, read_config
+from specray.models.loader import check_path, load_hf_config, load_tokenizer, read_config
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.workers.worker import WorkerConfig
@@ -48,12 +48,16 @@ def check_engine_args(args: EngineArgs) -> None:
     """What :class:`EngineArgs` cannot check on its own (it sits below the drafter registry and the backends):
     the speculation method and its options, and where a split drafter can run. Call before anything starts, so
     a user error is a ValueError here and not an actor's failure."""
+    if args.tokenizer is not None:
+        check_path(args.tokenizer, "tokenizer")
     spec = args.speculative_config
     registry.check(spec)
     if spec is None:
         return
+    options = registry.options_of(spec)
+    if getattr(options, "model", None):
+        check_path(options.model, "speculative_config.model")
     if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
-        options = registry.options_of(spec)
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
             check_head_split(spec.method, options.model, args.tensor_parallel_size)
     tp = registry.tensor_parallel_size(spec)

@@ -71,9 +71,14 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
                              "(config.json + weights) or a .gguf file")
         folder = convert_gguf(path)
         return ModelSource(folder, *_weight_files(folder), gguf_file=path.resolve())
-    if _looks_local(str(model)):
-        raise ValueError(f"model={str(model)!r} does not exist; pass an existing HF model folder or .gguf file")
+    check_path(model, "model")
     return _folder_source(_download(str(model)))
+
+
+def check_path(model: str | os.PathLike, field: str) -> None:
+    """A ValueError naming ``field`` when ``model`` is a local path (not a hub id) that does not exist."""
+    if _looks_local(str(model)) and not Path(model).expanduser().exists():
+        raise ValueError(f"{field}={str(model)!r} does not exist; pass an existing HF model folder or .gguf file")
 
 
 def _looks_local(model: str) -> bool:
