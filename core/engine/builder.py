@@ -34,6 +34,14 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
     return requested
 
 
+def check_draft_count(spec: SpeculativeConfig | None, max_model_len: int) -> None:
+    """A step verifies at most ``num_speculative_tokens`` drafts of one request, all inside its context."""
+    if spec is not None and spec.num_speculative_tokens >= max_model_len:
+        raise ValueError(f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} is not below "
+                         f"max_model_len={max_model_len}: a step cannot verify more tokens than the context holds; "
+                         "lower it (a few to a few tens)")
+
+
 def eos_ids(hf_config, tokenizer) -> frozenset[int]:
     ids = set()
     for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -109,6 +117,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     spec = args.speculative_config
+    check_draft_count(spec, max_model_len)
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
