@@ -195,3 +195,15 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
 
     stats = served_like_plain(target_dir, {"method": method, "model": str(out / "head"), "adaptive": False, **serving})
     assert stats.accepted_tokens > 0, stats.as_dict()
+
+
+@pytest.mark.parametrize("make_bad, match", [
+    (lambda tmp: TrainConfig(epochs=0), r"^epochs=0 must be a number > 0"),
+    (lambda tmp: TrainConfig(lr=float("nan")), r"^lr=nan must be a number > 0"),
+    (lambda tmp: DataConfig(prompt_file=str(tmp / "missing.txt")), r"^prompt_file='.*missing.txt' is not a file"),
+    (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
+])
+def test_bad_training_options_are_clear_errors_before_any_work(tmp_path, make_bad, match):
+    (tmp_path / "file").write_text("a file where the output folder's parent should be")
+    with pytest.raises(ValueError, match=match):
+        make_bad(tmp_path)

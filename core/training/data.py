@@ -44,6 +44,8 @@ class DataConfig:
         for name in ("num_prompts", "prompt_max_tokens", "answer_max_tokens", "batch_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
+            raise ValueError(f"prompt_file={self.prompt_file!r} is not a file; give a file of prompts, one per line")
 
 
 def user_turn_prefix(tokenizer) -> str:

@@ -38,6 +38,13 @@ class PipelineConfig:
         if unknown:
             raise ValueError(f"stages {unknown} are unknown; choose from {list(STAGES)}")
 
+    def make_out_dir(self) -> None:
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"out_dir={self.out_dir!r} cannot be made ({err.strerror}); pass a folder you can "
+                             "write to") from None
+
 
 def _say(msg: str) -> None:
     logger.warning(msg)
@@ -59,7 +66,7 @@ def run(config: PipelineConfig) -> dict:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    os.makedirs(config.out_dir, exist_ok=True)
+    config.make_out_dir()
     if "data" in config.stages:
         from specray import LLM
 

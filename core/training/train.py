@@ -66,6 +66,10 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction={self.eval_fraction} must lie in (0, 1)")
+        for name in ("epochs", "lr"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name}={value!r} must be a number > 0")
 
 
 def feature_layers(method: str, num_target_layers: int) -> list[int]:
