@@ -876,7 +876,7 @@ def check_port_free(host: str, port: int) -> None:
 def check_model(engine_args: EngineArgs) -> None:
     """The model exists, its config loads, max_model_len fits its positions and tensor_parallel_size splits its
     attention and KV heads; a hub id that is not on this machine is left to the replica."""
-    from specray.engine.builder import check_draft_count, resolve_max_model_len
+    from specray.engine.builder import check_draft_count, check_local_paths, resolve_max_model_len
     from specray.models.loader import load_hf_config
 
     model = engine_args.model
@@ -888,6 +888,7 @@ def check_model(engine_args: EngineArgs) -> None:
     except (OSError, ValueError) as err:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
     check_draft_count(engine_args.speculative_config, resolve_max_model_len(engine_args.max_model_len, config))
+    check_local_paths(engine_args)
     check_heads(config, engine_args.tensor_parallel_size)
 
 

@@ -56,15 +56,11 @@ def check_engine_args(args: EngineArgs) -> None:
     """What :class:`EngineArgs` cannot check on its own (it sits below the drafter registry and the backends):
     the speculation method and its options, and where a split drafter can run. Call before anything starts, so
     a user error is a ValueError here and not an actor's failure."""
-    if args.tokenizer is not None:
-        check_path(args.tokenizer, "tokenizer")
     spec = args.speculative_config
     registry.check(spec)
     if spec is None:
         return
     options = registry.options_of(spec)
-    if getattr(options, "model", None):
-        check_path(options.model, "speculative_config.model")
     if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
             check_head_split(spec.method, options.model, args.tensor_parallel_size)
@@ -73,6 +69,17 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs a backend that runs drafters "
                          f"as actors (its ranks are actors), not {args.executor_backend!r}: set "
                          "distributed_executor_backend='ray'")
+
+
+def check_local_paths(args: EngineArgs) -> None:
+    """The tokenizer's and the drafter's model paths exist, when they are local paths, on the machine that is to
+    load them (not checked with the other arguments: a cluster's head may not hold the paths its workers mount)."""
+    if args.tokenizer is not None:
+        check_path(args.tokenizer, "tokenizer")
+    spec = args.speculative_config
+    model = getattr(registry.options_of(spec), "model", None) if spec is not None else None
+    if model:
+        check_path(model, "speculative_config.model")
 
 
 def check_heads(config, tp: int) -> None:
@@ -112,6 +119,7 @@ def engine_args_schema() -> dict[str, Any]:
 
 def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
+    check_local_paths(args)
     model_config = read_config(args.model)
     hf_config = load_hf_config(args.model, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
