@@ -5,7 +5,7 @@ so whoever owns that actor can remove what it left behind (:func:`remove_owned`)
 itself: a placement group created by a non-detached actor outlives the actor, until the job ends.
 
 A request the cluster can never hold (more CPUs per node than any node has, more ranks than fit in all the nodes
-together) fails at once with what to change, instead of waiting for resources that will not come; on a cluster
+together, counting what the placing actor and the groups it placed before hold) fails at once with what to change, instead of waiting for resources that will not come; on a cluster
 that grows (an autoscaler: set ``SPECRAY_RAY_AUTOSCALING=1``) it waits, up to ``PLACEMENT_TIMEOUT_S``.
 """
 
@@ -39,7 +39,7 @@ def create(bundles: list[dict], strategy: str, role: str, advice: str):
     nodes = capacities()
     if not could_ever_fit(bundles, strategy, nodes) and not autoscaling():
         raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total, "
-                         f"less what the actor placing them holds: {[_cpus_gpus(n) for n in nodes]}; no "
+                         f"less what the actor placing them and its earlier groups hold: {[_cpus_gpus(n) for n in nodes]}; no "
                          f"autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
     pg = placement_group(bundles, strategy=strategy, name=f"{NAME_PREFIX}:{owner_id()}:{role}:{uuid.uuid4().hex[:8]}")
     if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
@@ -77,20 +77,33 @@ def autoscaling() -> bool:
 
 
 def capacities() -> list[dict]:
-    """Each live node's total resources, less what the actor calling this holds on its own node: it holds them
-    as long as the groups it creates live, so they can never go to those groups."""
+    """Each live node's total resources, less what the actor calling this holds on its own node and the bundles
+    of the groups it placed before (a drafter's group after the target's): it holds both as long as the groups
+    it creates live, so they can never go to those groups."""
     context = ray.get_runtime_context()
     here = context.get_node_id()
-    held = context.get_assigned_resources() if context.get_actor_id() else {}
+    held = {here: [context.get_assigned_resources()]} if context.get_actor_id() else {}
+    for node_id, bundle in _own_bundles(owner_id()):
+        held.setdefault(node_id, []).append(bundle)
     nodes = []
     for node in ray.nodes():
         if node["Alive"]:
             total = dict(node["Resources"])
-            if node["NodeID"] == here:
-                for key, amount in held.items():
+            for bundle in held.get(node["NodeID"], []):
+                for key, amount in bundle.items():
                     total[key] = total.get(key, 0) - amount
             nodes.append(total)
     return nodes
+
+
+def _own_bundles(owner: str) -> list[tuple[str, dict]]:
+    """(node id, resources) of every placed bundle of the live groups ``owner`` created."""
+    out = []
+    for info in ray.util.placement_group_table().values():
+        if (info.get("name") or "").startswith(f"{NAME_PREFIX}:{owner}:") and info.get("state") == "CREATED":
+            nodes = info.get("bundles_to_node_id") or {}
+            out += [(nodes[i], dict(bundle)) for i, bundle in (info.get("bundles") or {}).items() if i in nodes]
+    return out
 
 
 def could_ever_fit(bundles: list[dict], strategy: str, nodes: list[dict]) -> bool:
@@ -123,8 +136,8 @@ def _place(bundles: list[dict], free: list[dict], one_per_node: bool, used: set[
 
 
 def _fits(need: dict, node: dict) -> bool:
-    return all(node.get(k, 0) >= v for k, v in need.items())
+    return all(node.get(k, 0) >= v - 1e-6 for k, v in need.items())  # Ray counts in 1e-4 units; floats round
 
 
 def _cpus_gpus(node: dict) -> dict:
-    return {k: node[k] for k in ("CPU", "GPU") if node.get(k)}
+    return {k: round(node[k], 4) for k in ("CPU", "GPU") if node.get(k)}

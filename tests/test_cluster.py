@@ -496,6 +496,38 @@ def test_what_the_placing_actor_holds_is_no_room_for_its_groups(ray_cluster):
         ray.kill(placer)
 
 
+def test_the_groups_an_actor_placed_are_no_room_for_its_next_one(ray_cluster):
+    """An actor's groups live as long as it does: a second group (the drafter's, after the target's) that fits
+    the node only with the first one's bundles can never be placed, and says so at once; one that fits beside
+    them is placed."""
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    class Placer:
+        def place(self) -> list[str]:
+            from specray.cluster import placement
+
+            first = placement.create([{"CPU": 0.01, "node1": 0.3}] * 2, "PACK", "target", "")
+            out = []
+            for need in (0.5, 0.4):
+                try:
+                    placement.remove(placement.create([{"CPU": 0.01, "node1": need}], "PACK", "draft", "hold less"))
+                    out.append("placed")
+                except ValueError as err:
+                    out.append(str(err))
+            placement.remove(first)
+            return out
+
+    placer = Placer.remote()
+    try:
+        start = time.monotonic()
+        too_big, fits = ray.get(placer.place.remote(), timeout=120)
+        assert "could never hold them" in too_big and "hold less" in too_big, too_big
+        assert fits == "placed" and time.monotonic() - start < 30
+    finally:
+        ray.kill(placer)
+
+
 def test_a_drafter_actor_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir):
     """A one-rank drafter actor asking for more CPUs than any node has is refused at once too (it used to wait
     for its setup's long timeout), and what the engine had started is released."""
