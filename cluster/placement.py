@@ -5,8 +5,9 @@ so whoever owns that actor can remove what it left behind (:func:`remove_owned`)
 itself: a placement group created by a non-detached actor outlives the actor, until the job ends.
 
 A request the cluster can never hold (more CPUs per node than any node has, more ranks than fit in all the nodes
-together, counting what the placing actor and the groups it placed before hold) fails at once with what to change, instead of waiting for resources that will not come; on a cluster
-that grows (an autoscaler: set ``SPECRAY_RAY_AUTOSCALING=1``) it waits, up to ``PLACEMENT_TIMEOUT_S``.
+together, counting what the placing actor and the groups it placed before hold) fails at once with what to
+change, instead of waiting for resources that will not come; on a cluster that grows (an autoscaler: set
+``SPECRAY_RAY_AUTOSCALING=1``) it waits, up to ``PLACEMENT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def create(bundles: list[dict], strategy: str, role: str, advice: str):
     nodes = capacities()
     if not could_ever_fit(bundles, strategy, nodes) and not autoscaling():
         raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total, "
-                         f"less what the actor placing them and its earlier groups hold: {[_cpus_gpus(n) for n in nodes]}; no "
+                         f"less what the actor placing them and its earlier groups hold: "
+                         f"{[_cpus_gpus(n) for n in nodes]}; no "
                          f"autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
     pg = placement_group(bundles, strategy=strategy, name=f"{NAME_PREFIX}:{owner_id()}:{role}:{uuid.uuid4().hex[:8]}")
     if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from specray.sampling_params import SEED_MAX, SEED_MIN
+from specray.sampling_params import check_seed
 
 
 def check_keys(what: str, given: Any, known: Any, hint: str = "") -> None:
@@ -309,8 +309,7 @@ class EngineArgs:
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
-            raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
+        check_seed(self.seed)
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

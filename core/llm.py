@@ -180,11 +180,8 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     """One SamplingParams per prompt, from one (a SamplingParams or a dict of its fields) or one per prompt."""
     if sampling_params is None:
         return [SamplingParams() for _ in range(n)]
-    if isinstance(sampling_params, (SamplingParams, dict)):
+    if isinstance(sampling_params, (SamplingParams, dict, str, bytes)) or not isinstance(sampling_params, Iterable):
         return [_as_params(sampling_params)] * n
-    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Iterable):
-        raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them (one "
-                         f"per prompt), got {type(sampling_params).__name__}")
     sampling_params = [_as_params(sp) for sp in sampling_params]
     if len(sampling_params) != n:
         raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one, or one per prompt")
@@ -195,8 +192,8 @@ def _as_params(value: Any) -> SamplingParams:
     if isinstance(value, SamplingParams):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"sampling_params must be a SamplingParams or a dict of its fields, got "
-                         f"{type(value).__name__}")
+        raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them (one "
+                         f"per prompt), got {type(value).__name__}")
     check_keys("sampling_params", value, {f.name for f in dataclasses.fields(SamplingParams)})
     return SamplingParams(**value)
 

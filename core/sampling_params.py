@@ -137,8 +137,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed={self.seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
+        if self.seed is not None:
+            check_seed(self.seed, " or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_finite(value) or not -2.0 <= value <= 2.0:
@@ -240,6 +240,12 @@ def _as_list(name: str, value: Any, what: str, one_string: bool = True) -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
     raise ValueError(f"{name}={value!r} must be {what}")
+
+
+def check_seed(seed: Any, also: str = "") -> None:
+    """A seed a random stream accepts: an int in [SEED_MIN, SEED_MAX]; ``also`` names what else is allowed."""
+    if not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed={seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits){also}")
 
 
 def _is_int(value) -> bool:

@@ -60,8 +60,8 @@ def check_engine_args(args: EngineArgs) -> None:
     registry.check(spec)
     if spec is None:
         return
-    options = registry.options_of(spec)
     if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
+        options = registry.options_of(spec)
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
             check_head_split(spec.method, options.model, args.tensor_parallel_size)
     tp = registry.tensor_parallel_size(spec)
