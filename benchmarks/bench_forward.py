@@ -5,6 +5,7 @@ its KV cache, for 1 token and for 1+5 draft tokens per sequence, at batch 1 and 
 """
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -59,11 +60,12 @@ def main():
                 return ours.compute_logits(ours(ids, meta))
 
             cache = DynamicCache(config=config)
-            hf(prompts[:b, :CTX], past_key_values=cache, use_cache=True)
+            kw = {"cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values": cache}
+            hf(prompts[:b, :CTX], use_cache=True, **kw)
             pos = torch.arange(CTX, CTX + q)[None].expand(b, q)
 
             def hf_step():
-                out = hf(prompts[:b, CTX:CTX + q], position_ids=pos, past_key_values=cache, use_cache=True,
+                out = hf(prompts[:b, CTX:CTX + q], position_ids=pos, use_cache=True, **kw,
                          logits_to_keep=q)
                 cache.crop(-q)
                 return out.logits

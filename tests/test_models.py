@@ -64,6 +64,13 @@ def tokens(n: int, seed: int, vocab: int = 300) -> list[int]:
 
 
 @torch.no_grad()
+def hf_cache_kwarg(hf, cache) -> dict:
+    """transformers' cache argument: ``cache`` where the model takes it (5.24 does), else ``past_key_values``."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values": cache}
+
+
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()  # [L, V]
 
@@ -236,7 +243,7 @@ def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
     cache, table = DynamicCache(config=hf.config), paged.table(len(ids))
     with torch.no_grad():
         for p, t in enumerate(ids):  # transformers rescales as the sequence grows: compare step by step
-            ref = hf(torch.tensor([[t]]), position_ids=torch.tensor([[p]]), past_key_values=cache).logits[0]
+            ref = hf(torch.tensor([[t]]), position_ids=torch.tensor([[p]]), **hf_cache_kwarg(hf, cache)).logits[0]
             close(paged.step([([t], p, table)])[0], ref)
 
 
