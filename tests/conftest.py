@@ -48,6 +48,7 @@ def _register_helper(name: str) -> None:
 
 
 _register_helper("draft_heads")  # tiny random draft-head checkpoints in the public layouts
+_register_helper("engine_runs")  # the prompts and greedy parameters of the engine-level comparisons
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

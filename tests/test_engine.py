@@ -10,17 +10,7 @@ import torch
 from specray import LLM, SamplingParams, SpeculativeConfig
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
-
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "The quick brown fox",
-    "Hello",
-    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
-    "for i in range(10):",
-    "Extract the names from: Alice met Bob",
-    "def mul(a, b):\n    return a * b\ndef add(a, b):",
-    "I am fine, thank you. Hello world! How are",
-]
+from specray_test_engine_runs import PROMPTS, token_ids  # tests/engine_runs.py (tests/conftest.py registers it)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -31,10 +21,6 @@ GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def greedy(n=24, **kw):
     return SamplingParams(**{**GREEDY, "max_tokens": n}, **kw)
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def hf_greedy(folder, llm, prompts, n):

@@ -34,6 +34,7 @@ def _load(name: str):
 
 
 import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
+from specray_test_engine_runs import PROMPTS, greedy, token_ids  # noqa: E402  tests/engine_runs.py
 
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
@@ -44,30 +45,12 @@ METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "medusa", "redrafter")
 BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
 TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3,  # -> nodes at depth 1 of its tree
                 "redrafter": BEAMS["redrafter_num_beams"]}
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "The quick brown fox",
-    "Hello",
-    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
-    "for i in range(10):",
-    "Extract the names from: Alice met Bob",
-    "def mul(a, b):\n    return a * b\ndef add(a, b):",
-    "I am fine, thank you. Hello world! How are",
-]
-
-
-def greedy(n=24, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 # per prompt of the batch: draft caps (0: none for that request, 1, the engine's), max_tokens edges (1 and 2
 # leave no room for a draft; 3 for one) and logprobs (of the tokens kept from accepted drafts too)
 MIXED = [greedy(), greedy(num_speculative_tokens=0), greedy(1), greedy(2), greedy(3), greedy(num_speculative_tokens=1),
          greedy(logprobs=2), greedy(7)]
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,6 +10,7 @@ from specray import LLM, SamplingParams
 from specray.scheduler.request import Request
 from specray.outputs import accumulate
 from specray.verification import prompt_logprob_entries, target_logprobs, unpad_with_logprobs
+from specray_test_engine_runs import greedy  # tests/engine_runs.py (registered by conftest)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -25,10 +26,6 @@ PROMPTS = [
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
 TOL = 1e-4
-
-
-def greedy(n=24, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from specray import LLM, SamplingParams
 from specray.drafters.base import DraftRequest, Proposal
 from specray.drafters.router import DrafterRouter
 from specray.config import SpeculativeConfig
+from specray_test_engine_runs import token_ids  # tests/engine_runs.py (registered by conftest)
 
 REPEAT = "one two three four " * 4  # repeats a 24-gram: ngram_mod (24-grams) can draft
 PROMPTS = [
@@ -26,10 +27,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 def greedy(n=64, **kw):  # long enough for a tiny model's own loops to repeat 24-grams (ngram_mod)
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def free_blocks(llm):

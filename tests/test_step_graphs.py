@@ -5,20 +5,13 @@ forward on the static inputs has no host sync (a capture would refuse one); what
 import pytest
 import torch
 
-from specray import LLM, SamplingParams
+from specray import LLM
+from specray_test_engine_runs import greedy, token_ids  # tests/engine_runs.py (registered by conftest)
 
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox", "Hello world! How are you today?",
            "for i in range(10):", "Summarize the following text", "x"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
-
-
-def greedy(n=24):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def graphs_of(llm):

@@ -16,6 +16,7 @@ from specray.sampling_params import SamplingParams as SP
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.tree import DraftTree
+from specray_test_engine_runs import PROMPTS, greedy, token_ids  # tests/engine_runs.py (registered by conftest)
 
 
 def _load(name: str):
@@ -27,16 +28,6 @@ def _load(name: str):
 
 probes = _load("probes")
 
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "The quick brown fox",
-    "Hello",
-    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
-    "for i in range(10):",
-    "Extract the names from: Alice met Bob",
-    "def mul(a, b):\n    return a * b\ndef add(a, b):",
-    "I am fine, thank you. Hello world! How are",
-]
 NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
               "num_branches": 3, "adaptive": False}
 NGRAM_STATIC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -47,14 +38,6 @@ EXACTNESS_SPECS = {"ngram-tree": NGRAM_TREE, "lookahead": LOOKAHEAD}  # preempti
 TREE_SPECS = {"ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC,
               "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}, "suffix": SUFFIX,
               "suffix-fixed": {**SUFFIX, "adaptive": False}}
-
-
-def greedy(n=24, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
-
-
-def token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def generate_greedy(llm, batch: int):
