@@ -7,6 +7,7 @@ import random
 import pytest
 
 from specray import SamplingParams, SpeculativeConfig
+from specray.cluster.ngram_pool import NgramPoolActor
 from specray.drafters.base import Drafter, DraftRequest, DrafterContext
 from specray.drafters.registry import drafter_class, options_of
 from specray.drafters.suffix import _UNDO_WINDOW, SuffixCache, SuffixDrafter, SuffixTrie
@@ -377,30 +378,20 @@ def test_stats_count_calls_drafts_and_accepted_tokens():
 # ---------------------------------------------------------------------------------------------- shared across replicas
 
 
-class Relay:
-    """An in-process stand-in for the pool actor: relays (key, start, tokens) deltas between linked drafters."""
+class Relay(NgramPoolActor):
+    """The pool actor's class in process (no Ray): relays (key, start, tokens) deltas between linked drafters, and
+    records what each sent."""
 
     def __init__(self):
-        self.seqs: dict[str, tuple[str, list[int]]] = {}  # key -> (origin, tokens)
-        self.sent: dict[str, dict[str, int]] = {}  # origin -> key -> tokens of it that origin has received
+        super().__init__()
         self.published: list[tuple[str, str, int]] = []  # (origin, key, start) of every update received
 
     def link(self, origin: str) -> "RelayLink":
         return RelayLink(self, origin)
 
     def exchange(self, origin, updates):
-        for key, start, tokens in updates:
-            self.published.append((origin, key, start))
-            stored = self.seqs.setdefault(key, (origin, []))[1]
-            del stored[start:]
-            stored.extend(tokens)
-        sent, out = self.sent.setdefault(origin, {}), []
-        for key, (source, tokens) in self.seqs.items():
-            have = sent.get(key, 0)
-            if source != origin and len(tokens) > have:
-                out.append((key, have, tokens[have:]))
-                sent[key] = len(tokens)
-        return out
+        self.published.extend((origin, key, start) for key, start, _ in updates)
+        return super().exchange(origin, updates)
 
 
 class RelayLink:
