@@ -68,7 +68,9 @@ class EngineClient(Protocol):
         (an engine in another process); empty when the app's own :class:`ServerMetrics` holds them."""
         ...
 
-    def is_healthy(self) -> bool: ...
+    async def is_healthy(self) -> bool:
+        """Whether an engine can take requests now (``GET /health``)."""
+        ...
 
 
 class EngineUnavailableError(EngineError):
@@ -106,7 +108,7 @@ class AsyncEngineClient:
             raise EngineUnavailableError("the engine loop is not running; retry shortly (Serve replaces an "
                                          "unhealthy replica on its own)")
 
-    def is_healthy(self) -> bool:
+    async def is_healthy(self) -> bool:
         return self.aengine.is_running
 
 
@@ -430,7 +432,7 @@ class OpenAIServing:
                                max_model_len=self.client.max_model_len)
 
     async def health(self) -> Response:
-        if self.client.is_healthy():
+        if await self.client.is_healthy():
             return JSONResponse({"status": "ok"})
         return error_response(proto.OpenAIError(503, "the engine loop is not running", "server_error",
                                                 code="engine_dead"))

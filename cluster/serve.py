@@ -70,6 +70,7 @@ DEFAULT_APP_NAME = "specray"
 CONSTRUCTOR_RETRIES = 1
 INGRESS_NUM_CPUS = 0.0  # the ingress tokenizes and streams; the CPUs to reserve are the engine replica's
 ACK_TIMEOUT_S = 10.0  # a request that no engine replica takes this long is a 503, not a wait for a restart
+HEALTH_PROBE_S = 1.0  # before the engine first answered, how long GET /health asks it before answering 503
 PROBE_INTERVAL_S = 0.5  # while the engine is down, how often the ingress asks whether a replica is ready
 OUTBOX_IDLE_S = 1.0  # an ingress's output stream with nothing in flight this long ends (so a replica can stop)
 PIN_PREFIX = "specray-replica:"  # a handle's session_id that names the engine replica to route to
@@ -468,6 +469,8 @@ class RemoteEngineClient:
         self.ack_timeout_s = ack_timeout_s
         self.probe_interval_s = probe_interval_s
         self._down_since: float | None = None
+        # no engine replica has answered yet: the ingress starts before the engine does (Serve routes to it at once)
+        self._ready_once = False
         self._probe: asyncio.Task | None = None
         self._id = uuid.uuid4().hex  # this ingress replica, as the engine replicas know it
         self._queues: dict[str, asyncio.Queue] = {}  # req_id -> its cumulative outputs, then possibly an error
@@ -477,6 +480,7 @@ class RemoteEngineClient:
     async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
         """Add the request on an engine replica (Serve picks it), then read its outputs from that replica's
         per-step batches; leaving early aborts it there."""
+        await self._first_contact()
         self._check_up()
         req_id = req_id or f"{self._id[:8]}-{uuid.uuid4().hex}"
         queue = self._queues[req_id] = asyncio.Queue()
@@ -547,6 +551,7 @@ class RemoteEngineClient:
 
     async def _call(self, method: str) -> Any:
         """A unary call on an engine replica, bounded like a request's acknowledgement."""
+        await self._first_contact()
         self._check_up()
         response = getattr(self._handle, method).remote()
         with self._translated():
@@ -558,13 +563,37 @@ class RemoteEngineClient:
                 raise EngineUnavailableError(f"no engine replica answered within {self.ack_timeout_s:g} s; retry "
                                              "shortly") from None
 
-    def is_healthy(self) -> bool:
-        return self._down_since is None
+    async def is_healthy(self) -> bool:
+        """Whether an engine replica is ready; until one has answered, asks (for at most a second)."""
+        await self._first_contact(min(HEALTH_PROBE_S, self.ack_timeout_s))
+        return self._ready_once and self._down_since is None
+
+    async def _first_contact(self, timeout: float | None = None) -> None:
+        """Until an engine replica has answered once, ask whether one is ready (waiting at most ``timeout``, by
+        default as long as a request's acknowledgement may): a request sent while the engine is still starting
+        gets a 503 that says so, and the probe keeps asking."""
+        if self._ready_once:
+            return
+        response = self._handle.ready.remote()
+        try:
+            with self._translated():
+                ready = await asyncio.wait_for(response, self.ack_timeout_s if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            response.cancel()
+            ready = False
+        except EngineUnavailableError:
+            ready = False
+        if ready:
+            self._ready_once, self._down_since = True, None
+            return
+        self._mark_down()
 
     def _check_up(self) -> None:
-        if self._down_since is not None:
-            raise EngineUnavailableError("the engine replica is down and Serve is starting a new one; retry "
-                                         "shortly")
+        if self._down_since is None:
+            return
+        if not self._ready_once:
+            raise EngineUnavailableError("the engine replica is still starting; retry shortly")
+        raise EngineUnavailableError("the engine replica is down and Serve is starting a new one; retry shortly")
 
     @contextlib.contextmanager
     def _translated(self):
@@ -583,7 +612,9 @@ class RemoteEngineClient:
 
     def _mark_down(self) -> None:
         if self._down_since is None:
-            logger.warning("the engine replica is unavailable; answering 503 until one is ready")
+            logger.log(logging.WARNING if self._ready_once else logging.INFO,
+                       "the engine replica is %s; answering 503 until one is ready",
+                       "unavailable" if self._ready_once else "not ready yet")
             self._down_since = time.monotonic()
         if self._probe is None or self._probe.done():
             self._probe = _detached(asyncio.create_task, self._probe_until_ready())
@@ -598,8 +629,10 @@ class RemoteEngineClient:
             except Exception as err:  # any failure means: not ready yet
                 response.cancel()
                 logger.debug("engine probe: %r", err)
-        logger.info("an engine replica is ready again after %.1f s", time.monotonic() - self._down_since)
-        self._down_since = None
+        if self._down_since is not None:  # (a request's own first contact may have found it ready already)
+            logger.info("an engine replica is ready%s after %.1f s", " again" if self._ready_once else "",
+                        time.monotonic() - self._down_since)
+        self._down_since, self._ready_once = None, True
 
 
 class _EngineLink:

@@ -989,7 +989,7 @@ class FakeEngineClient:
     async def engine_metrics(self) -> bytes:
         return b""
 
-    def is_healthy(self) -> bool:
+    async def is_healthy(self) -> bool:
         return True
 
 
@@ -1273,24 +1273,29 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
     async def scenario() -> None:
         handle = _FakeEngineHandle()
         client = RemoteEngineClient(handle, FakeTokenizer(), 64, ack_timeout_s=1.0, probe_interval_s=0.05)
+        assert not await client.is_healthy()  # before any engine replica has answered: /health is 503
+        with pytest.raises(EngineUnavailableError, match="still starting"):
+            await anext(client.generate([1], SamplingParams(max_tokens=2)))
+        handle.up = True
+        while not await client.is_healthy():
+            await asyncio.sleep(0.02)
         with pytest.raises(EngineUnavailableError, match="no engine replica answered"):
             await client.engine_state()  # /metrics and the debug route do not hang either
-        handle.up = True
-        while not client.is_healthy():
+        while not await client.is_healthy():  # the probe finds the replica up again
             await asyncio.sleep(0.02)
         handle.up = False
         with pytest.raises(EngineUnavailableError, match="no engine replica took the request"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
-        assert handle.cancelled == 1 and not client.is_healthy()
+        assert handle.cancelled == 1 and not await client.is_healthy()
         start = time.monotonic()
         with pytest.raises(EngineUnavailableError, match="retry shortly"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
         assert time.monotonic() - start < 0.5  # at once, not after the 1 s acknowledgement timeout
         handle.up = True
         deadline = time.monotonic() + 5
-        while not client.is_healthy() and time.monotonic() < deadline:
+        while not await client.is_healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert client.is_healthy()
+        assert await client.is_healthy()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))  # a client that waits for a replica fails, not hangs
 
@@ -1332,7 +1337,8 @@ class _FakeEngineReplica:
         self.add = SimpleNamespace(remote=lambda *args: self._Call("r1"))
         self.abort = SimpleNamespace(remote=lambda _ingress, req_ids: self._Call(self.aborted.extend(req_ids)))
         self.outputs = SimpleNamespace(remote=lambda _ingress: self._Stream(self))
-        self.ready = SimpleNamespace(remote=lambda: self._Call(False))
+        self.up = True  # what the ingress's readiness probe hears
+        self.ready = SimpleNamespace(remote=lambda: self._Call(self.up))
 
     def options(self, stream: bool = False, session_id: str | None = None):
         if session_id is not None:
@@ -1403,12 +1409,13 @@ def test_requests_on_one_engine_replica_share_one_output_stream_and_fail_togethe
         await asyncio.sleep(0.05)
         newest = await anext(streams["b"])  # a slow reader gets the newest
         assert (newest.prompt_token_ids, newest.outputs[0].token_ids, newest.outputs[0].text) == ([1], [0, 1, 2], "xxx")
+        replica.up = False
         replica.batches.put_nowait(RayActorError())  # the replica died
         for rid in "bc":
             with pytest.raises(EngineUnavailableError, match="engine replica died"):
                 while True:
                     await anext(streams[rid])
-        assert not client.is_healthy()
+        assert not await client.is_healthy()
         with pytest.raises(EngineUnavailableError, match="retry shortly"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
         assert _IN_FLIGHT["r1"] == 0
