@@ -10,6 +10,11 @@ Sampling uses the exponential race: with ``E_v ~ Exp(1)`` i.i.d., ``argmax_v p_v
 ``p`` (``E_v / p_v ~ Exp(rate p_v)`` and the first arrival of independent exponential clocks is ``v`` with
 probability ``p_v / sum p``). It needs no normalization and no host sync, and each row's noise can come from
 its own request's generator, so a seeded request draws the same stream wherever it sits in any batch.
+
+The target's own tokens are drawn by inversion instead (:func:`sample_by_inversion`): one uniform per row, the
+token whose cumulative probability first exceeds it. A seeded request's uniform for the token at sequence position
+t is a hash of (seed, t) alone (:func:`keyed_uniform`), so the token the target samples there depends on nothing
+but p_t: not on the batch, the step, the draft count or what was verified before. Verification relies on it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class SamplingBatch:
     # (generator, its sampled rows), in order of first appearance; greedy rows are never listed, so a greedy
     # request never consumes randomness from its generator.
     seeded_rows: list[tuple[torch.Generator, list[int]]]
+    seeds: list[int | None] = dataclasses.field(default_factory=list)  # [N] each sampled row's seed, else None
+    # [N] the sequence position of the token each row samples (its key with the seed), or None when not given
+    positions: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.generators)
@@ -59,11 +67,16 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
         repeats: Sequence[int] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> "SamplingBatch":
-        """One row per entry of ``params`` (``repeats[i]`` rows for entry i, sharing its generator)."""
+        """One row per entry of ``params`` (``repeats[i]`` rows for entry i, sharing its generator).
+        ``positions[i]``: the sequence position of the first token entry i samples (its rows: the next ones)."""
         assert len(generators) == len(params), (len(generators), len(params))
+        assert positions is None or len(positions) == len(params), (positions, len(params))
         if repeats is not None:
             assert len(repeats) == len(params), (len(repeats), len(params))
+            if positions is not None:
+                positions = [t + j for t, r in zip(positions, repeats) for j in range(r)]
             params = [sp for sp, r in zip(params, repeats) for _ in range(r)]
             generators = [g for g, r in zip(generators, repeats) for _ in range(r)]
         params, generators = list(params), list(generators)
@@ -96,6 +109,8 @@ class SamplingBatch:
             any_seeded=any(g is not None for g, gr in zip(generators, greedy) if not gr),
             any_unseeded=any(g is None for g, gr in zip(generators, greedy) if not gr),
             seeded_rows=_group_rows(generators, greedy),
+            seeds=[None if g else sp.seed for sp, g in zip(params, greedy)],
+            positions=None if positions is None else list(positions),
         )
 
     def repeat_rows(self, n: int) -> "SamplingBatch":
@@ -113,6 +128,8 @@ class SamplingBatch:
             min_p=rep(self.min_p), greedy=rep(self.greedy),
             generators=[g for g in self.generators for _ in range(n)],
             seeded_rows=[(g, [r * n + j for r in rows for j in range(n)]) for g, rows in self.seeded_rows],
+            seeds=[x for x in self.seeds for _ in range(n)],
+            positions=None if self.positions is None else [t + j for t in self.positions for j in range(n)],
         )
 
 
@@ -229,6 +246,60 @@ def sample(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     noise = _exponential_noise(batch, probs.shape[-1], probs.device)  # [N, V]
     sampled = (probs.float() / noise).argmax(dim=-1)  # [N]
     return torch.where(batch.greedy, probs.argmax(dim=-1), sampled) if batch.any_greedy else sampled
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` with no stream sync: on CUDA an asynchronous copy from pinned memory (a plain
+    ``.to(device)`` copies from pageable memory and waits for the stream)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64's output function: a bijection of 64-bit ints that scatters every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """U[0, 1) from (seed, position) alone, on the host (a counter-based draw: no stream, no device): the same
+    float on every device and in every batch."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0 ** -53
+
+
+def row_uniforms(batch: SamplingBatch, offsets: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """u [N, J] for row i's J draws, draw j keyed by the sequence position ``batch.positions[i] + offsets[i][j]``
+    for a seeded row (:func:`keyed_uniform`); without positions a seeded row draws from its generator; unseeded
+    rows draw from the global RNG; greedy rows get 0. Host lists only: one host-to-device copy, no sync."""
+    n, width = len(batch), max((len(o) for o in offsets), default=0)
+    u = torch.rand(n, width, device=device) if batch.any_unseeded else torch.zeros(n, width, device=device)
+    keyed_rows = [i for i, seed in enumerate(batch.seeds) if seed is not None and batch.positions is not None]
+    if keyed_rows:
+        table = [[keyed_uniform(batch.seeds[i], batch.positions[i] + o) for o in offsets[i]]
+                 + [0.0] * (width - len(offsets[i])) for i in keyed_rows]
+        keyed = to_device(torch.tensor(table, dtype=torch.float64), device).float()
+        u = u.index_copy(0, to_device(torch.tensor(keyed_rows, dtype=torch.long), device), keyed)
+    elif batch.positions is None:
+        for gen, rows in batch.seeded_rows:
+            for i in rows:
+                u[i, : len(offsets[i])] = torch.rand(len(offsets[i]), generator=gen, device=device)
+    u = u.clamp_max_(1.0 - 2.0 ** -24)  # float32 rounding must not reach 1
+    return u.masked_fill(batch.greedy[:, None], 0.0) if batch.any_greedy else u
+
+
+def sample_by_inversion(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (need not be normalized), u [N] in [0, 1) -> tokens [N] int64: the first token whose
+    cumulative probability exceeds u * sum(p), distributed as p. A token without mass is never picked (the sum
+    does not rise there); a one-hot row (greedy) gives its token for any u."""
+    cdf = probs.float().cumsum(dim=-1)  # [N, V]
+    target = (u * cdf[:, -1])[:, None]  # [N, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max_(probs.shape[-1] - 1)
+    # rounding at the very top of the cumulative sum could land past the last token with mass: take the argmax
+    return torch.where(probs.gather(-1, tokens[:, None]).squeeze(-1) > 0, tokens, probs.argmax(dim=-1))
 
 
 def sample_without_replacement(probs: torch.Tensor, batch: SamplingBatch, k: int) -> torch.Tensor:

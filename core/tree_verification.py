@@ -36,6 +36,13 @@ root always is). The deepest correct node is accepted (ties: the smallest index;
 correct nodes form one chain and the sampling rule gives the same path for greedy rows, whose p is one-hot and
 u = 0), and the extra token is a at its row.
 
+Coupling (a sampled request's tree without q): the greedy rule with a replaced by y, the target's own token
+sampled at every row (:func:`~specray.sampling.sample_by_inversion`; a seeded request's uniform keyed by the
+sequence position of the token, the root's depth plus the row's). Child c of the current row is followed iff its
+token is y there, which happens with probability p_row(x_c); given that no child matches, y is distributed as
+p_row without the children's tokens, renormalised: the sibling rule's distribution. A seeded request's output is
+then plain decoding's with the same seed, token for token, whatever the tree held.
+
 Everything is padded (K nodes, M children per row, D = max depth, over the batch) and masked; the loops run over
 depth and sibling index only (host ints), so nothing reads a tensor value back to the host except
 :func:`unpad_tree`.
@@ -65,7 +72,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from specray.sampling import SamplingBatch, logits_to_probs, sample
+from specray.sampling import SamplingBatch, logits_to_probs, row_uniforms, sample, sample_by_inversion
 from specray.tree import check_parents
 from specray.tree import depths as node_depths
 from specray.verification import (TargetLogprobs, _accept_uniforms, _assemble, _entry, _gather_position, _to_host,
@@ -85,6 +92,8 @@ class PaddedTree(NamedTuple):
     # drew theirs [B] bool; None when none did
     draft_probs: torch.Tensor | None = None
     has_q: torch.Tensor | None = None
+    row_depths: list[list[int]] | None = None  # host: each request's rows' depths (the root 0, then its nodes')
+    has_q_rows: list[bool] | None = None  # host copy of has_q
 
 
 class TypicalAcceptance(NamedTuple):
@@ -170,6 +179,7 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
     num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
     max_depth = max((max(d, default=0) for d in depths), default=0)
     q, has_q = None, None
+    has_q_rows = None
     if draft_probs is not None and any(x is not None for x in draft_probs):
         assert len(draft_probs) == B, (len(draft_probs), B)
         q = torch.zeros(B, K + 1, V, device=device)
@@ -177,8 +187,10 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
             if probs is not None:
                 assert probs.shape[0] == k + 1, (probs.shape, k)
                 q[b, : k + 1, : probs.shape[-1]] = probs
-        has_q = torch.tensor([x is not None for x in draft_probs], dtype=torch.bool).to(device)
-    return PaddedTree(target, ids_t, parent_rows, num_drafts, counts, children_t, max_depth, depth_t, q, has_q)
+        has_q_rows = [x is not None for x in draft_probs]
+        has_q = torch.tensor(has_q_rows, dtype=torch.bool).to(device)
+    return PaddedTree(target, ids_t, parent_rows, num_drafts, counts, children_t, max_depth, depth_t, q, has_q,
+                      [[0] + d for d in depths], None if has_q is None else has_q_rows)
 
 
 # ---- verification -------------------------------------------------------------------------------------------
@@ -204,7 +216,15 @@ def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAccept
         return _verify_greedy(padded)
     if typical is not None:
         return _verify_typical(padded, batch, typical)
-    return _verify_sampled(padded, batch)
+    if padded.has_q_rows is None:
+        return _verify_coupled(padded, batch)
+    sampled = _verify_sampled(padded, batch)
+    if all(padded.has_q_rows):
+        return sampled
+    coupled, with_q = _verify_coupled(padded, batch), padded.has_q[:, None]  # [B, 1]
+    return TreeVerdict(torch.where(with_q, sampled.output_tokens, coupled.output_tokens),
+                       torch.where(with_q[:, 0], sampled.num_accepted, coupled.num_accepted),
+                       torch.where(with_q, sampled.path_rows, coupled.path_rows))
 
 
 def _row_table(x: torch.Tensor, root: float | int) -> torch.Tensor:
@@ -224,6 +244,19 @@ def _verify_greedy(padded: PaddedTree) -> TreeVerdict:
     a = padded.target_logits.argmax(dim=-1)  # [B, K+1]
     best, n, path = _deepest(padded, padded.draft_token_ids == a.gather(1, padded.parent_rows))
     return _verdict(padded, path, n, a.gather(1, best[:, None]).squeeze(1))
+
+
+def _verify_coupled(padded: PaddedTree, batch: SamplingBatch) -> TreeVerdict:
+    """y [B, K+1], the target's own token sampled at every row (keyed by the sequence position of the token it
+    samples); the greedy rule with y for the argmax."""
+    logits = padded.target_logits
+    B, K1, V = logits.shape
+    p = logits_to_probs(logits.reshape(B * K1, V), batch.repeat_rows(K1))  # [B*(K+1), V]
+    assert padded.row_depths is not None, "pad_tree_drafts records each row's depth"
+    offsets = [d + [d[-1]] * (K1 - len(d)) for d in padded.row_depths]  # padding rows repeat the last row
+    y = sample_by_inversion(p, row_uniforms(batch, offsets, logits.device).view(-1)).view(B, K1)
+    best, n, path = _deepest(padded, padded.draft_token_ids == y.gather(1, padded.parent_rows))
+    return _verdict(padded, path, n, y.gather(1, best[:, None]).squeeze(1))
 
 
 def _verify_typical(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAcceptance) -> TreeVerdict:

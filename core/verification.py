@@ -16,6 +16,13 @@ the test is u_i < p_i(x_i) and the residual is p_i with x_i removed.
 Greedy rows need no special case: p_i is one-hot on the target's argmax and u_i = 0, so a draft is accepted
 iff it is that argmax, and the extra token is the argmax at the first mismatch (or the bonus position).
 
+A row without q (a deterministic drafter's) is verified by coupling instead: the target samples its own token
+y_i ~ p_i at every position (:func:`~specray.sampling.sample_by_inversion`, a seeded request's uniform keyed by
+the token's sequence position), x_i is accepted iff x_i == y_i, and the extra token is y_n. This is the one-hot
+case of the rule above: x_i is kept with probability p_i(x_i), and given a rejection y_n is distributed as p_n
+without x_n, renormalised. Since y_i depends only on p_i and the key, a seeded request's output is the one plain
+decoding samples with the same seed, token for token, whatever was drafted.
+
 Everything is padded to K = max_b k_b and masked; nothing reads a tensor value back to the host.
 """
 
@@ -26,7 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from specray.sampling import SamplingBatch, compute_logprobs, logits_to_probs, sample
+from specray.sampling import (SamplingBatch, compute_logprobs, logits_to_probs, row_uniforms, sample,
+                              sample_by_inversion, to_device)
 
 
 def _accept_uniforms(batch: SamplingBatch, num_positions: int, draft_counts: Sequence[int] | None,
@@ -92,6 +100,7 @@ def verify(
     draft_probs: torch.Tensor | None,
     batch: SamplingBatch,
     draft_counts: Sequence[int] | None = None,
+    has_q: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection-sample every request's drafts against the target, in one batch.
 
@@ -102,6 +111,8 @@ def verify(
     batch: one row per request (B rows).
     draft_counts: optional host copy of num_drafts. With it a seeded request draws exactly k_b uniforms, so its
         random stream does not depend on the other requests' draft counts; without it each draws K.
+    has_q: host list [B], which rows' drafts have a q in ``draft_probs`` (None: all of them when it is given).
+        Rows without (and every row when ``draft_probs`` is None) are verified by coupling.
 
     Returns (output_tokens [B, K+1] int64, num_accepted [B] int64): row b's tokens are
     output_tokens[b, :num_accepted[b] + 1]; the rest is -1. Per seeded request the randomness drawn is
@@ -116,9 +127,16 @@ def verify(
     draft_token_ids = draft_token_ids.long()
     num_drafts = num_drafts.long()
     if batch.all_greedy:
-        return _verify_greedy(target_logits, draft_token_ids, num_drafts)
+        return _match_chain(target_logits.argmax(dim=-1), draft_token_ids, num_drafts)
 
     p = logits_to_probs(target_logits.reshape(B * K1, V), batch.repeat_rows(K1)).view(B, K1, V)  # [B, K+1, V]
+    coupled = None
+    if draft_probs is None or (has_q is not None and not all(has_q)):
+        u = row_uniforms(batch, [range(K1)] * B, device)  # [B, K+1], position i keyed by the token it samples
+        y = sample_by_inversion(p.view(B * K1, V), u.view(-1)).view(B, K1)  # [B, K+1] the target's own tokens
+        coupled = _match_chain(y, draft_token_ids, num_drafts)
+        if draft_probs is None:
+            return coupled
     if K > 0:
         p_draft = p[:, :K].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, K] p_i(x_i)
         if draft_probs is None:
@@ -132,19 +150,26 @@ def verify(
 
     extra_dist = _extra_distribution(p, draft_probs, draft_token_ids, num_accepted, num_drafts, batch.greedy)
     extra = sample(extra_dist, batch)  # [B]
-    return _assemble(draft_token_ids, num_accepted, extra), num_accepted
+    tokens = _assemble(draft_token_ids, num_accepted, extra)
+    if coupled is None:
+        return tokens, num_accepted
+    with_q = _bool_rows(has_q, device)[:, None]  # [B, 1]
+    return torch.where(with_q, tokens, coupled[0]), torch.where(with_q[:, 0], num_accepted, coupled[1])
 
 
-def _verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                   num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The all-greedy batch without [B, K+1, V] probabilities (the same result as the general path):
-    a = argmax target [B, K+1]; accept x_i iff x_i == a_i and i < k_b; the extra token is a_n."""
-    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+def _bool_rows(flags: Sequence[bool], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(list(flags), dtype=torch.bool), device)
+
+
+def _match_chain(y: torch.Tensor, draft_token_ids: torch.Tensor,
+                 num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [B, K+1], the target's own token at each position (greedy: its argmax; else sampled, coupled): accept x_i
+    iff x_i == y_i and i < k_b; the extra token is y_n."""
     K = draft_token_ids.shape[1]
-    positions = torch.arange(K, device=argmax.device)  # [K]
-    accept = (draft_token_ids == argmax[:, :K]) & (positions[None, :] < num_drafts[:, None])  # [B, K]
+    positions = torch.arange(K, device=y.device)  # [K]
+    accept = (draft_token_ids == y[:, :K]) & (positions[None, :] < num_drafts[:, None])  # [B, K]
     n = accept.long().cumprod(dim=-1).sum(dim=-1)  # [B]
-    extra = argmax.gather(1, n[:, None]).squeeze(1)  # [B]
+    extra = y.gather(1, n[:, None]).squeeze(1)  # [B]
     return _assemble(draft_token_ids, n, extra), n
 
 
@@ -163,6 +188,7 @@ class PaddedDrafts(NamedTuple):
     num_drafts: torch.Tensor  # [B] int64
     draft_probs: torch.Tensor | None  # [B, K, V] | None
     draft_counts: list[int]  # the host copy of num_drafts
+    has_q: list[bool] | None = None  # host list [B]: which requests' drafts have a q in draft_probs
 
 
 def pad_drafts(
@@ -177,7 +203,7 @@ def pad_drafts(
     without q get one-hot q on their drafts when some other request has q, and q is None when none has.
 
     Padding repeats a request's last row / last draft; :func:`verify` masks it out.
-    Usage: ``pd = pad_drafts(...); verify(*pd[:4], batch, draft_counts=pd.draft_counts)``.
+    Usage: ``pd = pad_drafts(...); verify(*pd[:4], batch, draft_counts=pd.draft_counts, has_q=pd.has_q)``.
     """
     counts = [len(d) for d in draft_token_ids]
     B, K, V = len(counts), max(counts, default=0), logits.shape[-1]
@@ -204,7 +230,8 @@ def pad_drafts(
         if one_hot:
             b_idx, i_idx, x_idx = torch.tensor(one_hot, dtype=torch.long, device=device).unbind(dim=1)
             q[b_idx, i_idx, x_idx] = 1.0
-    return PaddedDrafts(target, draft_ids, num_drafts, q, counts)
+    has_q = None if q is None else [x is not None for x in draft_probs]
+    return PaddedDrafts(target, draft_ids, num_drafts, q, counts, has_q)
 
 
 class TargetLogprobs(NamedTuple):

@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from specray import verification
-from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
+from specray.sampling import (SamplingBatch, keyed_uniform, logits_to_probs, make_generator, sample,
+                              sample_by_inversion)
 from specray.sampling_params import SamplingParams as SP
 from specray.verification import pad_drafts, unpad_outputs, verify
 
@@ -309,14 +310,16 @@ def test_mixed_draft_counts_sampled():
 
 
 def test_zero_drafts_is_plain_sampling():
-    """K = 0: the same token sample() draws from the same generator state."""
+    """K = 0: the token the target samples by inversion with the same uniform (keyed by the seed and the
+    position; the greedy row its argmax)."""
     logits = torch.randn(3, 1, 50)
     params = [SP(seed=1), SP(seed=2, top_k=5), SP(temperature=0.0, seed=3)]
-    out, n = verify(logits, torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, dtype=torch.long), None,
-                    build(params))
-    b = build(params)
-    expected = sample(logits_to_probs(logits[:, 0], b), b)
+    keyed = SamplingBatch.build(params, [make_generator(p.seed, "cpu") for p in params], "cpu", positions=[7, 9, 4])
+    out, n = verify(logits, torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, dtype=torch.long), None, keyed)
+    u = torch.tensor([keyed_uniform(1, 7), keyed_uniform(2, 9), 0.0])
+    expected = sample_by_inversion(logits_to_probs(logits[:, 0], keyed), u)
     assert torch.equal(out[:, 0], expected) and n.tolist() == [0, 0, 0]
+    assert expected[2] == logits[2, 0].argmax()
 
 
 def test_p_equals_q_accepts_everything():

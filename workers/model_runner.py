@@ -286,9 +286,10 @@ class ModelRunner:
             probs = [None if q is None else q[: c.num_draft_tokens] for q, c in zip(probs, chunks)]
         padded = pad_drafts(logits, drafts, probs)
         params = [self.params[c.req_id] for c in chunks]
-        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
+        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device,
+                                    positions=[_first_sampled_position(c) for c in chunks])
         tokens, num_accepted = verify(padded.target_logits, padded.draft_token_ids, padded.num_drafts,
-                                      padded.draft_probs, batch, draft_counts=padded.draft_counts)
+                                      padded.draft_probs, batch, draft_counts=padded.draft_counts, has_q=padded.has_q)
         num_logprobs = [sp.logprobs for sp in params]
         if raw is not None and any(k is not None for k in num_logprobs):
             padded = pad_drafts(raw, drafts, None)
@@ -314,7 +315,8 @@ class ModelRunner:
                      if c.draft_parents is not None and c.req_id in draft_probs else None for c in chunks]
         padded = pad_tree_drafts(logits, drafts, parents, probs)
         params = [self.params[c.req_id] for c in chunks]
-        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device)
+        batch = SamplingBatch.build(params, [self.generators[c.req_id] for c in chunks], logits.device,
+                                    positions=[_first_sampled_position(c) for c in chunks])
         thinking = None
         if self.relaxed is not None:  # each row inside the thinking phase, for greedy requests only
             width = padded.draft_token_ids.shape[1] + 1
@@ -333,6 +335,12 @@ class ModelRunner:
         if per_node is not None:
             per_node = [row[: c.num_draft_tokens] if c.want_node_tokens else [] for row, c in zip(per_node, chunks)]
         return kept, per_request, paths, per_node
+
+
+def _first_sampled_position(chunk) -> int:
+    """The sequence position of the first token a sampled chunk's target rows choose: the one after its last
+    committed token (its drafts' positions follow). It keys a seeded request's draw there."""
+    return chunk.start_pos + chunk.num_tokens - chunk.num_draft_tokens
 
 
 # ---- a split head's verdict: the driver's kept tokens and tree paths, sent to the other ranks -------------------
