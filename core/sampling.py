@@ -248,9 +248,10 @@ def sample(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.greedy, probs.argmax(dim=-1), sampled) if batch.any_greedy else sampled
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device`` with no stream sync: on CUDA an asynchronous copy from pinned memory (a plain
     ``.to(device)`` copies from pageable memory and waits for the stream)."""
+    device = torch.device(device)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
@@ -271,7 +272,7 @@ def keyed_uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0 ** -53
 
 
-def row_uniforms(batch: SamplingBatch, offsets: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def row_uniforms(batch: SamplingBatch, offsets: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """u [N, J] for row i's J draws, draw j keyed by the sequence position ``batch.positions[i] + offsets[i][j]``
     for a seeded row (:func:`keyed_uniform`); without positions a seeded row draws from its generator; unseeded
     rows draw from the global RNG; greedy rows get 0. Host lists only: one host-to-device copy, no sync."""

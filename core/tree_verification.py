@@ -203,15 +203,20 @@ def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAccept
     ``typical`` Medusa's typical acceptance (lossy), or with ``relaxed`` relaxed acceptance at the rows ``thinking``
     [B, K+1] bool marks (lossy; the caller marks greedy requests' rows only).
 
-    Per seeded request the randomness drawn is k_b uniforms (node i's u, tested at most once), then V
-    exponentials for the extra token, so its stream depends only on its own tree; greedy requests draw none.
+    A tree without q is verified by coupling (a seeded request's uniforms keyed by the sequence positions its rows
+    sample, with ``batch.positions``); a tree drawn from q by the sibling rule, a seeded request drawing k_b
+    uniforms (node i's u, tested at most once), then V exponentials for the extra token, from its generator, so
+    its stream depends only on its own tree. Greedy requests draw none.
     """
     B, K1, _ = padded.target_logits.shape
     assert len(batch) == B, (len(batch), B)
     assert padded.draft_token_ids.shape == (B, K1 - 1), (padded.draft_token_ids.shape, B, K1)
     if relaxed is not None:
         assert thinking is not None and thinking.shape == (B, K1), (None if thinking is None else thinking.shape)
-        return _verify_sampled(padded, batch, relaxed, thinking)
+        if batch.all_greedy:
+            return _verify_sampled(padded, batch, relaxed, thinking)
+        exact = verify_tree(padded, batch, typical)  # a sampled request's verdict is the one without relaxing
+        return _select(batch.greedy, _verify_sampled(padded, batch, relaxed, thinking), exact)
     if batch.all_greedy:
         return _verify_greedy(padded)
     if typical is not None:
@@ -221,10 +226,12 @@ def verify_tree(padded: PaddedTree, batch: SamplingBatch, typical: TypicalAccept
     sampled = _verify_sampled(padded, batch)
     if all(padded.has_q_rows):
         return sampled
-    coupled, with_q = _verify_coupled(padded, batch), padded.has_q[:, None]  # [B, 1]
-    return TreeVerdict(torch.where(with_q, sampled.output_tokens, coupled.output_tokens),
-                       torch.where(with_q[:, 0], sampled.num_accepted, coupled.num_accepted),
-                       torch.where(with_q, sampled.path_rows, coupled.path_rows))
+    return _select(padded.has_q, sampled, _verify_coupled(padded, batch))
+
+
+def _select(rows: torch.Tensor, a: TreeVerdict, b: TreeVerdict) -> TreeVerdict:
+    """rows [B] bool: a's verdict where set, else b's."""
+    return TreeVerdict(*(torch.where(rows.view(-1, *[1] * (x.dim() - 1)), x, y) for x, y in zip(a, b)))
 
 
 def _row_table(x: torch.Tensor, root: float | int) -> torch.Tensor:

@@ -115,8 +115,9 @@ def verify(
         Rows without (and every row when ``draft_probs`` is None) are verified by coupling.
 
     Returns (output_tokens [B, K+1] int64, num_accepted [B] int64): row b's tokens are
-    output_tokens[b, :num_accepted[b] + 1]; the rest is -1. Per seeded request the randomness drawn is
-    k_b (or K) uniforms, then V exponentials for the extra token; greedy requests draw none.
+    output_tokens[b, :num_accepted[b] + 1]; the rest is -1. A row without q is coupled: one uniform per position
+    (a seeded request's keyed by the position, with ``batch.positions``). A row with q: per seeded request k_b
+    (or K) uniforms, then V exponentials for the extra token, from its generator. Greedy requests draw none.
     """
     B, K1, V = target_logits.shape
     K = K1 - 1

@@ -11,7 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from specray import tree_verification
-from specray.sampling import SamplingBatch, logits_to_probs, make_generator, sample
+from specray.sampling import (SamplingBatch, logits_to_probs, make_generator, row_uniforms, sample,
+                              sample_by_inversion)
 from specray.sampling_params import SamplingParams as SP
 from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
 from specray.verification import pad_drafts, verify
@@ -224,19 +225,19 @@ TREES = [
 SECOND_STEP_TREE = ([0, 1], [-1, -1])  # the second step's tree, for the trials that kept one token
 
 
-def first_two_tokens(lm: ToyLM, tree, sp: SP, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def first_two_tokens(lm: ToyLM, tree, sp: SP, seed: int = 1, verifier=verify_tree) -> tuple[torch.Tensor, torch.Tensor]:
     """N_TRIALS independent requests in one batch until each has 2 tokens -> (t0 [N], t1 [N])."""
     torch.manual_seed(seed)
     n = N_TRIALS
     tokens, parents = tree
     logits = lm.tree_logits(lm.first.expand(n, V), tokens)
-    v = verify_tree(pad_tree_drafts(logits, [tokens] * n, [parents] * n), build([sp] * n, [None] * n))
+    v = verifier(pad_tree_drafts(logits, [tokens] * n, [parents] * n), build([sp] * n, [None] * n))
     t0, t1 = v.output_tokens[:, 0], v.output_tokens[:, 1].clone()
     need = v.num_accepted == 0  # step 2 for those that kept one token: a tree after t0
     m = int(need.sum())
     tokens2, parents2 = SECOND_STEP_TREE
     logits2 = lm.tree_logits(lm.bigram[t0[need]], tokens2)
-    v2 = verify_tree(pad_tree_drafts(logits2, [tokens2] * m, [parents2] * m), build([sp] * m, [None] * m))
+    v2 = verifier(pad_tree_drafts(logits2, [tokens2] * m, [parents2] * m), build([sp] * m, [None] * m))
     t1[need] = v2.output_tokens[:, 0]
     return t0, t1
 
@@ -258,11 +259,17 @@ def pvalues(lm: ToyLM, sp: SP, t0: torch.Tensor, t1: torch.Tensor) -> tuple[floa
     return chi2_pvalue(first, p0), chi2_pvalue(pair, (p0[:, None] * p1).ravel())
 
 
+SIBLING_RULE = tree_verification._verify_sampled  # what trees with q (and relaxed acceptance) go through
+
+
 @pytest.mark.parametrize("tree", TREES, ids=["2-siblings", "3-siblings"])
 @pytest.mark.parametrize("sp", [SP(), SP(temperature=0.7, top_k=4)], ids=["T1", "T0.7-topk4"])
-def test_sibling_sampling_reproduces_the_target(tree, sp):
+@pytest.mark.parametrize("verifier", [verify_tree, SIBLING_RULE], ids=["coupling", "sibling-rule"])
+def test_sibling_sampling_reproduces_the_target(tree, sp, verifier):
+    """A tree without q: verify_tree's coupling (the target samples its own token at each row, a child is kept
+    iff it is that token) and the sibling rule, run directly on the same one-hot trees."""
     lm = ToyLM(seed=3)
-    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp))
+    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp, verifier=verifier))
     assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
 
 
@@ -286,7 +293,7 @@ def test_broken_variants_fail_the_same_test(tree, broken, monkeypatch):
     else:
         monkeypatch.setattr(tree_verification, "_try_child", try_child_without_division)
     lm, sp = ToyLM(seed=3), SP()
-    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp))
+    p_first, p_pair = pvalues(lm, sp, *first_two_tokens(lm, tree, sp, verifier=lambda *a: SIBLING_RULE(*a)))
     assert max(p_first, p_pair) < 1e-6, (p_first, p_pair)
 
 
@@ -400,13 +407,21 @@ def test_broken_q_variants_fail_the_same_test(broken, monkeypatch):
 # ---- mixed batches, empty rows, a big tree ----------------------------------------------------------------------
 
 
+def plain_tokens(logits: torch.Tensor, params, positions) -> list[int]:
+    """What plain decoding samples: by inversion, each seeded row's uniform keyed by its position."""
+    b = SamplingBatch.build(params, [make_generator(p.seed, "cpu") for p in params], "cpu", positions=positions)
+    return sample_by_inversion(logits_to_probs(logits, b), row_uniforms(b, [[0]] * len(params), "cpu")[:, 0]).tolist()
+
+
 def test_zero_drafts_everywhere_is_plain_sampling():
-    """K = 0 for every row: the same token sample() draws from the same generator state."""
+    """K = 0 for every row: the token plain sampling draws (the seeded rows' uniforms keyed by position)."""
     logits = torch.randn(3, 50)
     params = [SP(seed=1), SP(seed=2, top_k=5), SP(temperature=0.0, seed=3)]
-    kept, nodes, _, v = run(logits, [[], [], []], [[], [], []], params)
-    b = build(params)
-    assert kept == [[t] for t in sample(logits_to_probs(logits, b), b).tolist()] and nodes == [[], [], []]
+    batch = SamplingBatch.build(params, [make_generator(p.seed, "cpu") for p in params], "cpu", positions=[5, 6, 7])
+    v = verify_tree(pad_tree_drafts(logits, [[], [], []], [[], [], []]), batch)
+    kept, nodes, *_ = unpad_tree(v, None)
+    assert kept == [[t] for t in plain_tokens(logits, params, [5, 6, 7])] and nodes == [[], [], []]
+    assert kept[2] == [int(logits[2].argmax())]
     assert v.output_tokens.shape == (3, 1) and v.path_rows.tolist() == [[0]] * 3
 
 
@@ -427,8 +442,9 @@ def test_mixed_greedy_sampled_and_empty_rows():
     kept, nodes, *_ = unpad_tree(verify_tree(padded, SamplingBatch.build(params, gens, "cpu")), None)
     assert kept[:6] == greedy_kept and nodes[:6] == greedy_nodes
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
-    alone = build([SP(seed=41, top_k=3)])
-    assert kept[7] == sample(logits_to_probs(root, alone), alone).tolist() and nodes[7] == []
+    alone = build([SP(seed=41, top_k=3)])  # without positions: its generator's first uniform
+    u = row_uniforms(alone, [[0]], "cpu")[:, 0]
+    assert kept[7] == sample_by_inversion(logits_to_probs(root, alone), u).tolist() and nodes[7] == []
 
 
 def big_tree(V: int = 32, seed: int = 0):
@@ -465,31 +481,38 @@ def test_64_node_tree():
 
 
 def test_seeded_request_same_alone_and_in_batch():
-    """A seeded request draws k_b uniforms then V exponentials from its own generator, whatever the other trees
-    (other K, branching and depth, seeded, unseeded and greedy neighbours) and its position in the batch."""
+    """A seeded request's verdict depends on its tree, its logits and the sequence position it samples at (its
+    uniforms are keyed by seed and position), whatever the other trees (other K, branching and depth, seeded,
+    unseeded and greedy neighbours) and its place in the batch."""
     Vs = 40
     g = torch.Generator().manual_seed(0)
     tokens, parents = [3, 7, 1, 9, 2], [-1, -1, 0, 0, 3]
-    mine = torch.randn(6, Vs, generator=g) * 0.3  # flat: siblings get rejected now and then
+    mine = torch.randn(6, Vs, generator=g) * 0.3  # flat, but the root's first two children likely
+    mine[0, 3] += 1.5
+    mine[0, 7] += 1.0
     sp = SP(temperature=1.0, top_k=30, seed=42)
     others = [([4, 5, 6, 7, 8, 9, 10], [-1, -1, -1, -1, 0, 4, 5], SP()),
               ([1], [-1], SP(seed=7)),
               ([2, 3, 4], [-1, 0, 1], SP(temperature=0.0, seed=9)),
               ([], [], SP(top_p=0.5, seed=8))]
 
-    def steps(neighbours, pos, n_steps=6):
+    def steps(neighbours, pos, n_steps=8):
+        """The verdict at sequence positions 100, 101, ... (the neighbours at positions of their own)."""
         reqs = neighbours[:pos] + [(tokens, parents, sp)] + neighbours[pos:]
         logits = torch.cat([mine if t is tokens else torch.randn(len(t) + 1, Vs, generator=g) for t, _, _ in reqs])
         padded = pad_tree_drafts(logits, [t for t, _, _ in reqs], [p for _, p, _ in reqs])
-        batch = build([s for _, _, s in reqs])
         out = []
-        for _ in range(n_steps):
+        for step in range(n_steps):
+            params = [s for _, _, s in reqs]
+            where = [100 + step if t is tokens else 7 * j + step for j, (t, _, _) in enumerate(reqs)]
+            batch = SamplingBatch.build(params, [make_generator(p.seed, "cpu") for p in params], "cpu",
+                                        positions=where)
             kept, nodes, *_ = unpad_tree(verify_tree(padded, batch), None)
             out.append((kept[pos], nodes[pos]))
         return out
 
     alone = steps([], 0)
-    assert len({tuple(k) for k, _ in alone}) > 1 and any(n for _, n in alone)  # the stream moves on
+    assert len({tuple(k) for k, _ in alone}) > 1 and any(n for _, n in alone)  # each position its own draw
     assert steps(others, 2) == alone
     assert steps(others[::-1], 1) == alone
     assert steps(others[1:], 3) == alone

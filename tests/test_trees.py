@@ -389,3 +389,45 @@ def test_a_broken_tree_from_a_drafter_fails_only_its_request(tiny_llama_dir, pla
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[ids[1]].outputs[0].finish_reason == "error" and "drafting failed" in done[ids[1]].error
     assert [done[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [plain_outputs[0], plain_outputs[2]]
+
+
+# ---- seeded sampling: the target samples each position alone, so drafts cannot change a seeded output ----------
+
+SAMPLED_SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                           "prompt_lookup_max": 3, "adaptive": False},
+                 "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                 "ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC, "suffix": {**SUFFIX, "adaptive": False},
+                 "lookahead": LOOKAHEAD,
+                 "ngram_cache": {"method": "ngram_cache", "num_speculative_tokens": 6, "adaptive": False},
+                 "ngram_map_k4v": {"method": "ngram_map_k4v", "num_speculative_tokens": 6, "ngram_size_n": 2,
+                                   "adaptive": False}}
+
+# (the other two find no match in these sampled texts: equality only)
+KEEPS_SAMPLED_DRAFTS = {"ngram", "ngram-tree", "ngram-static", "suffix", "lookahead"}
+
+
+def seeded(n: int = 24) -> list[SamplingParams]:
+    """Sampled, one seed per prompt; cool enough that the tiny model's loops give the lookups matches."""
+    return [SamplingParams(temperature=0.5, top_p=0.95, max_tokens=n, ignore_eos=True, seed=100 + i)
+            for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(plain):
+    return token_ids(plain.generate(PROMPTS, seeded(), use_tqdm=False))
+
+
+@pytest.mark.parametrize("name", list(SAMPLED_SPECS))
+def test_seeded_sampled_output_equals_plain_token_for_token(tiny_llama_dir, plain_seeded, name):
+    """Drafts without q are verified by coupling (the target samples its own token at each position, with a
+    uniform keyed by the seed and the position; a draft is kept iff it is that token): a seeded request's output
+    is plain decoding's, at batch 8 and batch 1, however many drafts the policy asked for and whatever else ran
+    in between (a second pass after other traffic gives the same output)."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=SAMPLED_SPECS[name])
+    outs = llm.generate(PROMPTS, seeded(), use_tqdm=False)
+    assert token_ids(outs) == plain_seeded
+    if name in KEEPS_SAMPLED_DRAFTS:  # the coupling was exercised: some drafts were kept
+        assert sum(o.spec_stats.accepted_tokens for o in outs) > 0
+    llm.generate(PROMPTS[::-1], greedy(40), use_tqdm=False)  # other traffic: the policy's evidence moves
+    one_by_one = [token_ids(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(PROMPTS, seeded())]
+    assert one_by_one == plain_seeded
