@@ -574,19 +574,20 @@ class RemoteEngineClient:
         gets a 503 that says so, and the probe keeps asking."""
         if self._ready_once:
             return
-        response = self._handle.ready.remote()
-        try:
-            with self._translated():
-                ready = await asyncio.wait_for(response, self.ack_timeout_s if timeout is None else timeout)
-        except asyncio.TimeoutError:
-            response.cancel()
-            ready = False
-        except EngineUnavailableError:
-            ready = False
-        if ready:
+        if await self._ask_ready(self.ack_timeout_s if timeout is None else timeout):
             self._ready_once, self._down_since = True, None
             return
         self._mark_down()
+
+    async def _ask_ready(self, timeout: float) -> bool:
+        """Whether an engine replica says it is ready within ``timeout``; any failure means: not yet."""
+        response = self._handle.ready.remote()
+        try:
+            return bool(await asyncio.wait_for(response, timeout))
+        except Exception as err:
+            response.cancel()
+            logger.debug("engine probe: %r", err)
+            return False
 
     def _check_up(self) -> None:
         if self._down_since is None:
@@ -622,13 +623,8 @@ class RemoteEngineClient:
     async def _probe_until_ready(self) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            response = self._handle.ready.remote()
-            try:
-                if await asyncio.wait_for(response, self.ack_timeout_s):
-                    break
-            except Exception as err:  # any failure means: not ready yet
-                response.cancel()
-                logger.debug("engine probe: %r", err)
+            if await self._ask_ready(self.ack_timeout_s):
+                break
         if self._down_since is not None:  # (a request's own first contact may have found it ready already)
             logger.info("an engine replica is ready%s after %.1f s", " again" if self._ready_once else "",
                         time.monotonic() - self._down_since)

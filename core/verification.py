@@ -293,8 +293,7 @@ def prompt_logprob_entries(logits_of, rows: list[int], token_ids: list[int], num
 def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
     """A host list -> an int64 index on ``device`` with no stream sync: on CUDA an asynchronous copy from pinned
     memory (a plain ``torch.tensor(rows, device=...)`` copies from pageable memory and waits for the stream)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
 def unpad_outputs(output_tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:

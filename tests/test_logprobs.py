@@ -10,18 +10,11 @@ from specray import LLM, SamplingParams
 from specray.scheduler.request import Request
 from specray.outputs import accumulate
 from specray.verification import prompt_logprob_entries, target_logprobs, unpad_with_logprobs
-from specray_test_engine_runs import greedy  # tests/engine_runs.py (registered by conftest)
+from specray_test_engine_runs import PROMPTS as ENGINE_PROMPTS, greedy  # tests/engine_runs.py (via conftest)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-PROMPTS = [
-    "def add(a, b):\n    return",
-    "The quick brown fox",
-    "Hello",
-    "Summarize the following text in one sentence. The quick brown fox jumps over the lazy dog.",
-    "for i in range(10):",
-    "def mul(a, b):\n    return a * b\ndef add(a, b):",
-]
+PROMPTS = [p for i, p in enumerate(ENGINE_PROMPTS) if i not in (5, 7)]  # the six without names or a greeting
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
