@@ -10,7 +10,7 @@ import torch
 from specray import LLM, SamplingParams, SpeculativeConfig
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
-from specray_test_engine_runs import PROMPTS, token_ids  # tests/engine_runs.py (tests/conftest.py registers it)
+from specray_test_engine_runs import PROMPTS, VirtualClock, token_ids  # tests/engine_runs.py (tests/conftest.py registers it)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -153,6 +153,8 @@ def test_closed_batch_requests_off_the_critical_path_do_not_draft(tiny_llama_dir
     spec = {**NGRAM, "adaptive": True}
     params = [greedy(24)] + [greedy(4)] * 3
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    llm.engine.executor = clock = VirtualClock(llm.engine.executor)
+    llm.engine.clock = clock.clock  # the policy prices drafts by step times: not by this machine's load
     assert llm.engine.closed_batches
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     assert token_ids(outs) == [plain_outputs[0]] + [ids[:4] for ids in plain_outputs[1:4]]

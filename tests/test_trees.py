@@ -16,7 +16,7 @@ from specray.sampling_params import SamplingParams as SP
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.tree import DraftTree
-from specray_test_engine_runs import PROMPTS, greedy, token_ids  # tests/engine_runs.py (registered by conftest)
+from specray_test_engine_runs import PROMPTS, VirtualClock, greedy, token_ids  # tests/engine_runs.py (registered by conftest)
 
 
 def _load(name: str):
@@ -57,28 +57,21 @@ def plain_outputs(plain):
     return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
-class PathCounter:
-    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes. ``clock`` is a
-    virtual one that each step advances by what a small model's GPU step might cost (4 ms, plus 2 us a token), for
-    an engine whose draft policy should not follow this machine's load (``engine.clock = counter.clock``)."""
+class PathCounter(VirtualClock):
+    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes; its virtual
+    clock (``engine.clock = counter.clock``) keeps the draft policy off this machine's load."""
 
     def __init__(self, inner):
-        self.inner, self.trees, self.moved, self.last_moved, self.now = inner, 0, 0, set(), 0.0
-
-    def clock(self) -> float:
-        return self.now
+        super().__init__(inner)
+        self.trees, self.moved, self.last_moved = 0, 0, set()
 
     def execute(self, plan, draft_probs=None):
-        self.now += 4e-3 + 2e-6 * plan.num_tokens
-        result = self.inner.execute(plan, draft_probs)
+        result = super().execute(plan, draft_probs)
         self.trees += sum(c.draft_parents is not None for c in plan.chunks)
         paths = result.accepted_draft_indices or [[]] * len(plan.chunks)
         self.last_moved = {rid for rid, path in zip(result.req_ids, paths) if path != list(range(len(path)))}
         self.moved += len(self.last_moved)
         return result
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 # ---- the scheduler --------------------------------------------------------------------------------------------
