@@ -49,6 +49,7 @@ def _register_helper(name: str) -> None:
 
 _register_helper("draft_heads")  # tiny random draft-head checkpoints in the public layouts
 _register_helper("engine_runs")  # the prompts and greedy parameters of the engine-level comparisons
+_register_helper("host_sync")  # a dispatch mode that records every op needing a tensor's value on the host
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -137,6 +138,23 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    """A plain engine (no speculation) of the tiny llama, one per test module; modules on another model define
+    their own."""
+    from specray import LLM
+
+    return LLM(model=str(tiny_llama_dir), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain):
+    """Plain greedy decoding's token ids for tests/engine_runs.py's prompts: what every speculative run of them
+    must equal token for token."""
+    runs = sys.modules["specray_test_engine_runs"]
+    return runs.token_ids(plain.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
 
 
 @pytest.fixture(scope="session")
@@ -240,35 +258,6 @@ def specray_cache(tmp_path_factory):
 
 # ---- the host-sync recorder: batched sampling and verification must never read a tensor's value ----------
 
-_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave", "_unique2", "unique_dim",
-             "unique_consecutive"}
-
-
-def _sync_recorder():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class SyncRecorder(TorchDispatchMode):
-        """Records every aten op that needs a tensor's value on the host: ``.item()``, ``bool(t)``, ``int(t)``
-        go through ``_local_scalar_dense``; output-size-dependent ops and boolean-mask indexing sync too."""
-
-        def __init__(self):
-            super().__init__()
-            self.syncs: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._overloadpacket.__name__
-            if name in _SYNC_OPS:
-                self.syncs.append(name)
-            elif name.startswith("index") and any(
-                getattr(i, "dtype", None) is not None and str(i.dtype) == "torch.bool"
-                for a in args if isinstance(a, (list, tuple)) for i in a
-            ):
-                self.syncs.append(name + "[bool mask]")
-            return func(*args, **(kwargs or {}))
-
-    return SyncRecorder()
-
-
 @pytest.fixture
 def no_host_sync(monkeypatch):
     """``with no_host_sync(): ...`` fails if the block syncs: via the dispatcher, via ``.tolist()``/``.numpy()``
@@ -288,7 +277,7 @@ def no_host_sync(monkeypatch):
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode("error")
             try:
-                with _sync_recorder() as rec:
+                with sys.modules["specray_test_host_sync"].sync_recorder() as rec:
                     yield rec
             finally:
                 if torch.cuda.is_available():

@@ -1,9 +1,14 @@
-"""What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters and
-the token ids of ``LLM.generate``'s outputs, and a virtual clock for engines whose draft policy should not follow
-this machine's load. Imported as ``specray_test_engine_runs`` (tests/conftest.py)."""
+"""What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
+token ids of ``LLM.generate``'s outputs, and executor wrappers (a virtual clock for engines whose draft policy
+should not follow this machine's load; a counter of verified trees). Imported as ``specray_test_engine_runs``
+(tests/conftest.py registers it)."""
 from __future__ import annotations
 
 from specray import SamplingParams
+
+# lookahead decoding's default window (W=4, N=3, G=4: 15 nodes): test_lookahead checks its drafts, test_trees its
+# exactness under preemption, chunked prefill and stop strings
+LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False}
 
 # code, prose, a one-word prompt and text that repeats itself: n-gram drafters find matches in some, none in others
 PROMPTS = [
@@ -18,9 +23,16 @@ PROMPTS = [
 ]
 
 
-def greedy(n: int = 24, **kw) -> SamplingParams:
-    """``n`` greedy tokens, EOS ignored (every run has the same length to compare)."""
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    """``max_tokens`` greedy tokens, EOS ignored (every run has the same length to compare)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def generate_greedy(llm, batch: int):
+    """Every prompt greedily: one request at a time (batch 1), or all at once."""
+    if batch == 1:
+        return [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
+    return llm.generate(PROMPTS, greedy(), use_tqdm=False)
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -45,3 +57,20 @@ class VirtualClock:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+class PathCounter(VirtualClock):
+    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes; its virtual
+    clock (``engine.clock = counter.clock``) keeps the draft policy off this machine's load."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.trees, self.moved, self.last_moved = 0, 0, set()
+
+    def execute(self, plan, draft_probs=None):
+        result = super().execute(plan, draft_probs)
+        self.trees += sum(c.draft_parents is not None for c in plan.chunks)
+        paths = result.accepted_draft_indices or [[]] * len(plan.chunks)
+        self.last_moved = {rid for rid, path in zip(result.req_ids, paths) if path != list(range(len(path)))}
+        self.moved += len(self.last_moved)
+        return result

@@ -10,17 +10,10 @@ import torch
 from specray import LLM, SamplingParams, SpeculativeConfig
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
-from specray_test_engine_runs import PROMPTS, VirtualClock, token_ids  # tests/engine_runs.py (tests/conftest.py registers it)
+from specray_test_engine_runs import PROMPTS, VirtualClock, greedy, token_ids  # tests/engine_runs.py, via conftest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
-
-
-GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def greedy(n=24, **kw):
-    return SamplingParams(**{**GREEDY, "max_tokens": n}, **kw)
 
 
 def hf_greedy(folder, llm, prompts, n):
@@ -35,16 +28,6 @@ def hf_greedy(folder, llm, prompts, n):
                              pad_token_id=0)
         result.append(out[0, ids.shape[1]:].tolist())
     return result
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain):
-    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
 def free_blocks(llm):
@@ -234,7 +217,7 @@ def test_seeded_sampling_is_reproducible(plain):
 def test_n_completions_per_prompt(plain, plain_outputs):
     """``n`` completions come back in one output per prompt: greedy ones all equal plain decoding's; seeded
     sampled ones equal n=1 requests seeded seed + i, so they differ and each is reproducible."""
-    outs = plain.generate(PROMPTS[:2], SamplingParams(n=3, **GREEDY), use_tqdm=False)
+    outs = plain.generate(PROMPTS[:2], greedy(n=3), use_tqdm=False)
     assert [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2]] * 2
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[ids] * 3 for ids in plain_outputs[:2]]
     sampled = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -244,10 +227,10 @@ def test_n_completions_per_prompt(plain, plain_outputs):
                  for seed in (2**64 - 2, 2**64 - 1, 0)]  # the last seed wrapped past SEED_MAX
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone]
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    mixed = plain.generate(PROMPTS[:2], [SamplingParams(n=2, **GREEDY), greedy()], use_tqdm=False)
+    mixed = plain.generate(PROMPTS[:2], [greedy(n=2), greedy()], use_tqdm=False)
     assert [len(o.outputs) for o in mixed] == [2, 1]
     with pytest.raises(ValueError, match="n=2: the engine runs one sequence per request"):
-        plain.engine.add_request([5, 6], SamplingParams(n=2, **GREEDY))
+        plain.engine.add_request([5, 6], greedy(n=2))
     for bad in (None, 5):
         with pytest.raises(ValueError, match="is not a prompt or a list of prompts"):
             plain.generate(bad, use_tqdm=False)

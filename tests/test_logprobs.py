@@ -22,11 +22,6 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
-@pytest.fixture(scope="module")
 def ngram(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
 

@@ -4,9 +4,7 @@ hand-made node tokens, the all-or-nothing policy, greedy output equal to plain g
 per-request caps; preemption, chunked prefill and stop strings in test_trees), accepted pool n-grams, option
 errors, and seeded sampling."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,20 +17,10 @@ from specray.engine.builder import build_engine
 from specray.sampling_params import SamplingParams as SP
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.tree import DraftTree, kept_nodes, path_to, trim_tree
+from specray_test_engine_runs import LOOKAHEAD, PROMPTS, PathCounter, generate_greedy, greedy, token_ids  # via conftest
+from specray_test_host_sync import sync_recorder  # tests/host_sync.py (registered by conftest)
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-trees = _load("test_trees")  # PROMPTS, greedy, token_ids, generate_greedy, PathCounter
-conftest = _load("conftest")  # the host-sync recorder
-PROMPTS, greedy, token_ids = trees.PROMPTS, trees.greedy, trees.token_ids
-
-LOOKAHEAD = trees.LOOKAHEAD  # W=4, N=3, G=4: 15 nodes (test_trees runs it under preemption, chunked prefill, stops)
 SPECS = {
     "default": LOOKAHEAD,
     "adaptive": {**LOOKAHEAD, "adaptive": True},
@@ -42,16 +30,6 @@ SPECS = {
                             "verification_set_size": 2, "pool_from_history": False, "adaptive": False},
 }
 REPEAT = "one two three four five six seven eight nine ten " * 4
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain):
-    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
 # ---- the runner's node tokens -----------------------------------------------------------------------------------
@@ -113,7 +91,7 @@ def _count_host_reads(monkeypatch, runner):
 
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "tolist", counting_tolist)
-            with conftest._sync_recorder() as rec:
+            with sync_recorder() as rec:
                 out = original(*args)
         copies.append(calls[0])
         syncs.append(rec.syncs)
@@ -252,9 +230,9 @@ def test_whole_proposals_are_priced_all_or_nothing_with_probes():
 @pytest.mark.parametrize("batch", [1, 8])
 def test_lookahead_greedy_equals_plain(tiny_llama_dir, plain_outputs, name, batch):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=SPECS[name])
-    llm.engine.executor = counter = trees.PathCounter(llm.engine.executor)
+    llm.engine.executor = counter = PathCounter(llm.engine.executor)
     start = llm.engine.scheduler.block_manager.num_free_blocks
-    assert token_ids(trees.generate_greedy(llm, batch)) == plain_outputs
+    assert token_ids(generate_greedy(llm, batch)) == plain_outputs
     assert counter.trees > 0 and llm.spec_stats.accepted_tokens > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == start
     stats = llm.engine.drafter.stats()

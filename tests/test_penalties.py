@@ -105,11 +105,6 @@ def hf_greedy(model_dir, prompt_ids: list[int], n: int, params: SamplingParams) 
     return out
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
 @pytest.mark.parametrize("kw", PENALTIES[:2] + PENALTIES[3:5])
 def test_plain_greedy_with_penalties_matches_transformers(tiny_llama_dir, plain, kw):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **kw)

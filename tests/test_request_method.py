@@ -29,18 +29,13 @@ def greedy(n=64, **kw):  # long enough for a tiny model's own loops to repeat 24
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
+@pytest.fixture(scope="module")
+def plain_outputs(plain):  # this module's prompts and length (conftest's plain engine)
+    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
+
+
 def free_blocks(llm):
     return llm.engine.scheduler.block_manager.num_free_blocks
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain):
-    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specray import tree_verification
-from specray.sampling import (SamplingBatch, logits_to_probs, make_generator, row_uniforms, sample,
-                              sample_by_inversion)
+from specray.sampling import SamplingBatch, logits_to_probs, make_generator, row_uniforms, sample_by_inversion
 from specray.sampling_params import SamplingParams as SP
 from specray.tree_verification import pad_tree_drafts, tree_logprobs, unpad_tree, verify_tree
 from specray.verification import pad_drafts, verify
@@ -314,8 +313,6 @@ class ToyDraft(ToyLM):
 def draw_q_trees(draft: ToyDraft, root_q: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
     """n trees of shape Q_SHAPE, each row's children drawn from its q without replacement (Gumbel top-k, in the
     order drawn). root_q [n, V] -> (tokens per tree, q per row [n, 7, V])."""
-    n = root_q.shape[0]
-
     def draw(q: torch.Tensor, k: int) -> torch.Tensor:
         gumbel = -torch.log(-torch.log(torch.rand(q.shape).clamp_min(1e-20)))
         return (q.log() + gumbel).topk(k, dim=-1).indices  # [n, k]

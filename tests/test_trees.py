@@ -16,7 +16,8 @@ from specray.sampling_params import SamplingParams as SP
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.tree import DraftTree
-from specray_test_engine_runs import PROMPTS, VirtualClock, greedy, token_ids  # tests/engine_runs.py (registered by conftest)
+from specray_test_engine_runs import (  # tests/engine_runs.py (registered by conftest)
+    LOOKAHEAD, PROMPTS, PathCounter, generate_greedy, greedy, token_ids)
 
 
 def _load(name: str):
@@ -33,45 +34,10 @@ NGRAM_TREE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min
 NGRAM_STATIC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                 "speculative_token_tree": [[0, 0, 0, 0], [1, 0], [2], [0, 1]], "adaptive": False}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "max_spec_factor": 2.0, "min_token_prob": 0.05}
-LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False}  # W=4, N=3, G=4: 15 nodes
 EXACTNESS_SPECS = {"ngram-tree": NGRAM_TREE, "lookahead": LOOKAHEAD}  # preemption, chunked prefill, stop strings
 TREE_SPECS = {"ngram-tree": NGRAM_TREE, "ngram-static": NGRAM_STATIC,
               "ngram-tree-adaptive": {**NGRAM_TREE, "adaptive": True}, "suffix": SUFFIX,
               "suffix-fixed": {**SUFFIX, "adaptive": False}}
-
-
-def generate_greedy(llm, batch: int):
-    """Every prompt greedily: one request at a time (batch 1), or all at once."""
-    if batch == 1:
-        return [o for p in PROMPTS for o in llm.generate([p], greedy(), use_tqdm=False)]
-    return llm.generate(PROMPTS, greedy(), use_tqdm=False)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain):
-    return token_ids(plain.generate(PROMPTS, greedy(), use_tqdm=False))
-
-
-class PathCounter(VirtualClock):
-    """Wraps an executor: counts verified trees and accepted paths that were not the first nodes; its virtual
-    clock (``engine.clock = counter.clock``) keeps the draft policy off this machine's load."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.trees, self.moved, self.last_moved = 0, 0, set()
-
-    def execute(self, plan, draft_probs=None):
-        result = super().execute(plan, draft_probs)
-        self.trees += sum(c.draft_parents is not None for c in plan.chunks)
-        paths = result.accepted_draft_indices or [[]] * len(plan.chunks)
-        self.last_moved = {rid for rid, path in zip(result.req_ids, paths) if path != list(range(len(path)))}
-        self.moved += len(self.last_moved)
-        return result
 
 
 # ---- the scheduler --------------------------------------------------------------------------------------------
