@@ -1,8 +1,10 @@
 """What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
-token ids of ``LLM.generate``'s outputs, and executor wrappers (a virtual clock for engines whose draft policy
+token ids of ``LLM.generate``'s outputs, relaxed acceptance's check against transformers' logits, and executor wrappers (a virtual clock for engines whose draft policy
 should not follow this machine's load; a counter of verified trees). Imported as ``specray_test_engine_runs``
 (tests/conftest.py registers it)."""
 from __future__ import annotations
+
+import torch
 
 from specray import SamplingParams
 
@@ -38,6 +40,30 @@ def generate_greedy(llm, batch: int):
 def token_ids(outs) -> list[list[int]]:
     """The first choice's token ids of each of ``LLM.generate``'s outputs."""
     return [o.outputs[0].token_ids for o in outs]
+
+
+def check_candidates(hf_model, prompt_ids, output, begin, end, topk, delta):
+    """Each output token against transformers' logits at its position: inside the thinking phase (the later of
+    the last ``begin`` and the last ``end`` before it is ``begin``) one of the topk within delta of the best,
+    outside it the argmax (a near tie, under 1e-4, either way). Returns how many tokens were kept inside the phase
+    that are not the argmax."""
+    ids = torch.tensor([prompt_ids + output])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt_ids) - 1: -1]  # the row predicting each output token
+    off_argmax, inside = 0, False
+    for t in prompt_ids:
+        inside = True if t == begin else False if t == end else inside
+    for row, token in zip(logits, output):
+        best = float(row.max())
+        gap = best - float(row[token])
+        if inside:
+            rank = int((row > row[token] + 1e-4).sum())  # tokens clearly better than it
+            assert rank < topk and gap <= delta + 1e-4, (token, rank, gap)
+            off_argmax += gap > 1e-4
+        else:
+            assert gap < 1e-4, (token, gap)
+        inside = True if token == begin else False if token == end else inside
+    return off_argmax
 
 
 class VirtualClock:

@@ -8,7 +8,6 @@ Two heads per method: a random one (``draft_heads.write_random_head``: ~0 accept
 rejects) and one built to be often right (``draft_heads.write_accepting_head``), so that the accepted-drafts path
 (the first pass over accepted rows, the head's K/V at accepted positions) really runs."""
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -24,17 +23,8 @@ from specray.models.draft_head_loader import load_draft_head
 from specray.models.kv_cache import allocate_kv_cache, slots_of
 from specray.models.loader import load_hf_config, load_model
 from specray.sampling import SamplingBatch, logits_to_probs
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"specray_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
-from specray_test_engine_runs import PROMPTS, greedy, token_ids  # noqa: E402  tests/engine_runs.py
+import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
+from specray_test_engine_runs import PROMPTS, check_candidates, greedy, token_ids  # tests/engine_runs.py
 
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
@@ -779,7 +769,6 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
     not the best: the relaxation ran, so output differs from plain); with top-1 the output is plain."""
     from transformers import AutoModelForCausalLM
 
-    relaxed = _load("test_relaxed_acceptance")
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
 
     def engine(**spec):
@@ -793,7 +782,7 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
     for prompt, ids in zip(PROMPTS, prompts):  # the phase begins at each prompt's first token
         llm = engine(relaxed_topk=4, relaxed_delta=2.0, begin_thinking_phase_token=ids[0])
         out = llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids
-        off += relaxed.check_candidates(hf, ids, out, ids[0], 0, 4, 2.0)
+        off += check_candidates(hf, ids, out, ids[0], 0, 4, 2.0)
         outs.append(out)
     assert off > 0 and outs != plain_outputs
     strict = engine(relaxed_topk=1, relaxed_delta=2.0, begin_thinking_phase_token=prompts[0][0])

@@ -8,6 +8,7 @@ import torch
 
 from specray import LLM, SamplingParams, SpeculativeConfig
 from specray.scheduler.request import Request
+from specray_test_engine_runs import check_candidates  # tests/engine_runs.py (registered by conftest)
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\ndef add(a, b):\n    return",
@@ -47,30 +48,6 @@ def plain_outputs(tiny_llama_untied_dir):
 def relaxed_llm(model_dir, **kw) -> LLM:
     spec = {**NGRAM, "acceptance": "relaxed", **kw}
     return LLM(model=str(model_dir), max_model_len=256, speculative_config=spec)
-
-
-def check_candidates(hf_model, prompt_ids, output, begin, end, topk, delta):
-    """Each output token against transformers' logits at its position: inside the thinking phase (the later of
-    the last ``begin`` and the last ``end`` before it is ``begin``) one of the topk within delta of the best,
-    outside it the argmax (a near tie, under 1e-4, either way). Returns how many tokens were kept inside the phase
-    that are not the argmax."""
-    ids = torch.tensor([prompt_ids + output])
-    with torch.no_grad():
-        logits = hf_model(ids).logits[0, len(prompt_ids) - 1: -1]  # the row predicting each output token
-    off_argmax, inside = 0, False
-    for t in prompt_ids:
-        inside = True if t == begin else False if t == end else inside
-    for row, token in zip(logits, output):
-        best = float(row.max())
-        gap = best - float(row[token])
-        if inside:
-            rank = int((row > row[token] + 1e-4).sum())  # tokens clearly better than it
-            assert rank < topk and gap <= delta + 1e-4, (token, rank, gap)
-            off_argmax += gap > 1e-4
-        else:
-            assert gap < 1e-4, (token, gap)
-        inside = True if token == begin else False if token == end else inside
-    return off_argmax
 
 
 def phase_tokens(tokenizer, plain_outputs) -> tuple[int, int]:
