@@ -35,7 +35,7 @@ from specray.chat import render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster.metrics import ServerMetrics, engine_state
 from specray.errors import EngineError
-from specray.outputs import CompletionOutput, RequestOutput, SpecStats
+from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class _Prompt:
     text: str | None
     token_ids: list[int]
     # SamplingParams.prompt_logprobs, from the first of the prompt's choices whose output has them
-    logprobs: list[dict[int, float] | None] | None = None
+    logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -278,7 +278,7 @@ class _Format:
         self.num_logprobs = num_logprobs
         self.num_prompt_logprobs = num_prompt_logprobs  # vLLM's prompt_logprobs field, when the request asked
 
-    def _prompt_logprobs(self, choice: _Choice) -> proto.PromptLogprobs | None:
+    def _prompt_logprobs(self, choice: _Choice) -> proto.PromptLogprobsJSON | None:
         if self.num_prompt_logprobs is None or choice.prompt.logprobs is None:
             return None
         return self.logprob_fmt.prompt_logprobs(choice.prompt.logprobs, self.num_prompt_logprobs)

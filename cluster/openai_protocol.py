@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specray.chat import check_chat_options
-from specray.outputs import SpecStats
+from specray.detokenizer import TokenTexts
+from specray.outputs import Logprob, PromptLogprobs, SampleLogprobs, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 
 MAX_N = 64  # choices per request
@@ -524,15 +525,15 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's shape of one entry of ``prompt_logprobs``: ``rank`` is the token's place among the most likely (1
-    the likeliest), null for a prompt token outside the top k the request asked for."""
+    """vLLM's shape of one entry of ``prompt_logprobs``: ``rank`` is the token's place in the vocabulary by
+    logprob (1 the likeliest)."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str
 
 
-PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token: token id (a string) -> its entry
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]  # per prompt token: token id (a string) -> its entry
 
 
 class CompletionChoice(BaseModel):
@@ -540,7 +541,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, when asked for
 
 
 class Completion(BaseModel):
@@ -585,7 +586,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, when asked for
 
 
 class ChatChunkChoice(BaseModel):
@@ -634,38 +635,36 @@ def sse(payload: BaseModel | dict) -> str:
 # ---- logprobs ------------------------------------------------------------------------------------------
 
 class LogprobFormatter:
-    """Turns the engine's per-token ``{token_id: logprob}`` maps into OpenAI's two logprob formats.
-    Token strings are decoded one id at a time (cached)."""
+    """Turns the engine's per-token ``{token_id: Logprob}`` maps into OpenAI's two logprob formats and vLLM's
+    ``prompt_logprobs``. A token's string is its ``decoded_token`` (the engine's), else decoded here (cached)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._strings: dict[int, str] = {}
+        self.token = TokenTexts(tokenizer)
 
-    def token(self, token_id: int) -> str:
-        text = self._strings.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._strings[token_id] = text
-        return text
+    def _name(self, token_id: int, logprob: Logprob | None) -> str:
+        text = None if logprob is None else logprob.decoded_token
+        return self.token(token_id) if text is None else text
 
-    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], num: int,
+    def completion(self, token_ids: list[int], logprobs: SampleLogprobs, num: int,
                    offset: int = 0) -> CompletionLogprobs:
         """Legacy format: each token, its logprob, the top ``num`` alternatives plus the chosen token, and each
         token's character offset in the generated text (starting at ``offset``)."""
         out = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs):
-            text = self.token(token_id)
+            chosen = entry.get(token_id)
+            text = self._name(token_id, chosen)
             top = _ranked(entry)[:num]
-            if token_id in entry and token_id not in (t for t, _ in top):
-                top.append((token_id, entry[token_id]))
+            if chosen is not None and token_id not in (t for t, _ in top):
+                top.append((token_id, chosen))
             out.tokens.append(text)
-            out.token_logprobs.append(_finite(entry.get(token_id)))
-            out.top_logprobs.append({self.token(t): _finite(lp) for t, lp in top})
+            out.token_logprobs.append(_finite(chosen))
+            out.top_logprobs.append({self._name(t, lp): _finite(lp) for t, lp in top})
             out.text_offset.append(offset)
             offset += len(text)
         return out
 
-    def echoed_prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], num: int,
+    def echoed_prompt(self, token_ids: list[int], logprobs: PromptLogprobs, num: int,
                       offset: int = 0) -> CompletionLogprobs:
         """The legacy format for an echoed prompt: as :meth:`completion`, but the first token has no logprob and
         no alternatives (null), as nothing precedes it."""
@@ -674,23 +673,22 @@ class LogprobFormatter:
         return CompletionLogprobs(tokens=[first] + out.tokens, token_logprobs=[None] + out.token_logprobs,
                                   top_logprobs=[None] + out.top_logprobs, text_offset=[offset] + out.text_offset)
 
-    def prompt_logprobs(self, logprobs: list[dict[int, float] | None], num: int) -> PromptLogprobs:
+    def prompt_logprobs(self, logprobs: PromptLogprobs, num: int) -> PromptLogprobsJSON:
         """vLLM's ``prompt_logprobs``: per prompt token null (the first) or {token id: {logprob, rank,
         decoded_token}} for the token itself and the ``num`` most likely."""
-        out: PromptLogprobs = []
+        out: PromptLogprobsJSON = []
         for entry in logprobs:
             if entry is None:
                 out.append(None)
                 continue
             token_id = next(iter(entry))  # the prompt token comes first
             ranked = _ranked(entry)[:num]
-            ranks = {t: r for r, (t, _) in enumerate(ranked, start=1)}
-            chosen = [] if token_id in ranks else [(token_id, entry[token_id])]
-            out.append({str(t): PromptLogprob(logprob=_finite(lp), rank=ranks.get(t), decoded_token=self.token(t))
+            chosen = [] if token_id in (t for t, _ in ranked) else [(token_id, entry[token_id])]
+            out.append({str(t): PromptLogprob(logprob=_finite(lp), rank=lp.rank, decoded_token=self._name(t, lp))
                         for t, lp in chosen + ranked})
         return out
 
-    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], num: int) -> ChatLogprobs:
+    def chat(self, token_ids: list[int], logprobs: SampleLogprobs, num: int) -> ChatLogprobs:
         """Chat format: per token {token, logprob, bytes, top_logprobs (the best ``num``)}."""
         content = []
         for token_id, entry in zip(token_ids, logprobs):
@@ -700,16 +698,18 @@ class LogprobFormatter:
             ))
         return ChatLogprobs(content=content)
 
-    def _top(self, token_id: int, logprob: float | None) -> TopLogprob:
-        text = self.token(token_id)
+    def _top(self, token_id: int, logprob: Logprob | None) -> TopLogprob:
+        text = self._name(token_id, logprob)
         return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
 
 
-def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])
+def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """An entry's tokens, most likely first (the chosen token may stand among them)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)
 
 
-def _finite(logprob: float | None) -> float:
-    if logprob is None or logprob != logprob:  # missing or NaN
+def _finite(logprob: Logprob | None) -> float:
+    value = None if logprob is None else logprob.logprob
+    if value is None or value != value:  # missing or NaN
         return LOGPROB_FLOOR
-    return max(float(logprob), LOGPROB_FLOOR)
+    return max(float(value), LOGPROB_FLOOR)

@@ -14,6 +14,7 @@ _PUBLIC = {
     "SpeculativeConfig": "specray.config",
     "RequestOutput": "specray.outputs",
     "CompletionOutput": "specray.outputs",
+    "Logprob": "specray.outputs",
     "SpecStats": "specray.outputs",
 }
 

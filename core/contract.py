@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specray.outputs import SampleLogprobs
 from specray.sampling_params import SamplingParams
 
 
@@ -141,14 +142,15 @@ class StepResult:
     an empty list for a non-final prefill chunk.
 
     ``logprobs`` is None unless some chunk's request asked for them (``SamplingParams.logprobs``); then, per
-    chunk, one ``{token_id: logprob}`` per kept token (the kept token first, then the request's top-k, raw
-    log_softmax of the target's logits at that token's position), and [] for the other chunks. The scheduler may
+    chunk, one ``{token_id: Logprob}`` per kept token (the kept token first, then the request's top-k, raw
+    log_softmax of the target's logits at that token's position, with their vocabulary ranks; the engine adds the
+    decoded tokens), and [] for the other chunks. The scheduler may
     keep only a prefix of a chunk's tokens (a stop token); the engine keeps the matching prefix of these."""
 
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[dict[int, float]]] | None = None
+    logprobs: list[SampleLogprobs] | None = None
     # None unless some chunk brought a tree; then per chunk the draft indices of its accepted nodes, root first
     # ([] for a chain chunk: its accepted drafts are its first ones)
     accepted_draft_indices: list[list[int]] | None = None
@@ -163,9 +165,9 @@ class StepResult:
     # drafter given its parent; a chain's drafts' probabilities: the drafter's confidence), [] for none
     draft_parents: list[list[int]] | None = None
     draft_scores: list[list[float]] | None = None
-    # None unless some chunk's request asked for prompt logprobs; then per chunk one {token_id: logprob} per prompt
+    # None unless some chunk's request asked for prompt logprobs; then per chunk one {token_id: Logprob} per prompt
     # token from start_pos + 1 on that the chunk's rows predict ([] for the others: see the module docstring)
-    prompt_logprobs: list[list[dict[int, float]]] | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,28 @@ def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | No
         if start != -1 and (best is None or start < best[0]):
             best = (start, stop)
     return best
+
+
+class TokenTexts:
+    """Each token id's text alone (special tokens kept), decoded once and cached: what a logprob names its token
+    by (vLLM's ``decoded_token``, OpenAI's ``token``). A single token may be part of a multi-byte character; its
+    text is then what the tokenizer makes of it alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._decode = decoder_for(tokenizer, skip_special_tokens=False)
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+    def name(self, entries) -> None:
+        """Set ``decoded_token`` on every :class:`specray.outputs.Logprob` of ``entries`` (an iterable of
+        {token_id: Logprob} maps; None entries, a prompt's first, are passed over)."""
+        for entry in entries:
+            if entry is not None:
+                for token_id, logprob in entry.items():
+                    logprob.decoded_token = self(token_id)

@@ -5,6 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's raw logprob at one position (log_softmax of the target's logits there, before any warper), as
+    vLLM's ``Logprob``: ``rank`` is its place in the vocabulary by logprob (1 = the most likely; a token tied with
+    others counts them all, as vLLM does), ``decoded_token`` its text alone (None when the request asked not to
+    detokenize)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one {token_id: Logprob} per output token: that token first, then the k most likely
+SampleLogprobs = list[dict[int, Logprob]]
+# None for the first prompt token (nothing precedes it), then one {token_id: Logprob} per later prompt token
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass(slots=True)  # built for every request every step
 class SpecStats:
     """Speculation counters. A *draft* is one verification of >= 1 draft token for one request.
@@ -72,15 +90,15 @@ class SpecStats:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion. With ``SamplingParams.logprobs = k``: ``logprobs[i]`` is {token_id: logprob} for output
-    token i (that token first, then the k most likely), raw logprobs (log_softmax of the target's logits at that
-    position, before any warper), and ``cumulative_logprob`` = sum_i logprobs[i][token_ids[i]]; else both None."""
+    """One completion. With ``SamplingParams.logprobs = k``: ``logprobs[i]`` is {token_id: :class:`Logprob`} for
+    output token i (that token first, then the k most likely), and ``cumulative_logprob`` = sum_i
+    logprobs[i][token_ids[i]].logprob; else both None."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -105,9 +123,9 @@ class RequestOutput:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # set when a step failed for this request alone: it finished with finish_reason "error" (the others went on)
     error: str | None = None
-    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob} for each later one
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob} for each later one
     # (that token first, then the k most likely); None when the request asked for none
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -125,7 +143,7 @@ def accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOut
 
 
 def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | None, prompt_token_ids: list[int],
-            prompt_logprobs: list[dict[int, float] | None] | None) -> RequestOutput:
+            prompt_logprobs: PromptLogprobs | None) -> RequestOutput:
     completions = []
     for i, new in enumerate(newer.outputs):
         old = older.outputs[i] if older is not None else None

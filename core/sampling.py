@@ -324,12 +324,15 @@ def sample_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def compute_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The raw model distribution (log_softmax of the logits, before any warper), as OpenAI reports it.
 
-    logits [N, V], token_ids [N] -> (logprob of token_ids [N], top-k ids [N, k] int64, top-k logprobs [N, k]).
+    logits [N, V], token_ids [N] -> (logprob of token_ids [N], their vocabulary rank [N] int64, top-k ids [N, k]
+    int64, top-k logprobs [N, k]). A token's rank is the number of tokens at least as likely, itself included
+    (1 = the most likely), as vLLM counts it.
     """
     logprobs = logits.float().log_softmax(dim=-1)  # [N, V]
     chosen = logprobs.gather(-1, token_ids.long()[:, None]).squeeze(-1)  # [N]
+    rank = (logprobs >= chosen[:, None]).sum(dim=-1)  # [N]
     top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [N, k]
-    return chosen, top_ids, top_lp
+    return chosen, rank, top_ids, top_lp

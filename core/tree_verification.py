@@ -75,8 +75,9 @@ import torch.nn.functional as F
 from specray.sampling import SamplingBatch, logits_to_probs, row_uniforms, sample, sample_by_inversion
 from specray.tree import check_parents
 from specray.tree import depths as node_depths
-from specray.verification import (TargetLogprobs, _accept_uniforms, _assemble, _entry, _gather_position, _to_host,
-                                  target_logprobs)
+from specray.outputs import Logprob
+from specray.verification import (TargetLogprobs, _accept_uniforms, _assemble, _gather_position, _to_host,
+                                  entries_of, target_logprobs)
 
 
 class PaddedTree(NamedTuple):
@@ -428,16 +429,16 @@ def node_argmax(padded: PaddedTree) -> torch.Tensor:
 
 
 def unpad_tree(verdict: TreeVerdict, logprobs: TargetLogprobs | None, node_tokens: torch.Tensor | None = None
-               ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None,
+               ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, Logprob]]] | None,
                           list[list[int]] | None]:
     """The step's one host sync -> (each request's kept tokens, the accepted draft indices in path order, per
-    request one {token_id: logprob} per kept token ([] for a request that asked for none; None when none asked),
+    request one {token_id: Logprob} per kept token ([] for a request that asked for none; None when none asked),
     and ``node_tokens`` [B, K] (:func:`node_argmax`) as per-request rows of the request's k_b nodes, or None)."""
     tensors = [verdict.output_tokens, verdict.num_accepted, verdict.path_rows]
     if node_tokens is not None:
         tensors.append(node_tokens)
     if logprobs is not None:
-        tensors += [logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs]
+        tensors += [logprobs.chosen, logprobs.chosen_rank, logprobs.top_ids, logprobs.top_logprobs]
     host = _to_host(tensors)
     tokens, counts, path = host[0], [int(k) for k in host[1]], host[2]
     kept = [[int(t) for t in row[: k + 1]] for row, k in zip(tokens, counts)]
@@ -447,8 +448,7 @@ def unpad_tree(verdict: TreeVerdict, logprobs: TargetLogprobs | None, node_token
         per_node = [[int(t) for t in row] for row in host.pop(3)]
     if logprobs is None:
         return kept, nodes, None, per_node
-    per_request: list[list[dict[int, float]]] = [[] for _ in kept]
+    per_request: list[list[dict[int, Logprob]]] = [[] for _ in kept]
     for m, (b, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
-        per_request[b] = [_entry(t, host[3][m][j], host[4][m][j][:k], host[5][m][j][:k])
-                          for j, t in enumerate(kept[b])]
+        per_request[b] = entries_of(kept[b], host[3:], m, k)
     return kept, nodes, per_request, per_node

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from specray.outputs import Logprob
 from specray.sampling import (SamplingBatch, compute_logprobs, logits_to_probs, row_uniforms, sample,
                               sample_by_inversion, to_device)
 
@@ -241,6 +242,7 @@ class TargetLogprobs(NamedTuple):
     rows: list[int]  # host list [M]: the request (0..B-1) of each row
     num_top: list[int]  # host list [M]: each request's own k
     chosen: torch.Tensor  # [M, K+1] log p_j(output token j); padding positions hold junk
+    chosen_rank: torch.Tensor  # [M, K+1] int64: output token j's vocabulary rank at position j
     top_ids: torch.Tensor  # [M, K+1, k] int64, k = max(num_top)
     top_logprobs: torch.Tensor  # [M, K+1, k] descending
 
@@ -262,19 +264,21 @@ def target_logprobs(target_logits: torch.Tensor, output_tokens: torch.Tensor,
         index = _device_index(rows, target_logits.device)
         target_logits, output_tokens = target_logits.index_select(0, index), output_tokens.index_select(0, index)
     num_top = [num_logprobs[b] for b in rows]
-    chosen, top_ids, top_lp = compute_logprobs(target_logits.reshape(-1, V), output_tokens.reshape(-1).clamp_min(0),
-                                               max(num_top))  # [M*(K+1)], [M*(K+1), k] x 2
+    chosen, rank, top_ids, top_lp = compute_logprobs(target_logits.reshape(-1, V),
+                                                     output_tokens.reshape(-1).clamp_min(0),
+                                                     max(num_top))  # [M*(K+1)] x 2, [M*(K+1), k] x 2
     M = len(rows)
-    return TargetLogprobs(rows, num_top, chosen.view(M, K1), top_ids.view(M, K1, -1), top_lp.view(M, K1, -1))
+    return TargetLogprobs(rows, num_top, chosen.view(M, K1), rank.view(M, K1), top_ids.view(M, K1, -1),
+                          top_lp.view(M, K1, -1))
 
 
 PROMPT_ROWS_PER_PASS = 256  # prompt logits are computed this many rows at a time (a [256, V] float32 slice)
 
 
 def prompt_logprob_entries(logits_of, rows: list[int], token_ids: list[int], num_top: list[int],
-                           rows_per_pass: int = PROMPT_ROWS_PER_PASS) -> list[dict[int, float]]:
+                           rows_per_pass: int = PROMPT_ROWS_PER_PASS) -> list[dict[int, Logprob]]:
     """The raw logprob of ``token_ids[j]`` after hidden row ``rows[j]`` and the ``num_top[j]`` most likely there,
-    as one {token_id: logprob} per row (:func:`_entry`). ``logits_of(rows) -> [n, V]`` is called on slices of at
+    as one {token_id: Logprob} per row (:func:`_entry`). ``logits_of(rows) -> [n, V]`` is called on slices of at
     most ``rows_per_pass`` rows, so a long prompt never holds its whole [N, V] logits; each slice is reduced on the
     device, and the entries come back in one host sync."""
     if not rows:
@@ -285,9 +289,9 @@ def prompt_logprob_entries(logits_of, rows: list[int], token_ids: list[int], num
         logits = logits_of(rows[start : start + rows_per_pass])
         ids = torch.tensor(token_ids[start : start + rows_per_pass], dtype=torch.long).to(logits.device)
         parts.append(compute_logprobs(logits, ids, k))
-    chosen, top_ids, top_lp = (torch.cat(column) for column in zip(*parts))
-    host = _to_host([chosen, top_ids, top_lp])
-    return [_entry(t, host[0][j], host[1][j][:n], host[2][j][:n]) for j, (t, n) in enumerate(zip(token_ids, num_top))]
+    host = _to_host([torch.cat(column) for column in zip(*parts)])  # chosen, rank, top ids, top logprobs
+    return [_entry(t, host[0][j], host[1][j], host[2][j][:n], host[3][j][:n])
+            for j, (t, n) in enumerate(zip(token_ids, num_top))]
 
 
 def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -302,22 +306,21 @@ def unpad_outputs(output_tokens: torch.Tensor, num_accepted: torch.Tensor) -> li
 
 
 def unpad_with_logprobs(output_tokens: torch.Tensor, num_accepted: torch.Tensor, logprobs: TargetLogprobs | None
-                        ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
+                        ) -> tuple[list[list[int]], list[list[dict[int, Logprob]]] | None]:
     """The step's one host sync: output_tokens [B, K+1], num_accepted [B] and the logprobs -> each request's
-    kept tokens and, per request, one {token_id: logprob} per kept token (the chosen token first, then its
+    kept tokens and, per request, one {token_id: Logprob} per kept token (the chosen token first, then its
     top-k; [] for a request that asked for none). None when no request asked."""
     tensors = [output_tokens, num_accepted]
     if logprobs is not None:
-        tensors += [logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs]
+        tensors += [logprobs.chosen, logprobs.chosen_rank, logprobs.top_ids, logprobs.top_logprobs]
     host = _to_host(tensors)
     tokens, n = host[0], host[1]
     kept = [[int(t) for t in row[: int(k) + 1]] for row, k in zip(tokens, n)]
     if logprobs is None:
         return kept, None
-    per_request: list[list[dict[int, float]]] = [[] for _ in kept]
+    per_request: list[list[dict[int, Logprob]]] = [[] for _ in kept]
     for m, (b, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
-        per_request[b] = [_entry(t, host[2][m][j], host[3][m][j][:k], host[4][m][j][:k])
-                          for j, t in enumerate(kept[b])]
+        per_request[b] = entries_of(kept[b], host[2:], m, k)
     return kept, per_request
 
 
@@ -340,9 +343,18 @@ def _nest(flat: list, shape: list[int]) -> list:
     return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def _entry(token: int, chosen: float, top_ids: list[float], top_logprobs: list[float]) -> dict[int, float]:
-    """{token: logprob} for the chosen token, then the top-k in descending order (the chosen one not twice)."""
-    entry = {token: chosen}
-    for t, lp in zip(top_ids, top_logprobs):
-        entry.setdefault(int(t), lp)
+def entries_of(kept: list[int], host: list[list], m: int, k: int) -> list[dict[int, Logprob]]:
+    """Row ``m`` of a :class:`TargetLogprobs` on the host (``host``: its chosen, chosen_rank, top_ids and
+    top_logprobs as nested lists) -> one entry per kept token, with the request's ``k`` most likely."""
+    chosen, rank, top_ids, top_lp = (column[m] for column in host)
+    return [_entry(t, chosen[j], rank[j], top_ids[j][:k], top_lp[j][:k]) for j, t in enumerate(kept)]
+
+
+def _entry(token: int, chosen: float, rank: float, top_ids: list[float], top_logprobs: list[float]
+           ) -> dict[int, Logprob]:
+    """{token: Logprob} for the chosen token, then the top-k in descending order, ranked 1..k (the chosen one not
+    twice)."""
+    entry = {token: Logprob(chosen, int(rank))}
+    for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+        entry.setdefault(int(t), Logprob(lp, r))
     return entry

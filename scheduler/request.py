@@ -14,7 +14,7 @@ import itertools
 import math
 import time
 
-from specray.outputs import SpecStats
+from specray.outputs import SampleLogprobs, SpecStats
 from specray.sampling_params import SamplingParams
 
 _creation_order = itertools.count()
@@ -51,9 +51,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = (self.arrival_time, next(_creation_order))  # sort key; ties by creation
         self.output_token_ids: list[int] = []
-        # One {token_id: logprob} per output token when the request asked for logprobs (the engine appends
+        # One {token_id: Logprob} per output token when the request asked for logprobs (the engine appends
         # them after each step), else None. truncate_output keeps it the same length as output_token_ids.
-        self.output_logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.output_logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # appended in place, never rebuilt
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
@@ -135,20 +135,22 @@ class Request:
         self._span = (self.num_tokens, state)
         return state
 
-    def extend_logprobs(self, entries: list[dict[int, float]]) -> None:
+    def extend_logprobs(self, entries: SampleLogprobs) -> SampleLogprobs:
         """Record the logprobs of the output tokens appended since the last call: ``entries`` are those of the
         tokens the target kept this step, of which the scheduler appended a prefix (it stops at a stop token or
-        max_tokens), so exactly the first (num_output_tokens - recorded) of them are kept."""
+        max_tokens), so exactly the first (num_output_tokens - recorded) of them are kept. Returns those."""
         missing = self.num_output_tokens - len(self.output_logprobs)
         assert 0 <= missing <= len(entries), (self.req_id, missing, len(entries))
-        self.output_logprobs.extend(entries[:missing])
+        kept = entries[:missing]
+        self.output_logprobs.extend(kept)
+        return kept
 
     @property
     def cumulative_logprob(self) -> float | None:
         """sum_i log p(output token i), over the recorded logprobs; None when the request asked for none."""
         if self.output_logprobs is None:
             return None
-        return sum(lp[t] for t, lp in zip(self.output_token_ids, self.output_logprobs))
+        return sum(lp[t].logprob for t, lp in zip(self.output_token_ids, self.output_logprobs))
 
     def min_tokens_banned(self) -> list[int]:
         """The token ids the worker bans before ``min_tokens`` outputs (those that would end the request), or []

@@ -368,7 +368,9 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
         for a, b in zip(remote_penalized[::2], local_penalized[::2]):
             assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-                assert list(x) == list(y) and list(x.values()) == pytest.approx(list(y.values()), abs=1e-4)
+                assert list(x) == list(y) and [v.logprob for v in x.values()] == pytest.approx(
+                    [v.logprob for v in y.values()], abs=1e-4)
+                assert [(v.rank, v.decoded_token) for v in x.values()] == [(v.rank, v.decoded_token) for v in y.values()]
         streams = asyncio.run(stream_concurrently(llm.engine.actor, prompts[:4], sp))
         for items, ref in zip(streams, local):
             assert len(items) > 1 and items[-1].finished and not any(i.finished for i in items[:-1])

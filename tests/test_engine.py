@@ -311,8 +311,9 @@ def assert_same_report(a, b, where) -> None:
             assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-5), where
         assert (x.logprobs is None) == (y.logprobs is None) and len(x.logprobs or ()) == len(y.logprobs or ()), where
         for p, q in zip(x.logprobs or (), y.logprobs or ()):
-            assert sorted(p) == sorted(q) and [p[t] for t in sorted(p)] == pytest.approx(
-                [q[t] for t in sorted(q)], abs=1e-5), where
+            assert sorted(p) == sorted(q) and [p[t].logprob for t in sorted(p)] == pytest.approx(
+                [q[t].logprob for t in sorted(q)], abs=1e-5), where
+            assert [(p[t].rank, p[t].decoded_token) for t in p] == [(q[t].rank, q[t].decoded_token) for t in q], where
 
 
 def test_delta_outputs_join_to_the_cumulative_ones(tiny_llama_dir, plain):

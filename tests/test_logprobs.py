@@ -8,7 +8,7 @@ import torch
 
 from specray import LLM, SamplingParams
 from specray.scheduler.request import Request
-from specray.outputs import accumulate
+from specray.outputs import Logprob, accumulate
 from specray.verification import prompt_logprob_entries, target_logprobs, unpad_with_logprobs
 from specray_test_engine_runs import PROMPTS as ENGINE_PROMPTS, greedy  # tests/engine_runs.py (via conftest)
 
@@ -40,19 +40,37 @@ def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Te
     return logits[len(prompt_ids) - 1 : -1].float().log_softmax(-1)
 
 
-def assert_matches_reference(out, ref: torch.Tensor, k: int) -> None:
+def values(entry: dict[int, Logprob]) -> list[float]:
+    return [lp.logprob for lp in entry.values()]
+
+
+def assert_entry(entry: dict[int, Logprob], token: int, row: torch.Tensor, k: int, tokenizer=None) -> None:
+    """One position's entry against the reference log_softmax ``row`` [V]: the chosen token first, then exactly
+    the top-k, every logprob equal to the reference, the top-k ranked 1..k in order, the chosen token's rank its
+    place in the vocabulary (ties counted, within the tolerance), and with a tokenizer each decoded token."""
+    assert next(iter(entry)) == token  # the chosen token first
+    top = row.topk(k)
+    assert set(entry) == {token, *top.indices.tolist()}
+    for t, lp in entry.items():
+        assert lp.logprob == pytest.approx(row[t].item(), abs=TOL)
+        if tokenizer is not None:
+            assert lp.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+    assert sorted((entry[t].logprob for t in top.indices.tolist()), reverse=True) == pytest.approx(
+        top.values.tolist(), abs=TOL)  # the k largest
+    ranked = [t for t in entry if t != token or t in top.indices.tolist()]
+    assert sorted(entry[t].rank for t in ranked) == list(range(1, len(ranked) + 1))
+    value = row[token].item()
+    assert int((row > value + TOL).sum()) + 1 <= entry[token].rank <= int((row >= value - TOL).sum())
+
+
+def assert_matches_reference(out, ref: torch.Tensor, k: int, tokenizer=None) -> None:
     """Each entry holds the chosen token's logprob and exactly the top-k, all equal to the reference."""
     comp = out.outputs[0]
     assert len(comp.logprobs) == len(comp.token_ids) == ref.shape[0]
     for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
-        assert next(iter(entry)) == token  # the chosen token first
-        top = ref[i].topk(k)
-        assert set(entry) == {token, *top.indices.tolist()}
-        for t, lp in entry.items():
-            assert lp == pytest.approx(ref[i, t].item(), abs=TOL)
-        assert sorted((entry[t] for t in top.indices.tolist()), reverse=True) == pytest.approx(
-            top.values.tolist(), abs=TOL)  # the k largest
-    assert comp.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs)))
+        assert_entry(entry, token, ref[i], k, tokenizer)
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
     assert comp.cumulative_logprob == pytest.approx(ref.gather(1, torch.tensor(comp.token_ids)[:, None]).sum().item(),
                                                     abs=TOL * len(comp.token_ids))
 
@@ -66,7 +84,7 @@ def test_logprobs_match_transformers(request, hf_model, engine, params):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for out in outs:
         assert_matches_reference(out, hf_logprobs(hf_model, out.prompt_token_ids, out.outputs[0].token_ids),
-                                 params.logprobs)
+                                 params.logprobs, llm.get_tokenizer())
     if engine == "ngram":
         assert sum(o.spec_stats.accepted_tokens for o in outs) > 0  # some came from accepted drafts' rows
 
@@ -78,7 +96,8 @@ def test_ngram_logprobs_equal_plain(plain, ngram):
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for ex, ey in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert list(ex) == list(ey) and list(ex.values()) == pytest.approx(list(ey.values()), abs=TOL)
+            assert list(ex) == list(ey) and values(ex) == pytest.approx(values(ey), abs=TOL)
+            assert [lp.rank for lp in ex.values()] == [lp.rank for lp in ey.values()]
         assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob, abs=TOL * 24)
 
 
@@ -108,7 +127,7 @@ def test_logprobs_truncated_with_the_tokens(request, engine):
             assert got.finish_reason == ("stop" if stopped else "length"), (got, sp)
             assert got.token_ids == comp.token_ids[: len(got.token_ids)]
             for a, b in zip(got.logprobs, comp.logprobs):
-                assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=TOL)
+                assert list(a) == list(b) and values(a) == pytest.approx(values(b), abs=TOL)
 
 
 def test_stop_token_inside_an_accepted_run(tiny_llama_dir, hf_model, monkeypatch):
@@ -154,7 +173,7 @@ def test_preemption_does_not_duplicate_logprobs(tiny_llama_dir, hf_model, spec):
 # ---- prompt logprobs --------------------------------------------------------------------------------------------
 
 
-def assert_prompt_logprobs(hf_model, out, k: int) -> None:
+def assert_prompt_logprobs(hf_model, out, k: int, tokenizer=None) -> None:
     """None for the first prompt token, then each later one's entry: that token first, then exactly the top-k, all
     equal to transformers' log_softmax at the position before it."""
     ids = out.prompt_token_ids
@@ -163,11 +182,7 @@ def assert_prompt_logprobs(hf_model, out, k: int) -> None:
     got = out.prompt_logprobs
     assert got is not None and len(got) == len(ids) and got[0] is None
     for j in range(1, len(ids)):
-        entry, row = got[j], ref[j - 1]
-        assert next(iter(entry)) == ids[j]
-        assert set(entry) == {ids[j], *row.topk(k).indices.tolist()}
-        for t, lp in entry.items():
-            assert lp == pytest.approx(row[t].item(), abs=TOL)
+        assert_entry(got[j], ids[j], ref[j - 1], k, tokenizer)
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 8}, {"speculative_config": NGRAM}],
@@ -184,7 +199,7 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, engine_kw)
         if sp.prompt_logprobs is None:
             assert out.prompt_logprobs is None
         else:
-            assert_prompt_logprobs(hf_model, out, sp.prompt_logprobs)
+            assert_prompt_logprobs(hf_model, out, sp.prompt_logprobs, llm.get_tokenizer())
     assert [list(e) for e in outs[2].prompt_logprobs[1:]] == [[t] for t in outs[2].prompt_token_ids[1:]]  # k = 0
     assert outs[4].prompt_logprobs == [None]
     blocks = llm.engine.scheduler.block_manager
@@ -250,8 +265,7 @@ def test_prompt_logprob_entries_in_slices():
     assert calls == [2, 2, 1]
     ref = hidden.log_softmax(-1)
     for r, t, k, entry in zip(rows, ids, tops, entries):
-        assert next(iter(entry)) == t and set(entry) == {t, *ref[r].topk(k).indices.tolist()}
-        assert all(v == pytest.approx(ref[r, i].item(), abs=1e-6) for i, v in entry.items())
+        assert_entry(entry, t, ref[r], k)
     assert prompt_logprob_entries(logits_of, [], [], []) == []
 
 
@@ -262,12 +276,13 @@ def test_request_keeps_one_entry_per_output_token():
     req = Request("r", [1, 2], SamplingParams(logprobs=1))
     req.append_tokens([5], 1024)
     req.append_tokens([6], 1024)
-    req.extend_logprobs([{5: -0.1}, {6: -0.2}, {7: -0.3}])  # the third token was dropped (a stop token)
-    assert req.output_logprobs == [{5: -0.1}, {6: -0.2}] and req.cumulative_logprob == pytest.approx(-0.3)
+    five, six, seven, eight = ({t: Logprob(lp, 1)} for t, lp in ((5, -0.1), (6, -0.2), (7, -0.3), (8, -0.5)))
+    assert req.extend_logprobs([five, six, seven]) == [five, six]  # the third token was dropped (a stop token)
+    assert req.output_logprobs == [five, six] and req.cumulative_logprob == pytest.approx(-0.3)
     req.append_tokens([8], 1024)
-    req.extend_logprobs([{8: -0.5}])
+    req.extend_logprobs([eight])
     req.truncate_output(1)
-    assert req.output_logprobs == [{5: -0.1}] and req.cumulative_logprob == pytest.approx(-0.1)
+    assert req.output_logprobs == [five] and req.cumulative_logprob == pytest.approx(-0.1)
     assert Request("s", [1], SamplingParams()).output_logprobs is None
 
 
@@ -283,10 +298,9 @@ def test_target_logprobs_and_unpad():
     ref = logits.log_softmax(-1)
     assert entries[1] == [] and [list(e) for e in entries[2]] == [[1], [3], [9]]
     for j, t in enumerate(kept[0]):
-        top = ref[0, j].topk(2)
-        assert list(entries[0][j])[0] == t and set(entries[0][j]) == {t, *top.indices.tolist()}
-        assert entries[0][j][t] == pytest.approx(ref[0, j, t].item(), abs=1e-6)
-    assert entries[2][2][9] == pytest.approx(ref[2, 2, 9].item(), abs=1e-6)
+        assert_entry(entries[0][j], t, ref[0, j], 2)
+    for j, t in enumerate(kept[2]):
+        assert_entry(entries[2][j], t, ref[2, j], 0)
     assert target_logprobs(logits, tokens, [None] * B) is None
     assert unpad_with_logprobs(tokens, n, None) == (kept, None)
 

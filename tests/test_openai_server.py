@@ -315,7 +315,7 @@ def test_completion_logprobs_legacy_format(client, offline):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     want = offline_greedy(offline, [prompt], 8, logprobs=2)[0].outputs[0]
     for i, (token_id, entry) in enumerate(zip(want.token_ids, want.logprobs)):
-        assert lp.token_logprobs[i] == pytest.approx(entry[token_id], abs=1e-3)
+        assert lp.token_logprobs[i] == pytest.approx(entry[token_id].logprob, abs=1e-3)
         assert 1 <= len(lp.top_logprobs[i]) <= 3
         assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
 
@@ -332,7 +332,7 @@ def test_completion_echo_with_logprobs_as_lm_eval_reads_it(client, offline):
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         for j in range(1, len(ids)):
-            assert lp.token_logprobs[j] == pytest.approx(ref.prompt_logprobs[j][ids[j]], abs=1e-3)
+            assert lp.token_logprobs[j] == pytest.approx(ref.prompt_logprobs[j][ids[j]].logprob, abs=1e-3)
             assert max(lp.top_logprobs[j].values()) >= lp.token_logprobs[j] - 1e-6 and len(lp.top_logprobs[j]) <= 2
         assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)  # greedy
         assert choice.text == offline.engine.tokenizer.decode(ids) + ref.outputs[0].text
@@ -380,9 +380,10 @@ def test_prompt_logprobs_extra_parameter(server, offline, endpoint):
         entry = got[j]
         assert str(ids[j]) in entry and 2 <= len(entry) <= 3
         ranked = sorted(entry.items(), key=lambda kv: -kv[1]["logprob"])
-        assert [e["rank"] for _, e in ranked if e["rank"] is not None] == [1, 2]
+        assert [e["rank"] for _, e in ranked[:2]] == [1, 2]  # then the prompt token's own, when not in the top 2
         for token, e in entry.items():
-            assert e["logprob"] == pytest.approx(ref[j][int(token)], abs=1e-3)
+            assert e["logprob"] == pytest.approx(ref[j][int(token)].logprob, abs=1e-3)
+            assert e["rank"] == ref[j][int(token)].rank
             assert e["decoded_token"] == offline.engine.tokenizer.decode([int(token)])
     status, err = error_of(http_json(server + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions"),
                                      {**body, "stream": True}))

@@ -246,13 +246,17 @@ def test_compute_logprobs():
     torch.manual_seed(2)
     logits = torch.randn(3, 10)
     ids = torch.tensor([4, 0, 9])
-    chosen, top_ids, top_lp = compute_logprobs(logits, ids, 3)
+    logits[1, 7] = logits[1, 0]  # a tie: both count in the rank of either
+    chosen, rank, top_ids, top_lp = compute_logprobs(logits, ids, 3)
     ref = torch.log_softmax(logits, -1)
     torch.testing.assert_close(chosen, ref[torch.arange(3), ids])
+    order = ref.argsort(dim=-1, descending=True).tolist()
+    assert rank.tolist()[0] == order[0].index(4) + 1 and rank.tolist()[2] == order[2].index(9) + 1
+    assert rank.tolist()[1] == max(order[1].index(0), order[1].index(7)) + 1
     torch.testing.assert_close(top_lp, ref.topk(3, -1).values)
     assert torch.equal(top_ids, ref.topk(3, -1).indices)
-    _, ids0, lp0 = compute_logprobs(logits, ids, 0)
-    assert ids0.shape == (3, 0) and lp0.shape == (3, 0)
+    _, rank0, ids0, lp0 = compute_logprobs(logits, ids, 0)
+    assert ids0.shape == (3, 0) and lp0.shape == (3, 0) and torch.equal(rank0, rank)
 
 
 # ---- no host syncs ------------------------------------------------------------------------------------------

@@ -535,10 +535,11 @@ def test_logprobs_at_the_path_rows():
             row = int(v.path_rows[b, j])
             assert row == (0 if j == 0 else nodes[b][j - 1] + 1)
             ref = rows[b][row].log_softmax(-1)
-            assert next(iter(entry)) == tok and entry[tok] == pytest.approx(float(ref[tok]), abs=1e-5)
+            assert next(iter(entry)) == tok and entry[tok].logprob == pytest.approx(float(ref[tok]), abs=1e-5)
+            assert entry[tok].rank == int((ref >= ref[tok]).sum())
             top = ref.topk(k)
-            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
-                assert entry[t] == pytest.approx(lp, abs=1e-5)
+            for rank, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+                assert entry[t].logprob == pytest.approx(lp, abs=1e-5) and entry[t].rank in (rank, entry[tok].rank)
             assert len(entry) <= k + 1
 
 

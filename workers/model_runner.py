@@ -29,6 +29,7 @@ from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
 from specray.penalties import PenaltyHistory, penalize
 from specray.sampling import SamplingBatch, make_generator
@@ -157,7 +158,7 @@ class ModelRunner:
                 result.draft_scores = [[] if d is None or d.scores is None else d.scores for d in drafted]
         return result
 
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[list[dict[int, float]]] | None:
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[SampleLogprobs] | None:
         """Per chunk, the logprobs of the prompt tokens its rows predict when its request asked for them ([] for
         the others; None when no chunk's request asked): row j of a chunk (position start_pos + j) predicts prompt
         token start_pos + j + 1, up to the prompt's last token. Every rank computes the logits (the step's other
@@ -275,7 +276,7 @@ class ModelRunner:
         return logits
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor],
-                raw: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
+                raw: torch.Tensor | None = None) -> tuple[list[list[int]], list[SampleLogprobs] | None]:
         """logits [N, V]: the 1 + k rows of each sampled chunk, back to back (``raw``: before penalties, for
         logprobs; None: the same). Returns each sampled chunk's kept tokens and, when some request asked for
         them, their logprobs."""
@@ -299,7 +300,7 @@ class ModelRunner:
 
     def _verify_trees(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, raw: torch.Tensor | None = None,
                       draft_probs: dict[str, torch.Tensor] | None = None
-                      ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None, list[list[int]],
+                      ) -> tuple[list[list[int]], list[SampleLogprobs] | None, list[list[int]],
                                  list[list[int]] | None]:
         """``sampled`` chunks through tree verification (a chain is a tree): trees drawn from a drafter's q (its
         rows' q in ``draft_probs``) and drafts without q (a chain with a drafter's q goes through :meth:`_verify`;

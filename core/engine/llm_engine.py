@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
-from specray.detokenizer import IncrementalDetokenizer, find_stop
+from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.errors import RequestError, StepError, WorkerDiedError
-from specray.outputs import CompletionOutput, RequestOutput, SpecStats
+from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
@@ -38,7 +38,7 @@ class _Tracked:
     reported_chars: int = 0  # characters of text reported so far (output_kind "delta")
     # SamplingParams.prompt_logprobs: [None] for the first prompt token, then one entry per later prompt token as
     # the prefill chunks answer them; None when the request asked for none
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class LLMEngine:
@@ -50,6 +50,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
+        self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -548,7 +549,7 @@ class LLMEngine:
         for chunk, entries in zip(plan.chunks, result.logprobs):
             tracked = self.tracked.get(chunk.req_id)
             if chunk.sample and entries and tracked is not None:
-                tracked.request.extend_logprobs(entries)
+                self._name(tracked.request.extend_logprobs(entries))
 
     def _record_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
         """Keep the prompt logprobs a step's prefill chunks answered: a chunk's entries are those of prompt tokens
@@ -560,7 +561,14 @@ class LLMEngine:
             if entries and tracked is not None and tracked.prompt_logprobs is not None:
                 kept = tracked.prompt_logprobs
                 assert len(kept) >= chunk.start_pos + 1, (chunk.req_id, len(kept), chunk.start_pos)  # chunks in order
-                kept.extend(entries[len(kept) - chunk.start_pos - 1:])
+                new = entries[len(kept) - chunk.start_pos - 1:]
+                kept.extend(new)
+                self._name(new)
+
+    def _name(self, entries: SampleLogprobs) -> None:
+        """Each new logprob's decoded token, when the engine has a tokenizer (vLLM's ``decoded_token``)."""
+        if self.token_texts is not None:
+            self.token_texts.name(entries)
 
     def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
         stats = self.scheduler.last_step_stats
