@@ -92,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no logprobs' decoded tokens), as vLLM's
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -131,6 +132,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 (or None for up to max_model_len)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty string")
+        if self.stop and self.detokenize is not True:
+            raise ValueError(f"stop={self.stop!r} needs the output's text, and detokenize={self.detokenize!r}: set "
+                             "detokenize=True, or stop on token ids (stop_token_ids)")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize={self.detokenize!r} must be True or False")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
         for name in ("logprobs", "prompt_logprobs"):

@@ -267,6 +267,22 @@ def test_stop_string(plain):
     assert free_blocks(plain) == plain.engine.scheduler.block_manager.num_blocks
 
 
+def test_without_detokenizing_the_tokens_and_logprobs_are_the_same(tiny_llama_dir, plain_outputs):
+    """vLLM's ``detokenize=False``: the same token ids and logprobs, no text and no decoded tokens, under
+    speculation too; stop strings need the text, so they are refused with it."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
+    text, ids = (llm.generate(PROMPTS, greedy(logprobs=1, detokenize=d), use_tqdm=False) for d in (True, False))
+    assert token_ids(text) == token_ids(ids) == plain_outputs
+    assert sum(o.spec_stats.accepted_tokens for o in ids) > 0 and any(o.outputs[0].text for o in text)
+    for a, b in zip(text, ids):
+        a, b = a.outputs[0], b.outputs[0]
+        assert b.text == "" and a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-5)
+        assert all(lp.decoded_token is not None for e in a.logprobs for lp in e.values())
+        assert all(lp.decoded_token is None for e in b.logprobs for lp in e.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_final_only_outputs_equal_the_cumulative_ones(tiny_llama_dir, plain):
     """``output_kind="final_only"`` (what ``LLM.generate`` asks for): a request is reported once, finished, with
     the tokens, text and reasons it has when reported every step; with stop strings too (looked for every step,

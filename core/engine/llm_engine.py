@@ -103,7 +103,7 @@ class LLMEngine:
         if routed:
             self.drafter = self.router
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
         self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold,
@@ -549,7 +549,9 @@ class LLMEngine:
         for chunk, entries in zip(plan.chunks, result.logprobs):
             tracked = self.tracked.get(chunk.req_id)
             if chunk.sample and entries and tracked is not None:
-                self._name(tracked.request.extend_logprobs(entries))
+                kept = tracked.request.extend_logprobs(entries)
+                if tracked.detok is not None:
+                    self._name(kept)
 
     def _record_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
         """Keep the prompt logprobs a step's prefill chunks answered: a chunk's entries are those of prompt tokens
@@ -563,12 +565,12 @@ class LLMEngine:
                 assert len(kept) >= chunk.start_pos + 1, (chunk.req_id, len(kept), chunk.start_pos)  # chunks in order
                 new = entries[len(kept) - chunk.start_pos - 1:]
                 kept.extend(new)
-                self._name(new)
+                if tracked.detok is not None:
+                    self._name(new)
 
     def _name(self, entries: SampleLogprobs) -> None:
-        """Each new logprob's decoded token, when the engine has a tokenizer (vLLM's ``decoded_token``)."""
-        if self.token_texts is not None:
-            self.token_texts.name(entries)
+        """Each new logprob's decoded token (vLLM's ``decoded_token``), for a request that is detokenized."""
+        self.token_texts.name(entries)
 
     def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
         stats = self.scheduler.last_step_stats
