@@ -16,7 +16,7 @@ nodes, in the proposal's node order, -1 for a node the scheduler cut (the list m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specray.sampling_params import SamplingParams
@@ -82,11 +82,14 @@ class Drafter(Protocol):
 
 
 def prepared(drafter_cls, spec, ctx: DrafterContext) -> DrafterContext:
-    """The context a drafter built in another process gets: a drafter class may define ``prepare(spec, ctx)``, the
-    work that needs the engine's process (checks against the target's tokenizer, reading its model's config), and
-    returns the context its remote copy is built from (the actor then imports no transformers)."""
+    """The context a drafter is built from, in this process or another: a drafter class may define
+    ``prepare(spec, ctx)``, the work that needs the engine's process (checks against the target's tokenizer,
+    reading its model's config; done once, before any actor starts), and returns the context its copies are built
+    from (an actor then imports no transformers)."""
     prepare = getattr(drafter_cls, "prepare", None)
-    return ctx if prepare is None else prepare(spec, ctx)
+    if prepare is None or ctx.prepared:
+        return ctx
+    return replace(prepare(spec, ctx), prepared=True)
 
 
 def proposes_cheaply(drafter) -> bool:
@@ -113,3 +116,4 @@ class DrafterContext:
     # the draft model's config (specray.models.plain_config.PlainConfig) as the engine's process read it, its
     # tokenizer already checked against the target's there (``prepare``); None: the drafter reads and checks
     draft_model_config: object | None = None
+    prepared: bool = False  # the drafter class's ``prepare`` ran on it (:func:`prepared`)

@@ -21,6 +21,7 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
+from specray.models.layers import splits_heads
 from specray.models.loader import load_model, load_tokenizer, read_config
 from specray.parallel import TPGroup
 from specray.penalties import penalize
@@ -75,10 +76,20 @@ def _common_prefix(a: list[int], b) -> int:
 class DraftModelDrafter:
     @classmethod
     def prepare(cls, spec: SpeculativeConfig, ctx: DrafterContext) -> DrafterContext:
-        """In the engine's process, before drafter actors start: the tokenizer check and the draft's config."""
-        path = options_of(spec).model
+        """In the engine's process, before any actor starts: the tokenizer check, the draft's config, and that
+        ``draft_tensor_parallel_size`` splits its heads."""
+        options = options_of(spec)
+        path = options.model
         check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
-        return replace(ctx, draft_model_config=read_config(path))
+        config = read_config(path)
+        tp = options.draft_tensor_parallel_size
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if heads is not None and not splits_heads(heads, kv, tp):
+            fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} does not split the draft model's "
+                             f"heads (num_attention_heads={heads}, num_key_value_heads={kv}); choose one of {fits}")
+        return replace(ctx, draft_model_config=config)
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)

@@ -806,8 +806,15 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
     assert drafts > 0 and accepted == draft_tokens, stats
 
 
-def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model):
+def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model, monkeypatch):
+    """Each a ValueError naming the option, raised in the engine's process before any actor starts."""
+    from specray.engine import builder
     from specray.engine.builder import check_engine_args
+
+    def no_actors(*args):
+        raise AssertionError("an executor was built before the drafter's options were checked")
+
+    monkeypatch.setattr(builder, "executor_class", no_actors)
 
     with pytest.raises(ValueError, match=r"unknown keys \['draft_tensor_parallel_size'\] for method='ngram'"):
         check_engine_args(EngineArgs(model=str(tiny_llama_dir), speculative_config=SpeculativeConfig(
@@ -815,10 +822,10 @@ def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, mak
     spec = {"method": "draft_model", "model": str(tiny_draft_dir), "draft_tensor_parallel_size": 2}
     with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
         check_engine_args(EngineArgs(model=str(tiny_llama_dir), speculative_config=spec))
-    with pytest.raises(ValueError, match="divisible"):  # 4 heads over 3 draft ranks
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=3 does not split"):  # 4 heads, 3 ranks
         engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                    speculative_config=dict(spec, draft_tensor_parallel_size=3))
-    # checked in the engine's process before any drafter actor starts (DraftModelDrafter.prepare)
+    # DraftModelDrafter.prepare
     other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)
     from transformers import AutoTokenizer
 

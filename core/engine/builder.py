@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
-from specray.drafters.base import DrafterContext, proposes_cheaply
+from specray.drafters.base import DrafterContext, prepared, proposes_cheaply
 from specray.drafters.router import DrafterRouter
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
@@ -136,11 +137,12 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
                                  enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
                                  enforce_eager=args.enforce_eager)
+    draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
     try:
-        drafter, policy, router = build_drafter(args, executor.info, tokenizer, max_model_len, backend)
+        drafter, policy, router = build_drafter(args, executor.info, draft_ctx, backend)
     except Exception:
         executor.shutdown()
         raise
@@ -213,24 +215,29 @@ def lookup_beside_head(spec: SpeculativeConfig) -> SpeculativeConfig | None:
     return lookup
 
 
-def build_drafter(args: EngineArgs, target_info: KVCacheInfo, tokenizer, max_model_len: int, backend: str):
+def drafter_context(args: EngineArgs, vocab_size: int, tokenizer, max_model_len: int) -> DrafterContext | None:
+    """What the engine's drafter is built from, prepared in this process before any actor starts (a draft model's
+    tokenizer and heads are checked here, so a bad one fails at once); :func:`build_drafter` adds the target's
+    dtype and device once its workers have them. None without speculation."""
+    spec: SpeculativeConfig | None = args.speculative_config
+    if spec is None:
+        return None
+    ctx = DrafterContext(target_model=args.model, vocab_size=vocab_size, max_model_len=max_model_len,
+                         max_num_seqs=args.max_num_seqs, seed=args.seed, block_size=args.block_size,
+                         target_tokenizer=tokenizer)
+    if registry.runs_in_worker(spec.method):
+        return ctx
+    return prepared(registry.drafter_class(spec.method), spec, ctx)
+
+
+def build_drafter(args: EngineArgs, target_info: KVCacheInfo, ctx: DrafterContext | None, backend: str):
     """The engine's drafter, its draft policy, and the router the engine puts in front of the drafter once a
     request picks a method of its own (it builds those drafters here, in the engine's process); all None
-    without speculation."""
+    without speculation. ``ctx``: :func:`drafter_context`'s."""
     spec: SpeculativeConfig | None = args.speculative_config
     if spec is None:
         return None, None, None
-    ctx = DrafterContext(
-        target_model=args.model,
-        vocab_size=target_info.vocab_size,
-        max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        dtype=target_info.dtype,
-        device=target_info.device,
-        seed=args.seed,
-        block_size=args.block_size,
-        target_tokenizer=tokenizer,
-    )
+    ctx = replace(ctx, vocab_size=target_info.vocab_size, dtype=target_info.dtype, device=target_info.device)
     def policy(cheap: bool, count: int = spec.num_speculative_tokens) -> DraftLengthPolicy:
         return DraftLengthPolicy(count, adaptive=spec.adaptive, probe_backoff=0 if cheap else 3,  # probes back off
                                  rows=rows_for(target_info.device, target_info.dtype))  # where proposing runs a model
