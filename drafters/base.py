@@ -84,8 +84,9 @@ class Drafter(Protocol):
 def prepared(drafter_cls, spec, ctx: DrafterContext) -> DrafterContext:
     """The context a drafter is built from, in this process or another: a drafter class may define
     ``prepare(spec, ctx)``, the work that needs the engine's process (checks against the target's tokenizer,
-    reading its model's config; done once, before any actor starts), and returns the context its copies are built
-    from (an actor then imports no transformers)."""
+    reading its model's config; done once, before any actor starts, so ``ctx.dtype`` and ``ctx.device`` still hold
+    their defaults: the target's are filled in after), and returns the context its copies are built from (an actor
+    then imports no transformers)."""
     prepare = getattr(drafter_cls, "prepare", None)
     if prepare is None or ctx.prepared:
         return ctx
