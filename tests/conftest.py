@@ -49,6 +49,7 @@ def _register_helper(name: str) -> None:
 
 _register_helper("draft_heads")  # tiny random draft-head checkpoints in the public layouts
 _register_helper("engine_runs")  # the prompts and greedy parameters of the engine-level comparisons
+_register_helper("checkpoints")  # FP8 releases and per-expert layouts written from the tiny models
 _register_helper("host_sync")  # a dispatch mode that records every op needing a tensor's value on the host
 
 CHATML_TEMPLATE = (

@@ -15,6 +15,7 @@ from specray.models import loader
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
+from specray_test_checkpoints import FP8_BLOCK, split_experts, write_fp8  # tests/checkpoints.py, via conftest
 
 TOL = 1e-4
 
@@ -378,47 +379,6 @@ def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeyp
 
 # ---- FP8 releases with block scales (specray.models.fp8) -------------------------------------------------------
 
-FP8_BLOCK = [16, 16]
-
-
-def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK) -> tuple[Path, Path]:
-    """``src``'s checkpoint as an FP8 release (every 2-D projection weight float8 e4m3 with a float32
-    ``weight_scale_inv`` per ``block``, as DeepSeek's and Qwen3's FP8 checkpoints store them), and beside it the
-    same model with those weights dequantized by hand (block by block, in a loop): the reference."""
-    from safetensors.torch import load_file, save_file
-
-    fp8, ref = dst / "fp8", dst / "dequantized"
-    for folder in (fp8, ref):
-        shutil.copytree(src, folder)
-    tensors = load_file(str(src / "model.safetensors"))
-    quantized, dequantized = {}, {}
-    for name, w in tensors.items():
-        if not (name.endswith("proj.weight") and w.dim() == 2):
-            quantized[name] = dequantized[name] = w
-            continue
-        rows, cols = w.shape
-        b0, b1 = block or (rows, cols)
-        scales = torch.empty(-(-rows // b0), -(-cols // b1))
-        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-        back = torch.empty(rows, cols)
-        for i in range(scales.shape[0]):
-            for j in range(scales.shape[1]):
-                part = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float()
-                scales[i, j] = part.abs().max().clamp_min(1e-12) / 448.0
-                q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (part / scales[i, j]).to(torch.float8_e4m3fn)
-                back[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = \
-                    q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scales[i, j]
-        quantized[name], quantized[name + "_scale_inv"] = q, scales if block else scales.reshape(())
-        dequantized[name] = back.to(w.dtype)
-    save_file(quantized, str(fp8 / "model.safetensors"))
-    save_file(dequantized, str(ref / "model.safetensors"))
-    config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     **({"weight_block_size": block} if block else {})}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    return fp8, ref
-
-
 @pytest.mark.parametrize("fixture,block", [("tiny_llama_dir", FP8_BLOCK), ("tiny_llama_dir", None),
                                            ("tiny_deepseek_dir", FP8_BLOCK)])
 def test_fp8_release_loads_dequantized(request, tmp_path, fixture, block):
@@ -433,15 +393,37 @@ def test_fp8_release_loads_dequantized(request, tmp_path, fixture, block):
     assert got.std() > 0.01
 
 
-def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path):
+@pytest.mark.parametrize("fixture", ["tiny_deepseek_dir", "tiny_qwen3_moe_dir"])
+def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture):
+    """An FP8 release with one tensor per expert (DeepSeek's and Qwen3-MoE's layout): the experts keep their float8
+    values and block scales (a quarter of float32's bytes, half of bf16's) and are dequantized as tokens reach
+    them, so the logits equal the by-hand dequantized checkpoint's exactly; the dense weights load dequantized."""
+    from specray.models.moe import SparseMoE
+
+    fp8, ref = write_fp8(split_experts(request.getfixturevalue(fixture), tmp_path / "split"), tmp_path / "q")
+    ids = list(range(3, 40))
+    want, model = prefill_logits(load_model(ref), ids), load_model(fp8)
+    assert torch.equal(prefill_logits(model, ids), want) and want.std() > 0.01
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.fp8_block == tuple(FP8_BLOCK) for b in blocks)
+    assert all(b.w13.dtype == b.w2.dtype == torch.float8_e4m3fn for b in blocks)
+    assert all(b.w13_scale.dtype == torch.float32 for b in blocks)
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused-experts", "per-expert"])
+def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path, per_expert):
     """DeepSeek-V3's MTP layer in an FP8 release serves method="mtp": greedy output equals the dequantized
-    checkpoint's, plain and speculative."""
+    checkpoint's, plain and speculative. The target's experts (one tensor each) stay FP8; the MTP layer's, written
+    fused and left unquantized by ``write_fp8``, keep full precision, or, split one tensor per expert, stay FP8."""
     import importlib
 
     from specray import LLM, SamplingParams
+    from specray.models.moe import SparseMoE
 
     heads = importlib.import_module("specray_test_draft_heads")
     with_mtp = heads.write_deepseek_mtp(tmp_path / "mtp", tiny_deepseek_dir)
+    if per_expert:
+        with_mtp = split_experts(with_mtp, tmp_path / "split")
     fp8, ref = write_fp8(with_mtp, tmp_path / "q")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7]}]
@@ -451,6 +433,9 @@ def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path):
     llm = LLM(str(fp8), max_model_len=128, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert llm.spec_stats.drafts > 0
+    worker = llm.engine.executor.worker  # the target's two sparse blocks (saved one tensor per expert), the head's
+    blocks = [m for part in (worker.model, worker.head) for m in part.modules() if isinstance(m, SparseMoE)]
+    assert [b.fp8_block is not None for b in blocks] == [True, True, per_expert]
 
 
 def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):

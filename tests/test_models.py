@@ -23,6 +23,7 @@ from specray.models.kv_cache import allocate_kv_cache, bytes_per_block
 from specray.models.llama import LlamaForCausalLM
 from specray.models.loader import load_model
 from specray.parallel import TPGroup
+import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (registered by conftest)
 
 TOL = 1e-4
 BLOCK = 4
@@ -714,7 +715,8 @@ TP_WORKER = textwrap.dedent("""
         cpu_kernels.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
         own_diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
-        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads]
+        fp8 = any(getattr(m, "fp8_block", None) for m in model.modules())  # experts kept in float8
+        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8]
     # While anything holds the process group (the model's layers), destroy_process_group leaves gloo's threads
     # running into interpreter shutdown, where one still freeing a collective's tensors aborts the process.
     del model
@@ -756,6 +758,11 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
                save_tiny(tmp_path / "llama4", "llama4", 17, vocab_size=321, **LLAMA4),
                save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4)]
+    # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
+    fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
+                                     tmp_path / f"{name}-q")[0].rename(tmp_path / name))
+           for i, name in ((6, "deepseek-fp8"), (3, "qwen3moe-fp8-ep"))]
+    folders += fp8
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2
@@ -767,8 +774,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         before, after = result.pop("threads")
         assert after == before, f"rank {r}: {after - before} threads outlive destroy_process_group"
         assert set(result) == set(folders)
-        for folder, (diff, vocab_rows, kv_heads) in result.items():
+        for folder, (diff, vocab_rows, kv_heads, fp8_experts) in result.items():
             assert diff < TOL, (r, folder, diff)
+            assert fp8_experts == (folder in fp8), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1
 

@@ -45,7 +45,7 @@ from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, materialize,
                                    rope_parameters, splits_heads)
 from specray.models.llama import _STACKED, LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
-from specray.models.moe import SparseMoE, is_expert_tensor
+from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class DraftHead(nn.Module):
             if param is None:
                 raise ValueError(f"draft head checkpoint tensor {name!r} has no place in a {self.layout.name} head")
             loaded.add(load_param(param, target, tensor, shard))
-        expected = expected_keys(n for n in params if not n.endswith((".mlp.w13", ".mlp.w2")))
+        expected = expected_keys(n for n in params if not n.endswith(EXPERT_PARAMS))
         for prefix, block in moe.items():
             expected.update(prefix + key for key in block.expected_keys())
         if self.lm_head is not None:

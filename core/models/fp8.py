@@ -7,12 +7,17 @@ weight is ``W = W_fp8 * scale`` over each block (the scale is the inverse of the
 dequantize). Activations are quantized per token at run time in these releases (``activation_scheme: dynamic``),
 which full-precision matmuls need not mimic. Weights come out in float32 and are then cast to the model's dtype,
 so a model loads at its dtype's size (bf16: twice the FP8 bytes); FP8 matmul kernels are a GPU feature not done.
+
+A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
+come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
+keeps them so, half a bf16 model's bytes, dequantizing an expert's weights block by block when tokens reach it
+(:func:`dequantize_blocks`: the same float32 products as at load, so the same outputs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +45,36 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
     return None if block is None else (int(block[0]), int(block[1]))
 
 
+class Fp8Weight(NamedTuple):
+    """An FP8 weight as the checkpoint stores it: its float8 values [out, in] and their block scales
+    [ceil(out / b0), ceil(in / b1)] (tensors or lazy safetensors slices)."""
+
+    weight: Any
+    scale: Any
+    block: tuple[int, int]
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(materialize(self.weight), materialize(self.scale), self.block)
+
+
+def kept_block(config) -> tuple[int, int] | None:
+    """The weight block of a checkpoint whose experts stay in FP8 (its ``quantization_config`` block FP8), else
+    None (not FP8, or one scale per tensor)."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = vars(quant)
+    block = fp8_block_size(quant)
+    return block or None
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W [out, in] (float8, both dims whole blocks) times its blocks' scales [out / b0, in / b1], in float32:
+    :func:`dequantize`'s products without materializing the scales at full size."""
+    (rows, cols), (b0, b1) = weight.shape, block
+    blocks = weight.float().view(rows // b0, b0, cols // b1, b1) * scale.float()[:, None, :, None]
+    return blocks.view(rows, cols)
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """W [out, in] (float8) times its block's scale (``scale`` [ceil(out / b0), ceil(in / b1)], or one number)."""
     w = weight.float()
@@ -54,23 +89,31 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return w * full
 
 
-def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale consumed); other
-    tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
-    any file; one without the other at the end is a ValueError."""
+def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
+                keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale consumed), but for
+    those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`; other tensors pass through
+    untouched (lazy slices stay lazy). A weight and its scale may come in either order, from any file; one without
+    the other at the end is a ValueError."""
     weights_waiting: dict[str, Any] = {}
     scales_waiting: dict[str, Any] = {}
+
+    def paired(name: str, weight: Any, scale: Any) -> Any:
+        if block is not None and keep(name):
+            return Fp8Weight(weight, scale, block)
+        return dequantize(materialize(weight), materialize(scale), block)
+
     for name, tensor in weights:
         if name.endswith(".weight" + SCALE_SUFFIX):
             base = name[: -len(SCALE_SUFFIX)]
             if base in weights_waiting:
-                yield base, dequantize(materialize(weights_waiting.pop(base)), materialize(tensor), block)
+                yield base, paired(base, weights_waiting.pop(base), tensor)
             else:
                 scales_waiting[base] = tensor
             continue
         if name.endswith(".weight") and _is_fp8(tensor):
             if name in scales_waiting:
-                yield name, dequantize(materialize(tensor), materialize(scales_waiting.pop(name)), block)
+                yield name, paired(name, tensor, scales_waiting.pop(name))
             else:
                 weights_waiting[name] = tensor
             continue

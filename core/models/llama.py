@@ -18,7 +18,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, SlidingWindowSpec
-from specray.models.moe import SparseMoE, is_expert_tensor
+from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -290,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)
-                                 and not n.endswith((".w13", ".w2")))  # experts: by expert, below
+                                 and not n.endswith(EXPERT_PARAMS))  # experts: by expert, below
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, SparseMoE):
                 expected.update(f"model.layers.{i}.mlp.{key}" for key in layer.mlp.expected_keys())

@@ -25,6 +25,13 @@ every token (as everywhere in a tensor-parallel model); what they split is the e
 The router is replicated. Tokens are grouped by expert with one sort, and the group sizes are read back to the host
 once per layer (the only host sync), then each local expert runs one matmul pair over its tokens. A shared expert
 (split by width like a dense MLP) adds its share to the experts' before the block's one all-reduce.
+
+From a block-FP8 checkpoint (DeepSeek-V3's release) the experts keep their FP8 weights and block scales: half a
+bf16 model's bytes where nearly all of them are. An expert's weights are dequantized, block by block, when tokens
+reach it (:func:`specray.models.fp8.dequantize_blocks`), to the same values a load-time dequantization gives. This
+needs this rank's share of each weight to be whole blocks (for the split by width: ``moe_intermediate_size /
+tensor_parallel_size`` a multiple of the block); otherwise the experts are dequantized at load, as the dense weights
+always are.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.fp8 import Fp8Weight, dequantize_blocks, kept_block
 from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
                                    narrow, shape_of)
 from specray.parallel import TPGroup
@@ -128,8 +136,22 @@ class SparseMoE(nn.Module):
             self.inter_local = divide(inter, tp.size, family.expert_width)
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
         self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped))
-        self.w13 = _param(self.local_experts, 2 * self.inter_local, h)  # gate rows, then up rows
-        self.w2 = _param(self.local_experts, h, self.inter_local)
+        e, i = self.local_experts, self.inter_local
+        block = kept_block(config)
+        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
+            block = None  # this rank's shares are not whole blocks: dequantized at load
+        self.fp8_block = block
+        self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
+        if block is None:
+            self.w13 = _param(e, 2 * i, h)  # gate rows, then up rows
+            self.w2 = _param(e, h, i)
+            self.w13_scale = self.w2_scale = None
+        else:  # float8 values and one float32 scale per (b0, b1) block
+            b0, b1 = block
+            self.w13, self.w2 = _fp8_param(e, 2 * i, h), _fp8_param(e, h, i)
+            self.w13_scale = nn.Parameter(torch.empty(e, 2 * i // b0, h // b1, dtype=torch.float32),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(e, h // b0, i // b1, dtype=torch.float32), requires_grad=False)
         if family.shared is not None:
             width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
             self.add_module(family.shared, GatedMLP(h, width, tp))
@@ -190,13 +212,19 @@ class SparseMoE(nn.Module):
             parts = []
             for e, xe in enumerate(routed.split(sizes)):
                 if xe.shape[0]:
-                    gate, up = F.linear(xe, self.w13[e]).chunk(2, dim=-1)
-                    parts.append(F.linear(F.silu(gate) * up, self.w2[e]))
+                    gate, up = F.linear(xe, self._weight(self.w13, self.w13_scale, e, xe.dtype)).chunk(2, dim=-1)
+                    parts.append(F.linear(F.silu(gate) * up, self._weight(self.w2, self.w2_scale, e, xe.dtype)))
             y = torch.cat(parts)
             out.index_add_(0, tokens, y if self.family.scale_input else y * w)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
             out = out + self.shared.partial(x)
         return self.tp.all_reduce(out)
+
+    def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8."""
+        if scales is None:
+            return weights[e]
+        return dequantize_blocks(weights[e], scales[e], self.fp8_block).to(dtype)
 
     # ------------------------------------------------------------------------------------------ weights
 
@@ -233,6 +261,14 @@ class SparseMoE(nn.Module):
     def _load_one(self, local: int, kind: str, tensor: Any) -> None:
         # gate/up [I, H]: this rank's rows of the intermediate width; down [H, I]: its columns
         start = 0 if self.expert_parallel else self.tp.rank * self.inter_local
+        if isinstance(tensor, Fp8Weight):
+            if self.fp8_block is None or tensor.block != self.fp8_block:
+                tensor = tensor.dequantized()  # kept in the model's dtype (shares of partial blocks)
+            else:
+                self._load_fp8(local, kind, tensor, start)
+                return
+        elif self.fp8_block is not None:  # a full-precision expert in an FP8 checkpoint: the block keeps full precision
+            self._keep_full_precision()
         if kind == "down_proj":
             _copy(self.w2.data[local], narrow(tensor, 1, start, self.inter_local))
             return
@@ -240,10 +276,49 @@ class SparseMoE(nn.Module):
         offset = 0 if kind == "gate_proj" else self.inter_local
         _copy(rows[offset: offset + self.inter_local], narrow(tensor, 0, start, self.inter_local))
 
+    def _keep_full_precision(self) -> None:
+        """Store this block's experts in the model's dtype from now on (those loaded so far dequantized)."""
+        block, dtype = self.fp8_block, self.dtype
+        for name in ("w13", "w2"):
+            values, scales = getattr(self, name), getattr(self, name + "_scale")
+            full = torch.stack([dequantize_blocks(values[e], scales[e], block) for e in range(values.shape[0])])
+            setattr(self, name, nn.Parameter(full.to(dtype), requires_grad=False))
+            setattr(self, name + "_scale", None)
+        self.fp8_block = None
+
+    def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
+        """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""
+        (b0, b1), inter = self.fp8_block, self.inter_local
+        if materialize(narrow(tensor.weight, 0, 0, 1)).dtype != torch.float8_e4m3fn:
+            raise ValueError(f"an expert's {kind} weight is not float8 e4m3 (the format of DeepSeek's and Qwen3's FP8 "
+                             "releases); load a bf16 version of the checkpoint")
+        if kind == "down_proj":  # [H, I]: this rank's columns
+            _copy(self.w2.data[local], narrow(tensor.weight, 1, start, inter))
+            _copy(self.w2_scale.data[local], narrow(tensor.scale, 1, start // b1, inter // b1))
+            return
+        offset = 0 if kind == "gate_proj" else inter  # [I, H]: this rank's rows
+        _copy(self.w13.data[local][offset: offset + inter], narrow(tensor.weight, 0, start, inter))
+        _copy(self.w13_scale.data[local][offset // b0: (offset + inter) // b0],
+              narrow(tensor.scale, 0, start // b0, inter // b0))
+
     def expected_keys(self) -> set[str]:
         experts = range(self.expert_start, self.expert_start + self.local_experts)
         return {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
 
 
+# a block's expert parameters (checked as loaded expert by expert: :meth:`SparseMoE.expected_keys`)
+EXPERT_PARAMS = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale", ".mlp.w2_scale", ".feed_forward.w13", ".feed_forward.w2",
+                 ".feed_forward.w13_scale", ".feed_forward.w2_scale")
+
+
 def is_expert_tensor(name: str) -> bool:
     return bool(_PER_EXPERT.search(name) or _FUSED.search(name))
+
+
+def is_per_expert_tensor(name: str) -> bool:
+    """One expert's own weight (``...experts.3.gate_proj.weight``): what an FP8 checkpoint's experts keep as FP8."""
+    return bool(_PER_EXPERT.search(name))
+
+
+def _fp8_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn), requires_grad=False)
