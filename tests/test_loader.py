@@ -393,25 +393,39 @@ def test_fp8_release_loads_dequantized(request, tmp_path, fixture, block):
     assert got.std() > 0.01
 
 
+@pytest.fixture
+def fp8_experts(monkeypatch):
+    """Keep FP8 experts on this CPU as a GPU does (on CPU they are dequantized at load by default)."""
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_deepseek_dir", "tiny_qwen3_moe_dir"])
-def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture):
-    """An FP8 release with one tensor per expert (DeepSeek's and Qwen3-MoE's layout): the experts keep their float8
-    values and block scales (a quarter of float32's bytes, half of bf16's) and are dequantized as tokens reach
-    them, so the logits equal the by-hand dequantized checkpoint's exactly; the dense weights load dequantized."""
+def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture, monkeypatch):
+    """An FP8 release with one tensor per expert (DeepSeek's and Qwen3-MoE's layout): kept as a GPU keeps them, the
+    experts hold their float8 values and block scales (a quarter of float32's bytes, half of bf16's) and are
+    dequantized as tokens reach them, so the logits equal the by-hand dequantized checkpoint's exactly; the dense
+    weights load dequantized. By default on CPU the experts are dequantized at load, with the same logits."""
+    from specray.models import cpu_kernels
     from specray.models.moe import SparseMoE
 
     fp8, ref = write_fp8(split_experts(request.getfixturevalue(fixture), tmp_path / "split"), tmp_path / "q")
     ids = list(range(3, 40))
-    want, model = prefill_logits(load_model(ref), ids), load_model(fp8)
-    assert torch.equal(prefill_logits(model, ids), want) and want.std() > 0.01
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    assert blocks and all(b.fp8_block == tuple(FP8_BLOCK) for b in blocks)
-    assert all(b.w13.dtype == b.w2.dtype == torch.float8_e4m3fn for b in blocks)
-    assert all(b.w13_scale.dtype == torch.float32 for b in blocks)
+    want = prefill_logits(load_model(ref), ids)
+    for keep in (True, False):
+        monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", keep)
+        model = load_model(fp8)
+        assert torch.equal(prefill_logits(model, ids), want) and want.std() > 0.01
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert blocks and all(b.fp8_block == (tuple(FP8_BLOCK) if keep else None) for b in blocks)
+        kind = torch.float8_e4m3fn if keep else torch.float32
+        assert all(b.w13.dtype == b.w2.dtype == kind for b in blocks)
+        assert all((b.w13_scale is not None) == keep for b in blocks)
 
 
 @pytest.mark.parametrize("per_expert", [False, True], ids=["fused-experts", "per-expert"])
-def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path, per_expert):
+def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path, per_expert, fp8_experts):
     """DeepSeek-V3's MTP layer in an FP8 release serves method="mtp": greedy output equals the dequantized
     checkpoint's, plain and speculative. The target's experts (one tensor each) stay FP8; the MTP layer's, written
     fused and left unquantized by ``write_fp8``, keep full precision, or, split one tensor per expert, stay FP8."""

@@ -10,6 +10,9 @@
 * Attention. The padded short-query batch gathers every sequence's context, padded to the longest; on CPU that
   copy costs more than attending once contexts are long, so from ``OWN_MIN_CONTEXT`` tokens short queries attend
   one sequence at a time, reading consecutive blocks in place (:func:`reads_in_place`).
+* FP8 experts. PyTorch converts float8 to float one value at a time on CPU, which costs several times an expert's
+  matmuls (``benchmarks/bench_fp8_experts.py``), so on CPU a block-FP8 checkpoint's experts are dequantized at
+  load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8.
 
 ``benchmarks/bench_rows.py`` and ``benchmarks/bench_long_context.py`` measure these thresholds; ``docs/`` keeps
 the results.
@@ -25,6 +28,12 @@ PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was s
 SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and later faster
 FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
 OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
+FP8_EXPERTS = False  # on CPU, keep a block-FP8 checkpoint's experts in FP8 (smaller, slower)
+
+
+def keeps_fp8_experts(device: torch.device) -> bool:
+    """Whether a mixture of experts on ``device`` keeps a block-FP8 checkpoint's experts in FP8."""
+    return device.type != "cpu" or FP8_EXPERTS
 
 
 # ---------------------------------------------------------------------------------------------- linears

@@ -30,8 +30,8 @@ From a block-FP8 checkpoint (DeepSeek-V3's release) the experts keep their FP8 w
 bf16 model's bytes where nearly all of them are. An expert's weights are dequantized, block by block, when tokens
 reach it (:func:`specray.models.fp8.dequantize_blocks`), to the same values a load-time dequantization gives. This
 needs this rank's share of each weight to be whole blocks (for the split by width: ``moe_intermediate_size /
-tensor_parallel_size`` a multiple of the block); otherwise the experts are dequantized at load, as the dense weights
-always are.
+tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where converting float8 is slow, only with
+``cpu_kernels.FP8_EXPERTS``); otherwise the experts are dequantized at load, as the dense weights always are.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import Fp8Weight, dequantize_blocks, kept_block
 from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
                                    narrow, shape_of)
@@ -138,8 +139,9 @@ class SparseMoE(nn.Module):
         self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped))
         e, i = self.local_experts, self.inter_local
         block = kept_block(config)
-        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
-            block = None  # this rank's shares are not whole blocks: dequantized at load
+        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]
+                                  or not keeps_fp8_experts(torch.empty(0).device)):
+            block = None  # this rank's shares are not whole blocks, or a CPU: dequantized at load
         self.fp8_block = block
         self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
         if block is None:
