@@ -424,6 +424,29 @@ def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture, 
         assert all((b.w13_scale is not None) == keep for b in blocks)
 
 
+def test_fp8_experts_split_into_partial_blocks_are_dequantized_at_load_and_say_why(fp8_experts, monkeypatch,
+                                                                                      caplog):
+    """Experts stay FP8 only where each rank holds whole blocks: width 32 in blocks of 16 over 2 ranks by width, or
+    whole experts over 4; over 4 ranks by width (8 each) they load dequantized, with one warning naming the fix."""
+    import logging
+    from types import SimpleNamespace
+
+    from specray.models import moe
+
+    monkeypatch.setattr(moe, "_told_partial_blocks", False)
+    config = SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=64, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                             quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+
+    def block(size: int, expert_parallel: bool = False):
+        return moe.SparseMoE(config, SimpleNamespace(size=size, rank=1), expert_parallel).fp8_block
+
+    with caplog.at_level(logging.WARNING, logger="specray.models.moe"):
+        assert block(2) == (16, 16) and block(4, expert_parallel=True) == (16, 16) and not caplog.records
+        assert block(4) is None and block(4) is None
+    assert len(caplog.records) == 1 and "enable_expert_parallel=True" in caplog.records[0].getMessage()
+
+
 @pytest.mark.parametrize("per_expert", [False, True], ids=["fused-experts", "per-expert"])
 def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path, per_expert, fp8_experts):
     """DeepSeek-V3's MTP layer in an FP8 release serves method="mtp": greedy output equals the dequantized

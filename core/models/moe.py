@@ -36,6 +36,7 @@ tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where conver
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,9 @@ from specray.models.fp8 import Fp8Weight, dequantize_blocks, kept_block
 from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
                                    narrow, shape_of)
 from specray.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+_told_partial_blocks = False  # the warning below, once per process
 
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
@@ -139,9 +143,11 @@ class SparseMoE(nn.Module):
         self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped))
         e, i = self.local_experts, self.inter_local
         block = kept_block(config)
-        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]
-                                  or not keeps_fp8_experts(torch.empty(0).device)):
-            block = None  # this rank's shares are not whole blocks, or a CPU: dequantized at load
+        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
+            _tell_partial_blocks(i, h, block, split=not expert_parallel and tp.size > 1)
+            block = None  # this rank's shares are not whole blocks: dequantized at load
+        if block is not None and not keeps_fp8_experts(torch.empty(0).device):
+            block = None  # a CPU: dequantized at load
         self.fp8_block = block
         self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
         if block is None:
@@ -320,6 +326,18 @@ def is_expert_tensor(name: str) -> bool:
 def is_per_expert_tensor(name: str) -> bool:
     """One expert's own weight (``...experts.3.gate_proj.weight``): what an FP8 checkpoint's experts keep as FP8."""
     return bool(_PER_EXPERT.search(name))
+
+
+def _tell_partial_blocks(inter: int, hidden: int, block: tuple[int, int], split: bool) -> None:
+    """Once per process: why the experts of an FP8 checkpoint are not kept in FP8 (``split``: split by width)."""
+    global _told_partial_blocks
+    if _told_partial_blocks:
+        return
+    _told_partial_blocks = True
+    advice = "" if not split else (" choose a tensor_parallel_size that leaves each rank whole blocks of the expert "
+                                   "width, or set enable_expert_parallel=True (whole experts per rank)")
+    logger.warning("FP8 experts dequantized at load (twice the bytes of FP8): each rank's expert width %d or the "
+                   "hidden size %d is not a whole number of %s blocks;%s", inter, hidden, list(block), advice)
 
 
 def _fp8_param(*shape: int) -> nn.Parameter:
