@@ -24,15 +24,16 @@ class SamplingParams:
     step and what the engine has learnt, and a shared n-gram pool or suffix tree by other requests' text, so there a
     seeded request's output can differ from run to run (each one an exact sample of the target).
 
-    ``logprobs=k`` (k >= 0) returns, for every output token, a dict {token_id: logprob} holding the chosen token
-    and the k most likely tokens, and ``cumulative_logprob``, the chosen tokens' sum. The values are vLLM's
-    default "raw logprobs": log_softmax of the target model's raw logits at that position, before temperature,
-    top-k/top-p/min-p (so they do not depend on the sampling parameters). None (the default) computes nothing.
+    ``logprobs=k`` (k >= 0, or -1 for the whole vocabulary, as vLLM's) returns, for every output token, a dict
+    {token_id: :class:`~specray.outputs.Logprob`} holding the chosen token and the k most likely tokens, and
+    ``cumulative_logprob``, the chosen tokens' sum. The values are vLLM's default "raw logprobs": log_softmax of the
+    target model's raw logits at that position, before temperature, top-k/top-p/min-p (so they do not depend on
+    the sampling parameters). None (the default) computes nothing.
 
-    ``prompt_logprobs=k`` (vLLM's, k >= 0) returns the same for every prompt token: ``RequestOutput.prompt_logprobs``
-    holds None for the first token (nothing precedes it), then one {token_id: logprob} per later prompt token,
-    that token first, then the k most likely at its position (the target's raw log_softmax after the tokens
-    before it). The prompt's logits are computed chunk by chunk and reduced on the device to these entries.
+    ``prompt_logprobs=k`` (vLLM's, k >= 0 or -1) returns the same for every prompt token:
+    ``RequestOutput.prompt_logprobs`` holds None for the first token (nothing precedes it), then one entry per later
+    prompt token, that token first, then the k most likely at its position (the target's raw log_softmax after the
+    tokens before it). The prompt's logits are computed chunk by chunk and reduced on the device to these entries.
 
     ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (> 0, 1 is off)
     are vLLM's: with c_v the times token v occurs in the output so far, each logit drops by
@@ -141,8 +142,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name}={value!r} must be an int >= 0, -1 for the whole vocabulary, or None")
         if self.seed is not None:
             check_seed(self.seed, " or None")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -101,6 +101,19 @@ def test_ngram_logprobs_equal_plain(plain, ngram):
         assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob, abs=TOL * 24)
 
 
+def test_the_whole_vocabulary_with_minus_one(plain, hf_model):
+    """vLLM's ``logprobs=-1`` and ``prompt_logprobs=-1``: every token of the vocabulary at every position, ranked
+    1..V, equal to transformers'."""
+    vocab = plain.engine.vocab_size
+    out = plain.generate(PROMPTS[0], greedy(4, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert all(len(e) == vocab for e in out.outputs[0].logprobs)
+    assert all(len(e) == vocab for e in out.prompt_logprobs[1:])
+    assert_matches_reference(out, hf_logprobs(hf_model, out.prompt_token_ids, out.outputs[0].token_ids), vocab)
+    assert_prompt_logprobs(hf_model, out, vocab)
+    with pytest.raises(ValueError, match="-1 for the whole vocabulary"):
+        SamplingParams(logprobs=-2)
+
+
 def test_logprobs_zero_and_none(plain):
     outs = plain.generate(PROMPTS[:3], [greedy(logprobs=0), greedy(), greedy(logprobs=1)], use_tqdm=False)
     zero, none, one = (o.outputs[0] for o in outs)
@@ -242,7 +255,7 @@ def test_prompt_logprobs_once_under_preemption_deltas_and_n(tiny_llama_dir, hf_m
     assert_prompt_logprobs(hf_model, two, 1)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
+@pytest.mark.parametrize("bad", [-2, 1.5, True])
 def test_prompt_logprobs_are_checked(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)

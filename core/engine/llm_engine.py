@@ -92,6 +92,10 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
                              "(LLM.generate and the OpenAI server do)")
         req_id = req_id if req_id is not None else str(next(self._ids))
+        if params.logprobs == -1:  # the whole vocabulary
+            params.logprobs = self.vocab_size
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = self.vocab_size
         prompt_token_ids = params.prompt_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
