@@ -21,7 +21,7 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
-from specray.models.layers import splits_heads
+from specray.models.layers import check_heads_split
 from specray.models.loader import load_model, load_tokenizer, read_config
 from specray.parallel import TPGroup
 from specray.penalties import penalize
@@ -82,13 +82,8 @@ class DraftModelDrafter:
         path = options.model
         check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         config = read_config(path)
-        tp = options.draft_tensor_parallel_size
-        heads = getattr(config, "num_attention_heads", None)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        if heads is not None and not splits_heads(heads, kv, tp):
-            fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} does not split the draft model's "
-                             f"heads (num_attention_heads={heads}, num_key_value_heads={kv}); choose one of {fits}")
+        check_heads_split(config, options.draft_tensor_parallel_size, "speculative_config.draft_tensor_parallel_size",
+                          "the draft model's")
         return replace(ctx, draft_model_config=config)
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):

@@ -85,16 +85,9 @@ def check_local_paths(args: EngineArgs) -> None:
 
 def check_heads(config, tp: int) -> None:
     """``tp`` ranks split the model's attention and KV heads (checked before any rank starts)."""
-    from specray.models.layers import splits_heads
+    from specray.models.layers import check_heads_split
 
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is None:
-        return
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if not splits_heads(heads, kv, tp):
-        fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
-        raise ValueError(f"tensor_parallel_size={tp} does not split this model's heads (num_attention_heads={heads}, "
-                         f"num_key_value_heads={kv}); choose one of {fits}")
+    check_heads_split(config, tp)
 
 
 def check_head_split(method: str, model: str, tp: int) -> None:

@@ -13,7 +13,7 @@ from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.errors import RequestError, StepError, WorkerDiedError
-from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs, SpecStats
+from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
@@ -554,8 +554,8 @@ class LLMEngine:
             tracked = self.tracked.get(chunk.req_id)
             if chunk.sample and entries and tracked is not None:
                 kept = tracked.request.extend_logprobs(entries)
-                if tracked.detok is not None:
-                    self._name(kept)
+                if tracked.detok is not None:  # vLLM's decoded_token, for a request that is detokenized
+                    self.token_texts.name(kept)
 
     def _record_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
         """Keep the prompt logprobs a step's prefill chunks answered: a chunk's entries are those of prompt tokens
@@ -570,11 +570,7 @@ class LLMEngine:
                 new = entries[len(kept) - chunk.start_pos - 1:]
                 kept.extend(new)
                 if tracked.detok is not None:
-                    self._name(new)
-
-    def _name(self, entries: SampleLogprobs) -> None:
-        """Each new logprob's decoded token (vLLM's ``decoded_token``), for a request that is detokenized."""
-        self.token_texts.name(entries)
+                    self.token_texts.name(new)
 
     def _observe_acceptance(self, plan: StepPlan, result: StepResult) -> None:
         stats = self.scheduler.last_step_stats

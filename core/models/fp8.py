@@ -124,8 +124,12 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
 
 
 def _is_fp8(tensor: Any) -> bool:
-    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else _slice_dtype(tensor)
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dtype_of(tensor) in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dtype_of(tensor: Any) -> torch.dtype | None:
+    """A tensor's dtype; for a safetensors slice, its float8 dtype (None for any other)."""
+    return tensor.dtype if isinstance(tensor, torch.Tensor) else _slice_dtype(tensor)
 
 
 def _slice_dtype(tensor: Any) -> torch.dtype | None:

@@ -122,6 +122,19 @@ def splits_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
     return num_heads % tp_size == 0 and kv_ok
 
 
+def check_heads_split(config, tp: int, option: str = "tensor_parallel_size", whose: str = "this model's") -> None:
+    """A ValueError naming ``option`` and the sizes that fit unless ``tp`` ranks split ``config``'s attention and
+    KV heads (checked before any rank starts)."""
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not splits_heads(heads, kv, tp):
+        fits = [d for d in range(1, heads + 1) if splits_heads(heads, kv, d)]
+        raise ValueError(f"{option}={tp} does not split {whose} heads (num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv}); choose one of {fits}")
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul. Query heads split across ranks; key/value heads too, or replicated
     (one per rank) when there are fewer KV heads than ranks."""

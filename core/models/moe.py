@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
-from specray.models.fp8 import Fp8Weight, dequantize_blocks, kept_block
+from specray.models.fp8 import Fp8Weight, dequantize_blocks, dtype_of, kept_block
 from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
                                    narrow, shape_of)
 from specray.parallel import TPGroup
@@ -297,7 +297,7 @@ class SparseMoE(nn.Module):
     def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
         """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""
         (b0, b1), inter = self.fp8_block, self.inter_local
-        if materialize(narrow(tensor.weight, 0, 0, 1)).dtype != torch.float8_e4m3fn:
+        if dtype_of(tensor.weight) != torch.float8_e4m3fn:
             raise ValueError(f"an expert's {kind} weight is not float8 e4m3 (the format of DeepSeek's and Qwen3's FP8 "
                              "releases); load a bf16 version of the checkpoint")
         if kind == "down_proj":  # [H, I]: this rank's columns
