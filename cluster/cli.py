@@ -73,6 +73,9 @@ def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
                    help="more specray.config.EngineArgs fields: a JSON object or KEY=VALUE (the value parsed as "
                    'JSON when it is JSON), repeatable; e.g. \'{"ray_placement": {"pool_name": "shared"}}\' or '
                    "block_size=32")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                   help="reuse the KV blocks of earlier requests' common prefixes (a shared system prompt, a chat's "
+                   "earlier turns); vLLM's automatic prefix caching")
 
 
 def _add_serve_parser(sub) -> None:
@@ -233,6 +236,8 @@ def engine_kwargs(args) -> dict:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                   seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                   distributed_executor_backend=args.distributed_executor_backend)
+    if args.enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = True
     extra = parse_engine_kwargs(args.engine_kwargs)
     from specray.config import EngineArgs
 
@@ -299,7 +304,7 @@ def cmd_generate(args) -> int:
 _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
-                "max_request_body_bytes", "max_n", "num_replicas", "api_key")
+                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching")
 
 
 def serve_app_args(args) -> dict:

@@ -86,6 +86,9 @@ class EngineActor:
 
         return await self.aengine.call(read)
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.aengine.call(lambda engine: engine.reset_prefix_cache())
+
     async def call(self, fn):
         """Run ``fn(engine)`` in the engine thread (tests and debugging)."""
         return await self.aengine.call(fn)
@@ -129,6 +132,9 @@ class RayEngineClient:
 
     def drafter_stats(self) -> dict | None:
         return ray.get(self.actor.drafter_stats.remote())
+
+    def reset_prefix_cache(self) -> bool:
+        return ray.get(self.actor.reset_prefix_cache.remote())
 
     def describe(self) -> dict:
         return ray.get(self.actor.describe.remote())

@@ -37,6 +37,8 @@ def engine_state(engine) -> dict:
         "used_blocks": blocks.num_blocks - blocks.num_free_blocks,
         "num_waiting": scheduler.num_waiting,
         "num_running": scheduler.num_running,
+        "prefix_cache_queries": scheduler.prefix_cache_queries,  # totals since the engine started
+        "prefix_cache_hits": scheduler.prefix_cache_hits,
     }
 
 
@@ -92,6 +94,9 @@ _DEFINITIONS = [
     ("running", "gauge", "specray_num_requests_running", "Engine requests running", (), None),
     ("kv_used", "gauge", "specray_kv_blocks_used", "KV-cache blocks in use", (), None),
     ("kv_total", "gauge", "specray_kv_blocks_total", "KV-cache blocks in the pool", (), None),
+    ("prefix_queries", "counter", "specray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     (), None),
+    ("prefix_hits", "counter", "specray_prefix_cache_hits", "Prompt tokens found in the prefix cache", (), None),
     ("drafts", "counter", "specray_spec_drafts", "Verifications of >= 1 draft token (one request, one step)",
      (), None),
     ("draft_tokens", "counter", "specray_spec_draft_tokens", "Draft tokens proposed and verified", (), None),
@@ -102,8 +107,9 @@ _DEFINITIONS = [
     ("mean_accepted_length", "gauge", "specray_spec_mean_accepted_length",
      "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
 ]
-_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "drafts", "draft_tokens", "accepted",
-                           "accepted_per_position", "acceptance_rate", "mean_accepted_length"})
+_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "prefix_queries", "prefix_hits", "drafts",
+                           "draft_tokens", "accepted", "accepted_per_position", "acceptance_rate",
+                           "mean_accepted_length"})
 
 
 def _group(attr: str) -> str:
@@ -126,6 +132,7 @@ class ServerMetrics:
             setattr(self, attr, _Metric(kind, name, doc, ("model",) + labels, self.registry, use_ray, buckets))
         self._lock = threading.Lock()
         self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
+        self._seen_prefix = (0, 0)  # the engine's prefix-cache totals already counted: queries, hits
 
     @property
     def has_engine_metrics(self) -> bool:
@@ -149,6 +156,12 @@ class ServerMetrics:
         for metric, key in ((self.waiting, "num_waiting"), (self.running, "num_running"),
                             (self.kv_used, "used_blocks"), (self.kv_total, "total_blocks")):
             metric.record(state[key], self._labels)
+        with self._lock:  # counters: the growth of the engine's totals (a restarted engine starts again from 0)
+            totals = (state.get("prefix_cache_queries", 0), state.get("prefix_cache_hits", 0))
+            seen = self._seen_prefix if all(t >= p for t, p in zip(totals, self._seen_prefix)) else (0, 0)
+            self.prefix_queries.record(totals[0] - seen[0], self._labels)
+            self.prefix_hits.record(totals[1] - seen[1], self._labels)
+            self._seen_prefix = totals
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""

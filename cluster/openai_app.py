@@ -144,6 +144,7 @@ class _Choice:
     req_id: str
     output: CompletionOutput | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     sent_chars: int = 0
     sent_tokens: int = 0
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
@@ -152,6 +153,7 @@ class _Choice:
     def update(self, out: RequestOutput) -> None:
         self.output = out.outputs[0]
         self.spec_stats = out.spec_stats
+        self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt.logprobs = out.prompt_logprobs
 
@@ -385,10 +387,13 @@ class _ChatFormat(_Format):
 
 def _usage(choices: list[_Choice]) -> proto.Usage:
     prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}  # n choices share one prompt
+    cached: dict[int, int] = {}  # the most any of a prompt's choices found cached
     stats = SpecStats()
     for c in choices:
         stats.merge(c.spec_stats)
-    return proto.make_usage(sum(prompts.values()), sum(len(c.output.token_ids) for c in choices), stats)
+        cached[id(c.prompt)] = max(cached.get(id(c.prompt), 0), c.num_cached_tokens)
+    return proto.make_usage(sum(prompts.values()), sum(len(c.output.token_ids) for c in choices), stats,
+                            sum(cached.values()))
 
 
 # ---- the serving logic ---------------------------------------------------------------------------------

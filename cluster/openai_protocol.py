@@ -505,16 +505,23 @@ class SpeculativeUsage(BaseModel):
                    acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (enable_prefix_caching), not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     speculative: SpeculativeUsage
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats) -> Usage:
+def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats, cached_tokens: int = 0) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, speculative=SpeculativeUsage.from_stats(stats))
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                 speculative=SpeculativeUsage.from_stats(stats))
 
 
 class CompletionLogprobs(BaseModel):

@@ -251,6 +251,9 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the size computed from kv_cache_memory_bytes
+    # vLLM's automatic prefix caching: whole KV blocks of earlier requests' tokens are reused by later requests
+    # that begin with the same tokens (a shared system prompt, the turns of a chat), which compute only the rest
+    enable_prefix_caching: bool = False
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
@@ -297,6 +300,8 @@ class EngineArgs:
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true or false")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":

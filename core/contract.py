@@ -62,6 +62,8 @@ class NewRequest:
     num_prompt_tokens: int = 0  # where its output starts (penalties count output tokens apart from the prompt)
     # the tokens that would end it (stop token ids, EOS unless ignore_eos), banned before min_tokens outputs
     stop_token_ids: list[int] = field(default_factory=list)
+    # a penalized request starting from cached blocks (prefix caching): the tokens they hold, which its chunks skip
+    computed_token_ids: list[int] | None = None
 
 
 @dataclass

@@ -65,6 +65,12 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (``enable_prefix_caching``), as vLLM's does: later requests compute
+        their prompts in full until the cache fills again. False when prefix caching is off."""
+        self._check_open()
+        return self.engine.reset_prefix_cache()
+
     @property
     def spec_stats(self) -> SpecStats:
         """Speculation counters over everything this LLM generated."""
@@ -217,7 +223,8 @@ def _one_output(outs: list[RequestOutput]) -> RequestOutput:
     first = outs[0]
     error = next((o.error for o in outs if o.error is not None), None)
     return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
-                         finished=True, spec_stats=stats, error=error, prompt_logprobs=first.prompt_logprobs)
+                         finished=True, spec_stats=stats, error=error, prompt_logprobs=first.prompt_logprobs,
+                         num_cached_tokens=first.num_cached_tokens)
 
 
 def _progress(total: int):

@@ -126,6 +126,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob} for each later one
     # (that token first, then the k most likely); None when the request asked for none
     prompt_logprobs: PromptLogprobs | None = None
+    # prompt tokens found in the prefix cache when it was first scheduled (vLLM's; 0 with prefix caching off)
+    num_cached_tokens: int = 0
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -156,4 +158,4 @@ def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | Non
         completions.append(CompletionOutput(new.index, text, token_ids, new.cumulative_logprob, logprobs,
                                             new.finish_reason, new.stop_reason))
     return RequestOutput(newer.request_id, prompt, prompt_token_ids, completions, newer.finished,
-                         newer.spec_stats, newer.error, prompt_logprobs)
+                         newer.spec_stats, newer.error, prompt_logprobs, newer.num_cached_tokens)

@@ -48,9 +48,12 @@ class PenaltyHistory:
     def __init__(self) -> None:
         self._requests: dict[str, _Tokens] = {}
 
-    def add(self, req_id: str, params: SamplingParams, num_prompt_tokens: int, banned: Sequence[int] = ()) -> None:
+    def add(self, req_id: str, params: SamplingParams, num_prompt_tokens: int, banned: Sequence[int] = (),
+            computed: Sequence[int] | None = None) -> None:
+        """``computed``: the tokens before its first chunk (cached blocks it starts from), if any."""
         if params.penalized and req_id not in self._requests:
             self._requests[req_id] = _Tokens(num_prompt_tokens, list(banned))
+            self._requests[req_id].ids.extend(computed or ())
 
     def drop(self, req_id: str) -> None:
         self._requests.pop(req_id, None)

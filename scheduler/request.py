@@ -57,6 +57,8 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # appended in place, never rebuilt
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_contents: list[int] = []  # prefix caching: the content id of each registered block of the table
+        self.num_cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
         self.draft_token_ids: list[int] = []  # drafts to verify next (Scheduler.update_draft_token_ids)
         self.draft_parents: list[int] | None = None  # they form this token tree (specray.tree); None: a chain
         self.want_node_tokens = False  # the drafter wants the target's argmax after each of them (lookahead)

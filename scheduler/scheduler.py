@@ -60,6 +60,8 @@ class SchedulerConfig:
     # (begin, end) token ids of a reasoning model's thinking phase, for relaxed acceptance: each chunk with drafts
     # says whether its request's committed tokens end inside it (ScheduledChunk.thinking); None: never
     thinking_tokens: tuple[int, int] | None = field(default=None, kw_only=True)
+    # vLLM's automatic prefix caching: a request starts from the cached blocks its tokens share with earlier ones
+    enable_prefix_caching: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("worker_draft_steps", "worker_tree_slots"):
@@ -72,6 +74,8 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
                              ">= 0 (0: no bound)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an int >= 2 "
                              "(one prompt token plus one generated token)")
@@ -80,7 +84,9 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockPool(config.num_blocks, config.block_size)
+        self.block_manager = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache, and those found (vLLM's)
+        self.prefix_cache_hits = 0
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted oldest first at each schedule()
@@ -340,9 +346,15 @@ class Scheduler:
             req = self.waiting[0]
             if self._beyond_pool(req):
                 continue
+            hit = self._take_cached(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
+                if hit:  # its cached blocks go back (they stay cached) until it fits
+                    self.block_manager.free(req)
+                    req.num_computed_tokens = 0
                 break
+            if self.config.enable_prefix_caching:
+                self._count_lookup(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -350,14 +362,42 @@ class Scheduler:
             budget -= num_new
         return chunks
 
+    def _take_cached(self, req: Request) -> int:
+        """Prefix caching: start a request with no KV from the cached blocks its tokens begin with (all but its
+        last token at most); returns the tokens they hold. A request that asked for its prompt's logprobs
+        computes every position, so it takes none."""
+        if (not self.config.enable_prefix_caching or req.num_computed_tokens
+                or req.sampling_params.prompt_logprobs is not None):
+            return 0
+        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1)
+        req.num_computed_tokens = hit
+        return hit
+
+    def _count_lookup(self, req: Request, hit: int) -> None:
+        if not req.num_preemptions:  # its first admission: what the prompt found (vLLM's num_cached_tokens)
+            req.num_cached_tokens = hit
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += hit
+
+    def _cache_blocks(self, req: Request, limit: int | None = None) -> None:
+        """Prefix caching: register the request's blocks that committed tokens with written K/V fill (before
+        position ``limit``, where a tree's accepted path still waits to be moved into place)."""
+        if self.config.enable_prefix_caching:
+            n = req.num_computed_tokens if limit is None else min(limit, req.num_computed_tokens)
+            self.block_manager.cache_blocks(req, req.all_token_ids, n)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); running requests keep theirs. Returns
+        how many were dropped."""
+        return self.block_manager.reset_cache()
+
     def _make_plan(self, chunks: list[ScheduledChunk]) -> StepPlan:
         plan = StepPlan(next(self._step_ids), chunks=chunks, finished_req_ids=self._dropped_ids,
                         preempted_req_ids=self._preempted_ids, kv_moves=list(self._kv_moves.values()))
         self._dropped_ids, self._preempted_ids, self._kv_moves = [], [], {}
         for req in self.running:
             if req.req_id not in self._worker_blocks:
-                plan.new_requests.append(NewRequest(req.req_id, req.sampling_params, list(req.block_ids),
-                                                    req.num_prompt_tokens, req.min_tokens_banned()))
+                plan.new_requests.append(_new_request(req))
                 self._worker_requests.add(req.req_id)
             else:
                 self._add_delta(plan, req)
@@ -390,6 +430,7 @@ class Scheduler:
             else:
                 assert not tokens, (chunk, tokens)
                 req.num_computed_tokens += chunk.num_tokens
+                self._cache_blocks(req)
         self.last_step_stats = stats
         return touched
 
@@ -400,33 +441,39 @@ class Scheduler:
         k = chunk.num_draft_tokens
         accepted = len(tokens) - 1
         assert 0 <= accepted <= k, (chunk, tokens)
+        moved = None  # the first committed position whose K/V a tree's accepted path moves there next step
         if k:
             first = chunk.num_tokens - k  # the first draft's index in the chunk
             if chunk.draft_parents is not None and path:
                 drafts, path = chunk.token_ids[first:], list(path)
                 assert len(path) == accepted and tokens[:accepted] == [drafts[i] for i in path], (drafts, path, tokens)
-                self._move_accepted(req, chunk.start_pos + first, path)
+                moved = self._move_accepted(req, chunk.start_pos + first, path)
             else:  # a chain, or a tree accepted along its first drafts: they sit where they are
                 assert tokens[:accepted] == chunk.token_ids[first:first + accepted], (chunk, tokens)
             req.spec_stats.record(k, accepted)
             stats.record(k, accepted)
         # The chunk's own tokens and the accepted drafts now have KV; the target's new token does not yet.
         req.num_computed_tokens += chunk.num_tokens - k + accepted
-        if req.append_tokens(tokens, self.config.max_model_len):
+        finished = req.append_tokens(tokens, self.config.max_model_len)
+        self._cache_blocks(req, moved)
+        if finished:
             self._retire(req)
             return
         assert req.num_computed_tokens == req.num_tokens - 1, req
         self._rewind(req, req.num_computed_tokens)
 
-    def _move_accepted(self, req: Request, base: int, path: list[int]) -> None:
+    def _move_accepted(self, req: Request, base: int, path: list[int]) -> int | None:
         """An accepted tree path whose nodes are not the first drafts: their K/V (scratch slot indices base +
         node) moves to the committed slot indices base + j, in the next plan, before anything frees or reuses
-        the blocks (physical slots, computed with the table as it is now, before the rewind)."""
+        the blocks (physical slots, computed with the table as it is now, before the rewind). Returns the first
+        slot index moved into (None: none)."""
         pairs = [(base + node, base + j) for j, node in enumerate(path) if node != j]
-        if pairs:
-            table, bs = req.block_ids, self.config.block_size
-            self._kv_moves[req.req_id] = KVMove(req.req_id, slots_of(table, [s for s, _ in pairs], bs),
-                                                slots_of(table, [d for _, d in pairs], bs))
+        if not pairs:
+            return None
+        table, bs = req.block_ids, self.config.block_size
+        self._kv_moves[req.req_id] = KVMove(req.req_id, slots_of(table, [s for s, _ in pairs], bs),
+                                            slots_of(table, [d for _, d in pairs], bs))
+        return pairs[0][1]
 
     def _rewind(self, req: Request, num_tokens: int) -> None:
         """Free the blocks beyond the first ``num_tokens`` slots (only rejected drafts' KV was in them)."""
@@ -457,8 +504,7 @@ class Scheduler:
         """A plan that runs again ``chunks`` (some of failed ``plan``'s), safe whatever part of ``plan`` the
         worker applied: it repeats the drops and gives each request its whole block table. Running a chunk
         twice only rewrites its KV slots with the same values."""
-        new = [NewRequest(c.req_id, r.sampling_params, list(r.block_ids), r.num_prompt_tokens, r.min_tokens_banned())
-               for c, r in ((c, self.requests[c.req_id]) for c in chunks)]
+        new = [_new_request(self.requests[c.req_id]) for c in chunks]
         return StepPlan(plan.step_id, new_requests=new, chunks=list(chunks),
                         finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids))
 
@@ -490,6 +536,15 @@ class Scheduler:
             return False
         self._kept_blocks.pop(req.req_id, None)
         return True
+
+
+def _new_request(req: Request) -> NewRequest:
+    """The worker's view of a request it does not hold a table for. A penalized request that starts from cached
+    blocks also gets the tokens in them: its penalties count them, and its chunks will not bring them."""
+    computed = (req.all_token_ids[:req.num_computed_tokens] if req.num_computed_tokens
+                and req.sampling_params.penalized else None)
+    return NewRequest(req.req_id, req.sampling_params, list(req.block_ids), req.num_prompt_tokens,
+                      req.min_tokens_banned(), computed)
 
 
 def _drop_drafts(req: Request) -> None:

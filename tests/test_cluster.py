@@ -357,14 +357,20 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
     penalized = [SamplingParams(**{**sp.__dict__, "repetition_penalty": 1.5, "frequency_penalty": 0.5}) if i % 2
                  else SamplingParams(**{**sp.__dict__, "prompt_logprobs": 2}) for i in range(len(prompts))]
     local_penalized = one_rank.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
+    # with prefix caching: the penalized requests start from the blocks the first batch cached (the driver rank
+    # learns the tokens in them), those asking for prompt logprobs compute their prompts whole
     llm = LLM(str(tiny_llama_dir), max_model_len=256, tensor_parallel_size=2, ray_placement=HALF_CPU,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, enable_prefix_caching=True,
+              block_size=4)
     try:
         remote = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in remote] == [o.outputs[0].token_ids for o in local]
         assert llm.spec_stats.drafts > 0
         remote_penalized = llm.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in remote_penalized] == [o.outputs[0].token_ids for o in local_penalized]
+        cached = [o.num_cached_tokens for o in remote_penalized]
+        assert all(c for c, p in zip(cached[1::2], prompts[1::2]) if len(p) > 4) and not any(cached[::2]), cached
+        assert any(cached)
         for a, b in zip(remote_penalized[::2], local_penalized[::2]):
             assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
@@ -376,6 +382,7 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
             assert len(items) > 1 and items[-1].finished and not any(i.finished for i in items[:-1])
             assert items[-1].outputs[0].token_ids == ref.outputs[0].token_ids
         assert llm.engine.describe()["num_free_blocks"] == llm.engine.describe()["num_kv_blocks"]
+        assert llm.reset_prefix_cache()
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate({"prompt_token_ids": [5] * 300}, sp)
     finally:

@@ -45,8 +45,14 @@ def test_other_families_plain_and_ngram_match_transformers(request, fixture):
     llm = LLM(model=str(folder), max_model_len=256)
     expected = hf_greedy(folder, llm, PROMPTS[:4], 16)
     assert token_ids(llm.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
-    spec = LLM(model=str(folder), max_model_len=256, speculative_config=NGRAM)
+    # with prefix caching (every layer kind keeps all slots, so cached blocks serve windowed and chunked layers too):
+    # the second run starts each prompt from its cached blocks
+    spec = LLM(model=str(folder), max_model_len=256, speculative_config=NGRAM, enable_prefix_caching=True,
+               block_size=4)
     assert token_ids(spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)) == expected
+    again = spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)
+    assert token_ids(again) == expected
+    assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 4)
 
 
 def test_a_gpu_device_is_resolved_with_its_index(monkeypatch):

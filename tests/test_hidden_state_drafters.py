@@ -241,6 +241,22 @@ def test_greedy_under_preemption_and_chunked_prefill(target_dir, heads, plain_ou
         assert free_blocks(llm) == start
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_prefix_caching_keeps_greedy_output(target_dir, heads, plain_outputs, method):
+    """Requests that start from cached blocks: the head reads its own K/V there (written by the requests that
+    computed them), drafts on from the rows the target computes, and the output stays plain decoding's."""
+    llm = make_llm(target_dir, heads, "accepting", method, enable_prefix_caching=True, block_size=4)
+    start = free_blocks(llm)
+    first = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    accepted = llm.spec_stats.accepted_tokens
+    again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(first) == token_ids(again) == plain_outputs
+    assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 4)
+    # the head drafts as well from cached blocks as from its own prefill (equal counts when this was written)
+    assert llm.spec_stats.accepted_tokens - accepted >= 0.9 * accepted > 0
+    assert free_blocks(llm) == start
+
+
 def stop_strings(completions, tok) -> list[tuple[int, str]]:
     """(prompt index, stop string) pairs from plain outputs: two characters from the middle of the most varied text,
     and three times the text of a token an output repeats at least 5 times in a row (which the accepting heads

@@ -101,7 +101,8 @@ def error_of(status_body: tuple[int, dict]) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_llama_dir):
-    """One deployment of the tiny model with n-gram speculation; yields its base URL."""
+    """One deployment of the tiny model with n-gram speculation and prefix caching (so every test's greedy
+    comparison with ``offline``, which caches nothing, also checks cached prefixes); yields its base URL."""
     from ray import serve
 
     from specray.cluster.serve import build_app
@@ -111,7 +112,7 @@ def server(ray_cluster, tiny_llama_dir):
     app = build_app({"model": str(tiny_llama_dir), "served_model_name": MODEL, "spec_method": SPEC["method"],
                      "num_spec_tokens": SPEC["num_speculative_tokens"], "max_model_len": MAX_MODEL_LEN,
                      "max_num_seqs": 8, "max_queue_len": 1000, "seed": 0, "num_cpus": 0.5,
-                     "enable_debug_routes": True})
+                     "enable_debug_routes": True, "enable_prefix_caching": True})
     serve.run(app, name="specray", route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
@@ -732,6 +733,20 @@ def test_metrics_endpoint(server, client):
     accepted = metric_value(text, "specray_spec_accepted_tokens_total")
     drafts = metric_value(text, "specray_spec_drafts_total")
     assert metric_value(text, "specray_spec_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
+
+
+def test_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, client, offline):
+    prompt = "Tell me about the quick brown fox and the lazy dog, slowly, in order. " * 3
+    before = metric_value(http_json_text(server + "/metrics"), "specray_prefix_cache_hits_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert n - 16 <= again.usage.prompt_tokens_details.cached_tokens < n  # whole blocks, never the last token
+    assert again.choices[0].text == first.choices[0].text == offline_greedy(offline, [prompt], 8)[0].outputs[0].text
+    text = http_json_text(server + "/metrics")
+    assert metric_value(text, "specray_prefix_cache_hits_total") - before >= again.usage.prompt_tokens_details.cached_tokens
+    assert metric_value(text, "specray_prefix_cache_queries_total") >= 2 * n
 
 
 def test_engine_state_through_the_deployment_handle(server):

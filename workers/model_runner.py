@@ -107,7 +107,8 @@ class ModelRunner:
                 if new.sampling_params.prompt_logprobs is not None:
                     self.prompt_logprobs[new.req_id] = (new.sampling_params.prompt_logprobs, new.num_prompt_tokens)
                 if self.is_driver:
-                    self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens, new.stop_token_ids)
+                    self.penalties.add(new.req_id, new.sampling_params, new.num_prompt_tokens, new.stop_token_ids,
+                                       new.computed_token_ids)
         for delta in plan.block_deltas:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]

@@ -151,6 +151,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         worker_tree_slots=registry.worker_lookahead_slots(spec) if in_worker else 0,
         worker_writes_kv=not in_worker or registry.worker_writes_kv(spec),
         thinking_tokens=thinking,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)

@@ -140,6 +140,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's name); running requests keep the blocks they hold. True when the
+        engine caches prefixes (``enable_prefix_caching``), else False."""
+        if not self.scheduler.config.enable_prefix_caching:
+            return False
+        self.scheduler.reset_prefix_cache()
+        return True
+
     def shutdown(self) -> None:
         """Release the executor's workers and a remote drafter; every request the engine holds is dropped."""
         self.abort_request(list(self.tracked))
@@ -669,7 +677,7 @@ class LLMEngine:
         if prompt_logprobs is not None and kind != "delta" and len(prompt_logprobs) < len(prompt_ids):
             prompt_logprobs = list(prompt_logprobs)  # still growing (mid-prefill): an output handed out never changes
         return RequestOutput(request.req_id, prompt, prompt_ids, [completion], finished, request.spec_stats.copy(),
-                             tracked.error, prompt_logprobs)
+                             tracked.error, prompt_logprobs, request.num_cached_tokens)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Push the new output tokens through the detokenizer; finish the request on a stop string."""

@@ -1,0 +1,309 @@
+"""Prefix caching (``enable_prefix_caching``): the block pool's sharing, reference counts and eviction, the
+scheduler's admission from cached blocks, and the engine's outputs, which must equal those computed without a
+cache token for token (plain decoding and every kind of drafter, penalties, seeded sampling, preemption)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from specray import LLM, SamplingParams
+from specray.kv_blocks import BlockPool
+from specray.scheduler.request import Request
+from specray.scheduler.scheduler import Scheduler, SchedulerConfig
+
+runs = sys.modules["specray_test_engine_runs"]
+
+BS = 4
+
+
+class Table:
+    """A table of the pool, as a request holds one."""
+
+    def __init__(self):
+        self.block_ids: list[int] = []
+        self.block_contents: list[int] = []
+
+
+def computed(pool: BlockPool, tokens: list[int]) -> Table:
+    """A table whose K/V for ``tokens`` is written, its full blocks registered."""
+    t = Table()
+    pool.allocate(t, len(tokens))
+    pool.cache_blocks(t, tokens, len(tokens))
+    return t
+
+
+# ---- the block pool ---------------------------------------------------------------------------------------
+
+def test_a_table_starts_from_the_cached_blocks_of_its_prefix():
+    pool = BlockPool(16, BS, enable_caching=True)
+    a = computed(pool, list(range(10)))  # blocks of [0..3], [4..7]; 8, 9 in a partial block
+    assert pool.num_cached_blocks == 2
+    b = Table()
+    assert pool.take_cached(b, list(range(9)) + [99, 98], 10) == 8  # the two full blocks
+    assert b.block_ids == a.block_ids[:2]
+    c = Table()
+    assert pool.take_cached(c, [0, 1, 2, 3, 7, 7, 7, 7, 7], 8) == 4  # diverges in the second block
+    assert c.block_ids == a.block_ids[:1]
+    d = Table()
+    assert pool.take_cached(d, [5, 1, 2, 3, 4], 4) == 0
+    e = Table()
+    assert pool.take_cached(e, [0, 1, 2, 3, 4, 5, 6, 9, 8], 8) == 4  # every token of a block is compared
+
+
+def test_the_last_token_is_never_a_hit():
+    """A prompt that is all cached still computes its last token (its logits), so the hit stops a block short."""
+    pool = BlockPool(16, BS, enable_caching=True)
+    computed(pool, list(range(8)))
+    t = Table()
+    assert pool.take_cached(t, list(range(8)), 7) == 4
+
+
+def test_shared_blocks_are_counted_and_all_come_back():
+    pool = BlockPool(8, BS, enable_caching=True)
+    a = computed(pool, list(range(8)))
+    b = Table()
+    pool.take_cached(b, list(range(9)), 8)
+    pool.allocate(b, 9)  # its own third block
+    assert pool.num_free_blocks == 8 - 3
+    pool.free(a)
+    assert pool.num_free_blocks == 8 - 3  # b still holds both shared blocks
+    pool.free(b)
+    assert pool.num_free_blocks == 8  # cached blocks count as free: a table can take them
+    assert pool.num_cached_blocks == 2
+
+
+def test_eviction_takes_the_least_recently_freed_and_table_ends_first():
+    pool = BlockPool(4, BS, enable_caching=True)
+    a = computed(pool, list(range(8)))  # contents A0, A1
+    pool.free(a)  # freed end first: A1 is evicted before A0
+    b = computed(pool, [50 + i for i in range(8)])  # takes the two free blocks
+    assert pool.num_cached_blocks == 4
+    c = Table()
+    pool.allocate(c, 4)  # one more block: A1's goes
+    t = Table()
+    assert pool.take_cached(t, list(range(9)), 8) == 4  # A0 still there
+    pool.free(t)
+    pool.free(b)
+    pool.free(c)
+    assert pool.num_free_blocks == 4
+
+
+def test_an_evicted_parent_does_not_make_its_stale_child_a_hit():
+    """Contents chain by content id, never reused: a block that held a parent and now holds other tokens does not
+    lead to the old parent's children."""
+    pool = BlockPool(3, BS, enable_caching=True)
+    a = computed(pool, [1] * 4 + [2] * 4)  # P = [1]*4, its child C = [2]*4
+    pool.free(a)
+    x = Table()
+    pool.allocate(x, 4)  # the third block, never used
+    pool.allocate(x, 12)  # two more: both of a's blocks are evicted, P's and C's
+    pool.free(x)
+    y = computed(pool, [3] * 4)  # Q registered in one of the old blocks
+    pool.free(y)
+    t = Table()
+    assert pool.take_cached(t, [3] * 4 + [2] * 4 + [0], 8) == 4  # Q, then no C
+    pool.free(t)
+
+
+def test_the_same_content_computed_twice_keeps_one_block():
+    pool = BlockPool(8, BS, enable_caching=True)
+    tokens = list(range(8))
+    a = computed(pool, tokens)
+    b = computed(pool, tokens)  # computed apart (admitted before a registered): its blocks stay private
+    assert pool.num_cached_blocks == 2 and b.block_contents == a.block_contents
+    pool.free(b)
+    assert pool.num_free_blocks == 8 - 2  # b's copies are plain free blocks again
+    pool.free(a)
+    assert pool.num_free_blocks == 8
+
+
+def test_reset_forgets_every_content():
+    pool = BlockPool(8, BS, enable_caching=True)
+    a = computed(pool, list(range(8)))
+    b = computed(pool, list(range(10, 18)))
+    pool.free(b)
+    assert pool.reset_cache() == 4 and pool.num_cached_blocks == 0
+    t = Table()
+    assert pool.take_cached(t, list(range(9)), 8) == 0
+    pool.free(a)
+    assert pool.num_free_blocks == 8
+
+
+def test_without_caching_nothing_is_registered():
+    pool = BlockPool(8, BS)
+    t = Table()
+    pool.allocate(t, 8)
+    pool.free(t)
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 8
+
+
+# ---- the scheduler ----------------------------------------------------------------------------------------
+
+def _scheduler(**kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS,
+                                     num_blocks=kw.pop("num_blocks", 16), enable_prefix_caching=True, **kw))
+
+
+def _run_prefill(sched: Scheduler, req: Request) -> None:
+    """Admit ``req`` and run steps until its prompt is computed (every token the target samples is 7)."""
+    from specray.contract import StepResult
+
+    sched.add_request(req)
+    while req.num_computed_tokens < req.num_prompt_tokens:
+        plan = sched.schedule()
+        sampled = [[7] if c.sample else [] for c in plan.chunks]
+        sched.update_from_output(plan, StepResult(plan.step_id, [c.req_id for c in plan.chunks], sampled))
+
+
+def test_a_request_is_admitted_from_the_cache_and_counts_its_hit():
+    sched = _scheduler()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    _run_prefill(sched, Request("a", list(range(10)), params))
+    b = Request("b", list(range(9)) + [40, 41], params)
+    sched.add_request(b)
+    plan = sched.schedule()
+    chunk = next(c for c in plan.chunks if c.req_id == "b")
+    assert chunk.start_pos == 8 and chunk.token_ids == [8, 40, 41]
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == sched.requests["a"].block_ids[:2]
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_prompt_logprobs_requests_compute_every_position():
+    sched = _scheduler()
+    _run_prefill(sched, Request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=4)))
+    b = Request("b", list(range(10)), SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1))
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert next(c for c in plan.chunks if c.req_id == "b").start_pos == 0 and b.num_cached_tokens == 0
+
+
+def test_a_penalized_request_from_the_cache_tells_the_worker_the_cached_tokens():
+    sched = _scheduler()
+    _run_prefill(sched, Request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=4)))
+    b = Request("b", list(range(10)), SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3))
+    c = Request("c", list(range(10)), SamplingParams(temperature=0.0, max_tokens=4))
+    sched.add_request(b)
+    sched.add_request(c)
+    plan = sched.schedule()
+    new = {n.req_id: n for n in plan.new_requests}
+    assert new["b"].computed_token_ids == list(range(8)) and new["c"].computed_token_ids is None
+
+
+def test_a_request_that_does_not_fit_gives_its_hit_back():
+    """Admission fails for want of blocks: the cached blocks it took go back to the cache, still registered."""
+    sched = _scheduler(num_blocks=6)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    _run_prefill(sched, Request("a", list(range(9)), params))  # 3 blocks, 2 registered
+    sched.abort_requests("a")
+    big = Request("big", [60] * 12, params)  # 3 full blocks, and a fourth for its decode
+    _run_prefill(sched, big)
+    b = Request("b", list(range(8)) + [30] * 12, params)  # hits a's 2, needs 3 more: none is left
+    sched.add_request(b)
+    sched.schedule()
+    assert b.status.name == "WAITING" and not b.block_ids and b.num_computed_tokens == 0
+    assert sched.block_manager.num_free_blocks == 6 - 4 and sched.block_manager.num_cached_blocks == 2 + 3
+
+
+# ---- the engine: outputs equal those computed without a cache ---------------------------------------------
+
+SHARED = "You are a helpful assistant who answers in one short sentence, precisely and politely. "
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "def add(a, b):\n    return",
+             "The quick brown fox", "Hello", "Summarize: the cat sat on the mat."]
+# the last differs from the first by one word inside the shared part: a hit past it would change its output
+CACHED_PROMPTS = [SHARED + q for q in QUESTIONS] + [SHARED.replace("short", "long") + QUESTIONS[0]]
+
+
+@pytest.fixture(scope="module")
+def uncached(plain):
+    """Plain greedy outputs of the shared-prefix prompts, without a cache: the reference."""
+    return runs.token_ids(plain.generate(CACHED_PROMPTS, runs.greedy(16), use_tqdm=False))
+
+
+def _twice(llm: LLM, params) -> tuple[list, list]:
+    """One request, then the batch: the batch finds the shared prefix (and the first prompt whole) cached."""
+    first = llm.generate(CACHED_PROMPTS[:1], params, use_tqdm=False)
+    rest = llm.generate(CACHED_PROMPTS, params, use_tqdm=False)
+    return first, rest
+
+
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 6, "num_branches": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "draft_model": "draft",
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_outputs_with_the_cache_equal_those_without(name, tiny_llama_dir, tiny_draft_dir, uncached):
+    spec = SPECS[name]
+    if spec == "draft":
+        spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec, enable_prefix_caching=True) as llm:
+        first, rest = _twice(llm, runs.greedy(16))
+        assert runs.token_ids(first) == uncached[:1]
+        assert runs.token_ids(rest) == uncached
+        shared = len(llm.get_tokenizer().encode(SHARED)) // 16 * 16
+        assert first[0].num_cached_tokens == 0
+        assert rest[0].num_cached_tokens >= shared > 0  # the whole first prompt's blocks but its last token's
+        assert all(o.num_cached_tokens >= shared for o in rest[:-1])
+        blocks = llm.engine.scheduler.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_trees_moved_into_place_are_cached_after_their_move(tiny_llama_dir, uncached):
+    """A tree's accepted path is moved into its committed slots in the next plan: those blocks are registered
+    only then, so a request that finds them cached reads the moved K/V (outputs equal the uncached ones)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "num_branches": 3, "adaptive": False}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec, enable_prefix_caching=True,
+             block_size=4) as llm:
+        counter = llm.engine.executor = runs.PathCounter(llm.engine.executor)
+        llm.engine.clock = counter.clock
+        params = runs.greedy(16)
+        done = llm.generate(CACHED_PROMPTS, params, use_tqdm=False)
+        assert counter.moved > 0  # paths off the first nodes were accepted and moved
+        prompts = [p + llm.get_tokenizer().decode(o.outputs[0].token_ids) for p, o in zip(CACHED_PROMPTS, done)]
+        again = llm.generate(prompts, params, use_tqdm=False)  # the first run's whole outputs are cached now
+        # some find blocks of the first run's output cached (the K/V its trees' paths moved into place)
+        lengths = [len(llm.get_tokenizer().encode(p)) for p in CACHED_PROMPTS]
+        assert any(o.num_cached_tokens > n for o, n in zip(again, lengths))
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec, block_size=4) as ref:
+        assert runs.token_ids(again) == runs.token_ids(ref.generate(prompts, params, use_tqdm=False))
+    assert runs.token_ids(done) == uncached
+
+
+def test_penalties_and_seeded_sampling_equal_their_uncached_outputs(tiny_llama_dir):
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    outs = {}
+    for cache in (False, True):
+        with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec, enable_prefix_caching=cache) as llm:
+            for p in params:
+                llm.generate(CACHED_PROMPTS[:1], p, use_tqdm=False)
+                outs[cache, p.seed] = runs.token_ids(llm.generate(CACHED_PROMPTS, p, use_tqdm=False))
+            hits = llm.engine.scheduler.prefix_cache_hits
+        assert (hits > 0) == cache
+    assert outs[True, None] == outs[False, None]
+    assert outs[True, 11] == outs[False, 11]
+
+
+def test_preempted_requests_resume_from_their_cached_blocks(tiny_llama_dir, uncached):
+    """A pool too small for the batch: requests are preempted and evicted under pressure, outputs unchanged and
+    every block back."""
+    with LLM(str(tiny_llama_dir), max_model_len=256, enable_prefix_caching=True, num_kv_blocks=14,
+             max_num_seqs=6) as llm:
+        outs = llm.generate(CACHED_PROMPTS, runs.greedy(16), use_tqdm=False)
+        sched = llm.engine.scheduler
+        assert sched.num_preemptions > 0 and sched.prefix_cache_hits > 0
+        assert runs.token_ids(outs) == uncached
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+        assert llm.reset_prefix_cache() and sched.block_manager.num_cached_blocks == 0
+
+
+def test_reset_without_caching_says_so(plain):
+    assert plain.reset_prefix_cache() is False
