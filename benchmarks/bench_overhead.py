@@ -175,7 +175,8 @@ def build(batch: int, method: str | None, tokenizer, args) -> LLMEngine:
     max_model_len = args.prompt_len + args.max_tokens + 16
     blocks = batch * (-(-max_model_len // 16) + 1)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
-                                          max_model_len=max_model_len, block_size=16, num_blocks=blocks))
+                                          max_model_len=max_model_len, block_size=16, num_blocks=blocks,
+                                          **({"enable_prefix_caching": True} if args.prefix_caching else {})))
     drafter = policy = None
     if method is not None:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.k)
@@ -286,6 +287,8 @@ def main() -> None:
                         help="cProfile the first row's measured steps; print the top functions")
     parser.add_argument("--ngram-index", default="c", help="comma list: c (the C index of private pools, when "
                         "built), python (NgramPool everywhere, as without a compiler); rows alternate")
+    parser.add_argument("--prefix-caching", action="store_true", help="the scheduler's prefix caching on (every "
+                        "full block registered as it fills; the texts share no blocks, so nothing hits)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the n-gram drafter's essential dict work alone, per batch size (its floor)")
     args = parser.parse_args()

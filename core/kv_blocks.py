@@ -17,7 +17,7 @@ tokens is registered under its content, the exact key (the content id of the blo
 two requests whose token lists agree on whole blocks share them (a reference count per block) and compute only
 the rest. A registered block whose count falls to zero stays cached, out of the placement's way, until a table
 needs it: then the least recently freed cached blocks are evicted first (the ends of freed tables before their
-starts). Keys hold the tokens themselves rather than a hash of them, so no two contents can collide, and a content
+starts), ahead of need so that a sixteenth of the pool stays free, in runs for tables to grow into. Keys hold the tokens themselves rather than a hash of them, so no two contents can collide, and a content
 id is never reused, so an evicted parent cannot make a stale child look like a hit. A shared block is never
 written: a hit covers whole blocks of at most ``num_tokens - 1`` tokens (the last one is always computed, for its
 logits), and every later write lands past it.
@@ -55,6 +55,9 @@ class BlockPool:
         self._key_of: dict[int, tuple] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no table holds, oldest first
         self._content_ids = itertools.count(1)  # 0 is the root: the parent of a table's first block
+        # free blocks kept in reserve by evicting cached ones ahead of need (a batch at a time, oldest first): with
+        # none free, each table's growth would take a lone evicted block somewhere else, not the block after its end
+        self._reserve = num_blocks // 16
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,8 +83,9 @@ class BlockPool:
         assert need <= self.num_free_blocks, f"allocate({num_slots} slots) needs {need} blocks, {self.num_free_blocks} free"
         if need <= 0:
             return
-        if need > self._num_free:
-            self._evict(need - self._num_free)
+        short = need + self._reserve - self._num_free
+        if short > 0 and self._evictable:  # old tables' blocks come free in runs, and growth finds room again
+            self._evict(min(len(self._evictable), max(short, self._reserve)))
         table = req.block_ids
         self._tails.discard(table[-1] if table else -1)
         while need > 0:

@@ -384,7 +384,8 @@ class Scheduler:
         position ``limit``, where a tree's accepted path still waits to be moved into place)."""
         if self.config.enable_prefix_caching:
             n = req.num_computed_tokens if limit is None else min(limit, req.num_computed_tokens)
-            self.block_manager.cache_blocks(req, req.all_token_ids, n)
+            if n // self.config.block_size > len(req.block_contents):  # a block filled up since the last call
+                self.block_manager.cache_blocks(req, req.all_token_ids, n)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (vLLM's ``reset_prefix_cache``); running requests keep theirs. Returns
