@@ -178,6 +178,8 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
+    # vLLM's: with prefix caching, reuse only blocks cached by requests with the same salt (tenant isolation)
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self):
@@ -459,6 +461,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        cache_salt=req.cache_salt,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

@@ -12,15 +12,16 @@ neighbour is taken) it starts a new run in the largest free gap: at the gap's st
 before the gap, else half way in, leaving that table room to grow. Which blocks are free is one byte each, so
 finding the next occupied block or the free gaps runs in C (``bytearray.find``, ``re``).
 
-Prefix caching (``enable_caching``, vLLM's automatic prefix caching): a block whose slots all hold committed
-tokens is registered under its content, the exact key (the content id of the block before it, its tokens), so
-two requests whose token lists agree on whole blocks share them (a reference count per block) and compute only
-the rest. A registered block whose count falls to zero stays cached, out of the placement's way, until a table
-needs it: then the least recently freed cached blocks are evicted first (the ends of freed tables before their
-starts), ahead of need so that a sixteenth of the pool stays free, in runs for tables to grow into. Keys hold the tokens themselves rather than a hash of them, so no two contents can collide, and a content
-id is never reused, so an evicted parent cannot make a stale child look like a hit. A shared block is never
-written: a hit covers whole blocks of at most ``num_tokens - 1`` tokens (the last one is always computed, for its
-logits), and every later write lands past it.
+Prefix caching (``enable_caching``, vLLM's automatic prefix caching): a block whose slots all hold committed tokens
+is registered under its content, the exact key (the content id of the block before it, its tokens), so two requests
+whose token lists agree on whole blocks share them (a reference count per block) and compute only the rest (requests
+with a ``cache_salt`` only with those of the same salt: their chains start from it). A registered block whose count
+falls to zero stays cached, out of the placement's way, until a table needs it: then the least recently freed cached
+blocks are evicted first (the ends of freed tables before their starts), ahead of need so that a sixteenth of the
+pool stays free, in runs for tables to grow into. Keys hold the tokens themselves rather than a hash of them, so no
+two contents can collide, and a content id is never reused, so an evicted parent cannot make a stale child look like
+a hit. A shared block is never written: a hit covers whole blocks of at most ``num_tokens - 1`` tokens (the last one
+is always computed, for its logits), and every later write lands past it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class BlockPool:
     def allocate(self, req, num_slots: int) -> None:
         """Grow ``req.block_ids`` to cover ``num_slots`` slots (a no-op if it already does)."""
         need = self.blocks_for(num_slots) - len(req.block_ids)
-        assert need <= self.num_free_blocks, f"allocate({num_slots} slots) needs {need} blocks, {self.num_free_blocks} free"
+        assert need <= self.num_free_blocks, f"allocate({num_slots} slots): {need} blocks, {self.num_free_blocks} free"
         if need <= 0:
             return
         short = need + self._reserve - self._num_free
@@ -129,11 +130,12 @@ class BlockPool:
         self.rewind(req, 0)
 
     # ---- prefix caching ------------------------------------------------------------------------------
-    def take_cached(self, req, token_ids: list[int], max_tokens: int) -> int:
+    def take_cached(self, req, token_ids: list[int], max_tokens: int, salt: str | None = None) -> int:
         """Give an empty table the cached blocks of the longest prefix of ``token_ids`` that whole blocks of at
-        most ``max_tokens`` tokens cover; returns how many tokens they hold (0: no hit)."""
+        most ``max_tokens`` tokens cover, among those cached with the same ``salt``; returns how many tokens they
+        hold (0: no hit)."""
         assert not req.block_ids and not req.block_contents, req
-        bs, parent, hit = self.block_size, 0, []
+        bs, parent, hit = self.block_size, _root(salt), []
         for start in range(0, max_tokens - bs + 1, bs):
             entry = self._cached.get((parent, tuple(token_ids[start:start + bs])))
             if entry is None:
@@ -150,13 +152,14 @@ class BlockPool:
             self._tails.add(req.block_ids[-1])
         return len(hit) * bs
 
-    def cache_blocks(self, req, token_ids: list[int], num_tokens: int) -> None:
+    def cache_blocks(self, req, token_ids: list[int], num_tokens: int, salt: str | None = None) -> None:
         """Register the table's blocks that the first ``num_tokens`` of ``token_ids`` fill (their K/V is
-        written), past those already registered. A content already cached in another block keeps that block;
-        this table's copy stays private and is freed as usual, and the chain goes on from the cached content."""
+        written), past those already registered, under ``salt``. A content already cached in another block keeps
+        that block; this table's copy stays private and is freed as usual, and the chain goes on from the cached
+        content."""
         bs, contents, table = self.block_size, req.block_contents, req.block_ids
         for i in range(len(contents), min(num_tokens // bs, len(table))):
-            key = (contents[i - 1] if i else 0, tuple(token_ids[i * bs:(i + 1) * bs]))
+            key = (contents[i - 1] if i else _root(salt), tuple(token_ids[i * bs:(i + 1) * bs]))
             entry = self._cached.get(key)
             if entry is None:
                 entry = (next(self._content_ids), table[i])
@@ -200,3 +203,8 @@ class BlockPool:
         if start - 1 in self._tails:
             start += max(0, min((end - start) // 2, end - start - need))
         return start, end - start
+
+
+def _root(salt: str | None) -> int | tuple[str, str]:
+    """The parent of a table's first block: 0, or the salt (never equal to a content id, an int)."""
+    return 0 if salt is None else ("salt", salt)

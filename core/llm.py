@@ -90,11 +90,12 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, each with ``n`` completions (its
         sampling parameters' ``n``; with a seed, completion i draws from ``seed + i``). Prompts are strings,
-        token-id prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``. All prompts are validated
+        token-id prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``; a dict prompt may carry vLLM's
+        ``"cache_salt"`` (``SamplingParams.cache_salt``). All prompts are validated
         before any runs, so a bad one raises ValueError and nothing else is disturbed."""
         self._check_open()
         prompts = _as_list(prompts)
-        params = _params_per_prompt(sampling_params, len(prompts))
+        params = [_salted(p, sp) for p, sp in zip(prompts, _params_per_prompt(sampling_params, len(prompts)))]
         encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
         for (text, ids), sp in zip(encoded, params):
             self._validate(ids, sp)
@@ -168,6 +169,12 @@ def _release_engine(engine) -> None:
     """Shut down the engine client (Ray backend); the in-process engine holds nothing outside this process."""
     if hasattr(engine, "shutdown"):
         engine.shutdown()
+
+
+def _salted(prompt, params: SamplingParams) -> SamplingParams:
+    """A dict prompt's ``cache_salt`` (where vLLM takes it) moved into its sampling parameters."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    return params if salt is None else replace(params, cache_salt=salt)
 
 
 def _as_list(prompts) -> list:

@@ -69,6 +69,11 @@ class SamplingParams:
     ``specray.drafters.registry.request_methods()``); anything else, or any method on an engine without
     speculation, is refused at admission with a ValueError. Greedy output is the same whatever its value.
 
+    ``cache_salt`` (vLLM's, which takes it on the prompt; ``LLM.generate`` accepts it there too, and the OpenAI
+    server as a request field): with prefix caching on, a request reuses only blocks computed by requests with the
+    same salt (None is a salt of its own), so tenants that do not share a salt cannot learn from the cache's timing
+    what another sent.
+
     ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
     step it takes part in, with all its tokens and text so far; ``"delta"`` reports it as often, with only what is
     new since its last report (tokens, text, logprobs; the prompt in the first report only; see
@@ -109,6 +114,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # specray extension; see the class docstring
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
+    cache_salt: str | None = None  # vLLM's (on the prompt there): see the class docstring
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
@@ -185,6 +191,8 @@ class SamplingParams:
             raise ValueError(f"output_kind={self.output_kind!r} must be one of {list(OUTPUT_KINDS)} ('cumulative': "
                              "every step's output so far; 'delta': what each step added; 'final_only': the finished "
                              "output only)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string, or None (no salt)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "

@@ -369,7 +369,7 @@ class Scheduler:
         if (not self.config.enable_prefix_caching or req.num_computed_tokens
                 or req.sampling_params.prompt_logprobs is not None):
             return 0
-        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1)
+        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1, req.sampling_params.cache_salt)
         req.num_computed_tokens = hit
         return hit
 
@@ -385,7 +385,7 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             n = req.num_computed_tokens if limit is None else min(limit, req.num_computed_tokens)
             if n // self.config.block_size > len(req.block_contents):  # a block filled up since the last call
-                self.block_manager.cache_blocks(req, req.all_token_ids, n)
+                self.block_manager.cache_blocks(req, req.all_token_ids, n, req.sampling_params.cache_salt)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (vLLM's ``reset_prefix_cache``); running requests keep theirs. Returns

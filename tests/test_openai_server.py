@@ -747,6 +747,12 @@ def test_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, client,
     text = http_json_text(server + "/metrics")
     assert metric_value(text, "specray_prefix_cache_hits_total") - before >= again.usage.prompt_tokens_details.cached_tokens
     assert metric_value(text, "specray_prefix_cache_queries_total") >= 2 * n
+    # another tenant's salt finds nothing of it; the same salt twice does
+    salted = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"cache_salt": "tenant-a"}) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens == 0 for r in salted] == [True, False]
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
 
 
 def test_engine_state_through_the_deployment_handle(server):

@@ -130,6 +130,21 @@ def test_reset_forgets_every_content():
     assert pool.num_free_blocks == 8
 
 
+def test_a_salt_shares_only_with_its_own_salt():
+    pool = BlockPool(16, BS, enable_caching=True)
+    tokens = list(range(9))
+    computed(pool, tokens)  # unsalted
+    salted = Table()
+    pool.allocate(salted, 9)
+    pool.cache_blocks(salted, tokens, 9, salt="tenant-a")
+    for salt, hit in ((None, 8), ("tenant-a", 8), ("tenant-b", 0)):
+        t = Table()
+        assert pool.take_cached(t, tokens, 8, salt) == hit, salt
+        if salt == "tenant-a":
+            assert t.block_ids == salted.block_ids[:2]
+        pool.free(t)
+
+
 def test_without_caching_nothing_is_registered():
     pool = BlockPool(8, BS)
     t = Table()
@@ -303,6 +318,20 @@ def test_preempted_requests_resume_from_their_cached_blocks(tiny_llama_dir, unca
         assert runs.token_ids(outs) == uncached
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         assert llm.reset_prefix_cache() and sched.block_manager.num_cached_blocks == 0
+
+
+def test_cache_salt_on_the_prompt_or_the_params_separates_tenants(tiny_llama_dir, uncached):
+    with LLM(str(tiny_llama_dir), max_model_len=256, enable_prefix_caching=True) as llm:
+        params = runs.greedy(16)
+        llm.generate([{"prompt": CACHED_PROMPTS[0], "cache_salt": "a"}], params, use_tqdm=False)
+        other = llm.generate([{"prompt": CACHED_PROMPTS[0], "cache_salt": "b"}, CACHED_PROMPTS[0]], params,
+                             use_tqdm=False)
+        same = llm.generate(CACHED_PROMPTS[0], SamplingParams(**{**params.__dict__, "cache_salt": "a"}),
+                            use_tqdm=False)
+        assert [o.num_cached_tokens for o in other] == [0, 0] and same[0].num_cached_tokens > 0
+        assert runs.token_ids(other + same) == [uncached[0]] * 3
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
 
 
 def test_reset_without_caching_says_so(plain):
