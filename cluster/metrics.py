@@ -35,6 +35,7 @@ def engine_state(engine) -> dict:
         "free_blocks": blocks.num_free_blocks,
         "total_blocks": blocks.num_blocks,
         "used_blocks": blocks.num_blocks - blocks.num_free_blocks,
+        "cached_blocks": blocks.num_cached_blocks,  # prefix caching: registered blocks, held by tables or not
         "num_waiting": scheduler.num_waiting,
         "num_running": scheduler.num_running,
         "prefix_cache_queries": scheduler.prefix_cache_queries,  # totals since the engine started

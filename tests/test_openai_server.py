@@ -743,6 +743,7 @@ def test_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, client,
     n = first.usage.prompt_tokens
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert n - 16 <= again.usage.prompt_tokens_details.cached_tokens < n  # whole blocks, never the last token
+    assert kv_state(server)["cached_blocks"] >= n // 16
     assert again.choices[0].text == first.choices[0].text == offline_greedy(offline, [prompt], 8)[0].outputs[0].text
     text = http_json_text(server + "/metrics")
     assert metric_value(text, "specray_prefix_cache_hits_total") - before >= again.usage.prompt_tokens_details.cached_tokens
