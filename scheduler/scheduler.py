@@ -340,18 +340,22 @@ class Scheduler:
         return self.config.worker_tree_slots or next_drafts - 1
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
-        """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption)."""
-        chunks, cap = [], self._prefill_cap()
+        """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption). With prefix
+        caching, a request whose next whole block a running request is still computing (the n choices of one
+        prompt, a burst behind one system prompt) waits, in its place in the queue, until that block is cached."""
+        chunks, cap, held = [], self._prefill_cap(), []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._beyond_pool(req):
                 continue
             hit = self._take_cached(req)
+            if self.config.enable_prefix_caching and self._prefix_in_flight(req, hit):
+                self._give_back_hit(req, hit)
+                held.append(self.waiting.popleft())
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
-                if hit:  # its cached blocks go back (they stay cached) until it fits
-                    self.block_manager.free(req)
-                    req.num_computed_tokens = 0
+                self._give_back_hit(req, hit)  # its cached blocks stay cached until it fits
                 break
             if self.config.enable_prefix_caching:
                 self._count_lookup(req, hit)
@@ -360,7 +364,26 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
         return chunks
+
+    def _give_back_hit(self, req: Request, hit: int) -> None:
+        if hit:
+            self.block_manager.free(req)
+            req.num_computed_tokens = 0
+
+    def _prefix_in_flight(self, req: Request, hit: int) -> bool:
+        """Whether a running request is still to compute the whole block that follows ``req``'s hit, with the
+        same tokens up to its end (it will be cached: ``req`` then computes less by waiting for it)."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return False
+        end = hit + self.config.block_size
+        if end > req.num_tokens - 1:
+            return False
+        prefix = req.all_token_ids[:end]
+        salt = req.sampling_params.cache_salt
+        return any(w.num_computed_tokens < end <= w.num_tokens and w.sampling_params.cache_salt == salt
+                   and w.all_token_ids[:end] == prefix for w in self.running)
 
     def _take_cached(self, req: Request) -> int:
         """Prefix caching: start a request with no KV from the cached blocks its tokens begin with (all but its

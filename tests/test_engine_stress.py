@@ -47,9 +47,14 @@ def comparable(got, want, max_tokens: int) -> tuple[list[int], list[int]]:
     return a, b
 
 
+# with prefix caching: prompts of an even number of tokens get it in front (shared blocks, drawn from no rng)
+PREAMBLE = "Answer the question below in one short line, and do not repeat the question itself. "
+
+
 def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
     """Add, step and abort at random; the finished outputs and the aborted ids."""
     tok = engine.tokenizer
+    preamble = tok.encode(PREAMBLE) if engine.scheduler.config.enable_prefix_caching else None
     pool_slots = engine.scheduler.block_manager.num_blocks * engine.scheduler.block_manager.block_size
     finished, requests, aborted = {}, {}, set()
     for step in range(STEPS):
@@ -58,6 +63,8 @@ def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
                 with pytest.raises(ValueError):
                     engine.add_request(tok.encode("Hello"), SamplingParams(temperature=-1.0))
             prompt = tok.encode(random_prompt(rng))
+            if preamble is not None and len(prompt) % 2 == 0:
+                prompt = preamble + prompt
             params = random_params(rng)
             if len(prompt) > pool_slots:  # could never fit: refused up front, nothing else harmed
                 with pytest.raises(ValueError, match="KV cache holds only"):
@@ -112,6 +119,13 @@ CASES = {
                                          "redrafter_draft_len_per_beam": 3}},
     "eagle3+suffix": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3,
                                              "combine_with": {"method": "suffix", "num_speculative_tokens": 6}}},
+    # prefix caching (half the prompts share a preamble): requests start from cached blocks or wait for blocks a
+    # running request is computing, shared blocks survive aborts and preemption, eviction under a full pool
+    "plain-prefix-cache": {"enable_prefix_caching": True},
+    "ngram-prefix-cache": {"speculative_config": NGRAM, "long_prefill_token_threshold": 12,
+                           "enable_prefix_caching": True},
+    "eagle3-prefix-cache": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
+                            "enable_prefix_caching": True},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)
@@ -158,6 +172,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
     try:
         exact_sampling = spec is None or (spec["method"] in COUPLED and "combine_with" not in spec)
         check_workload(engine, alone, random.Random(name), exact_sampling)
+        if kwargs.get("enable_prefix_caching"):
+            assert engine.scheduler.prefix_cache_hits > 0
         if spec is not None and spec["method"] in HEADS:  # the heads are often right: the accepted path ran
             assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
     finally:

@@ -205,6 +205,23 @@ def test_a_penalized_request_from_the_cache_tells_the_worker_the_cached_tokens()
     assert new["b"].computed_token_ids == list(range(8)) and new["c"].computed_token_ids is None
 
 
+def test_a_request_waits_for_the_blocks_a_running_request_is_computing():
+    """Two requests with one 10-token prefix admitted together: the second waits a step (in its place, others
+    pass it) and then starts from the first's blocks; one without the prefix goes at once."""
+    from specray.contract import StepResult
+
+    sched = _scheduler()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for rid, prompt in (("a", list(range(10)) + [20]), ("b", list(range(10)) + [30]), ("c", [50] * 6)):
+        sched.add_request(Request(rid, prompt, params))
+    plan = sched.schedule()
+    assert [c.req_id for c in plan.chunks] == ["a", "c"] and [r.req_id for r in sched.waiting] == ["b"]
+    sched.update_from_output(plan, StepResult(plan.step_id, ["a", "c"], [[7], [7]]))
+    plan = sched.schedule()
+    chunk = next(c for c in plan.chunks if c.req_id == "b")
+    assert chunk.start_pos == 8 and sched.requests["b"].num_cached_tokens == 8
+
+
 def test_a_request_that_does_not_fit_gives_its_hit_back():
     """Admission fails for want of blocks: the cached blocks it took go back to the cache, still registered."""
     sched = _scheduler(num_blocks=6)
@@ -332,6 +349,25 @@ def test_cache_salt_on_the_prompt_or_the_params_separates_tenants(tiny_llama_dir
         assert runs.token_ids(other + same) == [uncached[0]] * 3
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_the_n_choices_of_a_prompt_compute_it_once(tiny_llama_dir):
+    """n=4 choices (four engine requests of one prompt, admitted together): the first computes the prompt, the
+    others start from its blocks; a seeded request's choices are unchanged by it."""
+    params = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for cache in (False, True):
+        with LLM(str(tiny_llama_dir), max_model_len=256, enable_prefix_caching=cache) as llm:
+            outs[cache] = llm.generate(CACHED_PROMPTS[:2], params, use_tqdm=False)
+    for on, off in zip(outs[True], outs[False]):
+        assert [c.token_ids for c in on.outputs] == [c.token_ids for c in off.outputs]
+    # the first prompt's first choice computed it; the second prompt waited for the shared system prompt's blocks
+    assert outs[True][0].num_cached_tokens == 0 and outs[True][1].num_cached_tokens >= 64
+    with LLM(str(tiny_llama_dir), max_model_len=256, enable_prefix_caching=True) as llm:
+        llm.generate(CACHED_PROMPTS[0], params, use_tqdm=False)
+        sched = llm.engine.scheduler
+        n = len(llm.get_tokenizer().encode(CACHED_PROMPTS[0]))
+        assert sched.prefix_cache_hits == 3 * ((n - 1) // 16 * 16)  # choices 1..3, whole blocks before the last token
 
 
 def test_reset_without_caching_says_so(plain):
