@@ -5,6 +5,8 @@ Two workloads on the default model (or ``--model``), chat-templated, greedy:
 - ``shared-system``: ``--requests`` questions behind one system prompt of about ``--system-words`` words, sent as
   one batch after a warm-up request that caches the system prompt (the way a server sees traffic behind one
   deployment's system prompt).
+- ``cold-burst``: the same batch with nothing cached before it: the first request computes the system prompt and
+  the others wait for its blocks.
 - ``multi-turn``: ``--turns`` turns of one conversation, each turn's prompt holding every earlier turn and answer.
 
 For each, the engine with ``enable_prefix_caching`` off and on (alternated, ``--rounds`` times each), in this
@@ -45,9 +47,11 @@ def system_prompt(words: int) -> str:
     return "You are a careful assistant. Follow these house rules. " + text
 
 
-def shared_system(llm: LLM, params: SamplingParams, words: int, requests: int) -> tuple[float, list, list]:
+def shared_system(llm: LLM, params: SamplingParams, words: int, requests: int, warm: bool = True
+                  ) -> tuple[float, list, list]:
     system = {"role": "system", "content": system_prompt(words)}
-    llm.chat([[system, {"role": "user", "content": "Hello."}]], params, use_tqdm=False)  # warm-up: caches the system
+    if warm:  # a warm-up request caches the system prompt
+        llm.chat([[system, {"role": "user", "content": "Hello."}]], params, use_tqdm=False)
     convs = [[system, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(requests)]
     start = time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
@@ -72,9 +76,10 @@ def run(args, workload: str, cache: bool) -> dict:
               speculative_config=None if args.spec == "none" else {"method": args.spec, "num_speculative_tokens": 5})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        fn = shared_system if workload == "shared-system" else multi_turn
-        count = args.requests if workload == "shared-system" else args.turns
-        elapsed, outs, _ = fn(llm, params, args.system_words, count)
+        if workload == "multi-turn":
+            elapsed, outs, _ = multi_turn(llm, params, args.system_words, args.turns)
+        else:
+            elapsed, outs, _ = shared_system(llm, params, args.system_words, args.requests, workload == "shared-system")
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         cached = sum(o.num_cached_tokens for o in outs)
         return {"workload": workload, "prefix_caching": cache, "seconds": round(elapsed, 3),
@@ -94,7 +99,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--workloads", default="shared-system,multi-turn")
+    p.add_argument("--workloads", default="shared-system,cold-burst,multi-turn")
     args = p.parse_args()
     args.model = args.model or default_model_path()
     results: dict[tuple[str, bool], list[dict]] = {}
