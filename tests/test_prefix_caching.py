@@ -89,6 +89,22 @@ def test_eviction_takes_the_least_recently_freed_and_table_ends_first():
     assert pool.num_free_blocks == 4
 
 
+def test_eviction_keeps_a_sixteenth_of_the_pool_free_in_runs():
+    """Once every block is cached, a table's growth evicts the oldest blocks ahead of need (a sixteenth of the
+    pool), so that the blocks after it are free and it grows in place rather than block by block elsewhere."""
+    pool = BlockPool(32, BS, enable_caching=True)
+    old = [computed(pool, [100 * i + j for j in range(16)]) for i in range(8)]  # 8 tables of 4 cached blocks
+    for t in old:
+        pool.free(t)
+    assert pool.num_free_blocks == 32 and pool.num_cached_blocks == 32
+    t = Table()
+    pool.allocate(t, 4)  # needs 1, and 2 (32 // 16) stay free: 3 evicted, the first table's, its end first
+    assert pool.num_cached_blocks == 29 and pool._num_free == 2
+    pool.allocate(t, 8)  # grows into the free block after it; a batch of 2 more is evicted to keep the reserve
+    assert t.block_ids[1] == t.block_ids[0] + 1 and pool.num_cached_blocks == 27 and pool._num_free == 3
+    pool.free(t)
+
+
 def test_an_evicted_parent_does_not_make_its_stale_child_a_hit():
     """Contents chain by content id, never reused: a block that held a parent and now holds other tokens does not
     lead to the old parent's children."""
