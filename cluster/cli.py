@@ -38,6 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                    help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
+    _add_prefix_caching_arg(p, on_by_default=False)
     _add_passthrough_args(p)
 
 
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_prefix_caching_arg(p: argparse.ArgumentParser, on_by_default: bool) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of earlier requests' common prefixes (a shared system prompt, a chat's "
+                   f"earlier turns); vLLM's automatic prefix caching (default: {'on' if on_by_default else 'off'})")
+
+
 def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON",
                    help='every speculation option as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
@@ -73,9 +80,6 @@ def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
                    help="more specray.config.EngineArgs fields: a JSON object or KEY=VALUE (the value parsed as "
                    'JSON when it is JSON), repeatable; e.g. \'{"ray_placement": {"pool_name": "shared"}}\' or '
                    "block_size=32")
-    p.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                   help="reuse the KV blocks of earlier requests' common prefixes (a shared system prompt, a chat's "
-                   "earlier turns); vLLM's automatic prefix caching")
 
 
 def _add_serve_parser(sub) -> None:
@@ -90,6 +94,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
     _add_passthrough_args(p)
+    _add_prefix_caching_arg(p, on_by_default=True)  # as in vLLM, the Serve config and k8s/
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -236,8 +241,8 @@ def engine_kwargs(args) -> dict:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                   seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                   distributed_executor_backend=args.distributed_executor_backend)
-    if args.enable_prefix_caching:
-        kwargs["enable_prefix_caching"] = True
+    if args.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     extra = parse_engine_kwargs(args.engine_kwargs)
     from specray.config import EngineArgs
 
@@ -312,6 +317,8 @@ def serve_app_args(args) -> dict:
     (engine flags pass through to EngineArgs, whose defaults stand for the rest) plus ``engine_kwargs``."""
     app_args = {name: getattr(args, name) for name in _SERVE_FLAGS if getattr(args, name) is not None}
     app_args["engine_kwargs"] = parse_engine_kwargs(args.engine_kwargs)
+    if args.enable_prefix_caching is None and "enable_prefix_caching" not in app_args["engine_kwargs"]:
+        app_args["enable_prefix_caching"] = True  # serving caches prefixes unless told not to
     app_args["enable_debug_routes"] = args.enable_debug_routes
     return app_args
 

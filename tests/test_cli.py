@@ -69,12 +69,15 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     engine_args = parsed.engine_args()
     assert engine_args.speculative_config.num_speculative_tokens == 3 and engine_args.max_model_len == 128
     assert engine_args.ray_placement.strategy == "STRICT_SPREAD" and engine_args.device == "cpu"
-    assert not engine_args.enable_prefix_caching
+    assert engine_args.enable_prefix_caching  # on for serving unless turned off
     # "none", what the help calls the default, is plain decoding
     plain = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--spec-method", "None",
-                                       "--enable-prefix-caching"])
+                                       "--no-enable-prefix-caching"])
     plain_args = ServeArgs.from_dict(serve_app_args(plain)).engine_args()
-    assert plain_args.speculative_config is None and plain_args.enable_prefix_caching
+    assert plain_args.speculative_config is None and not plain_args.enable_prefix_caching
+    off = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--engine-kwargs",
+                                     "enable_prefix_caching=false"])
+    assert not ServeArgs.from_dict(serve_app_args(off)).engine_args().enable_prefix_caching
 
 
 def test_generate_flag_enables_prefix_caching(tiny_llama_dir):
@@ -84,6 +87,9 @@ def test_generate_flag_enables_prefix_caching(tiny_llama_dir):
                                     "--enable-prefix-caching"])
     off = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x"])
     assert engine_kwargs(on)["enable_prefix_caching"] is True and "enable_prefix_caching" not in engine_kwargs(off)
+    no = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x",
+                                    "--no-enable-prefix-caching"])
+    assert engine_kwargs(no)["enable_prefix_caching"] is False
 
 
 def test_serve_without_the_default_model_says_how_to_install_it(monkeypatch, capsys):
