@@ -40,9 +40,13 @@ class RequestResult:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     spec_reported: bool = False  # the usage had the speculative field
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (OpenAI's): prompt tokens from the cache
 
     def read_usage(self, usage: dict) -> None:
         self.output_tokens = usage["completion_tokens"]
+        self.prompt_tokens = usage.get("prompt_tokens", 0)
+        self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         spec = usage.get("speculative") or {}
         self.spec_reported = "speculative" in usage
         self.drafts = spec.get("drafts", 0)
@@ -283,6 +287,8 @@ def summarize(results: list[RequestResult], elapsed: float) -> dict:
         "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_ms": _stats([r.e2e for r in ok]),
         "speculation": _speculation(ok),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
     }
 
 
@@ -337,6 +343,9 @@ def format_report(summary: dict) -> str:
                      "found nothing to propose)")
     else:
         lines.append("speculation: not reported (a server without usage.speculative)")
+    if summary.get("prompt_tokens"):
+        lines.append(f"prefix cache: {summary['cached_prompt_tokens']} of {summary['prompt_tokens']} prompt tokens "
+                     f"({summary['cached_prompt_tokens'] / summary['prompt_tokens']:.0%}) read from the cache")
     for message, count in summary["errors"].items():
         lines.append(f"error x{count}: {message}")
     return "\n".join(lines)

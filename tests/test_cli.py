@@ -325,3 +325,5 @@ def test_bench_serve_report_says_whether_the_server_reports_speculation():
     none = {"speculative": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}}
     assert "no tokens were drafted" in format_report(summarize([result(none)], 1.0))
     assert "not reported" in format_report(summarize([result({})], 1.0))
+    cached = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
+    assert "prefix cache: 32 of 40 prompt tokens (80%)" in format_report(summarize([result(cached)], 1.0))

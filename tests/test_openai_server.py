@@ -844,6 +844,7 @@ def test_bench_serve_prints_acceptance_figures(server, capsys):
     assert main([*argv, "--stream"]) == 0
     out = capsys.readouterr().out
     assert "speculation:" in out and "accepted (acceptance rate" in out, out
+    assert "prompt tokens" in out and "read from the cache" in out, out
     assert main([*argv, "--json"]) == 0  # non-streaming: the figures come from the response's usage
     spec = json.loads(capsys.readouterr().out)["speculation"]
     assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
