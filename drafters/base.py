@@ -118,3 +118,5 @@ class DrafterContext:
     # tokenizer already checked against the target's there (``prepare``); None: the drafter reads and checks
     draft_model_config: object | None = None
     prepared: bool = False  # the drafter class's ``prepare`` ran on it (:func:`prepared`)
+    # the engine caches prefixes (``enable_prefix_caching``): a drafter with a KV cache of its own may too
+    enable_prefix_caching: bool = False

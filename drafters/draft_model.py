@@ -51,6 +51,7 @@ class DraftModelOptions:
 class _DraftState:
     cached: list[int] = field(default_factory=list)  # tokens whose KV this drafter holds
     block_ids: list[int] = field(default_factory=list)
+    block_contents: list[int] = field(default_factory=list)  # prefix caching: its registered blocks' contents
     generator: torch.Generator | None = None
 
 
@@ -103,7 +104,9 @@ class DraftModelDrafter:
         per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // self.block_size) + 1
         num_blocks = ctx.max_num_seqs * per_seq
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size)
-        self.blocks = BlockPool(num_blocks, self.block_size)
+        # with prefix caching, a request's state starts from the blocks of its longest whole-block prefix that an
+        # earlier request's committed tokens filled (the draft model's own K/V of them), as the target's does
+        self.blocks = BlockPool(num_blocks, self.block_size, enable_caching=ctx.enable_prefix_caching)
         self.seed = ctx.seed
         self.states: dict[str, _DraftState] = {}
 
@@ -138,6 +141,9 @@ class DraftModelDrafter:
             seed = d.sampling_params.seed
             state = _DraftState(generator=make_generator(draft_seed(seed), self.device))
             self.states[d.req_id] = state
+            if self.blocks.enable_caching:
+                hit = self.blocks.take_cached(state, d.token_ids, len(d.token_ids) - 1, d.sampling_params.cache_salt)
+                state.cached.extend(d.token_ids[:hit])
         keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
         del state.cached[keep:]
         self.blocks.rewind(state, keep)
@@ -173,6 +179,10 @@ class DraftModelDrafter:
             live = [i for i in live if len(drafts[i]) < reqs[i].num_speculative_tokens]
             if not live:
                 break
+        if self.blocks.enable_caching:  # the blocks its committed tokens fill (never past them: drafts may go)
+            for d, s in zip(reqs, states):
+                self.blocks.cache_blocks(s, d.token_ids, min(len(s.cached), len(d.token_ids)),
+                                         d.sampling_params.cache_salt)
         probs = [torch.stack(q) if q and not d.sampling_params.greedy else None for q, d in zip(qs, reqs)]
         return drafts, probs
 

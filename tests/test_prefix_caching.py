@@ -301,6 +301,24 @@ def test_greedy_outputs_with_the_cache_equal_those_without(name, tiny_llama_dir,
         assert blocks.num_free_blocks == blocks.num_blocks
 
 
+def test_a_draft_model_reuses_its_own_cached_blocks(tiny_llama_dir, tiny_draft_dir, uncached):
+    """The draft model's own KV cache caches prefixes too: requests behind a cached prefix feed the draft model
+    only what follows it."""
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec, enable_prefix_caching=True) as llm:
+        drafter = llm.engine.drafter
+        fed = []
+        forward = drafter._forward
+        drafter._forward = lambda states, feeds: fed.append(sum(map(len, feeds))) or forward(states, feeds)
+        llm.generate(CACHED_PROMPTS[:1], runs.greedy(16), use_tqdm=False)
+        first = sum(fed)
+        fed.clear()
+        again = llm.generate(CACHED_PROMPTS[:1], runs.greedy(16), use_tqdm=False)
+        assert runs.token_ids(again) == uncached[:1] and drafter.blocks.num_cached_blocks > 0
+        assert sum(fed) < first - 48  # the prompt's cached blocks are not fed again
+        assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
+
+
 def test_trees_moved_into_place_are_cached_after_their_move(tiny_llama_dir, uncached):
     """A tree's accepted path is moved into its committed slots in the next plan: those blocks are registered
     only then, so a request that finds them cached reads the moved K/V (outputs equal the uncached ones)."""
