@@ -446,6 +446,48 @@ register_client_gone(TaskCancelledError)  # Serve cancels a request whose client
 # Engine replica id -> this process's requests in flight on it (the ingress counts, its router reads).
 _IN_FLIGHT: collections.Counter[str] = collections.Counter()
 
+# A request goes to the replica that last took a prompt with the same prefix (its KV blocks are likely cached
+# there) unless that replica has this many more requests in flight than the least loaded one.
+AFFINITY_SLACK = 4
+
+
+class PrefixAffinity:
+    """Which engine replica last took a prompt with each prefix, in this process: prefixes of 16, 32, 64, ...
+    tokens (whole KV blocks, at most all but the prompt's last token, as the engine caches them) and the request's
+    cache salt, at most ``capacity`` of them, the least recently used forgotten first. Routing only reads it: a
+    wrong or stale entry sends a request to a replica that computes more, never to a wrong answer."""
+
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._replica: collections.OrderedDict[int, str] = collections.OrderedDict()
+
+    @staticmethod
+    def keys(prompt_token_ids: list[int], salt: str | None) -> list[int]:
+        """The prompt's prefix keys, shortest first."""
+        keys, length = [], 16
+        while length <= len(prompt_token_ids) - 1:
+            keys.append(hash((salt, tuple(prompt_token_ids[:length]))))
+            length *= 2
+        return keys
+
+    def replica_for(self, keys: list[int], live: set[str]) -> str | None:
+        """The live replica that took the longest of these prefixes last, or None."""
+        for key in reversed(keys):
+            replica = self._replica.get(key)
+            if replica in live:
+                return replica
+        return None
+
+    def record(self, keys: list[int], replica_id: str) -> None:
+        for key in keys:
+            self._replica[key] = replica_id
+            self._replica.move_to_end(key)
+        while len(self._replica) > self.capacity:
+            self._replica.popitem(last=False)
+
+
+_AFFINITY = PrefixAffinity()  # the ingress's client records, its router reads (one per process, as _IN_FLIGHT)
+
 # What a handle call raises when the engine replica is gone (killed, crashed, being replaced) or none is placed.
 _UNAVAILABLE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
 
@@ -462,8 +504,9 @@ class RemoteEngineClient:
     a request that no replica takes within ``ack_timeout_s`` gets it too, rather than waiting for a restart."""
 
     def __init__(self, handle, tokenizer, max_model_len: int, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 probe_interval_s: float = PROBE_INTERVAL_S):
+                 probe_interval_s: float = PROBE_INTERVAL_S, prefix_affinity: bool = False):
         self._handle = handle
+        self.prefix_affinity = prefix_affinity  # the engines cache prefixes: remember where each prompt went
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.ack_timeout_s = ack_timeout_s
@@ -521,6 +564,8 @@ class RemoteEngineClient:
         link = self._link(replica_id)
         link.requests.add(req_id)
         _IN_FLIGHT[replica_id] += 1
+        if self.prefix_affinity:
+            _AFFINITY.record(PrefixAffinity.keys(prompt_token_ids, params.cache_salt), replica_id)
         return link
 
     def _abort_added(self, added: asyncio.Future, req_id: str) -> None:
@@ -741,7 +786,8 @@ class SpecrayServer:
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({REQUEST_METRICS}))
         max_model_len = resolve_max_model_len(engine_args.max_model_len, load_hf_config(engine_args.model))
         tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-        self.client = RemoteEngineClient(engine, tokenizer, max_model_len)
+        self.client = RemoteEngineClient(engine, tokenizer, max_model_len,
+                                         prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1)
 
     def __serve_build_asgi_app__(self):
         config = self.args.server_config(self.max_num_seqs)
@@ -757,8 +803,9 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
     replica only (an ingress's output stream and its aborts must reach the replica that holds its requests);
     while that replica is not among the running ones, the call waits, and the caller's timeout or the stream's
     error decides. Any other call (a request's add) goes to the replica with the fewest of this process's
-    requests in flight: an add returns at once, so Serve's own count of ongoing calls no longer says how
-    loaded a replica is."""
+    requests in flight (an add returns at once, so Serve's own count of ongoing calls no longer says how
+    loaded a replica is), or, with prefix caching, to the replica that last took a prompt with the longest
+    prefix in common (:class:`PrefixAffinity`) while it has at most ``AFFINITY_SLACK`` more in flight."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -766,10 +813,30 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
             pending_request.routing_context.should_backoff = True
         session = pending_request.metadata.session_id if pending_request is not None else ""
         if not session.startswith(PIN_PREFIX):
-            return [[replica] for replica in least_loaded(candidate_replicas)]
+            ranked = least_loaded(candidate_replicas)
+            preferred = _affine_replica(ranked, pending_request)
+            if preferred is not None:
+                ranked.remove(preferred)
+                ranked.insert(0, preferred)
+            return [[replica] for replica in ranked]
         target = session[len(PIN_PREFIX):]
         pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
         return [pinned] if pinned else []
+
+
+def _affine_replica(ranked: list[RunningReplica], pending: PendingRequest | None) -> RunningReplica | None:
+    """The replica an add should prefer for its prompt's cached prefix (``ranked``: least loaded first), if any
+    and not too loaded; a call that is not an add (its args: ingress id, req id, token ids, params, ...) has
+    none."""
+    args = getattr(pending, "args", None)
+    if not ranked or not args or len(args) < 4 or not isinstance(args[2], list):
+        return None
+    by_id = {r.replica_id.unique_id: r for r in ranked}
+    target = _AFFINITY.replica_for(PrefixAffinity.keys(args[2], getattr(args[3], "cache_salt", None)), set(by_id))
+    if target is None:
+        return None
+    least = _IN_FLIGHT[ranked[0].replica_id.unique_id]
+    return by_id[target] if _IN_FLIGHT[target] <= least + AFFINITY_SLACK else None
 
 
 def least_loaded(replicas: list[RunningReplica]) -> list[RunningReplica]:

@@ -1349,6 +1349,46 @@ def test_pinned_calls_reach_the_named_engine_replica_only():
         serve_module._IN_FLIGHT.subtract({"a": 3, "b": 1})
 
 
+def test_adds_prefer_the_replica_that_took_their_prefix_while_it_is_not_much_busier():
+    """With prefix caching over several engine replicas, a request goes where a prompt with the longest common
+    prefix went (its blocks are likely cached there) unless that replica has more than AFFINITY_SLACK requests in
+    flight beyond the least loaded one's; salts keep tenants apart; other calls go by load alone."""
+    from specray.cluster import serve as serve_module
+    from specray.cluster.serve import AFFINITY_SLACK, PinnedRouter, PrefixAffinity
+
+    def replica(uid: str):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
+
+    def add(ids, salt=None):
+        params = SamplingParams(max_tokens=4, cache_salt=salt)
+        return SimpleNamespace(args=["ingress", "r", ids, params, None], metadata=SimpleNamespace(session_id=""),
+                               routing_context=SimpleNamespace(should_backoff=False))
+
+    router = object.__new__(PinnedRouter)
+    a, b = replica("a"), replica("b")
+    system = list(range(100, 140))  # 40 tokens: prefixes of 16 and 32 are keys
+    old = serve_module._AFFINITY
+    serve_module._AFFINITY = PrefixAffinity()
+    try:
+        serve_module._AFFINITY.record(PrefixAffinity.keys(system + [1, 2], None), "b")
+        serve_module._IN_FLIGHT.update({"a": 1, "b": 1 + AFFINITY_SLACK})
+        assert asyncio.run(router.choose_replicas([a, b], add(system + [7, 8, 9])))[0] == [b]
+        assert asyncio.run(router.choose_replicas([a, b], add(system[:20] + [5] * 20)))[0] == [b]  # 16 in common
+        assert asyncio.run(router.choose_replicas([a, b], add([5] * 40)))[0] == [a]  # nothing in common: by load
+        assert asyncio.run(router.choose_replicas([a, b], add(system + [7], salt="t")))[0] == [a]  # another salt
+        assert asyncio.run(router.choose_replicas([a], add(system + [7])))[0] == [a]  # b is gone
+        serve_module._IN_FLIGHT["b"] += 1  # now too busy for the cache to pay
+        assert asyncio.run(router.choose_replicas([a, b], add(system + [7, 8, 9])))[0] == [a]
+    finally:
+        serve_module._AFFINITY = old
+        serve_module._IN_FLIGHT.subtract({"a": 1, "b": 2 + AFFINITY_SLACK})
+    small = PrefixAffinity(capacity=2)
+    small.record(PrefixAffinity.keys(list(range(40)), None), "a")  # two keys
+    small.record(PrefixAffinity.keys(list(range(50, 70)), None), "b")  # one more: the oldest goes
+    assert small.replica_for(PrefixAffinity.keys(list(range(20)), None), {"a", "b"}) is None
+    assert small.replica_for(PrefixAffinity.keys(list(range(40)), None), {"a", "b"}) == "a"
+
+
 class _FakeEngineReplica:
     """A DeploymentHandle stand-in for one live engine replica ``r1``: ``add`` answers its id, ``outputs``
     streams what the test puts into ``batches`` (after the empty first item), ``abort`` records its ids."""
