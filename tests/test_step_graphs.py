@@ -24,11 +24,12 @@ def graphs_of(llm):
 def test_graph_steps_equal_eager_steps(request, fixture, spec):
     """Batches of 6 (padded to 8) and of 1, block size 4 (contexts of many blocks, padded to powers of two, and
     requests' padding rows past their blocks), plain decoding and verify steps whose requests bring different
-    draft counts (padded to the step's longest); Gemma 3's sliding-window masks included."""
+    draft counts (padded to the step's longest); Gemma 3's sliding-window masks included. The graph engine caches
+    prefixes: the second batch's request starts from the first's blocks, its table holding shared ones."""
     folder = str(request.getfixturevalue(fixture))
     kwargs = dict(max_model_len=256, block_size=4, speculative_config=spec)
     eager = LLM(model=folder, **kwargs)
-    graphs = LLM(model=folder, enforce_eager=False, **kwargs)
+    graphs = LLM(model=folder, enforce_eager=False, enable_prefix_caching=True, **kwargs)
     for prompts in (PROMPTS, PROMPTS[:1]):
         want = token_ids(eager.generate(prompts, greedy(), use_tqdm=False))
         assert token_ids(graphs.generate(prompts, greedy(), use_tqdm=False)) == want
@@ -40,6 +41,7 @@ def test_graph_steps_equal_eager_steps(request, fixture, spec):
         assert any(q > 1 for _, q, _ in shapes), list(shapes)
         assert graphs.spec_stats.accepted_tokens > 0
     assert graphs.engine.scheduler.block_manager.num_free_blocks == graphs.engine.scheduler.config.num_blocks
+    assert graphs.engine.scheduler.prefix_cache_hits > 0
 
 
 def test_padding_rows_write_only_scratch_blocks(tiny_llama_dir):
