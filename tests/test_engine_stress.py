@@ -125,8 +125,8 @@ CASES = {
     "ngram-prefix-cache": {"speculative_config": NGRAM, "long_prefill_token_threshold": 12,
                            "enable_prefix_caching": True},
     # (a fixed draft count: what finishes inside the workload's steps does not follow this machine's load)
-    "eagle3-prefix-cache": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False},
-                            "enable_prefix_caching": True},
+    "eagle3-prefix-cache": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4,
+                                                   "adaptive": False}, "enable_prefix_caching": True},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)
