@@ -360,6 +360,10 @@ def print_summary(outs, elapsed: float, stats, drafter_stats: dict | None = None
                      f"{stats.mean_accepted_length:.2f}  per position [{per_pos}]")
     if drafter_stats:
         lines.append("drafter: " + "  ".join(f"{k} {v}" for k, v in drafter_stats.items()))
+    cached = sum(o.num_cached_tokens for o in outs)
+    if cached:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        lines.append(f"prefix cache: {cached} of {prompt} prompt tokens ({cached / prompt:.0%}) read from the cache")
     print("\n".join(lines), file=sys.stderr)
 
 

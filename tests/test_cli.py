@@ -80,8 +80,13 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     assert not ServeArgs.from_dict(serve_app_args(off)).engine_args().enable_prefix_caching
 
 
-def test_generate_flag_enables_prefix_caching(tiny_llama_dir):
-    from specray.cluster.cli import build_parser, engine_kwargs
+def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):
+    from specray.cluster.cli import build_parser, engine_kwargs, main
+
+    shared = "The same long instruction comes first in both prompts, word for word, and then a question. "
+    assert main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "2", "--enable-prefix-caching",
+                 "--prompt", shared + "One?", "--prompt", shared + "Two?"]) == 0
+    assert "prefix cache: " in capsys.readouterr().err  # the second waited for the first's blocks
 
     on = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x",
                                     "--enable-prefix-caching"])
