@@ -3,6 +3,7 @@ scheduler's admission from cached blocks, and the engine's outputs, which must e
 cache token for token (plain decoding and every kind of drafter, penalties, seeded sampling, preemption)."""
 from __future__ import annotations
 
+import collections
 import sys
 
 import pytest
@@ -159,6 +160,72 @@ def test_a_salt_shares_only_with_its_own_salt():
         if salt == "tenant-a":
             assert t.block_ids == salted.block_ids[:2]
         pool.free(t)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_keep_the_pool_consistent(seed):
+    """Random tables over a small vocabulary (so prefixes recur) take cached blocks, grow, register, rewind and
+    free; after every operation: each block's count is the number of tables holding it, every block is free,
+    cached or held (once), a table holds no block twice, and every hit's blocks hold exactly the tokens asked for
+    (checked against what each block was computed with)."""
+    import random
+
+    rng = random.Random(seed)
+    pool = BlockPool(24, BS, enable_caching=True)
+    written: dict[int, tuple[int, ...]] = {}  # block -> the whole token prefix its K/V was computed for
+    live: list[tuple[Table, list[int]]] = []
+
+    def check():
+        held = collections.Counter(b for t, _ in live for b in t.block_ids)
+        assert all(len(set(t.block_ids)) == len(t.block_ids) for t, _ in live)
+        for b in range(pool.num_blocks):
+            assert pool._refs[b] == held[b], (b, pool._refs[b], held[b])
+            states = [pool._is_free[b] == 1, b in pool._evictable, held[b] > 0]
+            assert sum(states) == 1, (b, states)
+            assert (b in pool._evictable) <= (b in pool._key_of)
+        assert pool.num_free_blocks == pool.num_blocks - len(held)
+
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.35 and pool.num_free_blocks >= 4:  # a new table: its cached prefix, then computed to its length
+            tokens = [rng.choice([1, 2]) for _ in range(rng.randint(2, 12))]
+            t = Table()
+            hit = pool.take_cached(t, tokens, len(tokens) - 1)
+            for i, b in enumerate(t.block_ids):
+                assert written[b] == tuple(tokens[:(i + 1) * BS]), "a hit holds other tokens"
+            if not pool.can_fit(t, len(tokens)):
+                pool.free(t)
+                continue
+            pool.allocate(t, len(tokens))
+            for i in range(hit // BS, pool.blocks_for(len(tokens))):
+                written[t.block_ids[i]] = tuple(tokens[:(i + 1) * BS])
+            pool.cache_blocks(t, tokens, len(tokens))
+            live.append((t, tokens))
+        elif op < 0.6 and live:  # grow by a few tokens, computed and registered
+            t, tokens = rng.choice(live)
+            more = [rng.choice([1, 2]) for _ in range(rng.randint(1, 5))]
+            if pool.can_fit(t, len(tokens) + len(more)):
+                first = len(tokens) // BS
+                tokens.extend(more)
+                pool.allocate(t, len(tokens))
+                for i in range(first, pool.blocks_for(len(tokens))):
+                    if i >= len(t.block_contents):  # never rewrite a registered (maybe shared) block
+                        written[t.block_ids[i]] = tuple(tokens[:(i + 1) * BS])
+                pool.cache_blocks(t, tokens, len(tokens))
+        elif op < 0.75 and live:  # rewind past its registered blocks (rejected drafts)
+            t, tokens = rng.choice(live)
+            keep = max(len(t.block_contents) * BS, len(tokens) - rng.randint(0, 4), 1)
+            del tokens[keep:]
+            pool.rewind(t, keep)
+        elif op < 0.97 and live:
+            t, _ = live.pop(rng.randrange(len(live)))
+            pool.free(t)
+        else:
+            pool.reset_cache()
+        check()
+    for t, _ in live:
+        pool.free(t)
+    assert pool.num_free_blocks == pool.num_blocks
 
 
 def test_without_caching_nothing_is_registered():
