@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from specray.cluster.reasoning import REASONING_PARSERS
+
 logger = logging.getLogger("specray.cli")
 
 
@@ -118,6 +120,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $SPECRAY_API_KEY; neither: no key)")
     p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="a reasoning model's <think> ... </think> goes to chat messages' reasoning_content (vLLM's)")
 
 
 def _add_bench_parser(sub) -> None:
@@ -309,7 +313,8 @@ def cmd_generate(args) -> int:
 _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
-                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching")
+                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching",
+                "reasoning_parser")
 
 
 def serve_app_args(args) -> dict:

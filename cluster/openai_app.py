@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specray.chat import render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster.metrics import ServerMetrics, engine_state
+from specray.cluster.reasoning import ReasoningSplitter, starts_thinking
 from specray.errors import EngineError
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -124,6 +125,7 @@ class ServerConfig:
     max_seats_per_request: int | None = None
     max_n: int = proto.MAX_N
     max_tokens_per_request: int | None = None
+    reasoning_parser: str | None = None  # chat messages' <think> ... </think> in reasoning_content (vLLM's)
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -146,6 +148,7 @@ class _Choice:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     sent_chars: int = 0
+    reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
     sent_tokens: int = 0
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
     echoed: bool = False  # the prompt went out (completions with echo=true)
@@ -352,17 +355,47 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    def __init__(self, *args, reasoning_parser: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser
+
+    def _splitter(self, choice: _Choice) -> ReasoningSplitter | None:
+        if self.reasoning_parser is None:
+            return None
+        if choice.reasoning is None:
+            choice.reasoning = ReasoningSplitter(starts_thinking(self.reasoning_parser, choice.prompt.text))
+        return choice.reasoning
+
     def _logprobs(self, choice: _Choice, start: int, end: int) -> proto.ChatLogprobs | None:
         sliced = self._token_slice(choice, start, end)
         return None if sliced is None else self.logprob_fmt.chat(*sliced, self.num_logprobs)
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
-        items = [proto.ChatChoice(index=c.index, message=proto.AssistantMessage(content=c.output.text),
-                                  finish_reason=c.output.finish_reason,
+        items = [proto.ChatChoice(index=c.index, message=self._message(c), finish_reason=c.output.finish_reason,
                                   logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
                  for c in choices]
         return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
                                     usage=usage, prompt_logprobs=self._prompt_logprobs(choices[0])).model_dump()
+
+    def _message(self, choice: _Choice) -> proto.AssistantMessage:
+        splitter = self._splitter(choice)
+        if splitter is None:
+            return proto.AssistantMessage(content=choice.output.text)
+        reasoning, content = splitter.split(choice.output.text)
+        return proto.AssistantMessage(content=content, reasoning_content=reasoning)
+
+    def _delta(self, choice: _Choice, text: str, finished: bool) -> dict[str, str]:
+        """The chunk's delta for new ``text``: its content, or with a reasoning parser its reasoning and its
+        content apart (a tail that may begin a tag waits for the next chunk, or the last)."""
+        splitter = self._splitter(choice)
+        if splitter is None:
+            return {"content": text} if text else {}
+        reasoning, content = splitter.push(text)
+        if finished:
+            r, c = splitter.finish()
+            reasoning, content = reasoning + r, content + c
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        return {**delta, "content": content} if content else delta
 
     def _chunk(self, choices: list[proto.ChatChunkChoice], usage: proto.Usage | None = None):
         return proto.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -375,10 +408,11 @@ class _ChatFormat(_Format):
     def chunk(self, choice: _Choice) -> proto.ChatCompletionChunk | None:
         text, start, end = choice.take_delta()
         finish = choice.output.finish_reason
-        if not text and finish is None and (start == end or self.num_logprobs is None):
+        delta = self._delta(choice, text, finish is not None)
+        if not delta and finish is None and (start == end or self.num_logprobs is None):
             return None
-        item = proto.ChatChunkChoice(index=choice.index, delta={"content": text} if text else {},
-                                     finish_reason=finish, logprobs=self._logprobs(choice, start, end))
+        item = proto.ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish,
+                                     logprobs=self._logprobs(choice, start, end))
         return self._chunk([item])
 
     def usage_chunk(self, usage: proto.Usage) -> proto.ChatCompletionChunk:
@@ -500,7 +534,7 @@ class OpenAIServing:
         request_id = proto.new_id("chatcmpl")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
         fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
-                          req.prompt_logprobs)
+                          req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser)
         return await self._run(req, choices, fmt, arrival)
 
     async def _tokenize(self, body: Any, arrival: float) -> Response:

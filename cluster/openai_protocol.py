@@ -579,7 +579,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: a reasoning model's thinking never ended, so no answer came (reasoning_parser)
+    reasoning_content: str | None = None  # vLLM's: the thinking, with a reasoning_parser
 
 
 class ChatChoice(BaseModel):

@@ -57,6 +57,7 @@ from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app,
     register_client_gone)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
+from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
 from specray.engine.builder import check_engine_args, check_heads  # noqa: E402
@@ -120,6 +121,8 @@ class ServeArgs:
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     api_key: str | None = None  # None: $SPECRAY_API_KEY, else no key needed
     enable_debug_routes: bool = False  # GET /v1/debug/kv
+    # vLLM's: a reasoning model's <think> ... </think> in chat messages' reasoning_content (deepseek_r1, qwen3)
+    reasoning_parser: str | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -159,6 +162,7 @@ class ServeArgs:
             self.engine_kwargs["model"] = default_model_path()  # a ValueError that says how to install it
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         self._check_limits()
+        check_reasoning_parser(self.reasoning_parser)
         if self.served_model_name is None:
             self.served_model_name = default_served_name(self.model)
         if self.api_key is None:
@@ -188,7 +192,8 @@ class ServeArgs:
         return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
                             enable_debug_routes=self.enable_debug_routes,
                             max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
-                            max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n)
+                            max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n,
+                            reasoning_parser=self.reasoning_parser)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

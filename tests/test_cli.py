@@ -75,6 +75,9 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
                                        "--no-enable-prefix-caching"])
     plain_args = ServeArgs.from_dict(serve_app_args(plain)).engine_args()
     assert plain_args.speculative_config is None and not plain_args.enable_prefix_caching
+    thinking = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--reasoning-parser", "qwen3"])
+    assert ServeArgs.from_dict(serve_app_args(thinking)).server_config(8).reasoning_parser == "qwen3"
+    assert parsed.server_config(8).reasoning_parser is None
     off = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--engine-kwargs",
                                      "enable_prefix_caching=false"])
     assert not ServeArgs.from_dict(serve_app_args(off)).engine_args().enable_prefix_caching

@@ -1017,6 +1017,56 @@ class FakeEngineClient:
         return True
 
 
+class ScriptedEngineClient(FakeEngineClient):
+    """Answers every request with ``pieces`` of text, one output each (cumulative)."""
+
+    def __init__(self, pieces: list[str]):
+        super().__init__(tokens=len(pieces))
+        self.pieces = pieces
+
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        for n in range(1, len(self.pieces) + 1):
+            done = n == len(self.pieces)
+            out = CompletionOutput(0, "".join(self.pieces[:n]), list(range(n)), finish_reason="stop" if done else None)
+            yield RequestOutput(req_id, prompt, prompt_token_ids, [out], finished=done)
+
+
+@pytest.mark.parametrize("parser,pieces,reasoning,content", [
+    ("deepseek_r1", ["Let me th", "ink: 2+2.</th", "ink>\n\nIt is", " 4."], "Let me think: 2+2.", "\n\nIt is 4."),
+    ("qwen3", ["<thi", "nk>Hmm.</think>", "Four."], "Hmm.", "Four."),
+    ("qwen3", ["Four", "."], None, "Four."),  # no thinking phase: all content
+    ("deepseek_r1", ["Still thinking", " about it <"], "Still thinking about it <", None),  # never ended
+])
+def test_reasoning_parser_splits_thinking_from_the_answer(parser, pieces, reasoning, content):
+    """vLLM's --reasoning-parser: the message's reasoning_content and content, whole and streamed (tags split
+    over deltas, a held tail flushed at the end); the completions endpoint keeps the text as it is."""
+    with app_in_thread(ScriptedEngineClient(pieces), reasoning_parser=parser) as base:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "2+2?"}]}
+        status, whole = http_json(base + "/v1/chat/completions", body)
+        assert status == 200, whole
+        message = whole["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in sse_events(base + "/v1/chat/completions",
+                                                                            {**body, "stream": True})
+                  if e != "[DONE]" and json.loads(e)["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        status, completion = http_json(base + "/v1/completions", {"model": "fake", "prompt": "2+2?"})
+        assert completion["choices"][0]["text"] == "".join(pieces)
+
+
+def test_reasoning_parser_starts_from_the_prompt_for_qwen3():
+    from specray.cluster.reasoning import ReasoningSplitter, check_reasoning_parser, starts_thinking
+
+    assert starts_thinking("qwen3", "<|im_start|>assistant\n<think>\n")
+    assert not starts_thinking("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking turned off
+    assert starts_thinking("deepseek_r1", "")
+    splitter = ReasoningSplitter(thinking=True)
+    assert [splitter.push(t) for t in ["a</", "b", "</think", ">c"]] == [("a", ""), ("</b", ""), ("", ""), ("", "c")]
+    with pytest.raises(ValueError, match="reasoning_parser='r1'"):
+        check_reasoning_parser("r1")
+
+
 @contextlib.contextmanager
 def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, **config):
     import uvicorn

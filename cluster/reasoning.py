@@ -1,0 +1,80 @@
+"""Reasoning content (vLLM's ``--reasoning-parser``): a reasoning model's thinking, between ``<think>`` and
+``</think>``, goes to a chat message's ``reasoning_content``, the rest to its ``content``; streamed, each delta
+carries the part of the new text that belongs to either, the tags left out.
+
+Where the output starts: inside the thinking phase for ``deepseek_r1`` (DeepSeek-R1's template opens it in the
+prompt, or the model is trained to think first and may omit the opening tag), and for ``qwen3`` when the rendered
+prompt ends inside an open ``<think>`` (else outside it, so that Qwen3 with ``enable_thinking=False``, whose template
+closes an empty thinking phase in the prompt, answers in ``content``). A tag may arrive split over several deltas:
+a tail of the new text that could begin one is held until the next delta (or the end) tells.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+BEGIN, END = "<think>", "</think>"
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={name!r} is not known; choose one of {list(REASONING_PARSERS)} "
+                         "(both split <think> ... </think> from the answer) or leave it unset")
+
+
+def starts_thinking(parser: str, prompt_text: str | None) -> bool:
+    """Whether a response to ``prompt_text`` (the rendered chat) starts inside the thinking phase."""
+    if parser == "deepseek_r1":
+        return True
+    text = prompt_text or ""
+    return text.rfind(BEGIN) > text.rfind(END)
+
+
+class ReasoningSplitter:
+    """Splits one choice's text, pushed delta by delta, into (reasoning, content)."""
+
+    def __init__(self, thinking: bool):
+        self.thinking = thinking
+        self.saw_reasoning = thinking
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, str]:
+        """The reasoning and the content in ``text`` (after what an earlier push held back)."""
+        text, self._held = self._held + text, ""
+        reasoning, content = [], []
+        while text:
+            tag = END if self.thinking else BEGIN
+            part = reasoning if self.thinking else content
+            at = text.find(tag)
+            if at >= 0:
+                part.append(text[:at])
+                text = text[at + len(tag):]
+                self.thinking = not self.thinking
+                self.saw_reasoning = True
+                continue
+            keep = _tag_start(text, tag)
+            part.append(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held, as the phase the text ended in (no tag completed it)."""
+        held, self._held = self._held, ""
+        return (held, "") if self.thinking else ("", held)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A whole text as the message's (reasoning_content, content): None for a part that never began (no
+        thinking phase; an answer that never came because the thinking never ended)."""
+        r1, c1 = self.push(text)
+        r2, c2 = self.finish()
+        reasoning, content = r1 + r2, c1 + c2
+        ended_thinking = self.thinking
+        return (reasoning if self.saw_reasoning else None), (None if ended_thinking and not content else content)
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """The length of the longest tail of ``text`` that is a proper beginning of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
