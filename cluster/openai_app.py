@@ -148,10 +148,10 @@ class _Choice:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     sent_chars: int = 0
-    reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
     sent_tokens: int = 0
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
     echoed: bool = False  # the prompt went out (completions with echo=true)
+    reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
 
     def update(self, out: RequestOutput) -> None:
         self.output = out.outputs[0]

@@ -475,6 +475,9 @@ class PrefixAffinity:
             length *= 2
         return keys
 
+    def __len__(self) -> int:
+        return len(self._replica)
+
     def replica_for(self, keys: list[int], live: set[str]) -> str | None:
         """The live replica that took the longest of these prefixes last, or None."""
         for key in reversed(keys):
@@ -834,8 +837,8 @@ def _affine_replica(ranked: list[RunningReplica], pending: PendingRequest | None
     and not too loaded; a call that is not an add (its args: ingress id, req id, token ids, params, ...) has
     none."""
     args = getattr(pending, "args", None)
-    if not ranked or not args or len(args) < 4 or not isinstance(args[2], list):
-        return None
+    if len(ranked) < 2 or not _AFFINITY or not args or len(args) < 4 or not isinstance(args[2], list):
+        return None  # one replica, or nothing recorded (one replica, or no prefix caching): no prompt to key
     by_id = {r.replica_id.unique_id: r for r in ranked}
     target = _AFFINITY.replica_for(PrefixAffinity.keys(args[2], getattr(args[3], "cache_salt", None)), set(by_id))
     if target is None:

@@ -349,7 +349,7 @@ class Scheduler:
             if self._beyond_pool(req):
                 continue
             hit = self._take_cached(req)
-            if self.config.enable_prefix_caching and self._prefix_in_flight(req, hit):
+            if self._uses_prefix_cache(req) and self._prefix_in_flight(req, hit):
                 self._give_back_hit(req, hit)
                 held.append(self.waiting.popleft())
                 continue
@@ -375,8 +375,6 @@ class Scheduler:
     def _prefix_in_flight(self, req: Request, hit: int) -> bool:
         """Whether a running request is still to compute the whole block that follows ``req``'s hit, with the
         same tokens up to its end (it will be cached: ``req`` then computes less by waiting for it)."""
-        if req.sampling_params.prompt_logprobs is not None:
-            return False
         end = hit + self.config.block_size
         if end > req.num_tokens - 1:
             return False
@@ -385,12 +383,15 @@ class Scheduler:
         return any(w.num_computed_tokens < end <= w.num_tokens and w.sampling_params.cache_salt == salt
                    and w.all_token_ids[:end] == prefix for w in self.running)
 
+    def _uses_prefix_cache(self, req: Request) -> bool:
+        """Prefix caching is on and ``req`` may start from cached blocks: not one that asked for its prompt's
+        logprobs (they need every position computed)."""
+        return self.config.enable_prefix_caching and req.sampling_params.prompt_logprobs is None
+
     def _take_cached(self, req: Request) -> int:
         """Prefix caching: start a request with no KV from the cached blocks its tokens begin with (all but its
-        last token at most); returns the tokens they hold. A request that asked for its prompt's logprobs
-        computes every position, so it takes none."""
-        if (not self.config.enable_prefix_caching or req.num_computed_tokens
-                or req.sampling_params.prompt_logprobs is not None):
+        last token at most); returns the tokens they hold."""
+        if req.num_computed_tokens or not self._uses_prefix_cache(req):
             return 0
         hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1, req.sampling_params.cache_salt)
         req.num_computed_tokens = hit
