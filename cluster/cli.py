@@ -50,6 +50,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    constraint = p.add_mutually_exclusive_group()  # structured outputs (SamplingParams.structured_outputs)
+    constraint.add_argument("--json-schema", type=_json_arg, default=None, metavar="JSON",
+                            help="each output is JSON that follows this JSON schema (given as JSON text)")
+    constraint.add_argument("--regex", default=None, help="each output matches this regular expression whole")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,8 +292,10 @@ def cmd_generate(args) -> int:
     from specray import LLM, SamplingParams
 
     prompts = read_prompts(args)  # before the model loads: a bad file fails at once
+    structured = ({"json": args.json_schema} if args.json_schema is not None else
+                  {"regex": args.regex} if args.regex is not None else None)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+                            top_k=args.top_k, structured_outputs=structured)
     llm = LLM(**engine_kwargs(args))
     start = time.perf_counter()
     if args.chat:

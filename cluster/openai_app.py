@@ -630,8 +630,10 @@ class OpenAIServing:
         fanout = _Fanout(self.client, choices, arrival, self.metrics, self._queue_changed, seats)
         try:
             first = await fanout.next()  # errors before any output (bad input) become a plain error response
-        except BaseException:
+        except BaseException as exc:
             fanout.close()
+            if isinstance(exc, ValueError):  # refused at admission (a regex or schema the engine cannot compile)
+                raise to_openai_error(exc, req.structured_outputs_param()) from None
             raise
         if req.stream:
             body = self._stream(fanout, choices, fmt, first, req.include_usage)
@@ -713,7 +715,9 @@ def register_client_gone(*types: type[BaseException]) -> None:
     _CLIENT_GONE = tuple(dict.fromkeys(_CLIENT_GONE + types))
 
 
-def to_openai_error(exc: BaseException) -> proto.OpenAIError:
+def to_openai_error(exc: BaseException, structured_param: str | None = None) -> proto.OpenAIError:
+    """``exc`` in OpenAI's terms; an engine's refusal of a request's structured outputs names
+    ``structured_param``, the request's own field for them (see :func:`proto.from_value_error`)."""
     if isinstance(exc, proto.OpenAIError):
         return exc
     if isinstance(exc, _CLIENT_GONE):
@@ -723,7 +727,7 @@ def to_openai_error(exc: BaseException) -> proto.OpenAIError:
     if isinstance(exc, ValidationError):
         return proto.from_validation_error(exc)
     if isinstance(exc, ValueError):  # the engine rejected the request's input
-        return proto.from_value_error(exc, "prompt")
+        return proto.from_value_error(exc, "prompt", structured_param)
     if isinstance(exc, EngineUnavailableError):
         return proto.OpenAIError(503, str(exc), "server_error", None, "engine_unavailable")
     if isinstance(exc, EngineError):

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from specray.chat import check_chat_options
 from specray.detokenizer import TokenTexts
 from specray.outputs import Logprob, PromptLogprobs, SampleLogprobs, SpecStats
-from specray.sampling_params import SamplingParams, choice_seed
+from specray.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams, choice_seed
 
 MAX_N = 64  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
@@ -99,10 +99,21 @@ _REQUEST_PARAMS = {"prompt_token_ids": "prompt", "speculative_method": "speculat
                    "num_speculative_tokens": "speculative.num_speculative_tokens"}
 
 
-def from_value_error(err: ValueError, default_param: str | None = None) -> OpenAIError:
+# an engine/SamplingParams message about structured outputs: "structured_outputs.regex is not a valid ..."
+_STRUCTURED_MESSAGE = re.compile(r"structured_outputs(?:\.\w+)?\b")
+
+
+def from_value_error(err: ValueError, default_param: str | None = None,
+                     structured_param: str | None = None) -> OpenAIError:
     """A 400 from an engine/SamplingParams ValueError, whose messages start with ``name=value`` or
-    ``name contains``."""
+    ``name contains``. One about structured outputs (``structured_outputs.<kind> ...``) names
+    ``structured_param``, the request's own field for its constraint (``response_format``, ``guided_regex``, ...),
+    message and param alike, where given."""
     message = str(err)
+    structured = _STRUCTURED_MESSAGE.match(message)
+    if structured:
+        param = structured_param or structured.group(0)
+        return bad_request(param + message[structured.end():], param)
     match = re.match(r"(\w+)(?:=| contains )", message)
     param = match.group(1) if match else default_param
     return bad_request(message, _REQUEST_PARAMS.get(param, param))
@@ -148,6 +159,83 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's legacy extras -> StructuredOutputsParams' field
+_CONSTRAINT_WAYS = "response_format, structured_outputs or one guided_* field"
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``. The ``schema`` goes to the engine; ``name``, ``description`` and
+    ``strict`` are accepted and not used (as in vLLM: the grammar enforces the schema whatever ``strict`` says)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # "schema" would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _known_type(self):
+        if self.type not in RESPONSE_FORMATS:
+            raise bad_request(f"response_format.type={self.type!r:.100} is not supported; use one of "
+                              f"{', '.join(repr(t) for t in RESPONSE_FORMATS)}", "response_format.type")
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise bad_request(f"response_format.json_schema is read only with type 'json_schema', not "
+                                  f"{self.type!r}; set type to 'json_schema' or omit json_schema",
+                                  "response_format.json_schema")
+        elif self.json_schema is None:
+            raise bad_request("response_format.json_schema is missing: type 'json_schema' needs "
+                              "{'json_schema': {'name': ..., 'schema': {...}}}", "response_format.json_schema")
+        elif self.json_schema.schema_ is None:
+            raise bad_request("response_format.json_schema.schema is missing: give the JSON schema (an object) the "
+                              "output must follow, as {'name': ..., 'schema': {'type': 'object', ...}}",
+                              "response_format.json_schema.schema")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` request field: the fields of
+    :class:`~specray.sampling_params.StructuredOutputsParams`, one constraint (``json``: a schema or its JSON text,
+    ``regex``, ``choice``, ``grammar``: Lark or GBNF, ``json_object``) and its options. With ``response_format``
+    or a ``guided_*`` field giving the constraint, it may hold the options alone."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # "json" would shadow BaseModel's
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def constraint(self, kind: str) -> Any:
+        """The value of StructuredOutputsParams' field ``kind``, None where unset (json_object=false too)."""
+        value = self.json_ if kind == "json" else getattr(self, kind)
+        return None if value is False else value
+
+
+def _json_schema(param: str, value: dict | str) -> dict:
+    """A JSON schema given as an object or as its JSON text, as an object; a 400 naming ``param`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise bad_request(f"{param} is not valid JSON ({err}); give a JSON schema, as an object or its JSON "
+                              "text", param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param}={value!r:.100} is not a JSON schema; give an object such as "
+                          "{'type': 'object', 'properties': {...}}", param)
+    return value
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -180,6 +268,14 @@ class _GenerationRequest(_Strict):
     bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
     # vLLM's: with prefix caching, reuse only blocks cached by requests with the same salt (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1)
+    # structured outputs, one way at most: OpenAI's response_format, vLLM's structured_outputs, or one of vLLM's
+    # legacy guided_* fields (guided_json: a schema or its JSON text)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self):
@@ -195,6 +291,56 @@ class _GenerationRequest(_Strict):
                               "completion with echo=true and logprobs gives the prompt's logprobs first)",
                               "prompt_logprobs")
         return self
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self):
+        constraints = self._constraints()
+        if len(constraints) > 1:
+            names = [param for param, _, _ in constraints]
+            raise bad_request(f"{', '.join(names[:-1])} and {names[-1]} each constrain the output; give one "
+                              f"constraint, through {_CONSTRAINT_WAYS}", names[1])
+        if not constraints and self.structured_outputs is not None:
+            raise bad_request(f"structured_outputs sets none of {', '.join(STRUCTURED_KINDS)}: set one of them "
+                              "(its disable_* options only adjust a constraint given here or by response_format), or "
+                              "omit structured_outputs", "structured_outputs")
+        for param, kind, value in constraints:
+            if kind == "json":
+                _json_schema(param, value)
+        return self
+
+    def _constraints(self) -> list[tuple[str, str, Any]]:
+        """Each constraint on the output the request gives: (its field here, StructuredOutputsParams' field, the
+        value)."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", "json_object", True))
+        if fmt is not None and fmt.type == "json_schema":
+            found.append(("response_format.json_schema.schema", "json", fmt.json_schema.schema_))
+        if self.structured_outputs is not None:
+            found += [(f"structured_outputs.{kind}", kind, self.structured_outputs.constraint(kind))
+                      for kind in STRUCTURED_KINDS if self.structured_outputs.constraint(kind) is not None]
+        found += [(name, kind, getattr(self, name)) for name, kind in GUIDED_FIELDS.items()
+                  if getattr(self, name) is not None]
+        return found
+
+    def structured_outputs_param(self) -> str | None:
+        """The field that gives the request's constraint on its output (None: no constraint): the one an error
+        about it names."""
+        constraints = self._constraints()
+        return constraints[0][0] if constraints else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The engine's ``SamplingParams.structured_outputs`` for this request, None for free text."""
+        constraints = self._constraints()
+        if not constraints:
+            return None
+        param, kind, value = constraints[0]
+        options = self.structured_outputs
+        return StructuredOutputsParams(
+            **{kind: _json_schema(param, value) if kind == "json" else value},
+            disable_any_whitespace=options is not None and options.disable_any_whitespace,
+            disable_additional_properties=options is not None and options.disable_additional_properties)
 
     def num_prompt_logprobs(self) -> int | None:
         """What the engine computes per prompt token (``SamplingParams.prompt_logprobs``), None for nothing."""
@@ -337,7 +483,6 @@ _FEATURE_OFF = {
     "tool_choice": (("none",), "this server does not call tools"),
     "function_call": (("none",), "this server does not call functions"),
     "parallel_tool_calls": ((True, False), "it takes true or false"),  # meaningless without tools
-    "response_format": (({"type": "text"},), "structured output (JSON mode, JSON schema) is not available"),
     "modalities": ((["text"],), "the served models write text only"),
     "service_tier": (("auto", "default"), "there is one service tier"),
 }
@@ -462,6 +607,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         include_stop_str_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         cache_salt=req.cache_salt,
+        structured_outputs=req.structured_outputs_params(),
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -475,7 +621,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:
-        raise from_value_error(err) from None
+        raise from_value_error(err, structured_param=req.structured_outputs_param()) from None
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str) -> None:

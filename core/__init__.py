@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LLM": "specray.llm",
     "SamplingParams": "specray.sampling_params",
+    "StructuredOutputsParams": "specray.sampling_params",
     "SpeculativeConfig": "specray.config",
     "RequestOutput": "specray.outputs",
     "CompletionOutput": "specray.outputs",

@@ -46,6 +46,7 @@ crosses Ray).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from specray.outputs import SampleLogprobs
 from specray.sampling_params import SamplingParams
@@ -128,6 +129,10 @@ class StepPlan:
     preempted_req_ids: list[str] = field(default_factory=list)
     # applied after the drops and before new requests and block deltas: the previous step's accepted tree paths
     kv_moves: list[KVMove] = field(default_factory=list)
+    # structured outputs (specray.structured_outputs): per sampled chunk of a request with a grammar, the tokens it
+    # allows at each of the chunk's 1 + k verified positions, a numpy int32 array [1 + k, ceil(V / 32)] with bit
+    # t % 32 of word t // 32 set for an allowed token t; the driver rank masks those logits rows with it
+    token_bitmasks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

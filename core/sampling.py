@@ -336,3 +336,18 @@ def compute_logprobs(
     rank = (logprobs >= chosen[:, None]).sum(dim=-1)  # [N]
     top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [N, k]
     return chosen, rank, top_ids, top_lp
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: ``logits[rows[j]]`` keeps the tokens packed row ``words[j]`` allows (int32 words, bit t % 32 of
+    word t // 32 for token t; see :mod:`specray.structured_outputs`) and every other token gets -inf. Tokens past
+    the packed rows' end are refused too. No host sync."""
+    n, num_words = words.shape
+    V = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(n, num_words * 32).bool()  # [n, 32 W]
+    if allowed.shape[1] >= V:
+        allowed = allowed[:, :V]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

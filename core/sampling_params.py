@@ -74,6 +74,13 @@ class SamplingParams:
     same salt (None is a salt of its own), so tenants that do not share a salt cannot learn from the cache's timing
     what another sent.
 
+    ``structured_outputs`` (vLLM's :class:`StructuredOutputsParams`): the output follows a JSON schema, a regex, one
+    of a list of strings, or a grammar. Every verified position's logits keep only the tokens the grammar allows
+    after the tokens before it (drafts on the path included), before temperature and the other warpers; drafts the
+    grammar refuses are cut, and tokens the grammar forces are drafted for free. Greedy output is the one decoding
+    without speculation gives, and sampled output follows the constrained distribution exactly. The request ends
+    ("stop") when the grammar is complete and can take nothing more.
+
     ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
     step it takes part in, with all its tokens and text so far; ``"delta"`` reports it as often, with only what is
     new since its last report (tokens, text, logprobs; the prompt in the first report only; see
@@ -115,8 +122,12 @@ class SamplingParams:
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
     cache_salt: str | None = None  # vLLM's (on the prompt there): see the class docstring
+    # vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (see StructuredOutputsParams)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids", one_string=False)
         self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings")
@@ -193,6 +204,11 @@ class SamplingParams:
                              "output only)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt={self.cache_salt!r} must be a non-empty string, or None (no salt)")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams, "
+                                 "a dict of its fields, or None")
+            self.structured_outputs.check()
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "
@@ -236,6 +252,59 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
                 or bool(self.bad_words))
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``; exactly one of the first five):
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value it accepts.
+    - ``regex``: the output matches this regular expression whole.
+    - ``choice``: the output is one of these strings.
+    - ``grammar``: a context-free grammar in Lark syntax (llguidance's dialect), or in GBNF (llama.cpp's, told
+      apart by its ``::=`` rules).
+    - ``json_object``: True: the output is any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    ``disable_any_whitespace``: JSON without whitespace between its tokens (compact separators); by default any
+    whitespace is allowed there, as in vLLM. ``disable_additional_properties``: objects in a JSON schema that do not
+    say otherwise take no properties beyond the listed ones."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def check(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs sets {given or 'none'} of {list(STRUCTURED_KINDS)}: set exactly one "
+                             "(json: a JSON schema, regex, choice: a list of strings, grammar: Lark or GBNF, or "
+                             "json_object=True)")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}={value!r} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice={self.choice!r} must be a non-empty list of non-empty "
+                             "strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be True or None")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 def choice_seed(seed: int, choice: int) -> int:

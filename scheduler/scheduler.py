@@ -530,8 +530,10 @@ class Scheduler:
         worker applied: it repeats the drops and gives each request its whole block table. Running a chunk
         twice only rewrites its KV slots with the same values."""
         new = [_new_request(self.requests[c.req_id]) for c in chunks]
+        masks = {c.req_id: plan.token_bitmasks[c.req_id] for c in chunks if c.req_id in plan.token_bitmasks}
         return StepPlan(plan.step_id, new_requests=new, chunks=list(chunks),
-                        finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids))
+                        finished_req_ids=list(plan.finished_req_ids), preempted_req_ids=list(plan.preempted_req_ids),
+                        token_bitmasks=masks)
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def _retire(self, req: Request) -> None:

@@ -24,6 +24,20 @@ def test_generate_prompt_with_ngram(tiny_llama_dir, capsys):
     assert "throughput" in err
 
 
+def test_generate_with_a_regex_or_a_json_schema(tiny_llama_dir, capsys):
+    base = ["generate", "--model", str(tiny_llama_dir), "--spec-method", "ngram", "--max-tokens", "40", "--json",
+            "--max-model-len", "128", "--prompt", "Hello", "--temperature", "0"]
+    assert main(base + ["--regex", "(ab|cd){2,4}x"]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert re.fullmatch("(ab|cd){2,4}x", line["text"]) and line["finish_reason"] == "stop"
+    schema = '{"type": "object", "properties": {"a": {"enum": ["yes", "no"]}}, "required": ["a"]}'
+    assert main(base + ["--json-schema", schema]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert line["text"].startswith("{")
+    assert main(base + ["--regex", "("]) == 2
+    assert "regex" in capsys.readouterr().err
+
+
 def test_generate_jsonl_input(tiny_llama_dir, tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "Hello world"}\n{"prompt_token_ids": [5, 6, 7]}\n')

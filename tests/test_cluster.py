@@ -385,6 +385,13 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
         assert llm.reset_prefix_cache()
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate({"prompt_token_ids": [5] * 300}, sp)
+        # structured outputs: the plan carries the grammar's masks to the driver rank
+        regex = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"regex": r"(ab|cd|the ){2,6}x"})
+        as_prompts = [{"prompt_token_ids": p} for p in prompts]
+        assert [o.outputs[0].token_ids for o in llm.generate(as_prompts, regex, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in one_rank.generate(as_prompts, regex, use_tqdm=False)]
+        with pytest.raises(ValueError, match="regex"):
+            llm.generate(as_prompts[:1], SamplingParams(structured_outputs={"regex": "(unclosed"}))
     finally:
         llm.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()

@@ -257,6 +257,26 @@ def test_prefix_caching_keeps_greedy_output(target_dir, heads, plain_outputs, me
     assert free_blocks(llm) == start
 
 
+STRUCTURED = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"regex": r"(ab|cd|the ){2,6}x"}),
+              SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={
+                  "json": {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]}, "disable_any_whitespace": True})]
+
+
+@pytest.mark.parametrize("method", METHODS + ("eagle3+ngram",))
+def test_structured_outputs_keep_greedy_output(target_dir, heads, plain, method):
+    """The head drafts what the unconstrained target would say: the grammar cuts its chains and trees (a tree's
+    nodes as a prefix: the worker keeps state for the nodes it drafted), forced tokens replace them where they
+    do not begin with them, and the output is plain decoding's under the same grammar."""
+    llm = make_llm(target_dir, heads, "accepting", method)
+    start = free_blocks(llm)
+    for params in STRUCTURED:
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == \
+            token_ids(plain.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.spec_stats.accepted_tokens > 0
+    assert free_blocks(llm) == start and not llm.engine._grammars
+
+
 def stop_strings(completions, tok) -> list[tuple[int, str]]:
     """(prompt index, stop string) pairs from plain outputs: two characters from the middle of the most varied text,
     and three times the text of a token an output repeats at least 5 times in a row (which the accepting heads

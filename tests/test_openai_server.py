@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
+import jsonschema
 import openai
 import pytest
 
@@ -560,7 +562,6 @@ def test_feature_parameters_left_off_are_accepted_and_others_named(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for name, value, says in (("tools", [tool], "call tools"), ("tool_choice", "auto", "call tools"),
-                              ("response_format", {"type": "json_object"}, "structured output"),
                               ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "true or")):
         status, err = error_of(http_json(url, {**base, name: value}))
         assert (status, err["param"]) == (400, name) and says in err["message"], (name, err)
@@ -631,6 +632,113 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, client, offline, s
     parts += [c.choices[0].text for c in stream]
     assert "".join(parts) == want
     assert wait_for_free_blocks(server, start_blocks)["free_blocks"] == start_blocks
+
+
+# ---- structured outputs ----------------------------------------------------------------------------------
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+                 "additionalProperties": False}
+# the random-weight model pads JSON with whitespace until max_tokens where the grammar allows it
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+CHAT = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+def _text(resp: dict) -> str:
+    choice = resp["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _request(endpoint: str, **fields) -> tuple[str, dict]:
+    """The URL and body of a greedy request to /v1/completions or /v1/chat/completions with ``fields``."""
+    if endpoint == "chat":
+        return "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0, **fields}
+    return "/v1/completions", {"model": MODEL, "prompt": "Is the sky blue?", "temperature": 0, **fields}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_response_format_json_schema_output_validates(server, endpoint):
+    schema_format = {"type": "json_schema",
+                     "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    path, body = _request(endpoint, response_format=schema_format, max_tokens=32, **COMPACT)
+    status, resp = http_json(server + path, body)
+    assert status == 200, resp
+    assert resp["choices"][0]["finish_reason"] == "stop"  # the grammar completed
+    jsonschema.validate(json.loads(_text(resp)), ANSWER_SCHEMA)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_response_format_json_object_starts_an_object(server, endpoint):
+    path, body = _request(endpoint, response_format={"type": "json_object"}, max_tokens=8)
+    status, resp = http_json(server + path, body)
+    assert status == 200 and _text(resp).startswith("{"), resp
+
+
+def test_guided_choice_regex_and_structured_outputs(client):
+    choices = ["red", "green", "blue"]
+    out = client.completions.create(model=MODEL, prompt="Pick a colour:", max_tokens=16, temperature=0,
+                                    extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": choices}})
+    assert chat.choices[0].message.content in choices and chat.choices[0].finish_reason == "stop"
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    out = client.completions.create(model=MODEL, prompt="A code:", max_tokens=16, temperature=0,
+                                    extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+                                            extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, "".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+
+def test_invalid_structured_outputs_are_400_and_harm_no_other_request(server, client, offline, start_blocks):
+    """A regex, schema or grammar the engine cannot compile is refused at admission: a 400 in OpenAI's shape
+    naming the request's own field, while a running stream goes on untouched; the next valid request succeeds."""
+    prompt = "Extract the names from: Alice"
+    want = offline_greedy(offline, [prompt], 40)[0].outputs[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+    parts = [next(iter(stream)).choices[0].text]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    for endpoint, fields, param, says in (
+            ("completions", {"guided_regex": "(unclosed"}, "guided_regex", "regex"),
+            ("chat", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "regex"),
+            ("chat", {"response_format": bad_schema}, "response_format.json_schema.schema", "nonsense"),
+            ("completions", {"guided_grammar": "start: undefined_rule"}, "guided_grammar", "undefined_rule")):
+        path, body = _request(endpoint, max_tokens=4, **fields)
+        status, err = error_of(http_json(server + path, body))
+        assert (status, err["type"], err["param"]) == (400, "invalid_request_error", param), err
+        assert err["message"].startswith(param) and says in err["message"], err
+        assert "Traceback" not in err["message"] and "Ray" not in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "("})
+    assert info.value.body["param"] == "guided_regex"
+    parts += [c.choices[0].text for c in stream]
+    assert "".join(parts) == want
+    out = client.completions.create(model=MODEL, prompt="A code:", max_tokens=16, temperature=0,
+                                    extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+    assert wait_for_free_blocks(server, start_blocks)["free_blocks"] == start_blocks
+
+
+def test_structured_output_parameters_are_checked_in_openai_terms(server):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    for fields, param, says in (
+            ({"response_format": schema_format, "guided_regex": "a+"}, "guided_regex", "each constrain"),
+            ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice", "each constrain"),
+            ({"response_format": {"type": "json_object"}, "guided_json": ANSWER_SCHEMA}, "guided_json",
+             "each constrain"),
+            ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+             "response_format.json_schema.schema", "missing"),
+            ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing"),
+            ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+            ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "none of"),
+            ({"structured_outputs": {"backend": "xgrammar", "regex": "a"}}, "structured_outputs.backend",
+             "not a supported"),
+            ({"guided_choice": []}, "guided_choice", "non-empty")):
+        for endpoint in ("completions", "chat"):
+            path, body = _request(endpoint, max_tokens=4, **fields)
+            status, err = error_of(http_json(server + path, body))
+            assert (status, err["param"]) == (400, param) and says in err["message"], (endpoint, fields, err)
 
 
 # ---- disconnects, metrics --------------------------------------------------------------------------------
@@ -1666,3 +1774,31 @@ def test_vllm_request_options_reach_the_engine():
         status, err = error_of(http_json(base + "/v1/chat/completions",
                                          {**chat, "chat_template_kwargs": {"tokenize": True}}))
         assert status == 400 and err["param"] == "chat_template_kwargs"
+
+
+def test_structured_outputs_reach_the_engine():
+    """Every way of asking for structured outputs becomes the same SamplingParams.structured_outputs, on both
+    endpoints and for every choice; {"type": "text"} asks for nothing."""
+    from specray.sampling_params import StructuredOutputsParams
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA, "strict": True}}
+    cases = [({"response_format": {"type": "text"}}, None),
+             ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+             ({"response_format": schema_format}, StructuredOutputsParams(json=ANSWER_SCHEMA)),
+             ({"response_format": schema_format, **COMPACT},
+              StructuredOutputsParams(json=ANSWER_SCHEMA, disable_any_whitespace=True)),
+             ({"guided_json": json.dumps(ANSWER_SCHEMA)}, StructuredOutputsParams(json=ANSWER_SCHEMA)),
+             ({"guided_regex": "a+"}, StructuredOutputsParams(regex="a+")),
+             ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+             ({"guided_grammar": 'start: "a"'}, StructuredOutputsParams(grammar='start: "a"')),
+             ({"structured_outputs": {"json": ANSWER_SCHEMA, "disable_additional_properties": True}},
+              StructuredOutputsParams(json=ANSWER_SCHEMA, disable_additional_properties=True))]
+    fake = RecordingEngineClient()
+    with app_in_thread(fake) as base:
+        for fields, want in cases:
+            for path, body in (("/v1/completions", {"prompt": "hi"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                fake.seen.clear()
+                status, resp = http_json(base + path, {**body, "max_tokens": 3, "n": 2, **fields})
+                assert status == 200, (path, fields, resp)
+                assert [params.structured_outputs for _, params in fake.seen] == [want, want], (path, fields)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
@@ -32,7 +33,7 @@ from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
 from specray.penalties import PenaltyHistory, penalize
-from specray.sampling import SamplingBatch, make_generator
+from specray.sampling import SamplingBatch, apply_token_bitmask, make_generator
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
 from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, node_argmax, pad_tree_drafts,
@@ -244,7 +245,8 @@ class ModelRunner:
         if not sampled:
             return [], None, None, None
         penalized = self._penalized(plan, sampled, logits)
-        raw, logits = (None if penalized is logits else logits), penalized  # raw logits stay for logprobs
+        constrained = self._constrained(plan, sampled, penalized, owned=penalized is not logits)
+        raw, logits = (None if constrained is logits else logits), constrained  # raw logits stay for logprobs
         every_chunk = self.typical is not None or self.relaxed is not None
         chunks = plan.chunks
         with_q = [] if every_chunk else [i for i in sampled if chunks[i].req_id in draft_probs and
@@ -274,6 +276,20 @@ class ModelRunner:
             parents = c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
             penalize(logits, rows[i], self.params[c.req_id], prompt, output,
                      c.token_ids[c.num_tokens - c.num_draft_tokens:], parents, banned)
+        return logits
+
+    def _constrained(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, owned: bool) -> torch.Tensor:
+        """``logits`` with the rows of every chunk that brings a grammar's masks (structured outputs) keeping only
+        the tokens they allow, or ``logits`` itself when none does (a copy first unless ``owned``)."""
+        chosen = [i for i in sampled if plan.chunks[i].req_id in plan.token_bitmasks]
+        if not chosen:
+            return logits
+        if not owned:
+            logits = logits.clone()
+        rows = _logit_rows_by_chunk(plan, sampled)
+        masks = [plan.token_bitmasks[plan.chunks[i].req_id] for i in chosen]
+        words = torch.from_numpy(np.concatenate(masks) if len(masks) > 1 else masks[0]).to(logits.device)
+        apply_token_bitmask(logits, _long([r for i in chosen for r in rows[i]], logits.device), words)
         return logits
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor],

@@ -18,7 +18,8 @@ from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler
-from specray.tree import DraftTree, chain_parents, kept_nodes, level_tree, trim_tree
+from specray.structured_outputs import RequestGrammar, StructuredOutputs
+from specray.tree import DraftTree, chain_parents, is_chain, kept_nodes, level_tree, trim_tree
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,13 @@ class LLMEngine:
         self._worker_scores: dict[str, list[float]] = {}  # with a chain the worker made, the head's confidence
         self.worker_scores_chains = False  # the worker's chains came with their drafts' probabilities
         self._ids = itertools.count()
+        # structured outputs: each constrained request's grammar, and the requests verifying the grammar's forced
+        # tokens this step (not a drafter's: the draft policy and the drafter learn nothing from them)
+        self.structured = StructuredOutputs(tokenizer, vocab_size, eos_token_ids)
+        self._grammars: dict[str, RequestGrammar] = {}
+        self._forced: set[str] = set()
+        self._kept_nodes: dict[str, list[int]] = {}  # a tree the grammar pruned: the proposal's nodes it kept
+        self.forced_draft_limit = 16  # the most forced tokens verified in one step (0: none; benchmarks compare)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -103,7 +111,10 @@ class LLMEngine:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)
+        grammar = None if params.structured_outputs is None else self.structured.grammar(params.structured_outputs)
         self.scheduler.add_request(request)
+        if grammar is not None:
+            self._grammars[req_id] = grammar
         if routed:
             self.drafter = self.router
         detok = None
@@ -161,6 +172,7 @@ class LLMEngine:
         draft_probs = self._draft(failed)
         outputs = self._fail(failed)  # before scheduling: they take no part in this step
         plan = self.scheduler.schedule()
+        self._mask_plan(plan)
         self._prefetch_drafts(plan)
         start = self.clock()
         try:
@@ -172,6 +184,7 @@ class LLMEngine:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
         touched = self.scheduler.update_from_output(plan, result)
+        self._advance_grammars(touched)
         self._keep_worker_drafts(result)
         self._record_logprobs(plan, result)
         self._record_prompt_logprobs(plan, result)
@@ -264,15 +277,17 @@ class LLMEngine:
         probabilities (a probabilistic drafter's q) by request id; a request the drafter fails on goes into
         ``failed``."""
         self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
+        self._forced, self._kept_nodes = set(), {}
         if self.worker_method is not None:
             self._hand_worker_drafts(failed)
             return {}
-        if self.drafter is None:
-            return {}
         running = self.scheduler.running
-        decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
-                    if r.num_computed_tokens == r.num_tokens - 1]
+        decoding = [] if self.drafter is None else [
+            (r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
+            if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
+            if self._grammars:
+                self._submit_drafts({}, {}, failed)
             return {}
         cheaps = self._cheapness(decoding)
         batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
@@ -298,7 +313,7 @@ class LLMEngine:
             drafts[request.req_id] = tokens
             if proposal.probs is not None and tokens:
                 probs[dreq.req_id] = proposal.probs
-        self.scheduler.update_draft_token_ids(drafts)
+        self._submit_drafts(drafts, probs, failed)
         return probs
 
     def _hand_worker_drafts(self, failed: dict[str, str]) -> None:
@@ -360,7 +375,101 @@ class LLMEngine:
                 k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
         self._worker_drafts = {}
-        self.scheduler.update_draft_token_ids(drafts, lengths, from_worker=head_drafted)
+        self._submit_drafts(drafts, {}, failed, lengths, head_drafted)
+
+    # ---- structured outputs -------------------------------------------------------------------------------
+    def _submit_drafts(self, drafts: dict[str, list[int] | DraftTree], probs: dict, failed: dict[str, str],
+                       lengths: dict[str, int] | None = None, from_worker: list[str] = ()) -> None:
+        """Hand this step's drafts to the scheduler, those of a request with a grammar cut to what it accepts
+        (:meth:`RequestGrammar.constrain`), or replaced by the tokens the grammar forces next where the drafts do
+        not already begin with them all (then ``probs`` loses the request's q, and the drafts are not a drafter's:
+        ``_forced``)."""
+        from_worker = list(from_worker)
+        for rid, grammar in self._grammars.items():
+            request = self.scheduler.get_request(rid)
+            if (rid in failed or request is None or request.num_computed_tokens != request.num_tokens - 1
+                    or request.status.is_finished):
+                continue
+            made = drafts.get(rid)
+            if made is not None and len(made):
+                keep_refused = not request.sampling_params.greedy
+                prefix_only = keep_refused or rid in from_worker or rid in probs
+                made, kept = grammar.constrain(made, keep_refused, prefix_only)
+                drafts[rid] = made
+                self._constrained_bookkeeping(rid, made, kept)
+            forced = self._forced_drafts(request, grammar)
+            if forced and not _starts_with(made, forced):
+                drafts[rid] = forced
+                probs.pop(rid, None)
+                if rid in from_worker:
+                    from_worker.remove(rid)
+                self._draft_keys.pop(rid, None)
+                self._draft_trees.pop(rid, None)
+                self._draft_scores.pop(rid, None)
+                self._kept_nodes.pop(rid, None)
+                self._forced.add(rid)
+        self.scheduler.update_draft_token_ids(drafts, lengths, from_worker=from_worker)
+
+    def _constrained_bookkeeping(self, rid: str, made: list[int] | DraftTree, kept: list[int]) -> None:
+        """The engine's records of a request's proposal after the grammar cut it to the nodes ``kept``."""
+        if isinstance(made, DraftTree) and rid in self._draft_trees:
+            self._draft_trees[rid] = made
+            if kept != list(range(len(kept))):
+                self._kept_nodes[rid] = kept
+        scores = self._draft_scores.get(rid)
+        if scores is not None:
+            self._draft_scores[rid] = scores[: len(made)]
+        if not len(made):
+            self._draft_keys.pop(rid, None)
+            self._draft_trees.pop(rid, None)
+            self._draft_scores.pop(rid, None)
+
+    def _forced_drafts(self, request: Request, grammar: RequestGrammar) -> list[int]:
+        """The tokens the grammar forces next, as many as the request may verify (none where it turned speculation
+        off): at most ``forced_draft_limit``, and the drafter's count where there is one."""
+        limit = self.forced_draft_limit
+        if request.sampling_params.num_speculative_tokens is not None:
+            limit = min(limit, request.sampling_params.num_speculative_tokens)
+        elif self.policy is not None:
+            limit = min(limit, self.policy.num_speculative_tokens_for(request))
+        if limit <= 0:
+            return []
+        return grammar.forced()[:limit]
+
+    def _mask_plan(self, plan: StepPlan) -> None:
+        """The grammar's masks for every verified position of each sampled chunk of a request with one."""
+        if not self._grammars:
+            return
+        for chunk in plan.chunks:
+            grammar = self._grammars.get(chunk.req_id)
+            if grammar is not None and chunk.sample:
+                drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
+                plan.token_bitmasks[chunk.req_id] = grammar.bitmasks(drafts, chunk.draft_parents)
+
+    def _advance_grammars(self, touched: list[Request]) -> None:
+        """Feed each constrained request's new output tokens to its grammar; once the grammar is complete, the
+        request finishes ("stop") with the tokens up to there (a step may have kept more after them: EOS as the
+        target's own token after the last forced one, which decoding without speculation never samples). A
+        token the grammar refuses (only a fault of ours: every position was masked) fails the request alone."""
+        if not self._grammars:
+            return
+        for request in touched:
+            grammar = self._grammars.get(request.req_id)
+            if grammar is None or grammar.terminated:
+                continue
+            new = request.output_token_ids[grammar.num_tokens:]
+            for token in new:
+                if not grammar.advance([token]):
+                    if request.status.is_finished and grammar.num_tokens == request.num_output_tokens:
+                        break  # the stop token that ended the request (EOS): the grammar need not take it
+                    logger.error("request %s: the grammar refused output token %d: %s", request.req_id, token,
+                                 grammar.error)
+                    self.scheduler.abort_requests([request.req_id], reason="error")
+                    self.tracked[request.req_id].error = f"structured output failed: {grammar.error}"
+                    break
+                if grammar.terminated:
+                    self.scheduler.finish_request(request.req_id, grammar.num_tokens)
+                    break
 
     def _as_priced(self, made: list[int] | DraftTree) -> list[int] | DraftTree:
         """What the policy prices for the head's drafts: a tree the worker drew from q (it carries no scores) by the
@@ -587,7 +696,7 @@ class LLMEngine:
             return
         told = getattr(self.drafter, "observe_verification", None)  # optional: exact per-drafter statistics
         for chunk, kept in zip(plan.chunks, result.sampled_token_ids):
-            if chunk.sample and chunk.num_draft_tokens:
+            if chunk.sample and chunk.num_draft_tokens and chunk.req_id not in self._forced:
                 if told is not None and (self.worker_method is None or
                                          self._draft_keys.get(chunk.req_id) != self.worker_method):
                     told(chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))  # its own drafts only
@@ -613,6 +722,9 @@ class LLMEngine:
                 continue
             parents = chunk.draft_parents if chunk.draft_parents is not None else chain_parents(len(tokens))
             kept = kept_nodes(proposed.parents, parents)
+            pruned = self._kept_nodes.get(chunk.req_id)  # the grammar pruned the proposal to these nodes
+            if pruned is not None:
+                kept = [pruned[k] for k in kept]
             in_order = [-1] * (kept[-1] + 1)
             for node, token in zip(kept, tokens):
                 in_order[node] = token
@@ -707,10 +819,23 @@ class LLMEngine:
             tracked = self.tracked.pop(rid, None)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
                 told(rid, tracked.request.all_token_ids)
+        for rid in req_ids:
+            self._grammars.pop(rid, None)
         if self.policy is not None:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
+
+
+def _starts_with(drafts: list[int] | DraftTree | None, forced: list[int]) -> bool:
+    """Whether ``drafts`` (a chain, or a tree's first nodes as a chain) begin with all of ``forced``."""
+    if drafts is None:
+        return False
+    if isinstance(drafts, DraftTree):
+        if not is_chain(drafts.parents[:len(forced)]):
+            return False
+        drafts = drafts.token_ids
+    return list(drafts[:len(forced)]) == forced
 
 
 def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:

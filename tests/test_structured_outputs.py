@@ -1,0 +1,408 @@
+"""Structured outputs (``SamplingParams.structured_outputs``): the request spec's checks, the grammar's cuts of
+drafts and its masks, and the engine's outputs: they match the spec, greedy output equals an independent
+grammar-masked greedy decoding over transformers' logits, and every drafter (forced tokens included) gives plain
+decoding's output token for token; sampled outputs follow the constrained target distribution (a chi-square test
+against the exact probabilities); bad specs are refused at admission and harm nobody."""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specray import LLM, SamplingParams, StructuredOutputsParams
+from specray.sampling import apply_token_bitmask
+from specray.structured_outputs import StructuredOutputs, allowed_tokens
+from specray.tree import DraftTree
+
+runs = sys.modules["specray_test_engine_runs"]
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["answer", "score"], "additionalProperties": False}
+SPECS = {
+    "regex": StructuredOutputsParams(regex=r"(ab|cd|the ){2,6}x"),
+    "choice": StructuredOutputsParams(choice=["yes please", "no thanks", "maybe", "the quick brown fox"]),
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "lark": StructuredOutputsParams(grammar='start: "(" item ("," item)* ")"\nitem: /[0-9]/ | "the"'),
+}
+
+
+def matches(spec: StructuredOutputsParams, text: str) -> bool:
+    if spec.regex is not None:
+        return re.fullmatch(spec.regex, text) is not None
+    if spec.choice is not None:
+        return text in spec.choice
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), spec.json)
+        return True
+    return re.fullmatch(r"\((?:[0-9]|the)(?:,(?:[0-9]|the))*\)", text) is not None
+
+
+def constrained(spec, max_tokens=48, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=spec, **kw)
+
+
+# ---- the request's spec ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": ["a", 3]},
+                                    {"regex": ""}, {"json": 3}, {"json_object": "yes"},
+                                    {"regex": "a", "disable_any_whitespace": 1}])
+def test_a_spec_sets_exactly_one_valid_constraint(fields):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**fields).check()
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs=fields)
+
+
+def test_sampling_params_take_a_dict():
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+# ---- the grammar: cuts and masks ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from specray.models.loader import load_tokenizer
+    return load_tokenizer(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chains_are_cut_at_the_first_refused_draft_or_after_it_for_a_sampled_request(grammars, tokenizer):
+    g = grammars.grammar(StructuredOutputsParams(regex="(ab)+c"))
+    good = ids(tokenizer, "ababab")
+    bad = ids(tokenizer, "x")
+    assert g.constrain(good + bad + good, keep_refused=False)[0] == good
+    assert g.constrain(good + bad + good, keep_refused=True)[0] == good + bad
+    assert g.constrain(bad, keep_refused=False)[0] == []
+    assert g.constrain(good, keep_refused=False)[0] == good
+    assert g.num_tokens == 0 and g.constrain(good + bad, False)[0] == good  # nothing consumed
+
+
+def test_trees_lose_refused_nodes_and_everything_under_them(grammars, tokenizer):
+    g = grammars.grammar(StructuredOutputsParams(choice=["ab", "cd"]))
+    a, b, c, x = (ids(tokenizer, s)[0] for s in "abcx")
+    #  0:a  1:x  2:c     (root's children)   3:b under a   4:a under x   5:d-less: x under c
+    tree = DraftTree([a, x, c, b, a, x], [-1, -1, -1, 0, 1, 2], scores=[.9, .8, .7, .6, .5, .4])
+    pruned, kept = g.constrain(tree, keep_refused=False, prefix_only=False)
+    assert kept == [0, 2, 3] and pruned.token_ids == [a, c, b] and pruned.parents == [-1, -1, 0]
+    assert pruned.scores == [.9, .7, .6]
+    prefix, kept = g.constrain(tree, keep_refused=False, prefix_only=True)
+    assert kept == [0] and prefix.token_ids == [a]
+    leaves, kept = g.constrain(tree, keep_refused=True)  # refused nodes stay as leaves; what is under them goes
+    assert kept == [0, 1, 2, 3] and leaves.parents == [-1, -1, -1, 0]
+
+
+def test_masks_are_the_allowed_tokens_after_each_draft_path(grammars, tokenizer):
+    spec = StructuredOutputsParams(regex="(ab|cd)+x")
+    g = grammars.grammar(spec)
+    a, b, c, x = (ids(tokenizer, s)[0] for s in "abcx")
+    tree = DraftTree([a, c, b, x], [-1, -1, 0, 0])  # node 3 (x after a) is refused
+    rows = g.bitmasks(tree.token_ids, tree.parents)
+    V = len(tokenizer)
+    for row, path in zip(rows, [[], [a], [c], [a, b]]):
+        fresh = grammars.grammar(spec)
+        assert fresh.advance(path)
+        reference = np.zeros((1, fresh.words), dtype=np.int32)
+        fresh._fill(reference, 0)
+        assert allowed_tokens(row, V) == allowed_tokens(reference[0], V)
+    assert allowed_tokens(rows[4], V) == list(range(V))  # after a refused node: never read, all allowed
+    assert b in allowed_tokens(rows[1], V) and x not in allowed_tokens(rows[1], V)
+    assert x in allowed_tokens(rows[3], V)
+    assert g.num_tokens == 0 and g.constrain([a, b, x], False)[0] == [a, b, x]  # the walk left no trace
+
+
+def test_forced_tokens_and_termination(grammars, tokenizer):
+    g = grammars.grammar(StructuredOutputsParams(choice=["the quick brown fox"]))
+    forced = g.forced()
+    assert tokenizer.decode(forced) == "the quick brown fox" and not g.terminated
+    assert g.advance(forced) and g.terminated
+
+
+@pytest.mark.parametrize("fields, fault", [({"regex": "[a-"}, "regex"), ({"json": {"type": "nope"}}, "json"),
+                                           ({"json": "{not json"}, "JSON"), ({"grammar": "start: undefined_rule"},
+                                                                             "grammar")])
+def test_invalid_specs_raise_a_value_error_naming_the_field(grammars, fields, fault):
+    with pytest.raises(ValueError, match=fault):
+        grammars.grammar(StructuredOutputsParams(**fields))
+
+
+def test_apply_token_bitmask_refuses_exactly_the_unset_bits():
+    gen = torch.Generator().manual_seed(0)
+    V = 70
+    logits = torch.randn(5, V, generator=gen)
+    words = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    out = logits.clone()
+    apply_token_bitmask(out, torch.tensor([1, 3]), words)
+    for j, r in enumerate([1, 3]):
+        allowed = allowed_tokens(words[j].numpy(), V)
+        assert torch.isinf(out[r]).logical_not().nonzero().flatten().tolist() == allowed
+        assert torch.equal(out[r, allowed], logits[r, allowed])
+    assert torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+
+def reference_greedy(hf_model, grammars, prompt_ids, spec, max_tokens):
+    """Grammar-masked greedy decoding, one token per transformers forward: the argmax of the allowed tokens until
+    the grammar is complete (or EOS, or max_tokens)."""
+    g = grammars.grammar(spec)
+    out = []
+    while len(out) < max_tokens and not g.terminated:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1]
+        row = np.zeros((1, g.words), dtype=np.int32)
+        g._fill(row, 0)
+        allowed = allowed_tokens(row[0], logits.shape[-1])
+        token = allowed[int(torch.argmax(logits[allowed]))]
+        out.append(token)
+        if token == grammars.eos_token_ids[0]:
+            break
+        assert g.advance([token])
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, tokenizer, grammars):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return {name: [reference_greedy(hf, grammars, tokenizer.encode(p), spec, 48) for p in runs.PROMPTS]
+            for name, spec in SPECS.items()}
+
+
+def test_plain_greedy_equals_grammar_masked_greedy_over_transformers(plain, references):
+    for name, spec in SPECS.items():
+        outs = plain.generate(runs.PROMPTS, constrained(spec), use_tqdm=False)
+        assert runs.token_ids(outs) == references[name], name
+        for o in outs:
+            if o.outputs[0].finish_reason == "stop":
+                assert matches(spec, o.outputs[0].text), (name, o.outputs[0].text)
+        assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert plain.engine.scheduler.block_manager.num_free_blocks == plain.engine.scheduler.block_manager.num_blocks
+
+
+DRAFTERS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 6, "num_branches": 2, "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "ngram_simple": {"method": "ngram_simple", "num_speculative_tokens": 4},
+    "ngram_map_k": {"method": "ngram_map_k", "num_speculative_tokens": 4},
+    "lookahead": runs.LOOKAHEAD,
+    "draft_model": "draft",
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_every_drafter_keeps_greedy_constrained_output(name, tiny_llama_dir, tiny_draft_dir, references):
+    spec = DRAFTERS[name]
+    if spec == "draft":
+        spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec) as llm:
+        for spec_name, structured in SPECS.items():
+            outs = llm.generate(runs.PROMPTS, constrained(structured), use_tqdm=False)
+            assert runs.token_ids(outs) == references[spec_name], (name, spec_name)
+            one = llm.generate(runs.PROMPTS[:1], constrained(structured), use_tqdm=False)  # batch 1
+            assert runs.token_ids(one) == references[spec_name][:1]
+        assert llm.spec_stats.accepted_tokens > 0
+        blocks = llm.engine.scheduler.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_forced_tokens_are_drafted_and_accepted(plain, references):
+    """A plain engine verifies the grammar's forced tokens as drafts: a JSON schema's keys take no steps of
+    their own."""
+    before = plain.spec_stats.accepted_tokens
+    outs = plain.generate(runs.PROMPTS, constrained(SPECS["json"]), use_tqdm=False)
+    assert runs.token_ids(outs) == references["json"]
+    assert plain.spec_stats.accepted_tokens - before >= len(runs.PROMPTS) * 4  # '{"answer":"', ...
+
+
+def test_constrained_and_free_requests_share_a_batch(tiny_llama_dir, references, plain_outputs):
+    """Masks apply to the constrained rows only: free requests in the same steps keep their own output."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec) as llm:
+        params = [constrained(SPECS["regex"]) if i % 2 else runs.greedy() for i in range(len(runs.PROMPTS))]
+        outs = runs.token_ids(llm.generate(runs.PROMPTS, params, use_tqdm=False))
+        for i, out in enumerate(outs):
+            assert out == (references["regex"][i] if i % 2 else plain_outputs[i])
+
+
+def test_a_bad_spec_is_refused_at_admission_and_harms_nobody(plain, references):
+    engine = plain.engine
+    with pytest.raises(ValueError, match="regex"):
+        engine.add_request([5, 6, 7], constrained(StructuredOutputsParams(regex="(unclosed")))
+    assert not engine.has_unfinished_requests() and not engine._grammars
+    outs = plain.generate(runs.PROMPTS[:2], constrained(SPECS["choice"]), use_tqdm=False)
+    assert runs.token_ids(outs) == references["choice"][:2]
+
+
+def test_json_object_and_penalties_and_logprobs(plain):
+    """json_object gives an object; penalties shape the logits before the mask; logprobs stay the raw ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"json_object": True},
+                            repetition_penalty=1.3, logprobs=1)
+    out = plain.generate(runs.PROMPTS[:2], params, use_tqdm=False)
+    for o in out:
+        assert o.outputs[0].text.startswith("{")
+        assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+
+
+# ---- sampling: the constrained target distribution ---------------------------------------------------------------
+
+def exact_distribution(hf_model, grammars, prompt_ids, spec, temperature):
+    """Every token sequence the (finite) grammar allows with its probability under the target's masked,
+    temperature-scaled distribution, by enumeration."""
+    out = {}
+
+    def expand(prefix, prob):
+        g = grammars.grammar(spec)
+        assert g.advance(prefix)
+        if g.terminated:
+            out[tuple(prefix)] = prob
+            return
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt_ids + prefix])).logits[0, -1]
+        row = np.zeros((1, g.words), dtype=np.int32)
+        g._fill(row, 0)
+        allowed = allowed_tokens(row[0], logits.shape[-1])
+        probs = torch.softmax(logits[allowed] / temperature, -1)
+        for token, p in zip(allowed, probs.tolist()):
+            expand(prefix + [token], prob * p)
+
+    expand([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["plain", "draft_model", "ngram"])
+def test_sampled_outputs_follow_the_constrained_target_distribution(drafter, tiny_llama_dir, tiny_draft_dir,
+                                                                    tokenizer, grammars):
+    """The draft model's q mostly draws tokens the grammar refuses: they are kept (as the first refused draft) and
+    rejected, so the resampled token follows norm(max(0, p' - q)) and the output p'. Chi-square against the exact
+    probabilities of every output the grammar allows."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    spec = StructuredOutputsParams(regex="[abc]{3}")
+    prompt = "abc cab bca abc"  # n-gram drafts find matches in it
+    prompt_ids = tokenizer.encode(prompt)
+    expected = exact_distribution(hf, grammars, prompt_ids, spec, 1.0)
+    spec_config = {"draft_model": {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3,
+                                   "adaptive": False},
+                   "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                             "adaptive": False},
+                   "plain": None}[drafter]
+    n = 3000
+    with LLM(str(tiny_llama_dir), max_model_len=64, speculative_config=spec_config, max_num_seqs=256) as llm:
+        params = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=spec)
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        if drafter != "plain":
+            assert llm.spec_stats.draft_tokens > 0
+    counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    assert set(counts) <= set(expected)
+    keys = sorted(expected, key=expected.get, reverse=True)
+    probs = np.array([expected[k] for k in keys])
+    assert abs(probs.sum() - 1) < 1e-4
+    probs /= probs.sum()
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    big = probs * n >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(probs[big], probs[~big].sum()) * n
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+COIN_DRAFTER = '''
+from dataclasses import dataclass
+import torch
+from specray.drafters.base import Proposal
+from specray.drafters.registry import options_of
+
+
+@dataclass
+class CoinOptions:
+    good: int = 0
+    bad: int = 0
+
+
+class CoinDrafter:
+    """One draft, drawn from q = {good: 1/2, bad: 1/2}, and that q."""
+    Options = CoinOptions
+
+    def __init__(self, spec, ctx):
+        self.options, self.vocab_size = options_of(spec), ctx.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, batch):
+        out = []
+        for req in batch:
+            q = torch.zeros(1, self.vocab_size)
+            q[0, self.options.good] = q[0, self.options.bad] = 0.5
+            token = self.options.good if torch.rand(1, generator=self.gen).item() < 0.5 else self.options.bad
+            out.append(Proposal([token], probs=q) if req.num_speculative_tokens else Proposal([]))
+        return out
+
+    def finish(self, req_ids):
+        pass
+
+    def shutdown(self):
+        pass
+'''
+
+
+def test_a_refused_draft_drawn_from_q_is_kept_and_rejected(tiny_llama_dir, tokenizer, grammars, tmp_path,
+                                                          monkeypatch):
+    """A drafter whose q gives half its mass to a token the grammar refuses: the refused draft must stay (and be
+    rejected) so that the token is resampled from norm(max(0, p' - q)); cutting it off would sample p' there and
+    give the good token about (1/2) p' + min(1/2, p') instead of p'. The first token's frequencies, chi-square."""
+    from transformers import AutoModelForCausalLM
+    (tmp_path / "coin_drafter.py").write_text(COIN_DRAFTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    spec = StructuredOutputsParams(regex="c[ab]")  # "c" from the prefill, then one drafted position
+    prompt = "abc cab bca abc"
+    a, b, c, x = (ids(tokenizer, s)[0] for s in "abcx")
+    expected = exact_distribution(hf, grammars, tokenizer.encode(prompt), spec, 1.0)
+    assert (c, a) in expected and (c, b) in expected
+    n = 4000
+    config = {"method": "coin_drafter:CoinDrafter", "num_speculative_tokens": 1, "adaptive": False, "good": a,
+              "bad": x}
+    with LLM(str(tiny_llama_dir), max_model_len=64, speculative_config=config, max_num_seqs=256) as llm:
+        outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=4, structured_outputs=spec),
+                            use_tqdm=False)
+        drafted = llm.spec_stats.draft_tokens
+    counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    assert drafted >= (counts[c, a] + counts[c, b]) > n / 4  # every request past "c" verified a draft
+    keys = sorted(expected)
+    observed = np.array([counts[k] for k in keys], dtype=float)
+    assert observed.sum() == n
+    p = np.array([expected[k] for k in keys])
+    assert chisquare(observed, p / p.sum() * n).pvalue > 1e-3
+
+
+def test_grammar_termination_ends_the_request_where_plain_decoding_ends_it(plain, tiny_llama_dir):
+    """The grammar completes on a forced token whose step also kept the target's EOS: the request ends at the
+    grammar's end, with the tokens plain decoding gives one at a time."""
+    spec = SPECS["choice"]
+    engine = plain.engine
+    one_by_one = []
+    engine.forced_draft_limit = 0
+    try:
+        one_by_one = runs.token_ids(plain.generate(runs.PROMPTS, constrained(spec), use_tqdm=False))
+    finally:
+        engine.forced_draft_limit = 16
+    assert runs.token_ids(plain.generate(runs.PROMPTS, constrained(spec), use_tqdm=False)) == one_by_one
