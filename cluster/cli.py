@@ -13,6 +13,7 @@ import sys
 import time
 
 from specray.cluster.reasoning import REASONING_PARSERS
+from specray.cluster.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("specray.cli")
 
@@ -126,6 +127,13 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="a reasoning model's <think> ... </think> goes to chat messages' reasoning_content (vLLM's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default when a chat request gives tools): the model decides "
+                   "whether to call, its calls read by --tool-call-parser (vLLM's); named and 'required' tool "
+                   "choices work without it")
+    p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
+                   "Qwen3) or llama3_json (Llama 3.1/3.2's JSON); needed by --enable-auto-tool-choice")
 
 
 def _add_bench_parser(sub) -> None:
@@ -320,7 +328,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
                 "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching",
-                "reasoning_parser")
+                "reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")
 
 
 def serve_app_args(args) -> dict:

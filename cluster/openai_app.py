@@ -35,6 +35,8 @@ from specray.chat import render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster.metrics import ServerMetrics, engine_state
 from specray.cluster.reasoning import ReasoningSplitter, starts_thinking
+from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
+                                         parse_tool_calls, tool_call_streamer)
 from specray.errors import EngineError
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -126,6 +128,10 @@ class ServerConfig:
     max_n: int = proto.MAX_N
     max_tokens_per_request: int | None = None
     reasoning_parser: str | None = None  # chat messages' <think> ... </think> in reasoning_content (vLLM's)
+    # vLLM's: tool_choice "auto" (the default when a request gives tools), the calls read out of the answer by
+    # tool_call_parser (specray.cluster.tool_parsers); named and "required" tool choices need neither
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -152,6 +158,11 @@ class _Choice:
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
     echoed: bool = False  # the prompt went out (completions with echo=true)
     reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
+    tool_stream: ToolCallStreamer | None = None  # a chat choice's tool calls, read from its streamed answer
+    tool_calls_sent: int = 0  # tool calls streamed so far (the next one's index)
+    # with tools, blank content waits for words (a message with calls and blanks only has content null)
+    blank_held: str = ""
+    words_sent: bool = False
 
     def update(self, out: RequestOutput) -> None:
         self.output = out.outputs[0]
@@ -354,10 +365,36 @@ class _CompletionFormat(_Format):
                                 usage=usage)
 
 
+@dataclass(frozen=True)
+class _ToolOutput:
+    """How a chat request's tool calls come out of each choice's answer (its text after any reasoning):
+    "named": the answer is the arguments of the function ``name`` (the grammar holds it to its schema);
+    "required": a JSON array of calls (:class:`RequiredArrayStreamer`); "auto": what the tool call parser
+    ``parser`` finds in it."""
+
+    mode: str
+    name: str | None = None
+    parser: str | None = None
+
+    def streamer(self) -> ToolCallStreamer:
+        return RequiredArrayStreamer() if self.mode == "required" else tool_call_streamer(self.parser)
+
+
+def _tool_call(call: ParsedToolCall) -> proto.ToolCall:
+    return proto.ToolCall(id=proto.new_tool_call_id(), function=proto.FunctionCall(name=call.name,
+                                                                                   arguments=call.arguments))
+
+
+def _finish_with_calls(finish: str | None, called: bool) -> str | None:
+    """A choice that made tool calls ends with "tool_calls" (OpenAI's and vLLM's) where it ended normally."""
+    return "tool_calls" if called and finish in ("stop", "length") else finish
+
+
 class _ChatFormat(_Format):
-    def __init__(self, *args, reasoning_parser: str | None = None, **kwargs):
+    def __init__(self, *args, reasoning_parser: str | None = None, tools: _ToolOutput | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
+        self.tools = tools
 
     def _splitter(self, choice: _Choice) -> ReasoningSplitter | None:
         if self.reasoning_parser is None:
@@ -371,31 +408,80 @@ class _ChatFormat(_Format):
         return None if sliced is None else self.logprob_fmt.chat(*sliced, self.num_logprobs)
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
-        items = [proto.ChatChoice(index=c.index, message=self._message(c), finish_reason=c.output.finish_reason,
-                                  logprobs=self._logprobs(c, 0, len(c.output.token_ids)))
-                 for c in choices]
+        items = []
+        for c in choices:
+            message, finish = self._message(c)
+            items.append(proto.ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                          logprobs=self._logprobs(c, 0, len(c.output.token_ids))))
         return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
                                     usage=usage, prompt_logprobs=self._prompt_logprobs(choices[0])).model_dump()
 
-    def _message(self, choice: _Choice) -> proto.AssistantMessage:
+    def _message(self, choice: _Choice) -> tuple[proto.AssistantMessage, str | None]:
+        """A whole choice's message and finish reason: the reasoning apart (reasoning_parser), then the answer's
+        tool calls apart (content null when nothing else is left)."""
+        finish = choice.output.finish_reason
         splitter = self._splitter(choice)
-        if splitter is None:
-            return proto.AssistantMessage(content=choice.output.text)
-        reasoning, content = splitter.split(choice.output.text)
-        return proto.AssistantMessage(content=content, reasoning_content=reasoning)
+        reasoning, content = (None, choice.output.text) if splitter is None else splitter.split(choice.output.text)
+        tools = self.tools
+        if tools is None or content is None:
+            return proto.AssistantMessage(content=content, reasoning_content=reasoning), finish
+        if tools.mode == "named":  # OpenAI's and vLLM's finish reason for a forced call: "stop"
+            call = _tool_call(ParsedToolCall(tools.name, content))
+            return proto.AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[call]), finish
+        content, calls = parse_tool_calls(tools.streamer(), content)
+        message = proto.AssistantMessage(content=None if calls and not content.strip() else content,
+                                         reasoning_content=reasoning, tool_calls=[_tool_call(c) for c in calls])
+        return message, _finish_with_calls(finish, bool(calls))
 
-    def _delta(self, choice: _Choice, text: str, finished: bool) -> dict[str, str]:
+    def _delta(self, choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
         """The chunk's delta for new ``text``: its content, or with a reasoning parser its reasoning and its
-        content apart (a tail that may begin a tag waits for the next chunk, or the last)."""
+        content apart (a tail that may begin a tag waits for the next chunk, or the last); with tools, the calls
+        out of the content (:meth:`_tool_delta`)."""
         splitter = self._splitter(choice)
-        if splitter is None:
-            return {"content": text} if text else {}
-        reasoning, content = splitter.push(text)
-        if finished:
-            r, c = splitter.finish()
-            reasoning, content = reasoning + r, content + c
-        delta = {"reasoning_content": reasoning} if reasoning else {}
+        reasoning, content = "", text
+        if splitter is not None:
+            reasoning, content = splitter.push(text)
+            if finished:
+                r, c = splitter.finish()
+                reasoning, content = reasoning + r, content + c
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if self.tools is not None:
+            return {**delta, **self._tool_delta(choice, content, finished)}
         return {**delta, "content": content} if content else delta
+
+    def _tool_delta(self, choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
+        """The delta of the answer's new ``text`` with tools: a named call's id, type and name with its first
+        arguments, then its arguments as they come; otherwise content as the parser lets it out (blanks wait for
+        words, so that a message of calls and blanks streams no content, as it has none whole) and each call once
+        it is complete, whole (OpenAI's ``delta.tool_calls``: index, id, type, function name and arguments)."""
+        tools = self.tools
+        if tools.mode == "named":
+            if choice.tool_calls_sent:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            thinking = choice.reasoning is not None and choice.reasoning.thinking  # no answer yet, maybe never
+            if not text and (not finished or thinking):
+                return {}
+            choice.tool_calls_sent = 1
+            return {"tool_calls": [{"index": 0, "id": proto.new_tool_call_id(), "type": "function",
+                                    "function": {"name": tools.name, "arguments": text}}]}
+        if choice.tool_stream is None:
+            choice.tool_stream = tools.streamer()
+        content, calls = choice.tool_stream.push(text)
+        if finished:
+            rest, more = choice.tool_stream.finish()
+            content, calls = content + rest, calls + more
+        if not choice.words_sent:  # blanks so far: held until words come, dropped if only calls come
+            content, choice.blank_held = choice.blank_held + content, ""
+            choice.words_sent = bool(content.strip())
+            plain_end = finished and not choice.tool_calls_sent and not calls
+            if not choice.words_sent and not plain_end:
+                content, choice.blank_held = "", content
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            first, choice.tool_calls_sent = choice.tool_calls_sent, choice.tool_calls_sent + len(calls)
+            delta["tool_calls"] = [{"index": first + i, **_tool_call(call).model_dump()}
+                                   for i, call in enumerate(calls)]
+        return delta
 
     def _chunk(self, choices: list[proto.ChatChunkChoice], usage: proto.Usage | None = None):
         return proto.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -409,6 +495,8 @@ class _ChatFormat(_Format):
         text, start, end = choice.take_delta()
         finish = choice.output.finish_reason
         delta = self._delta(choice, text, finish is not None)
+        if self.tools is not None and self.tools.mode != "named":
+            finish = _finish_with_calls(finish, choice.tool_calls_sent > 0)
         if not delta and finish is None and (start == end or self.num_logprobs is None):
             return None
         item = proto.ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish,
@@ -527,6 +615,9 @@ class OpenAIServing:
     async def _chat_completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         self._check_model(req.model)
+        tools = self._tool_output(req)
+        if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
+            req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_request_size(req, 1, req.output_limit(), limit_param)
         prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req)), req.truncate_prompt_tokens)
@@ -534,8 +625,29 @@ class OpenAIServing:
         request_id = proto.new_id("chatcmpl")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
         fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
-                          req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser)
+                          req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools)
         return await self._run(req, choices, fmt, arrival)
+
+    def _tool_output(self, req: proto.ChatCompletionRequest) -> _ToolOutput | None:
+        """How the request's tool calls come out (None: it makes none); "auto" needs the server's tool call
+        parser, a 400 saying how to start the server otherwise."""
+        mode = req.tool_mode()
+        if mode == "none":
+            return None
+        if mode == "named":
+            return _ToolOutput("named", name=req.named_function()[1].name)
+        if mode == "required":
+            return _ToolOutput("required")
+        config = self.config
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            default = " (the default when tools are given)" if req.tool_choice is None else ""
+            raise proto.bad_request(
+                f"tool_choice='auto'{default} needs the server started with --enable-auto-tool-choice "
+                f"--tool-call-parser NAME (NAME: {' or '.join(TOOL_CALL_PARSERS)}, the format the model writes its "
+                "calls in; in a Serve config, enable_auto_tool_choice: true and tool_call_parser: NAME); or send "
+                "tool_choice 'required', a named function {'type': 'function', 'function': {'name': ...}}, or 'none'",
+                "tool_choice")
+        return _ToolOutput("auto", parser=config.tool_call_parser)
 
     async def _tokenize(self, body: Any, arrival: float) -> Response:
         """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the
@@ -609,7 +721,8 @@ class OpenAIServing:
                                     "messages")
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
-                               req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
+                               req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+                               tools=proto.template_tools(req.tools))
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))

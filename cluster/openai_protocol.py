@@ -13,9 +13,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator,
+                      model_validator)
 
-from specray.chat import check_chat_options
+from specray.chat import check_chat_options, tool_call_arguments
 from specray.detokenizer import TokenTexts
 from specray.outputs import Logprob, PromptLogprobs, SampleLogprobs, SpecStats
 from specray.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams, choice_seed
@@ -26,6 +27,7 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite numb
 SSE_DONE = "data: [DONE]\n\n"
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # OpenAI's seed is a 64-bit integer; the engine's generators too
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's roles a chat template can render
+TOOL_CHOICES = ("none", "auto", "required")  # OpenAI's tool_choice strings; a dict names one function
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -294,12 +296,19 @@ class _GenerationRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_output_constraint(self):
+        self._check_tools()  # first: a forced tool call's constraint is read from them
         constraints = self._constraints()
+        tool = self._tool_constraint()
+        if tool is not None and constraints:
+            param = constraints[0][0]
+            raise bad_request(f"{param} constrains the output, and so does {tool[0]} (the tool calls follow the "
+                              f"functions' parameters schemas); omit {param} (structured_outputs may still carry its "
+                              "disable_* options for the calls' JSON), or set tool_choice to 'auto' or 'none'", param)
         if len(constraints) > 1:
             names = [param for param, _, _ in constraints]
             raise bad_request(f"{', '.join(names[:-1])} and {names[-1]} each constrain the output; give one "
                               f"constraint, through {_CONSTRAINT_WAYS}", names[1])
-        if not constraints and self.structured_outputs is not None:
+        if not constraints and tool is None and self.structured_outputs is not None:
             raise bad_request(f"structured_outputs sets none of {', '.join(STRUCTURED_KINDS)}: set one of them "
                               "(its disable_* options only adjust a constraint given here or by response_format), or "
                               "omit structured_outputs", "structured_outputs")
@@ -324,15 +333,26 @@ class _GenerationRequest(_Strict):
                   if getattr(self, name) is not None]
         return found
 
+    def _check_tools(self) -> None:
+        """A 400 for tool parameters that do not go together (chat only)."""
+
+    def _tool_constraint(self) -> tuple[str, str, Any] | None:
+        """The constraint a forced tool call puts on the output, as :meth:`_constraints`' items (chat only)."""
+        return None
+
+    def _output_constraints(self) -> list[tuple[str, str, Any]]:
+        tool = self._tool_constraint()
+        return self._constraints() + ([tool] if tool is not None else [])
+
     def structured_outputs_param(self) -> str | None:
         """The field that gives the request's constraint on its output (None: no constraint): the one an error
         about it names."""
-        constraints = self._constraints()
+        constraints = self._output_constraints()
         return constraints[0][0] if constraints else None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The engine's ``SamplingParams.structured_outputs`` for this request, None for free text."""
-        constraints = self._constraints()
+        constraints = self._output_constraints()
         if not constraints:
             return None
         param, kind, value = constraints[0]
@@ -453,10 +473,44 @@ class TextPart(BaseModel):
         return value
 
 
+class MessageFunctionCall(BaseModel):
+    """The function an earlier assistant turn called: its ``arguments`` (JSON text, as OpenAI sends them, or an
+    object) reach the chat template as a dict, as HF templates expect (vLLM does the same)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Text
+    arguments: dict[str, Any] | Text | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_object(cls, value):
+        return tool_call_arguments(value)
+
+
+class MessageToolCall(BaseModel):
+    """One call of an assistant message's ``tool_calls``: ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: str = "function"
+    function: MessageFunctionCall
+
+    @field_validator("type")
+    @classmethod
+    def _function_calls_only(cls, value: str) -> str:
+        if value != "function":
+            raise ValueError(f"a tool call of type {value!r} is not supported: only function calls are; send "
+                             "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
+        return value
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as is
+    model_config = ConfigDict(extra="allow")  # name, ...: handed to the chat template as is
     role: str
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def check(self, index: int) -> None:
         """A 400 in OpenAI's terms for an unknown role or a message without content (an assistant message may
@@ -464,7 +518,11 @@ class ChatMessage(BaseModel):
         if self.role not in CHAT_ROLES:
             raise bad_request(f"messages[{index}].role={self.role!r} is not a valid role; use one of "
                               f"{', '.join(repr(r) for r in CHAT_ROLES)}", f"messages.{index}.role")
-        if self.content is None and not (self.role == "assistant" and (self.model_extra or {}).get("tool_calls")):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request(f"messages[{index}].tool_calls is for assistant messages, not {self.role!r} ones; the "
+                              "result of a call goes in a 'tool' message with tool_call_id and content",
+                              f"messages.{index}.tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise bad_request(f"messages[{index}].content is null; a {self.role!r} message needs content: a "
                               "string or a list of text parts", f"messages.{index}.content")
 
@@ -478,14 +536,84 @@ class ChatMessage(BaseModel):
 # OpenAI chat parameters for features this server does not have: the values that leave the feature off (what
 # client libraries often send anyway; null too) are dropped, any other is a 400 saying what is missing
 _FEATURE_OFF = {
-    "tools": (([],), "this server does not call tools"),
-    "functions": (([],), "this server does not call functions"),
-    "tool_choice": (("none",), "this server does not call tools"),
-    "function_call": (("none",), "this server does not call functions"),
-    "parallel_tool_calls": ((True, False), "it takes true or false"),  # meaningless without tools
+    "functions": (([],), "OpenAI's deprecated functions are not served: declare them in tools (and pick one with "
+                         "tool_choice) instead"),
+    "function_call": (("none",), "OpenAI's deprecated function_call is not served: use tool_choice (with tools) "
+                                 "instead"),
     "modalities": ((["text"],), "the served models write text only"),
     "service_tier": (("auto", "default"), "there is one service tier"),
 }
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: its ``parameters`` are a JSON schema of its arguments (an object);
+    ``strict`` is accepted and not used (a forced call's arguments always follow the schema, as in vLLM)."""
+
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """OpenAI's ``{"type": "function", "function": {"name", "description", "parameters", "strict"}}``."""
+
+    type: str
+    function: FunctionDefinition
+
+    @field_validator("type")
+    @classmethod
+    def _functions_only(cls, value: str) -> str:
+        if value != "function":
+            raise ValueError(f"a tool of type {value!r} is not supported: this server calls functions only; send "
+                             "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+        return value
+
+
+def required_calls_schema(tools: list[ChatTool], single_call: bool = False) -> dict:
+    """The JSON schema of ``tool_choice="required"``'s output (vLLM's): an array of at least one call (at most one
+    with ``single_call``), each ``{"name": <one tool's name>, "parameters": <that tool's parameters schema>}`` and
+    nothing else (an anyOf over the tools). Each tool's ``$defs`` move to the top, where their ``#/$defs/...``
+    references point."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for index, tool in enumerate(tools):
+        parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
+        for key, value in (parameters.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != value:
+                raise bad_request(f"tools[{index}].function.parameters.$defs.{key} differs from another tool's "
+                                  f"definition of {key!r}; tool_choice='required' puts every tool's $defs in one "
+                                  "schema: rename one of them", f"tools.{index}.function.parameters.$defs.{key}")
+            defs[key] = value
+        branches.append({"type": "object",
+                         "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                        "parameters": parameters},
+                         "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if single_call:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _named_choice(choice: dict) -> str:
+    """The function a dict ``tool_choice`` names, or a 400 saying how to name one."""
+    shape = "{'type': 'function', 'function': {'name': ...}}"
+    if choice.get("type") != "function":
+        raise bad_request(f"tool_choice.type={choice.get('type')!r:.100} is not supported: name a function as "
+                          f"{shape}, or use 'none', 'auto' or 'required'", "tool_choice.type")
+    function = choice.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise bad_request(f"tool_choice.function.name is missing: name the function to call, as {shape}",
+                          "tool_choice.function.name")
+    for param, extra in (("tool_choice", set(choice) - {"type", "function"}),
+                         ("tool_choice.function", set(function) - {"name"})):
+        if extra:
+            name = f"{param}.{sorted(extra)[0]}"
+            raise bad_request(f"{name} is not a supported parameter; remove it (a named tool choice is {shape})",
+                              name)
+    return function["name"]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -500,6 +628,12 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
     store: bool = False
+    # OpenAI's function calling: the functions (given to the chat template), which to call ("none", "auto": the
+    # model decides, read by the server's tool call parser; "required": one or more; or one named), and whether
+    # several calls may come at once (false: "required" makes one call)
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -528,6 +662,58 @@ class ChatCompletionRequest(_GenerationRequest):
             message.check(index)
         return self
 
+    def _check_tools(self) -> None:
+        """A 400 for a function declared twice, a tool_choice that is none of OpenAI's, one without tools, or one
+        naming a function that tools do not declare."""
+        declared: dict[str, int] = {}
+        for index, tool in enumerate(self.tools or []):
+            name = tool.function.name
+            if name in declared:
+                raise bad_request(f"tools[{index}].function.name={name!r} is declared twice (tools[{declared[name]}] "
+                                  "too); give each function its own name", f"tools.{index}.function.name")
+            declared[name] = index
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise bad_request(f"tool_choice={choice!r:.100} is not supported; use 'none', 'auto', 'required', or "
+                              "{'type': 'function', 'function': {'name': ...}} to call one function", "tool_choice")
+        name = _named_choice(choice) if isinstance(choice, dict) else None
+        if choice not in (None, "none") and not self.tools:
+            raise bad_request(f"tool_choice={choice!r:.100} needs tools: declare the functions the model may call, "
+                              "as tools=[{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}], or "
+                              "omit tool_choice", "tool_choice")
+        if name is not None and name not in declared:
+            raise bad_request(f"tool_choice.function.name={name!r:.100} names no function in tools (declared: "
+                              f"{list(declared)}); name one of them", "tool_choice.function.name")
+
+    def tool_mode(self) -> str:
+        """What ``tool_choice`` asks for: "none", "auto", "required" or "named" (OpenAI's default: "auto" with
+        tools, else "none")."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return "named" if isinstance(choice, dict) else choice
+
+    def named_function(self) -> tuple[int, FunctionDefinition] | None:
+        """The function a named tool choice calls, with its index in ``tools``."""
+        choice = self.tool_choice
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        return next(((i, t.function) for i, t in enumerate(self.tools or []) if t.function.name == name), None)
+
+    def _tool_constraint(self) -> tuple[str, str, Any] | None:
+        """A named function's arguments follow its parameters schema (any object without one); "required" gives
+        an array of calls (:func:`required_calls_schema`)."""
+        mode = self.tool_mode()
+        if mode == "named":
+            found = self.named_function()
+            if found is None:
+                return None
+            index, function = found
+            return f"tools.{index}.function.parameters", "json", function.parameters or {"type": "object"}
+        if mode == "required" and self.tools:
+            return "tools", "json", required_calls_schema(self.tools, single_call=self.parallel_tool_calls is False)
+        return None
+
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
@@ -550,6 +736,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # declared to the chat template, as a chat completion's
     add_special_tokens: bool = True  # for a prompt (a rendered chat holds its own)
 
     @model_validator(mode="after")
@@ -569,6 +756,12 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
+    """A request's tools as the chat template takes them (OpenAI's dicts), None for none. They are rendered
+    whatever tool_choice says, "none" too (vLLM's default: the prompt stays the same from turn to turn)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
 def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
@@ -723,10 +916,23 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object, as generated
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None: a reasoning model's thinking never ended, so no answer came (reasoning_parser)
+    # None: a reasoning model's thinking never ended, so no answer came (reasoning_parser), or tool calls only
+    content: str | None
     reasoning_content: str | None = None  # vLLM's: the thinking, with a reasoning_parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # [] without calls, as vLLM answers
 
 
 class ChatChoice(BaseModel):
@@ -748,7 +954,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, then {} with the finish reason
+    # {"role": ...} first, then {"content": ...} and/or {"tool_calls": [...]}, then {} with the finish reason
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
@@ -777,6 +984,11 @@ class ModelList(BaseModel):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def new_tool_call_id() -> str:
+    """A tool call's id, vLLM's form: ``chatcmpl-tool-<random hex>``."""
+    return new_id("chatcmpl-tool")
 
 
 def now() -> int:

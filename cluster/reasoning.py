@@ -11,14 +11,11 @@ a tail of the new text that could begin one is held until the next delta (or the
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+from specray.structured_outputs import REASONING_PARSERS as _PARSERS
+from specray.structured_outputs import check_reasoning_parser  # noqa: F401 (the server's check is the engine's)
+
+REASONING_PARSERS = tuple(_PARSERS)  # the engine's (its structured outputs wait for the end of the thinking)
 BEGIN, END = "<think>", "</think>"
-
-
-def check_reasoning_parser(name: str | None) -> None:
-    if name is not None and name not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser={name!r} is not known; choose one of {list(REASONING_PARSERS)} "
-                         "(both split <think> ... </think> from the answer) or leave it unset")
 
 
 def starts_thinking(parser: str, prompt_text: str | None) -> bool:

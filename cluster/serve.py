@@ -58,6 +58,7 @@ from specray.cluster.openai_app import (  # noqa: E402
     register_client_gone)
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
+from specray.cluster.tool_parsers import check_tool_call_parser  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
 from specray.engine.builder import check_engine_args, check_heads  # noqa: E402
@@ -123,6 +124,10 @@ class ServeArgs:
     enable_debug_routes: bool = False  # GET /v1/debug/kv
     # vLLM's: a reasoning model's <think> ... </think> in chat messages' reasoning_content (deepseek_r1, qwen3)
     reasoning_parser: str | None = None
+    # vLLM's: tool_choice "auto" (the default when a request gives tools), the calls read out of the answer by
+    # tool_call_parser (hermes, llama3_json); named and "required" tool choices need neither
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -163,6 +168,12 @@ class ServeArgs:
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         self._check_limits()
         check_reasoning_parser(self.reasoning_parser)
+        check_tool_call_parser(self.tool_call_parser, self.enable_auto_tool_choice)
+        # one parser for both (merge_engine_kwargs refuses it given twice): the server splits the thinking from the
+        # answer, the engine's structured outputs govern only the answer
+        self.reasoning_parser = self.reasoning_parser or self.engine_kwargs.get("reasoning_parser")
+        if self.reasoning_parser is not None:
+            self.engine_kwargs["reasoning_parser"] = self.reasoning_parser
         if self.served_model_name is None:
             self.served_model_name = default_served_name(self.model)
         if self.api_key is None:
@@ -193,7 +204,9 @@ class ServeArgs:
                             enable_debug_routes=self.enable_debug_routes,
                             max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
                             max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n,
-                            reasoning_parser=self.reasoning_parser)
+                            reasoning_parser=self.reasoning_parser,
+                            enable_auto_tool_choice=self.enable_auto_tool_choice,
+                            tool_call_parser=self.tool_call_parser)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

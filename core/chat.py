@@ -3,6 +3,7 @@ server. Torch-free."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # apply_chat_template's own parameters: chat_template_kwargs (the template's variables) may not set them
@@ -24,14 +25,61 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
                          "template call itself; give the template's own variables only")
 
 
+def tool_call_arguments(arguments: Any) -> dict:
+    """A tool call's ``arguments`` as chat templates take them, a dict (OpenAI sends JSON text; None or "": no
+    arguments). ValueError when they are not a JSON object."""
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"the arguments {arguments!r:.80} are not valid JSON ({err}); give the call's "
+                             "arguments as JSON text of an object, such as '{\"city\": \"Paris\"}', or as a "
+                             "dict") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"the arguments {arguments!r:.80} are not a JSON object; give the call's arguments as an "
+                         "object, such as {\"city\": \"Paris\"}")
+    return arguments
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` as HF chat templates expect them: an assistant message's ``tool_calls`` carry their
+    ``function.arguments`` as a dict, not as JSON text (as vLLM hands them over). The given dicts are not changed."""
+    out = []
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                           for c in calls):
+            message = {**message, "tool_calls": [_template_call(index, j, c) for j, c in enumerate(calls)]}
+        out.append(message)
+    return out
+
+
+def _template_call(index: int, j: int, call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    try:
+        arguments = tool_call_arguments(function.get("arguments"))
+    except ValueError as err:
+        raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments: {err}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text of ``messages``. ``continue_final_message`` and ``chat_template`` are passed only when set,
-    so a tokenizer without the keyword (an older one) still renders the rest."""
+                chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
+    """The prompt text of ``messages``, with the functions ``tools`` (OpenAI's tool dicts) declared to the template
+    where given. ``continue_final_message``, ``chat_template`` and ``tools`` are passed only when set, so a tokenizer
+    without the keyword (an older one) still renders the rest. Tool calls' arguments reach the template as dicts
+    (:func:`template_messages`)."""
     check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
-    optional = {"continue_final_message": True} if continue_final_message else {}
+    optional: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
     if chat_template is not None:
         optional["chat_template"] = chat_template
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+    if tools:
+        optional["tools"] = tools
+    return tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
                                          **(chat_template_kwargs or {}), **optional)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specray.sampling_params import check_seed
+from specray.structured_outputs import check_reasoning_parser
 
 
 def check_keys(what: str, given: Any, known: Any, hint: str = "") -> None:
@@ -254,6 +255,8 @@ class EngineArgs:
     # vLLM's automatic prefix caching: whole KV blocks of earlier requests' tokens are reused by later requests
     # that begin with the same tokens (a shared system prompt, the turns of a chat), which compute only the rest
     enable_prefix_caching: bool = False
+    # vLLM's: a reasoning model's thinking phase ("deepseek_r1", "qwen3"); structured outputs govern what follows it
+    reasoning_parser: str | None = None
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
@@ -302,6 +305,7 @@ class EngineArgs:
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
+        check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true or false")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":

@@ -121,17 +121,20 @@ class LLM:
              sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
              use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to several;
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message instead of
-        closing it; ``chat_template_kwargs`` go to the template as variables (e.g. Qwen3's ``enable_thinking``)."""
+        closing it; ``chat_template_kwargs`` go to the template as variables (e.g. Qwen3's ``enable_thinking``);
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) go to the template, which declares them
+        to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
         prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
-                               chat_template_kwargs) for conv in conversations]
+                               chat_template_kwargs, tools) for conv in conversations]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
                              use_tqdm)
 

@@ -17,6 +17,13 @@ the request's output tokens so far. Around each step the engine uses it three ti
    and rejection sampling targets the constrained distribution.
 3. The kept tokens advance the matcher (:meth:`RequestGrammar.advance`); once the grammar can take nothing more but
    the end of the text, the request finishes ("stop").
+
+A reasoning model (``EngineArgs.reasoning_parser``, vLLM's ``--reasoning-parser``) thinks freely first: the grammar
+governs only what follows the output's first ``</think>`` (every position before it, and that token, unmasked;
+drafts past it on a path are checked from there). Where the output starts: inside the thinking phase for
+``deepseek_r1``; for ``qwen3`` unless the prompt's last thinking tag is ``</think>`` (Qwen3 with
+``enable_thinking=False``: its template closes an empty thinking phase in the prompt, and the grammar governs the
+whole output).
 """
 
 from __future__ import annotations
@@ -34,6 +41,15 @@ from specray.tree import DraftTree
 logger = logging.getLogger(__name__)
 
 WORD_BITS = 32
+# vLLM's reasoning parsers: each one's thinking tags, and whether the output starts inside the thinking phase
+# whatever the prompt says ("always") or only where the prompt leaves it open ("open")
+REASONING_PARSERS = {"deepseek_r1": ("<think>", "</think>", "always"), "qwen3": ("<think>", "</think>", "open")}
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={name!r} is not known; choose one of {list(REASONING_PARSERS)} (both "
+                         "split <think> ... </think> from the answer) or leave it unset")
 
 
 def num_words(vocab_size: int) -> int:
@@ -96,7 +112,11 @@ class StructuredOutputs:
     matcher per request. The llguidance tokenizer is built from the engine's (a fast Hugging Face tokenizer) on
     the first structured request."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256,
+                 reasoning_parser: str | None = None):
+        check_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
+        self._thinking_ids: tuple[int, int] | None = None  # the parser's (begin, end) token ids, looked up once
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -104,6 +124,7 @@ class StructuredOutputs:
         self._ll_tokenizer = None
         self._grammars: OrderedDict[str, str] = OrderedDict()
         self.cache_size = cache_size
+        self._executor = None  # llguidance's thread pool for a step's chain masks, made on first use
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
@@ -117,8 +138,40 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs needs a fast Hugging Face tokenizer: {err}") from None
         return self._ll_tokenizer
 
-    def grammar(self, params: StructuredOutputsParams) -> "RequestGrammar":
-        """A fresh matcher for one request; a ValueError naming the fault when the spec is not a valid grammar."""
+    def thinking_ids(self) -> tuple[int, int] | None:
+        """The reasoning parser's (begin, end) thinking tokens (None without a parser); a ValueError when the
+        tokenizer has no such single tokens."""
+        if self.reasoning_parser is None:
+            return None
+        if self._thinking_ids is None:
+            begin, end, _ = REASONING_PARSERS[self.reasoning_parser]
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            missing = [t for t in (begin, end) if t not in vocab]
+            if missing:
+                raise ValueError(f"reasoning_parser={self.reasoning_parser!r} needs the tokens {missing} in the "
+                                 "model's tokenizer, which has none: leave reasoning_parser unset for this model")
+            self._thinking_ids = (vocab[begin], vocab[end])
+        return self._thinking_ids
+
+    def _thinks_first(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the output starts inside the thinking phase (the reasoning parser's rule, see the module
+        docstring)."""
+        ids = self.thinking_ids()
+        if ids is None:
+            return False
+        if REASONING_PARSERS[self.reasoning_parser][2] == "always":
+            return True
+        begin, end = ids
+        last = {begin: -2, end: -2}
+        for i, t in enumerate(prompt_token_ids):
+            if t in last:
+                last[t] = i
+        return not last[end] > last[begin]
+
+    def grammar(self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> "RequestGrammar":
+        """A fresh matcher for one request; a ValueError naming the fault when the spec is not a valid grammar.
+        With a reasoning parser, the grammar waits for the end of the thinking phase where the output starts
+        inside it."""
         from llguidance import LLMatcher
 
         params.check()
@@ -139,30 +192,74 @@ class StructuredOutputs:
         matcher = LLMatcher(tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error().strip()}")
-        return RequestGrammar(matcher, self.words, tokenizer.vocab_size)
+        thinking = self._thinks_first(prompt_token_ids)
+        return RequestGrammar(matcher, self.words, tokenizer.vocab_size,
+                              self.thinking_ids()[1] if thinking else None)
+
+
+    def step_bitmasks(self, chunks: list[tuple["RequestGrammar", list[int], list[int] | None]]) -> list[np.ndarray]:
+        """Each chunk's :meth:`RequestGrammar.bitmasks` (a grammar, its drafts, their tree's parents or None for a
+        chain), the chains' of active grammars computed together on llguidance's thread pool (one row per
+        position, over as many threads as the machine gives), the rest one by one."""
+        from llguidance import LLExecutor
+        from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
+
+        out: list[np.ndarray | None] = [None] * len(chunks)
+        pooled = [i for i, (g, drafts, parents) in enumerate(chunks) if parents is None and g.active and drafts
+                  and g._ll_words == self.words]  # (the pool takes no chain without drafts)
+        for i, (grammar, drafts, parents) in enumerate(chunks):
+            if i not in pooled:
+                out[i] = grammar.bitmasks(drafts, parents)
+        if pooled:
+            starts, total = [], 0
+            for i in pooled:
+                starts.append(total)
+                total += 1 + len(chunks[i][1])
+            rows = np.full((total, self.words), -1, dtype=np.int32)
+            if self._executor is None:
+                self._executor = LLExecutor()
+            fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, [(chunks[i][0].matcher, start, list(chunks[i][1])) for i, start in zip(pooled, starts)],
+                rows)
+            for i, start in zip(pooled, starts):
+                grammar, drafts, _ = chunks[i]
+                block = rows[start:start + 1 + len(drafts)]
+                if drafts and grammar.matcher.validate_tokens(list(drafts)) < len(drafts):
+                    block[len(drafts)] = -1  # a sampled request's refused last draft: its row is never read
+                out[i] = block
+        return out
 
 
 class RequestGrammar:
-    """One request's matcher: it has consumed the request's output tokens so far (``num_tokens`` of them)."""
+    """One request's matcher: it has read the request's output tokens so far (``num_tokens`` of them). With
+    ``end_of_thinking``, the output starts in a reasoning model's thinking phase: the grammar governs only what
+    follows the first such token (``active`` from then on)."""
 
-    def __init__(self, matcher, words: int, ll_vocab_size: int):
+    def __init__(self, matcher, words: int, ll_vocab_size: int, end_of_thinking: int | None = None):
         self.matcher = matcher
         self.words = words
         self._ll_words = num_words(ll_vocab_size)
         self.num_tokens = 0
+        self.end_of_thinking = end_of_thinking
+        self.active = end_of_thinking is None
 
     # ---- the committed output ------------------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> bool:
-        """Consume the output tokens the target kept; False if the grammar refuses one (its matcher then holds an
+        """Read the output tokens the target kept; False if the grammar refuses one (its matcher then holds an
         error: it masked every position, so only a fault of ours gets here)."""
-        ok = self.matcher.consume_tokens(list(tokens))
+        tokens = list(tokens)
         self.num_tokens += len(tokens)
-        return ok
+        if not self.active:
+            if self.end_of_thinking not in tokens:
+                return True
+            self.active = True
+            tokens = tokens[tokens.index(self.end_of_thinking) + 1:]
+        return self.matcher.consume_tokens(tokens) if tokens else True
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and takes nothing more but the end of the text."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
     @property
     def error(self) -> str:
@@ -170,7 +267,7 @@ class RequestGrammar:
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (its one canonical tokenization of forced text), possibly none."""
-        return list(self.matcher.compute_ff_tokens())
+        return list(self.matcher.compute_ff_tokens()) if self.active else []
 
     # ---- drafts --------------------------------------------------------------------------------------------
     def constrain(self, drafts: list[int] | DraftTree, keep_refused: bool, prefix_only: bool = True
@@ -181,7 +278,12 @@ class RequestGrammar:
         drafter that keeps state for its nodes, or its q's rows, can follow), cut at the first node that cannot
         stay; else every node that can stay does (a tree's refused nodes leave with everything under them)."""
         if not isinstance(drafts, DraftTree):
-            n = self.matcher.validate_tokens(list(drafts)) if drafts else 0
+            start = 0  # the drafts the grammar governs start here
+            if not self.active:
+                if self.end_of_thinking not in drafts:
+                    return drafts, list(range(len(drafts)))
+                start = list(drafts).index(self.end_of_thinking) + 1
+            n = start + (self.matcher.validate_tokens(list(drafts[start:])) if len(drafts) > start else 0)
             if n < len(drafts) and keep_refused:
                 n += 1
             return (drafts if n == len(drafts) else drafts[:n]), list(range(n))
@@ -201,48 +303,67 @@ class RequestGrammar:
                          None if tree.scores is None else [tree.scores[i] for i in keep], tree.wants_node_tokens), keep
 
     def _walk(self, token_ids: Sequence[int], parents: Sequence[int], rows: np.ndarray | None = None) -> list[bool]:
-        """Visit the nodes in order, the matcher following each one's path (rolled back to the common ancestor
-        of the last path, then forward). Per node: whether the grammar accepts its path; with ``rows`` given
+        """Visit the nodes in order, the matcher following each one's path (rolled back to the common part with
+        the last path, then forward). Per node: whether the grammar accepts its path; with ``rows`` given
         ([1 + k, words]), row i + 1 becomes the mask after node i (every token allowed where the path is refused:
-        that node is rejected, so its row is never read). The matcher ends where it began."""
+        that node is rejected, so its row is never read; and where the path is still thinking). The matcher ends
+        where it began."""
         matcher = self.matcher
-        path: list[int] = []  # nodes consumed, root first
+        at: list[int] = []  # the nodes the matcher has consumed, in order
         valid: list[bool] = []
         for i, p in enumerate(parents):
-            if p >= 0 and not valid[p]:
-                valid.append(False)
-            else:
-                target = _path(parents, p)
-                common = 0
-                while common < min(len(path), len(target)) and path[common] == target[common]:
-                    common += 1
-                if len(path) > common:
-                    matcher.rollback(len(path) - common)
-                    del path[common:]
-                ok = True
-                for node in target[common:]:  # already checked, each one: they consume
-                    ok = ok and matcher.consume_token(token_ids[node])
-                    path.append(node)
-                assert ok, (i, target)
+            governed = None if p >= 0 and not valid[p] else self._governed(_path(parents, i), token_ids)
+            if governed is None:  # under a refused node (invalid), or still thinking (free)
+                valid.append(p < 0 or valid[p])
+                if rows is not None:
+                    rows[i + 1] = -1
+                continue
+            own = bool(governed) and governed[-1] == i
+            before = governed[:-1] if own else governed
+            common = 0
+            while common < min(len(at), len(before)) and at[common] == before[common]:
+                common += 1
+            if len(at) > common:
+                matcher.rollback(len(at) - common)
+                del at[common:]
+            for node in before[common:]:  # each one already checked: they consume
+                consumed = matcher.consume_token(token_ids[node])
+                assert consumed, (i, before)
+                at.append(node)
+            ok = True
+            if own:
                 ok = matcher.try_consume_tokens([token_ids[i]]) == 1
                 if ok:
-                    path.append(i)
-                valid.append(ok)
+                    at.append(i)
+            valid.append(ok)
             if rows is not None:
-                if valid[i]:
+                if ok:
                     self._fill(rows, i + 1)
                 else:
                     rows[i + 1] = -1
-        if path:
-            matcher.rollback(len(path))
+        if at:
+            matcher.rollback(len(at))
         return valid
+
+    def _governed(self, path: list[int], token_ids: Sequence[int]) -> list[int] | None:
+        """The nodes of ``path`` the grammar reads: all of them once active, else those after the first end of the
+        thinking phase on it (None: it has none, so the path is still thinking)."""
+        if self.active:
+            return path
+        for j, node in enumerate(path):
+            if token_ids[node] == self.end_of_thinking:
+                return path[j + 1:]
+        return None
 
     # ---- masks ---------------------------------------------------------------------------------------------
     def bitmasks(self, drafts: Sequence[int], parents: Sequence[int] | None) -> np.ndarray:
         """[1 + k, words] int32: row 0 the mask after the committed tokens, row i + 1 after draft node i's path
         (a chain when ``parents`` is None)."""
         rows = np.zeros((1 + len(drafts), self.words), dtype=np.int32)
-        self._fill(rows, 0)
+        if self.active:
+            self._fill(rows, 0)
+        else:
+            rows[0] = -1
         if drafts:
             self._walk(drafts, list(range(-1, len(drafts) - 1)) if parents is None else parents, rows)
         return rows

@@ -68,8 +68,9 @@ _CORPUS = [
 ]
 
 
-def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on a few lines, saved as an HF tokenizer folder."""
+def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on a few lines, saved as an HF tokenizer folder (with
+    ``extra_special_tokens`` among its special tokens, e.g. a reasoning model's ``<think>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,7 +79,7 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
@@ -90,7 +91,8 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
     return hf
 
 
-def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides):
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
+                     **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "llama4"}. Returns the folder."""
     import torch
@@ -99,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                               Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer(path)
+    tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
     common = dict(
         vocab_size=len(tok),
         hidden_size=64,

@@ -92,9 +92,33 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     thinking = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--reasoning-parser", "qwen3"])
     assert ServeArgs.from_dict(serve_app_args(thinking)).server_config(8).reasoning_parser == "qwen3"
     assert parsed.server_config(8).reasoning_parser is None
+    tooled = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--enable-auto-tool-choice",
+                                        "--tool-call-parser", "hermes"])
+    config = ServeArgs.from_dict(serve_app_args(tooled)).server_config(8)
+    assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
+    assert (parsed.server_config(8).enable_auto_tool_choice, parsed.server_config(8).tool_call_parser) == (False, None)
     off = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--engine-kwargs",
                                      "enable_prefix_caching=false"])
     assert not ServeArgs.from_dict(serve_app_args(off)).engine_args().enable_prefix_caching
+
+
+def test_tool_call_flags_are_checked_before_the_server_starts(tiny_llama_dir, capsys):
+    """--enable-auto-tool-choice needs --tool-call-parser, whose names argparse checks; a Serve config's strings
+    reach the server config too."""
+    from specray.cluster.cli import build_parser
+    from specray.cluster.serve import ServeArgs
+
+    assert main(["serve", "--model", str(tiny_llama_dir), "--enable-auto-tool-choice"]) == 2
+    err = capsys.readouterr().err
+    assert "--tool-call-parser" in err and "hermes" in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+    parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir), "enable_auto_tool_choice": "true",
+                                  "tool_call_parser": "llama3_json"})
+    assert (parsed.enable_auto_tool_choice, parsed.server_config(8).tool_call_parser) == (True, "llama3_json")
+    with pytest.raises(ValueError, match="tool_call_parser='mistral' is not known"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "tool_call_parser": "mistral"})
 
 
 def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):

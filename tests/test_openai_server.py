@@ -560,9 +560,9 @@ def test_feature_parameters_left_off_are_accepted_and_others_named(server):
            "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto"}
     status, body = http_json(url, {**base, **off})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for name, value, says in (("tools", [tool], "call tools"), ("tool_choice", "auto", "call tools"),
-                              ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "true or")):
+    assert body["choices"][0]["message"]["tool_calls"] == []
+    for name, value, says in (("functions", [{"name": "f"}], "in tools"), ("function_call", "auto", "tool_choice"),
+                              ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "boolean")):
         status, err = error_of(http_json(url, {**base, name: value}))
         assert (status, err["param"]) == (400, name) and says in err["message"], (name, err)
 
@@ -739,6 +739,159 @@ def test_structured_output_parameters_are_checked_in_openai_terms(server):
             path, body = _request(endpoint, max_tokens=4, **fields)
             status, err = error_of(http_json(server + path, body))
             assert (status, err["param"]) == (400, param) and says in err["message"], (endpoint, fields, err)
+
+
+# ---- tool calling ----------------------------------------------------------------------------------------
+
+# small schemas with bounded values, so that the random-weight model's constrained calls finish
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TIME_SCHEMA = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+               "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER_SCHEMA}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA, "strict": True}}]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _tool_request(**fields) -> dict:
+    return {"model": MODEL, "messages": WEATHER_CHAT, "tools": TOOLS, "temperature": 0, "max_tokens": 64,
+            **COMPACT, **fields}
+
+
+def streamed_chat(events: list[str]) -> tuple[str, list[dict], str | None]:
+    """A streamed chat choice's content, its tool calls (per index: id, type, name, arguments joined) and its
+    finish reason; the first delta of each call carries its id, type and name, as OpenAI clients expect."""
+    content, calls, finish = "", {}, None
+    for event in events:
+        if event == "[DONE]":
+            continue
+        for choice in json.loads(event)["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for part in delta.get("tool_calls", []):
+                if part["index"] not in calls:
+                    assert {"id", "type"} <= set(part) and "name" in part["function"], part
+                    calls[part["index"]] = {"id": part["id"], "type": part["type"], "name": "", "arguments": ""}
+                calls[part["index"]]["name"] += part["function"].get("name", "")
+                calls[part["index"]]["arguments"] += part["function"].get("arguments", "")
+            finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _calls(message: dict) -> list[dict]:
+    return [{"id": c["id"], "type": c["type"], **c["function"]} for c in message["tool_calls"]]
+
+
+def _check_call(call: dict, names=("get_weather",)) -> None:
+    assert call["type"] == "function" and re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call["id"]), call
+    assert call["name"] in names, call
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_named_tool_choice_calls_that_function_with_arguments_following_its_schema(server, client):
+    """A named tool choice constrains the output to the function's parameters schema: content null, one call
+    whose arguments validate, finish_reason "stop"; the openai client and a stream give the same call."""
+    status, resp = http_json(server + "/v1/chat/completions", _tool_request(tool_choice=NAMED))
+    assert status == 200, resp
+    choice = resp["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    [call] = _calls(choice["message"])
+    _check_call(call)
+    out = client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=TOOLS, tool_choice=NAMED,
+                                         temperature=0, max_tokens=64, extra_body=COMPACT)
+    message = out.choices[0].message
+    assert message.content is None and out.choices[0].finish_reason == "stop"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather",
+                                                                                    call["arguments"])]
+    content, calls, finish = streamed_chat(sse_events(server + "/v1/chat/completions",
+                                                      _tool_request(tool_choice=NAMED, stream=True)))
+    assert (content, finish) == ("", "stop")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+    stream = client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=TOOLS, tool_choice=NAMED,
+                                            temperature=0, max_tokens=64, extra_body=COMPACT, stream=True)
+    parts = [part for chunk in stream if chunk.choices for part in chunk.choices[0].delta.tool_calls or []]
+    assert parts[0].id.startswith("chatcmpl-tool-") and parts[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in parts) == call["arguments"]
+
+
+@pytest.mark.parametrize("parallel", [False, None])
+def test_required_tool_choice_makes_calls_of_declared_functions(server, parallel):
+    """tool_choice "required": one call or more (one with parallel_tool_calls=false), each naming a declared
+    function with arguments following its schema, finish_reason "tool_calls"; streamed, the same calls."""
+    fields = {"tool_choice": "required", "max_tokens": 96}
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    status, resp = http_json(server + "/v1/chat/completions", _tool_request(**fields))
+    assert status == 200, resp
+    choice = resp["choices"][0]
+    calls = _calls(choice["message"])
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, resp
+    assert len(calls) == 1 if parallel is False else len(calls) >= 1
+    for call in calls:
+        _check_call(call, names=tuple(SCHEMAS))
+    assert len({c["id"] for c in calls}) == len(calls)
+    content, streamed, finish = streamed_chat(sse_events(server + "/v1/chat/completions",
+                                                         _tool_request(stream=True, **fields)))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_messages_with_tool_calls_and_tool_results_are_accepted(server, client):
+    """An assistant turn's tool calls (content null, arguments as JSON text) and the tool's answer render through
+    the chat template, for chat completions and /tokenize; arguments that are not a JSON object are a 400."""
+    history = WEATHER_CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    status, resp = http_json(server + "/v1/chat/completions",
+                             {"model": MODEL, "messages": history, "tools": TOOLS, "tool_choice": "none",
+                              "max_tokens": 4})
+    assert status == 200 and resp["choices"][0]["message"]["tool_calls"] == [], resp
+    out = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert out.choices[0].message.content is not None
+    status, tokens = http_json(server + "/tokenize", {"model": MODEL, "messages": history, "tools": TOOLS})
+    assert status == 200 and tokens["count"] > 0
+    broken = [*history[:1], {**history[1], "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{oops"}}]}]
+    status, err = error_of(http_json(server + "/v1/chat/completions", {"model": MODEL, "messages": broken}))
+    assert (status, err["param"]) == (400, "messages.1.tool_calls.0.function.arguments")
+    assert "not valid JSON" in err["message"]
+    status, err = error_of(http_json(server + "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi", "tool_calls": history[1]["tool_calls"]}]}))
+    assert (status, err["param"]) == (400, "messages.0.tool_calls") and "'tool' message" in err["message"]
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server, client):
+    custom = [{"type": "custom", "custom": {"name": "grep"}}]
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    for fields, param, says in (
+            ({"tools": None, "tool_choice": NAMED}, "tool_choice", "needs tools"),
+            ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice.function.name",
+             "names no function"),
+            ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name", "missing"),
+            ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice.type", "name a function"),
+            ({"tool_choice": "sometimes"}, "tool_choice", "'required'"),
+            ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools.1.function.name", "declared twice"),
+            ({"tools": custom, "tool_choice": "required"}, "tools.0.type", "functions only"),
+            ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format",
+             "constrains the output"),
+            ({"tool_choice": "required", "guided_regex": "a+"}, "guided_regex", "constrains the output"),
+            ({"tool_choice": "auto", "structured_outputs": None}, "tool_choice",
+             "--enable-auto-tool-choice --tool-call-parser"),
+            ({"structured_outputs": None}, "tool_choice", "the default when tools are given"),  # auto by default
+            ({"tools": broken, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+             "tools.0.function.parameters", "nonsense")):  # compiled by the engine
+        status, err = error_of(http_json(server + "/v1/chat/completions", _tool_request(**fields)))
+        assert (status, err["type"], err["param"]) == (400, "invalid_request_error", param), (fields, err)
+        assert says in err["message"], (fields, err)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=WEATHER_CHAT, tools=TOOLS, tool_choice="auto")
+    assert info.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in info.value.body["message"]
 
 
 # ---- disconnects, metrics --------------------------------------------------------------------------------
@@ -1066,7 +1219,8 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(96 + i % 26) for i in ids)
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            tools=None):
         return "".join(m["content"] for m in messages)
 
 
@@ -1802,3 +1956,136 @@ def test_structured_outputs_reach_the_engine():
                 status, resp = http_json(base + path, {**body, "max_tokens": 3, "n": 2, **fields})
                 assert status == 200, (path, fields, resp)
                 assert [params.structured_outputs for _, params in fake.seen] == [want, want], (path, fields)
+
+
+# ---- tool calling with a fake engine ---------------------------------------------------------------------
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("parser,pieces,content,calls", [
+    ("hermes", ["Sure.<tool", "_call>" + WEATHER_CALL[:20], WEATHER_CALL[20:] + "</tool_call>"], "Sure.",
+     [("get_weather", {"city": "Paris", "unit": "C"})]),
+    ("hermes", ["<tool_call>", WEATHER_CALL, "</tool_call>\n<tool_call>", '{"name": "get_time", "arguments": ',
+                '{"zone": "UTC"}}</tool_call>'], None,
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": "UTC"})]),
+    ("hermes", ["It is sunny", " in <b>Paris</b>."], "It is sunny in <b>Paris</b>.", []),
+    ("hermes", ["<tool_call>{bro", "ken}</tool_call>"], "<tool_call>{broken}</tool_call>", []),  # left as content
+    ("llama3_json", ['{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", ',
+                     '"parameters": {"city": "Rome", "unit": "F"}}'], None,
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome", "unit": "F"})]),
+    ("llama3_json", ["The weather ", "is fine."], "The weather is fine.", []),
+])
+def test_auto_tool_choice_reads_the_calls_with_the_server_s_parser(parser, pieces, content, calls):
+    """With --enable-auto-tool-choice --tool-call-parser, tool_choice "auto" (the default with tools) gives the
+    calls the parser finds (finish_reason "tool_calls") and the rest as content, whole and streamed alike."""
+    with app_in_thread(ScriptedEngineClient(pieces), enable_auto_tool_choice=True, tool_call_parser=parser) as base:
+        body = {"messages": WEATHER_CHAT, "tools": TOOLS}
+        status, whole = http_json(base + "/v1/chat/completions", body)
+        assert status == 200, whole
+        choice = whole["choices"][0]
+        assert choice["message"]["content"] == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in choice["message"]["tool_calls"]] == calls
+        assert choice["finish_reason"] == ("tool_calls" if calls else "stop")
+        text, streamed, finish = streamed_chat(sse_events(base + "/v1/chat/completions",
+                                                          {**body, "tool_choice": "auto", "stream": True}))
+        assert (text, finish) == (content or "", choice["finish_reason"])
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == calls
+        status, plain = http_json(base + "/v1/chat/completions", {**body, "tool_choice": "none"})
+        assert plain["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces),
+                                                  "reasoning_content": None, "tool_calls": []}
+
+
+def test_auto_tool_choice_reads_calls_in_the_answer_after_the_reasoning():
+    pieces = ["<think>Call it.</think>", "<tool_call>", WEATHER_CALL, "</tool_call>"]
+    with app_in_thread(ScriptedEngineClient(pieces), reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                       tool_call_parser="hermes") as base:
+        status, whole = http_json(base + "/v1/chat/completions", {"messages": WEATHER_CHAT, "tools": TOOLS})
+        message = whole["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Call it.", None)
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+class ToolTemplateTokenizer(FakeTokenizer):
+    """A chat template that takes tools and records what it was given."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            tools=None):
+        self.messages, self.tools = messages, tools
+        return "".join(m.get("content") or "" for m in messages) + ("".join(t["function"]["name"] for t in tools)
+                                                                      if tools else "")
+
+
+class ToolRecordingEngineClient(RecordingEngineClient):
+    tokenizer = ToolTemplateTokenizer()
+
+
+def test_tools_reach_the_chat_template_and_tool_choices_the_engine():
+    """tools go to the chat template (with tool_choice "none" too, as vLLM renders them by default) and tool calls'
+    arguments as dicts; a named choice constrains the output to the function's schema (an object without one),
+    "required" to an array of calls; auto with hermes keeps special tokens in the text (its tags may be some)."""
+    from specray.sampling_params import StructuredOutputsParams
+
+    fake = ToolRecordingEngineClient()
+    tokenizer = fake.tokenizer
+    history = WEATHER_CHAT + [
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    with app_in_thread(fake, enable_auto_tool_choice=True, tool_call_parser="hermes") as base:
+        def run(**fields):
+            fake.seen.clear()
+            status, resp = http_json(base + "/v1/chat/completions", {"messages": history, "max_tokens": 3, **fields})
+            assert status == 200, (fields, resp)
+            return resp, fake.seen[-1][1]
+
+        resp, params = run(tools=TOOLS, tool_choice=NAMED, **COMPACT)
+        assert params.structured_outputs == StructuredOutputsParams(json=WEATHER_SCHEMA, disable_any_whitespace=True)
+        assert tokenizer.tools == TOOLS and tokenizer.messages[1]["tool_calls"][0]["function"]["arguments"] == {
+            "city": "Paris", "unit": "C"} and tokenizer.messages[2]["tool_call_id"] == "c1"
+        assert fake.seen[-1][0] == FakeTokenizer().encode("What is the weather in Paris?18 Cget_weatherget_time")
+        message = resp["choices"][0]["message"]  # the fake engine's "xxx" is the call's arguments, as generated
+        assert message["content"] is None and [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in message["tool_calls"]] == [("get_weather", "xxx")]
+        _, params = run(tools=bare, tool_choice={"type": "function", "function": {"name": "ping"}})
+        assert params.structured_outputs == StructuredOutputsParams(json={"type": "object"})
+        _, params = run(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        schema = params.structured_outputs.json
+        assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+        assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+        assert [b["properties"]["parameters"] for b in schema["items"]["anyOf"]] == [WEATHER_SCHEMA, TIME_SCHEMA]
+        _, params = run(tools=TOOLS, tool_choice="none")
+        assert params.structured_outputs is None and params.skip_special_tokens and tokenizer.tools == TOOLS
+        _, params = run(tools=TOOLS)
+        assert params.structured_outputs is None and params.skip_special_tokens is False
+        _, params = run()
+        assert tokenizer.tools is None and params.skip_special_tokens
+
+
+def test_required_calls_schema_gathers_each_tool_s_defs():
+    from specray.cluster.openai_protocol import ChatTool, OpenAIError, required_calls_schema
+
+    def tool(name, defs):
+        return ChatTool.model_validate({"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": defs}}})
+
+    schema = required_calls_schema([tool("a", {"X": {"enum": [1]}}), tool("b", {"X": {"enum": [1]}, "Y": {}})])
+    assert schema["$defs"] == {"X": {"enum": [1]}, "Y": {}} and "maxItems" not in schema
+    assert all("$defs" not in b["properties"]["parameters"] for b in schema["items"]["anyOf"])
+    with pytest.raises(OpenAIError) as info:
+        required_calls_schema([tool("a", {"X": {"enum": [1]}}), tool("b", {"X": {"enum": [2]}})])
+    assert info.value.param == "tools.1.function.parameters.$defs.X"
+
+
+def test_llm_chat_passes_tools_to_the_chat_template(offline):
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]"
+                "{% endfor %}|{% endfor %}{% for t in tools or [] %}tool {{ t.function.name }}|{% endfor %}")
+    messages = WEATHER_CHAT + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    out = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                       add_generation_prompt=False, tools=TOOLS)
+    assert out[0].prompt == ("user:What is the weather in Paris?|assistant:[get_weather(Rome)]|"
+                             "tool get_weather|tool get_time|")

@@ -406,3 +406,98 @@ def test_grammar_termination_ends_the_request_where_plain_decoding_ends_it(plain
     finally:
         engine.forced_draft_limit = 16
     assert runs.token_ids(plain.generate(runs.PROMPTS, constrained(spec), use_tqdm=False)) == one_by_one
+
+
+# ---- a reasoning model: the grammar governs what follows the thinking phase --------------------------------------
+
+THINK = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(make_tiny_model, tmp_path_factory):
+    """A tiny model whose tokenizer has <think> and </think> as single tokens."""
+    return make_tiny_model(tmp_path_factory.mktemp("thinking"), "llama", tie_word_embeddings=True,
+                           extra_special_tokens=THINK)
+
+
+def thinking_grammars(thinking_dir, parser):
+    from specray.models.loader import load_tokenizer
+    tok = load_tokenizer(thinking_dir)
+    return tok, StructuredOutputs(tok, len(tok), [tok.eos_token_id], reasoning_parser=parser)
+
+
+def test_the_grammar_waits_for_the_end_of_the_thinking_phase(thinking_dir):
+    tok, grammars = thinking_grammars(thinking_dir, "deepseek_r1")
+    begin, end = grammars.thinking_ids()
+    spec = StructuredOutputsParams(regex="(ab)+x")
+    a, b, x, z = (ids(tok, s)[0] for s in "abxz")
+    g = grammars.grammar(spec, ids(tok, "hello"))
+    assert not g.active and g.forced() == [] and not g.terminated
+    V = len(tok)
+    # free before </think> (z is anything), governed after it: z after </think> is refused
+    assert g.constrain([z, z, end, a, b, z, a], keep_refused=False)[0] == [z, z, end, a, b]
+    assert g.constrain([z, z], keep_refused=False)[0] == [z, z]
+    rows = g.bitmasks([z, end, a], None)
+    assert allowed_tokens(rows[0], V) == allowed_tokens(rows[1], V) == list(range(V))  # thinking: unmasked
+    assert a in allowed_tokens(rows[2], V) and z not in allowed_tokens(rows[2], V)  # after </think>
+    assert allowed_tokens(rows[3], V) == [b]
+    tree = DraftTree([z, end, end, z, a], [-1, 0, -1, 2, 2])  # z </think> | </think> z(refused) | </think> a
+    pruned, kept = g.constrain(tree, keep_refused=False, prefix_only=False)
+    assert kept == [0, 1, 2, 4]
+    assert g.advance([z, z, end]) and g.active and g.num_tokens == 3
+    assert g.advance([a, b]) and not g.advance([z])
+    # qwen3: the prompt's last thinking tag decides (Qwen3 with enable_thinking=False closes an empty one)
+    _, qwen = thinking_grammars(thinking_dir, "qwen3")
+    assert qwen.grammar(spec, [begin, 5, end]).active
+    assert not qwen.grammar(spec, [end, 5, begin]).active and not qwen.grammar(spec, [5, 6]).active
+
+
+def test_a_reasoning_parser_the_tokenizer_cannot_tell_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        LLM(str(tiny_llama_dir), max_model_len=64, reasoning_parser="nope")
+    with pytest.raises(ValueError, match="</think>"):
+        LLM(str(tiny_llama_dir), max_model_len=64, reasoning_parser="deepseek_r1")
+
+
+def test_reasoning_outputs_think_freely_then_follow_the_grammar_with_every_drafter(thinking_dir):
+    """A bias on </think> ends the thinking phase a few tokens in (the tiny model never would): what precedes it
+    is free, what follows matches the regex, and every drafter gives plain decoding's tokens."""
+    from specray.models.loader import load_tokenizer
+    tok = load_tokenizer(thinking_dir)
+    end = tok.convert_tokens_to_ids("</think>")
+    spec = StructuredOutputsParams(regex="(ab|cd|the ){2,6}x")
+    with LLM(str(thinking_dir), max_model_len=256, reasoning_parser="deepseek_r1") as plain_llm:
+        for bias in (1.0, 1.5, 2.0, 3.0, 4.0):
+            params = constrained(spec, logit_bias={end: bias})
+            reference = plain_llm.generate(runs.PROMPTS, params, use_tqdm=False)
+            late = [o.outputs[0].token_ids.index(end) for o in reference if end in o.outputs[0].token_ids]
+            if sum(i >= 2 for i in late) >= 2:
+                break
+        assert sum(i >= 2 for i in late) >= 2, late  # thinking a few tokens, then the answer
+        for o in reference:
+            out = o.outputs[0].token_ids
+            if end in out and o.outputs[0].finish_reason == "stop":
+                answer = tok.decode(out[out.index(end) + 1:], skip_special_tokens=True)
+                assert re.fullmatch(spec.regex, answer), answer
+        assert any(o.outputs[0].finish_reason == "stop" for o in reference)
+    for config in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False},
+                   {"method": "ngram", "num_speculative_tokens": 6, "num_branches": 2, "adaptive": False},
+                   {"method": "draft_model", "model": str(thinking_dir), "num_speculative_tokens": 3,
+                    "adaptive": False}):
+        with LLM(str(thinking_dir), max_model_len=256, reasoning_parser="deepseek_r1",
+                 speculative_config=config) as llm:
+            assert runs.token_ids(llm.generate(runs.PROMPTS, params, use_tqdm=False)) == runs.token_ids(reference)
+            assert llm.spec_stats.accepted_tokens > 0
+
+
+def test_the_servers_reasoning_parser_reaches_the_engine(tiny_llama_dir):
+    """``specray serve --reasoning-parser`` (a server key) also sets the engine's, whose grammars wait for the
+    thinking to end; given only in engine_kwargs, the server splits with it too; given both ways, it is refused."""
+    from specray.cluster.serve import ServeArgs
+    top = ServeArgs.from_dict({"model": str(tiny_llama_dir), "reasoning_parser": "qwen3"})
+    assert top.engine_kwargs["reasoning_parser"] == "qwen3" and top.engine_args().reasoning_parser == "qwen3"
+    nested = ServeArgs.from_dict({"model": str(tiny_llama_dir), "engine_kwargs": {"reasoning_parser": "deepseek_r1"}})
+    assert nested.reasoning_parser == "deepseek_r1"
+    with pytest.raises(ValueError, match="give it once"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "reasoning_parser": "qwen3",
+                             "engine_kwargs": {"reasoning_parser": "deepseek_r1"}})

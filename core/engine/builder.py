@@ -160,11 +160,18 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer prompts are refused and "
                        "outputs end (length) when the cache is full; raise kv_cache_memory_bytes (or num_kv_blocks) "
                        "or lower max_model_len", pool_tokens, max_model_len)
-    return LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
-                     eos_ids(hf_config, tokenizer), drafter, policy, router,
-                     worker_method=spec.method if in_worker else None,
-                     worker_trees=in_worker and registry.worker_drafts_trees(spec),
-                     worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None)
+    engine = LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
+                       eos_ids(hf_config, tokenizer), drafter, policy, router,
+                       worker_method=spec.method if in_worker else None,
+                       worker_trees=in_worker and registry.worker_drafts_trees(spec),
+                       worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None,
+                       reasoning_parser=args.reasoning_parser)
+    try:
+        engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
+    except ValueError:
+        engine.shutdown()
+        raise
+    return engine
 
 
 THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends

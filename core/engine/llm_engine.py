@@ -47,7 +47,7 @@ class LLMEngine:
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
                  worker_method: str | None = None, worker_trees: bool = False,
-                 worker_tree_shape: tuple[int, int] | None = None):
+                 worker_tree_shape: tuple[int, int] | None = None, reasoning_parser: str | None = None):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -85,7 +85,7 @@ class LLMEngine:
         self._ids = itertools.count()
         # structured outputs: each constrained request's grammar, and the requests verifying the grammar's forced
         # tokens this step (not a drafter's: the draft policy and the drafter learn nothing from them)
-        self.structured = StructuredOutputs(tokenizer, vocab_size, eos_token_ids)
+        self.structured = StructuredOutputs(tokenizer, vocab_size, eos_token_ids, reasoning_parser=reasoning_parser)
         self._grammars: dict[str, RequestGrammar] = {}
         self._forced: set[str] = set()
         self._kept_nodes: dict[str, list[int]] = {}  # a tree the grammar pruned: the proposal's nodes it kept
@@ -111,7 +111,8 @@ class LLMEngine:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)
-        grammar = None if params.structured_outputs is None else self.structured.grammar(params.structured_outputs)
+        grammar = (None if params.structured_outputs is None
+                   else self.structured.grammar(params.structured_outputs, prompt_token_ids))
         self.scheduler.add_request(request)
         if grammar is not None:
             self._grammars[req_id] = grammar
@@ -440,11 +441,10 @@ class LLMEngine:
         """The grammar's masks for every verified position of each sampled chunk of a request with one."""
         if not self._grammars:
             return
-        for chunk in plan.chunks:
-            grammar = self._grammars.get(chunk.req_id)
-            if grammar is not None and chunk.sample:
-                drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens:]
-                plan.token_bitmasks[chunk.req_id] = grammar.bitmasks(drafts, chunk.draft_parents)
+        chunks = [c for c in plan.chunks if c.sample and c.req_id in self._grammars]
+        masks = self.structured.step_bitmasks([(self._grammars[c.req_id], c.token_ids[c.num_tokens - c.num_draft_tokens:],
+                                                c.draft_parents) for c in chunks])
+        plan.token_bitmasks.update((c.req_id, m) for c, m in zip(chunks, masks))
 
     def _advance_grammars(self, touched: list[Request]) -> None:
         """Feed each constrained request's new output tokens to its grammar; once the grammar is complete, the

@@ -1,0 +1,150 @@
+"""Tool call parsers (specray.cluster.tool_parsers) on text: whole, and streamed in every split, which must give
+what the whole text gives. No Ray, no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, HermesStreamer, Llama3JsonStreamer, ParsedToolCall,
+                                          RequiredArrayStreamer, check_tool_call_parser, parse_llama3_json,
+                                          parse_tool_calls, tool_call_streamer)
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+TIME = '{"name": "get_time", "arguments": {}}'
+
+
+def call(name: str, **arguments) -> ParsedToolCall:
+    return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def streamed(factory, pieces: list[str]) -> tuple[str, list[ParsedToolCall]]:
+    streamer = factory()
+    content, calls = "", []
+    for piece in pieces:
+        c, k = streamer.push(piece)
+        content, calls = content + c, calls + k
+    c, k = streamer.finish()
+    return content + c, calls + k
+
+
+def assert_every_split_gives_the_whole(factory, text: str) -> tuple[str, list[ParsedToolCall]]:
+    """Split at each character position (and one character at a time): the same content and calls as whole."""
+    whole = parse_tool_calls(factory(), text)
+    for at in range(len(text) + 1):
+        assert streamed(factory, [text[:at], text[at:]]) == whole, (text, at)
+    assert streamed(factory, list(text)) == whole
+    return whole
+
+
+HERMES_CASES = [
+    # several calls, text around and between them
+    (f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{TIME}</tool_call> Done.",
+     "Let me check.\n\n Done.", [call("get_weather", city="Paris", unit="celsius"), call("get_time")]),
+    # calls only
+    (f"<tool_call>{TIME}</tool_call>", "", [call("get_time")]),
+    # malformed JSON stays in the content, tags and all; the next call still counts
+    (f'<tool_call>{{"name": "f", "arguments": {{oops</tool_call>x<tool_call>{TIME}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {oops</tool_call>x', [call("get_time")]),
+    # JSON that is not a call (no name; arguments not an object) is content too
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     []),
+    # arguments as JSON text, or "parameters", or none
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [call("f", a=1)]),
+    ('<tool_call>{"name": "f", "parameters": {"a": "é"}}</tool_call>', "", [call("f", a="é")]),
+    ('<tool_call>{"name": "f"}</tool_call>', "", [call("f")]),
+    # the output stopped before </tool_call> (a stop string): a complete body is a call, an incomplete one content
+    (f"ok <tool_call>{TIME}", "ok ", [call("get_time")]),
+    ('ok <tool_call>{"name": "get_ti', 'ok <tool_call>{"name": "get_ti', []),
+    # plain text, a lone "<" and a start tag's beginning at the end
+    ("No tools needed: 1 < 2.", "No tools needed: 1 < 2.", []),
+    ("ends with <tool_c", "ends with <tool_c", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
+def test_hermes(text, content, calls):
+    assert assert_every_split_gives_the_whole(HermesStreamer, text) == (content, calls)
+
+
+def test_hermes_hands_over_each_call_once_it_is_complete():
+    streamer = HermesStreamer()
+    assert streamer.push("Sure. <tool") == ("Sure. ", [])
+    assert streamer.push(f"_call>{TIME}</tool_") == ("", [])
+    assert streamer.push("call> and <tool_call>") == (" and ", [call("get_time")])
+    assert streamer.finish() == ("<tool_call>", [])  # an empty call at the end is content
+    streamer = HermesStreamer()
+    assert streamer.push(f"a<tool_call>{TIME}</tool_call>b") == ("ab", [call("get_time")])
+    assert streamer.push("<tool_call>{") == ("", [])
+    assert streamer.finish() == ("<tool_call>{", [])
+
+
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [call("get_weather", city="Paris")]),
+    # several, separated by ";", after <|python_tag|> and whitespace; "arguments" is read too
+    (' <|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}};',
+     "", [call("a", x=1), call("b")]),
+    # plain text, and anything that does not parse whole: the whole text is content
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"name": "a", "parameters": {"x": 1}} and then text', '{"name": "a", "parameters": {"x": 1}} and then text', []),
+    ('{"name": "a", "parameters": {"x": 1}}; {"name": "b", "par',
+     '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "par', []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ("<|python_tag|>print('hi')", "<|python_tag|>print('hi')", []),
+    ("<|python", "<|python", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
+def test_llama3_json(text, content, calls):
+    assert assert_every_split_gives_the_whole(Llama3JsonStreamer, text) == (content, calls)
+    assert parse_llama3_json(text) == (content, calls)
+
+
+def test_llama3_json_streams_plain_text_at_once_and_holds_calls_to_the_end():
+    streamer = Llama3JsonStreamer()
+    assert streamer.push("  ") == ("", [])  # blank: not known yet
+    assert streamer.push("Hello") == ("  Hello", [])
+    assert streamer.push(" world") == (" world", [])
+    streamer = Llama3JsonStreamer()
+    assert streamer.push('{"name": "a", "parameters": {}}') == ("", [])
+    assert streamer.finish() == ("", [call("a")])
+
+
+REQUIRED_CASES = [
+    ('[{"name": "get_time", "parameters": {}}]', "", [call("get_time")]),
+    ('[ {"name":"a","parameters":{"x":1}} , {"name":"b","parameters":{"y":[1,2]}} ]', "",
+     [call("a", x=1), call("b", y=[1, 2])]),
+    # cut short (max_tokens): the complete items
+    ('[{"name":"a","parameters":{"x":1}},{"name":"b","param', "", [call("a", x=1)]),
+    # nothing complete: the text is content
+    ('[{"name":"a","param', '[{"name":"a","param', []),
+    ("not an array", "not an array", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", REQUIRED_CASES)
+def test_required_array(text, content, calls):
+    assert assert_every_split_gives_the_whole(RequiredArrayStreamer, text) == (content, calls)
+
+
+def test_required_array_hands_over_each_item_as_it_completes():
+    streamer = RequiredArrayStreamer()
+    assert streamer.push('[{"name": "a", "parameters": {"x": ') == ("", [])
+    assert streamer.push('1}}, {"name": "b", ') == ("", [call("a", x=1)])
+    assert streamer.push('"parameters": {}}]') == ("", [call("b")])
+    assert streamer.finish() == ("", [])
+
+
+def test_registry_and_configuration_errors():
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"}
+    assert isinstance(tool_call_streamer("hermes"), HermesStreamer)
+    check_tool_call_parser(None)
+    check_tool_call_parser("llama3_json", enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser='mistral' is not known.*hermes"):
+        check_tool_call_parser("mistral")
+    with pytest.raises(ValueError, match="enable_auto_tool_choice.*needs tool_call_parser"):
+        check_tool_call_parser(None, enable_auto_tool_choice=True)
