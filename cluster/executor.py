@@ -11,6 +11,8 @@ bug, a bad input) is a :class:`StepError`: the group is kept.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import socket
 import threading
@@ -194,8 +196,11 @@ class RayExecutor:
         """Rank 0's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
         a rank that is gone, or a group left out of step, raises :class:`WorkerDiedError`. Either way the plan
         and the remote traceback are logged first."""
-        shared = (plan, None)  # one message object, pickled once for every rank that gets it
-        messages = [(plan, draft_probs) if draft_probs else shared] + [shared] * (self.tp_size - 1)
+        # one message object, pickled once for every rank that gets it; a grammar's masks go to the driver rank
+        # alone (the only one that samples)
+        shared = (dataclasses.replace(plan, token_bitmasks={}) if plan.token_bitmasks else plan, None)
+        first = shared if not (draft_probs or plan.token_bitmasks) else (plan, draft_probs or None)
+        messages = [first] + [shared] * (self.tp_size - 1)
         try:
             self._await_group()
             return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")

@@ -90,7 +90,8 @@ class SamplingParams:
     for, as only finished outputs reach its caller. While a request has stop strings (and
     ``include_stop_str_in_output`` is off) and is not finished, its reported text leaves out the last
     ``max(len(stop)) - 1`` characters, where a stop string may still begin (vLLM's stop buffer), so text once
-    reported is never taken back.
+    reported is never taken back. The EOS or stop token id that ends a request stays in its token ids but not in
+    its text, special or not (vLLM's), unless ``include_stop_str_in_output``.
     """
 
     n: int = 1

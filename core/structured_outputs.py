@@ -108,11 +108,11 @@ def _cache_key(params: StructuredOutputsParams) -> str:
 
 
 class StructuredOutputs:
-    """The engine's grammars: one checked grammar per distinct request spec (the last ``cache_size`` kept), one
-    matcher per request. The llguidance tokenizer is built from the engine's (a fast Hugging Face tokenizer) on
+    """The engine's grammars: one compiled grammar per distinct request spec (a fresh matcher, the last
+    ``cache_size`` kept), and per request a copy of it. The llguidance tokenizer is built from the engine's (a fast Hugging Face tokenizer) on
     the first structured request."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256,
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128,
                  reasoning_parser: str | None = None):
         check_reasoning_parser(reasoning_parser)
         self.reasoning_parser = reasoning_parser
@@ -122,7 +122,7 @@ class StructuredOutputs:
         self.eos_token_ids = sorted(eos_token_ids)
         self.words = num_words(vocab_size)
         self._ll_tokenizer = None
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._templates: OrderedDict[str, object] = OrderedDict()  # spec -> a fresh matcher of its grammar
         self.cache_size = cache_size
         self._executor = None  # llguidance's thread pool for a step's chain masks, made on first use
 
@@ -177,21 +177,18 @@ class StructuredOutputs:
         params.check()
         tokenizer = self._tokenizer()
         key = _cache_key(params)
-        text = self._grammars.get(key)
-        if text is None:
-            text = grammar_text(params)
-            error = LLMatcher.validate_grammar(text, tokenizer)
-            if error:
+        template = self._templates.get(key)
+        if template is None:  # compiled once per spec
+            template = LLMatcher(tokenizer, grammar_text(params), log_level=0)
+            if template.is_error():
                 raise ValueError(f"structured_outputs.{params.kind} is not a valid {params.kind} spec: "
-                                 f"{error.strip()}")
-            self._grammars[key] = text
-            while len(self._grammars) > self.cache_size:
-                self._grammars.popitem(last=False)
+                                 f"{template.get_error().strip()}")
+            self._templates[key] = template
+            while len(self._templates) > self.cache_size:
+                self._templates.popitem(last=False)
         else:
-            self._grammars.move_to_end(key)
-        matcher = LLMatcher(tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error().strip()}")
+            self._templates.move_to_end(key)
+        matcher = template.deep_copy()  # a copy of the compiled grammar, not a new compilation
         thinking = self._thinks_first(prompt_token_ids)
         return RequestGrammar(matcher, self.words, tokenizer.vocab_size,
                               self.thinking_ids()[1] if thinking else None)

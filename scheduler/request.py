@@ -162,6 +162,13 @@ class Request:
         eos = frozenset() if self.sampling_params.ignore_eos else self.eos_token_ids
         return sorted(self._stop_token_ids | eos)
 
+    @property
+    def ended_on_stop_token(self) -> bool:
+        """It finished on its last output token being EOS (unless ``ignore_eos``) or one of its stop token ids: a
+        token whose text the output leaves out unless ``include_stop_str_in_output`` (vLLM's)."""
+        return (self.status is RequestStatus.FINISHED_STOPPED and not isinstance(self.stop_reason, str)
+                and bool(self.output_token_ids) and self.output_token_ids[-1] in self._enders)
+
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: finish the request if that token ends it (vLLM's order: EOS, stop token
         ids, then length). Returns whether it finished."""

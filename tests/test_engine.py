@@ -263,6 +263,35 @@ def test_stop_conditions(plain, plain_outputs):
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
+@pytest.mark.parametrize("kind", ["final_only", "cumulative", "delta"])
+def test_the_stop_token_that_ends_a_request_is_left_out_of_its_text(plain, plain_outputs, kind):
+    """vLLM's text leaves out the EOS or stop token id that ended the request, special or not, unless
+    ``include_stop_str_in_output``; its id stays in token_ids."""
+    tok = plain.get_tokenizer()
+
+    def text_of(p, n):  # the text of prompt p's first n tokens, as the engine decodes them
+        return plain.generate(PROMPTS[p], greedy(n), use_tqdm=False)[0].outputs[0].text if n else ""
+
+    # a token that first occurs at i >= 1 of an output and adds text there
+    p, i = next((p, i) for p, first in enumerate(plain_outputs) for i in range(1, len(first))
+                if first[i] not in first[:i] and text_of(p, i + 1) != text_of(p, i))
+    stop = plain_outputs[p][i]
+    for include, text in ((False, text_of(p, i)), (True, text_of(p, i + 1))):
+        params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], output_kind=kind,
+                                include_stop_str_in_output=include)
+        engine = plain.engine
+        rid = engine.add_request(tok.encode(PROMPTS[p]), params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        got = "".join(o.outputs[0].text for o in outs) if kind == "delta" else outs[-1].outputs[0].text
+        assert got == text and outs[-1].outputs[0].stop_reason == stop
+    eos = tok.eos_token_id  # ended on EOS: left out even where skip_special_tokens=False would show it
+    out = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100},
+                                                    skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.text == "" and out.finish_reason == "stop"
+
+
 def test_stop_string(plain):
     full = plain.generate(PROMPTS[1], greedy(24), use_tqdm=False)[0].outputs[0]
     stop = full.text[4:7]

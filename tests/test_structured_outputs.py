@@ -501,3 +501,19 @@ def test_the_servers_reasoning_parser_reaches_the_engine(tiny_llama_dir):
     with pytest.raises(ValueError, match="give it once"):
         ServeArgs.from_dict({"model": str(tiny_llama_dir), "reasoning_parser": "qwen3",
                              "engine_kwargs": {"reasoning_parser": "deepseek_r1"}})
+
+
+def test_seeded_sampling_is_the_same_with_and_without_forced_drafts(plain):
+    """Forced tokens are verified by coupling (the target samples its own token, keyed by seed and position, and
+    keeps a draft iff it is that token), so a seeded request samples the tokens it samples one at a time."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32, structured_outputs=SPECS[name])
+              for s, name in enumerate(["json", "choice", "regex", "lark"] * 2)]
+    engine = plain.engine
+    engine.forced_draft_limit = 0
+    try:
+        one_by_one = runs.token_ids(plain.generate(runs.PROMPTS, params, use_tqdm=False))
+    finally:
+        engine.forced_draft_limit = 16
+    before = plain.spec_stats.draft_tokens
+    assert runs.token_ids(plain.generate(runs.PROMPTS, params, use_tqdm=False)) == one_by_one
+    assert plain.spec_stats.draft_tokens > before

@@ -761,7 +761,7 @@ class LLMEngine:
         kind = request.sampling_params.output_kind
         if kind == "final_only" and not request.sampling_params.stop:
             if tracked.detok is not None:  # decoded once, at the end
-                tracked.detok.push_all(request.output_token_ids[tracked.num_sent:])
+                tracked.detok.push_all(request.output_token_ids[tracked.num_sent:_text_end(request)])
             tracked.num_sent = len(request.output_token_ids)
         self._detokenize(tracked)
         text = tracked.detok.text if tracked.detok is not None else ""
@@ -792,11 +792,14 @@ class LLMEngine:
                              tracked.error, prompt_logprobs, request.num_cached_tokens)
 
     def _detokenize(self, tracked: _Tracked) -> None:
-        """Push the new output tokens through the detokenizer; finish the request on a stop string."""
+        """Push the new output tokens through the detokenizer (not the stop token that ended the request: vLLM's
+        text leaves it out unless ``include_stop_str_in_output``, special or not); finish the request on a stop
+        string."""
         request, detok = tracked.request, tracked.detok
         stops = request.sampling_params.stop
         outputs = request.output_token_ids
-        while detok is not None and tracked.num_sent < len(outputs):
+        end = _text_end(request)
+        while detok is not None and tracked.num_sent < end:
             new = detok.push(outputs[tracked.num_sent])
             tracked.num_sent += 1
             early = tracked.num_sent <= request.sampling_params.min_tokens  # no stop before min_tokens outputs
@@ -825,6 +828,15 @@ class LLMEngine:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
             self.drafter.finish(req_ids)
+
+
+def _text_end(request: Request) -> int:
+    """How many of the request's output tokens its text holds: all but the stop token that ended it, unless it asks
+    for that token's text (``include_stop_str_in_output``)."""
+    n = len(request.output_token_ids)
+    if request.ended_on_stop_token and not request.sampling_params.include_stop_str_in_output:
+        return n - 1
+    return n
 
 
 def _starts_with(drafts: list[int] | DraftTree | None, forced: list[int]) -> bool:
