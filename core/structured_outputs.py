@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -109,8 +110,8 @@ def _cache_key(params: StructuredOutputsParams) -> str:
 
 class StructuredOutputs:
     """The engine's grammars: one compiled grammar per distinct request spec (a fresh matcher, the last
-    ``cache_size`` kept), and per request a copy of it. The llguidance tokenizer is built from the engine's (a fast Hugging Face tokenizer) on
-    the first structured request."""
+    ``cache_size`` kept), and per request a copy of it. The llguidance tokenizer is built from the engine's (a fast
+    Hugging Face tokenizer) on the first structured request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128,
                  reasoning_parser: str | None = None):
@@ -125,18 +126,23 @@ class StructuredOutputs:
         self._templates: OrderedDict[str, object] = OrderedDict()  # spec -> a fresh matcher of its grammar
         self.cache_size = cache_size
         self._executor = None  # llguidance's thread pool for a step's chain masks, made on first use
+        # compile() may run in other threads (the async engine's callers) beside the engine's: the lock guards the
+        # templates and the tokenizer, never a compilation (llguidance releases the GIL while it compiles)
+        self._lock = threading.Lock()
 
     def _tokenizer(self):
-        if self._ll_tokenizer is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none "
-                                 "(skip_tokenizer_init=True); start it with its tokenizer")
-            import llguidance.hf
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos_token_ids or None)
-            except ValueError as err:
-                raise ValueError(f"structured_outputs needs a fast Hugging Face tokenizer: {err}") from None
-        return self._ll_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none "
+                                     "(skip_tokenizer_init=True); start it with its tokenizer")
+                import llguidance.hf
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer,
+                                                                      eos_token=self.eos_token_ids or None)
+                except ValueError as err:
+                    raise ValueError(f"structured_outputs needs a fast Hugging Face tokenizer: {err}") from None
+            return self._ll_tokenizer
 
     def thinking_ids(self) -> tuple[int, int] | None:
         """The reasoning parser's (begin, end) thinking tokens (None without a parser); a ValueError when the
@@ -168,27 +174,36 @@ class StructuredOutputs:
                 last[t] = i
         return not last[end] > last[begin]
 
-    def grammar(self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> "RequestGrammar":
-        """A fresh matcher for one request; a ValueError naming the fault when the spec is not a valid grammar.
-        With a reasoning parser, the grammar waits for the end of the thinking phase where the output starts
-        inside it."""
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of ``params`` (a fresh matcher, kept for the next request with the same spec); a
+        ValueError naming the fault when the spec is not a valid grammar. Thread-safe: the async engine compiles a
+        new spec in its caller's thread, so the engine's step loop does not wait for it."""
         from llguidance import LLMatcher
 
         params.check()
         tokenizer = self._tokenizer()
         key = _cache_key(params)
-        template = self._templates.get(key)
-        if template is None:  # compiled once per spec
-            template = LLMatcher(tokenizer, grammar_text(params), log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs.{params.kind} is not a valid {params.kind} spec: "
-                                 f"{template.get_error().strip()}")
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return template
+        template = LLMatcher(tokenizer, grammar_text(params), log_level=0)  # once per spec
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is not a valid {params.kind} spec: "
+                             f"{template.get_error().strip()}")
+        with self._lock:
             self._templates[key] = template
             while len(self._templates) > self.cache_size:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(key)
-        matcher = template.deep_copy()  # a copy of the compiled grammar, not a new compilation
+        return template
+
+    def grammar(self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> "RequestGrammar":
+        """A fresh matcher for one request; a ValueError naming the fault when the spec is not a valid grammar.
+        With a reasoning parser, the grammar waits for the end of the thinking phase where the output starts
+        inside it."""
+        tokenizer = self._tokenizer()
+        matcher = self.compile(params).deep_copy()  # a copy of the compiled grammar, not a new compilation
         thinking = self._thinks_first(prompt_token_ids)
         return RequestGrammar(matcher, self.words, tokenizer.vocab_size,
                               self.thinking_ids()[1] if thinking else None)

@@ -181,3 +181,43 @@ def test_a_step_failing_for_one_caller_fails_only_that_caller(llm, expected, aen
         engine.executor = real
     assert ok and outs == expected and Faulty.seen >= 2
     assert free_blocks(engine) == start and not engine.has_unfinished_requests()
+
+
+def test_a_new_structured_spec_compiles_outside_the_engine_thread(llm, expected, aengine, monkeypatch):
+    """A request's structured-outputs spec compiles in a worker thread of the caller's loop (a large schema would
+    otherwise stall every stream's steps), once: the engine thread copies the compiled grammar. A bad spec raises
+    ValueError before the first output and the others run on."""
+    from specray import structured_outputs
+    real = structured_outputs.grammar_text
+    threads = []
+
+    def compiling(params):  # every compilation starts from the spec's grammar text; a copy does not
+        threads.append(threading.current_thread().name)
+        return real(params)
+
+    monkeypatch.setattr(structured_outputs, "grammar_text", compiling)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}}, "required": ["a"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"json": schema,
+                                                                                "disable_any_whitespace": True})
+
+    async def constrained():
+        last = None
+        async for out in aengine.generate(PROMPT_IDS[2], params):
+            last = out
+        return last.outputs[0]
+
+    async def bad():
+        with pytest.raises(ValueError, match="regex"):
+            async for _ in aengine.generate([5, 6], SamplingParams(structured_outputs={"regex": "(unclosed"})):
+                pass
+
+    async def main():
+        return await asyncio.gather(collect(aengine, PROMPT_IDS[0]), constrained(), bad(),
+                                    collect(aengine, PROMPT_IDS[1]))
+
+    first, out, _, second = asyncio.run(main())
+    assert [first, second] == expected[:2]
+    assert out.text in ('{"a":"x"}', '{"a":"yy"}') and out.finish_reason == "stop"
+    assert len(threads) == 2 and "specray-engine" not in threads  # the good spec and the bad one, once each
+    assert free_blocks(llm.engine) == llm.engine.scheduler.block_manager.num_blocks

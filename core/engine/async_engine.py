@@ -3,7 +3,9 @@
 The engine is not thread-safe and its step blocks (a forward pass, or a wait on remote workers), so one
 background thread owns it: callers on any event loop hand it commands through a queue and read their request's
 outputs from an ``asyncio.Queue`` the thread fills with ``call_soon_threadsafe``. Nothing else touches the
-engine, so requests, aborts and steps never race.
+engine, so requests, aborts and steps never race; the one exception is a request's structured-outputs spec, compiled
+in a worker thread of the caller's loop (``StructuredOutputs.compile`` is thread-safe and llguidance releases the
+GIL while compiling) so that a large schema does not stall every stream's steps.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class AsyncLLMEngine:
         first output; an engine failure, or a step that failed for this request alone (its output's
         ``finish_reason == "error"``), raises :class:`RequestFailedError`."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        if params.structured_outputs is not None:  # a new spec compiles here, not in the step loop's thread
+            await stream.loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
         try:
             req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream))
         except asyncio.CancelledError:  # the add may still run: commands run in order, so this abort follows it

@@ -442,8 +442,9 @@ class LLMEngine:
         if not self._grammars:
             return
         chunks = [c for c in plan.chunks if c.sample and c.req_id in self._grammars]
-        masks = self.structured.step_bitmasks([(self._grammars[c.req_id], c.token_ids[c.num_tokens - c.num_draft_tokens:],
-                                                c.draft_parents) for c in chunks])
+        masks = self.structured.step_bitmasks([
+            (self._grammars[c.req_id], c.token_ids[c.num_tokens - c.num_draft_tokens:], c.draft_parents)
+            for c in chunks])
         plan.token_bitmasks.update((c.req_id, m) for c, m in zip(chunks, masks))
 
     def _advance_grammars(self, touched: list[Request]) -> None:
