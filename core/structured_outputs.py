@@ -254,19 +254,43 @@ class RequestGrammar:
         self.num_tokens = 0
         self.end_of_thinking = end_of_thinking
         self.active = end_of_thinking is None
+        self._activated_at: int | None = None  # where the thinking ended (num_tokens after that token)
 
     # ---- the committed output ------------------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> bool:
         """Read the output tokens the target kept; False if the grammar refuses one (its matcher then holds an
         error: it masked every position, so only a fault of ours gets here)."""
         tokens = list(tokens)
+        start = self.num_tokens
         self.num_tokens += len(tokens)
         if not self.active:
             if self.end_of_thinking not in tokens:
                 return True
             self.active = True
-            tokens = tokens[tokens.index(self.end_of_thinking) + 1:]
+            end = tokens.index(self.end_of_thinking) + 1
+            self._activated_at = start + end
+            tokens = tokens[end:]
         return self.matcher.consume_tokens(tokens) if tokens else True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` tokens read (the matcher's, and the end of the thinking among them)."""
+        assert 0 <= num_tokens <= self.num_tokens, (num_tokens, self.num_tokens)
+        keep = self.num_tokens - num_tokens
+        if self.active and self._activated_at is not None and keep < self._activated_at:
+            read = self.num_tokens - self._activated_at  # all the matcher read since the thinking ended
+            self.active, self._activated_at = False, None
+        else:
+            read = num_tokens if self.active and (self._activated_at is None or keep >= self._activated_at) else 0
+        if read:
+            self.matcher.rollback(read)
+        self.num_tokens = keep
+
+    def mask_row(self) -> np.ndarray:
+        """[words] int32: the tokens the grammar allows next (all of them while thinking)."""
+        rows = np.full((1, self.words), -1, dtype=np.int32)
+        if self.active:
+            self._fill(rows, 0)
+        return rows[0]
 
     @property
     def terminated(self) -> bool:

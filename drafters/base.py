@@ -120,3 +120,5 @@ class DrafterContext:
     prepared: bool = False  # the drafter class's ``prepare`` ran on it (:func:`prepared`)
     # the engine caches prefixes (``enable_prefix_caching``): a drafter with a KV cache of its own may too
     enable_prefix_caching: bool = False
+    # the engine's reasoning parser (structured outputs govern only what follows the thinking phase)
+    reasoning_parser: str | None = None

@@ -6,7 +6,9 @@ do not), rewinds to it, feeds the rest in one batched catch-up pass, then drafts
 For sampled requests it draws each draft from q (the request's warped distribution over the draft logits) and
 returns q, which rejection sampling needs. A request's penalties and logit bias shape its draft logits as they
 shape the target's (its history and the drafts before each one counted), so drafts follow the penalized target;
-verification against the target's own penalized distribution keeps the output exact either way.
+verification against the target's own penalized distribution keeps the output exact either way. A request with
+structured outputs drafts under its grammar too (each draft step's logits masked by what the grammar allows after
+the history and the drafts before it; q is that masked distribution), so its drafts are never cut for the grammar.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from specray.config import SpeculativeConfig
@@ -27,6 +30,8 @@ from specray.parallel import TPGroup
 from specray.penalties import penalize
 from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
 from specray.kv_blocks import BlockPool
+from specray.sampling import apply_token_bitmask
+from specray.structured_outputs import RequestGrammar, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class _DraftState:
     block_ids: list[int] = field(default_factory=list)
     block_contents: list[int] = field(default_factory=list)  # prefix caching: its registered blocks' contents
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured outputs: a matcher that has read ``grammar_tokens``
+    grammar_tokens: list[int] = field(default_factory=list)  # the output tokens it has read
 
 
 def check_same_tokenizer(target, draft, target_name: str, draft_name: str) -> None:
@@ -109,6 +116,8 @@ class DraftModelDrafter:
         self.blocks = BlockPool(num_blocks, self.block_size, enable_caching=ctx.enable_prefix_caching)
         self.seed = ctx.seed
         self.states: dict[str, _DraftState] = {}
+        self._ctx = ctx
+        self._structured: StructuredOutputs | None = None  # built on the first request with structured outputs
 
     # ---- protocol -------------------------------------------------------------------------------------
     def finish(self, req_ids) -> None:
@@ -153,11 +162,45 @@ class DraftModelDrafter:
         self.blocks.allocate(state, slots)
         return True
 
+    def _structured_outputs(self) -> StructuredOutputs:
+        if self._structured is None:
+            ctx = self._ctx
+            tokenizer = ctx.target_tokenizer or load_tokenizer(ctx.target_model)
+            eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+            self._structured = StructuredOutputs(tokenizer, ctx.vocab_size, eos, reasoning_parser=ctx.reasoning_parser)
+        return self._structured
+
+    def _grammar(self, d: DraftRequest, state: _DraftState) -> RequestGrammar | None:
+        """The request's grammar after its history (None: no structured outputs, or nothing to draft under it).
+        Rebuilt from the compiled spec when the history is not an extension of what it read (a prefetch's
+        assumed drafts were rejected); the engine refused bad specs, and a history the grammar refuses (an
+        assumed draft past the grammar's end) leaves the request unconstrained this time."""
+        spec = d.sampling_params.structured_outputs
+        if spec is None:
+            return None
+        output = list(d.token_ids[d.num_prompt_tokens:])
+        grammar = state.grammar
+        if grammar is None or state.grammar_tokens != output[:len(state.grammar_tokens)]:
+            try:
+                grammar = self._structured_outputs().grammar(spec, d.token_ids[:d.num_prompt_tokens])
+            except ValueError:
+                return None
+            state.grammar, state.grammar_tokens = grammar, []
+        new = output[len(state.grammar_tokens):]
+        if new and not grammar.advance(new):
+            state.grammar = None
+            return None
+        state.grammar_tokens = output
+        return None if grammar.terminated else grammar
+
     def _draft(self, reqs: list[DraftRequest]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         states = [self.states[d.req_id] for d in reqs]
         feeds = [list(d.token_ids[len(s.cached):]) for d, s in zip(reqs, states)]
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        grammars = [self._grammar(d, s) for d, s in zip(reqs, states)]
+        read = [0] * len(reqs)  # drafts each grammar read (rolled back at the end)
+        ended = [False] * len(reqs)  # the grammar is complete: nothing more to draft
         live = list(range(len(reqs)))
         for step in range(max(d.num_speculative_tokens for d in reqs)):
             logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V_draft]
@@ -169,6 +212,10 @@ class DraftModelDrafter:
                     history = list(d.token_ids) + drafts[i]
                     penalize(logits, [j], d.sampling_params, history[: d.num_prompt_tokens],
                              history[d.num_prompt_tokens:], [], [])
+            masked = [(j, grammars[i]) for j, i in enumerate(live) if grammars[i] is not None]
+            if masked:  # after the penalties, as the target's rows
+                words = torch.from_numpy(np.stack([g.mask_row() for _, g in masked])).to(self.device)
+                apply_token_bitmask(logits, torch.tensor([j for j, _ in masked], device=self.device), words)
             tokens, q = self._sample(logits, [reqs[i] for i in live], [states[i] for i in live])
             for j, i in enumerate(live):
                 states[i].cached.extend(feeds[i])
@@ -176,9 +223,18 @@ class DraftModelDrafter:
                 if q is not None:
                     qs[i].append(q[j])
                 feeds[i] = [tokens[j]]
-            live = [i for i in live if len(drafts[i]) < reqs[i].num_speculative_tokens]
+                grammar = grammars[i]
+                if grammar is not None:
+                    ok = grammar.advance([tokens[j]])  # drawn under its mask: the grammar takes it
+                    assert ok, (reqs[i].req_id, tokens[j], grammar.error)
+                    read[i] += 1
+                    ended[i] = grammar.terminated
+            live = [i for i in live if len(drafts[i]) < reqs[i].num_speculative_tokens and not ended[i]]
             if not live:
                 break
+        for grammar, n in zip(grammars, read):
+            if grammar is not None and n:
+                grammar.rollback(n)
         if self.blocks.enable_caching:  # the blocks its committed tokens fill (never past them: drafts may go)
             for d, s in zip(reqs, states):
                 self.blocks.cache_blocks(s, d.token_ids, min(len(s.cached), len(d.token_ids)),

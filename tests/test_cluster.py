@@ -729,7 +729,13 @@ def test_prefetched_drafts_keep_greedy_output_exact(tiny_llama_dir):
     self-draft (the target drafting for itself) always guesses right, so most steps use prefetched drafts; an
     n-gram drafter guesses right only sometimes. Either way the output is the plain greedy output."""
     prompts = prompts_for(4, seed=5)
-    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    plain = engine_for(tiny_llama_dir)
+    references = run_to_end(plain, prompts)
+    # structured outputs: the self-draft drafts under the same grammar (in the actor, over histories with assumed
+    # drafts), so it still always guesses right
+    structured = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                structured_outputs={"regex": r"(ab|cd|the |[0-9]){4,30}x"})
+    structured_references = run_to_end(plain, prompts, structured)
     for spec in ({"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3},
                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
         engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray",
@@ -740,6 +746,11 @@ def test_prefetched_drafts_keep_greedy_output_exact(tiny_llama_dir):
             if spec["method"] == "draft_model":
                 assert engine.spec_stats.accepted_tokens == engine.spec_stats.draft_tokens
                 assert engine.drafter.num_prefetch_hits >= engine.spec_stats.drafts // 2
+                before = engine.spec_stats.copy()
+            assert run_to_end(engine, prompts, structured) == structured_references, spec["method"]
+            if spec["method"] == "draft_model":
+                stats = engine.spec_stats
+                assert stats.accepted_tokens - before.accepted_tokens == stats.draft_tokens - before.draft_tokens > 0
         finally:
             engine.drafter.shutdown()
             engine.executor.shutdown()

@@ -517,3 +517,44 @@ def test_seeded_sampling_is_the_same_with_and_without_forced_drafts(plain):
     before = plain.spec_stats.draft_tokens
     assert runs.token_ids(plain.generate(runs.PROMPTS, params, use_tqdm=False)) == one_by_one
     assert plain.spec_stats.draft_tokens > before
+
+
+def test_a_draft_model_drafts_under_the_grammar(tiny_llama_dir, tiny_draft_dir, tokenizer, grammars, references):
+    """The draft model masks each draft step's logits by the grammar after the history and the drafts before it:
+    every proposal is one the grammar accepts whole (none is cut), greedy output is unchanged."""
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 4, "adaptive": False}
+    with LLM(str(tiny_llama_dir), max_model_len=256, speculative_config=spec) as llm:
+        drafter = llm.engine.drafter
+        propose = drafter.propose
+        seen = []
+        # each history as it was when drafted (a DraftRequest's token_ids is the request's live list)
+        drafter.propose = lambda batch: seen.append(([(list(d.token_ids), d.num_prompt_tokens) for d in batch],
+                                                     propose(batch))) or seen[-1][1]
+        for name, structured in SPECS.items():
+            seen.clear()
+            outs = llm.generate(runs.PROMPTS, constrained(structured), use_tqdm=False)
+            assert runs.token_ids(outs) == references[name]
+            checked = 0
+            for batch, proposals in seen:
+                for (history, num_prompt), proposal in zip(batch, proposals):
+                    g = grammars.grammar(structured)
+                    assert g.advance(history[num_prompt:])
+                    if proposal.token_ids and not g.terminated:
+                        assert g.constrain(list(proposal.token_ids), keep_refused=False)[0] == proposal.token_ids
+                        checked += 1
+            assert checked > 0, name
+        assert all(s.grammar is None or s.grammar.num_tokens == len(s.grammar_tokens)
+                   for s in drafter.states.values())  # every draft read was rolled back
+
+
+def test_a_grammar_rolls_back_across_the_end_of_the_thinking_phase(thinking_dir):
+    tok, grammars = thinking_grammars(thinking_dir, "deepseek_r1")
+    _, end = grammars.thinking_ids()
+    a, b, x, z = (ids(tok, s)[0] for s in "abxz")
+    g = grammars.grammar(StructuredOutputsParams(regex="(ab)+x"), [5])
+    assert g.advance([z, z]) and g.advance([end, a])
+    g.rollback(1)
+    assert g.active and g.num_tokens == 3 and g.constrain([a, b, x], False)[0] == [a, b, x]
+    g.rollback(2)  # back before </think>: thinking again, the matcher at its start
+    assert not g.active and g.num_tokens == 1 and g.constrain([z, end, a], False)[0] == [z, end, a]
+    assert g.advance([z, end, a, b, x]) and g.terminated

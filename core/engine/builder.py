@@ -225,7 +225,8 @@ def drafter_context(args: EngineArgs, vocab_size: int, tokenizer, max_model_len:
         return None
     ctx = DrafterContext(target_model=args.model, vocab_size=vocab_size, max_model_len=max_model_len,
                          max_num_seqs=args.max_num_seqs, seed=args.seed, block_size=args.block_size,
-                         target_tokenizer=tokenizer, enable_prefix_caching=args.enable_prefix_caching)
+                         target_tokenizer=tokenizer, enable_prefix_caching=args.enable_prefix_caching,
+                         reasoning_parser=args.reasoning_parser)
     if registry.runs_in_worker(spec.method):
         return ctx
     return prepared(registry.drafter_class(spec.method), spec, ctx)
