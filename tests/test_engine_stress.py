@@ -28,12 +28,20 @@ def random_prompt(rng: random.Random) -> str:
     return "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(1, 40)))
 
 
+# structured outputs for some requests: masks, grammar-cut drafts and forced tokens under preemption and aborts
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "integer"}},
+          "required": ["a", "b"], "additionalProperties": False}
+STRUCTURED = [None] * 6 + [{"regex": r"(ab|cd|the |fox){1,8}x"}, {"choice": ["the quick fox", "hello world", "a"]},
+                           {"json": SCHEMA, "disable_any_whitespace": True}]
+
+
 def random_params(rng: random.Random) -> SamplingParams:
     greedy = rng.random() < 0.6
     return SamplingParams(temperature=0.0 if greedy else rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5]),
                           top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randint(1, 30), seed=rng.randint(0, 99),
                           ignore_eos=rng.random() < 0.7, stop=rng.choice([None, ["fox"], ["\n"]]),
-                          num_speculative_tokens=rng.choice([None, None, 0, 2]))
+                          num_speculative_tokens=rng.choice([None, None, 0, 2]),
+                          structured_outputs=rng.choice(STRUCTURED))
 
 
 def comparable(got, want, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -62,6 +70,8 @@ def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
             if rng.random() < 0.1:  # a bad request in the middle of the traffic: refused, nothing else harmed
                 with pytest.raises(ValueError):
                     engine.add_request(tok.encode("Hello"), SamplingParams(temperature=-1.0))
+                with pytest.raises(ValueError, match="regex"):  # a spec that does not compile
+                    engine.add_request(tok.encode("Hello"), SamplingParams(structured_outputs={"regex": "(a"}))
             prompt = tok.encode(random_prompt(rng))
             if preamble is not None and len(prompt) % 2 == 0:
                 prompt = preamble + prompt
