@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specray.sampling_params import StructuredOutputsParams
-from specray.tree import DraftTree
+from specray.tree import DraftTree, path_to
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class RequestGrammar:
         at: list[int] = []  # the nodes the matcher has consumed, in order
         valid: list[bool] = []
         for i, p in enumerate(parents):
-            governed = None if p >= 0 and not valid[p] else self._governed(_path(parents, i), token_ids)
+            governed = None if p >= 0 and not valid[p] else self._governed(path_to(parents, i), token_ids)
             if governed is None:  # under a refused node (invalid), or still thinking (free)
                 valid.append(p < 0 or valid[p])
                 if rows is not None:
@@ -413,14 +413,6 @@ class RequestGrammar:
         n = min(self._ll_words, self.words)
         rows[index, :n] = row[:n]
         rows[index, n:] = 0
-
-
-def _path(parents: Sequence[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def allowed_tokens(row: np.ndarray, vocab_size: int) -> list[int]:
