@@ -8,8 +8,9 @@ the request's output tokens so far. Around each step the engine uses it three ti
    and drops only what follows it: rejection sampling accepts x with probability min(1, p'(x) / q(x)) and
    resamples from norm(max(0, p' - q)), whose output is p' (the constrained target) only averaged over every x
    that q draws; dropping the refused ones would skew it. The refused draft is then rejected for sure (p'(x) = 0).
-   Where the drafter proposes fewer tokens than the grammar forces (``{"name": "`` of a JSON schema), the forced
-   tokens are the drafts: free, and verified like any others.
+   Where the drafts do not begin with all the tokens the grammar forces next (``{"name": "`` of a JSON schema),
+   the forced tokens are the drafts: free, and verified like any others. (A draft model drafts under the grammar
+   itself: ``specray.drafters.draft_model``.)
 2. Each verified position's row of the target's logits keeps only the tokens the grammar allows after the tokens
    before it, drafts on the path included (:meth:`RequestGrammar.bitmasks`: one packed row per position, 32
    tokens per int32, bit ``t % 32`` of word ``t // 32`` for token t). The plan carries them; the driver rank masks
@@ -29,7 +30,6 @@ whole output).
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,8 +38,6 @@ import numpy as np
 
 from specray.sampling_params import StructuredOutputsParams
 from specray.tree import DraftTree, path_to
-
-logger = logging.getLogger(__name__)
 
 WORD_BITS = 32
 # vLLM's reasoning parsers: each one's thinking tags, and whether the output starts inside the thinking phase
