@@ -769,6 +769,33 @@ class FakeChannel:
         return self.answers.pop(0)
 
 
+def test_grammar_masks_go_to_the_driver_rank_alone():
+    """Only the driver rank samples: the other ranks' message is the plan without its structured-outputs masks (one
+    pickle for all of them), and a plan without masks is one message for every rank."""
+    import numpy as np
+
+    from specray.cluster.executor import RayExecutor
+    from specray.contract import ScheduledChunk, StepPlan
+
+    class Channel:
+        def step(self, messages, timeout, what):
+            self.messages = messages
+            return None
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor.tp_size, executor._restarting, executor.channel = 3, None, Channel()
+    chunk = ScheduledChunk("a", [1, 2], 0)
+    masked = StepPlan(1, chunks=[chunk], token_bitmasks={"a": np.full((1, 4), -1, dtype=np.int32)})
+    executor.execute(masked)
+    first, *others = executor.channel.messages
+    assert first[0] is masked and "a" in first[0].token_bitmasks
+    assert all(m is others[0] for m in others) and others[0][0].token_bitmasks == {}
+    assert others[0][0].chunks == masked.chunks and masked.token_bitmasks  # the plan itself is untouched
+    plain = StepPlan(2, chunks=[chunk])
+    executor.execute(plain)
+    assert all(m is executor.channel.messages[0] for m in executor.channel.messages)
+
+
 def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_token_was_guessed():
     from specray.cluster.drafter_actor import RemoteDrafter
 
