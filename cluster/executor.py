@@ -12,7 +12,6 @@ bug, a bad input) is a :class:`StepError`: the group is kept.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import socket
 import threading

@@ -57,7 +57,7 @@ def num_words(vocab_size: int) -> int:
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar for ``params`` (not yet checked: :meth:`StructuredOutputs.grammar` checks it)."""
+    """The llguidance grammar for ``params`` (not yet checked: :meth:`StructuredOutputs.compile` checks it)."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -206,7 +206,6 @@ class StructuredOutputs:
         return RequestGrammar(matcher, self.words, tokenizer.vocab_size,
                               self.thinking_ids()[1] if thinking else None)
 
-
     def step_bitmasks(self, chunks: list[tuple["RequestGrammar", list[int], list[int] | None]]) -> list[np.ndarray]:
         """Each chunk's :meth:`RequestGrammar.bitmasks` (a grammar, its drafts, their tree's parents or None for a
         chain), the chains' of active grammars computed together on llguidance's thread pool (one row per
@@ -217,8 +216,9 @@ class StructuredOutputs:
         out: list[np.ndarray | None] = [None] * len(chunks)
         pooled = [i for i, (g, drafts, parents) in enumerate(chunks) if parents is None and g.active and drafts
                   and g._ll_words == self.words]  # (the pool takes no chain without drafts)
+        in_pool = set(pooled)
         for i, (grammar, drafts, parents) in enumerate(chunks):
-            if i not in pooled:
+            if i not in in_pool:
                 out[i] = grammar.bitmasks(drafts, parents)
         if pooled:
             starts, total = [], 0
@@ -278,7 +278,7 @@ class RequestGrammar:
             read = self.num_tokens - self._activated_at  # all the matcher read since the thinking ended
             self.active, self._activated_at = False, None
         else:
-            read = num_tokens if self.active and (self._activated_at is None or keep >= self._activated_at) else 0
+            read = num_tokens if self.active else 0
         if read:
             self.matcher.rollback(read)
         self.num_tokens = keep

@@ -28,9 +28,9 @@ from specray.models.layers import check_heads_split
 from specray.models.loader import load_model, load_tokenizer, read_config
 from specray.parallel import TPGroup
 from specray.penalties import penalize
-from specray.sampling import SamplingBatch, draft_seed, logits_to_probs, make_generator, sample
+from specray.sampling import (SamplingBatch, apply_token_bitmask, draft_seed, logits_to_probs, make_generator,
+                              sample)
 from specray.kv_blocks import BlockPool
-from specray.sampling import apply_token_bitmask
 from specray.structured_outputs import RequestGrammar, StructuredOutputs
 
 logger = logging.getLogger(__name__)

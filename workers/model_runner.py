@@ -244,9 +244,8 @@ class ModelRunner:
         head's chain beside a lookup's tree) verifies the two groups apart, at one host sync each."""
         if not sampled:
             return [], None, None, None
-        penalized = self._penalized(plan, sampled, logits)
-        constrained = self._constrained(plan, sampled, penalized, owned=penalized is not logits)
-        raw, logits = (None if constrained is logits else logits), constrained  # raw logits stay for logprobs
+        processed = self._processed(plan, sampled, logits)
+        raw, logits = (None if processed is logits else logits), processed  # raw logits stay for logprobs
         every_chunk = self.typical is not None or self.relaxed is not None
         chunks = plan.chunks
         with_q = [] if every_chunk else [i for i in sampled if chunks[i].req_id in draft_probs and
@@ -262,40 +261,32 @@ class ModelRunner:
         trees = self._verify_trees(plan, rest, _rows(logits, rows, rest), _rows(raw, rows, rest), draft_probs)
         return _merge_groups(sampled, (with_q, chains), (rest, trees))
 
-    def _penalized(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with every penalized request's rows penalized by their own prefixes (a copy; the raw rows
-        stay for logprobs), or ``logits`` itself when no request in the step has penalties."""
-        chosen = [i for i in sampled if plan.chunks[i].req_id in self.penalties]
-        if not chosen:
+    def _processed(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every penalized request's rows penalized by their own prefixes, then the rows of every
+        chunk that brings a grammar's masks (structured outputs) keeping only the tokens they allow: a copy (the
+        raw rows stay for logprobs), or ``logits`` itself when no request in the step has either."""
+        penalized = [i for i in sampled if plan.chunks[i].req_id in self.penalties]
+        masked = [i for i in sampled if plan.chunks[i].req_id in plan.token_bitmasks]
+        if not (penalized or masked):
             return logits
         logits = logits.clone()
         rows = _logit_rows_by_chunk(plan, sampled)
-        for i in chosen:
+        for i in penalized:
             c = plan.chunks[i]
             prompt, output, banned = self.penalties.prefix(c.req_id)
             parents = c.draft_parents if c.draft_parents is not None else chain_parents(c.num_draft_tokens)
             penalize(logits, rows[i], self.params[c.req_id], prompt, output,
                      c.token_ids[c.num_tokens - c.num_draft_tokens:], parents, banned)
-        return logits
-
-    def _constrained(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, owned: bool) -> torch.Tensor:
-        """``logits`` with the rows of every chunk that brings a grammar's masks (structured outputs) keeping only
-        the tokens they allow, or ``logits`` itself when none does (a copy first unless ``owned``)."""
-        chosen = [i for i in sampled if plan.chunks[i].req_id in plan.token_bitmasks]
-        if not chosen:
-            return logits
-        if not owned:
-            logits = logits.clone()
-        rows = _logit_rows_by_chunk(plan, sampled)
-        masks = [plan.token_bitmasks[plan.chunks[i].req_id] for i in chosen]
-        words = torch.from_numpy(np.concatenate(masks) if len(masks) > 1 else masks[0]).to(logits.device)
-        apply_token_bitmask(logits, _long([r for i in chosen for r in rows[i]], logits.device), words)
+        if masked:
+            masks = [plan.token_bitmasks[plan.chunks[i].req_id] for i in masked]
+            words = torch.from_numpy(np.concatenate(masks) if len(masks) > 1 else masks[0]).to(logits.device)
+            apply_token_bitmask(logits, _long([r for i in masked for r in rows[i]], logits.device), words)
         return logits
 
     def _verify(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, draft_probs: dict[str, torch.Tensor],
                 raw: torch.Tensor | None = None) -> tuple[list[list[int]], list[SampleLogprobs] | None]:
-        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back (``raw``: before penalties, for
-        logprobs; None: the same). Returns each sampled chunk's kept tokens and, when some request asked for
+        """logits [N, V]: the 1 + k rows of each sampled chunk, back to back (``raw``: before penalties and
+        grammar masks, for logprobs; None: the same). Returns each sampled chunk's kept tokens and, when some request asked for
         them, their logprobs."""
         chunks = [plan.chunks[i] for i in sampled]
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks]

@@ -404,10 +404,7 @@ class LLMEngine:
                 probs.pop(rid, None)
                 if rid in from_worker:
                     from_worker.remove(rid)
-                self._draft_keys.pop(rid, None)
-                self._draft_trees.pop(rid, None)
-                self._draft_scores.pop(rid, None)
-                self._kept_nodes.pop(rid, None)
+                self._drop_proposal_records(rid)
                 self._forced.add(rid)
         self.scheduler.update_draft_token_ids(drafts, lengths, from_worker=from_worker)
 
@@ -421,9 +418,12 @@ class LLMEngine:
         if scores is not None:
             self._draft_scores[rid] = scores[: len(made)]
         if not len(made):
-            self._draft_keys.pop(rid, None)
-            self._draft_trees.pop(rid, None)
-            self._draft_scores.pop(rid, None)
+            self._drop_proposal_records(rid)
+
+    def _drop_proposal_records(self, rid: str) -> None:
+        """Forget what the engine noted of a request's proposal this step (it verifies none of it)."""
+        for records in (self._draft_keys, self._draft_trees, self._draft_scores, self._kept_nodes):
+            records.pop(rid, None)
 
     def _forced_drafts(self, request: Request, grammar: RequestGrammar) -> list[int]:
         """The tokens the grammar forces next, as many as the request may verify (none where it turned speculation
@@ -821,10 +821,9 @@ class LLMEngine:
         told = getattr(self.drafter, "observe_finished", None)
         for rid in req_ids:
             tracked = self.tracked.pop(rid, None)
+            self._grammars.pop(rid, None)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
                 told(rid, tracked.request.all_token_ids)
-        for rid in req_ids:
-            self._grammars.pop(rid, None)
         if self.policy is not None:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
