@@ -115,6 +115,8 @@ class SpecrayRun:
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.texts = chat_prompts(self.llm.get_tokenizer(), prompts)
         self.llm.generate(self.texts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+        # CUDA graphs are captured per step shape the first time it occurs: an untimed run of each batch mode first
+        self.captures = graphs and torch.device(device).type == "cuda"
 
     def __call__(self, concurrent: bool):
         """tokens/s, mean accepted length (NaN without drafts), the outputs' token ids."""
@@ -206,7 +208,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved; the median is shown")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--no-draft-model-row", action="store_true", help="skip the self-drafting draft_model row")
-    parser.add_argument("--graphs", action="store_true", help="specray rows with enforce_eager=False (CUDA graphs)")
+    parser.add_argument("--modes", default=None, help="comma list: eager (enforce_eager=True), graphs "
+                        "(enforce_eager=False: CUDA graphs on a GPU); each specray row runs in each mode (default: "
+                        "the engine's, graphs on a GPU, eager on CPU)")
+    parser.add_argument("--graphs", action="store_true", help="the same as --modes graphs")
     add_spec_args(parser)
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
     parser.add_argument("--kinds", default="input-grounded,open-ended")
@@ -221,6 +226,8 @@ def main():
     model = default_model_path()
     folder = resolve_model(model).path  # the dequantized, cached HF folder
     ks = [int(k) for k in args.num_spec_tokens.split(",")]
+    modes = ["graphs"] if args.graphs else (args.modes or ("graphs" if args.device.startswith("cuda") else "eager")
+                                            ).split(",")
     specs = {"specray (no speculation)": None}
     specs.update(spec_rows(args))
     if not args.no_draft_model_row:
@@ -234,7 +241,7 @@ def main():
     print(f"# {device}{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, max_tokens={args.max_tokens}, "
           f"{'ignore_eos' if args.ignore_eos else 'stop at EOS'}, median of {args.repeats}"
-          f"{', enforce_eager=False' if args.graphs else ''}\n")
+          f", modes {','.join(modes)}\n")
     print("| system | prompts | batch | tokens/s | runs | mean accepted length | output tokens | outputs unlike the "
           "first row's |\n|---|---|---|---|---|---|---|---|")
     only = args.only.split(",") if args.only else None
@@ -246,11 +253,17 @@ def main():
                 builders[name] = (lambda lookup=lookup: HFRun(folder, prompts, args.max_tokens, args.ignore_eos,
                                                               lookup, args.device, hf_dtype), [1])
         for name, spec in specs.items():
-            builders[name] = (lambda spec=spec: SpecrayRun(model, spec, prompts, args.max_tokens, args.ignore_eos,
-                                                           args.device, args.dtype, args.graphs),
-                              [int(b) for b in args.batches.split(",")])
-        runs = {name: (make(), batches) for name, (make, batches) in builders.items() if not only or name in only}
+            for mode in modes:
+                row = name if len(modes) == 1 else f"{name}, {mode}"
+                builders[row] = (lambda spec=spec, mode=mode: SpecrayRun(
+                    model, spec, prompts, args.max_tokens, args.ignore_eos, args.device, args.dtype,
+                    mode == "graphs"), [int(b) for b in args.batches.split(",")])
+        runs = {name: (make(), batches) for name, (make, batches) in builders.items()
+                if not only or name in only or name.rsplit(", ", 1)[0] in only}
         results = {(name, b): [] for name, (_, batches) in runs.items() for b in batches}
+        for run, batches in runs.values():
+            for b in batches if getattr(run, "captures", False) else ():
+                run(b == 8)
         for _ in range(args.repeats):
             for name, (run, batches) in runs.items():
                 for b in batches:

@@ -96,18 +96,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", default="ngram", help="the drafter of the last configuration")
+    ap.add_argument("--enforce-eager", action="store_true", help="every step eager (default: the engine's: CUDA "
+                    "graphs on a GPU)")
     args = ap.parse_args()
     model = args.model or str(default_model_path())
-    plain = LLM(model, max_model_len=2048, max_num_seqs=args.requests)
-    spec = LLM(model, max_model_len=2048, max_num_seqs=args.requests,
-               speculative_config={"method": args.spec, "num_speculative_tokens": 5})
+    common = dict(max_model_len=2048, max_num_seqs=args.requests, enforce_eager=args.enforce_eager or None)
+    plain = LLM(model, **common)
+    spec = LLM(model, speculative_config={"method": args.spec, "num_speculative_tokens": 5}, **common)
     convs = conversations(args.requests)
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     schema = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})
     configs = [("free", plain, free, False), ("schema, no forced drafts", plain, schema, False),
                ("schema", plain, schema, True), (f"schema + {args.spec}", spec, schema, True)]
-    for llm in (plain, spec):  # warm-up: compiled grammar, tokenizer, first-call costs
-        llm.chat(convs[:1], schema, use_tqdm=False)
+    # warm-up: compiled grammar, tokenizer, first-call costs; on a GPU every step shape's CUDA graph (captured the
+    # first time the shape occurs), so a whole batch of each configuration
+    warm = convs if torch.cuda.is_available() and not args.enforce_eager else convs[:1]
+    for llm in (plain, spec):
+        for params in (free, schema):
+            llm.chat(warm, params, use_tqdm=False)
     results: dict[str, list[dict]] = {name: [] for name, *_ in configs}
     reference = None
     for _ in range(args.rounds):

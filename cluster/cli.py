@@ -42,6 +42,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                    help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
     _add_prefix_caching_arg(p, on_by_default=False)
+    _add_enforce_eager_arg(p)
     _add_passthrough_args(p)
 
 
@@ -79,6 +80,11 @@ def _add_prefix_caching_arg(p: argparse.ArgumentParser, on_by_default: bool) -> 
                    f"earlier turns); vLLM's automatic prefix caching (default: {'on' if on_by_default else 'off'})")
 
 
+def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
+                   help="run every step eagerly (default: decode and verify steps replay CUDA graphs on a GPU)")
+
+
 def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON",
                    help='every speculation option as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
@@ -102,6 +108,7 @@ def _add_serve_parser(sub) -> None:
                    "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
     _add_passthrough_args(p)
     _add_prefix_caching_arg(p, on_by_default=True)  # as in vLLM, the Serve config and k8s/
+    _add_enforce_eager_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -259,6 +266,8 @@ def engine_kwargs(args) -> dict:
                   distributed_executor_backend=args.distributed_executor_backend)
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.enforce_eager is not None:
+        kwargs["enforce_eager"] = args.enforce_eager
     extra = parse_engine_kwargs(args.engine_kwargs)
     from specray.config import EngineArgs
 
@@ -327,7 +336,7 @@ def cmd_generate(args) -> int:
 _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
-                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching",
+                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching", "enforce_eager",
                 "reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")
 
 

@@ -267,8 +267,9 @@ class EngineArgs:
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
     # vLLM's name. False: decode and chain-verify steps replay CUDA graphs on a GPU, captured per padded shape
-    # (specray.workers.step_graphs). True by default until graphs have run on a GPU
-    enforce_eager: bool = True
+    # (specray.workers.step_graphs); True: every step runs eagerly; None: graphs on a GPU, eager elsewhere (a CPU
+    # has no graphs to replay: there the padded steps would only add work)
+    enforce_eager: bool | None = None
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -306,8 +307,9 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
         check_reasoning_parser(self.reasoning_parser)
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true or false")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true, false or None (graphs on a GPU, "
+                             "eager elsewhere)")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs several processes: use "
                              "distributed_executor_backend='ray' (or leave it None)")

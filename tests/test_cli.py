@@ -138,6 +138,19 @@ def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):
     assert engine_kwargs(no)["enable_prefix_caching"] is False
 
 
+def test_enforce_eager_flag_reaches_the_engine(tiny_llama_dir):
+    """``--enforce-eager`` (vLLM's flag) sets EngineArgs.enforce_eager in ``generate`` and ``serve``; without it the
+    engine's default stands (graphs on a GPU, eager elsewhere)."""
+    from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    for flags, want in (([], None), (["--enforce-eager"], True)):
+        gen = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", *flags])
+        assert engine_kwargs(gen).get("enforce_eager") is want
+        serve = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags])
+        assert ServeArgs.from_dict(serve_app_args(serve)).engine_args().enforce_eager is want
+
+
 def test_serve_without_the_default_model_says_how_to_install_it(monkeypatch, capsys):
     import specray.default_model
 

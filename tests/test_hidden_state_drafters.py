@@ -199,11 +199,17 @@ def test_greedy_one_request_at_a_time_equals_plain(target_dir, heads, plain_outp
 def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method):
     """``enforce_eager=False``: the target's decode and verify steps run from graphs (on CPU, their padded static
     inputs, eagerly), the aux layers' residual streams among the graph's outputs; batch 6 padded to 8, block size 4
-    (padding past the requests' blocks). Chains go through graphs; trees' steps run eagerly."""
-    llm = make_llm(target_dir, heads, "accepting", method, enforce_eager=False, block_size=4, max_num_seqs=8)
-    outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
-    assert token_ids(outs) == [t[:16] for t in plain_outputs[:6]]
-    assert llm.spec_stats.accepted_tokens > 0
+    (padding past the requests' blocks). Chains go through graphs; trees' steps run eagerly. The head drafts
+    what it drafts after the eager forward (the same drafts, the same acceptance): a graph's residual streams are
+    the rows the head should read, not padding's or a stale step's."""
+    runs = {}
+    for eager in (True, False):
+        llm = make_llm(target_dir, heads, "accepting", method, enforce_eager=eager, block_size=4, max_num_seqs=8)
+        outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
+        assert token_ids(outs) == [t[:16] for t in plain_outputs[:6]]
+        stats = llm.spec_stats
+        runs[eager] = (stats.drafts, stats.draft_tokens, stats.accepted_tokens)
+    assert runs[False] == runs[True] and runs[False][2] > 0, runs
     graphs = llm.engine.executor.worker.runner.graphs
     assert graphs.aux_layers == llm.engine.executor.worker.runner.drafter.aux_layers
     assert graphs.graphs, "no step ran from a graph"

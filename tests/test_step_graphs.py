@@ -70,10 +70,11 @@ def test_graph_forward_has_no_host_sync(tiny_llama_dir, no_host_sync):
     key, graph = next((k, g) for k, g in graphs.graphs.items() if k[:2] == (2, 1))
     from specray.models.attention import build_attention_metadata
 
-    meta = build_attention_metadata([1, 1], [5, 6], [[0, 1], [2, 3]], 16, "cpu", min_ctx_blocks=key[2],
+    meta = build_attention_metadata([1, 1], [5, 6], [[0, 1], [2, 3]], 16, graphs.device, min_ctx_blocks=key[2],
                                     read_in_place=False)
+    ids = torch.tensor([3, 4], device=graphs.device)
     with torch.inference_mode(), no_host_sync():
-        graphs._load(graph, meta, torch.tensor([3, 4]))
+        graphs._load(graph, meta, ids)
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
@@ -85,6 +86,23 @@ def test_models_that_cannot_be_captured_run_eagerly(request, fixture, why, caplo
     assert len(token_ids(llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False))[0]) == 4
 
 
+def test_graphs_by_default_on_a_gpu_only(tiny_llama_dir, monkeypatch):
+    """enforce_eager=None (the default, as vLLM's False): graphs where they replay (a GPU), eager elsewhere (a CPU
+    would only run the padded steps); asked for with False, they run on CPU too; True: never."""
+    assert LLM(model=str(tiny_llama_dir), max_model_len=64, device="cpu").engine.executor.worker.runner.graphs is None
+    from specray.workers.worker import Worker
+
+    def decides(enforce_eager, device, world_size=1):
+        fake = type("W", (), {})()
+        fake.config = type("C", (), {"enforce_eager": enforce_eager})()
+        fake.device, fake.world_size = torch.device(device), world_size
+        fake.model = torch.nn.Linear(1, 1)
+        return Worker._use_graphs(fake)
+
+    assert decides(None, "cuda", 1) and decides(False, "cuda") and decides(False, "cpu")
+    assert not decides(None, "cpu") and not decides(True, "cuda") and not decides(None, "cuda", world_size=2)
+
+
 def test_enforce_eager_must_be_a_bool(tiny_llama_dir):
-    with pytest.raises(ValueError, match="enforce_eager='no' must be true or false"):
+    with pytest.raises(ValueError, match="enforce_eager='no' must be true, false or None"):
         LLM(model=str(tiny_llama_dir), enforce_eager="no")

@@ -493,6 +493,7 @@ def test_reasoning_outputs_think_freely_then_follow_the_grammar_with_every_draft
 def test_the_servers_reasoning_parser_reaches_the_engine(tiny_llama_dir):
     """``specray serve --reasoning-parser`` (a server key) also sets the engine's, whose grammars wait for the
     thinking to end; given only in engine_kwargs, the server splits with it too; given both ways, it is refused."""
+    pytest.importorskip("ray")  # the server's module imports it (a GPU image may lack it)
     from specray.cluster.serve import ServeArgs
     top = ServeArgs.from_dict({"model": str(tiny_llama_dir), "reasoning_parser": "qwen3"})
     assert top.engine_kwargs["reasoning_parser"] == "qwen3" and top.engine_args().reasoning_parser == "qwen3"

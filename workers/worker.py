@@ -58,8 +58,9 @@ class WorkerConfig:
     # the whole checkpoint's config as the engine read it (specray.models.loader.read_config), so a rank needs no
     # transformers; None: the rank reads it
     model_config: PlainConfig | None = None
-    # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs)
-    enforce_eager: bool = True
+    # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs);
+    # None: graphs on a GPU, eager elsewhere
+    enforce_eager: bool | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -174,18 +175,23 @@ class Worker:
         if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
             config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
-        graphs = not self.config.enforce_eager and self._graphs_possible()
+        graphs = self._use_graphs()
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
                                   step_graphs=graphs)
 
-    def _graphs_possible(self) -> bool:
-        """Whether this rank can replay steps from graphs; if not, a warning says why."""
+    def _use_graphs(self) -> bool:
+        """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and
+        possible; if not possible, a log line says why (a warning when they were asked for)."""
+        asked = self.config.enforce_eager
+        if asked or (asked is None and self.device.type != "cuda"):
+            return False
         reason = "graphs run at tensor_parallel_size=1 only, for now" if self.world_size > 1 else graph_safe(self.model)
         if reason is not None:
-            logger.warning("enforce_eager=False: every step runs eagerly, as %s", reason)
+            log = logger.warning if asked is False else logger.info
+            log("%severy step runs eagerly, as %s", "enforce_eager=False: " if asked is False else "", reason)
         return reason is None
 
     # ---- steps --------------------------------------------------------------------------------------------
