@@ -140,7 +140,8 @@ def _add_serve_parser(sub) -> None:
                    "choices work without it")
     p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
-                   "Qwen3) or llama3_json (Llama 3.1/3.2's JSON); needed by --enable-auto-tool-choice")
+                   "Qwen3), llama3_json (Llama 3.1/3.2's JSON), mistral ([TOOL_CALLS] ...) or pythonic "
+                   "([f(x=1), g()]: Llama 3.2/4); needed by --enable-auto-tool-choice")
 
 
 def _add_bench_parser(sub) -> None:

@@ -7,6 +7,11 @@ Parsers, for ``tool_choice="auto"`` (``--enable-auto-tool-choice --tool-call-par
   one or more; the text outside them is the content.
 - ``llama3_json`` (Llama 3.1, 3.2): the whole output, optionally after ``<|python_tag|>``, is
   ``{"name": ..., "parameters": {...}}``, or several such objects separated by ``;``.
+- ``mistral`` (Mistral, Mixtral, Ministral): content, then ``[TOOL_CALLS]`` and the calls: a JSON array of
+  ``{"name": ..., "arguments": {...}}`` (tokenizers before v11) or ``name[ARGS]{...}``, each after its own
+  ``[TOOL_CALLS]`` (v11 and later).
+- ``pythonic`` (Llama 3.2 and 4, others prompted so): the whole output is a Python list of calls with keyword
+  arguments of literal values, ``[get_weather(city="Paris"), get_time()]`` (read with :mod:`ast`, never run).
 
 And one the server uses for ``tool_choice="required"``, whose output the grammar holds to a JSON array of
 ``{"name": ..., "parameters": {...}}`` (:class:`RequiredArrayStreamer`).
@@ -19,7 +24,10 @@ finishing gives what parsing it whole gives (:func:`parse_tool_calls`). No Ray, 
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -184,23 +192,28 @@ def parse_llama3_json(text: str) -> tuple[str, list[ParsedToolCall]]:
             return "", calls
 
 
-class Llama3JsonStreamer:
-    """Streams :func:`parse_llama3_json`: text whose first non-blank characters begin neither ``{`` nor
-    ``<|python_tag|>`` goes out as content at once; otherwise the text is held to the end, since one part that does
-    not parse makes the whole text content."""
+class _WholeTextStreamer:
+    """Streams a parser of whole texts (``parse``): text whose first non-blank characters begin none of ``STARTS``
+    goes out as content at once; otherwise the text is held to the end, since one part that does not parse makes
+    the whole text content."""
 
-    keeps_special_tokens = False  # without <|python_tag|> (skipped as a special token) the calls start at "{"
+    STARTS: tuple[str, ...] = ()
+    keeps_special_tokens = False
 
     def __init__(self):
         self._held = ""
         self._plain = False
+
+    @staticmethod
+    def parse(text: str) -> tuple[str, list[ParsedToolCall]]:
+        raise NotImplementedError
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         if self._plain:
             return text, []
         self._held += text
         body = self._held.lstrip()
-        if body and not (body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body)):
+        if body and not any(body.startswith(s) or s.startswith(body) for s in self.STARTS):
             self._plain = True
             held, self._held = self._held, ""
             return held, []
@@ -208,7 +221,162 @@ class Llama3JsonStreamer:
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         held, self._held = self._held, ""
-        return parse_llama3_json(held)
+        return self.parse(held)
+
+
+class Llama3JsonStreamer(_WholeTextStreamer):
+    """Streams :func:`parse_llama3_json`."""
+
+    STARTS = ("{", PYTHON_TAG)  # without <|python_tag|> (skipped as a special token) the calls start at "{"
+    parse = staticmethod(parse_llama3_json)
+
+
+# ---- mistral -------------------------------------------------------------------------------------------
+
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_FUNCTION_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+def _mistral_calls(text: str) -> list[ParsedToolCall] | None:
+    """The calls of ``text``, which starts at ``[TOOL_CALLS]``: one or more ``[TOOL_CALLS]`` sections, each a JSON
+    array of calls or ``name[ARGS]{...}``; None unless all of it parses."""
+    decoder = json.JSONDecoder()
+    calls: list[ParsedToolCall] = []
+    while text:
+        if not text.startswith(TOOL_CALLS):
+            return None
+        body = text[len(TOOL_CALLS):].lstrip()
+        if body.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
+            try:
+                items, end = decoder.raw_decode(body)
+            except json.JSONDecodeError:
+                return None
+            found = [_call(item, ("arguments", "parameters")) for item in items] if isinstance(items, list) else []
+            if not found or None in found:
+                return None
+            calls += found
+        else:  # name[ARGS]{...}
+            name, sep, after = body.partition(ARGS)
+            if not sep or not _FUNCTION_NAME.fullmatch(name.strip()):
+                return None
+            body = after.lstrip()
+            try:
+                value, end = decoder.raw_decode(body)
+            except json.JSONDecodeError:
+                return None
+            arguments = _arguments_text(value) if isinstance(value, dict) else None
+            if arguments is None:
+                return None
+            calls.append(ParsedToolCall(name.strip(), arguments))
+        text = body[end:].lstrip()
+    return calls
+
+
+def parse_mistral(text: str) -> tuple[str, list[ParsedToolCall]]:
+    """Mistral's calls: the content, then from the first ``[TOOL_CALLS]`` to the end (whitespace aside) nothing but
+    calls; if that part does not parse, the whole text is content."""
+    at = text.find(TOOL_CALLS)
+    calls = None if at < 0 else _mistral_calls(text[at:].rstrip())
+    return (text, []) if not calls else (text[:at], calls)
+
+
+class MistralStreamer:
+    """Streams :func:`parse_mistral`: the content goes out as it comes (a partial ``[TOOL_CALLS]`` at its end held
+    back); from ``[TOOL_CALLS]`` on the text is held to the end."""
+
+    keeps_special_tokens = True  # [TOOL_CALLS] and [ARGS] are special tokens in Mistral's vocabularies
+
+    def __init__(self):
+        self._held = ""
+        self._calling = False
+
+    def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        self._held += text
+        if self._calling:
+            return "", []
+        at = self._held.find(TOOL_CALLS)
+        if at >= 0:
+            self._calling = True
+            content, self._held = self._held[:at], self._held[at:]
+            return content, []
+        keep = _marker_start(self._held, TOOL_CALLS)
+        content, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        return content, []
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        held, self._held = self._held, ""
+        return parse_mistral(held)
+
+
+# ---- pythonic ------------------------------------------------------------------------------------------
+
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+_JSON_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A literal argument value as JSON data (Python's literals, and JSON's true/false/null); ValueError for
+    anything else (a call, a name, an operation)."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int, str)) or (
+            isinstance(node.value, float) and math.isfinite(node.value))):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        keys = [_literal(k) for k in node.keys]
+        if all(isinstance(k, str) for k in keys):
+            return dict(zip(keys, (_literal(v) for v in node.values)))
+    raise ValueError("not a literal")
+
+
+def _function_name(node: ast.expr) -> str | None:
+    """``f`` or ``module.f`` as its dotted name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _function_name(node.value)
+        return None if owner is None else f"{owner}.{node.attr}"
+    return None
+
+
+def parse_pythonic(text: str) -> tuple[str, list[ParsedToolCall]]:
+    """Python-style calls: the whole text (whitespace, and ``<|python_start|>`` ... ``<|python_end|>``, aside) is a
+    non-empty list of calls with keyword arguments of literal values; anything else is content."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START):].removesuffix(PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):  # ValueError: a NUL character
+        return text, []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return text, []
+    calls: list[ParsedToolCall] = []
+    for node in tree.elts:
+        name = _function_name(node.func) if isinstance(node, ast.Call) else None
+        if name is None or node.args or any(k.arg is None for k in node.keywords):
+            return text, []
+        try:
+            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        except (ValueError, RecursionError):
+            return text, []
+        calls.append(ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+    return "", calls
+
+
+class PythonicStreamer(_WholeTextStreamer):
+    """Streams :func:`parse_pythonic`."""
+
+    STARTS = ("[", PYTHON_START)  # Llama 4's tags are special tokens, skipped in its text unless kept
+    parse = staticmethod(parse_pythonic)
 
 
 # ---- tool_choice="required" ----------------------------------------------------------------------------
@@ -267,7 +435,8 @@ class RequiredArrayStreamer:
 
 # ---- the registry --------------------------------------------------------------------------------------
 
-TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesStreamer, "llama3_json": Llama3JsonStreamer}
+TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesStreamer, "llama3_json": Llama3JsonStreamer,
+                                       "mistral": MistralStreamer, "pythonic": PythonicStreamer}
 
 
 def check_tool_call_parser(name: str | None, enable_auto_tool_choice: bool = False) -> None:
@@ -275,7 +444,8 @@ def check_tool_call_parser(name: str | None, enable_auto_tool_choice: bool = Fal
     if name is not None and name not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser={name!r} is not known; choose one of {list(TOOL_CALL_PARSERS)} (hermes: "
                          "<tool_call>{...}</tool_call>, as Hermes and Qwen write calls; llama3_json: Llama 3.1/3.2's "
-                         "JSON calls) or leave it unset")
+                         "JSON calls; mistral: [TOOL_CALLS] calls; pythonic: [f(x=1)], Llama 3.2/4's Python "
+                         "calls) or leave it unset")
     if enable_auto_tool_choice and name is None:
         raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
                          f"(--tool-call-parser), the format the model writes its calls in: one of "

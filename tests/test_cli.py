@@ -112,13 +112,13 @@ def test_tool_call_flags_are_checked_before_the_server_starts(tiny_llama_dir, ca
     err = capsys.readouterr().err
     assert "--tool-call-parser" in err and "hermes" in err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
-    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+        build_parser().parse_args(["serve", "--tool-call-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
     parsed = ServeArgs.from_dict({"model": str(tiny_llama_dir), "enable_auto_tool_choice": "true",
                                   "tool_call_parser": "llama3_json"})
     assert (parsed.enable_auto_tool_choice, parsed.server_config(8).tool_call_parser) == (True, "llama3_json")
-    with pytest.raises(ValueError, match="tool_call_parser='mistral' is not known"):
-        ServeArgs.from_dict({"model": str(tiny_llama_dir), "tool_call_parser": "mistral"})
+    with pytest.raises(ValueError, match="tool_call_parser='granite' is not known"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "tool_call_parser": "granite"})
 
 
 def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):

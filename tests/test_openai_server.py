@@ -1975,6 +1975,10 @@ WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "
                      '"parameters": {"city": "Rome", "unit": "F"}}'], None,
      [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome", "unit": "F"})]),
     ("llama3_json", ["The weather ", "is fine."], "The weather is fine.", []),
+    ("mistral", ["Checking.[TOOL_", "CALLS]get_time[ARGS]", '{"zone": "UTC"}'], "Checking.",
+     [("get_time", {"zone": "UTC"})]),
+    ("pythonic", ['[get_weather(city="Rome", ', 'unit="F"), get_time(zone="UTC")]'], None,
+     [("get_weather", {"city": "Rome", "unit": "F"}), ("get_time", {"zone": "UTC"})]),
 ])
 def test_auto_tool_choice_reads_the_calls_with_the_server_s_parser(parser, pieces, content, calls):
     """With --enable-auto-tool-choice --tool-call-parser, tool_choice "auto" (the default with tools) gives the

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, HermesStreamer, Llama3JsonStreamer, ParsedToolCall,
-                                          RequiredArrayStreamer, check_tool_call_parser, parse_llama3_json,
+from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, HermesStreamer, Llama3JsonStreamer, MistralStreamer,
+                                          ParsedToolCall, PythonicStreamer, RequiredArrayStreamer,
+                                          check_tool_call_parser, parse_llama3_json, parse_mistral, parse_pythonic,
                                           parse_tool_calls, tool_call_streamer)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -114,6 +115,79 @@ def test_llama3_json_streams_plain_text_at_once_and_holds_calls_to_the_end():
     assert streamer.finish() == ("", [call("a")])
 
 
+MISTRAL_CASES = [
+    # before v11: one JSON array after [TOOL_CALLS], content before it
+    ('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+     '"arguments": {}}]', "Checking.", [call("get_weather", city="Paris"), call("get_time")]),
+    (' [TOOL_CALLS] [{"name": "f", "parameters": {"a": 1}}] \n', " ", [call("f", a=1)]),
+    # v11 and later: name[ARGS]{...}, each call after its own [TOOL_CALLS]
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', "",
+     [call("get_weather", city="Paris"), call("get_time")]),
+    ('[TOOL_CALLS]f[ARGS] {"q": "[ARGS] inside"}', "", [call("f", q="[ARGS] inside")]),
+    # plain text; and anything after [TOOL_CALLS] that does not parse whole: the whole text is content
+    ("No call [TOOL is needed.", "No call [TOOL is needed.", []),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] and text', '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] '
+     "and text", []),
+    ('[TOOL_CALLS][{"name": "f", "argu', '[TOOL_CALLS][{"name": "f", "argu', []),
+    ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    ('[TOOL_CALLS]not a name[ARGS]{}', '[TOOL_CALLS]not a name[ARGS]{}', []),
+    ('[TOOL_CALLS]f[ARGS][1, 2]', '[TOOL_CALLS]f[ARGS][1, 2]', []),
+    ("ends with [TOOL_CA", "ends with [TOOL_CA", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
+def test_mistral(text, content, calls):
+    assert assert_every_split_gives_the_whole(MistralStreamer, text) == (content, calls)
+    assert parse_mistral(text) == (content, calls)
+
+
+def test_mistral_streams_content_at_once_and_holds_calls_to_the_end():
+    streamer = MistralStreamer()
+    assert streamer.push("Let me look [TOOL") == ("Let me look ", [])
+    assert streamer.push("_CALLS]get_time[ARGS]") == ("", [])
+    assert streamer.push("{}") == ("", [])
+    assert streamer.finish() == ("", [call("get_time")])
+
+
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", unit=\'celsius\'), get_time()]', "",
+     [call("get_weather", city="Paris", unit="celsius"), call("get_time")]),
+    # Llama 4's tags kept, whitespace, dotted names, every literal kind (JSON's true/false/null too)
+    ('<|python_start|> [tools.search(q="a b", n=-3, w=2.5, on=True, off=false, none=None, xs=[1, (2, 3)], '
+     'd={"k": {"v": null}})] <|python_end|>', "",
+     [call("tools.search", q="a b", n=-3, w=2.5, on=True, off=False, none=None, xs=[1, [2, 3]], d={"k": {"v": None}})]),
+    # plain text and anything not a list of calls with literal keyword arguments: the whole text is content
+    ("The answer is 4.", "The answer is 4.", []),
+    ("[1] is a footnote.", "[1] is a footnote.", []),
+    ("[f(1)]", "[f(1)]", []),  # positional arguments name nothing
+    ("[f(x=y)]", "[f(x=y)]", []),  # a name is no literal
+    ("[f(x=g())]", "[f(x=g())]", []),  # nor is a call, which is never run
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[f(x=1e999)]", "[f(x=1e999)]", []),  # not finite: no JSON number
+    ("[f(x=1), 2]", "[f(x=1), 2]", []),
+    ("[]", "[]", []),
+    ('[f(x="unclosed)]', '[f(x="unclosed)]', []),
+    ("[get_time()] and more", "[get_time()] and more", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", PYTHONIC_CASES)
+def test_pythonic(text, content, calls):
+    assert assert_every_split_gives_the_whole(PythonicStreamer, text) == (content, calls)
+    assert parse_pythonic(text) == (content, calls)
+
+
+def test_pythonic_streams_plain_text_at_once_and_holds_calls_to_the_end():
+    streamer = PythonicStreamer()
+    assert streamer.push(" Sure") == (" Sure", [])
+    streamer = PythonicStreamer()
+    assert streamer.push("[get_") == ("", [])
+    assert streamer.push("time()]") == ("", [])
+    assert streamer.finish() == ("", [call("get_time")])
+
+
 REQUIRED_CASES = [
     ('[{"name": "get_time", "parameters": {}}]', "", [call("get_time")]),
     ('[ {"name":"a","parameters":{"x":1}} , {"name":"b","parameters":{"y":[1,2]}} ]', "",
@@ -140,11 +214,11 @@ def test_required_array_hands_over_each_item_as_it_completes():
 
 
 def test_registry_and_configuration_errors():
-    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     assert isinstance(tool_call_streamer("hermes"), HermesStreamer)
     check_tool_call_parser(None)
     check_tool_call_parser("llama3_json", enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="tool_call_parser='mistral' is not known.*hermes"):
-        check_tool_call_parser("mistral")
+    with pytest.raises(ValueError, match="tool_call_parser='granite' is not known.*hermes"):
+        check_tool_call_parser("granite")
     with pytest.raises(ValueError, match="enable_auto_tool_choice.*needs tool_call_parser"):
         check_tool_call_parser(None, enable_auto_tool_choice=True)

@@ -185,13 +185,13 @@ class Worker:
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and
         possible; if not possible, a log line says why (a warning when they were asked for)."""
-        asked = self.config.enforce_eager
-        if asked or (asked is None and self.device.type != "cuda"):
+        eager = self.config.enforce_eager
+        if eager or (eager is None and self.device.type != "cuda"):
             return False
         reason = "graphs run at tensor_parallel_size=1 only, for now" if self.world_size > 1 else graph_safe(self.model)
         if reason is not None:
-            log = logger.warning if asked is False else logger.info
-            log("%severy step runs eagerly, as %s", "enforce_eager=False: " if asked is False else "", reason)
+            log = logger.warning if eager is False else logger.info
+            log("%severy step runs eagerly, as %s", "enforce_eager=False: " if eager is False else "", reason)
         return reason is None
 
     # ---- steps --------------------------------------------------------------------------------------------
