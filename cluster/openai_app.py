@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.chat import render_chat
 from specray.cluster import openai_protocol as proto
+from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
 from specray.cluster.reasoning import ReasoningSplitter, starts_thinking
 from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
@@ -308,6 +309,25 @@ class _Format:
     def opening(self, choices: list[_Choice]) -> list[dict]:
         return []
 
+    # a stream: what goes out first, per engine output, and last, each payload one server-sent event
+    done: str | None = proto.SSE_DONE  # the line that ends the stream
+
+    def sse(self, payload: Any) -> str:
+        return proto.sse(payload)
+
+    def stream_opening(self, choices: list[_Choice]) -> list[Any]:
+        return self.opening(choices)
+
+    def stream_chunk(self, choice: _Choice) -> list[Any]:
+        chunk = self.chunk(choice)
+        return [] if chunk is None else [chunk]
+
+    def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[Any]:
+        return [self.usage_chunk(_usage(choices))] if include_usage else []
+
+    def stream_error(self, err: proto.OpenAIError) -> list[Any]:
+        return [err.body()]
+
 
 class _CompletionFormat(_Format):
     def __init__(self, *args, echo: bool = False, **kwargs):
@@ -507,6 +527,114 @@ class _ChatFormat(_Format):
         return self._chunk([], usage)
 
 
+class _ResponsesFormat(_ChatFormat):
+    """OpenAI's Responses API over one chat choice (the API has no ``n``): the whole response, or streamed as its
+    typed events (each output item added, its text or arguments in deltas, done; then ``response.completed``)."""
+
+    done = None  # response.completed (or incomplete) ends the stream
+
+    def __init__(self, *args, request: responses.ResponsesRequest, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.request = request
+        self.sequence = 0
+        self.output: list[dict] = []  # the items done so far
+        self.open: dict | None = None  # the item being streamed: kind, id, output index, text (and a call's)
+
+    def _response(self, status: str, usage: dict | None = None, output: list[dict] | None = None) -> dict:
+        return responses.response_object(self.request, self.request_id, self.created, self.model,
+                                         list(self.output if output is None else output), status, usage)
+
+    def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
+        message, _ = self._message(choices[0])
+        return self._response(responses.status_of(choices[0].output.finish_reason), responses.usage(usage),
+                              responses.output_items(message))
+
+    def sse(self, event: dict) -> str:
+        event = {"type": event["type"], "sequence_number": self.sequence, **event}
+        self.sequence += 1
+        return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    def stream_opening(self, choices: list[_Choice]) -> list[dict]:
+        return [{"type": "response.created", "response": self._response("in_progress")},
+                {"type": "response.in_progress", "response": self._response("in_progress")}]
+
+    def stream_chunk(self, choice: _Choice) -> list[dict]:
+        text, _, _ = choice.take_delta()
+        delta = self._delta(choice, text, choice.output.finish_reason is not None)
+        events = self._text_events("reasoning", delta.get("reasoning_content", ""))
+        events += self._text_events("message", delta.get("content", ""))
+        for call in delta.get("tool_calls", []):
+            events += self._call_events(call)
+        return events
+
+    def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
+        status = responses.status_of(choices[0].output.finish_reason)
+        return self._close() + [{"type": f"response.{status}",
+                                 "response": self._response(status, responses.usage(_usage(choices)))}]
+
+    def stream_error(self, err: proto.OpenAIError) -> list[dict]:
+        return [{"type": "error", **{k: v for k, v in err.body()["error"].items() if k != "type"}}]
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": self.open["index"]}
+
+    def _text_events(self, kind: str, text: str) -> list[dict]:
+        """A message's or the reasoning's new text: the item (and its one content part) opened first when it is not
+        the one being streamed (closing that one), then the delta."""
+        if not text:
+            return []
+        events = []
+        if self.open is None or self.open["kind"] != kind:
+            events = self._close()
+            item_id, index = proto.new_id("msg" if kind == "message" else "rs"), len(self.output)
+            item = responses.message_item(item_id, "", "in_progress") if kind == "message" else {
+                "type": "reasoning", "id": item_id, "summary": [], "content": []}
+            part = responses.output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
+            self.open = {"kind": kind, "id": item_id, "index": index, "text": ""}
+            events += [{"type": "response.output_item.added", "output_index": index, "item": item},
+                       {"type": "response.content_part.added", **self._where(), "content_index": 0, "part": part}]
+        self.open["text"] += text
+        kind_name = "output_text" if kind == "message" else "reasoning_text"
+        return events + [{"type": f"response.{kind_name}.delta", **self._where(), "content_index": 0, "delta": text}]
+
+    def _call_events(self, call: dict) -> list[dict]:
+        """A chat tool-call delta: one with an id opens a function_call item (closing the open one); arguments
+        come as deltas."""
+        function = call.get("function", {})
+        events = []
+        if "id" in call:
+            events = self._close()
+            item_id, index = proto.new_id("fc"), len(self.output)
+            self.open = {"kind": "function_call", "id": item_id, "index": index, "text": "", "call_id": call["id"],
+                         "name": function["name"]}
+            item = responses.function_call_item(item_id, call["id"], function["name"], "", "in_progress")
+            events.append({"type": "response.output_item.added", "output_index": index, "item": item})
+        if function.get("arguments"):
+            self.open["text"] += function["arguments"]
+            events.append({"type": "response.function_call_arguments.delta", **self._where(),
+                           "delta": function["arguments"]})
+        return events
+
+    def _close(self) -> list[dict]:
+        """The open item's done events; the item joins the output."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where, text = {"item_id": item["id"], "output_index": item["index"]}, item["text"]
+        if item["kind"] == "function_call":
+            done = responses.function_call_item(item["id"], item["call_id"], item["name"], text)
+            events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                       "arguments": text}]
+        else:
+            message = item["kind"] == "message"
+            done = responses.message_item(item["id"], text) if message else responses.reasoning_item(item["id"], text)
+            part = done["content"][0]
+            events = [{"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": text},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        self.output.append(done)
+        return events + [{"type": "response.output_item.done", "output_index": item["index"], "item": done}]
+
+
 def _usage(choices: list[_Choice]) -> proto.Usage:
     prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}  # n choices share one prompt
     cached: dict[int, int] = {}  # the most any of a prompt's choices found cached
@@ -535,6 +663,9 @@ class OpenAIServing:
     # ---- routes ----------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, self._completions)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._handle(request, self._responses)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, self._chat_completions)
@@ -612,7 +743,8 @@ class OpenAIServing:
                                 req.prompt_logprobs, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
-    async def _chat_completions(self, body: Any, arrival: float) -> Response:
+    async def _chat_completions(self, body: Any, arrival: float, responses_req=None) -> Response:
+        """A chat completion; or, with ``responses_req`` (``body`` its chat request), a Responses API answer."""
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         self._check_model(req.model)
         tools = self._tool_output(req)
@@ -622,11 +754,20 @@ class OpenAIServing:
         self._check_request_size(req, 1, req.output_limit(), limit_param)
         prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req)), req.truncate_prompt_tokens)
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
-        request_id = proto.new_id("chatcmpl")
+        request_id = proto.new_id("chatcmpl" if responses_req is None else "resp")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
-        fmt = _ChatFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
-                          req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools)
+        kind, extra = (_ChatFormat, {}) if responses_req is None else (_ResponsesFormat, {"request": responses_req})
+        fmt = kind(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
+                   req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
+
+    async def _responses(self, body: Any, arrival: float) -> Response:
+        """OpenAI's Responses API: the request as a chat completion (:mod:`specray.cluster.openai_responses`)."""
+        req = responses.parse(body)
+        try:
+            return await self._chat_completions(responses.chat_body(req), arrival, responses_req=req)
+        except proto.OpenAIError as err:
+            raise responses.in_responses_terms(err) from None
 
     def _tool_output(self, req: proto.ChatCompletionRequest) -> _ToolOutput | None:
         """How the request's tool calls come out (None: it makes none); "auto" needs the server's tool call
@@ -773,25 +914,27 @@ class OpenAIServing:
                       include_usage: bool) -> AsyncIterator[str]:
         status = "200"
         try:
-            for chunk in fmt.opening(choices):
-                yield proto.sse(chunk)
+            for payload in fmt.stream_opening(choices):
+                yield fmt.sse(payload)
             choice = first
             while choice is not None:
-                chunk = fmt.chunk(choice)
-                if chunk is not None:
-                    yield proto.sse(chunk)
+                for payload in fmt.stream_chunk(choice):
+                    yield fmt.sse(payload)
                 choice = await fanout.next()
-            if include_usage:
-                yield proto.sse(fmt.usage_chunk(_usage(choices)))
-            yield proto.SSE_DONE
+            for payload in fmt.stream_closing(choices, include_usage):
+                yield fmt.sse(payload)
+            if fmt.done:
+                yield fmt.done
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
         except Exception as exc:  # the headers are sent: report the error in the stream, OpenAI style
             err = to_openai_error(exc)
             status = str(err.status)
-            yield proto.sse(err.body())
-            yield proto.SSE_DONE
+            for payload in fmt.stream_error(err):
+                yield fmt.sse(payload)
+            if fmt.done:
+                yield fmt.done
         finally:
             fanout.close()
             self.metrics.record_request(status)
@@ -934,6 +1077,7 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     _install_error_handlers(app)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", serving.responses, methods=["POST"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])  # ids may hold "/"
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])  # vLLM's paths

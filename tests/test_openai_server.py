@@ -666,6 +666,22 @@ def test_response_format_json_schema_output_validates(server, endpoint):
     jsonschema.validate(json.loads(_text(resp)), ANSWER_SCHEMA)
 
 
+def test_responses_api_on_the_engine(server, client):
+    """/v1/responses on the served engine through the openai client: a text.format JSON schema's answer validates
+    and completes; max_output_tokens cuts a free answer ("incomplete"), streamed alike."""
+    text_format = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    resp = client.responses.create(model=MODEL, input=CHAT, temperature=0, text=text_format, max_output_tokens=32,
+                                   extra_body=COMPACT)
+    assert resp.status == "completed", resp
+    jsonschema.validate(json.loads(resp.output_text), ANSWER_SCHEMA)
+    cut = client.responses.create(model=MODEL, input="Tell me a story.", temperature=0, max_output_tokens=4)
+    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 4)
+    events = list(client.responses.create(model=MODEL, input="Tell me a story.", temperature=0, max_output_tokens=4,
+                                          stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == cut.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_response_format_json_object_starts_an_object(server, endpoint):
     path, body = _request(endpoint, response_format={"type": "json_object"}, max_tokens=8)
@@ -2093,3 +2109,137 @@ def test_llm_chat_passes_tools_to_the_chat_template(offline):
                        add_generation_prompt=False, tools=TOOLS)
     assert out[0].prompt == ("user:What is the weather in Paris?|assistant:[get_weather(Rome)]|"
                              "tool get_weather|tool get_time|")
+
+
+# ---- the Responses API with a fake engine ----------------------------------------------------------------
+
+def responses_events(base: str, body: dict) -> list[dict]:
+    """A streamed Responses request's events, each checked against its ``event:`` line."""
+    req = urllib.request.Request(base + "/v1/responses", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in resp.read().decode().split("\n\n") if b]
+    events = []
+    for block in blocks:
+        kind, data = block.split("\n")
+        event = json.loads(data[len("data: "):])
+        assert kind == f"event: {event['type']}", block
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_responses_api_answers_and_streams_text():
+    """POST /v1/responses: instructions and input become the chat, the answer a message item (the openai client's
+    output_text); streamed, the typed events in order, their deltas the text, response.completed last with the
+    same output; max_output_tokens reached is status "incomplete"."""
+    from specray.cluster.openai_responses import ResponsesRequest, chat_body
+
+    with app_in_thread(ScriptedEngineClient(["Hello", " wor", "ld"])) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        resp = client.responses.create(model="fake", input="Say hi", instructions="Be brief.")
+        assert (resp.status, resp.output_text, resp.object) == ("completed", "Hello world", "response")
+        assert [item.type for item in resp.output] == ["message"] and resp.id.startswith("resp")
+        assert resp.usage.input_tokens == len("Be brief.Say hi") and resp.usage.output_tokens == 3
+        events = responses_events(base, {"model": "fake", "input": "Say hi"})
+        assert [e["type"] for e in events] == [
+            "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+            "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+            "response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.completed"]
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello world"
+        final = events[-1]["response"]
+        assert final["status"] == "completed" and final["output"] == [events[-2]["item"]]
+        assert final["output"][0]["content"][0]["text"] == "Hello world" and final["usage"]["output_tokens"] == 3
+        streamed = list(client.responses.create(model="fake", input="Say hi", stream=True))  # the client parses it
+        assert streamed[-1].type == "response.completed" and streamed[-1].response.output_text == "Hello world"
+    with app_in_thread(FakeEngineClient(tokens=2)) as base:  # it ends on "length"
+        status, resp = http_json(base + "/v1/responses", {"input": "x", "max_output_tokens": 2})
+        assert status == 200 and resp["status"] == "incomplete", resp
+        assert resp["incomplete_details"] == {"reason": "max_output_tokens"} and resp["max_output_tokens"] == 2
+        assert responses_events(base, {"input": "x"})[-1]["type"] == "response.incomplete"
+    # the chat request a Responses request becomes
+    body = chat_body(ResponsesRequest.model_validate({
+        "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+                  {"type": "message", "role": "user", "content": "Weather?"},
+                  {"type": "reasoning", "id": "rs_1", "summary": []},
+                  {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                  {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "18 C"}],
+        "instructions": "Be brief.", "max_output_tokens": 9, "seed": 3,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}}))
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+    assert body["tools"] == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    assert (body["max_completion_tokens"], body["seed"], body["stream"]) == (9, 3, False)
+
+
+def test_responses_api_tool_calls_and_reasoning_become_output_items():
+    """With the server's tool call parser, calls are function_call items (whole and streamed: added, arguments,
+    done); with its reasoning parser, the thinking is a reasoning item before the message."""
+    pieces = ["Checking.<tool", "_call>" + WEATHER_CALL + "</tool_call>"]
+    with app_in_thread(ScriptedEngineClient(pieces), enable_auto_tool_choice=True, tool_call_parser="hermes") as base:
+        tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        status, resp = http_json(base + "/v1/responses", {"input": "Weather in Paris?", "tools": tools})
+        assert status == 200, resp
+        message, call = resp["output"]
+        assert message["content"][0]["text"] == "Checking."
+        assert (call["type"], call["name"], json.loads(call["arguments"])) == (
+            "function_call", "get_weather", {"city": "Paris", "unit": "C"})
+        assert call["call_id"] and call["status"] == "completed"
+        events = responses_events(base, {"input": "Weather in Paris?", "tools": tools})
+        kinds = [e["type"] for e in events]
+        assert kinds.count("response.output_item.added") == 2 and "response.function_call_arguments.done" in kinds
+        done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+        assert json.loads(done["arguments"]) == {"city": "Paris", "unit": "C"} and done["name"] == "get_weather"
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]
+    with app_in_thread(ScriptedEngineClient(["<thi", "nk>Hmm.</think>", "Four."]), reasoning_parser="qwen3") as base:
+        status, resp = http_json(base + "/v1/responses", {"input": "2+2?"})
+        assert [i["type"] for i in resp["output"]] == ["reasoning", "message"], resp
+        assert resp["output"][0]["content"][0]["text"] == "Hmm." and resp["output"][1]["content"][0]["text"] == "Four."
+        events = responses_events(base, {"input": "2+2?"})
+        assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hmm."
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_responses_api_errors_name_its_own_parameters():
+    """What this server cannot do is a 400 naming the Responses request's parameter, also where the chat
+    machinery finds the fault; structured text formats reach the engine."""
+    fake = RecordingEngineClient()
+    with app_in_thread(fake) as base:
+        cases = [
+            ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+            ({"input": "x", "background": True}, "background", "background"),
+            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+             "input.0.content.0.type", "text only"),
+            ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", "not a valid role"),
+            ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported"),
+            ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "functions only"),
+            ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type", "not supported"),
+            ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens", "max_output_tokens"),
+            ({"input": "x", "max_tokens": 5}, "max_tokens", "not a supported parameter"),  # a chat field
+        ]
+        for body, param, words in cases:
+            status, resp = http_json(base + "/v1/responses", body)
+            assert status == 400 and resp["error"]["param"] == param and words in resp["error"]["message"], (body,
+                                                                                                              resp)
+        fake.seen.clear()
+        status, resp = http_json(base + "/v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}})
+        assert status == 200 and fake.seen[-1][1].structured_outputs.json_object, resp
+    # an engine's refusal of a schema names the chat request's field: renamed
+    from specray.cluster.openai_protocol import bad_request
+    from specray.cluster.openai_responses import in_responses_terms
+
+    err = in_responses_terms(bad_request("response_format.json_schema.schema is not a valid schema; messages[2] too",
+                                         "response_format.json_schema.schema"))
+    assert (err.param, err.message) == ("text.format.schema", "text.format.schema is not a valid schema; input too")

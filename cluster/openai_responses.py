@@ -1,0 +1,257 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat machinery: a request becomes a chat completion
+request (its ``input`` items messages, ``instructions`` a system message, ``text.format`` a response format,
+flat function tools chat tools), and a chat choice's message becomes the response's output items (reasoning,
+message, function calls) or, streamed, the API's typed events. This server keeps no responses
+(``previous_response_id`` and ``background`` are refused; ``store`` is accepted and nothing is stored). No Ray, no
+engine: the server (:mod:`specray.cluster.openai_app`) runs what this module translates.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, StrictBool
+
+from specray.cluster import openai_protocol as proto
+
+# sampling fields that pass through to the chat request as they are (OpenAI's, and vLLM's extras it accepts)
+PASSTHROUGH = ("model", "temperature", "top_p", "user", "seed", "top_k", "min_p", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "stop", "parallel_tool_calls", "metadata",
+               "structured_outputs")
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(proto._Strict):
+    """The fields of a Responses request this server reads; an unknown field is a 400, as on the other routes."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; this server stores nothing
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None  # accepted: a reasoning model thinks as its template says
+    include: list[str] | None = None  # accepted; nothing extra is included
+    truncation: str | None = None
+    # vLLM's extra sampling parameters
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: a constraint, or options of text.format's
+
+
+def parse(body: Any) -> ResponsesRequest:
+    req = proto.parse_request(ResponsesRequest, body)
+    if req.previous_response_id is not None:
+        raise proto.bad_request("previous_response_id is not supported: this server keeps no responses; send the "
+                                "conversation so far in input (its items: messages, function_call and "
+                                "function_call_output)", "previous_response_id")
+    if req.background:
+        raise proto.bad_request("background=true is not supported: responses are answered (or streamed) while the "
+                                "request is open; omit it", "background")
+    if req.truncation not in (None, "disabled"):
+        raise proto.bad_request(f"truncation={req.truncation!r} is not supported; an input longer than the context "
+                                "is a 400 (truncation 'disabled', the default)", "truncation")
+    return req
+
+
+def _text_of(content: Any, param: str) -> str:
+    """A message's content (a string, or text parts) as one string; a 400 for a part that is not text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise proto.bad_request(f"{param} must be a string or a list of input_text parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise proto.bad_request(f"{param}[{i}] of type {kind!r} is not supported: the served models read text "
+                                    "only; send {'type': 'input_text', 'text': ...} parts or a string",
+                                    f"{param}.{i}.type")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``: messages, an assistant's function calls (consecutive
+    ones in one message) and their outputs as tool messages; reasoning items are left out."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise proto.bad_request(f"input[{i}].role={role!r:.50} is not a valid role; use one of "
+                                        f"{', '.join(repr(r) for r in _MESSAGE_ROLES)}", f"input.{i}.role")
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                raise proto.bad_request(f"input[{i}] (a function_call) needs name and call_id", f"input.{i}")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise proto.bad_request(f"input[{i}] (a function_call_output) needs call_id and output", f"input.{i}")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(output, f"input.{i}.output")})
+        elif kind != "reasoning":
+            raise proto.bad_request(f"input[{i}].type={kind!r:.50} is not supported; send messages, function_call "
+                                    "and function_call_output items", f"input.{i}.type")
+    if not messages:
+        raise proto.bad_request("input has no message; send a string or at least one message item", "input")
+    return messages
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat function tools (``{"type": "function", "name", "description", "parameters", "strict"}``) as chat
+    tools; a built-in tool (web search, files, ...) is a 400."""
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise proto.bad_request(f"tools[{i}].type={tool.get('type')!r:.50} is not supported: this server calls "
+                                    "functions only ({'type': 'function', 'name': ..., 'parameters': {...}})",
+                                    f"tools.{i}.type")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise proto.bad_request(f"tool_choice={choice!r:.100} is not supported; use 'none', 'auto', 'required' "
+                                    "or {'type': 'function', 'name': ...}", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as a chat ``response_format``: text (none), json_object, or json_schema (its name, schema,
+    strict and description)."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise proto.bad_request(f"text.format.type={fmt.get('type')!r:.50} is not supported; use 'text', "
+                            "'json_object' or 'json_schema'", "text.format.type")
+
+
+# the chat request's parameter names an error may name, as the Responses request calls them
+_RENAMED = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+            (re.compile(r"\bresponse_format\.json_schema\b|\bresponse_format\b"), "text.format"),
+            (re.compile(r"\bmessages\b(?:[.\[]\d+\]?)?"), "input"),
+            (re.compile(r"\b(tools[.\[]\d+\]?)\.function\b"), r"\1")]
+
+
+def in_responses_terms(err: proto.OpenAIError) -> proto.OpenAIError:
+    """An error of the chat request that answers a Responses request, naming the Responses request's parameters."""
+    def rename(text: str | None) -> str | None:
+        for pattern, name in _RENAMED:
+            text = None if text is None else pattern.sub(name, text)
+        return text
+    return proto.OpenAIError(err.status, rename(err.message), err.type, rename(err.param), err.code)
+
+
+def chat_body(req: ResponsesRequest) -> dict[str, Any]:
+    """The chat completion request that answers ``req``."""
+    body: dict[str, Any] = {k: getattr(req, k) for k in PASSTHROUGH if getattr(req, k) is not None}
+    body["messages"] = _messages(req)
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    if req.tools:
+        body["tools"] = _tools(req.tools)
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    response_format = _response_format(req.text)
+    if response_format is not None:
+        body["response_format"] = response_format
+    body["stream"] = req.stream
+    return body
+
+
+# ---- the response --------------------------------------------------------------------------------------
+
+def usage(chat: proto.Usage) -> dict[str, Any]:
+    """A chat usage in the Responses API's names (the speculative figures kept, as on the other routes)."""
+    return {"input_tokens": chat.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": chat.prompt_tokens_details.cached_tokens},
+            "output_tokens": chat.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat.total_tokens, "speculative": chat.speculative.model_dump()}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [output_text(text)] if status == "completed" else []}
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
+                       status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(message: proto.AssistantMessage) -> list[dict[str, Any]]:
+    """A chat message as output items: its reasoning, its text, then its calls."""
+    items = []
+    if message.reasoning_content:
+        items.append(reasoning_item(proto.new_id("rs"), message.reasoning_content))
+    if message.content:
+        items.append(message_item(proto.new_id("msg"), message.content))
+    items += [function_call_item(proto.new_id("fc"), c.id, c.function.name, c.function.arguments)
+              for c in message.tool_calls]
+    return items
+
+
+def response_object(req: ResponsesRequest, response_id: str, created: int, model: str,
+                    output: list[dict[str, Any]], status: str, usage_: dict[str, Any] | None) -> dict[str, Any]:
+    """The response: its output items, status ("in_progress", "completed", or "incomplete" when
+    ``max_output_tokens`` cut it) and usage, with the request's settings echoed as OpenAI does."""
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+            "truncation": "disabled", "usage": usage_, "user": req.user, "metadata": req.metadata or {}}
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
