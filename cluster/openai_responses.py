@@ -154,6 +154,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """``text.format`` as a chat ``response_format``: text (none), json_object, or json_schema (its name, schema,
     strict and description)."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise proto.bad_request("text.format must be an object: {'type': 'text'}, {'type': 'json_object'} or "
+                                "{'type': 'json_schema', 'name': ..., 'schema': {...}}", "text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -2226,6 +2226,7 @@ def test_responses_api_errors_name_its_own_parameters():
             ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported"),
             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "functions only"),
             ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type", "not supported"),
+            ({"input": "x", "text": {"format": "json"}}, "text.format", "must be an object"),
             ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens", "max_output_tokens"),
             ({"input": "x", "max_tokens": 5}, "max_tokens", "not a supported parameter"),  # a chat field
         ]
