@@ -318,8 +318,11 @@ class _Format:
     def stream_opening(self, choices: list[_Choice]) -> list[Any]:
         return self.opening(choices)
 
-    def stream_chunk(self, choice: _Choice) -> list[Any]:
+    def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[Any]:
+        """The chunk of ``choice``'s new output, if any; ``continuous_usage``: with the choice's usage so far."""
         chunk = self.chunk(choice)
+        if chunk is not None and continuous_usage:
+            chunk.usage = _usage([choice])
         return [] if chunk is None else [chunk]
 
     def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[Any]:
@@ -558,7 +561,7 @@ class _ResponsesFormat(_ChatFormat):
         return [{"type": "response.created", "response": self._response("in_progress")},
                 {"type": "response.in_progress", "response": self._response("in_progress")}]
 
-    def stream_chunk(self, choice: _Choice) -> list[dict]:
+    def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[dict]:
         text, _, _ = choice.take_delta()
         delta = self._delta(choice, text, choice.output.finish_reason is not None)
         events = self._text_events("reasoning", delta.get("reasoning_content", ""))
@@ -890,7 +893,7 @@ class OpenAIServing:
                 raise to_openai_error(exc, req.structured_outputs_param()) from None
             raise
         if req.stream:
-            body = self._stream(fanout, choices, fmt, first, req.include_usage)
+            body = self._stream(fanout, choices, fmt, first, req.include_usage, req.continuous_usage)
             return _ClosingStreamingResponse(body, on_close=fanout.close)
         try:
             while first is not None:
@@ -911,14 +914,14 @@ class OpenAIServing:
         self.num_queued += delta
 
     async def _stream(self, fanout: _Fanout, choices: list[_Choice], fmt, first: _Choice | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         status = "200"
         try:
             for payload in fmt.stream_opening(choices):
                 yield fmt.sse(payload)
             choice = first
             while choice is not None:
-                for payload in fmt.stream_chunk(choice):
+                for payload in fmt.stream_chunk(choice, continuous_usage):
                     yield fmt.sse(payload)
                 choice = await fanout.next()
             for payload in fmt.stream_closing(choices, include_usage):

@@ -159,6 +159,7 @@ class SpeculativeOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
@@ -399,6 +400,10 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1412,6 +1412,32 @@ def test_n_choices_stream_interleaved_with_indices():
                                         "acceptance_rate": 0.5, "mean_accepted_length": 2.0}  # summed over choices
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": ["a", "bb"], "n": 2}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(path, body):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its choice's prompt
+    and output tokens so far and its speculation figures, so a client sees acceptance as it streams; the last
+    chunk still sums every choice; without the option, chunks carry no usage."""
+    with app_in_thread(FakeEngineClient(tokens=3)) as base:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = [json.loads(e) for e in sse_events(base + path, {**body, "stream": True,
+                                                                  "stream_options": options})[:-1]]
+        seen: dict[int, list[int]] = {}
+        for chunk in chunks[:-1]:
+            usage, choice = chunk["usage"], chunk["choices"][0]
+            if path.endswith("chat/completions") and choice["delta"] == {"role": "assistant", "content": ""}:
+                continue  # the opening chunk: no output yet
+            seen.setdefault(choice["index"], []).append(usage["completion_tokens"])
+            prompt = 1 + (choice["index"] >= 2) if path == "/v1/completions" else 2
+            assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
+            assert usage["speculative"]["drafts"] == usage["completion_tokens"]  # the fake's figures per output
+        assert all(counts == [1, 2, 3] for counts in seen.values()) and len(seen) == len(chunks[-1:]) * (
+            4 if path == "/v1/completions" else 1), seen
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 * len(seen)
+        plain = [json.loads(e) for e in sse_events(base + path, {**body, "stream": True})[:-1]]
+        assert all(c.get("usage") is None for c in plain)
+
+
 def wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
