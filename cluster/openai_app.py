@@ -555,7 +555,7 @@ class _ResponsesFormat(_ChatFormat):
     def sse(self, event: dict) -> str:
         event = {"type": event["type"], "sequence_number": self.sequence, **event}
         self.sequence += 1
-        return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return f"event: {event['type']}\n" + proto.sse(event)
 
     def stream_opening(self, choices: list[_Choice]) -> list[dict]:
         return [{"type": "response.created", "response": self._response("in_progress")},

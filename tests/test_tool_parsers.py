@@ -99,12 +99,6 @@ LLAMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
-def test_llama3_json(text, content, calls):
-    assert assert_every_split_gives_the_whole(Llama3JsonStreamer, text) == (content, calls)
-    assert parse_llama3_json(text) == (content, calls)
-
-
 def test_llama3_json_streams_plain_text_at_once_and_holds_calls_to_the_end():
     streamer = Llama3JsonStreamer()
     assert streamer.push("  ") == ("", [])  # blank: not known yet
@@ -134,12 +128,6 @@ MISTRAL_CASES = [
     ('[TOOL_CALLS]f[ARGS][1, 2]', '[TOOL_CALLS]f[ARGS][1, 2]', []),
     ("ends with [TOOL_CA", "ends with [TOOL_CA", []),
 ]
-
-
-@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
-def test_mistral(text, content, calls):
-    assert assert_every_split_gives_the_whole(MistralStreamer, text) == (content, calls)
-    assert parse_mistral(text) == (content, calls)
 
 
 def test_mistral_streams_content_at_once_and_holds_calls_to_the_end():
@@ -173,10 +161,16 @@ PYTHONIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", PYTHONIC_CASES)
-def test_pythonic(text, content, calls):
-    assert assert_every_split_gives_the_whole(PythonicStreamer, text) == (content, calls)
-    assert parse_pythonic(text) == (content, calls)
+@pytest.mark.parametrize("streamer,parse,text,content,calls", [
+    pytest.param(streamer, parse, *case, id=f"{name}-{i}")
+    for name, streamer, parse, cases in (("llama3_json", Llama3JsonStreamer, parse_llama3_json, LLAMA_CASES),
+                                         ("mistral", MistralStreamer, parse_mistral, MISTRAL_CASES),
+                                         ("pythonic", PythonicStreamer, parse_pythonic, PYTHONIC_CASES))
+    for i, case in enumerate(cases)])
+def test_parsers_of_whole_texts(streamer, parse, text, content, calls):
+    """Each parser's cases, whole and streamed in every split alike."""
+    assert assert_every_split_gives_the_whole(streamer, text) == (content, calls)
+    assert parse(text) == (content, calls)
 
 
 def test_pythonic_streams_plain_text_at_once_and_holds_calls_to_the_end():

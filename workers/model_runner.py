@@ -33,7 +33,7 @@ from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
 from specray.penalties import PenaltyHistory, penalize
-from specray.sampling import SamplingBatch, apply_token_bitmask, make_generator
+from specray.sampling import SamplingBatch, apply_token_bitmask, make_generator, to_device
 from specray.sampling_params import SamplingParams
 from specray.tree import chain_parents, depths
 from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, node_argmax, pad_tree_drafts,
@@ -279,7 +279,8 @@ class ModelRunner:
                      c.token_ids[c.num_tokens - c.num_draft_tokens:], parents, banned)
         if masked:
             masks = [plan.token_bitmasks[plan.chunks[i].req_id] for i in masked]
-            words = torch.from_numpy(np.concatenate(masks) if len(masks) > 1 else masks[0]).to(logits.device)
+            # pinned and asynchronous on a GPU: a plain copy from pageable memory would wait for the stream
+            words = to_device(torch.from_numpy(np.concatenate(masks) if len(masks) > 1 else masks[0]), logits.device)
             apply_token_bitmask(logits, _long([r for i in masked for r in rows[i]], logits.device), words)
         return logits
 
