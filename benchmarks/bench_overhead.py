@@ -18,6 +18,14 @@ methods (exclusive times: a phase's nested phases are not counted twice):
     PYTHONSAFEPATH=1 python benchmarks/bench_overhead.py --batch 64 --steps 2000 --profile
 
 The machine is shared: compare before and after in the same minute, on medians of many steps.
+
+``--device-ms D`` makes the null executor a device that computes apart from the host: each plan's answer is ready
+D ms after the plan was sent (the wait sleeps, leaving the GIL, as a GPU's sync does), and the table reports each
+step's wall time, device included, with ``async_scheduling`` off and on (rows alternate): what building a step's
+outputs while the next step computes buys when the host's work and the device's can overlap:
+
+    PYTHONSAFEPATH=1 python benchmarks/bench_overhead.py --batch 64,256 --methods ngram --output-kind delta \
+        --device-ms 4 --async-scheduling off,on --steps 500
 """
 
 from __future__ import annotations
@@ -86,6 +94,30 @@ class NullExecutor:
         while accepted < k and chunk.token_ids[chunk.num_tokens - k + accepted] == text[nxt + accepted]:
             accepted += 1
         return text[nxt:nxt + accepted + 1]
+
+
+class DeviceExecutor(NullExecutor):
+    """The null executor's answers, each ready ``device_s`` after its plan was sent: a device that computes apart
+    from the host (``execute_async`` returns at once; ``result()`` sleeps out what is left of the step)."""
+
+    def __init__(self, step_s: float, per_token_s: float, device_s: float):
+        super().__init__(step_s, per_token_s)
+        self.device_s = device_s
+
+    def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
+        return self.execute_async(plan, draft_probs).result()
+
+    def execute_async(self, plan: StepPlan, draft_probs: dict | None = None) -> "_Ready":
+        return _Ready(super().execute(plan, draft_probs), time.perf_counter() + self.device_s)
+
+
+class _Ready:
+    def __init__(self, result: StepResult, at: float):
+        self._result, self.at = result, at
+
+    def result(self) -> StepResult:
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+        return self._result
 
 
 # ---- phase timers ---------------------------------------------------------------------------------------------
@@ -183,8 +215,10 @@ def build(batch: int, method: str | None, tokenizer, args) -> LLMEngine:
         ctx = DrafterContext(target_model="null", vocab_size=vocab, max_model_len=max_model_len, max_num_seqs=batch)
         drafter = drafter_class(method)(spec, ctx)
         policy = DraftLengthPolicy(args.k)
-    executor = NullExecutor(args.step_ms / 1e3, args.token_us / 1e6)
-    engine = LLMEngine(scheduler, executor, tokenizer, vocab, max_model_len, frozenset({0}), drafter, policy)
+    executor = (DeviceExecutor(args.step_ms / 1e3, args.token_us / 1e6, args.device_ms / 1e3) if args.device_ms
+                else NullExecutor(args.step_ms / 1e3, args.token_us / 1e6))
+    engine = LLMEngine(scheduler, executor, tokenizer, vocab, max_model_len, frozenset({0}), drafter, policy,
+                       async_scheduling=args.async_on)
     engine.clock = executor.clock
     return engine
 
@@ -227,7 +261,7 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
     feeder = Feeder(engine, args, seed=batch)
     for _ in range(batch):
         feeder.add()
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = time.thread_time if args.clock == "cpu" and not args.device_ms else time.perf_counter
     timer = instrument(engine, clock, phases)
     times, phases, seen, new_tokens = [], defaultdict(list), {}, 0
     delta = args.output_kind == "delta"  # outputs carry only their new tokens
@@ -250,7 +284,7 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
         if i < warmup:
             continue
         spent = timer.take()
-        executor_s = spent.pop("executor", 0.0)
+        executor_s = spent.pop("executor", 0.0) if not args.device_ms else 0.0  # a device's step counts in its wall
         times.append(elapsed - executor_s)
         other = elapsed - executor_s - sum(spent.values())
         for phase in PHASES[:-1]:
@@ -289,6 +323,11 @@ def main() -> None:
                         "built), python (NgramPool everywhere, as without a compiler); rows alternate")
     parser.add_argument("--prefix-caching", action="store_true", help="the scheduler's prefix caching on (every "
                         "full block registered as it fills; the texts share no blocks, so nothing hits)")
+    parser.add_argument("--device-ms", type=float, default=0.0, help="a device computing apart from the host: each "
+                        "step's answer ready this long after its plan was sent; report wall ms per step, device "
+                        "included (0: the null executor answers at once, host time alone)")
+    parser.add_argument("--async-scheduling", default="off", help="comma list of off, on: the engine's "
+                        "async_scheduling (rows alternate); pays only with --device-ms")
     parser.add_argument("--floor", action="store_true",
                         help="also time the n-gram drafter's essential dict work alone, per batch size (its floor)")
     args = parser.parse_args()
@@ -302,15 +341,22 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; tokenizer {tok_name}; prompt {args.prompt_len}, max_tokens "
           f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; "
-          f"{args.clock} time; output_kind {args.output_kind}\n")
-    print("| batch | drafter | host ms/step (median) | p90 | mean | " + " | ".join(PHASES[:-1])
+          f"{'wall time, a device step of ' + str(args.device_ms) + ' ms included' if args.device_ms else args.clock + ' time'}"
+          f"; output_kind {args.output_kind}\n")
+    what = "wall ms/step" if args.device_ms else "host ms/step"
+    print(f"| batch | drafter | async scheduling | {what} (median) | p90 | mean | " + " | ".join(PHASES[:-1])
           + " | other | tokens per request-step |")
-    print("|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
+    print("|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1))
     built = ngram.NgramIndex
     kinds = args.ngram_index.split(",")
-    rows = [(m, kind) for m in args.methods.split(",") for kind in (kinds if m == "ngram" else [""])]
+    modes = args.async_scheduling.split(",")
+    if set(modes) - {"off", "on"}:
+        raise SystemExit(f"--async-scheduling {args.async_scheduling}: expected a comma list of off, on")
+    rows = [(m, kind, mode) for m in args.methods.split(",") for kind in (kinds if m == "ngram" else [""])
+            for mode in modes]
     for batch in (int(b) for b in args.batch.split(",")):
-        for method, kind in rows:
+        for method, kind, mode in rows:
+            args.async_on = mode == "on"
             name = None if method == "none" else method
             if kind not in ("", "c", "python") or (kind == "c" and built is None):
                 raise SystemExit(f"--ngram-index {kind}: expected c or python (c needs drafters/_ngram_index.c built)")
@@ -321,7 +367,7 @@ def main() -> None:
             r = run(batch, name, tokenizer, args)
             cells = " | ".join(f"{v:.3f}" for v in run(batch, name, tokenizer, args, phases=True).phases_ms.values())
             label = f"{method} ({kind} index)" if kind else method
-            print(f"| {batch} | {label} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {r.mean_ms:.3f} | {cells} | "
+            print(f"| {batch} | {label} | {mode} | {r.median_ms:.3f} | {r.p90_ms:.3f} | {r.mean_ms:.3f} | {cells} | "
                   f"{r.tokens_per_request_step:.2f} |", flush=True)
     if args.floor:
         for batch in (int(b) for b in args.batch.split(",")):

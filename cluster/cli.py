@@ -43,6 +43,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
     _add_prefix_caching_arg(p, on_by_default=False)
     _add_enforce_eager_arg(p)
+    _add_async_scheduling_arg(p)
     _add_passthrough_args(p)
 
 
@@ -85,6 +86,12 @@ def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (default: decode and verify steps replay CUDA graphs on a GPU)")
 
 
+def _add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--async-scheduling", action="store_const", const=True, default=None,
+                   help="build each step's outputs while the next step computes (vLLM's flag): host work hidden "
+                   "behind a device's, every output one step later")
+
+
 def _add_passthrough_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON",
                    help='every speculation option as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
@@ -109,6 +116,7 @@ def _add_serve_parser(sub) -> None:
     _add_passthrough_args(p)
     _add_prefix_caching_arg(p, on_by_default=True)  # as in vLLM, the Serve config and k8s/
     _add_enforce_eager_arg(p)
+    _add_async_scheduling_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -267,8 +275,9 @@ def engine_kwargs(args) -> dict:
                   distributed_executor_backend=args.distributed_executor_backend)
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    if args.enforce_eager is not None:
-        kwargs["enforce_eager"] = args.enforce_eager
+    for flag in ("enforce_eager", "async_scheduling"):
+        if getattr(args, flag) is not None:
+            kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
     from specray.config import EngineArgs
 
@@ -338,7 +347,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
                 "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching", "enforce_eager",
-                "reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")
+                "async_scheduling", "reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")
 
 
 def serve_app_args(args) -> dict:

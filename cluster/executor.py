@@ -82,6 +82,20 @@ class TargetWorker:
         return ray.get_runtime_context().get_node_id()
 
 
+class _ChannelStep:
+    """A step the ranks are computing: ``result()`` reads their answers from the step channel."""
+
+    def __init__(self, channel: StepClient, plan: StepPlan, what: str):
+        self.channel, self.plan, self.what = channel, plan, what
+
+    def result(self) -> StepResult:
+        try:
+            return self.channel.receive(STEP_TIMEOUT_S, self.what)
+        except (StepError, WorkerDiedError) as err:
+            log_error_detail(logger, self.plan, err)
+            raise
+
+
 class RayExecutor:
     def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement: RayPlacement | None):
         self.config, self.tp_size, self.cache = config, tp_size, cache
@@ -195,17 +209,23 @@ class RayExecutor:
         """Rank 0's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
         a rank that is gone, or a group left out of step, raises :class:`WorkerDiedError`. Either way the plan
         and the remote traceback are logged first."""
+        return self.execute_async(plan, draft_probs).result()
+
+    def execute_async(self, plan: StepPlan, draft_probs: dict | None = None) -> "_ChannelStep":
+        """Send the plan to every rank and return at once; ``result()`` waits for the answers (as ``execute``)."""
         # one message object, pickled once for every rank that gets it; a grammar's masks go to the driver rank
         # alone (the only one that samples)
         shared = (dataclasses.replace(plan, token_bitmasks={}) if plan.token_bitmasks else plan, None)
         first = shared if not (draft_probs or plan.token_bitmasks) else (plan, draft_probs or None)
         messages = [first] + [shared] * (self.tp_size - 1)
+        what = f"step {plan.step_id}"
         try:
             self._await_group()
-            return self.channel.step(messages, STEP_TIMEOUT_S, f"step {plan.step_id}")
+            self.channel.send(messages, what)
         except (StepError, WorkerDiedError) as err:
             log_error_detail(logger, plan, err)
             raise
+        return _ChannelStep(self.channel, plan, what)
 
     def _get(self, refs: list, timeout: float, what: str) -> list:
         """Every result, failing fast: the first rank that errors fails the group, even while the others

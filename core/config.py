@@ -270,6 +270,9 @@ class EngineArgs:
     # (specray.workers.step_graphs); True: every step runs eagerly; None: graphs on a GPU, eager elsewhere (a CPU
     # has no graphs to replay: there the padded steps would only add work)
     enforce_eager: bool | None = None
+    # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes
+    # the next step, so that host work hides behind a device's; every output comes one step later
+    async_scheduling: bool = False
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -304,8 +307,9 @@ class EngineArgs:
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         check_reasoning_parser(self.reasoning_parser)
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true, false or None (graphs on a GPU, "

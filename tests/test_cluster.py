@@ -756,6 +756,25 @@ def test_prefetched_drafts_keep_greedy_output_exact(tiny_llama_dir):
             engine.executor.shutdown()
 
 
+def test_async_scheduling_over_two_ranks_and_a_drafter_actor_keeps_greedy_output(tiny_llama_dir):
+    """``async_scheduling`` on the Ray executor: the plan goes out on the step channel, the last step's outputs
+    are built while the ranks compute, then the answers are read; beside a drafter actor drafting ahead, too."""
+    prompts = prompts_for(6, seed=9)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    for kw in ({"tensor_parallel_size": 2}, {"distributed_executor_backend": "ray",
+                                             "ray_placement": dict(HALF_CPU, draft_ahead=True)}):
+        kw.setdefault("ray_placement", HALF_CPU)
+        engine = engine_for(tiny_llama_dir, speculative_config=spec, async_scheduling=True, **kw)
+        try:
+            assert run_to_end(engine, prompts) == references, kw
+            assert engine.spec_stats.accepted_tokens > 0 and not engine.tracked
+        finally:
+            if engine.drafter is not None:
+                engine.drafter.shutdown()
+            engine.executor.shutdown()
+
+
 class FakeChannel:
     """Stands for the drafter actor's channel: answers each message with the queued proposals."""
 

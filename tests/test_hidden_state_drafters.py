@@ -217,6 +217,21 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
         assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp3", "eagle3-tree", "medusa"])
+def test_async_scheduling_keeps_drafts_and_acceptance(target_dir, heads, plain_outputs, method):
+    """``async_scheduling``: the worker's drafts for each next step still come back with each step's result, so
+    the same drafts are verified and accepted as without it, and greedy output equals plain."""
+    runs = {}
+    for on in (False, True):
+        llm = make_llm(target_dir, heads, "accepting", method, async_scheduling=on)
+        outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
+        assert token_ids(outs) == [t[:16] for t in plain_outputs[:6]]
+        stats = llm.spec_stats
+        runs[on] = (stats.drafts, stats.draft_tokens, stats.accepted_tokens)
+        assert not llm.engine.tracked and not llm.engine._worker_drafts
+    assert runs[False] == runs[True] and runs[True][2] > 0, runs
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_with_penalties_equals_plain(target_dir, heads, plain, method):
     """Penalized requests (each verified position penalized by its own prefix, drafts included) beside an

@@ -3,6 +3,8 @@
     executor.num_kv_blocks            # blocks every rank allocated (the scheduler's pool)
     executor.info                     # rank 0's KVCacheInfo (dtype, device, vocab_size)
     executor.execute(plan, draft_probs) -> StepResult     # raises WorkerDiedError when a rank is lost
+    executor.execute_async(plan, draft_probs) -> future   # optional: the step runs while the caller goes on;
+                                                          # future.result() is execute's answer (or raise)
     executor.restart()                # a fresh group (after a failure); every request is gone
     executor.collective_rpc(fn, *args) -> list             # fn(worker, *args) on every rank
     executor.shutdown()
@@ -13,6 +15,7 @@ register through :mod:`specray.engine.plugins`.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,6 +56,7 @@ class LocalExecutor:
         if tp_size != 1:
             raise ValueError(f"tensor_parallel_size={tp_size} needs distributed_executor_backend='ray'")
         self.config, self.cache = config, cache
+        self._thread: ThreadPoolExecutor | None = None  # runs execute_async's steps, made on first use
         self._start()
 
     def _start(self) -> None:
@@ -64,15 +68,31 @@ class LocalExecutor:
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
         return self.worker.execute(plan, draft_probs)
 
+    def execute_async(self, plan: StepPlan, draft_probs: dict | None = None) -> Future:
+        """Run the step in this executor's one step thread (bound as the worker's constructing thread is) and
+        return at once: the caller's host work overlaps the step where the step leaves the GIL (a GPU's kernels
+        and its one sync; a CPU's torch ops). Steps never run concurrently: the engine waits for each result
+        before it starts the next."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="specray-step", initializer=self.worker.bind_thread)
+        return self._thread.submit(self.worker.execute, plan, draft_probs)
+
     def collective_rpc(self, fn: Callable[..., Any], *args) -> list:
         """``fn(worker, *args)`` on every rank (here the one), in rank order: for inspection and tests."""
         return [fn(self.worker, *args)]
 
     def restart(self) -> None:
+        self._stop_thread()
         self._start()
 
     def shutdown(self) -> None:
+        self._stop_thread()
         self.worker.shutdown()
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
 
 plugins.register("executor", "uni", LocalExecutor)

@@ -12,6 +12,7 @@ from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
 from specray.drafters.router import DrafterRouter, check_request_method
+from specray.engine.step_future import StepFuture, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -47,7 +48,8 @@ class LLMEngine:
                  eos_token_ids: frozenset[int], drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
                  worker_method: str | None = None, worker_trees: bool = False,
-                 worker_tree_shape: tuple[int, int] | None = None, reasoning_parser: str | None = None):
+                 worker_tree_shape: tuple[int, int] | None = None, reasoning_parser: str | None = None,
+                 async_scheduling: bool = False):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -90,6 +92,10 @@ class LLMEngine:
         self._forced: set[str] = set()
         self._kept_nodes: dict[str, list[int]] = {}  # a tree the grammar pruned: the proposal's nodes it kept
         self.forced_draft_limit = 16  # the most forced tokens verified in one step (0: none; benchmarks compare)
+        # vLLM's name: each step's outputs are built while the executor computes the next step (see ``step``)
+        self.async_scheduling = async_scheduling
+        self._unreported: list[Request] = []  # the requests the last step touched, reported by the next
+        self._carried: list[RequestOutput] = []  # outputs built in a step that then failed, for the next to return
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -150,7 +156,8 @@ class LLMEngine:
         self._forget(live)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests left to step, or outputs a step has yet to report (``async_scheduling``, a failed step's)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._unreported or self._carried)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's name); running requests keep the blocks they hold. True when the
@@ -169,16 +176,27 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: draft, schedule, execute, verify, update; returns the outputs it reports. With
+        ``async_scheduling`` a step's outputs are built (detokenized, stop strings looked for) while the next
+        step computes, and come back from that next call: every request's tokens one step later, its host work
+        hidden behind the device's. A stop string found then finishes its request one step late; that step's
+        tokens for it are dropped, so outputs stay the same."""
+        outputs, self._carried = self._carried, []
         failed: dict[str, str] = {}  # req_id -> why drafting failed for it
         draft_probs = self._draft(failed)
-        outputs = self._fail(failed)  # before scheduling: they take no part in this step
+        outputs += self._fail(failed)  # before scheduling: they take no part in this step
         plan = self.scheduler.schedule()
         self._mask_plan(plan)
         self._prefetch_drafts(plan)
         start = self.clock()
+        running = start_step(self.executor, plan, draft_probs) if self.async_scheduling else None
+        if running is not None:  # the last step's outputs, built while the executor computes this one
+            outputs += self._report(self._unreported)
+            self._unreported = []
         try:
-            result, failed = self._execute(plan, draft_probs)
+            result, failed = self._execute(plan, draft_probs, running)
         except WorkerDiedError as err:
+            self._carried = outputs  # reported by the next step: their callers hear of them still
             self._recover(err)
             raise
         if self.policy is not None and _is_decode_step(plan):
@@ -192,16 +210,22 @@ class LLMEngine:
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
         self.num_steps += 1
-        outputs += self._report(touched)
+        if running is not None:
+            self._unreported = touched
+        else:
+            outputs += self._report(touched)
         self._forget([o.request_id for o in outputs if o.finished])
         return outputs
 
     # ---- a step that failed for some of its requests ---------------------------------------------------
-    def _execute(self, plan: StepPlan, draft_probs: dict) -> tuple[StepResult, dict[str, str]]:
-        """Run ``plan``; when it raises (not a dead worker: that propagates), run it again without the requests
-        that caused it. Returns the plan's result and why each failed request failed (the others' tokens are
-        in the result as if nothing happened)."""
+    def _execute(self, plan: StepPlan, draft_probs: dict, running: StepFuture | None = None
+                 ) -> tuple[StepResult, dict[str, str]]:
+        """Run ``plan`` (or wait for it: ``running``, started already); when it raises (not a dead worker: that
+        propagates), run it again without the requests that caused it. Returns the plan's result and why each
+        failed request failed (the others' tokens are in the result as if nothing happened)."""
         try:
+            if running is not None:
+                return running.result(), {}
             return self.executor.execute(plan, draft_probs), {}
         except WorkerDiedError:
             raise
