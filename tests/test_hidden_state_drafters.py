@@ -920,7 +920,7 @@ def target_triples(target_dir, looping_prompt):
 
 
 def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800, depth: int = 3,
-                   prepare=None) -> float:
+                   prepare=None, first_seed: int = 0) -> float:
     """``n`` seeded requests for ``prompt`` sampled with SAMPLED through an engine with ``method``'s accepting head:
     the worker drafts two tokens after the first (a chain drawn from the head's q, which verification keeps with
     probability min(1, p/q) or replaces from the residual; a tree's nodes are the head's best, a one-hot q). The
@@ -929,8 +929,8 @@ def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 8
     llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64)
     if prepare is not None:
         prepare(llm)
-    outs = llm.generate([{"prompt_token_ids": prompt}] * n, [SamplingParams(seed=i, **SAMPLED) for i in range(n)],
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n,
+                        [SamplingParams(seed=first_seed + i, **SAMPLED) for i in range(n)], use_tqdm=False)
     stats = llm.spec_stats
     assert stats.drafts >= n and stats.draft_tokens > stats.accepted_tokens > 0, stats  # kept and rejected
     triples = [tuple(o.outputs[0].token_ids[:depth]) for o in outs]
@@ -946,8 +946,16 @@ def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 8
 
 @pytest.mark.parametrize("method", METHODS + ("eagle3+suffix",))
 def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping_prompt, target_triples, method):
-    """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target."""
-    assert sampled_pvalue(target_dir, heads, method, looping_prompt, target_triples[SAMPLED["temperature"]]) > 1e-3
+    """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target. Eight
+    methods at a 1e-3 threshold fail somewhere by chance about once in 125 runs, and a device draws other streams
+    from the same seeds (on CUDA, MTP's fell in the tail at 1.7e-4 and passed at 0.44-0.92 on 3,000 other seeds):
+    a p-value under the threshold is decided by a second test on three times as many fresh seeds (a bias fails
+    both; chance, about once in a million)."""
+    expected = target_triples[SAMPLED["temperature"]]
+    pvalue = sampled_pvalue(target_dir, heads, method, looping_prompt, expected)
+    if pvalue <= 1e-3:
+        pvalue = sampled_pvalue(target_dir, heads, method, looping_prompt, expected, n=2400, first_seed=800)
+    assert pvalue > 1e-3
 
 
 def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_trees_share_steps(
