@@ -797,8 +797,10 @@ def test_grammar_masks_go_to_the_driver_rank_alone():
     from specray.contract import ScheduledChunk, StepPlan
 
     class Channel:
-        def step(self, messages, timeout, what):
+        def send(self, messages, what):
             self.messages = messages
+
+        def receive(self, timeout, what):
             return None
 
     executor = RayExecutor.__new__(RayExecutor)

@@ -215,6 +215,44 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     assert graphs.graphs, "no step ran from a graph"
     if method not in TREE_METHODS:
         assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too
+    head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
+    if method in CHAIN_METHODS:  # the head's chain steps too (distinct MTP modules and trees have none)
+        assert head_graphs is not None and head_graphs.graphs, "no draft step ran from a graph"
+        assert {q for _, q, _ in head_graphs.graphs} == {1}, list(head_graphs.graphs)
+    else:
+        assert head_graphs is None or not head_graphs.graphs
+
+
+def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_sync(target_dir, heads,
+                                                                                     no_host_sync):
+    """The head's chain steps from graphs: 3 requests padded to 4, block size 4. Every block a request can own holds
+    in the head's cache what the eager engine's holds after the same requests (the padding sequence wrote only the
+    head's scratch blocks, past the block manager's); a step's inputs load and the head runs on them with no host
+    sync (a capture fails on one)."""
+    runs = {}
+    for eager in (True, False):
+        llm = make_llm(target_dir, heads, "accepting", "eagle3", enforce_eager=eager, block_size=4, num_kv_blocks=64)
+        outs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+        runs[eager] = (llm, token_ids(outs))
+    (eager, want), (llm, got) = runs[True], runs[False]
+    assert got == want
+    drafter = llm.engine.executor.worker.runner.drafter
+    assert drafter.graphs.scratch == list(range(64, 68)) and drafter.graphs.graphs
+    owned = torch.arange(64 * 4)
+    for a, b in zip(drafter.kv_cache.snapshot(owned),
+                    eager.engine.executor.worker.runner.drafter.kv_cache.snapshot(owned)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    key, graph = next((k, g) for k, g in drafter.graphs.graphs.items() if k[0] == 4)
+    assert all(64 * 4 <= s < 68 * 4 for s in graph.meta.slot_mapping[3:].tolist())  # the padding sequence's slot
+    scratch = drafter.graphs.scratch
+    padded = build_attention_metadata([1] * 4, [5, 6, 7, 0], [[0, 1] + scratch, [2, 3] + scratch, [4, 5] + scratch,
+                                                             scratch], 4, drafter.graphs.device,
+                                      min_ctx_blocks=key[2], read_in_place=False)
+    ids = torch.tensor([3, 4, 5, 0])
+    feedback = torch.randn(4, drafter.head.hidden_size)
+    with torch.inference_mode(), no_host_sync():
+        drafter.graphs._load(graph, padded, ids, (feedback,))
+        drafter.head(graph.input_ids, graph.inputs[0], graph.meta)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp3", "eagle3-tree", "medusa"])

@@ -68,6 +68,7 @@ from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
 from specray.sampling_params import SamplingParams
+from specray.workers.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class HiddenStateDrafter:
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
-                 driver: bool = True, seed: int = 0):
+                 driver: bool = True, seed: int = 0, step_graphs: bool = False):
         self.head = head
         self.tree = tree
         self.block_size = block_size
@@ -160,7 +161,22 @@ class HiddenStateDrafter:
         self.tp: TPGroup = getattr(head, "tp", None) or TPGroup.single()
         self.driver = driver  # only the driver verifies: only it keeps (or maps) the drawn drafts' q
         self.seed = seed
-        self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks, block_size)
+        # the chain's draft steps replayed from graphs when the target's steps are (one rank; a head whose layer can
+        # be captured), their padding sequences in scratch blocks of the head's own cache
+        self.graphs: HeadStepGraphs | None = None
+        scratch = 0
+        if step_graphs and tree is None and getattr(head, "num_modules", 1) == 1:  # chains of draft steps
+            why = "it is split over ranks" if self.tp.size > 1 else graph_safe(head)
+            if why is None:
+                scratch = StepGraphs.scratch_blocks_needed(block_size)
+                # RoPE tables sized once, before any capture, for every position the target allows too: a table
+                # grown later would leave the graphs reading the old one
+                positions = max(head.config.max_position_embeddings, getattr(head.target, "max_position_embeddings", 0))
+                self.graphs = HeadStepGraphs(head, block_size, list(range(num_blocks, num_blocks + scratch)),
+                                             head.device, positions)
+            else:
+                logger.info("the draft head's steps run eagerly, as %s", why)
+        self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks + scratch, block_size)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
@@ -202,7 +218,7 @@ class HiddenStateDrafter:
     @classmethod
     def build(cls, head: DraftHead, config: dict, num_blocks: int, block_size: int) -> "HiddenStateDrafter":
         return cls(head, num_blocks, block_size, tree_shape_of(config), driver=bool(config.get("driver", True)),
-                   seed=int(config.get("seed", 0)))
+                   seed=int(config.get("seed", 0)), step_graphs=bool(config.get("step_graphs", False)))
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -400,9 +416,8 @@ class HiddenStateDrafter:
                 tokens, feedback = tokens.index_select(0, sel), feedback.index_select(0, sel)
             live = keep
             # step s reads d_s at the position after the root's (root + s - 1), with the feedback of the last
-            meta = build_attention_metadata([1] * len(live), [roots[j] + step - 1 for j in live],
-                                            [tables[j] for j in live], self.block_size, device)
-            feedback, normed = self.head(tokens, feedback, meta)
+            feedback, normed = self._step(tokens, feedback, [roots[j] + step - 1 for j in live],
+                                          [tables[j] for j in live])
             conf, tokens, probs = self._pick(normed, draw, live)
             steps.append(_scatter(tokens, live, len(work)))
             confs.append(_scatter(conf, live, len(work)))
@@ -413,6 +428,17 @@ class HiddenStateDrafter:
         drawn = self._keep_drawn(plan, work, draw, table[0], qs)
         return [Drafted([int(t) for t in ids[: w.drafts]], scores=None if d else p[: w.drafts])
                 for ids, p, w, d in zip(table[0], table[1], work, drawn)]
+
+    def _step(self, tokens: torch.Tensor, feedback: torch.Tensor, positions: list[int], tables: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain draft step (a row per request): from a graph when its shape has one, else eagerly."""
+        ones = [1] * len(positions)
+        shape = None if self.graphs is None else self.graphs.shape(ones, positions, decode=True, trees=False)
+        if shape is None:
+            meta = build_attention_metadata(ones, positions, tables, self.block_size, tokens.device)
+            return self.head(tokens, feedback, meta)
+        feedback, (normed,) = self.graphs.run(shape, tokens, ones, positions, tables, (feedback,))
+        return feedback, normed
 
     def _pick(self, normed: torch.Tensor, draw: _Draw | None, rows: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -27,7 +27,7 @@ capture would refuse).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -67,14 +67,17 @@ class _Graph:
     hidden: torch.Tensor  # [B*Q, H]: the output, overwritten by each replay
     aux: list[torch.Tensor]  # [B*Q, H] each: the residual stream entering each of the drafter's aux layers
     graph: object | None  # torch.cuda.CUDAGraph; None on CPU (the model runs eagerly on the static inputs)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # [B*Q, ...] each: rows beside the ids (a head's feedback)
 
 
 class StepGraphs:
     """The runner's graphs, one per step shape. ``scratch_blocks``: block ids no request owns, for padding rows."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
-                 aux_layers: tuple[int, ...] = ()):
+                 aux_layers: tuple[int, ...] = (), max_position: int | None = None):
         self.model = model
+        # every position the model allows: the static inputs' RoPE tables are sized for it once
+        self.max_position = model.max_position_embeddings if max_position is None else max_position
         self.aux_layers = tuple(aux_layers)  # a hidden-state drafter's: its residual streams are outputs too
         self.block_size = block_size
         self.scratch = scratch_blocks
@@ -96,31 +99,40 @@ class StepGraphs:
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
         return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
 
-    def run(self, shape: StepShape, token_ids: list[int], query_lens: list[int], start_positions: list[int],
-            block_tables: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams."""
+    def run(self, shape: StepShape, token_ids: list[int] | torch.Tensor, query_lens: list[int],
+            start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = ()
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
+        outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
+        ``shape.query_len`` tokens (then ``inputs``, rows beside the ids, may come too)."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
-        ids, real = [], []
-        offset = 0
-        for b, n in enumerate(query_lens):
-            ids += token_ids[offset: offset + n] + [0] * (q - n)
-            real += range(b * q, b * q + n)
-            offset += n
+        if isinstance(token_ids, torch.Tensor):
+            assert all(n == q for n in query_lens), (query_lens, q)  # no padding rows inside a sequence
+            real = range(len(query_lens) * q)
+            ids = torch.cat((token_ids, token_ids.new_zeros(pads * q)))
+            inputs = tuple(torch.cat((x, x.new_zeros(pads * q, *x.shape[1:]))) for x in inputs)
+        else:
+            assert not inputs, "rows beside the ids come with ids on the device"
+            padded, real, offset = [], [], 0
+            for b, n in enumerate(query_lens):
+                padded += token_ids[offset: offset + n] + [0] * (q - n)
+                real += range(b * q, b * q + n)
+                offset += n
+            ids = torch.tensor(padded + [0] * (pads * q), dtype=torch.long, device=self.device)
         meta = build_attention_metadata(
             [q] * shape.batch, start_positions + [0] * pads,
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
             self.device, min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
-        ids = torch.tensor(ids + [0] * (pads * q), dtype=torch.long, device=self.device)
         graph = self.graphs.get(shape)
         if graph is None:
-            graph = self.graphs[shape] = self._capture(meta, ids)  # its warm-up ran this step
+            graph = self.graphs[shape] = self._capture(meta, ids, inputs)  # its warm-up ran this step
         else:
-            self._load(graph, meta, ids)
+            self._load(graph, meta, ids, inputs)
             if graph.graph is not None:
                 graph.graph.replay()
             else:
-                hidden, aux = self._forward(graph.input_ids, graph.meta)
+                hidden, aux = self._forward(graph.input_ids, graph.meta, graph.inputs)
                 for out, value in zip([graph.hidden, *graph.aux], [hidden, *aux]):
                     out.copy_(value)
         if len(real) == shape.batch * q:
@@ -128,7 +140,8 @@ class StepGraphs:
         index = torch.tensor(real, dtype=torch.long, device=self.device)
         return graph.hidden.index_select(0, index), [a.index_select(0, index) for a in graph.aux]
 
-    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.aux_layers:
             return self.model(input_ids, meta, aux_layers=self.aux_layers)
         return self.model(input_ids, meta), []
@@ -140,7 +153,7 @@ class StepGraphs:
         short = meta.short
         assert short is not None and short.token_index is None and not meta.own, "every sequence short, q rows each"
         return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
-                       max_position=self.model.max_position_embeddings - 1 + SHORT_QUERY_MAX,
+                       max_position=self.max_position - 1 + SHORT_QUERY_MAX,
                        _masks={},
                        short=replace(short, block_index=short.block_index.clone(),
                                      query_positions=short.query_positions.clone()))
@@ -152,10 +165,12 @@ class StepGraphs:
         static._masks = {key: mask.clone(memory_format=torch.contiguous_format)
                          for key, mask in static._masks.items()}
 
-    def _load(self, graph: _Graph, meta: AttentionMetadata, ids: torch.Tensor) -> None:
+    def _load(self, graph: _Graph, meta: AttentionMetadata, ids: torch.Tensor, inputs=()) -> None:
         """Copy this step's inputs into the graph's static tensors (device-side copies: no host sync)."""
         static = graph.meta
         graph.input_ids.copy_(ids)
+        for held, value in zip(graph.inputs, inputs):
+            held.copy_(value)
         static.positions.copy_(meta.positions)
         static.slot_mapping.copy_(meta.slot_mapping)
         static.short.block_index.copy_(meta.short.block_index)
@@ -163,30 +178,48 @@ class StepGraphs:
         for (_, groups, kind), mask in static._masks.items():
             mask.copy_(meta.short_mask(groups, kind))
 
-    def _capture(self, meta: AttentionMetadata, ids: torch.Tensor) -> _Graph:
+    def _capture(self, meta: AttentionMetadata, ids: torch.Tensor, inputs=()) -> _Graph:
         static = self._static(meta)
         input_ids = ids.clone()
+        held = [x.clone() for x in inputs]
         if not self.capture:
-            hidden, aux = self._forward(input_ids, static)
+            hidden, aux = self._forward(input_ids, static, held)
             self._own_masks(static)
-            graph = _Graph(static, input_ids, hidden, aux, None)
-            self._load(graph, meta, ids)  # the masks the forward just made, from this step's values
+            graph = _Graph(static, input_ids, hidden, aux, None, held)
+            self._load(graph, meta, ids, inputs)  # the masks the forward just made, from this step's values
             return graph
-        logger.info("capturing a CUDA graph for %d sequences x %d tokens, %d context blocks each",
-                    meta.num_seqs, meta.short.max_query_len, meta.short.num_ctx_blocks)
+        logger.info("capturing a CUDA graph of %s for %d sequences x %d tokens, %d context blocks each",
+                    type(self.model).__name__, meta.num_seqs, meta.short.max_query_len, meta.short.num_ctx_blocks)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
-            self._forward(input_ids, static)
+            self._forward(input_ids, static, held)
             self._own_masks(static)
-            self._forward(input_ids, static)
+            self._forward(input_ids, static, held)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, aux = self._forward(input_ids, static)
-        graph = _Graph(static, input_ids, hidden, aux, cuda_graph)
-        self._load(graph, meta, ids)
+            hidden, aux = self._forward(input_ids, static, held)
+        graph = _Graph(static, input_ids, hidden, aux, cuda_graph, held)
+        self._load(graph, meta, ids, inputs)
         cuda_graph.replay()
         return graph
+
+
+class HeadStepGraphs(StepGraphs):
+    """A hidden-state draft head's chain steps replayed from graphs, as the target's decode steps are: each
+    drafting request brings one token (the draft just made) and one row of the head's feedback, the head's KV
+    cache has scratch blocks of its own for padding sequences, and the graph's outputs are the feedback for the
+    next step and the normed rows the drafts are picked from (``run`` returns them as (feedback, [normed])).
+    The first pass (variable rows per request) and trees run eagerly."""
+
+    def __init__(self, head: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
+                 max_position: int):
+        super().__init__(head, block_size, scratch_blocks, device, max_position=max_position)
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        feedback, normed = self.model(input_ids, inputs[0], meta)
+        return feedback, [normed]

@@ -172,10 +172,11 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
-        if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
-            config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0}
-            drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
         graphs = self._use_graphs()
+        if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
+            config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0,
+                      "step_graphs": graphs}
+            drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
