@@ -267,7 +267,7 @@ class EngineArgs:
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
     # vLLM's name. False: decode and chain-verify steps replay CUDA graphs on a GPU, captured per padded shape
-    # (specray.workers.step_graphs); True: every step runs eagerly; None: graphs on a GPU, eager elsewhere (a CPU
+    # (specray.models.step_graphs); True: every step runs eagerly; None: graphs on a GPU, eager elsewhere (a CPU
     # has no graphs to replay: there the padded steps would only add work)
     enforce_eager: bool | None = None
     # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes

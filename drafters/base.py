@@ -122,3 +122,5 @@ class DrafterContext:
     enable_prefix_caching: bool = False
     # the engine's reasoning parser (structured outputs govern only what follows the thinking phase)
     reasoning_parser: str | None = None
+    # the engine's: a drafter that runs a model replays its short steps from CUDA graphs on a GPU unless True
+    enforce_eager: bool | None = None

@@ -9,6 +9,11 @@ shape the target's (its history and the drafts before each one counted), so draf
 verification against the target's own penalized distribution keeps the output exact either way. A request with
 structured outputs drafts under its grammar too (each draft step's logits masked by what the grammar allows after
 the history and the drafts before it; q is that masked distribution), so its drafts are never cut for the grammar.
+
+Where the target's steps replay CUDA graphs (``enforce_eager``: a GPU by default), the draft model's short passes
+(every request bringing at most ``SHORT_QUERY_MAX`` tokens: the draft steps, and catch-ups after verification) do
+too (:class:`~specray.models.step_graphs.StepGraphs`, padding in scratch blocks of its own cache); long catch-ups
+(a new request's prompt) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import check_heads_split
 from specray.models.loader import load_model, load_tokenizer, read_config
+from specray.models.step_graphs import StepGraphs, graph_safe
 from specray.parallel import TPGroup
 from specray.penalties import penalize
 from specray.sampling import (SamplingBatch, apply_token_bitmask, draft_seed, logits_to_probs, make_generator,
@@ -110,7 +116,9 @@ class DraftModelDrafter:
         self.block_size = ctx.block_size
         per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // self.block_size) + 1
         num_blocks = ctx.max_num_seqs * per_seq
-        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size)
+        self.graphs = self._graphs(ctx, tp, num_blocks)
+        scratch = len(self.graphs.scratch) if self.graphs is not None else 0
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks + scratch, self.block_size)
         # with prefix caching, a request's state starts from the blocks of its longest whole-block prefix that an
         # earlier request's committed tokens filled (the draft model's own K/V of them), as the target's does
         self.blocks = BlockPool(num_blocks, self.block_size, enable_caching=ctx.enable_prefix_caching)
@@ -118,6 +126,19 @@ class DraftModelDrafter:
         self.states: dict[str, _DraftState] = {}
         self._ctx = ctx
         self._structured: StructuredOutputs | None = None  # built on the first request with structured outputs
+
+    def _graphs(self, ctx: DrafterContext, tp: TPGroup, num_blocks: int) -> StepGraphs | None:
+        """Graphs for the short passes when the engine's steps replay them (``enforce_eager``: False, or None on a
+        GPU) and the model can be captured on one rank; their padding goes to scratch blocks past ``num_blocks``."""
+        eager = ctx.enforce_eager
+        if eager or (eager is None and self.device.type != "cuda"):
+            return None
+        why = "it is split over ranks" if tp.size > 1 else graph_safe(self.model)
+        if why is not None:
+            logger.info("the draft model's steps run eagerly, as %s", why)
+            return None
+        scratch = StepGraphs.scratch_blocks_needed(self.block_size)
+        return StepGraphs(self.model, self.block_size, list(range(num_blocks, num_blocks + scratch)), self.device)
 
     # ---- protocol -------------------------------------------------------------------------------------
     def finish(self, req_ids) -> None:
@@ -243,10 +264,16 @@ class DraftModelDrafter:
         return drafts, probs
 
     def _forward(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
-        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-        meta = build_attention_metadata([len(f) for f in feeds], [len(s.cached) for s in states],
-                                        [s.block_ids for s in states], self.block_size, self.device)
-        hidden = self.model(input_ids, meta)  # [T, H]
+        lens, starts = [len(f) for f in feeds], [len(s.cached) for s in states]
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True, trees=False)
+        if shape is not None:  # short passes (at most SHORT_QUERY_MAX tokens each) from a graph
+            hidden, _ = self.graphs.run(shape, [t for f in feeds for t in f], lens, starts,
+                                        [s.block_ids for s in states])
+        else:
+            input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+            meta = build_attention_metadata(lens, starts, [s.block_ids for s in states], self.block_size,
+                                            self.device)
+            hidden = self.model(input_ids, meta)  # [T, H]
         last = torch.tensor([sum(len(f) for f in feeds[: j + 1]) - 1 for j in range(len(feeds))], device=self.device)
         return self.model.compute_logits(hidden[last])  # [B, V_draft]
 

@@ -106,3 +106,31 @@ def test_graphs_by_default_on_a_gpu_only(tiny_llama_dir, monkeypatch):
 def test_enforce_eager_must_be_a_bool(tiny_llama_dir):
     with pytest.raises(ValueError, match="enforce_eager='no' must be true, false or None"):
         LLM(model=str(tiny_llama_dir), enforce_eager="no")
+
+
+def test_a_draft_models_short_passes_replay_graphs(tiny_llama_dir, tiny_draft_dir):
+    """``draft_model`` beside a graph target: the draft model's draft steps and short catch-ups replay graphs of
+    their own (on CPU, its static inputs eagerly), with the same drafts and acceptance as eager passes; 6 requests
+    padded to 8, block size 4, prefix caching on (its own cache's shared blocks); every block a request can own
+    holds in the draft model's cache what the eager engine's holds (padding sequences wrote only its scratch
+    blocks)."""
+    spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, speculative_config=spec,
+                  enforce_eager=eager, enable_prefix_caching=True)
+        outs = [llm.generate(PROMPTS, greedy(), use_tqdm=False) for _ in range(2)]  # the second from cached blocks
+        stats = llm.spec_stats
+        runs[eager] = (llm, [token_ids(o) for o in outs], (stats.drafts, stats.draft_tokens, stats.accepted_tokens))
+    (eager, want, want_stats), (llm, got, got_stats) = runs[True], runs[False]
+    assert got == want and got_stats == want_stats and 0 < got_stats[2] < got_stats[1], (got_stats, want_stats)
+    drafter = llm.engine.drafter
+    assert eager.engine.drafter.graphs is None and drafter.graphs.graphs
+    assert 1 in {q for _, q, _ in drafter.graphs.graphs} and any(q > 1 for _, q, _ in drafter.graphs.graphs), (
+        list(drafter.graphs.graphs))  # draft steps, and catch-ups after verification
+    assert any(b == 8 for b, _, _ in drafter.graphs.graphs)  # 6 requests padded to 8
+    num_blocks = drafter.blocks.num_blocks
+    assert drafter.graphs.scratch == list(range(num_blocks, num_blocks + len(drafter.graphs.scratch)))
+    owned = torch.arange(num_blocks * 4)
+    for a, b in zip(drafter.kv_cache.snapshot(owned), eager.engine.drafter.kv_cache.snapshot(owned)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -68,7 +68,7 @@ from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
 from specray.sampling_params import SamplingParams
-from specray.workers.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
+from specray.models.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
 
 logger = logging.getLogger(__name__)
 

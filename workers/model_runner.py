@@ -40,7 +40,7 @@ from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, nod
                                        tree_logprobs, unpad_tree, verify_tree)
 from specray.verification import (PROMPT_ROWS_PER_PASS, pad_drafts, prompt_logprob_entries, target_logprobs,
                                   unpad_with_logprobs, verify)
-from specray.workers.step_graphs import StepGraphs
+from specray.models.step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
-from specray.workers.step_graphs import graph_safe
+from specray.models.step_graphs import graph_safe
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class WorkerConfig:
     # the whole checkpoint's config as the engine read it (specray.models.loader.read_config), so a rank needs no
     # transformers; None: the rank reads it
     model_config: PlainConfig | None = None
-    # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.workers.step_graphs);
+    # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.models.step_graphs);
     # None: graphs on a GPU, eager elsewhere
     enforce_eager: bool | None = None
 
