@@ -100,7 +100,9 @@ class Scheduler:
         self._preempted_ids: list[str] = []  # the next plan's preempted_req_ids
         self._worker_requests: set[str] = set()  # requests whose sampling state the worker holds
         self._finished_unreported: list[Request] = []  # finished inside schedule(), returned by the next update
-        self._just_finished: dict[str, Request] = {}  # finished since the last schedule(): finish_request may fix
+        # finished since the last update_from_output began: finish_request may still fix their outputs (a stop string
+        # found when they are reported, after that update or, with async scheduling, after the next schedule)
+        self._just_finished: dict[str, Request] = {}
         self._kv_moves: dict[str, KVMove] = {}  # accepted tree paths to move into committed slots (next plan)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ class Scheduler:
         keep only its first ``num_output_tokens`` output tokens (None keeps all; the tokens after the one that
         completed the stop string are dropped), set ``finish_reason``/``stop_reason`` and free its blocks now.
 
-        Also accepted for a request that finished in the latest ``update_from_output`` (say it reached
+        Also accepted for a request that finished in the latest ``update_from_output`` or since (say it reached
         ``max_tokens`` in the step whose tokens complete a stop string): then only its output and reasons change.
         """
         status = _FINISH_STATUS.get(reason)
@@ -204,7 +206,6 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        self._just_finished = {}
         self.running.sort(key=lambda r: r.arrival_order)
         budget = self.config.max_num_batched_tokens
         preemptions = self.num_preemptions
@@ -442,6 +443,7 @@ class Scheduler:
         assert result.step_id == plan.step_id, (result.step_id, plan.step_id)
         assert result.req_ids == [c.req_id for c in plan.chunks], (result.req_ids, plan.chunks)
         touched, self._finished_unreported = self._finished_unreported, []
+        self._just_finished = {}
         stats = SpecStats()
         paths = result.accepted_draft_indices or [None] * len(plan.chunks)
         for chunk, tokens, path in zip(plan.chunks, result.sampled_token_ids, paths):

@@ -84,6 +84,29 @@ def test_prefix_caching_and_structured_outputs(tiny_llama_dir, tiny_draft_dir):
     assert runs[True] == runs[False] and sum(c[2] == "stop" for c in runs[True]) >= 4
 
 
+def test_a_stop_string_in_the_step_that_reaches_max_tokens(tiny_llama_dir, plain):
+    """A request reaches max_tokens in the step whose token completes its stop string: it is reported (and the stop
+    string found) after the next step was scheduled, and still finishes on the stop string, as without async
+    scheduling."""
+    cases = []
+    for prompt in PROMPTS[:4]:
+        text = plain.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0].text
+        stop = text[4:6]
+        if not stop.strip():
+            continue
+        # the fewest tokens whose text holds the stop string: max_tokens ends the request in that step
+        need = next(m for m in range(1, 25)
+                    if stop in plain.generate(prompt, greedy(m), use_tqdm=False)[0].outputs[0].text)
+        cases.append((prompt, greedy(need, stop=[stop]), stop, text[: text.index(stop)]))
+    assert len(cases) >= 2, cases
+    for on in (False, True):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, async_scheduling=on)
+        outs = llm.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
+        assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].text) for o in outs] == [
+            ("stop", stop, text) for _, _, stop, text in cases], on
+        assert not llm.engine.tracked and not llm.engine.scheduler.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kind", ["delta", "cumulative"])
 def test_streamed_reports_equal_those_without_it_one_step_later(tiny_llama_dir, plain, kind):
     """Reported every step (the server's engines report deltas): the same reports in the same order, each one

@@ -137,6 +137,14 @@ CASES = {
     # (a fixed draft count: what finishes inside the workload's steps does not follow this machine's load)
     "eagle3-prefix-cache": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4,
                                                    "adaptive": False}, "enable_prefix_caching": True},
+    # async scheduling: each step's outputs built while the next step runs, a stop string finishing its request one
+    # step late (that step's tokens dropped) beside aborts, preemption and cached blocks
+    "ngram-prefix-cache-async": {"speculative_config": NGRAM, "long_prefill_token_threshold": 12,
+                                 "enable_prefix_caching": True, "async_scheduling": True},
+    "draft_model-async": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3,
+                                                 "adaptive": False}, "async_scheduling": True},
+    "eagle3-async": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
+                     "async_scheduling": True},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)

@@ -423,9 +423,14 @@ def test_finish_request_corrects_a_request_that_just_finished_on_length():
     sched.finish_request("a", 2, "stop!")
     assert r.output_token_ids == [40, 5] and r.finish_reason == "stop" and r.stop_reason == "stop!"
     assert sched.block_manager.num_free_blocks == 64
-    assert sched.schedule().finished_req_ids == ["a"]
-    with pytest.raises(ValueError, match="req_id"):
-        sched.finish_request("a", 1, "late")
+    plan = sched.schedule()
+    assert plan.finished_req_ids == ["a"]
+    # async scheduling reports a step's requests after the next schedule: still accepted there
+    sched.finish_request("a", 1, "later")
+    assert r.output_token_ids == [40] and r.stop_reason == "later"
+    sched.update_from_output(plan, answer(plan, {}))
+    with pytest.raises(ValueError, match="req_id"):  # not after the next step's update
+        sched.finish_request("a", 1, "too late")
 
 
 def test_abort_running_and_waiting():

@@ -771,7 +771,7 @@ class LLMEngine:
         outputs = []
         for request in touched:
             tracked = self.tracked.get(request.req_id)
-            if tracked is None:
+            if tracked is None or tracked.error is not None:  # gone, or its final output went out failed (_fail)
                 continue
             if request.sampling_params.output_kind == "final_only":
                 if request.sampling_params.stop:
