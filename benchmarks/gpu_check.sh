@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one short run: the suite with CUDA available (without Ray's tests where Ray is not
 # installed; engines replay CUDA graphs there by default, and tests/test_step_graphs.py compares them with eager
-# steps), where a decode step's time goes eagerly and from CUDA graphs, the offline speed of plain, ngram and the
-# bundled EAGLE-3 head from eager steps and from graphs, prefix caching on against off, and structured outputs
+# steps), where a decode step's time goes eagerly and from CUDA graphs, the offline speed of plain, ngram, the
+# bundled EAGLE-3 head (its chain steps from graphs of their own) and a self-drafting draft_model (its passes from
+# graphs of the draft model) from eager steps and from graphs, prefix caching on against off, and structured outputs
 # (forced drafts, ngram) against constrained decoding without forced drafts. The image of the lent machines has no
 # Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
@@ -23,7 +24,7 @@ grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
 tail -1 "$out/tests.log"
 timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 \
   --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step.md"
-timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf --no-draft-model-row \
+timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf \
   --kinds input-grounded --repeats 1 --batches 8,1 --modes eager,graphs \
   --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"
