@@ -131,6 +131,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-tokens-per-request", type=int, default=None,
                    help="n x max_tokens over a request's choices; more is a 400 (default: no bound)")
     p.add_argument("--max-n", type=int, default=None, help="most choices (n) per request; more is a 400 (default 64)")
+    p.add_argument("--max-stored-responses", type=int, default=None,
+                   help="responses the Responses API keeps for previous_response_id and GET /v1/responses/{id}, in "
+                   "memory, least recently used out first (default 1000 with one replica, 0 with several; 0: none)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     p.add_argument("--num-replicas", type=int, default=1)
@@ -346,8 +349,9 @@ def cmd_generate(args) -> int:
 _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_method", "num_spec_tokens", "draft_model",
                 "speculative_config", "max_model_len", "max_num_seqs", "seed", "device", "dtype",
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
-                "max_request_body_bytes", "max_n", "num_replicas", "api_key", "enable_prefix_caching", "enforce_eager",
-                "async_scheduling", "reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")
+                "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
+                "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
+                "enable_auto_tool_choice", "tool_call_parser")
 
 
 def serve_app_args(args) -> dict:

@@ -133,6 +133,9 @@ class ServerConfig:
     # tool_call_parser (specray.cluster.tool_parsers); named and "required" tool choices need neither
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # the Responses API's stored responses (``store``, ``previous_response_id``), kept in this replica's memory: at
+    # most this many, least recently used out first (0: none kept)
+    max_stored_responses: int = 0
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -536,21 +539,28 @@ class _ResponsesFormat(_ChatFormat):
 
     done = None  # response.completed (or incomplete) ends the stream
 
-    def __init__(self, *args, request: responses.ResponsesRequest, **kwargs):
+    def __init__(self, *args, request: responses.ResponsesRequest, on_response=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.request = request
+        self.on_response = on_response  # called with the finished response object (the server stores it)
         self.sequence = 0
         self.output: list[dict] = []  # the items done so far
         self.open: dict | None = None  # the item being streamed: kind, id, output index, text (and a call's)
 
     def _response(self, status: str, usage: dict | None = None, output: list[dict] | None = None) -> dict:
         return responses.response_object(self.request, self.request_id, self.created, self.model,
-                                         list(self.output if output is None else output), status, usage)
+                                         list(self.output if output is None else output), status, usage,
+                                         stored=self.on_response is not None)
+
+    def _finished(self, response: dict) -> dict:
+        if self.on_response is not None:
+            self.on_response(response)
+        return response
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         message, _ = self._message(choices[0])
-        return self._response(responses.status_of(choices[0].output.finish_reason), responses.usage(usage),
-                              responses.output_items(message))
+        return self._finished(self._response(responses.status_of(choices[0].output.finish_reason),
+                                             responses.usage(usage), responses.output_items(message)))
 
     def sse(self, event: dict) -> str:
         event = {"type": event["type"], "sequence_number": self.sequence, **event}
@@ -572,8 +582,9 @@ class _ResponsesFormat(_ChatFormat):
 
     def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
         status = responses.status_of(choices[0].output.finish_reason)
-        return self._close() + [{"type": f"response.{status}",
-                                 "response": self._response(status, responses.usage(_usage(choices)))}]
+        closed = self._close()
+        return closed + [{"type": f"response.{status}",
+                          "response": self._finished(self._response(status, responses.usage(_usage(choices))))}]
 
     def stream_error(self, err: proto.OpenAIError) -> list[dict]:
         return [{"type": "error", **{k: v for k, v in err.body()["error"].items() if k != "type"}}]
@@ -662,6 +673,8 @@ class OpenAIServing:
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
         # requests. One thread: a fast tokenizer's encode is not safe to call concurrently on one instance.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specray-tokenize")
+        self.response_store = (responses.ResponseStore(config.max_stored_responses)
+                               if config.max_stored_responses else None)
 
     # ---- routes ----------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -669,6 +682,18 @@ class OpenAIServing:
 
     async def responses(self, request: Request) -> Response:
         return await self._handle(request, self._responses)
+
+    async def get_response(self, response_id: str) -> Response:
+        """A stored response (``GET /v1/responses/{id}``), or a 404 in OpenAI's shape."""
+        entry = None if self.response_store is None else self.response_store.get(response_id)
+        if entry is None:
+            return error_response(responses.not_found(response_id))
+        return JSONResponse(entry[1])
+
+    async def delete_response(self, response_id: str) -> Response:
+        if self.response_store is None or not self.response_store.delete(response_id):
+            return error_response(responses.not_found(response_id))
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, self._chat_completions)
@@ -746,7 +771,7 @@ class OpenAIServing:
                                 req.prompt_logprobs, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
-    async def _chat_completions(self, body: Any, arrival: float, responses_req=None) -> Response:
+    async def _chat_completions(self, body: Any, arrival: float, responses_req=None, on_response=None) -> Response:
         """A chat completion; or, with ``responses_req`` (``body`` its chat request), a Responses API answer."""
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         self._check_model(req.model)
@@ -759,7 +784,8 @@ class OpenAIServing:
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
         request_id = proto.new_id("chatcmpl" if responses_req is None else "resp")
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
-        kind, extra = (_ChatFormat, {}) if responses_req is None else (_ResponsesFormat, {"request": responses_req})
+        kind, extra = (_ChatFormat, {}) if responses_req is None else (
+            _ResponsesFormat, {"request": responses_req, "on_response": on_response})
         fmt = kind(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
                    req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
@@ -767,8 +793,26 @@ class OpenAIServing:
     async def _responses(self, body: Any, arrival: float) -> Response:
         """OpenAI's Responses API: the request as a chat completion (:mod:`specray.cluster.openai_responses`)."""
         req = responses.parse(body)
+        store = self.response_store
+        items = responses.input_items(req)
+        if req.previous_response_id is not None:  # that conversation (its input and output items), then this input
+            if store is None:
+                raise proto.bad_request("previous_response_id needs stored responses, and this server keeps none "
+                                        "(max_stored_responses 0: start it with --max-stored-responses N and one "
+                                        "replica); send the conversation so far in input instead",
+                                        "previous_response_id")
+            entry = store.get(req.previous_response_id)
+            if entry is None:
+                raise responses.not_found(req.previous_response_id, "previous_response_id")
+            items = entry[0] + items
+            req = req.model_copy(update={"input": items})
+        keep = None
+        if store is not None and req.store is not False:
+            def keep(response: dict) -> None:  # the finished response (whole, or its stream's last event)
+                store.put(response["id"], items + response["output"], response)
         try:
-            return await self._chat_completions(responses.chat_body(req), arrival, responses_req=req)
+            return await self._chat_completions(responses.chat_body(req), arrival, responses_req=req,
+                                                on_response=keep)
         except proto.OpenAIError as err:
             raise responses.in_responses_terms(err) from None
 
@@ -1081,6 +1125,8 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", serving.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", serving.get_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", serving.delete_response, methods=["DELETE"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])  # ids may hold "/"
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])  # vLLM's paths

@@ -1,14 +1,18 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the chat machinery: a request becomes a chat completion
 request (its ``input`` items messages, ``instructions`` a system message, ``text.format`` a response format,
 flat function tools chat tools), and a chat choice's message becomes the response's output items (reasoning,
-message, function calls) or, streamed, the API's typed events. This server keeps no responses
-(``previous_response_id`` and ``background`` are refused; ``store`` is accepted and nothing is stored). No Ray, no
-engine: the server (:mod:`specray.cluster.openai_app`) runs what this module translates.
+message, function calls) or, streamed, the API's typed events. Responses are kept (``store``, true by default as
+OpenAI's) in the ingress replica's memory (:class:`ResponseStore`, bounded): a later request's
+``previous_response_id`` continues that conversation (its input items, then its output items, before the new
+input; instructions are not carried over, as OpenAI's are not), and ``GET``/``DELETE /v1/responses/{id}`` read and
+drop one. ``background`` is refused. No Ray, no engine: the server (:mod:`specray.cluster.openai_app`) runs what
+this module translates.
 """
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from typing import Any
 
 from pydantic import Field, StrictBool
@@ -58,10 +62,6 @@ class ResponsesRequest(proto._Strict):
 
 def parse(body: Any) -> ResponsesRequest:
     req = proto.parse_request(ResponsesRequest, body)
-    if req.previous_response_id is not None:
-        raise proto.bad_request("previous_response_id is not supported: this server keeps no responses; send the "
-                                "conversation so far in input (its items: messages, function_call and "
-                                "function_call_output)", "previous_response_id")
     if req.background:
         raise proto.bad_request("background=true is not supported: responses are answered (or streamed) while the "
                                 "request is open; omit it", "background")
@@ -69,6 +69,50 @@ def parse(body: Any) -> ResponsesRequest:
         raise proto.bad_request(f"truncation={req.truncation!r} is not supported; an input longer than the context "
                                 "is a 400 (truncation 'disabled', the default)", "truncation")
     return req
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as a list of items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
+
+
+class ResponseStore:
+    """The responses this replica keeps, least recently used first out past ``max_entries``: each one's
+    conversation as input items (the input that produced it, then its output items) for a later request's
+    ``previous_response_id``, and the response object for ``GET /v1/responses/{id}``."""
+
+    def __init__(self, max_entries: int):
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_stored_responses={max_entries!r} must be an int >= 1 (0 or None: keep none)")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response_id: str, items: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        self._entries[response_id] = (items, response)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+
+def not_found(response_id: str, param: str | None = None) -> proto.OpenAIError:
+    what = "Previous response" if param else "Response"
+    return proto.OpenAIError(404, f"{what} with id {response_id!r:.80} not found (this server keeps the most recent "
+                             "responses, in the memory of the replica that answered them)", "invalid_request_error",
+                             param=param, code="previous_response_not_found" if param else "response_not_found")
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -243,14 +287,16 @@ def output_items(message: proto.AssistantMessage) -> list[dict[str, Any]]:
 
 
 def response_object(req: ResponsesRequest, response_id: str, created: int, model: str,
-                    output: list[dict[str, Any]], status: str, usage_: dict[str, Any] | None) -> dict[str, Any]:
+                    output: list[dict[str, Any]], status: str, usage_: dict[str, Any] | None,
+                    stored: bool = False) -> dict[str, Any]:
     """The response: its output items, status ("in_progress", "completed", or "incomplete" when
     ``max_output_tokens`` cut it) and usage, with the request's settings echoed as OpenAI does."""
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": stored,
             "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
             "truncation": "disabled", "usage": usage_, "user": req.user, "metadata": req.metadata or {}}

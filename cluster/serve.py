@@ -101,6 +101,9 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+DEFAULT_STORED_RESPONSES = 1000  # responses the Responses API keeps per server (one replica) by default
+
+
 @dataclass
 class ServeArgs:
     """What ``build_app``'s dict configures. Engine arguments are not re-declared here: ``engine_kwargs`` is
@@ -128,6 +131,10 @@ class ServeArgs:
     # tool_call_parser (hermes, llama3_json); named and "required" tool choices need neither
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # the Responses API's stored responses (previous_response_id, GET /v1/responses/{id}), in the ingress replica's
+    # memory, least recently used out first; None: DEFAULT_STORED_RESPONSES with one replica, none with several
+    # (a request may reach another replica than the one that stored its previous response); 0: none
+    max_stored_responses: int | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -187,6 +194,15 @@ class ServeArgs:
         for name in ("max_seats_per_request", "max_tokens_per_request", "max_request_body_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
+        if self.max_stored_responses is None:
+            self.max_stored_responses = DEFAULT_STORED_RESPONSES if self.num_replicas == 1 else 0
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses={self.max_stored_responses} must be >= 0 (0: keep none)")
+        if self.max_stored_responses and self.num_replicas > 1:
+            raise ValueError(f"max_stored_responses={self.max_stored_responses} needs num_replicas=1: each replica "
+                             "keeps its own responses, and a request's previous_response_id may reach another "
+                             "one; set max_stored_responses 0 (clients send the conversation in input) or one "
+                             "replica")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
@@ -206,7 +222,8 @@ class ServeArgs:
                             max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n,
                             reasoning_parser=self.reasoning_parser,
                             enable_auto_tool_choice=self.enable_auto_tool_choice,
-                            tool_call_parser=self.tool_call_parser)
+                            tool_call_parser=self.tool_call_parser,
+                            max_stored_responses=self.max_stored_responses)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

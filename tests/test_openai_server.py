@@ -2238,13 +2238,75 @@ def test_responses_api_tool_calls_and_reasoning_become_output_items():
         assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
+class RoleTemplate(FakeTokenizer):
+    """A chat template that shows each message's role: ``<role>content``."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            tools=None):
+        return "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+
+
+class ConversationClient(ScriptedEngineClient):
+    """Answers ``pieces``, keeping each prompt's text (the conversation the chat template laid out)."""
+
+    max_model_len = 4096
+    tokenizer = RoleTemplate()
+
+    def __init__(self, pieces: list[str]):
+        super().__init__(pieces)
+        self.prompts: list[str] = []
+
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self.prompts.append(prompt)
+        async for out in super().generate(prompt_token_ids, params, prompt, req_id):
+            yield out
+
+
+def test_responses_api_keeps_responses_for_previous_response_id():
+    """Stored responses (``store``, true by default): ``previous_response_id`` continues the conversation (the
+    previous input and output items before the new input; instructions not carried over), whole and streamed;
+    ``GET``/``DELETE /v1/responses/{id}``; ``store: false`` keeps nothing; the least recently used goes first past
+    the bound; an unknown id is a 404 in OpenAI's shape."""
+    fake = ConversationClient(["Hello", " there"])
+    with app_in_thread(fake, max_stored_responses=3) as base:
+        status, first = http_json(base + "/v1/responses", {"input": "Hi", "instructions": "Be brief."})
+        assert status == 200 and first["store"] is True and first["previous_response_id"] is None, first
+        status, second = http_json(base + "/v1/responses", {"input": "And then?", "previous_response_id": first["id"]})
+        assert status == 200 and second["previous_response_id"] == first["id"], second
+        assert fake.prompts[-2:] == ["<system>Be brief.<user>Hi", "<user>Hi<assistant>Hello there<user>And then?"]
+        events = responses_events(base, {"input": [{"role": "user", "content": "More?"}],
+                                         "previous_response_id": second["id"], "instructions": "Now long."})
+        third = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed" and third["store"] is True
+        assert fake.prompts[-1] == ("<system>Now long.<user>Hi<assistant>Hello there<user>And then?<assistant>Hello "
+                                    "there<user>More?")
+        status, got = http_json(base + f"/v1/responses/{third['id']}")  # the streamed one, as it ended
+        assert status == 200 and got == third
+        status, got = http_json(base + f"/v1/responses/{first['id']}")
+        assert status == 200 and got == first
+        status, unstored = http_json(base + "/v1/responses", {"input": "Secret", "store": False})
+        assert status == 200 and unstored["store"] is False
+        assert http_json(base + f"/v1/responses/{unstored['id']}")[0] == 404
+        status, fourth = http_json(base + "/v1/responses", {"input": "Fourth"})  # 4 stored: the oldest goes
+        assert http_json(base + f"/v1/responses/{second['id']}")[0] == 404  # first was read since: second is oldest
+        assert http_json(base + f"/v1/responses/{first['id']}")[0] == 200
+        request = urllib.request.Request(base + f"/v1/responses/{first['id']}", method="DELETE")
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.loads(resp.read()) == {"id": first["id"], "object": "response.deleted", "deleted": True}
+        status, err = http_json(base + "/v1/responses", {"input": "x", "previous_response_id": first["id"]})
+        assert status == 404 and err["error"]["param"] == "previous_response_id", err
+        assert err["error"]["code"] == "previous_response_not_found"
+        status, err = http_json(base + "/v1/responses/resp_unknown")
+        assert status == 404 and err["error"]["code"] == "response_not_found"
+
+
 def test_responses_api_errors_name_its_own_parameters():
     """What this server cannot do is a 400 naming the Responses request's parameter, also where the chat
     machinery finds the fault; structured text formats reach the engine."""
     fake = RecordingEngineClient()
     with app_in_thread(fake) as base:
         cases = [
-            ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+            ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps none"),
             ({"input": "x", "background": True}, "background", "background"),
             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
              "input.0.content.0.type", "text only"),
