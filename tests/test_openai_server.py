@@ -668,7 +668,8 @@ def test_response_format_json_schema_output_validates(server, endpoint):
 
 def test_responses_api_on_the_engine(server, client):
     """/v1/responses on the served engine through the openai client: a text.format JSON schema's answer validates
-    and completes; max_output_tokens cuts a free answer ("incomplete"), streamed alike."""
+    and completes; max_output_tokens cuts a free answer ("incomplete"), streamed alike; a stored response continues
+    through previous_response_id."""
     text_format = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
     resp = client.responses.create(model=MODEL, input=CHAT, temperature=0, text=text_format, max_output_tokens=32,
                                    extra_body=COMPACT)
@@ -680,6 +681,15 @@ def test_responses_api_on_the_engine(server, client):
                                           stream=True))
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == cut.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+    # a stored response continued (previous_response_id) answers as the whole conversation sent in input does
+    follow = client.responses.create(model=MODEL, input="And then?", previous_response_id=cut.id, temperature=0,
+                                     max_output_tokens=6)
+    whole = client.responses.create(model=MODEL, temperature=0, max_output_tokens=6, store=False, input=[
+        {"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": cut.output_text},
+        {"role": "user", "content": "And then?"}])
+    assert follow.previous_response_id == cut.id and follow.output_text == whole.output_text
+    assert follow.usage.input_tokens == whole.usage.input_tokens > cut.usage.input_tokens
+    assert client.responses.retrieve(cut.id).output_text == cut.output_text
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
