@@ -75,7 +75,7 @@ class SpeculativeConfig:
 
     COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive", "acceptance", "posterior_threshold",
                    "posterior_alpha", "relaxed_topk", "relaxed_delta", "begin_thinking_phase_token",
-                   "end_thinking_phase_token")
+                   "end_thinking_phase_token", "disable_by_batch_size")
     ACCEPTANCE = ("rejection", "typical", "relaxed")
 
     method: str = "ngram"
@@ -90,13 +90,17 @@ class SpeculativeConfig:
     relaxed_delta: float = 0.0
     begin_thinking_phase_token: int | None = None
     end_thinking_phase_token: int | None = None
+    # vLLM's: no drafting in a step while this many requests or more are in the engine, running or waiting (None: the
+    # draft policy alone decides)
+    disable_by_batch_size: int | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's own options, as given
 
     def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
                  options: dict[str, Any] | None = None, acceptance: str = "rejection",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, relaxed_topk: int = 1,
                  relaxed_delta: float = 0.0, begin_thinking_phase_token: int | None = None,
-                 end_thinking_phase_token: int | None = None, **method_options: Any):
+                 end_thinking_phase_token: int | None = None, disable_by_batch_size: int | None = None,
+                 **method_options: Any):
         if "use_relaxed_acceptance_for_thinking" in method_options:  # TensorRT-LLM's switch for the same thing
             relaxed = method_options.pop("use_relaxed_acceptance_for_thinking")
             if not isinstance(relaxed, bool) or (relaxed and acceptance not in ("rejection", "relaxed")):
@@ -116,6 +120,7 @@ class SpeculativeConfig:
         self.relaxed_topk, self.relaxed_delta = relaxed_topk, relaxed_delta
         self.begin_thinking_phase_token, self.end_thinking_phase_token = (begin_thinking_phase_token,
                                                                           end_thinking_phase_token)
+        self.disable_by_batch_size = disable_by_batch_size
         merged = {**(options or {}), **method_options}
         self.options = {k: v for k, v in merged.items() if v is not None}
         self._validate()
@@ -129,6 +134,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an int >= 1")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive={self.adaptive!r} must be true or false")
+        n = self.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size={n!r} must be an int >= 1 (no drafting while "
+                             "that many requests or more are in the engine) or None")
         if self.acceptance not in self.ACCEPTANCE:
             raise ValueError(f"speculative_config.acceptance={self.acceptance!r} must be one of {list(self.ACCEPTANCE)}"
                              " ('typical' is Medusa's lossy typical acceptance, 'relaxed' TensorRT-LLM's lossy "
@@ -174,6 +183,8 @@ class SpeculativeConfig:
             rule = {"acceptance": "relaxed", "relaxed_topk": self.relaxed_topk, "relaxed_delta": self.relaxed_delta}
             phase = ("begin_thinking_phase_token", "end_thinking_phase_token")
             rule.update({name: getattr(self, name) for name in phase if getattr(self, name) is not None})
+        if self.disable_by_batch_size is not None:
+            rule["disable_by_batch_size"] = self.disable_by_batch_size
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "adaptive": self.adaptive, **rule, **self.options}
 

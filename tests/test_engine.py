@@ -573,6 +573,25 @@ def test_per_request_num_speculative_tokens(tiny_llama_dir, plain_outputs):
     assert sum(s.draft_tokens for s in stats[3::4]) > 0 and all(len(s.per_position) <= 4 for s in stats[3::4])
 
 
+def test_disable_by_batch_size_drafts_nothing_while_that_many_run(tiny_llama_dir, plain_outputs):
+    """vLLM's ``speculative_config.disable_by_batch_size``: no step verifies drafts while 4 or more requests are in
+    the engine (running or waiting); fewer, the drafter drafts again; greedy output equals plain; the option is
+    checked and kept in to_dict."""
+    spec = {**NGRAM, "disable_by_batch_size": 4}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+    steps = []
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda plan, probs=None: steps.append(plan) or execute(plan, probs)
+    lengths = [4, 6, 8, 10, 12, 16, 24, 24]
+    outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [t[:n] for t, n in zip(plain_outputs, lengths)]
+    assert all(not c.num_draft_tokens for plan in steps if len(plan.chunks) >= 4 for c in plan.chunks)
+    assert any(c.num_draft_tokens for plan in steps for c in plan.chunks)  # drafted once fewer ran
+    assert SpeculativeConfig(**spec).to_dict()["disable_by_batch_size"] == 4
+    with pytest.raises(ValueError, match="disable_by_batch_size=0 must be an int >= 1"):
+        SpeculativeConfig(method="ngram", disable_by_batch_size=0)
+
+
 def test_policy_caps_draft_length_per_request():
     from specray.scheduler.draft_policy import DraftLengthPolicy
     from specray.scheduler.request import Request
@@ -818,7 +837,8 @@ def test_engine_args_pass_through_as_plain_data(tiny_llama_dir):
     spec_keys = schema["speculative_config"]["keys"]
     assert set(spec_keys["common"]) == {"method", "num_speculative_tokens", "adaptive", "acceptance",
                                         "posterior_threshold", "posterior_alpha", "relaxed_topk", "relaxed_delta",
-                                        "begin_thinking_phase_token", "end_thinking_phase_token"}
+                                        "begin_thinking_phase_token", "end_thinking_phase_token",
+                                        "disable_by_batch_size"}
     assert "is_public_pool" in spec_keys["methods"]["ngram"] and "model" in spec_keys["methods"]["draft_model"]
     assert "pool_name" in schema["ray_placement"]["keys"]
 

@@ -255,6 +255,25 @@ def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_
         drafter.head(graph.input_ids, graph.inputs[0], graph.meta)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-tree"])
+def test_disable_by_batch_size_drafts_nothing_while_that_many_run(target_dir, heads, plain_outputs, method):
+    """vLLM's ``disable_by_batch_size``: no step verifies drafts while 4 or more requests are in the engine, and the
+    worker drafts none for them (not even after a prefill); fewer, the head drafts again; greedy output equals
+    plain. Requests of staggered lengths, so that the batch shrinks."""
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method)
+    kwargs["speculative_config"]["disable_by_batch_size"] = 4
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    lengths = [4, 6, 8, 10, 16, 16]
+    outs = llm.generate(PROMPTS[:6], [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [t[:n] for t, n in zip(plain_outputs, lengths)]
+    for plan, result in rec.steps:
+        decoding = [c for c in plan.chunks if c.sample]
+        if len(plan.chunks) >= 4:
+            assert not any(c.num_draft_tokens or c.num_next_drafts for c in decoding), plan
+    assert llm.spec_stats.accepted_tokens > 0  # drafted once fewer ran
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp3", "eagle3-tree", "medusa"])
 def test_async_scheduling_keeps_drafts_and_acceptance(target_dir, heads, plain_outputs, method):
     """``async_scheduling``: the worker's drafts for each next step still come back with each step's result, so

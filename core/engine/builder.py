@@ -165,7 +165,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        worker_method=spec.method if in_worker else None,
                        worker_trees=in_worker and registry.worker_drafts_trees(spec),
                        worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None,
-                       reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling)
+                       reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
+                       disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None)
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:

@@ -49,7 +49,7 @@ class LLMEngine:
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
                  worker_method: str | None = None, worker_trees: bool = False,
                  worker_tree_shape: tuple[int, int] | None = None, reasoning_parser: str | None = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, disable_by_batch_size: int | None = None):
         self.scheduler = scheduler
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
@@ -94,6 +94,9 @@ class LLMEngine:
         self.forced_draft_limit = 16  # the most forced tokens verified in one step (0: none; benchmarks compare)
         # vLLM's name: each step's outputs are built while the executor computes the next step (see ``step``)
         self.async_scheduling = async_scheduling
+        # vLLM's speculative_config.disable_by_batch_size: no drafting in a step while this many requests are in the
+        # engine (running or waiting)
+        self.disable_by_batch_size = disable_by_batch_size
         self._unreported: list[Request] = []  # the requests the last step touched, reported by the next
         self._carried: list[RequestOutput] = []  # outputs built in a step that then failed, for the next to return
 
@@ -303,10 +306,19 @@ class LLMEngine:
         ``failed``."""
         self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
         self._forced, self._kept_nodes = set(), {}
+        running = self.scheduler.running
+        load = len(running) + self.scheduler.num_waiting
+        if self.disable_by_batch_size is not None and load >= self.disable_by_batch_size:
+            # no drafter's drafts this step (a grammar's forced tokens still go); a worker's head drafts none next,
+            # a request admitted now none after its prefill
+            self._worker_drafts = {}
+            lengths = None if self.worker_method is None else {
+                r.req_id: 0 for r in [*running, *self.scheduler.waiting]}
+            self._submit_drafts({}, {}, failed, lengths)
+            return {}
         if self.worker_method is not None:
             self._hand_worker_drafts(failed)
             return {}
-        running = self.scheduler.running
         decoding = [] if self.drafter is None else [
             (r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
             if r.num_computed_tokens == r.num_tokens - 1]
