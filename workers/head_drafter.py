@@ -259,12 +259,14 @@ class HiddenStateDrafter:
             return out
         work, source = self._with_held(plan, work, hidden, aux)
         features = self.head.target_features(source[0], source)  # (hidden,) or the aux layers' rows: see _source
-        ids = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=device)
-        meta = build_attention_metadata([len(w.tokens) for w in work], [w.start for w in work],
-                                        [tables[plan.chunks[w.chunk].req_id] for w in work], self.block_size, device)
+        tokens = [t for w in work for t in w.tokens]
+        lens, starts = [len(w.tokens) for w in work], [w.start for w in work]
+        work_tables = [tables[plan.chunks[w.chunk].req_id] for w in work]
         if self.tail_positions:
+            ids = torch.tensor(tokens, dtype=torch.long, device=device)
+            meta = build_attention_metadata(lens, starts, work_tables, self.block_size, device)
             return self._chained(plan, work, source, ids, features, meta, out, self._draw(plan, work, params))
-        feedback, normed = self.head(ids, features, meta)
+        feedback, normed = self._pass(tokens, features, lens, starts, work_tables)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
@@ -431,13 +433,21 @@ class HiddenStateDrafter:
 
     def _step(self, tokens: torch.Tensor, feedback: torch.Tensor, positions: list[int], tables: list[list[int]]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chain draft step (a row per request): from a graph when its shape has one, else eagerly."""
-        ones = [1] * len(positions)
-        shape = None if self.graphs is None else self.graphs.shape(ones, positions, decode=True, trees=False)
+        """One chain draft step (a row per request)."""
+        return self._pass(tokens, feedback, [1] * len(positions), positions, tables)
+
+    def _pass(self, tokens: list[int] | torch.Tensor, features: torch.Tensor, lens: list[int], starts: list[int],
+              tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over ``lens[i]`` tokens of each request from position ``starts[i]`` (a first pass, or a chain
+        step's one row), each with its feature row: from a graph when the pass has a graph's shape, else eagerly.
+        Returns (feedback, normed) [T, H] each."""
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True, trees=False)
         if shape is None:
-            meta = build_attention_metadata(ones, positions, tables, self.block_size, tokens.device)
-            return self.head(tokens, feedback, meta)
-        feedback, (normed,) = self.graphs.run(shape, tokens, ones, positions, tables, (feedback,))
+            ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long,
+                                                                                device=features.device)
+            meta = build_attention_metadata(lens, starts, tables, self.block_size, features.device)
+            return self.head(ids, features, meta)
+        feedback, (normed,) = self.graphs.run(shape, tokens, lens, starts, tables, (features,))
         return feedback, normed
 
     def _pick(self, normed: torch.Tensor, draw: _Draw | None, rows: list[int]

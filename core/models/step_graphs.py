@@ -104,7 +104,8 @@ class StepGraphs:
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
         outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
-        ``shape.query_len`` tokens (then ``inputs``, rows beside the ids, may come too)."""
+        ``shape.query_len`` tokens. ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
+        with the ids' padding (zero rows)."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         if isinstance(token_ids, torch.Tensor):
@@ -113,13 +114,15 @@ class StepGraphs:
             ids = torch.cat((token_ids, token_ids.new_zeros(pads * q)))
             inputs = tuple(torch.cat((x, x.new_zeros(pads * q, *x.shape[1:]))) for x in inputs)
         else:
-            assert not inputs, "rows beside the ids come with ids on the device"
             padded, real, offset = [], [], 0
             for b, n in enumerate(query_lens):
                 padded += token_ids[offset: offset + n] + [0] * (q - n)
                 real += range(b * q, b * q + n)
                 offset += n
             ids = torch.tensor(padded + [0] * (pads * q), dtype=torch.long, device=self.device)
+            if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
+                index = torch.tensor(real, dtype=torch.long, device=self.device)
+                inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
         meta = build_attention_metadata(
             [q] * shape.batch, start_positions + [0] * pads,
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
@@ -209,11 +212,12 @@ class StepGraphs:
 
 
 class HeadStepGraphs(StepGraphs):
-    """A hidden-state draft head's chain steps replayed from graphs, as the target's decode steps are: each
-    drafting request brings one token (the draft just made) and one row of the head's feedback, the head's KV
-    cache has scratch blocks of its own for padding sequences, and the graph's outputs are the feedback for the
-    next step and the normed rows the drafts are picked from (``run`` returns them as (feedback, [normed])).
-    The first pass (variable rows per request) and trees run eagerly."""
+    """A hidden-state draft head's passes replayed from graphs, as the target's decode steps are: each request
+    brings its tokens (a chain step's one draft; a decode's first pass, the tokens the target just committed) and a
+    feature row for each (the head's feedback, or the target's fused features), the head's KV cache has scratch
+    blocks of its own for padding, and the graph's outputs are the feedback for the next step and the normed rows
+    the drafts are picked from (``run`` returns them as (feedback, [normed])). Passes over more than
+    ``SHORT_QUERY_MAX`` tokens of one request (a prompt's) and trees run eagerly."""
 
     def __init__(self, head: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
                  max_position: int):
