@@ -64,11 +64,11 @@ from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.models.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
 from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
 from specray.sampling_params import SamplingParams
-from specray.models.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,8 @@ class HiddenStateDrafter:
         self.tp: TPGroup = getattr(head, "tp", None) or TPGroup.single()
         self.driver = driver  # only the driver verifies: only it keeps (or maps) the drawn drafts' q
         self.seed = seed
-        # the chain's draft steps replayed from graphs when the target's steps are (one rank; a head whose layer can
-        # be captured), their padding sequences in scratch blocks of the head's own cache
+        # a chain's passes (a decode's first pass, the draft steps) replayed from graphs when the target's steps are
+        # (one rank; a head whose layer can be captured), their padding in scratch blocks of the head's own cache
         self.graphs: HeadStepGraphs | None = None
         scratch = 0
         if step_graphs and tree is None and getattr(head, "num_modules", 1) == 1:  # chains of draft steps
@@ -171,7 +171,8 @@ class HiddenStateDrafter:
                 scratch = StepGraphs.scratch_blocks_needed(block_size)
                 # RoPE tables sized once, before any capture, for every position the target allows too: a table
                 # grown later would leave the graphs reading the old one
-                positions = max(head.config.max_position_embeddings, getattr(head.target, "max_position_embeddings", 0))
+                positions = max(head.config.max_position_embeddings,
+                                getattr(head.target, "max_position_embeddings", 0))
                 self.graphs = HeadStepGraphs(head, block_size, list(range(num_blocks, num_blocks + scratch)),
                                              head.device, positions)
             else:
