@@ -717,6 +717,12 @@ class OpenAIServing:
         return proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
                                max_model_len=self.client.max_model_len)
 
+    async def version(self) -> dict:
+        """vLLM's ``GET /version``: the server's version."""
+        from specray import __version__
+
+        return {"version": __version__}
+
     async def health(self) -> Response:
         if await self.client.is_healthy():
             return JSONResponse({"status": "ok"})
@@ -1132,6 +1138,7 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])  # vLLM's paths
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/version", serving.version, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     if config.enable_debug_routes:
         app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])

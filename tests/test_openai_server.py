@@ -2272,6 +2272,13 @@ class ConversationClient(ScriptedEngineClient):
             yield out
 
 
+def test_version_route():
+    from specray import __version__
+
+    with app_in_thread(FakeEngineClient()) as base:
+        assert http_json(base + "/version") == (200, {"version": __version__})
+
+
 def test_responses_api_keeps_responses_for_previous_response_id():
     """Stored responses (``store``, true by default): ``previous_response_id`` continues the conversation (the
     previous input and output items before the new input; instructions not carried over), whole and streamed;
