@@ -11,6 +11,7 @@ this module translates.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from typing import Any
@@ -25,6 +26,7 @@ PASSTHROUGH = ("model", "temperature", "top_p", "user", "seed", "top_k", "min_p"
                "structured_outputs")
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+STORE_MAX_CHARS = 256 << 20  # characters of JSON the stored responses of one replica may hold, together
 
 
 class ResponsesRequest(proto._Strict):
@@ -79,33 +81,43 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 class ResponseStore:
-    """The responses this replica keeps, least recently used first out past ``max_entries``: each one's
-    conversation as input items (the input that produced it, then its output items) for a later request's
-    ``previous_response_id``, and the response object for ``GET /v1/responses/{id}``."""
+    """The responses this replica keeps, least recently used first out past ``max_entries`` or past ``max_chars``
+    characters of their JSON (so that no client can fill the replica's memory through large stored requests): each
+    one's conversation as input items (the input that produced it, then its output items) for a later request's
+    ``previous_response_id``, and the response object for ``GET /v1/responses/{id}``. The newest is kept even alone
+    past ``max_chars``. A conversation's earlier items are shared with the responses before it, and counted with
+    each (a bound, not a measure)."""
 
-    def __init__(self, max_entries: int):
+    def __init__(self, max_entries: int, max_chars: int = STORE_MAX_CHARS):
         if not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_stored_responses={max_entries!r} must be an int >= 1 (0 or None: keep none)")
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self.chars = 0  # what the kept entries count, together
+        self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, response_id: str, items: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        self._entries[response_id] = (items, response)
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self.delete(response_id)
+        size = len(json.dumps(items, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        self._entries[response_id] = (items, response, size)
+        self.chars += size
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self.chars > self.max_chars):
+            self.chars -= self._entries.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0], entry[1]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.chars -= entry[2]
+        return entry is not None
 
 
 def not_found(response_id: str, param: str | None = None) -> proto.OpenAIError:

@@ -2272,6 +2272,24 @@ class ConversationClient(ScriptedEngineClient):
             yield out
 
 
+def test_stored_responses_are_bounded_by_count_and_by_size():
+    """The store drops its least recently used responses past its count or past its characters of JSON (a client
+    cannot fill the replica's memory through large stored requests), always keeping the newest."""
+    from specray.cluster.openai_responses import ResponseStore
+
+    store = ResponseStore(3, max_chars=300)
+    for rid in "abc":  # about 120 characters each
+        store.put(rid, [{"content": "y" * 100}], {"id": rid})
+    assert list(store._entries) == ["b", "c"] and store.get("a") is None  # past 300 characters: a went
+    assert store.get("b")[1] == {"id": "b"}  # read: the most recently used now
+    store.put("d", [{"content": "short"}], {"id": "d"})
+    store.put("e", [], {"id": "e"})
+    assert list(store._entries) == ["b", "d", "e"]  # at most 3: c, the least recently used, went
+    store.put("big", [{"content": "y" * 1000}], {"id": "big"})
+    assert list(store._entries) == ["big"] and store.chars > 300  # the newest stays, alone
+    assert store.delete("big") and store.chars == 0 and not store.delete("big")
+
+
 def test_version_route():
     from specray import __version__
 
