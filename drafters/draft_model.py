@@ -265,7 +265,7 @@ class DraftModelDrafter:
 
     def _forward(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
         lens, starts = [len(f) for f in feeds], [len(s.cached) for s in states]
-        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True, trees=False)
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
         if shape is not None:  # short passes (at most SHORT_QUERY_MAX tokens each) from a graph
             hidden, _ = self.graphs.run(shape, [t for f in feeds for t in f], lens, starts,
                                         [s.block_ids for s in states])

@@ -199,8 +199,8 @@ def test_greedy_one_request_at_a_time_equals_plain(target_dir, heads, plain_outp
 def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method):
     """``enforce_eager=False``: the target's decode and verify steps run from graphs (on CPU, their padded static
     inputs, eagerly), the aux layers' residual streams among the graph's outputs; batch 6 padded to 8, block size 4
-    (padding past the requests' blocks). Chains go through graphs; trees' steps run eagerly. The head drafts
-    what it drafts after the eager forward (the same drafts, the same acceptance): a graph's residual streams are
+    (padding past the requests' blocks). Chains and trees are verified through graphs (a tree's positions and
+    ancestor masks loaded as the graph's data). The head drafts what it drafts after the eager forward (the same drafts, the same acceptance): a graph's residual streams are
     the rows the head should read, not padding's or a stale step's."""
     runs = {}
     for eager in (True, False):
@@ -213,8 +213,7 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     graphs = llm.engine.executor.worker.runner.graphs
     assert graphs.aux_layers == llm.engine.executor.worker.runner.drafter.aux_layers
     assert graphs.graphs, "no step ran from a graph"
-    if method not in TREE_METHODS:
-        assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too
+    assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too, trees' among them
     head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
     if method in CHAIN_METHODS:  # the head's passes too (distinct MTP modules and trees have none)
         assert head_graphs is not None and head_graphs.graphs, "no draft step ran from a graph"

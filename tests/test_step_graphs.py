@@ -19,12 +19,14 @@ def graphs_of(llm):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
-@pytest.mark.parametrize("spec", [None, NGRAM, {**NGRAM, "adaptive": True, "num_speculative_tokens": 5}],
-                         ids=["plain", "ngram", "ngram-adaptive"])
+@pytest.mark.parametrize("spec", [None, NGRAM, {**NGRAM, "adaptive": True, "num_speculative_tokens": 5},
+                                  {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3}],
+                         ids=["plain", "ngram", "ngram-adaptive", "ngram-tree"])
 def test_graph_steps_equal_eager_steps(request, fixture, spec):
     """Batches of 6 (padded to 8) and of 1, block size 4 (contexts of many blocks, padded to powers of two, and
     requests' padding rows past their blocks), plain decoding and verify steps whose requests bring different
-    draft counts (padded to the step's longest); Gemma 3's sliding-window masks included. The graph engine caches
+    draft counts (padded to the step's longest), and token trees (positions and ancestor masks as the graph's
+    data, chains beside them); Gemma 3's sliding-window masks included. The graph engine caches
     prefixes: the second batch's request starts from the first's blocks, its table holding shared ones."""
     folder = str(request.getfixturevalue(fixture))
     kwargs = dict(max_model_len=256, block_size=4, speculative_config=spec)
@@ -42,6 +44,21 @@ def test_graph_steps_equal_eager_steps(request, fixture, spec):
         assert graphs.spec_stats.accepted_tokens > 0
     assert graphs.engine.scheduler.block_manager.num_free_blocks == graphs.engine.scheduler.config.num_blocks
     assert graphs.engine.scheduler.prefix_cache_hits > 0
+
+
+def test_a_padded_tree_step_keeps_its_rows_apart_from_the_padding():
+    """A tree's rows padded to the graph's width: each real row sees what its ancestor mask says and never a
+    padding row; a padding row sits at its slot index and sees what the last real row sees, and itself; a chain
+    beside it keeps plain causal order; padding sequences come last."""
+    from specray.models.step_graphs import _padded_tree
+
+    anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two siblings
+    positions, masks = _padded_tree([3, 2], [10, 20], [10, 11, 11, 20, 21], [anc, None], q=4, pads=1)
+    assert positions == [10, 11, 11, 13, 20, 21, 22, 23, 0, 1, 2, 3]
+    mask = masks[0]
+    assert mask[:3, :3].equal(anc) and not mask[:3, 3].any()
+    assert mask[3].tolist() == [True, False, True, True]
+    assert masks[1:] == [None, None]
 
 
 def test_padding_rows_write_only_scratch_blocks(tiny_llama_dir):

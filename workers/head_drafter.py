@@ -442,7 +442,7 @@ class HiddenStateDrafter:
         """The head over ``lens[i]`` tokens of each request from position ``starts[i]`` (a first pass, or a chain
         step's one row), each with its feature row: from a graph when the pass has a graph's shape, else eagerly.
         Returns (feedback, normed) [T, H] each."""
-        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True, trees=False)
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
         if shape is None:
             ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long,
                                                                                 device=features.device)

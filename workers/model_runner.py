@@ -203,21 +203,17 @@ class ModelRunner:
         trees = any(c.draft_parents is not None for c in chunks)
         query_lens, starts = [c.num_tokens for c in chunks], [c.start_pos for c in chunks]
         tables = [self.block_tables[c.req_id] for c in chunks]
+        positions = [p for c in chunks for p in tree_positions(c)] if trees else None
+        ancestors = [ancestor_mask(c) for c in chunks] if trees else None
         if self.graphs is not None:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
-            shape = self.graphs.shape(query_lens, starts, decode, trees)
+            shape = self.graphs.shape(query_lens, starts, decode)
             if shape is not None:
-                return self.graphs.run(shape, token_ids, query_lens, starts, tables)
+                return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
+                                       ancestors=ancestors)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        meta = build_attention_metadata(
-            query_lens,
-            starts,
-            tables,
-            self.block_size,
-            self.device,
-            positions=[p for c in chunks for p in tree_positions(c)] if trees else None,
-            ancestors=[ancestor_mask(c) for c in chunks] if trees else None,
-        )
+        meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
+                                        positions=positions, ancestors=ancestors)
         if self.drafter is not None and self.drafter.aux_layers:
             return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
         return self.model(input_ids, meta), []

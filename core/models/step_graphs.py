@@ -16,7 +16,8 @@ the runner allocates past the block manager's and no request owns. Padding seque
 point at block 0 and are masked out, as in the eager padded path.
 
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
-(at most ``SHORT_QUERY_MAX`` tokens), as a chain (no tree); the model's attention is plain
+(at most ``SHORT_QUERY_MAX`` tokens), as a chain or a token tree (a tree's positions and ancestor masks are data the
+graph reads: its static positions and masks); the model's attention is plain
 :class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
 work on the host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
 states (its head runs eagerly). On CPU the same static tensors are filled and the model runs on them eagerly, with
@@ -90,22 +91,25 @@ class StepGraphs:
     def scratch_blocks_needed(block_size: int) -> int:
         return -(-SHORT_QUERY_MAX // block_size)
 
-    def shape(self, query_lens: list[int], start_positions: list[int], decode: bool, trees: bool) -> StepShape | None:
+    def shape(self, query_lens: list[int], start_positions: list[int], decode: bool) -> StepShape | None:
         """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
         token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM)."""
         q = _bucket(max(query_lens))  # a power of two, as SHORT_QUERY_MAX is: fewer shapes as draft counts vary
-        if not decode or trees or q > SHORT_QUERY_MAX:
+        if not decode or q > SHORT_QUERY_MAX:
             return None
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
         return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
 
     def run(self, shape: StepShape, token_ids: list[int] | torch.Tensor, query_lens: list[int],
-            start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = ()
+            start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = (),
+            positions: list[int] | None = None, ancestors: list[torch.Tensor | None] | None = None
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
         outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
         ``shape.query_len`` tokens. ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
-        with the ids' padding (zero rows)."""
+        with the ids' padding (zero rows). ``positions`` and ``ancestors``: a step of token trees (as
+        :func:`~specray.models.attention.build_attention_metadata` takes them); a graph reads them as data (the
+        positions and the masks are static inputs), so trees and chains share graphs."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         if isinstance(token_ids, torch.Tensor):
@@ -123,10 +127,13 @@ class StepGraphs:
             if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
                 index = torch.tensor(real, dtype=torch.long, device=self.device)
                 inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
+        if ancestors is not None:
+            positions, ancestors = _padded_tree(query_lens, start_positions, positions, ancestors, q, pads)
         meta = build_attention_metadata(
             [q] * shape.batch, start_positions + [0] * pads,
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
-            self.device, min_ctx_blocks=shape.ctx_blocks, read_in_place=False)
+            self.device, positions=positions, ancestors=ancestors, min_ctx_blocks=shape.ctx_blocks,
+            read_in_place=False)
         graph = self.graphs.get(shape)
         if graph is None:
             graph = self.graphs[shape] = self._capture(meta, ids, inputs)  # its warm-up ran this step
@@ -211,13 +218,34 @@ class StepGraphs:
         return graph
 
 
+def _padded_tree(query_lens: list[int], starts: list[int], positions: list[int],
+                 ancestors: list[torch.Tensor | None], q: int, pads: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A tree step's positions and ancestor masks with every sequence's rows padded to ``q`` and ``pads`` padding
+    sequences: a padding row sits at its slot index and sees what the sequence's last row sees, and itself; no real
+    row sees a padding row."""
+    out_pos, out_anc, offset = [], [], 0
+    for n, start, anc in zip(query_lens, starts, ancestors):
+        out_pos += positions[offset: offset + n] + list(range(start + n, start + q))
+        offset += n
+        if anc is None or n == q:
+            out_anc.append(anc)
+            continue
+        mask = torch.zeros(q, q, dtype=torch.bool)
+        mask[:n, :n] = anc
+        mask[n:, :n] = anc[n - 1]
+        mask[range(n, q), range(n, q)] = True
+        out_anc.append(mask)
+    return out_pos + list(range(q)) * pads, out_anc + [None] * pads
+
+
 class HeadStepGraphs(StepGraphs):
     """A hidden-state draft head's passes replayed from graphs, as the target's decode steps are: each request
     brings its tokens (a chain step's one draft; a decode's first pass, the tokens the target just committed) and a
     feature row for each (the head's feedback, or the target's fused features), the head's KV cache has scratch
     blocks of its own for padding, and the graph's outputs are the feedback for the next step and the normed rows
     the drafts are picked from (``run`` returns them as (feedback, [normed])). Passes over more than
-    ``SHORT_QUERY_MAX`` tokens of one request (a prompt's) and trees run eagerly."""
+    ``SHORT_QUERY_MAX`` tokens of one request (a prompt's) and the head's own trees (EAGLE-2's levels) run
+    eagerly."""
 
     def __init__(self, head: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
                  max_position: int):
