@@ -145,6 +145,17 @@ CASES = {
                                                  "adaptive": False}, "async_scheduling": True},
     "eagle3-async": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
                      "async_scheduling": True},
+    "lookahead-async": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15},
+                        "async_scheduling": True},  # trees, node tokens the drafter learns from, accepted paths' moves
+    # steps from graphs (on CPU their padded static inputs, eagerly): trees' positions and masks as the graphs' data,
+    # a head's passes and a draft model's from graphs of their own, under preemption, aborts and chunked prefill
+    "ngram-tree-graphs": {"speculative_config": {**NGRAM, "num_speculative_tokens": 8, "num_branches": 3},
+                          "enforce_eager": False},
+    "eagle3-graphs-async": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
+                            "enforce_eager": False, "async_scheduling": True},
+    "draft_model-graphs": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3,
+                                                  "adaptive": False}, "enforce_eager": False,
+                           "enable_prefix_caching": True},
     # two tensor-parallel ranks as Ray actors (gloo) and the drafter as its own actor: every rewind and
     # preemption reaches both shards' caches
     # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)
@@ -195,6 +206,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
             assert engine.scheduler.prefix_cache_hits > 0
         if spec is not None and spec["method"] in HEADS:  # the heads are often right: the accepted path ran
             assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
+        if kwargs.get("enforce_eager") is False:  # steps really ran from graphs, the verify steps' among them
+            assert any(q > 1 for _, q, _ in engine.executor.worker.runner.graphs.graphs)
     finally:
         engine.shutdown()
 
