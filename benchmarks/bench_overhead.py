@@ -341,7 +341,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; tokenizer {tok_name}; prompt {args.prompt_len}, max_tokens "
           f"{args.max_tokens}, k {args.k}; median of {args.steps} steps after prefill + {args.warmup}; "
-          f"{'wall time, a device step of ' + str(args.device_ms) + ' ms included' if args.device_ms else args.clock + ' time'}"
+          f"{f'wall time, a device step of {args.device_ms} ms included' if args.device_ms else args.clock + ' time'}"
           f"; output_kind {args.output_kind}\n")
     what = "wall ms/step" if args.device_ms else "host ms/step"
     print(f"| batch | drafter | async scheduling | {what} (median) | p90 | mean | " + " | ".join(PHASES[:-1])

@@ -31,7 +31,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import check_heads_split
 from specray.models.loader import load_model, load_tokenizer, read_config
-from specray.models.step_graphs import StepGraphs, graph_safe
+from specray.models.step_graphs import StepGraphs, graphs_wanted, why_eager
 from specray.parallel import TPGroup
 from specray.penalties import penalize
 from specray.sampling import (SamplingBatch, apply_token_bitmask, draft_seed, logits_to_probs, make_generator,
@@ -130,10 +130,9 @@ class DraftModelDrafter:
     def _graphs(self, ctx: DrafterContext, tp: TPGroup, num_blocks: int) -> StepGraphs | None:
         """Graphs for the short passes when the engine's steps replay them (``enforce_eager``: False, or None on a
         GPU) and the model can be captured on one rank; their padding goes to scratch blocks past ``num_blocks``."""
-        eager = ctx.enforce_eager
-        if eager or (eager is None and self.device.type != "cuda"):
+        if not graphs_wanted(ctx.enforce_eager, self.device):
             return None
-        why = "it is split over ranks" if tp.size > 1 else graph_safe(self.model)
+        why = why_eager(self.model, tp.size)
         if why is not None:
             logger.info("the draft model's steps run eagerly, as %s", why)
             return None

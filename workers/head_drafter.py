@@ -64,7 +64,7 @@ from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
-from specray.models.step_graphs import HeadStepGraphs, StepGraphs, graph_safe
+from specray.models.step_graphs import HeadStepGraphs, StepGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
@@ -166,7 +166,7 @@ class HiddenStateDrafter:
         self.graphs: HeadStepGraphs | None = None
         scratch = 0
         if step_graphs and tree is None and getattr(head, "num_modules", 1) == 1:  # chains of draft steps
-            why = "it is split over ranks" if self.tp.size > 1 else graph_safe(head)
+            why = why_eager(head, self.tp.size)
             if why is None:
                 scratch = StepGraphs.scratch_blocks_needed(block_size)
                 # RoPE tables sized once, before any capture, for every position the target allows too: a table
@@ -419,7 +419,7 @@ class HiddenStateDrafter:
                 tokens, feedback = tokens.index_select(0, sel), feedback.index_select(0, sel)
             live = keep
             # step s reads d_s at the position after the root's (root + s - 1), with the feedback of the last
-            feedback, normed = self._step(tokens, feedback, [roots[j] + step - 1 for j in live],
+            feedback, normed = self._pass(tokens, feedback, [1] * len(live), [roots[j] + step - 1 for j in live],
                                           [tables[j] for j in live])
             conf, tokens, probs = self._pick(normed, draw, live)
             steps.append(_scatter(tokens, live, len(work)))
@@ -431,11 +431,6 @@ class HiddenStateDrafter:
         drawn = self._keep_drawn(plan, work, draw, table[0], qs)
         return [Drafted([int(t) for t in ids[: w.drafts]], scores=None if d else p[: w.drafts])
                 for ids, p, w, d in zip(table[0], table[1], work, drawn)]
-
-    def _step(self, tokens: torch.Tensor, feedback: torch.Tensor, positions: list[int], tables: list[list[int]]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chain draft step (a row per request)."""
-        return self._pass(tokens, feedback, [1] * len(positions), positions, tables)
 
     def _pass(self, tokens: list[int] | torch.Tensor, features: torch.Tensor, lens: list[int], starts: list[int],
               tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

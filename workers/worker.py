@@ -25,7 +25,7 @@ from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
 from specray.parallel import TPGroup
 from specray.workers.model_runner import ModelRunner
-from specray.models.step_graphs import graph_safe
+from specray.models.step_graphs import graphs_wanted, why_eager
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +187,9 @@ class Worker:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and
         possible; if not possible, a log line says why (a warning when they were asked for)."""
         eager = self.config.enforce_eager
-        if eager or (eager is None and self.device.type != "cuda"):
+        if not graphs_wanted(eager, self.device):
             return False
-        reason = "graphs run at tensor_parallel_size=1 only, for now" if self.world_size > 1 else graph_safe(self.model)
+        reason = why_eager(self.model, self.world_size)
         if reason is not None:
             log = logger.warning if eager is False else logger.info
             log("%severy step runs eagerly, as %s", "enforce_eager=False: " if eager is False else "", reason)

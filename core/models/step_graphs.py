@@ -20,9 +20,9 @@ Which steps qualify (the rest run eagerly): decode steps, every sequence bringin
 graph reads: its static positions and masks); the model's attention is plain
 :class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
 work on the host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
-states (its head runs eagerly). On CPU the same static tensors are filled and the model runs on them eagerly, with
-no graph: what the suite checks (outputs equal to the eager path's, and no host sync in the forward, which a
-capture would refuse).
+states (its head's passes replay graphs of their own: :class:`HeadStepGraphs`). On CPU the same static tensors are
+filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager path's,
+and no host sync in the forward, which a capture would refuse).
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, PagedAt
 from specray.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
+
+
+def graphs_wanted(enforce_eager: bool | None, device: torch.device) -> bool:
+    """``enforce_eager`` (vLLM's): False asks for graphs anywhere (on a CPU, the padded static inputs run eagerly:
+    for tests); None, on a GPU only; True, never."""
+    return enforce_eager is False or (enforce_eager is None and device.type == "cuda")
+
+
+def why_eager(model: torch.nn.Module, num_ranks: int) -> str | None:
+    """None when ``model``'s passes can replay graphs, else why they run eagerly (several ranks, or a layer that
+    cannot be captured)."""
+    if num_ranks > 1:
+        return f"graphs replay at one rank only, for now, and it is split over {num_ranks}"
+    return graph_safe(model)
 
 
 def graph_safe(model: torch.nn.Module) -> str | None:
@@ -112,21 +126,19 @@ class StepGraphs:
         positions and the masks are static inputs), so trees and chains share graphs."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
+        real = [b * q + j for b, n in enumerate(query_lens) for j in range(n)]
         if isinstance(token_ids, torch.Tensor):
             assert all(n == q for n in query_lens), (query_lens, q)  # no padding rows inside a sequence
-            real = range(len(query_lens) * q)
             ids = torch.cat((token_ids, token_ids.new_zeros(pads * q)))
-            inputs = tuple(torch.cat((x, x.new_zeros(pads * q, *x.shape[1:]))) for x in inputs)
         else:
-            padded, real, offset = [], [], 0
-            for b, n in enumerate(query_lens):
+            padded, offset = [], 0
+            for n in query_lens:
                 padded += token_ids[offset: offset + n] + [0] * (q - n)
-                real += range(b * q, b * q + n)
                 offset += n
             ids = torch.tensor(padded + [0] * (pads * q), dtype=torch.long, device=self.device)
-            if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
-                index = torch.tensor(real, dtype=torch.long, device=self.device)
-                inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
+        if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
+            index = torch.tensor(real, dtype=torch.long, device=self.device)
+            inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
         if ancestors is not None:
             positions, ancestors = _padded_tree(query_lens, start_positions, positions, ancestors, q, pads)
         meta = build_attention_metadata(
@@ -219,7 +231,8 @@ class StepGraphs:
 
 
 def _padded_tree(query_lens: list[int], starts: list[int], positions: list[int],
-                 ancestors: list[torch.Tensor | None], q: int, pads: int) -> tuple[list[int], list[torch.Tensor | None]]:
+                 ancestors: list[torch.Tensor | None], q: int, pads: int
+                 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """A tree step's positions and ancestor masks with every sequence's rows padded to ``q`` and ``pads`` padding
     sequences: a padding row sits at its slot index and sees what the sequence's last row sees, and itself; no real
     row sees a padding row."""
