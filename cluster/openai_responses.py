@@ -44,7 +44,7 @@ class ResponsesRequest(proto._Strict):
     parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None  # accepted; this server stores nothing
+    store: bool | None = None  # false: this response is not kept (kept by default, as OpenAI's are)
     user: str | None = None
     previous_response_id: str | None = None
     background: bool | None = None

@@ -307,8 +307,8 @@ class LLMEngine:
         self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
         self._forced, self._kept_nodes = set(), {}
         running = self.scheduler.running
-        load = len(running) + self.scheduler.num_waiting
-        if self.disable_by_batch_size is not None and load >= self.disable_by_batch_size:
+        limit = self.disable_by_batch_size
+        if limit is not None and len(running) + self.scheduler.num_waiting >= limit:
             # no drafter's drafts this step (a grammar's forced tokens still go); a worker's head drafts none next,
             # a request admitted now none after its prefill
             self._worker_drafts = {}
