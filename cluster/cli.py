@@ -149,6 +149,16 @@ def _add_serve_parser(sub) -> None:
                    help="serve tool_choice 'auto' (the default when a chat request gives tools): the model decides "
                    "whether to call, its calls read by --tool-call-parser (vLLM's); named and 'required' tool "
                    "choices work without it")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="render chat messages with this Jinja template (a file's path or the template itself) "
+                   "instead of the tokenizer's (vLLM's flag); for a model whose tokenizer has none")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                   help="where requests' unset sampling fields (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_tokens) take their defaults (vLLM's flag): auto, the model's "
+                   "generation_config.json (the default); vllm, specray's own; or a folder holding one")
+    p.add_argument("--override-generation-config", type=_json_arg, default=None, metavar="JSON",
+                   help='those defaults set or replaced, by generation_config.json\'s names, e.g. '
+                   '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
     p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
                    "Qwen3), llama3_json (Llama 3.1/3.2's JSON), mistral ([TOOL_CALLS] ...) or pythonic "
@@ -351,7 +361,8 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "placement_strategy", "max_queue_len", "max_seats_per_request", "max_tokens_per_request",
                 "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
-                "enable_auto_tool_choice", "tool_call_parser")
+                "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
+                "override_generation_config")
 
 
 def serve_app_args(args) -> dict:

@@ -136,6 +136,9 @@ class ServerConfig:
     # the Responses API's stored responses (``store``, ``previous_response_id``), kept in this replica's memory: at
     # most this many, least recently used out first (0: none kept)
     max_stored_responses: int = 0
+    # what a request's unset sampling fields take (SamplingParams' names): the model's generation config's
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # the template chat messages are rendered with (None: the tokenizer's)
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -885,9 +888,10 @@ class OpenAIServing:
             raise proto.bad_request(f"n={req.n} is more than this server allows per request ({config.max_n}); "
                                     "send several requests or lower n", "n")
         cap = config.max_tokens_per_request
-        total = req.n * num_prompts * (max_tokens if max_tokens is not None else self.client.max_model_len)
+        default = config.default_sampling.get("max_tokens", self.client.max_model_len)
+        total = req.n * num_prompts * (max_tokens if max_tokens is not None else default)
         if cap is not None and total > cap:
-            per_choice = "max_model_len, the default" if max_tokens is None else limit_param
+            per_choice = f"{limit_param}'s default, {default}" if max_tokens is None else limit_param
             raise proto.bad_request(
                 f"this request may generate {total} tokens (n={req.n} x {num_prompts} prompt(s) x {per_choice}); "
                 f"this server allows {cap} per request (max_tokens_per_request): lower n or {limit_param}",
@@ -910,24 +914,31 @@ class OpenAIServing:
 
     def _encode_chat_prompt(self, req: proto.ChatCompletionRequest) -> _Prompt:
         tokenizer = self.client.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead",
-                                    "messages")
+        template = self.config.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
+                                    "start the server with --chat-template FILE", "messages")
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
-                               req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
-                               tools=proto.template_tools(req.tools))
+                               req.continue_final_message, chat_template=template,
+                               chat_template_kwargs=req.chat_template_kwargs, tools=proto.template_tools(req.tools))
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
                  request_id: str) -> list[_Choice]:
+        """One engine request per prompt and choice. ``max_tokens`` None: the model's default max_tokens (its
+        generation config's max_new_tokens) where it has one, cut to what the prompt's context leaves."""
         choices = []
+        defaults = self.config.default_sampling
         for p, prompt in enumerate(prompts):
+            limit = max_tokens
+            if limit is None and "max_tokens" in defaults:
+                limit = min(defaults["max_tokens"], self.client.max_model_len - len(prompt.token_ids))
             for i in range(req.n):
                 index = p * req.n + i
-                params = proto.sampling_params(req, max_tokens, logprobs, i)
+                params = proto.sampling_params(req, limit, logprobs, i, defaults)
                 choices.append(_Choice(index, prompt, params, f"{request_id}-{index}"))
         return choices
 

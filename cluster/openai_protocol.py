@@ -781,14 +781,21 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
 # ---- request -> SamplingParams -------------------------------------------------------------------------
 
 def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The engine parameters of choice ``choice`` (0-based) of ``req``; a seed is offset by the choice so
-    the n choices differ but each is reproducible."""
+    the n choices differ but each is reproducible. ``defaults``: what the fields ``req`` leaves unset take
+    (the model's generation config's), over OpenAI's defaults."""
+    defaults = defaults or {}
+
+    def given(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        return defaults.get(name, fallback) if value is None else value
+
     kwargs: dict[str, Any] = dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=given("temperature", 1.0),
+        top_p=given("top_p", 1.0),
+        top_k=0 if req.top_k == -1 else given("top_k", 0),
+        min_p=given("min_p", 0.0),
         seed=None if req.seed is None else choice_seed(req.seed, choice),
         max_tokens=max_tokens,
         stop=req.stop_list(),
@@ -796,7 +803,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=given("repetition_penalty", 1.0),
         logit_bias=req.logit_bias or None,
         min_tokens=req.min_tokens or 0,
         allowed_token_ids=req.allowed_token_ids,

@@ -59,9 +59,10 @@ from specray.cluster.openai_app import (  # noqa: E402
 from specray.cluster.openai_protocol import MAX_N  # noqa: E402
 from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
 from specray.cluster.tool_parsers import check_tool_call_parser  # noqa: E402
+from specray.chat import load_chat_template  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
-from specray.engine.builder import check_engine_args, check_heads  # noqa: E402
+from specray.engine.builder import check_engine_args, check_heads, default_sampling_fields  # noqa: E402
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
@@ -135,6 +136,9 @@ class ServeArgs:
     # memory, least recently used out first; None: DEFAULT_STORED_RESPONSES with one replica, none with several
     # (a request may reach another replica than the one that stored its previous response); 0: none
     max_stored_responses: int | None = None
+    # vLLM's --chat-template: the template chat messages are rendered with, as a file's path or the template itself
+    # (read here, so replicas on other nodes need no file); None: the tokenizer's own
+    chat_template: str | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -185,7 +189,9 @@ class ServeArgs:
             self.served_model_name = default_served_name(self.model)
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        self.chat_template = load_chat_template(self.chat_template)
         check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
+        default_sampling_fields(self.engine_args())  # a generation config SamplingParams refuses, before too
 
     def _check_limits(self) -> None:
         for name in ("num_replicas", "max_ongoing_requests", "max_n"):
@@ -223,7 +229,9 @@ class ServeArgs:
                             reasoning_parser=self.reasoning_parser,
                             enable_auto_tool_choice=self.enable_auto_tool_choice,
                             tool_call_parser=self.tool_call_parser,
-                            max_stored_responses=self.max_stored_responses)
+                            max_stored_responses=self.max_stored_responses,
+                            default_sampling=default_sampling_fields(self.engine_args()),
+                            chat_template=self.chat_template)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

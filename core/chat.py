@@ -4,6 +4,7 @@ server. Torch-free."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 # apply_chat_template's own parameters: chat_template_kwargs (the template's variables) may not set them
@@ -65,6 +66,37 @@ def _template_call(index: int, j: int, call: Any) -> Any:
     except ValueError as err:
         raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments: {err}") from None
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def load_chat_template(template: str | None, field: str = "chat_template") -> str | None:
+    """A chat template given as the path of its file (.jinja) or as the template itself (vLLM's
+    ``--chat-template``), as its text; a ValueError naming ``field`` when it is neither or does not parse."""
+    if template is None:
+        return None
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{field}={template!r:.80} must be the path of a Jinja chat template file or the template "
+                         "itself")
+    text = template
+    if not any(c in template for c in "{}\n"):  # no Jinja in it: a path
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{field}={template!r} is neither a file nor a Jinja template (it has no {{{{ }}}} or "
+                             "{% %}); pass the path of an existing template file, or the template itself")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{field}={template!r} cannot be read ({err}); pass a UTF-8 text file") from None
+    import jinja2
+    from transformers.utils import chat_template_utils
+
+    # transformers' own compiler knows the tags its templates may use ({% generation %}, {% break %})
+    compile_template = getattr(chat_template_utils, "_compile_jinja_template",
+                               lambda t: jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(t))
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"{field} does not parse as a Jinja template: line {err.lineno}: {err.message}") from None
+    return text
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

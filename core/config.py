@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +247,11 @@ class RayPlacement:
 EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 
+# generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 @dataclass
 class EngineArgs:
     """The arguments of :class:`specray.LLM` (vLLM's names). Only ``specray.engine.build_engine`` reads this;
@@ -284,6 +290,13 @@ class EngineArgs:
     # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes
     # the next step, so that host work hides behind a device's; every output comes one step later
     async_scheduling: bool = False
+    # vLLM's: where requests' default sampling parameters come from. "auto": the model's generation_config.json
+    # (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), for whatever a request
+    # leaves unset; "vllm": specray's own defaults; or a folder holding the generation_config.json to read instead.
+    # The model's end-of-sequence ids from that file stop generation either way.
+    generation_config: str = "auto"
+    # vLLM's: those defaults set or replaced, by their generation_config.json names ({"temperature": 0.5})
+    override_generation_config: dict[str, Any] | None = None
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -336,6 +349,7 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
         check_seed(self.seed)
+        self._check_generation_config()
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -346,3 +360,20 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 (or None for the default)")
+
+    def _check_generation_config(self) -> None:
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config={self.generation_config!r} must be 'auto' (the model's "
+                             "generation_config.json), 'vllm' (specray's defaults) or a folder holding a "
+                             "generation_config.json")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
+            raise ValueError(f"generation_config={self.generation_config!r} is not 'auto', 'vllm' or an existing "
+                             "folder; pass a folder that holds a generation_config.json")
+        override = self.override_generation_config
+        if override is None:
+            return
+        if not isinstance(override, dict):
+            raise ValueError(f"override_generation_config={override!r:.100} must be a dict such as "
+                             "{'temperature': 0.5}")
+        check_keys("override_generation_config", override, GENERATION_CONFIG_FIELDS,
+                   " (generation_config.json's names)")

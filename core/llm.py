@@ -12,7 +12,7 @@ from typing import Any
 from specray.chat import check_chat_options, render_chat
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
-from specray.engine.builder import build_engine, check_engine_args, check_heads
+from specray.engine.builder import build_engine, check_engine_args, check_heads, default_sampling_fields
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -33,6 +33,10 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         check_keys("LLM(...)", kwargs, {f.name for f in dataclasses.fields(EngineArgs)} - {"model"})
         self.engine_args = EngineArgs(model=model, **kwargs)
+        self._default_sampling = default_sampling_fields(self.engine_args)
+        if self._default_sampling:
+            logger.info("requests' default sampling parameters come from the model's generation config: %s (pass "
+                        "generation_config='vllm' for specray's own)", self._default_sampling)
         if self.engine_args.executor_backend == "ray":
             from specray.models.loader import load_hf_config, load_tokenizer
 
@@ -50,6 +54,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self._tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` and ``chat`` use when given none (vLLM's): the model's generation config's
+        (``EngineArgs.generation_config``, ``override_generation_config``) over :class:`SamplingParams`'
+        defaults. A dict of parameters gets these for the fields it leaves out."""
+        return SamplingParams(**self._default_sampling)
 
     def shutdown(self) -> None:
         """Release the engine: its actors and placement groups (Ray backend), its workers. Idempotent."""
@@ -95,7 +105,8 @@ class LLM:
         before any runs, so a bad one raises ValueError and nothing else is disturbed."""
         self._check_open()
         prompts = _as_list(prompts)
-        params = [_salted(p, sp) for p, sp in zip(prompts, _params_per_prompt(sampling_params, len(prompts)))]
+        per_prompt = _params_per_prompt(sampling_params, len(prompts), self._default_sampling)
+        params = [_salted(p, sp) for p, sp in zip(prompts, per_prompt)]
         encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
         for (text, ids), sp in zip(encoded, params):
             self._validate(ids, sp)
@@ -192,26 +203,27 @@ def _as_list(prompts) -> list:
     return prompts
 
 
-def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt, from one (a SamplingParams or a dict of its fields) or one per prompt."""
+def _params_per_prompt(sampling_params, n: int, defaults: dict[str, Any]) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from one (a SamplingParams or a dict of its fields) or one per prompt;
+    ``defaults`` fill what None or a dict leaves out."""
     if sampling_params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [SamplingParams(**defaults) for _ in range(n)]
     if isinstance(sampling_params, (SamplingParams, dict, str, bytes)) or not isinstance(sampling_params, Iterable):
-        return [_as_params(sampling_params)] * n
-    sampling_params = [_as_params(sp) for sp in sampling_params]
+        return [_as_params(sampling_params, defaults)] * n
+    sampling_params = [_as_params(sp, defaults) for sp in sampling_params]
     if len(sampling_params) != n:
         raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts; pass one, or one per prompt")
     return sampling_params
 
 
-def _as_params(value: Any) -> SamplingParams:
+def _as_params(value: Any, defaults: dict[str, Any]) -> SamplingParams:
     if isinstance(value, SamplingParams):
         return value
     if not isinstance(value, dict):
         raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them (one "
                          f"per prompt), got {type(value).__name__}")
     check_keys("sampling_params", value, {f.name for f in dataclasses.fields(SamplingParams)})
-    return SamplingParams(**value)
+    return SamplingParams(**{**defaults, **value})
 
 
 def _choice(params: SamplingParams, index: int) -> SamplingParams:

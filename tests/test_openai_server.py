@@ -1396,6 +1396,56 @@ def test_queue_full_is_503():
         assert kv_state(base)["num_queued"] == 0
 
 
+def test_unset_sampling_fields_take_the_models_defaults():
+    """The model's generation config's defaults (ServerConfig.default_sampling) fill what a request leaves unset,
+    on both routes (a completion's max_tokens keeps OpenAI's default, 16); a value given wins (top_k -1 too: no
+    top-k); the default max_tokens is cut to what the prompt's context leaves rather than refused, and counts
+    against the per-request token cap."""
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                "max_tokens": 10}
+    fake = RecordingEngineClient()
+
+    def last():
+        params = fake.seen.pop()[1]
+        return (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+                params.max_tokens)
+
+    with app_in_thread(fake, default_sampling=defaults, max_tokens_per_request=16) as base:
+        assert http_json(base + "/v1/completions", {"prompt": "hi"})[0] == 200
+        assert last() == (0.6, 0.9, 20, 0.05, 1.1, 16)
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        assert http_json(base + "/v1/chat/completions", chat)[0] == 200
+        assert last() == (0.6, 0.9, 20, 0.05, 1.1, 10)
+        given = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "repetition_penalty": 1.0, "max_tokens": 3}
+        assert http_json(base + "/v1/chat/completions", {**chat, **given})[0] == 200
+        assert last() == (0.0, 1.0, 0, 0.05, 1.0, 3)
+        # 60 prompt tokens of a 64-token context: 4 left, fewer than the default 10
+        assert http_json(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 60}]})[0] == 200
+        assert last()[-1] == 4
+        status, err = error_of(http_json(base + "/v1/chat/completions", {**chat, "n": 2}))
+        assert status == 400 and "max_tokens's default, 10" in err["message"]
+
+
+def test_a_chat_template_of_the_servers_own(tiny_llama_dir):
+    """A tokenizer without a chat template: chat requests get a 400 that names --chat-template; with the server's
+    template they are rendered by it (/tokenize shows the tokens the engine gets)."""
+    from transformers import AutoTokenizer
+
+    fake = FakeEngineClient(tokens=1)
+    fake.tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    fake.tokenizer.chat_template = None  # a base model's
+    chat = {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]}
+    with app_in_thread(fake) as base:
+        status, err = error_of(http_json(base + "/v1/chat/completions", chat))
+        assert status == 400 and "--chat-template" in err["message"]
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    with app_in_thread(fake, chat_template=template) as base:
+        status, tokens = http_json(base + "/tokenize", chat)
+        assert status == 200
+        assert tokens["tokens"] == fake.tokenizer.encode("<user>Hello<assistant>Hi", add_special_tokens=False)
+        assert http_json(base + "/v1/chat/completions", chat)[0] == 200
+
+
 def test_engine_failure_is_500_before_output_and_an_error_event_mid_stream():
     with app_in_thread(FakeEngineClient(tokens=3, fail_after=0)) as base:
         status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi"}))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specray.config import EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
+from specray.config import GENERATION_CONFIG_FIELDS, EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
 from specray.drafters.base import DrafterContext, prepared, proposes_cheaply
@@ -17,7 +17,8 @@ from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.models.cpu_kernels import rows_for
-from specray.models.loader import check_path, load_hf_config, load_tokenizer, read_config
+from specray.models.loader import check_path, load_hf_config, load_tokenizer, read_config, read_generation_config
+from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
 from specray.workers.worker import WorkerConfig
@@ -43,9 +44,41 @@ def check_draft_count(spec: SpeculativeConfig | None, max_model_len: int) -> Non
                          "lower it (a few to a few tens)")
 
 
-def eos_ids(hf_config, tokenizer) -> frozenset[int]:
+def generation_config(args: EngineArgs) -> dict[str, Any]:
+    """The generation_config.json that ``args`` reads (the model's, or the folder ``generation_config`` names;
+    {} when there is none)."""
+    own = args.generation_config in ("auto", "vllm")
+    return read_generation_config(args.model if own else args.generation_config)
+
+
+def default_sampling_fields(args: EngineArgs, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a request that leaves a sampling field unset gets (vLLM's ``--generation-config``): the
+    generation config's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+    ``max_tokens``), unless ``generation_config`` is "vllm", then ``override_generation_config`` over them; as
+    :class:`SamplingParams` keyword arguments. As in vLLM, ``do_sample`` is not read: a temperature given is a
+    temperature used. A ValueError when SamplingParams refuses the values."""
+    config = generation_config(args) if config is None else config
+    fields = {} if args.generation_config == "vllm" else {
+        ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if config.get(theirs) is not None}
+    fields.update({GENERATION_CONFIG_FIELDS[k]: v for k, v in (args.override_generation_config or {}).items()})
+    if fields.get("top_k") == -1:  # vLLM's "no top-k"
+        fields["top_k"] = 0
+    try:
+        SamplingParams(**fields)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the default sampling parameters {fields} (from the generation config and "
+                         f"override_generation_config) are refused: {err}; set them in override_generation_config, "
+                         "or pass generation_config='vllm' to leave the model's out") from None
+    return fields
+
+
+def eos_ids(hf_config, tokenizer, generation: dict[str, Any] | None = None) -> frozenset[int]:
+    """Every id that ends a sequence: the model config's, the tokenizer's and the generation config's
+    ``eos_token_id`` (an instruction model's end of turn is often only there: Gemma 3's ``<end_of_turn>``)."""
     ids = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    sources = (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None),
+               (generation or {}).get("eos_token_id"))
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
@@ -120,6 +153,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     spec = args.speculative_config
     check_draft_count(spec, max_model_len)
+    generation = generation_config(args)
+    default_sampling_fields(args, generation)  # refused defaults fail here, before any worker starts
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
@@ -161,7 +196,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        "outputs end (length) when the cache is full; raise kv_cache_memory_bytes (or num_kv_blocks) "
                        "or lower max_model_len", pool_tokens, max_model_len)
     engine = LLMEngine(Scheduler(sched_config), executor, tokenizer, hf_config.vocab_size, max_model_len,
-                       eos_ids(hf_config, tokenizer), drafter, policy, router,
+                       eos_ids(hf_config, tokenizer, generation), drafter, policy, router,
                        worker_method=spec.method if in_worker else None,
                        worker_trees=in_worker and registry.worker_drafts_trees(spec),
                        worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None,

@@ -141,6 +141,25 @@ def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None) 
     return config if part is None else part[0]
 
 
+def read_generation_config(model: str | os.PathLike) -> dict[str, Any]:
+    """``model``'s generation_config.json (transformers' generation defaults) as a dict; {} when it has none (a
+    GGUF file carries none). ``model`` may also be a folder holding only that file."""
+    path = Path(model).expanduser()
+    folder = path if path.is_dir() and not (path / "config.json").is_file() else resolve_model(model).path
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(file)!r} is not valid JSON ({err}); fix it, or pass generation_config: a "
+                         "folder holding a valid one") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(file)!r} holds {type(config).__name__}, not a JSON object; fix it, or pass "
+                         "generation_config: a folder holding a valid one")
+    return config
+
+
 def load_tokenizer(model: str | os.PathLike):
     """The HF tokenizer of ``model``, chat template included."""
     from transformers import AutoTokenizer
