@@ -19,9 +19,9 @@ logger = logging.getLogger("specray.cli")
 
 
 _SPEC_METHOD_HELP = ("speculation method (default: none, plain decoding): ngram, draft_model, suffix, ngram_simple, "
-                     "ngram_map_k, ngram_map_k4v, ngram_mod, ngram_cache, lookahead, eagle3, eagle, mtp, medusa, "
-                     "redrafter, or a drafter class of your own as 'package.module:Class' (docs/user_drafter.md); its "
-                     "options go in --speculative-config")
+                     "ngram_map_k, ngram_map_k4v, ngram_mod, ngram_cache, prediction, lookahead, eagle3, eagle, mtp, "
+                     "medusa, redrafter, or a drafter class of your own as 'package.module:Class' "
+                     "(docs/user_drafter.md); its options go in --speculative-config")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ from specray.cluster.metrics import ServerMetrics, engine_state
 from specray.cluster.reasoning import ReasoningSplitter, starts_thinking
 from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
                                          parse_tool_calls, tool_call_streamer)
+from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -139,6 +140,8 @@ class ServerConfig:
     # what a request's unset sampling fields take (SamplingParams' names): the model's generation config's
     default_sampling: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # the template chat messages are rendered with (None: the tokenizer's)
+    # the engine drafts on the host, so a request's prediction (OpenAI's Predicted Outputs) is drafted from
+    drafts_predictions: bool = False
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -162,6 +165,7 @@ class _Choice:
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     sent_chars: int = 0
     sent_tokens: int = 0
+    predicted: bool = False  # it drafts from its prediction: its usage tells what came of it
     logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
     echoed: bool = False  # the prompt went out (completions with echo=true)
     reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
@@ -656,11 +660,14 @@ def _usage(choices: list[_Choice]) -> proto.Usage:
     prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}  # n choices share one prompt
     cached: dict[int, int] = {}  # the most any of a prompt's choices found cached
     stats = SpecStats()
+    predicted = SpecStats() if any(c.predicted for c in choices) else None
     for c in choices:
         stats.merge(c.spec_stats)
+        if c.predicted:
+            predicted.merge(c.spec_stats)
         cached[id(c.prompt)] = max(cached.get(id(c.prompt), 0), c.num_cached_tokens)
     return proto.make_usage(sum(prompts.values()), sum(len(c.output.token_ids) for c in choices), stats,
-                            sum(cached.values()))
+                            sum(cached.values()), predicted)
 
 
 # ---- the serving logic ---------------------------------------------------------------------------------
@@ -932,6 +939,9 @@ class OpenAIServing:
         generation config's max_new_tokens) where it has one, cut to what the prompt's context leaves."""
         choices = []
         defaults = self.config.default_sampling
+        method = req.speculative.method if req.speculative is not None else None
+        predicted = (getattr(req, "prediction", None) is not None and self.config.drafts_predictions
+                     and method in (None, PREDICTION))
         for p, prompt in enumerate(prompts):
             limit = max_tokens
             if limit is None and "max_tokens" in defaults:
@@ -939,7 +949,7 @@ class OpenAIServing:
             for i in range(req.n):
                 index = p * req.n + i
                 params = proto.sampling_params(req, limit, logprobs, i, defaults)
-                choices.append(_Choice(index, prompt, params, f"{request_id}-{index}"))
+                choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", predicted=predicted))
         return choices
 
     async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:

@@ -14,7 +14,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 from specray.chat import check_chat_options, tool_call_arguments
 from specray.detokenizer import TokenTexts
@@ -478,6 +478,25 @@ class TextPart(BaseModel):
         return value
 
 
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": ...}``, the output the client expects (a string
+    or text parts)."""
+
+    type: str
+    content: Text | list[TextPart]
+
+    @field_validator("type")
+    @classmethod
+    def _content_only(cls, value: str) -> str:
+        if value != "content":
+            raise ValueError(f"a prediction of type {value!r} is not supported; send {{'type': 'content', "
+                             "'content': ...}")
+        return value
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class MessageFunctionCall(BaseModel):
     """The function an earlier assistant turn called: its ``arguments`` (JSON text, as OpenAI sends them, or an
     object) reach the chat template as a dict, as HF templates expect (vLLM does the same)."""
@@ -639,6 +658,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI's Predicted Outputs: drafts come from it where the engine drafts on the host (SamplingParams.prediction)
+    prediction: Prediction | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -813,6 +834,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         cache_salt=req.cache_salt,
         structured_outputs=req.structured_outputs_params(),
+        prediction=req.prediction.text() if getattr(req, "prediction", None) is not None else None,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -863,19 +885,41 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (enable_prefix_caching), not computed
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's, with Predicted Outputs: the prediction's tokens the drafts took that the target kept, and those
+    it did not (the latter cost steps as the completion's own tokens do)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # only for a request with a prediction
     speculative: SpeculativeUsage
 
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler):
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
-def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats, cached_tokens: int = 0) -> Usage:
+
+def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats, cached_tokens: int = 0,
+               predicted: SpecStats | None = None) -> Usage:
+    """``predicted``: the speculation counters of the choices that drafted from a prediction (None: no choice
+    had one)."""
+    details = None if predicted is None else CompletionTokensDetails(
+        accepted_prediction_tokens=predicted.accepted_tokens,
+        rejected_prediction_tokens=predicted.draft_tokens - predicted.accepted_tokens)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                 speculative=SpeculativeUsage.from_stats(stats))
+                 completion_tokens_details=details, speculative=SpeculativeUsage.from_stats(stats))
 
 
 class CompletionLogprobs(BaseModel):

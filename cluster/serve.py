@@ -191,7 +191,8 @@ class ServeArgs:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         self.chat_template = load_chat_template(self.chat_template)
         check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
-        default_sampling_fields(self.engine_args())  # a generation config SamplingParams refuses, before too
+        # override_generation_config's values, before too (the model's own file is read where the model is)
+        default_sampling_fields(self.engine_args(), config={})
 
     def _check_limits(self) -> None:
         for name in ("num_replicas", "max_ongoing_requests", "max_n"):
@@ -231,7 +232,13 @@ class ServeArgs:
                             tool_call_parser=self.tool_call_parser,
                             max_stored_responses=self.max_stored_responses,
                             default_sampling=default_sampling_fields(self.engine_args()),
-                            chat_template=self.chat_template)
+                            chat_template=self.chat_template, drafts_predictions=self._drafts_on_host())
+
+    def _drafts_on_host(self) -> bool:
+        """The engine drafts in its own process (not a head in the target's worker): a request's prediction
+        (OpenAI's Predicted Outputs) is drafted from."""
+        spec = self.engine_args().speculative_config
+        return spec is not None and not drafter_registry.runs_in_worker(spec.method)
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

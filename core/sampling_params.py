@@ -81,6 +81,12 @@ class SamplingParams:
     without speculation gives, and sampled output follows the constrained distribution exactly. The request ends
     ("stop") when the grammar is complete and can take nothing more.
 
+    ``prediction`` (OpenAI's Predicted Outputs): most of the output the caller expects (a file to come back with
+    a few edits), as text or token ids. On an engine that drafts on the host (a lookup or a draft model) the request
+    drafts from it (method ``"prediction"``, :mod:`specray.drafters.prediction`) unless it picks another
+    ``speculative_method``; elsewhere (no speculation, a draft head in the worker) it is not used. The output is
+    the same either way: every draft is verified. The engine turns text into token ids at admission.
+
     ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
     step it takes part in, with all its tokens and text so far; ``"delta"`` reports it as often, with only what is
     new since its last report (tokens, text, logprobs; the prompt in the first report only; see
@@ -123,6 +129,8 @@ class SamplingParams:
     speculative_method: str | None = None  # specray extension; see the class docstring
     output_kind: str = "cumulative"  # vLLM's RequestOutputKind: "cumulative", "delta" or "final_only"
     cache_salt: str | None = None  # vLLM's (on the prompt there): see the class docstring
+    # OpenAI's Predicted Outputs: the output expected, as text or token ids (see the class docstring)
+    prediction: str | list[int] | None = None
     # vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -210,6 +218,11 @@ class SamplingParams:
                 raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams, "
                                  "a dict of its fields, or None")
             self.structured_outputs.check()
+        prediction = self.prediction
+        if prediction is not None and not isinstance(prediction, str) and (
+                not isinstance(prediction, (list, tuple)) or any(not _is_int(t) or t < 0 for t in prediction)):
+            raise ValueError(f"prediction={prediction!r:.100} must be the expected output's text or its token ids "
+                             "(ints >= 0), or None")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "
@@ -232,6 +245,11 @@ class SamplingParams:
         if bad:
             raise ValueError(f"allowed_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); drop "
                              "them")
+        if isinstance(self.prediction, (list, tuple)):
+            bad = [t for t in self.prediction if t >= vocab_size]
+            if bad:
+                raise ValueError(f"prediction contains token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                                 "drop them")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > vocab_size:

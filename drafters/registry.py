@@ -54,6 +54,9 @@ _DRAFTERS = {
                                 "specray.drafters.ngram_cache:NgramCacheOptions"),
     "suffix": DrafterEntry("specray.drafters.suffix:SuffixDrafter", "specray.drafters.suffix:SuffixOptions",
                            shares_pool=True),
+    # OpenAI's Predicted Outputs: drafts from the output a request says it expects (SamplingParams.prediction)
+    "prediction": DrafterEntry("specray.drafters.prediction:PredictionDrafter",
+                               "specray.drafters.prediction:PredictionOptions"),
     "lookahead": DrafterEntry("specray.drafters.lookahead:LookaheadDrafter",
                               "specray.drafters.lookahead:LookaheadOptions"),
     # heads that read the target's hidden states, on the target's driver rank (one module family:

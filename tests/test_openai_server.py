@@ -1426,6 +1426,36 @@ def test_unset_sampling_fields_take_the_models_defaults():
         assert status == 400 and "max_tokens's default, 10" in err["message"]
 
 
+def test_a_chat_prediction_reaches_the_engine_and_its_usage():
+    """OpenAI's Predicted Outputs: the prediction's text (a string or text parts) goes to the engine; where the
+    engine drafts on the host the usage tells the accepted and rejected prediction tokens (the fake engine's
+    counters: 1 draft of 2 tokens, 1 kept, per step), summed over choices, streamed too; elsewhere, or for a
+    request that picks another drafting method, there are no such details; a prediction of another type is a
+    400."""
+    fake = RecordingEngineClient()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "prediction": {"type": "content", "content": [{"type": "text", "text": "def f"}, {"type": "text",
+                                                                                           "text": "(): pass"}]}}
+    with app_in_thread(fake, drafts_predictions=True) as base:
+        status, body = http_json(base + "/v1/chat/completions", {**chat, "n": 2})
+        assert status == 200 and fake.seen[-1][1].prediction == "def f(): pass"
+        details = body["usage"]["completion_tokens_details"]
+        assert details == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": 6}
+        events = sse_events(base + "/v1/chat/completions",
+                            {**chat, "stream": True, "stream_options": {"include_usage": True}})
+        assert json.loads(events[-2])["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 3
+        other = {**chat, "speculative": {"method": "suffix"}}
+        assert "completion_tokens_details" not in http_json(base + "/v1/chat/completions", other)[1]["usage"]
+        plain = {k: v for k, v in chat.items() if k != "prediction"}
+        assert "completion_tokens_details" not in http_json(base + "/v1/chat/completions", plain)[1]["usage"]
+        status, err = error_of(http_json(base + "/v1/chat/completions",
+                                         {**chat, "prediction": {"type": "image", "content": "x"}}))
+        assert status == 400 and "prediction of type 'image'" in err["message"]
+    with app_in_thread(fake) as base:  # an engine that cannot draft from it: no details
+        status, body = http_json(base + "/v1/chat/completions", chat)
+        assert status == 200 and "completion_tokens_details" not in body["usage"]
+
+
 def test_a_chat_template_of_the_servers_own(tiny_llama_dir):
     """A tokenizer without a chat template: chat requests get a 400 that names --chat-template; with the server's
     template they are rendered by it (/tokenize shows the tokens the engine gets)."""

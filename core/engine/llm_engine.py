@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
+from specray.drafters.prediction import METHOD as PREDICTION
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
@@ -118,6 +119,7 @@ class LLMEngine:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
+        self._admit_prediction(params)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)
         grammar = (None if params.structured_outputs is None
@@ -134,6 +136,24 @@ class LLMEngine:
         self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold,
                                         prompt_logprobs=None if params.prompt_logprobs is None else [None])
         return req_id
+
+    def _admit_prediction(self, params: SamplingParams) -> None:
+        """A request's prediction (OpenAI's Predicted Outputs) as token ids, and its drafting method: the
+        ``prediction`` drafter, unless the request picked another method or this engine cannot route it to one (no
+        speculation, or a draft head in the worker); then the prediction is dropped, unused."""
+        if params.prediction is None:
+            return
+        if isinstance(params.prediction, str):
+            if self.tokenizer is None:
+                raise ValueError("prediction is text and this engine has no tokenizer; give its token ids")
+            params.prediction = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+        params.check(self.vocab_size)  # token ids outside the vocabulary are an error, used or not
+        usable = self.router is not None and self.worker_method is None
+        if not (usable and params.prediction and params.speculative_method in (None, PREDICTION)):
+            params.prediction = None
+            return
+        params.prediction = list(params.prediction)
+        params.speculative_method = PREDICTION
 
     def _admit_method(self, params: SamplingParams) -> bool:
         """A request's own drafting method (``speculative_method``): a ValueError when it may not have it; True
