@@ -928,7 +928,7 @@ class OpenAIServing:
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                req.continue_final_message, chat_template=template,
-                               chat_template_kwargs=req.chat_template_kwargs, tools=proto.template_tools(req.tools))
+                               chat_template_kwargs=_template_kwargs(req), tools=proto.template_tools(req.tools))
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
@@ -1012,6 +1012,12 @@ class OpenAIServing:
         finally:
             fanout.close()
             self.metrics.record_request(status)
+
+
+def _template_kwargs(req) -> dict[str, Any] | None:
+    """A chat request's variables for the chat template (a /tokenize request's are its chat_template_kwargs)."""
+    own = getattr(req, "template_kwargs", None)
+    return own() if own is not None else req.chat_template_kwargs
 
 
 def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:

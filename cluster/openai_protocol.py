@@ -660,6 +660,9 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: StrictBool | None = None
     # OpenAI's Predicted Outputs: drafts come from it where the engine drafts on the host (SamplingParams.prediction)
     prediction: Prediction | None = None
+    # OpenAI's, for reasoning models: the chat template gets it as its variable reasoning_effort (a template that
+    # reads it, as gpt-oss's, sets the effort; others ignore it); chat_template_kwargs' own value wins
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -710,6 +713,12 @@ class ChatCompletionRequest(_GenerationRequest):
         if name is not None and name not in declared:
             raise bad_request(f"tool_choice.function.name={name!r:.100} names no function in tools (declared: "
                               f"{list(declared)}); name one of them", "tool_choice.function.name")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: ``chat_template_kwargs``, over ``reasoning_effort``."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def tool_mode(self) -> str:
         """What ``tool_choice`` asks for: "none", "auto", "required" or "named" (OpenAI's default: "auto" with

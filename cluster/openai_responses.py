@@ -227,7 +227,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 _RENAMED = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format\.json_schema\b|\bresponse_format\b"), "text.format"),
             (re.compile(r"\bmessages\b(?:[.\[]\d+\]?)?"), "input"),
-            (re.compile(r"\b(tools[.\[]\d+\]?)\.function\b"), r"\1")]
+            (re.compile(r"\b(tools[.\[]\d+\]?)\.function\b"), r"\1"),
+            (re.compile(r"\breasoning_effort\b"), "reasoning.effort")]
 
 
 def in_responses_terms(err: proto.OpenAIError) -> proto.OpenAIError:
@@ -252,6 +253,9 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     response_format = _response_format(req.text)
     if response_format is not None:
         body["response_format"] = response_format
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:  # the chat template's reasoning_effort, as a chat request's
+        body["reasoning_effort"] = effort
     body["stream"] = req.stream
     return body
 

@@ -1456,6 +1456,38 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
         assert status == 200 and "completion_tokens_details" not in body["usage"]
 
 
+def test_reasoning_effort_reaches_the_chat_template(tiny_llama_dir):
+    """OpenAI's reasoning_effort (and the Responses API's reasoning.effort) is the chat template's variable
+    reasoning_effort; chat_template_kwargs' own value wins; a value OpenAI does not have is a 400 naming the
+    parameter."""
+    from transformers import AutoTokenizer
+
+    fake = RecordingEngineClient()
+    fake.tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    template = ("{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+    def prompt() -> str:
+        return fake.tokenizer.decode(fake.seen.pop()[0])
+
+    with app_in_thread(fake, chat_template=template) as base:
+        assert http_json(base + "/v1/chat/completions", {**chat, "reasoning_effort": "low"})[0] == 200
+        assert prompt() == "[low]Hi"
+        assert http_json(base + "/v1/chat/completions", chat)[0] == 200
+        assert prompt() == "Hi"
+        both = {**chat, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+        assert http_json(base + "/v1/chat/completions", both)[0] == 200
+        assert prompt() == "[high]Hi"
+        body = {"input": "Hi", "max_output_tokens": 2, "reasoning": {"effort": "medium"}}
+        assert http_json(base + "/v1/responses", body)[0] == 200
+        assert prompt() == "[medium]Hi"
+        status, err = error_of(http_json(base + "/v1/chat/completions", {**chat, "reasoning_effort": "max"}))
+        assert (status, err["param"]) == (400, "reasoning_effort")
+        status, err = error_of(http_json(base + "/v1/responses", {**body, "reasoning": {"effort": "max"}}))
+        assert (status, err["param"]) == (400, "reasoning.effort")
+
+
 def test_a_chat_template_of_the_servers_own(tiny_llama_dir):
     """A tokenizer without a chat template: chat requests get a 400 that names --chat-template; with the server's
     template they are rendered by it (/tokenize shows the tokens the engine gets)."""
