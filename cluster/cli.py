@@ -115,6 +115,9 @@ def _add_serve_parser(sub) -> None:
                    "checkpoint for eagle3 / eagle (eagle3 on the default model: the bundled head)")
     _add_passthrough_args(p)
     _add_prefix_caching_arg(p, on_by_default=True)  # as in vLLM, the Serve config and k8s/
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="fcfs: first come, first served (default); priority: requests' priority field, lowest first "
+                   "(vLLM's flag)")
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -362,7 +365,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
-                "override_generation_config")
+                "override_generation_config", "scheduling_policy")
 
 
 def serve_app_args(args) -> dict:

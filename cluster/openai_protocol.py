@@ -271,6 +271,7 @@ class _GenerationRequest(_Strict):
     bad_words: list[Text] | None = None  # vLLM's: words the output must not contain
     # vLLM's: with prefix caching, reuse only blocks cached by requests with the same salt (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0  # vLLM's: lower first, on a server started with --scheduling-policy priority
     # structured outputs, one way at most: OpenAI's response_format, vLLM's structured_outputs, or one of vLLM's
     # legacy guided_* fields (guided_json: a schema or its JSON text)
     response_format: ResponseFormat | None = None
@@ -842,6 +843,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         include_stop_str_in_output=req.include_stop_str_in_output,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         cache_salt=req.cache_salt,
+        priority=req.priority,
         structured_outputs=req.structured_outputs_params(),
         prediction=req.prediction.text() if getattr(req, "prediction", None) is not None else None,
     )

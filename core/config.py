@@ -290,6 +290,9 @@ class EngineArgs:
     # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes
     # the next step, so that host work hides behind a device's; every output comes one step later
     async_scheduling: bool = False
+    # vLLM's: "fcfs" (first come, first served) or "priority" (SamplingParams.priority, lowest first, then arrival:
+    # who is admitted first, who gets KV blocks first, who gives them back last)
+    scheduling_policy: str = "fcfs"
     # vLLM's: where requests' default sampling parameters come from. "auto": the model's generation_config.json
     # (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), for whatever a request
     # leaves unset; "vllm": specray's own defaults; or a folder holding the generation_config.json to read instead.
@@ -349,6 +352,9 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
         check_seed(self.seed)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
+                             "or 'priority' (SamplingParams.priority, lowest first)")
         self._check_generation_config()
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:

@@ -97,15 +97,20 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, each with ``n`` completions (its
         sampling parameters' ``n``; with a seed, completion i draws from ``seed + i``). Prompts are strings,
         token-id prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``; a dict prompt may carry vLLM's
-        ``"cache_salt"`` (``SamplingParams.cache_salt``). All prompts are validated
+        ``"cache_salt"`` (``SamplingParams.cache_salt``). ``priority`` (vLLM's): one per prompt, for an engine with
+        ``scheduling_policy="priority"`` (``SamplingParams.priority``). All prompts are validated
         before any runs, so a bad one raises ValueError and nothing else is disturbed."""
         self._check_open()
         prompts = _as_list(prompts)
         per_prompt = _params_per_prompt(sampling_params, len(prompts), self._default_sampling)
+        if priority is not None:
+            if not isinstance(priority, Sequence) or isinstance(priority, str) or len(priority) != len(prompts):
+                raise ValueError(f"priority={priority!r:.80} must be a list of one int per prompt ({len(prompts)})")
+            per_prompt = [replace(sp, priority=p) for sp, p in zip(per_prompt, priority)]
         params = [_salted(p, sp) for p, sp in zip(prompts, per_prompt)]
         encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
         for (text, ids), sp in zip(encoded, params):

@@ -87,6 +87,11 @@ class SamplingParams:
     ``speculative_method``; elsewhere (no speculation, a draft head in the worker) it is not used. The output is
     the same either way: every draft is verified. The engine turns text into token ids at admission.
 
+    ``priority`` (vLLM's): on an engine with ``scheduling_policy="priority"`` waiting requests are admitted, and
+    running ones given KV blocks, lowest value first (ties: first come, first served), and a request that must give
+    its blocks back when they run out is the running one with the highest value (the newest among equals). An
+    engine scheduling first come, first served refuses any value but 0.
+
     ``output_kind`` (vLLM's ``RequestOutputKind``): ``"cumulative"`` (the default) reports the request after every
     step it takes part in, with all its tokens and text so far; ``"delta"`` reports it as often, with only what is
     new since its last report (tokens, text, logprobs; the prompt in the first report only; see
@@ -131,6 +136,8 @@ class SamplingParams:
     cache_salt: str | None = None  # vLLM's (on the prompt there): see the class docstring
     # OpenAI's Predicted Outputs: the output expected, as text or token ids (see the class docstring)
     prediction: str | list[int] | None = None
+    # vLLM's: with scheduling_policy="priority", lower values are scheduled first (see the class docstring)
+    priority: int = 0
     # vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -223,6 +230,8 @@ class SamplingParams:
                 not isinstance(prediction, (list, tuple)) or any(not _is_int(t) or t < 0 for t in prediction)):
             raise ValueError(f"prediction={prediction!r:.100} must be the expected output's text or its token ids "
                              "(ints >= 0), or None")
+        if not _is_int(self.priority):
+            raise ValueError(f"priority={self.priority!r} must be an int (lower values are scheduled first)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
             raise ValueError(f"speculative_method={method!r} must be a drafting method's name, e.g. 'suffix', or "

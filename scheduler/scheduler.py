@@ -4,15 +4,15 @@ One unified token budget per step (vLLM v1's design): every request simply needs
 num_computed_tokens`` more tokens computed (a prefill remainder, or the one token sampled last step), plus the
 drafts the engine wants verified. A step is planned in three passes:
 
-1. RUNNING requests, oldest first, get their required tokens (prefill chunks cut to the budget). When KV blocks
-   run out, the newest running request is preempted by recompute (blocks freed, back to the front of the
-   waiting queue, its output kept and recomputed as context later) until the request fits, or it is itself the
-   newest and preempts itself.
+1. RUNNING requests, oldest first (``scheduling_policy="priority"``: lowest priority value first, then oldest), get
+   their required tokens (prefill chunks cut to the budget). When KV blocks run out, the last running request in
+   that order is preempted by recompute (blocks freed, back to the front of the waiting queue, its output kept and
+   recomputed as context later) until the request fits, or it is itself the last and preempts itself.
 2. Their drafts, trimmed to the remaining budget, to ``max_model_len``, to what ``max_tokens`` still allows, and
    to the free blocks. Drafts never preempt anybody and never take the budget of another request's required
    token.
-3. WAITING requests, first in first out, while seats, budget and blocks last (skipped in a step that preempted,
-   so a request is never preempted and readmitted in one plan).
+3. WAITING requests, first in first out (``"priority"``: by priority, then arrival), while seats, budget and
+   blocks last (skipped in a step that preempted, so a request is never preempted and readmitted in one plan).
 
 Worker-side state is tracked per request: how many block ids the worker holds and how much of that prefix is
 still unchanged since the last plan (``rewind`` only cuts a table's end, ``allocate`` only appends), which is
@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 _FINISH_STATUS = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 8
@@ -62,6 +65,9 @@ class SchedulerConfig:
     thinking_tokens: tuple[int, int] | None = field(default=None, kw_only=True)
     # vLLM's automatic prefix caching: a request starts from the cached blocks its tokens share with earlier ones
     enable_prefix_caching: bool = field(default=False, kw_only=True)
+    # vLLM's: "fcfs" (first come, first served) or "priority" (SamplingParams.priority, lowest first; ties by
+    # arrival): the order of admission, of KV blocks for running requests, and of preemption (last first)
+    scheduling_policy: str = field(default="fcfs", kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("worker_draft_steps", "worker_tree_slots"):
@@ -74,6 +80,8 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
                              ">= 0 (0: no bound)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {list(SCHEDULING_POLICIES)}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be true or false")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
@@ -104,6 +112,9 @@ class Scheduler:
         # found when they are reported, after that update or, with async scheduling, after the next schedule)
         self._just_finished: dict[str, Request] = {}
         self._kv_moves: dict[str, KVMove] = {}  # accepted tree paths to move into committed slots (next plan)
+        # the order requests are served in: running ones get blocks in it and give them back in reverse; waiting
+        # ones are admitted in it (first come, first served; or by priority, then arrival)
+        self._order = (_arrival if config.scheduling_policy == "fcfs" else _priority_then_arrival)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -119,6 +130,10 @@ class Scheduler:
             raise ValueError(f"req_id={req.req_id!r} is already in use; give each request a unique id")
         check_prompt(req.prompt_token_ids, cfg.max_model_len, cfg.vocab_size)
         req.sampling_params.check(cfg.vocab_size)
+        if req.sampling_params.priority != 0 and cfg.scheduling_policy != "priority":
+            raise ValueError(f"priority={req.sampling_params.priority} needs an engine with scheduling_policy="
+                             f"'priority' (this one serves requests first come, first served: "
+                             f"{cfg.scheduling_policy!r}); start it with that policy or leave priority 0")
         if n > self._pool_slots:
             raise ValueError(f"prompt_token_ids has {n} tokens but the KV cache holds only {self._pool_slots} "
                              f"(num_blocks={cfg.num_blocks} x block_size={cfg.block_size}); raise num_blocks "
@@ -206,7 +221,9 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        self.running.sort(key=lambda r: r.arrival_order)
+        self.running.sort(key=self._order)
+        if self._order is not _arrival and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._order))
         budget = self.config.max_num_batched_tokens
         preemptions = self.num_preemptions
         required = self._reserve_running(budget)
@@ -565,6 +582,14 @@ class Scheduler:
             return False
         self._kept_blocks.pop(req.req_id, None)
         return True
+
+
+def _arrival(req: Request) -> tuple:
+    return req.arrival_order
+
+
+def _priority_then_arrival(req: Request) -> tuple:
+    return req.sampling_params.priority, req.arrival_order
 
 
 def _new_request(req: Request) -> NewRequest:

@@ -317,9 +317,10 @@ def test_serve_request_caps_reach_the_app_config(tiny_llama_dir):
     assert default.max_seats_per_request == 4 and default.max_request_body_bytes == 4 * 2 ** 20
 
 
-def test_serve_chat_template_and_generation_config_flags(tiny_llama_dir, tmp_path):
+def test_serve_chat_template_generation_config_and_scheduling_flags(tiny_llama_dir, tmp_path):
     """--chat-template (a file, read once here so replicas need none), --generation-config and
-    --override-generation-config reach the app's config: the template's text and the requests' defaults."""
+    --override-generation-config reach the app's config: the template's text and the requests' defaults;
+    --scheduling-policy the engine's arguments."""
     from specray.cluster.cli import build_parser, serve_app_args
     from specray.cluster.serve import ServeArgs
 
@@ -327,12 +328,13 @@ def test_serve_chat_template_and_generation_config_flags(tiny_llama_dir, tmp_pat
     (tmp_path / "chat.jinja").write_text(template)
     args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--chat-template",
                                       str(tmp_path / "chat.jinja"), "--generation-config", "vllm",
-                                      "--override-generation-config", '{"temperature": 0.3, "max_new_tokens": 20}'])
+                                      "--override-generation-config", '{"temperature": 0.3, "max_new_tokens": 20}',
+                                      "--scheduling-policy", "priority"])
     parsed = ServeArgs.from_dict(serve_app_args(args))
     config = parsed.server_config(max_num_seqs=8)
     assert config.chat_template == template and parsed.chat_template == template
     assert config.default_sampling == {"temperature": 0.3, "max_tokens": 20}
-    assert parsed.engine_args().generation_config == "vllm"
+    assert parsed.engine_args().generation_config == "vllm" and parsed.engine_args().scheduling_policy == "priority"
     default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
     assert default.chat_template is None and default.default_sampling == {}
     with pytest.raises(ValueError, match="chat_template='nope.jinja' is neither a file"):

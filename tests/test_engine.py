@@ -856,3 +856,24 @@ def test_engine_shutdown_drops_requests_and_releases_the_executor(tiny_llama_dir
     llm.shutdown()
     with pytest.raises(RuntimeError, match="this LLM was shut down"):
         llm.generate("ok", greedy(), use_tqdm=False)
+
+
+def test_priority_scheduling_admits_by_priority_and_keeps_outputs(tiny_llama_dir, plain, plain_outputs):
+    """scheduling_policy="priority" with LLM.generate's priority (vLLM's): greedy outputs are plain decoding's;
+    the lowest values are admitted first; an engine that serves first come, first served refuses a priority."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, max_num_seqs=2, scheduling_policy="priority",
+              speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False, priority=[3, 2, 1, 0, -1, -2, -3, -4])
+    assert token_ids(outs) == plain_outputs
+    engine, tok = llm.engine, llm.get_tokenizer()
+    ids = [engine.add_request(tok.encode(p), greedy(4, priority=value))
+           for p, value in zip(PROMPTS[:4], [2, 0, 1, -1])]
+    engine.step()
+    assert sorted(r.req_id for r in engine.scheduler.running) == sorted([ids[3], ids[1]])
+    engine.abort_request(ids)
+    with pytest.raises(ValueError, match="priority=.* must be a list of one int per prompt"):
+        llm.generate(PROMPTS[:2], greedy(), use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority=1 needs an engine with scheduling_policy='priority'"):
+        plain.generate(PROMPTS[:2], greedy(), use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="scheduling_policy='lottery' must be 'fcfs'"):
+        EngineArgs(model="m", scheduling_policy="lottery")

@@ -498,6 +498,8 @@ BAD_PARAMS = [
     ({"stop_token_ids": [99999]}, "stop_token_ids"),  # the same, with a message of the form "name contains ..."
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
+    ({"priority": 1}, "priority"),  # this engine serves first come, first served: refused by the engine replica
+    ({"priority": "high"}, "priority"),
 ]
 
 

@@ -318,6 +318,47 @@ def test_preemption_takes_the_newest_running_request_first():
     assert list(sched.waiting) == [reqs[1]] and not plan.new_requests  # no readmission in a preempting step
 
 
+def test_priority_scheduling_admits_serves_and_preempts_by_priority():
+    """scheduling_policy="priority" (vLLM's): waiting requests are admitted lowest priority value first (ties by
+    arrival), running ones get blocks in that order and the last of them gives its blocks back first, even when it
+    is the oldest; outputs are still each request's own."""
+    sched = make_sched(num_blocks=64, block_size=4, max_num_seqs=2, scheduling_policy="priority")
+    for name, t, prio in (("low", 0.0, 5), ("mid", 1.0, 0), ("high", 2.0, -1), ("mid2", 3.0, 0)):
+        sched.add_request(make_req(name, 4, 3, arrival=t, priority=prio))
+    plan, _ = step(sched)
+    assert [c.req_id for c in plan.chunks] == ["high", "mid"]
+    order = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched)
+        order += [n.req_id for n in plan.new_requests]
+    assert order == ["mid2", "low"]
+
+    sched = make_sched(num_blocks=6, block_size=4, scheduling_policy="priority")
+    worker = FakeWorker(6, 4)
+    reqs = [make_req(name, 8, 12, arrival=t, priority=prio)
+            for name, t, prio in (("old", 0.0, 1), ("new", 2.0, 0), ("mid", 1.0, 0))]
+    for r in reqs:
+        sched.add_request(r)
+    worker_step(sched, worker)  # 3 x 2 blocks, 0 free
+    plan, _ = worker_step(sched, worker)  # "mid" needs a block: "old" (priority 1, oldest) goes
+    assert plan.preempted_req_ids == ["old"] and [c.req_id for c in plan.chunks] == ["mid", "new"]
+    done = run_to_end(sched, worker)
+    assert len(done) == 3 and reqs[0].num_preemptions >= 1
+    assert all(r.output_token_ids == [truth(r.req_id, 8 + i) for i in range(12)] for r in done.values())
+
+
+def test_first_come_first_served_refuses_a_priority():
+    sched = make_sched()
+    with pytest.raises(ValueError, match="priority=3 needs an engine with scheduling_policy='priority'"):
+        sched.add_request(make_req("a", 3, priority=3))
+    assert not sched.requests
+    sched.add_request(make_req("b", 3, priority=0))
+    with pytest.raises(ValueError, match="scheduling_policy='lifo' must be one of"):
+        make_sched(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="priority='1' must be an int"):
+        SamplingParams(priority="1")
+
+
 def test_drafts_never_preempt():
     sched = make_sched(num_blocks=5, block_size=4)
     a, b = make_req("a", 7, 30, arrival=0.0), make_req("b", 8, 30, arrival=1.0)
@@ -463,11 +504,13 @@ def test_request_beyond_the_kv_pool_finishes_on_length():
 def test_randomized_runs_replay_exactly_on_a_fake_worker(seed):
     rng = random.Random(seed)
     num_blocks, block_size, max_model_len = 20, 4, 48
+    policy = "priority" if seed % 2 else "fcfs"  # odd seeds: random priorities reorder admission and preemption
     sched = make_sched(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 64]),
-                       long_prefill_token_threshold=[0, 3, 0, 7, 0, 5][seed])
+                       long_prefill_token_threshold=[0, 3, 0, 7, 0, 5][seed], scheduling_policy=policy)
     worker = FakeWorker(num_blocks, block_size)
-    pending = [make_req(f"r{seed}-{i}", rng.randint(1, 30), rng.randint(1, 40), arrival=float(i)) for i in range(14)]
+    pending = [make_req(f"r{seed}-{i}", rng.randint(1, 30), rng.randint(1, 40), arrival=float(i),
+                        priority=rng.randint(-2, 2) if policy == "priority" else 0) for i in range(14)]
     quality = {r.req_id: rng.random() for r in pending}
     done, aborted, cut = {}, set(), set()
     for _ in range(2000):

@@ -187,6 +187,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         worker_writes_kv=not in_worker or registry.worker_writes_kv(spec),
         thinking_tokens=thinking,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
