@@ -62,7 +62,9 @@ from specray.cluster.tool_parsers import check_tool_call_parser  # noqa: E402
 from specray.chat import load_chat_template  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
-from specray.engine.builder import check_engine_args, check_heads, default_sampling_fields  # noqa: E402
+from specray.drafters.prediction import METHOD as PREDICTION  # noqa: E402
+from specray.engine.builder import (check_engine_args, check_heads, default_sampling_fields,  # noqa: E402
+                                    lookup_beside_head)
 from specray.errors import EngineError  # noqa: E402
 from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
@@ -235,10 +237,15 @@ class ServeArgs:
                             chat_template=self.chat_template, drafts_predictions=self._drafts_on_host())
 
     def _drafts_on_host(self) -> bool:
-        """The engine drafts in its own process (not a head in the target's worker): a request's prediction
-        (OpenAI's Predicted Outputs) is drafted from."""
+        """A request's prediction (OpenAI's Predicted Outputs) is drafted from: the engine drafts in its own
+        process, or its head in the worker is combined with the prediction drafter (``combine_with``)."""
         spec = self.engine_args().speculative_config
-        return spec is not None and not drafter_registry.runs_in_worker(spec.method)
+        if spec is None:
+            return False
+        if not drafter_registry.runs_in_worker(spec.method):
+            return True
+        lookup = lookup_beside_head(spec)
+        return lookup is not None and lookup.method == PREDICTION
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

@@ -84,8 +84,9 @@ class SamplingParams:
     ``prediction`` (OpenAI's Predicted Outputs): most of the output the caller expects (a file to come back with
     a few edits), as text or token ids. On an engine that drafts on the host (a lookup or a draft model) the request
     drafts from it (method ``"prediction"``, :mod:`specray.drafters.prediction`) unless it picks another
-    ``speculative_method``; elsewhere (no speculation, a draft head in the worker) it is not used. The output is
-    the same either way: every draft is verified. The engine turns text into token ids at admission.
+    ``speculative_method``; a draft head in the worker uses it when combined with it (``combine_with:
+    "prediction"``); elsewhere (no speculation, a head without it) it is not used. The output is the same either
+    way: every draft is verified. The engine turns text into token ids at admission.
 
     ``priority`` (vLLM's): on an engine with ``scheduling_policy="priority"`` waiting requests are admitted, and
     running ones given KV blocks, lowest value first (ties: first come, first served), and a request that must give

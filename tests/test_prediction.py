@@ -10,6 +10,7 @@ from specray import LLM, SamplingParams
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext
 from specray.drafters.prediction import PredictionDrafter
+import specray_test_draft_heads as draft_heads  # tests/draft_heads.py, via conftest
 from specray_test_engine_runs import PROMPTS, greedy, token_ids  # tests/engine_runs.py, via conftest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 6}
@@ -92,6 +93,31 @@ def test_seeded_sampling_is_plains_with_a_prediction(tiny_llama_dir, plain):
     outs = llm.generate(PROMPTS[:3], with_prediction, use_tqdm=False)
     assert token_ids(outs) == want
     assert sum(o.spec_stats.accepted_tokens for o in outs) > 0
+
+
+def test_a_head_combined_with_the_prediction_drafter(make_tiny_model, tmp_path_factory):
+    """An EAGLE-3 head with ``combine_with: "prediction"``: a request with a prediction verifies whichever drafts
+    the policy prices higher, the head's or the prediction's, and one without has the head's alone; greedy output
+    is plain decoding's. The head here is random (its drafts are almost never kept), so the exact prediction's
+    request keeps many drafts only through the prediction; without combine_with the prediction is dropped."""
+    target = make_tiny_model(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=6,
+                             tie_word_embeddings=True)
+    head = draft_heads.write_random_head(tmp_path_factory.mktemp("eagle3"), "eagle3", target)
+    want = token_ids(LLM(model=str(target), max_model_len=256).generate(PROMPTS[:4], greedy(32), use_tqdm=False))
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    predictions = [want[0], edited(want[1]), None, list(range(40, 60))]
+    for combined in (True, False):
+        llm = LLM(model=str(target), max_model_len=256,
+                  speculative_config={**spec, "combine_with": "prediction"} if combined else spec)
+        policy = llm.engine.policy
+        for n in range(1, 41):  # a step's fixed cost dominates, as for real models (a tiny one's has none)
+            policy.observe_step(n, 8, 0.05 + 0.001 * n)
+        policy.observe_step = lambda *args: None
+        for _ in range(2):  # the second time the policy knows from the first what each kind of draft is worth
+            outs = llm.generate(PROMPTS[:4], [greedy(32, prediction=p) for p in predictions], use_tqdm=False)
+            assert token_ids(outs) == want
+        kept = outs[0].spec_stats.accepted_tokens
+        assert kept >= 8 if combined else kept <= 2, (combined, [o.spec_stats.as_dict() for o in outs])
 
 
 def test_a_prediction_is_dropped_where_it_cannot_be_drafted_from(tiny_llama_dir, plain, expected):

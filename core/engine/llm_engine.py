@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
-from specray.drafters.prediction import METHOD as PREDICTION
+from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
@@ -138,9 +138,11 @@ class LLMEngine:
         return req_id
 
     def _admit_prediction(self, params: SamplingParams) -> None:
-        """A request's prediction (OpenAI's Predicted Outputs) as token ids, and its drafting method: the
-        ``prediction`` drafter, unless the request picked another method or this engine cannot route it to one (no
-        speculation, or a draft head in the worker); then the prediction is dropped, unused."""
+        """A request's prediction (OpenAI's Predicted Outputs) as token ids, and who drafts from it: on an engine
+        that drafts on the host, the ``prediction`` drafter (the request's method, routed), unless the request
+        picked another method; on one whose head drafts in the worker, the ``prediction`` drafter beside the head
+        (``combine_with: "prediction"``), whose proposals the engine weighs against the head's. Elsewhere (no
+        speculation, a head without it) the prediction is dropped, unused."""
         if params.prediction is None:
             return
         if isinstance(params.prediction, str):
@@ -148,12 +150,17 @@ class LLMEngine:
                 raise ValueError("prediction is text and this engine has no tokenizer; give its token ids")
             params.prediction = self.tokenizer.encode(params.prediction, add_special_tokens=False)
         params.check(self.vocab_size)  # token ids outside the vocabulary are an error, used or not
-        usable = self.router is not None and self.worker_method is None
-        if not (usable and params.prediction and params.speculative_method in (None, PREDICTION)):
+        if self.worker_method is not None:
+            usable = isinstance(self.drafter, PredictionDrafter) and params.speculative_method in (
+                None, self.worker_method)
+        else:
+            usable = self.router is not None and params.speculative_method in (None, PREDICTION)
+        if not (usable and params.prediction):
             params.prediction = None
             return
         params.prediction = list(params.prediction)
-        params.speculative_method = PREDICTION
+        if self.worker_method is None:
+            params.speculative_method = PREDICTION
 
     def _admit_method(self, params: SamplingParams) -> bool:
         """A request's own drafting method (``speculative_method``): a ValueError when it may not have it; True
