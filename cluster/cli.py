@@ -44,6 +44,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_prefix_caching_arg(p, on_by_default=False)
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
+    _add_gpu_memory_arg(p)
     _add_passthrough_args(p)
 
 
@@ -86,6 +87,12 @@ def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (default: decode and verify steps replay CUDA graphs on a GPU)")
 
 
+def _add_gpu_memory_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="the share of each GPU's memory the engine may use, weights included (vLLM's flag; default: "
+                   "all that is free; no effect on CPU)")
+
+
 def _add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_const", const=True, default=None,
                    help="build each step's outputs while the next step computes (vLLM's flag): host work hidden "
@@ -120,6 +127,7 @@ def _add_serve_parser(sub) -> None:
                    "(vLLM's flag)")
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
+    _add_gpu_memory_arg(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -291,7 +299,7 @@ def engine_kwargs(args) -> dict:
                   distributed_executor_backend=args.distributed_executor_backend)
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    for flag in ("enforce_eager", "async_scheduling"):
+    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -365,7 +373,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
-                "override_generation_config", "scheduling_policy")
+                "override_generation_config", "scheduling_policy", "gpu_memory_utilization")
 
 
 def serve_app_args(args) -> dict:

@@ -275,6 +275,9 @@ class EngineArgs:
     # vLLM's: a reasoning model's thinking phase ("deepseek_r1", "qwen3"); structured outputs govern what follows it
     reasoning_parser: str | None = None
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 80% of free memory on a GPU
+    # vLLM's: the share of each GPU's total memory the engine may use, weights included (80% of what is left once
+    # the weights are in goes to the KV cache); None: whatever is free. kv_cache_memory_bytes wins; no effect on CPU
+    gpu_memory_utilization: float | None = None
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
     # a mixture-of-experts target's experts split whole over the tensor-parallel ranks (vLLM's name); else each
@@ -362,6 +365,10 @@ class EngineArgs:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
                              ">= 0 (0: no bound)")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization={util!r} must be a number in (0, 1] (the share of each GPU's "
+                             "memory the engine may use), or None")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -877,3 +877,20 @@ def test_priority_scheduling_admits_by_priority_and_keeps_outputs(tiny_llama_dir
         plain.generate(PROMPTS[:2], greedy(), use_tqdm=False, priority=[0, 1])
     with pytest.raises(ValueError, match="scheduling_policy='lottery' must be 'fcfs'"):
         EngineArgs(model="m", scheduling_policy="lottery")
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache():
+    """vLLM's gpu_memory_utilization: the KV cache gets GPU_KV_CACHE_FRACTION of the share of the GPU's total memory
+    the engine may use less what is in use already (None: of what is free); a share used up by the weights is a
+    ValueError that says so; out-of-range values are refused up front."""
+    from specray.workers.worker import GPU_KV_CACHE_FRACTION, gpu_kv_budget
+
+    gib = 1 << 30
+    assert gpu_kv_budget(60 * gib, 80 * gib, None) == int(60 * gib * GPU_KV_CACHE_FRACTION)
+    assert gpu_kv_budget(60 * gib, 80 * gib, 1.0) == int(60 * gib * GPU_KV_CACHE_FRACTION)
+    assert gpu_kv_budget(60 * gib, 80 * gib, 0.5) == int(20 * gib * GPU_KV_CACHE_FRACTION)  # 40 allowed, 20 used
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 allows 16.00 GiB .* 20.00 GiB are in use"):
+        gpu_kv_budget(60 * gib, 80 * gib, 0.2)
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization=.* must be a number in"):
+            EngineArgs(model="m", gpu_memory_utilization=bad)

@@ -30,7 +30,7 @@ from specray.models.step_graphs import graphs_wanted, why_eager
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # per rank, unless the engine arguments say otherwise
-GPU_KV_CACHE_FRACTION = 0.8  # of the free memory after the weights are loaded
+GPU_KV_CACHE_FRACTION = 0.8  # of the memory left after the weights are loaded (the rest: activations, graphs)
 DIST_TIMEOUT_S = 120  # a collective that waits longer than this on a dead peer fails instead of hanging
 
 
@@ -44,6 +44,8 @@ class WorkerConfig:
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    # vLLM's: the share of a GPU's total memory this engine may use, weights included (None: all that is free)
+    gpu_memory_utilization: float | None = None
     num_threads: int | None = None  # torch CPU threads for this rank
     # a drafter that runs on the driver rank beside the target (hidden-state heads), as plain data
     # (specray.drafters.hidden_state.worker_config); None: none
@@ -61,6 +63,24 @@ class WorkerConfig:
     # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.models.step_graphs);
     # None: graphs on a GPU, eager elsewhere
     enforce_eager: bool | None = None
+
+
+def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
+    """The KV cache's bytes on a GPU with ``free`` of ``total`` bytes free once the weights are loaded:
+    ``GPU_KV_CACHE_FRACTION`` of what this engine may still take (the rest is headroom for activations and CUDA
+    graphs), which is all that is free, or with ``utilization`` (vLLM's ``gpu_memory_utilization``) that share of
+    the total less what is in use already (this engine's weights, other processes). A ValueError when that share
+    is used up before the cache."""
+    if utilization is None:
+        return int(free * GPU_KV_CACHE_FRACTION)
+    allowed = utilization * total - (total - free)
+    if allowed <= 0:
+        gib = 1 << 30
+        raise ValueError(f"gpu_memory_utilization={utilization} allows {utilization * total / gib:.2f} GiB of this "
+                         f"GPU's {total / gib:.2f} GiB, and {(total - free) / gib:.2f} GiB are in use already (the "
+                         "weights and any other process): nothing is left for the KV cache; raise "
+                         "gpu_memory_utilization or free the GPU")
+    return int(allowed * GPU_KV_CACHE_FRACTION)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -162,7 +182,7 @@ class Worker:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
+                budget = gpu_kv_budget(*torch.cuda.mem_get_info(self.device), self.config.gpu_memory_utilization)
             else:
                 budget = CPU_KV_CACHE_BYTES
         specs = self.model.kv_cache_specs() + (self.head.kv_cache_specs() if self.head is not None else [])

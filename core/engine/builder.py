@@ -160,7 +160,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
                       else None)
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
-                                 args.kv_cache_memory_bytes, args.num_threads, worker_drafter=worker_drafter,
+                                 args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.num_threads,
+                                 worker_drafter=worker_drafter,
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
                                  enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
