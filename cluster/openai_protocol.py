@@ -483,19 +483,16 @@ class Prediction(_Strict):
     """OpenAI's Predicted Outputs: ``{"type": "content", "content": ...}``, the output the client expects (a string
     or text parts)."""
 
-    type: str
+    type: Literal["content"]
     content: Text | list[TextPart]
 
-    @field_validator("type")
-    @classmethod
-    def _content_only(cls, value: str) -> str:
-        if value != "content":
-            raise ValueError(f"a prediction of type {value!r} is not supported; send {{'type': 'content', "
-                             "'content': ...}")
-        return value
-
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return joined_text(self.content)
+
+
+def joined_text(content: str | list[TextPart]) -> str:
+    """A string, or text parts' texts joined."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 class MessageFunctionCall(BaseModel):
@@ -554,7 +551,7 @@ class ChatMessage(BaseModel):
     def as_template_dict(self) -> dict:
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            data["content"] = "".join(part.text for part in self.content)
+            data["content"] = joined_text(self.content)
         return data
 
 

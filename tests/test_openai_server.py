@@ -1433,7 +1433,7 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
     engine drafts on the host the usage tells the accepted and rejected prediction tokens (the fake engine's
     counters: 1 draft of 2 tokens, 1 kept, per step), summed over choices, streamed too; elsewhere, or for a
     request that picks another drafting method, there are no such details; a prediction of another type is a
-    400."""
+    400 naming prediction.type."""
     fake = RecordingEngineClient()
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "prediction": {"type": "content", "content": [{"type": "text", "text": "def f"}, {"type": "text",
@@ -1452,7 +1452,7 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
         assert "completion_tokens_details" not in http_json(base + "/v1/chat/completions", plain)[1]["usage"]
         status, err = error_of(http_json(base + "/v1/chat/completions",
                                          {**chat, "prediction": {"type": "image", "content": "x"}}))
-        assert status == 400 and "prediction of type 'image'" in err["message"]
+        assert (status, err["param"]) == (400, "prediction.type") and "'content'" in err["message"]
     with app_in_thread(fake) as base:  # an engine that cannot draft from it: no details
         status, body = http_json(base + "/v1/chat/completions", chat)
         assert status == 200 and "completion_tokens_details" not in body["usage"]
