@@ -1,6 +1,7 @@
 """Where a decode step's time goes: wall time per step against the device's busy time and the kernels launched.
 
-Plain greedy decoding of the default model (SmolLM2-135M-Instruct), ``--batches`` requests at a time, each
+Plain greedy decoding of the default model (SmolLM2-135M-Instruct; or ``--model``, with ``--load-format dummy`` a
+folder from ``benchmarks/dummy_model.py``: a real size's shapes, random weights), ``--batches`` requests at a time, each
 generating ``--tokens`` tokens past EOS. A step's wall time is timed without the profiler; then one more run under
 ``torch.profiler`` counts, per step, the top-level aten ops the model and sampler dispatch (each is one or more
 kernel launches on a GPU) and, on a GPU, the kernels and their summed time (the GPU's busy time: one stream, so
@@ -48,6 +49,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch; the median is shown")
     parser.add_argument("--modes", default="eager,graphs", help="comma list: eager (enforce_eager=True), graphs "
                         "(enforce_eager=False: CUDA graphs on a GPU, the same padded steps run eagerly on CPU)")
+    parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: random weights (a folder from benchmarks/dummy_model.py: a real size's shapes)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20,
+                        help="the KV cache (default 256 MiB: the default model's batches; a larger model needs more)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -59,13 +65,16 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     header = False
     for mode in args.modes.split(","):
-        llm = LLM(model=default_model_path(), device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
-                  max_model_len=1024, kv_cache_memory_bytes=256 << 20, enforce_eager=mode == "eager")
+        llm = LLM(model=args.model or default_model_path(), device=args.device, dtype=args.dtype,
+                  max_num_seqs=max(batches), max_model_len=1024, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                  enforce_eager=mode == "eager", load_format=args.load_format)
         worker = llm.engine.executor.worker
         if not header:
             on_gpu = worker.device.type == "cuda"
             name = torch.cuda.get_device_name(worker.device) if on_gpu else platform.processor() or platform.machine()
-            print(f"# {name}, {worker.dtype}, torch {torch.__version__}, {args.threads} CPU threads, "
+            model = args.model or "the default model"
+            print(f"# {model} ({args.load_format} weights), {name}, {worker.dtype}, torch {torch.__version__}, "
+                  f"{args.threads} CPU threads, "
                   f"{time.strftime('%Y-%m-%d %H:%M')}, {args.tokens} tokens per request, median of {args.repeats}\n")
             print("| mode | batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | "
                   "tokens/s |\n|---|---|---|---|---|---|---|")

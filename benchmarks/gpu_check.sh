@@ -36,3 +36,8 @@ timeout "${BENCH_S:-150}" python benchmarks/bench_structured.py --rounds 1 \
 default_model=$(python -c "from specray.default_model import default_model_path; print(default_model_path())")
 timeout "${BENCH_S:-150}" python benchmarks/bench_async_scheduling.py --device cuda --model "$default_model" \
   --batch 8,64 --max-tokens 128 --rounds 2 --threads 4 2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/async.md"
+# a real size's step times without its checkpoint: Llama 3.1 8B's shapes, random weights (load_format="dummy")
+python benchmarks/dummy_model.py --shape llama3-8b --out "$out/llama3-8b" >/dev/null \
+  && timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --model "$out/llama3-8b" \
+  --load-format dummy --kv-cache-memory-bytes $((4 << 30)) --batches 1,8,64 --tokens 64 --repeats 2 \
+  --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step-llama3-8b.md"

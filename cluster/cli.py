@@ -91,6 +91,9 @@ def _add_gpu_memory_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="the share of each GPU's memory the engine may use, weights included (vLLM's flag; default: "
                    "all that is free; no effect on CPU)")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy: random weights, none read (the model folder needs only config.json and a tokenizer): "
+                   "real shapes for speed and memory measurements (vLLM's flag)")
 
 
 def _add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
@@ -299,7 +302,7 @@ def engine_kwargs(args) -> dict:
                   distributed_executor_backend=args.distributed_executor_backend)
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization"):
+    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -373,7 +376,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
-                "override_generation_config", "scheduling_policy", "gpu_memory_utilization")
+                "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format")
 
 
 def serve_app_args(args) -> dict:

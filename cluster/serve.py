@@ -1033,13 +1033,14 @@ def check_model(engine_args: EngineArgs) -> None:
     """The model exists, its config loads, max_model_len fits its positions and tensor_parallel_size splits its
     attention and KV heads; a hub id that is not on this machine is left to the replica."""
     from specray.engine.builder import check_draft_count, check_local_paths, resolve_max_model_len
-    from specray.models.loader import load_hf_config
+    from specray.models.loader import load_hf_config, resolve_model
 
     model = engine_args.model
     looks_local = Path(model).expanduser().exists() or model.startswith(("/", ".", "~")) or model.endswith(".gguf")
     if not looks_local:
         return
     try:
+        resolve_model(model, weights=engine_args.load_format != "dummy")
         config = load_hf_config(model)
     except (OSError, ValueError) as err:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None

@@ -293,6 +293,9 @@ class EngineArgs:
     # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes
     # the next step, so that host work hides behind a device's; every output comes one step later
     async_scheduling: bool = False
+    # vLLM's: "auto" reads the checkpoint's weights; "dummy" gives the model random weights and reads none (the folder
+    # needs only its config and tokenizer): a model of real shapes for speed and memory measurements
+    load_format: str = "auto"
     # vLLM's: "fcfs" (first come, first served) or "priority" (SamplingParams.priority, lowest first, then arrival:
     # who is admitted first, who gets KV blocks first, who gives them back last)
     scheduling_policy: str = "fcfs"
@@ -355,6 +358,9 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
         check_seed(self.seed)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} must be 'auto' (the checkpoint's weights) or 'dummy' "
+                             "(random weights, for speed measurements)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
                              "or 'priority' (SamplingParams.priority, lowest first)")

@@ -140,6 +140,32 @@ def test_bad_paths(tmp_path, tiny_llama_dir):
         resolve_model(str(tmp_path / "weights.txt"))
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_dir", "tiny_gemma3_dir"])
+def test_dummy_weights_need_only_the_config(request, tmp_path, fixture):
+    """load_format="dummy" (vLLM's): a folder with a config and a tokenizer and no weights makes a model of the
+    checkpoint's shapes with small random weights (dense, experts, latent attention), which the engine runs end to
+    end; "auto" refuses the same folder for its missing weights, before any rank starts."""
+    from specray import LLM, SamplingParams
+
+    src = request.getfixturevalue(fixture)
+    folder = tmp_path / "config_only"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
+    assert load_tokenizer(str(folder)) is not None and load_hf_config(str(folder)) is not None  # no weights needed
+    net = load_model(str(folder), load_format="dummy", pack=False)
+    reference = load_model(str(src), pack=False)
+    assert {n: p.shape for n, p in net.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
+    assert all(0 < p.abs().max() <= loader.DUMMY_WEIGHT_RANGE for p in net.parameters())
+    llm = LLM(model=str(folder), max_model_len=128, load_format="dummy",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+    with pytest.raises(ValueError, match="no weights"):
+        LLM(model=str(folder), max_model_len=128)
+    with pytest.raises(ValueError, match="load_format='pt' must be"):
+        load_model(str(folder), load_format="pt")
+
+
 # ------------------------------------------------------------------------------------------ GGUF (SmolLM2)
 
 

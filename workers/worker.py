@@ -63,6 +63,7 @@ class WorkerConfig:
     # False: decode and chain-verify steps run from graphs (CUDA graphs on a GPU; specray.models.step_graphs);
     # None: graphs on a GPU, eager elsewhere
     enforce_eager: bool | None = None
+    load_format: str = "auto"  # "dummy": random weights, none read (specray.models.loader.load_model)
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -139,7 +140,8 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
-                                          expert_parallel=config.enable_expert_parallel, config=model_config)
+                                          expert_parallel=config.enable_expert_parallel, config=model_config,
+                                          load_format=config.load_format)
         self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
         self.runner: ModelRunner | None = None
 

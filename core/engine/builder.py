@@ -17,7 +17,8 @@ from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.models.cpu_kernels import rows_for
-from specray.models.loader import check_path, load_hf_config, load_tokenizer, read_config, read_generation_config
+from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
+                                   resolve_model)
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -147,6 +148,7 @@ def engine_args_schema() -> dict[str, Any]:
 def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
     check_local_paths(args)
+    resolve_model(args.model, weights=args.load_format != "dummy")  # its weights are there, before any rank starts
     model_config = read_config(args.model)
     hf_config = load_hf_config(args.model, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -165,7 +167,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
                                  enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
-                                 enforce_eager=args.enforce_eager)
+                                 enforce_eager=args.enforce_eager, load_format=args.load_format)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend

@@ -60,12 +60,13 @@ class ModelSource:
 # ---------------------------------------------------------------------------------------------- resolving
 
 
-def resolve_model(model: str | os.PathLike) -> ModelSource:
+def resolve_model(model: str | os.PathLike, weights: bool = True) -> ModelSource:
     """Resolve ``model`` to a local HF folder (converting and caching a ``.gguf`` first, downloading a hub id
-    when the hub is reachable)."""
+    when the hub is reachable). ``weights=False``: only its config and tokenizer are needed (its weight files are
+    neither looked for nor downloaded: ``weight_files`` is empty)."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return _folder_source(path)
+        return _folder_source(path, weights)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model={str(model)!r} is a file but not a .gguf; pass an HF model folder "
@@ -73,7 +74,7 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
         folder = convert_gguf(path)
         return ModelSource(folder, *_weight_files(folder), gguf_file=path.resolve())
     check_path(model, "model")
-    return _folder_source(_download(str(model)))
+    return _folder_source(_download(str(model), weights), weights)
 
 
 def check_path(model: str | os.PathLike, field: str) -> None:
@@ -87,13 +88,14 @@ def _looks_local(model: str) -> bool:
         or model.count("/") > 1
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, weights: bool = True) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
-        if not any(folder.glob("*.safetensors")):
+        folder = Path(snapshot_download(repo_id, allow_patterns=patterns))
+        if weights and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS + ["pytorch_model*.bin"]))
     except (OSError, ValueError, HfHubHTTPError) as err:
         raise ValueError(
@@ -103,10 +105,10 @@ def _download(repo_id: str) -> Path:
     return folder
 
 
-def _folder_source(folder: Path) -> ModelSource:
+def _folder_source(folder: Path, weights: bool = True) -> ModelSource:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json; pass an HF model folder")
-    return ModelSource(folder, *_weight_files(folder))
+    return ModelSource(folder, *_weight_files(folder)) if weights else ModelSource(folder, (), "none")
 
 
 def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
@@ -130,7 +132,7 @@ def read_config(model: str | os.PathLike) -> PlainConfig:
     """The whole checkpoint's config (transformers' ``AutoConfig``, read here) as plain attributes."""
     from transformers import AutoConfig
 
-    return plain_config(AutoConfig.from_pretrained(resolve_model(model).path))
+    return plain_config(AutoConfig.from_pretrained(resolve_model(model, weights=False).path))
 
 
 def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None) -> PlainConfig:
@@ -145,7 +147,7 @@ def read_generation_config(model: str | os.PathLike) -> dict[str, Any]:
     """``model``'s generation_config.json (transformers' generation defaults) as a dict; {} when it has none (a
     GGUF file carries none). ``model`` may also be a folder holding only that file."""
     path = Path(model).expanduser()
-    folder = path if path.is_dir() and not (path / "config.json").is_file() else resolve_model(model).path
+    folder = path if path.is_dir() and not (path / "config.json").is_file() else resolve_model(model, False).path
     file = folder / "generation_config.json"
     if not file.is_file():
         return {}
@@ -164,7 +166,7 @@ def load_tokenizer(model: str | os.PathLike):
     """The HF tokenizer of ``model``, chat template included."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(model).path)
+    return AutoTokenizer.from_pretrained(resolve_model(model, weights=False).path)
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
@@ -234,19 +236,28 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_WEIGHT_RANGE = 1e-3  # dummy weights are uniform in [-r, r] (vLLM's too): small, so no layer overflows
+
+
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False,
-               config: PlainConfig | None = None) -> CausalLM:
+               config: PlainConfig | None = None, load_format: str = "auto") -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
     with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``).
     ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width).
     ``config``: the whole checkpoint's config as :func:`read_config` gives it, if the caller has read it (then
-    transformers is not imported here)."""
+    transformers is not imported here). ``load_format="dummy"`` (vLLM's): random weights from torch's generator,
+    none read (the folder needs only its config): a model of the checkpoint's shapes, for measuring speed and
+    memory without its weights; its outputs mean nothing."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
-    source = resolve_model(model)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} must be one of {list(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    source = resolve_model(model, weights=not dummy)
     config = config or read_config(source.path)
-    weights = checkpoint_weights(source)
+    weights = () if dummy else checkpoint_weights(source)
     part = text_part(config)
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
         config, prefix = part
@@ -254,7 +265,12 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     model_cls = get_model_class(config)
     with _default_dtype(dtype), torch.device(device):
         net = model_cls(config, tp or TPGroup.single(), **({"expert_parallel": True} if expert_parallel else {}))
-    net.load_weights(weights)
+    if dummy:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
+    else:
+        net.load_weights(weights)
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)

@@ -1,0 +1,64 @@
+"""Write a model folder of a real model's shapes with no weights, for ``load_format="dummy"`` (vLLM's): its config.json
+(built here from transformers' config classes, no download) and the default model's tokenizer (its 49,152 ids are
+all inside these vocabularies; ids past them decode to nothing). A GPU session measures a real size's step times
+with it without the checkpoint:
+
+    python benchmarks/dummy_model.py --shape llama3-8b --out /tmp/llama3-8b
+    python benchmarks/bench_gpu_step.py --model /tmp/llama3-8b --load-format dummy --device cuda --batches 1,8,64
+
+The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
+nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+SHAPES = {
+    # Llama 3.1 8B: 32 layers of width 4096, grouped-query attention 32/8, MLP 14336
+    "llama3-8b": ("llama", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Qwen3 8B (dense): 36 layers of width 4096, 32/8 heads of 128, q/k norms, MLP 12288
+    "qwen3-8b": ("qwen3", dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Qwen3-30B-A3B: 48 MoE layers of width 2048, 128 experts of width 768, 8 per token (61 GB in bf16: an H200)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+
+
+def write(shape: str, out: Path) -> Path:
+    from transformers import AutoConfig
+
+    from specray.default_model import default_model_path
+    from specray.models.loader import resolve_model
+
+    model_type, fields = SHAPES[shape]
+    out.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model(model_type, **fields).save_pretrained(out)
+    tokenizer_folder = resolve_model(default_model_path(), weights=False).path
+    for file in tokenizer_folder.iterdir():
+        if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))):
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    print(write(args.shape, args.out))
+
+
+if __name__ == "__main__":
+    main()
