@@ -175,8 +175,9 @@ def _add_serve_parser(sub) -> None:
                    '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
     p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
-                   "Qwen3), llama3_json (Llama 3.1/3.2's JSON), mistral ([TOOL_CALLS] ...) or pythonic "
-                   "([f(x=1), g()]: Llama 3.2/4); needed by --enable-auto-tool-choice")
+                   "Qwen3), llama3_json (Llama 3.1/3.2's JSON), mistral ([TOOL_CALLS] ...), pythonic "
+                   "([f(x=1), g()]: Llama 3.2/4), qwen3_coder (Qwen3-Coder's XML), deepseek_v3 (DeepSeek-V3, R1, "
+                   "V3.1) or kimi_k2 (Kimi K2); needed by --enable-auto-tool-choice")
 
 
 def _add_bench_parser(sub) -> None:

@@ -408,9 +408,10 @@ class _ToolOutput:
     mode: str
     name: str | None = None
     parser: str | None = None
+    schemas: dict[str, dict] | None = None  # the request's functions' parameter schemas, by name
 
     def streamer(self) -> ToolCallStreamer:
-        return RequiredArrayStreamer() if self.mode == "required" else tool_call_streamer(self.parser)
+        return RequiredArrayStreamer() if self.mode == "required" else tool_call_streamer(self.parser, self.schemas)
 
 
 def _tool_call(call: ParsedToolCall) -> proto.ToolCall:
@@ -851,7 +852,8 @@ class OpenAIServing:
                 "calls in; in a Serve config, enable_auto_tool_choice: true and tool_call_parser: NAME); or send "
                 "tool_choice 'required', a named function {'type': 'function', 'function': {'name': ...}}, or 'none'",
                 "tool_choice")
-        return _ToolOutput("auto", parser=config.tool_call_parser)
+        schemas = {tool.function.name: tool.function.parameters or {} for tool in req.tools or []}
+        return _ToolOutput("auto", parser=config.tool_call_parser, schemas=schemas)
 
     async def _tokenize(self, body: Any, arrival: float) -> Response:
         """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the

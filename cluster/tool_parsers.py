@@ -12,6 +12,10 @@ Parsers, for ``tool_choice="auto"`` (``--enable-auto-tool-choice --tool-call-par
   ``[TOOL_CALLS]`` (v11 and later).
 - ``pythonic`` (Llama 3.2 and 4, others prompted so): the whole output is a Python list of calls with keyword
   arguments of literal values, ``[get_weather(city="Paris"), get_time()]`` (read with :mod:`ast`, never run).
+- ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>
+  </tool_call>``, values typed by the request's tool schemas.
+- ``deepseek_v3`` (DeepSeek-V3, R1, V3.1): a ``<｜tool▁calls▁begin｜>`` section of ``<｜tool▁call▁begin｜>`` calls.
+- ``kimi_k2`` (Kimi K2): a ``<|tool_calls_section_begin|>`` section of ``functions.NAME:INDEX`` calls.
 
 And one the server uses for ``tool_choice="required"``, whose output the grammar holds to a JSON array of
 ``{"name": ..., "parameters": {...}}`` (:class:`RequiredArrayStreamer`).
@@ -98,19 +102,24 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
-# ---- hermes --------------------------------------------------------------------------------------------
+# ---- tagged calls: hermes, qwen3_coder, deepseek_v3, kimi_k2 -------------------------------------------
 
-class HermesStreamer:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls (``parameters`` is read too), any number,
-    among content. A call whose body is not such an object stays in the content, tags and all; a call still open at
-    the end counts when its body is complete (the output stopped at ``</tool_call>``, a stop string)."""
+class _TaggedStreamer:
+    """Calls between a start and an end marker (``START``, ``END``: one call's, or a section of calls), any number
+    of such spans, among content. The text of a span is held until its end marker and read by ``_calls``; a span
+    that does not read as calls stays in the content, markers and all; a span still open at the end of the text
+    counts when its calls are complete (the output stopped at the end marker, a stop string)."""
 
-    START, END = "<tool_call>", "</tool_call>"
-    keeps_special_tokens = True  # the tags are special tokens in some vocabularies (vLLM's hermes parser too)
+    START = END = ""
+    keeps_special_tokens = True  # the markers are special tokens in their models' vocabularies
 
     def __init__(self):
         self._inside = False
         self._held = ""
+
+    def _calls(self, body: str) -> list[ParsedToolCall] | None:
+        """The calls of one span's text between its markers, or None when it is not such calls."""
+        raise NotImplementedError
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         text, self._held = self._held + text, ""
@@ -129,10 +138,10 @@ class HermesStreamer:
                 self._inside = True
                 continue
             at = text.find(self.END)
-            if at < 0:  # the body so far (a partial end tag with it) waits for the rest
+            if at < 0:  # the span so far (a partial end marker with it) waits for the rest
                 self._held = text
                 break
-            self._end_call(text[:at], True, content, calls)
+            self._end_span(text[:at], True, content, calls)
             text = text[at + len(self.END):]
         return "".join(content), calls
 
@@ -142,19 +151,157 @@ class HermesStreamer:
             return held, []
         content: list[str] = []
         calls: list[ParsedToolCall] = []
-        self._end_call(held, False, content, calls)
+        self._end_span(held, False, content, calls)
         return "".join(content), calls
 
-    def _end_call(self, body: str, closed: bool, content: list[str], calls: list[ParsedToolCall]) -> None:
+    def _end_span(self, body: str, closed: bool, content: list[str], calls: list[ParsedToolCall]) -> None:
         self._inside = False
+        found = self._calls(body)
+        if found is not None:
+            calls.extend(found)
+        else:
+            content.append(self.START + body + (self.END if closed else ""))
+
+
+class HermesStreamer(_TaggedStreamer):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls (``parameters`` is read too), any number,
+    among content. A call whose body is not such an object stays in the content, tags and all."""
+
+    START, END = "<tool_call>", "</tool_call>"  # special tokens in some vocabularies (vLLM's hermes parser keeps them)
+
+    def _calls(self, body: str) -> list[ParsedToolCall] | None:
         try:
             call = _call(json.loads(body), ("arguments", "parameters"))
         except json.JSONDecodeError:
-            call = None
-        if call is not None:
-            calls.append(call)
-        else:
-            content.append(self.START + body + (self.END if closed else ""))
+            return None
+        return None if call is None else [call]
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+class Qwen3CoderStreamer(_TaggedStreamer):
+    """Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``): ``<tool_call><function=NAME><parameter=KEY>VALUE
+    </parameter>...</function></tool_call>``. A value is text (one newline either side trimmed), typed by the
+    function's JSON schema in the request's tools where it names the parameter's type (integer, number, boolean,
+    object, array, null), else kept as a string."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    uses_tool_schemas = True
+
+    def __init__(self, tools: dict[str, dict] | None = None):
+        super().__init__()
+        self.tools = tools or {}  # function name -> its parameters' JSON schema
+
+    def _calls(self, body: str) -> list[ParsedToolCall] | None:
+        match = _XML_FUNCTION.fullmatch(body)
+        if match is None:
+            return None
+        name, inner = match.group(1).strip(), match.group(2)
+        properties = (self.tools.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in _XML_PARAMETER.findall(inner):
+            key = key.strip()
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, (properties.get(key) or {}).get("type"))
+        rest = _XML_PARAMETER.sub("", inner)
+        if rest.strip() or not name:  # anything but parameters inside the function: not such a call
+            return None
+        return [ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+
+def _typed(value: str, kind: Any) -> Any:
+    """A parameter's text as its schema's type says (a list of types: the first that reads), else the text."""
+    for kind in kind if isinstance(kind, list) else [kind]:
+        try:
+            if kind == "integer":
+                return int(value.strip())
+            if kind == "number":
+                number = float(value.strip())
+                return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() \
+                    else number
+            if kind == "boolean" and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if kind in ("object", "array", "null"):
+                return json.loads(value)
+        except ValueError:
+            continue
+    return value
+
+
+DS_CALLS_BEGIN, DS_CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DS_CALL_BEGIN, DS_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
+_FENCED_JSON = re.compile(r"\s*```(?:json)?\s*\n(.*?)\n?```\s*", re.S)
+
+
+class DeepSeekV3Streamer(_TaggedStreamer):
+    """DeepSeek-V3 and R1's calls (vLLM's ``deepseek_v3``; V3.1's layout too): a section
+    ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`` of calls ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``, each
+    ``function<｜tool▁sep｜>NAME`` and a fenced JSON block of its arguments (V3, R1), or ``NAME<｜tool▁sep｜>`` and the
+    arguments' JSON (V3.1)."""
+
+    START, END = DS_CALLS_BEGIN, DS_CALLS_END
+
+    def _calls(self, body: str) -> list[ParsedToolCall] | None:
+        return _section_calls(body, DS_CALL_BEGIN, DS_CALL_END, _deepseek_call)
+
+
+def _deepseek_call(text: str) -> ParsedToolCall | None:
+    left, sep, right = text.partition(DS_SEP)
+    if not sep:
+        return None
+    if left.strip() == "function":  # V3 / R1: the name on the first line, then the fenced arguments
+        name, _, rest = right.partition("\n")
+        fenced = _FENCED_JSON.fullmatch(rest)
+        arguments = fenced.group(1) if fenced is not None else rest
+    else:  # V3.1: name, separator, arguments
+        name, arguments = left, right
+    arguments = _arguments_text(arguments.strip())
+    name = name.strip()
+    return None if arguments is None or not name else ParsedToolCall(name, arguments)
+
+
+def _section_calls(body: str, begin: str, end: str, read) -> list[ParsedToolCall] | None:
+    """The calls of a section: ``begin``-``end`` spans (the last may be open: the output stopped inside it), each
+    read by ``read``, with nothing but blanks between them; None when the section is not that."""
+    calls: list[ParsedToolCall] = []
+    at = _skip_space(body, 0)
+    while at < len(body):
+        if not body.startswith(begin, at):
+            return None
+        stop = body.find(end, at)
+        inner = body[at + len(begin): stop if stop >= 0 else len(body)]
+        call = read(inner)
+        if call is None:
+            return None
+        calls.append(call)
+        at = _skip_space(body, len(body) if stop < 0 else stop + len(end))
+    return calls or None
+
+
+KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+_KIMI_ID = re.compile(r"\s*(?:functions\.)?([^:\s]+)(?::\d+)?\s*")
+
+
+class KimiK2Streamer(_TaggedStreamer):
+    """Kimi K2's calls (vLLM's ``kimi_k2``): a section ``<|tool_calls_section_begin|>...<|tool_calls_section_end|>``
+    of calls ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>``."""
+
+    START, END = KIMI_CALLS_BEGIN, KIMI_CALLS_END
+
+    def _calls(self, body: str) -> list[ParsedToolCall] | None:
+        return _section_calls(body, KIMI_CALL_BEGIN, KIMI_CALL_END, _kimi_call)
+
+
+def _kimi_call(text: str) -> ParsedToolCall | None:
+    call_id, sep, arguments = text.partition(KIMI_ARGUMENTS)
+    match = _KIMI_ID.fullmatch(call_id)
+    arguments = _arguments_text(arguments.strip()) if sep else None
+    return None if match is None or arguments is None else ParsedToolCall(match.group(1), arguments)
 
 
 # ---- llama3_json ---------------------------------------------------------------------------------------
@@ -436,7 +583,9 @@ class RequiredArrayStreamer:
 # ---- the registry --------------------------------------------------------------------------------------
 
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesStreamer, "llama3_json": Llama3JsonStreamer,
-                                       "mistral": MistralStreamer, "pythonic": PythonicStreamer}
+                                       "mistral": MistralStreamer, "pythonic": PythonicStreamer,
+                                       "qwen3_coder": Qwen3CoderStreamer, "deepseek_v3": DeepSeekV3Streamer,
+                                       "kimi_k2": KimiK2Streamer}
 
 
 def check_tool_call_parser(name: str | None, enable_auto_tool_choice: bool = False) -> None:
@@ -445,14 +594,17 @@ def check_tool_call_parser(name: str | None, enable_auto_tool_choice: bool = Fal
         raise ValueError(f"tool_call_parser={name!r} is not known; choose one of {list(TOOL_CALL_PARSERS)} (hermes: "
                          "<tool_call>{...}</tool_call>, as Hermes and Qwen write calls; llama3_json: Llama 3.1/3.2's "
                          "JSON calls; mistral: [TOOL_CALLS] calls; pythonic: [f(x=1)], Llama 3.2/4's Python "
-                         "calls) or leave it unset")
+                         "calls; qwen3_coder: Qwen3-Coder's XML calls; deepseek_v3: DeepSeek-V3/R1/V3.1's calls; "
+                         "kimi_k2: Kimi K2's calls) or leave it unset")
     if enable_auto_tool_choice and name is None:
         raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
                          f"(--tool-call-parser), the format the model writes its calls in: one of "
                          f"{list(TOOL_CALL_PARSERS)}")
 
 
-def tool_call_streamer(name: str) -> ToolCallStreamer:
-    """A fresh streamer of the parser ``name`` (one per choice)."""
+def tool_call_streamer(name: str, tools: dict[str, dict] | None = None) -> ToolCallStreamer:
+    """A fresh streamer of the parser ``name`` (one per choice); ``tools``: the request's functions' parameter
+    schemas by name, for a parser that types arguments by them."""
     check_tool_call_parser(name)
-    return TOOL_CALL_PARSERS[name]()
+    cls = TOOL_CALL_PARSERS[name]
+    return cls(tools) if getattr(cls, "uses_tool_schemas", False) else cls()

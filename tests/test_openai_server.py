@@ -2145,6 +2145,16 @@ WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "
      [("get_time", {"zone": "UTC"})]),
     ("pythonic", ['[get_weather(city="Rome", ', 'unit="F"), get_time(zone="UTC")]'], None,
      [("get_weather", {"city": "Rome", "unit": "F"}), ("get_time", {"zone": "UTC"})]),
+    ("qwen3_coder", ["Let me check.\n<tool_call>\n<function=get_", "weather>\n<parameter=city>\nRome\n</parameter>",
+                     "\n<parameter=unit>\nF\n</parameter>\n</function>\n</tool_call>"], "Let me check.\n",
+     [("get_weather", {"city": "Rome", "unit": "F"})]),
+    ("deepseek_v3", ["Sure.<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>function",
+                     "<\uff5ctool\u2581sep\uff5c>get_time\n```json\n", '{"zone": "UTC"}\n```',
+                     "<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>"], "Sure.",
+     [("get_time", {"zone": "UTC"})]),
+    ("kimi_k2", ["<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
+                 '{"city": "Paris", "unit": "C"}<|tool_call_end|><|tool_calls_section_end|>'], None,
+     [("get_weather", {"city": "Paris", "unit": "C"})]),
 ])
 def test_auto_tool_choice_reads_the_calls_with_the_server_s_parser(parser, pieces, content, calls):
     """With --enable-auto-tool-choice --tool-call-parser, tool_choice "auto" (the default with tools) gives the

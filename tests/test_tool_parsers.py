@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, HermesStreamer, Llama3JsonStreamer, MistralStreamer,
-                                          ParsedToolCall, PythonicStreamer, RequiredArrayStreamer,
-                                          check_tool_call_parser, parse_llama3_json, parse_mistral, parse_pythonic,
-                                          parse_tool_calls, tool_call_streamer)
+from specray.cluster.tool_parsers import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
+                                          TOOL_CALL_PARSERS, DeepSeekV3Streamer, HermesStreamer, KimiK2Streamer,
+                                          Llama3JsonStreamer, MistralStreamer, ParsedToolCall, PythonicStreamer,
+                                          Qwen3CoderStreamer, RequiredArrayStreamer, check_tool_call_parser,
+                                          parse_llama3_json, parse_mistral, parse_pythonic, parse_tool_calls,
+                                          tool_call_streamer)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {}}'
@@ -207,8 +209,80 @@ def test_required_array_hands_over_each_item_as_it_completes():
     assert streamer.finish() == ("", [])
 
 
+def ds_call(name: str, arguments: str, v31: bool = False) -> str:
+    """One DeepSeek call: V3/R1's layout (``function``, the name, fenced JSON) or V3.1's."""
+    if v31:
+        return f"{DS_CALL_BEGIN}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+    return f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+PARIS, OSLO = json.dumps({"city": "Paris"}), json.dumps({"city": "Oslo"})
+DEEPSEEK_CASES = [
+    # V3 / R1: content, then a section of two calls
+    ("Let me look." + DS_CALLS_BEGIN + ds_call("get_weather", PARIS) + "\n" + ds_call("get_time", "{}") + DS_CALLS_END,
+     "Let me look.", [call("get_weather", city="Paris"), call("get_time")]),
+    # V3.1's layout
+    (DS_CALLS_BEGIN + ds_call("get_weather", OSLO, v31=True) + DS_CALLS_END, "", [call("get_weather", city="Oslo")]),
+    # stopped inside the section, after a complete call (the end markers are stop tokens for some servers)
+    (DS_CALLS_BEGIN + ds_call("get_time", "{}"), "", [call("get_time")]),
+    # arguments that are not an object: the section stays content
+    (DS_CALLS_BEGIN + ds_call("f", "[1]") + DS_CALLS_END + "x",
+     DS_CALLS_BEGIN + ds_call("f", "[1]") + DS_CALLS_END + "x", []),
+    ("No calls here.", "No calls here.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", DEEPSEEK_CASES)
+def test_deepseek_v3(text, content, calls):
+    assert assert_every_split_gives_the_whole(DeepSeekV3Streamer, text) == (content, calls)
+
+
+def kimi_call(name: str, index: int, arguments: str) -> str:
+    return f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
+
+
+KIMI_CASES = [
+    ("I will check. <|tool_calls_section_begin|>" + kimi_call("get_weather", 0, '{"city": "Paris"}')
+     + kimi_call("get_time", 1, "{}") + "<|tool_calls_section_end|>",
+     "I will check. ", [call("get_weather", city="Paris"), call("get_time")]),
+    ("<|tool_calls_section_begin|>" + kimi_call("f", 0, "{oops") + "<|tool_calls_section_end|>",
+     "<|tool_calls_section_begin|>" + kimi_call("f", 0, "{oops") + "<|tool_calls_section_end|>", []),
+    ("Plain answer.", "Plain answer.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", KIMI_CASES)
+def test_kimi_k2(text, content, calls):
+    assert assert_every_split_gives_the_whole(KimiK2Streamer, text) == (content, calls)
+
+
+QWEN_TOOLS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "ratio": {"type": ["number", "null"]}}}}
+QWEN_CASES = [
+    ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n"
+     "</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n"
+     "</tool_call>",
+     "Checking.\n", [ParsedToolCall("get_weather", json.dumps(
+         {"city": "New York", "days": 3, "metric": True, "hours": [1, 2], "ratio": 0.5, "note": "42"}))]),
+    # a string parameter that looks like a number stays a string; an integer that does not read stays text
+    ("<tool_call><function=get_weather><parameter=city>1984</parameter><parameter=days>three</parameter>"
+     "</function></tool_call>", "", [ParsedToolCall("get_weather", json.dumps({"city": "1984", "days": "three"}))]),
+    # not such a call: content
+    ("<tool_call>{\"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\"}</tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", QWEN_CASES)
+def test_qwen3_coder(text, content, calls):
+    assert assert_every_split_gives_the_whole(lambda: Qwen3CoderStreamer(QWEN_TOOLS), text) == (content, calls)
+    assert isinstance(tool_call_streamer("qwen3_coder", QWEN_TOOLS), Qwen3CoderStreamer)
+
+
 def test_registry_and_configuration_errors():
-    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3",
+                                      "kimi_k2"}
     assert isinstance(tool_call_streamer("hermes"), HermesStreamer)
     check_tool_call_parser(None)
     check_tool_call_parser("llama3_json", enable_auto_tool_choice=True)
