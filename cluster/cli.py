@@ -44,7 +44,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_prefix_caching_arg(p, on_by_default=False)
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
-    _add_gpu_memory_arg(p)
+    _add_loading_args(p)
     _add_passthrough_args(p)
 
 
@@ -87,10 +87,12 @@ def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (default: decode and verify steps replay CUDA graphs on a GPU)")
 
 
-def _add_gpu_memory_arg(p: argparse.ArgumentParser) -> None:
+def _add_loading_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="the share of each GPU's memory the engine may use, weights included (vLLM's flag; default: "
                    "all that is free; no effect on CPU)")
+    p.add_argument("--trust-remote-code", action="store_const", const=True, default=None,
+                   help="let a checkpoint whose config or tokenizer is its own code (auto_map) run it (vLLM's flag)")
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="dummy: random weights, none read (the model folder needs only config.json and a tokenizer): "
                    "real shapes for speed and memory measurements (vLLM's flag)")
@@ -130,7 +132,7 @@ def _add_serve_parser(sub) -> None:
                    "(vLLM's flag)")
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
-    _add_gpu_memory_arg(p)
+    _add_loading_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -303,7 +305,7 @@ def engine_kwargs(args) -> dict:
                   distributed_executor_backend=args.distributed_executor_backend)
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format"):
+    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -377,7 +379,8 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "max_request_body_bytes", "max_n", "max_stored_responses", "num_replicas", "api_key",
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
-                "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format")
+                "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
+                "trust_remote_code")
 
 
 def serve_app_args(args) -> dict:

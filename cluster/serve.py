@@ -844,8 +844,10 @@ class SpecrayServer:
         self.args = args
         self.max_num_seqs = engine_args.max_num_seqs
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({REQUEST_METRICS}))
-        max_model_len = resolve_max_model_len(engine_args.max_model_len, load_hf_config(engine_args.model))
-        tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+        trust = engine_args.trust_remote_code
+        max_model_len = resolve_max_model_len(engine_args.max_model_len,
+                                              load_hf_config(engine_args.model, trust_remote_code=trust))
+        tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model, trust)
         self.client = RemoteEngineClient(engine, tokenizer, max_model_len,
                                          prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1)
 
@@ -1041,7 +1043,7 @@ def check_model(engine_args: EngineArgs) -> None:
         return
     try:
         resolve_model(model, weights=engine_args.load_format != "dummy")
-        config = load_hf_config(model)
+        config = load_hf_config(model, trust_remote_code=engine_args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
     check_draft_count(engine_args.speculative_config, resolve_max_model_len(engine_args.max_model_len, config))

@@ -293,6 +293,8 @@ class EngineArgs:
     # vLLM's name: build each step's outputs (detokenizing, stop strings, the reports) while the executor computes
     # the next step, so that host work hides behind a device's; every output comes one step later
     async_scheduling: bool = False
+    # vLLM's: a checkpoint whose config or tokenizer class is its own code (auto_map: Kimi K2's tokenizer) may run it
+    trust_remote_code: bool = False
     # vLLM's: "auto" reads the checkpoint's weights; "dummy" gives the model random weights and reads none (the folder
     # needs only its config and tokenizer): a model of real shapes for speed and memory measurements
     load_format: str = "auto"
@@ -340,7 +342,7 @@ class EngineArgs:
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
-        for name in ("enable_prefix_caching", "async_scheduling"):
+        for name in ("enable_prefix_caching", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         check_reasoning_parser(self.reasoning_parser)

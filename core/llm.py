@@ -41,10 +41,11 @@ class LLM:
             from specray.models.loader import load_hf_config, load_tokenizer
 
             check_engine_args(self.engine_args)  # before any actor starts
-            check_heads(load_hf_config(model), self.engine_args.tensor_parallel_size)
+            trust = self.engine_args.trust_remote_code
+            check_heads(load_hf_config(model, trust_remote_code=trust), self.engine_args.tensor_parallel_size)
             client_cls = plugins.lookup("engine_client", self.engine_args.executor_backend)
             self.engine = client_cls(self.engine_args)
-            self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model)
+            self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model, trust)
         else:
             self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done

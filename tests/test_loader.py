@@ -520,3 +520,30 @@ def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
     save_file({n: t for n, t in tensors.items() if n != dropped}, str(fp8 / "model.safetensors"))
     with pytest.raises(ValueError, match="without their weight_scale_inv"):
         load_model(fp8)
+
+
+def test_trust_remote_code_lets_a_checkpoint_s_own_config_class_load(tiny_llama_dir, tmp_path):
+    """A checkpoint whose config class is its own code (auto_map, as Kimi K2's tokenizer is): refused at once with
+    our error naming trust_remote_code (never transformers' prompt on the terminal), loaded and served with it."""
+    from specray import LLM, SamplingParams
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass CustomLlamaConfig(LlamaConfig):\n"
+        "    model_type = 'specray_custom_llama'\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="specray_custom_llama", auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="code of its own .*trust_remote_code=True"):
+        loader.read_config(str(folder))
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        LLM(model=str(folder), max_model_len=64)
+    assert loader.read_config(str(folder), trust_remote_code=True).hidden_size == 64
+    llm = LLM(model=str(folder), max_model_len=64, trust_remote_code=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    reference = LLM(model=str(tiny_llama_dir), max_model_len=64)
+    assert llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        reference.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="trust_remote_code='yes' must be true or false"):
+        LLM(model=str(folder), trust_remote_code="yes")

@@ -128,17 +128,21 @@ def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
 # ---------------------------------------------------------------------------------------------- public loaders
 
 
-def read_config(model: str | os.PathLike) -> PlainConfig:
-    """The whole checkpoint's config (transformers' ``AutoConfig``, read here) as plain attributes."""
+def read_config(model: str | os.PathLike, trust_remote_code: bool = False) -> PlainConfig:
+    """The whole checkpoint's config (transformers' ``AutoConfig``, read here) as plain attributes.
+    ``trust_remote_code`` (vLLM's): a checkpoint whose config class is its own code (``auto_map``) may run it."""
     from transformers import AutoConfig
 
-    return plain_config(AutoConfig.from_pretrained(resolve_model(model, weights=False).path))
+    folder = resolve_model(model, weights=False).path
+    with _remote_code_errors(model):
+        return plain_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
 
 
-def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None) -> PlainConfig:
+def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None,
+                   trust_remote_code: bool = False) -> PlainConfig:
     """The config of ``model`` (of its text model, for a multimodal checkpoint whose text we serve:
     :func:`specray.models.registry.text_part`); ``config``: the whole checkpoint's, already read."""
-    config = config or read_config(model)
+    config = config or read_config(model, trust_remote_code)
     part = text_part(config)
     return config if part is None else part[0]
 
@@ -162,11 +166,26 @@ def read_generation_config(model: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def load_tokenizer(model: str | os.PathLike):
-    """The HF tokenizer of ``model``, chat template included."""
+def load_tokenizer(model: str | os.PathLike, trust_remote_code: bool = False):
+    """The HF tokenizer of ``model``, chat template included (``trust_remote_code``: as :func:`read_config`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(model, weights=False).path)
+    folder = resolve_model(model, weights=False).path
+    with _remote_code_errors(model):
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+@contextlib.contextmanager
+def _remote_code_errors(model: str | os.PathLike):
+    """transformers' refusal to run a checkpoint's own code, in our terms (passing ``trust_remote_code=False``
+    explicitly makes it refuse at once rather than ask on the terminal)."""
+    try:
+        yield
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"model={str(model)!r} loads its config or tokenizer with code of its own (auto_map); "
+                         "pass trust_remote_code=True (--trust-remote-code) if you trust that code") from None
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
