@@ -149,7 +149,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-n", type=int, default=None, help="most choices (n) per request; more is a 400 (default 64)")
     p.add_argument("--max-stored-responses", type=int, default=None,
                    help="responses the Responses API keeps for previous_response_id and GET /v1/responses/{id}, in "
-                   "memory, least recently used out first (default 1000 with one replica, 0 with several; 0: none)")
+                   "memory (one store the replicas share when there are several), least recently used out first "
+                   "(default 1000; 0: none)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     p.add_argument("--num-replicas", type=int, default=1)

@@ -305,6 +305,9 @@ class _Format:
         self.num_logprobs = num_logprobs
         self.num_prompt_logprobs = num_prompt_logprobs  # vLLM's prompt_logprobs field, when the request asked
 
+    async def flush(self) -> None:
+        """Finish what must happen before the client hears the response is finished (a stored response's store)."""
+
     def _prompt_logprobs(self, choice: _Choice) -> proto.PromptLogprobsJSON | None:
         if self.num_prompt_logprobs is None or choice.prompt.logprobs is None:
             return None
@@ -550,7 +553,8 @@ class _ResponsesFormat(_ChatFormat):
     def __init__(self, *args, request: responses.ResponsesRequest, on_response=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.request = request
-        self.on_response = on_response  # called with the finished response object (the server stores it)
+        self.on_response = on_response  # awaited with the finished response object (the server stores it)
+        self.finished: dict | None = None  # the finished response, until flush() hands it to on_response
         self.sequence = 0
         self.output: list[dict] = []  # the items done so far
         self.open: dict | None = None  # the item being streamed: kind, id, output index, text (and a call's)
@@ -561,9 +565,15 @@ class _ResponsesFormat(_ChatFormat):
                                          stored=self.on_response is not None)
 
     def _finished(self, response: dict) -> dict:
-        if self.on_response is not None:
-            self.on_response(response)
+        self.finished = response
         return response
+
+    async def flush(self) -> None:
+        """Store the finished response (``on_response``), before the client hears that it is finished: a request
+        that names it next finds it."""
+        finished, self.finished = self.finished, None
+        if self.on_response is not None and finished is not None:
+            await self.on_response(finished)
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         message, _ = self._message(choices[0])
@@ -674,7 +684,7 @@ def _usage(choices: list[_Choice]) -> proto.Usage:
 # ---- the serving logic ---------------------------------------------------------------------------------
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, client: EngineClient, config: ServerConfig, metrics: ServerMetrics, response_store=None):
         self.client = client
         self.config = config
         self.metrics = metrics
@@ -684,8 +694,9 @@ class OpenAIServing:
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
         # requests. One thread: a fast tokenizer's encode is not safe to call concurrently on one instance.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specray-tokenize")
-        self.response_store = (responses.ResponseStore(config.max_stored_responses)
-                               if config.max_stored_responses else None)
+        # the Responses API's stored responses: the replica's own, or one store that several replicas share
+        self.response_store = response_store if response_store is not None else (
+            responses.LocalResponseStore(config.max_stored_responses) if config.max_stored_responses else None)
 
     # ---- routes ----------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -696,13 +707,20 @@ class OpenAIServing:
 
     async def get_response(self, response_id: str) -> Response:
         """A stored response (``GET /v1/responses/{id}``), or a 404 in OpenAI's shape."""
-        entry = None if self.response_store is None else self.response_store.get(response_id)
+        try:
+            entry = None if self.response_store is None else await self.response_store.get(response_id)
+        except proto.OpenAIError as err:
+            return error_response(err)
         if entry is None:
             return error_response(responses.not_found(response_id))
         return JSONResponse(entry[1])
 
     async def delete_response(self, response_id: str) -> Response:
-        if self.response_store is None or not self.response_store.delete(response_id):
+        try:
+            deleted = self.response_store is not None and await self.response_store.delete(response_id)
+        except proto.OpenAIError as err:
+            return error_response(err)
+        if not deleted:
             return error_response(responses.not_found(response_id))
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -818,15 +836,15 @@ class OpenAIServing:
                                         "(max_stored_responses 0: start it with --max-stored-responses N and one "
                                         "replica); send the conversation so far in input instead",
                                         "previous_response_id")
-            entry = store.get(req.previous_response_id)
+            entry = await store.get(req.previous_response_id)
             if entry is None:
                 raise responses.not_found(req.previous_response_id, "previous_response_id")
             items = entry[0] + items
             req = req.model_copy(update={"input": items})
         keep = None
         if store is not None and req.store is not False:
-            def keep(response: dict) -> None:  # the finished response (whole, or its stream's last event)
-                store.put(response["id"], items + response["output"], response)
+            async def keep(response: dict) -> None:  # the finished response (whole, or its stream's last event)
+                await store.put(response["id"], items + response["output"], response)
         try:
             return await self._chat_completions(responses.chat_body(req), arrival, responses_req=req,
                                                 on_response=keep)
@@ -973,7 +991,9 @@ class OpenAIServing:
                 first = await fanout.next()
         finally:
             fanout.close()
-        return JSONResponse(fmt.response(choices, _usage(choices)))
+        body = fmt.response(choices, _usage(choices))
+        await fmt.flush()
+        return JSONResponse(body)
 
     def _admit(self, num_requests: int) -> None:
         """Count a request's first engine requests as queued, or 503 when they would not fit the queue (the
@@ -997,7 +1017,9 @@ class OpenAIServing:
                 for payload in fmt.stream_chunk(choice, continuous_usage):
                     yield fmt.sse(payload)
                 choice = await fanout.next()
-            for payload in fmt.stream_closing(choices, include_usage):
+            closing = fmt.stream_closing(choices, include_usage)
+            await fmt.flush()
+            for payload in closing:
                 yield fmt.sse(payload)
             if fmt.done:
                 yield fmt.done
@@ -1151,9 +1173,12 @@ class _ApiKeyMiddleware:
         return hmac.compare_digest(given, self._expected)
 
 
-def build_openai_app(client: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving ``client`` under OpenAI's routes (see the module docstring)."""
-    serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name))
+def build_openai_app(client: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None,
+                     response_store=None) -> FastAPI:
+    """The FastAPI app serving ``client`` under OpenAI's routes (see the module docstring). ``response_store``: the
+    Responses API's stored responses when several replicas share them (default: this replica's own, sized by
+    ``config.max_stored_responses``)."""
+    serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name), response_store)
     app = FastAPI(title="specray", description="OpenAI-compatible LLM server with speculative decoding")
     app.state.serving = serving
     _install_error_handlers(app)

@@ -120,6 +120,23 @@ class ResponseStore:
         return entry is not None
 
 
+class LocalResponseStore:
+    """A :class:`ResponseStore` in this process behind the interface the server awaits (``get``, ``put``,
+    ``delete``), which a store shared by several ingress replicas (``specray.cluster.serve``) has too."""
+
+    def __init__(self, max_entries: int):
+        self.store = ResponseStore(max_entries)
+
+    async def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        return self.store.get(response_id)
+
+    async def put(self, response_id: str, items: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        self.store.put(response_id, items, response)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)
+
+
 def not_found(response_id: str, param: str | None = None) -> proto.OpenAIError:
     what = "Previous response" if param else "Response"
     return proto.OpenAIError(404, f"{what} with id {response_id!r:.80} not found (this server keeps the most recent "

@@ -44,7 +44,7 @@ from specray.cluster.ray_env import ensure_ray  # first: it sets Ray's environme
 
 import ray  # noqa: E402,I001
 from ray import serve  # noqa: E402
-from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError  # noqa: E402
+from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError  # noqa: E402
 from ray.serve import Application  # noqa: E402
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # noqa: E402
 from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E402
@@ -56,7 +56,8 @@ from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetri
 from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app,
     register_client_gone)
-from specray.cluster.openai_protocol import MAX_N  # noqa: E402
+from specray.cluster.openai_protocol import MAX_N, OpenAIError  # noqa: E402
+from specray.cluster.openai_responses import ResponseStore  # noqa: E402
 from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
 from specray.cluster.tool_parsers import check_tool_call_parser  # noqa: E402
 from specray.chat import load_chat_template  # noqa: E402
@@ -134,9 +135,10 @@ class ServeArgs:
     # tool_call_parser (hermes, llama3_json); named and "required" tool choices need neither
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    # the Responses API's stored responses (previous_response_id, GET /v1/responses/{id}), in the ingress replica's
-    # memory, least recently used out first; None: DEFAULT_STORED_RESPONSES with one replica, none with several
-    # (a request may reach another replica than the one that stored its previous response); 0: none
+    # the Responses API's stored responses (previous_response_id, GET /v1/responses/{id}), least recently used out
+    # first: in the ingress replica's memory, or with several replicas in one store deployment they share (a request
+    # may reach another replica than the one that stored its previous response); None: DEFAULT_STORED_RESPONSES;
+    # 0: none
     max_stored_responses: int | None = None
     # vLLM's --chat-template: the template chat messages are rendered with, as a file's path or the template itself
     # (read here, so replicas on other nodes need no file); None: the tokenizer's own
@@ -204,14 +206,9 @@ class ServeArgs:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.max_stored_responses is None:
-            self.max_stored_responses = DEFAULT_STORED_RESPONSES if self.num_replicas == 1 else 0
+            self.max_stored_responses = DEFAULT_STORED_RESPONSES
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses={self.max_stored_responses} must be >= 0 (0: keep none)")
-        if self.max_stored_responses and self.num_replicas > 1:
-            raise ValueError(f"max_stored_responses={self.max_stored_responses} needs num_replicas=1: each replica "
-                             "keeps its own responses, and a request's previous_response_id may reach another "
-                             "one; set max_stored_responses 0 (clients send the conversation in input) or one "
-                             "replica")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
@@ -836,7 +833,7 @@ class SpecrayServer:
     deployment's handle. It holds no model, so it stays up while an engine replica is replaced and answers
     for it in OpenAI's shape."""
 
-    def __init__(self, args: ServeArgs, engine):
+    def __init__(self, args: ServeArgs, engine, response_store=None):
         from specray.engine.builder import resolve_max_model_len
         from specray.models.loader import load_hf_config, load_tokenizer
 
@@ -850,10 +847,58 @@ class SpecrayServer:
         tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model, trust)
         self.client = RemoteEngineClient(engine, tokenizer, max_model_len,
                                          prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1)
+        # several ingress replicas: the stored responses live in one deployment they all reach
+        self.response_store = None if response_store is None else SharedResponseStore(response_store)
 
     def __serve_build_asgi_app__(self):
         config = self.args.server_config(self.max_num_seqs)
-        return build_openai_app(self.client, config, self.metrics)
+        return build_openai_app(self.client, config, self.metrics, self.response_store)
+
+
+class SpecrayResponseStore:
+    """The Responses API's stored responses when several ingress replicas serve (a deployment of one replica): a
+    request that names a previous response finds it whichever replica stored it."""
+
+    def __init__(self, max_entries: int):
+        self.store = ResponseStore(max_entries)
+
+    async def get(self, response_id: str):
+        return self.store.get(response_id)
+
+    async def put(self, response_id: str, items: list, response: dict) -> None:
+        self.store.put(response_id, items, response)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)
+
+
+class SharedResponseStore:
+    """An ingress replica's side of :class:`SpecrayResponseStore` (the interface the app awaits): while the store's
+    replica is down, a request that reads it gets a 503 to retry."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    async def get(self, response_id: str):
+        return await self._call("get", response_id)
+
+    async def put(self, response_id: str, items: list, response: dict) -> None:
+        """A response the store cannot take is still answered (unstored: naming it later is a 404)."""
+        try:
+            await self._call("put", response_id, items, response)
+        except OpenAIError:
+            logger.warning("response %s was answered but not stored", response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self._call("delete", response_id)
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except (RayError, *_UNAVAILABLE) as err:
+            logger.warning("the response store did not answer %s: %s", method, err)
+            raise OpenAIError(503, "the stored responses are unavailable for a moment (their store is being "
+                              "replaced); retry shortly", "server_error", code="response_store_unavailable") from None
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts of an engine replica."""
@@ -920,6 +965,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         logging_config={"enable_access_log": False},  # its calls are internal hops; the ingress logs requests
         **common).bind(parsed)
     ingress = serve.deployment(SpecrayServer).options(ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, **common)
+    if parsed.max_stored_responses and parsed.num_replicas > 1:  # one store for every ingress replica
+        store = serve.deployment(SpecrayResponseStore).options(
+            num_replicas=1, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+            logging_config={"enable_access_log": False}).bind(parsed.max_stored_responses)
+        return ingress.bind(parsed, engine, store)
     return ingress.bind(parsed, engine)
 
 

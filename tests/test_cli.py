@@ -414,18 +414,18 @@ def test_bench_serve_report_says_whether_the_server_reports_speculation():
     assert "prefix cache: 32 of 40 prompt tokens (80%)" in format_report(summarize([result(cached)], 1.0))
 
 
-def test_stored_responses_are_kept_by_one_replica_only(tiny_llama_dir):
-    """The Responses API's stored responses live in the ingress replica's memory: kept by default with one replica,
-    none with several (a request's previous_response_id could reach another replica), and asking for them there is a
-    clear error; ``--max-stored-responses`` sets the bound."""
+def test_stored_responses_are_kept_with_any_number_of_replicas(tiny_llama_dir):
+    """The Responses API's stored responses: kept by default, in the ingress replica's memory with one replica and in
+    one store deployment the replicas share with several (a request's previous_response_id may reach another
+    replica); ``--max-stored-responses`` sets the bound, 0 keeps none."""
     from specray.cluster.cli import build_parser, serve_app_args
     from specray.cluster.serve import DEFAULT_STORED_RESPONSES, ServeArgs
 
     model = str(tiny_llama_dir)
     assert ServeArgs.from_dict({"model": model}).server_config(8).max_stored_responses == DEFAULT_STORED_RESPONSES
-    assert ServeArgs.from_dict({"model": model, "num_replicas": 2}).server_config(8).max_stored_responses == 0
-    with pytest.raises(ValueError, match="max_stored_responses=5 needs num_replicas=1"):
-        ServeArgs.from_dict({"model": model, "num_replicas": 2, "max_stored_responses": 5})
+    several = ServeArgs.from_dict({"model": model, "num_replicas": 2})
+    assert several.server_config(8).max_stored_responses == DEFAULT_STORED_RESPONSES
+    assert ServeArgs.from_dict({"model": model, "num_replicas": 2, "max_stored_responses": 0}).max_stored_responses == 0
     with pytest.raises(ValueError, match="max_stored_responses=-1 must be >= 0"):
         ServeArgs.from_dict({"model": model, "max_stored_responses": -1})
     args = build_parser().parse_args(["serve", "--model", model, "--max-stored-responses", "7"])

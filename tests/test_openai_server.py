@@ -1358,12 +1358,13 @@ def test_reasoning_parser_starts_from_the_prompt_for_qwen3():
 
 
 @contextlib.contextmanager
-def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, **config):
+def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, response_store=None, **config):
     import uvicorn
 
     from specray.cluster.openai_app import ServerConfig, build_openai_app
 
-    app = build_openai_app(fake, ServerConfig("fake", max_queue_len, **{"enable_debug_routes": True, **config}))
+    app = build_openai_app(fake, ServerConfig("fake", max_queue_len, **{"enable_debug_routes": True, **config}),
+                           response_store=response_store)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -2394,6 +2395,53 @@ class ConversationClient(ScriptedEngineClient):
         self.prompts.append(prompt)
         async for out in super().generate(prompt_token_ids, params, prompt, req_id):
             yield out
+
+
+class FakeStoreHandle:
+    """Stands in for the store deployment's handle: ``handle.method.remote(*args)`` awaits the store's method, or
+    raises as an unreachable replica does while ``down``."""
+
+    def __init__(self, store):
+        self.store, self.down = store, False
+
+    def __getattr__(self, name: str):
+        method, handle = getattr(self.store, name), self
+
+        async def call(*args):
+            if handle.down:
+                from ray.exceptions import RayError
+
+                raise RayError("the store's replica is gone")
+            return await method(*args)
+
+        return SimpleNamespace(remote=call)
+
+
+def test_replicas_share_stored_responses():
+    """Several ingress replicas (two apps here) over one store deployment: a response stored through one is read,
+    continued and deleted through the other; while the store is down, reading it is a 503 to retry and a new
+    response is still answered (unstored)."""
+    from specray.cluster.serve import SharedResponseStore, SpecrayResponseStore
+
+    handle = FakeStoreHandle(SpecrayResponseStore(10))
+    one, two = ConversationClient(["Hello", "!"]), ConversationClient(["Again", "."])
+    with app_in_thread(one, response_store=SharedResponseStore(handle)) as a, \
+            app_in_thread(two, response_store=SharedResponseStore(handle)) as b:
+        status, first = http_json(a + "/v1/responses", {"input": "Hi"})
+        assert status == 200 and http_json(b + f"/v1/responses/{first['id']}") == (200, first)
+        status, second = http_json(b + "/v1/responses", {"input": "More", "previous_response_id": first["id"]})
+        assert status == 200 and two.prompts[-1].count("Hi") == 1 and "Hello!" in two.prompts[-1]
+        request = urllib.request.Request(a + f"/v1/responses/{second['id']}", method="DELETE")
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.loads(resp.read())["deleted"] is True
+        assert http_json(b + f"/v1/responses/{second['id']}")[0] == 404
+        handle.down = True
+        status, err = error_of(http_json(b + f"/v1/responses/{first['id']}"))
+        assert status == 503 and err["code"] == "response_store_unavailable"
+        status, unstored = http_json(a + "/v1/responses", {"input": "Hi"})
+        assert status == 200
+        handle.down = False
+        assert http_json(b + f"/v1/responses/{unstored['id']}")[0] == 404
 
 
 def test_stored_responses_are_bounded_by_count_and_by_size():
