@@ -833,8 +833,8 @@ class OpenAIServing:
         if req.previous_response_id is not None:  # that conversation (its input and output items), then this input
             if store is None:
                 raise proto.bad_request("previous_response_id needs stored responses, and this server keeps none "
-                                        "(max_stored_responses 0: start it with --max-stored-responses N and one "
-                                        "replica); send the conversation so far in input instead",
+                                        "(max_stored_responses 0: start it with --max-stored-responses N); send "
+                                        "the conversation so far in input instead",
                                         "previous_response_id")
             entry = await store.get(req.previous_response_id)
             if entry is None:
