@@ -854,6 +854,10 @@ class SpecrayServer:
         config = self.args.server_config(self.max_num_seqs)
         return build_openai_app(self.client, config, self.metrics, self.response_store)
 
+    async def engine_state(self) -> dict:
+        """KV blocks free/total and waiting/running counts of an engine replica."""
+        return await self.client.engine_state()
+
 
 class SpecrayResponseStore:
     """The Responses API's stored responses when several ingress replicas serve (a deployment of one replica): a
@@ -899,10 +903,6 @@ class SharedResponseStore:
             logger.warning("the response store did not answer %s: %s", method, err)
             raise OpenAIError(503, "the stored responses are unavailable for a moment (their store is being "
                               "replaced); retry shortly", "server_error", code="response_store_unavailable") from None
-
-    async def engine_state(self) -> dict:
-        """KV blocks free/total and waiting/running counts of an engine replica."""
-        return await self.client.engine_state()
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):
