@@ -160,6 +160,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $SPECRAY_API_KEY; neither: no key)")
     p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
+    p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                   help="web pages of these origins may call the API from a browser (CORS), comma-separated or a "
+                   "JSON list; '*' for any (vLLM's flag; default: none)")
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="a reasoning model's <think> ... </think> goes to chat messages' reasoning_content (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -254,6 +257,22 @@ def cmd_train_draft(args) -> int:
 def _spec_method(text: str) -> str | None:
     """--spec-method's value; "none" (what the help calls the default) is no speculation."""
     return None if text.strip().lower() == "none" else text
+
+
+def _origins(text: str) -> list[str]:
+    """--allowed-origins: a JSON list, or origins separated by commas."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"must be a list of origins: {text!r}")
+        return value
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    if not origins:
+        raise argparse.ArgumentTypeError("give at least one origin, e.g. https://app.example.com, or '*'")
+    return origins
 
 
 def _json_arg(text: str) -> dict:
@@ -381,7 +400,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "trust_remote_code")
+                "trust_remote_code", "allowed_origins")
 
 
 def serve_app_args(args) -> dict:

@@ -142,6 +142,9 @@ class ServerConfig:
     chat_template: str | None = None  # the template chat messages are rendered with (None: the tokenizer's)
     # the engine drafts on the host, so a request's prediction (OpenAI's Predicted Outputs) is drafted from
     drafts_predictions: bool = False
+    # vLLM's --allowed-origins: web pages of these origins may call the API from a browser (CORS; "*": any); none by
+    # default (vLLM allows any), so a page the user visits cannot reach a server on their machine
+    allowed_origins: tuple[str, ...] = ()
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -817,8 +820,11 @@ class OpenAIServing:
         self._check_request_size(req, 1, req.output_limit(), limit_param)
         prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req)), req.truncate_prompt_tokens)
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
+        prediction = None
+        if req.prediction is not None and self.config.drafts_predictions:  # else the engine would drop it
+            prediction = await self._off_loop(lambda: self._encode_prediction(req.prediction.text()))
         request_id = proto.new_id("chatcmpl" if responses_req is None else "resp")
-        choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id)
+        choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id, prediction)
         kind, extra = (_ChatFormat, {}) if responses_req is None else (
             _ResponsesFormat, {"request": responses_req, "on_response": on_response})
         fmt = kind(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
@@ -953,22 +959,25 @@ class OpenAIServing:
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
+    def _encode_prediction(self, text: str) -> list[int]:
+        with _user_text_errors("prediction"):
+            return list(self.client.tokenizer.encode(text, add_special_tokens=False))
+
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
-                 request_id: str) -> list[_Choice]:
+                 request_id: str, prediction: list[int] | None = None) -> list[_Choice]:
         """One engine request per prompt and choice. ``max_tokens`` None: the model's default max_tokens (its
         generation config's max_new_tokens) where it has one, cut to what the prompt's context leaves."""
         choices = []
         defaults = self.config.default_sampling
         method = req.speculative.method if req.speculative is not None else None
-        predicted = (getattr(req, "prediction", None) is not None and self.config.drafts_predictions
-                     and method in (None, PREDICTION))
+        predicted = prediction is not None and method in (None, PREDICTION)
         for p, prompt in enumerate(prompts):
             limit = max_tokens
             if limit is None and "max_tokens" in defaults:
                 limit = min(defaults["max_tokens"], self.client.max_model_len - len(prompt.token_ids))
             for i in range(req.n):
                 index = p * req.n + i
-                params = proto.sampling_params(req, limit, logprobs, i, defaults)
+                params = proto.sampling_params(req, limit, logprobs, i, defaults, prediction)
                 choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", predicted=predicted))
         return choices
 
@@ -1198,4 +1207,9 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
         app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health"}))
+    if config.allowed_origins:  # added last: outermost, so a browser's preflight needs no key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

@@ -809,10 +809,12 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
 # ---- request -> SamplingParams -------------------------------------------------------------------------
 
 def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                    choice: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+                    choice: int, defaults: dict[str, Any] | None = None,
+                    prediction: list[int] | None = None) -> SamplingParams:
     """The engine parameters of choice ``choice`` (0-based) of ``req``; a seed is offset by the choice so
     the n choices differ but each is reproducible. ``defaults``: what the fields ``req`` leaves unset take
-    (the model's generation config's), over OpenAI's defaults."""
+    (the model's generation config's), over OpenAI's defaults. ``prediction``: the request's prediction as token
+    ids (tokenized by the server, as prompts are)."""
     defaults = defaults or {}
 
     def given(name: str, fallback: Any) -> Any:
@@ -842,7 +844,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         cache_salt=req.cache_salt,
         priority=req.priority,
         structured_outputs=req.structured_outputs_params(),
-        prediction=req.prediction.text() if getattr(req, "prediction", None) is not None else None,
+        prediction=prediction,
     )
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

@@ -129,6 +129,8 @@ class ServeArgs:
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     api_key: str | None = None  # None: $SPECRAY_API_KEY, else no key needed
     enable_debug_routes: bool = False  # GET /v1/debug/kv
+    # vLLM's: the origins whose web pages may call the API from a browser (CORS; ["*"]: any); None: none
+    allowed_origins: list[str] | None = None
     # vLLM's: a reasoning model's <think> ... </think> in chat messages' reasoning_content (deepseek_r1, qwen3)
     reasoning_parser: str | None = None
     # vLLM's: tool_choice "auto" (the default when a request gives tools), the calls read out of the answer by
@@ -209,6 +211,11 @@ class ServeArgs:
             self.max_stored_responses = DEFAULT_STORED_RESPONSES
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses={self.max_stored_responses} must be >= 0 (0: keep none)")
+        origins = self.allowed_origins
+        if origins is not None and (not isinstance(origins, list)
+                                    or not all(isinstance(o, str) and o for o in origins)):
+            raise ValueError(f"allowed_origins={origins!r} must be a list of origins such as "
+                             "['https://app.example.com'], or ['*'] for any")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
@@ -231,7 +238,8 @@ class ServeArgs:
                             tool_call_parser=self.tool_call_parser,
                             max_stored_responses=self.max_stored_responses,
                             default_sampling=default_sampling_fields(self.engine_args()),
-                            chat_template=self.chat_template, drafts_predictions=self._drafts_on_host())
+                            chat_template=self.chat_template, drafts_predictions=self._drafts_on_host(),
+                            allowed_origins=tuple(self.allowed_origins or ()))
 
     def _drafts_on_host(self) -> bool:
         """A request's prediction (OpenAI's Predicted Outputs) is drafted from: the engine drafts in its own

@@ -335,6 +335,12 @@ def test_serve_chat_template_generation_config_and_scheduling_flags(tiny_llama_d
     assert config.chat_template == template and parsed.chat_template == template
     assert config.default_sampling == {"temperature": 0.3, "max_tokens": 20}
     assert parsed.engine_args().generation_config == "vllm" and parsed.engine_args().scheduling_policy == "priority"
+    origins = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--allowed-origins",
+                                         "https://a.example, https://b.example"])
+    assert ServeArgs.from_dict(serve_app_args(origins)).server_config(8).allowed_origins == (
+        "https://a.example", "https://b.example")
+    with pytest.raises(ValueError, match="allowed_origins='https://a.example' must be a list"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "allowed_origins": "https://a.example"})
     default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
     assert default.chat_template is None and default.default_sampling == {}
     with pytest.raises(ValueError, match="chat_template='nope.jinja' is neither a file"):

@@ -1430,10 +1430,10 @@ def test_unset_sampling_fields_take_the_models_defaults():
 
 
 def test_a_chat_prediction_reaches_the_engine_and_its_usage():
-    """OpenAI's Predicted Outputs: the prediction's text (a string or text parts) goes to the engine; where the
-    engine drafts on the host the usage tells the accepted and rejected prediction tokens (the fake engine's
-    counters: 1 draft of 2 tokens, 1 kept, per step), summed over choices, streamed too; elsewhere, or for a
-    request that picks another drafting method, there are no such details; a prediction of another type is a
+    """OpenAI's Predicted Outputs: the prediction's text (a string or text parts) goes to the engine as token ids
+    where the engine drafts from it, and the usage tells the accepted and rejected prediction tokens (the fake
+    engine's counters: 1 draft of 2 tokens, 1 kept, per step), summed over choices, streamed too; elsewhere, or for
+    a request that picks another drafting method, there are no such details; a prediction of another type is a
     400 naming prediction.type."""
     fake = RecordingEngineClient()
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
@@ -1441,7 +1441,8 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
                                                                                            "text": "(): pass"}]}}
     with app_in_thread(fake, drafts_predictions=True) as base:
         status, body = http_json(base + "/v1/chat/completions", {**chat, "n": 2})
-        assert status == 200 and fake.seen[-1][1].prediction == "def f(): pass"
+        # tokenized by the server, off its event loop, as prompts are
+        assert status == 200 and fake.seen[-1][1].prediction == fake.tokenizer.encode("def f(): pass")
         details = body["usage"]["completion_tokens_details"]
         assert details == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": 6}
         events = sse_events(base + "/v1/chat/completions",
@@ -1454,9 +1455,10 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
         status, err = error_of(http_json(base + "/v1/chat/completions",
                                          {**chat, "prediction": {"type": "image", "content": "x"}}))
         assert (status, err["param"]) == (400, "prediction.type") and "'content'" in err["message"]
-    with app_in_thread(fake) as base:  # an engine that cannot draft from it: no details
+    with app_in_thread(fake) as base:  # an engine that cannot draft from it: not sent, no details
         status, body = http_json(base + "/v1/chat/completions", chat)
         assert status == 200 and "completion_tokens_details" not in body["usage"]
+        assert fake.seen[-1][1].prediction is None
 
 
 def test_reasoning_effort_reaches_the_chat_template(tiny_llama_dir):
@@ -1596,6 +1598,31 @@ def test_api_key_is_required_except_for_health_and_debug_route_is_off():
         assert benchmark(api_key="sekret", **args)["completed"] == 2
         with pytest.raises(ValueError, match="401"):  # no key: listing the models fails
             benchmark(**args)
+
+
+def test_browser_pages_of_allowed_origins_only():
+    """--allowed-origins (vLLM's; none by default, where vLLM allows any): a page of an allowed origin gets CORS
+    headers, its preflight answered without the API key; another origin, or a server allowing none, gets none."""
+    def call(base: str, method: str, path: str, origin: str, headers: dict | None = None):
+        request = urllib.request.Request(base + path, method=method, headers={"Origin": origin, **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, resp.headers
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    page = "https://app.example.com"
+    with app_in_thread(FakeEngineClient(), api_key="sekret", allowed_origins=(page,)) as base:
+        status, headers = call(base, "OPTIONS", "/v1/chat/completions", page, preflight)
+        assert status == 200 and headers["access-control-allow-origin"] == page
+        status, headers = call(base, "GET", "/v1/models", page, {"Authorization": "Bearer sekret"})
+        assert status == 200 and headers["access-control-allow-origin"] == page
+        status, headers = call(base, "OPTIONS", "/v1/chat/completions", "https://evil.example.com", preflight)
+        assert status == 400 and "access-control-allow-origin" not in headers
+    with app_in_thread(FakeEngineClient()) as base:
+        status, headers = call(base, "GET", "/v1/models", page)
+        assert status == 200 and "access-control-allow-origin" not in headers
 
 
 def test_one_request_cannot_hold_every_seat_or_fill_the_queue():
