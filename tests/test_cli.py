@@ -335,6 +335,11 @@ def test_serve_chat_template_generation_config_and_scheduling_flags(tiny_llama_d
     assert config.chat_template == template and parsed.chat_template == template
     assert config.default_sampling == {"temperature": 0.3, "max_tokens": 20}
     assert parsed.engine_args().generation_config == "vllm" and parsed.engine_args().scheduling_policy == "priority"
+    named = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--served-model-name", "a", "b", "a"])
+    config = ServeArgs.from_dict(serve_app_args(named)).server_config(8)
+    assert (config.served_model_name, config.model_aliases) == ("a", ("b",))
+    with pytest.raises(ValueError, match=r"served_model_name=\[\] must be a name or a non-empty list"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "served_model_name": []})
     origins = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--allowed-origins",
                                          "https://a.example, https://b.example"])
     assert ServeArgs.from_dict(serve_app_args(origins)).server_config(8).allowed_origins == (

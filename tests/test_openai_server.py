@@ -1600,6 +1600,18 @@ def test_api_key_is_required_except_for_health_and_debug_route_is_off():
             benchmark(**args)
 
 
+def test_a_model_served_under_several_names():
+    """vLLM's several --served-model-name: requests may give any name, responses carry the first, /v1/models lists
+    them all; another name is a 404."""
+    with app_in_thread(FakeEngineClient(), model_aliases=("gpt-4o", "my-model")) as base:
+        assert [m["id"] for m in http_json(base + "/v1/models")[1]["data"]] == ["fake", "gpt-4o", "my-model"]
+        assert http_json(base + "/v1/models/gpt-4o")[1]["id"] == "gpt-4o"
+        status, body = http_json(base + "/v1/completions", {"model": "my-model", "prompt": "hi"})
+        assert status == 200 and body["model"] == "fake"
+        status, err = error_of(http_json(base + "/v1/completions", {"model": "gpt-5", "prompt": "hi"}))
+        assert (status, err["code"]) == (404, "model_not_found")
+
+
 def test_browser_pages_of_allowed_origins_only():
     """--allowed-origins (vLLM's; none by default, where vLLM allows any): a page of an allowed origin gets CORS
     headers, its preflight answered without the API key; another origin, or a server allowing none, gets none."""
