@@ -91,6 +91,8 @@ _DEFINITIONS = [
     ("prompt_tokens", "counter", "specray_prompt_tokens", "Prompt tokens of finished choices", (), None),
     ("generation_tokens", "counter", "specray_generation_tokens", "Generated tokens of finished choices", (),
      None),
+    ("prediction_tokens", "counter", "specray_prediction_tokens", "Predicted Outputs: prediction tokens drafted "
+     "for finished choices, by outcome (accepted by the target, or rejected)", ("outcome",), None),
     ("waiting", "gauge", "specray_num_requests_waiting", "Engine requests waiting to be scheduled", (), None),
     ("running", "gauge", "specray_num_requests_running", "Engine requests running", (), None),
     ("kv_used", "gauge", "specray_kv_blocks_used", "KV-cache blocks in use", (), None),
@@ -151,6 +153,11 @@ class ServerMetrics:
             self.tpot.record((e2e - ttft) / (completion_tokens - 1), self._labels)
         self.prompt_tokens.record(prompt_tokens, self._labels)
         self.generation_tokens.record(completion_tokens, self._labels)
+
+    def record_prediction(self, accepted: int, rejected: int) -> None:
+        """One finished choice that drafted from its prediction (OpenAI's Predicted Outputs)."""
+        self.prediction_tokens.record(accepted, {**self._labels, "outcome": "accepted"})
+        self.prediction_tokens.record(rejected, {**self._labels, "outcome": "rejected"})
 
     def record_engine_state(self, state: dict) -> None:
         """Gauges from :func:`engine_state`."""

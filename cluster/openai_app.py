@@ -266,17 +266,20 @@ class _Fanout:
                             self._started(choice.index)
                         self._events.put_nowait((choice, out))
                         if out.finished:
-                            self._record(out, first)
+                            self._record(choice, out, first)
         except Exception as exc:  # handed to next(), which raises it in the request handler
             self._events.put_nowait((choice, exc))
         finally:
             self._started(choice.index)
             self._events.put_nowait((choice, None))
 
-    def _record(self, out: RequestOutput, first: float) -> None:
+    def _record(self, choice: _Choice, out: RequestOutput, first: float) -> None:
         end = time.monotonic()
         self._metrics.record_choice(first - self._arrival, end - self._arrival, len(out.prompt_token_ids),
                                     len(out.outputs[0].token_ids))
+        if choice.predicted:
+            stats = out.spec_stats
+            self._metrics.record_prediction(stats.accepted_tokens, stats.draft_tokens - stats.accepted_tokens)
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -1450,6 +1450,9 @@ def test_a_chat_prediction_reaches_the_engine_and_its_usage():
         assert json.loads(events[-2])["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 3
         other = {**chat, "speculative": {"method": "suffix"}}
         assert "completion_tokens_details" not in http_json(base + "/v1/chat/completions", other)[1]["usage"]
+        metrics = http_json_text(base + "/metrics")  # the 3 predicted choices above: 3 kept, 3 not, each
+        assert metric_value(metrics, "specray_prediction_tokens_total", outcome="accepted") == 9
+        assert metric_value(metrics, "specray_prediction_tokens_total", outcome="rejected") == 9
         plain = {k: v for k, v in chat.items() if k != "prediction"}
         assert "completion_tokens_details" not in http_json(base + "/v1/chat/completions", plain)[1]["usage"]
         status, err = error_of(http_json(base + "/v1/chat/completions",
