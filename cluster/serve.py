@@ -57,7 +57,7 @@ from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app,
     register_client_gone)
 from specray.cluster.openai_protocol import MAX_N, OpenAIError  # noqa: E402
-from specray.cluster.openai_responses import ResponseStore  # noqa: E402
+from specray.cluster.openai_responses import LocalResponseStore  # noqa: E402
 from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
 from specray.cluster.tool_parsers import check_tool_call_parser  # noqa: E402
 from specray.chat import load_chat_template  # noqa: E402
@@ -877,21 +877,9 @@ class SpecrayServer:
         return await self.client.engine_state()
 
 
-class SpecrayResponseStore:
+class SpecrayResponseStore(LocalResponseStore):
     """The Responses API's stored responses when several ingress replicas serve (a deployment of one replica): a
     request that names a previous response finds it whichever replica stored it."""
-
-    def __init__(self, max_entries: int):
-        self.store = ResponseStore(max_entries)
-
-    async def get(self, response_id: str):
-        return self.store.get(response_id)
-
-    async def put(self, response_id: str, items: list, response: dict) -> None:
-        self.store.put(response_id, items, response)
-
-    async def delete(self, response_id: str) -> bool:
-        return self.store.delete(response_id)
 
 
 class SharedResponseStore:
