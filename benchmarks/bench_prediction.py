@@ -2,7 +2,9 @@
 
 Each request asks the model to make one small change to a Python file and return the whole file; the file is in
 the prompt (as in OpenAI's own examples) and, for the prediction configurations, also the request's prediction.
-One batch of ``--requests`` such edits (different files and changes), chat-templated. Configurations, each run
+One batch of ``--requests`` such edits (different files and changes), chat-templated; or, ``--workload
+regenerate``, questions asked again in other words, each predicted by the plain answer to its first wording (an
+expected output that is not in the prompt). Configurations, each run
 ``--rounds`` times, alternated, in this process:
 
 - ``plain``: no speculation;
@@ -117,6 +119,29 @@ def conversations(n: int) -> tuple[list[list[dict]], list[str]]:
     return convs, files
 
 
+# the "regenerate" workload: a question asked again in other words, the answer to the first wording its prediction
+# (an expected output that is not in the prompt, where prompt lookup has nothing to copy)
+QUESTIONS = [("Explain why the sky is blue to a ten-year-old.", "Tell a ten-year-old why the sky is blue."),
+             ("Give me five ideas for a weekend trip in the mountains.",
+              "List five ideas for a weekend trip to the mountains."),
+             ("What are the pros and cons of working from home?", "What are the advantages and disadvantages of "
+              "working from home?"),
+             ("How do vaccines train the immune system?", "Explain how vaccines train the immune system."),
+             ("Write a short poem about the ocean at night.", "Write a short poem about the sea at night."),
+             ("What should a beginner know before learning the guitar?",
+              "What does a beginner need to know before learning the guitar?"),
+             ("Describe how a bicycle works.", "Explain how a bicycle works."),
+             ("Give three tips for writing clear emails.", "Share three tips for writing clear emails.")]
+
+
+def regenerate_conversations(llm: LLM, n: int, max_tokens: int) -> tuple[list[list[dict]], list[str]]:
+    """The second wordings, each with the plain greedy answer to its first wording as the prediction."""
+    first = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)][0]}] for i in range(n)]
+    answers = llm.chat(first, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    convs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)][1]}] for i in range(n)]
+    return convs, [o.outputs[0].text for o in answers]
+
+
 def run(llm: LLM, name: str, convs, params: list[SamplingParams]) -> dict:
     engine = llm.engine
     steps = engine.num_steps
@@ -138,6 +163,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of the speculating engines")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workload", default="edit", choices=("edit", "regenerate"),
+                    help="edit: code edits, the file in the prompt and the prediction; regenerate: a question asked "
+                    "again in other words, the first answer the prediction (not in the prompt)")
     ap.add_argument("--enforce-eager", action="store_true", help="every step eager (default: the engine's: CUDA "
                     "graphs on a GPU)")
     args = ap.parse_args()
@@ -147,7 +175,10 @@ def main() -> None:
                "ngram": LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": args.k}, **common),
                "prediction": LLM(model, speculative_config={"method": "prediction", "num_speculative_tokens": args.k},
                                  **common)}
-    convs, files = conversations(args.requests)
+    if args.workload == "edit":
+        convs, files = conversations(args.requests)
+    else:
+        convs, files = regenerate_conversations(engines["plain"], args.requests, args.max_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     predicted = [dataclasses.replace(greedy, prediction=f) for f in files]
     configs = [("plain", "plain", [greedy] * len(convs)), ("ngram", "ngram", [greedy] * len(convs)),
@@ -167,7 +198,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
-    print(f"\nmachine: {device}, {torch.get_num_threads()} threads, torch {torch.__version__}, commit {commit}")
+    print(f"\nworkload: {args.workload}; machine: {device}, {torch.get_num_threads()} threads, torch "
+          f"{torch.__version__}, commit {commit}")
     base = statistics.median(r["seconds"] for r in results["plain"])
     for name, rs in results.items():
         secs = statistics.median(r["seconds"] for r in rs)

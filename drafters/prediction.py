@@ -9,7 +9,9 @@ prediction, the place the output has reached in it, and proposes the tokens that
 - when the output departs from it (an edit), the drafter looks for the output's last ``n`` tokens in the
   prediction, ``n`` from ``max_match_len`` down to ``min_match_len``, and takes the occurrence nearest to the
   cursor, forward first (an edit rejoins the text after the part it replaced): the key is ``n``;
-- otherwise it proposes nothing until the output's end matches somewhere again.
+- out of step, it also looks up the request's own text, prompt lookup as ``ngram`` drafts, and proposes whichever
+  match is longer (the prediction's on a tie; the own text's keys are ``("own", match length)``), so that a request
+  whose prediction turns out wrong drafts about as it would without one.
 
 Keys let the draft-length policy learn, per request mix, how far a proposal after a fresh 1-token match is worth
 verifying compared with one in step. Every draft is verified by the target, so the output is the one decoding
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specray.config import SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.ngram import NgramDrafter
 from specray.drafters.ngram_common import check_int
 from specray.drafters.registry import options_of
 
@@ -67,13 +70,24 @@ class PredictionDrafter:
         self.options: PredictionOptions = options_of(spec)
         self.num_speculative_tokens = spec.num_speculative_tokens
         self._states: dict[str, _State] = {}
+        # the request's own text, where its prediction has nothing to propose (ngram's defaults)
+        self._own = NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=self.num_speculative_tokens),
+                                 ctx)
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        return [self._propose_one(dreq) for dreq in batch]
+        proposals = [self._propose_one(dreq) for dreq in batch]
+        rest = [i for i, (dreq, proposal) in enumerate(zip(batch, proposals))
+                if proposal.key != self.IN_STEP and dreq.sampling_params.prediction and dreq.num_speculative_tokens > 0]
+        if rest:  # out of step with the prediction: the longer match wins, the prediction's on a tie
+            for i, own in zip(rest, self._own.propose([batch[i] for i in rest])):
+                if own.token_ids and (not proposals[i].token_ids or own.key > proposals[i].key):
+                    proposals[i] = replace(own, key=("own", own.key))
+        return proposals
 
     def finish(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
             self._states.pop(req_id, None)
+        self._own.finish(req_ids)
 
     def shutdown(self) -> None:
         """Nothing to release."""

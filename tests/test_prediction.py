@@ -47,6 +47,12 @@ def test_drafts_follow_the_prediction_and_find_it_again_after_an_edit():
     assert ask(strict, prompt, [], prediction)[0] == [10, 11, 12, 13]
     assert ask(strict, prompt, [10, 99, 15], prediction) == ([], None)
     assert ask(strict, prompt, [10, 99, 15, 16], prediction) == ([17, 18, 19, 20], 2)
+    # a prediction that does not match: the request's own text drafts instead (prompt lookup), under keys of its own
+    own = drafter()
+    tokens, key = ask(own, prompt, [7, 8, 9, 7, 8], list(range(50, 60)))
+    assert tokens[:2] == [9, 7] and key == ("own", 2)
+    own.finish(["r"])
+    assert not own._states and not own._own._indexes and not own._own._requests  # both forget the request
     d.finish(["r"])
     assert not d._states
     with pytest.raises(ValueError, match="max_match_len=1 must be an int >= 2"):
