@@ -238,6 +238,7 @@ class ServeArgs:
 
     def server_config(self, max_num_seqs: int) -> ServerConfig:
         seats = self.max_seats_per_request or max(1, max_num_seqs // 2)
+        engine_args = self.engine_args()
         return ServerConfig(self.served_model_name, self.max_queue_len, api_key=self.api_key,
                             model_aliases=tuple(self.model_aliases),
                             enable_debug_routes=self.enable_debug_routes,
@@ -247,20 +248,22 @@ class ServeArgs:
                             enable_auto_tool_choice=self.enable_auto_tool_choice,
                             tool_call_parser=self.tool_call_parser,
                             max_stored_responses=self.max_stored_responses,
-                            default_sampling=default_sampling_fields(self.engine_args()),
-                            chat_template=self.chat_template, drafts_predictions=self._drafts_on_host(),
+                            default_sampling=default_sampling_fields(engine_args),
+                            chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()))
 
-    def _drafts_on_host(self) -> bool:
-        """A request's prediction (OpenAI's Predicted Outputs) is drafted from: the engine drafts in its own
-        process, or its head in the worker is combined with the prediction drafter (``combine_with``)."""
-        spec = self.engine_args().speculative_config
-        if spec is None:
-            return False
-        if not drafter_registry.runs_in_worker(spec.method):
-            return True
-        lookup = lookup_beside_head(spec)
-        return lookup is not None and lookup.method == PREDICTION
+
+
+def _drafts_on_host(engine_args: EngineArgs) -> bool:
+    """A request's prediction (OpenAI's Predicted Outputs) is drafted from: the engine drafts in its own process,
+    or its head in the worker is combined with the prediction drafter (``combine_with``)."""
+    spec = engine_args.speculative_config
+    if spec is None:
+        return False
+    if not drafter_registry.runs_in_worker(spec.method):
+        return True
+    lookup = lookup_beside_head(spec)
+    return lookup is not None and lookup.method == PREDICTION
 
 
 def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specray.sampling_params import check_seed
@@ -247,6 +247,9 @@ class RayPlacement:
 EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
+
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -360,10 +363,10 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")
         check_seed(self.seed)
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be 'auto' (the checkpoint's weights) or 'dummy' "
                              "(random weights, for speed measurements)")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
                              "or 'priority' (SamplingParams.priority, lowest first)")
         self._check_generation_config()

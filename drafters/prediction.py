@@ -100,27 +100,27 @@ class PredictionDrafter:
         state = self._states.get(dreq.req_id)
         if state is None:
             state = self._states[dreq.req_id] = _State(prediction)
-        output = dreq.token_ids[dreq.num_prompt_tokens:]
-        key = self._follow(state, output)
+        key = self._follow(state, dreq.token_ids, dreq.num_prompt_tokens)
         if key is None or k <= 0:
             return Proposal([])
         return Proposal(state.prediction[state.cursor: state.cursor + k], key=key)
 
-    def _follow(self, state: _State, output: Sequence[int]) -> int | None:
-        """Move the cursor to where ``output`` stands in the prediction; the proposal's key, or None when the
-        output's end is nowhere in it (or the prediction is used up there)."""
-        pred, m = state.prediction, len(output)
-        new = output[state.seen:] if state.seen <= m else None
-        if not state.lost and new is not None and pred[state.cursor: state.cursor + len(new)] == list(new):
+    def _follow(self, state: _State, tokens: Sequence[int], start: int) -> int | None:
+        """Move the cursor to where the output (``tokens[start:]``) stands in the prediction; the proposal's key, or
+        None when the output's end is nowhere in it (or the prediction is used up there). Reads only what came
+        since the last call and, out of step, the output's last tokens: never the whole output."""
+        pred, m = state.prediction, len(tokens) - start
+        new = list(tokens[start + state.seen:]) if state.seen <= m else None
+        if not state.lost and new is not None and pred[state.cursor: state.cursor + len(new)] == new:
             state.cursor += len(new)
             state.seen = m
             return self.IN_STEP if state.cursor < len(pred) else None
         state.seen = m
         top = min(self.options.max_match_len, m)
         for n in range(top, self.options.min_match_len - 1, -1):
-            start = self._nearest(state, list(output[m - n:]))
-            if start is not None:
-                state.cursor, state.lost = start + n, False
+            at = self._nearest(state, list(tokens[len(tokens) - n:]))
+            if at is not None:
+                state.cursor, state.lost = at + n, False
                 return n
         state.lost = True
         return None

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from specray.config import SCHEDULING_POLICIES
 from specray.contract import BlockTableDelta, KVMove, NewRequest, ScheduledChunk, StepPlan, StepResult
 from specray.kv_blocks import BlockPool, slots_of
 from specray.outputs import SpecStats
@@ -38,9 +39,6 @@ from specray.tree import DraftTree, is_chain, trim_tree
 logger = logging.getLogger(__name__)
 
 _FINISH_STATUS = {reason: status for status, reason in FINISH_REASONS.items()}
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass

@@ -119,12 +119,14 @@ class LLMEngine:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
-        self._admit_prediction(params)
+        unused_prediction = self._admit_prediction(params)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)
         grammar = (None if params.structured_outputs is None
                    else self.structured.grammar(params.structured_outputs, prompt_token_ids))
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request)  # validates every field, the prediction's ids too
+        if unused_prediction:  # not carried with the request's drafts every step
+            params.prediction = None
         if grammar is not None:
             self._grammars[req_id] = grammar
         if routed:
@@ -137,30 +139,29 @@ class LLMEngine:
                                         prompt_logprobs=None if params.prompt_logprobs is None else [None])
         return req_id
 
-    def _admit_prediction(self, params: SamplingParams) -> None:
+    def _admit_prediction(self, params: SamplingParams) -> bool:
         """A request's prediction (OpenAI's Predicted Outputs) as token ids, and who drafts from it: on an engine
         that drafts on the host, the ``prediction`` drafter (the request's method, routed), unless the request
         picked another method; on one whose head drafts in the worker, the ``prediction`` drafter beside the head
-        (``combine_with: "prediction"``), whose proposals the engine weighs against the head's. Elsewhere (no
-        speculation, a head without it) the prediction is dropped, unused."""
+        (``combine_with: "prediction"``), whose proposals the engine weighs against the head's. True when nobody
+        will (no speculation, a head without it): the prediction is then dropped once admission has checked it."""
         if params.prediction is None:
-            return
+            return False
         if isinstance(params.prediction, str):
             if self.tokenizer is None:
                 raise ValueError("prediction is text and this engine has no tokenizer; give its token ids")
             params.prediction = self.tokenizer.encode(params.prediction, add_special_tokens=False)
-        params.check(self.vocab_size)  # token ids outside the vocabulary are an error, used or not
+        params.prediction = list(params.prediction)
         if self.worker_method is not None:
             usable = isinstance(self.drafter, PredictionDrafter) and params.speculative_method in (
                 None, self.worker_method)
         else:
             usable = self.router is not None and params.speculative_method in (None, PREDICTION)
         if not (usable and params.prediction):
-            params.prediction = None
-            return
-        params.prediction = list(params.prediction)
+            return True
         if self.worker_method is None:
             params.speculative_method = PREDICTION
+        return False
 
     def _admit_method(self, params: SamplingParams) -> bool:
         """A request's own drafting method (``speculative_method``): a ValueError when it may not have it; True

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size
 from specray.models.moe import is_per_expert_tensor
@@ -255,7 +256,6 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_WEIGHT_RANGE = 1e-3  # dummy weights are uniform in [-r, r] (vLLM's too): small, so no layer overflows
 
 
