@@ -26,7 +26,7 @@ PASSTHROUGH = ("model", "temperature", "top_p", "user", "seed", "top_k", "min_p"
                "structured_outputs")
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-STORE_MAX_CHARS = 256 << 20  # characters of JSON the stored responses of one replica may hold, together
+STORE_MAX_CHARS = 256 << 20  # characters of JSON the stored responses of one store may hold, together
 
 
 class ResponsesRequest(proto._Strict):
@@ -81,12 +81,12 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 class ResponseStore:
-    """The responses this replica keeps, least recently used first out past ``max_entries`` or past ``max_chars``
-    characters of their JSON (so that no client can fill the replica's memory through large stored requests): each
-    one's conversation as input items (the input that produced it, then its output items) for a later request's
-    ``previous_response_id``, and the response object for ``GET /v1/responses/{id}``. The newest is kept even alone
-    past ``max_chars``. A conversation's earlier items are shared with the responses before it, and counted with
-    each (a bound, not a measure)."""
+    """The responses a server keeps (in its one replica, or in the store its replicas share), least recently used
+    first out past ``max_entries`` or past ``max_chars`` characters of their JSON (so that no client can fill the
+    memory through large stored requests): each one's conversation as input items (the input that produced it,
+    then its output items) for a later request's ``previous_response_id``, and the response object for ``GET
+    /v1/responses/{id}``. The newest is kept even alone past ``max_chars``. A conversation's earlier items are
+    shared with the responses before it, and counted with each (a bound, not a measure)."""
 
     def __init__(self, max_entries: int, max_chars: int = STORE_MAX_CHARS):
         if not isinstance(max_entries, int) or max_entries < 1:

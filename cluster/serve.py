@@ -105,7 +105,7 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
-DEFAULT_STORED_RESPONSES = 1000  # responses the Responses API keeps per server (one replica) by default
+DEFAULT_STORED_RESPONSES = 1000  # responses the Responses API keeps per server (one store, however many replicas)
 
 
 @dataclass
