@@ -161,6 +161,15 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $SPECRAY_API_KEY; neither: no key)")
     p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
+    p.add_argument("--enable-lora", action="store_const", const=True, default=None,
+                   help="requests may run with LoRA adapters (vLLM's flag; --lora-modules turns it on)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under names of their own: a request whose model is NAME "
+                   "runs with it (vLLM's flag; also JSON: '{\"name\": ..., \"path\": ...}')")
+    p.add_argument("--max-loras", type=int, default=None, help="most adapters in one step (vLLM's; default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank (vLLM's; default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (vLLM's; default: --max-loras)")
     p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                    help="web pages of these origins may call the API from a browser (CORS), comma-separated or a "
                    "JSON list; '*' for any (vLLM's flag; default: none)")
@@ -401,7 +410,8 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "trust_remote_code", "allowed_origins")
+                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
+                "max_cpu_loras")
 
 
 def serve_app_args(args) -> dict:

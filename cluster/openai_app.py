@@ -40,6 +40,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
+from specray.lora import LoRARequest
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
@@ -146,6 +147,8 @@ class ServerConfig:
     # default (vLLM allows any), so a page the user visits cannot reach a server on their machine
     allowed_origins: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = ()  # other names requests may give (vLLM's several --served-model-name)
+    # vLLM's --lora-modules: adapters served under names of their own; a request whose "model" names one runs with it
+    lora_modules: tuple[LoRARequest, ...] = ()
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -741,20 +744,34 @@ class OpenAIServing:
         return await self._handle(request, self._detokenize)
 
     async def models(self) -> dict:
-        return proto.ModelList(data=[self._model_card(name) for name in self._names()]).model_dump()
+        cards = [self._model_card(name) for name in self._names()]
+        return proto.ModelList(data=cards).model_dump(exclude_none=True)
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
         if model_id not in self._names():
             return error_response(proto.model_not_found(model_id, self.config.served_model_name))
-        return JSONResponse(self._model_card(model_id).model_dump())
+        return JSONResponse(self._model_card(model_id).model_dump(exclude_none=True))
 
     def _names(self) -> tuple[str, ...]:
-        """Every name the model is served under (vLLM's several --served-model-name), the first the main one."""
-        return (self.config.served_model_name, *self.config.model_aliases)
+        """Every name the model is served under (vLLM's several --served-model-name), the first the main one,
+        then the adapters' (--lora-modules)."""
+        config = self.config
+        return (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules))
 
     def _model_card(self, name: str) -> proto.ModelCard:
-        return proto.ModelCard(id=name, created=proto.now(), max_model_len=self.client.max_model_len)
+        lora = self._adapter(name)
+        return proto.ModelCard(id=name, created=proto.now(), max_model_len=self.client.max_model_len,
+                               root=None if lora is None else lora.lora_path,
+                               parent=None if lora is None else lora.base_model_name)
+
+    def _adapter(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return next((a for a in self.config.lora_modules if a.lora_name == name), None)
+
+    def _response_model(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response carries: the adapter's name for a request that ran with one (vLLM's)."""
+        return self.config.served_model_name if lora is None else lora.lora_name
 
     async def version(self) -> dict:
         """vLLM's ``GET /version``: the server's version."""
@@ -805,14 +822,15 @@ class OpenAIServing:
     async def _completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.CompletionRequest, body)
         self._check_model(req.model)
+        lora = self._adapter(req.model)
         self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
         prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
         prompts = [_truncated(p, req.truncate_prompt_tokens) for p in prompts]
         for prompt in prompts:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
-        choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id)
-        fmt = _CompletionFormat(request_id, self.config.served_model_name, self.logprob_fmt, req.logprobs,
+        choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id, lora=lora)
+        fmt = _CompletionFormat(request_id, self._response_model(lora), self.logprob_fmt, req.logprobs,
                                 req.prompt_logprobs, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
@@ -820,6 +838,7 @@ class OpenAIServing:
         """A chat completion; or, with ``responses_req`` (``body`` its chat request), a Responses API answer."""
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         self._check_model(req.model)
+        lora = self._adapter(req.model)
         tools = self._tool_output(req)
         if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
             req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
@@ -831,10 +850,10 @@ class OpenAIServing:
         if req.prediction is not None and self.config.drafts_predictions:  # else the engine would drop it
             prediction = await self._off_loop(lambda: self._encode_prediction(req.prediction.text()))
         request_id = proto.new_id("chatcmpl" if responses_req is None else "resp")
-        choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id, prediction)
+        choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id, prediction, lora)
         kind, extra = (_ChatFormat, {}) if responses_req is None else (
             _ResponsesFormat, {"request": responses_req, "on_response": on_response})
-        fmt = kind(request_id, self.config.served_model_name, self.logprob_fmt, req.num_logprobs(),
+        fmt = kind(request_id, self._response_model(lora), self.logprob_fmt, req.num_logprobs(),
                    req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
 
@@ -971,7 +990,8 @@ class OpenAIServing:
             return list(self.client.tokenizer.encode(text, add_special_tokens=False))
 
     def _choices(self, req, prompts: list[_Prompt], max_tokens: int | None, logprobs: int | None,
-                 request_id: str, prediction: list[int] | None = None) -> list[_Choice]:
+                 request_id: str, prediction: list[int] | None = None, lora: LoRARequest | None = None
+                 ) -> list[_Choice]:
         """One engine request per prompt and choice. ``max_tokens`` None: the model's default max_tokens (its
         generation config's max_new_tokens) where it has one, cut to what the prompt's context leaves."""
         choices = []
@@ -985,6 +1005,8 @@ class OpenAIServing:
             for i in range(req.n):
                 index = p * req.n + i
                 params = proto.sampling_params(req, limit, logprobs, i, defaults, prediction)
+                if lora is not None:
+                    params.lora_request = lora
                 choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", predicted=predicted))
         return choices
 

@@ -1041,6 +1041,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "specray"
     max_model_len: int
+    root: str | None = None  # an adapter's folder (vLLM's)
+    parent: str | None = None  # an adapter's base model (vLLM's)
 
 
 class ModelList(BaseModel):

@@ -67,8 +67,10 @@ from specray.drafters.prediction import METHOD as PREDICTION  # noqa: E402
 from specray.engine.builder import (check_engine_args, check_heads, default_sampling_fields,  # noqa: E402
                                     lookup_beside_head)
 from specray.errors import EngineError  # noqa: E402
+from specray.lora import LoRARequest, read_adapter  # noqa: E402
 from specray.outputs import RequestOutput, accumulate, merge_deltas  # noqa: E402
 from specray.sampling_params import SamplingParams  # noqa: E402
+from specray.scheduler.scheduler import prefix_salt  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,9 @@ class ServeArgs:
     # vLLM's --chat-template: the template chat messages are rendered with, as a file's path or the template itself
     # (read here, so replicas on other nodes need no file); None: the tokenizer's own
     chat_template: str | None = None
+    # vLLM's --lora-modules: LoRA adapters served under names of their own (a request's "model" picks one), as
+    # "name=path" strings, {"name": ..., "path": ...} dicts, or one {name: path} dict; they turn enable_lora on
+    lora_modules: list[str | dict] | dict[str, str] | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -205,6 +210,9 @@ class ServeArgs:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         self.chat_template = load_chat_template(self.chat_template)
+        if self.lora_modules:
+            self.engine_kwargs["enable_lora"] = True
+        self.lora_requests()  # the adapters' folders, configs and ranks, before any replica
         check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
         # override_generation_config's values, before too (the model's own file is read where the model is)
         default_sampling_fields(self.engine_args(), config={})
@@ -232,6 +240,36 @@ class ServeArgs:
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 0 (or None to decide from the cluster)")
 
+    def lora_requests(self) -> tuple[LoRARequest, ...]:
+        """The served adapters (``lora_modules``), ids 1, 2, ... in the order given; each checked as far as it can be
+        without the model (its folder, config and rank; the engine replica checks its modules)."""
+        given = self.lora_modules or []
+        if isinstance(given, dict):
+            given = [{"name": k, "path": v} for k, v in given.items()]
+        if not isinstance(given, list):
+            raise ValueError(f"lora_modules={given!r:.100} must be a list of 'name=path' (or {{'name': ..., 'path': "
+                             "...}}) entries")
+        taken = {self.served_model_name, *self.model_aliases}
+        max_rank = self.engine_args().max_lora_rank
+        out = []
+        for i, entry in enumerate(given):
+            if isinstance(entry, str) and entry.lstrip().startswith("{"):
+                entry = _json_object("lora_modules", entry)
+            if isinstance(entry, str) and "=" in entry:
+                entry = dict(zip(("name", "path"), entry.split("=", 1)))
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"]
+                    and isinstance(entry.get("path"), str) and entry["path"]):
+                raise ValueError(f"lora_modules entry {entry!r:.100} must be 'name=path' or {{'name': ..., 'path': "
+                                 "...}}")
+            if entry["name"] in taken:
+                raise ValueError(f"lora_modules: the name {entry['name']!r} is already served (a model name or "
+                                 "another adapter); give each adapter its own name")
+            taken.add(entry["name"])
+            read_adapter(entry["path"], None, 0, max_rank)
+            out.append(LoRARequest(entry["name"], i + 1, entry["path"],
+                                   entry.get("base_model_name") or self.served_model_name))
+        return tuple(out)
+
     def engine_args(self) -> EngineArgs:
         # TP 1: the engine runs in the replica; TP > 1: it runs there too, its ranks are Ray actors.
         return EngineArgs(**self.engine_kwargs)
@@ -250,7 +288,8 @@ class ServeArgs:
                             max_stored_responses=self.max_stored_responses,
                             default_sampling=default_sampling_fields(engine_args),
                             chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
-                            allowed_origins=tuple(self.allowed_origins or ()))
+                            allowed_origins=tuple(self.allowed_origins or ()),
+                            lora_modules=self.lora_requests())
 
 
 
@@ -370,6 +409,12 @@ class SpecrayEngine:
 
         self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({ENGINE_METRICS}))
         engine = build_engine(args.engine_args())
+        try:
+            for lora in args.lora_requests():  # every served adapter fits the model: or the replica fails, saying why
+                engine.adapters.check(lora)
+        except ValueError:
+            engine.shutdown()
+            raise
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -643,7 +688,7 @@ class RemoteEngineClient:
         link.requests.add(req_id)
         _IN_FLIGHT[replica_id] += 1
         if self.prefix_affinity:
-            _AFFINITY.record(PrefixAffinity.keys(prompt_token_ids, params.cache_salt), replica_id)
+            _AFFINITY.record(PrefixAffinity.keys(prompt_token_ids, prefix_salt(params)), replica_id)
         return link
 
     def _abort_added(self, added: asyncio.Future, req_id: str) -> None:
@@ -948,7 +993,8 @@ def _affine_replica(ranked: list[RunningReplica], pending: PendingRequest | None
     if len(ranked) < 2 or not _AFFINITY or not args or len(args) < 4 or not isinstance(args[2], list):
         return None  # one replica, or nothing recorded (one replica, or no prefix caching): no prompt to key
     by_id = {r.replica_id.unique_id: r for r in ranked}
-    target = _AFFINITY.replica_for(PrefixAffinity.keys(args[2], getattr(args[3], "cache_salt", None)), set(by_id))
+    salt = prefix_salt(args[3]) if isinstance(args[3], SamplingParams) else None
+    target = _AFFINITY.replica_for(PrefixAffinity.keys(args[2], salt), set(by_id))
     if target is None:
         return None
     least = _IN_FLIGHT[ranked[0].replica_id.unique_id]

@@ -13,6 +13,7 @@ _PUBLIC = {
     "SamplingParams": "specray.sampling_params",
     "StructuredOutputsParams": "specray.sampling_params",
     "SpeculativeConfig": "specray.config",
+    "LoRARequest": "specray.lora",
     "RequestOutput": "specray.outputs",
     "CompletionOutput": "specray.outputs",
     "Logprob": "specray.outputs",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specray.lora import LoRAConfig
 from specray.sampling_params import check_seed
 from specray.structured_outputs import check_reasoning_parser
 
@@ -311,6 +312,12 @@ class EngineArgs:
     generation_config: str = "auto"
     # vLLM's: those defaults set or replaced, by their generation_config.json names ({"temperature": 0.5})
     override_generation_config: dict[str, Any] | None = None
+    # vLLM's multi-LoRA: requests may name LoRA adapters (SamplingParams.lora_request); a step runs at most
+    # max_loras of them (a slot each on every rank, of rank at most max_lora_rank), max_cpu_loras kept in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -332,6 +339,13 @@ class EngineArgs:
         return out
 
     @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA options as one checked config (None without ``enable_lora``)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    @property
     def executor_backend(self) -> str:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
@@ -345,7 +359,7 @@ class EngineArgs:
                              f"choose one of {list(EXECUTOR_BACKENDS)}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
-        for name in ("enable_prefix_caching", "async_scheduling", "trust_remote_code"):
+        for name in ("enable_prefix_caching", "async_scheduling", "trust_remote_code", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         check_reasoning_parser(self.reasoning_parser)
@@ -370,6 +384,7 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
                              "or 'priority' (SamplingParams.priority, lowest first)")
         self._check_generation_config()
+        _ = self.lora_config  # LoRAConfig checks the LoRA options
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

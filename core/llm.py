@@ -13,6 +13,7 @@ from specray.chat import check_chat_options, render_chat
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_heads, default_sampling_fields
+from specray.lora import LoRARequest
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -98,12 +99,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order, each with ``n`` completions (its
         sampling parameters' ``n``; with a seed, completion i draws from ``seed + i``). Prompts are strings,
         token-id prompts ``{"prompt_token_ids": [...]}``, or ``{"prompt": "..."}``; a dict prompt may carry vLLM's
         ``"cache_salt"`` (``SamplingParams.cache_salt``). ``priority`` (vLLM's): one per prompt, for an engine with
-        ``scheduling_policy="priority"`` (``SamplingParams.priority``). All prompts are validated
+        ``scheduling_policy="priority"`` (``SamplingParams.priority``). ``lora_request`` (vLLM's): the LoRA adapter
+        every prompt runs with, or one per prompt (None: the base model), for an engine with ``enable_lora``
+        (``SamplingParams.lora_request``). All prompts are validated
         before any runs, so a bad one raises ValueError and nothing else is disturbed."""
         self._check_open()
         prompts = _as_list(prompts)
@@ -112,6 +116,9 @@ class LLM:
             if not isinstance(priority, Sequence) or isinstance(priority, str) or len(priority) != len(prompts):
                 raise ValueError(f"priority={priority!r:.80} must be a list of one int per prompt ({len(prompts)})")
             per_prompt = [replace(sp, priority=p) for sp, p in zip(per_prompt, priority)]
+        if lora_request is not None:
+            per_prompt = [replace(sp, lora_request=r) for sp, r in zip(per_prompt, _per_prompt_lora(lora_request,
+                                                                                                     len(prompts)))]
         params = [_salted(p, sp) for p, sp in zip(prompts, per_prompt)]
         encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
         for (text, ids), sp in zip(encoded, params):
@@ -139,7 +146,8 @@ class LLM:
              use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to several;
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message instead of
         closing it; ``chat_template_kwargs`` go to the template as variables (e.g. Qwen3's ``enable_thinking``);
@@ -153,7 +161,7 @@ class LLM:
         prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
                                chat_template_kwargs, tools) for conv in conversations]
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
-                             use_tqdm)
+                             use_tqdm, lora_request=lora_request)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -189,6 +197,16 @@ def _release_engine(engine) -> None:
     """Shut down the engine client (Ray backend); the in-process engine holds nothing outside this process."""
     if hasattr(engine, "shutdown"):
         engine.shutdown()
+
+
+def _per_prompt_lora(lora_request, count: int) -> list:
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if (not isinstance(lora_request, Sequence) or isinstance(lora_request, str) or len(lora_request) != count
+            or any(r is not None and not isinstance(r, LoRARequest) for r in lora_request)):
+        raise ValueError(f"lora_request={lora_request!r:.100} must be a LoRARequest, or a list of one LoRARequest (or "
+                         f"None) per prompt ({count})")
+    return list(lora_request)
 
 
 def _salted(prompt, params: SamplingParams) -> SamplingParams:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from specray.lora import LoRARequest
+
 # What a request's own random stream (torch.Generator.manual_seed) accepts: a signed or unsigned 64-bit int.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TOP_K_MAX = (1 << 31) - 1  # the sampler packs top_k into a tensor; any k past the vocabulary means all of it
@@ -139,12 +141,16 @@ class SamplingParams:
     prediction: str | list[int] | None = None
     # vLLM's: with scheduling_policy="priority", lower values are scheduled first (see the class docstring)
     priority: int = 0
+    # vLLM's (an argument of generate there): the LoRA adapter this request runs with (specray.lora), None: none
+    lora_request: LoRARequest | None = None
     # vLLM's: the output follows a JSON schema, a regex, a choice or a grammar (see StructuredOutputsParams)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.lora_request, dict):
+            self.lora_request = LoRARequest(**self.lora_request)
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids", one_string=False)
         self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings")
@@ -231,6 +237,9 @@ class SamplingParams:
                 not isinstance(prediction, (list, tuple)) or any(not _is_int(t) or t < 0 for t in prediction)):
             raise ValueError(f"prediction={prediction!r:.100} must be the expected output's text or its token ids "
                              "(ints >= 0), or None")
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"lora_request={self.lora_request!r:.100} must be a specray.LoRARequest, a dict of its "
+                             "fields, or None")
         if not _is_int(self.priority):
             raise ValueError(f"priority={self.priority!r} must be an int (lower values are scheduled first)")
         method = self.speculative_method

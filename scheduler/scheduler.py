@@ -66,9 +66,12 @@ class SchedulerConfig:
     # vLLM's: "fcfs" (first come, first served) or "priority" (SamplingParams.priority, lowest first; ties by
     # arrival): the order of admission, of KV blocks for running requests, and of preemption (last first)
     scheduling_policy: str = field(default="fcfs", kw_only=True)
+    # vLLM's: the most distinct LoRA adapters in one step (0: the engine serves none); a request whose adapter would
+    # be one too many waits, in its place in the queue, while requests behind it go ahead
+    max_loras: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in ("worker_draft_steps", "worker_tree_slots"):
+        for name in ("worker_draft_steps", "worker_tree_slots", "max_loras"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -132,6 +135,10 @@ class Scheduler:
             raise ValueError(f"priority={req.sampling_params.priority} needs an engine with scheduling_policy="
                              f"'priority' (this one serves requests first come, first served: "
                              f"{cfg.scheduling_policy!r}); start it with that policy or leave priority 0")
+        lora = req.sampling_params.lora_request
+        if lora is not None and not cfg.max_loras:
+            raise ValueError(f"lora_request names adapter {lora.lora_name!r} but this engine serves no adapters; start "
+                             "it with enable_lora=True")
         if n > self._pool_slots:
             raise ValueError(f"prompt_token_ids has {n} tokens but the KV cache holds only {self._pool_slots} "
                              f"(num_blocks={cfg.num_blocks} x block_size={cfg.block_size}); raise num_blocks "
@@ -360,9 +367,14 @@ class Scheduler:
         caching, a request whose next whole block a running request is still computing (the n choices of one
         prompt, a burst behind one system prompt) waits, in its place in the queue, until that block is cached."""
         chunks, cap, held = [], self._prefill_cap(), []
+        adapters = self._running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._beyond_pool(req):
+                continue
+            lora = req.sampling_params.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                held.append(self.waiting.popleft())  # one adapter too many for this step: it waits
                 continue
             hit = self._take_cached(req)
             if self._uses_prefix_cache(req) and self._prefix_in_flight(req, hit):
@@ -378,10 +390,16 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
         return chunks
+
+    def _running_adapters(self) -> set[int]:
+        return {r.sampling_params.lora_request.lora_int_id for r in self.running
+                if r.sampling_params.lora_request is not None}
 
     def _give_back_hit(self, req: Request, hit: int) -> None:
         if hit:
@@ -395,8 +413,8 @@ class Scheduler:
         if end > req.num_tokens - 1:
             return False
         prefix = req.all_token_ids[:end]
-        salt = req.sampling_params.cache_salt
-        return any(w.num_computed_tokens < end <= w.num_tokens and w.sampling_params.cache_salt == salt
+        salt = prefix_salt(req.sampling_params)
+        return any(w.num_computed_tokens < end <= w.num_tokens and prefix_salt(w.sampling_params) == salt
                    and w.all_token_ids[:end] == prefix for w in self.running)
 
     def _uses_prefix_cache(self, req: Request) -> bool:
@@ -409,7 +427,7 @@ class Scheduler:
         last token at most); returns the tokens they hold."""
         if req.num_computed_tokens or not self._uses_prefix_cache(req):
             return 0
-        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1, req.sampling_params.cache_salt)
+        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1, prefix_salt(req.sampling_params))
         req.num_computed_tokens = hit
         return hit
 
@@ -425,7 +443,7 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             n = req.num_computed_tokens if limit is None else min(limit, req.num_computed_tokens)
             if n // self.config.block_size > len(req.block_contents):  # a block filled up since the last call
-                self.block_manager.cache_blocks(req, req.all_token_ids, n, req.sampling_params.cache_salt)
+                self.block_manager.cache_blocks(req, req.all_token_ids, n, prefix_salt(req.sampling_params))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (vLLM's ``reset_prefix_cache``); running requests keep theirs. Returns
@@ -580,6 +598,15 @@ class Scheduler:
             return False
         self._kept_blocks.pop(req.req_id, None)
         return True
+
+
+def prefix_salt(params) -> str | None:
+    """What a request's cached blocks are keyed by beside its tokens: its ``cache_salt`` and its LoRA adapter (an
+    adapter's K/V differ from the base model's for the same tokens)."""
+    lora = params.lora_request
+    if lora is None:
+        return params.cache_salt
+    return lora.cache_key if params.cache_salt is None else f"{lora.cache_key}|{params.cache_salt}"
 
 
 def _arrival(req: Request) -> tuple:

@@ -72,3 +72,64 @@ def split_experts(src: Path, dst: Path) -> Path:
             out[name] = w
     save_file(out, str(dst / "model.safetensors"))
     return dst
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: int = 0,
+               modules: tuple[str, ...] = LORA_MODULES, layers: tuple[int, ...] | None = None,
+               use_rslora: bool = False, std: float = 0.2, config_extra: dict | None = None) -> Path:
+    """A PEFT LoRA adapter for the model folder ``base`` (its config's shapes), as PEFT's ``save_pretrained``
+    writes one: random A and B (B is zeros at PEFT's init; random here, so that the adapter changes the outputs).
+    Returns ``dst``."""
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    tensors = {}
+    for name, w in _projection_shapes(base).items():
+        parts = name.split(".")
+        if parts[-2] not in modules or (layers is not None and int(parts[2]) not in layers):
+            continue
+        g = torch.Generator().manual_seed(seed * 1000 + len(tensors))
+        out_features, in_features = w
+        module = name[: -len(".weight")]
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * std
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora,
+                      "target_modules": list(modules), "bias": "none", "base_model_name_or_path": str(base),
+                      "task_type": "CAUSAL_LM", "model_type": config.get("model_type")}
+    adapter_config.update(config_extra or {})
+    (dst / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return dst
+
+
+def _projection_shapes(base: Path) -> dict[str, tuple[int, int]]:
+    from safetensors import safe_open
+
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                if k.startswith("model.layers.") and k.endswith("proj.weight") and ".experts." not in k}
+
+
+def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:
+    """``base`` with ``adapter`` merged into its weights (W + s B A, PEFT's merge_and_unload): the reference an
+    adapted request's outputs must equal."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, dst)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    weights = load_file(str(base / "model.safetensors"))
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        b = lora[key.replace(".lora_A.", ".lora_B.")]
+        rank = a.shape[0]
+        scale = config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
+        name = key[len("base_model.model."):].replace(".lora_A.weight", ".weight")
+        weights[name] = weights[name] + scale * (b @ a)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

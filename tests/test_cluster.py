@@ -51,8 +51,10 @@ def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_to_end(engine: LLMEngine, prompts, params=None) -> list[list[int]]:
+    """Greedy outputs of ``prompts``, all queued at once; ``params``: one SamplingParams for all, or one each."""
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    ids = [engine.add_request(p, params) for p in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, each)]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -209,6 +211,29 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         drafter.observe_node_tokens = lambda rid, tokens: (told.append(tokens), hook(rid, tokens))
         assert run_to_end(engine, prompts) == references
         assert told and engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_lora_adapters_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path):
+    """LoRA over tensor parallelism: each rank loads its shard of an adapter (B's rows of the column-parallel
+    projections, A's columns of the row-parallel ones, the delta added before the all-reduce): a batch mixing two
+    adapters and the base model, with n-gram drafts, gives one rank's greedy outputs."""
+    from specray.lora import LoRARequest
+    import specray_test_checkpoints as checkpoints
+
+    first = checkpoints.write_lora(tiny_llama_dir, tmp_path / "first", rank=4, seed=1)
+    second = checkpoints.write_lora(tiny_llama_dir, tmp_path / "second", rank=8, seed=2, modules=("k_proj", "o_proj"))
+    loras = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
+    prompts = prompts_for(6, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, lora_request=loras[i % 3]) for i in range(6)]
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    references = run_to_end(engine_for(tiny_llama_dir, **kw), prompts, params)
+    assert references != run_to_end(engine_for(tiny_llama_dir), prompts)
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, **kw)
+    try:
+        assert run_to_end(engine, prompts, params) == references
     finally:
         engine.shutdown()
 

@@ -647,3 +647,29 @@ def test_a_failed_plan_runs_again_whatever_part_the_worker_applied(applied):
     assert all(r.output_token_ids == [truth(r.req_id, r.num_prompt_tokens + i) for i in range(12)]
                for r in done.values())
     assert sched.block_manager.num_free_blocks == 40
+
+
+def test_a_step_holds_at_most_max_loras_adapters():
+    """max_loras=1: of requests under adapters 1, 2, 1 and none, a step admits adapter 1's and the base model's; the
+    adapter-2 request waits in its place (the ones behind it go ahead) until adapter 1 has no running request. An
+    adapter on an engine without LoRA is refused."""
+    from specray.lora import LoRARequest
+
+    one, two = LoRARequest("one", 1, "/a"), LoRARequest("two", 2, "/b")
+    sched = make_sched(max_loras=1)
+    reqs = [make_req("a", 5, max_tokens=2, lora_request=one), make_req("b", 5, max_tokens=6, lora_request=two),
+            make_req("c", 5, max_tokens=3, lora_request=one), make_req("d", 5, max_tokens=6)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched)
+        ids = {c.req_id for c in plan.chunks}
+        adapters = {r.sampling_params.lora_request.lora_int_id for r in reqs
+                    if r.req_id in ids and r.sampling_params.lora_request is not None}
+        assert len(adapters) <= 1, (ids, adapters)
+        seen.append(ids)
+    assert seen[0] == {"a", "c", "d"}
+    assert any("b" in ids for ids in seen) and all("b" not in ids for ids in seen[:3])
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_sched().add_request(make_req("e", 5, lora_request=one))

@@ -30,6 +30,7 @@ from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.models.lora import LoRASlots
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
 from specray.penalties import PenaltyHistory, penalize
@@ -48,8 +49,10 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
-                 relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False):
+                 relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
+                 lora: LoRASlots | None = None):
         self.model = model
+        self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver  # the driver rank samples and answers; the others only run the forward
@@ -59,7 +62,7 @@ class ModelRunner:
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size)  # this runner owns it
         aux_layers = drafter.aux_layers if drafter is not None else ()
         self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)), self.device,
-                                 aux_layers) if step_graphs else None
+                                 aux_layers, lora=None if lora is None else lora.context) if step_graphs else None
         self.block_tables: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -205,18 +208,28 @@ class ModelRunner:
         tables = [self.block_tables[c.req_id] for c in chunks]
         positions = [p for c in chunks for p in tree_positions(c)] if trees else None
         ancestors = [ancestor_mask(c) for c in chunks] if trees else None
+        lora_slots = self._lora_slots(chunks) if self.lora is not None else ()
         if self.graphs is not None:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             shape = self.graphs.shape(query_lens, starts, decode)
             if shape is not None:
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
-                                       ancestors=ancestors)
+                                       ancestors=ancestors, inputs=lora_slots)
+        if lora_slots:
+            self.lora.context.set_token_slots(lora_slots[0])
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
         if self.drafter is not None and self.drafter.aux_layers:
             return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
         return self.model(input_ids, meta), []
+
+    def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor]:
+        """Each token's LoRA slot ([T] on the device; 0: no adapter), its request's adapter loaded where no slot
+        holds it yet."""
+        slots = self.lora.slots_for([self.params[c.req_id].lora_request for c in chunks])
+        per_token = [slot for slot, c in zip(slots, chunks) for _ in range(c.num_tokens)]
+        return (to_device(torch.tensor(per_token, dtype=torch.long), self.device),)
 
     def _with_worker_q(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:

@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.models.interface import CausalLM
+from specray.lora import LoRAConfig
 from specray.models.kv_cache import bytes_per_block
+from specray.models.lora import LoRASlots
 from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
 from specray.parallel import TPGroup
@@ -64,6 +66,8 @@ class WorkerConfig:
     # None: graphs on a GPU, eager elsewhere
     enforce_eager: bool | None = None
     load_format: str = "auto"  # "dummy": random weights, none read (specray.models.loader.load_model)
+    # LoRA adapters (enable_lora): specray.lora.LoRAConfig's fields; None: none
+    lora: dict | None = None
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -143,6 +147,8 @@ class Worker:
                                           expert_parallel=config.enable_expert_parallel, config=model_config,
                                           load_format=config.load_format)
         self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
+        # the adapters' slots, allocated before the KV cache is sized
+        self.lora = LoRASlots(self.model, LoRAConfig(**config.lora), self.device) if config.lora else None
         self.runner: ModelRunner | None = None
 
     def _load_head(self, hf_config, tp: TPGroup):
@@ -203,7 +209,7 @@ class Worker:
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
-                                  step_graphs=graphs)
+                                  step_graphs=graphs, lora=self.lora)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import replace
@@ -16,6 +17,7 @@ from specray.drafters.router import DrafterRouter
 from specray.engine import plugins
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
+from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
 from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
                                    resolve_model)
@@ -158,6 +160,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     generation = generation_config(args)
     default_sampling_fields(args, generation)  # refused defaults fail here, before any worker starts
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
+    lora = args.lora_config
+    adapters = adapter_checker(lora, hf_config)  # a family without LoRA refuses enable_lora here
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
                       else None)
@@ -167,7 +171,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  typical_acceptance=spec.typical_acceptance if spec is not None else None,
                                  relaxed_acceptance=None if thinking is None else (*spec.relaxed_acceptance, *thinking),
                                  enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
-                                 enforce_eager=args.enforce_eager, load_format=args.load_format)
+                                 enforce_eager=args.enforce_eager, load_format=args.load_format,
+                                 lora=None if lora is None else dataclasses.asdict(lora))
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
@@ -191,6 +196,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         thinking_tokens=thinking,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        max_loras=0 if lora is None else lora.max_loras,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
@@ -205,13 +211,27 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        worker_trees=in_worker and registry.worker_drafts_trees(spec),
                        worker_tree_shape=registry.worker_tree_shape(spec) if in_worker else None,
                        reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
-                       disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None)
+                       disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
+                       adapters=adapters)
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:
         engine.shutdown()
         raise
     return engine
+
+
+def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
+    """What checks requests' LoRA adapters against the model (its family's adaptable projections, its layers); a
+    ValueError when ``enable_lora`` asks for adapters on a family that takes none."""
+    from specray.models.registry import get_model_class
+
+    adaptable = tuple(get_model_class(hf_config).lora_modules)
+    if lora is not None and not adaptable:
+        raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
+                         "models in specray yet (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE's attention and dense layers, "
+                         "Gemma 3 take them); serve this model without enable_lora")
+    return AdapterChecker(lora, adaptable, hf_config.num_hidden_layers)
 
 
 THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends

@@ -15,6 +15,7 @@ from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
+from specray.lora import AdapterChecker
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -50,8 +51,11 @@ class LLMEngine:
                  policy: DraftLengthPolicy | None = None, router: DrafterRouter | None = None,
                  worker_method: str | None = None, worker_trees: bool = False,
                  worker_tree_shape: tuple[int, int] | None = None, reasoning_parser: str | None = None,
-                 async_scheduling: bool = False, disable_by_batch_size: int | None = None):
+                 async_scheduling: bool = False, disable_by_batch_size: int | None = None,
+                 adapters: AdapterChecker | None = None):
         self.scheduler = scheduler
+        # requests' LoRA adapters, each checked when a request first names it (none without enable_lora)
+        self.adapters = adapters or AdapterChecker(None, (), 0)
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens
@@ -119,6 +123,8 @@ class LLMEngine:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
+        if params.lora_request is not None:
+            self.adapters.check(params.lora_request)
         unused_prediction = self._admit_prediction(params)
         request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
         routed = self._admit_method(params)

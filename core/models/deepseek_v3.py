@@ -205,6 +205,7 @@ class DeepseekV3Model(LlamaModel):
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1 for causal LM, sharded over ``tp`` (see the module docstring)."""
 
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters not applied to this family yet
     model_class = DeepseekV3Model
     stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
 

@@ -76,6 +76,7 @@ class LinearBase(nn.Module):
 
     packed: torch.Tensor | None = None
     keeps_dense_weight = False  # packing keeps ``weight`` too
+    lora = None  # a projection that takes LoRA adapters: its stacked adapters (specray.models.lora.LinearLoRA)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -98,7 +99,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out_local]
-        return linear(x, self.weight, self.bias, packed=self.packed)
+        y = linear(x, self.weight, self.bias, packed=self.packed)
+        return y if self.lora is None else y + self.lora.delta(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -175,6 +177,7 @@ class RowParallelLinear(LinearBase):
         super().__init__()
         self.tp = tp
         self.in_local = divide(in_features, tp.size, "input features")
+        self.out_features = out_features
         self.weight = _param(out_features, self.in_local)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(out_features) if bias else None
@@ -195,7 +198,8 @@ class RowParallelLinear(LinearBase):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of ``x W^T`` before the sum over ranks (no bias): for a caller that adds several
         row-parallel outputs and reduces once."""
-        return linear(x, self.weight, packed=self.packed)
+        y = linear(x, self.weight, packed=self.packed)
+        return y if self.lora is None else y + self.lora.delta(x)
 
 
 # ---------------------------------------------------------------------------------------------- embeddings

@@ -194,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
 
     model_class: type[nn.Module] = LlamaModel  # the decoder stack (a family with other layers gives its own)
     stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
+    # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()

@@ -89,8 +89,11 @@ class StepGraphs:
     """The runner's graphs, one per step shape. ``scratch_blocks``: block ids no request owns, for padding rows."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
-                 aux_layers: tuple[int, ...] = (), max_position: int | None = None):
+                 aux_layers: tuple[int, ...] = (), max_position: int | None = None, lora=None):
         self.model = model
+        # the model's LoRA context (specray.models.lora): each row's adapter slot is the step's one input beside the
+        # ids, padding rows in slot 0 (no adapter)
+        self.lora = lora
         # every position the model allows: the static inputs' RoPE tables are sized for it once
         self.max_position = model.max_position_embeddings if max_position is None else max_position
         self.aux_layers = tuple(aux_layers)  # a hidden-state drafter's: its residual streams are outputs too
@@ -164,6 +167,8 @@ class StepGraphs:
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.lora is not None:
+            self.lora.set_token_slots(inputs[0])
         if self.aux_layers:
             return self.model(input_ids, meta, aux_layers=self.aux_layers)
         return self.model(input_ids, meta), []

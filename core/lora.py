@@ -1,0 +1,237 @@
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA): plain data and adapter checks, torch-free.
+
+A request names an adapter with a :class:`LoRARequest` (``LLM.generate(..., lora_request=...)``, or the OpenAI
+server's ``model`` field naming one of its ``--lora-modules``). An adapter is a PEFT folder: ``adapter_config.json``
+(``r``, ``lora_alpha``, ``use_rslora``) and ``adapter_model.safetensors`` (or ``.bin``) holding, for each adapted
+projection, ``...<module>.lora_A.weight`` [r, in] and ``...<module>.lora_B.weight`` [out, r]; the projection then
+computes ``x W^T + s (x A^T) B^T`` with ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
+
+The engine checks an adapter when a request first names it (:class:`AdapterChecker`: the folder, its config, the
+modules its tensors adapt, its rank against ``max_lora_rank``), so a bad adapter fails its request alone; the
+workers load its tensors into one of ``max_loras`` slots when a step first needs it
+(:mod:`specray.models.lora`). A step holds at most ``max_loras`` distinct adapters (the scheduler sees to it) and
+any mix of requests with and without them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# what precedes a module's name in PEFT's tensor names (``base_model.model.`` + the base model's own name)
+_PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: an adapter a request runs with. ``lora_int_id`` (>= 1) identifies it: requests with the same id
+    share its slot and its cached prefixes, so one id must always name one folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name={self.lora_name!r} must be a non-empty string")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id={self.lora_int_id!r} must be an int >= 1 (it identifies the adapter)")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path={self.lora_path!r} must be the adapter's folder (adapter_config.json and "
+                             "adapter_model.safetensors)")
+
+    @property
+    def cache_key(self) -> str:
+        """What separates this adapter's cached prefixes from the base model's and other adapters'."""
+        return f"lora:{self.lora_int_id}"
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA options: ``max_loras`` adapters in one step (each a slot on every rank), of rank at most
+    ``max_lora_rank``; ``max_cpu_loras`` adapters' tensors kept in host memory (at least ``max_loras``)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras={cpu!r} must be an int >= max_loras={self.max_loras}, or None "
+                             "(max_loras)")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the engine read of an adapter: its scale per rank, and the projections it adapts (base-model module
+    names, e.g. ``model.layers.0.self_attn.q_proj``) with their ranks."""
+
+    path: str
+    lora_alpha: float
+    use_rslora: bool
+    ranks: dict[str, int]
+
+    def scale(self, rank: int) -> float:
+        return self.lora_alpha / (rank ** 0.5 if self.use_rslora else rank)
+
+
+def module_of(key: str) -> tuple[str, str] | None:
+    """A PEFT tensor name -> (the base model's module it adapts, "A" or "B"); None for a tensor that is not a LoRA
+    matrix (e.g. ``lora_embedding_A``, a saved module)."""
+    if key.startswith(_PEFT_PREFIX):
+        key = key[len(_PEFT_PREFIX):]
+    match = _LORA_KEY.fullmatch(key)
+    return None if match is None else (match["module"], match["which"])
+
+
+def adapter_folder(path: str) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise ValueError(f"lora_path={path!r} holds no {ADAPTER_CONFIG}: give the folder of a PEFT LoRA adapter "
+                         "(adapter_config.json and adapter_model.safetensors)")
+    return folder
+
+
+def weights_file(folder: Path) -> Path:
+    for name in ADAPTER_WEIGHTS:
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"lora adapter {str(folder)!r} holds none of {list(ADAPTER_WEIGHTS)}: save it with PEFT's "
+                     "save_pretrained")
+
+
+def read_adapter_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {folder / ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / ADAPTER_CONFIG} must hold a JSON object")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: peft_type={config.get('peft_type')!r}; only LoRA adapters are "
+                         "served")
+    refused = {"use_dora": "DoRA", "modules_to_save": "modules saved whole (modules_to_save)",
+               "alpha_pattern": "per-module alphas (alpha_pattern)"}
+    for field, what in refused.items():
+        if config.get(field):
+            raise ValueError(f"{folder / ADAPTER_CONFIG}: {field}={config[field]!r}; adapters with {what} are not "
+                             "supported: merge them into the base model, or train a plain LoRA adapter")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: bias={config['bias']!r}; only adapters without trained biases "
+                         "(bias='none') are supported")
+    for field in ("r", "lora_alpha"):
+        value = config.get(field, 8)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{folder / ADAPTER_CONFIG}: {field}={value!r} must be a number > 0")
+    return config
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a safetensors file's header alone (the tensors are not read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 << 20:
+                raise ValueError("header too large")
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def read_adapter(path: str, adaptable: tuple[str, ...] | None, num_layers: int, max_rank: int) -> AdapterInfo:
+    """Check the adapter at ``path`` against a base model whose decoder layers' projections named ``adaptable``
+    (``q_proj``, ``down_proj``, ...) take LoRA, of ``num_layers`` layers (None: the modules are not checked, only
+    the folder, its config and its rank); ValueError naming what does not fit."""
+    folder = adapter_folder(path)
+    config = read_adapter_config(folder)
+    weights = weights_file(folder)
+    shapes = safetensors_shapes(weights) if weights.suffix == ".safetensors" else None
+    ranks: dict[str, int] = {}
+    if shapes is not None:
+        seen: dict[str, set[str]] = {}
+        for key, shape in shapes.items():
+            found = module_of(key)
+            if found is None:
+                raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
+                                 "(embeddings, LM heads and saved modules are not supported)")
+            module, which = found
+            if adaptable is not None:
+                check_module(path, module, adaptable, num_layers)
+            seen.setdefault(module, set()).add(which)
+            if len(shape) != 2:
+                raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
+            rank = shape[0] if which == "A" else shape[1]
+            if ranks.setdefault(module, rank) != rank:
+                raise ValueError(f"lora adapter {path!r}: {module}'s lora_A and lora_B disagree on the rank")
+        for module, pair in seen.items():
+            if pair != {"A", "B"}:
+                raise ValueError(f"lora adapter {path!r}: {module} has lora_{''.join(pair)} without its other half")
+        if not ranks:
+            raise ValueError(f"lora adapter {path!r} holds no LoRA matrices")
+        rank = max(ranks.values())
+    else:
+        rank = int(config.get("r", 8))
+        for pattern_rank in (config.get("rank_pattern") or {}).values():
+            rank = max(rank, int(pattern_rank))
+    if rank > max_rank:
+        raise ValueError(f"lora adapter {path!r} has rank {rank}, above max_lora_rank={max_rank}; start the engine "
+                         f"with max_lora_rank >= {rank}")
+    return AdapterInfo(str(folder), float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)), ranks)
+
+
+def check_module(path: str, module: str, adaptable: tuple[str, ...], num_layers: int) -> None:
+    """ValueError unless ``module`` is an adaptable projection of one of the base model's decoder layers."""
+    parts = module.split(".")
+    ok = (len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and
+          int(parts[2]) < num_layers and parts[-1] in adaptable and "experts" not in parts)
+    if not ok:
+        raise ValueError(f"lora adapter {path!r} adapts {module!r}, which specray does not apply LoRA to: it adapts "
+                         f"the decoder layers' {list(adaptable)} (no experts, embeddings or LM head)")
+
+
+class AdapterChecker:
+    """The engine's record of the adapters its requests named: each checked once (``read_adapter``), and one id
+    never naming two folders."""
+
+    def __init__(self, config: LoRAConfig | None, adaptable: tuple[str, ...], num_layers: int):
+        self.config = config
+        self.adaptable = adaptable
+        self.num_layers = num_layers
+        self.seen: dict[int, tuple[str, AdapterInfo]] = {}
+
+    def check(self, request: LoRARequest) -> AdapterInfo:
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request={request!r:.100} must be a specray.LoRARequest")
+        if self.config is None:
+            raise ValueError(f"lora_request names adapter {request.lora_name!r} but this engine serves no adapters; "
+                             "start it with enable_lora=True (specray serve --enable-lora)")
+        if not self.adaptable:
+            raise ValueError("this model's family does not take LoRA adapters in specray yet; serve it without "
+                             "lora_request")
+        known = self.seen.get(request.lora_int_id)
+        if known is not None:
+            if known[0] != request.lora_path:
+                raise ValueError(f"lora_int_id={request.lora_int_id} already names the adapter at {known[0]!r}, not "
+                                 f"{request.lora_path!r}: give each adapter its own id")
+            return known[1]
+        info = read_adapter(request.lora_path, self.adaptable, self.num_layers, self.config.max_lora_rank)
+        self.seen[request.lora_int_id] = (request.lora_path, info)
+        return info

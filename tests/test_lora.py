@@ -1,0 +1,323 @@
+"""LoRA adapters (vLLM's multi-LoRA): our adapted projections against transformers with the adapter merged into
+the weights (PEFT's merge_and_unload), every row of a mixed batch with its own adapter or none; the engine's
+greedy output with an adapter equal to the merged model's, alone and in batches mixing adapters, with every kind
+of drafter; adapters checked at admission (a bad one fails its request alone); at most max_loras adapters per step;
+cached prefixes never shared across adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray.lora import LoRAConfig, LoRARequest
+from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
+from specray.models.loader import load_model
+from specray.models.lora import LoRASlots
+import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (registered by conftest)
+
+TOL = 1e-4
+BLOCK = 4
+
+
+def _hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir"])
+def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
+    """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
+    last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
+    logits equal transformers' on the merged weights (the base model's for the row without)."""
+    base = request.getfixturevalue(fixture)
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1)
+    second = checkpoints.write_lora(base, tmp_path / "second", rank=8, alpha=4, seed=2, use_rslora=True,
+                                    modules=("q_proj", "v_proj", "down_proj"), layers=(layers - 1,))
+    refs = [_hf(checkpoints.merge_lora(base, a, tmp_path / f"merged{i}")) for i, a in enumerate((first, second))]
+    refs.append(_hf(base))
+    ours = load_model(base)
+    slots = LoRASlots(ours, LoRAConfig(max_loras=2, max_lora_rank=8), torch.device("cpu"))
+    adapters = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
+    vocab = ours.config.vocab_size
+    prompts = [_tokens(n, seed, vocab) for n, seed in ((9, 0), (14, 1), (6, 2))]
+    cache_blocks = iter(range(64)[::-1])  # reversed: block tables not in order
+    allocate_kv_cache(ours, 64, BLOCK)
+    tables = [[next(cache_blocks) for _ in range(40 // BLOCK)] for _ in prompts]
+    ids = [list(p) for p in prompts]
+    with torch.no_grad():
+        for step in range(3):
+            chunks = ([(p, 0, t) for p, t in zip(prompts, tables)] if step == 0 else
+                      [(s[-1:], len(s) - 1, t) for s, t in zip(ids, tables)])
+            per_seq = slots.slots_for(adapters)
+            ours_slots = [z for z, c in zip(per_seq, chunks) for _ in c[0]]
+            slots.context.set_token_slots(torch.tensor(ours_slots))
+            meta = build_attention_metadata([len(c[0]) for c in chunks], [c[1] for c in chunks],
+                                            [c[2] for c in chunks], BLOCK, "cpu")
+            hidden = ours(torch.tensor([t for c in chunks for t in c[0]]), meta)
+            logits = ours.compute_logits(hidden).split([len(c[0]) for c in chunks])
+            for i, (ref, got) in enumerate(zip(refs, logits)):
+                want = ref(torch.tensor([ids[i]])).logits[0, -len(chunks[i][0]):].float()
+                diff = (got - want).abs().max().item()
+                assert diff < TOL, (fixture, step, i, diff)
+                if step == 0 and i < 2:  # the adapter matters: the base model's logits differ
+                    assert (got - refs[2](torch.tensor([ids[i]])).logits[0].float()).abs().max() > 1e-2
+            for s, row in zip(ids, logits):
+                s.append(int(row[-1].argmax()))
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+import specray_test_engine_runs as runs  # tests/engine_runs.py (registered by conftest)
+import specray_test_draft_heads as draft_heads  # tests/draft_heads.py
+
+from specray import LLM
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    """Two adapters of the tiny llama (every projection at rank 4; q, v and down at rank 8 with rsLoRA) and the
+    greedy token ids of every prompt under each (the merged model's) and under none (the base model's)."""
+    root = tmp_path_factory.mktemp("lora")
+    first = checkpoints.write_lora(tiny_llama_dir, root / "first", rank=4, alpha=8, seed=1)
+    second = checkpoints.write_lora(tiny_llama_dir, root / "second", rank=8, alpha=4, seed=2, use_rslora=True,
+                                    modules=("q_proj", "v_proj", "down_proj"))
+    requests = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
+    expected = {}
+    for i, folder in enumerate((checkpoints.merge_lora(tiny_llama_dir, first, root / "merged_first"),
+                                checkpoints.merge_lora(tiny_llama_dir, second, root / "merged_second"),
+                                tiny_llama_dir)):
+        with LLM(model=str(folder), max_model_len=256) as llm:
+            expected[i] = runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
+    for i in (0, 1):
+        assert expected[i] != expected[2]  # each adapter changes what the model says
+    return requests, expected
+
+
+def _mixed(adapters):
+    """Each prompt's adapter (first, second, none, first, ...) and its expected greedy tokens."""
+    requests, expected = adapters
+    which = [i % 3 for i in range(len(runs.PROMPTS))]
+    return [requests[w] for w in which], [expected[w][p] for p, w in enumerate(which)]
+
+
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+    "draft_model": "draft_model",
+    "eagle3": "eagle3",
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_greedy_output_with_adapters_equals_the_merged_models(spec, adapters, tiny_llama_dir, tiny_draft_dir,
+                                                                tmp_path):
+    """One batch mixing both adapters and the base model, with every kind of drafter (host lookups, a draft model
+    that knows no adapter, a head that reads the adapted target's hidden states): each request's greedy tokens equal
+    its own model's (the adapter merged into the weights), at batch 1 for the plain engine too."""
+    config = SPECS[spec]
+    if config == "draft_model":
+        config = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    elif config == "eagle3":
+        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+        config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    lora, expected = _mixed(adapters)
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, enable_lora=True,
+             max_loras=2, max_lora_rank=8) as llm:
+        outs = llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=lora)
+        assert runs.token_ids(outs) == expected
+        if spec == "plain":
+            alone = [llm.generate([p], runs.greedy(), use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+                     for p, r in zip(runs.PROMPTS, lora)]
+            assert alone == expected
+
+
+def test_one_adapter_slot_serves_several_adapters_in_turn(adapters, tiny_llama_dir):
+    """max_loras=1: requests of the other adapter wait while one adapter's run (the base model's requests join any
+    step), the slot is reloaded between them, and every output equals its own model's; with prefix caching on,
+    the same prompt under another adapter never starts from the first one's cached blocks."""
+    lora, expected = _mixed(adapters)
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8,
+             enable_prefix_caching=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        for _ in range(2):  # the second round finds every prompt's blocks cached, under its own adapter only
+            assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False,
+                                               lora_request=lora)) == expected
+        requests, _ = adapters
+        same = [requests[0], requests[1], None]
+        outs = llm.generate([runs.PROMPTS[3]] * 3, runs.greedy(), use_tqdm=False, lora_request=same)
+        assert runs.token_ids(outs) == [adapters[1][i][3] for i in range(3)]
+
+
+def test_adapted_steps_from_graphs_equal_eager_steps(adapters, tiny_llama_dir):
+    """enforce_eager=False: decode and verify steps run on the graphs' static inputs (on CPU without capture), the
+    rows' adapter slots among them, padding rows in no adapter's slot: the same outputs."""
+    lora, expected = _mixed(adapters)
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
+             enforce_eager=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=lora)) == expected
+
+
+def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, tmp_path):
+    """What cannot serve is a ValueError naming the fix, raised before anything runs, and the engine serves on."""
+    requests, expected = adapters
+    first = Path(requests[0].lora_path)
+    dora = checkpoints.write_lora(tiny_llama_dir, tmp_path / "dora", config_extra={"use_dora": True})
+    big = checkpoints.write_lora(tiny_llama_dir, tmp_path / "big", rank=32)
+    head = checkpoints.write_lora(tiny_llama_dir, tmp_path / "head", modules=("q_proj",))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(head / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, str(head / "adapter_model.safetensors"))
+    with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
+    cases = [(LoRARequest("none", 5, str(tmp_path / "missing")), "adapter_config.json"),
+             (LoRARequest("dora", 6, str(dora)), "DoRA"),
+             (LoRARequest("big", 7, str(big)), "max_lora_rank >= 32"),
+             (LoRARequest("head", 8, str(head)), "lm_head"),
+             (LoRARequest("again", 1, str(big)), "already names")]
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
+        llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
+        for bad, match in cases:
+            with pytest.raises(ValueError, match=match):
+                llm.generate(runs.PROMPTS[:2], runs.greedy(), use_tqdm=False, lora_request=[requests[0], bad])
+        with pytest.raises(ValueError, match="one LoRARequest"):
+            llm.generate(runs.PROMPTS[:2], runs.greedy(), use_tqdm=False, lora_request=[requests[0]])
+        outs = llm.generate(runs.PROMPTS[:1], runs.greedy(), use_tqdm=False, lora_request=requests[0])
+        assert runs.token_ids(outs) == [expected[0][0]]
+        assert not llm.engine.scheduler.has_unfinished_requests()
+        assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.config.num_blocks
+
+
+def test_families_without_lora_refuse_enable_lora(tiny_deepseek_dir):
+    with pytest.raises(ValueError, match="serve this model without enable_lora"):
+        LLM(model=str(tiny_deepseek_dir), max_model_len=128, enable_lora=True)
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(model=str(tiny_deepseek_dir), max_model_len=128, enable_lora=True, max_loras=0)
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
+    """vLLM's --lora-modules: /v1/models lists each adapter with its base model as parent and its folder as root;
+    a completion or chat whose model names an adapter runs with it (greedy tokens of the merged model) and answers
+    under its name; the base model's name runs without; an unknown name is a 404."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
+    from specray.engine.async_engine import AsyncLLMEngine
+
+    requests, expected = adapters
+    prompt = runs.PROMPTS[0]
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        served = tuple(replace_base(r, "tiny") for r in requests[:2])
+        class Recording(AsyncEngineClient):  # what each request brought the engine, and its tokens
+            seen: list = []
+
+            def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+                outputs = super().generate(prompt_token_ids, params, prompt, req_id)
+
+                async def recorded():
+                    tokens = []
+                    async for out in outputs:
+                        ids = out.outputs[0].token_ids
+                        tokens = tokens + ids if params.output_kind == "delta" else list(ids)
+                        if out.finished:
+                            self.seen.append((params.lora_request, tokens))
+                        yield out
+                return recorded()
+
+        client = Recording(AsyncLLMEngine(llm.engine))
+        app = build_openai_app(client, ServerConfig("tiny", None, lora_modules=served))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            status, models = _http(base + "/v1/models")
+            assert status == 200
+            assert [(m["id"], m.get("parent"), m.get("root")) for m in models["data"]] == [
+                ("tiny", None, None), ("first", "tiny", requests[0].lora_path), ("second", "tiny", requests[1].lora_path)]
+            assert _http(base + "/v1/models/second")[1]["parent"] == "tiny"
+            for name, want in (("first", expected[0][0]), ("second", expected[1][0]), ("tiny", expected[2][0])):
+                status, body = _http(base + "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 24,
+                                                                 "temperature": 0, "ignore_eos": True})
+                assert status == 200 and body["model"] == name
+                lora = None if name == "tiny" else served[0 if name == "first" else 1]
+                assert client.seen.pop() == (lora, want)
+            status, body = _http(base + "/v1/chat/completions", {"model": "second", "max_tokens": 4,
+                                                                  "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200 and body["model"] == "second"
+            status, body = _http(base + "/v1/completions", {"model": "third", "prompt": "hi", "max_tokens": 2})
+            assert status == 404 and body["error"]["code"] == "model_not_found"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def replace_base(request: LoRARequest, base: str) -> LoRARequest:
+    from dataclasses import replace
+
+    return replace(request, base_model_name=base)
+
+
+def test_serve_args_read_lora_modules(adapters, tiny_llama_dir, tmp_path):
+    """`specray serve --lora-modules a=PATH '{"name": "b", "path": PATH}'` turns enable_lora on and serves both
+    (ids 1 and 2, the served model their parent); a missing folder, a duplicate name or a rank above
+    --max-lora-rank stop the server before Ray starts."""
+    from specray.cluster.cli import build_parser, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    requests, _ = adapters
+    first, second = requests[0].lora_path, requests[1].lora_path
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--served-model-name", "base",
+                                      "--lora-modules", f"a={first}", json.dumps({"name": "b", "path": second}),
+                                      "--max-loras", "2", "--max-lora-rank", "8"])
+    parsed = ServeArgs.from_dict(serve_app_args(args))
+    assert parsed.engine_args().enable_lora and parsed.engine_args().max_loras == 2
+    assert parsed.server_config(8).lora_modules == (LoRARequest("a", 1, first, "base"),
+                                                    LoRARequest("b", 2, second, "base"))
+    model = str(tiny_llama_dir)
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        ServeArgs.from_dict({"model": model, "lora_modules": [f"a={tmp_path}"]})
+    with pytest.raises(ValueError, match="already served"):
+        ServeArgs.from_dict({"model": model, "lora_modules": {"a": first, "base": second},
+                             "served_model_name": "base"})
+    with pytest.raises(ValueError, match="max_lora_rank >= 8"):
+        ServeArgs.from_dict({"model": model, "lora_modules": [f"b={second}"], "max_lora_rank": 4})
+    with pytest.raises(ValueError, match="'name=path'"):
+        ServeArgs.from_dict({"model": model, "lora_modules": ["nameless"]})
