@@ -208,15 +208,15 @@ class ModelRunner:
         tables = [self.block_tables[c.req_id] for c in chunks]
         positions = [p for c in chunks for p in tree_positions(c)] if trees else None
         ancestors = [ancestor_mask(c) for c in chunks] if trees else None
-        lora_slots = self._lora_slots(chunks) if self.lora is not None else ()
+        lora_slots, adapted = self._lora_slots(chunks) if self.lora is not None else ((), False)
         if self.graphs is not None:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             shape = self.graphs.shape(query_lens, starts, decode)
             if shape is not None:
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
                                        ancestors=ancestors, inputs=lora_slots)
-        if lora_slots:
-            self.lora.context.set_token_slots(lora_slots[0])
+        if self.lora is not None:  # eager: without a row of an adapter, the projections skip theirs
+            self.lora.context.set_token_slots(lora_slots[0] if adapted else None)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
@@ -224,12 +224,12 @@ class ModelRunner:
             return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
         return self.model(input_ids, meta), []
 
-    def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor]:
+    def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[tuple[torch.Tensor], bool]:
         """Each token's LoRA slot ([T] on the device; 0: no adapter), its request's adapter loaded where no slot
-        holds it yet."""
+        holds it yet, and whether any request of the step has one."""
         slots = self.lora.slots_for([self.params[c.req_id].lora_request for c in chunks])
         per_token = [slot for slot, c in zip(slots, chunks) for _ in range(c.num_tokens)]
-        return (to_device(torch.tensor(per_token, dtype=torch.long), self.device),)
+        return (to_device(torch.tensor(per_token, dtype=torch.long), self.device),), any(slots)
 
     def _with_worker_q(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:

@@ -100,7 +100,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out_local]
         y = linear(x, self.weight, self.bias, packed=self.packed)
-        return y if self.lora is None else y + self.lora.delta(x)
+        return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -199,7 +199,7 @@ class RowParallelLinear(LinearBase):
         """This rank's share of ``x W^T`` before the sum over ranks (no bias): for a caller that adds several
         row-parallel outputs and reduces once."""
         y = linear(x, self.weight, packed=self.packed)
-        return y if self.lora is None else y + self.lora.delta(x)
+        return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
 
 
 # ---------------------------------------------------------------------------------------------- embeddings

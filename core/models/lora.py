@@ -1,17 +1,18 @@
-"""LoRA on the tensor-parallel linears: every adapter of a step in two matmuls per projection, no host sync.
+"""LoRA on the tensor-parallel linears: every adapter of a step in a few matmuls per projection, no host sync.
 
 Each adaptable projection keeps its adapters' matrices stacked over ``L = max_loras`` slots, padded to rank
-``r = max_lora_rank``: ``a`` [L*P*r, in] and ``b`` [out, L*P*r] for a projection of P merged parts (q/k/v: 3,
-gate/up: 2), the columns ordered (slot, part, rank), ``b`` already scaled by the adapter's ``s``. For rows ``x``
-whose tokens belong to slots ``z`` (0: no adapter) the projection adds
+``r = max_lora_rank``. For a projection of P merged parts (q/k/v: 3, gate/up: 2, else 1): ``a`` [P*L*r, in], its
+rows ordered (part, slot, rank), and per part ``b_p`` [out_p, L*r], scaled by the adapter's ``s``. For rows ``x``
+whose tokens belong to slots ``z`` (0: no adapter) part p of the projection's output gains
 
-    delta = ((x a^T) * M) b^T,    M[t, c] = 1 if column c belongs to slot z[t], else 0
+    delta_p = ((x a_p^T) * M) b_p^T,    M[t, c] = 1 if column c belongs to slot z[t], else 0
 
-which is ``s (x A^T) B^T`` with each row's own adapter (zero rows of A and B past an adapter's rank add nothing, and
-a part's columns of ``b`` reach only that part's outputs). Tensor parallelism splits ``b``'s output rows as the
-column-parallel weight is split (``a`` whole on every rank), and ``a``'s input columns as a row-parallel weight is
-(``b`` whole, the delta added to the rank's partial sum before the all-reduce). The token slots ``z`` are data,
-so a step of any adapters replays the same CUDA graph (the graph reads them as a static input).
+which is ``s (x A_p^T) B_p^T`` with each row's own adapter (zero rows of A and B past an adapter's rank add
+nothing). Its cost grows with ``L * r``, not with the adapters a step uses: each row computes every slot's columns
+and the mask keeps its own. Tensor parallelism splits ``b_p``'s output rows as the column-parallel weight is split
+(``a`` whole on every rank), and ``a``'s input columns as a row-parallel weight is (``b`` whole, the delta added to
+the rank's partial sum before the all-reduce). The token slots ``z`` are data, so a step of any adapters replays
+the same CUDA graph (the graph reads them as a static input).
 
 :class:`LoRASlots` (one per rank, the runner's) loads an adapter's tensors into a free slot when a step first needs
 it, keeping ``max_cpu_loras`` adapters' tensors in host memory, least recently used out first.
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 class LoRAContext:
     """What every LoRA projection of one model reads in a forward: each row's slot (0: none, 1..L), and the column
-    masks made from them once per forward (per part count)."""
+    mask made from them once per forward."""
 
     def __init__(self, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
         self.num_slots = config.max_loras
@@ -42,91 +43,95 @@ class LoRAContext:
         self.dtype = dtype
         self.device = device
         self.token_slots = torch.zeros(0, dtype=torch.long, device=device)
-        self._masks: dict[int, torch.Tensor] = {}
-        self._columns: dict[int, torch.Tensor] = {}
+        self.active = False  # False: no row of the forward has an adapter, the projections add nothing
+        self._mask: torch.Tensor | None = None
+        self._columns = torch.arange(1, self.num_slots + 1, device=device).repeat_interleave(self.rank)  # [L*r]
 
-    def set_token_slots(self, slots: torch.Tensor) -> None:
-        """Each row's slot for the next forward ([T] int64 on the device)."""
+    def set_token_slots(self, slots: torch.Tensor | None) -> None:
+        """Each row's slot for the next forward ([T] int64 on the device); None: no row has an adapter (an eager
+        forward then skips the adapters' matmuls; a graph always runs them, its slots being data)."""
+        self.active = slots is not None
         self.token_slots = slots
-        self._masks = {}
+        self._mask = None
 
-    def mask(self, parts: int, rows: int) -> torch.Tensor:
-        # -> [rows, L*parts*r]: 1 where the column's slot is the row's
-        mask = self._masks.get(parts)
-        if mask is None:
-            columns = self._columns.get(parts)
-            if columns is None:
-                columns = self._columns[parts] = torch.arange(
-                    1, self.num_slots + 1, device=self.device).repeat_interleave(parts * self.rank)
-            mask = self._masks[parts] = (self.token_slots[:, None] == columns[None, :]).to(self.dtype)
-        assert mask.shape[0] == rows, ("the token slots were set for another batch", mask.shape[0], rows)
-        return mask
+    def mask(self, rows: int) -> torch.Tensor:
+        # -> [rows, L*r]: 1 where the column's slot is the row's
+        if self._mask is None:
+            self._mask = (self.token_slots[:, None] == self._columns[None, :]).to(self.dtype)
+        assert self._mask.shape[0] == rows, ("the token slots were set for another batch", self._mask.shape[0], rows)
+        return self._mask
 
 
 class LinearLoRA:
-    """One projection's stacked adapters (see the module docstring)."""
+    """One projection's stacked adapters (see the module docstring): ``a`` [P*L*r, in] with its columns ordered
+    (part, slot, rank), and per part ``b[p]`` [out_p, L*r], the part's own output rows only."""
 
-    def __init__(self, module: LinearBase, context: LoRAContext, parts: list):
+    def __init__(self, module: LinearBase, context: LoRAContext, parts: list, part_rows: list[int]):
         self.module = module
         self.context = context
         self.parts = parts  # the merged parameter's shard ids (None: not merged)
+        self.part_rows = part_rows  # this rank's output rows of each part, in order
         self.row_parallel = isinstance(module, RowParallelLinear)
-        slots, rank, width = context.num_slots, context.rank, len(parts) * context.rank
+        width = context.num_slots * context.rank
         in_features = module.in_local if self.row_parallel else module.in_features
-        out_features = module.out_features if self.row_parallel else module.out_local
         kw = dict(dtype=context.dtype, device=context.device)
-        self.a = torch.zeros(slots * width, in_features, **kw)
-        self.b = torch.zeros(out_features, slots * width, **kw)
+        self.a = torch.zeros(len(parts) * width, in_features, **kw)
+        self.b = [torch.zeros(rows, width, **kw) for rows in part_rows]
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        shrunk = linear(x, self.a) * self.context.mask(len(self.parts), x.shape[0])
-        return linear(shrunk, self.b)
+        mask = self.context.mask(x.shape[0])  # [T, L*r]
+        shrunk = linear(x, self.a)  # [T, P*L*r]
+        if len(self.b) == 1:
+            return linear(shrunk * mask, self.b[0])
+        width = mask.shape[1]
+        return torch.cat([linear(shrunk[:, p * width: (p + 1) * width] * mask, b) for p, b in enumerate(self.b)],
+                         dim=-1)
 
-    def _columns(self, slot: int, part: int) -> slice:
+    def _columns(self, slot: int) -> slice:
         r = self.context.rank
-        start = ((slot - 1) * len(self.parts) + part) * r
-        return slice(start, start + r)
+        return slice((slot - 1) * r, slot * r)
 
     def clear(self, slot: int) -> None:
-        for part in range(len(self.parts)):
-            cols = self._columns(slot, part)
-            self.a[cols].zero_()
-            self.b[:, cols].zero_()
+        cols, width = self._columns(slot), self.context.num_slots * self.context.rank
+        for p, b in enumerate(self.b):
+            self.a[p * width + cols.start: p * width + cols.stop].zero_()
+            b[:, cols].zero_()
 
     def set(self, slot: int, part_id, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
         """Load one part's A [r', in] and B [out, r'] (checkpoint tensors, whole) into ``slot``: this rank's shard."""
         part = self.parts.index(part_id)
-        cols = self._columns(slot, part)
-        rank = lora_a.shape[0]
-        r = self.context.rank
+        cols, r = self._columns(slot), self.context.rank
+        a_rows = slice(part * self.context.num_slots * r + cols.start, part * self.context.num_slots * r + cols.stop)
         a = torch.zeros(r, lora_a.shape[1], dtype=lora_a.dtype)
-        a[:rank] = lora_a
+        a[: lora_a.shape[0]] = lora_a
         b = torch.zeros(lora_b.shape[0], r, dtype=lora_b.dtype)
-        b[:, :rank] = lora_b * scale
+        b[:, : lora_b.shape[1]] = lora_b * scale
         module = self.module
         if self.row_parallel:  # A's input columns as the weight's; B whole
             shard = torch.zeros(r, module.in_local, dtype=a.dtype)
             module.weight_loader(shard, a)
-            self.a[cols] = shard.to(self.a.dtype)
-            self.b[:, cols] = b.to(self.b.dtype)
+            self.a[a_rows] = shard.to(self.a.dtype)
+            self.b[0][:, cols] = b.to(self.b[0].dtype)
             return
-        # B's output rows as the weight's (a merged part's rows only; the others stay zero); A whole
-        shard = torch.zeros(self.b.shape[0], r, dtype=b.dtype)
+        # B's output rows as the weight's (the projection's own loader puts a merged part's rows in place); A whole
+        shard = torch.zeros(sum(self.part_rows), r, dtype=b.dtype)
         if part_id is None:
             module.weight_loader(shard, b)
         else:
             module.weight_loader(shard, b, part_id)
-        self.a[cols] = a.to(self.a.dtype)
-        self.b[:, cols] = shard.to(self.b.dtype)
+        start = sum(self.part_rows[:part])
+        self.a[a_rows] = a.to(self.a.dtype)
+        self.b[part][:, cols] = shard[start: start + self.part_rows[part]].to(self.b[part].dtype)
 
 
-def _parts(module: LinearBase) -> list:
+def _parts(module: LinearBase) -> tuple[list, list[int]]:
+    """A projection's merged parts (shard ids; [None]: not merged) and this rank's output rows of each."""
     if isinstance(module, QKVParallelLinear):
-        return ["q", "k", "v"]
+        return ["q", "k", "v"], [module.q_size, module.kv_size, module.kv_size]
     if isinstance(module, MergedColumnParallelLinear):
-        return list(range(len(module.output_sizes)))
-    return [None]
+        return list(range(len(module.output_sizes))), list(module.local_sizes)
+    return [None], [module.out_features if isinstance(module, RowParallelLinear) else module.out_local]
 
 
 def adaptable_modules(model: torch.nn.Module) -> tuple[str, ...]:
@@ -152,7 +157,7 @@ class LoRASlots:
         self.layers: dict[str, LinearLoRA] = {}  # our module name -> its LoRA
         for name, module in model.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and self._adaptable(name):
-                module.lora = self.layers[name] = LinearLoRA(module, self.context, _parts(module))
+                module.lora = self.layers[name] = LinearLoRA(module, self.context, *_parts(module))
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.host: OrderedDict[int, tuple[AdapterInfo, dict]] = OrderedDict()  # lora_int_id -> its tensors
 
