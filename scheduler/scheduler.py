@@ -427,7 +427,8 @@ class Scheduler:
         last token at most); returns the tokens they hold."""
         if req.num_computed_tokens or not self._uses_prefix_cache(req):
             return 0
-        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1, prefix_salt(req.sampling_params))
+        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1,
+                                             prefix_salt(req.sampling_params))
         req.num_computed_tokens = hit
         return hit
 

@@ -33,7 +33,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir",
+                                     "tiny_llama4_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -271,7 +272,8 @@ def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
             status, models = _http(base + "/v1/models")
             assert status == 200
             assert [(m["id"], m.get("parent"), m.get("root")) for m in models["data"]] == [
-                ("tiny", None, None), ("first", "tiny", requests[0].lora_path), ("second", "tiny", requests[1].lora_path)]
+                ("tiny", None, None), ("first", "tiny", requests[0].lora_path),
+                ("second", "tiny", requests[1].lora_path)]
             assert _http(base + "/v1/models/second")[1]["parent"] == "tiny"
             for name, want in (("first", expected[0][0]), ("second", expected[1][0]), ("tiny", expected[2][0])):
                 status, body = _http(base + "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 24,

@@ -229,8 +229,8 @@ def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
     adaptable = tuple(get_model_class(hf_config).lora_modules)
     if lora is not None and not adaptable:
         raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
-                         "models in specray yet (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE's attention and dense layers, "
-                         "Gemma 3 take them); serve this model without enable_lora")
+                         "models in specray yet (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Llama-4 take "
+                         "them); serve this model without enable_lora")
     return AdapterChecker(lora, adaptable, hf_config.num_hidden_layers)
 
 

@@ -94,5 +94,4 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     """Llama-4's text model for causal LM, sharded over ``tp`` (experts by width, or whole with
     ``expert_parallel``)."""
 
-    lora_modules: tuple[str, ...] = ()  # LoRA adapters not applied to this family yet
     model_class = Llama4Model
