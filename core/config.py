@@ -250,6 +250,7 @@ EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (specray.models.kv_cache)
 
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -314,6 +315,9 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     # vLLM's multi-LoRA: requests may name LoRA adapters (SamplingParams.lora_request); a step runs at most
     # max_loras of them (a slot each on every rank, of rank at most max_lora_rank), max_cpu_loras kept in host memory
+    # vLLM's: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" stores each value in one
+    # byte (scale 1, clamped to the format's range): twice a bf16 cache's tokens in the same memory, at some accuracy
+    kv_cache_dtype: str = "auto"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -380,6 +384,9 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be 'auto' (the checkpoint's weights) or 'dummy' "
                              "(random weights, for speed measurements)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)} ('auto': "
+                             "the model's dtype; the others store K/V in that FP8 format)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
                              "or 'priority' (SamplingParams.priority, lowest first)")

@@ -215,10 +215,11 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_lora_adapters_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path):
+def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path):
     """LoRA over tensor parallelism: each rank loads its shard of an adapter (B's rows of the column-parallel
-    projections, A's columns of the row-parallel ones, the delta added before the all-reduce): a batch mixing two
-    adapters and the base model, with n-gram drafts, gives one rank's greedy outputs."""
+    projections, A's columns of the row-parallel ones, the delta added before the all-reduce); each rank's KV heads
+    in an FP8 cache: a batch mixing two adapters and the base model, with n-gram drafts, gives one rank's greedy
+    outputs."""
     from specray.lora import LoRARequest
     import specray_test_checkpoints as checkpoints
 
@@ -227,7 +228,7 @@ def test_lora_adapters_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path):
     loras = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
     prompts = prompts_for(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, lora_request=loras[i % 3]) for i in range(6)]
-    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8,
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_dtype="fp8",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     references = run_to_end(engine_for(tiny_llama_dir, **kw), prompts, params)
     assert references != run_to_end(engine_for(tiny_llama_dir), prompts)

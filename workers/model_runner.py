@@ -50,7 +50,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
-                 lora: LoRASlots | None = None):
+                 lora: LoRASlots | None = None, kv_cache_dtype: str = "auto"):
         self.model = model
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
@@ -59,7 +59,8 @@ class ModelRunner:
         # decode and chain-verify steps replayed from graphs (CUDA graphs on a GPU), their padding in scratch blocks
         # past the block manager's
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
-        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size)  # this runner owns it
+        # this runner owns it
+        self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
         aux_layers = drafter.aux_layers if drafter is not None else ()
         self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)), self.device,
                                  aux_layers, lora=None if lora is None else lora.context) if step_graphs else None

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.models.interface import CausalLM
 from specray.lora import LoRAConfig
-from specray.models.kv_cache import bytes_per_block
+from specray.models.kv_cache import bytes_per_block, fp8_format, storage_dtype
 from specray.models.lora import LoRASlots
 from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
@@ -68,6 +68,7 @@ class WorkerConfig:
     load_format: str = "auto"  # "dummy": random weights, none read (specray.models.loader.load_model)
     # LoRA adapters (enable_lora): specray.lora.LoRAConfig's fields; None: none
     lora: dict | None = None
+    kv_cache_dtype: str = "auto"  # the target's K/V in the model's dtype, or in an FP8 format (kv_cache_dtype)
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -193,8 +194,11 @@ class Worker:
                 budget = gpu_kv_budget(*torch.cuda.mem_get_info(self.device), self.config.gpu_memory_utilization)
             else:
                 budget = CPU_KV_CACHE_BYTES
-        specs = self.model.kv_cache_specs() + (self.head.kv_cache_specs() if self.head is not None else [])
-        return KVCacheInfo(bytes_per_block=bytes_per_block(specs, self.config.block_size, self.dtype),
+        target = storage_dtype(self.dtype, fp8_format(self.config.kv_cache_dtype))
+        per_block = bytes_per_block(self.model.kv_cache_specs(), self.config.block_size, target)
+        if self.head is not None:  # a head's cache stays in the model's dtype
+            per_block += bytes_per_block(self.head.kv_cache_specs(), self.config.block_size, self.dtype)
+        return KVCacheInfo(bytes_per_block=per_block,
                            budget_bytes=budget, dtype=str(self.dtype).removeprefix("torch."),
                            device=str(self.device), vocab_size=self.model.vocab_size)
 
@@ -209,7 +213,7 @@ class Worker:
                                   is_driver=self.rank == 0, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
-                                  step_graphs=graphs, lora=self.lora)
+                                  step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

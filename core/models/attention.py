@@ -349,12 +349,16 @@ class PagedAttention(nn.Module):
         self.block_size = 1
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.fp8: torch.dtype | None = None
 
-    def bind_cache(self, cache: torch.Tensor, block_size: int) -> None:
-        """Attend over ``cache`` [2, Hkv, slots, D] (k, v), owned by the caller."""
+    def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
+        """Attend over ``cache`` [2, Hkv, slots, D] (k, v), owned by the caller; ``fp8``: it holds the values in
+        that FP8 format, as bytes. Every token's key and value are then read as the cache holds them, its own step's
+        too (never the unrounded ones), so that the outputs do not depend on how tokens are grouped into steps."""
         assert cache.shape == self.kv_spec.shape(cache.shape[2]), (tuple(cache.shape), self.kv_spec)
         self.block_size = block_size
         self.k_cache, self.v_cache = cache[0], cache[1]
+        self.fp8 = fp8
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]
@@ -371,8 +375,19 @@ class PagedAttention(nn.Module):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         # k, v: [T, Hkv, D]; slots: [T]
-        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1)))
+        self.v_cache.index_copy_(1, slots, self._stored(v.transpose(0, 1)))
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Values as the cache holds them: FP8 bytes (clamped to the format's range, scale 1) or as they are."""
+        if self.fp8 is None:
+            return x
+        bound = torch.finfo(self.fp8).max
+        return x.clamp(-bound, bound).to(self.fp8).view(torch.uint8)
+
+    def _read(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached values (gathered or a view) in the model's dtype."""
+        return x if self.fp8 is None else x.view(self.fp8).to(dtype)
 
     def _gather(self, cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
         # cache: [Hkv, N*bs, D]; block_index: [num_seqs * nb] -> [num_seqs, Hkv, nb*bs, D]
@@ -401,8 +416,8 @@ class PagedAttention(nn.Module):
         bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
-        k = self._gather(self.k_cache, sb.block_index, bs)  # [Bs, Hkv, L, D]
-        v = self._gather(self.v_cache, sb.block_index, bs)
+        k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype)  # [Bs, Hkv, L, D]
+        v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype)
         mask = meta.short_mask(self.groups, self.mask_kind)  # [Bs, 1, G*Q, L]
         o = F.scaled_dot_product_attention(self._fold(q, bs, q_len), k, v, attn_mask=mask, scale=self.scale)
         return self._unfold(o, bs, q_len)
@@ -413,12 +428,14 @@ class PagedAttention(nn.Module):
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
         mask = meta.own_mask(i, self.groups, self.mask_kind)
-        if seq.fresh:  # only its own new tokens: causal, GQA in the kernel
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
-                                               v[rows].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+        if seq.fresh:  # only its own new tokens: causal, GQA in the kernel (rounded as the cache holds them)
+            k_rows, v_rows = (self._read(self._stored(x[rows]), q.dtype) for x in (k, v))
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
+                                               v_rows.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale, enable_gqa=self.groups > 1)  # [1, Hq, q, D]
             return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
-        ks, vs = self._context(self.k_cache, seq), self._context(self.v_cache, seq)  # [1, Hkv, ctx, D]
+        ks = self._read(self._context(self.k_cache, seq), q.dtype)  # [1, Hkv, ctx, D]
+        vs = self._read(self._context(self.v_cache, seq), q.dtype)
         o = F.scaled_dot_product_attention(self._fold(q[rows], 1, seq.query_len), ks, vs, attn_mask=mask,
                                            scale=self.scale)  # [1, Hkv, G*q, D]
         return self._unfold(o, 1, seq.query_len)

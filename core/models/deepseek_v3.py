@@ -60,7 +60,8 @@ class LatentAttention(PagedAttention):
         self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
         self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
 
-    def bind_cache(self, cache: torch.Tensor, block_size: int) -> None:
+    def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
+        assert fp8 is None, "the latent cache is not stored in FP8 (the engine refuses kv_cache_dtype for it)"
         assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
         self.block_size = block_size
         self.k_cache = self.v_cache = cache[None]  # [1, slots, R + r]: one "head", key and value alike
@@ -206,6 +207,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1 for causal LM, sharded over ``tp`` (see the module docstring)."""
 
     lora_modules: tuple[str, ...] = ()  # LoRA adapters not applied to this family yet
+    fp8_kv_cache = False  # its latent cache stays in the model's dtype
     model_class = DeepseekV3Model
     stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
 

@@ -139,6 +139,26 @@ class MLAAttentionSpec(KVCacheSpec):
         return 0
 
 
+# vLLM's kv_cache_dtype: "auto" keeps the model's dtype; the others store each K/V value in one byte, in that FP8
+# format (scale 1, values past its range clamped to it), and attention reads them back into the model's dtype
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def fp8_format(kv_cache_dtype: str) -> torch.dtype | None:
+    """The FP8 format of a ``kv_cache_dtype`` ("auto": None, the model's own dtype)."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype not in FP8_FORMATS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be 'auto' or one of {list(FP8_FORMATS)}")
+    return FP8_FORMATS[kv_cache_dtype]
+
+
+def storage_dtype(dtype: torch.dtype, fp8: torch.dtype | None) -> torch.dtype:
+    """What a cache of ``dtype`` values holds: bytes (uint8) for an FP8 cache, whose values index and move as
+    plain bytes and are viewed as ``fp8`` only to convert."""
+    return dtype if fp8 is None else torch.uint8
+
+
 def bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over every layer of ``specs``: the unit a rank's memory budget is divided by."""
     return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
@@ -155,14 +175,17 @@ class HasKVCache(Protocol):
 
 class KVCache:
     """Every layer's paged cache on one rank: one zeroed tensor ``[layers_in_group, *spec.shape(slots)]`` per
-    group of layers with equal slot shapes (masked-out slots must hold finite values), and one view per layer."""
+    group of layers with equal slot shapes (masked-out slots must hold finite values), and one view per layer.
+    ``fp8``: the values are stored in that FP8 format, as bytes (see :func:`storage_dtype`)."""
 
     def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, fp8: torch.dtype | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"allocate_kv_cache(num_blocks={num_blocks}, block_size={block_size}): both must be >= 1")
         self.specs = list(specs)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.fp8 = fp8
+        self.storage_dtype = storage_dtype(dtype, fp8)
         self.num_slots = num_blocks * block_size
         groups: dict[tuple, list[int]] = {}
         for i, spec in enumerate(self.specs):
@@ -171,7 +194,7 @@ class KVCache:
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self.specs)
         for (_, slot_dim), layers in groups.items():
             shape = self.specs[layers[0]].shape(self.num_slots)
-            tensor = torch.zeros((len(layers), *shape), dtype=dtype, device=device)
+            tensor = torch.zeros((len(layers), *shape), dtype=self.storage_dtype, device=device)
             self._groups.append((tensor, slot_dim + 1, layers))
             for j, layer in enumerate(layers):
                 self._views[layer] = tensor[j]
@@ -185,7 +208,7 @@ class KVCache:
         return self._views[i]
 
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.specs, self.block_size, self.dtype)
+        return bytes_per_block(self.specs, self.block_size, self.storage_dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move every layer's cached values at slots ``src`` [n] to slots ``dst`` [n] (int64, on the cache's
@@ -204,9 +227,10 @@ class KVCache:
         return out
 
 
-def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int) -> KVCache:
-    """A cache of ``num_blocks`` blocks for ``model``'s layers, in its dtype and on its device, bound to them.
-    The caller owns it (the model runner, a drafter, a test)."""
-    cache = KVCache(model.kv_cache_specs(), num_blocks, block_size, model.dtype, model.device)
+def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> KVCache:
+    """A cache of ``num_blocks`` blocks for ``model``'s layers, in its dtype (or an FP8 format: ``kv_cache_dtype``)
+    and on its device, bound to them. The caller owns it (the model runner, a drafter, a test)."""
+    cache = KVCache(model.kv_cache_specs(), num_blocks, block_size, model.dtype, model.device,
+                    fp8_format(kv_cache_dtype))
     model.bind_kv_cache(cache)
     return cache

@@ -196,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
     stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    fp8_kv_cache = True  # its attention reads an FP8 KV cache (kv_cache_dtype)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
@@ -258,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         :func:`specray.models.kv_cache.allocate_kv_cache`)."""
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size)
+            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size, cache.fp8)
         self.kv_cache_allocated = True
 
     # ------------------------------------------------------------------------------------------ weights

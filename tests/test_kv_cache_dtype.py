@@ -1,0 +1,137 @@
+"""An FP8 KV cache (vLLM's ``kv_cache_dtype="fp8"``): K/V stored one byte each. Our attention over it equals
+attention over a full-precision cache holding the same rounded values (fake quantization), stays close to
+transformers' logits, and a step's own tokens are read rounded too, so greedy speculative output still equals greedy
+plain output (every drafter kind, steps from graphs, prefix caching, two tensor-parallel ranks in
+tests/test_cluster.py); the same memory holds 4x (fp32) or 2x (bf16) the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+import specray_test_engine_runs as runs  # tests/engine_runs.py
+
+from specray import LLM
+from specray.models.attention import PagedAttention, build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
+from specray.models.loader import load_model
+
+BLOCK = 4
+
+
+def _logits(model, prompts, steps: int = 3) -> list[torch.Tensor]:
+    """A batch of prefills (in two chunks), then decodes of fixed tokens (whatever the logits say), over shuffled
+    blocks: every row's logits."""
+    tables = [[40 - 10 * i - j for j in range(10)] for i in range(len(prompts))]
+    seqs, out = [list(p) for p in prompts], []
+    with torch.no_grad():
+        for step in range(steps + 1):
+            if step == 0:
+                chunks = [(p[:5], 0, t) for p, t in zip(prompts, tables)]
+            elif step == 1:
+                chunks = [(s[5:], 5, t) for s, t in zip(seqs, tables)]
+            else:
+                chunks = [(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables)]
+            meta = build_attention_metadata([len(c[0]) for c in chunks], [c[1] for c in chunks],
+                                            [c[2] for c in chunks], BLOCK, "cpu")
+            logits = model.compute_logits(model(torch.tensor([t for c in chunks for t in c[0]]), meta))
+            rows = logits.split([len(c[0]) for c in chunks])
+            out.extend(rows)
+            if step >= 1:
+                for i, s in enumerate(seqs):
+                    s.append((31 * i + 7 * step) % 250 + 3)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_llama4_dir"])
+def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkeypatch):
+    """Logits over the FP8 cache (bytes, converted on read) equal logits over a full-precision cache into which the
+    same values were rounded through the format, and differ from unrounded ones by what the rounding explains."""
+    base = request.getfixturevalue(fixture)
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(9)] for i in range(3)]
+    ours = load_model(base)
+    allocate_kv_cache(ours, 48, BLOCK, fmt)
+    got = _logits(ours, prompts)
+
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    bound = torch.finfo(fp8).max
+    monkeypatch.setattr(PagedAttention, "_stored", lambda self, x: x.clamp(-bound, bound).to(fp8).to(x.dtype))
+    reference = load_model(base)
+    allocate_kv_cache(reference, 48, BLOCK)
+    want = _logits(reference, prompts)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    monkeypatch.undo()
+    exact = load_model(base)
+    allocate_kv_cache(exact, 48, BLOCK)
+    unrounded = _logits(exact, prompts)
+    diff = max((g - u).abs().max().item() for g, u in zip(got, unrounded))
+    # rounded: not the same, but close (logits of a few units; e5m2 keeps one mantissa bit fewer than e4m3)
+    assert 0 < diff < {"fp8": 0.5, "fp8_e5m2": 1.0}[fmt], diff
+
+
+SPECS = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+         "suffix": {"method": "suffix", "num_speculative_tokens": 6}, "draft_model": "draft_model",
+         "eagle3": "eagle3"}
+
+
+@pytest.fixture(scope="module")
+def fp8_plain(tiny_llama_dir):
+    """Plain greedy decoding over an FP8 cache: the reference for every drafter over one."""
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype="fp8") as llm:
+        return runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s != "plain"])
+def test_greedy_speculative_output_over_an_fp8_cache_equals_plain(spec, fp8_plain, tiny_llama_dir, tiny_draft_dir,
+                                                                   tmp_path):
+    config = SPECS[spec]
+    if config == "draft_model":
+        config = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    elif config == "eagle3":
+        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+        config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype="fp8", speculative_config=config) as llm:
+        assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == fp8_plain
+        assert llm.spec_stats.accepted_tokens > 0
+
+
+def test_fp8_cache_from_graphs_with_prefix_caching_and_small_chunks(fp8_plain, tiny_llama_dir):
+    """Steps from graphs' static inputs, prompts split into chunks of 8 tokens, cached prefixes taken, batch 1: the
+    same tokens (the rounding does not depend on how tokens meet in steps)."""
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype="fp8", enforce_eager=False,
+             enable_prefix_caching=True, max_num_batched_tokens=8, max_num_seqs=2,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        for _ in range(2):
+            assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == fp8_plain
+        assert runs.token_ids([llm.generate([p], runs.greedy(), use_tqdm=False)[0]
+                               for p in runs.PROMPTS]) == fp8_plain
+
+
+def test_fp8_cache_holds_more_blocks_and_is_refused_where_unsupported(tiny_llama_dir, tiny_deepseek_dir):
+    budget = 1 << 17  # fewer blocks than the engine's cap (max_model_len x max_num_seqs) in both
+    counts = {}
+    for dtype in ("auto", "fp8_e5m2"):
+        with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype=dtype,
+                 kv_cache_memory_bytes=budget) as llm:
+            counts[dtype] = llm.engine.scheduler.config.num_blocks
+    assert counts["fp8_e5m2"] == 4 * counts["auto"]  # fp32 on CPU: four bytes to one
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be one of"):
+        LLM(model=str(tiny_llama_dir), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="latent attention"):
+        LLM(model=str(tiny_deepseek_dir), max_model_len=128, kv_cache_dtype="fp8")
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine(tiny_llama_dir):
+    """`--kv-cache-dtype` on `specray generate` and `specray serve` (vLLM's flag)."""
+    from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "fp8_e5m2",
+                              "--prompt", "hi"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8_e5m2"
+    args = parser.parse_args(["serve", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "fp8"])
+    assert ServeArgs.from_dict(serve_app_args(args)).engine_args().kv_cache_dtype == "fp8"
