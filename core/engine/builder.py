@@ -162,7 +162,6 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     in_worker = spec is not None and registry.runs_in_worker(spec.method)
     lora = args.lora_config
     adapters = adapter_checker(lora, hf_config)  # a family without LoRA refuses enable_lora here
-    check_kv_cache_dtype(args.kv_cache_dtype, hf_config)
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
                       else None)
@@ -221,15 +220,6 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         engine.shutdown()
         raise
     return engine
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str, hf_config) -> None:
-    """An FP8 KV cache needs attention that reads one (not DeepSeek's latent cache, yet)."""
-    from specray.models.registry import get_model_class
-
-    if kv_cache_dtype != "auto" and not get_model_class(hf_config).fp8_kv_cache:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {getattr(hf_config, 'model_type', '?')} models keep "
-                         "their KV cache in the model's dtype in specray (latent attention); use kv_cache_dtype='auto'")
 
 
 def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:

@@ -57,17 +57,19 @@ class LatentAttention(PagedAttention):
         self.mask_kind = kv_spec.mask_kind
         self.block_size = 1
         self.k_cache = self.v_cache = torch.empty(0)
+        self.fp8: torch.dtype | None = None
         self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
         self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
 
     def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
-        assert fp8 is None, "the latent cache is not stored in FP8 (the engine refuses kv_cache_dtype for it)"
+        """``fp8``: the cache holds the latent rows in that FP8 format (see :class:`PagedAttention`)."""
         assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
         self.block_size = block_size
         self.k_cache = self.v_cache = cache[None]  # [1, slots, R + r]: one "head", key and value alike
+        self.fp8 = fp8
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.k_cache.index_copy_(1, slots, k.transpose(0, 1))  # v is k: one write
+        self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1)))  # v is k: one write
 
     def attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
                w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -80,6 +82,7 @@ class LatentAttention(PagedAttention):
         ``W_UV c``, and it attends them as ordinary multi-head attention: per head and (query, key) pair nope + r
         + v products instead of 2R + r, for R (nope + v) per context token to expand them, which pays from
         ``R (nope + v) / (2R - nope - v)`` new tokens on (171 at DeepSeek-V3's sizes)."""
+        kv = self._read(self._stored(kv), kv.dtype)  # as the cache holds it (FP8: rounded), for every path below
         self._store(kv, kv, meta.slot_mapping)
         t, hl = q_nope.shape[:2]
         wide = [seq.query_len >= self.unabsorbed_from for seq in meta.own]
@@ -109,7 +112,7 @@ class LatentAttention(PagedAttention):
                     w_uv: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
-        ctx = kv[rows, 0] if seq.fresh else self._context(self.k_cache, seq)[0, 0]  # [ctx, R + r]
+        ctx = kv[rows, 0] if seq.fresh else self._read(self._context(self.k_cache, seq)[0, 0], kv.dtype)  # [ctx, R+r]
         latent, k_rot = ctx[:, : self.rank], ctx[:, self.rank:]
         hl = self.num_heads
         keys = torch.cat((torch.einsum("cr,hnr->hcn", latent, w_uk), k_rot[None].expand(hl, -1, -1)), dim=-1)
@@ -207,7 +210,6 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1 for causal LM, sharded over ``tp`` (see the module docstring)."""
 
     lora_modules: tuple[str, ...] = ()  # LoRA adapters not applied to this family yet
-    fp8_kv_cache = False  # its latent cache stays in the model's dtype
     model_class = DeepseekV3Model
     stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
 

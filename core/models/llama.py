@@ -196,7 +196,6 @@ class LlamaForCausalLM(nn.Module):
     stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    fp8_kv_cache = True  # its attention reads an FP8 KV cache (kv_cache_dtype)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
