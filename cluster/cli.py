@@ -93,6 +93,9 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
                    "all that is free; no effect on CPU)")
     p.add_argument("--trust-remote-code", action="store_const", const=True, default=None,
                    help="let a checkpoint whose config or tokenizer is its own code (auto_map) run it (vLLM's flag)")
+    p.add_argument("--hf-overrides", type=_json_arg, default=None, metavar="JSON",
+                   help="attributes of the model's config.json to set, e.g. '{\"max_position_embeddings\": 65536}' "
+                   "(vLLM's flag)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="fp8: K/V stored in one byte each (vLLM's flag; default auto, the model's dtype)")
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
@@ -338,7 +341,7 @@ def engine_kwargs(args) -> dict:
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
-                 "kv_cache_dtype"):
+                 "kv_cache_dtype", "hf_overrides"):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -413,7 +416,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "kv_cache_dtype",
+                "kv_cache_dtype", "hf_overrides",
                 "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 

@@ -315,6 +315,9 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     # vLLM's multi-LoRA: requests may name LoRA adapters (SamplingParams.lora_request); a step runs at most
     # max_loras of them (a slot each on every rank, of rank at most max_lora_rank), max_cpu_loras kept in host memory
+    # vLLM's: attributes of the model's config.json to set once it is read (e.g. {"max_position_embeddings": 65536,
+    # "rope_parameters": {...}}); every rank builds the model from the config with them
+    hf_overrides: dict[str, Any] | None = None
     # vLLM's: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" stores each value in one
     # byte (scale 1, clamped to the format's range): twice a bf16 cache's tokens in the same memory, at some accuracy
     kv_cache_dtype: str = "auto"
@@ -384,6 +387,10 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be 'auto' (the checkpoint's weights) or 'dummy' "
                              "(random weights, for speed measurements)")
+        if self.hf_overrides is not None and (not isinstance(self.hf_overrides, dict)
+                                              or not all(isinstance(k, str) and k for k in self.hf_overrides)):
+            raise ValueError(f"hf_overrides={self.hf_overrides!r:.100} must be a dict of config.json attributes, e.g. "
+                             "{'max_position_embeddings': 65536}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)} ('auto': "
                              "the model's dtype; the others store K/V in that FP8 format)")

@@ -131,8 +131,8 @@ def test_fp8_cache_holds_more_blocks_and_bad_names_are_refused(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), kv_cache_dtype="int8")
 
 
-def test_kv_cache_dtype_flag_reaches_the_engine(tiny_llama_dir):
-    """`--kv-cache-dtype` on `specray generate` and `specray serve` (vLLM's flag)."""
+def test_kv_cache_dtype_and_hf_overrides_flags_reach_the_engine(tiny_llama_dir):
+    """`--kv-cache-dtype` and `--hf-overrides` on `specray generate` and `specray serve` (vLLM's flags)."""
     from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
     from specray.cluster.serve import ServeArgs
 
@@ -140,8 +140,10 @@ def test_kv_cache_dtype_flag_reaches_the_engine(tiny_llama_dir):
     args = parser.parse_args(["generate", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "fp8_e5m2",
                               "--prompt", "hi"])
     assert engine_kwargs(args)["kv_cache_dtype"] == "fp8_e5m2"
-    args = parser.parse_args(["serve", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "fp8"])
-    assert ServeArgs.from_dict(serve_app_args(args)).engine_args().kv_cache_dtype == "fp8"
+    args = parser.parse_args(["serve", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "fp8",
+                              "--hf-overrides", '{"max_position_embeddings": 512}'])
+    engine_args = ServeArgs.from_dict(serve_app_args(args)).engine_args()
+    assert engine_args.kv_cache_dtype == "fp8" and engine_args.hf_overrides == {"max_position_embeddings": 512}
 
 
 def test_latent_cache_in_fp8_keeps_greedy_speculative_output(tiny_deepseek_dir):

@@ -547,3 +547,36 @@ def test_trust_remote_code_lets_a_checkpoint_s_own_config_class_load(tiny_llama_
         reference.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="trust_remote_code='yes' must be true or false"):
         LLM(model=str(folder), trust_remote_code="yes")
+
+
+def test_hf_overrides_change_the_config_every_rank_builds_from(tiny_llama_dir):
+    """vLLM's hf_overrides: set on the config once read, so the engine's limits and the model's layers follow them;
+    linear RoPE scaling given this way gives transformers' logits under the same config, not the file's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specray import LLM
+    from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache
+    from specray.models.loader import load_model, read_config
+
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    with LLM(model=str(tiny_llama_dir), hf_overrides={"max_position_embeddings": 512}) as llm:
+        assert llm.engine.max_model_len == 512  # the file says 1024
+    ids = list(range(5, 45))
+    logits = {}
+    for name, overrides in (("file", None), ("scaled", {"rope_parameters": rope})):
+        ours = load_model(tiny_llama_dir, config=read_config(tiny_llama_dir, hf_overrides=overrides))
+        allocate_kv_cache(ours, 16, 4)
+        meta = build_attention_metadata([len(ids)], [0], [list(range(10))], 4, "cpu")
+        with torch.no_grad():
+            logits[name] = ours.compute_logits(ours(torch.tensor(ids), meta))
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config.rope_parameters = rope
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    assert (logits["scaled"] - want).abs().max() < 1e-4
+    assert (logits["scaled"] - logits["file"]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="hf_overrides=.* must be a dict"):
+        LLM(model=str(tiny_llama_dir), hf_overrides=["max_position_embeddings"])

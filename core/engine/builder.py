@@ -151,7 +151,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
     check_local_paths(args)
     resolve_model(args.model, weights=args.load_format != "dummy")  # its weights are there, before any rank starts
-    model_config = read_config(args.model, args.trust_remote_code)
+    model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)

@@ -129,14 +129,31 @@ def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
 # ---------------------------------------------------------------------------------------------- public loaders
 
 
-def read_config(model: str | os.PathLike, trust_remote_code: bool = False) -> PlainConfig:
+def read_config(model: str | os.PathLike, trust_remote_code: bool = False,
+                hf_overrides: dict[str, Any] | None = None) -> PlainConfig:
     """The whole checkpoint's config (transformers' ``AutoConfig``, read here) as plain attributes.
-    ``trust_remote_code`` (vLLM's): a checkpoint whose config class is its own code (``auto_map``) may run it."""
+    ``trust_remote_code`` (vLLM's): a checkpoint whose config class is its own code (``auto_map``) may run it.
+    ``hf_overrides`` (vLLM's): attributes set on it once read, as transformers sets them (a dict for a nested
+    config, e.g. ``text_config``, updates that config's attributes)."""
     from transformers import AutoConfig
 
     folder = resolve_model(model, weights=False).path
     with _remote_code_errors(model):
-        return plain_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    _override(config, hf_overrides or {})
+    return plain_config(config)
+
+
+def _override(config: Any, overrides: dict[str, Any]) -> None:
+    for name, value in overrides.items():
+        current = getattr(config, name, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):  # a nested config: its own attributes
+            _override(current, value)
+            continue
+        try:
+            setattr(config, name, value)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise ValueError(f"hf_overrides: {name}={value!r:.80} cannot be set on the model's config: {err}") from None
 
 
 def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None,
