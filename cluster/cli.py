@@ -45,6 +45,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
     _add_loading_args(p)
+    _add_sizing_args(p)
     _add_passthrough_args(p)
 
 
@@ -103,6 +104,27 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
                    "real shapes for speed and memory measurements (vLLM's flag)")
 
 
+_SIZING_FLAGS = ("max_num_batched_tokens", "block_size", "tokenizer", "long_prefill_token_threshold",
+                 "enable_expert_parallel", "kv_cache_memory_bytes", "num_kv_blocks")
+
+
+def _add_sizing_args(p: argparse.ArgumentParser) -> None:
+    """Engine arguments a `vllm serve` command line passes by these names (EngineArgs' own)."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step, prefill chunks included (default: max(2048, max-num-seqs))")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer's folder or hub id (default: the model's)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most tokens of one request's prefill per step, so that requests behind a long prompt start "
+                   "beside it (default 0: no bound)")
+    p.add_argument("--enable-expert-parallel", action="store_const", const=True, default=None,
+                   help="a mixture of experts' experts whole per tensor-parallel rank (default: split by width)")
+    p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="bytes of KV cache per rank (default: 1 GiB on CPU, 80%% of the free memory on a GPU)")
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="KV blocks per rank, whatever the memory says")
+
+
 def _add_async_scheduling_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_const", const=True, default=None,
                    help="build each step's outputs while the next step computes (vLLM's flag): host work hidden "
@@ -139,6 +161,9 @@ def _add_serve_parser(sub) -> None:
     _add_enforce_eager_arg(p)
     _add_async_scheduling_arg(p)
     _add_loading_args(p)
+    _add_sizing_args(p)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
+                   help="uni: the engine's replica runs the model; ray: Ray actors (default: uni at TP 1, else ray)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
     p.add_argument("--seed", type=int, default=None)
@@ -341,7 +366,7 @@ def engine_kwargs(args) -> dict:
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
-                 "kv_cache_dtype", "hf_overrides"):
+                 "kv_cache_dtype", "hf_overrides", *_SIZING_FLAGS):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -416,7 +441,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "kv_cache_dtype", "hf_overrides",
+                "kv_cache_dtype", "hf_overrides", "distributed_executor_backend", *_SIZING_FLAGS,
                 "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 

@@ -441,3 +441,23 @@ def test_stored_responses_are_kept_with_any_number_of_replicas(tiny_llama_dir):
         ServeArgs.from_dict({"model": model, "max_stored_responses": -1})
     args = build_parser().parse_args(["serve", "--model", model, "--max-stored-responses", "7"])
     assert ServeArgs.from_dict(serve_app_args(args)).server_config(8).max_stored_responses == 7
+
+
+def test_vllm_sizing_flags_reach_the_engine(tiny_llama_dir):
+    """The engine flags a `vllm serve` command line passes by vLLM's names reach EngineArgs, on `specray serve` and
+    `specray generate` alike."""
+    from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
+    from specray.cluster.serve import ServeArgs
+
+    flags = ["--max-num-batched-tokens", "512", "--block-size", "32", "--tokenizer", str(tiny_llama_dir),
+             "--long-prefill-token-threshold", "128", "--enable-expert-parallel", "--kv-cache-memory", "4096000",
+             "--num-gpu-blocks-override", "64"]
+    want = dict(max_num_batched_tokens=512, block_size=32, tokenizer=str(tiny_llama_dir),
+                long_prefill_token_threshold=128, enable_expert_parallel=True, kv_cache_memory_bytes=4096000,
+                num_kv_blocks=64)
+    serve = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags,
+                                       "--distributed-executor-backend", "ray"])
+    args = ServeArgs.from_dict(serve_app_args(serve)).engine_args()
+    assert {k: getattr(args, k) for k in want} == want and args.distributed_executor_backend == "ray"
+    generate = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags])
+    assert {k: engine_kwargs(generate)[k] for k in want} == want
