@@ -40,7 +40,22 @@ def engine_state(engine) -> dict:
         "num_running": scheduler.num_running,
         "prefix_cache_queries": scheduler.prefix_cache_queries,  # totals since the engine started
         "prefix_cache_hits": scheduler.prefix_cache_hits,
+        "lora_requests": _lora_requests(scheduler),
     }
+
+
+def _lora_requests(scheduler) -> dict[str, dict[str, int]]:
+    """Per LoRA adapter (by name), its requests running and waiting; {} for an engine without adapters."""
+    if not scheduler.config.max_loras:
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for state, requests in (("running", scheduler.running), ("waiting", scheduler.waiting)):
+        for req in requests:
+            lora = req.sampling_params.lora_request
+            if lora is not None:
+                counts = out.setdefault(lora.lora_name, {"running": 0, "waiting": 0})
+                counts[state] += 1
+    return out
 
 
 class _Metric:
@@ -97,6 +112,8 @@ _DEFINITIONS = [
     ("running", "gauge", "specray_num_requests_running", "Engine requests running", (), None),
     ("kv_used", "gauge", "specray_kv_blocks_used", "KV-cache blocks in use", (), None),
     ("kv_total", "gauge", "specray_kv_blocks_total", "KV-cache blocks in the pool", (), None),
+    ("lora_requests", "gauge", "specray_lora_requests", "Engine requests of each LoRA adapter, running or waiting "
+     "(an adapter whose requests are all done reads 0)", ("adapter", "state"), None),
     ("prefix_queries", "counter", "specray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      (), None),
     ("prefix_hits", "counter", "specray_prefix_cache_hits", "Prompt tokens found in the prefix cache", (), None),
@@ -110,7 +127,7 @@ _DEFINITIONS = [
     ("mean_accepted_length", "gauge", "specray_spec_mean_accepted_length",
      "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
 ]
-_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "prefix_queries", "prefix_hits", "drafts",
+_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "lora_requests", "prefix_queries", "prefix_hits", "drafts",
                            "draft_tokens", "accepted", "accepted_per_position", "acceptance_rate",
                            "mean_accepted_length"})
 
@@ -136,6 +153,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
         self._seen_prefix = (0, 0)  # the engine's prefix-cache totals already counted: queries, hits
+        self._adapters: set[str] = set()  # LoRA adapters with a gauge (set to 0 once they have no request)
 
     @property
     def has_engine_metrics(self) -> bool:
@@ -164,7 +182,13 @@ class ServerMetrics:
         for metric, key in ((self.waiting, "num_waiting"), (self.running, "num_running"),
                             (self.kv_used, "used_blocks"), (self.kv_total, "total_blocks")):
             metric.record(state[key], self._labels)
-        with self._lock:  # counters: the growth of the engine's totals (a restarted engine starts again from 0)
+        lora = state.get("lora_requests", {})
+        with self._lock:
+            for name in self._adapters | set(lora):
+                for which in ("running", "waiting"):
+                    self.lora_requests.record(lora.get(name, {}).get(which, 0),
+                                              {**self._labels, "adapter": name, "state": which})
+            self._adapters |= set(lora)  # counters: the growth of the engine's totals (a restarted engine starts again from 0)
             totals = (state.get("prefix_cache_queries", 0), state.get("prefix_cache_hits", 0))
             seen = self._seen_prefix if all(t >= p for t, p in zip(totals, self._seen_prefix)) else (0, 0)
             self.prefix_queries.record(totals[0] - seen[0], self._labels)

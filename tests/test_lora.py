@@ -323,3 +323,31 @@ def test_serve_args_read_lora_modules(adapters, tiny_llama_dir, tmp_path):
         ServeArgs.from_dict({"model": model, "lora_modules": [f"b={second}"], "max_lora_rank": 4})
     with pytest.raises(ValueError, match="'name=path'"):
         ServeArgs.from_dict({"model": model, "lora_modules": ["nameless"]})
+
+
+def test_metrics_count_each_adapter_s_requests(adapters, tiny_llama_dir):
+    """`specray_lora_requests{adapter, state}`: each adapter's engine requests, running and waiting (from the
+    scheduler); an adapter with none left reads 0."""
+    from specray import SamplingParams
+    from specray.cluster.metrics import ServerMetrics, engine_state
+
+    requests, _ = adapters
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        engine = llm.engine
+        for lora in (requests[0], requests[0], requests[1], None):
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, lora_request=lora))
+        engine.step()  # adapter 1's two and the base request run; adapter 2's waits (max_loras=1)
+        state = engine_state(engine)
+        assert state["lora_requests"] == {"first": {"running": 2, "waiting": 0},
+                                          "second": {"running": 0, "waiting": 1}}
+        metrics = ServerMetrics("tiny")
+        metrics.record_engine_state(state)
+        while engine.has_unfinished_requests():
+            engine.step()
+        metrics.record_engine_state(engine_state(engine))
+        text = metrics.render().decode()
+        for name in ("first", "second"):
+            for which in ("running", "waiting"):
+                assert f'specray_lora_requests{{adapter="{name}",model="tiny",state="{which}"}} 0.0' in text
+    with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
+        assert engine_state(llm.engine)["lora_requests"] == {}
