@@ -196,6 +196,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served under names of their own: a request whose model is NAME "
                    "runs with it (vLLM's flag; also JSON: '{\"name\": ..., \"path\": ...}')")
+    p.add_argument("--dynamic-lora-loading-path", default=None, metavar="DIR",
+                   help="a folder of LoRA adapter folders: a request whose model is MODEL:NAME runs with DIR/NAME, "
+                   "read when first asked for (Ray Serve LLM's option; turns --enable-lora on)")
     p.add_argument("--max-loras", type=int, default=None, help="most adapters in one step (vLLM's; default 1)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank (vLLM's; default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
@@ -442,7 +445,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
                 "kv_cache_dtype", "hf_overrides", "distributed_executor_backend", *_SIZING_FLAGS,
-                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "max_loras", "max_lora_rank",
+                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "dynamic_lora_loading_path", "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 
 

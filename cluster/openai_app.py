@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.lora import LoRARequest
+from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, LoRARequest, dynamic_lora_id
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
@@ -149,6 +150,9 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()  # other names requests may give (vLLM's several --served-model-name)
     # vLLM's --lora-modules: adapters served under names of their own; a request whose "model" names one runs with it
     lora_modules: tuple[LoRARequest, ...] = ()
+    # Ray Serve LLM's dynamic_lora_loading_path: a folder of adapter folders; a request whose model is
+    # "<served model name>:<folder name>" runs with that adapter, read when first asked for (no restart, no list)
+    lora_dir: str | None = None
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -749,15 +753,23 @@ class OpenAIServing:
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
-        if model_id not in self._names():
+        if model_id not in (self.config.served_model_name, *self.config.model_aliases) and self._adapter(
+                model_id) is None:
             return error_response(proto.model_not_found(model_id, self.config.served_model_name))
         return JSONResponse(self._model_card(model_id).model_dump(exclude_none=True))
 
     def _names(self) -> tuple[str, ...]:
         """Every name the model is served under (vLLM's several --served-model-name), the first the main one,
-        then the adapters' (--lora-modules)."""
+        then the adapters' (--lora-modules, then those of the adapter folder, as they are now)."""
         config = self.config
-        return (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules))
+        dynamic = ()
+        if config.lora_dir is not None:
+            folder = Path(config.lora_dir)
+            found = sorted(p.name for p in folder.iterdir() if ADAPTER_NAME.fullmatch(p.name) and
+                           (p / ADAPTER_CONFIG).is_file()) if folder.is_dir() else []
+            dynamic = tuple(f"{config.served_model_name}:{name}" for name in found)
+        return (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules),
+                *dynamic)
 
     def _model_card(self, name: str) -> proto.ModelCard:
         lora = self._adapter(name)
@@ -766,8 +778,19 @@ class OpenAIServing:
                                parent=None if lora is None else lora.base_model_name)
 
     def _adapter(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names (None: the base model)."""
-        return next((a for a in self.config.lora_modules if a.lora_name == name), None)
+        """The adapter a request's ``model`` names (None: the base model): one of --lora-modules, or
+        "<model>:<adapter>" with an adapter folder of that name in ``lora_dir``."""
+        config = self.config
+        named = next((a for a in config.lora_modules if a.lora_name == name), None)
+        if named is not None or config.lora_dir is None or name is None:
+            return named
+        base, _, adapter = name.partition(":")
+        if base not in (config.served_model_name, *config.model_aliases) or not ADAPTER_NAME.fullmatch(adapter):
+            return None
+        folder = Path(config.lora_dir) / adapter
+        if not (folder / ADAPTER_CONFIG).is_file():
+            return None
+        return LoRARequest(name, dynamic_lora_id(adapter), str(folder), config.served_model_name)
 
     def _response_model(self, lora: LoRARequest | None) -> str:
         """The ``model`` a response carries: the adapter's name for a request that ran with one (vLLM's)."""
@@ -934,7 +957,9 @@ class OpenAIServing:
         return JSONResponse({"prompt": text})
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self._names():
+        config = self.config
+        served = (config.served_model_name, *config.model_aliases)
+        if name is not None and name not in served and self._adapter(name) is None:
             raise proto.model_not_found(name, self.config.served_model_name)
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:

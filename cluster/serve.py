@@ -152,6 +152,9 @@ class ServeArgs:
     # vLLM's --lora-modules: LoRA adapters served under names of their own (a request's "model" picks one), as
     # "name=path" strings, {"name": ..., "path": ...} dicts, or one {name: path} dict; they turn enable_lora on
     lora_modules: list[str | dict] | dict[str, str] | None = None
+    # Ray Serve LLM's dynamic_lora_loading_path (a local or shared folder here): a request whose model is
+    # "<served_model_name>:<name>" runs with the adapter in <folder>/<name>, read when first asked for
+    dynamic_lora_loading_path: str | None = None
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -210,7 +213,14 @@ class ServeArgs:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         self.chat_template = load_chat_template(self.chat_template)
-        if self.lora_modules:
+        if self.dynamic_lora_loading_path is not None:
+            folder = Path(self.dynamic_lora_loading_path).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"dynamic_lora_loading_path={self.dynamic_lora_loading_path!r} is not a folder; give "
+                                 "a folder of adapter folders (each with adapter_config.json), local or on a shared "
+                                 "filesystem every replica mounts")
+            self.dynamic_lora_loading_path = str(folder.resolve())
+        if self.lora_modules or self.dynamic_lora_loading_path:
             self.engine_kwargs["enable_lora"] = True
         self.lora_requests()  # the adapters' folders, configs and ranks, before any replica
         check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
@@ -289,7 +299,7 @@ class ServeArgs:
                             default_sampling=default_sampling_fields(engine_args),
                             chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()),
-                            lora_modules=self.lora_requests())
+                            lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path)
 
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,17 @@ class LoRARequest:
     def cache_key(self) -> str:
         """What separates this adapter's cached prefixes from the base model's and other adapters'."""
         return f"lora:{self.lora_int_id}"
+
+
+# an adapter's name in a folder of adapters (Ray Serve LLM's dynamic_lora_loading_path): one plain path component
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_DYNAMIC_IDS = 1 << 20  # dynamic adapters' ids start here, above any list of named adapters
+
+
+def dynamic_lora_id(name: str) -> int:
+    """The id of the adapter ``name`` from a folder of adapters: the same on every replica and every restart (an id
+    names one folder in an engine), from the name alone."""
+    return _DYNAMIC_IDS + zlib.crc32(name.encode()) % (1 << 30)
 
 
 @dataclass(frozen=True)

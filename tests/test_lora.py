@@ -222,27 +222,17 @@ def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
-    """vLLM's --lora-modules: /v1/models lists each adapter with its base model as parent and its folder as root;
-    a completion or chat whose model names an adapter runs with it (greedy tokens of the merged model) and answers
-    under its name; the base model's name runs without; an unknown name is a 404."""
-    import socket
-    import threading
-    import time
+class _Recording:
+    """An in-process OpenAI app over ``llm``'s engine whose client records what each request brought the engine
+    (its adapter) and the tokens it got."""
 
-    import uvicorn
+    def __init__(self, llm, config):
+        from specray.cluster.openai_app import AsyncEngineClient, build_openai_app
+        from specray.engine.async_engine import AsyncLLMEngine
 
-    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
-    from specray.engine.async_engine import AsyncLLMEngine
+        seen = self.seen = []
 
-    requests, expected = adapters
-    prompt = runs.PROMPTS[0]
-    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
-        served = tuple(replace_base(r, "tiny") for r in requests[:2])
-        class Recording(AsyncEngineClient):  # what each request brought the engine, and its tokens
-            seen: list = []
-
+        class Client(AsyncEngineClient):
             def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
                 outputs = super().generate(prompt_token_ids, params, prompt, req_id)
 
@@ -252,23 +242,53 @@ def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
                         ids = out.outputs[0].token_ids
                         tokens = tokens + ids if params.output_kind == "delta" else list(ids)
                         if out.finished:
-                            self.seen.append((params.lora_request, tokens))
+                            seen.append((params.lora_request, tokens))
                         yield out
                 return recorded()
 
-        client = Recording(AsyncLLMEngine(llm.engine))
-        app = build_openai_app(client, ServerConfig("tiny", None, lora_modules=served))
+        self.app = build_openai_app(Client(AsyncLLMEngine(llm.engine)), config)
+
+    def __enter__(self) -> str:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
         deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
+        while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
-        try:
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _complete(base: str, model: str, prompt: str) -> tuple[int, dict]:
+    return _http(base + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                            "ignore_eos": True})
+
+
+def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
+    """vLLM's --lora-modules: /v1/models lists each adapter with its base model as parent and its folder as root;
+    a completion or chat whose model names an adapter runs with it (greedy tokens of the merged model) and answers
+    under its name; the base model's name runs without; an unknown name is a 404."""
+    from specray.cluster.openai_app import ServerConfig
+
+    requests, expected = adapters
+    prompt = runs.PROMPTS[0]
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        served = tuple(replace_base(r, "tiny") for r in requests[:2])
+        recording = _Recording(llm, ServerConfig("tiny", None, lora_modules=served))
+        with recording as base:
             status, models = _http(base + "/v1/models")
             assert status == 200
             assert [(m["id"], m.get("parent"), m.get("root")) for m in models["data"]] == [
@@ -276,19 +296,45 @@ def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
                 ("second", "tiny", requests[1].lora_path)]
             assert _http(base + "/v1/models/second")[1]["parent"] == "tiny"
             for name, want in (("first", expected[0][0]), ("second", expected[1][0]), ("tiny", expected[2][0])):
-                status, body = _http(base + "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 24,
-                                                                 "temperature": 0, "ignore_eos": True})
+                status, body = _complete(base, name, prompt)
                 assert status == 200 and body["model"] == name
                 lora = None if name == "tiny" else served[0 if name == "first" else 1]
-                assert client.seen.pop() == (lora, want)
+                assert recording.seen.pop() == (lora, want)
             status, body = _http(base + "/v1/chat/completions", {"model": "second", "max_tokens": 4,
                                                                   "messages": [{"role": "user", "content": "hi"}]})
             assert status == 200 and body["model"] == "second"
             status, body = _http(base + "/v1/completions", {"model": "third", "prompt": "hi", "max_tokens": 2})
             assert status == 404 and body["error"]["code"] == "model_not_found"
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+
+
+def test_server_loads_adapters_from_a_folder_when_asked(adapters, tiny_llama_dir, tmp_path):
+    """Ray Serve LLM's dynamic_lora_loading_path: "<model>:<name>" runs with the adapter folder <name> of the
+    folder, one put there after the server started too; /v1/models lists the folder's adapters as they are; a
+    name with no folder, or one that is not a plain folder name, is a 404."""
+    import shutil
+
+    from specray.cluster.openai_app import ServerConfig
+
+    requests, expected = adapters
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    shutil.copytree(requests[0].lora_path, folder / "first")
+    prompt = runs.PROMPTS[0]
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        recording = _Recording(llm, ServerConfig("tiny", None, lora_dir=str(folder)))
+        with recording as base:
+            assert [m["id"] for m in _http(base + "/v1/models")[1]["data"]] == ["tiny", "tiny:first"]
+            status, body = _complete(base, "tiny:first", prompt)
+            assert status == 200 and body["model"] == "tiny:first"
+            assert recording.seen.pop()[1] == expected[0][0]
+            for missing in ("tiny:second", "tiny:..", "other:first", "tiny:first/../first"):
+                status, body = _complete(base, missing, prompt)
+                assert status == 404 and body["error"]["code"] == "model_not_found", missing
+            shutil.copytree(requests[1].lora_path, folder / "second")  # added while serving
+            status, body = _complete(base, "tiny:second", prompt)
+            assert status == 200 and recording.seen.pop()[1] == expected[1][0]
+            assert [m["id"] for m in _http(base + "/v1/models")[1]["data"]] == ["tiny", "tiny:first", "tiny:second"]
+            assert _http(base + "/v1/models/tiny:second")[1]["parent"] == "tiny"
 
 
 def replace_base(request: LoRARequest, base: str) -> LoRARequest:
@@ -323,6 +369,11 @@ def test_serve_args_read_lora_modules(adapters, tiny_llama_dir, tmp_path):
         ServeArgs.from_dict({"model": model, "lora_modules": [f"b={second}"], "max_lora_rank": 4})
     with pytest.raises(ValueError, match="'name=path'"):
         ServeArgs.from_dict({"model": model, "lora_modules": ["nameless"]})
+    dynamic = ServeArgs.from_dict({"model": model, "dynamic_lora_loading_path": str(tmp_path),
+                                   "served_model_name": "base"})
+    assert dynamic.engine_args().enable_lora and dynamic.server_config(8).lora_dir == str(tmp_path.resolve())
+    with pytest.raises(ValueError, match="is not a folder"):
+        ServeArgs.from_dict({"model": model, "dynamic_lora_loading_path": str(tmp_path / "none")})
 
 
 def test_metrics_count_each_adapter_s_requests(adapters, tiny_llama_dir):
