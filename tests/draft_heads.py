@@ -227,3 +227,21 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
                     f"{p}shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+# one drafter of each kind: host lookups (chains, a suffix tree), a draft model, a head reading the target's states
+DRAFTER_KINDS = ("ngram", "suffix", "draft_model", "eagle3")
+
+
+def speculative_config(kind: str, target_dir: Path, draft_dir: Path, folder: Path) -> dict:
+    """A speculative_config of ``kind`` (:data:`DRAFTER_KINDS`) for the tiny target in ``target_dir``: the draft
+    model in ``draft_dir``, an often-accepted EAGLE-3 head written into ``folder``."""
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4}
+    if kind == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": 6}
+    if kind == "draft_model":
+        return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    assert kind == "eagle3", kind
+    head = write_accepting_head(folder / "eagle3", "eagle3", target_dir)
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}

@@ -81,11 +81,6 @@ def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkey
     assert 0 < diff < 0.3 * spread, (diff, spread)
 
 
-SPECS = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-         "suffix": {"method": "suffix", "num_speculative_tokens": 6}, "draft_model": "draft_model",
-         "eagle3": "eagle3"}
-
-
 @pytest.fixture(scope="module")
 def fp8_plain(tiny_llama_dir):
     """Plain greedy decoding over an FP8 cache: the reference for every drafter over one."""
@@ -93,15 +88,10 @@ def fp8_plain(tiny_llama_dir):
         return runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s != "plain"])
-def test_greedy_speculative_output_over_an_fp8_cache_equals_plain(spec, fp8_plain, tiny_llama_dir, tiny_draft_dir,
+@pytest.mark.parametrize("kind", draft_heads.DRAFTER_KINDS)
+def test_greedy_speculative_output_over_an_fp8_cache_equals_plain(kind, fp8_plain, tiny_llama_dir, tiny_draft_dir,
                                                                    tmp_path):
-    config = SPECS[spec]
-    if config == "draft_model":
-        config = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
-    elif config == "eagle3":
-        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
-        config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    config = draft_heads.speculative_config(kind, tiny_llama_dir, tiny_draft_dir, tmp_path)
     with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype="fp8", speculative_config=config) as llm:
         assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == fp8_plain
         assert llm.spec_stats.accepted_tokens > 0

@@ -111,33 +111,19 @@ def _mixed(adapters):
     return [requests[w] for w in which], [expected[w][p] for p, w in enumerate(which)]
 
 
-SPECS = {
-    "plain": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
-    "draft_model": "draft_model",
-    "eagle3": "eagle3",
-}
-
-
-@pytest.mark.parametrize("spec", list(SPECS))
-def test_greedy_output_with_adapters_equals_the_merged_models(spec, adapters, tiny_llama_dir, tiny_draft_dir,
+@pytest.mark.parametrize("kind", ("plain", *draft_heads.DRAFTER_KINDS))
+def test_greedy_output_with_adapters_equals_the_merged_models(kind, adapters, tiny_llama_dir, tiny_draft_dir,
                                                                 tmp_path):
     """One batch mixing both adapters and the base model, with every kind of drafter (host lookups, a draft model
     that knows no adapter, a head that reads the adapted target's hidden states): each request's greedy tokens equal
     its own model's (the adapter merged into the weights), at batch 1 for the plain engine too."""
-    config = SPECS[spec]
-    if config == "draft_model":
-        config = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
-    elif config == "eagle3":
-        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
-        config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    config = None if kind == "plain" else draft_heads.speculative_config(kind, tiny_llama_dir, tiny_draft_dir, tmp_path)
     lora, expected = _mixed(adapters)
     with LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=config, enable_lora=True,
              max_loras=2, max_lora_rank=8) as llm:
         outs = llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=lora)
         assert runs.token_ids(outs) == expected
-        if spec == "plain":
+        if kind == "plain":
             alone = [llm.generate([p], runs.greedy(), use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
                      for p, r in zip(runs.PROMPTS, lora)]
             assert alone == expected
