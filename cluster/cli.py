@@ -445,7 +445,8 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
                 "kv_cache_dtype", "hf_overrides", "distributed_executor_backend", *_SIZING_FLAGS,
-                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "dynamic_lora_loading_path", "max_loras", "max_lora_rank",
+                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "dynamic_lora_loading_path",
+                "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 
 

@@ -21,8 +21,8 @@ BLOCK = 4
 
 
 def _logits(model, prompts, steps: int = 3) -> list[torch.Tensor]:
-    """A batch of prefills (in two chunks: 5 tokens, then the rest), then decodes of fixed tokens (whatever the logits say), over shuffled
-    blocks: every row's logits."""
+    """A batch of prefills (in two chunks: 5 tokens, then the rest), then decodes of fixed tokens (whatever the
+    logits say), over shuffled blocks: every row's logits."""
     tables = [[47 - 12 * i - j for j in range(12)] for i in range(len(prompts))]
     seqs, out = [list(p) for p in prompts], []
     with torch.no_grad():
