@@ -275,7 +275,7 @@ class ServeArgs:
                 raise ValueError(f"lora_modules: the name {entry['name']!r} is already served (a model name or "
                                  "another adapter); give each adapter its own name")
             taken.add(entry["name"])
-            read_adapter(entry["path"], None, 0, max_rank)
+            read_adapter(entry["path"], None, max_rank)
             out.append(LoRARequest(entry["name"], i + 1, entry["path"],
                                    entry.get("base_model_name") or self.served_model_name))
         return tuple(out)

@@ -168,28 +168,28 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
-def read_adapter(path: str, adaptable: tuple[str, ...] | None, num_layers: int, max_rank: int) -> AdapterInfo:
-    """Check the adapter at ``path`` against a base model whose decoder layers' projections named ``adaptable``
-    (``q_proj``, ``down_proj``, ...) take LoRA, of ``num_layers`` layers (None: the modules are not checked, only
-    the folder, its config and its rank); ValueError naming what does not fit."""
+def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank: int) -> AdapterInfo:
+    """Check the adapter at ``path`` against a base model whose projections that take LoRA are ``shapes``
+    (checkpoint module name -> its weight's (out, in) shape; None: the modules are not checked, only the folder, its
+    config and its rank); ValueError naming what does not fit."""
     folder = adapter_folder(path)
     config = read_adapter_config(folder)
     weights = weights_file(folder)
-    shapes = safetensors_shapes(weights) if weights.suffix == ".safetensors" else None
+    tensors = safetensors_shapes(weights) if weights.suffix == ".safetensors" else None
     ranks: dict[str, int] = {}
-    if shapes is not None:
+    if tensors is not None:
         seen: dict[str, set[str]] = {}
-        for key, shape in shapes.items():
+        for key, shape in tensors.items():
             found = module_of(key)
             if found is None:
                 raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
                                  "(embeddings, LM heads and saved modules are not supported)")
             module, which = found
-            if adaptable is not None:
-                check_module(path, module, adaptable, num_layers)
-            seen.setdefault(module, set()).add(which)
             if len(shape) != 2:
                 raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
+            if shapes is not None:
+                check_shape(path, module, which, shape, shapes)
+            seen.setdefault(module, set()).add(which)
             rank = shape[0] if which == "A" else shape[1]
             if ranks.setdefault(module, rank) != rank:
                 raise ValueError(f"lora adapter {path!r}: {module}'s lora_A and lora_B disagree on the rank")
@@ -209,24 +209,28 @@ def read_adapter(path: str, adaptable: tuple[str, ...] | None, num_layers: int, 
     return AdapterInfo(str(folder), float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)), ranks)
 
 
-def check_module(path: str, module: str, adaptable: tuple[str, ...], num_layers: int) -> None:
-    """ValueError unless ``module`` is an adaptable projection of one of the base model's decoder layers."""
-    parts = module.split(".")
-    ok = (len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and
-          int(parts[2]) < num_layers and parts[-1] in adaptable and "experts" not in parts)
-    if not ok:
-        raise ValueError(f"lora adapter {path!r} adapts {module!r}, which specray does not apply LoRA to: it adapts "
-                         f"the decoder layers' {list(adaptable)} (no experts, embeddings or LM head)")
+def check_shape(path: str, module: str, which: str, shape: list[int], shapes: dict[str, tuple[int, int]]) -> None:
+    """ValueError unless ``module`` is a projection the base model applies LoRA to and the matrix fits its weight:
+    A [r, in], B [out, r]."""
+    if module not in shapes:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})
+        raise ValueError(f"lora adapter {path!r} adapts {module!r}, which specray does not apply LoRA to in this "
+                         f"model: it adapts the decoder layers' {kinds} (no experts, embeddings or LM head)")
+    out_features, in_features = shapes[module]
+    width, expected = (shape[1], in_features) if which == "A" else (shape[0], out_features)
+    if width != expected:
+        side = "input" if which == "A" else "output"
+        raise ValueError(f"lora adapter {path!r}: {module}.lora_{which} has shape {shape}, but the base model's "
+                         f"{module} has {expected} {side} features: is the adapter for another base model?")
 
 
 class AdapterChecker:
     """The engine's record of the adapters its requests named: each checked once (``read_adapter``), and one id
     never naming two folders."""
 
-    def __init__(self, config: LoRAConfig | None, adaptable: tuple[str, ...], num_layers: int):
+    def __init__(self, config: LoRAConfig | None, shapes: dict[str, tuple[int, int]]):
         self.config = config
-        self.adaptable = adaptable
-        self.num_layers = num_layers
+        self.shapes = shapes  # the projections that take LoRA (specray.models.lora.adapter_shapes)
         self.seen: dict[int, tuple[str, AdapterInfo]] = {}
 
     def check(self, request: LoRARequest) -> AdapterInfo:
@@ -235,7 +239,7 @@ class AdapterChecker:
         if self.config is None:
             raise ValueError(f"lora_request names adapter {request.lora_name!r} but this engine serves no adapters; "
                              "start it with enable_lora=True (specray serve --enable-lora)")
-        if not self.adaptable:
+        if not self.shapes:
             raise ValueError("this model's family does not take LoRA adapters in specray yet; serve it without "
                              "lora_request")
         known = self.seen.get(request.lora_int_id)
@@ -244,6 +248,6 @@ class AdapterChecker:
                 raise ValueError(f"lora_int_id={request.lora_int_id} already names the adapter at {known[0]!r}, not "
                                  f"{request.lora_path!r}: give each adapter its own id")
             return known[1]
-        info = read_adapter(request.lora_path, self.adaptable, self.num_layers, self.config.max_lora_rank)
+        info = read_adapter(request.lora_path, self.shapes, self.config.max_lora_rank)
         self.seen[request.lora_int_id] = (request.lora_path, info)
         return info

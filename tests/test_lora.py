@@ -154,9 +154,12 @@ def test_adapted_steps_from_graphs_equal_eager_steps(adapters, tiny_llama_dir):
         assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=lora)) == expected
 
 
-def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, tmp_path):
+def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_tiny_model, tmp_path):
     """What cannot serve is a ValueError naming the fix, raised before anything runs, and the engine serves on."""
     requests, expected = adapters
+    narrower = make_tiny_model(tmp_path / "narrower", "llama", hidden_size=32, intermediate_size=64,
+                               num_attention_heads=2, num_key_value_heads=1)
+    foreign = checkpoints.write_lora(narrower, tmp_path / "foreign")
     first = Path(requests[0].lora_path)
     dora = checkpoints.write_lora(tiny_llama_dir, tmp_path / "dora", config_extra={"use_dora": True})
     big = checkpoints.write_lora(tiny_llama_dir, tmp_path / "big", rank=32)
@@ -172,6 +175,7 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, tmp_pat
              (LoRARequest("dora", 6, str(dora)), "DoRA"),
              (LoRARequest("big", 7, str(big)), "max_lora_rank >= 32"),
              (LoRARequest("head", 8, str(head)), "lm_head"),
+             (LoRARequest("foreign", 9, str(foreign)), "features: is the adapter for another base model"),
              (LoRARequest("again", 1, str(big)), "already names")]
     with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
         llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])

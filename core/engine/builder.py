@@ -223,16 +223,25 @@ def build_engine(args: EngineArgs) -> LLMEngine:
 
 
 def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
-    """What checks requests' LoRA adapters against the model (its family's adaptable projections, its layers); a
-    ValueError when ``enable_lora`` asks for adapters on a family that takes none."""
-    from specray.models.registry import get_model_class
+    """What checks requests' LoRA adapters against the model: the projections that take LoRA, with their shapes, from
+    the model built on the meta device (no memory); a ValueError when ``enable_lora`` asks for adapters on a family
+    that takes none."""
+    import torch
 
-    adaptable = tuple(get_model_class(hf_config).lora_modules)
-    if lora is not None and not adaptable:
+    from specray.models.lora import adapter_shapes
+    from specray.models.registry import get_model_class
+    from specray.parallel import TPGroup
+
+    model_class = get_model_class(hf_config)
+    if lora is None:
+        return AdapterChecker(None, {})
+    if not model_class.lora_modules:
         raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
                          "models in specray yet (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Llama-4 take "
                          "them); serve this model without enable_lora")
-    return AdapterChecker(lora, adaptable, hf_config.num_hidden_layers)
+    with torch.device("meta"):  # the whole model's projections, shapes only (no memory, no weights)
+        shapes = adapter_shapes(model_class(hf_config, TPGroup.single()))
+    return AdapterChecker(lora, shapes)
 
 
 THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends

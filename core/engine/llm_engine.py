@@ -55,7 +55,7 @@ class LLMEngine:
                  adapters: AdapterChecker | None = None):
         self.scheduler = scheduler
         # requests' LoRA adapters, each checked when a request first names it (none without enable_lora)
-        self.adapters = adapters or AdapterChecker(None, (), 0)
+        self.adapters = adapters or AdapterChecker(None, {})
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens

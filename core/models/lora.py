@@ -134,6 +134,27 @@ def _parts(module: LinearBase) -> tuple[list, list[int]]:
     return [None], [module.out_features if isinstance(module, RowParallelLinear) else module.out_local]
 
 
+def adapter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Every projection of ``model`` (built whole: one rank) that takes LoRA, by its checkpoint name
+    (``model.layers.0.self_attn.q_proj``), with its weight's shape (out, in): what an adapter's B and A must fit."""
+    adaptable = set(adaptable_modules(model))
+    stacked = getattr(model, "stacked", {})
+    shapes = {}
+    for name, module in model.named_modules():
+        if not (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("model.layers.")
+                and ".experts." not in name):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        in_features = module.in_local if isinstance(module, RowParallelLinear) else module.in_features
+        parts, rows = _parts(module)
+        pieces = {part: piece.strip(".") for piece, (merged, part) in stacked.items() if merged.strip(".") == leaf}
+        for part, out_features in zip(parts, rows):
+            checkpoint = leaf if part is None else pieces.get(part)
+            if checkpoint in adaptable:
+                shapes[f"{parent}.{checkpoint}"] = (out_features, in_features)
+    return shapes
+
+
 def adaptable_modules(model: torch.nn.Module) -> tuple[str, ...]:
     """The checkpoint names of the projections ``model``'s class applies LoRA to (``q_proj``, ...): its
     ``lora_modules``; none for a family without them."""
@@ -211,8 +232,8 @@ class LoRASlots:
         if held is not None:
             self.host.move_to_end(request.lora_int_id)
             return held
-        num_layers = self.model.config.num_hidden_layers
-        info = read_adapter(request.lora_path, self.adaptable, num_layers, self.config.max_lora_rank)
+        # the engine checked its modules and shapes against the whole model's when a request first named it
+        info = read_adapter(request.lora_path, None, self.config.max_lora_rank)
         held = self.host[request.lora_int_id] = info, _read_pairs(weights_file(Path(info.path)))
         while len(self.host) > self.config.cpu_loras:
             self.host.popitem(last=False)
