@@ -191,6 +191,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $SPECRAY_API_KEY; neither: no key)")
     p.add_argument("--enable-debug-routes", action="store_true", help="serve GET /v1/debug/kv (engine internals)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:<id>' (vLLM's flag; a request may say otherwise)")
     p.add_argument("--enable-lora", action="store_const", const=True, default=None,
                    help="requests may run with LoRA adapters (vLLM's flag; --lora-modules turns it on)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -458,6 +460,7 @@ def serve_app_args(args) -> dict:
     if args.enable_prefix_caching is None and "enable_prefix_caching" not in app_args["engine_kwargs"]:
         app_args["enable_prefix_caching"] = True  # serving caches prefixes unless told not to
     app_args["enable_debug_routes"] = args.enable_debug_routes
+    app_args["return_tokens_as_token_ids"] = args.return_tokens_as_token_ids
     return app_args
 
 

@@ -153,6 +153,7 @@ class ServerConfig:
     # Ray Serve LLM's dynamic_lora_loading_path: a folder of adapter folders; a request whose model is
     # "<served model name>:<folder name>" runs with that adapter, read when first asked for (no restart, no list)
     lora_dir: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs name tokens "token_id:<id>" unless asked not to
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -703,6 +704,7 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
+        self.logprob_ids_fmt = proto.LogprobFormatter(client.tokenizer, as_token_ids=True)
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
         self.max_prompt_chars = client.max_model_len * _CHARS_PER_TOKEN_SLACK * max_token_chars(client.tokenizer)
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
@@ -792,6 +794,13 @@ class OpenAIServing:
             return None
         return LoRARequest(name, dynamic_lora_id(adapter), str(folder), config.served_model_name)
 
+    def _logprob_format(self, req) -> proto.LogprobFormatter:
+        """How the request's logprobs name tokens: by their text, or "token_id:<id>" (vLLM's
+        return_tokens_as_token_ids, the request's or the server's)."""
+        as_ids = req.return_tokens_as_token_ids
+        return self.logprob_ids_fmt if (self.config.return_tokens_as_token_ids if as_ids is None else as_ids) \
+            else self.logprob_fmt
+
     def _response_model(self, lora: LoRARequest | None) -> str:
         """The ``model`` a response carries: the adapter's name for a request that ran with one (vLLM's)."""
         return self.config.served_model_name if lora is None else lora.lora_name
@@ -853,7 +862,7 @@ class OpenAIServing:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
         choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id, lora=lora)
-        fmt = _CompletionFormat(request_id, self._response_model(lora), self.logprob_fmt, req.logprobs,
+        fmt = _CompletionFormat(request_id, self._response_model(lora), self._logprob_format(req), req.logprobs,
                                 req.prompt_logprobs, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
@@ -876,7 +885,7 @@ class OpenAIServing:
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id, prediction, lora)
         kind, extra = (_ChatFormat, {}) if responses_req is None else (
             _ResponsesFormat, {"request": responses_req, "on_response": on_response})
-        fmt = kind(request_id, self._response_model(lora), self.logprob_fmt, req.num_logprobs(),
+        fmt = kind(request_id, self._response_model(lora), self._logprob_format(req), req.num_logprobs(),
                    req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
 

@@ -263,6 +263,8 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias; a dict of ints once parsed
     # vLLM's: the logprobs of every prompt token and the k most likely there (the response's prompt_logprobs)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: logprobs name each token "token_id:<id>" (the server's --return-tokens-as-token-ids sets it for all)
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     # vLLM's too: the detokenizer's and the stop strings' options, and left truncation of the prompt
     skip_special_tokens: bool = True
@@ -1075,11 +1077,16 @@ class LogprobFormatter:
     """Turns the engine's per-token ``{token_id: Logprob}`` maps into OpenAI's two logprob formats and vLLM's
     ``prompt_logprobs``. A token's string is its ``decoded_token`` (the engine's), else decoded here (cached)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_token_ids: bool = False):
         self.tokenizer = tokenizer
         self.token = TokenTexts(tokenizer)
+        # vLLM's return_tokens_as_token_ids: every token named "token_id:<id>" (text offsets then count those
+        # names, as vLLM's do), for clients that must tell apart tokens whose texts are alike or not valid UTF-8
+        self.as_token_ids = as_token_ids
 
     def _name(self, token_id: int, logprob: Logprob | None) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
         text = None if logprob is None else logprob.decoded_token
         return self.token(token_id) if text is None else text
 
@@ -1105,8 +1112,8 @@ class LogprobFormatter:
                       offset: int = 0) -> CompletionLogprobs:
         """The legacy format for an echoed prompt: as :meth:`completion`, but the first token has no logprob and
         no alternatives (null), as nothing precedes it."""
-        out = self.completion(token_ids[1:], logprobs[1:], num, offset + len(self.token(token_ids[0])))
-        first = self.token(token_ids[0])
+        first = self._name(token_ids[0], None)
+        out = self.completion(token_ids[1:], logprobs[1:], num, offset + len(first))
         return CompletionLogprobs(tokens=[first] + out.tokens, token_logprobs=[None] + out.token_logprobs,
                                   top_logprobs=[None] + out.top_logprobs, text_offset=[offset] + out.text_offset)
 

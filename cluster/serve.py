@@ -155,6 +155,8 @@ class ServeArgs:
     # Ray Serve LLM's dynamic_lora_loading_path (a local or shared folder here): a request whose model is
     # "<served_model_name>:<name>" runs with the adapter in <folder>/<name>, read when first asked for
     dynamic_lora_loading_path: str | None = None
+    # vLLM's: logprobs name each token "token_id:<id>" (a request's return_tokens_as_token_ids decides for itself)
+    return_tokens_as_token_ids: bool = False
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -299,7 +301,8 @@ class ServeArgs:
                             default_sampling=default_sampling_fields(engine_args),
                             chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()),
-                            lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path)
+                            lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path,
+                            return_tokens_as_token_ids=self.return_tokens_as_token_ids)
 
 
 

@@ -456,8 +456,10 @@ def test_vllm_sizing_flags_reach_the_engine(tiny_llama_dir):
                 long_prefill_token_threshold=128, enable_expert_parallel=True, kv_cache_memory_bytes=4096000,
                 num_kv_blocks=64)
     serve = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags,
-                                       "--distributed-executor-backend", "ray"])
-    args = ServeArgs.from_dict(serve_app_args(serve)).engine_args()
+                                       "--distributed-executor-backend", "ray", "--return-tokens-as-token-ids"])
+    parsed = ServeArgs.from_dict(serve_app_args(serve))
+    assert parsed.server_config(8).return_tokens_as_token_ids
+    args = parsed.engine_args()
     assert {k: getattr(args, k) for k in want} == want and args.distributed_executor_backend == "ray"
     generate = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags])
     assert {k: engine_kwargs(generate)[k] for k in want} == want

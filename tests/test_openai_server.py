@@ -323,6 +323,36 @@ def test_completion_logprobs_legacy_format(client, offline):
         assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
 
 
+def test_tokens_as_token_ids(server, offline):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (completions, echoed prompts and
+    chat), so a client reads the exact tokens: the offline engine's greedy ones."""
+    prompt = "Hello world! How are"
+    want = offline_greedy(offline, [prompt], 8)[0].outputs[0].token_ids
+    prompt_ids = offline.engine.tokenizer.encode(prompt)
+
+    def ids(names):
+        assert all(re.fullmatch(r"token_id:\d+", n) for n in names), names
+        return [int(n.split(":")[1]) for n in names]
+
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                                           "temperature": 0, "logprobs": 2, "echo": True,
+                                                           "return_tokens_as_token_ids": True})
+    assert status == 200
+    lp = body["choices"][0]["logprobs"]
+    assert ids(lp["tokens"]) == prompt_ids + want
+    assert all(ids(list(top)) for top in lp["top_logprobs"] if top)
+    status, body = http_json(server + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0,
+        "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    assert status == 200
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(ids([c["token"] for c in content])) == 4
+    assert all(ids([t["token"] for t in c["top_logprobs"]]) for c in content)
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                           "temperature": 0, "logprobs": 1})
+    assert not any(t.startswith("token_id:") for t in body["choices"][0]["logprobs"]["tokens"])
+
+
 def test_completion_echo_with_logprobs_as_lm_eval_reads_it(client, offline):
     """lm-evaluation-harness scores a continuation with echo=true, logprobs=1, max_tokens=1 over token-id prompts
     and reads token_logprobs[ctxlen:-1]: every prompt token's logprob (null for the first), then the output's."""
