@@ -13,10 +13,16 @@ import torch
 FP8_BLOCK = [16, 16]
 
 
-def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK) -> tuple[Path, Path]:
+def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strategy: str | None = None
+              ) -> tuple[Path, Path]:
     """``src``'s checkpoint as an FP8 release (every 2-D projection weight float8 e4m3 with a float32
     ``weight_scale_inv`` per ``block``, as DeepSeek's and Qwen3's FP8 checkpoints store them), and beside it the
-    same model with those weights dequantized by hand (block by block, in a loop): the reference."""
+    same model with those weights dequantized by hand (block by block, in a loop): the reference. With
+    ``strategy`` ("channel", "tensor" or "block"), llm-compressor's layout instead (compressed-tensors,
+    float-quantized): ``weight_scale`` per output row, per tensor or per ``block``, and a static ``input_scale``
+    beside each weight."""
+    if strategy is not None:
+        block = {"block": block or FP8_BLOCK, "channel": [1, None], "tensor": None}[strategy]
     from safetensors.torch import load_file, save_file
 
     fp8, ref = dst / "fp8", dst / "dequantized"
@@ -29,7 +35,7 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK) -> tupl
             quantized[name] = dequantized[name] = w
             continue
         rows, cols = w.shape
-        b0, b1 = block or (rows, cols)
+        b0, b1 = (block[0], block[1] or cols) if block else (rows, cols)
         scales = torch.empty(-(-rows // b0), -(-cols // b1))
         q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
         back = torch.empty(rows, cols)
@@ -40,13 +46,25 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK) -> tupl
                 q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (part / scales[i, j]).to(torch.float8_e4m3fn)
                 back[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = \
                     q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scales[i, j]
-        quantized[name], quantized[name + "_scale_inv"] = q, scales if block else scales.reshape(())
+        if strategy is None:
+            quantized[name], quantized[name + "_scale_inv"] = q, scales if block else scales.reshape(())
+        else:  # [rows, 1] per channel, [1] per tensor, [rows / b0, cols / b1] per block
+            quantized[name], quantized[name + "_scale"] = q, scales if block else scales.reshape(1)
+            quantized[name[: -len("weight")] + "input_scale"] = torch.tensor([0.05])
         dequantized[name] = back.to(w.dtype)
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantized, str(ref / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      **({"weight_block_size": block} if block else {})}
+    if strategy is not None:
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                   **({"block_structure": block} if strategy == "block" else {})}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, ref
 

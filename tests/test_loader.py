@@ -501,6 +501,34 @@ def test_fp8_mtp_module_loads_dequantized(tiny_deepseek_dir, tmp_path, per_exper
     assert [b.fp8_block is not None for b in blocks] == [True, True, per_expert]
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+def test_compressed_tensors_fp8_loads_dequantized(request, tmp_path, fixture, strategy):
+    """llm-compressor's FP8 checkpoints (compressed-tensors, float-quantized: RedHatAI's -FP8 releases): weight_scale
+    per output row, per tensor or per block, static input scales dropped; the logits equal the by-hand dequantized
+    checkpoint's exactly."""
+    fp8, ref = write_fp8(request.getfixturevalue(fixture), tmp_path, strategy=strategy)
+    ids = list(range(3, 40))
+    got = prefill_logits(load_model(fp8), ids)
+    assert torch.equal(got, prefill_logits(load_model(ref), ids))
+    assert got.std() > 0.01
+
+
+def test_compressed_tensors_other_schemes_are_refused(tiny_llama_dir, tmp_path):
+    """INT4/INT8 packed weights and mixed strategies are refused by name."""
+    fp8, _ = write_fp8(tiny_llama_dir, tmp_path, strategy="channel")
+    config = json.loads((fp8 / "config.json").read_text())
+    quant = config["quantization_config"]
+    int4 = {**quant, "format": "pack-quantized", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}
+    mixed = {**quant, "config_groups": {"a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+                                        "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
+    for changed, match in ((int4, "format='pack-quantized'"), (mixed, r"strategies \['channel', 'tensor'\]")):
+        (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": changed}))
+        with pytest.raises(ValueError, match=match):
+            load_model(fp8)
+
+
 def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
     """Another quantization, static activation scales, a weight without its scale: ValueErrors naming the field."""
     from safetensors.torch import load_file, save_file

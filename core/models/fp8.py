@@ -1,5 +1,8 @@
 """FP8 checkpoints with block scales (``quantization_config.quant_method == "fp8"``: DeepSeek-V3/R1's release,
-Qwen3's ``-FP8`` ones), dequantized as they load.
+Qwen3's ``-FP8`` ones), dequantized as they load; and llm-compressor's FP8 checkpoints (``quant_method ==
+"compressed-tensors"``, ``format: "float-quantized"``: the ``-FP8`` and ``-FP8-dynamic`` releases of RedHatAI and
+others), whose ``X.weight_scale`` is one scale per output row (``strategy: channel``), per tensor or per block, and
+whose static ``X.input_scale`` (activations quantized with a fixed scale) full-precision matmuls do not need.
 
 Each quantized linear weight ``X.weight`` is stored as float8 (e4m3) beside ``X.weight_scale_inv``, one float32
 scale per ``weight_block_size`` block ([128, 128] in these releases; one per tensor without a block size). The
@@ -24,18 +27,28 @@ import torch
 from specray.models.layers import materialize
 
 SCALE_SUFFIX = "_scale_inv"
+COMPRESSED_TENSORS = "compressed-tensors"
+COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' weight_scale (multiplied, as weight_scale_inv is)
+
+
+def scale_suffix(quant: dict) -> str:
+    """What follows ``.weight`` in the name of a quantized weight's scale."""
+    return COMPRESSED_SCALE_SUFFIX if quant.get("quant_method") == COMPRESSED_TENSORS else SCALE_SUFFIX
 
 
 def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
-    """The block of a checkpoint's FP8 weights ([rows, cols]; None: one scale per tensor) by its config.json's
-    ``quantization_config`` (``quant``), or False when it has none. A quantization other than block FP8 is a
-    ValueError naming it."""
+    """The block of a checkpoint's FP8 weights ([rows, cols]; None: one scale per tensor or per output row) by its
+    config.json's ``quantization_config`` (``quant``), or False when it has none. A quantization other than FP8
+    (block FP8, or compressed-tensors' float-quantized FP8) is a ValueError naming it."""
     if not quant:
         return False
     method = quant.get("quant_method")
+    if method == COMPRESSED_TENSORS:
+        return _compressed_tensors_block(quant)
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (specray loads FP8 block-"
-                         "quantized checkpoints, quant_method 'fp8'); load a bf16 or fp16 version of the checkpoint")
+        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (specray loads FP8 "
+                         "checkpoints: quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights); load a "
+                         "bf16 or fp16 version of the checkpoint")
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"quantization_config.activation_scheme={quant.get('activation_scheme')!r}: only dynamic "
                          "activation scales (no input_scale tensors) are supported; load a bf16 version")
@@ -43,6 +56,31 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
     if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints, e.g. [128, 128]")
     return None if block is None else (int(block[0]), int(block[1]))
+
+
+def _compressed_tensors_block(quant: dict) -> tuple[int, int] | None:
+    """llm-compressor's FP8 (``format: float-quantized``, every group's weights 8-bit floats): the weights' block
+    for ``strategy: block``, else None (a scale per tensor or per output row); any other scheme (INT4/INT8 packed
+    weights, ...) is a ValueError naming it."""
+    fmt = quant.get("format")
+    groups = list((quant.get("config_groups") or {}).values())
+    schemes = [(g.get("weights") or {}) for g in groups]
+    if fmt != "float-quantized" or not schemes or any(
+            w.get("num_bits") != 8 or w.get("type") != "float" for w in schemes):
+        raise ValueError(f"quantization_config (compressed-tensors, format={fmt!r}, weights "
+                         f"{[{k: w.get(k) for k in ('num_bits', 'type', 'strategy')} for w in schemes]}) is not "
+                         "supported: specray loads compressed-tensors checkpoints with 8-bit float weights "
+                         "(format 'float-quantized'); load a bf16 or fp16 version of the checkpoint")
+    strategies = {w.get("strategy", "tensor") for w in schemes}
+    if not strategies <= {"tensor", "channel", "block"} or len(strategies) > 1:
+        raise ValueError(f"quantization_config: weight strategies {sorted(strategies)} are not supported; one of "
+                         "'tensor', 'channel' or 'block' is")
+    if strategies == {"block"}:
+        block = schemes[0].get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config: block_structure={block!r} must be two positive ints")
+        return int(block[0]), int(block[1])
+    return None
 
 
 class Fp8Weight(NamedTuple):
@@ -76,10 +114,16 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """W [out, in] (float8) times its block's scale (``scale`` [ceil(out / b0), ceil(in / b1)], or one number)."""
+    """W [out, in] (float8) times its block's scale (``scale`` [ceil(out / b0), ceil(in / b1)], one number, or
+    without a block one per output row)."""
     w = weight.float()
-    if block is None or scale.numel() == 1:
+    if scale.numel() == 1:
         return w * scale.float().reshape(())
+    if block is None:
+        if scale.numel() != w.shape[0]:
+            raise ValueError(f"a weight of shape {tuple(w.shape)} needs one scale, or one per output row, not "
+                             f"{tuple(scale.shape)}: the checkpoint does not match its config")
+        return w * scale.float().reshape(-1, 1)
     rows, cols = w.shape
     expected = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != expected:
@@ -90,11 +134,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
-                keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale consumed), but for
-    those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`; other tensors pass through
-    untouched (lazy slices stay lazy). A weight and its scale may come in either order, from any file; one without
-    the other at the end is a ValueError."""
+                keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX
+                ) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
+    ``suffix``, consumed), but for those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`;
+    static activation scales (``.input_scale``) are dropped; other tensors pass through untouched (lazy slices stay
+    lazy). A weight and its scale may come in either order, from any file; one without the other at the end is a
+    ValueError."""
     weights_waiting: dict[str, Any] = {}
     scales_waiting: dict[str, Any] = {}
 
@@ -104,8 +150,10 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         return dequantize(materialize(weight), materialize(scale), block)
 
     for name, tensor in weights:
-        if name.endswith(".weight" + SCALE_SUFFIX):
-            base = name[: -len(SCALE_SUFFIX)]
+        if name.endswith(".input_scale"):
+            continue  # activations quantized with a fixed scale: full-precision matmuls need none
+        if name.endswith(".weight" + suffix):
+            base = name[: -len(suffix)]
             if base in weights_waiting:
                 yield base, paired(base, weights_waiting.pop(base), tensor)
             else:
@@ -119,7 +167,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
             continue
         yield name, tensor
     if weights_waiting or scales_waiting:
-        raise ValueError(f"FP8 weights without their weight{SCALE_SUFFIX} ({sorted(weights_waiting)[:4]}) or scales without "
+        raise ValueError(f"FP8 weights without their weight{suffix} ({sorted(weights_waiting)[:4]}) or scales without "
                          f"their weight ({sorted(scales_waiting)[:4]}): the checkpoint is incomplete")
 
 

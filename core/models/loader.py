@@ -28,7 +28,7 @@ from torch import nn
 
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
-from specray.models.fp8 import dequantized, fp8_block_size
+from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.plain_config import PlainConfig, plain_config
@@ -256,11 +256,11 @@ def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with an FP8 release's weights dequantized as they come, but for its experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`)."""
     config = json.loads((Path(source.path) / "config.json").read_text())
-    block = fp8_block_size(config.get("quantization_config") or (config.get("text_config") or {}).get(
-        "quantization_config"))
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    block = fp8_block_size(quant)
     if block is False:
         return iter_weights(source)
-    return dequantized(iter_weights(source), block, keep=is_per_expert_tensor)
+    return dequantized(iter_weights(source), block, keep=is_per_expert_tensor, suffix=scale_suffix(quant))
 
 
 @contextlib.contextmanager
