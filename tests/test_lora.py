@@ -325,6 +325,11 @@ def test_server_loads_adapters_from_a_folder_when_asked(adapters, tiny_llama_dir
             assert status == 200 and recording.seen.pop()[1] == expected[1][0]
             assert [m["id"] for m in _http(base + "/v1/models")[1]["data"]] == ["tiny", "tiny:first", "tiny:second"]
             assert _http(base + "/v1/models/tiny:second")[1]["parent"] == "tiny"
+            checkpoints.write_lora(tiny_llama_dir, folder / "big", rank=16)  # above max_lora_rank=8
+            status, body = _complete(base, "tiny:big", prompt)
+            assert status == 400 and "max_lora_rank >= 16" in body["error"]["message"]
+            status, body = _complete(base, "tiny:first", prompt)  # the server serves on
+            assert status == 200 and recording.seen.pop()[1] == expected[0][0]
 
 
 def replace_base(request: LoRARequest, base: str) -> LoRARequest:
