@@ -63,7 +63,8 @@ class RequestResult:
 @dataclass
 class BenchConfig:
     base_url: str
-    model: str | None
+    # the served model name, or several (LoRA adapters, say: request i goes to model[i % n]); None: the first listed
+    model: str | list[str] | None
     prompts: list[Any]  # strings, token-id lists, or {"prompt": ...}/{"prompt_token_ids": [...]} dicts
     num_requests: int | None = 100
     duration_s: float | None = None
@@ -90,6 +91,8 @@ class BenchConfig:
             raise ValueError(f"concurrency={self.concurrency} must be >= 1")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request_rate={self.request_rate} must be > 0 requests per second")
+        if isinstance(self.model, list) and (not self.model or not all(isinstance(m, str) and m for m in self.model)):
+            raise ValueError(f"model={self.model!r} must be a served model name or a non-empty list of them")
         if self.chat and any(not isinstance(_prompt_value(p), str) for p in self.prompts):
             raise ValueError("--chat needs text prompts; token-id prompts only work with /v1/completions")
 
@@ -100,8 +103,9 @@ def _prompt_value(prompt: Any) -> str | list[int]:
     return prompt
 
 
-def _payload(cfg: BenchConfig, prompt: Any) -> dict:
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+def _payload(cfg: BenchConfig, prompt: Any, index: int = 0) -> dict:
+    model = cfg.model[index % len(cfg.model)] if isinstance(cfg.model, list) else cfg.model
+    body: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
                             "stream": cfg.stream}
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
@@ -121,7 +125,7 @@ async def _send(session: aiohttp.ClientSession, cfg: BenchConfig, index: int) ->
     result = RequestResult(prompt_index, ok=False)
     start = time.perf_counter()
     try:
-        async with session.post(url, json=_payload(cfg, cfg.prompts[prompt_index])) as resp:
+        async with session.post(url, json=_payload(cfg, cfg.prompts[prompt_index], index)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
             elif cfg.stream:

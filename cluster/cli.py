@@ -237,7 +237,9 @@ def _add_bench_parser(sub) -> None:
                    help="the server, with or without /v1 (default http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None,
                    help="sent as 'Authorization: Bearer KEY' (default: $SPECRAY_API_KEY, else $OPENAI_API_KEY)")
-    p.add_argument("--model", default=None, help="served model name (default: the first one at /v1/models)")
+    p.add_argument("--model", default=None, nargs="+", metavar="NAME",
+                   help="served model name (default: the first one at /v1/models); several (LoRA adapters, say): "
+                   "requests go to each in turn")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients (default 8)")
     load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
@@ -481,7 +483,8 @@ def cmd_bench_serve(args) -> int:
     from specray.cluster.bench_serve import benchmark, format_report
 
     concurrency = args.concurrency if args.concurrency or args.request_rate else 8
-    summary = benchmark(base_url=args.base_url, model=args.model, prompts=read_prompts(args),
+    model = args.model[0] if args.model and len(args.model) == 1 else args.model
+    summary = benchmark(base_url=args.base_url, model=model, prompts=read_prompts(args),
                         num_requests=None if args.duration else args.num_requests, duration_s=args.duration,
                         concurrency=concurrency, request_rate=args.request_rate, max_tokens=args.max_tokens,
                         temperature=args.temperature, stream=args.stream, chat=args.chat, timeout_s=args.timeout,

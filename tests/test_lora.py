@@ -330,6 +330,13 @@ def test_server_loads_adapters_from_a_folder_when_asked(adapters, tiny_llama_dir
             assert status == 400 and "max_lora_rank >= 16" in body["error"]["message"]
             status, body = _complete(base, "tiny:first", prompt)  # the server serves on
             assert status == 200 and recording.seen.pop()[1] == expected[0][0]
+            from specray.cluster.bench_serve import benchmark  # a load test over several adapters, in turn
+
+            summary = benchmark(base_url=base, model=["tiny", "tiny:first", "tiny:second"], prompts=[prompt],
+                                num_requests=6, concurrency=3, max_tokens=4)
+            assert summary["completed"] == 6
+            assert sorted(lora.lora_name if lora else "tiny" for lora, _ in recording.seen[-6:]) == sorted(
+                ["tiny", "tiny:first", "tiny:second"] * 2)
 
 
 def replace_base(request: LoRARequest, base: str) -> LoRARequest:
