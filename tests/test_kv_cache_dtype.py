@@ -64,7 +64,8 @@ def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkey
 
     fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
     bound = torch.finfo(fp8).max
-    monkeypatch.setattr(PagedAttention, "_stored", lambda self, x: x.clamp(-bound, bound).to(fp8).to(x.dtype))
+    monkeypatch.setattr(PagedAttention, "_stored",
+                        lambda self, x, scale=1.0: x.clamp(-bound, bound).to(fp8).to(x.dtype))
     reference = load_model(base)
     allocate_kv_cache(reference, 48, BLOCK)
     want = _logits(reference, prompts)
@@ -144,3 +145,36 @@ def test_latent_cache_in_fp8_keeps_greedy_speculative_output(tiny_deepseek_dir):
                  speculative_config=spec) as llm:
             outs[spec is None] = runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
     assert outs[True] == outs[False]
+
+
+def test_checkpoint_kv_scales_divide_what_an_fp8_cache_stores(tiny_llama_dir, tmp_path, monkeypatch):
+    """A checkpoint's calibrated K/V scales (llm-compressor's kv_cache_scheme: self_attn.k_scale / v_scale): an FP8
+    cache stores k / k_scale and v / v_scale and multiplies them back as it reads, equal to fake quantization with
+    those scales; a cache in the model's dtype ignores them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_llama_dir, scaled)
+    tensors = load_file(str(scaled / "model.safetensors"))
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.004 * (layer + 1))
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.002)
+    save_file(tensors, str(scaled / "model.safetensors"))
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(30)] for i in range(3)]
+
+    def logits(folder, kv_cache_dtype="fp8"):
+        model = load_model(folder)
+        allocate_kv_cache(model, 48, BLOCK, kv_cache_dtype)
+        return _logits(model, prompts)
+
+    got = logits(scaled)
+    plain = logits(tiny_llama_dir)
+    assert max((g - p).abs().max().item() for g, p in zip(got, plain)) > 0  # the scales change what is stored
+    assert all(torch.equal(a, b) for a, b in zip(logits(scaled, "auto"), logits(tiny_llama_dir, "auto")))
+    fp8, bound = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+    monkeypatch.setattr(PagedAttention, "_stored", lambda self, x, scale=1.0: (
+        (x / scale).clamp(-bound, bound).to(fp8).to(x.dtype) * scale))
+    want = logits(scaled, "auto")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -350,6 +350,16 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.fp8: torch.dtype | None = None
+        # an FP8 cache stores k / k_scale and v / v_scale (a checkpoint's calibrated scales: set_kv_scales; else 1)
+        self.k_scale = self.v_scale = 1.0
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """A checkpoint's K and V scales for an FP8 cache (llm-compressor's ``kv_cache_scheme``): values are stored
+        divided by them and multiplied back as they are read; a cache in the model's dtype ignores them."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (value > 0 and value != float("inf")):
+                raise ValueError(f"the checkpoint's {name}={value} must be a positive finite number")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
 
     def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
         """Attend over ``cache`` [2, Hkv, slots, D] (k, v), owned by the caller; ``fp8``: it holds the values in
@@ -375,19 +385,23 @@ class PagedAttention(nn.Module):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         # k, v: [T, Hkv, D]; slots: [T]
-        self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1)))
-        self.v_cache.index_copy_(1, slots, self._stored(v.transpose(0, 1)))
+        self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1), self.k_scale))
+        self.v_cache.index_copy_(1, slots, self._stored(v.transpose(0, 1), self.v_scale))
 
-    def _stored(self, x: torch.Tensor) -> torch.Tensor:
-        """Values as the cache holds them: FP8 bytes (clamped to the format's range, scale 1) or as they are."""
+    def _stored(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Values as the cache holds them: FP8 bytes of ``x / scale`` (clamped to the format's range) or as they
+        are."""
         if self.fp8 is None:
             return x
         bound = torch.finfo(self.fp8).max
-        return x.clamp(-bound, bound).to(self.fp8).view(torch.uint8)
+        return (x if scale == 1.0 else x / scale).clamp(-bound, bound).to(self.fp8).view(torch.uint8)
 
-    def _read(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Cached values (gathered or a view) in the model's dtype."""
-        return x if self.fp8 is None else x.view(self.fp8).to(dtype)
+    def _read(self, x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """Cached values (gathered or a view) in the model's dtype, times ``scale``."""
+        if self.fp8 is None:
+            return x
+        x = x.view(self.fp8).to(dtype)
+        return x if scale == 1.0 else x * scale
 
     def _gather(self, cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
         # cache: [Hkv, N*bs, D]; block_index: [num_seqs * nb] -> [num_seqs, Hkv, nb*bs, D]
@@ -416,8 +430,8 @@ class PagedAttention(nn.Module):
         bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
-        k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype)  # [Bs, Hkv, L, D]
-        v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype)
+        k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype, self.k_scale)  # [Bs, Hkv, L, D]
+        v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype, self.v_scale)
         mask = meta.short_mask(self.groups, self.mask_kind)  # [Bs, 1, G*Q, L]
         o = F.scaled_dot_product_attention(self._fold(q, bs, q_len), k, v, attn_mask=mask, scale=self.scale)
         return self._unfold(o, bs, q_len)
@@ -429,13 +443,14 @@ class PagedAttention(nn.Module):
         rows = slice(seq.token_start, seq.token_end)
         mask = meta.own_mask(i, self.groups, self.mask_kind)
         if seq.fresh:  # only its own new tokens: causal, GQA in the kernel (rounded as the cache holds them)
-            k_rows, v_rows = (self._read(self._stored(x[rows]), q.dtype) for x in (k, v))
+            k_rows, v_rows = (self._read(self._stored(x[rows], s), q.dtype, s)
+                              for x, s in ((k, self.k_scale), (v, self.v_scale)))
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
                                                v_rows.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale, enable_gqa=self.groups > 1)  # [1, Hq, q, D]
             return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
-        ks = self._read(self._context(self.k_cache, seq), q.dtype)  # [1, Hkv, ctx, D]
-        vs = self._read(self._context(self.v_cache, seq), q.dtype)
+        ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)  # [1, Hkv, ctx, D]
+        vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
         o = F.scaled_dot_product_attention(self._fold(q[rows], 1, seq.query_len), ks, vs, attn_mask=mask,
                                            scale=self.scale)  # [1, Hkv, G*q, D]
         return self._unfold(o, 1, seq.query_len)

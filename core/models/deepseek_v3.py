@@ -31,6 +31,8 @@ MTP drafter's, skipped here.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,8 @@ from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbeddin
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 class LatentAttention(PagedAttention):
@@ -58,6 +62,7 @@ class LatentAttention(PagedAttention):
         self.block_size = 1
         self.k_cache = self.v_cache = torch.empty(0)
         self.fp8: torch.dtype | None = None
+        self.k_scale = self.v_scale = 1.0  # no calibrated scales for the latent cache
         self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
         self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
 
@@ -70,6 +75,10 @@ class LatentAttention(PagedAttention):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1)))  # v is k: one write
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        logger.warning("the checkpoint's K/V cache scales (%s, %s) are not used: the latent cache has none", k_scale,
+                       v_scale)
 
     def attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
                w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -140,7 +140,8 @@ class MLAAttentionSpec(KVCacheSpec):
 
 
 # vLLM's kv_cache_dtype: "auto" keeps the model's dtype; the others store each K/V value in one byte, in that FP8
-# format (scale 1, values past its range clamped to it), and attention reads them back into the model's dtype
+# format (divided by the checkpoint's K/V scale, else 1; values past its range clamped to it), and attention reads
+# them back into the model's dtype
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 

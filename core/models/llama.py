@@ -45,6 +45,9 @@ _STACKED = {
 }
 
 
+# a checkpoint's calibrated scales of an FP8 KV cache (llm-compressor's kv_cache_scheme; kv_scale: both, older)
+KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
+
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and key head (head_dim wide) before RoPE
 
 
@@ -270,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
                              "load weights into a fresh model, or build it with load_model(..., pack=False)")
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -277,6 +281,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if name.endswith(KV_SCALE_NAMES):
+                kv_scales.setdefault(_layer_index(name), {})[name.rsplit(".", 1)[-1]] = float(materialize(tensor))
+                continue
             if is_expert_tensor(name):
                 layer = _layer_index(name)
                 loaded.update(f"model.layers.{layer}.mlp.{key}"
@@ -289,6 +296,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             loaded.add(load_param(param, target, tensor, shard))
         self._check_loaded(loaded, params)
+        for layer, scales in kv_scales.items():
+            both = scales.get("kv_scale", 1.0)
+            self.model.layers[layer].self_attn.attn.set_kv_scales(scales.get("k_scale", both),
+                                                                  scales.get("v_scale", both))
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)
