@@ -319,7 +319,8 @@ class EngineArgs:
     # "rope_parameters": {...}}); every rank builds the model from the config with them
     hf_overrides: dict[str, Any] | None = None
     # vLLM's: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" stores each value in one
-    # byte (scale 1, clamped to the format's range): twice a bf16 cache's tokens in the same memory, at some accuracy
+    # byte (over the checkpoint's K/V scales, else 1; clamped to the format's range): twice a bf16 cache's tokens in
+    # the same memory, at some accuracy
     kv_cache_dtype: str = "auto"
     enable_lora: bool = False
     max_loras: int = 1
