@@ -34,16 +34,21 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir",
-                                     "tiny_llama4_dir"])
+                                     "tiny_llama4_dir", "tiny_deepseek_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
     logits equal transformers' on the merged weights (the base model's for the row without)."""
     base = request.getfixturevalue(fixture)
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-    first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1)
+    every, some, std = checkpoints.LORA_MODULES, ("q_proj", "v_proj", "down_proj"), 0.2
+    if fixture == "tiny_deepseek_dir":  # latent attention's projections but kv_b_proj (read as a weight)
+        every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
+        some = ("q_b_proj", "kv_a_proj_with_mqa", "down_proj")
+        std = 0.1  # its fixture's small weights keep the absorbed attention's reassociation far below TOL
+    first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1, modules=every, std=std)
     second = checkpoints.write_lora(base, tmp_path / "second", rank=8, alpha=4, seed=2, use_rslora=True,
-                                    modules=("q_proj", "v_proj", "down_proj"), layers=(layers - 1,))
+                                    modules=some, layers=(layers - 1,), std=std)
     refs = [_hf(checkpoints.merge_lora(base, a, tmp_path / f"merged{i}")) for i, a in enumerate((first, second))]
     refs.append(_hf(base))
     ours = load_model(base)
@@ -190,9 +195,19 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
         assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.config.num_blocks
 
 
-def test_families_without_lora_refuse_enable_lora(tiny_deepseek_dir):
-    with pytest.raises(ValueError, match="serve this model without enable_lora"):
-        LLM(model=str(tiny_deepseek_dir), max_model_len=128, enable_lora=True)
+def test_deepseek_adapters_of_its_latent_weights_are_refused_by_name(tiny_deepseek_dir, tmp_path):
+    """DeepSeek-V3 reads kv_b_proj's weight as W_UK and W_UV (never applied as a linear): an adapter of it is refused
+    at admission, naming it, while one of its other projections serves (greedy output of the merged model)."""
+    every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
+    good = checkpoints.write_lora(tiny_deepseek_dir, tmp_path / "good", modules=every, std=0.1)
+    latent = checkpoints.write_lora(tiny_deepseek_dir, tmp_path / "latent", modules=("kv_b_proj",), std=0.1)
+    with LLM(model=str(checkpoints.merge_lora(tiny_deepseek_dir, good, tmp_path / "merged")), max_model_len=128) as llm:
+        want = runs.token_ids(llm.generate(runs.PROMPTS[:3], runs.greedy(), use_tqdm=False))
+    with LLM(model=str(tiny_deepseek_dir), max_model_len=128, enable_lora=True) as llm:
+        got = llm.generate(runs.PROMPTS[:3], runs.greedy(), use_tqdm=False, lora_request=LoRARequest("g", 1, str(good)))
+        assert runs.token_ids(got) == want
+        with pytest.raises(ValueError, match="kv_b_proj', which specray does not apply LoRA to"):
+            llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=LoRARequest("l", 2, str(latent)))
     with pytest.raises(ValueError, match="max_loras"):
         LLM(model=str(tiny_deepseek_dir), max_model_len=128, enable_lora=True, max_loras=0)
 

@@ -237,8 +237,7 @@ def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
         return AdapterChecker(None, {})
     if not model_class.lora_modules:
         raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
-                         "models in specray yet (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Llama-4 take "
-                         "them); serve this model without enable_lora")
+                         "models in specray yet; serve this model without enable_lora")
     with torch.device("meta"):  # the whole model's projections, shapes only (no memory, no weights)
         shapes = adapter_shapes(model_class(hf_config, TPGroup.single()))
     return AdapterChecker(lora, shapes)

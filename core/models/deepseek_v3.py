@@ -218,7 +218,10 @@ class DeepseekV3Model(LlamaModel):
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1 for causal LM, sharded over ``tp`` (see the module docstring)."""
 
-    lora_modules: tuple[str, ...] = ()  # LoRA adapters not applied to this family yet
+    # LoRA on every projection applied as a linear (kv_b_proj's weight is read as W_UK and W_UV, never applied: an
+    # adapter of it is refused by name)
+    lora_modules: tuple[str, ...] = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj")
     model_class = DeepseekV3Model
     stacked = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # q/k/v are not merged
 
