@@ -168,6 +168,19 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def bin_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape of a ``.bin`` (pickled) adapter, read onto the meta device (no tensor data)."""
+    import torch  # only here: this module stays importable without torch
+
+    try:
+        state = torch.load(path, map_location="meta", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        raise ValueError(f"{path} is not a readable PyTorch file: {e}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds {type(state).__name__}, not a dict of tensors")
+    return {k: list(v.shape) for k, v in state.items()}
+
+
 def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank: int) -> AdapterInfo:
     """Check the adapter at ``path`` against a base model whose projections that take LoRA are ``shapes``
     (checkpoint module name -> its weight's (out, in) shape; None: the modules are not checked, only the folder, its
@@ -175,34 +188,29 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
     folder = adapter_folder(path)
     config = read_adapter_config(folder)
     weights = weights_file(folder)
-    tensors = safetensors_shapes(weights) if weights.suffix == ".safetensors" else None
+    tensors = safetensors_shapes(weights) if weights.suffix == ".safetensors" else bin_shapes(weights)
     ranks: dict[str, int] = {}
-    if tensors is not None:
-        seen: dict[str, set[str]] = {}
-        for key, shape in tensors.items():
-            found = module_of(key)
-            if found is None:
-                raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
-                                 "(embeddings, LM heads and saved modules are not supported)")
-            module, which = found
-            if len(shape) != 2:
-                raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
-            if shapes is not None:
-                check_shape(path, module, which, shape, shapes)
-            seen.setdefault(module, set()).add(which)
-            rank = shape[0] if which == "A" else shape[1]
-            if ranks.setdefault(module, rank) != rank:
-                raise ValueError(f"lora adapter {path!r}: {module}'s lora_A and lora_B disagree on the rank")
-        for module, pair in seen.items():
-            if pair != {"A", "B"}:
-                raise ValueError(f"lora adapter {path!r}: {module} has lora_{''.join(pair)} without its other half")
-        if not ranks:
-            raise ValueError(f"lora adapter {path!r} holds no LoRA matrices")
-        rank = max(ranks.values())
-    else:
-        rank = int(config.get("r", 8))
-        for pattern_rank in (config.get("rank_pattern") or {}).values():
-            rank = max(rank, int(pattern_rank))
+    seen: dict[str, set[str]] = {}
+    for key, shape in tensors.items():
+        found = module_of(key)
+        if found is None:
+            raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
+                             "(embeddings, LM heads and saved modules are not supported)")
+        module, which = found
+        if len(shape) != 2:
+            raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
+        if shapes is not None:
+            check_shape(path, module, which, shape, shapes)
+        seen.setdefault(module, set()).add(which)
+        rank = shape[0] if which == "A" else shape[1]
+        if ranks.setdefault(module, rank) != rank:
+            raise ValueError(f"lora adapter {path!r}: {module}'s lora_A and lora_B disagree on the rank")
+    for module, pair in seen.items():
+        if pair != {"A", "B"}:
+            raise ValueError(f"lora adapter {path!r}: {module} has lora_{''.join(pair)} without its other half")
+    if not ranks:
+        raise ValueError(f"lora adapter {path!r} holds no LoRA matrices")
+    rank = max(ranks.values())
     if rank > max_rank:
         raise ValueError(f"lora adapter {path!r} has rank {rank}, above max_lora_rank={max_rank}; start the engine "
                          f"with max_lora_rank >= {rank}")

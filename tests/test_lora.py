@@ -165,6 +165,7 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
     narrower = make_tiny_model(tmp_path / "narrower", "llama", hidden_size=32, intermediate_size=64,
                                num_attention_heads=2, num_key_value_heads=1)
     foreign = checkpoints.write_lora(narrower, tmp_path / "foreign")
+    pickled, foreign_bin = _as_bin(Path(requests[0].lora_path), tmp_path / "pickled"), _as_bin(foreign, tmp_path / "fb")
     first = Path(requests[0].lora_path)
     dora = checkpoints.write_lora(tiny_llama_dir, tmp_path / "dora", config_extra={"use_dora": True})
     big = checkpoints.write_lora(tiny_llama_dir, tmp_path / "big", rank=32)
@@ -181,6 +182,7 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
              (LoRARequest("big", 7, str(big)), "max_lora_rank >= 32"),
              (LoRARequest("head", 8, str(head)), "lm_head"),
              (LoRARequest("foreign", 9, str(foreign)), "features: is the adapter for another base model"),
+             (LoRARequest("foreign.bin", 10, str(foreign_bin)), "features: is the adapter for another base model"),
              (LoRARequest("again", 1, str(big)), "already names")]
     with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
         llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
@@ -191,8 +193,23 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
             llm.generate(runs.PROMPTS[:2], runs.greedy(), use_tqdm=False, lora_request=[requests[0]])
         outs = llm.generate(runs.PROMPTS[:1], runs.greedy(), use_tqdm=False, lora_request=requests[0])
         assert runs.token_ids(outs) == [expected[0][0]]
+        outs = llm.generate(runs.PROMPTS[:1], runs.greedy(), use_tqdm=False,  # the same adapter, pickled (.bin)
+                            lora_request=LoRARequest("pickled", 11, str(pickled)))
+        assert runs.token_ids(outs) == [expected[0][0]]
         assert not llm.engine.scheduler.has_unfinished_requests()
         assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.config.num_blocks
+
+
+def _as_bin(adapter: Path, dst: Path) -> Path:
+    """``adapter`` with its tensors pickled (adapter_model.bin, PEFT's older layout)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dst.mkdir(parents=True)
+    shutil.copy(adapter / "adapter_config.json", dst)
+    torch.save(load_file(str(adapter / "adapter_model.safetensors")), dst / "adapter_model.bin")
+    return dst
 
 
 def test_deepseek_adapters_of_its_latent_weights_are_refused_by_name(tiny_deepseek_dir, tmp_path):
