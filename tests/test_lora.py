@@ -150,12 +150,15 @@ def test_one_adapter_slot_serves_several_adapters_in_turn(adapters, tiny_llama_d
         assert runs.token_ids(outs) == [adapters[1][i][3] for i in range(3)]
 
 
-def test_adapted_steps_from_graphs_equal_eager_steps(adapters, tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_adapted_steps_from_graphs_equal_eager_steps(adapters, tiny_llama_dir, async_scheduling):
     """enforce_eager=False: decode and verify steps run on the graphs' static inputs (on CPU without capture), the
-    rows' adapter slots among them, padding rows in no adapter's slot: the same outputs."""
+    rows' adapter slots among them, padding rows in no adapter's slot: the same outputs; with async scheduling (the
+    next step planned while this one computes) too."""
     lora, expected = _mixed(adapters)
     with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
-             enforce_eager=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+             enforce_eager=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+             async_scheduling=async_scheduling) as llm:
         assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=lora)) == expected
 
 
