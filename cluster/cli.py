@@ -201,6 +201,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--dynamic-lora-loading-path", default=None, metavar="DIR",
                    help="a folder of LoRA adapter folders: a request whose model is MODEL:NAME runs with DIR/NAME, "
                    "read when first asked for (Ray Serve LLM's option; turns --enable-lora on)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True turns on too; one replica only)")
     p.add_argument("--max-loras", type=int, default=None, help="most adapters in one step (vLLM's; default 1)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank (vLLM's; default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
@@ -463,6 +466,7 @@ def serve_app_args(args) -> dict:
         app_args["enable_prefix_caching"] = True  # serving caches prefixes unless told not to
     app_args["enable_debug_routes"] = args.enable_debug_routes
     app_args["return_tokens_as_token_ids"] = args.return_tokens_as_token_ids
+    app_args["enable_runtime_lora_updating"] = args.enable_runtime_lora_updating
     return app_args
 
 

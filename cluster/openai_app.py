@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,7 +42,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, LoRARequest, dynamic_lora_id
+from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 
@@ -154,6 +155,10 @@ class ServerConfig:
     # "<served model name>:<folder name>" runs with that adapter, read when first asked for (no restart, no list)
     lora_dir: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs name tokens "token_id:<id>" unless asked not to
+    # vLLM's runtime LoRA updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter name adapters while the
+    # server runs (this replica's own names: the server refuses it with several ingress replicas)
+    runtime_lora_updating: bool = False
+    max_lora_rank: int = 16  # what an adapter loaded at run time may have (the engine's max_lora_rank)
 
 
 # ---- one HTTP request's engine work --------------------------------------------------------------------
@@ -705,6 +710,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
         self.logprob_ids_fmt = proto.LogprobFormatter(client.tokenizer, as_token_ids=True)
+        self._runtime_adapters: dict[str, LoRARequest] = {}  # loaded through /v1/load_lora_adapter
+        self._runtime_ids = itertools.count(RUNTIME_IDS)
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
         self.max_prompt_chars = client.max_model_len * _CHARS_PER_TOKEN_SLACK * max_token_chars(client.tokenizer)
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
@@ -743,6 +750,41 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, self._chat_completions)
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._handle(request, self._load_lora_adapter)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._handle(request, self._unload_lora_adapter)
+
+    async def _load_lora_adapter(self, body: Any, arrival: float) -> Response:
+        """vLLM's runtime LoRA loading: the adapter at ``lora_path`` served as ``lora_name`` from now on (its
+        folder, config and rank checked here; its modules when a request first names it)."""
+        req = proto.parse_request(proto.LoadLoRAAdapterRequest, body)
+        config = self.config
+        name = req.lora_name
+        if name in (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules)):
+            raise proto.bad_request(f"lora_name {name!r} is already served (a model name or a --lora-modules "
+                                    "adapter); choose another", "lora_name")
+        if name in self._runtime_adapters and not req.load_inplace:
+            raise proto.bad_request(f"The lora adapter {name!r} has already been loaded; unload it first, or send "
+                                    "load_inplace: true to replace it", "lora_name")
+        try:
+            await self._off_loop(lambda: read_adapter(req.lora_path, None, config.max_lora_rank))
+        except ValueError as err:
+            raise proto.bad_request(str(err), "lora_path") from None
+        self._runtime_adapters[name] = LoRARequest(name, next(self._runtime_ids), req.lora_path,
+                                                   config.served_model_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, body: Any, arrival: float) -> Response:
+        """vLLM's runtime LoRA unloading: later requests naming it get a 404; running ones finish with it."""
+        req = proto.parse_request(proto.UnloadLoRAAdapterRequest, body)
+        if self._runtime_adapters.pop(req.lora_name, None) is None:
+            raise proto.OpenAIError(404, f"The lora adapter {req.lora_name!r} cannot be found (only adapters loaded "
+                                         "through /v1/load_lora_adapter can be unloaded)", "NotFoundError",
+                                    "lora_name", "lora_not_found")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
     async def tokenize(self, request: Request) -> Response:
         return await self._handle(request, self._tokenize)
 
@@ -771,7 +813,7 @@ class OpenAIServing:
                            (p / ADAPTER_CONFIG).is_file()) if folder.is_dir() else []
             dynamic = tuple(f"{config.served_model_name}:{name}" for name in found)
         return (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules),
-                *dynamic)
+                *self._runtime_adapters, *dynamic)
 
     def _model_card(self, name: str) -> proto.ModelCard:
         lora = self._adapter(name)
@@ -783,7 +825,8 @@ class OpenAIServing:
         """The adapter a request's ``model`` names (None: the base model): one of --lora-modules, or
         "<model>:<adapter>" with an adapter folder of that name in ``lora_dir``."""
         config = self.config
-        named = next((a for a in config.lora_modules if a.lora_name == name), None)
+        named = next((a for a in config.lora_modules if a.lora_name == name), None) or (
+            self._runtime_adapters.get(name) if name is not None else None)
         if named is not None or config.lora_dir is None or name is None:
             return named
         base, _, adapter = name.partition(":")
@@ -1268,6 +1311,9 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     if config.enable_debug_routes:
         app.add_api_route("/v1/debug/kv", serving.debug_kv, methods=["GET"])
+    if config.runtime_lora_updating:
+        app.add_api_route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key, open_paths=frozenset({"/health"}))
     if config.allowed_origins:  # added last: outermost, so a browser's preflight needs no key

@@ -762,6 +762,21 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter (with --enable-runtime-lora-updating)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: replace an adapter already loaded under that name
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name decides here
+
+
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template as a chat completion's."""
 

@@ -107,6 +107,7 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA routes, honoured here
 DEFAULT_STORED_RESPONSES = 1000  # responses the Responses API keeps per server (one store, however many replicas)
 
 
@@ -157,6 +158,9 @@ class ServeArgs:
     dynamic_lora_loading_path: str | None = None
     # vLLM's: logprobs name each token "token_id:<id>" (a request's return_tokens_as_token_ids decides for itself)
     return_tokens_as_token_ids: bool = False
+    # vLLM's runtime LoRA updating (its VLLM_ALLOW_RUNTIME_LORA_UPDATING, here also this key): POST
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter; one replica only (names live in it)
+    enable_runtime_lora_updating: bool = False
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
     # cluster with GPUs, else 0 (TP > 1 ranks are Ray actors that take their own GPUs)
@@ -222,7 +226,14 @@ class ServeArgs:
                                  "a folder of adapter folders (each with adapter_config.json), local or on a shared "
                                  "filesystem every replica mounts")
             self.dynamic_lora_loading_path = str(folder.resolve())
-        if self.lora_modules or self.dynamic_lora_loading_path:
+        if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
+            self.enable_runtime_lora_updating = True
+        if self.enable_runtime_lora_updating and self.num_replicas > 1:
+            raise ValueError(f"enable_runtime_lora_updating needs num_replicas=1 (got {self.num_replicas}): adapters "
+                             "loaded through /v1/load_lora_adapter are one replica's names. With several replicas "
+                             "serve adapters from a folder instead (dynamic_lora_loading_path, "
+                             "--dynamic-lora-loading-path), which every replica reads")
+        if self.lora_modules or self.dynamic_lora_loading_path or self.enable_runtime_lora_updating:
             self.engine_kwargs["enable_lora"] = True
         self.lora_requests()  # the adapters' folders, configs and ranks, before any replica
         check_engine_args(self.engine_args())  # device, dtype, placement and drafter errors before any replica
@@ -302,7 +313,9 @@ class ServeArgs:
                             chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()),
                             lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path,
-                            return_tokens_as_token_ids=self.return_tokens_as_token_ids)
+                            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+                            runtime_lora_updating=self.enable_runtime_lora_updating,
+                            max_lora_rank=engine_args.max_lora_rank)
 
 
 

@@ -57,6 +57,7 @@ class LoRARequest:
 # an adapter's name in a folder of adapters (Ray Serve LLM's dynamic_lora_loading_path): one plain path component
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _DYNAMIC_IDS = 1 << 20  # dynamic adapters' ids start here, above any list of named adapters
+RUNTIME_IDS = 1 << 19  # adapters loaded through the server's load route: ids from here, below the dynamic ones
 
 
 def dynamic_lora_id(name: str) -> int:

@@ -439,3 +439,57 @@ def test_metrics_count_each_adapter_s_requests(adapters, tiny_llama_dir):
                 assert f'specray_lora_requests{{adapter="{name}",model="tiny",state="{which}"}} 0.0' in text
     with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
         assert engine_state(llm.engine)["lora_requests"] == {}
+
+
+def _post_text(url: str, body: dict) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_dir, tmp_path, monkeypatch):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-runtime-lora-updating, or its
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter serves under its name (the merged model's greedy tokens),
+    load_inplace replaces it, an unloaded one is a 404; a taken name, a second load or a bad folder is a 400; the
+    routes exist only when asked for, and only with one replica."""
+    from specray.cluster.openai_app import ServerConfig
+    from specray.cluster.serve import ServeArgs
+
+    requests, expected = adapters
+    prompt = runs.PROMPTS[0]
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        recording = _Recording(llm, ServerConfig("tiny", None, runtime_lora_updating=True, max_lora_rank=8))
+        with recording as base:
+            load, unload = base + "/v1/load_lora_adapter", base + "/v1/unload_lora_adapter"
+            assert _post_text(load, {"lora_name": "mine", "lora_path": requests[0].lora_path}) == (
+                200, "Success: LoRA adapter 'mine' added successfully.")
+            assert "mine" in [m["id"] for m in _http(base + "/v1/models")[1]["data"]]
+            assert _complete(base, "mine", prompt)[0] == 200 and recording.seen.pop()[1] == expected[0][0]
+            status, text = _post_text(load, {"lora_name": "mine", "lora_path": requests[1].lora_path})
+            assert status == 400 and "already been loaded" in text
+            assert _post_text(load, {"lora_name": "mine", "lora_path": requests[1].lora_path,
+                                     "load_inplace": True})[0] == 200
+            assert _complete(base, "mine", prompt)[0] == 200 and recording.seen.pop()[1] == expected[1][0]
+            for body, match in (({"lora_name": "tiny", "lora_path": requests[0].lora_path}, "already served"),
+                                ({"lora_name": "x", "lora_path": str(tmp_path)}, "adapter_config.json")):
+                status, text = _post_text(load, body)
+                assert status == 400 and match in text, text
+            assert _post_text(unload, {"lora_name": "mine"})[0] == 200
+            assert _complete(base, "mine", prompt)[0] == 404
+            status, text = _post_text(unload, {"lora_name": "mine"})
+            assert status == 404 and "lora_not_found" in text
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True) as llm:
+        with _Recording(llm, ServerConfig("tiny", None)) as base:  # not asked for: no such route
+            assert _post_text(base + "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})[0] == 404
+    model = str(tiny_llama_dir)
+    with pytest.raises(ValueError, match="needs num_replicas=1"):
+        ServeArgs.from_dict({"model": model, "enable_runtime_lora_updating": True, "num_replicas": 2})
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    parsed = ServeArgs.from_dict({"model": model})
+    assert parsed.server_config(8).runtime_lora_updating and parsed.engine_args().enable_lora
