@@ -20,10 +20,10 @@ import itertools
 import json
 import logging
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -762,7 +762,7 @@ class OpenAIServing:
         req = proto.parse_request(proto.LoadLoRAAdapterRequest, body)
         config = self.config
         name = req.lora_name
-        if name in (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules)):
+        if name in (*self._base_names(), *(a.lora_name for a in config.lora_modules)):
             raise proto.bad_request(f"lora_name {name!r} is already served (a model name or a --lora-modules "
                                     "adapter); choose another", "lora_name")
         if name in self._runtime_adapters and not req.load_inplace:
@@ -792,15 +792,20 @@ class OpenAIServing:
         return await self._handle(request, self._detokenize)
 
     async def models(self) -> dict:
-        cards = [self._model_card(name) for name in self._names()]
+        cards = [self._model_card(name, self._adapter(name)) for name in self._names()]
         return proto.ModelList(data=cards).model_dump(exclude_none=True)
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
-        if model_id not in (self.config.served_model_name, *self.config.model_aliases) and self._adapter(
-                model_id) is None:
-            return error_response(proto.model_not_found(model_id, self.config.served_model_name))
-        return JSONResponse(self._model_card(model_id).model_dump(exclude_none=True))
+        try:
+            lora = self._resolve_model(model_id)
+        except proto.OpenAIError as err:
+            return error_response(err)
+        return JSONResponse(self._model_card(model_id, lora).model_dump(exclude_none=True))
+
+    def _base_names(self) -> tuple[str, ...]:
+        """The names the base model is served under (vLLM's several --served-model-name), the first the main one."""
+        return (self.config.served_model_name, *self.config.model_aliases)
 
     def _names(self) -> tuple[str, ...]:
         """Every name the model is served under (vLLM's several --served-model-name), the first the main one,
@@ -812,11 +817,9 @@ class OpenAIServing:
             found = sorted(p.name for p in folder.iterdir() if ADAPTER_NAME.fullmatch(p.name) and
                            (p / ADAPTER_CONFIG).is_file()) if folder.is_dir() else []
             dynamic = tuple(f"{config.served_model_name}:{name}" for name in found)
-        return (config.served_model_name, *config.model_aliases, *(a.lora_name for a in config.lora_modules),
-                *self._runtime_adapters, *dynamic)
+        return (*self._base_names(), *(a.lora_name for a in config.lora_modules), *self._runtime_adapters, *dynamic)
 
-    def _model_card(self, name: str) -> proto.ModelCard:
-        lora = self._adapter(name)
+    def _model_card(self, name: str, lora: LoRARequest | None = None) -> proto.ModelCard:
         return proto.ModelCard(id=name, created=proto.now(), max_model_len=self.client.max_model_len,
                                root=None if lora is None else lora.lora_path,
                                parent=None if lora is None else lora.base_model_name)
@@ -830,7 +833,7 @@ class OpenAIServing:
         if named is not None or config.lora_dir is None or name is None:
             return named
         base, _, adapter = name.partition(":")
-        if base not in (config.served_model_name, *config.model_aliases) or not ADAPTER_NAME.fullmatch(adapter):
+        if base not in self._base_names() or not ADAPTER_NAME.fullmatch(adapter):
             return None
         folder = Path(config.lora_dir) / adapter
         if not (folder / ADAPTER_CONFIG).is_file():
@@ -896,8 +899,7 @@ class OpenAIServing:
 
     async def _completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.CompletionRequest, body)
-        self._check_model(req.model)
-        lora = self._adapter(req.model)
+        lora = self._resolve_model(req.model)
         self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
         prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
         prompts = [_truncated(p, req.truncate_prompt_tokens) for p in prompts]
@@ -912,8 +914,7 @@ class OpenAIServing:
     async def _chat_completions(self, body: Any, arrival: float, responses_req=None, on_response=None) -> Response:
         """A chat completion; or, with ``responses_req`` (``body`` its chat request), a Responses API answer."""
         req = proto.parse_request(proto.ChatCompletionRequest, body)
-        self._check_model(req.model)
-        lora = self._adapter(req.model)
+        lora = self._resolve_model(req.model)
         tools = self._tool_output(req)
         if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
             req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
@@ -984,7 +985,7 @@ class OpenAIServing:
         """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the
         context length."""
         req = proto.parse_request(proto.TokenizeRequest, body)
-        self._check_model(req.model)
+        self._resolve_model(req.model)
         tokenizer = self.client.tokenizer
 
         def encode() -> list[int]:
@@ -999,7 +1000,7 @@ class OpenAIServing:
     async def _detokenize(self, body: Any, arrival: float) -> Response:
         """vLLM's /detokenize: the text of token ids of this model's vocabulary."""
         req = proto.parse_request(proto.DetokenizeRequest, body)
-        self._check_model(req.model)
+        self._resolve_model(req.model)
         tokenizer = self.client.tokenizer
         vocab = len(tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -1008,11 +1009,15 @@ class OpenAIServing:
         text = await self._off_loop(lambda: tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
 
-    def _check_model(self, name: str | None) -> None:
-        config = self.config
-        served = (config.served_model_name, *config.model_aliases)
-        if name is not None and name not in served and self._adapter(name) is None:
+    def _resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, None for the base model (or no name); a 404 for a name this
+        server does not serve."""
+        if name is None or name in self._base_names():
+            return None
+        lora = self._adapter(name)
+        if lora is None:
             raise proto.model_not_found(name, self.config.served_model_name)
+        return lora
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)

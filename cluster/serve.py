@@ -318,7 +318,6 @@ class ServeArgs:
                             max_lora_rank=engine_args.max_lora_rank)
 
 
-
 def _drafts_on_host(engine_args: EngineArgs) -> bool:
     """A request's prediction (OpenAI's Predicted Outputs) is drafted from: the engine drafts in its own process,
     or its head in the worker is combined with the prediction drafter (``combine_with``)."""

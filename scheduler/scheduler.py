@@ -398,6 +398,8 @@ class Scheduler:
         return chunks
 
     def _running_adapters(self) -> set[int]:
+        if not self.config.max_loras:  # no adapters: nothing to count, every step
+            return set()
         return {r.sampling_params.lora_request.lora_int_id for r in self.running
                 if r.sampling_params.lora_request is not None}
 

@@ -225,12 +225,16 @@ class ModelRunner:
             return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
         return self.model(input_ids, meta), []
 
-    def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[tuple[torch.Tensor], bool]:
+    def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[tuple[torch.Tensor, ...], bool]:
         """Each token's LoRA slot ([T] on the device; 0: no adapter), its request's adapter loaded where no slot
-        holds it yet, and whether any request of the step has one."""
+        holds it yet, and whether any request of the step has one. Without graphs, a step with no adapter needs no
+        slots (its projections skip the adapters): () then."""
         slots = self.lora.slots_for([self.params[c.req_id].lora_request for c in chunks])
+        adapted = any(slots)
+        if not adapted and self.graphs is None:
+            return (), False
         per_token = [slot for slot, c in zip(slots, chunks) for _ in range(c.num_tokens)]
-        return (to_device(torch.tensor(per_token, dtype=torch.long), self.device),), any(slots)
+        return (to_device(torch.tensor(per_token, dtype=torch.long), self.device),), adapted
 
     def _with_worker_q(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:

@@ -232,9 +232,9 @@ def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
     from specray.models.registry import get_model_class
     from specray.parallel import TPGroup
 
-    model_class = get_model_class(hf_config)
     if lora is None:
         return AdapterChecker(None, {})
+    model_class = get_model_class(hf_config)
     if not model_class.lora_modules:
         raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
                          "models in specray yet; serve this model without enable_lora")
