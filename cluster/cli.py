@@ -105,7 +105,7 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
 
 
 _SIZING_FLAGS = ("max_num_batched_tokens", "block_size", "tokenizer", "long_prefill_token_threshold",
-                 "enable_expert_parallel", "kv_cache_memory_bytes", "num_kv_blocks")
+                 "enable_expert_parallel", "kv_cache_memory_bytes", "num_kv_blocks", "pipeline_parallel_size")
 
 
 def _add_sizing_args(p: argparse.ArgumentParser) -> None:
@@ -119,6 +119,9 @@ def _add_sizing_args(p: argparse.ArgumentParser) -> None:
                    "beside it (default 0: no bound)")
     p.add_argument("--enable-expert-parallel", action="store_const", const=True, default=None,
                    help="a mixture of experts' experts whole per tensor-parallel rank (default: split by width)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="STAGES",
+                   help="the decoder layers split into this many stages, each on --tensor-parallel-size ranks of its "
+                   "own (Ray actors; default 1)")
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=int, default=None, metavar="BYTES",
                    help="bytes of KV cache per rank (default: 1 GiB on CPU, 80%% of the free memory on a GPU)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,

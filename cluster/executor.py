@@ -1,12 +1,13 @@
-"""The Ray executor: one actor per tensor-parallel rank of the target, in one placement group.
+"""The Ray executor: one actor per rank of the target (``tensor_parallel_size`` ranks per pipeline stage), in one
+placement group.
 
 Ray places, starts and kills the ranks and carries their control calls; steps travel on the step channel
-(:mod:`specray.cluster.step_channel`: the plan pickled once, the same bytes written to every rank's socket), since
-a Ray call costs more than a small model's decode step. Only rank 0 (which verifies and samples) gets the
-drafter's probabilities and answers with the result. A rank that dies is noticed at once, without waiting for the
-others (which may be stuck in a collective with it): the whole group is failed with :class:`WorkerDiedError` and
-``restart`` builds a fresh one in the background (the next step waits for it). A step that raised on live ranks (a
-bug, a bad input) is a :class:`StepError`: the group is kept.
+(:mod:`specray.cluster.step_channel`: the plan pickled once, the same bytes written to every rank's socket), since a
+Ray call costs more than a small model's decode step. Only the driver (the last stage's first rank, which verifies
+and samples) gets the drafter's probabilities and answers with the result. A rank that dies is noticed at once,
+without waiting for the others (which may be stuck in a collective with it): the whole group is failed with
+:class:`WorkerDiedError` and ``restart`` builds a fresh one in the background (the next step waits for it). A step
+that raised on live ranks (a bug, a bad input) is a :class:`StepError`: the group is kept.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class _ChannelStep:
 class RayExecutor:
     def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement: RayPlacement | None):
         self.config, self.tp_size, self.cache = config, tp_size, cache
+        self.world_size = tp_size * config.pipeline_parallel_size
+        self.driver = self.world_size - tp_size  # the last stage's first rank
         self.placement = placement or RayPlacement()
         ensure_ray(self.placement.address)
         self.workers: list = []
@@ -118,13 +121,13 @@ class RayExecutor:
                 num_cpus=self.placement.worker_num_cpus, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote()
-            for rank in range(self.tp_size)
+            for rank in range(self.world_size)
         ]
         config = self.config
         if gpus and config.device is None:
             config = WorkerConfig(**{**vars(config), "device": "cuda"})
         init_method = ray.get(self.workers[0].rendezvous.remote())
-        setups = [w.setup.remote(config, rank, self.tp_size, init_method) for rank, w in enumerate(self.workers)]
+        setups = [w.setup.remote(config, rank, self.world_size, init_method) for rank, w in enumerate(self.workers)]
         try:
             infos = ray.get(setups, timeout=SETUP_TIMEOUT_S)
         except RayTaskError as err:  # a user error (e.g. heads not divisible by the TP size) stays a ValueError
@@ -133,30 +136,32 @@ class RayExecutor:
         except (GetTimeoutError, RayError) as err:
             self._kill()
             raise WorkerDiedError(f"loading the model failed: {err}") from err
-        self.info = infos[0]
+        self.info = infos[self.driver]
         self.num_kv_blocks = plan_num_blocks(infos, self.cache)
         self._get([w.init_cache.remote(self.num_kv_blocks) for w in self.workers], SETUP_TIMEOUT_S, "KV cache")
         addresses = self._get([w.open_step_channel.remote() for w in self.workers], SETUP_TIMEOUT_S, "channel")
-        self.channel = StepClient(addresses)
-        logger.info("Ray executor: %d ranks (%s) up, %d KV blocks each", self.tp_size, self.placement.strategy,
-                    self.num_kv_blocks)
+        self.channel = StepClient(addresses, driver=self.driver)
+        logger.info("Ray executor: %d ranks (TP=%d x PP=%d, %s) up, %d KV blocks each", self.world_size, self.tp_size,
+                    self.config.pipeline_parallel_size, self.placement.strategy, self.num_kv_blocks)
 
     def _gpus_per_rank(self) -> float:
         if self.placement.worker_num_gpus is not None:
             return self.placement.worker_num_gpus
         if self.config.device is not None:
             return 1.0 if self.config.device.startswith("cuda") else 0.0
-        return 1.0 if ray.cluster_resources().get("GPU", 0) >= self.tp_size else 0.0
+        return 1.0 if ray.cluster_resources().get("GPU", 0) >= self.world_size else 0.0
 
     def _placement_group(self):
-        extra = self.placement.worker_resources or [{} for _ in range(self.tp_size)]
-        if len(extra) != self.tp_size:
-            raise ValueError(f"ray_placement.worker_resources has {len(extra)} entries for tensor_parallel_size="
-                             f"{self.tp_size}; give one dict per rank")
+        extra = self.placement.worker_resources or [{} for _ in range(self.world_size)]
+        if len(extra) != self.world_size:
+            raise ValueError(f"ray_placement.worker_resources has {len(extra)} entries for {self.world_size} ranks "
+                             f"(tensor_parallel_size={self.tp_size} x pipeline_parallel_size="
+                             f"{self.config.pipeline_parallel_size}); give one dict per rank")
         gpus = self._gpus_per_rank()
         bundles = [{"CPU": self.placement.worker_num_cpus, **({"GPU": gpus} if gpus else {}), **e} for e in extra]
         return placement_groups.create(bundles, self.placement.strategy, "target",
-                                       "lower tensor_parallel_size or ray_placement.worker_num_cpus/worker_num_gpus, "
+                                       "lower tensor_parallel_size or pipeline_parallel_size, or "
+                                       "ray_placement.worker_num_cpus/worker_num_gpus, "
                                        "or change ray_placement.strategy")
 
     def _kill(self) -> None:
@@ -172,7 +177,7 @@ class RayExecutor:
     def restart(self) -> None:
         """Kill the group now and bring up a fresh one in the background: the engine tells the failed requests at
         once and keeps the waiting ones queued; its next step waits for the new group."""
-        logger.warning("restarting the target's %d ranks (in the background)", self.tp_size)
+        logger.warning("restarting the target's %d ranks (in the background)", self.world_size)
         self._await_group(raise_error=False)
         self._kill()
         self._restart_error = None
@@ -194,7 +199,7 @@ class RayExecutor:
         self._restarting = None
         err, self._restart_error = self._restart_error, None
         if err is not None and raise_error:
-            raise WorkerDiedError(f"restarting the target's {self.tp_size} ranks failed: {err}") from err
+            raise WorkerDiedError(f"restarting the target's {self.world_size} ranks failed: {err}") from err
 
     @property
     def restarting(self) -> bool:
@@ -206,7 +211,7 @@ class RayExecutor:
 
     # ---- steps --------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
-        """Rank 0's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
+        """The driver's result. A rank that raised (every rank answered) raises :class:`StepError`, the group kept;
         a rank that is gone, or a group left out of step, raises :class:`WorkerDiedError`. Either way the plan
         and the remote traceback are logged first."""
         return self.execute_async(plan, draft_probs).result()
@@ -216,8 +221,9 @@ class RayExecutor:
         # one message object, pickled once for every rank that gets it; a grammar's masks go to the driver rank
         # alone (the only one that samples)
         shared = (dataclasses.replace(plan, token_bitmasks={}) if plan.token_bitmasks else plan, None)
-        first = shared if not (draft_probs or plan.token_bitmasks) else (plan, draft_probs or None)
-        messages = [first] + [shared] * (self.tp_size - 1)
+        messages = [shared] * self.world_size
+        if draft_probs or plan.token_bitmasks:
+            messages[self.driver] = (plan, draft_probs or None)
         what = f"step {plan.step_id}"
         try:
             self._await_group()

@@ -64,7 +64,7 @@ from specray.chat import load_chat_template  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
 from specray.drafters.prediction import METHOD as PREDICTION  # noqa: E402
-from specray.engine.builder import (check_engine_args, check_heads, default_sampling_fields,  # noqa: E402
+from specray.engine.builder import (check_engine_args, check_model_split, default_sampling_fields,  # noqa: E402
                                     lookup_beside_head)
 from specray.errors import EngineError  # noqa: E402
 from specray.lora import LoRARequest, read_adapter  # noqa: E402
@@ -1060,7 +1060,7 @@ def replica_resources(args: ServeArgs) -> dict[str, float]:
     if num_gpus is None:
         engine_args = args.engine_args()
         has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-        runs_model_here = engine_args.tensor_parallel_size == 1 and engine_args.device != "cpu"
+        runs_model_here = engine_args.world_size == 1 and engine_args.device != "cpu"
         num_gpus = 1.0 if runs_model_here and has_gpus else 0.0
     options = {"num_cpus": args.num_cpus}
     if num_gpus:
@@ -1162,8 +1162,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def check_model(engine_args: EngineArgs) -> None:
-    """The model exists, its config loads, max_model_len fits its positions and tensor_parallel_size splits its
-    attention and KV heads; a hub id that is not on this machine is left to the replica."""
+    """The model exists, its config loads, max_model_len fits its positions, tensor_parallel_size splits its
+    attention and KV heads and pipeline_parallel_size its layers; a hub id that is not on this machine is left to the replica."""
     from specray.engine.builder import check_draft_count, check_local_paths, resolve_max_model_len
     from specray.models.loader import load_hf_config, resolve_model
 
@@ -1178,7 +1178,7 @@ def check_model(engine_args: EngineArgs) -> None:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
     check_draft_count(engine_args.speculative_config, resolve_max_model_len(engine_args.max_model_len, config))
     check_local_paths(engine_args)
-    check_heads(config, engine_args.tensor_parallel_size)
+    check_model_split(config, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
 
 
 def check_resources(args: ServeArgs, autoscaling: bool) -> None:
@@ -1190,7 +1190,7 @@ def check_resources(args: ServeArgs, autoscaling: bool) -> None:
     total = ray.cluster_resources().get("CPU", 0.0)
     placement = engine_args.ray_placement
     on_ray = engine_args.executor_backend == "ray"
-    ranks = engine_args.tensor_parallel_size if on_ray else 0
+    ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size if on_ray else 0
     spec = engine_args.speculative_config
     drafters = 0  # the drafter runs in actors beside the ranks (Ray backend), except a head inside the target
     if on_ray and spec is not None and not drafter_registry.runs_in_worker(spec.method):
@@ -1203,7 +1203,7 @@ def check_resources(args: ServeArgs, autoscaling: bool) -> None:
             f"rank(s) x {placement.worker_num_cpus:g} + {drafters} drafter actor(s) x "
             f"{placement.drafter_num_cpus:g})) but this Ray cluster has {total:g}; "
             f"{_fitting_cpus(total / args.num_replicas - args.num_cpus, ranks, drafters, placement)}"
-            "lower --tensor-parallel-size, or --num-replicas")
+            "lower --tensor-parallel-size, --pipeline-parallel-size or --num-replicas")
 
 
 def _fitting_cpus(budget: float, ranks: int, drafters: int, placement) -> str:

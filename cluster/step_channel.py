@@ -127,13 +127,14 @@ def error_payload(err: BaseException) -> dict:
 
 class StepClient:
     """The engine's end: one connection per rank (rank order). ``step`` sends each rank its message and returns
-    rank 0's reply. It raises :class:`WorkerDiedError` as soon as any rank goes away, and :class:`StepError` when
-    a rank raised and every rank answered. After each step, ``last_busy_s`` holds how long each rank's handler
-    ran (the rest of the step's time is the channel's). ``peer`` names the ranks in errors and logs."""
+    the reply of rank ``driver`` (the one that answers for the group). It raises :class:`WorkerDiedError` as soon as
+    any rank goes away, and :class:`StepError` when a rank raised and every rank answered. After each step,
+    ``last_busy_s`` holds how long each rank's handler ran (the rest of the step's time is the channel's). ``peer``
+    names the ranks in errors and logs."""
 
     def __init__(self, addresses: list[tuple[str, int, bytes]], connect_timeout: float = 30.0,
-                 peer: str = "target rank"):
-        self.peer = peer
+                 peer: str = "target rank", driver: int = 0):
+        self.peer, self.driver = peer, driver
         self.socks: list[socket.socket] = []
         self.last_busy_s: list[float] = []
         try:
@@ -147,7 +148,7 @@ class StepClient:
             raise WorkerDiedError(f"cannot reach a {self.peer}'s step channel: {err}") from err
 
     def step(self, messages: list[tuple], timeout: float, what: str) -> Any:
-        """``messages[i]`` goes to rank i (arguments of its handler); rank 0's answer comes back."""
+        """``messages[i]`` goes to rank i (arguments of its handler); the driver's answer comes back."""
         self.send(messages, what)
         return self.receive(timeout, what)
 
@@ -164,8 +165,8 @@ class StepClient:
             raise WorkerDiedError(f"{what}: {self.peer} {rank} is gone ({err})") from err
 
     def receive(self, timeout: float, what: str) -> Any:
-        """Rank 0's answer to the oldest message not yet received (every rank's answer is read)."""
-        return self._replies(timeout, what)[0]
+        """The driver's answer to the oldest message not yet received (every rank's answer is read)."""
+        return self._replies(timeout, what)[self.driver]
 
     def _replies(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout

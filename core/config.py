@@ -285,10 +285,14 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     device: str | None = None  # default: cuda when available, else cpu
     tensor_parallel_size: int = 1
+    # vLLM's: the decoder layers split into this many consecutive stages, each on tensor_parallel_size ranks of its
+    # own (tensor_parallel_size x pipeline_parallel_size ranks in all, across nodes); a step's tokens pass through
+    # the stages in turn
+    pipeline_parallel_size: int = 1
     # a mixture-of-experts target's experts split whole over the tensor-parallel ranks (vLLM's name); else each
     # expert is split by width as a dense MLP is
     enable_expert_parallel: bool = False
-    distributed_executor_backend: str | None = None  # None: "uni" (this process) at TP=1, else "ray"
+    distributed_executor_backend: str | None = None  # None: "uni" (this process) at one rank, else "ray"
     ray_placement: RayPlacement | dict | None = None
     num_threads: int | None = None  # torch CPU threads per target rank (None: torch's default)
     # vLLM's name. False: decode and chain-verify steps replay CUDA graphs on a GPU, captured per padded shape
@@ -357,7 +361,12 @@ class EngineArgs:
     def executor_backend(self) -> str:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "ray" if self.tensor_parallel_size > 1 else "uni"
+        return "ray" if self.world_size > 1 else "uni"
+
+    @property
+    def world_size(self) -> int:
+        """The target's ranks: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
@@ -374,9 +383,13 @@ class EngineArgs:
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be true, false or None (graphs on a GPU, "
                              "eager elsewhere)")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs several processes: use "
-                             "distributed_executor_backend='ray' (or leave it None)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            if value > 1 and self.distributed_executor_backend == "uni":
+                raise ValueError(f"{name}={value} needs several processes: use distributed_executor_backend='ray' "
+                                 "(or leave it None)")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
         if self.dtype not in self._DTYPES:
@@ -400,7 +413,7 @@ class EngineArgs:
                              "or 'priority' (SamplingParams.priority, lowest first)")
         self._check_generation_config()
         _ = self.lora_config  # LoRAConfig checks the LoRA options
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:

@@ -61,3 +61,66 @@ class TPGroup:
             return x
         dist.broadcast(x, group=self.group, group_src=0)
         return x
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
+    """The decoder layers pipeline stage ``stage`` of ``num_stages`` holds: an even share each, the layers left over
+    one each to the stages just before the last (which also holds the final norm and the LM head)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"pipeline_parallel_size={num_stages} must be between 1 and the model's "
+                         f"num_hidden_layers={num_layers} (each stage holds at least one layer)")
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base + (num_stages - 1 - extra <= s < num_stages - 1) for s in range(num_stages)]
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's place in a pipeline of ``size`` stages: each stage holds a contiguous run of the decoder layers
+    (:func:`stage_layers`) over its own tensor-parallel group, and hands its output to the next stage's rank of the
+    same tensor-parallel index (``next_rank``, a global rank; ``prev_rank`` is the one it receives from)."""
+
+    stage: int = 0
+    size: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.stage < self.size:
+            raise ValueError(f"PPGroup(stage={self.stage}, size={self.size}): need size >= 1 and 0 <= stage < size")
+        assert (self.prev_rank is None) == self.is_first and (self.next_rank is None) == self.is_last, self
+
+    @classmethod
+    def single(cls) -> "PPGroup":
+        return cls()
+
+    @classmethod
+    def of_rank(cls, rank: int, tp_size: int, pp_size: int) -> "PPGroup":
+        """Global rank ``rank`` of ``tp_size * pp_size``, numbered stage by stage (stage s holds ranks
+        ``s * tp_size .. s * tp_size + tp_size - 1``)."""
+        stage = rank // tp_size
+        return cls(stage, pp_size, rank - tp_size if stage > 0 else None,
+                   rank + tp_size if stage < pp_size - 1 else None)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.stage, self.size)
+
+    def send(self, x: torch.Tensor) -> None:
+        """Hand ``x`` to the next stage (blocking until it is received or buffered)."""
+        dist.send(x.contiguous(), dst=self.next_rank)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What the previous stage sent: a tensor of ``shape`` and ``dtype``, which every rank knows from the step's
+        plan."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self.prev_rank)
+        return x

@@ -53,6 +53,11 @@ def kv_head_range(worker) -> tuple[int, int]:
     return getattr(worker.model.kv_cache_specs()[0], "kv_head_range", (0, 1))
 
 
+def stage_layers(worker) -> list[int]:
+    """The decoder layers this rank's pipeline stage holds."""
+    return list(worker.model.model.stage)
+
+
 def rank(worker) -> int:
     return worker.rank
 

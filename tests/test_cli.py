@@ -283,6 +283,8 @@ def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, caps
     assert main(["serve", "--model", str(nine_heads), "--tensor-parallel-size", "2", "--port", port]) == 2
     err = capsys.readouterr().err
     assert "tensor_parallel_size=2" in err and "num_attention_heads=9" in err and "[1, 3, 9]" in err
+    assert main(["serve", "--model", str(tiny_llama_dir), "--pipeline-parallel-size", "3", "--port", port]) == 2
+    assert "pipeline_parallel_size=3 must be between 1 and the model's num_hidden_layers=2" in capsys.readouterr().err
     limit = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
     for flags, expected in ((["--max-model-len", str(limit + 1)], f"max_position_embeddings={limit}"),
                             (["--device", "tpu"], "device='tpu' is not supported"),
@@ -295,12 +297,17 @@ def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, caps
 def test_head_split_rules():
     from types import SimpleNamespace
 
-    from specray.engine.builder import check_heads
+    from specray.engine.builder import check_model_split
 
-    check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 4)  # KV heads replicated
-    check_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=8), 8)
+    def config(heads: int, kv_heads: int):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=4)
+
+    check_model_split(config(8, 2), 4)  # KV heads replicated
+    check_model_split(config(8, 8), 8, pp=4)
     with pytest.raises(ValueError, match=r"choose one of \[1, 2, 4, 12\]"):
-        check_heads(SimpleNamespace(num_attention_heads=12, num_key_value_heads=4), 3)
+        check_model_split(config(12, 4), 3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=5 .* num_hidden_layers=4"):
+        check_model_split(config(8, 8), 1, pp=5)
 
 
 def test_serve_request_caps_reach_the_app_config(tiny_llama_dir):
@@ -365,6 +372,9 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
     # the advice is values that fit: 0.5 + 2 x 0.75 = 2
     assert '{"ray_placement": {"worker_num_cpus": 0.75}}' in str(info.value)
     check_resources(too_big, autoscaling=True)  # an autoscaler may add nodes: the placement waits for them
+    stages = ServeArgs.from_dict({"model": str(tiny_llama_dir), "pipeline_parallel_size": 2})  # a rank per stage
+    with pytest.raises(ValueError, match=r"needs 2.5 CPUs.*2 rank\(s\).*--pipeline-parallel-size"):
+        check_resources(stages, autoscaling=False)
     fits = ServeArgs.from_dict({"model": str(tiny_llama_dir), "tensor_parallel_size": 2,
                                 "engine_kwargs": {"ray_placement": {"worker_num_cpus": 0.5}}})
     check_resources(fits, autoscaling=False)
@@ -451,10 +461,10 @@ def test_vllm_sizing_flags_reach_the_engine(tiny_llama_dir):
 
     flags = ["--max-num-batched-tokens", "512", "--block-size", "32", "--tokenizer", str(tiny_llama_dir),
              "--long-prefill-token-threshold", "128", "--enable-expert-parallel", "--kv-cache-memory", "4096000",
-             "--num-gpu-blocks-override", "64"]
+             "--num-gpu-blocks-override", "64", "-pp", "2"]
     want = dict(max_num_batched_tokens=512, block_size=32, tokenizer=str(tiny_llama_dir),
                 long_prefill_token_threshold=128, enable_expert_parallel=True, kv_cache_memory_bytes=4096000,
-                num_kv_blocks=64)
+                num_kv_blocks=64, pipeline_parallel_size=2)
     serve = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags,
                                        "--distributed-executor-backend", "ray", "--return-tokens-as-token-ids"])
     parsed = ServeArgs.from_dict(serve_app_args(serve))

@@ -239,6 +239,60 @@ def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_d
         engine.shutdown()
 
 
+# ---- pipeline parallelism: stages of ranks, greedy output equal to one rank's ------------------------------------
+
+PP_CASES = [(2, 1, None), (2, 1, "ngram"), (2, 1, "draft_model"), (2, 2, "ngram"), (3, 1, "suffix")]
+
+
+@pytest.mark.parametrize("stages,tp,method", PP_CASES, ids=["pp2", "pp2-ngram", "pp2-draft-model", "pp2-tp2-ngram",
+                                                            "pp3-suffix"])
+def test_pipeline_stages_keep_one_ranks_greedy_output(make_tiny_model, tmp_path, tiny_draft_dir, stages, tp, method):
+    """A target split into pipeline stages (each on its own tensor-parallel ranks) answers from its last stage: plain
+    and speculative greedy output at batch 8 equal one rank's plain output, and more KV blocks fit each rank (it
+    holds only its stage's layers)."""
+    model = make_tiny_model(tmp_path / "m", "llama", seed=21, num_hidden_layers=3, tie_word_embeddings=True)
+    prompts = prompts_for(8, seed=stages + tp)
+    budget = dict(kv_cache_memory_bytes=1 << 20)
+    one_rank = engine_for(model, **budget)
+    references = run_to_end(one_rank, prompts)
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
+                                        **({"model": str(tiny_draft_dir)} if method == "draft_model" else {})}
+    engine = engine_for(model, pipeline_parallel_size=stages, tensor_parallel_size=tp, ray_placement=HALF_CPU,
+                        speculative_config=spec, **budget)
+    try:
+        assert engine.executor.world_size == stages * tp and engine.executor.driver == (stages - 1) * tp
+        assert engine.executor.num_kv_blocks > one_rank.executor.num_kv_blocks
+        layers = engine.executor.collective_rpc(probes.stage_layers)
+        assert [i for stage in layers[::tp] for i in stage] == [0, 1, 2] and layers == sorted(layers)
+        assert run_to_end(engine, prompts) == references
+        if method is not None:
+            assert engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.shutdown()
+        one_rank.shutdown()
+
+
+def test_lora_adapters_and_an_fp8_cache_over_pipeline_stages(tiny_llama_dir, tmp_path):
+    """Each stage loads the adapter's tensors for its own layers (the others' are skipped) and keeps its layers' K/V
+    in FP8: a batch mixing two adapters and the base model gives one rank's greedy outputs over two stages."""
+    from specray.lora import LoRARequest
+    import specray_test_checkpoints as checkpoints
+
+    first = checkpoints.write_lora(tiny_llama_dir, tmp_path / "first", rank=4, seed=3)
+    second = checkpoints.write_lora(tiny_llama_dir, tmp_path / "second", rank=8, seed=4, modules=("v_proj", "down_proj"))
+    loras = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
+    prompts = prompts_for(6, seed=10)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, lora_request=loras[i % 3]) for i in range(6)]
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_dtype="fp8",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    references = run_to_end(engine_for(tiny_llama_dir, **kw), prompts, params)
+    engine = engine_for(tiny_llama_dir, pipeline_parallel_size=2, ray_placement=HALF_CPU, **kw)
+    try:
+        assert run_to_end(engine, prompts, params) == references
+    finally:
+        engine.shutdown()
+
+
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
               "redrafter", "redrafter-whole"]
 

@@ -125,6 +125,8 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult(plan.step_id, [], [])
         hidden, aux = self._forward(plan)  # [T, H], and the drafter's layers' residual stream
+        if hidden is None:  # a pipeline stage before the last: its output went on to the next stage
+            return None
         sampled = [i for i, c in enumerate(plan.chunks) if c.sample]
         rows = logit_rows(plan)
         logits = self.model.compute_logits(hidden[rows]) if rows else None  # [N, V]

@@ -1,9 +1,9 @@
-"""One tensor-parallel rank of the target model, Ray-free: the in-process executor holds one, the Ray executor
-wraps one per actor.
+"""One rank of the target model (a tensor-parallel shard of one pipeline stage), Ray-free: the in-process executor
+holds one, the Ray executor wraps one per actor.
 
-A rank joins the torch.distributed group (gloo on CPU, NCCL on GPU), loads only its shard of the weights,
-allocates the KV cache for its own heads once the executor has agreed a block count with every rank, and then
-executes step plans. Only rank 0 (the driver) samples and answers.
+A rank joins the torch.distributed group (gloo on CPU, NCCL on GPU), loads only its shard of its stage's weights,
+allocates the KV cache for its own heads and layers once the executor has agreed a block count with every rank, and
+then executes step plans. Only the driver (the last stage's first tensor-parallel rank) samples and answers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specray.models.kv_cache import bytes_per_block, fp8_format, storage_dtype
 from specray.models.lora import LoRASlots
 from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
-from specray.parallel import TPGroup
+from specray.parallel import PPGroup, TPGroup
 from specray.workers.model_runner import ModelRunner
 from specray.models.step_graphs import graphs_wanted, why_eager
 
@@ -69,6 +69,9 @@ class WorkerConfig:
     # LoRA adapters (enable_lora): specray.lora.LoRAConfig's fields; None: none
     lora: dict | None = None
     kv_cache_dtype: str = "auto"  # the target's K/V in the model's dtype, or in an FP8 format (kv_cache_dtype)
+    # the decoder layers split into this many stages (global ranks numbered stage by stage, each stage's
+    # tensor-parallel ranks consecutive)
+    pipeline_parallel_size: int = 1
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -116,8 +119,16 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 def join_tp_group(device: torch.device, rank: int, world_size: int, init_method: str | None) -> TPGroup:
     """Join this process's tensor-parallel group (NCCL on a GPU, gloo on CPU); one rank needs none."""
+    return join_groups(device, rank, world_size, init_method)[0]
+
+
+def join_groups(device: torch.device, rank: int, world_size: int, init_method: str | None,
+                pp_size: int = 1) -> tuple[TPGroup, PPGroup]:
+    """Join the world of ``world_size`` ranks (NCCL on a GPU, gloo on CPU): this rank's tensor-parallel group and
+    its place in a pipeline of ``pp_size`` stages (each stage's ranks consecutive). One rank needs no group."""
+    assert world_size % pp_size == 0, (world_size, pp_size)
     if world_size == 1:
-        return TPGroup.single()
+        return TPGroup.single(), PPGroup.single()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if init_method and "//127." in init_method:  # all ranks on this host: keep gloo on loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -128,7 +139,17 @@ def join_tp_group(device: torch.device, rank: int, world_size: int, init_method:
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timedelta(seconds=DIST_TIMEOUT_S))
     logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, init_method)
-    return TPGroup.from_world()
+    tp_size = world_size // pp_size
+    pp = PPGroup.of_rank(rank, tp_size, pp_size)
+    if pp_size == 1:
+        return TPGroup.from_world(), pp
+    tp = TPGroup.single()
+    if tp_size > 1:
+        for stage in range(pp_size):  # every rank creates every stage's group, in the same order
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == pp.stage:
+                tp = TPGroup(rank - stage * tp_size, tp_size, group)
+    return tp, pp
 
 
 class Worker:
@@ -138,15 +159,18 @@ class Worker:
         self.device = resolve_device(config.device)
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.bind_thread()
-        tp = self._join_group(world_size, init_method)
+        tp, self.pp = join_groups(self.device, rank, world_size, init_method, config.pipeline_parallel_size)
         self.world_size = world_size
+        self.is_driver = self.pp.is_last and tp.rank == 0  # samples and answers
         model_config = config.model_config or read_config(config.model)
         hf_config = load_hf_config(config.model, model_config)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
                                           expert_parallel=config.enable_expert_parallel, config=model_config,
-                                          load_format=config.load_format)
+                                          load_format=config.load_format, pp=self.pp)
+        if config.worker_drafter and self.pp.size > 1:
+            raise ValueError("a drafter that reads the target's hidden states needs pipeline_parallel_size=1")
         self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
         # the adapters' slots, allocated before the KV cache is sized
         self.lora = LoRASlots(self.model, LoRAConfig(**config.lora), self.device) if config.lora else None
@@ -182,9 +206,6 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _join_group(self, world_size: int, init_method: str | None) -> TPGroup:
-        return join_tp_group(self.device, self.rank, world_size, init_method)
-
     # ---- KV cache -----------------------------------------------------------------------------------------
     def kv_cache_info(self) -> KVCacheInfo:
         """This rank's bytes per KV block and the bytes it can give the cache."""
@@ -206,11 +227,11 @@ class Worker:
         drafter = None
         graphs = self._use_graphs()
         if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
-            config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.rank == 0,
+            config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.is_driver,
                       "step_graphs": graphs}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
-                                  is_driver=self.rank == 0, drafter=drafter,
+                                  is_driver=self.is_driver, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
                                   step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype)

@@ -19,6 +19,7 @@ from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
+from specray.parallel import stage_layers
 from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
                                    resolve_model)
 from specray.sampling_params import SamplingParams
@@ -97,6 +98,11 @@ def check_engine_args(args: EngineArgs) -> None:
     registry.check(spec)
     if spec is None:
         return
+    if registry.runs_in_worker(spec.method) and args.pipeline_parallel_size > 1:
+        raise ValueError(f"speculative_config.method={spec.method!r} reads the target's hidden states, which "
+                         f"pipeline_parallel_size={args.pipeline_parallel_size} spreads over several stages; use "
+                         "pipeline_parallel_size=1 (tensor_parallel_size can split the model instead), or a method "
+                         "that drafts apart from the target (ngram, suffix, draft_model, ...)")
     if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
         options = registry.options_of(spec)
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
@@ -119,11 +125,13 @@ def check_local_paths(args: EngineArgs) -> None:
         check_path(model, "speculative_config.model")
 
 
-def check_heads(config, tp: int) -> None:
-    """``tp`` ranks split the model's attention and KV heads (checked before any rank starts)."""
+def check_model_split(config, tp: int, pp: int = 1) -> None:
+    """``tp`` ranks split the model's attention and KV heads, and ``pp`` pipeline stages its decoder layers (at least
+    one each): checked before any rank starts."""
     from specray.models.layers import check_heads_split
 
     check_heads_split(config, tp)
+    stage_layers(config.num_hidden_layers, 0, pp)
 
 
 def check_head_split(method: str, model: str, tp: int) -> None:
@@ -153,6 +161,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     resolve_model(args.model, weights=args.load_format != "dummy")  # its weights are there, before any rank starts
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
+    check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     spec = args.speculative_config
@@ -173,7 +182,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  enable_expert_parallel=args.enable_expert_parallel, model_config=model_config,
                                  enforce_eager=args.enforce_eager, load_format=args.load_format,
                                  lora=None if lora is None else dataclasses.asdict(lora),
-                                 kv_cache_dtype=args.kv_cache_dtype)
+                                 kv_cache_dtype=args.kv_cache_dtype,
+                                 pipeline_parallel_size=args.pipeline_parallel_size)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
@@ -199,8 +209,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         scheduling_policy=args.scheduling_policy,
         max_loras=0 if lora is None else lora.max_loras,
     )
-    logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d", executor.num_kv_blocks,
-                args.block_size, executor.info.dtype, backend, args.tensor_parallel_size)
+    logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d, PP=%d", executor.num_kv_blocks,
+                args.block_size, executor.info.dtype, backend, args.tensor_parallel_size, args.pipeline_parallel_size)
     pool_tokens = executor.num_kv_blocks * args.block_size
     if pool_tokens < max_model_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer prompts are refused and "

@@ -53,8 +53,9 @@ class LocalExecutor:
     """One rank (tensor_parallel_size=1) in this process."""
 
     def __init__(self, config: WorkerConfig, tp_size: int, cache: CacheConfig, placement=None):
-        if tp_size != 1:
-            raise ValueError(f"tensor_parallel_size={tp_size} needs distributed_executor_backend='ray'")
+        if tp_size != 1 or config.pipeline_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size} ranks need distributed_executor_backend='ray'")
         self.config, self.cache = config, cache
         self._thread: ThreadPoolExecutor | None = None  # runs execute_async's steps, made on first use
         self._start()

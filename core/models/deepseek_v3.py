@@ -44,7 +44,7 @@ from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbeddin
                                    rope_parameters)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from specray.models.moe import SparseMoE
-from specray.parallel import TPGroup
+from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -205,12 +205,11 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
 
 
 class DeepseekV3Model(LlamaModel):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([DeepseekV3DecoderLayer(config, tp, i, expert_parallel)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.build_stage(config, pp, lambda i: DeepseekV3DecoderLayer(config, tp, i, expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config),
                                           config.max_position_embeddings)
 

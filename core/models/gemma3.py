@@ -24,8 +24,8 @@ from torch import nn
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.layers import (MergedColumnParallelLinear, RotaryEmbedding, RowParallelLinear,
                                    VocabParallelEmbedding, _param, apply_rotary, rope_parameters)
-from specray.models.llama import LlamaForCausalLM, _head_dim, _kv_spec, attention_projections
-from specray.parallel import TPGroup
+from specray.models.llama import LlamaForCausalLM, StageModel, _head_dim, _kv_spec, attention_projections
+from specray.parallel import PPGroup, TPGroup
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -105,13 +105,13 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+class Gemma3Model(StageModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.build_stage(config, pp, lambda i: Gemma3DecoderLayer(config, tp, i),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = _head_dim(config)
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim, rope_parameters(config, kind),
                                                            config.max_position_embeddings)
@@ -121,19 +121,23 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
+        # after the first starts from the previous stage's residual stream ``intermediate`` [1, T, H]; a stage before
+        # the last ends there, returning its own
+        x = self.embed(input_ids) if intermediate is None else intermediate[0]
         tables = {}
         for kind, rotary in self.rotary.items():
             rotary.ensure(meta.max_position + 1)
             tables[kind] = rotary(meta.positions, x.dtype)
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in self.stage_layers():
             if i in aux_layers:
                 aux[i] = x
             x = layer(x, *tables[layer.layer_type], meta)
+        if not self.pp.is_last:
+            return x[None], []
         return self.norm(x), [aux[i] for i in aux_layers]
 
 
@@ -142,9 +146,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     :class:`~specray.models.llama.LlamaForCausalLM`'s)."""
 
     model_class = Gemma3Model
+    stage_width = 1  # a stage hands the next its residual stream alone
 
-    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
-        super().__init__(hf_config, tp, expert_parallel)
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
+                 pp: PPGroup | None = None):
+        super().__init__(hf_config, tp, expert_parallel, pp)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ materializes its part.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -271,6 +272,24 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
 
 
 # ---------------------------------------------------------------------------------------------- norm
+
+
+class OtherStage(nn.Module):
+    """Where a module of the model lives on another pipeline stage (its decoder layers, the embedding, the final
+    norm or the LM head): no parameters, so the checkpoint names of the modules this stage holds keep their indices."""
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("a module of another pipeline stage was called on this one")
+
+
+def on_stage(held: bool, make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` where this stage holds the module, else an :class:`OtherStage` in its place."""
+    return make() if held else OtherStage()
+
+
+def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The name prefixes (``"model.layers.7."``) of the modules ``model`` leaves to other pipeline stages."""
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, OtherStage))
 
 
 class RMSNorm(nn.Module):

@@ -9,7 +9,7 @@ scaling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, Sli
 from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.models.layers import (
     MergedColumnParallelLinear,
+    OtherStage,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -29,9 +30,11 @@ from specray.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
     materialize,
+    on_stage,
+    other_stage_prefixes,
     rope_parameters,
 )
-from specray.parallel import TPGroup
+from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -165,27 +168,49 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, tp, i, expert_parallel)
+class StageModel(nn.Module):
+    """A decoder stack's pipeline-stage plumbing: this stage's layers (the others' are :class:`OtherStage`
+    placeholders), the embedding on the first stage, the final norm on the last (one stage: all of it)."""
+
+    def build_stage(self, config, pp: PPGroup | None, layer: Callable[[int], nn.Module],
+                    embed: Callable[[], nn.Module], norm: Callable[[], nn.Module]) -> None:
+        self.pp = pp or PPGroup.single()
+        self.stage = self.pp.layers(config.num_hidden_layers)  # the layer indices this stage runs
+        self.embed_tokens = on_stage(self.pp.is_first, embed)
+        self.layers = nn.ModuleList([on_stage(i in self.stage, lambda i=i: layer(i))
                                      for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = on_stage(self.pp.is_last, norm)
+
+    def stage_layers(self) -> list[tuple[int, nn.Module]]:
+        return [(i, self.layers[i]) for i in self.stage]
+
+
+class LlamaModel(StageModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        super().__init__()
+        self.build_stage(config, pp, lambda i: LlamaDecoderLayer(config, tp, i, expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
+        # after the first starts from the previous stage's (x, residual) ``intermediate`` [2, T, H]; a stage before
+        # the last ends there, returning its own (unnormed)
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate.unbind(0)
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
-        residual = None
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in self.stage_layers():
             if i in aux_layers:
                 aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
             x, residual = layer(x, residual, cos, sin, meta)
+        if not self.pp.is_last:
+            return torch.stack((x, residual)), []
         x, _ = self.norm(x, residual)
         return x, [aux[i] for i in aux_layers]
 
@@ -196,20 +221,27 @@ class LlamaForCausalLM(nn.Module):
     default dtype you want (see :func:`specray.models.loader.load_model`), then :meth:`load_weights`."""
 
     model_class: type[nn.Module] = LlamaModel  # the decoder stack (a family with other layers gives its own)
+    stage_width: int = 2  # tensors [T, H] one pipeline stage hands the next: the layer output and the residual
     stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False):
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
+                 pp: PPGroup | None = None):
         super().__init__()
         tp = tp or TPGroup.single()
         self.config = hf_config
         self.tp = tp
-        self.model = self.model_class(hf_config, tp, expert_parallel)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
+        self.pp = pp = pp or PPGroup.single()
+        self.model = self.model_class(hf_config, tp, expert_parallel, pp)
+        self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # tied on one stage: the embedding is the head; over several, the last stage loads the embedding's tensor
+        # into a head of its own
+        self.shares_embedding = self.tie_word_embeddings and pp.is_first and pp.is_last
+        if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.other_stage = other_stage_prefixes(self)  # checkpoint names this stage skips
         self.kv_cache_allocated = False
 
     @property
@@ -222,11 +254,15 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self._a_norm().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self._a_norm().device
+
+    def _a_norm(self) -> torch.Tensor:
+        """A weight every stage holds in the model's dtype (linears may be packed, experts kept in FP8)."""
+        return self.model.layers[self.model.stage.start].input_layernorm.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] int64 -> [T, H]
@@ -243,8 +279,27 @@ class LlamaForCausalLM(nn.Module):
         num_layers = len(self.model.layers)
         if any(not 0 <= i < num_layers for i in aux_layers):
             raise ValueError(f"aux_layers={tuple(aux_layers)}: layer indices must lie in [0, {num_layers})")
-        hidden, aux = self.model(input_ids, meta, aux_layers)
-        return (hidden, aux) if aux_layers else hidden
+        if aux_layers and self.pp.size > 1:
+            raise ValueError(f"aux_layers={tuple(aux_layers)}: a drafter reading the target's hidden states needs "
+                             "the whole model on one pipeline stage (pipeline_parallel_size=1)")
+        if self.pp.size == 1:
+            hidden, aux = self.model(input_ids, meta, aux_layers)
+            return (hidden, aux) if aux_layers else hidden
+        return self._stage_forward(input_ids, meta)
+
+    def _stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """One pipeline stage's part: receive the previous stage's output (every rank knows its shape from the plan),
+        run this stage's layers, and hand the result on; the last stage returns the final hidden states, the others
+        None."""
+        intermediate = None
+        if not self.pp.is_first:
+            shape = (self.stage_width, input_ids.shape[0], self.config.hidden_size)
+            intermediate = self.pp.recv(shape, self.dtype, self.device)
+        hidden, _ = self.model(input_ids, meta, (), intermediate)
+        if self.pp.is_last:
+            return hidden
+        self.pp.send(hidden)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32, full vocab on every rank
@@ -254,14 +309,14 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One spec per attention layer, in layer order: what each caches on this rank."""
-        return [layer.self_attn.attn.kv_spec for layer in self.model.layers]
+        return [layer.self_attn.attn.kv_spec for _, layer in self.model.stage_layers()]
 
     def bind_kv_cache(self, cache: KVCache) -> None:
         """Attend over ``cache`` (allocated for :meth:`kv_cache_specs` by its owner, see
         :func:`specray.models.kv_cache.allocate_kv_cache`)."""
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.bind_cache(cache.layer(i), cache.block_size, cache.fp8)
+        for j, (_, layer) in enumerate(self.model.stage_layers()):
+            layer.self_attn.attn.bind_cache(cache.layer(j), cache.block_size, cache.fp8)
         self.kv_cache_allocated = True
 
     # ------------------------------------------------------------------------------------------ weights
@@ -281,6 +336,13 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if name == "model.embed_tokens.weight" and self.tie_word_embeddings and not self.shares_embedding:
+                if self.pp.is_last:  # a later pipeline stage's head of its own, the embedding's tensor in it
+                    loaded.add(load_param(params["lm_head.weight"], "lm_head.weight", tensor, None))
+                if not self.pp.is_first:
+                    continue
+            if name.startswith(self.other_stage):
+                continue  # another pipeline stage's
             if name.endswith(KV_SCALE_NAMES):
                 kv_scales.setdefault(_layer_index(name), {})[name.rsplit(".", 1)[-1]] = float(materialize(tensor))
                 continue
@@ -302,9 +364,9 @@ class LlamaForCausalLM(nn.Module):
                                                                   scales.get("v_scale", both))
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
-        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.tie_word_embeddings)
+        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)
                                  and not n.endswith(EXPERT_PARAMS))  # experts: by expert, below
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in self.model.stage_layers():
             if isinstance(layer.mlp, SparseMoE):
                 expected.update(f"model.layers.{i}.mlp.{key}" for key in layer.mlp.expected_keys())
         missing = sorted(expected - loaded)

@@ -25,7 +25,7 @@ from specray.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbeddi
 from specray.models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim,
                                   attention_projections)
 from specray.models.moe import SparseMoE
-from specray.parallel import TPGroup
+from specray.parallel import PPGroup, TPGroup
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,12 +81,11 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
 
 
 class Llama4Model(LlamaModel):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([Llama4DecoderLayer(config, tp, i, expert_parallel)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.build_stage(config, pp, lambda i: Llama4DecoderLayer(config, tp, i, expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
 

@@ -33,7 +33,7 @@ from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part
-from specray.parallel import TPGroup
+from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -278,14 +278,15 @@ DUMMY_WEIGHT_RANGE = 1e-3  # dummy weights are uniform in [-r, r] (vLLM's too): 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False,
-               config: PlainConfig | None = None, load_format: str = "auto") -> CausalLM:
+               config: PlainConfig | None = None, load_format: str = "auto", pp: PPGroup | None = None) -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
     with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``).
     ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width).
     ``config``: the whole checkpoint's config as :func:`read_config` gives it, if the caller has read it (then
     transformers is not imported here). ``load_format="dummy"`` (vLLM's): random weights from torch's generator,
     none read (the folder needs only its config): a model of the checkpoint's shapes, for measuring speed and
-    memory without its weights; its outputs mean nothing."""
+    memory without its weights; its outputs mean nothing. ``pp``: this rank's pipeline stage, which builds and reads
+    only its own layers (the embedding on the first stage, the final norm and LM head on the last)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
     if load_format not in LOAD_FORMATS:
@@ -300,7 +301,7 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
     model_cls = get_model_class(config)
     with _default_dtype(dtype), torch.device(device):
-        net = model_cls(config, tp or TPGroup.single(), **({"expert_parallel": True} if expert_parallel else {}))
+        net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
         with torch.no_grad():
             for param in net.parameters():

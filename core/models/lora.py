@@ -28,7 +28,7 @@ import torch
 
 from specray.lora import AdapterInfo, LoRAConfig, LoRARequest, module_of, read_adapter, weights_file
 from specray.models.layers import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                   RowParallelLinear, linear)
+                                   RowParallelLinear, linear, other_stage_prefixes)
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class LoRASlots:
                              "serve this model without enable_lora")
         self.context = LoRAContext(config, model.dtype, device)
         self.stacked = getattr(model, "stacked", {})
+        self.other_stage = other_stage_prefixes(model)  # layers of other pipeline stages, whose adapters they load
         self.layers: dict[str, LinearLoRA] = {}  # our module name -> its LoRA
         for name, module in model.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and self._adaptable(name):
@@ -213,6 +214,8 @@ class LoRASlots:
         for lora in self.layers.values():
             lora.clear(slot)
         for module, (lora_a, lora_b) in tensors.items():
+            if module.startswith(self.other_stage):
+                continue
             target, part = self._target(module)
             self.layers[target].set(slot, part, lora_a, lora_b, info.scale(lora_a.shape[0]))
         self.slot_of[request.lora_int_id] = slot
