@@ -79,12 +79,14 @@ def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
 class PPGroup:
     """This rank's place in a pipeline of ``size`` stages: each stage holds a contiguous run of the decoder layers
     (:func:`stage_layers`) over its own tensor-parallel group, and hands its output to the next stage's rank of the
-    same tensor-parallel index (``next_rank``, a global rank; ``prev_rank`` is the one it receives from)."""
+    same tensor-parallel index (``next_rank``, a global rank; ``prev_rank`` is the one it receives from).
+    ``last_stage_embeds``: the last stage holds the token embedding too (a draft head there embeds tokens)."""
 
     stage: int = 0
     size: int = 1
     prev_rank: int | None = None
     next_rank: int | None = None
+    last_stage_embeds: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.stage < self.size:
@@ -110,6 +112,10 @@ class PPGroup:
     @property
     def is_last(self) -> bool:
         return self.stage == self.size - 1
+
+    @property
+    def holds_embedding(self) -> bool:
+        return self.is_first or (self.is_last and self.last_stage_embeds)
 
     def layers(self, num_layers: int) -> range:
         return stage_layers(num_layers, self.stage, self.size)

@@ -293,6 +293,65 @@ def test_lora_adapters_and_an_fp8_cache_over_pipeline_stages(tiny_llama_dir, tmp
         engine.shutdown()
 
 
+def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
+    """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case:
+    EAGLE-3 (chains; ``-tree``: EAGLE-2 trees; ``-whole``: unsplit), three MTP modules on the tiny Llama, DeepSeek-V3's
+    own MTP module (``-ep``: experts whole per rank), Medusa, ReDrafter; heads written to accept often."""
+    if method.startswith("deepseek-mtp"):
+        target = request.getfixturevalue("tiny_deepseek_dir")
+        return target, draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {
+            "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    if method.startswith("eagle3"):
+        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
+        model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
+        if method == "eagle3-tree":
+            spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
+    elif method == "medusa":
+        head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
+        model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
+    elif method.startswith("redrafter"):
+        head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
+        model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
+                                       "redrafter_draft_len_per_beam": 3}
+    else:  # the target's folder with its MTP modules added
+        model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
+        spec = {"method": "mtp", "num_nextn_predict_layers": 3}
+    if method.endswith("-whole"):
+        spec.update(draft_tensor_parallel_size=1)
+    spec.update(num_speculative_tokens=3, adaptive=False)
+    return tiny_llama_dir, model, spec
+
+
+PP_HEAD_CASES = [("eagle3", 1), ("eagle3-tree", 1), ("mtp3", 1), ("deepseek-mtp", 1), ("medusa", 1),
+                 ("redrafter", 1), ("eagle3", 2), ("deepseek-mtp-ep", 2)]
+
+
+@pytest.mark.parametrize("method,tp", PP_HEAD_CASES, ids=[f"{m}-tp{tp}" for m, tp in PP_HEAD_CASES])
+def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama_dir, tmp_path, method, tp):
+    """A hidden-state drafter over two pipeline stages (DeepSeek with MTP, EAGLE-3 across nodes): the head lives on
+    the last stage, which also holds the target's embedding for it; EAGLE-3's residual streams of the first stage's
+    layers travel with its output. With tp=2 each stage is two ranks and the head splits over the last stage's. The
+    same drafts are made and kept as on one rank, greedy output equals one rank's plain output, no block leaks."""
+    prompts = prompts_for(8, seed=4)
+    target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
+    references = run_to_end(engine_for(target), prompts)
+    one_rank = engine_for(model, speculative_config=spec)
+    assert run_to_end(one_rank, prompts) == references
+    engine = engine_for(model, pipeline_parallel_size=2, tensor_parallel_size=tp, ray_placement=HALF_CPU,
+                        speculative_config=spec, enable_expert_parallel=method.endswith("-ep"))
+    try:
+        blocks = engine.scheduler.block_manager
+        assert run_to_end(engine, prompts) == references
+        assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
+        assert (engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens) == (
+            one_rank.spec_stats.draft_tokens, one_rank.spec_stats.accepted_tokens)
+        assert blocks.num_free_blocks == blocks.num_blocks
+        shares = engine.executor.collective_rpc(probes.head_share)
+        assert shares[:tp] == [None] * tp and all(share is not None for share in shares[tp:]), shares
+    finally:
+        engine.shutdown()
+
+
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
               "redrafter", "redrafter-whole"]
 
@@ -311,31 +370,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
     LM head gathered whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
-    deepseek = method.startswith("deepseek-mtp")
-    target = request.getfixturevalue("tiny_deepseek_dir") if deepseek else tiny_llama_dir
+    target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
+    deepseek = target != tiny_llama_dir
     references = run_to_end(engine_for(target), prompts)
-    if deepseek:
-        model, spec = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {"method": "mtp"}
-    elif method.startswith("eagle3"):
-        head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
-        model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
-        if method == "eagle3-tree":
-            spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
-        if method == "eagle3-whole":
-            spec.update(draft_tensor_parallel_size=1)
-    elif method == "medusa":
-        head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
-        model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
-    elif method.startswith("redrafter"):
-        head = draft_heads.write_redrafter(tmp_path / "redrafter", tiny_llama_dir, accepting=True)
-        model, spec = tiny_llama_dir, {"method": "redrafter", "model": str(head), "redrafter_num_beams": 3,
-                                       "redrafter_draft_len_per_beam": 3}
-        if method == "redrafter-whole":
-            spec.update(draft_tensor_parallel_size=1)
-    else:  # the target's folder with its MTP modules added
-        model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
-        spec = {"method": "mtp", "num_nextn_predict_layers": 3}
-    spec.update(num_speculative_tokens=3, adaptive=False)
     split = not method.endswith("-whole")
     one_rank = engine_for(model, speculative_config=spec)
     assert run_to_end(one_rank, prompts) == references

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specray.config import EngineArgs
-from specray.engine.builder import check_engine_args, check_model_split
+from specray.engine.builder import check_model_split
 from specray.models.layers import OtherStage
 from specray.models.loader import load_model
 from specray.parallel import PPGroup, stage_layers
@@ -52,19 +52,15 @@ def test_ranks_are_numbered_stage_by_stage():
     assert groups[0].is_first and groups[5].is_last and not groups[2].is_first and not groups[2].is_last
 
 
-def test_engine_arguments_for_pipeline_stages(tiny_llama_dir):
-    """Several stages mean several processes (the Ray backend by default); a size below 1, or a drafter that reads
-    the target's hidden states (which the stages spread out), is a ValueError naming the fix."""
+def test_engine_arguments_for_pipeline_stages():
+    """Several stages mean several processes (the Ray backend by default); a size below 1 is a ValueError naming
+    the field."""
     assert EngineArgs(model="m", pipeline_parallel_size=2).executor_backend == "ray"
     assert EngineArgs(model="m", pipeline_parallel_size=2, tensor_parallel_size=2).world_size == 4
     with pytest.raises(ValueError, match="pipeline_parallel_size=0 must be an int >= 1"):
         EngineArgs(model="m", pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 needs several processes"):
         EngineArgs(model="m", pipeline_parallel_size=2, distributed_executor_backend="uni")
-    args = EngineArgs(model=str(tiny_llama_dir), pipeline_parallel_size=2,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError, match=r"method='mtp' reads the target's hidden states.* use pipeline_parallel_size=1"):
-        check_engine_args(args)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -108,23 +104,30 @@ PP_WORKER = textwrap.dedent("""
     tp, pp = join_groups(torch.device("cpu"), rank, world, f"tcp://127.0.0.1:{port}", stages)
 
     @torch.no_grad()
-    def run(model):
+    def run(model, aux_layers):
         # a prefill of two sequences (one in shuffled blocks), then a step of 4 and 1 tokens: the last stage's logits
+        # and the residual streams entering aux_layers (every stage hands on those of its layers)
         allocate_kv_cache(model, 32, 4)
         ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
         t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]
-        h1 = model(torch.tensor(ids[:27]), build_attention_metadata([20, 7], [0, 0], [t1, t2], 4))
-        h2 = model(torch.tensor(ids[27:32]), build_attention_metadata([4, 1], [20, 7], [t1, t2], 4))
-        return None if h1 is None else model.compute_logits(torch.cat([h1, h2]))
+        out1 = model(torch.tensor(ids[:27]), build_attention_metadata([20, 7], [0, 0], [t1, t2], 4), aux_layers)
+        out2 = model(torch.tensor(ids[27:32]), build_attention_metadata([4, 1], [20, 7], [t1, t2], 4), aux_layers)
+        if out1 is None:
+            return None
+        (h1, a1), (h2, a2) = out1, out2
+        return [model.compute_logits(torch.cat([h1, h2]))] + [torch.cat(pair) for pair in zip(a1, a2)]
 
     result = {}
     for folder in folders:  # a folder named *-ep: a mixture of experts split by whole experts
         model = load_model(folder, tp, expert_parallel=folder.endswith("-ep"), pp=pp)
-        logits = run(model)
+        num_layers = len(model.model.layers)
+        aux_layers = (num_layers - 1, 0, num_layers // 2, 0)  # out of order, repeated, across the stages
+        outputs = run(model, aux_layers)
         entry = {"stage": pp.stage, "tp": [tp.rank, tp.size], "kv_layers": len(model.kv_cache_specs()),
                  "layers": [i for i, m in enumerate(model.model.layers) if not isinstance(m, OtherStage)]}
-        if logits is not None:
-            entry["diff"] = (logits - run(load_model(folder))).abs().max().item()
+        if outputs is not None:
+            one_rank = run(load_model(folder), aux_layers)
+            entry["diff"] = max((a - b).abs().max().item() for a, b in zip(outputs, one_rank, strict=True))
         result[folder] = entry
     del model
     gc.collect()
@@ -151,7 +154,7 @@ def run_stages(tmp_path, folders: list[str], tp: int, stages: int) -> list[dict]
 
 def check_stages(results: list[dict], folders: list[str], tp: int, stages: int) -> None:
     """Each stage's ranks hold its layers (all of them once over the stages), and every rank of the last stage has
-    one rank's logits."""
+    one rank's logits and residual streams."""
     for folder in folders:
         entries = [r[folder] for r in results]
         per_stage = [entries[s * tp]["layers"] for s in range(stages)]

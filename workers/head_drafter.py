@@ -217,6 +217,14 @@ class HiddenStateDrafter:
         return load_head(config, target, target_config, tp)
 
     @classmethod
+    def aux_layers_of(cls, config: dict, target_config) -> tuple[int, ...]:
+        """The target layers whose residual stream the head of the plain-data ``config`` reads, known before it is
+        loaded (every pipeline stage carries the streams of its layers among them to the last stage)."""
+        from specray.models.draft_head_loader import head_aux_layers
+
+        return head_aux_layers(config["method"], config.get("head_config"), target_config)
+
+    @classmethod
     def build(cls, head: DraftHead, config: dict, num_blocks: int, block_size: int) -> "HiddenStateDrafter":
         return cls(head, num_blocks, block_size, tree_shape_of(config), driver=bool(config.get("driver", True)),
                    seed=int(config.get("seed", 0)), step_graphs=bool(config.get("step_graphs", False)))

@@ -48,6 +48,10 @@ class MedusaDrafter:
         return load_medusa_heads(config["model"], target_config, target.dtype, target.device, tp)
 
     @classmethod
+    def aux_layers_of(cls, config: dict, target_config) -> tuple[int, ...]:
+        return ()  # the final hidden states only
+
+    @classmethod
     def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
         return cls(head, config["choices"])
 

@@ -50,7 +50,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
-                 lora: LoRASlots | None = None, kv_cache_dtype: str = "auto"):
+                 lora: LoRASlots | None = None, kv_cache_dtype: str = "auto",
+                 aux_layers: tuple[int, ...] | None = None):
         self.model = model
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
@@ -61,7 +62,11 @@ class ModelRunner:
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         # this runner owns it
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
-        aux_layers = drafter.aux_layers if drafter is not None else ()
+        # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
+        # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)
+        if aux_layers is None:
+            aux_layers = drafter.aux_layers if drafter is not None else ()
+        self.aux_layers = tuple(aux_layers)
         self.graphs = StepGraphs(model, block_size, list(range(num_blocks, num_blocks + scratch)), self.device,
                                  aux_layers, lora=None if lora is None else lora.context) if step_graphs else None
         self.block_tables: dict[str, list[int]] = {}
@@ -223,8 +228,9 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
-        if self.drafter is not None and self.drafter.aux_layers:
-            return self.model(input_ids, meta, aux_layers=self.drafter.aux_layers)
+        if self.aux_layers:
+            out = self.model(input_ids, meta, aux_layers=self.aux_layers)
+            return (None, []) if out is None else out  # None: a pipeline stage before the last
         return self.model(input_ids, meta), []
 
     def _lora_slots(self, chunks: list[ScheduledChunk]) -> tuple[tuple[torch.Tensor, ...], bool]:

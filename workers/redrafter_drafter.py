@@ -44,6 +44,10 @@ class ReDrafterDrafter:
         return load_redrafter(config["model"], target_config, target.dtype, target.device, target=target, tp=tp)
 
     @classmethod
+    def aux_layers_of(cls, config: dict, target_config) -> tuple[int, ...]:
+        return ()  # the final hidden states only
+
+    @classmethod
     def build(cls, head: ReDrafterHead, config: dict, num_blocks: int, block_size: int) -> "ReDrafterDrafter":
         return cls(head, int(config["beams"]), int(config["beam_length"]))
 

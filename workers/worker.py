@@ -12,7 +12,7 @@ import gc
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -159,7 +159,9 @@ class Worker:
         self.device = resolve_device(config.device)
         self.num_threads = config.num_threads or torch.get_num_threads()
         self.bind_thread()
-        tp, self.pp = join_groups(self.device, rank, world_size, init_method, config.pipeline_parallel_size)
+        tp, pp = join_groups(self.device, rank, world_size, init_method, config.pipeline_parallel_size)
+        # over pipeline stages, a worker drafter runs on the last stage, which then also holds the token embedding
+        self.pp = replace(pp, last_stage_embeds=bool(config.worker_drafter) and pp.size > 1)
         self.world_size = world_size
         self.is_driver = self.pp.is_last and tp.rank == 0  # samples and answers
         model_config = config.model_config or read_config(config.model)
@@ -169,9 +171,10 @@ class Worker:
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
                                           expert_parallel=config.enable_expert_parallel, config=model_config,
                                           load_format=config.load_format, pp=self.pp)
-        if config.worker_drafter and self.pp.size > 1:
-            raise ValueError("a drafter that reads the target's hidden states needs pipeline_parallel_size=1")
-        self.head = self._load_head(hf_config, tp) if config.worker_drafter else None
+        # the target layers whose residual stream the drafter reads: every stage hands those among its layers on
+        self.aux_layers = (self._drafter_class().aux_layers_of(config.worker_drafter, hf_config)
+                           if config.worker_drafter else ())
+        self.head = self._load_head(hf_config, tp) if config.worker_drafter and self.pp.is_last else None
         # the adapters' slots, allocated before the KV cache is sized
         self.lora = LoRASlots(self.model, LoRAConfig(**config.lora), self.device) if config.lora else None
         self.runner: ModelRunner | None = None
@@ -187,8 +190,8 @@ class Worker:
         config = {**self.config.worker_drafter, "expert_parallel": self.config.enable_expert_parallel}
         if tp.size > 1 and config.get("split"):
             return self._drafter_class().load_head(config, self.model, hf_config, tp)
-        target = self.model if tp.size == 1 else whole_target(self.model, keep=self.rank == 0)
-        if self.rank != 0:
+        target = self.model if tp.size == 1 else whole_target(self.model, keep=tp.rank == 0)
+        if tp.rank != 0:
             return None
         return self._drafter_class().load_head(config, target, hf_config)
 
@@ -230,11 +233,13 @@ class Worker:
             config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.is_driver,
                       "step_graphs": graphs}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
+            assert tuple(drafter.aux_layers) == self.aux_layers, (drafter.aux_layers, self.aux_layers)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                                   is_driver=self.is_driver, drafter=drafter,
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
-                                  step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype)
+                                  step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype,
+                                  aux_layers=self.aux_layers)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

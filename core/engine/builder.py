@@ -98,11 +98,6 @@ def check_engine_args(args: EngineArgs) -> None:
     registry.check(spec)
     if spec is None:
         return
-    if registry.runs_in_worker(spec.method) and args.pipeline_parallel_size > 1:
-        raise ValueError(f"speculative_config.method={spec.method!r} reads the target's hidden states, which "
-                         f"pipeline_parallel_size={args.pipeline_parallel_size} spreads over several stages; use "
-                         "pipeline_parallel_size=1 (tensor_parallel_size can split the model instead), or a method "
-                         "that drafts apart from the target (ngram, suffix, draft_model, ...)")
     if registry.runs_in_worker(spec.method):  # a draft TP it cannot run, or a head whose heads do not split
         options = registry.options_of(spec)
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):

@@ -103,6 +103,16 @@ def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
     return weight.detach()[target_ids.to(weight.device)].clone()
 
 
+def head_aux_layers(method: str, head_config, target_config) -> tuple[int, ...]:
+    """The target layers whose input residual stream ``method``'s head reads (EAGLE-3: its config's
+    ``eagle_aux_hidden_state_layer_ids``, else the usual three); () for a head that reads the final hidden states."""
+    if not LAYOUTS[method].aux_features:
+        return ()
+    eagle_config = getattr(head_config, "eagle_config", None) or {}
+    return tuple(eagle_config.get("eagle_aux_hidden_state_layer_ids")
+                 or eagle3_aux_layers(target_config.num_hidden_layers))
+
+
 def read_head_config(path) -> PlainConfig:
     """An EAGLE / EAGLE-3 head's config (read with transformers, where the engine runs; the ranks get it as plain
     data): its own architecture's, or a Llama layer's for one transformers does not know (vLLM's Eagle ones), with
@@ -189,8 +199,7 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
         if fc is not None and tuple(shape_of(fc)) != (h, 2 * h):
             raise ValueError(f"the eagle head's fc.weight is {tuple(shape_of(fc))}, expected {(h, 2 * h)}")
     if method == "eagle3":
-        eagle_config = getattr(config, "eagle_config", None) or {}
-        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") or eagle3_aux_layers(target_config.num_hidden_layers)
+        aux = head_aux_layers(method, config, target_config)
         if any(not 0 <= i < target_config.num_hidden_layers for i in aux):
             raise ValueError(f"the eagle3 head reads target layers {list(aux)} but the target has "
                              f"{target_config.num_hidden_layers}")

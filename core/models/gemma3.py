@@ -137,7 +137,7 @@ class Gemma3Model(StageModel):
                 aux[i] = x
             x = layer(x, *tables[layer.layer_type], meta)
         if not self.pp.is_last:
-            return x[None], []
+            return x[None], [aux[i] for i in aux_layers]
         return self.norm(x), [aux[i] for i in aux_layers]
 
 

@@ -176,7 +176,7 @@ class StageModel(nn.Module):
                     embed: Callable[[], nn.Module], norm: Callable[[], nn.Module]) -> None:
         self.pp = pp or PPGroup.single()
         self.stage = self.pp.layers(config.num_hidden_layers)  # the layer indices this stage runs
-        self.embed_tokens = on_stage(self.pp.is_first, embed)
+        self.embed_tokens = on_stage(self.pp.holds_embedding, embed)
         self.layers = nn.ModuleList([on_stage(i in self.stage, lambda i=i: layer(i))
                                      for i in range(config.num_hidden_layers)])
         self.norm = on_stage(self.pp.is_last, norm)
@@ -210,7 +210,7 @@ class LlamaModel(StageModel):
                 aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
             x, residual = layer(x, residual, cos, sin, meta)
         if not self.pp.is_last:
-            return torch.stack((x, residual)), []
+            return torch.stack((x, residual)), [aux[i] for i in aux_layers]
         x, _ = self.norm(x, residual)
         return x, [aux[i] for i in aux_layers]
 
@@ -236,9 +236,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(hf_config, tp, expert_parallel, pp)
         self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # tied on one stage: the embedding is the head; over several, the last stage loads the embedding's tensor
-        # into a head of its own
-        self.shares_embedding = self.tie_word_embeddings and pp.is_first and pp.is_last
+        # tied on a stage holding both: the embedding is the head; a last stage without the embedding loads the
+        # embedding's tensor into a head of its own
+        self.shares_embedding = self.tie_word_embeddings and pp.holds_embedding and pp.is_last
         if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.other_stage = other_stage_prefixes(self)  # checkpoint names this stage skips
@@ -279,27 +279,35 @@ class LlamaForCausalLM(nn.Module):
         num_layers = len(self.model.layers)
         if any(not 0 <= i < num_layers for i in aux_layers):
             raise ValueError(f"aux_layers={tuple(aux_layers)}: layer indices must lie in [0, {num_layers})")
-        if aux_layers and self.pp.size > 1:
-            raise ValueError(f"aux_layers={tuple(aux_layers)}: a drafter reading the target's hidden states needs "
-                             "the whole model on one pipeline stage (pipeline_parallel_size=1)")
         if self.pp.size == 1:
             hidden, aux = self.model(input_ids, meta, aux_layers)
-            return (hidden, aux) if aux_layers else hidden
-        return self._stage_forward(input_ids, meta)
+        else:
+            out = self._stage_forward(input_ids, meta, aux_layers)
+            if out is None:
+                return None
+            hidden, aux = out
+        return (hidden, aux) if aux_layers else hidden
 
-    def _stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """One pipeline stage's part: receive the previous stage's output (every rank knows its shape from the plan),
-        run this stage's layers, and hand the result on; the last stage returns the final hidden states, the others
-        None."""
+    def _stage_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int]
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """One pipeline stage's part: receive the previous stage's output (every rank knows its shape from the plan
+        and ``aux_layers``), run this stage's layers, and hand the result on, with the residual stream entering each
+        of ``aux_layers`` so far; the last stage returns (hidden, aux) as one stage would, the others None."""
+        stage, width = self.model.stage, self.stage_width
+        carried = sorted(i for i in set(aux_layers) if i < stage.start)  # from earlier stages, in layer order
+        mine = sorted(i for i in set(aux_layers) if i in stage)
         intermediate = None
         if not self.pp.is_first:
-            shape = (self.stage_width, input_ids.shape[0], self.config.hidden_size)
+            shape = (width + len(carried), input_ids.shape[0], self.config.hidden_size)
             intermediate = self.pp.recv(shape, self.dtype, self.device)
-        hidden, _ = self.model(input_ids, meta, (), intermediate)
-        if self.pp.is_last:
-            return hidden
-        self.pp.send(hidden)
-        return None
+        hidden, own = self.model(input_ids, meta, mine, None if intermediate is None else intermediate[:width])
+        if not self.pp.is_last:  # [width + carried + own, T, H], the streams in layer order
+            parts = [hidden] + ([intermediate[width:]] if carried else []) + ([torch.stack(own)] if own else [])
+            self.pp.send(torch.cat(parts) if len(parts) > 1 else hidden)
+            return None
+        streams = dict(zip(carried, intermediate[width:])) if carried else {}
+        streams.update(zip(mine, own))
+        return hidden, [streams[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32, full vocab on every rank
@@ -336,11 +344,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            if name == "model.embed_tokens.weight" and self.tie_word_embeddings and not self.shares_embedding:
-                if self.pp.is_last:  # a later pipeline stage's head of its own, the embedding's tensor in it
-                    loaded.add(load_param(params["lm_head.weight"], "lm_head.weight", tensor, None))
-                if not self.pp.is_first:
-                    continue
+            if (name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.pp.is_last
+                    and not self.shares_embedding):  # a later pipeline stage's head of its own
+                loaded.add(load_param(params["lm_head.weight"], "lm_head.weight", tensor, None))
             if name.startswith(self.other_stage):
                 continue  # another pipeline stage's
             if name.endswith(KV_SCALE_NAMES):
