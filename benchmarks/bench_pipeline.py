@@ -1,12 +1,12 @@
-"""What pipeline stages hold and cost (``pipeline_parallel_size``), on the default model (or ``--model``), greedy,
-on a local Ray (the ranks are actors with ``--threads`` CPU threads each).
+"""What pipeline stages hold and cost (``pipeline_parallel_size``), on the default model (or ``--model``), greedy, on a
+local Ray (the ranks are actors with ``--threads`` CPU threads each).
 
 Configurations (``--configs``): ``tp1`` (one rank, Ray backend), ``pp2`` and ``pp3`` (two or three stages of one
-rank), ``tp2`` (two tensor-parallel ranks). For each: every rank's parameter bytes, the KV blocks the engine agreed
-under one per-rank budget (``--kv-bytes``), and the time of one batch of ``--requests`` prompts, ``--max-tokens``
-tokens each (EOS ignored), with ``--spec`` drafting (``none`` or ``ngram``), best of ``--rounds``. Every
-configuration's tokens must equal the first's (greedy). Prints one JSON line per configuration, then the machine,
-torch version and commit.
+rank), ``tp3`` (three tensor-parallel ranks: the default model has 9 heads). For each: every rank's parameter bytes,
+the KV blocks the engine agreed under one per-rank budget (``--kv-bytes``), and the time of one batch of
+``--requests`` prompts, ``--max-tokens`` tokens each (EOS ignored), with ``--spec`` drafting (``none`` or
+``ngram``), best of ``--rounds``. Every configuration's tokens must equal the first's (greedy). Prints one JSON line
+per configuration, then the machine, torch version and commit.
 
 One batch is in flight at a time, so stages compute in turn: what stages buy is memory per rank (weights and KV),
 and what they cost is the hand-off between them.
@@ -37,7 +37,7 @@ from specray.engine.builder import build_engine  # noqa: E402
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well.",
            "What is the capital of France, and why is it famous?", "Describe a cat to someone who never saw one.",
            "List the planets of the solar system.", "How do I boil an egg?", "What does a compiler do?"]
-CONFIGS = {"tp1": (1, 1), "pp2": (1, 2), "pp3": (1, 3), "tp2": (2, 1)}
+CONFIGS = {"tp1": (1, 1), "pp2": (1, 2), "pp3": (1, 3), "tp3": (3, 1)}
 
 
 def param_bytes(worker) -> int:
@@ -63,7 +63,7 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--configs", default="tp1,pp2,pp3,tp2")
+    ap.add_argument("--configs", default="tp1,pp2,pp3,tp3")
     ap.add_argument("--spec", default="ngram", choices=["none", "ngram"])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
