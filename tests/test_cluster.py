@@ -921,7 +921,8 @@ def test_grammar_masks_go_to_the_driver_rank_alone():
             return None
 
     executor = RayExecutor.__new__(RayExecutor)
-    executor.tp_size, executor._restarting, executor.channel = 3, None, Channel()
+    executor.tp_size, executor.world_size, executor.driver = 3, 3, 0
+    executor._restarting, executor.channel = None, Channel()
     chunk = ScheduledChunk("a", [1, 2], 0)
     masked = StepPlan(1, chunks=[chunk], token_bitmasks={"a": np.full((1, 4), -1, dtype=np.int32)})
     executor.execute(masked)
@@ -932,6 +933,11 @@ def test_grammar_masks_go_to_the_driver_rank_alone():
     plain = StepPlan(2, chunks=[chunk])
     executor.execute(plain)
     assert all(m is executor.channel.messages[0] for m in executor.channel.messages)
+    executor.world_size, executor.driver = 6, 3  # two pipeline stages of three: the last stage's first rank
+    executor.execute(masked)
+    messages = executor.channel.messages
+    assert len(messages) == 6 and messages[3][0] is masked
+    assert all(m[0].token_bitmasks == {} for i, m in enumerate(messages) if i != 3)
 
 
 def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_token_was_guessed():

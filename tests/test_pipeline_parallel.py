@@ -191,3 +191,27 @@ def test_stages_of_tensor_parallel_ranks_match_one_rank(make_tiny_model, tmp_pat
     results = run_stages(tmp_path / "pp3", [llama], 1, 3)
     check_stages(results, [llama], 1, 3)
     assert [r[llama]["layers"] for r in results] == [[0], [1, 2], [3]]
+
+
+def test_a_stage_reads_only_its_own_tensors_of_an_fp8_release(make_tiny_model, tmp_path, monkeypatch):
+    """An FP8 release over two stages: each stage dequantizes only its own layers' weights (the others' are not
+    read), and holds the same values as the whole model loaded from the same files."""
+    import specray.models.fp8 as fp8
+    import specray_test_checkpoints as checkpoints
+
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=4, num_hidden_layers=4, tie_word_embeddings=True)
+    release, _ = checkpoints.write_fp8(folder, tmp_path / "q")
+    calls = []
+    original = fp8.dequantize
+    monkeypatch.setattr(fp8, "dequantize", lambda *a: calls.append(1) or original(*a))
+    whole = load_model(release, pack=False)
+    per_model = len(calls)
+    params = dict(whole.named_parameters(remove_duplicate=False))
+    for stage in (PPGroup(0, 2, None, 1), PPGroup(1, 2, 0, None)):
+        calls.clear()
+        part = load_model(release, pack=False, pp=stage)
+        other = f"model.layers.{3 - 3 * stage.stage}.mlp.up_proj.weight"  # the last layer, or the first
+        assert 0 < len(calls) < per_model and not part.reads_weight(other)
+        for name, p in part.named_parameters():
+            torch.testing.assert_close(p, params[name], rtol=0, atol=0)
+    assert per_model == 4 * 7  # every layer's seven projections

@@ -37,7 +37,8 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> Any:
         """input_ids [T], ``meta`` (positions, slots, masks) -> the final hidden states [T, H]; with
         ``aux_layers``, ``(hidden, [residual stream entering each of those layers, [T, H]])`` (what transformers'
-        ``output_hidden_states[i]`` holds; EAGLE-3 reads three of them)."""
+        ``output_hidden_states[i]`` holds; EAGLE-3 reads three of them). A model built for a pipeline stage before
+        the last (``pp``) hands its output to the next stage and returns None."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

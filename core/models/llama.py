@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
                     and not self.shares_embedding):  # a later pipeline stage's head of its own
                 loaded.add(load_param(params["lm_head.weight"], "lm_head.weight", tensor, None))
             if name.startswith(self.other_stage):
-                continue  # another pipeline stage's
+                continue  # another pipeline stage's (the loader reads only what reads_weight names)
             if name.endswith(KV_SCALE_NAMES):
                 kv_scales.setdefault(_layer_index(name), {})[name.rsplit(".", 1)[-1]] = float(materialize(tensor))
                 continue
@@ -368,6 +368,13 @@ class LlamaForCausalLM(nn.Module):
             both = scales.get("kv_scale", 1.0)
             self.model.layers[layer].self_attn.attn.set_kv_scales(scales.get("k_scale", both),
                                                                   scales.get("v_scale", both))
+
+    def reads_weight(self, name: str) -> bool:
+        """Whether :meth:`load_weights` uses checkpoint tensor ``name`` (or its scale): a pipeline stage skips the
+        other stages' layers, embedding, norm and head, but a later stage's own LM head reads a tied embedding."""
+        if name.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.pp.is_last:
+            return True
+        return not name.startswith(self.other_stage)
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,15 +252,23 @@ def load_frozen(module: nn.Module, state: dict[str, torch.Tensor], what: str) ->
     return module
 
 
-def checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with an FP8 release's weights dequantized as they come, but for its experts' (which
-    come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`)."""
+    come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
+    only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
+    (and their scales) it names, the others not read (a pipeline stage's)."""
     config = json.loads((Path(source.path) / "config.json").read_text())
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    weights = iter_weights(source)
+    if prefix:
+        weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
+    if wanted is not None:
+        weights = ((name, t) for name, t in weights if wanted(name))
     block = fp8_block_size(quant)
     if block is False:
-        return iter_weights(source)
-    return dequantized(iter_weights(source), block, keep=is_per_expert_tensor, suffix=scale_suffix(quant))
+        return weights
+    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant))
 
 
 @contextlib.contextmanager
@@ -294,11 +302,10 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     dummy = load_format == "dummy"
     source = resolve_model(model, weights=not dummy)
     config = config or read_config(source.path)
-    weights = () if dummy else checkpoint_weights(source)
     part = text_part(config)
+    prefix = ""
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
         config, prefix = part
-        weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
     model_cls = get_model_class(config)
     with _default_dtype(dtype), torch.device(device):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
@@ -307,7 +314,7 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
             for param in net.parameters():
                 param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
     else:
-        net.load_weights(weights)
+        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None)))
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)
