@@ -27,6 +27,12 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # what precedes a module's name in PEFT's tensor names (``base_model.model.`` + the base model's own name)
 _PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+# an adapter of a multimodal release (Gemma 3's, Llama-4's ...ForConditionalGeneration): its text model's modules
+# under these names (transformers' older layout, then its newer one) are the text model's own ``model.``
+_TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+# ... and the modules of its other towers, which a text-only engine never runs (their matrices are left out)
+_OTHER_TOWERS = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.vision_model.", "model.multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -105,12 +111,22 @@ class AdapterInfo:
 
 
 def module_of(key: str) -> tuple[str, str] | None:
-    """A PEFT tensor name -> (the base model's module it adapts, "A" or "B"); None for a tensor that is not a LoRA
-    matrix (e.g. ``lora_embedding_A``, a saved module)."""
+    """A PEFT tensor name -> (the base model's module it adapts, "A" or "B"), a multimodal release's text modules
+    named as the text model's (``model.layers...``); None for a tensor that is not a LoRA matrix (e.g.
+    ``lora_embedding_A``, a saved module)."""
     if key.startswith(_PEFT_PREFIX):
         key = key[len(_PEFT_PREFIX):]
+    for prefix in _TEXT_MODEL_PREFIXES:
+        if key.startswith(prefix):
+            key = "model." + key[len(prefix):]
+            break
     match = _LORA_KEY.fullmatch(key)
     return None if match is None else (match["module"], match["which"])
+
+
+def of_other_tower(module: str) -> bool:
+    """A module of a multimodal release's vision tower or projector: text-only serving never runs it."""
+    return module.startswith(_OTHER_TOWERS)
 
 
 def adapter_folder(path: str) -> Path:
@@ -198,6 +214,8 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
             raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
                              "(embeddings, LM heads and saved modules are not supported)")
         module, which = found
+        if of_other_tower(module):
+            continue  # never run for text
         if len(shape) != 2:
             raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
         if shapes is not None:

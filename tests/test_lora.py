@@ -7,6 +7,7 @@ cached prefixes never shared across adapters."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,33 @@ def test_greedy_output_with_adapters_equals_the_merged_models(kind, adapters, ti
             alone = [llm.generate([p], runs.greedy(), use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
                      for p, r in zip(runs.PROMPTS, lora)]
             assert alone == expected
+
+
+def test_adapters_of_a_multimodal_release_serve_its_text_model(adapters, tiny_llama_dir, tmp_path):
+    """An adapter trained on a multimodal release (Gemma 3's or Llama-4's ...ForConditionalGeneration) names the text
+    model's modules under its language model (``language_model.model.layers...``, or transformers' newer
+    ``model.language_model.layers...``) and may adapt the vision tower and projector too: its text modules apply to
+    the text model (the same outputs as the adapter under the text model's own names), the other towers' matrices
+    are left out (text never runs them)."""
+    from safetensors.torch import load_file, save_file
+
+    requests, expected = adapters
+    renamed = []
+    for i, prefix in enumerate(("language_model.model.", "model.language_model.")):
+        folder = tmp_path / f"mm{i}"
+        shutil.copytree(requests[0].lora_path, folder)
+        state = load_file(str(folder / "adapter_model.safetensors"))
+        state = {k.replace("base_model.model.model.", f"base_model.model.{prefix}"): v for k, v in state.items()}
+        for tower in ("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+                      "model.multi_modal_projector.mm_input_projection"):
+            state[f"base_model.model.{tower}.lora_A.weight"] = torch.ones(4, 7)
+            state[f"base_model.model.{tower}.lora_B.weight"] = torch.ones(5, 4)
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        renamed.append(LoRARequest(f"mm{i}", 10 + i, str(folder)))
+    with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        for request in renamed:
+            outs = llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False, lora_request=request)
+            assert runs.token_ids(outs) == expected[0]
 
 
 def test_one_adapter_slot_serves_several_adapters_in_turn(adapters, tiny_llama_dir):

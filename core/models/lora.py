@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from specray.lora import AdapterInfo, LoRAConfig, LoRARequest, module_of, read_adapter, weights_file
+from specray.lora import (AdapterInfo, LoRAConfig, LoRARequest, module_of, of_other_tower, read_adapter,
+                          weights_file)
 from specray.models.layers import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear, linear, other_stage_prefixes)
 
@@ -255,5 +256,6 @@ def _read_pairs(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         found = module_of(key)
         if found is None:
             raise ValueError(f"{path}: tensor {key!r} is not a LoRA matrix of a projection")
-        pairs.setdefault(found[0], {})[found[1]] = tensor.float()
+        if not of_other_tower(found[0]):
+            pairs.setdefault(found[0], {})[found[1]] = tensor.float()
     return {module: (pair["A"], pair["B"]) for module, pair in pairs.items()}
