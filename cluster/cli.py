@@ -206,7 +206,7 @@ def _add_serve_parser(sub) -> None:
                    "read when first asked for (Ray Serve LLM's option; turns --enable-lora on)")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which "
-                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True turns on too; one replica only)")
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True turns on too; every replica sees the same names)")
     p.add_argument("--max-loras", type=int, default=None, help="most adapters in one step (vLLM's; default 1)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank (vLLM's; default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,

@@ -156,7 +156,7 @@ class ServerConfig:
     lora_dir: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs name tokens "token_id:<id>" unless asked not to
     # vLLM's runtime LoRA updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter name adapters while the
-    # server runs (this replica's own names: the server refuses it with several ingress replicas)
+    # server runs (in the replica, or in one registry that several ingress replicas share)
     runtime_lora_updating: bool = False
     max_lora_rank: int = 16  # what an adapter loaded at run time may have (the engine's max_lora_rank)
 
@@ -703,15 +703,44 @@ def _usage(choices: list[_Choice]) -> proto.Usage:
 
 # ---- the serving logic ---------------------------------------------------------------------------------
 
+class RuntimeAdapters:
+    """vLLM's runtime-loaded LoRA adapters (``POST /v1/load_lora_adapter``): served name -> LoRARequest, each load
+    with an id of its own (from ``RUNTIME_IDS``), so an engine never sees one id name two folders. In the replica's
+    memory; with several ingress replicas one deployment of it serves them all (``specray.cluster.serve``), behind
+    the same awaited interface."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, LoRARequest] = {}
+        self.ids = itertools.count(RUNTIME_IDS)
+
+    async def get(self, name: str) -> LoRARequest | None:
+        return self.adapters.get(name)
+
+    async def names(self) -> list[str]:
+        return list(self.adapters)
+
+    async def load(self, name: str, path: str, base_model: str, inplace: bool) -> bool:
+        """Serve the adapter at ``path`` as ``name``; False (nothing changed) when ``name`` is loaded already and
+        ``inplace`` does not say to replace it."""
+        if name in self.adapters and not inplace:
+            return False
+        self.adapters[name] = LoRARequest(name, next(self.ids), path, base_model)
+        return True
+
+    async def unload(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None
+
+
 class OpenAIServing:
-    def __init__(self, client: EngineClient, config: ServerConfig, metrics: ServerMetrics, response_store=None):
+    def __init__(self, client: EngineClient, config: ServerConfig, metrics: ServerMetrics, response_store=None,
+                 runtime_adapters=None):
         self.client = client
         self.config = config
         self.metrics = metrics
         self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
         self.logprob_ids_fmt = proto.LogprobFormatter(client.tokenizer, as_token_ids=True)
-        self._runtime_adapters: dict[str, LoRARequest] = {}  # loaded through /v1/load_lora_adapter
-        self._runtime_ids = itertools.count(RUNTIME_IDS)
+        # adapters loaded through /v1/load_lora_adapter: the replica's own, or one registry several replicas share
+        self.runtime_adapters = runtime_adapters if runtime_adapters is not None else RuntimeAdapters()
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
         self.max_prompt_chars = client.max_model_len * _CHARS_PER_TOKEN_SLACK * max_token_chars(client.tokenizer)
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
@@ -765,21 +794,19 @@ class OpenAIServing:
         if name in (*self._base_names(), *(a.lora_name for a in config.lora_modules)):
             raise proto.bad_request(f"lora_name {name!r} is already served (a model name or a --lora-modules "
                                     "adapter); choose another", "lora_name")
-        if name in self._runtime_adapters and not req.load_inplace:
-            raise proto.bad_request(f"The lora adapter {name!r} has already been loaded; unload it first, or send "
-                                    "load_inplace: true to replace it", "lora_name")
         try:
             await self._off_loop(lambda: read_adapter(req.lora_path, None, config.max_lora_rank))
         except ValueError as err:
             raise proto.bad_request(str(err), "lora_path") from None
-        self._runtime_adapters[name] = LoRARequest(name, next(self._runtime_ids), req.lora_path,
-                                                   config.served_model_name)
+        if not await self.runtime_adapters.load(name, req.lora_path, config.served_model_name, req.load_inplace):
+            raise proto.bad_request(f"The lora adapter {name!r} has already been loaded; unload it first, or send "
+                                    "load_inplace: true to replace it", "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_lora_adapter(self, body: Any, arrival: float) -> Response:
         """vLLM's runtime LoRA unloading: later requests naming it get a 404; running ones finish with it."""
         req = proto.parse_request(proto.UnloadLoRAAdapterRequest, body)
-        if self._runtime_adapters.pop(req.lora_name, None) is None:
+        if not await self.runtime_adapters.unload(req.lora_name):
             raise proto.OpenAIError(404, f"The lora adapter {req.lora_name!r} cannot be found (only adapters loaded "
                                          "through /v1/load_lora_adapter can be unloaded)", "NotFoundError",
                                     "lora_name", "lora_not_found")
@@ -792,13 +819,13 @@ class OpenAIServing:
         return await self._handle(request, self._detokenize)
 
     async def models(self) -> dict:
-        cards = [self._model_card(name, self._adapter(name)) for name in self._names()]
+        cards = [self._model_card(name, await self._adapter(name)) for name in await self._names()]
         return proto.ModelList(data=cards).model_dump(exclude_none=True)
 
     async def model(self, model_id: str) -> Response:
         """OpenAI's retrieve-model route: the served model's card, or a 404 in OpenAI's shape."""
         try:
-            lora = self._resolve_model(model_id)
+            lora = await self._resolve_model(model_id)
         except proto.OpenAIError as err:
             return error_response(err)
         return JSONResponse(self._model_card(model_id, lora).model_dump(exclude_none=True))
@@ -807,7 +834,7 @@ class OpenAIServing:
         """The names the base model is served under (vLLM's several --served-model-name), the first the main one."""
         return (self.config.served_model_name, *self.config.model_aliases)
 
-    def _names(self) -> tuple[str, ...]:
+    async def _names(self) -> tuple[str, ...]:
         """Every name the model is served under (vLLM's several --served-model-name), the first the main one,
         then the adapters' (--lora-modules, then those of the adapter folder, as they are now)."""
         config = self.config
@@ -817,19 +844,21 @@ class OpenAIServing:
             found = sorted(p.name for p in folder.iterdir() if ADAPTER_NAME.fullmatch(p.name) and
                            (p / ADAPTER_CONFIG).is_file()) if folder.is_dir() else []
             dynamic = tuple(f"{config.served_model_name}:{name}" for name in found)
-        return (*self._base_names(), *(a.lora_name for a in config.lora_modules), *self._runtime_adapters, *dynamic)
+        runtime = await self.runtime_adapters.names() if config.runtime_lora_updating else ()
+        return (*self._base_names(), *(a.lora_name for a in config.lora_modules), *runtime, *dynamic)
 
     def _model_card(self, name: str, lora: LoRARequest | None = None) -> proto.ModelCard:
         return proto.ModelCard(id=name, created=proto.now(), max_model_len=self.client.max_model_len,
                                root=None if lora is None else lora.lora_path,
                                parent=None if lora is None else lora.base_model_name)
 
-    def _adapter(self, name: str | None) -> LoRARequest | None:
+    async def _adapter(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model): one of --lora-modules, or
         "<model>:<adapter>" with an adapter folder of that name in ``lora_dir``."""
         config = self.config
-        named = next((a for a in config.lora_modules if a.lora_name == name), None) or (
-            self._runtime_adapters.get(name) if name is not None else None)
+        named = next((a for a in config.lora_modules if a.lora_name == name), None)
+        if named is None and name is not None and config.runtime_lora_updating:
+            named = await self.runtime_adapters.get(name)
         if named is not None or config.lora_dir is None or name is None:
             return named
         base, _, adapter = name.partition(":")
@@ -899,7 +928,7 @@ class OpenAIServing:
 
     async def _completions(self, body: Any, arrival: float) -> Response:
         req = proto.parse_request(proto.CompletionRequest, body)
-        lora = self._resolve_model(req.model)
+        lora = await self._resolve_model(req.model)
         self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
         prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
         prompts = [_truncated(p, req.truncate_prompt_tokens) for p in prompts]
@@ -914,7 +943,7 @@ class OpenAIServing:
     async def _chat_completions(self, body: Any, arrival: float, responses_req=None, on_response=None) -> Response:
         """A chat completion; or, with ``responses_req`` (``body`` its chat request), a Responses API answer."""
         req = proto.parse_request(proto.ChatCompletionRequest, body)
-        lora = self._resolve_model(req.model)
+        lora = await self._resolve_model(req.model)
         tools = self._tool_output(req)
         if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
             req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
@@ -985,7 +1014,7 @@ class OpenAIServing:
         """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the
         context length."""
         req = proto.parse_request(proto.TokenizeRequest, body)
-        self._resolve_model(req.model)
+        await self._resolve_model(req.model)
         tokenizer = self.client.tokenizer
 
         def encode() -> list[int]:
@@ -1000,7 +1029,7 @@ class OpenAIServing:
     async def _detokenize(self, body: Any, arrival: float) -> Response:
         """vLLM's /detokenize: the text of token ids of this model's vocabulary."""
         req = proto.parse_request(proto.DetokenizeRequest, body)
-        self._resolve_model(req.model)
+        await self._resolve_model(req.model)
         tokenizer = self.client.tokenizer
         vocab = len(tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -1009,12 +1038,12 @@ class OpenAIServing:
         text = await self._off_loop(lambda: tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
 
-    def _resolve_model(self, name: str | None) -> LoRARequest | None:
+    async def _resolve_model(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names, None for the base model (or no name); a 404 for a name this
         server does not serve."""
         if name is None or name in self._base_names():
             return None
-        lora = self._adapter(name)
+        lora = await self._adapter(name)
         if lora is None:
             raise proto.model_not_found(name, self.config.served_model_name)
         return lora
@@ -1294,11 +1323,13 @@ class _ApiKeyMiddleware:
 
 
 def build_openai_app(client: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None,
-                     response_store=None) -> FastAPI:
+                     response_store=None, runtime_adapters=None) -> FastAPI:
     """The FastAPI app serving ``client`` under OpenAI's routes (see the module docstring). ``response_store``: the
     Responses API's stored responses when several replicas share them (default: this replica's own, sized by
-    ``config.max_stored_responses``)."""
-    serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name), response_store)
+    ``config.max_stored_responses``); ``runtime_adapters``: the adapters loaded at runtime when several replicas
+    share them (default: this replica's own :class:`RuntimeAdapters`)."""
+    serving = OpenAIServing(client, config, metrics or ServerMetrics(config.served_model_name), response_store,
+                            runtime_adapters)
     app = FastAPI(title="specray", description="OpenAI-compatible LLM server with speculative decoding")
     app.state.serving = serving
     _install_error_handlers(app)

@@ -54,8 +54,8 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from specray.cluster.autoscaling import IN_FLIGHT_METRIC  # noqa: E402
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
-    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, ServerConfig, build_openai_app,
-    register_client_gone)
+    DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, RuntimeAdapters, ServerConfig,
+    build_openai_app, register_client_gone)
 from specray.cluster.openai_protocol import MAX_N, OpenAIError  # noqa: E402
 from specray.cluster.openai_responses import LocalResponseStore  # noqa: E402
 from specray.cluster.reasoning import check_reasoning_parser  # noqa: E402
@@ -159,7 +159,7 @@ class ServeArgs:
     # vLLM's: logprobs name each token "token_id:<id>" (a request's return_tokens_as_token_ids decides for itself)
     return_tokens_as_token_ids: bool = False
     # vLLM's runtime LoRA updating (its VLLM_ALLOW_RUNTIME_LORA_UPDATING, here also this key): POST
-    # /v1/load_lora_adapter and /v1/unload_lora_adapter; one replica only (names live in it)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (several replicas: one registry deployment holds the names)
     enable_runtime_lora_updating: bool = False
     num_cpus: float = 0.5  # per replica; fractional so a replica fits beside other actors on a small node
     num_gpus: float | None = None  # per replica; None: 1 when the engine runs in the replica (TP 1) on a
@@ -228,11 +228,6 @@ class ServeArgs:
             self.dynamic_lora_loading_path = str(folder.resolve())
         if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
             self.enable_runtime_lora_updating = True
-        if self.enable_runtime_lora_updating and self.num_replicas > 1:
-            raise ValueError(f"enable_runtime_lora_updating needs num_replicas=1 (got {self.num_replicas}): adapters "
-                             "loaded through /v1/load_lora_adapter are one replica's names. With several replicas "
-                             "serve adapters from a folder instead (dynamic_lora_loading_path, "
-                             "--dynamic-lora-loading-path), which every replica reads")
         if self.lora_modules or self.dynamic_lora_loading_path or self.enable_runtime_lora_updating:
             self.engine_kwargs["enable_lora"] = True
         self.lora_requests()  # the adapters' folders, configs and ranks, before any replica
@@ -924,7 +919,7 @@ class SpecrayServer:
     deployment's handle. It holds no model, so it stays up while an engine replica is replaced and answers
     for it in OpenAI's shape."""
 
-    def __init__(self, args: ServeArgs, engine, response_store=None):
+    def __init__(self, args: ServeArgs, engine, response_store=None, runtime_adapters=None):
         from specray.engine.builder import resolve_max_model_len
         from specray.models.loader import load_hf_config, load_tokenizer
 
@@ -940,10 +935,12 @@ class SpecrayServer:
                                          prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1)
         # several ingress replicas: the stored responses live in one deployment they all reach
         self.response_store = None if response_store is None else SharedResponseStore(response_store)
+        # ... and the adapters loaded at runtime, in one registry
+        self.runtime_adapters = None if runtime_adapters is None else SharedRuntimeAdapters(runtime_adapters)
 
     def __serve_build_asgi_app__(self):
         config = self.args.server_config(self.max_num_seqs)
-        return build_openai_app(self.client, config, self.metrics, self.response_store)
+        return build_openai_app(self.client, config, self.metrics, self.response_store, self.runtime_adapters)
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts of an engine replica."""
@@ -982,6 +979,40 @@ class SharedResponseStore:
             logger.warning("the response store did not answer %s: %s", method, err)
             raise OpenAIError(503, "the stored responses are unavailable for a moment (their store is being "
                               "replaced); retry shortly", "server_error", code="response_store_unavailable") from None
+
+
+class SpecrayAdapterRegistry(RuntimeAdapters):
+    """The adapters loaded through ``/v1/load_lora_adapter`` when several ingress replicas serve (a deployment of one
+    replica): an adapter loaded through any replica serves through every one, unloaded through any, through none."""
+
+
+class SharedRuntimeAdapters:
+    """An ingress replica's side of :class:`SpecrayAdapterRegistry` (the interface the app awaits): while the
+    registry's replica is down, a request that must read it gets a 503 to retry."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    async def get(self, name: str):
+        return await self._call("get", name)
+
+    async def names(self) -> list[str]:
+        return await self._call("names")
+
+    async def load(self, name: str, path: str, base_model: str, inplace: bool) -> bool:
+        return await self._call("load", name, path, base_model, inplace)
+
+    async def unload(self, name: str) -> bool:
+        return await self._call("unload", name)
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except (RayError, *_UNAVAILABLE) as err:
+            logger.warning("the adapter registry did not answer %s: %s", method, err)
+            raise OpenAIError(503, "the adapters loaded at runtime are unavailable for a moment (their registry is "
+                              "being replaced); retry shortly", "server_error",
+                              code="adapter_registry_unavailable") from None
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):
@@ -1045,12 +1076,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         logging_config={"enable_access_log": False},  # its calls are internal hops; the ingress logs requests
         **common).bind(parsed)
     ingress = serve.deployment(SpecrayServer).options(ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, **common)
-    if parsed.max_stored_responses and parsed.num_replicas > 1:  # one store for every ingress replica
-        store = serve.deployment(SpecrayResponseStore).options(
-            num_replicas=1, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
-            logging_config={"enable_access_log": False}).bind(parsed.max_stored_responses)
-        return ingress.bind(parsed, engine, store)
-    return ingress.bind(parsed, engine)
+    shared = {}  # what every ingress replica must see alike: one deployment of one replica each
+    single = {"num_replicas": 1, "ray_actor_options": {"num_cpus": INGRESS_NUM_CPUS},
+              "logging_config": {"enable_access_log": False}}
+    if parsed.max_stored_responses and parsed.num_replicas > 1:
+        shared["response_store"] = serve.deployment(SpecrayResponseStore).options(**single).bind(
+            parsed.max_stored_responses)
+    if parsed.enable_runtime_lora_updating and parsed.num_replicas > 1:
+        shared["runtime_adapters"] = serve.deployment(SpecrayAdapterRegistry).options(**single).bind()
+    return ingress.bind(parsed, engine, **shared)
 
 
 def replica_resources(args: ServeArgs) -> dict[str, float]:

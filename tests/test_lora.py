@@ -279,7 +279,7 @@ class _Recording:
     """An in-process OpenAI app over ``llm``'s engine whose client records what each request brought the engine
     (its adapter) and the tokens it got."""
 
-    def __init__(self, llm, config):
+    def __init__(self, llm, config, **app_kwargs):
         from specray.cluster.openai_app import AsyncEngineClient, build_openai_app
         from specray.engine.async_engine import AsyncLLMEngine
 
@@ -299,7 +299,7 @@ class _Recording:
                         yield out
                 return recorded()
 
-        self.app = build_openai_app(Client(AsyncLLMEngine(llm.engine)), config)
+        self.app = build_openai_app(Client(AsyncLLMEngine(llm.engine)), config, **app_kwargs)
 
     def __enter__(self) -> str:
         import socket
@@ -485,7 +485,7 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-runtime-lora-updating, or its
     VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter serves under its name (the merged model's greedy tokens),
     load_inplace replaces it, an unloaded one is a 404; a taken name, a second load or a bad folder is a 400; the
-    routes exist only when asked for, and only with one replica."""
+    routes exist only when asked for."""
     from specray.cluster.openai_app import ServerConfig
     from specray.cluster.serve import ServeArgs
 
@@ -516,8 +516,81 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
         with _Recording(llm, ServerConfig("tiny", None)) as base:  # not asked for: no such route
             assert _post_text(base + "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})[0] == 404
     model = str(tiny_llama_dir)
-    with pytest.raises(ValueError, match="needs num_replicas=1"):
-        ServeArgs.from_dict({"model": model, "enable_runtime_lora_updating": True, "num_replicas": 2})
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     parsed = ServeArgs.from_dict({"model": model})
     assert parsed.server_config(8).runtime_lora_updating and parsed.engine_args().enable_lora
+
+
+class _FakeHandle:
+    """Stands in for a one-replica deployment's handle: ``handle.method.remote(*args)`` awaits the object's method,
+    or raises as an unreachable replica does while ``down``."""
+
+    def __init__(self, target):
+        self.target, self.down = target, False
+
+    def __getattr__(self, name: str):
+        from types import SimpleNamespace
+
+        method, handle = getattr(self.target, name), self
+
+        async def call(*args):
+            if handle.down:
+                from ray.exceptions import RayError
+
+                raise RayError("the registry's replica is gone")
+            return await method(*args)
+
+        return SimpleNamespace(remote=call)
+
+
+def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir):
+    """Several ingress replicas (two apps here, each over an engine of its own) over one adapter registry: an adapter
+    loaded through one serves through the other under the same id, replaced in place through the other, unloaded
+    through the first is a 404 on both; while the registry is down, naming a runtime adapter is a 503 to retry and
+    the base model still serves."""
+    from specray.cluster.openai_app import ServerConfig
+    from specray.cluster.serve import SharedRuntimeAdapters, SpecrayAdapterRegistry
+
+    requests, expected = adapters
+    prompt = runs.PROMPTS[0]
+    handle = _FakeHandle(SpecrayAdapterRegistry())
+    config = ServerConfig("tiny", None, runtime_lora_updating=True, max_lora_rank=8)
+    kw = dict(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    with LLM(**kw) as one, LLM(**kw) as two:
+        first = _Recording(one, config, runtime_adapters=SharedRuntimeAdapters(handle))
+        second = _Recording(two, config, runtime_adapters=SharedRuntimeAdapters(handle))
+        with first as a, second as b:
+            assert _post_text(a + "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": requests[0].lora_path})[
+                0] == 200
+            assert "mine" in [m["id"] for m in _http(b + "/v1/models")[1]["data"]]
+            assert _complete(b, "mine", prompt)[0] == 200
+            lora, tokens = second.seen.pop()
+            assert tokens == expected[0][0] and lora.lora_path == requests[0].lora_path
+            assert _complete(a, "mine", prompt)[0] == 200 and first.seen.pop()[0] == lora  # the same id
+            status, text = _post_text(b + "/v1/load_lora_adapter", {"lora_name": "mine",
+                                                                   "lora_path": requests[1].lora_path})
+            assert status == 400 and "already been loaded" in text
+            assert _post_text(b + "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": requests[1].lora_path,
+                                                            "load_inplace": True})[0] == 200
+            assert _complete(a, "mine", prompt)[0] == 200 and first.seen.pop()[1] == expected[1][0]
+            assert _post_text(a + "/v1/unload_lora_adapter", {"lora_name": "mine"})[0] == 200
+            assert _complete(b, "mine", prompt)[0] == 404 and _complete(a, "mine", prompt)[0] == 404
+            handle.down = True
+            status, body = _complete(b, "other", prompt)
+            assert status == 503 and body["error"]["code"] == "adapter_registry_unavailable"
+            assert _complete(b, "tiny", prompt)[0] == 200  # the base model never asks the registry
+            handle.down = False
+
+
+def test_several_replicas_get_one_adapter_registry(tiny_llama_dir):
+    """With runtime LoRA updating and several replicas, the app binds one registry deployment (one replica) to the
+    ingress; with one replica, none (the ingress keeps its own)."""
+    from specray.cluster.serve import build_app
+
+    def shared(num_replicas: int) -> dict[str, str]:
+        bound = build_app({"model": str(tiny_llama_dir), "enable_runtime_lora_updating": True,
+                           "num_replicas": num_replicas})._bound_deployment
+        return {key: app._bound_deployment.name for key, app in bound.init_kwargs.items()}
+
+    assert shared(2)["runtime_adapters"] == "SpecrayAdapterRegistry"
+    assert "runtime_adapters" not in shared(1)
