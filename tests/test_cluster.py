@@ -462,7 +462,11 @@ def test_mixture_of_experts_over_two_expert_parallel_ranks_keeps_greedy_output(t
 
 # ---- end to end through the engine actor ---------------------------------------------------------------------
 
-def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_llm_ray_backend_matches_local_and_transformers(tiny_llama_dir, parallel):
+    """Through the engine actor over two tensor-parallel ranks, or two pipeline stages: greedy, penalized and
+    grammar-constrained outputs, prompt logprobs, prefix caching and concurrent streams equal one rank's."""
     from transformers import AutoModelForCausalLM
 
     prompts = prompts_for(8, seed=11)
@@ -476,7 +480,7 @@ def test_llm_ray_backend_tp2_matches_local_and_transformers(tiny_llama_dir):
     local_penalized = one_rank.generate([{"prompt_token_ids": p} for p in prompts], penalized, use_tqdm=False)
     # with prefix caching: the penalized requests start from the blocks the first batch cached (the driver rank
     # learns the tokens in them), those asking for prompt logprobs compute their prompts whole
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, tensor_parallel_size=2, ray_placement=HALF_CPU,
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, ray_placement=HALF_CPU, **parallel,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, enable_prefix_caching=True,
               block_size=4)
     try:
