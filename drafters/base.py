@@ -124,3 +124,5 @@ class DrafterContext:
     reasoning_parser: str | None = None
     # the engine's: a drafter that runs a model replays its short steps from CUDA graphs on a GPU unless True
     enforce_eager: bool | None = None
+    # the engine's kv_cache_dtype: a drafter with a KV cache of its own keeps it in the same format
+    kv_cache_dtype: str = "auto"

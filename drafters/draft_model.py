@@ -118,7 +118,7 @@ class DraftModelDrafter:
         num_blocks = ctx.max_num_seqs * per_seq
         self.graphs = self._graphs(ctx, tp, num_blocks)
         scratch = len(self.graphs.scratch) if self.graphs is not None else 0
-        self.kv_cache = allocate_kv_cache(self.model, num_blocks + scratch, self.block_size)
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks + scratch, self.block_size, ctx.kv_cache_dtype)
         # with prefix caching, a request's state starts from the blocks of its longest whole-block prefix that an
         # earlier request's committed tokens filled (the draft model's own K/V of them), as the target's does
         self.blocks = BlockPool(num_blocks, self.block_size, enable_caching=ctx.enable_prefix_caching)

@@ -96,6 +96,11 @@ def test_greedy_speculative_output_over_an_fp8_cache_equals_plain(kind, fp8_plai
     with LLM(model=str(tiny_llama_dir), max_model_len=256, kv_cache_dtype="fp8", speculative_config=config) as llm:
         assert runs.token_ids(llm.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == fp8_plain
         assert llm.spec_stats.accepted_tokens > 0
+        # a drafter with a KV cache of its own keeps it in the same format (vLLM's kv_cache_dtype covers the draft)
+        runner = llm.engine.executor.worker.runner
+        own = runner.drafter.kv_cache if kind == "eagle3" else getattr(llm.engine.drafter, "kv_cache", None)
+        assert (own is None) == (kind in ("ngram", "suffix"))
+        assert own is None or (own.fp8 == torch.float8_e4m3fn and own.layer(0).dtype == torch.uint8)
 
 
 def test_fp8_cache_from_graphs_with_prefix_caching_and_small_chunks(fp8_plain, tiny_llama_dir):

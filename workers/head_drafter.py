@@ -150,7 +150,7 @@ class HiddenStateDrafter:
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
-                 driver: bool = True, seed: int = 0, step_graphs: bool = False):
+                 driver: bool = True, seed: int = 0, step_graphs: bool = False, kv_cache_dtype: str = "auto"):
         self.head = head
         self.tree = tree
         self.block_size = block_size
@@ -177,7 +177,7 @@ class HiddenStateDrafter:
                                              head.device, positions)
             else:
                 logger.info("the draft head's steps run eagerly, as %s", why)
-        self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks + scratch, block_size)
+        self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks + scratch, block_size, kv_cache_dtype)
         self.held: dict[str, _Held] = {}  # by request id: positions whose first pass waits for its next drafts
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
@@ -227,7 +227,8 @@ class HiddenStateDrafter:
     @classmethod
     def build(cls, head: DraftHead, config: dict, num_blocks: int, block_size: int) -> "HiddenStateDrafter":
         return cls(head, num_blocks, block_size, tree_shape_of(config), driver=bool(config.get("driver", True)),
-                   seed=int(config.get("seed", 0)), step_graphs=bool(config.get("step_graphs", False)))
+                   seed=int(config.get("seed", 0)), step_graphs=bool(config.get("step_graphs", False)),
+                   kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")))
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

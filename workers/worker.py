@@ -220,8 +220,8 @@ class Worker:
                 budget = CPU_KV_CACHE_BYTES
         target = storage_dtype(self.dtype, fp8_format(self.config.kv_cache_dtype))
         per_block = bytes_per_block(self.model.kv_cache_specs(), self.config.block_size, target)
-        if self.head is not None:  # a head's cache stays in the model's dtype
-            per_block += bytes_per_block(self.head.kv_cache_specs(), self.config.block_size, self.dtype)
+        if self.head is not None:  # a head's cache in the target's format too (Medusa's and ReDrafter's: none)
+            per_block += bytes_per_block(self.head.kv_cache_specs(), self.config.block_size, target)
         return KVCacheInfo(bytes_per_block=per_block,
                            budget_bytes=budget, dtype=str(self.dtype).removeprefix("torch."),
                            device=str(self.device), vocab_size=self.model.vocab_size)
@@ -231,7 +231,7 @@ class Worker:
         graphs = self._use_graphs()
         if self.head is not None:  # the driver's and, for a head split over the ranks, every rank's
             config = {**self.config.worker_drafter, "seed": self.config.seed, "driver": self.is_driver,
-                      "step_graphs": graphs}
+                      "step_graphs": graphs, "kv_cache_dtype": self.config.kv_cache_dtype}
             drafter = self._drafter_class().build(self.head, config, num_blocks, self.config.block_size)
             assert tuple(drafter.aux_layers) == self.aux_layers, (drafter.aux_layers, self.aux_layers)
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.device,

@@ -300,7 +300,8 @@ def drafter_context(args: EngineArgs, vocab_size: int, tokenizer, max_model_len:
     ctx = DrafterContext(target_model=args.model, vocab_size=vocab_size, max_model_len=max_model_len,
                          max_num_seqs=args.max_num_seqs, seed=args.seed, block_size=args.block_size,
                          target_tokenizer=tokenizer, enable_prefix_caching=args.enable_prefix_caching,
-                         reasoning_parser=args.reasoning_parser, enforce_eager=args.enforce_eager)
+                         reasoning_parser=args.reasoning_parser, enforce_eager=args.enforce_eager,
+                         kv_cache_dtype=args.kv_cache_dtype)
     if registry.runs_in_worker(spec.method):
         return ctx
     return prepared(registry.drafter_class(spec.method), spec, ctx)

@@ -246,12 +246,13 @@ class DraftHead(nn.Module):
 
     def bind_kv_cache(self, cache: KVCache) -> None:
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
-        self.bind_layers([cache.layer(i) for i in range(len(self.layers))], cache.block_size)
+        self.bind_layers([cache.layer(i) for i in range(len(self.layers))], cache.block_size, cache.fp8)
 
-    def bind_layers(self, layers: list[torch.Tensor], block_size: int) -> None:
-        """Bind each of this head's layers to its part of a cache (one tensor per layer)."""
+    def bind_layers(self, layers: list[torch.Tensor], block_size: int, fp8: torch.dtype | None = None) -> None:
+        """Bind each of this head's layers to its part of a cache (one tensor per layer; ``fp8``: stored in that
+        FP8 format)."""
         for layer, tensor in zip(self.layers, layers, strict=True):
-            layer.self_attn.attn.bind_cache(tensor, block_size)
+            layer.self_attn.attn.bind_cache(tensor, block_size, fp8)
         self.kv_cache_bound = True
 
     # ------------------------------------------------------------------------------------------ weights
@@ -352,7 +353,7 @@ class ChainedModules(nn.Module):
     def bind_kv_cache(self, cache: KVCache) -> None:
         assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
         for k, head in enumerate(self.heads):
-            head.bind_layers([cache.layer(k)], cache.block_size)
+            head.bind_layers([cache.layer(k)], cache.block_size, cache.fp8)
 
 
 def check_split(method: str, num_heads: int, num_kv_heads: int | None, tp_size: int) -> None:
