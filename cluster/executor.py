@@ -46,6 +46,15 @@ def rendezvous_address() -> str:
     return f"tcp://{ip}:{port}"
 
 
+def grouped_by_node(items: list, nodes: list[str]) -> list:
+    """``items`` reordered so that those on one node (``nodes[i]`` is item i's) are consecutive, nodes in the order
+    they first appear and items in their own order within a node."""
+    first = {}
+    for node in nodes:
+        first.setdefault(node, len(first))
+    return [items[i] for i in sorted(range(len(items)), key=lambda i: (first[nodes[i]], i))]
+
+
 class TargetWorker:
     """The actor around one :class:`Worker`. Created empty so the group can agree on a rendezvous address
     before any rank blocks in ``init_process_group``."""
@@ -123,6 +132,10 @@ class RayExecutor:
             ).remote()
             for rank in range(self.world_size)
         ]
+        if self.config.pipeline_parallel_size > 1 and not self.placement.worker_resources:
+            # ranks numbered node by node, so that a stage's tensor-parallel ranks (consecutive ranks) share a node
+            # wherever a node holds whole stages: its all-reduces stay on the node, only hand-offs cross nodes
+            self.workers = grouped_by_node(self.workers, ray.get([w.node_id.remote() for w in self.workers]))
         config = self.config
         if gpus and config.device is None:
             config = WorkerConfig(**{**vars(config), "device": "cuda"})

@@ -272,6 +272,28 @@ def test_pipeline_stages_keep_one_ranks_greedy_output(make_tiny_model, tmp_path,
         one_rank.shutdown()
 
 
+def test_pipeline_ranks_are_numbered_node_by_node(tiny_llama_dir):
+    """Ray may put a placement group's bundles on nodes in any order; the ranks of a pipeline are numbered node by
+    node, so that a stage's tensor-parallel ranks share a node wherever a node holds whole stages. Spread over the
+    three nodes, two stages of two ranks: the ranks on one node are consecutive, and greedy output is one rank's."""
+    import ray
+
+    from specray.cluster.executor import grouped_by_node
+
+    assert grouped_by_node(list("abcdef"), ["n1", "n2", "n1", "n3", "n2", "n1"]) == list("acfbed")
+    prompts = prompts_for(4, seed=8)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    engine = engine_for(tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
+                        ray_placement=dict(HALF_CPU, strategy="SPREAD"))
+    try:
+        nodes = ray.get([w.node_id.remote() for w in engine.executor.workers])  # in rank order
+        assert len(set(nodes)) > 1 and nodes == grouped_by_node(nodes, nodes), nodes
+        assert engine.executor.collective_rpc(probes.rank) == [0, 1, 2, 3]
+        assert run_to_end(engine, prompts) == references
+    finally:
+        engine.shutdown()
+
+
 def test_lora_adapters_and_an_fp8_cache_over_pipeline_stages(tiny_llama_dir, tmp_path):
     """Each stage loads the adapter's tensors for its own layers (the others' are skipped) and keeps its layers' K/V
     in FP8: a batch mixing two adapters and the base model gives one rank's greedy outputs over two stages."""
