@@ -952,12 +952,30 @@ class SpecrayResponseStore(LocalResponseStore):
     request that names a previous response finds it whichever replica stored it."""
 
 
-class SharedResponseStore:
-    """An ingress replica's side of :class:`SpecrayResponseStore` (the interface the app awaits): while the store's
-    replica is down, a request that reads it gets a 503 to retry."""
+class _OneReplicaDeployment:
+    """An ingress replica's calls to a deployment of one replica that every ingress replica shares: while that
+    replica is down, a call raises a 503 to retry (``_unavailable`` says what is missing, ``_code`` names it)."""
+
+    _what, _unavailable, _code = "", "", ""
 
     def __init__(self, handle):
         self._handle = handle
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except (RayError, *_UNAVAILABLE) as err:
+            logger.warning("%s did not answer %s: %s", self._what, method, err)
+            raise OpenAIError(503, f"{self._unavailable}; retry shortly", "server_error", code=self._code) from None
+
+
+class SharedResponseStore(_OneReplicaDeployment):
+    """An ingress replica's side of :class:`SpecrayResponseStore` (the interface the app awaits): while the store's
+    replica is down, a request that reads it gets a 503 to retry."""
+
+    _what = "the response store"
+    _unavailable = "the stored responses are unavailable for a moment (their store is being replaced)"
+    _code = "response_store_unavailable"
 
     async def get(self, response_id: str):
         return await self._call("get", response_id)
@@ -972,26 +990,19 @@ class SharedResponseStore:
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
 
-    async def _call(self, method: str, *args):
-        try:
-            return await getattr(self._handle, method).remote(*args)
-        except (RayError, *_UNAVAILABLE) as err:
-            logger.warning("the response store did not answer %s: %s", method, err)
-            raise OpenAIError(503, "the stored responses are unavailable for a moment (their store is being "
-                              "replaced); retry shortly", "server_error", code="response_store_unavailable") from None
-
 
 class SpecrayAdapterRegistry(RuntimeAdapters):
     """The adapters loaded through ``/v1/load_lora_adapter`` when several ingress replicas serve (a deployment of one
     replica): an adapter loaded through any replica serves through every one, unloaded through any, through none."""
 
 
-class SharedRuntimeAdapters:
+class SharedRuntimeAdapters(_OneReplicaDeployment):
     """An ingress replica's side of :class:`SpecrayAdapterRegistry` (the interface the app awaits): while the
     registry's replica is down, a request that must read it gets a 503 to retry."""
 
-    def __init__(self, handle):
-        self._handle = handle
+    _what = "the adapter registry"
+    _unavailable = "the adapters loaded at runtime are unavailable for a moment (their registry is being replaced)"
+    _code = "adapter_registry_unavailable"
 
     async def get(self, name: str):
         return await self._call("get", name)
@@ -1004,15 +1015,6 @@ class SharedRuntimeAdapters:
 
     async def unload(self, name: str) -> bool:
         return await self._call("unload", name)
-
-    async def _call(self, method: str, *args):
-        try:
-            return await getattr(self._handle, method).remote(*args)
-        except (RayError, *_UNAVAILABLE) as err:
-            logger.warning("the adapter registry did not answer %s: %s", method, err)
-            raise OpenAIError(503, "the adapters loaded at runtime are unavailable for a moment (their registry is "
-                              "being replaced); retry shortly", "server_error",
-                              code="adapter_registry_unavailable") from None
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):

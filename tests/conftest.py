@@ -51,6 +51,7 @@ _register_helper("draft_heads")  # tiny random draft-head checkpoints in the pub
 _register_helper("engine_runs")  # the prompts and greedy parameters of the engine-level comparisons
 _register_helper("checkpoints")  # FP8 releases and per-expert layouts written from the tiny models
 _register_helper("host_sync")  # a dispatch mode that records every op needing a tensor's value on the host
+_register_helper("fakes")  # stand-ins for Ray Serve pieces (a deployment's handle)
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -215,11 +215,14 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path, parallel):
     """LoRA over tensor parallelism: each rank loads its shard of an adapter (B's rows of the column-parallel
     projections, A's columns of the row-parallel ones, the delta added before the all-reduce); each rank's KV heads
-    in an FP8 cache: a batch mixing two adapters and the base model, with n-gram drafts, gives one rank's greedy
-    outputs."""
+    in an FP8 cache. Over pipeline stages: each stage loads the adapter's tensors of its own layers (the others'
+    skipped) and caches its layers' K/V in FP8. A batch mixing two adapters and the base model, with n-gram drafts,
+    gives one rank's greedy outputs."""
     from specray.lora import LoRARequest
     import specray_test_checkpoints as checkpoints
 
@@ -232,7 +235,7 @@ def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_d
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     references = run_to_end(engine_for(tiny_llama_dir, **kw), prompts, params)
     assert references != run_to_end(engine_for(tiny_llama_dir), prompts)
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, **kw)
+    engine = engine_for(tiny_llama_dir, ray_placement=HALF_CPU, **parallel, **kw)
     try:
         assert run_to_end(engine, prompts, params) == references
     finally:
@@ -290,27 +293,6 @@ def test_pipeline_ranks_are_numbered_node_by_node(tiny_llama_dir):
         assert len(set(nodes)) > 1 and nodes == grouped_by_node(nodes, nodes), nodes
         assert engine.executor.collective_rpc(probes.rank) == [0, 1, 2, 3]
         assert run_to_end(engine, prompts) == references
-    finally:
-        engine.shutdown()
-
-
-def test_lora_adapters_and_an_fp8_cache_over_pipeline_stages(tiny_llama_dir, tmp_path):
-    """Each stage loads the adapter's tensors for its own layers (the others' are skipped) and keeps its layers' K/V
-    in FP8: a batch mixing two adapters and the base model gives one rank's greedy outputs over two stages."""
-    from specray.lora import LoRARequest
-    import specray_test_checkpoints as checkpoints
-
-    first = checkpoints.write_lora(tiny_llama_dir, tmp_path / "first", rank=4, seed=3)
-    second = checkpoints.write_lora(tiny_llama_dir, tmp_path / "second", rank=8, seed=4, modules=("v_proj", "down_proj"))
-    loras = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
-    prompts = prompts_for(6, seed=10)
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, lora_request=loras[i % 3]) for i in range(6)]
-    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_dtype="fp8",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    references = run_to_end(engine_for(tiny_llama_dir, **kw), prompts, params)
-    engine = engine_for(tiny_llama_dir, pipeline_parallel_size=2, ray_placement=HALF_CPU, **kw)
-    try:
-        assert run_to_end(engine, prompts, params) == references
     finally:
         engine.shutdown()
 

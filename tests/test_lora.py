@@ -521,28 +521,6 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
     assert parsed.server_config(8).runtime_lora_updating and parsed.engine_args().enable_lora
 
 
-class _FakeHandle:
-    """Stands in for a one-replica deployment's handle: ``handle.method.remote(*args)`` awaits the object's method,
-    or raises as an unreachable replica does while ``down``."""
-
-    def __init__(self, target):
-        self.target, self.down = target, False
-
-    def __getattr__(self, name: str):
-        from types import SimpleNamespace
-
-        method, handle = getattr(self.target, name), self
-
-        async def call(*args):
-            if handle.down:
-                from ray.exceptions import RayError
-
-                raise RayError("the registry's replica is gone")
-            return await method(*args)
-
-        return SimpleNamespace(remote=call)
-
-
 def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir):
     """Several ingress replicas (two apps here, each over an engine of its own) over one adapter registry: an adapter
     loaded through one serves through the other under the same id, replaced in place through the other, unloaded
@@ -550,10 +528,11 @@ def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir)
     the base model still serves."""
     from specray.cluster.openai_app import ServerConfig
     from specray.cluster.serve import SharedRuntimeAdapters, SpecrayAdapterRegistry
+    from specray_test_fakes import FakeDeploymentHandle
 
     requests, expected = adapters
     prompt = runs.PROMPTS[0]
-    handle = _FakeHandle(SpecrayAdapterRegistry())
+    handle = FakeDeploymentHandle(SpecrayAdapterRegistry())
     config = ServerConfig("tiny", None, runtime_lora_updating=True, max_lora_rank=8)
     kw = dict(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
     with LLM(**kw) as one, LLM(**kw) as two:

@@ -2469,33 +2469,15 @@ class ConversationClient(ScriptedEngineClient):
             yield out
 
 
-class FakeStoreHandle:
-    """Stands in for the store deployment's handle: ``handle.method.remote(*args)`` awaits the store's method, or
-    raises as an unreachable replica does while ``down``."""
-
-    def __init__(self, store):
-        self.store, self.down = store, False
-
-    def __getattr__(self, name: str):
-        method, handle = getattr(self.store, name), self
-
-        async def call(*args):
-            if handle.down:
-                from ray.exceptions import RayError
-
-                raise RayError("the store's replica is gone")
-            return await method(*args)
-
-        return SimpleNamespace(remote=call)
-
-
 def test_replicas_share_stored_responses():
     """Several ingress replicas (two apps here) over one store deployment: a response stored through one is read,
     continued and deleted through the other; while the store is down, reading it is a 503 to retry and a new
     response is still answered (unstored)."""
     from specray.cluster.serve import SharedResponseStore, SpecrayResponseStore
 
-    handle = FakeStoreHandle(SpecrayResponseStore(10))
+    from specray_test_fakes import FakeDeploymentHandle
+
+    handle = FakeDeploymentHandle(SpecrayResponseStore(10))
     one, two = ConversationClient(["Hello", "!"]), ConversationClient(["Again", "."])
     with app_in_thread(one, response_store=SharedResponseStore(handle)) as a, \
             app_in_thread(two, response_store=SharedResponseStore(handle)) as b:
