@@ -130,11 +130,13 @@ def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, o
 
 
 FAMILY_CASES = [("tiny_qwen3_dir", False), ("tiny_gemma3_dir", False), ("tiny_qwen3_moe_dir", True),
-                ("tiny_deepseek_dir", False), ("tiny_deepseek_dir", True), ("tiny_llama4_dir", True)]
+                ("tiny_deepseek_dir", False), ("tiny_deepseek_dir", True), ("tiny_llama4_dir", True),
+                ("tiny_mixtral_dir", False)]
 
 
 @pytest.mark.parametrize("fixture,expert_parallel", FAMILY_CASES,
-                         ids=["qwen3", "gemma3", "qwen3-moe-ep", "deepseek-v3", "deepseek-v3-ep", "llama4-ep"])
+                         ids=["qwen3", "gemma3", "qwen3-moe-ep", "deepseek-v3", "deepseek-v3-ep", "llama4-ep",
+                              "mixtral"])
 def test_tp_matches_one_rank_step_by_step_for_every_family(request, fixture, expert_parallel):
     """The same over two Ray ranks for the newer families (experts split by width, or whole with
     enable_expert_parallel; DeepSeek's latent cache replicated on both): plain at batch 1, and with randomly

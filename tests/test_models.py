@@ -28,7 +28,7 @@ import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (register
 TOL = 1e-4
 BLOCK = 4
 MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
-                  "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir"]
+                  "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -86,10 +86,11 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                              Llama4ForCausalLM, Llama4TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
+               "mixtral": (MixtralConfig, MixtralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
@@ -279,6 +280,26 @@ def test_qwen3_moe_matches_transformers(contiguous, norm_topk_prob):
         _, weights, ids = hf.model.layers[0].mlp.gate(x)
         our_weights, our_ids = ours.model.layers[0].mlp.route(x)
     assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MOE["num_experts"]
+    close(our_weights, weights)
+
+
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixtral_matches_transformers(contiguous, window):
+    """Mixtral: every layer sparse (8 experts, top 2, always renormalised), optionally a sliding window on every
+    layer: a full prefill and a chunked one give transformers' logits; the router picks transformers' experts."""
+    ours, hf = in_memory_pair("mixtral", seed=9, sliding_window=window, **MIXTRAL)
+    from specray.models.moe import SparseMoE
+
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers)
+    check_variant(ours, hf, contiguous=contiguous)
+    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, weights, ids = hf.model.layers[1].mlp.gate(x)
+        our_weights, our_ids = ours.model.layers[1].mlp.route(x)
+    assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MIXTRAL["num_local_experts"]
     close(our_weights, weights)
 
 
@@ -745,7 +766,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
     Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
-    chunked and NoPE layers and its experts both ways, tied and untied heads; decode
+    chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, tied and untied heads; decode
     attention both
     as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
@@ -758,7 +779,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "deepseek", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
                save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
                save_tiny(tmp_path / "llama4", "llama4", 17, vocab_size=321, **LLAMA4),
-               save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4)]
+               save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4),
+               save_tiny(tmp_path / "mixtral-ep", "mixtral", 18, vocab_size=321, **MIXTRAL)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

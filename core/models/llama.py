@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama), Qwen2 and Qwen3, written with tensor-parallel layers.
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama), Mixtral, Qwen2, Qwen3 and Qwen3-MoE, written with
+tensor-parallel layers.
 
 One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
 bias (``attention_bias``), MLP bias (``mlp_bias``), an RMSNorm over each query and key head before RoPE (Qwen3),
@@ -52,6 +53,10 @@ _STACKED = {
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and key head (head_dim wide) before RoPE
+
+# checkpoint names a family's releases use for our modules (Mixtral's sparse block and its experts' w1, w3, w2)
+_CHECKPOINT_NAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                                 (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))}
 
 
 def _head_dim(config) -> int:
@@ -142,7 +147,10 @@ class LlamaMLP(nn.Module):
 
 
 def _is_sparse(config, layer: int) -> bool:
-    """Qwen3-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except ``mlp_only_layers``)."""
+    """Qwen3-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except ``mlp_only_layers``);
+    Mixtral: every layer."""
+    if config.model_type == "mixtral":
+        return True
     if config.model_type != "qwen3_moe" or not getattr(config, "num_experts", 0):
         return False
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
@@ -242,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.other_stage = other_stage_prefixes(self)  # checkpoint names this stage skips
+        self.renames = _CHECKPOINT_NAMES.get(hf_config.model_type, ())
         self.kv_cache_allocated = False
 
     @property
@@ -338,6 +347,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
         for name, tensor in weights:
+            name = self._our_name(name)
             if "rotary_emb.inv_freq" in name:
                 continue
             if _layer_index(name) >= len(self.model.layers):
@@ -369,12 +379,19 @@ class LlamaForCausalLM(nn.Module):
             self.model.layers[layer].self_attn.attn.set_kv_scales(scales.get("k_scale", both),
                                                                   scales.get("v_scale", both))
 
+    def _our_name(self, name: str) -> str:
+        """A checkpoint tensor's name as our modules name it (a family's own names renamed)."""
+        for theirs, ours in self.renames:
+            if theirs in name and (theirs == ".block_sparse_moe." or ".experts." in name):
+                name = name.replace(theirs, ours)
+        return name
+
     def reads_weight(self, name: str) -> bool:
         """Whether :meth:`load_weights` uses checkpoint tensor ``name`` (or its scale): a pipeline stage skips the
         other stages' layers, embedding, norm and head, but a later stage's own LM head reads a tied embedding."""
         if name.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.pp.is_last:
             return True
-        return not name.startswith(self.other_stage)
+        return not self._our_name(name).startswith(self.other_stage)
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)

@@ -5,6 +5,7 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 (plus, DeepSeek, the shared experts' MLP, which every token takes). Routers:
 
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
+  Mixtral: the same, always renormalised;
 * DeepSeek-V3: sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group`` best of
   ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
   scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
@@ -72,10 +73,12 @@ class MoEFamily:
     shared_width: str | None = None  # its width: a config field, times n_shared_experts when that exists
     scale_input: bool = False  # the routing weight scales the expert's input (Llama-4), else its output
     fused_in_out: bool = False  # fused tensors are [E, H, 2I] and [E, I, H] (Llama-4), else [E, 2I, H], [E, H, I]
+    normalized: bool = False  # the top k weights renormalised when the config has no norm_topk_prob (Mixtral)
 
 
 FAMILIES = {
     "qwen3_moe": MoEFamily("softmax", "num_experts", "moe_intermediate_size"),
+    "mixtral": MoEFamily("softmax", "num_local_experts", "intermediate_size", normalized=True),
     "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
     "llama4_text": MoEFamily("topk_sigmoid", "num_local_experts", "intermediate_size", router="router",
@@ -118,7 +121,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.num_experts = getattr(config, family.num_experts)
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", family.normalized))
         self.grouped = family.routing == "grouped_sigmoid"
         if self.grouped:
             self.n_group, self.topk_group = config.n_group, config.topk_group

@@ -9,6 +9,7 @@ from importlib import import_module
 _ARCHITECTURES = {
     "LlamaForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
@@ -16,7 +17,8 @@ _ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
