@@ -215,6 +215,11 @@ class RayExecutor:
             raise WorkerDiedError(f"restarting the target's {self.world_size} ranks failed: {err}") from err
 
     @property
+    def pipeline_depth(self) -> int:
+        """Steps the engine may keep in flight: one per pipeline stage (each rank answers its steps in order)."""
+        return self.config.pipeline_parallel_size
+
+    @property
     def restarting(self) -> bool:
         return self._restarting is not None and self._restarting.is_alive()
 

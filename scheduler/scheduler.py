@@ -113,6 +113,7 @@ class Scheduler:
         # found when they are reported, after that update or, with async scheduling, after the next schedule)
         self._just_finished: dict[str, Request] = {}
         self._kv_moves: dict[str, KVMove] = {}  # accepted tree paths to move into committed slots (next plan)
+        self._held_for_room = False  # this plan's oldest unscheduled request waits for blocks a step in flight holds
         # the order requests are served in: running ones get blocks in it and give them back in reverse; waiting
         # ones are admitted in it (first come, first served; or by priority, then arrival)
         self._order = (_arrival if config.scheduling_policy == "fcfs" else _priority_then_arrival)
@@ -225,34 +226,45 @@ class Scheduler:
         return self.requests.get(req_id)
 
     # ---- schedule -------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, busy: frozenset[str] = frozenset(), max_seqs: int | None = None) -> StepPlan:
+        """The next step's plan. ``busy``: running requests in a step still in flight (pipeline stages keep several
+        going), which this plan leaves alone: never scheduled, preempted or re-admitted, as their step's result will
+        land on them. ``max_seqs``: the most requests in this plan (a pipeline's cohorts), else ``max_num_seqs``."""
         self.running.sort(key=self._order)
         if self._order is not _arrival and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._order))
         budget = self.config.max_num_batched_tokens
+        seats = max_seqs or self.config.max_num_seqs
         preemptions = self.num_preemptions
-        required = self._reserve_running(budget)
+        self._held_for_room = False
+        required = self._reserve_running(budget, busy, seats)
         budget -= sum(n for _, n in required)
         chunks = []
         for req, num_new in required:
             drafts, parents = self._drafts(req, num_new, budget)
             budget -= len(drafts)
             chunks.append(self._chunk(req, num_new, drafts, parents))
-        if self.num_preemptions == preemptions:
-            chunks += self._admit_waiting(budget)
+        if self.num_preemptions == preemptions and not self._held_for_room:
+            chunks += self._admit_waiting(budget, seats - len(chunks))
         return self._make_plan(chunks)
 
-    def _reserve_running(self, budget: int) -> list[tuple[Request, int]]:
-        """Pass 1: blocks and budget for each running request's required tokens, preempting as needed."""
+    def _reserve_running(self, budget: int, busy: frozenset[str] = frozenset(),
+                         seats: int | None = None) -> list[tuple[Request, int]]:
+        """Pass 1: blocks and budget for each running request's required tokens (not the ``busy`` ones'; at most
+        ``seats`` requests), preempting as needed."""
         required, i = [], 0
         cap = self._prefill_cap()
-        while i < len(self.running) and budget > 0:
+        seats = self.config.max_num_seqs if seats is None else seats
+        while i < len(self.running) and budget > 0 and len(required) < seats:
             req = self.running[i]
+            if req.req_id in busy:
+                i += 1
+                continue
             if self._beyond_pool(req):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             assert num_new >= 1, req
-            if not self._make_room(req, req.num_computed_tokens + num_new):
+            if not self._make_room(req, req.num_computed_tokens + num_new, busy):
                 break
             required.append((req, num_new))
             budget -= num_new
@@ -264,11 +276,16 @@ class Scheduler:
         ``long_prefill_token_threshold``, else the whole budget."""
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
 
-    def _make_room(self, req: Request, num_slots: int) -> bool:
-        """Preempt the newest running requests until ``req`` covers ``num_slots`` slots; False if ``req`` was
-        the newest and preempted itself."""
+    def _make_room(self, req: Request, num_slots: int, busy: frozenset[str] = frozenset()) -> bool:
+        """Preempt the newest running requests (none in a step in flight: ``busy``) until ``req`` covers
+        ``num_slots`` slots; False if ``req`` cannot have them now: it was the newest and preempted itself, or
+        newer requests hold the blocks in a step in flight, and it waits for their step to come back (then they
+        are the ones preempted: an older request never gives way to a newer one)."""
         while not self.block_manager.can_fit(req, num_slots):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r.req_id not in busy)  # req itself at the latest
+            if victim is req and any(r.req_id in busy for r in self.running[self.running.index(req) + 1:]):
+                self._held_for_room = True  # and nobody is admitted past it meanwhile
+                return False
             self._preempt(victim)
             if victim is req:
                 return False
@@ -362,13 +379,15 @@ class Scheduler:
             return 0
         return self.config.worker_tree_slots or next_drafts - 1
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+    def _admit_waiting(self, budget: int, seats: int | None = None) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption). With prefix
         caching, a request whose next whole block a running request is still computing (the n choices of one
         prompt, a burst behind one system prompt) waits, in its place in the queue, until that block is cached."""
         chunks, cap, held = [], self._prefill_cap(), []
         adapters = self._running_adapters()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs if seats is None else seats
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(chunks) < seats):
             req = self.waiting[0]
             if self._beyond_pool(req):
                 continue

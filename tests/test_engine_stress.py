@@ -169,6 +169,28 @@ CASES = {
                                                    "dynamic_tree_depth": 3},
                             "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                             "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
+    # steps kept in flight two at a time, each over its own cohort of requests (pipeline stages' batch queue): on
+    # one local rank here, whose steps run in order in a thread of their own as a pipeline's ranks do; requests
+    # in flight neither drafted for, scheduled, preempted nor re-admitted, through aborts, preemption, grammars
+    "ngram-pipelined": {"speculative_config": NGRAM, "pipeline_depth": 2, "long_prefill_token_threshold": 12},
+    "ngram-prefix-cache-pipelined": {"speculative_config": NGRAM, "enable_prefix_caching": True,
+                                     "pipeline_depth": 2},
+    "draft_model-pipelined": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3,
+                                                     "adaptive": False}, "pipeline_depth": 2},
+    "lookahead-pipelined": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15},
+                            "pipeline_depth": 2},
+    "eagle3-tree-pipelined": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4,
+                                                     "use_dynamic_tree": True, "dynamic_tree_max_topK": 2,
+                                                     "dynamic_tree_depth": 3}, "pipeline_depth": 2},
+    "mtp3-pipelined": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3,
+                                              "num_nextn_predict_layers": 3}, "pipeline_depth": 2},
+    "medusa-pipelined": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6},
+                         "pipeline_depth": 2},
+    # two pipeline stages as Ray actors: the same over a real pipeline, each stage's rank computing one cohort's
+    # step while the other computes the other's
+    "eagle3-pp2-ray": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
+                       "pipeline_parallel_size": 2,
+                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
 }
 
 
@@ -194,11 +216,14 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
             model = head  # the target's folder with its MTP layer added
         else:
             kwargs["speculative_config"] = {**spec, "model": head}
-    if kwargs.get("distributed_executor_backend") == "ray":
+    if kwargs.get("distributed_executor_backend") == "ray" or kwargs.get("pipeline_parallel_size", 1) > 1:
         request.getfixturevalue("ray_cluster")
+    depth = kwargs.pop("pipeline_depth", None)
     engine = build_engine(EngineArgs(
         model=model, max_model_len=256, num_kv_blocks=14, block_size=8, max_num_seqs=4,
         max_num_batched_tokens=48, **kwargs))
+    if depth is not None:
+        engine.pipeline_depth = depth
     try:
         exact_sampling = spec is None or (spec["method"] in COUPLED and "combine_with" not in spec)
         check_workload(engine, alone, random.Random(name), exact_sampling)

@@ -6,14 +6,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
 from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
 from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
-from specray.engine.step_future import StepFuture, start_step
+from specray.engine.step_future import StepFuture, resolved, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.lora import AdapterChecker
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
@@ -104,6 +105,11 @@ class LLMEngine:
         self.disable_by_batch_size = disable_by_batch_size
         self._unreported: list[Request] = []  # the requests the last step touched, reported by the next
         self._carried: list[RequestOutput] = []  # outputs built in a step that then failed, for the next to return
+        # an executor over pipeline stages keeps this many steps in flight, each over requests of its own (a
+        # cohort of at most max_num_seqs / depth), so that every stage computes while the others do (``step``)
+        self.pipeline_depth = max(1, int(getattr(executor, "pipeline_depth", 1)))
+        self._in_flight: deque[_InFlight] = deque()
+        self._last_done = 0.0  # when the last step in flight was answered (a pipeline's step cost)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -193,8 +199,9 @@ class LLMEngine:
         self._forget(live)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests left to step, or outputs a step has yet to report (``async_scheduling``, a failed step's)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._unreported or self._carried)
+        """Requests left to step, outputs a step has yet to report (``async_scheduling``, a failed step's), or
+        steps still in flight (pipeline stages)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._unreported or self._carried or self._in_flight)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's name); running requests keep the blocks they hold. True when the
@@ -217,7 +224,10 @@ class LLMEngine:
         ``async_scheduling`` a step's outputs are built (detokenized, stop strings looked for) while the next
         step computes, and come back from that next call: every request's tokens one step later, its host work
         hidden behind the device's. A stop string found then finishes its request one step late; that step's
-        tokens for it are dropped, so outputs stay the same."""
+        tokens for it are dropped, so outputs stay the same. Over pipeline stages (``pipeline_depth`` > 1) steps
+        overlap instead: :meth:`_pipelined_step`."""
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         outputs, self._carried = self._carried, []
         failed: dict[str, str] = {}  # req_id -> why drafting failed for it
         draft_probs = self._draft(failed)
@@ -239,6 +249,55 @@ class LLMEngine:
         if self.policy is not None and _is_decode_step(plan):
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
+        touched = self._apply(plan, result)
+        if running is not None:
+            self._unreported = touched
+        else:
+            outputs += self._report(touched)
+        self._forget([o.request_id for o in outputs if o.finished])
+        return outputs
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """A step over pipeline stages: while fewer than ``pipeline_depth`` steps are in flight, draft for and
+        schedule the requests none of them holds (at most max_num_seqs / depth of them) and start their step;
+        then wait for the oldest and apply its result. Each rank computes its steps in order, a stage handing its
+        part of one on and starting on the next, so the stages work at once on different requests. A request in
+        flight is never scheduled, preempted or drafted for until its step's result is applied; with disjoint
+        requests the results apply in any order, as the steps ran in order on every rank."""
+        outputs, self._carried = self._carried, []
+        if len(self._in_flight) < self.pipeline_depth:
+            busy = frozenset(c.req_id for step in self._in_flight for c in step.plan.chunks)
+            failed: dict[str, str] = {}
+            draft_probs = self._draft(failed, busy)
+            outputs += self._fail(failed)
+            cohort = -(-self.scheduler.config.max_num_seqs // self.pipeline_depth)
+            plan = self.scheduler.schedule(busy, cohort)
+            if plan.chunks or _carries_state(plan) or not self._in_flight:
+                self._mask_plan(plan)
+                self._in_flight.append(_InFlight(plan, draft_probs, start_step(self.executor, plan, draft_probs),
+                                                 self.clock()))
+                if plan.chunks and len(self._in_flight) < self.pipeline_depth:
+                    return outputs  # another cohort may start before the oldest step is waited for
+        step = self._in_flight.popleft()
+        try:
+            result, failed = self._execute(step.plan, step.draft_probs, step.future)
+        except WorkerDiedError as err:
+            self._in_flight.clear()  # on the same dead group: its requests are failed with the others
+            self._carried = outputs
+            self._recover(err)
+            raise
+        now = self.clock()
+        if self.policy is not None and _is_decode_step(step.plan):  # a step's cost: its share of the pipeline's time
+            self.policy.observe_step(step.plan.num_tokens, len(step.plan.chunks), now - max(step.started,
+                                                                                             self._last_done))
+        self._last_done = now
+        outputs += self._fail(failed)
+        outputs += self._report(self._apply(step.plan, result))
+        self._forget([o.request_id for o in outputs if o.finished])
+        return outputs
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """A step's result into the scheduler and the engine's records; returns the requests it touched."""
         touched = self.scheduler.update_from_output(plan, result)
         self._advance_grammars(touched)
         self._keep_worker_drafts(result)
@@ -247,12 +306,7 @@ class LLMEngine:
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
         self.num_steps += 1
-        if running is not None:
-            self._unreported = touched
-        else:
-            outputs += self._report(touched)
-        self._forget([o.request_id for o in outputs if o.finished])
-        return outputs
+        return touched
 
     # ---- a step that failed for some of its requests ---------------------------------------------------
     def _execute(self, plan: StepPlan, draft_probs: dict, running: StepFuture | None = None
@@ -281,6 +335,8 @@ class LLMEngine:
         propagates (the async engine then fails everything in flight, loudly)."""
         logger.error("step %d over %d requests failed (%r); running them again without the failing ones",
                      plan.step_id, len(plan.chunks), err, exc_info=err)
+        for step in self._in_flight:  # their answers come first on the executor: take them before any retry
+            step.future = resolved(step.future)
         preempted = set(self.scheduler.forget_worker_state(plan))  # their K/V was moving: they recompute it
         if not plan.chunks:  # no request to blame (it failed on the plan's bookkeeping): not a request's fault
             raise err
@@ -331,34 +387,33 @@ class LLMEngine:
         self.abort_request(err.req_ids)
         self.executor.restart()
 
-    def _draft(self, failed: dict[str, str]) -> dict:
+    def _draft(self, failed: dict[str, str], busy: frozenset[str] = frozenset()) -> dict:
         """Ask the drafter for each decoding request's next drafts, K sized by the policy (which caps it by the
         request's ``SamplingParams.num_speculative_tokens``; 0 asks for none), and hand them to the scheduler.
         A drafter that proposes cheaply (per request: behind a router, the drafter the request is routed to) is
         asked for the most each request may have, and the policy sizes K by the proposal's key. Returns the drafts'
         probabilities (a probabilistic drafter's q) by request id; a request the drafter fails on goes into
-        ``failed``."""
-        self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
-        self._forced, self._kept_nodes = set(), {}
-        running = self.scheduler.running
+        ``failed``. ``busy``: requests in a step still in flight, left alone (their records stay for their result)."""
+        self._forget_drafting_records(busy)
+        running = [r for r in self.scheduler.running if r.req_id not in busy]
         limit = self.disable_by_batch_size
-        if limit is not None and len(running) + self.scheduler.num_waiting >= limit:
+        if limit is not None and len(self.scheduler.running) + self.scheduler.num_waiting >= limit:
             # no drafter's drafts this step (a grammar's forced tokens still go); a worker's head drafts none next,
             # a request admitted now none after its prefill
             self._worker_drafts = {}
             lengths = None if self.worker_method is None else {
                 r.req_id: 0 for r in [*running, *self.scheduler.waiting]}
-            self._submit_drafts({}, {}, failed, lengths)
+            self._submit_drafts({}, {}, failed, lengths, busy=busy)
             return {}
         if self.worker_method is not None:
-            self._hand_worker_drafts(failed)
+            self._hand_worker_drafts(failed, running, busy)
             return {}
         decoding = [] if self.drafter is None else [
             (r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
             if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             if self._grammars:
-                self._submit_drafts({}, {}, failed)
+                self._submit_drafts({}, {}, failed, busy=busy)
             return {}
         cheaps = self._cheapness(decoding)
         batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
@@ -384,10 +439,22 @@ class LLMEngine:
             drafts[request.req_id] = tokens
             if proposal.probs is not None and tokens:
                 probs[dreq.req_id] = proposal.probs
-        self._submit_drafts(drafts, probs, failed)
+        self._submit_drafts(drafts, probs, failed, busy=busy)
         return probs
 
-    def _hand_worker_drafts(self, failed: dict[str, str]) -> None:
+    def _forget_drafting_records(self, busy: frozenset[str]) -> None:
+        """A new step's drafting starts afresh, but for the requests of steps in flight (``busy``)."""
+        if not busy:
+            self._draft_keys, self._draft_trees, self._draft_scores = {}, {}, {}
+            self._forced, self._kept_nodes = set(), {}
+            return
+        for records in (self._draft_keys, self._draft_trees, self._draft_scores, self._kept_nodes):
+            for rid in [r for r in records if r not in busy]:
+                del records[rid]
+        self._forced &= busy
+
+    def _hand_worker_drafts(self, failed: dict[str, str], running: list, busy: frozenset[str] = frozenset()
+                            ) -> None:
         """The drafts the worker made after the last step go to verification, and the policy decides, once per
         decoding request and step, how many the worker should draft after this step for the next (none: the
         head's first pass for it is put off too, see :mod:`specray.workers.head_drafter`).
@@ -401,8 +468,8 @@ class LLMEngine:
         drafter beside the head (``combine_with``), a request it proposes for takes whichever proposal pays more
         (:meth:`_combine`)."""
         drafts, lengths = {}, {}
-        running = self.scheduler.running
-        probes, self._worker_probes = self._worker_probes, set()
+        probes = {rid for rid in self._worker_probes if rid not in busy}
+        self._worker_probes -= probes
         decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
                     if r.num_computed_tokens == r.num_tokens - 1]  # prefilling: the worker drafts after its last chunk
         lookups = self._lookup_proposals(decoding, failed) if self.drafter is not None else {}
@@ -445,12 +512,13 @@ class LLMEngine:
             if k and self.worker_trees:
                 k = self.policy.num_speculative_tokens_for(request)  # the worker grows a whole tree
             lengths[rid] = min(k, self.scheduler.config.worker_draft_steps)  # the head's own count
-        self._worker_drafts = {}
-        self._submit_drafts(drafts, {}, failed, lengths, head_drafted)
+        self._worker_drafts = {rid: d for rid, d in self._worker_drafts.items() if rid in busy}
+        self._submit_drafts(drafts, {}, failed, lengths, head_drafted, busy)
 
     # ---- structured outputs -------------------------------------------------------------------------------
     def _submit_drafts(self, drafts: dict[str, list[int] | DraftTree], probs: dict, failed: dict[str, str],
-                       lengths: dict[str, int] | None = None, from_worker: list[str] = ()) -> None:
+                       lengths: dict[str, int] | None = None, from_worker: list[str] = (),
+                       busy: frozenset[str] = frozenset()) -> None:
         """Hand this step's drafts to the scheduler, those of a request with a grammar cut to what it accepts
         (:meth:`RequestGrammar.constrain`), or replaced by the tokens the grammar forces next where the drafts do
         not already begin with them all (then ``probs`` loses the request's q, and the drafts are not a drafter's:
@@ -458,8 +526,8 @@ class LLMEngine:
         from_worker = list(from_worker)
         for rid, grammar in self._grammars.items():
             request = self.scheduler.get_request(rid)
-            if (rid in failed or request is None or request.num_computed_tokens != request.num_tokens - 1
-                    or request.status.is_finished):
+            if (rid in failed or rid in busy or request is None
+                    or request.num_computed_tokens != request.num_tokens - 1 or request.status.is_finished):
                 continue
             made = drafts.get(rid)
             if made is not None and len(made):
@@ -645,17 +713,23 @@ class LLMEngine:
         return chosen, head_next, from_head and n > 0
 
     def _keep_worker_drafts(self, result: StepResult) -> None:
+        """The drafts the worker made after a step, for its requests' next step (each request's replacing what it
+        had; a step in flight keeps its requests' own)."""
         if result.draft_token_ids is None:
             return
+        for rid in result.req_ids:
+            self._worker_drafts.pop(rid, None)
+            self._worker_scores.pop(rid, None)
         if result.draft_parents is None:  # chains, and the head's confidence in each draft when it tells
-            self._worker_drafts = {rid: d for rid, d in zip(result.req_ids, result.draft_token_ids) if d}
-            self._worker_scores = {rid: sc for rid, sc in zip(result.req_ids, result.draft_scores or ()) if sc}
-            self.worker_scores_chains |= bool(self._worker_scores)
+            self._worker_drafts.update((rid, d) for rid, d in zip(result.req_ids, result.draft_token_ids) if d)
+            scores = {rid: sc for rid, sc in zip(result.req_ids, result.draft_scores or ()) if sc}
+            self._worker_scores.update(scores)
+            self.worker_scores_chains |= bool(scores)
             return
         # a tree drawn from q (a sampled request's) carries no scores: the policy prices it by the worker's shape
         scores = result.draft_scores or [None] * len(result.req_ids)
-        self._worker_drafts = {rid: DraftTree(d, p, sc or None) for rid, d, p, sc in
-                               zip(result.req_ids, result.draft_token_ids, result.draft_parents, scores) if d}
+        self._worker_drafts.update((rid, DraftTree(d, p, sc or None)) for rid, d, p, sc in
+                                   zip(result.req_ids, result.draft_token_ids, result.draft_parents, scores) if d)
 
     def _cheapness(self, decoding: list[tuple[Request, bool]]) -> list[bool]:
         """Per decoding request: whether its drafter proposes cheaply (behind a router: the one it routes to)."""
@@ -951,6 +1025,22 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
     if any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)):
         return f"the drafter's tree parents {list(parents)[:16]} are not -1 or an earlier node for every node"
     return None
+
+
+@dataclass
+class _InFlight:
+    """A step started and not yet answered (pipeline stages keep several)."""
+
+    plan: StepPlan
+    draft_probs: dict
+    future: StepFuture
+    started: float = field(default=0.0)
+
+
+def _carries_state(plan: StepPlan) -> bool:
+    """A plan without chunks that still tells the workers something (requests gone, new, moved or re-blocked)."""
+    return bool(plan.finished_req_ids or plan.preempted_req_ids or plan.new_requests or plan.block_deltas
+                or plan.kv_moves)
 
 
 def _is_decode_step(plan: StepPlan) -> bool:

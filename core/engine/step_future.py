@@ -24,6 +24,15 @@ class _Done:
         return self._result
 
 
+def resolved(future: StepFuture) -> StepFuture:
+    """``future`` answered now: its result, or its error, kept for ``result()`` (a pipeline's engine takes the answers
+    of the steps in flight before it runs a failed step's requests again)."""
+    try:
+        return _Done(future.result())
+    except Exception as err:  # handed back by result(), as the step's own error
+        return _Done(error=err)
+
+
 def start_step(executor, plan: StepPlan, draft_probs: dict | None) -> StepFuture:
     """Start ``plan`` on ``executor`` and return at once where it computes apart from this thread (its
     ``execute_async``); otherwise run it now. Either way its errors come from ``result()``."""
