@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--configs", default="tp1,pp2,pp3,tp3")
     ap.add_argument("--spec", default="ngram", choices=["none", "ngram"])
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="per step (over S stages: S x this in the engine)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -77,12 +78,12 @@ def main() -> None:
     for name in args.configs.split(","):
         tp, pp = CONFIGS[name]
         engine = build_engine(EngineArgs(
-            model=model, max_model_len=1024, max_num_seqs=args.requests, tensor_parallel_size=tp,
+            model=model, max_model_len=1024, max_num_seqs=args.max_num_seqs, tensor_parallel_size=tp,
             pipeline_parallel_size=pp, distributed_executor_backend="ray", num_threads=args.threads,
             kv_cache_memory_bytes=args.kv_bytes, speculative_config=spec,
             ray_placement={"worker_num_cpus": 0.25, "drafter_num_cpus": 0.1, "engine_num_cpus": 0.1}))
         try:
-            prompts = [engine.tokenizer.encode(p) for p in PROMPTS[: args.requests]]
+            prompts = [engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.requests)]
             run_batch(engine, prompts, 8)  # warm-up
             times, tokens = [], None
             for _ in range(args.rounds):

@@ -109,6 +109,12 @@ def check_engine_args(args: EngineArgs) -> None:
                          "distributed_executor_backend='ray'")
 
 
+def engine_seats(args: EngineArgs) -> int:
+    """The requests the engine runs at once: ``max_num_seqs`` per step, and over pipeline stages one step in flight
+    per stage, each with a cohort of its own (vLLM's virtual engines), so ``max_num_seqs`` per stage."""
+    return args.max_num_seqs * args.pipeline_parallel_size
+
+
 def check_local_paths(args: EngineArgs) -> None:
     """The tokenizer's and the drafter's model paths exist, when they are local paths, on the machine that is to
     load them (not checked with the other arguments: a cluster's head may not hold the paths its workers mount)."""
@@ -180,7 +186,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  kv_cache_dtype=args.kv_cache_dtype,
                                  pipeline_parallel_size=args.pipeline_parallel_size)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
-    cache = CacheConfig(max_model_len, args.max_num_seqs, args.block_size, args.num_kv_blocks)
+    cache = CacheConfig(max_model_len, engine_seats(args), args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
     executor = executor_class(backend)(worker_config, args.tensor_parallel_size, cache, args.ray_placement)
     try:
@@ -189,7 +195,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         executor.shutdown()
         raise
     sched_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=engine_seats(args),
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
         max_model_len=max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -298,7 +304,7 @@ def drafter_context(args: EngineArgs, vocab_size: int, tokenizer, max_model_len:
     if spec is None:
         return None
     ctx = DrafterContext(target_model=args.model, vocab_size=vocab_size, max_model_len=max_model_len,
-                         max_num_seqs=args.max_num_seqs, seed=args.seed, block_size=args.block_size,
+                         max_num_seqs=engine_seats(args), seed=args.seed, block_size=args.block_size,
                          target_tokenizer=tokenizer, enable_prefix_caching=args.enable_prefix_caching,
                          reasoning_parser=args.reasoning_parser, enforce_eager=args.enforce_eager,
                          kv_cache_dtype=args.kv_cache_dtype)
