@@ -8,8 +8,8 @@ the KV blocks the engine agreed under one per-rank budget (``--kv-bytes``), and 
 ``ngram``), best of ``--rounds``. Every configuration's tokens must equal the first's (greedy). Prints one JSON line
 per configuration, then the machine, torch version and commit.
 
-One batch is in flight at a time, so stages compute in turn: what stages buy is memory per rank (weights and KV),
-and what they cost is the hand-off between them.
+S stages keep S steps in flight, each over a cohort of up to ``--max-num-seqs`` requests, so they compute at once;
+what they buy beside that is memory per rank (weights and KV).
 
     PYTHONSAFEPATH=1 python benchmarks/bench_pipeline.py
 """
