@@ -106,7 +106,8 @@ class LLMEngine:
         self._unreported: list[Request] = []  # the requests the last step touched, reported by the next
         self._carried: list[RequestOutput] = []  # outputs built in a step that then failed, for the next to return
         # an executor over pipeline stages keeps this many steps in flight, each over requests of its own (a
-        # cohort of at most max_num_seqs / depth), so that every stage computes while the others do (``step``)
+        # cohort: the scheduler's seats over the depth, EngineArgs.max_num_seqs), so that every stage computes
+        # while the others do (``step``)
         self.pipeline_depth = max(1, int(getattr(executor, "pipeline_depth", 1)))
         self._in_flight: deque[_InFlight] = deque()
         self._last_done = 0.0  # when the last step in flight was answered (a pipeline's step cost)
@@ -259,7 +260,8 @@ class LLMEngine:
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """A step over pipeline stages: while fewer than ``pipeline_depth`` steps are in flight, draft for and
-        schedule the requests none of them holds (at most max_num_seqs / depth of them) and start their step;
+        schedule the requests none of them holds (a cohort: at most the scheduler's seats over the depth) and start
+        their step;
         then wait for the oldest and apply its result. Each rank computes its steps in order, a stage handing its
         part of one on and starting on the next, so the stages work at once on different requests. A request in
         flight is never scheduled, preempted or drafted for until its step's result is applied; with disjoint
