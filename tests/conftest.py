@@ -95,12 +95,13 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "llama4", "mixtral"}. Returns the folder."""
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "llama4", "mixtral", "qwen2_moe"}. Returns the
+    folder."""
     import torch
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -125,13 +126,14 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
-                          "mixtral": (MixtralConfig, MixtralForCausalLM)}[arch]
+                          "mixtral": (MixtralConfig, MixtralForCausalLM),
+                          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
+            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, 0.5)
             elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
@@ -193,6 +195,15 @@ def tiny_mixtral_dir(tmp_path_factory) -> Path:
     # every layer sparse (8 experts, top 2); saved in Mixtral's own names (block_sparse_moe, experts' w1/w3/w2)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=8, num_local_experts=8,
                             num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
+    # layers 0 and 2 sparse (8 experts, top 2, a gated shared expert), layer 1 dense
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_moe"), "qwen2_moe", seed=9, num_hidden_layers=3,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

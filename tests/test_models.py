@@ -87,10 +87,11 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
-               "mixtral": (MixtralConfig, MixtralForCausalLM),
+               "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
@@ -103,7 +104,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
         for name, param in hf.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
-            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
+            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
@@ -301,6 +302,22 @@ def test_mixtral_matches_transformers(contiguous, window):
         our_weights, our_ids = ours.model.layers[1].mlp.route(x)
     assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MIXTRAL["num_local_experts"]
     close(our_weights, weights)
+
+
+QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 decoder_sparse_step=1, mlp_only_layers=[1])
+
+
+@pytest.mark.parametrize("qkv_bias,norm_topk_prob", [(True, False), (False, True)])
+def test_qwen2_moe_matches_transformers(contiguous, qkv_bias, norm_topk_prob):
+    """Qwen2-MoE: layer 0 sparse (8 experts, top 2) with a shared expert scaled by its per-token sigmoid gate, layer 1
+    dense; q/k/v biases as the config says: a full prefill and a chunked one give transformers' logits."""
+    ours, hf = in_memory_pair("qwen2_moe", seed=10, qkv_bias=qkv_bias, norm_topk_prob=norm_topk_prob, **QWEN2_MOE)
+    from specray.models.moe import SparseMoE
+
+    assert isinstance(ours.model.layers[0].mlp, SparseMoE) and not isinstance(ours.model.layers[1].mlp, SparseMoE)
+    assert (ours.model.layers[0].self_attn.qkv_proj.bias is not None) == qkv_bias
+    check_variant(ours, hf, contiguous=contiguous)
 
 
 def test_qwen3_moe_loads_per_expert_and_fused_checkpoints(tmp_path):
@@ -780,7 +797,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "deepseek-ep", "deepseek_v3", 16, vocab_size=321, **DEEPSEEK),
                save_tiny(tmp_path / "llama4", "llama4", 17, vocab_size=321, **LLAMA4),
                save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4),
-               save_tiny(tmp_path / "mixtral-ep", "mixtral", 18, vocab_size=321, **MIXTRAL)]
+               save_tiny(tmp_path / "mixtral-ep", "mixtral", 18, vocab_size=321, **MIXTRAL),
+               save_tiny(tmp_path / "qwen2moe", "qwen2_moe", 19, vocab_size=321, **QWEN2_MOE)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

@@ -101,10 +101,11 @@ class LlamaAttention(nn.Module):
         # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)
         super().__init__()
         head_dim = _head_dim(config)
-        is_qwen2 = config.model_type == "qwen2"
+        is_qwen2 = config.model_type in ("qwen2", "qwen2_moe")  # q/k/v biases (Qwen2-MoE's: its qkv_bias)
         attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or (is_qwen2 and bool(getattr(config, "qkv_bias", True)))
         self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, tp, bias=attention_bias or is_qwen2)
+                                          config.num_key_value_heads, tp, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
                                         bias=attention_bias and not is_qwen2)
         self.num_heads = self.qkv_proj.num_heads
@@ -147,11 +148,11 @@ class LlamaMLP(nn.Module):
 
 
 def _is_sparse(config, layer: int) -> bool:
-    """Qwen3-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except ``mlp_only_layers``);
-    Mixtral: every layer."""
+    """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
+    ``mlp_only_layers``); Mixtral: every layer."""
     if config.model_type == "mixtral":
         return True
-    if config.model_type != "qwen3_moe" or not getattr(config, "num_experts", 0):
+    if config.model_type not in ("qwen3_moe", "qwen2_moe") or not getattr(config, "num_experts", 0):
         return False
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
 

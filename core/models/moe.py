@@ -5,7 +5,8 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 (plus, DeepSeek, the shared experts' MLP, which every token takes). Routers:
 
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
-  Mixtral: the same, always renormalised;
+  Mixtral: the same, always renormalised; Qwen2-MoE: the same, and a shared expert whose output a per-token gate
+  scales by sigmoid(x . w);
 * DeepSeek-V3: sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group`` best of
   ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
   scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
@@ -74,10 +75,13 @@ class MoEFamily:
     scale_input: bool = False  # the routing weight scales the expert's input (Llama-4), else its output
     fused_in_out: bool = False  # fused tensors are [E, H, 2I] and [E, I, H] (Llama-4), else [E, 2I, H], [E, H, I]
     normalized: bool = False  # the top k weights renormalised when the config has no norm_topk_prob (Mixtral)
+    shared_gate: str | None = None  # a gate scaling the shared expert's output by sigmoid(x . w) (Qwen2-MoE)
 
 
 FAMILIES = {
     "qwen3_moe": MoEFamily("softmax", "num_experts", "moe_intermediate_size"),
+    "qwen2_moe": MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
+                           shared_width="shared_expert_intermediate_size", shared_gate="shared_expert_gate"),
     "mixtral": MoEFamily("softmax", "num_local_experts", "intermediate_size", normalized=True),
     "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
@@ -166,6 +170,8 @@ class SparseMoE(nn.Module):
         if family.shared is not None:
             width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
             self.add_module(family.shared, GatedMLP(h, width, tp))
+        if family.shared_gate is not None:  # replicated, as the router is
+            self.add_module(family.shared_gate, Router(1, h, correction_bias=False))
 
     @property
     def router_module(self) -> Router:
@@ -228,7 +234,10 @@ class SparseMoE(nn.Module):
             y = torch.cat(parts)
             out.index_add_(0, tokens, y if self.family.scale_input else y * w)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
-            out = out + self.shared.partial(x)
+            shared = self.shared.partial(x)
+            if self.family.shared_gate is not None:  # each token's gate, the same on every rank
+                shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
+            out = out + shared
         return self.tp.all_reduce(out)
 
     def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:

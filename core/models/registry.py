@@ -13,12 +13,13 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
