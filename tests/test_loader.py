@@ -265,8 +265,9 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
     if experts:
         w.add_expert_count(experts)
@@ -317,6 +318,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, layers: int) -> None:
             continue
         if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's RMSNorms scale by 1 + w: llama.cpp's by w
             tensor = tensor + 1
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
+            tensor = tensor.reshape(-1)
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(names.get_name(name) + ".weight",
@@ -331,6 +334,10 @@ GGUF_TINY = {
     "qwen3": ("qwen3", dict(head_dim=128, tie_word_embeddings=False)),
     "qwen3moe": ("qwen3_moe", dict(head_dim=128, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1)),
+    # Qwen1.5-MoE-A2.7B's expert widths (transformers' defaults), a gated shared expert, q/k/v biases
+    "qwen2moe": ("qwen2_moe", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                   decoder_sparse_step=1)),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                   "rope_theta": 1e6},
@@ -383,7 +390,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("deepseek2", rf"general.architecture='deepseek2' \(DeepSeek-V3 / R1\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['gemma3', 'llama', 'qwen2', 'qwen3', 'qwen3moe'\]"),
+              r"\['gemma3', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's and Llama-4's (families we serve from their HF

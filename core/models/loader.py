@@ -41,10 +41,11 @@ CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
-_GGUF_FAMILIES = {"llama": "Llama / Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
-                  "gemma3": "Gemma 3 text", "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text"}
+_GGUF_FAMILIES = {"llama": "Llama / Mistral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
+                  "qwen3moe": "Qwen3-MoE", "gemma3": "Gemma 3 text", "deepseek2": "DeepSeek-V3 / R1",
+                  "llama4": "Llama-4 text"}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
-_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe"}
+_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 
 
 @dataclass(frozen=True)

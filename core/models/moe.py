@@ -114,6 +114,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = _param(num_experts) if correction_bias else None
 
 
+def _load_as_row(param: nn.Parameter, tensor: Any) -> None:
+    """A [1, H] weight from a checkpoint tensor of H values in any shape ([1, H], [H], [1, 1, H])."""
+    value = materialize(tensor)
+    if value.numel() != param.numel():
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}: the checkpoint does not match its config.json")
+    param.data.copy_(value.reshape(param.shape))
+
+
 class SparseMoE(nn.Module):
     """A sparse MLP block over ``tp`` (see the module docstring), the family's by ``config.model_type``."""
 
@@ -171,7 +180,9 @@ class SparseMoE(nn.Module):
             width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
             self.add_module(family.shared, GatedMLP(h, width, tp))
         if family.shared_gate is not None:  # replicated, as the router is
-            self.add_module(family.shared_gate, Router(1, h, correction_bias=False))
+            gate = Router(1, h, correction_bias=False)
+            gate.weight.weight_loader = _load_as_row  # [1, H]; llama.cpp's GGUFs store it as [H]
+            self.add_module(family.shared_gate, gate)
 
     @property
     def router_module(self) -> Router:
