@@ -272,6 +272,9 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "gemma3":
         _write_gemma3_params(w, cfg, rope)
 
@@ -326,17 +329,17 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, layers: int) -> None:
                      torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
 
 
-# llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping reads neither
-# Qwen3's head_dim nor the experts' width from the file: those models use transformers' defaults for them (128,
-# 768), as the released ones do. Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local, 1
+# llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping does not read
+# Qwen3's head_dim from the file: those models use its default (128), as the released ones do; the experts' widths
+# it does not read either, the loader does (llama.cpp writes them). Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local, 1
 # global), a window (8) shorter than the prompts and, as Gemma 3 4B-27B, linearly scaled RoPE on its global layer.
 GGUF_TINY = {
     "qwen3": ("qwen3", dict(head_dim=128, tie_word_embeddings=False)),
     "qwen3moe": ("qwen3_moe", dict(head_dim=128, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1)),
-    # Qwen1.5-MoE-A2.7B's expert widths (transformers' defaults), a gated shared expert, q/k/v biases
+                                   moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)),
+    # a gated shared expert, q/k/v biases; the experts' widths from the file, not transformers' defaults
     "qwen2moe": ("qwen2_moe", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                   moe_intermediate_size=40, shared_expert_intermediate_size=56,
                                    decoder_sparse_step=1)),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,

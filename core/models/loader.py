@@ -433,7 +433,23 @@ def _fix_gemma3_gguf_config(config, meta: dict[str, Any]) -> None:
     config.rope_parameters["full_attention"].update(rope_type="linear", factor=float(factor))
 
 
-_GGUF_CONFIG_FIXES = {"gemma3": _fix_gemma3_gguf_config}
+def _fix_moe_gguf_config(arch: str) -> Callable[[Any, dict[str, Any]], None]:
+    """A mixture of experts' widths as the GGUF gives them (llama.cpp writes ``{arch}.expert_feed_forward_length``
+    and, with a shared expert, ``{arch}.expert_shared_feed_forward_length``), where transformers' mapping reads
+    neither and leaves its defaults (one release's widths: Qwen2-57B-A14B's or Qwen3-235B-A22B's would not load)."""
+
+    def fix(config, meta: dict[str, Any]) -> None:
+        for key, field in (("expert_feed_forward_length", "moe_intermediate_size"),
+                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+            value = meta.get(f"{arch}.{key}")
+            if value is not None:
+                setattr(config, field, int(value))
+
+    return fix
+
+
+_GGUF_CONFIG_FIXES = {"gemma3": _fix_gemma3_gguf_config, "qwen2moe": _fix_moe_gguf_config("qwen2moe"),
+                      "qwen3moe": _fix_moe_gguf_config("qwen3moe")}
 
 
 def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
