@@ -413,6 +413,34 @@ def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeyp
     assert not any((gguf_cache / "gguf").glob(f"*{arch}*"))  # no conversion, not even a partial one, left behind
 
 
+def test_gguf_of_mixtral_fails_early(tmp_path, gguf_cache, monkeypatch):
+    """llama.cpp writes Mixtral as a llama with experts, which transformers maps as a dense Llama: refused up front
+    with the way out (the HF checkpoint), before transformers reads the file."""
+    import gguf
+    import numpy as np
+    import transformers
+
+    from specray import LLM
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("transformers read a GGUF the loader should have refused")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    path = tmp_path / "tiny-mixtral.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"mixture of experts under general.architecture='llama' \(Mixtral's layout, 8 "
+                                         r"experts\).*HF folder"):
+        LLM(model=str(path))
+
+
 # ---- FP8 releases with block scales (specray.models.fp8) -------------------------------------------------------
 
 @pytest.mark.parametrize("fixture,block", [("tiny_llama_dir", FP8_BLOCK), ("tiny_llama_dir", None),

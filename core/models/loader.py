@@ -476,6 +476,11 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     meta = _gguf_metadata(gguf)
     arch = meta.get("general.architecture")
     _check_gguf_architecture(gguf, arch)
+    if arch == "llama" and meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as a llama with experts
+        raise ValueError(f"GGUF {str(gguf)!r} is a mixture of experts under general.architecture='llama' (Mixtral's "
+                         f"layout, {meta['llama.expert_count']} experts), which transformers maps as a dense Llama; "
+                         "specray serves Mixtral from its HF checkpoint: pass the model's HF folder (config.json + "
+                         "*.safetensors) or its hub id instead of the .gguf")
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta)
