@@ -711,16 +711,21 @@ def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_lla
         engine.executor.shutdown()
 
 
-def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_serves(tiny_llama_dir):
-    """A rank killed mid-run: the running request fails at once (while the group is still restarting in the
-    background), the request that was only waiting for a seat (max_num_seqs=1; no KV on the dead group) stays
-    queued and completes on the new group, and so does a request sent afterwards."""
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_serves(tiny_llama_dir, parallel):
+    """A rank killed mid-run: the running requests fail at once (while the group is still restarting in the
+    background), the request that was only waiting for a seat (max_num_seqs=1: one seat, or one per pipeline stage,
+    whose two cohorts are both in flight; no KV on the dead group) stays queued and completes on the new group, and
+    so does a request sent afterwards."""
     import ray
     from specray.engine.async_engine import AsyncLLMEngine
 
-    prompt, other = prompts_for(2, seed=5)
-    reference, other_reference = run_to_end(engine_for(tiny_llama_dir), [prompt, other])
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, max_num_seqs=1)
+    seats = parallel.get("pipeline_parallel_size", 1)
+    prompts = prompts_for(seats + 1, seed=5)
+    *running, other = prompts
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    engine = engine_for(tiny_llama_dir, ray_placement=HALF_CPU, max_num_seqs=1, **parallel)
     aengine = AsyncLLMEngine(engine)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -731,24 +736,29 @@ def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_ser
             pass
         return final
 
+    async def fails(stream) -> float:
+        start = time.monotonic()
+        with pytest.raises(RequestFailedError, match="target rank"):
+            await last(stream)
+        return time.monotonic() - start
+
     async def scenario():
-        stream = aengine.generate(prompt, long)
-        await stream.__anext__()  # the request is running on both ranks
+        streams = [aengine.generate(p, long) for p in running]
+        for stream in streams:
+            await stream.__anext__()  # each request is running (a cohort each over stages)
         waiting = asyncio.create_task(last(aengine.generate(other, greedy)))
         while await aengine.call(lambda e: e.scheduler.num_waiting) == 0:
             await asyncio.sleep(0.01)
         ray.kill(engine.executor.workers[1])
-        start = time.monotonic()
-        with pytest.raises(RequestFailedError, match="target rank"):
-            await last(stream)
-        failed_after, restarting = time.monotonic() - start, engine.executor.restarting
-        return failed_after, restarting, await waiting, await last(aengine.generate(prompt, greedy))
+        failed_after = max(await asyncio.gather(*(fails(s) for s in streams)))
+        restarting = engine.executor.restarting
+        return failed_after, restarting, await waiting, await last(aengine.generate(running[0], greedy))
 
     try:
         failed_after, restarting, waited, final = asyncio.run(scenario())
         assert failed_after < 10 and restarting  # told before the new group was up
-        assert waited.outputs[0].token_ids == other_reference
-        assert final.outputs[0].token_ids == reference
+        assert waited.outputs[0].token_ids == references[-1]
+        assert final.outputs[0].token_ids == references[0]
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
