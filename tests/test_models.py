@@ -276,11 +276,16 @@ def test_qwen3_moe_matches_transformers(contiguous, norm_topk_prob):
 
     assert isinstance(ours.model.layers[0].mlp, SparseMoE) and not isinstance(ours.model.layers[1].mlp, SparseMoE)
     check_variant(ours, hf, contiguous=contiguous)
-    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(2))
+    check_router(ours, hf, 0, MOE["num_experts"], seed=2)
+
+
+def check_router(ours, hf, layer: int, num_experts: int, seed: int) -> None:
+    """Our router of ``layer`` picks transformers' experts, every one of them for some token, with its weights."""
+    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        _, weights, ids = hf.model.layers[0].mlp.gate(x)
-        our_weights, our_ids = ours.model.layers[0].mlp.route(x)
-    assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MOE["num_experts"]
+        _, weights, ids = hf.model.layers[layer].mlp.gate(x)
+        our_weights, our_ids = ours.model.layers[layer].mlp.route(x)
+    assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == num_experts
     close(our_weights, weights)
 
 
@@ -296,12 +301,7 @@ def test_mixtral_matches_transformers(contiguous, window):
 
     assert all(isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers)
     check_variant(ours, hf, contiguous=contiguous)
-    x = torch.randn(30, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        _, weights, ids = hf.model.layers[1].mlp.gate(x)
-        our_weights, our_ids = ours.model.layers[1].mlp.route(x)
-    assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == MIXTRAL["num_local_experts"]
-    close(our_weights, weights)
+    check_router(ours, hf, 1, MIXTRAL["num_local_experts"], seed=3)
 
 
 QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
