@@ -287,7 +287,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # vLLM's: the decoder layers split into this many consecutive stages, each on tensor_parallel_size ranks of its
     # own (tensor_parallel_size x pipeline_parallel_size ranks in all, across nodes); a step's tokens pass through
-    # the stages in turn
+    # the stages in turn, and one step is in flight per stage, each over its own max_num_seqs requests
     pipeline_parallel_size: int = 1
     # a mixture-of-experts target's experts split whole over the tensor-parallel ranks (vLLM's name); else each
     # expert is split by width as a dense MLP is

@@ -248,13 +248,11 @@ class Scheduler:
             chunks += self._admit_waiting(budget, seats - len(chunks))
         return self._make_plan(chunks)
 
-    def _reserve_running(self, budget: int, busy: frozenset[str] = frozenset(),
-                         seats: int | None = None) -> list[tuple[Request, int]]:
+    def _reserve_running(self, budget: int, busy: frozenset[str], seats: int) -> list[tuple[Request, int]]:
         """Pass 1: blocks and budget for each running request's required tokens (not the ``busy`` ones'; at most
         ``seats`` requests), preempting as needed."""
         required, i = [], 0
         cap = self._prefill_cap()
-        seats = self.config.max_num_seqs if seats is None else seats
         while i < len(self.running) and budget > 0 and len(required) < seats:
             req = self.running[i]
             if req.req_id in busy:
@@ -276,7 +274,7 @@ class Scheduler:
         ``long_prefill_token_threshold``, else the whole budget."""
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
 
-    def _make_room(self, req: Request, num_slots: int, busy: frozenset[str] = frozenset()) -> bool:
+    def _make_room(self, req: Request, num_slots: int, busy: frozenset[str]) -> bool:
         """Preempt the newest running requests (none in a step in flight: ``busy``) until ``req`` covers
         ``num_slots`` slots; False if ``req`` cannot have them now: it was the newest and preempted itself, or
         newer requests hold the blocks in a step in flight, and it waits for their step to come back (then they
@@ -379,13 +377,12 @@ class Scheduler:
             return 0
         return self.config.worker_tree_slots or next_drafts - 1
 
-    def _admit_waiting(self, budget: int, seats: int | None = None) -> list[ScheduledChunk]:
+    def _admit_waiting(self, budget: int, seats: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption). With prefix
         caching, a request whose next whole block a running request is still computing (the n choices of one
         prompt, a burst behind one system prompt) waits, in its place in the queue, until that block is cached."""
         chunks, cap, held = [], self._prefill_cap(), []
         adapters = self._running_adapters()
-        seats = self.config.max_num_seqs if seats is None else seats
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(chunks) < seats):
             req = self.waiting[0]

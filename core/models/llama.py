@@ -10,6 +10,7 @@ scaling.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,9 +55,11 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and key head (head_dim wide) before RoPE
 
-# checkpoint names a family's releases use for our modules (Mixtral's sparse block and its experts' w1, w3, w2)
-_CHECKPOINT_NAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
-                                 (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))}
+# checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
+# block and its experts' w1, w3, w2)
+_CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, ours in (
+    (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+    (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj.")))}
 
 
 def _head_dim(config) -> int:
@@ -383,8 +386,7 @@ class LlamaForCausalLM(nn.Module):
     def _our_name(self, name: str) -> str:
         """A checkpoint tensor's name as our modules name it (a family's own names renamed)."""
         for theirs, ours in self.renames:
-            if theirs in name and (theirs == ".block_sparse_moe." or ".experts." in name):
-                name = name.replace(theirs, ours)
+            name = theirs.sub(ours, name)
         return name
 
     def reads_weight(self, name: str) -> bool:
