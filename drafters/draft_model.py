@@ -29,7 +29,7 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
-from specray.models.layers import check_heads_split
+from specray.models.layers import check_heads_split, set_max_model_len
 from specray.models.loader import load_model, load_tokenizer, read_config
 from specray.models.step_graphs import StepGraphs, graphs_wanted, why_eager
 from specray.parallel import TPGroup
@@ -96,6 +96,7 @@ class DraftModelDrafter:
         path = options.model
         check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         config = read_config(path)
+        set_max_model_len(config, ctx.max_model_len)  # the target's (a Phi-3 draft picks its LongRoPE factors by it)
         check_heads_split(config, options.draft_tensor_parallel_size, "speculative_config.draft_tensor_parallel_size",
                           "the draft model's")
         return replace(ctx, draft_model_config=config)

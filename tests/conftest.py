@@ -95,13 +95,16 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "llama4", "mixtral", "qwen2_moe"}. Returns the
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
+    "qwen2_moe", "phi3"}. Returns the
     folder."""
     import torch
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig,
                               Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -123,11 +126,13 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                          "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
-                          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[arch]
+                          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+                          "phi3": (Phi3Config, Phi3ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -135,7 +140,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, 0.5)
-            elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
+            elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
@@ -197,6 +202,20 @@ def tiny_mixtral_dir(tmp_path_factory) -> Path:
                             num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False)
 
 
+# Phi-3's LongRoPE over a rotated half of each head (Phi-4-mini's partial RoPE): 4 frequencies, each with its own
+# short factor (served within the pretrained 512 positions, its long ones are not used) and a cos/sin scale
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+             "long_factor": [1.2, 2.5, 6.0, 11.0], "partial_rotary_factor": 0.5, "attention_factor": 1.2}
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    # saved in Phi-3's own layout: q/k/v fused in qkv_proj, gate/up in gate_up_proj
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), "phi3", seed=10, max_position_embeddings=512,
+                            original_max_position_embeddings=512, rope_parameters=PHI3_ROPE,
+                            tie_word_embeddings=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
     # layers 0 and 2 sparse (8 experts, top 2, a gated shared expert), layer 1 dense
@@ -212,6 +231,18 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", seed=5, head_dim=16,
                             query_pre_attn_scalar=16, sliding_window=8,
                             layer_types=["sliding_attention", "full_attention"])
+
+
+# Gemma 2: 3 layers (transformers fills in layer_types as sliding, full, sliding), a window of 6; an attention cap of
+# 1 squashes the top tenth of these scores (|q.k| * scale reaches ~3) and moves the logits by ~1, a final cap of 2
+# squashes logits of ~3
+GEMMA2_TINY = dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                   attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma2"), "gemma2", seed=20, **GEMMA2_TINY)
 
 
 DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,

@@ -39,7 +39,8 @@ def test_plain_matches_transformers(tiny_llama_dir, plain, plain_outputs):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir",
-                                     "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir", "tiny_qwen2_moe_dir"])
+                                     "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir", "tiny_qwen2_moe_dir",
+                                     "tiny_phi3_dir", "tiny_gemma2_dir"])
 def test_other_families_plain_and_ngram_match_transformers(request, fixture):
     folder = request.getfixturevalue(fixture)
     llm = LLM(model=str(folder), max_model_len=256)
@@ -53,6 +54,29 @@ def test_other_families_plain_and_ngram_match_transformers(request, fixture):
     again = spec.generate(PROMPTS[:4], greedy(16), use_tqdm=False)
     assert token_ids(again) == expected
     assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 4)
+
+
+def test_phi3_longrope_factors_follow_max_model_len(make_tiny_model, tmp_path):
+    """Every rank builds Phi-3's LongRoPE for the engine's ``max_model_len``: served past the pretrained 32 positions
+    (max_model_len 256), a prompt longer than them decodes as transformers decodes it (with the long factors, as
+    the ranks do for every sequence), with and without n-gram drafts; within them (max_model_len 32), with the short
+    ones, so the two differ."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.4, 2.0, 2.9, 4.0, 5.5, 7.0],
+            "long_factor": [1.3, 2.7, 6.1, 12.0, 22.0, 35.0, 48.0, 60.0]}
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", seed=24, max_position_embeddings=512,
+                             original_max_position_embeddings=32, rope_parameters=rope)
+    prompt = [PROMPTS[3] + " " + PROMPTS[6]]
+    llm = LLM(model=str(folder), max_model_len=256)
+    assert len(llm.get_tokenizer().encode(prompt[0])) > 32
+    expected = hf_greedy(folder, llm, prompt, 16)
+    assert token_ids(llm.generate(prompt, greedy(16), use_tqdm=False)) == expected
+    spec = LLM(model=str(folder), max_model_len=256, speculative_config=NGRAM)
+    assert token_ids(spec.generate(prompt, greedy(16), use_tqdm=False)) == expected
+    short = LLM(model=str(folder), max_model_len=32)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0)
+    long_first, short_first = (m.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+                               for m in (llm, short))
+    assert long_first != short_first
 
 
 def test_a_gpu_device_is_resolved_with_its_index(monkeypatch):

@@ -277,6 +277,40 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "gemma3":
         _write_gemma3_params(w, cfg, rope)
+    if arch == "gemma2":
+        _write_gemma2_params(w, cfg)
+    if arch == "phi3":
+        _write_phi3_params(w, cfg, rope, head_dim)
+
+
+def _write_phi3_params(w, cfg: dict, rope: dict, head_dim: int) -> None:
+    """What llama.cpp's converter adds for Phi-3: the pretrained length, the rotated share of each head, the window
+    (0: none) and LongRoPE's factors (as two tensors) and cos/sin scale."""
+    import math
+
+    import numpy as np
+
+    orig = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(rope.get("attention_factor") or
+                                        (1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(orig))))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+
+
+def _write_gemma2_params(w, cfg: dict) -> None:
+    """What llama.cpp's converter adds for Gemma 2: the window and both soft caps. The rest is fixed in llama.cpp
+    (every other layer sliding, from the first; a query scale of 1/sqrt(head_dim) below 27B's 46 layers)."""
+    assert cfg["layer_types"] == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(cfg["num_hidden_layers"])], "a Gemma 2 GGUF has no other pattern"
+    assert cfg["query_pre_attn_scalar"] == cfg["head_dim"], "a Gemma 2 GGUF scales queries by 1/sqrt(head_dim)"
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
 
 def _write_gemma3_params(w, cfg: dict, rope: dict) -> None:
@@ -319,7 +353,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, layers: int) -> None:
         if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight -> stacked by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's RMSNorms scale by 1 + w: llama.cpp's by w
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
             tensor = tensor + 1
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
             tensor = tensor.reshape(-1)
@@ -341,6 +375,16 @@ GGUF_TINY = {
     "qwen2moe": ("qwen2_moe", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=40, shared_expert_intermediate_size=56,
                                    decoder_sparse_step=1)),
+    # LongRoPE over half of each head (factors and scale as llama.cpp stores them), a window shorter than the prompts;
+    # its checkpoint's fused q/k/v and gate/up as llama.cpp keeps them (attn_qkv, ffn_up)
+    "phi3": ("phi3", dict(max_position_embeddings=512, original_max_position_embeddings=512, sliding_window=6,
+                          tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                           "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.2, 2.5, 6.0, 9.0],
+                                           "attention_factor": 1.2})),
+    # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
+    "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                              attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                   "rope_theta": 1e6},
@@ -350,10 +394,11 @@ GGUF_TINY = {
 
 @pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts) and Gemma 3 text (as llama.cpp writes
-    it: 1 + w norms, its attention settings implied) goes through transformers' GGUF mapping to our model: its
-    logits equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on
-    the folder (the tokenizer came through the GGUF too)."""
+    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts), Gemma 2 and 3 text (as llama.cpp
+    writes them: 1 + w norms, their attention settings implied or, Gemma 2's soft caps, written) and Phi-3 (fused
+    projections, LongRoPE's factors as tensors) goes through transformers' GGUF mapping to our model: its logits
+    equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
+    folder (the tokenizer came through the GGUF too)."""
     from specray import LLM, SamplingParams
 
     kind, overrides = GGUF_TINY[arch]
@@ -393,7 +438,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("deepseek2", rf"general.architecture='deepseek2' \(DeepSeek-V3 / R1\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['gemma3', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"),
+              r"\['gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's and Llama-4's (families we serve from their HF

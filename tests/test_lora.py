@@ -35,7 +35,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir",
-                                     "tiny_llama4_dir", "tiny_deepseek_dir", "tiny_mixtral_dir"])
+                                     "tiny_llama4_dir", "tiny_deepseek_dir", "tiny_mixtral_dir", "tiny_phi3_dir",
+                                     "tiny_gemma2_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -47,6 +48,8 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
         some = ("q_b_proj", "kv_a_proj_with_mqa", "down_proj")
         std = 0.1  # its fixture's small weights keep the absorbed attention's reassociation far below TOL
+    if fixture == "tiny_phi3_dir":  # its checkpoint's fused projections, as PEFT adapts them
+        every, some = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("qkv_proj", "down_proj")
     first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1, modules=every, std=std)
     second = checkpoints.write_lora(base, tmp_path / "second", rank=8, alpha=4, seed=2, use_rslora=True,
                                     modules=some, layers=(layers - 1,), std=std)

@@ -28,7 +28,8 @@ import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (register
 TOL = 1e-4
 BLOCK = 4
 MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
-                  "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir"]
+                  "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir",
+                  "tiny_phi3_dir"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -85,17 +86,19 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                              Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig, Llama4ForCausalLM, Llama4TextConfig, MixtralConfig,
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+               "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
-               "llama4": (Llama4TextConfig, Llama4ForCausalLM)}
+               "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -108,7 +111,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
-            elif arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, w from 0
+            elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
     ours = get_model_class(config)(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
@@ -308,6 +311,53 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  decoder_sparse_step=1, mlp_only_layers=[1])
 
 
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+                 "short_factor": [1.0, 1.2, 1.9, 2.8, 4.1, 6.0, 7.5, 9.0],
+                 "long_factor": [1.1, 2.0, 4.5, 8.0, 13.0, 21.0, 30.0, 41.0]}
+PHI3_VARIANTS = {
+    "plain": {},
+    "window": dict(sliding_window=6),
+    "partial": dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "longrope": dict(max_position_embeddings=4096, original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE,
+                     max_model_len=64),
+    "longrope-partial": dict(max_position_embeddings=512, original_max_position_embeddings=64, max_model_len=64,
+                             rope_parameters={**PHI3_LONGROPE, "short_factor": PHI3_LONGROPE["short_factor"][:4],
+                                              "long_factor": PHI3_LONGROPE["long_factor"][:4],
+                                              "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PHI3_VARIANTS))
+def test_phi3_matches_transformers(contiguous, variant):
+    """Phi-3 (its checkpoint's fused qkv_proj and gate_up_proj split as they load): plain, a sliding window, partial
+    RoPE (Phi-4-mini's: half of each head rotated), LongRoPE's short factors with its attention scale, and both
+    together give transformers' logits on a full and a chunked prefill."""
+    ours, hf = in_memory_pair("phi3", seed=21, **PHI3_VARIANTS[variant])
+    assert any(".qkv_proj." in n for n in hf.state_dict()) and any(".gate_up_proj." in n for n in hf.state_dict())
+    check_variant(ours, hf, contiguous=contiguous)
+
+
+@pytest.mark.parametrize("variant", ["longrope", "longrope-partial"])
+def test_phi3_longrope_serving_past_the_pretrained_length_uses_the_long_factors(variant):
+    """Served for sequences longer than ``original_max_position_embeddings`` (``max_model_len`` 64 > 12), LongRoPE
+    rotates every position with its long factors: transformers' logits for a prompt longer than 12 tokens (which
+    it rotates with them), and not for one within 12 (rotated with the short ones there)."""
+    overrides = {**PHI3_VARIANTS[variant], "original_max_position_embeddings": 12, "max_model_len": 64}
+    ours, hf = in_memory_pair("phi3", seed=22, **overrides)
+    check_variant(ours, hf)
+    paged, ids = Paged(ours), tokens(10, 33)
+    assert (paged.step([(ids, 0, paged.table(10))])[0] - hf_logits(hf, ids)).abs().max() > 1e-3
+
+
+def test_phi3_checkpoint_that_does_not_fit_its_config_is_named():
+    ours, hf = in_memory_pair("phi3", seed=23)
+    state = dict(hf.state_dict())
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    state[name] = state[name][:-4]
+    with pytest.raises(ValueError, match=rf"{name} has 124 rows where its config's heads and widths make 128"):
+        ours.load_weights(state.items())
+
+
 @pytest.mark.parametrize("qkv_bias,norm_topk_prob", [(True, False), (False, True)])
 def test_qwen2_moe_matches_transformers(contiguous, qkv_bias, norm_topk_prob):
     """Qwen2-MoE: layer 0 sparse (8 experts, top 2) with a shared expert scaled by its per-token sigmoid gate, layer 1
@@ -387,6 +437,87 @@ def test_gemma3_unsupported_settings_are_named():
                        ({"use_bidirectional_attention": True}, "use_bidirectional_attention")):
         with pytest.raises(ValueError, match=match):
             Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
+
+
+GEMMA2 = dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=6)
+GEMMA2_CAPS = dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+NO_CAPS = dict(attn_logit_softcapping=None, final_logit_softcapping=None)
+
+
+@pytest.mark.parametrize("caps", ["both", "attention", "final", "none"])
+def test_gemma2_matches_transformers(contiguous, caps):
+    """Gemma 2 (sliding, full, sliding layers; a window of 6) with either soft cap alone, both, none: a full prefill
+    of 44 tokens (past the window) and a chunked one give transformers' logits."""
+    chosen = {"both": GEMMA2_CAPS, "attention": {**NO_CAPS, "attn_logit_softcapping": 1.0},
+              "final": {**NO_CAPS, "final_logit_softcapping": 2.0}, "none": NO_CAPS}[caps]
+    ours, hf = in_memory_pair("gemma2", seed=22, **GEMMA2, **chosen)
+    assert [spec.mask_kind.window for spec in ours.kv_cache_specs()] == [6, None, 6]
+    assert all(layer.self_attn.q_norm is None for layer in ours.model.layers)
+    check_variant(ours, hf, contiguous=contiguous)
+
+
+def test_gemma2_ignoring_a_cap_would_fail(contiguous):
+    """The caps matter here: our model with either one dropped is far from transformers' (so the test above would
+    fail if a cap were ignored), and with both kept equals it."""
+    ours, hf = in_memory_pair("gemma2", seed=22, **GEMMA2, **GEMMA2_CAPS)
+    paged = Paged(ours, contiguous=contiguous)
+    ids = tokens(30, 7)
+    ref = hf_logits(hf, ids)
+    close(paged.step([(ids, 0, paged.table(len(ids)))])[0], ref)
+    for layer in ours.model.layers:
+        layer.self_attn.attn.softcap = None
+    assert (paged.step([(ids, 0, paged.table(len(ids)))])[0] - ref).abs().max() > 0.1
+    for layer in ours.model.layers:
+        layer.self_attn.attn.softcap = GEMMA2_CAPS["attn_logit_softcapping"]
+    ours.final_logit_softcapping = None
+    assert (paged.step([(ids, 0, paged.table(len(ids)))])[0] - ref).abs().max() > 0.1
+
+
+def test_softcapped_attention_is_sdpa_with_capped_scores():
+    """GQA (query head h reads KV head h // G, as SDPA's ``enable_gqa``), a bool mask, an additive one and
+    ``is_causal``: under a cap too large to bite it equals SDPA; under a small one, the scores' definition."""
+    import torch.nn.functional as F
+
+    from specray.models.attention import softcapped_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=gen) * 2 for h in (6, 2, 2))
+    bool_mask = torch.rand(2, 1, 5, 5, generator=gen) > 0.3
+    bool_mask[..., 0] = True  # every row sees a key
+    additive = torch.zeros(5, 5).masked_fill(~bool_mask[0, 0], float("-inf"))
+    for mask, causal in ((bool_mask, False), (additive, False), (None, True), (None, False)):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
+        got = softcapped_attention(q, k, v, mask, 0.3, 1e6, is_causal=causal)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    scores = (2.0 * torch.tanh(q @ kr.transpose(-1, -2) * 0.3 / 2.0)).masked_fill(~bool_mask, float("-inf"))
+    torch.testing.assert_close(softcapped_attention(q, k, v, bool_mask, 0.3, 2.0), scores.softmax(-1) @ vr)
+
+
+def test_softcapped_forward_has_no_host_sync(tiny_gemma2_dir, no_host_sync):
+    """One forward over both attention paths (a fresh prefill of 20 on its own, a decode and 3 drafts in the
+    padded batch) with soft caps asks the host for no tensor's value (on a GPU: no sync, as a graph's capture
+    needs)."""
+    paged = Paged(load_model(str(tiny_gemma2_dir)))
+    t1, t2 = paged.table(20), paged.table(8)
+    paged.step([(tokens(4, 1), 0, t2)])
+    meta, ids = build_attention_metadata([20, 4], [0, 4], [t1, t2], BLOCK, "cpu"), torch.tensor(tokens(24, 2))
+    with torch.inference_mode(), no_host_sync():
+        paged.model(ids, meta)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"attn_logit_softcapping": -1.0}, r"attn_logit_softcapping=-1.0 must be a positive number, or null"),
+    ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, r"layer_types\[1\]")])
+def test_gemma2_unsupported_settings_are_named(bad, match):
+    from transformers import Gemma2Config
+
+    from specray.models.gemma2 import Gemma2ForCausalLM
+
+    with pytest.raises(ValueError, match=match):
+        Gemma2ForCausalLM(Gemma2Config(**{**TINY, **GEMMA2, **bad}))
 
 
 DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
@@ -689,6 +820,13 @@ def test_registry():
     assert get_model_class(Qwen3MoeConfig()) is LlamaForCausalLM
     assert get_model_class(Gemma3TextConfig()) is Gemma3ForCausalLM
     assert get_model_class(Gemma3TextConfig(architectures=["Gemma3ForCausalLM"])) is Gemma3ForCausalLM
+    from transformers import Gemma2Config, Phi3Config
+
+    from specray.models.gemma2 import Gemma2ForCausalLM
+
+    assert get_model_class(Gemma2Config()) is Gemma2ForCausalLM
+    assert get_model_class(Gemma2Config(architectures=["Gemma2ForCausalLM"])) is Gemma2ForCausalLM
+    assert get_model_class(Phi3Config()) is LlamaForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
 
@@ -783,9 +921,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     biases in q/k/v, o_proj (row parallel, added once) and the MLP, Qwen3's q/k norms over each head (replicated),
     Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
-    chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, tied and untied heads; decode
-    attention both
-    as the padded batch and one sequence at a time."""
+    chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
+    attention (one KV head, replicated), Phi-3's fused projections
+    split into each rank's heads and widths (with partial LongRoPE), tied and untied heads; decode attention both as
+    the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -798,7 +937,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "llama4", "llama4", 17, vocab_size=321, **LLAMA4),
                save_tiny(tmp_path / "llama4-ep", "llama4", 17, vocab_size=321, **LLAMA4),
                save_tiny(tmp_path / "mixtral-ep", "mixtral", 18, vocab_size=321, **MIXTRAL),
-               save_tiny(tmp_path / "qwen2moe", "qwen2_moe", 19, vocab_size=321, **QWEN2_MOE)]
+               save_tiny(tmp_path / "qwen2moe", "qwen2_moe", 19, vocab_size=321, **QWEN2_MOE),
+               save_tiny(tmp_path / "phi3", "phi3", 20, vocab_size=321, **PHI3_VARIANTS["longrope-partial"]),
+               save_tiny(tmp_path / "gemma2", "gemma2", 23, vocab_size=321, num_key_value_heads=1, **GEMMA2,
+                         **GEMMA2_CAPS)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

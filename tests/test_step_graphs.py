@@ -18,7 +18,7 @@ def graphs_of(llm):
     return llm.engine.executor.worker.runner.graphs
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir", "tiny_gemma2_dir"])
 @pytest.mark.parametrize("spec", [None, NGRAM, {**NGRAM, "adaptive": True, "num_speculative_tokens": 5},
                                   {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3}],
                          ids=["plain", "ngram", "ngram-adaptive", "ngram-tree"])

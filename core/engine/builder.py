@@ -19,6 +19,7 @@ from specray.engine.llm_engine import LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
+from specray.models.layers import set_max_model_len
 from specray.parallel import stage_layers
 from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
                                    resolve_model)
@@ -165,6 +166,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
+    set_max_model_len(model_config, max_model_len)  # what every rank builds from
     spec = args.speculative_config
     check_draft_count(spec, max_model_len)
     generation = generation_config(args)

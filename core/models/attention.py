@@ -27,6 +27,9 @@ Python lists, so a forward has no host syncs):
   CPU). A fresh prefill attends to its own new k/v (``is_causal`` when it can); a sequence with context reads it
   in place when its blocks are consecutive (the block manager keeps them so where it can), else gathers its
   blocks, and folds its GQA group like the short path.
+
+A layer with an attention logit soft cap (Gemma 2's ``attn_logit_softcapping``) takes the same paths, masks and GQA
+folding, but SDPA has no hook on the scores, so it attends explicitly (:func:`softcapped_attention`).
 """
 
 from __future__ import annotations
@@ -331,14 +334,38 @@ def _plan_own(i, query_lens, start_positions, context_lens, block_tables, block_
 # ---------------------------------------------------------------------------------------------- the layer
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         cap: float, is_causal: bool = False) -> torch.Tensor:
+    """SDPA's attention with each score capped: ``s = cap * tanh(q.k * scale / cap)``, then the mask, then softmax
+    (in float32). q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D], query head h reading KV head h // (Hq / Hkv) as SDPA's
+    ``enable_gqa``; ``mask`` as SDPA's (bool, True: attend; or additive), broadcast over [B, Hq, Lq, L];
+    ``is_causal``: SDPA's top-left causal mask. -> [B, Hq, Lq, D]."""
+    b, hq, lq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    folded = q.reshape(b, hkv, hq // hkv * lq, d)  # each KV head's query heads as more rows: keys never repeated
+    scores = torch.matmul(folded, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G*Lq, L]
+    scores = (torch.tanh(scores / cap) * cap).view(b, hq, lq, length)
+    if is_causal:
+        mask = torch.ones(lq, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, hq // hkv * lq, length)
+    return torch.matmul(probs, v).view(b, hq, lq, d)
+
+
 class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache ``[Hkv, num_blocks * block_size, D]`` (k and v), a view of
     the runner's :class:`~specray.models.kv_cache.KVCache` that :meth:`bind_cache` hands in. ``kv_spec`` says
-    what the layer caches and which keys it may see."""
+    what the layer caches and which keys it may see; ``softcap``: each score is capped to ``softcap * tanh(score /
+    softcap)`` before the mask (Gemma 2), attended explicitly (:func:`softcapped_attention`) instead of by SDPA."""
 
-    def __init__(self, num_heads: int, kv_spec: FullAttentionSpec, scale: float):
+    softcap: float | None = None
+
+    def __init__(self, num_heads: int, kv_spec: FullAttentionSpec, scale: float, softcap: float | None = None):
         super().__init__()
         assert num_heads % kv_spec.num_kv_heads == 0, (num_heads, kv_spec.num_kv_heads)
+        assert softcap is None or softcap > 0, softcap
+        self.softcap = softcap
         self.num_heads = num_heads
         self.kv_spec = kv_spec
         self.num_kv_heads = kv_spec.num_kv_heads
@@ -414,6 +441,14 @@ class PagedAttention(nn.Module):
             return cache[None, :, seq.first_slot : seq.first_slot + seq.context_len]
         return self._gather(cache, seq.block_index, 1)[:, :, : seq.context_len]
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                is_causal: bool = False) -> torch.Tensor:
+        # q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D] (fewer KV heads: GQA) -> [B, Hq, Lq, D]
+        if self.softcap is not None:
+            return softcapped_attention(q, k, v, mask, self.scale, self.softcap, is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
     def _fold(self, q: torch.Tensor, bs: int, q_len: int) -> torch.Tensor:
         # q: [bs*q_len, Hq, D] -> [bs, Hkv, G*q_len, D]: each KV head's G query heads as more query rows
         hkv, g, d = self.num_kv_heads, self.groups, self.head_dim
@@ -433,8 +468,7 @@ class PagedAttention(nn.Module):
         k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype, self.k_scale)  # [Bs, Hkv, L, D]
         v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype, self.v_scale)
         mask = meta.short_mask(self.groups, self.mask_kind)  # [Bs, 1, G*Q, L]
-        o = F.scaled_dot_product_attention(self._fold(q, bs, q_len), k, v, attn_mask=mask, scale=self.scale)
-        return self._unfold(o, bs, q_len)
+        return self._unfold(self._attend(self._fold(q, bs, q_len), k, v, mask), bs, q_len)
 
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
              i: int) -> torch.Tensor:
@@ -445,12 +479,10 @@ class PagedAttention(nn.Module):
         if seq.fresh:  # only its own new tokens: causal, GQA in the kernel (rounded as the cache holds them)
             k_rows, v_rows = (self._read(self._stored(x[rows], s), q.dtype, s)
                               for x, s in ((k, self.k_scale), (v, self.v_scale)))
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
-                                               v_rows.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale, enable_gqa=self.groups > 1)  # [1, Hq, q, D]
+            o = self._attend(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
+                             v_rows.transpose(0, 1)[None], mask, is_causal=mask is None)  # [1, Hq, q, D]
             return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
         ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)  # [1, Hkv, ctx, D]
         vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
-        o = F.scaled_dot_product_attention(self._fold(q[rows], 1, seq.query_len), ks, vs, attn_mask=mask,
-                                           scale=self.scale)  # [1, Hkv, G*q, D]
+        o = self._attend(self._fold(q[rows], 1, seq.query_len), ks, vs, mask)  # [1, Hkv, G*q, D]
         return self._unfold(o, 1, seq.query_len)

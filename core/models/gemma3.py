@@ -11,6 +11,8 @@ weight loading, the model interface):
 * sliding-window layers interleave with global ones (``layer_types``), each kind with its own RoPE
   (``rope_parameters[layer_type]``: a local base, and a global base with optional scaling);
 * ``final_logit_softcapping`` caps the logits by ``cap * tanh(logits / cap)`` where the config sets it.
+
+Gemma 2 (:mod:`specray.models.gemma2`) is these layers without the q/k norms, with attention logit soft-capping.
 """
 
 from __future__ import annotations
@@ -45,26 +47,33 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
+    qk_norm = True  # an RMSNorm over each query and key head before RoPE (Gemma 3; Gemma 2 has none)
+    softcaps = False  # whether attn_logit_softcapping applies (Gemma 2's; transformers' Gemma 3 ignores it)
+
     def __init__(self, config, tp: TPGroup, layer: int):
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported (Gemma 2's; "
-                             "Gemma 3 sets none)")
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap is not None and not self.softcaps:
+            raise ValueError(f"attn_logit_softcapping={softcap} is not supported (Gemma 2's; Gemma 3 sets none)")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attn_logit_softcapping={softcap} must be a positive number, or null for no cap")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True is not supported: a causal LM is served causally")
         head_dim = attention_projections(self, config, tp)
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps) if self.qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps) if self.qk_norm else None
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj),
-                                   config.query_pre_attn_scalar ** -0.5)
+                                   config.query_pre_attn_scalar ** -0.5, softcap)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, q_size: q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size: q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(qk[:, : self.num_heads], qk[:, self.num_heads:], v, meta))
@@ -75,7 +84,7 @@ class Gemma3MLP(nn.Module):
         super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 3 uses 'gelu_pytorch_tanh'")
+            raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 2 and 3 use 'gelu_pytorch_tanh'")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
@@ -86,12 +95,14 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention_class: type[Gemma3Attention] = Gemma3Attention
+
     def __init__(self, config, tp: TPGroup, layer: int):
         super().__init__()
         self.layer_type = config.layer_types[layer]
         if self.layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_types[{layer}]={self.layer_type!r} is not supported; one of {list(LAYER_TYPES)}")
-        self.self_attn = Gemma3Attention(config, tp, layer)
+        self.self_attn = self.attention_class(config, tp, layer)
         self.mlp = Gemma3MLP(config, tp)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
@@ -106,13 +117,16 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(StageModel):
+    layer_class: type[Gemma3DecoderLayer] = Gemma3DecoderLayer
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
-        self.build_stage(config, pp, lambda i: Gemma3DecoderLayer(config, tp, i),
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does
         head_dim = _head_dim(config)
+        # one RoPE per kind of layer (a config with one for all layers, Gemma 2's, gives each kind the same)
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim, rope_parameters(config, kind),
                                                            config.max_position_embeddings)
                                      for kind in sorted(set(config.layer_types))})

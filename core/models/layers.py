@@ -318,13 +318,16 @@ class RMSNorm(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- rotary
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first 128k releases name LongRoPE "su"
 
 
-def rope_parameters(config, layer_type: str | None = None) -> dict:
+def rope_parameters(config, layer_type: str | None = None, partial: bool = False) -> dict:
     """The config's RoPE settings as one flat dict with ``rope_type`` and ``rope_theta`` (transformers 5 keeps
     them in ``config.rope_parameters``; older configs in ``rope_scaling`` + ``rope_theta``); with ``layer_type``,
-    that kind of layer's where the config gives them per kind (Gemma 3: ``sliding_attention``, ``full_attention``)."""
+    that kind of layer's where the config gives them per kind (Gemma 3: ``sliding_attention``, ``full_attention``).
+    ``partial``: the caller rotates only the first ``partial_rotary_factor`` of each head (see
+    :func:`rotary_dim`); other callers refuse a factor below 1."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     if params and all(isinstance(v, dict) for v in params.values()):
@@ -333,15 +336,33 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
                              "use a model with one RoPE setting for all layers")
         params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = _ROPE_ALIASES.get(kind, kind)
     if params["rope_type"] not in ROPE_TYPES:
         raise ValueError(f"rope_type={params['rope_type']!r} is not supported; supported: {list(ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported for the "
-                         "Llama family (it rotates the whole head)")
-    if params["rope_type"] in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    if params["partial_rotary_factor"] != 1.0 and not partial:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported for "
+                         f"model_type={config.model_type!r} (it rotates the whole head)")
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):  # Phi-3 keeps the pretrained length outside
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
+    if getattr(config, "max_model_len", None):  # the longest sequence served (set_max_model_len): LongRoPE's choice
+        params["max_model_len"] = config.max_model_len
     return params
+
+
+def set_max_model_len(config, max_model_len: int) -> None:
+    """Tell the model built from ``config`` (and its text model's, a multimodal one's) the longest sequence it will
+    serve, which some settings depend on (LongRoPE's factors)."""
+    for part in (config, getattr(config, "text_config", None)):
+        if part is not None:
+            part.max_model_len = max_model_len
+
+
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many of a head's ``head_dim`` features RoPE rotates (the first ones; Phi-4-mini: three quarters)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -392,6 +413,26 @@ def _yarn_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple[tor
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its own factor -> (inv_freq, the cos/sin scale
+    sqrt(1 + ln s / ln L0), s = max_position_embeddings / L0 unless the config gives ``factor``). The factors are
+    ``short_factor`` when the model serves sequences of at most the pretrained length L0 (``max_model_len``, by
+    default ``max_position_embeddings``), else ``long_factor``, for every position: rotations of one sequence must
+    not mix (vLLM chooses alike; transformers switches a sequence to the long ones when it grows past L0 and
+    recomputes its cache, which a server sharing steps between requests does not)."""
+    old_len = p["original_max_position_embeddings"]
+    kind = "long_factor" if p.get("max_model_len", max_position_embeddings) > old_len else "short_factor"
+    factors = torch.tensor(p[kind], dtype=torch.float32, device="cpu")
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"rope {kind} has {factors.numel()} entries; a rotary dimension of {dim} needs {dim // 2}: "
+                         "the config's rope_scaling does not match its head size")
+    scale = p.get("factor") or max_position_embeddings / old_len
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(old_len))
+    return _base_inv_freq(p["rope_theta"], dim) / factors, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE (rotate-half layout) with a lazily grown cos/sin table indexed by position.
 
@@ -423,6 +464,9 @@ class RotaryEmbedding(nn.Module):
         if kind == "yarn":
             inv_freq, self.attention_scaling = _yarn_inv_freq(p, dim, self.max_position_embeddings)
             return inv_freq
+        if kind == "longrope":
+            inv_freq, self.attention_scaling = _longrope_inv_freq(p, dim, self.max_position_embeddings)
+            return inv_freq
         return _base_inv_freq(p["rope_theta"], dim)  # default; dynamic at or below max_position_embeddings
 
     def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
@@ -452,6 +496,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2] -> [T, H, D]
+    # x: [T, H, D]; cos, sin: [T, 1, R/2] -> [T, H, D], the first R features rotated (R < D: partial RoPE)
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,10 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama), Mixtral, Qwen2, Qwen3 and Qwen3-MoE, written with
-tensor-parallel layers.
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, TinyLlama), Mixtral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and Phi-3,
+written with tensor-parallel layers.
 
 One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
 bias (``attention_bias``), MLP bias (``mlp_bias``), an RMSNorm over each query and key head before RoPE (Qwen3),
-sliding-window layers (Mistral ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), tied embeddings and RoPE
-scaling.
+sliding-window layers (Mistral and Phi-3 ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), tied embeddings, RoPE
+scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), and checkpoint layouts (Phi-3's fused q/k/v and gate/up).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from specray.models.layers import (
     on_stage,
     other_stage_prefixes,
     rope_parameters,
+    rotary_dim,
 )
 from specray.parallel import PPGroup, TPGroup
 
@@ -60,6 +61,34 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and k
 _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, ours in (
     (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
     (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj.")))}
+
+
+FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
+
+
+def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:
+    """A fused checkpoint's projections (Phi-3's): its name piece -> the pieces it stacks, with each one's rows."""
+    if config.model_type not in FUSED_MODEL_TYPES:
+        return {}
+    d, inter = _head_dim(config), config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    return {".qkv_proj.": ((".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)),
+            ".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}
+
+
+def unfuse(name: str, tensor: Any, pieces: dict[str, tuple[tuple[str, int], ...]]) -> list[tuple[str, Any]]:
+    """A checkpoint tensor as the unfused ones it stacks along its rows (a fused projection's weight or bias, or a
+    LoRA adapter's B), each named as an unfused checkpoint names it; any other tensor as it is."""
+    for piece, parts in pieces.items():
+        if piece not in name:
+            continue
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.get_shape()[0]
+        if rows != sum(n for _, n in parts):
+            raise ValueError(f"checkpoint tensor {name} has {rows} rows where its config's heads and widths make "
+                             f"{sum(n for _, n in parts)}: the checkpoint does not match its config.json")
+        starts = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
+        return [(name.replace(piece, part), tensor[start: start + n]) for (part, n), start in zip(parts, starts)]
+    return [(name, tensor)]
 
 
 def _head_dim(config) -> int:
@@ -203,7 +232,8 @@ class LlamaModel(StageModel):
         self.build_stage(config, pp, lambda i: LlamaDecoderLayer(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.rotary_emb = RotaryEmbedding(_head_dim(config), rope_parameters(config), config.max_position_embeddings)
+        rope = rope_parameters(config, partial=True)
+        self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -255,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.other_stage = other_stage_prefixes(self)  # checkpoint names this stage skips
         self.renames = _CHECKPOINT_NAMES.get(hf_config.model_type, ())
+        self.fused = fused_pieces(hf_config)
         self.kv_cache_allocated = False
 
     @property
@@ -350,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
-        for name, tensor in weights:
+        for name, tensor in self._unfused(weights):
             name = self._our_name(name)
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -382,6 +413,10 @@ class LlamaForCausalLM(nn.Module):
             both = scales.get("kv_scale", 1.0)
             self.model.layers[layer].self_attn.attn.set_kv_scales(scales.get("k_scale", both),
                                                                   scales.get("v_scale", both))
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            yield from unfuse(name, tensor, self.fused) if self.fused else ((name, tensor),)
 
     def _our_name(self, name: str) -> str:
         """A checkpoint tensor's name as our modules name it (a family's own names renamed)."""

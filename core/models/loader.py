@@ -42,8 +42,8 @@ _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
 _GGUF_FAMILIES = {"llama": "Llama / Mistral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
-                  "qwen3moe": "Qwen3-MoE", "gemma3": "Gemma 3 text", "deepseek2": "DeepSeek-V3 / R1",
-                  "llama4": "Llama-4 text"}
+                  "qwen3moe": "Qwen3-MoE", "gemma2": "Gemma 2", "gemma3": "Gemma 3 text",
+                  "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4"}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 
@@ -414,7 +414,7 @@ def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
             "that layout first")
 
 
-def _fix_gemma3_gguf_config(config, meta: dict[str, Any]) -> None:
+def _fix_gemma3_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     """Set what transformers' Gemma 3 GGUF mapping leaves at its defaults although llama.cpp (whose files these
     are) derives it otherwise: the query scale, ``query_pre_attn_scalar`` (llama.cpp: ``head_dim``, or
     ``hidden_size / heads`` for the 62-layer 27B; transformers: 256 whatever the head size) and the global
@@ -433,12 +433,24 @@ def _fix_gemma3_gguf_config(config, meta: dict[str, Any]) -> None:
     config.rope_parameters["full_attention"].update(rope_type="linear", factor=float(factor))
 
 
+def _fix_gemma2_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
+    """Set what transformers' Gemma 2 GGUF mapping leaves at its defaults (one release's) although llama.cpp writes
+    or derives it: the soft caps (``attn_logit_softcapping``, ``final_logit_softcapping``) and the query scale
+    (llama.cpp: ``head_dim``, or ``hidden_size / heads`` for the 46-layer 27B). The pattern (every other layer
+    sliding, from the first) is fixed in llama.cpp and transformers' default alike."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = meta.get(f"gemma2.{key}")
+        setattr(config, key, float(value) if value else None)
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads \
+        if config.num_hidden_layers == 46 else config.head_dim
+
+
 def _fix_moe_gguf_config(arch: str) -> Callable[[Any, dict[str, Any]], None]:
     """A mixture of experts' widths as the GGUF gives them (llama.cpp writes ``{arch}.expert_feed_forward_length``
     and, with a shared expert, ``{arch}.expert_shared_feed_forward_length``), where transformers' mapping reads
     neither and leaves its defaults (one release's widths: Qwen2-57B-A14B's or Qwen3-235B-A22B's would not load)."""
 
-    def fix(config, meta: dict[str, Any]) -> None:
+    def fix(config, meta: dict[str, Any], gguf: Path) -> None:
         for key, field in (("expert_feed_forward_length", "moe_intermediate_size"),
                            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
             value = meta.get(f"{arch}.{key}")
@@ -448,7 +460,34 @@ def _fix_moe_gguf_config(arch: str) -> Callable[[Any, dict[str, Any]], None]:
     return fix
 
 
-_GGUF_CONFIG_FIXES = {"gemma3": _fix_gemma3_gguf_config, "qwen2moe": _fix_moe_gguf_config("qwen2moe"),
+def _fix_phi3_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
+    """Set what transformers' Phi-3 GGUF mapping leaves at its defaults although llama.cpp writes it: the pretrained
+    length, the rotated share of each head (``rope.dimension_count``: Phi-4-mini rotates 3/4), the sliding window
+    (0: none) and LongRoPE, whose per-frequency factors llama.cpp stores as the tensors ``rope_factors_short`` and
+    ``rope_factors_long`` and whose cos/sin scale as ``rope.scaling.attn_factor``."""
+    from gguf import GGUFReader
+
+    head_dim = config.hidden_size // config.num_attention_heads
+    config.original_max_position_embeddings = int(meta.get("phi3.rope.scaling.original_context_length",
+                                                           config.max_position_embeddings))
+    config.sliding_window = int(meta.get("phi3.attention.sliding_window", 0)) or None
+    rope = dict(config.rope_parameters)
+    rope["partial_rotary_factor"] = int(meta.get("phi3.rope.dimension_count", head_dim)) / head_dim
+    factors = {t.name: t.data.tolist() for t in GGUFReader(str(gguf)).tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        if set(factors) != {"rope_factors_short.weight", "rope_factors_long.weight"}:
+            raise ValueError(f"GGUF {str(gguf)!r} has LongRoPE factors {sorted(factors)}, not Phi-3's short and long "
+                             "ones; pass the model's HF checkpoint instead")
+        rope.update(rope_type="longrope", short_factor=factors["rope_factors_short.weight"],
+                    long_factor=factors["rope_factors_long.weight"],
+                    original_max_position_embeddings=config.original_max_position_embeddings)
+        if "phi3.rope.scaling.attn_factor" in meta:
+            rope["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+    config.rope_parameters = rope
+
+
+_GGUF_CONFIG_FIXES = {"gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_gguf_config,
+                      "phi3": _fix_phi3_gguf_config, "qwen2moe": _fix_moe_gguf_config("qwen2moe"),
                       "qwen3moe": _fix_moe_gguf_config("qwen3moe")}
 
 
@@ -483,7 +522,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
                          "*.safetensors) or its hub id instead of the .gguf")
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
-        _GGUF_CONFIG_FIXES[arch](config, meta)
+        _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
     get_model_class(config)  # fail early on an architecture we do not serve
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)

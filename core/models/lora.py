@@ -30,6 +30,7 @@ from specray.lora import (AdapterInfo, LoRAConfig, LoRARequest, module_of, of_ot
                           weights_file)
 from specray.models.layers import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear, linear, other_stage_prefixes)
+from specray.models.llama import unfuse
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ def adapter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             checkpoint = leaf if part is None else pieces.get(part)
             if checkpoint in adaptable:
                 shapes[f"{parent}.{checkpoint}"] = (out_features, in_features)
+        if f".{leaf}." in getattr(model, "fused", {}):  # a fused checkpoint's adapters adapt the parts at once
+            shapes[f"{parent}.{leaf}"] = (sum(rows), in_features)
     return shapes
 
 
@@ -176,6 +179,7 @@ class LoRASlots:
                              "serve this model without enable_lora")
         self.context = LoRAContext(config, model.dtype, device)
         self.stacked = getattr(model, "stacked", {})
+        self.fused = getattr(model, "fused", {})  # a fused checkpoint's projections (Phi-3's qkv_proj, gate_up_proj)
         self.other_stage = other_stage_prefixes(model)  # layers of other pipeline stages, whose adapters they load
         self.layers: dict[str, LinearLoRA] = {}  # our module name -> its LoRA
         for name, module in model.named_modules():
@@ -217,8 +221,9 @@ class LoRASlots:
         for module, (lora_a, lora_b) in tensors.items():
             if module.startswith(self.other_stage):
                 continue
-            target, part = self._target(module)
-            self.layers[target].set(slot, part, lora_a, lora_b, info.scale(lora_a.shape[0]))
+            for piece, b in unfuse(f"{module}.", lora_b, self.fused):  # a fused one's B: its parts' rows, A shared
+                target, part = self._target(piece[:-1])
+                self.layers[target].set(slot, part, lora_a, b, info.scale(lora_a.shape[0]))
         self.slot_of[request.lora_int_id] = slot
         logger.info("loaded LoRA adapter %r (id %d) into slot %d", request.lora_name, request.lora_int_id, slot)
 

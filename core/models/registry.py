@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-# HF architecture name -> "module:Class". Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE share one class (config flags
+# HF architecture name -> "module:Class". Llama, Mistral, Qwen2, Qwen3, the MoEs and Phi-3 share one class (config flags
 # pick the variant); Gemma 3 has its own layers on the same plumbing.
 _ARCHITECTURES = {
     "LlamaForCausalLM": "specray.models.llama:LlamaForCausalLM",
@@ -14,14 +14,18 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Phi3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
+    "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
