@@ -1035,54 +1035,59 @@ def test_splits_heads_is_the_rule_qkv_sharding_follows():
             assert splits_heads(heads, kv, tp) == shardable, (heads, kv, tp)
 
 
-def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
-    """The released Llama-4 checkpoints are ``Llama4ForConditionalGeneration``: the text model's tensors under
-    ``language_model.``, beside a vision tower. specray loads the text model from such a folder (config and
-    tensors), whose logits equal transformers' text model's; the engine reads the text config too."""
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
+def multimodal_release(kind: str, tie: bool):
+    """(a tiny multimodal model as released, the class we serve its text with, the text config's model_type)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Llama4Config,
+                              Llama4ForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
+                              PixtralVisionConfig, SiglipVisionConfig)
 
+    from specray.models.gemma3 import Gemma3ForCausalLM
     from specray.models.llama4 import Llama4ForCausalLM
+
+    if kind == "llama4":
+        vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                      projector_output_dim=32)
+        config = Llama4Config(text_config={**TINY, **LLAMA4, "vocab_size": 300}, vision_config=vision,
+                              tie_word_embeddings=tie)
+        return Llama4ForConditionalGeneration(config), Llama4ForCausalLM, "llama4_text"
+    if kind == "gemma3":
+        vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=16, patch_size=8).to_dict()
+        config = Gemma3Config(text_config={**TINY, **GEMMA, "num_key_value_heads": 1, "vocab_size": 300},
+                              vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                              tie_word_embeddings=tie)
+        return Gemma3ForConditionalGeneration(config), Gemma3ForCausalLM, "gemma3_text"
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=16, patch_size=8, head_dim=8).to_dict()
+    text = {**TINY, "model_type": "mistral", "sliding_window": None, "tie_word_embeddings": not tie}
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=299, tie_word_embeddings=tie)
+    return Mistral3ForConditionalGeneration(config), LlamaForCausalLM, "mistral"
+
+
+@pytest.mark.parametrize("kind,tie", [("llama4", False), ("gemma3", True), ("mistral3", True), ("mistral3", False)])
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path, tiny_llama_dir, kind, tie):
+    """Llama-4, Gemma 3 4B/12B/27B and Mistral 3 (Mistral Small 3.1 / 3.2, Devstral, Magistral) are released as
+    ``...ForConditionalGeneration``: the text model's tensors under ``language_model.`` beside a vision tower.
+    specray loads the text model (config and tensors; its head tied as the whole model's config says, as
+    transformers ties it, here against the text config's own flag for Mistral 3), whose logits equal transformers'
+    for a text-only prompt; the engine reads the text config, and greedy output runs (the tokenizer borrowed)."""
+    from specray import LLM, SamplingParams
     from specray.models.loader import load_hf_config
 
-    text = {**TINY, **LLAMA4, "vocab_size": 300}
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
-                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
     torch.manual_seed(3)
-    full = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).float().eval()
+    full, ours_class, text_type = multimodal_release(kind, tie)
+    full = full.float().eval()
     full.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), pack=False)
-    assert isinstance(ours, Llama4ForCausalLM) and load_hf_config(str(tmp_path)).model_type == "llama4_text"
+    assert type(ours) is ours_class and ours.tie_word_embeddings == tie
+    assert load_hf_config(str(tmp_path)).model_type == text_type
     ids = tokens(40, 6)
     with torch.no_grad():
-        ref = full.language_model(torch.tensor([ids])).logits[0].float()
+        text_model = full.language_model if kind == "llama4" else full  # Llama-4's asks for images' outputs
+        ref = text_model(input_ids=torch.tensor([ids])).logits[0].float()
     paged = Paged(ours)
     close(paged.step([(ids, 0, paged.table(40))])[0], ref)
-
-
-def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
-    """Gemma 3 4B/12B/27B are ``Gemma3ForConditionalGeneration``: the text model's tensors under ``language_model.``
-    beside a SigLIP vision tower. specray loads the text model (sliding and global layers, tied embeddings), whose
-    logits equal transformers' for a text-only prompt; the engine reads the text config, and greedy output runs."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
-
-    from specray import LLM, SamplingParams
-    from specray.models.gemma3 import Gemma3ForCausalLM
-    from specray.models.loader import load_hf_config
-
-    text = {**TINY, **GEMMA, "num_key_value_heads": 1, "vocab_size": 300}
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=16, patch_size=8).to_dict()
-    torch.manual_seed(4)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299)
-    full = Gemma3ForConditionalGeneration(config).float().eval()
-    full.save_pretrained(tmp_path)
-    ours = load_model(str(tmp_path), pack=False)
-    assert isinstance(ours, Gemma3ForCausalLM) and load_hf_config(str(tmp_path)).model_type == "gemma3_text"
-    ids = tokens(40, 7)
-    with torch.no_grad():
-        ref = full(input_ids=torch.tensor([ids])).logits[0].float()
-    paged = Paged(ours)
-    close(paged.step([(ids, 0, paged.table(40))])[0], ref)
-    out = LLM(str(tmp_path), max_model_len=128, tokenizer=None).generate(
+    out = LLM(str(tmp_path), max_model_len=128, tokenizer=str(tiny_llama_dir)).generate(
         {"prompt_token_ids": ids[:12]}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6

@@ -29,15 +29,22 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
-# rest, the vision tower and projector, is not loaded)
-_TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model.", "Gemma3ForConditionalGeneration": "language_model."}
+# rest, the vision tower and projector, is not loaded); Mistral 3's (Mistral Small 3.1 / 3.2, Devstral, Magistral)
+# is a Mistral
+_TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model.", "Gemma3ForConditionalGeneration": "language_model.",
+               "Mistral3ForConditionalGeneration": "language_model."}
 
 
 def text_part(hf_config) -> tuple[object, str] | None:
-    """(the text model's config, its tensors' prefix) for a multimodal checkpoint we serve the text of, else None."""
+    """(the text model's config, its tensors' prefix) for a multimodal checkpoint we serve the text of, else None.
+    Its LM head is tied to its embedding as the whole model's config says (transformers ties the composite model's
+    head by that flag, whatever the text config's own says: Mistral 3's differ)."""
     for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in _TEXT_PARTS and getattr(hf_config, "text_config", None) is not None:
-            return hf_config.text_config, _TEXT_PARTS[arch]
+        text = getattr(hf_config, "text_config", None)
+        if arch in _TEXT_PARTS and text is not None:
+            if getattr(hf_config, "tie_word_embeddings", None) is not None:
+                text.tie_word_embeddings = hf_config.tie_word_embeddings
+            return text, _TEXT_PARTS[arch]
     return None
 
 
