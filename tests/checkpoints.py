@@ -1,5 +1,5 @@
 """Checkpoints the loader tests write from the tiny models: an FP8 release of one (block scales, as DeepSeek's and
-Qwen3's FP8 checkpoints store them) beside its by-hand dequantized twin, and a mixture of experts' fused expert
+Qwen3's FP8 checkpoints store them) or an integer one (GPTQ, AWQ, llm-compressor's packed) beside its dequantized twin, and a mixture of experts' fused expert
 tensors split into one tensor per expert (the layout of DeepSeek's and Qwen3-MoE's releases). Imported as
 ``specray_test_checkpoints`` (tests/conftest.py registers it)."""
 from __future__ import annotations
@@ -67,6 +67,105 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strateg
             "ignore": ["lm_head"], "kv_cache_scheme": None}
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, ref
+
+
+# quantization schemes of write_int: (layout, bits, group size, act order, GPTQ's format)
+INT_SCHEMES = {"gptq4-g32": ("gptq", 4, 32, False, "gptq"), "gptq4-act-order-v2": ("gptq", 4, 16, True, "gptq_v2"),
+               "gptq8-channel": ("gptq", 8, -1, False, "gptq"), "awq4-g32": ("awq", 4, 32, False, None),
+               "w4a16-g16": ("packed", 4, 16, False, None), "w8a16-channel": ("packed", 8, -1, False, None),
+               "w4a16-act-order": ("packed", 4, 32, True, None)}
+AWQ_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of its eight that each slot of an AWQ int32 holds
+
+
+def write_int(src: Path, dst: Path, scheme: str, seed: int = 0) -> tuple[Path, Path]:
+    """``src``'s checkpoint with every 2-D projection weight quantized to integers by ``scheme`` (INT_SCHEMES), laid
+    out as GPTQ, AutoAWQ or llm-compressor's pack-quantized releases store them (round to nearest per group of input
+    columns, fp16 scales; asymmetric with zero points for GPTQ and AWQ, symmetric for pack-quantized), and beside it
+    the same model with those weights dequantized from the stored integers: the reference."""
+    from safetensors.torch import load_file, save_file
+
+    kind, bits, group, act_order, fmt = INT_SCHEMES[scheme]
+    quant_dir, ref = dst / "int", dst / "dequantized"
+    for folder in (quant_dir, ref):
+        shutil.copytree(src, folder)
+    quantized, dequantized = {}, {}
+    gen = torch.Generator().manual_seed(seed)
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("proj.weight") and w.dim() == 2) or name.startswith("lm_head"):
+            quantized[name] = dequantized[name] = w
+            continue
+        base = name[: -len(".weight")]
+        cols = w.shape[1]
+        size = cols if group == -1 else group
+        g_idx = (torch.randperm(cols, generator=gen) if act_order else torch.arange(cols)) // size
+        q, scale, zero, back = _quantize(w.float(), g_idx, bits, symmetric=kind == "packed")
+        quantized.update(_int_tensors(kind, base, q, scale, zero, g_idx, bits, act_order, fmt, w.shape))
+        dequantized[name] = back.to(w.dtype)
+    save_file(quantized, str(quant_dir / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    config = json.loads((quant_dir / "config.json").read_text())
+    config["quantization_config"] = _int_config(kind, bits, group, act_order, fmt)
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return quant_dir, ref
+
+
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, bits: int, symmetric: bool):
+    """w [out, in] -> q [out, in] (unsigned, in [0, 2^bits)), fp16 scales and integer zero points [out, groups],
+    and w back from them; each (row, group of columns) quantized on its own, the scale stored in fp16 first."""
+    groups = int(g_idx.max()) + 1
+    top = (1 << bits) - 1
+    scale, zero = torch.empty(w.shape[0], groups), torch.empty(w.shape[0], groups)
+    for k in range(groups):
+        part = w[:, g_idx == k]
+        if symmetric:
+            scale[:, k] = part.abs().amax(1).clamp_min(1e-6) / (top // 2)
+            zero[:, k] = (top + 1) // 2
+        else:
+            lo, hi = part.amin(1).clamp_max(0), part.amax(1).clamp_min(0)
+            scale[:, k] = ((hi - lo) / top).clamp_min(1e-6)
+            zero[:, k] = (-lo / scale[:, k].half().float()).round().clamp(0, top)
+    scale = scale.half()
+    s, z = scale.float()[:, g_idx], zero[:, g_idx]
+    q = (w / s).round().add(z).clamp(0, top)
+    return q.long(), scale, zero.long(), (q - z) * s
+
+
+def _pack(values: torch.Tensor, bits: int, dim: int, slots=None) -> torch.Tensor:
+    """Unsigned ``values`` packed 32 / bits per int32 along ``dim``, the i-th slot (lowest bits first) holding value
+    ``slots[i]`` of each run (default: in order)."""
+    per = 32 // bits
+    values = values.movedim(dim, -1)
+    runs = values.reshape(*values.shape[:-1], values.shape[-1] // per, per).long()
+    packed = torch.zeros(runs.shape[:-1], dtype=torch.long)
+    for i, j in enumerate(slots or range(per)):
+        packed |= runs[..., j] << (bits * i)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed)  # as int32 holds those bits
+    return packed.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def _int_tensors(kind, base, q, scale, zero, g_idx, bits, act_order, fmt, shape) -> dict[str, torch.Tensor]:
+    if kind == "packed":
+        out = {f"{base}.weight_packed": _pack(q, bits, 1), f"{base}.weight_scale": scale,
+               f"{base}.weight_shape": torch.tensor(list(shape))}
+        return out | ({f"{base}.weight_g_idx": g_idx.int()} if act_order else {})
+    stored_zero = zero - (1 if fmt == "gptq" else 0)  # GPTQ's first format stores z - 1
+    if kind == "awq":
+        return {f"{base}.qweight": _pack(q.t(), bits, 1, AWQ_SLOTS),
+                f"{base}.qzeros": _pack(zero.t(), bits, 1, AWQ_SLOTS), f"{base}.scales": scale.t().contiguous()}
+    return {f"{base}.qweight": _pack(q.t(), bits, 0), f"{base}.qzeros": _pack(stored_zero.t(), bits, 1),
+            f"{base}.scales": scale.t().contiguous(), f"{base}.g_idx": g_idx.int()}
+
+
+def _int_config(kind, bits, group, act_order, fmt) -> dict:
+    if kind == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
+                "checkpoint_format": fmt}
+    if kind == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group" if group > 0 else "channel",
+               "group_size": group if group > 0 else None, "actorder": "group" if act_order else None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ["lm_head"]}
 
 
 def split_experts(src: Path, dst: Path) -> Path:

@@ -15,7 +15,8 @@ from specray.models import loader
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
-from specray_test_checkpoints import FP8_BLOCK, split_experts, write_fp8  # tests/checkpoints.py, via conftest
+from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, split_experts, write_fp8,  # tests/checkpoints.py,
+                                      write_int)  # via conftest
 
 TOL = 1e-4
 
@@ -598,15 +599,15 @@ def test_compressed_tensors_fp8_loads_dequantized(request, tmp_path, fixture, st
 
 
 def test_compressed_tensors_other_schemes_are_refused(tiny_llama_dir, tmp_path):
-    """INT4/INT8 packed weights and mixed strategies are refused by name."""
+    """INT8 weights and activations (int-quantized) and mixed strategies are refused by name."""
     fp8, _ = write_fp8(tiny_llama_dir, tmp_path, strategy="channel")
     config = json.loads((fp8 / "config.json").read_text())
     quant = config["quantization_config"]
-    int4 = {**quant, "format": "pack-quantized", "config_groups": {"group_0": {"weights": {
-        "num_bits": 4, "type": "int", "strategy": "group"}}}}
+    int8 = {**quant, "format": "int-quantized", "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel"}}}}
     mixed = {**quant, "config_groups": {"a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
                                         "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
-    for changed, match in ((int4, "format='pack-quantized'"), (mixed, r"strategies \['channel', 'tensor'\]")):
+    for changed, match in ((int8, "format='int-quantized'"), (mixed, r"strategies \['channel', 'tensor'\]")):
         (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": changed}))
         with pytest.raises(ValueError, match=match):
             load_model(fp8)
@@ -618,7 +619,7 @@ def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
 
     fp8, _ = write_fp8(tiny_llama_dir, tmp_path)
     config = json.loads((fp8 / "config.json").read_text())
-    for change, match in (({"quant_method": "awq"}, "quant_method='awq'"),
+    for change, match in (({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
                           ({"activation_scheme": "static"}, "activation_scheme='static'"),
                           ({"weight_block_size": [16]}, "weight_block_size")):
         (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
@@ -631,6 +632,62 @@ def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
     save_file({n: t for n, t in tensors.items() if n != dropped}, str(fp8 / "model.safetensors"))
     with pytest.raises(ValueError, match="without their weight_scale_inv"):
         load_model(fp8)
+
+
+# ---- integer releases: GPTQ, AWQ, llm-compressor's packed (specray.models.int_quant) --------------------------------
+
+@pytest.mark.parametrize("scheme", sorted(INT_SCHEMES))
+def test_int_release_loads_dequantized(tiny_llama_dir, tmp_path, scheme):
+    """A GPTQ (4 and 8 bits, groups or one per row, act order, both checkpoint formats), AWQ or pack-quantized
+    (W4A16, W8A16, act order) release loads with every weight its dequantized value: the model's logits equal those
+    of the stored integers dequantized by the writer and kept in full precision, and differ from the unquantized
+    model's (the quantization is there to see)."""
+    quant, ref = write_int(tiny_llama_dir, tmp_path, scheme, seed=1)
+    ids = list(range(3, 40))
+    got = prefill_logits(load_model(quant), ids)
+    assert torch.equal(got, prefill_logits(load_model(ref), ids))
+    assert (got - prefill_logits(load_model(tiny_llama_dir), ids)).abs().max() > 1e-3
+
+
+def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path):
+    """A GPTQ release of a mixture of experts (one tensor per expert, as released) loads each expert dequantized;
+    the engine serves it, its greedy output with n-gram drafts that of the dequantized twin."""
+    from specray import LLM, SamplingParams
+
+    quant, ref = write_int(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path, "gptq4-g32")
+    assert any(".experts.3.up_proj.qweight" in n for n in json.loads(
+        (quant / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+            (quant / "model.safetensors").read_bytes()[:8], "little")]))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128, speculative_config=spec).generate(
+        ["The quick brown fox", "def add(a, b):"], greedy, use_tqdm=False)] for m in (quant, ref)]
+    assert outs[0] == outs[1]
+
+
+def test_int_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
+    """Integer schemes specray does not load are refused by name, as is a linear missing one of its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    quant, _ = write_int(tiny_llama_dir, tmp_path, "gptq4-g32")
+    config = json.loads((quant / "config.json").read_text())
+    cases = (({"quant_method": "gptq", "bits": 3, "group_size": 32}, r"bits=3 \(supported: \[4, 8\]\)"),
+             ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
+             ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+             ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version='gemv'"),
+             ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+                 "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
+              "symmetric=False"))
+    for quant_config, match in cases:
+        (quant / "config.json").write_text(json.dumps({**config, "quantization_config": quant_config}))
+        with pytest.raises(ValueError, match=match):
+            load_model(quant)
+    (quant / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(quant / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if n != "model.layers.1.mlp.up_proj.qzeros"},
+              str(quant / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj': \['qzeros'\].*incomplete"):
+        load_model(quant)
 
 
 def test_trust_remote_code_lets_a_checkpoint_s_own_config_class_load(tiny_llama_dir, tmp_path):

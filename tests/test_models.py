@@ -923,8 +923,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
     chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
     attention (one KV head, replicated), Phi-3's fused projections
-    split into each rank's heads and widths (with partial LongRoPE), tied and untied heads; decode attention both as
-    the padded batch and one sequence at a time."""
+    split into each rank's heads and widths (with partial LongRoPE), a GPTQ release, tied and untied heads; decode
+    attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -946,6 +946,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))
            for i, name in ((6, "deepseek-fp8"), (3, "qwen3moe-fp8-ep"))]
     folders += fp8
+    # an act-order GPTQ release (dequantized at load, then split)
+    folders.append(str(checkpoints.write_int(Path(folders[0]), tmp_path / "llama-gptq", "gptq4-act-order-v2")[0]))
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2

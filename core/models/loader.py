@@ -29,6 +29,7 @@ from torch import nn
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
+from specray.models.int_quant import dequantized as int_dequantized, int_scheme
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.plain_config import PlainConfig, plain_config
@@ -266,6 +267,9 @@ def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[
         weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
     if wanted is not None:
         weights = ((name, t) for name, t in weights if wanted(name))
+    scheme = int_scheme(quant)
+    if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
+        return int_dequantized(weights, scheme)
     block = fp8_block_size(quant)
     if block is False:
         return weights
