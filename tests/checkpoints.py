@@ -72,7 +72,8 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strateg
 # quantization schemes of write_int: (layout, bits, group size, act order, GPTQ's format)
 INT_SCHEMES = {"gptq4-g32": ("gptq", 4, 32, False, "gptq"), "gptq4-act-order-v2": ("gptq", 4, 16, True, "gptq_v2"),
                "gptq8-channel": ("gptq", 8, -1, False, "gptq"), "awq4-g32": ("awq", 4, 32, False, None),
-               "w4a16-g16": ("packed", 4, 16, False, None), "w8a16-channel": ("packed", 8, -1, False, None),
+               "w4a16-g16": ("packed", 4, 16, False, None), "w4a16-g64": ("packed", 4, 64, False, None),
+               "w8a16-channel": ("packed", 8, -1, False, None),
                "w4a16-act-order": ("packed", 4, 32, True, None)}
 AWQ_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of its eight that each slot of an AWQ int32 holds
 

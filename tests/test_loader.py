@@ -636,33 +636,81 @@ def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
 
 # ---- integer releases: GPTQ, AWQ, llm-compressor's packed (specray.models.int_quant) --------------------------------
 
+INT4_KEPT = {"gptq4-g32", "awq4-g32", "w4a16-g64"}  # 4 bits in groups of 32-256 in column order: kept so
+
+
+def int4_linears(model) -> list:
+    return [m for m in model.modules() if getattr(m, "int4", None) is not None]
+
+
 @pytest.mark.parametrize("scheme", sorted(INT_SCHEMES))
-def test_int_release_loads_dequantized(tiny_llama_dir, tmp_path, scheme):
+def test_int_release_loads(tiny_llama_dir, tmp_path, scheme):
     """A GPTQ (4 and 8 bits, groups or one per row, act order, both checkpoint formats), AWQ or pack-quantized
-    (W4A16, W8A16, act order) release loads with every weight its dequantized value: the model's logits equal those
-    of the stored integers dequantized by the writer and kept in full precision, and differ from the unquantized
-    model's (the quantization is there to see)."""
+    (W4A16, W8A16, act order) release loads with every weight its stored value: the model's logits equal those of
+    the stored integers dequantized by the writer and kept in full precision, and differ from the unquantized
+    model's (the quantization is there to see). 4-bit linears in groups torch's kernel takes keep their integers
+    (packed, no dense weight: under a quarter of its bytes); the others are dequantized as they load."""
     quant, ref = write_int(tiny_llama_dir, tmp_path, scheme, seed=1)
     ids = list(range(3, 40))
-    got = prefill_logits(load_model(quant), ids)
-    assert torch.equal(got, prefill_logits(load_model(ref), ids))
+    model, dense = load_model(quant), load_model(ref, pack=False)
+    kept = int4_linears(model)
+    assert len(kept) == (8 if scheme in INT4_KEPT else 0)  # q/k/v, o, gate/up and down of 2 layers
+    if kept:
+        int4_bytes = sum(b.numel() * b.element_size() for m in kept for b in m.int4.buffers())
+        dense_bytes = sum(m.weight.numel() * 4 for name, m in dense.named_modules() if name.endswith("proj"))
+        assert all(m.weight.numel() == 0 for m in kept) and int4_bytes < dense_bytes / 4
+    got = prefill_logits(model, ids)
+    assert (got - prefill_logits(dense, ids)).abs().max() < TOL
     assert (got - prefill_logits(load_model(tiny_llama_dir), ids)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA's 4-bit kernel (tinygemm) needs a GPU"))])
+def test_int4_kernel_in_bf16(tiny_llama_dir, tmp_path, device):
+    """In bf16 (tinygemm's one dtype on CUDA; the CPU kernel's too), on each device with torch's 4-bit kernel: the
+    linears keep 4 bits and the logits stay within bf16's rounding of the dequantized twin's (a layout or offset
+    mistake in the packing would move them by whole units)."""
+    quant, ref = write_int(tiny_llama_dir, tmp_path, "awq4-g32", seed=1)
+    model = load_model(quant, dtype=torch.bfloat16, device=device)
+    assert len(int4_linears(model)) == 8
+    ids = list(range(3, 40))
+    got = prefill_logits(model, ids).float()
+    want = prefill_logits(load_model(ref, dtype=torch.bfloat16, device=device), ids).float()
+    assert (got - want).abs().max() < 0.03 * want.abs().max()
+
+
+@pytest.mark.parametrize("fixture,kept", [("tiny_phi3_dir", 8), ("tiny_deepseek_dir", 6)])
+def test_int_release_of_other_layouts(request, tmp_path, fixture, kept):
+    """Phi-3's fused q/k/v and gate/up (each part's rows staged in place, all kept in 4 bits) and DeepSeek-V3
+    (kv_b_proj, read as a matrix, and the linears whose shapes torch's kernel does not take are dequantized; the
+    dense and shared experts' MLPs kept): logits equal the dequantized twin's."""
+    folder = request.getfixturevalue(fixture)
+    if fixture == "tiny_deepseek_dir":
+        folder = split_experts(folder, tmp_path / "split")
+    quant, ref = write_int(folder, tmp_path, "awq4-g32")
+    model = load_model(quant)
+    assert len(int4_linears(model)) == kept
+    ids = list(range(3, 40))
+    assert (prefill_logits(model, ids) - prefill_logits(load_model(ref, pack=False), ids)).abs().max() < TOL
+
+
 def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path):
-    """A GPTQ release of a mixture of experts (one tensor per expert, as released) loads each expert dequantized;
-    the engine serves it, its greedy output with n-gram drafts that of the dequantized twin."""
+    """A GPTQ release of a mixture of experts (one tensor per expert, as released) loads each expert dequantized,
+    its attention kept in 4 bits; the engine serves it, its greedy output with n-gram drafts that of plain greedy
+    decoding and of the dequantized twin."""
     from specray import LLM, SamplingParams
 
     quant, ref = write_int(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path, "gptq4-g32")
     assert any(".experts.3.up_proj.qweight" in n for n in json.loads(
         (quant / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
             (quant / "model.safetensors").read_bytes()[:8], "little")]))
+    assert int4_linears(load_model(quant))
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-    outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128, speculative_config=spec).generate(
-        ["The quick brown fox", "def add(a, b):"], greedy, use_tqdm=False)] for m in (quant, ref)]
-    assert outs[0] == outs[1]
+    outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128, speculative_config=s).generate(
+        ["The quick brown fox", "def add(a, b):"], greedy, use_tqdm=False)] for m, s in
+            ((quant, spec), (quant, None), (ref, None))]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_int_release_errors_name_the_fix(tiny_llama_dir, tmp_path):

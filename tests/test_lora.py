@@ -85,6 +85,25 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
                 s.append(int(row[-1].argmax()))
 
 
+def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path):
+    """An adapter over an AWQ release whose linears stay in 4 bits (a QLoRA-style adapter on a quantized base): the
+    adapted logits equal transformers' with the adapter merged into the dequantized weights."""
+    quant, ref = checkpoints.write_int(tiny_llama_dir, tmp_path / "q", "awq4-g32")
+    adapter = checkpoints.write_lora(ref, tmp_path / "adapter", rank=4, alpha=8, seed=1)
+    merged = _hf(checkpoints.merge_lora(ref, adapter, tmp_path / "merged"))
+    ours = load_model(quant)
+    assert all(m.int4 is not None for name, m in ours.named_modules() if name.endswith("proj"))
+    slots = LoRASlots(ours, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+    ids = _tokens(21, 3, ours.config.vocab_size)
+    slots.context.set_token_slots(torch.tensor(slots.slots_for([LoRARequest("a", 1, str(adapter))]) * len(ids)))
+    allocate_kv_cache(ours, 8, BLOCK)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(8))[::-1]], BLOCK, "cpu")
+    with torch.no_grad():
+        got = ours.compute_logits(ours(torch.tensor(ids), meta))
+        want = merged(torch.tensor([ids])).logits[0].float()
+    assert (got - want).abs().max() < TOL
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 import specray_test_engine_runs as runs  # tests/engine_runs.py (registered by conftest)

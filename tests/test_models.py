@@ -893,7 +893,8 @@ TP_WORKER = textwrap.dedent("""
         own_diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
         fp8 = any(getattr(m, "fp8_block", None) for m in model.modules())  # experts kept in float8
-        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8]
+        int4 = any(getattr(m, "int4", None) is not None for m in model.modules())  # linears kept in 4 bits
+        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8, int4]
     # While anything holds the process group (the model's layers), destroy_process_group leaves gloo's threads
     # running into interpreter shutdown, where one still freeing a collective's tensors aborts the process.
     del model
@@ -923,8 +924,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
     chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
     attention (one KV head, replicated), Phi-3's fused projections
-    split into each rank's heads and widths (with partial LongRoPE), a GPTQ release, tied and untied heads; decode
-    attention both as the padded batch and one sequence at a time."""
+    split into each rank's heads and widths (with partial LongRoPE), GPTQ and AWQ releases (AWQ's kept in 4 bits),
+    tied and untied heads; decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -946,8 +947,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))
            for i, name in ((6, "deepseek-fp8"), (3, "qwen3moe-fp8-ep"))]
     folders += fp8
-    # an act-order GPTQ release (dequantized at load, then split)
-    folders.append(str(checkpoints.write_int(Path(folders[0]), tmp_path / "llama-gptq", "gptq4-act-order-v2")[0]))
+    # an act-order GPTQ release (dequantized at load, then split) and an AWQ one (each rank keeps its rows' or its
+    # columns' groups in 4 bits)
+    folders += [str(checkpoints.write_int(Path(folders[0]), tmp_path / f"llama-{scheme}", scheme)[0])
+                for scheme in ("gptq4-act-order-v2", "awq4-g32")]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2
@@ -959,9 +962,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         before, after = result.pop("threads")
         assert after == before, f"rank {r}: {after - before} threads outlive destroy_process_group"
         assert set(result) == set(folders)
-        for folder, (diff, vocab_rows, kv_heads, fp8_experts) in result.items():
+        for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
+            assert int4 == ("awq4" in folder), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1
 

@@ -62,7 +62,8 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Pack every linear of a loaded fp32 CPU ``model``: the modules with a ``packed`` slot. Those that say
     ``keeps_dense_weight`` (an LM head, whose weight may be the tied embedding's) keep it too."""
     for module in model.modules():
-        if hasattr(module, "packed") and getattr(module, "weight", None) is not None:
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "packed") and weight is not None and weight.numel():  # not a linear kept in 4 bits
             pack_linear(module, keep_dense=getattr(module, "keeps_dense_weight", False))
 
 
@@ -97,6 +98,23 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     rhs = (F.pad(x, (0, 0, 0, pad)) if pad else x).t()  # [K, padded_rows(M)]
     y = torch.mm(weight, rhs)[:, :m].t().contiguous()  # [M, N]
     return y if bias is None else y + bias
+
+
+def has_int4_kernel() -> bool:
+    """Whether this torch has its CPU 4-bit weight-only matmul (``_weight_int4pack_mm_for_cpu``)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int4_pack(q: torch.Tensor, n: int) -> torch.Tensor | None:
+    """4-bit values ``q`` [N, K] (uint8) in the CPU kernel's layout; None unless N is a multiple of 16 (its tiles)."""
+    if n % 16:
+        return None
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    # x: [M, K] -> [M, N], W = (q - 8) s + m per group of K
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group_size, scales_and_zeros)
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -19,10 +19,19 @@ group of ``group_size`` input columns and output row:
   (one group: per output row), ``X.weight_shape`` [2] (the unpadded [out, in]); symmetric, z = 2^(b-1) (the signed
   values stored offset by it); an act-order ``X.weight_g_idx`` [in] groups the columns as GPTQ's does.
 
-The weights come out in float32 (``X.weight`` [out, in]) and are then cast to the model's dtype, so a model loads at
-its dtype's size: integer matmul kernels are not written (on a GPU they would keep the 4-bit bytes, a quarter of
-bf16's). A tensor that is not part of a quantized linear (norms, embeddings, an unquantized head, biases) passes
-through untouched.
+Each linear comes out as ``X.weight``, an :class:`IntWeight` (its integers unpacked, one byte each, with its groups'
+scales and zero points) that reads as the dequantized float32 weight wherever a tensor is read (``w[...]``, as a
+safetensors slice reads), or as that float32 weight itself for act-order groups, which are not runs of columns. A
+tensor that is not part of a quantized linear (norms, embeddings, an unquantized head, biases) passes through
+untouched.
+
+Kept in 4 bits. The model's linears (:class:`~specray.models.layers.LinearBase`) built under
+:func:`~specray.models.layers.int_linears` (``load_model`` does, for a 4-bit checkpoint whose groups torch's kernel
+takes, on a device and dtype it runs) hold no dense weight: each stages its rank's integers as they load and then
+keeps them packed for torch's 4-bit weight-only matmul (:class:`Int4Weight`: tinygemm on CUDA in bf16, its CPU
+kernel here), a quarter of bf16's bytes. tinygemm computes ``W = (q - 8) * s + m`` per group, so ``m = (8 - z) s``
+holds a zero point z. A linear whose shape the kernel does not take, or whose groups straddle its rank's columns,
+is dequantized instead; one the checkpoint left unquantized loads its dense weight as any other.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any
 
 import torch
 
-from specray.models.layers import materialize
+from specray.models import cpu_kernels
 
 COMPRESSED_TENSORS = "compressed-tensors"
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an int32's eight sits in its slot AWQ_COLUMNS[c]
@@ -52,6 +61,7 @@ class IntScheme:
     bits: int
     group_size: int
     zero_offset: int = 0
+    act_order: bool = False  # groups scattered over the columns (g_idx): dequantized, never kept in 4 bits
 
     @property
     def per_int(self) -> int:
@@ -92,7 +102,7 @@ def _gptq(quant: dict) -> IntScheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"GPTQ checkpoint_format={fmt!r} (supported: 'gptq', 'gptq_v2')")
     return IntScheme("gptq", _bits(quant.get("bits"), (4, 8), "bits"), _group(quant.get("group_size", 128)),
-                     1 if fmt == "gptq" else 0)
+                     1 if fmt == "gptq" else 0, bool(quant.get("desc_act")))
 
 
 def _awq(quant: dict) -> IntScheme:
@@ -117,7 +127,8 @@ def _packed(quant: dict) -> IntScheme:
     if strategy not in ("group", "channel"):
         raise _refuse(f"compressed-tensors weight strategy={strategy!r} (supported: 'group', 'channel')")
     group = _group(w.get("group_size"), "weights.group_size") if strategy == "group" else -1
-    return IntScheme("packed", _bits(w.get("num_bits"), (4, 8), "weights.num_bits"), group)
+    return IntScheme("packed", _bits(w.get("num_bits"), (4, 8), "weights.num_bits"), group,
+                     act_order=w.get("actorder") == "group")
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -131,14 +142,47 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(shape)
 
 
-def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One linear's ``X.weight`` [out, in] in float32 from its quantized tensors (``parts``, by name after ``X.``)."""
+class IntWeight:
+    """One linear's integers ``q`` [out, in] (uint8, in [0, 2^bits)), with the scale and zero point [out, groups]
+    (float32) of each run of ``group_size`` input columns: ``W = (q - z) * s``. Read like a safetensors slice
+    (``get_shape()``, ``w[index]``: the dequantized float32 weight), so a loader that wants a dense weight gets one;
+    :meth:`rows` and :meth:`cols` cut it without dequantizing."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int):
+        self.q, self.scale, self.zero, self.group_size, self.bits = q, scale, zero, group_size, bits
+
+    def get_shape(self) -> list[int]:
+        return list(self.q.shape)
+
+    def dense(self) -> torch.Tensor:
+        return (self.q.float() - self.zero.repeat_interleave(self.group_size, 1)) \
+            * self.scale.repeat_interleave(self.group_size, 1)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.dense()[index]
+
+    def rows(self, start: int, count: int) -> "IntWeight":
+        cut = slice(start, start + count)
+        return IntWeight(self.q[cut], self.scale[cut], self.zero[cut], self.group_size, self.bits)
+
+    def cols(self, start: int, count: int) -> "IntWeight | None":
+        """Input columns ``start .. start + count`` (None unless they are whole groups)."""
+        g = self.group_size
+        if start % g or count % g:
+            return None
+        groups = slice(start // g, (start + count) // g)
+        return IntWeight(self.q[:, start: start + count], self.scale[:, groups], self.zero[:, groups], g, self.bits)
+
+
+def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight | torch.Tensor:
+    """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
+    :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns."""
     if scheme.kind == "packed":
         q = unpack(parts["weight_packed"], scheme.bits, 1)  # [out, in (padded)]
         out, cols = (int(v) for v in parts["weight_shape"].reshape(-1).tolist())
         q, s = q[:out, :cols], parts["weight_scale"].float()  # s [out, groups]
-        groups = _groups(scheme, cols, s.shape[1], parts.get("weight_g_idx"))
-        return (q - (1 << (scheme.bits - 1))).float() * s[:, groups]
+        z = torch.full_like(s, 1 << (scheme.bits - 1))
+        return _weight(scheme, q, s, z, _groups(scheme, cols, s.shape[1], parts.get("weight_g_idx")))
     if scheme.kind == "awq":
         q = _awq_columns(unpack(parts["qweight"], scheme.bits, 1))  # [in, out]
         z = _awq_columns(unpack(parts["qzeros"], scheme.bits, 1))  # [groups, out]
@@ -151,8 +195,17 @@ def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> torch.Tenso
     if q.shape[1] != s.shape[1] or z.shape != s.shape:
         raise ValueError(f"quantized weight of shape {tuple(q.shape)} (in, out) with scales {tuple(s.shape)} and "
                          f"zero points {tuple(z.shape)}: the checkpoint does not match its quantization_config")
-    groups = _groups(scheme, q.shape[0], s.shape[0], g)
-    return ((q - z[groups]).float() * s[groups]).t()
+    return _weight(scheme, q.t(), s.t(), z.t().float(), _groups(scheme, q.shape[0], s.shape[0], g))
+
+
+def _weight(scheme: IntScheme, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groups: torch.Tensor
+            ) -> IntWeight | torch.Tensor:
+    """q [out, in], s and z [out, groups], each column's group -> an IntWeight where the groups are runs of columns,
+    else (act order) the float32 weight."""
+    size = q.shape[1] // s.shape[1]
+    if q.shape[1] == size * s.shape[1] and torch.equal(groups, torch.arange(q.shape[1]) // size):
+        return IntWeight(q.to(torch.uint8).contiguous(), s.contiguous(), z.float().contiguous(), size, scheme.bits)
+    return (q - z[:, groups]).float() * s[:, groups]
 
 
 def _awq_columns(values: torch.Tensor) -> torch.Tensor:
@@ -209,4 +262,79 @@ def _split(name: str, suffixes: dict[str, str]) -> tuple[str, str | None]:
 
 
 def _materialized(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {part: materialize(t) for part, t in parts.items()}
+    return {part: t if isinstance(t, torch.Tensor) else t[...] for part, t in parts.items()}
+
+
+# ---------------------------------------------------------------------------------------------- kept in 4 bits
+
+
+class IntStaging:
+    """A linear's integers as its parts load (a merged linear's each at its rows), on the host, until packed."""
+
+    def __init__(self, rows: int, cols: int, like: IntWeight):
+        g = like.group_size
+        self.q = torch.zeros(rows, cols, dtype=torch.uint8)
+        self.scale, self.zero = torch.zeros(rows, cols // g), torch.zeros(rows, cols // g)
+        self.group_size, self.bits = g, like.bits
+
+    def fits(self, w: IntWeight) -> bool:
+        return (w.group_size, w.bits) == (self.group_size, self.bits) and w.q.shape[1] == self.q.shape[1]
+
+    def put(self, offset: int, w: IntWeight) -> None:
+        rows = slice(offset, offset + w.q.shape[0])
+        self.q[rows], self.scale[rows], self.zero[rows] = w.q, w.scale, w.zero
+
+    def weight(self) -> IntWeight:
+        return IntWeight(self.q, self.scale, self.zero, self.group_size, self.bits)
+
+
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take
+
+
+def keeps_int4(scheme: IntScheme | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model of ``dtype`` on ``device`` keeps a checkpoint of ``scheme`` in 4 bits: 4-bit runs of
+    columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype) or on a CPU with its kernel."""
+    if scheme is None or scheme.bits != 4 or scheme.group_size not in INT4_GROUPS or scheme.act_order:
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16
+    return device.type == "cpu" and cpu_kernels.has_int4_kernel() and dtype in (torch.float32, torch.bfloat16)
+
+
+class Int4Weight(torch.nn.Module):
+    """A linear's weight [N, K] kept in 4 bits for torch's weight-only matmul: ``packed`` in the device kernel's
+    layout and ``scales_and_zeros`` [K / G, N, 2] (s and m = (8 - z) s per group, in the activations' dtype)."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.group_size = group_size
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N]
+        if x.device.type == "cpu":
+            return cpu_kernels.int4_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+def pack_int4(w: IntWeight, device: torch.device, dtype: torch.dtype) -> Int4Weight | None:
+    """``w`` packed for the 4-bit kernel of ``device`` in ``dtype``; None where its shape does not fit the kernel
+    (CUDA: N a multiple of 8 and K of 32; CPU: N a multiple of 16), or it is not 4-bit."""
+    n, k = w.q.shape
+    if w.bits != 4 or w.group_size not in INT4_GROUPS or k % w.group_size:
+        return None
+    offsets = ((8 - w.zero) * w.scale)  # tinygemm's W = (q - 8) s + m
+    scales_and_zeros = torch.stack([w.scale.t(), offsets.t()], dim=-1).to(dtype).contiguous()  # [K / G, N, 2]
+    if device.type == "cpu":
+        packed = cpu_kernels.int4_pack(w.q, n)
+    else:
+        tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+        if n % 8 or tiles is None:
+            return None
+        q = w.q.to(torch.int32)
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two columns a byte, the even one high
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), tiles)
+    if packed is None:
+        return None
+    return Int4Weight(packed.to(device), scales_and_zeros.to(device), w.group_size)

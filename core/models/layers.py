@@ -8,6 +8,7 @@ materializes its part.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models import cpu_kernels
+from specray.models.int_quant import Int4Weight, IntStaging, IntWeight, pack_int4
 from specray.parallel import TPGroup
 
 # ---------------------------------------------------------------------------------------------- weight helpers
@@ -62,22 +64,78 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D ``x``, the one entry every linear calls: on CPU the kernels of
-    :mod:`specray.models.cpu_kernels` (``packed`` is a weight they prepared at load), elsewhere plain."""
+           packed: torch.Tensor | None = None, int4: Int4Weight | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x``, the one entry every linear calls: a weight kept in 4 bits through torch's
+    weight-only kernel (``int4``); on CPU the kernels of :mod:`specray.models.cpu_kernels` (``packed`` is a weight
+    they prepared at load), elsewhere plain."""
     # x: [M, K]; weight: [N, K] -> [M, N]
+    if int4 is not None:
+        y = int4.matmul(x)
+        return y if bias is None else y + bias
     if x.device.type == "cpu":
         return cpu_kernels.cpu_linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 
+_KEEP_INTS = False  # linears built now keep a quantized checkpoint's integers (int_linears)
+
+
+@contextlib.contextmanager
+def int_linears(enabled: bool = True):
+    """Linears built inside keep a quantized checkpoint's integers instead of a dense weight
+    (:mod:`specray.models.int_quant`): no dense storage until a dense weight loads; then
+    :func:`keep_int4_weights`."""
+    global _KEEP_INTS
+    old, _KEEP_INTS = _KEEP_INTS, enabled
+    try:
+        yield
+    finally:
+        _KEEP_INTS = old
+
+
 class LinearBase(nn.Module):
     """Base of the TP linears. ``packed`` is a kernel-specific copy of ``weight`` made once after loading
-    (:func:`specray.models.cpu_kernels.pack_linear_weights`), None until then."""
+    (:func:`specray.models.cpu_kernels.pack_linear_weights`), None until then. Built under :func:`int_linears`, a
+    linear's ``weight`` starts empty (``keeps_ints``): an :class:`~specray.models.int_quant.IntWeight` loading into
+    it is staged (``staged``) and, once all have loaded, kept in 4 bits (``int4``, :func:`keep_int4_weights`); a
+    dense one gets its dense storage then."""
 
     packed: torch.Tensor | None = None
     keeps_dense_weight = False  # packing keeps ``weight`` too
     lora = None  # a projection that takes LoRA adapters: its stacked adapters (specray.models.lora.LinearLoRA)
+    keeps_ints = False
+    staged: IntStaging | None = None
+    int4: Int4Weight | None  # a submodule once kept (set per instance: a class default would hide it)
+
+    def _own_weight(self, rows: int, cols: int) -> nn.Parameter:
+        """The weight [rows, cols]: empty under :func:`int_linears` (its shape kept in ``dense_shape``)."""
+        self.int4 = None
+        self.dense_shape = (rows, cols)
+        self.keeps_ints = _KEEP_INTS
+        weight = _param(0) if _KEEP_INTS else _param(rows, cols)
+        weight.weight_loader = self.weight_loader
+        return weight
+
+    def _stage(self, offset: int, part: IntWeight | None) -> bool:
+        """Stage a part's integers at rows ``offset``; False (nothing staged) where they cannot be kept."""
+        if part is None or not self.keeps_ints or self.keeps_dense_weight or self.weight.numel():
+            return False  # (a weight read as a matrix, DeepSeek's kv_b_proj, stays dense)
+        if self.staged is None:
+            self.staged = IntStaging(self.dense_shape[0], self.dense_shape[1], part)
+        if not self.staged.fits(part):
+            return False
+        self.staged.put(offset, part)
+        return True
+
+    def dense_weight(self) -> nn.Parameter:
+        """The weight with its dense storage (the integers staged so far dequantized into it)."""
+        w = self.weight
+        if w.numel() == 0 and self.keeps_ints:
+            w.data = torch.zeros(self.dense_shape, dtype=w.dtype, device=w.device)
+            if self.staged is not None:
+                w.data.copy_(self.staged.weight().dense())
+                self.staged = None
+        return w
 
 
 class ColumnParallelLinear(LinearBase):
@@ -88,19 +146,26 @@ class ColumnParallelLinear(LinearBase):
         self.tp = tp
         self.in_features = in_features
         self.out_local = divide(out_features, tp.size, "output features")
-        self.weight = _param(self.out_local, in_features)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = self._own_weight(self.out_local, in_features)
         self.bias = _param(self.out_local) if bias else None
         if bias:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
-        n = param.shape[0]
-        _copy(param, narrow(loaded, 0, self.tp.rank * n, n))
+        self._load_rows(param, loaded, 0, self.out_local, self.tp.rank * self.out_local)
+
+    def _load_rows(self, param: nn.Parameter, loaded: Any, offset: int, size: int, start: int) -> None:
+        """Rows ``start .. start + size`` of a checkpoint tensor into rows ``offset ..`` of ``param`` (this
+        linear's weight, staged where it keeps integers; its bias; or a LoRA shard)."""
+        if param is self.weight:
+            if isinstance(loaded, IntWeight) and self._stage(offset, loaded.rows(start, size)):
+                return
+            param = self.dense_weight()
+        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out_local]
-        y = linear(x, self.weight, self.bias, packed=self.packed)
+        y = linear(x, self.weight, self.bias, packed=self.packed, int4=self.int4)
         return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
 
 
@@ -114,8 +179,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         size = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
-        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, self.tp.rank * size, size))
+        self._load_rows(param, loaded, sum(self.local_sizes[:shard_id]), size, self.tp.rank * size)
 
 
 def splits_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
@@ -168,7 +232,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             assert shard_id == "v", shard_id
             offset, size, src = self.q_size + self.kv_size, self.kv_size, self.kv_head_start * self.head_dim
-        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, src, size))
+        self._load_rows(param, loaded, offset, size, src)
 
 
 class RowParallelLinear(LinearBase):
@@ -179,17 +243,21 @@ class RowParallelLinear(LinearBase):
         self.tp = tp
         self.in_local = divide(in_features, tp.size, "input features")
         self.out_features = out_features
-        self.weight = _param(out_features, self.in_local)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = self._own_weight(out_features, self.in_local)
         self.bias = _param(out_features) if bias else None
         if bias:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
-        if param.dim() == 1:  # the bias is added once, after the reduction
+        if param is self.bias:  # the bias is added once, after the reduction
             _copy(param, materialize(loaded))
             return
-        _copy(param, narrow(loaded, 1, self.tp.rank * self.in_local, self.in_local))
+        start = self.tp.rank * self.in_local
+        if param is self.weight:
+            if isinstance(loaded, IntWeight) and self._stage(0, loaded.cols(start, self.in_local)):
+                return
+            param = self.dense_weight()
+        _copy(param, narrow(loaded, 1, start, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_local] -> [T, out]
@@ -199,8 +267,23 @@ class RowParallelLinear(LinearBase):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of ``x W^T`` before the sum over ranks (no bias): for a caller that adds several
         row-parallel outputs and reduces once."""
-        y = linear(x, self.weight, packed=self.packed)
+        y = linear(x, self.weight, packed=self.packed, int4=self.int4)
         return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
+
+
+def keep_int4_weights(model: nn.Module) -> int:
+    """After loading: every linear that staged integers keeps them in 4 bits for its device's kernel, or, where the
+    kernel does not take its shape, dequantized. Returns how many kept 4 bits."""
+    kept = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.staged is not None:
+            w = module.weight
+            module.int4 = pack_int4(module.staged.weight(), w.device, w.dtype)
+            if module.int4 is None:
+                module.dense_weight()
+            kept += module.int4 is not None
+            module.staged = None
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- embeddings

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.int_quant import IntWeight
 from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, SlidingWindowSpec
 from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.models.layers import (
@@ -87,7 +88,8 @@ def unfuse(name: str, tensor: Any, pieces: dict[str, tuple[tuple[str, int], ...]
             raise ValueError(f"checkpoint tensor {name} has {rows} rows where its config's heads and widths make "
                              f"{sum(n for _, n in parts)}: the checkpoint does not match its config.json")
         starts = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
-        return [(name.replace(piece, part), tensor[start: start + n]) for (part, n), start in zip(parts, starts)]
+        cut = tensor.rows if isinstance(tensor, IntWeight) else lambda start, n: tensor[start: start + n]
+        return [(name.replace(piece, part), cut(start, n)) for (part, n), start in zip(parts, starts)]
     return [(name, tensor)]
 
 

@@ -29,9 +29,10 @@ from torch import nn
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
-from specray.models.int_quant import dequantized as int_dequantized, int_scheme
+from specray.models.int_quant import dequantized as int_dequantized, int_scheme, keeps_int4
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
+from specray.models.layers import int_linears, keep_int4_weights
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part
 from specray.parallel import PPGroup, TPGroup
@@ -254,14 +255,20 @@ def load_frozen(module: nn.Module, state: dict[str, torch.Tensor], what: str) ->
     return module
 
 
+def checkpoint_quantization(source: ModelSource) -> dict | None:
+    """The checkpoint's ``quantization_config`` (a multimodal one's may sit in its text config), as config.json
+    gives it."""
+    config = json.loads((Path(source.path) / "config.json").read_text())
+    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+
+
 def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[str], bool] | None = None
                        ) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with an FP8 release's weights dequantized as they come, but for its experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
     only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
     (and their scales) it names, the others not read (a pipeline stage's)."""
-    config = json.loads((Path(source.path) / "config.json").read_text())
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    quant = checkpoint_quantization(source)
     weights = iter_weights(source)
     if prefix:
         weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
@@ -312,7 +319,9 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
         config, prefix = part
     model_cls = get_model_class(config)
-    with _default_dtype(dtype), torch.device(device):
+    # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant)
+    ints = not dummy and keeps_int4(int_scheme(checkpoint_quantization(source)), torch.device(device), dtype)
+    with _default_dtype(dtype), torch.device(device), int_linears(ints):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
         with torch.no_grad():
@@ -320,6 +329,8 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
                 param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
     else:
         net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None)))
+        if ints:
+            logger.info("%d linears keep their 4-bit weights", keep_int4_weights(net))
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)
