@@ -96,11 +96,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
-    "qwen2_moe", "phi3"}. Returns the
+    "qwen2_moe", "phi3", "granite"}. Returns the
     folder."""
     import torch
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig,
+                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
                               Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -132,7 +132,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-                          "phi3": (Phi3Config, Phi3ForCausalLM)}[arch]
+                          "phi3": (Phi3Config, Phi3ForCausalLM),
+                          "granite": (GraniteConfig, GraniteForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -214,6 +215,16 @@ def tiny_phi3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), "phi3", seed=10, max_position_embeddings=512,
                             original_max_position_embeddings=512, rope_parameters=PHI3_ROPE,
                             tie_word_embeddings=False)
+
+
+# Granite's multipliers at Granite 3.0's sizes of them (each far from 1, so one misapplied shows)
+GRANITE_TINY = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                    logits_scaling=8.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_granite"), "granite", seed=11, **GRANITE_TINY)
 
 
 @pytest.fixture(scope="session")

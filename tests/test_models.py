@@ -29,7 +29,7 @@ TOL = 1e-4
 BLOCK = 4
 MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
                   "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir",
-                  "tiny_phi3_dir"]
+                  "tiny_phi3_dir", "tiny_granite_dir"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -87,8 +87,9 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig, Llama4ForCausalLM, Llama4TextConfig, MixtralConfig,
-                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
+                              Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
@@ -98,7 +99,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
-               "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+               "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+               "granite": (GraniteConfig, GraniteForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -347,6 +349,17 @@ def test_phi3_longrope_serving_past_the_pretrained_length_uses_the_long_factors(
     check_variant(ours, hf)
     paged, ids = Paged(ours), tokens(10, 33)
     assert (paged.step([(ids, 0, paged.table(10))])[0] - hf_logits(hf, ids)).abs().max() > 1e-3
+
+
+GRANITE = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
+
+
+@pytest.mark.parametrize("multipliers", ["granite", "ones"])
+def test_granite_matches_transformers(contiguous, multipliers):
+    """Granite: the embedding, the attention's scale, each block's output into the residual stream and the logits
+    scaled by its config's multipliers (Granite 3.0's values, and all ones), on a full and a chunked prefill."""
+    chosen = GRANITE if multipliers == "granite" else dict.fromkeys(GRANITE, 1.0)
+    check_variant(*in_memory_pair("granite", seed=25, **chosen), contiguous=contiguous)
 
 
 def test_phi3_checkpoint_that_does_not_fit_its_config_is_named():
@@ -827,6 +840,9 @@ def test_registry():
     assert get_model_class(Gemma2Config()) is Gemma2ForCausalLM
     assert get_model_class(Gemma2Config(architectures=["Gemma2ForCausalLM"])) is Gemma2ForCausalLM
     assert get_model_class(Phi3Config()) is LlamaForCausalLM
+    from transformers import GraniteConfig
+
+    assert get_model_class(GraniteConfig()) is LlamaForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
 
@@ -941,7 +957,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "qwen2moe", "qwen2_moe", 19, vocab_size=321, **QWEN2_MOE),
                save_tiny(tmp_path / "phi3", "phi3", 20, vocab_size=321, **PHI3_VARIANTS["longrope-partial"]),
                save_tiny(tmp_path / "gemma2", "gemma2", 23, vocab_size=321, num_key_value_heads=1, **GEMMA2,
-                         **GEMMA2_CAPS)]
+                         **GEMMA2_CAPS),
+               save_tiny(tmp_path / "granite", "granite", 24, vocab_size=321, **GRANITE)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

@@ -4,7 +4,10 @@ written with tensor-parallel layers.
 One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
 bias (``attention_bias``), MLP bias (``mlp_bias``), an RMSNorm over each query and key head before RoPE (Qwen3),
 sliding-window layers (Mistral and Phi-3 ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), tied embeddings, RoPE
-scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), and checkpoint layouts (Phi-3's fused q/k/v and gate/up).
+scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), checkpoint layouts (Phi-3's fused q/k/v and gate/up), and
+Granite's multipliers (``embedding_multiplier``, ``attention_multiplier`` as the attention's scale,
+``residual_multiplier`` on each block's output before it joins the residual stream, ``logits_scaling`` dividing the
+logits).
 """
 
 from __future__ import annotations
@@ -64,7 +67,13 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
     (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj.")))}
 
 
-FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
+FUSED_MODEL_TYPES = ("phi3",)
+SCALED_MODEL_TYPES = ("granite",)  # Granite's multipliers (module docstring)
+
+
+def multiplier(config, name: str) -> float:
+    """A Granite multiplier of ``config`` (1 for other families, which have none)."""
+    return float(getattr(config, name, 1.0)) if config.model_type in SCALED_MODEL_TYPES else 1.0  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
 
 
 def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -148,7 +157,9 @@ class LlamaAttention(nn.Module):
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim**-0.5)
+        scale = multiplier(config, "attention_multiplier") if config.model_type in SCALED_MODEL_TYPES \
+            else head_dim**-0.5
+        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -192,23 +203,29 @@ def _is_sparse(config, layer: int) -> bool:
 
 
 class LlamaDecoderLayer(nn.Module):
+    residual_multiplier = 1.0  # Granite's (the families built on this layer's forward keep 1)
+
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, layer)
         self.mlp = SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = multiplier(config, "residual_multiplier")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, H]
+        # x, residual: [T, H]; each block's output joins the residual stream (in the next norm) times the multiplier
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, meta)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x if self.residual_multiplier == 1.0 else x * self.residual_multiplier), residual
 
 
 class StageModel(nn.Module):
@@ -229,6 +246,8 @@ class StageModel(nn.Module):
 
 
 class LlamaModel(StageModel):
+    embedding_multiplier = 1.0  # Granite's (the families built on this stack's forward keep 1)
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
         self.build_stage(config, pp, lambda i: LlamaDecoderLayer(config, tp, i, expert_parallel),
@@ -236,6 +255,12 @@ class LlamaModel(StageModel):
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         rope = rope_parameters(config, partial=True)
         self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, config.max_position_embeddings)
+        self.embedding_multiplier = multiplier(config, "embedding_multiplier")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, H], scaled by Granite's multiplier
+        x = self.embed_tokens(input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -243,7 +268,7 @@ class LlamaModel(StageModel):
         # after the first starts from the previous stage's (x, residual) ``intermediate`` [2, T, H]; a stage before
         # the last ends there, returning its own (unnormed)
         if intermediate is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             x, residual = intermediate.unbind(0)
         self.rotary_emb.ensure(meta.max_position + 1)
@@ -288,6 +313,7 @@ class LlamaForCausalLM(nn.Module):
         self.other_stage = other_stage_prefixes(self)  # checkpoint names this stage skips
         self.renames = _CHECKPOINT_NAMES.get(hf_config.model_type, ())
         self.fused = fused_pieces(hf_config)
+        self.logits_scaling = multiplier(hf_config, "logits_scaling")
         self.kv_cache_allocated = False
 
     @property
@@ -356,8 +382,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden, [streams[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> [N, V] float32, full vocab on every rank
-        return self.lm_head(hidden).float()
+        # hidden: [N, H] -> [N, V] float32, full vocab on every rank (Granite's divided by its logits_scaling)
+        logits = self.lm_head(hidden).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     # ------------------------------------------------------------------------------------------ KV cache
 

@@ -15,6 +15,7 @@ _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Phi3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "GraniteForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -25,7 +26,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
