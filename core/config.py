@@ -250,7 +250,11 @@ EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (specray.models.kv_cache)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's quantization names -> the checkpoint's quantization_config.quant_method they stand for (specray reads the
+# method from the checkpoint; the option only confirms it: its Marlin names choose kernels specray does not have)
+QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
+                 "compressed-tensors": "compressed-tensors", "fp8": "fp8"}  # vLLM's kv_cache_dtype (specray.models.kv_cache)
 
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -326,6 +330,9 @@ class EngineArgs:
     # byte (over the checkpoint's K/V scales, else 1; clamped to the format's range): twice a bf16 cache's tokens in
     # the same memory, at some accuracy
     kv_cache_dtype: str = "auto"
+    # vLLM's: the checkpoint's quantization method (QUANTIZATIONS), checked against its config.json; None reads it
+    # from there (quantized weights load either way: specray.models.int_quant, specray.models.fp8)
+    quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -408,6 +415,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)} ('auto': "
                              "the model's dtype; the others store K/V in that FP8 format)")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; one of {sorted(QUANTIZATIONS)}, "
+                             "or None to read it from the checkpoint's config.json")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' (first come, first served) "
                              "or 'priority' (SamplingParams.priority, lowest first)")

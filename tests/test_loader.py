@@ -713,6 +713,27 @@ def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path):
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_quantization_option_confirms_the_checkpoint_s_method(tiny_llama_dir, tmp_path):
+    """vLLM's ``quantization`` names the checkpoint's own method (its Marlin names too): an AWQ release serves with
+    ``awq`` or ``awq_marlin``; another method, or a checkpoint without quantization (vLLM would quantize it online),
+    is refused naming what the checkpoint has; an unknown name is refused with the known ones."""
+    from specray import LLM, SamplingParams
+    from specray.config import EngineArgs
+
+    quant, _ = write_int(tiny_llama_dir, tmp_path, "awq4-g32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for name in ("awq", "awq_marlin"):
+        assert len(LLM(model=str(quant), quantization=name, max_model_len=64).generate(
+            ["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"quantization='gptq' but the checkpoint has quantization_config.quant_method="
+                                         r"'awq'.*drop the quantization option"):
+        LLM(model=str(quant), quantization="gptq")
+    with pytest.raises(ValueError, match="quantization='fp8' but the checkpoint has no quantization_config"):
+        LLM(model=str(tiny_llama_dir), quantization="fp8")
+    with pytest.raises(ValueError, match=r"quantization='bitsandbytes' is not supported; one of \['awq'"):
+        EngineArgs(model=str(tiny_llama_dir), quantization="bitsandbytes")
+
+
 def test_int_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
     """Integer schemes specray does not load are refused by name, as is a linear missing one of its tensors."""
     from safetensors.torch import load_file, save_file

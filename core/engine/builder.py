@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specray.config import GENERATION_CONFIG_FIELDS, EngineArgs, RayPlacement, SpeculativeConfig, jsonable_fields
+from specray.config import (GENERATION_CONFIG_FIELDS, QUANTIZATIONS, EngineArgs, RayPlacement, SpeculativeConfig,
+                            jsonable_fields)
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
 from specray.drafters.base import DrafterContext, prepared, proposes_cheaply
@@ -127,6 +128,23 @@ def check_local_paths(args: EngineArgs) -> None:
         check_path(model, "speculative_config.model")
 
 
+def check_quantization(quantization: str | None, config) -> None:
+    """``quantization`` (vLLM's option), where given, names the checkpoint's own method: specray quantizes nothing
+    itself, so a bf16 checkpoint with ``quantization="fp8"`` (vLLM's online FP8) or a mismatch is refused."""
+    if quantization is None:
+        return
+    quant = getattr(config, "quantization_config", None) or getattr(getattr(config, "text_config", None),
+                                                                    "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = vars(quant)
+    method = (quant or {}).get("quant_method")
+    if QUANTIZATIONS[quantization] != method:
+        found = f"quantization_config.quant_method={method!r}" if method else "no quantization_config"
+        raise ValueError(f"quantization={quantization!r} but the checkpoint has {found}: specray loads quantized "
+                         "weights as the checkpoint stores them and quantizes none itself; drop the quantization "
+                         "option (the method is read from config.json) or pass a checkpoint quantized that way")
+
+
 def check_model_split(config, tp: int, pp: int = 1) -> None:
     """``tp`` ranks split the model's attention and KV heads, and ``pp`` pipeline stages its decoder layers (at least
     one each): checked before any rank starts."""
@@ -164,6 +182,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     set_max_model_len(model_config, max_model_len)  # what every rank builds from
