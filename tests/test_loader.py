@@ -237,17 +237,19 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
 
 def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp's converter lays ``arch`` out (``qwen3``,
-    ``qwen3moe``, ``gemma3``): its hyperparameters, its byte-level BPE tokenizer (``gpt2``: tokens, types, merges)
-    and its tensors under GGUF names, a mixture of experts' stacked per kind (``ffn_gate_exps`` [E, I, H], ...),
-    Gemma's norm weights stored as the ``1 + w`` they scale by."""
+    ``qwen3moe``, ``gemma3``, ...; ``mixtral``: a ``llama`` with experts): its hyperparameters, its byte-level BPE
+    tokenizer (``gpt2``: tokens, types, merges) and its tensors under GGUF names, a mixture of experts' stacked per
+    kind (``ffn_gate_exps`` [E, I, H], ...), Gemma's norm weights stored as the ``1 + w`` they scale by, a llama's
+    query and key rows in llama.cpp's order for its RoPE."""
     import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
+    arch = "llama" if arch == "mixtral" else arch
     w = gguf.GGUFWriter(str(out), arch)
     _write_gguf_params(w, cfg, arch)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
-    _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg["num_hidden_layers"])
+    _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -273,7 +275,8 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if "moe_intermediate_size" in cfg:  # Mixtral's experts are intermediate_size wide: llama.cpp writes no other
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "gemma3":
@@ -344,16 +347,19 @@ def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
     w.add_pad_token_id(cfg["pad_token_id"])
 
 
-def _write_gguf_tensors(w, tensors: dict, arch: str, layers: int) -> None:
+def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
     import gguf
 
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
     stacked: dict[str, list] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
-        if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight -> stacked by kind
+        if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE pairs
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
             tensor = tensor + 1
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
@@ -383,6 +389,9 @@ GGUF_TINY = {
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                            "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.2, 2.5, 6.0, 9.0],
                                            "attention_factor": 1.2})),
+    # llama.cpp's Mixtral: a llama with 4 experts (top 2) and its router, the experts intermediate_size wide
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                tie_word_embeddings=False)),
     # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
     "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
@@ -395,8 +404,9 @@ GGUF_TINY = {
 
 @pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts), Gemma 2 and 3 text (as llama.cpp
-    writes them: 1 + w norms, their attention settings implied or, Gemma 2's soft caps, written) and Phi-3 (fused
+    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts), Mixtral (a llama with experts, its
+    q/k rows in llama.cpp's order), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their attention
+    settings implied or, Gemma 2's soft caps, written) and Phi-3 (fused
     projections, LongRoPE's factors as tensors) goes through transformers' GGUF mapping to our model: its logits
     equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
     folder (the tokenizer came through the GGUF too)."""
@@ -459,9 +469,9 @@ def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeyp
     assert not any((gguf_cache / "gguf").glob(f"*{arch}*"))  # no conversion, not even a partial one, left behind
 
 
-def test_gguf_of_mixtral_fails_early(tmp_path, gguf_cache, monkeypatch):
-    """llama.cpp writes Mixtral as a llama with experts, which transformers maps as a dense Llama: refused up front
-    with the way out (the HF checkpoint), before transformers reads the file."""
+def test_gguf_of_mixtral_s_first_layout_fails_early(tmp_path, gguf_cache, monkeypatch):
+    """llama.cpp's first Mixtral GGUFs (a llama with experts, a tensor per expert): refused up front with the way out
+    (convert it again, or the HF checkpoint), before transformers reads the file."""
     import gguf
     import numpy as np
     import transformers
@@ -478,12 +488,13 @@ def test_gguf_of_mixtral_fails_early(tmp_path, gguf_cache, monkeypatch):
     w.add_embedding_length(8)
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.add_tensor("blk.0.ffn_gate.3.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"mixture of experts under general.architecture='llama' \(Mixtral's layout, 8 "
-                                         r"experts\).*HF folder"):
+    with pytest.raises(ValueError, match=r"stores a tensor per expert \(blk.0.ffn_gate.3.weight: llama.cpp's first "
+                                         r"Mixtral layout\); convert it again.*HF checkpoint"):
         LLM(model=str(path))
 
 

@@ -43,7 +43,7 @@ CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
-_GGUF_FAMILIES = {"llama": "Llama / Mistral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
+_GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
                   "qwen3moe": "Qwen3-MoE", "gemma2": "Gemma 2", "gemma3": "Gemma 3 text",
                   "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4"}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
@@ -506,6 +506,61 @@ _GGUF_CONFIG_FIXES = {"gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_g
                       "qwen3moe": _fix_moe_gguf_config("qwen3moe")}
 
 
+# llama.cpp's names of a Mixtral layer's router and stacked experts -> Mixtral's checkpoint names (w1: gate, w3: up,
+# w2: down; one tensor per expert)
+_GGUF_MIXTRAL = {"ffn_gate_inp": "gate", "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+
+
+def _check_mixtral_layout(gguf: Path) -> None:
+    """Refuse, with the way out, llama.cpp's first Mixtral layout: a tensor per expert (``blk.0.ffn_gate.3``), where
+    current files stack them (``blk.0.ffn_gate_exps``)."""
+    from gguf import GGUFReader
+
+    for t in GGUFReader(str(gguf)).tensors:
+        parts = t.name.split(".")
+        if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") \
+                and parts[3].isdigit():  # blk.0.ffn_gate.3.weight
+            raise ValueError(f"GGUF {str(gguf)!r} stores a tensor per expert ({t.name}: llama.cpp's first Mixtral "
+                             "layout); convert it again with a current llama.cpp, or pass the HF checkpoint")
+
+
+def _gguf_mixtral_experts(gguf: Path) -> dict[str, torch.Tensor]:
+    """A Mixtral GGUF's routers and experts (stacked per kind, [E, ...], in any of llama.cpp's types) dequantized and
+    named as Mixtral's HF checkpoint names them."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for t in GGUFReader(str(gguf)).tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_MIXTRAL:
+            continue
+        value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        value = value.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest first
+        base = f"model.layers.{parts[1]}.block_sparse_moe."
+        if parts[2] == "ffn_gate_inp":
+            out[base + "gate.weight"] = value
+            continue
+        for e, expert in enumerate(value):
+            out[f"{base}experts.{e}.{_GGUF_MIXTRAL[parts[2]]}.weight"] = expert.contiguous()
+    return out
+
+
+def _mixtral_config(config, meta: dict[str, Any]):
+    """Mixtral's config from transformers' reading of the GGUF as a dense Llama (its attention, sizes and tokens)
+    and the experts llama.cpp writes (``llama.expert_count``, ``llama.expert_used_count``)."""
+    from transformers import MixtralConfig
+
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+              "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")
+    width = meta.get("llama.expert_feed_forward_length") or config.intermediate_size
+    return MixtralConfig(**{f: getattr(config, f) for f in fields if getattr(config, f, None) is not None},
+                         num_local_experts=int(meta["llama.expert_count"]),
+                         num_experts_per_tok=int(meta["llama.expert_used_count"]), sliding_window=None,
+                         intermediate_size=int(width), architectures=["MixtralForCausalLM"])
+
+
 def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
     """The GGUF's tokenizer, as transformers builds it from the file, saved into ``out``. A byte-level BPE
     vocabulary (``tokenizer.ggml.model`` ``gpt2``) is saved under the generic class, so that loading the folder
@@ -530,18 +585,17 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     meta = _gguf_metadata(gguf)
     arch = meta.get("general.architecture")
     _check_gguf_architecture(gguf, arch)
-    if arch == "llama" and meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as a llama with experts
-        raise ValueError(f"GGUF {str(gguf)!r} is a mixture of experts under general.architecture='llama' (Mixtral's "
-                         f"layout, {meta['llama.expert_count']} experts), which transformers maps as a dense Llama; "
-                         "specray serves Mixtral from its HF checkpoint: pass the model's HF folder (config.json + "
-                         "*.safetensors) or its hub id instead of the .gguf")
+    mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
+    if mixtral:
+        _check_mixtral_layout(gguf)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
     get_model_class(config)  # fail early on an architecture we do not serve
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
-    expected = {n for n in hf_model.state_dict() if not (n == "lm_head.weight" and config.tie_word_embeddings)}
+    expected = {n for n in hf_model.state_dict() if not (n == "lm_head.weight" and config.tie_word_embeddings)
+                and not (mixtral and ".mlp." in n)}  # a Mixtral's experts: read below, transformers maps none
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True,
                                    model_to_load=_NameOnlyModel(config, sorted(expected)))["tensors"]
     if not expected <= set(tensors):  # the fast name map missed something: use transformers' full mapping
@@ -549,6 +603,9 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     missing = expected - set(tensors)
     if missing:
         raise ValueError(f"GGUF {str(gguf)!r} lacks tensors {sorted(missing)[:5]} of {config.model_type}")
+    if mixtral:
+        tensors = {k: v for k, v in tensors.items() if ".mlp." not in k} | _gguf_mixtral_experts(gguf)
+        config = _mixtral_config(config, meta)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(out)
