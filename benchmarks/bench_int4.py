@@ -98,7 +98,8 @@ def main() -> None:
                             for (k, d, b) in times if k == "dense"},
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "dtype": args.dtype, "group": args.group, "max_tokens": args.max_tokens,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
         }
         print(json.dumps(summary, indent=1))
 

@@ -250,11 +250,11 @@ EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (specray.models.kv_cache)
 # vLLM's quantization names -> the checkpoint's quantization_config.quant_method they stand for (specray reads the
 # method from the checkpoint; the option only confirms it: its Marlin names choose kernels specray does not have)
 QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
-                 "compressed-tensors": "compressed-tensors", "fp8": "fp8"}  # vLLM's kv_cache_dtype (specray.models.kv_cache)
+                 "compressed-tensors": "compressed-tensors", "fp8": "fp8", "mxfp4": "mxfp4"}
 
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

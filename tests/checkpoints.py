@@ -1,7 +1,7 @@
 """Checkpoints the loader tests write from the tiny models: an FP8 release of one (block scales, as DeepSeek's and
-Qwen3's FP8 checkpoints store them) or an integer one (GPTQ, AWQ, llm-compressor's packed) beside its dequantized twin, and a mixture of experts' fused expert
-tensors split into one tensor per expert (the layout of DeepSeek's and Qwen3-MoE's releases). Imported as
-``specray_test_checkpoints`` (tests/conftest.py registers it)."""
+Qwen3's FP8 checkpoints store them) or an integer one (GPTQ, AWQ, llm-compressor's packed) beside its dequantized
+twin, and a mixture of experts' fused expert tensors split into one tensor per expert (the layout of DeepSeek's and
+Qwen3-MoE's releases). Imported as ``specray_test_checkpoints`` (tests/conftest.py registers it)."""
 from __future__ import annotations
 
 import json

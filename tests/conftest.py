@@ -96,7 +96,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
-    "qwen2_moe", "phi3", "granite"}. Returns the
+    "qwen2_moe", "phi3", "granite", "gpt_oss"}. Returns the
     folder."""
     import torch
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
@@ -105,6 +105,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
+    from transformers import GptOssConfig, GptOssForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -133,7 +134,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                           "phi3": (Phi3Config, Phi3ForCausalLM),
-                          "granite": (GraniteConfig, GraniteForCausalLM)}[arch]
+                          "granite": (GraniteConfig, GraniteForCausalLM),
+                          "gpt_oss": (GptOssConfig, GptOssForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -145,6 +147,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.3)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
+            elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -486,12 +486,12 @@ def test_gemma2_ignoring_a_cap_would_fail(contiguous):
     assert (paged.step([(ids, 0, paged.table(len(ids)))])[0] - ref).abs().max() > 0.1
 
 
-def test_softcapped_attention_is_sdpa_with_capped_scores():
+def test_explicit_attention_with_a_soft_cap_is_sdpa_with_capped_scores():
     """GQA (query head h reads KV head h // G, as SDPA's ``enable_gqa``), a bool mask, an additive one and
     ``is_causal``: under a cap too large to bite it equals SDPA; under a small one, the scores' definition."""
     import torch.nn.functional as F
 
-    from specray.models.attention import softcapped_attention
+    from specray.models.attention import explicit_attention
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 5, 8, generator=gen) * 2 for h in (6, 2, 2))
@@ -500,11 +500,11 @@ def test_softcapped_attention_is_sdpa_with_capped_scores():
     additive = torch.zeros(5, 5).masked_fill(~bool_mask[0, 0], float("-inf"))
     for mask, causal in ((bool_mask, False), (additive, False), (None, True), (None, False)):
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
-        got = softcapped_attention(q, k, v, mask, 0.3, 1e6, is_causal=causal)
+        got = explicit_attention(q, k, v, mask, 0.3, 1e6, is_causal=causal)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
     scores = (2.0 * torch.tanh(q @ kr.transpose(-1, -2) * 0.3 / 2.0)).masked_fill(~bool_mask, float("-inf"))
-    torch.testing.assert_close(softcapped_attention(q, k, v, bool_mask, 0.3, 2.0), scores.softmax(-1) @ vr)
+    torch.testing.assert_close(explicit_attention(q, k, v, bool_mask, 0.3, 2.0), scores.softmax(-1) @ vr)
 
 
 def test_softcapped_forward_has_no_host_sync(tiny_gemma2_dir, no_host_sync):

@@ -28,8 +28,9 @@ Python lists, so a forward has no host syncs):
   in place when its blocks are consecutive (the block manager keeps them so where it can), else gathers its
   blocks, and folds its GQA group like the short path.
 
-A layer with an attention logit soft cap (Gemma 2's ``attn_logit_softcapping``) takes the same paths, masks and GQA
-folding, but SDPA has no hook on the scores, so it attends explicitly (:func:`softcapped_attention`).
+A layer with an attention logit soft cap (Gemma 2's ``attn_logit_softcapping``) or attention sinks (GPT-OSS's: one
+learned logit per head that joins each row's softmax and whose probability is dropped) takes the same paths, masks
+and GQA folding, but SDPA has no hook on the scores, so it attends explicitly (:func:`explicit_attention`).
 """
 
 from __future__ import annotations
@@ -334,22 +335,32 @@ def _plan_own(i, query_lens, start_positions, context_lens, block_tables, block_
 # ---------------------------------------------------------------------------------------------- the layer
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                         cap: float, is_causal: bool = False) -> torch.Tensor:
-    """SDPA's attention with each score capped: ``s = cap * tanh(q.k * scale / cap)``, then the mask, then softmax
-    (in float32). q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D], query head h reading KV head h // (Hq / Hkv) as SDPA's
-    ``enable_gqa``; ``mask`` as SDPA's (bool, True: attend; or additive), broadcast over [B, Hq, Lq, L];
-    ``is_causal``: SDPA's top-left causal mask. -> [B, Hq, Lq, D]."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                       cap: float | None = None, is_causal: bool = False, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """SDPA's attention spelled out (in float32), for what SDPA has no hook on: each score capped, ``s = cap *
+    tanh(q.k * scale / cap)``, before the mask (``cap``); and a sink logit per query row joining its softmax, whose
+    probability is dropped, so a row's weights sum to ``1 - p_sink`` (``sinks``, broadcast to [B, Hq, Lq, 1]).
+    q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D], query head h reading KV head h // (Hq / Hkv) as SDPA's ``enable_gqa``;
+    ``mask`` as SDPA's (bool, True: attend; or additive), broadcast over [B, Hq, Lq, L]; ``is_causal``: SDPA's
+    top-left causal mask. -> [B, Hq, Lq, D]."""
     b, hq, lq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     folded = q.reshape(b, hkv, hq // hkv * lq, d)  # each KV head's query heads as more rows: keys never repeated
     scores = torch.matmul(folded, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G*Lq, L]
-    scores = (torch.tanh(scores / cap) * cap).view(b, hq, lq, length)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.view(b, hq, lq, length)
     if is_causal:
         mask = torch.ones(lq, length, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, hq // hkv * lq, length)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax over [scores, sink], the sink's column dropped (a row masked whole attends to nothing: zeros)
+        sink = sinks.float().expand(b, hq, lq, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :length]
+    probs = probs.to(v.dtype).view(b, hkv, hq // hkv * lq, length)
     return torch.matmul(probs, v).view(b, hq, lq, d)
 
 
@@ -357,15 +368,19 @@ class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache ``[Hkv, num_blocks * block_size, D]`` (k and v), a view of
     the runner's :class:`~specray.models.kv_cache.KVCache` that :meth:`bind_cache` hands in. ``kv_spec`` says
     what the layer caches and which keys it may see; ``softcap``: each score is capped to ``softcap * tanh(score /
-    softcap)`` before the mask (Gemma 2), attended explicitly (:func:`softcapped_attention`) instead of by SDPA."""
+    softcap)`` before the mask (Gemma 2); ``sinks``: the layer has a parameter ``sinks`` [num_heads] (this rank's
+    heads; its owner loads it), each head's sink logit (GPT-OSS). Either is attended explicitly
+    (:func:`explicit_attention`) instead of by SDPA."""
 
     softcap: float | None = None
 
-    def __init__(self, num_heads: int, kv_spec: FullAttentionSpec, scale: float, softcap: float | None = None):
+    def __init__(self, num_heads: int, kv_spec: FullAttentionSpec, scale: float, softcap: float | None = None,
+                 sinks: bool = False):
         super().__init__()
         assert num_heads % kv_spec.num_kv_heads == 0, (num_heads, kv_spec.num_kv_heads)
         assert softcap is None or softcap > 0, softcap
         self.softcap = softcap
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.num_heads = num_heads
         self.kv_spec = kv_spec
         self.num_kv_heads = kv_spec.num_kv_heads
@@ -443,11 +458,23 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 is_causal: bool = False) -> torch.Tensor:
-        # q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D] (fewer KV heads: GQA) -> [B, Hq, Lq, D]
-        if self.softcap is not None:
-            return softcapped_attention(q, k, v, mask, self.scale, self.softcap, is_causal)
+        # q: [B, Hq, Lq, D] (or GQA-folded: [B, Hkv, G*q, D]); k, v: [B, Hkv, L, D] (fewer KV heads: GQA)
+        # -> q's shape
+        own_sinks = getattr(self, "sinks", None)  # none where a subclass builds its own state (DeepSeek's MLA)
+        if self.softcap is not None or own_sinks is not None:
+            sinks = None if own_sinks is None else self._row_sinks(q.shape[1], q.shape[2])
+            return explicit_attention(q, k, v, mask, self.scale, self.softcap, is_causal, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def _row_sinks(self, heads: int, rows: int) -> torch.Tensor:
+        """Each query row's sink logit, [heads, rows, 1]: per head for q [B, Hq, q, D]; for q folded [B, Hkv, G*q,
+        D] (:meth:`_fold`: row g*q + j of KV head h is query j of head h*G + g) each head's repeated over its q
+        rows."""
+        if heads == self.num_heads:
+            return self.sinks.view(heads, 1, 1)
+        return self.sinks.view(heads, self.groups, 1).expand(heads, self.groups, rows // self.groups).reshape(
+            heads, rows, 1)
 
     def _fold(self, q: torch.Tensor, bs: int, q_len: int) -> torch.Tensor:
         # q: [bs*q_len, Hq, D] -> [bs, Hkv, G*q_len, D]: each KV head's G query heads as more query rows

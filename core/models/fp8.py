@@ -26,6 +26,7 @@ import torch
 
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize
+from specray.models.mxfp4 import is_mxfp4
 
 SCALE_SUFFIX = "_scale_inv"
 COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' weight_scale (multiplied, as weight_scale_inv is)
@@ -40,16 +41,16 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
     """The block of a checkpoint's FP8 weights ([rows, cols]; None: one scale per tensor or per output row) by its
     config.json's ``quantization_config`` (``quant``), or False when it has none. A quantization other than FP8
     (block FP8, or compressed-tensors' float-quantized FP8) is a ValueError naming it."""
-    if not quant or int_scheme(quant) is not None:  # integer weights: specray.models.int_quant
+    if not quant or int_scheme(quant) is not None or is_mxfp4(quant):  # specray.models.int_quant, .mxfp4
         return False
     method = quant.get("quant_method")
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_block(quant)
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method={method!r} is not supported (specray loads FP8 "
-                         "checkpoints: quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights; and "
-                         "integer ones: 'gptq', 'awq', or 'compressed-tensors' pack-quantized); load a bf16 or fp16 "
-                         "version of the checkpoint")
+                         "checkpoints: quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights; "
+                         "integer ones: 'gptq', 'awq', or 'compressed-tensors' pack-quantized; and 'mxfp4'); load a "
+                         "bf16 or fp16 version of the checkpoint")
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"quantization_config.activation_scheme={quant.get('activation_scheme')!r}: only dynamic "
                          "activation scales (no input_scale tensors) are supported; load a bf16 version")

@@ -67,13 +67,13 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
     (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj.")))}
 
 
-FUSED_MODEL_TYPES = ("phi3",)
+FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
 SCALED_MODEL_TYPES = ("granite",)  # Granite's multipliers (module docstring)
 
 
 def multiplier(config, name: str) -> float:
     """A Granite multiplier of ``config`` (1 for other families, which have none)."""
-    return float(getattr(config, name, 1.0)) if config.model_type in SCALED_MODEL_TYPES else 1.0  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
+    return float(getattr(config, name, 1.0)) if config.model_type in SCALED_MODEL_TYPES else 1.0
 
 
 def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:

@@ -30,6 +30,7 @@ from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.int_quant import dequantized as int_dequantized, int_scheme, keeps_int4
+from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import int_linears, keep_int4_weights
@@ -264,7 +265,8 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
 
 def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[str], bool] | None = None
                        ) -> Iterator[tuple[str, Any]]:
-    """:func:`iter_weights`, with an FP8 release's weights dequantized as they come, but for its experts' (which
+    """:func:`iter_weights`, with a quantized release's weights dequantized as they come (MXFP4, integers, FP8), but
+    for an FP8 release's experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
     only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
     (and their scales) it names, the others not read (a pipeline stage's)."""
@@ -274,6 +276,8 @@ def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[
         weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
     if wanted is not None:
         weights = ((name, t) for name, t in weights if wanted(name))
+    if is_mxfp4(quant):  # GPT-OSS's experts: specray.models.mxfp4
+        return mxfp4_dequantized(weights)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
         return int_dequantized(weights, scheme)

@@ -11,7 +11,11 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
   scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
 * Llama-4: the top k router logits, each through a sigmoid; the weight scales the expert's *input* (not its
-  output), and a shared expert is added.
+  output), and a shared expert is added;
+* GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
+  biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
+  clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
+  its fused ``gate_up_proj`` interleaves gate and up (gate, up, gate, ...) along its 2I features.
 
 What differs by family (names, router, where the weight applies, the fused tensors' layout) is one row of
 :data:`FAMILIES`.
@@ -59,14 +63,15 @@ _told_partial_blocks = False  # the warning below, once per process
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
 _PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 @dataclass(frozen=True)
 class MoEFamily:
     """How one family's sparse block is named, routed and stored."""
 
-    routing: str  # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4)
+    # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4), "topk_softmax" (GPT-OSS)
+    routing: str
     num_experts: str  # the config field that counts the routed experts
     expert_width: str  # the config field of one expert's intermediate width
     router: str = "gate"  # the router's module name in the checkpoint
@@ -76,6 +81,9 @@ class MoEFamily:
     fused_in_out: bool = False  # fused tensors are [E, H, 2I] and [E, I, H] (Llama-4), else [E, 2I, H], [E, H, I]
     normalized: bool = False  # the top k weights renormalised when the config has no norm_topk_prob (Mixtral)
     shared_gate: str | None = None  # a gate scaling the shared expert's output by sigmoid(x . w) (Qwen2-MoE)
+    biased: bool = False  # the router and the experts' projections have biases (GPT-OSS)
+    interleaved: bool = False  # the fused gate_up interleaves gate and up features (GPT-OSS), else gate then up
+    clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
 
 
 FAMILIES = {
@@ -88,7 +96,11 @@ FAMILIES = {
     "llama4_text": MoEFamily("topk_sigmoid", "num_local_experts", "intermediate_size", router="router",
                              shared="shared_expert", shared_width="intermediate_size", scale_input=True,
                              fused_in_out=True),
+    "gpt_oss": MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router",
+                         fused_in_out=True, biased=True, interleaved=True, clamped=True),
 }
+
+SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain where a config predates the swiglu_alpha field
 
 
 class GatedMLP(nn.Module):
@@ -106,12 +118,14 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """The router's weight [E, H] (and DeepSeek's ``e_score_correction_bias`` [E]), replicated."""
+    """The router's weight [E, H] (and DeepSeek's ``e_score_correction_bias`` [E], GPT-OSS's ``bias`` [E]),
+    replicated."""
 
-    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool):
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool, bias: bool = False):
         super().__init__()
         self.weight = _param(num_experts, hidden_size)
         self.e_score_correction_bias = _param(num_experts) if correction_bias else None
+        self.bias = _param(num_experts) if bias else None
 
 
 def _load_as_row(param: nn.Parameter, tensor: Any) -> None:
@@ -156,7 +170,9 @@ class SparseMoE(nn.Module):
             self.local_experts = self.num_experts
             self.inter_local = divide(inter, tp.size, family.expert_width)
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
-        self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped))
+        self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped, bias=family.biased))
+        if family.clamped:
+            self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)))
         e, i = self.local_experts, self.inter_local
         block = kept_block(config)
         if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
@@ -176,6 +192,10 @@ class SparseMoE(nn.Module):
             self.w13_scale = nn.Parameter(torch.empty(e, 2 * i // b0, h // b1, dtype=torch.float32),
                                           requires_grad=False)
             self.w2_scale = nn.Parameter(torch.empty(e, h // b0, i // b1, dtype=torch.float32), requires_grad=False)
+        # the experts' biases (GPT-OSS): gate then up [E, 2I], down [E, H] (added by one rank when split by width)
+        self.w13_bias = _param(e, 2 * i) if family.biased else None
+        self.w2_bias = _param(e, h) if family.biased else None
+        self.adds_down_bias = expert_parallel or tp.rank == 0
         if family.shared is not None:
             width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
             self.add_module(family.shared, GatedMLP(h, width, tp))
@@ -198,10 +218,13 @@ class SparseMoE(nn.Module):
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as the family's router picks them."""
         if self.grouped:
             return self._route_grouped(x)
-        if self.family.routing == "topk_sigmoid":
-            logits, ids = F.linear(x, self.router_module.weight).topk(self.top_k, dim=-1)
+        router = self.router_module
+        if self.family.routing in ("topk_sigmoid", "topk_softmax"):  # the top k logits, then each one's weight
+            logits, ids = F.linear(x, router.weight, router.bias).topk(self.top_k, dim=-1)
+            if self.family.routing == "topk_softmax":
+                return F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), ids
             return torch.sigmoid(logits.float()).to(x.dtype), ids
-        probs = F.softmax(F.linear(x, self.router_module.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        probs = F.softmax(F.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -237,12 +260,7 @@ class SparseMoE(nn.Module):
             routed = x.index_select(0, tokens)
             if self.family.scale_input:
                 routed = routed * w
-            parts = []
-            for e, xe in enumerate(routed.split(sizes)):
-                if xe.shape[0]:
-                    gate, up = F.linear(xe, self._weight(self.w13, self.w13_scale, e, xe.dtype)).chunk(2, dim=-1)
-                    parts.append(F.linear(F.silu(gate) * up, self._weight(self.w2, self.w2_scale, e, xe.dtype)))
-            y = torch.cat(parts)
+            y = torch.cat([self._expert(e, xe) for e, xe in enumerate(routed.split(sizes)) if xe.shape[0]])
             out.index_add_(0, tokens, y if self.family.scale_input else y * w)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
             shared = self.shared.partial(x)
@@ -250,6 +268,22 @@ class SparseMoE(nn.Module):
                 shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
             out = out + shared
         return self.tp.all_reduce(out)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e``'s MLP of its tokens ``x`` [n, H] (this rank's share when split by width)."""
+        w13, w2 = (self._weight(w, s, e, x.dtype) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
+        if self.w13_bias is None:
+            gate, up = F.linear(x, w13).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w2)
+        gate, up = F.linear(x, w13, self.w13_bias[e]).chunk(2, dim=-1)
+        return F.linear(self._activate(gate, up), w2, self.w2_bias[e] if self.adds_down_bias else None)
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.family.clamped:
+            return F.silu(gate) * up
+        limit, alpha = self.swiglu
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
     def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8."""
@@ -274,19 +308,48 @@ class SparseMoE(nn.Module):
         found = _FUSED.search(name)
         assert found, name
         value = materialize(tensor)
+        if found.group(2):
+            return self._load_biases(found.group(1), value)
         if self.family.fused_in_out:  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
             value = value.transpose(1, 2)
         keys = []
         for local in range(self.local_experts):
             expert = self.expert_start + local
-            if found.group(1) == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows
-                inter = shape_of(value)[1] // 2
-                self._load_one(local, "gate_proj", value[expert, :inter])
-                self._load_one(local, "up_proj", value[expert, inter:])
+            if found.group(1) == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows (or interleaved)
+                gate, up = self._gate_up(value[expert])
+                self._load_one(local, "gate_proj", gate)
+                self._load_one(local, "up_proj", up)
                 keys += [f"w13:{expert}:0", f"w13:{expert}:1"]
             else:
                 self._load_one(local, "down_proj", value[expert])
                 keys.append(f"w2:{expert}")
+        return keys
+
+    def _gate_up(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's fused gate/up [2I, ...] as (gate [I, ...], up [I, ...])."""
+        if self.family.interleaved:
+            return fused[0::2], fused[1::2]
+        inter = shape_of(fused)[0] // 2
+        return fused[:inter], fused[inter:]
+
+    def _load_biases(self, kind: str, value: torch.Tensor) -> list[str]:
+        """The experts' fused biases (gate_up [E, 2I]: this rank's width of each half; down [E, H]: whole)."""
+        if self.w13_bias is None:
+            raise ValueError(f"the checkpoint has expert biases ({kind}_bias), which this model_type's experts do "
+                             "not have: the checkpoint does not match its config.json")
+        start = 0 if self.expert_parallel else self.tp.rank * self.inter_local
+        keys = []
+        for local in range(self.local_experts):
+            expert = self.expert_start + local
+            if kind == "down_proj":
+                _copy(self.w2_bias.data[local], value[expert])
+                keys.append(f"b2:{expert}")
+                continue
+            for half, part in enumerate(self._gate_up(value[expert])):
+                offset = half * self.inter_local
+                rows = slice(offset, offset + self.inter_local)
+                _copy(self.w13_bias.data[local][rows], part[start: start + self.inter_local])
+            keys.append(f"b13:{expert}")
         return keys
 
     def _load_one(self, local: int, kind: str, tensor: Any) -> None:
@@ -334,12 +397,13 @@ class SparseMoE(nn.Module):
 
     def expected_keys(self) -> set[str]:
         experts = range(self.expert_start, self.expert_start + self.local_experts)
-        return {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
+        keys = {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
+        return keys | ({f"b{w}:{e}" for e in experts for w in (13, 2)} if self.w13_bias is not None else set())
 
 
 # a block's expert parameters (checked as loaded expert by expert: :meth:`SparseMoE.expected_keys`)
-EXPERT_PARAMS = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale", ".mlp.w2_scale", ".feed_forward.w13", ".feed_forward.w2",
-                 ".feed_forward.w13_scale", ".feed_forward.w2_scale")
+EXPERT_PARAMS = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale", ".mlp.w2_scale", ".mlp.w13_bias", ".mlp.w2_bias",
+                 ".feed_forward.w13", ".feed_forward.w2", ".feed_forward.w13_scale", ".feed_forward.w2_scale")
 
 
 def is_expert_tensor(name: str) -> bool:

@@ -1,0 +1,74 @@
+"""MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``: GPT-OSS's releases), dequantized as they
+load.
+
+Their quantized tensors are the experts' fused weights (``mlp.experts.gate_up_proj`` and ``down_proj``), each
+stored as two tensors: ``X_blocks`` [E, rows, G, 16] uint8, 32 FP4 (e2m1) codes per group of 32 values along the
+last (input) dimension, two per byte, the even value in the low nibble; and ``X_scales`` [E, rows, G] uint8, one
+power-of-two scale per group, its exponent biased by 127 (E8M0). A value is ``FP4[code] * 2 ** (scale - 127)``.
+The values come out as transformers 5 names and lays out the dequantized tensor: ``X`` [E, cols, rows] (its
+``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]), which :mod:`specray.models.moe` reads.
+
+They come out in bfloat16: an FP4 value (two significant bits) times a power of two in E8M0's range is exact there
+(bfloat16 has float32's exponents, subnormals included), at half float32's bytes; the model casts them to its
+dtype. Every other tensor (attention, router, biases, embeddings) passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from specray.models.layers import materialize
+
+QUANT_METHOD = "mxfp4"
+BLOCKS, SCALES = "_blocks", "_scales"
+SCALE_BIAS = 127  # E8M0: the scale's exponent is the stored byte minus this
+# the 16 FP4 (e2m1) codes' values: sign bit 3, then two exponent bits and one mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def is_mxfp4(quant: dict | None) -> bool:
+    """Whether a config's ``quantization_config`` (``quant``) is MXFP4."""
+    return (quant or {}).get("quant_method") == QUANT_METHOD
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Blocks [E, rows, G, 16] uint8 and scales [E, rows, G] uint8 -> [E, G * 32, rows] bfloat16 (transposed, as
+    transformers lays the weights out), one expert at a time (a float32 copy of one expert at most)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16 or blocks.dim() != 4:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype}: expected uint8 [E, rows, G, 16] and uint8 [E, rows, G]; the checkpoint "
+                         "does not match its quantization_config")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    e, rows, groups, _ = blocks.shape
+    out = torch.empty(e, rows, groups * 32, dtype=torch.bfloat16, device=blocks.device)
+    for i in range(e):
+        codes = torch.stack((blocks[i] & 0x0F, blocks[i] >> 4), dim=-1).long()  # [rows, G, 16, 2]: low nibble first
+        values = lut[codes].view(rows, groups, 32)
+        power = torch.exp2(scales[i].float() - SCALE_BIAS)[..., None]  # [rows, G, 1]
+        out[i] = (values * power).view(rows, groups * 32).to(torch.bfloat16)
+    return out.transpose(1, 2)
+
+
+def dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs with each ``X_blocks`` and ``X_scales`` pair (in either order, from any
+    file) as one dequantized ``X``; other tensors pass through (lazy slices stay lazy). One without the other at the
+    end is a ValueError."""
+    waiting: dict[str, dict[str, Any]] = {}
+    for name, tensor in weights:
+        part = BLOCKS if name.endswith(BLOCKS) else SCALES if name.endswith(SCALES) else None
+        if part is None:
+            yield name, tensor
+            continue
+        base = name[: -len(part)]
+        pair = waiting.setdefault(base, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del waiting[base]
+            yield base, dequantize(materialize(pair[BLOCKS]), materialize(pair[SCALES]))
+    if waiting:
+        raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(waiting)[:4]}; the checkpoint is "
+                         "incomplete")

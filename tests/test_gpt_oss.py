@@ -1,0 +1,265 @@
+"""GPT-OSS (``GptOssForCausalLM``) against transformers on the same random tiny weights (fp32, max abs diff < 1e-4):
+attention sinks, alternating sliding-window layers, YaRN, the biased router and experts with the clamped SwiGLU;
+tensor-parallel ranks and pipeline stages equal one rank; an MXFP4 release loads as its dequantized twin; the engine's
+greedy output, plain and with n-gram drafts, equals transformers' ``generate``."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray.models import cpu_kernels
+from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
+from specray.models.loader import load_model
+from specray.models.mxfp4 import FP4_VALUES, SCALE_BIAS, dequantized
+
+TOL = 1e-4
+BLOCK = 4
+# 3 layers (sliding, full, sliding; a window of 6), 4 experts of width 32 (top 2), a SwiGLU limit of 1 that the
+# gates and ups of these weights cross, YaRN (factor 4, untruncated correction range) within the positions run here
+GPT_OSS_TINY = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=6, swiglu_limit=1.0, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256})
+PROMPT_LEN = 40  # far past the window
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(make_tiny_model, tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_gpt_oss"), "gpt_oss", seed=30, **GPT_OSS_TINY)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gpt_oss_dir) -> torch.Tensor:
+    """transformers' logits [PROMPT_LEN, V] of the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([prompt()])).logits[0].float()
+
+
+def prompt(seed: int = 0) -> list[int]:
+    return torch.randint(0, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0) -> torch.Tensor:
+    """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks -> logits [L, V]."""
+    allocate_kv_cache(model, 64, BLOCK)
+    table = random.Random(seed).sample(range(64), -(-len(ids) // BLOCK))
+    out, start = [], 0
+    for n in sizes:
+        meta = build_attention_metadata([n], [start], [table], BLOCK)
+        out.append(model.compute_logits(model(torch.tensor(ids[start: start + n]), meta)))
+        start += n
+    return torch.cat(out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+# a full prefill; a chunked one (17 tokens: attended alone; 9 and 3: short queries over a context) then decode steps
+SCHEDULES = {"prefill": [PROMPT_LEN], "chunked+decode": [17, 9, 3] + [1] * (PROMPT_LEN - 29)}
+
+
+@pytest.mark.parametrize("path", ["batched", "own"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_match_transformers(tiny_gpt_oss_dir, reference, monkeypatch, schedule, path):
+    """Every position's logits equal transformers', for a prefill and for chunks + decode steps through the paged
+    cache; short queries as the padded batch or one sequence at a time (sinks on folded GQA rows either way)."""
+    if path == "own":
+        monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
+    model = load_model(str(tiny_gpt_oss_dir))
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL
+
+
+def _no_sinks(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.attn.sinks = None
+
+
+def _no_clamp(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.swiglu = (float("inf"), layer.mlp.swiglu[1])
+
+
+def _no_router_bias(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.router.bias = None
+
+
+@pytest.mark.parametrize("ablate", [_no_sinks, _no_clamp, _no_router_bias], ids=["sinks", "clamp", "router-bias"])
+def test_each_difference_from_llama_shows_in_the_logits(tiny_gpt_oss_dir, reference, ablate):
+    """Without its sinks (plain SDPA), its SwiGLU clamp or its router's bias the model is far from transformers':
+    the test above sees each of them."""
+    model = load_model(str(tiny_gpt_oss_dir))
+    ablate(model)
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), reference) > 1e-2
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------------------------------------
+
+
+def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' layout [E, cols, rows] -> (blocks [E, rows, cols / 32, 16] uint8, scales [E, rows, cols / 32]
+    uint8, the values they stand for in the same layout as ``w``): each group of 32 scaled by the power of two that
+    brings its largest magnitude within FP4's 6, each value rounded to the nearest FP4 value."""
+    rows_first = w.transpose(1, 2).float()
+    e, rows, cols = rows_first.shape
+    groups = rows_first.reshape(e, rows, cols // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # [E, rows, G]
+    grid = torch.tensor(FP4_VALUES)
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - grid).abs().argmin(-1)  # [E, rows, G, 32]
+    values = grid[codes] * torch.exp2(exponent)[..., None]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # the even value in the low nibble
+    scales = (exponent + SCALE_BIAS).to(torch.uint8)
+    return blocks, scales, values.reshape(e, rows, cols).transpose(1, 2).contiguous()
+
+
+def write_mxfp4(src: Path, dst: Path) -> tuple[Path, Path]:
+    """``src``'s checkpoint as an MXFP4 release (the experts' fused weights as ``_blocks`` and ``_scales``, the
+    rest as it is, ``quant_method: mxfp4`` in config.json), and its twin holding the values those stand for."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, twin = dst / "mxfp4", dst / "dequantized"
+    for folder in (quantized, twin):
+        shutil.copytree(src, folder)
+    packed, plain = {}, {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = plain[name] = tensor
+            continue
+        packed[name + "_blocks"], packed[name + "_scales"], plain[name] = _quantize_mxfp4(tensor)
+    save_file(packed, str(quantized / "model.safetensors"))
+    save_file(plain, str(twin / "model.safetensors"))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    return quantized, twin
+
+
+def test_mxfp4_release_loads_as_its_dequantized_twin(tiny_gpt_oss_dir, tmp_path):
+    """The experts' FP4 codes and power-of-two scales dequantize to the values they stand for: an MXFP4 release's
+    logits equal (exactly) those of its twin holding those values, which differ from the unquantized model's."""
+    quantized, twin = write_mxfp4(tiny_gpt_oss_dir, tmp_path)
+    schedule = SCHEDULES["chunked+decode"]
+    got = chunked_logits(load_model(str(quantized)), prompt(), schedule)
+    assert max_diff(got, chunked_logits(load_model(str(twin)), prompt(), schedule)) < 1e-6
+    assert max_diff(got, chunked_logits(load_model(str(tiny_gpt_oss_dir)), prompt(), schedule)) > 1e-3
+
+
+def test_mxfp4_blocks_without_scales_are_refused():
+    blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"without their blocks or scales: \['x.experts.down_proj'\]"):
+        list(dequantized([("x.experts.down_proj_blocks", blocks), ("x.norm.weight", torch.ones(2))]))
+    with pytest.raises(ValueError, match=r"expected uint8 \[E, rows, G, 16\]"):
+        list(dequantized([("y_blocks", blocks), ("y_scales", torch.zeros(1, 2, 2, dtype=torch.uint8))]))
+
+
+# ---- tensor parallel ranks and pipeline stages over gloo -------------------------------------------------------------
+
+# one rank of two: argv is its rank, the stages (1: tensor parallel), the rendezvous port, the result's folder and the
+# model folders; it writes {folder: [its layers, its heads' sinks, the diff to one rank's logits or None]}
+WORKER = textwrap.dedent("""
+    import gc, json, sys
+    import torch, torch.distributed as dist
+    from specray.models.attention import build_attention_metadata as plan
+    from specray.models.kv_cache import allocate_kv_cache
+    from specray.models.loader import load_model
+    from specray.workers.worker import join_groups
+
+    torch.set_num_threads(1)
+    rank, stages, port, out, *folders = sys.argv[1:]
+    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", int(stages))
+    ids = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(0))
+    tables = [[5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]]  # shuffled (gathered), consecutive
+
+    @torch.no_grad()
+    def logits(model):  # prefills of 20 (past the window) and 7 tokens, then a step of 4 and 1
+        allocate_kv_cache(model, 32, 4)
+        hidden = [model(ids[:27], plan([20, 7], [0, 0], tables, 4)), model(ids[27:], plan([4, 1], [20, 7], tables, 4))]
+        return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
+
+    result = {}
+    for folder in folders:  # a folder named *-ep: the experts split whole over the ranks
+        model = load_model(folder, tp, expert_parallel=folder.endswith("-ep"), pp=pp)
+        mine = logits(model)
+        diff = None if mine is None else (mine - logits(load_model(folder))).abs().max().item()
+        first = model.model.layers[model.model.stage.start]
+        result[folder] = [list(model.model.stage), first.self_attn.attn.sinks.shape[0], diff]
+    del model, first  # gloo's threads end with the group only once nothing holds it
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def _ranks(tmp_path: Path, folders: list[str], stages: int) -> list[dict]:
+    """Two ranks over gloo: tensor parallel (``stages`` 1) or two pipeline stages of one rank each."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), str(stages), port, str(tmp_path),
+                               *folders]) for r in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_tensor_parallel_ranks_and_pipeline_stages_match_one_rank(tiny_gpt_oss_dir, tmp_path):
+    """TP 2: each rank two of the 4 heads (and their sinks), one of the 2 KV heads, the experts split by width (the
+    down projection's bias added once) or whole (2 per rank), an MXFP4 release among them; PP 2: layers 0-1 and 2.
+    Every rank's (the last stage's) logits equal one rank's."""
+    ep = tmp_path / "tiny-ep"
+    ep.symlink_to(tiny_gpt_oss_dir, target_is_directory=True)
+    quantized, _ = write_mxfp4(tiny_gpt_oss_dir, tmp_path / "q")
+    folders = [str(tiny_gpt_oss_dir), str(ep), str(quantized)]
+    (tmp_path / "tp").mkdir()
+    for result in _ranks(tmp_path / "tp", folders, 1):
+        for folder in folders:
+            layers, heads, diff = result[folder]
+            assert layers == [0, 1, 2] and heads == 2 and diff < TOL, (folder, result[folder])
+    (tmp_path / "pp").mkdir()
+    first, last = (r[folders[0]] for r in _ranks(tmp_path / "pp", folders[:1], 2))
+    assert first == [[0, 1], 4, None] and last[:2] == [[2], 4] and last[2] < TOL, (first, last)
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gpt_oss_dir):
+    """``specray.LLM``'s greedy tokens, with n-gram drafts verified and without, equal transformers' ``generate``
+    token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    plain = LLM(model=str(tiny_gpt_oss_dir), max_model_len=256)
+    plain_ids = runs.token_ids(plain.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
+    spec = LLM(model=str(tiny_gpt_oss_dir), max_model_len=256, speculative_config=NGRAM)
+    assert runs.token_ids(spec.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == plain_ids
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32).eval()
+    tok = plain.get_tokenizer()
+    for text, ours in zip(runs.PROMPTS, plain_ids):
+        ids = torch.tensor([tok.encode(text)])
+        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == ours, text
