@@ -28,6 +28,7 @@ import torch
 
 from specray import LLM, SamplingParams
 from specray.default_model import default_model_path
+from specray.models import cpu_kernels
 from specray.models.layers import LinearBase
 from specray.models.loader import resolve_model
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    cpu_kernels.INT4_WEIGHTS = True  # keep the 4 bits on CPU too (a CPU dequantizes them at load by default)
     folder = Path(resolve_model(args.model or default_model_path()).path)
     scheme = f"awq4-g{args.group}"
     INT_SCHEMES.setdefault(scheme, ("awq", 4, args.group, False, None))

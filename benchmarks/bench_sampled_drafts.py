@@ -11,8 +11,14 @@ With ``--tree TOPK,DEPTH`` the head drafts EAGLE-2 dynamic trees instead: a samp
 row's children without replacement, verified against q by recursive rejection sampling) against EAGLE-2's best
 nodes verified with a one-hot q ("argmax drafts").
 
+With ``--head medusa --head-model HEADS`` (a Medusa checkpoint for the model: ``specray train-draft --method
+medusa``) the heads fill the ``medusa_choices`` tree (the default's 10 nodes: ``--k 10``): a sampled request's tree
+drawn from q (each node's children without replacement from q of the head at their depth) against the heads' top-k
+tree verified with a one-hot q.
+
     python benchmarks/bench_sampled_drafts.py --batch 8 --repeats 2 --max-tokens 96 --temperatures 0.7,1.0
     python benchmarks/bench_sampled_drafts.py --tree 4,4 --k 16
+    python benchmarks/bench_sampled_drafts.py --head medusa --head-model OUT/head --k 10 --temperatures 0.7
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def main():
     parser.add_argument("--temperatures", default="0.7,1.0")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--head", default="eagle3")
+    parser.add_argument("--head-model", default=None, help="the head's checkpoint (eagle3 on the default model: the "
+                        "bundled head; medusa: required)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tree", default=None, help="TOPK,DEPTH: EAGLE-2 dynamic trees of that shape")
     args = parser.parse_args()
@@ -58,6 +66,8 @@ def main():
     if args.tree:
         top_k, depth = (int(x) for x in args.tree.split(","))
         shape = {"use_dynamic_tree": True, "dynamic_tree_max_topK": top_k, "dynamic_tree_depth": depth}
+    if args.head_model is not None:
+        shape["model"] = args.head_model
     fixed = {"method": args.head, "num_speculative_tokens": args.k, "adaptive": False, **shape}
     adaptive = {"method": args.head, "num_speculative_tokens": args.k, **shape}
     configs = {"plain": (None, False), f"K={args.k}, argmax drafts": (fixed, True),

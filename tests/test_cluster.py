@@ -360,6 +360,7 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
               "redrafter", "redrafter-whole"]
+DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)
@@ -371,9 +372,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
     LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:
     with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain
-    output; no block leaked; the ranks' processes never import transformers. EAGLE-2 trees also for sampled requests, drawn from q and verified against it on rank 0:
-    the same seeds give the same tokens as one rank, and unseeded ones (each rank draws from a stream seeded alike)
-    finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
+    output; no block leaked; the ranks' processes never import transformers. EAGLE-2, Medusa and ReDrafter trees
+    also for sampled requests, drawn from q and verified against it on rank 0: the same seeds give the same tokens as
+    one rank, and unseeded ones (each rank draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
     LM head gathered whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
@@ -396,7 +397,7 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
         shares = engine.executor.collective_rpc(probes.head_share)
         # the engine read the target's and the head's configs: the ranks never import transformers
         assert engine.executor.collective_rpc(probes.imported, "transformers") == [False, False]
-        if method == "eagle3-tree":
+        if method in DRAWN_TREES:
             drawn = run_to_end(engine, prompts[:3], sampled)
             unseeded = SamplingParams(**{**sampled.__dict__, "seed": None})
             assert all(run_to_end(engine, prompts[3:6], unseeded))
@@ -413,7 +414,7 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
         assert all(share[1] * (1 if latent else 2) == whole[1] for share in shares), (shares, whole)
     else:
         assert shares[0] is not None and not shares[0][2] and shares[1] is None
-    if method == "eagle3-tree":
+    if method in DRAWN_TREES:
         assert run_to_end(one_rank, prompts[:3], sampled) == drawn
 
 

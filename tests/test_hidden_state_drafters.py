@@ -622,6 +622,55 @@ def test_redrafter_prefix_tree_merges_shared_prefixes():
     assert prefix_tree(beams, lps, 3).token_ids == [5, 6, 7]
 
 
+def test_redrafter_sampled_beams_are_drawn_from_q_one_beam_at_a_time(target_dir, heads):
+    """A sampled request's tree: ``beams`` chains under the root, level by level, without scores; the first level
+    distinct draws; each row's q (for verification) the request's warpers over the drafter's log q given that row's
+    beam, recomputed one beam at a time (the last level's zero), every token with mass under its parent row's q;
+    seeded, it repeats; over seeds it is not the beam search's tree every time. Beside it, a greedy request keeps
+    the beam search's prefix tree."""
+    from specray.contract import ScheduledChunk, StepPlan
+    from specray.models.redrafter import load_redrafter
+    from specray.workers.redrafter_drafter import ReDrafterDrafter, prefix_tree
+
+    target = load_model(str(target_dir))
+    head = load_redrafter(str(heads["random", "redrafter"]), load_hf_config(str(target_dir)), torch.float32, "cpu",
+                          target=target)
+    width, length, first = BEAMS["redrafter_num_beams"], BEAMS["redrafter_draft_len_per_beam"], 7
+    hidden = torch.randn(2, head.hidden_size, generator=torch.Generator().manual_seed(0))
+    plan = StepPlan(0, chunks=[ScheduledChunk(r, [5], start_pos=3, num_next_drafts=width * length) for r in "gs"])
+    with torch.inference_mode():
+        embedding = target.embed(torch.arange(target.vocab_size))
+        beams = reference_beams(head, embedding, hidden[0], first, width, length)
+        searched = prefix_tree([b for b, _ in beams], [lps for _, lps in beams], width * length)
+        parents = [-1] * width + list(range(width * (length - 1)))
+        differ = 0
+        for seed in range(10):
+            sp = SamplingParams(temperature=1.0, seed=seed)
+            runs = [ReDrafterDrafter(head, width, length) for _ in range(2)]
+            made = [d.draft(plan, {}, hidden, [], {0: [first], 1: [first]}, {}, {"g": greedy(), "s": sp})
+                    for d in runs]
+            assert (made[0][0].token_ids, made[0][0].parents) == (searched.token_ids, searched.parents)
+            tree = made[0][1]
+            assert tree.parents == parents and tree.scores is None and made[1][1].token_ids == tree.token_ids
+            assert len(set(tree.token_ids[:width])) == width
+            q = runs[0].q_of("s", tree.token_ids, tree.parents)
+            batch = SamplingBatch.build([sp], [None], "cpu")
+            start = head.step(torch.zeros(head.hidden_size), embedding[first])
+            torch.testing.assert_close(q[0], logits_to_probs(head.log_probs(hidden[1], start)[None], batch)[0])
+            for b in range(width):
+                state, row = start, q[0]
+                for level in range(length):
+                    node = level * width + b
+                    assert row[tree.token_ids[node]] > 0, (node, tree.token_ids)
+                    state = head.step(state, embedding[tree.token_ids[node]])
+                    row = q[node + 1]
+                    want = (logits_to_probs(head.log_probs(hidden[1], state)[None], batch)[0]
+                            if level < length - 1 else torch.zeros_like(row))
+                    torch.testing.assert_close(row, want, atol=1e-5, rtol=1e-4)
+            differ += tree.token_ids != searched.token_ids
+    assert differ > 0
+
+
 def on_off_policy(engine, pattern: str):
     """The engine's policy made to draft by ``pattern`` (one letter per step and request: "1" drafts the most,
     "0" nothing), cycling, so the head is switched off and on again and again."""
@@ -1049,11 +1098,12 @@ def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_tree
     assert pvalue > 1e-3
 
 
+@pytest.mark.parametrize("method", ["eagle3-tree", "medusa", "redrafter"])
 def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_dir, heads, looping_prompt,
-                                                                         monkeypatch):
-    """EAGLE-2 trees for sampled requests beside greedy ones: the sampled ones' rows carry the q their children were
-    drawn from (each a distribution, and every child's token has mass under its row's q), the greedy ones' none;
-    greedy output stays plain output."""
+                                                                         monkeypatch, method):
+    """EAGLE-2's, Medusa's and ReDrafter's trees for sampled requests beside greedy ones: the sampled ones' rows carry
+    the q their children were drawn from (each a distribution, and every child's token has mass under its row's q),
+    the greedy ones' none; greedy output stays plain output."""
     from specray.workers import model_runner
 
     seen = []
@@ -1065,7 +1115,7 @@ def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_
         return verify(padded, batch, *args)
 
     monkeypatch.setattr(model_runner, "verify_tree", spy)
-    llm = make_llm(target_dir, heads, "accepting", "eagle3-tree", max_num_seqs=16)
+    llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=16)
     sampled = [SamplingParams(seed=i, **{**SAMPLED, "max_tokens": 12}) for i in range(6)]
     outs = llm.generate([{"prompt_token_ids": looping_prompt}] * 6 + PROMPTS[:2], sampled + [greedy(12)] * 2,
                         use_tqdm=False)
@@ -1159,6 +1209,24 @@ def test_the_distribution_test_can_fail(target_dir, heads, looping_prompt, targe
     assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, target_triples[1.0]) < 1e-3
     monkeypatch.setattr(verification, "_residual", lambda p, q: p)
     assert sampled_pvalue(target_dir, heads, "eagle3", looping_prompt, expected, n=1600, depth=2) < 1e-3
+
+
+@pytest.mark.parametrize("method", ["medusa", "redrafter"])
+def test_the_distribution_test_can_fail_for_drawn_medusa_and_redrafter_trees(target_dir, heads, looping_prompt,
+                                                                             target_triples, monkeypatch, method):
+    """Negative control of test_sampled_output_keeps_the_target_distribution[medusa/redrafter]: their drawn trees
+    verified against the wrong q (uniform over each row's support instead of the q the children were drawn from) no
+    longer fit the target. (The accepting Medusa heads are all alike, so another head's q would be the same q.)"""
+    from specray.workers.head_drafter import DrawsFromQ
+
+    q_of = DrawsFromQ.q_of
+
+    def uniform(self, req_id, drafts, *parents):
+        q = q_of(self, req_id, drafts, *parents)
+        return None if q is None else (q > 0).float() / (q > 0).sum(-1, keepdim=True).clamp_min(1)
+
+    monkeypatch.setattr(DrawsFromQ, "q_of", uniform)
+    assert sampled_pvalue(target_dir, heads, method, looping_prompt, target_triples[SAMPLED["temperature"]]) < 1e-3
 
 
 # ---- a tensor-parallel target's embedding and LM head, whole on the driver rank ----------------------------------

@@ -650,12 +650,20 @@ def test_fp8_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
 INT4_KEPT = {"gptq4-g32", "awq4-g32", "w4a16-g64"}  # 4 bits in groups of 32-256 in column order: kept so
 
 
+@pytest.fixture
+def int4_weights(monkeypatch):
+    """Keep 4-bit weights on this CPU as a GPU does (on CPU they are dequantized at load by default)."""
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "INT4_WEIGHTS", True)
+
+
 def int4_linears(model) -> list:
     return [m for m in model.modules() if getattr(m, "int4", None) is not None]
 
 
 @pytest.mark.parametrize("scheme", sorted(INT_SCHEMES))
-def test_int_release_loads(tiny_llama_dir, tmp_path, scheme):
+def test_int_release_loads(tiny_llama_dir, tmp_path, scheme, int4_weights):
     """A GPTQ (4 and 8 bits, groups or one per row, act order, both checkpoint formats), AWQ or pack-quantized
     (W4A16, W8A16, act order) release loads with every weight its stored value: the model's logits equal those of
     the stored integers dequantized by the writer and kept in full precision, and differ from the unquantized
@@ -677,7 +685,7 @@ def test_int_release_loads(tiny_llama_dir, tmp_path, scheme):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA's 4-bit kernel (tinygemm) needs a GPU"))])
-def test_int4_kernel_in_bf16(tiny_llama_dir, tmp_path, device):
+def test_int4_kernel_in_bf16(tiny_llama_dir, tmp_path, device, int4_weights):
     """In bf16 (tinygemm's one dtype on CUDA; the CPU kernel's too), on each device with torch's 4-bit kernel: the
     linears keep 4 bits and the logits stay within bf16's rounding of the dequantized twin's (a layout or offset
     mistake in the packing would move them by whole units)."""
@@ -691,7 +699,7 @@ def test_int4_kernel_in_bf16(tiny_llama_dir, tmp_path, device):
 
 
 @pytest.mark.parametrize("fixture,kept", [("tiny_phi3_dir", 8), ("tiny_deepseek_dir", 6)])
-def test_int_release_of_other_layouts(request, tmp_path, fixture, kept):
+def test_int_release_of_other_layouts(request, tmp_path, fixture, kept, int4_weights):
     """Phi-3's fused q/k/v and gate/up (each part's rows staged in place, all kept in 4 bits) and DeepSeek-V3
     (kv_b_proj, read as a matrix, and the linears whose shapes torch's kernel does not take are dequantized; the
     dense and shared experts' MLPs kept): logits equal the dequantized twin's."""
@@ -705,7 +713,17 @@ def test_int_release_of_other_layouts(request, tmp_path, fixture, kept):
     assert (prefill_logits(model, ids) - prefill_logits(load_model(ref, pack=False), ids)).abs().max() < TOL
 
 
-def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path):
+def test_a_cpu_dequantizes_4_bit_weights_unless_asked_to_keep_them(tiny_llama_dir, tmp_path):
+    """On CPU (whose 4-bit kernel is slow in fp32) a 4-bit release's linears are dequantized at load by default: no
+    4-bit linear, the same logits as the dequantized twin's."""
+    quant, ref = write_int(tiny_llama_dir, tmp_path, "gptq4-g32", seed=1)
+    model = load_model(quant)
+    assert not int4_linears(model)
+    ids = list(range(3, 40))
+    assert torch.equal(prefill_logits(model, ids), prefill_logits(load_model(ref), ids))
+
+
+def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path, int4_weights):
     """A GPTQ release of a mixture of experts (one tensor per expert, as released) loads each expert dequantized,
     its attention kept in 4 bits; the engine serves it, its greedy output with n-gram drafts that of plain greedy
     decoding and of the dequantized twin."""

@@ -85,9 +85,12 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
                 s.append(int(row[-1].argmax()))
 
 
-def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path):
+def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypatch):
     """An adapter over an AWQ release whose linears stay in 4 bits (a QLoRA-style adapter on a quantized base): the
     adapted logits equal transformers' with the adapter merged into the dequantized weights."""
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "INT4_WEIGHTS", True)  # as on a GPU (a CPU dequantizes them by default)
     quant, ref = checkpoints.write_int(tiny_llama_dir, tmp_path / "q", "awq4-g32")
     adapter = checkpoints.write_lora(ref, tmp_path / "adapter", rank=4, alpha=8, seed=1)
     merged = _hf(checkpoints.merge_lora(ref, adapter, tmp_path / "merged"))

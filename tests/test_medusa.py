@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specray import LLM
+from specray import LLM, SamplingParams
 from specray.drafters.hidden_state import DEFAULT_MEDUSA_CHOICES, MedusaOptions
 from specray.models.loader import load_hf_config
 from specray.models.medusa import MedusaHeads, load_medusa_heads, save_medusa_heads
@@ -119,3 +119,119 @@ def test_drafted_token_ids_survive_the_heads_dtype(dtype):
     plan = StepPlan(0, chunks=[ScheduledChunk("r", [5], start_pos=3, num_next_drafts=2)])
     [drafted] = drafter.draft(plan, {}, torch.zeros(1, 8, dtype=dtype), [], {0: [7]}, {})
     assert drafted.token_ids == list(peaks) and drafted.parents == [-1, 0]
+
+
+# ---- a sampled request's tree drawn from q ------------------------------------------------------------------------
+
+HIDDEN, VOCAB = 16, 40
+CHOICES = [list(c) for c in DEFAULT_MEDUSA_CHOICES]  # 4 children at the root, 4 levels
+
+
+def random_heads(seed: int = 0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(4, 1, HIDDEN, VOCAB)
+    with torch.no_grad():
+        for w in heads.parameters():
+            w.mul_(8.0)  # peaked enough that a head's top-k and its draws differ only sometimes
+    return heads
+
+
+def draft_for(drafter, params: dict, hidden: torch.Tensor, n: int = len(CHOICES)):
+    """One step in which every request of ``params`` (one committed token each, its hidden row in ``hidden``) asks
+    for ``n`` drafts -> {request id: Drafted}."""
+    from specray.contract import ScheduledChunk, StepPlan
+
+    ids = list(params)
+    plan = StepPlan(0, chunks=[ScheduledChunk(rid, [5], start_pos=3, num_next_drafts=n) for rid in ids])
+    made = drafter.draft(plan, {}, hidden, [], {i: [7] for i in range(len(ids))}, {}, params)
+    return dict(zip(ids, made))
+
+
+def warped(heads: MedusaHeads, hidden: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Each head's q for one request: its warpers over the head's logits [K, V]."""
+    from specray.sampling import SamplingBatch, logits_to_probs
+
+    with torch.no_grad():
+        logits = heads(hidden[None])[0]
+    return logits_to_probs(logits, SamplingBatch.build([sp] * len(logits), [None] * len(logits), "cpu"))
+
+
+def top_k_tree(heads: MedusaHeads, hidden: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        probs = torch.softmax(heads(hidden[None])[0], dim=-1)
+    return [int(probs[len(c) - 1].topk(4).indices[c[-1]]) for c in CHOICES]
+
+
+def test_a_sampled_requests_tree_is_drawn_from_each_heads_q_and_hands_that_q_to_verification():
+    """Beside a greedy request (the heads' top-k tree, scored, no q), a sampled one's tree has medusa_choices' shape,
+    no scores, distinct siblings, each token with mass under the q of its depth's head; the q rows for verification
+    are the heads' warped distributions (row 0 head 0's, a node's row head depth(node)'s, a leaf's zero). Seeded,
+    the same tree comes back; over seeds, the drawn trees are not the top-k one every time."""
+    from specray.workers.medusa_drafter import MedusaDrafter
+
+    heads = random_heads()
+    hidden = torch.randn(2, HIDDEN)
+    parents = MedusaDrafter(heads, CHOICES).parents
+    differ = 0
+    for seed in range(20):
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        drafter = MedusaDrafter(heads, CHOICES)
+        made = draft_for(drafter, {"g": SamplingParams(temperature=0.0), "s": sp}, hidden)
+        assert made["g"].token_ids == top_k_tree(heads, hidden[0]) and len(made["g"].scores) == len(CHOICES)
+        assert drafter.q_of("g", made["g"].token_ids, made["g"].parents) is None
+        tree = made["s"]
+        assert tree.parents == parents and tree.scores is None
+        q = drafter.q_of("s", tree.token_ids, tree.parents)
+        heads_q = warped(heads, hidden[1], sp)
+        for row in range(len(CHOICES) + 1):
+            kids = [n for n, p in enumerate(parents) if p == row - 1]
+            want = heads_q[0 if row == 0 else len(CHOICES[row - 1])] if kids else torch.zeros(VOCAB)
+            torch.testing.assert_close(q[row], want)
+            tokens = [tree.token_ids[n] for n in kids]
+            assert len(set(tokens)) == len(tokens) and all(q[row, t] > 0 for t in tokens), (row, tokens)
+        again = draft_for(MedusaDrafter(heads, CHOICES), {"g": SamplingParams(temperature=0.0), "s": sp}, hidden)
+        assert again["s"].token_ids == tree.token_ids  # the request's own draft stream
+        differ += tree.token_ids != top_k_tree(heads, hidden[1])
+    assert 0 < differ < 20, differ
+
+
+def test_nodes_past_q_support_are_dropped_with_their_subtrees_and_a_cut_tree_reads_its_nodes_rows():
+    """Top-k 2: the root's third and fourth children (and nothing under them) have no mass, so they are dropped and
+    the rest keeps medusa_choices' shape. The engine cuts a tree to a prefix (its policy) and the scheduler to the
+    first nodes no deeper than a depth (max_tokens): q_of gives the rows of the nodes each kept."""
+    from specray.tree import DraftTree, trim_tree
+    from specray.workers.medusa_drafter import MedusaDrafter
+
+    heads, hidden = random_heads(1), torch.randn(1, HIDDEN)
+    drafter = MedusaDrafter(heads, CHOICES)
+    tree = draft_for(drafter, {"s": SamplingParams(temperature=1.0, top_k=2, seed=3)}, hidden)["s"]
+    kept = [c for c in CHOICES if max(c) < 2]
+    index = {tuple(c): i for i, c in enumerate(kept)}
+    assert tree.parents == [index[tuple(c[:-1])] if len(c) > 1 else -1 for c in kept]
+    q = drafter.q_of("s", tree.token_ids, tree.parents)
+    assert q.shape == (len(kept) + 1, VOCAB) and all(int((row > 0).sum()) in (0, 2) for row in q)
+    torch.testing.assert_close(drafter.q_of("s", tree.token_ids[:3], tree.parents[:3]), q[:4])
+    shallow = trim_tree(DraftTree(tree.token_ids, tree.parents), 3, max_depth=1)  # nodes 0 and 2: not a prefix
+    assert shallow.parents == [-1, -1]
+    torch.testing.assert_close(drafter.q_of("s", shallow.token_ids, shallow.parents), q[[0, 1, 3]])
+    with pytest.raises(AssertionError):
+        drafter.q_of("s", tree.token_ids[::-1], tree.parents)  # not what was drawn
+
+
+def test_every_rank_of_a_split_head_draws_the_same_tree_and_only_the_driver_keeps_q():
+    """An unseeded request on a head split over ranks: each rank's drafter draws from a stream seeded by the engine's
+    seed and the request's id alone, so the trees agree; only the driver (which verifies) keeps q."""
+    from types import SimpleNamespace
+
+    from specray.workers.medusa_drafter import MedusaDrafter
+
+    heads, hidden = random_heads(2), torch.randn(1, HIDDEN)
+    sp = SamplingParams(temperature=1.0)
+    trees = []
+    for driver, seed in ((True, 7), (False, 7), (True, 8)):
+        drafter = MedusaDrafter(heads, CHOICES, driver=driver, seed=seed)
+        drafter.tp = SimpleNamespace(size=2)  # split: the heads' logits are all-gathered, the draws are each rank's
+        torch.manual_seed(len(trees))  # the process's own stream differs per rank
+        trees.append(draft_for(drafter, {"r": sp}, hidden)["r"].token_ids)
+        assert (drafter.q_of("r", trees[-1], None) is not None) == driver
+    assert trees[0] == trees[1] and trees[2] != trees[0]

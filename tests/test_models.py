@@ -885,6 +885,7 @@ TP_WORKER = textwrap.dedent("""
     threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
     threads_before = threads()
     cpu_kernels.FP8_EXPERTS = True  # FP8 releases' experts kept in FP8, as on a GPU
+    cpu_kernels.INT4_WEIGHTS = True  # 4-bit releases' linears kept in 4 bits, as on a GPU
     import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 

@@ -401,6 +401,87 @@ def test_broken_q_variants_fail_the_same_test(broken, monkeypatch):
     assert min(pvalues(lm, SP(), t0, t1)) < 1e-6
 
 
+# ---- Medusa's trees drawn from q (specray.workers.medusa_drafter), through the drafter itself ------------------
+
+# five children at the root (under top-k 4 the fifth has no mass: dropped with its child), two under the first, one
+# under the second, a third level under the first's first
+MEDUSA_CHOICES = [[0], [0, 0], [1], [0, 1], [2], [1, 0], [0, 0, 0], [3], [4], [4, 0]]
+MEDUSA_TRIALS = 20_000  # the drafter keeps each request's q on the host's side of a loop: half the toy's trials
+
+
+class ToyMedusaHeads:
+    """Three Medusa heads whose logits ignore the hidden state (Medusa's heads never see the drafted tokens): head 0
+    a noisy copy of the target's root logits, heads 1 and 2 noisy copies of the log of the target's marginal one
+    token further, so each depth has its own q, the same for every parent there."""
+
+    tp, num_heads = None, 3
+
+    def __init__(self, lm: ToyLM, seed: int, noise: float):
+        g = torch.Generator().manual_seed(seed)
+        marginal = (lm.first.softmax(-1)[:, None] * lm.bigram.softmax(-1)).sum(0).log()
+        self.logits = torch.stack([lm.first, marginal, marginal]) + noise * torch.randn(3, V, generator=g)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(hidden.shape[0], -1, -1)
+
+
+def medusa_step(drafter, lm: ToyLM, root_logits: torch.Tensor, sp: SP, with_q: bool = True):
+    """One step of n requests (root_logits [n, V]): the drafter draws each one's tree, which is verified against
+    the q rows it hands over (or, without q, as fixed candidates) -> (the verdict, the trees)."""
+    from specray.contract import ScheduledChunk, StepPlan
+
+    n = root_logits.shape[0]
+    plan = StepPlan(0, chunks=[ScheduledChunk(str(b), [0], 0, num_next_drafts=len(MEDUSA_CHOICES)) for b in range(n)])
+    made = drafter.draft(plan, {}, torch.zeros(n, 1), [], {b: [0] for b in range(n)}, {},
+                         {str(b): sp for b in range(n)})
+    q = [drafter.q_of(str(b), d.token_ids, d.parents) for b, d in enumerate(made)] if with_q else None
+    logits = torch.cat([torch.cat([root_logits[b, None], lm.bigram[d.token_ids]]) for b, d in enumerate(made)])
+    padded = pad_tree_drafts(logits, [d.token_ids for d in made], [d.parents for d in made], q)
+    return verify_tree(padded, build([sp] * n, [None] * n)), made
+
+
+def first_two_tokens_medusa(lm: ToyLM, sp: SP, with_q: bool = True, row_heads=None):
+    """As :func:`first_two_tokens`, every step's tree drawn by a MedusaDrafter over :class:`ToyMedusaHeads`
+    (``row_heads``: the heads whose q its verification rows read, to break it) -> (t0, t1, accepted at step 1,
+    the first step's trees)."""
+    from specray.workers.medusa_drafter import MedusaDrafter
+
+    torch.manual_seed(1)
+    drafter = MedusaDrafter(ToyMedusaHeads(lm, seed=5, noise=0.4), MEDUSA_CHOICES)
+    if row_heads is not None:
+        drafter.layout.row_heads = row_heads(drafter.layout.row_heads)
+    v, made = medusa_step(drafter, lm, lm.first.expand(MEDUSA_TRIALS, V), sp, with_q)
+    t0, t1 = v.output_tokens[:, 0], v.output_tokens[:, 1].clone()
+    need = v.num_accepted == 0
+    if need.any():
+        t1[need] = medusa_step(drafter, lm, lm.bigram[t0[need]], sp, with_q)[0].output_tokens[:, 0]
+    return t0, t1, v.num_accepted, made
+
+
+@pytest.mark.parametrize("sp", [SP(), SP(temperature=0.7, top_k=4)], ids=["T1", "T0.7-topk4"])
+def test_medusa_trees_drawn_from_q_reproduce_the_target(sp):
+    """Medusa's trees drawn from each depth's q (every parent drawing its own children without replacement) and
+    verified against the q rows the drafter hands over keep the target's distribution, and keep more tokens than
+    the same trees verified as fixed candidates (one-hot q, lossless too). Under top-k 4 the root's fifth child has
+    no mass under q: it is dropped with its child."""
+    lm = ToyLM(seed=3)
+    t0, t1, accepted, made = first_two_tokens_medusa(lm, sp)
+    p_first, p_pair = pvalues(lm, sp, t0, t1)
+    assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
+    assert {len(d.token_ids) for d in made} == {len(MEDUSA_CHOICES) - 2 * (sp.top_k == 4)}
+    t0, t1, accepted_one_hot, _ = first_two_tokens_medusa(lm, sp, with_q=False)
+    assert min(pvalues(lm, sp, t0, t1)) > 1e-3
+    assert accepted.float().mean() > accepted_one_hot.float().mean() + 0.05, (accepted.float().mean(),
+                                                                             accepted_one_hot.float().mean())
+
+
+def test_medusa_trees_verified_against_the_wrong_heads_q_fail_the_same_test():
+    """Broken: every row's children verified against head 0's q (the root's) instead of their own depth's."""
+    lm = ToyLM(seed=3)
+    t0, t1, *_ = first_two_tokens_medusa(lm, SP(), row_heads=lambda heads: [0 if h < 3 else h for h in heads])
+    assert min(pvalues(lm, SP(), t0, t1)) < 1e-6
+
+
 # ---- mixed batches, empty rows, a big tree ----------------------------------------------------------------------
 
 

@@ -57,6 +57,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +70,7 @@ from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
 from specray.sampling_params import SamplingParams
+from specray.tree import kept_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -138,29 +140,133 @@ class _Draw:
     def batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
         return SamplingBatch.build([self.params[j] for j in rows], [self.generators[j] for j in rows], device)
 
+    @property
+    def sampled(self) -> list[int]:
+        """The rows that draw from q (the others draft the head's argmax or best)."""
+        return [j for j, sp in enumerate(self.params) if not sp.greedy]
+
 
 _GREEDY = SamplingParams(temperature=0.0)  # a request that draws nothing this step
+
+
+class Drawn(NamedTuple):
+    """What a sampled request drew after a step, kept until the next verifies it: a chain's tokens and each draft's
+    q [k, V], or a tree's tokens, the q [k + 1, V] of each of its rows (the root's, then each node's: the q its
+    children were drawn from) and its parents."""
+
+    tokens: list[int]
+    q: torch.Tensor
+    parents: list[int] | None = None
+
+
+class DrawsFromQ:
+    """The part of a worker drafter that draws a sampled request's drafts from q (the request's own warpers over the
+    drafter's logits): each request's draft stream, and what it drew after the last step with its q, which that
+    request's next verification reads (:meth:`q_of`). Subclasses draft in ``_draft`` (the arguments of
+    :meth:`draft`) and keep what they draw in ``_drawn`` (on the driver)."""
+
+    def __init__(self, tp: TPGroup | None, driver: bool, seed: int):
+        # a drafter split over the target's ranks drafts on every rank, in lockstep (their collectives pair up): the
+        # driver's verdict reaches the others before drafting (ModelRunner), and what each rank draws must be the
+        # same, so an unseeded request's drafts get a stream seeded alike on every rank (from the engine's seed and
+        # the request's id) rather than the process's own
+        self.tp: TPGroup = tp or TPGroup.single()
+        self.driver = driver  # only the driver verifies: only it keeps the drawn drafts' q
+        self.seed = seed
+        self.q: dict[str, Drawn] = {}  # by request id: its last drawn chain or tree
+        self._drawn: dict[str, Drawn] = {}  # what this step drew
+        self.generators: dict[str, torch.Generator | None] = {}  # by request id: its draft stream
+
+    @property
+    def samples_from_q(self) -> bool:
+        """A sampled request's chain or tree is drawn from q."""
+        return True
+
+    @property
+    def split(self) -> bool:
+        """The drafter is split over the target's ranks (every rank drafts, see ``tp``)."""
+        return self.tp.size > 1
+
+    def q_of(self, req_id: str, drafts: list[int], parents: list[int] | None = None) -> torch.Tensor | None:
+        """q of what was drawn for ``req_id`` after the last step, of which ``drafts`` (with ``parents``, a tree's)
+        is what the engine and scheduler kept: a chain's [len(drafts), V] (draft i's), a tree's [len(drafts) + 1,
+        V] (each row's: the root's, then each kept node's; a tree cut to a chain's shape reads its first
+        len(drafts) rows the chain's way). A tree is kept as a prefix of its nodes, or as the scheduler's
+        ``trim_tree`` leaves it (the first nodes no deeper than a depth), whose rows :func:`kept_nodes` finds.
+        None: its drafts were the drafter's argmax or best (a greedy request)."""
+        drawn = self.q.get(req_id)
+        if drawn is None:
+            return None
+        nodes = (list(range(len(drafts))) if parents is None or drawn.parents is None
+                 else kept_nodes(drawn.parents, parents))
+        assert [drawn.tokens[n] for n in nodes] == list(drafts), (req_id, drawn.tokens, drafts)
+        tree = drawn.q.shape[0] > len(drawn.tokens)
+        if nodes == list(range(len(nodes))):
+            return drawn.q[: len(drafts) + tree]
+        return drawn.q.index_select(0, _index(tree_rows(nodes), drawn.q.device))
+
+    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+              kept: dict[int, list[int]], paths: dict[int, list[int]],
+              params: dict[str, SamplingParams] | None = None) -> list[Drafted | None]:
+        """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
+        the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
+        target's), ``paths[i]`` its accepted tree nodes (absent for a chain). ``params``: every request's sampling
+        parameters when a sampled request's drafts may be drawn from q (None: every draft is the drafter's argmax
+        or best). What is drawn replaces, once all drafting is done, what this step's chunks verified."""
+        self._drawn = {}
+        out = self._draft(plan, tables, hidden, aux, kept, paths, params)
+        verified = {c.req_id for c in plan.chunks if c.sample}
+        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | self._drawn
+        return out
+
+    def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+               kept: dict[int, list[int]], paths: dict[int, list[int]],
+               params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
+        raise NotImplementedError
+
+    def drop(self, req_id: str, finished: bool = True) -> None:
+        """Forget a finished or preempted request's drawn drafts; a preempted one keeps its draft stream (resumed,
+        it draws on from where it stopped)."""
+        self.q.pop(req_id, None)
+        if finished:
+            self.generators.pop(req_id, None)
+
+    def _draw(self, plan: StepPlan, asked: list[tuple[int, int]], params: dict[str, SamplingParams] | None,
+              device: torch.device) -> _Draw | None:
+        """The sampling of the requests of ``asked`` ((chunk index, drafts to make) per drafting row) when some of
+        them draft and sample (None: all drafts are argmax or best); a request that drafts nothing counts as greedy
+        (it draws nothing from its stream). New draft streams go on ``device``."""
+        if params is None:
+            return None
+        rows = [params[plan.chunks[i].req_id] if drafts else _GREEDY for i, drafts in asked]
+        if all(sp.greedy for sp in rows):
+            return None
+        generators = []
+        for sp, (i, _) in zip(rows, asked):
+            rid = plan.chunks[i].req_id
+            if rid not in self.generators and not sp.greedy:
+                seed = draft_seed(sp.seed)
+                if seed is None and self.split:  # every rank must draw alike
+                    seed = shared_stream_seed(self.seed, rid)
+                self.generators[rid] = make_generator(seed, device)
+            generators.append(None if sp.greedy else self.generators[rid])
+        return _Draw(rows, generators)
+
 
 # the most positions one request keeps held for a later first pass: the adaptive policy probes every few steps,
 # so a request it keeps off holds a handful; one that never drafts (its own K of 0) holds no more than this
 HELD_POSITIONS = 64
 
 
-class HiddenStateDrafter:
+class HiddenStateDrafter(DrawsFromQ):
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
                  driver: bool = True, seed: int = 0, step_graphs: bool = False, kv_cache_dtype: str = "auto"):
+        super().__init__(getattr(head, "tp", None), driver, seed)
         self.head = head
         self.tree = tree
         self.block_size = block_size
-        # a head split over the target's ranks runs on every rank, each step the same passes in lockstep (their
-        # collectives pair up): the driver's verdict reaches the others before drafting (ModelRunner), and what
-        # each rank draws must be the same, so an unseeded request's drafts get a stream seeded alike on every rank
-        # (from the engine's seed and the request's id) rather than the process's own
-        self.tp: TPGroup = getattr(head, "tp", None) or TPGroup.single()
-        self.driver = driver  # only the driver verifies: only it keeps (or maps) the drawn drafts' q
-        self.seed = seed
         # a chain's passes (a decode's first pass, the draft steps) replayed from graphs when the target's steps are
         # (one rank; a head whose layer can be captured), their padding in scratch blocks of the head's own cache
         self.graphs: HeadStepGraphs | None = None
@@ -182,33 +288,6 @@ class HiddenStateDrafter:
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
         self.tail_positions = getattr(head, "num_modules", 1) - 1
-        # a sampled request's last drawn chain and its q [k, V] (for that chain's verification), or its last drawn
-        # tree and the q [k + 1, V] of each of its rows, and its draft stream
-        self.q: dict[str, tuple[list[int], torch.Tensor]] = {}
-        self._drawn: dict[str, tuple[list[int], torch.Tensor]] = {}
-        self.generators: dict[str, torch.Generator | None] = {}
-
-    @property
-    def samples_from_q(self) -> bool:
-        """A sampled request's chain or tree is drawn from q."""
-        return True
-
-    def q_of(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
-        """q of what was drawn for ``req_id`` after the last step, whose prefix ``drafts`` is: a chain's [len(drafts),
-        V] (draft i's), a tree's [len(drafts) + 1, V] (each row's: the root's, then each node's; a tree cut to a
-        chain's shape reads its first len(drafts) rows the chain's way). None: its drafts were the head's argmax (a
-        greedy request)."""
-        drawn = self.q.get(req_id)
-        if drawn is None:
-            return None
-        tokens, q = drawn
-        assert tokens[: len(drafts)] == drafts, (req_id, tokens, drafts)  # the engine verifies what was drawn
-        return q[: len(drafts) + (q.shape[0] > len(tokens))]
-
-    @property
-    def split(self) -> bool:
-        """The head is split over the target's ranks (every rank drafts, see ``tp``)."""
-        return self.tp.size > 1
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> DraftHead:
@@ -235,27 +314,11 @@ class HiddenStateDrafter:
         return self.head.aux_layers
 
     def drop(self, req_id: str, finished: bool = True) -> None:
-        """Forget a finished or preempted request's held positions (a preempted one recomputes them) and drawn
-        chain; a preempted one keeps its draft stream (resumed, it draws on from where it stopped)."""
+        """Forget a finished or preempted request's held positions (a preempted one recomputes them), and what it
+        drew (:meth:`DrawsFromQ.drop`)."""
         self.held.pop(req_id, None)
         self.tails.pop(req_id, None)
-        self.q.pop(req_id, None)
-        if finished:
-            self.generators.pop(req_id, None)
-
-    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-              kept: dict[int, list[int]], paths: dict[int, list[int]],
-              params: dict[str, SamplingParams] | None = None) -> list[Drafted | None]:
-        """Drafts for every chunk of ``plan`` (None where none were asked for). ``hidden`` [T, H] and ``aux`` are
-        the target's rows for the plan's tokens; ``kept[i]`` the tokens chunk i kept (accepted drafts + the
-        target's), ``paths[i]`` its accepted tree nodes (absent for a chain). ``params``: every request's sampling
-        parameters when a sampled request's chain may be drawn from q (None: every draft is the head's argmax).
-        The chains drawn replace, once all drafting is done, the ones this step's chunks verified."""
-        self._drawn = {}
-        out = self._draft(plan, tables, hidden, aux, kept, paths, params)
-        verified = {c.req_id for c in plan.chunks if c.sample}
-        self.q = {rid: q for rid, q in self.q.items() if rid not in verified} | self._drawn
-        return out
+        super().drop(req_id, finished)
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -275,7 +338,8 @@ class HiddenStateDrafter:
         if self.tail_positions:
             ids = torch.tensor(tokens, dtype=torch.long, device=device)
             meta = build_attention_metadata(lens, starts, work_tables, self.block_size, device)
-            return self._chained(plan, work, source, ids, features, meta, out, self._draw(plan, work, params))
+            return self._chained(plan, work, source, ids, features, meta, out,
+                                 self._draw(plan, _asked(work), params, self.head.device))
         feedback, normed = self._pass(tokens, features, lens, starts, work_tables)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
@@ -287,32 +351,13 @@ class HiddenStateDrafter:
         roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
         if self.tree is not None:
             made = self._trees(plan, drafting, block_tables, roots, feedback, normed,
-                               self._draw(plan, drafting, params))
+                               self._draw(plan, _asked(drafting), params, self.head.device))
         else:
             made = self._chain(plan, drafting, block_tables, roots, feedback, normed,
-                               self._draw(plan, drafting, params))
+                               self._draw(plan, _asked(drafting), params, self.head.device))
         for w, drafted in zip(drafting, made):
             out[w.chunk] = drafted
         return out
-
-    def _draw(self, plan: StepPlan, work: list[_Row], params: dict[str, SamplingParams] | None) -> _Draw | None:
-        """The sampling of ``work``'s requests when some of them draft and sample (None: all drafts are argmax); a
-        request that drafts nothing counts as greedy (it draws nothing from its stream)."""
-        if params is None:
-            return None
-        rows = [params[plan.chunks[w.chunk].req_id] if w.drafts else _GREEDY for w in work]
-        if all(sp.greedy for sp in rows):
-            return None
-        generators = []
-        for sp, w in zip(rows, work):
-            rid = plan.chunks[w.chunk].req_id
-            if rid not in self.generators and not sp.greedy:
-                seed = draft_seed(sp.seed)
-                if seed is None and self.split:  # every rank must draw alike
-                    seed = shared_stream_seed(self.seed, rid)
-                self.generators[rid] = make_generator(seed, self.head.device)
-            generators.append(None if sp.greedy else self.generators[rid])
-        return _Draw(rows, generators)
 
     def _keep_drawn(self, plan: StepPlan, work: list[_Row], draw: _Draw | None, tokens: list[list[float]],
                     probs: list[torch.Tensor | None]) -> list[bool]:
@@ -328,7 +373,7 @@ class HiddenStateDrafter:
         q = self.head.full_vocab(torch.stack(probs, dim=1).index_select(0, _index(rows, probs[0].device)), 0.0)
         for n, j in enumerate(rows):
             w = work[j]
-            self._drawn[plan.chunks[w.chunk].req_id] = ([int(t) for t in tokens[j][: w.drafts]], q[n, : w.drafts])
+            self._drawn[plan.chunks[w.chunk].req_id] = Drawn([int(t) for t in tokens[j][: w.drafts]], q[n, : w.drafts])
         return drawn
 
     def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
@@ -474,7 +519,7 @@ class HiddenStateDrafter:
                feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None) -> list[Drafted]:
         """Greedy requests' trees by :meth:`_tree`, sampled ones' by :meth:`_sampled_tree`, each group in one
         batch."""
-        sampled = [] if draw is None else [j for j, sp in enumerate(draw.params) if not sp.greedy]
+        sampled = [] if draw is None else draw.sampled
         if not sampled:
             return self._tree(work, tables, roots, feedback, normed)
         drawn = set(sampled)
@@ -538,15 +583,11 @@ class HiddenStateDrafter:
         q_rows = torch.cat([q_root[:, None], q_nodes[:, : tok.shape[1]]], dim=1)  # [B, 1 + nodes, Vd]
         made = []
         for i, w in enumerate(work):
-            token_ids, par, ok = host[0][i], host[1][i], host[2][i]
-            keep = [node for node in range(len(token_ids)) if ok[node]][: w.drafts]  # valid nodes come first per level
-            index = {node: j for j, node in enumerate(keep)}
-            tokens = [int(token_ids[node]) for node in keep]
-            made.append(Drafted(tokens, [-1 if par[node] < 0 else index[int(par[node])] for node in keep]))
+            keep, drafted = drawn_tree(host[0][i], host[1][i], host[2][i], w.drafts)  # valid nodes lead each level
+            made.append(drafted)
             if self.driver:  # the q it verifies against, over the target's vocabulary: only the kept rows
-                rows = _index([0] + [node + 1 for node in keep], device)
-                self._drawn[plan.chunks[w.chunk].req_id] = (tokens, self.head.full_vocab(
-                    q_rows[i].index_select(0, rows), 0.0))
+                q = self.head.full_vocab(q_rows[i].index_select(0, _index(tree_rows(keep), device)), 0.0)
+                self._drawn[plan.chunks[w.chunk].req_id] = Drawn(drafted.token_ids, q, drafted.parents)
         return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
@@ -683,6 +724,32 @@ def _scatter(tokens: torch.Tensor, live: list[int], size: int) -> torch.Tensor:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _asked(work: list[_Row]) -> list[tuple[int, int]]:
+    return [(w.chunk, w.drafts) for w in work]
+
+
+def drawn_tree(token_ids: list[float], parents: list[float], ok: list[float], n: int) -> tuple[list[int], Drafted]:
+    """A tree drawn from q (host lists: each node's token, parent (-1: the root) and whether its token has mass
+    under the q it was drawn from, parents before children) -> its first ``n`` nodes that have mass and whose parent
+    is kept (a node past a q's support, a top-k or top-p cut, is dropped with its subtree), as (their indices in the
+    drawn tree, the tree they make, without scores: what was drawn must not size what is verified)."""
+    keep: list[int] = []
+    index: dict[int, int] = {}  # drawn node -> kept node
+    for node, (parent, good) in enumerate(zip(parents, ok)):
+        if len(keep) == n:
+            break
+        if good and (parent < 0 or int(parent) in index):
+            index[node] = len(keep)
+            keep.append(node)
+    return keep, Drafted([int(token_ids[node]) for node in keep],
+                         [-1 if parents[node] < 0 else index[int(parents[node])] for node in keep])
+
+
+def tree_rows(nodes: list[int]) -> list[int]:
+    """The verification rows of the tree of a drawn tree's ``nodes``: the root's (0), then each node's (index + 1)."""
+    return [0] + [node + 1 for node in nodes]
 
 
 def rows_of_last_tokens(plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]

@@ -247,12 +247,13 @@ class ModelRunner:
     def _with_worker_q(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:
         """The drafts' q by request id: a probabilistic drafter's from the engine, and for a chunk that verifies
-        the chain this worker's drafter drew from its q (a sampled request), that q."""
+        the chain or tree this worker's drafter drew from its q (a sampled request), that q."""
         probs = dict(draft_probs or {})
         if self.q_drafts:
             for c in plan.chunks:
                 if c.worker_drafts and c.sample:
-                    q = self.drafter.q_of(c.req_id, c.token_ids[len(c.token_ids) - c.num_draft_tokens:])
+                    tree = () if c.draft_parents is None else (c.draft_parents,)  # which of the tree's nodes it kept
+                    q = self.drafter.q_of(c.req_id, c.token_ids[len(c.token_ids) - c.num_draft_tokens:], *tree)
                     if q is not None:
                         probs[c.req_id] = q
         return probs

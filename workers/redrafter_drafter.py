@@ -6,10 +6,19 @@ from the same token, and keep forking from each other), so they are merged into 
 any token tree (ReDrafter's "dynamic tree attention" is this tree's ancestor mask). No KV cache: the drafter has no
 attention.
 
-Nodes go best first by path log-probability (a parent's is never below its child's, so every prefix of the order is a
-tree), each scored with its probability under the drafter given its parent, so the draft policy prices the tree as
-any scored tree and verifies the best prefix. Beam search is deterministic, so the nodes are deterministic
-candidates: verification keeps the target's distribution exactly with sampling too (sibling rejection sampling).
+A greedy request's nodes go best first by path log-probability (a parent's is never below its child's, so every prefix
+of the order is a tree), each scored with its probability under the drafter given its parent, so the draft policy
+prices the tree as any scored tree and verifies the best prefix; they are deterministic candidates (one-hot q).
+
+A sampled request's beams are drawn from q, the request's own warpers (temperature, top-k, top-p, min-p) over the
+drafter's logits, from its draft stream (:class:`~specray.workers.head_drafter.DrawsFromQ`, seeded alike on every rank
+of a split drafter): the first step's ``beams`` tokens one after another without replacement from the one row's q
+(siblings under the root), then each beam's next token from q given its own beam, ``beam_length`` tokens in all. Which
+nodes exist is fixed before anything is drawn (``beams`` chains under the root; a draw without mass under q, past its
+top-k or top-p support, is dropped with what follows it), never by the drawn tokens, and the tree carries no scores.
+Nodes go level by level (each level's beams in draw order); verification reads, per row, the q its children were
+drawn from and tests them by recursive rejection sampling (:mod:`specray.tree_verification`), which keeps the
+target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -21,21 +30,25 @@ import torch
 from specray.contract import StepPlan
 from specray.models.redrafter import ReDrafterHead, load_redrafter
 from specray.parallel import TPGroup
-from specray.workers.head_drafter import Drafted, rows_of_last_tokens
+from specray.sampling import SamplingBatch, logits_to_probs, sample, sample_without_replacement
+from specray.sampling_params import SamplingParams
+from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, rows_of_last_tokens, tree_rows
 
-class ReDrafterDrafter:
-    """A recurrent drafter, its beam search, and the prefix tree of its beams."""
+
+class ReDrafterDrafter(DrawsFromQ):
+    """A recurrent drafter, its beam search (or a sampled request's beams drawn from q), and their tree."""
 
     aux_layers: tuple[int, ...] = ()
     kv_cache = None
-    samples_from_q = False  # its trees are deterministic candidates
 
-    def __init__(self, head: ReDrafterHead, beams: int, beam_length: int):
+    def __init__(self, head: ReDrafterHead, beams: int, beam_length: int, driver: bool = True, seed: int = 0):
+        # split over the target's ranks: every rank runs the beams on its rows of the LM head, in lockstep with the
+        # driver (its verdict reaches them first: ModelRunner); the logits are all-gathered and every rank draws from
+        # the same streams, so the beams are the same on every rank
+        super().__init__(head.tp, driver, seed)
         self.head, self.beams, self.beam_length = head, beams, beam_length
-        # split over the target's ranks: every rank runs the beam search on its rows of the LM head, in lockstep with
-        # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered, so the beams are the
-        # same on every rank
-        self.tp: TPGroup = head.tp
+        # a drawn tree's parents, level by level: the first level under the root, each later node under its beam's
+        self.drawn_parents = [-1] * beams + [node for node in range(beams * (beam_length - 1))]
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> ReDrafterHead:
@@ -49,30 +62,81 @@ class ReDrafterDrafter:
 
     @classmethod
     def build(cls, head: ReDrafterHead, config: dict, num_blocks: int, block_size: int) -> "ReDrafterDrafter":
-        return cls(head, int(config["beams"]), int(config["beam_length"]))
+        return cls(head, int(config["beams"]), int(config["beam_length"]), driver=bool(config.get("driver", True)),
+                   seed=int(config.get("seed", 0)))
 
-    def drop(self, req_id: str, finished: bool = True) -> None:
-        """Nothing is held per request."""
-
-    def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-              kept: dict[int, list[int]], paths: dict[int, list[int]],
-              params: dict | None = None) -> list[Drafted | None]:
-        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of its beams' prefix tree (None where none were
-        asked for or nothing was committed)."""
+    def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+               kept: dict[int, list[int]], paths: dict[int, list[int]],
+               params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
+        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of its tree (None where none were asked for or
+        nothing was committed): a greedy request's beams' prefix tree, a sampled one's beams drawn from q."""
         found = rows_of_last_tokens(plan, kept, paths)
-        rows, last = [row for _, row in found], [kept[i][-1] for i, _ in found]
         asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
         out: list[Drafted | None] = [None] * len(plan.chunks)
-        if not rows:
+        if not found:
             return out
         device = hidden.device
-        context = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
-        tokens, own = self.beam_search(context, torch.tensor(last, dtype=torch.long, device=device))
+        context = hidden.index_select(0, torch.tensor([row for _, row in found], device=device))
+        last = torch.tensor([kept[i][-1] for i, _ in found], device=device)
+        draw = self._draw(plan, asked, params, device)
+        sampled = [] if draw is None else draw.sampled
+        searched = sorted(set(range(len(found))) - set(sampled))
+        parts, q = [], None
+        if searched:  # [2, G, M * L]: tokens and each one's log q given its beam's earlier ones
+            index = torch.tensor(searched, device=device)
+            found_beams = self.beam_search(context.index_select(0, index), last.index_select(0, index))
+            parts.append(torch.stack([t.double() for t in found_beams]).flatten(2))
+        if sampled:  # [2, S, L * M]: tokens and each one's mass under the q it was drawn from
+            index = torch.tensor(sampled, device=device)
+            tokens, mass, q = self.drawn_beams(context.index_select(0, index), last.index_select(0, index),
+                                               draw.batch(sampled, device))
+            parts.append(torch.stack([tokens.double(), mass.double()]))
         # float64 holds every token id exactly, whatever the head's dtype
-        host = torch.stack([tokens.double(), own.double()]).tolist()  # the drafts' one host sync: [2, B, M, L]
-        for b, (i, n) in enumerate(asked):
-            out[i] = prefix_tree(host[0][b], host[1][b], n)
+        host = torch.cat(parts, dim=1).tolist()  # the drafts' one host sync
+        place = {b: j for j, b in enumerate(searched + sampled)}
+        length = self.beam_length
+        for s, b in enumerate(sampled):
+            i, n = asked[b]
+            out[i] = self._keep_drawn(plan.chunks[i].req_id, host[0][place[b]], host[1][place[b]], n, q[s])
+        for b in searched:
+            i, n = asked[b]
+            tokens, lps = host[0][place[b]], host[1][place[b]]
+            out[i] = prefix_tree([tokens[m: m + length] for m in range(0, len(tokens), length)],
+                                 [lps[m: m + length] for m in range(0, len(lps), length)], n)
         return out
+
+    def drawn_beams(self, context: torch.Tensor, first: torch.Tensor, batch: SamplingBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """context [S, H] and first [S] of sampled requests (``batch``) -> their beams drawn from q, level by level:
+        tokens [S, L * M] (level l's M at l * M ..), each one's mass under the q it was drawn from [S, L * M], and q
+        of every row of the tree [S, 1 + L * M, V] (the root's, then each node's: its child's; the last level's
+        zero). The first level is M draws without replacement from the one row's q; beam m's next token is drawn
+        from q given beam m."""
+        s, m = context.shape[0], self.beams
+        state = self.head.step(torch.zeros_like(context), self.head.embed(first))  # [S, H]
+        q = logits_to_probs(self.head.log_probs(context, state), batch)  # [S, V]: the first level's q
+        tokens = sample_without_replacement(q, batch, m)  # [S, M]
+        rows, drawn, mass = [q[:, None]], [tokens], [q.gather(1, tokens)]
+        state, context, each = state[:, None].expand(s, m, -1), context[:, None].expand(s, m, -1), batch.repeat_rows(m)
+        for _ in range(1, self.beam_length):
+            state = self.head.step(state, self.head.embed(tokens))  # [S, M, H]
+            q = logits_to_probs(self.head.log_probs(context, state).flatten(0, 1), each)  # [S * M, V]
+            tokens = sample(q, each).view(s, m)
+            q = q.view(s, m, -1)
+            rows.append(q)
+            drawn.append(tokens)
+            mass.append(q.gather(2, tokens[:, :, None]).squeeze(2))
+        rows.append(rows[0].new_zeros(s, m, rows[0].shape[-1]))  # the last level's: leaves
+        return torch.cat(drawn, dim=1), torch.cat(mass, dim=1), torch.cat(rows, dim=1)
+
+    def _keep_drawn(self, req_id: str, tokens: list[float], mass: list[float], n: int, q: torch.Tensor) -> Drafted:
+        """A sampled request's drawn beams (host lists, level by level), cut to the first ``n`` nodes with mass (and a
+        kept parent); on the driver, kept with their rows' q (``q`` [1 + L * M, V]) for their verification."""
+        keep, drafted = drawn_tree(tokens, self.drawn_parents, mass, n)
+        if self.driver:
+            rows = torch.tensor(tree_rows(keep), device=q.device)
+            self._drawn[req_id] = Drawn(drafted.token_ids, q.index_select(0, rows), drafted.parents)
+        return drafted
 
     def beam_search(self, context: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """context [B, H] (the target's hidden state), first [B] (the token it gave) -> each request's ``beams``

@@ -13,6 +13,9 @@
 * FP8 experts. PyTorch converts float8 to float one value at a time on CPU, which costs several times an expert's
   matmuls (``benchmarks/bench_fp8_experts.py``), so on CPU a block-FP8 checkpoint's experts are dequantized at
   load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8.
+* 4-bit weights. PyTorch's CPU kernel for 4-bit weight-only matmuls runs fp32 activations many times slower than
+  the dense matmul (``benchmarks/bench_int4.py``), so on CPU a 4-bit release's linears are dequantized at load unless
+  ``INT4_WEIGHTS`` says to keep them (:func:`has_int4_kernel`); a GPU keeps them (tinygemm).
 
 ``benchmarks/bench_rows.py`` and ``benchmarks/bench_long_context.py`` measure these thresholds; ``docs/`` keeps
 the results.
@@ -29,6 +32,7 @@ SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and late
 FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
 OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
 FP8_EXPERTS = False  # on CPU, keep a block-FP8 checkpoint's experts in FP8 (smaller, slower)
+INT4_WEIGHTS = False  # on CPU, keep a 4-bit release's linears in 4 bits (smaller, far slower: benchmarks/bench_int4.py)
 
 
 def keeps_fp8_experts(device: torch.device) -> bool:
@@ -101,8 +105,9 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 
 def has_int4_kernel() -> bool:
-    """Whether this torch has its CPU 4-bit weight-only matmul (``_weight_int4pack_mm_for_cpu``)."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    """Whether a CPU model keeps 4-bit weights: asked to (``INT4_WEIGHTS``), with torch's CPU 4-bit weight-only
+    matmul there (``_weight_int4pack_mm_for_cpu``)."""
+    return INT4_WEIGHTS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def int4_pack(q: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -28,8 +28,8 @@ untouched.
 Kept in 4 bits. The model's linears (:class:`~specray.models.layers.LinearBase`) built under
 :func:`~specray.models.layers.int_linears` (``load_model`` does, for a 4-bit checkpoint whose groups torch's kernel
 takes, on a device and dtype it runs) hold no dense weight: each stages its rank's integers as they load and then
-keeps them packed for torch's 4-bit weight-only matmul (:class:`Int4Weight`: tinygemm on CUDA in bf16, its CPU
-kernel here), a quarter of bf16's bytes. tinygemm computes ``W = (q - 8) * s + m`` per group, so ``m = (8 - z) s``
+keeps them packed for torch's 4-bit weight-only matmul (:class:`Int4Weight`: tinygemm on CUDA in bf16; on CPU its
+kernel, only when ``cpu_kernels.INT4_WEIGHTS`` asks, being slow there), a quarter of bf16's bytes. tinygemm computes ``W = (q - 8) * s + m`` per group, so ``m = (8 - z) s``
 holds a zero point z. A linear whose shape the kernel does not take, or whose groups straddle its rank's columns,
 is dequantized instead; one the checkpoint left unquantized loads its dense weight as any other.
 """
@@ -293,7 +293,8 @@ INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take
 
 def keeps_int4(scheme: IntScheme | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` keeps a checkpoint of ``scheme`` in 4 bits: 4-bit runs of
-    columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype) or on a CPU with its kernel."""
+    columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype), or on a CPU when asked to
+    (:func:`specray.models.cpu_kernels.has_int4_kernel`: its kernel is slow there)."""
     if scheme is None or scheme.bits != 4 or scheme.group_size not in INT4_GROUPS or scheme.act_order:
         return False
     if device.type == "cuda":
