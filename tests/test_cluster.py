@@ -374,8 +374,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain
     output; no block leaked; the ranks' processes never import transformers. EAGLE-2, Medusa and ReDrafter trees
     also for sampled requests, drawn from q and verified against it on rank 0: the same seeds give the same tokens as
-    one rank, and unseeded ones (each rank draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and
-    LM head gathered whole once; rank 1 holds nothing of it."""
+    one rank, and unseeded ones (each rank draws from a stream seeded alike) finish. ``-whole``
+    (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and LM head gathered
+    whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
     deepseek = target != tiny_llama_dir

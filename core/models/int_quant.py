@@ -29,9 +29,10 @@ Kept in 4 bits. The model's linears (:class:`~specray.models.layers.LinearBase`)
 :func:`~specray.models.layers.int_linears` (``load_model`` does, for a 4-bit checkpoint whose groups torch's kernel
 takes, on a device and dtype it runs) hold no dense weight: each stages its rank's integers as they load and then
 keeps them packed for torch's 4-bit weight-only matmul (:class:`Int4Weight`: tinygemm on CUDA in bf16; on CPU its
-kernel, only when ``cpu_kernels.INT4_WEIGHTS`` asks, being slow there), a quarter of bf16's bytes. tinygemm computes ``W = (q - 8) * s + m`` per group, so ``m = (8 - z) s``
-holds a zero point z. A linear whose shape the kernel does not take, or whose groups straddle its rank's columns,
-is dequantized instead; one the checkpoint left unquantized loads its dense weight as any other.
+kernel, only when ``cpu_kernels.INT4_WEIGHTS`` asks, being slow there), a quarter of bf16's bytes. tinygemm computes
+``W = (q - 8) * s + m`` per group, so ``m = (8 - z) s`` holds a zero point z. A linear whose shape the kernel does not
+take, or whose groups straddle its rank's columns, is dequantized instead; one the checkpoint left unquantized loads
+its dense weight as any other.
 """
 
 from __future__ import annotations
