@@ -99,7 +99,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "qwen2_moe", "phi3", "granite", "gpt_oss"}. Returns the
     folder."""
     import torch
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                              Gemma2Config, Gemma2ForCausalLM,
                               Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
                               Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -130,6 +131,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+                          "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -275,6 +277,16 @@ def tiny_deepseek_dir(tmp_path_factory) -> Path:
     # below the 1e-4 tolerance)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, initializer_range=0.05,
                             **DEEPSEEK_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_dir(tmp_path_factory) -> Path:
+    # DeepSeek-V2: V3's latent attention (interleaved RoPE pairs), a softmax router taking the top 2 from the best
+    # group of 4, times routed_scaling_factor
+    tiny = {k: v for k, v in DEEPSEEK_TINY.items() if k not in ("n_group", "topk_group")}
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v2"), "deepseek_v2", seed=12,
+                            initializer_range=0.05, topk_method="group_limited_greedy", n_group=4, topk_group=1,
+                            routed_scaling_factor=2.0, **tiny)
 
 
 @pytest.fixture(scope="session")

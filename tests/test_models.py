@@ -86,7 +86,8 @@ def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     """(ours, transformers) sharing the weights of a random tiny model built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                              Gemma2Config, Gemma2ForCausalLM,
                               Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
                               Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Phi3Config,
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -99,6 +100,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+               "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                "granite": (GraniteConfig, GraniteForCausalLM)}
     cfg_cls, model_cls = classes[arch]
@@ -292,6 +294,19 @@ def check_router(ours, hf, layer: int, num_experts: int, seed: int) -> None:
         our_weights, our_ids = ours.model.layers[layer].mlp.route(x)
     assert torch.equal(our_ids, ids) and len(set(ids.flatten().tolist())) == num_experts
     close(our_weights, weights)
+
+
+def check_unordered_router(ours, hf, layer: int = 1) -> torch.Tensor:
+    """Our router of ``layer`` picks transformers' experts for each token, in any order (DeepSeek's top k comes
+    unsorted), with their weights; returns transformers' ids, sorted per token."""
+    x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, weights, ids = hf.model.layers[layer].mlp.gate(x)
+        our_weights, our_ids = ours.model.layers[layer].mlp.route(x)
+    order, our_order = ids.sort(-1), our_ids.sort(-1)
+    assert torch.equal(our_order.values, order.values)
+    close(our_weights.gather(1, our_order.indices), weights.gather(1, order.indices))
+    return order.values
 
 
 MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
@@ -543,6 +558,28 @@ DEEPSEEK = dict(initializer_range=0.05, num_hidden_layers=3, first_k_dense_repla
                                  "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
+DEEPSEEK_V2 = {k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "topk_group", "rope_interleave")}
+
+
+@pytest.mark.parametrize("variant", ["lite", "group-limited"])
+def test_deepseek_v2_matches_transformers(contiguous, variant):
+    """DeepSeek-V2 (V2-Lite: a plain q_proj and the greedy top k; V2: q LoRA and the top k from the best group):
+    DeepSeek-V3's latent attention with its RoPE pairs interleaved (V2 rotates them as complex numbers), YaRN with
+    mscale, a dense first layer then MoE layers whose router takes the top k of a softmax over every expert, times
+    routed_scaling_factor, unnormalised; a full prefill and a chunked one against transformers; the router picks
+    transformers' experts with its weights."""
+    extra = {"lite": dict(q_lora_rank=None, topk_method="greedy"),
+             "group-limited": dict(topk_method="group_limited_greedy", n_group=4, topk_group=1)}[variant]
+    ours, hf = in_memory_pair("deepseek_v2", seed=13, **{**DEEPSEEK_V2, **extra})
+    check_variant(ours, hf, contiguous=contiguous)
+    chosen = check_unordered_router(ours, hf)
+    if variant == "group-limited":  # one group of two allowed: the greedy top 2 differ for some tokens
+        hf.model.layers[1].mlp.gate.topk_method = "greedy"
+        x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))  # the same tokens
+        with torch.no_grad():
+            assert not torch.equal(hf.model.layers[1].mlp.gate(x)[2].sort(-1).values, chosen)
+
+
 @pytest.mark.parametrize("variant", ["q-lora", "no-q-lora", "not-interleaved", "unabsorbed prefill"])
 def test_deepseek_v3_matches_transformers(contiguous, variant):
     """DeepSeek-V3: MLA over a latent paged cache (q LoRA or a plain q_proj, interleaved RoPE pairs or not, YaRN with
@@ -568,13 +605,7 @@ def test_deepseek_v3_matches_transformers(contiguous, variant):
     assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == [False, True, True]
     check_variant(ours, hf, contiguous=contiguous)
     assert bool(calls) == (variant == "unabsorbed prefill")
-    x = torch.randn(40, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        _, weights, ids = hf.model.layers[1].mlp.gate(x)
-        our_weights, our_ids = ours.model.layers[1].mlp.route(x)
-    order, our_order = ids.sort(-1), our_ids.sort(-1)
-    assert torch.equal(our_order.values, order.values)
-    close(our_weights.gather(1, our_order.indices), weights.gather(1, order.indices))
+    check_unordered_router(ours, hf)
 
 
 LLAMA4 = dict(num_hidden_layers=4, head_dim=16, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8,
@@ -959,7 +990,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "phi3", "phi3", 20, vocab_size=321, **PHI3_VARIANTS["longrope-partial"]),
                save_tiny(tmp_path / "gemma2", "gemma2", 23, vocab_size=321, num_key_value_heads=1, **GEMMA2,
                          **GEMMA2_CAPS),
-               save_tiny(tmp_path / "granite", "granite", 24, vocab_size=321, **GRANITE)]
+               save_tiny(tmp_path / "granite", "granite", 24, vocab_size=321, **GRANITE),
+               save_tiny(tmp_path / "deepseek-v2-ep", "deepseek_v2", 25, vocab_size=321, **DEEPSEEK_V2,
+                         topk_method="group_limited_greedy", n_group=4, topk_group=1)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

@@ -24,6 +24,9 @@ does not see the order).
 by input); the latent (``q_a_proj``, ``kv_a_proj_with_mqa``, their norms) and its cache are replicated on every rank,
 since every head reads all of it (splitting it would need a gather per layer; it is small).
 
+**DeepSeek-V2** (``DeepseekV2ForCausalLM``) is this model with its RoPE pairs always interleaved and its own router
+(:mod:`specray.models.moe`'s ``scaled_softmax`` row: the top k of a softmax, optionally group-limited, scaled).
+
 **MoE**: layers from ``first_k_dense_replace`` on use :class:`~specray.models.moe.SparseMoE` with DeepSeek's grouped
 sigmoid router and shared experts; the ones before, a dense MLP. The MTP layers (``model.layers.{L..}``) are the
 MTP drafter's, skipped here.
@@ -158,7 +161,8 @@ class MLAttention(nn.Module):
         self.num_heads = divide(config.num_attention_heads, tp.size, "num_attention_heads")
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.rank = config.kv_lora_rank
-        self.interleave = bool(getattr(config, "rope_interleave", False))
+        # interleaved RoPE pairs: a checkpoint's rope_interleave (V3), always for V2 (its rotation is complex)
+        self.interleave = bool(getattr(config, "rope_interleave", False)) or config.model_type == "deepseek_v2"
         one, bias, h = TPGroup.single(), bool(config.attention_bias), config.hidden_size
         heads = config.num_attention_heads
         if config.q_lora_rank is None:

@@ -70,7 +70,8 @@ _FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(
 class MoEFamily:
     """How one family's sparse block is named, routed and stored."""
 
-    # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4), "topk_softmax" (GPT-OSS)
+    # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4), "topk_softmax" (GPT-OSS),
+    # "scaled_softmax" (DeepSeek-V2: the softmax's top k, optionally from the best groups, times routed_scaling_factor)
     routing: str
     num_experts: str  # the config field that counts the routed experts
     expert_width: str  # the config field of one expert's intermediate width
@@ -92,6 +93,8 @@ FAMILIES = {
                            shared_width="shared_expert_intermediate_size", shared_gate="shared_expert_gate"),
     "mixtral": MoEFamily("softmax", "num_local_experts", "intermediate_size", normalized=True),
     "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
+                             shared_width="moe_intermediate_size"),
+    "deepseek_v2": MoEFamily("scaled_softmax", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
     "llama4_text": MoEFamily("topk_sigmoid", "num_local_experts", "intermediate_size", router="router",
                              shared="shared_expert", shared_width="intermediate_size", scale_input=True,
@@ -128,6 +131,15 @@ class Router(nn.Module):
         self.bias = _param(num_experts) if bias else None
 
 
+def _topk_method(config) -> str:
+    """DeepSeek-V2's ``topk_method``: "greedy" (the top k of every expert) or "group_limited_greedy"."""
+    method = getattr(config, "topk_method", None) or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={method!r} is not supported for model_type={config.model_type!r}; "
+                         "'greedy' or 'group_limited_greedy' is")
+    return method
+
+
 def _load_as_row(param: nn.Parameter, tensor: Any) -> None:
     """A [1, H] weight from a checkpoint tensor of H values in any shape ([1, H], [H], [1, 1, H])."""
     value = materialize(tensor)
@@ -150,9 +162,12 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", family.normalized))
         self.grouped = family.routing == "grouped_sigmoid"
-        if self.grouped:
-            self.n_group, self.topk_group = config.n_group, config.topk_group
+        # DeepSeek-V2's top k from the topk_group best groups (each group worth its best expert's probability)
+        self.group_limited = family.routing == "scaled_softmax" and _topk_method(config) == "group_limited_greedy"
+        if family.routing in ("grouped_sigmoid", "scaled_softmax"):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
+        if self.grouped or self.group_limited:
+            self.n_group, self.topk_group = config.n_group, config.topk_group
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(f"n_routed_experts={self.num_experts}, n_group={self.n_group}, topk_group="
                                  f"{self.topk_group}: the experts must split into n_group groups and 0 < topk_group "
@@ -224,11 +239,26 @@ class SparseMoE(nn.Module):
             if self.family.routing == "topk_softmax":
                 return F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), ids
             return torch.sigmoid(logits.float()).to(x.dtype), ids
+        if self.family.routing == "scaled_softmax":
+            return self._route_scaled(x)
         probs = F.softmax(F.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
+
+    def _route_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V2: p = softmax(x W^T) in float32 over every expert; the top k of p (group-limited: of the experts
+        in the topk_group groups with the best max p, the others' p taken as 0), each weight p * routed_scaling_factor
+        (not renormalised)."""
+        probs = F.softmax(F.linear(x.float(), self.router_module.weight.float()), dim=-1)  # [T, E]
+        if self.group_limited:
+            t, e, g = x.shape[0], self.num_experts, self.n_group
+            groups = probs.view(t, g, e // g).amax(dim=-1).topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+            allowed = torch.zeros(t, g, dtype=torch.bool, device=x.device).scatter_(1, groups, True)
+            probs = probs.masked_fill(~allowed.repeat_interleave(e // g, dim=1), 0.0)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e, g = x.shape[0], self.num_experts, self.n_group

@@ -19,16 +19,16 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "gemma2": "Gemma2ForCausalLM",
-                "gpt_oss": "GptOssForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
