@@ -96,12 +96,13 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
-    "qwen2_moe", "phi3", "granite", "gpt_oss"}. Returns the
+    "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2"}. Returns the
     folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                               Gemma2Config, Gemma2ForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM,
                               Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -137,7 +138,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                           "phi3": (Phi3Config, Phi3ForCausalLM),
                           "granite": (GraniteConfig, GraniteForCausalLM),
-                          "gpt_oss": (GptOssConfig, GptOssForCausalLM)}[arch]
+                          "gpt_oss": (GptOssConfig, GptOssForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -147,6 +148,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
+            elif arch == "olmo2" and name.endswith("norm.weight"):  # ones at init: random, so a wrong slice shows
+                param.uniform_(0.5, 1.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
@@ -231,6 +234,12 @@ GRANITE_TINY = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, re
 @pytest.fixture(scope="session")
 def tiny_granite_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_granite"), "granite", seed=11, **GRANITE_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory) -> Path:
+    # post-norm layers, q/k normed over all heads
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_olmo2"), "olmo2", seed=13, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, MistralConfig, MistralForCausalLM
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                               Gemma2Config, Gemma2ForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM,
                               Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM, Phi3Config,
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -102,7 +103,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
-               "granite": (GraniteConfig, GraniteForCausalLM)}
+               "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -117,6 +118,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                 param.normal_(0.0, 0.1)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
+            elif arch == "olmo2" and name.endswith("norm.weight"):  # ones at init: random, so a wrong slice shows
+                param.uniform_(0.5, 1.5)
     ours = get_model_class(config)(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
     return ours, hf
@@ -375,6 +378,12 @@ def test_granite_matches_transformers(contiguous, multipliers):
     scaled by its config's multipliers (Granite 3.0's values, and all ones), on a full and a chunked prefill."""
     chosen = GRANITE if multipliers == "granite" else dict.fromkeys(GRANITE, 1.0)
     check_variant(*in_memory_pair("granite", seed=25, **chosen), contiguous=contiguous)
+
+
+def test_olmo2_matches_transformers(contiguous):
+    """OLMo 2: post-norm layers (each block's output normed before it joins the stream) and q/k RMS-normed over all
+    heads at once (random norm weights, so a per-head norm or a wrong slice shows); a full and a chunked prefill."""
+    check_variant(*in_memory_pair("olmo2", seed=26), contiguous=contiguous)
 
 
 def test_phi3_checkpoint_that_does_not_fit_its_config_is_named():
@@ -971,9 +980,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     Qwen3-MoE's experts split by width and (expert parallel) by whole experts, Gemma 3's sandwich layers and two
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
     chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
-    attention (one KV head, replicated), Phi-3's fused projections
-    split into each rank's heads and widths (with partial LongRoPE), GPTQ and AWQ releases (AWQ's kept in 4 bits),
-    tied and untied heads; decode attention both as the padded batch and one sequence at a time."""
+    attention (one KV head, replicated), OLMo 2's q/k norms over all heads (summed over the ranks), Phi-3's fused
+    projections split into each rank's heads and widths (with partial LongRoPE), GPTQ and AWQ releases (AWQ's kept in
+    4 bits), tied and untied heads; decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -991,6 +1000,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "gemma2", "gemma2", 23, vocab_size=321, num_key_value_heads=1, **GEMMA2,
                          **GEMMA2_CAPS),
                save_tiny(tmp_path / "granite", "granite", 24, vocab_size=321, **GRANITE),
+               save_tiny(tmp_path / "olmo2", "olmo2", 27, vocab_size=321),
                save_tiny(tmp_path / "deepseek-v2-ep", "deepseek_v2", 25, vocab_size=321, **DEEPSEEK_V2,
                          topk_method="group_limited_greedy", n_group=4, topk_group=1)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole

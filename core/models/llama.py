@@ -247,10 +247,11 @@ class StageModel(nn.Module):
 
 class LlamaModel(StageModel):
     embedding_multiplier = 1.0  # Granite's (the families built on this stack's forward keep 1)
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # a family with other layers on this stack gives its own
 
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
-        self.build_stage(config, pp, lambda i: LlamaDecoderLayer(config, tp, i, expert_parallel),
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         rope = rope_parameters(config, partial=True)

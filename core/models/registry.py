@@ -16,6 +16,7 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Phi3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "GraniteForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -28,7 +29,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                "olmo2": "Olmo2ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
