@@ -15,7 +15,7 @@
   load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8.
 * 4-bit weights. PyTorch's CPU kernel for 4-bit weight-only matmuls runs fp32 activations many times slower than
   the dense matmul (``benchmarks/bench_int4.py``), so on CPU a 4-bit release's linears are dequantized at load unless
-  ``INT4_WEIGHTS`` says to keep them (:func:`has_int4_kernel`); a GPU keeps them (tinygemm).
+  ``INT4_WEIGHTS`` says to keep them (:func:`keeps_int4_weights`); a GPU keeps them (tinygemm).
 
 ``benchmarks/bench_rows.py`` and ``benchmarks/bench_long_context.py`` measure these thresholds; ``docs/`` keeps
 the results.
@@ -104,7 +104,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return y if bias is None else y + bias
 
 
-def has_int4_kernel() -> bool:
+def keeps_int4_weights() -> bool:
     """Whether a CPU model keeps 4-bit weights: asked to (``INT4_WEIGHTS``), with torch's CPU 4-bit weight-only
     matmul there (``_weight_int4pack_mm_for_cpu``)."""
     return INT4_WEIGHTS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

@@ -295,12 +295,12 @@ INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take
 def keeps_int4(scheme: IntScheme | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` keeps a checkpoint of ``scheme`` in 4 bits: 4-bit runs of
     columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype), or on a CPU when asked to
-    (:func:`specray.models.cpu_kernels.has_int4_kernel`: its kernel is slow there)."""
+    (:func:`specray.models.cpu_kernels.keeps_int4_weights`: its kernel is slow there)."""
     if scheme is None or scheme.bits != 4 or scheme.group_size not in INT4_GROUPS or scheme.act_order:
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16
-    return device.type == "cpu" and cpu_kernels.has_int4_kernel() and dtype in (torch.float32, torch.bfloat16)
+    return device.type == "cpu" and cpu_kernels.keeps_int4_weights() and dtype in (torch.float32, torch.bfloat16)
 
 
 class Int4Weight(torch.nn.Module):

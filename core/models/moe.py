@@ -302,11 +302,10 @@ class SparseMoE(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``e``'s MLP of its tokens ``x`` [n, H] (this rank's share when split by width)."""
         w13, w2 = (self._weight(w, s, e, x.dtype) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
-        if self.w13_bias is None:
-            gate, up = F.linear(x, w13).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, w2)
-        gate, up = F.linear(x, w13, self.w13_bias[e]).chunk(2, dim=-1)
-        return F.linear(self._activate(gate, up), w2, self.w2_bias[e] if self.adds_down_bias else None)
+        b13 = None if self.w13_bias is None else self.w13_bias[e]
+        b2 = self.w2_bias[e] if self.w2_bias is not None and self.adds_down_bias else None
+        gate, up = F.linear(x, w13, b13).chunk(2, dim=-1)
+        return F.linear(self._activate(gate, up), w2, b2)
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not self.family.clamped:
