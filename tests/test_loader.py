@@ -713,6 +713,35 @@ def test_int_release_of_other_layouts(request, tmp_path, fixture, kept, int4_wei
     assert (prefill_logits(model, ids) - prefill_logits(load_model(ref, pack=False), ids)).abs().max() < TOL
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA's 4-bit kernel (tinygemm) needs a GPU"))])
+def test_dummy_weights_of_a_4_bit_release(tiny_llama_dir, tmp_path, device, int4_weights):
+    """load_format="dummy" of a 4-bit release's config (timing the 4-bit kernel at a real size with no checkpoint):
+    its linears hold random integers kept in 4 bits, no dense weight, values within the dummy range (the LM head
+    and norms dense, as a release's are); the engine runs it; on a CPU that dequantizes 4-bit weights, dense."""
+    from specray import LLM, SamplingParams
+    from specray.models import cpu_kernels
+
+    quant, _ = write_int(tiny_llama_dir, tmp_path, "awq4-g32")
+    folder = tmp_path / "config_only"
+    shutil.copytree(quant, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    dtype = torch.bfloat16
+    net = load_model(str(folder), load_format="dummy", dtype=dtype, device=device)
+    kept = int4_linears(net)
+    assert len(kept) == 8 and all(m.weight.numel() == 0 for m in kept)
+    eye = torch.eye(kept[0].dense_shape[1], dtype=dtype, device=device)
+    weight = kept[0].int4.matmul(eye).float()  # x = I: the weight the kernel applies, transposed
+    assert 0 < weight.abs().max() <= loader.DUMMY_WEIGHT_RANGE * 1.01 and weight.unique().numel() > 8
+    assert torch.isfinite(prefill_logits(net, list(range(3, 20))).float()).all()
+    out = LLM(model=str(folder), max_model_len=64, load_format="dummy", dtype="bfloat16", device=device).generate(
+        ["Hello there"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    if device == "cpu":
+        cpu_kernels.INT4_WEIGHTS = False  # (int4_weights restores it)
+        dense = load_model(str(folder), load_format="dummy", dtype=dtype)
+        assert not int4_linears(dense) and all(p.numel() for p in dense.parameters())
+
+
 def test_a_cpu_dequantizes_4_bit_weights_unless_asked_to_keep_them(tiny_llama_dir, tmp_path):
     """On CPU (whose 4-bit kernel is slow in fp32) a 4-bit release's linears are dequantized at load by default: no
     4-bit linear, the same logits as the dequantized twin's."""

@@ -292,6 +292,15 @@ class IntStaging:
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take
 
 
+def random_int4(rows: int, cols: int, group_size: int, limit: float, device: torch.device) -> IntWeight:
+    """A random 4-bit weight [rows, cols] of values in [-limit, limit] (q uniform in 0..15 about a zero point of 8),
+    made on ``device``: a dummy model's (``load_format="dummy"``) linear kept in 4 bits."""
+    groups = -(-cols // group_size)
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, device=device)
+    scale = torch.full((rows, groups), limit / 8, device=device)
+    return IntWeight(q, scale, torch.full_like(scale, 8.0), group_size, 4)
+
+
 def keeps_int4(scheme: IntScheme | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` keeps a checkpoint of ``scheme`` in 4 bits: 4-bit runs of
     columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype), or on a CPU when asked to

@@ -29,11 +29,12 @@ from torch import nn
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
-from specray.models.int_quant import dequantized as int_dequantized, int_scheme, keeps_int4
+from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
+    random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
-from specray.models.layers import int_linears, keep_int4_weights
+from specray.models.layers import LinearBase, int_linears, keep_int4_weights
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part
 from specray.parallel import PPGroup, TPGroup
@@ -324,13 +325,12 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         config, prefix = part
     model_cls = get_model_class(config)
     # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant)
-    ints = not dummy and keeps_int4(int_scheme(checkpoint_quantization(source)), torch.device(device), dtype)
+    scheme = int_scheme(checkpoint_quantization(source))
+    ints = keeps_int4(scheme, torch.device(device), dtype)
     with _default_dtype(dtype), torch.device(device), int_linears(ints):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
-        with torch.no_grad():
-            for param in net.parameters():
-                param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
+        _dummy_weights(net, scheme if ints else None)
     else:
         net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None)))
         if ints:
@@ -341,6 +341,26 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     if pack and can_pack(torch.device(device).type, str(dtype).removeprefix("torch.")):
         pack_linear_weights(net)
     return net
+
+
+@torch.no_grad()
+def _dummy_weights(net: nn.Module, ints: IntScheme | None) -> None:
+    """Random weights (``load_format="dummy"``). ``ints``: a 4-bit release's scheme, whose linears (built under
+    ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy
+    model times the 4-bit kernel at a real size; a linear the kernel cannot take, or one read as a matrix, is dense."""
+    for param in net.parameters():
+        param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
+    if ints is None:
+        return
+    for module in net.modules():
+        if isinstance(module, LinearBase) and module.keeps_ints and module.weight.numel() == 0:
+            w = module.weight
+            if not module.keeps_dense_weight:
+                rows, cols = module.dense_shape
+                module.int4 = pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
+                                        w.device, w.dtype)
+            if module.int4 is None:
+                module.dense_weight().uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
