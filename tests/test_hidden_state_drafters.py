@@ -249,8 +249,8 @@ def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_
     padded = build_attention_metadata([1] * 4, [5, 6, 7, 0], [[0, 1] + scratch, [2, 3] + scratch, [4, 5] + scratch,
                                                              scratch], 4, drafter.graphs.device,
                                       min_ctx_blocks=key[2], read_in_place=False)
-    ids = torch.tensor([3, 4, 5, 0])
-    feedback = torch.randn(4, drafter.head.hidden_size)
+    ids = torch.tensor([3, 4, 5, 0], device=drafter.graphs.device)  # on the device, as the drafter passes them
+    feedback = torch.randn(4, drafter.head.hidden_size, device=drafter.graphs.device)
     with torch.inference_mode(), no_host_sync():
         drafter.graphs._load(graph, padded, ids, (feedback,))
         drafter.head(graph.input_ids, graph.inputs[0], graph.meta)

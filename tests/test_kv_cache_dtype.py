@@ -129,6 +129,7 @@ def test_fp8_cache_holds_more_blocks_and_bad_names_are_refused(tiny_llama_dir):
 
 def test_kv_cache_dtype_and_hf_overrides_flags_reach_the_engine(tiny_llama_dir):
     """`--kv-cache-dtype` and `--hf-overrides` on `specray generate` and `specray serve` (vLLM's flags)."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
     from specray.cluster.serve import ServeArgs
 

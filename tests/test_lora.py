@@ -358,6 +358,7 @@ def test_server_serves_adapters_under_their_names(adapters, tiny_llama_dir):
     """vLLM's --lora-modules: /v1/models lists each adapter with its base model as parent and its folder as root;
     a completion or chat whose model names an adapter runs with it (greedy tokens of the merged model) and answers
     under its name; the base model's name runs without; an unknown name is a 404."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.openai_app import ServerConfig
 
     requests, expected = adapters
@@ -389,6 +390,7 @@ def test_server_loads_adapters_from_a_folder_when_asked(adapters, tiny_llama_dir
     """Ray Serve LLM's dynamic_lora_loading_path: "<model>:<name>" runs with the adapter folder <name> of the
     folder, one put there after the server started too; /v1/models lists the folder's adapters as they are; a
     name with no folder, or one that is not a plain folder name, is a 404."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     import shutil
 
     from specray.cluster.openai_app import ServerConfig
@@ -437,6 +439,7 @@ def test_serve_args_read_lora_modules(adapters, tiny_llama_dir, tmp_path):
     """`specray serve --lora-modules a=PATH '{"name": "b", "path": PATH}'` turns enable_lora on and serves both
     (ids 1 and 2, the served model their parent); a missing folder, a duplicate name or a rank above
     --max-lora-rank stop the server before Ray starts."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.cli import build_parser, serve_app_args
     from specray.cluster.serve import ServeArgs
 
@@ -511,6 +514,7 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
     VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter serves under its name (the merged model's greedy tokens),
     load_inplace replaces it, an unloaded one is a 404; a taken name, a second load or a bad folder is a 400; the
     routes exist only when asked for."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.openai_app import ServerConfig
     from specray.cluster.serve import ServeArgs
 
@@ -551,6 +555,7 @@ def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir)
     loaded through one serves through the other under the same id, replaced in place through the other, unloaded
     through the first is a 404 on both; while the registry is down, naming a runtime adapter is a 503 to retry and
     the base model still serves."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.openai_app import ServerConfig
     from specray.cluster.serve import SharedRuntimeAdapters, SpecrayAdapterRegistry
     from specray_test_fakes import FakeDeploymentHandle
@@ -589,6 +594,7 @@ def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir)
 def test_several_replicas_get_one_adapter_registry(tiny_llama_dir):
     """With runtime LoRA updating and several replicas, the app binds one registry deployment (one replica) to the
     ingress; with one replica, none (the ingress keeps its own)."""
+    pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.serve import build_app
 
     def shared(num_replicas: int) -> dict[str, str]:

@@ -28,6 +28,7 @@ and no host sync in the forward, which a capture would refuse).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -37,6 +38,9 @@ from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, PagedAt
 from specray.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
+# one capture at a time in a process: capturing synchronizes the device and empties the allocator's cache, which
+# another thread's capture must not see (a drafter's graphs and the target's, in pipelined or async steps)
+_CAPTURE_LOCK = threading.Lock()
 
 
 def graphs_wanted(enforce_eager: bool | None, device: torch.device) -> bool:
@@ -102,6 +106,9 @@ class StepGraphs:
         self.device = device
         self.capture = device.type == "cuda"
         self.pool = None  # one memory pool shared by every graph (they never run at once)
+        # a stream of its own to capture on: torch's default capture stream is one per process, and a drafter's
+        # graphs may be captured while the target's are, in another thread (pipelined or async steps)
+        self.stream = None
         self.graphs: dict[StepShape, _Graph] = {}
 
     @staticmethod
@@ -217,18 +224,21 @@ class StepGraphs:
             return graph
         logger.info("capturing a CUDA graph of %s for %d sequences x %d tokens, %d context blocks each",
                     type(self.model).__name__, meta.num_seqs, meta.short.max_query_len, meta.short.num_ctx_blocks)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
-            self._forward(input_ids, static, held)
-            self._own_masks(static)
-            self._forward(input_ids, static, held)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, aux = self._forward(input_ids, static, held)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream
+        with _CAPTURE_LOCK:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
+                self._forward(input_ids, static, held)
+                self._own_masks(static)
+                self._forward(input_ids, static, held)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                hidden, aux = self._forward(input_ids, static, held)
         graph = _Graph(static, input_ids, hidden, aux, cuda_graph, held)
         self._load(graph, meta, ids, inputs)
         cuda_graph.replay()
