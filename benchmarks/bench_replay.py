@@ -26,10 +26,10 @@ out the engine's own host work (scheduling, drafting, detokenizing: ~0.5% of a s
 
     python benchmarks/bench_replay.py --batch 1,8 --num-spec-tokens 5,15 --prompt-lookup-min 2,1
 
-``--cost-curve FILE`` replays on a curve from a file instead (one measured on other hardware and saved by the same
-option, or a synthetic one such as ``benchmarks/cost_flat_synthetic.json``: a step that costs the same up to 64
-tokens, as a memory-bound small model's step does on a GPU; made up, not measured), to see how the policy sizes
-drafts where verification is nearly free.
+``--cost-curve FILE`` replays on a curve from a file instead (one measured on other hardware, by ``cost_curve.py``
+on a GPU from CUDA graphs, or saved by the same option; or a synthetic one such as
+``benchmarks/cost_flat_synthetic.json``: a step that costs the same up to 64 tokens, as a memory-bound small model's
+step does on a GPU; made up, not measured), to see how the policy sizes drafts where verification is nearly free.
 """
 
 from __future__ import annotations

