@@ -156,6 +156,8 @@ class LLM:
         to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            _check_text_only(conversation)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
@@ -165,6 +167,9 @@ class LLM:
                              use_tqdm, lora_request=lora_request)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("multi_modal_data is not supported: the served models read text only (of a multimodal "
+                             "release, its text model); send the prompt without images or video")
         if isinstance(prompt, str):
             return prompt, self.get_tokenizer().encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -278,3 +283,15 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Generating", unit="req")
+
+
+def _check_text_only(messages: list[dict]) -> None:
+    """A ValueError for a message content part that is not text (an image's, a video's): the served models read text
+    only, and a chat template would otherwise render its placeholder with nothing behind it."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"messages[{i}].content[{j}] of type {kind!r} is not supported: the served models "
+                                 "read text only; send {'type': 'text', 'text': ...} parts or a string")

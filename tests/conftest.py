@@ -52,6 +52,7 @@ _register_helper("engine_runs")  # the prompts and greedy parameters of the engi
 _register_helper("checkpoints")  # FP8 releases and per-expert layouts written from the tiny models
 _register_helper("host_sync")  # a dispatch mode that records every op needing a tensor's value on the host
 _register_helper("fakes")  # stand-ins for Ray Serve pieces (a deployment's handle)
+_register_helper("model_checks")  # logits chunk by chunk over a paged cache (per-family tests)
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -96,8 +97,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
-    "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2"}. Returns the
-    folder."""
+    "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3", "ernie4_5", "seed_oss"}.
+    Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                               Gemma2Config, Gemma2ForCausalLM,
@@ -107,7 +108,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -138,7 +142,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                           "phi3": (Phi3Config, Phi3ForCausalLM),
                           "granite": (GraniteConfig, GraniteForCausalLM),
-                          "gpt_oss": (GptOssConfig, GptOssForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}[arch]
+                          "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+                          "gpt_oss": (GptOssConfig, GptOssForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+                          "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+                          "olmo3": (Olmo3Config, Olmo3ForCausalLM), "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
+                          "seed_oss": (SeedOssConfig, SeedOssForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -148,12 +156,18 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif arch == "olmo2" and name.endswith("norm.weight"):  # ones at init: random, so a wrong slice shows
-                param.uniform_(0.5, 1.5)
+            elif arch in ("olmo2", "olmo3") and name.endswith("norm.weight"):  # ones at init: random, so a
+                param.uniform_(0.5, 1.5)  # wrong slice shows
+            elif arch in ("ernie4_5", "seed_oss") and name.endswith(".bias"):  # zeros at init: random, so they show
+                param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
                 param.normal_(0.0, 0.5)
+        if arch in ("glm4_moe", "deepseek_v3"):  # the router's correction bias, a buffer of zeros at init: random
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -243,6 +257,40 @@ def tiny_olmo2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory) -> Path:
+    # 4 layers, the 2nd and the 4th without RoPE (SmolLM3's no_rope_layers: 1 where a layer rotates)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_smollm3"), "smollm3", seed=14, num_hidden_layers=4,
+                            no_rope_layers=[1, 0, 1, 0], tie_word_embeddings=True)
+
+
+# OLMo 3's kinds of layer: three sliding (a window of 8) to one full, each kind with its own RoPE (the full layers'
+# YaRN-scaled at another base, as the long-context releases scale theirs)
+OLMO3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 256}}
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo3_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_olmo3"), "olmo3", seed=15, num_hidden_layers=4,
+                            sliding_window=8, rope_parameters=OLMO3_ROPE, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_ernie4_5_dir(tmp_path_factory) -> Path:
+    # RoPE on interleaved pairs; use_bias on every projection (random biases); head_dim apart from hidden / heads
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_ernie4_5"), "ernie4_5", seed=16, head_dim=24,
+                            use_bias=True, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_seed_oss_dir(tmp_path_factory) -> Path:
+    # q/k/v biases (random), none on o_proj (attention_out_bias off); head_dim apart from hidden / heads
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_seed_oss"), "seed_oss", seed=17, head_dim=24,
+                            attention_bias=True, attention_out_bias=False, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
     # layers 0 and 2 sparse (8 experts, top 2, a gated shared expert), layer 1 dense
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_moe"), "qwen2_moe", seed=9, num_hidden_layers=3,
@@ -286,6 +334,19 @@ def tiny_deepseek_dir(tmp_path_factory) -> Path:
     # below the 1e-4 tolerance)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek"), "deepseek_v3", seed=6, initializer_range=0.05,
                             **DEEPSEEK_TINY)
+
+
+# GLM-4.5 at a tiny size: a dense first layer, then experts under DeepSeek-V3's grouped router (with a random
+# correction bias); q/k/v biases, q/k norms, a head_dim apart from hidden_size / heads, half of each head rotated;
+# tied (the releases are not), so that an MTP layer passing the token's embedding through drafts it again
+GLM4_MOE_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                     head_dim=24, attention_bias=True, use_qk_norm=True, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_glm4_moe"), "glm4_moe", seed=15, **GLM4_MOE_TINY)
 
 
 @pytest.fixture(scope="session")

@@ -192,12 +192,13 @@ def write_redrafter(folder: Path, target_dir: Path, seed: int = 0, std: float = 
 
 
 def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting: bool = True,
-                       alpha: float = 0.1) -> Path:
-    """A copy of a tiny DeepSeek-V3 target's folder with one MTP module added at ``model.layers.{L}``: a DeepSeek
-    block (latent attention, experts with a shared one) from a random model one layer deeper, plus ``enorm``,
-    ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``accepting``: ``eh_proj`` passes the token's embedding
-    through and the block's outputs are scaled by ``alpha``, so the module mostly drafts "the same token again"
-    (as :func:`write_accepting_head`'s heads do)."""
+                       alpha: float = 0.1, bias_std: float = 0.0) -> Path:
+    """A copy of a tiny DeepSeek-V3 (or GLM-4.5, laid out alike) target's folder with one MTP module added at
+    ``model.layers.{L}``: the family's block (DeepSeek's latent attention or GLM's, experts with a shared one) from a
+    random model one layer deeper, plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``accepting``:
+    ``eh_proj`` passes the token's embedding through and the block's outputs are scaled by ``alpha``, so the module
+    mostly drafts "the same token again" (as :func:`write_accepting_head`'s heads do). ``bias_std``: the block's
+    router correction bias drawn with this spread (0: transformers' zeros at init)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -215,6 +216,8 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
     for name, tensor in deeper.state_dict().items():
         if name.startswith(p):
             weights[name] = tensor.detach().clone().contiguous()
+            if bias_std and name.endswith("e_score_correction_bias"):
+                weights[name] = torch.randn(tensor.shape, generator=gen) * bias_std
     eh = torch.randn(h, 2 * h, generator=gen) * 0.2
     if accepting:
         eh = torch.cat([torch.eye(h), alpha * eh[:, h:]], 1)

@@ -131,12 +131,12 @@ def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, o
 
 FAMILY_CASES = [("tiny_qwen3_dir", False), ("tiny_gemma3_dir", False), ("tiny_qwen3_moe_dir", True),
                 ("tiny_deepseek_dir", False), ("tiny_deepseek_dir", True), ("tiny_llama4_dir", True),
-                ("tiny_mixtral_dir", False)]
+                ("tiny_mixtral_dir", False), ("tiny_glm4_moe_dir", False)]
 
 
 @pytest.mark.parametrize("fixture,expert_parallel", FAMILY_CASES,
                          ids=["qwen3", "gemma3", "qwen3-moe-ep", "deepseek-v3", "deepseek-v3-ep", "llama4-ep",
-                              "mixtral"])
+                              "mixtral", "glm4-moe"])
 def test_tp_matches_one_rank_step_by_step_for_every_family(request, fixture, expert_parallel):
     """The same over two Ray ranks for the newer families (experts split by width, or whole with
     enable_expert_parallel; DeepSeek's latent cache replicated on both): plain at batch 1, and with randomly
@@ -302,10 +302,14 @@ def test_pipeline_ranks_are_numbered_node_by_node(tiny_llama_dir):
 def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
     """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case:
     EAGLE-3 (chains; ``-tree``: EAGLE-2 trees; ``-whole``: unsplit), three MTP modules on the tiny Llama, DeepSeek-V3's
-    own MTP module (``-ep``: experts whole per rank), Medusa, ReDrafter; heads written to accept often."""
+    own MTP module (``-ep``: experts whole per rank), GLM-4.5's, Medusa, ReDrafter; heads written to accept often."""
     if method.startswith("deepseek-mtp"):
         target = request.getfixturevalue("tiny_deepseek_dir")
         return target, draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {
+            "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    if method == "glm-mtp":
+        target = request.getfixturevalue("tiny_glm4_moe_dir")
+        return target, draft_heads.write_deepseek_mtp(tmp_path / "glm_mtp", target, bias_std=0.1), {
             "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
     if method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
@@ -358,8 +362,8 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
         engine.shutdown()
 
 
-HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "medusa",
-              "redrafter", "redrafter-whole"]
+HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "glm-mtp",
+              "medusa", "redrafter", "redrafter-whole"]
 DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
 
 
@@ -367,7 +371,8 @@ DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (chains and EAGLE-2
     trees), three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent
-    attention and experts: split by width, or whole per rank with the target's enable_expert_parallel), Medusa's
+    attention and experts: split by width, or whole per rank with the target's enable_expert_parallel), GLM-4.5's
+    (its block's grouped-query attention split by head, partial RoPE, experts split by width), Medusa's
     heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads). Each rank
     holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
     LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:
@@ -379,7 +384,7 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
-    deepseek = target != tiny_llama_dir
+    deepseek = method.startswith("deepseek")
     references = run_to_end(engine_for(target), prompts)
     split = not method.endswith("-whole")
     one_rank = engine_for(model, speculative_config=spec)

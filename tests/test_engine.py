@@ -41,7 +41,7 @@ def test_plain_matches_transformers(tiny_llama_dir, plain, plain_outputs):
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir",
                                      "tiny_deepseek_dir", "tiny_llama4_dir", "tiny_mixtral_dir", "tiny_qwen2_moe_dir",
                                      "tiny_phi3_dir", "tiny_gemma2_dir", "tiny_granite_dir", "tiny_deepseek_v2_dir",
-                                     "tiny_olmo2_dir"])
+                                     "tiny_olmo2_dir", "tiny_glm4_moe_dir"])
 def test_other_families_plain_and_ngram_match_transformers(request, fixture):
     folder = request.getfixturevalue(fixture)
     llm = LLM(model=str(folder), max_model_len=256)

@@ -6,10 +6,7 @@ greedy output, plain and with n-gram drafts, equals transformers' ``generate``."
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,20 +15,18 @@ import pytest
 import torch
 
 from specray.models import cpu_kernels
-from specray.models.attention import build_attention_metadata
-from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_model
 from specray.models.mxfp4 import FP4_VALUES, SCALE_BIAS, dequantized
+from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, prompt,  # tests/model_checks.py
+                                       run_ranks, WORKER_PRELUDE)
 
 TOL = 1e-4
-BLOCK = 4
 # 3 layers (sliding, full, sliding; a window of 6), 4 experts of width 32 (top 2), a SwiGLU limit of 1 that the
 # gates and ups of these weights cross, YaRN (factor 4, untruncated correction range) within the positions run here
 GPT_OSS_TINY = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                     sliding_window=6, swiglu_limit=1.0, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256})
-PROMPT_LEN = 40  # far past the window
 
 
 @pytest.fixture(scope="module")
@@ -49,30 +44,6 @@ def reference(tiny_gpt_oss_dir) -> torch.Tensor:
         return hf(torch.tensor([prompt()])).logits[0].float()
 
 
-def prompt(seed: int = 0) -> list[int]:
-    return torch.randint(0, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0) -> torch.Tensor:
-    """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks -> logits [L, V]."""
-    allocate_kv_cache(model, 64, BLOCK)
-    table = random.Random(seed).sample(range(64), -(-len(ids) // BLOCK))
-    out, start = [], 0
-    for n in sizes:
-        meta = build_attention_metadata([n], [start], [table], BLOCK)
-        out.append(model.compute_logits(model(torch.tensor(ids[start: start + n]), meta)))
-        start += n
-    return torch.cat(out)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
-# a full prefill; a chunked one (17 tokens: attended alone; 9 and 3: short queries over a context) then decode steps
-SCHEDULES = {"prefill": [PROMPT_LEN], "chunked+decode": [17, 9, 3] + [1] * (PROMPT_LEN - 29)}
 
 
 @pytest.mark.parametrize("path", ["batched", "own"])
@@ -174,25 +145,7 @@ def test_mxfp4_blocks_without_scales_are_refused():
 
 # one rank of two: argv is its rank, the stages (1: tensor parallel), the rendezvous port, the result's folder and the
 # model folders; it writes {folder: [its layers, its heads' sinks, the diff to one rank's logits or None]}
-WORKER = textwrap.dedent("""
-    import gc, json, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_model
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, stages, port, out, *folders = sys.argv[1:]
-    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", int(stages))
-    ids = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(0))
-    tables = [[5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]]  # shuffled (gathered), consecutive
-
-    @torch.no_grad()
-    def logits(model):  # prefills of 20 (past the window) and 7 tokens, then a step of 4 and 1
-        allocate_kv_cache(model, 32, 4)
-        hidden = [model(ids[:27], plan([20, 7], [0, 0], tables, 4)), model(ids[27:], plan([4, 1], [20, 7], tables, 4))]
-        return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
+WORKER = WORKER_PRELUDE + textwrap.dedent("""
 
     result = {}
     for folder in folders:  # a folder named *-ep: the experts split whole over the ranks
@@ -210,14 +163,7 @@ WORKER = textwrap.dedent("""
 
 def _ranks(tmp_path: Path, folders: list[str], stages: int) -> list[dict]:
     """Two ranks over gloo: tensor parallel (``stages`` 1) or two pipeline stages of one rank each."""
-    (tmp_path / "worker.py").write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), str(stages), port, str(tmp_path),
-                               *folders]) for r in range(2)]
-    assert all(p.wait(timeout=300) == 0 for p in procs)
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    return run_ranks(tmp_path, WORKER, 2, stages, folders)
 
 
 def test_tensor_parallel_ranks_and_pipeline_stages_match_one_rank(tiny_gpt_oss_dir, tmp_path):

@@ -992,15 +992,23 @@ def chi2_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
 SAMPLED = dict(temperature=0.7, top_k=3, max_tokens=4, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def looping_prompt(plain) -> list[int]:
+def looping_prompt_of(plain) -> list[int]:
     """A prompt that ends in a run of the token the target then repeats (which the accepting heads draft)."""
     prompt = plain.get_tokenizer().encode(PROMPTS[4])
     return prompt + plain.generate({"prompt_token_ids": prompt}, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
 
 @pytest.fixture(scope="module")
+def looping_prompt(plain) -> list[int]:
+    return looping_prompt_of(plain)
+
+
+@pytest.fixture(scope="module")
 def target_triples(target_dir, looping_prompt):
+    return triples_of(target_dir, looping_prompt)
+
+
+def triples_of(target_dir, looping_prompt, temperatures=(SAMPLED["temperature"], 1.0)):
     """temperature -> {(x0, x1, x2): p(x0) p(x1 | x0) p(x2 | x0 x1)} of the target's warped distributions (SAMPLED's
     top-k at that temperature) after ``looping_prompt``, from a fresh model."""
     target = load_model(str(target_dir))
@@ -1023,17 +1031,17 @@ def target_triples(target_dir, looping_prompt):
                 out.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
         return out
 
-    return {t: triples(t) for t in (SAMPLED["temperature"], 1.0)}
+    return {t: triples(t) for t in temperatures}
 
 
 def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 800, depth: int = 3,
-                   prepare=None, first_seed: int = 0) -> float:
+                   prepare=None, first_seed: int = 0, engine=None) -> float:
     """``n`` seeded requests for ``prompt`` sampled with SAMPLED through an engine with ``method``'s accepting head:
     the worker drafts two tokens after the first (a chain drawn from the head's q, which verification keeps with
     probability min(1, p/q) or replaces from the residual; a tree's nodes are the head's best, a one-hot q). The
     chi-square p-value of their first three tokens against ``expected`` (of the first ``depth``: its marginals).
-    ``prepare(llm)`` adjusts the engine first."""
-    llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64)
+    ``prepare(llm)`` adjusts the engine first; ``engine()``, when given, builds it (another target's)."""
+    llm = make_llm(target_dir, heads, "accepting", method, max_num_seqs=64) if engine is None else engine()
     if prepare is not None:
         prepare(llm)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n,
@@ -1063,6 +1071,26 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping
     if pvalue <= 1e-3:
         pvalue = sampled_pvalue(target_dir, heads, method, looping_prompt, expected, n=2400, first_seed=800)
     assert pvalue > 1e-3
+
+
+def test_sampled_output_keeps_the_target_distribution_with_glm4_moe_mtp(tiny_glm4_moe_dir, tmp_path):
+    """GLM-4.5's own MTP layer (written to accept often) drafting for sampled requests: the first three sampled
+    tokens' joint frequencies fit the GLM target's, as for the heads above (a p-value under the threshold decided by
+    a second test on fresh seeds); and the same test fails against the target's distribution at temperature 1."""
+    folder = draft_heads.write_deepseek_mtp(tmp_path / "mtp", tiny_glm4_moe_dir, bias_std=0.1)
+    prompt = looping_prompt_of(LLM(str(tiny_glm4_moe_dir), max_model_len=256))
+    triples = triples_of(tiny_glm4_moe_dir, prompt)
+    expected = triples[SAMPLED["temperature"]]
+
+    def engine() -> LLM:
+        return LLM(str(folder), max_model_len=256, max_num_seqs=64,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
+
+    pvalue = sampled_pvalue(None, None, "mtp", prompt, expected, engine=engine)
+    if pvalue <= 1e-3:
+        pvalue = sampled_pvalue(None, None, "mtp", prompt, expected, n=2400, first_seed=800, engine=engine)
+    assert pvalue > 1e-3
+    assert sampled_pvalue(None, None, "mtp", prompt, triples[1.0], engine=engine) < 1e-3
 
 
 def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_trees_share_steps(
@@ -1277,28 +1305,35 @@ def test_eagle3_on_llama4_keeps_greedy_output(tiny_llama4_dir, tmp_path):
     assert llm.spec_stats.accepted_tokens > 0 and free_blocks(llm) == start
 
 
-# ---- DeepSeek-V3's own MTP module (its block: latent attention and experts) -------------------------------------
+# ---- a family's own MTP module (DeepSeek-V3's block: latent attention and experts; GLM-4.5's: its attention) ----
 
-def test_deepseek_mtp_module_drafts_with_its_own_block(tiny_deepseek_dir, tmp_path):
-    """``method="mtp"`` on a DeepSeek-V3 checkpoint reads its MTP module at ``model.layers.{L}``, whose block is
-    DeepSeek's (latent attention over its own latent cache, experts with a shared one): greedy output equals plain
-    decoding (batch of 8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals
-    transformers' ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
+    """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
+    is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
+    and half of each head rotated; both with experts and a shared one): greedy output equals plain decoding (batch of
+    8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals transformers'
+    ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
     from specray.models.deepseek_v3 import MLAttention
-    from specray.models.kv_cache import MLAAttentionSpec
+    from specray.models.glm4_moe import Glm4MoeAttention
+    from specray.models.kv_cache import FullAttentionSpec, MLAAttentionSpec
     from specray.models.moe import SparseMoE
 
-    folder = draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", tiny_deepseek_dir)
-    plain = LLM(str(tiny_deepseek_dir), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir"}[family])
+    glm_spec = FullAttentionSpec(num_kv_heads=2, head_dim=24)
+    attention, spec, rotated = {"deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
+                                "glm4_moe": (Glm4MoeAttention, glm_spec, 12)}[family]  # 12: half of each head
+    folder = draft_heads.write_deepseek_mtp(tmp_path / "mtp", target, bias_std=0.1 if family == "glm4_moe" else 0.0)
+    plain = LLM(str(target), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
     llm = LLM(str(folder), max_model_len=256,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
     drafter = llm.engine.executor.worker.runner.drafter
     layer = drafter.head.layers[0]
-    assert isinstance(layer.self_attn, MLAttention) and isinstance(layer.mlp, SparseMoE)
-    assert drafter.head.kv_cache_specs() == [MLAAttentionSpec(16, 8)]
+    assert isinstance(layer.self_attn, attention) and isinstance(layer.mlp, SparseMoE)
+    assert drafter.head.kv_cache_specs() == [spec] and drafter.head.rotary_emb.head_dim == rotated
     llm.engine.executor = rec = Recorder(llm.engine.executor)
     start = free_blocks(llm)
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)

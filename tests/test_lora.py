@@ -36,7 +36,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir",
                                      "tiny_llama4_dir", "tiny_deepseek_dir", "tiny_mixtral_dir", "tiny_phi3_dir",
-                                     "tiny_gemma2_dir", "tiny_olmo2_dir"])
+                                     "tiny_gemma2_dir", "tiny_olmo2_dir", "tiny_glm4_moe_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's

@@ -94,6 +94,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -103,7 +104,8 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
-               "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
+               "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+               "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -120,6 +122,11 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                 param.normal_(0.0, 0.3)
             elif arch == "olmo2" and name.endswith("norm.weight"):  # ones at init: random, so a wrong slice shows
                 param.uniform_(0.5, 1.5)
+            elif arch == "glm4_moe" and name.endswith("_proj.bias"):  # zeros at init: random, so a lost one shows
+                param.normal_(0.0, 0.3)
+        for name, buffer in hf.named_buffers():  # transformers 5 keeps the correction bias as a buffer of zeros
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     ours = get_model_class(config)(config, TPGroup.single())
     ours.load_weights(hf.state_dict().items())
     return ours, hf
@@ -617,6 +624,74 @@ def test_deepseek_v3_matches_transformers(contiguous, variant):
     check_unordered_router(ours, hf)
 
 
+# GLM-4.5 at a tiny size: a dense first layer, then experts under DeepSeek-V3's grouped router; q/k/v biases, q/k
+# norms, a head_dim apart from hidden_size / heads, half of each head rotated (the config's default)
+GLM4_MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5, head_dim=24,
+                attention_bias=True, use_qk_norm=True)
+GLM4_MOE_VARIANTS = {
+    "glm-4.5": {},
+    # GLM-4.5-Air's shape of it: no q/k norms, one group (the plain top k of the biased scores), more shared width
+    "air": dict(use_qk_norm=False, n_group=1, topk_group=1, n_shared_experts=2),
+    "not-renormalised": dict(norm_topk_prob=False, partial_rotary_factor=0.75),
+}
+
+
+def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over interleaved pairs (GLM-4's dense models' layout) of the first 2 * cos.shape[-1] features."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+@pytest.mark.parametrize("variant", list(GLM4_MOE_VARIANTS))
+def test_glm4_moe_matches_transformers(contiguous, variant):
+    """GLM-4.5: grouped-query attention with q/k/v biases (none on o_proj), optional q/k norms and partial RoPE in the
+    rotate-half layout, a dense first layer then MoE layers (DeepSeek-V3's sigmoid router with the correction bias over
+    groups, shared experts, routed scaling); a full prefill and a chunked one against transformers; the router picks
+    transformers' experts with their weights."""
+    from specray.models.glm4_moe import Glm4MoeAttention, Glm4MoeForCausalLM
+    from specray.models.kv_cache import FullAttentionSpec
+    from specray.models.moe import SparseMoE
+
+    extra = dict(GLM4_MOE_VARIANTS[variant])
+    factor = extra.pop("partial_rotary_factor", 0.5)
+    ours, hf = in_memory_pair("glm4_moe", seed=28, **{**GLM4_MOE, **extra},
+                              rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": factor})
+    assert type(ours) is Glm4MoeForCausalLM
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == [False, True, True]
+    assert all(isinstance(layer.self_attn, Glm4MoeAttention) and layer.self_attn.o_proj.bias is None
+               and (layer.self_attn.q_norm is None) == (variant == "air") for layer in ours.model.layers)
+    assert ours.model.rotary_emb.head_dim == int(24 * factor)
+    assert all(spec == FullAttentionSpec(num_kv_heads=2, head_dim=24) for spec in ours.kv_cache_specs())
+    check_variant(ours, hf, contiguous=contiguous)
+    check_unordered_router(ours, hf)
+
+
+def test_glm4_moe_test_fails_without_the_correction_bias_or_the_partial_half_split_rope(monkeypatch):
+    """The comparison above can fail: our model with the routers' correction bias zeroed, with every feature of each
+    head rotated, or with the rotated part's pairs interleaved, each differs from transformers."""
+    from specray.models import llama
+    from specray.models.layers import RotaryEmbedding, rope_parameters
+
+    ours, hf = in_memory_pair("glm4_moe", seed=28, **GLM4_MOE)
+    check_variant(ours, hf)
+    for layer in ours.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.data.zero_()
+    with pytest.raises(AssertionError):
+        check_variant(ours, hf)
+    ours, hf = in_memory_pair("glm4_moe", seed=28, **GLM4_MOE)
+    whole = RotaryEmbedding(24, rope_parameters(hf.config, partial=True), hf.config.max_position_embeddings)
+    ours.model.rotary_emb, half = whole, ours.model.rotary_emb
+    with pytest.raises(AssertionError):
+        check_variant(ours, hf)
+    ours.model.rotary_emb = half
+    monkeypatch.setattr(llama, "apply_rotary", interleaved_rotary)
+    with pytest.raises(AssertionError):
+        check_variant(ours, hf)
+
+
 LLAMA4 = dict(num_hidden_layers=4, head_dim=16, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8,
               interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
               intermediate_size_mlp=64, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
@@ -883,6 +958,12 @@ def test_registry():
     from transformers import GraniteConfig
 
     assert get_model_class(GraniteConfig()) is LlamaForCausalLM
+    from transformers import Glm4MoeConfig
+
+    from specray.models.glm4_moe import Glm4MoeForCausalLM
+
+    assert get_model_class(Glm4MoeConfig()) is Glm4MoeForCausalLM
+    assert get_model_class(Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"])) is Glm4MoeForCausalLM
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
 
@@ -981,8 +1062,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     RoPEs, DeepSeek-V3's latent attention split by head (the latent replicated) and its experts both ways, Llama-4's
     chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
     attention (one KV head, replicated), OLMo 2's q/k norms over all heads (summed over the ranks), Phi-3's fused
-    projections split into each rank's heads and widths (with partial LongRoPE), GPTQ and AWQ releases (AWQ's kept in
-    4 bits), tied and untied heads; decode attention both as the padded batch and one sequence at a time."""
+    projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
+    norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits), tied and untied
+    heads; decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -1002,7 +1084,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                save_tiny(tmp_path / "granite", "granite", 24, vocab_size=321, **GRANITE),
                save_tiny(tmp_path / "olmo2", "olmo2", 27, vocab_size=321),
                save_tiny(tmp_path / "deepseek-v2-ep", "deepseek_v2", 25, vocab_size=321, **DEEPSEEK_V2,
-                         topk_method="group_limited_greedy", n_group=4, topk_group=1)]
+                         topk_method="group_limited_greedy", n_group=4, topk_group=1),
+               save_tiny(tmp_path / "glm4moe", "glm4_moe", 28, vocab_size=321, **GLM4_MOE),
+               save_tiny(tmp_path / "glm4moe-ep", "glm4_moe", 28, vocab_size=321, **GLM4_MOE)]
     # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
                                      tmp_path / f"{name}-q")[0].rename(tmp_path / name))

@@ -169,14 +169,14 @@ def check_stages(results: list[dict], folders: list[str], tp: int, stages: int) 
 def test_two_stages_match_one_rank_for_every_family(make_tiny_model, tmp_path, tiny_gemma3_dir, tiny_qwen3_moe_dir,
                                                    tiny_deepseek_dir, tiny_llama4_dir, tiny_mixtral_dir,
                                                    tiny_qwen2_moe_dir, tiny_phi3_dir, tiny_gemma2_dir,
-                                                   tiny_granite_dir, tiny_olmo2_dir):
+                                                   tiny_granite_dir, tiny_olmo2_dir, tiny_glm4_moe_dir):
     """PP 2 over gloo: Llama untied and Qwen2 tied (the last stage's head loaded from the embedding), Qwen3-MoE's 3
     layers (2 + 1), Gemma 3 (one tensor handed on: the residual stream), DeepSeek-V3's latent cache and experts,
-    Llama-4's chunked and NoPE layers: the last stage's logits equal one rank's."""
+    Llama-4's chunked and NoPE layers, GLM-4.5's: the last stage's logits equal one rank's."""
     folders = [make_tiny_model(tmp_path / "llama", "llama", seed=11, num_hidden_layers=4, tie_word_embeddings=False),
                make_tiny_model(tmp_path / "qwen2", "qwen2", seed=12, num_hidden_layers=3, tie_word_embeddings=True),
                tiny_qwen3_moe_dir, tiny_gemma3_dir, tiny_deepseek_dir, tiny_llama4_dir, tiny_mixtral_dir,
-               tiny_qwen2_moe_dir, tiny_phi3_dir, tiny_gemma2_dir, tiny_granite_dir, tiny_olmo2_dir]
+               tiny_qwen2_moe_dir, tiny_phi3_dir, tiny_gemma2_dir, tiny_granite_dir, tiny_olmo2_dir, tiny_glm4_moe_dir]
     folders = [str(f) for f in folders]
     check_stages(run_stages(tmp_path, folders, 1, 2), folders, 1, 2)
 

@@ -21,15 +21,18 @@ from it in lockstep; only the driver's drafts are answered.
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 import numpy as np
 import torch
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
+from specray.errors import RequestError
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
-from specray.models.kv_cache import KVCache, allocate_kv_cache
+from specray.models.gated_deltanet import RecurrentBatch
+from specray.models.kv_cache import KVCache, allocate_kv_cache, allocate_recurrent_state
 from specray.models.lora import LoRASlots
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
@@ -51,7 +54,7 @@ class ModelRunner:
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
                  lora: LoRASlots | None = None, kv_cache_dtype: str = "auto",
-                 aux_layers: tuple[int, ...] | None = None):
+                 aux_layers: tuple[int, ...] | None = None, max_num_seqs: int = 0, max_draft_tokens: int = 0):
         self.model = model
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
@@ -62,6 +65,9 @@ class ModelRunner:
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         # this runner owns it
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
+        # linear-attention layers' recurrent state: one slot per running request (max_num_seqs), None without
+        self.recurrent_state = allocate_recurrent_state(model, max_num_seqs, max_draft_tokens)
+        self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
         # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
         # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)
         if aux_layers is None:
@@ -93,6 +99,8 @@ class ModelRunner:
     def apply_plan_state(self, plan: StepPlan) -> None:
         """Finished and preempted ids first, then new requests, then block-table deltas (the contract's order).
         A preempted request keeps its generator: resumed, it samples on from where its stream stopped."""
+        if self.recurrent is not None:
+            self.recurrent.apply(plan)
         for rid in plan.finished_req_ids:
             self.block_tables.pop(rid, None)
             self.params.pop(rid, None)
@@ -126,6 +134,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None = None) -> StepResult | None:
+        if self.recurrent is None:
+            return self._execute(plan, draft_probs)
+        try:
+            return self._execute(plan, draft_probs)
+        except BaseException:
+            self.recurrent.lose([c.req_id for c in plan.chunks])  # their state may have advanced any part of the way
+            raise
+
+    def _execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None) -> StepResult | None:
         self.apply_plan_state(plan)
         if plan.is_empty:
             return StepResult(plan.step_id, [], [])
@@ -228,6 +245,8 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
+        if self.recurrent is not None:
+            meta.recurrent = self.recurrent.batch(chunks)
         if self.aux_layers:
             out = self.model(input_ids, meta, aux_layers=self.aux_layers)
             return (None, []) if out is None else out  # None: a pipeline stage before the last
@@ -368,6 +387,70 @@ class ModelRunner:
         if per_node is not None:
             per_node = [row[: c.num_draft_tokens] if c.want_node_tokens else [] for row, c in zip(per_node, chunks)]
         return kept, per_request, paths, per_node
+
+
+class RecurrentSlots:
+    """Which recurrent-state slot each running request holds, and where its state stands, from the plans alone, so
+    every rank agrees with no collective: a new request takes the lowest free slot (plan order), a finished or
+    preempted one frees it. A request's state is committed up to a position, with the drafts of its last verify
+    chunk pending; its next chunk's start position says how many of them the target accepted (they are replayed
+    first: :class:`~specray.models.gated_deltanet.RecurrentBatch`). A chunk at position 0 starts from zeros (a new
+    request, or a preempted one recomputing everything)."""
+
+    def __init__(self, num_slots: int, max_pending: int):
+        self.free = list(range(num_slots))  # a heap: the lowest slot first
+        self.max_pending = max_pending
+        self.slot_of: dict[str, int] = {}
+        # req_id -> (committed position, pending drafts); None: lost in a step that failed
+        self.position: dict[str, tuple[int, int] | None] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        if plan.kv_moves:  # only token trees move K/V, and these models are refused them at engine build
+            raise RequestError([m.req_id for m in plan.kv_moves], "a K/V move (token tree) reached a model with "
+                               "linear-attention layers, which verify chains only")
+        for rid in [*plan.finished_req_ids, *plan.preempted_req_ids]:
+            slot = self.slot_of.pop(rid, None)
+            self.position.pop(rid, None)
+            if slot is not None:
+                heapq.heappush(self.free, slot)
+        for new in plan.new_requests:
+            if new.req_id not in self.slot_of:
+                assert self.free, f"more running requests than the {len(self.slot_of)} recurrent-state slots"
+                self.slot_of[new.req_id] = heapq.heappop(self.free)
+
+    def lose(self, req_ids: list[str]) -> None:
+        """A step over these requests failed part way: their state cannot be trusted until they restart from 0."""
+        for rid in req_ids:
+            if rid in self.slot_of:
+                self.position[rid] = None
+
+    def batch(self, chunks: list[ScheduledChunk]) -> RecurrentBatch:
+        """The step's slots and replays; a RequestError naming the chunks it cannot run (checked before any state
+        moves)."""
+        bad = {}
+        for c in chunks:
+            held = self.position.get(c.req_id, (0, 0))
+            if c.draft_parents is not None:
+                bad[c.req_id] = "token trees are not verified on models with linear attention (chains only)"
+            elif c.num_draft_tokens > self.max_pending:
+                bad[c.req_id] = (f"{c.num_draft_tokens} drafts, more than the {self.max_pending} the recurrent state "
+                                 "keeps pending (num_speculative_tokens)")
+            elif c.start_pos and held is None:
+                bad[c.req_id] = "its recurrent state was lost in a step that failed"
+            elif c.start_pos and not 0 <= c.start_pos - held[0] <= held[1]:
+                bad[c.req_id] = (f"its chunk starts at {c.start_pos} but its recurrent state is at {held[0]} with "
+                                 f"{held[1]} drafts pending")
+        if bad:
+            raise RequestError(list(bad), "; ".join(f"{rid}: {why}" for rid, why in bad.items()))
+        batch = RecurrentBatch([], [], [], [])
+        for c in chunks:
+            committed = self.position.get(c.req_id) or (0, 0)
+            batch.slots.append(self.slot_of[c.req_id])
+            batch.fresh.append(c.start_pos == 0)
+            batch.replay.append(0 if c.start_pos == 0 else c.start_pos - committed[0])
+            batch.drafts.append(c.num_draft_tokens)
+            self.position[c.req_id] = (c.start_pos + c.num_tokens - c.num_draft_tokens, c.num_draft_tokens)
+        return batch
 
 
 def _first_sampled_position(chunk) -> int:

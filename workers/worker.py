@@ -21,7 +21,7 @@ import torch.distributed as dist
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.models.interface import CausalLM
 from specray.lora import LoRAConfig
-from specray.models.kv_cache import bytes_per_block, fp8_format, storage_dtype
+from specray.models.kv_cache import bytes_per_block, fp8_format, recurrent_bytes, storage_dtype
 from specray.models.lora import LoRASlots
 from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
@@ -72,6 +72,10 @@ class WorkerConfig:
     # the decoder layers split into this many stages (global ranks numbered stage by stage, each stage's
     # tensor-parallel ranks consecutive)
     pipeline_parallel_size: int = 1
+    # a model with linear-attention layers keeps a recurrent state per running request (the engine's seats), with up
+    # to max_draft_tokens drafts of its last verify chunk pending: both sized into the KV cache's memory budget
+    max_num_seqs: int = 8
+    max_draft_tokens: int = 0
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -219,12 +223,27 @@ class Worker:
             else:
                 budget = CPU_KV_CACHE_BYTES
         target = storage_dtype(self.dtype, fp8_format(self.config.kv_cache_dtype))
+        budget -= self._recurrent_bytes(budget)
         per_block = bytes_per_block(self.model.kv_cache_specs(), self.config.block_size, target)
         if self.head is not None:  # a head's cache in the target's format too (Medusa's and ReDrafter's: none)
             per_block += bytes_per_block(self.head.kv_cache_specs(), self.config.block_size, target)
         return KVCacheInfo(bytes_per_block=per_block,
                            budget_bytes=budget, dtype=str(self.dtype).removeprefix("torch."),
                            device=str(self.device), vocab_size=self.model.vocab_size)
+
+    def _recurrent_bytes(self, budget: int) -> int:
+        """What the recurrent state of the model's linear-attention layers takes out of the KV budget (0 without
+        such layers); a ValueError when it leaves nothing for the paged cache."""
+        specs = getattr(self.model, "recurrent_state_specs", lambda: [])()
+        if not specs:
+            return 0
+        need = recurrent_bytes(specs, self.config.max_num_seqs, self.dtype, self.config.max_draft_tokens)
+        if need >= budget:
+            raise ValueError(f"the recurrent state of {self.config.max_num_seqs} requests (max_num_seqs) takes "
+                             f"{need} bytes, and the KV cache's budget is {budget} bytes: lower max_num_seqs or "
+                             "raise kv_cache_memory_bytes (gpu_memory_utilization on a GPU)")
+        logger.info("recurrent state: %d slots, %.1f MiB", self.config.max_num_seqs, need / (1 << 20))
+        return need
 
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
@@ -239,7 +258,8 @@ class Worker:
                                   typical_acceptance=self.config.typical_acceptance,
                                   relaxed_acceptance=self.config.relaxed_acceptance,
                                   step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype,
-                                  aux_layers=self.aux_layers)
+                                  aux_layers=self.aux_layers, max_num_seqs=self.config.max_num_seqs,
+                                  max_draft_tokens=self.config.max_draft_tokens)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

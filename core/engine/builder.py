@@ -16,7 +16,7 @@ from specray.drafters import registry
 from specray.drafters.base import DrafterContext, prepared, proposes_cheaply
 from specray.drafters.router import DrafterRouter
 from specray.engine import plugins
-from specray.engine.llm_engine import LLMEngine
+from specray.engine.llm_engine import FORCED_DRAFT_LIMIT, LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
@@ -111,6 +111,56 @@ def check_engine_args(args: EngineArgs) -> None:
                          "distributed_executor_backend='ray'")
 
 
+# the speculation methods that propose chains only (a drafter that may propose a token tree, or a head on the worker,
+# is refused for a model with linear attention: its recurrent state replays accepted chains only)
+CHAIN_METHODS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache", "prediction")
+
+
+def max_pending_drafts(spec: SpeculativeConfig | None) -> int:
+    """The most drafts one chunk verifies: what a linear-attention layer keeps pending per request."""
+    # a grammar's forced tokens are verified as drafts too, with or without a drafter
+    return max(FORCED_DRAFT_LIMIT, spec.num_speculative_tokens if spec is not None else 0)
+
+
+def check_recurrent(args: EngineArgs, hf_config) -> bool:
+    """Whether the target keeps a recurrent state per request (linear attention: Qwen3.5, Qwen3-Next), with a
+    ValueError for what such a model does not support yet; and a draft model of that kind is refused for any
+    target."""
+    from specray.models.registry import get_model_class
+
+    spec = args.speculative_config
+    draft = getattr(registry.options_of(spec), "model", None) if spec is not None and spec.method == "draft_model" \
+        else None
+    if draft and getattr(get_model_class(load_hf_config(draft, read_config(draft, args.trust_remote_code))),
+                         "recurrent", False):
+        raise ValueError(f"speculative_config.model={draft!r} has linear-attention layers (a recurrent state per "
+                         "request), which the draft model's runner does not keep: pick a draft model with attention "
+                         "layers only, or method='ngram'")
+    if not getattr(get_model_class(hf_config), "recurrent", False):
+        return False
+    kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention: a recurrent state per request)"
+    if args.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True is not supported for {kind}: cached blocks hold no recurrent "
+                         "state; set enable_prefix_caching=False")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported for {kind}; use "
+                         "tensor_parallel_size instead")
+    tp = args.tensor_parallel_size
+    for heads in ("linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(hf_config, heads) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
+                             f"{getattr(hf_config, heads)}; choose a tensor_parallel_size that divides it")
+    if spec is not None:
+        options = registry.options_of(spec)
+        trees = getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
+        if spec.method not in CHAIN_METHODS or trees:
+            what = "token trees" if trees else f"method={spec.method!r}"
+            raise ValueError(f"speculative_config {what} is not supported for {kind}: its state replays accepted "
+                             f"chains only; use one of {list(CHAIN_METHODS)} drafting chains (num_branches=1, no "
+                             "speculative_token_tree)")
+    return True
+
+
 def engine_seats(args: EngineArgs) -> int:
     """The requests the engine runs at once: ``max_num_seqs`` per step, and over pipeline stages one step in flight
     per stage, each with a cohort of its own (vLLM's virtual engines), so ``max_num_seqs`` per stage."""
@@ -182,6 +232,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    recurrent = check_recurrent(args, hf_config)
     check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
@@ -205,7 +256,9 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  enforce_eager=args.enforce_eager, load_format=args.load_format,
                                  lora=None if lora is None else dataclasses.asdict(lora),
                                  kv_cache_dtype=args.kv_cache_dtype,
-                                 pipeline_parallel_size=args.pipeline_parallel_size)
+                                 pipeline_parallel_size=args.pipeline_parallel_size,
+                                 max_num_seqs=engine_seats(args),
+                                 max_draft_tokens=max_pending_drafts(spec) if recurrent else 0)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, engine_seats(args), args.block_size, args.num_kv_blocks)
     backend = args.executor_backend

@@ -27,6 +27,8 @@ from specray.tree import DraftTree, chain_parents, is_chain, kept_nodes, level_t
 
 logger = logging.getLogger(__name__)
 
+FORCED_DRAFT_LIMIT = 16  # the most forced tokens (a grammar's) verified as drafts in one step
+
 
 @dataclass
 class _Tracked:
@@ -97,7 +99,7 @@ class LLMEngine:
         self._grammars: dict[str, RequestGrammar] = {}
         self._forced: set[str] = set()
         self._kept_nodes: dict[str, list[int]] = {}  # a tree the grammar pruned: the proposal's nodes it kept
-        self.forced_draft_limit = 16  # the most forced tokens verified in one step (0: none; benchmarks compare)
+        self.forced_draft_limit = FORCED_DRAFT_LIMIT  # (0: none; benchmarks compare)
         # vLLM's name: each step's outputs are built while the executor computes the next step (see ``step``)
         self.async_scheduling = async_scheduling
         # vLLM's speculative_config.disable_by_batch_size: no drafting in a step while this many requests are in the

@@ -103,6 +103,9 @@ class AttentionMetadata:
     seq_positions: list[list[int]] | None = None
     # per sequence, None or [q, q] bool: new token r may attend new token c (replaces causal among new tokens)
     ancestors: list[torch.Tensor | None] | None = None
+    # linear-attention layers: each sequence's recurrent-state slot and replay (specray.models.gated_deltanet
+    # .RecurrentBatch), set by the runner for a model with such layers; None otherwise
+    recurrent: object | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property

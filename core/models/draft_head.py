@@ -43,7 +43,7 @@ from torch import nn
 from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, materialize,
-                                   rope_parameters, splits_heads)
+                                   rope_parameters, rotary_dim, splits_heads)
 from specray.models.llama import _STACKED, LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
 from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.parallel import TPGroup
@@ -156,9 +156,11 @@ class DraftHead(nn.Module):
         else:
             self.draft_vocab_size = target.vocab_size
             self.lm_head = None
-        self.rotary_emb = RotaryEmbedding(config.head_dim if getattr(config, "head_dim", None)
-                                          else h // config.num_attention_heads,
-                                          rope_parameters(config), config.max_position_embeddings)
+        # the head's layer rotates what its family's layers rotate: GLM-4.5's MTP block (and any head whose config
+        # has a partial_rotary_factor) the first part of each head only, as the target's stack does
+        rope = rope_parameters(config, partial=True)
+        head_dim = config.head_dim if getattr(config, "head_dim", None) else h // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(rotary_dim(head_dim, rope), rope, config.max_position_embeddings)
         self.kv_cache_bound = False
 
     # ------------------------------------------------------------------------------------------ reading the target

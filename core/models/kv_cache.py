@@ -235,3 +235,83 @@ def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int, kv_ca
                     fp8_format(kv_cache_dtype))
     model.bind_kv_cache(cache)
     return cache
+
+
+# ---- recurrent state (linear-attention layers: Gated DeltaNet) ---------------------------------------------------
+#
+# Not paged: one slot per running request, assigned by the runner (workers/model_runner.RecurrentSlots). A slot holds
+# what the layer carries from one token to the next, as of the request's last committed token, plus the inputs of
+# the drafts its last verify chunk brought (``max_pending`` rows), which the request's next chunk replays over the
+# committed state for as many drafts as were accepted (the plan's next start position says how many).
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """What one linear-attention layer keeps per request on this rank: its causal conv's last ``conv_width`` inputs
+    (``conv_dim`` channels, the model's dtype) and a ``[num_heads, key_dim, value_dim]`` matrix (float32: it sums
+    every token the request has seen, which a half type would round away). Replay needs, per pending draft, its conv
+    input (``conv_dim``) and its decay and update strength (``num_heads`` each, float32)."""
+
+    conv_dim: int
+    conv_width: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    def bytes_per_slot(self, dtype: torch.dtype, max_pending: int) -> int:
+        conv = (self.conv_width + max_pending) * self.conv_dim * dtype.itemsize
+        matrix = self.num_heads * self.key_dim * self.value_dim * 4
+        return conv + matrix + max_pending * 2 * self.num_heads * 4
+
+
+def recurrent_bytes(specs: list[RecurrentStateSpec], num_slots: int, dtype: torch.dtype, max_pending: int) -> int:
+    """Bytes the recurrent state of every layer of ``specs`` takes for ``num_slots`` requests."""
+    return num_slots * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
+
+
+@dataclass
+class RecurrentLayerState:
+    """One layer's views: ``inputs`` [slots, conv_width + max_pending, conv_dim] (rows before ``conv_width``: the
+    conv's committed history, oldest first; then the pending drafts' inputs), ``gates`` [slots, max_pending, 2,
+    heads] float32 (each pending draft's log decay g and strength beta), ``matrix`` [slots, heads, key_dim,
+    value_dim] float32."""
+
+    inputs: torch.Tensor
+    gates: torch.Tensor
+    matrix: torch.Tensor
+
+    @property
+    def max_pending(self) -> int:
+        return self.gates.shape[1]
+
+
+class RecurrentState:
+    """Every linear-attention layer's state on one rank, for ``num_slots`` requests, zeroed; the runner owns it and
+    binds a model to it (``bind_recurrent_state``)."""
+
+    def __init__(self, specs: list[RecurrentStateSpec], num_slots: int, max_pending: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if num_slots < 1:
+            raise ValueError(f"a recurrent state needs at least one slot (max_num_seqs), got {num_slots}")
+        self.specs, self.num_slots, self.max_pending = list(specs), num_slots, max_pending
+        self.layers = [RecurrentLayerState(
+            torch.zeros(num_slots, s.conv_width + max_pending, s.conv_dim, dtype=dtype, device=device),
+            torch.zeros(num_slots, max_pending, 2, s.num_heads, dtype=torch.float32, device=device),
+            torch.zeros(num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device))
+            for s in self.specs]
+
+    def layer(self, i: int) -> RecurrentLayerState:
+        return self.layers[i]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.layers for t in (s.inputs, s.gates, s.matrix))
+
+
+def allocate_recurrent_state(model, num_slots: int, max_pending: int) -> RecurrentState | None:
+    """The recurrent state of ``model``'s linear-attention layers (None for a model without any), bound to them."""
+    specs = getattr(model, "recurrent_state_specs", lambda: [])()
+    if not specs:
+        return None
+    state = RecurrentState(specs, num_slots, max_pending, model.dtype, model.device)
+    model.bind_recurrent_state(state)
+    return state

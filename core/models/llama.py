@@ -3,8 +3,11 @@ written with tensor-parallel layers.
 
 One class covers them all; the differences are config flags: q/k/v bias (Qwen2, ``attention_bias``), o_proj
 bias (``attention_bias``), MLP bias (``mlp_bias``), an RMSNorm over each query and key head before RoPE (Qwen3),
-sliding-window layers (Mistral and Phi-3 ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), tied embeddings, RoPE
-scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), checkpoint layouts (Phi-3's fused q/k/v and gate/up), and
+sliding-window layers (Mistral and Phi-3 ``sliding_window``, Qwen2 and Qwen3 ``layer_types``), layers without RoPE
+(SmolLM3's ``no_rope_layers``), tied embeddings, RoPE
+scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), RoPE on interleaved pairs and ``use_bias`` on every
+projection (ERNIE 4.5), Seed-OSS's q/k/v biases without an o_proj one (``attention_out_bias``), checkpoint layouts
+(Phi-3's fused q/k/v and gate/up), and
 Granite's multipliers (``embedding_multiplier``, ``attention_multiplier`` as the attention's scale,
 ``residual_multiplier`` on each block's output before it joins the residual stream, ``logits_scaling`` dividing the
 logits).
@@ -58,7 +61,13 @@ _STACKED = {
 # a checkpoint's calibrated scales of an FP8 KV cache (llm-compressor's kv_cache_scheme; kv_scale: both, older)
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over each query and key head (head_dim wide) before RoPE
+# an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text")  # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2)
+SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text")  # experts every decoder_sparse_step-th layer
+USE_BIAS_MODEL_TYPES = ("ernie4_5",)  # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)  # RoPE rotating the pairs (0, 1), (2, 3), ..., not the two halves
+NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
 # block and its experts' w1, w3, w2)
@@ -118,6 +127,24 @@ def _sliding_window(config, layer: int) -> int | None:
     return window
 
 
+def _uses_bias(config) -> bool:
+    """ERNIE 4.5's ``use_bias``: a bias on every projection of every layer."""
+    return config.model_type in USE_BIAS_MODEL_TYPES and bool(getattr(config, "use_bias", False))
+
+
+def _uses_rope(config, layer: int) -> bool:
+    """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
+    flag per layer, 1 where the layer uses RoPE)."""
+    if config.model_type not in NO_ROPE_MODEL_TYPES:
+        return True
+    flags = config.no_rope_layers
+    if len(flags) != config.num_hidden_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} flags for num_hidden_layers={config.num_hidden_layers}: "
+                         "give one per layer (1: the layer uses RoPE, 0: it does not), or leave it out for one NoPE "
+                         "layer every no_rope_layer_interval layers")
+    return bool(flags[layer])
+
+
 def _kv_spec(config, layer: int, qkv: QKVParallelLinear) -> FullAttentionSpec:
     """What layer ``layer`` caches on this rank: its KV heads, and a sliding window where it has one."""
     heads = dict(num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, kv_head_start=qkv.kv_head_start)
@@ -140,17 +167,21 @@ def attention_projections(module: nn.Module, config, tp: TPGroup) -> int:
 
 
 class LlamaAttention(nn.Module):
+    use_rope = True  # whether q and k are rotated (SmolLM3's NoPE layers: not; subclasses building their own keep it)
+    interleaved_rope = False  # whether RoPE rotates the pairs (0, 1), (2, 3), ... (ERNIE 4.5), else the two halves
+
     def __init__(self, config, tp: TPGroup, layer: int, input_size: int | None = None):
         # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)
         super().__init__()
         head_dim = _head_dim(config)
-        is_qwen2 = config.model_type in ("qwen2", "qwen2_moe")  # q/k/v biases (Qwen2-MoE's: its qkv_bias)
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = config.model_type in QKV_BIAS_MODEL_TYPES  # q/k/v biases (Qwen2-MoE's: its qkv_bias)
+        attention_bias = bool(getattr(config, "attention_bias", False)) or _uses_bias(config)
         qkv_bias = attention_bias or (is_qwen2 and bool(getattr(config, "qkv_bias", True)))
+        o_bias = bool(getattr(config, "attention_out_bias", attention_bias))  # Seed-OSS: o's own flag (off)
         self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, tp, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
-                                        bias=attention_bias and not is_qwen2)
+                                        bias=o_bias and not is_qwen2)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -160,6 +191,8 @@ class LlamaAttention(nn.Module):
         scale = multiplier(config, "attention_multiplier") if config.model_type in SCALED_MODEL_TYPES \
             else head_dim**-0.5
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), scale)
+        self.use_rope = _uses_rope(config, layer)
+        self.interleaved_rope = config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -170,7 +203,10 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # each head normed over its D before RoPE (Qwen3)
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = apply_rotary(qk, cos, sin)  # rotate q and k in one go
+        if self.use_rope:
+            if self.interleaved_rope:  # pair (2i, 2i + 1) is the de-interleaved head's pair (i, D/2 + i): q and k
+                qk = torch.cat((qk[..., 0::2], qk[..., 1::2]), dim=-1)  # permuted alike, q.k is unchanged
+            qk = apply_rotary(qk, cos, sin)  # rotate q and k in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
@@ -181,7 +217,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = bool(getattr(config, "mlp_bias", False)) or _uses_bias(config)
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp, bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, bias=bias)
@@ -197,7 +233,7 @@ def _is_sparse(config, layer: int) -> bool:
     ``mlp_only_layers``); Mixtral: every layer."""
     if config.model_type == "mixtral":
         return True
-    if config.model_type not in ("qwen3_moe", "qwen2_moe") or not getattr(config, "num_experts", 0):
+    if config.model_type not in SPARSE_MODEL_TYPES or not getattr(config, "num_experts", 0):
         return False
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
 
@@ -272,17 +308,24 @@ class LlamaModel(StageModel):
             x, residual = self.embed(input_ids), None
         else:
             x, residual = intermediate.unbind(0)
-        self.rotary_emb.ensure(meta.max_position + 1)
-        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        rope = self.rope_tables(meta, x.dtype)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in self.stage_layers():
             if i in aux_layers:
                 aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
-            x, residual = layer(x, residual, cos, sin, meta)
+            x, residual = layer(x, residual, *rope(i), meta)
         if not self.pp.is_last:
             return torch.stack((x, residual)), [aux[i] for i in aux_layers]
         x, _ = self.norm(x, residual)
         return x, [aux[i] for i in aux_layers]
+
+
+    def rope_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """Layer index -> its RoPE (cos, sin) at the step's positions: one table for every layer here (a family
+        whose kinds of layer rotate differently gives each kind its own: OLMo 3)."""
+        self.rotary_emb.ensure(meta.max_position + 1)
+        tables = self.rotary_emb(meta.positions, dtype)
+        return lambda layer: tables
 
 
 class LlamaForCausalLM(nn.Module):

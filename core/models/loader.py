@@ -36,7 +36,7 @@ from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_int4_weights
 from specray.models.plain_config import PlainConfig, plain_config
-from specray.models.registry import get_model_class, supported_architectures, text_part
+from specray.models.registry import get_model_class, supported_architectures, text_part, text_tensors
 from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -264,17 +264,18 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
-def checkpoint_weights(source: ModelSource, prefix: str = "", wanted: Callable[[str], bool] | None = None
+def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None
                        ) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with a quantized release's weights dequantized as they come (MXFP4, integers, FP8), but
     for an FP8 release's experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
     only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
-    (and their scales) it names, the others not read (a pipeline stage's)."""
+    (and their scales) it names, the others not read (a pipeline stage's). A prefix may also be name patterns
+    (:func:`specray.models.registry.text_tensors`)."""
     quant = checkpoint_quantization(source)
     weights = iter_weights(source)
     if prefix:
-        weights = ((name[len(prefix):], t) for name, t in weights if name.startswith(prefix))
+        weights = text_tensors(weights, prefix)
     if wanted is not None:
         weights = ((name, t) for name, t in weights if wanted(name))
     if is_mxfp4(quant):  # GPT-OSS's experts: specray.models.mxfp4

@@ -7,9 +7,9 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
   Mixtral: the same, always renormalised; Qwen2-MoE: the same, and a shared expert whose output a per-token gate
   scales by sigmoid(x . w);
-* DeepSeek-V3: sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group`` best of
-  ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the plain
-  scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
+* DeepSeek-V3 (and GLM-4.5): sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group``
+  best of ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the
+  plain scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
 * Llama-4: the top k router logits, each through a sigmoid; the weight scales the expert's *input* (not its
   output), and a shared expert is added;
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
@@ -85,6 +85,9 @@ class MoEFamily:
     biased: bool = False  # the router and the experts' projections have biases (GPT-OSS)
     interleaved: bool = False  # the fused gate_up interleaves gate and up features (GPT-OSS), else gate then up
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
+    # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
+    # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
+    fused_by_shape: bool = False
 
 
 FAMILIES = {
@@ -94,6 +97,9 @@ FAMILIES = {
     "mixtral": MoEFamily("softmax", "num_local_experts", "intermediate_size", normalized=True),
     "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
+    # GLM-4.5's experts are DeepSeek-V3's: the same router, names and shared experts
+    "glm4_moe": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
+                          shared_width="moe_intermediate_size"),
     "deepseek_v2": MoEFamily("scaled_softmax", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
     "llama4_text": MoEFamily("topk_sigmoid", "num_local_experts", "intermediate_size", router="router",
@@ -101,7 +107,17 @@ FAMILIES = {
                              fused_in_out=True),
     "gpt_oss": MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router",
                          fused_in_out=True, biased=True, interleaved=True, clamped=True),
+    # Qwen3-VL-MoE's text model: Qwen3-MoE's experts, fused, renormalised (transformers' router always renormalises;
+    # the releases' configs say norm_topk_prob: true, and a config without the field gets it)
+    "qwen3_vl_moe_text": MoEFamily("softmax", "num_experts", "moe_intermediate_size", normalized=True,
+                                   fused_by_shape=True),
 }
+# the hybrid linear-attention families' experts are Qwen2-MoE's (a gated shared expert); Qwen3.5-MoE's config has no
+# norm_topk_prob and always renormalises
+FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
+FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
+                                         shared_width="shared_expert_intermediate_size",
+                                         shared_gate="shared_expert_gate", normalized=True)
 
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain where a config predates the swiglu_alpha field
 
@@ -339,7 +355,7 @@ class SparseMoE(nn.Module):
         value = materialize(tensor)
         if found.group(2):
             return self._load_biases(found.group(1), value)
-        if self.family.fused_in_out:  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
+        if self._inputs_first(found.group(1), value):  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
             value = value.transpose(1, 2)
         keys = []
         for local in range(self.local_experts):
@@ -353,6 +369,14 @@ class SparseMoE(nn.Module):
                 self._load_one(local, "down_proj", value[expert])
                 keys.append(f"w2:{expert}")
         return keys
+
+    def _inputs_first(self, kind: str, value: torch.Tensor) -> bool:
+        """Whether fused tensor ``kind`` (gate_up_proj, down_proj) ``value`` is stored [E, H, 2I] / [E, I, H]: as its
+        family stores them, or (``fused_by_shape``) where the hidden size is not where [E, 2I, H] / [E, H, I] has it."""
+        if not self.family.fused_by_shape:
+            return self.family.fused_in_out
+        hidden = self.w13.shape[-1]
+        return value.shape[-1] != hidden if kind == "gate_up_proj" else value.shape[1] != hidden
 
     def _gate_up(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's fused gate/up [2I, ...] as (gate [I, ...], up [I, ...])."""

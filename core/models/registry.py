@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from importlib import import_module
+from typing import Any
 
 # HF architecture name -> "module:Class". Llama, Mistral, Qwen2, Qwen3, the MoEs and Phi-3 share one class (config flags
 # pick the variant); Gemma 3 has its own layers on the same plumbing.
@@ -16,21 +19,27 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Phi3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "GraniteForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "SmolLM3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Ernie4_5ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "SeedOssForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
+    "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                "olmo2": "Olmo2ForCausalLM"}
+                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
@@ -39,9 +48,32 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
 _TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model.", "Gemma3ForConditionalGeneration": "language_model.",
                "Mistral3ForConditionalGeneration": "language_model."}
 
+# hybrid linear attention (Gated DeltaNet layers with a recurrent state per request: specray.models.qwen3_5). A
+# multimodal Qwen3.5 release keeps its text model under ``model.language_model.`` beside ``lm_head``: the model
+# renames those itself, so the whole checkpoint is read (prefix ""); its text config names no architecture
+_ARCHITECTURES.update({arch: "specray.models.qwen3_5:Qwen3_5ForCausalLM"
+                       for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")})
+_MODEL_TYPES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                     "qwen3_next": "Qwen3NextForCausalLM"})
+_TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditionalGeneration": ""})
 
-def text_part(hf_config) -> tuple[object, str] | None:
-    """(the text model's config, its tensors' prefix) for a multimodal checkpoint we serve the text of, else None.
+# Qwen2.5-VL's and Qwen3-VL's text models are a Qwen2, a Qwen3 and a Qwen3-MoE (multimodal RoPE, ``mrope_section``,
+# rotates a text-only sequence as plain RoPE does: its three position ids are equal). Qwen2.5-VL's releases keep the
+# text model at the top (``model.``, beside ``visual.``), Qwen3-VL's under ``model.language_model.`` (beside
+# ``model.visual.``), which is how transformers 5 reads both; ``lm_head.`` in both. So name patterns, not a prefix: a
+# tensor's name -> the text model's (the first that matches; a tensor none matches is the vision tower's)
+_QWEN_VL_TEXT = ((re.compile(r"^model\.(?:language_model\.)?(?!visual\.)"), "model."),
+                 (re.compile(r"^lm_head\."), "lm_head."))
+_MODEL_TYPES.update({"qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
+                     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"})
+_TEXT_PARTS.update({arch: _QWEN_VL_TEXT for arch in ("Qwen2_5_VLForConditionalGeneration",
+                                                     "Qwen3VLForConditionalGeneration",
+                                                     "Qwen3VLMoeForConditionalGeneration")})
+
+
+def text_part(hf_config) -> tuple[object, Any] | None:
+    """(the text model's config, where its tensors are: a prefix or name patterns, see :func:`text_tensors`) for a
+    multimodal checkpoint we serve the text of, else None.
     Its LM head is tied to its embedding as the whole model's config says (transformers ties the composite model's
     head by that flag, whatever the text config's own says: Mistral 3's differ)."""
     for arch in getattr(hf_config, "architectures", None) or []:
@@ -51,6 +83,20 @@ def text_part(hf_config) -> tuple[object, str] | None:
                 text.tie_word_embeddings = hf_config.tie_word_embeddings
             return text, _TEXT_PARTS[arch]
     return None
+
+
+def text_tensors(weights: Iterable[tuple[str, Any]], part: Any) -> Iterator[tuple[str, Any]]:
+    """The text model's tensors among a multimodal checkpoint's ``weights`` ((name, tensor) pairs), named as the text
+    model names them; ``part``: where they are (:func:`text_part`), a prefix (the tensors under it, named without it)
+    or (pattern, replacement) pairs (the first pattern a name matches renames it; a tensor none matches is left out)."""
+    if isinstance(part, str):
+        yield from ((name[len(part):], t) for name, t in weights if name.startswith(part))
+        return
+    for name, tensor in weights:
+        for pattern, ours in part:
+            if pattern.match(name):
+                yield pattern.sub(ours, name, count=1), tensor
+                break
 
 
 def supported_architectures() -> list[str]:

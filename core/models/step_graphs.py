@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, PagedAttention, build_attention_metadata
+from specray.models.gated_deltanet import GatedDeltaNet
 from specray.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ def graph_safe(model: torch.nn.Module) -> str | None:
     for module in model.modules():
         if isinstance(module, SparseMoE):
             return "the model cannot be captured: its experts' routing sizes work on the host"
+        if isinstance(module, GatedDeltaNet):
+            return ("the model cannot be captured: its linear-attention layers keep a recurrent state per request, "
+                    "with per-sequence replays the graphs do not carry")
         if isinstance(module, PagedAttention) and type(module) is not PagedAttention:
             return f"the model cannot be captured: {type(module).__name__} is not plain paged attention"
     return None

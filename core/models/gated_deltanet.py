@@ -1,0 +1,237 @@
+"""The Gated DeltaNet linear-attention layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), with tensor-parallel linears and a
+recurrent state per request that the runner owns (:class:`~specray.models.kv_cache.RecurrentState`).
+
+Per token t of a sequence, with the projections of its hidden state x_t:
+
+* ``[q; k; v]_t = silu(causal_conv([q; k; v] inputs))``: a depthwise conv of width K over the last K inputs
+  (the state keeps the last K - 1 committed ones);
+* q and k are L2-normalised per head, q scaled by ``1 / sqrt(key_dim)``; each q/k head serves
+  ``value_heads / key_heads`` consecutive value heads;
+* the decay ``g_t = -exp(A_log) * softplus(a_t + dt_bias)`` (log space) and the strength ``beta_t = sigmoid(b_t)``;
+* the delta rule on the matrix state S [key_dim, value_dim] per value head:
+  ``S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S``;
+* ``out = out_proj(rmsnorm(o_t) * w * silu(z_t))``, the norm over each head's value_dim.
+
+Heads split over tensor-parallel ranks (key and value heads alike; every rank holds whole groups), so the conv, the
+recurrence and the norm are local and ``out_proj`` reduces once.
+
+A step's sequences each name a state slot and how to start (:class:`RecurrentBatch`): fresh (zeros, at position 0),
+or from the slot's committed state after replaying the first ``replay`` of the drafts the request's previous chunk
+left pending (the drafts the target accepted). The tokens of the chunk then run from there. Drafts are never
+committed: the slot keeps the state after the chunk's last non-draft token and the drafts' inputs, for the next
+chunk to replay. Everything a step needs is in Python lists built from the plan, so the layer reads no tensor's
+value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.kv_cache import RecurrentLayerState, RecurrentStateSpec
+from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
+                                   divide, narrow)
+from specray.parallel import TPGroup
+
+L2_EPS = 1e-6  # q and k are divided by sqrt(sum of squares + this), as the reference kernels do
+
+
+@dataclass
+class RecurrentBatch:
+    """Per sequence of a step, in the step's order: its state slot, whether it starts from zeros (its chunk starts
+    at position 0), how many of the previous chunk's pending drafts to replay before its tokens (the accepted
+    ones), and how many of its own last tokens are drafts (kept pending, not committed)."""
+
+    slots: list[int]
+    fresh: list[bool]
+    replay: list[int]
+    drafts: list[int]
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., D] -> x / sqrt(sum(x^2) + eps) over D
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv then silu: ``window`` [K - 1 + L, C] (the K - 1 inputs before the first output, then
+    L inputs), ``weight`` [C, K] -> [L, C], output t = silu(sum_j weight[:, j] * window[t + j])."""
+    out = F.conv1d(window.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, L]
+    return F.silu(out).t().to(window.dtype)
+
+
+def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, keep_at: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token (module docstring), float32, B sequences padded to L tokens: q, k [B, L, H,
+    dk] (normalised, q scaled), v [B, L, H, dv], g, beta [B, L, H], state [B, H, dk, dv]. Padding tokens must have
+    g = 0 and beta = 0 (they leave the state as it is). Returns the outputs [B, L, H, dv] and the state after token
+    ``keep_at[b]`` of each sequence (None: after the last token)."""
+    length = q.shape[1]
+    keep = None
+    if keep_at is not None:  # [L, B, 1, 1, 1]: sequence b's state is taken after its token keep_at[b]
+        hits = torch.zeros(length, len(keep_at), dtype=torch.bool)
+        hits[torch.tensor(keep_at), torch.arange(len(keep_at))] = True
+        keep = hits.to(state.device)[:, :, None, None, None]
+    kept = state
+    outputs = []
+    for t in range(length):
+        state = state * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]  # [B, H, dk]
+        predicted = (state * k_t[..., None]).sum(-2)  # k^T S: [B, H, dv]
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k_t[..., None] * delta[..., None, :]
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))
+        if keep is not None:
+            kept = torch.where(keep[t], state, kept)
+    return torch.stack(outputs, 1), (state if keep is None else kept)
+
+
+class FusedColumnLinear(MergedColumnParallelLinear):
+    """A column-parallel projection whose checkpoint tensor stacks several outputs (q, k, v of ``in_proj_qkv``):
+    each rank holds its rows of each part, loaded from the one tensor (or part by part, ``shard_id``)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int | None = None) -> None:
+        if shard_id is not None:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        start = 0
+        for i, size in enumerate(self.output_sizes):
+            super().weight_loader(param, narrow(loaded, 0, start, size), i)
+            start += size
+
+
+def _head_param(count: int, tp: TPGroup) -> nn.Parameter:
+    """A per-value-head parameter [count / ranks] loading this rank's heads of the checkpoint's [count]."""
+    local = count // tp.size
+    param = _param(local)
+    param.weight_loader = lambda p, loaded: _copy(p, narrow(loaded, 0, tp.rank * local, local))
+    return param
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(x) * weight * silu(gate)`` over the last dimension: the norm in float32, the weight applied in x's
+    dtype (a plain weight, not ``1 + w``)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # x, gate: [..., size] -> [..., size]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer over this rank's heads (module docstring); its checkpoint names are the
+    transformers ones under ``linear_attn.``."""
+
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for linear attention; 'silu' is")
+        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if value_heads % key_heads:
+            raise ValueError(f"linear_num_value_heads={value_heads} must be a multiple of linear_num_key_heads="
+                             f"{key_heads}: each key head serves a group of value heads")
+        self.key_heads = divide(key_heads, tp.size, "linear_num_key_heads")
+        self.value_heads = divide(value_heads, tp.size, "linear_num_value_heads")
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel = config.linear_conv_kernel_dim
+        key, value, h = key_heads * self.dk, value_heads * self.dv, config.hidden_size
+        self.in_proj_qkv = FusedColumnLinear(h, [key, key, value], tp)
+        self.in_proj_z = ColumnParallelLinear(h, value, tp)
+        self.in_proj_b = ColumnParallelLinear(h, value_heads, tp)
+        self.in_proj_a = ColumnParallelLinear(h, value_heads, tp)
+        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [C, 1, K]: this rank's channels, [C_local, K]
+        self.conv1d.weight = _param(sum(self.in_proj_qkv.local_sizes), self.kernel)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.tp = tp
+        self.dt_bias = _head_param(value_heads, tp)
+        self.A_log = _head_param(value_heads, tp)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value, h, tp)
+        self.state: RecurrentLayerState | None = None
+
+    def _load_conv(self, param: nn.Parameter, loaded: Any) -> None:
+        """This rank's channels of each of q, k and v (the layout of its ``in_proj_qkv`` rows)."""
+        rows, start = [], 0
+        for size, local in zip(self.in_proj_qkv.output_sizes, self.in_proj_qkv.local_sizes):
+            rows.append(narrow(loaded, 0, start + self.tp.rank * local, local))
+            start += size
+        _copy(param, torch.cat(rows).reshape(param.shape))
+
+    @property
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(conv_dim=self.conv1d.weight.shape[0], conv_width=self.kernel - 1,
+                                  num_heads=self.value_heads, key_dim=self.dk, value_dim=self.dv)
+
+    def bind_state(self, state: RecurrentLayerState) -> None:
+        self.state = state
+
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        # x: [T, H] -> [T, H]; meta.recurrent: the step's RecurrentBatch, meta.query_lens its sequences' tokens
+        batch: RecurrentBatch = meta.recurrent
+        assert batch is not None and self.state is not None, "a linear-attention layer needs its recurrent state"
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, C]: q | k | v before the conv
+        z = self.in_proj_z(x).view(t, self.value_heads, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        o = self._recurrence(mixed, g, beta, batch, meta.query_lens)  # [T, Hv, dv]
+        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(t, -1))
+
+    def _recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: RecurrentBatch,
+                    query_lens: list[int]) -> torch.Tensor:
+        """Each sequence's outputs [T, Hv, dv] from its state, replaying its accepted drafts first; writes back
+        each slot's committed state and its chunk's pending drafts."""
+        st, width = self.state, self.kernel - 1
+        seqs, start = [], 0
+        for slot, fresh, n, k, q_len in zip(batch.slots, batch.fresh, batch.replay, batch.drafts, query_lens):
+            assert k <= st.max_pending and (n == 0 or not fresh), (slot, n, k, st.max_pending)
+            new = mixed[start: start + q_len]
+            history = st.inputs.new_zeros(width, mixed.shape[1]) if fresh else st.inputs[slot, : width + n]
+            window = torch.cat((history, new))  # [K - 1 + n + q, C]
+            gates = st.gates[slot, :n]  # [n, 2, Hv]: the replayed drafts' g and beta
+            seqs.append((slot, fresh, n, k, window, torch.cat((gates[:, 0], g[start: start + q_len])),
+                         torch.cat((gates[:, 1], beta[start: start + q_len]))))
+            start += q_len
+        conv = [causal_conv(s[4], self.conv1d.weight) for s in seqs]  # [n + q, C] each
+        q, k, v = self._split_heads(torch.nn.utils.rnn.pad_sequence(conv, batch_first=True))
+        g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
+        beta_pad = torch.nn.utils.rnn.pad_sequence([s[6] for s in seqs], batch_first=True)
+        slots = torch.tensor(batch.slots, dtype=torch.long, device=mixed.device)
+        initial = st.matrix.index_select(0, slots)
+        fresh = [i for i, s in enumerate(seqs) if s[1]]
+        if fresh:
+            initial[fresh] = 0.0
+        committed = [len(c) - s[3] for c, s in zip(conv, seqs)]  # replayed + non-draft tokens
+        keep_at = [c - 1 for c in committed] if any(s[3] for s in seqs) else None
+        out, kept = gated_delta_scan(q, k, v, g_pad, beta_pad, initial, keep_at)
+        st.matrix.index_copy_(0, slots, kept)
+        for (slot, _, n, drafts, window, g_seq, beta_seq), done in zip(seqs, committed):
+            st.inputs[slot, :width] = window[done: done + width]  # the last K - 1 committed inputs
+            if drafts:
+                st.inputs[slot, width: width + drafts] = window[width + done:]
+                st.gates[slot, :drafts] = torch.stack((g_seq[done:], beta_seq[done:]), dim=1)
+        rows = [b * out.shape[1] + s[2] + j for b, (s, c) in enumerate(zip(seqs, conv)) for j in range(len(c) - s[2])]
+        return out.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=out.device))
+
+    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv [B, L, C] -> q, k [B, L, Hv, dk] (L2-normed, q scaled, each key head repeated over its value
+        heads) and v [B, L, Hv, dv], float32."""
+        b, length, _ = conv.shape
+        key = self.key_heads * self.dk
+        q, k, v = conv.float().split([key, key, self.value_heads * self.dv], dim=-1)
+        group = self.value_heads // self.key_heads
+        q = l2norm(q.reshape(b, length, self.key_heads, self.dk)) * self.dk ** -0.5
+        k = l2norm(k.reshape(b, length, self.key_heads, self.dk))
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        return q, k, v.reshape(b, length, self.value_heads, self.dv)

@@ -1,0 +1,86 @@
+"""A model's logits over a paged cache, chunk by chunk, for the per-family tests that compare them with
+transformers' (registered by conftest as ``specray_test_model_checks``)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from specray.models.attention import build_attention_metadata
+from specray.models.kv_cache import allocate_kv_cache
+
+BLOCK = 4
+PROMPT_LEN = 40
+# a full prefill; a chunked one (17 tokens: attended alone; 9 and 3: short queries over a context) then decode steps
+SCHEDULES = {"prefill": [PROMPT_LEN], "chunked+decode": [17, 9, 3] + [1] * (PROMPT_LEN - 29)}
+
+
+def prompt(seed: int = 0) -> list[int]:
+    return torch.randint(0, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0) -> torch.Tensor:
+    """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks -> logits [L, V]."""
+    allocate_kv_cache(model, 64, BLOCK)
+    table = random.Random(seed).sample(range(64), -(-len(ids) // BLOCK))
+    out, start = [], 0
+    for n in sizes:
+        meta = build_attention_metadata([n], [start], [table], BLOCK)
+        out.append(model.compute_logits(model(torch.tensor(ids[start: start + n]), meta)))
+        start += n
+    return torch.cat(out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def run_ranks(folder: Path, script: str, world: int, second: int, args: list[str], timeout: int = 300) -> list[dict]:
+    """``world`` processes of ``script`` (a gloo worker) in ``folder``, each given ``rank second port folder *args``
+    (``second``: the world size or the stage count, as the script reads it); each rank's JSON result
+    (``folder/<rank>.json``)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "worker.py").write_text(script)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, str(folder / "worker.py"), str(r), str(second), port, str(folder),
+                               *args]) for r in range(world)]
+    assert all(p.wait(timeout=timeout) == 0 for p in procs)
+    return [json.loads((folder / f"{r}.json").read_text()) for r in range(world)]
+
+
+# the start of a gloo worker script for run_ranks (one rank of two; the rest loops over ``folders`` and writes
+# ``{out}/{rank}.json``): its groups (``stages`` 1: tensor parallel, 2: two pipeline stages), and ``logits(model)``
+# of two prefills (20 tokens, past a window of 8, and 7) then a step of 4 and 1 over shuffled and consecutive blocks
+# (None on a stage before the last)
+WORKER_PRELUDE = textwrap.dedent("""
+    import gc, json, sys
+    import torch, torch.distributed as dist
+    from specray.models import cpu_kernels
+    from specray.models.attention import build_attention_metadata as plan
+    from specray.models.kv_cache import allocate_kv_cache
+    from specray.models.loader import load_model
+    from specray.workers.worker import join_groups
+
+    torch.set_num_threads(1)
+    rank, stages, port, out, *folders = sys.argv[1:]
+    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", int(stages))
+    ids = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(0))
+    tables = [[5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]]  # shuffled (gathered), consecutive
+
+    @torch.no_grad()
+    def logits(model):  # prefills of 20 (past a window of 8) and 7 tokens, then a step of 4 and 1
+        allocate_kv_cache(model, 32, 4)
+        hidden = [model(ids[:27], plan([20, 7], [0, 0], tables, 4)), model(ids[27:], plan([4, 1], [20, 7], tables, 4))]
+        return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
+""")

@@ -1,0 +1,410 @@
+"""Hybrid linear-attention models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: specray.models.qwen3_5, gated_deltanet) against
+transformers on the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode steps
+with the recurrent state carried, drafts replayed after verification; broken variants that must fail; the engine end to
+end (plain greedy equals speculative greedy with n-gram drafts accepted and rejected, chunked prefill, preemption,
+seeded sampling), the refusals, and TP 2 against one rank."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray.models.attention import build_attention_metadata
+from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
+from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
+from specray.models.loader import load_model
+from specray_test_model_checks import run_ranks  # tests/model_checks.py
+
+TOL = 1e-4
+BLOCK = 4
+LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, layer_types=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=512,
+            rms_norm_eps=1e-5, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def hf_pair(arch: str, seed: int = 0, **overrides):
+    """A transformers model of ``arch`` ("qwen3_5", "qwen3_5_moe", "qwen3_next") with random weights everywhere
+    (zero-centred norms, routers and gates made random so that a wrong formula shows)."""
+    import transformers as tf
+
+    cfg_cls, model_cls = {"qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+                          "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+                          "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM)}[arch]
+    kw = dict(TINY, **(MOE if arch != "qwen3_5" else {}), **overrides)
+    config = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight"):  # 1 + w
+                param.normal_(0.0, 0.3)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "dt_bias")):
+                param.normal_(0.0, 0.5)
+    return config, model
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    return save(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", 0)
+
+
+def save(path: Path, arch: str, seed: int, **overrides) -> Path:
+    """A model folder the engine loads: weights, config and a tiny tokenizer (the model's vocabulary its size). Its
+    embedding is tied and doubled, so that greedy decoding falls into loops now and then: n-gram drafts are then
+    accepted in some steps and rejected in others (a plain random model's almost never are)."""
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(path)
+    _, hf = hf_pair(arch, seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+                    **overrides)
+    with torch.no_grad():
+        hf.get_input_embeddings().weight.mul_(2.0)
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+class Stepper:
+    """Our model over a paged cache (shuffled blocks) and a recurrent state, driven as the runner drives it: each
+    sequence has a slot; a chunk with drafts leaves them pending and the next chunk replays the accepted ones."""
+
+    def __init__(self, model, num_blocks: int = 200, slots: int = 4, max_pending: int = 4):
+        self.model = model
+        self.cache = allocate_kv_cache(model, num_blocks, BLOCK)
+        self.state = allocate_recurrent_state(model, slots, max_pending)
+        self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist())
+        self.tables: dict[int, list[int]] = {}
+        self.base: dict[int, tuple[int, int]] = {}  # slot -> (committed position, pending drafts)
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[int, list[int], int, int]]) -> list[torch.Tensor]:
+        """chunks: (slot, token ids, start position, drafts among the last tokens) -> logits [q, V] each."""
+        replay, fresh = [], []
+        for slot, ids, start, drafts in chunks:
+            table = self.tables.setdefault(slot, [])
+            while len(table) * BLOCK < start + len(ids):
+                table.append(self.free.pop())
+            committed, pending = self.base.get(slot, (0, 0))
+            fresh.append(start == 0)
+            replay.append(0 if start == 0 else start - committed)
+            assert 0 <= replay[-1] <= pending or start == 0, (start, committed, pending)
+            self.base[slot] = (start + len(ids) - drafts, drafts)
+        meta = build_attention_metadata([len(c[1]) for c in chunks], [c[2] for c in chunks],
+                                        [self.tables[c[0]] for c in chunks], BLOCK, "cpu")
+        meta.recurrent = RecurrentBatch([c[0] for c in chunks], fresh, replay, [c[3] for c in chunks])
+        ids = torch.tensor([t for c in chunks for t in c[1]])
+        logits = self.model.compute_logits(self.model(ids, meta))
+        return list(logits.split([len(c[1]) for c in chunks]))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+def ours(tmp_path: Path, arch: str, seed: int = 0, **overrides):
+    _, hf = hf_pair(arch, seed, **overrides)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    return load_model(tmp_path), hf
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_prefill_chunks_and_decode_match_transformers(tmp_path, arch):
+    """One prefill, the same prompt in uneven chunks (the state carried between them), then decode steps one token
+    at a time, two sequences batched together with different slots: every logit row equals transformers'."""
+    model, hf = ours(tmp_path, arch)
+    a, b = tokens(29, 1), tokens(11, 2)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    whole = Stepper(model).step([(0, a[:25], 0, 0), (2, b[:9], 0, 0)])
+    assert (whole[0] - ref_a[:25]).abs().max() < TOL
+    assert (whole[1] - ref_b[:9]).abs().max() < TOL
+    run = Stepper(model)
+    got_a, got_b = [], []
+    for (sa, ea), (sb, eb) in (((0, 7), (0, 3)), ((7, 8), (3, 9)), ((8, 25), (9, 10))):
+        out = run.step([(1, a[sa:ea], sa, 0), (3, b[sb:eb], sb, 0)])
+        got_a.append(out[0]), got_b.append(out[1])
+    for pos in range(25, 29):  # decode, one token each step
+        got_a.append(run.step([(1, [a[pos]], pos, 0)])[0])
+    assert (torch.cat(got_a) - ref_a).abs().max() < TOL
+    assert (torch.cat(got_b) - ref_b[:10]).abs().max() < TOL
+
+
+def test_drafts_are_replayed_as_accepted(tmp_path):
+    """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
+    ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal
+    transformers' on the accepted path, whatever was drafted and rejected."""
+    model, hf = ours(tmp_path, "qwen3_5", seed=3)
+    seq = tokens(40, 4)
+    ref = hf_logits(hf, seq)
+    run = Stepper(model)
+    out = run.step([(0, seq[:10], 0, 0)])[0]
+    assert (out - ref[:10]).abs().max() < TOL
+    pos = 10
+    for accepted in (0, 1, 3, 2, 0, 3):
+        drafts = seq[pos + 1: pos + 1 + accepted] + tokens(3 - accepted, 100 + pos)  # a wrong draft after them
+        out = run.step([(0, [seq[pos]] + drafts, pos, 3)])[0]
+        assert (out[: accepted + 1] - ref[pos: pos + accepted + 1]).abs().max() < TOL, accepted
+        pos += accepted + 1
+    out = run.step([(0, seq[pos: pos + 2], pos, 0)])[0]  # then plain tokens again
+    assert (out - ref[pos: pos + 2]).abs().max() < TOL
+
+
+def test_no_host_sync_in_a_step(tmp_path, no_host_sync):
+    """A step with a replay, a verify chunk and a fresh prefill reads no tensor's value on the host."""
+    model, _ = ours(tmp_path, "qwen3_5", seed=9)
+    run = Stepper(model)
+    seq = tokens(20, 10)
+    run.step([(0, seq[:8], 0, 0)])
+    run.step([(0, seq[8:11], 8, 2)])
+    with no_host_sync():
+        run.step([(0, seq[10:12], 10, 1), (1, seq[:5], 0, 0)])
+
+
+def test_multimodal_release_serves_its_text_model(tmp_path):
+    """Qwen3.5's multimodal release (``Qwen3_5ForConditionalGeneration``): its text model read from
+    ``model.language_model.*`` and ``lm_head``, the vision tower left unread; logits equal the whole model's on
+    text."""
+    import transformers as tf
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=1)
+    torch.manual_seed(7)
+    hf = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=dict(TINY), vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name and "linear_attn" not in name:
+                param.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    seq = tokens(12, 8)
+    got = Stepper(model).step([(0, seq, 0, 0)])[0]
+    assert (got - hf_logits(hf, seq)).abs().max() < TOL
+
+
+def test_broken_state_handling_fails(tmp_path, monkeypatch):
+    """The tests can fail: the state dropped between chunks, the conv history off by one token, and drafts
+    committed as if all were accepted each change the logits past tolerance."""
+    model, hf = ours(tmp_path, "qwen3_5", seed=5)
+    seq = tokens(20, 6)
+    ref = hf_logits(hf, seq)
+
+    def chunked_error() -> float:
+        run = Stepper(model)
+        got = [run.step([(0, seq[s:e], s, 0)])[0] for s, e in ((0, 8), (8, 14), (14, 20))]
+        return (torch.cat(got) - ref).abs().max().item()
+
+    assert chunked_error() < TOL
+    real = GatedDeltaNet._recurrence
+
+    def forgetting(self, mixed, g, beta, batch, query_lens):  # every chunk starts from zeros
+        return real(self, mixed, g, beta, RecurrentBatch(batch.slots, [True] * len(batch.slots),
+                                                         [0] * len(batch.slots), batch.drafts), query_lens)
+
+    monkeypatch.setattr(GatedDeltaNet, "_recurrence", forgetting)
+    assert chunked_error() > 100 * TOL
+    monkeypatch.undo()
+    import specray.models.gated_deltanet as gdn
+
+    conv = gdn.causal_conv
+    monkeypatch.setattr(gdn, "causal_conv", lambda window, weight: conv(  # the history one input short
+        torch.cat((window[:1] * 0, window[:-1])), weight))
+    assert chunked_error() > 100 * TOL
+    monkeypatch.undo()
+    run = Stepper(model)  # drafts never pending: the next chunk replays nothing, as if all were committed
+    run.step([(0, seq[:10], 0, 0)])
+    run.step([(0, [seq[10], 7, 8], 10, 0)])  # claims no drafts: its wrong tokens go into the state
+    run.base[0] = (11, 0)
+    out = run.step([(0, seq[11:13], 11, 0)])[0]
+    assert (out - ref[11:13]).abs().max() > 100 * TOL
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+# prompts that repeat themselves (n-gram drafts find matches, some accepted, some not) and one that does not
+PROMPT_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],
+              [100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101],
+              [7, 7, 7, 7, 7, 7], list(range(200, 237)) + list(range(200, 210))]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def generate(llm, params) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPT_IDS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def greedy(n: int = 24):
+    from specray import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_qwen3_5_dir):
+    from specray import LLM
+
+    return generate(LLM(model=str(tiny_qwen3_5_dir), max_model_len=128), greedy())
+
+
+def test_plain_engine_equals_transformers_greedy(tiny_qwen3_5_dir, plain_greedy):
+    """Several requests at once, each in its own state slot: every output token is transformers' argmax over the
+    whole sequence so far."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_dir, dtype=torch.float32).eval()
+    for ids, out in zip(PROMPT_IDS[:3], plain_greedy[:3]):
+        seq = list(ids)
+        for _ in range(8):
+            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert out[:8] == seq[len(ids):]
+
+
+@pytest.mark.parametrize("case", ["batched", "chunked-prefill", "preemption", "async"])
+def test_ngram_greedy_equals_plain(tiny_qwen3_5_dir, plain_greedy, case):
+    """n-gram drafts (some accepted, some rejected: the replay of accepted drafts) give plain greedy decoding's
+    tokens, with prefills in small chunks, and with a KV pool so small that requests are preempted and recompute
+    their state from token 0."""
+    from specray import LLM
+
+    kw = {"chunked-prefill": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+          "preemption": dict(block_size=4, num_kv_blocks=24), "async": dict(async_scheduling=True)}.get(case, {})
+    llm = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, speculative_config=NGRAM, **kw)
+    assert generate(llm, greedy()) == plain_greedy
+    stats = llm.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_engine_comparison_can_fail(tiny_qwen3_5_dir, plain_greedy, monkeypatch):
+    """The comparison above can fail: replaying no accepted draft (the state left where the last verify chunk began)
+    changes the output."""
+    from specray import LLM
+    from specray.workers.model_runner import RecurrentSlots
+
+    real = RecurrentSlots.batch
+
+    def no_replay(self, chunks):
+        batch = real(self, chunks)
+        batch.replay = [0] * len(batch.replay)
+        return batch
+
+    monkeypatch.setattr(RecurrentSlots, "batch", no_replay)
+    llm = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, speculative_config=NGRAM)
+    out = generate(llm, greedy())
+    assert all(len(o) == 24 for o in out) and out != plain_greedy  # every request ran to its end, differently
+
+
+def test_seeded_sampling_with_ngram_equals_plain(tiny_qwen3_5_dir):
+    """n-gram drafts of a seeded sampled request are verified by coupling: the same tokens as without them."""
+    from specray import LLM, SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    plain = generate(LLM(model=str(tiny_qwen3_5_dir), max_model_len=128), params)
+    spec = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, speculative_config=NGRAM)
+    assert generate(spec, params) == plain
+    assert spec.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2}), "token trees"),
+    (dict(speculative_config={"method": "suffix", "num_speculative_tokens": 4}), "method='suffix'"),
+    (dict(speculative_config={"method": "lookahead", "num_speculative_tokens": 15}), "method='lookahead'"),
+    (dict(speculative_config={"method": "eagle", "model": "nowhere", "num_speculative_tokens": 2}),
+     "method='eagle'"),
+    (dict(enable_lora=True), "LoRA"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3"),
+])
+def test_refusals(tiny_qwen3_5_dir, kw, match):
+    from specray import LLM
+
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, **kw)
+
+
+def test_a_hybrid_draft_model_is_refused(tiny_qwen3_5_dir, tiny_llama_dir):
+    from specray import LLM
+
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(model=str(tiny_llama_dir), max_model_len=128,
+            speculative_config={"method": "draft_model", "model": str(tiny_qwen3_5_dir), "num_speculative_tokens": 2})
+
+
+def test_graphs_refused_for_linear_attention(tiny_qwen3_5_dir):
+    from specray.models.step_graphs import graph_safe
+
+    assert "linear-attention" in graph_safe(load_model(tiny_qwen3_5_dir))
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------------------------
+
+TP_WORKER = textwrap.dedent("""
+    import gc, json, sys
+    import torch, torch.distributed as dist
+    from specray.models.attention import build_attention_metadata
+    from specray.models.gated_deltanet import RecurrentBatch
+    from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
+    from specray.models.loader import load_model
+    from specray.parallel import TPGroup
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    @torch.no_grad()
+    def run(model):
+        allocate_kv_cache(model, 32, 4)
+        allocate_recurrent_state(model, 2, 3)
+        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+        t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]
+        rows = []
+        # (query lens, starts, slots, fresh, replay, drafts, tokens): prefills; a verify chunk of 2 drafts beside a
+        # decode; then the next chunk after 1 accepted draft (replayed)
+        for lens, starts, fresh, replay, drafts, toks in (
+                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:20] + ids[20:27]),
+                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:30] + ids[30:31]),
+                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30] + ids[31:32])):
+            meta = build_attention_metadata(lens, starts, [t1, t2], 4)
+            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
+            rows.append(model.compute_logits(model(torch.tensor(toks), meta)))
+        return torch.cat(rows)
+
+    result = {}
+    for folder in sys.argv[5:]:
+        model = load_model(folder, TPGroup.from_world())
+        heads = model.recurrent_state_specs()[0].num_heads
+        result[folder] = [(run(model) - run(load_model(folder))).abs().max().item(), heads]
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def test_tensor_parallel_shards_match_one_rank(tmp_path):
+    """TP 2 over gloo: the linear layers' key and value heads split over the ranks (their projections, conv
+    channels, decays and states), the gated attention's heads and (Qwen3-Next) the fused checkpoint projections and
+    experts split by width; logits of prefills, a verify chunk and the replay after it equal one rank's."""
+    folders = []
+    for arch, seed in (("qwen3_5", 31), ("qwen3_next", 32)):
+        _, hf = hf_pair(arch, seed)
+        hf.save_pretrained(tmp_path / arch)
+        folders.append(str(tmp_path / arch))
+    for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 2, 2, folders, timeout=240)):
+        for folder, (diff, heads) in result.items():
+            assert diff < TOL, (r, folder, diff)
+            assert heads == TINY["linear_num_value_heads"] // 2, folder
