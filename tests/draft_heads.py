@@ -232,6 +232,74 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
     return folder
 
 
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def write_tiny_hybrid(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 (``arch`` "qwen3_5"), Qwen3.5-MoE ("qwen3_5_moe") or Qwen3-Next ("qwen3_next") model
+    folder with a tokenizer, laid out as the releases are (linear layers, then a full-attention one last, which
+    transformers' ``MtpModel`` takes its norm class from); norms and gates random (zero-centred norms), the
+    embedding tied and doubled so that greedy decoding repeats tokens now and then (as tests/test_qwen3_5.py's)."""
+    from specray_test_hybrid_models import hf_pair  # tests/hybrid_models.py (registered by conftest)
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(folder)
+    _, model = hf_pair(arch, seed, num_hidden_layers=4, layer_types=HYBRID_LAYERS, vocab_size=len(tok),
+                       eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(2.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def write_qwen_mtp(folder: Path, target_dir: Path, seed: int = 11, accepting: bool = True,
+                   alpha: float = 0.1) -> Path:
+    """A copy of a tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next target's folder with its release's MTP layer added under
+    ``mtp.``: ``fc`` [H, 2H] over [norm(embedding); norm(hidden)], ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+    ``layers.0.*`` (the family's full-attention layer, taken as transformers writes it from a random model one layer
+    deeper whose last layer is a full-attention one: per-expert tensors, a gated shared expert) and ``norm``; the norms
+    zero-centred (1 + w) and random. ``accepting``: ``fc`` passes the token's normed embedding through and the
+    block's outputs are scaled by ``alpha``, so the layer mostly drafts "the same token again" (as
+    :func:`write_deepseek_mtp`'s module does)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(target_dir)
+    layers, h = config.num_hidden_layers, config.hidden_size
+    config.num_hidden_layers = layers + 1
+    config.layer_types = list(config.layer_types) + ["full_attention"]
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # transformers initializes the 1 + w norms and gates at zero: make a wrong formula show
+        for name, param in deeper.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)  # the checkpoint's own names (per-expert tensors), as a release has them
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    p = f"model.layers.{layers}."
+    block = {"mtp.layers.0." + name[len(p):]: t.clone() for name, t in saved.items() if name.startswith(p)}
+    fc = torch.randn(h, 2 * h, generator=gen) * 0.2
+    if accepting:
+        fc = torch.cat([torch.eye(h), alpha * fc[:, h:]], 1)
+        for name in block:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                block[name] = block[name] * alpha
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.update(block)
+    weights.update({"mtp.fc.weight": fc,
+                    "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(h, generator=gen),
+                    "mtp.pre_fc_norm_hidden.weight": 0.3 * torch.randn(h, generator=gen),
+                    "mtp.norm.weight": 0.1 * torch.randn(h, generator=gen)})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 # one drafter of each kind: host lookups (chains, a suffix tree), a draft model, a head reading the target's states
 DRAFTER_KINDS = ("ngram", "suffix", "draft_model", "eagle3")
 

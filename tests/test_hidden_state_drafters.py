@@ -1008,16 +1008,21 @@ def target_triples(target_dir, looping_prompt):
     return triples_of(target_dir, looping_prompt)
 
 
-def triples_of(target_dir, looping_prompt, temperatures=(SAMPLED["temperature"], 1.0)):
+def triples_of(target_dir, looping_prompt, temperatures=(SAMPLED["temperature"], 1.0), last_logits=None):
     """temperature -> {(x0, x1, x2): p(x0) p(x1 | x0) p(x2 | x0 x1)} of the target's warped distributions (SAMPLED's
-    top-k at that temperature) after ``looping_prompt``, from a fresh model."""
-    target = load_model(str(target_dir))
-    allocate_kv_cache(target, 8, 16)
+    top-k at that temperature) after ``looping_prompt``, from a fresh model (or from ``last_logits(tokens)`` [1, V],
+    for a target this paged helper cannot run: a hybrid one's recurrent state)."""
+    if last_logits is None:
+        target = load_model(str(target_dir))
+        allocate_kv_cache(target, 8, 16)
+
+        def last_logits(tokens: list[int]) -> torch.Tensor:
+            return target.compute_logits(target(torch.tensor(tokens), build_attention_metadata(
+                [len(tokens)], [0], [list(range(8))], 16))[-1:])
 
     @torch.inference_mode()
     def probs(tokens: list[int], temperature: float) -> np.ndarray:
-        logits = target.compute_logits(target(torch.tensor(tokens), build_attention_metadata(
-            [len(tokens)], [0], [list(range(8))], 16))[-1:])
+        logits = last_logits(tokens)
         batch = SamplingBatch.build([SamplingParams(**{**SAMPLED, "temperature": temperature})], [None], "cpu")
         return logits_to_probs(logits, batch)[0].double().numpy()
 
@@ -1375,3 +1380,172 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
             assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
             checked += 1
     assert checked >= 12
+
+
+# ---- the hybrid family's own MTP layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: gated attention, 1 + w norms) -----------
+
+HYBRID_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],
+              [7, 7, 7, 7, 7, 7], list(range(200, 237)) + list(range(200, 210)), [3, 1, 4, 1, 5, 9, 2, 6]]
+HYBRID_MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    """arch -> (target folder, the same with an accepting MTP layer, with a random one), built once per arch."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(arch)
+            target = draft_heads.write_tiny_hybrid(root / "target", arch)
+            made[arch] = (target, draft_heads.write_qwen_mtp(root / "accepting", target),
+                          draft_heads.write_qwen_mtp(root / "random", target, seed=12, accepting=False))
+        return made[arch]
+
+    return get
+
+
+def hybrid_generate(llm, params=None, ids=HYBRID_IDS) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    return token_ids(llm.generate(prompts, params or greedy(20), use_tqdm=False))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_hybrid_mtp_layer_drafts_with_its_own_block(hybrid_dirs, arch):
+    """``method="mtp"`` on a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next release reads its ``mtp.*`` layer, whose block is the
+    family's (gated attention with q/k norms and partial RoPE; dense MLP, or experts with a gated shared expert; 1 + w
+    norms): with the accepting layer and a random one, greedy output equals plain decoding (6 requests at once), no
+    block leaks, drafting leaves the target's recurrent state as it found it, and every first draft equals
+    transformers' own ``MtpModel`` loaded from the release (``MtpModel.from_pretrained``: its mapping of the
+    ``mtp.*`` names) run over the committed sequence from scratch; the accepting layer's drafts are accepted."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specray.models.llama import LlamaMLP
+    from specray.models.moe import SparseMoE
+    from specray.models.qwen3_5 import GatedAttention, ResidualGemmaRMSNorm
+
+    target, *folders = hybrid_dirs(arch)
+    plain = hybrid_generate(LLM(str(target), max_model_len=128))
+    for folder in folders:
+        llm = LLM(str(folder), max_model_len=128, speculative_config=HYBRID_MTP)
+        runner = llm.engine.executor.worker.runner
+        head = runner.drafter.head
+        layer = head.layers[0]
+        assert isinstance(layer.self_attn, GatedAttention) and isinstance(head.norm, ResidualGemmaRMSNorm)
+        assert isinstance(layer.mlp, LlamaMLP if arch == "qwen3_5" else SparseMoE)
+        assert head.rotary_emb.head_dim == 4  # a quarter of each 16-wide head rotates, as the target's layers do
+        draft, touched = runner.drafter.draft, []
+
+        def draft_watched(*args, **kwargs):  # the target's recurrent state before and after the head drafts
+            before = [t.clone() for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
+            out = draft(*args, **kwargs)
+            after = [t for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
+            touched.append(any(not torch.equal(a, b) for a, b in zip(before, after)))
+            return out
+
+        runner.drafter.draft = draft_watched
+        llm.engine.executor = rec = Recorder(llm.engine.executor)
+        start = free_blocks(llm)
+        assert hybrid_generate(llm) == plain
+        assert free_blocks(llm) == start
+        assert touched and not any(touched)
+        assert folder.name != "accepting" or llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+        # the first drafts against transformers' MTP module, loaded from the release by transformers' own mapping
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        hf.config.num_mtp_layers, hf.config.mtp_layer_types = 1, ["full_attention"]
+        mtp = MtpModel.from_pretrained(hf).float().eval()
+        committed: dict[str, list[int]] = {}  # each request's tokens so far, from its chunks and what they kept
+        checked = 0
+        for chunk, kept, drafts in rec.chunks():
+            real = chunk.token_ids[: chunk.num_tokens - chunk.num_draft_tokens]
+            seq = committed[chunk.req_id] = committed.get(chunk.req_id, [])[: chunk.start_pos] + real + list(kept)
+            if not kept or not drafts or checked >= 12:
+                continue
+            n = len(seq) - 1
+            with torch.no_grad():
+                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
+                want, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden, attention_mask=None,
+                                 position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+            assert drafts[0] == int(want[0, 0]), (folder.name, chunk.req_id, drafts, want)
+            checked += 1
+        assert checked >= 12
+
+
+@pytest.mark.parametrize("case", ["random", "chunked-prefill", "preemption"])
+def test_hybrid_mtp_greedy_equals_plain(hybrid_dirs, case):
+    """Qwen3.5 with its MTP layer: a random layer (drafts mostly rejected), and the accepting one with prefills in
+    small chunks (the head's first pass over each chunk's committed rows) and with a KV pool so small that requests
+    are preempted (the target recomputes its recurrent state from token 0, the head its K/V): plain greedy output."""
+    target, accepting, random = hybrid_dirs("qwen3_5")
+    plain = hybrid_generate(LLM(str(target), max_model_len=128))
+    kw = {"chunked-prefill": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+          "preemption": dict(block_size=4, num_kv_blocks=24)}.get(case, {})
+    llm = LLM(str(random if case == "random" else accepting), max_model_len=128, speculative_config=HYBRID_MTP, **kw)
+    start = free_blocks(llm)
+    assert hybrid_generate(llm) == plain
+    stats = llm.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens and (case == "random" or stats.accepted_tokens > 0), stats
+    assert free_blocks(llm) == start
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_hybrid_mtp_comparison_can_fail(hybrid_dirs, monkeypatch):
+    """The comparisons above can fail: a head whose drafting wrote into the target's recurrent state (here: it halves
+    every slot's state matrix after drafting) changes the output, as the watch in the test above would see."""
+    from specray.workers.head_drafter import HiddenStateDrafter
+
+    target, accepting, _ = hybrid_dirs("qwen3_5")
+    plain = hybrid_generate(LLM(str(target), max_model_len=128))
+    real = HiddenStateDrafter.draft
+    runners = []
+
+    def meddling(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        for state in runners[0].recurrent_state.layers:
+            state.matrix.mul_(0.5)
+        return out
+
+    monkeypatch.setattr(HiddenStateDrafter, "draft", meddling)
+    llm = LLM(str(accepting), max_model_len=128, speculative_config=HYBRID_MTP)
+    runners.append(llm.engine.executor.worker.runner)
+    out = hybrid_generate(llm)
+    assert all(len(o) == 20 for o in out) and out != plain
+
+
+def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dirs):
+    """Qwen3.5's own MTP layer (written to accept often) drafting chains drawn from its q for sampled requests: the
+    first three sampled tokens' joint frequencies fit transformers' target distribution (a p-value under the threshold
+    decided by a second test on fresh seeds); the same test fails against the distribution at temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    target, accepting, _ = hybrid_dirs("qwen3_5")
+    plain = LLM(str(target), max_model_len=128)
+    prompt = [7, 7, 7, 7, 7, 7]
+    prompt = prompt + hybrid_generate(plain, greedy(3), [prompt])[0]  # ends in a run the accepting layer drafts
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    triples = triples_of(None, prompt, last_logits=lambda tokens: hf(torch.tensor([tokens])).logits[0, -1:].float())
+    expected = triples[SAMPLED["temperature"]]
+
+    def engine() -> LLM:
+        return LLM(str(accepting), max_model_len=128, max_num_seqs=64, speculative_config=HYBRID_MTP)
+
+    pvalue = sampled_pvalue(None, None, "mtp", prompt, expected, engine=engine)
+    if pvalue <= 1e-3:
+        pvalue = sampled_pvalue(None, None, "mtp", prompt, expected, n=2400, first_seed=800, engine=engine)
+    assert pvalue > 1e-3
+    assert sampled_pvalue(None, None, "mtp", prompt, triples[1.0], engine=engine) < 1e-3
+
+
+def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
+    """What the hybrid family's MTP cannot do is refused with the way out: a release without ``mtp.*``, more than its
+    one MTP layer, a tree-drafting lookup beside the head; EAGLE heads stay refused for these targets."""
+    target, accepting, _ = hybrid_dirs("qwen3_5")
+    for model, extra, match in [
+            (target, {}, "no MTP layer"),
+            (accepting, {"num_nextn_predict_layers": 2, "num_speculative_tokens": 2}, "num_nextn_predict_layers=2"),
+            (accepting, {"combine_with": "suffix"}, "combine_with='suffix'"),
+            (accepting, {"method": "eagle3", "model": str(tmp_path)}, "method='eagle3'")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(str(model), max_model_len=128, speculative_config={**HYBRID_MTP, **extra})

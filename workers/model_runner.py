@@ -32,7 +32,7 @@ from specray.errors import RequestError
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.gated_deltanet import RecurrentBatch
-from specray.models.kv_cache import KVCache, allocate_kv_cache, allocate_recurrent_state
+from specray.models.kv_cache import SLOTS_PER_REQUEST, KVCache, allocate_kv_cache, allocate_recurrent_state
 from specray.models.lora import LoRASlots
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
@@ -65,8 +65,9 @@ class ModelRunner:
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         # this runner owns it
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
-        # linear-attention layers' recurrent state: one slot per running request (max_num_seqs), None without
-        self.recurrent_state = allocate_recurrent_state(model, max_num_seqs, max_draft_tokens)
+        # linear-attention layers' recurrent state: two slots per running request (max_num_seqs; RecurrentSlots),
+        # None without
+        self.recurrent_state = allocate_recurrent_state(model, SLOTS_PER_REQUEST * max_num_seqs, max_draft_tokens)
         self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
         # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
         # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)
@@ -137,10 +138,12 @@ class ModelRunner:
         if self.recurrent is None:
             return self._execute(plan, draft_probs)
         try:
-            return self._execute(plan, draft_probs)
+            result = self._execute(plan, draft_probs)
         except BaseException:
-            self.recurrent.lose([c.req_id for c in plan.chunks])  # their state may have advanced any part of the way
+            self.recurrent.discard()  # the step wrote only slots nobody reads: every request's state is as before it
             raise
+        self.recurrent.commit()
+        return result
 
     def _execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None) -> StepResult | None:
         self.apply_plan_state(plan)
@@ -390,19 +393,29 @@ class ModelRunner:
 
 
 class RecurrentSlots:
-    """Which recurrent-state slot each running request holds, and where its state stands, from the plans alone, so
-    every rank agrees with no collective: a new request takes the lowest free slot (plan order), a finished or
-    preempted one frees it. A request's state is committed up to a position, with the drafts of its last verify
+    """Which recurrent-state slots each running request holds, and where its state stands, from the plans alone, so
+    every rank agrees with no collective: a new request takes the lowest free pair of slots (plan order), a finished
+    or preempted one frees it. A request's state is committed up to a position, with the drafts of its last verify
     chunk pending; its next chunk's start position says how many of them the target accepted (they are replayed
     first: :class:`~specray.models.gated_deltanet.RecurrentBatch`). A chunk at position 0 starts from zeros (a new
-    request, or a preempted one recomputing everything)."""
+    request, or a preempted one recomputing everything).
+
+    Request slot s is state slots 2s and 2s + 1 (``SLOTS_PER_REQUEST``): one holds the committed state (``side``), a
+    step reads it and writes the other, and :meth:`commit` swaps them once the step succeeded (:meth:`discard` when
+    it failed: nothing the step wrote is read). The slot a step replaced keeps the state before it until the request's
+    next step writes it, so a retry of that step (a chunk starting before the committed position: the runner ran the
+    step but it failed after, on another rank or in the executor) takes the step back and runs it again."""
 
     def __init__(self, num_slots: int, max_pending: int):
         self.free = list(range(num_slots))  # a heap: the lowest slot first
         self.max_pending = max_pending
         self.slot_of: dict[str, int] = {}
-        # req_id -> (committed position, pending drafts); None: lost in a step that failed
-        self.position: dict[str, tuple[int, int] | None] = {}
+        self.side = [0] * num_slots  # which of slot s's two state slots holds its committed state
+        self.position: dict[str, tuple[int, int]] = {}  # req_id -> (committed position, pending drafts)
+        # req_id -> (its position before its last step, that step's start): the state before that step, still in the
+        # slot the step replaced
+        self.undo: dict[str, tuple[tuple[int, int], int]] = {}
+        self._staged: list[tuple[str, int, tuple[int, int], tuple[int, int], int]] = []  # the step's, until commit
 
     def apply(self, plan: StepPlan) -> None:
         if plan.kv_moves:  # only token trees move K/V, and these models are refused them at engine build
@@ -411,6 +424,7 @@ class RecurrentSlots:
         for rid in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             slot = self.slot_of.pop(rid, None)
             self.position.pop(rid, None)
+            self.undo.pop(rid, None)
             if slot is not None:
                 heapq.heappush(self.free, slot)
         for new in plan.new_requests:
@@ -418,39 +432,58 @@ class RecurrentSlots:
                 assert self.free, f"more running requests than the {len(self.slot_of)} recurrent-state slots"
                 self.slot_of[new.req_id] = heapq.heappop(self.free)
 
-    def lose(self, req_ids: list[str]) -> None:
-        """A step over these requests failed part way: their state cannot be trusted until they restart from 0."""
-        for rid in req_ids:
-            if rid in self.slot_of:
-                self.position[rid] = None
+    def _retried(self, c: ScheduledChunk) -> bool:
+        """Whether ``c`` runs its request's last step again (the state before that step is to be restored)."""
+        held = self.position.get(c.req_id, (0, 0))
+        undo = self.undo.get(c.req_id)
+        return c.start_pos < held[0] and undo is not None and undo[1] == c.start_pos
 
     def batch(self, chunks: list[ScheduledChunk]) -> RecurrentBatch:
-        """The step's slots and replays; a RequestError naming the chunks it cannot run (checked before any state
-        moves)."""
+        """The step's slots and replays; a RequestError naming the chunks it cannot run (checked before anything
+        changes). What the step will commit is staged for :meth:`commit`."""
         bad = {}
         for c in chunks:
-            held = self.position.get(c.req_id, (0, 0))
+            held = self.undo[c.req_id][0] if self._retried(c) else self.position.get(c.req_id, (0, 0))
             if c.draft_parents is not None:
                 bad[c.req_id] = "token trees are not verified on models with linear attention (chains only)"
             elif c.num_draft_tokens > self.max_pending:
                 bad[c.req_id] = (f"{c.num_draft_tokens} drafts, more than the {self.max_pending} the recurrent state "
                                  "keeps pending (num_speculative_tokens)")
-            elif c.start_pos and held is None:
-                bad[c.req_id] = "its recurrent state was lost in a step that failed"
             elif c.start_pos and not 0 <= c.start_pos - held[0] <= held[1]:
                 bad[c.req_id] = (f"its chunk starts at {c.start_pos} but its recurrent state is at {held[0]} with "
                                  f"{held[1]} drafts pending")
         if bad:
             raise RequestError(list(bad), "; ".join(f"{rid}: {why}" for rid, why in bad.items()))
-        batch = RecurrentBatch([], [], [], [])
+        batch = RecurrentBatch([], [], [], [], [])
+        self._staged = []
         for c in chunks:
-            committed = self.position.get(c.req_id) or (0, 0)
-            batch.slots.append(self.slot_of[c.req_id])
+            slot = self.slot_of[c.req_id]
+            if c.start_pos and self._retried(c):  # back to the state before the step this chunk runs again
+                self.side[slot] ^= 1
+                self.position[c.req_id] = self.undo[c.req_id][0]
+            # the slot this step writes holds what the undo record points to: from now on it is gone
+            self.undo.pop(c.req_id, None)
+            committed = self.position.get(c.req_id, (0, 0))
+            batch.slots.append(2 * slot + self.side[slot])
+            batch.targets.append(2 * slot + 1 - self.side[slot])
             batch.fresh.append(c.start_pos == 0)
             batch.replay.append(0 if c.start_pos == 0 else c.start_pos - committed[0])
             batch.drafts.append(c.num_draft_tokens)
-            self.position[c.req_id] = (c.start_pos + c.num_tokens - c.num_draft_tokens, c.num_draft_tokens)
+            self._staged.append((c.req_id, slot, committed, (c.start_pos + c.num_tokens - c.num_draft_tokens,
+                                                            c.num_draft_tokens), c.start_pos))
         return batch
+
+    def commit(self) -> None:
+        """The step succeeded: the slots it wrote hold its requests' committed states."""
+        for rid, slot, before, after, start in self._staged:
+            self.side[slot] ^= 1
+            self.position[rid] = after
+            self.undo[rid] = (before, start)
+        self._staged = []
+
+    def discard(self) -> None:
+        """The step failed: what it wrote is never read, every request's state stays where it was."""
+        self._staged = []
 
 
 def _first_sampled_position(chunk) -> int:

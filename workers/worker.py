@@ -242,7 +242,8 @@ class Worker:
             raise ValueError(f"the recurrent state of {self.config.max_num_seqs} requests (max_num_seqs) takes "
                              f"{need} bytes, and the KV cache's budget is {budget} bytes: lower max_num_seqs or "
                              "raise kv_cache_memory_bytes (gpu_memory_utilization on a GPU)")
-        logger.info("recurrent state: %d slots, %.1f MiB", self.config.max_num_seqs, need / (1 << 20))
+        logger.info("recurrent state: %d requests (two slots each), %.1f MiB", self.config.max_num_seqs,
+                    need / (1 << 20))
         return need
 
     def init_cache(self, num_blocks: int) -> None:

@@ -77,16 +77,17 @@ def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 class HeadLayer(nn.Module):
     """One decoder layer of the Llama family whose attention reads ``input_size`` features (2H for EAGLE-3); or,
     given ``parts``, the target family's own attention and MLP (an MTP module's block: DeepSeek's latent attention
-    and experts)."""
+    and experts; Qwen3.5's gated attention), with ``norm`` the family's RMSNorm (Qwen3.5's ``1 + w``), which
+    takes a residual as :class:`RMSNorm` does."""
 
     def __init__(self, config, tp: TPGroup, input_size: int, input_norm: bool, hidden_norm: bool,
-                 parts: tuple[nn.Module, nn.Module] | None = None):
+                 parts: tuple[nn.Module, nn.Module] | None = None, norm: type[nn.Module] = RMSNorm):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps) if input_norm else None
-        self.hidden_norm = RMSNorm(h, eps) if hidden_norm else None
+        self.input_layernorm = norm(h, eps) if input_norm else None
+        self.hidden_norm = norm(h, eps) if hidden_norm else None
         self.self_attn = LlamaAttention(config, tp, 0, input_size=input_size) if parts is None else parts[0]
-        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = norm(h, eps)
         self.mlp = LlamaMLP(config, tp) if parts is None else parts[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -129,23 +130,25 @@ class DraftHead(nn.Module):
         family = _family(config)  # the model class of the config's architecture, None for a plain head config
         self.stacked = getattr(family, "stacked", _STACKED)  # checkpoint names its parameters merge
         fusion = self.layout.fusion
+        # an MTP head's norms are its family's (Qwen3.5's scale by 1 + w); EAGLE heads' are Llama's
+        norm = getattr(family, "mtp_norm", RMSNorm) if fusion == "eh_proj" else RMSNorm
         if fusion == "fc":
             self.fc = ColumnParallelLinear(2 * h, h, whole, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=False, hidden_norm=False)])
         elif fusion == "eh_proj":
-            self.enorm = RMSNorm(h, config.rms_norm_eps)
-            self.hnorm = RMSNorm(h, config.rms_norm_eps)
+            self.enorm = norm(h, config.rms_norm_eps)
+            self.hnorm = norm(h, config.rms_norm_eps)
             self.eh_proj = ColumnParallelLinear(2 * h, h, whole)
             parts = getattr(family, "mtp_layer_parts", None)  # the target family's block (DeepSeek's)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False,
                                                    parts=None if parts is None else
-                                                   parts(config, tp, expert_parallel))])
+                                                   parts(config, tp, expert_parallel), norm=norm)])
         elif fusion == "split":
             self.fc = ColumnParallelLinear(len(self.aux_layers) * th, h, whole, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
         else:
             raise ValueError(f"unknown head fusion {fusion!r}")
-        self.norm = RMSNorm(h, config.rms_norm_eps) if self.layout.final_norm else None
+        self.norm = norm(h, config.rms_norm_eps) if self.layout.final_norm else None
         self.target_vocab_size = target.vocab_size
         if self.layout.own_lm_head:
             vd = draft_vocab_size or target.vocab_size

@@ -13,6 +13,9 @@
   embedding and head are the target's. Or a folder of its own in the same names. With ``num_modules`` = 1 specray
   reuses module 0 for every draft step (TensorRT-LLM's "MTP-Eagle"); with more, modules 0..K-1 each draft one
   position further (:class:`~specray.models.draft_head.ChainedModules`, DeepSeek's ``num_nextn_predict_layers``).
+* **MTP** (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next layout, a family's ``mtp_names``): one layer under ``mtp.``
+  (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``layers.0.*``, ``norm``), the same head under other
+  names, reused for every draft step.
 
 Tensors shared with the target (``embed_tokens``, ``shared_head.head``, EAGLE-1's ``lm_head``) are not loaded: the
 head reads the target's.
@@ -150,6 +153,9 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     num_layers = target_config.num_hidden_layers
     if not isinstance(num_modules, int) or isinstance(num_modules, bool) or num_modules < 1:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules!r} must be an int >= 1")
+    names = getattr(_target_family(target_config), "mtp_names", None)
+    if names is not None:
+        return target_config, [_prefixed_mtp(path, names, num_modules)]
     prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
     source = resolve_model(path)
     modules: list[list[tuple[str, Any]]] = [[] for _ in prefixes]
@@ -175,6 +181,39 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
                          f"{str(source.path)!r} has {found} MTP module(s) (model.layers.{num_layers}.. "
                          f"model.layers.{num_layers + found - 1}); give num_nextn_predict_layers <= {found}")
     return target_config, modules
+
+
+def _target_family(target_config):
+    """The target's model class (None for an architecture specray does not serve)."""
+    from specray.models.registry import get_model_class  # lazily, as draft_head's _family: the registry is wide
+
+    try:
+        return get_model_class(target_config)
+    except ValueError:
+        return None
+
+
+def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) -> list[tuple[str, Any]]:
+    """The MTP layer of a release that keeps it under ``mtp.`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: ``mtp.fc``,
+    ``mtp.pre_fc_norm_*``, ``mtp.layers.0.*``, ``mtp.norm``), renamed by the family's ``names`` (theirs, ours)."""
+    source = resolve_model(path)
+    if num_modules != 1:
+        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules}: the checkpoint "
+                         f"{str(source.path)!r} keeps one MTP layer (mtp.layers.0) with one fc and one set of norms, "
+                         "which specray reuses for every draft step; leave num_nextn_predict_layers unset (or 1)")
+    out = []
+    for name, tensor in checkpoint_weights(source, wanted=lambda name: name.startswith("mtp.")):  # the rest unread
+        rest = name[len("mtp."):]
+        theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
+        if theirs is None:
+            raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has "
+                             "no place for (one MTP layer is read: mtp.layers.0); drop it, or use another method")
+        out.append((ours + rest[len(theirs):], tensor))
+    if not out:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer (mtp.*): method='mtp' needs a release "
+                         "with its multi-token-prediction weights (mtp_num_hidden_layers / num_nextn_predict_layers "
+                         ">= 1); use another speculative method for this model")
+    return out
 
 
 def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) -> dict[str, Any]:

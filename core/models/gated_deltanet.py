@@ -44,12 +44,15 @@ L2_EPS = 1e-6  # q and k are divided by sqrt(sum of squares + this), as the refe
 class RecurrentBatch:
     """Per sequence of a step, in the step's order: its state slot, whether it starts from zeros (its chunk starts
     at position 0), how many of the previous chunk's pending drafts to replay before its tokens (the accepted
-    ones), and how many of its own last tokens are drafts (kept pending, not committed)."""
+    ones), and how many of its own last tokens are drafts (kept pending, not committed). ``targets``: the slots the
+    step writes each sequence's new state into (None: the slots it reads). The runner gives each request two slots
+    and writes the one it does not read, so that a step that fails part way leaves every state it read intact."""
 
     slots: list[int]
     fresh: list[bool]
     replay: list[int]
     drafts: list[int]
+    targets: list[int] | None = None
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +91,97 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if keep is not None:
             kept = torch.where(keep[t], state, kept)
     return torch.stack(outputs, 1), (state if keep is None else kept)
+
+
+# A step whose longest (padded) sequence has at least this many tokens runs the chunked form: below it the token loop
+# launches fewer kernels than the chunked form's fixed work (decode and verify steps). On the 2-core CPU VM the two
+# cost about the same near 16 tokens, for 4 heads of 8 x 12 and 16 heads of 128 x 128 alike (a prefill's gain:
+# docs/benchmarks.md); on a GPU, where both cost their launches (several per token against a few per chunk), it
+# should come no later (never measured).
+CHUNKED_FROM = 16
+CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's size: C x C blocks stay small)
+
+
+def _segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """g [..., C] -> [..., C, C]: entry (t, i) the sum of g over tokens i+1..t for t >= i (0 on the diagonal), -inf
+    above it. Summed directly rather than as a difference of cumulative sums, which would cancel catastrophically
+    once the cumulative log-decay grows large (a token of decay -1e4 would leave later differences no precision)."""
+    c = g.shape[-1]
+    x = g[..., :, None].expand(*g.shape, c)  # x[t, i] = g_t
+    x = x.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(-1), 0.0)  # keep t > i
+    seg = x.cumsum(-2)  # seg[t, i] = sum of g_s over i < s <= t
+    return seg.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf"))
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, keep_at: list[int] | None = None, chunk: int = CHUNK
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_scan`'s results (same arguments, same padding rule) computed chunk by chunk: the
+    within-chunk dependency solved as one triangular system, the state carried between chunks by matrix products
+    (the WY / UT-transform form of Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence
+    Length" and "Gated Delta Networks"). Plain torch, float32.
+
+    The math, per sequence and head (S [dk, dv], rows of K, V, Q are tokens). The scan is
+    ``S_t = a_t S_{t-1} + k_t u_t^T`` with ``a_t = exp(g_t)`` and the written delta
+    ``u_t = beta_t (v_t - k_t^T a_t S_{t-1})``. Within a chunk starting from state S0, with ``G_t`` the cumulative
+    log-decay (``sum_{s<=t} g_s``) and ``D[t, i] = exp(G_t - G_i)`` for i <= t (0 above the diagonal),
+    unrolling gives ``a_t S_{t-1} = exp(G_t) S0 + sum_{i<t} D[t, i] k_i u_i^T``, hence
+
+    * ``u_t + beta_t sum_{i<t} D[t, i] (k_t . k_i) u_i = beta_t v_t - beta_t exp(G_t) k_t^T S0``, i.e.
+      ``(I + A) U = diag(beta) V - diag(beta exp(G)) K S0`` with A strictly lower triangular,
+      ``A[t, i] = beta_t D[t, i] (k_t . k_i)``. With ``T = (I + A)^-1`` (the UT transform):
+      ``U = T diag(beta) V - (T diag(beta exp(G)) K) S0 = U~ - W S0``, where U~ and W do not depend on S0, so every
+      chunk's are solved at once (one batched unit-triangular solve) and only ``W S0`` waits for the state;
+    * outputs ``o_t = q_t^T S_t = exp(G_t) q_t^T S0 + sum_{i<=t} D[t, i] (q_t . k_i) u_i``:
+      ``O = diag(exp(G)) Q S0 + (D * Q K^T) U``;
+    * the state after the chunk's token j: ``S_j = exp(G_j) S0 + sum_{i<=j} D[j, i] k_i u_i^T``; the next chunk starts
+      from j = C - 1, and ``keep_at`` reads other j the same way.
+
+    Padding tokens (g = 0, beta = 0, also those that round the length up to whole chunks) write u_t = 0 and decay by
+    1: they leave the state as it is, as in the scan."""
+    b, length, h, dk = q.shape
+    dv = v.shape[-1]
+    chunk = min(chunk, length)  # a short sequence is one chunk of its own length, not padded up to a whole one
+    n = -(-length // chunk)
+    pad = n * chunk - length
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, ...] -> [B, H, N, C, ...], zero-padded to N * C tokens
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        x = x.reshape(b, n, chunk, h, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)  # [B, H, N, C(, d)]
+    decay = _segment_sums(g).exp()  # D [B, H, N, C, C]: exp(G_t - G_i) on and below the diagonal, 0 above
+    cum = g.cumsum(-1)  # G [B, H, N, C]: log-decay from the chunk's start through token t
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    a = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)  # A [B, H, N, C, C]
+    rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), -1)  # [.., C, dv + dk]
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    u_free, w = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
+    within = decay * (q @ k.transpose(-1, -2))  # D * Q K^T [B, H, N, C, C]
+    q_start = q * cum.exp()[..., None]  # diag(exp(G)) Q: the start state's share of each output
+    k_end = k * decay[..., -1, :, None]  # row i: k_i exp(G_{C-1} - G_i), each write's decay to the chunk's end
+    end = cum[..., -1].exp()[..., None, None]  # exp(G_{C-1}) [B, H, N, 1, 1]
+    keep = None
+    if keep_at is not None:  # each sequence's chunk and token there, whose state is kept (host lists: no sync)
+        rows = torch.arange(b, device=q.device)
+        at_chunk = torch.tensor([t // chunk for t in keep_at], device=q.device)
+        at_token = torch.tensor([t % chunk for t in keep_at], device=q.device)
+        k_keep = k[rows, :, at_chunk] * decay[rows, :, at_chunk, at_token][..., None]  # [B, H, C, dk]: D[j, i] k_i
+        start_keep = cum[rows, :, at_chunk, at_token].exp()[..., None, None]  # exp(G_j) [B, H, 1, 1]
+        keep = {c: torch.tensor([i for i, t in enumerate(keep_at) if t // chunk == c], device=q.device)
+                for c in {t // chunk for t in keep_at}}
+        kept = state.clone()
+    outputs = []
+    for c in range(n):
+        u = u_free[:, :, c] - w[:, :, c] @ state  # U = U~ - W S0 [B, H, C, dv]
+        outputs.append(q_start[:, :, c] @ state + within[:, :, c] @ u)
+        if keep is not None and c in keep:
+            idx = keep[c]
+            kept.index_copy_(0, idx, start_keep[idx] * state[idx] + k_keep[idx].transpose(-1, -2) @ u[idx])
+        state = end[:, :, c] * state + k_end[:, :, c].transpose(-1, -2) @ u
+    out = torch.stack(outputs, 2).reshape(b, h, n * chunk, dv)[:, :, :length].transpose(1, 2)  # [B, L, H, dv]
+    return out, (state if keep is None else kept)
 
 
 class FusedColumnLinear(MergedColumnParallelLinear):
@@ -189,8 +283,8 @@ class GatedDeltaNet(nn.Module):
 
     def _recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: RecurrentBatch,
                     query_lens: list[int]) -> torch.Tensor:
-        """Each sequence's outputs [T, Hv, dv] from its state, replaying its accepted drafts first; writes back
-        each slot's committed state and its chunk's pending drafts."""
+        """Each sequence's outputs [T, Hv, dv] from its state, replaying its accepted drafts first; writes each
+        sequence's committed state and its chunk's pending drafts into its target slot."""
         st, width = self.state, self.kernel - 1
         seqs, start = [], 0
         for slot, fresh, n, k, q_len in zip(batch.slots, batch.fresh, batch.replay, batch.drafts, query_lens):
@@ -213,13 +307,15 @@ class GatedDeltaNet(nn.Module):
             initial[fresh] = 0.0
         committed = [len(c) - s[3] for c, s in zip(conv, seqs)]  # replayed + non-draft tokens
         keep_at = [c - 1 for c in committed] if any(s[3] for s in seqs) else None
-        out, kept = gated_delta_scan(q, k, v, g_pad, beta_pad, initial, keep_at)
-        st.matrix.index_copy_(0, slots, kept)
-        for (slot, _, n, drafts, window, g_seq, beta_seq), done in zip(seqs, committed):
-            st.inputs[slot, :width] = window[done: done + width]  # the last K - 1 committed inputs
+        delta_rule = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
+        out, kept = delta_rule(q, k, v, g_pad, beta_pad, initial, keep_at)
+        targets = batch.slots if batch.targets is None else batch.targets
+        st.matrix.index_copy_(0, torch.tensor(targets, dtype=torch.long, device=mixed.device), kept)
+        for (_, _, n, drafts, window, g_seq, beta_seq), done, row in zip(seqs, committed, targets):
+            st.inputs[row, :width] = window[done: done + width]  # the last K - 1 committed inputs
             if drafts:
-                st.inputs[slot, width: width + drafts] = window[width + done:]
-                st.gates[slot, :drafts] = torch.stack((g_seq[done:], beta_seq[done:]), dim=1)
+                st.inputs[row, width: width + drafts] = window[width + done:]
+                st.gates[row, :drafts] = torch.stack((g_seq[done:], beta_seq[done:]), dim=1)
         rows = [b * out.shape[1] + s[2] + j for b, (s, c) in enumerate(zip(seqs, conv)) for j in range(len(c) - s[2])]
         return out.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=out.device))
 

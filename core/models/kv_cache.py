@@ -239,10 +239,21 @@ def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int, kv_ca
 
 # ---- recurrent state (linear-attention layers: Gated DeltaNet) ---------------------------------------------------
 #
-# Not paged: one slot per running request, assigned by the runner (workers/model_runner.RecurrentSlots). A slot holds
+# Not paged: slots per running request, assigned by the runner (workers/model_runner.RecurrentSlots). A slot holds
 # what the layer carries from one token to the next, as of the request's last committed token, plus the inputs of
 # the drafts its last verify chunk brought (``max_pending`` rows), which the request's next chunk replays over the
 # committed state for as many drafts as were accepted (the plan's next start position says how many).
+#
+# The runner gives each request two slots (``SLOTS_PER_REQUEST``): a step reads the one holding the committed state
+# and writes the other, which becomes the committed one only once the whole step succeeded. A step that fails part
+# way (one request's bad input, a drafter's error) thus leaves every request's state as it was, and the engine's retry
+# without the failing request runs the others correctly; the step before can also be taken back once, for a retry
+# after a failure outside the runner (another rank's, the executor's). Weighed against the alternatives: staging a
+# step's new states and copying them in after it, or snapshotting the touched slots before it, cost a second copy of
+# the touched slots' matrices too (transient, every layer's at once, which no budget accounts for) and, the snapshot,
+# one more read and write of them per step; two slots cost no copy at all (a step already reads its slots into a
+# scratch tensor and writes them back) and their memory is counted in the KV budget (``recurrent_bytes``).
+SLOTS_PER_REQUEST = 2
 
 
 @dataclass(frozen=True)
@@ -264,9 +275,10 @@ class RecurrentStateSpec:
         return conv + matrix + max_pending * 2 * self.num_heads * 4
 
 
-def recurrent_bytes(specs: list[RecurrentStateSpec], num_slots: int, dtype: torch.dtype, max_pending: int) -> int:
-    """Bytes the recurrent state of every layer of ``specs`` takes for ``num_slots`` requests."""
-    return num_slots * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
+def recurrent_bytes(specs: list[RecurrentStateSpec], num_requests: int, dtype: torch.dtype, max_pending: int) -> int:
+    """Bytes the recurrent state of every layer of ``specs`` takes for ``num_requests`` requests (their
+    ``SLOTS_PER_REQUEST`` slots each)."""
+    return num_requests * SLOTS_PER_REQUEST * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
 
 
 @dataclass
@@ -286,8 +298,8 @@ class RecurrentLayerState:
 
 
 class RecurrentState:
-    """Every linear-attention layer's state on one rank, for ``num_slots`` requests, zeroed; the runner owns it and
-    binds a model to it (``bind_recurrent_state``)."""
+    """Every linear-attention layer's state on one rank, in ``num_slots`` slots (the runner gives each request
+    ``SLOTS_PER_REQUEST``), zeroed; the runner owns it and binds a model to it (``bind_recurrent_state``)."""
 
     def __init__(self, specs: list[RecurrentStateSpec], num_slots: int, max_pending: int, dtype: torch.dtype,
                  device: torch.device | str):

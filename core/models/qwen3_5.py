@@ -17,7 +17,12 @@ Each layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``; the MLP is dense
 a gated shared expert on every layer (Qwen3.5-MoE) or on the ``decoder_sparse_step`` ones (Qwen3-Next).
 Qwen3-Next's checkpoint fuses the linear layers' projections per key-head group (``in_proj_qkvz``, ``in_proj_ba``);
 they are split into Qwen3.5's names as they load. A multimodal release's text model is read from its
-``model.language_model.`` tensors; its vision tower and the multi-token-prediction layers (``mtp.``) are not loaded.
+``model.language_model.`` tensors; its vision tower and the multi-token-prediction layer (``mtp.``) are not loaded.
+
+The releases' MTP layer (``mtp.*``, at the top level in the text and multimodal releases alike) serves
+``method="mtp"``: :class:`~specray.models.draft_head.DraftHead`'s ``mtp`` layout, with this family's gated attention,
+MLP (the experts with their gated shared expert in the MoE models) and ``1 + w`` norms (:meth:`mtp_layer_parts`,
+:data:`MTP_NAMES`). It attends over its own paged cache only; the recurrent state is the target's alone.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from specray.parallel import PPGroup, TPGroup
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _SKIPPED = ("model.visual.", "mtp.", "model.language_model.visual.")  # a multimodal release's vision tower; MTP
+# the release's MTP tensors (after ``mtp.``) -> the draft head's names: [norm(e); norm(h)] through ``fc``, one decoder
+# layer of the family, a final norm (DeepSeek's enorm / hnorm / eh_proj / shared_head.norm under other names)
+MTP_NAMES = (("fc.", "eh_proj."), ("pre_fc_norm_embedding.", "enorm."), ("pre_fc_norm_hidden.", "hnorm."),
+             ("norm.", "norm."), ("layers.0.", "layers.0."))
 
 
 def _is_sparse(config, layer: int) -> bool:
@@ -50,6 +59,18 @@ def _is_sparse(config, layer: int) -> bool:
     if config.model_type != "qwen3_next" or not getattr(config, "num_experts", 0):
         return False
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
+
+
+class ResidualGemmaRMSNorm(GemmaRMSNorm):
+    """The ``1 + w`` RMSNorm with the draft head's fused form: given ``residual``, it adds it first and returns
+    ``(normed, sum)`` (the head's layer calls its post-attention norm so, as :class:`~specray.models.layers.RMSNorm`
+    allows)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return super().forward(x)
+        x = residual + x
+        return super().forward(x), x
 
 
 class GatedAttention(nn.Module):
@@ -149,6 +170,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                              "run on one pipeline stage; use tensor_parallel_size instead")
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.recurrent_state_bound = False
+
+    mtp_norm = ResidualGemmaRMSNorm  # the MTP head's norms scale by 1 + w, as every norm of the stack does
+    mtp_names = MTP_NAMES  # the MTP layer's tensors are the release's ``mtp.*`` (DeepSeek's layout is the default)
+
+    @staticmethod
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
+        """The MTP layer's block (``mtp.layers.0``): gated full attention and the MLP a layer 0 of the family has
+        (vLLM and transformers' MtpModel number it 0): the experts with a gated shared expert in Qwen3.5-MoE and
+        Qwen3-Next, dense in Qwen3.5; split over ``tp`` as the target's layers are."""
+        mlp = SparseMoE(config, tp, expert_parallel) if _is_sparse(config, 0) else LlamaMLP(config, tp)
+        return GatedAttention(config, tp), mlp
 
     def _mixers(self, kind: str) -> list[nn.Module]:
         return [getattr(layer, kind) for _, layer in self.model.stage_layers() if hasattr(layer, kind)]
