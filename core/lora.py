@@ -16,11 +16,14 @@ any mix of requests with and without them.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -30,9 +33,11 @@ _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weigh
 # an adapter of a multimodal release (Gemma 3's, Llama-4's ...ForConditionalGeneration): its text model's modules
 # under these names (transformers' older layout, then its newer one) are the text model's own ``model.``
 _TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
-# ... and the modules of its other towers, which a text-only engine never runs (their matrices are left out)
+# ... and the modules of its other towers, which a text-only engine never runs (their matrices are left out, as
+# they cannot change any output of ours; Qwen-VL's vision tower and merger are ``visual.``, or ``model.visual.``
+# where the text model is ``model.language_model.``)
 _OTHER_TOWERS = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
-                 "model.vision_model.", "model.multi_modal_projector.")
+                 "model.vision_model.", "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,7 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
     tensors = safetensors_shapes(weights) if weights.suffix == ".safetensors" else bin_shapes(weights)
     ranks: dict[str, int] = {}
     seen: dict[str, set[str]] = {}
+    towers = set()
     for key, shape in tensors.items():
         found = module_of(key)
         if found is None:
@@ -215,7 +221,10 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
                              "(embeddings, LM heads and saved modules are not supported)")
         module, which = found
         if of_other_tower(module):
+            towers.add(module)
             continue  # never run for text
+        if shapes is not None:  # by name first: a conv's LoRA (a linear-attention layer's conv1d) is not 2-D
+            check_module(path, module, shapes)
         if len(shape) != 2:
             raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
         if shapes is not None:
@@ -228,7 +237,12 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
         if pair != {"A", "B"}:
             raise ValueError(f"lora adapter {path!r}: {module} has lora_{''.join(pair)} without its other half")
     if not ranks:
-        raise ValueError(f"lora adapter {path!r} holds no LoRA matrices")
+        raise ValueError(f"lora adapter {path!r} holds no LoRA matrices" +
+                         (" of the text model (only of the vision tower or projector, which text never runs)"
+                          if towers else ""))
+    if towers and shapes is not None:  # once, at admission (each rank reads the adapter again with shapes=None)
+        logger.info("lora adapter %r: its %d modules of the vision tower and projector are left out (text-only "
+                    "serving never runs them)", path, len(towers))
     rank = max(ranks.values())
     if rank > max_rank:
         raise ValueError(f"lora adapter {path!r} has rank {rank}, above max_lora_rank={max_rank}; start the engine "
@@ -236,13 +250,18 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
     return AdapterInfo(str(folder), float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)), ranks)
 
 
-def check_shape(path: str, module: str, which: str, shape: list[int], shapes: dict[str, tuple[int, int]]) -> None:
-    """ValueError unless ``module`` is a projection the base model applies LoRA to and the matrix fits its weight:
-    A [r, in], B [out, r]."""
+def check_module(path: str, module: str, shapes: dict[str, tuple[int, int]]) -> None:
+    """ValueError unless ``module`` is a projection the base model applies LoRA to."""
     if module not in shapes:
         kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})
         raise ValueError(f"lora adapter {path!r} adapts {module!r}, which specray does not apply LoRA to in this "
                          f"model: it adapts the decoder layers' {kinds} (no experts, embeddings or LM head)")
+
+
+def check_shape(path: str, module: str, which: str, shape: list[int], shapes: dict[str, tuple[int, int]]) -> None:
+    """ValueError unless ``module`` is a projection the base model applies LoRA to and the matrix fits its weight:
+    A [r, in], B [out, r]."""
+    check_module(path, module, shapes)
     out_features, in_features = shapes[module]
     width, expected = (shape[1], in_features) if which == "A" else (shape[0], out_features)
     if width != expected:

@@ -302,14 +302,19 @@ def test_pipeline_ranks_are_numbered_node_by_node(tiny_llama_dir):
 def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
     """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case:
     EAGLE-3 (chains; ``-tree``: EAGLE-2 trees; ``-whole``: unsplit), three MTP modules on the tiny Llama, DeepSeek-V3's
-    own MTP module (``-ep``: experts whole per rank), GLM-4.5's, Medusa, ReDrafter; heads written to accept often."""
+    own MTP module (``-ep``: experts whole per rank), GLM-4.5's (also ``-ep``), Qwen3.5's (a hybrid linear-attention
+    target), Medusa, ReDrafter; heads written to accept often."""
     if method.startswith("deepseek-mtp"):
         target = request.getfixturevalue("tiny_deepseek_dir")
         return target, draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {
             "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
-    if method == "glm-mtp":
+    if method.startswith("glm-mtp"):
         target = request.getfixturevalue("tiny_glm4_moe_dir")
         return target, draft_heads.write_deepseek_mtp(tmp_path / "glm_mtp", target, bias_std=0.1), {
+            "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    if method == "qwen3_5-mtp":  # a hybrid linear-attention target (a recurrent state per request) with its mtp.*
+        target = draft_heads.write_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5")
+        return target, draft_heads.write_qwen_mtp(tmp_path / "qwen3_5_mtp", target), {
             "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
     if method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
@@ -332,15 +337,16 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
     return tiny_llama_dir, model, spec
 
 
-PP_HEAD_CASES = [("eagle3", 1), ("eagle3-tree", 1), ("mtp3", 1), ("deepseek-mtp", 1), ("medusa", 1),
+PP_HEAD_CASES = [("eagle3", 1), ("eagle3-tree", 1), ("mtp3", 1), ("deepseek-mtp", 1), ("glm-mtp", 1), ("medusa", 1),
                  ("redrafter", 1), ("eagle3", 2), ("deepseek-mtp-ep", 2)]
 
 
 @pytest.mark.parametrize("method,tp", PP_HEAD_CASES, ids=[f"{m}-tp{tp}" for m, tp in PP_HEAD_CASES])
 def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama_dir, tmp_path, method, tp):
-    """A hidden-state drafter over two pipeline stages (DeepSeek with MTP, EAGLE-3 across nodes): the head lives on
-    the last stage, which also holds the target's embedding for it; EAGLE-3's residual streams of the first stage's
-    layers travel with its output. With tp=2 each stage is two ranks and the head splits over the last stage's. The
+    """A hidden-state drafter over two pipeline stages (DeepSeek and GLM-4.5 with MTP, EAGLE-3 across nodes): the
+    head lives on the last stage, which also holds the target's embedding for it; EAGLE-3's residual streams of the
+    first stage's layers travel with its output. With tp=2 each stage is two ranks and the head splits over the last
+    stage's. The
     same drafts are made and kept as on one rank, greedy output equals one rank's plain output, no block leaks."""
     prompts = prompts_for(8, seed=4)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
@@ -363,7 +369,7 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "glm-mtp",
-              "medusa", "redrafter", "redrafter-whole"]
+              "glm-mtp-ep", "qwen3_5-mtp", "medusa", "redrafter", "redrafter-whole"]
 DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
 
 
@@ -372,7 +378,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (chains and EAGLE-2
     trees), three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent
     attention and experts: split by width, or whole per rank with the target's enable_expert_parallel), GLM-4.5's
-    (its block's grouped-query attention split by head, partial RoPE, experts split by width), Medusa's
+    (its block's grouped-query attention split by head, partial RoPE, experts split by width or whole per rank),
+    Qwen3.5's over a hybrid target whose linear layers' recurrent state splits by head too (its gated attention
+    split by head), Medusa's
     heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads). Each rank
     holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
     LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:

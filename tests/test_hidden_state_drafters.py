@@ -1410,6 +1410,22 @@ def hybrid_generate(llm, params=None, ids=HYBRID_IDS) -> list[list[int]]:
     return token_ids(llm.generate(prompts, params or greedy(20), use_tqdm=False))
 
 
+def watch_recurrent_state(runner) -> list[bool]:
+    """Wrap the runner's drafter so that each draft call records whether it changed the target's recurrent state
+    (every layer's conv inputs, pending gates and matrix state); returns the record."""
+    draft, touched = runner.drafter.draft, []
+
+    def draft_watched(*args, **kwargs):
+        before = [t.clone() for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
+        out = draft(*args, **kwargs)
+        after = [t for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
+        touched.append(any(not torch.equal(a, b) for a, b in zip(before, after)))
+        return out
+
+    runner.drafter.draft = draft_watched
+    return touched
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_hybrid_mtp_layer_drafts_with_its_own_block(hybrid_dirs, arch):
     """``method="mtp"`` on a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next release reads its ``mtp.*`` layer, whose block is the
@@ -1435,16 +1451,7 @@ def test_hybrid_mtp_layer_drafts_with_its_own_block(hybrid_dirs, arch):
         assert isinstance(layer.self_attn, GatedAttention) and isinstance(head.norm, ResidualGemmaRMSNorm)
         assert isinstance(layer.mlp, LlamaMLP if arch == "qwen3_5" else SparseMoE)
         assert head.rotary_emb.head_dim == 4  # a quarter of each 16-wide head rotates, as the target's layers do
-        draft, touched = runner.drafter.draft, []
-
-        def draft_watched(*args, **kwargs):  # the target's recurrent state before and after the head drafts
-            before = [t.clone() for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
-            out = draft(*args, **kwargs)
-            after = [t for s in runner.recurrent_state.layers for t in (s.inputs, s.gates, s.matrix)]
-            touched.append(any(not torch.equal(a, b) for a, b in zip(before, after)))
-            return out
-
-        runner.drafter.draft = draft_watched
+        touched = watch_recurrent_state(runner)
         llm.engine.executor = rec = Recorder(llm.engine.executor)
         start = free_blocks(llm)
         assert hybrid_generate(llm) == plain
@@ -1540,12 +1547,81 @@ def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dir
 
 def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
     """What the hybrid family's MTP cannot do is refused with the way out: a release without ``mtp.*``, more than its
-    one MTP layer, a tree-drafting lookup beside the head; EAGLE heads stay refused for these targets."""
+    one MTP layer, a tree-drafting lookup beside the head; Medusa's trees and EAGLE-2's stay refused for these
+    targets."""
     target, accepting, _ = hybrid_dirs("qwen3_5")
     for model, extra, match in [
             (target, {}, "no MTP layer"),
             (accepting, {"num_nextn_predict_layers": 2, "num_speculative_tokens": 2}, "num_nextn_predict_layers=2"),
             (accepting, {"combine_with": "suffix"}, "combine_with='suffix'"),
-            (accepting, {"method": "eagle3", "model": str(tmp_path)}, "method='eagle3'")]:
+            (accepting, {"method": "medusa", "model": str(tmp_path)}, "method='medusa'"),
+            (target, {"method": "eagle3", "model": str(tmp_path), "use_dynamic_tree": True}, "use_dynamic_tree")]:
         with pytest.raises(ValueError, match=match):
             LLM(str(model), max_model_len=128, speculative_config={**HYBRID_MTP, **extra})
+
+
+# ---- EAGLE-1 / EAGLE-3 heads on a hybrid target: chains over its linear and attention layers' hidden rows ---------
+
+@pytest.fixture(scope="module")
+def hybrid_eagle(hybrid_dirs, tmp_path_factory):
+    """(Qwen3.5 target folder, its plain greedy outputs, {(kind, method): head folder}): accepting EAGLE-1 and EAGLE-3
+    heads (EAGLE-3's reading the streams entering layers 0, 2 and 3: linear, linear, full attention) and a random
+    EAGLE-3 head at the default layers."""
+    target = hybrid_dirs("qwen3_5")[0]
+    root = tmp_path_factory.mktemp("hybrid_eagle")
+    folders = {("accepting", m): draft_heads.write_accepting_head(root / f"accepting_{m}", m, target)
+               for m in ("eagle", "eagle3")}
+    folders["random", "eagle3"] = draft_heads.write_random_head(root / "random_eagle3", "eagle3", target)
+    return target, hybrid_generate(LLM(str(target), max_model_len=128)), folders
+
+
+def hybrid_eagle_llm(hybrid_eagle, kind: str, method: str, **kw) -> LLM:
+    target, _, folders = hybrid_eagle
+    spec = {"method": method, "model": str(folders[kind, method]), "num_speculative_tokens": 3, "adaptive": False}
+    return LLM(str(target), max_model_len=128, speculative_config=spec, **kw)
+
+
+@pytest.mark.parametrize("case", ["eagle", "eagle3", "eagle3-random", "eagle3-chunked-prefill"])
+def test_eagle_heads_on_a_hybrid_target_keep_greedy_output(hybrid_eagle, case):
+    """EAGLE-1 and EAGLE-3 drafting chains for Qwen3.5 (Gated DeltaNet layers beside gated attention): the head
+    reads the verify pass's hidden rows (EAGLE-3: the residual streams entering its three layers, which the hybrid
+    stack hands out as the Llama stack does) and keeps its own K/V; six requests at once, an accepting head and a
+    random one, and prefills in small chunks (the head's first pass over each chunk's committed rows): greedy output
+    equals plain decoding, the accepting heads' drafts are accepted, no block leaks, and drafting leaves the
+    target's recurrent state as it found it."""
+    method, _, variant = case.partition("-")
+    kw = dict(max_num_batched_tokens=8, long_prefill_token_threshold=5) if variant == "chunked-prefill" else {}
+    llm = hybrid_eagle_llm(hybrid_eagle, "random" if variant == "random" else "accepting", method, **kw)
+    runner = llm.engine.executor.worker.runner
+    if method == "eagle3":
+        assert tuple(runner.aux_layers) == ((0, 2, 3) if variant != "random" else (2, 2, 1)), runner.aux_layers
+    touched = watch_recurrent_state(runner)
+    start = free_blocks(llm)
+    assert hybrid_generate(llm) == hybrid_eagle[1]
+    assert free_blocks(llm) == start
+    assert touched and not any(touched)
+    stats = llm.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens and (variant == "random" or stats.accepted_tokens > 0), stats
+
+
+def test_sampled_output_keeps_the_target_distribution_with_eagle3_on_a_hybrid_target(hybrid_eagle):
+    """The accepting EAGLE-3 head drafting chains drawn from its q for sampled requests on Qwen3.5: the first three
+    sampled tokens' joint frequencies fit transformers' target distribution (a p-value under the threshold decided
+    by a second test on fresh seeds); the same test fails against the distribution at temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    target = hybrid_eagle[0]
+    prompt = [7, 7, 7, 7, 7, 7]
+    prompt = prompt + hybrid_generate(LLM(str(target), max_model_len=128), greedy(3), [prompt])[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    triples = triples_of(None, prompt, last_logits=lambda tokens: hf(torch.tensor([tokens])).logits[0, -1:].float())
+
+    def engine() -> LLM:
+        return hybrid_eagle_llm(hybrid_eagle, "accepting", "eagle3", max_num_seqs=64)
+
+    pvalue = sampled_pvalue(None, None, "eagle3", prompt, triples[SAMPLED["temperature"]], engine=engine)
+    if pvalue <= 1e-3:
+        pvalue = sampled_pvalue(None, None, "eagle3", prompt, triples[SAMPLED["temperature"]], n=2400,
+                                first_seed=800, engine=engine)
+    assert pvalue > 1e-3
+    assert sampled_pvalue(None, None, "eagle3", prompt, triples[1.0], engine=engine) < 1e-3

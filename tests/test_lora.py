@@ -36,7 +36,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_moe_dir",
                                      "tiny_llama4_dir", "tiny_deepseek_dir", "tiny_mixtral_dir", "tiny_phi3_dir",
-                                     "tiny_gemma2_dir", "tiny_olmo2_dir", "tiny_glm4_moe_dir"])
+                                     "tiny_gemma2_dir", "tiny_olmo2_dir", "tiny_glm4_moe_dir", "tiny_smollm3_dir",
+                                     "tiny_olmo3_dir", "tiny_ernie4_5_dir", "tiny_seed_oss_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -105,6 +106,206 @@ def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypat
         got = ours.compute_logits(ours(torch.tensor(ids), meta))
         want = merged(torch.tensor([ids])).logits[0].float()
     assert (got - want).abs().max() < TOL
+
+
+def _adapter_of(base: Path, dst: Path, keep, seed: int = 3, rank: int = 4, std: float = 0.2) -> dict:
+    """A PEFT adapter (rank 4, alpha 8) of every weight of ``base``'s checkpoint that ``keep(name)`` picks, written
+    to ``dst`` (for names checkpoints.write_lora does not pick: a vision tower's, a linear-attention layer's);
+    returns its tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in sorted(f.keys()) if keep(k)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_features, in_features) in shapes.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * std
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
+    checkpoints.write_lora(base, dst, rank=rank, alpha=8, modules=())  # its config; the tensors follow
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    return tensors
+
+
+def _qwen2_5_vl_release(folder: Path, nested: bool) -> Path:
+    """A tiny Qwen2.5-VL release (random weights): its text model a Qwen2 at ``model.`` beside the vision tower's
+    ``visual.`` as transformers saves it, or (``nested``) under ``model.language_model.`` beside ``model.visual.``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[0])
+    torch.manual_seed(7)
+    Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).save_pretrained(folder)
+    if nested:
+        file = str(folder / "model.safetensors")
+        save_file({_nested(n): t for n, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    return folder
+
+
+def _nested(name: str) -> str:
+    """A Qwen2.5-VL tensor's (or its adapter's module's) name in the nested layout."""
+    prefix = "base_model.model." if name.startswith("base_model.model.") else ""
+    rest = name[len(prefix):]
+    return prefix + ("model." + rest if rest.startswith("visual.") else
+                     rest.replace("model.", "model.language_model.", 1) if rest.startswith("model.") else rest)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["text-at-model", "text-at-language_model"])
+def test_a_qwen_vl_adapter_adapts_its_text_model_and_leaves_the_vision_tower_out(nested, tmp_path):
+    """A PEFT adapter of a Qwen2.5-VL release names the text model's projections under either layout of the release
+    (``model.layers...`` or ``model.language_model.layers...``) and here adapts the vision tower too (its attention
+    and an MLP whose ``gate_proj`` shares a text projection's name): admitted against the text model's shapes, the
+    vision tower's matrices left out (text never runs them), and the adapted logits equal transformers' whole
+    multimodal model with the adapter merged into its weights (its vision tower's too)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from specray.lora import read_adapter
+    from specray.models.lora import adapter_shapes
+
+    base = _qwen2_5_vl_release(tmp_path / "base", nested=False)
+    adapter = tmp_path / "adapter"
+    tensors = _adapter_of(base, adapter, lambda k: k.endswith("proj.weight") and k.startswith("model.layers.") or
+                          k in ("visual.blocks.0.attn.qkv.weight", "visual.blocks.0.mlp.gate_proj.weight"))
+    text = sorted({k.split(".lora_")[0][len("base_model.model."):] for k in tensors if ".layers." in k})
+    assert len(tensors) == 2 * 16 and len(text) == 14
+    merged = checkpoints.merge_lora(base, adapter, tmp_path / "merged")
+    if nested:  # the release and its adapter in the other layout; the reference stays the same model
+        base = _qwen2_5_vl_release(tmp_path / "nested", nested=True)
+        save_file({_nested(k): t for k, t in tensors.items()}, str(adapter / "adapter_model.safetensors"))
+    ours = load_model(base)
+    info = read_adapter(str(adapter), adapter_shapes(ours), 8)
+    assert sorted(info.ranks) == text
+    slots = LoRASlots(ours, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+    ids = _tokens(13, 4, ours.config.vocab_size)
+    slots.context.set_token_slots(torch.tensor(slots.slots_for([LoRARequest("vl", 1, str(adapter))]) * len(ids)))
+    allocate_kv_cache(ours, 8, BLOCK)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(8))[::-1]], BLOCK, "cpu")
+    with torch.no_grad():
+        got = ours.compute_logits(ours(torch.tensor(ids), meta))
+        full = Qwen2_5_VLForConditionalGeneration.from_pretrained(merged, dtype=torch.float32).eval()
+        want = full(input_ids=torch.tensor([ids])).logits[0].float()
+        plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
+        assert (want - plain(input_ids=torch.tensor([ids])).logits[0].float()).abs().max() > 1e-2
+    assert (got - want).abs().max() < TOL
+
+
+# ---------------------------------------------------------------------------------------------- hybrid models
+
+import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+
+# what an adapter of a hybrid model adapts here: every projection specray applies LoRA to (PEFT's "all-linear" but
+# the routers, the shared experts' gate and the experts)
+HYBRID_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                  "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def _hybrid_adapter(base: Path, dst: Path, seed: int = 3) -> dict:
+    # std 0.1: the tiny hybrids' doubled embeddings make large logits, whose float32 rounding 0.2 brings to TOL
+    return _adapter_of(base, dst, lambda k: k.startswith("model.layers.") and ".experts." not in k and
+                       k.endswith(".weight") and k.split(".")[-2] in HYBRID_MODULES, seed=seed, std=0.1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
+    """Qwen3.5 (dense) and Qwen3.5-MoE (a shared expert): an adapter of the gated attention's q/k/v/o (q_proj's
+    rows: each head's query and output gate), the linear-attention layers' in_proj_qkv / z / b / a and out_proj, and
+    the MLPs, beside a sequence without one: a prefill, verify chunks whose drafts stay pending, and the next chunks
+    replaying the accepted ones (conv inputs and gates computed under the adapter); each row's logits equal
+    transformers' with the adapter merged (the base model's for the other sequence)."""
+    base = hybrid.save(tmp_path / "base", arch, seed=5)
+    tensors = _hybrid_adapter(base, tmp_path / "adapter")
+    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors} == set(HYBRID_MODULES)
+    merged = _hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged"))
+    plain = _hf(base)
+    model = load_model(base)
+    slots = LoRASlots(model, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+    (lora_slot,) = slots.slots_for([LoRARequest("h", 1, str(tmp_path / "adapter"))])
+    run = hybrid.Stepper(model)
+    a, b = hybrid.tokens(30, 1), hybrid.tokens(12, 2)
+    ref_a, ref_b = hybrid.hf_logits(merged, a), hybrid.hf_logits(plain, b)
+    assert (ref_a - hybrid.hf_logits(plain, a)).abs().max() > 1e-2  # the adapter matters
+
+    def step(chunks):
+        slots.context.set_token_slots(torch.tensor([lora_slot if seq == 0 else 0 for seq, ids, _, _ in chunks
+                                                    for _ in ids]))
+        return run.step(chunks)
+
+    out = step([(0, a[:10], 0, 0), (1, b[:6], 0, 0)])
+    assert max((out[0] - ref_a[:10]).abs().max(), (out[1] - ref_b[:6]).abs().max()) < TOL
+    pos, pos_b = 10, 6
+    for accepted in (1, 3, 0, 2):  # last token + 3 drafts, `accepted` of them right
+        drafts = a[pos + 1: pos + 1 + accepted] + hybrid.tokens(3 - accepted, 100 + pos)
+        out = step([(0, [a[pos]] + drafts, pos, 3), (1, [b[pos_b]], pos_b, 0)])
+        assert (out[0][: accepted + 1] - ref_a[pos: pos + accepted + 1]).abs().max() < TOL, accepted
+        assert (out[1] - ref_b[pos_b: pos_b + 1]).abs().max() < TOL
+        pos, pos_b = pos + accepted + 1, pos_b + 1
+    out = step([(0, a[pos: pos + 2], pos, 0)])  # plain tokens after the last replay
+    assert (out[0] - ref_a[pos: pos + 2]).abs().max() < TOL
+
+
+def test_hybrid_engine_with_an_adapter_and_ngram_drafts_equals_the_merged_model(tmp_path):
+    """The engine over a Qwen3.5 with enable_lora: requests with the adapter and without, in one batch, with n-gram
+    drafts (some accepted, some rejected: replays under the adapter) give the merged model's and the base model's
+    plain greedy tokens; an adapter of the linear layers' conv1d is refused at admission, naming it, and the engine
+    serves on."""
+    from safetensors.torch import save_file
+
+    from specray import LLM
+
+    base = hybrid.save(tmp_path / "base", "qwen3_5", seed=0)
+    adapter = tmp_path / "adapter"
+    tensors = _hybrid_adapter(base, adapter, seed=4)
+    merged = checkpoints.merge_lora(base, adapter, tmp_path / "merged")
+    prompts = [{"prompt_token_ids": ids} for ids in hybrid.PROMPT_IDS]
+    expected = []
+    for folder in (merged, base):
+        with LLM(model=str(folder), max_model_len=128) as llm:
+            expected.append(runs.token_ids(llm.generate(prompts, hybrid.greedy(), use_tqdm=False)))
+    assert expected[0] != expected[1]
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    shutil.copy(adapter / "adapter_config.json", conv)
+    save_file({**tensors, "base_model.model.model.layers.0.linear_attn.conv1d.lora_A.weight": torch.zeros(4, 1, 4),
+               "base_model.model.model.layers.0.linear_attn.conv1d.lora_B.weight": torch.zeros(80, 4, 1)},
+              str(conv / "adapter_model.safetensors"))
+    lora = LoRARequest("h", 1, str(adapter))
+    which = [lora if i % 2 == 0 else None for i in range(len(prompts))]
+    want = [expected[0 if r is not None else 1][i] for i, r in enumerate(which)]
+    with LLM(model=str(base), max_model_len=128, enable_lora=True, max_lora_rank=4,
+             speculative_config=hybrid.NGRAM) as llm:
+        assert runs.token_ids(llm.generate(prompts, hybrid.greedy(), use_tqdm=False, lora_request=which)) == want
+        stats = llm.spec_stats
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+        with pytest.raises(ValueError, match="conv1d', which specray does not apply LoRA to"):
+            llm.generate(prompts[:1], hybrid.greedy(), use_tqdm=False, lora_request=LoRARequest("c", 2, str(conv)))
+        outs = llm.generate(prompts[:1], hybrid.greedy(), use_tqdm=False, lora_request=lora)
+        assert runs.token_ids(outs) == expected[0][:1]
+
+
+def test_qwen3_next_fused_linear_projections_are_refused_by_name(tmp_path):
+    """Qwen3-Next's checkpoint fuses its linear layers' projections per key-head group (in_proj_qkvz, in_proj_ba),
+    which specray splits as they load: an adapter of them is refused at admission, naming them; one of its
+    attention, out_proj and shared-expert projections is admitted."""
+    from specray.lora import read_adapter
+    from specray.models.lora import adapter_shapes
+
+    model, hf = hybrid.ours(tmp_path / "base", "qwen3_next")
+    shapes = adapter_shapes(model)
+    fused = tmp_path / "fused"
+    _adapter_of(tmp_path / "base", fused, lambda k: k.endswith("linear_attn.in_proj_qkvz.weight"))
+    with pytest.raises(ValueError, match="in_proj_qkvz', which specray does not apply LoRA to"):
+        read_adapter(str(fused), shapes, 4)
+    good = tmp_path / "good"
+    _hybrid_adapter(tmp_path / "base", good)
+    info = read_adapter(str(good), shapes, 4)
+    assert {m.rsplit(".", 1)[1] for m in info.ranks} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj", "out_proj"}
 
 
 # ---------------------------------------------------------------------------------------------- the engine

@@ -45,6 +45,32 @@ def test_prefill_chunks_and_decode_match_transformers(tmp_path, arch):
     assert (torch.cat(got_b) - ref_b[:10]).abs().max() < TOL
 
 
+def test_aux_layers_are_the_residual_streams_entering_those_layers(tmp_path):
+    """EAGLE-3's features: ``forward(..., aux_layers)`` gives the residual stream entering each asked layer (linear
+    and full attention ones, in the order asked) as the Llama stack does, over a prefill and a next chunk with the
+    state carried: equal to transformers' ``hidden_states[i]`` (the input of layer i)."""
+    model, hf = ours(tmp_path, "qwen3_5", seed=5)
+    seq, aux = tokens(20, 6), (2, 0, 1)
+    with torch.no_grad():
+        want = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    run, got = Stepper(model), []
+
+    class Probe:  # the model as Stepper calls it, asking for aux_layers and keeping what they give
+        def __call__(self, ids, meta):
+            hidden, streams = model(ids, meta, aux_layers=aux)
+            got.append(streams)
+            return hidden
+
+        compute_logits = model.compute_logits
+
+    run.model = Probe()
+    run.step([(0, seq[:12], 0, 0)])
+    run.step([(0, seq[12:], 12, 0)])
+    for j, layer in enumerate(aux):
+        assert (torch.cat([streams[j] for streams in got]) - want[layer][0]).abs().max() < TOL, layer
+    assert (got[0][0] - got[0][1]).abs().max() > 0.1  # the layers asked for differ: a wrong one would show
+
+
 def test_drafts_are_replayed_as_accepted(tmp_path):
     """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
     ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal
@@ -209,9 +235,10 @@ def test_seeded_sampling_with_ngram_equals_plain(tiny_qwen3_5_dir):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2}), "token trees"),
     (dict(speculative_config={"method": "suffix", "num_speculative_tokens": 4}), "method='suffix'"),
     (dict(speculative_config={"method": "lookahead", "num_speculative_tokens": 15}), "method='lookahead'"),
-    (dict(speculative_config={"method": "eagle", "model": "nowhere", "num_speculative_tokens": 2}),
-     "method='eagle'"),
-    (dict(enable_lora=True), "LoRA"),
+    (dict(speculative_config={"method": "eagle3", "model": "nowhere", "num_speculative_tokens": 4,
+                              "use_dynamic_tree": True}), "token trees"),
+    (dict(speculative_config={"method": "medusa", "model": "nowhere", "num_speculative_tokens": 4}),
+     "method='medusa'"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3"),
 ])
 def test_refusals(tiny_qwen3_5_dir, kw, match):

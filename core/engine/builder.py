@@ -114,10 +114,10 @@ def check_engine_args(args: EngineArgs) -> None:
 # the speculation methods that propose chains only (a drafter that may propose a token tree, or a head on the worker,
 # is refused for a model with linear attention: its recurrent state replays accepted chains only)
 CHAIN_METHODS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache", "prediction")
-# heads on the worker that draft chains for such a model: the family's own MTP layer, which reads the target's last
-# hidden states (those of the verify pass's accepted rows) and keeps K/V of its own, never the recurrent state.
-# EAGLE heads would too but are not tested on these models (EAGLE-3's residual streams of chosen layers), so refused
-RECURRENT_HEADS = ("mtp",)
+# heads on the worker that draft chains for such a model: the family's own MTP layer and EAGLE-1 / EAGLE-3 heads read
+# the verify pass's hidden rows (EAGLE-3: the residual streams entering its chosen layers) and keep K/V of their own,
+# never the recurrent state; EAGLE-2's dynamic trees (use_dynamic_tree) are refused as every tree is
+RECURRENT_HEADS = ("mtp", "eagle", "eagle3")
 
 
 def max_pending_drafts(spec: SpeculativeConfig | None) -> int:
@@ -156,12 +156,13 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
                              f"{getattr(hf_config, heads)}; choose a tensor_parallel_size that divides it")
     if spec is not None:
         options = registry.options_of(spec)
-        trees = getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
+        trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
+                 or getattr(options, "use_dynamic_tree", False))
         if spec.method not in CHAIN_METHODS + RECURRENT_HEADS or trees:
             what = "token trees" if trees else f"method={spec.method!r}"
             raise ValueError(f"speculative_config {what} is not supported for {kind}: its state replays accepted "
                              f"chains only; use one of {list(CHAIN_METHODS + RECURRENT_HEADS)} drafting chains "
-                             "(num_branches=1, no speculative_token_tree)")
+                             "(num_branches=1, no speculative_token_tree, use_dynamic_tree=False)")
         lookup = lookup_beside_head(spec) if spec.method in RECURRENT_HEADS else None
         if lookup is not None and (lookup.method not in CHAIN_METHODS
                                    or getattr(registry.options_of(lookup), "num_branches", 1) > 1):

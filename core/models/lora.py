@@ -28,6 +28,7 @@ import torch
 
 from specray.lora import (AdapterInfo, LoRAConfig, LoRARequest, module_of, of_other_tower, read_adapter,
                           weights_file)
+from specray.models.gated_deltanet import FusedColumnLinear
 from specray.models.layers import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear, linear, other_stage_prefixes)
 from specray.models.llama import unfuse
@@ -131,6 +132,9 @@ def _parts(module: LinearBase) -> tuple[list, list[int]]:
     """A projection's merged parts (shard ids; [None]: not merged) and this rank's output rows of each."""
     if isinstance(module, QKVParallelLinear):
         return ["q", "k", "v"], [module.q_size, module.kv_size, module.kv_size]
+    if isinstance(module, FusedColumnLinear):
+        # one checkpoint tensor (in_proj_qkv), so one adapter: its B's rows split over the parts by the module's loader
+        return [None], [sum(module.local_sizes)]
     if isinstance(module, MergedColumnParallelLinear):
         return list(range(len(module.output_sizes))), list(module.local_sizes)
     return [None], [module.out_features if isinstance(module, RowParallelLinear) else module.out_local]

@@ -160,7 +160,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     model_class = HybridModel
     stage_width = 1
-    lora_modules: tuple[str, ...] = ()  # LoRA is not applied to these models (enable_lora is refused)
+    # LoRA on the attention layers' q/k/v/o (q_proj's rows hold each head's query and gate, loaded as its weight is),
+    # the linear layers' projections (Qwen3.5's names; Qwen3-Next's fused in_proj_qkvz / in_proj_ba are refused by
+    # name), the dense MLPs and the shared experts: all of them plain linears; not conv1d, the router or the experts
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
     recurrent = True  # the builder refuses what a recurrent state cannot do yet (prefix caching, trees, stages)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
