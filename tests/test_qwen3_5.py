@@ -248,6 +248,22 @@ def test_refusals(tiny_qwen3_5_dir, kw, match):
         LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, **kw)
 
 
+def test_a_request_may_pick_only_chain_methods(tiny_qwen3_5_dir, plain_greedy):
+    """A request's own drafting method (``speculative_method``) on a linear-attention model is admitted only if it
+    drafts chains: one that may propose token trees (suffix, lookahead) is a ValueError at admission, the engine
+    serves on, and a chain lookup picked per request keeps greedy output equal to plain."""
+    from dataclasses import replace
+
+    from specray import LLM
+
+    llm = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, speculative_config=NGRAM)
+    for method in ("suffix", "lookahead"):
+        with pytest.raises(ValueError, match=f"speculative_method='{method}' may propose token trees"):
+            generate(llm, replace(greedy(), speculative_method=method))
+    assert generate(llm, replace(greedy(), speculative_method="ngram_simple")) == plain_greedy
+    assert generate(llm, greedy()) == plain_greedy
+
+
 def test_a_hybrid_draft_model_is_refused(tiny_qwen3_5_dir, tiny_llama_dir):
     from specray import LLM
 

@@ -309,6 +309,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
+    if recurrent:  # a request's own method must draft chains too
+        engine.chain_methods = CHAIN_METHODS
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:
