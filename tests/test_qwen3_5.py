@@ -150,7 +150,7 @@ def test_broken_state_handling_fails(tmp_path, monkeypatch):
 
     conv = gdn.causal_conv
     monkeypatch.setattr(gdn, "causal_conv", lambda window, weight: conv(  # the history one input short
-        torch.cat((window[:1] * 0, window[:-1])), weight))
+        torch.cat((window[:, :1] * 0, window[:, :-1]), dim=1), weight))
     assert chunked_error() > 100 * TOL
     monkeypatch.undo()
     run = Stepper(model)  # drafts never pending: the next chunk replays nothing, as if all were committed

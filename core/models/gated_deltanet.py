@@ -61,10 +61,11 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv then silu: ``window`` [K - 1 + L, C] (the K - 1 inputs before the first output, then
-    L inputs), ``weight`` [C, K] -> [L, C], output t = silu(sum_j weight[:, j] * window[t + j])."""
-    out = F.conv1d(window.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, L]
-    return F.silu(out).t().to(window.dtype)
+    """Depthwise causal conv then silu: ``window`` [B, K - 1 + L, C] (per sequence the K - 1 inputs before the
+    first output, then L inputs), ``weight`` [C, K] -> [B, L, C], output t = silu(sum_j weight[:, j] *
+    window[:, t + j])."""
+    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=weight.shape[0])  # [B, C, L]
+    return F.silu(out).transpose(1, 2).to(window.dtype)
 
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -94,10 +95,9 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 # A step whose longest (padded) sequence has at least this many tokens runs the chunked form: below it the token loop
-# launches fewer kernels than the chunked form's fixed work (decode and verify steps). On the 2-core CPU VM the two
-# cost about the same near 16 tokens, for 4 heads of 8 x 12 and 16 heads of 128 x 128 alike (a prefill's gain:
-# docs/benchmarks.md); on a GPU, where both cost their launches (several per token against a few per chunk), it
-# should come no later (never measured).
+# launches fewer kernels than the chunked form's fixed work (decode and verify steps); where the two cross on CPU:
+# docs/benchmarks.md, "Linear attention". On a GPU both cost their launches (several per token against a few per
+# chunk), so the crossing should come no later.
 CHUNKED_FROM = 16
 CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's size: C x C blocks stay small)
 
@@ -296,8 +296,12 @@ class GatedDeltaNet(nn.Module):
             seqs.append((slot, fresh, n, k, window, torch.cat((gates[:, 0], g[start: start + q_len])),
                          torch.cat((gates[:, 1], beta[start: start + q_len]))))
             start += q_len
-        conv = [causal_conv(s[4], self.conv1d.weight) for s in seqs]  # [n + q, C] each
-        q, k, v = self._split_heads(torch.nn.utils.rnn.pad_sequence(conv, batch_first=True))
+        # every sequence's conv at once over its padded window: outputs past a sequence's own n + q are zeroed
+        lengths = [len(s[4]) - width for s in seqs]  # n + q each
+        conv = causal_conv(torch.nn.utils.rnn.pad_sequence([s[4] for s in seqs], batch_first=True),
+                           self.conv1d.weight)  # [B, L, C]
+        real = torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]  # [B, L] (host lists: no sync)
+        q, k, v = self._split_heads(conv * real.to(conv.device)[..., None])
         g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
         beta_pad = torch.nn.utils.rnn.pad_sequence([s[6] for s in seqs], batch_first=True)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=mixed.device)
@@ -305,7 +309,7 @@ class GatedDeltaNet(nn.Module):
         fresh = [i for i, s in enumerate(seqs) if s[1]]
         if fresh:
             initial[fresh] = 0.0
-        committed = [len(c) - s[3] for c, s in zip(conv, seqs)]  # replayed + non-draft tokens
+        committed = [n - s[3] for n, s in zip(lengths, seqs)]  # replayed + non-draft tokens
         keep_at = [c - 1 for c in committed] if any(s[3] for s in seqs) else None
         delta_rule = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
         out, kept = delta_rule(q, k, v, g_pad, beta_pad, initial, keep_at)
@@ -316,7 +320,7 @@ class GatedDeltaNet(nn.Module):
             if drafts:
                 st.inputs[row, width: width + drafts] = window[width + done:]
                 st.gates[row, :drafts] = torch.stack((g_seq[done:], beta_seq[done:]), dim=1)
-        rows = [b * out.shape[1] + s[2] + j for b, (s, c) in enumerate(zip(seqs, conv)) for j in range(len(c) - s[2])]
+        rows = [b * out.shape[1] + s[2] + j for b, (s, n) in enumerate(zip(seqs, lengths)) for j in range(n - s[2])]
         return out.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=out.device))
 
     def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -64,7 +64,8 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text")  # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2)
-SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text")  # experts every decoder_sparse_step-th layer
+# experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
+SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
 USE_BIAS_MODEL_TYPES = ("ernie4_5",)  # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
 INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)  # RoPE rotating the pairs (0, 1), (2, 3), ..., not the two halves
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)

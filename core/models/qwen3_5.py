@@ -40,6 +40,7 @@ from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, Rec
 from specray.models.layers import (QKVParallelLinear, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
                                    apply_rotary, materialize, rope_parameters, rotary_dim)
 from specray.models.llama import LlamaForCausalLM, LlamaMLP, StageModel, _head_dim
+from specray.models.llama import _is_sparse as llama_is_sparse
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
 
@@ -52,13 +53,9 @@ MTP_NAMES = (("fc.", "eh_proj."), ("pre_fc_norm_embedding.", "enorm."), ("pre_fc
 
 
 def _is_sparse(config, layer: int) -> bool:
-    """Qwen3.5-MoE: every layer's MLP is the experts'; Qwen3-Next: every ``decoder_sparse_step``-th but
-    ``mlp_only_layers``; Qwen3.5: none."""
-    if config.model_type == "qwen3_5_moe_text":
-        return True
-    if config.model_type != "qwen3_next" or not getattr(config, "num_experts", 0):
-        return False
-    return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
+    """Qwen3.5-MoE: every layer's MLP is the experts'; Qwen3-Next: Qwen3-MoE's rule (every
+    ``decoder_sparse_step``-th but ``mlp_only_layers``); Qwen3.5: none."""
+    return config.model_type == "qwen3_5_moe_text" or llama_is_sparse(config, layer)
 
 
 class ResidualGemmaRMSNorm(GemmaRMSNorm):
