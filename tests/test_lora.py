@@ -86,6 +86,16 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
                 s.append(int(row[-1].argmax()))
 
 
+def _adapted_prefill(model, adapter, ids: list[int]) -> torch.Tensor:
+    """``model``'s logits [len(ids), V] of one prefill with ``adapter`` applied to every token (one LoRA slot)."""
+    slots = LoRASlots(model, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+    slots.context.set_token_slots(torch.tensor(slots.slots_for([LoRARequest("a", 1, str(adapter))]) * len(ids)))
+    allocate_kv_cache(model, 8, BLOCK)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(8))[::-1]], BLOCK, "cpu")
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), meta))
+
+
 def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypatch):
     """An adapter over an AWQ release whose linears stay in 4 bits (a QLoRA-style adapter on a quantized base): the
     adapted logits equal transformers' with the adapter merged into the dequantized weights."""
@@ -97,13 +107,9 @@ def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypat
     merged = _hf(checkpoints.merge_lora(ref, adapter, tmp_path / "merged"))
     ours = load_model(quant)
     assert all(m.int4 is not None for name, m in ours.named_modules() if name.endswith("proj"))
-    slots = LoRASlots(ours, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
     ids = _tokens(21, 3, ours.config.vocab_size)
-    slots.context.set_token_slots(torch.tensor(slots.slots_for([LoRARequest("a", 1, str(adapter))]) * len(ids)))
-    allocate_kv_cache(ours, 8, BLOCK)
-    meta = build_attention_metadata([len(ids)], [0], [list(range(8))[::-1]], BLOCK, "cpu")
+    got = _adapted_prefill(ours, adapter, ids)
     with torch.no_grad():
-        got = ours.compute_logits(ours(torch.tensor(ids), meta))
         want = merged(torch.tensor([ids])).logits[0].float()
     assert (got - want).abs().max() < TOL
 
@@ -181,13 +187,9 @@ def test_a_qwen_vl_adapter_adapts_its_text_model_and_leaves_the_vision_tower_out
     ours = load_model(base)
     info = read_adapter(str(adapter), adapter_shapes(ours), 8)
     assert sorted(info.ranks) == text
-    slots = LoRASlots(ours, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
     ids = _tokens(13, 4, ours.config.vocab_size)
-    slots.context.set_token_slots(torch.tensor(slots.slots_for([LoRARequest("vl", 1, str(adapter))]) * len(ids)))
-    allocate_kv_cache(ours, 8, BLOCK)
-    meta = build_attention_metadata([len(ids)], [0], [list(range(8))[::-1]], BLOCK, "cpu")
+    got = _adapted_prefill(ours, adapter, ids)
     with torch.no_grad():
-        got = ours.compute_logits(ours(torch.tensor(ids), meta))
         full = Qwen2_5_VLForConditionalGeneration.from_pretrained(merged, dtype=torch.float32).eval()
         want = full(input_ids=torch.tensor([ids])).logits[0].float()
         plain = Qwen2_5_VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
