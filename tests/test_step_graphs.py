@@ -95,12 +95,42 @@ def test_graph_forward_has_no_host_sync(tiny_llama_dir, no_host_sync):
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
-@pytest.mark.parametrize("fixture,why", [("tiny_qwen3_moe_dir", "routing"), ("tiny_deepseek_dir", "LatentAttention")])
+@pytest.mark.parametrize("fixture,why", [("tiny_qwen3_moe_dir", "routing")])
 def test_models_that_cannot_be_captured_run_eagerly(request, fixture, why, caplog):
     llm = LLM(model=str(request.getfixturevalue(fixture)), max_model_len=128, enforce_eager=False)
     assert graphs_of(llm) is None
     assert why in caplog.text and "runs eagerly" in caplog.text
     assert len(token_ids(llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False))[0]) == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_dense_deepseek_dir(tmp_path_factory, make_tiny_model):
+    """DeepSeek-V3's latent attention (YaRN) with no experts (every layer dense): its graphs alone."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_dense_deepseek"), "deepseek_v3", seed=6,
+                           initializer_range=0.05, num_hidden_layers=2, first_k_dense_replace=2, kv_lora_rank=16,
+                           q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           num_key_value_heads=4, rope_parameters=yarn)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_latent_attention_steps_replay_graphs(tiny_dense_deepseek_dir, kv_cache_dtype, no_host_sync):
+    """DeepSeek's latent attention replays graphs: every row of a graph step is short, so it attends in the absorbed
+    form over the latent cache, as the eager steps do; plain decoding and n-gram verify steps (chains and a tree)
+    give the eager engine's tokens (an FP8 latent cache too), and the forward on a graph's static inputs has no
+    host sync."""
+    kwargs = dict(model=str(tiny_dense_deepseek_dir), max_model_len=256, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4, "num_branches": 2}):
+        eager = LLM(speculative_config=spec, **kwargs)
+        llm = LLM(enforce_eager=False, speculative_config=spec, **kwargs)
+        want = token_ids(eager.generate(PROMPTS[:5], greedy(8), use_tqdm=False))
+        assert token_ids(llm.generate(PROMPTS[:5], greedy(8), use_tqdm=False)) == want
+        shapes = graphs_of(llm).graphs
+        assert any(b == 8 for b, _, _ in shapes) and (spec is None or any(q > 1 for _, q, _ in shapes)), list(shapes)
+    key, graph = next(iter(shapes.items()))
+    with torch.inference_mode(), no_host_sync():
+        llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
 def test_graphs_by_default_on_a_gpu_only(tiny_llama_dir, monkeypatch):

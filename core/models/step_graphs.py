@@ -17,9 +17,9 @@ point at block 0 and are masked out, as in the eager padded path.
 
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
 (at most ``SHORT_QUERY_MAX`` tokens), as a chain or a token tree (a tree's positions and ancestor masks are data the
-graph reads: its static positions and masks); the model's attention is plain
-:class:`PagedAttention` everywhere (no latent attention) and no layer routes tokens to experts (routing sizes its
-work on the host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
+graph reads: its static positions and masks), over paged or latent attention (DeepSeek's: a graph step's rows are
+all short, so they attend in the absorbed form); no layer routes tokens to experts (routing sizes its work on the
+host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
 states (its head's passes replay graphs of their own: :class:`HeadStepGraphs`). On CPU the same static tensors are
 filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager path's,
 and no host sync in the forward, which a capture would refuse).
@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, PagedAttention, build_attention_metadata
+from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, build_attention_metadata
 from specray.models.gated_deltanet import GatedDeltaNet
 from specray.models.moe import SparseMoE
 
@@ -66,8 +66,6 @@ def graph_safe(model: torch.nn.Module) -> str | None:
         if isinstance(module, GatedDeltaNet):
             return ("the model cannot be captured: its linear-attention layers keep a recurrent state per request, "
                     "with per-sequence replays the graphs do not carry")
-        if isinstance(module, PagedAttention) and type(module) is not PagedAttention:
-            return f"the model cannot be captured: {type(module).__name__} is not plain paged attention"
     return None
 
 
