@@ -97,7 +97,7 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "llama4", "mixtral",
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "llama4", "mixtral",
     "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3", "ernie4_5", "seed_oss"}.
     Returns the folder."""
     import torch
@@ -109,7 +109,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -138,6 +138,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+                          "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -163,9 +164,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith("indexer.k_norm.bias"):  # zeros at init: random, so the indexer's keys carry it
+                param.normal_(0.0, 0.5)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
                 param.normal_(0.0, 0.5)
-        if arch in ("glm4_moe", "deepseek_v3"):  # the router's correction bias, a buffer of zeros at init: random
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32"):  # the router's correction bias, a buffer of zeros at init: random
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)

@@ -127,6 +127,11 @@ class AttentionMetadata:
             self._masks[key] = _fold_rows(_short_mask(self, kind), groups)
         return self._masks[key]
 
+    def own_allowed(self, i: int, kind: MaskKind) -> torch.Tensor:
+        """[q, ctx] bool of own sequence ``i``: which of its context's keys each of its queries may attend (never
+        None, unlike :meth:`own_mask`)."""
+        return _own_mask(self, i, kind)
+
     def own_mask(self, i: int, groups: int, kind: MaskKind) -> torch.Tensor | None:
         """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
         over its GQA-folded query rows (None: every row sees the whole context)."""
@@ -489,23 +494,26 @@ class PagedAttention(nn.Module):
         hkv, g, d = self.num_kv_heads, self.groups, self.head_dim
         return o.view(bs, hkv, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(bs * q_len, hkv * g * d)
 
-    def _short(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, Hq, D] -> [Bs*Q, Hq*D] (padded rows included)
+    def _short(self, q: torch.Tensor, meta: AttentionMetadata, select: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, Hq, D] -> [Bs*Q, Hq*D] (padded rows included); select: [Bs, Q, L] bool, the keys each query
+        # attends when a layer picks them itself (a subset of what the mask allows: DeepSeek's sparse attention)
         sb = meta.short
         bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
         k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype, self.k_scale)  # [Bs, Hkv, L, D]
         v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype, self.v_scale)
-        mask = meta.short_mask(self.groups, self.mask_kind)  # [Bs, 1, G*Q, L]
+        mask = meta.short_mask(self.groups, self.mask_kind) if select is None else _fold_rows(select, self.groups)
         return self._unfold(self._attend(self._fold(q, bs, q_len), k, v, mask), bs, q_len)
 
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-             i: int) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]
+             i: int, select: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]; select: [q, ctx] bool, as :meth:`_short`'s
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
         mask = meta.own_mask(i, self.groups, self.mask_kind)
+        if select is not None:
+            mask = select if seq.fresh else select.repeat(self.groups, 1)
         if seq.fresh:  # only its own new tokens: causal, GQA in the kernel (rounded as the cache holds them)
             k_rows, v_rows = (self._read(self._stored(x[rows], s), q.dtype, s)
                               for x, s in ((k, self.k_scale), (v, self.v_scale)))

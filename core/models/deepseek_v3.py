@@ -27,6 +27,13 @@ since every head reads all of it (splitting it would need a gather per layer; it
 **DeepSeek-V2** (``DeepseekV2ForCausalLM``) is this model with its RoPE pairs always interleaved and its own router
 (:mod:`specray.models.moe`'s ``scaled_softmax`` row: the top k of a softmax, optionally group-limited, scaled).
 
+**DeepSeek-V3.2** (``DeepseekV32ForCausalLM``: DeepSeek Sparse Attention) is this model with an indexer in every
+layer's attention (:class:`Indexer`) that picks, for each query, the ``index_topk`` keys of its context it attends;
+the others are masked out. The indexer's key per token sits in the latent cache row after ``[c ; k_rot]``
+(``MLAAttentionSpec.index_head_dim``), so a block holds all of a layer's per-token state and moves as one. The
+selection is computed densely (every query scores its whole allowed context, then the top k), so it keeps the
+model's outputs, not its speed: no sparse kernel. Its MLA rotates interleaved pairs always (V2's rule).
+
 **MoE**: layers from ``first_k_dense_replace`` on use :class:`~specray.models.moe.SparseMoE` with DeepSeek's grouped
 sigmoid router and shared experts; the ones before, a dense MLP. The MTP layers (``model.layers.{L..}``) are the
 MTP drafter's, skipped here.
@@ -57,7 +64,8 @@ class LatentAttention(PagedAttention):
     the absorbed form, and for a sequence with many new tokens (a prefill chunk) the unabsorbed one (see
     :meth:`attend`)."""
 
-    def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float, nope: int, v_dim: int):
+    def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float, nope: int, v_dim: int,
+                 index_topk: int = 0):
         nn.Module.__init__(self)
         self.num_heads, self.kv_spec, self.scale = num_heads, kv_spec, scale
         self.num_kv_heads, self.head_dim, self.groups = 1, kv_spec.kv_lora_rank + kv_spec.qk_rope_head_dim, num_heads
@@ -68,25 +76,32 @@ class LatentAttention(PagedAttention):
         self.k_scale = self.v_scale = 1.0  # no calibrated scales for the latent cache
         self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
         self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
+        self.index_dim, self.index_topk = kv_spec.index_head_dim, index_topk  # DeepSeek Sparse Attention (V3.2)
+        self.rows = self.k_cache  # [1, slots, R + r + index_dim]: whole cache rows, indexer keys included
 
     def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
         """``fp8``: the cache holds the latent rows in that FP8 format (see :class:`PagedAttention`)."""
         assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
         self.block_size = block_size
-        self.k_cache = self.v_cache = cache[None]  # [1, slots, R + r]: one "head", key and value alike
+        self.rows = cache[None]
+        # [1, slots, R + r]: one "head", key and value alike (the indexer's keys, past it, are read apart)
+        self.k_cache = self.v_cache = self.rows[..., : self.head_dim]
         self.fp8 = fp8
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.k_cache.index_copy_(1, slots, self._stored(k.transpose(0, 1)))  # v is k: one write
+        self.rows.index_copy_(1, slots, self._stored(k.transpose(0, 1)))  # v is k: one write of whole rows
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         logger.warning("the checkpoint's K/V cache scales (%s, %s) are not used: the latent cache has none", k_scale,
                        v_scale)
 
     def attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
-               w_uv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q_nope [T, Hl, nope], q_rot [T, Hl, r] (rotated), kv [T, 1, R + r] (the latent and the rotated shared
-        key), W_UK [Hl, nope, R], W_UV [Hl, v, R] -> each token's attention output [T, Hl, v].
+               w_uv: torch.Tensor, meta: AttentionMetadata,
+               index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q_nope [T, Hl, nope], q_rot [T, Hl, r] (rotated), kv [T, 1, R + r (+ index_dim)] (the latent, the rotated
+        shared key, and with sparse attention the indexer's key), W_UK [Hl, nope, R], W_UV [Hl, v, R] -> each
+        token's attention output [T, Hl, v]. ``index``: the indexer's queries [T, Hi, index_dim] and head weights
+        [T, Hi] (float32), with which each query keeps only its ``index_topk`` best keys (:meth:`_select`).
 
         Absorbed (decode rows, short sequences): the query ``[W_UK^T q_nope ; q_rot]`` attends the latent rows as
         keys and values, and W_UV maps the result. Unabsorbed (a sequence of at least ``unabsorbed_from`` new
@@ -96,12 +111,15 @@ class LatentAttention(PagedAttention):
         ``R (nope + v) / (2R - nope - v)`` new tokens on (171 at DeepSeek-V3's sizes)."""
         kv = self._read(self._stored(kv), kv.dtype)  # as the cache holds it (FP8: rounded), for every path below
         self._store(kv, kv, meta.slot_mapping)
+        keys, kv = kv[:, 0, self.head_dim:], kv[..., : self.head_dim]  # the indexer's keys apart (none without it)
         t, hl = q_nope.shape[:2]
         wide = [seq.query_len >= self.unabsorbed_from for seq in meta.own]
         query = None
         if meta.short is not None or not all(wide):
             query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot), dim=-1)  # [T, Hl, R + r]
-        short = self._short(query, meta) if meta.short is not None else None
+        short = None
+        if meta.short is not None:
+            short = self._short(query, meta, None if index is None else self._short_select(index, meta))
         if short is not None and meta.short.token_index is None:  # identity layout: every sequence is short
             return self._values(short, w_uv)
         out = q_nope.new_empty(t, hl, self.v_dim)
@@ -109,11 +127,54 @@ class LatentAttention(PagedAttention):
             out.index_copy_(0, meta.short.out_dst, self._values(short, w_uv).index_select(0, meta.short.out_src))
         for i, seq in enumerate(meta.own):
             rows = slice(seq.token_start, seq.token_end)
+            select = None if index is None else self._own_select(index, keys, meta, i)
             if wide[i]:
-                out[rows] = self._unabsorbed(q_nope[rows], q_rot[rows], kv, w_uk, w_uv, meta, i)
+                out[rows] = self._unabsorbed(q_nope[rows], q_rot[rows], kv, w_uk, w_uv, meta, i, select)
             else:
-                out[rows] = self._values(self._own(query, kv, kv, meta, i), w_uv)
+                out[rows] = self._values(self._own(query, kv, kv, meta, i, select), w_uv)
         return out
+
+    # ---- DeepSeek Sparse Attention: which keys each query keeps
+
+    def _select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """queries [N, Q, Hi, Di], weights [N, Q, Hi], keys [N, L, Di] (float32), allowed [N, Q, L] -> [N, Q, L]
+        bool: each query's ``index_topk`` allowed keys of the best index score ``sum_h w_h relu(q_h . k)`` (every
+        allowed key when it has no more)."""
+        scores = torch.einsum("nqh,nqhl->nql", weights, torch.einsum("nqhd,nld->nqhl", queries, keys).relu_())
+        top = scores.masked_fill(~allowed, float("-inf")).topk(min(self.index_topk, scores.shape[-1]), dim=-1)
+        return torch.zeros_like(allowed).scatter_(-1, top.indices, True) & allowed
+
+    def _short_select(self, index: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        sb = meta.short
+        queries, weights = index
+        if sb.token_index is not None:
+            queries, weights = queries.index_select(0, sb.token_index), weights.index_select(0, sb.token_index)
+        keys = self.rows[0, :, self.head_dim:].view(-1, self.block_size, self.index_dim).index_select(
+            0, sb.block_index)  # [Bs * nb, bs, Di]
+        keys = self._read(keys, queries.dtype).float().reshape(sb.num_seqs, -1, self.index_dim)
+        allowed = meta.short_mask(1, self.mask_kind)[:, 0]  # [Bs, Q, L]
+        return self._select(queries.view(sb.num_seqs, sb.max_query_len, *queries.shape[1:]),
+                            weights.view(sb.num_seqs, sb.max_query_len, -1), keys, allowed)
+
+    def _own_select(self, index: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, meta: AttentionMetadata,
+                    i: int) -> torch.Tensor:
+        """Own sequence ``i``'s [q, ctx]; ``keys``: the step's indexer keys [T, Di], as the cache holds them."""
+        seq = meta.own[i]
+        rows = slice(seq.token_start, seq.token_end)
+        if not seq.fresh:
+            context = self.rows[0, :, self.head_dim:]  # [slots, Di]
+            if seq.first_slot is not None:
+                keys = context[seq.first_slot: seq.first_slot + seq.context_len]
+            else:
+                keys = context.view(-1, self.block_size, self.index_dim).index_select(0, seq.block_index).reshape(
+                    -1, self.index_dim)[: seq.context_len]
+            keys = self._read(keys, index[0].dtype)
+        else:
+            keys = keys[rows]
+        queries, weights = index
+        return self._select(queries[None, rows], weights[None, rows], keys[None].float(),
+                            meta.own_allowed(i, self.mask_kind)[None])[0]
 
     def _values(self, o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """Absorbed outputs [N, Hl * (R + r)] -> W_UV of their latent part [N, Hl, v]."""
@@ -121,7 +182,8 @@ class LatentAttention(PagedAttention):
         return torch.einsum("thr,hvr->thv", o, w_uv)
 
     def _unabsorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
-                    w_uv: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+                    w_uv: torch.Tensor, meta: AttentionMetadata, i: int,
+                    select: torch.Tensor | None = None) -> torch.Tensor:
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
         ctx = kv[rows, 0] if seq.fresh else self._read(self._context(self.k_cache, seq)[0, 0], kv.dtype)  # [ctx, R+r]
@@ -130,7 +192,7 @@ class LatentAttention(PagedAttention):
         keys = torch.cat((torch.einsum("cr,hnr->hcn", latent, w_uk), k_rot[None].expand(hl, -1, -1)), dim=-1)
         values = torch.einsum("cr,hvr->hcv", latent, w_uv)  # [Hl, ctx, v]
         query = torch.cat((q_nope, q_rot), dim=-1).transpose(0, 1)  # [Hl, q, nope + r]
-        mask = meta.own_mask(i, 1, self.mask_kind)  # [q, ctx] (a fresh prefill: None, causal)
+        mask = meta.own_mask(i, 1, self.mask_kind) if select is None else select  # [q, ctx] (None: causal)
         o = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
                                            is_causal=mask is None and seq.fresh, scale=self.scale)
         return o[0].transpose(0, 1)  # [q, Hl, v]
@@ -153,6 +215,33 @@ def _yarn_softmax_scale(config) -> float:
     return scale
 
 
+class Indexer(nn.Module):
+    """DeepSeek Sparse Attention's indexer (DeepSeek-V3.2): scores every key of a query's context cheaply so that
+    its layer attends only the best ``index_topk``. Per token a key ``k = LayerNorm(W_k x)`` and per query ``Hi``
+    heads ``q_h = W_qb c_q`` (from MLA's query latent) of width Di, the first r features of each rotated by the
+    layer's RoPE on halves (not MLA's interleaved pairs), and head weights ``w = W_w x / sqrt(Hi Di)``; the score of
+    a key is ``sum_h w_h relu(q_h . k)`` (the 1/sqrt(Di) moved out of the relu, which it commutes with).
+    Replicated on every tensor-parallel rank: every head of the layer reads the same selection, and it is small."""
+
+    def __init__(self, config):
+        super().__init__()
+        one = TPGroup.single()
+        self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim, one)
+        self.wk = ColumnParallelLinear(config.hidden_size, self.dim, one)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads, one)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x [T, H], q_latent [T, q_lora_rank] -> keys [T, Di], queries [T, Hi, Di] and weights [T, Hi] (float32)
+        t = x.shape[0]
+        queries = apply_rotary(self.wq_b(q_latent).view(t, self.heads, self.dim), cos, sin)
+        keys = apply_rotary(self.k_norm(self.wk(x))[:, None], cos, sin)[:, 0]
+        weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
+        return keys, queries.float(), weights
+
+
 class MLAttention(nn.Module):
     """DeepSeek's multi-head latent attention, weight-absorbed (see the module docstring), over ``tp``."""
 
@@ -162,7 +251,8 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.rank = config.kv_lora_rank
         # interleaved RoPE pairs: a checkpoint's rope_interleave (V3), always for V2 (its rotation is complex)
-        self.interleave = bool(getattr(config, "rope_interleave", False)) or config.model_type == "deepseek_v2"
+        self.interleave = (bool(getattr(config, "rope_interleave", False))
+                           or config.model_type in ("deepseek_v2", "deepseek_v32"))
         one, bias, h = TPGroup.single(), bool(config.attention_bias), config.hidden_size
         heads = config.num_attention_heads
         if config.q_lora_rank is None:
@@ -177,8 +267,15 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), tp)  # by head
         self.kv_b_proj.keeps_dense_weight = True  # read as W_UK and W_UV, never applied as a linear
         self.o_proj = RowParallelLinear(heads * self.v_dim, h, tp, bias=bias)
-        self.attn = LatentAttention(self.num_heads, MLAAttentionSpec(self.rank, self.rope), _yarn_softmax_scale(config),
-                                    self.nope, self.v_dim)
+        # DeepSeek Sparse Attention (V3.2): an indexer picks each query's keys
+        sparse = bool(getattr(config, "index_topk", None))
+        if sparse and config.q_lora_rank is None:
+            raise ValueError(f"index_topk={config.index_topk} (DeepSeek Sparse Attention) needs q_lora_rank, whose "
+                             "query latent its indexer reads; the checkpoint's config.json has none")
+        self.indexer = Indexer(config) if sparse else None
+        spec = MLAAttentionSpec(self.rank, self.rope, 0 if self.indexer is None else self.indexer.dim)
+        self.attn = LatentAttention(self.num_heads, spec, _yarn_softmax_scale(config), self.nope, self.v_dim,
+                                    0 if self.indexer is None else config.index_topk)
 
     def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x
@@ -186,15 +283,19 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, r/2] -> [T, H]
         t, hl = x.shape[0], self.num_heads
-        q = self.q_proj(x) if self.q_a_proj is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_latent = None if self.q_a_proj is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q_nope, q_rot = q.view(t, hl, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
         rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
         w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
-        kv = torch.cat((latent, rot[:, hl]), dim=-1)[:, None]  # [T, 1, R + r]
-        o = self.attn.attend(q_nope, rot[:, :hl], kv, w_uk, w_uv, meta)  # [T, Hl, v]
+        kv, index = torch.cat((latent, rot[:, hl]), dim=-1), None  # [T, R + r]
+        if self.indexer is not None:
+            keys, queries, weights = self.indexer(x, q_latent, cos, sin)
+            kv, index = torch.cat((kv, keys), dim=-1), (queries, weights)  # [T, R + r + Di]
+        o = self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
         return self.o_proj(o.reshape(t, hl * self.v_dim))
 
 
@@ -202,7 +303,8 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         nn.Module.__init__(self)
         self.self_attn = MLAttention(config, tp, layer)
-        dense = layer < (config.first_k_dense_replace or 0)
+        kinds = getattr(config, "mlp_layer_types", None)  # V3.2's config names each layer's kind
+        dense = kinds[layer] == "dense" if kinds else layer < (config.first_k_dense_replace or 0)
         self.mlp = LlamaMLP(config, tp) if dense else SparseMoE(config, tp, expert_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -125,14 +125,16 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class MLAAttentionSpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one compressed latent plus the RoPE part of the key per
-    slot, ``[slots, kv_lora_rank + qk_rope_head_dim]``, the same on every TP rank."""
+    slot, ``[slots, kv_lora_rank + qk_rope_head_dim]``, the same on every TP rank. ``index_head_dim``: DeepSeek
+    Sparse Attention's indexer key (V3.2), kept in the same row after them."""
 
     kv_lora_rank: int
     qk_rope_head_dim: int
+    index_head_dim: int = 0
 
     @property
     def slot_shape(self) -> tuple[int, ...]:
-        return (1, self.kv_lora_rank + self.qk_rope_head_dim)
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim)
 
     @property
     def slot_dim(self) -> int:

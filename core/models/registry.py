@@ -28,6 +28,7 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
@@ -37,6 +38,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "deepseek_v32": "DeepseekV32ForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
