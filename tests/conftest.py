@@ -97,8 +97,9 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
                      **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
-    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "llama4", "mixtral",
-    "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3", "ernie4_5", "seed_oss"}.
+    {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
+    "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
+    "ernie4_5", "seed_oss"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -110,6 +111,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -139,6 +141,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                           "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
+                          "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -168,7 +171,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
                 param.normal_(0.0, 0.5)
-        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32"):  # the router's correction bias, a buffer of zeros at init: random
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # the router's correction bias, a buffer of zeros at init: random
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -361,6 +364,29 @@ def tiny_deepseek_v2_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v2"), "deepseek_v2", seed=12,
                             initializer_range=0.05, topk_method="group_limited_greedy", n_group=4, topk_group=1,
                             routed_scaling_factor=2.0, **tiny)
+
+
+# DeepSeek-V3.2 and GLM-5 at a tiny size: V3's latent attention and experts with DeepSeek Sparse Attention's indexer,
+# index_topk 6 (most of a 40-token prompt's keys masked); GLM-5's middle layer shares the first one's pick. Seeds
+# whose scores keep the k-th and (k+1)-th apart, where a near-tie could flip the pick between implementations
+DSA_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4, index_n_heads=16, index_head_dim=16,
+                index_topk=6, initializer_range=0.05, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v32_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v32"), "deepseek_v32", seed=51, n_group=4,
+                            topk_group=2, **DSA_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_glm5"), "glm_moe_dsa", seed=50, n_group=1, topk_group=1,
+                            indexer_types=["full", "shared", "full"], **DSA_TINY)
 
 
 @pytest.fixture(scope="session")

@@ -208,6 +208,11 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
     config = AutoConfig.from_pretrained(target_dir)
     layers, h = config.num_hidden_layers, config.hidden_size
     config.num_hidden_layers = layers + 1
+    # per-layer lists (DeepSeek-V3.2's, GLM-5's) one longer: the MTP layer has experts, and its own indexer
+    for field, kind in (("mlp_layer_types", "sparse"), ("layer_types", None), ("indexer_types", "full")):
+        kinds = getattr(config, field, None)
+        if isinstance(kinds, list) and len(kinds) == layers:
+            setattr(config, field, kinds + [kind or kinds[-1]])
     torch.manual_seed(seed)
     deeper = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)

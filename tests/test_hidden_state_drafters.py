@@ -1312,13 +1312,15 @@ def test_eagle3_on_llama4_keeps_greedy_output(tiny_llama4_dir, tmp_path):
 
 # ---- a family's own MTP module (DeepSeek-V3's block: latent attention and experts; GLM-4.5's: its attention) ----
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
     is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
     and half of each head rotated; both with experts and a shared one): greedy output equals plain decoding (batch of
     8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals transformers'
-    ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch."""
+    ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch. DeepSeek-V3.2
+    and GLM-5: the MTP layer's latent attention has its own indexer (its keys in its latent rows) picking its keys
+    (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer)."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
@@ -1327,11 +1329,15 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     from specray.models.kv_cache import FullAttentionSpec, MLAAttentionSpec
     from specray.models.moe import SparseMoE
 
-    target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir"}[family])
+    target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir",
+                                      "deepseek_v32": "tiny_deepseek_v32_dir", "glm_moe_dsa": "tiny_glm5_dir"}[family])
     glm_spec = FullAttentionSpec(num_kv_heads=2, head_dim=24)
     attention, spec, rotated = {"deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
-                                "glm4_moe": (Glm4MoeAttention, glm_spec, 12)}[family]  # 12: half of each head
-    folder = draft_heads.write_deepseek_mtp(tmp_path / "mtp", target, bias_std=0.1 if family == "glm4_moe" else 0.0)
+                                "glm4_moe": (Glm4MoeAttention, glm_spec, 12),  # 12: half of each head
+                                # sparse attention: the MTP layer's own indexer, its keys in the latent rows
+                                "deepseek_v32": (MLAttention, MLAAttentionSpec(16, 8, 16), 8),
+                                "glm_moe_dsa": (MLAttention, MLAAttentionSpec(16, 8, 16), 8)}[family]
+    folder = draft_heads.write_deepseek_mtp(tmp_path / "mtp", target, bias_std=0.0 if family == "deepseek_v3" else 0.1)
     plain = LLM(str(target), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
     llm = LLM(str(folder), max_model_len=256,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
@@ -1344,9 +1350,17 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
     assert token_ids(outs) == token_ids(plain)
     assert llm.spec_stats.accepted_tokens > 0 and free_blocks(llm) == start
+    if family == "glm_moe_dsa":  # transformers' MtpModel cannot run GLM-5's layer (it returns its pick beside the
+        return  # hidden states): the greedy equality above is this family's check
     # the first drafts against transformers' MTP module over each committed sequence
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    sparse = family in ("deepseek_v32", "glm_moe_dsa")
+    # sparse attention's indexer reads the causal mask itself: eager attention materialises it (SDPA may skip it)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                              attn_implementation="eager" if sparse else None).eval()
     hf.config.num_mtp_layers = 1
+    if sparse:  # the MTP layer's own per-layer entries (indexed from 0); its mask as a full-attention layer's, the
+        # kind transformers' MtpModel builds masks for (an "indexed_attention" layer's is the same causal mask)
+        hf.config.mtp_layer_types, hf.config.mtp_mlp_layer_types = ["full_attention"], ["sparse"]
     mtp = MtpModel(hf, 1).float().eval()
     from safetensors.torch import load_file
 

@@ -95,7 +95,14 @@ def test_graph_forward_has_no_host_sync(tiny_llama_dir, no_host_sync):
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
-@pytest.mark.parametrize("fixture,why", [("tiny_qwen3_moe_dir", "routing")])
+@pytest.fixture(scope="module")
+def tiny_unaligned_moe_dir(tmp_path_factory, make_tiny_model):
+    """Qwen3-MoE with experts 30 wide: 120-byte fp32 rows, not the 16-byte multiple torch._grouped_mm needs."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_unaligned_moe"), "qwen3_moe", seed=4, num_hidden_layers=2,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=30)
+
+
+@pytest.mark.parametrize("fixture,why", [("tiny_unaligned_moe_dir", "not a multiple of 16 bytes")])
 def test_models_that_cannot_be_captured_run_eagerly(request, fixture, why, caplog):
     llm = LLM(model=str(request.getfixturevalue(fixture)), max_model_len=128, enforce_eager=False)
     assert graphs_of(llm) is None

@@ -32,7 +32,8 @@ from specray.errors import RequestError
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.gated_deltanet import RecurrentBatch
-from specray.models.kv_cache import SLOTS_PER_REQUEST, KVCache, allocate_kv_cache, allocate_recurrent_state
+from specray.models.kv_cache import (SCRATCH_SLOTS, SLOTS_PER_REQUEST, KVCache, allocate_kv_cache,
+                                     allocate_recurrent_state)
 from specray.models.lora import LoRASlots
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
@@ -65,9 +66,10 @@ class ModelRunner:
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         # this runner owns it
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
-        # linear-attention layers' recurrent state: two slots per running request (max_num_seqs; RecurrentSlots),
-        # None without
-        self.recurrent_state = allocate_recurrent_state(model, SLOTS_PER_REQUEST * max_num_seqs, max_draft_tokens)
+        # linear-attention layers' recurrent state: two slots per running request (max_num_seqs; RecurrentSlots) and
+        # a scratch slot past them for graph steps' padding sequences, None without
+        self.recurrent_state = allocate_recurrent_state(model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS,
+                                                        max_draft_tokens)
         self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
         # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
         # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)
@@ -241,8 +243,12 @@ class ModelRunner:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             shape = self.graphs.shape(query_lens, starts, decode)
             if shape is not None:
+                recurrent = None  # a hybrid model's slots and replays: the graph's data, padding in the scratch slot
+                if self.recurrent is not None:
+                    recurrent = self.recurrent.batch(chunks).padded(shape.batch, query_lens, self.recurrent.scratch,
+                                                                    self.device)
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
-                                       ancestors=ancestors, inputs=lora_slots)
+                                       ancestors=ancestors, inputs=lora_slots, recurrent=recurrent)
         if self.lora is not None:  # eager: without a row of an adapter, the projections skip theirs
             self.lora.context.set_token_slots(lora_slots[0] if adapted else None)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -409,6 +415,7 @@ class RecurrentSlots:
     def __init__(self, num_slots: int, max_pending: int):
         self.free = list(range(num_slots))  # a heap: the lowest slot first
         self.max_pending = max_pending
+        self.scratch = SLOTS_PER_REQUEST * num_slots  # the state slot past every request's: graph steps' padding
         self.slot_of: dict[str, int] = {}
         self.side = [0] * num_slots  # which of slot s's two state slots holds its committed state
         self.position: dict[str, tuple[int, int]] = {}  # req_id -> (committed position, pending drafts)

@@ -106,6 +106,9 @@ class AttentionMetadata:
     # linear-attention layers: each sequence's recurrent-state slot and replay (specray.models.gated_deltanet
     # .RecurrentBatch), set by the runner for a model with such layers; None otherwise
     recurrent: object | None = None
+    # sparse attention (DeepSeek-V3.2, GLM-5): the keys each query kept in the step's last layer that picked them
+    # ({"short": [Bs, Q, L] or None, own sequence i: [q, ctx]}), for the layers that reuse a pick (GLM-5's "shared")
+    selected: dict | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -33,6 +33,8 @@ the others are masked out. The indexer's key per token sits in the latent cache 
 (``MLAAttentionSpec.index_head_dim``), so a block holds all of a layer's per-token state and moves as one. The
 selection is computed densely (every query scores its whole allowed context, then the top k), so it keeps the
 model's outputs, not its speed: no sparse kernel. Its MLA rotates interleaved pairs always (V2's rule).
+**GLM-5** (``GlmMoeDsaForCausalLM``) is V3.2 with its indexer's RoPE on interleaved pairs too, and layers whose
+``indexer_types`` entry is ``"shared"`` have no indexer: they attend the keys the last layer with one picked.
 
 **MoE**: layers from ``first_k_dense_replace`` on use :class:`~specray.models.moe.SparseMoE` with DeepSeek's grouped
 sigmoid router and shared experts; the ones before, a dense MLP. The MTP layers (``model.layers.{L..}``) are the
@@ -65,7 +67,7 @@ class LatentAttention(PagedAttention):
     :meth:`attend`)."""
 
     def __init__(self, num_heads: int, kv_spec: MLAAttentionSpec, scale: float, nope: int, v_dim: int,
-                 index_topk: int = 0):
+                 index_topk: int = 0, shares_selection: bool = False):
         nn.Module.__init__(self)
         self.num_heads, self.kv_spec, self.scale = num_heads, kv_spec, scale
         self.num_kv_heads, self.head_dim, self.groups = 1, kv_spec.kv_lora_rank + kv_spec.qk_rope_head_dim, num_heads
@@ -77,6 +79,7 @@ class LatentAttention(PagedAttention):
         self.rank, self.nope, self.v_dim = kv_spec.kv_lora_rank, nope, v_dim
         self.unabsorbed_from = unabsorbed_threshold(self.rank, nope, v_dim)
         self.index_dim, self.index_topk = kv_spec.index_head_dim, index_topk  # DeepSeek Sparse Attention (V3.2)
+        self.shares_selection = shares_selection  # attends the keys an earlier layer's indexer picked (GLM-5)
         self.rows = self.k_cache  # [1, slots, R + r + index_dim]: whole cache rows, indexer keys included
 
     def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
@@ -101,7 +104,8 @@ class LatentAttention(PagedAttention):
         """q_nope [T, Hl, nope], q_rot [T, Hl, r] (rotated), kv [T, 1, R + r (+ index_dim)] (the latent, the rotated
         shared key, and with sparse attention the indexer's key), W_UK [Hl, nope, R], W_UV [Hl, v, R] -> each
         token's attention output [T, Hl, v]. ``index``: the indexer's queries [T, Hi, index_dim] and head weights
-        [T, Hi] (float32), with which each query keeps only its ``index_topk`` best keys (:meth:`_select`).
+        [T, Hi] (float32), with which each query keeps only its ``index_topk`` best keys (:meth:`_select`), kept in
+        ``meta.selected`` for the layers after it that share it; a sharing layer (no ``index``) reads them there.
 
         Absorbed (decode rows, short sequences): the query ``[W_UK^T q_nope ; q_rot]`` attends the latent rows as
         keys and values, and W_UV maps the result. Unabsorbed (a sequence of at least ``unabsorbed_from`` new
@@ -117,9 +121,17 @@ class LatentAttention(PagedAttention):
         query = None
         if meta.short is not None or not all(wide):
             query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot), dim=-1)  # [T, Hl, R + r]
+        selected = None
+        if index is not None:
+            selected = {"short": None if meta.short is None else self._short_select(index, meta)}
+            selected.update((i, self._own_select(index, keys, meta, i)) for i in range(len(meta.own)))
+            meta.selected = selected
+        elif self.shares_selection:
+            selected = meta.selected
+            assert selected is not None, "a layer sharing its keys' selection runs after one that makes it"
         short = None
         if meta.short is not None:
-            short = self._short(query, meta, None if index is None else self._short_select(index, meta))
+            short = self._short(query, meta, None if selected is None else selected["short"])
         if short is not None and meta.short.token_index is None:  # identity layout: every sequence is short
             return self._values(short, w_uv)
         out = q_nope.new_empty(t, hl, self.v_dim)
@@ -127,7 +139,7 @@ class LatentAttention(PagedAttention):
             out.index_copy_(0, meta.short.out_dst, self._values(short, w_uv).index_select(0, meta.short.out_src))
         for i, seq in enumerate(meta.own):
             rows = slice(seq.token_start, seq.token_end)
-            select = None if index is None else self._own_select(index, keys, meta, i)
+            select = None if selected is None else selected[i]
             if wide[i]:
                 out[rows] = self._unabsorbed(q_nope[rows], q_rot[rows], kv, w_uk, w_uv, meta, i, select)
             else:
@@ -223,10 +235,11 @@ class Indexer(nn.Module):
     a key is ``sum_h w_h relu(q_h . k)`` (the 1/sqrt(Di) moved out of the relu, which it commutes with).
     Replicated on every tensor-parallel rank: every head of the layer reads the same selection, and it is small."""
 
-    def __init__(self, config):
+    def __init__(self, config, interleave: bool = False):
         super().__init__()
         one = TPGroup.single()
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.interleave = interleave  # its rotated features in interleaved pairs (GLM-5), else halves (V3.2)
         self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim, one)
         self.wk = ColumnParallelLinear(config.hidden_size, self.dim, one)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
@@ -236,8 +249,11 @@ class Indexer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x [T, H], q_latent [T, q_lora_rank] -> keys [T, Di], queries [T, Hi, Di] and weights [T, Hi] (float32)
         t = x.shape[0]
-        queries = apply_rotary(self.wq_b(q_latent).view(t, self.heads, self.dim), cos, sin)
-        keys = apply_rotary(self.k_norm(self.wk(x))[:, None], cos, sin)[:, 0]
+        queries, keys = self.wq_b(q_latent).view(t, self.heads, self.dim), self.k_norm(self.wk(x))[:, None]
+        if self.interleave:  # pairs to halves, as MLA's rotation (module docstring); a dot product keeps the order
+            r = 2 * cos.shape[-1]
+            queries, keys = (torch.cat((v[..., 0:r:2], v[..., 1:r:2], v[..., r:]), dim=-1) for v in (queries, keys))
+        queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)[:, 0]
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
         return keys, queries.float(), weights
 
@@ -252,7 +268,7 @@ class MLAttention(nn.Module):
         self.rank = config.kv_lora_rank
         # interleaved RoPE pairs: a checkpoint's rope_interleave (V3), always for V2 (its rotation is complex)
         self.interleave = (bool(getattr(config, "rope_interleave", False))
-                           or config.model_type in ("deepseek_v2", "deepseek_v32"))
+                           or config.model_type in ("deepseek_v2", "deepseek_v32", "glm_moe_dsa"))
         one, bias, h = TPGroup.single(), bool(config.attention_bias), config.hidden_size
         heads = config.num_attention_heads
         if config.q_lora_rank is None:
@@ -272,10 +288,15 @@ class MLAttention(nn.Module):
         if sparse and config.q_lora_rank is None:
             raise ValueError(f"index_topk={config.index_topk} (DeepSeek Sparse Attention) needs q_lora_rank, whose "
                              "query latent its indexer reads; the checkpoint's config.json has none")
-        self.indexer = Indexer(config) if sparse else None
+        kinds = getattr(config, "indexer_types", None) or []  # GLM-5's: "shared" reuses the last layer's pick
+        shared = sparse and layer < len(kinds) and kinds[layer] == "shared"  # (an MTP layer past them picks)
+        if shared and not any(kind == "full" for kind in kinds[:layer]):
+            raise ValueError(f"indexer_types[{layer}]='shared' but no layer before it has an indexer ('full') whose "
+                             "pick it could share; the checkpoint's config.json is inconsistent")
+        self.indexer = Indexer(config, config.model_type == "glm_moe_dsa") if sparse and not shared else None
         spec = MLAAttentionSpec(self.rank, self.rope, 0 if self.indexer is None else self.indexer.dim)
         self.attn = LatentAttention(self.num_heads, spec, _yarn_softmax_scale(config), self.nope, self.v_dim,
-                                    0 if self.indexer is None else config.index_topk)
+                                    config.index_topk if sparse else 0, shared)
 
     def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x

@@ -21,6 +21,14 @@ left pending (the drafts the target accepted). The tokens of the chunk then run 
 committed: the slot keeps the state after the chunk's last non-draft token and the drafts' inputs, for the next
 chunk to replay. Everything a step needs is in Python lists built from the plan, so the layer reads no tensor's
 value on the host.
+
+A step replayed from a graph (:mod:`specray.models.step_graphs`: B sequences padded to a power of two, Q rows each)
+hands the same facts over as device tensors instead (:class:`RecurrentGraphBatch`), which the graph reads as data,
+and the layer runs a fixed-shape form of the same recurrence (:meth:`GatedDeltaNet._fixed_recurrence`): every
+sequence's conv window is K - 1 history rows, ``max_pending`` replay rows and Q new rows, gathered by index math;
+rows past a sequence's own replays and tokens are padding (g = 0, beta = 0: the state stays as it is); the committed
+state is selected on the device after each sequence's last committed token; the conv history, pending inputs and
+gates go back by fixed-shape scatters. Padding sequences start from zeros in a scratch slot no request owns.
 """
 
 from __future__ import annotations
@@ -54,6 +62,38 @@ class RecurrentBatch:
     drafts: list[int]
     targets: list[int] | None = None
 
+    def padded(self, batch: int, query_lens: list[int], scratch: int, device: torch.device | str
+               ) -> RecurrentGraphBatch:
+        """These sequences as a graph step's device table (:class:`RecurrentGraphBatch`), with ``batch -
+        len(query_lens)`` padding sequences after them: fresh, no replay, no drafts, no tokens, reading and writing
+        state slot ``scratch`` (no request's)."""
+        pads = batch - len(query_lens)
+        assert pads >= 0 and len(query_lens) == len(self.slots), (batch, query_lens, self.slots)
+        targets = self.slots if self.targets is None else self.targets
+        rows = [self.slots + [scratch] * pads, targets + [scratch] * pads,
+                [int(f) for f in self.fresh] + [1] * pads, self.replay + [0] * pads, self.drafts + [0] * pads,
+                list(query_lens) + [0] * pads]
+        table = torch.tensor(rows, dtype=torch.long)
+        if torch.device(device).type == "cuda":  # from pinned memory: an asynchronous copy, no wait for the stream
+            table = table.pin_memory().to(device, non_blocking=True)
+        return RecurrentGraphBatch(table)
+
+
+@dataclass
+class RecurrentGraphBatch:
+    """A graph step's :class:`RecurrentBatch` as data on the device: ``table`` [6, B] long, one column per sequence
+    (padding ones included), its rows the state slot read, the slot written, fresh (1: start from zeros), the
+    drafts replayed, the drafts among its tokens and its real tokens (the rest of its Q rows are padding). A
+    graph holds one as a static input and copies each step's into it (:meth:`copy_`)."""
+
+    table: torch.Tensor
+
+    def clone(self) -> RecurrentGraphBatch:
+        return RecurrentGraphBatch(self.table.clone())
+
+    def copy_(self, other: RecurrentGraphBatch) -> None:
+        self.table.copy_(other.table)
+
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     # x: [..., D] -> x / sqrt(sum(x^2) + eps) over D
@@ -69,14 +109,18 @@ def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, keep_at: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule token by token (module docstring), float32, B sequences padded to L tokens: q, k [B, L, H,
     dk] (normalised, q scaled), v [B, L, H, dv], g, beta [B, L, H], state [B, H, dk, dv]. Padding tokens must have
     g = 0 and beta = 0 (they leave the state as it is). Returns the outputs [B, L, H, dv] and the state after token
-    ``keep_at[b]`` of each sequence (None: after the last token)."""
+    ``keep_at[b]`` of each sequence (None: after the last token; a host list, or a [B] long tensor on the device,
+    where -1 keeps the state given)."""
     length = q.shape[1]
     keep = None
-    if keep_at is not None:  # [L, B, 1, 1, 1]: sequence b's state is taken after its token keep_at[b]
+    if isinstance(keep_at, torch.Tensor):  # [L, B, 1, 1, 1] by comparison on the device
+        keep = (torch.arange(length, device=state.device)[:, None] == keep_at[None, :])[:, :, None, None, None]
+    elif keep_at is not None:  # [L, B, 1, 1, 1]: sequence b's state is taken after its token keep_at[b]
         hits = torch.zeros(length, len(keep_at), dtype=torch.bool)
         hits[torch.tensor(keep_at), torch.arange(len(keep_at))] = True
         keep = hits.to(state.device)[:, :, None, None, None]
@@ -114,7 +158,7 @@ def _segment_sums(g: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, keep_at: list[int] | None = None, chunk: int = CHUNK
+                        state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, chunk: int = CHUNK
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_scan`'s results (same arguments, same padding rule) computed chunk by chunk: the
     within-chunk dependency solved as one triangular system, the state carried between chunks by matrix products
@@ -162,26 +206,32 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     q_start = q * cum.exp()[..., None]  # diag(exp(G)) Q: the start state's share of each output
     k_end = k * decay[..., -1, :, None]  # row i: k_i exp(G_{C-1} - G_i), each write's decay to the chunk's end
     end = cum[..., -1].exp()[..., None, None]  # exp(G_{C-1}) [B, H, N, 1, 1]
-    keep = None
-    if keep_at is not None:  # each sequence's chunk and token there, whose state is kept (host lists: no sync)
+    keep = on_device = None
+    if keep_at is not None:  # each sequence's chunk and token there, whose state is kept
         rows = torch.arange(b, device=q.device)
-        at_chunk = torch.tensor([t // chunk for t in keep_at], device=q.device)
-        at_token = torch.tensor([t % chunk for t in keep_at], device=q.device)
+        if isinstance(keep_at, torch.Tensor):  # on the device (-1: the state given): every chunk selects by value
+            at_chunk, at_token = keep_at.div(chunk, rounding_mode="floor"), keep_at.remainder(chunk)
+            on_device = at_chunk[:, None, None, None]
+        else:  # host lists: no sync
+            at_chunk = torch.tensor([t // chunk for t in keep_at], device=q.device)
+            at_token = torch.tensor([t % chunk for t in keep_at], device=q.device)
+            keep = {c: torch.tensor([i for i, t in enumerate(keep_at) if t // chunk == c], device=q.device)
+                    for c in {t // chunk for t in keep_at}}
         k_keep = k[rows, :, at_chunk] * decay[rows, :, at_chunk, at_token][..., None]  # [B, H, C, dk]: D[j, i] k_i
         start_keep = cum[rows, :, at_chunk, at_token].exp()[..., None, None]  # exp(G_j) [B, H, 1, 1]
-        keep = {c: torch.tensor([i for i, t in enumerate(keep_at) if t // chunk == c], device=q.device)
-                for c in {t // chunk for t in keep_at}}
         kept = state.clone()
     outputs = []
     for c in range(n):
         u = u_free[:, :, c] - w[:, :, c] @ state  # U = U~ - W S0 [B, H, C, dv]
         outputs.append(q_start[:, :, c] @ state + within[:, :, c] @ u)
-        if keep is not None and c in keep:
+        if on_device is not None:
+            kept = torch.where(on_device == c, start_keep * state + k_keep.transpose(-1, -2) @ u, kept)
+        elif keep is not None and c in keep:
             idx = keep[c]
             kept.index_copy_(0, idx, start_keep[idx] * state[idx] + k_keep[idx].transpose(-1, -2) @ u[idx])
         state = end[:, :, c] * state + k_end[:, :, c].transpose(-1, -2) @ u
     out = torch.stack(outputs, 2).reshape(b, h, n * chunk, dv)[:, :, :length].transpose(1, 2)  # [B, L, H, dv]
-    return out, (state if keep is None else kept)
+    return out, (state if keep_at is None else kept)
 
 
 class FusedColumnLinear(MergedColumnParallelLinear):
@@ -270,15 +320,19 @@ class GatedDeltaNet(nn.Module):
         self.state = state
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        # x: [T, H] -> [T, H]; meta.recurrent: the step's RecurrentBatch, meta.query_lens its sequences' tokens
-        batch: RecurrentBatch = meta.recurrent
+        # x: [T, H] -> [T, H]; meta.recurrent: the step's RecurrentBatch (meta.query_lens its sequences' tokens), or
+        # a graph step's RecurrentGraphBatch (B sequences of T / B rows each)
+        batch: RecurrentBatch | RecurrentGraphBatch = meta.recurrent
         assert batch is not None and self.state is not None, "a linear-attention layer needs its recurrent state"
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)  # [T, C]: q | k | v before the conv
         z = self.in_proj_z(x).view(t, self.value_heads, self.dv)
         beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
-        o = self._recurrence(mixed, g, beta, batch, meta.query_lens)  # [T, Hv, dv]
+        if isinstance(batch, RecurrentGraphBatch):
+            o = self._fixed_recurrence(mixed, g, beta, batch)  # [T, Hv, dv]
+        else:
+            o = self._recurrence(mixed, g, beta, batch, meta.query_lens)  # [T, Hv, dv]
         return self.out_proj(self.norm(o.to(x.dtype), z).reshape(t, -1))
 
     def _recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: RecurrentBatch,
@@ -323,6 +377,61 @@ class GatedDeltaNet(nn.Module):
         rows = [b * out.shape[1] + s[2] + j for b, (s, n) in enumerate(zip(seqs, lengths)) for j in range(n - s[2])]
         return out.flatten(0, 1).index_select(0, torch.tensor(rows, dtype=torch.long, device=out.device))
 
+    def _fixed_recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          batch: RecurrentGraphBatch) -> torch.Tensor:
+        """:meth:`_recurrence` for a graph step, every shape fixed by the step's (B sequences, Q rows each) and the
+        state's ``max_pending`` P, every per-sequence fact read from ``batch.table`` on the device: the same outputs
+        [B * Q, Hv, dv] (padding rows' are garbage, dropped by the caller) and the same writes, padding sequences'
+        to their scratch slot. Per sequence b with n replays, q real rows and k drafts, its L = P + Q scan rows are
+        its n replayed drafts, its q tokens, then padding (g = 0, beta = 0 and zero q/k/v: the state stays as it
+        is); its conv window is K - 1 history rows then those rows' inputs."""
+        st, width, pend = self.state, self.kernel - 1, self.state.max_pending
+        b = batch.table.shape[1]
+        q_rows = mixed.shape[0] // b
+        length = pend + q_rows  # scan rows per sequence
+        dev = mixed.device
+        slots, targets, fresh, replay, drafts, lens = batch.table.unbind(0)  # [B] each
+        fresh = fresh.bool()
+        # the window: the stored rows (history, then pending inputs; zeros when fresh) then the new rows, compacted
+        # so that the new rows follow the n replayed ones: window row j < K - 1 + n is stored row j, later ones are
+        # new row j - (K - 1 + n), past the pool's end (padding) clamped
+        stored = st.inputs.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)  # [B, K - 1 + P, C]
+        pool = torch.cat((stored, mixed.view(b, q_rows, -1)), 1)  # [B, K - 1 + P + Q, C]
+        j = torch.arange(width + length, device=dev)[None, :]
+        src = torch.where(j < width + replay[:, None], j, j + pend - replay[:, None]).clamp(max=width + length - 1)
+        window = pool.gather(1, src[..., None].expand(-1, -1, pool.shape[-1]))  # [B, K - 1 + L, C]
+        r = torch.arange(length, device=dev)[None, :]
+        real = (r < (replay + lens)[:, None])[..., None]  # [B, L, 1]: replayed or new, not padding
+        conv = causal_conv(window, self.conv1d.weight)  # [B, L, C]
+        q, k, v = self._split_heads(torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev)))
+        # g and beta likewise: the pending drafts' stored gates, then the new rows'
+        gates = st.gates.index_select(0, slots)  # [B, P, 2, Hv]
+        heads = g.shape[-1]
+        row_src = torch.where(r < replay[:, None], r, r + pend - replay[:, None]).clamp(max=length - 1)
+        row_src = row_src[..., None].expand(-1, -1, heads)
+        zero = torch.zeros((), dtype=g.dtype, device=dev)
+        g_rows = torch.where(real, torch.cat((gates[:, :, 0], g.view(b, q_rows, heads)), 1).gather(1, row_src), zero)
+        beta_rows = torch.where(real, torch.cat((gates[:, :, 1], beta.view(b, q_rows, heads)), 1).gather(1, row_src),
+                                zero)
+        initial = st.matrix.index_select(0, slots).masked_fill(fresh[:, None, None, None], 0.0)
+        committed = replay + lens - drafts  # [B]: rows through the last committed token (0: a padding sequence)
+        delta_rule = chunked_gated_delta if length >= CHUNKED_FROM else gated_delta_scan  # same results
+        out, kept = delta_rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
+        st.matrix.index_copy_(0, targets, kept)
+        # the target's stored rows: the last K - 1 committed inputs (window rows from `committed` on), then the
+        # drafts' inputs; rows past the drafts are zeroed (padding is never kept pending)
+        i = torch.arange(width + pend, device=dev)[None, :]
+        rows_src = (committed[:, None] + i).clamp(max=width + length - 1)
+        inputs = window.gather(1, rows_src[..., None].expand(-1, -1, window.shape[-1]))
+        st.inputs.index_copy_(0, targets, inputs.masked_fill((i >= width + drafts[:, None])[..., None], 0.0))
+        p = torch.arange(pend, device=dev)[None, :]
+        draft_src = (committed[:, None] + p).clamp(max=length - 1)[..., None].expand(-1, -1, heads)
+        pending = torch.stack((g_rows.gather(1, draft_src), beta_rows.gather(1, draft_src)), 2)  # [B, P, 2, Hv]
+        st.gates.index_copy_(0, targets, pending.masked_fill((p >= drafts[:, None])[..., None, None], 0.0))
+        # each sequence's Q new rows come after its n replayed ones
+        out_src = (replay[:, None] + torch.arange(q_rows, device=dev)[None, :])[..., None, None]
+        return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)
+
     def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [B, L, C] -> q, k [B, L, Hv, dk] (L2-normed, q scaled, each key head repeated over its value
         heads) and v [B, L, Hv, dv], float32."""
@@ -332,6 +441,7 @@ class GatedDeltaNet(nn.Module):
         group = self.value_heads // self.key_heads
         q = l2norm(q.reshape(b, length, self.key_heads, self.dk)) * self.dk ** -0.5
         k = l2norm(k.reshape(b, length, self.key_heads, self.dk))
-        if group > 1:
-            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        if group > 1:  # as repeat_interleave over the heads, which the dispatcher may see as a host sync
+            q, k = (x[:, :, :, None].expand(b, length, self.key_heads, group, self.dk).reshape(
+                b, length, self.value_heads, self.dk) for x in (q, k))
         return q, k, v.reshape(b, length, self.value_heads, self.dv)

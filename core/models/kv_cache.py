@@ -141,6 +141,19 @@ class MLAAttentionSpec(KVCacheSpec):
         return 0
 
 
+@dataclass(frozen=True)
+class SharedKVSpec(KVCacheSpec):
+    """A layer that caches nothing of its own: it attends over the K/V that an earlier layer of the same model
+    writes, ``source`` (that layer's index among the specs; a layer with a cache of its own and the same mask),
+    Gemma 4's KV-shared layers. It takes no memory: :class:`KVCache` hands it the source's view, and slot moves and
+    snapshots go through the source."""
+
+    source: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 0
+
+
 # vLLM's kv_cache_dtype: "auto" keeps the model's dtype; the others store each K/V value in one byte, in that FP8
 # format (divided by the checkpoint's K/V scale, else 1; values past its range clamped to it), and attention reads
 # them back into the model's dtype
@@ -192,6 +205,9 @@ class KVCache:
         self.num_slots = num_blocks * block_size
         groups: dict[tuple, list[int]] = {}
         for i, spec in enumerate(self.specs):
+            if isinstance(spec, SharedKVSpec):
+                assert 0 <= spec.source < i and not isinstance(self.specs[spec.source], SharedKVSpec), (i, spec)
+                continue  # the source's view, below
             groups.setdefault((spec.slot_shape, spec.slot_dim), []).append(i)
         self._groups: list[tuple[torch.Tensor, int, list[int]]] = []  # (tensor, slot dim in it, layer ids)
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self.specs)
@@ -201,6 +217,9 @@ class KVCache:
             self._groups.append((tensor, slot_dim + 1, layers))
             for j, layer in enumerate(layers):
                 self._views[layer] = tensor[j]
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, SharedKVSpec):
+                self._views[i] = self._views[spec.source]
 
     @property
     def num_layers(self) -> int:
@@ -227,6 +246,9 @@ class KVCache:
             picked = tensor.index_select(dim, slots.to(tensor.device))
             for j, layer in enumerate(layers):
                 out[layer] = picked[j]
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, SharedKVSpec):
+                out[i] = out[spec.source]
         return out
 
 
@@ -256,6 +278,9 @@ def allocate_kv_cache(model: HasKVCache, num_blocks: int, block_size: int, kv_ca
 # one more read and write of them per step; two slots cost no copy at all (a step already reads its slots into a
 # scratch tensor and writes them back) and their memory is counted in the KV budget (``recurrent_bytes``).
 SLOTS_PER_REQUEST = 2
+# One more slot past the requests' (the last): a graph step's padding sequences read and write it (zeros in, whatever
+# out), as its padding rows write the paged cache's scratch blocks; no request owns it. Counted in the budget too.
+SCRATCH_SLOTS = 1
 
 
 @dataclass(frozen=True)
@@ -279,8 +304,9 @@ class RecurrentStateSpec:
 
 def recurrent_bytes(specs: list[RecurrentStateSpec], num_requests: int, dtype: torch.dtype, max_pending: int) -> int:
     """Bytes the recurrent state of every layer of ``specs`` takes for ``num_requests`` requests (their
-    ``SLOTS_PER_REQUEST`` slots each)."""
-    return num_requests * SLOTS_PER_REQUEST * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
+    ``SLOTS_PER_REQUEST`` slots each, and the ``SCRATCH_SLOTS``)."""
+    slots = num_requests * SLOTS_PER_REQUEST + SCRATCH_SLOTS
+    return slots * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
 
 
 @dataclass
@@ -301,7 +327,8 @@ class RecurrentLayerState:
 
 class RecurrentState:
     """Every linear-attention layer's state on one rank, in ``num_slots`` slots (the runner gives each request
-    ``SLOTS_PER_REQUEST``), zeroed; the runner owns it and binds a model to it (``bind_recurrent_state``)."""
+    ``SLOTS_PER_REQUEST`` and keeps ``SCRATCH_SLOTS`` for graph steps' padding), zeroed; the runner owns it and binds
+    a model to it (``bind_recurrent_state``)."""
 
     def __init__(self, specs: list[RecurrentStateSpec], num_slots: int, max_pending: int, dtype: torch.dtype,
                  device: torch.device | str):

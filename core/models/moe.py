@@ -32,6 +32,16 @@ The router is replicated. Tokens are grouped by expert with one sort, and the gr
 once per layer (the only host sync), then each local expert runs one matmul pair over its tokens. A shared expert
 (split by width like a dense MLP) adds its share to the experts' before the block's one all-reduce.
 
+A step replayed from a CUDA graph cannot read sizes back (a capture refuses a host sync), so within
+:func:`sync_free_experts` (what :class:`~specray.models.step_graphs.StepGraphs` runs its forwards in) the experts
+take a second path with fixed shapes: the (token, choice) pairs sorted by local expert on the device (another rank's
+pairs last), each group's end found there, and one grouped matmul per projection over the stacked weights
+(``torch._grouped_mm``; its output rows past the last group are left unwritten, and kept out of the sum by a
+``where``). Eager steps keep the loop. On CUDA the grouped matmul is free of host syncs only on its CUTLASS path (bf16
+on compute capability 9.x or 10.x; its fallback copies the offsets to the host), and it needs 16-byte strides; where
+it cannot run so, :meth:`SparseMoE.graph_blocker` says why and the model's steps run eagerly. The grouped path has
+run on CPU only (torch's fallback there), never on a GPU.
+
 From a block-FP8 checkpoint (DeepSeek-V3's release) the experts keep their FP8 weights and block scales: half a
 bf16 model's bytes where nearly all of them are. An expert's weights are dequantized, block by block, when tokens
 reach it (:func:`specray.models.fp8.dequantize_blocks`), to the same values a load-time dequantization gives. This
@@ -42,8 +52,10 @@ tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where conver
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +71,24 @@ from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 _told_partial_blocks = False  # the warning below, once per process
+# per thread: whether SparseMoE forwards take the sync-free path (a drafter's graphs may be captured in one thread
+# while the target's eager steps run in another)
+_sync_free = threading.local()
+# torch._grouped_mm's kernel with no host sync: CUTLASS's, for bf16 on these compute capabilities' majors
+GROUPED_MM_MAJORS = (9, 10)
+GROUPED_MM_MAX_GROUPS = 1023  # the kernel's bound on the number of groups
+
+
+@contextlib.contextmanager
+def sync_free_experts():
+    """Within it, every :class:`SparseMoE` forward on this thread takes the grouped path, whose shapes do not depend
+    on the routing and which never syncs with the host (what a CUDA graph can capture)."""
+    before = getattr(_sync_free, "on", False)
+    _sync_free.on = True
+    try:
+        yield
+    finally:
+        _sync_free.on = before
 
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
@@ -115,6 +145,7 @@ FAMILIES = {
 # the hybrid linear-attention families' experts are Qwen2-MoE's (a gated shared expert); Qwen3.5-MoE's config has no
 # norm_topk_prob and always renormalises
 FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
+FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["deepseek_v3"]  # DeepSeek-V3.2's and GLM-5's experts
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
@@ -272,7 +303,7 @@ class SparseMoE(nn.Module):
             t, e, g = x.shape[0], self.num_experts, self.n_group
             groups = probs.view(t, g, e // g).amax(dim=-1).topk(self.topk_group, dim=-1).indices  # [T, topk_group]
             allowed = torch.zeros(t, g, dtype=torch.bool, device=x.device).scatter_(1, groups, True)
-            probs = probs.masked_fill(~allowed.repeat_interleave(e // g, dim=1), 0.0)
+            probs = probs.view(t, g, e // g).masked_fill(~allowed[:, :, None], 0.0).view(t, e)
         weights, ids = probs.topk(self.top_k, dim=-1)
         return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
@@ -283,16 +314,30 @@ class SparseMoE(nn.Module):
         group_worth = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         groups = group_worth.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
         allowed = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, groups, True)
-        choice = choice.masked_fill(~allowed.repeat_interleave(e // g, dim=1), float("-inf"))
+        # masked per group by broadcasting: repeat_interleave's int form reaches a dispatch mode whole under inference
+        # mode, where the tests' sync check (rightly wary of its tensor form) refuses it
+        choice = choice.view(t, g, e // g).masked_fill(~allowed[:, :, None], float("-inf")).view(t, e)
         ids = choice.topk(self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
-        weights, ids = self.route(x)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H] -> [T, H]; router_input: what the router reads when not x (Gemma 4's: the residual stream)
+        weights, ids = self.route(x if router_input is None else router_input)
+        grouped = getattr(_sync_free, "on", False)
+        out = self._experts_grouped(x, weights, ids) if grouped else self._experts_looped(x, weights, ids)
+        if self.shared is not None:  # its share joins the experts' before the one sum over ranks
+            shared = self.shared.partial(x)
+            if self.family.shared_gate is not None:  # each token's gate, the same on every rank
+                shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
+            out = out + shared
+        return self.tp.all_reduce(out)
+
+    def _experts_looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share [T, H] of tokens ``x`` [T, H] routed by ``weights``, ``ids`` [T, k]: one matmul
+        pair per local expert over its tokens, the group sizes read back to the host."""
         flat = ids.flatten()  # [T*k]: token t's j-th expert at t*k + j
         order = flat.argsort(stable=True)  # grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -308,12 +353,55 @@ class SparseMoE(nn.Module):
                 routed = routed * w
             y = torch.cat([self._expert(e, xe) for e, xe in enumerate(routed.split(sizes)) if xe.shape[0]])
             out.index_add_(0, tokens, y if self.family.scale_input else y * w)
-        if self.shared is not None:  # its share joins the experts' before the one sum over ranks
-            shared = self.shared.partial(x)
-            if self.family.shared_gate is not None:  # each token's gate, the same on every rank
-                shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
-            out = out + shared
-        return self.tp.all_reduce(out)
+        return out
+
+    def _experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As :meth:`_experts_looped`, with no host sync and shapes fixed by ``x``'s: every (token, choice) pair gets
+        a row, the rows sorted by local expert on the device (pairs routed to another rank's experts last), and one
+        grouped matmul per projection runs each local expert over its rows. The rows past the last group (another
+        rank's pairs) are left unwritten by the kernel and never reach the sum."""
+        assert self.fp8_block is None, "FP8-kept experts have no grouped path (graph_blocker refuses them)"
+        t, k = ids.shape
+        n, e = t * k, self.local_experts
+        local = ids.flatten() - self.expert_start  # [n]: each pair's local expert, if it is one of this rank's
+        key = torch.where((local >= 0) & (local < e), local, e)
+        key, rows = key.sort(stable=True)  # rows: pair indices (t*k + j) grouped by expert, as the loop's
+        ends = torch.arange(e, device=x.device)
+        offs = torch.searchsorted(key, ends, right=True).to(torch.int32)  # [e]: where each expert's rows end
+        tokens = rows // k
+        w = weights.flatten().index_select(0, rows)[:, None]  # [n, 1]: each row's routing weight
+        routed = x.index_select(0, tokens)  # [n, H]
+        if self.family.scale_input:
+            routed = routed * w
+        expert = key.clamp(max=e - 1)  # each row's expert (another rank's rows: any, dropped below)
+        h = torch._grouped_mm(routed, self.w13.transpose(1, 2), offs=offs)  # [n, 2I]
+        if self.w13_bias is not None:
+            h = h + self.w13_bias.index_select(0, expert)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(self._activate(gate, up).contiguous(), self.w2.transpose(1, 2), offs=offs)  # [n, H]
+        if self.w2_bias is not None and self.adds_down_bias:
+            y = y + self.w2_bias.index_select(0, expert)
+        if not self.family.scale_input:
+            y = y * w
+        # rows past the last group hold whatever the kernel left there (NaN, inf): selected away, never multiplied
+        y = torch.where((torch.arange(n, device=x.device) < offs[-1])[:, None], y, 0.0)
+        return torch.zeros_like(x).index_add_(0, tokens, y)
+
+    def graph_blocker(self) -> str | None:
+        """None when :meth:`_experts_grouped` runs as it is where this block's weights are (on CUDA: with no host
+        sync, so inside a CUDA graph), else why not."""
+        weights = self.w13
+        if not hasattr(torch, "_grouped_mm"):
+            return "this torch has no torch._grouped_mm (the experts' grouped matmul)"
+        if self.fp8_block is not None:
+            return ("its experts are kept in FP8 and dequantized expert by expert as tokens reach them, which the "
+                    "grouped matmul of a graph step does not do")
+        size = weights.element_size()
+        for name, width in (("hidden_size", weights.shape[-1]), ("the expert width on this rank", self.inter_local)):
+            if width * size % 16:
+                return (f"its {name} {width} in {weights.dtype} is not a multiple of 16 bytes, the row stride "
+                        "torch._grouped_mm needs for the experts' grouped matmul")
+        return grouped_mm_blocker(weights.device, weights.dtype, self.local_experts)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``e``'s MLP of its tokens ``x`` [n, H] (this rank's share when split by width)."""
@@ -452,6 +540,28 @@ class SparseMoE(nn.Module):
         experts = range(self.expert_start, self.expert_start + self.local_experts)
         keys = {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
         return keys | ({f"b{w}:{e}" for e in experts for w in (13, 2)} if self.w13_bias is not None else set())
+
+
+def grouped_mm_blocker(device: torch.device, dtype: torch.dtype, groups: int,
+                       capability: tuple[int, int] | None = None) -> str | None:
+    """None when ``torch._grouped_mm`` of ``groups`` groups in ``dtype`` on ``device`` runs with no host sync, else
+    why not. On CUDA its CUTLASS kernel (bf16, compute capability 9.x or 10.x; ``capability`` the device's, asked
+    for when None) reads the group offsets on the device; every other case takes torch's fallback, a loop over the
+    groups that copies the offsets to the host, which a CUDA graph's capture refuses. On CPU the fallback syncs
+    with nothing (the suite's graph steps run there eagerly)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"torch._grouped_mm on {device.type} (not CUDA) has no path without a host sync that we know of"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if dtype != torch.bfloat16 or capability[0] not in GROUPED_MM_MAJORS:
+        return (f"torch._grouped_mm runs without a host sync only in bfloat16 on compute capability 9.x or 10.x (its "
+                f"CUTLASS kernel); in {dtype} on {capability[0]}.{capability[1]} its fallback copies the experts' "
+                "group offsets to the host, which a CUDA graph cannot capture")
+    if groups > GROUPED_MM_MAX_GROUPS:
+        return f"{groups} experts on this rank: torch._grouped_mm's kernel takes at most {GROUPED_MM_MAX_GROUPS}"
+    return None
 
 
 # a block's expert parameters (checked as loaded expert by expert: :meth:`SparseMoE.expected_keys`)

@@ -43,6 +43,9 @@ def plain_config(config: Any) -> PlainConfig:
             continue  # a property this config cannot answer: nothing to carry
     values["model_type"] = getattr(config, "model_type", None)
     values.update(vars(config))
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is not None:  # a per-layer config's overrides (Gemma 4's full layers' head_dim), layer -> {field: value}
+        values["per_layer_config"] = {int(i): dict(o) for i, o in spec.per_layer_overrides.items()}
     for alias, target in (getattr(cls, "attribute_map", None) or {}).items():
         if target in values:
             values[alias] = values[target]

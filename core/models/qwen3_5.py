@@ -3,8 +3,9 @@
 weights, paged KV for the attention layers, the model interface).
 
 Layers interleave (``layer_types``) Gated DeltaNet linear attention (:mod:`specray.models.gated_deltanet`: a
-recurrent state per request, not a paged cache) with gated full attention. Where the full-attention layers differ
-from Qwen3's:
+recurrent state per request, not a paged cache; on graph steps its fixed-shape form) with gated full attention (plain
+:class:`PagedAttention` behind the gate, so decode and verify steps replay graphs: never captured on a GPU yet).
+Where the full-attention layers differ from Qwen3's:
 
 * ``q_proj`` gives each head a query and an output gate (``[q_h, gate_h]`` per head, 2 * head_dim rows); the
   attention's output is multiplied by ``sigmoid(gate)`` before ``o_proj``;
@@ -211,8 +212,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             raise ValueError("the recurrent state is not allocated: call specray.models.kv_cache."
                              "allocate_recurrent_state(model, num_slots, max_pending) before the first forward")
         if meta.recurrent is None:
-            raise ValueError("a hybrid model's step needs meta.recurrent (a RecurrentBatch: each sequence's state "
-                             "slot and replay); the model runner sets it")
+            raise ValueError("a hybrid model's step needs meta.recurrent (a RecurrentBatch, or a graph step's "
+                             "RecurrentGraphBatch: each sequence's state slot and replay); the model runner sets it")
         return super().forward(input_ids, meta, aux_layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

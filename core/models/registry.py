@@ -29,6 +29,7 @@ _ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "GlmMoeDsaForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
@@ -38,7 +39,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                "deepseek_v32": "DeepseekV32ForCausalLM",
+                "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
@@ -71,6 +72,13 @@ _MODEL_TYPES.update({"qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qw
 _TEXT_PARTS.update({arch: _QWEN_VL_TEXT for arch in ("Qwen2_5_VLForConditionalGeneration",
                                                      "Qwen3VLForConditionalGeneration",
                                                      "Qwen3VLMoeForConditionalGeneration")})
+
+# Gemma 4 (specray.models.gemma4): its multimodal releases keep the text model under ``model.language_model.``
+# beside ``model.vision_tower.``, ``model.audio_tower.`` and their embedders; ``lm_head.`` (tied) at the top
+_ARCHITECTURES["Gemma4ForCausalLM"] = "specray.models.gemma4:Gemma4ForCausalLM"
+_MODEL_TYPES["gemma4_text"] = "Gemma4ForCausalLM"
+_TEXT_PARTS["Gemma4ForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                 (re.compile(r"^lm_head\."), "lm_head."))
 
 
 def text_part(hf_config) -> tuple[object, Any] | None:

@@ -15,11 +15,18 @@ the runner allocates past the block manager's and no request owns. Padding seque
 0 .. Q-1) write only the scratch blocks. Padding rows' outputs are dropped; padding blocks of the gathered context
 point at block 0 and are masked out, as in the eager padded path.
 
+Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) replay too: the runner hands each step's state slots,
+replays and draft counts over as one more static input (:class:`~specray.models.gated_deltanet.RecurrentGraphBatch`)
+and the layer runs its fixed-shape recurrence on it; padding sequences start from zeros in a scratch state slot no
+request owns, as their rows write scratch blocks. Checked on CPU only: never captured on a GPU yet.
+
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
 (at most ``SHORT_QUERY_MAX`` tokens), as a chain or a token tree (a tree's positions and ancestor masks are data the
 graph reads: its static positions and masks), over paged or latent attention (DeepSeek's: a graph step's rows are
-all short, so they attend in the absorbed form); no layer routes tokens to experts (routing sizes its work on the
-host); one rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
+all short, so they attend in the absorbed form); experts take their sync-free grouped path
+(:func:`~specray.models.moe.sync_free_experts`, on in every forward here) where it has no host sync (on CUDA: bf16 on
+compute capability 9.x or 10.x, never run on a GPU yet; :meth:`~specray.models.moe.SparseMoE.graph_blocker`); one
+rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
 states (its head's passes replay graphs of their own: :class:`HeadStepGraphs`). On CPU the same static tensors are
 filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager path's,
 and no host sync in the forward, which a capture would refuse).
@@ -35,8 +42,8 @@ from typing import NamedTuple
 import torch
 
 from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, build_attention_metadata
-from specray.models.gated_deltanet import GatedDeltaNet
-from specray.models.moe import SparseMoE
+from specray.models.gated_deltanet import RecurrentGraphBatch
+from specray.models.moe import SparseMoE, sync_free_experts
 
 logger = logging.getLogger(__name__)
 # one capture at a time in a process: capturing synchronizes the device and empties the allocator's cache, which
@@ -61,11 +68,10 @@ def why_eager(model: torch.nn.Module, num_ranks: int) -> str | None:
 def graph_safe(model: torch.nn.Module) -> str | None:
     """None when ``model``'s forward can be captured, else why not."""
     for module in model.modules():
-        if isinstance(module, SparseMoE):
-            return "the model cannot be captured: its experts' routing sizes work on the host"
-        if isinstance(module, GatedDeltaNet):
-            return ("the model cannot be captured: its linear-attention layers keep a recurrent state per request, "
-                    "with per-sequence replays the graphs do not carry")
+        if isinstance(module, SparseMoE) and (why := module.graph_blocker()) is not None:
+            return f"the model cannot be captured: {why}"
+        # a GatedDeltaNet layer is captured: on a graph step it runs its fixed-shape recurrence, reading each
+        # sequence's slots, replays and drafts as data (a RecurrentGraphBatch the runner hands over, a static input)
     return None
 
 
@@ -128,14 +134,15 @@ class StepGraphs:
 
     def run(self, shape: StepShape, token_ids: list[int] | torch.Tensor, query_lens: list[int],
             start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = (),
-            positions: list[int] | None = None, ancestors: list[torch.Tensor | None] | None = None
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            positions: list[int] | None = None, ancestors: list[torch.Tensor | None] | None = None,
+            recurrent: RecurrentGraphBatch | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
         outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
         ``shape.query_len`` tokens. ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
         with the ids' padding (zero rows). ``positions`` and ``ancestors``: a step of token trees (as
         :func:`~specray.models.attention.build_attention_metadata` takes them); a graph reads them as data (the
-        positions and the masks are static inputs), so trees and chains share graphs."""
+        positions and the masks are static inputs), so trees and chains share graphs. ``recurrent``: a hybrid
+        model's state slots and replays, padded to ``shape.batch`` sequences (a static input too)."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         real = [b * q + j for b, n in enumerate(query_lens) for j in range(n)]
@@ -158,6 +165,7 @@ class StepGraphs:
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
             self.device, positions=positions, ancestors=ancestors, min_ctx_blocks=shape.ctx_blocks,
             read_in_place=False)
+        meta.recurrent = recurrent
         graph = self.graphs.get(shape)
         if graph is None:
             graph = self.graphs[shape] = self._capture(meta, ids, inputs)  # its warm-up ran this step
@@ -166,13 +174,19 @@ class StepGraphs:
             if graph.graph is not None:
                 graph.graph.replay()
             else:
-                hidden, aux = self._forward(graph.input_ids, graph.meta, graph.inputs)
+                hidden, aux = self._step(graph.input_ids, graph.meta, graph.inputs)
                 for out, value in zip([graph.hidden, *graph.aux], [hidden, *aux]):
                     out.copy_(value)
         if len(real) == shape.batch * q:
             return graph.hidden, list(graph.aux)
         index = torch.tensor(real, dtype=torch.long, device=self.device)
         return graph.hidden.index_select(0, index), [a.index_select(0, index) for a in graph.aux]
+
+    def _step(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`_forward` with the experts on their sync-free path (what a capture records, and its CPU stand-in)."""
+        with sync_free_experts():
+            return self._forward(input_ids, meta, inputs)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -192,7 +206,8 @@ class StepGraphs:
                        max_position=self.max_position - 1 + SHORT_QUERY_MAX,
                        _masks={},
                        short=replace(short, block_index=short.block_index.clone(),
-                                     query_positions=short.query_positions.clone()))
+                                     query_positions=short.query_positions.clone()),
+                       recurrent=None if meta.recurrent is None else meta.recurrent.clone())
 
     @staticmethod
     def _own_masks(static: AttentionMetadata) -> None:
@@ -211,6 +226,8 @@ class StepGraphs:
         static.slot_mapping.copy_(meta.slot_mapping)
         static.short.block_index.copy_(meta.short.block_index)
         static.short.query_positions.copy_(meta.short.query_positions)
+        if static.recurrent is not None:
+            static.recurrent.copy_(meta.recurrent)
         for (_, groups, kind), mask in static._masks.items():
             mask.copy_(meta.short_mask(groups, kind))
 
@@ -219,7 +236,7 @@ class StepGraphs:
         input_ids = ids.clone()
         held = [x.clone() for x in inputs]
         if not self.capture:
-            hidden, aux = self._forward(input_ids, static, held)
+            hidden, aux = self._step(input_ids, static, held)
             self._own_masks(static)
             graph = _Graph(static, input_ids, hidden, aux, None, held)
             self._load(graph, meta, ids, inputs)  # the masks the forward just made, from this step's values
@@ -232,15 +249,15 @@ class StepGraphs:
         with _CAPTURE_LOCK:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
-                self._forward(input_ids, static, held)
+                self._step(input_ids, static, held)
                 self._own_masks(static)
-                self._forward(input_ids, static, held)
+                self._step(input_ids, static, held)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                hidden, aux = self._forward(input_ids, static, held)
+                hidden, aux = self._step(input_ids, static, held)
         graph = _Graph(static, input_ids, hidden, aux, cuda_graph, held)
         self._load(graph, meta, ids, inputs)
         cuda_graph.replay()

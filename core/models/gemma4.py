@@ -1,0 +1,470 @@
+"""Google's Gemma 4 (text): ``Gemma4ForCausalLM`` (``gemma4_text``) and the text model of
+``Gemma4ForConditionalGeneration``, written with tensor-parallel layers on the Llama plumbing
+(:class:`~specray.models.llama.LlamaForCausalLM`: weights, KV binding, the interface).
+
+Where it differs from Gemma 3 (:mod:`specray.models.gemma3`):
+
+* RMSNorm scales by ``weight`` (not ``1 + weight``); values get an RMSNorm without a scale; attention's scale is 1
+  (the q and k norms set the scores' size);
+* sliding-window layers and full ones (``layer_types``) differ in shape as well as in RoPE: the full layers' heads
+  are ``global_head_dim`` wide (transformers keeps it per layer, ``per_layer_config``), with
+  ``num_global_key_value_heads`` KV heads under ``attention_k_eq_v``, where they have no v projection: the values are
+  the keys' projection (normed apart from the keys, unrotated). Each kind has its own RoPE
+  (``rope_parameters[layer_type]``); the full layers' is "proportional": the first ``partial_rotary_factor`` of the
+  frequencies of a whole head's, the rest not rotated;
+* KV sharing (``num_kv_shared_layers``): the last layers compute no K/V and attend over the K/V of the last earlier
+  layer of their kind, which the cache expresses (:class:`~specray.models.kv_cache.SharedKVSpec`: no memory, the
+  source's view); with ``use_double_wide_mlp`` those layers' MLPs are twice as wide;
+* ``enable_moe_block``: every layer adds a mixture of experts beside its dense MLP, each through norms of its own
+  (:class:`Gemma4Experts`: :mod:`specray.models.moe`'s block with Gemma 4's router and a gated GELU);
+* per-layer inputs (``hidden_size_per_layer_input``, the small E2B / E4B releases): a second embedding, of every
+  layer's ``hidden_size_per_layer_input`` features per token, mixed with a projection of the embedded tokens, gates a
+  small residual branch at the end of each layer;
+* every layer's output is multiplied by its ``layer_scalar`` (a checkpoint tensor);
+* ``final_logit_softcapping`` as Gemma 2 and 3.
+
+Pipeline stages and LoRA are refused. Tiny random models against transformers only: never run on a GPU or a real
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.attention import AttentionMetadata, PagedAttention
+from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
+from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
+                                   divide, materialize, rope_parameters)
+from specray.models.llama import (KV_SCALE_NAMES, LlamaForCausalLM, StageModel, _layer_index, _map_name,
+                                  expected_keys, load_param)
+from specray.models.moe import SparseMoE
+from specray.parallel import PPGroup, TPGroup
+
+logger = logging.getLogger(__name__)
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ACTIVATION = "gelu_pytorch_tanh"
+
+
+def layer_geometry(config, layer: int) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) of layer ``layer``: the config's, or its per-layer override (a transformers
+    config's ``per_layer_config[layer]``; a plain config carries the overrides as a dict, layer -> fields)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is None or isinstance(per_layer, dict):
+        overrides = (per_layer or {}).get(layer) or (per_layer or {}).get(str(layer)) or {}
+        return (int(overrides.get("head_dim", config.head_dim)),
+                int(overrides.get("num_key_value_heads", config.num_key_value_heads)))
+    layer_config = per_layer[layer]
+    return int(layer_config.head_dim), int(layer_config.num_key_value_heads)
+
+
+def kv_sources(config) -> list[int | None]:
+    """Per layer, the layer whose K/V it attends over (None: its own): with ``num_kv_shared_layers`` = n, each of
+    the last n layers shares those of the last earlier layer of its kind, as transformers' ``kv_sharing_modes``."""
+    layers, shared = config.num_hidden_layers, int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if not 0 <= shared < layers:
+        raise ValueError(f"num_kv_shared_layers={shared} must be at least 0 and below num_hidden_layers={layers}: "
+                         "some earlier layer must compute the K/V the shared layers read")
+    first = layers - shared
+    kinds = list(config.layer_types)
+    sources: list[int | None] = [None] * layers
+    for i in range(first, layers):
+        owners = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not owners:
+            raise ValueError(f"num_kv_shared_layers={shared}: layer {i} ({kinds[i]}) shares K/V, but no layer before "
+                             f"layer {first} is a {kinds[i]} layer to share them")
+        sources[i] = owners[-1]
+    return sources
+
+
+def _kv_shard(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """(this rank's KV heads, the first one's global index), as :class:`QKVParallelLinear` splits them."""
+    if num_kv_heads >= tp.size:
+        local = divide(num_kv_heads, tp.size, "num_key_value_heads")
+        return local, tp.rank * local
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp.size} must be a multiple of num_key_value_heads={num_kv_heads} "
+                         "when it exceeds it (KV heads are then replicated)")
+    return 1, tp.rank // (tp.size // num_kv_heads)
+
+
+class Gemma4RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` in float32, cast back to x's dtype; without a scale where ``scaled`` is False (the
+    values' norm, the router's)."""
+
+    def __init__(self, size: int, eps: float, scaled: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size) if scaled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
+
+
+class QKParallelLinear(QKVParallelLinear):
+    """q and k in one matmul, no v (``attention_k_eq_v``: the values are the keys' projection); q and k are split
+    over ranks as :class:`QKVParallelLinear` splits them."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup,
+                 bias: bool = False):
+        super().__init__(hidden_size, head_dim, num_heads, num_kv_heads, tp, bias)
+        self.out_local = self.q_size + self.kv_size
+        self.weight = self._own_weight(self.out_local, hidden_size)
+        if bias:
+            self.bias = _param(self.out_local)
+            self.bias.weight_loader = self.weight_loader
+
+
+class SharedPagedAttention(PagedAttention):
+    """Attention over another layer's cache (bound to its view): it reads the K/V that layer wrote this step and
+    before, and writes none."""
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        pass
+
+
+class ProportionalRotaryEmbedding(RotaryEmbedding):
+    """Gemma 4's "proportional" RoPE over a whole head: the first ``partial_rotary_factor`` of its frequency pairs
+    at a whole head's frequencies (``theta ** (-2i / head_dim)``), the others at 0 (not rotated)."""
+
+    def _inv_freq(self) -> torch.Tensor:
+        p, dim = self.params, self.head_dim
+        angles = int(p.get("partial_rotary_factor", 1.0) * dim // 2)
+        rotated = 1.0 / (p["rope_theta"] ** (torch.arange(0, 2 * angles, 2, device="cpu").float() / dim))
+        return torch.cat((rotated, torch.zeros(dim // 2 - angles, device="cpu"))) / float(p.get("factor", 1.0))
+
+
+def _rotary(config, kind: str, head_dim: int) -> RotaryEmbedding:
+    """The RoPE of ``kind``'s layers (``rope_parameters[kind]``)."""
+    params = dict((getattr(config, "rope_parameters", None) or {}).get(kind) or {})
+    if params.get("rope_type") == "proportional":
+        params.setdefault("rope_theta", 10000.0)
+        return ProportionalRotaryEmbedding(head_dim, params, config.max_position_embeddings)
+    return RotaryEmbedding(head_dim, rope_parameters(config, kind), config.max_position_embeddings)
+
+
+class Gemma4Attention(nn.Module):
+    """One layer's attention; ``source``: the layer whose K/V it reads (None: it computes and caches its own)."""
+
+    def __init__(self, config, tp: TPGroup, layer: int, source: int | None):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        sliding = self.layer_type == "sliding_attention"
+        head_dim, kv_heads = layer_geometry(config, layer)
+        self.head_dim, self.source = head_dim, source
+        self.k_eq_v = bool(getattr(config, "attention_k_eq_v", False)) and not sliding
+        bias = bool(getattr(config, "attention_bias", False))
+        heads = config.num_attention_heads
+        eps = config.rms_norm_eps
+        if source is None:
+            linear = QKParallelLinear if self.k_eq_v else QKVParallelLinear
+            self.qkv_proj = linear(config.hidden_size, head_dim, heads, kv_heads, tp, bias=bias)
+            self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+            kv_start = self.qkv_proj.kv_head_start
+            self.k_norm = Gemma4RMSNorm(head_dim, eps)
+            self.v_norm = Gemma4RMSNorm(head_dim, eps, scaled=False)
+        else:  # the source's K/V: a query projection alone
+            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * head_dim, tp, bias=bias)
+            self.num_heads = divide(heads, tp.size, "num_attention_heads")
+            self.num_kv_heads, kv_start = _kv_shard(kv_heads, tp)
+        self.q_norm = Gemma4RMSNorm(head_dim, eps)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, tp, bias=bias)
+        spec = dict(num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_head_start=kv_start)
+        kv_spec = SlidingWindowSpec(**spec, sliding_window=config.sliding_window) if sliding else \
+            FullAttentionSpec(**spec)
+        self.attn = (PagedAttention if source is None else SharedPagedAttention)(self.num_heads, kv_spec, 1.0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        # x: [T, H]; cos, sin: [T, 1, D/2]; shared: the source layer's (k, v) [T, Hkv, D] of this step
+        # -> ([T, H], this layer's (k, v) for the layers sharing them, None where it shares another's)
+        t = x.shape[0]
+        if self.source is not None:
+            q = apply_rotary(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
+            k, v = shared
+            return self.o_proj(self.attn(q, k, v, meta)), None
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
+        raw_k = qkv[:, q_size: q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        raw_v = raw_k if self.k_eq_v else qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(torch.cat((q, self.k_norm(raw_k)), dim=1), cos, sin)
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads:], self.v_norm(raw_v)
+        return self.o_proj(self.attn(q, k, v, meta)), (k, v)
+
+
+class Gemma4MLP(nn.Module):
+    """Gated GELU (tanh) of width ``intermediate_size`` split over ``tp``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma4Experts(SparseMoE):
+    """Gemma 4's experts on :class:`~specray.models.moe.SparseMoE` (its storage, split over ranks, loading of the fused
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and dispatch), with Gemma 4's router and activation:
+
+    * the router reads the residual stream (not the experts' input): RMS-normed without a scale, times ``scale`` [H]
+      and ``hidden_size ** -0.5``, projected (``gate``), softmax in float32, the top k renormalised, each weight
+      times its expert's ``per_expert_scale``;
+    * each expert is a gated GELU (tanh)."""
+
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+        for field in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if not getattr(config, field, None):
+                raise ValueError(f"enable_moe_block=True needs {field} (got {getattr(config, field, None)!r})")
+        # moe.py's softmax row names its fields as Qwen3-MoE does; the rest of the block is the same
+        moe = SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=config.hidden_size,
+                              num_experts=config.num_experts, num_experts_per_tok=config.top_k_experts,
+                              moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=True,
+                              quantization_config=getattr(config, "quantization_config", None))
+        super().__init__(moe, tp, expert_parallel)
+        self.router_norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, scaled=False)
+        self.router_scale = _param(config.hidden_size)
+        self.per_expert_scale = _param(config.num_experts)
+        self.root_size = config.hidden_size ** -0.5
+
+    def route(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # stream: the residual stream [T, H] (``forward(x, router_input=stream)``), not the experts' input
+        h = self.router_norm(stream) * self.router_scale * self.root_size
+        probs = F.softmax(F.linear(h, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale.float()[ids]
+        return weights.to(stream.dtype), ids
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def _single_linear(in_features: int, out_features: int) -> ColumnParallelLinear:
+    """A small projection every rank holds whole."""
+    return ColumnParallelLinear(in_features, out_features, TPGroup.single())
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int, source: int | None, expert_parallel: bool = False):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{layer}]={self.layer_type!r} is not supported; one of {list(LAYER_TYPES)}")
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma4Attention(config, tp, layer, source)
+        wide = 2 if source is not None and getattr(config, "use_double_wide_mlp", False) else 1
+        self.mlp = Gemma4MLP(h, config.intermediate_size * wide, tp)
+        self.input_layernorm = Gemma4RMSNorm(h, eps)
+        self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(h, eps)
+        self.moe = None
+        if getattr(config, "enable_moe_block", False):
+            self.moe = Gemma4Experts(config, tp, expert_parallel)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
+        per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
+        if per_layer:
+            self.per_layer_input_gate = _single_linear(h, per_layer)
+            self.per_layer_projection = _single_linear(per_layer, h)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(h, eps)
+        self.layer_scalar = _param(1)
+
+    def forward(self, x: torch.Tensor, per_layer: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        # x: the residual stream [T, H]; per_layer: this layer's input [T, P] (or None) -> the next layer's, and
+        # this layer's (k, v) for the layers sharing them
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, meta, shared)
+        x = x + self.post_attention_layernorm(a)
+        y = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            experts = self.moe(self.pre_feedforward_layernorm_2(x), x)
+            y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(experts)
+        x = x + self.post_feedforward_layernorm(y)
+        if per_layer is not None:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar, kv
+
+
+def check_supported(config, pp: PPGroup) -> None:
+    """A ValueError naming the field of what Gemma 4 here does not serve."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act != ACTIVATION:
+        raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 4 uses {ACTIVATION!r}")
+    if getattr(config, "use_bidirectional_attention", None) not in (None, "vision"):
+        raise ValueError(f"use_bidirectional_attention={config.use_bidirectional_attention!r} is not supported: a "
+                         "causal LM is served causally (None, or 'vision', which text tokens attend causally)")
+    kinds = list(config.layer_types)
+    if len(kinds) != config.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries for num_hidden_layers={config.num_hidden_layers}")
+    if pp.size > 1:
+        raise ValueError(f"pipeline_parallel_size={pp.size} is not supported for Gemma 4 (its shared K/V and "
+                         "per-layer inputs cross stages); use pipeline_parallel_size=1")
+
+
+class Gemma4Model(StageModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        super().__init__()
+        pp = pp or PPGroup.single()
+        check_supported(config, pp)
+        self.sources = kv_sources(config)
+        self.build_stage(config, pp, lambda i: Gemma4DecoderLayer(config, tp, i, self.sources[i], expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does
+        self.layer_types = list(config.layer_types)
+        dims = {kind: layer_geometry(config, self.layer_types.index(kind))[0] for kind in set(self.layer_types)}
+        self.rotary = nn.ModuleDict({kind: _rotary(config, kind, dims[kind]) for kind in sorted(dims)})
+        self.per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
+        if self.per_layer:
+            layers, width = config.num_hidden_layers, self.per_layer
+            self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, layers * width, tp)
+            self.per_layer_model_projection = _single_linear(config.hidden_size, layers * width)
+            self.per_layer_projection_norm = Gemma4RMSNorm(width, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's input [T, L, P]: the tokens' per-layer embedding (times sqrt(P)) and the RMS-normed
+        projection of their embedding ``x`` [T, H] (times H ** -0.5), averaged by 2 ** -0.5."""
+        t, width = input_ids.shape[0], self.per_layer
+        tokens = self.embed_tokens_per_layer(input_ids)
+        tokens = (tokens * torch.tensor(width ** 0.5, dtype=tokens.dtype)).view(t, -1, width)
+        projected = self.per_layer_model_projection(x) * (x.shape[-1] ** -0.5)
+        projected = self.per_layer_projection_norm(projected.view(t, -1, width))
+        return (projected + tokens) * (2.0 ** -0.5)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
+        assert intermediate is None, "Gemma 4 runs as one pipeline stage"
+        x = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer else None
+        tables = {}
+        for kind, rotary in self.rotary.items():
+            rotary.ensure(meta.max_position + 1)
+            tables[kind] = rotary(meta.positions, x.dtype)
+        aux: dict[int, torch.Tensor] = {}
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its (k, v) of this step
+        for i, layer in self.stage_layers():
+            if i in aux_layers:
+                aux[i] = x
+            source = self.sources[i]
+            x, kv = layer(x, None if per_layer is None else per_layer[:, i], *tables[layer.layer_type], meta,
+                          None if source is None else shared[source])
+            if kv is not None and i in self.sources:
+                shared[i] = kv
+        return self.norm(x), [aux[i] for i in aux_layers]
+
+
+# checkpoint names -> ours (the router's pieces live on our experts' block)
+_RENAMES = tuple((re.compile(pattern), ours) for pattern, ours in (
+    (r"\.router\.proj\.", ".moe.gate."), (r"\.router\.scale$", ".moe.router_scale"),
+    (r"\.router\.per_expert_scale$", ".moe.per_expert_scale")))
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+_SHARED_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\.")
+
+
+class Gemma4ForCausalLM(LlamaForCausalLM):
+    """Gemma 4's text model for causal LM, sharded over ``tp`` (experts by width, or whole with
+    ``expert_parallel``)."""
+
+    model_class = Gemma4Model
+    stage_width = 1
+    lora_modules: tuple[str, ...] = ()  # LoRA refused (the builder says so)
+
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
+                 pp: PPGroup | None = None):
+        super().__init__(hf_config, tp, expert_parallel, pp)
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per layer: its own cache, or (a KV-shared layer) a :class:`SharedKVSpec` naming its source."""
+        return [layer.self_attn.attn.kv_spec if self.model.sources[i] is None
+                else SharedKVSpec(source=self.model.sources[i]) for i, layer in self.model.stage_layers()]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load HF-named checkpoint tensors (torch tensors or safetensors slices), keeping this rank's shard; a
+        KV-shared layer's k/v projections and norms, which transformers does not use either, are skipped."""
+        if any(getattr(m, "packed", None) is not None for m in self.modules()):
+            raise ValueError("this model's linear weights are packed for CPU inference (load_model packs them); "
+                             "load weights into a fresh model, or build it with load_model(..., pack=False)")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        layers = self.model.layers
+        loaded: set[str] = set()
+        kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name.endswith(KV_SCALE_NAMES):
+                kv_scales.setdefault(_layer_index(name), {})[name.rsplit(".", 1)[-1]] = float(materialize(tensor))
+                continue
+            found = _EXPERTS.match(name)
+            if found:
+                i, moe = found.group(1), layers[int(found.group(1))].moe
+                if moe is None:
+                    raise ValueError(f"checkpoint tensor {name} holds experts, but enable_moe_block is off in "
+                                     "config.json: the checkpoint does not match its config")
+                keys = moe.load_expert_tensor(f"model.layers.{i}.mlp.experts.{found.group(2)}", tensor)
+                loaded.update(f"model.layers.{i}.moe.{key}" for key in keys)
+                continue
+            found = _SHARED_KV.match(name)
+            if found and self.model.sources[int(found.group(1))] is not None:
+                continue
+            for pattern, ours in _RENAMES:
+                name = pattern.sub(ours, name)
+            target, shard = _map_name(name, self.stacked)
+            if target not in params and name in params:  # a KV-shared layer's q_proj stands alone
+                target, shard = name, None
+            param = params.get(target)
+            if param is None:
+                logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
+                continue
+            loaded.add(load_param(param, target, tensor, shard))
+        self._check_gemma4_loaded(loaded, params)
+        for i, layer in self.model.stage_layers():  # a shared layer reads its source's cache, so its scales
+            scales = kv_scales.get(i if self.model.sources[i] is None else self.model.sources[i])
+            if scales:
+                both = scales.get("kv_scale", 1.0)
+                layer.self_attn.attn.set_kv_scales(scales.get("k_scale", both), scales.get("v_scale", both))
+
+    def _check_gemma4_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
+        expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)
+                                 and not n.endswith((".moe.w13", ".moe.w2")))
+        for i, layer in self.model.stage_layers():
+            if layer.moe is not None:
+                expected.update(f"model.layers.{i}.moe.{key}" for key in layer.moe.expected_keys())
+            if layer.self_attn.source is None and layer.self_attn.k_eq_v:  # no v projection
+                expected -= {f"model.layers.{i}.self_attn.qkv_proj.{p}:v" for p in ("weight", "bias")}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
+                             f"{self.config.model_type} checkpoint matching its config.json?")

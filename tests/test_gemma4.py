@@ -1,0 +1,352 @@
+"""Gemma 4's text model (``Gemma4ForCausalLM``, specray.models.gemma4) against transformers on the same random tiny
+weights (fp32, max abs diff < 1e-4): sliding and full layers of different head sizes, each kind with its RoPE (the
+full layers' proportional), k = v on the full layers, the last layers reading earlier layers' K/V (no cache of their
+own) with double-wide MLPs, the MoE block beside the dense MLP, per-layer inputs, the layer scalars and the final
+soft cap; variants that must fail; the refusals; TP 2 (experts by width and whole) equal to one rank; a multimodal
+release's text part; the engine's greedy output with n-gram drafts equal to plain decoding and to transformers'."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specray.models.kv_cache import SharedKVSpec, allocate_kv_cache
+from specray.models.layers import RotaryEmbedding
+from specray.models.loader import load_model
+from specray.models.moe import sync_free_experts
+from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff, prompt,  # model_checks.py
+                                       run_ranks)
+
+TOL = 1e-4
+SLIDING, FULL = "sliding_attention", "full_attention"
+# 6 layers, sliding (heads of 16, 2 KV heads, a window of 8) and full (heads of 32, one KV head, k = v) in turn; the
+# last 2 read the K/V of layers 2 and 3 and have double-wide MLPs; 4 experts (top 2) beside each dense MLP; per-layer
+# inputs of 8 features; the full layers' RoPE rotates a quarter of each head's frequencies
+GEMMA4 = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              layer_types=[SLIDING, FULL] * 3, sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+              enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+              hidden_size_per_layer_input=8, final_logit_softcapping=30.0, max_position_embeddings=1024,
+              rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=None,
+              rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                               FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                      "rope_theta": 10000.0}})
+# the dense model (priority one): no experts, no per-layer inputs, no cap
+DENSE = dict(enable_moe_block=False, hidden_size_per_layer_input=0, final_logit_softcapping=None)
+
+
+def text_config(vocab_size: int, **overrides) -> dict:
+    return {**GEMMA4, "vocab_size": vocab_size, "vocab_size_per_layer_input": vocab_size, **overrides}
+
+
+def randomize(model) -> None:
+    """Norms, layer scalars and router scales start at ones, the router at small values: random, so a wrong one
+    shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("router.proj.weight"):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
+
+
+def save_tiny(path: Path, seed: int, **overrides) -> Path:
+    """A model folder the engine loads: transformers' Gemma4ForCausalLM with random weights and a tiny tokenizer (the
+    embedding doubled, so that greedy decoding loops now and then and n-gram drafts are accepted in some steps)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(path)
+    config = Gemma4TextConfig(**text_config(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                            **overrides))
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(config).float().eval()
+    randomize(model)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(2.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma4_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_gemma4"), seed=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma4_dense_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_gemma4_dense"), seed=41, **DENSE)
+
+
+def hf_logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():  # (transformers 5.24 cannot skip the KV-shared layers' rows without per-layer inputs:
+        return hf(torch.tensor([prompt()]), output_hidden_states=True).logits[0].float()  # all rows asked for)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma4_dir) -> torch.Tensor:
+    return hf_logits(tiny_gemma4_dir)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_match_transformers(tiny_gemma4_dir, reference, schedule):
+    """Every position's logits equal transformers', for a prefill and for chunks + decode steps through the paged
+    cache (shuffled blocks), past the sliding window."""
+    model = load_model(str(tiny_gemma4_dir))
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL
+
+
+def test_dense_model_matches_transformers(tiny_gemma4_dense_dir):
+    """Without experts, per-layer inputs or the cap (the dense releases' shape): the same."""
+    model = load_model(str(tiny_gemma4_dense_dir))
+    assert model.model.layers[0].moe is None and not model.model.per_layer
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), hf_logits(tiny_gemma4_dense_dir)) \
+        < TOL
+
+
+def test_shared_layers_have_no_cache_of_their_own(tiny_gemma4_dir):
+    """Layers 4 and 5 read the caches of layers 2 and 3 (the last earlier sliding and full ones): their specs name
+    those, take no memory, and their views are the sources'; the full layers' heads are 32 wide, one KV head."""
+    model = load_model(str(tiny_gemma4_dir))
+    specs = model.kv_cache_specs()
+    assert specs[4] == SharedKVSpec(source=2) and specs[5] == SharedKVSpec(source=3)
+    assert (specs[0].sliding_window, specs[0].head_dim, specs[0].num_kv_heads) == (8, 16, 2)
+    assert (specs[1].head_dim, specs[1].num_kv_heads) == (32, 1)
+    cache = allocate_kv_cache(model, 8, 4)
+    assert cache.bytes_per_block() == sum(s.bytes_per_block(4, torch.float32) for s in specs[:4])
+    assert cache.layer(4).data_ptr() == cache.layer(2).data_ptr()
+    assert model.model.layers[4].mlp.down_proj.in_local == 2 * GEMMA4["intermediate_size"]
+    slots = torch.tensor([0, 5])
+    snap = cache.snapshot(slots)
+    assert torch.equal(snap[5], snap[3]) and snap[5].shape == (2, 1, 2, 32)
+
+
+def _no_layer_scalar(model) -> None:
+    for layer in model.model.layers:
+        layer.layer_scalar.data.fill_(1.0)
+
+
+def _plain_full_rope(model) -> None:  # the full layers rotated over whole heads, every frequency
+    model.model.rotary[FULL] = RotaryEmbedding(32, {"rope_type": "default", "rope_theta": 10000.0}, 1024)
+
+
+def _wrong_source(model) -> None:  # layer 4 reads layer 0's K/V (a sliding layer too, but not the last one)
+    model.model.sources[4] = 0
+
+
+def _no_expert_scale(model) -> None:
+    for layer in model.model.layers:
+        layer.moe.per_expert_scale.data.fill_(1.0)
+
+
+def _no_per_layer_inputs(model) -> None:
+    model.model.per_layer = 0
+
+
+@pytest.mark.parametrize("ablate", [_no_layer_scalar, _plain_full_rope, _wrong_source, _no_expert_scale,
+                                    _no_per_layer_inputs],
+                         ids=["layer-scalar", "proportional-rope", "kv-source", "expert-scale", "per-layer-inputs"])
+def test_each_difference_shows_in_the_logits(tiny_gemma4_dir, reference, ablate):
+    """Without its layer scalars, its proportional RoPE, the right layer's K/V, its experts' scales or its per-layer
+    inputs the model is far from transformers': the comparison above sees each of them."""
+    model = load_model(str(tiny_gemma4_dir))
+    ablate(model)
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), reference) > 1e-2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
+    (dict(num_kv_shared_layers=6), "num_kv_shared_layers=6"),
+    (dict(num_kv_shared_layers=5), r"layer 1 \(full_attention\) shares K/V, but no layer before layer 1"),
+    (dict(num_experts=None), "enable_moe_block=True needs num_experts"),
+])
+def test_unsupported_settings_are_named(overrides, match):
+    from transformers import Gemma4TextConfig
+
+    from specray.models.gemma4 import Gemma4ForCausalLM
+
+    with pytest.raises(ValueError, match=match):
+        Gemma4ForCausalLM(Gemma4TextConfig(**text_config(64, **overrides)))
+
+
+def test_pipeline_stages_and_lora_are_refused(tiny_gemma4_dense_dir):
+    from specray import LLM
+    from specray.parallel import PPGroup
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for Gemma 4"):
+        load_model(str(tiny_gemma4_dense_dir), pp=PPGroup.of_rank(0, 1, 2))
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to gemma4_text models"):
+        LLM(model=str(tiny_gemma4_dense_dir), max_model_len=128, enable_lora=True)
+
+
+# ---- a multimodal release --------------------------------------------------------------------------------------------
+
+def test_multimodal_release_serves_its_text_model(tmp_path):
+    """Gemma 4's releases are ``Gemma4ForConditionalGeneration``: the text model under ``model.language_model.``
+    beside a vision tower (and, as released, k/v projections on the KV-shared layers, which transformers does not
+    read either). specray loads the text model, whose logits equal transformers' for a text-only prompt."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    from specray.models.gemma4 import Gemma4ForCausalLM
+    from specray.models.loader import load_hf_config
+
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+    config = Gemma4Config(text_config=text_config(320, **DENSE), vision_config=vision.to_dict(), audio_config=None,
+                          image_token_id=319, boi_token_id=318, eoi_token_id=317)  # past the prompt's ids
+    torch.manual_seed(3)
+    full = Gemma4ForConditionalGeneration(config).float().eval()
+    randomize(full)
+    full.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert any(name.startswith("model.vision_tower.") for name in tensors)
+    for kind, rows in (("k_proj", 32), ("v_proj", 32)):  # what the shared layers' releases carry and nobody reads
+        tensors[f"model.language_model.layers.5.self_attn.{kind}.weight"] = torch.randn(rows, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_model(str(tmp_path), pack=False)
+    assert type(ours) is Gemma4ForCausalLM and ours.tie_word_embeddings
+    assert load_hf_config(str(tmp_path)).model_type == "gemma4_text"
+    with torch.no_grad():
+        ref = full(input_ids=torch.tensor([prompt()]), output_hidden_states=True).logits[0].float()
+    assert max_diff(chunked_logits(ours, prompt(), SCHEDULES["chunked+decode"]), ref) < TOL
+
+
+# ---- tensor parallel ranks over gloo -----------------------------------------------------------------------------
+
+# one rank of two: {folder: the diff of its logits to one rank's}; a folder named *-ep splits the experts whole
+WORKER = WORKER_PRELUDE + textwrap.dedent("""
+
+    result = {}
+    for folder in folders:
+        model = load_model(folder, tp, expert_parallel=folder.endswith("-ep"))
+        heads = [model.model.layers[i].self_attn.num_kv_heads for i in (0, 1)]
+        result[folder] = [heads, (logits(model) - logits(load_model(folder))).abs().max().item()]
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def test_tensor_parallel_ranks_match_one_rank(tiny_gemma4_dir, tmp_path):
+    """TP 2: each rank two of the 4 query heads, one of the sliding layers' 2 KV heads and the full layers' one KV
+    head replicated, the shared layers reading their sources' shards, the per-layer embedding split by vocabulary,
+    the experts split by width or whole (2 per rank): every rank's logits equal one rank's."""
+    ep = tmp_path / "tiny-ep"
+    ep.symlink_to(tiny_gemma4_dir, target_is_directory=True)
+    folders = [str(tiny_gemma4_dir), str(ep)]
+    (tmp_path / "tp").mkdir()
+    for result in run_ranks(tmp_path / "tp", WORKER, 2, 1, folders):
+        for folder in folders:
+            heads, diff = result[folder]
+            assert heads == [1, 1] and diff < TOL, (folder, result[folder])
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gemma4_dir):
+    """``specray.LLM``'s greedy tokens, with n-gram drafts verified (some accepted, some not) and without, equal
+    transformers' ``generate`` token for token; every KV block is free again afterwards. Images and audio are
+    refused (text only)."""
+    from transformers import AutoModelForCausalLM
+
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    prompts, params = runs.PROMPTS[:4], runs.greedy(16)
+    plain = LLM(model=str(tiny_gemma4_dir), max_model_len=128)
+    plain_ids = runs.token_ids(plain.generate(prompts, params, use_tqdm=False))
+    spec = LLM(model=str(tiny_gemma4_dir), max_model_len=128, speculative_config=NGRAM)
+    free = spec.engine.scheduler.block_manager.num_free_blocks
+    assert runs.token_ids(spec.generate(prompts, params, use_tqdm=False)) == plain_ids
+    stats = spec.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+    assert spec.engine.scheduler.block_manager.num_free_blocks == free
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma4_dir, dtype=torch.float32).eval()
+    tok = plain.get_tokenizer()
+    for text, ours in zip(prompts, plain_ids):
+        ids = torch.tensor([tok.encode(text)])
+        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == ours, text
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(ValueError, match="of type 'image_url' is not supported: the served models read text only"):
+        plain.chat(image, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        plain.generate({"prompt": "Hello", "multi_modal_data": {"audio": [0.0]}}, params, use_tqdm=False)
+
+
+def test_config_round_trip_keeps_the_full_layers_geometry(tiny_gemma4_dir):
+    """config.json keeps the full layers' head size and KV heads per layer (``per_layer_config``); the plain config
+    every rank builds from carries them."""
+    from specray.models.gemma4 import layer_geometry
+    from specray.models.loader import read_config
+
+    saved = json.loads((tiny_gemma4_dir / "config.json").read_text())
+    assert saved["per_layer_config"]["1"] == {"head_dim": 32, "num_key_value_heads": 1}
+    config = read_config(str(tiny_gemma4_dir))
+    assert [layer_geometry(config, i) for i in range(2)] == [(16, 2), (32, 1)]
+
+
+def test_graph_steps_equal_eager_steps(tiny_gemma4_dir, no_host_sync):
+    """Steps from graphs (``enforce_eager=False``: on CPU the padded static inputs run eagerly, the experts on their
+    sync-free grouped path) with prefix caching give the eager engine's tokens, plain and with n-gram trees; the
+    forward on a graph's static inputs has no host sync (a capture would refuse one)."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    prompts, params = runs.PROMPTS[:3], runs.greedy(8)
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4, "num_branches": 2}):
+        kwargs = dict(model=str(tiny_gemma4_dir), max_model_len=128, block_size=4, speculative_config=spec)
+        want = runs.token_ids(LLM(**kwargs).generate(prompts, params, use_tqdm=False))
+        llm = LLM(enforce_eager=False, enable_prefix_caching=True, **kwargs)
+        for batch in (prompts, prompts[:1]):
+            assert runs.token_ids(llm.generate(batch, params, use_tqdm=False)) == want[: len(batch)]
+        graphs = llm.engine.executor.worker.runner.graphs
+        assert graphs is not None and graphs.graphs and llm.engine.scheduler.prefix_cache_hits > 0
+    _, graph = next(iter(graphs.graphs.items()))
+    with torch.inference_mode(), sync_free_experts(), no_host_sync():
+        llm.engine.executor.worker.model(graph.input_ids, graph.meta)
+
+
+def test_fp8_cache_equals_fake_quantized_attention(tiny_gemma4_dir, monkeypatch):
+    """An FP8 KV cache (bytes, converted on read; the shared layers reading their sources' bytes, their own step's
+    K/V rounded alike): the logits equal those over a full-precision cache holding the same rounded values."""
+    from specray.models.attention import PagedAttention, build_attention_metadata
+
+    def logits(kv_cache_dtype: str) -> torch.Tensor:
+        model = load_model(str(tiny_gemma4_dir))
+        allocate_kv_cache(model, 16, 4, kv_cache_dtype)
+        ids, out, start = prompt(), [], 0
+        for n in SCHEDULES["chunked+decode"][:5]:
+            meta = build_attention_metadata([n], [start], [list(range(16))[::-1]], 4)
+            out.append(model.compute_logits(model(torch.tensor(ids[start: start + n]), meta)))
+            start += n
+        return torch.cat(out)
+
+    with torch.no_grad():
+        got = logits("fp8")
+        bound = torch.finfo(torch.float8_e4m3fn).max
+        monkeypatch.setattr(PagedAttention, "_stored",
+                            lambda self, x, scale=1.0: x.clamp(-bound, bound).to(torch.float8_e4m3fn).to(x.dtype))
+        assert torch.equal(got, logits("auto"))
+        monkeypatch.undo()
+        assert torch.isfinite(got).all() and max_diff(got, logits("auto")) > 1e-4  # rounded: not the same
