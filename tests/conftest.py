@@ -171,7 +171,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
                 param.normal_(0.0, 0.5)
-        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # the router's correction bias, a buffer of zeros at init: random
+        # the router's correction bias, a buffer of zeros at init: random
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
