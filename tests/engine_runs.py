@@ -1,5 +1,5 @@
 """What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
-token ids of ``LLM.generate``'s outputs, relaxed acceptance's check against transformers' logits, and executor wrappers (a virtual clock for engines whose draft policy
+token ids of ``LLM.generate``'s outputs and transformers' greedy ``generate`` of the same prompts, relaxed acceptance's check against transformers' logits, and executor wrappers (a virtual clock for engines whose draft policy
 should not follow this machine's load; a counter of verified trees). Imported as ``specray_test_engine_runs``
 (tests/conftest.py registers it)."""
 from __future__ import annotations
@@ -40,6 +40,19 @@ def generate_greedy(llm, batch: int):
 def token_ids(outs) -> list[list[int]]:
     """The first choice's token ids of each of ``LLM.generate``'s outputs."""
     return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_transformers_generates(folder, tokenizer, prompts: list[str], ours: list[list[int]]) -> None:
+    """transformers' greedy ``generate`` of the model in ``folder`` (fp32, EOS ignored) gives each prompt the tokens
+    ``ours`` holds for it, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for text, want in zip(prompts, ours, strict=True):
+        ids = torch.tensor([tokenizer.encode(text)])
+        out = hf.generate(ids, max_new_tokens=len(want), min_new_tokens=len(want), do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == want, text
 
 
 def check_candidates(hf_model, prompt_ids, output, begin, end, topk, delta):

@@ -140,8 +140,6 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(family, no_hos
     """``specray.LLM``'s greedy tokens equal transformers' ``generate``; so do they with n-gram chains and trees
     verified, from graphs (on CPU their padded static inputs; the selection syncs nothing with the host), and over
     an FP8 latent cache the run completes."""
-    from transformers import AutoModelForCausalLM
-
     from specray import LLM
 
     _, folder, _ = family
@@ -149,13 +147,7 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(family, no_hos
     prompts = runs.PROMPTS[:4]
     plain = LLM(model=str(folder), max_model_len=256, block_size=4)
     want = runs.token_ids(plain.generate(prompts, runs.greedy(12), use_tqdm=False))
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = plain.get_tokenizer()
-    for text, ours in zip(prompts, want):
-        ids = torch.tensor([tok.encode(text)])
-        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == ours, text
+    runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
     for spec, eager in ((NGRAM, True), ({**NGRAM, "num_branches": 2}, False)):
         llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=spec,
                   enforce_eager=eager)

@@ -321,8 +321,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(request, name):
     """``specray.LLM``'s greedy tokens equal transformers' ``generate`` token for token, and so do they with n-gram
     drafts verified (prefix caching on, the second run starting from cached blocks)."""
-    from transformers import AutoModelForCausalLM
-
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
@@ -330,13 +328,7 @@ def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(request, 
     prompts = runs.PROMPTS[:4]
     plain = LLM(model=str(folder), max_model_len=256)
     plain_ids = runs.token_ids(plain.generate(prompts, runs.greedy(16), use_tqdm=False))
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = plain.get_tokenizer()
-    for text, ours in zip(prompts, plain_ids):
-        ids = torch.tensor([tok.encode(text)])
-        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == ours, text
+    runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, plain_ids)
     spec = LLM(model=str(folder), max_model_len=256, speculative_config=NGRAM, enable_prefix_caching=True,
                block_size=4)
     assert runs.token_ids(spec.generate(prompts, runs.greedy(16), use_tqdm=False)) == plain_ids

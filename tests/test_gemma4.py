@@ -266,8 +266,6 @@ def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gemm
     """``specray.LLM``'s greedy tokens, with n-gram drafts verified (some accepted, some not) and without, equal
     transformers' ``generate`` token for token; every KV block is free again afterwards. Images and audio are
     refused (text only)."""
-    from transformers import AutoModelForCausalLM
-
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
@@ -280,13 +278,7 @@ def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gemm
     stats = spec.spec_stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
     assert spec.engine.scheduler.block_manager.num_free_blocks == free
-    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma4_dir, dtype=torch.float32).eval()
-    tok = plain.get_tokenizer()
-    for text, ours in zip(prompts, plain_ids):
-        ids = torch.tensor([tok.encode(text)])
-        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == ours, text
+    runs.assert_transformers_generates(tiny_gemma4_dir, plain.get_tokenizer(), prompts, plain_ids)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
     with pytest.raises(ValueError, match="of type 'image_url' is not supported: the served models read text only"):
         plain.chat(image, params, use_tqdm=False)

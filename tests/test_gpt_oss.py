@@ -193,8 +193,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gpt_oss_dir):
     """``specray.LLM``'s greedy tokens, with n-gram drafts verified and without, equal transformers' ``generate``
     token for token."""
-    from transformers import AutoModelForCausalLM
-
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
@@ -202,10 +200,4 @@ def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gpt_
     plain_ids = runs.token_ids(plain.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False))
     spec = LLM(model=str(tiny_gpt_oss_dir), max_model_len=256, speculative_config=NGRAM)
     assert runs.token_ids(spec.generate(runs.PROMPTS, runs.greedy(), use_tqdm=False)) == plain_ids
-    hf = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32).eval()
-    tok = plain.get_tokenizer()
-    for text, ours in zip(runs.PROMPTS, plain_ids):
-        ids = torch.tensor([tok.encode(text)])
-        out = hf.generate(ids, max_new_tokens=len(ours), min_new_tokens=len(ours), do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == ours, text
+    runs.assert_transformers_generates(tiny_gpt_oss_dir, plain.get_tokenizer(), runs.PROMPTS, plain_ids)
