@@ -76,9 +76,10 @@ def test_states_kept_at_device_positions_equal_the_host_ones():
 @pytest.mark.parametrize("q_rows", [4, 16], ids=["scan", "chunked"])
 def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
     """The layer's graph form against its eager form on random states and inputs: sequences fresh (over a slot
-    holding another request's old state), replaying 0..P drafts, bringing 1..Q rows with drafts among them, padded
-    to B = 4 with a padding sequence: the same outputs for every real row, the same committed matrix, conv history,
-    pending inputs and gates in each target slot, every other slot but the scratch one untouched."""
+    holding another request's old state), replaying 0..min(P, Q - 1) drafts (the runner widens a step's rows past
+    its replays), bringing 1..Q rows with drafts among them, padded to B = 4 with a padding sequence: the same
+    outputs for every real row, the same committed matrix, conv history, pending inputs and gates in each target
+    slot, every other slot but the scratch one untouched."""
     import types
 
     from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
@@ -97,7 +98,8 @@ def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
     st.inputs.normal_(), st.matrix.normal_(), st.gates[:, :, 0].uniform_(-2.0, 0.0), st.gates[:, :, 1].uniform_()
     layer.bind_state(st)
     # (slot read, fresh, replays, real rows, drafts): each target is the slot's pair
-    seqs = [(0, False, pend, 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)), (6, False, 2, q_rows - 1, 0)]
+    seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
+            (6, False, 2, q_rows - 1, 0)]
     slots, fresh, replay, lens, drafts = (list(col) for col in zip(*seqs))
     batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots])
     b, channels = 4, st.inputs.shape[-1]
@@ -115,7 +117,8 @@ def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
         torch.testing.assert_close(st.matrix[slot], eager[2][slot], atol=1e-5, rtol=1e-5)
         assert st.inputs[slot, : width + k].equal(eager[0][slot, : width + k])  # history and pending inputs
         assert st.gates[slot, :k].equal(eager[1][slot, :k])
-        assert not st.inputs[slot, width + k:].any() and not st.gates[slot, k:].any()  # no padding kept pending
+        held = min(pend, q_rows)  # the rows a step of Q rows reads and writes: no padding kept pending there
+        assert not st.inputs[slot, width + k: width + held].any() and not st.gates[slot, k: held].any()
     untouched = [s for s in range(scratch) if s not in batch.targets]
     for t, old in zip((st.inputs, st.gates, st.matrix), before):
         assert t[untouched].equal(old[untouched])
@@ -148,6 +151,8 @@ def test_verify_graph_steps_equal_eager_steps(hybrid_dir, eager_plain, graph_ngr
     assert {int(r) for t in real for r in t[3]} == {0, 1, 2, 3}  # replays of 0..3 accepted drafts
     assert any(len(set(t[4].tolist())) > 1 for t in real)  # one step, different draft counts
     assert any(shape[0] == 8 and t.shape[1] < 8 for shape, t in zip((s for s, _ in seen), real))
+    # each step's rows hold its replays (the recurrence replays in as many rows as the step has)
+    assert all(shape[1] > int(t[3].max()) for shape, t in zip((s for s, _ in seen), real))
 
 
 def test_preempted_requests_recompute_their_state_beside_graph_steps(hybrid_dir, eager_plain):

@@ -239,23 +239,23 @@ class ModelRunner:
         positions = [p for c in chunks for p in tree_positions(c)] if trees else None
         ancestors = [ancestor_mask(c) for c in chunks] if trees else None
         lora_slots, adapted = self._lora_slots(chunks) if self.lora is not None else ((), False)
+        # a hybrid model's slots and replays (staged for commit: asked for once)
+        recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if self.graphs is not None:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
-            shape = self.graphs.shape(query_lens, starts, decode)
-            if shape is not None:
-                recurrent = None  # a hybrid model's slots and replays: the graph's data, padding in the scratch slot
-                if self.recurrent is not None:
-                    recurrent = self.recurrent.batch(chunks).padded(shape.batch, query_lens, self.recurrent.scratch,
-                                                                    self.device)
+            rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
+            shape = self.graphs.shape(query_lens, starts, decode, min_rows=rows)
+            if shape is not None:  # the slots and replays as the graph's data, padding in the scratch slot
+                padded = None if recurrent is None else recurrent.padded(shape.batch, query_lens,
+                                                                         self.recurrent.scratch, self.device)
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
-                                       ancestors=ancestors, inputs=lora_slots, recurrent=recurrent)
+                                       ancestors=ancestors, inputs=lora_slots, recurrent=padded)
         if self.lora is not None:  # eager: without a row of an adapter, the projections skip theirs
             self.lora.context.set_token_slots(lora_slots[0] if adapted else None)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
-        if self.recurrent is not None:
-            meta.recurrent = self.recurrent.batch(chunks)
+        meta.recurrent = recurrent
         if self.aux_layers:
             out = self.model(input_ids, meta, aux_layers=self.aux_layers)
             return (None, []) if out is None else out  # None: a pipeline stage before the last

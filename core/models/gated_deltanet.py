@@ -25,7 +25,8 @@ value on the host.
 A step replayed from a graph (:mod:`specray.models.step_graphs`: B sequences padded to a power of two, Q rows each)
 hands the same facts over as device tensors instead (:class:`RecurrentGraphBatch`), which the graph reads as data,
 and the layer runs a fixed-shape form of the same recurrence (:meth:`GatedDeltaNet._fixed_recurrence`): every
-sequence's conv window is K - 1 history rows, ``max_pending`` replay rows and Q new rows, gathered by index math;
+sequence's conv window is K - 1 history rows, Q replay rows and Q new rows, gathered by index math (the runner
+picks the step's Q past its most replays: each sequence's replays fit);
 rows past a sequence's own replays and tokens are padding (g = 0, beta = 0: the state stays as it is); the committed
 state is selected on the device after each sequence's last committed token; the conv history, pending inputs and
 gates go back by fixed-shape scatters. Padding sequences start from zeros in a scratch slot no request owns.
@@ -379,15 +380,20 @@ class GatedDeltaNet(nn.Module):
 
     def _fixed_recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           batch: RecurrentGraphBatch) -> torch.Tensor:
-        """:meth:`_recurrence` for a graph step, every shape fixed by the step's (B sequences, Q rows each) and the
-        state's ``max_pending`` P, every per-sequence fact read from ``batch.table`` on the device: the same outputs
+        """:meth:`_recurrence` for a graph step, every shape fixed by the step's (B sequences, Q rows each; P =
+        min(Q, max_pending) rows for replays, which the runner's choice of Q makes room for: ``StepGraphs.shape``'s
+        ``min_rows``), every per-sequence fact read from ``batch.table`` on the device: the same outputs
         [B * Q, Hv, dv] (padding rows' are garbage, dropped by the caller) and the same writes, padding sequences'
         to their scratch slot. Per sequence b with n replays, q real rows and k drafts, its L = P + Q scan rows are
         its n replayed drafts, its q tokens, then padding (g = 0, beta = 0 and zero q/k/v: the state stays as it
         is); its conv window is K - 1 history rows then those rows' inputs."""
-        st, width, pend = self.state, self.kernel - 1, self.state.max_pending
+        st, width = self.state, self.kernel - 1
         b = batch.table.shape[1]
         q_rows = mixed.shape[0] // b
+        # replay rows: as many as the step's rows (more replays than rows make the runner's shape wider), so a
+        # plain decode step scans 2 rows a sequence, not the state's max_pending + 1
+        pend = min(q_rows, st.max_pending)
+        inputs_held, gates_held = st.inputs[:, : width + pend], st.gates[:, :pend]  # the rows a step reads or writes
         length = pend + q_rows  # scan rows per sequence
         dev = mixed.device
         slots, targets, fresh, replay, drafts, lens = batch.table.unbind(0)  # [B] each
@@ -395,7 +401,7 @@ class GatedDeltaNet(nn.Module):
         # the window: the stored rows (history, then pending inputs; zeros when fresh) then the new rows, compacted
         # so that the new rows follow the n replayed ones: window row j < K - 1 + n is stored row j, later ones are
         # new row j - (K - 1 + n), past the pool's end (padding) clamped
-        stored = st.inputs.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)  # [B, K - 1 + P, C]
+        stored = inputs_held.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)  # [B, K - 1 + P, C]
         pool = torch.cat((stored, mixed.view(b, q_rows, -1)), 1)  # [B, K - 1 + P + Q, C]
         j = torch.arange(width + length, device=dev)[None, :]
         src = torch.where(j < width + replay[:, None], j, j + pend - replay[:, None]).clamp(max=width + length - 1)
@@ -405,7 +411,7 @@ class GatedDeltaNet(nn.Module):
         conv = causal_conv(window, self.conv1d.weight)  # [B, L, C]
         q, k, v = self._split_heads(torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev)))
         # g and beta likewise: the pending drafts' stored gates, then the new rows'
-        gates = st.gates.index_select(0, slots)  # [B, P, 2, Hv]
+        gates = gates_held.index_select(0, slots)  # [B, P, 2, Hv]
         heads = g.shape[-1]
         row_src = torch.where(r < replay[:, None], r, r + pend - replay[:, None]).clamp(max=length - 1)
         row_src = row_src[..., None].expand(-1, -1, heads)
@@ -423,11 +429,11 @@ class GatedDeltaNet(nn.Module):
         i = torch.arange(width + pend, device=dev)[None, :]
         rows_src = (committed[:, None] + i).clamp(max=width + length - 1)
         inputs = window.gather(1, rows_src[..., None].expand(-1, -1, window.shape[-1]))
-        st.inputs.index_copy_(0, targets, inputs.masked_fill((i >= width + drafts[:, None])[..., None], 0.0))
+        inputs_held.index_copy_(0, targets, inputs.masked_fill((i >= width + drafts[:, None])[..., None], 0.0))
         p = torch.arange(pend, device=dev)[None, :]
         draft_src = (committed[:, None] + p).clamp(max=length - 1)[..., None].expand(-1, -1, heads)
         pending = torch.stack((g_rows.gather(1, draft_src), beta_rows.gather(1, draft_src)), 2)  # [B, P, 2, Hv]
-        st.gates.index_copy_(0, targets, pending.masked_fill((p >= drafts[:, None])[..., None, None], 0.0))
+        gates_held.index_copy_(0, targets, pending.masked_fill((p >= drafts[:, None])[..., None, None], 0.0))
         # each sequence's Q new rows come after its n replayed ones
         out_src = (replay[:, None] + torch.arange(q_rows, device=dev)[None, :])[..., None, None]
         return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)

@@ -123,10 +123,13 @@ class StepGraphs:
     def scratch_blocks_needed(block_size: int) -> int:
         return -(-SHORT_QUERY_MAX // block_size)
 
-    def shape(self, query_lens: list[int], start_positions: list[int], decode: bool) -> StepShape | None:
+    def shape(self, query_lens: list[int], start_positions: list[int], decode: bool,
+              min_rows: int = 1) -> StepShape | None:
         """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
-        token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM)."""
-        q = _bucket(max(query_lens))  # a power of two, as SHORT_QUERY_MAX is: fewer shapes as draft counts vary
+        token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM). ``min_rows``: the
+        fewest rows per sequence (a hybrid model's replays of accepted drafts take as many rows of its fixed-shape
+        recurrence as the step has: one more than the most replays)."""
+        q = _bucket(max(*query_lens, min_rows))  # a power of two, as SHORT_QUERY_MAX is: fewer shapes as K varies
         if not decode or q > SHORT_QUERY_MAX:
             return None
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
