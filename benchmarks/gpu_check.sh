@@ -6,7 +6,8 @@
 # graphs of the draft model) from eager steps and from graphs, prefix caching on against off, and structured outputs
 # (forced drafts, ngram) against constrained decoding without forced drafts, async scheduling off against on
 # (the default model's streamed deltas), and a real size's decode steps eagerly and from graphs (Llama 3.1 8B's
-# shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8), and what LoRA adapters cost
+# shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8; Qwen3-30B-A3B's experts from
+# graphs and eagerly), and what LoRA adapters cost
 # (the default model, max_loras 1 and 4), and a 4-bit release kept in 4 bits against its dense twin. The image of
 # the lent machines has no Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels
 # (DEVELOPERS.md).
@@ -71,6 +72,12 @@ if [[ $checks == *" real-size "* ]]; then
   bench "${step[@]}" --model "$models/llama3-8b-awq" --modes graphs | tee "$out/step-llama3-8b-awq.md"
   # the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
   bench "${step[@]}" --model "$models/llama3-8b" --kv-cache-dtype fp8 --modes graphs | tee "$out/step-llama3-8b-fp8.md"
+  # a mixture of experts at a real size (Qwen3-30B-A3B's shapes, 61 GB in bf16: an H200): its decode steps from
+  # graphs (the experts' sync-free grouped path, torch._grouped_mm's bf16 kernel) against eager steps (the loop over
+  # experts, one host sync per layer); the grouped path has never run on a GPU before this
+  [ -d "$models/qwen3-30b-a3b" ] || python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out "$models/qwen3-30b-a3b"
+  bench "${step[@]}" --model "$models/qwen3-30b-a3b" --modes graphs | tee "$out/step-qwen3-30b-a3b.md"
+  bench "${step[@]/1,8,64/1,8}" --model "$models/qwen3-30b-a3b" --modes eager | tee "$out/step-qwen3-30b-a3b-eager.md"
   # cost curves at that size (n tokens' forward from a CUDA graph) for bench_replay.py --cost-curve, replayed on a
   # CPU afterwards: what drafting and the draft-length policy would buy at that device's costs
   for m in llama3-8b llama3-8b-awq; do
