@@ -130,10 +130,11 @@ class DraftModelDrafter:
 
     def _graphs(self, ctx: DrafterContext, tp: TPGroup, num_blocks: int) -> StepGraphs | None:
         """Graphs for the short passes when the engine's steps replay them (``enforce_eager``: False, or None on a
-        GPU) and the model can be captured on one rank; their padding goes to scratch blocks past ``num_blocks``."""
+        GPU) and the model can be captured (over several ranks: asked for); their padding goes to scratch blocks past
+        ``num_blocks``."""
         if not graphs_wanted(ctx.enforce_eager, self.device):
             return None
-        why = why_eager(self.model, tp.size)
+        why = why_eager(self.model, tp.size, asked=ctx.enforce_eager is False)
         if why is not None:
             logger.info("the draft model's steps run eagerly, as %s", why)
             return None

@@ -58,6 +58,12 @@ def stage_layers(worker) -> list[int]:
     return list(worker.model.model.stage)
 
 
+def graph_shapes(worker) -> list[tuple[int, int, int]]:
+    """The step shapes this rank replays from graphs (empty: none yet; None: its steps run eagerly)."""
+    graphs = worker.runner.graphs
+    return None if graphs is None else sorted(tuple(shape) for shape in graphs.graphs)
+
+
 def rank(worker) -> int:
     return worker.rank
 

@@ -217,6 +217,25 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
+def test_graphs_over_two_ranks_when_asked_for(tiny_llama_dir):
+    """``enforce_eager=False`` over two tensor-parallel ranks: each rank replays its decode and verify steps from
+    graphs of its own share (on CPU the padded static inputs, gloo's all-reduces inside), picking the same shapes
+    from the same plans in lockstep; greedy output with n-gram drafts equals one eager rank's."""
+    prompts = prompts_for(6, seed=3)
+    references = run_to_end(engine_for(tiny_llama_dir), prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
+    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec,
+                        enforce_eager=False, block_size=4)
+    try:
+        assert run_to_end(engine, prompts) == references
+        first, second = engine.executor.collective_rpc(probes.graph_shapes)
+        assert first == second and any(b == 8 for b, _, _ in first) and any(q > 1 for _, q, _ in first), first
+        assert engine.spec_stats.accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
                          ids=["tp2", "pp2"])
 def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_dir, tmp_path, parallel):

@@ -141,20 +141,24 @@ def test_latent_attention_steps_replay_graphs(tiny_dense_deepseek_dir, kv_cache_
 
 
 def test_graphs_by_default_on_a_gpu_only(tiny_llama_dir, monkeypatch):
-    """enforce_eager=None (the default, as vLLM's False): graphs where they replay (a GPU), eager elsewhere (a CPU
-    would only run the padded steps); asked for with False, they run on CPU too; True: never."""
+    """enforce_eager=None (the default, as vLLM's False): graphs where they replay (a GPU, one rank), eager elsewhere
+    (a CPU would only run the padded steps); asked for with False, they run on CPU and over several ranks too;
+    True: never."""
     assert LLM(model=str(tiny_llama_dir), max_model_len=64, device="cpu").engine.executor.worker.runner.graphs is None
     from specray.workers.worker import Worker
 
-    def decides(enforce_eager, device, world_size=1):
+    def decides(enforce_eager, device, world_size=1, stages=1):
         fake = type("W", (), {})()
         fake.config = type("C", (), {"enforce_eager": enforce_eager})()
         fake.device, fake.world_size = torch.device(device), world_size
+        fake.pp = type("P", (), {"size": stages})()
         fake.model = torch.nn.Linear(1, 1)
         return Worker._use_graphs(fake)
 
     assert decides(None, "cuda", 1) and decides(False, "cuda") and decides(False, "cpu")
     assert not decides(None, "cpu") and not decides(True, "cuda") and not decides(None, "cuda", world_size=2)
+    assert decides(False, "cuda", world_size=2)  # over several ranks when asked for
+    assert not decides(False, "cuda", world_size=2, stages=2)  # never over pipeline stages
 
 
 def test_enforce_eager_must_be_a_bool(tiny_llama_dir):

@@ -268,11 +268,11 @@ class HiddenStateDrafter(DrawsFromQ):
         self.tree = tree
         self.block_size = block_size
         # a chain's passes (a decode's first pass, the draft steps) replayed from graphs when the target's steps are
-        # (one rank; a head whose layer can be captured), their padding in scratch blocks of the head's own cache
+        # (a head whose layer can be captured), their padding in scratch blocks of the head's own cache
         self.graphs: HeadStepGraphs | None = None
         scratch = 0
         if step_graphs and tree is None and getattr(head, "num_modules", 1) == 1:  # chains of draft steps
-            why = why_eager(head, self.tp.size)
+            why = why_eager(head, self.tp.size, asked=True)  # the target's replay: over several ranks, asked for
             if why is None:
                 scratch = StepGraphs.scratch_blocks_needed(block_size)
                 # RoPE tables sized once, before any capture, for every position the target allows too: a table

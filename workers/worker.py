@@ -268,7 +268,9 @@ class Worker:
         eager = self.config.enforce_eager
         if not graphs_wanted(eager, self.device):
             return False
-        reason = why_eager(self.model, self.world_size)
+        reason = why_eager(self.model, self.world_size, asked=eager is False)
+        if reason is None and self.pp.size > 1:  # a stage's forward hands its rows on to the next stage mid-step
+            reason = f"graphs do not replay pipeline stages (pipeline_parallel_size={self.pp.size})"
         if reason is not None:
             log = logger.warning if eager is False else logger.info
             log("%severy step runs eagerly, as %s", "enforce_eager=False: " if eager is False else "", reason)

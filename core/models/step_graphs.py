@@ -26,10 +26,10 @@ graph reads: its static positions and masks), over paged or latent attention (De
 all short, so they attend in the absorbed form); experts take their sync-free grouped path
 (:func:`~specray.models.moe.sync_free_experts`, on in every forward here) where it has no host sync (on CUDA: bf16 on
 compute capability 9.x or 10.x, never run on a GPU yet; :meth:`~specray.models.moe.SparseMoE.graph_blocker`); one
-rank. A hidden-state drafter's residual streams are outputs of the graph beside the hidden
-states (its head's passes replay graphs of their own: :class:`HeadStepGraphs`). On CPU the same static tensors are
-filled and the model runs on them eagerly, with no graph: what the suite checks (outputs equal to the eager path's,
-and no host sync in the forward, which a capture would refuse).
+rank, or several when asked for (:func:`why_eager`). A hidden-state drafter's residual streams are outputs of the
+graph beside the hidden states (its head's passes replay graphs of their own: :class:`HeadStepGraphs`). On CPU the
+same static tensors are filled and the model runs on them eagerly, with no graph: what the suite checks (outputs
+equal to the eager path's, and no host sync in the forward, which a capture would refuse).
 """
 
 from __future__ import annotations
@@ -57,11 +57,15 @@ def graphs_wanted(enforce_eager: bool | None, device: torch.device) -> bool:
     return enforce_eager is False or (enforce_eager is None and device.type == "cuda")
 
 
-def why_eager(model: torch.nn.Module, num_ranks: int) -> str | None:
-    """None when ``model``'s passes can replay graphs, else why they run eagerly (several ranks, or a layer that
-    cannot be captured)."""
-    if num_ranks > 1:
-        return f"graphs replay at one rank only, for now, and it is split over {num_ranks}"
+def why_eager(model: torch.nn.Module, num_ranks: int, asked: bool = False) -> str | None:
+    """None when ``model``'s passes can replay graphs, else why they run eagerly (a layer that cannot be captured,
+    or several ranks when graphs were not asked for). Over several ranks each rank captures graphs of its own share,
+    in lockstep (every rank picks a step's shape from the same plan), with the model's collectives inside them:
+    NCCL's can be captured, but ours never have been, so they replay only when asked for (``asked``:
+    enforce_eager=False)."""
+    if num_ranks > 1 and not asked:
+        return (f"graphs replay at one rank unless asked for (enforce_eager=False), and it is split over {num_ranks} "
+                "ranks (their collectives have never been captured in a CUDA graph here)")
     return graph_safe(model)
 
 
