@@ -27,10 +27,12 @@ def prompt(seed: int = 0) -> list[int]:
 
 
 @torch.no_grad()
-def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0) -> torch.Tensor:
-    """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks -> logits [L, V]."""
+def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0, consecutive: bool = False) -> torch.Tensor:
+    """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks (``consecutive``:
+    blocks in order, whose context attention reads as one view) -> logits [L, V]."""
     allocate_kv_cache(model, 64, BLOCK)
-    table = random.Random(seed).sample(range(64), -(-len(ids) // BLOCK))
+    needed = -(-len(ids) // BLOCK)
+    table = list(range(3, 3 + needed)) if consecutive else random.Random(seed).sample(range(64), needed)
     out, start = [], 0
     for n in sizes:
         meta = build_attention_metadata([n], [start], [table], BLOCK)

@@ -42,11 +42,12 @@ def hf_logits(folder, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("path", ["batched", "own", "unabsorbed"])
+@pytest.mark.parametrize("path", ["batched", "own", "own-consecutive", "unabsorbed"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_match_transformers(family, monkeypatch, schedule, path):
     """Every position's logits equal transformers', for a prefill and for chunks + decode steps over shuffled
-    blocks; short queries as the padded batch or one sequence at a time; and every chunk in the unabsorbed form."""
+    blocks; short queries as the padded batch or one sequence at a time (over blocks in order too, whose context
+    is read as one view); and every chunk in the unabsorbed form."""
     name, folder, reference = family
     if path != "batched":
         monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
@@ -57,7 +58,8 @@ def test_logits_match_transformers(family, monkeypatch, schedule, path):
     if path == "unabsorbed":
         for attn in attns:
             attn.unabsorbed_from = 1
-    assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL
+    logits = chunked_logits(model, prompt(), SCHEDULES[schedule], consecutive=path == "own-consecutive")
+    assert max_diff(logits, reference) < TOL
 
 
 def _no_selection(config) -> None:
