@@ -215,6 +215,30 @@ class ReDrafterOptions(HeadOptions):
         return False  # no attention in the recurrent drafter
 
 
+@dataclass
+class Gemma4AssistantOptions(HeadOptions):
+    """``speculative_config`` keys of ``method="gemma4_assistant"``: Gemma 4's assistant checkpoint (its MTP drafter,
+    ``Gemma4AssistantForCausalLM``), which drafts chains from the target's hidden state and K/V on one rank."""
+
+    model: str | None = None  # the assistant's checkpoint folder or hub id (e.g. google/gemma-4-e2b-it-assistant)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='gemma4_assistant' needs the "
+                             "assistant's checkpoint folder (or hub id), e.g. google/gemma-4-e2b-it-assistant")
+
+    def splits_over(self, tensor_parallel_size: int) -> bool:
+        if tensor_parallel_size > 1:
+            raise ValueError(f"method='gemma4_assistant' with tensor_parallel_size={tensor_parallel_size}: the "
+                             "assistant attends the target's K/V of every head, which one rank holds only at "
+                             "tensor_parallel_size=1; set tensor_parallel_size=1 or pick another method")
+        return super().splits_over(tensor_parallel_size)
+
+    def writes_kv(self) -> bool:
+        return False  # it attends the target's K/V and writes none
+
+
 def worker_config(method: str, options: Any, target_model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
     head's checkpoint (EAGLE-3 on the default model: the bundled head; MTP: the target's own checkpoint unless
@@ -228,6 +252,15 @@ def worker_config(method: str, options: Any, target_model: str, tensor_parallel_
         path = bundled_head(target_model, method)
     if method == "mtp" and path is None:
         path = target_model
+    if method == "mtp":
+        _refuse_assistant_as_mtp(path)
+    if method == "gemma4_assistant":  # both configs read here, so the ranks need no transformers
+        from specray.models.gemma4_assistant import check_assistant
+        from specray.models.loader import load_hf_config, read_config
+
+        head_config = read_config(path)
+        check_assistant(head_config, load_hf_config(target_model))
+        return {"method": method, "model": path, "split": split, "head_config": head_config}
     if method == "medusa":
         return {"method": method, "model": path, "split": split, "choices": options.tree()}
     if method == "redrafter":
@@ -242,3 +275,17 @@ def worker_config(method: str, options: Any, target_model: str, tensor_parallel_
     return {"method": method, "model": path, "split": split, "head_config": head_config,
             "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
             "mtp_modules": getattr(options, "num_modules", 1), "tree": None if tree is None else list(tree)}
+
+
+def _refuse_assistant_as_mtp(path: str | None) -> None:
+    """A Gemma 4 assistant folder given to ``method="mtp"`` (whose checkpoints hold MTP layers in DeepSeek's or
+    Qwen3.5's layout): a ValueError naming the method that reads it."""
+    import json
+    from pathlib import Path
+
+    config = None if path is None else Path(path).expanduser() / "config.json"
+    if config is not None and config.is_file() and json.loads(config.read_text()).get("model_type") == \
+            "gemma4_assistant":
+        raise ValueError(f"speculative_config.model={path!r} is a Gemma 4 assistant (model_type 'gemma4_assistant'): "
+                         "use method='gemma4_assistant' with it (method='mtp' reads MTP layers inside a target's "
+                         "checkpoint)")

@@ -71,6 +71,10 @@ _DRAFTERS = {
                            "specray.drafters.hidden_state:MedusaOptions", in_worker=True),
     "redrafter": DrafterEntry("specray.workers.redrafter_drafter:ReDrafterDrafter",
                               "specray.drafters.hidden_state:ReDrafterOptions", in_worker=True),
+    # Gemma 4's assistant (Gemma4AssistantForCausalLM, its MTP drafter): a checkpoint of its own that attends the
+    # target's K/V, named after its model_type
+    "gemma4_assistant": DrafterEntry("specray.workers.gemma4_assistant_drafter:Gemma4AssistantDrafter",
+                                     "specray.drafters.hidden_state:Gemma4AssistantOptions", in_worker=True),
 }
 
 

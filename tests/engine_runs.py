@@ -1,7 +1,8 @@
 """What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
-token ids of ``LLM.generate``'s outputs and transformers' greedy ``generate`` of the same prompts, relaxed acceptance's check against transformers' logits, and executor wrappers (a virtual clock for engines whose draft policy
-should not follow this machine's load; a counter of verified trees). Imported as ``specray_test_engine_runs``
-(tests/conftest.py registers it)."""
+token ids of ``LLM.generate``'s outputs and transformers' greedy ``generate`` of the same prompts, relaxed
+acceptance's check against transformers' logits, and executor wrappers (a recorder of plans and results, a virtual
+clock for engines whose draft policy should not follow this machine's load; a counter of verified trees). Imported
+as ``specray_test_engine_runs`` (tests/conftest.py registers it)."""
 from __future__ import annotations
 
 import torch
@@ -77,6 +78,27 @@ def check_candidates(hf_model, prompt_ids, output, begin, end, topk, delta):
             assert gap < 1e-4, (token, gap)
         inside = True if token == begin else False if token == end else inside
     return off_argmax
+
+
+class Recorder:
+    """Wraps an executor: keeps every (plan, result) pair."""
+
+    def __init__(self, inner):
+        self.inner, self.steps = inner, []
+
+    def execute(self, plan, draft_probs=None):
+        result = self.inner.execute(plan, draft_probs)
+        self.steps.append((plan, result))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def chunks(self):
+        """(chunk, kept tokens, worker drafts) of every step."""
+        for plan, result in self.steps:
+            drafts = result.draft_token_ids or [[]] * len(plan.chunks)
+            yield from zip(plan.chunks, result.sampled_token_ids, drafts)
 
 
 class VirtualClock:

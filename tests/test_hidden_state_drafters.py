@@ -24,7 +24,7 @@ from specray.models.kv_cache import allocate_kv_cache, slots_of
 from specray.models.loader import load_hf_config, load_model
 from specray.sampling import SamplingBatch, logits_to_probs
 import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
-from specray_test_engine_runs import PROMPTS, check_candidates, greedy, token_ids  # tests/engine_runs.py
+from specray_test_engine_runs import PROMPTS, Recorder, check_candidates, greedy, token_ids  # tests/engine_runs.py
 
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
@@ -128,27 +128,6 @@ def plain_mixed(plain):
 
 def free_blocks(llm) -> int:
     return llm.engine.scheduler.block_manager.num_free_blocks
-
-
-class Recorder:
-    """Wraps an executor: keeps every (plan, result) pair."""
-
-    def __init__(self, inner):
-        self.inner, self.steps = inner, []
-
-    def execute(self, plan, draft_probs=None):
-        result = self.inner.execute(plan, draft_probs)
-        self.steps.append((plan, result))
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def chunks(self):
-        """(chunk, kept tokens, worker drafts) of every step."""
-        for plan, result in self.steps:
-            drafts = result.draft_token_ids or [[]] * len(plan.chunks)
-            yield from zip(plan.chunks, result.sampled_token_ids, drafts)
 
 
 # ---- greedy output ----------------------------------------------------------------------------------------------

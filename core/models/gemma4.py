@@ -44,8 +44,8 @@ from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, SharedKVSpec
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
                                    divide, materialize, rope_parameters)
-from specray.models.llama import (KV_SCALE_NAMES, LlamaForCausalLM, StageModel, _layer_index, _map_name,
-                                  expected_keys, load_param)
+from specray.models.gemma3 import Gemma3ForCausalLM
+from specray.models.llama import KV_SCALE_NAMES, StageModel, _layer_index, _map_name, expected_keys, load_param
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
 
@@ -84,6 +84,13 @@ def kv_sources(config) -> list[int | None]:
                              f"layer {first} is a {kinds[i]} layer to share them")
         sources[i] = owners[-1]
     return sources
+
+
+def kv_store_layers(config) -> dict[str, int]:
+    """Per layer kind, the last layer of that kind that computes K/V (before the KV-shared ones): transformers' "store"
+    layers, whose K/V the shared layers and Gemma 4's assistant (:mod:`specray.models.gemma4_assistant`) attend."""
+    first = config.num_hidden_layers - int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    return {kind: i for i, kind in enumerate(list(config.layer_types)[:first])}
 
 
 def _kv_shard(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -385,26 +392,17 @@ _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)
 _SHARED_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\.")
 
 
-class Gemma4ForCausalLM(LlamaForCausalLM):
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
     """Gemma 4's text model for causal LM, sharded over ``tp`` (experts by width, or whole with
-    ``expert_parallel``)."""
+    ``expert_parallel``); Gemma 3's scaled embedding and soft-capped logits."""
 
     model_class = Gemma4Model
-    stage_width = 1
     lora_modules: tuple[str, ...] = ()  # LoRA refused (the builder says so)
 
-    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
-                 pp: PPGroup | None = None):
-        super().__init__(hf_config, tp, expert_parallel, pp)
-        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+    def kv_store_attention(self, kind: str) -> PagedAttention:
+        """The attention of the last ``kind`` layer that computes K/V (:func:`kv_store_layers`), bound to its view of
+        the runner's cache once the cache is allocated: what Gemma 4's assistant attends over."""
+        return self.model.layers[kv_store_layers(self.config)[kind]].self_attn.attn
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One spec per layer: its own cache, or (a KV-shared layer) a :class:`SharedKVSpec` naming its source."""
