@@ -42,14 +42,19 @@ def hf_logits(folder, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("path", ["batched", "own", "own-consecutive", "unabsorbed"])
+@pytest.mark.parametrize("path", ["batched", "batched-head-by-head", "own", "own-consecutive", "unabsorbed"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_match_transformers(family, monkeypatch, schedule, path):
     """Every position's logits equal transformers', for a prefill and for chunks + decode steps over shuffled
-    blocks; short queries as the padded batch or one sequence at a time (over blocks in order too, whose context
-    is read as one view); and every chunk in the unabsorbed form."""
+    blocks; short queries as the padded batch (the indexer's heads scored all at once or one per pass) or one
+    sequence at a time (over blocks in order too, whose context is read as one view); and every chunk in the
+    unabsorbed form."""
     name, folder, reference = family
-    if path != "batched":
+    if path == "batched-head-by-head":  # the indexer's scores one head per pass (a long context's way)
+        from specray.models import deepseek_v3
+
+        monkeypatch.setattr(deepseek_v3, "INDEX_SCORE_ELEMENTS", 1)
+    elif path != "batched":
         monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
     model = load_model(str(folder))
     attns = [layer.self_attn.attn for layer in model.model.layers]

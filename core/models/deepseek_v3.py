@@ -59,6 +59,8 @@ from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
+# sparse attention's indexer scores: at most this many per-head scores at once (a pass over as many heads as fit)
+INDEX_SCORE_ELEMENTS = 1 << 26
 
 
 class LatentAttention(PagedAttention):
@@ -153,7 +155,14 @@ class LatentAttention(PagedAttention):
         """queries [N, Q, Hi, Di], weights [N, Q, Hi], keys [N, L, Di] (float32), allowed [N, Q, L] -> [N, Q, L]
         bool: each query's ``index_topk`` allowed keys of the best index score ``sum_h w_h relu(q_h . k)`` (every
         allowed key when it has no more)."""
-        scores = torch.einsum("nqh,nqhl->nql", weights, torch.einsum("nqhd,nld->nqhl", queries, keys).relu_())
+        # a few heads at a time, so that the per-head scores [N, Q, h, L] stay within INDEX_SCORE_ELEMENTS at any
+        # context length (all 64 heads of a long context's batch at once would be gigabytes)
+        n, q, heads, _ = queries.shape
+        per_pass = max(1, INDEX_SCORE_ELEMENTS // max(1, n * q * keys.shape[1]))
+        scores = 0
+        for h in range(0, heads, per_pass):
+            part = torch.einsum("nqhd,nld->nqhl", queries[:, :, h: h + per_pass], keys).relu_()
+            scores = scores + torch.einsum("nqh,nqhl->nql", weights[:, :, h: h + per_pass], part)
         top = scores.masked_fill(~allowed, float("-inf")).topk(min(self.index_topk, scores.shape[-1]), dim=-1)
         return torch.zeros_like(allowed).scatter_(-1, top.indices, True) & allowed
 
