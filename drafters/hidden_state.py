@@ -55,6 +55,15 @@ class HeadOptions:
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         """A ValueError when the method cannot draft ``num_speculative_tokens`` per step (none here)."""
 
+    def checkpoint(self, method: str, target_model: str) -> str | None:
+        """The head's checkpoint: ``model`` (a subclass may default it)."""
+        return getattr(self, "model", None)
+
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        """What the worker's drafter class reads beside the method, checkpoint and split (plain data; a config read
+        here, so that the ranks need no transformers)."""
+        return {}
+
     def lookup_config(self, num_speculative_tokens: int) -> dict[str, Any] | None:
         """``combine_with`` as a speculative_config dict (its draft count defaults to the head's), or None."""
         given = self.combine_with
@@ -97,6 +106,23 @@ class EagleOptions(HeadOptions):
         """(nodes per level, levels) of a dynamic tree; None: chains."""
         return (self.dynamic_tree_max_topK, self.dynamic_tree_depth) if self.use_dynamic_tree else None
 
+    def checkpoint(self, method: str, target_model: str) -> str | None:
+        if self.model is None and method == "eagle3":  # EAGLE-3 on the default model: the bundled head
+            from specray.models.bundled_heads import bundled_head  # torch-free
+
+            return bundled_head(target_model, method)
+        return self.model
+
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        head_config = None
+        if path is not None:
+            from specray.models.draft_head_loader import read_head_config
+
+            head_config = read_head_config(path)
+        tree = self.tree_shape()
+        return {"head_config": head_config, "mtp_feedback_normed": False, "mtp_modules": 1,
+                "tree": None if tree is None else list(tree)}
+
 
 @dataclass
 class MTPOptions(HeadOptions):
@@ -134,6 +160,15 @@ class MTPOptions(HeadOptions):
 
     def writes_kv(self) -> bool:
         return self.num_modules == 1  # distinct modules write K/V at committed positions only
+
+    def checkpoint(self, method: str, target_model: str) -> str | None:
+        path = target_model if self.model is None else self.model  # the target's own MTP layers by default
+        _refuse_assistant_as_mtp(path)
+        return path
+
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        return {"head_config": None, "mtp_feedback_normed": self.mtp_feedback_normed, "mtp_modules": self.num_modules,
+                "tree": None}
 
 
 # a small default tree: paths of top-k indices, one per head (best-first: each path's prefix comes before it)
@@ -187,6 +222,9 @@ class MedusaOptions(HeadOptions):
             seen.add(tuple(c))
         return choices
 
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        return {"choices": self.tree()}
+
 
 @dataclass
 class ReDrafterOptions(HeadOptions):
@@ -214,6 +252,9 @@ class ReDrafterOptions(HeadOptions):
     def writes_kv(self) -> bool:
         return False  # no attention in the recurrent drafter
 
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        return {"beams": self.redrafter_num_beams, "beam_length": self.redrafter_draft_len_per_beam}
+
 
 @dataclass
 class Gemma4AssistantOptions(HeadOptions):
@@ -238,43 +279,23 @@ class Gemma4AssistantOptions(HeadOptions):
     def writes_kv(self) -> bool:
         return False  # it attends the target's K/V and writes none
 
-
-def worker_config(method: str, options: Any, target_model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
-    """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
-    head's checkpoint (EAGLE-3 on the default model: the bundled head; MTP: the target's own checkpoint unless
-    ``model`` names one), whether it is split over the target's ``tensor_parallel_size`` ranks, MTP's feedback,
-    and an EAGLE-2 tree's shape."""
-    split = options.splits_over(tensor_parallel_size)
-    path = options.model
-    if method == "eagle3" and path is None:
-        from specray.models.bundled_heads import bundled_head  # torch-free
-
-        path = bundled_head(target_model, method)
-    if method == "mtp" and path is None:
-        path = target_model
-    if method == "mtp":
-        _refuse_assistant_as_mtp(path)
-    if method == "gemma4_assistant":  # both configs read here, so the ranks need no transformers
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
         from specray.models.gemma4_assistant import check_assistant
         from specray.models.loader import load_hf_config, read_config
 
-        head_config = read_config(path)
+        head_config = read_config(path)  # both configs read and checked here, before any worker starts
         check_assistant(head_config, load_hf_config(target_model))
-        return {"method": method, "model": path, "split": split, "head_config": head_config}
-    if method == "medusa":
-        return {"method": method, "model": path, "split": split, "choices": options.tree()}
-    if method == "redrafter":
-        return {"method": method, "model": path, "split": split, "beams": options.redrafter_num_beams,
-                "beam_length": options.redrafter_draft_len_per_beam}
-    tree = getattr(options, "tree_shape", lambda: None)()
-    head_config = None
-    if method in ("eagle", "eagle3") and path is not None:  # read here, so the ranks need no transformers
-        from specray.models.draft_head_loader import read_head_config
+        return {"head_config": head_config}
 
-        head_config = read_head_config(path)
-    return {"method": method, "model": path, "split": split, "head_config": head_config,
-            "mtp_feedback_normed": bool(getattr(options, "mtp_feedback_normed", False)),
-            "mtp_modules": getattr(options, "num_modules", 1), "tree": None if tree is None else list(tree)}
+
+def worker_config(method: str, options: Any, target_model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """What the target's workers need to build ``method``'s head and drafter (plain data: it crosses Ray): the
+    head's checkpoint (each options class's: EAGLE-3 on the default model, the bundled head; MTP, the target's own
+    checkpoint unless ``model`` names one), whether it is split over the target's ``tensor_parallel_size`` ranks,
+    and what the method's drafter class reads besides (:meth:`HeadOptions.worker_fields`)."""
+    split = options.splits_over(tensor_parallel_size)
+    path = options.checkpoint(method, target_model)
+    return {"method": method, "model": path, "split": split, **options.worker_fields(path, target_model)}
 
 
 def _refuse_assistant_as_mtp(path: str | None) -> None:
