@@ -31,7 +31,8 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strateg
     tensors = load_file(str(src / "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, w in tensors.items():
-        if not (name.endswith("proj.weight") and w.dim() == 2):
+        # the projections, DeepSeek-V3.2's indexer's too (its release keeps wq_b and wk in FP8)
+        if not (name.endswith(("proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")) and w.dim() == 2):
             quantized[name] = dequantized[name] = w
             continue
         rows, cols = w.shape

@@ -501,11 +501,11 @@ def test_gguf_of_mixtral_s_first_layout_fails_early(tmp_path, gguf_cache, monkey
 # ---- FP8 releases with block scales (specray.models.fp8) -------------------------------------------------------
 
 @pytest.mark.parametrize("fixture,block", [("tiny_llama_dir", FP8_BLOCK), ("tiny_llama_dir", None),
-                                           ("tiny_deepseek_dir", FP8_BLOCK)])
+                                           ("tiny_deepseek_dir", FP8_BLOCK), ("tiny_deepseek_v32_dir", FP8_BLOCK)])
 def test_fp8_release_loads_dequantized(request, tmp_path, fixture, block):
     """An FP8 release (block scales, or one per tensor) loads with every weight its dequantized value: the model's
     logits equal those of the same weights dequantized by hand and stored in full precision (DeepSeek-V3's
-    latent-attention and expert weights included)."""
+    latent-attention and expert weights included, and V3.2's indexer projections)."""
     fp8, ref = write_fp8(request.getfixturevalue(fixture), tmp_path, block)
     ids = list(range(3, 40))
     want = prefill_logits(load_model(ref), ids)
