@@ -2,8 +2,10 @@
 weights (fp32, max abs diff < 1e-4): sliding and full layers of different head sizes, each kind with its RoPE (the
 full layers' proportional), k = v on the full layers, the last layers reading earlier layers' K/V (no cache of their
 own) with double-wide MLPs, the MoE block beside the dense MLP, per-layer inputs, the layer scalars and the final
-soft cap; variants that must fail; the refusals; TP 2 (experts by width and whole) equal to one rank; a multimodal
-release's text part; the engine's greedy output with n-gram drafts equal to plain decoding and to transformers'."""
+soft cap; variants that must fail; the refusals; a multimodal release's text part; LoRA adapters against
+transformers with the adapter merged (and those of modules without LoRA refused by name); TP 2 (experts by width and
+whole) and PP 2 equal to one rank, with an adapter and without; the engine's greedy output with n-gram drafts equal to
+plain decoding and to transformers', and with an adapter to the merged model's."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from specray.models.loader import load_model
 from specray.models.moe import sync_free_experts
 from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff, prompt,  # model_checks.py
                                        run_ranks)
+import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (registered by conftest)
 
 TOL = 1e-4
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -183,14 +186,23 @@ def test_unsupported_settings_are_named(overrides, match):
         Gemma4ForCausalLM(Gemma4TextConfig(**text_config(64, **overrides)))
 
 
-def test_pipeline_stages_and_lora_are_refused(tiny_gemma4_dense_dir):
-    from specray import LLM
+def test_stages_splitting_a_shared_layer_from_its_source_are_refused(tiny_gemma4_dir):
+    """Two stages of the 6 layers (0-2, 3-5): layer 4 reads layer 2's cache, on the other stage: refused, naming
+    both settings. Of 8 layers (0-3, 4-7) the first stage has no store layer for Gemma 4's assistant to read."""
+    from transformers import Gemma4TextConfig
+
+    from specray.models.gemma4 import Gemma4ForCausalLM
     from specray.parallel import PPGroup
 
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported for Gemma 4"):
-        load_model(str(tiny_gemma4_dense_dir), pp=PPGroup.of_rank(0, 1, 2))
-    with pytest.raises(ValueError, match="LoRA adapters are not applied to gemma4_text models"):
-        LLM(model=str(tiny_gemma4_dense_dir), max_model_len=128, enable_lora=True)
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers=2 with pipeline_parallel_size=2: layer 4 reads the "
+                                         r"KV cache of layer 2, which stage 0 holds"):
+        load_model(str(tiny_gemma4_dir), pp=PPGroup.of_rank(1, 1, 2))
+    config = Gemma4TextConfig(**text_config(64, num_hidden_layers=8, layer_types=[SLIDING, FULL] * 4))
+    with torch.device("meta"):
+        first, last = (Gemma4ForCausalLM(config, pp=PPGroup.of_rank(r, 1, 2)) for r in (0, 1))
+    assert last.kv_store_attention(FULL) is last.model.layers[5].self_attn.attn
+    with pytest.raises(ValueError, match="attends over layer 5's KV cache, which another pipeline stage holds"):
+        first.kv_store_attention(FULL)
 
 
 # ---- a multimodal release --------------------------------------------------------------------------------------------
@@ -225,16 +237,140 @@ def test_multimodal_release_serves_its_text_model(tmp_path):
     assert max_diff(chunked_logits(ours, prompt(), SCHEDULES["chunked+decode"]), ref) < TOL
 
 
-# ---- tensor parallel ranks over gloo -----------------------------------------------------------------------------
+# ---- LoRA adapters ---------------------------------------------------------------------------------------------------
 
-# one rank of two: {folder: the diff of its logits to one rank's}; a folder named *-ep splits the experts whole
+@pytest.fixture(scope="module")
+def gemma4_adapter(tiny_gemma4_dir, tmp_path_factory) -> Path:
+    """A PEFT adapter (rank 4) of every q/k/v/o and gate/up/down projection the tiny checkpoint has: the shared
+    layers' q and o, the k = v layers' q, k and o."""
+    return checkpoints.write_lora(tiny_gemma4_dir, tmp_path_factory.mktemp("gemma4_adapter"), rank=4, alpha=8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def gemma4_merged(tiny_gemma4_dir, gemma4_adapter, tmp_path_factory) -> Path:
+    """The tiny checkpoint with the adapter merged into its weights (PEFT's merge_and_unload)."""
+    return checkpoints.merge_lora(tiny_gemma4_dir, gemma4_adapter, tmp_path_factory.mktemp("gemma4_merged") / "m")
+
+
+def test_adapted_logits_match_transformers_with_the_adapter_merged(tiny_gemma4_dir, gemma4_adapter, gemma4_merged):
+    """Two sequences in each forward, one with the adapter and one without (a prefill, then decode steps over a
+    paged cache): the adapted row's logits equal transformers' on the merged weights, the other's the base model's."""
+    from transformers import AutoModelForCausalLM
+
+    from specray.lora import LoRAConfig, LoRARequest, read_adapter
+    from specray.models.attention import build_attention_metadata
+    from specray.models.lora import LoRASlots, adapter_shapes
+
+    ours = load_model(str(tiny_gemma4_dir))
+    info = read_adapter(str(gemma4_adapter), adapter_shapes(ours), 4)
+    assert "model.layers.4.self_attn.q_proj" in info.ranks and "model.layers.1.self_attn.k_proj" in info.ranks
+    slots = LoRASlots(ours, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+    z = slots.slots_for([LoRARequest("a", 1, str(gemma4_adapter))])[0]
+    refs = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in (gemma4_merged,
+                                                                                         tiny_gemma4_dir)]
+    seqs, tables = [prompt(1)[:13], prompt(2)[:9]], [list(range(8))[::-1], list(range(8, 16))]
+    allocate_kv_cache(ours, 16, 4)
+    with torch.no_grad():
+        for step in range(3):
+            new = [s if step == 0 else s[-1:] for s in seqs]
+            starts = [0, 0] if step == 0 else [len(s) - 1 for s in seqs]
+            slots.context.set_token_slots(torch.tensor([z] * len(new[0]) + [0] * len(new[1])))
+            meta = build_attention_metadata([len(n) for n in new], starts, tables, 4, "cpu")
+            got = ours.compute_logits(ours(torch.tensor(new[0] + new[1]), meta)).split([len(n) for n in new])
+            for seq, ref, row in zip(seqs, refs, got):
+                want = ref(torch.tensor([seq]), output_hidden_states=True).logits[0, -len(row):].float()
+                assert max_diff(row, want) < TOL, step
+            if step == 0:  # the adapter matters
+                base = refs[1](torch.tensor([seqs[0]]), output_hidden_states=True).logits[0].float()
+                assert max_diff(got[0], base) > 1e-2
+            for seq, row in zip(seqs, got):
+                seq.append(int(row[-1].argmax()))
+
+
+def _unloaded(folder: Path):
+    """The model of ``folder`` built on the current device, without its weights (shapes only)."""
+    from specray.models.gemma4 import Gemma4ForCausalLM
+    from specray.models.loader import read_config
+
+    return Gemma4ForCausalLM(read_config(str(folder)))
+
+
+@pytest.mark.parametrize("module, shape", [
+    ("model.layers.1.self_attn.v_proj", (32, 64)),  # a k = v full layer: no v projection
+    ("model.layers.4.self_attn.k_proj", (32, 64)),  # a KV-shared layer: no k projection
+    ("model.layers.0.per_layer_input_gate", (8, 64)),
+    ("model.layers.0.router.proj", (4, 64)),
+])
+def test_adapters_of_modules_without_lora_are_refused_by_name(tiny_gemma4_dir, tmp_path, module, shape):
+    """transformers builds no v projection on a k = v layer and no k/v projection on a KV-shared one, so PEFT never
+    adapts them; the per-layer-input projections and the router take no LoRA here: an adapter naming one is refused
+    at admission, naming it."""
+    from safetensors.torch import save_file
+
+    from specray.lora import read_adapter
+    from specray.models.lora import adapter_shapes
+
+    adapter = checkpoints.write_lora(tiny_gemma4_dir, tmp_path / "a", modules=("o_proj",), layers=(0,))
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(4, shape[1])
+    tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(shape[0], 4)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    with torch.device("meta"):
+        shapes = adapter_shapes(_unloaded(tiny_gemma4_dir))
+    with pytest.raises(ValueError, match=f"adapts '{module}', which specray does not apply LoRA to"):
+        read_adapter(str(adapter), shapes, 4)
+
+
+def test_engine_with_an_adapter_and_ngram_drafts_equals_the_merged_model(tiny_gemma4_dir, gemma4_adapter,
+                                                                       gemma4_merged):
+    """``specray.LLM`` with enable_lora and n-gram drafts (some accepted, some not): greedy tokens with the adapter
+    equal the merged model's plain decoding, and differ from the base model's (requests without it, same engine)."""
+    from specray import LLM
+    from specray.lora import LoRARequest
+
+    runs = sys.modules["specray_test_engine_runs"]
+    prompts, params = runs.PROMPTS[:3], runs.greedy(12)
+    with LLM(model=str(gemma4_merged), max_model_len=128) as llm:
+        want = runs.token_ids(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(model=str(tiny_gemma4_dir), max_model_len=128, enable_lora=True, max_lora_rank=4,
+             speculative_config=NGRAM) as llm:
+        lora = LoRARequest("a", 1, str(gemma4_adapter))
+        assert runs.token_ids(llm.generate(prompts, params, use_tqdm=False, lora_request=lora)) == want
+        stats = llm.spec_stats
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+        assert runs.token_ids(llm.generate(prompts, params, use_tqdm=False)) != want
+
+
+# ---- tensor parallel ranks and pipeline stages over gloo -------------------------------------------------------------
+
+# one rank of two (argv: ..., the model folders, then an adapter of them): {folder: [its layers, its layers' KV heads,
+# None before the last stage or the diffs of its logits to one rank's without and with the adapter, and of one rank's
+# with and without it]}; the adapter on the first sequence of each forward; a folder named *-ep splits experts whole
 WORKER = WORKER_PRELUDE + textwrap.dedent("""
+    from specray.lora import LoRAConfig, LoRARequest
+    from specray.models.lora import LoRASlots
+
+    *folders, adapter = folders
+
+    @torch.no_grad()
+    def adapted(model):  # logits(model)'s forwards, the first sequence of each with the adapter
+        slots = LoRASlots(model, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
+        (slot,) = slots.slots_for([LoRARequest("a", 1, adapter)])
+        allocate_kv_cache(model, 32, 4)
+        hidden = []
+        for lens, starts, rows in (([20, 7], [0, 0], ids[:27]), ([4, 1], [20, 7], ids[27:])):
+            slots.context.set_token_slots(torch.tensor([slot] * lens[0] + [0] * lens[1]))
+            hidden.append(model(rows, plan(lens, starts, tables, 4)))
+        return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
 
     result = {}
     for folder in folders:
-        model = load_model(folder, tp, expert_parallel=folder.endswith("-ep"))
-        heads = [model.model.layers[i].self_attn.num_kv_heads for i in (0, 1)]
-        result[folder] = [heads, (logits(model) - logits(load_model(folder))).abs().max().item()]
+        model, one = load_model(folder, tp, expert_parallel=folder.endswith("-ep"), pp=pp), load_model(folder)
+        heads = [layer.self_attn.num_kv_heads for _, layer in model.model.stage_layers()]
+        mine, want, mine_lora, want_lora = logits(model), logits(one), adapted(model), adapted(one)
+        diffs = None if mine is None else [(mine - want).abs().max().item(), (mine_lora - want_lora).abs().max().item(),
+                                           (want_lora - want).abs().max().item()]
+        result[folder] = [list(model.model.stage), heads, diffs]
     del model
     gc.collect()
     dist.destroy_process_group()
@@ -242,18 +378,31 @@ WORKER = WORKER_PRELUDE + textwrap.dedent("""
 """)
 
 
-def test_tensor_parallel_ranks_match_one_rank(tiny_gemma4_dir, tmp_path):
+def test_tensor_parallel_ranks_match_one_rank(tiny_gemma4_dir, gemma4_adapter, tmp_path):
     """TP 2: each rank two of the 4 query heads, one of the sliding layers' 2 KV heads and the full layers' one KV
     head replicated, the shared layers reading their sources' shards, the per-layer embedding split by vocabulary,
-    the experts split by width or whole (2 per rank): every rank's logits equal one rank's."""
+    the experts split by width or whole (2 per rank), each rank its share of the adapter's matrices: every rank's
+    logits, with the adapter and without, equal one rank's."""
     ep = tmp_path / "tiny-ep"
     ep.symlink_to(tiny_gemma4_dir, target_is_directory=True)
     folders = [str(tiny_gemma4_dir), str(ep)]
-    (tmp_path / "tp").mkdir()
-    for result in run_ranks(tmp_path / "tp", WORKER, 2, 1, folders):
+    for result in run_ranks(tmp_path / "tp", WORKER, 2, 1, folders + [str(gemma4_adapter)]):
         for folder in folders:
-            heads, diff = result[folder]
-            assert heads == [1, 1] and diff < TOL, (folder, result[folder])
+            layers, heads, (plain, adapted, adapter_matters) = result[folder]
+            assert layers == list(range(6)) and heads == [1] * 6, (folder, result[folder])
+            assert plain < TOL and adapted < TOL and adapter_matters > 1e-2, (folder, result[folder])
+
+
+def test_two_stages_match_one_rank(tmp_path):
+    """PP 2 over 8 layers (0-3, 4-7; layers 6 and 7 read the K/V of layers 4 and 5, on their stage): the first stage
+    computes the per-layer inputs and hands them on behind the residual stream; the last stage's logits, with an
+    adapter (each stage loading its own layers' matrices) and without, equal one rank's."""
+    folder = save_tiny(tmp_path / "tiny8", seed=42, num_hidden_layers=8, layer_types=[SLIDING, FULL] * 4)
+    adapter = checkpoints.write_lora(folder, tmp_path / "adapter", rank=4, alpha=8, seed=6)
+    first, last = run_ranks(tmp_path / "pp", WORKER, 2, 2, [str(folder), str(adapter)])
+    assert first[str(folder)][::2] == [[0, 1, 2, 3], None], first
+    layers, _, (plain, adapted, adapter_matters) = last[str(folder)]
+    assert layers == [4, 5, 6, 7] and plain < TOL and adapted < TOL and adapter_matters > 1e-2, last
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------

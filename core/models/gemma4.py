@@ -23,8 +23,17 @@ Where it differs from Gemma 3 (:mod:`specray.models.gemma3`):
 * every layer's output is multiplied by its ``layer_scalar`` (a checkpoint tensor);
 * ``final_logit_softcapping`` as Gemma 2 and 3.
 
-Pipeline stages and LoRA are refused. Tiny random models against transformers only: never run on a GPU or a real
-checkpoint.
+LoRA adapters (:mod:`specray.models.lora`) adapt q/k/v/o and gate/up/down, the names a PEFT adapter of
+transformers' Gemma 4 targets: a KV-shared layer's q and o alone, a k = v full layer's q, k and o (transformers builds
+neither a shared layer's k/v projections nor a k = v layer's v projection, so PEFT never adapts them: an adapter
+naming one was made for another model and is refused by name, as are the per-layer-input projections, the router
+and the experts).
+
+Pipeline stages: the first stage computes the per-layer inputs (it holds both embeddings) and hands them on behind
+its residual stream (:attr:`Gemma4ForCausalLM.stage_width`), packed into as many [T, H] rows as they need; a
+KV-shared layer must sit on its source layer's stage (it reads that layer's cache), else a ValueError names
+num_kv_shared_layers and pipeline_parallel_size. Tiny random models against transformers only: never run on a GPU
+or a real checkpoint.
 """
 
 from __future__ import annotations
@@ -41,13 +50,13 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
-from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, OtherStage, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
-                                   divide, materialize, rope_parameters)
+                                   divide, materialize, on_stage, rope_parameters)
 from specray.models.gemma3 import Gemma3ForCausalLM
 from specray.models.llama import KV_SCALE_NAMES, StageModel, _layer_index, _map_name, expected_keys, load_param
 from specray.models.moe import SparseMoE
-from specray.parallel import PPGroup, TPGroup
+from specray.parallel import PPGroup, TPGroup, stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +131,8 @@ class Gemma4RMSNorm(nn.Module):
 class QKParallelLinear(QKVParallelLinear):
     """q and k in one matmul, no v (``attention_k_eq_v``: the values are the keys' projection); q and k are split
     over ranks as :class:`QKVParallelLinear` splits them."""
+
+    lora_parts = ("q", "k")  # a LoRA adapter's parts (specray.models.lora): no v_proj to adapt
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup,
                  bias: bool = False):
@@ -322,9 +333,23 @@ def check_supported(config, pp: PPGroup) -> None:
     kinds = list(config.layer_types)
     if len(kinds) != config.num_hidden_layers:
         raise ValueError(f"layer_types has {len(kinds)} entries for num_hidden_layers={config.num_hidden_layers}")
-    if pp.size > 1:
-        raise ValueError(f"pipeline_parallel_size={pp.size} is not supported for Gemma 4 (its shared K/V and "
-                         "per-layer inputs cross stages); use pipeline_parallel_size=1")
+    check_stages(config, kv_sources(config), pp.size)
+
+
+def check_stages(config, sources: list[int | None], stages: int) -> None:
+    """A ValueError unless every KV-shared layer sits on its source layer's pipeline stage: it attends over that
+    layer's cache, which no other stage holds."""
+    if stages == 1:
+        return
+    stage_of = {i: s for s in range(stages) for i in stage_layers(config.num_hidden_layers, s, stages)}
+    for i, source in enumerate(sources):
+        if source is not None and stage_of[i] != stage_of[source]:
+            shared = config.num_kv_shared_layers
+            raise ValueError(f"num_kv_shared_layers={shared} with pipeline_parallel_size={stages}: layer {i} reads "
+                             f"the KV cache of layer {source}, which stage {stage_of[source]} holds, but layer {i} "
+                             f"is on stage {stage_of[i]}; a KV-shared layer must share its source's stage: choose a "
+                             "pipeline_parallel_size whose last stage holds the shared layers and their sources (1 "
+                             "always does), or split the model with tensor_parallel_size")
 
 
 class Gemma4Model(StageModel):
@@ -341,11 +366,16 @@ class Gemma4Model(StageModel):
         dims = {kind: layer_geometry(config, self.layer_types.index(kind))[0] for kind in set(self.layer_types)}
         self.rotary = nn.ModuleDict({kind: _rotary(config, kind, dims[kind]) for kind in sorted(dims)})
         self.per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
-        if self.per_layer:
-            layers, width = config.num_hidden_layers, self.per_layer
-            self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, layers * width, tp)
-            self.per_layer_model_projection = _single_linear(config.hidden_size, layers * width)
-            self.per_layer_projection_norm = Gemma4RMSNorm(width, config.rms_norm_eps)
+        # the rows [T, H] a stage hands on behind its residual stream: every layer's per-layer inputs, packed
+        self.hidden_size = config.hidden_size
+        self.per_layer_rows = -(-config.num_hidden_layers * self.per_layer // config.hidden_size)
+        if self.per_layer:  # the first stage's (it computes every layer's from the tokens and their embedding)
+            layers, width, first = config.num_hidden_layers, self.per_layer, self.pp.is_first
+            self.embed_tokens_per_layer = on_stage(first, lambda: VocabParallelEmbedding(
+                config.vocab_size_per_layer_input, layers * width, tp))
+            self.per_layer_model_projection = on_stage(first, lambda: _single_linear(config.hidden_size,
+                                                                                     layers * width))
+            self.per_layer_projection_norm = on_stage(first, lambda: Gemma4RMSNorm(width, config.rms_norm_eps))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -361,12 +391,28 @@ class Gemma4Model(StageModel):
         projected = self.per_layer_projection_norm(projected.view(t, -1, width))
         return (projected + tokens) * (2.0 ** -0.5)
 
+    def _pack(self, per_layer: torch.Tensor) -> torch.Tensor:
+        # per_layer: [T, L, P] -> [R, T, H] (``per_layer_rows`` R, zero-padded): what a stage hands on
+        t, h = per_layer.shape[0], self.hidden_size
+        flat = F.pad(per_layer.reshape(t, -1), (0, self.per_layer_rows * h - per_layer[0].numel()))
+        return flat.view(t, self.per_layer_rows, h).transpose(0, 1)
+
+    def _unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        # rows: [R, T, H] -> [T, L, P]
+        t, layers = rows.shape[1], len(self.layers)
+        return rows.transpose(0, 1).reshape(t, -1)[:, : layers * self.per_layer].view(t, layers, self.per_layer)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
-        assert intermediate is None, "Gemma 4 runs as one pipeline stage"
-        x = self.embed(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer else None
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
+        # after the first starts from the previous stage's ``intermediate`` [1 + R, T, H] (the residual stream, then
+        # the per-layer inputs packed); a stage before the last ends there, returning its own
+        if intermediate is None:
+            x = self.embed(input_ids)
+            per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer else None
+        else:
+            x = intermediate[0]
+            per_layer = self._unpack(intermediate[1:]) if self.per_layer else None
         tables = {}
         for kind, rotary in self.rotary.items():
             rotary.ensure(meta.max_position + 1)
@@ -381,6 +427,9 @@ class Gemma4Model(StageModel):
                           None if source is None else shared[source])
             if kv is not None and i in self.sources:
                 shared[i] = kv
+        if not self.pp.is_last:
+            return torch.cat([x[None]] + ([self._pack(per_layer)] if self.per_layer else [])), \
+                [aux[i] for i in aux_layers]
         return self.norm(x), [aux[i] for i in aux_layers]
 
 
@@ -397,17 +446,31 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     ``expert_parallel``); Gemma 3's scaled embedding and soft-capped logits."""
 
     model_class = Gemma4Model
-    lora_modules: tuple[str, ...] = ()  # LoRA refused (the builder says so)
+    # Llama's seven (q/k/v of each layer that has them: see the module docstring); the per-layer-input projections,
+    # the router and the experts take none
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
+                 pp: PPGroup | None = None):
+        super().__init__(hf_config, tp, expert_parallel, pp)
+        self.stage_width = 1 + self.model.per_layer_rows  # the residual stream, then the per-layer inputs packed
 
     def kv_store_attention(self, kind: str) -> PagedAttention:
         """The attention of the last ``kind`` layer that computes K/V (:func:`kv_store_layers`), bound to its view of
         the runner's cache once the cache is allocated: what Gemma 4's assistant attends over."""
-        return self.model.layers[kv_store_layers(self.config)[kind]].self_attn.attn
+        layer = kv_store_layers(self.config)[kind]
+        if isinstance(self.model.layers[layer], OtherStage):
+            raise ValueError(f"Gemma 4's assistant attends over layer {layer}'s KV cache, which another pipeline "
+                             f"stage holds (pipeline_parallel_size={self.pp.size}); serve it with "
+                             "pipeline_parallel_size=1")
+        return self.model.layers[layer].self_attn.attn
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One spec per layer: its own cache, or (a KV-shared layer) a :class:`SharedKVSpec` naming its source."""
+        """One spec per layer of this stage: its own cache, or (a KV-shared layer) a :class:`SharedKVSpec` naming its
+        source by its index among this stage's specs."""
+        start = self.model.stage.start
         return [layer.self_attn.attn.kv_spec if self.model.sources[i] is None
-                else SharedKVSpec(source=self.model.sources[i]) for i, layer in self.model.stage_layers()]
+                else SharedKVSpec(source=self.model.sources[i] - start) for i, layer in self.model.stage_layers()]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load HF-named checkpoint tensors (torch tensors or safetensors slices), keeping this rank's shard; a
@@ -422,6 +485,11 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if (name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.pp.is_last
+                    and not self.shares_embedding):  # a later pipeline stage's head of its own
+                loaded.add(load_param(params["lm_head.weight"], "lm_head.weight", tensor, None))
+            if name.startswith(self.other_stage):
+                continue  # another pipeline stage's
             if name.endswith(KV_SCALE_NAMES):
                 kv_scales.setdefault(_layer_index(name), {})[name.rsplit(".", 1)[-1]] = float(materialize(tensor))
                 continue

@@ -130,8 +130,9 @@ class LinearLoRA:
 
 def _parts(module: LinearBase) -> tuple[list, list[int]]:
     """A projection's merged parts (shard ids; [None]: not merged) and this rank's output rows of each."""
-    if isinstance(module, QKVParallelLinear):
-        return ["q", "k", "v"], [module.q_size, module.kv_size, module.kv_size]
+    if isinstance(module, QKVParallelLinear):  # (Gemma 4's k = v layers: q and k alone, ``lora_parts``)
+        parts = list(getattr(module, "lora_parts", ("q", "k", "v")))
+        return parts, [module.q_size if part == "q" else module.kv_size for part in parts]
     if isinstance(module, FusedColumnLinear):
         # one checkpoint tensor (in_proj_qkv), so one adapter: its B's rows split over the parts by the module's loader
         return [None], [sum(module.local_sizes)]
