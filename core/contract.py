@@ -98,6 +98,11 @@ class ScheduledChunk:
     # the drafts are (a prefix of) the chain the worker drafted for this request after the last step (not a lookup
     # drafter's): a sampled request's q for them is on the worker
     worker_drafts: bool = False
+    # prefix caching on a model with linear attention (a recurrent state per request): start from the state kept in
+    # snapshot slot ``restore_state`` (the state after the cached blocks this chunk starts behind), and keep the state
+    # after this chunk (it ends at a block boundary) in snapshot slot ``save_state``; None: neither
+    restore_state: int | None = None
+    save_state: int | None = None
 
     @property
     def num_tokens(self) -> int:

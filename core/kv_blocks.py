@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 
 _FREE_RUN = re.compile(rb"\x01+")
 
@@ -130,10 +131,12 @@ class BlockPool:
         self.rewind(req, 0)
 
     # ---- prefix caching ------------------------------------------------------------------------------
-    def take_cached(self, req, token_ids: list[int], max_tokens: int, salt: str | None = None) -> int:
+    def take_cached(self, req, token_ids: list[int], max_tokens: int, salt: str | None = None,
+                    ends_at: Callable[[int], bool] | None = None) -> int:
         """Give an empty table the cached blocks of the longest prefix of ``token_ids`` that whole blocks of at
         most ``max_tokens`` tokens cover, among those cached with the same ``salt``; returns how many tokens they
-        hold (0: no hit)."""
+        hold (0: no hit). ``ends_at``: the prefix must end with a block whose content id it accepts (a model with
+        linear attention resumes only where its state was kept)."""
         assert not req.block_ids and not req.block_contents, req
         bs, parent, hit = self.block_size, _root(salt), []
         for start in range(0, max_tokens - bs + 1, bs):
@@ -142,6 +145,9 @@ class BlockPool:
                 break
             parent = entry[0]
             hit.append(entry)
+        if ends_at is not None:
+            while hit and not ends_at(hit[-1][0]):
+                hit.pop()
         for content, block_id in hit:
             if self._refs[block_id] == 0:
                 del self._evictable[block_id]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -69,9 +69,13 @@ class SchedulerConfig:
     # vLLM's: the most distinct LoRA adapters in one step (0: the engine serves none); a request whose adapter would
     # be one too many waits, in its place in the queue, while requests behind it go ahead
     max_loras: int = field(default=0, kw_only=True)
+    # prefix caching on a model with linear attention (a recurrent state per request): how many states the worker
+    # keeps at block boundaries (snapshot slots; 0: none). A prompt's prefill stops once at its last whole block,
+    # whose state is kept; a later request starts from cached blocks only up to a boundary whose state is kept
+    recurrent_snapshots: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in ("worker_draft_steps", "worker_tree_slots", "max_loras"):
+        for name in ("worker_draft_steps", "worker_tree_slots", "max_loras", "recurrent_snapshots"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -117,6 +121,13 @@ class Scheduler:
         # the order requests are served in: running ones get blocks in it and give them back in reverse; waiting
         # ones are admitted in it (first come, first served; or by priority, then arrival)
         self._order = (_arrival if config.scheduling_policy == "fcfs" else _priority_then_arrival)
+        # recurrent-state snapshots (SchedulerConfig.recurrent_snapshots): the content id of the block each kept
+        # state ends at -> its slot (least recently used first), the slots free, and per request the slot its next
+        # chunk starts from and the (slot, boundary) its chunk in flight keeps
+        self._snapshots: OrderedDict[int, int] = OrderedDict()
+        self._free_snapshots = list(range(config.recurrent_snapshots))
+        self._restoring: dict[str, int] = {}
+        self._saving: dict[str, tuple[int, int]] = {}
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -260,7 +271,7 @@ class Scheduler:
                 continue
             if self._beyond_pool(req):
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            num_new = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget, cap))
             assert num_new >= 1, req
             if not self._make_room(req, req.num_computed_tokens + num_new, busy):
                 break
@@ -300,6 +311,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         _drop_drafts(req)
         self._kv_moves.pop(req.req_id, None)  # its KV is recomputed
+        self._drop_snapshot_work(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -350,7 +362,56 @@ class Scheduler:
             chunk.next_token_id = req.all_token_ids[end]  # the head reads it; so does the last prompt logprob
         if k and self.config.thinking_tokens is not None:
             chunk.thinking = req.inside(*self.config.thinking_tokens)
+        if self.config.recurrent_snapshots:
+            chunk.restore_state = self._restoring.pop(req.req_id, None)
+            if end == self._snapshot_boundary(req) > start and req.req_id not in self._saving:
+                slot = self._snapshot_slot()
+                if slot is not None:
+                    chunk.save_state = slot
+                    self._saving[req.req_id] = (slot, end)
         return chunk
+
+    # ---- recurrent-state snapshots (prefix caching with linear attention) ----------------------------------
+
+    def _snapshot_boundary(self, req: Request) -> int:
+        """Where ``req``'s state is kept: the end of its prompt's last whole block (0: none, or no snapshots)."""
+        if not (self.config.recurrent_snapshots and self._uses_prefix_cache(req)):
+            return 0
+        return req.num_prompt_tokens // self.config.block_size * self.config.block_size
+
+    def _to_snapshot(self, req: Request, num_new: int) -> int:
+        """``num_new`` tokens of ``req``'s next chunk, stopped at its snapshot boundary when it would pass it."""
+        boundary, start = self._snapshot_boundary(req), req.num_computed_tokens
+        return boundary - start if start < boundary < start + num_new else num_new
+
+    def _snapshot_slot(self) -> int | None:
+        """A snapshot slot to keep a state in: a free one, else the least recently used one's (forgotten)."""
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        if self._snapshots:
+            return self._snapshots.popitem(last=False)[1]
+        return None  # every slot is being written by a chunk in flight
+
+    def _snapshot_kept(self, req: Request) -> None:
+        """``req``'s chunk that kept its state ran: the state now stands for the block that chunk ended at."""
+        slot, end = self._saving.pop(req.req_id)
+        index = end // self.config.block_size - 1
+        if index >= len(req.block_contents):  # its block is not cached (it cannot be found): the slot is free
+            self._free_snapshots.append(slot)
+            return
+        content = req.block_contents[index]
+        old = self._snapshots.pop(content, None)
+        if old is not None:
+            self._free_snapshots.append(old)
+        self._snapshots[content] = slot
+
+    def _drop_snapshot_work(self, req: Request) -> None:
+        """``req`` leaves (finished, aborted, preempted): a restore it had not run is forgotten, a slot its chunk
+        was to write is free again."""
+        self._restoring.pop(req.req_id, None)
+        saving = self._saving.pop(req.req_id, None)
+        if saving is not None:
+            self._free_snapshots.append(saving[0])
 
     def _next_drafts(self, req: Request, end: int, k: int) -> int:
         """How many drafts a worker-side drafter makes for ``req`` after this step: what the engine asked (else the
@@ -397,7 +458,7 @@ class Scheduler:
                 self._give_back_hit(req, hit)
                 held.append(self.waiting.popleft())
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            num_new = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget, cap))
             if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
                 self._give_back_hit(req, hit)  # its cached blocks stay cached until it fits
                 break
@@ -423,6 +484,7 @@ class Scheduler:
         if hit:
             self.block_manager.free(req)
             req.num_computed_tokens = 0
+            self._restoring.pop(req.req_id, None)
 
     def _prefix_in_flight(self, req: Request, hit: int) -> bool:
         """Whether a running request is still to compute the whole block that follows ``req``'s hit, with the
@@ -445,9 +507,15 @@ class Scheduler:
         last token at most); returns the tokens they hold."""
         if req.num_computed_tokens or not self._uses_prefix_cache(req):
             return 0
+        snapshots = self._snapshots if self.config.recurrent_snapshots else None  # resume where a state was kept
         hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1,
-                                             prefix_salt(req.sampling_params))
+                                             prefix_salt(req.sampling_params),
+                                             None if snapshots is None else snapshots.__contains__)
         req.num_computed_tokens = hit
+        if hit and snapshots is not None:
+            content = req.block_contents[-1]
+            snapshots.move_to_end(content)
+            self._restoring[req.req_id] = snapshots[content]
         return hit
 
     def _count_lookup(self, req: Request, hit: int) -> None:
@@ -510,6 +578,8 @@ class Scheduler:
                 assert not tokens, (chunk, tokens)
                 req.num_computed_tokens += chunk.num_tokens
                 self._cache_blocks(req)
+            if chunk.save_state is not None and req.req_id in self._saving:  # (a finished one freed its slot)
+                self._snapshot_kept(req)
         self.last_step_stats = stats
         return touched
 
@@ -600,6 +670,7 @@ class Scheduler:
         self.block_manager.free(req)
         self._forget_worker_state(req)
         self._kv_moves.pop(req.req_id, None)
+        self._drop_snapshot_work(req)
         _drop_drafts(req)
         del self.requests[req.req_id]
         self._just_finished[req.req_id] = req

@@ -222,9 +222,10 @@ def test_without_two_slots_a_failure_harms_the_others(hybrid_dir, plain_greedy, 
 
     def commit_in_place(slots):
         touched = [staged[1] for staged in slots._staged]
-        commit(slots)
+        kept = commit(slots)
         for slot in touched:  # the committed state stays where it was written: the slot it was read from
             slots.side[slot] ^= 1
+        return kept
 
     monkeypatch.setattr(RecurrentSlots, "batch", in_place)
     monkeypatch.setattr(RecurrentSlots, "commit", commit_in_place)

@@ -231,7 +231,6 @@ def test_seeded_sampling_with_ngram_equals_plain(tiny_qwen3_5_dir):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2}), "token trees"),
     (dict(speculative_config={"method": "suffix", "num_speculative_tokens": 4}), "method='suffix'"),
     (dict(speculative_config={"method": "lookahead", "num_speculative_tokens": 15}), "method='lookahead'"),

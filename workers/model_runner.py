@@ -55,7 +55,8 @@ class ModelRunner:
                  is_driver: bool = True, drafter=None, typical_acceptance: tuple[float, float] | None = None,
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
                  lora: LoRASlots | None = None, kv_cache_dtype: str = "auto",
-                 aux_layers: tuple[int, ...] | None = None, max_num_seqs: int = 0, max_draft_tokens: int = 0):
+                 aux_layers: tuple[int, ...] | None = None, max_num_seqs: int = 0, max_draft_tokens: int = 0,
+                 recurrent_snapshots: int = 0):
         self.model = model
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
@@ -68,8 +69,9 @@ class ModelRunner:
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
         # linear-attention layers' recurrent state: two slots per running request (max_num_seqs; RecurrentSlots) and
         # a scratch slot past them for graph steps' padding sequences, None without
-        self.recurrent_state = allocate_recurrent_state(model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS,
-                                                        max_draft_tokens)
+        # and, with prefix caching, the states kept at block boundaries (snapshots) past those
+        self.recurrent_state = allocate_recurrent_state(
+            model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS + recurrent_snapshots, max_draft_tokens)
         self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
         # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
         # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)
@@ -144,7 +146,7 @@ class ModelRunner:
         except BaseException:
             self.recurrent.discard()  # the step wrote only slots nobody reads: every request's state is as before it
             raise
-        self.recurrent.commit()
+        self.recurrent_state.copy_slots(*self.recurrent.commit())  # the states its chunks keep, once it succeeded
         return result
 
     def _execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None) -> StepResult | None:
@@ -241,6 +243,8 @@ class ModelRunner:
         lora_slots, adapted = self._lora_slots(chunks) if self.lora is not None else ((), False)
         # a hybrid model's slots and replays (staged for commit: asked for once)
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
+        if recurrent is not None:  # requests starting behind cached blocks: their kept states first
+            self.recurrent_state.copy_slots(*self.recurrent.restores)
         if self.graphs is not None:
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
@@ -416,6 +420,9 @@ class RecurrentSlots:
         self.free = list(range(num_slots))  # a heap: the lowest slot first
         self.max_pending = max_pending
         self.scratch = SLOTS_PER_REQUEST * num_slots  # the state slot past every request's: graph steps' padding
+        self.snapshot_base = self.scratch + SCRATCH_SLOTS  # kept states (prefix caching): snapshot i is slot base + i
+        self.restores: tuple[list[int], list[int]] = ([], [])  # this step's (snapshot slots, request slots)
+        self._saves: list[tuple[int, int]] = []  # (request slot, snapshot) the step keeps once it succeeds
         self.slot_of: dict[str, int] = {}
         self.side = [0] * num_slots  # which of slot s's two state slots holds its committed state
         self.position: dict[str, tuple[int, int]] = {}  # req_id -> (committed position, pending drafts)
@@ -456,15 +463,22 @@ class RecurrentSlots:
             elif c.num_draft_tokens > self.max_pending:
                 bad[c.req_id] = (f"{c.num_draft_tokens} drafts, more than the {self.max_pending} the recurrent state "
                                  "keeps pending (num_speculative_tokens)")
-            elif c.start_pos and not 0 <= c.start_pos - held[0] <= held[1]:
+            elif c.start_pos and c.restore_state is None and not 0 <= c.start_pos - held[0] <= held[1]:
                 bad[c.req_id] = (f"its chunk starts at {c.start_pos} but its recurrent state is at {held[0]} with "
                                  f"{held[1]} drafts pending")
         if bad:
             raise RequestError(list(bad), "; ".join(f"{rid}: {why}" for rid, why in bad.items()))
         batch = RecurrentBatch([], [], [], [], [])
-        self._staged = []
+        self._staged, self._saves, self.restores = [], [], ([], [])
         for c in chunks:
             slot = self.slot_of[c.req_id]
+            if c.restore_state is not None:  # it starts from a kept state, copied into its slot before the step
+                self.position[c.req_id] = (c.start_pos, 0)
+                self.undo.pop(c.req_id, None)
+                self.restores[0].append(self.snapshot_base + c.restore_state)
+                self.restores[1].append(2 * slot + self.side[slot])
+            if c.save_state is not None:
+                self._saves.append((slot, self.snapshot_base + c.save_state))
             if c.start_pos and self._retried(c):  # back to the state before the step this chunk runs again
                 self.side[slot] ^= 1
                 self.position[c.req_id] = self.undo[c.req_id][0]
@@ -480,17 +494,21 @@ class RecurrentSlots:
                                                             c.num_draft_tokens), c.start_pos))
         return batch
 
-    def commit(self) -> None:
-        """The step succeeded: the slots it wrote hold its requests' committed states."""
+    def commit(self) -> tuple[list[int], list[int]]:
+        """The step succeeded: the slots it wrote hold its requests' committed states. Returns the (request slots,
+        snapshot slots) to copy the states its chunks keep into."""
         for rid, slot, before, after, start in self._staged:
             self.side[slot] ^= 1
             self.position[rid] = after
             self.undo[rid] = (before, start)
         self._staged = []
+        saves, self._saves = self._saves, []
+        return [2 * slot + self.side[slot] for slot, _ in saves], [snapshot for _, snapshot in saves]
 
     def discard(self) -> None:
-        """The step failed: what it wrote is never read, every request's state stays where it was."""
-        self._staged = []
+        """The step failed: what it wrote is never read, every request's state stays where it was (a restored one's
+        is the kept state it started from, which a retry restores again)."""
+        self._staged, self._saves = [], []
 
 
 def _first_sampled_position(chunk) -> int:

@@ -76,6 +76,8 @@ class WorkerConfig:
     # to max_draft_tokens drafts of its last verify chunk pending: both sized into the KV cache's memory budget
     max_num_seqs: int = 8
     max_draft_tokens: int = 0
+    # with prefix caching, the states it keeps at block boundaries (SchedulerConfig.recurrent_snapshots)
+    recurrent_snapshots: int = 0
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -237,7 +239,8 @@ class Worker:
         specs = getattr(self.model, "recurrent_state_specs", lambda: [])()
         if not specs:
             return 0
-        need = recurrent_bytes(specs, self.config.max_num_seqs, self.dtype, self.config.max_draft_tokens)
+        need = recurrent_bytes(specs, self.config.max_num_seqs, self.dtype, self.config.max_draft_tokens,
+                               self.config.recurrent_snapshots)
         if need >= budget:
             raise ValueError(f"the recurrent state of {self.config.max_num_seqs} requests (max_num_seqs) takes "
                              f"{need} bytes, and the KV cache's budget is {budget} bytes: lower max_num_seqs or "
@@ -260,7 +263,8 @@ class Worker:
                                   relaxed_acceptance=self.config.relaxed_acceptance,
                                   step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype,
                                   aux_layers=self.aux_layers, max_num_seqs=self.config.max_num_seqs,
-                                  max_draft_tokens=self.config.max_draft_tokens)
+                                  max_draft_tokens=self.config.max_draft_tokens,
+                                  recurrent_snapshots=self.config.recurrent_snapshots)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

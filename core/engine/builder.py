@@ -143,9 +143,6 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     if not getattr(get_model_class(hf_config), "recurrent", False):
         return False
     kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention: a recurrent state per request)"
-    if args.enable_prefix_caching:
-        raise ValueError(f"enable_prefix_caching=True is not supported for {kind}: cached blocks hold no recurrent "
-                         "state; set enable_prefix_caching=False")
     if args.pipeline_parallel_size > 1:
         raise ValueError(f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported for {kind}; use "
                          "tensor_parallel_size instead")
@@ -257,6 +254,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
                       else None)
+    # prefix caching with linear attention: a kept state per seat at block boundaries (SchedulerConfig's field)
+    snapshots = engine_seats(args) if recurrent and args.enable_prefix_caching else 0
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
                                  args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.num_threads,
                                  worker_drafter=worker_drafter,
@@ -268,7 +267,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  kv_cache_dtype=args.kv_cache_dtype,
                                  pipeline_parallel_size=args.pipeline_parallel_size,
                                  max_num_seqs=engine_seats(args),
-                                 max_draft_tokens=max_pending_drafts(spec) if recurrent else 0)
+                                 max_draft_tokens=max_pending_drafts(spec) if recurrent else 0,
+                                 recurrent_snapshots=snapshots)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, engine_seats(args), args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
@@ -293,6 +293,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         max_loras=0 if lora is None else lora.max_loras,
+        recurrent_snapshots=snapshots,
     )
     logger.info("KV cache: %d blocks of %d tokens (%s), executor %s, TP=%d, PP=%d", executor.num_kv_blocks,
                 args.block_size, executor.info.dtype, backend, args.tensor_parallel_size, args.pipeline_parallel_size)

@@ -302,10 +302,11 @@ class RecurrentStateSpec:
         return conv + matrix + max_pending * 2 * self.num_heads * 4
 
 
-def recurrent_bytes(specs: list[RecurrentStateSpec], num_requests: int, dtype: torch.dtype, max_pending: int) -> int:
+def recurrent_bytes(specs: list[RecurrentStateSpec], num_requests: int, dtype: torch.dtype, max_pending: int,
+                    snapshots: int = 0) -> int:
     """Bytes the recurrent state of every layer of ``specs`` takes for ``num_requests`` requests (their
-    ``SLOTS_PER_REQUEST`` slots each, and the ``SCRATCH_SLOTS``)."""
-    slots = num_requests * SLOTS_PER_REQUEST + SCRATCH_SLOTS
+    ``SLOTS_PER_REQUEST`` slots each, and the ``SCRATCH_SLOTS``) and ``snapshots`` kept states (prefix caching)."""
+    slots = num_requests * SLOTS_PER_REQUEST + SCRATCH_SLOTS + snapshots
     return slots * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
 
 
@@ -346,6 +347,17 @@ class RecurrentState:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers for t in (s.inputs, s.gates, s.matrix))
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's state in slots ``src`` copied into slots ``dst`` (a kept snapshot and a request's slot, either
+        way); all sources are read before any destination is written."""
+        if not src:
+            return
+        device = self.layers[0].matrix.device
+        src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+        for layer in self.layers:
+            for t in (layer.inputs, layer.gates, layer.matrix):
+                t.index_copy_(0, dst_t, t.index_select(0, src_t))
 
 
 def allocate_recurrent_state(model, num_slots: int, max_pending: int) -> RecurrentState | None:
