@@ -673,3 +673,32 @@ def test_a_step_holds_at_most_max_loras_adapters():
     assert any("b" in ids for ids in seen) and all("b" not in ids for ids in seen[:3])
     with pytest.raises(ValueError, match="enable_lora"):
         make_sched().add_request(make_req("e", 5, lora_request=one))
+
+
+def test_recurrent_snapshots_stop_prefills_at_a_boundary_and_restore_only_kept_states():
+    """Prefix caching with kept recurrent states (a hybrid model's): a prompt's prefill stops once at its last whole
+    block, whose chunk asks for the state there to be kept; a slot a chunk in flight writes is never given out; a
+    later request extending the prompt starts behind those blocks only (not the prompt's later cached blocks), from
+    that slot; an aborted request's slot is free again."""
+    sched = make_sched(enable_prefix_caching=True, recurrent_snapshots=1, max_num_batched_tokens=64)
+    first = make_req("a", 11, max_tokens=2)
+    sched.add_request(first)
+    sched.add_request(make_req("b", 10, max_tokens=2))
+    plan = sched.schedule()
+    assert [(c.req_id, c.start_pos, c.num_tokens, c.save_state, c.sample) for c in plan.chunks] == [
+        ("a", 0, 8, 0, False), ("b", 0, 8, None, False)]  # the one slot is a's while its chunk is in flight
+    while sched.requests:
+        sched.update_from_output(plan, answer(plan))
+        plan = sched.schedule()
+    assert list(sched._snapshots.values()) == [0]
+    follow = Request("c", first.all_token_ids[:12] + [5, 6], SamplingParams(temperature=0.0, max_tokens=1), {EOS})
+    sched.add_request(follow)
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert (chunk.start_pos, chunk.restore_state) == (8, 0)  # behind a's first 8 tokens (a kept state), not 12
+    sched.abort_requests("c")
+    sched.add_request(make_req("d", 9, max_tokens=1))
+    plan = sched.schedule()
+    assert plan.chunks[0].save_state == 0  # the least recently used state forgotten for it
+    sched.abort_requests("d")  # before its result: the slot is free again, the state never mapped
+    assert sched._free_snapshots == [0] and not sched._snapshots
