@@ -357,12 +357,13 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
 
 
 PP_HEAD_CASES = [("eagle3", 1), ("eagle3-tree", 1), ("mtp3", 1), ("deepseek-mtp", 1), ("glm-mtp", 1), ("medusa", 1),
-                 ("redrafter", 1), ("eagle3", 2), ("deepseek-mtp-ep", 2)]
+                 ("redrafter", 1), ("eagle3", 2), ("deepseek-mtp-ep", 2), ("qwen3_5-mtp", 1)]
 
 
 @pytest.mark.parametrize("method,tp", PP_HEAD_CASES, ids=[f"{m}-tp{tp}" for m, tp in PP_HEAD_CASES])
 def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama_dir, tmp_path, method, tp):
-    """A hidden-state drafter over two pipeline stages (DeepSeek and GLM-4.5 with MTP, EAGLE-3 across nodes): the
+    """A hidden-state drafter over two pipeline stages (DeepSeek and GLM-4.5 with MTP, EAGLE-3 across nodes; Qwen3.5's
+    MTP over a hybrid target, each stage keeping its linear layers' recurrent states): the
     head lives on the last stage, which also holds the target's embedding for it; EAGLE-3's residual streams of the
     first stage's layers travel with its output. With tp=2 each stage is two ranks and the head splits over the last
     stage's. The

@@ -14,7 +14,7 @@ import torch
 
 from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
 from specray.models.loader import load_model
-from specray_test_model_checks import run_ranks  # tests/model_checks.py
+from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PROMPT_IDS, TINY, TOL, Stepper, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
 
@@ -338,3 +338,51 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert heads == TINY["linear_num_value_heads"] // 2, folder
+
+
+PP_WORKER = WORKER_PRELUDE + textwrap.dedent("""
+    from specray.models.gated_deltanet import RecurrentBatch
+    from specray.models.kv_cache import allocate_recurrent_state
+
+    @torch.no_grad()
+    def run(model):  # prefills, a verify chunk of 2 drafts beside a decode, the next chunk after 1 accepted
+        allocate_kv_cache(model, 32, 4)
+        allocate_recurrent_state(model, 2, 3)
+        t1, t2, rows = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15], []
+        for lens, starts, fresh, replay, drafts, toks in (
+                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:27].tolist()),
+                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:31].tolist()),
+                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30].tolist() + ids[31:32].tolist())):
+            meta = plan(lens, starts, [t1, t2], 4)
+            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
+            hidden = model(torch.tensor(toks), meta)
+            rows.append(None if hidden is None else model.compute_logits(hidden))
+        return None if rows[0] is None else torch.cat(rows)
+
+    result = {}
+    for folder in folders:
+        model = load_model(folder, tp, pp=pp)
+        mine = run(model)
+        result[folder] = [list(model.model.stage), None if mine is None else
+                          (mine - run(load_model(folder))).abs().max().item()]
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def test_pipeline_stages_match_one_rank(tmp_path):
+    """Two pipeline stages over gloo (layers 0-1 and 2: each stage keeps the recurrent states of its own linear
+    layers, the last stage its attention's K/V too): the last stage's logits of prefills, a verify chunk and the
+    replay after it equal one rank's."""
+    folders = []
+    for arch, seed in (("qwen3_5", 33), ("qwen3_next", 34)):
+        _, hf = hf_pair(arch, seed)
+        hf.save_pretrained(tmp_path / arch)
+        folders.append(str(tmp_path / arch))
+    first, last = run_ranks(tmp_path / "ranks", PP_WORKER, 2, 2, folders, timeout=240)
+    for folder in folders:
+        (first_layers, none), (last_layers, diff) = first[folder], last[folder]
+        assert none is None and first_layers == [0, 1] and last_layers == [2], (first[folder], last[folder])
+        assert diff < TOL, (folder, diff)

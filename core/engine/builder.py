@@ -143,9 +143,6 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     if not getattr(get_model_class(hf_config), "recurrent", False):
         return False
     kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention: a recurrent state per request)"
-    if args.pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported for {kind}; use "
-                         "tensor_parallel_size instead")
     tp = args.tensor_parallel_size
     for heads in ("linear_num_key_heads", "linear_num_value_heads"):
         if getattr(hf_config, heads) % tp:

@@ -139,7 +139,9 @@ class HybridModel(StageModel):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
+        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
+        # after the first starts from the previous stage's residual stream ``intermediate`` [1, T, H]; a stage before
+        # the last ends there, returning its own
         x = self.embed(input_ids) if intermediate is None else intermediate[0]
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
@@ -148,6 +150,8 @@ class HybridModel(StageModel):
             if i in aux_layers:
                 aux[i] = x
             x = layer(x, cos, sin, meta)
+        if not self.pp.is_last:
+            return x[None], [aux[i] for i in aux_layers]
         return self.norm(x), [aux[i] for i in aux_layers]
 
 
@@ -163,13 +167,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     # name), the dense MLPs and the shared experts: all of them plain linears; not conv1d, the router or the experts
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-    recurrent = True  # the builder refuses what a recurrent state cannot do yet (prefix caching, trees, stages)
+    recurrent = True  # the builder refuses what a recurrent state cannot do yet (token trees)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        if pp is not None and pp.size > 1:
-            raise ValueError(f"pipeline_parallel_size={pp.size}: {hf_config.model_type} models (linear attention) "
-                             "run on one pipeline stage; use tensor_parallel_size instead")
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.recurrent_state_bound = False
 
