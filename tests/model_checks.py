@@ -41,6 +41,21 @@ def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0, conse
     return torch.cat(out)
 
 
+def mutated_logits(folder, mutate_config=None, mutate=None) -> torch.Tensor:
+    """The chunked + decode schedule's logits [L, V] of the model in ``folder`` with a deliberate mistake: its config
+    changed by ``mutate_config(config)`` before it is built, or the model by ``mutate(model)`` after (for the tests
+    showing that a comparison with transformers sees each detail)."""
+    from specray.models.loader import load_model, read_config
+
+    config = read_config(str(folder))
+    if mutate_config is not None:
+        mutate_config(config)
+    model = load_model(str(folder), config=config)
+    if mutate is not None:
+        mutate(model)
+    return chunked_logits(model, prompt(), SCHEDULES["chunked+decode"])
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()

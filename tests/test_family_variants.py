@@ -18,8 +18,8 @@ import torch
 
 from specray.models import cpu_kernels
 from specray.models.loader import load_model
-from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, prompt,  # tests/model_checks.py
-                                       run_ranks, WORKER_PRELUDE)
+from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, mutated_logits,  # tests/model_checks.py
+                                       prompt, run_ranks, WORKER_PRELUDE)
 
 TOL = 1e-4
 # each family's tiny model (a tests/conftest.py fixture)
@@ -103,17 +103,9 @@ MUTATIONS = {"smollm3-rope-everywhere": ("smollm3", _rope_everywhere, None),
 def test_each_difference_shows_in_the_logits(request, mutation):
     """With a difference from the family it builds on undone, the model is far from transformers': the comparison
     above sees each of them."""
-    from specray.models.loader import read_config
-
     name, mutate, mutate_config = MUTATIONS[mutation]
     folder = request.getfixturevalue(FIXTURES[name])
-    config = read_config(str(folder))
-    if mutate_config is not None:
-        mutate_config(config)
-    model = load_model(str(folder), config=config)
-    if mutate is not None:
-        mutate(model)
-    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), hf_logits(folder, prompt())) > 1e-2
+    assert max_diff(mutated_logits(folder, mutate_config, mutate), hf_logits(folder, prompt())) > 1e-2
 
 
 def test_seed_oss_o_proj_has_no_bias(tiny_seed_oss_dir):
