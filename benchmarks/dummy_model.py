@@ -38,6 +38,15 @@ SHAPES = {
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # DeepSeek-V2-Lite: 27 layers of width 2048 (the first dense), multi-head latent attention (16 heads, latent 512,
+    # no query latent), 64 routed experts of width 1408, 6 per token, 2 shared (31 GB in bf16)
+    "deepseek-v2-lite": ("deepseek_v2", dict(
+        architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, vocab_size=102400, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
 }
 
 

@@ -7,7 +7,7 @@
 # (forced drafts, ngram) against constrained decoding without forced drafts, async scheduling off against on
 # (the default model's streamed deltas), and a real size's decode steps eagerly and from graphs (Llama 3.1 8B's
 # shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8; Qwen3-30B-A3B's experts from
-# graphs and eagerly), and what LoRA adapters cost
+# graphs and eagerly; DeepSeek-V2-Lite's latent attention and experts likewise), and what LoRA adapters cost
 # (the default model, max_loras 1 and 4), and a 4-bit release kept in 4 bits against its dense twin. The image of
 # the lent machines has no Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels
 # (DEVELOPERS.md).
@@ -78,6 +78,13 @@ if [[ $checks == *" real-size "* ]]; then
   [ -d "$models/qwen3-30b-a3b" ] || python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out "$models/qwen3-30b-a3b"
   bench "${step[@]}" --model "$models/qwen3-30b-a3b" --modes graphs | tee "$out/step-qwen3-30b-a3b.md"
   bench "${step[@]/1,8,64/1,8}" --model "$models/qwen3-30b-a3b" --modes eager | tee "$out/step-qwen3-30b-a3b-eager.md"
+  # latent attention and experts at a real size (DeepSeek-V2-Lite's shapes, 31 GB in bf16): MLA's absorbed decode and
+  # the grouped experts from graphs against eager steps (both never captured on a GPU before this)
+  [ -d "$models/deepseek-v2-lite" ] || python benchmarks/dummy_model.py --shape deepseek-v2-lite \
+    --out "$models/deepseek-v2-lite"
+  bench "${step[@]}" --model "$models/deepseek-v2-lite" --modes graphs | tee "$out/step-deepseek-v2-lite.md"
+  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v2-lite" --modes eager \
+    | tee "$out/step-deepseek-v2-lite-eager.md"
   # cost curves at that size (n tokens' forward from a CUDA graph) for bench_replay.py --cost-curve, replayed on a
   # CPU afterwards: what drafting and the draft-length policy would buy at that device's costs
   for m in llama3-8b llama3-8b-awq; do
