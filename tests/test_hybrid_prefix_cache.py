@@ -2,7 +2,7 @@
 prompt's prefill stops once at its last whole block and the state there is kept (a snapshot slot); a later request
 whose tokens begin with those blocks starts from them and from the kept state (its conv history and delta-rule
 matrix), and computes only the rest. Greedy tokens equal an engine without prefix caching, plain and with n-gram
-drafts, multi-turn (each turn's prompt the last one's prompt, answer and a new message), with fewer snapshot slots
+drafts and with the release's MTP head, multi-turn (each turn's prompt the last one's prompt, answer and a new message), with fewer snapshot slots
 than conversations (least recently used ones forgotten), under preemption, and from graphs."""
 
 from __future__ import annotations
@@ -44,12 +44,25 @@ def engine(folder, **kw):
     return LLM(model=str(folder), max_model_len=256, block_size=BLOCK, **kw)
 
 
-@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
-def test_turns_from_kept_states_equal_no_prefix_caching(hybrid, spec):
+@pytest.fixture(scope="module")
+def hybrid_mtp(tmp_path_factory):
+    """A hybrid target with its release's MTP layer (``mtp.*``), drafting "the same token again" mostly."""
+    import specray_test_draft_heads as draft_heads
+
+    root = tmp_path_factory.mktemp("hybrid_mtp")
+    target = draft_heads.write_tiny_hybrid(root / "target", "qwen3_5")
+    return draft_heads.write_qwen_mtp(root / "mtp", target)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM, {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}],
+                         ids=["plain", "ngram", "mtp"])
+def test_turns_from_kept_states_equal_no_prefix_caching(request, hybrid, spec):
     """Three turns of three conversations: from the second turn on every request starts behind its conversation's
-    cached blocks and kept state, and the greedy tokens equal an engine without prefix caching."""
-    want, none = turns(engine(hybrid, speculative_config=spec), 3, 3)
-    llm = engine(hybrid, enable_prefix_caching=True, speculative_config=spec)
+    cached blocks and kept state, and the greedy tokens equal an engine without prefix caching (with the MTP head,
+    whose K/V of the cached blocks the request that computed them wrote)."""
+    folder = request.getfixturevalue("hybrid_mtp") if spec and spec["method"] == "mtp" else hybrid
+    want, none = turns(engine(folder, speculative_config=spec), 3, 3)
+    llm = engine(folder, enable_prefix_caching=True, speculative_config=spec)
     got, cached = turns(llm, 3, 3)
     assert got == want and none == [0, 0, 0]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1], cached
