@@ -67,9 +67,9 @@ class ModelRunner:
         scratch = StepGraphs.scratch_blocks_needed(block_size) if step_graphs else 0
         # this runner owns it
         self.kv_cache: KVCache = allocate_kv_cache(model, num_blocks + scratch, block_size, kv_cache_dtype)
-        # linear-attention layers' recurrent state: two slots per running request (max_num_seqs; RecurrentSlots) and
-        # a scratch slot past them for graph steps' padding sequences, None without
-        # and, with prefix caching, the states kept at block boundaries (snapshots) past those
+        # linear-attention layers' recurrent state (None without): two slots per running request (max_num_seqs;
+        # RecurrentSlots), a scratch slot past them for graph steps' padding sequences and, with prefix caching, the
+        # states kept at block boundaries (snapshots) past that
         self.recurrent_state = allocate_recurrent_state(
             model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS + recurrent_snapshots, max_draft_tokens)
         self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
