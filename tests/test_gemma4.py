@@ -188,15 +188,19 @@ def test_unsupported_settings_are_named(overrides, match):
 
 def test_stages_splitting_a_shared_layer_from_its_source_are_refused(tiny_gemma4_dir):
     """Two stages of the 6 layers (0-2, 3-5): layer 4 reads layer 2's cache, on the other stage: refused, naming
-    both settings. Of 8 layers (0-3, 4-7) the first stage has no store layer for Gemma 4's assistant to read."""
+    both settings, by the engine before any rank starts too. Of 8 layers (0-3, 4-7) the first stage has no store layer for Gemma 4's assistant to read."""
     from transformers import Gemma4TextConfig
 
     from specray.models.gemma4 import Gemma4ForCausalLM
     from specray.parallel import PPGroup
 
+    from specray import LLM
+
     with pytest.raises(ValueError, match=r"num_kv_shared_layers=2 with pipeline_parallel_size=2: layer 4 reads the "
                                          r"KV cache of layer 2, which stage 0 holds"):
         load_model(str(tiny_gemma4_dir), pp=PPGroup.of_rank(1, 1, 2))
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers=2 with pipeline_parallel_size=2"):  # before any rank
+        LLM(model=str(tiny_gemma4_dir), pipeline_parallel_size=2, distributed_executor_backend="ray")
     config = Gemma4TextConfig(**text_config(64, num_hidden_layers=8, layer_types=[SLIDING, FULL] * 4))
     with torch.device("meta"):
         first, last = (Gemma4ForCausalLM(config, pp=PPGroup.of_rank(r, 1, 2)) for r in (0, 1))

@@ -201,11 +201,15 @@ def check_quantization(quantization: str | None, config) -> None:
 
 def check_model_split(config, tp: int, pp: int = 1) -> None:
     """``tp`` ranks split the model's attention and KV heads, and ``pp`` pipeline stages its decoder layers (at least
-    one each): checked before any rank starts."""
+    one each), and what the family itself checks (its class's ``check_split``): before any rank starts."""
     from specray.models.layers import check_heads_split
+    from specray.models.registry import get_model_class
 
     check_heads_split(config, tp)
     stage_layers(config.num_hidden_layers, 0, pp)
+    family_check = getattr(get_model_class(config), "check_split", None)
+    if family_check is not None:
+        family_check(config, tp, pp)
 
 
 def check_head_split(method: str, model: str, tp: int) -> None:

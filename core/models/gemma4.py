@@ -455,6 +455,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.stage_width = 1 + self.model.per_layer_rows  # the residual stream, then the per-layer inputs packed
 
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        """What the engine checks before any rank starts (:func:`specray.engine.builder.check_model_split`): a
+        KV-shared layer on its source's stage."""
+        check_stages(config, kv_sources(config), pp)
+
     def kv_store_attention(self, kind: str) -> PagedAttention:
         """The attention of the last ``kind`` layer that computes K/V (:func:`kv_store_layers`), bound to its view of
         the runner's cache once the cache is allocated: what Gemma 4's assistant attends over."""
