@@ -201,12 +201,18 @@ def check_quantization(quantization: str | None, config) -> None:
 
 def check_model_split(config, tp: int, pp: int = 1) -> None:
     """``tp`` ranks split the model's attention and KV heads, and ``pp`` pipeline stages its decoder layers (at least
-    one each), and what the family itself checks (its class's ``check_split``): before any rank starts."""
+    one each): checked before any rank starts."""
     from specray.models.layers import check_heads_split
-    from specray.models.registry import get_model_class
 
     check_heads_split(config, tp)
     stage_layers(config.num_hidden_layers, 0, pp)
+
+
+def check_family_split(config, tp: int, pp: int) -> None:
+    """What the model's family itself checks of a split (its class's ``check_split``; Gemma 4: its KV-shared
+    layers on their sources' stages), before any rank starts."""
+    from specray.models.registry import get_model_class
+
     family_check = getattr(get_model_class(config), "check_split", None)
     if family_check is not None:
         family_check(config, tp, pp)
@@ -240,6 +246,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_family_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     recurrent = check_recurrent(args, hf_config)
     check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
