@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -238,7 +237,8 @@ class Gemma4MLP(nn.Module):
 
 class Gemma4Experts(SparseMoE):
     """Gemma 4's experts on :class:`~specray.models.moe.SparseMoE` (its storage, split over ranks, loading of the fused
-    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and dispatch), with Gemma 4's router and activation:
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and dispatch; moe.py's ``gemma4_text`` row), with
+    Gemma 4's router:
 
     * the router reads the residual stream (not the experts' input): RMS-normed without a scale, times ``scale`` [H]
       and ``hidden_size ** -0.5``, projected (``gate``), softmax in float32, the top k renormalised, each weight
@@ -249,12 +249,7 @@ class Gemma4Experts(SparseMoE):
         for field in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if not getattr(config, field, None):
                 raise ValueError(f"enable_moe_block=True needs {field} (got {getattr(config, field, None)!r})")
-        # moe.py's softmax row names its fields as Qwen3-MoE does; the rest of the block is the same
-        moe = SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=config.hidden_size,
-                              num_experts=config.num_experts, num_experts_per_tok=config.top_k_experts,
-                              moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=True,
-                              quantization_config=getattr(config, "quantization_config", None))
-        super().__init__(moe, tp, expert_parallel)
+        super().__init__(config, tp, expert_parallel)  # moe.py's gemma4_text row
         self.router_norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, scaled=False)
         self.router_scale = _param(config.hidden_size)
         self.per_expert_scale = _param(config.num_experts)
@@ -267,9 +262,6 @@ class Gemma4Experts(SparseMoE):
         weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale.float()[ids]
         return weights.to(stream.dtype), ids
-
-    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh") * up
 
 
 def _single_linear(in_features: int, out_features: int) -> ColumnParallelLinear:

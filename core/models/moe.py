@@ -115,6 +115,8 @@ class MoEFamily:
     biased: bool = False  # the router and the experts' projections have biases (GPT-OSS)
     interleaved: bool = False  # the fused gate_up interleaves gate and up features (GPT-OSS), else gate then up
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
+    gelu: bool = False  # gelu_tanh(gate) * up (Gemma 4), else as above
+    top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
     fused_by_shape: bool = False
@@ -146,6 +148,10 @@ FAMILIES = {
 # norm_topk_prob and always renormalises
 FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["deepseek_v3"]  # DeepSeek-V3.2's and GLM-5's experts
+# Gemma 4's block beside its dense MLP: gated GELU experts, fused tensors [E, 2I, H] and [E, H, I]; its router (on the
+# residual stream, with per-expert scales) is its own (specray.models.gemma4.Gemma4Experts.route)
+FAMILIES["gemma4_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", normalized=True, gelu=True,
+                                    top_k="top_k_experts")
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
@@ -201,12 +207,12 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.family = family = FAMILIES[config.model_type]
+        if not family.gelu and config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.tp = tp
         self.num_experts = getattr(config, family.num_experts)
-        self.top_k = config.num_experts_per_tok
+        self.top_k = getattr(config, family.top_k)
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", family.normalized))
         self.grouped = family.routing == "grouped_sigmoid"
         # DeepSeek-V2's top k from the topk_group best groups (each group worth its best expert's probability)
@@ -412,6 +418,8 @@ class SparseMoE(nn.Module):
         return F.linear(self._activate(gate, up), w2, b2)
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.family.gelu:
+            return F.gelu(gate, approximate="tanh") * up
         if not self.family.clamped:
             return F.silu(gate) * up
         limit, alpha = self.swiglu
