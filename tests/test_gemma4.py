@@ -495,3 +495,23 @@ def test_fp8_cache_equals_fake_quantized_attention(tiny_gemma4_dir, monkeypatch)
         assert torch.equal(got, logits("auto"))
         monkeypatch.undo()
         assert torch.isfinite(got).all() and max_diff(got, logits("auto")) > 1e-4  # rounded: not the same
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_keep_greedy_output(tiny_gemma4_dir, tmp_path, method):
+    """An EAGLE-1 / EAGLE-3 head over Gemma 4 (EAGLE-3 reading the residual streams entering its chosen layers of
+    Gemma 4's own stack: sliding and full, experts, per-layer inputs, KV-shared layers): greedy output equals plain
+    decoding, drafts accepted."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+
+    from specray import LLM, SamplingParams
+
+    head = draft_heads.write_accepting_head(tmp_path / method, method, tiny_gemma4_dir)
+    prompts = [{"prompt_token_ids": list(range(30 + i, 50 + i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(model=str(tiny_gemma4_dir), max_model_len=128).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_gemma4_dir), max_model_len=128, speculative_config={
+        "method": method, "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert llm.spec_stats.accepted_tokens > 0
