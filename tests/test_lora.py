@@ -204,7 +204,7 @@ import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registere
 # what an adapter of a hybrid model adapts here: every projection specray applies LoRA to (PEFT's "all-linear" but
 # the routers, the shared experts' gate and the experts)
 HYBRID_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
-                  "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+                  "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
 
 def _hybrid_adapter(base: Path, dst: Path, seed: int = 3) -> dict:
@@ -213,16 +213,19 @@ def _hybrid_adapter(base: Path, dst: Path, seed: int = 3) -> dict:
                        k.endswith(".weight") and k.split(".")[-2] in HYBRID_MODULES, seed=seed, std=0.1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
-    """Qwen3.5 (dense) and Qwen3.5-MoE (a shared expert): an adapter of the gated attention's q/k/v/o (q_proj's
-    rows: each head's query and output gate), the linear-attention layers' in_proj_qkv / z / b / a and out_proj, and
+    """Qwen3.5 (dense), Qwen3.5-MoE (a shared expert) and Qwen3-Next (its checkpoint's fused in_proj_qkvz /
+    in_proj_ba: an adapter of them has its B split as the weights are): an adapter of the gated attention's q/k/v/o
+    (q_proj's rows: each head's query and output gate), the linear-attention layers' projections and out_proj, and
     the MLPs, beside a sequence without one: a prefill, verify chunks whose drafts stay pending, and the next chunks
     replaying the accepted ones (conv inputs and gates computed under the adapter); each row's logits equal
     transformers' with the adapter merged (the base model's for the other sequence)."""
     base = hybrid.save(tmp_path / "base", arch, seed=5)
     tensors = _hybrid_adapter(base, tmp_path / "adapter")
-    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors} == set(HYBRID_MODULES)
+    split, fused = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}, {"in_proj_qkvz", "in_proj_ba"}
+    adapted = set(HYBRID_MODULES) - (split if arch == "qwen3_next" else fused)  # the checkpoint's own names
+    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors} == adapted
     merged = _hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged"))
     plain = _hf(base)
     model = load_model(base)
@@ -290,24 +293,26 @@ def test_hybrid_engine_with_an_adapter_and_ngram_drafts_equals_the_merged_model(
         assert runs.token_ids(outs) == expected[0][:1]
 
 
-def test_qwen3_next_fused_linear_projections_are_refused_by_name(tmp_path):
+def test_qwen3_next_fused_linear_projections_are_admitted_with_their_shapes(tmp_path):
     """Qwen3-Next's checkpoint fuses its linear layers' projections per key-head group (in_proj_qkvz, in_proj_ba),
-    which specray splits as they load: an adapter of them is refused at admission, naming them; one of its
-    attention, out_proj and shared-expert projections is admitted."""
+    which specray splits as they load: an adapter of them is admitted with their fused shapes (its B split as the
+    weights are when it loads: the logits test above), a B of another width refused, naming the module."""
     from specray.lora import read_adapter
     from specray.models.lora import adapter_shapes
 
     model, hf = hybrid.ours(tmp_path / "base", "qwen3_next")
     shapes = adapter_shapes(model)
     fused = tmp_path / "fused"
-    _adapter_of(tmp_path / "base", fused, lambda k: k.endswith("linear_attn.in_proj_qkvz.weight"))
-    with pytest.raises(ValueError, match="in_proj_qkvz', which specray does not apply LoRA to"):
+    tensors = _adapter_of(tmp_path / "base", fused, lambda k: k.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")))
+    info = read_adapter(str(fused), shapes, 4)
+    assert {m.rsplit(".", 1)[1] for m in info.ranks} == {"in_proj_qkvz", "in_proj_ba"}
+    qkvz = next(k for k in tensors if k.endswith("in_proj_qkvz.lora_B.weight"))
+    assert tensors[qkvz].shape[0] == shapes[qkvz.split("base_model.model.")[1].split(".lora_B")[0]][0]
+    from safetensors.torch import save_file
+
+    save_file({**tensors, qkvz: tensors[qkvz][:-1]}, str(fused / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"in_proj_qkvz.lora_B has shape .* output features"):
         read_adapter(str(fused), shapes, 4)
-    good = tmp_path / "good"
-    _hybrid_adapter(tmp_path / "base", good)
-    info = read_adapter(str(good), shapes, 4)
-    assert {m.rsplit(".", 1)[1] for m in info.ranks} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                          "up_proj", "down_proj", "out_proj"}
 
 
 # ---------------------------------------------------------------------------------------------- the engine

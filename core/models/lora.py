@@ -161,6 +161,7 @@ def adapter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
                 shapes[f"{parent}.{checkpoint}"] = (out_features, in_features)
         if f".{leaf}." in getattr(model, "fused", {}):  # a fused checkpoint's adapters adapt the parts at once
             shapes[f"{parent}.{leaf}"] = (sum(rows), in_features)
+    shapes.update(getattr(model, "adapter_fusions", dict)())  # fused otherwise than by rows (Qwen3-Next's)
     return shapes
 
 
@@ -226,7 +227,8 @@ class LoRASlots:
         for module, (lora_a, lora_b) in tensors.items():
             if module.startswith(self.other_stage):
                 continue
-            for piece, b in unfuse(f"{module}.", lora_b, self.fused):  # a fused one's B: its parts' rows, A shared
+            split = getattr(self.model, "split_adapter", lambda *_: None)(module, lora_b)  # (Qwen3-Next's)
+            for piece, b in split or unfuse(f"{module}.", lora_b, self.fused):  # a fused one's B: its parts', A shared
                 target, part = self._target(piece[:-1])
                 self.layers[target].set(slot, part, lora_a, b, info.scale(lora_a.shape[0]))
         self.slot_of[request.lora_int_id] = slot

@@ -163,8 +163,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     model_class = HybridModel
     stage_width = 1
     # LoRA on the attention layers' q/k/v/o (q_proj's rows hold each head's query and gate, loaded as its weight is),
-    # the linear layers' projections (Qwen3.5's names; Qwen3-Next's fused in_proj_qkvz / in_proj_ba are refused by
-    # name), the dense MLPs and the shared experts: all of them plain linears; not conv1d, the router or the experts
+    # the linear layers' projections (Qwen3.5's names; an adapter of Qwen3-Next's fused in_proj_qkvz / in_proj_ba has
+    # its B split as the weights are: adapter_fusions, split_adapter), the dense MLPs and the shared experts: all of
+    # them plain linears; not conv1d, the router or the experts
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
     recurrent = True  # the builder refuses what a recurrent state cannot do yet (token trees)
@@ -245,6 +246,36 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         flat = [part.reshape(-1, w.shape[-1]) for part in (q, k, v, z)]
         yield name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat(flat[:3])
         yield name.replace("in_proj_qkvz", "in_proj_z"), flat[3]
+
+    # ---- LoRA adapters of Qwen3-Next's fused projections: their B split as the weights are (A is shared)
+
+    _FUSED = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+
+    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
+        """Qwen3-Next's fused checkpoint projections an adapter may name (``...linear_attn.in_proj_qkvz`` and
+        ``in_proj_ba``), by checkpoint name, with their weights' (out, in) shape (the parts' rows summed; built whole,
+        one rank): :func:`specray.models.lora.adapter_shapes` adds them."""
+        if self.config.model_type != "qwen3_next":
+            return {}
+        shapes = {}
+        for i, layer in self.model.stage_layers():
+            attn = getattr(layer, "linear_attn", None)
+            if attn is None:
+                continue
+            for fused, parts in self._FUSED.items():
+                modules = [getattr(attn, part) for part in parts]
+                shapes[f"model.layers.{i}.linear_attn.{fused}"] = (sum(m.out_local for m in modules),
+                                                                   modules[0].in_features)
+        return shapes
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """An adapter's B of a fused projection ``module`` as its parts' (named as our projections, with a trailing
+        dot, as :func:`specray.models.llama.unfuse` names them), or None for any other module."""
+        leaf = module.rsplit(".", 1)[-1]
+        if self.config.model_type != "qwen3_next" or leaf not in self._FUSED:
+            return None
+        split = self._split_qkvz if leaf == "in_proj_qkvz" else self._split_ba
+        return [(name + ".", b) for name, b in split(module, lora_b)]
 
     def _split_ba(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """Qwen3-Next's ``in_proj_ba`` [key_heads * 2r, H] (per key head its r value heads' b, then their a) as
