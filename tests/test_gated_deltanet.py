@@ -243,3 +243,57 @@ def test_without_taking_a_step_back_a_failure_after_the_runner_fails_the_others(
     monkeypatch.setattr(RecurrentSlots, "_retried", lambda slots, chunk: False)
     _, done, _ = run_with_poison(monkeypatch, hybrid_dir, "after", True)
     assert any(o.error is not None and "recurrent state is at" in o.error for o in done.values())
+
+
+def test_a_token_tree_gives_each_draft_its_own_paths_state():
+    """A verify chunk whose drafts form a tree, after replaying pending drafts: every row's output equals the output
+    that row gets when its path alone (the chunk's real tokens, then its ancestors, then it) runs as a chain from the
+    same state; the committed state and conv history equal the chain's, and every draft is kept pending in node
+    order (its input and gates)."""
+    import types
+
+    from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
+    from specray.models.kv_cache import RecurrentState
+    from specray.parallel import TPGroup
+
+    cfg = types.SimpleNamespace(hidden_act="silu", linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                hidden_size=32, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    layer, pend, width = GatedDeltaNet(cfg, TPGroup.single()), 6, 3
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(0.0, 0.5)
+    state = RecurrentState([layer.state_spec], 4, pend, torch.float32, "cpu")
+    st = state.layers[0]
+    st.inputs.normal_(), st.matrix.normal_(), st.gates[:, :, 0].uniform_(-2.0, 0.0), st.gates[:, :, 1].uniform_()
+    layer.bind_state(st)
+    # 2 replayed drafts, 2 real tokens, then drafts: two children of the last real token, a grandchild of each,
+    # and a great-grandchild under the second branch
+    parents, real, replay = [-1, -1, 0, 1, 3], 2, 2
+    rows = real + len(parents)
+    mixed, g, beta = torch.randn(rows, st.inputs.shape[-1]), -torch.rand(rows, 4) * 2, torch.rand(rows, 4)
+    before = [t.clone() for t in (st.inputs, st.gates, st.matrix)]
+
+    def run(picks: list[int], tree: list[int] | None, target: int) -> torch.Tensor:
+        for t, old in zip((st.inputs, st.gates, st.matrix), before):
+            t.copy_(old)
+        drafts = len(picks) - real
+        batch = RecurrentBatch([0], [False], [replay], [drafts], [target], parents=None if tree is None else [tree])
+        with torch.no_grad():
+            return layer._recurrence(mixed[picks], g[picks], beta[picks], batch, [len(picks)])
+
+    got = run(list(range(rows)), parents, 1)
+    tree_state = [t[1].clone() for t in (st.inputs, st.gates, st.matrix)]
+    for node in range(len(parents)):
+        path, cur = [], node
+        while cur >= 0:
+            path.insert(0, real + cur)
+            cur = parents[cur]
+        want = run(list(range(real)) + path, None, 2)
+        torch.testing.assert_close(got[real + node], want[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[:real], want[:real], atol=1e-5, rtol=1e-5)
+    chain_state = [t[2] for t in (st.inputs, st.gates, st.matrix)]  # the last chain run's (a path of the tree)
+    torch.testing.assert_close(tree_state[2], chain_state[2], atol=1e-5, rtol=1e-5)  # committed: the real tokens'
+    assert tree_state[0][:width].equal(chain_state[0][:width])  # the conv history: the last committed inputs
+    assert tree_state[0][width: width + len(parents)].equal(mixed[real:])  # every draft pending, in node order
+    assert tree_state[1][: len(parents)].equal(torch.stack((g[real:], beta[real:]), dim=1))

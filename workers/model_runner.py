@@ -122,6 +122,8 @@ class ModelRunner:
             src = [s for m in plan.kv_moves for s in m.src]
             dst = [d for m in plan.kv_moves for d in m.dst]
             self.kv_cache.copy_slots(_long(src, self.device), _long(dst, self.device))
+            if self.recurrent is not None:  # a tree's accepted path: its drafts' pending inputs into path order
+                self._move_pending(plan.kv_moves)
         for new in plan.new_requests:
             self.block_tables[new.req_id] = list(new.block_ids)
             if new.req_id not in self.params:
@@ -136,6 +138,20 @@ class ModelRunner:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]
             table.extend(delta.new_block_ids)
+
+    def _move_pending(self, moves) -> None:
+        """A hybrid model's token trees: the drafts a verify chunk left pending are in node order; the next plan's
+        K/V moves name the accepted path's nodes (each move's source slot: the node's position, its destination: the
+        path's), so the pending inputs and gates are put in path order too, where the next chunk replays them
+        (read with the block tables the moves were computed with: these, before this plan's deltas)."""
+        src_rows, dst_rows, bs = [], [], self.block_size
+        for move in moves:
+            table, committed = self.block_tables[move.req_id], self.recurrent.position[move.req_id][0]
+            slot = self.recurrent.committed_slot(move.req_id)
+            for s, d in zip(move.src, move.dst):  # a slot's position: its block's place in the table, its offset
+                src_rows.append((slot, table.index(s // bs) * bs + s % bs - committed))
+                dst_rows.append((slot, table.index(d // bs) * bs + d % bs - committed))
+        self.recurrent_state.move_pending(src_rows, dst_rows)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, draft_probs: dict[str, torch.Tensor] | None = None) -> StepResult | None:
@@ -245,7 +261,7 @@ class ModelRunner:
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if recurrent is not None:  # requests starting behind cached blocks: their kept states first
             self.recurrent_state.copy_slots(*self.recurrent.restores)
-        if self.graphs is not None:
+        if self.graphs is not None and not (trees and recurrent is not None):  # (a hybrid's trees: eagerly)
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
             shape = self.graphs.shape(query_lens, starts, decode, min_rows=rows)
@@ -432,9 +448,6 @@ class RecurrentSlots:
         self._staged: list[tuple[str, int, tuple[int, int], tuple[int, int], int]] = []  # the step's, until commit
 
     def apply(self, plan: StepPlan) -> None:
-        if plan.kv_moves:  # only token trees move K/V, and these models are refused them at engine build
-            raise RequestError([m.req_id for m in plan.kv_moves], "a K/V move (token tree) reached a model with "
-                               "linear-attention layers, which verify chains only")
         for rid in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             slot = self.slot_of.pop(rid, None)
             self.position.pop(rid, None)
@@ -458,9 +471,7 @@ class RecurrentSlots:
         bad = {}
         for c in chunks:
             held = self.undo[c.req_id][0] if self._retried(c) else self.position.get(c.req_id, (0, 0))
-            if c.draft_parents is not None:
-                bad[c.req_id] = "token trees are not verified on models with linear attention (chains only)"
-            elif c.num_draft_tokens > self.max_pending:
+            if c.num_draft_tokens > self.max_pending:
                 bad[c.req_id] = (f"{c.num_draft_tokens} drafts, more than the {self.max_pending} the recurrent state "
                                  "keeps pending (num_speculative_tokens)")
             elif c.start_pos and c.restore_state is None and not 0 <= c.start_pos - held[0] <= held[1]:
@@ -468,7 +479,9 @@ class RecurrentSlots:
                                  f"{held[1]} drafts pending")
         if bad:
             raise RequestError(list(bad), "; ".join(f"{rid}: {why}" for rid, why in bad.items()))
-        batch = RecurrentBatch([], [], [], [], [])
+        batch = RecurrentBatch([], [], [], [], [], parents=[c.draft_parents for c in chunks])
+        if all(p is None for p in batch.parents):
+            batch.parents = None
         self._staged, self._saves, self.restores = [], [], ([], [])
         for c in chunks:
             slot = self.slot_of[c.req_id]
@@ -493,6 +506,11 @@ class RecurrentSlots:
             self._staged.append((c.req_id, slot, committed, (c.start_pos + c.num_tokens - c.num_draft_tokens,
                                                             c.num_draft_tokens), c.start_pos))
         return batch
+
+    def committed_slot(self, req_id: str) -> int:
+        """The state slot holding ``req_id``'s committed state (and its pending drafts)."""
+        slot = self.slot_of[req_id]
+        return 2 * slot + self.side[slot]
 
     def commit(self) -> tuple[list[int], list[int]]:
         """The step succeeded: the slots it wrote hold its requests' committed states. Returns the (request slots,

@@ -150,18 +150,21 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
                              f"{getattr(hf_config, heads)}; choose a tensor_parallel_size that divides it")
     if spec is not None:
         options = registry.options_of(spec)
+        # a lookup drafter's token trees are verified (each draft's state from its parent's: gated_delta_tree); a
+        # head's trees (EAGLE-2's dynamic ones, a head's static tree) are not
         trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
                  or getattr(options, "use_dynamic_tree", False))
-        if spec.method not in CHAIN_METHODS + RECURRENT_HEADS or trees:
-            what = "token trees" if trees else f"method={spec.method!r}"
-            raise ValueError(f"speculative_config {what} is not supported for {kind}: its state replays accepted "
-                             f"chains only; use one of {list(CHAIN_METHODS + RECURRENT_HEADS)} drafting chains "
-                             "(num_branches=1, no speculative_token_tree, use_dynamic_tree=False)")
+        if spec.method not in CHAIN_METHODS + RECURRENT_HEADS or (trees and spec.method in RECURRENT_HEADS):
+            what = "a head's token trees" if trees and spec.method in CHAIN_METHODS + RECURRENT_HEADS else \
+                f"method={spec.method!r}"
+            raise ValueError(f"speculative_config {what} is not supported for {kind}: use one of "
+                             f"{list(CHAIN_METHODS)} (their token trees too: num_branches) or one of "
+                             f"{list(RECURRENT_HEADS)} drafting chains (no speculative_token_tree, "
+                             "use_dynamic_tree=False)")
         lookup = lookup_beside_head(spec) if spec.method in RECURRENT_HEADS else None
-        if lookup is not None and (lookup.method not in CHAIN_METHODS
-                                   or getattr(registry.options_of(lookup), "num_branches", 1) > 1):
-            raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: it may "
-                             f"propose token trees; combine the head with one of {list(CHAIN_METHODS)}, or with none")
+        if lookup is not None and lookup.method not in CHAIN_METHODS:
+            raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: "
+                             f"combine the head with one of {list(CHAIN_METHODS)}, or with none")
     return True
 
 

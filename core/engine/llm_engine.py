@@ -195,8 +195,8 @@ class LLMEngine:
             return False
         check_request_method(method, None if self.router is None else self.router.spec)
         if self.chain_methods is not None and method != self.router.method and method not in self.chain_methods:
-            raise ValueError(f"speculative_method={method!r} may propose token trees, which this model (linear "
-                             "attention: its state replays accepted chains) does not verify; pick one of "
+            raise ValueError(f"speculative_method={method!r} is not served on this model (linear attention: its "
+                             "state is verified for the lookup drafters' chains and trees); pick one of "
                              f"{list(self.chain_methods)} or leave speculative_method out")
         if method == self.router.method:
             return False

@@ -62,6 +62,9 @@ class RecurrentBatch:
     replay: list[int]
     drafts: list[int]
     targets: list[int] | None = None
+    # per sequence, its drafts' tree (ScheduledChunk.draft_parents: each draft's parent draft, -1 for the chunk's last
+    # real token) or None for a chain; None: every sequence a chain
+    parents: list[list[int] | None] | None = None
 
     def padded(self, batch: int, query_lens: list[int], scratch: int, device: torch.device | str
                ) -> RecurrentGraphBatch:
@@ -137,6 +140,46 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if keep is not None:
             kept = torch.where(keep[t], state, kept)
     return torch.stack(outputs, 1), (state if keep is None else kept)
+
+
+def tree_rows(replayed: int, real: int, parents: list[int]) -> list[int]:
+    """Each row's parent row in a verify chunk whose drafts form a tree: ``replayed`` replayed drafts and ``real``
+    tokens in a chain (row 0's parent -1: the state it starts from), then the drafts, draft i's parent the chunk's
+    last real token (``parents[i]`` -1) or draft ``parents[i]``."""
+    chain = replayed + real
+    return [j - 1 for j in range(chain)] + [chain - 1 if p < 0 else chain + p for p in parents]
+
+
+def tree_windows(parent_rows: list[int], width: int) -> list[list[int]]:
+    """Per row, the rows of its conv window in a pool of ``width`` history rows then the chunk's rows: its K - 1 =
+    ``width`` nearest ancestors (the history's last rows past the first row's), oldest first, then itself."""
+    out = []
+    for j in range(len(parent_rows)):
+        rows, cur, back = [width + j], j, width - 1
+        while len(rows) <= width:
+            cur = parent_rows[cur] if cur >= 0 else -1
+            if cur >= 0:
+                rows.append(width + cur)
+            else:
+                rows.append(back)
+                back -= 1
+        out.append(rows[::-1])
+    return out
+
+
+def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, parent_rows: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over one sequence's rows that form a tree (:func:`tree_rows`): row j updates its parent row's
+    state (``state`` [H, dk, dv] for parent -1), so every draft sees its own path only. q, k [L, H, dk], v [L, H,
+    dv], g, beta [L, H], float32 -> the outputs [L, H, dv] and the state after row ``keep``."""
+    states, outputs = [], []
+    for j, parent in enumerate(parent_rows):
+        s = (state if parent < 0 else states[parent]) * g[j].exp()[:, None, None]
+        delta = (v[j] - (s * k[j][..., None]).sum(-2)) * beta[j][:, None]  # beta (v - k^T S): [H, dv]
+        s = s + k[j][..., None] * delta[:, None, :]
+        states.append(s)
+        outputs.append((s * q[j][..., None]).sum(-2))
+    return torch.stack(outputs), states[keep]
 
 
 # A step whose longest (padded) sequence has at least this many tokens runs the chunked form: below it the token loop
@@ -355,6 +398,13 @@ class GatedDeltaNet(nn.Module):
         lengths = [len(s[4]) - width for s in seqs]  # n + q each
         conv = causal_conv(torch.nn.utils.rnn.pad_sequence([s[4] for s in seqs], batch_first=True),
                            self.conv1d.weight)  # [B, L, C]
+        trees = {b: tree_rows(s[2], lengths[b] - s[2] - s[3], p)  # a tree's rows: their own windows and scan
+                 for b, (s, p) in enumerate(zip(seqs, batch.parents or [None] * len(seqs))) if p is not None}
+        for b, parent_rows in trees.items():  # each row's conv over its ancestors' inputs (host lists: no sync)
+            windows = torch.tensor(tree_windows(parent_rows, width), dtype=torch.long, device=mixed.device)
+            x = seqs[b][4][windows]  # [L, K, C]
+            conv[b, : len(parent_rows)] = F.silu((x.to(self.conv1d.weight.dtype)
+                                                  * self.conv1d.weight.t()).sum(1)).to(conv.dtype)
         real = torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]  # [B, L] (host lists: no sync)
         q, k, v = self._split_heads(conv * real.to(conv.device)[..., None])
         g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
@@ -368,6 +418,11 @@ class GatedDeltaNet(nn.Module):
         keep_at = [c - 1 for c in committed] if any(s[3] for s in seqs) else None
         delta_rule = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
         out, kept = delta_rule(q, k, v, g_pad, beta_pad, initial, keep_at)
+        for b, parent_rows in trees.items():  # (the chain rule's rows for it, computed above, are not used)
+            rows = len(parent_rows)
+            out_b, kept_b = gated_delta_tree(q[b, :rows], k[b, :rows], v[b, :rows], g_pad[b, :rows],
+                                             beta_pad[b, :rows], initial[b], parent_rows, committed[b] - 1)
+            out[b, :rows], kept[b] = out_b, kept_b
         targets = batch.slots if batch.targets is None else batch.targets
         st.matrix.index_copy_(0, torch.tensor(targets, dtype=torch.long, device=mixed.device), kept)
         for (_, _, n, drafts, window, g_seq, beta_seq), done, row in zip(seqs, committed, targets):

@@ -348,6 +348,19 @@ class RecurrentState:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers for t in (s.inputs, s.gates, s.matrix))
 
+    def move_pending(self, src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> None:
+        """Pending draft rows (slot, draft index) ``src`` copied to ``dst`` in every layer (a token tree's accepted
+        path into path order); all sources are read before any destination is written."""
+        if not src:
+            return
+        for layer in self.layers:
+            width = layer.inputs.shape[1] - layer.gates.shape[1]  # the conv history's rows come first
+            inputs = [layer.inputs[s, width + i].clone() for s, i in src]
+            gates = [layer.gates[s, i].clone() for s, i in src]
+            for (s, i), row, gate in zip(dst, inputs, gates):
+                layer.inputs[s, width + i] = row
+                layer.gates[s, i] = gate
+
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Every layer's state in slots ``src`` copied into slots ``dst`` (a kept snapshot and a request's slot, either
         way); all sources are read before any destination is written."""
