@@ -1540,13 +1540,19 @@ def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dir
 
 def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
     """What the hybrid family's MTP cannot do is refused with the way out: a release without ``mtp.*``, more than its
-    one MTP layer, a tree-drafting lookup beside the head; Medusa's trees and EAGLE-2's stay refused for these
-    targets."""
+    one MTP layer; Medusa's trees and EAGLE-2's stay refused for these targets. A lookup's token trees beside the
+    head (suffix decoding's) are verified: greedy output equals plain decoding's."""
     target, accepting, _ = hybrid_dirs("qwen3_5")
+    beside = LLM(str(accepting), max_model_len=128, speculative_config={
+        **HYBRID_MTP, "combine_with": {"method": "suffix", "num_speculative_tokens": 6}})
+    plain = LLM(str(accepting), max_model_len=128)
+    prompts = [{"prompt_token_ids": ids} for ids in HYBRID_IDS]
+    assert token_ids(beside.generate(prompts, greedy(24), use_tqdm=False)) == token_ids(
+        plain.generate(prompts, greedy(24), use_tqdm=False))
+    assert beside.spec_stats.accepted_tokens > 0
     for model, extra, match in [
             (target, {}, "no MTP layer"),
             (accepting, {"num_nextn_predict_layers": 2, "num_speculative_tokens": 2}, "num_nextn_predict_layers=2"),
-            (accepting, {"combine_with": "suffix"}, "combine_with='suffix'"),
             (accepting, {"method": "medusa", "model": str(tmp_path)}, "method='medusa'"),
             (target, {"method": "eagle3", "model": str(tmp_path), "use_dynamic_tree": True}, "use_dynamic_tree")]:
         with pytest.raises(ValueError, match=match):

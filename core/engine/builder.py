@@ -111,9 +111,11 @@ def check_engine_args(args: EngineArgs) -> None:
                          "distributed_executor_backend='ray'")
 
 
-# the speculation methods that propose chains only (a drafter that may propose a token tree, or a head on the worker,
-# is refused for a model with linear attention: its recurrent state replays accepted chains only)
-CHAIN_METHODS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache", "prediction")
+# the drafters in the engine served on a model with linear attention: the lookups (their chains and token trees: each
+# draft's state follows its own path), a draft model and predicted outputs; a user's drafter is not (its trees and
+# chains are not known to fit the recurrent state's replay)
+RECURRENT_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache",
+                      "prediction", "suffix", "lookahead")
 # heads on the worker that draft chains for such a model: the family's own MTP layer and EAGLE-1 / EAGLE-3 heads read
 # the verify pass's hidden rows (EAGLE-3: the residual streams entering its chosen layers) and keep K/V of their own,
 # never the recurrent state; EAGLE-2's dynamic trees (use_dynamic_tree) are refused as every tree is
@@ -154,17 +156,17 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
         # head's trees (EAGLE-2's dynamic ones, a head's static tree) are not
         trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
                  or getattr(options, "use_dynamic_tree", False))
-        if spec.method not in CHAIN_METHODS + RECURRENT_HEADS or (trees and spec.method in RECURRENT_HEADS):
-            what = "a head's token trees" if trees and spec.method in CHAIN_METHODS + RECURRENT_HEADS else \
-                f"method={spec.method!r}"
+        if spec.method not in RECURRENT_DRAFTERS + RECURRENT_HEADS or (trees and spec.method in RECURRENT_HEADS):
+            what = ("a head's token trees" if trees and spec.method in RECURRENT_DRAFTERS + RECURRENT_HEADS
+                    else f"method={spec.method!r}")
             raise ValueError(f"speculative_config {what} is not supported for {kind}: use one of "
-                             f"{list(CHAIN_METHODS)} (their token trees too: num_branches) or one of "
+                             f"{list(RECURRENT_DRAFTERS)} (their token trees too: num_branches) or one of "
                              f"{list(RECURRENT_HEADS)} drafting chains (no speculative_token_tree, "
                              "use_dynamic_tree=False)")
         lookup = lookup_beside_head(spec) if spec.method in RECURRENT_HEADS else None
-        if lookup is not None and lookup.method not in CHAIN_METHODS:
+        if lookup is not None and lookup.method not in RECURRENT_DRAFTERS:
             raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: "
-                             f"combine the head with one of {list(CHAIN_METHODS)}, or with none")
+                             f"combine the head with one of {list(RECURRENT_DRAFTERS)}, or with none")
     return True
 
 
@@ -322,7 +324,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
     if recurrent:  # a request's own method must draft chains too
-        engine.chain_methods = CHAIN_METHODS
+        engine.recurrent_drafters = RECURRENT_DRAFTERS
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:
