@@ -80,12 +80,15 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config, tp: TPGroup):
+    """Gated GELU (tanh) of width ``intermediate_size`` (the config's unless given: Gemma 4's double-wide layers)
+    split over ``tp``."""
+
+    def __init__(self, config, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 2 and 3 use 'gelu_pytorch_tanh'")
-        inter = config.intermediate_size
+            raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 2, 3 and 4 use 'gelu_pytorch_tanh'")
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 

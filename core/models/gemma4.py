@@ -49,10 +49,10 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
-from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, OtherStage, QKVParallelLinear,
+from specray.models.layers import (ColumnParallelLinear, OtherStage, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
                                    divide, materialize, on_stage, rope_parameters)
-from specray.models.gemma3 import Gemma3ForCausalLM
+from specray.models.gemma3 import Gemma3ForCausalLM, Gemma3MLP
 from specray.models.llama import KV_SCALE_NAMES, StageModel, _layer_index, _map_name, expected_keys, load_param
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup, stage_layers
@@ -222,19 +222,6 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta)), (k, v)
 
 
-class Gemma4MLP(nn.Module):
-    """Gated GELU (tanh) of width ``intermediate_size`` split over ``tp``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class Gemma4Experts(SparseMoE):
     """Gemma 4's experts on :class:`~specray.models.moe.SparseMoE` (its storage, split over ranks, loading of the fused
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and dispatch; moe.py's ``gemma4_text`` row), with
@@ -278,7 +265,7 @@ class Gemma4DecoderLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4Attention(config, tp, layer, source)
         wide = 2 if source is not None and getattr(config, "use_double_wide_mlp", False) else 1
-        self.mlp = Gemma4MLP(h, config.intermediate_size * wide, tp)
+        self.mlp = Gemma3MLP(config, tp, config.intermediate_size * wide)
         self.input_layernorm = Gemma4RMSNorm(h, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
