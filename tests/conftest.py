@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss"}.
+    "ernie4_5", "seed_oss", "deepseek_v4"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -111,7 +111,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -142,6 +142,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                           "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
                           "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
+                          "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -171,11 +172,15 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
                 param.normal_(0.0, 0.5)
+            elif arch == "deepseek_v4" and name.endswith(("sinks", "position_bias", "base", "hc_base", "scale")):
+                param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
-        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
+                elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: zeros at init (every token to expert 0)
+                    buffer.copy_(torch.rand(buffer.shape[0], config.n_routed_experts).argsort(-1)[:, : buffer.shape[1]])
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -376,6 +381,24 @@ DSA_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8
                 index_topk=6, initializer_range=0.05, tie_word_embeddings=True,
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                  "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+# DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)
+# ones; the first experts hash-routed; two residual streams; YaRN on the compressing layers
+V4_KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+            "compressed_sparse_attention"]
+V4_TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+               partial_rotary_factor=0.25, moe_intermediate_size=32, intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, layer_types=V4_KINDS, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, hc_mult=2,
+               sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=3,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+               tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_deepseek_v4"), "deepseek_v4", seed=61, **V4_TINY)
 
 
 @pytest.fixture(scope="session")

@@ -170,6 +170,32 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     return True
 
 
+# what drafts for a model whose steps must be chains (DeepSeek-V4: its compressors pool each sequence's tokens in
+# order): the lookups that draft one continuation, a draft model and predicted outputs
+CHAIN_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache", "prediction")
+
+
+def check_chains_only(args: EngineArgs, hf_config) -> bool:
+    """Whether the model verifies chains only (its class's ``drafts_chains_only``), with a ValueError naming the
+    drafters that draft chains when it is given another."""
+    from specray.models.registry import get_model_class
+
+    spec = args.speculative_config
+    if not getattr(get_model_class(hf_config), "drafts_chains_only", False):
+        return False
+    if spec is None:
+        return True
+    options = registry.options_of(spec)
+    trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
+             or getattr(options, "use_dynamic_tree", False))
+    if spec.method not in CHAIN_DRAFTERS or trees:
+        what = "token trees (num_branches, speculative_token_tree)" if trees else f"method={spec.method!r}"
+        raise ValueError(f"speculative_config {what} is not supported for model_type="
+                         f"{getattr(hf_config, 'model_type', '?')!r}, whose steps verify chains only: use one of "
+                         f"{list(CHAIN_DRAFTERS)} drafting chains (num_branches=1)")
+    return True
+
+
 def engine_seats(args: EngineArgs) -> int:
     """The requests the engine runs at once: ``max_num_seqs`` per step, and over pipeline stages one step in flight
     per stage, each with a cohort of its own (vLLM's virtual engines), so ``max_num_seqs`` per stage."""
@@ -253,6 +279,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     check_family_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     recurrent = check_recurrent(args, hf_config)
+    chains_only = check_chains_only(args, hf_config)
     check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
@@ -323,8 +350,11 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
-    if recurrent:  # a request's own method must draft chains too
-        engine.recurrent_drafters = RECURRENT_DRAFTERS
+    if recurrent:  # a request's own method must draft what the recurrent state verifies too
+        engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
+                                  "drafters' chains and trees")
+    elif chains_only:
+        engine.request_methods = (CHAIN_DRAFTERS, "its steps verify chains only")
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:

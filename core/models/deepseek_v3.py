@@ -152,19 +152,7 @@ class LatentAttention(PagedAttention):
 
     def _select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                 allowed: torch.Tensor) -> torch.Tensor:
-        """queries [N, Q, Hi, Di], weights [N, Q, Hi], keys [N, L, Di] (float32), allowed [N, Q, L] -> [N, Q, L]
-        bool: each query's ``index_topk`` allowed keys of the best index score ``sum_h w_h relu(q_h . k)`` (every
-        allowed key when it has no more)."""
-        # a few heads at a time, so that the per-head scores [N, Q, h, L] stay within INDEX_SCORE_ELEMENTS at any
-        # context length (all 64 heads of a long context's batch at once would be gigabytes)
-        n, q, heads, _ = queries.shape
-        per_pass = max(1, INDEX_SCORE_ELEMENTS // max(1, n * q * keys.shape[1]))
-        scores = 0
-        for h in range(0, heads, per_pass):
-            part = torch.einsum("nqhd,nld->nqhl", queries[:, :, h: h + per_pass], keys).relu_()
-            scores = scores + torch.einsum("nqh,nqhl->nql", weights[:, :, h: h + per_pass], part)
-        top = scores.masked_fill(~allowed, float("-inf")).topk(min(self.index_topk, scores.shape[-1]), dim=-1)
-        return torch.zeros_like(allowed).scatter_(-1, top.indices, True) & allowed
+        return top_index_keys(queries, weights, keys, allowed, self.index_topk)
 
     def _short_select(self, index: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         sb = meta.short
@@ -217,6 +205,23 @@ class LatentAttention(PagedAttention):
         o = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
                                            is_causal=mask is None and seq.fresh, scale=self.scale)
         return o[0].transpose(0, 1)  # [q, Hl, v]
+
+
+def top_index_keys(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
+                   topk: int) -> torch.Tensor:
+    """queries [N, Q, Hi, Di], weights [N, Q, Hi], keys [N, L, Di] (float32), allowed [N, Q, L] -> [N, Q, L] bool:
+    each query's ``topk`` allowed keys of the best index score ``sum_h w_h relu(q_h . k)`` (every allowed key when
+    it has no more): DeepSeek Sparse Attention's pick (V3.2's keys, V4's compressed entries)."""
+    # a few heads at a time, so that the per-head scores [N, Q, h, L] stay within INDEX_SCORE_ELEMENTS at any
+    # context length (all 64 heads of a long context's batch at once would be gigabytes)
+    n, q, heads, _ = queries.shape
+    per_pass = max(1, INDEX_SCORE_ELEMENTS // max(1, n * q * keys.shape[1]))
+    scores = 0
+    for h in range(0, heads, per_pass):
+        part = torch.einsum("nqhd,nld->nqhl", queries[:, :, h: h + per_pass], keys).relu_()
+        scores = scores + torch.einsum("nqh,nqhl->nql", weights[:, :, h: h + per_pass], part)
+    top = scores.masked_fill(~allowed, float("-inf")).topk(min(topk, scores.shape[-1]), dim=-1)
+    return torch.zeros_like(allowed).scatter_(-1, top.indices, True) & allowed
 
 
 def unabsorbed_threshold(rank: int, nope: int, v_dim: int) -> int:

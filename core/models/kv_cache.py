@@ -142,6 +142,47 @@ class MLAAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class CompressedAttentionSpec(KVCacheSpec):
+    """DeepSeek-V4's attention: one row per slot, the same on every TP rank. A token's key, which is also its value
+    (``head_dim``), that a sliding window of queries attends; on a compressing layer (``compress_rate`` m > 0) also
+    what its compressor pools from it, a key and a gate of ``head_dim`` per series (two series where windows overlap,
+    ``overlap``: the compressed sparse layers), the entry a window's last token holds (the pooled key of the m tokens
+    up to it), and with an indexer (``index_head_dim``) the same three for the indexer's keys. Every value in a row
+    follows from the token and those before it, so blocks are shared (prefix caching) and rows past a rejected draft
+    are rewritten by the next tokens at those positions, as every layer's K/V is."""
+
+    head_dim: int
+    compress_rate: int = 0
+    overlap: bool = False
+    index_head_dim: int = 0
+
+    @property
+    def columns(self) -> dict[str, tuple[int, int]]:
+        """Where each part of a row is: name -> (start, width)."""
+        series = 2 if self.overlap else 1
+        widths = [("kv", self.head_dim)]
+        if self.compress_rate:
+            widths += [("raw_kv", series * self.head_dim), ("raw_gate", series * self.head_dim),
+                       ("entry", self.head_dim)]
+        if self.index_head_dim:
+            widths += [("index_raw_kv", 2 * self.index_head_dim), ("index_raw_gate", 2 * self.index_head_dim),
+                       ("index_entry", self.index_head_dim)]
+        out, start = {}, 0
+        for name, width in widths:
+            out[name] = (start, width)
+            start += width
+        return out
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (1, sum(width for _, width in self.columns.values()))
+
+    @property
+    def slot_dim(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class SharedKVSpec(KVCacheSpec):
     """A layer that caches nothing of its own: it attends over the K/V that an earlier layer of the same model
     writes, ``source`` (that layer's index among the specs; a layer with a cache of its own and the same mask),

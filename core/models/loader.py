@@ -350,6 +350,8 @@ def _dummy_weights(net: nn.Module, ints: IntScheme | None) -> None:
     ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy
     model times the 4-bit kernel at a real size; a linear the kernel cannot take, or one read as a matrix, is dense."""
     for param in net.parameters():
+        if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
+            continue  # its hash layers send every token to expert 0
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
     if ints is None:
         return

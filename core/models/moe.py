@@ -12,6 +12,11 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   plain scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
 * Llama-4: the top k router logits, each through a sigmoid; the weight scales the expert's *input* (not its
   output), and a shared expert is added;
+* DeepSeek-V4: each expert's score by the config's ``scoring_func`` (``sqrtsoftplus``: sqrt(softplus(logit)),
+  ``sigmoid`` or ``softmax``), the top k of score + ``e_score_correction_bias`` (no groups), the chosen scores
+  renormalised, times ``routed_scaling_factor``; its first layers are hash-routed (``mlp_layer_types``
+  ``hash_moe``): a fixed table from token id to the k experts (``tid2eid``), the weights still the scores. Its
+  experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides);
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
   biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
   clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
@@ -101,7 +106,8 @@ class MoEFamily:
     """How one family's sparse block is named, routed and stored."""
 
     # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4), "topk_softmax" (GPT-OSS),
-    # "scaled_softmax" (DeepSeek-V2: the softmax's top k, optionally from the best groups, times routed_scaling_factor)
+    # "scaled_softmax" (DeepSeek-V2: the softmax's top k, optionally from the best groups, times routed_scaling_factor),
+    # "scored" (DeepSeek-V4: the config's scoring_func, the top k of score + bias, renormalised and scaled)
     routing: str
     num_experts: str  # the config field that counts the routed experts
     expert_width: str  # the config field of one expert's intermediate width
@@ -116,6 +122,7 @@ class MoEFamily:
     interleaved: bool = False  # the fused gate_up interleaves gate and up features (GPT-OSS), else gate then up
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
     gelu: bool = False  # gelu_tanh(gate) * up (Gemma 4), else as above
+    clamp_only: bool = False  # silu(gate clamped above) * (up clamped both sides) at swiglu_limit (DeepSeek-V4)
     top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
@@ -152,36 +159,52 @@ FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["deepseek_v3"]  # 
 # residual stream, with per-expert scales) is its own (specray.models.gemma4.Gemma4Experts.route)
 FAMILIES["gemma4_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", normalized=True, gelu=True,
                                     top_k="top_k_experts")
+FAMILIES["deepseek_v4"] = MoEFamily("scored", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
+                                    shared_width="moe_intermediate_size", clamp_only=True)
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
 
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain where a config predates the swiglu_alpha field
+# DeepSeek-V4's scoring_func: each expert's score from its router logit (float32)
+SCORES = {"sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(), "sigmoid": torch.sigmoid,
+          "softmax": lambda logits: F.softmax(logits, dim=-1)}
+
+
+def swiglu_limited(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's SwiGLU: silu(gate) * up with gate clamped above and up both sides at ``limit``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 class GatedMLP(nn.Module):
     """A SwiGLU MLP of width ``intermediate_size`` split over ``tp`` (the shared experts). ``partial`` gives this
-    rank's share before the sum over ranks, which the MoE block adds to its experts' and reduces once."""
+    rank's share before the sum over ranks, which the MoE block adds to its experts' and reduces once. ``limit``:
+    its inputs clamped as :func:`swiglu_limited` does (DeepSeek-V4)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, limit: float | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.limit = limit
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj.partial(F.silu(gate) * up)
+        return self.down_proj.partial(F.silu(gate) * up if self.limit is None else swiglu_limited(gate, up, self.limit))
 
 
 class Router(nn.Module):
     """The router's weight [E, H] (and DeepSeek's ``e_score_correction_bias`` [E], GPT-OSS's ``bias`` [E]),
     replicated."""
 
-    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool, bias: bool = False):
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool, bias: bool = False,
+                 hash_table: tuple[int, int] | None = None):
         super().__init__()
         self.weight = _param(num_experts, hidden_size)
         self.e_score_correction_bias = _param(num_experts) if correction_bias else None
         self.bias = _param(num_experts) if bias else None
+        # DeepSeek-V4's hash routing: [vocab, k] expert ids per token id
+        self.tid2eid = None if hash_table is None else nn.Parameter(torch.zeros(hash_table, dtype=torch.long),
+                                                                    requires_grad=False)
 
 
 def _topk_method(config) -> str:
@@ -203,9 +226,10 @@ def _load_as_row(param: nn.Parameter, tensor: Any) -> None:
 
 
 class SparseMoE(nn.Module):
-    """A sparse MLP block over ``tp`` (see the module docstring), the family's by ``config.model_type``."""
+    """A sparse MLP block over ``tp`` (see the module docstring), the family's by ``config.model_type``;
+    ``hash_routed``: the experts are chosen by token id (DeepSeek-V4's ``hash_moe`` layers)."""
 
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, hash_routed: bool = False):
         super().__init__()
         self.family = family = FAMILIES[config.model_type]
         if not family.gelu and config.hidden_act != "silu":
@@ -217,8 +241,13 @@ class SparseMoE(nn.Module):
         self.grouped = family.routing == "grouped_sigmoid"
         # DeepSeek-V2's top k from the topk_group best groups (each group worth its best expert's probability)
         self.group_limited = family.routing == "scaled_softmax" and _topk_method(config) == "group_limited_greedy"
-        if family.routing in ("grouped_sigmoid", "scaled_softmax"):
+        if family.routing in ("grouped_sigmoid", "scaled_softmax", "scored"):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
+        if family.routing == "scored":
+            self.scoring = getattr(config, "scoring_func", None) or "sqrtsoftplus"
+            if self.scoring not in SCORES:
+                raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {sorted(SCORES)}")
+        self.hash_routed = hash_routed
         if self.grouped or self.group_limited:
             self.n_group, self.topk_group = config.n_group, config.topk_group
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
@@ -238,9 +267,12 @@ class SparseMoE(nn.Module):
             self.local_experts = self.num_experts
             self.inter_local = divide(inter, tp.size, family.expert_width)
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
-        self.add_module(family.router, Router(self.num_experts, h, correction_bias=self.grouped, bias=family.biased))
-        if family.clamped:
-            self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)))
+        bias = self.grouped or (family.routing == "scored" and not hash_routed)
+        table = (config.vocab_size, self.top_k) if hash_routed else None
+        self.add_module(family.router, Router(self.num_experts, h, correction_bias=bias, bias=family.biased,
+                                              hash_table=table))
+        if family.clamped or family.clamp_only:
+            self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", None) or SWIGLU_ALPHA))
         e, i = self.local_experts, self.inter_local
         block = kept_block(config)
         if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
@@ -266,7 +298,7 @@ class SparseMoE(nn.Module):
         self.adds_down_bias = expert_parallel or tp.rank == 0
         if family.shared is not None:
             width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
-            self.add_module(family.shared, GatedMLP(h, width, tp))
+            self.add_module(family.shared, GatedMLP(h, width, tp, self.swiglu[0] if family.clamp_only else None))
         if family.shared_gate is not None:  # replicated, as the router is
             gate = Router(1, h, correction_bias=False)
             gate.weight.weight_loader = _load_as_row  # [1, H]; llama.cpp's GGUFs store it as [H]
@@ -282,10 +314,13 @@ class SparseMoE(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as the family's router picks them."""
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]) as the family's router picks them
+        (``token_ids`` [T]: what a hash-routed block picks by)."""
         if self.grouped:
             return self._route_grouped(x)
+        if self.family.routing == "scored":
+            return self._route_scored(x, token_ids)
         router = self.router_module
         if self.family.routing in ("topk_sigmoid", "topk_softmax"):  # the top k logits, then each one's weight
             logits, ids = F.linear(x, router.weight, router.bias).topk(self.top_k, dim=-1)
@@ -313,6 +348,23 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
+    def _route_scored(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V4: scores s = scoring_func(x W^T) in float32; the experts the token's hash row names (a
+        hash-routed block) or the top k of s + e_score_correction_bias; their s renormalised, times
+        routed_scaling_factor."""
+        router = self.router_module
+        scores = SCORES[self.scoring](F.linear(x.float(), router.weight.float()))  # [T, E]
+        if self.hash_routed:
+            if token_ids is None:
+                raise ValueError("a hash-routed expert block picks its experts by token id: pass token_ids")
+            ids = router.tid2eid.index_select(0, token_ids)  # [T, k]
+        else:
+            ids = (scores + router.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(x.dtype), ids
+
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e, g = x.shape[0], self.num_experts, self.n_group
         scores = F.linear(x.float(), self.router_module.weight.float()).sigmoid()  # [T, E]
@@ -329,9 +381,11 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * self.routed_scaling_factor).to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, H] -> [T, H]; router_input: what the router reads when not x (Gemma 4's: the residual stream)
-        weights, ids = self.route(x if router_input is None else router_input)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H] -> [T, H]; router_input: what the router reads when not x (Gemma 4's: the residual stream);
+        # token_ids [T]: a hash-routed block's (DeepSeek-V4)
+        weights, ids = self.route(x if router_input is None else router_input, token_ids)
         grouped = getattr(_sync_free, "on", False)
         out = self._experts_grouped(x, weights, ids) if grouped else self._experts_looped(x, weights, ids)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
@@ -420,6 +474,8 @@ class SparseMoE(nn.Module):
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.family.gelu:
             return F.gelu(gate, approximate="tanh") * up
+        if self.family.clamp_only:
+            return swiglu_limited(gate, up, self.swiglu[0])
         if not self.family.clamped:
             return F.silu(gate) * up
         limit, alpha = self.swiglu

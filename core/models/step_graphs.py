@@ -43,7 +43,7 @@ import torch
 
 from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, build_attention_metadata
 from specray.models.gated_deltanet import RecurrentGraphBatch
-from specray.models.moe import SparseMoE, sync_free_experts
+from specray.models.moe import sync_free_experts
 
 logger = logging.getLogger(__name__)
 # one capture at a time in a process: capturing synchronizes the device and empties the allocator's cache, which
@@ -72,7 +72,8 @@ def why_eager(model: torch.nn.Module, num_ranks: int, asked: bool = False) -> st
 def graph_safe(model: torch.nn.Module) -> str | None:
     """None when ``model``'s forward can be captured, else why not."""
     for module in model.modules():
-        if isinstance(module, SparseMoE) and (why := module.graph_blocker()) is not None:
+        blocker = getattr(module, "graph_blocker", None)  # the experts' grouped path; a family's own reason
+        if blocker is not None and (why := blocker()) is not None:
             return f"the model cannot be captured: {why}"
         # a GatedDeltaNet layer is captured: on a graph step it runs its fixed-shape recurrence, reading each
         # sequence's slots, replays and drafts as data (a RecurrentGraphBatch the runner hands over, a static input)

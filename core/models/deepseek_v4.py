@@ -1,0 +1,519 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``: V4-Flash, V4-Pro), written with tensor-parallel layers on the Llama
+plumbing (weight loading, the LM head, the model interface).
+
+**Hyper-connections (mHC).** The residual stream is ``hc_mult`` streams per token ([T, n, H]). Before each block
+(attention, then the experts) a small projection of the normed streams gives three mixes: ``pre`` collapses the
+streams into the block's input, ``post`` spreads the block's output over them, and ``comb`` (n x n, made doubly
+stochastic by Sinkhorn-Knopp iterations) mixes the old streams into the new: ``S' = post * out + comb^T S``. After
+the last layer one more ``pre`` mix (``hc_head``) collapses the streams before the final norm. All in float32.
+
+**Attention.** Multi-query attention with one head of ``head_dim`` (512) that is both key and value, a learned sink
+logit per query head (as GPT-OSS's), queries from a low-rank latent (``q_a_proj``, ``q_b_proj``, each head
+RMS-normed without a weight), and RoPE on the last ``qk_rope_head_dim`` features of each head in interleaved pairs
+(rotated in halves here: q and k alike, so their products keep; the output's rotation is undone at the query's
+position before the grouped output projection, ``o_a_proj`` per group of heads then ``o_b_proj``). Every layer
+attends a sliding window of ``sliding_window`` keys (RoPE base ``rope_theta``). Two kinds of layer attend more, with
+their own RoPE (``compress_rope_theta``, YaRN):
+
+* heavily compressed attention (HCA, rate m' = 128): every m' tokens pool into one entry (a softmax over the window
+  of each feature's gate plus a learned bias by place in the window, weighting the tokens' compressor keys; then an
+  RMSNorm and RoPE at the window's first position); a query attends every entry whose window it has passed;
+* compressed sparse attention (CSA, rate m = 4): the same with two series per token and windows that overlap (entry
+  w pools the first series of window w - 1 with the second of window w), and an indexer (pooled keys of its own, and
+  queries from the query latent) that keeps each query's ``index_topk`` best entries
+  (:func:`specray.models.deepseek_v3.top_index_keys`, as DeepSeek-V3.2's).
+
+**The cache** (:class:`~specray.models.kv_cache.CompressedAttentionSpec`): one row per token and layer holds its key
+and, on a compressing layer, its compressor's (and indexer's) key and gate before pooling, and the entry of the window
+it closes (a window's last token holds it). A step writes its tokens' rows, pools the windows its tokens close (from
+the rows of the window's tokens, earlier steps' and its own), and attends. So every row follows from the tokens up
+to it: chunked prefill, preemption, prefix caching and rejected drafts need nothing of their own. The rows keep
+every token's key and pooling inputs (the sliding window masks what it may not see, as every sliding layer here
+does), so the cache takes more memory per token than the model needs: a cache that keeps only the window and the
+entries is not written yet. Attention is computed densely over the window's keys and the entries (no sparse kernel).
+
+**Tensor parallelism**: query heads, their sinks and the output groups split over the ranks (``o_groups`` a multiple
+of the ranks); the key, the compressors, the indexer and the hyper-connections are replicated (every head reads them);
+the experts split as DeepSeek-V3's (:mod:`specray.models.moe`, the ``deepseek_v4`` row: its scoring, its hash-routed
+first layers, its clamped SwiGLU). **Not supported**: pipeline stages, token trees, hidden-state drafters (its MTP
+layers are skipped), CUDA graphs, an FP8 KV cache, the quantized releases' FP8 / FP4 weights (tiny random models
+only: never a real checkpoint, never on a GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.models.attention import AttentionMetadata
+from specray.models.deepseek_v3 import top_index_keys
+from specray.models.kv_cache import CAUSAL, CompressedAttentionSpec, KVCache, KVCacheSpec, MaskKind
+from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                   VocabParallelEmbedding, _copy, divide, narrow, rope_parameters)
+from specray.models.llama import LlamaForCausalLM, StageModel
+from specray.models.moe import SparseMoE
+from specray.parallel import PPGroup, TPGroup
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# one query chunk's attention scores [heads, queries, keys] at most this many (a long prefill chunk in pieces)
+SCORE_ELEMENTS = 1 << 26
+
+# DeepSeek's own tensor names (its release, and what transformers saves) -> the names the modules here have (those
+# transformers' modules have), applied in order to a name in the release's style (_RELEASE_STYLE)
+_RELEASE_NAMES = tuple((re.compile(a), b) for a, b in (
+    (r"^layers\.", "model.layers."), (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"), (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"(\.self_attn\.(?:compressor\.(?:indexer\.)?)?)norm\.", r"\1kv_norm."),
+    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj."),
+))
+_RELEASE_STYLE = re.compile(r"^layers\.|^embed\.|^head\.|^norm\.|^hc_head_|\.attn\.|\.ffn\.|\.attn_norm\.|\.ffn_norm\."
+                            r"|\.hc_(attn|ffn)_")
+
+
+def _float_param(*shape: int) -> nn.Parameter:
+    """A parameter kept in float32 whatever the model's dtype (the hyper-connections', sinks', pooling biases')."""
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm without a weight over the last dimension (in float32, back in x's dtype)."""
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _to_halves(x: torch.Tensor, rope: int) -> torch.Tensor:
+    """The last ``rope`` features from interleaved pairs (x0, y0, x1, y1, ...) to halves (x0, x1, ..., y0, y1, ...)."""
+    tail = x[..., -rope:]
+    return torch.cat((x[..., :-rope], tail[..., 0::2], tail[..., 1::2]), dim=-1)
+
+
+def _to_pairs(x: torch.Tensor, rope: int) -> torch.Tensor:
+    """Inverse of :func:`_to_halves`."""
+    first, second = x[..., -rope:].chunk(2, dim=-1)
+    return torch.cat((x[..., :-rope], torch.stack((first, second), dim=-1).flatten(-2)), dim=-1)
+
+
+def _rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (halves layout) on the last 2 * cos.shape[-1] features of x [T, H, D]; cos, sin [T, 1, r/2]."""
+    rope = 2 * cos.shape[-1]
+    x1, x2 = x[..., -rope:].chunk(2, dim=-1)
+    return torch.cat((x[..., :-rope], x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class HyperConnection(nn.Module):
+    """One block's mixes of the ``n`` residual streams (see the module docstring); replicated, float32."""
+
+    def __init__(self, config):
+        super().__init__()
+        n, h = config.hc_mult, config.hidden_size
+        self.n, self.iters, self.eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.fn = _float_param((2 + n) * n, n * h)
+        self.base = _float_param((2 + n) * n)
+        self.scale = _float_param(3)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # streams [T, n, H] -> post [T, n], comb [T, n, n] (float32) and the block's input [T, H]
+        t, n = streams.shape[0], self.n
+        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn)
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(t, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        # Sinkhorn-Knopp: columns, then rows and columns in turn, towards a doubly stochastic matrix
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        return post, comb, (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+    @staticmethod
+    def merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The streams after a block: ``post * out + comb^T streams`` ([T, n, H])."""
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * out[:, None] + torch.matmul(comb.to(dtype).transpose(1, 2), streams)
+
+
+class HyperHead(nn.Module):
+    """The last collapse of the streams into one, before the final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        n, h = config.hc_mult, config.hidden_size
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        self.hc_fn, self.hc_base, self.hc_scale = _float_param(n, n * h), _float_param(n), _float_param(1)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn)
+        pre = torch.sigmoid(mix * self.hc_scale + self.hc_base) + self.eps
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+class Pooling(nn.Module):
+    """A compressor's (or an indexer's) projections of the tokens and its pooling of a window into one entry."""
+
+    def __init__(self, config, dim: int, rate: int, overlap: bool):
+        super().__init__()
+        series = 2 if overlap else 1
+        one = TPGroup.single()
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.kv_proj = ColumnParallelLinear(config.hidden_size, series * dim, one)
+        self.gate_proj = ColumnParallelLinear(config.hidden_size, series * dim, one)
+        self.position_bias = _float_param(rate, series * dim)
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+
+    @property
+    def span(self) -> int:
+        """The tokens one entry pools: its window, and where windows overlap the one before too."""
+        return 2 * self.rate if self.overlap else self.rate
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """kv, gate [C, span, series * dim]: the pooling inputs of each entry's tokens, oldest first; valid [C, span]
+        (rows before position 0: none) -> the entries [C, dim], normed (not yet rotated)."""
+        d, m = self.dim, self.rate
+        gate = gate.float() + self.position_bias.repeat(self.span // m, 1)  # each row's bias by its place in its window
+        if self.overlap:  # the earlier window's first series, then this window's second
+            kv = torch.cat((kv[:, :m, :d], kv[:, m:, d:]), dim=1)
+            gate = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
+        weights = gate.masked_fill(~valid[..., None], float("-inf")).softmax(dim=1)
+        return self.kv_norm((kv.float() * weights).sum(dim=1).to(kv.dtype))
+
+
+class Indexer(Pooling):
+    """CSA's indexer: its own pooled keys (overlapping windows, ``index_head_dim``), queries from the query latent, and
+    per-head weights; ``scorer.weights_proj`` as the checkpoint names it."""
+
+    def __init__(self, config, rate: int):
+        super().__init__(config, config.index_head_dim, rate, overlap=True)
+        self.heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim, TPGroup.single())
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads, TPGroup.single())
+
+
+class Compressor(Pooling):
+    def __init__(self, config, kind: str):
+        rate = config.compress_rates[kind]
+        super().__init__(config, config.head_dim, rate, overlap=kind == CSA)
+        self.indexer = Indexer(config, rate) if kind == CSA else None
+
+
+class DeepseekV4Attention(nn.Module):
+    """One layer's attention over ``tp`` (see the module docstring)."""
+
+    def __init__(self, config, tp: TPGroup, layer: int):
+        super().__init__()
+        self.kind = kind = config.layer_types[layer]
+        one, h = TPGroup.single(), config.hidden_size
+        self.tp = tp
+        self.num_heads = divide(config.num_attention_heads, tp.size, "num_attention_heads")
+        self.head_dim, self.window, self.eps = config.head_dim, config.sliding_window, config.rms_norm_eps
+        self.rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
+        self.rope_kind = "main" if kind == SLIDING else "compress"
+        self.scale = self.head_dim ** -0.5
+        self.q_a_proj = ColumnParallelLinear(h, config.q_lora_rank, one)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, config.num_attention_heads * self.head_dim, tp)
+        self.kv_proj = ColumnParallelLinear(h, self.head_dim, one)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        groups = divide(config.o_groups, tp.size, "o_groups")
+        if config.num_attention_heads % config.o_groups:
+            raise ValueError(f"o_groups={config.o_groups} does not divide num_attention_heads="
+                             f"{config.num_attention_heads}: the checkpoint's config.json is inconsistent")
+        self.groups, self.group_rank = groups, config.o_lora_rank
+        per_group = config.num_attention_heads // config.o_groups * self.head_dim
+        self.o_a_proj = nn.Module()
+        self.o_a_proj.weight = nn.Parameter(torch.empty(groups * config.o_lora_rank, per_group), requires_grad=False)
+        self.o_a_proj.weight.weight_loader = self._load_rows(groups * config.o_lora_rank)
+        self.o_b_proj = RowParallelLinear(config.o_groups * config.o_lora_rank, h, tp)
+        self.sinks = _float_param(self.num_heads)
+        self.sinks.weight_loader = self._load_rows(self.num_heads)
+        self.compressor = None if kind == SLIDING else Compressor(config, kind)
+        indexer = None if self.compressor is None else self.compressor.indexer
+        self.kv_spec = CompressedAttentionSpec(self.head_dim, 0 if self.compressor is None else self.compressor.rate,
+                                               self.compressor is not None and self.compressor.overlap,
+                                               0 if indexer is None else indexer.dim)
+        self.cols = self.kv_spec.columns
+        self.rows = torch.empty(0)
+        self.block_size = 1
+
+    def _load_rows(self, count: int):
+        def load(param: nn.Parameter, loaded: Any) -> None:
+            _copy(param, narrow(loaded, 0, self.tp.rank * count, count))
+        return load
+
+    def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
+        if fp8 is not None:
+            raise ValueError("kv_cache_dtype: DeepSeek-V4's cache rows hold its compressors' pooling inputs, which "
+                             "are not stored in FP8 here; use kv_cache_dtype='auto'")
+        assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
+        self.rows, self.block_size = cache, block_size
+
+    def _col(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        start, width = self.cols[name]
+        return rows[..., start: start + width]
+
+    def forward(self, x: torch.Tensor, rope: dict, meta: AttentionMetadata) -> torch.Tensor:
+        # x [T, H] -> [T, H]; rope: {"main" / "compress": (cos, sin) [T, 1, r/2], "table": the compress RotaryEmbedding}
+        assert meta.seq_positions is None and meta.ancestors is None, "DeepSeek-V4 steps are chains (trees refused)"
+        t, hl, d = x.shape[0], self.num_heads, self.head_dim
+        cos, sin = rope[self.rope_kind]
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = _rotate_tail(_to_halves(_unit_rms(self.q_b_proj(q_latent).view(t, hl, d), self.eps), self.rope), cos, sin)
+        kv = _rotate_tail(_to_halves(self.kv_norm(self.kv_proj(x)), self.rope)[:, None], cos, sin)[:, 0]
+        parts, index = [kv], None
+        comp = self.compressor
+        if comp is not None:
+            parts += [comp.kv_proj(x), comp.gate_proj(x), kv.new_zeros(t, d)]
+            if comp.indexer is not None:
+                ix = comp.indexer
+                parts += [ix.kv_proj(x), ix.gate_proj(x), kv.new_zeros(t, ix.dim)]
+                queries = ix.q_b_proj(q_latent).view(t, ix.heads, ix.dim)
+                queries = _rotate_tail(_to_halves(queries, self.rope), cos, sin).float()
+                weights = ix.scorer.weights_proj(x).float() * (ix.heads * ix.dim) ** -0.5
+                index = (queries, weights)
+        self.rows.index_copy_(0, meta.slot_mapping, torch.cat(parts, dim=-1).to(self.rows.dtype))
+        out = q.new_empty(t, hl, d)
+        if meta.short is not None:
+            self._short(q, index, meta, rope["table"], out)
+        for i in range(len(meta.own)):
+            self._own(q, index, meta, i, rope["table"], out)
+        out = _to_pairs(_rotate_tail(out, cos, -sin), self.rope)  # the values' rotation undone at the query's position
+        grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, self.groups, -1),
+                               self.o_a_proj.weight.view(self.groups, self.group_rank, -1))
+        return self.o_b_proj(grouped.reshape(t, -1))
+
+    # ---- windows closed in this step: their entries pooled and written to the closing token's row
+
+    def _close(self, ctx: torch.Tensor, closing: list[tuple[int, int, int]], meta: AttentionMetadata,
+               table: RotaryEmbedding) -> None:
+        """ctx [N, L, W]: the rows of N sequences' contexts, position by position (this step's included);
+        closing: (sequence in ctx, position, the token's row in the step) of each new token that closes a window.
+        Pools their entries, into the cache and into ``ctx``."""
+        if self.compressor is None or not closing:
+            return
+        n, length, width = ctx.shape
+        device = ctx.device
+        flat = ctx.view(n * length, width)
+        seq = torch.tensor([c[0] for c in closing], device=device)
+        end = torch.tensor([c[1] for c in closing], device=device)
+        tokens = torch.tensor([c[2] for c in closing], device=device)
+        slots = meta.slot_mapping.index_select(0, tokens)
+        dest = seq * length + end
+        starts = end - self.compressor.rate + 1  # each entry's RoPE position: its window's first
+        cos, sin = table(starts, ctx.dtype)
+        for pooling, names in ((self.compressor, ("raw_kv", "raw_gate", "entry")),
+                               (self.compressor.indexer, ("index_raw_kv", "index_raw_gate", "index_entry"))):
+            if pooling is None:
+                continue
+            positions = end[:, None] - pooling.span + 1 + torch.arange(pooling.span, device=device)  # [C, span]
+            rows = flat.index_select(0, (seq[:, None] * length + positions.clamp(min=0)).flatten())
+            rows = rows.view(len(closing), pooling.span, width)
+            entry = pooling.pool(self._col(rows, names[0]), self._col(rows, names[1]), positions >= 0)
+            entry = _rotate_tail(_to_halves(entry, self.rope)[:, None], cos, sin)[:, 0].to(flat.dtype)
+            start, size = self.cols[names[2]]
+            self.rows[:, start: start + size].index_copy_(0, slots, entry)
+            flat[:, start: start + size].index_copy_(0, dest, entry)
+
+    def _closing(self, seq: int, start: int, count: int, first_token: int) -> list[tuple[int, int, int]]:
+        """The new tokens of a sequence (``count`` from position ``start``, rows from ``first_token``) that close a
+        window, as :meth:`_close` takes them."""
+        if self.compressor is None:
+            return []
+        m = self.compressor.rate
+        first = start + (-(start + 1)) % m  # the first position p >= start with (p + 1) % m == 0
+        return [(seq, p, first_token + p - start) for p in range(first, start + count, m)]
+
+    # ---- attention: the window's keys and the entries passed, one softmax with the sinks
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q [N, Q, Hl, D], keys [N, K, D] (also the values), allowed [N, Q, K] -> [N, Q, Hl, D]."""
+        scores = torch.einsum("nqhd,nkd->nhqk", q.float(), keys.float()) * self.scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        sinks = self.sinks[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("nhqk,nkd->nqhd", probs, keys.float()).to(q.dtype)
+
+    def _entries(self, ctx: torch.Tensor, causal: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries a query may attend: (keys [N, L / m, D], allowed [N, Q, L / m]) from ctx [N, L, W] and the
+        causal mask [N, Q, L] (an entry sits in its window's last row; the indexer's pick where it has one)."""
+        m = self.compressor.rate
+        entries = self._col(ctx[:, m - 1:: m], "entry")
+        allowed = causal[..., m - 1:: m]
+        if index is not None:
+            keys = self._col(ctx[:, m - 1:: m], "index_entry").float()
+            allowed = top_index_keys(index[0], index[1], keys, allowed, self.compressor.indexer.topk)
+        return entries, allowed
+
+    def _short(self, q: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+               table: RotaryEmbedding, out: torch.Tensor) -> None:
+        sb = meta.short
+        bs, length = sb.num_seqs, sb.num_ctx_blocks * meta.block_size
+        width = self.rows.shape[-1]
+        ctx = self.rows.view(-1, meta.block_size, width).index_select(0, sb.block_index).view(bs, length, width)
+        offsets = [sum(meta.query_lens[:i]) for i in range(meta.num_seqs)]
+        closing = [c for b, i in enumerate(sb.seq_ids)
+                   for c in self._closing(b, meta.start_positions[i], meta.query_lens[i], offsets[i])]
+        self._close(ctx, closing, meta, table)
+        if sb.token_index is not None:
+            q = q.index_select(0, sb.token_index)
+            index = None if index is None else tuple(v.index_select(0, sb.token_index) for v in index)
+        q = q.view(bs, sb.max_query_len, *q.shape[1:])
+        if index is not None:
+            index = tuple(v.view(bs, sb.max_query_len, *v.shape[1:]) for v in index)
+        keys, allowed = self._col(ctx, "kv"), meta.short_mask(1, MaskKind(window=self.window))[:, 0]
+        if self.compressor is not None:
+            entries, seen = self._entries(ctx, meta.short_mask(1, CAUSAL)[:, 0], index)
+            keys, allowed = torch.cat((keys, entries), dim=1), torch.cat((allowed, seen), dim=-1)
+        o = self._attend(q, keys, allowed).flatten(0, 1)  # [Bs * Q, Hl, D]
+        if sb.token_index is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, sb.out_dst, o.index_select(0, sb.out_src))
+
+    def _own(self, q: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+             i: int, table: RotaryEmbedding, out: torch.Tensor) -> None:
+        seq = meta.own[i]
+        width = self.rows.shape[-1]
+        if seq.fresh:  # its context is its new tokens
+            ctx = self.rows.index_select(0, meta.slot_mapping[seq.token_start: seq.token_end])
+        elif seq.first_slot is not None:
+            ctx = self.rows[seq.first_slot: seq.first_slot + seq.context_len]
+        else:
+            ctx = self.rows.view(-1, self.block_size, width).index_select(0, seq.block_index).view(-1, width)
+            ctx = ctx[: seq.context_len]
+        ctx = ctx[None]
+        self._close(ctx, self._closing(0, seq.start_pos, seq.query_len, seq.token_start), meta, table)
+        window, causal = meta.own_allowed(i, MaskKind(window=self.window)), meta.own_allowed(i, CAUSAL)
+        keys = self._col(ctx, "kv")[0]
+        # a few queries at a time, each attending only the keys in its window and the entries
+        step = max(1, SCORE_ELEMENTS // max(1, self.num_heads * (self.window + seq.context_len)))
+        for first in range(0, seq.query_len, step):
+            rows = slice(first, min(first + step, seq.query_len))
+            lo = max(0, seq.start_pos + first - self.window + 1)
+            hi = seq.start_pos + rows.stop
+            part_keys, allowed = keys[lo:hi][None], window[rows, lo:hi][None]
+            if self.compressor is not None:
+                part_index = None if index is None else tuple(
+                    v[seq.token_start + rows.start: seq.token_start + rows.stop][None] for v in index)
+                entries, seen = self._entries(ctx, causal[None, rows], part_index)
+                part_keys, allowed = torch.cat((part_keys, entries), dim=1), torch.cat((allowed, seen), dim=-1)
+            token_rows = slice(seq.token_start + rows.start, seq.token_start + rows.stop)
+            out[token_rows] = self._attend(q[None, token_rows], part_keys, allowed)[0]
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
+        super().__init__()
+        self.self_attn = DeepseekV4Attention(config, tp, layer)
+        kinds = config.mlp_layer_types
+        self.mlp = SparseMoE(config, tp, expert_parallel, hash_routed=kinds[layer] == "hash_moe")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc, self.ffn_hc = HyperConnection(config), HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, rope: dict, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        # streams [T, n, H] -> [T, n, H]
+        post, comb, x = self.attn_hc(streams)
+        streams = HyperConnection.merge(post, comb, self.self_attn(self.input_layernorm(x), rope, meta), streams)
+        post, comb, x = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(x), token_ids=input_ids)
+        return HyperConnection.merge(post, comb, out, streams)
+
+
+class DeepseekV4Model(StageModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        super().__init__()
+        self.build_stage(config, pp, lambda i: DeepseekV4DecoderLayer(config, tp, i, expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.hc_mult = config.hc_mult
+        self.hc_head = HyperHead(config)
+        rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
+        self.rotary = {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True),
+                                             config.max_position_embeddings) for kind in ("main", "compress")}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        assert intermediate is None and not aux_layers, "refused at build: pipeline stages, hidden-state drafters"
+        x = self.embed(input_ids)
+        rope: dict = {"table": self.rotary["compress"]}
+        for kind, table in self.rotary.items():
+            table.ensure(meta.max_position + 1)
+            rope[kind] = table(meta.positions, x.dtype)
+        streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+        for _, layer in self.stage_layers():
+            streams = layer(streams, input_ids, rope, meta)
+        return self.norm(self.hc_head(streams)), []
+
+
+class DeepseekV4ForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V4 for causal LM, sharded over ``tp`` (see the module docstring)."""
+
+    model_class = DeepseekV4Model
+    stacked = {".shared_experts.gate_proj.": (".shared_experts.gate_up_proj.", 0),
+               ".shared_experts.up_proj.": (".shared_experts.gate_up_proj.", 1)}
+    lora_modules: tuple[str, ...] = ()
+    drafts_chains_only = True  # the engine refuses token trees (specray.engine.builder.check_chains_only)
+
+    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
+                 pp: PPGroup | None = None):
+        if pp is not None and pp.size > 1:
+            raise ValueError("DeepSeek-V4 over pipeline stages is not supported (its residual is hc_mult streams): "
+                             "use pipeline_parallel_size=1")
+        if getattr(hf_config, "quantization_config", None):
+            raise ValueError("DeepSeek-V4's quantized releases (FP8 weights, FP4 experts) are not supported: load a "
+                             "bf16 conversion of the checkpoint")
+        super().__init__(hf_config, tp, expert_parallel, pp)
+
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        """What the engine checks before any rank starts: one stage, and the output groups split over the ranks."""
+        if pp > 1:
+            raise ValueError(f"pipeline_parallel_size={pp}: DeepSeek-V4 over pipeline stages is not supported (its "
+                             "residual is hc_mult streams); use pipeline_parallel_size=1")
+        if config.o_groups % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide DeepSeek-V4's o_groups={config.o_groups} "
+                             "(its grouped output projection splits by group): choose a tensor_parallel_size that "
+                             "divides it")
+
+    def graph_blocker(self) -> str | None:
+        return "DeepSeek-V4's attention pools windows chosen on the host each step (no fixed-shape form yet)"
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return [layer.self_attn.kv_spec for _, layer in self.model.stage_layers()]
+
+    def bind_kv_cache(self, cache: KVCache) -> None:
+        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
+        for j, (_, layer) in enumerate(self.model.stage_layers()):
+            layer.self_attn.bind_cache(cache.layer(j), cache.block_size, cache.fp8)
+        self.kv_cache_allocated = True
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights((name, tensor) for name, tensor in weights if ".rotary_emb." not in name)
+
+    def _our_name(self, name: str) -> str:
+        if _RELEASE_STYLE.search(name):
+            for theirs, ours in _RELEASE_NAMES:
+                name = theirs.sub(ours, name)
+        return name

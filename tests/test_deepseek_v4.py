@@ -1,0 +1,158 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): hyper-connections, a sliding window of one shared key/value head with
+sinks, compressed sparse attention (overlapping windows pooled every 4 tokens, an indexer keeping 3 entries per
+query) and heavily compressed attention (windows of 8), hash-routed and scored experts, against transformers on the
+same random tiny weights (fp32, max abs diff < 1e-4; the checkpoint as transformers saves it, in DeepSeek's own
+names, and as transformers' modules name it). Every attention path (the padded short batch, one sequence at a time
+over gathered or consecutive blocks), each part shown to matter, tensor parallel 2 equal to one rank, and the engine:
+greedy with n-gram chains, a draft model and prefix caching equal to transformers' ``generate``; what it does not
+support is refused by name. Weights are drawn (the seed) so that no query's 3rd and 4th index scores tie (ReLU makes
+exact ties at 0 possible): there the pick may differ between two exact implementations."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specray.models import cpu_kernels, deepseek_v4
+from specray.models.loader import load_model
+from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff,  # tests/model_checks.py
+                                       mutated_logits, prompt, run_ranks)
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def v4(tiny_deepseek_v4_dir):
+    """(the tiny model's folder, transformers' logits of the prompt)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v4_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return tiny_deepseek_v4_dir, hf(torch.tensor([prompt()])).logits[0].float()
+
+
+@pytest.mark.parametrize("path", ["batched", "own", "own-consecutive", "own-in-pieces"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_match_transformers(v4, monkeypatch, schedule, path):
+    """Every position's logits equal transformers', for a prefill and for chunks + decode steps over shuffled
+    blocks; short queries as the padded batch or one sequence at a time (over blocks in order too, whose context is
+    read as one view; or a few queries at a time)."""
+    folder, reference = v4
+    if path != "batched":
+        monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
+    if path == "own-in-pieces":
+        monkeypatch.setattr(deepseek_v4, "SCORE_ELEMENTS", 1)
+    model = load_model(str(folder))
+    kinds = [layer.self_attn.kv_spec for layer in model.model.layers]
+    assert [(k.compress_rate, k.overlap, k.index_head_dim) for k in kinds] == [(0, False, 0), (4, True, 16),
+                                                                               (8, False, 0), (4, True, 16)]
+    logits = chunked_logits(model, prompt(), SCHEDULES[schedule], consecutive=path == "own-consecutive")
+    assert max_diff(logits, reference) < TOL
+
+
+def test_transformers_module_names_load(v4):
+    """A checkpoint named as transformers' modules are (not DeepSeek's release names, as it saves them) loads alike."""
+    from transformers import AutoModelForCausalLM
+
+    folder, reference = v4
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = load_model(str(folder), load_format="dummy", pack=False)
+    model.load_weights(hf.state_dict().items())
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["prefill"]), reference) < TOL
+
+
+def _no_selection(config) -> None:
+    config.index_topk = 1024  # every entry passed attended
+
+
+def _entries_unseen(model) -> None:  # the compressed layers attending their window only
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.compressor is not None:
+            pooled = attn._entries
+            attn._entries = lambda *a, pooled=pooled: (lambda e, seen: (e, torch.zeros_like(seen)))(*pooled(*a))
+
+
+def _one_stream(model) -> None:  # the streams' mixing matrix left as it comes, not the doubly stochastic one
+    for layer in model.model.layers:
+        for hc in (layer.attn_hc, layer.ffn_hc):
+            hc.iters = 0
+
+
+def _no_hash(model) -> None:
+    model.model.layers[0].mlp.hash_routed = False
+    model.model.layers[0].mlp.router_module.e_score_correction_bias = torch.zeros(8)
+
+
+MUTATIONS = {"no-selection": (_no_selection, None), "entries-unseen": (None, _entries_unseen),
+             "no-sinkhorn": (None, _one_stream), "no-hash-routing": (None, _no_hash)}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_each_part_shows_in_the_logits(v4, mutation):
+    folder, reference = v4
+    assert max_diff(mutated_logits(folder, *MUTATIONS[mutation]), reference) > 1e-2
+
+
+WORKER = WORKER_PRELUDE + textwrap.dedent("""
+
+    model = load_model(folders[0], tp)
+    diff = (logits(model) - logits(load_model(folders[0]))).abs().max().item()
+    del model  # gloo's threads end with the group only once nothing holds it
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def test_tensor_parallel_ranks_match_one_rank(tmp_path, tiny_deepseek_v4_dir):
+    """Two ranks (each half the query heads, their sinks and output groups, and half the experts' width; the key,
+    the compressors, the indexer and the streams' mixes replicated): every rank's logits equal one rank's."""
+    for result in run_ranks(tmp_path, WORKER, 2, 1, [str(tiny_deepseek_v4_dir)]):
+        assert result["diff"] < TOL, result
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+
+
+def test_engine_greedy_equals_transformers_with_chains_and_prefix_caching(tiny_deepseek_v4_dir, tiny_llama_dir):
+    """``specray.LLM``'s greedy tokens (a batch of prompts, each past several windows) equal transformers'
+    ``generate``; so do they with n-gram chains and a draft model verified, and a second batch behind cached
+    prefixes; a request asking for a drafter of trees is refused."""
+    from specray import LLM
+
+    folder = tiny_deepseek_v4_dir
+    runs = sys.modules["specray_test_engine_runs"]
+    prompts = runs.PROMPTS[:4]
+    plain = LLM(model=str(folder), max_model_len=256, block_size=4)
+    want = runs.token_ids(plain.generate(prompts, runs.greedy(16), use_tqdm=False))
+    runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    for spec in (NGRAM, draft):
+        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=spec,
+                  enable_prefix_caching=True)
+        for _ in range(2):  # the second time behind the first's cached blocks
+            assert runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) == want
+        assert llm.spec_stats.accepted_tokens > 0
+    assert llm.engine.scheduler.prefix_cache_hits > 0
+    with pytest.raises(ValueError, match=r"speculative_method='suffix' is not served on this model \(its steps "
+                                         r"verify chains only\)"):
+        llm.generate(prompts[:1], runs.greedy(4, speculative_method="suffix"), use_tqdm=False)
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"speculative_config": {**NGRAM, "num_branches": 2}}, r"token trees .* not supported for model_type="
+                                                           r"'deepseek_v4'"),
+    ({"speculative_config": {"method": "suffix", "num_speculative_tokens": 4}}, r"method='suffix' is not supported"),
+    ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2: DeepSeek-V4 over pipeline stages"),
+    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype: DeepSeek-V4's cache rows"),
+])
+def test_unsupported_is_refused(tiny_deepseek_v4_dir, args, match):
+    from specray import LLM
+
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(tiny_deepseek_v4_dir), max_model_len=256, block_size=4, **args)
