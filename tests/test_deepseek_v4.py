@@ -4,9 +4,10 @@ query) and heavily compressed attention (windows of 8), hash-routed and scored e
 same random tiny weights (fp32, max abs diff < 1e-4; the checkpoint as transformers saves it, in DeepSeek's own
 names, and as transformers' modules name it). Every attention path (the padded short batch, one sequence at a time
 over gathered or consecutive blocks), each part shown to matter, tensor parallel 2 equal to one rank, and the engine:
-greedy with n-gram chains, a draft model and prefix caching equal to transformers' ``generate``; what it does not
-support is refused by name. Weights are drawn (the seed) so that no query's 3rd and 4th index scores tie (ReLU makes
-exact ties at 0 possible): there the pick may differ between two exact implementations."""
+greedy with n-gram chains and trees, suffix decoding, lookahead, a draft model and prefix caching equal to
+transformers' ``generate``; what it does not support is refused by name. Weights are drawn (the seed) so that no
+query's 3rd and 4th index scores tie (ReLU makes exact ties at 0 possible): there the pick may differ between two
+exact implementations."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from specray.models import cpu_kernels, deepseek_v4
 from specray.models.loader import load_model
+from specray.tree import depths, path_to
 from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff,  # tests/model_checks.py
                                        mutated_logits, prompt, run_ranks)
 
@@ -51,6 +53,55 @@ def test_logits_match_transformers(v4, monkeypatch, schedule, path):
                                                                                (8, False, 0), (4, True, 16)]
     logits = chunked_logits(model, prompt(), SCHEDULES[schedule], consecutive=path == "own-consecutive")
     assert max_diff(logits, reference) < TOL
+
+
+PARENTS = [-1, -1, 0, 0, 1, 2, 2, 3, 5]  # depths 1, 1, 2, 2, 2, 3, 3, 3, 4
+
+
+@pytest.mark.parametrize("path", ["batched", "own"])
+def test_tree_nodes_match_transformers_on_their_paths(tiny_deepseek_v4_dir, monkeypatch, path):
+    """A token tree after 13 cached tokens: the root (position 13) and nine nodes (positions 14..17), among them three
+    depth-2 nodes that each close a window of both rates (position 15) over their own ancestors; every node's logits
+    equal transformers' on prefix + its path, and once a path is kept (its rows moved to the slots after the root,
+    as the engine moves them) the next token's do too."""
+    from transformers import AutoModelForCausalLM
+
+    from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache, slots_of
+
+    if path == "own":
+        monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v4_dir, dtype=torch.float32).eval()
+    model = load_model(str(tiny_deepseek_v4_dir))
+    cache = allocate_kv_cache(model, 16, 4)
+    table = [7, 2, 11, 5, 9, 0, 14]
+    ids, nodes = prompt()[:14], prompt(10)[: len(PARENTS)]  # (tokens whose index scores tie nowhere at the 3rd)
+    levels = depths(PARENTS)
+    mask = torch.zeros(1 + len(PARENTS), 1 + len(PARENTS), dtype=torch.bool)
+    mask[:, 0] = True
+    for i in range(len(PARENTS)):
+        for j in path_to(PARENTS, i):
+            mask[1 + i, 1 + j] = True
+
+    def step(new: list[int], start: int, **plan) -> torch.Tensor:
+        meta = build_attention_metadata([len(new)], [start], [table], 4, "cpu", **plan)
+        with torch.no_grad():
+            return model.compute_logits(model(torch.tensor(new), meta))
+
+    def reference(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(torch.tensor([tokens])).logits[0, -1].float()
+
+    step(ids[:13], 0)
+    out = step([ids[13]] + nodes, 13, positions=[13] + [13 + d for d in levels], ancestors=[mask])
+    assert max_diff(out[0], reference(ids)) < TOL
+    for i in range(len(PARENTS)):
+        assert max_diff(out[1 + i], reference(ids + [nodes[j] for j in path_to(PARENTS, i)])) < TOL, i
+    kept = path_to(PARENTS, 8)  # the deepest node's path, through a window-closing node
+    cache.copy_slots(torch.tensor(slots_of(table, [14 + j for j in kept], 4)),
+                     torch.tensor(slots_of(table, range(14, 14 + len(kept)), 4)))
+    following = step([5], 14 + len(kept))
+    assert max_diff(following[0], reference(ids + [nodes[j] for j in kept] + [5])) < TOL
 
 
 def test_transformers_module_names_load(v4):
@@ -119,10 +170,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
-def test_engine_greedy_equals_transformers_with_chains_and_prefix_caching(tiny_deepseek_v4_dir, tiny_llama_dir):
+def test_engine_greedy_equals_transformers_with_drafts_and_prefix_caching(tiny_deepseek_v4_dir, tiny_llama_dir):
     """``specray.LLM``'s greedy tokens (a batch of prompts, each past several windows) equal transformers'
-    ``generate``; so do they with n-gram chains and a draft model verified, and a second batch behind cached
-    prefixes; a request asking for a drafter of trees is refused."""
+    ``generate``; so do they with n-gram chains and trees, suffix decoding's and lookahead's trees and a draft model
+    verified (a tree node pools its ancestors' rows), and a second batch behind cached prefixes."""
     from specray import LLM
 
     folder = tiny_deepseek_v4_dir
@@ -131,23 +182,23 @@ def test_engine_greedy_equals_transformers_with_chains_and_prefix_caching(tiny_d
     plain = LLM(model=str(folder), max_model_len=256, block_size=4)
     want = runs.token_ids(plain.generate(prompts, runs.greedy(16), use_tqdm=False))
     runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
-    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
-    for spec in (NGRAM, draft):
+    specs = [NGRAM, {**NGRAM, "num_branches": 3}, {"method": "suffix", "num_speculative_tokens": 6},
+             {"method": "lookahead", "num_speculative_tokens": 15},
+             {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}]
+    for spec in specs:
         llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=spec,
-                  enable_prefix_caching=True)
-        for _ in range(2):  # the second time behind the first's cached blocks
-            assert runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) == want
-        assert llm.spec_stats.accepted_tokens > 0
-    assert llm.engine.scheduler.prefix_cache_hits > 0
-    with pytest.raises(ValueError, match=r"speculative_method='suffix' is not served on this model \(its steps "
-                                         r"verify chains only\)"):
-        llm.generate(prompts[:1], runs.greedy(4, speculative_method="suffix"), use_tqdm=False)
+                  enable_prefix_caching=spec is NGRAM)
+        for _ in range(2 if spec is NGRAM else 1):  # the second time behind the first's cached blocks
+            assert runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) == want, spec
+        # the lookups find the prompts' repeats; the random draft model's and lookahead's guesses may all be refused
+        assert llm.spec_stats.accepted_tokens > 0 or spec["method"] not in ("ngram", "suffix"), spec
+        if spec is NGRAM:
+            assert llm.engine.scheduler.prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("args, match", [
-    ({"speculative_config": {**NGRAM, "num_branches": 2}}, r"token trees .* not supported for model_type="
-                                                           r"'deepseek_v4'"),
-    ({"speculative_config": {"method": "suffix", "num_speculative_tokens": 4}}, r"method='suffix' is not supported"),
+    ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+     r"method='mtp' \(a head reading the target's hidden states\) is not supported"),
     ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2: DeepSeek-V4 over pipeline stages"),
     ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype: DeepSeek-V4's cache rows"),
 ])

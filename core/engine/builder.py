@@ -170,30 +170,20 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     return True
 
 
-# what drafts for a model whose steps must be chains (DeepSeek-V4: its compressors pool each sequence's tokens in
-# order): the lookups that draft one continuation, a draft model and predicted outputs
-CHAIN_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache", "prediction")
-
-
-def check_chains_only(args: EngineArgs, hf_config) -> bool:
-    """Whether the model verifies chains only (its class's ``drafts_chains_only``), with a ValueError naming the
-    drafters that draft chains when it is given another."""
+def check_heads_served(args: EngineArgs, hf_config) -> None:
+    """A hidden-state head (a method that runs on the target's worker: EAGLE, MTP, Medusa, ...) is refused for a
+    model that hands none its hidden states (its class's ``serves_heads``: DeepSeek-V4), with a ValueError naming
+    what drafts for it."""
     from specray.models.registry import get_model_class
 
     spec = args.speculative_config
-    if not getattr(get_model_class(hf_config), "drafts_chains_only", False):
-        return False
-    if spec is None:
-        return True
-    options = registry.options_of(spec)
-    trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
-             or getattr(options, "use_dynamic_tree", False))
-    if spec.method not in CHAIN_DRAFTERS or trees:
-        what = "token trees (num_branches, speculative_token_tree)" if trees else f"method={spec.method!r}"
-        raise ValueError(f"speculative_config {what} is not supported for model_type="
-                         f"{getattr(hf_config, 'model_type', '?')!r}, whose steps verify chains only: use one of "
-                         f"{list(CHAIN_DRAFTERS)} drafting chains (num_branches=1)")
-    return True
+    if spec is None or getattr(get_model_class(hf_config), "serves_heads", True):
+        return
+    if registry.runs_in_worker(spec.method):
+        raise ValueError(f"speculative_config method={spec.method!r} (a head reading the target's hidden states) is "
+                         f"not supported for model_type={getattr(hf_config, 'model_type', '?')!r}: use a drafter "
+                         "that needs no hidden states (ngram and its tree options, suffix, lookahead, the llama.cpp "
+                         "lookups, draft_model, prediction, or your own)")
 
 
 def engine_seats(args: EngineArgs) -> int:
@@ -279,7 +269,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     check_family_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
     recurrent = check_recurrent(args, hf_config)
-    chains_only = check_chains_only(args, hf_config)
+    check_heads_served(args, hf_config)
     check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
@@ -353,8 +343,6 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     if recurrent:  # a request's own method must draft what the recurrent state verifies too
         engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
                                   "drafters' chains and trees")
-    elif chains_only:
-        engine.request_methods = (CHAIN_DRAFTERS, "its steps verify chains only")
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:

@@ -164,13 +164,7 @@ def _short_mask(meta: AttentionMetadata, kind: MaskKind) -> torch.Tensor:
     if all(meta._plain(i) for i in short.seq_ids):  # padded context lies past every query position
         return kind.allows(q_pos, k_idx)
     starts = [meta.start_positions[i] for i in short.seq_ids]
-    k_pos = k_idx.repeat(short.num_seqs, 1)  # [Bs, L]
-    if meta.seq_positions is not None:
-        rows = [b for b, i in enumerate(short.seq_ids) for _ in meta.seq_positions[i]]
-        cols = [starts[b] + j for b, i in enumerate(short.seq_ids) for j in range(len(meta.seq_positions[i]))]
-        vals = [p for i in short.seq_ids for p in meta.seq_positions[i]]
-        k_pos[_long(rows, k_pos.device), _long(cols, k_pos.device)] = _long(vals, k_pos.device)
-    k_pos = k_pos[:, None, :]  # [Bs, 1, L]
+    k_pos = short_key_positions(meta)[:, None, :]  # [Bs, 1, L]
     causal = k_pos <= q_pos  # [Bs, Q, L]
     for b, i in enumerate(short.seq_ids):
         anc = None if meta.ancestors is None else meta.ancestors[i]
@@ -182,21 +176,42 @@ def _short_mask(meta: AttentionMetadata, kind: MaskKind) -> torch.Tensor:
     return kind.allows(q_pos, k_pos, causal) & (k_idx < ctx)
 
 
+def short_key_positions(meta: AttentionMetadata) -> torch.Tensor:
+    """[Bs, L]: the position of each slot of the short batch's padded contexts (a cached key's: its slot index; a
+    new token's: its own, which differs in a tree)."""
+    short = meta.short
+    k_pos = torch.arange(short.num_ctx_blocks * meta.block_size, device=short.query_positions.device)
+    k_pos = k_pos.repeat(short.num_seqs, 1)  # [Bs, L]
+    if meta.seq_positions is not None:
+        starts = [meta.start_positions[i] for i in short.seq_ids]
+        rows = [b for b, i in enumerate(short.seq_ids) for _ in meta.seq_positions[i]]
+        cols = [starts[b] + j for b, i in enumerate(short.seq_ids) for j in range(len(meta.seq_positions[i]))]
+        vals = [p for i in short.seq_ids for p in meta.seq_positions[i]]
+        k_pos[_long(rows, k_pos.device), _long(cols, k_pos.device)] = _long(vals, k_pos.device)
+    return k_pos
+
+
+def own_key_positions(meta: AttentionMetadata, i: int) -> torch.Tensor:
+    """[ctx]: the position of each key of own sequence ``i``'s context (cached keys, then its new tokens)."""
+    seq, device = meta.own[i], meta.positions.device
+    new_pos = _long(seq_positions(meta, seq.seq_id), device)
+    return torch.cat([torch.arange(seq.start_pos, device=device), new_pos])
+
+
 def _own_mask(meta: AttentionMetadata, i: int, kind: MaskKind) -> torch.Tensor:
     # -> [q, ctx] over own sequence i's whole context (cached keys and new ones)
-    seq, device = meta.own[i], meta.positions.device
-    new_pos = _seq_positions(meta, seq.seq_id)
-    new_pos = _long(new_pos, device)  # [q]
-    q_pos = new_pos[:, None]  # [q, 1]
-    k_pos = torch.cat([torch.arange(seq.start_pos, device=device), new_pos])[None, :]  # [1, ctx]
+    seq = meta.own[i]
+    k_pos = own_key_positions(meta, i)[None, :]  # [1, ctx]
+    q_pos = k_pos[0, seq.start_pos:, None]  # [q, 1]
     causal = k_pos <= q_pos
     anc = None if meta.ancestors is None else meta.ancestors[seq.seq_id]
     if anc is not None:
-        causal[:, seq.start_pos :] = anc.to(device)
+        causal[:, seq.start_pos :] = anc.to(k_pos.device)
     return kind.allows(q_pos, k_pos, causal)
 
 
-def _seq_positions(meta: AttentionMetadata, i: int) -> list[int]:
+def seq_positions(meta: AttentionMetadata, i: int) -> list[int]:
+    """Sequence ``i``'s new tokens' positions (host ints)."""
     if meta.seq_positions is not None:
         return meta.seq_positions[i]
     start = meta.start_positions[i]

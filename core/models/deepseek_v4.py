@@ -24,20 +24,22 @@ their own RoPE (``compress_rope_theta``, YaRN):
   (:func:`specray.models.deepseek_v3.top_index_keys`, as DeepSeek-V3.2's).
 
 **The cache** (:class:`~specray.models.kv_cache.CompressedAttentionSpec`): one row per token and layer holds its key
-and, on a compressing layer, its compressor's (and indexer's) key and gate before pooling, and the entry of the window
-it closes (a window's last token holds it). A step writes its tokens' rows, pools the windows its tokens close (from
-the rows of the window's tokens, earlier steps' and its own), and attends. So every row follows from the tokens up
-to it: chunked prefill, preemption, prefix caching and rejected drafts need nothing of their own. The rows keep
-every token's key and pooling inputs (the sliding window masks what it may not see, as every sliding layer here
-does), so the cache takes more memory per token than the model needs: a cache that keeps only the window and the
-entries is not written yet. Attention is computed densely over the window's keys and the entries (no sparse kernel).
+and, on a compressing layer, its compressor's (and indexer's) key and gate before pooling, and the entry of the
+window it closes (a window's last token holds it). A step writes its tokens' rows, pools the windows its tokens close
+(from the rows of the window's tokens, earlier steps' and its own; a token tree's node, from its ancestors' rows),
+and attends. So every row follows from the tokens up to it: chunked prefill, preemption, prefix caching, rejected
+drafts and a tree's accepted path (its rows moved to their committed slots, as any layer's K/V) need nothing of their
+own. The rows keep every token's key and pooling inputs (the sliding window masks what it may not see, as every
+sliding layer here does), so the cache takes more memory per token than the model needs: a cache that keeps only the
+window and the entries is not written yet. Attention is computed densely over the window's keys and the entries (no
+sparse kernel).
 
 **Tensor parallelism**: query heads, their sinks and the output groups split over the ranks (``o_groups`` a multiple
 of the ranks); the key, the compressors, the indexer and the hyper-connections are replicated (every head reads them);
 the experts split as DeepSeek-V3's (:mod:`specray.models.moe`, the ``deepseek_v4`` row: its scoring, its hash-routed
-first layers, its clamped SwiGLU). **Not supported**: pipeline stages, token trees, hidden-state drafters (its MTP
-layers are skipped), CUDA graphs, an FP8 KV cache, the quantized releases' FP8 / FP4 weights (tiny random models
-only: never a real checkpoint, never on a GPU).
+first layers, its clamped SwiGLU). **Not supported**: pipeline stages, hidden-state drafters (heads: its MTP layers
+are skipped), CUDA graphs, an FP8 KV cache, the quantized releases' FP8 / FP4 weights (tiny random models only:
+never a real checkpoint, never on a GPU).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.attention import AttentionMetadata
+from specray.models.attention import AttentionMetadata, own_key_positions, seq_positions, short_key_positions
 from specray.models.deepseek_v3 import top_index_keys
 from specray.models.kv_cache import CAUSAL, CompressedAttentionSpec, KVCache, KVCacheSpec, MaskKind
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
@@ -270,7 +272,6 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: dict, meta: AttentionMetadata) -> torch.Tensor:
         # x [T, H] -> [T, H]; rope: {"main" / "compress": (cos, sin) [T, 1, r/2], "table": the compress RotaryEmbedding}
-        assert meta.seq_positions is None and meta.ancestors is None, "DeepSeek-V4 steps are chains (trees refused)"
         t, hl, d = x.shape[0], self.num_heads, self.head_dim
         cos, sin = rope[self.rope_kind]
         q_latent = self.q_a_norm(self.q_a_proj(x))
@@ -300,44 +301,66 @@ class DeepseekV4Attention(nn.Module):
 
     # ---- windows closed in this step: their entries pooled and written to the closing token's row
 
-    def _close(self, ctx: torch.Tensor, closing: list[tuple[int, int, int]], meta: AttentionMetadata,
-               table: RotaryEmbedding) -> None:
-        """ctx [N, L, W]: the rows of N sequences' contexts, position by position (this step's included);
-        closing: (sequence in ctx, position, the token's row in the step) of each new token that closes a window.
-        Pools their entries, into the cache and into ``ctx``."""
+    def _close(self, ctx: torch.Tensor, closing: list[tuple[int, int, int, list[int] | None]],
+               meta: AttentionMetadata, table: RotaryEmbedding) -> None:
+        """ctx [N, L, W]: the rows of N sequences' contexts by slot index (this step's included); closing: (sequence
+        in ctx, position, the token's row in the step, its window's rows in ctx or None) of each new token that
+        closes a window (:meth:`_closing`). Pools their entries, into the cache and into ``ctx``."""
         if self.compressor is None or not closing:
             return
         n, length, width = ctx.shape
-        device = ctx.device
+        device, span = ctx.device, self.compressor.span
         flat = ctx.view(n * length, width)
         seq = torch.tensor([c[0] for c in closing], device=device)
         end = torch.tensor([c[1] for c in closing], device=device)
         tokens = torch.tensor([c[2] for c in closing], device=device)
         slots = meta.slot_mapping.index_select(0, tokens)
-        dest = seq * length + end
         starts = end - self.compressor.rate + 1  # each entry's RoPE position: its window's first
         cos, sin = table(starts, ctx.dtype)
+        # a chain's window is the rows up to the closing one; a tree node's, its ancestors' (rows given)
+        positions = end[:, None] - span + 1 + torch.arange(span, device=device)  # [C, span]
+        rows = positions.clone()
+        given = [(k, c[3]) for k, c in enumerate(closing) if c[3] is not None]
+        if given:
+            rows[torch.tensor([k for k, _ in given], device=device)] = torch.tensor([r for _, r in given],
+                                                                                    device=device)
+        index = (seq[:, None] * length + rows.clamp(min=0)).flatten()
+        window = flat.index_select(0, index).view(len(closing), span, width)
         for pooling, names in ((self.compressor, ("raw_kv", "raw_gate", "entry")),
                                (self.compressor.indexer, ("index_raw_kv", "index_raw_gate", "index_entry"))):
             if pooling is None:
                 continue
-            positions = end[:, None] - pooling.span + 1 + torch.arange(pooling.span, device=device)  # [C, span]
-            rows = flat.index_select(0, (seq[:, None] * length + positions.clamp(min=0)).flatten())
-            rows = rows.view(len(closing), pooling.span, width)
-            entry = pooling.pool(self._col(rows, names[0]), self._col(rows, names[1]), positions >= 0)
+            entry = pooling.pool(self._col(window, names[0]), self._col(window, names[1]), positions >= 0)
             entry = _rotate_tail(_to_halves(entry, self.rope)[:, None], cos, sin)[:, 0].to(flat.dtype)
             start, size = self.cols[names[2]]
             self.rows[:, start: start + size].index_copy_(0, slots, entry)
-            flat[:, start: start + size].index_copy_(0, dest, entry)
+            flat[:, start: start + size].index_copy_(0, seq * length + rows[:, -1], entry)
 
-    def _closing(self, seq: int, start: int, count: int, first_token: int) -> list[tuple[int, int, int]]:
-        """The new tokens of a sequence (``count`` from position ``start``, rows from ``first_token``) that close a
-        window, as :meth:`_close` takes them."""
+    def _closing(self, meta: AttentionMetadata, i: int, seq: int, first_token: int
+                 ) -> list[tuple[int, int, int, list[int] | None]]:
+        """The new tokens of step sequence ``i`` (``seq`` in its context group, its rows from ``first_token``) that
+        close a window, as :meth:`_close` takes them: a chain's window rows follow from the position (None); a tree
+        node's are its ancestors' rows where the window reaches past the context (host lists: the plan's)."""
         if self.compressor is None:
             return []
-        m = self.compressor.rate
-        first = start + (-(start + 1)) % m  # the first position p >= start with (p + 1) % m == 0
-        return [(seq, p, first_token + p - start) for p in range(first, start + count, m)]
+        m, span = self.compressor.rate, self.compressor.span
+        start, count = meta.start_positions[i], meta.query_lens[i]
+        anc = None if meta.ancestors is None else meta.ancestors[i]
+        if meta.seq_positions is None and anc is None:
+            first = start + (-(start + 1)) % m  # the first position p >= start with (p + 1) % m == 0
+            return [(seq, p, first_token + p - start, None) for p in range(first, start + count, m)]
+        positions = seq_positions(meta, i)
+        sees = None if anc is None else anc.tolist()  # the plan's [q, q] mask, on the host
+        out = []
+        for j, p in enumerate(positions):
+            if (p + 1) % m:
+                continue
+            seen = {positions[a]: start + a for a in range(count) if (a <= j if sees is None else sees[j][a])}
+            rows = [x if x < start else seen.get(x, -1) for x in range(p - span + 1, p + 1)]
+            assert all(r >= 0 for x, r in zip(range(p - span + 1, p + 1), rows) if x >= 0), (
+                "a tree node's ancestors hold every position from the context to it")
+            out.append((seq, p, first_token + j, rows))
+        return out
 
     # ---- attention: the window's keys and the entries passed, one softmax with the sinks
 
@@ -349,17 +372,21 @@ class DeepseekV4Attention(nn.Module):
         probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
         return torch.einsum("nhqk,nkd->nqhd", probs, keys.float()).to(q.dtype)
 
-    def _entries(self, ctx: torch.Tensor, causal: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries a query may attend: (keys [N, L / m, D], allowed [N, Q, L / m]) from ctx [N, L, W] and the
-        causal mask [N, Q, L] (an entry sits in its window's last row; the indexer's pick where it has one)."""
+    def _entries(self, ctx: torch.Tensor, causal: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None,
+                 key_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries a query may attend: (keys [N, E, D], allowed [N, Q, E]) from ctx [N, L, W] and the causal mask
+        [N, Q, L]. An entry sits in its window's last row: every m-th row of a chain's context (E = L / m); in a step
+        with trees, any row whose key position ``key_pos`` [N, L] closes a window (E = L). The indexer's pick where
+        it has one."""
         m = self.compressor.rate
-        entries = self._col(ctx[:, m - 1:: m], "entry")
-        allowed = causal[..., m - 1:: m]
+        if key_pos is None:
+            rows, allowed = ctx[:, m - 1:: m], causal[..., m - 1:: m]
+        else:
+            rows, allowed = ctx, causal & ((key_pos + 1) % m == 0)[:, None, :]
         if index is not None:
-            keys = self._col(ctx[:, m - 1:: m], "index_entry").float()
+            keys = self._col(rows, "index_entry").float()
             allowed = top_index_keys(index[0], index[1], keys, allowed, self.compressor.indexer.topk)
-        return entries, allowed
+        return self._col(rows, "entry"), allowed
 
     def _short(self, q: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
                table: RotaryEmbedding, out: torch.Tensor) -> None:
@@ -368,8 +395,7 @@ class DeepseekV4Attention(nn.Module):
         width = self.rows.shape[-1]
         ctx = self.rows.view(-1, meta.block_size, width).index_select(0, sb.block_index).view(bs, length, width)
         offsets = [sum(meta.query_lens[:i]) for i in range(meta.num_seqs)]
-        closing = [c for b, i in enumerate(sb.seq_ids)
-                   for c in self._closing(b, meta.start_positions[i], meta.query_lens[i], offsets[i])]
+        closing = [c for b, i in enumerate(sb.seq_ids) for c in self._closing(meta, i, b, offsets[i])]
         self._close(ctx, closing, meta, table)
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
@@ -379,7 +405,8 @@ class DeepseekV4Attention(nn.Module):
             index = tuple(v.view(bs, sb.max_query_len, *v.shape[1:]) for v in index)
         keys, allowed = self._col(ctx, "kv"), meta.short_mask(1, MaskKind(window=self.window))[:, 0]
         if self.compressor is not None:
-            entries, seen = self._entries(ctx, meta.short_mask(1, CAUSAL)[:, 0], index)
+            key_pos = None if meta.seq_positions is None else short_key_positions(meta)
+            entries, seen = self._entries(ctx, meta.short_mask(1, CAUSAL)[:, 0], index, key_pos)
             keys, allowed = torch.cat((keys, entries), dim=1), torch.cat((allowed, seen), dim=-1)
         o = self._attend(q, keys, allowed).flatten(0, 1)  # [Bs * Q, Hl, D]
         if sb.token_index is None:
@@ -399,20 +426,23 @@ class DeepseekV4Attention(nn.Module):
             ctx = self.rows.view(-1, self.block_size, width).index_select(0, seq.block_index).view(-1, width)
             ctx = ctx[: seq.context_len]
         ctx = ctx[None]
-        self._close(ctx, self._closing(0, seq.start_pos, seq.query_len, seq.token_start), meta, table)
+        self._close(ctx, self._closing(meta, seq.seq_id, 0, seq.token_start), meta, table)
         window, causal = meta.own_allowed(i, MaskKind(window=self.window)), meta.own_allowed(i, CAUSAL)
         keys = self._col(ctx, "kv")[0]
-        # a few queries at a time, each attending only the keys in its window and the entries
+        positions = seq_positions(meta, seq.seq_id)
+        key_pos = None if meta.seq_positions is None else own_key_positions(meta, i)[None]
+        # a few queries at a time, each attending only the keys in its window (from the first query's position:
+        # a tree node's is at most its row's) and the entries
         step = max(1, SCORE_ELEMENTS // max(1, self.num_heads * (self.window + seq.context_len)))
         for first in range(0, seq.query_len, step):
             rows = slice(first, min(first + step, seq.query_len))
-            lo = max(0, seq.start_pos + first - self.window + 1)
+            lo = max(0, min(positions[rows]) - self.window + 1)
             hi = seq.start_pos + rows.stop
             part_keys, allowed = keys[lo:hi][None], window[rows, lo:hi][None]
             if self.compressor is not None:
                 part_index = None if index is None else tuple(
                     v[seq.token_start + rows.start: seq.token_start + rows.stop][None] for v in index)
-                entries, seen = self._entries(ctx, causal[None, rows], part_index)
+                entries, seen = self._entries(ctx, causal[None, rows], part_index, key_pos)
                 part_keys, allowed = torch.cat((part_keys, entries), dim=1), torch.cat((allowed, seen), dim=-1)
             token_rows = slice(seq.token_start + rows.start, seq.token_start + rows.stop)
             out[token_rows] = self._attend(q[None, token_rows], part_keys, allowed)[0]
@@ -474,7 +504,7 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
     stacked = {".shared_experts.gate_proj.": (".shared_experts.gate_up_proj.", 0),
                ".shared_experts.up_proj.": (".shared_experts.gate_up_proj.", 1)}
     lora_modules: tuple[str, ...] = ()
-    drafts_chains_only = True  # the engine refuses token trees (specray.engine.builder.check_chains_only)
+    serves_heads = False  # no hidden-state head drafts for it (specray.engine.builder.check_heads_served)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):

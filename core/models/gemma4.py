@@ -242,8 +242,9 @@ class Gemma4Experts(SparseMoE):
         self.per_expert_scale = _param(config.num_experts)
         self.root_size = config.hidden_size ** -0.5
 
-    def route(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # stream: the residual stream [T, H] (``forward(x, router_input=stream)``), not the experts' input
+    def route(self, stream: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # stream: the residual stream [T, H] (``forward(x, router_input=stream)``), not the experts' input; token_ids:
+        # unused (no hash-routed layers)
         h = self.router_norm(stream) * self.router_scale * self.root_size
         probs = F.softmax(F.linear(h, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
