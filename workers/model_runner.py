@@ -261,7 +261,9 @@ class ModelRunner:
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if recurrent is not None:  # requests starting behind cached blocks: their kept states first
             self.recurrent_state.copy_slots(*self.recurrent.restores)
-        if self.graphs is not None and not (trees and recurrent is not None):  # (a hybrid's trees: eagerly)
+        # a hybrid's trees, and a model's whose trees take the host's help (graph_trees: DeepSeek-V4's), eagerly
+        if self.graphs is not None and not (trees and (recurrent is not None
+                                                       or not getattr(self.model, "graph_trees", True))):
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
             shape = self.graphs.shape(query_lens, starts, decode, min_rows=rows)

@@ -34,12 +34,15 @@ sliding layer here does), so the cache takes more memory per token than the mode
 window and the entries is not written yet. Attention is computed densely over the window's keys and the entries (no
 sparse kernel).
 
+**Pipeline stages** hand on the ``hc_mult`` streams (the embedding on the first, ``hc_head`` and the norm on the last).
 **Tensor parallelism**: query heads, their sinks and the output groups split over the ranks (``o_groups`` a multiple
 of the ranks); the key, the compressors, the indexer and the hyper-connections are replicated (every head reads them);
 the experts split as DeepSeek-V3's (:mod:`specray.models.moe`, the ``deepseek_v4`` row: its scoring, its hash-routed
-first layers, its clamped SwiGLU). **Not supported**: pipeline stages, hidden-state drafters (heads: its MTP layers
-are skipped), CUDA graphs, an FP8 KV cache, the quantized releases' FP8 / FP4 weights (tiny random models only:
-never a real checkpoint, never on a GPU).
+first layers, its clamped SwiGLU). **CUDA graphs**: a step of chains pools every query row's window on the device
+(fixed shapes, no host value; a row that closes no window writes an entry nothing reads), so decode and verify steps
+replay graphs; a step with a token tree runs eagerly (its windows are found on the host). Checked on CPU only.
+**Not supported**: hidden-state drafters (heads: its MTP layers are skipped), an FP8 KV cache, the quantized
+releases' FP8 / FP4 weights (tiny random models only: never a real checkpoint, never on a GPU).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from specray.models.attention import AttentionMetadata, own_key_positions, seq_p
 from specray.models.deepseek_v3 import top_index_keys
 from specray.models.kv_cache import CAUSAL, CompressedAttentionSpec, KVCache, KVCacheSpec, MaskKind
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                   VocabParallelEmbedding, _copy, divide, narrow, rope_parameters)
+                                   VocabParallelEmbedding, _copy, divide, narrow, on_stage, rope_parameters)
 from specray.models.llama import LlamaForCausalLM, StageModel
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -253,6 +256,7 @@ class DeepseekV4Attention(nn.Module):
         self.cols = self.kv_spec.columns
         self.rows = torch.empty(0)
         self.block_size = 1
+        self.rotary_at = None  # the compressing layers' RoPE table at any position, handed in by each forward
 
     def _load_rows(self, count: int):
         def load(param: nn.Parameter, loaded: Any) -> None:
@@ -290,10 +294,11 @@ class DeepseekV4Attention(nn.Module):
                 index = (queries, weights)
         self.rows.index_copy_(0, meta.slot_mapping, torch.cat(parts, dim=-1).to(self.rows.dtype))
         out = q.new_empty(t, hl, d)
+        self.rotary_at = rope["table"].forward  # (positions [C], dtype) -> cos, sin: the entries' RoPE, this step
         if meta.short is not None:
-            self._short(q, index, meta, rope["table"], out)
+            self._short(q, index, meta, out)
         for i in range(len(meta.own)):
-            self._own(q, index, meta, i, rope["table"], out)
+            self._own(q, index, meta, i, out)
         out = _to_pairs(_rotate_tail(out, cos, -sin), self.rope)  # the values' rotation undone at the query's position
         grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, self.groups, -1),
                                self.o_a_proj.weight.view(self.groups, self.group_rank, -1))
@@ -302,7 +307,7 @@ class DeepseekV4Attention(nn.Module):
     # ---- windows closed in this step: their entries pooled and written to the closing token's row
 
     def _close(self, ctx: torch.Tensor, closing: list[tuple[int, int, int, list[int] | None]],
-               meta: AttentionMetadata, table: RotaryEmbedding) -> None:
+               meta: AttentionMetadata) -> None:
         """ctx [N, L, W]: the rows of N sequences' contexts by slot index (this step's included); closing: (sequence
         in ctx, position, the token's row in the step, its window's rows in ctx or None) of each new token that
         closes a window (:meth:`_closing`). Pools their entries, into the cache and into ``ctx``."""
@@ -316,7 +321,7 @@ class DeepseekV4Attention(nn.Module):
         tokens = torch.tensor([c[2] for c in closing], device=device)
         slots = meta.slot_mapping.index_select(0, tokens)
         starts = end - self.compressor.rate + 1  # each entry's RoPE position: its window's first
-        cos, sin = table(starts, ctx.dtype)
+        cos, sin = self.rotary_at(starts, ctx.dtype)
         # a chain's window is the rows up to the closing one; a tree node's, its ancestors' (rows given)
         positions = end[:, None] - span + 1 + torch.arange(span, device=device)  # [C, span]
         rows = positions.clone()
@@ -326,15 +331,37 @@ class DeepseekV4Attention(nn.Module):
                                                                                     device=device)
         index = (seq[:, None] * length + rows.clamp(min=0)).flatten()
         window = flat.index_select(0, index).view(len(closing), span, width)
+        self._pool_into(window, positions >= 0, cos, sin, slots, flat, seq * length + rows[:, -1])
+
+    def _close_rows(self, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The short batch of a step of chains, every query row at once with shapes fixed by the batch's and no host
+        value (what a graph step captures): ctx [N, L, W] by position, positions [N, Q] each row's, slots [N * Q]
+        its cache slot. Each row's window is pooled as if the row closed one: an entry is read only at its window's
+        last row, so a row that closes none keeps a value nothing reads (a padding row repeats its sequence's last)."""
+        n, length, width = ctx.shape
+        device, span, q = ctx.device, self.compressor.span, positions.shape[1]
+        flat = ctx.view(n * length, width)
+        rows = positions[..., None] - span + 1 + torch.arange(span, device=device)  # [N, Q, span]
+        window = flat.index_select(0, (torch.arange(n, device=device)[:, None, None] * length
+                                       + rows.clamp(min=0)).flatten()).view(n * q, span, width)
+        cos, sin = self.rotary_at((positions.flatten() - self.compressor.rate + 1).clamp(min=0), ctx.dtype)
+        dest = (torch.arange(n, device=device)[:, None] * length + positions).flatten()
+        self._pool_into(window, (rows >= 0).view(n * q, span), cos, sin, slots, flat, dest)
+
+    def _pool_into(self, window: torch.Tensor, valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, flat: torch.Tensor, dest: torch.Tensor) -> None:
+        """Pool each window [C, span, W] (rows valid [C, span]) into the compressor's and the indexer's entries,
+        rotated by (cos, sin) at the window's first position, written to the cache at ``slots`` [C] and to the
+        context rows ``flat`` at ``dest`` [C]."""
         for pooling, names in ((self.compressor, ("raw_kv", "raw_gate", "entry")),
                                (self.compressor.indexer, ("index_raw_kv", "index_raw_gate", "index_entry"))):
             if pooling is None:
                 continue
-            entry = pooling.pool(self._col(window, names[0]), self._col(window, names[1]), positions >= 0)
+            entry = pooling.pool(self._col(window, names[0]), self._col(window, names[1]), valid)
             entry = _rotate_tail(_to_halves(entry, self.rope)[:, None], cos, sin)[:, 0].to(flat.dtype)
             start, size = self.cols[names[2]]
             self.rows[:, start: start + size].index_copy_(0, slots, entry)
-            flat[:, start: start + size].index_copy_(0, seq * length + rows[:, -1], entry)
+            flat[:, start: start + size].index_copy_(0, dest, entry)
 
     def _closing(self, meta: AttentionMetadata, i: int, seq: int, first_token: int
                  ) -> list[tuple[int, int, int, list[int] | None]]:
@@ -389,14 +416,20 @@ class DeepseekV4Attention(nn.Module):
         return self._col(rows, "entry"), allowed
 
     def _short(self, q: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
-               table: RotaryEmbedding, out: torch.Tensor) -> None:
+               out: torch.Tensor) -> None:
         sb = meta.short
         bs, length = sb.num_seqs, sb.num_ctx_blocks * meta.block_size
         width = self.rows.shape[-1]
         ctx = self.rows.view(-1, meta.block_size, width).index_select(0, sb.block_index).view(bs, length, width)
-        offsets = [sum(meta.query_lens[:i]) for i in range(meta.num_seqs)]
-        closing = [c for b, i in enumerate(sb.seq_ids) for c in self._closing(meta, i, b, offsets[i])]
-        self._close(ctx, closing, meta, table)
+        if self.compressor is None:
+            pass
+        elif meta.seq_positions is None:  # chains: every row at once on the device (graph steps are such)
+            slots = meta.slot_mapping if sb.token_index is None else meta.slot_mapping.index_select(0, sb.token_index)
+            self._close_rows(ctx, sb.query_positions, slots)
+        else:  # trees: the windows that close, each over its node's ancestors (eager steps only)
+            offsets = [sum(meta.query_lens[:i]) for i in range(meta.num_seqs)]
+            self._close(ctx, [c for b, i in enumerate(sb.seq_ids) for c in self._closing(meta, i, b, offsets[i])],
+                        meta)
         if sb.token_index is not None:
             q = q.index_select(0, sb.token_index)
             index = None if index is None else tuple(v.index_select(0, sb.token_index) for v in index)
@@ -415,7 +448,7 @@ class DeepseekV4Attention(nn.Module):
             out.index_copy_(0, sb.out_dst, o.index_select(0, sb.out_src))
 
     def _own(self, q: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
-             i: int, table: RotaryEmbedding, out: torch.Tensor) -> None:
+             i: int, out: torch.Tensor) -> None:
         seq = meta.own[i]
         width = self.rows.shape[-1]
         if seq.fresh:  # its context is its new tokens
@@ -426,7 +459,7 @@ class DeepseekV4Attention(nn.Module):
             ctx = self.rows.view(-1, self.block_size, width).index_select(0, seq.block_index).view(-1, width)
             ctx = ctx[: seq.context_len]
         ctx = ctx[None]
-        self._close(ctx, self._closing(meta, seq.seq_id, 0, seq.token_start), meta, table)
+        self._close(ctx, self._closing(meta, seq.seq_id, 0, seq.token_start), meta)
         window, causal = meta.own_allowed(i, MaskKind(window=self.window)), meta.own_allowed(i, CAUSAL)
         keys = self._col(ctx, "kv")[0]
         positions = seq_positions(meta, seq.seq_id)
@@ -475,7 +508,7 @@ class DeepseekV4Model(StageModel):
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.hc_mult = config.hc_mult
-        self.hc_head = HyperHead(config)
+        self.hc_head = on_stage(self.pp.is_last, lambda: HyperHead(config))
         rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
         self.rotary = {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True),
                                              config.max_position_embeddings) for kind in ("main", "compress")}
@@ -485,15 +518,22 @@ class DeepseekV4Model(StageModel):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        assert intermediate is None and not aux_layers, "refused at build: pipeline stages, hidden-state drafters"
-        x = self.embed(input_ids)
+        # input_ids [T] -> hidden [T, H]. A stage after the first starts from the previous stage's streams
+        # ``intermediate`` [n, T, H]; a stage before the last ends there, returning its own
+        assert not aux_layers, "refused at build: hidden-state drafters"
+        if intermediate is None:
+            x = self.embed(input_ids)
+            streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+        else:
+            streams = intermediate.transpose(0, 1).contiguous()
         rope: dict = {"table": self.rotary["compress"]}
         for kind, table in self.rotary.items():
             table.ensure(meta.max_position + 1)
-            rope[kind] = table(meta.positions, x.dtype)
-        streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+            rope[kind] = table(meta.positions, streams.dtype)
         for _, layer in self.stage_layers():
             streams = layer(streams, input_ids, rope, meta)
+        if not self.pp.is_last:
+            return streams.transpose(0, 1).contiguous(), []
         return self.norm(self.hc_head(streams)), []
 
 
@@ -508,27 +548,21 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        if pp is not None and pp.size > 1:
-            raise ValueError("DeepSeek-V4 over pipeline stages is not supported (its residual is hc_mult streams): "
-                             "use pipeline_parallel_size=1")
         if getattr(hf_config, "quantization_config", None):
             raise ValueError("DeepSeek-V4's quantized releases (FP8 weights, FP4 experts) are not supported: load a "
                              "bf16 conversion of the checkpoint")
         super().__init__(hf_config, tp, expert_parallel, pp)
+        self.stage_width = hf_config.hc_mult  # a stage hands the next its residual streams
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        """What the engine checks before any rank starts: one stage, and the output groups split over the ranks."""
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp}: DeepSeek-V4 over pipeline stages is not supported (its "
-                             "residual is hc_mult streams); use pipeline_parallel_size=1")
+        """What the engine checks before any rank starts: the output groups split over the ranks."""
         if config.o_groups % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide DeepSeek-V4's o_groups={config.o_groups} "
                              "(its grouped output projection splits by group): choose a tensor_parallel_size that "
                              "divides it")
 
-    def graph_blocker(self) -> str | None:
-        return "DeepSeek-V4's attention pools windows chosen on the host each step (no fixed-shape form yet)"
+    graph_trees = False  # a tree step's windows are its nodes' ancestors', found on the host: run eagerly
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_spec for _, layer in self.model.stage_layers()]
