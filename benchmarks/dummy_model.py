@@ -47,6 +47,17 @@ SHAPES = {
         n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
         routed_scaling_factor=1.0, vocab_size=102400, max_position_embeddings=8192, rms_norm_eps=1e-6,
         tie_word_embeddings=False)),
+    # DeepSeek-V4-Flash's widths over 4 of its 43 layers (heavily compressed, heavily compressed, compressed sparse,
+    # heavily compressed; the first 3 hash-routed): width 4096, 64 query heads over one key/value head of 512, query
+    # latent 1024, 8 output groups of 1024, 256 experts of width 2048, 6 per token, 1 shared (about 54 GB in bf16)
+    "deepseek-v4-flash-4l": ("deepseek_v4", dict(
+        architectures=["DeepseekV4ForCausalLM"], hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=4,
+        num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, n_routed_experts=256,
+        num_experts_per_tok=6, n_shared_experts=1, o_groups=8, o_lora_rank=1024, index_n_heads=64,
+        index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4, vocab_size=129280,
+        max_position_embeddings=65536, tie_word_embeddings=False,
+        layer_types=["heavily_compressed_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"])),
 }
 
 

@@ -85,6 +85,14 @@ if [[ $checks == *" real-size "* ]]; then
   bench "${step[@]}" --model "$models/deepseek-v2-lite" --modes graphs | tee "$out/step-deepseek-v2-lite.md"
   bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v2-lite" --modes eager \
     | tee "$out/step-deepseek-v2-lite-eager.md"
+  # DeepSeek-V4-Flash's widths over 4 layers (55 GB in bf16): hyper-connections, the compressing layers' windows pooled
+  # for every row on the device, sinks, hash-routed and scored experts, from graphs against eager steps (never run on
+  # a GPU before this; the dummy hash table sends every token to expert 0)
+  [ -d "$models/deepseek-v4-flash-4l" ] || python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l \
+    --out "$models/deepseek-v4-flash-4l"
+  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v4-flash-4l" --modes graphs | tee "$out/step-deepseek-v4.md"
+  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v4-flash-4l" --modes eager \
+    | tee "$out/step-deepseek-v4-eager.md"
   # cost curves at that size (n tokens' forward from a CUDA graph) for bench_replay.py --cost-curve, replayed on a
   # CPU afterwards: what drafting and the draft-length policy would buy at that device's costs
   for m in llama3-8b llama3-8b-awq; do

@@ -22,6 +22,7 @@ python benchmarks/dummy_model.py --shape llama3-8b --out .dummy/llama3-8b >/dev/
 python benchmarks/dummy_model.py --shape llama3-8b --quantization awq --out .dummy/llama3-8b-awq >/dev/null
 python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out .dummy/qwen3-30b-a3b >/dev/null
 python benchmarks/dummy_model.py --shape deepseek-v2-lite --out .dummy/deepseek-v2-lite >/dev/null
+python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l --out .dummy/deepseek-v4-flash-4l >/dev/null
 du -sh .whl .dummy
 cat <<'EOF'
 # the device call (carry: [".whl", ".dummy"]; the suite and the real-size section took about 400 s on an H200 before

@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -112,6 +112,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               Qwen3MoeForCausalLM)
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -143,6 +144,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
                           "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
                           "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM),
+                          "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -162,7 +164,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif arch in ("olmo2", "olmo3") and name.endswith("norm.weight"):  # ones at init: random, so a
+            elif (arch in ("olmo2", "olmo3") and name.endswith("norm.weight")
+                  or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
+                # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
             elif arch in ("ernie4_5", "seed_oss") and name.endswith(".bias"):  # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
@@ -175,7 +179,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch == "deepseek_v4" and name.endswith(("sinks", "position_bias", "base", "hc_base", "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
-        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"):
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -381,6 +385,14 @@ DSA_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8
                 index_topk=6, initializer_range=0.05, tie_word_embeddings=True,
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                  "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax_m2_dir(tmp_path_factory) -> Path:
+    # partial RoPE (8 of 16 features), q/k norms over all heads, 8 sigmoid-scored experts (top 2) in every layer
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_minimax_m2"), "minimax_m2", seed=71, head_dim=16,
+                            rotary_dim=8, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                            tie_word_embeddings=False)
 
 
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)

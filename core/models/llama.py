@@ -75,6 +75,9 @@ NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_l
 _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, ours in (
     (r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
     (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj.")))}
+# MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
+_CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
+    (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 
 
 FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj

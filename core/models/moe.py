@@ -14,7 +14,7 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   output), and a shared expert is added;
 * DeepSeek-V4: each expert's score by the config's ``scoring_func`` (``sqrtsoftplus``: sqrt(softplus(logit)),
   ``sigmoid`` or ``softmax``), the top k of score + ``e_score_correction_bias`` (no groups), the chosen scores
-  renormalised, times ``routed_scaling_factor``; its first layers are hash-routed (``mlp_layer_types``
+  renormalised, times ``routed_scaling_factor``; MiniMax-M2 the same with sigmoid scores, unscaled; its first layers are hash-routed (``mlp_layer_types``
   ``hash_moe``): a fixed table from token id to the k experts (``tid2eid``), the weights still the scores. Its
   experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides);
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
@@ -123,6 +123,7 @@ class MoEFamily:
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
     gelu: bool = False  # gelu_tanh(gate) * up (Gemma 4), else as above
     clamp_only: bool = False  # silu(gate clamped above) * (up clamped both sides) at swiglu_limit (DeepSeek-V4)
+    scoring: str = "sqrtsoftplus"  # the "scored" routing's function where the config names none (scoring_func)
     top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
@@ -161,6 +162,9 @@ FAMILIES["gemma4_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_
                                     top_k="top_k_experts")
 FAMILIES["deepseek_v4"] = MoEFamily("scored", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                                     shared_width="moe_intermediate_size", clamp_only=True)
+# MiniMax-M2: sigmoid scores, the top k of score + correction bias, renormalised, unscaled; no shared expert
+FAMILIES["minimax_m2"] = MoEFamily("scored", "num_local_experts", "intermediate_size", normalized=True,
+                                   scoring="sigmoid")
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
@@ -241,10 +245,11 @@ class SparseMoE(nn.Module):
         self.grouped = family.routing == "grouped_sigmoid"
         # DeepSeek-V2's top k from the topk_group best groups (each group worth its best expert's probability)
         self.group_limited = family.routing == "scaled_softmax" and _topk_method(config) == "group_limited_greedy"
-        if family.routing in ("grouped_sigmoid", "scaled_softmax", "scored"):
+        if family.routing in ("grouped_sigmoid", "scaled_softmax"):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
         if family.routing == "scored":
-            self.scoring = getattr(config, "scoring_func", None) or "sqrtsoftplus"
+            self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+            self.scoring = getattr(config, "scoring_func", None) or family.scoring
             if self.scoring not in SCORES:
                 raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {sorted(SCORES)}")
         self.hash_routed = hash_routed

@@ -31,6 +31,7 @@ _ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "GlmMoeDsaForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "specray.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "MiniMaxM2ForCausalLM": "specray.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
@@ -41,7 +42,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-                "deepseek_v4": "DeepseekV4ForCausalLM",
+                "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}

@@ -1,0 +1,92 @@
+"""MiniMax-M2 (``MiniMaxM2ForCausalLM``): q/k RMS-normed over all heads, partial RoPE, sigmoid-scored experts with a
+correction bias in every layer, against transformers on the same random tiny weights (fp32, max abs diff < 1e-4; the
+checkpoint as transformers saves it, in the release's names). Each difference from the Llama family shown to matter,
+tensor parallel 2 equal to one rank, and the engine's greedy output with n-gram drafts equal to transformers'
+``generate``."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specray.models.loader import load_model
+from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff,  # tests/model_checks.py
+                                       mutated_logits, prompt, run_ranks)
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def m2(tiny_minimax_m2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_minimax_m2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return tiny_minimax_m2_dir, hf(torch.tensor([prompt()])).logits[0].float()
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_match_transformers(m2, schedule):
+    folder, reference = m2
+    model = load_model(str(folder))
+    assert model.model.rotary_emb.head_dim == 8  # rotates half of each 16-wide head
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL
+
+
+def _no_bias(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.router_module.e_score_correction_bias.data.zero_()
+
+
+def _per_head_norms(model) -> None:  # the q/k norms over each head instead of all heads at once
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.widths = (attn.head_dim, attn.head_dim)
+
+        def normed(q, k, attn=attn):
+            t = q.shape[0]
+            q = q.view(t, -1, attn.head_dim)
+            k = k.view(t, -1, attn.head_dim)
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + attn.eps)
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + attn.eps)
+            return (q.flatten(1) * attn.q_norm.weight), (k.flatten(1) * attn.k_norm.weight)
+        attn._normed = normed
+
+
+@pytest.mark.parametrize("mutation", [_no_bias, _per_head_norms])
+def test_each_difference_shows_in_the_logits(m2, mutation):
+    folder, reference = m2
+    assert max_diff(mutated_logits(folder, None, mutation), reference) > 1e-2
+
+
+WORKER = WORKER_PRELUDE + textwrap.dedent("""
+
+    model = load_model(folders[0], tp)
+    diff = (logits(model) - logits(load_model(folders[0]))).abs().max().item()
+    del model  # gloo's threads end with the group only once nothing holds it
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+def test_tensor_parallel_ranks_match_one_rank(tmp_path, tiny_minimax_m2_dir):
+    """Two ranks (half the heads each, the q/k norms' mean squares summed over them; half the experts' width)."""
+    for result in run_ranks(tmp_path, WORKER, 2, 1, [str(tiny_minimax_m2_dir)]):
+        assert result["diff"] < TOL, result
+
+
+def test_engine_greedy_with_ngram_drafts_equals_transformers(tiny_minimax_m2_dir):
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    prompts = runs.PROMPTS[:4]
+    llm = LLM(model=str(tiny_minimax_m2_dir), max_model_len=256, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "adaptive": False})
+    got = runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False))
+    runs.assert_transformers_generates(tiny_minimax_m2_dir, llm.get_tokenizer(), prompts, got)
+    assert llm.spec_stats.accepted_tokens > 0
