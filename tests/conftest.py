@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -112,7 +112,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               Qwen3MoeForCausalLM)
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -145,6 +145,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
                           "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM),
                           "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM),
+                          "mistral4": (Mistral4Config, Mistral4ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -395,13 +396,29 @@ def tiny_minimax_m2_dir(tmp_path_factory) -> Path:
                             tie_word_embeddings=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral4_dir(tmp_path_factory) -> Path:
+    # DeepSeek-V3's layers (latent attention on interleaved pairs, the first layer dense) with softmax-scored grouped
+    # experts and YaRN; the queries scaled past position 16 (llama_4_scaling_beta), so the prompt sees it
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mistral4"), "mistral4", seed=81, num_key_value_heads=4,
+                            moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                            n_group=4, topk_group=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                            qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                            tie_word_embeddings=False,
+                            rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                             "llama_4_scaling_beta": 0.1})
+
+
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)
 # ones; the first experts hash-routed; two residual streams; YaRN on the compressing layers
 V4_KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
             "compressed_sparse_attention"]
 V4_TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
                partial_rotary_factor=0.25, moe_intermediate_size=32, intermediate_size=32, n_routed_experts=8,
-               num_experts_per_tok=2, n_shared_experts=1, layer_types=V4_KINDS, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+               num_experts_per_tok=2, n_shared_experts=1, layer_types=V4_KINDS,
+               mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, hc_mult=2,
                sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=3,
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},

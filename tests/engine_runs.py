@@ -43,17 +43,32 @@ def token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def assert_transformers_generates(folder, tokenizer, prompts: list[str], ours: list[list[int]]) -> None:
+def assert_transformers_generates(folder, tokenizer, prompts: list[str], ours: list[list[int]],
+                                  model_class=None) -> None:
     """transformers' greedy ``generate`` of the model in ``folder`` (fp32, EOS ignored) gives each prompt the tokens
-    ``ours`` holds for it, token for token."""
+    ``ours`` holds for it, token for token. ``model_class``: transformers' class, where its auto class has none."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = (model_class or AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).eval()
     for text, want in zip(prompts, ours, strict=True):
         ids = torch.tensor([tokenizer.encode(text)])
         out = hf.generate(ids, max_new_tokens=len(want), min_new_tokens=len(want), do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         assert out[0, ids.shape[1]:].tolist() == want, text
+
+
+def assert_ngram_greedy_equals_transformers(folder, model_class=None, max_tokens: int = 16):
+    """``specray.LLM`` on the model in ``folder`` with n-gram drafts (chains of 3) gives the first four prompts'
+    greedy tokens as transformers' ``generate`` does, some drafts accepted. Returns the engine."""
+    from specray import LLM
+
+    llm = LLM(model=str(folder), max_model_len=256, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "adaptive": False})
+    got = token_ids(llm.generate(PROMPTS[:4], greedy(max_tokens), use_tqdm=False))
+    assert_transformers_generates(folder, llm.get_tokenizer(), PROMPTS[:4], got, model_class)
+    assert llm.spec_stats.accepted_tokens > 0
+    return llm
 
 
 def check_candidates(hf_model, prompt_ids, output, begin, end, topk, delta):

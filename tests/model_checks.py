@@ -101,3 +101,16 @@ WORKER_PRELUDE = textwrap.dedent("""
         hidden = [model(ids[:27], plan([20, 7], [0, 0], tables, 4)), model(ids[27:], plan([4, 1], [20, 7], tables, 4))]
         return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
 """)
+
+# WORKER_PRELUDE's ranks, each writing how far ``logits(model)`` of its share of ``folders[0]`` is from one rank's
+# (``diff``; None on a stage before the last): a family's tensor-parallel and pipeline checks with nothing of their own
+DIFF_WORKER = WORKER_PRELUDE + textwrap.dedent("""
+
+    model = load_model(folders[0], tp, pp=pp)
+    ours = logits(model)
+    diff = None if ours is None else (ours - logits(load_model(folders[0]))).abs().max().item()
+    del model  # gloo's threads end with the group only once nothing holds it
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
+""")

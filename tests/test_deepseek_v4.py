@@ -12,7 +12,6 @@ exact implementations."""
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from specray.models import cpu_kernels, deepseek_v4
 from specray.models.loader import load_model
 from specray.tree import depths, path_to
-from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff,  # tests/model_checks.py
+from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
                                        mutated_logits, prompt, run_ranks)
 
 TOL = 1e-4
@@ -148,24 +147,12 @@ def test_each_part_shows_in_the_logits(v4, mutation):
     assert max_diff(mutated_logits(folder, *MUTATIONS[mutation]), reference) > 1e-2
 
 
-WORKER = WORKER_PRELUDE + textwrap.dedent("""
-
-    model = load_model(folders[0], tp, pp=pp)
-    ours = logits(model)  # None on a stage before the last
-    diff = None if ours is None else (ours - logits(load_model(folders[0]))).abs().max().item()
-    del model  # gloo's threads end with the group only once nothing holds it
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 @pytest.mark.parametrize("stages", [1, 2])
 def test_two_ranks_match_one_rank(tmp_path, tiny_deepseek_v4_dir, stages):
     """Two tensor-parallel ranks (each half the query heads, their sinks and output groups, and half the experts'
     width; the key, the compressors, the indexer and the streams' mixes replicated): every rank's logits equal one
     rank's; two pipeline stages (layers 0-1, 2-3; the streams handed on): the last stage's do."""
-    results = run_ranks(tmp_path, WORKER, 2, stages, [str(tiny_deepseek_v4_dir)])
+    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, [str(tiny_deepseek_v4_dir)])
     assert [r["diff"] is None for r in results] == [stages == 2, False], results
     assert all(r["diff"] < TOL for r in results if r["diff"] is not None), results
 

@@ -7,13 +7,12 @@ tensor parallel 2 equal to one rank, and the engine's greedy output with n-gram 
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from specray.models.loader import load_model
-from specray_test_model_checks import (SCHEDULES, WORKER_PRELUDE, chunked_logits, max_diff,  # tests/model_checks.py
+from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
                                        mutated_logits, prompt, run_ranks)
 
 TOL = 1e-4
@@ -62,31 +61,11 @@ def test_each_difference_shows_in_the_logits(m2, mutation):
     assert max_diff(mutated_logits(folder, None, mutation), reference) > 1e-2
 
 
-WORKER = WORKER_PRELUDE + textwrap.dedent("""
-
-    model = load_model(folders[0], tp)
-    diff = (logits(model) - logits(load_model(folders[0]))).abs().max().item()
-    del model  # gloo's threads end with the group only once nothing holds it
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 def test_tensor_parallel_ranks_match_one_rank(tmp_path, tiny_minimax_m2_dir):
     """Two ranks (half the heads each, the q/k norms' mean squares summed over them; half the experts' width)."""
-    for result in run_ranks(tmp_path, WORKER, 2, 1, [str(tiny_minimax_m2_dir)]):
+    for result in run_ranks(tmp_path, DIFF_WORKER, 2, 1, [str(tiny_minimax_m2_dir)]):
         assert result["diff"] < TOL, result
 
 
 def test_engine_greedy_with_ngram_drafts_equals_transformers(tiny_minimax_m2_dir):
-    from specray import LLM
-
-    runs = sys.modules["specray_test_engine_runs"]
-    prompts = runs.PROMPTS[:4]
-    llm = LLM(model=str(tiny_minimax_m2_dir), max_model_len=256, block_size=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3, "adaptive": False})
-    got = runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False))
-    runs.assert_transformers_generates(tiny_minimax_m2_dir, llm.get_tokenizer(), prompts, got)
-    assert llm.spec_stats.accepted_tokens > 0
+    sys.modules["specray_test_engine_runs"].assert_ngram_greedy_equals_transformers(tiny_minimax_m2_dir)

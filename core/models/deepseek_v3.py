@@ -36,6 +36,10 @@ model's outputs, not its speed: no sparse kernel. Its MLA rotates interleaved pa
 **GLM-5** (``GlmMoeDsaForCausalLM``) is V3.2 with its indexer's RoPE on interleaved pairs too, and layers whose
 ``indexer_types`` entry is ``"shared"`` have no indexer: they attend the keys the last layer with one picked.
 
+**Mistral 4** (``Mistral4ForCausalLM``) is this model with softmax expert scores in the grouped router (no correction
+bias) and its queries scaled by ``1 + beta ln(1 + floor(p / L0))`` at position p (``llama_4_scaling_beta``, L0 the
+rope's ``original_max_position_embeddings``).
+
 **MoE**: layers from ``first_k_dense_replace`` on use :class:`~specray.models.moe.SparseMoE` with DeepSeek's grouped
 sigmoid router and shared experts; the ones before, a dense MLP. The MTP layers (``model.layers.{L..}``) are the
 MTP drafter's, skipped here.
@@ -234,7 +238,7 @@ def unabsorbed_threshold(rank: int, nope: int, v_dim: int) -> int:
 
 def _yarn_softmax_scale(config) -> float:
     scale = config.qk_head_dim ** -0.5
-    params = rope_parameters(config)
+    params = rope_parameters(config, partial=True)  # (the rotated part: qk_rope_head_dim)
     mscale_all_dim = params.get("mscale_all_dim")
     if params["rope_type"] != "default" and mscale_all_dim:
         scale *= _yarn_mscale(params["factor"], mscale_all_dim) ** 2
@@ -311,6 +315,10 @@ class MLAttention(nn.Module):
         spec = MLAAttentionSpec(self.rank, self.rope, 0 if self.indexer is None else self.indexer.dim)
         self.attn = LatentAttention(self.num_heads, spec, _yarn_softmax_scale(config), self.nope, self.v_dim,
                                     config.index_topk if sparse else 0, shared)
+        # Mistral 4's queries scaled by 1 + beta * ln(1 + floor(position / original_max_position_embeddings))
+        params = rope_parameters(config, partial=True)
+        self.query_scaling = (None if params.get("llama_4_scaling_beta") is None else
+                              (float(params["llama_4_scaling_beta"]), int(params["original_max_position_embeddings"])))
 
     def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x
@@ -320,6 +328,9 @@ class MLAttention(nn.Module):
         t, hl = x.shape[0], self.num_heads
         q_latent = None if self.q_a_proj is None else self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
+        if self.query_scaling is not None:
+            beta, original = self.query_scaling
+            q = q * (1 + beta * torch.log1p(torch.floor(meta.positions / original)))[:, None].to(q.dtype)
         q_nope, q_rot = q.view(t, hl, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
@@ -351,7 +362,7 @@ class DeepseekV3Model(LlamaModel):
         self.build_stage(config, pp, lambda i: DeepseekV3DecoderLayer(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config),
+        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config, partial=True),
                                           config.max_position_embeddings)
 
 

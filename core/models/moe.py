@@ -7,16 +7,18 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
   Mixtral: the same, always renormalised; Qwen2-MoE: the same, and a shared expert whose output a per-token gate
   scales by sigmoid(x . w);
-* DeepSeek-V3 (and GLM-4.5): sigmoid scores; the choice adds ``e_score_correction_bias``, keeps the ``topk_group``
+* DeepSeek-V3 (and GLM-4.5; Mistral 4 with softmax scores and no bias): sigmoid scores; the choice adds
+  ``e_score_correction_bias``, keeps the ``topk_group``
   best of ``n_group`` groups (a group's worth: its two best scores), and takes the top k there; the weights are the
   plain scores of the chosen, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``; in float32;
 * Llama-4: the top k router logits, each through a sigmoid; the weight scales the expert's *input* (not its
   output), and a shared expert is added;
 * DeepSeek-V4: each expert's score by the config's ``scoring_func`` (``sqrtsoftplus``: sqrt(softplus(logit)),
   ``sigmoid`` or ``softmax``), the top k of score + ``e_score_correction_bias`` (no groups), the chosen scores
-  renormalised, times ``routed_scaling_factor``; MiniMax-M2 the same with sigmoid scores, unscaled; its first layers are hash-routed (``mlp_layer_types``
+  renormalised, times ``routed_scaling_factor``; its first layers are hash-routed (``mlp_layer_types``
   ``hash_moe``): a fixed table from token id to the k experts (``tid2eid``), the weights still the scores. Its
-  experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides);
+  experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides). MiniMax-M2: the
+  same routing with sigmoid scores, unscaled;
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
   biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
   clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
@@ -123,7 +125,9 @@ class MoEFamily:
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
     gelu: bool = False  # gelu_tanh(gate) * up (Gemma 4), else as above
     clamp_only: bool = False  # silu(gate clamped above) * (up clamped both sides) at swiglu_limit (DeepSeek-V4)
-    scoring: str = "sqrtsoftplus"  # the "scored" routing's function where the config names none (scoring_func)
+    # the scores' function (SCORES): the "scored" routing's where the config names none (scoring_func), else
+    # "sqrtsoftplus"; the grouped routing's ("softmax": Mistral 4, without a correction bias), else "sigmoid"
+    scoring: str = ""
     top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
@@ -156,6 +160,9 @@ FAMILIES = {
 # norm_topk_prob and always renormalises
 FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["deepseek_v3"]  # DeepSeek-V3.2's and GLM-5's experts
+# Mistral 4: DeepSeek-V3's grouped routing and shared experts over softmax scores, with no correction bias
+FAMILIES["mistral4"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
+                                 shared="shared_experts", shared_width="moe_intermediate_size", scoring="softmax")
 # Gemma 4's block beside its dense MLP: gated GELU experts, fused tensors [E, 2I, H] and [E, H, I]; its router (on the
 # residual stream, with per-expert scales) is its own (specray.models.gemma4.Gemma4Experts.route)
 FAMILIES["gemma4_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", normalized=True, gelu=True,
@@ -249,7 +256,7 @@ class SparseMoE(nn.Module):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", None) or 1.0)
-            self.scoring = getattr(config, "scoring_func", None) or family.scoring
+            self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
             if self.scoring not in SCORES:
                 raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {sorted(SCORES)}")
         self.hash_routed = hash_routed
@@ -272,7 +279,7 @@ class SparseMoE(nn.Module):
             self.local_experts = self.num_experts
             self.inter_local = divide(inter, tp.size, family.expert_width)
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
-        bias = self.grouped or (family.routing == "scored" and not hash_routed)
+        bias = (self.grouped and family.scoring != "softmax") or (family.routing == "scored" and not hash_routed)
         table = (config.vocab_size, self.top_k) if hash_routed else None
         self.add_module(family.router, Router(self.num_experts, h, correction_bias=bias, bias=family.biased,
                                               hash_table=table))
@@ -372,8 +379,9 @@ class SparseMoE(nn.Module):
 
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, e, g = x.shape[0], self.num_experts, self.n_group
-        scores = F.linear(x.float(), self.router_module.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.router_module.e_score_correction_bias.float()
+        scores = SCORES[self.family.scoring or "sigmoid"](F.linear(x.float(), self.router_module.weight.float()))
+        bias = self.router_module.e_score_correction_bias
+        choice = scores if bias is None else scores + bias.float()  # [T, E]
         group_worth = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         groups = group_worth.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
         allowed = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, groups, True)
