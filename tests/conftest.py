@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -113,6 +113,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -146,6 +147,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM),
                           "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM),
                           "mistral4": (Mistral4Config, Mistral4ForCausalLM),
+                          "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -180,7 +182,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch == "deepseek_v4" and name.endswith(("sinks", "position_bias", "base", "hc_base", "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
-        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2"):
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
+                    "glm4_moe_lite"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -409,6 +412,16 @@ def tiny_mistral4_dir(tmp_path_factory) -> Path:
                                              "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                              "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                              "llama_4_scaling_beta": 0.1})
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_lite_dir(tmp_path_factory) -> Path:
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved RoPE) and experts, its layers' kinds named
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_glm4_moe_lite"), "glm4_moe_lite", seed=91,
+                            num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                            n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
+                            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+                            mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False)
 
 
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)

@@ -159,7 +159,8 @@ FAMILIES = {
 # the hybrid linear-attention families' experts are Qwen2-MoE's (a gated shared expert); Qwen3.5-MoE's config has no
 # norm_topk_prob and always renormalises
 FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
-FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["deepseek_v3"]  # DeepSeek-V3.2's and GLM-5's experts
+# DeepSeek-V3.2's, GLM-5's and GLM-4.7-Flash's experts
+FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 # Mistral 4: DeepSeek-V3's grouped routing and shared experts over softmax scores, with no correction bias
 FAMILIES["mistral4"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
                                  shared="shared_experts", shared_width="moe_intermediate_size", scoring="softmax")

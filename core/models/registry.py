@@ -33,6 +33,7 @@ _ARCHITECTURES = {
     "DeepseekV4ForCausalLM": "specray.models.deepseek_v4:DeepseekV4ForCausalLM",
     "MiniMaxM2ForCausalLM": "specray.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Mistral4ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
@@ -44,7 +45,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
                 "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-                "mistral4": "Mistral4ForCausalLM",
+                "mistral4": "Mistral4ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
@@ -80,6 +81,13 @@ _TEXT_PARTS.update({arch: _QWEN_VL_TEXT for arch in ("Qwen2_5_VLForConditionalGe
 
 # Gemma 4 (specray.models.gemma4): its multimodal releases keep the text model under ``model.language_model.``
 # beside ``model.vision_tower.``, ``model.audio_tower.`` and their embedders; ``lm_head.`` (tied) at the top
+# Kimi K2.5 / K2.6: DeepSeek-V3's text model (its text_config) beside a vision tower; the release names the text's
+# tensors language_model.model.* and language_model.lm_head.*, transformers' modules model.language_model.* and lm_head.*
+# (the release's own code names the class KimiK25ForConditionalGeneration, transformers' Kimi_K25...)
+_TEXT_PARTS["Kimi_K25ForConditionalGeneration"] = _TEXT_PARTS["KimiK25ForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+
 _ARCHITECTURES["Gemma4ForCausalLM"] = "specray.models.gemma4:Gemma4ForCausalLM"
 _MODEL_TYPES["gemma4_text"] = "Gemma4ForCausalLM"
 _TEXT_PARTS["Gemma4ForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
