@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -113,7 +113,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
-    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, SolarOpenConfig, SolarOpenForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -148,6 +148,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM),
                           "mistral4": (Mistral4Config, Mistral4ForCausalLM),
                           "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
+                          "solar_open": (SolarOpenConfig, SolarOpenForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -183,7 +184,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite"):
+                    "glm4_moe_lite", "solar_open"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -422,6 +423,14 @@ def tiny_glm4_moe_lite_dir(tmp_path_factory) -> Path:
                             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32,
                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
                             mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_solar_open_dir(tmp_path_factory) -> Path:
+    # Solar Open: Llama's attention (no o_proj bias) with GLM-4.5's experts in every layer
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_solar_open"), "solar_open", seed=93, head_dim=16,
+                            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                            tie_word_embeddings=False)
 
 
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)

@@ -49,7 +49,7 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         nn.Module.__init__(self)
         self.self_attn = Glm4MoeAttention(config, tp, layer)
-        dense = layer < config.first_k_dense_replace
+        dense = layer < (getattr(config, "first_k_dense_replace", None) or 0)  # (Solar Open's config has none)
         self.mlp = LlamaMLP(config, tp) if dense else SparseMoE(config, tp, expert_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

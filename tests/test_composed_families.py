@@ -1,0 +1,46 @@
+"""Families made of others' parts: GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: DeepSeek-V3's latent attention, RoPE on
+interleaved pairs, and GLM-4.5's experts, each layer's kind named by ``mlp_layer_types``) served by the DeepSeek-V3
+class, and Solar Open (``SolarOpenForCausalLM``: Llama's attention without an o_proj bias, GLM-4.5's experts in every
+layer) by GLM-4.5's: against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's
+greedy output with n-gram drafts equal to transformers' ``generate``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specray.models.glm4_moe import Glm4MoeForCausalLM
+from specray.models.llama import LlamaMLP
+from specray.models.moe import SparseMoE
+from specray.models.loader import load_model
+from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt  # tests/model_checks.py
+
+TOL = 1e-4
+
+
+FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, LlamaMLP),
+            "solar_open": ("tiny_solar_open_dir", Glm4MoeForCausalLM, SparseMoE)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_match_transformers(request, family, schedule):
+    from transformers import AutoModelForCausalLM
+
+    fixture, model_class, first_mlp = FAMILIES[family]
+    folder = request.getfixturevalue(fixture)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt()])).logits[0].float()
+    model = load_model(str(folder))
+    assert isinstance(model, model_class) and isinstance(model.model.layers[0].mlp, first_mlp)
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
+    folder = request.getfixturevalue(FAMILIES[family][0])
+    sys.modules["specray_test_engine_runs"].assert_ngram_greedy_equals_transformers(folder)
