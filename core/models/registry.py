@@ -83,17 +83,17 @@ _TEXT_PARTS.update({arch: _QWEN_VL_TEXT for arch in ("Qwen2_5_VLForConditionalGe
 
 # Gemma 4 (specray.models.gemma4): its multimodal releases keep the text model under ``model.language_model.``
 # beside ``model.vision_tower.``, ``model.audio_tower.`` and their embedders; ``lm_head.`` (tied) at the top
-# Kimi K2.5 / K2.6: DeepSeek-V3's text model (its text_config) beside a vision tower; the release names the text's
-# tensors language_model.model.* and language_model.lm_head.*, transformers' modules model.language_model.* and lm_head.*
-# (the release's own code names the class KimiK25ForConditionalGeneration, transformers' Kimi_K25...)
-_TEXT_PARTS["Kimi_K25ForConditionalGeneration"] = _TEXT_PARTS["KimiK25ForConditionalGeneration"] = (
-    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
-    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
-
 _ARCHITECTURES["Gemma4ForCausalLM"] = "specray.models.gemma4:Gemma4ForCausalLM"
 _MODEL_TYPES["gemma4_text"] = "Gemma4ForCausalLM"
 _TEXT_PARTS["Gemma4ForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
                                                  (re.compile(r"^lm_head\."), "lm_head."))
+
+# Kimi K2.5 / K2.6: DeepSeek-V3's text model (its text_config) beside a vision tower; the release names the text's
+# tensors language_model.model.* and language_model.lm_head.*, transformers' modules model.language_model.* and
+# lm_head.* (the release's own code names the class KimiK25ForConditionalGeneration, transformers' Kimi_K25...)
+_TEXT_PARTS["Kimi_K25ForConditionalGeneration"] = _TEXT_PARTS["KimiK25ForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
 
 
 def text_part(hf_config) -> tuple[object, Any] | None:
