@@ -196,7 +196,6 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_
 @pytest.mark.parametrize("args, match", [
     ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
      r"method='mtp' \(a head reading the target's hidden states\) is not supported"),
-    ({"tensor_parallel_size": 4}, r"tensor_parallel_size=4 does not divide DeepSeek-V4's o_groups=2"),
     ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype: DeepSeek-V4's cache rows"),
 ])
 def test_unsupported_is_refused(tiny_deepseek_v4_dir, args, match):
@@ -204,3 +203,12 @@ def test_unsupported_is_refused(tiny_deepseek_v4_dir, args, match):
 
     with pytest.raises(ValueError, match=match):
         LLM(model=str(tiny_deepseek_v4_dir), max_model_len=256, block_size=4, **args)
+
+
+def test_output_groups_must_split_over_the_ranks(tiny_deepseek_v4_dir):
+    """Checked before any rank starts (the builder's family check)."""
+    from specray.engine.builder import check_family_split
+    from specray.models.loader import read_config
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide DeepSeek-V4's o_groups=2"):
+        check_family_split(read_config(str(tiny_deepseek_v4_dir)), 4, 1)
