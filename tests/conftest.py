@@ -99,7 +99,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -114,6 +114,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, SolarOpenConfig, SolarOpenForCausalLM
+    from transformers import HYV3Config, HYV3ForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -149,6 +150,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "mistral4": (Mistral4Config, Mistral4ForCausalLM),
                           "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
                           "solar_open": (SolarOpenConfig, SolarOpenForCausalLM),
+                          "hy_v3": (HYV3Config, HYV3ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -164,7 +166,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight")):
+            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
+                              "mlp.router.gate.weight")):
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
@@ -184,7 +187,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite", "solar_open"):
+                    "glm4_moe_lite", "solar_open", "hy_v3"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -430,6 +433,14 @@ def tiny_solar_open_dir(tmp_path_factory) -> Path:
     # Solar Open: Llama's attention (no o_proj bias) with GLM-4.5's experts in every layer
     return build_tiny_model(tmp_path_factory.mktemp("tiny_solar_open"), "solar_open", seed=93, head_dim=16,
                             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_hy_v3_dir(tmp_path_factory) -> Path:
+    # Hunyuan 3: per-head q/k norms, a dense first layer, then sigmoid-scored experts with a shared one, scaled
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hy_v3"), "hy_v3", seed=95, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, router_scaling_factor=1.7,
                             tie_word_embeddings=False)
 
 

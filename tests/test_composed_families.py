@@ -1,8 +1,9 @@
 """Families made of others' parts: GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: DeepSeek-V3's latent attention, RoPE on
 interleaved pairs, and GLM-4.5's experts, each layer's kind named by ``mlp_layer_types``) served by the DeepSeek-V3
 class, and Solar Open (``SolarOpenForCausalLM``: Llama's attention without an o_proj bias, GLM-4.5's experts in every
-layer) by GLM-4.5's: against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's
-greedy output with n-gram drafts equal to transformers' ``generate``."""
+layer) by GLM-4.5's, and Hunyuan 3 (``HYV3ForCausalLM``: Qwen3's q/k norms, MiniMax-M2's routing scaled, shared
+experts, the release's own names): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4),
+and the engine's greedy output with n-gram drafts equal to transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
+from specray.models.hy_v3 import HYV3ForCausalLM
 from specray.models.llama import LlamaMLP
 from specray.models.moe import SparseMoE
 from specray.models.loader import load_model
@@ -22,7 +24,8 @@ TOL = 1e-4
 
 
 FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, LlamaMLP),
-            "solar_open": ("tiny_solar_open_dir", Glm4MoeForCausalLM, SparseMoE)}
+            "solar_open": ("tiny_solar_open_dir", Glm4MoeForCausalLM, SparseMoE),
+            "hy_v3": ("tiny_hy_v3_dir", HYV3ForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -62,7 +62,7 @@ _STACKED = {
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3")
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text")  # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2)
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
@@ -78,6 +78,11 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+# Hunyuan 3's release: the router, its correction bias and the shared experts under names of their own
+_CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours in (
+    (r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.(?:expert_bias|e_score_correction_bias)$",
+                                                  ".mlp.gate.e_score_correction_bias"),
+    (r"\.mlp\.shared_mlp\.", ".mlp.shared_experts.")))
 
 
 FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj

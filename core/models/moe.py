@@ -128,6 +128,8 @@ class MoEFamily:
     # the scores' function (SCORES): the "scored" routing's where the config names none (scoring_func), else
     # "sqrtsoftplus"; the grouped routing's ("softmax": Mistral 4, without a correction bias), else "sigmoid"
     scoring: str = ""
+    scaling: str = "routed_scaling_factor"  # the config field scaling the "scored" routing's weights (absent: 1)
+    shared_count: str = "n_shared_experts"  # the config field counting the shared experts (their width's multiple)
     top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
@@ -174,6 +176,10 @@ FAMILIES["deepseek_v4"] = MoEFamily("scored", "n_routed_experts", "moe_intermedi
 # MiniMax-M2: sigmoid scores, the top k of score + correction bias, renormalised, unscaled; no shared expert
 FAMILIES["minimax_m2"] = MoEFamily("scored", "num_local_experts", "intermediate_size", normalized=True,
                                    scoring="sigmoid")
+# Hunyuan 3: MiniMax-M2's routing scaled by router_scaling_factor, and num_shared_experts shared experts
+FAMILIES["hy_v3"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",
+                              shared_width="moe_intermediate_size", normalized=True, scoring="sigmoid",
+                              scaling="router_scaling_factor", shared_count="num_shared_experts")
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
@@ -257,7 +263,7 @@ class SparseMoE(nn.Module):
         if family.routing in ("grouped_sigmoid", "scaled_softmax"):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
         if family.routing == "scored":
-            self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+            self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)
             self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
             if self.scoring not in SCORES:
                 raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {sorted(SCORES)}")
@@ -311,7 +317,7 @@ class SparseMoE(nn.Module):
         self.w2_bias = _param(e, h) if family.biased else None
         self.adds_down_bias = expert_parallel or tp.rank == 0
         if family.shared is not None:
-            width = getattr(config, family.shared_width) * (getattr(config, "n_shared_experts", None) or 1)
+            width = getattr(config, family.shared_width) * (getattr(config, family.shared_count, None) or 1)
             self.add_module(family.shared, GatedMLP(h, width, tp, self.swiglu[0] if family.clamp_only else None))
         if family.shared_gate is not None:  # replicated, as the router is
             gate = Router(1, h, correction_bias=False)
