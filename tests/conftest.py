@@ -99,7 +99,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
-    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3"}.
+    "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
+    "mimo_v2_flash"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -114,7 +115,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, SolarOpenConfig, SolarOpenForCausalLM
-    from transformers import HYV3Config, HYV3ForCausalLM
+    from transformers import HYV3Config, HYV3ForCausalLM, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -151,6 +152,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
                           "solar_open": (SolarOpenConfig, SolarOpenForCausalLM),
                           "hy_v3": (HYV3Config, HYV3ForCausalLM),
+                          "mimo_v2_flash": (MiMoV2FlashConfig, MiMoV2FlashForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -181,13 +183,14 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.1)
             elif name.endswith("indexer.k_norm.bias"):  # zeros at init: random, so the indexer's keys carry it
                 param.normal_(0.0, 0.5)
-            elif arch == "gpt_oss" and name.endswith(("sinks", "bias", "router.weight")):  # zeros or tiny at first
+            elif arch in ("gpt_oss", "mimo_v2_flash") and name.endswith(("sinks", "bias", "router.weight")):
+                # zeros or tiny at first
                 param.normal_(0.0, 0.5)
             elif arch == "deepseek_v4" and name.endswith(("sinks", "position_bias", "base", "hc_base", "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite", "solar_open", "hy_v3"):
+                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -442,6 +445,22 @@ def tiny_hy_v3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_hy_v3"), "hy_v3", seed=95, head_dim=16, num_experts=8,
                             num_experts_per_tok=2, moe_intermediate_size=32, router_scaling_factor=1.7,
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_mimo_v2_flash_dir(tmp_path_factory) -> Path:
+    # MiMo-V2-Flash: keys of 24 and values of 16 (scaled), sliding layers (window 8) with twice the KV heads and
+    # sinks beside a full one, each kind's own partial RoPE, a dense first layer then grouped-sigmoid experts
+    kinds = ["full_attention", "sliding_attention", "sliding_attention"]
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mimo_v2_flash"), "mimo_v2_flash", seed=97,
+                            num_hidden_layers=3, head_dim=24, v_head_dim=16, num_key_value_heads=2,
+                            sliding_window=8, layer_types=kinds, mlp_layer_types=["dense", "sparse", "sparse"],
+                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                            topk_group=1, attention_value_scale=0.8, tie_word_embeddings=False,
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
+                                                                "partial_rotary_factor": 0.334},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": 0.334}})
 
 
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)

@@ -2,8 +2,10 @@
 interleaved pairs, and GLM-4.5's experts, each layer's kind named by ``mlp_layer_types``) served by the DeepSeek-V3
 class, and Solar Open (``SolarOpenForCausalLM``: Llama's attention without an o_proj bias, GLM-4.5's experts in every
 layer) by GLM-4.5's, and Hunyuan 3 (``HYV3ForCausalLM``: Qwen3's q/k norms, MiniMax-M2's routing scaled, shared
-experts, the release's own names): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4),
-and the engine's greedy output with n-gram drafts equal to transformers' ``generate``."""
+experts, the release's own names), and MiMo-V2-Flash (``MiMoV2FlashForCausalLM``: values narrower than keys, sliding
+layers with sinks and twice the KV heads, each kind's partial RoPE, DeepSeek-V3's router without a shared expert, TP
+2): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's greedy output
+with n-gram drafts equal to transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -15,17 +17,20 @@ import torch
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
+from specray.models.mimo_v2 import MiMoV2FlashForCausalLM
 from specray.models.llama import LlamaMLP
 from specray.models.moe import SparseMoE
 from specray.models.loader import load_model
-from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt  # tests/model_checks.py
+from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
+                                       prompt, run_ranks)
 
 TOL = 1e-4
 
 
 FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, LlamaMLP),
             "solar_open": ("tiny_solar_open_dir", Glm4MoeForCausalLM, SparseMoE),
-            "hy_v3": ("tiny_hy_v3_dir", HYV3ForCausalLM, LlamaMLP)}
+            "hy_v3": ("tiny_hy_v3_dir", HYV3ForCausalLM, LlamaMLP),
+            "mimo_v2_flash": ("tiny_mimo_v2_flash_dir", MiMoV2FlashForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -47,3 +52,9 @@ def test_logits_match_transformers(request, family, schedule):
 def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
     folder = request.getfixturevalue(FAMILIES[family][0])
     sys.modules["specray_test_engine_runs"].assert_ngram_greedy_equals_transformers(folder)
+
+
+def test_mimo_v2_flash_two_ranks_match_one_rank(tmp_path, tiny_mimo_v2_flash_dir):
+    """Half the query heads, half of each kind's KV heads and half the sinks per rank."""
+    for result in run_ranks(tmp_path, DIFF_WORKER, 2, 1, [str(tiny_mimo_v2_flash_dir)]):
+        assert result["diff"] < TOL, result

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,31 +23,39 @@ from specray.parallel import PPGroup, TPGroup
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class Olmo3Model(Olmo2Model):
-    """OLMo 2's stack with a RoPE table per kind of layer, each layer rotated by its kind's."""
+class RopePerKind:
+    """A stack whose kinds of layer (``layer_types``) each rotate by their own RoPE table (``rope_parameters[kind]``,
+    partial RoPE allowed): OLMo 3's, MiMo-V2-Flash's."""
 
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        nn.Module.__init__(self)
-        kinds = list(config.layer_types)
-        if len(kinds) != config.num_hidden_layers or not set(kinds) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types={kinds} must name one of {list(LAYER_TYPES)} for each of the "
+    def build_ropes(self, config, kinds: Sequence[str] = LAYER_TYPES) -> None:
+        layer_kinds = list(config.layer_types)
+        if len(layer_kinds) != config.num_hidden_layers or not set(layer_kinds) <= set(kinds):
+            raise ValueError(f"layer_types={layer_kinds} must name one of {list(kinds)} for each of the "
                              f"num_hidden_layers={config.num_hidden_layers} layers")
-        self.build_stage(config, pp, lambda i: Olmo2DecoderLayer(config, tp, i),
-                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
-                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.layer_types = kinds
-        ropes = {kind: rope_parameters(config, kind, partial=True) for kind in sorted(set(kinds))}
+        self.layer_types = layer_kinds
+        ropes = {kind: rope_parameters(config, kind, partial=True) for kind in sorted(set(layer_kinds))}
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope,
                                                            config.max_position_embeddings)
                                      for kind, rope in ropes.items()})
 
     def rope_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> Callable[[int], tuple[torch.Tensor, ...]]:
-        """Layer index -> the (cos, sin) of its kind's table (the full layers' YaRN-scaled, the sliding ones' not)."""
+        """Layer index -> the (cos, sin) of its kind's table."""
         tables = {}
         for kind, rotary in self.rotary.items():
             rotary.ensure(meta.max_position + 1)
             tables[kind] = rotary(meta.positions, dtype)
         return lambda layer: tables[self.layer_types[layer]]
+
+
+class Olmo3Model(RopePerKind, Olmo2Model):
+    """OLMo 2's stack with a RoPE table per kind of layer (the full layers' YaRN-scaled, the sliding ones' not)."""
+
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        nn.Module.__init__(self)
+        self.build_ropes(config)
+        self.build_stage(config, pp, lambda i: Olmo2DecoderLayer(config, tp, i),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
