@@ -100,7 +100,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash"}.
+    "mimo_v2_flash", "hy_v4"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -116,6 +116,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM, Mistral4Config, Mistral4ForCausalLM
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, SolarOpenConfig, SolarOpenForCausalLM
     from transformers import HYV3Config, HYV3ForCausalLM, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+    from transformers import HYV4Config, HYV4ForCausalLM
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
@@ -153,6 +154,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "solar_open": (SolarOpenConfig, SolarOpenForCausalLM),
                           "hy_v3": (HYV3Config, HYV3ForCausalLM),
                           "mimo_v2_flash": (MiMoV2FlashConfig, MiMoV2FlashForCausalLM),
+                          "hy_v4": (HYV4Config, HYV4ForCausalLM),
                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                           "mixtral": (MixtralConfig, MixtralForCausalLM),
                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -186,11 +188,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gpt_oss", "mimo_v2_flash") and name.endswith(("sinks", "bias", "router.weight")):
                 # zeros or tiny at first
                 param.normal_(0.0, 0.5)
-            elif arch == "deepseek_v4" and name.endswith(("sinks", "position_bias", "base", "hc_base", "scale")):
+            elif arch in ("deepseek_v4", "hy_v4") and name.endswith(("sinks", "position_bias", "base", "hc_base",
+                                                                     "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash"):
+                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -461,6 +464,20 @@ def tiny_mimo_v2_flash_dir(tmp_path_factory) -> Path:
                                                                 "partial_rotary_factor": 0.334},
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.334}})
+
+
+@pytest.fixture(scope="session")
+def tiny_hy_v4_dir(tmp_path_factory) -> Path:
+    # Hunyuan 4: latent attention with sparse selection (an indexer on layers 0 and 2, layer 1 sharing layer 0's
+    # pick, 6 keys kept), sinks and output gates; two residual streams; a dense first layer, clamped experts after
+    # (16 indexer heads: with few, the ReLU'd scores often tie at 0, where exact implementations may pick apart; the
+    # seed's prompt scores keep every query's 6th and 7th apart)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hy_v4"), "hy_v4", seed=212, num_hidden_layers=3,
+                            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                            qk_rope_head_dim=8, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=6,
+                            indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"],
+                            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                            hc_mult=2, hc_magnitude=1.5, swiglu_limit=0.5, tie_word_embeddings=False)
 
 
 # DeepSeek-V4: a sliding layer, compressed sparse (rate 4, indexer keeping 3 entries) and heavily compressed (rate 8)

@@ -253,14 +253,15 @@ class Indexer(nn.Module):
     a key is ``sum_h w_h relu(q_h . k)`` (the 1/sqrt(Di) moved out of the relu, which it commutes with).
     Replicated on every tensor-parallel rank: every head of the layer reads the same selection, and it is small."""
 
-    def __init__(self, config, interleave: bool = False):
+    def __init__(self, config, interleave: bool = False, rope_last: bool = False, eps: float = 1e-6):
         super().__init__()
         one = TPGroup.single()
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
         self.interleave = interleave  # its rotated features in interleaved pairs (GLM-5), else halves (V3.2)
+        self.rope_last = rope_last  # the rotated features are each head's last r (Hunyuan 4), else its first
         self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim, one)
         self.wk = ColumnParallelLinear(config.hidden_size, self.dim, one)
-        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.k_norm = nn.LayerNorm(self.dim, eps=eps)
         self.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads, one)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -271,7 +272,13 @@ class Indexer(nn.Module):
         if self.interleave:  # pairs to halves, as MLA's rotation (module docstring); a dot product keeps the order
             r = 2 * cos.shape[-1]
             queries, keys = (torch.cat((v[..., 0:r:2], v[..., 1:r:2], v[..., r:]), dim=-1) for v in (queries, keys))
-        queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)[:, 0]
+        if self.rope_last:
+            r = 2 * cos.shape[-1]
+            queries, keys = (torch.cat((v[..., :-r], apply_rotary(v[..., -r:], cos, sin)), dim=-1)
+                             for v in (queries, keys))
+            keys = keys[:, 0]
+        else:
+            queries, keys = apply_rotary(queries, cos, sin), apply_rotary(keys, cos, sin)[:, 0]
         weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
         return keys, queries.float(), weights
 
@@ -311,7 +318,9 @@ class MLAttention(nn.Module):
         if shared and not any(kind == "full" for kind in kinds[:layer]):
             raise ValueError(f"indexer_types[{layer}]='shared' but no layer before it has an indexer ('full') whose "
                              "pick it could share; the checkpoint's config.json is inconsistent")
-        self.indexer = Indexer(config, config.model_type == "glm_moe_dsa") if sparse and not shared else None
+        hunyuan = config.model_type == "hy_v4"  # its indexer rotates each head's last features, its norm's eps
+        self.indexer = Indexer(config, config.model_type == "glm_moe_dsa", rope_last=hunyuan,
+                               eps=config.rms_norm_eps if hunyuan else 1e-6) if sparse and not shared else None
         spec = MLAAttentionSpec(self.rank, self.rope, 0 if self.indexer is None else self.indexer.dim)
         self.attn = LatentAttention(self.num_heads, spec, _yarn_softmax_scale(config), self.nope, self.v_dim,
                                     config.index_topk if sparse else 0, shared)
@@ -325,6 +334,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, r/2] -> [T, H]
+        return self.o_proj(self.head_outputs(x, cos, sin, meta).reshape(x.shape[0], -1))
+
+    def head_outputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+                     ) -> torch.Tensor:
+        """Each of this rank's heads' attention output [T, Hl, v], before ``o_proj``."""
         t, hl = x.shape[0], self.num_heads
         q_latent = None if self.q_a_proj is None else self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
@@ -341,8 +355,7 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             keys, queries, weights = self.indexer(x, q_latent, cos, sin)
             kv, index = torch.cat((kv, keys), dim=-1), (queries, weights)  # [T, R + r + Di]
-        o = self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
-        return self.o_proj(o.reshape(t, hl * self.v_dim))
+        return self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):

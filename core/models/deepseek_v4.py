@@ -121,36 +121,47 @@ def _rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class HyperConnection(nn.Module):
-    """One block's mixes of the ``n`` residual streams (see the module docstring); replicated, float32."""
+    """One block's mixes of the ``n`` residual streams (see the module docstring); replicated, float32. ``comb``
+    False: Hunyuan 4's independent form, with no mixing matrix (the old streams pass as they are) and ``post`` scaled
+    by ``hc_magnitude`` plus ``hc_eps``."""
 
-    def __init__(self, config):
+    def __init__(self, config, comb: bool = True):
         super().__init__()
         n, h = config.hc_mult, config.hidden_size
-        self.n, self.iters, self.eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
-        self.fn = _float_param((2 + n) * n, n * h)
-        self.base = _float_param((2 + n) * n)
-        self.scale = _float_param(3)
+        self.n, self.eps, self.norm_eps, self.comb = n, config.hc_eps, config.rms_norm_eps, comb
+        self.iters = config.hc_sinkhorn_iters if comb else 0
+        self.post_scale, self.post_eps = (2.0, 0.0) if comb else (float(config.hc_magnitude), config.hc_eps)
+        mixes = (2 + n) * n if comb else 2 * n
+        self.fn = _float_param(mixes, n * h)
+        self.base = _float_param(mixes)
+        self.scale = _float_param(3 if comb else 2)
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # streams [T, n, H] -> post [T, n], comb [T, n, n] (float32) and the block's input [T, H]
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        # streams [T, n, H] -> post [T, n], comb [T, n, n] (float32; None without one) and the block's input [T, H]
         t, n = streams.shape[0], self.n
         mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn)
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        sizes = [n, n, n * n] if self.comb else [n, n]
+        pre_w, post_w, *comb_w = mix.split(sizes, dim=-1)
+        pre_b, post_b, *comb_b = self.base.split(sizes)
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(t, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        post = self.post_scale * torch.sigmoid(post_w * self.scale[1] + post_b) + self.post_eps
+        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        if not self.comb:
+            return post, None, collapsed
+        comb = torch.softmax(comb_w[0].view(t, n, n) * self.scale[2] + comb_b[0].view(n, n), dim=-1) + self.eps
         # Sinkhorn-Knopp: columns, then rows and columns in turn, towards a doubly stochastic matrix
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        return post, comb, (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
 
     @staticmethod
-    def merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        """The streams after a block: ``post * out + comb^T streams`` ([T, n, H])."""
+    def merge(post: torch.Tensor, comb: torch.Tensor | None, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The streams after a block: ``post * out + comb^T streams`` ([T, n, H]; without comb, ``+ streams``)."""
         dtype = streams.dtype
+        if comb is None:
+            return (post[..., None] * out[:, None].float() + streams.float()).to(dtype)
         return post.to(dtype)[..., None] * out[:, None] + torch.matmul(comb.to(dtype).transpose(1, 2), streams)
 
 
@@ -501,20 +512,22 @@ class DeepseekV4DecoderLayer(nn.Module):
         return HyperConnection.merge(post, comb, out, streams)
 
 
-class DeepseekV4Model(StageModel):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        super().__init__()
-        self.build_stage(config, pp, lambda i: DeepseekV4DecoderLayer(config, tp, i, expert_parallel),
-                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+class StreamsModel(StageModel):
+    """A decoder stack whose residual is ``hc_mult`` streams (DeepSeek-V4's, Hunyuan 4's): the embedding copied into
+    each on the first stage, ``hc_head`` and the final norm on the last; a stage hands the next its streams. A family
+    gives its layers (``layer(streams, input_ids, rope, meta)``) and the step's RoPE (:meth:`rope`)."""
+
+    def build_streams(self, config, tp: TPGroup, pp: PPGroup | None, layer) -> None:
+        self.build_stage(config, pp, layer, lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.hc_mult = config.hc_mult
         self.hc_head = on_stage(self.pp.is_last, lambda: HyperHead(config))
-        rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
-        self.rotary = {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True),
-                                             config.max_position_embeddings) for kind in ("main", "compress")}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def rope(self, meta: AttentionMetadata, dtype: torch.dtype) -> Any:
+        raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -526,15 +539,29 @@ class DeepseekV4Model(StageModel):
             streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
         else:
             streams = intermediate.transpose(0, 1).contiguous()
-        rope: dict = {"table": self.rotary["compress"]}
-        for kind, table in self.rotary.items():
-            table.ensure(meta.max_position + 1)
-            rope[kind] = table(meta.positions, streams.dtype)
+        rope = self.rope(meta, streams.dtype)
         for _, layer in self.stage_layers():
             streams = layer(streams, input_ids, rope, meta)
         if not self.pp.is_last:
             return streams.transpose(0, 1).contiguous(), []
         return self.norm(self.hc_head(streams)), []
+
+
+class DeepseekV4Model(StreamsModel):
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        super().__init__()
+        self.build_streams(config, tp, pp, lambda i: DeepseekV4DecoderLayer(config, tp, i, expert_parallel))
+        rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
+        self.rotary = {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True),
+                                             config.max_position_embeddings) for kind in ("main", "compress")}
+
+    def rope(self, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
+        """Each kind's (cos, sin) at the step's positions, and the compressing layers' table (their entries')."""
+        rope: dict = {"table": self.rotary["compress"]}
+        for kind, table in self.rotary.items():
+            table.ensure(meta.max_position + 1)
+            rope[kind] = table(meta.positions, dtype)
+        return rope
 
 
 class DeepseekV4ForCausalLM(LlamaForCausalLM):

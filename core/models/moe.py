@@ -125,6 +125,7 @@ class MoEFamily:
     clamped: bool = False  # the clamped SwiGLU (swiglu_limit, swiglu_alpha: GPT-OSS), else silu(gate) * up
     gelu: bool = False  # gelu_tanh(gate) * up (Gemma 4), else as above
     clamp_only: bool = False  # silu(gate clamped above) * (up clamped both sides) at swiglu_limit (DeepSeek-V4)
+    clamp_shared: bool = True  # with clamp_only, the shared expert's too (Hunyuan 4's is not)
     # the scores' function (SCORES): the "scored" routing's where the config names none (scoring_func), else
     # "sqrtsoftplus"; the grouped routing's ("softmax": Mistral 4, without a correction bias), else "sigmoid"
     scoring: str = ""
@@ -166,6 +167,9 @@ FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] =
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 # MiMo-V2-Flash: DeepSeek-V3's router, no shared expert
 FAMILIES["mimo_v2_flash"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size")
+# Hunyuan 4: DeepSeek-V3's router and shared experts; its routed experts' SwiGLU clamped (swiglu_limit > 0)
+FAMILIES["hy_v4"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
+                              shared_width="moe_intermediate_size", clamp_only=True, clamp_shared=False)
 # Mistral 4: DeepSeek-V3's grouped routing and shared experts over softmax scores, with no correction bias
 FAMILIES["mistral4"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
                                  shared="shared_experts", shared_width="moe_intermediate_size", scoring="softmax")
@@ -193,7 +197,10 @@ SCORES = {"sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(), "sigmoid": t
 
 
 def swiglu_limited(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """DeepSeek-V4's SwiGLU: silu(gate) * up with gate clamped above and up both sides at ``limit``."""
+    """DeepSeek-V4's SwiGLU: silu(gate) * up with gate clamped above and up both sides at ``limit`` (none where the
+    limit is not positive: Hunyuan 4's switch)."""
+    if limit <= 0:
+        return F.silu(gate) * up
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
@@ -320,7 +327,8 @@ class SparseMoE(nn.Module):
         self.adds_down_bias = expert_parallel or tp.rank == 0
         if family.shared is not None:
             width = getattr(config, family.shared_width) * (getattr(config, family.shared_count, None) or 1)
-            self.add_module(family.shared, GatedMLP(h, width, tp, self.swiglu[0] if family.clamp_only else None))
+            limit = self.swiglu[0] if family.clamp_only and family.clamp_shared else None
+            self.add_module(family.shared, GatedMLP(h, width, tp, limit))
         if family.shared_gate is not None:  # replicated, as the router is
             gate = Router(1, h, correction_bias=False)
             gate.weight.weight_loader = _load_as_row  # [1, H]; llama.cpp's GGUFs store it as [H]

@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "SolarOpenForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
     "HYV3ForCausalLM": "specray.models.hy_v3:HYV3ForCausalLM",
     "MiMoV2FlashForCausalLM": "specray.models.mimo_v2:MiMoV2FlashForCausalLM",
+    "HYV4ForCausalLM": "specray.models.hy_v4:HYV4ForCausalLM",
     "Llama4ForCausalLM": "specray.models.llama4:Llama4ForCausalLM",
     "GptOssForCausalLM": "specray.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
@@ -50,7 +51,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                 "mistral4": "Mistral4ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
                 "solar_open": "SolarOpenForCausalLM", "hy_v3": "HYV3ForCausalLM",
-                "mimo_v2_flash": "MiMoV2FlashForCausalLM",
+                "mimo_v2_flash": "MiMoV2FlashForCausalLM", "hy_v4": "HYV4ForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
