@@ -64,7 +64,7 @@ from specray.chat import load_chat_template  # noqa: E402
 from specray.config import EngineArgs  # noqa: E402
 from specray.drafters import registry as drafter_registry  # noqa: E402
 from specray.drafters.prediction import METHOD as PREDICTION  # noqa: E402
-from specray.engine.builder import (check_engine_args, check_model_split, default_sampling_fields,  # noqa: E402
+from specray.engine.builder import (check_engine_args, check_model_args, default_sampling_fields,  # noqa: E402
                                     lookup_beside_head)
 from specray.errors import EngineError  # noqa: E402
 from specray.lora import LoRARequest, read_adapter  # noqa: E402
@@ -1199,7 +1199,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_model(engine_args: EngineArgs) -> None:
     """The model exists, its config loads, max_model_len fits its positions, tensor_parallel_size splits its
-    attention and KV heads and pipeline_parallel_size its layers; a hub id that is not on this machine is left to the replica."""
+    attention and KV heads and pipeline_parallel_size its layers (and what its family checks of them), and a
+    hidden-state head is one it serves; a hub id that is not on this machine is left to the replica."""
     from specray.engine.builder import check_draft_count, check_local_paths, resolve_max_model_len
     from specray.models.loader import load_hf_config, resolve_model
 
@@ -1214,7 +1215,7 @@ def check_model(engine_args: EngineArgs) -> None:
         raise ValueError(f"model={model!r} cannot be loaded: {err}") from None
     check_draft_count(engine_args.speculative_config, resolve_max_model_len(engine_args.max_model_len, config))
     check_local_paths(engine_args)
-    check_model_split(config, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+    check_model_args(engine_args, config)
 
 
 def check_resources(args: ServeArgs, autoscaling: bool) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from specray.chat import check_chat_options, render_chat
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
-from specray.engine.builder import build_engine, check_engine_args, check_model_split, default_sampling_fields
+from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
@@ -43,8 +43,7 @@ class LLM:
 
             check_engine_args(self.engine_args)  # before any actor starts
             trust = self.engine_args.trust_remote_code
-            check_model_split(load_hf_config(model, trust_remote_code=trust), self.engine_args.tensor_parallel_size,
-                              self.engine_args.pipeline_parallel_size)
+            check_model_args(self.engine_args, load_hf_config(model, trust_remote_code=trust))
             client_cls = plugins.lookup("engine_client", self.engine_args.executor_backend)
             self.engine = client_cls(self.engine_args)
             self._tokenizer = load_tokenizer(self.engine_args.tokenizer or model, trust)

@@ -239,6 +239,15 @@ def check_family_split(config, tp: int, pp: int) -> None:
         family_check(config, tp, pp)
 
 
+def check_model_args(args: EngineArgs, config) -> None:
+    """What the model's config alone decides of ``args``, before any rank or actor starts (the engine's builder, the
+    Ray-backed ``LLM`` and ``specray serve`` call it): the split over TP ranks and stages, the family's own split
+    check, and a hidden-state head for a model that serves none."""
+    check_model_split(config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_family_split(config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_heads_served(args, config)
+
+
 def check_head_split(method: str, model: str, tp: int) -> None:
     """A head to split over ``tp`` ranks, in a local folder: its attention heads divide (checked from its config.json
     before any rank starts; a hub id's, as the ranks load it)."""
@@ -266,10 +275,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     resolve_model(args.model, weights=args.load_format != "dummy")  # its weights are there, before any rank starts
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
-    check_model_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
-    check_family_split(hf_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_model_args(args, hf_config)
     recurrent = check_recurrent(args, hf_config)
-    check_heads_served(args, hf_config)
     check_quantization(args.quantization, model_config)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
