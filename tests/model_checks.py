@@ -102,15 +102,18 @@ WORKER_PRELUDE = textwrap.dedent("""
         return None if hidden[0] is None else model.compute_logits(torch.cat(hidden))
 """)
 
-# WORKER_PRELUDE's ranks, each writing how far ``logits(model)`` of its share of ``folders[0]`` is from one rank's
-# (``diff``; None on a stage before the last): a family's tensor-parallel and pipeline checks with nothing of their own
+# WORKER_PRELUDE's ranks, each writing how far ``logits(model)`` of its share of each of ``folders`` is from one
+# rank's (``diffs``, in order; None on a stage before the last): families' tensor-parallel and pipeline checks with
+# nothing of their own, several in one launch of the ranks (a launch costs seconds)
 DIFF_WORKER = WORKER_PRELUDE + textwrap.dedent("""
 
-    model = load_model(folders[0], tp, pp=pp)
-    ours = logits(model)
-    diff = None if ours is None else (ours - logits(load_model(folders[0]))).abs().max().item()
+    diffs = []
+    for folder in folders:
+        model = load_model(folder, tp, pp=pp)
+        ours = logits(model)
+        diffs.append(None if ours is None else (ours - logits(load_model(folder))).abs().max().item())
     del model  # gloo's threads end with the group only once nothing holds it
     gc.collect()
     dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
+    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
 """)

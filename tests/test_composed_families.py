@@ -54,7 +54,19 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
     sys.modules["specray_test_engine_runs"].assert_ngram_greedy_equals_transformers(folder)
 
 
-def test_mimo_v2_flash_two_ranks_match_one_rank(tmp_path, tiny_mimo_v2_flash_dir):
-    """Half the query heads, half of each kind's KV heads and half the sinks per rank."""
-    for result in run_ranks(tmp_path, DIFF_WORKER, 2, 1, [str(tiny_mimo_v2_flash_dir)]):
-        assert result["diff"] < TOL, result
+# every family here and in the newer families' files whose ranks have no check of their own, in one launch per split
+RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
+                   "tiny_mimo_v2_flash_dir"),
+               2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
+
+
+@pytest.mark.parametrize("stages", sorted(RANK_CHECKS))
+def test_two_ranks_match_one_rank(request, tmp_path, stages):
+    """Two tensor-parallel ranks (stages 1: each family's heads, sinks, output groups and experts split) or two
+    pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
+    Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4 and MiMo-V2-Flash (both kinds
+    of KV heads and the sinks split)."""
+    folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
+    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
+    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
+    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
