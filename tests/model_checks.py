@@ -56,6 +56,16 @@ def mutated_logits(folder, mutate_config=None, mutate=None) -> torch.Tensor:
     return chunked_logits(model, prompt(), SCHEDULES["chunked+decode"])
 
 
+@torch.no_grad()
+def reference_logits(folder, model_class=None) -> torch.Tensor:
+    """transformers' logits [L, V] of :func:`prompt` for the model in ``folder`` (fp32; ``model_class``: where
+    transformers' auto class does not list it)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = (model_class or AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).eval()
+    return hf(torch.tensor([prompt()])).logits[0].float()
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
@@ -22,7 +21,7 @@ from specray.models.llama import LlamaMLP
 from specray.models.moe import SparseMoE
 from specray.models.loader import load_model
 from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       prompt, run_ranks)
+                                       prompt, reference_logits, run_ranks)
 
 TOL = 1e-4
 
@@ -36,13 +35,9 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_match_transformers(request, family, schedule):
-    from transformers import AutoModelForCausalLM
-
     fixture, model_class, first_mlp = FAMILIES[family]
     folder = request.getfixturevalue(fixture)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompt()])).logits[0].float()
+    reference = reference_logits(folder)
     model = load_model(str(folder))
     assert isinstance(model, model_class) and isinstance(model.model.layers[0].mlp, first_mlp)
     assert max_diff(chunked_logits(model, prompt(), SCHEDULES[schedule]), reference) < TOL

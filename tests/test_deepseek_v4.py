@@ -20,7 +20,7 @@ from specray.models import cpu_kernels, deepseek_v4
 from specray.models.loader import load_model
 from specray.tree import depths, path_to
 from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, mutated_logits,  # tests/model_checks.py
-                                       prompt)
+                                       prompt, reference_logits)
 
 TOL = 1e-4
 
@@ -28,11 +28,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def v4(tiny_deepseek_v4_dir):
     """(the tiny model's folder, transformers' logits of the prompt)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v4_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return tiny_deepseek_v4_dir, hf(torch.tensor([prompt()])).logits[0].float()
+    return tiny_deepseek_v4_dir, reference_logits(tiny_deepseek_v4_dir)
 
 
 @pytest.mark.parametrize("path", ["batched", "own", "own-consecutive", "own-in-pieces"])

@@ -12,23 +12,19 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from specray.models import cpu_kernels
 from specray.models.loader import load_model
 from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, mutated_logits,  # tests/model_checks.py
-                                       prompt)
+                                       prompt, reference_logits)
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def hy4(tiny_hy_v4_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_hy_v4_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return tiny_hy_v4_dir, hf(torch.tensor([prompt()])).logits[0].float()
+    """(the tiny model's folder, transformers' logits of the prompt)."""
+    return tiny_hy_v4_dir, reference_logits(tiny_hy_v4_dir)
 
 
 @pytest.mark.parametrize("path", ["batched", "own"])

@@ -13,18 +13,15 @@ import torch
 
 from specray.models.loader import load_model
 from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, mutated_logits,  # tests/model_checks.py
-                                       prompt)
+                                       prompt, reference_logits)
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def m2(tiny_minimax_m2_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_minimax_m2_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return tiny_minimax_m2_dir, hf(torch.tensor([prompt()])).logits[0].float()
+    """(the tiny model's folder, transformers' logits of the prompt)."""
+    return tiny_minimax_m2_dir, reference_logits(tiny_minimax_m2_dir)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

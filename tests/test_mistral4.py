@@ -9,23 +9,21 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from specray.models import moe
 from specray.models.loader import load_model
 from specray_test_model_checks import (SCHEDULES, chunked_logits, max_diff, mutated_logits,  # tests/model_checks.py
-                                       prompt)
+                                       prompt, reference_logits)
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def m4(tiny_mistral4_dir):
+    """(the tiny model's folder, transformers' logits of the prompt)."""
     from transformers import Mistral4ForCausalLM  # (not among AutoModelForCausalLM's)
 
-    hf = Mistral4ForCausalLM.from_pretrained(tiny_mistral4_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return tiny_mistral4_dir, hf(torch.tensor([prompt()])).logits[0].float()
+    return tiny_mistral4_dir, reference_logits(tiny_mistral4_dir, Mistral4ForCausalLM)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -56,4 +54,5 @@ def test_each_difference_shows_in_the_logits(m4, mutation):
 def test_engine_greedy_with_ngram_drafts_equals_transformers(tiny_mistral4_dir):
     from transformers import Mistral4ForCausalLM
 
-    sys.modules["specray_test_engine_runs"].assert_ngram_greedy_equals_transformers(tiny_mistral4_dir, Mistral4ForCausalLM)
+    runs = sys.modules["specray_test_engine_runs"]
+    runs.assert_ngram_greedy_equals_transformers(tiny_mistral4_dir, Mistral4ForCausalLM)

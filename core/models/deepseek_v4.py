@@ -47,15 +47,17 @@ releases' FP8 / FP4 weights (tiny random models only: never a real checkpoint, n
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.attention import AttentionMetadata, own_key_positions, seq_positions, short_key_positions
+from specray.models.attention import (AttentionMetadata, explicit_attention, own_key_positions, seq_positions,
+                                      short_key_positions)
 from specray.models.deepseek_v3 import top_index_keys
 from specray.models.kv_cache import CAUSAL, CompressedAttentionSpec, KVCache, KVCacheSpec, MaskKind
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
@@ -404,11 +406,10 @@ class DeepseekV4Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """q [N, Q, Hl, D], keys [N, K, D] (also the values), allowed [N, Q, K] -> [N, Q, Hl, D]."""
-        scores = torch.einsum("nqhd,nkd->nhqk", q.float(), keys.float()) * self.scale
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        sinks = self.sinks[None, :, None, None].expand(*scores.shape[:3], 1)
-        probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
-        return torch.einsum("nhqk,nkd->nqhd", probs, keys.float()).to(q.dtype)
+        keys = keys[:, None]  # one key/value head
+        out = explicit_attention(q.transpose(1, 2), keys, keys, allowed[:, None], self.scale,
+                                 sinks=self.sinks.view(-1, 1, 1))
+        return out.transpose(1, 2)
 
     def _entries(self, ctx: torch.Tensor, causal: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None,
                  key_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,7 +439,7 @@ class DeepseekV4Attention(nn.Module):
             slots = meta.slot_mapping if sb.token_index is None else meta.slot_mapping.index_select(0, sb.token_index)
             self._close_rows(ctx, sb.query_positions, slots)
         else:  # trees: the windows that close, each over its node's ancestors (eager steps only)
-            offsets = [sum(meta.query_lens[:i]) for i in range(meta.num_seqs)]
+            offsets = [0, *itertools.accumulate(meta.query_lens)]  # each sequence's first row in the step
             self._close(ctx, [c for b, i in enumerate(sb.seq_ids) for c in self._closing(meta, i, b, offsets[i])],
                         meta)
         if sb.token_index is not None:
@@ -599,9 +600,6 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         for j, (_, layer) in enumerate(self.model.stage_layers()):
             layer.self_attn.bind_cache(cache.layer(j), cache.block_size, cache.fp8)
         self.kv_cache_allocated = True
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights((name, tensor) for name, tensor in weights if ".rotary_emb." not in name)
 
     def _our_name(self, name: str) -> str:
         if _RELEASE_STYLE.search(name):
