@@ -1130,26 +1130,36 @@ def test_padded_rows_picks_a_fast_width_at_least_m():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 17, 128, 129])
-def test_small_row_linear_equals_f_linear(rows):
+def test_small_row_linear_equals_f_linear(rows, monkeypatch):
+    """The padded path (for these tiny weights too: SMALL_WEIGHT lowered) equals F.linear."""
     import torch.nn.functional as F
 
+    from specray.models import cpu_kernels
     from specray.models.layers import linear
 
+    monkeypatch.setattr(cpu_kernels, "SMALL_WEIGHT", 0)
+    padded = []
+    monkeypatch.setattr(cpu_kernels, "padded_rows", lambda m, rule=cpu_kernels.padded_rows: padded.append(m) or rule(m))
     gen = torch.Generator().manual_seed(rows)
     x, w, bias = (torch.randn(*s, generator=gen) for s in ((rows, 48), (40, 48), (40,)))
     for b in (None, bias):
         y = linear(x, w, b)
         assert y.shape == (rows, 40) and y.is_contiguous()
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert padded == ([rows] * 2 if rows <= cpu_kernels.SMALL_BATCH_ROWS else [])  # the path under test ran
 
 
-def test_load_model_packs_cpu_fp32_linears_and_keeps_the_logits(request):
+def test_load_model_packs_cpu_fp32_linears_and_keeps_the_logits(request, monkeypatch):
     """On CPU in fp32 the linears run from oneDNN's blocked copy (dense weights freed, the LM head's kept for the
-    tied embedding); the logits equal the dense model's, and the transformers tests above run packed."""
+    tied embedding); the logits equal the dense model's. Weights under SMALL_WEIGHT values stay dense (those of
+    the tiny models here, until it is lowered)."""
+    from specray.models import cpu_kernels
     from specray.models.cpu_kernels import can_pack
     from specray.models.layers import LinearBase
 
     folder = str(request.getfixturevalue(MODEL_FIXTURES[0]))
+    assert all(m.packed is None for m in load_model(folder).modules() if isinstance(m, LinearBase))
+    monkeypatch.setattr(cpu_kernels, "SMALL_WEIGHT", 0)
     packed, dense = load_model(folder), load_model(folder, pack=False)
     assert can_pack("cpu", "float32")
     linears = [m for m in packed.modules() if isinstance(m, LinearBase)]
@@ -1164,7 +1174,10 @@ def test_load_model_packs_cpu_fp32_linears_and_keeps_the_logits(request):
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_loading_weights_into_a_packed_model_is_refused(tiny_llama_dir):
+def test_loading_weights_into_a_packed_model_is_refused(tiny_llama_dir, monkeypatch):
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "SMALL_WEIGHT", 0)
     model = load_model(str(tiny_llama_dir))
     with pytest.raises(ValueError, match="packed"):
         model.load_weights([])

@@ -6,7 +6,9 @@
   a one-thread gemv, and their cost grows smoothly with the rows, so no padding; (2) unpacked fp32 weights (no
   oneDNN, or a model used before :func:`pack_linear_weights`): ``W @ x^T`` with ``x^T`` as a narrow right-hand
   side, padded to a row count MKL runs fast (:func:`padded_rows`), since ``x @ W^T`` for a few rows does not use
-  the memory bandwidth well and MKL's narrow gemm is fast only at some widths.
+  the memory bandwidth well and MKL's narrow gemm is fast only at some widths. Weights under ``SMALL_WEIGHT``
+  values (a small head's layers, tiny test models) take neither: both cost a fixed overhead per call larger than
+  so small a matmul, so they run plain ``F.linear``.
 * Attention. The padded short-query batch gathers every sequence's context, padded to the longest; on CPU that
   copy costs more than attending once contexts are long, so from ``OWN_MIN_CONTEXT`` tokens short queries attend
   one sequence at a time, reading consecutive blocks in place (:func:`reads_in_place`).
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+SMALL_WEIGHT = 1 << 16  # weights with fewer values run plain F.linear (unpacked, unpadded)
 PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was slower at decode batch sizes)
 SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and later faster
 FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
@@ -63,11 +66,13 @@ def pack_linear(module: nn.Module, keep_dense: bool = False) -> None:
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """Pack every linear of a loaded fp32 CPU ``model``: the modules with a ``packed`` slot. Those that say
-    ``keeps_dense_weight`` (an LM head, whose weight may be the tied embedding's) keep it too."""
+    """Pack every linear of a loaded fp32 CPU ``model``: the modules with a ``packed`` slot, but for those under
+    ``SMALL_WEIGHT`` values. Those that say ``keeps_dense_weight`` (an LM head, whose weight may be the tied
+    embedding's) keep it too."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "packed") and weight is not None and weight.numel():  # not a linear kept in 4 bits
+        # (an empty weight: a linear kept in 4 bits)
+        if hasattr(module, "packed") and weight is not None and weight.numel() >= SMALL_WEIGHT:
             pack_linear(module, keep_dense=getattr(module, "keeps_dense_weight", False))
 
 
@@ -91,12 +96,13 @@ def rows_for(device: str, dtype: str):
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for 2-D ``x`` on CPU: through ``packed`` (``pack_weight(weight)``) when given, else
-    ``W @ x^T`` at the row counts of ``padded_rows`` for fp32 decode-sized inputs."""
+    ``W @ x^T`` at the row counts of ``padded_rows`` for fp32 decode-sized inputs (on weights of at least
+    ``SMALL_WEIGHT`` values)."""
     # x: [M, K]; weight: [N, K] -> [M, N]
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     m = x.shape[0]
-    if m > SMALL_BATCH_ROWS or x.dtype != torch.float32 or x.dim() != 2:
+    if m > SMALL_BATCH_ROWS or x.dtype != torch.float32 or x.dim() != 2 or weight.numel() < SMALL_WEIGHT:
         return F.linear(x, weight, bias)
     pad = padded_rows(m) - m
     rhs = (F.pad(x, (0, 0, 0, pad)) if pad else x).t()  # [K, padded_rows(M)]
