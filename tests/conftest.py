@@ -54,6 +54,7 @@ _register_helper("host_sync")  # a dispatch mode that records every op needing a
 _register_helper("fakes")  # stand-ins for Ray Serve pieces (a deployment's handle)
 _register_helper("model_checks")  # logits chunk by chunk over a paged cache (per-family tests)
 _register_helper("hybrid_models")  # tiny Qwen3.5 / Qwen3-Next models and their engine prompts
+_register_helper("openai_helpers")  # HTTP helpers and request parts of the OpenAI server's tests
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -27,8 +27,9 @@ SPECS = {
 
 
 def make(tiny_llama_dir, tiny_draft_dir, spec, **kw) -> LLM:
-    if spec == "draft_model":
-        spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    if spec == "draft_model":  # a fixed draft count: seeded sampling over drafts with q follows it, and the
+        # adaptive policy's choice follows timings
+        spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
     return LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec, **kw)
 
 

@@ -109,12 +109,13 @@ def assert_kv_matches(reference_worker, executor, live: list[tuple[str, int]], h
                 torch.testing.assert_close(shard, want, atol=1e-5, rtol=0)
 
 
-TP_CASES = [("llama", 2, {}), ("qwen2", 2, {}), ("llama", 3, {"num_attention_heads": 6, "num_key_value_heads": 3,
-                                                              "hidden_size": 96, "intermediate_size": 192}),
-            ("llama", 2, {"num_key_value_heads": 1})]  # one KV head: replicated on both ranks
+# two ranks splitting the KV heads; three ranks replicating one KV head (biases and the other families' layers
+# against one rank: tests/test_models.py)
+TP_CASES = [("llama", 2, {}), ("llama", 3, {"num_attention_heads": 6, "num_key_value_heads": 1, "hidden_size": 96,
+                                            "intermediate_size": 192})]
 
 
-@pytest.mark.parametrize("arch,tp,overrides", TP_CASES, ids=["llama-tp2", "qwen2-tp2", "llama-tp3", "llama-tp2-kv1"])
+@pytest.mark.parametrize("arch,tp,overrides", TP_CASES, ids=["llama-tp2", "llama-tp3-kv1"])
 def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, overrides):
     """One rank runs batches of 1 and 8, plain and with randomly accepted drafts (chains, and token trees whose
     accepted paths move K/V); every plan is replayed on a TP group: same tokens, logits within 1e-4, and every
@@ -129,18 +130,18 @@ def test_tp_matches_one_rank_step_by_step(make_tiny_model, tmp_path, arch, tp, o
         executor.shutdown()
 
 
-FAMILY_CASES = [("tiny_qwen3_dir", False), ("tiny_gemma3_dir", False), ("tiny_qwen3_moe_dir", True),
-                ("tiny_deepseek_dir", False), ("tiny_deepseek_dir", True), ("tiny_llama4_dir", True),
-                ("tiny_mixtral_dir", False), ("tiny_glm4_moe_dir", False)]
+# one of each cache and expert layout (every family's layers against one rank, both expert splits: test_models.py)
+FAMILY_CASES = [("tiny_gemma3_dir", False), ("tiny_deepseek_dir", True), ("tiny_llama4_dir", True),
+                ("tiny_mixtral_dir", False)]
 
 
 @pytest.mark.parametrize("fixture,expert_parallel", FAMILY_CASES,
-                         ids=["qwen3", "gemma3", "qwen3-moe-ep", "deepseek-v3", "deepseek-v3-ep", "llama4-ep",
-                              "mixtral", "glm4-moe"])
+                         ids=["gemma3", "deepseek-v3-ep", "llama4-ep", "mixtral"])
 def test_tp_matches_one_rank_step_by_step_for_every_family(request, fixture, expert_parallel):
-    """The same over two Ray ranks for the newer families (experts split by width, or whole with
-    enable_expert_parallel; DeepSeek's latent cache replicated on both): plain at batch 1, and with randomly
-    accepted drafts at batch 8: same tokens, logits within 1e-4, every rank's live cache equal to one rank's."""
+    """The same over two Ray ranks for the newer families (Gemma 3's sliding and global layers; experts split by
+    width, or whole with enable_expert_parallel; DeepSeek's latent cache replicated on both): plain at batch 1, and
+    with randomly accepted drafts at batch 8: same tokens, logits within 1e-4, every rank's live cache equal to one
+    rank's."""
     model = request.getfixturevalue(fixture)
     executor = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, num_kv_blocks=96,
                           enable_expert_parallel=expert_parallel).executor
@@ -265,57 +266,52 @@ def test_lora_adapters_and_an_fp8_cache_on_two_ranks_equal_one_rank(tiny_llama_d
 
 # ---- pipeline parallelism: stages of ranks, greedy output equal to one rank's ------------------------------------
 
-PP_CASES = [(2, 1, None), (2, 1, "ngram"), (2, 1, "draft_model"), (2, 2, "ngram"), (3, 1, "suffix")]
+# plain pipelines: test_llm_ray_backend_matches_local_and_transformers; a draft model's actor beside a target's
+# ranks: test_tp_ranks_on_two_nodes_and_the_draft_model_on_a_third
+PP_CASES = [(2, 1, "ngram"), (2, 2, "ngram"), (3, 1, "suffix")]
 
 
-@pytest.mark.parametrize("stages,tp,method", PP_CASES, ids=["pp2", "pp2-ngram", "pp2-draft-model", "pp2-tp2-ngram",
-                                                            "pp3-suffix"])
-def test_pipeline_stages_keep_one_ranks_greedy_output(make_tiny_model, tmp_path, tiny_draft_dir, stages, tp, method):
-    """A target split into pipeline stages (each on its own tensor-parallel ranks) answers from its last stage: plain
-    and speculative greedy output at batch 8 equal one rank's plain output, and more KV blocks fit each rank (it
-    holds only its stage's layers)."""
+@pytest.mark.parametrize("stages,tp,method", PP_CASES, ids=["pp2-ngram", "pp2-tp2-ngram", "pp3-suffix"])
+def test_pipeline_stages_keep_one_ranks_greedy_output(make_tiny_model, tmp_path, stages, tp, method):
+    """A target split into pipeline stages (each on its own tensor-parallel ranks) answers from its last stage:
+    speculative greedy output at batch 8 equals one rank's plain output, and more KV blocks fit each rank (it
+    holds only its stage's layers). With two stages of two ranks spread over the three nodes (Ray may put a
+    placement group's bundles on nodes in any order), the ranks are numbered node by node, so that a stage's
+    tensor-parallel ranks share a node wherever a node holds whole stages."""
+    import ray
+
+    from specray.cluster.executor import grouped_by_node
+
     model = make_tiny_model(tmp_path / "m", "llama", seed=21, num_hidden_layers=3, tie_word_embeddings=True)
     prompts = prompts_for(8, seed=stages + tp)
     budget = dict(kv_cache_memory_bytes=1 << 20)
     one_rank = engine_for(model, **budget)
     references = run_to_end(one_rank, prompts)
-    spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
-                                        **({"model": str(tiny_draft_dir)} if method == "draft_model" else {})}
-    engine = engine_for(model, pipeline_parallel_size=stages, tensor_parallel_size=tp, ray_placement=HALF_CPU,
-                        speculative_config=spec, **budget)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spread = dict(strategy="SPREAD") if tp > 1 else {}
+    engine = engine_for(model, pipeline_parallel_size=stages, tensor_parallel_size=tp,
+                        ray_placement=dict(HALF_CPU, **spread), speculative_config=spec, **budget)
     try:
         assert engine.executor.world_size == stages * tp and engine.executor.driver == (stages - 1) * tp
+        assert engine.executor.collective_rpc(probes.rank) == list(range(stages * tp))
+        if spread:
+            nodes = ray.get([w.node_id.remote() for w in engine.executor.workers])  # in rank order
+            assert len(set(nodes)) > 1 and nodes == grouped_by_node(nodes, nodes), nodes
         assert engine.executor.num_kv_blocks > one_rank.executor.num_kv_blocks
         layers = engine.executor.collective_rpc(probes.stage_layers)
         assert [i for stage in layers[::tp] for i in stage] == [0, 1, 2] and layers == sorted(layers)
         assert run_to_end(engine, prompts) == references
-        if method is not None:
-            assert engine.spec_stats.accepted_tokens > 0
+        assert engine.spec_stats.accepted_tokens > 0
     finally:
         engine.shutdown()
         one_rank.shutdown()
 
 
-def test_pipeline_ranks_are_numbered_node_by_node(tiny_llama_dir):
-    """Ray may put a placement group's bundles on nodes in any order; the ranks of a pipeline are numbered node by
-    node, so that a stage's tensor-parallel ranks share a node wherever a node holds whole stages. Spread over the
-    three nodes, two stages of two ranks: the ranks on one node are consecutive, and greedy output is one rank's."""
-    import ray
-
+def test_ranks_are_grouped_node_by_node():
+    """Ranks in placement order, regrouped so that each node's are consecutive, nodes in order of first appearance."""
     from specray.cluster.executor import grouped_by_node
 
     assert grouped_by_node(list("abcdef"), ["n1", "n2", "n1", "n3", "n2", "n1"]) == list("acfbed")
-    prompts = prompts_for(4, seed=8)
-    references = run_to_end(engine_for(tiny_llama_dir), prompts)
-    engine = engine_for(tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2,
-                        ray_placement=dict(HALF_CPU, strategy="SPREAD"))
-    try:
-        nodes = ray.get([w.node_id.remote() for w in engine.executor.workers])  # in rank order
-        assert len(set(nodes)) > 1 and nodes == grouped_by_node(nodes, nodes), nodes
-        assert engine.executor.collective_rpc(probes.rank) == [0, 1, 2, 3]
-        assert run_to_end(engine, prompts) == references
-    finally:
-        engine.shutdown()
 
 
 def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
@@ -356,13 +352,15 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
     return tiny_llama_dir, model, spec
 
 
-PP_HEAD_CASES = [("eagle3", 1), ("eagle3-tree", 1), ("mtp3", 1), ("deepseek-mtp", 1), ("glm-mtp", 1), ("medusa", 1),
-                 ("redrafter", 1), ("eagle3", 2), ("deepseek-mtp-ep", 2), ("qwen3_5-mtp", 1)]
+# one case per way a head reads the target across stages: EAGLE-3's residual streams of earlier stages' layers (chains
+# over stages of two ranks, trees), an MTP block with its own cache (DeepSeek's, experts whole per rank, over stages of
+# two ranks; Qwen3.5's over a hybrid target), the target's embedding on the last stage (ReDrafter)
+PP_HEAD_CASES = [("eagle3", 2), ("eagle3-tree", 1), ("deepseek-mtp-ep", 2), ("qwen3_5-mtp", 1), ("redrafter", 1)]
 
 
 @pytest.mark.parametrize("method,tp", PP_HEAD_CASES, ids=[f"{m}-tp{tp}" for m, tp in PP_HEAD_CASES])
 def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama_dir, tmp_path, method, tp):
-    """A hidden-state drafter over two pipeline stages (DeepSeek and GLM-4.5 with MTP, EAGLE-3 across nodes; Qwen3.5's
+    """A hidden-state drafter over two pipeline stages (DeepSeek with MTP, EAGLE-3 across nodes; Qwen3.5's
     MTP over a hybrid target, each stage keeping its linear layers' recurrent states): the
     head lives on the last stage, which also holds the target's embedding for it; EAGLE-3's residual streams of the
     first stage's layers travel with its output. With tp=2 each stage is two ranks and the head splits over the last
@@ -388,8 +386,9 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
         engine.shutdown()
 
 
-HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp", "deepseek-mtp-ep", "glm-mtp",
-              "glm-mtp-ep", "qwen3_5-mtp", "medusa", "redrafter", "redrafter-whole"]
+# DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's
+HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp", "medusa",
+              "redrafter"]
 DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
 
 
@@ -397,8 +396,8 @@ DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (chains and EAGLE-2
     trees), three distinct MTP modules (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent
-    attention and experts: split by width, or whole per rank with the target's enable_expert_parallel), GLM-4.5's
-    (its block's grouped-query attention split by head, partial RoPE, experts split by width or whole per rank),
+    attention, experts whole per rank with the target's enable_expert_parallel), GLM-4.5's (its block's
+    grouped-query attention split by head, partial RoPE, experts split by width),
     Qwen3.5's over a hybrid target whose linear layers' recurrent state splits by head too (its gated attention
     split by head), Medusa's
     heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads). Each rank
@@ -484,23 +483,6 @@ def test_a_verification_failing_on_the_driver_leaves_no_rank_of_a_split_head_wai
         engine.shutdown()
 
 
-def test_mixture_of_experts_over_two_expert_parallel_ranks_keeps_greedy_output(tiny_qwen3_moe_dir):
-    """Qwen3-MoE over two tensor-parallel Ray ranks with ``enable_expert_parallel`` (whole experts per rank; the
-    split by width, and both against one rank layer by layer, are tests/test_models.py's), with n-gram drafts:
-    greedy output equals one rank's, no block leaked."""
-    prompts = prompts_for(2, seed=5)
-    references = run_to_end(engine_for(tiny_qwen3_moe_dir), prompts)
-    engine = engine_for(tiny_qwen3_moe_dir, tensor_parallel_size=2, ray_placement=HALF_CPU,
-                        enable_expert_parallel=True,
-                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    try:
-        blocks = engine.scheduler.block_manager
-        assert run_to_end(engine, prompts) == references
-        assert engine.spec_stats.drafts > 0 and blocks.num_free_blocks == blocks.num_blocks
-    finally:
-        engine.shutdown()
-
-
 # ---- end to end through the engine actor ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
@@ -538,7 +520,8 @@ def test_llm_ray_backend_matches_local_and_transformers(tiny_llama_dir, parallel
             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
                 assert list(x) == list(y) and [v.logprob for v in x.values()] == pytest.approx(
                     [v.logprob for v in y.values()], abs=1e-4)
-                assert [(v.rank, v.decoded_token) for v in x.values()] == [(v.rank, v.decoded_token) for v in y.values()]
+                assert [(v.rank, v.decoded_token) for v in x.values()] == [
+                    (v.rank, v.decoded_token) for v in y.values()]
         streams = asyncio.run(stream_concurrently(llm.engine.actor, prompts[:4], sp))
         for items, ref in zip(streams, local):
             assert len(items) > 1 and items[-1].finished and not any(i.finished for i in items[:-1])

@@ -121,7 +121,6 @@ CASES = {
     "eagle": {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
     "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
                "long_prefill_token_threshold": 12},
-    "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
     "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
     "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
@@ -131,7 +130,6 @@ CASES = {
                                              "combine_with": {"method": "suffix", "num_speculative_tokens": 6}}},
     # prefix caching (half the prompts share a preamble): requests start from cached blocks or wait for blocks a
     # running request is computing, shared blocks survive aborts and preemption, eviction under a full pool
-    "plain-prefix-cache": {"enable_prefix_caching": True},
     "ngram-prefix-cache": {"speculative_config": NGRAM, "long_prefill_token_threshold": 12,
                            "enable_prefix_caching": True},
     # (a fixed draft count: what finishes inside the workload's steps does not follow this machine's load)
@@ -145,8 +143,6 @@ CASES = {
                                                  "adaptive": False}, "async_scheduling": True},
     "eagle3-async": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
                      "async_scheduling": True},
-    "lookahead-async": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15},
-                        "async_scheduling": True},  # trees, node tokens the drafter learns from, accepted paths' moves
     # steps from graphs (on CPU their padded static inputs, eagerly): trees' positions and masks as the graphs' data,
     # a head's passes and a draft model's from graphs of their own, under preemption, aborts and chunked prefill
     "ngram-tree-graphs": {"speculative_config": {**NGRAM, "num_speculative_tokens": 8, "num_branches": 3},
@@ -173,8 +169,6 @@ CASES = {
     # one local rank here, whose steps run in order in a thread of their own as a pipeline's ranks do; requests
     # in flight neither drafted for, scheduled, preempted nor re-admitted, through aborts, preemption, grammars
     "ngram-pipelined": {"speculative_config": NGRAM, "pipeline_depth": 2, "long_prefill_token_threshold": 12},
-    "ngram-prefix-cache-pipelined": {"speculative_config": NGRAM, "enable_prefix_caching": True,
-                                     "pipeline_depth": 2},
     "draft_model-pipelined": {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3,
                                                      "adaptive": False}, "pipeline_depth": 2},
     "lookahead-pipelined": {"speculative_config": {"method": "lookahead", "num_speculative_tokens": 15},
@@ -184,8 +178,6 @@ CASES = {
                                                      "dynamic_tree_depth": 3}, "pipeline_depth": 2},
     "mtp3-pipelined": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3,
                                               "num_nextn_predict_layers": 3}, "pipeline_depth": 2},
-    "medusa-pipelined": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6},
-                         "pipeline_depth": 2},
     # two pipeline stages as Ray actors: the same over a real pipeline, each stage's rank computing one cohort's
     # step while the other computes the other's
     "eagle3-pp2-ray": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
