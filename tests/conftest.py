@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4"}.
+    "mimo_v2_flash", "hy_v4", "glm4"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -121,6 +121,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
+    from transformers import Glm4Config, Glm4ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -165,7 +166,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gpt_oss": (GptOssConfig, GptOssForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
                           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                           "olmo3": (Olmo3Config, Olmo3ForCausalLM), "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
-                          "seed_oss": (SeedOssConfig, SeedOssForCausalLM)}[arch]
+                          "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
+                          "glm4": (Glm4Config, Glm4ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -176,11 +178,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3") and name.endswith("norm.weight")
+            elif (arch in ("olmo2", "olmo3", "glm4") and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss") and name.endswith(".bias"):  # zeros at init: random, so they show
+            elif arch in ("ernie4_5", "seed_oss", "glm4") and name.endswith(".bias"):  # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
@@ -320,6 +322,14 @@ def tiny_seed_oss_dir(tmp_path_factory) -> Path:
     # q/k/v biases (random), none on o_proj (attention_out_bias off); head_dim apart from hidden / heads
     return build_tiny_model(tmp_path_factory.mktemp("tiny_seed_oss"), "seed_oss", seed=17, head_dim=24,
                             attention_bias=True, attention_out_bias=False, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_dir(tmp_path_factory) -> Path:
+    # GLM-4: q/k/v biases (random), none on o_proj; RoPE on interleaved pairs of each head's first half; sandwich
+    # norms; the release's fused gate_up_proj; head_dim apart from hidden / heads
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), "glm4", seed=18, head_dim=24,
+                            attention_bias=True, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.loader import load_model
+from specray_test_checkpoints import _int_config, _int_tensors, _quantize, split_experts  # tests/checkpoints.py
 from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt  # tests/model_checks.py
 
 TOL = 1e-4
@@ -61,3 +62,47 @@ def test_text_logits_match_transformers(kimi, layout):
     model = load_model(str(folders[layout]))
     assert isinstance(model, DeepseekV3ForCausalLM)
     assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), reference) < TOL
+
+
+def test_int4_experts_as_the_release_stores_them(kimi, tmp_path):
+    """The release's routed experts in 4 bits (llm-compressor's pack-quantized, symmetric, groups of 32, one tensor
+    per expert under ``language_model.``; attention, shared experts, the dense layer's MLP and the vision tower
+    full precision, named in ``ignore`` as the release does) with the quantization config at the top of the
+    multimodal config: the experts load dequantized, logits equal the model with the same experts dequantized here."""
+    import json
+
+    from safetensors.torch import load_file
+
+    split = split_experts(kimi[0]["release"], tmp_path / "split")
+    quantized, dequantized, count = {}, {}, 0
+    for name, w in load_file(str(split / "model.safetensors")).items():
+        if ".mlp.experts." not in name:
+            quantized[name] = dequantized[name] = w
+            continue
+        q, scale, zero, back = _quantize(w.float(), torch.arange(w.shape[1]) // 32, 4, symmetric=True)
+        quantized.update(_int_tensors("packed", name[: -len(".weight")], q, scale, zero, None, 4, False, None,
+                                      w.shape))
+        dequantized[name] = back.to(w.dtype)
+        count += 1
+    assert count == 8 * 3  # the MoE layer's experts, three projections each
+    folders = {}
+    for kind, tensors in (("int4", quantized), ("dequantized", dequantized)):
+        folder = tmp_path / kind
+        folder.mkdir()
+        config = json.loads((split / "config.json").read_text())
+        if kind == "int4":
+            config["quantization_config"] = _int_config("packed", 4, 32, False, None) | {"ignore": [
+                "re:.*lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+                "re:vision_tower.*", "re:mm_projector.*"]}
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(folder / "model.safetensors"))
+        folders[kind] = folder
+    assert any(n.endswith(".experts.5.down_proj.weight_packed") for n in quantized)
+    model, reference = load_model(str(folders["int4"])), load_model(str(folders["dequantized"]))
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    ids = prompt()
+    assert max_diff(chunked_logits(model, ids, SCHEDULES["chunked+decode"]),
+                    chunked_logits(reference, ids, SCHEDULES["chunked+decode"])) < TOL
+    # the experts matter: the full-precision model's logits differ
+    assert max_diff(chunked_logits(model, ids, SCHEDULES["chunked+decode"]), kimi[1]) > TOL
+

@@ -63,11 +63,13 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3")
-QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text")  # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2)
+# q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM-4's: its attention_bias)
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
 USE_BIAS_MODEL_TYPES = ("ernie4_5",)  # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5",)  # RoPE rotating the pairs (0, 1), (2, 3), ..., not the two halves
+# RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "glm4")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -85,7 +87,9 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
     (r"\.mlp\.shared_mlp\.", ".mlp.shared_experts.")))
 
 
-FUSED_MODEL_TYPES = ("phi3",)  # checkpoints storing q/k/v as one qkv_proj and gate/up as one gate_up_proj
+# checkpoints storing projections fused: q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3), or gate/up
+# alone (GLM-4)
+FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm4": (".gate_up_proj.",)}
 SCALED_MODEL_TYPES = ("granite",)  # Granite's multipliers (module docstring)
 
 
@@ -95,13 +99,14 @@ def multiplier(config, name: str) -> float:
 
 
 def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:
-    """A fused checkpoint's projections (Phi-3's): its name piece -> the pieces it stacks, with each one's rows."""
-    if config.model_type not in FUSED_MODEL_TYPES:
-        return {}
+    """A fused checkpoint's projections (Phi-3's, GLM-4's): its name piece -> the pieces it stacks, with each one's
+    rows."""
+    fused = FUSED_MODEL_TYPES.get(config.model_type, ())
     d, inter = _head_dim(config), config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    return {".qkv_proj.": ((".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)),
-            ".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}
+    pieces = {".qkv_proj.": ((".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)),
+              ".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}
+    return {piece: parts for piece, parts in pieces.items() if piece in fused}
 
 
 def unfuse(name: str, tensor: Any, pieces: dict[str, tuple[tuple[str, int], ...]]) -> list[tuple[str, Any]]:
@@ -213,8 +218,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # each head normed over its D before RoPE (Qwen3)
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         if self.use_rope:
-            if self.interleaved_rope:  # pair (2i, 2i + 1) is the de-interleaved head's pair (i, D/2 + i): q and k
-                qk = torch.cat((qk[..., 0::2], qk[..., 1::2]), dim=-1)  # permuted alike, q.k is unchanged
+            if self.interleaved_rope:  # pair (2i, 2i + 1) of the R rotated features is the de-interleaved pair
+                r = 2 * cos.shape[-1]  # (i, R/2 + i): q and k permuted alike, q.k is unchanged
+                qk = torch.cat((qk[..., 0:r:2], qk[..., 1:r:2], qk[..., r:]), dim=-1)
             qk = apply_rotary(qk, cos, sin)  # rotate q and k in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)

@@ -23,6 +23,7 @@ _ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "SeedOssForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
+    "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
@@ -54,7 +55,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "mimo_v2_flash": "MiMoV2FlashForCausalLM", "hy_v4": "HYV4ForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
+                "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+                "glm4": "Glm4ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
