@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -121,7 +121,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
-    from transformers import Glm4Config, Glm4ForCausalLM
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -167,7 +167,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                           "olmo3": (Olmo3Config, Olmo3ForCausalLM), "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
-                          "glm4": (Glm4Config, Glm4ForCausalLM)}[arch]
+                          "glm4": (Glm4Config, Glm4ForCausalLM),
+                          "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -330,6 +331,15 @@ def tiny_glm4_dir(tmp_path_factory) -> Path:
     # norms; the release's fused gate_up_proj; head_dim apart from hidden / heads
     return build_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), "glm4", seed=18, head_dim=24,
                             attention_bias=True, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_ernie4_5_moe_dir(tmp_path_factory) -> Path:
+    # ERNIE 4.5's MoE: a dense first layer, then softmax-scored experts picked with a correction bias, two shared
+    # experts; RoPE on interleaved pairs
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_ernie4_5_moe"), "ernie4_5_moe", seed=19, head_dim=24,
+                            moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
+                            moe_layer_start_index=1, num_hidden_layers=3, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -67,9 +67,10 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
-USE_BIAS_MODEL_TYPES = ("ernie4_5",)  # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
+# one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
+USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "glm4")
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm4")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -80,6 +81,9 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+# ERNIE 4.5's MoE release: the router's correction bias in moe_statics (transformers: under the gate)
+_CHECKPOINT_NAMES["ernie4_5_moe"] = (
+    (re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # Hunyuan 3's release: the router, its correction bias and the shared experts under names of their own
 _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours in (
     (r"\.mlp\.router\.gate\.", ".mlp.gate."), (r"\.mlp\.(?:expert_bias|e_score_correction_bias)$",
@@ -245,9 +249,18 @@ class LlamaMLP(nn.Module):
 
 def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
-    ``mlp_only_layers``); Mixtral: every layer."""
+    ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
+    ``moe_layer_start_index`` to ``moe_layer_end_index``."""
     if config.model_type == "mixtral":
         return True
+    if config.model_type == "ernie4_5_moe":
+        end = config.moe_layer_end_index
+        end = config.num_hidden_layers - 1 if end == -1 else end
+        sparse = (layer + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= layer <= end
+        if sparse and _uses_bias(config):
+            raise ValueError("use_bias=True with experts is not supported for model_type='ernie4_5_moe' (the shared "
+                             "experts' biases); load a release without use_bias")
+        return sparse
     if config.model_type not in SPARSE_MODEL_TYPES or not getattr(config, "num_experts", 0):
         return False
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0

@@ -186,6 +186,11 @@ FAMILIES["minimax_m2"] = MoEFamily("scored", "num_local_experts", "intermediate_
 FAMILIES["hy_v3"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",
                               shared_width="moe_intermediate_size", normalized=True, scoring="sigmoid",
                               scaling="router_scaling_factor", shared_count="num_shared_experts")
+# ERNIE 4.5's MoE: softmax scores, the top k of score + correction bias, renormalised, unscaled; shared experts
+# (moe_num_shared_experts of them)
+FAMILIES["ernie4_5_moe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",
+                                     shared_width="moe_intermediate_size", normalized=True, scoring="softmax",
+                                     shared_count="moe_num_shared_experts")
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
@@ -229,6 +234,8 @@ class Router(nn.Module):
         super().__init__()
         self.weight = _param(num_experts, hidden_size)
         self.e_score_correction_bias = _param(num_experts) if correction_bias else None
+        if correction_bias:  # [E]; ERNIE 4.5's releases store it as [1, E]
+            self.e_score_correction_bias.weight_loader = _load_reshaped
         self.bias = _param(num_experts) if bias else None
         # DeepSeek-V4's hash routing: [vocab, k] expert ids per token id
         self.tid2eid = None if hash_table is None else nn.Parameter(torch.zeros(hash_table, dtype=torch.long),
@@ -244,8 +251,9 @@ def _topk_method(config) -> str:
     return method
 
 
-def _load_as_row(param: nn.Parameter, tensor: Any) -> None:
-    """A [1, H] weight from a checkpoint tensor of H values in any shape ([1, H], [H], [1, 1, H])."""
+def _load_reshaped(param: nn.Parameter, tensor: Any) -> None:
+    """A parameter from a checkpoint tensor of as many values in any shape (a [1, H] weight from [1, H], [H],
+    [1, 1, H]; an [E] bias from [1, E])."""
     value = materialize(tensor)
     if value.numel() != param.numel():
         raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} does not fit parameter of shape "
@@ -331,7 +339,7 @@ class SparseMoE(nn.Module):
             self.add_module(family.shared, GatedMLP(h, width, tp, limit))
         if family.shared_gate is not None:  # replicated, as the router is
             gate = Router(1, h, correction_bias=False)
-            gate.weight.weight_loader = _load_as_row  # [1, H]; llama.cpp's GGUFs store it as [H]
+            gate.weight.weight_loader = _load_reshaped  # [1, H]; llama.cpp's GGUFs store it as [H]
             self.add_module(family.shared_gate, gate)
 
     @property

@@ -21,6 +21,7 @@ _ARCHITECTURES = {
     "GraniteForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "SmolLM3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Ernie4_5ForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "SeedOssForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
@@ -56,7 +57,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                "glm4": "Glm4ForCausalLM"}
+                "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
