@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -122,6 +122,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
+    from transformers import Dots1Config, Dots1ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -168,7 +169,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "olmo3": (Olmo3Config, Olmo3ForCausalLM), "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
                           "glm4": (Glm4Config, Glm4ForCausalLM),
-                          "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}[arch]
+                          "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
+                          "dots1": (Dots1Config, Dots1ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -197,7 +199,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4"):
+                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -340,6 +342,17 @@ def tiny_ernie4_5_moe_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_ernie4_5_moe"), "ernie4_5_moe", seed=19, head_dim=24,
                             moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
                             moe_layer_start_index=1, num_hidden_layers=3, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dots1_dir(tmp_path_factory) -> Path:
+    # dots.llm1: Qwen3's attention (q/k norms), a dense first layer, then DeepSeek-V3's experts (two groups, one
+    # shared expert, a correction bias); the last layer's attention a sliding window of 8
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_dots1"), "dots1", seed=20, head_dim=16, num_hidden_layers=3,
+                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                            n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                            routed_scaling_factor=1.5, sliding_window=8, max_window_layers=2,
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,9 @@ differs from the Llama family:
 * **MTP**: the releases carry ``num_nextn_predict_layers`` multi-token-prediction layers after the last decoder
   layer, named as DeepSeek-V3's (``model.layers.{num_hidden_layers}.eh_proj`` ...). The target skips them; the
   ``mtp`` drafter builds their block from this family's attention and experts (:meth:`mtp_layer_parts`).
+
+rednote's dots.llm1 (``Dots1ForCausalLM``) is this class too: Qwen3's attention (no biases, q/k norms always, full
+RoPE) with DeepSeek-V3's experts after ``first_k_dense_replace`` dense layers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 from torch import nn
 
 from specray.models.layers import RMSNorm, RowParallelLinear
-from specray.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.llama import (QK_NORM_MODEL_TYPES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                  LlamaModel)
 from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
 
@@ -38,7 +42,8 @@ class Glm4MoeAttention(LlamaAttention):
         if self.o_proj.bias is not None:
             h, width = config.hidden_size, config.num_attention_heads * self.head_dim
             self.o_proj = RowParallelLinear(width, h, tp, bias=False)
-        qk_norm = bool(getattr(config, "use_qk_norm", False))
+        # (dots.llm1's config has no flag: its heads are always normed, as Qwen3's)
+        qk_norm = bool(getattr(config, "use_qk_norm", False)) or config.model_type in QK_NORM_MODEL_TYPES
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 

@@ -165,6 +165,7 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 # DeepSeek-V3.2's, GLM-5's and GLM-4.7-Flash's experts
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
+FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
 # MiMo-V2-Flash: DeepSeek-V3's router, no shared expert
 FAMILIES["mimo_v2_flash"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size")
 # Hunyuan 4: DeepSeek-V3's router and shared experts; its routed experts' SwiGLU clamped (swiglu_limit > 0)

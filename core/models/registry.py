@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "Mistral4ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "SolarOpenForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
+    "Dots1ForCausalLM": "specray.models.glm4_moe:Glm4MoeForCausalLM",
     "HYV3ForCausalLM": "specray.models.hy_v3:HYV3ForCausalLM",
     "MiMoV2FlashForCausalLM": "specray.models.mimo_v2:MiMoV2FlashForCausalLM",
     "HYV4ForCausalLM": "specray.models.hy_v4:HYV4ForCausalLM",
@@ -57,7 +58,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "llama4_text": "Llama4ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+                "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+                "dots1": "Dots1ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
