@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -122,7 +122,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Olmo3Config, Olmo3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
-    from transformers import Dots1Config, Dots1ForCausalLM
+    from transformers import Dots1Config, Dots1ForCausalLM, Exaone4Config, Exaone4ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -170,7 +170,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
                           "glm4": (Glm4Config, Glm4ForCausalLM),
                           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
-                          "dots1": (Dots1Config, Dots1ForCausalLM)}[arch]
+                          "dots1": (Dots1Config, Dots1ForCausalLM),
+                          "exaone4": (Exaone4Config, Exaone4ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -181,7 +182,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4") and name.endswith("norm.weight")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4") and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
@@ -352,6 +353,15 @@ def tiny_dots1_dir(tmp_path_factory) -> Path:
                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                             n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                             routed_scaling_factor=1.5, sliding_window=8, max_window_layers=2,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_exaone4_dir(tmp_path_factory) -> Path:
+    # EXAONE 4.0: post-norm layers, per-head q/k norms; layers 0-2 slide over 8 tokens with RoPE, layer 3 is global
+    # without RoPE
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_exaone4"), "exaone4", seed=22, head_dim=16,
+                            num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4,
                             tie_word_embeddings=False)
 
 

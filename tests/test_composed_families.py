@@ -8,7 +8,9 @@ layers with sinks and twice the KV heads, each kind's partial RoPE, DeepSeek-V3'
 half, a norm after each block, the release's fused gate_up_proj; TP 2), and ERNIE 4.5's MoE
 (``Ernie4_5_MoeForCausalLM``: ERNIE 4.5's attention, softmax-scored experts picked with a correction bias, shared
 experts, experts from ``moe_layer_start_index``; TP 2), and dots.llm1 (``Dots1ForCausalLM``: Qwen3's attention with a
-sliding window on its last layer and DeepSeek-V3's experts, served by GLM-4.5's class; TP 2): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's greedy output
+sliding window on its last layer and DeepSeek-V3's experts, served by GLM-4.5's class; TP 2), and EXAONE 4.0
+(``Exaone4ForCausalLM``: OLMo 2's post-norm layers around per-head q/k norms, sliding layers with RoPE and a global one
+without; TP 2): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's greedy output
 with n-gram drafts equal to transformers' ``generate``."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import pytest
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
@@ -37,7 +40,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "mimo_v2_flash": ("tiny_mimo_v2_flash_dir", MiMoV2FlashForCausalLM, LlamaMLP),
             "glm4": ("tiny_glm4_dir", Glm4ForCausalLM, LlamaMLP),
             "ernie4_5_moe": ("tiny_ernie4_5_moe_dir", LlamaForCausalLM, LlamaMLP),
-            "dots1": ("tiny_dots1_dir", Glm4MoeForCausalLM, LlamaMLP)}
+            "dots1": ("tiny_dots1_dir", Glm4MoeForCausalLM, LlamaMLP),
+            "exaone4": ("tiny_exaone4_dir", Exaone4ForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -59,7 +63,8 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 
 # every family here and in the newer families' files whose ranks have no check of their own, in one launch per split
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
-                   "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir"),
+                   "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
+                   "tiny_exaone4_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -68,7 +73,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (stages 1: each family's heads, sinks, output groups and experts split) or two
     pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
-    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width)."""
+    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width) and EXAONE
+    4.0."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -62,7 +62,7 @@ _STACKED = {
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4")
 # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM-4's: its attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
@@ -152,7 +152,9 @@ def _uses_bias(config) -> bool:
 
 def _uses_rope(config, layer: int) -> bool:
     """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
-    flag per layer, 1 where the layer uses RoPE)."""
+    flag per layer, 1 where the layer uses RoPE) and EXAONE 4.0's global layers where it has sliding ones."""
+    if config.model_type == "exaone4":
+        return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
     if config.model_type not in NO_ROPE_MODEL_TYPES:
         return True
     flags = config.no_rope_layers
