@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -123,6 +123,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, SeedOssConfig, SeedOssForCausalLM
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
     from transformers import Dots1Config, Dots1ForCausalLM, Exaone4Config, Exaone4ForCausalLM
+    from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -171,7 +172,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "glm4": (Glm4Config, Glm4ForCausalLM),
                           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
                           "dots1": (Dots1Config, Dots1ForCausalLM),
-                          "exaone4": (Exaone4Config, Exaone4ForCausalLM)}[arch]
+                          "exaone4": (Exaone4Config, Exaone4ForCausalLM),
+                          "arcee": (ArceeConfig, ArceeForCausalLM),
+                          "ministral": (MinistralConfig, MinistralForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -186,7 +189,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4") and name.endswith(".bias"):  # zeros at init: random, so they show
+            elif arch in ("ernie4_5", "seed_oss", "glm4") and name.endswith(".bias"):
+                # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.1)
@@ -362,6 +366,21 @@ def tiny_exaone4_dir(tmp_path_factory) -> Path:
     # without RoPE
     return build_tiny_model(tmp_path_factory.mktemp("tiny_exaone4"), "exaone4", seed=22, head_dim=16,
                             num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_arcee_dir(tmp_path_factory) -> Path:
+    # AFM: Llama's attention and a gateless relu^2 MLP
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_arcee"), "arcee", seed=23, head_dim=16,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_ministral_dir(tmp_path_factory) -> Path:
+    # Ministral: a sliding window of 8 on the layers layer_types names (the first), the second global
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_ministral"), "ministral", seed=24, head_dim=16,
+                            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                             tie_word_embeddings=False)
 
 

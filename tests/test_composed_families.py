@@ -1,17 +1,24 @@
-"""Families made of others' parts: GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: DeepSeek-V3's latent attention, RoPE on
-interleaved pairs, and GLM-4.5's experts, each layer's kind named by ``mlp_layer_types``) served by the DeepSeek-V3
-class, and Solar Open (``SolarOpenForCausalLM``: Llama's attention without an o_proj bias, GLM-4.5's experts in every
-layer) by GLM-4.5's, and Hunyuan 3 (``HYV3ForCausalLM``: Qwen3's q/k norms, MiniMax-M2's routing scaled, shared
-experts, the release's own names), and MiMo-V2-Flash (``MiMoV2FlashForCausalLM``: values narrower than keys, sliding
-layers with sinks and twice the KV heads, each kind's partial RoPE, DeepSeek-V3's router without a shared expert, TP
-2), and GLM-4 (``Glm4ForCausalLM``: Llama's layers with q/k/v biases, RoPE on interleaved pairs of each head's first
-half, a norm after each block, the release's fused gate_up_proj; TP 2), and ERNIE 4.5's MoE
-(``Ernie4_5_MoeForCausalLM``: ERNIE 4.5's attention, softmax-scored experts picked with a correction bias, shared
-experts, experts from ``moe_layer_start_index``; TP 2), and dots.llm1 (``Dots1ForCausalLM``: Qwen3's attention with a
-sliding window on its last layer and DeepSeek-V3's experts, served by GLM-4.5's class; TP 2), and EXAONE 4.0
-(``Exaone4ForCausalLM``: OLMo 2's post-norm layers around per-head q/k norms, sliding layers with RoPE and a global one
-without; TP 2): against transformers on the same random tiny weights (fp32, max abs diff < 1e-4), and the engine's greedy output
-with n-gram drafts equal to transformers' ``generate``."""
+"""Families made of others' parts, against transformers on the same random tiny weights (fp32, max abs diff < 1e-4),
+with the engine's greedy output under n-gram drafts equal to transformers' ``generate``, and (TP 2) two ranks equal
+to one:
+
+* GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): DeepSeek-V3's latent attention, RoPE on interleaved pairs and GLM-4.5's
+  experts, each layer's kind named by ``mlp_layer_types``; served by the DeepSeek-V3 class.
+* Solar Open (``SolarOpenForCausalLM``): Llama's attention without an o_proj bias, GLM-4.5's experts in every layer;
+  served by GLM-4.5's class, as is dots.llm1 (``Dots1ForCausalLM``: Qwen3's attention with a sliding window on its
+  last layer, DeepSeek-V3's experts; TP 2).
+* Hunyuan 3 (``HYV3ForCausalLM``): Qwen3's q/k norms, MiniMax-M2's routing scaled, shared experts, its own names.
+* MiMo-V2-Flash (``MiMoV2FlashForCausalLM``): values narrower than keys, sliding layers with sinks and twice the KV
+  heads, each kind's partial RoPE, DeepSeek-V3's router without a shared expert (TP 2).
+* GLM-4 (``Glm4ForCausalLM``): Llama's layers with q/k/v biases, RoPE on interleaved pairs of each head's first half,
+  a norm after each block, the release's fused gate_up_proj (TP 2).
+* ERNIE 4.5's MoE (``Ernie4_5_MoeForCausalLM``): ERNIE 4.5's attention, softmax-scored experts picked with a
+  correction bias, shared experts, experts from ``moe_layer_start_index`` (TP 2).
+* EXAONE 4.0 (``Exaone4ForCausalLM``): OLMo 2's post-norm layers around per-head q/k norms, sliding layers with RoPE
+  and a global one without (TP 2).
+* AFM (``ArceeForCausalLM``): Llama's attention and a gateless relu^2 MLP (TP 2).
+* Ministral (``MinistralForCausalLM``): sliding layers by ``layer_types``.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import sys
 import pytest
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
@@ -41,7 +49,9 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "glm4": ("tiny_glm4_dir", Glm4ForCausalLM, LlamaMLP),
             "ernie4_5_moe": ("tiny_ernie4_5_moe_dir", LlamaForCausalLM, LlamaMLP),
             "dots1": ("tiny_dots1_dir", Glm4MoeForCausalLM, LlamaMLP),
-            "exaone4": ("tiny_exaone4_dir", Exaone4ForCausalLM, LlamaMLP)}
+            "exaone4": ("tiny_exaone4_dir", Exaone4ForCausalLM, LlamaMLP),
+            "arcee": ("tiny_arcee_dir", ArceeForCausalLM, ReluSquaredMLP),
+            "ministral": ("tiny_ministral_dir", LlamaForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -64,7 +74,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 # every family here and in the newer families' files whose ranks have no check of their own, in one launch per split
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
-                   "tiny_exaone4_dir"),
+                   "tiny_exaone4_dir", "tiny_arcee_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -73,8 +83,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (stages 1: each family's heads, sinks, output groups and experts split) or two
     pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
-    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width) and EXAONE
-    4.0."""
+    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0 and
+    AFM."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -25,6 +25,8 @@ _ARCHITECTURES = {
     "SeedOssForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
+    "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
+    "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
@@ -60,7 +62,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                 "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
+                "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
