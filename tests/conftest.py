@@ -101,7 +101,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -124,6 +124,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
     from transformers import Dots1Config, Dots1ForCausalLM, Exaone4Config, Exaone4ForCausalLM
     from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
+    from transformers import Cohere2Config, Cohere2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -174,7 +175,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "dots1": (Dots1Config, Dots1ForCausalLM),
                           "exaone4": (Exaone4Config, Exaone4ForCausalLM),
                           "arcee": (ArceeConfig, ArceeForCausalLM),
-                          "ministral": (MinistralConfig, MinistralForCausalLM)}[arch]
+                          "ministral": (MinistralConfig, MinistralForCausalLM),
+                          "cohere2": (Cohere2Config, Cohere2ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -185,7 +187,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4") and name.endswith("norm.weight")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2") and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
@@ -382,6 +384,15 @@ def tiny_ministral_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_ministral"), "ministral", seed=24, head_dim=16,
                             sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere2_dir(tmp_path_factory) -> Path:
+    # Cohere2: parallel blocks after one bias-free LayerNorm; layers 0-2 slide over 8 tokens with interleaved RoPE,
+    # layer 3 global without RoPE; logits scaled by 0.25
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere2"), "cohere2", seed=25, head_dim=16,
+                            num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4, logit_scale=0.25,
+                            tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

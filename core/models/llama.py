@@ -70,7 +70,7 @@ SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm4")
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm4", "cohere2")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -152,9 +152,12 @@ def _uses_bias(config) -> bool:
 
 def _uses_rope(config, layer: int) -> bool:
     """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
-    flag per layer, 1 where the layer uses RoPE) and EXAONE 4.0's global layers where it has sliding ones."""
+    flag per layer, 1 where the layer uses RoPE), EXAONE 4.0's global layers where it has sliding ones, and
+    Cohere2's global layers (its sliding ones alone use RoPE)."""
     if config.model_type == "exaone4":
         return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
+    if config.model_type == "cohere2":
+        return _sliding_window(config, layer) is not None
     if config.model_type not in NO_ROPE_MODEL_TYPES:
         return True
     flags = config.no_rope_layers
@@ -319,10 +322,15 @@ class LlamaModel(StageModel):
         super().__init__()
         self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
-                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+                         lambda: self.final_norm(config))
         rope = rope_parameters(config, partial=True)
         self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, config.max_position_embeddings)
         self.embedding_multiplier = multiplier(config, "embedding_multiplier")
+
+    @staticmethod
+    def final_norm(config) -> nn.Module:
+        """The norm after the last layer (a family with another kind of norm gives its own)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, H], scaled by Granite's multiplier

@@ -26,6 +26,7 @@ _ARCHITECTURES = {
     "Olmo2ForCausalLM": "specray.models.olmo2:Olmo2ForCausalLM",
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
     "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
+    "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
@@ -63,7 +64,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                 "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM"}
+                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
