@@ -101,7 +101,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
-    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2"}.
+    "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
+    "hunyuan_v1_dense"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -124,7 +125,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Glm4Config, Glm4ForCausalLM
     from transformers import Dots1Config, Dots1ForCausalLM, Exaone4Config, Exaone4ForCausalLM
     from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
-    from transformers import Cohere2Config, Cohere2ForCausalLM
+    from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -176,7 +177,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "exaone4": (Exaone4Config, Exaone4ForCausalLM),
                           "arcee": (ArceeConfig, ArceeForCausalLM),
                           "ministral": (MinistralConfig, MinistralForCausalLM),
-                          "cohere2": (Cohere2Config, Cohere2ForCausalLM)}[arch]
+                          "cohere2": (Cohere2Config, Cohere2ForCausalLM),
+                          "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -187,7 +189,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2") and name.endswith("norm.weight")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense")
+                  and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
@@ -393,6 +396,14 @@ def tiny_cohere2_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere2"), "cohere2", seed=25, head_dim=16,
                             num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4, logit_scale=0.25,
                             tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_v1_dense_dir(tmp_path_factory) -> Path:
+    # Hunyuan (dense): q/k norms after RoPE; RoPE's base stretched by a fixed alpha
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hunyuan_v1_dense"), "hunyuan_v1_dense", seed=26, head_dim=16,
+                            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
+                                             "factor": 1.0}, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

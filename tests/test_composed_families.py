@@ -20,6 +20,7 @@ to one:
 * Ministral (``MinistralForCausalLM``): sliding layers by ``layer_types``.
 * Command R7B / Command A (``Cohere2ForCausalLM``): one bias-free LayerNorm before parallel attention and MLP,
   interleaved RoPE on the sliding layers only, scaled logits, tied embeddings (TP 2).
+* Hunyuan dense (``HunYuanDenseV1ForCausalLM``): q/k norms after RoPE, RoPE's base stretched by a fixed alpha (TP 2).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import pytest
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM
+from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
@@ -55,7 +57,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "exaone4": ("tiny_exaone4_dir", Exaone4ForCausalLM, LlamaMLP),
             "arcee": ("tiny_arcee_dir", ArceeForCausalLM, ReluSquaredMLP),
             "ministral": ("tiny_ministral_dir", LlamaForCausalLM, LlamaMLP),
-            "cohere2": ("tiny_cohere2_dir", Cohere2ForCausalLM, LlamaMLP)}
+            "cohere2": ("tiny_cohere2_dir", Cohere2ForCausalLM, LlamaMLP),
+            "hunyuan_v1_dense": ("tiny_hunyuan_v1_dense_dir", HunYuanDenseV1ForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -78,7 +81,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 # every family here and in the newer families' files whose ranks have no check of their own, in one launch per split
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
-                   "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir"),
+                   "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 

@@ -401,7 +401,8 @@ class RMSNorm(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- rotary
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# ntk_alpha: the base stretched once by a fixed alpha (Hunyuan's "dynamic" with an ``alpha``), whatever the length
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "ntk_alpha")
 _ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first 128k releases name LongRoPE "su"
 
 
@@ -421,6 +422,8 @@ def rope_parameters(config, layer_type: str | None = None, partial: bool = False
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = _ROPE_ALIASES.get(kind, kind)
+    if params["rope_type"] == "dynamic" and params.get("alpha"):
+        params["rope_type"] = "ntk_alpha"
     if params["rope_type"] not in ROPE_TYPES:
         raise ValueError(f"rope_type={params['rope_type']!r} is not supported; supported: {list(ROPE_TYPES)}")
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
@@ -550,6 +553,8 @@ class RotaryEmbedding(nn.Module):
         if kind == "longrope":
             inv_freq, self.attention_scaling = _longrope_inv_freq(p, dim, self.max_position_embeddings)
             return inv_freq
+        if kind == "ntk_alpha":
+            return _base_inv_freq(p["rope_theta"] * p["alpha"] ** (dim / (dim - 2)), dim)
         return _base_inv_freq(p["rope_theta"], dim)  # default; dynamic at or below max_position_embeddings
 
     def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ _ARCHITECTURES = {
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
     "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
@@ -64,7 +65,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                 "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
