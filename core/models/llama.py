@@ -106,6 +106,8 @@ def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:
     """A fused checkpoint's projections (Phi-3's, GLM-4's): its name piece -> the pieces it stacks, with each one's
     rows."""
     fused = FUSED_MODEL_TYPES.get(config.model_type, ())
+    if not fused:  # (nor read the sizes: a heterogeneous config, Gemma 4's, has no global head_dim)
+        return {}
     d, inter = _head_dim(config), config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     pieces = {".qkv_proj.": ((".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)),
