@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
-from specray.models.llama import _STACKED, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from specray.models.layers import ColumnParallelLinear, RowParallelLinear
+from specray.models.llama import _STACKED, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import TPGroup
 
 
@@ -29,13 +29,9 @@ class ReluSquaredMLP(nn.Module):
 
 
 class ArceeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
-        nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, tp, layer)
-        self.mlp = ReluSquaredMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = 1.0
+    @staticmethod
+    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
+        return ReluSquaredMLP(config, tp)
 
 
 class ArceeModel(LlamaModel):

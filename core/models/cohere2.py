@@ -16,7 +16,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.layers import RMSNorm
-from specray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, norm_stream
 from specray.parallel import TPGroup
 
 
@@ -41,10 +41,7 @@ class Cohere2DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, H], the stream being x + residual (added in the next norm) -> both blocks' outputs and the
         # stream they join
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = norm_stream(self.input_layernorm, x, residual)
         return self.self_attn(h, cos, sin, meta) + self.mlp(h), residual
 
 

@@ -7,23 +7,14 @@ RMSNorm over each query and key head (``llama.py``'s flags). Where the config se
 
 from __future__ import annotations
 
-from torch import nn
-
-from specray.models.layers import RMSNorm
-from specray.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from specray.models.llama import LlamaAttention, LlamaModel
 from specray.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM
-from specray.parallel import TPGroup
 
 
 class Exaone4DecoderLayer(Olmo2DecoderLayer):
     """OLMo 2's post-norm layer with Llama's attention (per-head q/k norms, RoPE where the layer uses it)."""
 
-    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
-        nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, tp, layer)
-        self.mlp = LlamaMLP(config, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    attention_class = LlamaAttention
 
 
 class Exaone4Model(LlamaModel):

@@ -10,7 +10,7 @@ import torch
 
 from specray.models.attention import AttentionMetadata
 from specray.models.layers import RMSNorm
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, norm_stream
 from specray.parallel import TPGroup
 
 
@@ -26,10 +26,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, H], the stream being x + residual (added in the next norm) -> the MLP's normed output and
         # the stream before it
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_stream(self.input_layernorm, x, residual)
         x = self.post_self_attn_layernorm(self.self_attn(x, cos, sin, meta))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.post_mlp_layernorm(self.mlp(x)), residual

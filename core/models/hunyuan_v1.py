@@ -6,11 +6,9 @@ RoPE (``query_layernorm``, ``key_layernorm``), and the releases stretch RoPE's b
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from specray.models.attention import AttentionMetadata
 from specray.models.layers import RMSNorm, apply_rotary
-from specray.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import TPGroup
 
 
@@ -34,13 +32,7 @@ class HunYuanAttention(LlamaAttention):
 
 
 class HunYuanDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
-        nn.Module.__init__(self)
-        self.self_attn = HunYuanAttention(config, tp, layer)
-        self.mlp = LlamaMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = 1.0
+    attention_class = HunYuanAttention
 
 
 class HunYuanModel(LlamaModel):

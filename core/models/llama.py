@@ -273,24 +273,34 @@ def _is_sparse(config, layer: int) -> bool:
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
 
 
+def norm_stream(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's input: the stream ``x + residual`` (``x`` alone at the first layer) normed, and the stream."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     residual_multiplier = 1.0  # Granite's (the families built on this layer's forward keep 1)
+    attention_class: type[nn.Module] = LlamaAttention  # (a family with Llama's layer and its own attention: that)
 
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, layer)
-        self.mlp = SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else LlamaMLP(config, tp)
+        self.self_attn = self.attention_class(config, tp, layer)
+        self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = multiplier(config, "residual_multiplier")
 
+    @staticmethod
+    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
+        """Layer ``layer``'s MLP: the experts where the config makes it sparse, else the dense one."""
+        return SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else LlamaMLP(config, tp)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, H]; each block's output joins the residual stream (in the next norm) times the multiplier
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_stream(self.input_layernorm, x, residual)
         x = self.self_attn(x, cos, sin, meta)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier

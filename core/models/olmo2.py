@@ -79,9 +79,11 @@ class Olmo2Attention(LlamaAttention):
 class Olmo2DecoderLayer(nn.Module):
     """A post-norm layer: ``h = h + norm(attn(h))``, ``h = h + norm(mlp(h))``."""
 
+    attention_class: type[nn.Module] = Olmo2Attention  # (EXAONE 4.0's layer: Llama's attention)
+
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
-        self.self_attn = Olmo2Attention(config, tp, layer)
+        self.self_attn = self.attention_class(config, tp, layer)
         self.mlp = LlamaMLP(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
