@@ -29,7 +29,7 @@ bench() { timeout "${BENCH_S:-150}" python "$@" 2>&1 | grep -v "Warning\|Loading
 if [[ $checks == *" suite "* ]]; then
   skip=()
   python -c "import ray" 2>/dev/null || skip=(--ignore=tests/test_cli.py --ignore=tests/test_cluster.py
-    --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py -k "not ray")
+    --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py --ignore=tests/test_openai_app.py -k "not ray")
   timeout "${SUITE_S:-420}" python -m pytest -q -n "${WORKERS:-12}" "${skip[@]}" tests --junitxml="$out/junit.xml" \
     >"$out/tests.log" 2>&1
   echo "suite: rc=$?"

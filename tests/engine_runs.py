@@ -1,7 +1,8 @@
 """What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
 token ids of ``LLM.generate``'s outputs and transformers' greedy ``generate`` of the same prompts, relaxed
-acceptance's check against transformers' logits, and executor wrappers (a recorder of plans and results, a virtual
-clock for engines whose draft policy should not follow this machine's load; a counter of verified trees). Imported
+acceptance's check against transformers' logits, executor wrappers (a recorder of plans and results, a virtual
+clock for engines whose draft policy should not follow this machine's load; a counter of verified trees), and
+whether an engine's model was refused graphs on this GPU. Imported
 as ``specray_test_engine_runs`` (tests/conftest.py registers it)."""
 from __future__ import annotations
 
@@ -150,3 +151,16 @@ class PathCounter(VirtualClock):
         self.last_moved = {rid for rid, path in zip(result.req_ids, paths) if path != list(range(len(path)))}
         self.moved += len(self.last_moved)
         return result
+
+
+def refused_on_this_gpu(llm) -> bool:
+    """Whether this engine's model runs eagerly as its grouped matmul would sync here: never on CPU; on a GPU in the
+    suite's fp32 (or on a compute capability without torch's grouped kernel), with the reason in its refusal."""
+    from specray.models.step_graphs import graph_safe
+
+    worker = llm.engine.executor.worker
+    why = graph_safe(worker.model)
+    if why is None:
+        return False
+    assert worker.device.type == "cuda" and "host" in why and worker.runner.graphs is None, why
+    return True

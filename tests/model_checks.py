@@ -29,14 +29,15 @@ def prompt(seed: int = 0) -> list[int]:
 @torch.no_grad()
 def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0, consecutive: bool = False) -> torch.Tensor:
     """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks (``consecutive``:
-    blocks in order, whose context attention reads as one view) -> logits [L, V]."""
+    blocks in order, whose context attention reads as one view) on the model's device -> logits [L, V] on the CPU."""
+    device = model.device
     allocate_kv_cache(model, 64, BLOCK)
     needed = -(-len(ids) // BLOCK)
     table = list(range(3, 3 + needed)) if consecutive else random.Random(seed).sample(range(64), needed)
     out, start = [], 0
     for n in sizes:
-        meta = build_attention_metadata([n], [start], [table], BLOCK)
-        out.append(model.compute_logits(model(torch.tensor(ids[start: start + n]), meta)))
+        meta = build_attention_metadata([n], [start], [table], BLOCK, device)
+        out.append(model.compute_logits(model(torch.tensor(ids[start: start + n], device=device), meta)).cpu())
         start += n
     return torch.cat(out)
 

@@ -154,8 +154,9 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(family, no_hos
         assert runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) == want
         assert llm.spec_stats.accepted_tokens > 0
     graphs = llm.engine.executor.worker.runner.graphs
-    graph = next(iter(graphs.graphs.values()))  # the second ran from graphs
-    with torch.inference_mode(), no_host_sync():
-        graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
+    if not runs.refused_on_this_gpu(llm):
+        graph = next(iter(graphs.graphs.values()))  # the second ran from graphs
+        with torch.inference_mode(), no_host_sync():
+            graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
     fp8 = LLM(model=str(folder), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
     assert [len(ids) for ids in runs.token_ids(fp8.generate(prompts, runs.greedy(12), use_tqdm=False))] == [12] * 4

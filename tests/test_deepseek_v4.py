@@ -175,6 +175,8 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_
         if spec is NGRAM:
             assert llm.engine.scheduler.prefix_cache_hits > 0
             graphs = llm.engine.executor.worker.runner.graphs
+            if runs.refused_on_this_gpu(llm):
+                continue
             graph = next(iter(graphs.graphs.values()))  # it ran from graphs
             with torch.inference_mode(), no_host_sync():
                 graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records

@@ -466,7 +466,10 @@ def test_graph_steps_equal_eager_steps(tiny_gemma4_dir, no_host_sync):
         for batch in (prompts, prompts[:1]):
             assert runs.token_ids(llm.generate(batch, params, use_tqdm=False)) == want[: len(batch)]
         graphs = llm.engine.executor.worker.runner.graphs
-        assert graphs is not None and graphs.graphs and llm.engine.scheduler.prefix_cache_hits > 0
+        assert llm.engine.scheduler.prefix_cache_hits > 0
+        if runs.refused_on_this_gpu(llm):
+            return
+        assert graphs is not None and graphs.graphs
     _, graph = next(iter(graphs.graphs.items()))
     with torch.inference_mode(), sync_free_experts(), no_host_sync():
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)

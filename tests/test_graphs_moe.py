@@ -14,9 +14,8 @@ import torch
 from specray import LLM
 from specray.models import cpu_kernels
 from specray.models.moe import SparseMoE, grouped_mm_blocker, sync_free_experts
-from specray.models.step_graphs import graph_safe
 from specray.parallel import TPGroup
-from specray_test_engine_runs import greedy, token_ids  # tests/engine_runs.py (registered by conftest)
+from specray_test_engine_runs import greedy, refused_on_this_gpu, token_ids  # tests/engine_runs.py (registered by conftest)
 
 H, I, E = 64, 32, 8
 # one config per router (and GPT-OSS's biases and clamped SwiGLU, Llama-4's weight on the input)
@@ -126,7 +125,7 @@ def _grouped_kernel_here() -> bool:
 @pytest.mark.skipif(not _grouped_kernel_here(), reason="needs a GPU with torch._grouped_mm's bf16 kernel (9.x, 10.x)")
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_the_grouped_path_is_captured_and_replayed_on_a_gpu(model_type):
-    """On a GPU with the grouped kernel (never run yet: written for the first GPU session), in bf16: the block's
+    """On a GPU with the grouped kernel (passed on an H200, 2026-11-27), in bf16: the block's
     forward inside ``sync_free_experts`` is captured in a CUDA graph (a host sync would fail the capture), and
     replays on new inputs to what the eager loop gives them."""
     block = moe_block(model_type).to("cuda", torch.bfloat16)
@@ -155,17 +154,6 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox", "Hello w
            "for i in range(10):", "x"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
-
-
-def refused_on_this_gpu(llm) -> bool:
-    """Whether this engine's model runs eagerly as its grouped matmul would sync here: never on CPU; on a GPU in the
-    suite's fp32 (or on a compute capability without torch's grouped kernel), with the reason in its refusal."""
-    worker = llm.engine.executor.worker
-    why = graph_safe(worker.model)
-    if why is None:
-        return False
-    assert worker.device.type == "cuda" and "host" in why and worker.runner.graphs is None, why
-    return True
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_moe_dir", "tiny_glm4_moe_dir", "tiny_llama4_dir",

@@ -432,7 +432,9 @@ class RecurrentSlots:
     step reads it and writes the other, and :meth:`commit` swaps them once the step succeeded (:meth:`discard` when
     it failed: nothing the step wrote is read). The slot a step replaced keeps the state before it until the request's
     next step writes it, so a retry of that step (a chunk starting before the committed position: the runner ran the
-    step but it failed after, on another rank or in the executor) takes the step back and runs it again."""
+    step but it failed after, on another rank or in the executor) takes the step back and runs it again. Reading one
+    slot and writing the other also makes a step's forward idempotent, which capturing a CUDA graph relies on: a
+    capture runs the step it records three times (two warm-ups, then a replay)."""
 
     def __init__(self, num_slots: int, max_pending: int):
         self.free = list(range(num_slots))  # a heap: the lowest slot first
