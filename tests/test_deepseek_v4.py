@@ -146,6 +146,10 @@ def test_each_part_shows_in_the_logits(v4, mutation):
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
+# the engine's prompts: three of the shared ones and a long one (68 tokens) with no tie at the indexer's pick over
+# its 16 greedy tokens; the shared long ones have one or two, where torch.topk's pick among equal scores is the
+# device's (on an H200 the shared 54-token prompt decoded differently from the CPU's, transformers' too)
+TIE_FREE = "Translate to French: The quick brown fox jumps over the lazy dog. The dog does not move at all."
 
 
 def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_v4_dir, tiny_llama_dir, no_host_sync):
@@ -158,7 +162,7 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_
 
     folder = tiny_deepseek_v4_dir
     runs = sys.modules["specray_test_engine_runs"]
-    prompts = runs.PROMPTS[:4]
+    prompts = runs.PROMPTS[:3] + [TIE_FREE]
     plain = LLM(model=str(folder), max_model_len=256, block_size=4)
     want = runs.token_ids(plain.generate(prompts, runs.greedy(16), use_tqdm=False))
     runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
