@@ -56,6 +56,11 @@ def main() -> None:
                         help="the KV cache (default 256 MiB: the default model's batches; a larger model needs more)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e5m2"),
                         help="fp8: K/V stored one byte each, converted as attention reads them")
+    parser.add_argument("--profile-tokens", type=int, default=None,
+                        help="tokens per request of the profiled run (default --tokens): fewer keep a real-size eager "
+                        "step's profile (every expert's kernels, one host sync per layer) short")
+    parser.add_argument("--top-kernels", type=int, default=0,
+                        help="after each row, the N kernels of the most GPU time per step (on a GPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -65,6 +70,7 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    profile_params = SamplingParams(temperature=0.0, max_tokens=args.profile_tokens or args.tokens, ignore_eos=True)
     header = False
     for mode in args.modes.split(","):
         llm = LLM(model=args.model or default_model_path(), device=args.device, dtype=args.dtype,
@@ -81,11 +87,11 @@ def main() -> None:
             print("| mode | batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | "
                   "tokens/s |\n|---|---|---|---|---|---|---|")
             header = True
-        run_mode(llm, mode, batches, params, args, on_gpu)
+        run_mode(llm, mode, batches, params, profile_params, args, on_gpu)
         llm.shutdown()
 
 
-def run_mode(llm, mode: str, batches: list[int], params, args, on_gpu: bool) -> None:
+def run_mode(llm, mode: str, batches: list[int], params, profile_params, args, on_gpu: bool) -> None:
     for batch in batches:  # a first run per batch captures its graphs (and warms the eager path alike)
         llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params, use_tqdm=False)
     for batch in batches:
@@ -97,15 +103,32 @@ def run_mode(llm, mode: str, batches: list[int], params, args, on_gpu: bool) -> 
             walls.append(time.perf_counter() - start)
         wall = sorted(walls)[len(walls) // 2]
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        steps = profile_params.max_tokens  # one prefill step and steps - 1 decode steps
         with profile(activities=activities) as prof:
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(prompts, profile_params, use_tqdm=False)
         events = prof.events()
-        steps = args.tokens  # one prefill step and tokens - 1 decode steps
         busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3  # ms
         launches = sum(1 for e in events if e.name in LAUNCHES)  # the host's launch calls
         gpu = (f"{busy / steps:.2f}", f"{launches / steps:.0f}") if on_gpu else ("-", "-")
         print(f"| {mode} | {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | "
               f"{top_level_aten(events) / steps:.0f} | {batch * args.tokens / wall:.1f} |", flush=True)
+        if on_gpu and args.top_kernels:
+            print(top_kernels(events, steps, args.top_kernels), flush=True)
+
+
+def top_kernels(events, steps: int, n: int) -> str:
+    """The ``n`` kernels of the most summed GPU time, per step (the prefill's share included), as a note under
+    the row: where a step's GPU time goes."""
+    time_by_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            time_by_name[e.name] = time_by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+            calls[e.name] = calls.get(e.name, 0) + 1
+    total = sum(time_by_name.values()) or 1.0
+    lines = [f"  - {ms / steps:.3f} ms/step ({100 * ms / total:.0f}%), {calls[name] / steps:.1f} calls/step: "
+             f"{name[:100]}" for name, ms in sorted(time_by_name.items(), key=lambda kv: -kv[1])[:n]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

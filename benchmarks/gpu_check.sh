@@ -58,41 +58,33 @@ elif [[ $checks == *" default-model "* ]]; then
 fi
 
 if [[ $checks == *" real-size "* ]]; then
-  # a real size's step times without its checkpoint: Llama 3.1 8B's shapes, random weights (load_format="dummy")
+  # a real size's step times without its checkpoint (load_format="dummy": random weights, shapes of a release)
   models=${DUMMY:-$out}
-  [ -d "$models/llama3-8b" ] || python benchmarks/dummy_model.py --shape llama3-8b --out "$models/llama3-8b"
+  for shape in qwen3-30b-a3b deepseek-v2-lite deepseek-v4-flash-4l llama3-8b; do
+    [ -d "$models/$shape" ] || python benchmarks/dummy_model.py --shape "$shape" --out "$models/$shape"
+  done
   [ -d "$models/llama3-8b-awq" ] || python benchmarks/dummy_model.py --shape llama3-8b --quantization awq \
     --out "$models/llama3-8b-awq"
   step=(benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30))
-    --batches 1,8,64 --tokens 64 --repeats 2)
-  bench "${step[@]}" --model "$models/llama3-8b" --modes graphs | tee "$out/step-llama3-8b.md"
-  # eager steps at batches 1 and 8 (at 64 the profiled eager run outlasted 100 s on an H200)
-  bench "${step[@]/1,8,64/1,8}" --model "$models/llama3-8b" --modes eager | tee "$out/step-llama3-8b-eager.md"
-  # its AWQ release (4 bits in groups of 128) kept in 4 bits: torch's weight-only kernel (tinygemm), bf16
-  bench "${step[@]}" --model "$models/llama3-8b-awq" --modes graphs | tee "$out/step-llama3-8b-awq.md"
-  # the same steps over an FP8 KV cache (kv_cache_dtype="fp8": converted to bf16 as attention reads it)
-  bench "${step[@]}" --model "$models/llama3-8b" --kv-cache-dtype fp8 --modes graphs | tee "$out/step-llama3-8b-fp8.md"
-  # a mixture of experts at a real size (Qwen3-30B-A3B's shapes, 61 GB in bf16: an H200): its decode steps from
-  # graphs (the experts' sync-free grouped path, torch._grouped_mm's bf16 kernel) against eager steps (the loop over
-  # experts, one host sync per layer); the grouped path has never run on a GPU before this
-  [ -d "$models/qwen3-30b-a3b" ] || python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out "$models/qwen3-30b-a3b"
-  bench "${step[@]}" --model "$models/qwen3-30b-a3b" --modes graphs | tee "$out/step-qwen3-30b-a3b.md"
-  bench "${step[@]/1,8,64/1,8}" --model "$models/qwen3-30b-a3b" --modes eager | tee "$out/step-qwen3-30b-a3b-eager.md"
-  # latent attention and experts at a real size (DeepSeek-V2-Lite's shapes, 31 GB in bf16): MLA's absorbed decode and
-  # the grouped experts from graphs against eager steps (both never captured on a GPU before this)
-  [ -d "$models/deepseek-v2-lite" ] || python benchmarks/dummy_model.py --shape deepseek-v2-lite \
-    --out "$models/deepseek-v2-lite"
-  bench "${step[@]}" --model "$models/deepseek-v2-lite" --modes graphs | tee "$out/step-deepseek-v2-lite.md"
-  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v2-lite" --modes eager \
-    | tee "$out/step-deepseek-v2-lite-eager.md"
-  # DeepSeek-V4-Flash's widths over 4 layers (55 GB in bf16): hyper-connections, the compressing layers' windows pooled
-  # for every row on the device, sinks, hash-routed and scored experts, from graphs against eager steps (never run on
-  # a GPU before this; the dummy hash table sends every token to expert 0)
-  [ -d "$models/deepseek-v4-flash-4l" ] || python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l \
-    --out "$models/deepseek-v4-flash-4l"
-  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v4-flash-4l" --modes graphs | tee "$out/step-deepseek-v4.md"
-  bench "${step[@]/1,8,64/1,8}" --model "$models/deepseek-v4-flash-4l" --modes eager \
-    | tee "$out/step-deepseek-v4-eager.md"
+    --tokens 64 --repeats 2)
+  # first, where experts' and latent attention's steps go (the 2026-11-27 run: 4-5x the GPU time their active
+  # weights' bytes allow): Qwen3-30B-A3B (61 GB in bf16: an H200), DeepSeek-V2-Lite (MLA, 31 GB) and
+  # DeepSeek-V4-Flash's widths over 4 layers (55 GB; the dummy hash table sends every token to expert 0) from
+  # graphs, each row with its costliest kernels; then eagerly at batch 1 (one host sync per layer; a short profile)
+  for m in qwen3-30b-a3b:1,8 deepseek-v2-lite:1,64 deepseek-v4-flash-4l:1,8; do
+    bench "${step[@]}" --model "$models/${m%%:*}" --batches "${m#*:}" --modes graphs --top-kernels 8 \
+      | tee "$out/step-${m%%:*}.md"
+  done
+  for m in qwen3-30b-a3b deepseek-v2-lite deepseek-v4-flash-4l; do
+    bench "${step[@]}" --model "$models/$m" --batches 1 --modes eager --profile-tokens 8 | tee "$out/step-$m-eager.md"
+  done
+  # Llama 3.1 8B's shapes (measured 2026-11-27, docs/benchmarks.md): bf16 from graphs and eagerly, its AWQ release
+  # kept in 4 bits (tinygemm), the same steps over an FP8 KV cache (kv_cache_dtype="fp8")
+  bench "${step[@]}" --batches 1,8,64 --model "$models/llama3-8b" --modes graphs | tee "$out/step-llama3-8b.md"
+  bench "${step[@]}" --batches 1,8 --model "$models/llama3-8b" --modes eager | tee "$out/step-llama3-8b-eager.md"
+  bench "${step[@]}" --batches 1,8,64 --model "$models/llama3-8b-awq" --modes graphs | tee "$out/step-llama3-8b-awq.md"
+  bench "${step[@]}" --batches 1,8,64 --model "$models/llama3-8b" --kv-cache-dtype fp8 --modes graphs \
+    | tee "$out/step-llama3-8b-fp8.md"
   # cost curves at that size (n tokens' forward from a CUDA graph) for bench_replay.py --cost-curve, replayed on a
   # CPU afterwards: what drafting and the draft-length policy would buy at that device's costs
   for m in llama3-8b llama3-8b-awq; do

@@ -25,8 +25,9 @@ python benchmarks/dummy_model.py --shape deepseek-v2-lite --out .dummy/deepseek-
 python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l --out .dummy/deepseek-v4-flash-4l >/dev/null
 du -sh .whl .dummy
 cat <<'EOF'
-# the device call (carry: [".whl", ".dummy"]; the suite and the real-size section took about 400 s on an H200 before
-# its MoE and latent-attention rows: over 600 s now, so make it two calls, CHECKS="suite" then CHECKS="real-size"):
+# the device call (carry: [".whl", ".dummy"]). Two calls on one warm machine (it goes back 30 s after a call):
+# CHECKS="suite" (204 s on an H200 with 15 workers, 2026-11-27) then CHECKS="real-size" (experts' rows first; its
+# Llama rows and cost curves after them do not fit the rest of a 15-minute session):
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit; python3 -m pip install -q --no-deps --no-build-isolation \
   --ignore-requires-python -e . >/dev/null 2>&1 || exit 3; CHECKS="suite real-size" DUMMY=.dummy WORKERS=15 \
