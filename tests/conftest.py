@@ -102,7 +102,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -126,6 +126,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Dots1Config, Dots1ForCausalLM, Exaone4Config, Exaone4ForCausalLM
     from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
     from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -178,7 +179,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "arcee": (ArceeConfig, ArceeForCausalLM),
                           "ministral": (MinistralConfig, MinistralForCausalLM),
                           "cohere2": (Cohere2Config, Cohere2ForCausalLM),
-                          "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)}[arch]
+                          "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
+                          "glm": (GlmConfig, GlmForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
+                          "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -187,14 +190,14 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
                               "mlp.router.gate.weight")):
                 param.normal_(0.0, 0.5)
-            elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, w from 0
+            elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4") and name.endswith(".bias"):
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm") and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
@@ -404,6 +407,30 @@ def tiny_hunyuan_v1_dense_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_hunyuan_v1_dense"), "hunyuan_v1_dense", seed=26, head_dim=16,
                             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
                                              "factor": 1.0}, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    # GLM (GLM-4-9B-chat): GLM-4's attention (q/k/v biases, RoPE on interleaved pairs of each head's first half) and
+    # fused gate_up_proj in Llama's layer
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_glm"), "glm", seed=27, head_dim=24, attention_bias=True,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> Path:
+    # Gemma (the first): (1 + w) norms, a scaled embedding, gated GELU (tanh), head_dim apart from hidden / heads,
+    # tied embeddings; the releases' legacy hidden_act
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma"), "gemma", seed=28, head_dim=32, hidden_act="gelu",
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_dir(tmp_path_factory) -> Path:
+    # OLMoE: OLMo 2's q/k norms over all heads, q/k/v clamped at 1.0, experts in every layer (8, top 2, softmax
+    # weights not renormalised)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_olmoe"), "olmoe", seed=29, num_experts=8,
+                            num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.0, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,10 @@ to one:
 * Command R7B / Command A (``Cohere2ForCausalLM``): one bias-free LayerNorm before parallel attention and MLP,
   interleaved RoPE on the sliding layers only, scaled logits, tied embeddings (TP 2).
 * Hunyuan dense (``HunYuanDenseV1ForCausalLM``): q/k norms after RoPE, RoPE's base stretched by a fixed alpha (TP 2).
+* GLM (``GlmForCausalLM``: GLM-4-9B-chat): GLM-4's attention and fused gate_up_proj in Llama's layer.
+* Gemma (``GemmaForCausalLM``): Gemma 3's norms, scaled embedding and gated GELU in a pre-norm layer, every layer
+  global, the releases' legacy ``hidden_act="gelu"`` read as the tanh approximation (TP 2).
+* OLMoE (``OlmoeForCausalLM``): OLMo 2's attention, clamped q/k/v, softmax-routed experts in every layer (TP 2).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
+from specray.models.gemma import GemmaForCausalLM
+from specray.models.gemma3 import Gemma3MLP
+from specray.models.olmoe import OlmoeForCausalLM
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
@@ -58,7 +65,10 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "arcee": ("tiny_arcee_dir", ArceeForCausalLM, ReluSquaredMLP),
             "ministral": ("tiny_ministral_dir", LlamaForCausalLM, LlamaMLP),
             "cohere2": ("tiny_cohere2_dir", Cohere2ForCausalLM, LlamaMLP),
-            "hunyuan_v1_dense": ("tiny_hunyuan_v1_dense_dir", HunYuanDenseV1ForCausalLM, LlamaMLP)}
+            "hunyuan_v1_dense": ("tiny_hunyuan_v1_dense_dir", HunYuanDenseV1ForCausalLM, LlamaMLP),
+            "glm": ("tiny_glm_dir", LlamaForCausalLM, LlamaMLP),
+            "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
+            "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -81,7 +91,8 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 # every family here and in the newer families' files whose ranks have no check of their own, in one launch per split
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
-                   "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir"),
+                   "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
+                   "tiny_gemma_dir", "tiny_olmoe_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -90,8 +101,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (stages 1: each family's heads, sinks, output groups and experts split) or two
     pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
-    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0 and
-    AFM."""
+    of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
+    Command R7B, Hunyuan dense, Gemma and OLMoE (its q/k norms over the ranks, experts split by width)."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -448,11 +448,12 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
 @pytest.mark.parametrize("arch, match", [
     ("deepseek2", rf"general.architecture='deepseek2' \(DeepSeek-V3 / R1\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
+    ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               r"\['gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
-    """A GGUF transformers has no mapping for -- DeepSeek-V3's and Llama-4's (families we serve from their HF
+    """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF
     checkpoints only), or one of a family we do not serve at all -- is refused by ``LLM(model="x.gguf")`` up front
     with the architecture and the way out, before transformers reads it (its own error names neither fix)."""
     import transformers

@@ -62,8 +62,8 @@ class Gemma3Attention(nn.Module):
         head_dim = attention_projections(self, config, tp)
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps) if self.qk_norm else None
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps) if self.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj),
-                                   config.query_pre_attn_scalar ** -0.5, softcap)
+        scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim  # Gemma 1 has none: head_dim's
+        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), scalar ** -0.5, softcap)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
@@ -83,9 +83,13 @@ class Gemma3MLP(nn.Module):
     """Gated GELU (tanh) of width ``intermediate_size`` (the config's unless given: Gemma 4's double-wide layers)
     split over ``tp``."""
 
+    legacy_gelu = False  # whether "gelu" means the tanh approximation (Gemma 1's first releases, as transformers reads)
+
     def __init__(self, config, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
+        if act == "gelu" and self.legacy_gelu:
+            act = "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation={act!r} is not supported; Gemma 2, 3 and 4 use 'gelu_pytorch_tanh'")
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
@@ -130,9 +134,10 @@ class Gemma3Model(StageModel):
         self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does
         head_dim = _head_dim(config)
         # one RoPE per kind of layer (a config with one for all layers, Gemma 2's, gives each kind the same)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"]  # Gemma 1: every layer global
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim, rope_parameters(config, kind),
                                                            config.max_position_embeddings)
-                                     for kind in sorted(set(config.layer_types))})
+                                     for kind in sorted(set(kinds))})
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -7,7 +7,8 @@ sliding-window layers (Mistral and Phi-3 ``sliding_window``, Qwen2 and Qwen3 ``l
 (SmolLM3's ``no_rope_layers``), tied embeddings, RoPE
 scaling (Phi-3's LongRoPE) and partial RoPE (Phi-4-mini), RoPE on interleaved pairs and ``use_bias`` on every
 projection (ERNIE 4.5), Seed-OSS's q/k/v biases without an o_proj one (``attention_out_bias``), checkpoint layouts
-(Phi-3's fused q/k/v and gate/up), and
+(Phi-3's fused q/k/v and gate/up; GLM's gate/up: GLM-4-9B-chat, ``GlmForCausalLM``, whose q/k/v biases and RoPE on
+interleaved pairs of each head's first half are GLM-4's without its extra norms), and
 Granite's multipliers (``embedding_multiplier``, ``attention_multiplier`` as the attention's scale,
 ``residual_multiplier`` on each block's output before it joins the residual stream, ``logits_scaling`` dividing the
 logits).
@@ -63,14 +64,14 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4")
-# q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM-4's: its attention_bias)
-QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm4")
+# q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm4", "cohere2")
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere2")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -92,8 +93,9 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 
 
 # checkpoints storing projections fused: q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3), or gate/up
-# alone (GLM-4)
-FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm4": (".gate_up_proj.",)}
+# alone (GLM, GLM-4)
+FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
+                     "glm4": (".gate_up_proj.",)}
 SCALED_MODEL_TYPES = ("granite",)  # Granite's multipliers (module docstring)
 
 

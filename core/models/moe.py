@@ -142,6 +142,7 @@ FAMILIES = {
     "qwen2_moe": MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                            shared_width="shared_expert_intermediate_size", shared_gate="shared_expert_gate"),
     "mixtral": MoEFamily("softmax", "num_local_experts", "intermediate_size", normalized=True),
+    "olmoe": MoEFamily("softmax", "num_experts", "intermediate_size"),
     "deepseek_v3": MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size", shared="shared_experts",
                              shared_width="moe_intermediate_size"),
     # GLM-4.5's experts are DeepSeek-V3's: the same router, names and shared experts

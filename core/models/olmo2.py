@@ -39,6 +39,9 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = self._norm_weight(q_size, tp.rank * q_size)
         self.k_norm = self._norm_weight(kv_size, self.qkv_proj.kv_head_start * head_dim)
         self.widths = (config.num_attention_heads * head_dim, kv * head_dim)  # each norm's whole width
+        self.clip = getattr(config, "clip_qkv", None)  # OLMoE's: q and k (normed) and v clamped to +-clip
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip_qkv={self.clip} must be a positive number, or null for no clamp")
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim**-0.5)
 
     @staticmethod
@@ -69,6 +72,8 @@ class Olmo2Attention(LlamaAttention):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q, k = self._normed(q, k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         qk = apply_rotary(torch.cat((q.view(t, self.num_heads, self.head_dim),
                                      k.view(t, self.num_kv_heads, self.head_dim)), dim=1), cos, sin)
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads:], v.view(t, self.num_kv_heads, self.head_dim),
