@@ -102,7 +102,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense", "glm", "gemma", "olmoe"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -127,6 +127,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
     from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -181,7 +182,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "cohere2": (Cohere2Config, Cohere2ForCausalLM),
                           "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
                           "glm": (GlmConfig, GlmForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
-                          "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[arch]
+                          "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+                          "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -192,12 +194,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm") and name.endswith(".bias"):
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2") and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
@@ -431,6 +433,13 @@ def tiny_olmoe_dir(tmp_path_factory) -> Path:
     # weights not renormalised)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_olmoe"), "olmoe", seed=29, num_experts=8,
                             num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_starcoder2_dir(tmp_path_factory) -> Path:
+    # StarCoder2: LayerNorms and projections with biases, a gateless GELU (tanh) MLP, every layer sliding over 8
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_starcoder2"), "starcoder2", seed=30, sliding_window=8,
+                            norm_epsilon=1e-5, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

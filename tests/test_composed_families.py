@@ -25,6 +25,8 @@ to one:
 * Gemma (``GemmaForCausalLM``): Gemma 3's norms, scaled embedding and gated GELU in a pre-norm layer, every layer
   global, the releases' legacy ``hidden_act="gelu"`` read as the tanh approximation (TP 2).
 * OLMoE (``OlmoeForCausalLM``): OLMo 2's attention, clamped q/k/v, softmax-routed experts in every layer (TP 2).
+* StarCoder2 (``Starcoder2ForCausalLM``): LayerNorms with biases, biased projections, a gateless GELU MLP, every
+  layer sliding (TP 2).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
 from specray.models.gemma3 import Gemma3MLP
 from specray.models.olmoe import OlmoeForCausalLM
+from specray.models.starcoder2 import Starcoder2ForCausalLM, Starcoder2MLP
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
@@ -68,7 +71,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "hunyuan_v1_dense": ("tiny_hunyuan_v1_dense_dir", HunYuanDenseV1ForCausalLM, LlamaMLP),
             "glm": ("tiny_glm_dir", LlamaForCausalLM, LlamaMLP),
             "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
-            "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE)}
+            "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
+            "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -92,7 +96,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
-                   "tiny_gemma_dir", "tiny_olmoe_dir"),
+                   "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -102,7 +106,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
-    Command R7B, Hunyuan dense, Gemma and OLMoE (its q/k norms over the ranks, experts split by width)."""
+    Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width) and StarCoder2
+    (its biases added once)."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -467,7 +467,7 @@ def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeyp
     path = write_bare_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     with pytest.raises(ValueError, match=match):
         LLM(model=str(path))
-    assert not any((gguf_cache / "gguf").glob(f"*{arch}*"))  # no conversion, not even a partial one, left behind
+    assert not any((gguf_cache / "gguf").glob(f"tiny-{arch}-*"))  # no conversion, not even a partial one, left
 
 
 def test_gguf_of_mixtral_s_first_layout_fails_early(tmp_path, gguf_cache, monkeypatch):

@@ -11,21 +11,12 @@ Llama:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.layers import RMSNorm
+from specray.models.layers import LayerNorm
 from specray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, norm_stream
 from specray.parallel import TPGroup
-
-
-class LayerNormNoBias(RMSNorm):
-    """LayerNorm with a weight and no bias, in float32; with ``residual``, as :class:`RMSNorm` (adds it first)."""
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
-        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
 
 
 class Cohere2DecoderLayer(nn.Module):
@@ -35,7 +26,7 @@ class Cohere2DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, layer)
         self.mlp = LlamaMLP(config, tp)
-        self.input_layernorm = LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +41,7 @@ class Cohere2Model(LlamaModel):
 
     @staticmethod
     def final_norm(config) -> nn.Module:
-        return LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
+        return LayerNorm(config.hidden_size, config.layer_norm_eps, bias=False)
 
 
 class Cohere2ForCausalLM(LlamaForCausalLM):

@@ -399,6 +399,20 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class LayerNorm(RMSNorm):
+    """LayerNorm (mean-centred) in float32, with a weight and, where ``bias``, a bias; with ``residual``, as
+    :class:`RMSNorm` (adds it first)."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+        super().__init__(hidden_size, eps)
+        self.bias = _param(hidden_size) if bias else None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------- rotary
 
 # ntk_alpha: the base stretched once by a fixed alpha (Hunyuan's "dynamic" with an ``alpha``), whatever the length

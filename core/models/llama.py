@@ -68,8 +68,8 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
-# one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5)
-USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")
+# one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
+USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
 INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere2")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
@@ -150,7 +150,7 @@ def _sliding_window(config, layer: int) -> int | None:
 
 
 def _uses_bias(config) -> bool:
-    """ERNIE 4.5's ``use_bias``: a bias on every projection of every layer."""
+    """ERNIE 4.5's and StarCoder2's ``use_bias``: a bias on every projection of every layer."""
     return config.model_type in USE_BIAS_MODEL_TYPES and bool(getattr(config, "use_bias", False))
 
 
@@ -290,9 +290,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_class(config, tp, layer)
         self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.build_norm(config)
+        self.post_attention_layernorm = self.build_norm(config)
         self.residual_multiplier = multiplier(config, "residual_multiplier")
+
+    @staticmethod
+    def build_norm(config) -> nn.Module:
+        """The norm before each block (a family with another kind of norm gives its own)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @staticmethod
     def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:

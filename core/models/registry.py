@@ -28,6 +28,7 @@ _ARCHITECTURES = {
     "GlmForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
     "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
+    "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
@@ -69,7 +70,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                "arcee": "ArceeForCausalLM", "ministral": "MinistralForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
+                "cohere2": "Cohere2ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
 
 
