@@ -102,7 +102,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -127,7 +127,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import ArceeConfig, ArceeForCausalLM, MinistralConfig, MinistralForCausalLM
     from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
-    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+    from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -183,7 +183,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
                           "glm": (GlmConfig, GlmForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
                           "olmoe": (OlmoeConfig, OlmoeForCausalLM),
-                          "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM)}[arch]
+                          "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
+                          "ministral3": (Ministral3Config, Ministral3ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -440,6 +441,18 @@ def tiny_starcoder2_dir(tmp_path_factory) -> Path:
     # StarCoder2: LayerNorms and projections with biases, a gateless GELU (tanh) MLP, every layer sliding over 8
     return build_tiny_model(tmp_path_factory.mktemp("tiny_starcoder2"), "starcoder2", seed=30, sliding_window=8,
                             norm_epsilon=1e-5, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_ministral3_dir(tmp_path_factory) -> Path:
+    # Ministral 3: Mistral's layers, YaRN (the release's mscales), queries scaled by position from a pretrained
+    # length of 8, so the prompts' positions reach several steps of it
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_ministral3"), "ministral3", seed=31, head_dim=16,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                             "llama_4_scaling_beta": 0.5},
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ to one:
 * OLMoE (``OlmoeForCausalLM``): OLMo 2's attention, clamped q/k/v, softmax-routed experts in every layer (TP 2).
 * StarCoder2 (``Starcoder2ForCausalLM``): LayerNorms with biases, biased projections, a gateless GELU MLP, every
   layer sliding (TP 2).
+* Ministral 3 (``Ministral3ForCausalLM``): Mistral's layers, YaRN, queries scaled by position (as Mistral 4's).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "glm": ("tiny_glm_dir", LlamaForCausalLM, LlamaMLP),
             "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
             "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
-            "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP)}
+            "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP),
+            "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -57,7 +57,7 @@ from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import MLAAttentionSpec
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                    VocabParallelEmbedding, _yarn_mscale, apply_rotary, divide,
-                                   rope_parameters)
+                                   position_query_scaling, rope_parameters, scale_queries)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -324,10 +324,7 @@ class MLAttention(nn.Module):
         spec = MLAAttentionSpec(self.rank, self.rope, 0 if self.indexer is None else self.indexer.dim)
         self.attn = LatentAttention(self.num_heads, spec, _yarn_softmax_scale(config), self.nope, self.v_dim,
                                     config.index_topk if sparse else 0, shared)
-        # Mistral 4's queries scaled by 1 + beta * ln(1 + floor(position / original_max_position_embeddings))
-        params = rope_parameters(config, partial=True)
-        self.query_scaling = (None if params.get("llama_4_scaling_beta") is None else
-                              (float(params["llama_4_scaling_beta"]), int(params["original_max_position_embeddings"])))
+        self.query_scaling = position_query_scaling(config)  # Mistral 4's queries scaled by position
 
     def _deinterleave(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleave else x
@@ -343,8 +340,7 @@ class MLAttention(nn.Module):
         q_latent = None if self.q_a_proj is None else self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         if self.query_scaling is not None:
-            beta, original = self.query_scaling
-            q = q * (1 + beta * torch.log1p(torch.floor(meta.positions / original)))[:, None].to(q.dtype)
+            q = scale_queries(q, meta.positions, self.query_scaling)
         q_nope, q_rot = q.view(t, hl, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]

@@ -415,6 +415,22 @@ class LayerNorm(RMSNorm):
 
 # ---------------------------------------------------------------------------------------------- rotary
 
+
+def position_query_scaling(config) -> tuple[float, int] | None:
+    """(beta, L0) where the config scales queries by position (``rope_parameters``' ``llama_4_scaling_beta`` and
+    ``original_max_position_embeddings``: Mistral 4, Ministral 3), else None."""
+    params = rope_parameters(config, partial=True)
+    if params.get("llama_4_scaling_beta") is None:
+        return None
+    return float(params["llama_4_scaling_beta"]), int(params["original_max_position_embeddings"])
+
+
+def scale_queries(q: torch.Tensor, positions: torch.Tensor, scaling: tuple[float, int]) -> torch.Tensor:
+    """q [T, ...] times ``1 + beta ln(1 + floor(p / L0))`` at each row's position p [T]."""
+    beta, original = scaling
+    scale = 1 + beta * torch.log1p(torch.floor(positions / original))
+    return q * scale.view(-1, *[1] * (q.dim() - 1)).to(q.dtype)
+
 # ntk_alpha: the base stretched once by a fixed alpha (Hunyuan's "dynamic" with an ``alpha``), whatever the length
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "ntk_alpha")
 _ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first 128k releases name LongRoPE "su"

@@ -42,8 +42,10 @@ from specray.models.layers import (
     materialize,
     on_stage,
     other_stage_prefixes,
+    position_query_scaling,
     rope_parameters,
     rotary_dim,
+    scale_queries,
 )
 from specray.parallel import PPGroup, TPGroup
 
@@ -220,6 +222,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), scale)
         self.use_rope = _uses_rope(config, layer)
         self.interleaved_rope = config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
+        self.query_scaling = position_query_scaling(config)  # Ministral 3's queries scaled by position
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -236,6 +239,8 @@ class LlamaAttention(nn.Module):
                 qk = torch.cat((qk[..., 0:r:2], qk[..., 1:r:2], qk[..., r:]), dim=-1)
             qk = apply_rotary(qk, cos, sin)  # rotate q and k in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.query_scaling is not None:
+            q = scale_queries(q, meta.positions, self.query_scaling)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 

@@ -32,6 +32,7 @@ _ARCHITECTURES = {
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "Ministral3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
@@ -71,7 +72,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
-                "cohere2": "Cohere2ForCausalLM",
+                "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
 
 
