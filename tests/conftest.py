@@ -102,7 +102,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -128,6 +128,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
+    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -184,7 +185,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "glm": (GlmConfig, GlmForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
                           "olmoe": (OlmoeConfig, OlmoeForCausalLM),
                           "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
-                          "ministral3": (Ministral3Config, Ministral3ForCausalLM)}[arch]
+                          "ministral3": (Ministral3Config, Ministral3ForCausalLM),
+                          "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -215,7 +217,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # zeros or ones at first
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
-                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1"):
+                    "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.1)
@@ -453,6 +455,17 @@ def tiny_ministral3_dir(tmp_path_factory) -> Path:
                                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                              "llama_4_scaling_beta": 0.5},
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_exaone_moe_dir(tmp_path_factory) -> Path:
+    # K-EXAONE: pre-norm layers with per-head q/k norms; layers 0-2 slide over 8 tokens with RoPE, layer 3 global
+    # without; a dense first layer, then DeepSeek-V3's experts (two groups, a shared expert, a correction bias)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_exaone_moe"), "exaone_moe", seed=32, head_dim=16,
+                            num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4,
+                            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, n_group=2,
+                            topk_group=1, routed_scaling_factor=1.5, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ to one:
 * StarCoder2 (``Starcoder2ForCausalLM``): LayerNorms with biases, biased projections, a gateless GELU MLP, every
   layer sliding (TP 2).
 * Ministral 3 (``Ministral3ForCausalLM``): Mistral's layers, YaRN, queries scaled by position (as Mistral 4's).
+* K-EXAONE (``ExaoneMoeForCausalLM``): Llama's pre-norm layers with per-head q/k norms, RoPE on the sliding layers
+  alone, dense or DeepSeek-V3's experts by ``mlp_layer_types`` (TP 2).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
             "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
             "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP),
-            "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP)}
+            "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
+            "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -98,7 +101,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
-                   "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir"),
+                   "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -108,8 +111,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
-    Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width) and StarCoder2
-    (its biases added once)."""
+    Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
+    biases added once) and K-EXAONE."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -65,7 +65,8 @@ _STACKED = {
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
+                       "exaone_moe")
 # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
@@ -84,6 +85,8 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+# K-EXAONE's release (and transformers' save): the router's correction bias on the block
+_CHECKPOINT_NAMES["exaone_moe"] = ((re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # ERNIE 4.5's MoE release: the router's correction bias in moe_statics (transformers: under the gate)
 _CHECKPOINT_NAMES["ernie4_5_moe"] = (
     (re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
@@ -158,9 +161,9 @@ def _uses_bias(config) -> bool:
 
 def _uses_rope(config, layer: int) -> bool:
     """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
-    flag per layer, 1 where the layer uses RoPE), EXAONE 4.0's global layers where it has sliding ones, and
-    Cohere2's global layers (its sliding ones alone use RoPE)."""
-    if config.model_type == "exaone4":
+    flag per layer, 1 where the layer uses RoPE), EXAONE 4.0's and K-EXAONE's global layers where they have sliding
+    ones, and Cohere2's global layers (its sliding ones alone use RoPE)."""
+    if config.model_type in ("exaone4", "exaone_moe"):
         return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
     if config.model_type == "cohere2":
         return _sliding_window(config, layer) is not None
@@ -264,9 +267,11 @@ class LlamaMLP(nn.Module):
 def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
     ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
-    ``moe_layer_start_index`` to ``moe_layer_end_index``."""
+    ``moe_layer_start_index`` to ``moe_layer_end_index``; K-EXAONE: the layers ``mlp_layer_types`` names "sparse"."""
     if config.model_type == "mixtral":
         return True
+    if config.model_type == "exaone_moe":
+        return config.mlp_layer_types[layer] == "sparse"
     if config.model_type == "ernie4_5_moe":
         end = config.moe_layer_end_index
         end = config.num_hidden_layers - 1 if end == -1 else end

@@ -167,6 +167,9 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
+# K-EXAONE: DeepSeek-V3's router and shared experts, counted by num_experts and num_shared_experts
+FAMILIES["exaone_moe"] = MoEFamily("grouped_sigmoid", "num_experts", "moe_intermediate_size", shared="shared_experts",
+                                   shared_width="moe_intermediate_size", shared_count="num_shared_experts")
 # MiMo-V2-Flash: DeepSeek-V3's router, no shared expert
 FAMILIES["mimo_v2_flash"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size")
 # Hunyuan 4: DeepSeek-V3's router and shared experts; its routed experts' SwiGLU clamped (swiglu_limit > 0)

@@ -34,6 +34,7 @@ _ARCHITECTURES = {
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Ministral3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
+    "ExaoneMoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
@@ -70,7 +71,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "olmo2": "Olmo2ForCausalLM", "olmoe": "OlmoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "olmo3": "Olmo3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+                "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
