@@ -86,7 +86,8 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # K-EXAONE's release (and transformers' save): the router's correction bias on the block
-_CHECKPOINT_NAMES["exaone_moe"] = ((re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+_CHECKPOINT_NAMES["exaone_moe"] = (
+    (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # ERNIE 4.5's MoE release: the router's correction bias in moe_statics (transformers: under the gate)
 _CHECKPOINT_NAMES["ernie4_5_moe"] = (
     (re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
