@@ -102,7 +102,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -128,7 +128,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Cohere2Config, Cohere2ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
-    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
+    from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -186,18 +186,20 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "olmoe": (OlmoeConfig, OlmoeForCausalLM),
                           "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                           "ministral3": (Ministral3Config, Ministral3ForCausalLM),
-                          "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM)}[arch]
+                          "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM),
+                          "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
-                              "mlp.router.gate.weight")):
+                              "mlp.router.gate.weight", "mlp.gate.wg.weight")):
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
-            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2")
+            elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
+                           "hunyuan_v1_moe")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -466,6 +468,16 @@ def tiny_exaone_moe_dir(tmp_path_factory) -> Path:
                             mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=8,
                             num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, n_group=2,
                             topk_group=1, routed_scaling_factor=1.5, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_v1_moe_dir(tmp_path_factory) -> Path:
+    # Hunyuan's MoE: Hunyuan dense's attention (q/k norms after RoPE, alpha-stretched RoPE), experts in every layer
+    # (8, top 2, renormalised) beside a shared MLP
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hunyuan_v1_moe"), "hunyuan_v1_moe", seed=33, head_dim=16,
+                            num_experts=8, moe_topk=2, intermediate_size=32,
+                            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
+                                             "factor": 1.0}, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

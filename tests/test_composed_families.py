@@ -30,6 +30,8 @@ to one:
 * Ministral 3 (``Ministral3ForCausalLM``): Mistral's layers, YaRN, queries scaled by position (as Mistral 4's).
 * K-EXAONE (``ExaoneMoeForCausalLM``): Llama's pre-norm layers with per-head q/k norms, RoPE on the sliding layers
   alone, dense or DeepSeek-V3's experts by ``mlp_layer_types`` (TP 2).
+* Hunyuan's MoE (``HunYuanMoEV1ForCausalLM``): Hunyuan dense's attention, softmax-routed experts beside a shared MLP
+  in every layer, the router under its release's name (TP 2).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import pytest
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM
-from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM
+from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
 from specray.models.gemma3 import Gemma3MLP
@@ -77,7 +79,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
             "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP),
             "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
-            "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP)}
+            "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP),
+            "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -101,7 +104,8 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_dir", "tiny_mistral4_dir",
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
-                   "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir"),
+                   "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
+                   "tiny_hunyuan_v1_moe_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -112,8 +116,25 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once) and K-EXAONE."""
+    biases added once), K-EXAONE and Hunyuan's MoE."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
     assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+
+
+def test_hunyuan_moe_reads_per_layer_lists_that_agree(tiny_hunyuan_v1_moe_dir):
+    """Hunyuan's MoE release writes some counts per layer: where every layer agrees they are read (the same logits as
+    one value); where layers differ the model is refused by name (transformers' class keeps one value)."""
+    from specray.models.loader import read_config
+
+    folder = tiny_hunyuan_v1_moe_dir
+    config = read_config(str(folder))
+    layers = config.num_hidden_layers
+    config.num_experts, config.moe_topk = [8] * layers, [2] * layers
+    config.moe_intermediate_size = [config.intermediate_size] * layers
+    model = load_model(str(folder), config=config)
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["prefill"]), reference_logits(folder)) < TOL
+    config.moe_topk = [2] + [1] * (layers - 1)
+    with pytest.raises(ValueError, match=r"moe_topk=\[2, 1\] is not supported for model_type='hunyuan_v1_moe'"):
+        load_model(str(folder), config=config)

@@ -85,6 +85,8 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+# Hunyuan-A13B's router: gate.wg
+_CHECKPOINT_NAMES["hunyuan_v1_moe"] = ((re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),)
 # K-EXAONE's release (and transformers' save): the router's correction bias on the block
 _CHECKPOINT_NAMES["exaone_moe"] = (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)

@@ -167,6 +167,9 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
+# Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
+FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
+                                       shared_width="intermediate_size", top_k="moe_topk", normalized=True)
 # K-EXAONE: DeepSeek-V3's router and shared experts, counted by num_experts and num_shared_experts
 FAMILIES["exaone_moe"] = MoEFamily("grouped_sigmoid", "num_experts", "moe_intermediate_size", shared="shared_experts",
                                    shared_width="moe_intermediate_size", shared_count="num_shared_experts")

@@ -31,6 +31,7 @@ _ARCHITECTURES = {
     "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanMoEV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Ministral3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
@@ -74,7 +75,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
-                "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"}
+                "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
