@@ -204,6 +204,7 @@ def attention_projections(module: nn.Module, config, tp: TPGroup) -> int:
 class LlamaAttention(nn.Module):
     use_rope = True  # whether q and k are rotated (SmolLM3's NoPE layers: not; subclasses building their own keep it)
     interleaved_rope = False  # whether RoPE rotates the pairs (0, 1), (2, 3), ... (ERNIE 4.5), else the two halves
+    query_scaling: tuple[float, int] | None = None  # (beta, L0): queries scaled by position (Ministral 3)
 
     def __init__(self, config, tp: TPGroup, layer: int, input_size: int | None = None):
         # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)
