@@ -102,7 +102,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
-    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe"}.
+    "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
+    "nemotron"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -129,6 +130,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
     from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+    from transformers import NemotronConfig, NemotronForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -187,7 +189,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                           "ministral3": (Ministral3Config, Ministral3ForCausalLM),
                           "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM),
-                          "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM)}[arch]
+                          "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM),
+                          "nemotron": (NemotronConfig, NemotronForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -199,12 +202,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe")
+                           "hunyuan_v1_moe", "nemotron")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2") and name.endswith(".bias"):
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron") and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
@@ -478,6 +481,15 @@ def tiny_hunyuan_v1_moe_dir(tmp_path_factory) -> Path:
                             num_experts=8, moe_topk=2, intermediate_size=32,
                             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
                                              "factor": 1.0}, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_dir(tmp_path_factory) -> Path:
+    # Nemotron: LayerNorm1P (1 + w, a bias) norms, a gateless relu^2 MLP, RoPE on half of each head, biased attention
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_nemotron"), "nemotron", seed=34, head_dim=16,
+                            attention_bias=True, norm_eps=1e-5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5}, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ to one:
   alone, dense or DeepSeek-V3's experts by ``mlp_layer_types`` (TP 2).
 * Hunyuan's MoE (``HunYuanMoEV1ForCausalLM``): Hunyuan dense's attention, softmax-routed experts beside a shared MLP
   in every layer, the router under its release's name (TP 2).
+* Nemotron (``NemotronForCausalLM``): LayerNorm1P norms, AFM's gateless relu^2 MLP, RoPE on half of each head (TP 2).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1For
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
 from specray.models.gemma3 import Gemma3MLP
+from specray.models.nemotron import NemotronForCausalLM
 from specray.models.olmoe import OlmoeForCausalLM
 from specray.models.starcoder2 import Starcoder2ForCausalLM, Starcoder2MLP
 from specray.models.glm4 import Glm4ForCausalLM
@@ -80,7 +82,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP),
             "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
             "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP),
-            "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE)}
+            "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE),
+            "nemotron": ("tiny_nemotron_dir", NemotronForCausalLM, ReluSquaredMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -105,7 +108,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
-                   "tiny_hunyuan_v1_moe_dir"),
+                   "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -116,7 +119,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE and Hunyuan's MoE."""
+    biases added once), K-EXAONE, Hunyuan's MoE and Nemotron."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

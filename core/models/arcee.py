@@ -18,7 +18,8 @@ class ReluSquaredMLP(nn.Module):
     def __init__(self, config, tp: TPGroup):
         super().__init__()
         if config.hidden_act != "relu2":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for model_type='arcee'; 'relu2' is")
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for "
+                             f"model_type={config.model_type!r}; 'relu2' is")
         bias = bool(getattr(config, "mlp_bias", False))
         self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, tp, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=bias)

@@ -400,17 +400,19 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(RMSNorm):
-    """LayerNorm (mean-centred) in float32, with a weight and, where ``bias``, a bias; with ``residual``, as
-    :class:`RMSNorm` (adds it first)."""
+    """LayerNorm (mean-centred) in float32, with a weight and, where ``bias``, a bias; ``unit_offset``: scaling by
+    ``1 + weight`` (Nemotron's LayerNorm1P); with ``residual``, as :class:`RMSNorm` (adds it first)."""
 
-    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True, unit_offset: bool = False):
         super().__init__(hidden_size, eps)
         self.bias = _param(hidden_size) if bias else None
+        self.unit_offset = unit_offset
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
+        weight = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
+        return F.layer_norm(x.float(), self.weight.shape, weight, bias, self.eps).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- rotary

@@ -29,6 +29,7 @@ _ARCHITECTURES = {
     "Glm4ForCausalLM": "specray.models.glm4:Glm4ForCausalLM",
     "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
     "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
+    "NemotronForCausalLM": "specray.models.nemotron:NemotronForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "HunYuanMoEV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanMoEV1ForCausalLM",
@@ -74,7 +75,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
-                "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
+                "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM", "nemotron": "NemotronForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
