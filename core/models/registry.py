@@ -75,7 +75,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
-                "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM", "nemotron": "NemotronForCausalLM",
+                "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
+                "nemotron": "NemotronForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
