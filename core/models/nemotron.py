@@ -1,8 +1,7 @@
 """NVIDIA's Nemotron (``NemotronForCausalLM``: Nemotron-4, Minitron), on the Llama plumbing
 (:mod:`specray.models.llama`: partial RoPE from ``partial_rotary_factor``, ``attention_bias``). Where it differs from
-Llama: LayerNorms with biases
-that scale by ``1 + weight`` (``LayerNorm1P``, before each block and after the last layer) and AFM's gateless MLP
-``down(relu(up(x))^2)`` (:class:`~specray.models.arcee.ReluSquaredMLP`)."""
+Llama: LayerNorms with biases that scale by ``1 + weight`` (``LayerNorm1P``, before each block and after the last
+layer) and AFM's gateless MLP ``down(relu(up(x))^2)`` (:class:`~specray.models.arcee.ReluSquaredMLP`)."""
 
 from __future__ import annotations
 
