@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron"}.
+    "nemotron", "cohere"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -130,7 +130,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GemmaConfig, GemmaForCausalLM, GlmConfig, GlmForCausalLM, OlmoeConfig, OlmoeForCausalLM
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
     from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
-    from transformers import NemotronConfig, NemotronForCausalLM
+    from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -190,7 +190,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "ministral3": (Ministral3Config, Ministral3ForCausalLM),
                           "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM),
                           "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM),
-                          "nemotron": (NemotronConfig, NemotronForCausalLM)}[arch]
+                          "nemotron": (NemotronConfig, NemotronForCausalLM),
+                          "cohere": (CohereConfig, CohereForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -202,7 +203,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron")
+                           "hunyuan_v1_moe", "nemotron", "cohere")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -490,6 +491,14 @@ def tiny_nemotron_dir(tmp_path_factory) -> Path:
                             attention_bias=True, norm_eps=1e-5,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5}, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere_dir(tmp_path_factory) -> Path:
+    # Command R+: Command R7B's parallel block, RoPE on interleaved pairs on every layer, each query and key head
+    # LayerNormed with a weight of its own; logits scaled by 0.25
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere"), "cohere", seed=35, head_dim=16, use_qk_norm=True,
+                            logit_scale=0.25, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ to one:
 * Hunyuan's MoE (``HunYuanMoEV1ForCausalLM``): Hunyuan dense's attention, softmax-routed experts beside a shared MLP
   in every layer, the router under its release's name (TP 2).
 * Nemotron (``NemotronForCausalLM``): LayerNorm1P norms, AFM's gateless relu^2 MLP, RoPE on half of each head (TP 2).
+* Command R / R+ (``CohereForCausalLM``): Command R7B's layer rotated everywhere, each query and key head LayerNormed
+  with its own weight (TP 2: each rank reading its heads' rows).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import pytest
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
-from specray.models.cohere2 import Cohere2ForCausalLM
+from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
@@ -83,7 +85,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
             "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP),
             "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE),
-            "nemotron": ("tiny_nemotron_dir", NemotronForCausalLM, ReluSquaredMLP)}
+            "nemotron": ("tiny_nemotron_dir", NemotronForCausalLM, ReluSquaredMLP),
+            "cohere": ("tiny_cohere_dir", CohereForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -108,7 +111,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
-                   "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir"),
+                   "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -119,7 +122,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE and Nemotron."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron and Command R+."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -31,6 +31,7 @@ _ARCHITECTURES = {
     "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
     "NemotronForCausalLM": "specray.models.nemotron:NemotronForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
+    "CohereForCausalLM": "specray.models.cohere2:CohereForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "HunYuanMoEV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanMoEV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
@@ -76,7 +77,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
-                "nemotron": "NemotronForCausalLM",
+                "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
