@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere"}.
+    "nemotron", "cohere", "granitemoe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -131,6 +131,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
     from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
     from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -191,14 +192,15 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM),
                           "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM),
                           "nemotron": (NemotronConfig, NemotronForCausalLM),
-                          "cohere": (CohereConfig, CohereForCausalLM)}[arch]
+                          "cohere": (CohereConfig, CohereForCausalLM),
+                          "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
-                              "mlp.router.gate.weight", "mlp.gate.wg.weight")):
+                              "mlp.router.gate.weight", "mlp.gate.wg.weight", "block_sparse_moe.router.weight")):
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
@@ -499,6 +501,13 @@ def tiny_cohere_dir(tmp_path_factory) -> Path:
     # LayerNormed with a weight of its own; logits scaled by 0.25
     return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere"), "cohere", seed=35, head_dim=16, use_qk_norm=True,
                             logit_scale=0.25, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_granitemoe_dir(tmp_path_factory) -> Path:
+    # Granite's MoE: Granite's multipliers, experts in every layer (8, the top 2 router logits softmaxed)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoe"), "granitemoe", seed=36, num_local_experts=8,
+                            num_experts_per_tok=2, **{**GRANITE_TINY, "intermediate_size": 32})
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,12 @@ _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # Hunyuan-A13B's router: gate.wg
 _CHECKPOINT_NAMES["hunyuan_v1_moe"] = ((re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),)
+# Granite's MoE release: Mixtral's block name, the experts fused as input_linear ([E, 2I, H], gate then up) and
+# output_linear ([E, H, I]), the router's weight under router.layer
+_CHECKPOINT_NAMES["granitemoe"] = tuple((re.compile(pattern), ours) for pattern, ours in (
+    (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+    (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
+    (r"\.block_sparse_moe\.router\.layer\.", ".mlp.router."), (r"\.block_sparse_moe\.", ".mlp.")))
 # K-EXAONE's release (and transformers' save): the router's correction bias on the block
 _CHECKPOINT_NAMES["exaone_moe"] = (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
@@ -104,7 +110,7 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 # alone (GLM, GLM-4)
 FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
                      "glm4": (".gate_up_proj.",)}
-SCALED_MODEL_TYPES = ("granite",)  # Granite's multipliers (module docstring)
+SCALED_MODEL_TYPES = ("granite", "granitemoe")  # Granite's multipliers (module docstring)
 
 
 def multiplier(config, name: str) -> float:
@@ -272,7 +278,7 @@ def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
     ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
     ``moe_layer_start_index`` to ``moe_layer_end_index``; K-EXAONE: the layers ``mlp_layer_types`` names "sparse"."""
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "granitemoe"):
         return True
     if config.model_type == "exaone_moe":
         return config.mlp_layer_types[layer] == "sparse"

@@ -167,6 +167,8 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
+# Granite's MoE: the top k router logits softmaxed (GPT-OSS's routing, no biases), Mixtral's widths
+FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router")
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
 FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
                                        shared_width="intermediate_size", top_k="moe_topk", normalized=True)
