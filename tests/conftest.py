@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere", "granitemoe"}.
+    "nemotron", "cohere", "granitemoe", "apertus"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -131,7 +131,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Ministral3Config, Ministral3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
     from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
     from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
-    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+    from transformers import ApertusConfig, ApertusForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -193,7 +193,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "hunyuan_v1_moe": (HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM),
                           "nemotron": (NemotronConfig, NemotronForCausalLM),
                           "cohere": (CohereConfig, CohereForCausalLM),
-                          "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM)}[arch]
+                          "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
+                          "apertus": (ApertusConfig, ApertusForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -205,7 +206,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron", "cohere")
+                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -223,6 +224,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("deepseek_v4", "hy_v4") and name.endswith(("sinks", "position_bias", "base", "hc_base",
                                                                      "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
+            elif arch == "apertus" and name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):
+                param.normal_(0.0, 0.5)  # one value in every layer at first: each layer its own
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2",
                     "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
@@ -508,6 +511,16 @@ def tiny_granitemoe_dir(tmp_path_factory) -> Path:
     # Granite's MoE: Granite's multipliers, experts in every layer (8, the top 2 router logits softmaxed)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoe"), "granitemoe", seed=36, num_local_experts=8,
                             num_experts_per_tok=2, **{**GRANITE_TINY, "intermediate_size": 32})
+
+
+@pytest.fixture(scope="session")
+def tiny_apertus_dir(tmp_path_factory) -> Path:
+    # Apertus: per-head q/k norms, Llama 3's RoPE scaling, a gateless xIELU MLP with its scalars drawn per layer
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_apertus"), "apertus", seed=37, head_dim=16,
+                            dtype="float32", rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                              "factor": 8.0, "original_max_position_embeddings": 16,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,8 @@ to one:
   with its own weight (TP 2: each rank reading its heads' rows).
 * Granite's MoE (``GraniteMoeForCausalLM``): Granite's multipliers, the top k router logits softmaxed, the release's
   fused ``input_linear`` / ``output_linear`` experts (TP 2).
+* Apertus (``ApertusForCausalLM``): per-head q/k norms, a gateless MLP of the xIELU activation and its learned scalars,
+  its norms' own names (TP 2).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import sys
 import pytest
 
 from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specray.models.apertus import ApertusForCausalLM, ApertusMLP
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
@@ -89,7 +92,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE),
             "nemotron": ("tiny_nemotron_dir", NemotronForCausalLM, ReluSquaredMLP),
             "cohere": ("tiny_cohere_dir", CohereForCausalLM, LlamaMLP),
-            "granitemoe": ("tiny_granitemoe_dir", LlamaForCausalLM, SparseMoE)}
+            "granitemoe": ("tiny_granitemoe_dir", LlamaForCausalLM, SparseMoE),
+            "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -114,7 +118,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_mimo_v2_flash_dir", "tiny_glm4_dir", "tiny_ernie4_5_moe_dir", "tiny_dots1_dir",
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
-                   "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir"),
+                   "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
+                   "tiny_apertus_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
 
 
@@ -125,7 +130,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+ and Granite's MoE."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE and Apertus."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

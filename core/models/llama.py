@@ -66,7 +66,7 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
-                       "exaone_moe")
+                       "exaone_moe", "apertus")
 # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
@@ -87,6 +87,9 @@ _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
 # Hunyuan-A13B's router: gate.wg
 _CHECKPOINT_NAMES["hunyuan_v1_moe"] = ((re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),)
+# Apertus: its norms' names for Llama's
+_CHECKPOINT_NAMES["apertus"] = ((re.compile(r"\.attention_layernorm\."), ".input_layernorm."),
+                                (re.compile(r"\.feedforward_layernorm\."), ".post_attention_layernorm."))
 # Granite's MoE release: Mixtral's block name, the experts fused as input_linear ([E, 2I, H], gate then up) and
 # output_linear ([E, H, I]), the router's weight under router.layer
 _CHECKPOINT_NAMES["granitemoe"] = tuple((re.compile(pattern), ours) for pattern, ours in (

@@ -31,6 +31,7 @@ _ARCHITECTURES = {
     "ArceeForCausalLM": "specray.models.arcee:ArceeForCausalLM",
     "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
     "NemotronForCausalLM": "specray.models.nemotron:NemotronForCausalLM",
+    "ApertusForCausalLM": "specray.models.apertus:ApertusForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "CohereForCausalLM": "specray.models.cohere2:CohereForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
@@ -79,7 +80,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
-                "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM",
+                "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
