@@ -120,13 +120,15 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
                    "tiny_apertus_dir"),
-               2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir")}
+               2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
+                   "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 
 
 @pytest.mark.parametrize("stages", sorted(RANK_CHECKS))
 def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (stages 1: each family's heads, sinks, output groups and experts split) or two
-    pipeline stages (2: the residual streams handed on): the last rank's logits equal one rank's, for DeepSeek-V4,
+    pipeline stages (2: the residual streams handed on, for DeepSeek-V4, Hunyuan 4, Gemma, Command R+, StarCoder2,
+    Granite's MoE, Apertus and Hunyuan's MoE): the last rank's logits equal one rank's, for DeepSeek-V4,
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
