@@ -438,7 +438,6 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
                                num_attention_heads=2, num_key_value_heads=1)
     foreign = checkpoints.write_lora(narrower, tmp_path / "foreign")
     pickled, foreign_bin = _as_bin(Path(requests[0].lora_path), tmp_path / "pickled"), _as_bin(foreign, tmp_path / "fb")
-    first = Path(requests[0].lora_path)
     dora = checkpoints.write_lora(tiny_llama_dir, tmp_path / "dora", config_extra={"use_dora": True})
     big = checkpoints.write_lora(tiny_llama_dir, tmp_path / "big", rank=32)
     head = checkpoints.write_lora(tiny_llama_dir, tmp_path / "head", modules=("q_proj",))

@@ -31,7 +31,6 @@ from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, Sli
 from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.models.layers import (
     MergedColumnParallelLinear,
-    OtherStage,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
