@@ -339,8 +339,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class StageModel(nn.Module):
-    """A decoder stack's pipeline-stage plumbing: this stage's layers (the others' are :class:`OtherStage`
-    placeholders), the embedding on the first stage, the final norm on the last (one stage: all of it)."""
+    """A decoder stack's pipeline-stage plumbing: this stage's layers (the others' are
+    :class:`~specray.models.layers.OtherStage` placeholders), the embedding on the first stage, the final norm on the
+    last (one stage: all of it)."""
 
     def build_stage(self, config, pp: PPGroup | None, layer: Callable[[int], nn.Module],
                     embed: Callable[[], nn.Module], norm: Callable[[], nn.Module]) -> None:
