@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere", "granitemoe", "apertus"}.
+    "nemotron", "cohere", "granitemoe", "apertus", "phimoe"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -132,6 +132,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
     from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
     from transformers import ApertusConfig, ApertusForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
+    from transformers import PhimoeConfig, PhimoeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -194,24 +195,27 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "nemotron": (NemotronConfig, NemotronForCausalLM),
                           "cohere": (CohereConfig, CohereForCausalLM),
                           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
-                          "apertus": (ApertusConfig, ApertusForCausalLM)}[arch]
+                          "apertus": (ApertusConfig, ApertusForCausalLM),
+                          "phimoe": (PhimoeConfig, PhimoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # a MoE router starts at zeros (every expert alike): random, so routing matters
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
-                              "mlp.router.gate.weight", "mlp.gate.wg.weight", "block_sparse_moe.router.weight")):
+                              "mlp.router.gate.weight", "mlp.gate.wg.weight", "block_sparse_moe.router.weight",
+                              "block_sparse_moe.gate.weight")):
                 param.normal_(0.0, 0.5)
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus")
+                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe")
                   and name.endswith("norm.weight")
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron") and name.endswith(".bias"):
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron", "phimoe") \
+                    and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
             elif name.endswith("e_score_correction_bias"):
@@ -521,6 +525,15 @@ def tiny_apertus_dir(tmp_path_factory) -> Path:
                                                               "factor": 8.0, "original_max_position_embeddings": 16,
                                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0},
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_phimoe_dir(tmp_path_factory) -> Path:
+    # Phi-3.5-MoE: LayerNorms with biases, biased attention and LM head, experts in every layer picked by the
+    # sparsemixer (its relative threshold wide enough here that a token's near experts share the weight)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_phimoe"), "phimoe", seed=38, head_dim=16,
+                            num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, attention_bias=True,
+                            lm_head_bias=True, router_jitter_noise=0.5, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,8 @@ to one:
   fused ``input_linear`` / ``output_linear`` experts (TP 2).
 * Apertus (``ApertusForCausalLM``): per-head q/k norms, a gateless MLP of the xIELU activation and its learned scalars,
   its norms' own names (TP 2).
+* Phi-3.5-MoE (``PhimoeForCausalLM``): LayerNorms with biases, biased attention, the sparsemixer's two experts, an LM
+  head with a bias (TP 2: each rank its slice of the bias).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from specray.models.gemma import GemmaForCausalLM
 from specray.models.gemma3 import Gemma3MLP
 from specray.models.nemotron import NemotronForCausalLM
 from specray.models.olmoe import OlmoeForCausalLM
+from specray.models.phimoe import PhimoeForCausalLM
 from specray.models.starcoder2 import Starcoder2ForCausalLM, Starcoder2MLP
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
@@ -93,7 +96,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "nemotron": ("tiny_nemotron_dir", NemotronForCausalLM, ReluSquaredMLP),
             "cohere": ("tiny_cohere_dir", CohereForCausalLM, LlamaMLP),
             "granitemoe": ("tiny_granitemoe_dir", LlamaForCausalLM, SparseMoE),
-            "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP)}
+            "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP),
+            "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -119,7 +123,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
-                   "tiny_apertus_dir"),
+                   "tiny_apertus_dir", "tiny_phimoe_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 
@@ -132,7 +136,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE and Apertus."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus and Phi-3.5-MoE."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -21,7 +21,8 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_mimo_v2_flash_dir", "tiny_hy_v4_dir", "tiny_deepseek_v4_dir", "tiny_deepseek_v32_dir",
             "tiny_glm5_dir", "tiny_llama4_dir", "tiny_glm_dir", "tiny_gemma_dir", "tiny_olmoe_dir",
             "tiny_starcoder2_dir", "tiny_ministral3_dir", "tiny_exaone_moe_dir", "tiny_hunyuan_v1_moe_dir",
-            "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir", "tiny_apertus_dir"]
+            "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir", "tiny_apertus_dir",
+            "tiny_phimoe_dir"]
 
 
 def _first(out):

@@ -342,13 +342,21 @@ def gather_vocab(logits: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Te
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """Logits over this rank's vocab slice, all-gathered to the full vocabulary. Packed, it keeps its dense
-    weight too (the embedding's, when tied; the model reads its dtype and device)."""
+    weight too (the embedding's, when tied; the model reads its dtype and device). ``bias``: a bias per vocabulary
+    entry (Phi-3.5-MoE's ``lm_head_bias``), this rank's slice of it."""
 
     keeps_dense_weight = True
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup, bias: bool = False):
+        super().__init__(num_embeddings, embedding_dim, tp)
+        self.bias = None
+        if bias:
+            self.bias = _param(self.per_rank)
+            self.bias.weight_loader = self.weight_loader
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V]
-        logits = linear(hidden, self.weight, packed=self.packed)
+        logits = linear(hidden, self.weight, self.bias, packed=self.packed)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]

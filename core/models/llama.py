@@ -84,6 +84,8 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
+# Phi-3.5-MoE's release: Mixtral's names
+_CHECKPOINT_NAMES["phimoe"] = _CHECKPOINT_NAMES["mixtral"]
 # Hunyuan-A13B's router: gate.wg
 _CHECKPOINT_NAMES["hunyuan_v1_moe"] = ((re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),)
 # Apertus: its norms' names for Llama's
@@ -280,7 +282,7 @@ def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
     ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
     ``moe_layer_start_index`` to ``moe_layer_end_index``; K-EXAONE: the layers ``mlp_layer_types`` names "sparse"."""
-    if config.model_type in ("mixtral", "granitemoe"):
+    if config.model_type in ("mixtral", "granitemoe", "phimoe"):
         return True
     if config.model_type == "exaone_moe":
         return config.mlp_layer_types[layer] == "sparse"
@@ -427,7 +429,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.pp = pp = pp or PPGroup.single()
         self.model = self.model_class(hf_config, tp, expert_parallel, pp)
-        self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp))
+        bias = bool(getattr(hf_config, "lm_head_bias", False))  # Phi-3.5-MoE's
+        self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp,
+                                                                   bias=bias))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # tied on a stage holding both: the embedding is the head; a last stage without the embedding loads the
         # embedding's tensor into a head of its own

@@ -109,7 +109,8 @@ class MoEFamily:
 
     # "softmax" (Qwen3-MoE), "grouped_sigmoid" (DeepSeek-V3), "topk_sigmoid" (Llama-4), "topk_softmax" (GPT-OSS),
     # "scaled_softmax" (DeepSeek-V2: the softmax's top k, optionally from the best groups, times routed_scaling_factor),
-    # "scored" (DeepSeek-V4: the config's scoring_func, the top k of score + bias, renormalised and scaled)
+    # "scored" (DeepSeek-V4: the config's scoring_func, the top k of score + bias, renormalised and scaled),
+    # "sparsemixer" (Phi-3.5-MoE's, at inference: see SparseMoE._route_sparsemixer)
     routing: str
     num_experts: str  # the config field that counts the routed experts
     expert_width: str  # the config field of one expert's intermediate width
@@ -167,6 +168,8 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
+# Phi-3.5-MoE: Mixtral's names and widths, the sparsemixer's two experts
+FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
 # Granite's MoE: the top k router logits softmaxed (GPT-OSS's routing, no biases), Mixtral's widths
 FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router")
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
@@ -289,6 +292,11 @@ class SparseMoE(nn.Module):
         self.group_limited = family.routing == "scaled_softmax" and _topk_method(config) == "group_limited_greedy"
         if family.routing in ("grouped_sigmoid", "scaled_softmax"):
             self.routed_scaling_factor = float(config.routed_scaling_factor)
+        if family.routing == "sparsemixer":
+            if self.top_k != 2:
+                raise ValueError(f"num_experts_per_tok={self.top_k} is not supported for model_type="
+                                 f"{config.model_type!r}: its sparsemixer routing picks 2 experts; use 2")
+            self.jitter_eps = float(config.router_jitter_noise)
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)
             self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
@@ -369,6 +377,8 @@ class SparseMoE(nn.Module):
             return self._route_grouped(x)
         if self.family.routing == "scored":
             return self._route_scored(x, token_ids)
+        if self.family.routing == "sparsemixer":
+            return self._route_sparsemixer(x)
         router = self.router_module
         if self.family.routing in ("topk_sigmoid", "topk_softmax"):  # the top k logits, then each one's weight
             logits, ids = F.linear(x, router.weight, router.bias).topk(self.top_k, dim=-1)
@@ -395,6 +405,20 @@ class SparseMoE(nn.Module):
             probs = probs.view(t, g, e // g).masked_fill(~allowed[:, :, None], 0.0).view(t, e)
         weights, ids = probs.topk(self.top_k, dim=-1)
         return (weights * self.routed_scaling_factor).to(x.dtype), ids
+
+    def _route_sparsemixer(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phi-3.5-MoE's sparsemixer at inference: the expert of the best logit s1, weighted by its softmax among the
+        experts whose logit s lies near it, ``(s1 - s) / max(|s|, s1) <= 2 * router_jitter_noise``; then the best of
+        the others, weighted likewise among the others near it."""
+        scores = F.linear(x, self.router_module.weight).float()  # [T, E]
+        left, weights, ids = scores, [], []
+        for _ in range(2):
+            best, index = left.max(dim=-1, keepdim=True)
+            near = (best - scores) / scores.abs().clamp(min=best) <= 2 * self.jitter_eps
+            weights.append(left.masked_fill(~near, float("-inf")).softmax(dim=-1).gather(1, index))
+            ids.append(index)
+            left = left.scatter(1, index, float("-inf"))
+        return torch.cat(weights, dim=1).to(x.dtype), torch.cat(ids, dim=1)
 
     def _route_scored(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V4: scores s = scoring_func(x W^T) in float32; the experts the token's hash row names (a

@@ -32,6 +32,7 @@ _ARCHITECTURES = {
     "Starcoder2ForCausalLM": "specray.models.starcoder2:Starcoder2ForCausalLM",
     "NemotronForCausalLM": "specray.models.nemotron:NemotronForCausalLM",
     "ApertusForCausalLM": "specray.models.apertus:ApertusForCausalLM",
+    "PhimoeForCausalLM": "specray.models.phimoe:PhimoeForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "CohereForCausalLM": "specray.models.cohere2:CohereForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
@@ -81,6 +82,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
+                "phimoe": "PhimoeForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
