@@ -41,6 +41,9 @@ to one:
   its norms' own names (TP 2).
 * Phi-3.5-MoE (``PhimoeForCausalLM``): LayerNorms with biases, biased attention, the sparsemixer's two experts, an LM
   head with a bias (TP 2: each rank its slice of the bias).
+* MiniCPM3 (``MiniCPM3ForCausalLM``): DeepSeek-V2's latent attention (RoPE on halves) in dense layers, with its
+  scales of the embedding, the residual branches and the logits as Granite's multipliers; served by the DeepSeek-V3
+  class (TP 2).
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "cohere": ("tiny_cohere_dir", CohereForCausalLM, LlamaMLP),
             "granitemoe": ("tiny_granitemoe_dir", LlamaForCausalLM, SparseMoE),
             "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP),
-            "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE)}
+            "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE),
+            "minicpm3": ("tiny_minicpm3_dir", DeepseekV3ForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -123,7 +127,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
-                   "tiny_apertus_dir", "tiny_phimoe_dir"),
+                   "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 
@@ -136,7 +140,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus and Phi-3.5-MoE."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE and
+    MiniCPM3."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

@@ -58,7 +58,7 @@ from specray.models.kv_cache import MLAAttentionSpec
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                    VocabParallelEmbedding, _yarn_mscale, apply_rotary, divide,
                                    position_query_scaling, rope_parameters, scale_queries)
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, multiplier
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
 
@@ -359,10 +359,14 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         self.self_attn = MLAttention(config, tp, layer)
         kinds = getattr(config, "mlp_layer_types", None)  # V3.2's config names each layer's kind
-        dense = kinds[layer] == "dense" if kinds else layer < (config.first_k_dense_replace or 0)
+        if kinds:
+            dense = kinds[layer] == "dense"
+        else:  # MiniCPM3 has no experts at all
+            dense = not hasattr(config, "n_routed_experts") or layer < (config.first_k_dense_replace or 0)
         self.mlp = LlamaMLP(config, tp) if dense else SparseMoE(config, tp, expert_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = multiplier(config, "residual_multiplier")  # MiniCPM3's scale_depth
 
 
 class DeepseekV3Model(LlamaModel):
@@ -371,6 +375,7 @@ class DeepseekV3Model(LlamaModel):
         self.build_stage(config, pp, lambda i: DeepseekV3DecoderLayer(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.embedding_multiplier = multiplier(config, "embedding_multiplier")  # MiniCPM3's scale_emb
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config, partial=True),
                                           config.max_position_embeddings)
 

@@ -118,7 +118,14 @@ SCALED_MODEL_TYPES = ("granite", "granitemoe")  # Granite's multipliers (module 
 
 
 def multiplier(config, name: str) -> float:
-    """A Granite multiplier of ``config`` (1 for other families, which have none)."""
+    """A Granite multiplier of ``config`` (1 for other families, which have none); MiniCPM3's scales as Granite's
+    multipliers (``embedding_multiplier``: ``scale_emb``; ``residual_multiplier``: ``scale_depth / sqrt(layers)``;
+    ``logits_scaling``: ``hidden_size / dim_model_base``)."""
+    if config.model_type == "minicpm3":
+        derived = {"embedding_multiplier": float(config.scale_emb),
+                   "residual_multiplier": config.scale_depth / config.num_hidden_layers ** 0.5,
+                   "logits_scaling": config.hidden_size / config.dim_model_base}
+        return derived.get(name, 1.0)
     return float(getattr(config, name, 1.0)) if config.model_type in SCALED_MODEL_TYPES else 1.0
 
 

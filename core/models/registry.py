@@ -47,6 +47,7 @@ _ARCHITECTURES = {
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "MiniCPM3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "GlmMoeDsaForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "specray.models.deepseek_v4:DeepseekV4ForCausalLM",
@@ -82,7 +83,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
-                "phimoe": "PhimoeForCausalLM",
+                "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
