@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3"}.
+    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3", "olmo"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -133,6 +133,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
     from transformers import ApertusConfig, ApertusForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
+    from transformers import OlmoConfig, OlmoForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -197,7 +198,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
                           "apertus": (ApertusConfig, ApertusForCausalLM),
                           "phimoe": (PhimoeConfig, PhimoeForCausalLM),
-                          "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM)}[arch]
+                          "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM),
+                          "olmo": (OlmoConfig, OlmoForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -545,6 +547,13 @@ def tiny_minicpm3_dir(tmp_path_factory) -> Path:
                             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                             qk_rope_head_dim=8, v_head_dim=16, head_dim=8, scale_emb=12, scale_depth=1.4,
                             dim_model_base=16, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo_dir(tmp_path_factory) -> Path:
+    # the first OLMo: weightless LayerNorms, q/k/v clamped at 0.5 as projected
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_olmo"), "olmo", seed=40, clip_qkv=0.5,
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,7 @@ to one:
 * MiniCPM3 (``MiniCPM3ForCausalLM``): DeepSeek-V2's latent attention (RoPE on halves) in dense layers, with its
   scales of the embedding, the residual branches and the logits as Granite's multipliers; served by the DeepSeek-V3
   class (TP 2).
+* OLMo (``OlmoForCausalLM``): Llama's layer with weightless LayerNorms, q/k/v clamped as projected (TP 2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
 from specray.models.gemma3 import Gemma3MLP
 from specray.models.nemotron import NemotronForCausalLM
+from specray.models.olmo import OlmoForCausalLM
 from specray.models.olmoe import OlmoeForCausalLM
 from specray.models.phimoe import PhimoeForCausalLM
 from specray.models.starcoder2 import Starcoder2ForCausalLM, Starcoder2MLP
@@ -101,7 +103,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "granitemoe": ("tiny_granitemoe_dir", LlamaForCausalLM, SparseMoE),
             "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP),
             "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE),
-            "minicpm3": ("tiny_minicpm3_dir", DeepseekV3ForCausalLM, LlamaMLP)}
+            "minicpm3": ("tiny_minicpm3_dir", DeepseekV3ForCausalLM, LlamaMLP),
+            "olmo": ("tiny_olmo_dir", OlmoForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -127,7 +130,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
-                   "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir"),
+                   "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 
@@ -140,8 +143,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE and
-    MiniCPM3."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE, MiniCPM3
+    and OLMo."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

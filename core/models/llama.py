@@ -222,6 +222,7 @@ class LlamaAttention(nn.Module):
     use_rope = True  # whether q and k are rotated (SmolLM3's NoPE layers: not; subclasses building their own keep it)
     interleaved_rope = False  # whether RoPE rotates the pairs (0, 1), (2, 3), ... (ERNIE 4.5), else the two halves
     query_scaling: tuple[float, int] | None = None  # (beta, L0): queries scaled by position (Ministral 3)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv as projected (OLMo)
 
     def __init__(self, config, tp: TPGroup, layer: int, input_size: int | None = None):
         # input_size: the width q/k/v are projected from (the hidden size; an EAGLE-3 head's first layer: twice it)
@@ -247,12 +248,17 @@ class LlamaAttention(nn.Module):
         self.use_rope = _uses_rope(config, layer)
         self.interleaved_rope = config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
         self.query_scaling = position_query_scaling(config)  # Ministral 3's queries scaled by position
+        self.clip_qkv = getattr(config, "clip_qkv", None)
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv={self.clip_qkv} must be a positive number, or null for no clamp")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # each head normed over its D before RoPE (Qwen3)
