@@ -1,6 +1,6 @@
 """AI2's first OLMo (``OlmoForCausalLM``: OLMo-1B, OLMo-7B, their 0424 / 0724 releases), on the Llama plumbing
-(:mod:`specray.models.llama`: ``clip_qkv`` clamps q, k and v as projected). Where it differs from Llama: its norms (before
-each block and after the last layer) are LayerNorms without a weight or a bias, eps 1e-5."""
+(:mod:`specray.models.llama`: ``clip_qkv`` clamps q, k and v as projected). Where it differs from Llama: its norms
+(before each block and after the last layer) are LayerNorms without a weight or a bias, eps 1e-5."""
 
 from __future__ import annotations
 
