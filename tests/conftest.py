@@ -103,7 +103,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3", "olmo"}.
+    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3", "olmo", "granitemoeshared"}.
     Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -133,7 +133,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import CohereConfig, CohereForCausalLM, NemotronConfig, NemotronForCausalLM
     from transformers import ApertusConfig, ApertusForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
-    from transformers import OlmoConfig, OlmoForCausalLM
+    from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
@@ -199,7 +199,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "apertus": (ApertusConfig, ApertusForCausalLM),
                           "phimoe": (PhimoeConfig, PhimoeForCausalLM),
                           "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM),
-                          "olmo": (OlmoConfig, OlmoForCausalLM)}[arch]
+                          "olmo": (OlmoConfig, OlmoForCausalLM),
+                          "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -554,6 +555,14 @@ def tiny_olmo_dir(tmp_path_factory) -> Path:
     # the first OLMo: weightless LayerNorms, q/k/v clamped at 0.5 as projected
     return build_tiny_model(tmp_path_factory.mktemp("tiny_olmo"), "olmo", seed=40, clip_qkv=0.5,
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_granitemoeshared_dir(tmp_path_factory) -> Path:
+    # Granite's shared MoE: Granite's MoE with a shared MLP (48 wide, its gate/up fused) beside the experts
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoeshared"), "granitemoeshared", seed=41,
+                            num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
+                            **{**GRANITE_TINY, "intermediate_size": 32})
 
 
 @pytest.fixture(scope="session")

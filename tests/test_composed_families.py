@@ -45,6 +45,7 @@ to one:
   scales of the embedding, the residual branches and the logits as Granite's multipliers; served by the DeepSeek-V3
   class (TP 2).
 * OLMo (``OlmoForCausalLM``): Llama's layer with weightless LayerNorms, q/k/v clamped as projected (TP 2).
+* Granite's shared MoE (``GraniteMoeSharedForCausalLM``): Granite's MoE with a shared MLP, its gate/up fused (TP 2).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "apertus": ("tiny_apertus_dir", ApertusForCausalLM, ApertusMLP),
             "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE),
             "minicpm3": ("tiny_minicpm3_dir", DeepseekV3ForCausalLM, LlamaMLP),
-            "olmo": ("tiny_olmo_dir", OlmoForCausalLM, LlamaMLP)}
+            "olmo": ("tiny_olmo_dir", OlmoForCausalLM, LlamaMLP),
+            "granitemoeshared": ("tiny_granitemoeshared_dir", LlamaForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -130,7 +132,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_exaone4_dir", "tiny_arcee_dir", "tiny_cohere2_dir", "tiny_hunyuan_v1_dense_dir",
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
-                   "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir"),
+                   "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
+                   "tiny_granitemoeshared_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 
@@ -143,8 +146,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     Hunyuan 4, MiniMax-M2 (its q/k norms' mean squares summed over the ranks), Mistral 4, MiMo-V2-Flash (both kinds
     of KV heads and the sinks split), GLM-4, ERNIE 4.5's MoE and dots.llm1 (experts split by width), EXAONE 4.0, AFM,
     Command R7B, Hunyuan dense, Gemma, OLMoE (its q/k norms over the ranks, experts split by width), StarCoder2 (its
-    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE, MiniCPM3
-    and OLMo."""
+    biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE, MiniCPM3,
+    OLMo and Granite's shared MoE."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
     results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
     assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results

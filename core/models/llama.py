@@ -97,6 +97,12 @@ _CHECKPOINT_NAMES["granitemoe"] = tuple((re.compile(pattern), ours) for pattern,
     (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
     (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
     (r"\.block_sparse_moe\.router\.layer\.", ".mlp.router."), (r"\.block_sparse_moe\.", ".mlp.")))
+# Granite's shared MoE: Granite's MoE names, and its shared MLP beside the block (its fused input_linear unfused
+# first: FUSED_MODEL_TYPES)
+_CHECKPOINT_NAMES["granitemoeshared"] = (
+    (re.compile(r"\.shared_mlp\.(gate|up)_proj\."), r".mlp.shared_mlp.\1_proj."),
+    (re.compile(r"\.shared_mlp\.output_linear\."), ".mlp.shared_mlp.down_proj."),
+    *_CHECKPOINT_NAMES["granitemoe"])
 # K-EXAONE's release (and transformers' save): the router's correction bias on the block
 _CHECKPOINT_NAMES["exaone_moe"] = (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
@@ -111,10 +117,10 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 
 
 # checkpoints storing projections fused: q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3), or gate/up
-# alone (GLM, GLM-4)
+# alone (GLM, GLM-4; Granite's shared MoE its shared MLP's, as input_linear)
 FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
-                     "glm4": (".gate_up_proj.",)}
-SCALED_MODEL_TYPES = ("granite", "granitemoe")  # Granite's multipliers (module docstring)
+                     "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",)}
+SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared")  # Granite's multipliers (module docstring)
 
 
 def multiplier(config, name: str) -> float:
@@ -137,8 +143,10 @@ def fused_pieces(config) -> dict[str, tuple[tuple[str, int], ...]]:
         return {}
     d, inter = _head_dim(config), config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shared = getattr(config, "shared_intermediate_size", 0)
     pieces = {".qkv_proj.": ((".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)),
-              ".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}
+              ".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter)),
+              ".shared_mlp.input_linear.": ((".shared_mlp.gate_proj.", shared), (".shared_mlp.up_proj.", shared))}
     return {piece: parts for piece, parts in pieces.items() if piece in fused}
 
 
@@ -295,7 +303,7 @@ def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
     ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
     ``moe_layer_start_index`` to ``moe_layer_end_index``; K-EXAONE: the layers ``mlp_layer_types`` names "sparse"."""
-    if config.model_type in ("mixtral", "granitemoe", "phimoe"):
+    if config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "phimoe"):
         return True
     if config.model_type == "exaone_moe":
         return config.mlp_layer_types[layer] == "sparse"

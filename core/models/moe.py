@@ -172,6 +172,9 @@ FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
 FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
 # Granite's MoE: the top k router logits softmaxed (GPT-OSS's routing, no biases), Mixtral's widths
 FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router")
+# Granite's shared MoE: Granite's MoE and a shared MLP of shared_intermediate_size (0: none)
+FAMILIES["granitemoeshared"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router",
+                                         shared="shared_mlp", shared_width="shared_intermediate_size")
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
 FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
                                        shared_width="intermediate_size", top_k="moe_topk", normalized=True)
@@ -351,8 +354,9 @@ class SparseMoE(nn.Module):
         self.w13_bias = _param(e, 2 * i) if family.biased else None
         self.w2_bias = _param(e, h) if family.biased else None
         self.adds_down_bias = expert_parallel or tp.rank == 0
-        if family.shared is not None:
-            width = getattr(config, family.shared_width) * (getattr(config, family.shared_count, None) or 1)
+        width = 0 if family.shared is None else \
+            getattr(config, family.shared_width) * (getattr(config, family.shared_count, None) or 1)
+        if width:  # (Granite's shared MoE: a width of 0 for none)
             limit = self.swiglu[0] if family.clamp_only and family.clamp_shared else None
             self.add_module(family.shared, GatedMLP(h, width, tp, limit))
         if family.shared_gate is not None:  # replicated, as the router is
@@ -366,7 +370,7 @@ class SparseMoE(nn.Module):
 
     @property
     def shared(self) -> GatedMLP | None:
-        return None if self.family.shared is None else getattr(self, self.family.shared)
+        return None if self.family.shared is None else getattr(self, self.family.shared, None)
 
     # ------------------------------------------------------------------------------------------ forward
 
