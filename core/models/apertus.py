@@ -52,9 +52,7 @@ class ApertusMLP(nn.Module):
 
 
 class ApertusDecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
-        return ApertusMLP(config, tp)
+    mlp_class = ApertusMLP
 
 
 class ApertusModel(LlamaModel):

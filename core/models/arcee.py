@@ -30,9 +30,7 @@ class ReluSquaredMLP(nn.Module):
 
 
 class ArceeDecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
-        return ReluSquaredMLP(config, tp)
+    mlp_class = ReluSquaredMLP
 
 
 class ArceeModel(LlamaModel):

@@ -330,6 +330,7 @@ def norm_stream(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None)
 class LlamaDecoderLayer(nn.Module):
     residual_multiplier = 1.0  # Granite's (the families built on this layer's forward keep 1)
     attention_class: type[nn.Module] = LlamaAttention  # (a family with Llama's layer and its own attention: that)
+    mlp_class: type[nn.Module] = LlamaMLP  # a dense layer's MLP, built from (config, tp) (a family's own: that)
 
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
@@ -341,13 +342,13 @@ class LlamaDecoderLayer(nn.Module):
 
     @staticmethod
     def build_norm(config) -> nn.Module:
-        """The norm before each block (a family with another kind of norm gives its own)."""
+        """The norm before each block, and after the last layer (a family with another kind of norm gives its own)."""
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    @staticmethod
-    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
+    @classmethod
+    def build_mlp(cls, config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
         """Layer ``layer``'s MLP: the experts where the config makes it sparse, else the dense one."""
-        return SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else LlamaMLP(config, tp)
+        return SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else cls.mlp_class(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,10 +393,11 @@ class LlamaModel(StageModel):
         self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, config.max_position_embeddings)
         self.embedding_multiplier = multiplier(config, "embedding_multiplier")
 
-    @staticmethod
-    def final_norm(config) -> nn.Module:
-        """The norm after the last layer (a family with another kind of norm gives its own)."""
-        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+    @classmethod
+    def final_norm(cls, config) -> nn.Module:
+        """The norm after the last layer: the layers' kind (their ``build_norm``), else an RMSNorm."""
+        build = getattr(cls.layer_class, "build_norm", None)
+        return build(config) if build is not None else RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, H], scaled by Granite's multiplier

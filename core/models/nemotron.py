@@ -7,32 +7,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
+from specray.models.arcee import ArceeDecoderLayer, ArceeForCausalLM
 from specray.models.layers import LayerNorm
-from specray.models.llama import LlamaDecoderLayer, LlamaModel
-from specray.parallel import TPGroup
+from specray.models.llama import LlamaModel
 
 
 def _layer_norm_1p(config) -> nn.Module:
     return LayerNorm(config.hidden_size, config.norm_eps, bias=True, unit_offset=True)
 
 
-class NemotronDecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_norm(config) -> nn.Module:
-        return _layer_norm_1p(config)
-
-    @staticmethod
-    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
-        return ReluSquaredMLP(config, tp)
+class NemotronDecoderLayer(ArceeDecoderLayer):
+    build_norm = staticmethod(_layer_norm_1p)  # (the final norm too: LlamaModel.final_norm)
 
 
 class NemotronModel(LlamaModel):
     layer_class = NemotronDecoderLayer
-
-    @staticmethod
-    def final_norm(config) -> nn.Module:
-        return _layer_norm_1p(config)
 
 
 class NemotronForCausalLM(ArceeForCausalLM):

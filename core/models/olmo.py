@@ -29,16 +29,12 @@ class WeightlessLayerNorm(RMSNorm):
 
 class OlmoDecoderLayer(LlamaDecoderLayer):
     @staticmethod
-    def build_norm(config) -> nn.Module:
+    def build_norm(config) -> nn.Module:  # (the final norm too: LlamaModel.final_norm)
         return WeightlessLayerNorm(config.hidden_size)
 
 
 class OlmoModel(LlamaModel):
     layer_class = OlmoDecoderLayer
-
-    @staticmethod
-    def final_norm(config) -> nn.Module:
-        return WeightlessLayerNorm(config.hidden_size)
 
 
 class OlmoForCausalLM(LlamaForCausalLM):

@@ -16,17 +16,11 @@ def _layer_norm(config) -> nn.Module:
 
 
 class PhimoeDecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_norm(config) -> nn.Module:
-        return _layer_norm(config)
+    build_norm = staticmethod(_layer_norm)  # (the final norm too: LlamaModel.final_norm)
 
 
 class PhimoeModel(LlamaModel):
     layer_class = PhimoeDecoderLayer
-
-    @staticmethod
-    def final_norm(config) -> nn.Module:
-        return _layer_norm(config)
 
 
 class PhimoeForCausalLM(LlamaForCausalLM):

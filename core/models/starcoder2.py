@@ -39,21 +39,12 @@ def _layer_norm(config) -> nn.Module:
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_norm(config) -> nn.Module:
-        return _layer_norm(config)
-
-    @staticmethod
-    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
-        return Starcoder2MLP(config, tp)
+    mlp_class = Starcoder2MLP
+    build_norm = staticmethod(_layer_norm)  # (the final norm too: LlamaModel.final_norm)
 
 
 class Starcoder2Model(LlamaModel):
     layer_class = Starcoder2DecoderLayer
-
-    @staticmethod
-    def final_norm(config) -> nn.Module:
-        return _layer_norm(config)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
