@@ -29,6 +29,10 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(torch.relu(self.up_proj(x)).square())
 
 
+# the checkpoint names merged into our modules when the MLP has no gate (its up projection stands alone)
+GATELESS_STACKED = {piece: merged for piece, merged in _STACKED.items() if piece not in (".gate_proj.", ".up_proj.")}
+
+
 class ArceeDecoderLayer(LlamaDecoderLayer):
     mlp_class = ReluSquaredMLP
 
@@ -41,5 +45,5 @@ class ArceeForCausalLM(LlamaForCausalLM):
     """AFM for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is."""
 
     model_class = ArceeModel
-    stacked = {piece: merged for piece, merged in _STACKED.items() if piece not in (".gate_proj.", ".up_proj.")}
+    stacked = GATELESS_STACKED
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
-from specray.models.llama import _STACKED, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from specray.models.arcee import GATELESS_STACKED
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import TPGroup
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_act -> F.gelu's approximate
@@ -51,5 +52,5 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     """StarCoder2 for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is."""
 
     model_class = Starcoder2Model
-    stacked = {piece: merged for piece, merged in _STACKED.items() if piece not in (".gate_proj.", ".up_proj.")}
+    stacked = GATELESS_STACKED
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
