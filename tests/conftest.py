@@ -53,7 +53,7 @@ _register_helper("checkpoints")  # FP8 releases and per-expert layouts written f
 _register_helper("host_sync")  # a dispatch mode that records every op needing a tensor's value on the host
 _register_helper("fakes")  # stand-ins for Ray Serve pieces (a deployment's handle)
 _register_helper("model_checks")  # logits chunk by chunk over a paged cache (per-family tests)
-_register_helper("hybrid_models")  # tiny Qwen3.5 / Qwen3-Next models and their engine prompts
+_register_helper("hybrid_models")  # tiny hybrid models (Qwen3.5's, Mamba-2's) and their engine prompts
 _register_helper("openai_helpers")  # HTTP helpers and request parts of the OpenAI server's tests
 
 CHATML_TEMPLATE = (
@@ -563,6 +563,29 @@ def tiny_granitemoeshared_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoeshared"), "granitemoeshared", seed=41,
                             num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
                             **{**GRANITE_TINY, "intermediate_size": 32})
+
+
+def _hybrid_fixture(arch: str, seed: int):
+    """A session fixture: the folder of tests/hybrid_models.py's tiny ``arch`` (random weights, no tokenizer)."""
+    @pytest.fixture(scope="session")
+    def folder(tmp_path_factory) -> Path:
+        _, hf = sys.modules["specray_test_hybrid_models"].hf_pair(arch, seed)
+        path = tmp_path_factory.mktemp(f"tiny_{arch}")
+        hf.save_pretrained(path, safe_serialization=True)
+        return path
+    return folder
+
+
+# hybrid models with a recurrent state per request (tests/hybrid_models.py): Qwen3.5 (Gated DeltaNet beside gated
+# attention); Bamba (Mamba-2 beside attention); Granite 4.0's MoE hybrid (NoPE attention, experts beside a shared MLP,
+# Granite's multipliers); Nemotron-H (one mixer per layer: Mamba-2, NoPE attention, squared-ReLU MLP, gateless
+# experts); Falcon-H1 (Mamba-2 and attention side by side, muP multipliers folded in); Mamba-2 alone
+tiny_qwen3_5_model_dir = _hybrid_fixture("qwen3_5", 50)
+tiny_bamba_dir = _hybrid_fixture("bamba", 51)
+tiny_granitemoehybrid_dir = _hybrid_fixture("granite", 52)
+tiny_nemotron_h_dir = _hybrid_fixture("nemotron_h_moe", 53)
+tiny_falcon_h1_dir = _hybrid_fixture("falcon_h1", 54)
+tiny_mamba2_dir = _hybrid_fixture("mamba2", 55)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
-"""Tiny hybrid linear-attention models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) against transformers', and the engine's
-prompts for them: shared by tests/test_qwen3_5.py and tests/test_gated_deltanet.py (registered by conftest as
+"""Tiny hybrid models against transformers' (linear attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next; Mamba-2: Bamba,
+Granite 4.0's hybrids, Nemotron-H), and the engine's prompts for them: shared by tests/test_qwen3_5.py,
+tests/test_gated_deltanet.py and tests/test_mamba_hybrids.py (registered by conftest as
 ``specray_test_hybrid_models``)."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.gated_deltanet import RecurrentBatch
 from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
 from specray.models.loader import load_model
+from specray_test_model_checks import WORKER_PRELUDE  # tests/model_checks.py (registered by conftest before this)
 
 TOL = 1e-4
 BLOCK = 4
@@ -23,10 +26,79 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, layer_typ
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def hf_pair(arch: str, seed: int = 0, **overrides):
-    """A transformers model of ``arch`` ("qwen3_5", "qwen3_5_moe", "qwen3_next") with random weights everywhere
-    (zero-centred norms, routers and gates made random so that a wrong formula shows)."""
+# Mamba-2 layers: 8 heads of 16 in 2 groups of B and C (state 8); the attention layers' sizes are TINY's
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+             mamba_chunk_size=16)
+_ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
+MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
+               "mamba2")
+
+
+def mamba_config(arch: str, **overrides):
+    """A tiny config of a Mamba-2 hybrid ``arch``: Bamba (mamba, attention with partial RoPE, mamba); Granite 4.0's
+    MoE hybrid (Granite's multipliers, NoPE attention, experts beside a shared MLP) or its dense one (the shared MLP
+    alone, RoPE); Nemotron-H (mamba, attention, squared-ReLU MLP, mamba: one mixer per layer), and with experts too
+    (mamba, experts, attention, MLP, experts, mamba: Nemotron 3 Nano's kinds)."""
     import transformers as tf
+
+    if arch == "bamba":
+        kw = dict(_ATTN, num_hidden_layers=3, attn_layer_indices=[1], rms_norm_eps=1e-5, **MAMBA)
+        return tf.BambaConfig(**{**kw, **overrides})
+    if arch in ("granite", "granite_dense"):
+        kw = dict(_ATTN, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], rms_norm_eps=1e-5,
+                  **MAMBA, intermediate_size=32, shared_intermediate_size=48, embedding_multiplier=2.0,
+                  residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=3.0)
+        kw.update(dict(num_local_experts=0, position_embedding_type="rope") if arch == "granite_dense" else
+                  dict(num_local_experts=4, num_experts_per_tok=2))
+        return tf.GraniteMoeHybridConfig(**{**kw, **overrides})
+    if arch.startswith("falcon_h1"):  # every muP multiplier away from 1; the gated norm (after the gate), or the gate
+        kw = dict(_ATTN, num_hidden_layers=2, rms_norm_eps=1e-5, **MAMBA, mamba_d_ssm=128, mamba_proj_bias=True,
+                  projectors_bias=True, attention_bias=True, mlp_bias=True, lm_head_multiplier=0.5,
+                  embedding_multiplier=2.0, mlp_multipliers=[0.8, 1.3], key_multiplier=0.7,
+                  attention_out_multiplier=0.9, attention_in_multiplier=1.2, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6],
+                  ssm_in_multiplier=1.1, ssm_out_multiplier=0.75, mamba_rms_norm=arch == "falcon_h1",
+                  mamba_norm_before_gate=False)
+        return tf.FalconH1Config(**{**kw, **overrides})
+    if arch == "mamba2":  # Mamba-2 alone: three layers
+        kw = dict(hidden_size=64, num_hidden_layers=3, vocab_size=300, num_heads=8, head_dim=16, state_size=8,
+                  n_groups=2, conv_kernel=4, expand=2, layer_norm_epsilon=1e-5, chunk_size=16, bos_token_id=None,
+                  pad_token_id=None, initializer_range=0.1)
+        return tf.Mamba2Config(**{**kw, **overrides})
+    assert arch in ("nemotron_h", "nemotron_h_moe"), arch
+    kw = dict(_ATTN, num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=8, mamba_head_dim=16,
+              ssm_state_size=8, n_groups=2, conv_kernel=4, head_dim=16, layer_norm_epsilon=1e-5, chunk_size=16)
+    if arch == "nemotron_h_moe":
+        kw.update(num_hidden_layers=6, hybrid_override_pattern="ME*-EM", n_routed_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+                  routed_scaling_factor=1.5)
+    return tf.NemotronHConfig(**{**kw, **overrides})
+
+
+def hf_pair(arch: str, seed: int = 0, **overrides):
+    """A transformers model of ``arch`` (one of "qwen3_5", "qwen3_5_moe", "qwen3_next", or :data:`MAMBA_ARCHS`)
+    with random weights everywhere (zero-centred norms, routers, gates, Mamba-2's D, dt bias, decays and conv bias
+    made random so that a wrong formula shows)."""
+    import transformers as tf
+
+    if arch in MAMBA_ARCHS:
+        config = mamba_config(arch, **overrides)
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "layernorm.weight", "norm_f.weight")):
+                    param.uniform_(0.5, 1.5)
+                elif name.endswith((".D", "dt_bias", "conv1d.bias")):
+                    param.normal_(0.0, 0.5)
+                elif name.endswith("A_log"):
+                    param.uniform_(-1.0, 1.5)
+                elif "router" in name or name.endswith(".mixer.gate.weight"):
+                    param.normal_(0.0, 0.5)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.3)
+        return config, model
 
     cfg_cls, model_cls = {"qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
                           "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
@@ -109,6 +181,58 @@ def ours(tmp_path: Path, arch: str, seed: int = 0, **overrides):
     return load_model(tmp_path), hf
 
 
+def check_prefill_chunks_and_decode(model, hf) -> None:
+    """One prefill, the same prompt in uneven chunks (the state carried between them; a chunk long enough for the
+    chunked rule), then decode steps one token at a time, two sequences batched together with different slots:
+    every logit row equals transformers'."""
+    a, b = tokens(29, 1), tokens(11, 2)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    whole = Stepper(model).step([(0, a[:25], 0, 0), (2, b[:9], 0, 0)])
+    assert (whole[0] - ref_a[:25]).abs().max() < TOL
+    assert (whole[1] - ref_b[:9]).abs().max() < TOL
+    run = Stepper(model)
+    got_a, got_b = [], []
+    for (sa, ea), (sb, eb) in (((0, 7), (0, 3)), ((7, 8), (3, 9)), ((8, 25), (9, 10))):
+        out = run.step([(1, a[sa:ea], sa, 0), (3, b[sb:eb], sb, 0)])
+        got_a.append(out[0]), got_b.append(out[1])
+    for pos in range(25, 29):  # decode, one token each step
+        got_a.append(run.step([(1, [a[pos]], pos, 0)])[0])
+    assert (torch.cat(got_a) - ref_a).abs().max() < TOL
+    assert (torch.cat(got_b) - ref_b[:10]).abs().max() < TOL
+
+
+def check_greedy_equals_transformers(folder: Path, outputs: list[list[int]]) -> None:
+    """The engine's greedy ``outputs`` of the first three :data:`PROMPT_IDS` (several requests at once, each in its
+    own state slot): every token is transformers' argmax over the whole sequence so far."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for ids, out in zip(PROMPT_IDS[:3], outputs[:3]):
+        seq = list(ids)
+        for _ in range(8):
+            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert out[:8] == seq[len(ids):]
+
+
+def check_drafts_replayed(model, hf) -> None:
+    """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
+    ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal
+    transformers' on the accepted path, whatever was drafted and rejected; then plain tokens again."""
+    seq = tokens(40, 4)
+    ref = hf_logits(hf, seq)
+    run = Stepper(model)
+    out = run.step([(0, seq[:10], 0, 0)])[0]
+    assert (out - ref[:10]).abs().max() < TOL
+    pos = 10
+    for accepted in (0, 1, 3, 2, 0, 3):
+        drafts = seq[pos + 1: pos + 1 + accepted] + tokens(3 - accepted, 100 + pos)  # a wrong draft after them
+        out = run.step([(0, [seq[pos]] + drafts, pos, 3)])[0]
+        assert (out[: accepted + 1] - ref[pos: pos + accepted + 1]).abs().max() < TOL, accepted
+        pos += accepted + 1
+    out = run.step([(0, seq[pos: pos + 2], pos, 0)])[0]
+    assert (out - ref[pos: pos + 2]).abs().max() < TOL
+
+
 # prompts that repeat themselves (n-gram drafts find matches, some accepted, some not) and one that does not
 PROMPT_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],
               [100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101],
@@ -126,3 +250,84 @@ def greedy(n: int = 24):
     from specray import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+# a gloo rank of a TP 2 check: each folder's model sharded and whole, on prefills, a verify chunk of 2 drafts beside a
+# decode and the next chunk after 1 accepted draft (replayed); writes each folder's max abs logit difference and the
+# first recurrent layer's heads on this rank
+TP_WORKER = textwrap.dedent("""
+    import gc, json, sys
+    import torch, torch.distributed as dist
+    from specray.models.attention import build_attention_metadata
+    from specray.models.gated_deltanet import RecurrentBatch
+    from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
+    from specray.models.loader import load_model
+    from specray.parallel import TPGroup
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    @torch.no_grad()
+    def run(model):
+        allocate_kv_cache(model, 32, 4)
+        allocate_recurrent_state(model, 2, 3)
+        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+        t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]
+        rows = []
+        # (query lens, starts, slots, fresh, replay, drafts, tokens): prefills; a verify chunk of 2 drafts beside a
+        # decode; then the next chunk after 1 accepted draft (replayed)
+        for lens, starts, fresh, replay, drafts, toks in (
+                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:20] + ids[20:27]),
+                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:30] + ids[30:31]),
+                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30] + ids[31:32])):
+            meta = build_attention_metadata(lens, starts, [t1, t2], 4)
+            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
+            rows.append(model.compute_logits(model(torch.tensor(toks), meta)))
+        return torch.cat(rows)
+
+    result = {}
+    for folder in sys.argv[5:]:
+        model = load_model(folder, TPGroup.from_world())
+        heads = model.recurrent_state_specs()[0].num_heads
+        result[folder] = [(run(model) - run(load_model(folder))).abs().max().item(), heads]
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")
+
+
+# a rank of a two-stage pipeline check (TP 1 each): each folder's stage layers and, on the last stage, the max abs
+# difference of its logits from one rank's over the same steps as TP_WORKER's
+PP_WORKER = WORKER_PRELUDE + textwrap.dedent("""
+    from specray.models.gated_deltanet import RecurrentBatch
+    from specray.models.kv_cache import allocate_recurrent_state
+
+    @torch.no_grad()
+    def run(model):  # prefills, a verify chunk of 2 drafts beside a decode, the next chunk after 1 accepted
+        allocate_kv_cache(model, 32, 4)
+        allocate_recurrent_state(model, 2, 3)
+        t1, t2, rows = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15], []
+        for lens, starts, fresh, replay, drafts, toks in (
+                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:27].tolist()),
+                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:31].tolist()),
+                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30].tolist() + ids[31:32].tolist())):
+            meta = plan(lens, starts, [t1, t2], 4)
+            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
+            hidden = model(torch.tensor(toks), meta)
+            rows.append(None if hidden is None else model.compute_logits(hidden))
+        return None if rows[0] is None else torch.cat(rows)
+
+    result = {}
+    for folder in folders:
+        model = load_model(folder, tp, pp=pp)
+        mine = run(model)
+        result[folder] = [list(model.model.stage), None if mine is None else
+                          (mine - run(load_model(folder))).abs().max().item()]
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    json.dump(result, open(f"{out}/{rank}.json", "w"))
+""")

@@ -29,14 +29,21 @@ def prompt(seed: int = 0) -> list[int]:
 @torch.no_grad()
 def chunked_logits(model, ids: list[int], sizes: list[int], seed: int = 0, consecutive: bool = False) -> torch.Tensor:
     """One sequence run in chunks of ``sizes`` new tokens over a paged cache in shuffled blocks (``consecutive``:
-    blocks in order, whose context attention reads as one view) on the model's device -> logits [L, V] on the CPU."""
+    blocks in order, whose context attention reads as one view) on the model's device -> logits [L, V] on the CPU.
+    A hybrid model's recurrent layers carry the sequence's state in slot 0 from chunk to chunk."""
+    from specray.models.gated_deltanet import RecurrentBatch
+    from specray.models.kv_cache import allocate_recurrent_state
+
     device = model.device
     allocate_kv_cache(model, 64, BLOCK)
+    recurrent = allocate_recurrent_state(model, 2, 4) is not None
     needed = -(-len(ids) // BLOCK)
     table = list(range(3, 3 + needed)) if consecutive else random.Random(seed).sample(range(64), needed)
     out, start = [], 0
     for n in sizes:
         meta = build_attention_metadata([n], [start], [table], BLOCK, device)
+        if recurrent:
+            meta.recurrent = RecurrentBatch([0], [start == 0], [0], [0])
         out.append(model.compute_logits(model(torch.tensor(ids[start: start + n], device=device), meta)).cpu())
         start += n
     return torch.cat(out)

@@ -22,7 +22,9 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_glm5_dir", "tiny_llama4_dir", "tiny_glm_dir", "tiny_gemma_dir", "tiny_olmoe_dir",
             "tiny_starcoder2_dir", "tiny_ministral3_dir", "tiny_exaone_moe_dir", "tiny_hunyuan_v1_moe_dir",
             "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir", "tiny_apertus_dir",
-            "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir", "tiny_granitemoeshared_dir"]
+            "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir", "tiny_granitemoeshared_dir",
+            "tiny_qwen3_5_model_dir", "tiny_bamba_dir", "tiny_granitemoehybrid_dir", "tiny_nemotron_h_dir",
+            "tiny_falcon_h1_dir", "tiny_mamba2_dir"]
 
 
 def _first(out):

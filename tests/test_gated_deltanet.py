@@ -57,18 +57,20 @@ LENGTHS = [[1], [7, 3], [16], [64, 17, 40], [100, 64, 1], [130, 129, 65]]
 @pytest.mark.parametrize("decay", list(DECAYS))
 @pytest.mark.parametrize("lengths", LENGTHS, ids=["-".join(map(str, x)) for x in LENGTHS])
 @pytest.mark.parametrize("chunk", [64, 16])
-def test_chunked_form_equals_the_scan(lengths, decay, chunk):
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "gated"])
+def test_chunked_form_equals_the_scan(lengths, decay, chunk, delta):
     """Outputs (every real token), final states, and the states kept after a draft-like token near each end, at the
-    first token and in the middle (across chunk boundaries), equal the scan's."""
+    first token and in the middle (across chunk boundaries), equal the scan's: for the delta rule and for the plain
+    gated one (Mamba-2's)."""
     args = padded_batch(lengths, decay, seed=len(lengths) * 1000 + sum(lengths))
-    out, state = gated_delta_scan(*args)
-    got, got_state = chunked_gated_delta(*args, chunk=chunk)
+    out, state = gated_delta_scan(*args, delta=delta)
+    got, got_state = chunked_gated_delta(*args, chunk=chunk, delta=delta)
     for i, n in enumerate(lengths):
         assert rel_err(got[i, :n], out[i, :n]) < REL, (i, n)
     assert rel_err(got_state, state) < REL
     for keep_at in ([max(n - 3, 0) for n in lengths], [0] * len(lengths), [n // 2 for n in lengths]):
-        _, kept = gated_delta_scan(*args, keep_at=keep_at)
-        got_out, got_kept = chunked_gated_delta(*args, keep_at=keep_at, chunk=chunk)
+        _, kept = gated_delta_scan(*args, keep_at=keep_at, delta=delta)
+        got_out, got_kept = chunked_gated_delta(*args, keep_at=keep_at, chunk=chunk, delta=delta)
         assert rel_err(got_kept, kept) < REL, keep_at
         assert rel_err(got_out, got) < REL, keep_at  # keeping a state changes no output
 
@@ -82,6 +84,8 @@ def test_the_comparison_can_fail():
     _, kept = gated_delta_scan(*args, keep_at=[100, 40])
     _, off_by_one = chunked_gated_delta(*args, keep_at=[101, 40])
     assert rel_err(off_by_one, kept) > 1e-2
+    plain_out, _ = chunked_gated_delta(*args, delta=False)  # the two rules differ
+    assert rel_err(plain_out, out) > 1e-2
 
 
 def test_long_prefill_beside_a_verify_chunk_matches_transformers(tmp_path, monkeypatch):
@@ -248,22 +252,33 @@ def test_without_taking_a_step_back_a_failure_after_the_runner_fails_the_others(
     assert any(o.error is not None and "recurrent state is at" in o.error for o in done.values())
 
 
-def test_a_token_tree_gives_each_draft_its_own_paths_state():
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+def test_a_token_tree_gives_each_draft_its_own_paths_state(kind):
     """A verify chunk whose drafts form a tree, after replaying pending drafts: every row's output equals the output
     that row gets when its path alone (the chunk's real tokens, then its ancestors, then it) runs as a chain from the
     same state; the committed state and conv history equal the chain's, and every draft is kept pending in node
-    order (its input and gates)."""
+    order (its input and gates). For Gated DeltaNet's delta rule and Mamba-2's plain gated one (its conv bias and D
+    skip too)."""
     import types
 
     from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
     from specray.models.kv_cache import RecurrentState
+    from specray.models.mamba2 import Mamba2Mixer
     from specray.parallel import TPGroup
 
-    cfg = types.SimpleNamespace(hidden_act="silu", linear_num_key_heads=2, linear_num_value_heads=4,
-                                linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
-                                hidden_size=32, rms_norm_eps=1e-5)
     torch.manual_seed(0)
-    layer, pend, width = GatedDeltaNet(cfg, TPGroup.single()), 6, 3
+    if kind == "gated_deltanet":
+        layer = GatedDeltaNet(types.SimpleNamespace(
+            hidden_act="silu", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-5), TPGroup.single())
+    else:
+        layer = Mamba2Mixer(types.SimpleNamespace(
+            model_type="bamba", hidden_act="silu", mamba_n_heads=4, mamba_d_head=6, mamba_d_state=8, mamba_n_groups=2,
+            mamba_d_conv=4, mamba_expand=2, hidden_size=12, mamba_conv_bias=True, mamba_proj_bias=False,
+            rms_norm_eps=1e-5, time_step_limit=(0.0, float("inf"))), TPGroup.single())
+        with torch.no_grad():
+            layer.conv1d.bias.normal_(), layer.D.normal_()
+    pend, width = 6, 3
     with torch.no_grad():
         layer.conv1d.weight.normal_(0.0, 0.5)
     state = RecurrentState([layer.state_spec], 4, pend, torch.float32, "cpu")

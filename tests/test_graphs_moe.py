@@ -27,6 +27,10 @@ CONFIGS = {
                         routed_scaling_factor=2.5, norm_topk_prob=True),
     "deepseek_v2": dict(n_routed_experts=E, moe_intermediate_size=I, n_group=4, topk_group=1, n_shared_experts=1,
                         routed_scaling_factor=2.0, topk_method="group_limited_greedy"),
+    # Nemotron-H's: DeepSeek-V3's router, gateless squared-ReLU experts and shared experts
+    "nemotron_h": dict(n_routed_experts=E, moe_intermediate_size=I, n_group=4, topk_group=2,
+                       moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       mlp_hidden_act="relu2"),
 }
 
 
@@ -70,7 +74,7 @@ def _routing(case: str, t: int, block: SparseMoE, gen: torch.Generator) -> tuple
 
 @pytest.mark.parametrize("case", ["random", "one", "few"])
 @pytest.mark.parametrize("split", ["whole", "ep-rank1", "width-rank1", "width-rank0"])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "llama4_text", "nemotron_h"])
 def test_grouped_experts_equal_the_loop(model_type, split, case, nan_past_the_groups):
     """The routed experts' share of one rank, grouped (graph steps) against the loop (eager steps), on the same
     routing (random; every pair on expert 5, top 1; only experts 1 and 6): the whole block, a rank of two holding

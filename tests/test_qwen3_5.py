@@ -6,7 +6,6 @@ seeded sampling), the refusals, and TP 2 against one rank."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,10 @@ import torch
 
 from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
 from specray.models.loader import load_model
-from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
+from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    NGRAM, PROMPT_IDS, TINY, TOL, Stepper, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+    NGRAM, PP_WORKER, TINY, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
+    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +26,8 @@ def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_prefill_chunks_and_decode_match_transformers(tmp_path, arch):
-    """One prefill, the same prompt in uneven chunks (the state carried between them), then decode steps one token
-    at a time, two sequences batched together with different slots: every logit row equals transformers'."""
-    model, hf = ours(tmp_path, arch)
-    a, b = tokens(29, 1), tokens(11, 2)
-    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
-    whole = Stepper(model).step([(0, a[:25], 0, 0), (2, b[:9], 0, 0)])
-    assert (whole[0] - ref_a[:25]).abs().max() < TOL
-    assert (whole[1] - ref_b[:9]).abs().max() < TOL
-    run = Stepper(model)
-    got_a, got_b = [], []
-    for (sa, ea), (sb, eb) in (((0, 7), (0, 3)), ((7, 8), (3, 9)), ((8, 25), (9, 10))):
-        out = run.step([(1, a[sa:ea], sa, 0), (3, b[sb:eb], sb, 0)])
-        got_a.append(out[0]), got_b.append(out[1])
-    for pos in range(25, 29):  # decode, one token each step
-        got_a.append(run.step([(1, [a[pos]], pos, 0)])[0])
-    assert (torch.cat(got_a) - ref_a).abs().max() < TOL
-    assert (torch.cat(got_b) - ref_b[:10]).abs().max() < TOL
+    """(check_prefill_chunks_and_decode, tests/hybrid_models.py)"""
+    check_prefill_chunks_and_decode(*ours(tmp_path, arch))
 
 
 def test_aux_layers_are_the_residual_streams_entering_those_layers(tmp_path):
@@ -72,23 +57,8 @@ def test_aux_layers_are_the_residual_streams_entering_those_layers(tmp_path):
 
 
 def test_drafts_are_replayed_as_accepted(tmp_path):
-    """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
-    ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal
-    transformers' on the accepted path, whatever was drafted and rejected."""
-    model, hf = ours(tmp_path, "qwen3_5", seed=3)
-    seq = tokens(40, 4)
-    ref = hf_logits(hf, seq)
-    run = Stepper(model)
-    out = run.step([(0, seq[:10], 0, 0)])[0]
-    assert (out - ref[:10]).abs().max() < TOL
-    pos = 10
-    for accepted in (0, 1, 3, 2, 0, 3):
-        drafts = seq[pos + 1: pos + 1 + accepted] + tokens(3 - accepted, 100 + pos)  # a wrong draft after them
-        out = run.step([(0, [seq[pos]] + drafts, pos, 3)])[0]
-        assert (out[: accepted + 1] - ref[pos: pos + accepted + 1]).abs().max() < TOL, accepted
-        pos += accepted + 1
-    out = run.step([(0, seq[pos: pos + 2], pos, 0)])[0]  # then plain tokens again
-    assert (out - ref[pos: pos + 2]).abs().max() < TOL
+    """(check_drafts_replayed, tests/hybrid_models.py)"""
+    check_drafts_replayed(*ours(tmp_path, "qwen3_5", seed=3))
 
 
 def test_no_host_sync_in_a_step(tmp_path, no_host_sync):
@@ -149,8 +119,8 @@ def test_broken_state_handling_fails(tmp_path, monkeypatch):
     import specray.models.gated_deltanet as gdn
 
     conv = gdn.causal_conv
-    monkeypatch.setattr(gdn, "causal_conv", lambda window, weight: conv(  # the history one input short
-        torch.cat((window[:, :1] * 0, window[:, :-1]), dim=1), weight))
+    monkeypatch.setattr(gdn, "causal_conv", lambda window, weight, bias=None: conv(  # the history one input short
+        torch.cat((window[:, :1] * 0, window[:, :-1]), dim=1), weight, bias))
     assert chunked_error() > 100 * TOL
     monkeypatch.undo()
     run = Stepper(model)  # drafts never pending: the next chunk replays nothing, as if all were committed
@@ -171,16 +141,7 @@ def plain_greedy(tiny_qwen3_5_dir):
 
 
 def test_plain_engine_equals_transformers_greedy(tiny_qwen3_5_dir, plain_greedy):
-    """Several requests at once, each in its own state slot: every output token is transformers' argmax over the
-    whole sequence so far."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_dir, dtype=torch.float32).eval()
-    for ids, out in zip(PROMPT_IDS[:3], plain_greedy[:3]):
-        seq = list(ids)
-        for _ in range(8):
-            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
-        assert out[:8] == seq[len(ids):]
+    check_greedy_equals_transformers(tiny_qwen3_5_dir, plain_greedy)
 
 
 @pytest.mark.parametrize("case", ["batched", "chunked-prefill", "preemption", "async"])
@@ -280,50 +241,6 @@ def test_graphs_allowed_for_linear_attention(tiny_qwen3_5_dir):
 
 # ---- tensor parallelism ------------------------------------------------------------------------------------------
 
-TP_WORKER = textwrap.dedent("""
-    import gc, json, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata
-    from specray.models.gated_deltanet import RecurrentBatch
-    from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
-    from specray.models.loader import load_model
-    from specray.parallel import TPGroup
-
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-    @torch.no_grad()
-    def run(model):
-        allocate_kv_cache(model, 32, 4)
-        allocate_recurrent_state(model, 2, 3)
-        ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-        t1, t2 = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15]
-        rows = []
-        # (query lens, starts, slots, fresh, replay, drafts, tokens): prefills; a verify chunk of 2 drafts beside a
-        # decode; then the next chunk after 1 accepted draft (replayed)
-        for lens, starts, fresh, replay, drafts, toks in (
-                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:20] + ids[20:27]),
-                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:30] + ids[30:31]),
-                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30] + ids[31:32])):
-            meta = build_attention_metadata(lens, starts, [t1, t2], 4)
-            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
-            rows.append(model.compute_logits(model(torch.tensor(toks), meta)))
-        return torch.cat(rows)
-
-    result = {}
-    for folder in sys.argv[5:]:
-        model = load_model(folder, TPGroup.from_world())
-        heads = model.recurrent_state_specs()[0].num_heads
-        result[folder] = [(run(model) - run(load_model(folder))).abs().max().item(), heads]
-    del model
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump(result, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: the linear layers' key and value heads split over the ranks (their projections, conv
     channels, decays and states), the gated attention's heads and (Qwen3-Next) the fused checkpoint projections and
@@ -337,38 +254,6 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert heads == TINY["linear_num_value_heads"] // 2, folder
-
-
-PP_WORKER = WORKER_PRELUDE + textwrap.dedent("""
-    from specray.models.gated_deltanet import RecurrentBatch
-    from specray.models.kv_cache import allocate_recurrent_state
-
-    @torch.no_grad()
-    def run(model):  # prefills, a verify chunk of 2 drafts beside a decode, the next chunk after 1 accepted
-        allocate_kv_cache(model, 32, 4)
-        allocate_recurrent_state(model, 2, 3)
-        t1, t2, rows = [5, 3, 9, 1, 7, 2, 8, 4, 6], [10, 11, 12, 13, 14, 15], []
-        for lens, starts, fresh, replay, drafts, toks in (
-                ([20, 7], [0, 0], [True, True], [0, 0], [0, 0], ids[:27].tolist()),
-                ([3, 1], [20, 7], [False, False], [0, 0], [2, 0], ids[27:31].tolist()),
-                ([2, 1], [22, 8], [False, False], [1, 0], [0, 0], ids[28:30].tolist() + ids[31:32].tolist())):
-            meta = plan(lens, starts, [t1, t2], 4)
-            meta.recurrent = RecurrentBatch([1, 0], fresh, replay, drafts)
-            hidden = model(torch.tensor(toks), meta)
-            rows.append(None if hidden is None else model.compute_logits(hidden))
-        return None if rows[0] is None else torch.cat(rows)
-
-    result = {}
-    for folder in folders:
-        model = load_model(folder, tp, pp=pp)
-        mine = run(model)
-        result[folder] = [list(model.model.stage), None if mine is None else
-                          (mine - run(load_model(folder))).abs().max().item()]
-    del model
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump(result, open(f"{out}/{rank}.json", "w"))
-""")
 
 
 def test_pipeline_stages_match_one_rank(tmp_path):

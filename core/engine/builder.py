@@ -20,7 +20,7 @@ from specray.engine.llm_engine import FORCED_DRAFT_LIMIT, LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
-from specray.models.layers import set_max_model_len
+from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
 from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
                                    resolve_model)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    limit = max_positions(hf_config)
     if requested is None:
         return limit
     if requested > limit:
@@ -129,9 +129,9 @@ def max_pending_drafts(spec: SpeculativeConfig | None) -> int:
 
 
 def check_recurrent(args: EngineArgs, hf_config) -> bool:
-    """Whether the target keeps a recurrent state per request (linear attention: Qwen3.5, Qwen3-Next), with a
-    ValueError for what such a model does not support yet; and a draft model of that kind is refused for any
-    target."""
+    """Whether the target keeps a recurrent state per request (linear attention: Qwen3.5, Qwen3-Next; Mamba-2: Bamba,
+    Granite 4.0's hybrids, Nemotron-H), with a ValueError for what such a model does not support yet; and a draft
+    model of that kind is refused for any target."""
     from specray.models.registry import get_model_class
 
     spec = args.speculative_config
@@ -139,17 +139,12 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
         else None
     if draft and getattr(get_model_class(load_hf_config(draft, read_config(draft, args.trust_remote_code))),
                          "recurrent", False):
-        raise ValueError(f"speculative_config.model={draft!r} has linear-attention layers (a recurrent state per "
-                         "request), which the draft model's runner does not keep: pick a draft model with attention "
-                         "layers only, or method='ngram'")
+        raise ValueError(f"speculative_config.model={draft!r} has recurrent layers (linear-attention layers or "
+                         "Mamba-2's: a recurrent state per request), which the draft model's runner does not keep: "
+                         "pick a draft model with attention layers only, or method='ngram'")
     if not getattr(get_model_class(hf_config), "recurrent", False):
         return False
-    kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention: a recurrent state per request)"
-    tp = args.tensor_parallel_size
-    for heads in ("linear_num_key_heads", "linear_num_value_heads"):
-        if getattr(hf_config, heads) % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
-                             f"{getattr(hf_config, heads)}; choose a tensor_parallel_size that divides it")
+    kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention or Mamba-2: a recurrent state per request)"
     if spec is not None:
         options = registry.options_of(spec)
         # a lookup drafter's token trees are verified (each draft's state from its parent's: gated_delta_tree); a

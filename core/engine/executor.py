@@ -33,11 +33,12 @@ class CacheConfig:
 
 
 def plan_num_blocks(infos: list[KVCacheInfo], cache: CacheConfig) -> int:
-    """Enough blocks for every seat at full length, capped by the tightest rank's KV memory budget."""
+    """Enough blocks for every seat at full length, capped by the tightest rank's KV memory budget (a model with no
+    paged layer, Mamba-2's, pays nothing per block: its blocks are the scheduler's bookkeeping alone)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     wanted = cache.max_num_seqs * (-(-cache.max_model_len // cache.block_size) + 1)
-    fits = min(info.budget_bytes // info.bytes_per_block for info in infos)
+    fits = min(info.budget_bytes // info.bytes_per_block if info.bytes_per_block else wanted for info in infos)
     if fits < 1:
         worst = min(infos, key=lambda i: i.budget_bytes // i.bytes_per_block)
         raise ValueError(f"kv_cache_memory_bytes={worst.budget_bytes} holds no KV block of "

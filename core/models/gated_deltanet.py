@@ -104,22 +104,24 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
-def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv then silu: ``window`` [B, K - 1 + L, C] (per sequence the K - 1 inputs before the
-    first output, then L inputs), ``weight`` [C, K] -> [B, L, C], output t = silu(sum_j weight[:, j] *
-    window[:, t + j])."""
-    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=weight.shape[0])  # [B, C, L]
+    first output, then L inputs), ``weight`` [C, K], ``bias`` [C] or None -> [B, L, C], output t =
+    silu(sum_j weight[:, j] * window[:, t + j] + bias)."""
+    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], bias,
+                   groups=weight.shape[0])  # [B, C, L]
     return F.silu(out).transpose(1, 2).to(window.dtype)
 
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None
+                     state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, delta: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule token by token (module docstring), float32, B sequences padded to L tokens: q, k [B, L, H,
     dk] (normalised, q scaled), v [B, L, H, dv], g, beta [B, L, H], state [B, H, dk, dv]. Padding tokens must have
     g = 0 and beta = 0 (they leave the state as it is). Returns the outputs [B, L, H, dv] and the state after token
     ``keep_at[b]`` of each sequence (None: after the last token; a host list, or a [B] long tensor on the device,
-    where -1 keeps the state given)."""
+    where -1 keeps the state given). ``delta=False``: the plain gated rule of Mamba-2's state-space dual instead,
+    ``S <- exp(g_t) S + k_t (beta_t v_t)^T`` (nothing subtracted: :mod:`specray.models.mamba2`)."""
     length = q.shape[1]
     keep = None
     if isinstance(keep_at, torch.Tensor):  # [L, B, 1, 1, 1] by comparison on the device
@@ -133,9 +135,8 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     for t in range(length):
         state = state * g[:, t].exp()[..., None, None]
         k_t = k[:, t]  # [B, H, dk]
-        predicted = (state * k_t[..., None]).sum(-2)  # k^T S: [B, H, dv]
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = state + k_t[..., None] * delta[..., None, :]
+        written = v[:, t] - (state * k_t[..., None]).sum(-2) if delta else v[:, t]  # v - k^T S: [B, H, dv]
+        state = state + k_t[..., None] * (written * beta[:, t, :, None])[..., None, :]
         outputs.append((state * q[:, t, :, :, None]).sum(-2))
         if keep is not None:
             kept = torch.where(keep[t], state, kept)
@@ -168,15 +169,17 @@ def tree_windows(parent_rows: list[int], width: int) -> list[list[int]]:
 
 
 def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, parent_rows: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule over one sequence's rows that form a tree (:func:`tree_rows`): row j updates its parent row's
-    state (``state`` [H, dk, dv] for parent -1), so every draft sees its own path only. q, k [L, H, dk], v [L, H,
-    dv], g, beta [L, H], float32 -> the outputs [L, H, dv] and the state after row ``keep``."""
+                     state: torch.Tensor, parent_rows: list[int], keep: int, delta: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule (``delta=False``: the plain gated rule, :func:`gated_delta_scan`) over one sequence's rows
+    that form a tree (:func:`tree_rows`): row j updates its parent row's state (``state`` [H, dk, dv] for parent
+    -1), so every draft sees its own path only. q, k [L, H, dk], v [L, H, dv], g, beta [L, H], float32 -> the
+    outputs [L, H, dv] and the state after row ``keep``."""
     states, outputs = [], []
     for j, parent in enumerate(parent_rows):
         s = (state if parent < 0 else states[parent]) * g[j].exp()[:, None, None]
-        delta = (v[j] - (s * k[j][..., None]).sum(-2)) * beta[j][:, None]  # beta (v - k^T S): [H, dv]
-        s = s + k[j][..., None] * delta[:, None, :]
+        written = v[j] - (s * k[j][..., None]).sum(-2) if delta else v[j]  # v - k^T S: [H, dv]
+        s = s + k[j][..., None] * (written * beta[j][:, None])[:, None, :]
         states.append(s)
         outputs.append((s * q[j][..., None]).sum(-2))
     return torch.stack(outputs), states[keep]
@@ -202,8 +205,8 @@ def _segment_sums(g: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, chunk: int = CHUNK
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, chunk: int = CHUNK,
+                        delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_scan`'s results (same arguments, same padding rule) computed chunk by chunk: the
     within-chunk dependency solved as one triangular system, the state carried between chunks by matrix products
     (the WY / UT-transform form of Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence
@@ -226,7 +229,10 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
       from j = C - 1, and ``keep_at`` reads other j the same way.
 
     Padding tokens (g = 0, beta = 0, also those that round the length up to whole chunks) write u_t = 0 and decay by
-    1: they leave the state as it is, as in the scan."""
+    1: they leave the state as it is, as in the scan.
+
+    ``delta=False`` (the plain gated rule): nothing is subtracted, so ``U = diag(beta) V`` outright (A = 0, W = 0):
+    no solve, and the same outputs and states from it (Mamba-2's chunked state-space dual form)."""
     b, length, h, dk = q.shape
     dv = v.shape[-1]
     chunk = min(chunk, length)  # a short sequence is one chunk of its own length, not padded up to a whole one
@@ -241,11 +247,14 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)  # [B, H, N, C(, d)]
     decay = _segment_sums(g).exp()  # D [B, H, N, C, C]: exp(G_t - G_i) on and below the diagonal, 0 above
     cum = g.cumsum(-1)  # G [B, H, N, C]: log-decay from the chunk's start through token t
-    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    a = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)  # A [B, H, N, C, C]
-    rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), -1)  # [.., C, dv + dk]
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    u_free, w = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
+    if delta:
+        strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+        a = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)  # A [B, H, N, C, C]
+        rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), -1)  # [.., C, dv + dk]
+        eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+        u_free, w = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
+    else:
+        u_free, w = beta[..., None] * v, None
     within = decay * (q @ k.transpose(-1, -2))  # D * Q K^T [B, H, N, C, C]
     q_start = q * cum.exp()[..., None]  # diag(exp(G)) Q: the start state's share of each output
     k_end = k * decay[..., -1, :, None]  # row i: k_i exp(G_{C-1} - G_i), each write's decay to the chunk's end
@@ -266,7 +275,7 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         kept = state.clone()
     outputs = []
     for c in range(n):
-        u = u_free[:, :, c] - w[:, :, c] @ state  # U = U~ - W S0 [B, H, C, dv]
+        u = u_free[:, :, c] if w is None else u_free[:, :, c] - w[:, :, c] @ state  # U = U~ - W S0 [B, H, C, dv]
         outputs.append(q_start[:, :, c] @ state + within[:, :, c] @ u)
         if on_device is not None:
             kept = torch.where(on_device == c, start_keep * state + k_keep.transpose(-1, -2) @ u, kept)
@@ -316,68 +325,45 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
-    """One linear-attention layer over this rank's heads (module docstring); its checkpoint names are the
-    transformers ones under ``linear_attn.``."""
+class RecurrentMixer(nn.Module):
+    """What a layer with a recurrent state per request shares (Gated DeltaNet here, Mamba-2's mixer in
+    :mod:`specray.models.mamba2`): its slots, the replay of accepted drafts, token trees, the fixed-shape form for
+    graph steps (module docstring). A subclass gives the conv (``conv1d.weight`` [C, K], ``conv1d.bias`` [C] or
+    None; ``kernel`` K), how its conv's output splits into q, k, v (:meth:`_split_heads`), its rule
+    (``delta_rule``: the delta rule, else the plain gated one) and what it adds to the rule's outputs
+    (:meth:`_skip`); its ``forward`` hands the conv's inputs and each token's g and beta to :meth:`recurrence`."""
 
-    def __init__(self, config, tp: TPGroup):
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for linear attention; 'silu' is")
-        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        if value_heads % key_heads:
-            raise ValueError(f"linear_num_value_heads={value_heads} must be a multiple of linear_num_key_heads="
-                             f"{key_heads}: each key head serves a group of value heads")
-        self.key_heads = divide(key_heads, tp.size, "linear_num_key_heads")
-        self.value_heads = divide(value_heads, tp.size, "linear_num_value_heads")
-        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
-        self.kernel = config.linear_conv_kernel_dim
-        key, value, h = key_heads * self.dk, value_heads * self.dv, config.hidden_size
-        self.in_proj_qkv = FusedColumnLinear(h, [key, key, value], tp)
-        self.in_proj_z = ColumnParallelLinear(h, value, tp)
-        self.in_proj_b = ColumnParallelLinear(h, value_heads, tp)
-        self.in_proj_a = ColumnParallelLinear(h, value_heads, tp)
-        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [C, 1, K]: this rank's channels, [C_local, K]
-        self.conv1d.weight = _param(sum(self.in_proj_qkv.local_sizes), self.kernel)
-        self.conv1d.weight.weight_loader = self._load_conv
-        self.tp = tp
-        self.dt_bias = _head_param(value_heads, tp)
-        self.A_log = _head_param(value_heads, tp)
-        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(value, h, tp)
-        self.state: RecurrentLayerState | None = None
-
-    def _load_conv(self, param: nn.Parameter, loaded: Any) -> None:
-        """This rank's channels of each of q, k and v (the layout of its ``in_proj_qkv`` rows)."""
-        rows, start = [], 0
-        for size, local in zip(self.in_proj_qkv.output_sizes, self.in_proj_qkv.local_sizes):
-            rows.append(narrow(loaded, 0, start + self.tp.rank * local, local))
-            start += size
-        _copy(param, torch.cat(rows).reshape(param.shape))
-
-    @property
-    def state_spec(self) -> RecurrentStateSpec:
-        return RecurrentStateSpec(conv_dim=self.conv1d.weight.shape[0], conv_width=self.kernel - 1,
-                                  num_heads=self.value_heads, key_dim=self.dk, value_dim=self.dv)
+    delta_rule = True
+    kernel: int
+    state: RecurrentLayerState | None = None
 
     def bind_state(self, state: RecurrentLayerState) -> None:
         self.state = state
 
-    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        # x: [T, H] -> [T, H]; meta.recurrent: the step's RecurrentBatch (meta.query_lens its sequences' tokens), or
-        # a graph step's RecurrentGraphBatch (B sequences of T / B rows each)
+    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _skip(self, out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The rule's outputs [B, L, H, dv] as the layer's (v: the rows' values, same shape): as they are."""
+        return out
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        return causal_conv(window, self.conv1d.weight, getattr(self.conv1d, "bias", None))
+
+    def _rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor, keep_at: list[int] | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scan = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
+        return scan(q, k, v, g, beta, state, keep_at, delta=self.delta_rule)
+
+    def recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
+        """The step's outputs [T, H, dv] from the conv's inputs ``mixed`` [T, C] and each token's log decay ``g``
+        and strength ``beta`` [T, H] (float32); meta.recurrent: the step's RecurrentBatch (meta.query_lens its
+        sequences' tokens), or a graph step's RecurrentGraphBatch (B sequences of T / B rows each)."""
         batch: RecurrentBatch | RecurrentGraphBatch = meta.recurrent
         assert batch is not None and self.state is not None, "a linear-attention layer needs its recurrent state"
-        t = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [T, C]: q | k | v before the conv
-        z = self.in_proj_z(x).view(t, self.value_heads, self.dv)
-        beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
         if isinstance(batch, RecurrentGraphBatch):
-            o = self._fixed_recurrence(mixed, g, beta, batch)  # [T, Hv, dv]
-        else:
-            o = self._recurrence(mixed, g, beta, batch, meta.query_lens)  # [T, Hv, dv]
-        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(t, -1))
+            return self._fixed_recurrence(mixed, g, beta, batch)
+        return self._recurrence(mixed, g, beta, batch, meta.query_lens)
 
     def _recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: RecurrentBatch,
                     query_lens: list[int]) -> torch.Tensor:
@@ -396,15 +382,14 @@ class GatedDeltaNet(nn.Module):
             start += q_len
         # every sequence's conv at once over its padded window: outputs past a sequence's own n + q are zeroed
         lengths = [len(s[4]) - width for s in seqs]  # n + q each
-        conv = causal_conv(torch.nn.utils.rnn.pad_sequence([s[4] for s in seqs], batch_first=True),
-                           self.conv1d.weight)  # [B, L, C]
+        conv = self._conv(torch.nn.utils.rnn.pad_sequence([s[4] for s in seqs], batch_first=True))  # [B, L, C]
         trees = {b: tree_rows(s[2], lengths[b] - s[2] - s[3], p)  # a tree's rows: their own windows and scan
                  for b, (s, p) in enumerate(zip(seqs, batch.parents or [None] * len(seqs))) if p is not None}
         for b, parent_rows in trees.items():  # each row's conv over its ancestors' inputs (host lists: no sync)
             windows = torch.tensor(tree_windows(parent_rows, width), dtype=torch.long, device=mixed.device)
-            x = seqs[b][4][windows]  # [L, K, C]
-            conv[b, : len(parent_rows)] = F.silu((x.to(self.conv1d.weight.dtype)
-                                                  * self.conv1d.weight.t()).sum(1)).to(conv.dtype)
+            x = (seqs[b][4][windows].to(self.conv1d.weight.dtype) * self.conv1d.weight.t()).sum(1)  # [L, C]
+            bias = getattr(self.conv1d, "bias", None)
+            conv[b, : len(parent_rows)] = F.silu(x if bias is None else x + bias).to(conv.dtype)
         real = torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]  # [B, L] (host lists: no sync)
         q, k, v = self._split_heads(conv * real.to(conv.device)[..., None])
         g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
@@ -416,13 +401,14 @@ class GatedDeltaNet(nn.Module):
             initial[fresh] = 0.0
         committed = [n - s[3] for n, s in zip(lengths, seqs)]  # replayed + non-draft tokens
         keep_at = [c - 1 for c in committed] if any(s[3] for s in seqs) else None
-        delta_rule = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
-        out, kept = delta_rule(q, k, v, g_pad, beta_pad, initial, keep_at)
+        out, kept = self._rule(q, k, v, g_pad, beta_pad, initial, keep_at)
         for b, parent_rows in trees.items():  # (the chain rule's rows for it, computed above, are not used)
             rows = len(parent_rows)
             out_b, kept_b = gated_delta_tree(q[b, :rows], k[b, :rows], v[b, :rows], g_pad[b, :rows],
-                                             beta_pad[b, :rows], initial[b], parent_rows, committed[b] - 1)
+                                             beta_pad[b, :rows], initial[b], parent_rows, committed[b] - 1,
+                                             self.delta_rule)
             out[b, :rows], kept[b] = out_b, kept_b
+        out = self._skip(out, v)
         targets = batch.slots if batch.targets is None else batch.targets
         st.matrix.index_copy_(0, torch.tensor(targets, dtype=torch.long, device=mixed.device), kept)
         for (_, _, n, drafts, window, g_seq, beta_seq), done, row in zip(seqs, committed, targets):
@@ -463,7 +449,7 @@ class GatedDeltaNet(nn.Module):
         window = pool.gather(1, src[..., None].expand(-1, -1, pool.shape[-1]))  # [B, K - 1 + L, C]
         r = torch.arange(length, device=dev)[None, :]
         real = (r < (replay + lens)[:, None])[..., None]  # [B, L, 1]: replayed or new, not padding
-        conv = causal_conv(window, self.conv1d.weight)  # [B, L, C]
+        conv = self._conv(window)  # [B, L, C]
         q, k, v = self._split_heads(torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev)))
         # g and beta likewise: the pending drafts' stored gates, then the new rows'
         gates = gates_held.index_select(0, slots)  # [B, P, 2, Hv]
@@ -476,8 +462,8 @@ class GatedDeltaNet(nn.Module):
                                 zero)
         initial = st.matrix.index_select(0, slots).masked_fill(fresh[:, None, None, None], 0.0)
         committed = replay + lens - drafts  # [B]: rows through the last committed token (0: a padding sequence)
-        delta_rule = chunked_gated_delta if length >= CHUNKED_FROM else gated_delta_scan  # same results
-        out, kept = delta_rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
+        out, kept = self._rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
+        out = self._skip(out, v)
         st.matrix.index_copy_(0, targets, kept)
         # the target's stored rows: the last K - 1 committed inputs (window rows from `committed` on), then the
         # drafts' inputs; rows past the drafts are zeroed (padding is never kept pending)
@@ -493,6 +479,60 @@ class GatedDeltaNet(nn.Module):
         out_src = (replay[:, None] + torch.arange(q_rows, device=dev)[None, :])[..., None, None]
         return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)
 
+
+class GatedDeltaNet(RecurrentMixer):
+    """One linear-attention layer over this rank's heads (module docstring); its checkpoint names are the
+    transformers ones under ``linear_attn.``."""
+
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for linear attention; 'silu' is")
+        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if value_heads % key_heads:
+            raise ValueError(f"linear_num_value_heads={value_heads} must be a multiple of linear_num_key_heads="
+                             f"{key_heads}: each key head serves a group of value heads")
+        self.key_heads = divide(key_heads, tp.size, "linear_num_key_heads")
+        self.value_heads = divide(value_heads, tp.size, "linear_num_value_heads")
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel = config.linear_conv_kernel_dim
+        key, value, h = key_heads * self.dk, value_heads * self.dv, config.hidden_size
+        self.in_proj_qkv = FusedColumnLinear(h, [key, key, value], tp)
+        self.in_proj_z = ColumnParallelLinear(h, value, tp)
+        self.in_proj_b = ColumnParallelLinear(h, value_heads, tp)
+        self.in_proj_a = ColumnParallelLinear(h, value_heads, tp)
+        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [C, 1, K]: this rank's channels, [C_local, K]
+        self.conv1d.weight = _param(sum(self.in_proj_qkv.local_sizes), self.kernel)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.tp = tp
+        self.dt_bias = _head_param(value_heads, tp)
+        self.A_log = _head_param(value_heads, tp)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value, h, tp)
+
+    def _load_conv(self, param: nn.Parameter, loaded: Any) -> None:
+        """This rank's channels of each of q, k and v (the layout of its ``in_proj_qkv`` rows)."""
+        rows, start = [], 0
+        for size, local in zip(self.in_proj_qkv.output_sizes, self.in_proj_qkv.local_sizes):
+            rows.append(narrow(loaded, 0, start + self.tp.rank * local, local))
+            start += size
+        _copy(param, torch.cat(rows).reshape(param.shape))
+
+    @property
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(conv_dim=self.conv1d.weight.shape[0], conv_width=self.kernel - 1,
+                                  num_heads=self.value_heads, key_dim=self.dk, value_dim=self.dv)
+
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        # x: [T, H] -> [T, H] (meta.recurrent: see recurrence)
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, C]: q | k | v before the conv
+        z = self.in_proj_z(x).view(t, self.value_heads, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        o = self.recurrence(mixed, g, beta, meta)  # [T, Hv, dv]
+        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(t, -1))
+
     def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [B, L, C] -> q, k [B, L, Hv, dk] (L2-normed, q scaled, each key head repeated over its value
         heads) and v [B, L, Hv, dv], float32."""
@@ -506,3 +546,48 @@ class GatedDeltaNet(nn.Module):
             q, k = (x[:, :, :, None].expand(b, length, self.key_heads, group, self.dk).reshape(
                 b, length, self.value_heads, self.dk) for x in (q, k))
         return q, k, v.reshape(b, length, self.value_heads, self.dv)
+
+
+class RecurrentModel:
+    """The plumbing of a causal LM (on :class:`~specray.models.llama.LlamaForCausalLM`'s) whose layers mix attention
+    (``self_attn``: paged KV, :meth:`kv_cache_specs`) with :class:`RecurrentMixer` layers (a recurrent state per
+    request, :meth:`recurrent_state_specs`), which the runner allocates and binds: Qwen3.5's family
+    (:mod:`specray.models.qwen3_5`), Mamba-2's hybrids (:mod:`specray.models.mamba_hybrid`)."""
+
+    recurrent = True  # the builder and the runner keep a recurrent state per request (engine.builder.check_recurrent)
+    recurrent_state_bound = False
+
+    def _attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for _, layer in self.model.stage_layers() if hasattr(layer, "self_attn")]
+
+    def _recurrent_mixers(self) -> list[RecurrentMixer]:
+        return [m for _, layer in self.model.stage_layers() for m in layer.children() if isinstance(m, RecurrentMixer)]
+
+    def kv_cache_specs(self) -> list:
+        """One paged spec per attention layer, in layer order (the recurrent layers keep a state instead)."""
+        return [attn.attn.kv_spec for attn in self._attention_layers()]
+
+    def bind_kv_cache(self, cache) -> None:
+        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
+        for j, attn in enumerate(self._attention_layers()):
+            attn.attn.bind_cache(cache.layer(j), cache.block_size, cache.fp8)
+        self.kv_cache_allocated = True
+
+    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
+        """One spec per recurrent layer, in layer order: what it keeps per request on this rank."""
+        return [mixer.state_spec for mixer in self._recurrent_mixers()]
+
+    def bind_recurrent_state(self, state) -> None:
+        assert state.specs == self.recurrent_state_specs(), "the state was allocated for another model's specs"
+        for j, mixer in enumerate(self._recurrent_mixers()):
+            mixer.bind_state(state.layer(j))
+        self.recurrent_state_bound = True
+
+    def forward(self, input_ids: torch.Tensor, meta, aux_layers=()):
+        if not self.recurrent_state_bound:
+            raise ValueError("the recurrent state is not allocated: call specray.models.kv_cache."
+                             "allocate_recurrent_state(model, num_slots, max_pending) before the first forward")
+        if meta.recurrent is None:
+            raise ValueError("a hybrid model's step needs meta.recurrent (a RecurrentBatch, or a graph step's "
+                             "RecurrentGraphBatch: each sequence's state slot and replay); the model runner sets it")
+        return super().forward(input_ids, meta, aux_layers)

@@ -42,6 +42,15 @@ def materialize(w: Any) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w[...]  # "..." reads a 0-dim slice too
 
 
+DEFAULT_MAX_POSITIONS = 2048  # a model's length where its config gives none (Mamba-2's), as vLLM's default
+
+
+def max_positions(config) -> int:
+    """The longest sequence ``config``'s model serves: its ``max_position_embeddings``, else
+    :data:`DEFAULT_MAX_POSITIONS` (raise it with ``hf_overrides``)."""
+    return getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+
+
 def divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}; choose a tensor_parallel_size "

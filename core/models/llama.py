@@ -39,6 +39,7 @@ from specray.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
     materialize,
+    max_positions,
     on_stage,
     other_stage_prefixes,
     position_query_scaling,
@@ -119,8 +120,9 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 # checkpoints storing projections fused: q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3), or gate/up
 # alone (GLM, GLM-4; Granite's shared MoE its shared MLP's, as input_linear)
 FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
-                     "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",)}
-SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared")  # Granite's multipliers (module docstring)
+                     "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",),
+                     "granitemoehybrid": (".shared_mlp.input_linear.",)}
+SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")  # Granite's multipliers (module docstring)
 
 
 def multiplier(config, name: str) -> float:
@@ -195,6 +197,10 @@ def _uses_rope(config, layer: int) -> bool:
         return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
     if config.model_type == "cohere2":
         return _sliding_window(config, layer) is not None
+    if config.model_type == "granitemoehybrid":  # Granite 4.0's hybrids: NoPE unless position_embedding_type says
+        return getattr(config, "position_embedding_type", None) == "rope"
+    if config.model_type == "nemotron_h":  # its attention layers have no positional encoding
+        return False
     if config.model_type not in NO_ROPE_MODEL_TYPES:
         return True
     flags = config.no_rope_layers
@@ -307,6 +313,8 @@ def _is_sparse(config, layer: int) -> bool:
         return True
     if config.model_type == "exaone_moe":
         return config.mlp_layer_types[layer] == "sparse"
+    if config.model_type == "granitemoehybrid":  # its dense releases: no experts (the shared MLP alone)
+        return bool(getattr(config, "num_local_experts", 0))
     if config.model_type == "ernie4_5_moe":
         end = config.moe_layer_end_index
         end = config.num_hidden_layers - 1 if end == -1 else end
@@ -350,11 +358,16 @@ class LlamaDecoderLayer(nn.Module):
         """Layer ``layer``'s MLP: the experts where the config makes it sparse, else the dense one."""
         return SparseMoE(config, tp, expert_parallel) if _is_sparse(config, layer) else cls.mlp_class(config, tp)
 
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's token mixer on the normed stream [T, H]: attention (a hybrid family's recurrent layers give
+        their own: :mod:`specray.models.mamba_hybrid`)."""
+        return self.self_attn(x, cos, sin, meta)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, H]; each block's output joins the residual stream (in the next norm) times the multiplier
         x, residual = norm_stream(self.input_layernorm, x, residual)
-        x = self.self_attn(x, cos, sin, meta)
+        x = self.mix(x, cos, sin, meta)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
@@ -390,7 +403,7 @@ class LlamaModel(StageModel):
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: self.final_norm(config))
         rope = rope_parameters(config, partial=True)
-        self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, max_positions(config))
         self.embedding_multiplier = multiplier(config, "embedding_multiplier")
 
     @classmethod
@@ -443,6 +456,7 @@ class LlamaForCausalLM(nn.Module):
     stacked: dict[str, tuple[str, Any]] = _STACKED  # checkpoint names merged into one parameter
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    may_tie = True  # whether tie_word_embeddings makes the embedding the head (Nemotron-H's never is, as transformers)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -455,7 +469,7 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(hf_config, "lm_head_bias", False))  # Phi-3.5-MoE's
         self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp,
                                                                    bias=bias))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)) and self.may_tie
         # tied on a stage holding both: the embedding is the head; a last stage without the embedding loads the
         # embedding's tensor into a head of its own
         self.shares_embedding = self.tie_word_embeddings and pp.holds_embedding and pp.is_last
@@ -473,7 +487,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def max_position_embeddings(self) -> int:
-        return self.config.max_position_embeddings
+        return max_positions(self.config)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -19,6 +19,8 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   ``hash_moe``): a fixed table from token id to the k experts (``tid2eid``), the weights still the scores. Its
   experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides). MiniMax-M2: the
   same routing with sigmoid scores, unscaled;
+* Nemotron-H (Nemotron 3 Nano): DeepSeek-V3's router; its experts and shared experts have no gate,
+  ``down(relu(up(x))^2)``;
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
   biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
   clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
@@ -72,8 +74,8 @@ from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import Fp8Weight, dequantize_blocks, dtype_of, kept_block
-from specray.models.layers import (MergedColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize,
-                                   narrow, shape_of)
+from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
+                                   divide, materialize, narrow, shape_of)
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ def sync_free_experts():
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
 _PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
 
 
 @dataclass(frozen=True)
@@ -131,11 +133,15 @@ class MoEFamily:
     # "sqrtsoftplus"; the grouped routing's ("softmax": Mistral 4, without a correction bias), else "sigmoid"
     scoring: str = ""
     scaling: str = "routed_scaling_factor"  # the config field scaling the "scored" routing's weights (absent: 1)
-    shared_count: str = "n_shared_experts"  # the config field counting the shared experts (their width's multiple)
+    # the config field counting the shared experts (their width's multiple; None: the width is the whole)
+    shared_count: str | None = "n_shared_experts"
     top_k: str = "num_experts_per_tok"  # the config field of the experts each token takes
     # fused tensors in either layout, told apart by where the hidden size is (Qwen3-VL-MoE: released [E, H, 2I] and
     # [E, I, H], saved by transformers 5 as [E, 2I, H] and [E, H, I]; a square one read as the latter, as there)
     fused_by_shape: bool = False
+    # experts and shared experts without a gate, down(relu(up(x))^2) (Nemotron-H's; ``mlp_hidden_act`` "relu2"): w13
+    # holds the up rows alone
+    gateless: bool = False
 
 
 FAMILIES = {
@@ -175,6 +181,11 @@ FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "interme
 # Granite's shared MoE: Granite's MoE and a shared MLP of shared_intermediate_size (0: none)
 FAMILIES["granitemoeshared"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router",
                                          shared="shared_mlp", shared_width="shared_intermediate_size")
+FAMILIES["granitemoehybrid"] = FAMILIES["granitemoeshared"]  # Granite 4.0's hybrids' MoE releases
+# Nemotron-H's (Nemotron 3 Nano): DeepSeek-V3's router, gateless squared-ReLU experts and shared experts (one width)
+FAMILIES["nemotron_h"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
+                                   shared="shared_experts", shared_width="moe_shared_expert_intermediate_size",
+                                   shared_count=None, gateless=True)
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
 FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
                                        shared_width="intermediate_size", top_k="moe_topk", normalized=True)
@@ -241,6 +252,19 @@ class GatedMLP(nn.Module):
         return self.down_proj.partial(F.silu(gate) * up if self.limit is None else swiglu_limited(gate, up, self.limit))
 
 
+class SquaredReluMLP(nn.Module):
+    """``down(relu(up(x))^2)`` of width ``intermediate_size`` split over ``tp`` (Nemotron-H's shared experts), with
+    :class:`GatedMLP`'s ``partial``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.partial(torch.relu(self.up_proj(x)).square())
+
+
 class Router(nn.Module):
     """The router's weight [E, H] (and DeepSeek's ``e_score_correction_bias`` [E], GPT-OSS's ``bias`` [E]),
     replicated."""
@@ -284,7 +308,12 @@ class SparseMoE(nn.Module):
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, hash_routed: bool = False):
         super().__init__()
         self.family = family = FAMILIES[config.model_type]
-        if not family.gelu and config.hidden_act != "silu":
+        self.family_name = config.model_type
+        if family.gateless:
+            if config.mlp_hidden_act != "relu2":
+                raise ValueError(f"mlp_hidden_act={config.mlp_hidden_act!r} is not supported for model_type="
+                                 f"{config.model_type!r}'s experts; 'relu2' is")
+        elif not family.gelu and config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.tp = tp
         self.num_experts = getattr(config, family.num_experts)
@@ -332,6 +361,7 @@ class SparseMoE(nn.Module):
         if family.clamped or family.clamp_only:
             self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", None) or SWIGLU_ALPHA))
         e, i = self.local_experts, self.inter_local
+        self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)
         if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
             _tell_partial_blocks(i, h, block, split=not expert_parallel and tp.size > 1)
@@ -341,22 +371,24 @@ class SparseMoE(nn.Module):
         self.fp8_block = block
         self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
         if block is None:
-            self.w13 = _param(e, 2 * i, h)  # gate rows, then up rows
+            self.w13 = _param(e, self.parts * i, h)  # gate rows, then up rows (gateless: up rows)
             self.w2 = _param(e, h, i)
             self.w13_scale = self.w2_scale = None
         else:  # float8 values and one float32 scale per (b0, b1) block
             b0, b1 = block
-            self.w13, self.w2 = _fp8_param(e, 2 * i, h), _fp8_param(e, h, i)
-            self.w13_scale = nn.Parameter(torch.empty(e, 2 * i // b0, h // b1, dtype=torch.float32),
+            self.w13, self.w2 = _fp8_param(e, self.parts * i, h), _fp8_param(e, h, i)
+            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, h // b1, dtype=torch.float32),
                                           requires_grad=False)
             self.w2_scale = nn.Parameter(torch.empty(e, h // b0, i // b1, dtype=torch.float32), requires_grad=False)
         # the experts' biases (GPT-OSS): gate then up [E, 2I], down [E, H] (added by one rank when split by width)
         self.w13_bias = _param(e, 2 * i) if family.biased else None
         self.w2_bias = _param(e, h) if family.biased else None
         self.adds_down_bias = expert_parallel or tp.rank == 0
-        width = 0 if family.shared is None else \
-            getattr(config, family.shared_width) * (getattr(config, family.shared_count, None) or 1)
-        if width:  # (Granite's shared MoE: a width of 0 for none)
+        count = getattr(config, family.shared_count, None) if family.shared_count else None
+        width = 0 if family.shared is None else getattr(config, family.shared_width) * (count or 1)
+        if width and family.gateless:
+            self.add_module(family.shared, SquaredReluMLP(h, width, tp))
+        elif width:  # (Granite's shared MoE: a width of 0 for none)
             limit = self.swiglu[0] if family.clamp_only and family.clamp_shared else None
             self.add_module(family.shared, GatedMLP(h, width, tp, limit))
         if family.shared_gate is not None:  # replicated, as the router is
@@ -369,7 +401,7 @@ class SparseMoE(nn.Module):
         return getattr(self, self.family.router)
 
     @property
-    def shared(self) -> GatedMLP | None:
+    def shared(self) -> GatedMLP | SquaredReluMLP | None:
         return None if self.family.shared is None else getattr(self, self.family.shared, None)
 
     # ------------------------------------------------------------------------------------------ forward
@@ -511,11 +543,10 @@ class SparseMoE(nn.Module):
         if self.family.scale_input:
             routed = routed * w
         expert = key.clamp(max=e - 1)  # each row's expert (another rank's rows: any, dropped below)
-        h = torch._grouped_mm(routed, self.w13.transpose(1, 2), offs=offs)  # [n, 2I]
+        h = torch._grouped_mm(routed, self.w13.transpose(1, 2), offs=offs)  # [n, 2I] (gateless: [n, I])
         if self.w13_bias is not None:
             h = h + self.w13_bias.index_select(0, expert)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(self._activate(gate, up).contiguous(), self.w2.transpose(1, 2), offs=offs)  # [n, H]
+        y = torch._grouped_mm(self._activate(h).contiguous(), self.w2.transpose(1, 2), offs=offs)  # [n, H]
         if self.w2_bias is not None and self.adds_down_bias:
             y = y + self.w2_bias.index_select(0, expert)
         if not self.family.scale_input:
@@ -545,10 +576,14 @@ class SparseMoE(nn.Module):
         w13, w2 = (self._weight(w, s, e, x.dtype) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = self.w2_bias[e] if self.w2_bias is not None and self.adds_down_bias else None
-        gate, up = F.linear(x, w13, b13).chunk(2, dim=-1)
-        return F.linear(self._activate(gate, up), w2, b2)
+        return F.linear(self._activate(F.linear(x, w13, b13)), w2, b2)
 
-    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts' activation of their first projection's output ``h`` [n, 2I] (gate then up; gateless: [n, I],
+        up alone) -> [n, I]."""
+        if self.family.gateless:
+            return torch.relu(h).square()
+        gate, up = h.chunk(2, dim=-1)
         if self.family.gelu:
             return F.gelu(gate, approximate="tanh") * up
         if self.family.clamp_only:
@@ -577,6 +612,9 @@ class SparseMoE(nn.Module):
             if not 0 <= local < self.local_experts:
                 return []
             self._load_one(local, kind, tensor)
+            if kind == "gate_proj" and self.family.gateless:
+                raise ValueError(f"checkpoint tensor {name}: model_type={self.family_name!r}'s experts have no gate; "
+                                 "the checkpoint does not match its config.json")
             return [f"w13:{expert}:0" if kind == "gate_proj" else f"w13:{expert}:1" if kind == "up_proj"
                     else f"w2:{expert}"]
         found = _FUSED.search(name)
@@ -584,12 +622,19 @@ class SparseMoE(nn.Module):
         value = materialize(tensor)
         if found.group(2):
             return self._load_biases(found.group(1), value)
+        if found.group(1) == ("gate_up_proj" if self.family.gateless else "up_proj"):
+            raise ValueError(f"checkpoint tensor {name}: model_type={self.family_name!r}'s experts have "
+                             f"{'no gate (up_proj and down_proj)' if self.family.gateless else 'a fused gate_up_proj'}"
+                             "; the checkpoint does not match its config.json")
         if self._inputs_first(found.group(1), value):  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
             value = value.transpose(1, 2)
         keys = []
         for local in range(self.local_experts):
             expert = self.expert_start + local
-            if found.group(1) == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows (or interleaved)
+            if found.group(1) == "up_proj":  # gateless: [E, I, H]
+                self._load_one(local, "up_proj", value[expert])
+                keys.append(f"w13:{expert}:1")
+            elif found.group(1) == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows (or interleaved)
                 gate, up = self._gate_up(value[expert])
                 self._load_one(local, "gate_proj", gate)
                 self._load_one(local, "up_proj", up)
@@ -649,7 +694,7 @@ class SparseMoE(nn.Module):
             _copy(self.w2.data[local], narrow(tensor, 1, start, self.inter_local))
             return
         rows = self.w13.data[local]
-        offset = 0 if kind == "gate_proj" else self.inter_local
+        offset = 0 if kind == "gate_proj" or self.family.gateless else self.inter_local
         _copy(rows[offset: offset + self.inter_local], narrow(tensor, 0, start, self.inter_local))
 
     def _keep_full_precision(self) -> None:
@@ -672,14 +717,15 @@ class SparseMoE(nn.Module):
             _copy(self.w2.data[local], narrow(tensor.weight, 1, start, inter))
             _copy(self.w2_scale.data[local], narrow(tensor.scale, 1, start // b1, inter // b1))
             return
-        offset = 0 if kind == "gate_proj" else inter  # [I, H]: this rank's rows
+        offset = 0 if kind == "gate_proj" or self.family.gateless else inter  # [I, H]: this rank's rows
         _copy(self.w13.data[local][offset: offset + inter], narrow(tensor.weight, 0, start, inter))
         _copy(self.w13_scale.data[local][offset // b0: (offset + inter) // b0],
               narrow(tensor.scale, 0, start // b0, inter // b0))
 
     def expected_keys(self) -> set[str]:
         experts = range(self.expert_start, self.expert_start + self.local_experts)
-        keys = {f"w13:{e}:{s}" for e in experts for s in (0, 1)} | {f"w2:{e}" for e in experts}
+        keys = {f"w13:{e}:{s}" for e in experts for s in ((1,) if self.family.gateless else (0, 1))}
+        keys |= {f"w2:{e}" for e in experts}
         return keys | ({f"b{w}:{e}" for e in experts for w in (13, 2)} if self.w13_bias is not None else set())
 
 

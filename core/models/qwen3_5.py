@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.gated_deltanet import GatedDeltaNet
+from specray.models.gated_deltanet import GatedDeltaNet, RecurrentModel
 from specray.models.gemma3 import GemmaRMSNorm
-from specray.models.kv_cache import FullAttentionSpec, KVCache, KVCacheSpec, RecurrentState, RecurrentStateSpec
+from specray.models.kv_cache import FullAttentionSpec
 from specray.models.layers import (QKVParallelLinear, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
                                    apply_rotary, materialize, rope_parameters, rotary_dim)
 from specray.models.llama import LlamaForCausalLM, LlamaMLP, StageModel, _head_dim
@@ -155,7 +155,7 @@ class HybridModel(StageModel):
         return self.norm(x), [aux[i] for i in aux_layers]
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next for causal LM, sharded over ``tp`` (linear-attention heads split like
     attention heads). Its attention layers cache K/V in the paged cache (:meth:`kv_cache_specs`); its linear layers
     keep a recurrent state per request (:meth:`recurrent_state_specs`), which the runner allocates and binds."""
@@ -168,12 +168,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     # them plain linears; not conv1d, the router or the experts
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-    recurrent = True  # the builder refuses what a recurrent state cannot do yet (token trees)
 
-    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
-                 pp: PPGroup | None = None):
-        super().__init__(hf_config, tp, expert_parallel, pp)
-        self.recurrent_state_bound = False
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        """``tp`` ranks split the linear-attention layers' key and value heads (checked before any rank starts)."""
+        for heads in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(config, heads) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
+                                 f"{getattr(config, heads)}; choose a tensor_parallel_size that divides it")
 
     mtp_norm = ResidualGemmaRMSNorm  # the MTP head's norms scale by 1 + w, as every norm of the stack does
     mtp_names = MTP_NAMES  # the MTP layer's tensors are the release's ``mtp.*`` (DeepSeek's layout is the default)
@@ -185,38 +187,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         Qwen3-Next, dense in Qwen3.5; split over ``tp`` as the target's layers are."""
         mlp = SparseMoE(config, tp, expert_parallel) if _is_sparse(config, 0) else LlamaMLP(config, tp)
         return GatedAttention(config, tp), mlp
-
-    def _mixers(self, kind: str) -> list[nn.Module]:
-        return [getattr(layer, kind) for _, layer in self.model.stage_layers() if hasattr(layer, kind)]
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One paged spec per full-attention layer, in layer order (the linear layers keep recurrent state)."""
-        return [attn.attn.kv_spec for attn in self._mixers("self_attn")]
-
-    def bind_kv_cache(self, cache: KVCache) -> None:
-        assert cache.specs == self.kv_cache_specs(), "the cache was allocated for another model's specs"
-        for j, attn in enumerate(self._mixers("self_attn")):
-            attn.attn.bind_cache(cache.layer(j), cache.block_size, cache.fp8)
-        self.kv_cache_allocated = True
-
-    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
-        """One spec per linear-attention layer, in layer order: what it keeps per request on this rank."""
-        return [mixer.state_spec for mixer in self._mixers("linear_attn")]
-
-    def bind_recurrent_state(self, state: RecurrentState) -> None:
-        assert state.specs == self.recurrent_state_specs(), "the state was allocated for another model's specs"
-        for j, mixer in enumerate(self._mixers("linear_attn")):
-            mixer.bind_state(state.layer(j))
-        self.recurrent_state_bound = True
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = ()):
-        if not self.recurrent_state_bound:
-            raise ValueError("the recurrent state is not allocated: call specray.models.kv_cache."
-                             "allocate_recurrent_state(model, num_slots, max_pending) before the first forward")
-        if meta.recurrent is None:
-            raise ValueError("a hybrid model's step needs meta.recurrent (a RecurrentBatch, or a graph step's "
-                             "RecurrentGraphBatch: each sequence's state slot and replay); the model runner sets it")
-        return super().forward(input_ids, meta, aux_layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)

@@ -1,0 +1,258 @@
+"""Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts,
+Falcon-H1) and Mamba-2 alone (no paged layer at all): specray.models.mamba_hybrid, mamba2, against transformers on
+the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode steps with the recurrent state carried, drafts replayed after verification; each Mamba-2 part shown to
+matter; the engine end to end (plain greedy equals transformers', speculative greedy with n-gram chains and trees
+equals plain, from graphs too, chunked prefill, preemption, seeded sampling); the refusals; TP 2 against one rank with
+the groups of B and C split and replicated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specray.models.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer
+from specray_test_hybrid_models import (  # tests/hybrid_models.py
+    MAMBA_ARCHS, NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
+    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+from specray_test_model_checks import run_ranks  # tests/model_checks.py
+
+CASES = [(arch, {}) for arch in MAMBA_ARCHS] + [("bamba", {"mamba_n_groups": 1}),
+                                               ("falcon_h1", {"mamba_norm_before_gate": True})]
+
+
+@pytest.mark.parametrize("arch, overrides", CASES, ids=[a + "-" + "-".join(o) for a, o in CASES])
+def test_prefill_chunks_and_decode_match_transformers(tmp_path, arch, overrides):
+    """(check_prefill_chunks_and_decode, tests/hybrid_models.py)"""
+    check_prefill_chunks_and_decode(*ours(tmp_path, arch, **overrides))
+
+
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+def test_drafts_are_replayed_as_accepted(tmp_path, arch):
+    """(check_drafts_replayed, tests/hybrid_models.py): the Mamba-2 layers replay the accepted drafts."""
+    check_drafts_replayed(*ours(tmp_path, arch, seed=3))
+
+
+def test_each_mamba2_part_matters(tmp_path, monkeypatch):
+    """The comparison can fail: without D's skip, with the delta rule in place of the plain one, with one norm over
+    all the heads in place of one per group, or with the heads' groups of B and C swapped, the logits leave
+    tolerance."""
+    model, hf = ours(tmp_path, "bamba", seed=5)
+    seq = tokens(20, 6)
+    ref = hf_logits(hf, seq)
+
+    def error() -> float:
+        return (Stepper(model).step([(0, seq, 0, 0)])[0] - ref).abs().max().item()
+
+    assert error() < TOL
+    split = Mamba2Mixer._split_heads
+    for attr, value in (("_skip", lambda self, out, v: out), ("delta_rule", True),
+                        ("_split_heads", lambda self, conv: tuple(x.flip(2) if i < 2 else x
+                                                                  for i, x in enumerate(split(self, conv))))):
+        monkeypatch.setattr(Mamba2Mixer, attr, value)
+        assert error() > 100 * TOL, attr
+        monkeypatch.undo()
+    whole = torch.nn.functional.rms_norm  # one norm over all the heads
+    monkeypatch.setattr(GroupedGatedRMSNorm, "forward", lambda self, y, z, dtype: self.weight * whole(
+        y.float() * torch.nn.functional.silu(z.float()), (y.shape[-1],), eps=self.eps).to(dtype))
+    assert error() > 100 * TOL
+
+
+def test_nemotron_h_loads_release_and_module_names(tmp_path):
+    """Nemotron-H's releases (and transformers' saves) name the stack ``backbone.`` (``embeddings``, ``norm_f``,
+    each layer's ``norm`` and ``mixer``); transformers' modules name it ``model.``: both load."""
+    from safetensors.torch import load_file, save_file
+
+    from specray.models.loader import load_model
+
+    model, hf = ours(tmp_path / "hf", "nemotron_h", seed=7)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "backbone.norm_f.weight" in tensors and any(".mixer." in n for n in tensors)
+    (tmp_path / "modules").mkdir()
+    save_file({n.replace("backbone.", "model.", 1): t for n, t in tensors.items()},
+              tmp_path / "modules" / "model.safetensors")
+    (tmp_path / "modules" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    seq = tokens(12, 8)
+    ref = hf_logits(hf, seq)
+    for folder in (tmp_path / "hf", tmp_path / "modules"):
+        got = Stepper(load_model(folder)).step([(0, seq, 0, 0)])[0]
+        assert (got - ref).abs().max() < TOL, folder
+
+
+def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
+    """The comparison can fail: Falcon-H1's weights loaded unscaled (no multiplier folded in) change the logits."""
+    from specray.models.llama import LlamaForCausalLM
+    from specray.models.loader import load_model
+    from specray.models.mamba_hybrid import FalconH1ForCausalLM
+
+    model, hf = ours(tmp_path, "falcon_h1", seed=4)
+    seq = tokens(12, 5)
+    ref = hf_logits(hf, seq)
+    assert (Stepper(model).step([(0, seq, 0, 0)])[0] - ref).abs().max() < TOL
+    monkeypatch.setattr(FalconH1ForCausalLM, "_unfused", LlamaForCausalLM._unfused)
+    assert (Stepper(load_model(tmp_path)).step([(0, seq, 0, 0)])[0] - ref).abs().max() > 100 * TOL
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+
+# (the dense Granite and the plain Nemotron-H: in the TP and pipeline checks below)
+@pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2"])
+def engine_case(request, tmp_path_factory):
+    from specray import LLM
+
+    folder = save(tmp_path_factory.mktemp(request.param), request.param, 11)
+    return folder, generate(LLM(model=str(folder), max_model_len=128), greedy())
+
+
+def test_plain_engine_equals_transformers_greedy(engine_case):
+    check_greedy_equals_transformers(*engine_case)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_ngram_greedy_equals_plain_from_graphs(engine_case, tree, monkeypatch):
+    """n-gram chains, and trees of three branches (each draft's state from its parent's, the plain gated rule), some
+    accepted and some not, from graph steps (Mamba-2's fixed-shape recurrence; on CPU the padded static inputs run
+    eagerly) where the engine takes them, tree steps eagerly: plain greedy's tokens."""
+    from specray import LLM
+    from specray.models.step_graphs import StepGraphs
+
+    folder, plain = engine_case
+    spec = {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3} if tree else NGRAM
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec, block_size=4, enforce_eager=False)
+    shapes, run = [], StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
+        self, shape, *a, **kw))
+    assert generate(llm, greedy()) == plain
+    assert shapes, "no step replayed a graph"
+    assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
+
+
+@pytest.mark.parametrize("case", ["chunked-prefill", "preemption"])
+def test_chunked_prefill_and_preemption(engine_case, case):
+    from specray import LLM
+
+    folder, plain = engine_case
+    kw = {"chunked-prefill": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+          "preemption": dict(block_size=4, num_kv_blocks=24)}[case]
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=NGRAM, **kw)
+    assert generate(llm, greedy()) == plain
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_with_ngram_equals_plain(engine_case):
+    from specray import LLM, SamplingParams
+
+    folder, _ = engine_case  # (a random model's text is nearly uniform at temperature 1: no draft would match)
+    params = SamplingParams(temperature=0.2, seed=8, max_tokens=20, ignore_eos=True)
+    plain = generate(LLM(model=str(folder), max_model_len=128), params)
+    spec = LLM(model=str(folder), max_model_len=128, speculative_config=NGRAM)
+    assert generate(spec, params) == plain and spec.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch, overrides, kw, match", [
+    ("bamba", dict(mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1), dict(tensor_parallel_size=2),
+     "mamba_n_heads=1"),  # 2 ranks split the attention heads but not one Mamba-2 head
+    ("nemotron_h", dict(mamba_num_heads=12, n_groups=3), dict(tensor_parallel_size=2), "n_groups=3"),
+    ("bamba", {}, dict(speculative_config={"method": "medusa", "model": "nowhere", "num_speculative_tokens": 4}),
+     "method='medusa'"),
+])
+def test_refusals(tmp_path, arch, overrides, kw, match):
+    from specray import LLM
+
+    folder = save(tmp_path, arch, 0, **overrides)
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(folder), max_model_len=128, **kw)
+
+
+def test_nemotron_h_experts_load_fused_and_refuse_a_latent_projection(tmp_path):
+    """Nemotron-H's experts saved fused (``experts.up_proj`` [E, I, H], ``experts.down_proj`` [E, H, I]) load as
+    per-expert ones do; a latent projection around them (``moe_latent_size``) is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specray.models.loader import load_model
+
+    _, hf = ours(tmp_path / "hf", "nemotron_h_moe", seed=9)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    fused = {}
+    for name, t in tensors.items():
+        parts = name.split(".experts.")
+        if len(parts) == 2:
+            expert, kind, _ = parts[1].split(".")
+            fused.setdefault(f"{parts[0]}.experts.{kind}", {})[int(expert)] = t
+        else:
+            fused[name] = t
+    fused = {n: torch.stack([t[e] for e in sorted(t)]) if isinstance(t, dict) else t for n, t in fused.items()}
+    assert fused["backbone.layers.1.mixer.experts.up_proj"].shape == (8, 16, 64)
+    (tmp_path / "fused").mkdir()
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "fused" / "config.json").write_text(json.dumps(config))
+    seq = tokens(16, 3)
+    got = Stepper(load_model(tmp_path / "fused")).step([(0, seq, 0, 0)])[0]
+    assert (got - hf_logits(hf, seq)).abs().max() < TOL
+    (tmp_path / "fused" / "config.json").write_text(json.dumps({**config, "moe_latent_size": 32}))
+    with pytest.raises(ValueError, match="moe_latent_size=32"):
+        load_model(tmp_path / "fused")
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_shards_match_one_rank(tmp_path):
+    """TP 2 over gloo: the Mamba-2 heads split over the ranks (their projections, conv channels, decays, D and
+    states); B and C's two groups split (Bamba, Nemotron-H) or, one group, repeat on both ranks with the gated norm's
+    sums of squares summed across them (Granite's dense hybrid); Nemotron-H's gateless experts and shared experts
+    split by width; logits of prefills, a verify chunk and the replay after it equal one rank's."""
+    folders = []
+    for arch, seed, overrides in (("bamba", 41, {}), ("granite_dense", 42, {"mamba_n_groups": 1}),
+                                  ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {})):
+        _, hf = hf_pair(arch, seed, **overrides)
+        hf.save_pretrained(tmp_path / arch)
+        folders.append(str(tmp_path / arch))
+    for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 2, 2, folders, timeout=240)):
+        for folder, (diff, heads) in result.items():
+            assert diff < TOL, (r, folder, diff)
+            assert heads == 4, folder
+
+
+def test_prefix_caching_starts_from_kept_states(engine_case):
+    """Two turns of three conversations with prefix caching (each prompt's state kept at its last whole block):
+    the second turn's requests start behind their conversation's cached blocks and kept Mamba-2 states, and give
+    the tokens an engine without prefix caching gives, with n-gram drafts."""
+    from specray import LLM
+
+    folder, _ = engine_case
+
+    def two_turns(**kw) -> tuple[list[list[int]], int]:
+        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=NGRAM, **kw)
+        prompts = [[30 + 17 * c + (i * 7 + c) % 11 for i in range(9 + 3 * c)] for c in range(3)]
+        answers, cached = [], 0
+        for turn in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
+            answers += [o.outputs[0].token_ids for o in outs]
+            cached += sum(o.num_cached_tokens for o in outs) if turn else 0
+            prompts = [p + list(o.outputs[0].token_ids) + [3, 4] for p, o in zip(prompts, outs)]
+        return answers, cached
+
+    cached_answers, cached = two_turns(enable_prefix_caching=True)
+    plain_answers, _ = two_turns(enable_prefix_caching=False)
+    assert cached_answers == plain_answers and cached > 0, cached
+
+
+def test_pipeline_stages_match_one_rank(tmp_path):
+    """Two pipeline stages over gloo, each keeping its own Mamba-2 layers' states (Bamba: layers 0-1 and 2;
+    Nemotron-H: 0-1 and 2-3): the last stage's logits of prefills, a verify chunk and the replay after it equal one
+    rank's."""
+    folders = []
+    for arch, seed in (("bamba", 44), ("nemotron_h", 45)):
+        _, hf = hf_pair(arch, seed)
+        hf.save_pretrained(tmp_path / arch)
+        folders.append(str(tmp_path / arch))
+    first, last = run_ranks(tmp_path / "ranks", PP_WORKER, 2, 2, folders, timeout=240)
+    for folder, layers in zip(folders, (3, 4)):
+        (first_layers, none), (last_layers, diff) = first[folder], last[folder]
+        assert none is None and first_layers + last_layers == list(range(layers)), (first_layers, last_layers)
+        assert diff < TOL, (folder, diff)
