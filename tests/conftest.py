@@ -579,13 +579,14 @@ def _hybrid_fixture(arch: str, seed: int):
 # hybrid models with a recurrent state per request (tests/hybrid_models.py): Qwen3.5 (Gated DeltaNet beside gated
 # attention); Bamba (Mamba-2 beside attention); Granite 4.0's MoE hybrid (NoPE attention, experts beside a shared MLP,
 # Granite's multipliers); Nemotron-H (one mixer per layer: Mamba-2, NoPE attention, squared-ReLU MLP, gateless
-# experts); Falcon-H1 (Mamba-2 and attention side by side, muP multipliers folded in); Mamba-2 alone
+# experts); Falcon-H1 (Mamba-2 and attention side by side, muP multipliers folded in); Mamba-2 alone; LFM2-MoE
 tiny_qwen3_5_model_dir = _hybrid_fixture("qwen3_5", 50)
 tiny_bamba_dir = _hybrid_fixture("bamba", 51)
 tiny_granitemoehybrid_dir = _hybrid_fixture("granite", 52)
 tiny_nemotron_h_dir = _hybrid_fixture("nemotron_h_moe", 53)
 tiny_falcon_h1_dir = _hybrid_fixture("falcon_h1", 54)
 tiny_mamba2_dir = _hybrid_fixture("mamba2", 55)
+tiny_lfm2_moe_dir = _hybrid_fixture("lfm2_moe", 56)  # LFM2-MoE: short convs, attention, a dense layer, experts
 
 
 @pytest.fixture(scope="session")

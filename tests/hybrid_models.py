@@ -32,7 +32,7 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8
 _ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
 MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
-               "mamba2")
+               "mamba2", "lfm2", "lfm2_moe")  # (LFM2's short convs: a recurrent state with no matrix, the same way)
 
 
 def mamba_config(arch: str, **overrides):
@@ -60,6 +60,16 @@ def mamba_config(arch: str, **overrides):
                   ssm_in_multiplier=1.1, ssm_out_multiplier=0.75, mamba_rms_norm=arch == "falcon_h1",
                   mamba_norm_before_gate=False)
         return tf.FalconH1Config(**{**kw, **overrides})
+    if arch == "lfm2":  # LFM2: short convs, attention (layer 1), its MLP width adjusted
+        kw = dict(_ATTN, num_hidden_layers=3, full_attn_idxs=[1], norm_eps=1e-5, conv_L_cache=3, conv_bias=False,
+                  intermediate_size=144, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                  block_auto_adjust_ff_dim=True)
+        return tf.Lfm2Config(**{**kw, **overrides})
+    if arch == "lfm2_moe":  # LFM2-MoE: a dense first layer, then experts (attention in layer 1)
+        kw = dict(_ATTN, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5,
+                  conv_L_cache=3, conv_bias=False, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  num_dense_layers=1, use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)
+        return tf.Lfm2MoeConfig(**{**kw, **overrides})
     if arch == "mamba2":  # Mamba-2 alone: three layers
         kw = dict(hidden_size=64, num_hidden_layers=3, vocab_size=300, num_heads=8, head_dim=16, state_size=8,
                   n_groups=2, conv_kernel=4, expand=2, layer_norm_epsilon=1e-5, chunk_size=16, bos_token_id=None,
@@ -93,10 +103,10 @@ def hf_pair(arch: str, seed: int = 0, **overrides):
                     param.normal_(0.0, 0.5)
                 elif name.endswith("A_log"):
                     param.uniform_(-1.0, 1.5)
-                elif "router" in name or name.endswith(".mixer.gate.weight"):
+                elif "router" in name or name.endswith((".mixer.gate.weight", ".feed_forward.gate.weight")):
                     param.normal_(0.0, 0.5)
             for name, buffer in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
+                if name.endswith(("e_score_correction_bias", "expert_bias")):
                     buffer.normal_(0.0, 0.3)
         return config, model
 

@@ -1,9 +1,10 @@
-"""Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts,
-Falcon-H1) and Mamba-2 alone (no paged layer at all): specray.models.mamba_hybrid, mamba2, against transformers on
-the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode steps with the recurrent state carried, drafts replayed after verification; each Mamba-2 part shown to
-matter; the engine end to end (plain greedy equals transformers', speculative greedy with n-gram chains and trees
-equals plain, from graphs too, chunked prefill, preemption, seeded sampling); the refusals; TP 2 against one rank with
-the groups of B and C split and replicated."""
+"""Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts, Falcon-H1),
+Mamba-2 alone (no paged layer at all) and LFM2's short convs (dense and MoE): specray.models.mamba_hybrid, mamba2, lfm2,
+against transformers on the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode
+steps with the recurrent state carried, drafts replayed after verification; each Mamba-2 part shown to matter; the
+engine end to end (plain greedy equals transformers', speculative greedy with n-gram chains and trees equals plain, from
+graphs too, chunked prefill, preemption, seeded sampling); the refusals; TP 2 against one rank with the groups of B and
+C split and replicated."""
 
 from __future__ import annotations
 
@@ -78,6 +79,32 @@ def test_nemotron_h_loads_release_and_module_names(tmp_path):
         assert (got - ref).abs().max() < TOL, folder
 
 
+def test_lfm2_short_conv_matters(tmp_path, monkeypatch):
+    """The comparison can fail: LFM2's short conv with an activation after it (as the other recurrent mixers' have),
+    or not gated by C, changes the logits."""
+    from specray.models.lfm2 import ShortConv
+
+    model, hf = ours(tmp_path, "lfm2", seed=6)
+    seq = tokens(14, 7)
+    ref = hf_logits(hf, seq)
+
+    def error() -> float:
+        return (Stepper(model).step([(0, seq, 0, 0)])[0] - ref).abs().max().item()
+
+    assert error() < TOL
+    monkeypatch.setattr(ShortConv, "conv_activation", True)
+    assert error() > 100 * TOL
+    monkeypatch.undo()
+
+    def ungated(self, x, meta):  # B * x through the conv, not gated by C
+        b, _, h = self.in_proj(x).split(self.width, dim=-1)
+        none = x.new_zeros(x.shape[0], 0)
+        return self.out_proj(self.recurrence(b * h, none, none, meta).reshape(x.shape[0], -1))
+
+    monkeypatch.setattr(ShortConv, "forward", ungated)
+    assert error() > 100 * TOL
+
+
 def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
     """The comparison can fail: Falcon-H1's weights loaded unscaled (no multiplier folded in) change the logits."""
     from specray.models.llama import LlamaForCausalLM
@@ -96,7 +123,7 @@ def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
 
 
 # (the dense Granite and the plain Nemotron-H: in the TP and pipeline checks below)
-@pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2"])
+@pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2", "lfm2"])
 def engine_case(request, tmp_path_factory):
     from specray import LLM
 
@@ -205,17 +232,18 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     """TP 2 over gloo: the Mamba-2 heads split over the ranks (their projections, conv channels, decays, D and
     states); B and C's two groups split (Bamba, Nemotron-H) or, one group, repeat on both ranks with the gated norm's
     sums of squares summed across them (Granite's dense hybrid); Nemotron-H's gateless experts and shared experts
-    split by width; logits of prefills, a verify chunk and the replay after it equal one rank's."""
+    split by width; Falcon-H1's side-by-side mixers; LFM2-MoE's short convs' channels and experts; logits of
+    prefills, a verify chunk and the replay after it equal one rank's."""
     folders = []
     for arch, seed, overrides in (("bamba", 41, {}), ("granite_dense", 42, {"mamba_n_groups": 1}),
-                                  ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {})):
+                                  ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {}), ("lfm2_moe", 48, {})):
         _, hf = hf_pair(arch, seed, **overrides)
         hf.save_pretrained(tmp_path / arch)
         folders.append(str(tmp_path / arch))
     for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 2, 2, folders, timeout=240)):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
-            assert heads == 4, folder
+            assert heads == (0 if folder.endswith("lfm2_moe") else 4), folder  # (LFM2's short convs: no heads)
 
 
 def test_prefix_caching_starts_from_kept_states(engine_case):

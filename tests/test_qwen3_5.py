@@ -119,8 +119,8 @@ def test_broken_state_handling_fails(tmp_path, monkeypatch):
     import specray.models.gated_deltanet as gdn
 
     conv = gdn.causal_conv
-    monkeypatch.setattr(gdn, "causal_conv", lambda window, weight, bias=None: conv(  # the history one input short
-        torch.cat((window[:, :1] * 0, window[:, :-1]), dim=1), weight, bias))
+    monkeypatch.setattr(gdn, "causal_conv", lambda window, weight, bias=None, act=True: conv(  # the history one
+        torch.cat((window[:, :1] * 0, window[:, :-1]), dim=1), weight, bias, act))  # input short
     assert chunked_error() > 100 * TOL
     monkeypatch.undo()
     run = Stepper(model)  # drafts never pending: the next chunk replays nothing, as if all were committed

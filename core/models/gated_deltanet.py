@@ -104,13 +104,14 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
-def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal conv then silu: ``window`` [B, K - 1 + L, C] (per sequence the K - 1 inputs before the
-    first output, then L inputs), ``weight`` [C, K], ``bias`` [C] or None -> [B, L, C], output t =
+def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                act: bool = True) -> torch.Tensor:
+    """Depthwise causal conv then silu (``act``): ``window`` [B, K - 1 + L, C] (per sequence the K - 1 inputs
+    before the first output, then L inputs), ``weight`` [C, K], ``bias`` [C] or None -> [B, L, C], output t =
     silu(sum_j weight[:, j] * window[:, t + j] + bias)."""
     out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], bias,
                    groups=weight.shape[0])  # [B, C, L]
-    return F.silu(out).transpose(1, 2).to(window.dtype)
+    return (F.silu(out) if act else out).transpose(1, 2).to(window.dtype)
 
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -327,13 +328,16 @@ class GatedRMSNorm(nn.Module):
 
 class RecurrentMixer(nn.Module):
     """What a layer with a recurrent state per request shares (Gated DeltaNet here, Mamba-2's mixer in
-    :mod:`specray.models.mamba2`): its slots, the replay of accepted drafts, token trees, the fixed-shape form for
-    graph steps (module docstring). A subclass gives the conv (``conv1d.weight`` [C, K], ``conv1d.bias`` [C] or
-    None; ``kernel`` K), how its conv's output splits into q, k, v (:meth:`_split_heads`), its rule
-    (``delta_rule``: the delta rule, else the plain gated one) and what it adds to the rule's outputs
-    (:meth:`_skip`); its ``forward`` hands the conv's inputs and each token's g and beta to :meth:`recurrence`."""
+    :mod:`specray.models.mamba2`, LFM2's short conv in :mod:`specray.models.lfm2`): its slots, the replay of accepted
+    drafts, token trees, the fixed-shape form for graph steps (module docstring). A subclass gives the conv
+    (``conv1d.weight`` [C, K], ``conv1d.bias`` [C] or None; ``kernel`` K; ``conv_activation``), how its conv's output
+    splits into q, k, v (:meth:`_split_heads`), its rule (``delta_rule``: the delta rule, else the plain gated one;
+    or :meth:`_rule` and :meth:`_tree_rule` of its own: a conv alone keeps no matrix) and what it adds to the rule's
+    outputs (:meth:`_skip`); its ``forward`` hands the conv's inputs and each token's g and beta to
+    :meth:`recurrence`."""
 
     delta_rule = True
+    conv_activation = True  # silu after the conv (LFM2's short conv: none)
     kernel: int
     state: RecurrentLayerState | None = None
 
@@ -348,12 +352,17 @@ class RecurrentMixer(nn.Module):
         return out
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
-        return causal_conv(window, self.conv1d.weight, getattr(self.conv1d, "bias", None))
+        return causal_conv(window, self.conv1d.weight, getattr(self.conv1d, "bias", None), self.conv_activation)
 
     def _rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, keep_at: list[int] | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         scan = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
         return scan(q, k, v, g, beta, state, keep_at, delta=self.delta_rule)
+
+    def _tree_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, parent_rows: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_rule` over one sequence's rows that form a tree (:func:`gated_delta_tree`)."""
+        return gated_delta_tree(q, k, v, g, beta, state, parent_rows, keep, self.delta_rule)
 
     def recurrence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta) -> torch.Tensor:
         """The step's outputs [T, H, dv] from the conv's inputs ``mixed`` [T, C] and each token's log decay ``g``
@@ -389,7 +398,8 @@ class RecurrentMixer(nn.Module):
             windows = torch.tensor(tree_windows(parent_rows, width), dtype=torch.long, device=mixed.device)
             x = (seqs[b][4][windows].to(self.conv1d.weight.dtype) * self.conv1d.weight.t()).sum(1)  # [L, C]
             bias = getattr(self.conv1d, "bias", None)
-            conv[b, : len(parent_rows)] = F.silu(x if bias is None else x + bias).to(conv.dtype)
+            x = x if bias is None else x + bias
+            conv[b, : len(parent_rows)] = (F.silu(x) if self.conv_activation else x).to(conv.dtype)
         real = torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]  # [B, L] (host lists: no sync)
         q, k, v = self._split_heads(conv * real.to(conv.device)[..., None])
         g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
@@ -404,9 +414,8 @@ class RecurrentMixer(nn.Module):
         out, kept = self._rule(q, k, v, g_pad, beta_pad, initial, keep_at)
         for b, parent_rows in trees.items():  # (the chain rule's rows for it, computed above, are not used)
             rows = len(parent_rows)
-            out_b, kept_b = gated_delta_tree(q[b, :rows], k[b, :rows], v[b, :rows], g_pad[b, :rows],
-                                             beta_pad[b, :rows], initial[b], parent_rows, committed[b] - 1,
-                                             self.delta_rule)
+            out_b, kept_b = self._tree_rule(q[b, :rows], k[b, :rows], v[b, :rows], g_pad[b, :rows],
+                                            beta_pad[b, :rows], initial[b], parent_rows, committed[b] - 1)
             out[b, :rows], kept[b] = out_b, kept_b
         out = self._skip(out, v)
         targets = batch.slots if batch.targets is None else batch.targets

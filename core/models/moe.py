@@ -186,6 +186,8 @@ FAMILIES["granitemoehybrid"] = FAMILIES["granitemoeshared"]  # Granite 4.0's hyb
 FAMILIES["nemotron_h"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
                                    shared="shared_experts", shared_width="moe_shared_expert_intermediate_size",
                                    shared_count=None, gateless=True)
+# LFM2-MoE (LFM2-8B-A1B): sigmoid scores, the top k of score + expert bias, renormalised, scaled
+FAMILIES["lfm2_moe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid")
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
 FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
                                        shared_width="intermediate_size", top_k="moe_topk", normalized=True)
@@ -313,7 +315,7 @@ class SparseMoE(nn.Module):
             if config.mlp_hidden_act != "relu2":
                 raise ValueError(f"mlp_hidden_act={config.mlp_hidden_act!r} is not supported for model_type="
                                  f"{config.model_type!r}'s experts; 'relu2' is")
-        elif not family.gelu and config.hidden_act != "silu":
+        elif not family.gelu and getattr(config, "hidden_act", "silu") != "silu":  # (LFM2's config names none)
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.tp = tp
         self.num_experts = getattr(config, family.num_experts)

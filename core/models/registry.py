@@ -105,15 +105,18 @@ _MODEL_TYPES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "
                      "qwen3_next": "Qwen3NextForCausalLM"})
 _TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditionalGeneration": ""})
 
-# hybrid Mamba-2 models (Mamba-2 layers with a recurrent state per request: specray.models.mamba_hybrid)
+# hybrid Mamba-2 models (Mamba-2 layers with a recurrent state per request: specray.models.mamba_hybrid) and LFM2
+# (short convs, a conv history per request: specray.models.lfm2)
 _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHybridForCausalLM",
                        "GraniteMoeHybridForCausalLM": "specray.models.mamba_hybrid:GraniteMoeHybridForCausalLM",
                        "NemotronHForCausalLM": "specray.models.mamba_hybrid:NemotronHForCausalLM",
                        "FalconH1ForCausalLM": "specray.models.mamba_hybrid:FalconH1ForCausalLM",
-                       "Mamba2ForCausalLM": "specray.models.mamba_hybrid:Mamba2ForCausalLM"})
+                       "Mamba2ForCausalLM": "specray.models.mamba_hybrid:Mamba2ForCausalLM",
+                       "Lfm2ForCausalLM": "specray.models.lfm2:Lfm2ForCausalLM",
+                       "Lfm2MoeForCausalLM": "specray.models.lfm2:Lfm2ForCausalLM"})
 _MODEL_TYPES.update({"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                      "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
-                     "mamba2": "Mamba2ForCausalLM"})
+                     "mamba2": "Mamba2ForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"})
 
 # Qwen2.5-VL's and Qwen3-VL's text models are a Qwen2, a Qwen3 and a Qwen3-MoE (multimodal RoPE, ``mrope_section``,
 # rotates a text-only sequence as plain RoPE does: its three position ids are equal). Qwen2.5-VL's releases keep the
