@@ -165,6 +165,7 @@ class Lfm2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     ranks)."""
 
     model_class = Lfm2Model
+    lora_modules: tuple[str, ...] = ()  # not yet (its checkpoint names differ from its modules')
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
