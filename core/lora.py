@@ -20,6 +20,7 @@ import logging
 import re
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,10 +204,12 @@ def bin_shapes(path: Path) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in state.items()}
 
 
-def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank: int) -> AdapterInfo:
+def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank: int,
+                 rename: Callable[[str], str] | None = None) -> AdapterInfo:
     """Check the adapter at ``path`` against a base model whose projections that take LoRA are ``shapes``
-    (checkpoint module name -> its weight's (out, in) shape; None: the modules are not checked, only the folder, its
-    config and its rank); ValueError naming what does not fit."""
+    (module name -> its weight's (out, in) shape; None: the modules are not checked, only the folder, its config and
+    its rank); ``rename``: an adapter's module name (the checkpoint's) as ``shapes`` names it (a family whose
+    checkpoint names differ from its modules'); ValueError naming what does not fit."""
     folder = adapter_folder(path)
     config = read_adapter_config(folder)
     weights = weights_file(folder)
@@ -223,12 +226,13 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
         if of_other_tower(module):
             towers.add(module)
             continue  # never run for text
+        ours = module if rename is None else rename(module)
         if shapes is not None:  # by name first: a conv's LoRA (a linear-attention layer's conv1d) is not 2-D
-            check_module(path, module, shapes)
+            check_module(path, ours, shapes)
         if len(shape) != 2:
             raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
         if shapes is not None:
-            check_shape(path, module, which, shape, shapes)
+            check_shape(path, ours, which, shape, shapes)
         seen.setdefault(module, set()).add(which)
         rank = shape[0] if which == "A" else shape[1]
         if ranks.setdefault(module, rank) != rank:
@@ -274,9 +278,11 @@ class AdapterChecker:
     """The engine's record of the adapters its requests named: each checked once (``read_adapter``), and one id
     never naming two folders."""
 
-    def __init__(self, config: LoRAConfig | None, shapes: dict[str, tuple[int, int]]):
+    def __init__(self, config: LoRAConfig | None, shapes: dict[str, tuple[int, int]],
+                 rename: Callable[[str], str] | None = None):
         self.config = config
         self.shapes = shapes  # the projections that take LoRA (specray.models.lora.adapter_shapes)
+        self.rename = rename  # an adapter's module name as shapes names it (the model's adapter_module)
         self.seen: dict[int, tuple[str, AdapterInfo]] = {}
 
     def check(self, request: LoRARequest) -> AdapterInfo:
@@ -294,6 +300,6 @@ class AdapterChecker:
                 raise ValueError(f"lora_int_id={request.lora_int_id} already names the adapter at {known[0]!r}, not "
                                  f"{request.lora_path!r}: give each adapter its own id")
             return known[1]
-        info = read_adapter(request.lora_path, self.shapes, self.config.max_lora_rank)
+        info = read_adapter(request.lora_path, self.shapes, self.config.max_lora_rank, self.rename)
         self.seen[request.lora_int_id] = (request.lora_path, info)
         return info

@@ -262,6 +262,51 @@ def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
     assert (out[0] - ref_a[pos: pos + 2]).abs().max() < TOL
 
 
+# the checkpoint leaves a Mamba-2 hybrid's (and LFM2's) adapter adapts: attention, MLPs (LFM2's w1 / w3 / w2), the
+# recurrent layers' in_proj and out_proj (not the experts, routers or conv)
+RECURRENT_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "gate_proj", "up_proj", "down_proj",
+                    "w1", "w2", "w3")
+
+
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h_moe", "falcon_h1", "lfm2", "mamba2"])
+def test_mamba_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
+    """An adapter of every projection specray adapts in Bamba, Nemotron-H (its ``backbone.`` / ``mixer.`` names
+    renamed by kind, shared experts too), Falcon-H1 (each B scaled by the multiplier folded into its weight), LFM2
+    (``out_proj`` / ``w1``.. names) and Mamba-2: a prefill and verify chunks whose accepted drafts the next chunk
+    replays, beside a sequence without the adapter; each row's logits equal transformers' with the adapter merged
+    (the base model's for the other sequence)."""
+    base = hybrid.save(tmp_path / "base", arch, seed=5)
+    _adapter_of(base, tmp_path / "adapter", lambda k: ".layers." in k and ".experts." not in k and k.endswith(
+        ".weight") and k.split(".")[-2] in RECURRENT_LEAVES, std=0.1)
+    merged = _hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged"))
+    plain = _hf(base)
+    from specray.engine.builder import adapter_checker  # admission: every module named and shaped as ours
+
+    config = LoRAConfig(max_loras=1, max_lora_rank=4)
+    adapter_checker(config, load_model(base).config).check(LoRARequest("h", 1, str(tmp_path / "adapter")))
+    model = load_model(base)
+    slots = LoRASlots(model, config, torch.device("cpu"))
+    (lora_slot,) = slots.slots_for([LoRARequest("h", 1, str(tmp_path / "adapter"))])
+    run = hybrid.Stepper(model)
+    a, b = hybrid.tokens(30, 1), hybrid.tokens(12, 2)
+    ref_a, ref_b = hybrid.hf_logits(merged, a), hybrid.hf_logits(plain, b)
+    assert (ref_a - hybrid.hf_logits(plain, a)).abs().max() > 1e-2  # the adapter matters
+
+    def step(chunks):
+        slots.context.set_token_slots(torch.tensor([lora_slot if seq == 0 else 0 for seq, ids, _, _ in chunks
+                                                    for _ in ids]))
+        return run.step(chunks)
+
+    out = step([(0, a[:10], 0, 0), (1, b[:6], 0, 0)])
+    assert max((out[0] - ref_a[:10]).abs().max(), (out[1] - ref_b[:6]).abs().max()) < TOL
+    pos = 10
+    for accepted in (1, 3, 0, 2):
+        drafts = a[pos + 1: pos + 1 + accepted] + hybrid.tokens(3 - accepted, 100 + pos)
+        out = step([(0, [a[pos]] + drafts, pos, 3)])
+        assert (out[0][: accepted + 1] - ref_a[pos: pos + accepted + 1]).abs().max() < TOL, accepted
+        pos += accepted + 1
+
+
 def test_hybrid_engine_with_an_adapter_and_ngram_drafts_equals_the_merged_model(tmp_path):
     """The engine over a Qwen3.5 with enable_lora: requests with the adapter and without, in one batch, with n-gram
     drafts (some accepted, some rejected: replays under the adapter) give the merged model's and the base model's

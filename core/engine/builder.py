@@ -370,8 +370,9 @@ def adapter_checker(lora: LoRAConfig | None, hf_config) -> AdapterChecker:
         raise ValueError(f"enable_lora: LoRA adapters are not applied to {getattr(hf_config, 'model_type', '?')} "
                          "models in specray yet; serve this model without enable_lora")
     with torch.device("meta"):  # the whole model's projections, shapes only (no memory, no weights)
-        shapes = adapter_shapes(model_class(hf_config, TPGroup.single()))
-    return AdapterChecker(lora, shapes)
+        model = model_class(hf_config, TPGroup.single())
+        shapes = adapter_shapes(model)
+    return AdapterChecker(lora, shapes, getattr(model, "adapter_module", None))
 
 
 THINKING_TOKENS = ("<think>", "</think>")  # what reasoning models' tokenizers call the thinking phase's ends

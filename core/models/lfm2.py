@@ -165,7 +165,10 @@ class Lfm2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     ranks)."""
 
     model_class = Lfm2Model
-    lora_modules: tuple[str, ...] = ()  # not yet (its checkpoint names differ from its modules')
+    # LoRA on the attention's q/k/v/o (out_proj in its checkpoint), the dense MLPs (w1 / w3 / w2) and the short
+    # convs' in_proj and out_proj (adapters name modules as the checkpoint does: adapter_module renames them)
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "in_proj", "out_proj")
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:

@@ -618,6 +618,11 @@ class LlamaForCausalLM(nn.Module):
             name = theirs.sub(ours, name)
         return name
 
+    def adapter_module(self, name: str) -> str:
+        """A LoRA adapter's module name (the checkpoint's, ``model.layers.0.feed_forward.w1``) as our modules name it
+        (``model.layers.0.mlp.gate_proj``: a merged projection's part, by the checkpoint's piece)."""
+        return self._our_name(f"{name}.weight").removesuffix(".weight")
+
     def reads_weight(self, name: str) -> bool:
         """Whether :meth:`load_weights` uses checkpoint tensor ``name`` (or its scale): a pipeline stage skips the
         other stages' layers, embedding, norm and head, but a later stage's own LM head reads a tied embedding."""

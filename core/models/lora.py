@@ -228,8 +228,11 @@ class LoRASlots:
             if module.startswith(self.other_stage):
                 continue
             split = getattr(self.model, "split_adapter", lambda *_: None)(module, lora_b)  # (Qwen3-Next's)
+            rename = getattr(self.model, "adapter_module", lambda name: name)  # the checkpoint's names as ours
+            fold = getattr(self.model, "fold_adapter", lambda name, b: b)  # (Falcon-H1's multipliers)
             for piece, b in split or unfuse(f"{module}.", lora_b, self.fused):  # a fused one's B: its parts', A shared
-                target, part = self._target(piece[:-1])
+                target, part = self._target(rename(piece[:-1]))
+                b = fold(piece[:-1], b)
                 self.layers[target].set(slot, part, lora_a, b, info.scale(lora_a.shape[0]))
         self.slot_of[request.lora_int_id] = slot
         logger.info("loaded LoRA adapter %r (id %d) into slot %d", request.lora_name, request.lora_int_id, slot)

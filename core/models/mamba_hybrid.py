@@ -111,7 +111,11 @@ class MambaHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Bamba for causal LM, sharded over ``tp`` (Mamba-2 heads split like attention heads)."""
 
     model_class = MambaHybridModel
-    lora_modules: tuple[str, ...] = ()  # not yet: enable_lora is refused by name (their checkpoint names differ)
+    # LoRA on the attention's q/k/v/o, the MLPs (and shared MLPs, not the experts) and Mamba-2's in_proj and out_proj
+    # (an adapter's B of in_proj split over the ranks by the same row ranges as the weight's); adapters name modules
+    # as the checkpoint does (adapter_module renames them)
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "in_proj", "out_proj")
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
@@ -123,6 +127,7 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
     the layer's MLP."""
 
     model_class = GraniteHybridModel
+    lora_modules: tuple[str, ...] = ()  # not yet (its shared MLP's fused input_linear under Granite's names)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -189,7 +194,7 @@ class NemotronHForCausalLM(RecurrentModel, LlamaForCausalLM):
     ``model.``), each layer's ``mixer`` named for its kind."""
 
     model_class = NemotronHModel
-    lora_modules: tuple[str, ...] = ()  # not yet (its layers' mixer names are renamed by kind)
+    lora_modules = MambaHybridForCausalLM.lora_modules  # (its mixers' names renamed by kind: adapter_module)
     stacked = GATELESS_STACKED  # its MLPs' up_proj stands alone
     may_tie = False  # its LM head is its own whatever tie_word_embeddings says (transformers' has no tied weights)
 
@@ -252,7 +257,7 @@ class FalconH1ForCausalLM(RecurrentModel, LlamaForCausalLM):
     and ``lm_head_multiplier`` the logits. Names as Bamba's."""
 
     model_class = FalconH1Model
-    lora_modules: tuple[str, ...] = ()  # not yet (an adapter would need the multipliers folded into its weights too)
+    lora_modules = MambaHybridForCausalLM.lora_modules  # each adapter's B scaled as its weight is (fold_adapter)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -277,14 +282,23 @@ class FalconH1ForCausalLM(RecurrentModel, LlamaForCausalLM):
     def check_split(config, tp: int, pp: int) -> None:
         check_mamba2_split(config, tp)
 
+    def _fold(self, name: str, tensor):
+        """A checkpoint tensor ``name`` times the multiplier folded into it (a weight's rows, or its bias), if any."""
+        for piece, weight_factor, bias_factor in self.folds:
+            if piece in name and name.endswith((".weight", ".bias")):
+                factor = weight_factor if name.endswith(".weight") else bias_factor
+                if isinstance(factor, torch.Tensor) or factor != 1.0:
+                    value = materialize(tensor)
+                    scale = factor[:, None] if isinstance(factor, torch.Tensor) and value.dim() == 2 else factor
+                    return (value.float() * scale).to(value.dtype)
+                break
+        return tensor
+
     def _unfused(self, weights):
         for name, tensor in super()._unfused(weights):
-            for piece, weight_factor, bias_factor in self.folds:
-                if piece in name and name.endswith((".weight", ".bias")):
-                    factor = weight_factor if name.endswith(".weight") else bias_factor
-                    if isinstance(factor, torch.Tensor) or factor != 1.0:
-                        value = materialize(tensor)
-                        scale = factor[:, None] if isinstance(factor, torch.Tensor) and value.dim() == 2 else factor
-                        tensor = (value.float() * scale).to(value.dtype)
-                    break
-            yield name, tensor
+            yield name, self._fold(name, tensor)
+
+    def fold_adapter(self, module: str, lora_b: torch.Tensor) -> torch.Tensor:
+        """An adapter's B of checkpoint module ``module`` scaled as that module's weight is (B A adds to the weight,
+        so the rows of B take the weight's factor; A is shared)."""
+        return self._fold(f"{module}.weight", lora_b)
