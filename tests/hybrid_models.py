@@ -32,7 +32,8 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8
 _ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
 MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
-               "mamba2", "lfm2", "lfm2_moe")  # (LFM2's short convs: a recurrent state with no matrix, the same way)
+               "mamba2", "lfm2", "lfm2_moe", "jamba", "mamba", "falcon_mamba")
+# (LFM2's short convs: a recurrent state with no matrix; Mamba-1's: a state row decaying at its own rate)
 
 
 def mamba_config(arch: str, **overrides):
@@ -70,6 +71,16 @@ def mamba_config(arch: str, **overrides):
                   conv_L_cache=3, conv_bias=False, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                   num_dense_layers=1, use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)
         return tf.Lfm2MoeConfig(**{**kw, **overrides})
+    if arch == "jamba":  # Jamba: Mamba-1 and NoPE attention alternating, experts on every other layer
+        kw = dict(_ATTN, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=8, mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5)
+        return tf.JambaConfig(**{**kw, **overrides})
+    if arch in ("mamba", "falcon_mamba"):  # Mamba-1 alone (Falcon-Mamba's B, C and dt normed without weights)
+        kw = dict(hidden_size=64, num_hidden_layers=2, vocab_size=300, state_size=8, expand=2, conv_kernel=4,
+                  time_step_rank=8, use_conv_bias=True, use_bias=False, layer_norm_epsilon=1e-5, bos_token_id=None,
+                  pad_token_id=None, initializer_range=0.1)
+        return (tf.MambaConfig if arch == "mamba" else tf.FalconMambaConfig)(**{**kw, **overrides})
     if arch == "mamba2":  # Mamba-2 alone: three layers
         kw = dict(hidden_size=64, num_hidden_layers=3, vocab_size=300, num_heads=8, head_dim=16, state_size=8,
                   n_groups=2, conv_kernel=4, expand=2, layer_norm_epsilon=1e-5, chunk_size=16, bos_token_id=None,

@@ -252,7 +252,7 @@ def test_without_taking_a_step_back_a_failure_after_the_runner_fails_the_others(
     assert any(o.error is not None and "recurrent state is at" in o.error for o in done.values())
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("kind", ["gated_deltanet", "mamba2", "mamba1"])
 def test_a_token_tree_gives_each_draft_its_own_paths_state(kind):
     """A verify chunk whose drafts form a tree, after replaying pending drafts: every row's output equals the output
     that row gets when its path alone (the chunk's real tokens, then its ancestors, then it) runs as a chain from the
@@ -263,6 +263,7 @@ def test_a_token_tree_gives_each_draft_its_own_paths_state(kind):
 
     from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
     from specray.models.kv_cache import RecurrentState
+    from specray.models.mamba1 import Mamba1Mixer
     from specray.models.mamba2 import Mamba2Mixer
     from specray.parallel import TPGroup
 
@@ -271,6 +272,14 @@ def test_a_token_tree_gives_each_draft_its_own_paths_state(kind):
         layer = GatedDeltaNet(types.SimpleNamespace(
             hidden_act="silu", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=6, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-5), TPGroup.single())
+    elif kind == "mamba1":  # (its dt, B and C from each row's conv output: the rows' g and beta unused)
+        layer = Mamba1Mixer(types.SimpleNamespace(
+            model_type="jamba", hidden_size=2, mamba_expand=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=3,
+            mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5), TPGroup.single())
+        with torch.no_grad():
+            for p in (layer.conv1d.bias, layer.D, layer.x_proj.weight, layer.dt_proj.weight, layer.dt_proj.bias,
+                      layer.A_log):
+                p.normal_()
     else:
         layer = Mamba2Mixer(types.SimpleNamespace(
             model_type="bamba", hidden_act="silu", mamba_n_heads=4, mamba_d_head=6, mamba_d_state=8, mamba_n_groups=2,

@@ -221,24 +221,20 @@ def _hybrid_adapter(base: Path, dst: Path, seed: int = 3) -> dict:
                        k.endswith(".weight") and k.split(".")[-2] in HYBRID_MODULES, seed=seed, std=0.1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
-    """Qwen3.5 (dense), Qwen3.5-MoE (a shared expert) and Qwen3-Next (its checkpoint's fused in_proj_qkvz /
-    in_proj_ba: an adapter of them has its B split as the weights are): an adapter of the gated attention's q/k/v/o
-    (q_proj's rows: each head's query and output gate), the linear-attention layers' projections and out_proj, and
-    the MLPs, beside a sequence without one: a prefill, verify chunks whose drafts stay pending, and the next chunks
-    replaying the accepted ones (conv inputs and gates computed under the adapter); each row's logits equal
-    transformers' with the adapter merged (the base model's for the other sequence)."""
-    base = hybrid.save(tmp_path / "base", arch, seed=5)
-    tensors = _hybrid_adapter(base, tmp_path / "adapter")
-    split, fused = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}, {"in_proj_qkvz", "in_proj_ba"}
-    adapted = set(HYBRID_MODULES) - (split if arch == "qwen3_next" else fused)  # the checkpoint's own names
-    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors} == adapted
-    merged = _hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged"))
+def _check_adapted_hybrid(base: Path, adapter: Path, merged_dir: Path) -> None:
+    """A hybrid model with ``adapter`` beside a sequence without it: a prefill, verify chunks whose drafts stay
+    pending, and the next chunks replaying the accepted ones (conv inputs and gates computed under the adapter); each
+    row's logits equal transformers' with the adapter merged (the base model's for the other sequence). The adapter
+    passes admission first (its modules named and shaped as the model's)."""
+    from specray.engine.builder import adapter_checker
+
+    merged = _hf(checkpoints.merge_lora(base, adapter, merged_dir))
     plain = _hf(base)
+    config = LoRAConfig(max_loras=1, max_lora_rank=4)
     model = load_model(base)
-    slots = LoRASlots(model, LoRAConfig(max_loras=1, max_lora_rank=4), torch.device("cpu"))
-    (lora_slot,) = slots.slots_for([LoRARequest("h", 1, str(tmp_path / "adapter"))])
+    adapter_checker(config, model.config).check(LoRARequest("h", 1, str(adapter)))
+    slots = LoRASlots(model, config, torch.device("cpu"))
+    (lora_slot,) = slots.slots_for([LoRARequest("h", 1, str(adapter))])
     run = hybrid.Stepper(model)
     a, b = hybrid.tokens(30, 1), hybrid.tokens(12, 2)
     ref_a, ref_b = hybrid.hf_logits(merged, a), hybrid.hf_logits(plain, b)
@@ -262,49 +258,36 @@ def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
     assert (out[0] - ref_a[pos: pos + 2]).abs().max() < TOL
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
+    """Qwen3.5 (dense), Qwen3.5-MoE (a shared expert) and Qwen3-Next (its checkpoint's fused in_proj_qkvz /
+    in_proj_ba: an adapter of them has its B split as the weights are): an adapter of the gated attention's q/k/v/o
+    (q_proj's rows: each head's query and output gate), the linear-attention layers' projections and out_proj, and
+    the MLPs (_check_adapted_hybrid)."""
+    base = hybrid.save(tmp_path / "base", arch, seed=5)
+    tensors = _hybrid_adapter(base, tmp_path / "adapter")
+    split, fused = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}, {"in_proj_qkvz", "in_proj_ba"}
+    adapted = set(HYBRID_MODULES) - (split if arch == "qwen3_next" else fused)  # the checkpoint's own names
+    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors} == adapted
+    _check_adapted_hybrid(base, tmp_path / "adapter", tmp_path / "merged")
+
+
 # the checkpoint leaves a Mamba-2 hybrid's (and LFM2's) adapter adapts: attention, MLPs (LFM2's w1 / w3 / w2), the
 # recurrent layers' in_proj and out_proj (not the experts, routers or conv)
 RECURRENT_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "gate_proj", "up_proj", "down_proj",
                     "w1", "w2", "w3")
 
 
-@pytest.mark.parametrize("arch", ["bamba", "nemotron_h_moe", "falcon_h1", "lfm2", "mamba2"])
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h_moe", "falcon_h1", "lfm2", "mamba2", "jamba", "falcon_mamba"])
 def test_mamba_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
-    """An adapter of every projection specray adapts in Bamba, Nemotron-H (its ``backbone.`` / ``mixer.`` names
-    renamed by kind, shared experts too), Falcon-H1 (each B scaled by the multiplier folded into its weight), LFM2
-    (``out_proj`` / ``w1``.. names) and Mamba-2: a prefill and verify chunks whose accepted drafts the next chunk
-    replays, beside a sequence without the adapter; each row's logits equal transformers' with the adapter merged
-    (the base model's for the other sequence)."""
+    """(_check_adapted_hybrid) An adapter of every projection specray adapts in Bamba, Nemotron-H (its ``backbone.``
+    / ``mixer.`` names renamed by kind, shared experts too), Falcon-H1 (each B scaled by the multiplier folded into
+    its weight), LFM2 (``out_proj`` / ``w1``.. names), Mamba-2, Jamba and Falcon-Mamba (Mamba-1's in_proj and
+    out_proj)."""
     base = hybrid.save(tmp_path / "base", arch, seed=5)
     _adapter_of(base, tmp_path / "adapter", lambda k: ".layers." in k and ".experts." not in k and k.endswith(
         ".weight") and k.split(".")[-2] in RECURRENT_LEAVES, std=0.1)
-    merged = _hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged"))
-    plain = _hf(base)
-    from specray.engine.builder import adapter_checker  # admission: every module named and shaped as ours
-
-    config = LoRAConfig(max_loras=1, max_lora_rank=4)
-    adapter_checker(config, load_model(base).config).check(LoRARequest("h", 1, str(tmp_path / "adapter")))
-    model = load_model(base)
-    slots = LoRASlots(model, config, torch.device("cpu"))
-    (lora_slot,) = slots.slots_for([LoRARequest("h", 1, str(tmp_path / "adapter"))])
-    run = hybrid.Stepper(model)
-    a, b = hybrid.tokens(30, 1), hybrid.tokens(12, 2)
-    ref_a, ref_b = hybrid.hf_logits(merged, a), hybrid.hf_logits(plain, b)
-    assert (ref_a - hybrid.hf_logits(plain, a)).abs().max() > 1e-2  # the adapter matters
-
-    def step(chunks):
-        slots.context.set_token_slots(torch.tensor([lora_slot if seq == 0 else 0 for seq, ids, _, _ in chunks
-                                                    for _ in ids]))
-        return run.step(chunks)
-
-    out = step([(0, a[:10], 0, 0), (1, b[:6], 0, 0)])
-    assert max((out[0] - ref_a[:10]).abs().max(), (out[1] - ref_b[:6]).abs().max()) < TOL
-    pos = 10
-    for accepted in (1, 3, 0, 2):
-        drafts = a[pos + 1: pos + 1 + accepted] + hybrid.tokens(3 - accepted, 100 + pos)
-        out = step([(0, [a[pos]] + drafts, pos, 3)])
-        assert (out[0][: accepted + 1] - ref_a[pos: pos + accepted + 1]).abs().max() < TOL, accepted
-        pos += accepted + 1
+    _check_adapted_hybrid(base, tmp_path / "adapter", tmp_path / "merged")
 
 
 def test_hybrid_engine_with_an_adapter_and_ngram_drafts_equals_the_merged_model(tmp_path):

@@ -8,6 +8,8 @@ C split and replicated."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,6 +81,31 @@ def test_nemotron_h_loads_release_and_module_names(tmp_path):
         assert (got - ref).abs().max() < TOL, folder
 
 
+def test_mamba1_parts_matter(tmp_path, monkeypatch):
+    """The comparison can fail: Mamba-1 with one decay per channel (its state's rows at their mean rate), without
+    D's skip, or (Jamba) without its norms of dt, B and C, changes the logits."""
+    from specray.models.mamba1 import Mamba1Mixer
+
+    model, hf = ours(tmp_path, "jamba", seed=8)
+    seq = tokens(14, 9)
+    ref = hf_logits(hf, seq)
+
+    def error() -> float:
+        return (Stepper(model).step([(0, seq, 0, 0)])[0] - ref).abs().max().item()
+
+    assert error() < TOL
+    decay = Mamba1Mixer._decay
+    for attr, value in (("_decay", lambda self: decay(self).mean(-1, keepdim=True).expand_as(decay(self))),
+                        ("_skip", lambda self, out, v: out)):
+        monkeypatch.setattr(Mamba1Mixer, attr, value)
+        assert error() > 100 * TOL, attr
+        monkeypatch.undo()
+    for layer in model.model.layers:
+        if hasattr(layer, "mamba"):
+            layer.mamba.dims = dataclasses.replace(layer.mamba.dims, norms=None)
+    assert error() > 100 * TOL
+
+
 def test_lfm2_short_conv_matters(tmp_path, monkeypatch):
     """The comparison can fail: LFM2's short conv with an activation after it (as the other recurrent mixers' have),
     or not gated by C, changes the logits."""
@@ -123,7 +150,8 @@ def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
 
 
 # (the dense Granite and the plain Nemotron-H: in the TP and pipeline checks below)
-@pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2", "lfm2"])
+@pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2", "lfm2", "jamba",
+                                        "falcon_mamba"])
 def engine_case(request, tmp_path_factory):
     from specray import LLM
 
@@ -234,17 +262,20 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     states); B and C's two groups split (Bamba, Nemotron-H) or, one group, repeat on both ranks with the gated norm's
     sums of squares summed across them (Granite's dense hybrid); Nemotron-H's gateless experts and shared experts
     split by width; Falcon-H1's side-by-side mixers; LFM2-MoE's short convs' channels and experts; logits of
-    prefills, a verify chunk and the replay after it equal one rank's."""
+    prefills, a verify chunk and the replay after it equal one rank's; Jamba's Mamba-1 channels (x_proj's sum over
+    the ranks) and experts."""
     folders = []
     for arch, seed, overrides in (("bamba", 41, {}), ("granite_dense", 42, {"mamba_n_groups": 1}),
-                                  ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {}), ("lfm2_moe", 48, {})):
+                                  ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {}), ("lfm2_moe", 48, {}),
+                                  ("jamba", 49, {})):
         _, hf = hf_pair(arch, seed, **overrides)
         hf.save_pretrained(tmp_path / arch)
         folders.append(str(tmp_path / arch))
     for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 2, 2, folders, timeout=240)):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
-            assert heads == (0 if folder.endswith("lfm2_moe") else 4), folder  # (LFM2's short convs: no heads)
+            # (LFM2's short convs: no heads; Jamba's Mamba-1: a head per channel, 128 over two ranks)
+            assert heads == {"lfm2_moe": 0, "jamba": 64}.get(folder.rsplit("/", 1)[-1], 4), folder
 
 
 def test_prefix_caching_starts_from_kept_states(engine_case):

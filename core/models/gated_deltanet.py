@@ -114,15 +114,25 @@ def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return (F.silu(out) if act else out).transpose(1, 2).to(window.dtype)
 
 
+def _decayed(state: torch.Tensor, g: torch.Tensor, decay_by: torch.Tensor | None) -> torch.Tensor:
+    """``state`` [..., H, dk, dv] times its decay: exp(g) per head (g [..., H]), or with ``decay_by`` [H, dk]
+    (Mamba-1's A) exp(g * decay_by) per head and key row."""
+    if decay_by is None:
+        return state * g.exp()[..., None, None]
+    return state * (g[..., None] * decay_by).exp()[..., None]
+
+
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, delta: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, delta: bool = True,
+                     decay_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule token by token (module docstring), float32, B sequences padded to L tokens: q, k [B, L, H,
     dk] (normalised, q scaled), v [B, L, H, dv], g, beta [B, L, H], state [B, H, dk, dv]. Padding tokens must have
     g = 0 and beta = 0 (they leave the state as it is). Returns the outputs [B, L, H, dv] and the state after token
     ``keep_at[b]`` of each sequence (None: after the last token; a host list, or a [B] long tensor on the device,
     where -1 keeps the state given). ``delta=False``: the plain gated rule of Mamba-2's state-space dual instead,
-    ``S <- exp(g_t) S + k_t (beta_t v_t)^T`` (nothing subtracted: :mod:`specray.models.mamba2`)."""
+    ``S <- exp(g_t) S + k_t (beta_t v_t)^T`` (nothing subtracted: :mod:`specray.models.mamba2`); with ``decay_by``
+    [H, dk], each key row of S decays by its own exp(g_t * decay_by) (Mamba-1's selective scan:
+    :mod:`specray.models.mamba1`)."""
     length = q.shape[1]
     keep = None
     if isinstance(keep_at, torch.Tensor):  # [L, B, 1, 1, 1] by comparison on the device
@@ -134,7 +144,7 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     kept = state
     outputs = []
     for t in range(length):
-        state = state * g[:, t].exp()[..., None, None]
+        state = _decayed(state, g[:, t], decay_by)
         k_t = k[:, t]  # [B, H, dk]
         written = v[:, t] - (state * k_t[..., None]).sum(-2) if delta else v[:, t]  # v - k^T S: [B, H, dv]
         state = state + k_t[..., None] * (written * beta[:, t, :, None])[..., None, :]
@@ -170,15 +180,15 @@ def tree_windows(parent_rows: list[int], width: int) -> list[list[int]]:
 
 
 def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, parent_rows: list[int], keep: int, delta: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, parent_rows: list[int], keep: int, delta: bool = True,
+                     decay_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule (``delta=False``: the plain gated rule, :func:`gated_delta_scan`) over one sequence's rows
     that form a tree (:func:`tree_rows`): row j updates its parent row's state (``state`` [H, dk, dv] for parent
     -1), so every draft sees its own path only. q, k [L, H, dk], v [L, H, dv], g, beta [L, H], float32 -> the
     outputs [L, H, dv] and the state after row ``keep``."""
     states, outputs = [], []
     for j, parent in enumerate(parent_rows):
-        s = (state if parent < 0 else states[parent]) * g[j].exp()[:, None, None]
+        s = _decayed(state if parent < 0 else states[parent], g[j], decay_by)
         written = v[j] - (s * k[j][..., None]).sum(-2) if delta else v[j]  # v - k^T S: [H, dv]
         s = s + k[j][..., None] * (written * beta[j][:, None])[:, None, :]
         states.append(s)
@@ -338,6 +348,9 @@ class RecurrentMixer(nn.Module):
 
     delta_rule = True
     conv_activation = True  # silu after the conv (LFM2's short conv: none)
+    # each row's q, k, v, g and beta all come from its conv's output (Mamba-1's: _heads_and_gates), not g and beta
+    # from the layer's input: replayed drafts' are recomputed from their conv outputs, and padding rows' zeroed
+    gates_from_conv = False
     kernel: int
     state: RecurrentLayerState | None = None
 
@@ -345,6 +358,11 @@ class RecurrentMixer(nn.Module):
         self.state = state
 
     def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _heads_and_gates(self, conv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(``gates_from_conv``) conv [B, L, C] -> q, k, v as :meth:`_split_heads` gives them, and g, beta [B, L,
+        H] float32."""
         raise NotImplementedError
 
     def _skip(self, out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -400,10 +418,14 @@ class RecurrentMixer(nn.Module):
             bias = getattr(self.conv1d, "bias", None)
             x = x if bias is None else x + bias
             conv[b, : len(parent_rows)] = (F.silu(x) if self.conv_activation else x).to(conv.dtype)
-        real = torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]  # [B, L] (host lists: no sync)
-        q, k, v = self._split_heads(conv * real.to(conv.device)[..., None])
-        g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past the end
-        beta_pad = torch.nn.utils.rnn.pad_sequence([s[6] for s in seqs], batch_first=True)
+        real = (torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]).to(conv.device)  # [B, L] (no sync)
+        if self.gates_from_conv:
+            q, k, v, g_pad, beta_pad = self._heads_and_gates(conv * real[..., None])
+            g_pad, beta_pad = g_pad * real[..., None], beta_pad * real[..., None]  # padding: the state as it is
+        else:
+            q, k, v = self._split_heads(conv * real[..., None])
+            g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past end
+            beta_pad = torch.nn.utils.rnn.pad_sequence([s[6] for s in seqs], batch_first=True)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=mixed.device)
         initial = st.matrix.index_select(0, slots)
         fresh = [i for i, s in enumerate(seqs) if s[1]]
@@ -459,16 +481,24 @@ class RecurrentMixer(nn.Module):
         r = torch.arange(length, device=dev)[None, :]
         real = (r < (replay + lens)[:, None])[..., None]  # [B, L, 1]: replayed or new, not padding
         conv = self._conv(window)  # [B, L, C]
-        q, k, v = self._split_heads(torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev)))
+        conv = torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev))
+        if self.gates_from_conv:
+            q, k, v, g_new, beta_new = self._heads_and_gates(conv)
+        else:
+            q, k, v = self._split_heads(conv)
         # g and beta likewise: the pending drafts' stored gates, then the new rows'
         gates = gates_held.index_select(0, slots)  # [B, P, 2, Hv]
         heads = g.shape[-1]
         row_src = torch.where(r < replay[:, None], r, r + pend - replay[:, None]).clamp(max=length - 1)
         row_src = row_src[..., None].expand(-1, -1, heads)
         zero = torch.zeros((), dtype=g.dtype, device=dev)
-        g_rows = torch.where(real, torch.cat((gates[:, :, 0], g.view(b, q_rows, heads)), 1).gather(1, row_src), zero)
-        beta_rows = torch.where(real, torch.cat((gates[:, :, 1], beta.view(b, q_rows, heads)), 1).gather(1, row_src),
-                                zero)
+        if self.gates_from_conv:  # every row's from its conv's output (replayed rows' recomputed)
+            g_rows, beta_rows = torch.where(real, g_new, zero), torch.where(real, beta_new, zero)
+        else:
+            g_rows = torch.where(real, torch.cat((gates[:, :, 0], g.view(b, q_rows, heads)), 1).gather(1, row_src),
+                                 zero)
+            beta_rows = torch.where(real, torch.cat((gates[:, :, 1], beta.view(b, q_rows, heads)), 1).gather(
+                1, row_src), zero)
         initial = st.matrix.index_select(0, slots).masked_fill(fresh[:, None, None, None], 0.0)
         committed = replay + lens - drafts  # [B]: rows through the last committed token (0: a padding sequence)
         out, kept = self._rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept

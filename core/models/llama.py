@@ -199,7 +199,7 @@ def _uses_rope(config, layer: int) -> bool:
         return _sliding_window(config, layer) is not None
     if config.model_type == "granitemoehybrid":  # Granite 4.0's hybrids: NoPE unless position_embedding_type says
         return getattr(config, "position_embedding_type", None) == "rope"
-    if config.model_type == "nemotron_h":  # its attention layers have no positional encoding
+    if config.model_type in ("nemotron_h", "jamba"):  # their attention layers have no positional encoding
         return False
     if config.model_type not in NO_ROPE_MODEL_TYPES:
         return True
@@ -403,8 +403,13 @@ class LlamaModel(StageModel):
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: self.final_norm(config))
         rope = rope_parameters(config, partial=True)
-        self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, max_positions(config))
+        self.rotary_emb = RotaryEmbedding(rotary_dim(self.rope_head_dim(config), rope), rope, max_positions(config))
         self.embedding_multiplier = multiplier(config, "embedding_multiplier")
+
+    @staticmethod
+    def rope_head_dim(config) -> int:
+        """The head size the RoPE tables are built for (a stack with no attention layer gives any)."""
+        return _head_dim(config)
 
     @classmethod
     def final_norm(cls, config) -> nn.Module:

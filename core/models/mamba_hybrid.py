@@ -37,6 +37,7 @@ from specray.models.gated_deltanet import RecurrentModel
 from specray.models.layers import RMSNorm, materialize
 from specray.models.llama import (_CHECKPOINT_NAMES, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
                                   _is_sparse, multiplier, norm_stream)
+from specray.models.mamba1 import Mamba1Mixer, check_mamba1_split
 from specray.models.mamba2 import Mamba2Mixer, check_mamba2_split, mamba2_dims
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -58,6 +59,8 @@ def layer_kinds(config) -> list[str]:
 class MambaHybridLayer(LlamaDecoderLayer):
     """Llama's layer (norm, mixer, norm, MLP) whose mixer is Mamba-2 in the recurrent layers (Bamba's)."""
 
+    mamba_class: type[nn.Module] = Mamba2Mixer  # the recurrent layers' mixer (Jamba's: Mamba-1's)
+
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         nn.Module.__init__(self)
         kind = layer_kinds(config)[layer]
@@ -66,7 +69,7 @@ class MambaHybridLayer(LlamaDecoderLayer):
                              f"{config.model_type!r}; one of {list(RECURRENT_KINDS + ATTENTION_KINDS)}")
         self.is_recurrent = kind in RECURRENT_KINDS
         if self.is_recurrent:
-            self.mamba = Mamba2Mixer(config, tp)
+            self.mamba = self.mamba_class(config, tp)
         else:
             self.self_attn = self.attention_class(config, tp, layer)
         self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
@@ -89,8 +92,25 @@ class GraniteHybridLayer(MambaHybridLayer):
         return super().build_mlp(config, tp, layer, expert_parallel)
 
 
+class JambaLayer(MambaHybridLayer):
+    """Jamba's: Mamba-1 in the recurrent layers, attention without RoPE in the others, and experts (softmax top k,
+    not renormalised) where ``layers_num_experts`` says, a SwiGLU MLP elsewhere."""
+
+    mamba_class = Mamba1Mixer
+
+    @classmethod
+    def build_mlp(cls, config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
+        if config.layers_num_experts[layer] > 1:
+            return SparseMoE(config, tp, expert_parallel)
+        return LlamaMLP(config, tp)
+
+
 class MambaHybridModel(LlamaModel):
     layer_class = MambaHybridLayer
+
+
+class JambaModel(LlamaModel):
+    layer_class = JambaLayer
 
 
 class GraniteHybridModel(LlamaModel):
@@ -122,6 +142,21 @@ class MambaHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
         check_mamba2_split(config, tp)
 
 
+_CHECKPOINT_NAMES["jamba"] = _CHECKPOINT_NAMES["bamba"]
+
+
+class JambaForCausalLM(MambaHybridForCausalLM):
+    """Jamba for causal LM (Jamba 1.5 / 1.6 / 1.7 Mini and Large, Jamba Reasoning 3B), sharded over ``tp``: the
+    Mamba-1 layers' channels split over the ranks, the experts by width or whole (expert parallel). Names as
+    Bamba's."""
+
+    model_class = JambaModel
+
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        check_mamba1_split(config, tp)
+
+
 class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
     """Granite 4.0's hybrids for causal LM: Bamba's with Granite's layers, its dense releases' shared MLP read as
     the layer's MLP."""
@@ -143,6 +178,8 @@ NEMOTRON_H_KINDS = {"linear_attention": "mamba", "full_attention": "self_attn", 
 
 
 class NemotronHLayer(nn.Module):
+    mamba_class: type[nn.Module] = Mamba2Mixer  # its Mamba layers' mixer (Mamba's and Falcon-Mamba's: Mamba-1's)
+
     """``x + mixer(rmsnorm(x))`` with one mixer: Mamba-2, attention (no RoPE), a squared-ReLU MLP or a mixture of
     squared-ReLU experts (:class:`~specray.models.moe.SparseMoE`: DeepSeek-V3's router, gateless experts and shared
     experts); the residual added lazily in the next norm, as Llama's layers do."""
@@ -157,7 +194,7 @@ class NemotronHLayer(nn.Module):
         self.input_layernorm = self.build_norm(config)
         self.mlp = None
         if self.kind == "mamba":
-            self.mamba = Mamba2Mixer(config, tp)
+            self.mamba = self.mamba_class(config, tp)
         elif self.kind == "self_attn":
             self.self_attn = LlamaDecoderLayer.attention_class(config, tp, layer)
         elif kind == "moe":
@@ -219,6 +256,29 @@ class Mamba2ForCausalLM(NemotronHForCausalLM):
     (``residual_in_fp32``); this stack keeps it in the model's dtype, the same in a float32 model."""
 
     may_tie = True
+
+
+class Mamba1Layer(NemotronHLayer):
+    mamba_class = Mamba1Mixer
+
+
+class Mamba1Model(LlamaModel):
+    layer_class = Mamba1Layer
+
+    @staticmethod
+    def rope_head_dim(config) -> int:
+        return 2  # no attention layer reads the tables (the config names no heads)
+
+
+class Mamba1ForCausalLM(Mamba2ForCausalLM):
+    """Mamba-1 alone (``MambaForCausalLM``: the mamba checkpoints; ``FalconMambaForCausalLM``: Falcon-Mamba-7B, its
+    B, C and dt normed without weights): Mamba-2's stack and names with Mamba-1 in every layer."""
+
+    model_class = Mamba1Model
+
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        check_mamba1_split(config, tp)
 
 
 # ---- Falcon-H1: attention and Mamba-2 side by side in every layer -------------------------------------------------

@@ -188,6 +188,8 @@ FAMILIES["nemotron_h"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_i
                                    shared_count=None, gateless=True)
 # LFM2-MoE (LFM2-8B-A1B): sigmoid scores, the top k of score + expert bias, renormalised, scaled
 FAMILIES["lfm2_moe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid")
+# Jamba: softmax over the experts, the top k as they are (not renormalised), its router named router
+FAMILIES["jamba"] = MoEFamily("softmax", "num_experts", "intermediate_size", router="router")
 # Hunyuan-A13B: softmax top moe_topk renormalised, one shared MLP as wide as each expert
 FAMILIES["hunyuan_v1_moe"] = MoEFamily("softmax", "num_experts", "intermediate_size", shared="shared_mlp",
                                        shared_width="intermediate_size", top_k="moe_topk", normalized=True)
