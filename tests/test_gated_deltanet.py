@@ -276,10 +276,12 @@ def test_a_token_tree_gives_each_draft_its_own_paths_state(kind):
         layer = Mamba1Mixer(types.SimpleNamespace(
             model_type="jamba", hidden_size=2, mamba_expand=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=3,
             mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5), TPGroup.single())
-        with torch.no_grad():
-            for p in (layer.conv1d.bias, layer.D, layer.x_proj.weight, layer.dt_proj.weight, layer.dt_proj.bias,
-                      layer.A_log):
-                p.normal_()
+        with torch.no_grad():  # (built, not loaded: every parameter given a value, the norms' weights near 1)
+            for name, p in layer.named_parameters():
+                if "layernorm" in name:
+                    p.uniform_(0.5, 1.5)
+                else:
+                    p.normal_(0.0, 0.5)
     else:
         layer = Mamba2Mixer(types.SimpleNamespace(
             model_type="bamba", hidden_act="silu", mamba_n_heads=4, mamba_d_head=6, mamba_d_state=8, mamba_n_groups=2,
