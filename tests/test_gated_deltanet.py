@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import specray.models.gated_deltanet as gdn
-from specray.models.gated_deltanet import chunked_gated_delta, gated_delta_scan, l2norm
+from specray.models.gated_deltanet import chunked_gated_delta, gated_delta_scan, l2norm, scanned_selective
 from specray.workers.model_runner import ModelRunner, RecurrentSlots
 import specray_test_hybrid_models as qwen  # tests/hybrid_models.py: the tiny models, Stepper, prompts
 
@@ -73,6 +73,29 @@ def test_chunked_form_equals_the_scan(lengths, decay, chunk, delta):
         got_out, got_kept = chunked_gated_delta(*args, keep_at=keep_at, chunk=chunk, delta=delta)
         assert rel_err(got_kept, kept) < REL, keep_at
         assert rel_err(got_out, got) < REL, keep_at  # keeping a state changes no output
+
+
+@pytest.mark.parametrize("decay", list(DECAYS))
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["-".join(map(str, x)) for x in LENGTHS])
+def test_the_parallel_selective_scan_equals_the_token_scan(lengths, decay):
+    """Mamba-1's selective scan (a decay per state row: exp(dt * A)) as a parallel prefix scan per chunk equals the
+    token scan: outputs, final states, and states kept near each end, at the first token and (device tensor) in the
+    middle."""
+    q, k, v, g, beta, state = padded_batch(lengths, decay, seed=len(lengths) * 100 + sum(lengths))
+    dt = -g  # Mamba-1's dt >= 0 and A < 0: the same decays, one per state row
+    a = -torch.rand(q.shape[2], q.shape[3], generator=torch.Generator().manual_seed(7)) * 2.0
+    args = (q, k, v, dt, beta, state)
+    out, final = gated_delta_scan(*args, delta=False, decay_by=a)
+    got, got_final = scanned_selective(*args, None, a, chunk=16)
+    for i, n in enumerate(lengths):
+        assert rel_err(got[i, :n], out[i, :n]) < REL, (i, n)
+    assert rel_err(got_final, final) < REL
+    for keep_at in ([max(n - 3, 0) for n in lengths], [0] * len(lengths), torch.tensor([n // 2 for n in lengths])):
+        _, kept = gated_delta_scan(*args, keep_at=keep_at, delta=False, decay_by=a)
+        assert rel_err(scanned_selective(*args, keep_at, a, chunk=16)[1], kept) < REL, keep_at
+    if decay != "large":  # (a large decay forgets the state at the first token)
+        shifted, _ = scanned_selective(*args[:5], torch.zeros_like(state), None, a)  # the state carried in matters
+        assert rel_err(shifted, got) > 1e-3
 
 
 def test_the_comparison_can_fail():

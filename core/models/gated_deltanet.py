@@ -298,6 +298,43 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return out, (state if keep_at is None else kept)
 
 
+def scanned_selective(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, keep_at: list[int] | torch.Tensor | None, decay_by: torch.Tensor,
+                      chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_scan`'s plain rule with ``decay_by`` (Mamba-1's selective scan: same arguments, same
+    padding rule, the same results within float32 rounding) as a parallel prefix scan over each chunk of tokens,
+    so a long prefill takes log2(chunk) steps a chunk rather than one a token.
+
+    With the state's value rows fixed (S [dk, dv]), each entry follows ``h_t = a_t h_(t-1) + b_t``, a_t =
+    exp(g_t decay_by) and b_t = k_t (beta_t v_t)^T: a linear recurrence, whose pairs (a, b) compose associatively,
+    (a2, b2) after (a1, b1) = (a2 a1, a2 b1 + b2). The Hillis-Steele scan doubles the reach each step (row t takes
+    row t - 2^i's composite), decays multiplying decays (no division, so no overflow however strong the decay); the
+    state carried in joins the chunk's first row, and each chunk starts from the last one's end."""
+    b, length, h, dk = q.shape
+    keep = None
+    if keep_at is not None:  # [B] on the device: -1 keeps the state given
+        keep = keep_at if isinstance(keep_at, torch.Tensor) else torch.tensor(keep_at, device=state.device)
+        kept = state.clone()
+    outputs = []
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        a = (g[:, start:end, :, None] * decay_by).exp()[..., None]  # [B, C, H, dk, 1]
+        x = k[:, start:end, ..., None] * (beta[:, start:end, :, None, None] * v[:, start:end, :, None, :])
+        x = torch.cat((a[:, :1] * state[:, None] + x[:, :1], x[:, 1:]), 1)  # [B, C, H, dk, dv]: the state joins
+        reach = 1
+        while reach < end - start:  # after this step row t composes rows t - 2 reach + 1 .. t
+            x = torch.cat((x[:, :reach], a[:, reach:] * x[:, :-reach] + x[:, reach:]), 1)
+            a = torch.cat((a[:, :reach], a[:, reach:] * a[:, :-reach]), 1)
+            reach *= 2
+        outputs.append((x * q[:, start:end, ..., None]).sum(-2))  # q^T S per row: [B, C, H, dv]
+        if keep is not None:  # the rows kept that lie in this chunk
+            row = (keep - start).clamp(0, end - start - 1)
+            at = x[torch.arange(b, device=x.device), row]  # [B, H, dk, dv]
+            kept = torch.where(((keep >= start) & (keep < end))[:, None, None, None], at, kept)
+        state = x[:, -1]
+    return torch.cat(outputs, 1), (state if keep is None else kept)
+
+
 class FusedColumnLinear(MergedColumnParallelLinear):
     """A column-parallel projection whose checkpoint tensor stacks several outputs (q, k, v of ``in_proj_qkv``):
     each rank holds its rows of each part, loaded from the one tensor (or part by part, ``shard_id``)."""
