@@ -587,6 +587,8 @@ tiny_nemotron_h_dir = _hybrid_fixture("nemotron_h_moe", 53)
 tiny_falcon_h1_dir = _hybrid_fixture("falcon_h1", 54)
 tiny_mamba2_dir = _hybrid_fixture("mamba2", 55)
 tiny_lfm2_moe_dir = _hybrid_fixture("lfm2_moe", 56)  # LFM2-MoE: short convs, attention, a dense layer, experts
+tiny_jamba_dir = _hybrid_fixture("jamba", 57)  # Jamba: Mamba-1, NoPE attention, experts
+tiny_falcon_mamba_dir = _hybrid_fixture("falcon_mamba", 58)  # Mamba-1 alone, its B, C and dt normed
 
 
 @pytest.fixture(scope="session")
