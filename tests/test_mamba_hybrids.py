@@ -35,6 +35,19 @@ def test_drafts_are_replayed_as_accepted(tmp_path, arch):
     check_drafts_replayed(*ours(tmp_path, arch, seed=3))
 
 
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "lfm2", "falcon_mamba"])
+def test_no_host_sync_in_a_step(tmp_path, no_host_sync, arch):
+    """A step with a replay, a verify chunk and a fresh prefill (long enough for the chunked or parallel scan) reads
+    no tensor's value on the host: Mamba-2's, LFM2's short convs', Mamba-1's (dt, B and C inside the recurrence)."""
+    model, _ = ours(tmp_path, arch, seed=9)
+    run = Stepper(model)
+    seq = tokens(24, 10)
+    run.step([(0, seq[:8], 0, 0)])
+    run.step([(0, seq[8:11], 8, 2)])
+    with no_host_sync():
+        run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
+
+
 def test_each_mamba2_part_matters(tmp_path, monkeypatch):
     """The comparison can fail: without D's skip, with the delta rule in place of the plain one, with one norm over
     all the heads in place of one per group, or with the heads' groups of B and C swapped, the logits leave
