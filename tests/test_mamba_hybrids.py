@@ -224,7 +224,6 @@ def test_seeded_sampling_with_ngram_equals_plain(engine_case):
     ("nemotron_h", dict(mamba_num_heads=12, n_groups=3), dict(tensor_parallel_size=2), "n_groups=3"),
     ("bamba", {}, dict(speculative_config={"method": "medusa", "model": "nowhere", "num_speculative_tokens": 4}),
      "method='medusa'"),
-    ("granite", {}, dict(enable_lora=True), "not applied to granitemoehybrid models"),  # (not yet: said by name)
 ])
 def test_refusals(tmp_path, arch, overrides, kw, match):
     from specray import LLM

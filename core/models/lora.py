@@ -162,7 +162,24 @@ def adapter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
         if f".{leaf}." in getattr(model, "fused", {}):  # a fused checkpoint's adapters adapt the parts at once
             shapes[f"{parent}.{leaf}"] = (sum(rows), in_features)
     shapes.update(getattr(model, "adapter_fusions", dict)())  # fused otherwise than by rows (Qwen3-Next's)
+    shapes.update(_renamed_fusions(model, shapes))
     return shapes
+
+
+def _renamed_fusions(model: torch.nn.Module, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """A fused checkpoint projection whose parts the family renames (Granite's ``shared_mlp.input_linear``: its
+    gate and up rows, named ``mlp.gate_proj`` and ``mlp.up_proj`` here), by its checkpoint name in each layer, with
+    its parts' rows summed: found forward, each part's checkpoint name renamed as the weights are
+    (``adapter_module``) and looked up among ``shapes``."""
+    rename, fused = getattr(model, "adapter_module", None), getattr(model, "fused", {})
+    found = {}
+    for i in range(len(getattr(getattr(model, "model", None), "layers", ())) if rename is not None else 0):
+        for piece, parts in fused.items():
+            name = f"model.layers.{i}{piece}"[:-1]
+            ours = [rename(f"model.layers.{i}{part}"[:-1]) for part, _ in parts]
+            if name not in shapes and all(o in shapes for o in ours):
+                found[name] = (sum(shapes[o][0] for o in ours), shapes[ours[0]][1])
+    return found
 
 
 def adaptable_modules(model: torch.nn.Module) -> tuple[str, ...]:

@@ -162,7 +162,6 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
     the layer's MLP."""
 
     model_class = GraniteHybridModel
-    lora_modules: tuple[str, ...] = ()  # not yet (its shared MLP's fused input_linear under Granite's names)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
