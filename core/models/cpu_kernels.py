@@ -15,6 +15,10 @@
 * FP8 experts. PyTorch converts float8 to float one value at a time on CPU, which costs several times an expert's
   matmuls (``benchmarks/bench_fp8_experts.py``), so on CPU a block-FP8 checkpoint's experts are dequantized at
   load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8.
+* Mamba-1's selective scan. Its parallel prefix scan (``gated_deltanet.scanned_selective``) does log2(chunk) times
+  the token loop's work to replace one step a token by a few a chunk: on a GPU, where each step is a kernel launch,
+  that is the trade to make; on CPU, where a step costs its work alone, the token loop is cheaper at every length
+  (docs/benchmarks.md, "Linear attention"), so on CPU long steps keep it (:func:`scans_in_parallel`).
 * 4-bit weights. PyTorch's CPU kernel for 4-bit weight-only matmuls runs fp32 activations many times slower than
   the dense matmul (``benchmarks/bench_int4.py``), so on CPU a 4-bit release's linears are dequantized at load unless
   ``INT4_WEIGHTS`` says to keep them (:func:`keeps_int4_weights`); a GPU keeps them (tinygemm).
@@ -129,6 +133,11 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_z
 
 
 # ---------------------------------------------------------------------------------------------- attention
+
+
+def scans_in_parallel(device: torch.device | str) -> bool:
+    """Whether a long Mamba-1 step on ``device`` runs the parallel prefix scan rather than the token loop."""
+    return torch.device(device).type != "cpu"
 
 
 def reads_in_place(device: torch.device | str, context_lens: list[int]) -> bool:

@@ -15,8 +15,9 @@ Per token t, with ``in_proj(x_t) = [x; z]`` (each ``intermediate`` wide):
 
 dt, B and C come from the conv's output, so they are computed inside the recurrence (``gates_from_conv``): a replayed
 draft's are recomputed from its replayed conv output. The decay differs per state row, which the chunked form does not
-take: short steps run the token scan, long ones a parallel prefix scan per chunk of tokens
-(:func:`~specray.models.gated_deltanet.scanned_selective`: log2(chunk) steps a chunk; never timed on a GPU). Channels
+take: short steps run the token scan, long ones on a GPU a parallel prefix scan per chunk of tokens
+(:func:`~specray.models.gated_deltanet.scanned_selective`: log2(chunk) steps a chunk; never timed on a GPU; on CPU the
+token loop, cheaper there: :mod:`~specray.models.cpu_kernels`). Channels
 split over tensor-parallel ranks: the conv, the scan and the gate are local; ``x_proj`` reads every channel, so its
 output is summed over the ranks (a row-parallel projection, one all-reduce per layer and step), and ``out_proj``
 reduces once."""
@@ -33,6 +34,7 @@ from torch import nn
 
 from specray.models.gated_deltanet import (CHUNKED_FROM, FusedColumnLinear, RecurrentMixer, _head_param,
                                            gated_delta_scan, gated_delta_tree, scanned_selective)
+from specray.models.cpu_kernels import scans_in_parallel
 from specray.models.kv_cache import RecurrentStateSpec
 from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _copy, _param, divide, narrow
 from specray.parallel import TPGroup
@@ -145,8 +147,9 @@ class Mamba1Mixer(RecurrentMixer):
         return -self.A_log.float().exp()  # A [C, state]
 
     def _rule(self, q, k, v, g, beta, state, keep_at):
-        scan = scanned_selective if q.shape[1] >= CHUNKED_FROM else partial(gated_delta_scan, delta=False)
-        return scan(q, k, v, g, beta, state, keep_at, decay_by=self._decay())  # (the same results)
+        parallel = q.shape[1] >= CHUNKED_FROM and scans_in_parallel(q.device)  # (the same results either way)
+        scan = scanned_selective if parallel else partial(gated_delta_scan, delta=False)
+        return scan(q, k, v, g, beta, state, keep_at, decay_by=self._decay())
 
     def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
         return gated_delta_tree(q, k, v, g, beta, state, parent_rows, keep, delta=False, decay_by=self._decay())
