@@ -40,7 +40,8 @@ def mamba_config(arch: str, **overrides):
     """A tiny config of a Mamba-2 hybrid ``arch``: Bamba (mamba, attention with partial RoPE, mamba); Granite 4.0's
     MoE hybrid (Granite's multipliers, NoPE attention, experts beside a shared MLP) or its dense one (the shared MLP
     alone, RoPE); Nemotron-H (mamba, attention, squared-ReLU MLP, mamba: one mixer per layer), and with experts too
-    (mamba, experts, attention, MLP, experts, mamba: Nemotron 3 Nano's kinds)."""
+    (mamba, experts, attention, MLP, experts, mamba: Nemotron 3's kinds, its experts over a latent width as Super's
+    are)."""
     import transformers as tf
 
     if arch == "bamba":
@@ -92,7 +93,7 @@ def mamba_config(arch: str, **overrides):
     if arch == "nemotron_h_moe":
         kw.update(num_hidden_layers=6, hybrid_override_pattern="ME*-EM", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
-                  routed_scaling_factor=1.5)
+                  routed_scaling_factor=1.5, moe_latent_size=24)  # (Nemotron 3 Super's latent experts)
     return tf.NemotronHConfig(**{**kw, **overrides})
 
 

@@ -15,8 +15,8 @@ request as Qwen3.5's linear attention does (:class:`~specray.models.gated_deltan
   (``layers_block_type``, from ``hybrid_override_pattern``). Its releases name the stack ``backbone.`` with
   ``embeddings``, ``norm_f`` and each layer's ``mixer`` (as transformers saves it; its modules' ``model.`` names are
   read too). Its LM head is never tied to the embedding. Its MoE blocks ("E": Nemotron 3 Nano) are DeepSeek-V3's
-  router over gateless squared-ReLU experts beside gateless shared experts; a latent projection around the experts
-  (``moe_latent_size``) is refused.
+  router over gateless squared-ReLU experts beside gateless shared experts, the experts over a latent width where
+  ``moe_latent_size`` says (Nemotron 3 Super: projected down before them and back up after).
 * **Mamba-2** alone (``Mamba2ForCausalLM``): Nemotron-H's stack, every layer Mamba-2, no attention.
 * **Falcon-H1** (``FalconH1ForCausalLM``: Falcon-H1 0.5B to 34B, Falcon-H1R): Mamba-2 and attention side by side in
   every layer (their outputs summed), a SwiGLU MLP, muP multipliers folded into the weights as they load; the
@@ -197,9 +197,6 @@ class NemotronHLayer(nn.Module):
         elif self.kind == "self_attn":
             self.self_attn = LlamaDecoderLayer.attention_class(config, tp, layer)
         elif kind == "moe":
-            if getattr(config, "moe_latent_size", None) is not None:
-                raise ValueError(f"moe_latent_size={config.moe_latent_size} is not supported for model_type="
-                                 "'nemotron_h' (experts over a latent projection); load a release without it")
             self.mlp = SparseMoE(config, tp, expert_parallel)
         else:
             self.mlp = ReluSquaredMLP(SimpleNamespace(  # the MLP's own activation and widths

@@ -19,8 +19,10 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   ``hash_moe``): a fixed table from token id to the k experts (``tid2eid``), the weights still the scores. Its
   experts and shared expert clamp SwiGLU's inputs at ``swiglu_limit`` (gate above, up both sides). MiniMax-M2: the
   same routing with sigmoid scores, unscaled;
-* Nemotron-H (Nemotron 3 Nano): DeepSeek-V3's router; its experts and shared experts have no gate,
-  ``down(relu(up(x))^2)``;
+* Nemotron-H (Nemotron 3): DeepSeek-V3's router; its experts and shared experts have no gate,
+  ``down(relu(up(x))^2)``; with ``moe_latent_size`` (Super's) the routed experts work at a latent width, x projected
+  down before them (``fc1_latent_proj``) and their sum back up after (``fc2_latent_proj``, linear: each rank
+  projects its partial sum before the one all-reduce), the router and shared experts on x;
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
   biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
   clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
@@ -142,6 +144,7 @@ class MoEFamily:
     # experts and shared experts without a gate, down(relu(up(x))^2) (Nemotron-H's; ``mlp_hidden_act`` "relu2"): w13
     # holds the up rows alone
     gateless: bool = False
+    latent: bool = False  # experts over a latent width (moe_latent_size) between two projections (Nemotron-H's)
 
 
 FAMILIES = {
@@ -185,7 +188,7 @@ FAMILIES["granitemoehybrid"] = FAMILIES["granitemoeshared"]  # Granite 4.0's hyb
 # Nemotron-H's (Nemotron 3 Nano): DeepSeek-V3's router, gateless squared-ReLU experts and shared experts (one width)
 FAMILIES["nemotron_h"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
                                    shared="shared_experts", shared_width="moe_shared_expert_intermediate_size",
-                                   shared_count=None, gateless=True)
+                                   shared_count=None, gateless=True, latent=True)
 # LFM2-MoE (LFM2-8B-A1B): sigmoid scores, the top k of score + expert bias, renormalised, scaled
 FAMILIES["lfm2_moe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid")
 # Jamba: softmax over the experts, the top k as they are (not renormalised), its router named router
@@ -365,28 +368,39 @@ class SparseMoE(nn.Module):
         if family.clamped or family.clamp_only:
             self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", None) or SWIGLU_ALPHA))
         e, i = self.local_experts, self.inter_local
+        # the experts' input and output width: the hidden size, or a latent one between two projections around them
+        # (Nemotron-H's moe_latent_size: fc1 before the experts, fc2 after, the router and shared experts on x)
+        latent = getattr(config, "moe_latent_size", None) if family.latent else None
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if latent:  # replicated (one rank's linears): every rank's experts take the whole latent vector
+            if getattr(config, "mlp_bias", False):
+                raise ValueError(f"moe_latent_size={latent} with mlp_bias=True is not supported for model_type="
+                                 f"{config.model_type!r} (the latent projections' biases); load a release without")
+            self.fc1_latent_proj = ColumnParallelLinear(h, latent, TPGroup.single())
+            self.fc2_latent_proj = ColumnParallelLinear(latent, h, TPGroup.single())
+        x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)
-        if block is not None and (i % block[0] or i % block[1] or h % block[0] or h % block[1]):
-            _tell_partial_blocks(i, h, block, split=not expert_parallel and tp.size > 1)
+        if block is not None and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
+            _tell_partial_blocks(i, x_dim, block, split=not expert_parallel and tp.size > 1)
             block = None  # this rank's shares are not whole blocks: dequantized at load
         if block is not None and not keeps_fp8_experts(torch.empty(0).device):
             block = None  # a CPU: dequantized at load
         self.fp8_block = block
         self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
         if block is None:
-            self.w13 = _param(e, self.parts * i, h)  # gate rows, then up rows (gateless: up rows)
-            self.w2 = _param(e, h, i)
+            self.w13 = _param(e, self.parts * i, x_dim)  # gate rows, then up rows (gateless: up rows)
+            self.w2 = _param(e, x_dim, i)
             self.w13_scale = self.w2_scale = None
         else:  # float8 values and one float32 scale per (b0, b1) block
             b0, b1 = block
-            self.w13, self.w2 = _fp8_param(e, self.parts * i, h), _fp8_param(e, h, i)
-            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, h // b1, dtype=torch.float32),
+            self.w13, self.w2 = _fp8_param(e, self.parts * i, x_dim), _fp8_param(e, x_dim, i)
+            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, x_dim // b1, dtype=torch.float32),
                                           requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(e, h // b0, i // b1, dtype=torch.float32), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(e, x_dim // b0, i // b1, dtype=torch.float32), requires_grad=False)
         # the experts' biases (GPT-OSS): gate then up [E, 2I], down [E, H] (added by one rank when split by width)
         self.w13_bias = _param(e, 2 * i) if family.biased else None
-        self.w2_bias = _param(e, h) if family.biased else None
+        self.w2_bias = _param(e, x_dim) if family.biased else None
         self.adds_down_bias = expert_parallel or tp.rank == 0
         count = getattr(config, family.shared_count, None) if family.shared_count else None
         width = 0 if family.shared is None else getattr(config, family.shared_width) * (count or 1)
@@ -500,7 +514,10 @@ class SparseMoE(nn.Module):
         # token_ids [T]: a hash-routed block's (DeepSeek-V4)
         weights, ids = self.route(x if router_input is None else router_input, token_ids)
         grouped = getattr(_sync_free, "on", False)
-        out = self._experts_grouped(x, weights, ids) if grouped else self._experts_looped(x, weights, ids)
+        routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)  # (a latent MoE's experts' input)
+        out = self._experts_grouped(routed, weights, ids) if grouped else self._experts_looped(routed, weights, ids)
+        if self.fc2_latent_proj is not None:  # linear, so it may take this rank's partial sums before the reduce
+            out = self.fc2_latent_proj(out)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
             shared = self.shared.partial(x)
             if self.family.shared_gate is not None:  # each token's gate, the same on every rank
