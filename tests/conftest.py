@@ -589,6 +589,7 @@ tiny_mamba2_dir = _hybrid_fixture("mamba2", 55)
 tiny_lfm2_moe_dir = _hybrid_fixture("lfm2_moe", 56)  # LFM2-MoE: short convs, attention, a dense layer, experts
 tiny_jamba_dir = _hybrid_fixture("jamba", 57)  # Jamba: Mamba-1, NoPE attention, experts
 tiny_falcon_mamba_dir = _hybrid_fixture("falcon_mamba", 58)  # Mamba-1 alone, its B, C and dt normed
+tiny_zamba2_dir = _hybrid_fixture("zamba2", 59)  # Zamba2: Mamba-2, a shared block run at two layers
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8
 _ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
 MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
-               "mamba2", "lfm2", "lfm2_moe", "jamba", "mamba", "falcon_mamba")
+               "mamba2", "lfm2", "lfm2_moe", "jamba", "mamba", "falcon_mamba", "zamba2")
 # (LFM2's short convs: a recurrent state with no matrix; Mamba-1's: a state row decaying at its own rate)
 
 
@@ -82,6 +82,14 @@ def mamba_config(arch: str, **overrides):
                   time_step_rank=8, use_conv_bias=True, use_bias=False, layer_norm_epsilon=1e-5, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
         return (tf.MambaConfig if arch == "mamba" else tf.FalconMambaConfig)(**{**kw, **overrides})
+    if arch == "zamba2":  # Zamba2: Mamba-2 layers, a shared block (its own adapters per run) at layers 1 and 3
+        kinds = ["mamba", "hybrid", "mamba", "hybrid", "mamba"]
+        kw = dict(hidden_size=64, num_hidden_layers=5, layers_block_type=kinds,
+                  num_attention_heads=4, num_key_value_heads=4, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+                  mamba_ngroups=2, intermediate_size=96, vocab_size=300, num_mem_blocks=1,
+                  use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, chunk_size=16,
+                  max_position_embeddings=512, bos_token_id=None, pad_token_id=None, initializer_range=0.1)
+        return tf.Zamba2Config(**{**kw, **overrides})
     if arch == "mamba2":  # Mamba-2 alone: three layers
         kw = dict(hidden_size=64, num_hidden_layers=3, vocab_size=300, num_heads=8, head_dim=16, state_size=8,
                   n_groups=2, conv_kernel=4, expand=2, layer_norm_epsilon=1e-5, chunk_size=16, bos_token_id=None,
@@ -117,6 +125,8 @@ def hf_pair(arch: str, seed: int = 0, **overrides):
                     param.uniform_(-1.0, 1.5)
                 elif "router" in name or name.endswith((".mixer.gate.weight", ".feed_forward.gate.weight")):
                     param.normal_(0.0, 0.5)
+                elif "adapter_list" in name:  # (Zamba2's per-run adapters: transformers starts some at 0)
+                    param.normal_(0.0, 0.1)
             for name, buffer in model.named_buffers():
                 if name.endswith(("e_score_correction_bias", "expert_bias")):
                     buffer.normal_(0.0, 0.3)

@@ -1,10 +1,11 @@
-"""Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts, Falcon-H1),
-Mamba-2 alone (no paged layer at all) and LFM2's short convs (dense and MoE): specray.models.mamba_hybrid, mamba2, lfm2,
+"""Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts, latent or
+not, Falcon-H1, Zamba2 and its shared blocks), Mamba-2 alone (no paged layer at all), Mamba-1's (Jamba, Mamba,
+Falcon-Mamba) and LFM2's short convs (dense and MoE): specray.models.mamba_hybrid, mamba2, mamba1, lfm2, zamba2,
 against transformers on the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode
-steps with the recurrent state carried, drafts replayed after verification; each Mamba-2 part shown to matter; the
-engine end to end (plain greedy equals transformers', speculative greedy with n-gram chains and trees equals plain, from
-graphs too, chunked prefill, preemption, seeded sampling); the refusals; TP 2 against one rank with the groups of B and
-C split and replicated."""
+steps with the recurrent state carried, drafts replayed after verification; each family's own parts shown to matter;
+no host sync in a step; the engine end to end (plain greedy equals transformers', speculative greedy with n-gram
+chains and trees equals plain, from graphs too, chunked prefill, preemption, prefix caching, seeded sampling); the
+refusals; TP 2 and two pipeline stages against one rank."""
 
 from __future__ import annotations
 
@@ -120,6 +121,47 @@ def test_mamba1_parts_matter(tmp_path, monkeypatch):
     assert error() > 100 * TOL
 
 
+def test_zamba2_shared_block_parts_matter(tmp_path, monkeypatch):
+    """The comparison can fail: Zamba2's shared block without its invocations' own adapters, with attention scaled
+    by 1 / sqrt(head_dim) (its is sqrt(2) more), or reading the stream twice rather than beside the embedding,
+    changes the logits; so does running one block where two cycle (num_mem_blocks=2: each hybrid layer its own)."""
+    from specray.models.zamba2 import Zamba2Invocation
+
+    model, hf = ours(tmp_path / "one", "zamba2", seed=12)
+    seq = tokens(14, 13)
+    ref = hf_logits(hf, seq)
+
+    def error(m=model, reference=ref) -> float:
+        return (Stepper(m).step([(0, seq, 0, 0)])[0] - reference).abs().max().item()
+
+    assert error() < TOL
+    run = Zamba2Invocation.forward
+    for change in ("adapters", "scale", "embedding"):
+        def changed(self, block, x, embedded, cos, sin, meta, change=change):
+            if change == "adapters":
+                self.qkv_adapters, saved = None, self.qkv_adapters
+                try:
+                    return run(self, block, x, embedded, cos, sin, meta)
+                finally:
+                    self.qkv_adapters = saved
+            if change == "scale":
+                self.attn.scale, saved = self.head_dim ** -0.5, self.attn.scale
+                try:
+                    return run(self, block, x, embedded, cos, sin, meta)
+                finally:
+                    self.attn.scale = saved
+            return run(self, block, x, x, cos, sin, meta)
+
+        monkeypatch.setattr(Zamba2Invocation, "forward", changed)
+        assert error() > 100 * TOL, change
+        monkeypatch.undo()
+    two, hf_two = ours(tmp_path / "two", "zamba2", seed=12, num_mem_blocks=2)
+    ref_two = hf_logits(hf_two, seq)
+    assert error(two, ref_two) < TOL
+    two.model.block_of = {layer: 0 for layer in two.model.block_of}  # every run on the first block
+    assert error(two, ref_two) > 100 * TOL
+
+
 def test_lfm2_short_conv_matters(tmp_path, monkeypatch):
     """The comparison can fail: LFM2's short conv with an activation after it (as the other recurrent mixers' have),
     or not gated by C, changes the logits."""
@@ -165,7 +207,7 @@ def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
 
 # (the dense Granite and the plain Nemotron-H: in the TP and pipeline checks below)
 @pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2", "lfm2", "jamba",
-                                        "falcon_mamba"])
+                                        "falcon_mamba", "zamba2"])
 def engine_case(request, tmp_path_factory):
     from specray import LLM
 
@@ -277,7 +319,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     folders = []
     for arch, seed, overrides in (("bamba", 41, {}), ("granite_dense", 42, {"mamba_n_groups": 1}),
                                   ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {}), ("lfm2_moe", 48, {}),
-                                  ("jamba", 49, {})):
+                                  ("jamba", 49, {}), ("zamba2", 50, {})):
         _, hf = hf_pair(arch, seed, **overrides)
         hf.save_pretrained(tmp_path / arch)
         folders.append(str(tmp_path / arch))

@@ -122,7 +122,8 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
                      "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",),
                      "granitemoehybrid": (".shared_mlp.input_linear.",)}
-SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")  # Granite's multipliers (module docstring)
+# Granite's multipliers (module docstring)
+SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 
 
 def multiplier(config, name: str) -> float:

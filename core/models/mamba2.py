@@ -67,6 +67,8 @@ _FIELDS = {
                    "use_conv_bias", "use_bias", "layer_norm_epsilon", "mamba_hidden_act", None),
 }
 _FIELDS["granitemoehybrid"] = _FIELDS["falcon_h1"] = _FIELDS["bamba"]
+_FIELDS["zamba2"] = ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv",
+                     "use_conv_bias", "add_bias_linear", None, None, "mamba_expand")  # (its norm's eps, its act: fixed)
 _FIELDS["mamba2"] = ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "use_conv_bias", "use_bias",
                      "layer_norm_epsilon", "hidden_act", "expand")
 
@@ -80,12 +82,13 @@ def mamba2_dims(config) -> Mamba2Dims:
                          f"{sorted(_FIELDS)}")
     heads, head_dim, state, groups, kernel, conv_bias, proj_bias, eps, act, expand = names
     limit = tuple(float(x) for x in getattr(config, "time_step_limit", (0.0, float("inf"))))
-    if config.model_type == "nemotron_h":  # transformers' Nemotron-H clamps from time_step_min, whatever the limit
+    if config.model_type in ("nemotron_h", "zamba2"):  # transformers' clamp from time_step_min, whatever the limit
         limit = (float(config.time_step_min), float("inf"))
     falcon = config.model_type == "falcon_h1"
     dims = Mamba2Dims(getattr(config, heads), getattr(config, head_dim), getattr(config, state),
                       getattr(config, groups), getattr(config, kernel), bool(getattr(config, conv_bias)),
-                      bool(getattr(config, proj_bias)), float(getattr(config, eps)), limit, getattr(config, act),
+                      bool(getattr(config, proj_bias)), float(getattr(config, eps)) if eps else 1e-5, limit,
+                      getattr(config, act) if act else "silu",
                       bool(config.projectors_bias) if falcon else bool(getattr(config, proj_bias)),
                       bool(config.mamba_rms_norm) if falcon else True,
                       bool(config.mamba_norm_before_gate) if falcon else False)

@@ -116,11 +116,13 @@ _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHyb
                        "Lfm2MoeForCausalLM": "specray.models.lfm2:Lfm2ForCausalLM",
                        "JambaForCausalLM": "specray.models.mamba_hybrid:JambaForCausalLM",
                        "MambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
-                       "FalconMambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM"})
+                       "FalconMambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
+                       "Zamba2ForCausalLM": "specray.models.zamba2:Zamba2ForCausalLM"})
 _MODEL_TYPES.update({"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                      "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
                      "mamba2": "Mamba2ForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
-                     "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"})
+                     "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
+                     "zamba2": "Zamba2ForCausalLM"})
 
 # Qwen2.5-VL's and Qwen3-VL's text models are a Qwen2, a Qwen3 and a Qwen3-MoE (multimodal RoPE, ``mrope_section``,
 # rotates a text-only sequence as plain RoPE does: its three position ids are equal). Qwen2.5-VL's releases keep the
