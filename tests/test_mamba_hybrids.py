@@ -368,3 +368,22 @@ def test_pipeline_stages_match_one_rank(tmp_path):
         (first_layers, none), (last_layers, diff) = first[folder], last[folder]
         assert none is None and first_layers + last_layers == list(range(layers)), (first_layers, last_layers)
         assert diff < TOL, (folder, diff)
+
+
+def test_a_release_of_attention_layers_alone_serves_as_an_attention_model(tmp_path):
+    """A Granite 4.0 release whose layers are all attention (granite-4.0-micro's kind: the hybrid architecture with
+    no Mamba layer) keeps no recurrent state: its logits equal transformers', and the engine serves it as an attention
+    model (n-gram token trees verified as any attention model's, no recurrent state allocated)."""
+    from specray import LLM
+
+    kinds = dict(layer_types=["attention"] * 3)
+    model, hf = ours(tmp_path / "hf", "granite_dense", **kinds)
+    assert not model.recurrent_state_specs()
+    seq = tokens(20, 3)
+    assert (Stepper(model).step([(0, seq, 0, 0)])[0] - hf_logits(hf, seq)).abs().max() < TOL
+    folder = save(tmp_path / "engine", "granite_dense", 4, **kinds)
+    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
+    spec = {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3}
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec)
+    assert llm.engine.executor.worker.runner.recurrent is None
+    assert generate(llm, greedy()) == plain and llm.spec_stats.accepted_tokens > 0

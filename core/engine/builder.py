@@ -142,7 +142,8 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
         raise ValueError(f"speculative_config.model={draft!r} has recurrent layers (linear-attention layers or "
                          "Mamba-2's: a recurrent state per request), which the draft model's runner does not keep: "
                          "pick a draft model with attention layers only, or method='ngram'")
-    if not getattr(get_model_class(hf_config), "recurrent", False):
+    model_class = get_model_class(hf_config)
+    if not getattr(model_class, "recurrent", False) or not model_class.recurrent_layers(hf_config):
         return False
     kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention or Mamba-2: a recurrent state per request)"
     if spec is not None:

@@ -633,6 +633,19 @@ class RecurrentModel:
     recurrent = True  # the builder and the runner keep a recurrent state per request (engine.builder.check_recurrent)
     recurrent_state_bound = False
 
+    @classmethod
+    def recurrent_layers(cls, config) -> bool:
+        """Whether ``config`` gives the model any recurrent layer (a family's release may have none: granite-4.0-micro
+        is a GraniteMoeHybrid of attention layers alone); without, it is served as an attention model."""
+        return True
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        has = self.__dict__.get("_has_recurrent")
+        if has is None:
+            has = self.__dict__["_has_recurrent"] = bool(self._recurrent_mixers())
+        return has
+
     def _attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for _, layer in self.model.stage_layers() if hasattr(layer, "self_attn")]
 
@@ -660,6 +673,8 @@ class RecurrentModel:
         self.recurrent_state_bound = True
 
     def forward(self, input_ids: torch.Tensor, meta, aux_layers=()):
+        if not self.has_recurrent_layers:
+            return super().forward(input_ids, meta, aux_layers)
         if not self.recurrent_state_bound:
             raise ValueError("the recurrent state is not allocated: call specray.models.kv_cache."
                              "allocate_recurrent_state(model, num_slots, max_pending) before the first forward")

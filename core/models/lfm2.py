@@ -170,6 +170,10 @@ class Lfm2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj", "out_proj")
 
+    @classmethod
+    def recurrent_layers(cls, config) -> bool:
+        return "conv" in config.layer_types
+
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
         if config.hidden_size % tp:

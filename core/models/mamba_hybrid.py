@@ -1,23 +1,26 @@
-"""Hybrid Mamba-2 models on the Llama plumbing (:mod:`specray.models.llama`: weights, paged KV for the attention
-layers, the model interface), their Mamba-2 layers (:mod:`specray.models.mamba2`) keeping a recurrent state per
-request as Qwen3.5's linear attention does (:class:`~specray.models.gated_deltanet.RecurrentModel`):
+"""Mamba models on the Llama plumbing (:mod:`specray.models.llama`: weights, paged KV for the attention layers, the
+model interface), their Mamba layers (Mamba-2's: :mod:`specray.models.mamba2`; Mamba-1's: :mod:`specray.models.mamba1`)
+keeping a recurrent state per request as Qwen3.5's linear attention does
+(:class:`~specray.models.gated_deltanet.RecurrentModel`):
 
 * **Bamba** (``BambaForCausalLM``): Llama's pre-norm layer whose mixer is Mamba-2 or attention (partial RoPE) as
   ``layers_block_type`` says (``attn_layer_indices``), a SwiGLU MLP in every layer. Its names: ``mamba.``,
   ``feed_forward.``, ``pre_ff_layernorm``, ``model.final_layernorm``.
-* **Granite 4.0's hybrids** (``GraniteMoeHybridForCausalLM``: granite-4.0-h-micro / -tiny / -small): the same layer
+* **Jamba** (``JambaForCausalLM``): Bamba's layer with Mamba-1 as its mixer, attention without RoPE, and experts
+  (softmax top k, not renormalised) where ``layers_num_experts`` says.
+* **Granite 4.0's hybrids** (``GraniteMoeHybridForCausalLM``: granite-4.0-h-micro / -tiny / -small): Bamba's layer
   with Granite's multipliers (embedding, residual, attention scale, logits), attention without RoPE unless
   ``position_embedding_type`` is "rope", and Granite's shared MoE (the experts beside a shared MLP), or the shared
   MLP alone where ``num_local_experts`` is 0 (the dense releases).
-* **Nemotron-H** (``NemotronHForCausalLM``: Nemotron-H, NVIDIA-Nemotron-Nano-9B/12B-v2, Nemotron 3 Nano): one mixer
-  per layer, after its RMSNorm and before the residual: Mamba-2 ("M"), attention without RoPE ("*"), a squared-ReLU
-  MLP ("-") or experts ("E")
-  (``layers_block_type``, from ``hybrid_override_pattern``). Its releases name the stack ``backbone.`` with
-  ``embeddings``, ``norm_f`` and each layer's ``mixer`` (as transformers saves it; its modules' ``model.`` names are
-  read too). Its LM head is never tied to the embedding. Its MoE blocks ("E": Nemotron 3 Nano) are DeepSeek-V3's
-  router over gateless squared-ReLU experts beside gateless shared experts, the experts over a latent width where
-  ``moe_latent_size`` says (Nemotron 3 Super: projected down before them and back up after).
-* **Mamba-2** alone (``Mamba2ForCausalLM``): Nemotron-H's stack, every layer Mamba-2, no attention.
+* **Nemotron-H** (``NemotronHForCausalLM``: Nemotron-H, NVIDIA-Nemotron-Nano-9B/12B-v2, Nemotron 3 Nano / Super): one
+  mixer per layer, after its RMSNorm and before the residual: Mamba-2 ("M"), attention without RoPE ("*"), a
+  squared-ReLU MLP ("-") or experts ("E") (``layers_block_type``, from ``hybrid_override_pattern``). Its releases
+  name the stack ``backbone.`` with ``embeddings``, ``norm_f`` and each layer's ``mixer`` (as transformers saves
+  it; its modules' ``model.`` names are read too). Its LM head is never tied to the embedding. Its experts are
+  DeepSeek-V3's router over gateless squared-ReLU experts beside gateless shared experts, over a latent width
+  where ``moe_latent_size`` says (Nemotron 3 Super: projected down before them and back up after).
+* **Mamba-2** alone (``Mamba2ForCausalLM``), **Mamba** and **Falcon-Mamba** (``MambaForCausalLM``,
+  ``FalconMambaForCausalLM``: Mamba-1): Nemotron-H's stack, every layer a Mamba layer, no attention.
 * **Falcon-H1** (``FalconH1ForCausalLM``: Falcon-H1 0.5B to 34B, Falcon-H1R): Mamba-2 and attention side by side in
   every layer (their outputs summed), a SwiGLU MLP, muP multipliers folded into the weights as they load; the
   Mamba-2 layer's gated norm optional (``mamba_rms_norm``) and either side of the gate (``mamba_norm_before_gate``).
@@ -137,9 +140,14 @@ class MambaHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj", "out_proj")
 
-    @staticmethod
-    def check_split(config, tp: int, pp: int) -> None:
-        check_mamba2_split(config, tp)
+    @classmethod
+    def check_split(cls, config, tp: int, pp: int) -> None:
+        if cls.recurrent_layers(config):  # (a release of attention layers alone has no Mamba sizes to split)
+            check_mamba2_split(config, tp)
+
+    @classmethod
+    def recurrent_layers(cls, config) -> bool:
+        return any(kind in RECURRENT_KINDS for kind in layer_kinds(config))
 
 
 _CHECKPOINT_NAMES["jamba"] = _CHECKPOINT_NAMES["bamba"]
@@ -177,11 +185,11 @@ NEMOTRON_H_KINDS = {"linear_attention": "mamba", "full_attention": "self_attn", 
 
 
 class NemotronHLayer(nn.Module):
-    mamba_class: type[nn.Module] = Mamba2Mixer  # its Mamba layers' mixer (Mamba's and Falcon-Mamba's: Mamba-1's)
-
     """``x + mixer(rmsnorm(x))`` with one mixer: Mamba-2, attention (no RoPE), a squared-ReLU MLP or a mixture of
     squared-ReLU experts (:class:`~specray.models.moe.SparseMoE`: DeepSeek-V3's router, gateless experts and shared
     experts); the residual added lazily in the next norm, as Llama's layers do."""
+
+    mamba_class: type[nn.Module] = Mamba2Mixer  # its Mamba layers' mixer (Mamba's and Falcon-Mamba's: Mamba-1's)
 
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()

@@ -105,8 +105,8 @@ _MODEL_TYPES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "
                      "qwen3_next": "Qwen3NextForCausalLM"})
 _TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditionalGeneration": ""})
 
-# hybrid Mamba-2 models (Mamba-2 layers with a recurrent state per request: specray.models.mamba_hybrid) and LFM2
-# (short convs, a conv history per request: specray.models.lfm2)
+# Mamba models and hybrids (Mamba-2 or Mamba-1 layers with a recurrent state per request: specray.models.mamba_hybrid,
+# zamba2) and LFM2 (short convs, a conv history per request: specray.models.lfm2)
 _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHybridForCausalLM",
                        "GraniteMoeHybridForCausalLM": "specray.models.mamba_hybrid:GraniteMoeHybridForCausalLM",
                        "NemotronHForCausalLM": "specray.models.mamba_hybrid:NemotronHForCausalLM",
