@@ -265,8 +265,13 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "lfm2":  # llama.cpp's LFM2: K/V heads per layer (0: a short conv), the conv's width
+        w.add_head_count_kv([cfg["num_key_value_heads"] if kind == "full_attention" else 0
+                             for kind in cfg["layer_types"]])
+        w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
+    else:
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
@@ -344,7 +349,8 @@ def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
     w.add_token_types([3 if i in special else 1 for i in range(cfg["vocab_size"])])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_pad_token_id(cfg["pad_token_id"])
+    if cfg.get("pad_token_id") is not None:
+        w.add_pad_token_id(cfg["pad_token_id"])
 
 
 def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
@@ -364,6 +370,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
             tensor = tensor + 1
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
             tensor = tensor.reshape(-1)
+        if name.endswith("conv.conv.weight"):  # LFM2's short conv: [C, 1, K] kept as [C, K]
+            tensor = tensor.squeeze(1)
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(names.get_name(name) + ".weight",
@@ -421,6 +429,23 @@ def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, 
     prompts = ["The quick brown fox", "def add(a, b):"]
     outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128).generate(prompts, greedy,
                                                                                            use_tqdm=False)]
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+def test_an_lfm2_gguf_matches_transformers(tmp_path, gguf_cache):
+    """A GGUF of LFM2 (as llama.cpp writes it: K/V heads per layer, 0 for a short conv, whose weight is [C, K]) goes
+    through transformers' GGUF mapping to our model: its logits (the short convs' state carried over chunks) equal
+    transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
+    folder's."""
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+    from specray import LLM
+
+    folder = hybrid.save(tmp_path / "lfm2", "lfm2", 7, block_auto_adjust_ff_dim=False)
+    path = write_gguf(folder, tmp_path / "lfm2.gguf", "lfm2")
+    model = load_model(str(path), pack=False)
+    hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
+    outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
             for m in (folder, path)]
     assert outs[0] == outs[1]
 
