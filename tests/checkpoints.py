@@ -229,8 +229,9 @@ def _projection_shapes(base: Path) -> dict[str, tuple[int, int]]:
     from safetensors import safe_open
 
     with safe_open(str(base / "model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
-                if k.startswith("model.layers.") and k.endswith("proj.weight") and ".experts." not in k}
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()  # (Granite's shared MLP: *_linear)
+                if k.startswith("model.layers.") and k.endswith(("proj.weight", "_linear.weight"))
+                and ".experts." not in k and ".block_sparse_moe." not in k}
 
 
 def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:

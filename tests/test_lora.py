@@ -39,7 +39,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_gemma2_dir", "tiny_olmo2_dir", "tiny_glm4_moe_dir", "tiny_smollm3_dir",
                                      "tiny_olmo3_dir", "tiny_ernie4_5_dir", "tiny_seed_oss_dir", "tiny_glm4_dir",
                                      "tiny_arcee_dir", "tiny_exaone4_dir", "tiny_starcoder2_dir", "tiny_gemma_dir",
-                                     "tiny_cohere_dir", "tiny_apertus_dir", "tiny_nemotron_dir"])
+                                     "tiny_cohere_dir", "tiny_apertus_dir", "tiny_nemotron_dir",
+                                     "tiny_granitemoeshared_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -59,6 +60,9 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
     if fixture == "tiny_starcoder2_dir":  # its MLP's own names, no gate
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
+    if fixture == "tiny_granitemoeshared_dir":  # its shared MLP's fused input_linear (gate | up) and output_linear
+        every = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear")
+        some = ("q_proj", "v_proj", "output_linear")
     first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1, modules=every, std=std)
     second = checkpoints.write_lora(base, tmp_path / "second", rank=8, alpha=4, seed=2, use_rslora=True,
                                     modules=some, layers=(layers - 1,), std=std)
