@@ -387,3 +387,21 @@ def test_a_release_of_attention_layers_alone_serves_as_an_attention_model(tmp_pa
     llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec)
     assert llm.engine.executor.worker.runner.recurrent is None
     assert generate(llm, greedy()) == plain and llm.spec_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["bamba", "granite", "falcon_h1", "jamba", "lfm2"])
+def test_an_eagle3_head_on_the_target_keeps_greedy_output(tmp_path, arch):
+    """An EAGLE-3 head drafting chains for each kind of layer here (the streams entering its layers handed out by
+    Llama's, Falcon-H1's and LFM2's stacks, over Mamba-2, Mamba-1 and short convs; its own K/V, the target's
+    recurrent state untouched): greedy output equals plain decoding's, and its drafts are accepted now and then
+    (the test head drafts "the same token again" under the target's tied LM head)."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from specray import LLM
+
+    folder = save(tmp_path / "target", arch, 11)
+    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
+    head = draft_heads.write_accepting_head(tmp_path / "head", "eagle3", folder)
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config={
+        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    assert generate(llm, greedy()) == plain
+    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
