@@ -405,3 +405,14 @@ def test_an_eagle3_head_on_the_target_keeps_greedy_output(tmp_path, arch):
         "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
     assert generate(llm, greedy()) == plain
     assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+
+
+def test_four_ranks_share_each_group_of_b_and_c(tmp_path):
+    """TP 4 over gloo with two groups of B and C: each group's heads on two ranks, which both hold it whole and sum
+    the gated norm's squares across the pair (the all-reduce of a [T, groups] tensor); the attention's two K/V heads
+    repeated; logits of prefills, a verify chunk and the replay after it equal one rank's."""
+    _, hf = hf_pair("bamba", 51)
+    hf.save_pretrained(tmp_path / "bamba")
+    for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 4, 4, [str(tmp_path / "bamba")], timeout=240)):
+        for folder, (diff, heads) in result.items():
+            assert diff < TOL and heads == 2, (r, folder, diff, heads)
