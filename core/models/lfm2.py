@@ -113,8 +113,7 @@ class Lfm2Layer(LlamaDecoderLayer):
 
     attention_class = Lfm2Attention
 
-    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
-        nn.Module.__init__(self)
+    def build_mixer(self, config, tp: TPGroup, layer: int) -> None:
         kind = config.layer_types[layer]
         if kind not in ("conv", "full_attention"):
             raise ValueError(f"layer_types[{layer}]={kind!r} is not supported for model_type='lfm2'; 'conv' or "
@@ -123,15 +122,15 @@ class Lfm2Layer(LlamaDecoderLayer):
         if self.is_conv:
             self.conv = ShortConv(config, tp)
         else:
-            self.self_attn = self.attention_class(config, tp, layer)
+            super().build_mixer(config, tp, layer)
+
+    @classmethod
+    def build_mlp(cls, config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
         if layer >= getattr(config, "num_dense_layers", config.num_hidden_layers):  # LFM2-MoE's sparse layers
-            self.mlp = SparseMoE(config, tp, expert_parallel)
-        else:
-            self.mlp = LlamaMLP(SimpleNamespace(  # SwiGLU (its config names no activation), no biases
-                model_type=config.model_type, hidden_act="silu", hidden_size=config.hidden_size,
-                intermediate_size=mlp_width(config)), tp)
-        self.input_layernorm = self.build_norm(config)
-        self.post_attention_layernorm = self.build_norm(config)
+            return SparseMoE(config, tp, expert_parallel)
+        return LlamaMLP(SimpleNamespace(  # SwiGLU (its config names no activation), no biases
+            model_type=config.model_type, hidden_act="silu", hidden_size=config.hidden_size,
+            intermediate_size=mlp_width(config)), tp)
 
     @staticmethod
     def build_norm(config) -> nn.Module:

@@ -343,11 +343,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
-        self.self_attn = self.attention_class(config, tp, layer)
+        self.build_mixer(config, tp, layer)
         self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
         self.input_layernorm = self.build_norm(config)
         self.post_attention_layernorm = self.build_norm(config)
         self.residual_multiplier = multiplier(config, "residual_multiplier")
+
+    def build_mixer(self, config, tp: TPGroup, layer: int) -> None:
+        """Give the layer its token mixer (:meth:`mix` runs it): attention, ``self_attn`` (a hybrid family's
+        recurrent layers give theirs: :mod:`specray.models.mamba_hybrid`, :mod:`specray.models.lfm2`)."""
+        self.self_attn = self.attention_class(config, tp, layer)
 
     @staticmethod
     def build_norm(config) -> nn.Module:

@@ -39,7 +39,7 @@ from specray.models.attention import AttentionMetadata
 from specray.models.gated_deltanet import RecurrentModel
 from specray.models.layers import RMSNorm, materialize
 from specray.models.llama import (_CHECKPOINT_NAMES, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
-                                  _is_sparse, multiplier, norm_stream)
+                                  _is_sparse, norm_stream)
 from specray.models.mamba1 import Mamba1Mixer, check_mamba1_split
 from specray.models.mamba2 import Mamba2Mixer, check_mamba2_split, mamba2_dims
 from specray.models.moe import SparseMoE
@@ -64,8 +64,7 @@ class MambaHybridLayer(LlamaDecoderLayer):
 
     mamba_class: type[nn.Module] = Mamba2Mixer  # the recurrent layers' mixer (Jamba's: Mamba-1's)
 
-    def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
-        nn.Module.__init__(self)
+    def build_mixer(self, config, tp: TPGroup, layer: int) -> None:
         kind = layer_kinds(config)[layer]
         if kind not in RECURRENT_KINDS + ATTENTION_KINDS:
             raise ValueError(f"layers_block_type[{layer}]={kind!r} is not supported for model_type="
@@ -74,11 +73,7 @@ class MambaHybridLayer(LlamaDecoderLayer):
         if self.is_recurrent:
             self.mamba = self.mamba_class(config, tp)
         else:
-            self.self_attn = self.attention_class(config, tp, layer)
-        self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
-        self.input_layernorm = self.build_norm(config)
-        self.post_attention_layernorm = self.build_norm(config)
-        self.residual_multiplier = multiplier(config, "residual_multiplier")
+            super().build_mixer(config, tp, layer)
 
     def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.mamba(x, meta) if self.is_recurrent else self.self_attn(x, cos, sin, meta)
