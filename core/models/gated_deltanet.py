@@ -349,12 +349,27 @@ class FusedColumnLinear(MergedColumnParallelLinear):
             start += size
 
 
+def rank_rows(tp: TPGroup, *shape: int) -> nn.Parameter:
+    """A parameter of ``shape`` loading this rank's rows (its first dimension's) of a checkpoint tensor that stacks
+    every rank's in rank order, reshaped to ``shape`` (a conv's [C, 1, K] as [C, K])."""
+    param = _param(*shape)
+    rows = shape[0]
+    param.weight_loader = lambda p, loaded: _copy(p, narrow(loaded, 0, tp.rank * rows, rows).reshape(p.shape))
+    return param
+
+
 def _head_param(count: int, tp: TPGroup) -> nn.Parameter:
     """A per-value-head parameter [count / ranks] loading this rank's heads of the checkpoint's [count]."""
-    local = count // tp.size
-    param = _param(local)
-    param.weight_loader = lambda p, loaded: _copy(p, narrow(loaded, 0, tp.rank * local, local))
-    return param
+    return rank_rows(tp, count // tp.size)
+
+
+def depthwise_conv(tp: TPGroup, channels: int, kernel: int, bias: bool) -> nn.Module:
+    """A recurrent mixer's ``conv1d`` over this rank's ``channels`` (the checkpoint's whole conv's rows in rank
+    order): its weight [channels, kernel] and bias [channels] or None."""
+    conv = nn.Module()
+    conv.weight = rank_rows(tp, channels, kernel)
+    conv.bias = rank_rows(tp, channels) if bias else None
+    return conv
 
 
 class GatedRMSNorm(nn.Module):
@@ -524,14 +539,14 @@ class RecurrentMixer(nn.Module):
         else:
             q, k, v = self._split_heads(conv)
         # g and beta likewise: the pending drafts' stored gates, then the new rows'
-        gates = gates_held.index_select(0, slots)  # [B, P, 2, Hv]
         heads = g.shape[-1]
-        row_src = torch.where(r < replay[:, None], r, r + pend - replay[:, None]).clamp(max=length - 1)
-        row_src = row_src[..., None].expand(-1, -1, heads)
         zero = torch.zeros((), dtype=g.dtype, device=dev)
         if self.gates_from_conv:  # every row's from its conv's output (replayed rows' recomputed)
             g_rows, beta_rows = torch.where(real, g_new, zero), torch.where(real, beta_new, zero)
         else:
+            gates = gates_held.index_select(0, slots)  # [B, P, 2, Hv]
+            row_src = torch.where(r < replay[:, None], r, r + pend - replay[:, None]).clamp(max=length - 1)
+            row_src = row_src[..., None].expand(-1, -1, heads)
             g_rows = torch.where(real, torch.cat((gates[:, :, 0], g.view(b, q_rows, heads)), 1).gather(1, row_src),
                                  zero)
             beta_rows = torch.where(real, torch.cat((gates[:, :, 1], beta.view(b, q_rows, heads)), 1).gather(

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.gated_deltanet import FusedColumnLinear, RecurrentMixer, RecurrentModel
+from specray.models.gated_deltanet import FusedColumnLinear, RecurrentMixer, RecurrentModel, depthwise_conv
 from specray.models.kv_cache import RecurrentStateSpec
-from specray.models.layers import RMSNorm, RowParallelLinear, _copy, _param, divide, narrow
+from specray.models.layers import RMSNorm, RowParallelLinear, divide
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, \
     LlamaModel
 from specray.models.moe import SparseMoE
@@ -50,18 +50,8 @@ class ShortConv(RecurrentMixer):
         self.kernel = config.conv_L_cache
         bias = bool(config.conv_bias)
         self.in_proj = FusedColumnLinear(h, [h, h, h], tp, bias=bias)  # B | C | x, one checkpoint tensor
-        self.conv1d = nn.Module()  # [C, 1, K] in the checkpoint (and bias [C]): this rank's channels
-        self.conv1d.weight = _param(self.width, self.kernel)
-        self.conv1d.weight.weight_loader = self._load_channels
-        self.conv1d.bias = None
-        if bias:
-            self.conv1d.bias = _param(self.width)
-            self.conv1d.bias.weight_loader = self._load_channels
+        self.conv1d = depthwise_conv(tp, self.width, self.kernel, bias)
         self.out_proj = RowParallelLinear(h, h, tp, bias=bias)
-        self.rank = tp.rank
-
-    def _load_channels(self, param: nn.Parameter, loaded) -> None:
-        _copy(param, narrow(loaded, 0, self.rank * self.width, self.width).reshape(param.shape))
 
     @property
     def state_spec(self) -> RecurrentStateSpec:

@@ -26,17 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from specray.models.gated_deltanet import (CHUNKED_FROM, FusedColumnLinear, RecurrentMixer, _head_param,
-                                           gated_delta_scan, gated_delta_tree, scanned_selective)
+                                           depthwise_conv, gated_delta_scan, gated_delta_tree, rank_rows,
+                                           scanned_selective)
 from specray.models.cpu_kernels import scans_in_parallel
 from specray.models.kv_cache import RecurrentStateSpec
-from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _copy, _param, divide, narrow
+from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, divide
 from specray.parallel import TPGroup
 
 
@@ -90,30 +89,19 @@ class Mamba1Mixer(RecurrentMixer):
         super().__init__()
         d = self.dims = mamba1_dims(config)
         self.width = divide(d.inner, tp.size, "the Mamba layers' intermediate size")
-        self.kernel, self.rank = d.kernel, tp.rank
+        self.kernel = d.kernel
         h = config.hidden_size
         self.in_proj = FusedColumnLinear(h, [d.inner, d.inner], tp, bias=d.proj_bias)  # x | z, one checkpoint tensor
-        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [C, 1, K] (and bias [C]): this rank's channels
-        self.conv1d.weight = _param(self.width, d.kernel)
-        self.conv1d.weight.weight_loader = self._load_channels
-        self.conv1d.bias = None
-        if d.conv_bias:
-            self.conv1d.bias = _param(self.width)
-            self.conv1d.bias.weight_loader = self._load_channels
+        self.conv1d = depthwise_conv(tp, self.width, d.kernel, d.conv_bias)
         self.x_proj = RowParallelLinear(d.inner, d.dt_rank + 2 * d.state, tp)
         self.dt_proj = ColumnParallelLinear(d.dt_rank, d.inner, tp, bias=True)
-        self.A_log = _param(self.width, d.state)
-        self.A_log.weight_loader = self._load_channels
+        self.A_log = rank_rows(tp, self.width, d.state)
         self.D = _head_param(d.inner, tp)
         if d.norms == "weighted":
             self.dt_layernorm = RMSNorm(d.dt_rank, d.eps)
             self.b_layernorm = RMSNorm(d.state, d.eps)
             self.c_layernorm = RMSNorm(d.state, d.eps)
         self.out_proj = RowParallelLinear(d.inner, h, tp, bias=d.proj_bias)
-
-    def _load_channels(self, param: nn.Parameter, loaded: Any) -> None:
-        """This rank's channels (rows) of a per-channel tensor: conv weight [C, 1, K], conv bias, A_log [C, N]."""
-        _copy(param, narrow(loaded, 0, self.rank * self.width, self.width).reshape(param.shape))
 
     @property
     def state_spec(self) -> RecurrentStateSpec:

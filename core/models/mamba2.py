@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.gated_deltanet import RecurrentMixer, _head_param
+from specray.models.gated_deltanet import RecurrentMixer, _head_param, rank_rows
 from specray.models.kv_cache import RecurrentStateSpec
 from specray.models.layers import ColumnParallelLinear, RowParallelLinear, _copy, _param, divide, narrow
 from specray.parallel import TPGroup
@@ -143,8 +143,7 @@ class GroupedGatedRMSNorm(nn.Module):
     def __init__(self, width: int, group_size: int, eps: float, tp: TPGroup, groups: int, group: int,
                  whole: bool, before_gate: bool = False):
         super().__init__()
-        self.weight = _param(width)
-        self.weight.weight_loader = lambda p, loaded: _copy(p, narrow(loaded, 0, tp.rank * width, width))
+        self.weight = rank_rows(tp, width)
         self.group_size, self.eps, self.tp = group_size, eps, tp
         self.groups, self.group, self.whole, self.before_gate = groups, group, whole, before_gate
 
