@@ -52,6 +52,11 @@ class HeadOptions:
         """Whether drafting writes the head's K/V past the verified drafts (slots the scheduler reserves)."""
         return True
 
+    def drafts_blocks(self) -> bool:
+        """Whether drafting writes a block of K/V from the sampled token's position on (DFlash: m + 1 slots for m
+        drafts) rather than a chain's draft steps (m - 1)."""
+        return False
+
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         """A ValueError when the method cannot draft ``num_speculative_tokens`` per step (none here)."""
 
@@ -169,6 +174,50 @@ class MTPOptions(HeadOptions):
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
         return {"head_config": None, "mtp_feedback_normed": self.mtp_feedback_normed, "mtp_modules": self.num_modules,
                 "tree": None}
+
+
+@dataclass
+class DFlashOptions(HeadOptions):
+    """``speculative_config`` keys of ``method="dflash"``: the DFlash checkpoint (z-lab's ``DFlashDraftModel``
+    layout), which drafts up to its block size - 1 tokens per step in one pass."""
+
+    model: str | None = None  # the DFlash checkpoint's folder or hub id (e.g. z-lab/Qwen3-8B-DFlash-b16)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='dflash' needs the DFlash "
+                             "checkpoint's folder (or hub id), e.g. z-lab/Qwen3-8B-DFlash-b16")
+
+    def drafts_blocks(self) -> bool:
+        return True
+
+    def check_draft_count(self, num_speculative_tokens: int) -> None:
+        block = dflash_block_size(self.model)
+        if num_speculative_tokens > block - 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: the DFlash "
+                             f"checkpoint {self.model!r} drafts blocks of {block} (the sampled token and {block - 1} "
+                             f"drafts); give num_speculative_tokens <= {block - 1}")
+
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        from specray.models.draft_head_loader import read_head_config
+
+        return {"head_config": read_head_config(path)}
+
+
+def dflash_block_size(path: str) -> int:
+    """A DFlash checkpoint's block size, from its config.json (``dflash_config.block_size`` or the top level's;
+    16 when neither gives it), read without torch."""
+    import json
+    from pathlib import Path
+
+    from specray.models.loader import resolve_model
+
+    raw = json.loads((Path(resolve_model(path).path) / "config.json").read_text())
+    block = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size", 16))
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise ValueError(f"the DFlash checkpoint {path!r} gives block_size={block!r}: it must be an int >= 2")
+    return block
 
 
 # a small default tree: paths of top-k indices, one per head (best-first: each path's prefix comes before it)

@@ -71,6 +71,9 @@ _DRAFTERS = {
                            "specray.drafters.hidden_state:MedusaOptions", in_worker=True),
     "redrafter": DrafterEntry("specray.workers.redrafter_drafter:ReDrafterDrafter",
                               "specray.drafters.hidden_state:ReDrafterOptions", in_worker=True),
+    # DFlash: a block of drafts in one pass of a small model reading the target's hidden states
+    "dflash": DrafterEntry("specray.workers.dflash_drafter:DFlashDrafter",
+                           "specray.drafters.hidden_state:DFlashOptions", in_worker=True),
     # Gemma 4's assistant (Gemma4AssistantForCausalLM, its MTP drafter): a checkpoint of its own that attends the
     # target's K/V, named after its model_type
     "gemma4_assistant": DrafterEntry("specray.workers.gemma4_assistant_drafter:Gemma4AssistantDrafter",
@@ -202,6 +205,11 @@ def worker_drafts_trees(spec: SpeculativeConfig) -> bool:
 def worker_writes_kv(spec: SpeculativeConfig) -> bool:
     """A worker drafter whose drafting writes K/V past the verified drafts (all but Medusa's attention-free heads)."""
     return options_of(spec).writes_kv()
+
+
+def worker_block_slots(spec: SpeculativeConfig) -> bool:
+    """A worker drafter that writes a block of K/V from the sampled token's position on (DFlash)."""
+    return options_of(spec).drafts_blocks()
 
 
 def worker_lookahead_slots(spec: SpeculativeConfig) -> int:

@@ -53,11 +53,13 @@ class SchedulerConfig:
     num_blocks: int = field(kw_only=True)
     vocab_size: int | None = field(default=None, kw_only=True)  # known: requests are checked against it
     # a drafter on the worker drafts up to this many tokens after each step (0: none); its slots are reserved:
-    # m - 1 past the verified drafts for a chain of m, or ``worker_tree_slots`` when it grows token trees, or none
+    # m - 1 past the verified drafts for a chain of m, or m + 1 when it writes a block from the sampled token's
+    # position on (``worker_block_slots``: DFlash), or ``worker_tree_slots`` when it grows token trees, or none
     # when its drafting writes no K/V (``worker_writes_kv`` False: Medusa's heads)
     worker_draft_steps: int = field(default=0, kw_only=True)
     worker_tree_slots: int = field(default=0, kw_only=True)
     worker_writes_kv: bool = field(default=True, kw_only=True)
+    worker_block_slots: bool = field(default=False, kw_only=True)
     # (begin, end) token ids of a reasoning model's thinking phase, for relaxed acceptance: each chunk with drafts
     # says whether its request's committed tokens end inside it (ScheduledChunk.thinking); None: never
     thinking_tokens: tuple[int, int] | None = field(default=None, kw_only=True)
@@ -430,13 +432,18 @@ class Scheduler:
         free_slots = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - (end + k)
         if self.config.worker_tree_slots:  # a tree needs all its slots, or is not drafted
             return m if free_slots >= self.config.worker_tree_slots else 0
-        return min(m, free_slots + 1)
+        return max(0, min(m, free_slots - self._past_drafts))
+
+    @property
+    def _past_drafts(self) -> int:
+        """Slots a chain's drafting writes past its m drafts' count: -1 (draft steps), or 1 (a block)."""
+        return 1 if self.config.worker_block_slots else -1
 
     def _lookahead_slots(self, next_drafts: int) -> int:
         """Slots past a chunk's drafts that the worker's drafting writes (none when it drafts nothing)."""
         if next_drafts == 0 or not self.config.worker_writes_kv:
             return 0
-        return self.config.worker_tree_slots or next_drafts - 1
+        return self.config.worker_tree_slots or next_drafts + self._past_drafts
 
     def _admit_waiting(self, budget: int, seats: int) -> list[ScheduledChunk]:
         """Pass 3: first prefill chunks of waiting requests (new, or resumed after preemption). With prefix

@@ -133,6 +133,105 @@ def write_accepting_head(folder: Path, method: str, target_dir: Path, seed: int 
     return folder
 
 
+def write_dflash(folder: Path, target_dir: Path, num_layers: int = 2, block_size: int = 5,
+                 target_layer_ids: list[int] | None = None, seed: int = 3, std: float = 0.2,
+                 layer_types: list[str] | None = None, sliding_window: int | None = None,
+                 always_token_zero: bool = False, accepting: bool = False) -> Path:
+    """A random DFlash checkpoint for the target in ``target_dir``, in z-lab's ``DFlashDraftModel`` layout: a Qwen3
+    config with ``dflash_config`` (``target_layer_ids``, ``mask_token_id``) and ``block_size``, and ``layers.{i}.*``
+    (q/k norms), ``fc``, ``hidden_norm``, ``norm`` (no embedding or LM head: the target's). The mask token is the
+    target's last id. ``always_token_zero``: the final norm's weight is zero, so every logit is 0 and every draft is
+    token 0 (argmax's first index), which a target made to emit token 0 always accepts. ``accepting``: a head that
+    drafts "the sampled token again" at every block position (:func:`_anchor_copier`), which a tiny random model's
+    runs of repeated tokens often accept; it needs a target whose mask token's embedding row is zero
+    (:func:`zero_mask_row`)."""
+    from safetensors.torch import save_file
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, inter = target["hidden_size"], target["intermediate_size"]
+    heads, kv = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim = h // heads
+    layers = target_layer_ids or [0, target["num_hidden_layers"] // 2, target["num_hidden_layers"] - 2]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"fc.weight": torch.randn(h, len(layers) * h, generator=gen) * std,
+               "hidden_norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+               "norm.weight": torch.zeros(h) if always_token_zero else 1.0 + 0.1 * torch.randn(h, generator=gen)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update(_layer(p, h, inter, heads, kv, head_dim, h, True, False, gen, std))
+        tensors[p + "self_attn.q_norm.weight"] = 1.0 + 0.1 * torch.randn(head_dim, generator=gen)
+        tensors[p + "self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(head_dim, generator=gen)
+    config = head_config(target, architectures=["DFlashDraftModel"], head_dim=head_dim, block_size=block_size,
+                         num_target_layers=target["num_hidden_layers"],
+                         dflash_config={"target_layer_ids": layers, "mask_token_id": target["vocab_size"] - 1})
+    config.update(model_type="qwen3", num_hidden_layers=num_layers)
+    if layer_types is not None:
+        config.update(layer_types=layer_types, sliding_window=sliding_window, use_sliding_window=True)
+    if accepting:
+        tensors = _anchor_copier(tensors, config, h, heads, kv, head_dim, num_layers)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def zero_mask_row(target_dir: Path) -> Path:
+    """Zero the embedding row of the target's last token id (the DFlash test heads' mask token) in place: a mask
+    token embeds to nothing, as an untrained row nearly does, so :func:`_anchor_copier`'s block rows start empty."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(target_dir / "model.safetensors"))
+    weights["model.embed_tokens.weight"][-1] = 0.0
+    save_file(weights, str(target_dir / "model.safetensors"))
+    return target_dir
+
+
+def _anchor_copier(tensors: dict, config: dict, h: int, heads: int, kv: int, head_dim: int, num_layers: int,
+                   gain: float = 8.0, sharpness: float = 3.0) -> dict:
+    """A DFlash head that copies the block's first row (the sampled token's embedding) one row further per layer,
+    so that with as many layers as drafts every draft row holds it, and under the tied LM head drafts that token.
+    Every layer is causal with a window of 2 (each row sees itself and the row before); q and k are biases alone
+    (no weights), the same at every row, in the first RoPE pair only, turned so that the score peaks one position
+    back (RoPE's first pair turns one radian per position); values copy the first half of the normed input, which
+    only the sampled token's row has (the mask token embeds to zero, and the context features are zero there:
+    ``hidden_norm`` keeps the second half only); o_proj puts it back with ``gain``; the MLPs add nothing. Not a
+    trained head, but an honest one: nothing in it knows the target's continuation."""
+    import math
+
+    config.update(attention_bias=True, layer_types=["sliding_attention"] * num_layers, sliding_window=2,
+                  use_sliding_window=True, max_window_layers=0)
+    half, group = h // 2, heads // kv
+    tensors["hidden_norm.weight"][:half] = 0.0
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        q_bias, k_bias = torch.zeros(heads * head_dim), torch.zeros(kv * head_dim)
+        for n in range(heads):
+            q_bias[n * head_dim] = math.cos(-1.0)
+            q_bias[n * head_dim + head_dim // 2] = math.sin(-1.0)
+        for n in range(kv):
+            k_bias[n * head_dim] = 1.0
+        v = torch.zeros(kv * head_dim, h)
+        v[: min(kv * head_dim, half), : min(kv * head_dim, half)] = torch.eye(min(kv * head_dim, half))
+        o = torch.zeros(h, heads * head_dim)
+        for n in range(heads):  # head n reads KV head n // group: its dims, averaged over the group
+            g = n // group
+            o[g * head_dim: (g + 1) * head_dim, n * head_dim: (n + 1) * head_dim] = torch.eye(head_dim) * gain / group
+        norm_in = torch.zeros(h)
+        norm_in[:half] = 1.0
+        tensors.update({
+            p + "self_attn.q_proj.weight": torch.zeros(heads * head_dim, h), p + "self_attn.q_proj.bias": q_bias,
+            p + "self_attn.k_proj.weight": torch.zeros(kv * head_dim, h), p + "self_attn.k_proj.bias": k_bias,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.v_proj.bias": torch.zeros(kv * head_dim),
+            p + "self_attn.o_proj.weight": o, p + "self_attn.o_proj.bias": torch.zeros(h),
+            p + "self_attn.q_norm.weight": torch.full((head_dim,), sharpness),
+            p + "self_attn.k_norm.weight": torch.full((head_dim,), sharpness),
+            p + "input_layernorm.weight": norm_in,
+            p + "mlp.down_proj.weight": torch.zeros_like(tensors[p + "mlp.down_proj.weight"]),
+        })
+    tensors["norm.weight"] = torch.ones(h)
+    return tensors
+
+
 def write_medusa_heads(folder: Path, target_dir: Path, num_heads: int = 4, num_layers: int = 1, seed: int = 0,
                        std: float = 0.2, accepting: bool = False, layout: str = "medusa") -> Path:
     """Random Medusa heads for the target in ``target_dir``, in FasterDecoding's layout (or vLLM's). ``accepting``:

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import random
+import shutil
 import time
 from collections import deque
 from pathlib import Path
@@ -331,6 +332,14 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
         target = draft_heads.write_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5")
         return target, draft_heads.write_qwen_mtp(tmp_path / "qwen3_5_mtp", target), {
             "method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    if method.startswith("dflash"):  # its own copy of the target: the mask token's row embeds to zero
+        target = draft_heads.zero_mask_row(Path(shutil.copytree(tiny_llama_dir, tmp_path / "dflash_target")))
+        head = draft_heads.write_dflash(tmp_path / "dflash", target, num_layers=3, block_size=4,
+                                        target_layer_ids=[0], accepting=True)
+        spec = {"method": "dflash", "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
+        if method.endswith("-whole"):
+            spec.update(draft_tensor_parallel_size=1)
+        return target, target, spec
     if method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
@@ -388,7 +397,7 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp", "medusa",
-              "redrafter"]
+              "redrafter", "dflash", "dflash-whole"]
 DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
 
 
@@ -400,7 +409,8 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     grouped-query attention split by head, partial RoPE, experts split by width),
     Qwen3.5's over a hybrid target whose linear layers' recurrent state splits by head too (its gated attention
     split by head), Medusa's
-    heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads). Each rank
+    heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its rows of the LM heads), DFlash's
+    block drafter (its layers split by head, its context projection whole on every rank). Each rank
     holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and
     LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's:
     with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain

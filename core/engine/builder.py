@@ -322,6 +322,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         worker_draft_steps=spec.num_speculative_tokens if in_worker else 0,
         worker_tree_slots=registry.worker_lookahead_slots(spec) if in_worker else 0,
         worker_writes_kv=not in_worker or registry.worker_writes_kv(spec),
+        worker_block_slots=in_worker and registry.worker_block_slots(spec),
         thinking_tokens=thinking,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,

@@ -74,6 +74,25 @@ def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
+class ReadsTarget(nn.Module):
+    """A drafter's model that reads a target it does not own: the target sits in ``_target``, a tuple, so it is not a
+    submodule and its weights are never the drafter's; the drafter's own weights give its dtype and device."""
+
+    _target: tuple
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
 class HeadLayer(nn.Module):
     """One decoder layer of the Llama family whose attention reads ``input_size`` features (2H for EAGLE-3); or,
     given ``parts``, the target family's own attention and MLP (an MTP module's block: DeepSeek's latent attention
@@ -101,7 +120,7 @@ class HeadLayer(nn.Module):
         return self.mlp(x) + residual
 
 
-class DraftHead(nn.Module):
+class DraftHead(ReadsTarget):
     """A hidden-state draft head over ``target`` (see the module docstring). ``config`` is the head's own
     HF-style config (hidden size, heads, MLP width, RoPE), ``draft_vocab_size`` EAGLE-3's draft vocabulary.
     Build it under the target's device and dtype; it holds no reference to the target's parameters."""
@@ -167,18 +186,6 @@ class DraftHead(nn.Module):
         self.kv_cache_bound = False
 
     # ------------------------------------------------------------------------------------------ reading the target
-
-    @property
-    def target(self):
-        return self._target[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0].post_attention_layernorm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.layers[0].post_attention_layernorm.weight.device
 
     def target_features(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         """The feature of each target position the head reads: [T, H] from the target's last hidden states [T, H]

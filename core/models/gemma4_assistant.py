@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, build_attention_metadata
+from specray.models.draft_head import ReadsTarget
 from specray.models.gemma4 import Gemma4DecoderLayer, Gemma4RMSNorm, _rotary, kv_store_layers, layer_geometry
 from specray.models.kv_cache import MaskKind
 from specray.models.layers import ColumnParallelLinear, materialize
@@ -97,7 +98,7 @@ def check_assistant(config, target_config) -> None:
                              f"centroid_intermediate_top_k={config.centroid_intermediate_top_k} be in [1, {clusters}]")
 
 
-class Gemma4Assistant(nn.Module):
+class Gemma4Assistant(ReadsTarget):
     """The assistant over ``target`` (our :class:`~specray.models.gemma4.Gemma4ForCausalLM`, one rank): see the module
     docstring. Build it under the target's device and dtype; it holds no reference to the target's parameters."""
 
@@ -131,18 +132,6 @@ class Gemma4Assistant(nn.Module):
             self.register_buffer("token_ordering", torch.zeros(vocab, dtype=torch.long))
         self.vocab_size = vocab
         self.aux_layers: tuple[int, ...] = ()
-
-    @property
-    def target(self):
-        return self._target[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
 
     def kv_cache_specs(self) -> list:
         return []  # no cache of its own: it reads the target's
