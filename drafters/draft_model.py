@@ -2,7 +2,10 @@
 
 It keeps its own paged KV cache in step with each request's history: every time it is asked, it finds the
 longest prefix of the request's tokens that its cache already holds (the accepted drafts survive, rejected ones
-do not), rewinds to it, feeds the rest in one batched catch-up pass, then drafts K tokens autoregressively.
+do not), rewinds to it, feeds the rest in one batched catch-up pass, then drafts K tokens autoregressively; or,
+with ``parallel_drafting`` (PARD: An et al. 2025, AMD's PARD checkpoints), all K from the catch-up pass itself, the
+rest followed by K - 1 of the checkpoint's ``pard_token``, draft i + 1 read at the i-th of them (causal attention,
+as the model was trained): one forward a step whatever K.
 For sampled requests it draws each draft from q (the request's warped distribution over the draft logits) and
 returns q, which rejection sampling needs. A request's penalties and logit bias shape its draft logits as they
 shape the target's (its history and the drafts before each one counted), so drafts follow the penalized target;
@@ -48,11 +51,16 @@ class DraftModelOptions:
 
     model: str | None = None  # required: a smaller model with the target's tokenizer
     draft_tensor_parallel_size: int = 1  # ranks its weights are split over (Ray actors of their own)
+    # PARD (vLLM's name): all K drafts from one forward, the history followed by K - 1 copies of the checkpoint's
+    # ``pard_token`` (a model trained for it: amd/PARD-*), draft i + 1 read at the i-th of them
+    parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
             raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
                              "smaller model with the target's tokenizer")
+        if not isinstance(self.parallel_drafting, bool):
+            raise ValueError(f"speculative_config.parallel_drafting={self.parallel_drafting!r} must be a bool")
         tp = self.draft_tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp!r} must be an int >= 1")
@@ -79,6 +87,21 @@ def check_same_tokenizer(target, draft, target_name: str, draft_name: str) -> No
         )
 
 
+def pard_token(config, path: str) -> int:
+    """The token a PARD draft model reads where drafts are to come (its config's ``pard_token``, or
+    ``ptd_token_id``); a ValueError naming the fix when the checkpoint has none or it lies past its vocabulary."""
+    token = getattr(config, "pard_token", None)
+    if token is None:
+        token = getattr(config, "ptd_token_id", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0 or (vocab is not None and token >= vocab):
+        raise ValueError(f"speculative_config.parallel_drafting=true needs a PARD draft model: "
+                         f"speculative_config.model={path!r} gives pard_token={token!r} in its config.json (vocab_size "
+                         f"{vocab}); use a checkpoint trained for parallel drafting (e.g. amd/PARD-Qwen3-0.6B), or "
+                         "drop parallel_drafting")
+    return token
+
+
 def _common_prefix(a: list[int], b) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -99,6 +122,8 @@ class DraftModelDrafter:
         set_max_model_len(config, ctx.max_model_len)  # the target's (a Phi-3 draft picks its LongRoPE factors by it)
         check_heads_split(config, options.draft_tensor_parallel_size, "speculative_config.draft_tensor_parallel_size",
                           "the draft model's")
+        if options.parallel_drafting:
+            pard_token(config, path)  # checked before any actor starts
         return replace(ctx, draft_model_config=config)
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
@@ -109,6 +134,8 @@ class DraftModelDrafter:
         tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
         self.model = load_model(path, tp, dtype=getattr(torch, ctx.dtype), device=self.device,
                                 config=ctx.draft_model_config)
+        self.pard = pard_token(ctx.draft_model_config or read_config(path), path) \
+            if options_of(spec).parallel_drafting else None
         if self.model.vocab_size > ctx.vocab_size:
             raise ValueError(f"speculative_config.model={path!r} has vocab_size={self.model.vocab_size}, "
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")
@@ -216,8 +243,13 @@ class DraftModelDrafter:
         return None if grammar.terminated else grammar
 
     def _draft(self, reqs: list[DraftRequest]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each request's drafts: K forwards, each feeding the draft before (or, PARD, one forward whose K rows are
+        read in turn), each row's logits shaped by the request's penalties and grammar given the drafts before it,
+        then the draft taken (argmax, or drawn from q)."""
         states = [self.states[d.req_id] for d in reqs]
         feeds = [list(d.token_ids[len(s.cached):]) for d, s in zip(reqs, states)]
+        rows = None if self.pard is None else self._parallel_rows(states, feeds,
+                                                                    [d.num_speculative_tokens for d in reqs])
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         grammars = [self._grammar(d, s) for d, s in zip(reqs, states)]
@@ -225,7 +257,10 @@ class DraftModelDrafter:
         ended = [False] * len(reqs)  # the grammar is complete: nothing more to draft
         live = list(range(len(reqs)))
         for step in range(max(d.num_speculative_tokens for d in reqs)):
-            logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V_draft]
+            if rows is None:
+                logits = self._forward([states[i] for i in live], [feeds[i] for i in live])  # [len(live), V_draft]
+            else:  # PARD: this step's row of every live request's one forward
+                logits = rows[torch.tensor(live, device=self.device), step]
             if logits.shape[-1] < self.vocab_size:  # the target's vocabulary: q lives there, and penalties name its ids
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
             for j, i in enumerate(live):
@@ -240,7 +275,8 @@ class DraftModelDrafter:
                 apply_token_bitmask(logits, torch.tensor([j for j, _ in masked], device=self.device), words)
             tokens, q = self._sample(logits, [reqs[i] for i in live], [states[i] for i in live])
             for j, i in enumerate(live):
-                states[i].cached.extend(feeds[i])
+                if rows is None or step == 0:  # PARD's forward held the history alone as real tokens
+                    states[i].cached.extend(feeds[i])
                 drafts[i].append(tokens[j])
                 if q is not None:
                     qs[i].append(q[j])
@@ -265,18 +301,38 @@ class DraftModelDrafter:
         return drafts, probs
 
     def _forward(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
+        """The draft model over each request's ``feeds`` after its cached tokens -> the logits of each feed's last
+        token [B, V_draft]."""
+        hidden = self._hidden(states, feeds)
+        last = torch.tensor([sum(len(f) for f in feeds[: j + 1]) - 1 for j in range(len(feeds))], device=self.device)
+        return self.model.compute_logits(hidden[last])  # [B, V_draft]
+
+    def _parallel_rows(self, states: list[_DraftState], feeds: list[list[int]], counts: list[int]) -> torch.Tensor:
+        """PARD: one forward over each request's feed followed by ``counts[i]`` - 1 pard tokens (causal, as the
+        model was trained) -> the logits [B, max count, V_draft] of its last real token, then of each pard token:
+        row k gives draft k + 1. The pard tokens' K/V land past the history and are overwritten by the next feed."""
+        padded = [f + [self.pard] * (k - 1) for f, k in zip(feeds, counts)]
+        hidden = self._hidden(states, padded)
+        ends = [0]
+        for f in padded:
+            ends.append(ends[-1] + len(f))
+        width = max(counts)
+        index = [ends[j] + len(f) - 1 + min(r, k - 1) for j, (f, k) in enumerate(zip(feeds, counts))
+                 for r in range(width)]  # a request's rows past its count repeat its last (never read)
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        return logits.view(len(feeds), width, -1)
+
+    def _hidden(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
+        """The draft model's hidden states [T, H] over every request's ``feeds`` after its cached tokens."""
         lens, starts = [len(f) for f in feeds], [len(s.cached) for s in states]
         shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
         if shape is not None:  # short passes (at most SHORT_QUERY_MAX tokens each) from a graph
             hidden, _ = self.graphs.run(shape, [t for f in feeds for t in f], lens, starts,
                                         [s.block_ids for s in states])
-        else:
-            input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-            meta = build_attention_metadata(lens, starts, [s.block_ids for s in states], self.block_size,
-                                            self.device)
-            hidden = self.model(input_ids, meta)  # [T, H]
-        last = torch.tensor([sum(len(f) for f in feeds[: j + 1]) - 1 for j in range(len(feeds))], device=self.device)
-        return self.model.compute_logits(hidden[last])  # [B, V_draft]
+            return hidden
+        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+        meta = build_attention_metadata(lens, starts, [s.block_ids for s in states], self.block_size, self.device)
+        return self.model(input_ids, meta)  # [T, H]
 
     def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_DraftState]):
         """Draw each request's next draft from q (``logits`` over the target's vocabulary); q only when some

@@ -246,6 +246,19 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     return path
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny models (engines, dense recomputations), restored afterwards: on a shared
+    CPU, OpenMP's threads only wait and spin for each other over such small matmuls. A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)

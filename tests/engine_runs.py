@@ -1,8 +1,9 @@
 """What the engine-level tests share: the prompts their greedy comparisons run, greedy sampling parameters, the
 token ids of ``LLM.generate``'s outputs and transformers' greedy ``generate`` of the same prompts, relaxed
 acceptance's check against transformers' logits, executor wrappers (a recorder of plans and results, a virtual
-clock for engines whose draft policy should not follow this machine's load; a counter of verified trees), and
-whether an engine's model was refused graphs on this GPU. Imported
+clock for engines whose draft policy should not follow this machine's load; a counter of verified trees),
+whether an engine's model was refused graphs on this GPU, and a chi-square test of sampled output against the
+target's distribution. Imported
 as ``specray_test_engine_runs`` (tests/conftest.py registers it)."""
 from __future__ import annotations
 
@@ -110,6 +111,14 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def last_by_request(self) -> tuple[dict, dict, dict]:
+        """The last step's worker drafts, their scores and (chunk, kept tokens), each by request id."""
+        plan, result = self.steps[-1]
+        none = [[]] * len(plan.chunks)
+        return (dict(zip(result.req_ids, result.draft_token_ids or none)),
+                dict(zip(result.req_ids, result.draft_scores or none)),
+                {c.req_id: (c, kept) for c, kept in zip(plan.chunks, result.sampled_token_ids)})
+
     def chunks(self):
         """(chunk, kept tokens, worker drafts) of every step."""
         for plan, result in self.steps:
@@ -164,3 +173,72 @@ def refused_on_this_gpu(llm) -> bool:
         return False
     assert worker.device.type == "cuda" and "host" in why and worker.runner.graphs is None, why
     return True
+
+
+# ---- the sampled distribution ------------------------------------------------------------------------------------
+
+SAMPLED = dict(temperature=0.7, top_k=3, max_tokens=3, ignore_eos=True)
+
+
+def target_triples(target_dir, prompt: list[int], temperature: float) -> dict[tuple[int, int, int], float]:
+    """{(x0, x1, x2): p(x0) p(x1 | x0) p(x2 | x0 x1)} of transformers' target after ``prompt``, each step warped as
+    SAMPLED at ``temperature``."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from specray.sampling import SamplingBatch, logits_to_probs
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    params = SamplingParams(**{**SAMPLED, "temperature": temperature})
+
+    @torch.inference_mode()
+    def probs(tokens: list[int]):
+        logits = target(torch.tensor([tokens])).logits[0, -1:].float()
+        return logits_to_probs(logits, SamplingBatch.build([params], [None], "cpu"))[0].double().numpy()
+
+    out, p0 = {}, probs(prompt)
+    for a in np.flatnonzero(p0):
+        p1 = probs(prompt + [int(a)])
+        for b in np.flatnonzero(p1):
+            p2 = probs(prompt + [int(a), int(b)])
+            out.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
+    return out
+
+
+def sampled_triples_pvalue(llm, prompt: list[int], expected: dict, n: int, first_seed: int = 0,
+                           max_tokens: int = 3) -> float:
+    """``n`` requests for ``prompt`` sampled as SAMPLED (``max_tokens`` of them, room for longer chains) with seeds
+    ``first_seed``.. through ``llm``: the chi-square p-value of their first three tokens against ``expected`` (cells
+    expected to hold fewer than 5 pooled into one; a token the target could not sample gives 0)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n,
+                        [SamplingParams(seed=first_seed + i, **{**SAMPLED, "max_tokens": max_tokens})
+                         for i in range(n)], use_tqdm=False)
+    seen = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+    keys = sorted(set(expected) | set(seen))
+    observed = np.array([seen.count(k) for k in keys], dtype=float)
+    p = np.array([expected.get(k, 0.0) for k in keys])
+    if observed[p == 0].sum() > 0:
+        return 0.0
+    e = p / p.sum() * n
+    small, big = (e > 0) & (e < 5), e >= 5
+    if not small.any():
+        return chisquare(observed[big], e[big]).pvalue
+    return chisquare(np.append(observed[big], observed[small].sum()), np.append(e[big], e[small].sum())).pvalue
+
+
+def check_sampled_distribution(llm, target_dir, prompt: list[int], max_tokens: int = 3) -> None:
+    """``llm``'s sampled output after ``prompt`` (requests of ``max_tokens``) fits the target's distribution in its
+    first three tokens (a p-value under 1e-3 decided by three times as many fresh seeds), with drafts both kept and
+    rejected; and, a negative control, does not fit the target's distribution at T=1."""
+    expected = target_triples(target_dir, prompt, SAMPLED["temperature"])
+    value = sampled_triples_pvalue(llm, prompt, expected, 800, max_tokens=max_tokens)
+    stats = llm.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens > 0, stats
+    if value <= 1e-3:
+        value = sampled_triples_pvalue(llm, prompt, expected, 2400, first_seed=800, max_tokens=max_tokens)
+    assert value > 1e-3
+    at_one = target_triples(target_dir, prompt, 1.0)
+    assert sampled_triples_pvalue(llm, prompt, at_one, 800, max_tokens=max_tokens) < 1e-3

@@ -14,7 +14,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,17 +23,12 @@ from specray import LLM, SamplingParams
 from specray.models.kv_cache import slots_of
 from specray.sampling import SamplingBatch, logits_to_probs
 import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
-from specray_test_engine_runs import PROMPTS, Recorder, greedy  # tests/engine_runs.py
+from specray_test_engine_runs import PROMPTS, Recorder, check_sampled_distribution, greedy  # tests/engine_runs.py
 
 K = 3  # drafts per step (the accepting head's block holds the sampled token and 3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +196,7 @@ def test_drafts_and_kv_equal_the_dense_reference(target_dir, heads, kind):
                "after acceptance": 0}
     while engine.has_unfinished_requests():
         engine.step()
-        plan, result = rec.steps[-1]
-        drafts = dict(zip(result.req_ids, result.draft_token_ids or [[]] * len(plan.chunks)))
-        scores = dict(zip(result.req_ids, result.draft_scores or [[]] * len(plan.chunks)))
-        chunks = {c.req_id: (c, kept) for c, kept in zip(plan.chunks, result.sampled_token_ids)}
+        drafts, scores, chunks = rec.last_by_request()
         for req in engine.scheduler.running:
             n = req.num_computed_tokens
             if n == 0 or req.req_id not in drafts:
@@ -322,61 +313,13 @@ def test_the_scheduler_reserves_the_block_past_the_verified_drafts(target_dir, h
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
 
-SAMPLED = dict(temperature=0.7, top_k=3, max_tokens=3, ignore_eos=True)
-
-
 def test_sampled_output_keeps_the_target_distribution(target_dir, heads, plain):
     """Seeded sampled requests after a prompt that ends in a run: the drafts are drawn from q (each block position's
     own), verified against it by rejection sampling; the first three tokens' joint frequencies fit the target's
-    p(x0) p(x1 | x0) p(x2 | x0 x1) (chi-square; a p-value under 1e-3 is decided by three times as many fresh seeds).
-    A negative control: the same samples do not fit the target at T=1."""
-    from scipy.stats import chisquare
-
+    p(x0) p(x1 | x0) p(x2 | x0 x1), and (a negative control) not the target's at T=1."""
     prompt = plain.get_tokenizer().encode(PROMPTS[4])
     prompt += plain.generate({"prompt_token_ids": prompt}, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def probs(tokens, temperature):
-        logits = target(torch.tensor([tokens])).logits[0, -1:].float()
-        params = SamplingParams(**{**SAMPLED, "temperature": temperature})
-        return logits_to_probs(logits, SamplingBatch.build([params], [None], "cpu"))[0].double().numpy()
-
-    def triples(temperature):
-        out, p0 = {}, probs(prompt, temperature)
-        for a in np.flatnonzero(p0):
-            p1 = probs(prompt + [int(a)], temperature)
-            for b in np.flatnonzero(p1):
-                p2 = probs(prompt + [int(a), int(b)], temperature)
-                out.update({(int(a), int(b), int(c)): p0[a] * p1[b] * p2[c] for c in np.flatnonzero(p2)})
-        return out
-
-    llm = make_llm(target_dir, heads, "accepting", max_num_seqs=64)
-
-    def pvalue(expected, n, first_seed):
-        outs = llm.generate([{"prompt_token_ids": prompt}] * n,
-                            [SamplingParams(seed=first_seed + i, **SAMPLED) for i in range(n)], use_tqdm=False)
-        seen = [tuple(o.outputs[0].token_ids) for o in outs]
-        keys = sorted(set(expected) | set(seen))
-        observed = np.array([seen.count(k) for k in keys], dtype=float)
-        p = np.array([expected.get(k, 0.0) for k in keys])
-        if observed[p == 0].sum() > 0:
-            return 0.0
-        e = p / p.sum() * n
-        small, big = (e > 0) & (e < 5), e >= 5
-        if not small.any():
-            return chisquare(observed[big], e[big]).pvalue
-        return chisquare(np.append(observed[big], observed[small].sum()),
-                         np.append(e[big], e[small].sum())).pvalue
-
-    expected = triples(SAMPLED["temperature"])
-    value = pvalue(expected, 800, 0)
-    stats = llm.spec_stats
-    assert stats.draft_tokens > stats.accepted_tokens > 0, stats  # drafts kept and rejected
-    if value <= 1e-3:
-        value = pvalue(expected, 2400, 800)
-    assert value > 1e-3
-    assert pvalue(triples(1.0), 800, 0) < 1e-3
+    check_sampled_distribution(make_llm(target_dir, heads, "accepting", max_num_seqs=64), target_dir, prompt)
 
 
 # ---- settings and checkpoints ------------------------------------------------------------------------------------

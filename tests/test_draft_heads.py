@@ -42,13 +42,7 @@ STD = 0.1  # random head weights: EAGLE-1 has no norm before the LM head, so lar
 import specray_test_draft_heads as helpers  # tests/draft_heads.py (tests/conftest.py registers it)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: on a loaded machine OpenMP's threads cost far more than they bring (seconds per test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class Target:

@@ -43,14 +43,7 @@ MIXED = [greedy(), greedy(num_speculative_tokens=0), greedy(1), greedy(2), greed
          greedy(logprobs=2), greedy(7)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread for this module's tiny models (engines, dense recomputations): faster than several, and on a
-    shared CPU far faster (no threads spinning while they wait for each other). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -465,10 +458,7 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
                "drawn": 0}
     while engine.has_unfinished_requests():
         engine.step()
-        plan, result = rec.steps[-1]
-        drafts = dict(zip(result.req_ids, result.draft_token_ids or [[]] * len(plan.chunks)))
-        scores = dict(zip(result.req_ids, result.draft_scores or [[]] * len(plan.chunks)))
-        chunks = {c.req_id: (c, kept) for c, kept in zip(plan.chunks, result.sampled_token_ids)}
+        drafts, scores, chunks = rec.last_by_request()
         for req in engine.scheduler.running:
             n = req.num_computed_tokens
             if n == 0 or req.req_id not in drafts:

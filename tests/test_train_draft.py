@@ -19,13 +19,7 @@ PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in ran
            "Extract the names", "How are you today?", "print(i)"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread for these tiny models: several only wait for each other (and on a shared CPU, spin)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
