@@ -284,6 +284,22 @@ def test_one_request_at_a_time_and_the_adaptive_policy_keep_greedy_output(target
     assert llm.spec_stats.accepted_tokens > 0
 
 
+def test_greedy_on_a_linear_attention_target_equals_plain(tmp_path):
+    """Over a hybrid target (Qwen3.5: Gated DeltaNet layers keeping a recurrent state per request, replayed over the
+    accepted drafts), DFlash reads the verify pass's residual streams as over any target: greedy output equals plain
+    decoding, with drafts accepted."""
+    target = draft_heads.zero_mask_row(draft_heads.write_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5"))
+    head = draft_heads.write_dflash(tmp_path / "dflash", target, num_layers=K, block_size=K + 1,
+                                    target_layer_ids=[0, 2], accepting=True)
+    prompts = PROMPTS[:4]
+    want = [o.outputs[0].token_ids for o in LLM(str(target), max_model_len=256).generate(prompts, greedy(30),
+                                                                                           use_tqdm=False)]
+    llm = LLM(str(target), max_model_len=256, speculative_config={
+        "method": "dflash", "model": str(head), "num_speculative_tokens": K, "adaptive": False})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(30), use_tqdm=False)] == want
+    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+
+
 def test_the_scheduler_reserves_the_block_past_the_verified_drafts(target_dir, heads):
     """A block of m drafts writes the sampled token's position and the m after it: with every draft accepted (a
     target made to emit token 0 always, a head that always drafts it), the block starts right after the last

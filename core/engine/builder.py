@@ -116,10 +116,10 @@ def check_engine_args(args: EngineArgs) -> None:
 # chains are not known to fit the recurrent state's replay)
 RECURRENT_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache",
                       "prediction", "suffix", "lookahead")
-# heads on the worker that draft chains for such a model: the family's own MTP layer and EAGLE-1 / EAGLE-3 heads read
-# the verify pass's hidden rows (EAGLE-3: the residual streams entering its chosen layers) and keep K/V of their own,
-# never the recurrent state; EAGLE-2's dynamic trees (use_dynamic_tree) are refused as every tree is
-RECURRENT_HEADS = ("mtp", "eagle", "eagle3")
+# heads on the worker that draft chains for such a model: the family's own MTP layer, EAGLE-1 / EAGLE-3 heads and DFlash
+# read the verify pass's hidden rows (EAGLE-3, DFlash: the residual streams entering chosen layers) and keep K/V of
+# their own, never the recurrent state; EAGLE-2's dynamic trees (use_dynamic_tree) are refused as every tree is
+RECURRENT_HEADS = ("mtp", "eagle", "eagle3", "dflash")
 
 
 def max_pending_drafts(spec: SpeculativeConfig | None) -> int:
