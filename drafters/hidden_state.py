@@ -182,19 +182,39 @@ class DFlashOptions(HeadOptions):
     layout), which drafts up to its block size - 1 tokens per step in one pass."""
 
     model: str | None = None  # the DFlash checkpoint's folder or hub id (e.g. z-lab/Qwen3-8B-DFlash-b16)
+    # a token tree instead of a chain: Medusa's paths of top-k indices, depth d + 1 filled from block row d's top-k
+    # (the block's positions draft apart from each other, as Medusa's heads do); num_speculative_tokens: the most
+    # nodes verified per step (a prefix of the tree, best first)
+    speculative_token_tree: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r}: method='dflash' needs the DFlash "
                              "checkpoint's folder (or hub id), e.g. z-lab/Qwen3-8B-DFlash-b16")
+        if self.speculative_token_tree is not None:
+            check_choices("speculative_token_tree", self.speculative_token_tree)
 
     def drafts_blocks(self) -> bool:
-        return True
+        return self.speculative_token_tree is None
+
+    def drafts_trees(self) -> bool:
+        return self.speculative_token_tree is not None
+
+    def tree_lookahead_slots(self) -> int:
+        """A tree's block: the sampled token's slot and one per level after it (0: chains, sized per request)."""
+        if self.speculative_token_tree is None:
+            return 0
+        return 1 + max(len(c) for c in self.speculative_token_tree)
 
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         block = dflash_block_size(self.model)
-        if num_speculative_tokens > block - 1:
+        tree = self.speculative_token_tree
+        if tree is not None and max(len(c) for c in tree) > block - 1:
+            raise ValueError(f"speculative_config.speculative_token_tree goes {max(len(c) for c in tree)} levels "
+                             f"deep but the DFlash checkpoint {self.model!r} drafts blocks of {block} ({block - 1} "
+                             f"positions after the sampled token): keep its paths at most {block - 1} long")
+        if tree is None and num_speculative_tokens > block - 1:
             raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: the DFlash "
                              f"checkpoint {self.model!r} drafts blocks of {block} (the sampled token and {block - 1} "
                              f"drafts); give num_speculative_tokens <= {block - 1}")
@@ -202,7 +222,8 @@ class DFlashOptions(HeadOptions):
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
         from specray.models.draft_head_loader import read_head_config
 
-        return {"head_config": read_head_config(path)}
+        tree = None if self.speculative_token_tree is None else choices_in_order(self.speculative_token_tree)
+        return {"head_config": read_head_config(path), "choices": tree}
 
 
 def dflash_block_size(path: str) -> int:
@@ -239,21 +260,8 @@ class MedusaOptions(HeadOptions):
         if not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r}: method='medusa' needs the heads' checkpoint "
                              "folder (or hub id)")
-        choices = self.medusa_choices
-        if choices is None:
-            return
-        if not isinstance(choices, (list, tuple)) or not choices or not all(
-                isinstance(c, (list, tuple)) and c and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                            for i in c) for c in choices):
-            raise ValueError(f"speculative_config.medusa_choices={choices!r} must be a non-empty list of paths, each "
-                             "a non-empty list of top-k indices >= 0, e.g. [[0], [1], [0, 0]]")
-        paths = {tuple(c) for c in choices}
-        if len(paths) != len(choices):
-            raise ValueError("speculative_config.medusa_choices lists a path twice")
-        orphans = [list(c) for c in choices if len(c) > 1 and tuple(c[:-1]) not in paths]
-        if orphans:
-            raise ValueError(f"speculative_config.medusa_choices has paths without their parent path: {orphans}; "
-                             "add each path's prefix as well")
+        if self.medusa_choices is not None:
+            check_choices("medusa_choices", self.medusa_choices)
 
     def drafts_trees(self) -> bool:
         return True
@@ -263,16 +271,38 @@ class MedusaOptions(HeadOptions):
 
     def tree(self) -> list[list[int]]:
         """The choices in verification order: as given when every path follows its prefix, else by length."""
-        choices = [list(c) for c in (self.medusa_choices or DEFAULT_MEDUSA_CHOICES)]
-        seen: set[tuple[int, ...]] = set()
-        for c in choices:
-            if len(c) > 1 and tuple(c[:-1]) not in seen:
-                return sorted(choices, key=lambda c: (len(c), c))
-            seen.add(tuple(c))
-        return choices
+        return choices_in_order(self.medusa_choices or DEFAULT_MEDUSA_CHOICES)
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
         return {"choices": self.tree()}
+
+
+def check_choices(name: str, choices: Any) -> None:
+    """A ValueError naming ``speculative_config.<name>`` unless ``choices`` is a tree of top-k paths (Medusa's
+    ``medusa_choices``): a non-empty list of distinct non-empty lists of indices >= 0, each path's prefix a path."""
+    if not isinstance(choices, (list, tuple)) or not choices or not all(
+            isinstance(c, (list, tuple)) and c and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                        for i in c) for c in choices):
+        raise ValueError(f"speculative_config.{name}={choices!r} must be a non-empty list of paths, each a non-empty "
+                         "list of top-k indices >= 0, e.g. [[0], [1], [0, 0]]")
+    paths = {tuple(c) for c in choices}
+    if len(paths) != len(choices):
+        raise ValueError(f"speculative_config.{name} lists a path twice")
+    orphans = [list(c) for c in choices if len(c) > 1 and tuple(c[:-1]) not in paths]
+    if orphans:
+        raise ValueError(f"speculative_config.{name} has paths without their parent path: {orphans}; add each path's "
+                         "prefix as well")
+
+
+def choices_in_order(choices) -> list[list[int]]:
+    """A tree's paths in verification order: as given when every path follows its prefix, else by length."""
+    choices = [list(c) for c in choices]
+    seen: set[tuple[int, ...]] = set()
+    for c in choices:
+        if len(c) > 1 and tuple(c[:-1]) not in seen:
+            return sorted(choices, key=lambda c: (len(c), c))
+        seen.add(tuple(c))
+    return choices
 
 
 @dataclass

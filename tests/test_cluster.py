@@ -339,6 +339,8 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
         spec = {"method": "dflash", "model": str(head), "num_speculative_tokens": 3, "adaptive": False}
         if method.endswith("-whole"):
             spec.update(draft_tensor_parallel_size=1)
+        if method.endswith("-tree"):
+            spec.update(speculative_token_tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], num_speculative_tokens=5)
         return target, target, spec
     if method.startswith("eagle3"):
         head = draft_heads.write_accepting_head(tmp_path / "eagle3", "eagle3", tiny_llama_dir)
@@ -397,8 +399,8 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's
 HEAD_CASES = ["eagle3", "eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp", "medusa",
-              "redrafter", "dflash", "dflash-whole"]
-DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter")  # a sampled request's tree drawn from q (checked sampled too)
+              "redrafter", "dflash", "dflash-whole", "dflash-tree"]
+DRAWN_TREES = ("eagle3-tree", "medusa", "redrafter", "dflash-tree")  # a sampled request's tree drawn from q (checked sampled too)
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)

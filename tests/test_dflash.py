@@ -50,12 +50,18 @@ def heads(target_dir, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def spec(heads, kind: str, **kw) -> dict:
-    return {"method": "dflash", "model": str(heads[kind]), "num_speculative_tokens": K, "adaptive": False, **kw}
+# a token tree of 7 nodes over 3 levels: depth d + 1 from block row d + 1's top-k
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]]
 
 
-def make_llm(target_dir, heads, kind: str, **kw) -> LLM:
-    return LLM(str(target_dir), max_model_len=256, speculative_config=spec(heads, kind), **kw)
+def spec(heads, kind: str, tree: bool = False, **kw) -> dict:
+    extra = {"speculative_token_tree": TREE, "num_speculative_tokens": len(TREE)} if tree else {}
+    return {"method": "dflash", "model": str(heads[kind]), "num_speculative_tokens": K, "adaptive": False, **extra,
+            **kw}
+
+
+def make_llm(target_dir, heads, kind: str, tree: bool = False, **kw) -> LLM:
+    return LLM(str(target_dir), max_model_len=256, speculative_config=spec(heads, kind, tree), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -242,12 +248,15 @@ MIXED = [greedy(), greedy(num_speculative_tokens=0), greedy(1), greedy(2), greed
          greedy(logprobs=2), greedy(7)]
 
 
-@pytest.mark.parametrize("kind", ["random", "accepting"])
-def test_greedy_batch_with_mixed_caps_and_max_tokens_equals_plain(target_dir, heads, plain, kind):
+@pytest.mark.parametrize("kind,tree", [("random", False), ("accepting", False), ("random", True),
+                                       ("accepting", True)], ids=["random", "accepting", "random-tree",
+                                                                  "accepting-tree"])
+def test_greedy_batch_with_mixed_caps_and_max_tokens_equals_plain(target_dir, heads, plain, kind, tree):
     """Eight requests at once, with per-request draft caps (none, 1), max_tokens that leave no room for a draft, and
-    logprobs: token for token the plain engine's output and logprobs; every block back in the pool."""
+    logprobs: token for token the plain engine's output and logprobs; every block back in the pool. Chains and
+    token trees."""
     want = plain.generate(PROMPTS, MIXED, use_tqdm=False)
-    llm = make_llm(target_dir, heads, kind)
+    llm = make_llm(target_dir, heads, kind, tree)
     got = llm.generate(PROMPTS, MIXED, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -256,7 +265,10 @@ def test_greedy_batch_with_mixed_caps_and_max_tokens_equals_plain(target_dir, he
                 assert lw.keys() == lg.keys()
                 assert all(lw[t].logprob == pytest.approx(lg[t].logprob, abs=1e-4) for t in lw)
     stats = llm.spec_stats
-    assert stats.draft_tokens > 0 and (kind == "random" or stats.accepted_tokens > stats.draft_tokens // 3), stats
+    # the accepting head's drafts are often kept: a third of a chain's, more than one token in two trees (whose
+    # nodes beside the kept path count as drafts too)
+    kept = stats.accepted_tokens > (stats.drafts // 2 if tree else stats.draft_tokens // 3)
+    assert stats.draft_tokens > 0 and (kind == "random" or kept), stats
     assert free_blocks(llm) == llm.engine.scheduler.block_manager.num_blocks
 
 
@@ -282,6 +294,62 @@ def test_one_request_at_a_time_and_the_adaptive_policy_keep_greedy_output(target
     got = [llm.generate([p], greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert got == plain_outputs
     assert llm.spec_stats.accepted_tokens > 0
+
+
+def test_tree_drafts_equal_the_dense_reference(target_dir, heads):
+    """A token tree's nodes: node [i0, .., id] holds the id-th best token of block row d + 1 (the block one row per
+    level), with its probability there as its score, for a greedy request; a sampled request's tree is drawn from q,
+    its warpers over the same rows (kept for verification, one row per node that has children), each node's token
+    in the support of the q it was drawn from. Checked after every step, under preemption and chunked prefill."""
+    llm = make_llm(target_dir, heads, "accepting", tree=True, block_size=4, num_kv_blocks=40,
+                   max_num_batched_tokens=16, max_num_seqs=4)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    dense = DenseDFlash(target_dir, heads["accepting"])
+    drafter = engine.executor.worker.runner.drafter
+    tok = llm.get_tokenizer()
+    params = [greedy(20), SamplingParams(temperature=0.9, top_k=4, max_tokens=20, ignore_eos=True, seed=2),
+              greedy(20), greedy(20)]
+    for prompt, sp in zip(PROMPTS[2:6], params):
+        engine.add_request(tok.encode(prompt), sp)
+    levels = max(len(c) for c in TREE)
+    checked = {"greedy": 0, "drawn": 0, "after acceptance": 0}
+    while engine.has_unfinished_requests():
+        engine.step()
+        drafts, scores, chunks = rec.last_by_request()
+        for req in engine.scheduler.running:
+            mine = drafts.get(req.req_id)
+            if not mine:
+                continue
+            logits = dense.draft_logits(req.all_token_ids, levels)
+            probs, best = logits.softmax(-1), logits.argsort(-1, descending=True)
+            if req.sampling_params.greedy:
+                for node, token in enumerate(mine):
+                    path = TREE[node]
+                    want = int(best[len(path) - 1, path[-1]])
+                    row = logits[len(path) - 1]
+                    assert token == want or abs(row[want] - row[token]) < 1e-4, (node, mine, want)
+                    assert scores[req.req_id][node] == pytest.approx(float(probs[len(path) - 1, token]), abs=1e-5)
+                checked["greedy"] += 1
+            else:
+                q = logits_to_probs(logits, SamplingBatch.build([req.sampling_params] * levels, [None] * levels,
+                                                                "cpu"))
+                drawn = drafter.q[req.req_id]
+                assert drawn.tokens == mine
+                for node, token in enumerate(mine):  # each node drawn from its level's q
+                    assert q[len(TREE[node]) - 1, token] > 0, (node, mine)
+                checked["drawn"] += 1
+            checked["after acceptance"] += len(chunks[req.req_id][1]) > 1
+    assert all(checked.values()), checked
+
+
+def test_sampled_tree_keeps_the_target_distribution(target_dir, heads, plain):
+    """Sampled requests' trees drawn from q (each node's children without replacement from its level's q) and
+    verified against it: the first three tokens fit the target's distribution, and not the target's at T=1."""
+    prompt = plain.get_tokenizer().encode(PROMPTS[4])
+    prompt += plain.generate({"prompt_token_ids": prompt}, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
+    check_sampled_distribution(make_llm(target_dir, heads, "accepting", tree=True, max_num_seqs=64), target_dir,
+                               prompt, max_tokens=6)
 
 
 def test_greedy_on_a_linear_attention_target_equals_plain(tmp_path):
@@ -343,6 +411,12 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, heads, plain):
 def test_settings_and_checkpoints_are_checked(target_dir, heads, tmp_path):
     with pytest.raises(ValueError, match=r"num_speculative_tokens=4: the DFlash checkpoint .* blocks of 4"):
         LLM(str(target_dir), speculative_config=spec(heads, "accepting", num_speculative_tokens=4))
+    with pytest.raises(ValueError, match=r"speculative_token_tree goes 4 levels deep but the DFlash checkpoint .* "
+                                         r"blocks of 4"):
+        LLM(str(target_dir), speculative_config=spec(heads, "accepting", speculative_token_tree=[[0], [0, 0],
+                                                                                              [0, 0, 0], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"speculative_token_tree has paths without their parent path"):
+        LLM(str(target_dir), speculative_config=spec(heads, "accepting", speculative_token_tree=[[0], [1, 0]]))
     with pytest.raises(ValueError, match=r"method='dflash' needs the DFlash checkpoint"):
         LLM(str(target_dir), speculative_config={"method": "dflash", "num_speculative_tokens": 3})
     deep = draft_heads.write_dflash(tmp_path / "deep", target_dir, target_layer_ids=[0, 5])

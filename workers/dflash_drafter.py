@@ -7,7 +7,11 @@ decode's real tokens plus its accepted drafts, with the target's residual stream
 written), then, for a request that drafts m tokens after this step (``ScheduledChunk.num_next_drafts``), its block:
 the token the target just sampled and m mask tokens at the positions after it. Draft i is the model's argmax at
 block row i (a sampled request's: drawn from q_i, its warpers over those logits, and kept for verification), each
-with its probability under the model (the confidence the draft policy prices chains by).
+with its probability under the model (the confidence the draft policy prices chains by). With a
+``speculative_token_tree`` (Medusa's paths of top-k indices), the block holds one row per level of the tree and the
+tree's depth d + 1 is filled from row d + 1's top-k (a sampled request's drawn from its q, children without
+replacement), as Medusa fills its tree from its heads: the block's positions draft apart from one another as the
+heads do.
 
 The block's K/V lands in the m + 1 slots from the sampled token's position: the scheduler reserves m + 1 slots past
 the verified drafts rather than a chain's m - 1 (``SchedulerConfig.worker_block_slots``). A request that drafts
@@ -27,15 +31,24 @@ from specray.models.dflash import DFlashHead, block_ancestors, dflash_aux_layers
 from specray.parallel import TPGroup
 from specray.sampling_params import SamplingParams
 from specray.workers.head_drafter import Drafted, Drawn, HiddenStateDrafter, _asked, _index
+from specray.workers.medusa_drafter import ChoicesTrees
 
 
-class DFlashDrafter(HiddenStateDrafter):
-    """DFlash's model, its paged KV cache on the target's block tables, and its one pass per step."""
+class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
+    """DFlash's model, its paged KV cache on the target's block tables, and its one pass per step; with ``choices``
+    (``speculative_token_tree``), a token tree filled from the block's rows as Medusa's from its heads."""
 
     def __init__(self, head: DFlashHead, num_blocks: int, block_size: int, driver: bool = True, seed: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", choices: list[list[int]] | None = None):
         super().__init__(head, num_blocks, block_size, None, driver=driver, seed=seed, step_graphs=False,
                          kv_cache_dtype=kv_cache_dtype)
+        self.levels = None
+        if choices is not None:
+            self._init_choices(choices)
+            self.levels = self.layout.levels  # the block's rows after the sampled token: one per level
+            if self.levels > head.block_size - 1:
+                raise ValueError(f"speculative_config.speculative_token_tree goes {self.levels} levels deep but the "
+                                 f"DFlash checkpoint drafts blocks of {head.block_size}")
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> DFlashHead:
@@ -48,7 +61,8 @@ class DFlashDrafter(HiddenStateDrafter):
     @classmethod
     def build(cls, head: DFlashHead, config: dict, num_blocks: int, block_size: int) -> "DFlashDrafter":
         return cls(head, num_blocks, block_size, driver=bool(config.get("driver", True)),
-                   seed=int(config.get("seed", 0)), kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")))
+                   seed=int(config.get("seed", 0)), kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")),
+                   choices=config.get("choices"))
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -65,7 +79,7 @@ class DFlashDrafter(HiddenStateDrafter):
         lens, starts, context_rows, block_rows, block_ids, ancestors = [], [], [], [], [], []
         offset = 0
         for w in work:
-            n, m = len(w.tokens), w.drafts
+            n, m = len(w.tokens), w.drafts if self.levels is None or not w.drafts else self.levels
             block = m + 1 if m else 0
             context_rows += range(offset, offset + n)
             block_rows += range(offset + n, offset + n + block)
@@ -85,6 +99,10 @@ class DFlashDrafter(HiddenStateDrafter):
         drafting = [w for w in work if w.drafts]
         if not drafting:
             return out
+        if self.levels is not None:  # a tree: depth d + 1 from block row d + 1, each request's block levels + 1 long
+            rows = [j * (self.levels + 1) + 1 + d for j in range(len(drafting)) for d in range(self.levels)]
+            logits = head.draft_logits(normed.index_select(0, _index(rows, device)))
+            return self._trees(plan, _asked(drafting), logits.view(len(drafting), self.levels, -1), params, out)
         # block row 0 is the sampled token's; rows 1..m give the drafts
         starts_in_block = itertools.accumulate((w.drafts + 1 for w in drafting), initial=0)
         picks = [s + 1 + i for s, w in zip(starts_in_block, drafting) for i in range(w.drafts)]

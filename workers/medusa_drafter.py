@@ -95,53 +95,22 @@ def draw_tree(q: torch.Tensor, batch: SamplingBatch, layout: ChoicesLayout) -> t
     return tokens, q.reshape(b, -1).gather(1, node_heads * v + tokens)
 
 
-class MedusaDrafter(DrawsFromQ):
-    """K Medusa heads and the token tree they fill."""
+class ChoicesTrees:
+    """The part of a worker drafter that fills a ``medusa_choices`` tree from per-depth logits (Medusa's heads, or
+    DFlash's block rows): a greedy request's top-k tree with each node's probability as its score, a sampled one's
+    drawn from q (see the module docstring). Mixed into a :class:`~specray.workers.head_drafter.DrawsFromQ`."""
 
-    aux_layers: tuple[int, ...] = ()
-    kv_cache = None
-
-    def __init__(self, heads: MedusaHeads, choices: list[list[int]], driver: bool = True, seed: int = 0):
-        deepest = max(len(c) for c in choices)
-        if deepest > heads.num_heads:
-            raise ValueError(f"speculative_config.medusa_choices goes {deepest} levels deep but the checkpoint has "
-                             f"{heads.num_heads} heads: one level per head; drop the deeper paths")
-        # split over the target's ranks: every rank runs the heads on its rows of their LM heads, in lockstep with
-        # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered and every rank draws
-        # from the same streams, so the tree is the same on every rank
-        super().__init__(heads.tp, driver, seed)
-        self.heads = heads
+    def _init_choices(self, choices: list[list[int]]) -> None:
         self.choices = [list(c) for c in choices]
         self.top_k = 1 + max(i for c in self.choices for i in c)
         self.layout = ChoicesLayout(self.choices, self.top_k)
         self.parents = self.layout.parents
 
-    @classmethod
-    def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> MedusaHeads:
-        """The heads the worker's plain-data ``config`` names, on the target's device and dtype (with ``tp``, this
-        rank's share)."""
-        return load_medusa_heads(config["model"], target_config, target.dtype, target.device, tp)
-
-    @classmethod
-    def aux_layers_of(cls, config: dict, target_config) -> tuple[int, ...]:
-        return ()  # the final hidden states only
-
-    @classmethod
-    def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
-        return cls(head, config["choices"], driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)))
-
-    def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
-               kept: dict[int, list[int]], paths: dict[int, list[int]],
-               params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
-        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of the tree for its next step (None where
-        none were asked for or nothing was committed): a greedy request's top-k tree, a sampled one's drawn."""
-        found = rows_of_last_tokens(plan, kept, paths)
-        asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
-        out: list[Drafted | None] = [None] * len(plan.chunks)
-        if not found:
-            return out
-        device = hidden.device
-        logits = self.heads(hidden.index_select(0, torch.tensor([row for _, row in found], device=device)))
+    def _trees(self, plan: StepPlan, asked: list[tuple[int, int]], logits: torch.Tensor,
+               params: dict[str, SamplingParams] | None, out: list[Drafted | None]) -> list[Drafted | None]:
+        """Per (chunk index, nodes wanted) of ``asked``, with ``logits`` [B, D, V] its depths' logits (depth d + 1
+        from row d), the first nodes of its tree put in ``out``."""
+        device = logits.device
         tokens, scores = self._ranked(logits)  # [B, N] each
         draw = self._draw(plan, asked, params, device)
         sampled = [] if draw is None else draw.sampled
@@ -184,3 +153,48 @@ class MedusaDrafter(DrawsFromQ):
             heads = torch.tensor([self.layout.row_heads[r] for r in tree_rows(keep)], device=q.device)
             self._drawn[req_id] = Drawn(drafted.token_ids, q.index_select(0, heads), drafted.parents)
         return drafted
+
+
+class MedusaDrafter(ChoicesTrees, DrawsFromQ):
+    """K Medusa heads and the token tree they fill."""
+
+    aux_layers: tuple[int, ...] = ()
+    kv_cache = None
+
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]], driver: bool = True, seed: int = 0):
+        deepest = max(len(c) for c in choices)
+        if deepest > heads.num_heads:
+            raise ValueError(f"speculative_config.medusa_choices goes {deepest} levels deep but the checkpoint has "
+                             f"{heads.num_heads} heads: one level per head; drop the deeper paths")
+        # split over the target's ranks: every rank runs the heads on its rows of their LM heads, in lockstep with
+        # the driver (its verdict reaches them first: ModelRunner); the logits are all-gathered and every rank draws
+        # from the same streams, so the tree is the same on every rank
+        super().__init__(heads.tp, driver, seed)
+        self.heads = heads
+        self._init_choices(choices)
+
+    @classmethod
+    def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> MedusaHeads:
+        """The heads the worker's plain-data ``config`` names, on the target's device and dtype (with ``tp``, this
+        rank's share)."""
+        return load_medusa_heads(config["model"], target_config, target.dtype, target.device, tp)
+
+    @classmethod
+    def aux_layers_of(cls, config: dict, target_config) -> tuple[int, ...]:
+        return ()  # the final hidden states only
+
+    @classmethod
+    def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
+        return cls(head, config["choices"], driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)))
+
+    def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
+               kept: dict[int, list[int]], paths: dict[int, list[int]],
+               params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
+        """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of the tree for its next step (None where
+        none were asked for or nothing was committed): a greedy request's top-k tree, a sampled one's drawn."""
+        found = rows_of_last_tokens(plan, kept, paths)
+        out: list[Drafted | None] = [None] * len(plan.chunks)
+        if not found:
+            return out
+        logits = self.heads(hidden.index_select(0, torch.tensor([row for _, row in found], device=hidden.device)))
+        return self._trees(plan, [(i, plan.chunks[i].num_next_drafts) for i, _ in found], logits, params, out)
