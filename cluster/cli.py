@@ -267,9 +267,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_train_draft_parser(sub) -> None:
-    p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP, Medusa, ReDrafter) on the "
-                       "target's own text; resumable: run the same command again to go on")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp", "medusa", "redrafter"])
+    p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP, Medusa, ReDrafter, "
+                       "DFlash) on the target's own text; resumable: run the same command again to go on")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp", "medusa", "redrafter", "dflash"])
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="working folder (data, features, checkpoints, the head)")
     p.add_argument("--head-dir", default=None, help="where to write the trained head (default OUT/head)")
@@ -284,6 +284,9 @@ def _add_train_draft_parser(sub) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     p.add_argument("--medusa-num-heads", type=int, default=4, help="Medusa heads to train (--method medusa)")
+    p.add_argument("--dflash-block-size", type=int, default=8, help="DFlash's block: the sampled token and "
+                   "block size - 1 drafts (--method dflash)")
+    p.add_argument("--dflash-num-layers", type=int, default=1, help="DFlash's decoder layers (--method dflash)")
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -302,7 +305,8 @@ def cmd_train_draft(args) -> int:
                         answer_max_tokens=args.answer_max_tokens, seed=args.seed),
         train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
                           ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
-                          medusa_num_heads=args.medusa_num_heads, seed=args.seed),
+                          medusa_num_heads=args.medusa_num_heads, dflash_block_size=args.dflash_block_size,
+                          dflash_num_layers=args.dflash_num_layers, seed=args.seed),
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), head_dir=args.head_dir,
         num_threads=args.num_threads)
     metrics = run(config)

@@ -160,16 +160,19 @@ WHOLE_MODULES = {
                   lambda head: json.loads((head / "config.json").read_text())["model_type"] ==
                   "recurrent_drafting_drafter",
                   {"num_speculative_tokens": 6, "redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}),
+    "dflash": (dict(dflash_block_size=4, dflash_num_layers=1, dflash_anchors=8), 3,
+               lambda head: json.loads((head / "config.json").read_text())["architectures"] == ["DFlashDraftModel"],
+               {"num_speculative_tokens": 3}),
 }
 
 
 @pytest.mark.parametrize("method", list(WHOLE_MODULES))
 def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir, method):
-    """``--method medusa`` and ``--method redrafter``: the pipeline trains the heads (Medusa's) or the recurrent
-    drafter on the target's own text (stopped after one step and resumed from its checkpoint); each head, or each
-    teacher-forced draft step, agrees with the target on held-out text; they are written in their public layout
-    (FasterDecoding's, Apple's), and served (a token tree) they keep greedy output identical while getting drafts
-    accepted."""
+    """``--method medusa``, ``--method redrafter`` and ``--method dflash``: the pipeline trains the heads (Medusa's),
+    the recurrent drafter or the DFlash model on the target's own text (stopped after one step and resumed from its
+    checkpoint); each head, each teacher-forced draft step or each block row agrees with the target on held-out text;
+    they are written in their public layout (FasterDecoding's, Apple's, z-lab's), and served (a token tree; DFlash's
+    chains) they keep greedy output identical while getting drafts accepted."""
     options, steps, written, serving = WHOLE_MODULES[method]
     data = tiny_data(tmp_path)
     train = dict(method=method, lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,

@@ -57,12 +57,13 @@ def run(config: PipelineConfig) -> dict:
     from specray.models.loader import load_hf_config, load_model
     from specray.training.data import SAMPLES_FILE, make_prompts, make_samples, read_jsonl
     from specray.training.features import compute_features
+    from specray.training.dflash import export_dflash, train_dflash
     from specray.training.medusa import export_medusa, train_medusa
     from specray.training.redrafter import export_redrafter, train_redrafter
     from specray.training.train import export, feature_layers, train
 
-    fit, write = {"medusa": (train_medusa, export_medusa),
-                  "redrafter": (train_redrafter, export_redrafter)}.get(config.train.method, (train, export))
+    fit, write = {"medusa": (train_medusa, export_medusa), "redrafter": (train_redrafter, export_redrafter),
+                  "dflash": (train_dflash, export_dflash)}.get(config.train.method, (train, export))
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

@@ -54,14 +54,19 @@ class TrainConfig:
     checkpoint_every: int = 25
     init_from_target: bool = True  # start the decoder layer from the target's last layer
     medusa_num_heads: int = 4  # Medusa: the heads trained (head k predicts the token k + 2 after a position)
+    dflash_block_size: int = 8  # DFlash: the block (the sampled token and block_size - 1 drafts)
+    dflash_num_layers: int = 1  # DFlash: its decoder layers
+    dflash_anchors: int = 16  # DFlash: blocks trained per sample per step
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter"):
-            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp', 'medusa' or "
-                             "'redrafter' heads")
+        if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter", "dflash"):
+            raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp', 'medusa', "
+                             "'redrafter' or 'dflash' heads")
+        if self.dflash_block_size < 2:
+            raise ValueError(f"dflash_block_size={self.dflash_block_size} must be >= 2 (the sampled token and a draft)")
         for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every",
-                     "medusa_num_heads"):
+                     "medusa_num_heads", "dflash_num_layers", "dflash_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.eval_fraction < 1:
@@ -73,8 +78,9 @@ class TrainConfig:
 
 
 def feature_layers(method: str, num_target_layers: int) -> list[int]:
-    """The target layers a ``method`` head reads ([]: the last hidden state)."""
-    return list(eagle3_aux_layers(num_target_layers)) if method == "eagle3" else []
+    """The target layers a ``method`` head reads the input residual stream of ([]: the last hidden state): EAGLE-3's
+    three, which DFlash reads too (the outputs of the layers before them)."""
+    return list(eagle3_aux_layers(num_target_layers)) if method in ("eagle3", "dflash") else []
 
 
 def head_config(target_config, method: str, draft_vocab_size: int) -> dict:
