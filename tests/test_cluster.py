@@ -3,6 +3,7 @@ the shared n-gram pool, failures, and placement across nodes."""
 
 import asyncio
 import dataclasses
+import json
 import importlib.util
 import random
 import shutil
@@ -1020,20 +1021,24 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
 
 # ---- a draft model split over ranks ----------------------------------------------------------------------------
 
-def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, tiny_draft_dir):
+def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, tiny_draft_dir, tmp_path):
     """draft_tensor_parallel_size=2: two drafter actors (gloo) hold half the draft model each and draft in
     lockstep. With a fixed K (no timing-driven policy), greedy drafts from the split model are the one-rank
     drafts, so every acceptance count matches exactly, and the output is the plain greedy output. The target
-    drafting for itself over two ranks gets every draft accepted."""
+    drafting for itself over two ranks gets every draft accepted; drafting for itself with PARD
+    (``parallel_drafting``, its K drafts from one forward) over two ranks, every first draft, as on one rank."""
     import ray
 
+    pard = Path(shutil.copytree(tiny_llama_dir, tmp_path / "pard"))
+    config = json.loads((pard / "config.json").read_text())
+    (pard / "config.json").write_text(json.dumps({**config, "pard_token": config["vocab_size"] - 1}))
     prompts = prompts_for(4, seed=8)
     references = run_to_end(engine_for(tiny_llama_dir), prompts)
     stats = {}
-    for name, draft_tp in (("tiny", 1), ("tiny", 2), ("self", 2)):
-        model = tiny_draft_dir if name == "tiny" else tiny_llama_dir
+    for name, draft_tp in (("tiny", 1), ("tiny", 2), ("self", 2), ("pard", 1), ("pard", 2)):
+        model = {"tiny": tiny_draft_dir, "self": tiny_llama_dir, "pard": pard}[name]
         spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, "adaptive": False,
-                "draft_tensor_parallel_size": draft_tp}
+                "draft_tensor_parallel_size": draft_tp, "parallel_drafting": name == "pard"}
         engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                             speculative_config=spec)
         try:
@@ -1043,13 +1048,14 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
                 False] * draft_tp
             assert run_to_end(engine, prompts) == references
             s = engine.spec_stats
-            stats[name, draft_tp] = (s.drafts, s.draft_tokens, s.accepted_tokens)
+            stats[name, draft_tp] = (s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_position[0])
         finally:
             engine.drafter.shutdown()
             engine.executor.shutdown()
     assert stats["tiny", 2] == stats["tiny", 1], stats
-    drafts, draft_tokens, accepted = stats["self", 2]
+    drafts, draft_tokens, accepted, _ = stats["self", 2]
     assert drafts > 0 and accepted == draft_tokens, stats
+    assert stats["pard", 2] == stats["pard", 1] and stats["pard", 2][3] == stats["pard", 2][0] > 0, stats
 
 
 def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model, monkeypatch):
