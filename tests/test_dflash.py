@@ -352,6 +352,30 @@ def test_sampled_tree_keeps_the_target_distribution(target_dir, heads, plain):
                                prompt, max_tokens=6)
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_async_scheduling_keeps_drafts_and_acceptance(target_dir, heads, plain_outputs, tree):
+    """``async_scheduling``: the block's drafts still come back with each step's result, so the same drafts are
+    verified and kept as without it, and greedy output equals plain."""
+    runs = {}
+    for on in (False, True):
+        llm = make_llm(target_dir, heads, "accepting", tree, async_scheduling=on)
+        outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [t[:16] for t in plain_outputs[:6]]
+        stats = llm.spec_stats
+        runs[on] = (stats.drafts, stats.draft_tokens, stats.accepted_tokens)
+    assert runs[False] == runs[True] and runs[True][2] > 0, runs
+
+
+def test_combined_with_a_lookup_keeps_greedy_output(target_dir, heads, plain_outputs):
+    """``combine_with``: an n-gram lookup beside DFlash, each step each request verifying the proposal the policy
+    prices higher (chains of either, or the lookup's trees); greedy output equals plain, drafts kept."""
+    llm = LLM(str(target_dir), max_model_len=256, speculative_config=spec(heads, "accepting", adaptive=True,
+                                                                          combine_with="ngram"))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)] == plain_outputs
+    assert llm.spec_stats.accepted_tokens > 0
+    assert free_blocks(llm) == llm.engine.scheduler.block_manager.num_blocks
+
+
 def test_greedy_on_a_linear_attention_target_equals_plain(tmp_path):
     """Over a hybrid target (Qwen3.5: Gated DeltaNet layers keeping a recurrent state per request, replayed over the
     accepted drafts), DFlash reads the verify pass's residual streams as over any target: greedy output equals plain
