@@ -235,14 +235,18 @@ def train_dflash(target, target_config, store: FeatureStore, prompt_lens: list[i
     mask_id, block = vocab - 1, config.dflash_block_size
     rng = np.random.default_rng(config.seed)
 
-    def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
-        losses, hit, count = [], 0, 0
+    def passes(batch_ids: list[int], draw: np.random.Generator | None):
+        """(loss, hits, valid) of each sample of ``batch_ids`` that has an answer to anchor at (anchors drawn with
+        ``draw``, else spread evenly)."""
         for i in batch_ids:
             parts = _sample_rows(store, i, feats, labels, prompt_lens[i], embed, mask_id, block,
-                                 config.dflash_anchors, rng)
-            if parts is None:
-                continue
-            loss, hits, valid = _step_losses(model, lm_head, parts, config.step_decay, block)
+                                 config.dflash_anchors, draw)
+            if parts is not None:
+                yield _step_losses(model, lm_head, parts, config.step_decay, block)
+
+    def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
+        losses, hit, count = [], 0, 0
+        for loss, hits, valid in passes(batch_ids, rng):
             losses.append(loss)
             hit += int(hits[:, 0][valid[:, 0]].sum())
             count += int(valid[:, 0].sum())
@@ -255,12 +259,7 @@ def train_dflash(target, target_config, store: FeatureStore, prompt_lens: list[i
     kept, anchors = 0.0, 0
     with torch.no_grad():
         for batch_ids in _batches(eval_ids, store, config.tokens_per_batch, None):
-            for i in batch_ids:
-                parts = _sample_rows(store, i, feats, labels, prompt_lens[i], embed, mask_id, block,
-                                     config.dflash_anchors, None)
-                if parts is None:
-                    continue
-                _, hits, valid = _step_losses(model, lm_head, parts, config.step_decay, block)
+            for _, hits, valid in passes(batch_ids, None):
                 sums += (hits & valid).sum(0).numpy()
                 counts += valid.sum(0).numpy()
                 whole = valid.all(1)  # anchors with a label for every row: their chain's kept length
