@@ -100,13 +100,15 @@ def test_train_draft_pipeline_trains_resumes_and_drafts(tmp_path, target_dir):
     step = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["step"]
     assert step == first["step"] > 0
     # the same command with more epochs goes on from the checkpoint (features are not recomputed)
-    second = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
+    # (a later command's own data options do not reach the head's card: the data stage's, kept in data.json, do)
+    second = run(PipelineConfig(str(target_dir), str(out), DataConfig(num_prompts=999), TrainConfig(epochs=12, **train),
                                 stages=("features", "train", "export")))
     assert second["step"] > step
     assert second["agreement"][0] > 0.5, second
     assert second["mean_accepted_length"] > 1.5, second
     card = json.loads((out / "head" / "card.json").read_text())
     assert card["held_out"]["step"] == second["step"]
+    assert card["data"]["samples"] == 32 and card["data"]["num_prompts"] == data.num_prompts, card["data"]
 
     stats = served_like_plain(target_dir, {"method": "eagle3", "model": str(out / "head"),
                                            "num_speculative_tokens": 3, "adaptive": False})

@@ -1,6 +1,7 @@
 """``specray train-draft``: data -> features -> training -> export, each stage resumable in one output folder.
 
     OUT/prompts.jsonl, OUT/samples.jsonl    the target's own text (specray.training.data)
+    OUT/data.json                           the options and counts it was made with
     OUT/features/                           the target's features and labels (specray.training.features)
     OUT/train/checkpoint.pt                 the head being trained (specray.training.train)
     OUT/head/                               the trained head, public layout, + card.json (its metrics)
@@ -21,6 +22,7 @@ from specray.training.train import TrainConfig
 logger = logging.getLogger(__name__)
 
 STAGES = ("data", "features", "train", "export")
+DATA_FILE = "data.json"  # the data stage's options and counts, which the head's card reports
 
 
 @dataclass
@@ -74,9 +76,13 @@ def run(config: PipelineConfig) -> dict:
         llm = LLM(config.model, max_num_seqs=config.data.max_num_seqs, num_threads=config.num_threads)
         prompts = make_prompts(llm, config.data, config.out_dir,
                                progress=lambda a, b: _say(f"prompts {a}/{b}"))
-        make_samples(llm, prompts, config.data, config.out_dir, progress=lambda a, b: _say(f"answers {a}/{b}"))
+        made = make_samples(llm, prompts, config.data, config.out_dir,
+                            progress=lambda a, b: _say(f"answers {a}/{b}"))
         llm.shutdown()
         del llm
+        # the data as it was made, for the head's card (a later command's own data options say nothing of it)
+        with open(os.path.join(config.out_dir, DATA_FILE), "w", encoding="utf-8") as f:
+            json.dump({**asdict(config.data), "prompts": len(prompts), "samples": len(made)}, f, indent=2)
     metrics: dict = {}
     stages = [s for s in config.stages if s != "data"]
     if not stages:
@@ -106,8 +112,11 @@ def run(config: PipelineConfig) -> dict:
             head_dir = config.head_dir or os.path.join(config.out_dir, "head")
             write(target, target_config, config.train, train_dir, head_dir)
             metrics_path = os.path.join(train_dir, "metrics.json")
+            data_path = os.path.join(config.out_dir, DATA_FILE)
+            data = (json.loads(open(data_path, encoding="utf-8").read()) if os.path.exists(data_path)
+                    else {"samples": len(samples)})
             card = {"target": os.path.basename(str(config.model)), "method": config.train.method,
-                    "train": asdict(config.train), "data": asdict(config.data)}
+                    "train": asdict(config.train), "data": data}
             if os.path.exists(metrics_path):
                 card["held_out"] = json.loads(open(metrics_path, encoding="utf-8").read())
             with open(os.path.join(head_dir, "card.json"), "w", encoding="utf-8") as f:
