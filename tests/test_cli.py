@@ -474,3 +474,12 @@ def test_vllm_sizing_flags_reach_the_engine(tiny_llama_dir):
     assert {k: getattr(args, k) for k in want} == want and args.distributed_executor_backend == "ray"
     generate = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags])
     assert {k: engine_kwargs(generate)[k] for k in want} == want
+
+
+def test_spec_method_help_names_every_built_in_method():
+    """``--spec-method``'s help lists every method the registry builds in (a method added there is named here)."""
+    from specray.cluster.cli import _SPEC_METHOD_HELP
+    from specray.drafters import registry
+
+    built_in = [m for m in registry.drafter_names() if m in registry._DRAFTERS]
+    assert built_in and all(f" {m}," in _SPEC_METHOD_HELP for m in built_in), (built_in, _SPEC_METHOD_HELP)
