@@ -35,6 +35,7 @@ on), and a window narrower than the block in a layer that attends the block both
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -125,15 +126,14 @@ class DFlashHead(ReadsTarget):
     config with ``dflash_config``). Split over ``tp`` as a target's layers are (heads by column, o/down by row);
     ``fc`` and the norms whole on every rank. Build it under the target's device and dtype."""
 
-    def __init__(self, config, target, tp: TPGroup | None = None, target_hidden_size: int | None = None,
-                 num_target_layers: int | None = None):
+    def __init__(self, config, target, num_target_layers: int, tp: TPGroup | None = None,
+                 target_hidden_size: int | None = None):
         super().__init__()
         self.block_size, self.mask_token_id, self.target_layer_ids = dflash_settings(config)
         if self.mask_token_id >= target.vocab_size:
             raise ValueError(f"the DFlash checkpoint's mask_token_id={self.mask_token_id} is past the target's "
                              f"vocabulary of {target.vocab_size}: it was made for another target")
-        self.aux_layers = (tuple(j + 1 for j in self.target_layer_ids) if num_target_layers is None
-                           else dflash_aux_layers(config, num_target_layers))
+        self.aux_layers = dflash_aux_layers(config, num_target_layers)
         self.config = layer_config = _layer_config(config)
         self._target = (target,)  # a tuple: not a submodule, so its weights are never ours
         self.tp = tp = tp or TPGroup.single()
@@ -182,7 +182,7 @@ class DFlashHead(ReadsTarget):
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         rows = context.new_empty(meta.num_tokens, self.hidden_size).index_copy_(0, context_rows, context)
         for layer, keep_causal in zip(self.layers, self.causal):
-            rows = rows.index_copy(0, block_rows, layer.input_layernorm(x))  # context rows: c as it is, no norm
+            rows.index_copy_(0, block_rows, layer.input_layernorm(x))  # context rows: c as it is, no norm
             a = layer.self_attn(rows, cos, sin, causal if keep_causal else meta).index_select(0, block_rows)
             x = x + a
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -233,7 +233,19 @@ class DFlashHead(ReadsTarget):
 
 def block_ancestors(num_context: int, block: int, device: torch.device) -> torch.Tensor:
     """[q, q] bool over one request's rows (``num_context`` context rows, then its block of ``block``): context rows
-    causal among themselves (their outputs are discarded; only their K/V matters), block rows see every row."""
+    causal among themselves (their outputs are discarded; only their K/V matters), block rows see every row. A decode
+    step's (a few context rows) is made once per shape and device, as those recur every step; read only."""
+    if num_context <= 64:
+        return _decode_ancestors(num_context, block, device)
+    return _ancestors(num_context, block, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_ancestors(num_context: int, block: int, device: torch.device) -> torch.Tensor:
+    return _ancestors(num_context, block, device)
+
+
+def _ancestors(num_context: int, block: int, device: torch.device) -> torch.Tensor:
     q = num_context + block
     allowed = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
     allowed[num_context:] = True
@@ -249,8 +261,7 @@ def load_dflash(path, target, target_config, tp: TPGroup | None = None, head_con
     config, weights = _head_source(path, head_config)
     target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
     with _default_dtype(target.dtype), torch.device(target.device):
-        head = DFlashHead(config, target, tp=tp, target_hidden_size=target_hidden,
-                          num_target_layers=target_config.num_hidden_layers)
+        head = DFlashHead(config, target, target_config.num_hidden_layers, tp=tp, target_hidden_size=target_hidden)
     head.load_weights(weights)
     head.eval()
     for p in head.parameters():

@@ -24,6 +24,7 @@ from torch import nn
 
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.layers import rope_parameters
+from specray.models.plain_config import PlainConfig
 from specray.training.features import FeatureStore
 from specray.training.train import CHECKPOINT, TrainConfig, _batches, feature_layers, prepare, train_module
 
@@ -83,7 +84,7 @@ class DFlashTrainer(nn.Module):
         self.hidden_norm, self.norm = _Norm(h, eps), _Norm(h, eps)
         self.layers = nn.ModuleList([_Layer(h, heads, kv, d, config["intermediate_size"], eps)
                                      for _ in range(config["num_hidden_layers"])])
-        rope = rope_parameters(_Namespace(config))
+        rope = rope_parameters(PlainConfig(**config))
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"train-draft --method dflash: the target's RoPE {rope.get('rope_type')!r} is not "
                              "supported (plain RoPE only)")
@@ -116,11 +117,6 @@ class DFlashTrainer(nn.Module):
             x = x + attn.o_proj(a[0].transpose(0, 1).reshape(-1, heads * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
-
-
-class _Namespace:
-    def __init__(self, values: dict):
-        self.__dict__.update(values)
 
 
 def dflash_config(target_config, config: TrainConfig) -> dict:
