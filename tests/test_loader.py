@@ -245,9 +245,12 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
-    arch = "llama" if arch == "mixtral" else arch
+    falcon_mamba = arch == "falcon_mamba"  # llama.cpp's: a mamba with its B, C and dt normed
+    arch = {"mixtral": "llama", "falcon_mamba": "mamba"}.get(arch, arch)
     w = gguf.GGUFWriter(str(out), arch)
     _write_gguf_params(w, cfg, arch)
+    if falcon_mamba:
+        w.add_ssm_dt_b_c_rms(True)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
     w.write_header_to_file()
@@ -258,6 +261,9 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
 
 
 def _write_gguf_params(w, cfg: dict, arch: str) -> None:
+    if arch == "mamba":
+        _write_mamba_params(w, cfg)
+        return
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3 keeps one per kind of layer: the file's is the global one
     w.add_context_length(cfg["max_position_embeddings"])
@@ -290,6 +296,22 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
+    if arch == "nemotron":  # llama.cpp's Nemotron: the rotated share of each head
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+
+
+def _write_mamba_params(w, cfg: dict) -> None:
+    """What llama.cpp's converter writes for Mamba: no attention, the SSM's sizes, a context length of its own."""
+    w.add_context_length(2 ** 20)  # llama.cpp's: a Mamba has none
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_inner_size(cfg["intermediate_size"])
+    w.add_ssm_state_size(cfg["state_size"])
+    w.add_ssm_time_step_rank(cfg["time_step_rank"])
+    w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
 
 
 def _write_phi3_params(w, cfg: dict, rope: dict, head_dim: int) -> None:
@@ -370,8 +392,14 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
             tensor = tensor + 1
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
             tensor = tensor.reshape(-1)
-        if name.endswith("conv.conv.weight"):  # LFM2's short conv: [C, 1, K] kept as [C, K]
+        if name.endswith(("conv.conv.weight", "mixer.conv1d.weight")):  # short / Mamba conv: [C, 1, K] as [C, K]
             tensor = tensor.squeeze(1)
+        if name.endswith("mixer.A_log"):  # llama.cpp keeps Mamba's A itself: -exp(A_log)
+            tensor = -torch.exp(tensor)
+        if arch == "nemotron" and name.endswith(("layernorm.weight", "norm.weight")):  # LayerNorm1P's 1 + w
+            tensor = tensor + 1
+        if arch == "mamba" and name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
+            continue
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(names.get_name(name) + ".weight",
@@ -403,6 +431,14 @@ GGUF_TINY = {
     # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
     "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+    # LayerNorms and projections with biases, RoPE's base read from the file (transformers' mapping does not);
+    # no window: llama.cpp's StarCoder2 has none
+    "starcoder2": ("starcoder2", dict(norm_epsilon=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+                                      tie_word_embeddings=False)),
+    # LayerNorm1P (stored as 1 + w), biased attention, RoPE over a quarter of each head (read from the file)
+    "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, norm_eps=1e-5, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.25})),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                   "rope_theta": 1e6},
@@ -433,20 +469,117 @@ def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, 
     assert outs[0] == outs[1]
 
 
-def test_an_lfm2_gguf_matches_transformers(tmp_path, gguf_cache):
-    """A GGUF of LFM2 (as llama.cpp writes it: K/V heads per layer, 0 for a short conv, whose weight is [C, K]) goes
-    through transformers' GGUF mapping to our model: its logits (the short convs' state carried over chunks) equal
+@pytest.mark.parametrize("arch, overrides", [("lfm2", dict(block_auto_adjust_ff_dim=False)), ("mamba", {}),
+                                             ("falcon_mamba", {})])
+def test_a_recurrent_gguf_matches_transformers(tmp_path, gguf_cache, arch, overrides):
+    """A GGUF of LFM2 (as llama.cpp writes it: K/V heads per layer, 0 for a short conv, whose weight is [C, K]) or
+    of Mamba (its SSM's sizes, A stored as -exp(A_log), the conv's weight [C, K], no output tensor: tied) or of
+    Falcon-Mamba (llama.cpp's: a Mamba marked ``ssm.dt_b_c_rms``, read here as Falcon-Mamba, not a plain Mamba) goes
+    through transformers' GGUF mapping to our model: its logits (the recurrent state carried over chunks) equal
     transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
     folder's."""
     import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
     from specray import LLM
 
-    folder = hybrid.save(tmp_path / "lfm2", "lfm2", 7, block_auto_adjust_ff_dim=False)
-    path = write_gguf(folder, tmp_path / "lfm2.gguf", "lfm2")
+    folder = hybrid.save(tmp_path / arch, arch, 7, **overrides)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     model = load_model(str(path), pack=False)
     hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
     outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
             for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+# GPT-OSS as test_gpt_oss.py builds it, with the SwiGLU clamp llama.cpp fixes (transformers' default, 7)
+GPT_OSS_GGUF_TINY = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                         intermediate_size=32, sliding_window=6, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256})
+
+
+def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool) -> tuple[Path, Path]:
+    """A GGUF of the tiny GPT-OSS in ``folder`` as llama.cpp's converter writes one (architecture ``gpt-oss``: the
+    fused gate/up split into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H] by its even and odd features, biases
+    alike, ``down_proj`` transposed to [E, H, I], the sinks as ``attn_sinks.weight``, YaRN as ``rope.scaling.*``, the
+    window, the experts' width), its experts in MXFP4 when ``mxfp4`` (as the releases are); and the HF folder that
+    GGUF stands for: ``folder``, or its copy ``twin`` holding the values the MXFP4 codes stand for."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    _write_gguf_params(w, cfg, "gpt-oss")
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg["num_hidden_layers"])
+    mx = gguf.GGMLQuantizationType.MXFP4
+
+    def add(name: str, value: torch.Tensor) -> torch.Tensor:
+        """Write ``value`` under ``name``'s GGUF name; returns what the file holds."""
+        base, suffix = name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, "weight")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if mxfp4 and gguf_name.endswith("_exps.weight"):
+            codes = quantize(value.float().numpy(), mx)
+            w.add_tensor(gguf_name, codes, raw_dtype=mx)
+            return torch.from_numpy(dequantize(codes, mx).copy()).reshape(value.shape)
+        w.add_tensor(gguf_name, value.float().numpy())
+        return value
+
+    stands_for = {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> [E, 2I, H]: gate rows even, up rows odd
+            rows = t.transpose(1, 2)
+            gate, up = (add(name.replace("gate_up_proj", f"{kind}_proj.weight"), rows[:, i::2].contiguous())
+                        for i, kind in enumerate(("gate", "up")))
+            t = torch.stack((gate, up), 2).reshape(rows.shape).transpose(1, 2)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            gate, up = (add(name.replace("gate_up_proj_bias", f"{kind}_proj.bias"), t[:, i::2].contiguous())
+                        for i, kind in enumerate(("gate", "up")))
+            t = torch.stack((gate, up), 2).reshape(t.shape)
+        elif name.endswith("experts.down_proj"):
+            t = add(name + ".weight", t.transpose(1, 2).contiguous()).transpose(1, 2)
+        elif name.endswith("experts.down_proj_bias"):
+            t = add(name.replace("down_proj_bias", "down_proj.bias"), t)
+        else:
+            t = add(name, t)
+        stands_for[name] = t.contiguous()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if not mxfp4:
+        return out, folder
+    shutil.copytree(folder, twin)
+    save_file(stands_for, str(twin / "model.safetensors"))
+    return out, twin
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_a_gpt_oss_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, mxfp4):
+    """A GGUF of GPT-OSS as llama.cpp writes it (its split experts with biases, sinks, YaRN, the window; the experts
+    in float32 or MXFP4 as released) goes through transformers' GGUF mapping (attention, router, norms) and ours
+    (the experts, the config) to our model: its logits equal transformers' on the HF model the file stands for, and
+    the engine's greedy output with n-gram drafts on the GGUF equals the one on that folder."""
+    from specray import LLM, SamplingParams
+
+    folder = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", seed=9, **GPT_OSS_GGUF_TINY)
+    path, reference = write_gpt_oss_gguf(folder, tmp_path / "gpt-oss.gguf", tmp_path / "twin", mxfp4)
+    model = load_model(str(path), pack=False)
+    assert_matches_hf(model, hf_model(reference))
+    if mxfp4:  # the codes stand for other values than the original's: the reference is the twin, not the folder
+        with pytest.raises(AssertionError):
+            assert_matches_hf(model, hf_model(folder))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    prompts = ["The quick brown fox", "def add(a, b): return a + b; def add(a, b):"]
+    outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128, speculative_config=ngram)
+             .generate(prompts, greedy, use_tqdm=False)] for m in (reference, path)]
     assert outs[0] == outs[1]
 
 
@@ -475,7 +608,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['gemma2', 'gemma3', 'lfm2', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"),
+              r"\['gemma2', 'gemma3', 'gpt-oss', 'lfm2', 'llama', 'mamba', 'nemotron', 'phi3', 'qwen2', 'qwen2moe', "
+              r"'qwen3', 'qwen3moe', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF

@@ -4,9 +4,10 @@ model with this rank's shard of the weights.
 A GGUF file is converted once with transformers' GGUF support (dequantized, llama.cpp's q/k RoPE permutation
 undone) into an HF folder -- config.json, model.safetensors, tokenizer files -- cached under
 ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads
-read the cached folder. Only the families transformers can map from GGUF load this way (Llama/Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Gemma 3 text); a GGUF of another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``) is
-refused before any conversion, naming the fix: load the model's HF checkpoint instead.
+read the cached folder. Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its
+mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
+wrote); a GGUF of another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``) is refused before any
+conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "toke
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
 _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
                   "qwen3moe": "Qwen3-MoE", "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3": "Gemma 3 text",
-                  "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2"}
+                  "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2",
+                  "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS"}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
-_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
 
 
 @dataclass(frozen=True)
@@ -528,7 +530,59 @@ def _fix_phi3_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     config.rope_parameters = rope
 
 
-_GGUF_CONFIG_FIXES = {"gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_gguf_config,
+def _fix_starcoder2_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
+    """StarCoder2's RoPE base, which llama.cpp writes (``rope.freq_base``: 1e5 and more in the releases) and
+    transformers' mapping leaves at its default. A GGUF carries no sliding window: llama.cpp runs StarCoder2 without
+    one, and so does the model loaded from it."""
+    base = meta.get("starcoder2.rope.freq_base")
+    if base is not None:
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": float(base)}
+
+
+def _fix_nemotron_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
+    """What transformers' Nemotron mapping leaves at its defaults although the GGUF has it: the head size
+    (``attention.key_length``), the rotated share of each head (``rope.dimension_count``; the releases rotate half)
+    and whether the attention and MLP projections have biases (their tensors are in the file or not)."""
+    from gguf import GGUFReader
+
+    head_dim = int(meta.get("nemotron.attention.key_length") or config.hidden_size // config.num_attention_heads)
+    config.head_dim = head_dim
+    rotated = meta.get("nemotron.rope.dimension_count")
+    if rotated is not None:
+        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": int(rotated) / head_dim}
+    names = {t.name for t in GGUFReader(str(gguf)).tensors}
+    config.attention_bias = "blk.0.attn_q.bias" in names
+    config.mlp_bias = "blk.0.ffn_up.bias" in names
+
+
+def _fix_gpt_oss_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
+    """GPT-OSS's config as llama.cpp writes it, where transformers' mapping leaves defaults (or misreads the RoPE
+    scaling): the head size, the window, the experts' width, YaRN (``rope.scaling.*``; the release's betas of 32
+    and 1 and its untruncated correction range, which llama.cpp does not write) and the layers' kinds (fixed in
+    llama.cpp: every other layer sliding, from the first). The SwiGLU's clamp (7) and alpha (1.702) are fixed in
+    llama.cpp and are transformers' defaults."""
+    def get(key: str, default=None):
+        return meta.get(f"gpt-oss.{key}", default)
+
+    config.head_dim = int(get("attention.key_length", config.head_dim))
+    config.sliding_window = int(get("attention.sliding_window", config.sliding_window))
+    config.intermediate_size = int(get("expert_feed_forward_length", config.intermediate_size))
+    config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(config.num_hidden_layers)]
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
+                    truncate=False, original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF {str(gguf)!r} has gpt-oss.rope.scaling.type={scaling!r}; GPT-OSS's is 'yarn' (or "
+                         "none). Pass the model's HF checkpoint instead")
+    config.rope_parameters = rope
+
+
+_GGUF_CONFIG_FIXES = {"starcoder2": _fix_starcoder2_gguf_config, "nemotron": _fix_nemotron_gguf_config,
+                      "gpt-oss": _fix_gpt_oss_gguf_config,
+                      "gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_gguf_config,
                       "phi3": _fix_phi3_gguf_config, "qwen2moe": _fix_moe_gguf_config("qwen2moe"),
                       "qwen3moe": _fix_moe_gguf_config("qwen3moe")}
 
@@ -551,25 +605,53 @@ def _check_mixtral_layout(gguf: Path) -> None:
                              "layout); convert it again with a current llama.cpp, or pass the HF checkpoint")
 
 
-def _gguf_mixtral_experts(gguf: Path) -> dict[str, torch.Tensor]:
-    """A Mixtral GGUF's routers and experts (stacked per kind, [E, ...], in any of llama.cpp's types) dequantized and
-    named as Mixtral's HF checkpoint names them."""
+def _gguf_layer_tensors(gguf: Path, kinds) -> dict[tuple[int, str, str], torch.Tensor]:
+    """A GGUF's per-layer tensors ``blk.{layer}.{kind}.{weight|bias}`` of the given kinds, in any of llama.cpp's
+    types, dequantized to float32 in their logical shape (slowest dim first), keyed (layer, kind, weight|bias)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[tuple[int, str, str], torch.Tensor] = {}
     for t in GGUFReader(str(gguf)).tensors:
         parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_MIXTRAL:
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in kinds:
             continue
         value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        value = value.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest first
-        base = f"model.layers.{parts[1]}.block_sparse_moe."
-        if parts[2] == "ffn_gate_inp":
+        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists dims fastest first
+        out[int(parts[1]), parts[2], parts[3]] = value.reshape(shape)
+    return out
+
+
+def _gguf_mixtral_experts(gguf: Path) -> dict[str, torch.Tensor]:
+    """A Mixtral GGUF's routers and experts (stacked per kind, [E, ...]) named as Mixtral's HF checkpoint names
+    them."""
+    out: dict[str, torch.Tensor] = {}
+    for (layer, kind, _), value in _gguf_layer_tensors(gguf, _GGUF_MIXTRAL).items():
+        base = f"model.layers.{layer}.block_sparse_moe."
+        if kind == "ffn_gate_inp":
             out[base + "gate.weight"] = value
             continue
         for e, expert in enumerate(value):
-            out[f"{base}experts.{e}.{_GGUF_MIXTRAL[parts[2]]}.weight"] = expert.contiguous()
+            out[f"{base}experts.{e}.{_GGUF_MIXTRAL[kind]}.weight"] = expert.contiguous()
+    return out
+
+
+def _gguf_gpt_oss_tensors(gguf: Path) -> dict[str, torch.Tensor]:
+    """A GPT-OSS GGUF's sinks (``attn_sinks.weight``) and experts (llama.cpp splits the release's fused gate/up:
+    ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H], ``ffn_down_exps`` [E, H, I], each with a bias; MXFP4 in the
+    releases) in the HF checkpoint's layout: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved along 2I (its
+    bias too), ``down_proj`` [E, I, H]."""
+    t = _gguf_layer_tensors(gguf, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_sinks"))
+    out: dict[str, torch.Tensor] = {}
+    for layer in sorted({key[0] for key in t}):
+        out[f"model.layers.{layer}.self_attn.sinks"] = t[layer, "attn_sinks", "weight"]
+        gate, up, down = (t[layer, kind, "weight"] for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        base = f"model.layers.{layer}.mlp.experts."
+        out[base + "gate_up_proj"] = torch.stack((gate, up), -1).transpose(1, 2).flatten(2).contiguous()
+        out[base + "gate_up_proj_bias"] = torch.stack((t[layer, "ffn_gate_exps", "bias"],
+                                                        t[layer, "ffn_up_exps", "bias"]), -1).flatten(1)
+        out[base + "down_proj"] = down.transpose(1, 2).contiguous()
+        out[base + "down_proj_bias"] = t[layer, "ffn_down_exps", "bias"]
     return out
 
 
@@ -588,6 +670,16 @@ def _mixtral_config(config, meta: dict[str, Any]):
                          intermediate_size=int(width), architectures=["MixtralForCausalLM"])
 
 
+def _falcon_mamba_config(config):
+    """Falcon-Mamba's config from transformers' reading of its GGUF as a Mamba (the same sizes and tensor names);
+    the B / C / dt norms' epsilon is the release's (llama.cpp writes none)."""
+    from transformers import FalconMambaConfig
+
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version")}
+    return FalconMambaConfig(**fields, architectures=["FalconMambaForCausalLM"])
+
+
 def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
     """The GGUF's tokenizer, as transformers builds it from the file, saved into ``out``. A byte-level BPE
     vocabulary (``tokenizer.ggml.model`` ``gpt2``) is saved under the generic class, so that loading the folder
@@ -604,10 +696,37 @@ def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
         path.write_text(json.dumps(tokenizer_config, indent=2))
 
 
+# fields transformers must not see, by llama.cpp architecture: its reading of GPT-OSS's RoPE scaling fails on every
+# file that has it (transformers 5 takes each field's first part, the key's length, for its value); we read them
+_GGUF_FIELDS_HIDDEN = {"gpt-oss": "gpt-oss.rope.scaling."}
+
+
+@contextlib.contextmanager
+def _fields_hidden(prefix: str | None) -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader`` (which transformers imports as it reads a GGUF) leaves out the metadata
+    fields whose key starts with ``prefix`` (None: hides nothing). Our own reads happen outside the block."""
+    import gguf
+
+    if prefix is None:
+        yield
+        return
+    reader = gguf.GGUFReader
+
+    class Reader(reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [key for key in self.fields if key.startswith(prefix)]:
+                del self.fields[key]
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader
+
+
 def _write_gguf_folder(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = _gguf_metadata(gguf)
     arch = meta.get("general.architecture")
@@ -615,14 +734,34 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
     if mixtral:
         _check_mixtral_layout(gguf)
+    with _fields_hidden(_GGUF_FIELDS_HIDDEN.get(arch)):
+        config, tensors = _gguf_checkpoint(gguf, meta, arch, mixtral)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(out)
+        _save_gguf_tokenizer(gguf, out, meta)
+    st = gguf.stat()
+    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    (out / _GGUF_MARKER).write_text(json.dumps(marker))
+
+
+def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The HF config and tensors a GGUF stands for: transformers' GGUF mapping, with our fixes where it reads the
+    file wrongly or not at all."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
     get_model_class(config)  # fail early on an architecture we do not serve
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
+    # read below, not by transformers: a Mixtral's experts (it maps none), GPT-OSS's (it maps them wrongly) and
+    # sinks (llama.cpp names them ``attn_sinks.weight``, transformers looks for ``attn_sinks``)
+    own = (".mlp.",) if mixtral else (".mlp.experts.", ".self_attn.sinks") if arch == "gpt-oss" else ()
     expected = {n for n in hf_model.state_dict() if not (n == "lm_head.weight" and config.tie_word_embeddings)
-                and not (mixtral and ".mlp." in n)}  # a Mixtral's experts: read below, transformers maps none
+                and not any(part in n for part in own)}
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True,
                                    model_to_load=_NameOnlyModel(config, sorted(expected)))["tensors"]
     if not expected <= set(tensors):  # the fast name map missed something: use transformers' full mapping
@@ -630,13 +769,12 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     missing = expected - set(tensors)
     if missing:
         raise ValueError(f"GGUF {str(gguf)!r} lacks tensors {sorted(missing)[:5]} of {config.model_type}")
+    tensors = {k: v for k, v in tensors.items() if not any(part in k for part in own)}
     if mixtral:
-        tensors = {k: v for k, v in tensors.items() if ".mlp." not in k} | _gguf_mixtral_experts(gguf)
+        tensors |= _gguf_mixtral_experts(gguf)
         config = _mixtral_config(config, meta)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    config.save_pretrained(out)
-    _save_gguf_tokenizer(gguf, out, meta)
-    st = gguf.stat()
-    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    (out / _GGUF_MARKER).write_text(json.dumps(marker))
+    if arch == "gpt-oss":
+        tensors |= _gguf_gpt_oss_tensors(gguf)
+    if arch == "mamba" and meta.get("mamba.ssm.dt_b_c_rms"):  # llama.cpp's Falcon-Mamba: a Mamba whose B, C and dt
+        config = _falcon_mamba_config(config)  # are normed, which transformers' mapping reads as a plain Mamba
+    return config, tensors
