@@ -406,13 +406,13 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
                      torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
 
 
-# llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping does not read
-# Qwen3's head_dim from the file: those models use its default (128), as the released ones do; the experts' widths
-# it does not read either, the loader does (llama.cpp writes them). Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local, 1
-# global), a window (8) shorter than the prompts and, as Gemma 3 4B-27B, linearly scaled RoPE on its global layer.
+# llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping reads neither
+# Qwen3's head_dim nor the experts' widths from the file, the loader does (llama.cpp writes them): the Qwen3s' heads
+# are 16 wide, not its default (128). Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local,
+# 1 global), a window (8) shorter than the prompts and, as Gemma 3 4B-27B, linearly scaled RoPE on its global layer.
 GGUF_TINY = {
-    "qwen3": ("qwen3", dict(head_dim=128, tie_word_embeddings=False)),
-    "qwen3moe": ("qwen3_moe", dict(head_dim=128, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+    "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=False)),
+    "qwen3moe": ("qwen3_moe", dict(head_dim=16, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)),
     # a gated shared expert, q/k/v biases; the experts' widths from the file, not transformers' defaults
     "qwen2moe": ("qwen2_moe", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
@@ -497,11 +497,13 @@ GPT_OSS_GGUF_TINY = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, 
                                           "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256})
 
 
-def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool) -> tuple[Path, Path]:
+def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool, fused: bool) -> tuple[Path, Path]:
     """A GGUF of the tiny GPT-OSS in ``folder`` as llama.cpp's converter writes one (architecture ``gpt-oss``: the
     fused gate/up split into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H] by its even and odd features, biases
     alike, ``down_proj`` transposed to [E, H, I], the sinks as ``attn_sinks.weight``, YaRN as ``rope.scaling.*``, the
-    window, the experts' width), its experts in MXFP4 when ``mxfp4`` (as the releases are); and the HF folder that
+    window, the experts' width), its experts in MXFP4 when ``mxfp4`` (as the releases are), gate and up in one
+    ``ffn_gate_up_exps`` [E, 2I, H] (gate rows, then up rows) when ``fused`` (llama.cpp's ``--fuse-gate-up-exps``);
+    and the HF folder that
     GGUF stands for: ``folder``, or its copy ``twin`` holding the values the MXFP4 codes stand for."""
     import gguf
     from gguf.quants import dequantize, quantize
@@ -523,7 +525,9 @@ def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool) -> tupl
     def add(name: str, value: torch.Tensor) -> torch.Tensor:
         """Write ``value`` under ``name``'s GGUF name; returns what the file holds."""
         base, suffix = name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, "weight")
-        gguf_name = f"{names.get_name(base)}.{suffix}"
+        layer = base.split(".")[2] if base.startswith("model.layers.") else None
+        gguf_name = f"blk.{layer}.ffn_gate_up_exps.{suffix}" if base.endswith("gate_up_proj") else \
+            f"{names.get_name(base)}.{suffix}"
         if mxfp4 and gguf_name.endswith("_exps.weight"):
             codes = quantize(value.float().numpy(), mx)
             w.add_tensor(gguf_name, codes, raw_dtype=mx)
@@ -533,15 +537,17 @@ def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool) -> tupl
 
     stands_for = {}
     for name, t in load_file(str(folder / "model.safetensors")).items():
-        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> [E, 2I, H]: gate rows even, up rows odd
-            rows = t.transpose(1, 2)
-            gate, up = (add(name.replace("gate_up_proj", f"{kind}_proj.weight"), rows[:, i::2].contiguous())
-                        for i, kind in enumerate(("gate", "up")))
-            t = torch.stack((gate, up), 2).reshape(rows.shape).transpose(1, 2)
-        elif name.endswith("experts.gate_up_proj_bias"):
-            gate, up = (add(name.replace("gate_up_proj_bias", f"{kind}_proj.bias"), t[:, i::2].contiguous())
-                        for i, kind in enumerate(("gate", "up")))
-            t = torch.stack((gate, up), 2).reshape(t.shape)
+        if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # even features gate, odd up
+            bias = name.endswith("_bias")
+            rows = t if bias else t.transpose(1, 2)  # [E, 2I, H] (weight) or [E, 2I]
+            parts = rows[:, 0::2].contiguous(), rows[:, 1::2].contiguous()
+            named = f"{name.removesuffix('_bias').removesuffix('gate_up_proj')}{{}}_proj.{'bias' if bias else 'weight'}"
+            if fused:
+                gate, up = add(named.format("gate_up"), torch.cat(parts, 1)).chunk(2, 1)
+            else:
+                gate, up = (add(named.format(kind), part) for kind, part in zip(("gate", "up"), parts))
+            t = torch.stack((gate, up), 2).reshape(rows.shape)
+            t = t if bias else t.transpose(1, 2)
         elif name.endswith("experts.down_proj"):
             t = add(name + ".weight", t.transpose(1, 2).contiguous()).transpose(1, 2)
         elif name.endswith("experts.down_proj_bias"):
@@ -560,16 +566,18 @@ def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool) -> tupl
     return out, twin
 
 
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_a_gpt_oss_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, mxfp4):
+@pytest.mark.parametrize("mxfp4, fused", [(False, False), (True, False), (True, True)],
+                         ids=["float32", "mxfp4", "mxfp4-fused"])
+def test_a_gpt_oss_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, mxfp4, fused):
     """A GGUF of GPT-OSS as llama.cpp writes it (its split experts with biases, sinks, YaRN, the window; the experts
-    in float32 or MXFP4 as released) goes through transformers' GGUF mapping (attention, router, norms) and ours
-    (the experts, the config) to our model: its logits equal transformers' on the HF model the file stands for, and
-    the engine's greedy output with n-gram drafts on the GGUF equals the one on that folder."""
+    in float32 or MXFP4 as released, gate and up split or fused) goes through transformers' GGUF mapping (attention,
+    router, norms) and ours (the experts, the sinks, the config) to our model: its logits equal transformers' on the
+    HF model the file stands for, and the engine's greedy output with n-gram drafts on the GGUF equals the one on
+    that folder."""
     from specray import LLM, SamplingParams
 
     folder = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", seed=9, **GPT_OSS_GGUF_TINY)
-    path, reference = write_gpt_oss_gguf(folder, tmp_path / "gpt-oss.gguf", tmp_path / "twin", mxfp4)
+    path, reference = write_gpt_oss_gguf(folder, tmp_path / "gpt-oss.gguf", tmp_path / "twin", mxfp4, fused)
     model = load_model(str(path), pack=False)
     assert_matches_hf(model, hf_model(reference))
     if mxfp4:  # the codes stand for other values than the original's: the reference is the twin, not the folder

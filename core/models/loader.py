@@ -489,14 +489,18 @@ def _fix_gemma2_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
         if config.num_hidden_layers == 46 else config.head_dim
 
 
-def _fix_moe_gguf_config(arch: str) -> Callable[[Any, dict[str, Any]], None]:
-    """A mixture of experts' widths as the GGUF gives them (llama.cpp writes ``{arch}.expert_feed_forward_length``
-    and, with a shared expert, ``{arch}.expert_shared_feed_forward_length``), where transformers' mapping reads
-    neither and leaves its defaults (one release's widths: Qwen2-57B-A14B's or Qwen3-235B-A22B's would not load)."""
+def _fix_qwen_gguf_config(arch: str) -> Callable[[Any, dict[str, Any]], None]:
+    """Qwen's widths as the GGUF gives them, where transformers' mapping reads none and leaves its defaults (one
+    release's): a Qwen3's head size (``{arch}.attention.key_length``; a Qwen3 of any other than 128 would not load)
+    and a mixture of experts' widths (``{arch}.expert_feed_forward_length`` and, with a shared expert,
+    ``{arch}.expert_shared_feed_forward_length``: Qwen2-57B-A14B's or Qwen3-235B-A22B's would not load)."""
 
     def fix(config, meta: dict[str, Any], gguf: Path) -> None:
-        for key, field in (("expert_feed_forward_length", "moe_intermediate_size"),
-                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        widths = [("expert_feed_forward_length", "moe_intermediate_size"),
+                  ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")]
+        if arch.startswith("qwen3"):  # Qwen2's heads are hidden_size / heads wide, as its config has no head_dim
+            widths.append(("attention.key_length", "head_dim"))
+        for key, field in widths:
             value = meta.get(f"{arch}.{key}")
             if value is not None:
                 setattr(config, field, int(value))
@@ -557,10 +561,10 @@ def _fix_nemotron_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
 
 def _fix_gpt_oss_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     """GPT-OSS's config as llama.cpp writes it, where transformers' mapping leaves defaults (or misreads the RoPE
-    scaling): the head size, the window, the experts' width, YaRN (``rope.scaling.*``; the release's betas of 32
-    and 1 and its untruncated correction range, which llama.cpp does not write) and the layers' kinds (fixed in
-    llama.cpp: every other layer sliding, from the first). The SwiGLU's clamp (7) and alpha (1.702) are fixed in
-    llama.cpp and are transformers' defaults."""
+    scaling): the head size, the window, the experts' width, YaRN (``rope.scaling.*``; the betas where written, else
+    the release's 32 and 1; the release's untruncated correction range, which a GGUF cannot say) and the layers'
+    kinds (fixed in llama.cpp: every other layer sliding, from the first). The SwiGLU's clamp (7) and alpha (1.702)
+    are fixed in llama.cpp and are transformers' defaults."""
     def get(key: str, default=None):
         return meta.get(f"gpt-oss.{key}", default)
 
@@ -572,8 +576,10 @@ def _fix_gpt_oss_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type")
     if scaling == "yarn":
-        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
-                    truncate=False, original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")), truncate=False,
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF {str(gguf)!r} has gpt-oss.rope.scaling.type={scaling!r}; GPT-OSS's is 'yarn' (or "
                          "none). Pass the model's HF checkpoint instead")
@@ -583,8 +589,8 @@ def _fix_gpt_oss_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
 _GGUF_CONFIG_FIXES = {"starcoder2": _fix_starcoder2_gguf_config, "nemotron": _fix_nemotron_gguf_config,
                       "gpt-oss": _fix_gpt_oss_gguf_config,
                       "gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_gguf_config,
-                      "phi3": _fix_phi3_gguf_config, "qwen2moe": _fix_moe_gguf_config("qwen2moe"),
-                      "qwen3moe": _fix_moe_gguf_config("qwen3moe")}
+                      "phi3": _fix_phi3_gguf_config, "qwen2moe": _fix_qwen_gguf_config("qwen2moe"),
+                      "qwen3": _fix_qwen_gguf_config("qwen3"), "qwen3moe": _fix_qwen_gguf_config("qwen3moe")}
 
 
 # llama.cpp's names of a Mixtral layer's router and stacked experts -> Mixtral's checkpoint names (w1: gate, w3: up,
@@ -638,18 +644,24 @@ def _gguf_mixtral_experts(gguf: Path) -> dict[str, torch.Tensor]:
 
 def _gguf_gpt_oss_tensors(gguf: Path) -> dict[str, torch.Tensor]:
     """A GPT-OSS GGUF's sinks (``attn_sinks.weight``) and experts (llama.cpp splits the release's fused gate/up:
-    ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H], ``ffn_down_exps`` [E, H, I], each with a bias; MXFP4 in the
-    releases) in the HF checkpoint's layout: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved along 2I (its
-    bias too), ``down_proj`` [E, I, H]."""
-    t = _gguf_layer_tensors(gguf, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_sinks"))
+    ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H], or with ``--fuse-gate-up-exps`` ``ffn_gate_up_exps`` [E, 2I, H],
+    gate rows then up rows; ``ffn_down_exps`` [E, H, I]; each with a bias; MXFP4 in the releases) in the HF
+    checkpoint's layout: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved along 2I (its bias too),
+    ``down_proj`` [E, I, H]."""
+    t = _gguf_layer_tensors(gguf, ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps", "attn_sinks"))
     out: dict[str, torch.Tensor] = {}
     for layer in sorted({key[0] for key in t}):
         out[f"model.layers.{layer}.self_attn.sinks"] = t[layer, "attn_sinks", "weight"]
-        gate, up, down = (t[layer, kind, "weight"] for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        if (layer, "ffn_gate_up_exps", "weight") in t:
+            (gate, up), (gate_bias, up_bias) = (t[layer, "ffn_gate_up_exps", part].chunk(2, dim=1)
+                                                for part in ("weight", "bias"))
+        else:
+            gate, up, gate_bias, up_bias = (t[layer, kind, part] for part in ("weight", "bias")
+                                            for kind in ("ffn_gate_exps", "ffn_up_exps"))
+        down = t[layer, "ffn_down_exps", "weight"]
         base = f"model.layers.{layer}.mlp.experts."
         out[base + "gate_up_proj"] = torch.stack((gate, up), -1).transpose(1, 2).flatten(2).contiguous()
-        out[base + "gate_up_proj_bias"] = torch.stack((t[layer, "ffn_gate_exps", "bias"],
-                                                        t[layer, "ffn_up_exps", "bias"]), -1).flatten(1)
+        out[base + "gate_up_proj_bias"] = torch.stack((gate_bias, up_bias), -1).flatten(1)
         out[base + "down_proj"] = down.transpose(1, 2).contiguous()
         out[base + "down_proj_bias"] = t[layer, "ffn_down_exps", "bias"]
     return out
