@@ -249,8 +249,8 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     arch = {"mixtral": "llama", "falcon_mamba": "mamba"}.get(arch, arch)
     w = gguf.GGUFWriter(str(out), arch)
     _write_gguf_params(w, cfg, arch)
-    if falcon_mamba:
-        w.add_ssm_dt_b_c_rms(True)
+    if arch == "mamba":
+        w.add_ssm_dt_b_c_rms(falcon_mamba)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
     w.write_header_to_file()
@@ -261,6 +261,8 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
 
 
 def _write_gguf_params(w, cfg: dict, arch: str) -> None:
+    import gguf
+
     if arch == "mamba":
         _write_mamba_params(w, cfg)
         return
@@ -277,7 +279,10 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
+    if arch in ("starcoder2", "nemotron"):  # LayerNorms: llama.cpp writes their epsilon as such
+        w.add_layer_norm_eps(cfg.get("norm_epsilon") or cfg["norm_eps"])
+    else:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
@@ -296,8 +301,12 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
-    if arch == "nemotron":  # llama.cpp's Nemotron: the rotated share of each head
-        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    if arch == "nemotron":  # llama.cpp's Nemotron: the rotated share of each head, linear scaling or none
+        rotated = int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"]
+        w.add_rope_dimension_count(rotated)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if "factor" in rope else gguf.RopeScalingType.NONE)
+        if "factor" in rope:
+            w.add_rope_scaling_factor(rope["factor"])
 
 
 def _write_mamba_params(w, cfg: dict) -> None:
@@ -431,13 +440,14 @@ GGUF_TINY = {
     # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
     "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
-    # LayerNorms and projections with biases, RoPE's base read from the file (transformers' mapping does not);
+    # LayerNorms (an epsilon other than the default) and projections with biases, RoPE's base read from the file (transformers' mapping does not);
     # no window: llama.cpp's StarCoder2 has none
-    "starcoder2": ("starcoder2", dict(norm_epsilon=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+    "starcoder2": ("starcoder2", dict(norm_epsilon=1e-2, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
                                       tie_word_embeddings=False)),
-    # LayerNorm1P (stored as 1 + w), biased attention, RoPE over a quarter of each head (read from the file)
-    "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, norm_eps=1e-5, tie_word_embeddings=False,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+    # LayerNorm1P (stored as 1 + w; an epsilon other than the default), biased attention, linearly scaled RoPE over a quarter of each head (read from
+    # the file)
+    "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, norm_eps=1e-2, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.25})),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,

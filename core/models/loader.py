@@ -545,15 +545,25 @@ def _fix_starcoder2_gguf_config(config, meta: dict[str, Any], gguf: Path) -> Non
 
 def _fix_nemotron_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     """What transformers' Nemotron mapping leaves at its defaults although the GGUF has it: the head size
-    (``attention.key_length``), the rotated share of each head (``rope.dimension_count``; the releases rotate half)
-    and whether the attention and MLP projections have biases (their tensors are in the file or not)."""
+    (``attention.key_length``), the rotated share of each head (``rope.dimension_count``; the releases rotate half),
+    linear RoPE scaling (``rope.scaling.*``), the LayerNorms' epsilon (llama.cpp writes ``layer_norm_epsilon``,
+    transformers looks for the RMS one) and whether the attention and MLP projections have biases (their tensors are
+    in the file or not)."""
     from gguf import GGUFReader
 
+    config.norm_eps = float(meta.get("nemotron.attention.layer_norm_epsilon", config.norm_eps))
     head_dim = int(meta.get("nemotron.attention.key_length") or config.hidden_size // config.num_attention_heads)
     config.head_dim = head_dim
     rotated = meta.get("nemotron.rope.dimension_count")
     if rotated is not None:
         config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": int(rotated) / head_dim}
+    scaling = meta.get("nemotron.rope.scaling.type")
+    if scaling == "linear":
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear",
+                                  "factor": float(meta["nemotron.rope.scaling.factor"])}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF {str(gguf)!r} has nemotron.rope.scaling.type={scaling!r}; llama.cpp writes Nemotron's "
+                         "as 'linear' or none. Pass the model's HF checkpoint instead")
     names = {t.name for t in GGUFReader(str(gguf)).tensors}
     config.attention_bias = "blk.0.attn_q.bias" in names
     config.mlp_bias = "blk.0.ffn_up.bias" in names
