@@ -440,12 +440,12 @@ GGUF_TINY = {
     # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
     "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
-    # LayerNorms (an epsilon other than the default) and projections with biases, RoPE's base read from the file (transformers' mapping does not);
-    # no window: llama.cpp's StarCoder2 has none
+    # LayerNorms (an epsilon other than the default) and projections with biases, RoPE's base read from the file
+    # (transformers' mapping does not); no window: llama.cpp's StarCoder2 has none
     "starcoder2": ("starcoder2", dict(norm_epsilon=1e-2, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
                                       tie_word_embeddings=False)),
-    # LayerNorm1P (stored as 1 + w; an epsilon other than the default), biased attention, linearly scaled RoPE over a quarter of each head (read from
-    # the file)
+    # LayerNorm1P (stored as 1 + w; an epsilon other than the default), biased attention, linearly scaled RoPE over
+    # a quarter of each head (read from the file)
     "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, norm_eps=1e-2, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.25})),
