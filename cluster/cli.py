@@ -486,8 +486,7 @@ def serve_app_args(args) -> dict:
 def cmd_serve(args) -> int:
     from specray.cluster.serve import ServerStartError, run_server
 
-    logging.getLogger("specray").setLevel(logging.INFO)
-    print(f"specray: starting the server on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
+    logging.getLogger("specray").setLevel(logging.INFO)  # run_server says when it starts, once the checks pass
     try:
         run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
     except ServerStartError as err:

@@ -597,8 +597,8 @@ class _ResponsesFormat(_ChatFormat):
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         message, _ = self._message(choices[0])
-        return self._finished(self._response(responses.status_of(choices[0].output.finish_reason),
-                                             responses.usage(usage), responses.output_items(message)))
+        status = responses.status_of(choices[0].output.finish_reason)
+        return self._finished(self._response(status, responses.usage(usage), responses.output_items(message, status)))
 
     def sse(self, event: dict) -> str:
         event = {"type": event["type"], "sequence_number": self.sequence, **event}
@@ -620,7 +620,7 @@ class _ResponsesFormat(_ChatFormat):
 
     def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
         status = responses.status_of(choices[0].output.finish_reason)
-        closed = self._close()
+        closed = self._close(status)  # the item open when the output ends is the one a cut cuts
         return closed + [{"type": f"response.{status}",
                           "response": self._finished(self._response(status, responses.usage(_usage(choices))))}]
 
@@ -667,19 +667,21 @@ class _ResponsesFormat(_ChatFormat):
                            "delta": function["arguments"]})
         return events
 
-    def _close(self) -> list[dict]:
-        """The open item's done events; the item joins the output."""
+    def _close(self, status: str = "completed") -> list[dict]:
+        """The open item's done events, its status ``status`` (reasoning items carry none); the item joins the
+        output."""
         item, self.open = self.open, None
         if item is None:
             return []
         where, text = {"item_id": item["id"], "output_index": item["index"]}, item["text"]
         if item["kind"] == "function_call":
-            done = responses.function_call_item(item["id"], item["call_id"], item["name"], text)
+            done = responses.function_call_item(item["id"], item["call_id"], item["name"], text, status)
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": text}]
         else:
             message = item["kind"] == "message"
-            done = responses.message_item(item["id"], text) if message else responses.reasoning_item(item["id"], text)
+            done = responses.message_item(item["id"], text, status) if message else \
+                responses.reasoning_item(item["id"], text)
             part = done["content"][0]
             events = [{"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": text},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
@@ -1275,12 +1277,39 @@ async def _read_body(request: Request, limit: int | None) -> bytes:
     return b"".join(chunks)
 
 
+# how deeply a request body's arrays and objects may nest: far past any real request (a JSON schema of a few dozen
+# levels), and well inside what the JSON parser, the grammar compiler and Ray's pickling of the request can take
+MAX_JSON_DEPTH = 128
+
+
 async def _json_body(request: Request, limit: int | None) -> Any:
     raw = await _read_body(request, limit)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise proto.bad_request(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise _too_deep() from None
+    _check_depth(body)
+    return body
+
+
+def _too_deep() -> proto.OpenAIError:
+    return proto.bad_request(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
+                             "flatten it (a JSON schema can name repeated parts with $defs and $ref)")
+
+
+def _check_depth(body: Any) -> None:
+    """400 if ``body``'s arrays and objects nest more than ``MAX_JSON_DEPTH`` deep (walked without recursion)."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_JSON_DEPTH:
+                    raise _too_deep()
+                stack.append((child, depth + 1))
 
 
 def _install_error_handlers(app: FastAPI) -> None:

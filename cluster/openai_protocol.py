@@ -138,9 +138,18 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string that reach
 
 class _Strict(BaseModel):
     """Unknown fields are errors (a typo such as ``max_token`` must not be silently ignored). Cross-field
-    validators raise :class:`OpenAIError` directly, which pydantic lets through, to name the parameter."""
+    validators raise :class:`OpenAIError` directly, which pydantic lets through, to name the parameter. A field
+    sent as null stands for its default, as OpenAI's optional parameters are nullable (the ``openai`` client sends
+    an explicit ``None`` as null: ``n=None`` is ``n=1``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(value is None for value in data.values()):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class SpeculativeOptions(_Strict):
@@ -420,6 +429,19 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One message for any other shape (pydantic's would name only the union's first member, a string)."""
+        def token_ids(v) -> bool:
+            return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+        if not (isinstance(value, str) or token_ids(value) or isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or all(token_ids(p) for p in value))):
+            raise ValueError("must be a string, a list of strings, a list of token ids (ints) or a list of token-id "
+                             "lists")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _prompt_not_empty(cls, value):
@@ -565,6 +587,7 @@ _FEATURE_OFF = {
     "function_call": (("none",), "OpenAI's deprecated function_call is not served: use tool_choice (with tools) "
                                  "instead"),
     "modalities": ((["text"],), "the served models write text only"),
+    "audio": ((), "the served models write text only (no audio output)"),
     "service_tier": (("auto", "default"), "there is one service tier"),
 }
 
@@ -1068,7 +1091,12 @@ class ModelList(BaseModel):
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A completion's id (``chatcmpl-<hex>``, ``cmpl-<hex>``); the Responses API's objects join with an underscore
+    as OpenAI's do (``resp_<hex>``, ``msg_<hex>``, ``rs_<hex>``, ``fc_<hex>``)."""
+    return f"{prefix}{'_' if prefix in RESPONSES_ID_PREFIXES else '-'}{uuid.uuid4().hex}"
+
+
+RESPONSES_ID_PREFIXES = frozenset({"resp", "msg", "rs", "fc"})
 
 
 def new_tool_call_id() -> str:

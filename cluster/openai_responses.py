@@ -288,8 +288,10 @@ def usage(chat: proto.Usage) -> dict[str, Any]:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A message item: "in_progress" (no content yet), "completed", or "incomplete" (its text cut by
+    ``max_output_tokens``)."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [output_text(text)] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [output_text(text)]}
 
 
 def output_text(text: str) -> dict[str, Any]:
@@ -307,8 +309,9 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
             "status": status}
 
 
-def output_items(message: proto.AssistantMessage) -> list[dict[str, Any]]:
-    """A chat message as output items: its reasoning, its text, then its calls."""
+def output_items(message: proto.AssistantMessage, status: str = "completed") -> list[dict[str, Any]]:
+    """A chat message as output items: its reasoning, its text, then its calls; with ``status`` "incomplete" (the
+    output cut by ``max_output_tokens``) the last item, the one cut, says so."""
     items = []
     if message.reasoning_content:
         items.append(reasoning_item(proto.new_id("rs"), message.reasoning_content))
@@ -316,6 +319,8 @@ def output_items(message: proto.AssistantMessage) -> list[dict[str, Any]]:
         items.append(message_item(proto.new_id("msg"), message.content))
     items += [function_call_item(proto.new_id("fc"), c.id, c.function.name, c.function.arguments)
               for c in message.tool_calls]
+    if items and "status" in items[-1]:
+        items[-1]["status"] = status
     return items
 
 

@@ -467,7 +467,8 @@ class SpecrayEngine:
         requests here since the last item, ``{req_id: delta output or error}`` (a request's deltas since the last
         item joined into one), so the hop is paid per engine step, not per request per step. It ends after
         ``OUTBOX_IDLE_S`` with nothing in flight (the ingress opens a new one with its next request); if the
-        ingress goes away, its requests are aborted. The first item is empty: it tells the ingress that the replica is still there."""
+        ingress goes away, its requests are aborted. The first item is empty: it tells the ingress that the replica
+        is still there."""
         box = self._outbox(ingress_id)
         idle = False
         try:
@@ -1117,6 +1118,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     check_port_free(host, port)
     if ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a cluster on this machine loads the model
         check_model(parsed.engine_args())
+    logger.info("starting the server on http://%s:%d/v1 (Ctrl-C to stop)", host, port)
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
     try:

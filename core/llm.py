@@ -172,7 +172,11 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.get_tokenizer().encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"prompt_token_ids={ids!r:.80} must be a list of token ids (ints); a text prompt goes "
+                                 "in {'prompt': str}")
+            return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and "prompt" in prompt:
             text = prompt["prompt"]
             return text, self.get_tokenizer().encode(text, add_special_tokens=prompt.get("add_special_tokens", True))

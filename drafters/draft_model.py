@@ -56,9 +56,12 @@ class DraftModelOptions:
     parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
-        if not self.model or not isinstance(self.model, str):
+        if self.model is None:
             raise ValueError("speculative_config.model is required for method='draft_model': a path to a "
                              "smaller model with the target's tokenizer")
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id (a string) for "
+                             "method='draft_model': a smaller model with the target's tokenizer")
         if not isinstance(self.parallel_drafting, bool):
             raise ValueError(f"speculative_config.parallel_drafting={self.parallel_drafting!r} must be a bool")
         tp = self.draft_tensor_parallel_size

@@ -154,8 +154,20 @@ def options_of(spec: SpeculativeConfig) -> Any:
                                  f"{given[alias]!r}; give {name} only")
             given[name] = given.pop(alias)
     own = [f.name for f in fields(cls)]
-    check_keys("speculative_config", given, [*SpeculativeConfig.COMMON_KEYS, *own], f" for method={spec.method!r}")
+    known = [*SpeculativeConfig.COMMON_KEYS, *own]
+    for key in sorted(set(given) - set(known)):  # another method's key says so, rather than guess a near name
+        owners = [method for method, found in _DRAFTERS.items() if found.options and key in _option_names(method)]
+        if owners:
+            raise ValueError(f"speculative_config.{key} is an option of method {' / '.join(map(repr, owners))}, "
+                             f"not of method={spec.method!r}; remove it (its keys: {sorted(known)})")
+    check_keys("speculative_config", given, known, f" for method={spec.method!r}")
     return cls(**given)
+
+
+def _option_names(method: str) -> set[str]:
+    """A built-in method's option keys, its aliases among them."""
+    cls = options_class(method)
+    return {f.name for f in fields(cls)} | set(getattr(cls, "ALIASES", {}))
 
 
 def check(spec: SpeculativeConfig | None) -> None:

@@ -287,9 +287,13 @@ def test_serve_checks_the_model_before_ray_starts(tiny_llama_dir, tmp_path, caps
     assert main(["serve", "--model", str(tiny_llama_dir), "--pipeline-parallel-size", "3", "--port", port]) == 2
     assert "pipeline_parallel_size=3 must be between 1 and the model's num_hidden_layers=2" in capsys.readouterr().err
     limit = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    not_a_model = json.dumps({"method": "draft_model", "model": str(tmp_path)})  # a folder without config.json
+    no_cache = json.dumps({"method": "ngram_cache", "static_cache_path": str(tmp_path / "none.bin")})
     for flags, expected in ((["--max-model-len", str(limit + 1)], f"max_position_embeddings={limit}"),
                             (["--device", "tpu"], "device='tpu' is not supported"),
-                            (["--port", "99999"], "port=99999 is not a TCP port")):
+                            (["--port", "99999"], "port=99999 is not a TCP port"),
+                            (["--speculative-config", not_a_model], "is a folder without config.json"),
+                            (["--speculative-config", no_cache], "static_cache_path=")):
         assert main(["serve", "--model", str(tiny_llama_dir), *flags, *([] if "--port" in flags else
                                                                         ["--port", port])]) == 2, flags
         assert expected in capsys.readouterr().err, flags

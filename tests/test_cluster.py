@@ -1070,7 +1070,8 @@ def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, mak
 
     monkeypatch.setattr(builder, "executor_class", no_actors)
 
-    with pytest.raises(ValueError, match=r"unknown keys \['draft_tensor_parallel_size'\] for method='ngram'"):
+    with pytest.raises(ValueError,
+                       match=r"draft_tensor_parallel_size is an option of method 'draft_model'.*not of method='ngram'"):
         check_engine_args(EngineArgs(model=str(tiny_llama_dir), speculative_config=SpeculativeConfig(
             method="ngram", draft_tensor_parallel_size=2)))
     spec = {"method": "draft_model", "model": str(tiny_draft_dir), "draft_tensor_parallel_size": 2}

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from specray.config import EngineArgs
 from specray.engine.builder import build_engine
 from specray_test_engine_runs import PROMPTS, VirtualClock, greedy, token_ids  # tests/engine_runs.py, via conftest
 
+TESTS = Path(__file__).parent  # a folder that holds no config.json
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
 
@@ -504,7 +506,10 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: build_engine(EngineArgs(llm.engine_args.model, speculative_config=SpeculativeConfig.from_any(
         {"method": "ngram", "num_spec": 3}))), r"unknown keys \['num_spec'\] for method='ngram'"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "model": "x"}),
-     r"unknown keys \['model'\] for method='ngram'; known keys: \['acceptance', 'adaptive', "),
+     r"^speculative_config.model is an option of method 'draft_model' / 'eagle' .*, not of method='ngram'; remove "
+     r"it \(its keys: \['acceptance', 'adaptive', "),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "eagle3", "speculative_token_tree": [[0]]}),
+     r"^speculative_config.speculative_token_tree is an option of method 'ngram' / 'dflash', not of method='eagle3'"),
     (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),
@@ -513,10 +518,21 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": "/no/such"}),
      r"^speculative_config.model='/no/such' does not exist"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": 5}),
+     r"^speculative_config.model=5 must be a path or hub id \(a string\)"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": str(TESTS)}),
+     r"^speculative_config.model='.*tests' is a folder without config.json"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "eagle3", "model": __file__}),
+     r"^speculative_config.model='.*test_engine.py' is a file but not a .gguf"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram_cache",
+                                                                "static_cache_path": "/no/such.bin"}),
+     r"^speculative_config.static_cache_path='/no/such.bin' is not a file"),
     (lambda llm: LLM(llm.engine_args.model, max_model_len=64, speculative_config={"method": "ngram",
                                                                                  "num_speculative_tokens": 64}),
      r"^speculative_config.num_speculative_tokens=64 is not below max_model_len=64"),
     (lambda llm: LLM(llm.engine_args.model, tokenizer="/no/such"), r"^tokenizer='/no/such' does not exist"),
+    (lambda llm: llm.generate({"prompt_token_ids": "abc"}, greedy(), use_tqdm=False),
+     r"^prompt_token_ids='abc' must be a list of token ids \(ints\)"),
     (lambda llm: LLM(llm.engine_args.model, seed=2 ** 70), r"^seed=\d+ must be an int in \[-9223372036854775808, "),
     (lambda llm: SpeculativeConfig(num_speculative_tokens=3, max_draft_len=4), "twice"),
     (lambda llm: EngineArgs.from_dict({"model": "m", "max_num_seq": 3}), r"unknown keys \['max_num_seq'\]"),
@@ -793,7 +809,8 @@ def test_speculative_config_forms_and_aliases():
 
 def test_misplaced_option_fails_before_any_actor_starts(tiny_llama_dir):
     """The Ray backend checks the options in this process, before its engine actor starts."""
-    with pytest.raises(ValueError, match=r"unknown keys \['prompt_lookup_min'\] for method='draft_model'"):
+    with pytest.raises(ValueError,
+                       match=r"prompt_lookup_min is an option of method 'ngram'.*not of method='draft_model'"):
         LLM(str(tiny_llama_dir), distributed_executor_backend="ray",
             speculative_config={"method": "draft_model", "model": str(tiny_llama_dir), "prompt_lookup_min": 1})
     heads = json.loads((tiny_llama_dir / "config.json").read_text())["num_attention_heads"]

@@ -481,6 +481,31 @@ def test_body_limit_and_text_too_long_to_fit_are_refused_before_tokenizing():
         assert http_json(base + "/v1/completions", {"prompt": "x" * 40, "max_tokens": 3})[0] == 200
 
 
+def test_deeply_nested_bodies_are_400_and_leave_the_server_serving():
+    """A body nested past what the JSON parser takes (RecursionError), and one it parses but that nests past
+    ``MAX_JSON_DEPTH`` (Ray's pickling of the request would fail on it), are 400s naming the limit, not 500s."""
+    from specray.cluster.openai_app import MAX_JSON_DEPTH
+
+    def nested(depth: int) -> dict:
+        schema: dict = {"type": "string"}
+        for _ in range(depth):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    fake = FakeEngineClient()
+    with app_in_thread(fake) as base:
+        url = base + "/v1/chat/completions"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        too_deep = json.dumps(chat)[:-1].encode() + b', "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        schema = {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested(MAX_JSON_DEPTH)}}
+        for body in (too_deep, {**chat, "response_format": schema}):
+            status, err = error_of(http_json(url, body))
+            assert status == 400 and f"more than {MAX_JSON_DEPTH} levels deep" in err["message"], err
+        within = {"type": "function", "function": {"name": "f", "parameters": nested(MAX_JSON_DEPTH - 10)}}
+        assert http_json(url, {**chat, "tools": [within], "tool_choice": "none"})[0] == 200  # deep, within the limit
+        assert http_json(url, chat)[0] == 200
+
+
 def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
     fake = FakeEngineClient()
     fake.tokenizer = SlowTokenizer(delay=4.0)
@@ -1105,14 +1130,16 @@ def responses_events(base: str, body: dict) -> list[dict]:
 def test_responses_api_answers_and_streams_text():
     """POST /v1/responses: instructions and input become the chat, the answer a message item (the openai client's
     output_text); streamed, the typed events in order, their deltas the text, response.completed last with the
-    same output; max_output_tokens reached is status "incomplete"."""
+    same output; max_output_tokens reached is status "incomplete", the response's and its cut message item's (with
+    its text). Its objects' ids are OpenAI's form (``resp_<hex>``, ``msg_<hex>``)."""
     from specray.cluster.openai_responses import ResponsesRequest, chat_body
 
     with app_in_thread(ScriptedEngineClient(["Hello", " wor", "ld"])) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
         resp = client.responses.create(model="fake", input="Say hi", instructions="Be brief.")
         assert (resp.status, resp.output_text, resp.object) == ("completed", "Hello world", "response")
-        assert [item.type for item in resp.output] == ["message"] and resp.id.startswith("resp")
+        assert [item.type for item in resp.output] == ["message"] and resp.id.startswith("resp_")
+        assert resp.output[0].id.startswith("msg_") and resp.output[0].status == "completed"
         assert resp.usage.input_tokens == len("Be brief.Say hi") and resp.usage.output_tokens == 3
         events = responses_events(base, {"model": "fake", "input": "Say hi"})
         assert [e["type"] for e in events] == [
@@ -1130,7 +1157,12 @@ def test_responses_api_answers_and_streams_text():
         status, resp = http_json(base + "/v1/responses", {"input": "x", "max_output_tokens": 2})
         assert status == 200 and resp["status"] == "incomplete", resp
         assert resp["incomplete_details"] == {"reason": "max_output_tokens"} and resp["max_output_tokens"] == 2
-        assert responses_events(base, {"input": "x"})[-1]["type"] == "response.incomplete"
+        [item] = resp["output"]
+        assert item["status"] == "incomplete" and item["content"][0]["text"], item
+        events = responses_events(base, {"input": "x"})
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"]["status"] == "incomplete"
+        assert events[-1]["response"]["output"] == [events[-2]["item"]]
     # the chat request a Responses request becomes
     body = chat_body(ResponsesRequest.model_validate({
         "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},

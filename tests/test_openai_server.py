@@ -467,6 +467,7 @@ BAD_PARAMS = [
     ({"stop_token_ids": [99999]}, "stop_token_ids"),  # the same, with a message of the form "name contains ..."
     ({"prompt": ""}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),  # the message names every shape a prompt may have
     ({"priority": 1}, "priority"),  # this engine serves first come, first served: refused by the engine replica
     ({"priority": "high"}, "priority"),
 ]
@@ -527,13 +528,19 @@ def test_chat_messages_are_checked_in_openai_terms(server):
 def test_feature_parameters_left_off_are_accepted_and_others_named(server):
     url = server + "/v1/chat/completions"
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # null stands for a parameter's default, as in OpenAI's API (the openai client sends an explicit None so)
     off = {"tools": [], "tool_choice": "none", "parallel_tool_calls": False, "functions": None,
-           "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto"}
+           "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto", "audio": None,
+           "n": None, "stream": None, "logprobs": None, "seed": None}
     status, body = http_json(url, {**base, **off})
-    assert status == 200 and body["usage"]["completion_tokens"] == 2
-    assert body["choices"][0]["message"]["tool_calls"] == []
+    assert status == 200 and body["usage"]["completion_tokens"] == 2 and len(body["choices"]) == 1
+    assert body["choices"][0]["message"]["tool_calls"] == [] and body["choices"][0]["logprobs"] is None
+    status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": None,
+                                                          "stream": None, "echo": None, "logprobs": None})
+    assert status == 200 and len(body["choices"]) == 1 and body["usage"]["completion_tokens"] == 2
     for name, value, says in (("functions", [{"name": "f"}], "in tools"), ("function_call", "auto", "tool_choice"),
-                              ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "boolean")):
+                              ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "boolean"),
+                              ("audio", {"voice": "alloy", "format": "wav"}, "no audio output")):
         status, err = error_of(http_json(url, {**base, name: value}))
         assert (status, err["param"]) == (400, name) and says in err["message"], (name, err)
 

@@ -22,8 +22,8 @@ from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
-from specray.models.loader import (check_path, load_hf_config, load_tokenizer, read_config, read_generation_config,
-                                   resolve_model)
+from specray.models.loader import (check_model_path, check_path, load_hf_config, load_tokenizer, read_config,
+                                   read_generation_config, resolve_model)
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -194,9 +194,14 @@ def check_local_paths(args: EngineArgs) -> None:
     if args.tokenizer is not None:
         check_path(args.tokenizer, "tokenizer")
     spec = args.speculative_config
-    model = getattr(registry.options_of(spec), "model", None) if spec is not None else None
+    options = registry.options_of(spec) if spec is not None else None
+    model = getattr(options, "model", None)
     if model:
-        check_path(model, "speculative_config.model")
+        check_model_path(model, "speculative_config.model")
+    static = getattr(options, "static_cache_path", None)
+    if static and not Path(static).expanduser().is_file():
+        raise ValueError(f"speculative_config.static_cache_path={str(static)!r} is not a file; pass a static n-gram "
+                         "cache built with specray.drafters.ngram_cache.build_static_cache, or leave it out")
 
 
 def check_quantization(quantization: str | None, config) -> None:

@@ -91,6 +91,19 @@ def check_path(model: str | os.PathLike, field: str) -> None:
         raise ValueError(f"{field}={str(model)!r} does not exist; pass an existing HF model folder or .gguf file")
 
 
+def check_model_path(model: str | os.PathLike, field: str) -> None:
+    """:func:`check_path`, and a local path that exists must be a model: a folder with ``config.json`` or a
+    ``.gguf`` file (what :func:`resolve_model` would refuse only once a replica loads it)."""
+    check_path(model, field)
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{field}={str(model)!r} is a folder without config.json; pass an HF model folder "
+                         "(config.json + weights), a checkpoint folder of the method's layout or a .gguf file")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{field}={str(model)!r} is a file but not a .gguf; pass an HF model folder "
+                         "(config.json + weights) or a .gguf file")
+
+
 def _looks_local(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.endswith(".gguf") or os.sep + os.sep in model \
         or model.count("/") > 1
