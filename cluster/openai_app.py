@@ -191,6 +191,7 @@ class _Choice:
     # with tools, blank content waits for words (a message with calls and blanks only has content null)
     blank_held: str = ""
     words_sent: bool = False
+    prompt_ids_sent: bool = False  # with return_token_ids: its prompt's ids went out (a stream's first chunk)
 
     def update(self, out: RequestOutput) -> None:
         self.output = out.outputs[0]
@@ -317,8 +318,9 @@ class _Format:
     """How one endpoint writes choices, stream chunks and usage."""
 
     def __init__(self, request_id: str, model: str, logprobs: proto.LogprobFormatter, num_logprobs: int | None,
-                 num_prompt_logprobs: int | None = None):
+                 num_prompt_logprobs: int | None = None, return_token_ids: bool = False):
         self.request_id = request_id
+        self.return_token_ids = return_token_ids  # vLLM's: the prompt's and the output's token ids go out too
         self.model = model
         self.created = proto.now()
         self.logprob_fmt = logprobs
@@ -332,6 +334,22 @@ class _Format:
         if self.num_prompt_logprobs is None or choice.prompt.logprobs is None:
             return None
         return self.logprob_fmt.prompt_logprobs(choice.prompt.logprobs, self.num_prompt_logprobs)
+
+    def _token_ids(self, choice: _Choice, start: int, end: int) -> list[int] | None:
+        """With return_token_ids, the choice's output token ids [start, end)."""
+        return list(choice.output.token_ids[start:end]) if self.return_token_ids else None
+
+    def _prompt_ids(self, choice: _Choice) -> list[int] | None:
+        """With return_token_ids, the choice's prompt token ids, once (a stream sends them in its first chunk)."""
+        if not self.return_token_ids or choice.prompt_ids_sent:
+            return None
+        choice.prompt_ids_sent = True
+        return list(choice.prompt.token_ids)
+
+    def _quiet(self, text: str, finish: str | None, start: int, end: int) -> bool:
+        """Nothing for a chunk to say: no text, no finish, and no new tokens whose logprobs or ids go out."""
+        return not text and finish is None and (
+            start == end or (self.num_logprobs is None and not self.return_token_ids))
 
     def _token_slice(self, choice: _Choice, start: int, end: int):
         out = self.num_logprobs is not None and choice.output.logprobs is not None
@@ -400,7 +418,9 @@ class _CompletionFormat(_Format):
     def _choice(self, choice: _Choice, text: str, start: int, end: int) -> proto.CompletionChoice:
         text, logprobs = self._echo(choice, text, self._logprobs(choice, start, end))
         return proto.CompletionChoice(index=choice.index, text=text, finish_reason=choice.output.finish_reason,
-                                      logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(choice))
+                                      logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(choice),
+                                      prompt_token_ids=self._prompt_ids(choice),
+                                      token_ids=self._token_ids(choice, start, end))
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         items = [self._choice(c, c.output.text, 0, len(c.output.token_ids)) for c in choices]
@@ -410,8 +430,7 @@ class _CompletionFormat(_Format):
     def chunk(self, choice: _Choice) -> proto.Completion | None:
         text, start, end = choice.take_delta()
         finish = choice.output.finish_reason
-        if (not text and finish is None and (start == end or self.num_logprobs is None)
-                and (choice.echoed or not self.echo)):
+        if self._quiet(text, finish, start, end) and (choice.echoed or not self.echo):
             return None
         return proto.Completion(id=self.request_id, created=self.created, model=self.model,
                                 choices=[self._choice(choice, text, start, end)])
@@ -469,9 +488,11 @@ class _ChatFormat(_Format):
         for c in choices:
             message, finish = self._message(c)
             items.append(proto.ChatChoice(index=c.index, message=message, finish_reason=finish,
-                                          logprobs=self._logprobs(c, 0, len(c.output.token_ids))))
+                                          logprobs=self._logprobs(c, 0, len(c.output.token_ids)),
+                                          token_ids=self._token_ids(c, 0, len(c.output.token_ids))))
         return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
-                                    usage=usage, prompt_logprobs=self._prompt_logprobs(choices[0])).model_dump()
+                                    usage=usage, prompt_logprobs=self._prompt_logprobs(choices[0]),
+                                    prompt_token_ids=self._prompt_ids(choices[0])).model_dump()
 
     def _message(self, choice: _Choice) -> tuple[proto.AssistantMessage, str | None]:
         """A whole choice's message and finish reason: the reasoning apart (reasoning_parser), then the answer's
@@ -545,8 +566,12 @@ class _ChatFormat(_Format):
                                          choices=choices, usage=usage)
 
     def opening(self, choices: list[_Choice]) -> list[proto.ChatCompletionChunk]:
-        return [self._chunk([proto.ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})])
-                for c in choices]
+        chunks = []
+        for c in choices:
+            chunk = self._chunk([proto.ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""})])
+            chunk.prompt_token_ids = self._prompt_ids(c)
+            chunks.append(chunk)
+        return chunks
 
     def chunk(self, choice: _Choice) -> proto.ChatCompletionChunk | None:
         text, start, end = choice.take_delta()
@@ -554,10 +579,11 @@ class _ChatFormat(_Format):
         delta = self._delta(choice, text, finish is not None)
         if self.tools is not None and self.tools.mode != "named":
             finish = _finish_with_calls(finish, choice.tool_calls_sent > 0)
-        if not delta and finish is None and (start == end or self.num_logprobs is None):
+        if not delta and self._quiet("", finish, start, end):
             return None
         item = proto.ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish,
-                                     logprobs=self._logprobs(choice, start, end))
+                                     logprobs=self._logprobs(choice, start, end),
+                                     token_ids=self._token_ids(choice, start, end))
         return self._chunk([item])
 
     def usage_chunk(self, usage: proto.Usage) -> proto.ChatCompletionChunk:
@@ -932,14 +958,16 @@ class OpenAIServing:
         req = proto.parse_request(proto.CompletionRequest, body)
         lora = await self._resolve_model(req.model)
         self._check_request_size(req, len(req.prompts()), req.max_tokens, "max_tokens")
-        prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p) for p in req.prompts()])
+        prompts = await self._off_loop(lambda: [self._encode_completion_prompt(p, req.add_special_tokens)
+                                                for p in req.prompts()])
         prompts = [_truncated(p, req.truncate_prompt_tokens) for p in prompts]
         for prompt in prompts:
             proto.check_context(len(prompt.token_ids), req.max_tokens, self.client.max_model_len, "max_tokens")
         request_id = proto.new_id("cmpl")
         choices = self._choices(req, prompts, req.max_tokens, req.logprobs, request_id, lora=lora)
-        fmt = _CompletionFormat(request_id, self._response_model(lora), self._logprob_format(req), req.logprobs,
-                                req.prompt_logprobs, echo=req.echo)
+        fmt = _CompletionFormat(_response_id(req, request_id, "cmpl"), self._response_model(lora),
+                                self._logprob_format(req), req.logprobs, req.prompt_logprobs,
+                                return_token_ids=req.return_token_ids, echo=req.echo)
         return await self._run(req, choices, fmt, arrival)
 
     async def _chat_completions(self, body: Any, arrival: float, responses_req=None, on_response=None) -> Response:
@@ -951,7 +979,8 @@ class OpenAIServing:
             req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_request_size(req, 1, req.output_limit(), limit_param)
-        prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req)), req.truncate_prompt_tokens)
+        prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req, req.add_special_tokens)),
+                            req.truncate_prompt_tokens)
         proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
         prediction = None
         if req.prediction is not None and self.config.drafts_predictions:  # else the engine would drop it
@@ -960,8 +989,10 @@ class OpenAIServing:
         choices = self._choices(req, [prompt], req.output_limit(), req.num_logprobs(), request_id, prediction, lora)
         kind, extra = (_ChatFormat, {}) if responses_req is None else (
             _ResponsesFormat, {"request": responses_req, "on_response": on_response})
-        fmt = kind(request_id, self._response_model(lora), self._logprob_format(req), req.num_logprobs(),
-                   req.prompt_logprobs, reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
+        response_id = request_id if responses_req is not None else _response_id(req, request_id, "chatcmpl")
+        fmt = kind(response_id, self._response_model(lora), self._logprob_format(req), req.num_logprobs(),
+                   req.prompt_logprobs, return_token_ids=req.return_token_ids,
+                   reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
 
     async def _responses(self, body: Any, arrival: float) -> Response:
@@ -1077,14 +1108,17 @@ class OpenAIServing:
                 f"{len(text)} characters, more than that many tokens can hold; shorten the prompt", param,
                 "context_length_exceeded")
 
-    def _encode_completion_prompt(self, prompt: str | list[int]) -> _Prompt:
+    def _encode_completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> _Prompt:
         if isinstance(prompt, str):
             self._check_prompt_chars(prompt, "prompt")
             with _user_text_errors("prompt"):
-                return _Prompt(prompt, self.client.tokenizer.encode(prompt))
+                return _Prompt(prompt, self.client.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return _Prompt(None, list(prompt))
 
-    def _encode_chat_prompt(self, req: proto.ChatCompletionRequest) -> _Prompt:
+    def _encode_chat_prompt(self, req: proto.ChatCompletionRequest | proto.TokenizeRequest,
+                            add_special_tokens: bool = False) -> _Prompt:
+        """The chat's rendered text and its tokens (the tokenizer's special tokens added only with
+        ``add_special_tokens``: the template writes its own)."""
         tokenizer = self.client.tokenizer
         template = self.config.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
@@ -1093,10 +1127,11 @@ class OpenAIServing:
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                req.continue_final_message, chat_template=template,
-                               chat_template_kwargs=_template_kwargs(req), tools=proto.template_tools(req.tools))
+                               chat_template_kwargs=_template_kwargs(req), tools=proto.template_tools(req.tools),
+                               documents=getattr(req, "documents", None))
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
-            return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+            return _Prompt(text, tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _encode_prediction(self, text: str) -> list[int]:
         with _user_text_errors("prediction"):
@@ -1187,6 +1222,12 @@ class OpenAIServing:
         finally:
             fanout.close()
             self.metrics.record_request(status)
+
+
+def _response_id(req, request_id: str, kind: str) -> str:
+    """The response's id: vLLM's ``<kind>-<request_id>`` when the request names one, else the engine's own
+    (unique) id, which its choices' engine requests are named after either way."""
+    return f"{kind}-{req.request_id}" if req.request_id is not None else request_id
 
 
 def _template_kwargs(req) -> dict[str, Any] | None:

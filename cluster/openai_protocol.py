@@ -11,7 +11,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator,
                       model_serializer, model_validator)
@@ -265,6 +265,13 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of user: accepted, not used, as user
+    # OpenAI's hint for its prompt cache: accepted; prefix caching finds shared prefixes by their tokens
+    prompt_cache_key: str | None = None
+    # vLLM's: the response's id is "<chatcmpl|cmpl>-<request_id>" (the engine's own ids stay unique)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: each chunk's new ones)
+    return_token_ids: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extra parameters: this and min_tokens
@@ -291,6 +298,28 @@ class _GenerationRequest(_Strict):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+
+    # vLLM's parameters of what this server does not have, each with the values that leave it off (accepted) and why
+    # another value is a 400; the chat route adds OpenAI's (_FEATURE_OFF)
+    _OFF: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "use_beam_search": ((False,), "beam search is not served"),
+        "length_penalty": ((1.0, 1), "it weighs beams, and beam search is not served"),
+        "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_features_left_off(cls, data: Any) -> Any:
+        """Parameters of features this server does not have, sent with the value that leaves the feature off (or
+        null), are dropped; another value is a 400 naming the parameter and what is missing."""
+        if not isinstance(data, dict) or not cls._OFF.keys() & data.keys():
+            return data
+        data = dict(data)
+        for name, (off, why) in cls._OFF.items():
+            value = data.pop(name, None)
+            if value is not None and not any(value == v and type(value) is type(v) for v in off):
+                raise bad_request(f"{name}={value!r:.100} is not supported: {why}; omit it", name)
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self):
@@ -423,6 +452,7 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -673,6 +703,9 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: the last message (an assistant's start) is continued, not closed; needs add_generation_prompt=false
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
+    # vLLM's: the tokenizer's special tokens added to the rendered chat too (the template writes its own: off)
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None  # vLLM's: documents for a RAG chat template (its variable)
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
     store: bool = False
     # OpenAI's function calling: the functions (given to the chat template), which to call ("none", "auto": the
@@ -687,19 +720,7 @@ class ChatCompletionRequest(_GenerationRequest):
     # reads it, as gpt-oss's, sets the effort; others ignore it); chat_template_kwargs' own value wins
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_features_left_off(cls, data: Any) -> Any:
-        """OpenAI's feature parameters sent with the value that leaves the feature off (or null) are dropped;
-        another value is a 400 naming the parameter and what is missing."""
-        if not isinstance(data, dict) or not _FEATURE_OFF.keys() & data.keys():
-            return data
-        data = dict(data)
-        for name, (off, why) in _FEATURE_OFF.items():
-            value = data.pop(name, None)
-            if value is not None and not any(value == v and type(value) is type(v) for v in off):
-                raise bad_request(f"{name}={value!r:.100} is not supported: {why}; omit it", name)
-        return data
+    _OFF: ClassVar[dict[str, tuple[tuple, str]]] = {**_GenerationRequest._OFF, **_FEATURE_OFF}
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self):
@@ -997,6 +1018,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, when asked for
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: in the first chunk)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: the chunk's new ones)
 
 
 class Completion(BaseModel):
@@ -1046,6 +1069,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -1056,6 +1080,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, when asked for
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatChunkChoice(BaseModel):
@@ -1064,6 +1089,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's new ones
 
 
 class ChatCompletionChunk(BaseModel):
@@ -1073,6 +1099,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in each choice's first chunk
 
 
 class ModelCard(BaseModel):

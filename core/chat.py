@@ -101,17 +101,21 @@ def load_chat_template(template: str | None, field: str = "chat_template") -> st
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
+                chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                documents: list[dict] | None = None) -> str:
     """The prompt text of ``messages``, with the functions ``tools`` (OpenAI's tool dicts) declared to the template
-    where given. ``continue_final_message``, ``chat_template`` and ``tools`` are passed only when set, so a tokenizer
-    without the keyword (an older one) still renders the rest. Tool calls' arguments reach the template as dicts
-    (:func:`template_messages`)."""
+    where given, and ``documents`` (a RAG template's, each a dict such as ``{"title", "text"}``).
+    ``continue_final_message``, ``chat_template``, ``tools`` and ``documents`` are passed only when set, so a
+    tokenizer without the keyword (an older one) still renders the rest. Tool calls' arguments reach the template as
+    dicts (:func:`template_messages`)."""
     check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
     optional: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
     if chat_template is not None:
         optional["chat_template"] = chat_template
     if tools:
         optional["tools"] = tools
+    if documents:
+        optional["documents"] = documents
     return tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          **(chat_template_kwargs or {}), **optional)

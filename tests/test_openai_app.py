@@ -481,6 +481,57 @@ def test_body_limit_and_text_too_long_to_fit_are_refused_before_tokenizing():
         assert http_json(base + "/v1/completions", {"prompt": "x" * 40, "max_tokens": 3})[0] == 200
 
 
+class SpecialTokenizer(FakeTokenizer):
+    """Adds a BOS (255) when asked for special tokens; its chat template writes the documents before the chat."""
+
+    BOS = 255
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS] * add_special_tokens + super().encode(text)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            tools=None, documents=None):
+        return "".join(d["text"] for d in documents or []) + "".join(m["content"] for m in messages)
+
+
+def test_vllm_request_options_token_ids_request_id_special_tokens_and_documents():
+    """vLLM's return_token_ids (the prompt's ids and each choice's, whole or per chunk, the prompt's once per
+    choice), request_id (the response's id), add_special_tokens (completions: on by default, chat: off) and a
+    chat's documents (to the template); beam search's parameters accepted only with their off values."""
+    fake = FakeEngineClient(tokens=3)
+    fake.tokenizer = tok = SpecialTokenizer()
+    with app_in_thread(fake) as base:
+        cmpl, chat = base + "/v1/completions", base + "/v1/chat/completions"
+        status, body = http_json(cmpl, {"prompt": "ab", "return_token_ids": True, "request_id": "r1"})
+        assert status == 200 and body["id"] == "cmpl-r1"
+        [choice] = body["choices"]
+        assert (choice["prompt_token_ids"], choice["token_ids"]) == (tok.encode("ab"), [0, 1, 2])
+        _, body = http_json(cmpl, {"prompt": "ab", "return_token_ids": True, "add_special_tokens": False})
+        assert body["choices"][0]["prompt_token_ids"] == tok.encode("ab", add_special_tokens=False)
+        assert body["id"].startswith("cmpl-") and body["id"] != "cmpl-r1"
+        _, body = http_json(cmpl, {"prompt": "ab"})
+        assert body["choices"][0]["token_ids"] is None and body["choices"][0]["prompt_token_ids"] is None
+        messages = [{"role": "user", "content": "hi"}]
+        status, body = http_json(chat, {"messages": messages, "documents": [{"title": "t", "text": "doc"}],
+                                        "return_token_ids": True, "request_id": "r2"})
+        assert status == 200 and body["id"] == "chatcmpl-r2" and body["choices"][0]["token_ids"] == [0, 1, 2]
+        assert body["prompt_token_ids"] == tok.encode("dochi", add_special_tokens=False)
+        _, body = http_json(chat, {"messages": messages, "return_token_ids": True, "add_special_tokens": True})
+        assert body["prompt_token_ids"] == tok.encode("hi")
+        for url, first in ((cmpl, {"prompt": "ab", "n": 2}), (chat, {"messages": messages, "n": 2})):
+            events = [json.loads(e) for e in sse_events(url, {**first, "stream": True, "return_token_ids": True})
+                      if e != "[DONE]"]
+            for index in (0, 1):
+                mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+                assert sum((e["choices"][0]["token_ids"] or [] for e in mine), []) == [0, 1, 2]
+                prompts = [e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in mine]
+                assert [p for p in prompts if p] == [tok.encode("ab") if url == cmpl else tok.encode("hi", False)]
+        assert http_json(cmpl, {"prompt": "ab", "use_beam_search": False, "length_penalty": 1.0})[0] == 200
+        for name, value in (("use_beam_search", True), ("length_penalty", 0.5)):
+            status, err = error_of(http_json(cmpl, {"prompt": "ab", name: value}))
+            assert (status, err["param"]) == (400, name) and "beam" in err["message"]
+
+
 def test_deeply_nested_bodies_are_400_and_leave_the_server_serving():
     """A body nested past what the JSON parser takes (RecursionError), and one it parses but that nests past
     ``MAX_JSON_DEPTH`` (Ray's pickling of the request would fail on it), are 400s naming the limit, not 500s."""

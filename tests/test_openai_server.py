@@ -536,8 +536,11 @@ def test_feature_parameters_left_off_are_accepted_and_others_named(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 2 and len(body["choices"]) == 1
     assert body["choices"][0]["message"]["tool_calls"] == [] and body["choices"][0]["logprobs"] is None
     status, body = http_json(server + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": None,
-                                                          "stream": None, "echo": None, "logprobs": None})
+                                                          "stream": None, "echo": None, "logprobs": None,
+                                                          "return_token_ids": True})
     assert status == 200 and len(body["choices"]) == 1 and body["usage"]["completion_tokens"] == 2
+    choice = body["choices"][0]  # vLLM's return_token_ids: the engine's ids of the prompt and of the output
+    assert len(choice["prompt_token_ids"]) == body["usage"]["prompt_tokens"] and len(choice["token_ids"]) == 2
     for name, value, says in (("functions", [{"name": "f"}], "in tools"), ("function_call", "auto", "tool_choice"),
                               ("modalities", ["text", "audio"], "text only"), ("parallel_tool_calls", 1, "boolean"),
                               ("audio", {"voice": "alloy", "format": "wav"}, "no audio output")):
