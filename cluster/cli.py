@@ -229,6 +229,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="render chat messages with this Jinja template (a file's path or the template itself) "
                    "instead of the tokenizer's (vLLM's flag); for a model whose tokenizer has none")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (vLLM's flag; transformers' sandboxed Jinja); "
+                   "without it such a request is a 400")
     p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
                    help="where requests' unset sampling fields (temperature, top_p, top_k, min_p, "
                    "repetition_penalty, max_tokens) take their defaults (vLLM's flag): auto, the model's "
@@ -480,6 +483,7 @@ def serve_app_args(args) -> dict:
     app_args["enable_debug_routes"] = args.enable_debug_routes
     app_args["return_tokens_as_token_ids"] = args.return_tokens_as_token_ids
     app_args["enable_runtime_lora_updating"] = args.enable_runtime_lora_updating
+    app_args["trust_request_chat_template"] = args.trust_request_chat_template
     return app_args
 
 

@@ -33,7 +33,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specray.chat import render_chat
+from specray.chat import check_template_text, render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
@@ -143,6 +143,9 @@ class ServerConfig:
     # what a request's unset sampling fields take (SamplingParams' names): the model's generation config's
     default_sampling: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # the template chat messages are rendered with (None: the tokenizer's)
+    # vLLM's --trust-request-chat-template: a request's own chat_template is rendered (in transformers' sandboxed
+    # Jinja) rather than refused
+    trust_request_chat_template: bool = False
     # the engine drafts on the host, so a request's prediction (OpenAI's Predicted Outputs) is drafted from
     drafts_predictions: bool = False
     # vLLM's --allowed-origins: web pages of these origins may call the API from a browser (CORS; "*": any); none by
@@ -1120,7 +1123,7 @@ class OpenAIServing:
         """The chat's rendered text and its tokens (the tokenizer's special tokens added only with
         ``add_special_tokens``: the template writes its own)."""
         tokenizer = self.client.tokenizer
-        template = self.config.chat_template
+        template = self._request_template(req) or self.config.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
                                     "start the server with --chat-template FILE", "messages")
@@ -1132,6 +1135,20 @@ class OpenAIServing:
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             return _Prompt(text, tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _request_template(self, req) -> str | None:
+        """A request's own chat_template (vLLM's): refused unless the server trusts requests' templates."""
+        template = getattr(req, "chat_template", None)
+        if template is None:
+            return None
+        if not self.config.trust_request_chat_template:
+            raise proto.bad_request("chat_template in a request is refused by this server: start it with "
+                                    "--trust-request-chat-template to render requests with their own templates "
+                                    "(vLLM's flag), or omit it", "chat_template")
+        try:
+            return check_template_text(template)
+        except ValueError as err:
+            raise proto.bad_request(str(err), "chat_template") from None
 
     def _encode_prediction(self, text: str) -> list[int]:
         with _user_text_errors("prediction"):

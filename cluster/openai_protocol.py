@@ -705,6 +705,7 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template (enable_thinking)
     # vLLM's: the tokenizer's special tokens added to the rendered chat too (the template writes its own: off)
     add_special_tokens: bool = False
+    chat_template: Text | None = None  # vLLM's: this request's own template (a server trusting them renders it)
     documents: list[dict[str, Any]] | None = None  # vLLM's: documents for a RAG chat template (its variable)
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: accepted, nothing is stored
     store: bool = False
@@ -832,6 +833,7 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None  # declared to the chat template, as a chat completion's
     add_special_tokens: bool = True  # for a prompt (a rendered chat holds its own)
+    chat_template: Text | None = None  # as a chat completion's
 
     @model_validator(mode="after")
     def _one_input(self):

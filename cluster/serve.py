@@ -150,6 +150,8 @@ class ServeArgs:
     # vLLM's --chat-template: the template chat messages are rendered with, as a file's path or the template itself
     # (read here, so replicas on other nodes need no file); None: the tokenizer's own
     chat_template: str | None = None
+    # vLLM's --trust-request-chat-template: requests may bring their own chat_template (else it is a 400)
+    trust_request_chat_template: bool = False
     # vLLM's --lora-modules: LoRA adapters served under names of their own (a request's "model" picks one), as
     # "name=path" strings, {"name": ..., "path": ...} dicts, or one {name: path} dict; they turn enable_lora on
     lora_modules: list[str | dict] | dict[str, str] | None = None
@@ -305,7 +307,9 @@ class ServeArgs:
                             tool_call_parser=self.tool_call_parser,
                             max_stored_responses=self.max_stored_responses,
                             default_sampling=default_sampling_fields(engine_args),
-                            chat_template=self.chat_template, drafts_predictions=_drafts_on_host(engine_args),
+                            chat_template=self.chat_template,
+                            trust_request_chat_template=self.trust_request_chat_template,
+                            drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()),
                             lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path,
                             return_tokens_as_token_ids=self.return_tokens_as_token_ids,

@@ -86,6 +86,11 @@ def load_chat_template(template: str | None, field: str = "chat_template") -> st
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"{field}={template!r} cannot be read ({err}); pass a UTF-8 text file") from None
+    return check_template_text(text, field)
+
+
+def check_template_text(text: str, field: str = "chat_template") -> str:
+    """``text``, when it parses as a chat template (a ValueError naming ``field`` otherwise)."""
     import jinja2
     from transformers.utils import chat_template_utils
 

@@ -471,9 +471,12 @@ def test_vllm_sizing_flags_reach_the_engine(tiny_llama_dir):
                 long_prefill_token_threshold=128, enable_expert_parallel=True, kv_cache_memory_bytes=4096000,
                 num_kv_blocks=64, pipeline_parallel_size=2)
     serve = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags,
-                                       "--distributed-executor-backend", "ray", "--return-tokens-as-token-ids"])
+                                       "--distributed-executor-backend", "ray", "--return-tokens-as-token-ids",
+                                       "--trust-request-chat-template"])
     parsed = ServeArgs.from_dict(serve_app_args(serve))
-    assert parsed.server_config(8).return_tokens_as_token_ids
+    assert parsed.server_config(8).return_tokens_as_token_ids and parsed.server_config(8).trust_request_chat_template
+    plain = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir)])
+    assert not ServeArgs.from_dict(serve_app_args(plain)).server_config(8).trust_request_chat_template
     args = parsed.engine_args()
     assert {k: getattr(args, k) for k in want} == want and args.distributed_executor_backend == "ray"
     generate = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags])

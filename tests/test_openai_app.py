@@ -491,6 +491,10 @@ class SpecialTokenizer(FakeTokenizer):
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
                             tools=None, documents=None):
+        if chat_template is not None:
+            import jinja2
+
+            return jinja2.Template(chat_template).render(messages=messages)
         return "".join(d["text"] for d in documents or []) + "".join(m["content"] for m in messages)
 
 
@@ -530,6 +534,25 @@ def test_vllm_request_options_token_ids_request_id_special_tokens_and_documents(
         for name, value in (("use_beam_search", True), ("length_penalty", 0.5)):
             status, err = error_of(http_json(cmpl, {"prompt": "ab", name: value}))
             assert (status, err["param"]) == (400, name) and "beam" in err["message"]
+
+
+def test_a_requests_own_chat_template_needs_the_servers_trust():
+    """vLLM's chat_template in a request: a 400 naming --trust-request-chat-template on a server without it; on one
+    with it, the chat is rendered with the request's template (one that does not parse is a 400)."""
+    fake = FakeEngineClient()
+    fake.tokenizer = tok = SpecialTokenizer()
+    body = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True,
+            "chat_template": "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}
+    with app_in_thread(fake) as base:
+        status, err = error_of(http_json(base + "/v1/chat/completions", body))
+        assert (status, err["param"]) == (400, "chat_template") and "--trust-request-chat-template" in err["message"]
+    with app_in_thread(fake, trust_request_chat_template=True) as base:
+        status, reply = http_json(base + "/v1/chat/completions", body)
+        assert status == 200 and reply["prompt_token_ids"] == tok.encode("<hi>", add_special_tokens=False)
+        assert http_json(base + "/tokenize", {k: body[k] for k in ("messages", "chat_template")})[1]["tokens"] == \
+            tok.encode("<hi>", add_special_tokens=False)
+        status, err = error_of(http_json(base + "/v1/chat/completions", {**body, "chat_template": "{% for %}"}))
+        assert (status, err["param"]) == (400, "chat_template") and "does not parse" in err["message"]
 
 
 def test_deeply_nested_bodies_are_400_and_leave_the_server_serving():
