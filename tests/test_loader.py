@@ -301,6 +301,10 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
+    if arch == "minimax-m2":  # llama.cpp's MiniMax-M2: the rotated share of each head, sigmoid gating
+        w.add_rope_dimension_count(cfg["rotary_dim"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch == "nemotron":  # llama.cpp's Nemotron: the rotated share of each head, linear scaling or none
         rotated = int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"]
         w.add_rope_dimension_count(rotated)
@@ -387,7 +391,7 @@ def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
 def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
     import gguf
 
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "")), cfg["num_hidden_layers"])
     stacked: dict[str, list] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
@@ -399,6 +403,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
             tensor = tensor + 1
+        if name.endswith("e_score_correction_bias"):  # llama.cpp: exp_probs_b.bias
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
             tensor = tensor.reshape(-1)
         if name.endswith(("conv.conv.weight", "mixer.conv1d.weight")):  # short / Mamba conv: [C, 1, K] as [C, K]
@@ -449,6 +455,9 @@ GGUF_TINY = {
     "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, norm_eps=1e-2, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                                    "partial_rotary_factor": 0.25})),
+    # partial RoPE (8 of 16), q/k norms over all heads, sigmoid-scored experts with a correction bias
+    "minimax-m2": ("minimax_m2", dict(head_dim=16, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=32, tie_word_embeddings=False)),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                   "rope_theta": 1e6},
@@ -458,11 +467,11 @@ GGUF_TINY = {
 
 @pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Qwen3, Qwen3-MoE (as llama.cpp writes them: stacked experts), Mixtral (a llama with experts, its
-    q/k rows in llama.cpp's order), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their attention
-    settings implied or, Gemma 2's soft caps, written) and Phi-3 (fused
-    projections, LongRoPE's factors as tensors) goes through transformers' GGUF mapping to our model: its logits
-    equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
+    """A GGUF of Qwen3, Qwen3-MoE, MiniMax-M2 (as llama.cpp writes them: stacked experts), Mixtral (a llama with
+    experts, its q/k rows in llama.cpp's order), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their
+    attention settings implied or, Gemma 2's soft caps, written), Phi-3 (fused projections, LongRoPE's factors as
+    tensors), StarCoder2 and Nemotron (LayerNorms, biases) goes through transformers' GGUF mapping to our model: its
+    logits equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
     folder (the tokenizer came through the GGUF too)."""
     from specray import LLM, SamplingParams
 

@@ -49,9 +49,11 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "toke
 _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
                   "qwen3moe": "Qwen3-MoE", "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3": "Gemma 3 text",
                   "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2",
-                  "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS"}
+                  "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS",
+                  "minimax-m2": "MiniMax-M2"}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
-_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
+_TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
+                            "minimax-m2": "minimax_m2"}
 
 
 @dataclass(frozen=True)
