@@ -635,8 +635,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['gemma2', 'gemma3', 'gpt-oss', 'lfm2', 'llama', 'mamba', 'nemotron', 'phi3', 'qwen2', 'qwen2moe', "
-              r"'qwen3', 'qwen3moe', 'starcoder2'\]"),
+              r"\['gemma2', 'gemma3', 'gpt-oss', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'phi3', 'qwen2', "
+              r"'qwen2moe', 'qwen3', 'qwen3moe', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF
