@@ -421,7 +421,8 @@ class _CompletionFormat(_Format):
     def _choice(self, choice: _Choice, text: str, start: int, end: int) -> proto.CompletionChoice:
         text, logprobs = self._echo(choice, text, self._logprobs(choice, start, end))
         return proto.CompletionChoice(index=choice.index, text=text, finish_reason=choice.output.finish_reason,
-                                      logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(choice),
+                                      stop_reason=choice.output.stop_reason, logprobs=logprobs,
+                                      prompt_logprobs=self._prompt_logprobs(choice),
                                       prompt_token_ids=self._prompt_ids(choice),
                                       token_ids=self._token_ids(choice, start, end))
 
@@ -491,6 +492,7 @@ class _ChatFormat(_Format):
         for c in choices:
             message, finish = self._message(c)
             items.append(proto.ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                          stop_reason=c.output.stop_reason,
                                           logprobs=self._logprobs(c, 0, len(c.output.token_ids)),
                                           token_ids=self._token_ids(c, 0, len(c.output.token_ids))))
         return proto.ChatCompletion(id=self.request_id, created=self.created, model=self.model, choices=items,
@@ -585,6 +587,7 @@ class _ChatFormat(_Format):
         if not delta and self._quiet("", finish, start, end):
             return None
         item = proto.ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish,
+                                     stop_reason=choice.output.stop_reason,
                                      logprobs=self._logprobs(choice, start, end),
                                      token_ids=self._token_ids(choice, start, end))
         return self._chunk([item])

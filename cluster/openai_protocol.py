@@ -1019,6 +1019,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (null: EOS, the length, or not ended yet)
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, when asked for
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: in the first chunk)
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: the chunk's new ones)
@@ -1071,6 +1073,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, as a completion choice's
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
@@ -1091,6 +1094,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, in the chunk that finishes the choice
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's new ones
 
 

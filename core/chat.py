@@ -46,13 +46,17 @@ def tool_call_arguments(arguments: Any) -> dict:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """``messages`` as HF chat templates expect them: an assistant message's ``tool_calls`` carry their
-    ``function.arguments`` as a dict, not as JSON text (as vLLM hands them over). The given dicts are not changed."""
+    ``function.arguments`` as a dict, not as JSON text (as vLLM hands them over), and its content, null or left out
+    beside its calls (as OpenAI returns such a message and clients send it back), is the empty string the
+    templates read (``message.content``). The given dicts are not changed."""
     out = []
     for index, message in enumerate(messages):
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                            for c in calls):
             message = {**message, "tool_calls": [_template_call(index, j, c) for j, c in enumerate(calls)]}
+        if calls and message.get("content") is None:
+            message = {**message, "content": ""}
         out.append(message)
     return out
 

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from jinja2 import TemplateError
+
 from specray.chat import check_chat_options, render_chat
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
@@ -160,8 +162,12 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
-        prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
-                               chat_template_kwargs, tools) for conv in conversations]
+        try:
+            prompts = [render_chat(tokenizer, conv, add_generation_prompt, continue_final_message, chat_template,
+                                   chat_template_kwargs, tools) for conv in conversations]
+        except TemplateError as err:  # what the template itself refuses (raise_exception) or cannot read
+            raise ValueError(f"messages could not be rendered by the chat template: {err}; check the messages' "
+                             "roles and fields") from None
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
                              use_tqdm, lora_request=lora_request)
 
