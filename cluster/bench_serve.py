@@ -132,7 +132,9 @@ async def _send(session: aiohttp.ClientSession, cfg: BenchConfig, index: int) ->
                 await _read_stream(resp, result, start, cfg.chat)
             else:
                 _read_body(await resp.json(), result, cfg.chat)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
+    except asyncio.TimeoutError:
+        result.error = f"timed out after {cfg.timeout_s:g} s (--timeout)"
+    except (aiohttp.ClientError, json.JSONDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}"
     result.e2e = time.perf_counter() - start
     result.ok = result.error is None
@@ -345,6 +347,8 @@ def format_report(summary: dict) -> str:
     elif spec["reported_by"]:
         lines.append("speculation: no tokens were drafted for these requests (speculation off, or the drafter "
                      "found nothing to propose)")
+    elif not summary["completed"]:
+        lines.append("speculation: no request completed, so none reported it")
     else:
         lines.append("speculation: not reported (a server without usage.speculative)")
     if summary.get("prompt_tokens"):

@@ -5,6 +5,7 @@ load-tests a running server."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
+    src.add_argument("--input", help='a JSONL file (- for standard input): one {"prompt": ...} or '
+                     '{"prompt_token_ids": [...]} per line')
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     _add_serve_parser(sub)
     _add_bench_parser(sub)
@@ -262,13 +264,15 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--duration", type=float, default=None, help="send requests for this many seconds instead")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--stream", action="store_true", help="stream responses (measures TTFT and TPOT)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream responses, which measures TTFT and TPOT (the default, as vLLM's benchmark)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable; requests cycle through them)")
-    src.add_argument("--input", help='a JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
+    src.add_argument("--input", help='a JSONL file (- for standard input): one {"prompt": ...} or '
+                     '{"prompt_token_ids": [...]} per line')
 
 
 def _add_train_draft_parser(sub) -> None:
@@ -409,27 +413,41 @@ def engine_kwargs(args) -> dict:
 
 
 def read_prompts(args) -> list:
+    """``--prompt``s, or ``--input``'s lines (``-``: standard input), checked before the model loads: each line a
+    JSON string, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}`` (text only with ``--chat``)."""
     if args.prompt:
         return list(args.prompt)
     prompts = []
     try:
-        f = open(args.input, encoding="utf-8")
+        f = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     except OSError as err:
         raise ValueError(f"--input {args.input}: cannot read it ({err.strerror})") from None
-    with f:
+    with contextlib.nullcontext(f) if f is sys.stdin else f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{args.input}:{n}: not JSON ({err.msg}); give one JSON object per line") from None
-            if isinstance(item, str):
-                item = {"prompt": item}
-            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
-                raise ValueError(f"{args.input}:{n}: expected {{\"prompt\": ...}} or {{\"prompt_token_ids\": [...]}}")
-            prompts.append(item)
+            if line.strip():
+                prompts.append(_prompt_line(args, n, line))
+    if not prompts:
+        raise ValueError(f"--input {args.input} holds no prompts; give one JSON object per line")
     return prompts
+
+
+def _prompt_line(args, n: int, line: str) -> dict:
+    where = f"{args.input}:{n}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not JSON ({err.msg}); give one JSON object per line") from None
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
+        raise ValueError(f"{where}: expected {{\"prompt\": ...}} or {{\"prompt_token_ids\": [...]}}")
+    if "prompt" in item and not isinstance(item["prompt"], str):
+        raise ValueError(f"{where}: \"prompt\" is {item['prompt']!r:.40}; give a string (token ids go in "
+                         "\"prompt_token_ids\")")
+    if args.chat and "prompt" not in item:
+        raise ValueError(f"{where}: --chat needs text prompts ({{\"prompt\": \"...\"}}): a chat turn is text, and "
+                         "the chat template writes its tokens")
+    return item
 
 
 def cmd_generate(args) -> int:

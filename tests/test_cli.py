@@ -50,6 +50,22 @@ def test_generate_jsonl_input(tiny_llama_dir, tmp_path, capsys):
     assert f"{path}:2: not JSON" in capsys.readouterr().err
     assert main(["generate", "--input", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl: cannot read it" in capsys.readouterr().err
+    for text, flags, says in (('{"prompt_token_ids": [5, 6]}\n', ["--chat"], ":1: --chat needs text prompts"),
+                              ('{"prompt": 123}\n', [], ':1: "prompt" is 123; give a string'),
+                              ("\n\n", [], "holds no prompts")):
+        path.write_text(text)
+        assert main(["generate", "--model", "/no/such/model", "--input", str(path), *flags]) == 2, text
+        assert says in capsys.readouterr().err, text
+
+
+def test_generate_reads_stdin(tiny_llama_dir, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO('"Hello"\n{"prompt_token_ids": [5, 6, 7]}\n'))
+    assert main(["generate", "--model", str(tiny_llama_dir), "--input", "-", "--max-tokens", "2",
+                 "--max-model-len", "128"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("--- prompt") == 2 and "requests: 2" in err
 
 
 def test_bad_arguments_are_clear_errors(tiny_llama_dir, capsys):
@@ -438,6 +454,23 @@ def test_bench_serve_report_says_whether_the_server_reports_speculation():
     assert "not reported" in format_report(summarize([result({})], 1.0))
     cached = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
     assert "prefix cache: 32 of 40 prompt tokens (80%)" in format_report(summarize([result(cached)], 1.0))
+
+
+def test_bench_serve_names_a_timeout_and_a_run_where_nothing_completed():
+    """Against a server that accepts connections and never answers: each request's error names the timeout, and
+    the report says that no request completed (not that the server lacks speculation figures)."""
+    import socket
+
+    from specray.cluster.bench_serve import benchmark, format_report
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        summary = benchmark(base_url=f"http://127.0.0.1:{silent.getsockname()[1]}", model="m",
+                            prompts=[{"prompt": "x"}], num_requests=2, concurrency=2, timeout_s=0.5)
+    report = format_report(summary)
+    assert summary["errors"] == {"timed out after 0.5 s (--timeout)": 2}, summary["errors"]
+    assert "no request completed" in report and "not reported" not in report
 
 
 def test_stored_responses_are_kept_with_any_number_of_replicas(tiny_llama_dir):
