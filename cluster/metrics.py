@@ -127,9 +127,9 @@ _DEFINITIONS = [
     ("mean_accepted_length", "gauge", "specray_spec_mean_accepted_length",
      "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
 ]
-_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "lora_requests", "prefix_queries", "prefix_hits", "drafts",
-                           "draft_tokens", "accepted", "accepted_per_position", "acceptance_rate",
-                           "mean_accepted_length"})
+_ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "lora_requests", "prefix_queries",
+                           "prefix_hits", "drafts", "draft_tokens", "accepted", "accepted_per_position",
+                           "acceptance_rate", "mean_accepted_length"})
 
 
 def _group(attr: str) -> str:
@@ -142,14 +142,18 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST  # of :meth:`render`
 
-    def __init__(self, model_name: str, use_ray: bool = False, groups: frozenset[str] = ALL_METRICS):
+    def __init__(self, model_name: str, use_ray: bool = False, groups: frozenset[str] = ALL_METRICS,
+                 replica: str | None = None):
+        """``replica``: the Serve replica's id, a label on every series, so that with several replicas (each
+        ``/metrics`` scrape answered by one of them) every series stays one replica's, never a counter that seems
+        to reset as scrapes alternate."""
         self.registry = CollectorRegistry()
-        self._labels = {"model": model_name}
+        self._labels = {"model": model_name} | ({"replica": replica} if replica is not None else {})
         self.groups = groups
         for attr, kind, name, doc, labels, buckets in _DEFINITIONS:
             if _group(attr) not in groups:
                 continue
-            setattr(self, attr, _Metric(kind, name, doc, ("model",) + labels, self.registry, use_ray, buckets))
+            setattr(self, attr, _Metric(kind, name, doc, (*self._labels, *labels), self.registry, use_ray, buckets))
         self._lock = threading.Lock()
         self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
         self._seen_prefix = (0, 0)  # the engine's prefix-cache totals already counted: queries, hits
@@ -188,7 +192,8 @@ class ServerMetrics:
                 for which in ("running", "waiting"):
                     self.lora_requests.record(lora.get(name, {}).get(which, 0),
                                               {**self._labels, "adapter": name, "state": which})
-            self._adapters |= set(lora)  # counters: the growth of the engine's totals (a restarted engine starts again from 0)
+            self._adapters |= set(lora)
+            # counters: the growth of the engine's totals (a restarted engine starts again from 0)
             totals = (state.get("prefix_cache_queries", 0), state.get("prefix_cache_hits", 0))
             seen = self._seen_prefix if all(t >= p for t, p in zip(totals, self._seen_prefix)) else (0, 0)
             self.prefix_queries.record(totals[0] - seen[0], self._labels)

@@ -431,7 +431,9 @@ class SpecrayEngine:
         from specray.engine.async_engine import AsyncLLMEngine
         from specray.engine.builder import build_engine
 
-        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({ENGINE_METRICS}))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({ENGINE_METRICS}),
+                                     replica=self.replica_id)
         engine = build_engine(args.engine_args())
         try:
             for lora in args.lora_requests():  # every served adapter fits the model: or the replica fails, saying why
@@ -441,7 +443,6 @@ class SpecrayEngine:
             raise
         self.aengine = AsyncLLMEngine(engine, on_step=self.metrics.record_step)
         self.client = AsyncEngineClient(self.aengine)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._outboxes: dict[str, _Outbox] = {}
         logger.info("engine replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
@@ -931,7 +932,8 @@ class SpecrayServer:
         engine_args = args.engine_args()
         self.args = args
         self.max_num_seqs = engine_args.max_num_seqs
-        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({REQUEST_METRICS}))
+        self.metrics = ServerMetrics(args.served_model_name, use_ray=True, groups=frozenset({REQUEST_METRICS}),
+                                     replica=serve.get_replica_context().replica_id.unique_id)
         trust = engine_args.trust_remote_code
         max_model_len = resolve_max_model_len(engine_args.max_model_len,
                                               load_hf_config(engine_args.model, trust_remote_code=trust))

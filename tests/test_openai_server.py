@@ -1004,6 +1004,10 @@ def test_metrics_endpoint(server, client):
     accepted = metric_value(text, "specray_spec_accepted_tokens_total")
     drafts = metric_value(text, "specray_spec_drafts_total")
     assert metric_value(text, "specray_spec_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
+    # every series names its Serve replica (the ingress's, or the engine's), so that with several replicas, whose
+    # answers to /metrics alternate, no series seems to reset
+    samples = [line for line in text.splitlines() if line.startswith("specray_")]
+    assert samples and all('replica="' in line for line in samples), [s for s in samples if 'replica="' not in s]
 
 
 def test_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, client, offline):
