@@ -369,8 +369,14 @@ class _Format:
     def sse(self, payload: Any) -> str:
         return proto.sse(payload)
 
-    def stream_opening(self, choices: list[_Choice]) -> list[Any]:
-        return self.opening(choices)
+    def stream_opening(self, choices: list[_Choice], continuous_usage: bool = False) -> list[Any]:
+        """What goes out first (a chat's role chunk per choice); ``continuous_usage``: each with its choice's usage
+        so far, none of its tokens yet (vLLM's)."""
+        chunks = self.opening(choices)
+        if continuous_usage:
+            for chunk, choice in zip(chunks, choices):
+                chunk.usage = proto.make_usage(len(choice.prompt.token_ids), 0, SpecStats())
+        return chunks
 
     def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[Any]:
         """The chunk of ``choice``'s new output, if any; ``continuous_usage``: with the choice's usage so far."""
@@ -637,7 +643,7 @@ class _ResponsesFormat(_ChatFormat):
         self.sequence += 1
         return f"event: {event['type']}\n" + proto.sse(event)
 
-    def stream_opening(self, choices: list[_Choice]) -> list[dict]:
+    def stream_opening(self, choices: list[_Choice], continuous_usage: bool = False) -> list[dict]:
         return [{"type": "response.created", "response": self._response("in_progress")},
                 {"type": "response.in_progress", "response": self._response("in_progress")}]
 
@@ -1216,7 +1222,7 @@ class OpenAIServing:
                       include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         status = "200"
         try:
-            for payload in fmt.stream_opening(choices):
+            for payload in fmt.stream_opening(choices, continuous_usage):
                 yield fmt.sse(payload)
             choice = first
             while choice is not None:

@@ -588,6 +588,9 @@ def _portable_errors():
 
 
 register_client_gone(TaskCancelledError)  # Serve cancels a request whose client left (RequestCancelledError)
+# a dead HTTP proxy under a request (Serve shutting down on Ctrl-C, a node lost): its client is cut off. The engine
+# replicas' deaths never arrive raw: RemoteEngineClient turns them into EngineUnavailableError (a 503)
+register_client_gone(RayActorError)
 
 # Engine replica id -> this process's requests in flight on it (the ingress counts, its router reads).
 _IN_FLIGHT: collections.Counter[str] = collections.Counter()

@@ -333,8 +333,9 @@ def test_n_choices_stream_interleaved_with_indices():
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
 def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(path, body):
     """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its choice's prompt
-    and output tokens so far and its speculation figures, so a client sees acceptance as it streams; the last
-    chunk still sums every choice; without the option, chunks carry no usage."""
+    and output tokens so far and its speculation figures, so a client sees acceptance as it streams (a chat's
+    opening role chunk too: none of its tokens yet, as vLLM's); the last chunk still sums every choice; without
+    the option, chunks carry no usage."""
     with app_in_thread(FakeEngineClient(tokens=3)) as base:
         options = {"include_usage": True, "continuous_usage_stats": True}
         chunks = [json.loads(e) for e in sse_events(base + path, {**body, "stream": True,
@@ -343,7 +344,8 @@ def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(pa
         for chunk in chunks[:-1]:
             usage, choice = chunk["usage"], chunk["choices"][0]
             if path.endswith("chat/completions") and choice["delta"] == {"role": "assistant", "content": ""}:
-                continue  # the opening chunk: no output yet
+                assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 0), usage  # no output yet
+                continue
             seen.setdefault(choice["index"], []).append(usage["completion_tokens"])
             prompt = 1 + (choice["index"] >= 2) if path == "/v1/completions" else 2
             assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]

@@ -971,21 +971,24 @@ def _leave_after(server: str, body: dict, seconds: float) -> None:
 
 
 def test_a_client_leaving_is_logged_as_a_departure_not_an_error(caplog):
-    """What Serve raises in a request whose client left (on a stream's disconnect check) is no server fault."""
+    """What Serve raises in a request whose client left (on a stream's disconnect check), or whose HTTP proxy died
+    under it (Serve shutting down on Ctrl-C), is no server fault: logged as a departure, without a traceback."""
     import logging
 
+    from ray.exceptions import ActorDiedError
     from ray.serve.exceptions import RequestCancelledError
 
     import specray.cluster.serve  # noqa: F401  (it names Serve's cancellation to the app)
     from specray.cluster.openai_app import to_openai_error
 
     with caplog.at_level(logging.INFO, logger="specray.cluster.openai_app"):
-        err = to_openai_error(RequestCancelledError("r-1"))
+        errors = [to_openai_error(RequestCancelledError("r-1")), to_openai_error(ActorDiedError())]
         assert to_openai_error(RuntimeError("a bug")).status == 500
-    assert (err.status, err.code) == (499, "client_closed_request")
-    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
-    assert levels[0][0] == logging.INFO and "client left" in levels[0][1]
-    assert levels[1][0] == logging.ERROR  # an unexpected error still is one
+    assert [(err.status, err.code) for err in errors] == [(499, "client_closed_request")] * 2
+    levels = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert [(level, exc_info) for level, _, exc_info in levels[:2]] == [(logging.INFO, None)] * 2
+    assert all("client left" in message for _, message, _ in levels[:2])
+    assert levels[2][0] == logging.ERROR  # an unexpected error still is one
 
 
 def test_metrics_endpoint(server, client):
