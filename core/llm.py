@@ -237,9 +237,15 @@ def _as_list(prompts) -> list:
         raise ValueError(f"prompts={prompts!r:.80} is not a prompt or a list of prompts: pass a string, "
                          "{'prompt': str}, {'prompt_token_ids': [...]}, a list of token ids, or a list of these")
     prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
+    if prompts and all(_token_ids(p) for p in prompts):  # a token-id prompt
         return [{"prompt_token_ids": prompts}]
-    return prompts
+    # vLLM's batch of token-id prompts, a list of lists of ints, beside strings and dicts
+    return [{"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) and p and all(_token_ids(t) for t in p)
+            else p for p in prompts]
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _params_per_prompt(sampling_params, n: int, defaults: dict[str, Any]) -> list[SamplingParams]:

@@ -461,6 +461,10 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     ids = plain.get_tokenizer().encode(PROMPTS[0])
     out = plain.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain_outputs[0]
+    tokenizer = plain.get_tokenizer()  # one token-id prompt, or vLLM's batch of them (beside text prompts)
+    assert token_ids(plain.generate(ids, greedy(), use_tqdm=False)) == plain_outputs[:1]
+    batch = [tokenizer.encode(PROMPTS[0]), PROMPTS[1], tuple(tokenizer.encode(PROMPTS[2]))]
+    assert token_ids(plain.generate(batch, greedy(), use_tqdm=False)) == plain_outputs[:3]
     as_dict = dataclasses.asdict(greedy())  # sampling parameters as a dict of SamplingParams' fields, one or a list
     assert token_ids(plain.generate(PROMPTS[:2], as_dict, use_tqdm=False)) == plain_outputs[:2]
     assert token_ids(plain.generate(PROMPTS[:2], [as_dict, greedy()], use_tqdm=False)) == plain_outputs[:2]
