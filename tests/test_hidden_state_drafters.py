@@ -1540,6 +1540,7 @@ def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
     assert token_ids(beside.generate(prompts, greedy(24), use_tqdm=False)) == token_ids(
         plain.generate(prompts, greedy(24), use_tqdm=False))
     assert beside.spec_stats.accepted_tokens > 0
+    (tmp_path / "config.json").write_text("{}")  # a head's folder as far as its path goes: the method is refused
     for model, extra, match in [
             (target, {}, "no MTP layer"),
             (accepting, {"num_nextn_predict_layers": 2, "num_speculative_tokens": 2}, "num_nextn_predict_layers=2"),
