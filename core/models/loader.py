@@ -78,9 +78,7 @@ def resolve_model(model: str | os.PathLike, weights: bool = True) -> ModelSource
     if path.is_dir():
         return _folder_source(path, weights)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model={str(model)!r} is a file but not a .gguf; pass an HF model folder "
-                             "(config.json + weights) or a .gguf file")
+        check_model_path(model, "model")  # a .gguf
         folder = convert_gguf(path)
         return ModelSource(folder, *_weight_files(folder), gguf_file=path.resolve())
     check_path(model, "model")
