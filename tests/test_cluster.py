@@ -1026,9 +1026,9 @@ def test_prefetch_is_used_only_when_the_target_kept_every_draft_and_its_own_toke
 def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, tiny_draft_dir, tmp_path):
     """draft_tensor_parallel_size=2: two drafter actors (gloo) hold half the draft model each and draft in
     lockstep. With a fixed K (no timing-driven policy), greedy drafts from the split model are the one-rank
-    drafts, so every acceptance count matches exactly, and the output is the plain greedy output. The target
-    drafting for itself over two ranks gets every draft accepted; drafting for itself with PARD
-    (``parallel_drafting``, its K drafts from one forward) over two ranks, every first draft, as on one rank."""
+    drafts (the draft model in the engine's process), so every acceptance count matches exactly, and the output is
+    the plain greedy output; likewise PARD's (``parallel_drafting``, its K drafts from one forward), whose every first
+    draft is accepted."""
     import ray
 
     pard = Path(shutil.copytree(tiny_llama_dir, tmp_path / "pard"))
@@ -1037,26 +1037,24 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
     prompts = prompts_for(4, seed=8)
     references = run_to_end(engine_for(tiny_llama_dir), prompts)
     stats = {}
-    for name, draft_tp in (("tiny", 1), ("tiny", 2), ("self", 2), ("pard", 1), ("pard", 2)):
-        model = {"tiny": tiny_draft_dir, "self": tiny_llama_dir, "pard": pard}[name]
-        spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3, "adaptive": False,
-                "draft_tensor_parallel_size": draft_tp, "parallel_drafting": name == "pard"}
-        engine = engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
-                            speculative_config=spec)
+    for name, draft_tp in (("tiny", 1), ("tiny", 2), ("pard", 1), ("pard", 2)):
+        spec = {"method": "draft_model", "model": str(tiny_draft_dir if name == "tiny" else pard),
+                "num_speculative_tokens": 3, "adaptive": False, "draft_tensor_parallel_size": draft_tp,
+                "parallel_drafting": name == "pard"}
+        over_ray = dict(distributed_executor_backend="ray", ray_placement=HALF_CPU) if draft_tp > 1 else {}
+        engine = engine_for(tiny_llama_dir, speculative_config=spec, **over_ray)
         try:
-            assert len(engine.drafter.actors) == draft_tp
-            # the engine checked the tokenizer and read the draft's config: the actors never import transformers
-            assert ray.get([a.run.remote(probes.imported, "transformers") for a in engine.drafter.actors]) == [
-                False] * draft_tp
+            if over_ray:
+                assert len(engine.drafter.actors) == draft_tp
+                # the engine checked the tokenizer and read the draft's config: the actors never import transformers
+                assert ray.get([a.run.remote(probes.imported, "transformers") for a in engine.drafter.actors]) == [
+                    False] * draft_tp
             assert run_to_end(engine, prompts) == references
             s = engine.spec_stats
             stats[name, draft_tp] = (s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_position[0])
         finally:
-            engine.drafter.shutdown()
-            engine.executor.shutdown()
-    assert stats["tiny", 2] == stats["tiny", 1], stats
-    drafts, draft_tokens, accepted, _ = stats["self", 2]
-    assert drafts > 0 and accepted == draft_tokens, stats
+            engine.shutdown()
+    assert stats["tiny", 2] == stats["tiny", 1] and stats["tiny", 1][0] > 0, stats
     assert stats["pard", 2] == stats["pard", 1] and stats["pard", 2][3] == stats["pard", 2][0] > 0, stats
 
 
