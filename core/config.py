@@ -96,6 +96,7 @@ class SpeculativeConfig:
     # draft policy alone decides)
     disable_by_batch_size: int | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's own options, as given
+    count_given: bool = dataclasses.field(default=True, compare=False, repr=False)  # num_speculative_tokens was given
 
     def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
                  options: dict[str, Any] | None = None, acceptance: str = "rejection",
@@ -116,6 +117,8 @@ class SpeculativeConfig:
                              f"{num_speculative_tokens!r} and {aliases}; give num_speculative_tokens only")
         self.method = method
         self.num_speculative_tokens = given[0] if given else 5
+        # not given: the registry may settle it from the method's options (lookahead's whole tree, MTP's modules)
+        self.count_given = bool(given)
         self.adaptive = adaptive
         self.acceptance = acceptance
         self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
@@ -187,8 +190,8 @@ class SpeculativeConfig:
             rule.update({name: getattr(self, name) for name in phase if getattr(self, name) is not None})
         if self.disable_by_batch_size is not None:
             rule["disable_by_batch_size"] = self.disable_by_batch_size
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "adaptive": self.adaptive, **rule, **self.options}
+        count = {"num_speculative_tokens": self.num_speculative_tokens} if self.count_given else {}
+        return {"method": self.method, **count, "adaptive": self.adaptive, **rule, **self.options}
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

@@ -156,6 +156,11 @@ class MTPOptions(HeadOptions):
     def num_modules(self) -> int:
         return self.num_nextn_predict_layers or 1
 
+    @property
+    def default_draft_count(self) -> int | None:
+        """``num_speculative_tokens`` when it is not given: one draft per module when there are several."""
+        return self.num_modules if self.num_modules > 1 else None
+
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         if self.num_modules > 1 and num_speculative_tokens > self.num_modules:
             raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens} with "

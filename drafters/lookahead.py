@@ -91,6 +91,11 @@ class LookaheadOptions:
         """The whole tree: the lookahead branch and G n-grams of N - 1 tokens (fewer when they share a prefix)."""
         return self.lookahead_nodes + self.max_verification_set_size * (self.max_ngram_size - 1)
 
+    @property
+    def default_draft_count(self) -> int:
+        """``num_speculative_tokens`` when it is not given: the whole tree."""
+        return self.tree_size
+
 
 @dataclass(slots=True)
 class _Layout:

@@ -171,9 +171,14 @@ def _option_names(method: str) -> set[str]:
 
 
 def check(spec: SpeculativeConfig | None) -> None:
-    """Everything about ``spec`` that needs its method: the name, and its options."""
-    if spec is not None:
-        options_of(spec)
+    """Everything about ``spec`` that needs its method: the name, and its options. A draft count left unset
+    becomes the method's own where its options imply one (``default_draft_count``: lookahead's whole tree, one
+    draft per MTP module), else stays 5."""
+    if spec is None:
+        return
+    default = getattr(options_of(spec), "default_draft_count", None)
+    if not spec.count_given and default is not None:
+        spec.num_speculative_tokens, spec.count_given = default, True
 
 
 def has_weights(method: str) -> bool:

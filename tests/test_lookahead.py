@@ -24,8 +24,9 @@ from specray_test_host_sync import sync_recorder  # tests/host_sync.py (register
 SPECS = {
     "default": LOOKAHEAD,
     "adaptive": {**LOOKAHEAD, "adaptive": True},
-    "n2": {"method": "lookahead", "num_speculative_tokens": 7, "max_window_size": 5, "max_ngram_size": 2,
-           "max_verification_set_size": 3, "adaptive": False},
+    # no num_speculative_tokens: the whole tree's 4 + 3 nodes
+    "n2": {"method": "lookahead", "max_window_size": 5, "max_ngram_size": 2, "max_verification_set_size": 3,
+           "adaptive": False},
     "n4-window-only-pool": {"method": "lookahead", "num_speculative_tokens": 20, "window_size": 3, "ngram_size": 4,
                             "verification_set_size": 2, "pool_from_history": False, "adaptive": False},
 }
@@ -203,6 +204,26 @@ def test_bad_options_are_clear_errors(tiny_llama_dir, options, match):
     spec = {"method": "lookahead", "num_speculative_tokens": 64, **options}
     with pytest.raises(ValueError, match=match):
         LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=spec)
+
+
+def test_a_draft_count_left_unset_is_the_methods_own():
+    """Unset, ``num_speculative_tokens`` is lookahead's whole tree (W - 1 + W(N - 2) + G(N - 1)) and one draft per
+    MTP module when there are several; given, it stays as given; elsewhere the default 5."""
+    from specray.drafters import registry
+
+    def settled(**spec) -> int:
+        config = SpeculativeConfig.from_any(spec)
+        registry.check(config)
+        return config.num_speculative_tokens
+
+    assert settled(method="lookahead") == 15
+    assert settled(method="lookahead", max_window_size=5, max_ngram_size=2, max_verification_set_size=3) == 7
+    assert settled(method="lookahead", num_speculative_tokens=20) == 20
+    assert settled(method="mtp", num_nextn_predict_layers=3) == 3
+    assert settled(method="mtp", num_nextn_predict_layers=3, num_speculative_tokens=2) == 2
+    assert settled(method="mtp") == settled(method="ngram") == 5
+    assert settled(**SpeculativeConfig.from_any({"method": "lookahead"}).to_dict()) == 15  # unset travels unset
+    assert settled(**SpeculativeConfig.from_any({"method": "lookahead", "num_speculative_tokens": 15}).to_dict()) == 15
 
 
 # ---- the policy: all or nothing ----------------------------------------------------------------------------------
