@@ -610,6 +610,187 @@ def test_a_gpt_oss_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cac
     assert outs[0] == outs[1]
 
 
+# the hybrid linear-attention Qwens of tests/hybrid_models.py -> llama.cpp's architecture for each
+HYBRID_QWEN_GGUF = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+
+
+def _grouped_to_tiled(t: torch.Tensor, dim: int, key_heads: int, per_key: int, size: int = 1) -> torch.Tensor:
+    """llama.cpp's reorder of value heads (``size`` wide each) along ``dim``: grouped by key head
+    (``k0v0 k0v1 k1v0 k1v1``) to tiled (``k0v0 k1v0 k0v1 k1v1``)."""
+    shape = t.shape
+    return t.reshape(*shape[:dim], key_heads, per_key, size, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def _hybrid_qwen_tensor(name: str, t: torch.Tensor, cfg: dict, arch: str) -> list[tuple[str, torch.Tensor]]:
+    """What llama.cpp's converter makes of one HF tensor of a hybrid Qwen (HF names, as its name map then reads
+    them): Qwen3.5's value heads tiled, ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``dt_proj.bias``, the conv
+    squeezed to [C, K], the stack's norms as ``1 + w``, Qwen3-Next's ``in_proj_qkvz`` split into all q, k, v (rows)
+    and all z."""
+    nk, hk, hv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    per_key, qk_rows = cfg["linear_num_value_heads"] // nk, 2 * nk * hk
+    if arch != "qwen3next" and ".linear_attn." in name:  # llama.cpp's _LinearAttentionVReorderBase
+
+        def tile(x: torch.Tensor, dim: int = 0, size: int = 1) -> torch.Tensor:
+            return _grouped_to_tiled(x, dim, nk, per_key, size)
+
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = t.squeeze()
+            t = torch.cat([t[:qk_rows], tile(t[qk_rows:], size=hv)])
+        elif name.endswith("in_proj_z.weight"):
+            t = tile(t, size=hv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            t = tile(t)
+        elif name.endswith("out_proj.weight"):
+            t = tile(t, 1, hv)
+    if name.endswith(".A_log"):
+        t = -torch.exp(t)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix("dt_bias") + "dt_proj.bias"
+    elif "conv1d" in name:
+        t = t.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        t = t + 1
+    if name.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> [all q, all k, all v], [all z]
+        v_width = per_key * hv
+        q, k, v, z = t.reshape(nk, -1, t.shape[-1]).split([hk, hk, v_width, v_width], dim=1)
+        base = name.removesuffix("in_proj_qkvz.weight")
+        qkv = torch.cat([q.reshape(-1, t.shape[-1]), k.reshape(-1, t.shape[-1]), v.reshape(-1, t.shape[-1])])
+        return [(base + "in_proj_qkv.weight", qkv), (base + "in_proj_z.weight", z.reshape(-1, t.shape[-1]))]
+    return [(name, t)]
+
+
+def write_hybrid_qwen_gguf(folder: Path, out: Path, arch: str, fused: bool = False, mtp: bool = False) -> Path:
+    """A float32 GGUF of the tiny hybrid Qwen in ``folder`` as llama.cpp's converter writes ``arch`` (``qwen35``,
+    ``qwen35moe``, ``qwen3next``): its hyperparameters (the linear layers' as ``ssm.*``, the kinds of layers as
+    ``full_attention_interval``, partial RoPE as ``rope.dimension_count``, multimodal RoPE's sections padded to 4,
+    the experts'), the byte-level BPE tokenizer and the tensors as :func:`_hybrid_qwen_tensor` transforms them, the
+    experts stacked per kind (gate and up in one ``ffn_gate_up_exps`` [E, 2I, H] when ``fused``: llama.cpp's
+    ``--fuse-gate-up-exps``). ``mtp``: a multi-token-prediction block after the layers, as newer llama.cpp writes
+    it (counted in ``block_count``, ``nextn_predict_layers`` 1)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    layers, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    interval = cfg["layer_types"].index("full_attention") + 1
+    assert cfg["layer_types"] == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                  for i in range(layers)], "a GGUF has no other pattern than every interval-th"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    rope = cfg["rope_parameters"]
+    if "mrope_section" in rope:  # padded to 4
+        w.add_rope_dimension_sections(list(rope["mrope_section"]) + [0] * (4 - len(rope["mrope_section"])))
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if "beta_fast" in rope:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if "beta_slow" in rope:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("num_experts"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if cfg.get("num_experts"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+    stacked: dict[str, list] = {}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        parts = name.split(".")
+        if ".experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight: stacked by kind
+            stacked.setdefault(".".join(parts[:5] + parts[6:]), []).append((int(parts[5]), tensor))
+            continue
+        for hf_name, value in _hybrid_qwen_tensor(name, tensor, cfg, arch):
+            w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+    experts = {name: torch.stack([t for _, t in sorted(group, key=lambda e: e[0])]) for name, group in stacked.items()}
+    for name, value in experts.items():
+        if fused and name.endswith("gate_proj.weight"):  # gate rows, then up rows
+            value = torch.cat([value, experts[name.replace("gate_proj", "up_proj")]], 1)
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)).replace("gate_exps", "gate_up_exps"),
+                         value.float().numpy())
+        elif not (fused and name.endswith("up_proj.weight")):
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), value.float().numpy())
+    if mtp:  # a few of the MTP block's tensors: enough to be left out
+        hidden = cfg["hidden_size"]
+        w.add_tensor(f"blk.{layers}.attn_norm.weight", torch.ones(hidden).numpy())
+        w.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", torch.zeros(hidden, 2 * hidden).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("arch, variant", [("qwen3_5", ""), ("qwen3_5", "mrope-mtp"), ("qwen3_5_moe", ""),
+                                           ("qwen3_5_moe", "fused"), ("qwen3_next", ""), ("qwen3_next", "yarn")])
+def test_a_hybrid_qwen_gguf_matches_transformers(tmp_path, gguf_cache, arch, variant):
+    """A GGUF of Qwen3.5, Qwen3.5-MoE or Qwen3-Next as llama.cpp writes it (the linear layers' sizes as ``ssm.*``,
+    the layers' kinds as an interval; value heads tiled (Qwen3.5's), ``A`` as ``-exp(A_log)``, the conv squeezed,
+    ``1 + w`` norms, Qwen3-Next's ``in_proj_qkvz`` split, stacked experts; with multimodal RoPE's sections and an MTP
+    block, gate and up fused, or YaRN) is read by specray's own mapping into our model: its logits (the recurrent state
+    carried over chunks, decode steps) equal transformers' on the original folder, and the engine's greedy output with
+    n-gram drafts on the GGUF equals the folder's."""
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+    from specray import LLM
+
+    # 3 value heads per key head: llama.cpp's reorder then differs from its inverse (with 2 they are the same)
+    overrides = dict(linear_num_value_heads=6)
+    if "mrope" in variant:  # a release's: sections over the 2 rotated pairs, which text gives the same position
+        overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    if variant == "yarn":  # betas other than the defaults (32, 1), so that the file's are read
+        overrides["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                        "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
+                                        "beta_slow": 2.0}
+    folder = hybrid.save(tmp_path / arch, arch, 7, **overrides)
+    path = write_hybrid_qwen_gguf(folder, tmp_path / f"{arch}.gguf", HYBRID_QWEN_GGUF[arch],
+                                  fused="fused" in variant, mtp="mtp" in variant)
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    fields = ("model_type", "architectures", "layer_types", "rope_parameters", "num_hidden_layers", "head_dim",
+              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_conv_kernel_dim", "tie_word_embeddings", "vocab_size", "eos_token_id", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)  # (a float32 in the GGUF)
+    model = load_model(str(path), pack=False)
+    hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
+    outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+def test_a_hybrid_qwen_gguf_lacking_what_llama_cpp_writes_is_refused(tmp_path, gguf_cache):
+    """A ``qwen35`` GGUF without the hyperparameters llama.cpp writes for one is refused naming the key and the way
+    out, and leaves no conversion behind."""
+    from specray import LLM
+
+    path = write_bare_gguf(tmp_path / "tiny-qwen35.gguf", "qwen35")
+    with pytest.raises(ValueError, match=r"lacks qwen35.attention.head_count, which llama.cpp writes for every qwen35 "
+                                         r"model; convert the model again.*or pass its HF checkpoint"):
+        LLM(model=str(path))
+    assert not any((gguf_cache / "gguf").glob("tiny-qwen35-*"))
+
+
 def write_bare_gguf(path: Path, arch: str) -> Path:
     """A GGUF of llama.cpp architecture ``arch`` with a few hyperparameters and two tensors: enough to be refused."""
     import gguf
@@ -636,7 +817,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               r"\['gemma2', 'gemma3', 'gpt-oss', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'phi3', 'qwen2', "
-              r"'qwen2moe', 'qwen3', 'qwen3moe', 'starcoder2'\]"),
+              r"'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF
