@@ -80,6 +80,10 @@ class EngineClient(Protocol):
         """Whether an engine can take requests now (``GET /health``)."""
         ...
 
+    def down_reason(self) -> str:
+        """Why :meth:`is_healthy` said no, for the 503's message: the engine still starting, or down."""
+        ...
+
 
 class EngineUnavailableError(EngineError):
     """No engine can take the request now (its loop stopped; the replica is being replaced): a fast 503 that
@@ -118,6 +122,9 @@ class AsyncEngineClient:
 
     async def is_healthy(self) -> bool:
         return self.aengine.is_running
+
+    def down_reason(self) -> str:
+        return "the engine loop is not running"
 
 
 @dataclass
@@ -929,8 +936,8 @@ class OpenAIServing:
     async def health(self) -> Response:
         if await self.client.is_healthy():
             return JSONResponse({"status": "ok"})
-        return error_response(proto.OpenAIError(503, "the engine loop is not running", "server_error",
-                                                code="engine_dead"))
+        return error_response(proto.OpenAIError(503, self.client.down_reason(), "server_error",
+                                                code="engine_unavailable"))
 
     async def prometheus(self) -> Response:
         engine_text = b""

@@ -786,12 +786,14 @@ class RemoteEngineClient:
             logger.debug("engine probe: %r", err)
             return False
 
-    def _check_up(self) -> None:
-        if self._down_since is None:
-            return
+    def down_reason(self) -> str:
         if not self._ready_once:
-            raise EngineUnavailableError("the engine replica is still starting; retry shortly")
-        raise EngineUnavailableError("the engine replica is down and Serve is starting a new one; retry shortly")
+            return "the engine replica is still starting; retry shortly"
+        return "the engine replica is down and Serve is starting a new one; retry shortly"
+
+    def _check_up(self) -> None:
+        if self._down_since is not None:
+            raise EngineUnavailableError(self.down_reason())
 
     @contextlib.contextmanager
     def _translated(self):

@@ -607,7 +607,8 @@ def test_dead_engine_gives_a_fast_503_in_openai_shape():
         status, err = error_of(http_json(base + "/v1/chat/completions",
                                          {"messages": [{"role": "user", "content": "hi"}], "stream": True}))
         assert (status, err["code"]) == (503, "engine_unavailable")
-        assert error_of(http_json(base + "/health"))[0] == 503
+        status, err = error_of(http_json(base + "/health"))
+        assert (status, err["code"], err["message"]) == (503, "engine_unavailable", "the engine loop is not running")
         status, err = error_of(http_json(base + "/v1/debug/kv"))
         assert (status, err["code"]) == (503, "engine_unavailable")
         assert time.monotonic() - start < 5
@@ -701,6 +702,7 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
         handle = _FakeEngineHandle()
         client = RemoteEngineClient(handle, FakeTokenizer(), 64, ack_timeout_s=1.0, probe_interval_s=0.05)
         assert not await client.is_healthy()  # before any engine replica has answered: /health is 503
+        assert "still starting" in client.down_reason()  # its message: not a dead engine
         with pytest.raises(EngineUnavailableError, match="still starting"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
         handle.up = True
@@ -714,6 +716,7 @@ def test_a_request_no_engine_replica_takes_is_a_503_and_the_next_ones_fail_fast_
         with pytest.raises(EngineUnavailableError, match="no engine replica took the request"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
         assert handle.cancelled == 1 and not await client.is_healthy()
+        assert "down and Serve is starting a new one" in client.down_reason()
         start = time.monotonic()
         with pytest.raises(EngineUnavailableError, match="retry shortly"):
             await anext(client.generate([1], SamplingParams(max_tokens=2)))
