@@ -351,17 +351,28 @@ def merge_engine_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+_FLAG_KEYS = {"spec_method", "num_spec_tokens", "draft_model", "placement_strategy", "speculative_config"}
+
+
+def _key_names(keys: list[str]) -> str:
+    """Keys as a Serve config and, where it has a flag for one, ``specray serve`` spell them:
+    ``spec_method (--spec-method)``."""
+    return " and ".join(f"{k} (--{k.replace('_', '-')})" if k in _FLAG_KEYS else k for k in keys)
+
+
 def _apply_shorthands(args: dict[str, Any], merged: dict[str, Any]) -> None:
     values = {k: _coerce(k, args[k], _SHORTHAND_TYPES[k]) for k in SHORTHANDS if k in args}
     values = {k: v for k, v in values.items() if v is not None}
     spec_keys = [k for k in values if SHORTHANDS[k][0] == "speculative_config"]
     if spec_keys and "spec_method" not in values:
-        raise ValueError(f"{spec_keys} need spec_method (or give speculative_config, e.g. "
-                         '{"method": "ngram", "num_speculative_tokens": 5})')
+        raise ValueError(f"{_key_names(spec_keys)} {'needs' if len(spec_keys) == 1 else 'need'} "
+                         f"{_key_names(['spec_method'])}, or give {_key_names(['speculative_config'])} instead "
+                         '(e.g. {"method": "ngram", "num_speculative_tokens": 5})')
     for section in {SHORTHANDS[k][0] for k in values}:
         if merged.get(section) is not None:
             keys = [k for k in values if SHORTHANDS[k][0] == section]
-            raise ValueError(f"{keys} and {section} are both given; put their keys into {section} instead")
+            raise ValueError(f"{_key_names(keys)} and {_key_names([section])} are both given; put "
+                             f"{'its value' if len(keys) == 1 else 'their values'} into {section} instead")
         merged[section] = {}
     for key, value in values.items():
         section, name = SHORTHANDS[key]

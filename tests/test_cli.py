@@ -233,7 +233,10 @@ def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
     port = str(_free_port())
     for flags, expected in ((["--engine-kwargs", "blok_size=32"], "blok_size"),
                             (["--speculative-config", '{"metod": "ngram"}'], "metod"),
-                            (["--spec-method", "ngram", "--speculative-config", '{"method": "ngram"}'], "both given"),
+                            (["--spec-method", "ngram", "--speculative-config", '{"method": "ngram"}'],
+                             "spec_method (--spec-method) and speculative_config (--speculative-config) are both given"),
+                            (["--num-spec-tokens", "4"], "num_spec_tokens (--num-spec-tokens) needs spec_method "
+                                                         "(--spec-method), or give speculative_config"),
                             (["--engine-kwargs", "model=/x"], "model is given both")):
         assert main(["serve", "--model", str(tiny_llama_dir), "--port", port, *flags]) == 2, flags
         err = capsys.readouterr().err
