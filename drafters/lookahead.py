@@ -96,6 +96,36 @@ class LookaheadOptions:
         """``num_speculative_tokens`` when it is not given: the whole tree."""
         return self.tree_size
 
+    def check_budget(self, k: int) -> None:
+        """The tree must fit ``k`` = ``num_speculative_tokens`` drafts (checked before anything starts)."""
+        if k < self.tree_size:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k} is smaller than method='lookahead''s tree of "
+                f"{self.tree_size} nodes (W - 1 + W * (N - 2) + G * (N - 1) with max_window_size W="
+                f"{self.max_window_size}, max_ngram_size N={self.max_ngram_size}, max_verification_set_size G="
+                f"{self.max_verification_set_size}); raise num_speculative_tokens to {self.tree_size} (or leave it "
+                "unset), or lower max_verification_set_size, max_window_size or max_ngram_size")
+
+    @classmethod
+    def fitted_to(cls, k: int) -> dict[str, int]:
+        """Options whose tree fits ``k`` drafts, the defaults shrunk step by step until it does (the verification
+        set first, then the window's columns, then the n-gram length): a per-request ``speculative_method`` on an
+        engine whose ``num_speculative_tokens`` is below the default tree."""
+        o = cls()
+        W, N, G = o.max_window_size, o.max_ngram_size, o.max_verification_set_size
+        while (W - 1 + W * (N - 2) + G * (N - 1)) > k:
+            if G > 1:
+                G -= 1
+            elif W > 2:
+                W -= 1
+            elif G > 0:
+                G -= 1
+            elif N > 2:
+                N -= 1
+            else:
+                break
+        return {"max_window_size": W, "max_ngram_size": N, "max_verification_set_size": G}
+
 
 @dataclass(slots=True)
 class _Layout:
@@ -208,14 +238,7 @@ class LookaheadDrafter(LookupDrafter):
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         super().__init__(spec, ctx)
-        o, k = self.options, self.num_speculative_tokens
-        if k < o.tree_size:
-            raise ValueError(
-                f"speculative_config.num_speculative_tokens={k} is smaller than method='lookahead''s tree of "
-                f"{o.tree_size} nodes (W - 1 + W * (N - 2) + G * (N - 1) with max_window_size W={o.max_window_size}, "
-                f"max_ngram_size N={o.max_ngram_size}, max_verification_set_size G={o.max_verification_set_size}); "
-                f"raise num_speculative_tokens to {o.tree_size}, or lower max_verification_set_size, "
-                "max_window_size or max_ngram_size")
+        self.options.check_budget(self.num_speculative_tokens)
 
     def observe_node_tokens(self, req_id: str, node_tokens: Sequence[int]) -> None:
         """The target's argmax after each node of this request's last proposal (-1: not verified)."""

@@ -176,9 +176,13 @@ def check(spec: SpeculativeConfig | None) -> None:
     draft per MTP module), else stays 5."""
     if spec is None:
         return
-    default = getattr(options_of(spec), "default_draft_count", None)
+    options = options_of(spec)
+    default = getattr(options, "default_draft_count", None)
     if not spec.count_given and default is not None:
         spec.num_speculative_tokens, spec.count_given = default, True
+    check_budget = getattr(options, "check_budget", None)  # what the draft count must hold, known without files
+    if check_budget is not None:
+        check_budget(spec.num_speculative_tokens)
 
 
 def has_weights(method: str) -> bool:

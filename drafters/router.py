@@ -76,8 +76,8 @@ class DrafterRouter:
 
     def prepare(self, method: str) -> None:
         """Build ``method``'s drafter now, at a request's admission: a method that cannot run with this engine's
-        settings (lookahead's tree larger than ``num_speculative_tokens``) is that request's ValueError, not a
-        failed step."""
+        settings is that request's ValueError, not a failed step (lookahead's tree is fitted to the engine's
+        ``num_speculative_tokens``)."""
         try:
             self._drafter(method)
         except ValueError as err:
@@ -87,7 +87,9 @@ class DrafterRouter:
     def _drafter(self, method: str) -> Drafter:
         found = self._built.get(method)
         if found is None:
-            spec = SpeculativeConfig(method=method, num_speculative_tokens=self.spec.num_speculative_tokens)
+            k = self.spec.num_speculative_tokens
+            fitted = getattr(registry.options_class(method), "fitted_to", None)  # lookahead's tree within k
+            spec = SpeculativeConfig(method=method, num_speculative_tokens=k, **(fitted(k) if fitted else {}))
             found = self._built[method] = registry.drafter_class(method)(spec, self._ctx)
         return found
 

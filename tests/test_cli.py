@@ -234,7 +234,10 @@ def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
     for flags, expected in ((["--engine-kwargs", "blok_size=32"], "blok_size"),
                             (["--speculative-config", '{"metod": "ngram"}'], "metod"),
                             (["--spec-method", "ngram", "--speculative-config", '{"method": "ngram"}'],
-                             "spec_method (--spec-method) and speculative_config (--speculative-config) are both given"),
+                             "spec_method (--spec-method) and speculative_config (--speculative-config) are both "
+                             "given"),
+                            (["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 3}'],
+                             "num_speculative_tokens=3 is smaller than method='lookahead''s tree"),
                             (["--num-spec-tokens", "4"], "num_spec_tokens (--num-spec-tokens) needs spec_method "
                                                          "(--spec-method), or give speculative_config"),
                             (["--engine-kwargs", "model=/x"], "model is given both")):

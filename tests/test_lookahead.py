@@ -222,8 +222,22 @@ def test_a_draft_count_left_unset_is_the_methods_own():
     assert settled(method="mtp", num_nextn_predict_layers=3) == 3
     assert settled(method="mtp", num_nextn_predict_layers=3, num_speculative_tokens=2) == 2
     assert settled(method="mtp") == settled(method="ngram") == 5
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=5 is smaller .* 15 nodes"):
+        settled(method="lookahead", num_speculative_tokens=5)  # before any engine is built (the server's check)
     assert settled(**SpeculativeConfig.from_any({"method": "lookahead"}).to_dict()) == 15  # unset travels unset
     assert settled(**SpeculativeConfig.from_any({"method": "lookahead", "num_speculative_tokens": 15}).to_dict()) == 15
+
+
+def test_a_tree_fitted_to_fewer_drafts_shrinks_the_defaults_least():
+    """What a per-request lookahead runs with on an engine whose K is below the default tree: a tree within K, the
+    verification set shrunk first, then the window, then the n-gram length."""
+    from specray.drafters.lookahead import LookaheadOptions
+
+    assert LookaheadOptions.fitted_to(15) == {"max_window_size": 4, "max_ngram_size": 3, "max_verification_set_size": 4}
+    assert LookaheadOptions.fitted_to(5) == {"max_window_size": 2, "max_ngram_size": 3, "max_verification_set_size": 1}
+    for k in range(1, 40):
+        options = LookaheadOptions(**LookaheadOptions.fitted_to(k))
+        assert 0 < options.tree_size <= k and (k < 15 or options.tree_size == 15), (k, options)
 
 
 # ---- the policy: all or nothing ----------------------------------------------------------------------------------
