@@ -13,6 +13,7 @@ import torch
 
 from specray.models import loader
 from specray.models.attention import build_attention_metadata
+from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
 from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, split_experts, write_fp8,  # tests/checkpoints.py,
@@ -791,6 +792,307 @@ def test_a_hybrid_qwen_gguf_lacking_what_llama_cpp_writes_is_refused(tmp_path, g
     assert not any((gguf_cache / "gguf").glob("tiny-qwen35-*"))
 
 
+# a case -> (the Mamba-2 hybrid of tests/hybrid_models.py, llama.cpp's architecture, the tiny model's overrides).
+# llama.cpp's converter writes a Granite 4.0 hybrid's attention without RoPE whatever its config says (only Bamba's
+# rotates), so the dense Granite is NoPE here, as the releases are; Nemotron-H with experts has no dense MLP layer
+# (the converter marks only the experts' layers), its experts over a latent width (Nemotron 3 Super's) or not (Nano's).
+_NEMOTRON_3 = ["linear_attention", "moe", "full_attention", "moe", "linear_attention"]
+# Falcon-H1 as the converter can write it: no in_proj bias (it scales in_proj's rows as 2-D), no attention biases (it
+# scales them with the attention's input multiplier, which HF applies before them), the LM head's multiplier the
+# embedding's (tied, it has no LM head of its own to scale: llama.cpp's output is the scaled embedding)
+_FALCON_H1 = dict(mamba_proj_bias=False, attention_bias=False, lm_head_multiplier=2.0)
+MAMBA2_GGUF = {"granite": ("granite", "granitehybrid", {}), "bamba": ("bamba", "granitehybrid", {}),
+               "granite_dense": ("granite_dense", "granitehybrid", dict(position_embedding_type="nope")),
+               "nemotron_h": ("nemotron_h", "nemotron_h", {}),
+               "nemotron_h_moe": ("nemotron_h_moe", "nemotron_h_moe", dict(layers_block_type=_NEMOTRON_3)),
+               "nemotron_h_moe_nano": ("nemotron_h_moe", "nemotron_h_moe",
+                                       dict(layers_block_type=_NEMOTRON_3, moe_latent_size=None)),
+               "falcon_h1": ("falcon_h1", "falcon-h1", _FALCON_H1), "falcon_h1_gate": ("falcon_h1_gate", "falcon-h1",
+                                                                               _FALCON_H1)}
+
+
+def _llama_permute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for its RoPE: each head's two halves interleaved."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _mamba2_tensors(name: str, t: torch.Tensor, cfg: dict, kinds: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """What llama.cpp's converter makes of one HF tensor of a Mamba-2 hybrid (HF names, as its name map then reads
+    them): ``dt_bias`` as ``dt_proj.bias``, ``A_log`` as ``-exp(A_log)`` [H, 1], ``D`` [H, 1], the conv squeezed to
+    [C, K], the gated norm [groups, inner / groups], an attention layer's q/k rows permuted for RoPE, Granite's fused
+    experts and shared MLP split into gate and up (the shared MLP's into the dense ``ffn_*`` where there are no
+    experts)."""
+    groups = cfg.get("mamba_n_groups") or cfg["n_groups"]
+    parts = name.split(".")
+    layer = int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
+    if cfg["model_type"] == "falcon_h1":  # every muP multiplier folded into the weights
+        t = _falcon_h1_fold(name, t, cfg)
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix("dt_bias") + "dt_proj.bias", t)]
+    if name.endswith("e_score_correction_bias"):
+        return [(name.replace("e_score_correction_bias", "e_score_correction.bias"), t)]
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t).reshape(-1, 1))]
+    if name.endswith(".D"):
+        return [(name, t.reshape(-1, 1))]
+    if name.endswith("conv1d.weight"):
+        return [(name, t.squeeze())]
+    if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) and kinds[layer] == "linear_attention":
+        return [(name, t.reshape(groups, -1))]
+    if layer is not None and kinds[layer] == "full_attention" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+        return [(name, _llama_permute(t, heads))]
+    if name.endswith("block_sparse_moe.input_linear.weight"):  # [E, 2I, H]: gate rows, then up rows
+        gate, up = t.split(cfg["intermediate_size"], dim=-2)
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    experts = bool(cfg.get("num_local_experts"))
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = t.split(cfg["shared_intermediate_size"], dim=-2)
+        suffix = "_shexp" if experts else ""
+        return [(f"blk.{layer}.ffn_gate{suffix}.weight", gate), (f"blk.{layer}.ffn_up{suffix}.weight", up)]
+    if name.endswith("shared_mlp.output_linear.weight") and not experts:
+        return [(f"blk.{layer}.ffn_down.weight", t)]
+    return [(name, t)]
+
+
+def _falcon_h1_fold(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """llama.cpp's converter folds Falcon-H1's multipliers into its weights (and their biases), by name."""
+    inner, bc = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+    for part, scale in (("down_proj", cfg["mlp_multipliers"][1]), ("gate_proj", cfg["mlp_multipliers"][0]),
+                        ("k_proj", cfg["key_multiplier"] * cfg["attention_in_multiplier"]),
+                        ("q_proj", cfg["attention_in_multiplier"]), ("v_proj", cfg["attention_in_multiplier"]),
+                        ("o_proj", cfg["attention_out_multiplier"]), ("out_proj", cfg["ssm_out_multiplier"]),
+                        ("in_proj", cfg["ssm_in_multiplier"]), ("lm_head", cfg["lm_head_multiplier"]),
+                        ("embed_tokens", cfg["embedding_multiplier"])):
+        if part in name:
+            t = t * scale
+            if part == "in_proj":  # z, x, B, C, dt rows
+                sizes = [inner, inner, bc, bc, t.shape[0] - 2 * inner - 2 * bc]
+                t = torch.cat([rows * m for rows, m in zip(t.split(sizes), cfg["ssm_multipliers"])])
+            return t
+    return t
+
+
+def write_mamba2_gguf(folder: Path, out: Path, arch: str) -> Path:
+    """A float32 GGUF of the tiny Mamba-2 hybrid in ``folder`` as llama.cpp's converter writes ``arch``
+    (``granitehybrid``: a Granite 4.0 hybrid or Bamba; ``nemotron_h``, ``nemotron_h_moe``; ``falcon-h1``:
+    :func:`_write_falcon_h1_gguf`): its hyperparameters as the converter's
+    Granite / Mamba-2 / Nemotron-H classes write them (the kinds of layers as per-layer K/V heads and, Nemotron-H's,
+    feed-forward widths; the SSM's sizes as ``ssm.*``; Granite's multipliers as scales; whether the attention rotates
+    as ``rope.scaling.finetuned``: Bamba's only, over ``attn_rotary_emb`` dims; a context length of 2^20 where it
+    does not), the byte-level BPE tokenizer (the converter pads the vocabulary to a multiple of 8: already one here)
+    and the tensors as :func:`_mamba2_tensors` transforms them. The converter reads the release's config.json
+    (``hybrid_override_pattern``, ``layer_types`` of "mamba" / "attention", ``attn_rotary_emb``); transformers 5 saves
+    them otherwise, so they are taken from the config here."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = json.loads((folder / "config.json").read_text())
+    if arch == "falcon-h1":
+        return _write_falcon_h1_gguf(folder, out, cfg)
+    config = AutoConfig.from_pretrained(folder)
+    kinds = list(getattr(config, "layers_block_type", None) or config.layer_types)
+    layers, bamba, nemotron = len(kinds), cfg["model_type"] == "bamba", arch.startswith("nemotron_h")
+    assert cfg["vocab_size"] % 8 == 0, "the converter pads the vocabulary to a multiple of 8"
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"] if bamba else 2 ** 20)
+    w.add_embedding_length(hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv([cfg["num_key_value_heads"] if k == "full_attention" else 0 for k in kinds])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(hidden // heads // 2 if bamba else hidden // heads)  # Bamba's attn_rotary_emb
+    w.add_rope_scaling_finetuned(bamba)  # llama.cpp's "use RoPE"
+    if nemotron:
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        if arch == "nemotron_h_moe":  # the experts' layers marked by their width
+            assert "mlp" not in kinds, "the converter marks no dense MLP layer of a Nemotron-H with experts"
+            w.add_feed_forward_length([cfg["moe_intermediate_size"] if k == "moe" else 0 for k in kinds])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            w.add_expert_count(cfg["n_routed_experts"])
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            w.add_expert_group_count(cfg["n_group"])
+            w.add_expert_group_used_count(cfg["topk_group"])
+            if cfg.get("moe_latent_size") is not None:
+                w.add_moe_latent_size(cfg["moe_latent_size"])
+        else:
+            w.add_feed_forward_length([cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
+        inner, ssm_heads = cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["mamba_num_heads"]
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["ssm_state_size"])
+        w.add_ssm_group_count(cfg["n_groups"])
+    else:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        if "num_local_experts" in cfg:
+            w.add_expert_count(cfg["num_local_experts"])
+        if "num_experts_per_tok" in cfg:
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+        for key, add in (("attention_multiplier", w.add_attention_scale),
+                         ("embedding_multiplier", w.add_embedding_scale),
+                         ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+            if cfg.get(key):
+                add(cfg[key])
+        if cfg.get("shared_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        inner, ssm_heads = cfg["mamba_expand"] * hidden, cfg["mamba_n_heads"]
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(ssm_heads)
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map({"granitehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
+                                      "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
+                                      "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE}[arch], layers)
+    stacked: dict[str, list] = {}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        parts = name.split(".")
+        if ".mixer.experts." in name:  # backbone.layers.i.mixer.experts.e.up_proj.weight: stacked by kind
+            stacked.setdefault(f"blk.{parts[2]}.ffn_{parts[6].removesuffix('_proj')}_exps.weight", []).append(
+                (int(parts[5]), tensor))
+            continue
+        for hf_name, value in _mamba2_tensors(name, tensor, cfg, kinds):
+            gguf_name = hf_name if hf_name.startswith("blk.") else \
+                names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            w.add_tensor(gguf_name, value.float().numpy())
+    for name, experts in stacked.items():
+        w.add_tensor(name, torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_falcon_h1_gguf(folder: Path, out: Path, cfg: dict) -> Path:
+    """A float32 GGUF of the tiny Falcon-H1 in ``folder`` as llama.cpp's converter writes it (``falcon-h1``: Mamba-2's
+    sizes and Falcon-H1's; the tensors as :func:`_mamba2_tensors` transforms them, the multipliers folded in; no q/k
+    permutation)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    layers = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "falcon-h1")
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_inner_size(cfg["mamba_d_ssm"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]  # (the release's config has it)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, layers)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        for hf_name, value in _mamba2_tensors(name, tensor, cfg, ["linear_attention"] * layers):
+            w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(MAMBA2_GGUF))
+def test_a_mamba2_hybrid_gguf_matches_transformers(tmp_path, gguf_cache, arch):
+    """A GGUF of a Granite 4.0 hybrid (experts beside a shared MLP, or the dense one; Granite's multipliers), of Bamba
+    (read from ``granitehybrid`` as Bamba: its attention rotates), of Nemotron-H (with experts: grouped sigmoid
+    routing, a score bias, a shared expert, over a latent width or not) or of Falcon-H1 (its multipliers folded into
+    the weights; with the gated norm or without) as llama.cpp writes it (the layers' kinds as per-layer arrays, ``A``
+    as ``-exp(A_log)``, ``D`` and the conv reshaped, the gated norm grouped, the q/k rows permuted for RoPE but
+    Falcon-H1's, experts stacked, Granite's fused experts and shared MLP split) is read by specray's own mapping: its
+    config is the model's, its tensors are the HF checkpoint's (the q/k permutation undone also where no RoPE would
+    show it; Falcon-H1's with the multipliers folded in), its logits (the recurrent state carried over chunks, decode
+    steps) equal transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF
+    equals the folder's."""
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+    from safetensors.torch import load_file
+
+    from specray import LLM
+
+    kind, gguf_arch, overrides = MAMBA2_GGUF[arch]
+    folder = hybrid.save(tmp_path / arch, kind, 7, **overrides)
+    path = write_mamba2_gguf(folder, tmp_path / f"{arch}.gguf", gguf_arch)
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    fields = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "eos_token_id", "layer_types",
+              "layers_block_type", "attn_layer_indices", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+              "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_conv_bias", "mamba_proj_bias",
+              "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "use_conv_bias",
+              "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "rope_parameters",
+              "tie_word_embeddings", "mamba_d_ssm", "mamba_rms_norm", "mamba_norm_before_gate", "attention_bias",
+              "mlp_bias")
+    if gguf_arch == "nemotron_h_moe":
+        fields += ("n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                   "n_shared_experts", "norm_topk_prob", "n_group", "topk_group", "moe_latent_size")
+    floats = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "rms_norm_eps",
+              "layer_norm_epsilon", "routed_scaling_factor")  # (float32 in the GGUF)
+    got, want = ({f: getattr(c, f, None) for f in fields} for c in (ours, theirs))
+    for values, c in ((got, ours), (want, theirs)):  # (None: hidden_size / num_attention_heads)
+        values["head_dim"] = values["head_dim"] or c.hidden_size // c.num_attention_heads
+    if not getattr(theirs, "num_local_experts", 0):  # unused where there are no experts
+        got.pop("num_experts_per_tok"), want.pop("num_experts_per_tok")
+    if gguf_arch == "nemotron_h_moe":  # the dense MLPs' width: unused, there are none
+        got.pop("intermediate_size"), want.pop("intermediate_size")
+    # tied unless the checkpoint has an lm_head (transformers saves Nemotron-H's although it is tied): the converter
+    # writes it then (as output.weight), with the same values as the embedding
+    want["tie_word_embeddings"] = "lm_head.weight" not in load_file(str(folder / "model.safetensors"))
+    assert got == want
+    if gguf_arch == "falcon-h1":  # the multipliers are folded into the weights: 1 in the config read back
+        floats = ("rms_norm_eps",)
+        assert [ours.embedding_multiplier, ours.lm_head_multiplier, ours.key_multiplier, ours.attention_in_multiplier,
+                ours.attention_out_multiplier, ours.ssm_in_multiplier, ours.ssm_out_multiplier, *ours.mlp_multipliers,
+                *ours.ssm_multipliers] == [1.0] * 14
+    assert [getattr(ours, f, None) for f in floats] == pytest.approx([getattr(theirs, f, None) for f in floats])
+    if arch.startswith("granite"):  # no RoPE (theirs: None or "nope", the same to transformers)
+        assert ours.position_embedding_type == "nope" and theirs.position_embedding_type in (None, "nope")
+    converted, original = (load_file(str(f / "model.safetensors")) for f in (resolve_model(str(path)).path, folder))
+    if gguf_arch == "falcon-h1":  # the multipliers are in the weights now (and 1 in the config)
+        cfg = json.loads((folder / "config.json").read_text())
+        original = {n: _falcon_h1_fold(n, t, cfg) for n, t in original.items()}
+    assert sorted(converted) == sorted(original)
+    differ = [n for n in original if converted[n].shape != original[n].shape
+              or not torch.allclose(converted[n], original[n], rtol=1e-6, atol=1e-6)]  # (A_log: log(exp(.)))
+    assert not differ
+    model = load_model(str(path), pack=False)
+    hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
+    outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch", sorted(MAMBA2_GGUF_ARCHS))
+def test_a_mamba2_hybrid_gguf_lacking_what_llama_cpp_writes_is_refused(tmp_path, gguf_cache, arch):
+    """A Mamba-2 hybrid's GGUF without the hyperparameters llama.cpp writes for one is refused naming the key and the
+    way out, and leaves no conversion behind."""
+    from specray import LLM
+
+    path = write_bare_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    with pytest.raises(ValueError, match=rf"lacks {arch}\.ssm\.time_step_rank, which llama.cpp writes for every "
+                                         rf"{arch} model; convert the model again.*or pass its HF checkpoint"):
+        LLM(model=str(path))
+    assert not any((gguf_cache / "gguf").glob(f"tiny-{arch}-*"))
+
+
 def write_bare_gguf(path: Path, arch: str) -> Path:
     """A GGUF of llama.cpp architecture ``arch`` with a few hyperparameters and two tensors: enough to be refused."""
     import gguf
@@ -816,8 +1118,9 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['gemma2', 'gemma3', 'gpt-oss', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'phi3', 'qwen2', "
-              r"'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
+              r"\['falcon-h1', 'gemma2', 'gemma3', 'gpt-oss', 'granitehybrid', 'lfm2', 'llama', 'mamba', "
+              r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+              r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF

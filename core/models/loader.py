@@ -6,10 +6,12 @@ undone) into an HF folder -- config.json, model.safetensors, tokenizer files -- 
 ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads
 read the cached folder. Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its
 mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
-wrote), and the hybrid linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next
-(``qwen3next``) -- whose config and tensors :mod:`specray.models.gguf_qwen3_5` reads whole; a GGUF of another
-architecture (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``) is refused before any conversion, naming the fix:
-load the model's HF checkpoint instead.
+wrote), and the families whose config and tensors specray reads whole (``_GGUF_READERS``): the hybrid
+linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
+(:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
+Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
+(:mod:`specray.models.gguf_mamba2`); a GGUF of another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's
+``llama4``) is refused before any conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
+from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
     random_int4
@@ -54,7 +57,12 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2",
                   "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS",
                   "minimax-m2": "MiniMax-M2", "qwen35": "Qwen3.5", "qwen35moe": "Qwen3.5-MoE",
-                  "qwen3next": "Qwen3-Next"}
+                  "qwen3next": "Qwen3-Next", "granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
+                  "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1"}
+# llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
+# tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
+_GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
+                 **dict.fromkeys(MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
@@ -448,10 +456,10 @@ def _gguf_metadata(gguf: Path) -> dict[str, Any]:
 
 def _transformers_maps_gguf(arch: str) -> bool:
     """Whether the installed transformers can turn a GGUF of llama.cpp's ``arch`` into a config and HF tensors (or,
-    the hybrid linear-attention Qwens', we read both ourselves)."""
+    those of ``_GGUF_READERS``, we read both ourselves)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return arch in QWEN3_5_GGUF_ARCHS or _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in GGUF_SUPPORTED_ARCHITECTURES
+    return arch in _GGUF_READERS or _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in GGUF_SUPPORTED_ARCHITECTURES
 
 
 def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
@@ -725,13 +733,13 @@ def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
     vocabulary (``tokenizer.ggml.model`` ``gpt2``) is saved under the generic class, so that loading the folder
     reads its tokenizer.json as written: the model type's own class would rebuild its pipeline around the
     vocabulary (Gemma's: a sentencepiece one, spaces as metaspaces and no byte level, which then fails on the
-    first byte it lacks, having no unk token), where loading the GGUF itself kept the byte-level one. The hybrid
-    linear-attention Qwens' is built by the generic class directly: ``AutoTokenizer`` would first read the file's
-    config, which transformers cannot for a Qwen3-Next (nor for a Qwen3.5 written without multimodal RoPE
-    sections)."""
+    first byte it lacks, having no unk token), where loading the GGUF itself kept the byte-level one. The tokenizer
+    of a family we read ourselves (``_GGUF_READERS``) is built by the generic class directly: ``AutoTokenizer`` would
+    first read the file's config, which transformers cannot for a Qwen3-Next, a Mamba-2 hybrid (nor for a Qwen3.5
+    written without multimodal RoPE sections)."""
     from transformers import AutoTokenizer, TokenizersBackend
 
-    tokenizer_class = TokenizersBackend if meta.get("general.architecture") in QWEN3_5_GGUF_ARCHS else AutoTokenizer
+    tokenizer_class = TokenizersBackend if meta.get("general.architecture") in _GGUF_READERS else AutoTokenizer
     tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     if meta.get("tokenizer.ggml.model") == "gpt2":
         path = out / "tokenizer_config.json"
@@ -779,8 +787,8 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     if mixtral:
         _check_mixtral_layout(gguf)
     with _fields_hidden(_GGUF_FIELDS_HIDDEN.get(arch)):
-        if arch in QWEN3_5_GGUF_ARCHS:  # read whole by us: transformers' mapping gives no dense tensors of these
-            config, tensors = qwen3_5_gguf_checkpoint(gguf, arch)
+        if arch in _GGUF_READERS:  # read whole by us: transformers' mapping gives no dense tensors of these
+            config, tensors = _GGUF_READERS[arch](gguf, arch)
             get_model_class(config)
         else:
             config, tensors = _gguf_checkpoint(gguf, meta, arch, mixtral)
