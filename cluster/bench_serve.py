@@ -264,6 +264,12 @@ async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
         async with session.get(url) as resp:
             resp.raise_for_status()
             return (await resp.json())["data"][0]["id"]
+    except aiohttp.ClientResponseError as err:
+        if err.status == 401:
+            raise ValueError(f"the server at {url} asks for an API key (401): pass --api-key KEY, or set "
+                             "SPECRAY_API_KEY") from None
+        raise ValueError(f"cannot list the models at {url} ({err.status} {err.message}); check --base-url, or pass "
+                         "--model") from None
     except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError) as err:
         raise ValueError(f"cannot list the models at {url} ({type(err).__name__}: {err}); is the server running "
                          "(specray serve)? Check --base-url, or pass --model") from None

@@ -98,7 +98,7 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
 
 # SamplingParams fields that a request sets under another name: the client's name is the param to report
 _REQUEST_PARAMS = {"prompt_token_ids": "prompt", "speculative_method": "speculative.method",
-                   "num_speculative_tokens": "speculative.num_speculative_tokens"}
+                   "num_speculative_tokens": "speculative.num_speculative_tokens", "lora_request": "model"}
 
 
 # an engine/SamplingParams message about structured outputs: "structured_outputs.regex is not a valid ..."

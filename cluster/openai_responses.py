@@ -140,7 +140,8 @@ class LocalResponseStore:
 def not_found(response_id: str, param: str | None = None) -> proto.OpenAIError:
     what = "Previous response" if param else "Response"
     return proto.OpenAIError(404, f"{what} with id {response_id!r:.80} not found (this server keeps the most recent "
-                             "responses, in the memory of the replica that answered them)", "invalid_request_error",
+                             "responses only, and none that was deleted or sent with store: false)",
+                             "invalid_request_error",
                              param=param, code="previous_response_not_found" if param else "response_not_found")
 
 
@@ -245,6 +246,9 @@ _RENAMED = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format\.json_schema\b|\bresponse_format\b"), "text.format"),
             (re.compile(r"\bmessages\b(?:[.\[]\d+\]?)?"), "input"),
             (re.compile(r"\b(tools[.\[]\d+\]?)\.function\b"), r"\1"),
+            (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
+            (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
+             "{'type': 'function', 'name': ...}"),
             (re.compile(r"\breasoning_effort\b"), "reasoning.effort")]
 
 

@@ -280,7 +280,7 @@ class ServeArgs:
             if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and entry["name"]
                     and isinstance(entry.get("path"), str) and entry["path"]):
                 raise ValueError(f"lora_modules entry {entry!r:.100} must be 'name=path' or {{'name': ..., 'path': "
-                                 "...}}")
+                                 "...}")
             if entry["name"] in taken:
                 raise ValueError(f"lora_modules: the name {entry['name']!r} is already served (a model name or "
                                  "another adapter); give each adapter its own name")

@@ -300,6 +300,9 @@ class AdapterChecker:
                 raise ValueError(f"lora_int_id={request.lora_int_id} already names the adapter at {known[0]!r}, not "
                                  f"{request.lora_path!r}: give each adapter its own id")
             return known[1]
-        info = read_adapter(request.lora_path, self.shapes, self.config.max_lora_rank, self.rename)
+        try:
+            info = read_adapter(request.lora_path, self.shapes, self.config.max_lora_rank, self.rename)
+        except ValueError as err:  # the request's adapter, by the name it gave (a server's "model")
+            raise ValueError(f"lora_request={request.lora_name!r:.100}: {err}") from None
         self.seen[request.lora_int_id] = (request.lora_path, info)
         return info

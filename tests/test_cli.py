@@ -189,6 +189,30 @@ def test_bench_serve_against_no_server(capsys):
     assert rc == 1 and (summary["completed"], summary["failed"]) == (0, 2) and summary["errors"]
 
 
+def test_bench_serve_against_a_keyed_server_names_the_key(capsys):
+    """A server that answers 401 (started with --api-key): the error says to pass --api-key."""
+    import http.server
+    import threading
+
+    class Keyed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Keyed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["bench-serve", "--base-url", base, "--prompt", "hi", "--num-requests", "1"]) == 2
+        assert "asks for an API key (401): pass --api-key" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
 def _free_port() -> int:
     import socket
 

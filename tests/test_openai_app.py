@@ -1428,6 +1428,8 @@ def test_responses_api_errors_name_its_own_parameters():
             ({"input": "x", "text": {"format": "json"}}, "text.format", "must be an object"),
             ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens", "max_output_tokens"),
             ({"input": "x", "max_tokens": 5}, "max_tokens", "not a supported parameter"),  # a chat field
+            ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+              "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "names no function"),
         ]
         for body, param, words in cases:
             status, resp = http_json(base + "/v1/responses", body)
@@ -1443,3 +1445,8 @@ def test_responses_api_errors_name_its_own_parameters():
     err = in_responses_terms(bad_request("response_format.json_schema.schema is not a valid schema; messages[2] too",
                                          "response_format.json_schema.schema"))
     assert (err.param, err.message) == ("text.format.schema", "text.format.schema is not a valid schema; input too")
+    # an adapter the engine cannot read names the request's model
+    from specray.cluster.openai_protocol import from_value_error
+
+    err = from_value_error(ValueError("lora_request='m:a': cannot read adapter_config.json"), "prompt")
+    assert err.param == "model"
