@@ -37,7 +37,7 @@ from specray.chat import check_template_text, render_chat
 from specray.cluster import openai_protocol as proto
 from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
-from specray.cluster.reasoning import ReasoningSplitter, starts_thinking
+from specray.cluster.reasoning import ReasoningSplitter, starts_thinking, tags_are_special
 from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
@@ -786,6 +786,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.logprob_fmt = proto.LogprobFormatter(client.tokenizer)
         self.logprob_ids_fmt = proto.LogprobFormatter(client.tokenizer, as_token_ids=True)
+        # a reasoning model whose <think> tags are special tokens: chat text keeps them for the split (vLLM's
+        # reasoning parsers' adjust_request), unless a request asks for skip_special_tokens itself
+        self.keep_reasoning_tags = config.reasoning_parser is not None and tags_are_special(client.tokenizer)
         # adapters loaded through /v1/load_lora_adapter: the replica's own, or one registry several replicas share
         self.runtime_adapters = runtime_adapters if runtime_adapters is not None else RuntimeAdapters()
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
@@ -996,6 +999,8 @@ class OpenAIServing:
         tools = self._tool_output(req)
         if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
             req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
+        if self.keep_reasoning_tags and "skip_special_tokens" not in req.model_fields_set:
+            req = req.model_copy(update={"skip_special_tokens": False})
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_request_size(req, 1, req.output_limit(), limit_param)
         prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req, req.add_special_tokens)),

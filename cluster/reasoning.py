@@ -18,6 +18,22 @@ REASONING_PARSERS = tuple(_PARSERS)  # the engine's (its structured outputs wait
 BEGIN, END = "<think>", "</think>"
 
 
+def tags_are_special(tokenizer) -> bool:
+    """Whether ``tokenizer`` holds ``<think>`` or ``</think>`` as a special token: text decoded with special tokens
+    skipped (a request's default) would lose the tags the split looks for."""
+    to_id = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if to_id is None:  # not an HF tokenizer: no special tokens to tell apart
+        return False
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    for tag in (BEGIN, END):
+        token_id = to_id(tag)
+        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None) and (
+                token_id in special or getattr(added.get(token_id), "special", False)):
+            return True
+    return False
+
+
 def starts_thinking(parser: str, prompt_text: str | None) -> bool:
     """Whether a response to ``prompt_text`` (the rendered chat) starts inside the thinking phase."""
     if parser == "deepseek_r1":

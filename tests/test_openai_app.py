@@ -144,6 +144,34 @@ def test_reasoning_parser_starts_from_the_prompt_for_qwen3():
         check_reasoning_parser("r1")
 
 
+def test_reasoning_tags_that_are_special_tokens_stay_in_chat_text(tmp_path):
+    """A tokenizer holding <think> / </think> as special tokens: a chat request's text keeps special tokens (else
+    the split would never see its tags, and an answer after </think> would come back as reasoning), unless the
+    request asks for skip_special_tokens itself; a server without a reasoning parser leaves the default."""
+    from specray.cluster.reasoning import tags_are_special
+    from tests.conftest import build_tiny_tokenizer
+
+    special = build_tiny_tokenizer(tmp_path / "special", extra_special_tokens=("<think>", "</think>"))
+    assert tags_are_special(special) and not tags_are_special(build_tiny_tokenizer(tmp_path / "plain"))
+    assert not tags_are_special(FakeTokenizer())
+
+    class SpecialTags(TemplateTokenizer):
+        all_special_ids = [7, 8]
+        unk_token_id = None
+
+        def convert_tokens_to_ids(self, token):
+            return {"<think>": 7, "</think>": 8}.get(token)
+
+    body = {"model": "fake", "messages": [{"role": "user", "content": "2+2?"}]}
+    for parser, given, skipped in (("deepseek_r1", None, False), ("deepseek_r1", True, True), (None, None, True)):
+        fake = RecordingEngineClient()
+        fake.tokenizer = SpecialTags()
+        with app_in_thread(fake, reasoning_parser=parser) as base:
+            extra = {} if given is None else {"skip_special_tokens": given}
+            assert http_json(base + "/v1/chat/completions", {**body, **extra})[0] == 200
+            assert fake.seen[-1][1].skip_special_tokens is skipped, (parser, given)
+
+
 @contextlib.contextmanager
 def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, response_store=None, **config):
     import uvicorn
