@@ -997,9 +997,9 @@ class OpenAIServing:
         req = proto.parse_request(proto.ChatCompletionRequest, body)
         lora = await self._resolve_model(req.model)
         tools = self._tool_output(req)
-        if tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens:
-            req = req.model_copy(update={"skip_special_tokens": False})  # its call tags may be special tokens
-        if self.keep_reasoning_tags and "skip_special_tokens" not in req.model_fields_set:
+        # a tool-call parser's or a reasoning parser's tags may be special tokens: kept in the text for the parser
+        if (tools is not None and tools.mode == "auto" and TOOL_CALL_PARSERS[tools.parser].keeps_special_tokens) or (
+                self.keep_reasoning_tags and "skip_special_tokens" not in req.model_fields_set):
             req = req.model_copy(update={"skip_special_tokens": False})
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_request_size(req, 1, req.output_limit(), limit_param)

@@ -44,7 +44,7 @@ import random
 import zlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from specray.config import SpeculativeConfig
@@ -112,19 +112,21 @@ class LookaheadOptions:
         set first, then the window's columns, then the n-gram length): a per-request ``speculative_method`` on an
         engine whose ``num_speculative_tokens`` is below the default tree."""
         o = cls()
-        W, N, G = o.max_window_size, o.max_ngram_size, o.max_verification_set_size
-        while (W - 1 + W * (N - 2) + G * (N - 1)) > k:
+        while o.tree_size > k:
+            G, W, N = o.max_verification_set_size, o.max_window_size, o.max_ngram_size
             if G > 1:
-                G -= 1
+                step = {"max_verification_set_size": G - 1}
             elif W > 2:
-                W -= 1
+                step = {"max_window_size": W - 1}
             elif G > 0:
-                G -= 1
+                step = {"max_verification_set_size": G - 1}
             elif N > 2:
-                N -= 1
+                step = {"max_ngram_size": N - 1}
             else:
                 break
-        return {"max_window_size": W, "max_ngram_size": N, "max_verification_set_size": G}
+            o = replace(o, **step)
+        return {"max_window_size": o.max_window_size, "max_ngram_size": o.max_ngram_size,
+                "max_verification_set_size": o.max_verification_set_size}
 
 
 @dataclass(slots=True)

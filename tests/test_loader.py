@@ -236,6 +236,14 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
 
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
+def _write_out(w) -> None:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp's converter lays ``arch`` out (``qwen3``,
     ``qwen3moe``, ``gemma3``, ...; ``mixtral``: a ``llama`` with experts): its hyperparameters, its byte-level BPE
@@ -254,10 +262,7 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
         w.add_ssm_dt_b_c_rms(falcon_mamba)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return out
 
 
@@ -575,10 +580,7 @@ def write_gpt_oss_gguf(folder: Path, out: Path, twin: Path, mxfp4: bool, fused: 
         else:
             t = add(name, t)
         stands_for[name] = t.contiguous()
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     if not mxfp4:
         return out, folder
     shutil.copytree(folder, twin)
@@ -735,10 +737,7 @@ def write_hybrid_qwen_gguf(folder: Path, out: Path, arch: str, fused: bool = Fal
         hidden = cfg["hidden_size"]
         w.add_tensor(f"blk.{layers}.attn_norm.weight", torch.ones(hidden).numpy())
         w.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", torch.zeros(hidden, 2 * hidden).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return out
 
 
@@ -967,10 +966,7 @@ def write_mamba2_gguf(folder: Path, out: Path, arch: str) -> Path:
             w.add_tensor(gguf_name, value.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(name, torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return out
 
 
@@ -1005,10 +1001,7 @@ def _write_falcon_h1_gguf(folder: Path, out: Path, cfg: dict) -> Path:
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         for hf_name, value in _mamba2_tensors(name, tensor, cfg, ["linear_attention"] * layers):
             w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), value.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return out
 
 
@@ -1103,10 +1096,7 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
     w.add_embedding_length(8)
     w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
     w.add_tensor("output_norm.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     return path
 
 
@@ -1160,10 +1150,7 @@ def test_gguf_of_mixtral_s_first_layout_fails_early(tmp_path, gguf_cache, monkey
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
     w.add_tensor("blk.0.ffn_gate.3.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
     with pytest.raises(ValueError, match=r"stores a tensor per expert \(blk.0.ffn_gate.3.weight: llama.cpp's first "
                                          r"Mixtral layout\); convert it again.*HF checkpoint"):
         LLM(model=str(path))

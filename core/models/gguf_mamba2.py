@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_qwen3_5 import _read_gguf
+from specray.models.gguf_read import GGUFMeta, read_gguf, tensors_by_layer
 
 # llama.cpp's architecture -> the families its files stand for
 MAMBA2_GGUF_ARCHS = {"granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
@@ -64,57 +64,29 @@ _ATTENTION = {"attn_v.weight": "v_proj.weight", "attn_output.weight": "o_proj.we
               "attn_output.bias": "o_proj.bias"}
 
 
-class _Meta:
-    """The GGUF's metadata of one architecture, read by key (without the ``{arch}.`` prefix)."""
-
-    def __init__(self, meta: dict[str, Any], arch: str, gguf: Path):
-        self.meta, self.arch, self.gguf = meta, arch, gguf
-
-    def __call__(self, key: str, default: Any = ...) -> Any:
-        value = self.meta.get(f"{self.arch}.{key}", default)
-        if value is ...:
-            raise ValueError(f"GGUF {str(self.gguf)!r} lacks {self.arch}.{key}, which llama.cpp writes for every "
-                             f"{self.arch} model; convert the model again with a current llama.cpp, or pass its HF "
-                             "checkpoint")
-        return value
-
-    def per_layer(self, key: str, layers: int) -> list[int]:
-        """A per-layer value (an array, or one number for every layer)."""
-        value = self(key)
-        values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
-        if len(values) != layers:
-            raise ValueError(f"GGUF {str(self.gguf)!r} has {len(values)} values of {self.arch}.{key} for {layers} "
-                             "layers (block_count); convert the model again with a current llama.cpp, or pass its "
-                             "HF checkpoint")
-        return values
-
-    def common(self, vocab_size: int, names) -> dict[str, Any]:
-        """The config fields every family here shares: sizes, attention heads, the Mamba-2 mixers', tokens."""
-        layers = int(self("block_count"))
-        heads, inner = int(self("ssm.time_step_rank")), int(self("ssm.inner_size"))
-        return dict(vocab_size=vocab_size, hidden_size=int(self("embedding_length")), num_hidden_layers=layers,
-                    num_attention_heads=int(self("attention.head_count")),
-                    num_key_value_heads=max(self.per_layer("attention.head_count_kv", layers)),
-                    max_position_embeddings=int(self("context_length")),
-                    tie_word_embeddings="output.weight" not in names,
-                    eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
-                    bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
-                    pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"),
-                    _heads=heads, _head_dim=inner // heads, _groups=int(self("ssm.group_count")),
-                    _state=int(self("ssm.state_size")), _conv=int(self("ssm.conv_kernel")), _inner=inner)
+def _common(get: GGUFMeta, vocab_size: int, names) -> dict[str, Any]:
+    """The config fields every family here shares: sizes, attention heads, the Mamba-2 mixers', tokens."""
+    layers = int(get("block_count"))
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    return dict(vocab_size=vocab_size, hidden_size=int(get("embedding_length")), num_hidden_layers=layers,
+                num_attention_heads=int(get("attention.head_count")),
+                num_key_value_heads=max(get.per_layer("attention.head_count_kv", layers)),
+                max_position_embeddings=int(get("context_length")), tie_word_embeddings="output.weight" not in names,
+                **get.token_ids(), _heads=heads, _head_dim=inner // heads, _groups=int(get("ssm.group_count")),
+                _state=int(get("ssm.state_size")), _conv=int(get("ssm.conv_kernel")), _inner=inner)
 
 
-def _rms_eps(get: _Meta) -> float:
+def _rms_eps(get: GGUFMeta) -> float:
     eps = get("attention.layer_norm_rms_epsilon", None)
     return float(eps if eps is not None else get("attention.layer_norm_epsilon"))
 
 
-def _granite_config(get: _Meta, vocab_size: int, names):
+def _granite_config(get: GGUFMeta, vocab_size: int, names):
     """A ``granitehybrid`` file's config: a Granite 4.0 hybrid's (GraniteMoeHybridConfig), or Bamba's (BambaConfig)
     where the attention rotates."""
     import transformers
 
-    c = get.common(vocab_size, names)
+    c = _common(get, vocab_size, names)
     layers, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
     kv = get.per_layer("attention.head_count_kv", layers)
     attention = [i for i in range(layers) if kv[i] > 0]
@@ -165,13 +137,13 @@ def _granite_config(get: _Meta, vocab_size: int, names):
     return transformers.GraniteMoeHybridConfig(**fields)
 
 
-def _nemotron_h_config(get: _Meta, vocab_size: int, names):
+def _nemotron_h_config(get: GGUFMeta, vocab_size: int, names):
     """A ``nemotron_h`` / ``nemotron_h_moe`` file's config (NemotronHConfig): each layer a Mamba-2 mixer, attention,
     or a squared-ReLU MLP (``nemotron_h``) or experts (``nemotron_h_moe``: its dense MLPs, had it any, the converter
     does not mark)."""
     import transformers
 
-    c = get.common(vocab_size, names)
+    c = _common(get, vocab_size, names)
     layers, moe = c["num_hidden_layers"], get.arch == "nemotron_h_moe"
     kv, ff = get.per_layer("attention.head_count_kv", layers), get.per_layer("feed_forward_length", layers)
     kinds = ["full_attention" if kv[i] else ("moe" if moe else "mlp") if ff[i] else "linear_attention"
@@ -280,14 +252,14 @@ def _nemotron_h_layer(t: dict[str, torch.Tensor], config, layer: int) -> dict[st
     return out
 
 
-def _falcon_h1_config(get: _Meta, vocab_size: int, names):
+def _falcon_h1_config(get: GGUFMeta, vocab_size: int, names):
     """A ``falcon-h1`` file's config (FalconH1Config): every layer attention and a Mamba-2 mixer side by side, then a
     SwiGLU MLP. The converter folds every muP multiplier into the weights (the embedding's, the LM head's, the
     attention's in / key / out, the SSM's in / out and its in_proj's five parts, the MLP's gate / down): they are 1
     here."""
     import transformers
 
-    c = get.common(vocab_size, names)
+    c = _common(get, vocab_size, names)
     fields = {k: v for k, v in c.items() if not k.startswith("_")}
     fields.update(intermediate_size=int(get("feed_forward_length")), rms_norm_eps=_rms_eps(get),
                   head_dim=int(get("attention.key_length", c["hidden_size"] // c["num_attention_heads"])),
@@ -327,13 +299,14 @@ _FAMILIES = {"granitehybrid": (_granite_config, _granite_layer, "model."),
 
 
 def mamba2_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The HF config and tensors of a GGUF of ``arch`` (``granitehybrid``, ``nemotron_h`` or ``nemotron_h_moe``)."""
-    meta, tensors = _read_gguf(gguf)
+    """The HF config and tensors of a GGUF of ``arch`` (``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe`` or
+    ``falcon-h1``)."""
+    meta, tensors = read_gguf(gguf)
     if "token_embd.weight" not in tensors or "output_norm.weight" not in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight or output_norm.weight; pass a complete {arch} "
                          "GGUF")
     make_config, make_layer, base = _FAMILIES[arch]
-    config = make_config(_Meta(meta, arch, gguf), tensors["token_embd.weight"].shape[0],
+    config = make_config(GGUFMeta(meta, arch, gguf), tensors["token_embd.weight"].shape[0],
                          {n: t.shape for n, t in tensors.items()})
     embed, norm = ("embeddings", "norm_f") if arch.startswith("nemotron_h") else \
         ("embed_tokens", "final_layernorm" if config.model_type in ("bamba", "falcon_h1") else "norm")
@@ -342,13 +315,12 @@ def mamba2_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, dict[str, torch.
     for part in ("weight", "bias"):
         if f"output.{part}" in tensors:
             out[f"lm_head.{part}"] = tensors.pop(f"output.{part}")
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        parts = name.split(".", 2)
-        if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) >= config.num_hidden_layers:
-            raise ValueError(f"GGUF {str(gguf)!r} has a tensor {name!r} specray cannot place in a {arch} model; "
-                             "pass the model's HF checkpoint instead")
-        per_layer.setdefault(int(parts[1]), {})[parts[2]] = value
+    per_layer = tensors_by_layer(tensors, gguf, arch)
+    beyond = sorted(layer for layer in per_layer if layer >= config.num_hidden_layers)
+    if beyond:
+        raise ValueError(f"GGUF {str(gguf)!r} has a tensor of layer {beyond[0]} (blk.{beyond[0]}.*) beyond its "
+                         f"{config.num_hidden_layers} layers, which specray cannot place in a {arch} model; pass the "
+                         "model's HF checkpoint instead")
     for layer in range(config.num_hidden_layers):
         t = per_layer.get(layer, {})
         try:

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from specray.models.gguf_read import GGUFMeta, read_gguf, tensors_by_layer
+
 # llama.cpp's architecture -> the HF config class and architecture its files stand for
 QWEN3_5_GGUF_ARCHS = {"qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
                       "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
@@ -56,23 +58,7 @@ _OFFSET_NORMS = {"attn_norm.weight": "input_layernorm.weight",
 _EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
 
 
-def _read_gguf(gguf: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The GGUF's metadata (arrays as lists, but for the tokenizer's vocabulary and merges) and its tensors,
-    dequantized to float32 in their logical shape (slowest dim first)."""
-    from gguf import GGUFReader, GGUFValueType
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(gguf))
-    meta = {key: f.contents() for key, f in reader.fields.items()
-            if f.types and not (key.startswith("tokenizer.") and f.types[0] == GGUFValueType.ARRAY)}
-    tensors = {}
-    for t in reader.tensors:
-        value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        tensors[t.name] = value.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest first
-    return meta, tensors
-
-
-def qwen3_5_gguf_config(meta: dict[str, Any], names, vocab_size: int, arch: str, gguf: Path):
+def qwen3_5_gguf_config(get: GGUFMeta, names, vocab_size: int):
     """The HF text config of a ``qwen35`` / ``qwen35moe`` / ``qwen3next`` GGUF from what llama.cpp's converter
     writes: sizes, the linear layers' heads (``ssm.group_count``: key heads, ``ssm.time_step_rank``: value heads,
     ``ssm.state_size``: key head size, ``ssm.inner_size``: all value heads' width, ``ssm.conv_kernel``), the kinds of
@@ -80,13 +66,7 @@ def qwen3_5_gguf_config(meta: dict[str, Any], names, vocab_size: int, arch: str,
     the experts' counts and widths."""
     import transformers
 
-    def get(key: str, default: Any = ...) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is ...:
-            raise ValueError(f"GGUF {str(gguf)!r} lacks {arch}.{key}, which llama.cpp writes for every {arch} model; "
-                             "convert the model again with a current llama.cpp, or pass its HF checkpoint")
-        return value
-
+    arch, gguf = get.arch, get.gguf
     config_name, architecture = QWEN3_5_GGUF_ARCHS[arch]
     head_dim = int(get("attention.key_length", 0) or int(get("embedding_length")) // int(get("attention.head_count")))
     value_heads = int(get("ssm.time_step_rank"))
@@ -117,9 +97,7 @@ def qwen3_5_gguf_config(meta: dict[str, Any], names, vocab_size: int, arch: str,
         linear_conv_kernel_dim=int(get("ssm.conv_kernel")), linear_key_head_dim=int(get("ssm.state_size")),
         linear_num_key_heads=int(get("ssm.group_count")), linear_num_value_heads=value_heads,
         linear_value_head_dim=int(get("ssm.inner_size")) // value_heads, rope_parameters=rope,
-        tie_word_embeddings="output.weight" not in names,
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+        tie_word_embeddings="output.weight" not in names, **get.token_ids())
     if get("feed_forward_length", None):
         fields["intermediate_size"] = int(get("feed_forward_length"))
     if arch != "qwen35":
@@ -203,22 +181,15 @@ def _layer_tensors(t: dict[str, torch.Tensor], config, arch: str, gguf: Path, la
 
 def qwen3_5_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """The HF config and tensors of a GGUF of ``arch`` (``qwen35``, ``qwen35moe`` or ``qwen3next``)."""
-    meta, tensors = _read_gguf(gguf)
+    meta, tensors = read_gguf(gguf)
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = qwen3_5_gguf_config(meta, set(tensors), tensors["token_embd.weight"].shape[0], arch, gguf)
+    config = qwen3_5_gguf_config(GGUFMeta(meta, arch, gguf), set(tensors), tensors["token_embd.weight"].shape[0])
     out = {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
            "model.norm.weight": tensors.pop("output_norm.weight") - 1}
     if "output.weight" in tensors:
         out["lm_head.weight"] = tensors.pop("output.weight")
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        parts = name.split(".", 2)
-        if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdigit():
-            raise ValueError(f"GGUF {str(gguf)!r} has a tensor {name!r} specray cannot place in a {arch} model; "
-                             "pass the model's HF checkpoint instead")
-        per_layer.setdefault(int(parts[1]), {})[parts[2]] = value
-    for layer, layer_tensors in sorted(per_layer.items()):
+    for layer, layer_tensors in sorted(tensors_by_layer(tensors, gguf, arch).items()):
         if layer >= config.num_hidden_layers:  # the multi-token-prediction block: not loaded from a GGUF
             continue
         out |= {f"model.layers.{layer}.{k}": v for k, v in _layer_tensors(layer_tensors, config, arch, gguf,
