@@ -4,11 +4,11 @@ transformers' (registered by conftest as ``specray_test_model_checks``)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import socket
-import subprocess
-import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -88,10 +88,37 @@ def run_ranks(folder: Path, script: str, world: int, second: int, args: list[str
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, str(folder / "worker.py"), str(r), str(second), port, str(folder),
-                               *args]) for r in range(world)]
-    assert all(p.wait(timeout=timeout) == 0 for p in procs)
+    run_scripts(folder / "worker.py", [[str(r), str(second), port, str(folder), *args] for r in range(world)], timeout)
     return [json.loads((folder / f"{r}.json").read_text()) for r in range(world)]
+
+
+# The ranks' processes fork from one server process per test session that has imported torch, transformers and
+# specray's model code once: a fresh interpreter per rank would spend seconds on those imports each time.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "specray.models.loader", "specray.models.attention",
+            "specray.models.kv_cache", "specray.models.cpu_kernels", "specray.workers.worker"]
+_forkserver = None
+
+
+def run_scripts(script: Path, argvs: list[list[str]], timeout: float) -> None:
+    """One process per entry of ``argvs`` running ``script`` as ``__main__`` with that ``sys.argv[1:]``, all at
+    once; fails unless every one exits 0 within ``timeout`` seconds."""
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(_PRELOAD)
+    code = "import runpy, sys; sys.argv = {!r}; runpy.run_path({!r}, run_name='__main__')"
+    procs = [_forkserver.Process(target=exec, args=(code.format([str(script), *argv], str(script)), {}))
+             for argv in argvs]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * len(procs), f"{script}: exit codes {[p.exitcode for p in procs]}"
 
 
 # the start of a gloo worker script for run_ranks (one rank of two; the rest loops over ``folders`` and writes

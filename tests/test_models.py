@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from specray.models.llama import LlamaForCausalLM
 from specray.models.loader import load_model
 from specray.parallel import TPGroup
 import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (registered by conftest)
+import specray_test_model_checks as model_checks  # tests/model_checks.py (registered by conftest)
 
 TOL = 1e-4
 BLOCK = 4
@@ -1099,9 +1098,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(tmp_path), *folders])
-             for r in range(world)]
-    assert all(p.wait(timeout=240) == 0 for p in procs)
+    model_checks.run_scripts(script, [[str(r), str(world), port, str(tmp_path), *folders] for r in range(world)], 240)
     for r in range(world):
         result = json.loads((tmp_path / f"{r}.json").read_text())
         before, after = result.pop("threads")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -20,6 +18,7 @@ from specray.engine.builder import check_model_split
 from specray.models.layers import OtherStage
 from specray.models.loader import load_model
 from specray.parallel import PPGroup, stage_layers
+import specray_test_model_checks as model_checks  # tests/model_checks.py (registered by conftest)
 
 TOL = 1e-4
 
@@ -146,9 +145,8 @@ def run_stages(tmp_path, folders: list[str], tp: int, stages: int) -> list[dict]
     script = tmp_path / "worker.py"
     script.write_text(PP_WORKER)
     world, port = tp * stages, str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(stages), port, str(tmp_path),
-                               *folders]) for r in range(world)]
-    assert all(p.wait(timeout=300) == 0 for p in procs)
+    model_checks.run_scripts(script, [[str(r), str(world), str(stages), port, str(tmp_path), *folders]
+                                      for r in range(world)], 300)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
