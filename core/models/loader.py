@@ -754,39 +754,42 @@ _GGUF_FIELDS_HIDDEN = {"gpt-oss": "gpt-oss.rope.scaling."}
 
 
 @contextlib.contextmanager
-def _fields_hidden(prefix: str | None) -> Iterator[None]:
-    """Within the block, ``gguf.GGUFReader`` (which transformers imports as it reads a GGUF) leaves out the metadata
-    fields whose key starts with ``prefix`` (None: hides nothing). Our own reads happen outside the block."""
-    import gguf
+def _parsed_once(gguf: Path) -> Iterator[Any]:
+    """Within the block, ``gguf.GGUFReader(gguf)`` is one parse of the file, made here and yielded: every read of
+    it (ours, and transformers' for its config, its tokenizer and its tensors, which import the class as they read)
+    shares it, where each would parse the file again (a parse walks every metadata field, a vocabulary's strings
+    one at a time: seconds each). Other files parse as usual."""
+    import gguf as gguf_module
 
-    if prefix is None:
-        yield
-        return
-    reader = gguf.GGUFReader
+    reader_class = gguf_module.GGUFReader
+    parsed = reader_class(str(gguf))
 
-    class Reader(reader):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            for key in [key for key in self.fields if key.startswith(prefix)]:
-                del self.fields[key]
+    class Reader(reader_class):
+        def __new__(cls, path, *args, **kwargs):
+            if not args and not kwargs and Path(path).resolve() == gguf:
+                return parsed  # an instance of the class itself, not of Reader: no second __init__
+            return super().__new__(cls)
 
-    gguf.GGUFReader = Reader
+    gguf_module.GGUFReader = Reader
     try:
-        yield
+        yield parsed
     finally:
-        gguf.GGUFReader = reader
+        gguf_module.GGUFReader = reader_class
 
 
 def _write_gguf_folder(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
-    meta = _gguf_metadata(gguf)
-    arch = meta.get("general.architecture")
-    _check_gguf_architecture(gguf, arch)
-    mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
-    if mixtral:
-        _check_mixtral_layout(gguf)
-    with _fields_hidden(_GGUF_FIELDS_HIDDEN.get(arch)):
+    with _parsed_once(gguf) as parsed:
+        meta = _gguf_metadata(gguf)
+        arch = meta.get("general.architecture")
+        _check_gguf_architecture(gguf, arch)
+        mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
+        if mixtral:
+            _check_mixtral_layout(gguf)
+        hidden = _GGUF_FIELDS_HIDDEN.get(arch)
+        for key in [key for key in parsed.fields if hidden and key.startswith(hidden)]:
+            del parsed.fields[key]  # after our own reads of them (``meta``)
         if arch in _GGUF_READERS:  # read whole by us: transformers' mapping gives no dense tensors of these
             config, tensors = _GGUF_READERS[arch](gguf, arch)
             get_model_class(config)
