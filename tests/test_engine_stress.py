@@ -60,22 +60,25 @@ PREAMBLE = "Answer the question below in one short line, and do not repeat the q
 
 
 def run_workload(engine: LLMEngine, rng: random.Random) -> tuple[dict, set]:
-    """Add, step and abort at random; the finished outputs and the aborted ids."""
+    """Add, step and abort at random; the finished outputs and the aborted ids. What arrives when (and the bad
+    requests among it) is drawn from a generator of its own, the same for every case, so that every engine sees the
+    same traffic and their reference outputs are shared (``REFERENCES``); ``rng`` picks what is aborted."""
+    arrivals = random.Random(ARRIVALS_SEED)
     tok = engine.tokenizer
     preamble = tok.encode(PREAMBLE) if engine.scheduler.config.enable_prefix_caching else None
     pool_slots = engine.scheduler.block_manager.num_blocks * engine.scheduler.block_manager.block_size
     finished, requests, aborted = {}, {}, set()
     for step in range(STEPS):
-        if rng.random() < 0.35:
-            if rng.random() < 0.1:  # a bad request in the middle of the traffic: refused, nothing else harmed
+        if arrivals.random() < 0.35:
+            if arrivals.random() < 0.1:  # a bad request in the middle of the traffic: refused, nothing else harmed
                 with pytest.raises(ValueError):
                     engine.add_request(tok.encode("Hello"), SamplingParams(temperature=-1.0))
                 with pytest.raises(ValueError, match="regex"):  # a spec that does not compile
                     engine.add_request(tok.encode("Hello"), SamplingParams(structured_outputs={"regex": "(a"}))
-            prompt = tok.encode(random_prompt(rng))
+            prompt = tok.encode(random_prompt(arrivals))
             if preamble is not None and len(prompt) % 2 == 0:
                 prompt = preamble + prompt
-            params = random_params(rng)
+            params = random_params(arrivals)
             if len(prompt) > pool_slots:  # could never fit: refused up front, nothing else harmed
                 with pytest.raises(ValueError, match="KV cache holds only"):
                     engine.add_request(prompt, params)
@@ -229,6 +232,17 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
         engine.shutdown()
 
 
+ARRIVALS_SEED = 0
+REFERENCES: dict = {}  # (model, prompt, params) -> the plain engine's output of that request alone
+
+
+def alone_output(alone: LLM, prompt: list[int], params: SamplingParams):
+    key = (alone.engine_args.model, tuple(prompt), repr(params))
+    if key not in REFERENCES:
+        REFERENCES[key] = alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    return REFERENCES[key]
+
+
 def check_workload(engine: LLMEngine, alone: LLM, rng: random.Random, exact_sampling: bool) -> None:
     """``exact_sampling``: seeded sampled requests must give plain decoding's tokens too (else only greedy ones)."""
     blocks = engine.scheduler.block_manager
@@ -241,7 +255,7 @@ def check_workload(engine: LLMEngine, alone: LLM, rng: random.Random, exact_samp
     for (prompt, params), out in done.values():
         if params.temperature > 0 and not exact_sampling:
             continue  # drafts with q, by rejection sampling: the same distribution, not the same tokens
-        want = alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        want = alone_output(alone, prompt, params)
         got, expected = comparable(out.outputs[0], want, params.max_tokens)
         assert got == expected, (prompt, params)
         checked += 1

@@ -185,7 +185,8 @@ def test_chains_equal_verify(mode):
 # ---- sibling rejection sampling reproduces the target ----------------------------------------------------------
 
 V = 6
-N_TRIALS = 40_000
+# fixed trees (trees drawn from q: Q_TRIALS): every broken variant below fails by a wide margin at this many trials
+N_TRIALS = 20_000
 
 
 class ToyLM:
@@ -298,6 +299,7 @@ def test_broken_variants_fail_the_same_test(tree, broken, monkeypatch):
 
 # ---- trees drawn from q (recursive rejection sampling without replacement) ------------------------------------
 
+Q_TRIALS = 40_000  # keeping q's rejected siblings is a subtle fault: at half as many trials it fails narrowly
 Q_SHAPE = [-1, -1, -1, 0, 0, 2]  # 3 siblings; the first has 2 children, the third 1: 6 nodes, drawn per trial
 
 
@@ -338,7 +340,7 @@ def first_two_tokens_q(lm: ToyLM, draft: ToyDraft, sp: SP, seed: int = 1, with_q
         return verify_tree(pad_tree_drafts(logits.reshape(-1, V), tokens, [Q_SHAPE] * n, probs),
                            build([sp] * n, [None] * n))
 
-    n = N_TRIALS
+    n = Q_TRIALS
     v = step(lm.first.expand(n, V), draft.first.softmax(-1).expand(n, V))
     t0, t1 = v.output_tokens[:, 0], v.output_tokens[:, 1].clone()
     need = v.num_accepted == 0
@@ -406,7 +408,7 @@ def test_broken_q_variants_fail_the_same_test(broken, monkeypatch):
 # five children at the root (under top-k 4 the fifth has no mass: dropped with its child), two under the first, one
 # under the second, a third level under the first's first
 MEDUSA_CHOICES = [[0], [0, 0], [1], [0, 1], [2], [1, 0], [0, 0, 0], [3], [4], [4, 0]]
-MEDUSA_TRIALS = 20_000  # the drafter keeps each request's q on the host's side of a loop: half the toy's trials
+MEDUSA_TRIALS = 10_000  # the drafter keeps each request's q on the host's side of a loop: half the toy's trials
 
 
 class ToyMedusaHeads:
