@@ -1219,7 +1219,7 @@ def test_suffix_global_tree_is_shared_by_replicas_naming_one_pool():
         a.sync_pool()  # A's record goes out (else with A's next proposal)
         for drafter in (b, c):
             drafter.sync_pool()  # what A published reaches B now (else with B's next proposal)
-        ask = DraftRequest("b", [7] + prompt[-6:] + answer[:1], 8, sp, num_prompt_tokens=7)
+        ask = DraftRequest("b", prompt + answer[:1], 8, sp, num_prompt_tokens=20)  # the same prompt again
         assert b.propose([ask])[0].token_ids == answer[1:9]
         assert c.propose([ask])[0].token_ids == []
         names = {x["name"] for x in ray.util.list_named_actors(all_namespaces=True)}
