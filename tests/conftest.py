@@ -7,10 +7,15 @@ from specray.cluster.ray_env import apply_ray_env  # imports no ray
 # Ray's settings for these machines (one place: specray.cluster.ray_env), before anything imports ray.
 apply_ray_env(local_test=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite starts a few hundred Python processes (Ray's workers, the rank scripts' processes), each importing specray:
+# its modules are compiled to bytecode once and cached, even where the environment says not to write the cache.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import importlib.util
 import sys
 from pathlib import Path
+
+sys.dont_write_bytecode = False  # (as above, for this process)
 
 import pytest
 import torch
