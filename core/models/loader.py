@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -753,6 +754,9 @@ def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
 _GGUF_FIELDS_HIDDEN = {"gpt-oss": "gpt-oss.rope.scaling."}
 
 
+_PARSE_LOCK = threading.RLock()  # one conversion at a time patches gguf.GGUFReader (threads of one process)
+
+
 @contextlib.contextmanager
 def _parsed_once(gguf: Path) -> Iterator[Any]:
     """Within the block, ``gguf.GGUFReader(gguf)`` is one parse of the file, made here and yielded: every read of
@@ -761,20 +765,21 @@ def _parsed_once(gguf: Path) -> Iterator[Any]:
     one at a time: seconds each). Other files parse as usual."""
     import gguf as gguf_module
 
-    reader_class = gguf_module.GGUFReader
-    parsed = reader_class(str(gguf))
+    with _PARSE_LOCK:
+        reader_class = gguf_module.GGUFReader
+        parsed = reader_class(str(gguf))
 
-    class Reader(reader_class):
-        def __new__(cls, path, *args, **kwargs):
-            if not args and not kwargs and Path(path).resolve() == gguf:
-                return parsed  # an instance of the class itself, not of Reader: no second __init__
-            return super().__new__(cls)
+        class Reader(reader_class):
+            def __new__(cls, path, *args, **kwargs):
+                if not args and not kwargs and Path(path).resolve() == gguf:
+                    return parsed  # an instance of the class itself, not of Reader: no second __init__
+                return super().__new__(cls)
 
-    gguf_module.GGUFReader = Reader
-    try:
-        yield parsed
-    finally:
-        gguf_module.GGUFReader = reader_class
+        gguf_module.GGUFReader = Reader
+        try:
+            yield parsed
+        finally:
+            gguf_module.GGUFReader = reader_class
 
 
 def _write_gguf_folder(gguf: Path, out: Path) -> None:
