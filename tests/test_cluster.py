@@ -837,12 +837,15 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
 
 # ---- the shared n-gram pool across replicas ----------------------------------------------------------------
 
-def _pool_drafter(pool_name: str):
+NGRAM_POOL = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3,
+                               is_public_pool=True)
+
+
+def _pool_drafter(pool_name: str, spec: SpeculativeConfig = NGRAM_POOL):
+    """A drafter actor as an engine replica holds it, its drafter sharing the pool ``pool_name``."""
     from specray.cluster.drafter_actor import RemoteDrafter
     from specray.config import RayPlacement
 
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3,
-                             is_public_pool=True)
     ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
     return RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool_name))
 
@@ -1203,13 +1206,9 @@ def test_suffix_global_tree_is_shared_by_replicas_naming_one_pool():
     from. The pools are suffix decoding's actors, not the n-gram drafter's of the same name. (Engines on Ray whose
     suffix drafter is an actor, with greedy output equal to the plain output: the test above.)"""
     import ray
-    from specray.cluster.drafter_actor import RemoteDrafter
-    from specray.config import RayPlacement
 
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=8, adaptive=False, is_public_pool=True)
-    ctx = DrafterContext(target_model="unused", vocab_size=1000, max_model_len=512, max_num_seqs=4)
-    a, b, c = (RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool))
-               for pool in ("t-suffix", "t-suffix", "t-suffix-other"))
+    a, b, c = (_pool_drafter(pool, spec) for pool in ("t-suffix", "t-suffix", "t-suffix-other"))
     sp = SamplingParams(temperature=0.0)
     prompt, answer = list(range(100, 120)), list(range(500, 520))  # an answer only A's request ever saw
     try:
