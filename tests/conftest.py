@@ -842,7 +842,7 @@ def make_tiny_model():
 
 @pytest.fixture(scope="session", autouse=True)
 def specray_cache(tmp_path_factory):
-    """One GGUF conversion cache for the whole session (converting SmolLM2 costs ~10 s)."""
+    """One GGUF conversion cache for the whole session (converting SmolLM2 takes seconds)."""
     with pytest.MonkeyPatch.context() as mp:
         cache = tmp_path_factory.mktemp("specray_cache")
         mp.setenv("SPECRAY_CACHE_DIR", str(cache))
