@@ -40,6 +40,7 @@ def engine_state(engine) -> dict:
         "num_running": scheduler.num_running,
         "prefix_cache_queries": scheduler.prefix_cache_queries,  # totals since the engine started
         "prefix_cache_hits": scheduler.prefix_cache_hits,
+        "drafting_failures": engine.drafting_failures,
         "lora_requests": _lora_requests(scheduler),
     }
 
@@ -117,6 +118,8 @@ _DEFINITIONS = [
     ("prefix_queries", "counter", "specray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      (), None),
     ("prefix_hits", "counter", "specray_prefix_cache_hits", "Prompt tokens found in the prefix cache", (), None),
+    ("drafting_failures", "counter", "specray_spec_drafting_failures", "Requests the drafter failed on (they "
+     "decode without drafts from then on)", (), None),
     ("drafts", "counter", "specray_spec_drafts", "Verifications of >= 1 draft token (one request, one step)",
      (), None),
     ("draft_tokens", "counter", "specray_spec_draft_tokens", "Draft tokens proposed and verified", (), None),
@@ -128,8 +131,8 @@ _DEFINITIONS = [
      "1 + accepted_tokens / drafts: tokens kept per verification", (), None),
 ]
 _ENGINE_ATTRS = frozenset({"waiting", "running", "kv_used", "kv_total", "lora_requests", "prefix_queries",
-                           "prefix_hits", "drafts", "draft_tokens", "accepted", "accepted_per_position",
-                           "acceptance_rate", "mean_accepted_length"})
+                           "prefix_hits", "drafting_failures", "drafts", "draft_tokens", "accepted",
+                           "accepted_per_position", "acceptance_rate", "mean_accepted_length"})
 
 
 def _group(attr: str) -> str:
@@ -156,7 +159,7 @@ class ServerMetrics:
             setattr(self, attr, _Metric(kind, name, doc, (*self._labels, *labels), self.registry, use_ray, buckets))
         self._lock = threading.Lock()
         self._seen = (0, 0, 0, [])  # engine.spec_stats already counted: drafts, draft tokens, accepted, per pos
-        self._seen_prefix = (0, 0)  # the engine's prefix-cache totals already counted: queries, hits
+        self._seen_totals = (0, 0, 0)  # engine totals already counted: prefix queries, hits, drafting failures
         self._adapters: set[str] = set()  # LoRA adapters with a gauge (set to 0 once they have no request)
 
     @property
@@ -194,11 +197,13 @@ class ServerMetrics:
                                               {**self._labels, "adapter": name, "state": which})
             self._adapters |= set(lora)
             # counters: the growth of the engine's totals (a restarted engine starts again from 0)
-            totals = (state.get("prefix_cache_queries", 0), state.get("prefix_cache_hits", 0))
-            seen = self._seen_prefix if all(t >= p for t, p in zip(totals, self._seen_prefix)) else (0, 0)
-            self.prefix_queries.record(totals[0] - seen[0], self._labels)
-            self.prefix_hits.record(totals[1] - seen[1], self._labels)
-            self._seen_prefix = totals
+            totals = tuple(state.get(key, 0) for key in ("prefix_cache_queries", "prefix_cache_hits",
+                                                         "drafting_failures"))
+            seen = self._seen_totals if all(t >= p for t, p in zip(totals, self._seen_totals)) else (0, 0, 0)
+            for metric, total, before in zip((self.prefix_queries, self.prefix_hits, self.drafting_failures), totals,
+                                             seen):
+                metric.record(total - before, self._labels)
+            self._seen_totals = totals
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""

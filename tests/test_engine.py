@@ -757,14 +757,19 @@ def test_a_step_that_fails_for_every_request_alone_is_raised_not_blamed_on_each(
     assert len(engine.tracked) == 3  # nobody was finished with an "error" that is not theirs
 
 
-def test_drafter_failing_for_one_request_fails_only_that_one(tiny_llama_dir, plain_outputs):
+def test_drafter_failing_for_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs):
+    """A drafter that raises for one request mid-generation: that request decodes on without drafts (the drafter
+    is not asked for it again), the others keep theirs; every output is plain decoding's."""
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     engine, tok = llm.engine, llm.get_tokenizer()
     ids = [engine.add_request(tok.encode(p), greedy()) for p in PROMPTS[:4]]
     propose = engine.drafter.propose
 
+    asked_after_fault = []
+
     def faulty(batch):
         if any(d.req_id == ids[1] and len(d.token_ids) > 8 for d in batch):
+            asked_after_fault.append(len(batch))
             raise RuntimeError("injected drafter fault")
         return propose(batch)
 
@@ -772,8 +777,10 @@ def test_drafter_failing_for_one_request_fails_only_that_one(tiny_llama_dir, pla
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done[ids[1]].outputs[0].finish_reason == "error" and "injected drafter fault" in done[ids[1]].error
-    assert [done[i].outputs[0].token_ids for i in ids if i != ids[1]] == [plain_outputs[0]] + plain_outputs[2:4]
+    assert [done[i].outputs[0].token_ids for i in ids] == plain_outputs[:4]
+    assert all(done[i].error is None for i in ids)
+    assert asked_after_fault[-1] == 1 and len(asked_after_fault) == 2  # the batch, then that request alone
+    assert engine.drafting_failures == 1 and llm.spec_stats.accepted_tokens > 0
 
 
 def test_seed_outside_64_bits_is_refused_at_admission(plain):

@@ -3,6 +3,7 @@ plan that was moving K/V), the committed K/V after a non-leftmost path equal to 
 of the tree drafters equal to plain greedy output (batch 1 and 8, preemption, chunked prefill, stop strings)."""
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import pytest
@@ -311,43 +312,53 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
             speculative_config={"method": "my_drafters2:LastTokenDrafter", "lookbak": 3})
 
 
-class BadTreeDrafter:
-    """Proposes a broken tree for one request and a good chain for the others."""
+class BadDrafter:
+    """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
+    vocabulary, or (with the others) a list of the wrong length."""
 
-    def __init__(self, bad_req: str, what: str):
-        self.bad_req, self.what = bad_req, what
+    def __init__(self, inner, bad_req: str, what: str):
+        self.inner, self.bad_req, self.what, self.bad_calls = inner, bad_req, what, 0
+
+    def __getattr__(self, name):  # the rest of the drafter protocol: the engine's own drafter's
+        return getattr(self.inner, name)
 
     def propose(self, batch):
         from specray.drafters.base import Proposal
 
-        out = []
-        for d in batch:
+        out = self.inner.propose(batch)
+        for i, d in enumerate(batch):
             if d.req_id != self.bad_req:
-                out.append(Proposal([]))
-            elif self.what == "parents":
-                out.append(Proposal([5, 6, 7], parents=[-1, 2, 0]))
-            else:
-                out.append(Proposal([5, 10 ** 9], parents=[-1, 0]))
+                continue
+            self.bad_calls += 1
+            if self.what == "count":
+                return out + [Proposal([])]
+            out[i] = Proposal([5, 6, 7], parents=[-1, 2, 0]) if self.what == "parents" else Proposal([5, 10 ** 9])
         return out
 
-    def finish(self, req_ids):
-        pass
 
-    def shutdown(self):
-        pass
-
-
-@pytest.mark.parametrize("what", ["parents", "vocab"])
-def test_a_broken_tree_from_a_drafter_fails_only_its_request(tiny_llama_dir, plain_outputs, what):
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "ngram"})
+@pytest.mark.parametrize("what", ["parents", "vocab", "count"])  # one that raises: test_engine.py
+def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()
+    free = engine.scheduler.block_manager.num_free_blocks
     ids = [engine.add_request(tok.encode(p), greedy()) for p in PROMPTS[:3]]
-    engine.drafter = BadTreeDrafter(ids[1], what)
+    from specray.cluster.metrics import ServerMetrics, engine_state
+
+    engine.drafter = bad = BadDrafter(engine.drafter, ids[1], what)
     done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done[ids[1]].outputs[0].finish_reason == "error" and "drafting failed" in done[ids[1]].error
-    assert [done[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [plain_outputs[0], plain_outputs[2]]
+    with caplog.at_level(logging.ERROR, logger="specray"):
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [done[i].outputs[0].token_ids for i in ids] == plain_outputs[:3]
+    assert all(done[i].outputs[0].finish_reason != "error" for i in ids)
+    # asked once (alone once more after a batch it spoilt), never again; the others kept drafting
+    assert bad.bad_calls == (2 if what == "count" else 1) and engine.drafting_failures == 1
+    assert f"drafting failed for request {ids[1]}" in caplog.text and not engine._undrafted
+    assert llm.spec_stats.accepted_tokens > 0
+    assert engine.scheduler.block_manager.num_free_blocks == free
+    metrics = ServerMetrics("tiny")
+    metrics.record_engine_state(engine_state(engine))
+    assert 'specray_spec_drafting_failures_total{model="tiny"} 1.0' in metrics.render().decode()
 
 
 # ---- seeded sampling: the target samples each position alone, so drafts cannot change a seeded output ----------

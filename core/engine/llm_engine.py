@@ -97,6 +97,8 @@ class LLMEngine:
         self._worker_scores: dict[str, list[float]] = {}  # with a chain the worker made, the head's confidence
         self.worker_scores_chains = False  # the worker's chains came with their drafts' probabilities
         self._ids = itertools.count()
+        self._undrafted: set[str] = set()  # requests the drafter failed on: they decode without drafts
+        self.drafting_failures = 0  # how many requests the drafter failed on, since the engine started
         # structured outputs: each constrained request's grammar, and the requests verifying the grammar's forced
         # tokens this step (not a drafter's: the draft policy and the drafter learn nothing from them)
         self.structured = StructuredOutputs(tokenizer, vocab_size, eos_token_ids, reasoning_parser=reasoning_parser)
@@ -422,7 +424,7 @@ class LLMEngine:
             return {}
         decoding = [] if self.drafter is None else [
             (r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
-            if r.num_computed_tokens == r.num_tokens - 1]
+            if r.num_computed_tokens == r.num_tokens - 1 and r.req_id not in self._undrafted]
         if not decoding:
             if self._grammars:
                 self._submit_drafts({}, {}, failed, busy=busy)
@@ -432,13 +434,9 @@ class LLMEngine:
                               r.sampling_params, num_prompt_tokens=r.num_prompt_tokens)
                  for (r, off_path), cheap in zip(decoding, cheaps)]
         drafts, probs = {}, {}
-        proposals = self._propose(batch, failed)
+        proposals = self._propose(batch)
         for (request, off_path), dreq, proposal, cheap in zip(decoding, batch, proposals, cheaps):
             if proposal is None:
-                continue
-            problem = _check_proposal(proposal, self.vocab_size)
-            if problem is not None:  # a drafter's fault (one of the user's own): this request only
-                failed[request.req_id] = f"drafting failed: {problem}"
                 continue
             if proposal.parents is not None:
                 drafts[request.req_id] = self._tree(request, dreq, proposal, len(running), off_path, cheap)
@@ -484,7 +482,7 @@ class LLMEngine:
         self._worker_probes -= probes
         decoding = [(r, off_path) for r, off_path in zip(running, self._off_critical_path(running))
                     if r.num_computed_tokens == r.num_tokens - 1]  # prefilling: the worker drafts after its last chunk
-        lookups = self._lookup_proposals(decoding, failed) if self.drafter is not None else {}
+        lookups = self._lookup_proposals(decoding) if self.drafter is not None else {}
         head_drafted = []  # requests that verify the head's drafts (a sampled one's q is on the worker)
         for request, off_path in decoding:
             rid = request.req_id
@@ -652,22 +650,15 @@ class LLMEngine:
             self._draft_scores[request.req_id] = scores[:n]
         return made[:n], min(n + 1, limit) if n else 0
 
-    def _lookup_proposals(self, decoding: list[tuple[Request, bool]], failed: dict[str, str]) -> dict[str, Proposal]:
+    def _lookup_proposals(self, decoding: list[tuple[Request, bool]]) -> dict[str, Proposal]:
         """The lookup drafter's non-empty proposals for the decoding requests (it proposes cheaply: asked for the
-        most each may have), by request id; a request it fails on goes into ``failed``."""
+        most each may have), by request id (none for a request it failed on: :meth:`_propose`)."""
         batch = [DraftRequest(r.req_id, r.all_token_ids,
                               0 if off_path and self.policy.adaptive else self.policy.num_speculative_tokens_for(r),
-                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens) for r, off_path in decoding]
-        found = {}
-        for dreq, proposal in zip(batch, self._propose(batch, failed)):
-            if proposal is None or not proposal.token_ids:
-                continue
-            problem = _check_proposal(proposal, self.vocab_size)
-            if problem is not None:
-                failed[dreq.req_id] = f"drafting failed: {problem}"
-            else:
-                found[dreq.req_id] = proposal
-        return found
+                              r.sampling_params, num_prompt_tokens=r.num_prompt_tokens) for r, off_path in decoding
+                 if r.req_id not in self._undrafted]
+        return {dreq.req_id: proposal for dreq, proposal in zip(batch, self._propose(batch))
+                if proposal is not None and proposal.token_ids}
 
     def _combine(self, request: Request, batch_size: int, off_path: bool, made: list[int] | DraftTree | None,
                  proposal: Proposal, head_probe: bool) -> tuple[list[int] | DraftTree, int, bool]:
@@ -767,22 +758,47 @@ class LLMEngine:
                 self._draft_keys[request.req_id] = proposal.key
         return tree
 
-    def _propose(self, batch: list[DraftRequest], failed: dict[str, str]) -> list[Proposal | None]:
-        """The drafter's proposals; when the batch raises, each request is asked alone and one that still
-        raises gets None and goes into ``failed`` (a drafter rewinds its state to each history it is given, so
-        asking again is safe)."""
+    def _propose(self, batch: list[DraftRequest]) -> list[Proposal | None]:
+        """The drafter's proposals, None for a request it failed on. Drafts only ever save target passes, so a
+        drafter's failure (a user-provided drafter's bug) costs its request the drafts, never its output: when the
+        batch raises, each request is asked alone (a drafter rewinds its state to each history it is given, so
+        asking again is safe); one that still raises, or gets a proposal that is not one
+        (:func:`_check_proposal`), decodes without drafts from then on (:meth:`_stop_drafting`)."""
+        if not batch:
+            return []
         try:
-            return self.drafter.propose(batch)
-        except Exception as err:  # one request's failure must not fail the others': isolate it
+            proposals: list[Proposal | None] = self._asked(batch)
+        except Exception as err:  # one request's failure must not cost the others their drafts: isolate it
             logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
-        proposals: list[Proposal | None] = []
-        for dreq in batch:
-            try:
-                proposals += self.drafter.propose([dreq])
-            except Exception as err:  # this request's own failure
-                failed[dreq.req_id] = f"drafting failed: {err!r}"
-                proposals.append(None)
+            proposals = [self._propose_alone(dreq) for dreq in batch]
+        for i, (dreq, proposal) in enumerate(zip(batch, proposals)):
+            problem = None if proposal is None else _check_proposal(proposal, self.vocab_size)
+            if problem is not None:
+                self._stop_drafting(dreq.req_id, problem)
+                proposals[i] = None
         return proposals
+
+    def _asked(self, batch: list[DraftRequest]) -> list[Proposal]:
+        proposals = list(self.drafter.propose(batch))
+        if len(proposals) != len(batch):
+            raise ValueError(f"the drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
+                             f"{len(batch)} requests; its propose must return one per request, in order")
+        return proposals
+
+    def _propose_alone(self, dreq: DraftRequest) -> Proposal | None:
+        try:
+            return self._asked([dreq])[0]
+        except Exception as err:  # this request's own failure
+            self._stop_drafting(dreq.req_id, repr(err), err)
+            return None
+
+    def _stop_drafting(self, req_id: str, why: str, err: Exception | None = None) -> None:
+        """The drafter failed on this request: it decodes without drafts from now on (plain decoding's output;
+        the drafter is not asked for it again)."""
+        logger.error("drafting failed for request %s (%s); it decodes without drafts from now on", req_id, why,
+                     exc_info=err)
+        self._undrafted.add(req_id)
+        self.drafting_failures += 1
 
     def _ask(self, request: Request, batch_size: int, off_critical_path: bool, cheap: bool) -> int:
         """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
@@ -978,6 +994,7 @@ class LLMEngine:
         for rid in req_ids:
             tracked = self.tracked.pop(rid, None)
             self._grammars.pop(rid, None)
+            self._undrafted.discard(rid)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
                 told(rid, tracked.request.all_token_ids)
         if self.policy is not None:
