@@ -231,8 +231,11 @@ class _Fanout:
     change goes to ``on_queue`` as +1/-1."""
 
     def __init__(self, client: EngineClient, choices: list[_Choice], arrival: float, metrics: ServerMetrics,
-                 on_queue: Callable[[int], None], seats: int):
+                 on_queue: Callable[[int], None], seats: int, live: set[_Fanout] | None = None):
+        """``live``: the server's open fanouts; this one is in it until closed."""
         self._client = client
+        self._live_set = live if live is not None else set()
+        self._live_set.add(self)
         self._metrics = metrics
         self._arrival = arrival
         self._on_queue = on_queue
@@ -255,7 +258,12 @@ class _Fanout:
                 return choice
         return None
 
+    def fail(self, err: BaseException) -> None:
+        """End the request with ``err``: ``next()`` raises it (its handler then closes this fanout)."""
+        self._events.put_nowait((None, err))
+
     def close(self) -> None:
+        self._live_set.discard(self)
         for task in self._tasks:
             task.cancel()
         for index in list(self._queued):  # a task cancelled before it ran never reaches its finally
@@ -792,6 +800,8 @@ class OpenAIServing:
         # adapters loaded through /v1/load_lora_adapter: the replica's own, or one registry several replicas share
         self.runtime_adapters = runtime_adapters if runtime_adapters is not None else RuntimeAdapters()
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
+        self._fanouts: set[_Fanout] = set()  # the requests generating now (until their handlers close them)
+        self._stopping = False  # the server is shutting down: every request is answered _shutting_down()
         self.max_prompt_chars = client.max_model_len * _CHARS_PER_TOKEN_SLACK * max_token_chars(client.tokenizer)
         # Templating and tokenizing a long prompt takes a while: off the event loop that streams the other
         # requests. One thread: a fast tokenizer's encode is not safe to call concurrently on one instance.
@@ -937,6 +947,8 @@ class OpenAIServing:
         return {"version": __version__}
 
     async def health(self) -> Response:
+        if self._stopping:
+            return error_response(_shutting_down())
         if await self.client.is_healthy():
             return JSONResponse({"status": "ok"})
         return error_response(proto.OpenAIError(503, self.client.down_reason(), "server_error",
@@ -951,6 +963,22 @@ class OpenAIServing:
         except EngineError as err:  # still serve the counters; /health reports the dead engine
             logger.warning("metrics without fresh engine state: %s", err)
         return Response(self.metrics.render() + engine_text, media_type=self.metrics.content_type)
+
+    async def shut_down(self, timeout: float) -> int:
+        """The server is going away (``specray serve`` got Ctrl-C): end every request that is generating with a
+        503 (an open stream with an error event, then ``[DONE]``), refuse new ones the same way, and wait up to
+        ``timeout`` seconds for their handlers to have answered. Returns how many requests it ended."""
+        self._stopping = True
+        ended = list(self._fanouts)
+        for fanout in ended:
+            fanout.fail(_shutting_down())
+        deadline = time.monotonic() + timeout
+        while self._fanouts and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._fanouts:
+            logger.warning("%d requests had not answered %.1f s after the server began to shut down",
+                           len(self._fanouts), timeout)
+        return len(ended)
 
     async def debug_kv(self) -> Response:
         try:
@@ -1198,8 +1226,10 @@ class OpenAIServing:
 
     async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:
         seats = min(len(choices), self.config.max_seats_per_request or len(choices))
+        if self._stopping:
+            raise _shutting_down()
         self._admit(seats)
-        fanout = _Fanout(self.client, choices, arrival, self.metrics, self._queue_changed, seats)
+        fanout = _Fanout(self.client, choices, arrival, self.metrics, self._queue_changed, seats, self._fanouts)
         try:
             first = await fanout.next()  # errors before any output (bad input) become a plain error response
         except BaseException as exc:
@@ -1325,6 +1355,11 @@ def to_openai_error(exc: BaseException, structured_param: str | None = None) -> 
         return proto.server_error(f"the engine failed this request: {exc}; retry it")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return proto.server_error(f"internal server error: {exc!r}")
+
+
+def _shutting_down() -> proto.OpenAIError:
+    return proto.OpenAIError(503, "the server is shutting down; retry on another server or later", "server_error",
+                             code="server_shutting_down")
 
 
 def error_response(err: proto.OpenAIError) -> JSONResponse:

@@ -963,11 +963,93 @@ class SpecrayServer:
 
     def __serve_build_asgi_app__(self):
         config = self.args.server_config(self.max_num_seqs)
-        return build_openai_app(self.client, config, self.metrics, self.response_store, self.runtime_adapters)
+        app = build_openai_app(self.client, config, self.metrics, self.response_store, self.runtime_adapters)
+        # Serve builds the app on the replica's event loop: the watch of ``specray serve``'s stop runs there
+        self._watch = asyncio.get_running_loop().create_task(_watch_stop(app.state.serving))
+        return app
 
     async def engine_state(self) -> dict:
         """KV blocks free/total and waiting/running counts of an engine replica."""
         return await self.client.engine_state()
+
+
+# ---- Ctrl-C: open requests end with OpenAI errors before Serve goes ----------------------------------------
+
+STOP_NAMESPACE = "specray"
+STOP_DRAIN_S = 5.0  # how long a server waits for its requests' handlers to answer with the 503
+
+
+def _stop_signal_name(app_name: str) -> str:
+    return f"stop-{app_name}"
+
+
+@ray.remote(num_cpus=0)
+class StopSignal:
+    """``specray serve``'s stop, told to every ingress replica of its application at once: each replica's watch
+    (:func:`_watch_stop`) is one call pending here (no polling) that returns when :meth:`stop` is called; the
+    replica then ends its open requests with a 503 and reports :meth:`drained`. ``stop`` returns once every
+    watching replica has, or after ``timeout`` seconds (a replica that died meanwhile never reports)."""
+
+    def __init__(self):
+        self._stop = asyncio.Event()
+        self._all_drained = asyncio.Event()
+        self._watchers = self._drained = self._ended = 0
+
+    async def watch(self) -> None:
+        self._watchers += 1
+        await self._stop.wait()
+
+    async def drained(self, num_ended: int) -> None:
+        self._drained += 1
+        self._ended += num_ended
+        if self._drained >= self._watchers:
+            self._all_drained.set()
+
+    async def stop(self, timeout: float) -> tuple[int, int, int]:
+        """Returns (replicas that drained, replicas that watched, requests they ended)."""
+        self._stop.set()
+        if self._watchers:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._all_drained.wait(), timeout)
+        return self._drained, self._watchers, self._ended
+
+
+def create_stop_signal(app_name: str):
+    """The stop signal of application ``app_name``; create it before deploying, so that its replicas find it, and
+    keep the handle until :func:`end_open_requests` (the actor lives while a handle does)."""
+    return StopSignal.options(name=_stop_signal_name(app_name), namespace=STOP_NAMESPACE,
+                              get_if_exists=True).remote()
+
+
+def end_open_requests(signal_actor, timeout: float = STOP_DRAIN_S + 2.0) -> None:
+    """Before Serve shuts down: every ingress replica watching ``signal_actor`` (:func:`create_stop_signal`) ends
+    its open requests with a 503 (an error event on a stream), refuses new ones, and answers; then the signal
+    goes."""
+    try:
+        drained, watchers, ended = ray.get(signal_actor.stop.remote(timeout), timeout=timeout + 5.0)
+        logger.info("%d of %d server replicas ended their open requests (%d of them)", drained, watchers, ended)
+    except RayError as err:
+        logger.warning("could not end the open requests before shutting down: %s", err)
+    finally:
+        ray.kill(signal_actor)
+
+
+async def _watch_stop(serving) -> None:
+    """An ingress replica's watch of its application's stop signal (none: a server not started by ``specray
+    serve``, which Serve stops as it stops any app)."""
+    try:
+        signal_actor = ray.get_actor(_stop_signal_name(serve.get_replica_context().app_name),
+                                     namespace=STOP_NAMESPACE)
+    except ValueError:
+        return
+    try:
+        await signal_actor.watch.remote()
+    except RayError as err:  # the signal is gone (its driver exited): nothing to watch
+        logger.info("no stop signal to watch: %s", err)
+        return
+    ended = await serving.shut_down(STOP_DRAIN_S)
+    with contextlib.suppress(RayError):
+        await signal_actor.drained.remote(ended)
 
 
 class SpecrayResponseStore(LocalResponseStore):
@@ -1147,6 +1229,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         check_resources(parsed, autoscaling=not (started_ray and ray_address is None))
         app = build_app(args)
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
+        stop_signal = create_stop_signal(name)
         handle = deploy_app(app, name)
     except BaseException:
         _clean_up_failed_start(started_ray, name)
@@ -1157,6 +1240,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     try:
         wait_for_stop_signal()
         logger.info("shutting down")
+        end_open_requests(stop_signal)
     finally:
         _stop(started_ray)
     return None

@@ -180,6 +180,7 @@ def app_in_thread(fake: FakeEngineClient, max_queue_len: int | None = None, resp
 
     app = build_openai_app(fake, ServerConfig("fake", max_queue_len, **{"enable_debug_routes": True, **config}),
                            response_store=response_store)
+    fake.serving = app.state.serving
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -329,6 +330,44 @@ def test_a_chat_template_of_the_servers_own(tiny_llama_dir):
         assert status == 200
         assert tokens["tokens"] == fake.tokenizer.encode("<user>Hello<assistant>Hi", add_special_tokens=False)
         assert http_json(base + "/v1/chat/completions", chat)[0] == 200
+
+
+class StallingEngineClient(FakeEngineClient):
+    """Emits one output per request, then waits until the request is closed."""
+
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        self.loop = asyncio.get_running_loop()
+        yield RequestOutput(req_id, prompt, prompt_token_ids, [CompletionOutput(0, "x", [1])], finished=False)
+        await asyncio.Event().wait()
+
+
+def test_shutting_down_ends_open_requests_with_503s_and_refuses_new_ones():
+    """What ``specray serve`` does on Ctrl-C before Serve goes: a stream that is generating ends with an error
+    event and [DONE], a request waiting for its whole answer gets a 503, and so does every later request."""
+    fake = StallingEngineClient()
+    with app_in_thread(fake) as base:
+        streamed, whole = [], []
+        body = {"model": "fake", "prompt": "hi", "max_tokens": 30}
+        stream = threading.Thread(target=lambda: streamed.append(sse_events(base + "/v1/completions",
+                                                                            {**body, "stream": True})))
+        stream.start()
+        waiter = post_in_thread(base + "/v1/completions", {**body, "n": 2}, whole)
+        deadline = time.monotonic() + 10
+        while fake.active < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.active == 3 and http_json(base + "/health")[0] == 200
+        ended = asyncio.run_coroutine_threadsafe(fake.serving.shut_down(timeout=10), fake.loop).result(20)
+        stream.join(timeout=10)
+        waiter.join(timeout=10)
+        assert ended == 2 and fake.active == 0  # the engine's streams were closed (their requests aborted)
+        events = streamed[0]
+        assert json.loads(events[0])["choices"][0]["text"] == "x" and events[-1] == "[DONE]"
+        shutting_down = (503, "server_error", "server_shutting_down")
+        error = json.loads(events[-2])["error"]
+        assert (503, error["type"], error["code"]) == shutting_down
+        for status, err in (error_of(whole[0]), error_of(http_json(base + "/v1/completions", body)),
+                            error_of(http_json(base + "/health"))):
+            assert (status, err["type"], err["code"]) == shutting_down
 
 
 def test_engine_failure_is_500_before_output_and_an_error_event_mid_stream():

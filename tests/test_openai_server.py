@@ -1095,6 +1095,36 @@ def test_engine_replica_death_gives_openai_errors_a_fast_503_then_recovers(serve
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
+def test_stopping_the_server_ends_open_streams_with_an_error_event(server, tiny_llama_dir):
+    """``specray serve``'s Ctrl-C (``run_server``: ``end_open_requests``, then Serve shuts down), on an app of its
+    own: an open stream ends with an error event and [DONE] at once, and later requests get a 503."""
+    from ray import serve
+
+    from specray.cluster.serve import build_app, create_stop_signal, deploy_app, end_open_requests
+
+    app = build_app({"model": str(tiny_llama_dir), "served_model_name": "stopping", "max_model_len": 1024,
+                     "num_cpus": 0.1})
+    stop_signal = create_stop_signal("stopping")
+    base = server + "/stopping"
+    try:
+        deploy_app(app, "stopping", route_prefix="/stopping")
+        resp, payloads = _stream_lines(base + "/v1/completions", {"model": "stopping", "prompt": "Hello",
+                                                                  "max_tokens": 1000, "ignore_eos": True,
+                                                                  "stream": True})
+        with resp:
+            assert json.loads(next(payloads))["choices"][0]["finish_reason"] is None
+            start = time.monotonic()
+            end_open_requests(stop_signal)
+            rest = list(payloads)
+        assert time.monotonic() - start < 5
+        error = json.loads(rest[-2])["error"]
+        assert rest[-1] == "[DONE]" and (error["type"], error["code"]) == ("server_error", "server_shutting_down")
+        status, err = error_of(http_json(base + "/v1/completions", {"model": "stopping", "prompt": "hi"}))
+        assert (status, err["code"]) == (503, "server_shutting_down")
+    finally:
+        serve.delete("stopping")
+
+
 # ---- bench-serve and load --------------------------------------------------------------------------------
 
 def test_bench_serve_library_reports(server):
