@@ -188,17 +188,24 @@ def smol_tokenizer(smollm2_gguf, gguf_cache, smol):
 
 
 @pytest.mark.slow
-def test_gguf_logits_match_transformers(smol, smol_tokenizer, smollm2_gguf):
+def test_gguf_logits_match_transformers(smol, smol_tokenizer, smollm2_gguf, monkeypatch):
     """Reference: transformers' Llama built from the GGUF's config with transformers' own dequantized GGUF tensors
     (``from_pretrained(gguf_file=...)`` would do the same but needs `accelerate`, which is not a dependency)."""
+    import functools
+
+    import gguf
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    with no_init_weights():
-        hf = LlamaForCausalLM(config).float().eval()
-    tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=hf)["tensors"]
+    # transformers' name mapping builds gguf-py's name table again for each of the model's ~400 modules (most of
+    # this test's time); the table depends on its arguments alone
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    with loader._parsed_once(smollm2_gguf.resolve()):  # gguf-py's parse of the file, once for both reads
+        config = AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+        with no_init_weights():
+            hf = LlamaForCausalLM(config).float().eval()
+        tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=hf)["tensors"]
     missing, unexpected = hf.load_state_dict(tensors, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     hf.tie_weights()
