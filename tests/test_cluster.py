@@ -220,10 +220,16 @@ def test_lookahead_node_tokens_cross_the_ray_executor(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_graphs_over_two_ranks_when_asked_for(tiny_llama_dir):
+def test_graphs_over_two_ranks_and_a_step_they_cannot_run(tiny_llama_dir, caplog):
     """``enforce_eager=False`` over two tensor-parallel ranks: each rank replays its decode and verify steps from
     graphs of its own share (on CPU the padded static inputs, gloo's all-reduces inside), picking the same shapes
-    from the same plans in lockstep; greedy output with n-gram drafts equals one eager rank's."""
+    from the same plans in lockstep; greedy output with n-gram drafts equals one eager rank's.
+
+    Then a plan the ranks cannot run (a block-table delta for a request they never saw) raises KeyError on every
+    rank: that is a StepError with the remote traceback, the plan is logged, and the same ranks go on serving."""
+    from specray.contract import BlockTableDelta, StepPlan
+    from specray.errors import StepError, WorkerDiedError
+
     prompts = prompts_for(6, seed=3)
     references = run_to_end(engine_for(tiny_llama_dir), prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -235,6 +241,17 @@ def test_graphs_over_two_ranks_when_asked_for(tiny_llama_dir):
         first, second = engine.executor.collective_rpc(probes.graph_shapes)
         assert first == second and any(b == 8 for b, _, _ in first) and any(q > 1 for _, q, _ in first), first
         assert engine.spec_stats.accepted_tokens > 0
+
+        workers = list(engine.executor.workers)
+        bad = StepPlan(10_000, block_deltas=[BlockTableDelta("ghost", 0, [1])])
+        with caplog.at_level("ERROR", logger="specray.cluster.executor"):
+            with pytest.raises(StepError, match="KeyError") as info:
+                engine.executor.execute(bad)
+        assert not isinstance(info.value, WorkerDiedError)
+        assert "apply_plan_state" in info.value.remote_traceback
+        assert "step 10000: 0 chunks" in caplog.text and "remote traceback" in caplog.text
+        assert engine.executor.workers == workers  # not restarted
+        assert run_to_end(engine, prompts[:2]) == references[:2]
     finally:
         engine.shutdown()
 
@@ -719,30 +736,6 @@ def test_a_drafter_actor_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir
 
 
 # ---- failures ------------------------------------------------------------------------------------------------
-
-def test_a_step_that_raises_on_live_ranks_is_logged_and_keeps_the_group(tiny_llama_dir, caplog):
-    """A plan the ranks cannot run (a block-table delta for a request they never saw) raises KeyError on every
-    rank: that is a StepError with the remote traceback, the plan is logged, and the same ranks go on serving."""
-    from specray.contract import BlockTableDelta, StepPlan
-    from specray.errors import StepError, WorkerDiedError
-
-    prompt = prompts_for(1, seed=4)[0]
-    reference = run_to_end(engine_for(tiny_llama_dir), [prompt])[0]
-    engine = engine_for(tiny_llama_dir, tensor_parallel_size=2, ray_placement=HALF_CPU)
-    try:
-        workers = list(engine.executor.workers)
-        bad = StepPlan(10_000, block_deltas=[BlockTableDelta("ghost", 0, [1])])
-        with caplog.at_level("ERROR", logger="specray.cluster.executor"):
-            with pytest.raises(StepError, match="KeyError") as info:
-                engine.executor.execute(bad)
-        assert not isinstance(info.value, WorkerDiedError)
-        assert "apply_plan_state" in info.value.remote_traceback
-        assert "step 10000: 0 chunks" in caplog.text and "remote traceback" in caplog.text
-        assert engine.executor.workers == workers  # not restarted
-        assert run_to_end(engine, [prompt]) == [reference]
-    finally:
-        engine.executor.shutdown()
-
 
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
                          ids=["tp2", "pp2"])
