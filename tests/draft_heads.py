@@ -404,6 +404,76 @@ def write_qwen_mtp(folder: Path, target_dir: Path, seed: int = 11, accepting: bo
     return folder
 
 
+# transformers' MtpModel names of a MiMo-V2-Flash MTP module (after layers.{k}.) and the release's (after
+# model.mtp.layers.{k}.), where they differ
+MIMO_MTP_RELEASE = (("mtp_block.self_attn.sinks", "self_attn.attention_sink_bias"),
+                    ("mtp_block.post_attention_layernorm.", "pre_mlp_layernorm."), ("post_norm.", "final_layernorm."),
+                    ("mtp_block.", ""))
+
+
+def _renamed(name: str, pairs) -> str:
+    return next((new + name[len(old):] for old, new in pairs if name.startswith(old)), name)
+
+
+def mimo_mtp_model_name(release_name: str, k: int) -> str:
+    """The release's ``model.mtp.layers.{k}.*`` name in transformers' ``MtpModel`` (``layers.{k}.*``)."""
+    rest = release_name[len(f"model.mtp.layers.{k}."):]
+    if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+        return f"layers.{k}.{rest}"
+    renamed = _renamed(rest, [(theirs, ours) for ours, theirs in MIMO_MTP_RELEASE if theirs])
+    return f"layers.{k}." + (renamed if renamed != rest else "mtp_block." + rest)
+
+
+def mimo_mtp_model(target_dir: Path, num_modules: int):
+    """transformers' ``MtpModel`` of ``num_modules`` MiMo-V2-Flash MTP modules over the target (its layers: a
+    sliding-window layer with a dense MLP, as the release's), and the target model."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    hf.config.num_mtp_layers = num_modules
+    hf.config.mtp_layer_types = ["sliding_attention"] * num_modules
+    hf.config.mtp_mlp_layer_types = ["dense"] * num_modules
+    return MtpModel(hf, num_modules).float().eval(), hf
+
+
+def write_mimo_mtp(folder: Path, target_dir: Path, num_modules: int = 2, seed: int = 13, accepting: bool = True,
+                   alpha: float = 0.1) -> Path:
+    """A copy of a tiny MiMo-V2-Flash target's folder with ``num_modules`` MTP modules added as the release has them
+    (``model.mtp.layers.{k}.``: ``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``, ``input_layernorm``,
+    ``pre_mlp_layernorm``, ``self_attn.*`` with its ``attention_sink_bias``, a dense ``mlp.*``), drawn as
+    transformers' ``MtpModel`` initializes them, the norms and sinks made random. ``accepting``: ``eh_proj`` passes
+    the token's embedding through and the block's outputs are scaled by ``alpha`` (as :func:`write_deepseek_mtp`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    torch.manual_seed(seed)
+    mtp, _ = mimo_mtp_model(target_dir, num_modules)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(folder / "model.safetensors"))
+    h = mtp.config.hidden_size
+    for name, tensor in mtp.state_dict().items():
+        if not name.startswith("layers."):
+            continue  # the embedding and head: the target's
+        value = tensor.detach().clone()
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(value.shape, generator=gen)
+        elif name.endswith("sinks"):
+            value = 0.5 * torch.randn(value.shape, generator=gen)
+        elif name.endswith("eh_proj.weight"):
+            value = torch.randn(h, 2 * h, generator=gen) * 0.2
+            if accepting:
+                value = torch.cat([torch.eye(h), alpha * value[:, h:]], 1)
+        elif accepting and name.endswith(("o_proj.weight", "down_proj.weight")):
+            value = value * alpha
+        k, rest = name.split(".")[1], name.split(".", 2)[2]
+        weights[f"model.mtp.layers.{k}." + _renamed(rest, MIMO_MTP_RELEASE)] = value
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 # one drafter of each kind: host lookups (chains, a suffix tree), a draft model, a head reading the target's states
 DRAFTER_KINDS = ("ngram", "suffix", "draft_model", "eagle3")
 

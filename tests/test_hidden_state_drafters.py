@@ -1365,6 +1365,93 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     assert checked >= 12
 
 
+# ---- MiMo-V2-Flash's MTP modules (model.mtp.layers.{k}: a sliding-window layer with sinks, a dense MLP) -------------
+
+@pytest.mark.parametrize("num_modules, accepting", [(1, False), (2, True)], ids=["one-random", "two-accepting"])
+def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_flash_dir, tmp_path, num_modules,
+                                                                    accepting):
+    """``method="mtp"`` on a MiMo-V2-Flash release reads its MTP modules under ``model.mtp.layers.{k}`` (one reused for
+    every draft step, or two chained): each a sliding-window layer of the family (twice the KV heads, a sink per
+    head, the sliding layers' partial RoPE) with a dense MLP. Greedy output equals plain decoding (batch of 8, mixed
+    caps and max_tokens), no block leaks, an accepting module's drafts are accepted; every first draft equals
+    transformers' ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch
+    (checked on a random module too, whose drafts hang on every part of the layer)."""
+    from safetensors.torch import load_file
+
+    from specray.models.kv_cache import SlidingWindowSpec
+    from specray.models.llama import LlamaMLP
+    from specray.models.mimo_v2 import MiMoV2Attention
+
+    target = tiny_mimo_v2_flash_dir
+    folder = draft_heads.write_mimo_mtp(tmp_path / "mtp", target, num_modules=2, accepting=accepting)
+    plain = LLM(str(target), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    if num_modules > 1:
+        spec["num_nextn_predict_layers"] = num_modules
+    llm = LLM(str(folder), max_model_len=256, speculative_config=spec)
+    drafter = llm.engine.executor.worker.runner.drafter
+    heads = list(getattr(drafter.head, "heads", [drafter.head]))
+    assert len(heads) == num_modules
+    for head in heads:
+        layer = head.layers[0]
+        assert isinstance(layer.self_attn, MiMoV2Attention) and isinstance(layer.mlp, LlamaMLP)
+        assert head.kv_cache_specs() == [SlidingWindowSpec(num_kv_heads=4, head_dim=24, sliding_window=8)]
+        assert head.rotary_emb.head_dim == 8  # the sliding layers' partial RoPE: 0.334 of 24
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain)
+    assert free_blocks(llm) == start and (llm.spec_stats.accepted_tokens > 0 or not accepting)
+    # the first drafts against transformers' MTP module 0 over each committed sequence
+    mtp, hf = draft_heads.mimo_mtp_model(target, 1)
+    release = {name: t for name, t in load_file(str(folder / "model.safetensors")).items()
+               if name.startswith("model.mtp.layers.0.")}
+    state = {draft_heads.mimo_mtp_model_name(name, 0): tensor for name, tensor in release.items()}
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
+    # module 0's normed output over a sequence longer than the window, on shuffled blocks: transformers' (the pair
+    # (t[p+1], h[p]) at RoPE position p + 1 there, p here: the same relative positions)
+    ours = load_draft_head("mtp", folder, load_model(str(target)), load_hf_config(str(target)))
+    allocate_kv_cache(ours, 16, 4)
+    seq = torch.randint(0, hf.config.vocab_size, (22,), generator=torch.Generator().manual_seed(5))
+    n = len(seq) - 1
+    with torch.no_grad():
+        hidden = hf.model(seq[None, :n]).last_hidden_state
+        want = mtp.forward_layer(0, hidden, torch.arange(1, n + 1)[None], None, input_ids=seq[None, 1:])[0]
+        meta = build_attention_metadata([n], [0], [[9, 2, 14, 5, 11, 0]], 4)
+        got = ours(seq[1:], hidden[0], meta)[1]
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    tok = llm.get_tokenizer()
+    committed = {o.request_id: tok.encode(prompt) for o, prompt in zip(outs, PROMPTS)}  # the prompt, then kept
+    checked = 0
+    for plan, result in rec.steps:
+        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
+            if not kept or chunk.req_id not in committed:
+                continue
+            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
+                                                                   - chunk.num_draft_tokens] + list(kept)
+            if not drafts or checked >= 12:
+                continue
+            n = len(seq) - 1
+            with torch.no_grad():
+                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
+                draft, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden,
+                                  attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+            assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
+            checked += 1
+    assert checked >= 12
+
+
+def test_mimo_v2_flash_mtp_refusals(tiny_mimo_v2_flash_dir, tmp_path):
+    """A release without its MTP modules, or fewer modules than asked to chain: a ValueError naming the way out."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"no MTP layer \(model\.mtp\.layers\.0\.\*\).*another speculative method"):
+        LLM(str(tiny_mimo_v2_flash_dir), max_model_len=256, speculative_config=spec)
+    folder = draft_heads.write_mimo_mtp(tmp_path / "mtp", tiny_mimo_v2_flash_dir, num_modules=2)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=3 but .* has 2 MTP module"):
+        LLM(str(folder), max_model_len=256, speculative_config={**spec, "num_nextn_predict_layers": 3})
+
+
 # ---- the hybrid family's own MTP layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: gated attention, 1 + w norms) -----------
 
 HYBRID_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],

@@ -180,7 +180,8 @@ class DraftHead(ReadsTarget):
             self.lm_head = None
         # the head's layer rotates what its family's layers rotate: GLM-4.5's MTP block (and any head whose config
         # has a partial_rotary_factor) the first part of each head only, as the target's stack does
-        rope = rope_parameters(config, partial=True)
+        rope = rope_parameters(config, getattr(family, "mtp_layer_type", None) if fusion == "eh_proj" else None,
+                               partial=True)  # an MTP layer of a stack with a RoPE per kind of layer: its kind's
         head_dim = config.head_dim if getattr(config, "head_dim", None) else h // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(rotary_dim(head_dim, rope), rope, config.max_position_embeddings)
         self.kv_cache_bound = False

@@ -16,6 +16,10 @@
 * **MTP** (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next layout, a family's ``mtp_names``): one layer under ``mtp.``
   (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``layers.0.*``, ``norm``), the same head under other
   names, reused for every draft step.
+* **MTP** (MiMo-V2-Flash layout, a family's ``mtp_module_prefix`` with its ``mtp_names``): module k under
+  ``model.mtp.layers.{k}.`` (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``, the block's ``self_attn``,
+  ``mlp``, ``input_layernorm`` and ``pre_mlp_layernorm``), renamed; one module reused, or modules chained as
+  DeepSeek's.
 
 Tensors shared with the target (``embed_tokens``, ``shared_head.head``, EAGLE-1's ``lm_head``) are not loaded: the
 head reads the target's.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,7 +158,11 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     num_layers = target_config.num_hidden_layers
     if not isinstance(num_modules, int) or isinstance(num_modules, bool) or num_modules < 1:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules!r} must be an int >= 1")
-    names = getattr(_target_family(target_config), "mtp_names", None)
+    family = _target_family(target_config)
+    names = getattr(family, "mtp_names", None)
+    indexed = getattr(family, "mtp_module_prefix", None)
+    if indexed is not None:
+        return target_config, _indexed_mtp(path, indexed, names, num_modules)
     if names is not None:
         return target_config, [_prefixed_mtp(path, names, num_modules)]
     prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
@@ -214,6 +223,41 @@ def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) ->
                          "with its multi-token-prediction weights (mtp_num_hidden_layers / num_nextn_predict_layers "
                          ">= 1); use another speculative method for this model")
     return out
+
+
+def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modules: int
+                 ) -> list[list[tuple[str, Any]]]:
+    """Modules 0..num_modules-1 of a release that numbers its MTP modules under ``prefix`` (``{k}`` the module:
+    MiMo-V2-Flash's ``model.mtp.layers.{k}.``), each renamed by the family's ``names`` (theirs, ours)."""
+    source = resolve_model(path)
+    pattern = re.compile(re.escape(prefix).replace(re.escape("{k}"), r"(\d+)"))
+    root = prefix[: prefix.index("{k}")]
+    modules: list[list[tuple[str, Any]]] = [[] for _ in range(num_modules)]
+    found: set[int] = set()
+    for name, tensor in checkpoint_weights(source, wanted=lambda name: name.startswith(root)):  # the rest unread
+        match = pattern.match(name)
+        if match is None:
+            continue
+        k = int(match.group(1))
+        found.add(k)
+        if k >= num_modules:
+            continue
+        rest = name[match.end():]
+        theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
+        if theirs is None:
+            raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has "
+                             "no place for; drop it, or use another speculative method")
+        modules[k].append((ours + rest[len(theirs):], tensor))
+    if not found:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix.format(k=0)}*): method='mtp' "
+                         "needs a release with its multi-token-prediction weights; use another speculative method "
+                         "for this model")
+    have = next((k for k in range(num_modules) if k not in found), num_modules)
+    if have < num_modules:
+        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
+                         f"{str(source.path)!r} has {have} MTP module(s) ({prefix.format(k=0)}.. "
+                         f"{prefix.format(k=have - 1)}); give num_nextn_predict_layers <= {have}")
+    return modules
 
 
 def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) -> dict[str, Any]:

@@ -10,13 +10,20 @@ per layer, pipeline stages, weight loading, the model interface). Where it diffe
 * each layer's MLP dense or a mixture of experts as ``mlp_layer_types`` names it: DeepSeek-V3's grouped sigmoid router
   with its correction bias, no shared expert (:mod:`specray.models.moe`, the ``mimo_v2_flash`` row).
 
-Its releases' multi-token-prediction layers are not read. Under tensor parallelism the query heads, both kinds of KV
-heads (each a multiple of the ranks) and the sinks split over the ranks.
+Under tensor parallelism the query heads, both kinds of KV heads (each a multiple of the ranks) and the sinks split
+over the ranks.
+
+Its releases' multi-token-prediction modules (``model.mtp.layers.{k}``) are the ``mtp`` drafter's: each DeepSeek's
+``eh_proj(cat(enorm(e), hnorm(h)))`` into a block of a sliding-window layer (its KV heads, sinks and RoPE) with a
+dense MLP, then ``final_layernorm`` and the target's LM head (:meth:`MiMoV2FlashForCausalLM.mtp_layer_parts`,
+:data:`MTP_NAMES`); one module reused for every draft step, or the first K chained
+(``speculative_config.num_nextn_predict_layers``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -36,10 +43,19 @@ from specray.parallel import PPGroup, TPGroup
 _SINK_NAMES = ((re.compile(r"\.self_attn\.(?:sinks|attention_sink_bias)$"), ".self_attn.attn.sinks"),)
 
 
+# the release's MTP module k (under model.mtp.layers.{k}.) in the mtp head's names
+MTP_NAMES = (("enorm.", "enorm."), ("hnorm.", "hnorm."), ("eh_proj.", "eh_proj."), ("final_layernorm.", "norm."),
+             ("input_layernorm.", "layers.0.input_layernorm."),
+             ("pre_mlp_layernorm.", "layers.0.post_attention_layernorm."),
+             ("post_attention_layernorm.", "layers.0.post_attention_layernorm."),
+             ("self_attn.attention_sink_bias", "layers.0.self_attn.attn.sinks"),
+             ("self_attn.sinks", "layers.0.self_attn.attn.sinks"),
+             ("self_attn.", "layers.0.self_attn."), ("mlp.", "layers.0.mlp."))
+
+
 class MiMoV2Attention(nn.Module):
-    def __init__(self, config, tp: TPGroup, layer: int):
+    def __init__(self, config, tp: TPGroup, sliding: bool):
         super().__init__()
-        sliding = config.layer_types[layer] == "sliding_attention"
         kv = config.num_key_value_heads * (2 if sliding else 1)
         self.head_dim, self.v_dim = config.head_dim, config.v_head_dim
         self.num_heads = divide(config.num_attention_heads, tp.size, "num_attention_heads")
@@ -77,7 +93,7 @@ class MiMoV2Attention(nn.Module):
 class MiMoV2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         nn.Module.__init__(self)
-        self.self_attn = MiMoV2Attention(config, tp, layer)
+        self.self_attn = MiMoV2Attention(config, tp, config.layer_types[layer] == "sliding_attention")
         sparse = config.mlp_layer_types[layer] == "sparse"
         self.mlp = SparseMoE(config, tp, expert_parallel) if sparse else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,3 +120,21 @@ class MiMoV2FlashForCausalLM(LlamaForCausalLM):
                  pp: PPGroup | None = None):
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.renames = _SINK_NAMES
+
+    def reads_weight(self, name: str) -> bool:
+        """The release's MTP modules are the mtp drafter's, never read into the target."""
+        return not name.startswith("model.mtp.") and super().reads_weight(name)
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        return super()._unfused((name, t) for name, t in weights if not name.startswith("model.mtp."))
+
+    mtp_module_prefix = "model.mtp.layers.{k}."  # the release's MTP modules, in the mtp head's names by MTP_NAMES
+    mtp_names = MTP_NAMES
+    mtp_layer_type = "sliding_attention"  # the MTP layer rotates by the sliding layers' RoPE
+
+    @staticmethod
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
+        """An MTP module's block: a sliding-window layer's attention (twice the KV heads, sinks) and a dense MLP,
+        split over ``tp`` as the target's layers are (:class:`~specray.models.draft_head.DraftHead` builds the
+        rest)."""
+        return MiMoV2Attention(config, tp, sliding=True), LlamaMLP(config, tp)
