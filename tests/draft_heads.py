@@ -474,6 +474,84 @@ def write_mimo_mtp(folder: Path, target_dir: Path, num_modules: int = 2, seed: i
     return folder
 
 
+def nemotron_mtp_blocks(config, block_weights: dict[str, torch.Tensor] | None = None, seed: int = 0):
+    """transformers' two Nemotron-H blocks of a Nemotron 3 MTP module (attention, then experts) for ``config`` (the
+    target's): random (norms, routers and correction biases too) or holding ``block_weights`` (the release's
+    ``mtp.layers.{0,1}.norm / mixer.*`` names); and the release's names of their tensors (as transformers saves a
+    model of those two layers)."""
+    import copy
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers, config.layers_block_type = 2, ["full_attention", "moe"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif name.endswith(".mixer.gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
+    with tempfile.TemporaryDirectory() as tmp:
+        if block_weights is not None:  # the blocks' tensors into the model as a release would load them
+            model.save_pretrained(tmp)
+            saved = load_file(str(Path(tmp) / "model.safetensors"))
+            saved.update({"backbone." + name[len("mtp."):]: t for name, t in block_weights.items()})
+            from safetensors.torch import save_file
+
+            save_file(saved, str(Path(tmp) / "model.safetensors"))
+            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+            return model.get_decoder().layers, None
+        model.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    return model.get_decoder().layers, {"mtp." + name[len("backbone."):]: t for name, t in saved.items()
+                                        if name.startswith("backbone.layers.")}
+
+
+def write_nemotron_mtp(folder: Path, target_dir: Path, seed: int = 17, accepting: bool = True,
+                       alpha: float = 0.1) -> Path:
+    """A copy of a tiny Nemotron-H target's folder with Nemotron 3's MTP module added as its release has it:
+    ``mtp.layers.0`` (``enorm``, ``hnorm``, ``eh_proj``, and an attention block: ``norm``, ``mixer.*``) and
+    ``mtp.layers.1`` (an experts block as the target's, and ``final_layernorm``). ``accepting``: ``eh_proj`` passes
+    the token's embedding through and the blocks' outputs are scaled by ``alpha`` (as :func:`write_deepseek_mtp`),
+    and the copy's LM head (never tied in Nemotron-H) is made its embedding, so that the module drafts "the same token
+    again" and the target falls into such loops (serve the copy for both outputs compared)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(target_dir)
+    _, blocks = nemotron_mtp_blocks(config, seed=seed)
+    h = config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    eh = torch.randn(h, 2 * h, generator=gen) * 0.2
+    if accepting:
+        eh = torch.cat([torch.eye(h), alpha * eh[:, h:]], 1)
+        blocks = {k: v * alpha if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in blocks.items()}
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.update(blocks)
+    if accepting:
+        weights["lm_head.weight"] = weights["backbone.embeddings.weight"].clone()
+    weights.update({"mtp.layers.0.enorm.weight": 0.5 + torch.rand(h, generator=gen),
+                    "mtp.layers.0.hnorm.weight": 0.5 + torch.rand(h, generator=gen),
+                    "mtp.layers.0.eh_proj.weight": eh,
+                    "mtp.layers.1.final_layernorm.weight": 0.5 + torch.rand(h, generator=gen)})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return folder
+
+
 # one drafter of each kind: host lookups (chains, a suffix tree), a draft model, a head reading the target's states
 DRAFTER_KINDS = ("ngram", "suffix", "draft_model", "eagle3")
 

@@ -8,7 +8,9 @@ Two heads per method: a random one (``draft_heads.write_random_head``: ~0 accept
 rejects) and one built to be often right (``draft_heads.write_accepting_head``), so that the accepted-drafts path
 (the first pass over accepted rows, the head's K/V at accepted positions) really runs."""
 
+import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -1440,6 +1442,63 @@ def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_
             assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
             checked += 1
     assert checked >= 12
+
+
+@pytest.mark.parametrize("accepting", [False, True], ids=["random", "accepting"])
+def test_nemotron_3_mtp_module_drafts_as_its_two_blocks(tmp_path, accepting):
+    """``method="mtp"`` on a Nemotron 3 release (a Nemotron-H hybrid with latent experts) reads its MTP module
+    (``mtp.layers.0``: the fusion and an attention block; ``mtp.layers.1``: an experts block and the final norm) as
+    one layer whose attention and MLP halves are the two blocks. Its normed output over a sequence equals
+    ``final_layernorm`` of transformers' own two Nemotron-H blocks over the fusion; greedy output equals plain
+    decoding (batch of 8, mixed caps), no block leaks, an accepting module's drafts are accepted."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specray.models.llama import LlamaAttention
+    from specray.models.moe import SparseMoE
+
+    target = sys.modules["specray_test_hybrid_models"].save(tmp_path / "target", "nemotron_h_moe", 3)
+    folder = draft_heads.write_nemotron_mtp(tmp_path / "mtp", target, accepting=accepting)
+    plain = LLM(str(folder), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)  # (the MTP left unread)
+    llm = LLM(str(folder), max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    layer = llm.engine.executor.worker.runner.drafter.head.layers[0]
+    assert isinstance(layer.self_attn, LlamaAttention) and not layer.self_attn.use_rope
+    assert isinstance(layer.mlp, SparseMoE)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain)
+    assert free_blocks(llm) == start and (llm.spec_stats.accepted_tokens > 0 or not accepting)
+    # the head's normed output against transformers' blocks
+    release = load_file(str(folder / "model.safetensors"))
+    blocks, _ = draft_heads.nemotron_mtp_blocks(AutoConfig.from_pretrained(target), {
+        k: v for k, v in release.items() if k.startswith(("mtp.layers.0.norm.", "mtp.layers.0.mixer.",
+                                                           "mtp.layers.1.norm.", "mtp.layers.1.mixer."))})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_draft_head("mtp", folder, load_model(str(folder)), load_hf_config(str(folder)))
+    allocate_kv_cache(ours, 16, 4)
+    seq = torch.randint(0, hf.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
+    n = len(seq) - 1
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf.config.layer_norm_epsilon) * release[name]
+
+    with torch.no_grad():
+        hidden = hf.get_decoder()(seq[None, :n]).last_hidden_state
+        e = hf.get_input_embeddings()(seq[None, 1:])
+        x = F.linear(torch.cat([rms(e, "mtp.layers.0.enorm.weight"), rms(hidden, "mtp.layers.0.hnorm.weight")], -1),
+                     release["mtp.layers.0.eh_proj.weight"])
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = blocks[1](blocks[0](x, attention_mask=causal, position_ids=torch.arange(n)[None]))
+        want = rms(x, "mtp.layers.1.final_layernorm.weight")[0]
+        got = ours(seq[1:], hidden[0], build_attention_metadata([n], [0], [[9, 2, 14, 5]], 4))[1]
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    if not accepting:  # another pattern of blocks is refused, naming the way out
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, "mtp_layers_block_type": ["full_attention", "mlp"]}))
+        with pytest.raises(ValueError, match=r"mtp_layers_block_type=\['full_attention', 'mlp'\].*another speculative"):
+            LLM(str(folder), max_model_len=256, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
 def test_mimo_v2_flash_mtp_refusals(tiny_mimo_v2_flash_dir, tmp_path):

@@ -102,7 +102,7 @@ class HeadLayer(nn.Module):
     def __init__(self, config, tp: TPGroup, input_size: int, input_norm: bool, hidden_norm: bool,
                  parts: tuple[nn.Module, nn.Module] | None = None, norm: type[nn.Module] = RMSNorm):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
+        h, eps = config.hidden_size, norm_eps(config)
         self.input_layernorm = norm(h, eps) if input_norm else None
         self.hidden_norm = norm(h, eps) if hidden_norm else None
         self.self_attn = LlamaAttention(config, tp, 0, input_size=input_size) if parts is None else parts[0]
@@ -155,8 +155,8 @@ class DraftHead(ReadsTarget):
             self.fc = ColumnParallelLinear(2 * h, h, whole, bias=fc_bias)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=False, hidden_norm=False)])
         elif fusion == "eh_proj":
-            self.enorm = norm(h, config.rms_norm_eps)
-            self.hnorm = norm(h, config.rms_norm_eps)
+            self.enorm = norm(h, norm_eps(config))
+            self.hnorm = norm(h, norm_eps(config))
             self.eh_proj = ColumnParallelLinear(2 * h, h, whole)
             parts = getattr(family, "mtp_layer_parts", None)  # the target family's block (DeepSeek's)
             self.layers = nn.ModuleList([HeadLayer(config, tp, h, input_norm=True, hidden_norm=False,
@@ -167,7 +167,7 @@ class DraftHead(ReadsTarget):
             self.layers = nn.ModuleList([HeadLayer(config, tp, 2 * h, input_norm=True, hidden_norm=True)])
         else:
             raise ValueError(f"unknown head fusion {fusion!r}")
-        self.norm = norm(h, config.rms_norm_eps) if self.layout.final_norm else None
+        self.norm = norm(h, norm_eps(config)) if self.layout.final_norm else None
         self.target_vocab_size = target.vocab_size
         if self.layout.own_lm_head:
             vd = draft_vocab_size or target.vocab_size
@@ -377,6 +377,12 @@ def check_split(method: str, num_heads: int, num_kv_heads: int | None, tp_size: 
         raise ValueError(f"the {method} head's num_attention_heads={num_heads} and num_key_value_heads={kv} do not "
                          f"split over tensor_parallel_size={tp_size}: set "
                          "speculative_config.draft_tensor_parallel_size=1 (the head whole on the driver rank)")
+
+
+def norm_eps(config) -> float:
+    """The head's norms' epsilon: its config's ``rms_norm_eps`` (Nemotron-H's: ``layer_norm_epsilon``)."""
+    eps = getattr(config, "rms_norm_eps", None)
+    return eps if eps is not None else config.layer_norm_epsilon
 
 
 def _family(config):

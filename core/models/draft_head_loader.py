@@ -203,20 +203,21 @@ def _target_family(target_config):
 
 
 def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) -> list[tuple[str, Any]]:
-    """The MTP layer of a release that keeps it under ``mtp.`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: ``mtp.fc``,
-    ``mtp.pre_fc_norm_*``, ``mtp.layers.0.*``, ``mtp.norm``), renamed by the family's ``names`` (theirs, ours)."""
+    """The MTP layer of a release that keeps one under ``mtp.`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: ``mtp.fc``,
+    ``mtp.pre_fc_norm_*``, ``mtp.layers.0.*``, ``mtp.norm``; Nemotron 3: its two blocks ``mtp.layers.0`` and
+    ``mtp.layers.1``), renamed by the family's ``names`` (theirs, ours)."""
     source = resolve_model(path)
     if num_modules != 1:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules}: the checkpoint "
-                         f"{str(source.path)!r} keeps one MTP layer (mtp.layers.0) with one fc and one set of norms, "
-                         "which specray reuses for every draft step; leave num_nextn_predict_layers unset (or 1)")
+                         f"{str(source.path)!r} keeps one MTP layer (mtp.*), which specray reuses for every draft "
+                         "step; leave num_nextn_predict_layers unset (or 1)")
     out = []
     for name, tensor in checkpoint_weights(source, wanted=lambda name: name.startswith("mtp.")):  # the rest unread
         rest = name[len("mtp."):]
         theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
         if theirs is None:
             raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has "
-                             "no place for (one MTP layer is read: mtp.layers.0); drop it, or use another method")
+                             "no place for (one MTP layer is read); drop it, or use another method")
         out.append((ours + rest[len(theirs):], tensor))
     if not out:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer (mtp.*): method='mtp' needs a release "

@@ -18,7 +18,10 @@ keeping a recurrent state per request as Qwen3.5's linear attention does
   name the stack ``backbone.`` with ``embeddings``, ``norm_f`` and each layer's ``mixer`` (as transformers saves
   it; its modules' ``model.`` names are read too). Its LM head is never tied to the embedding. Its experts are
   DeepSeek-V3's router over gateless squared-ReLU experts beside gateless shared experts, over a latent width
-  where ``moe_latent_size`` says (Nemotron 3 Super: projected down before them and back up after).
+  where ``moe_latent_size`` says (Nemotron 3 Super: projected down before them and back up after). Nemotron 3's MTP
+  module (``mtp.layers.0``: the fusion and an attention block; ``mtp.layers.1``: an experts block and the final norm,
+  ``mtp_layers_block_type`` ["full_attention", "moe"]) is the ``mtp`` head's: the two blocks are its one layer's
+  attention and MLP halves (:data:`NEMOTRON_MTP_NAMES`), reused for every draft step.
 * **Mamba-2** alone (``Mamba2ForCausalLM``), **Mamba** and **Falcon-Mamba** (``MambaForCausalLM``,
   ``FalconMambaForCausalLM``: Mamba-1): Nemotron-H's stack, every layer a Mamba layer, no attention.
 * **Falcon-H1** (``FalconH1ForCausalLM``: Falcon-H1 0.5B to 34B, Falcon-H1R): Mamba-2 and attention side by side in
@@ -225,6 +228,15 @@ class NemotronHModel(LlamaModel):
     layer_class = NemotronHLayer
 
 
+# Nemotron 3's MTP module (its release's mtp.*) in the mtp head's names: block 0's norm and mixer are the layer's
+# attention half, block 1's its MLP half (experts), block 1's final_layernorm the head's norm
+NEMOTRON_MTP_NAMES = (("layers.0.enorm.", "enorm."), ("layers.0.hnorm.", "hnorm."), ("layers.0.eh_proj.", "eh_proj."),
+                      ("layers.0.norm.", "layers.0.input_layernorm."), ("layers.0.mixer.", "layers.0.self_attn."),
+                      ("layers.1.norm.", "layers.0.post_attention_layernorm."), ("layers.1.mixer.", "layers.0.mlp."),
+                      ("layers.1.final_layernorm.", "norm."))
+NEMOTRON_MTP_BLOCKS = ["full_attention", "moe"]
+
+
 class NemotronHForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Nemotron-H for causal LM, sharded over ``tp``: its releases' ``backbone.`` names (and transformers'
     ``model.``), each layer's ``mixer`` named for its kind."""
@@ -246,6 +258,26 @@ class NemotronHForCausalLM(RecurrentModel, LlamaForCausalLM):
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
         check_mamba2_split(config, tp)
+
+    def reads_weight(self, name: str) -> bool:
+        """The release's MTP module is the mtp drafter's, never read into the target."""
+        return not name.startswith("mtp.") and super().reads_weight(name)
+
+    def _unfused(self, weights):
+        return super()._unfused((name, t) for name, t in weights if not name.startswith("mtp."))
+
+    mtp_names = NEMOTRON_MTP_NAMES  # the MTP module is the release's mtp.* (DeepSeek's layout is the default)
+
+    @staticmethod
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
+        """The MTP module's two blocks as one layer's halves: attention without RoPE, and the stack's experts
+        (Nemotron 3 Super's ``mtp_layers_block_type``; another pattern is refused)."""
+        blocks = list(getattr(config, "mtp_layers_block_type", None) or NEMOTRON_MTP_BLOCKS)
+        if blocks != NEMOTRON_MTP_BLOCKS:
+            raise ValueError(f"mtp_layers_block_type={blocks}: specray reads Nemotron-H's MTP module as "
+                             f"{NEMOTRON_MTP_BLOCKS} (an attention block, then an experts block); use another "
+                             "speculative method for this model")
+        return LlamaDecoderLayer.attention_class(config, tp, 0), SparseMoE(config, tp, expert_parallel)
 
 
 class Mamba2ForCausalLM(NemotronHForCausalLM):
