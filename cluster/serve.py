@@ -965,7 +965,8 @@ class SpecrayServer:
         config = self.args.server_config(self.max_num_seqs)
         app = build_openai_app(self.client, config, self.metrics, self.response_store, self.runtime_adapters)
         # Serve builds the app on the replica's event loop: the watch of ``specray serve``'s stop runs there
-        self._watch = asyncio.get_running_loop().create_task(_watch_stop(app.state.serving))
+        self._watch = asyncio.get_running_loop().create_task(
+            watch_stop(app.state.serving, serve.get_replica_context().app_name))
         return app
 
     async def engine_state(self) -> dict:
@@ -986,7 +987,7 @@ def _stop_signal_name(app_name: str) -> str:
 @ray.remote(num_cpus=0)
 class StopSignal:
     """``specray serve``'s stop, told to every ingress replica of its application at once: each replica's watch
-    (:func:`_watch_stop`) is one call pending here (no polling) that returns when :meth:`stop` is called; the
+    (:func:`watch_stop`) is one call pending here (no polling) that returns when :meth:`stop` is called; the
     replica then ends its open requests with a 503 and reports :meth:`drained`. ``stop`` returns once every
     watching replica has, or after ``timeout`` seconds (a replica that died meanwhile never reports)."""
 
@@ -998,6 +999,13 @@ class StopSignal:
     async def watch(self) -> None:
         self._watchers += 1
         await self._stop.wait()
+
+    async def wait_watchers(self, count: int, timeout: float) -> int:
+        """Wait until ``count`` replicas watch (at most ``timeout`` seconds); returns how many do."""
+        deadline = time.monotonic() + timeout
+        while self._watchers < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._watchers
 
     async def drained(self, num_ended: int) -> None:
         self._drained += 1
@@ -1021,25 +1029,27 @@ def create_stop_signal(app_name: str):
                               get_if_exists=True).remote()
 
 
-def end_open_requests(signal_actor, timeout: float = STOP_DRAIN_S + 2.0) -> None:
+def end_open_requests(signal_actor, timeout: float = STOP_DRAIN_S + 2.0) -> tuple[int, int, int] | None:
     """Before Serve shuts down: every ingress replica watching ``signal_actor`` (:func:`create_stop_signal`) ends
     its open requests with a 503 (an error event on a stream), refuses new ones, and answers; then the signal
-    goes."""
+    goes. Returns (replicas that answered, replicas that watched, requests they ended); None if the signal failed."""
     try:
-        drained, watchers, ended = ray.get(signal_actor.stop.remote(timeout), timeout=timeout + 5.0)
+        report = drained, watchers, ended = ray.get(signal_actor.stop.remote(timeout), timeout=timeout + 5.0)
         logger.info("%d of %d server replicas ended their open requests (%d of them)", drained, watchers, ended)
+        return report
     except RayError as err:
         logger.warning("could not end the open requests before shutting down: %s", err)
+        return None
     finally:
         ray.kill(signal_actor)
 
 
-async def _watch_stop(serving) -> None:
-    """An ingress replica's watch of its application's stop signal (none: a server not started by ``specray
-    serve``, which Serve stops as it stops any app)."""
+async def watch_stop(serving, app_name: str) -> None:
+    """An ingress replica's watch of its application's stop signal, run on the replica's event loop: once it
+    fires, ``serving.shut_down`` ends the open requests and the signal hears so. Nothing to watch for a server not
+    started by ``specray serve`` (Serve stops it as it stops any app)."""
     try:
-        signal_actor = ray.get_actor(_stop_signal_name(serve.get_replica_context().app_name),
-                                     namespace=STOP_NAMESPACE)
+        signal_actor = ray.get_actor(_stop_signal_name(app_name), namespace=STOP_NAMESPACE)
     except ValueError:
         return
     try:
@@ -1231,9 +1241,13 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
         stop_signal = create_stop_signal(name)
         handle = deploy_app(app, name)
+        watching = ray.get(stop_signal.wait_watchers.remote(parsed.num_replicas, 10.0))
     except BaseException:
         _clean_up_failed_start(started_ray, name)
         raise
+    if watching < parsed.num_replicas:
+        logger.warning("%d of %d server replicas watch for Ctrl-C: the others' open requests end when Serve stops",
+                       watching, parsed.num_replicas)
     logger.info("serving at http://%s:%d/v1", host, port)
     if not blocking:
         return handle

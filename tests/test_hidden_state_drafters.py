@@ -1501,6 +1501,45 @@ def test_nemotron_3_mtp_module_drafts_as_its_two_blocks(tmp_path, accepting):
             LLM(str(folder), max_model_len=256, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
+# each rank's share of a family's MTP head over the target's split embedding: its normed output over a sequence
+# (past MiMo's window of 8) against one rank's, for each of ``folders``
+MTP_HEAD_RANKS = """
+from specray.models.draft_head_loader import load_draft_head
+from specray.models.loader import load_hf_config
+
+diffs = []
+for folder in folders:
+    config = load_hf_config(folder)
+    features = torch.randn(19, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for group in (tp, None):
+        head = load_draft_head("mtp", folder, load_model(folder, group), config, tp=group)
+        allocate_kv_cache(head, 32, 4)
+        with torch.no_grad():
+            outs.append(head(ids[1:20], features, plan([19], [0], [tables[0]], 4))[1])
+    diffs.append((outs[0] - outs[1]).abs().max().item())
+del head
+gc.collect()
+dist.destroy_process_group()
+json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
+"""
+
+
+def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tmp_path):
+    """MiMo-V2-Flash's MTP module (its sliding layer's doubled KV heads and sinks split) and Nemotron 3's (its
+    attention block split by head, its latent experts by width) over two tensor-parallel ranks (gloo): each rank's
+    normed output equals one rank's."""
+    from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
+
+    nemotron = sys.modules["specray_test_hybrid_models"].save(tmp_path / "nemotron", "nemotron_h_moe", 3)
+    folders = [draft_heads.write_mimo_mtp(tmp_path / "mimo_mtp", tiny_mimo_v2_flash_dir, num_modules=1,
+                                          accepting=False),
+               draft_heads.write_nemotron_mtp(tmp_path / "nemotron_mtp", nemotron, accepting=False)]
+    results = run_ranks(tmp_path / "ranks", WORKER_PRELUDE + MTP_HEAD_RANKS, 2, 1, [str(f) for f in folders])
+    for result in results:
+        assert all(d < 1e-5 for d in result["diffs"]), results
+
+
 def test_mimo_v2_flash_mtp_refusals(tiny_mimo_v2_flash_dir, tmp_path):
     """A release without its MTP modules, or fewer modules than asked to chain: a ValueError naming the way out."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}

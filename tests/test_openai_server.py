@@ -1095,34 +1095,44 @@ def test_engine_replica_death_gives_openai_errors_a_fast_503_then_recovers(serve
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
-def test_stopping_the_server_ends_open_streams_with_an_error_event(server, tiny_llama_dir):
-    """``specray serve``'s Ctrl-C (``run_server``: ``end_open_requests``, then Serve shuts down), on an app of its
-    own: an open stream ends with an error event and [DONE] at once, and later requests get a 503."""
-    from ray import serve
+def test_stopping_the_server_tells_every_ingress_replica_and_waits_for_them(ray_cluster):
+    """``specray serve``'s Ctrl-C path on Ray (``run_server``: ``end_open_requests``, then Serve shuts down): each
+    ingress replica's watch (``watch_stop``, one call pending on the app's ``StopSignal``) fires, its server ends
+    its open requests (``OpenAIServing.shut_down``: test_openai_app.py checks the 503s and the stream's error
+    event), and ``end_open_requests`` returns once every replica has answered; an app without a signal has nothing
+    to watch. Here two watches stand in for two replicas' (a replica is a process start: seconds)."""
+    import asyncio
 
-    from specray.cluster.serve import build_app, create_stop_signal, deploy_app, end_open_requests
+    import ray
 
-    app = build_app({"model": str(tiny_llama_dir), "served_model_name": "stopping", "max_model_len": 1024,
-                     "num_cpus": 0.1})
+    from specray.cluster.serve import create_stop_signal, end_open_requests, watch_stop
+
+    class Serving:
+        def __init__(self, open_requests: int):
+            self.open_requests, self.ended = open_requests, None
+
+        async def shut_down(self, timeout: float) -> int:
+            await asyncio.sleep(0.2)  # the replica's handlers answering
+            self.ended = self.open_requests
+            return self.open_requests
+
+    async def watches(servings):
+        await asyncio.gather(*(watch_stop(s, "stopping") for s in servings))
+
+    servings = [Serving(2), Serving(1)]
     stop_signal = create_stop_signal("stopping")
-    base = server + "/stopping"
-    try:
-        deploy_app(app, "stopping", route_prefix="/stopping")
-        resp, payloads = _stream_lines(base + "/v1/completions", {"model": "stopping", "prompt": "Hello",
-                                                                  "max_tokens": 1000, "ignore_eos": True,
-                                                                  "stream": True})
-        with resp:
-            assert json.loads(next(payloads))["choices"][0]["finish_reason"] is None
-            start = time.monotonic()
-            end_open_requests(stop_signal)
-            rest = list(payloads)
-        assert time.monotonic() - start < 5
-        error = json.loads(rest[-2])["error"]
-        assert rest[-1] == "[DONE]" and (error["type"], error["code"]) == ("server_error", "server_shutting_down")
-        status, err = error_of(http_json(base + "/v1/completions", {"model": "stopping", "prompt": "hi"}))
-        assert (status, err["code"]) == (503, "server_shutting_down")
-    finally:
-        serve.delete("stopping")
+    loop = asyncio.new_event_loop()
+    watching = threading.Thread(target=loop.run_until_complete, args=(watches(servings),))
+    watching.start()
+    assert ray.get(stop_signal.wait_watchers.remote(2, 30.0)) == 2  # (run_server waits so before "serving at")
+    assert watching.is_alive() and [s.ended for s in servings] == [None, None]
+    start = time.monotonic()
+    assert end_open_requests(stop_signal) == (2, 2, 3)
+    assert [s.ended for s in servings] == [2, 1] and time.monotonic() - start < 5  # both had answered
+    watching.join(timeout=10)
+    assert not watching.is_alive()
+    loop.close()
+    asyncio.run(asyncio.wait_for(watch_stop(Serving(1), "no-such-app"), 10))  # no signal: returns at once
 
 
 # ---- bench-serve and load --------------------------------------------------------------------------------
