@@ -158,6 +158,17 @@ class BlockPool:
             self._tails.add(req.block_ids[-1])
         return len(hit) * bs
 
+    def cached_run(self, token_ids: list[int], max_tokens: int, salt: str | None = None) -> int:
+        """How many tokens the longest prefix of ``token_ids`` in whole cached blocks holds (of at most
+        ``max_tokens``, under ``salt``), whatever states were kept; nothing is taken."""
+        bs, parent, n = self.block_size, _root(salt), 0
+        for start in range(0, max_tokens - bs + 1, bs):
+            entry = self._cached.get((parent, tuple(token_ids[start:start + bs])))
+            if entry is None:
+                break
+            parent, n = entry[0], start + bs
+        return n
+
     def cache_blocks(self, req, token_ids: list[int], num_tokens: int, salt: str | None = None) -> None:
         """Register the table's blocks that the first ``num_tokens`` of ``token_ids`` fill (their K/V is
         written), past those already registered, under ``salt``. A content already cached in another block keeps

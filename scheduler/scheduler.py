@@ -125,11 +125,14 @@ class Scheduler:
         self._order = (_arrival if config.scheduling_policy == "fcfs" else _priority_then_arrival)
         # recurrent-state snapshots (SchedulerConfig.recurrent_snapshots): the content id of the block each kept
         # state ends at -> its slot (least recently used first), the slots free, and per request the slot its next
-        # chunk starts from and the (slot, boundary) its chunk in flight keeps
+        # chunk starts from and the (slot, boundary) its chunk in flight keeps; and per request a branch point: where
+        # its prompt parts from cached blocks that no kept state ends (an earlier prompt's; the state there is kept
+        # too, so that the prompts sharing that prefix after it start there)
         self._snapshots: OrderedDict[int, int] = OrderedDict()
         self._free_snapshots = list(range(config.recurrent_snapshots))
         self._restoring: dict[str, int] = {}
         self._saving: dict[str, tuple[int, int]] = {}
+        self._branches: dict[str, int] = {}
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -366,7 +369,7 @@ class Scheduler:
             chunk.thinking = req.inside(*self.config.thinking_tokens)
         if self.config.recurrent_snapshots:
             chunk.restore_state = self._restoring.pop(req.req_id, None)
-            if end == self._snapshot_boundary(req) > start and req.req_id not in self._saving:
+            if end in self._snapshot_boundaries(req) and end > start and req.req_id not in self._saving:
                 slot = self._snapshot_slot()
                 if slot is not None:
                     chunk.save_state = slot
@@ -375,16 +378,19 @@ class Scheduler:
 
     # ---- recurrent-state snapshots (prefix caching with linear attention) ----------------------------------
 
-    def _snapshot_boundary(self, req: Request) -> int:
-        """Where ``req``'s state is kept: the end of its prompt's last whole block (0: none, or no snapshots)."""
+    def _snapshot_boundaries(self, req: Request) -> tuple[int, ...]:
+        """Where ``req``'s state is kept: its branch point, if it has one, and the end of its prompt's last whole
+        block (none without snapshots)."""
         if not (self.config.recurrent_snapshots and self._uses_prefix_cache(req)):
-            return 0
-        return req.num_prompt_tokens // self.config.block_size * self.config.block_size
+            return ()
+        last = req.num_prompt_tokens // self.config.block_size * self.config.block_size
+        branch = self._branches.get(req.req_id, 0)
+        return (branch, last) if 0 < branch < last else (last,)
 
     def _to_snapshot(self, req: Request, num_new: int) -> int:
-        """``num_new`` tokens of ``req``'s next chunk, stopped at its snapshot boundary when it would pass it."""
-        boundary, start = self._snapshot_boundary(req), req.num_computed_tokens
-        return boundary - start if start < boundary < start + num_new else num_new
+        """``num_new`` tokens of ``req``'s next chunk, stopped at its first snapshot boundary it would pass."""
+        start = req.num_computed_tokens
+        return next((b - start for b in self._snapshot_boundaries(req) if start < b < start + num_new), num_new)
 
     def _snapshot_slot(self) -> int | None:
         """A snapshot slot to keep a state in: a free one, else the least recently used one's (forgotten)."""
@@ -411,6 +417,7 @@ class Scheduler:
         """``req`` leaves (finished, aborted, preempted): a restore it had not run is forgotten, a slot its chunk
         was to write is free again."""
         self._restoring.pop(req.req_id, None)
+        self._branches.pop(req.req_id, None)
         saving = self._saving.pop(req.req_id, None)
         if saving is not None:
             self._free_snapshots.append(saving[0])
@@ -488,6 +495,7 @@ class Scheduler:
                 if r.sampling_params.lora_request is not None}
 
     def _give_back_hit(self, req: Request, hit: int) -> None:
+        self._branches.pop(req.req_id, None)  # (found again when it is admitted)
         if hit:
             self.block_manager.free(req)
             req.num_computed_tokens = 0
@@ -515,14 +523,23 @@ class Scheduler:
         if req.num_computed_tokens or not self._uses_prefix_cache(req):
             return 0
         snapshots = self._snapshots if self.config.recurrent_snapshots else None  # resume where a state was kept
+        self._branches.pop(req.req_id, None)
         hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1,
                                              prefix_salt(req.sampling_params),
                                              None if snapshots is None else snapshots.__contains__)
         req.num_computed_tokens = hit
-        if hit and snapshots is not None:
-            content = req.block_contents[-1]
-            snapshots.move_to_end(content)
-            self._restoring[req.req_id] = snapshots[content]
+        if snapshots is not None:
+            if hit:
+                content = req.block_contents[-1]
+                snapshots.move_to_end(content)
+                self._restoring[req.req_id] = snapshots[content]
+            else:  # cached blocks but no kept state: an earlier prompt shares them and went on. Keep the state
+                # where this one parts from it too, for the next prompts that share them (a system prompt's); a
+                # request that resumed from a kept state (a chat's next turn) keeps one, at its last whole block
+                run = self.block_manager.cached_run(req.all_token_ids, req.num_tokens - 1,
+                                                    prefix_salt(req.sampling_params))
+                if run:
+                    self._branches[req.req_id] = run
         return hit
 
     def _count_lookup(self, req: Request, hit: int) -> None:

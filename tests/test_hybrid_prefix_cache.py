@@ -1,7 +1,8 @@
 """Prefix caching on a model with linear attention (Qwen3.5's hybrid layers: a recurrent state per request). A
-prompt's prefill stops once at its last whole block and the state there is kept (a snapshot slot); a later request
-whose tokens begin with those blocks starts from them and from the kept state (its conv history and delta-rule
-matrix), and computes only the rest. Greedy tokens equal an engine without prefix caching, plain and with n-gram
+prompt's prefill stops at its last whole block and the state there is kept (a snapshot slot), and also where it parts
+from cached blocks no kept state ends (an earlier prompt's: a shared system prompt); a later request whose tokens
+begin with those blocks starts from them and from the kept state (its conv history and delta-rule matrix), and
+computes only the rest. Greedy tokens equal an engine without prefix caching, plain and with n-gram
 drafts and with the release's MTP head, multi-turn (each turn's prompt the last one's prompt, answer and a new message), with fewer snapshot slots
 than conversations (least recently used ones forgotten), under preemption, and from graphs."""
 
@@ -70,6 +71,22 @@ def test_turns_from_kept_states_equal_no_prefix_caching(request, hybrid, spec):
     assert scheduler.block_manager.num_free_blocks == scheduler.config.num_blocks
     if spec is not None:
         assert llm.spec_stats.accepted_tokens > 0
+
+
+def test_prompts_sharing_a_system_prompt_start_where_they_part(hybrid):
+    """Prompts that share a system prompt (two whole blocks) and part after it, one at a time: the first computes
+    all of its own; the second finds the shared blocks cached but no kept state there (the first's is past where
+    they part), computes them again and keeps the state where it parts from the first too; every later one starts
+    there. The tokens equal an engine without prefix caching."""
+    system = [40 + (i * 5) % 23 for i in range(10)]  # 2.5 blocks
+    prompts = [{"prompt_token_ids": system + [100 + 7 * k + i for i in range(6 + k)]} for k in range(4)]
+    want = [o.outputs[0].token_ids for o in engine(hybrid).generate(prompts, greedy(6), use_tqdm=False)]
+    llm = engine(hybrid, enable_prefix_caching=True)
+    outs = [llm.generate([p], greedy(6), use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 2 * BLOCK, 2 * BLOCK]
+    scheduler = llm.engine.scheduler
+    assert scheduler.block_manager.num_free_blocks == scheduler.config.num_blocks
 
 
 def test_fewer_kept_states_than_conversations(hybrid):
