@@ -965,8 +965,12 @@ class SpecrayServer:
         config = self.args.server_config(self.max_num_seqs)
         app = build_openai_app(self.client, config, self.metrics, self.response_store, self.runtime_adapters)
         # Serve builds the app on the replica's event loop: the watch of ``specray serve``'s stop runs there
-        self._watch = asyncio.get_running_loop().create_task(
-            watch_stop(app.state.serving, serve.get_replica_context().app_name))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a Serve that builds it elsewhere: Ctrl-C then cuts this replica's streams)
+            logger.warning("no event loop to watch for specray serve's stop on; open streams end with the replica")
+            return app
+        self._watch = loop.create_task(watch_stop(app.state.serving, serve.get_replica_context().app_name))
         return app
 
     async def engine_state(self) -> dict:
