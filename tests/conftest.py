@@ -599,6 +599,12 @@ def _hybrid_fixture(arch: str, seed: int):
 # Granite's multipliers); Nemotron-H (one mixer per layer: Mamba-2, NoPE attention, squared-ReLU MLP, gateless
 # experts); Falcon-H1 (Mamba-2 and attention side by side, muP multipliers folded in); Mamba-2 alone; LFM2-MoE
 tiny_qwen3_5_model_dir = _hybrid_fixture("qwen3_5", 50)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    """tests/hybrid_models.py's tiny Qwen3.5 with a tokenizer (the engine's text paths: stop strings, grammars)."""
+    return sys.modules["specray_test_hybrid_models"].save(tmp_path_factory.mktemp("tiny_qwen3_5_tok"), "qwen3_5", 0)
 tiny_bamba_dir = _hybrid_fixture("bamba", 51)
 tiny_granitemoehybrid_dir = _hybrid_fixture("granite", 52)
 tiny_nemotron_h_dir = _hybrid_fixture("nemotron_h_moe", 53)

@@ -159,6 +159,11 @@ CASES = {
     # preemption reaches both shards' caches
     # a mixture of experts (tests/conftest.py's tiny Qwen3-MoE: tokens routed to experts, a host sync per layer)
     "ngram-moe": {"model_fixture": "tiny_qwen3_moe_dir", "speculative_config": {**NGRAM}},
+    # a hybrid model (Qwen3.5's linear attention: a recurrent state per request) with prefix caching: requests resume
+    # only where a state was kept (a prompt's last whole block, or where it parted from the preamble's blocks), the
+    # kept states' slots given out and forgotten under preemption and aborts
+    "ngram-hybrid-prefix-cache": {"model_fixture": "tiny_qwen3_5_dir", "speculative_config": {**NGRAM},
+                                  "enable_prefix_caching": True},
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
     # an EAGLE-3 head split over the two ranks, growing EAGLE-2 trees (sampled ones drawn from q): both shares of

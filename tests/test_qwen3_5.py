@@ -6,8 +6,6 @@ seeded sampling), the refusals, and TP 2 against one rank."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,12 +14,7 @@ from specray.models.loader import load_model
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PP_WORKER, TINY, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
-    return save(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", 0)
+    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, tokens)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
