@@ -1283,6 +1283,32 @@ def test_eagle3_on_llama4_keeps_greedy_output(tiny_llama4_dir, tmp_path):
 
 # ---- a family's own MTP module (DeepSeek-V3's block: latent attention and experts; GLM-4.5's: its attention) ----
 
+def assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp, num_checked: int = 12) -> None:
+    """Every first draft of the first ``num_checked`` steps that drafted (``rec``: a Recorder of the run that gave
+    ``outs`` for PROMPTS) equals transformers' ``mtp`` (an ``MtpModel`` over the target ``hf``) run over the
+    request's committed sequence from scratch."""
+    tok = llm.get_tokenizer()
+    committed = {o.request_id: tok.encode(prompt) for o, prompt in zip(outs, PROMPTS)}  # the prompt, then kept
+    checked = 0
+    for plan, result in rec.steps:
+        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
+            if not kept or chunk.req_id not in committed:
+                continue
+            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
+                                                                   - chunk.num_draft_tokens] + list(kept)
+            if not drafts or checked >= num_checked:
+                continue
+            n = len(seq) - 1
+            with torch.no_grad():
+                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
+                draft, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden,
+                                  attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+            assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
+            checked += 1
+    assert checked >= num_checked
+
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
@@ -1346,25 +1372,7 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
             state[key] = tensor
     missing, unexpected = mtp.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
-    tok = llm.get_tokenizer()
-    committed = {o.request_id: tok.encode(prompt) for o, prompt in zip(outs, PROMPTS)}  # the prompt, then kept
-    checked = 0
-    for plan, result in rec.steps:
-        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
-            if not kept or chunk.req_id not in committed:
-                continue
-            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
-                                                                   - chunk.num_draft_tokens] + list(kept)
-            if not drafts or checked >= 12:
-                continue
-            n = len(seq) - 1
-            with torch.no_grad():
-                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
-                draft, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden,
-                                  attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
-            assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
-            checked += 1
-    assert checked >= 12
+    assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp)
 
 
 # ---- MiMo-V2-Flash's MTP modules (model.mtp.layers.{k}: a sliding-window layer with sinks, a dense MLP) -------------
@@ -1423,25 +1431,7 @@ def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_
         meta = build_attention_metadata([n], [0], [[9, 2, 14, 5, 11, 0]], 4)
         got = ours(seq[1:], hidden[0], meta)[1]
     assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
-    tok = llm.get_tokenizer()
-    committed = {o.request_id: tok.encode(prompt) for o, prompt in zip(outs, PROMPTS)}  # the prompt, then kept
-    checked = 0
-    for plan, result in rec.steps:
-        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
-            if not kept or chunk.req_id not in committed:
-                continue
-            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
-                                                                   - chunk.num_draft_tokens] + list(kept)
-            if not drafts or checked >= 12:
-                continue
-            n = len(seq) - 1
-            with torch.no_grad():
-                hidden = hf.model(torch.tensor([seq[:n]])).last_hidden_state
-                draft, _, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=hidden,
-                                  attention_mask=None, position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
-            assert drafts[0] == int(draft[0, 0]), (chunk.req_id, drafts, draft)
-            checked += 1
-    assert checked >= 12
+    assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp)
 
 
 @pytest.mark.parametrize("accepting", [False, True], ids=["random", "accepting"])
