@@ -1379,7 +1379,7 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
 
 @pytest.mark.parametrize("num_modules, accepting", [(1, False), (2, True)], ids=["one-random", "two-accepting"])
 def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_flash_dir, tmp_path, num_modules,
-                                                                    accepting):
+                                                                    accepting, caplog):
     """``method="mtp"`` on a MiMo-V2-Flash release reads its MTP modules under ``model.mtp.layers.{k}`` (one reused for
     every draft step, or two chained): each a sliding-window layer of the family (twice the KV heads, a sink per
     head, the sliding layers' partial RoPE) with a dense MLP. Greedy output equals plain decoding (batch of 8, mixed
@@ -1412,6 +1412,7 @@ def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
     assert token_ids(outs) == token_ids(plain)
     assert free_blocks(llm) == start and (llm.spec_stats.accepted_tokens > 0 or not accepting)
+    assert "ignoring checkpoint tensor" not in caplog.text  # the target reads none of the MTP modules' tensors
     # the first drafts against transformers' MTP module 0 over each committed sequence
     mtp, hf = draft_heads.mimo_mtp_model(target, 1)
     release = {name: t for name, t in load_file(str(folder / "model.safetensors")).items()
@@ -1435,7 +1436,7 @@ def test_mimo_v2_flash_mtp_modules_draft_as_transformers_mtp_model(tiny_mimo_v2_
 
 
 @pytest.mark.parametrize("accepting", [False, True], ids=["random", "accepting"])
-def test_nemotron_3_mtp_module_drafts_as_its_two_blocks(tmp_path, accepting):
+def test_nemotron_3_mtp_module_drafts_as_its_two_blocks(tmp_path, accepting, caplog):
     """``method="mtp"`` on a Nemotron 3 release (a Nemotron-H hybrid with latent experts) reads its MTP module
     (``mtp.layers.0``: the fusion and an attention block; ``mtp.layers.1``: an experts block and the final norm) as
     one layer whose attention and MLP halves are the two blocks. Its normed output over a sequence equals
@@ -1460,6 +1461,7 @@ def test_nemotron_3_mtp_module_drafts_as_its_two_blocks(tmp_path, accepting):
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
     assert token_ids(outs) == token_ids(plain)
     assert free_blocks(llm) == start and (llm.spec_stats.accepted_tokens > 0 or not accepting)
+    assert "ignoring checkpoint tensor" not in caplog.text  # the target reads none of the MTP module's tensors
     # the head's normed output against transformers' blocks
     release = load_file(str(folder / "model.safetensors"))
     blocks, _ = draft_heads.nemotron_mtp_blocks(AutoConfig.from_pretrained(target), {

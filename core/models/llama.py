@@ -468,6 +468,7 @@ class LlamaForCausalLM(nn.Module):
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     may_tie = True  # whether tie_word_embeddings makes the embedding the head (Nemotron-H's never is, as transformers)
+    skipped: tuple[str, ...] = ()  # checkpoint names never read into the model (a release's MTP modules: the drafter's)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -587,6 +588,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
         for name, tensor in self._unfused(weights):
+            if name.startswith(self.skipped):
+                continue
             name = self._our_name(name)
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -637,6 +640,8 @@ class LlamaForCausalLM(nn.Module):
     def reads_weight(self, name: str) -> bool:
         """Whether :meth:`load_weights` uses checkpoint tensor ``name`` (or its scale): a pipeline stage skips the
         other stages' layers, embedding, norm and head, but a later stage's own LM head reads a tied embedding."""
+        if name.startswith(self.skipped):
+            return False
         if name.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.pp.is_last:
             return True
         return not self._our_name(name).startswith(self.other_stage)

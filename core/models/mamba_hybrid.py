@@ -259,13 +259,7 @@ class NemotronHForCausalLM(RecurrentModel, LlamaForCausalLM):
     def check_split(config, tp: int, pp: int) -> None:
         check_mamba2_split(config, tp)
 
-    def reads_weight(self, name: str) -> bool:
-        """The release's MTP module is the mtp drafter's, never read into the target."""
-        return not name.startswith("mtp.") and super().reads_weight(name)
-
-    def _unfused(self, weights):
-        return super()._unfused((name, t) for name, t in weights if not name.startswith("mtp."))
-
+    skipped = ("mtp.",)  # the release's MTP module: the mtp drafter's
     mtp_names = NEMOTRON_MTP_NAMES  # the MTP module is the release's mtp.* (DeepSeek's layout is the default)
 
     @staticmethod

@@ -23,7 +23,6 @@ dense MLP, then ``final_layernorm`` and the target's LM head (:meth:`MiMoV2Flash
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -121,13 +120,7 @@ class MiMoV2FlashForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.renames = _SINK_NAMES
 
-    def reads_weight(self, name: str) -> bool:
-        """The release's MTP modules are the mtp drafter's, never read into the target."""
-        return not name.startswith("model.mtp.") and super().reads_weight(name)
-
-    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        return super()._unfused((name, t) for name, t in weights if not name.startswith("model.mtp."))
-
+    skipped = ("model.mtp.",)  # the release's MTP modules: the mtp drafter's
     mtp_module_prefix = "model.mtp.layers.{k}."  # the release's MTP modules, in the mtp head's names by MTP_NAMES
     mtp_names = MTP_NAMES
     mtp_layer_type = "sliding_attention"  # the MTP layer rotates by the sliding layers' RoPE
