@@ -138,13 +138,7 @@ class BlockPool:
         hold (0: no hit). ``ends_at``: the prefix must end with a block whose content id it accepts (a model with
         linear attention resumes only where its state was kept)."""
         assert not req.block_ids and not req.block_contents, req
-        bs, parent, hit = self.block_size, _root(salt), []
-        for start in range(0, max_tokens - bs + 1, bs):
-            entry = self._cached.get((parent, tuple(token_ids[start:start + bs])))
-            if entry is None:
-                break
-            parent = entry[0]
-            hit.append(entry)
+        hit = self._cached_prefix(token_ids, max_tokens, salt)
         if ends_at is not None:
             while hit and not ends_at(hit[-1][0]):
                 hit.pop()
@@ -156,18 +150,23 @@ class BlockPool:
             req.block_contents.append(content)
         if hit:
             self._tails.add(req.block_ids[-1])
-        return len(hit) * bs
+        return len(hit) * self.block_size
 
     def cached_run(self, token_ids: list[int], max_tokens: int, salt: str | None = None) -> int:
         """How many tokens the longest prefix of ``token_ids`` in whole cached blocks holds (of at most
         ``max_tokens``, under ``salt``), whatever states were kept; nothing is taken."""
-        bs, parent, n = self.block_size, _root(salt), 0
+        return len(self._cached_prefix(token_ids, max_tokens, salt)) * self.block_size
+
+    def _cached_prefix(self, token_ids: list[int], max_tokens: int, salt: str | None) -> list[tuple[int, int]]:
+        """The (content id, block id) of each cached whole block of the longest such prefix, in order."""
+        bs, parent, found = self.block_size, _root(salt), []
         for start in range(0, max_tokens - bs + 1, bs):
             entry = self._cached.get((parent, tuple(token_ids[start:start + bs])))
             if entry is None:
                 break
-            parent, n = entry[0], start + bs
-        return n
+            parent = entry[0]
+            found.append(entry)
+        return found
 
     def cache_blocks(self, req, token_ids: list[int], num_tokens: int, salt: str | None = None) -> None:
         """Register the table's blocks that the first ``num_tokens`` of ``token_ids`` fill (their K/V is

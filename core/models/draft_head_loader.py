@@ -213,12 +213,7 @@ def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) ->
                          "step; leave num_nextn_predict_layers unset (or 1)")
     out = []
     for name, tensor in checkpoint_weights(source, wanted=lambda name: name.startswith("mtp.")):  # the rest unread
-        rest = name[len("mtp."):]
-        theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
-        if theirs is None:
-            raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has "
-                             "no place for (one MTP layer is read); drop it, or use another method")
-        out.append((ours + rest[len(theirs):], tensor))
+        out.append((_head_name(name, name[len("mtp."):], names, source), tensor))
     if not out:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer (mtp.*): method='mtp' needs a release "
                          "with its multi-token-prediction weights (mtp_num_hidden_layers / num_nextn_predict_layers "
@@ -243,12 +238,7 @@ def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modu
         found.add(k)
         if k >= num_modules:
             continue
-        rest = name[match.end():]
-        theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
-        if theirs is None:
-            raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has "
-                             "no place for; drop it, or use another speculative method")
-        modules[k].append((ours + rest[len(theirs):], tensor))
+        modules[k].append((_head_name(name, name[match.end():], names, source), tensor))
     if not found:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix.format(k=0)}*): method='mtp' "
                          "needs a release with its multi-token-prediction weights; use another speculative method "
@@ -259,6 +249,16 @@ def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modu
                          f"{str(source.path)!r} has {have} MTP module(s) ({prefix.format(k=0)}.. "
                          f"{prefix.format(k=have - 1)}); give num_nextn_predict_layers <= {have}")
     return modules
+
+
+def _head_name(name: str, rest: str, names: tuple[tuple[str, str], ...], source) -> str:
+    """An MTP tensor's name in the head (``rest``: its name within its module, renamed by the family's ``names``,
+    theirs to ours); a ValueError for one the head has no place for."""
+    theirs, ours = next(((t, o) for t, o in names if rest.startswith(t)), (None, None))
+    if theirs is None:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has MTP tensor {name!r}, which the mtp head has no "
+                         "place for; drop it, or use another speculative method")
+    return ours + rest[len(theirs):]
 
 
 def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) -> dict[str, Any]:
