@@ -77,12 +77,14 @@ class NullExecutor:
         self.step_s, self.per_token_s = step_s, per_token_s
         self.truth: dict[str, list[int]] = {}
         self.now = 0.0
+        self.tokens = 0  # tokens the target kept over all steps: what the table's last column counts
 
     def clock(self) -> float:
         return self.now
 
     def execute(self, plan: StepPlan, draft_probs: dict | None = None) -> StepResult:
         kept = [self._kept(c) if c.sample else [] for c in plan.chunks]
+        self.tokens += sum(map(len, kept))
         self.now += self.step_s + self.per_token_s * plan.num_tokens
         return StepResult(plan.step_id, [c.req_id for c in plan.chunks], kept)
 
@@ -263,22 +265,21 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
         feeder.add()
     clock = time.thread_time if args.clock == "cpu" and not args.device_ms else time.perf_counter
     timer = instrument(engine, clock, phases)
-    times, phases, seen, new_tokens = [], defaultdict(list), {}, 0
-    delta = args.output_kind == "delta"  # outputs carry only their new tokens
+    times, phases = [], defaultdict(list)
     # Warm up until every request decodes (the prompts' prefill takes batch * prompt_len / 2048 steps), then
     # measure: requests that finish are replaced, so arrivals (a prompt to prefill and index) are part of it.
     warmup = args.warmup + -(-batch * args.prompt_len // 2048)
     for i in range(warmup + args.steps):
-        if i == warmup and profiler is not None:
-            profiler.enable()
+        if i == warmup:
+            # tokens counted from the executor: final_only outputs carry a request's tokens once, when it finishes
+            first_tokens = engine.executor.tokens
+            if profiler is not None:
+                profiler.enable()
         timer.take()
         start = clock()
         outputs = engine.step()
         elapsed = clock() - start
         for out in outputs:
-            num = len(out.outputs[0].token_ids) + (seen.get(out.request_id, 0) if delta else 0)
-            new_tokens += (num - seen.get(out.request_id, 0)) * (i >= warmup)
-            seen[out.request_id] = num
             if out.finished:
                 feeder.add()
         if i < warmup:
@@ -293,7 +294,7 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
     times_ms = sorted(t * 1e3 for t in times)
     return Result(statistics.median(times_ms), times_ms[int(0.9 * len(times_ms))], statistics.mean(times_ms),
                   {p: statistics.median(v) * 1e3 for p, v in phases.items()},
-                  new_tokens / (args.steps * batch))
+                  (engine.executor.tokens - first_tokens) / (args.steps * batch))
 
 
 def main() -> None:
@@ -314,8 +315,7 @@ def main() -> None:
     parser.add_argument("--no-tokenizer", action="store_true", help="skip detokenizing")
     parser.add_argument("--output-kind", choices=("cumulative", "delta", "final_only"), default="cumulative",
                         help="cumulative: every request reported each step, whole; delta: each step, what it added "
-                        "(the Serve app's engine replicas); final_only: once, finished (LLM.generate's); tokens per "
-                        "request-step then counts finished requests' tokens")
+                        "(the Serve app's engine replicas); final_only: once, finished (LLM.generate's)")
     parser.add_argument("--tiny-tokenizer", action="store_true", help="the small BPE even if SmolLM2 is installed")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first row's measured steps; print the top functions")
