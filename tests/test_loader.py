@@ -1540,3 +1540,64 @@ def test_hf_overrides_change_the_config_every_rank_builds_from(tiny_llama_dir):
     assert (logits["scaled"] - logits["file"]).abs().max() > 1e-2
     with pytest.raises(ValueError, match="hf_overrides=.* must be a dict"):
         LLM(model=str(tiny_llama_dir), hf_overrides=["max_position_embeddings"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "qwen3_5_moe", "nemotron_h"])
+def test_a_gguf_is_converted_a_layer_at_a_time_into_shards(make_tiny_model, tmp_path, gguf_cache, monkeypatch, arch):
+    """Converting a GGUF holds a layer's tensors (two while the next is read) at a time, never the model's: with
+    ``GGUF_SHARD_BYTES`` at 1 each group (the embeddings, a layer, the head) goes to a shard of its own, the folder is
+    an HF sharded checkpoint (its index names every tensor), and the model loaded from it equals transformers' on the
+    original folder. Through transformers' mapping (Qwen2-MoE: its processor merges gate and up experts in the dict
+    it writes into; Mixtral: the experts read here) and through specray's own readers (Qwen3.5-MoE, Nemotron-H)."""
+    import weakref
+    from collections import Counter
+
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+
+    from specray.models import gguf_read
+
+    refs: list[weakref.ref] = []  # the tensors written
+    read: list[weakref.ref] = []  # the tensors our readers dequantized (Mixtral's experts, the two hybrids' all)
+    most_alive = most_read = 0
+    setitem, dequantized = loader._ShardWriter.__setitem__, gguf_read.dequantized
+
+    def tracking(self, name, tensor):
+        nonlocal most_alive
+        setitem(self, name, tensor)
+        refs.append(weakref.ref(tensor))
+        most_alive = max(most_alive, sum(ref() is not None for ref in refs))
+
+    def reading(t):
+        nonlocal most_read
+        tensor = dequantized(t)
+        read.append(weakref.ref(tensor))
+        most_read = max(most_read, sum(ref() is not None for ref in read))
+        return tensor
+
+    monkeypatch.setattr(loader._ShardWriter, "__setitem__", tracking)
+    monkeypatch.setattr(gguf_read, "dequantized", reading)
+    monkeypatch.setattr(loader, "gguf_dequantized", reading)
+    monkeypatch.setattr(loader, "GGUF_SHARD_BYTES", 1)
+    if arch in GGUF_TINY:
+        kind, overrides = GGUF_TINY[arch]
+        folder = make_tiny_model(tmp_path / kind, kind, seed=9, **{**overrides, "num_hidden_layers": 6})
+        path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    elif arch in HYBRID_QWEN_GGUF:
+        folder = hybrid.save(tmp_path / arch, arch, 7, linear_num_value_heads=6)
+        path = write_hybrid_qwen_gguf(folder, tmp_path / f"{arch}.gguf", HYBRID_QWEN_GGUF[arch])
+    else:
+        kind, gguf_arch, overrides = MAMBA2_GGUF[arch]
+        folder = hybrid.save(tmp_path / arch, kind, 7, **overrides)
+        path = write_mamba2_gguf(folder, tmp_path / f"{arch}.gguf", gguf_arch)
+    model = load_model(str(path), pack=False)
+    converted = loader.gguf_cache_folder(path)
+    weight_map = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
+    per_shard = Counter(weight_map.values())
+    assert sorted(per_shard) == sorted(p.name for p in converted.glob("*.safetensors"))
+    assert len(weight_map) == len(refs) and len(per_shard) >= model.config.num_hidden_layers
+    assert most_alive <= 2 * max(per_shard.values()) < len(refs)
+    assert 2 * most_read <= len(read)
+    if arch in GGUF_TINY:
+        assert_matches_hf(model, hf_model(folder))
+    else:
+        hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))

@@ -45,12 +45,13 @@ it out) and Jamba (``jamba``, Mamba-1) are not read here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, read_gguf, tensors_by_layer
+from specray.models.gguf_read import GGUFMeta, GGUFTensors, read_gguf, tensors_by_layer
 
 # llama.cpp's architecture -> the families its files stand for
 MAMBA2_GGUF_ARCHS = {"granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
@@ -298,39 +299,44 @@ _FAMILIES = {"granitehybrid": (_granite_config, _granite_layer, "model."),
              "falcon-h1": (_falcon_h1_config, _falcon_h1_layer, "model.")}
 
 
-def mamba2_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The HF config and tensors of a GGUF of ``arch`` (``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe`` or
-    ``falcon-h1``)."""
+def mamba2_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
+    """The HF config of a GGUF of ``arch`` (``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe`` or
+    ``falcon-h1``) and its tensors, a group (the embeddings and the head, then a layer) at a time, read as the
+    groups are taken. What can be checked without reading a tensor is checked before this returns."""
     meta, tensors = read_gguf(gguf)
     if "token_embd.weight" not in tensors or "output_norm.weight" not in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight or output_norm.weight; pass a complete {arch} "
                          "GGUF")
     make_config, make_layer, base = _FAMILIES[arch]
-    config = make_config(GGUFMeta(meta, arch, gguf), tensors["token_embd.weight"].shape[0],
-                         {n: t.shape for n, t in tensors.items()})
+    config = make_config(GGUFMeta(meta, arch, gguf), tensors.shape("token_embd.weight")[0],
+                         {n: tensors.shape(n) for n in tensors})
     embed, norm = ("embeddings", "norm_f") if arch.startswith("nemotron_h") else \
         ("embed_tokens", "final_layernorm" if config.model_type in ("bamba", "falcon_h1") else "norm")
-    out = {f"{base}{embed}.weight": tensors.pop("token_embd.weight"),
-           f"{base}{norm}.weight": tensors.pop("output_norm.weight")}
-    for part in ("weight", "bias"):
-        if f"output.{part}" in tensors:
-            out[f"lm_head.{part}"] = tensors.pop(f"output.{part}")
+    head = {f"{base}{embed}.weight": "token_embd.weight", f"{base}{norm}.weight": "output_norm.weight"}
+    head |= {f"lm_head.{part}": f"output.{part}" for part in ("weight", "bias") if f"output.{part}" in tensors}
+    head_tensors = tensors.split(head.values())
     per_layer = tensors_by_layer(tensors, gguf, arch)
     beyond = sorted(layer for layer in per_layer if layer >= config.num_hidden_layers)
     if beyond:
         raise ValueError(f"GGUF {str(gguf)!r} has a tensor of layer {beyond[0]} (blk.{beyond[0]}.*) beyond its "
                          f"{config.num_hidden_layers} layers, which specray cannot place in a {arch} model; pass the "
                          "model's HF checkpoint instead")
-    for layer in range(config.num_hidden_layers):
-        t = per_layer.get(layer, {})
-        try:
-            layer_tensors = make_layer(t, config, layer)
-        except KeyError as err:
-            raise ValueError(f"GGUF {str(gguf)!r} lacks blk.{layer}.{err.args[0]}, which a {arch} layer of its "
-                             "kind has; convert the model again with a current llama.cpp, or pass its HF "
-                             "checkpoint") from None
-        if t:
-            raise ValueError(f"GGUF {str(gguf)!r} has tensors specray cannot place in a {arch} model: "
-                             f"{sorted(f'blk.{layer}.{n}' for n in t)[:5]}; pass the model's HF checkpoint instead")
-        out |= {f"{base}layers.{layer}.{k}": v for k, v in layer_tensors.items()}
-    return config, out
+
+    def groups() -> Iterator[dict[str, torch.Tensor]]:
+        yield {name: head_tensors.pop(gguf_name) for name, gguf_name in head.items()}
+        for layer in range(config.num_hidden_layers):
+            t = per_layer.get(layer, GGUFTensors({}))
+            try:
+                layer_tensors = make_layer(t, config, layer)
+            except KeyError as err:
+                raise ValueError(f"GGUF {str(gguf)!r} lacks blk.{layer}.{err.args[0]}, which a {arch} layer of its "
+                                 "kind has; convert the model again with a current llama.cpp, or pass its HF "
+                                 "checkpoint") from None
+            if t:
+                raise ValueError(f"GGUF {str(gguf)!r} has tensors specray cannot place in a {arch} model: "
+                                 f"{sorted(f'blk.{layer}.{n}' for n in t)[:5]}; pass the model's HF checkpoint "
+                                 "instead")
+            yield {f"{base}layers.{layer}.{k}": v for k, v in layer_tensors.items()}
+            del layer_tensors  # this layer's tensors are the writer's now: not held while the next one is read
+
+    return config, groups()

@@ -30,6 +30,7 @@ checkpoint has it: nothing to undo. Tensors of any llama.cpp type are dequantize
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,19 +180,22 @@ def _layer_tensors(t: dict[str, torch.Tensor], config, arch: str, gguf: Path, la
     return out
 
 
-def qwen3_5_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The HF config and tensors of a GGUF of ``arch`` (``qwen35``, ``qwen35moe`` or ``qwen3next``)."""
+def qwen3_5_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
+    """The HF config of a GGUF of ``arch`` (``qwen35``, ``qwen35moe`` or ``qwen3next``) and its tensors, a group
+    (the embeddings and the head, then a layer) at a time, read as the groups are taken."""
     meta, tensors = read_gguf(gguf)
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = qwen3_5_gguf_config(GGUFMeta(meta, arch, gguf), set(tensors), tensors["token_embd.weight"].shape[0])
-    out = {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
-           "model.norm.weight": tensors.pop("output_norm.weight") - 1}
-    if "output.weight" in tensors:
-        out["lm_head.weight"] = tensors.pop("output.weight")
-    for layer, layer_tensors in sorted(tensors_by_layer(tensors, gguf, arch).items()):
-        if layer >= config.num_hidden_layers:  # the multi-token-prediction block: not loaded from a GGUF
-            continue
-        out |= {f"model.layers.{layer}.{k}": v for k, v in _layer_tensors(layer_tensors, config, arch, gguf,
-                                                                          layer).items()}
-    return config, out
+    config = qwen3_5_gguf_config(GGUFMeta(meta, arch, gguf), set(tensors), tensors.shape("token_embd.weight")[0])
+
+    def groups() -> Iterator[dict[str, torch.Tensor]]:
+        yield {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
+               "model.norm.weight": tensors.pop("output_norm.weight") - 1,
+               **({"lm_head.weight": tensors.pop("output.weight")} if "output.weight" in tensors else {})}
+        for layer, layer_tensors in sorted(tensors_by_layer(tensors, gguf, arch).items()):
+            if layer >= config.num_hidden_layers:  # the multi-token-prediction block: not loaded from a GGUF
+                continue
+            yield {f"model.layers.{layer}.{k}": v
+                   for k, v in _layer_tensors(layer_tensors, config, arch, gguf, layer).items()}
+
+    return config, groups()

@@ -1,29 +1,71 @@
 """What the GGUF readers of our own (:mod:`specray.models.gguf_qwen3_5`, :mod:`specray.models.gguf_mamba2`) share:
-the file read whole, its metadata looked up by key with an error naming what is missing, and its layers' tensors
-grouped by layer."""
+the file's metadata, looked up by key with an error naming what is missing, and its tensors, dequantized one at a
+time as they are read and grouped by layer."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def read_gguf(gguf: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The GGUF's metadata (arrays as lists, but for the tokenizer's vocabulary and merges) and its tensors,
-    dequantized to float32 in their logical shape (slowest dim first)."""
-    from gguf import GGUFReader, GGUFValueType
+def dequantized(t) -> torch.Tensor:
+    """A tensor of gguf-py's reader (any of llama.cpp's types) as float32 in its logical shape (slowest dim first;
+    GGUF lists dims fastest first)."""
     from gguf.quants import dequantize
+
+    value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+    return value.reshape([int(n) for n in reversed(t.shape)])
+
+
+class GGUFTensors(MutableMapping):
+    """Tensors by name, each dequantized when it is read (and not kept): a reader that takes a layer's tensors,
+    turns them into the HF layout and hands them on holds one layer at a time in float32, never the whole model.
+    A tensor set here (one computed from others) is held as given."""
+
+    def __init__(self, entries: dict[str, Any]):
+        self._entries = entries  # name -> gguf-py's tensor (read when asked for) or a torch tensor (held)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        return entry if isinstance(entry, torch.Tensor) else dequantized(entry)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._entries[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's logical shape, without reading it."""
+        entry = self._entries[name]
+        return tuple(entry.shape) if isinstance(entry, torch.Tensor) else tuple(int(n) for n in reversed(entry.shape))
+
+    def raw_items(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._entries.items())
+
+    def split(self, names) -> GGUFTensors:
+        """The given tensors moved into a mapping of their own, none read."""
+        return GGUFTensors({name: self._entries.pop(name) for name in list(names)})
+
+
+def read_gguf(gguf: Path) -> tuple[dict[str, Any], GGUFTensors]:
+    """The GGUF's metadata (arrays as lists, but for the tokenizer's vocabulary and merges) and its tensors, each
+    dequantized to float32 when read."""
+    from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(gguf))
     meta = {key: f.contents() for key, f in reader.fields.items()
             if f.types and not (key.startswith("tokenizer.") and f.types[0] == GGUFValueType.ARRAY)}
-    tensors = {}
-    for t in reader.tensors:
-        value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        tensors[t.name] = value.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest first
-    return meta, tensors
+    return meta, GGUFTensors({t.name: t for t in reader.tensors})
 
 
 class GGUFMeta:
@@ -57,13 +99,14 @@ class GGUFMeta:
                 "pad_token_id": self.meta.get("tokenizer.ggml.padding_token_id")}
 
 
-def tensors_by_layer(tensors: dict[str, torch.Tensor], gguf: Path, arch: str) -> dict[int, dict[str, torch.Tensor]]:
-    """``blk.{i}.{name}`` tensors as ``{i: {name: tensor}}``; any other name left in ``tensors`` is refused."""
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
+def tensors_by_layer(tensors: GGUFTensors, gguf: Path, arch: str) -> dict[int, GGUFTensors]:
+    """``blk.{i}.{name}`` tensors as ``{i: {name: tensor}}`` (none read yet); any other name left in ``tensors`` is
+    refused."""
+    per_layer: dict[int, dict[str, Any]] = {}
+    for name, entry in tensors.raw_items():
         parts = name.split(".", 2)
         if parts[0] != "blk" or len(parts) != 3 or not parts[1].isdigit():
             raise ValueError(f"GGUF {str(gguf)!r} has a tensor {name!r} specray cannot place in a {arch} model; "
                              "pass the model's HF checkpoint instead")
-        per_layer.setdefault(int(parts[1]), {})[parts[2]] = value
-    return per_layer
+        per_layer.setdefault(int(parts[1]), {})[parts[2]] = entry
+    return {layer: GGUFTensors(entries) for layer, entries in per_layer.items()}

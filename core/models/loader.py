@@ -1,13 +1,15 @@
 """Find a model (local HF folder, local ``.gguf`` file or hub id), read its config and tokenizer, and load our
 model with this rank's shard of the weights.
 
-A GGUF file is converted once with transformers' GGUF support (dequantized, llama.cpp's q/k RoPE permutation
-undone) into an HF folder -- config.json, model.safetensors, tokenizer files -- cached under
-``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads
-read the cached folder. Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its
-mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
-wrote), and the families whose config and tensors specray reads whole (``_GGUF_READERS``): the hybrid
-linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
+A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE
+permutation undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their
+index (or one model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default
+``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads read the cached folder. The
+conversion reads, converts and writes a layer at a time, so it holds about one shard, not the whole model in float32
+(several times the file). Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where
+its mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
+wrote), and the families whose config and tensors specray reads whole (``_GGUF_READERS``): the hybrid linear-
+attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`); a GGUF of another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's
@@ -37,6 +39,7 @@ from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
+from specray.models.gguf_read import dequantized as gguf_dequantized
 from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
     random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
+# a converted GGUF's tensors are written in safetensors shards of about this many bytes (plus a layer at most): the
+# conversion holds one shard, not the model (whose dequantized float32 tensors are several times the file's size)
+GGUF_SHARD_BYTES = 2 << 30
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
 _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
@@ -648,60 +654,58 @@ def _check_mixtral_layout(gguf: Path) -> None:
                              "layout); convert it again with a current llama.cpp, or pass the HF checkpoint")
 
 
-def _gguf_layer_tensors(gguf: Path, kinds) -> dict[tuple[int, str, str], torch.Tensor]:
+def _gguf_layer_tensors(gguf: Path, kinds) -> Iterator[tuple[int, dict[tuple[str, str], torch.Tensor]]]:
     """A GGUF's per-layer tensors ``blk.{layer}.{kind}.{weight|bias}`` of the given kinds, in any of llama.cpp's
-    types, dequantized to float32 in their logical shape (slowest dim first), keyed (layer, kind, weight|bias)."""
+    types, dequantized to float32 in their logical shape (slowest dim first): one layer at a time, as
+    ``(layer, {(kind, weight|bias): tensor})``, each layer read when it is taken."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    out: dict[tuple[int, str, str], torch.Tensor] = {}
+    per_layer: dict[int, dict[tuple[str, str], Any]] = {}
     for t in GGUFReader(str(gguf)).tensors:
         parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in kinds:
-            continue
-        value = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists dims fastest first
-        out[int(parts[1]), parts[2], parts[3]] = value.reshape(shape)
-    return out
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in kinds:
+            per_layer.setdefault(int(parts[1]), {})[parts[2], parts[3]] = t
+    for layer in sorted(per_layer):
+        yield layer, {key: gguf_dequantized(t) for key, t in per_layer.pop(layer).items()}
 
 
-def _gguf_mixtral_experts(gguf: Path) -> dict[str, torch.Tensor]:
+def _gguf_mixtral_experts(gguf: Path) -> Iterator[dict[str, torch.Tensor]]:
     """A Mixtral GGUF's routers and experts (stacked per kind, [E, ...]) named as Mixtral's HF checkpoint names
-    them."""
-    out: dict[str, torch.Tensor] = {}
-    for (layer, kind, _), value in _gguf_layer_tensors(gguf, _GGUF_MIXTRAL).items():
+    them, a layer at a time."""
+    for layer, t in _gguf_layer_tensors(gguf, _GGUF_MIXTRAL):
         base = f"model.layers.{layer}.block_sparse_moe."
-        if kind == "ffn_gate_inp":
-            out[base + "gate.weight"] = value
-            continue
-        for e, expert in enumerate(value):
-            out[f"{base}experts.{e}.{_GGUF_MIXTRAL[kind]}.weight"] = expert.contiguous()
-    return out
+        out: dict[str, torch.Tensor] = {}
+        for (kind, _), value in t.items():
+            if kind == "ffn_gate_inp":
+                out[base + "gate.weight"] = value
+                continue
+            for e, expert in enumerate(value):
+                out[f"{base}experts.{e}.{_GGUF_MIXTRAL[kind]}.weight"] = expert.contiguous()
+        yield out
 
 
-def _gguf_gpt_oss_tensors(gguf: Path) -> dict[str, torch.Tensor]:
+def _gguf_gpt_oss_tensors(gguf: Path) -> Iterator[dict[str, torch.Tensor]]:
     """A GPT-OSS GGUF's sinks (``attn_sinks.weight``) and experts (llama.cpp splits the release's fused gate/up:
     ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H], or with ``--fuse-gate-up-exps`` ``ffn_gate_up_exps`` [E, 2I, H],
     gate rows then up rows; ``ffn_down_exps`` [E, H, I]; each with a bias; MXFP4 in the releases) in the HF
     checkpoint's layout: ``gate_up_proj`` [E, H, 2I] with gate and up interleaved along 2I (its bias too),
-    ``down_proj`` [E, I, H]."""
-    t = _gguf_layer_tensors(gguf, ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps", "attn_sinks"))
-    out: dict[str, torch.Tensor] = {}
-    for layer in sorted({key[0] for key in t}):
-        out[f"model.layers.{layer}.self_attn.sinks"] = t[layer, "attn_sinks", "weight"]
-        if (layer, "ffn_gate_up_exps", "weight") in t:
-            (gate, up), (gate_bias, up_bias) = (t[layer, "ffn_gate_up_exps", part].chunk(2, dim=1)
+    ``down_proj`` [E, I, H]; a layer at a time."""
+    kinds = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps", "attn_sinks")
+    for layer, t in _gguf_layer_tensors(gguf, kinds):
+        out = {f"model.layers.{layer}.self_attn.sinks": t["attn_sinks", "weight"]}
+        if ("ffn_gate_up_exps", "weight") in t:
+            (gate, up), (gate_bias, up_bias) = (t["ffn_gate_up_exps", part].chunk(2, dim=1)
                                                 for part in ("weight", "bias"))
         else:
-            gate, up, gate_bias, up_bias = (t[layer, kind, part] for part in ("weight", "bias")
+            gate, up, gate_bias, up_bias = (t[kind, part] for part in ("weight", "bias")
                                             for kind in ("ffn_gate_exps", "ffn_up_exps"))
-        down = t[layer, "ffn_down_exps", "weight"]
+        down = t["ffn_down_exps", "weight"]
         base = f"model.layers.{layer}.mlp.experts."
         out[base + "gate_up_proj"] = torch.stack((gate, up), -1).transpose(1, 2).flatten(2).contiguous()
         out[base + "gate_up_proj_bias"] = torch.stack((gate_bias, up_bias), -1).flatten(1)
         out[base + "down_proj"] = down.transpose(1, 2).contiguous()
-        out[base + "down_proj_bias"] = t[layer, "ffn_down_exps", "bias"]
-    return out
+        out[base + "down_proj_bias"] = t["ffn_down_exps", "bias"]
+        yield out
 
 
 def _mixtral_config(config, meta: dict[str, Any]):
@@ -782,9 +786,72 @@ def _parsed_once(gguf: Path) -> Iterator[Any]:
             gguf_module.GGUFReader = reader_class
 
 
-def _write_gguf_folder(gguf: Path, out: Path) -> None:
-    from safetensors.torch import save_file
+class _ShardWriter:
+    """A converted GGUF's HF tensors, saved into ``out`` as they come: held until a group of them ends (a layer:
+    transformers' tensor processors may still fill in a tensor of the layer they read) with ``shard_bytes`` or more
+    held, then saved as one safetensors shard. Names, ``in`` and item access are what those processors use of the
+    dict they write into. ``close`` names the shards as HF names a sharded checkpoint's, with its index (one shard:
+    ``model.safetensors``)."""
 
+    def __init__(self, out: Path, shard_bytes: int):
+        self.out, self.shard_bytes = out, shard_bytes
+        self.skip: Callable[[str], bool] | None = None  # names not to keep, while it is set
+        self.held: dict[str, torch.Tensor] = {}
+        self.saved: dict[str, str] = {}  # name -> its shard's file
+        self.shards: list[str] = []
+        self.total_bytes = 0
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        if self.skip is not None and self.skip(name):
+            return
+        assert name not in self.saved, f"{name} was saved before the group that sets it again"
+        self.held[name] = tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.held[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.held or name in self.saved
+
+    def names(self) -> set[str]:
+        return set(self.held) | set(self.saved)
+
+    def add_group(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self[name] = tensor
+        self.end_group()
+
+    def end_group(self) -> None:
+        if sum(t.numel() * t.element_size() for t in self.held.values()) >= self.shard_bytes:
+            self._save()
+
+    def _save(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.held:
+            return
+        name = f"model-{len(self.shards) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in self.held.items()}, str(self.out / name), metadata={"format": "pt"})
+        self.shards.append(name)
+        self.saved |= dict.fromkeys(self.held, name)
+        self.total_bytes += sum(t.numel() * t.element_size() for t in self.held.values())
+        self.held = {}
+
+    def close(self) -> None:
+        self._save()
+        if len(self.shards) == 1:
+            os.rename(self.out / self.shards[0], self.out / "model.safetensors")
+            return
+        final = {name: f"model-{i:05d}-of-{len(self.shards):05d}.safetensors"
+                 for i, name in enumerate(self.shards, 1)}
+        for name, final_name in final.items():
+            os.rename(self.out / name, self.out / final_name)
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": {k: final[v] for k, v in sorted(self.saved.items())}}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_gguf_folder(gguf: Path, out: Path) -> None:
     with _parsed_once(gguf) as parsed:
         meta = _gguf_metadata(gguf)
         arch = meta.get("general.architecture")
@@ -795,13 +862,15 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         hidden = _GGUF_FIELDS_HIDDEN.get(arch)
         for key in [key for key in parsed.fields if hidden and key.startswith(hidden)]:
             del parsed.fields[key]  # after our own reads of them (``meta``)
-        if arch in _GGUF_READERS:  # read whole by us: transformers' mapping gives no dense tensors of these
-            config, tensors = _GGUF_READERS[arch](gguf, arch)
+        writer = _ShardWriter(out, GGUF_SHARD_BYTES)
+        if arch in _GGUF_READERS:  # read by us: transformers' mapping gives no dense tensors of these
+            config, groups = _GGUF_READERS[arch](gguf, arch)
             get_model_class(config)
+            for group in groups:
+                writer.add_group(group)
         else:
-            config, tensors = _gguf_checkpoint(gguf, meta, arch, mixtral)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+            config = _gguf_checkpoint(gguf, meta, arch, mixtral, writer)
+        writer.close()
         config.save_pretrained(out)
         _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
@@ -809,11 +878,10 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     (out / _GGUF_MARKER).write_text(json.dumps(marker))
 
 
-def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The HF config and tensors a GGUF stands for: transformers' GGUF mapping, with our fixes where it reads the
-    file wrongly or not at all."""
+def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool, writer: _ShardWriter) -> Any:
+    """The HF config a GGUF stands for, its tensors written into ``writer``: transformers' GGUF mapping, with our
+    fixes where it reads the file wrongly or not at all."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
@@ -826,19 +894,48 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool)
     own = (".mlp.",) if mixtral else (".mlp.experts.", ".self_attn.sinks") if arch == "gpt-oss" else ()
     expected = {n for n in hf_model.state_dict() if not (n == "lm_head.weight" and config.tie_word_embeddings)
                 and not any(part in n for part in own)}
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True,
-                                   model_to_load=_NameOnlyModel(config, sorted(expected)))["tensors"]
-    if not expected <= set(tensors):  # the fast name map missed something: use transformers' full mapping
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
-    missing = expected - set(tensors)
+    writer.skip = lambda name: any(part in name for part in own)
+    _transformers_gguf_tensors(gguf, arch, _NameOnlyModel(config, sorted(expected)), hf_model, expected, writer)
+    writer.skip = None
+    missing = expected - writer.names()
     if missing:
         raise ValueError(f"GGUF {str(gguf)!r} lacks tensors {sorted(missing)[:5]} of {config.model_type}")
-    tensors = {k: v for k, v in tensors.items() if not any(part in k for part in own)}
+    for group in _gguf_mixtral_experts(gguf) if mixtral else _gguf_gpt_oss_tensors(gguf) if arch == "gpt-oss" else ():
+        writer.add_group(group)
     if mixtral:
-        tensors |= _gguf_mixtral_experts(gguf)
         config = _mixtral_config(config, meta)
-    if arch == "gpt-oss":
-        tensors |= _gguf_gpt_oss_tensors(gguf)
     if arch == "mamba" and meta.get("mamba.ssm.dt_b_c_rms"):  # llama.cpp's Falcon-Mamba: a Mamba whose B, C and dt
         config = _falcon_mamba_config(config)  # are normed, which transformers' mapping reads as a plain Mamba
-    return config, tensors
+    return config
+
+
+def _transformers_gguf_tensors(gguf: Path, arch: str, names: nn.Module, hf_model: nn.Module, expected: set[str],
+                               writer: _ShardWriter) -> None:
+    """The GGUF's tensors that transformers' GGUF support maps, in the HF layout (its tensor processors: llama.cpp's
+    q/k permutation undone, experts merged, ...) and under HF names, written into ``writer`` a layer at a time:
+    what its ``load_gguf_checkpoint(return_tensors=True)`` returns as one dict, without holding them all. The name
+    map comes from ``names`` (parameter names alone: fast) unless it misses an ``expected`` name, then from the
+    model itself."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, \
+        get_gguf_hf_weights_map, load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(gguf))  # the metadata as transformers reads it: its tensor processor's config
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    mapping = get_gguf_hf_weights_map(names, processor)
+    if not expected <= set(mapping.values()):
+        mapping = get_gguf_hf_weights_map(hf_model, processor)
+    parsed["tensors"] = writer  # where the processors that merge tensors (experts) write them
+    layer = None
+    for t in GGUFReader(str(gguf)).tensors:
+        block = t.name.split(".")[1] if t.name.startswith("blk.") else None
+        if block != layer:
+            writer.end_group()
+            layer = block
+        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                   tensor_key_mapping=mapping, parsed_parameters=parsed)
+        if result.name in mapping:
+            writer[mapping[result.name]] = torch.from_numpy(np.copy(result.weights))
+    writer.end_group()
