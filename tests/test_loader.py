@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -1115,7 +1116,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['falcon-h1', 'gemma2', 'gemma3', 'gpt-oss', 'granitehybrid', 'lfm2', 'llama', 'mamba', "
+              r"\['falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'lfm2', 'llama', 'mamba', "
               r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
               r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
 ])
@@ -1601,3 +1602,109 @@ def test_a_gguf_is_converted_a_layer_at_a_time_into_shards(make_tiny_model, tmp_
         assert_matches_hf(model, hf_model(folder))
     else:
         hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
+
+
+def write_gemma4_gguf(folder: Path, out: Path) -> Path:
+    """A GGUF of a Gemma 4 text folder written as llama.cpp's converter writes one (its Gemma4Model over Gemma3Model
+    and TextModel): the metadata its ``set_gguf_parameters`` adds (per-layer KV heads and sliding flags, the two head
+    sizes and RoPE bases, the sliding layers' rotated width, KV sharing and the per-layer widths of double-wide
+    MLPs, per-layer inputs, experts), the full layers' proportional RoPE as ``rope_freqs`` (1 per rotated frequency,
+    1e30 per other), every tensor renamed through gguf-py's tensor map after the converter's own renames (a
+    ``.weight`` suffix for ``layer_scalar`` and the stacked experts; the router's scales as ``ffn_gate_inp.scale``
+    and ``ffn_down_exps.scale``), norms unshifted, no ``lm_head`` (tied)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from transformers import AutoConfig
+
+    from specray.models.gemma4 import layer_geometry
+
+    config = AutoConfig.from_pretrained(folder)
+    cfg = config.to_dict()  # (config.json leaves out what equals a default)
+    layers, sliding = cfg["num_hidden_layers"], [t == "sliding_attention" for t in cfg["layer_types"]]
+    head_full, kv_full = layer_geometry(config, sliding.index(False))
+    first_shared = layers - cfg["num_kv_shared_layers"]
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), "gemma4")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    width = cfg["intermediate_size"]
+    w.add_feed_forward_length([width if i < first_shared else 2 * width for i in range(layers)]
+                              if cfg["use_double_wide_mlp"] else width)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if s else kv_full for s in sliding])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    if cfg["enable_moe_block"]:
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_shared_kv_layers(cfg["num_kv_shared_layers"])
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length(head_full)
+    w.add_value_length(head_full)
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    w.add_rope_dimension_count(head_full)
+    w.add_rope_dimension_count_swa(int(cfg["head_dim"] * rope["sliding_attention"].get("partial_rotary_factor", 1.0)))
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    rotated = int(head_full * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (head_full // 2 - rotated),
+                                               dtype=np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name == "lm_head.weight":
+            continue
+        if name.endswith("router.scale"):
+            gguf_name = f"blk.{layer}.ffn_gate_inp.scale"
+        elif name.endswith("router.per_expert_scale"):
+            gguf_name = f"blk.{layer}.ffn_down_exps.scale"
+        else:
+            if name.endswith("layer_scalar") or (".experts." in name and not name.endswith(".weight")):
+                name += ".weight"
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        w.add_tensor(gguf_name, value.float().numpy())
+    _write_out(w)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["experts", "dense"])
+def test_a_gemma4_gguf_matches_transformers(tmp_path, gguf_cache, variant):
+    """A GGUF of Gemma 4 as llama.cpp writes it (sliding and full layers of different head sizes and KV heads, k = v
+    full layers, proportional RoPE as frequency factors, KV-shared layers with double-wide MLPs; with experts beside
+    the dense MLPs and per-layer inputs, or the dense releases' shape) is read by specray's own mapping: its config
+    is the folder's, its logits equal transformers' on the original folder (chunks and decode steps past the
+    window), and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    from specray import LLM
+    from tests import test_gemma4 as gemma4
+    from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt
+
+    runs = sys.modules["specray_test_engine_runs"]
+    folder = gemma4.save_tiny(tmp_path / "gemma4", seed=40, **({} if variant == "experts" else gemma4.DENSE))
+    path = write_gemma4_gguf(folder, tmp_path / "gemma4.gguf")
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    fields = ("model_type", "architectures", "layer_types", "rope_parameters", "num_hidden_layers", "head_dim",
+              "per_layer_config", "num_key_value_heads", "attention_k_eq_v",
+              "num_kv_shared_layers", "use_double_wide_mlp", "intermediate_size", "enable_moe_block", "num_experts",
+              "top_k_experts", "moe_intermediate_size", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+              "final_logit_softcapping", "sliding_window", "tie_word_embeddings", "vocab_size", "eos_token_id",
+              "rms_norm_eps")  # (the file's float32 epsilon read back as the decimal it was written from)
+    unused = (("num_experts", "top_k_experts", "moe_intermediate_size") if not theirs.enable_moe_block else ()) + \
+        (("vocab_size_per_layer_input",) if not theirs.hidden_size_per_layer_input else ())  # the dense model's
+    fields = [f for f in fields if f not in unused]
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    model = load_model(str(path), pack=False)
+    assert max_diff(chunked_logits(model, prompt(), SCHEDULES["chunked+decode"]), gemma4.hf_logits(folder)) \
+        < gemma4.TOL
+    prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config=gemma4.NGRAM) for m in (folder, path)]
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) for llm in llms]
+    assert outs[0] == outs[1] and llms[1].spec_stats.accepted_tokens > 0
