@@ -1116,7 +1116,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'lfm2', 'llama', 'mamba', "
+              r"\['falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', "
               r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
               r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
 ])
@@ -1708,3 +1708,78 @@ def test_a_gemma4_gguf_matches_transformers(tmp_path, gguf_cache, variant):
     llms = [LLM(model=str(m), max_model_len=128, speculative_config=gemma4.NGRAM) for m in (folder, path)]
     outs = [runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) for llm in llms]
     assert outs[0] == outs[1] and llms[1].spec_stats.accepted_tokens > 0
+
+
+def write_jamba_gguf(folder: Path, out: Path) -> Path:
+    """A GGUF of a Jamba folder written as llama.cpp's converter writes one (its JambaModel): the per-layer KV heads
+    (0 on Mamba layers), the Mamba sizes as ``ssm.*``, the experts' counts; every tensor renamed through gguf-py's
+    tensor map, ``A_log`` as ``-exp(A_log)``, the conv squeezed, each MoE layer's experts stacked per projection
+    (under the merged name ``mlp.experts.{proj}``)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder).to_dict()
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    attn = [i >= cfg["attn_layer_offset"] and (i - cfg["attn_layer_offset"]) % cfg["attn_layer_period"] == 0
+            for i in range(layers)]
+    w = gguf.GGUFWriter(str(out), "jamba")
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if a else 0 for a in attn])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_inner_size(cfg["mamba_expand"] * hidden)
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_time_step_rank(cfg["mamba_dt_rank"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.JAMBA, layers)
+    tensors = load_file(str(folder / "model.safetensors"))
+    stacked: dict[tuple[int, str], list] = {}
+    for name, value in tensors.items():
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        if ".feed_forward.experts." in name:  # model.layers.{i}.feed_forward.experts.{e}.{proj}.weight
+            parts = name.split(".")
+            stacked.setdefault((int(parts[2]), parts[6]), []).append((int(parts[5]), value))
+            continue
+        if name.endswith(".A_log"):
+            value = -torch.exp(value)
+        if name.endswith("mamba.conv1d.weight"):
+            value = value.squeeze()
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+    for (layer, projection), experts in stacked.items():
+        merged = torch.stack([v for _, v in sorted(experts, key=lambda e: e[0])])
+        w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",)),
+                     merged.float().numpy())
+    _write_out(w)
+    return out
+
+
+def test_a_jamba_gguf_matches_transformers(tmp_path, gguf_cache):
+    """A GGUF of Jamba as llama.cpp writes it (attention and expert layers as per-layer KV heads and routers, the
+    Mamba sizes as ``ssm.*``, ``A`` as ``-exp(A_log)``, the conv squeezed, stacked experts) is read by specray's own
+    mapping: its config is the folder's, its logits (the recurrent state carried over chunks, decode steps) equal
+    transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
+    folder's."""
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+    from specray import LLM
+
+    folder = hybrid.save(tmp_path / "jamba", "jamba", 7)
+    path = write_jamba_gguf(folder, tmp_path / "jamba.gguf")
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    fields = ("model_type", "architectures", "num_hidden_layers", "attn_layer_offset", "attn_layer_period",
+              "expert_layer_offset", "expert_layer_period", "num_experts", "num_experts_per_tok", "mamba_d_state",
+              "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+              "num_key_value_heads", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    model = load_model(str(path), pack=False)
+    hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
+    outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
+            for m in (folder, path)]
+    assert outs[0] == outs[1]

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, GGUFTensors, read_gguf
+from specray.models.gguf_read import GGUFMeta, GGUFTensors, as_written, gguf_names, read_gguf
 
 GEMMA4_GGUF_ARCHS = ("gemma4",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -86,7 +86,7 @@ def gemma4_gguf_config(get: GGUFMeta, tensors: GGUFTensors, tokens: list[str] | 
         use_double_wide_mlp=bool(shared) and widths[-1] == 2 * widths[0], num_kv_shared_layers=shared,
         layer_types=[SLIDING if s else FULL for s in sliding], sliding_window=int(get("attention.sliding_window")),
         rope_parameters={SLIDING: rope_sliding, FULL: rope_full}, max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")),
         final_logit_softcapping=get("final_logit_softcapping", None),
         hidden_size_per_layer_input=per_layer_width, enable_moe_block=experts > 0,
         tie_word_embeddings="output.weight" not in tensors,
@@ -100,17 +100,6 @@ def gemma4_gguf_config(get: GGUFMeta, tensors: GGUFTensors, tokens: list[str] | 
         fields.update(num_experts=experts, top_k_experts=int(get("expert_used_count")),
                       moe_intermediate_size=int(get("expert_feed_forward_length")))
     return Gemma4TextConfig(**fields)
-
-
-def _decimal(value: float) -> float:
-    """A float32 of the file as the decimal it was written from (1e-05, not 9.999999747378752e-06): the shortest
-    repr that float32 rounds to the same value."""
-    import numpy as np
-
-    for digits in range(1, 10):
-        if np.float32(f"{value:.{digits}g}") == np.float32(value):
-            return float(f"{value:.{digits}g}")
-    return float(value)
 
 
 def _rotated_share(tensors: GGUFTensors, head_dim: int, gguf: Path) -> float:
@@ -135,23 +124,14 @@ def _gguf_names(config) -> dict[str, str]:
     from transformers import Gemma4ForCausalLM
 
     with torch.device("meta"):
-        names = list(Gemma4ForCausalLM(config).state_dict())
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, config.num_hidden_layers)
-    out = {}
-    for name in names:
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("router.scale"):
-            out[f"blk.{layer}.ffn_gate_inp.scale"] = name
-        elif name.endswith("router.per_expert_scale"):
-            out[f"blk.{layer}.ffn_down_exps.scale"] = name
-        else:
-            suffixed = name if name.endswith((".weight", ".bias")) else name + ".weight"
-            gguf_name = table.get_name(suffixed, try_suffixes=(".weight", ".bias"))
-            assert gguf_name is not None, f"gguf-py maps no GGUF name to {name}"
-            out[gguf_name] = name
-    return out
+        names = [n for n in Gemma4ForCausalLM(config).state_dict()
+                 if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    out = {f"blk.{n.split('.')[2]}.{'ffn_gate_inp' if n.endswith('router.scale') else 'ffn_down_exps'}.scale": n
+           for n in names if n.endswith(("router.scale", "router.per_expert_scale"))}
+    plain = [n for n in names if n not in out.values()]
+    suffixed = {n if n.endswith((".weight", ".bias")) else n + ".weight": n for n in plain}  # the converter's renames
+    return out | {g: suffixed[n] for g, n in gguf_names(gguf.MODEL_ARCH.GEMMA4, config.num_hidden_layers,
+                                                       suffixed).items()}
 
 
 def gemma4_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:

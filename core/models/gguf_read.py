@@ -110,3 +110,29 @@ def tensors_by_layer(tensors: GGUFTensors, gguf: Path, arch: str) -> dict[int, G
                              "pass the model's HF checkpoint instead")
         per_layer.setdefault(int(parts[1]), {})[parts[2]] = entry
     return {layer: GGUFTensors(entries) for layer, entries in per_layer.items()}
+
+
+def gguf_names(arch, layers: int, hf_names) -> dict[str, str]:
+    """GGUF name -> HF name of each of ``hf_names``, through gguf-py's tensor map of llama.cpp's ``arch`` (a
+    ``gguf.MODEL_ARCH``): the map llama.cpp's converter renames a checkpoint's tensors by. A name without a
+    ``.weight`` / ``.bias`` suffix (a bare parameter: ``A_log``, ``D``) maps without one."""
+    import gguf
+
+    table = gguf.get_tensor_name_map(arch, layers)
+    out = {}
+    for name in hf_names:
+        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"gguf-py maps no GGUF name to {name}"
+        out[gguf_name] = name
+    return out
+
+
+def as_written(value: float) -> float:
+    """A float32 of the file as the decimal it was written from (1e-05, not 9.999999747378752e-06): the shortest
+    decimal that float32 rounds to the same value."""
+    import numpy as np
+
+    for digits in range(1, 10):
+        if np.float32(f"{value:.{digits}g}") == np.float32(value):
+            return float(f"{value:.{digits}g}")
+    return float(value)

@@ -39,6 +39,7 @@ from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
+from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import dequantized as gguf_dequantized
@@ -68,12 +69,13 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS",
                   "minimax-m2": "MiniMax-M2", "qwen35": "Qwen3.5", "qwen35moe": "Qwen3.5-MoE",
                   "qwen3next": "Qwen3-Next", "granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
-                  "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1"}
+                  "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1", "jamba": "Jamba"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint),
-                 **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint)}
+                 **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
+                 **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
