@@ -1112,18 +1112,19 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
 
 
 @pytest.mark.parametrize("arch, match", [
-    ("deepseek2", rf"general.architecture='deepseek2' \(DeepSeek-V3 / R1\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', "
+              r"\['deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'jamba', 'lfm2', "
+              r"'llama', 'mamba', "
               r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
               r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
-    """A GGUF transformers has no mapping for -- DeepSeek-V3's, Llama-4's and Gemma's (families we serve from their HF
-    checkpoints only), or one of a family we do not serve at all -- is refused by ``LLM(model="x.gguf")`` up front
-    with the architecture and the way out, before transformers reads it (its own error names neither fix)."""
+    """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
+    serve from their HF checkpoints only), or one of a family we do not serve at all -- is refused by
+    ``LLM(model="x.gguf")`` up front with the architecture and the way out, before transformers reads it (its own
+    error names neither fix)."""
     import transformers
 
     from specray import LLM
@@ -1782,4 +1783,107 @@ def test_a_jamba_gguf_matches_transformers(tmp_path, gguf_cache):
     hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
     outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
             for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+def write_deepseek_gguf(folder: Path, out: Path) -> Path:
+    """A GGUF of a DeepSeek-V3 folder written as llama.cpp's converter writes one (its DeepseekV2Model over TextModel):
+    MLA as MQA (one KV head; the latent and heads' widths as ``attention.*``), YaRN with ``mscale_all_dim`` as
+    ``yarn_log_multiplier``, the router's settings; ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
+    ``attn_v_b``, each MoE layer's experts stacked per projection, the correction bias renamed to a ``.bias``, no
+    ``lm_head`` when tied; every tensor renamed through gguf-py's tensor map."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    w.add_value_length(cfg["kv_lora_rank"])
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, layers)
+    stacked: dict[tuple[int, str], list] = {}
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+            parts = name.split(".")
+            stacked.setdefault((int(parts[2]), parts[6]), []).append((int(parts[5]), value))
+            continue
+        if name.endswith("kv_b_proj.weight"):
+            kv_b = value.view(heads, cfg["qk_nope_head_dim"] + cfg["v_head_dim"], -1)
+            k_b, v_b = kv_b.split([cfg["qk_nope_head_dim"], cfg["v_head_dim"]], dim=1)
+            for part, tensor in (("k_b_proj", k_b.transpose(1, 2)), ("v_b_proj", v_b)):
+                w.add_tensor(names.get_name(name.replace("kv_b_proj", part), try_suffixes=(".weight",)),
+                             tensor.float().contiguous().numpy())
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+    for (layer, projection), experts in stacked.items():
+        merged = torch.stack([v for _, v in sorted(experts, key=lambda e: e[0])])
+        w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",)),
+                     merged.float().numpy())
+    _write_out(w)
+    return out
+
+
+def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gguf_cache):
+    """A GGUF of DeepSeek-V3 as llama.cpp writes it (MLA as MQA with ``kv_b_proj`` split per head into a transposed
+    ``attn_k_b`` and ``attn_v_b``, YaRN's ``mscale_all_dim`` as ``yarn_log_multiplier``, the grouped sigmoid router
+    with its correction bias, stacked experts, a shared expert, a dense first layer) is read by specray's own
+    mapping: its config is the folder's, its logits equal transformers' on the original folder, and the engine's
+    greedy output with n-gram drafts on the GGUF equals the folder's."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    path = write_deepseek_gguf(tiny_deepseek_dir, tmp_path / "deepseek.gguf")
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(tiny_deepseek_dir))
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+              "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts", "routed_scaling_factor",
+              "norm_topk_prob", "first_k_dense_replace", "moe_intermediate_size", "intermediate_size",
+              "tie_word_embeddings", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    assert {k: v for k, v in ours.rope_parameters.items() if k not in ("beta_fast", "beta_slow")} == \
+        {k: v for k, v in theirs.rope_parameters.items() if k not in ("beta_fast", "beta_slow")}
+    assert_matches_hf(load_model(str(path), pack=False), hf_model(tiny_deepseek_dir))
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+            for m in (tiny_deepseek_dir, path)]
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
     assert outs[0] == outs[1]

@@ -12,9 +12,10 @@ wrote), and the families whose config and tensors specray reads whole (``_GGUF_R
 linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
-(:mod:`specray.models.gguf_mamba2`) and Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`); a GGUF of
-another architecture (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``) is refused before any conversion, naming
-the fix: load the model's HF checkpoint instead.
+(:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
+(``jamba``: :mod:`specray.models.gguf_jamba`) and DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`); a
+GGUF of another architecture (Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the
+model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from specray.config import LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
+from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
@@ -64,8 +66,8 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "toke
 # llama.cpp's GGUF architecture (``general.architecture``) of each family we serve -> the family
 _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2moe": "Qwen2-MoE", "qwen3": "Qwen3",
                   "qwen3moe": "Qwen3-MoE", "gemma": "Gemma", "gemma2": "Gemma 2", "gemma3": "Gemma 3 text",
-                  "gemma4": "Gemma 4 text",
-                  "deepseek2": "DeepSeek-V3 / R1", "llama4": "Llama-4 text", "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2",
+                  "gemma4": "Gemma 4 text", "deepseek2": "DeepSeek-V3 / R1 / Kimi K2", "llama4": "Llama-4 text",
+                  "phi3": "Phi-3 / Phi-4", "lfm2": "LFM2",
                   "mamba": "Mamba", "starcoder2": "StarCoder2", "nemotron": "Nemotron", "gpt-oss": "GPT-OSS",
                   "minimax-m2": "MiniMax-M2", "qwen35": "Qwen3.5", "qwen35moe": "Qwen3.5-MoE",
                   "qwen3next": "Qwen3-Next", "granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
@@ -75,7 +77,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint),
                  **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
-                 **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint)}
+                 **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
+                 **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
