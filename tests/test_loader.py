@@ -1887,3 +1887,6 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
             for m in (tiny_deepseek_dir, path)]
     outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
     assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="has no MTP layer.*converted from the GGUF .*leaves the MTP layers out: pass "
+                                         "the model's HF checkpoint for method='mtp'"):
+        LLM(model=str(path), max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1})

@@ -183,13 +183,21 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     if not modules[0]:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefixes[0]}*): method='mtp' needs "
                          "a model trained with multi-token prediction (num_nextn_predict_layers >= 1); use another "
-                         "speculative method for this model")
+                         "speculative method for this model" + _from_gguf(source))
     found = next((k for k, weights in enumerate(modules) if not weights), num_modules)
     if found < num_modules:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
                          f"{str(source.path)!r} has {found} MTP module(s) (model.layers.{num_layers}.. "
                          f"model.layers.{num_layers + found - 1}); give num_nextn_predict_layers <= {found}")
     return target_config, modules
+
+
+def _from_gguf(source) -> str:
+    """What to say when the checkpoint without MTP layers was converted from a GGUF: its release may have them."""
+    if source.gguf_file is None:
+        return ""
+    return (f" (it was converted from the GGUF {str(source.gguf_file)!r}, and llama.cpp's converter leaves the MTP "
+            "layers out: pass the model's HF checkpoint for method='mtp')")
 
 
 def _target_family(target_config):
@@ -217,7 +225,7 @@ def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) ->
     if not out:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer (mtp.*): method='mtp' needs a release "
                          "with its multi-token-prediction weights (mtp_num_hidden_layers / num_nextn_predict_layers "
-                         ">= 1); use another speculative method for this model")
+                         ">= 1); use another speculative method for this model" + _from_gguf(source))
     return out
 
 
@@ -242,7 +250,7 @@ def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modu
     if not found:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix.format(k=0)}*): method='mtp' "
                          "needs a release with its multi-token-prediction weights; use another speculative method "
-                         "for this model")
+                         "for this model" + _from_gguf(source))
     have = next((k for k in range(num_modules) if k not in found), num_modules)
     if have < num_modules:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
