@@ -412,7 +412,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
         if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE pairs
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
@@ -1118,7 +1118,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
               r"\['deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'jamba', 'lfm2', "
               r"'llama', 'mamba', "
               r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
-              r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'starcoder2'\]"),
+              r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
@@ -1890,3 +1890,29 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
     with pytest.raises(ValueError, match="has no MTP layer.*converted from the GGUF .*leaves the MTP layers out: pass "
                                          "the model's HF checkpoint for method='mtp'"):
         LLM(model=str(path), max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of SmolLM3 as llama.cpp writes it (a Llama's layout: its query and key rows in llama.cpp's RoPE order;
+    its NoPE layers in no key, every 4th as llama.cpp fixes them) is read by specray's own mapping: its config is the
+    folder's (the same layers without RoPE), its logits equal transformers' on the original folder, and the engine's
+    greedy output with n-gram drafts on the GGUF equals the folder's."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    # the release's pattern (every 4th layer without RoPE): a GGUF cannot carry another (tiny_smollm3_dir's)
+    tiny_smollm3_dir = make_tiny_model(tmp_path / "smollm3", "smollm3", seed=14, num_hidden_layers=8,
+                                       no_rope_layer_interval=4)
+    assert load_hf_config(str(tiny_smollm3_dir)).no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+    path = write_gguf(tiny_smollm3_dir, tmp_path / "smollm3.gguf", "smollm3")
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(tiny_smollm3_dir))
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "no_rope_layers", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
+              "rms_norm_eps", "attention_bias", "mlp_bias", "use_sliding_window")
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    assert_matches_hf(load_model(str(path), pack=False), hf_model(tiny_smollm3_dir))
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+            for m in (tiny_smollm3_dir, path)]
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
+    assert outs[0] == outs[1]

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, GGUFTensors, as_written, gguf_names, read_gguf
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
+                                         check_tensor_names, gguf_names, read_gguf)
 
 DEEPSEEK_GGUF_ARCHS = ("deepseek2",)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -111,11 +112,7 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
     kv_b = {f"blk.{i}.{part}.weight" for i in range(count)
             for part in (("attn_k_b", "attn_v_b") if split else ("attn_kv_b",))}
     expected = set(plain) | set(experts) | kv_b
-    missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unknown:
-        raise ValueError(f"GGUF {str(gguf)!r} does not hold the tensors of the DeepSeek-V3 its metadata describes: "
-                         f"missing {missing[:5]}, not placeable {unknown[:5]}; convert the model again with a current "
-                         "llama.cpp, or pass its HF checkpoint")
+    check_tensor_names(gguf, "DeepSeek-V3", expected, tensors)
 
     def kv_b_proj(layer: int) -> torch.Tensor:
         """``kv_b_proj`` [heads * (nope + v), kv_lora_rank] from the file's halves: per head its key rows, then
@@ -138,10 +135,7 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
         return {plain[gguf_name]: tensors.pop(gguf_name)}
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
-        by_layer: dict[str | None, list[str]] = {}
-        for gguf_name in tensors:
-            by_layer.setdefault(gguf_name.split(".")[1] if gguf_name.startswith("blk.") else None, []).append(gguf_name)
-        for group in by_layer.values():
+        for group in by_layer(tensors):
             yield {k: v for n in group for k, v in hf_tensors(n).items()}
 
     return config, groups()

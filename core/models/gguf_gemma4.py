@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, GGUFTensors, as_written, gguf_names, read_gguf
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
+                                         check_tensor_names, gguf_names, read_gguf)
 
 GEMMA4_GGUF_ARCHS = ("gemma4",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -146,18 +147,10 @@ def gemma4_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[st
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
     config = gemma4_gguf_config(GGUFMeta(meta, arch, gguf), tensors, tokens)
     names = _gguf_names(config)
-    missing = sorted(set(names) - set(tensors))
-    unknown = sorted(set(tensors) - set(names))
-    if missing or unknown:
-        raise ValueError(f"GGUF {str(gguf)!r} does not hold the tensors of the Gemma 4 its metadata describes: "
-                         f"missing {missing[:5]}, not placeable {unknown[:5]}; convert the model again with a current "
-                         "llama.cpp, or pass its HF checkpoint")
+    check_tensor_names(gguf, "Gemma 4", names, tensors)
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
-        by_layer: dict[str | None, list[str]] = {}
-        for gguf_name in tensors:
-            by_layer.setdefault(gguf_name.split(".")[1] if gguf_name.startswith("blk.") else None, []).append(gguf_name)
-        for group in by_layer.values():
+        for group in by_layer(tensors):
             yield {names[n]: tensors.pop(n) for n in group}
 
     return config, groups()

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, GGUFTensors, as_written, gguf_names, read_gguf
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
+                                         check_tensor_names, gguf_names, read_gguf)
 
 JAMBA_GGUF_ARCHS = ("jamba",)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -97,12 +98,7 @@ def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
     config = jamba_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
     plain, experts = _names(config)
-    missing = sorted((set(plain) | set(experts)) - set(tensors))
-    unknown = sorted(set(tensors) - set(plain) - set(experts))
-    if missing or unknown:
-        raise ValueError(f"GGUF {str(gguf)!r} does not hold the tensors of the Jamba its metadata describes: missing "
-                         f"{missing[:5]}, not placeable {unknown[:5]}; convert the model again with a current "
-                         "llama.cpp, or pass its HF checkpoint")
+    check_tensor_names(gguf, "Jamba", set(plain) | set(experts), tensors)
 
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
         value = tensors.pop(gguf_name)
@@ -118,10 +114,7 @@ def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str
         return {name: value}
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
-        by_layer: dict[str | None, list[str]] = {}
-        for gguf_name in tensors:
-            by_layer.setdefault(gguf_name.split(".")[1] if gguf_name.startswith("blk.") else None, []).append(gguf_name)
-        for group in by_layer.values():
+        for group in by_layer(tensors):
             yield {k: v for n in group for k, v in hf_tensors(n).items()}
 
     return config, groups()

@@ -136,3 +136,20 @@ def as_written(value: float) -> float:
         if np.float32(f"{value:.{digits}g}") == np.float32(value):
             return float(f"{value:.{digits}g}")
     return float(value)
+
+
+def by_layer(tensors: GGUFTensors) -> list[list[str]]:
+    """The tensors' names in groups: each layer's (``blk.{i}.*``) and the model's own (the rest), in file order."""
+    groups: dict[str | None, list[str]] = {}
+    for name in tensors:
+        groups.setdefault(name.split(".")[1] if name.startswith("blk.") else None, []).append(name)
+    return list(groups.values())
+
+
+def check_tensor_names(gguf: Path, family: str, expected, tensors: GGUFTensors) -> None:
+    """ValueError naming what differs, unless the file holds exactly the ``expected`` tensors."""
+    missing, unknown = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"GGUF {str(gguf)!r} does not hold the tensors of the {family} its metadata describes: "
+                         f"missing {missing[:5]}, not placeable {unknown[:5]}; convert the model again with a current "
+                         "llama.cpp, or pass its HF checkpoint")
