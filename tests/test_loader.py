@@ -1711,6 +1711,15 @@ def test_a_gemma4_gguf_matches_transformers(tmp_path, gguf_cache, variant):
     assert outs[0] == outs[1] and llms[1].spec_stats.accepted_tokens > 0
 
 
+def _add_stacked_experts(w, names, stacked: dict[tuple[int, str], list]) -> None:
+    """Each MoE layer's experts, ``(layer, projection) -> [(expert, tensor)]``, as llama.cpp's converter writes them:
+    stacked per projection under the merged name ``model.layers.{i}.mlp.experts.{projection}``."""
+    for (layer, projection), experts in stacked.items():
+        merged = torch.stack([v for _, v in sorted(experts, key=lambda e: e[0])])
+        w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",)),
+                     merged.float().numpy())
+
+
 def write_jamba_gguf(folder: Path, out: Path) -> Path:
     """A GGUF of a Jamba folder written as llama.cpp's converter writes one (its JambaModel): the per-layer KV heads
     (0 on Mamba layers), the Mamba sizes as ``ssm.*``, the experts' counts; every tensor renamed through gguf-py's
@@ -1754,10 +1763,7 @@ def write_jamba_gguf(folder: Path, out: Path) -> Path:
         if name.endswith("mamba.conv1d.weight"):
             value = value.squeeze()
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
-    for (layer, projection), experts in stacked.items():
-        merged = torch.stack([v for _, v in sorted(experts, key=lambda e: e[0])])
-        w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",)),
-                     merged.float().numpy())
+    _add_stacked_experts(w, names, stacked)
     _write_out(w)
     return out
 
@@ -1854,10 +1860,7 @@ def write_deepseek_gguf(folder: Path, out: Path) -> Path:
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
-    for (layer, projection), experts in stacked.items():
-        merged = torch.stack([v for _, v in sorted(experts, key=lambda e: e[0])])
-        w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",)),
-                     merged.float().numpy())
+    _add_stacked_experts(w, names, stacked)
     _write_out(w)
     return out
 
