@@ -1711,6 +1711,16 @@ def test_a_gemma4_gguf_matches_transformers(tmp_path, gguf_cache, variant):
     assert outs[0] == outs[1] and llms[1].spec_stats.accepted_tokens > 0
 
 
+def _held_expert(stacked: dict[tuple[int, str], list], name: str, value) -> bool:
+    """Whether ``name`` is one expert's projection (``model.layers.{i}.{block}.experts.{e}.{proj}.weight``), then held
+    in ``stacked`` under (layer, projection) for :func:`_add_stacked_experts`."""
+    if ".experts." not in name:
+        return False
+    parts = name.split(".")
+    stacked.setdefault((int(parts[2]), parts[6]), []).append((int(parts[5]), value))
+    return True
+
+
 def _add_stacked_experts(w, names, stacked: dict[tuple[int, str], list]) -> None:
     """Each MoE layer's experts, ``(layer, projection) -> [(expert, tensor)]``, as llama.cpp's converter writes them:
     stacked per projection under the merged name ``model.layers.{i}.mlp.experts.{projection}``."""
@@ -1754,9 +1764,7 @@ def write_jamba_gguf(folder: Path, out: Path) -> Path:
     for name, value in tensors.items():
         if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
             continue
-        if ".feed_forward.experts." in name:  # model.layers.{i}.feed_forward.experts.{e}.{proj}.weight
-            parts = name.split(".")
-            stacked.setdefault((int(parts[2]), parts[6]), []).append((int(parts[5]), value))
+        if _held_expert(stacked, name, value):
             continue
         if name.endswith(".A_log"):
             value = -torch.exp(value)
@@ -1847,9 +1855,7 @@ def write_deepseek_gguf(folder: Path, out: Path) -> Path:
     for name, value in load_file(str(folder / "model.safetensors")).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
-            parts = name.split(".")
-            stacked.setdefault((int(parts[2]), parts[6]), []).append((int(parts[5]), value))
+        if _held_expert(stacked, name, value):
             continue
         if name.endswith("kv_b_proj.weight"):
             kv_b = value.view(heads, cfg["qk_nope_head_dim"] + cfg["v_head_dim"], -1)
