@@ -1800,6 +1800,22 @@ def test_a_jamba_gguf_matches_transformers(tmp_path, gguf_cache):
     assert outs[0] == outs[1]
 
 
+def assert_gguf_serves_as_its_folder(folder: Path, path: Path, fields) -> None:
+    """The GGUF's config read back has the folder's ``fields``, our model on it gives transformers' logits on the
+    folder, and the engine's greedy tokens with n-gram drafts on it equal the folder's."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    assert_matches_hf(load_model(str(path), pack=False), hf_model(folder))
+    prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+            for m in (folder, path)]
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
+    assert outs[0] == outs[1]
+
+
 def write_deepseek_gguf(folder: Path, out: Path) -> Path:
     """A GGUF of a DeepSeek-V3 folder written as llama.cpp's converter writes one (its DeepseekV2Model over TextModel):
     MLA as MQA (one KV head; the latent and heads' widths as ``attention.*``), YaRN with ``mscale_all_dim`` as
@@ -1879,7 +1895,6 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
     greedy output with n-gram drafts on the GGUF equals the folder's."""
     from specray import LLM
 
-    runs = sys.modules["specray_test_engine_runs"]
     path = write_deepseek_gguf(tiny_deepseek_dir, tmp_path / "deepseek.gguf")
     ours, theirs = load_hf_config(str(path)), load_hf_config(str(tiny_deepseek_dir))
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -1887,15 +1902,9 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
               "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts", "routed_scaling_factor",
               "norm_topk_prob", "first_k_dense_replace", "moe_intermediate_size", "intermediate_size",
               "tie_word_embeddings", "vocab_size", "rms_norm_eps", "max_position_embeddings")
-    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
     assert {k: v for k, v in ours.rope_parameters.items() if k not in ("beta_fast", "beta_slow")} == \
         {k: v for k, v in theirs.rope_parameters.items() if k not in ("beta_fast", "beta_slow")}
-    assert_matches_hf(load_model(str(path), pack=False), hf_model(tiny_deepseek_dir))
-    prompts = ["The quick brown fox", "def add(a, b):"]
-    llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-            for m in (tiny_deepseek_dir, path)]
-    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
-    assert outs[0] == outs[1]
+    assert_gguf_serves_as_its_folder(tiny_deepseek_dir, path, fields)
     with pytest.raises(ValueError, match="has no MTP layer.*converted from the GGUF .*leaves the MTP layers out: pass "
                                          "the model's HF checkpoint for method='mtp'"):
         LLM(model=str(path), max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
@@ -1906,22 +1915,12 @@ def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cac
     its NoPE layers in no key, every 4th as llama.cpp fixes them) is read by specray's own mapping: its config is the
     folder's (the same layers without RoPE), its logits equal transformers' on the original folder, and the engine's
     greedy output with n-gram drafts on the GGUF equals the folder's."""
-    from specray import LLM
-
-    runs = sys.modules["specray_test_engine_runs"]
     # the release's pattern (every 4th layer without RoPE): a GGUF cannot carry another (tiny_smollm3_dir's)
     tiny_smollm3_dir = make_tiny_model(tmp_path / "smollm3", "smollm3", seed=14, num_hidden_layers=8,
                                        no_rope_layer_interval=4)
     assert load_hf_config(str(tiny_smollm3_dir)).no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
     path = write_gguf(tiny_smollm3_dir, tmp_path / "smollm3.gguf", "smollm3")
-    ours, theirs = load_hf_config(str(path)), load_hf_config(str(tiny_smollm3_dir))
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "no_rope_layers", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
               "rms_norm_eps", "attention_bias", "mlp_bias", "use_sliding_window")
-    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
-    assert_matches_hf(load_model(str(path), pack=False), hf_model(tiny_smollm3_dir))
-    prompts = ["The quick brown fox", "def add(a, b):"]
-    llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-            for m in (tiny_smollm3_dir, path)]
-    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
-    assert outs[0] == outs[1]
+    assert_gguf_serves_as_its_folder(tiny_smollm3_dir, path, fields)
