@@ -412,7 +412,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
         if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE
+        if arch in ("llama", "smollm3", "arcee") and name.endswith(("q_proj.weight", "k_proj.weight")):  # RoPE order
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
@@ -1115,9 +1115,9 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', 'jamba', 'lfm2', "
-              r"'llama', 'mamba', "
-              r"'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', "
+              r"'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', "
+              r"'qwen2', 'qwen2moe', 'qwen3', "
               r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
@@ -1924,3 +1924,15 @@ def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cac
               "no_rope_layers", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
               "rms_norm_eps", "attention_bias", "mlp_bias", "use_sliding_window")
     assert_gguf_serves_as_its_folder(tiny_smollm3_dir, path, fields)
+
+
+def test_an_afm_gguf_matches_transformers(tiny_arcee_dir, tmp_path, gguf_cache):
+    """A GGUF of Arcee's AFM as llama.cpp writes it (a Llama's layout: the query and key rows in llama.cpp's RoPE
+    order, heads of their own size; a gateless relu^2 MLP) is read by specray's own mapping: its config is the
+    folder's, its logits equal transformers' on the original folder, and the engine's greedy output with n-gram
+    drafts on the GGUF equals the folder's."""
+    path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "arcee")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "hidden_act", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
+              "rms_norm_eps", "attention_bias", "mlp_bias")
+    assert_gguf_serves_as_its_folder(tiny_arcee_dir, path, fields)

@@ -13,9 +13,10 @@ linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwe
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
-(``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3 (``smollm3``: :mod:`specray.models.gguf_smollm3`) and
-DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`); a GGUF of another architecture (Llama-4's
-``llama4``) is refused before any conversion, naming the fix: load the model's HF checkpoint instead.
+(``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3 and Arcee's AFM (``smollm3``, ``arcee``:
+:mod:`specray.models.gguf_llama_family`) and DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`); a
+GGUF of another architecture (Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the
+model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_chec
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
+from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
-from specray.models.gguf_smollm3 import SMOLLM3_GGUF_ARCHS, smollm3_gguf_checkpoint
 from specray.models.gguf_read import dequantized as gguf_dequantized
 from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
     random_int4
@@ -73,7 +74,7 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "minimax-m2": "MiniMax-M2", "qwen35": "Qwen3.5", "qwen35moe": "Qwen3.5-MoE",
                   "qwen3next": "Qwen3-Next", "granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
                   "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1", "jamba": "Jamba",
-                  "smollm3": "SmolLM3"}
+                  "smollm3": "SmolLM3", "arcee": "Arcee AFM"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -81,7 +82,7 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
                  **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
-                 **dict.fromkeys(SMOLLM3_GGUF_ARCHS, smollm3_gguf_checkpoint)}
+                 **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}

@@ -1,0 +1,98 @@
+"""GGUF files of the families llama.cpp's converter writes in a Llama's layout (its ``LlamaModel``) under an
+architecture of their own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``) and Arcee's AFM
+(``arcee``), turned back into the HF checkpoints :mod:`specray.models.llama` and :mod:`specray.models.arcee` load.
+
+What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
+the query and key rows (and biases) of each head in llama.cpp's order for its RoPE (the two halves interleaved), put
+back; every tensor under the name gguf-py's tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``).
+SmolLM3's NoPE layers are not in the file: llama.cpp fixes them at every 4th layer (``(i + 1) % 4 == 0``), as
+SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. A per-frequency RoPE (``rope_freqs``:
+Llama 3's scaling) is refused. Tensors of any llama.cpp type are dequantized to float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
+                                         check_tensor_names, gguf_names, read_gguf)
+
+NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
+# llama.cpp's architecture -> (transformers' config class, the HF architecture, what the file cannot say)
+_FAMILIES = {"smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                         {"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}),
+             "arcee": ("ArceeConfig", "ArceeForCausalLM", {})}
+LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
+
+
+def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
+    """The HF config of a family in a Llama's layout from its metadata as llama.cpp's converter writes it."""
+    import transformers
+
+    gguf, arch = get.gguf, get.arch
+    config_class, architecture, fixed = _FAMILIES[arch]
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rotated = int(get("rope.dimension_count", head_dim))
+    if rotated != head_dim or "rope_freqs.weight" in tensors:
+        raise ValueError(f"GGUF {str(gguf)!r} rotates {rotated} of each head's {head_dim} dims or scales its RoPE per "
+                         f"frequency (rope_freqs), which specray does not read for {arch}; pass the model's HF "
+                         "checkpoint instead")
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
+    elif scaling != "none":
+        raise ValueError(f"GGUF {str(gguf)!r} has {arch}.rope.scaling.type={scaling!r}; specray reads a {arch} GGUF "
+                         "with YaRN or no RoPE scaling. Pass the model's HF checkpoint instead")
+    return getattr(transformers, config_class)(
+        architectures=[architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")), head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
+        attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
+        tie_word_embeddings="output.weight" not in tensors, **fixed, **get.token_ids())
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """A query or key projection's rows (or bias) back from llama.cpp's RoPE order: per head, the rows of its
+    first and second halves interleaved -> the halves one after the other."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
+    """The HF config of a GGUF of a family in a Llama's layout and its tensors, a group (the model's own, then a
+    layer) at a time, read as the groups are taken."""
+    import gguf as gguf_py
+    import transformers
+
+    meta, tensors = read_gguf(gguf)
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
+    config = llama_family_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
+    model_class = getattr(transformers, _FAMILIES[arch][1])
+    with torch.device("meta"):
+        hf_names = [n for n in model_class(config).state_dict()
+                    if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    names = gguf_names(getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers, hf_names)
+    check_tensor_names(gguf, _FAMILIES[arch][1], names, tensors)
+
+    def hf_tensor(gguf_name: str) -> torch.Tensor:
+        value = tensors.pop(gguf_name)
+        if ".attn_q." in gguf_name:
+            return _unpermute(value, config.num_attention_heads)
+        if ".attn_k." in gguf_name:
+            return _unpermute(value, config.num_key_value_heads)
+        return value
+
+    def groups() -> Iterator[dict[str, torch.Tensor]]:
+        for group in by_layer(tensors):
+            yield {names[n]: hf_tensor(n) for n in group}
+
+    return config, groups()
