@@ -315,6 +315,11 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
+    if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     if arch == "minimax-m2":  # llama.cpp's MiniMax-M2: the rotated share of each head, sigmoid gating
         w.add_rope_dimension_count(cfg["rotary_dim"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -412,7 +417,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
         if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch in ("llama", "smollm3", "arcee") and name.endswith(("q_proj.weight", "k_proj.weight")):  # RoPE order
+        if arch in ("llama", "smollm3", "arcee", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
@@ -1115,10 +1120,10 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granitehybrid', "
-              r"'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'phi3', "
-              r"'qwen2', 'qwen2moe', 'qwen3', "
-              r"'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', 'smollm3', 'starcoder2'\]"),
+              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granite', "
+              r"'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
+              r"'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
+              r"'qwen3next', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
@@ -1936,3 +1941,15 @@ def test_an_afm_gguf_matches_transformers(tiny_arcee_dir, tmp_path, gguf_cache):
               "head_dim", "hidden_act", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
               "rms_norm_eps", "attention_bias", "mlp_bias")
     assert_gguf_serves_as_its_folder(tiny_arcee_dir, path, fields)
+
+
+def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_cache):
+    """A GGUF of Granite 3 (dense) as llama.cpp writes it (a Llama's layout, the query and key rows in llama.cpp's
+    RoPE order; its four multipliers as scales) is read by specray's own mapping: its config is the folder's, its
+    logits equal transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF
+    equals the folder's."""
+    path = write_gguf(tiny_granite_dir, tmp_path / "granite.gguf", "granite")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+              "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)

@@ -1,10 +1,12 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout (its ``LlamaModel``) under an
-architecture of their own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``) and Arcee's AFM
-(``arcee``), turned back into the HF checkpoints :mod:`specray.models.llama` and :mod:`specray.models.arcee` load.
+architecture of their own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM
+(``arcee``) and Granite 3's dense models (``granite``), turned back into the HF checkpoints specray's Llama, AFM and
+Granite load.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
 the query and key rows (and biases) of each head in llama.cpp's order for its RoPE (the two halves interleaved), put
-back; every tensor under the name gguf-py's tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``).
+back; every tensor under the name gguf-py's tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``);
+Granite's four multipliers as ``attention.scale``, ``embedding_scale``, ``residual_scale`` and ``logit_scale``.
 SmolLM3's NoPE layers are not in the file: llama.cpp fixes them at every 4th layer (``(i + 1) % 4 == 0``), as
 SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. A per-frequency RoPE (``rope_freqs``:
 Llama 3's scaling) is refused. Tensors of any llama.cpp type are dequantized to float32.
@@ -22,10 +24,21 @@ from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_laye
                                          check_tensor_names, gguf_names, read_gguf)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
-# llama.cpp's architecture -> (transformers' config class, the HF architecture, what the file cannot say)
+
+
+def _granite(get: GGUFMeta) -> dict[str, float]:
+    """Granite's multipliers (the converter writes each one the config sets; 1, none, where it sets none)."""
+    keys = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+            "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+    return {field: as_written(get(key)) for field, key in keys.items() if get(key, None) is not None}
+
+
+# llama.cpp's architecture -> (transformers' config class, the HF architecture, what the file cannot say, what the
+# family's own keys say)
 _FAMILIES = {"smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
-                         {"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}),
-             "arcee": ("ArceeConfig", "ArceeForCausalLM", {})}
+                         {"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}, None),
+             "arcee": ("ArceeConfig", "ArceeForCausalLM", {}, None),
+             "granite": ("GraniteConfig", "GraniteForCausalLM", {}, _granite)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 
 
@@ -34,7 +47,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     import transformers
 
     gguf, arch = get.gguf, get.arch
-    config_class, architecture, fixed = _FAMILIES[arch]
+    config_class, architecture, fixed, own = _FAMILIES[arch]
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
@@ -57,7 +70,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
         attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
-        tie_word_embeddings="output.weight" not in tensors, **fixed, **get.token_ids())
+        tie_word_embeddings="output.weight" not in tensors, **fixed, **(own(get) if own else {}), **get.token_ids())
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
