@@ -315,6 +315,9 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
+    if arch == "olmo2" and cfg.get("sliding_window"):  # llama.cpp's OLMo 3: the window and its layers
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -1122,8 +1125,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granite', "
               r"'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
-              r"'nemotron_h_moe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
-              r"'qwen3next', 'smollm3', 'starcoder2'\]"),
+              r"'nemotron_h_moe', 'olmo2', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
+              r"'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
@@ -1953,3 +1956,22 @@ def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_ca
               "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "seed_oss"])
+def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache, arch):
+    """A GGUF of OLMo 2 (norms after attention and MLP, q/k normed over all heads) or Seed-OSS (q/k/v biases, none on
+    o_proj, heads apart from hidden / heads) as llama.cpp writes them (a plain layout: no RoPE reordering) is read by
+    specray's own mapping: its config is the folder's, its logits equal transformers' on the original folder, and the
+    engine's greedy output with n-gram drafts on the GGUF equals the folder's. An OLMo 3 (sliding-window layers) is
+    refused, naming the way out."""
+    folder = request.getfixturevalue(f"tiny_{arch}_dir")
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "attention_bias") + (("attention_out_bias",) if arch == "seed_oss" else ())
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    if arch == "olmo2":
+        olmo3 = write_gguf(request.getfixturevalue("tiny_olmo3_dir"), tmp_path / "olmo3.gguf", "olmo2")
+        with pytest.raises(ValueError, match="sliding-window layers .*an OLMo 3.*pass the model's HF checkpoint"):
+            load_hf_config(str(olmo3))

@@ -1,20 +1,23 @@
-"""GGUF files of the families llama.cpp's converter writes in a Llama's layout (its ``LlamaModel``) under an
-architecture of their own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM
-(``arcee``) and Granite 3's dense models (``granite``), turned back into the HF checkpoints specray's Llama, AFM and
-Granite load.
+"""GGUF files of the dense families llama.cpp's converter writes in a Llama's layout under an architecture of their
+own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's
+dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and Seed-OSS (``seed_oss``) through its
+plain ``TextModel``, turned back into the HF checkpoints specray loads for them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
-the query and key rows (and biases) of each head in llama.cpp's order for its RoPE (the two halves interleaved), put
-back; every tensor under the name gguf-py's tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``);
+for the ``LlamaModel`` families the query and key rows (and biases) of each head in llama.cpp's order for its RoPE
+(the two halves interleaved), put back; biases by their tensors' presence; every tensor under the name gguf-py's
+tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``; OLMo 2's norms come after attention and MLP);
 Granite's four multipliers as ``attention.scale``, ``embedding_scale``, ``residual_scale`` and ``logit_scale``.
 SmolLM3's NoPE layers are not in the file: llama.cpp fixes them at every 4th layer (``(i + 1) % 4 == 0``), as
 SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. A per-frequency RoPE (``rope_freqs``:
-Llama 3's scaling) is refused. Tensors of any llama.cpp type are dequantized to float32.
+Llama 3's scaling) is refused, and so is an OLMo 3 (``olmo2`` with sliding-window layers: a RoPE per kind of layer,
+not read here). Tensors of any llama.cpp type are dequantized to float32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +29,34 @@ from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_laye
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 
 
-def _granite(get: GGUFMeta) -> dict[str, float]:
+def _granite(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, float]:
     """Granite's multipliers (the converter writes each one the config sets; 1, none, where it sets none)."""
     keys = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
             "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
     return {field: as_written(get(key)) for field, key in keys.items() if get(key, None) is not None}
 
 
-# llama.cpp's architecture -> (transformers' config class, the HF architecture, what the file cannot say, what the
-# family's own keys say)
-_FAMILIES = {"smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
-                         {"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}, None),
-             "arcee": ("ArceeConfig", "ArceeForCausalLM", {}, None),
-             "granite": ("GraniteConfig", "GraniteForCausalLM", {}, _granite)}
+def _seed_oss(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
+    """Seed-OSS's output projection's bias, apart from q/k/v's."""
+    return {"attention_out_bias": "blk.0.attn_output.bias" in tensors}
+
+
+@dataclass(frozen=True)
+class _Family:
+    config: str  # transformers' config class
+    architecture: str  # the HF architecture
+    permuted: bool = True  # the converter put q/k rows in llama.cpp's RoPE order (its LlamaModel)
+    fixed: dict = field(default_factory=dict)  # what the file cannot say, as llama.cpp fixes it
+    own: Callable[[GGUFMeta, GGUFTensors], dict] | None = None  # what the family's own keys and tensors say
+
+
+# llama.cpp's architecture -> its family
+_FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
+                                fixed={"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}),
+             "arcee": _Family("ArceeConfig", "ArceeForCausalLM"),
+             "granite": _Family("GraniteConfig", "GraniteForCausalLM", own=_granite),
+             "olmo2": _Family("Olmo2Config", "Olmo2ForCausalLM", permuted=False),
+             "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 
 
@@ -47,7 +65,11 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     import transformers
 
     gguf, arch = get.gguf, get.arch
-    config_class, architecture, fixed, own = _FAMILIES[arch]
+    family = _FAMILIES[arch]
+    if get("attention.sliding_window", None):
+        raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window: an OLMo 3, "
+                         f"whose two kinds of layer have a RoPE each), which specray does not read from a GGUF; pass "
+                         "the model's HF checkpoint instead")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
@@ -63,14 +85,18 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     elif scaling != "none":
         raise ValueError(f"GGUF {str(gguf)!r} has {arch}.rope.scaling.type={scaling!r}; specray reads a {arch} GGUF "
                          "with YaRN or no RoPE scaling. Pass the model's HF checkpoint instead")
-    return getattr(transformers, config_class)(
-        architectures=[architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
+    config = getattr(transformers, family.config)(
+        architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")), head_dim=head_dim,
+        num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
         attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
-        tie_word_embeddings="output.weight" not in tensors, **fixed, **(own(get) if own else {}), **get.token_ids())
+        tie_word_embeddings="output.weight" not in tensors, **family.fixed,
+        **(family.own(get, tensors) if family.own else {}), **get.token_ids())
+    if hasattr(config, "head_dim") or head_dim != hidden // heads:  # (OLMo 2's config has none: hidden / heads)
+        config.head_dim = head_dim
+    return config
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -89,15 +115,18 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
     config = llama_family_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
-    model_class = getattr(transformers, _FAMILIES[arch][1])
+    family = _FAMILIES[arch]
+    model_class = getattr(transformers, family.architecture)
     with torch.device("meta"):
         hf_names = [n for n in model_class(config).state_dict()
                     if not (n == "lm_head.weight" and config.tie_word_embeddings)]
     names = gguf_names(getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers, hf_names)
-    check_tensor_names(gguf, _FAMILIES[arch][1], names, tensors)
+    check_tensor_names(gguf, family.architecture, names, tensors)
 
     def hf_tensor(gguf_name: str) -> torch.Tensor:
         value = tensors.pop(gguf_name)
+        if not family.permuted:
+            return value
         if ".attn_q." in gguf_name:
             return _unpermute(value, config.num_attention_heads)
         if ".attn_k." in gguf_name:
