@@ -1123,7 +1123,7 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'gpt-oss', 'granite', "
+              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4moe', 'gpt-oss', 'granite', "
               r"'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
               r"'nemotron_h_moe', 'olmo2', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
               r"'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
@@ -1975,3 +1975,88 @@ def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache,
         olmo3 = write_gguf(request.getfixturevalue("tiny_olmo3_dir"), tmp_path / "olmo3.gguf", "olmo2")
         with pytest.raises(ValueError, match="sliding-window layers .*an OLMo 3.*pass the model's HF checkpoint"):
             load_hf_config(str(olmo3))
+
+
+def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:
+    """A GGUF of a GLM-4.5 folder (its MTP layer included) written as llama.cpp's converter writes one (its
+    Glm4MoeModel over TextModel): ``block_count`` with the MTP layers, ``nextn_predict_layers``, the rotated share of
+    each head as ``rope.dimension_count``, the router's settings; no RoPE reordering, each MoE layer's experts stacked
+    per projection, the correction bias renamed to a ``.bias``; every tensor renamed through gguf-py's tensor map (the
+    MTP layer's own as ``nextn.*``)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    layers, nextn = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 0)
+    rope, head_dim = cfg["rope_parameters"], cfg["head_dim"]
+    w = gguf.GGUFWriter(str(out), "glm4moe")
+    w.add_block_count(layers + nextn)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_nextn_predict_layers(nextn)
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + nextn)
+    stacked: dict[tuple[int, str], list] = {}
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        if _held_expert(stacked, name, value):
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+    _add_stacked_experts(w, names, stacked)
+    _write_out(w)
+    return out
+
+
+def test_a_glm4_moe_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm4_moe_dir, tmp_path, gguf_cache):
+    """A GGUF of GLM-4.5 as llama.cpp writes it, its MTP layer included (``nextn_predict_layers``, the layer's block
+    and its ``nextn.*`` tensors; q/k/v biases and norms, partial RoPE in NeoX order, the grouped sigmoid router with its
+    correction bias, stacked and shared experts, a dense first layer) is read by specray's own mapping: its config is
+    the folder's, its logits equal transformers' on the folder, and ``method="mtp"`` on the GGUF makes the drafts and
+    the greedy tokens it makes on the folder (experts per expert, as the releases name them)."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from safetensors.torch import load_file
+
+    from specray import LLM
+    from specray_test_checkpoints import split_experts
+
+    runs = sys.modules["specray_test_engine_runs"]
+    folder = split_experts(draft_heads.write_deepseek_mtp(tmp_path / "glm_mtp", tiny_glm4_moe_dir, bias_std=0.1),
+                           tmp_path / "glm")
+    path = write_glm4_moe_gguf(folder, tmp_path / "glm.gguf")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_nextn_predict_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_parameters", "n_routed_experts", "num_experts_per_tok",
+              "n_group", "topk_group", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob",
+              "first_k_dense_replace",
+              "moe_intermediate_size", "intermediate_size", "attention_bias", "use_qk_norm", "tie_word_embeddings",
+              "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    layer = f"model.layers.{load_hf_config(str(folder)).num_hidden_layers}."  # the MTP layer: every tensor as written
+    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k.startswith(layer)}
+    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
+                 for k, v in load_file(str(f)).items() if k.startswith(layer)}
+    assert sorted(converted) == sorted(source) and all(torch.equal(converted[k], source[k].float()) for k in source)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config=mtp) for m in (folder, path)]
+    prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
+    assert outs[0] == outs[1]
+    stats = [(llm.spec_stats.draft_tokens, llm.spec_stats.accepted_tokens) for llm in llms]
+    assert stats[0] == stats[1] and stats[0][1] > 0, stats

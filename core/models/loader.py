@@ -14,9 +14,10 @@ linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwe
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
 (``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2 and Seed-OSS (``smollm3``,
-``arcee``, ``granite``, ``olmo2``, ``seed_oss``: :mod:`specray.models.gguf_llama_family`) and DeepSeek-V3
-(``deepseek2``: :mod:`specray.models.gguf_deepseek`); a GGUF of another architecture (Llama-4's ``llama4``) is
-refused before any conversion, naming the fix: load the model's HF checkpoint instead.
+``arcee``, ``granite``, ``olmo2``, ``seed_oss``: :mod:`specray.models.gguf_llama_family`) DeepSeek-V3
+(``deepseek2``: :mod:`specray.models.gguf_deepseek`) and GLM-4.5 with its MTP layers (``glm4moe``:
+:mod:`specray.models.gguf_glm4_moe`); a GGUF of another architecture (Llama-4's ``llama4``) is refused before any
+conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
+from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
@@ -75,7 +77,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "qwen3next": "Qwen3-Next", "granitehybrid": "Granite 4.0 hybrid / Bamba", "nemotron_h": "Nemotron-H",
                   "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1", "jamba": "Jamba",
                   "smollm3": "SmolLM3", "arcee": "Arcee AFM",
-                  "granite": "Granite 3 (dense)", "olmo2": "OLMo 2", "seed_oss": "Seed-OSS"}
+                  "granite": "Granite 3 (dense)", "olmo2": "OLMo 2", "seed_oss": "Seed-OSS",
+                  "glm4moe": "GLM-4.5"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -83,7 +86,8 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
                  **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
-                 **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint)}
+                 **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
+                 **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
