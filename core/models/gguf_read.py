@@ -1,6 +1,7 @@
-"""What the GGUF readers of our own (:mod:`specray.models.gguf_qwen3_5`, :mod:`specray.models.gguf_mamba2`) share:
-the file's metadata, looked up by key with an error naming what is missing, and its tensors, dequantized one at a
-time as they are read and grouped by layer."""
+"""What the GGUF readers of our own (``specray.models.gguf_*``, listed in the loader's ``_GGUF_READERS``) share: the
+file's metadata, looked up by key with an error naming what is missing; its tensors, dequantized one at a time as
+they are read and grouped by layer; gguf-py's tensor map, by which llama.cpp's converter named them; the check that
+the file holds the tensors its metadata describes."""
 
 from __future__ import annotations
 
@@ -122,7 +123,12 @@ def gguf_names(arch, layers: int, hf_names) -> dict[str, str]:
     out = {}
     for name in hf_names:
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, f"gguf-py maps no GGUF name to {name}"
+        if gguf_name is None:
+            from importlib.metadata import version
+
+            raise ValueError(f"the installed gguf-py ({version('gguf')}) has no GGUF name for {name} of "
+                             f"{gguf.MODEL_ARCH_NAMES[arch]}, which llama.cpp's converter writes; install a newer "
+                             "gguf (pip install -U gguf)")
         out[gguf_name] = name
     return out
 
