@@ -1123,7 +1123,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4moe', 'gpt-oss', 'granite', "
+              r"\['arcee', 'deepseek2', 'ernie4_5', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4moe', 'gpt-oss', "
+              r"'granite', "
               r"'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
               r"'nemotron_h_moe', 'olmo2', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
               r"'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
@@ -1958,18 +1959,18 @@ def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_ca
     assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "seed_oss"])
+@pytest.mark.parametrize("arch", ["olmo2", "seed_oss", "ernie4_5"])
 def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache, arch):
-    """A GGUF of OLMo 2 (norms after attention and MLP, q/k normed over all heads) or Seed-OSS (q/k/v biases, none on
-    o_proj, heads apart from hidden / heads) as llama.cpp writes them (a plain layout: no RoPE reordering) is read by
-    specray's own mapping: its config is the folder's, its logits equal transformers' on the original folder, and the
-    engine's greedy output with n-gram drafts on the GGUF equals the folder's. An OLMo 3 (sliding-window layers) is
-    refused, naming the way out."""
+    """A GGUF of OLMo 2 (norms after attention and MLP, q/k normed over all heads), Seed-OSS (q/k/v biases, none on
+    o_proj, heads apart from hidden / heads) or ERNIE 4.5 (dense: biases everywhere) as llama.cpp writes them (a
+    plain layout: no RoPE reordering) is read by specray's own mapping: its config is the folder's, its logits equal
+    transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
+    folder's. An OLMo 3 (sliding-window layers) is refused, naming the way out."""
     folder = request.getfixturevalue(f"tiny_{arch}_dir")
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
-              "attention_bias") + (("attention_out_bias",) if arch == "seed_oss" else ())
+              "attention_bias", "use_bias") + (("attention_out_bias",) if arch == "seed_oss" else ())
     assert_gguf_serves_as_its_folder(folder, path, fields)
     if arch == "olmo2":
         olmo3 = write_gguf(request.getfixturevalue("tiny_olmo3_dir"), tmp_path / "olmo3.gguf", "olmo2")

@@ -1,7 +1,8 @@
 """GGUF files of the dense families llama.cpp's converter writes in a Llama's layout under an architecture of their
 own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's
-dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and Seed-OSS (``seed_oss``) through its
-plain ``TextModel``, turned back into the HF checkpoints specray loads for them.
+dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), Seed-OSS (``seed_oss``) and ERNIE 4.5
+(``ernie4_5``, the dense models) through its plain ``TextModel``, turned back into the HF checkpoints specray loads
+for them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
 for the ``LlamaModel`` families the query and key rows (and biases) of each head in llama.cpp's order for its RoPE
@@ -41,6 +42,11 @@ def _seed_oss(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
     return {"attention_out_bias": "blk.0.attn_output.bias" in tensors}
 
 
+def _ernie(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
+    """ERNIE 4.5's one switch for every linear layer's bias."""
+    return {"use_bias": "blk.0.attn_q.bias" in tensors}
+
+
 @dataclass(frozen=True)
 class _Family:
     config: str  # transformers' config class
@@ -56,7 +62,8 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "arcee": _Family("ArceeConfig", "ArceeForCausalLM"),
              "granite": _Family("GraniteConfig", "GraniteForCausalLM", own=_granite),
              "olmo2": _Family("Olmo2Config", "Olmo2ForCausalLM", permuted=False),
-             "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss)}
+             "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
+             "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 
 
@@ -91,11 +98,13 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
-        attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
         tie_word_embeddings="output.weight" not in tensors, **family.fixed,
         **(family.own(get, tensors) if family.own else {}), **get.token_ids())
     if hasattr(config, "head_dim") or head_dim != hidden // heads:  # (OLMo 2's config has none: hidden / heads)
         config.head_dim = head_dim
+    for name, bias in (("attention_bias", "blk.0.attn_q.bias"), ("mlp_bias", "blk.0.ffn_up.bias")):
+        if hasattr(config, name):  # (ERNIE 4.5 has one switch of its own: use_bias)
+            setattr(config, name, bias in tensors)
     return config
 
 
