@@ -1730,6 +1730,13 @@ def _held_expert(stacked: dict[tuple[int, str], list], name: str, value) -> bool
     return True
 
 
+def _add_renamed(w, names, name: str, value) -> None:
+    """One tensor under the GGUF name gguf-py's map gives it, the router's correction bias renamed first to the
+    ``.bias`` llama.cpp's converter maps (``exp_probs_b.bias``)."""
+    name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+
+
 def _add_stacked_experts(w, names, stacked: dict[tuple[int, str], list]) -> None:
     """Each MoE layer's experts, ``(layer, projection) -> [(expert, tensor)]``, as llama.cpp's converter writes them:
     stacked per projection under the merged name ``model.layers.{i}.mlp.experts.{projection}``."""
@@ -1889,8 +1896,7 @@ def write_deepseek_gguf(folder: Path, out: Path) -> Path:
                 w.add_tensor(names.get_name(name.replace("kv_b_proj", part), try_suffixes=(".weight",)),
                              tensor.float().contiguous().numpy())
             continue
-        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+        _add_renamed(w, names, name, value)
     _add_stacked_experts(w, names, stacked)
     _write_out(w)
     return out
@@ -2019,8 +2025,7 @@ def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:
     for name, value in load_file(str(folder / "model.safetensors")).items():
         if _held_expert(stacked, name, value):
             continue
-        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.float().numpy())
+        _add_renamed(w, names, name, value)
     _add_stacked_experts(w, names, stacked)
     _write_out(w)
     return out

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_gguf)
+                                         check_tensor_names, gguf_names, read_model_gguf)
 
 DEEPSEEK_GGUF_ARCHS = ("deepseek2",)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -102,10 +102,8 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
 def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
     """The HF config of a DeepSeek-V3 GGUF and its tensors, a group (the model's own, then a layer) at a time, read
     as the groups are taken."""
-    meta, tensors = read_gguf(gguf)
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = deepseek_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
+    get, tensors = read_model_gguf(gguf, arch)
+    config = deepseek_gguf_config(get, tensors)
     plain, experts = _names(config)
     count = config.num_hidden_layers
     split = all(f"blk.{i}.attn_k_b.weight" in tensors for i in range(count))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_gguf)
+                                         check_tensor_names, gguf_names, read_model_gguf)
 
 GEMMA4_GGUF_ARCHS = ("gemma4",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -140,12 +140,9 @@ def gemma4_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[st
     the groups are taken."""
     from gguf import GGUFReader
 
-    meta, tensors = read_gguf(gguf)
+    get, tensors = read_model_gguf(gguf, arch)
     field = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.tokens")
-    tokens = field.contents() if field is not None else None
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = gemma4_gguf_config(GGUFMeta(meta, arch, gguf), tensors, tokens)
+    config = gemma4_gguf_config(get, tensors, field.contents() if field is not None else None)
     names = _gguf_names(config)
     check_tensor_names(gguf, "Gemma 4", names, tensors)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      read_gguf)
+                                      read_model_gguf)
 
 GLM4_MOE_GGUF_ARCHS = ("glm4moe",)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -90,10 +90,8 @@ def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tupl
 def glm4_moe_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
     """The HF config of a GLM-4.5 GGUF and its tensors (its MTP layers' too), a group (the model's own, then a
     layer) at a time, read as the groups are taken."""
-    meta, tensors = read_gguf(gguf)
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = glm4_moe_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
+    get, tensors = read_model_gguf(gguf, arch)
+    config = glm4_moe_gguf_config(get, tensors)
     plain, experts = _names(config, tensors)
     check_tensor_names(gguf, "GLM-4.5", set(plain) | set(experts), tensors)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_gguf)
+                                         check_tensor_names, gguf_names, read_model_gguf)
 
 JAMBA_GGUF_ARCHS = ("jamba",)
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -93,10 +93,8 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
 def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
     """The HF config of a Jamba GGUF and its tensors, a group (the model's own, then a layer) at a time, read as the
     groups are taken."""
-    meta, tensors = read_gguf(gguf)
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = jamba_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
+    get, tensors = read_model_gguf(gguf, arch)
+    config = jamba_gguf_config(get, tensors)
     plain, experts = _names(config)
     check_tensor_names(gguf, "Jamba", set(plain) | set(experts), tensors)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_gguf)
+                                         check_tensor_names, gguf_names, read_model_gguf)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 
@@ -120,10 +120,8 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     import gguf as gguf_py
     import transformers
 
-    meta, tensors = read_gguf(gguf)
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = llama_family_gguf_config(GGUFMeta(meta, arch, gguf), tensors)
+    get, tensors = read_model_gguf(gguf, arch)
+    config = llama_family_gguf_config(get, tensors)
     family = _FAMILIES[arch]
     model_class = getattr(transformers, family.architecture)
     with torch.device("meta"):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, read_gguf, tensors_by_layer
+from specray.models.gguf_read import GGUFMeta, read_model_gguf, tensors_by_layer
 
 # llama.cpp's architecture -> the HF config class and architecture its files stand for
 QWEN3_5_GGUF_ARCHS = {"qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
@@ -183,10 +183,8 @@ def _layer_tensors(t: dict[str, torch.Tensor], config, arch: str, gguf: Path, la
 def qwen3_5_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
     """The HF config of a GGUF of ``arch`` (``qwen35``, ``qwen35moe`` or ``qwen3next``) and its tensors, a group
     (the embeddings and the head, then a layer) at a time, read as the groups are taken."""
-    meta, tensors = read_gguf(gguf)
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
-    config = qwen3_5_gguf_config(GGUFMeta(meta, arch, gguf), set(tensors), tensors.shape("token_embd.weight")[0])
+    get, tensors = read_model_gguf(gguf, arch)
+    config = qwen3_5_gguf_config(get, set(tensors), tensors.shape("token_embd.weight")[0])
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
         yield {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),

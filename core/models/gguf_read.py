@@ -58,6 +58,14 @@ class GGUFTensors(MutableMapping):
         return GGUFTensors({name: self._entries.pop(name) for name in list(names)})
 
 
+def read_model_gguf(gguf: Path, arch: str) -> tuple[GGUFMeta, GGUFTensors]:
+    """:func:`read_gguf` of a model's file (its embedding there, else a ValueError), its metadata read by key."""
+    meta, tensors = read_gguf(gguf)
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF {str(gguf)!r} has no token_embd.weight; pass a complete {arch} GGUF")
+    return GGUFMeta(meta, arch, gguf), tensors
+
+
 def read_gguf(gguf: Path) -> tuple[dict[str, Any], GGUFTensors]:
     """The GGUF's metadata (arrays as lists, but for the tokenizer's vocabulary and merges) and its tensors, each
     dequantized to float32 when read."""
