@@ -1124,10 +1124,9 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               r"\['arcee', 'deepseek2', 'ernie4_5', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4moe', 'gpt-oss', "
-              r"'granite', "
-              r"'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
-              r"'nemotron_h_moe', 'olmo2', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', "
-              r"'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
+              r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
+              r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', "
+              r"'qwen3moe', 'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
@@ -2066,3 +2065,17 @@ def test_a_glm4_moe_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm4_moe_d
     assert outs[0] == outs[1]
     stats = [(llm.spec_stats.draft_tokens, llm.spec_stats.accepted_tokens) for llm in llms]
     assert stats[0] == stats[1] and stats[0][1] > 0, stats
+
+
+def test_an_olmoe_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of OLMoE as llama.cpp writes it (OLMo 2's q/k norms over all heads, experts in every layer stacked per
+    projection, no RoPE reordering) is read by specray's own mapping, its experts split back per expert: its config is
+    the folder's, its logits equal transformers' on the original folder, and the engine's greedy output with n-gram
+    drafts on the GGUF equals the folder's. (No q/k/v clamp: the file has no key for one, and the release has none.)"""
+    folder = make_tiny_model(tmp_path / "olmoe", "olmoe", seed=29, num_experts=8, num_experts_per_tok=2,
+                             intermediate_size=32, tie_word_embeddings=False)
+    path = write_gguf(folder, tmp_path / "olmoe.gguf", "olmoe")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv", "rope_parameters",
+              "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(folder, path, fields)

@@ -1,8 +1,9 @@
 """GGUF files of the dense families llama.cpp's converter writes in a Llama's layout under an architecture of their
 own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's
-dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), Seed-OSS (``seed_oss``) and ERNIE 4.5
-(``ernie4_5``, the dense models) through its plain ``TextModel``, turned back into the HF checkpoints specray loads
-for them.
+dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS
+(``seed_oss``) and ERNIE 4.5 (``ernie4_5``, the dense models) through its plain ``TextModel``, turned back into the HF
+checkpoints specray loads for them. Experts (OLMoE's) are stacked per projection in the file and split back per
+expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
 for the ``LlamaModel`` families the query and key rows (and biases) of each head in llama.cpp's order for its RoPE
@@ -42,6 +43,12 @@ def _seed_oss(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
     return {"attention_out_bias": "blk.0.attn_output.bias" in tensors}
 
 
+def _olmoe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, int]:
+    """OLMoE's experts (every layer has them; ``intermediate_size`` is each expert's width, as the file's
+    ``feed_forward_length``)."""
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count"))}
+
+
 def _ernie(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
     """ERNIE 4.5's one switch for every linear layer's bias."""
     return {"use_bias": "blk.0.attn_q.bias" in tensors}
@@ -62,6 +69,7 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "arcee": _Family("ArceeConfig", "ArceeForCausalLM"),
              "granite": _Family("GraniteConfig", "GraniteForCausalLM", own=_granite),
              "olmo2": _Family("Olmo2Config", "Olmo2ForCausalLM", permuted=False),
+             "olmoe": _Family("OlmoeConfig", "OlmoeForCausalLM", permuted=False, own=_olmoe),
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
              "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
@@ -125,10 +133,21 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     family = _FAMILIES[arch]
     model_class = getattr(transformers, family.architecture)
     with torch.device("meta"):
-        hf_names = [n for n in model_class(config).state_dict()
-                    if not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    names = gguf_names(getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers, hf_names)
-    check_tensor_names(gguf, family.architecture, names, tensors)
+        hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n
+                    and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    gguf_arch, layers = getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers
+    names = gguf_names(gguf_arch, layers, hf_names)
+    stacked = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p) for i in range(layers)
+               if f"blk.{i}.ffn_gate_exps.weight" in tensors for p in ("gate_proj", "up_proj", "down_proj")}
+    experts = {g: stacked[n] for g, n in gguf_names(gguf_arch, layers, stacked).items()}
+    check_tensor_names(gguf, family.architecture, set(names) | set(experts), tensors)
+
+    def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
+        if gguf_name in experts:
+            layer, projection = experts[gguf_name]
+            return {f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight": w.contiguous()
+                    for e, w in enumerate(tensors.pop(gguf_name))}
+        return {names[gguf_name]: hf_tensor(gguf_name)}
 
     def hf_tensor(gguf_name: str) -> torch.Tensor:
         value = tensors.pop(gguf_name)
@@ -142,6 +161,6 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
         for group in by_layer(tensors):
-            yield {names[n]: hf_tensor(n) for n in group}
+            yield {k: v for n in group for k, v in hf_tensors(n).items()}
 
     return config, groups()
