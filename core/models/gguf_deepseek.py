@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_model_gguf)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
+                                      per_expert, read_model_gguf, stacked_experts)
 
 DEEPSEEK_GGUF_ARCHS = ("deepseek2",)
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -94,9 +93,7 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     arch, count = gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers
     renamed = {n.replace("e_score_correction_bias", "e_score_correction.bias"): n for n in names}  # the converter's
     plain = {g: renamed[n] for g, n in gguf_names(arch, count, renamed).items()}
-    stacked = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p)
-               for i in range(config.first_k_dense_replace, count) for p in _EXPERT_PROJECTIONS}
-    return plain, {g: stacked[n] for g, n in gguf_names(arch, count, stacked).items()}
+    return plain, stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 
 
 def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
@@ -124,8 +121,7 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
         if gguf_name in experts:
             layer, projection = experts[gguf_name]
-            return {f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight": w.contiguous()
-                    for e, w in enumerate(tensors.pop(gguf_name))}
+            return per_expert(tensors.pop(gguf_name), f"model.layers.{layer}.mlp.experts.", projection)
         if gguf_name in kv_b:
             layer = int(gguf_name.split(".")[1])
             return {f"model.layers.{layer}.self_attn.kv_b_proj.weight": kv_b_proj(layer)} \

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_model_gguf)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
+                                      read_model_gguf)
 
 GEMMA4_GGUF_ARCHS = ("gemma4",)
 SLIDING, FULL = "sliding_attention", "full_attention"

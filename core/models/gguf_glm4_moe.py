@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      read_model_gguf)
+                                      per_expert, read_model_gguf, stacked_experts)
 
 GLM4_MOE_GGUF_ARCHS = ("glm4moe",)
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # an MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
 _NEXTN = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "shared_head.head.weight",
           "embed_tokens.weight")
@@ -82,9 +81,7 @@ def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tupl
     renamed = {n.replace("e_score_correction_bias", "e_score_correction.bias"): n for n in names}  # the converter's
     plain = {g: renamed[n] for g, n in gguf_names(arch, count, renamed).items()
              if not g.startswith("blk.") or ".nextn." not in g or g in tensors}  # nextn tensors a release may omit
-    stacked = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p)
-               for i in range(config.first_k_dense_replace, count) for p in _EXPERT_PROJECTIONS}
-    return plain, {g: stacked[n] for g, n in gguf_names(arch, count, stacked).items()}
+    return plain, stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 
 
 def glm4_moe_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
@@ -98,8 +95,7 @@ def glm4_moe_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
         if gguf_name in experts:
             layer, projection = experts[gguf_name]
-            return {f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight": w.contiguous()
-                    for e, w in enumerate(tensors.pop(gguf_name))}
+            return per_expert(tensors.pop(gguf_name), f"model.layers.{layer}.mlp.experts.", projection)
         return {plain[gguf_name]: tensors.pop(gguf_name)}
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:

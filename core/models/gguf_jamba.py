@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_model_gguf)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
+                                      per_expert, read_model_gguf, stacked_experts)
 
 JAMBA_GGUF_ARCHS = ("jamba",)
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _periodic(layers: list[int], count: int, what: str, gguf: Path) -> tuple[int, int]:
@@ -86,8 +85,7 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     arch, count = gguf.MODEL_ARCH.JAMBA, config.num_hidden_layers
     moe = [i for i in range(count) if config.num_experts > 1 and i >= config.expert_layer_offset
            and (i - config.expert_layer_offset) % config.expert_layer_period == 0]
-    stacked = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p) for i in moe for p in _EXPERT_PROJECTIONS}
-    return gguf_names(arch, count, names), {g: stacked[n] for g, n in gguf_names(arch, count, stacked).items()}
+    return gguf_names(arch, count, names), stacked_experts(arch, count, moe)
 
 
 def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
@@ -102,8 +100,7 @@ def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str
         value = tensors.pop(gguf_name)
         if gguf_name in experts:
             layer, projection = experts[gguf_name]
-            return {f"model.layers.{layer}.feed_forward.experts.{e}.{projection}.weight": w.contiguous()
-                    for e, w in enumerate(value)}
+            return per_expert(value, f"model.layers.{layer}.feed_forward.experts.", projection)
         name = plain[gguf_name]
         if name.endswith("mamba.A_log"):
             value = torch.log(-value)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer,
-                                         check_tensor_names, gguf_names, read_model_gguf)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
+                                      per_expert, read_model_gguf, stacked_experts)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 
@@ -137,16 +137,14 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
                     and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     gguf_arch, layers = getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers
     names = gguf_names(gguf_arch, layers, hf_names)
-    stacked = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p) for i in range(layers)
-               if f"blk.{i}.ffn_gate_exps.weight" in tensors for p in ("gate_proj", "up_proj", "down_proj")}
-    experts = {g: stacked[n] for g, n in gguf_names(gguf_arch, layers, stacked).items()}
+    experts = stacked_experts(gguf_arch, layers,
+                              [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors])
     check_tensor_names(gguf, family.architecture, set(names) | set(experts), tensors)
 
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
         if gguf_name in experts:
             layer, projection = experts[gguf_name]
-            return {f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight": w.contiguous()
-                    for e, w in enumerate(tensors.pop(gguf_name))}
+            return per_expert(tensors.pop(gguf_name), f"model.layers.{layer}.mlp.experts.", projection)
         return {names[gguf_name]: hf_tensor(gguf_name)}
 
     def hf_tensor(gguf_name: str) -> torch.Tensor:

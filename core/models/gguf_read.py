@@ -167,3 +167,19 @@ def check_tensor_names(gguf: Path, family: str, expected, tensors: GGUFTensors) 
         raise ValueError(f"GGUF {str(gguf)!r} does not hold the tensors of the {family} its metadata describes: "
                          f"missing {missing[:5]}, not placeable {unknown[:5]}; convert the model again with a current "
                          "llama.cpp, or pass its HF checkpoint")
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def stacked_experts(arch, count: int, layers) -> dict[str, tuple[int, str]]:
+    """GGUF name -> (layer, projection) of the experts llama.cpp's converter stacks per projection in each of
+    ``layers`` (under the merged name ``model.layers.{i}.mlp.experts.{projection}``, mapped by gguf-py)."""
+    merged = {f"model.layers.{i}.mlp.experts.{p}.weight": (i, p) for i in layers for p in EXPERT_PROJECTIONS}
+    return {g: merged[n] for g, n in gguf_names(arch, count, merged).items()}
+
+
+def per_expert(stacked: torch.Tensor, prefix: str, projection: str) -> dict[str, torch.Tensor]:
+    """A stacked ``[E, ...]`` projection as the releases name it, one tensor per expert:
+    ``{prefix}{e}.{projection}.weight``."""
+    return {f"{prefix}{e}.{projection}.weight": w.contiguous() for e, w in enumerate(stacked)}
