@@ -315,6 +315,8 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_gemma2_params(w, cfg)
     if arch == "phi3":
         _write_phi3_params(w, cfg, rope, head_dim)
+    if arch == "glm4":  # llama.cpp's GLM-4: the rotated share of each head
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
     if arch == "olmo2" and cfg.get("sliding_window"):  # llama.cpp's OLMo 3: the window and its layers
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -1123,7 +1125,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'ernie4_5', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4moe', 'gpt-oss', "
+              r"\['arcee', 'deepseek2', 'ernie4_5', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4', 'glm4moe', "
+              r"'gpt-oss', "
               r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
               r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', "
               r"'qwen3moe', 'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
@@ -1964,13 +1967,14 @@ def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_ca
     assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "seed_oss", "ernie4_5"])
+@pytest.mark.parametrize("arch", ["olmo2", "seed_oss", "ernie4_5", "glm4"])
 def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache, arch):
     """A GGUF of OLMo 2 (norms after attention and MLP, q/k normed over all heads), Seed-OSS (q/k/v biases, none on
-    o_proj, heads apart from hidden / heads) or ERNIE 4.5 (dense: biases everywhere) as llama.cpp writes them (a
-    plain layout: no RoPE reordering) is read by specray's own mapping: its config is the folder's, its logits equal
-    transformers' on the original folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
-    folder's. An OLMo 3 (sliding-window layers) is refused, naming the way out."""
+    o_proj, heads apart from hidden / heads) ERNIE 4.5 (dense: biases everywhere) or GLM-4 (sandwich norms, a fused
+    gate/up, RoPE over half of each head) as llama.cpp writes them (a plain layout: no RoPE reordering) is read by
+    specray's own mapping: its config is the folder's, its logits equal transformers' on the original folder, and
+    the engine's greedy output with n-gram drafts on the GGUF equals the folder's. An OLMo 3 (sliding-window layers)
+    is refused, naming the way out."""
     folder = request.getfixturevalue(f"tiny_{arch}_dir")
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

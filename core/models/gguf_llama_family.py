@@ -1,7 +1,8 @@
 """GGUF files of the dense families llama.cpp's converter writes in a Llama's layout under an architecture of their
 own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's
 dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS
-(``seed_oss``) and ERNIE 4.5 (``ernie4_5``, the dense models) through its plain ``TextModel``, turned back into the HF
+(``seed_oss``), ERNIE 4.5 (``ernie4_5``, the dense models) and GLM-4 (``glm4``: its rotated share of each head as
+``rope.dimension_count``) through its plain ``TextModel``, turned back into the HF
 checkpoints specray loads for them. Experts (OLMoE's) are stacked per projection in the file and split back per
 expert, as the releases name them.
 
@@ -61,6 +62,7 @@ class _Family:
     permuted: bool = True  # the converter put q/k rows in llama.cpp's RoPE order (its LlamaModel)
     fixed: dict = field(default_factory=dict)  # what the file cannot say, as llama.cpp fixes it
     own: Callable[[GGUFMeta, GGUFTensors], dict] | None = None  # what the family's own keys and tensors say
+    partial_rope: bool = False  # RoPE over a share of each head (``rope.dimension_count`` below the head size)
 
 
 # llama.cpp's architecture -> its family
@@ -71,7 +73,8 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "olmo2": _Family("Olmo2Config", "Olmo2ForCausalLM", permuted=False),
              "olmoe": _Family("OlmoeConfig", "OlmoeForCausalLM", permuted=False, own=_olmoe),
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
-             "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie)}
+             "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie),
+             "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 
 
@@ -88,11 +91,12 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
-    if rotated != head_dim or "rope_freqs.weight" in tensors:
+    if (rotated != head_dim and not family.partial_rope) or "rope_freqs.weight" in tensors:
         raise ValueError(f"GGUF {str(gguf)!r} rotates {rotated} of each head's {head_dim} dims or scales its RoPE per "
                          f"frequency (rope_freqs), which specray does not read for {arch}; pass the model's HF "
                          "checkpoint instead")
-    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
+            **({"partial_rotary_factor": rotated / head_dim} if family.partial_rope else {})}
     scaling = get("rope.scaling.type", "none")
     if scaling == "yarn":
         rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),

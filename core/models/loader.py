@@ -13,8 +13,8 @@ linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwe
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
-(``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2, OLMoE, Seed-OSS and ERNIE
-4.5 (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``, ``seed_oss``, ``ernie4_5``:
+(``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2, OLMoE, Seed-OSS, ERNIE 4.5
+and GLM-4 (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``, ``seed_oss``, ``ernie4_5``, ``glm4``:
 :mod:`specray.models.gguf_llama_family`), DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`) and
 GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`); a GGUF of another architecture
 (Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the model's HF checkpoint instead.
@@ -78,7 +78,7 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1", "jamba": "Jamba",
                   "smollm3": "SmolLM3", "arcee": "Arcee AFM", "granite": "Granite 3 (dense)", "olmo2": "OLMo 2",
                   "seed_oss": "Seed-OSS", "glm4moe": "GLM-4.5", "ernie4_5": "ERNIE 4.5 (dense)",
-                  "olmoe": "OLMoE"}
+                  "olmoe": "OLMoE", "glm4": "GLM-4 (dense)"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
