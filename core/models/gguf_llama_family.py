@@ -1,10 +1,9 @@
-"""GGUF files of the dense families llama.cpp's converter writes in a Llama's layout under an architecture of their
-own, which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's
-dense models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS
-(``seed_oss``), ERNIE 4.5 (``ernie4_5``, the dense models) and GLM-4 (``glm4``: its rotated share of each head as
-``rope.dimension_count``) through its plain ``TextModel``, turned back into the HF
-checkpoints specray loads for them. Experts (OLMoE's) are stacked per projection in the file and split back per
-expert, as the releases name them.
+"""GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own,
+which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense
+models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS (``seed_oss``),
+ERNIE 4.5 (``ernie4_5``, the dense models) and GLM-4 (``glm4``: its rotated share of each head as
+``rope.dimension_count``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads for
+them. Experts (OLMoE's) are stacked per projection in the file and split back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
 for the ``LlamaModel`` families the query and key rows (and biases) of each head in llama.cpp's order for its RoPE
@@ -85,9 +84,9 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     gguf, arch = get.gguf, get.arch
     family = _FAMILIES[arch]
     if get("attention.sliding_window", None):
-        raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window: an OLMo 3, "
-                         f"whose two kinds of layer have a RoPE each), which specray does not read from a GGUF; pass "
-                         "the model's HF checkpoint instead")
+        what = ": an OLMo 3, whose two kinds of layer have a RoPE each" if arch == "olmo2" else ""
+        raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window{what}), which "
+                         "specray does not read from a GGUF; pass the model's HF checkpoint instead")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
