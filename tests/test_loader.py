@@ -1819,13 +1819,22 @@ def test_a_jamba_gguf_matches_transformers(tmp_path, gguf_cache):
 
 
 def assert_gguf_serves_as_its_folder(folder: Path, path: Path, fields) -> None:
-    """The GGUF's config read back has the folder's ``fields``, our model on it gives transformers' logits on the
-    folder, and the engine's greedy tokens with n-gram drafts on it equal the folder's."""
+    """The GGUF's config read back has the folder's ``fields``, its converted folder holds the folder's tensors (every
+    one, equal in float32), our model on it gives transformers' logits on the folder, and the engine's greedy tokens
+    with n-gram drafts on it equal the folder's."""
+    from safetensors.torch import load_file
+
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
     ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
     assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
+              if not (k == "lm_head.weight" and theirs.tie_word_embeddings)}
+    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
+                 for k, v in load_file(str(f)).items()}
+    assert sorted(converted) == sorted(source)
+    assert [k for k in source if not torch.equal(converted[k], source[k].float())] == []
     assert_matches_hf(load_model(str(path), pack=False), hf_model(folder))
     prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
     llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -2041,8 +2050,6 @@ def test_a_glm4_moe_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm4_moe_d
     the folder's, its logits equal transformers' on the folder, and ``method="mtp"`` on the GGUF makes the drafts and
     the greedy tokens it makes on the folder (experts per expert, as the releases name them)."""
     import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
-    from safetensors.torch import load_file
-
     from specray import LLM
     from specray_test_checkpoints import split_experts
 
@@ -2057,11 +2064,6 @@ def test_a_glm4_moe_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm4_moe_d
               "moe_intermediate_size", "intermediate_size", "attention_bias", "use_qk_norm", "tie_word_embeddings",
               "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(folder, path, fields)
-    layer = f"model.layers.{load_hf_config(str(folder)).num_hidden_layers}."  # the MTP layer: every tensor as written
-    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k.startswith(layer)}
-    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
-                 for k, v in load_file(str(f)).items() if k.startswith(layer)}
-    assert sorted(converted) == sorted(source) and all(torch.equal(converted[k], source[k].float()) for k in source)
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     llms = [LLM(model=str(m), max_model_len=128, speculative_config=mtp) for m in (folder, path)]
     prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
