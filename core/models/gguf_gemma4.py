@@ -75,9 +75,10 @@ def gemma4_gguf_config(get: GGUFMeta, tensors: GGUFTensors, tokens: list[str] | 
                          "layers only where their keys are their values. Pass the model's HF checkpoint instead")
     experts = int(get("expert_count", 0))
     per_layer_width = int(get("embedding_length_per_layer_input", 0))
-    eos = get.token_ids()["eos_token_id"]
-    eos_ids = [eos] if eos is not None else []
-    eos_ids += [tokens.index(t) for t in _END_OF_TURN if tokens and t in tokens and tokens.index(t) not in eos_ids]
+    ids = get.token_ids()
+    eos_ids = [ids["eos_token_id"]] if ids["eos_token_id"] is not None else []
+    index = {t: i for i, t in enumerate(tokens or ()) if t in _END_OF_TURN}
+    eos_ids += [index[t] for t in _END_OF_TURN if t in index and index[t] not in eos_ids]
     fields = dict(
         architectures=["Gemma4ForCausalLM"], vocab_size=tensors.shape("token_embd.weight")[0],
         hidden_size=int(get("embedding_length")), num_hidden_layers=layers,
@@ -91,8 +92,7 @@ def gemma4_gguf_config(get: GGUFMeta, tensors: GGUFTensors, tokens: list[str] | 
         final_logit_softcapping=get("final_logit_softcapping", None),
         hidden_size_per_layer_input=per_layer_width, enable_moe_block=experts > 0,
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=get.token_ids()["bos_token_id"], pad_token_id=get.token_ids()["pad_token_id"],
-        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids or None)
+        **{**ids, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None})
     if k_eq_v:
         fields["num_global_key_value_heads"] = kv_full
     if per_layer_width:
