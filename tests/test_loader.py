@@ -4,6 +4,7 @@ once, then cached), and the errors for paths and architectures we cannot serve."
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -269,6 +270,8 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     if arch == "mamba":
         w.add_ssm_dt_b_c_rms(falcon_mamba)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":  # llama.cpp's LlamaModel: in a tensor
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg).numpy())
     _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
     _write_out(w)
     return out
@@ -329,12 +332,48 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         w.add_rope_dimension_count(cfg["rotary_dim"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if rope.get("rope_type") in ("linear", "yarn") and arch not in ("gemma3", "nemotron", "phi3"):
+        _write_rope_scaling(w, rope)  # as llama.cpp's TextModel writes it (those three: by their own code above, below)
     if arch == "nemotron":  # llama.cpp's Nemotron: the rotated share of each head, linear scaling or none
         rotated = int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"]
         w.add_rope_dimension_count(rotated)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if "factor" in rope else gguf.RopeScalingType.NONE)
         if "factor" in rope:
             w.add_rope_scaling_factor(rope["factor"])
+
+
+def _write_rope_scaling(w, rope: dict) -> None:
+    """A linear or YaRN RoPE scaling as llama.cpp's converter writes any model's (``rope.scaling.*``)."""
+    import gguf
+
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if "beta_fast" in rope:
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    if "beta_slow" in rope:
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def llama3_rope_freqs(cfg: dict) -> torch.Tensor:
+    """Llama 3's RoPE scaling as the per-frequency factors llama.cpp's converter writes in its place (the tensor
+    ``rope_freqs``; ggml divides each frequency by its factor): 1 for the short wavelengths, ``factor`` for the
+    long ones and a smooth blend between. As the converter does, the pretrained length is the config's top-level
+    ``original_max_position_embeddings`` (8192 where it has none)."""
+    rope = cfg["rope_parameters"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    length, low, high = cfg.get("original_max_position_embeddings", 8192), rope["low_freq_factor"], \
+        rope["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (length / wavelength - low) / (high - low)
+    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    return torch.where(wavelength < length / high, 1.0,
+                       torch.where(wavelength > length / low, rope["factor"], blended)).float()
 
 
 def _write_mamba_params(w, cfg: dict) -> None:
@@ -450,7 +489,16 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
 # are 16 wide, not its default (128). Gemma 3 has what llama.cpp fixes (see _write_gemma3_params; 6 layers: 5 local,
 # 1 global), a window (8) shorter than the prompts and, as Gemma 3 4B-27B, linearly scaled RoPE on its global layer.
 GGUF_TINY = {
-    "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=False)),
+    # Llama 3's RoPE scaling, which llama.cpp writes as per-frequency factors (rope_freqs), with a base and a
+    # pretrained length so small that every kind of frequency occurs among a tiny head's 8 and the scaling bites
+    "llama": ("llama", dict(tie_word_embeddings=False, original_max_position_embeddings=64,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64})),
+    # YaRN (rope.scaling.*), which transformers' GGUF mapping drops
+    "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 64})),
     "qwen3moe": ("qwen3_moe", dict(head_dim=16, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)),
     # a gated shared expert, q/k/v biases; the experts' widths from the file, not transformers' defaults
@@ -464,9 +512,11 @@ GGUF_TINY = {
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                            "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.2, 2.5, 6.0, 9.0],
                                            "attention_factor": 1.2})),
-    # llama.cpp's Mixtral: a llama with 4 experts (top 2) and its router, the experts intermediate_size wide
+    # llama.cpp's Mixtral: a llama with 4 experts (top 2) and its router, the experts intermediate_size wide; linearly
+    # scaled RoPE (rope.scaling.*)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
-                                tie_word_embeddings=False)),
+                                tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
     # soft caps other than transformers' defaults (50, 30), so that a GGUF's are read: small enough to bite
     "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
@@ -491,8 +541,9 @@ GGUF_TINY = {
 
 @pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Qwen3, Qwen3-MoE, MiniMax-M2 (as llama.cpp writes them: stacked experts), Mixtral (a llama with
-    experts, its q/k rows in llama.cpp's order), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their
+    """A GGUF of Llama (Llama 3's RoPE scaling as the per-frequency factors llama.cpp writes), Qwen3 (YaRN), Qwen3-MoE,
+    MiniMax-M2 (as llama.cpp writes them: stacked experts), Mixtral (a llama with experts, its q/k rows in llama.cpp's
+    order; linear RoPE scaling), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their
     attention settings implied or, Gemma 2's soft caps, written), Phi-3 (fused projections, LongRoPE's factors as
     tensors), StarCoder2 and Nemotron (LayerNorms, biases) goes through transformers' GGUF mapping to our model: its
     logits equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
@@ -1952,16 +2003,62 @@ def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cac
     assert_gguf_serves_as_its_folder(tiny_smollm3_dir, path, fields)
 
 
-def test_an_afm_gguf_matches_transformers(tiny_arcee_dir, tmp_path, gguf_cache):
+def test_gguf_rope_settings_are_read_as_llama_cpp_wrote_them_or_refused(tmp_path):
+    """The RoPE of a GGUF (``rope_parameters``: every reader's and transformers' path's): linear and YaRN scaling from
+    ``rope.scaling.*``, Llama 3's per-frequency factors as LongRoPE's (no scaling where they are all 1); what the HF
+    config cannot say (llama.cpp's own YaRN extrapolation factor, factors with another scaling or of the wrong count,
+    another kind of scaling) is a ValueError naming the key and the way out."""
+    from specray.models.gguf_read import GGUFMeta, rope_parameters
+
+    def read(factors=None, rotated=8, **keys):
+        meta = {f"llama.{k.replace('__', '.')}": v for k, v in {"rope__freq_base": 500000.0, "context_length": 512,
+                                                                **keys}.items()}
+        return rope_parameters(GGUFMeta(meta, "llama", tmp_path / "m.gguf"), factors, rotated)
+
+    assert read() == {"rope_type": "default", "rope_theta": 500000.0}
+    assert read(rope__scaling__type="linear", rope__scaling__factor=4.0) == \
+        {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}
+    assert read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
+                rope__scaling__yarn_beta_fast=16.0) == \
+        {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "beta_fast": 16.0}
+    assert read(torch.ones(4)) == {"rope_type": "default", "rope_theta": 500000.0}
+    assert read(torch.tensor([1.0, 1.5, 8.0, 8.0]))["short_factor"] == [1.0, 1.5, 8.0, 8.0]
+    assert read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
+                rope__scaling__yarn_attn_factor=1.2)["attention_factor"] == 1.2
+    with pytest.raises(ValueError, match="llama.rope.scaling.yarn_ext_factor, a YaRN setting of llama.cpp's own.*HF "
+                                         "checkpoint"):
+        read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
+             rope__scaling__yarn_ext_factor=1.0)
+    for factors, scaling in ((torch.ones(3), "none"), (torch.ones(4) * 2, "linear")):
+        with pytest.raises(ValueError, match="per-frequency RoPE factors .*not Llama 3's scaling.*HF checkpoint"):
+            read(factors, rope__scaling__type=scaling, rope__scaling__factor=2.0)
+    with pytest.raises(ValueError, match="llama.rope.scaling.type='longrope'; specray reads a llama GGUF with linear"):
+        read(rope__scaling__type="longrope")
+
+
+def test_an_afm_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
     """A GGUF of Arcee's AFM as llama.cpp writes it (a Llama's layout: the query and key rows in llama.cpp's RoPE
-    order, heads of their own size; a gateless relu^2 MLP) is read by specray's own mapping: its config is the
-    folder's, its logits equal transformers' on the original folder, and the engine's greedy output with n-gram
-    drafts on the GGUF equals the folder's."""
-    path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "arcee")
+    order, heads of their own size; a gateless relu^2 MLP; Llama 3's RoPE scaling as the per-frequency factors
+    ``rope_freqs``) is read by specray's own mapping: its config is the folder's (the factors as LongRoPE's, the
+    same for any length), its logits equal transformers' on the original folder, and the engine's greedy output
+    with n-gram drafts on the GGUF equals the folder's."""
+    rope = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # every kind of frequency, as "llama"
+    folder = make_tiny_model(tmp_path / "arcee", "arcee", seed=23, head_dim=16, tie_word_embeddings=False,
+                             original_max_position_embeddings=64, rope_parameters=rope)
+    path = write_gguf(folder, tmp_path / "arcee.gguf", "arcee")
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "hidden_act", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
-              "rms_norm_eps", "attention_bias", "mlp_bias")
-    assert_gguf_serves_as_its_folder(tiny_arcee_dir, path, fields)
+              "head_dim", "hidden_act", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "attention_bias", "mlp_bias")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    factors = llama3_rope_freqs(json.loads((folder / "config.json").read_text()))
+    assert 1 < len(set(factors.tolist())) - 2  # some blended between 1 and the factor
+    rope = dict(load_hf_config(str(path)).rope_parameters)
+    for kind in ("short_factor", "long_factor"):  # the file's float32 factors, as decimals that read back as them
+        assert torch.equal(torch.tensor(rope.pop(kind), dtype=torch.float32), factors)
+    assert rope == {"rope_type": "longrope", "rope_theta": 100.0, "attention_factor": 1.0,
+                    "original_max_position_embeddings": 1024}
 
 
 def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_cache):

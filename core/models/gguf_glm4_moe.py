@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, stacked_experts)
+                                      per_expert, read_model_gguf, rope_parameters, stacked_experts)
 
 GLM4_MOE_GGUF_ARCHS = ("glm4moe",)
 # an MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
@@ -43,8 +43,8 @@ def glm4_moe_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     nextn = int(get("nextn_predict_layers", 0))
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
-    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim}
+    rotated = int(get("rope.dimension_count", head_dim))
+    rope = {**rope_parameters(get, None, rotated), "partial_rotary_factor": rotated / head_dim}
     return Glm4MoeConfig(
         architectures=["Glm4MoeForCausalLM"], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), moe_intermediate_size=int(get("expert_feed_forward_length")),

@@ -5,15 +5,16 @@ ERNIE 4.5 (``ernie4_5``, the dense models) and GLM-4 (``glm4``: its rotated shar
 ``rope.dimension_count``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads for
 them. Experts (OLMoE's) are stacked per projection in the file and split back per expert, as the releases name them.
 
-What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base, YaRN where used);
+What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
+linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
 for the ``LlamaModel`` families the query and key rows (and biases) of each head in llama.cpp's order for its RoPE
 (the two halves interleaved), put back; biases by their tensors' presence; every tensor under the name gguf-py's
 tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``; OLMo 2's norms come after attention and MLP);
 Granite's four multipliers as ``attention.scale``, ``embedding_scale``, ``residual_scale`` and ``logit_scale``.
 SmolLM3's NoPE layers are not in the file: llama.cpp fixes them at every 4th layer (``(i + 1) % 4 == 0``), as
-SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. A per-frequency RoPE (``rope_freqs``:
-Llama 3's scaling) is refused, and so is an OLMo 3 (``olmo2`` with sliding-window layers: a RoPE per kind of layer,
-not read here). Tensors of any llama.cpp type are dequantized to float32.
+SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. An OLMo 3 (``olmo2`` with
+sliding-window layers: a RoPE per kind of layer, not read here) is refused. Tensors of any llama.cpp type are
+dequantized to float32.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, stacked_experts)
+                                      per_expert, read_model_gguf, rope_parameters, stacked_experts)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 
@@ -90,19 +91,12 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
-    if (rotated != head_dim and not family.partial_rope) or "rope_freqs.weight" in tensors:
-        raise ValueError(f"GGUF {str(gguf)!r} rotates {rotated} of each head's {head_dim} dims or scales its RoPE per "
-                         f"frequency (rope_freqs), which specray does not read for {arch}; pass the model's HF "
-                         "checkpoint instead")
-    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
-            **({"partial_rotary_factor": rotated / head_dim} if family.partial_rope else {})}
-    scaling = get("rope.scaling.type", "none")
-    if scaling == "yarn":
-        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
-                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
-    elif scaling != "none":
-        raise ValueError(f"GGUF {str(gguf)!r} has {arch}.rope.scaling.type={scaling!r}; specray reads a {arch} GGUF "
-                         "with YaRN or no RoPE scaling. Pass the model's HF checkpoint instead")
+    if rotated != head_dim and not family.partial_rope:
+        raise ValueError(f"GGUF {str(gguf)!r} rotates {rotated} of each head's {head_dim} dims, which specray does not "
+                         f"read for {arch}; pass the model's HF checkpoint instead")
+    rope = rope_parameters(get, tensors.pop("rope_freqs.weight", None), rotated)
+    if family.partial_rope:
+        rope["partial_rotary_factor"] = rotated / head_dim
     config = getattr(transformers, family.config)(
         architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import GGUFMeta, read_model_gguf, tensors_by_layer
+from specray.models.gguf_read import GGUFMeta, read_model_gguf, rope_parameters, tensors_by_layer
 
 # llama.cpp's architecture -> the HF config class and architecture its files stand for
 QWEN3_5_GGUF_ARCHS = {"qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
@@ -67,28 +67,17 @@ def qwen3_5_gguf_config(get: GGUFMeta, names, vocab_size: int):
     the experts' counts and widths."""
     import transformers
 
-    arch, gguf = get.arch, get.gguf
+    arch = get.arch
     config_name, architecture = QWEN3_5_GGUF_ARCHS[arch]
     head_dim = int(get("attention.key_length", 0) or int(get("embedding_length")) // int(get("attention.head_count")))
     value_heads = int(get("ssm.time_step_rank"))
     layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
     interval = int(get("full_attention_interval", 4))
-    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim}
+    rotated = int(get("rope.dimension_count", head_dim))
+    rope = {**rope_parameters(get, None, rotated), "partial_rotary_factor": rotated / head_dim}
     sections = get("rope.dimension_sections", None)
     if sections:  # Qwen3.5's multimodal RoPE (time, height, width; padded to 4): for text the same as plain RoPE
         rope.update(mrope_section=[int(s) for s in sections[:3]], mrope_interleaved=True)
-    scaling = get("rope.scaling.type", "none")
-    if scaling == "yarn":  # the factor and pretrained length always; the betas and cos/sin scale where written
-        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
-                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
-        for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                           ("yarn_attn_factor", "attention_factor")):
-            if get(f"rope.scaling.{key}", None) is not None:
-                rope[field] = float(get(f"rope.scaling.{key}"))
-    elif scaling != "none":
-        raise ValueError(f"GGUF {str(gguf)!r} has {arch}.rope.scaling.type={scaling!r}; specray reads a {arch} GGUF "
-                         "with no RoPE scaling or YaRN. Pass the model's HF checkpoint instead")
     fields = dict(
         architectures=[architecture], vocab_size=vocab_size, hidden_size=int(get("embedding_length")),
         num_hidden_layers=layers, num_attention_heads=int(get("attention.head_count")),

@@ -108,6 +108,49 @@ class GGUFMeta:
                 "pad_token_id": self.meta.get("tokenizer.ggml.padding_token_id")}
 
 
+def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -> dict[str, Any]:
+    """The HF ``rope_parameters`` of a GGUF's RoPE as llama.cpp's converter writes it: the base
+    (``rope.freq_base``), a linear or YaRN scaling (``rope.scaling.*``), or Llama 3's scaling, which the converter
+    bakes into a tensor of per-frequency factors (``factors``: the file's ``rope_freqs``, each frequency of the
+    ``rotated`` dims divided by its factor). Those factors become LongRoPE's, the same for short and long sequences
+    and with no cos/sin scale: the frequencies llama.cpp rotates by, exactly as the file has them (a Llama 3.1 GGUF
+    without them would rotate its low frequencies 8 times too fast). A YaRN's ``yarn_attn_factor`` is the HF
+    config's ``attention_factor`` the converter wrote. What the HF config cannot say (llama.cpp's own YaRN
+    extrapolation factor or log multiplier, any other kind of scaling) is refused, naming the way out."""
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type", "none")
+    refuse = f"GGUF {str(get.gguf)!r}"
+    if factors is not None:
+        if factors.shape != (rotated // 2,) or scaling != "none":
+            raise ValueError(f"{refuse} has {factors.numel()} per-frequency RoPE factors (rope_freqs) with "
+                             f"{get.arch}.rope.scaling.type={scaling!r} for {rotated} rotated dims: not Llama 3's "
+                             "scaling as llama.cpp writes it (one factor per frequency, no other scaling); pass the "
+                             "model's HF checkpoint instead")
+        if bool((factors != 1).any()):
+            values = [as_written(v) for v in factors.tolist()]
+            rope.update(rope_type="longrope", short_factor=values, long_factor=values, attention_factor=1.0,
+                        original_max_position_embeddings=int(get("context_length")))
+    elif scaling == "linear":
+        rope.update(rope_type="linear", factor=as_written(get("rope.scaling.factor")))
+    elif scaling == "yarn":  # the factor and pretrained length always; the betas and cos/sin scale where written
+        own = [key for key in ("yarn_ext_factor", "yarn_log_multiplier")
+               if get(f"rope.scaling.{key}", None) is not None]
+        if own:
+            raise ValueError(f"{refuse} sets {get.arch}.rope.scaling.{own[0]}, a YaRN setting of llama.cpp's own that "
+                             f"specray does not read from a {get.arch} GGUF; pass the model's HF checkpoint instead")
+        rope.update(rope_type="yarn", factor=as_written(get("rope.scaling.factor")),
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
+        for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                           ("yarn_attn_factor", "attention_factor")):  # (the converter's name for HF's field)
+            if get(f"rope.scaling.{key}", None) is not None:
+                rope[field] = as_written(get(f"rope.scaling.{key}"))
+    elif scaling != "none":
+        raise ValueError(f"{refuse} has {get.arch}.rope.scaling.type={scaling!r}; specray reads a {get.arch} GGUF "
+                         "with linear, YaRN, Llama 3's (rope_freqs) or no RoPE scaling. Pass the model's HF "
+                         "checkpoint instead")
+    return rope
+
+
 def tensors_by_layer(tensors: GGUFTensors, gguf: Path, arch: str) -> dict[int, GGUFTensors]:
     """``blk.{i}.{name}`` tensors as ``{i: {name: tensor}}`` (none read yet); any other name left in ``tensors`` is
     refused."""

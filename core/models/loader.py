@@ -8,8 +8,8 @@ index (or one model.safetensors), tokenizer files -- cached under ``$SPECRAY_CAC
 conversion reads, converts and writes a layer at a time, so it holds about one shard, not the whole model in float32
 (several times the file). Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where
 its mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
-wrote), and the families whose config and tensors specray reads whole (``_GGUF_READERS``): the hybrid
-linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
+wrote; its RoPE scaling, Llama 3's per-frequency factors included, by ``_fix_gguf_rope``), and the families whose
+config and tensors specray reads whole (``_GGUF_READERS``): the hybrid linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
@@ -48,7 +48,7 @@ from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
-from specray.models.gguf_read import dequantized as gguf_dequantized
+from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
 from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
     random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
@@ -585,15 +585,6 @@ def _fix_phi3_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     config.rope_parameters = rope
 
 
-def _fix_starcoder2_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
-    """StarCoder2's RoPE base, which llama.cpp writes (``rope.freq_base``: 1e5 and more in the releases) and
-    transformers' mapping leaves at its default. A GGUF carries no sliding window: llama.cpp runs StarCoder2 without
-    one, and so does the model loaded from it."""
-    base = meta.get("starcoder2.rope.freq_base")
-    if base is not None:
-        config.rope_parameters = {**config.rope_parameters, "rope_theta": float(base)}
-
-
 def _fix_nemotron_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     """What transformers' Nemotron mapping leaves at its defaults although the GGUF has it: the head size
     (``attention.key_length``), the rotated share of each head (``rope.dimension_count``; the releases rotate half),
@@ -647,7 +638,25 @@ def _fix_gpt_oss_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     config.rope_parameters = rope
 
 
-_GGUF_CONFIG_FIXES = {"starcoder2": _fix_starcoder2_gguf_config, "nemotron": _fix_nemotron_gguf_config,
+def _fix_gguf_rope(config, meta: dict[str, Any], gguf: Path, arch: str) -> None:
+    """The RoPE llama.cpp's converter writes, where transformers' GGUF mapping reads the base alone (StarCoder2's
+    not even that): the scaling, linear or YaRN (``rope.scaling.*``), or Llama 3's per-frequency factors (the tensor
+    ``rope_freqs``, in every Llama 3.1, 3.2 and 3.3 GGUF); see :func:`specray.models.gguf_read.rope_parameters`. A
+    StarCoder2 GGUF carries no sliding window: llama.cpp runs StarCoder2 without one, and so does the model loaded
+    from it."""
+    from gguf import GGUFReader
+
+    factors = next((gguf_dequantized(t) for t in GGUFReader(str(gguf)).tensors if t.name == "rope_freqs.weight"), None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotated = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    rope = rope_parameters(GGUFMeta(meta, arch, gguf), factors, rotated)
+    config.rope_parameters = {**config.rope_parameters, **rope}
+
+
+# llama.cpp's architectures whose RoPE their own fix reads (Phi-3's LongRoPE, Gemma 3's per kind of layer, Nemotron's,
+# GPT-OSS's YaRN) or that have none (Mamba); the others' RoPE scaling is read by _fix_gguf_rope
+_GGUF_OWN_ROPE = {"phi3", "gemma3", "nemotron", "gpt-oss", "mamba"}
+_GGUF_CONFIG_FIXES = {"nemotron": _fix_nemotron_gguf_config,
                       "gpt-oss": _fix_gpt_oss_gguf_config,
                       "gemma2": _fix_gemma2_gguf_config, "gemma3": _fix_gemma3_gguf_config,
                       "phi3": _fix_phi3_gguf_config, "qwen2moe": _fix_qwen_gguf_config("qwen2moe"),
@@ -904,6 +913,8 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
+    if arch not in _GGUF_OWN_ROPE:
+        _fix_gguf_rope(config, meta, gguf, arch)
     get_model_class(config)  # fail early on an architecture we do not serve
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
