@@ -9,7 +9,8 @@ conversion reads, converts and writes a layer at a time, so it holds about one s
 (several times the file). Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where
 its mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
 wrote; its RoPE scaling, Llama 3's per-frequency factors included, by ``_fix_gguf_rope``), and the families whose
-config and tensors specray reads whole (``_GGUF_READERS``): the hybrid linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
+config and tensors specray reads whole (``_GGUF_READERS``): the hybrid linear-attention Qwens -- Qwen3.5
+(``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
 (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
 Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
 (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
