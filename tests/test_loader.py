@@ -320,7 +320,7 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         _write_phi3_params(w, cfg, rope, head_dim)
     if arch == "glm4":  # llama.cpp's GLM-4: the rotated share of each head
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
-    if arch == "olmo2" and cfg.get("sliding_window"):  # llama.cpp's OLMo 3: the window and its layers
+    if arch in ("olmo2", "exaone4") and cfg.get("sliding_window"):  # OLMo 3's, EXAONE 4.0's: the window, its layers
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
@@ -1176,8 +1176,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
     ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'ernie4_5', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4', 'glm4moe', "
-              r"'gpt-oss', "
+              r"\['arcee', 'deepseek2', 'ernie4_5', 'exaone4', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
+              r"'glm4moe', 'gpt-oss', "
               r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
               r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', "
               r"'qwen3moe', 'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
@@ -2091,6 +2091,27 @@ def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache,
         olmo3 = write_gguf(request.getfixturevalue("tiny_olmo3_dir"), tmp_path / "olmo3.gguf", "olmo2")
         with pytest.raises(ValueError, match="sliding-window layers .*an OLMo 3.*pass the model's HF checkpoint"):
             load_hf_config(str(olmo3))
+
+
+@pytest.mark.parametrize("shape", ["windowed", "global"])
+def test_an_exaone4_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, shape):
+    """A GGUF of EXAONE 4.0 as llama.cpp writes it (a plain layout; post-norm layers and q/k norms; Llama 3's RoPE
+    scaling as per-frequency factors, as the releases scale; the 32B's shape: three layers sliding over a window with
+    RoPE to one global without, marked per layer in the file; the 1.2B's: every layer global, with RoPE) is read by
+    specray's own mapping: its config is the folder's, its logits equal transformers' on the original folder, and the
+    engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    rope = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # every kind of frequency, as "llama"
+    window = dict(sliding_window=8, sliding_window_pattern=4) if shape == "windowed" else \
+        dict(sliding_window=None, layer_types=["full_attention"] * 4)
+    folder = make_tiny_model(tmp_path / "exaone4", "exaone4", seed=22, head_dim=16, num_hidden_layers=4,
+                             tie_word_embeddings=False, original_max_position_embeddings=64, rope_parameters=rope,
+                             **window)
+    path = write_gguf(folder, tmp_path / "exaone4.gguf", "exaone4")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "sliding_window", "layer_types", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    assert load_hf_config(str(path)).rope_parameters["rope_type"] == "longrope"
 
 
 def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:

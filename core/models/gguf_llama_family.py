@@ -1,9 +1,10 @@
-"""GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own,
-which transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense
-models (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS (``seed_oss``),
-ERNIE 4.5 (``ernie4_5``, the dense models) and GLM-4 (``glm4``: its rotated share of each head as
-``rope.dimension_count``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads for
-them. Experts (OLMoE's) are stacked per projection in the file and split back per expert, as the releases name them.
+"""GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
+transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense models
+(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5
+(``ernie4_5``, the dense models), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``) and
+EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
+``attention.sliding_window_pattern``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads
+for them. Experts (OLMoE's) are stacked per projection in the file and split back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -55,6 +56,22 @@ def _ernie(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
     return {"use_bias": "blk.0.attn_q.bias" in tensors}
 
 
+def _exaone4(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """EXAONE 4.0's layers: with a window (the 32B), the sliding ones as ``attention.sliding_window_pattern`` marks
+    them (RoPE there alone: the global layers have none); without one (the 1.2B), every layer global, with RoPE."""
+    layers = int(get("block_count"))
+    window = get("attention.sliding_window", None)
+    if not window:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * layers}
+    pattern = get("attention.sliding_window_pattern")
+    if len(pattern) != layers:
+        raise ValueError(f"GGUF {str(get.gguf)!r} marks {len(pattern)} layers in "
+                         f"exaone4.attention.sliding_window_pattern for {layers} layers (block_count); convert the "
+                         "model again with a current llama.cpp, or pass its HF checkpoint")
+    return {"sliding_window": int(window),
+            "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
+
+
 @dataclass(frozen=True)
 class _Family:
     config: str  # transformers' config class
@@ -63,6 +80,7 @@ class _Family:
     fixed: dict = field(default_factory=dict)  # what the file cannot say, as llama.cpp fixes it
     own: Callable[[GGUFMeta, GGUFTensors], dict] | None = None  # what the family's own keys and tensors say
     partial_rope: bool = False  # RoPE over a share of each head (``rope.dimension_count`` below the head size)
+    windows: bool = False  # sliding-window layers, read by ``own``
 
 
 # llama.cpp's architecture -> its family
@@ -74,7 +92,8 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "olmoe": _Family("OlmoeConfig", "OlmoeForCausalLM", permuted=False, own=_olmoe),
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
              "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie),
-             "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True)}
+             "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True),
+             "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_exaone4, windows=True)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 
 
@@ -84,7 +103,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
 
     gguf, arch = get.gguf, get.arch
     family = _FAMILIES[arch]
-    if get("attention.sliding_window", None):
+    if get("attention.sliding_window", None) and not family.windows:
         what = ": an OLMo 3, whose two kinds of layer have a RoPE each" if arch == "olmo2" else ""
         raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window{what}), which "
                          "specray does not read from a GGUF; pass the model's HF checkpoint instead")

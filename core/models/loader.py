@@ -1,24 +1,24 @@
 """Find a model (local HF folder, local ``.gguf`` file or hub id), read its config and tokenizer, and load our
 model with this rank's shard of the weights.
 
-A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE
-permutation undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their
-index (or one model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default
-``~/.cache/specray``) and keyed by the file's path, size and mtime; later loads read the cached folder. The
-conversion reads, converts and writes a layer at a time, so it holds about one shard, not the whole model in float32
-(several times the file). Only the families transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where
-its mapping misreads a file or leaves a default, ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp
-wrote; its RoPE scaling, Llama 3's per-frequency factors included, by ``_fix_gguf_rope``), and the families whose
-config and tensors specray reads whole (``_GGUF_READERS``): the hybrid linear-attention Qwens -- Qwen3.5
-(``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next (``qwen3next``) --
-(:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba (``granitehybrid``),
-Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1 (``falcon-h1``) --
-(:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`), Jamba
-(``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2, OLMoE, Seed-OSS, ERNIE 4.5
-and GLM-4 (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``, ``seed_oss``, ``ernie4_5``, ``glm4``:
-:mod:`specray.models.gguf_llama_family`), DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`) and
-GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`); a GGUF of another architecture
-(Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the model's HF checkpoint instead.
+A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE permutation
+undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their index (or one
+model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by
+the file's path, size and mtime; later loads read the cached folder. The conversion reads, converts and writes a layer
+at a time, so it holds about one shard, not the whole model in float32 (several times the file). Only the families
+transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its mapping misreads a file or leaves a default,
+``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp wrote; its RoPE scaling, Llama 3's per-frequency
+factors included, by ``_fix_gguf_rope``), and the families whose config and tensors specray reads whole
+(``_GGUF_READERS``): the hybrid linear-attention Qwens -- Qwen3.5 (``qwen35``), Qwen3.5-MoE (``qwen35moe``), Qwen3-Next
+(``qwen3next``) -- (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba
+(``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
+(``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
+Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2, OLMoE, Seed-OSS, ERNIE
+4.5, GLM-4 and EXAONE 4.0 (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``, ``seed_oss``, ``ernie4_5``,
+``glm4``, ``exaone4``: :mod:`specray.models.gguf_llama_family`), DeepSeek-V3 (``deepseek2``:
+:mod:`specray.models.gguf_deepseek`) and GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`);
+a GGUF of another architecture (Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the model's
+HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "nemotron_h_moe": "Nemotron-H MoE / Nemotron 3", "falcon-h1": "Falcon-H1", "jamba": "Jamba",
                   "smollm3": "SmolLM3", "arcee": "Arcee AFM", "granite": "Granite 3 (dense)", "olmo2": "OLMo 2",
                   "seed_oss": "Seed-OSS", "glm4moe": "GLM-4.5", "ernie4_5": "ERNIE 4.5 (dense)",
-                  "olmoe": "OLMoE", "glm4": "GLM-4 (dense)"}
+                  "olmoe": "OLMoE", "glm4": "GLM-4 (dense)", "exaone4": "EXAONE 4.0"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
