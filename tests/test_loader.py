@@ -1173,18 +1173,18 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
 
 
 @pytest.mark.parametrize("arch, match", [
-    ("llama4", rf"general.architecture='llama4' \(Llama-4 text\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               r"\['arcee', 'deepseek2', 'ernie4_5', 'exaone4', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
               r"'glm4moe', 'gpt-oss', "
-              r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', "
+              r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'llama4', 'mamba', 'minimax-m2', 'nemotron', "
+              r"'nemotron_h', "
               r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', "
               r"'qwen3moe', 'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
-    """A GGUF transformers has no mapping for and specray reads no other way -- Llama-4's and Gemma's (families we
-    serve from their HF checkpoints only), or one of a family we do not serve at all -- is refused by
+    """A GGUF transformers has no mapping for and specray reads no other way -- Gemma's (a family we serve from its
+    HF checkpoints only), or one of a family we do not serve at all -- is refused by
     ``LLM(model="x.gguf")`` up front with the architecture and the way out, before transformers reads it (its own
     error names neither fix)."""
     import transformers
@@ -2112,6 +2112,86 @@ def test_an_exaone4_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_ca
               "sliding_window", "layer_types", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(folder, path, fields)
     assert load_hf_config(str(path)).rope_parameters["rope_type"] == "longrope"
+
+
+def write_llama4_gguf(folder: Path, out: Path, window: int | None = None) -> Path:
+    """A GGUF of a Llama 4 text folder written as llama.cpp's converter writes one (its Llama4Model over LlamaModel):
+    the dense layers' width as ``feed_forward_length`` and the experts' as ``expert_feed_forward_length``, the MoE
+    interleave step, Llama 3's RoPE scaling as ``rope_freqs``; the query and key rows as released (no RoPE reordering),
+    the experts' fused ``gate_up_proj`` [E, H, 2I] split into gate and up and transposed to [E, I, H] each, their
+    ``down_proj`` transposed, every tensor renamed through gguf-py's tensor map. ``window``: an
+    ``attention.sliding_window`` (the converter writes 0 for a model whose layers are all full: MobileLLM's)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "llama4")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size_mlp"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if window is not None:
+        w.add_sliding_window(window)
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    if cfg["rope_parameters"].get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg).numpy())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4, layers)
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = value.transpose(-1, -2).split(value.shape[-1] // 2, dim=-2)
+            for projection, part in (("gate_proj", gate), ("up_proj", up)):
+                _add_renamed(w, names, name.replace("gate_up_proj", f"{projection}.weight"), part)
+            continue
+        if name.endswith("experts.down_proj"):
+            name, value = name + ".weight", value.transpose(-1, -2)
+        _add_renamed(w, names, name, value)
+    _write_out(w)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["scout", "maverick"])
+def test_a_llama4_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, shape):
+    """A GGUF of Llama 4's text model as llama.cpp writes it (see write_llama4_gguf) is read by specray's own mapping:
+    its config is the folder's -- the NoPE layers, chunk size, temperature tuning and q/k norms no key carries, as
+    llama.cpp fixes them (the Scout shape: experts in every layer, q/k norms, Llama 3's RoPE scaling with equal low and
+    high frequency factors; the Maverick shape: 128 experts every other layer, no q/k norm) --, its tensors are the
+    folder's, its logits equal transformers' on the original folder, and the engine's greedy output with n-gram
+    drafts on the GGUF equals the folder's. One whose layers are all full (MobileLLM's) is refused, naming the way
+    out."""
+    if shape == "scout":
+        rope = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 16.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0, "original_max_position_embeddings": 64}  # wavelengths either side of 64
+        kind = dict(num_local_experts=4, interleave_moe_layer_step=1, use_qk_norm=True, rope_parameters=rope,
+                    original_max_position_embeddings=64)
+    else:
+        kind = dict(num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False)
+    folder = make_tiny_model(tmp_path / "llama4", "llama4", seed=7, num_hidden_layers=8, head_dim=16,
+                             num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=48,
+                             tie_word_embeddings=False, **kind)
+    path = write_llama4_gguf(folder, tmp_path / "llama4.gguf")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok",
+              "interleave_moe_layer_step", "moe_layers", "no_rope_layers", "layer_types", "attention_chunk_size",
+              "use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale", "tie_word_embeddings",
+              "vocab_size", "rms_norm_eps") + (() if shape == "scout" else ("rope_parameters",))
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    with pytest.raises(ValueError, match="sliding_window 0 \\(llama.cpp's MobileLLM shape.*HF checkpoint"):
+        load_hf_config(str(write_llama4_gguf(folder, tmp_path / "full.gguf", window=0)))
 
 
 def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:

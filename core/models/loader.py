@@ -16,9 +16,9 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2, OLMoE, Seed-OSS, ERNIE
 4.5, GLM-4 and EXAONE 4.0 (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``, ``seed_oss``, ``ernie4_5``,
 ``glm4``, ``exaone4``: :mod:`specray.models.gguf_llama_family`), DeepSeek-V3 (``deepseek2``:
-:mod:`specray.models.gguf_deepseek`) and GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`);
-a GGUF of another architecture (Llama-4's ``llama4``) is refused before any conversion, naming the fix: load the model's
-HF checkpoint instead.
+:mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`) and
+Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another architecture (Gemma's ``gemma``) is refused
+before any conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
+from specray.models.gguf_llama4 import LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
@@ -88,7 +89,8 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
                  **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
-                 **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint)}
+                 **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint),
+                 **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
@@ -490,8 +492,8 @@ def _transformers_maps_gguf(arch: str) -> bool:
 
 def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
     """ValueError, naming the fix, for a GGUF we cannot convert: one of a family we do not serve, or of one
-    transformers has no GGUF mapping for (DeepSeek-V3's ``deepseek2``, Llama-4's ``llama4``: we serve them from
-    their HF checkpoints only). Called before transformers reads the file, whose own error names no way out."""
+    transformers has no GGUF mapping for and specray reads no other way (Gemma's ``gemma``: we serve it from its HF
+    checkpoints only). Called before transformers reads the file, whose own error names no way out."""
     loadable = sorted(a for a in _GGUF_FAMILIES if _transformers_maps_gguf(a))
     family = _GGUF_FAMILIES.get(arch)
     if family is None:
