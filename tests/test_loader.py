@@ -323,6 +323,9 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     if arch in ("olmo2", "exaone4") and cfg.get("sliding_window"):  # OLMo 3's, EXAONE 4.0's: the window, its layers
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
+        w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
     if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -2026,6 +2029,8 @@ def test_gguf_rope_settings_are_read_as_llama_cpp_wrote_them_or_refused(tmp_path
     assert read(torch.tensor([1.0, 1.5, 8.0, 8.0]))["short_factor"] == [1.0, 1.5, 8.0, 8.0]
     assert read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
                 rope__scaling__yarn_attn_factor=1.2)["attention_factor"] == 1.2
+    assert read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
+                rope__scaling__attn_factor=1.3)["attention_factor"] == 1.3  # OLMo 3's older files
     with pytest.raises(ValueError, match="llama.rope.scaling.yarn_ext_factor, a YaRN setting of llama.cpp's own.*HF "
                                          "checkpoint"):
         read(rope__scaling__type="yarn", rope__scaling__factor=4.0, rope__scaling__original_context_length=128,
@@ -2079,8 +2084,8 @@ def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache,
     o_proj, heads apart from hidden / heads) ERNIE 4.5 (dense: biases everywhere) or GLM-4 (sandwich norms, a fused
     gate/up, RoPE over half of each head) as llama.cpp writes them (a plain layout: no RoPE reordering) is read by
     specray's own mapping: its config is the folder's, its logits equal transformers' on the original folder, and
-    the engine's greedy output with n-gram drafts on the GGUF equals the folder's. An OLMo 3 (sliding-window layers)
-    is refused, naming the way out."""
+    the engine's greedy output with n-gram drafts on the GGUF equals the folder's; so does OLMo 3's (an OLMo 2 with
+    sliding-window layers: plain RoPE on those, of their own base, YaRN on the full ones)."""
     folder = request.getfixturevalue(f"tiny_{arch}_dir")
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -2088,9 +2093,9 @@ def test_a_plain_layout_gguf_matches_transformers(request, tmp_path, gguf_cache,
               "attention_bias", "use_bias") + (("attention_out_bias",) if arch == "seed_oss" else ())
     assert_gguf_serves_as_its_folder(folder, path, fields)
     if arch == "olmo2":
-        olmo3 = write_gguf(request.getfixturevalue("tiny_olmo3_dir"), tmp_path / "olmo3.gguf", "olmo2")
-        with pytest.raises(ValueError, match="sliding-window layers .*an OLMo 3.*pass the model's HF checkpoint"):
-            load_hf_config(str(olmo3))
+        folder = request.getfixturevalue("tiny_olmo3_dir")
+        olmo3 = write_gguf(folder, tmp_path / "olmo3.gguf", "olmo2")
+        assert_gguf_serves_as_its_folder(folder, olmo3, fields[:-2] + ("sliding_window", "layer_types"))
 
 
 @pytest.mark.parametrize("shape", ["windowed", "global"])

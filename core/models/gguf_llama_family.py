@@ -1,6 +1,7 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense models
-(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5
+(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers),
+OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5
 (``ernie4_5``, the dense models), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``) and
 EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
 ``attention.sliding_window_pattern``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads
@@ -13,9 +14,9 @@ for the ``LlamaModel`` families the query and key rows (and biases) of each head
 tensor map gives the HF name (AFM's gateless MLP has no ``ffn_gate``; OLMo 2's norms come after attention and MLP);
 Granite's four multipliers as ``attention.scale``, ``embedding_scale``, ``residual_scale`` and ``logit_scale``.
 SmolLM3's NoPE layers are not in the file: llama.cpp fixes them at every 4th layer (``(i + 1) % 4 == 0``), as
-SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. An OLMo 3 (``olmo2`` with
-sliding-window layers: a RoPE per kind of layer, not read here) is refused. Tensors of any llama.cpp type are
-dequantized to float32.
+SmolLM3's config does (``no_rope_layer_interval`` 4), and so does this reader. OLMo 3's sliding layers rotate by
+plain RoPE (the base of ``rope.freq_base_swa``, else the file's one base), as llama.cpp runs them, its full layers by
+the file's (YaRN in the long-context releases). Tensors of any llama.cpp type are dequantized to float32.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def _ernie(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
     return {"use_bias": "blk.0.attn_q.bias" in tensors}
 
 
-def _exaone4(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
-    """EXAONE 4.0's layers: with a window (the 32B), the sliding ones as ``attention.sliding_window_pattern`` marks
-    them (RoPE there alone: the global layers have none); without one (the 1.2B), every layer global, with RoPE."""
+def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """The sliding-window layers: with a window, the sliding ones as ``attention.sliding_window_pattern`` marks them
+    (EXAONE 4.0's 32B: RoPE there alone, the global layers have none; OLMo 3: a RoPE per kind of layer); without one
+    (EXAONE 4.0's 1.2B), every layer global."""
     layers = int(get("block_count"))
     window = get("attention.sliding_window", None)
     if not window:
@@ -66,7 +68,7 @@ def _exaone4(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     pattern = get("attention.sliding_window_pattern")
     if len(pattern) != layers:
         raise ValueError(f"GGUF {str(get.gguf)!r} marks {len(pattern)} layers in "
-                         f"exaone4.attention.sliding_window_pattern for {layers} layers (block_count); convert the "
+                         f"{get.arch}.attention.sliding_window_pattern for {layers} layers (block_count); convert the "
                          "model again with a current llama.cpp, or pass its HF checkpoint")
     return {"sliding_window": int(window),
             "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
@@ -81,6 +83,7 @@ class _Family:
     own: Callable[[GGUFMeta, GGUFTensors], dict] | None = None  # what the family's own keys and tensors say
     partial_rope: bool = False  # RoPE over a share of each head (``rope.dimension_count`` below the head size)
     windows: bool = False  # sliding-window layers, read by ``own``
+    rope_per_kind: bool = False  # the sliding layers' RoPE plain (``rope.freq_base_swa``), the others' as the file's
 
 
 # llama.cpp's architecture -> its family
@@ -93,8 +96,14 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
              "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie),
              "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True),
-             "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_exaone4, windows=True)}
+             "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_windows, windows=True)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
+# OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
+_OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
+
+
+def _family(get: GGUFMeta) -> _Family:
+    return _OLMO3 if get.arch == "olmo2" and get("attention.sliding_window", None) else _FAMILIES[get.arch]
 
 
 def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -102,11 +111,10 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     import transformers
 
     gguf, arch = get.gguf, get.arch
-    family = _FAMILIES[arch]
+    family = _family(get)
     if get("attention.sliding_window", None) and not family.windows:
-        what = ": an OLMo 3, whose two kinds of layer have a RoPE each" if arch == "olmo2" else ""
-        raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window{what}), which "
-                         "specray does not read from a GGUF; pass the model's HF checkpoint instead")
+        raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window), which "
+                         f"specray does not read from a {arch} GGUF; pass the model's HF checkpoint instead")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
@@ -116,6 +124,9 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     rope = rope_parameters(get, tensors.pop("rope_freqs.weight", None), rotated)
     if family.partial_rope:
         rope["partial_rotary_factor"] = rotated / head_dim
+    if family.rope_per_kind:  # as llama.cpp runs the sliding layers: no scaling
+        sliding = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", rope["rope_theta"]))}
+        rope = {"full_attention": rope, "sliding_attention": sliding}
     config = getattr(transformers, family.config)(
         architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
@@ -146,7 +157,7 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
 
     get, tensors = read_model_gguf(gguf, arch)
     config = llama_family_gguf_config(get, tensors)
-    family = _FAMILIES[arch]
+    family = _family(get)
     model_class = getattr(transformers, family.architecture)
     with torch.device("meta"):
         hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n

@@ -114,8 +114,8 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
     bakes into a tensor of per-frequency factors (``factors``: the file's ``rope_freqs``, each frequency of the
     ``rotated`` dims divided by its factor). Those factors become LongRoPE's, the same for short and long sequences
     and with no cos/sin scale: the frequencies llama.cpp rotates by, exactly as the file has them (a Llama 3.1 GGUF
-    without them would rotate its low frequencies 8 times too fast). A YaRN's ``yarn_attn_factor`` is the HF
-    config's ``attention_factor`` the converter wrote. What the HF config cannot say (llama.cpp's own YaRN
+    without them would rotate its low frequencies 8 times too fast). A YaRN's ``yarn_attn_factor`` (or, in older
+    files, ``attn_factor``) is the HF config's ``attention_factor`` the converter wrote. What the HF config cannot say (llama.cpp's own YaRN
     extrapolation factor or log multiplier, any other kind of scaling) is refused, naming the way out."""
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type", "none")
@@ -140,8 +140,9 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
                              f"specray does not read from a {get.arch} GGUF; pass the model's HF checkpoint instead")
         rope.update(rope_type="yarn", factor=as_written(get("rope.scaling.factor")),
                     original_max_position_embeddings=int(get("rope.scaling.original_context_length")))
-        for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                           ("yarn_attn_factor", "attention_factor")):  # (the converter's name for HF's field)
+        # the converter's names for HF's fields (OLMo 3's older files: HF's attention_factor as ``attn_factor``)
+        for key, field in (("attn_factor", "attention_factor"), ("yarn_attn_factor", "attention_factor"),
+                           ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if get(f"rope.scaling.{key}", None) is not None:
                 rope[field] = as_written(get(f"rope.scaling.{key}"))
     elif scaling != "none":
