@@ -115,8 +115,9 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
     ``rotated`` dims divided by its factor). Those factors become LongRoPE's, the same for short and long sequences
     and with no cos/sin scale: the frequencies llama.cpp rotates by, exactly as the file has them (a Llama 3.1 GGUF
     without them would rotate its low frequencies 8 times too fast). A YaRN's ``yarn_attn_factor`` (or, in older
-    files, ``attn_factor``) is the HF config's ``attention_factor`` the converter wrote. What the HF config cannot say (llama.cpp's own YaRN
-    extrapolation factor or log multiplier, any other kind of scaling) is refused, naming the way out."""
+    files, ``attn_factor``) is the HF config's ``attention_factor`` the converter wrote. What the HF config cannot
+    say (llama.cpp's own YaRN extrapolation factor or log multiplier, any other kind of scaling) is refused, naming
+    the way out."""
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type", "none")
     refuse = f"GGUF {str(get.gguf)!r}"
