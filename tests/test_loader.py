@@ -326,6 +326,10 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):  # the Qwen VLs' multimodal RoPE sections, padded to 4
+        w.add_rope_dimension_sections([head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6, 0])
+        if arch != "qwen2vl":
+            w.add_num_deepstack_layers(3)
     if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -1182,8 +1186,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
               r"'glm4moe', 'gpt-oss', "
               r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'llama4', 'mamba', 'minimax-m2', 'nemotron', "
               r"'nemotron_h', "
-              r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen35', 'qwen35moe', "
-              r"'qwen3moe', 'qwen3next', 'seed_oss', 'smollm3', 'starcoder2'\]"),
+              r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen2vl', 'qwen3', 'qwen35', "
+              r"'qwen35moe', 'qwen3moe', 'qwen3next', 'qwen3vl', 'qwen3vlmoe', 'seed_oss', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Gemma's (a family we serve from its
@@ -2197,6 +2201,25 @@ def test_a_llama4_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cach
     assert_gguf_serves_as_its_folder(folder, path, fields)
     with pytest.raises(ValueError, match="sliding_window 0 \\(llama.cpp's MobileLLM shape.*HF checkpoint"):
         load_hf_config(str(write_llama4_gguf(folder, tmp_path / "full.gguf", window=0)))
+
+
+@pytest.mark.parametrize("arch, kind, overrides", [
+    ("qwen2vl", "qwen2", dict(tie_word_embeddings=False)),
+    ("qwen3vl", "qwen3", dict(head_dim=24, tie_word_embeddings=True)),  # heads of their own width, as released
+    ("qwen3vlmoe", "qwen3_moe", dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                     norm_topk_prob=True, decoder_sparse_step=1, tie_word_embeddings=False))])
+def test_a_qwen_vl_text_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch, kind, overrides):
+    """A GGUF of the text model of Qwen2-VL / Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE as llama.cpp writes it (a Qwen2, a
+    Qwen3 or a Qwen3-MoE under an architecture of its own, with multimodal RoPE sections and, the Qwen3-VLs, a
+    deepstack count, neither of which changes a text-only sequence) is read by specray's own mapping as that Qwen:
+    its config is the folder's, its tensors are, its logits equal transformers' on the folder, and the engine's greedy
+    output with n-gram drafts on the GGUF equals the folder's."""
+    folder = make_tiny_model(tmp_path / kind, kind, seed=31, **overrides)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
 
 
 def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:

@@ -1,11 +1,14 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense models
-(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers),
-OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5
-(``ernie4_5``, the dense models), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``) and
-EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
-``attention.sliding_window_pattern``) through its plain ``TextModel``, turned back into the HF checkpoints specray loads
-for them. Experts (OLMoE's) are stacked per projection in the file and split back per expert, as the releases name them.
+(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE
+(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, the dense models), GLM-4 (``glm4``: its rotated share of
+each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as
+``attention.sliding_window`` and ``attention.sliding_window_pattern``) and the text models of Qwen2-VL / Qwen2.5-VL
+(``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose
+multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings,
+their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints
+specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's) are stacked per projection in the file and split back per
+expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -74,6 +77,13 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
 
 
+def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Qwen3-MoE's experts (in every layer; llama.cpp renormalises the top k's weights, as the releases do)."""
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")), "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 @dataclass(frozen=True)
 class _Family:
     config: str  # transformers' config class
@@ -96,7 +106,11 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
              "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie),
              "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True),
-             "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_windows, windows=True)}
+             "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_windows, windows=True),
+             # the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: a Qwen2, a Qwen3, a Qwen3-MoE
+             "qwen2vl": _Family("Qwen2Config", "Qwen2ForCausalLM", permuted=False),
+             "qwen3vl": _Family("Qwen3Config", "Qwen3ForCausalLM", permuted=False),
+             "qwen3vlmoe": _Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permuted=False, own=_qwen3_moe)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
