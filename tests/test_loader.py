@@ -767,13 +767,7 @@ def write_hybrid_qwen_gguf(folder: Path, out: Path, arch: str, fused: bool = Fal
     if "mrope_section" in rope:  # padded to 4
         w.add_rope_dimension_sections(list(rope["mrope_section"]) + [0] * (4 - len(rope["mrope_section"])))
     if rope.get("rope_type") == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if "beta_fast" in rope:
-            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        if "beta_slow" in rope:
-            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        _write_rope_scaling(w, rope)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if cfg.get("num_experts"):
