@@ -326,6 +326,15 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    if arch == "ernie4_5-moe":  # llama.cpp's Ernie4_5MoeModel (its shared experts' width, as it derives it)
+        w.add_expert_count(cfg["moe_num_experts"])
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+        if cfg["moe_num_shared_experts"]:
+            w.add_expert_shared_feed_forward_length(cfg["intermediate_size"] // cfg["num_key_value_heads"])
     if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):  # the Qwen VLs' multimodal RoPE sections, padded to 4
         w.add_rope_dimension_sections([head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6, 0])
         if arch != "qwen2vl":
@@ -461,7 +470,8 @@ def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
 def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
     import gguf
 
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "")), cfg["num_hidden_layers"])
+    arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, cfg["num_hidden_layers"])
     stacked: dict[str, list] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
@@ -1176,12 +1186,11 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
 @pytest.mark.parametrize("arch, match", [
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'ernie4_5', 'exaone4', 'falcon-h1', 'gemma2', 'gemma3', 'gemma4', 'glm4', "
-              r"'glm4moe', 'gpt-oss', "
-              r"'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', 'llama4', 'mamba', 'minimax-m2', 'nemotron', "
-              r"'nemotron_h', "
-              r"'nemotron_h_moe', 'olmo2', 'olmoe', 'phi3', 'qwen2', 'qwen2moe', 'qwen2vl', 'qwen3', 'qwen35', "
-              r"'qwen35moe', 'qwen3moe', 'qwen3next', 'qwen3vl', 'qwen3vlmoe', 'seed_oss', 'smollm3', 'starcoder2'\]"),
+              r"\['arcee', 'deepseek2', 'ernie4_5', 'ernie4_5-moe', 'exaone4', 'falcon-h1', 'gemma2', 'gemma3', "
+              r"'gemma4', 'glm4', 'glm4moe', 'gpt-oss', 'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', "
+              r"'llama4', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'olmo2', 'olmoe', "
+              r"'phi3', 'qwen2', 'qwen2moe', 'qwen2vl', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', "
+              r"'qwen3vl', 'qwen3vlmoe', 'seed_oss', 'smollm3', 'starcoder2'\]"),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Gemma's (a family we serve from its
@@ -2074,6 +2083,19 @@ def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_ca
               "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)
+
+
+def test_an_ernie4_5_moe_gguf_matches_transformers(tiny_ernie4_5_moe_dir, tmp_path, gguf_cache):
+    """A GGUF of ERNIE 4.5's MoE as llama.cpp writes it (a dense first layer, then experts stacked per projection,
+    two shared experts, the router's correction bias renamed to a ``.bias``) is read by specray's own mapping: its
+    config is the folder's, its tensors are, its logits equal transformers' on the folder, and the engine's greedy
+    output with n-gram drafts on the GGUF equals the folder's."""
+    path = write_gguf(tiny_ernie4_5_moe_dir, tmp_path / "ernie4_5_moe.gguf", "ernie4_5-moe")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "use_bias", "moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts",
+              "moe_layer_start_index", "moe_layer_interval", "moe_layer_end_index")
+    assert_gguf_serves_as_its_folder(tiny_ernie4_5_moe_dir, path, fields)
 
 
 @pytest.mark.parametrize("arch", ["olmo2", "seed_oss", "ernie4_5", "glm4"])

@@ -91,9 +91,7 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
                  if ".mlp.experts." not in n and not n.endswith("kv_b_proj.weight")
                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     arch, count = gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers
-    renamed = {n.replace("e_score_correction_bias", "e_score_correction.bias"): n for n in names}  # the converter's
-    plain = {g: renamed[n] for g, n in gguf_names(arch, count, renamed).items()}
-    return plain, stacked_experts(arch, count, range(config.first_k_dense_replace, count))
+    return gguf_names(arch, count, names), stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 
 
 def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:

@@ -78,8 +78,7 @@ def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tupl
                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     names += [f"model.layers.{i}.{n}" for i in range(layers, count) for n in _NEXTN]
     arch = gguf.MODEL_ARCH.GLM4_MOE
-    renamed = {n.replace("e_score_correction_bias", "e_score_correction.bias"): n for n in names}  # the converter's
-    plain = {g: renamed[n] for g, n in gguf_names(arch, count, renamed).items()
+    plain = {g: n for g, n in gguf_names(arch, count, names).items()
              if not g.startswith("blk.") or ".nextn." not in g or g in tensors}  # nextn tensors a release may omit
     return plain, stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 

@@ -1,14 +1,15 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense models
 (``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE
-(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, the dense models), GLM-4 (``glm4``: its rotated share of
-each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as
-``attention.sliding_window`` and ``attention.sliding_window_pattern``) and the text models of Qwen2-VL / Qwen2.5-VL
-(``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose
-multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings,
-their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints
-specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's) are stacked per projection in the file and split back per
-expert, as the releases name them.
+(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP
+layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE
+4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
+``attention.sliding_window_pattern``) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``)
+and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE
+(``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack
+layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints specray loads for
+them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert,
+as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -77,6 +78,23 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
 
 
+def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """ERNIE 4.5's experts: dense first layers (``leading_dense_block_count``), then a MoE layer every
+    ``interleave_moe_layer_step`` to the last, each with its shared experts (as wide as ``moe_intermediate_size``
+    times their count, which the file's tensors must show) and the router's correction bias."""
+    layers, start = int(get("block_count")), int(get("leading_dense_block_count"))
+    width, shared = int(get("expert_feed_forward_length")), int(get("expert_shared_count", 0))
+    shexp = f"blk.{start}.ffn_gate_shexp.weight"
+    if shared and (shexp not in tensors or tensors.shape(shexp)[0] != width * shared):
+        raise ValueError(f"GGUF {str(get.gguf)!r} has {shared} shared experts (ernie4_5-moe.expert_shared_count) "
+                         f"whose {shexp} is not {shared} x {width} wide, as ERNIE 4.5's are; convert the model again "
+                         "with a current llama.cpp, or pass its HF checkpoint")
+    return {**_ernie(get, tensors), "moe_num_experts": int(get("expert_count")),
+            "moe_k": int(get("expert_used_count")),
+            "moe_intermediate_size": width, "moe_num_shared_experts": shared, "moe_layer_start_index": start,
+            "moe_layer_interval": int(get("interleave_moe_layer_step")), "moe_layer_end_index": layers - 1}
+
+
 def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Qwen3-MoE's experts (in every layer; llama.cpp renormalises the top k's weights, as the releases do)."""
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
@@ -94,6 +112,8 @@ class _Family:
     partial_rope: bool = False  # RoPE over a share of each head (``rope.dimension_count`` below the head size)
     windows: bool = False  # sliding-window layers, read by ``own``
     rope_per_kind: bool = False  # the sliding layers' RoPE plain (``rope.freq_base_swa``), the others' as the file's
+    # transformers' module names -> the release's, where they differ (transformers renames them as it loads)
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
 
 
 # llama.cpp's architecture -> its family
@@ -110,7 +130,9 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              # the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: a Qwen2, a Qwen3, a Qwen3-MoE
              "qwen2vl": _Family("Qwen2Config", "Qwen2ForCausalLM", permuted=False),
              "qwen3vl": _Family("Qwen3Config", "Qwen3ForCausalLM", permuted=False),
-             "qwen3vlmoe": _Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permuted=False, own=_qwen3_moe)}
+             "qwen3vlmoe": _Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permuted=False, own=_qwen3_moe),
+             "ernie4_5-moe": _Family("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", permuted=False, own=_ernie_moe,
+                                     checkpoint_names=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),))}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
@@ -176,7 +198,10 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     with torch.device("meta"):
         hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n
                     and not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    gguf_arch, layers = getattr(gguf_py.MODEL_ARCH, arch.upper()), config.num_hidden_layers
+    for module_name, checkpoint_name in family.checkpoint_names:
+        hf_names = [n.replace(module_name, checkpoint_name) for n in hf_names]
+    gguf_arch = {name: value for value, name in gguf_py.MODEL_ARCH_NAMES.items()}[arch]
+    layers = config.num_hidden_layers
     names = gguf_names(gguf_arch, layers, hf_names)
     experts = stacked_experts(gguf_arch, layers,
                               [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors])
