@@ -296,8 +296,8 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
-    if arch in ("starcoder2", "nemotron"):  # LayerNorms: llama.cpp writes their epsilon as such
-        w.add_layer_norm_eps(cfg.get("norm_epsilon") or cfg["norm_eps"])
+    if arch in ("starcoder2", "nemotron", "command-r", "cohere2"):  # LayerNorms: llama.cpp writes their epsilon so
+        w.add_layer_norm_eps(cfg.get("norm_epsilon") or cfg.get("layer_norm_eps") or cfg["norm_eps"])
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
@@ -326,6 +326,12 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    if arch in ("command-r", "cohere2"):  # llama.cpp's CommandR2Model, Cohere2Model: the logit scale, no scaling
+        w.add_logit_scale(cfg["logit_scale"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        if arch == "cohere2":
+            w.add_sliding_window(cfg["sliding_window"])
+            w.add_rope_dimension_count(head_dim)
     if arch == "ernie4_5-moe":  # llama.cpp's Ernie4_5MoeModel (its shared experts' width, as it derives it)
         w.add_expert_count(cfg["moe_num_experts"])
         w.add_expert_used_count(cfg["moe_k"])
@@ -1186,7 +1192,8 @@ _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instea
 @pytest.mark.parametrize("arch, match", [
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'deepseek2', 'ernie4_5', 'ernie4_5-moe', 'exaone4', 'falcon-h1', 'gemma2', 'gemma3', "
+              r"\['arcee', 'cohere2', 'command-r', 'deepseek2', 'ernie4_5', 'ernie4_5-moe', 'exaone4', 'falcon-h1', "
+              r"'gemma2', 'gemma3', "
               r"'gemma4', 'glm4', 'glm4moe', 'gpt-oss', 'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', "
               r"'llama4', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'olmo2', 'olmoe', "
               r"'phi3', 'qwen2', 'qwen2moe', 'qwen2vl', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', "
@@ -2083,6 +2090,22 @@ def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_ca
               "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(tiny_granite_dir, path, fields)
+
+
+@pytest.mark.parametrize("arch, fixture", [("command-r", "tiny_cohere_dir"), ("cohere2", "tiny_cohere2_dir")])
+def test_a_cohere_gguf_matches_transformers(request, tmp_path, gguf_cache, arch, fixture):
+    """A GGUF of Command R+ (per-head q/k LayerNorms, RoPE on every layer) or Command R7B / Command A (three layers of
+    four sliding over a window with RoPE, the fourth global without: as llama.cpp fixes it) as llama.cpp writes them
+    (one LayerNorm per layer, its epsilon as ``layer_norm_epsilon``, the logit scale, the weights as released: RoPE on
+    interleaved pairs in llama.cpp too) is read by specray's own mapping: its config is the folder's, its tensors are,
+    its logits equal transformers' on the folder, and the engine's greedy output with n-gram drafts on the GGUF equals
+    the folder's."""
+    folder = request.getfixturevalue(fixture)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "layer_norm_eps",
+              "logit_scale", "use_qk_norm", "sliding_window", "layer_types")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
 
 
 def test_an_ernie4_5_moe_gguf_matches_transformers(tiny_ernie4_5_moe_dir, tmp_path, gguf_cache):

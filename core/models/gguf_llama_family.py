@@ -4,12 +4,13 @@ transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``
 (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP
 layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE
 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
-``attention.sliding_window_pattern``) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``)
-and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE
-(``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack
-layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints specray loads for
-them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert,
-as the releases name them.
+``attention.sliding_window_pattern``), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one
+LayerNorm per layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL /
+Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE
+whose multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image
+embeddings, their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF
+checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the
+file and split back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -36,6 +37,7 @@ from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_laye
                                       per_expert, read_model_gguf, rope_parameters, stacked_experts)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
+COHERE2_GLOBAL_LAYER_STEP = 4  # llama.cpp's for Cohere2: every 4th layer global (no GGUF key carries it)
 
 
 def _granite(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, float]:
@@ -95,6 +97,23 @@ def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "moe_layer_interval": int(get("interleave_moe_layer_step")), "moe_layer_end_index": layers - 1}
 
 
+def _cohere(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Command R / R+'s LayerNorms' epsilon, its logit scale and (R+) its per-head q/k LayerNorms (their tensors'
+    presence, as llama.cpp tells)."""
+    return {"layer_norm_eps": as_written(get("attention.layer_norm_epsilon")),
+            "logit_scale": as_written(get("logit_scale")), "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+
+
+def _cohere2(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Command R7B / Command A's: Command R's norms and logit scale; three layers of four sliding over the window
+    (with RoPE), the fourth global (without), as llama.cpp fixes it for every Cohere2 (no key carries the pattern)."""
+    layers = int(get("block_count"))
+    return {"layer_norm_eps": as_written(get("attention.layer_norm_epsilon")),
+            "logit_scale": as_written(get("logit_scale")), "sliding_window": int(get("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if (i + 1) % COHERE2_GLOBAL_LAYER_STEP else "full_attention"
+                            for i in range(layers)]}
+
+
 def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Qwen3-MoE's experts (in every layer; llama.cpp renormalises the top k's weights, as the releases do)."""
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
@@ -132,7 +151,9 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "qwen3vl": _Family("Qwen3Config", "Qwen3ForCausalLM", permuted=False),
              "qwen3vlmoe": _Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permuted=False, own=_qwen3_moe),
              "ernie4_5-moe": _Family("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", permuted=False, own=_ernie_moe,
-                                     checkpoint_names=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),))}
+                                     checkpoint_names=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)),
+             "command-r": _Family("CohereConfig", "CohereForCausalLM", permuted=False, own=_cohere),
+             "cohere2": _Family("Cohere2Config", "Cohere2ForCausalLM", permuted=False, own=_cohere2, windows=True)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
@@ -163,12 +184,14 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     if family.rope_per_kind:  # as llama.cpp runs the sliding layers: no scaling
         sliding = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", rope["rope_theta"]))}
         rope = {"full_attention": rope, "sliding_attention": sliding}
+    eps = get("attention.layer_norm_rms_epsilon", None)  # (none in a family of LayerNorms: Cohere's)
+    rms_eps = {} if eps is None else {"rms_norm_eps": as_written(eps)}
     config = getattr(transformers, family.config)(
         architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
         max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=as_written(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
+        rope_parameters=rope, **rms_eps,
         tie_word_embeddings="output.weight" not in tensors, **family.fixed,
         **(family.own(get, tensors) if family.own else {}), **get.token_ids())
     if hasattr(config, "head_dim") or head_dim != hidden // heads:  # (OLMo 2's config has none: hidden / heads)
