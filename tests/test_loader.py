@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -326,6 +327,10 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    if arch == "mistral3":  # llama.cpp's Ministral3Model: a LlamaModel, YaRN's log multiplier, the query scaling
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch in ("command-r", "cohere2"):  # llama.cpp's CommandR2Model, Cohere2Model: the logit scale, no scaling
         w.add_logit_scale(cfg["logit_scale"])
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
@@ -484,7 +489,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
         if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch in ("llama", "smollm3", "arcee", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "smollm3", "arcee", "granite", "mistral3") and name.endswith(("q_proj.weight",
+                                                                                         "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
@@ -1186,18 +1192,19 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
     return path
 
 
+# every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
+GGUF_LOADABLE = ["arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4", "falcon-h1",
+                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid", "jamba",
+                 "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe",
+                 "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
 @pytest.mark.parametrize("arch, match", [
     ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
-              r"\['arcee', 'cohere2', 'command-r', 'deepseek2', 'ernie4_5', 'ernie4_5-moe', 'exaone4', 'falcon-h1', "
-              r"'gemma2', 'gemma3', "
-              r"'gemma4', 'glm4', 'glm4moe', 'gpt-oss', 'granite', 'granitehybrid', 'jamba', 'lfm2', 'llama', "
-              r"'llama4', 'mamba', 'minimax-m2', 'nemotron', 'nemotron_h', 'nemotron_h_moe', 'olmo2', 'olmoe', "
-              r"'phi3', 'qwen2', 'qwen2moe', 'qwen2vl', 'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next', "
-              r"'qwen3vl', 'qwen3vlmoe', 'seed_oss', 'smollm3', 'starcoder2'\]"),
+              + re.escape(str(sorted(GGUF_LOADABLE)))),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
     """A GGUF transformers has no mapping for and specray reads no other way -- Gemma's (a family we serve from its
@@ -2106,6 +2113,26 @@ def test_a_cohere_gguf_matches_transformers(request, tmp_path, gguf_cache, arch,
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "layer_norm_eps",
               "logit_scale", "use_qk_norm", "sliding_window", "layer_types")
     assert_gguf_serves_as_its_folder(folder, path, fields)
+
+
+def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, gguf_cache):
+    """A GGUF of Ministral 3 as llama.cpp writes it (a Llama's layout, the query and key rows in llama.cpp's RoPE
+    order; YaRN with its log multiplier, the queries' scaling by position as ``attention.temperature_scale``) is read
+    by specray's own mapping: its config is the folder's (the pretrained length of 8 makes the prompts' positions
+    reach several steps of the query scaling), its tensors are, its logits equal transformers' on the folder, and the
+    engine's greedy output with n-gram drafts on the GGUF equals the folder's. A multiplier other than the releases'
+    1 is refused, naming the way out."""
+    path = write_gguf(tiny_ministral3_dir, tmp_path / "ministral3.gguf", "mistral3")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(tiny_ministral3_dir, path, fields)
+    rope = json.loads((tiny_ministral3_dir / "config.json").read_text())["rope_parameters"]
+    changed = copy_config(tiny_ministral3_dir, tmp_path / "other", rope_parameters={**rope, "mscale_all_dim": 0.5})
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_ministral3_dir / name, changed / name)
+    with pytest.raises(ValueError, match="yarn_log_multiplier=0.5; specray reads a Ministral 3 GGUF with the "
+                                         "releases' 1"):
+        load_hf_config(str(write_gguf(changed, tmp_path / "other.gguf", "mistral3")))
 
 
 def test_an_ernie4_5_moe_gguf_matches_transformers(tiny_ernie4_5_moe_dir, tmp_path, gguf_cache):

@@ -1,16 +1,17 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
-transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``) and Granite 3's dense models
-(``granite``) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE
-(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP
-layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE
-4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
-``attention.sliding_window_pattern``), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one
-LayerNorm per layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL /
-Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE
-whose multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image
-embeddings, their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF
-checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the
-file and split back per expert, as the releases name them.
+transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``), Granite 3's dense models
+(``granite``) and Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
+``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS
+(``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP layers the converter leaves
+out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window
+and sliding layers as ``attention.sliding_window`` and ``attention.sliding_window_pattern``), Command R / R+
+(``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the
+logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
+Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
+rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read --
+through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
+Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name
+them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -114,6 +115,23 @@ def _cohere2(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
                             for i in range(layers)]}
 
 
+def _ministral3_rope(get: GGUFMeta, rope: dict[str, Any]) -> None:
+    """Ministral 3's RoPE, besides its YaRN: the log multiplier (``yarn_log_multiplier``: the release's
+    ``mscale_all_dim``) with the ``mscale`` llama.cpp takes to be 1, as both are in the releases (llama.cpp's graph
+    leaves the cos/sin unscaled, as transformers does with the two equal; a file of another multiplier is refused),
+    and its queries scaled by position, ``1 + beta ln(1 + floor(p / L0))`` (``attention.temperature_scale``: the
+    release's ``llama_4_scaling_beta``; L0 the YaRN's pretrained length)."""
+    if rope.get("mscale_all_dim", 1.0) != 1.0:
+        raise ValueError(f"GGUF {str(get.gguf)!r} has mistral3.rope.scaling.yarn_log_multiplier="
+                         f"{rope['mscale_all_dim']}; specray reads a Ministral 3 GGUF with the releases' 1 (llama.cpp "
+                         "assumes a matching mscale). Pass the model's HF checkpoint instead")
+    if rope["rope_type"] == "yarn":
+        rope.update(mscale=1.0, mscale_all_dim=1.0)
+    beta = get("attention.temperature_scale", None)
+    if beta:
+        rope["llama_4_scaling_beta"] = as_written(beta)
+
+
 def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Qwen3-MoE's experts (in every layer; llama.cpp renormalises the top k's weights, as the releases do)."""
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
@@ -133,6 +151,8 @@ class _Family:
     rope_per_kind: bool = False  # the sliding layers' RoPE plain (``rope.freq_base_swa``), the others' as the file's
     # transformers' module names -> the release's, where they differ (transformers renames them as it loads)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
+    log_multiplier: str | None = None  # the HF field the converter wrote as YaRN's log multiplier
+    rope_extra: Callable[[GGUFMeta, dict], None] | None = None  # what else of the RoPE the family's own keys say
 
 
 # llama.cpp's architecture -> its family
@@ -153,7 +173,9 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "ernie4_5-moe": _Family("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", permuted=False, own=_ernie_moe,
                                      checkpoint_names=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)),
              "command-r": _Family("CohereConfig", "CohereForCausalLM", permuted=False, own=_cohere),
-             "cohere2": _Family("Cohere2Config", "Cohere2ForCausalLM", permuted=False, own=_cohere2, windows=True)}
+             "cohere2": _Family("Cohere2Config", "Cohere2ForCausalLM", permuted=False, own=_cohere2, windows=True),
+             "mistral3": _Family("Ministral3Config", "Ministral3ForCausalLM", log_multiplier="mscale_all_dim",
+                                 rope_extra=_ministral3_rope)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
@@ -178,7 +200,9 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     if rotated != head_dim and not family.partial_rope:
         raise ValueError(f"GGUF {str(gguf)!r} rotates {rotated} of each head's {head_dim} dims, which specray does not "
                          f"read for {arch}; pass the model's HF checkpoint instead")
-    rope = rope_parameters(get, tensors.pop("rope_freqs.weight", None), rotated)
+    rope = rope_parameters(get, tensors.pop("rope_freqs.weight", None), rotated, family.log_multiplier)
+    if family.rope_extra:
+        family.rope_extra(get, rope)
     if family.partial_rope:
         rope["partial_rotary_factor"] = rotated / head_dim
     if family.rope_per_kind:  # as llama.cpp runs the sliding layers: no scaling

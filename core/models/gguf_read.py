@@ -108,7 +108,8 @@ class GGUFMeta:
                 "pad_token_id": self.meta.get("tokenizer.ggml.padding_token_id")}
 
 
-def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -> dict[str, Any]:
+def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int,
+                    log_multiplier: str | None = None) -> dict[str, Any]:
     """The HF ``rope_parameters`` of a GGUF's RoPE as llama.cpp's converter writes it: the base
     (``rope.freq_base``), a linear or YaRN scaling (``rope.scaling.*``), or Llama 3's scaling, which the converter
     bakes into a tensor of per-frequency factors (``factors``: the file's ``rope_freqs``, each frequency of the
@@ -117,7 +118,7 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
     without them would rotate its low frequencies 8 times too fast). A YaRN's ``yarn_attn_factor`` (or, in older
     files, ``attn_factor``) is the HF config's ``attention_factor`` the converter wrote. What the HF config cannot
     say (llama.cpp's own YaRN extrapolation factor or log multiplier, any other kind of scaling) is refused, naming
-    the way out."""
+    the way out. ``log_multiplier``: the HF field a family's converter wrote as ``yarn_log_multiplier``, read as it."""
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type", "none")
     refuse = f"GGUF {str(get.gguf)!r}"
@@ -134,8 +135,8 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
     elif scaling == "linear":
         rope.update(rope_type="linear", factor=as_written(get("rope.scaling.factor")))
     elif scaling == "yarn":  # the factor and pretrained length always; the betas and cos/sin scale where written
-        own = [key for key in ("yarn_ext_factor", "yarn_log_multiplier")
-               if get(f"rope.scaling.{key}", None) is not None]
+        unread = ("yarn_ext_factor",) if log_multiplier else ("yarn_ext_factor", "yarn_log_multiplier")
+        own = [key for key in unread if get(f"rope.scaling.{key}", None) is not None]
         if own:
             raise ValueError(f"{refuse} sets {get.arch}.rope.scaling.{own[0]}, a YaRN setting of llama.cpp's own that "
                              f"specray does not read from a {get.arch} GGUF; pass the model's HF checkpoint instead")
@@ -146,6 +147,8 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int) -
                            ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if get(f"rope.scaling.{key}", None) is not None:
                 rope[field] = as_written(get(f"rope.scaling.{key}"))
+        if log_multiplier and get("rope.scaling.yarn_log_multiplier", None) is not None:
+            rope[log_multiplier] = as_written(get("rope.scaling.yarn_log_multiplier"))
     elif scaling != "none":
         raise ValueError(f"{refuse} has {get.arch}.rope.scaling.type={scaling!r}; specray reads a {get.arch} GGUF "
                          "with linear, YaRN, Llama 3's (rope_freqs) or no RoPE scaling. Pass the model's HF "
