@@ -244,6 +244,22 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
         torch.testing.assert_close(again.model.layers[3].mlp(x), smol.model.layers[3].mlp(x), rtol=1e-3, atol=1e-3)
 
 
+def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_dir, tmp_path, gguf_cache,
+                                                                     monkeypatch):
+    """A conversion whose version (``GGUF_CONVERSION_VERSION``) differs from the cached folder's is not served the
+    older folder: the file is converted again, into a folder of its own (the older one is left as it was)."""
+    path = write_gguf(tiny_llama_dir, tmp_path / "llama.gguf", "llama")
+    first = resolve_model(str(path)).path
+    assert json.loads((first / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
+    monkeypatch.setattr(loader, "GGUF_CONVERSION_VERSION", loader.GGUF_CONVERSION_VERSION + 1)
+    converted = []
+    write = loader._write_gguf_folder
+    monkeypatch.setattr(loader, "_write_gguf_folder", lambda *args: converted.append(args) or write(*args))
+    second = resolve_model(str(path)).path
+    assert converted and second != first and (first / loader._GGUF_MARKER).is_file()
+    assert json.loads((second / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
+
+
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
 def _write_out(w) -> None:
@@ -1195,9 +1211,9 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4", "falcon-h1",
                  "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid", "jamba",
-                 "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe",
-                 "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
-                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                 "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron", "nemotron_h",
+                 "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35",
+                 "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 

@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
+# the conversion's own version, part of a cached folder's key: raised whenever a file already converted would now
+# convert to something else (2: the RoPE scaling read, Llama 3's per-frequency factors included, which conversions
+# before it left out), so that no folder of an older conversion is served again
+GGUF_CONVERSION_VERSION = 2
 # a converted GGUF's tensors are written in safetensors shards of about this many bytes (plus a layer at most): the
 # conversion holds one shard, not the model (whose dequantized float32 tensors are several times the file's size)
 GGUF_SHARD_BYTES = 2 << 30
@@ -433,10 +437,11 @@ def cache_dir() -> Path:
 
 
 def gguf_cache_folder(gguf: Path) -> Path:
-    """Where the converted ``gguf`` lives: keyed by its absolute path, size and mtime."""
+    """Where the converted ``gguf`` lives: keyed by its absolute path, size and mtime, and the conversion's version
+    (``GGUF_CONVERSION_VERSION``)."""
     gguf = gguf.resolve()
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERSION_VERSION}".encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 
@@ -908,7 +913,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         config.save_pretrained(out)
         _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
-    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": GGUF_CONVERSION_VERSION}
     (out / _GGUF_MARKER).write_text(json.dumps(marker))
 
 
