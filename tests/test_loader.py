@@ -287,6 +287,8 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     if arch == "mamba":
         w.add_ssm_dt_b_c_rms(falcon_mamba)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    if arch == "hunyuan-dense":  # its vocabulary's fix: the end of generation as EOS
+        w.add_eos_token_id(cfg["eod_token_id"])
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":  # llama.cpp's LlamaModel: in a tensor
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg).numpy())
     _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
@@ -343,6 +345,12 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
+    if arch == "hunyuan-dense" and rope.get("alpha"):  # llama.cpp's HunYuanModel: the base stretched by NTK alpha
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+        w.add_context_length(256 * 1024)
     if arch == "mistral3":  # llama.cpp's Ministral3Model: a LlamaModel, YaRN's log multiplier, the query scaling
         w.add_rope_dimension_count(head_dim)
         w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
@@ -1210,10 +1218,11 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4", "falcon-h1",
-                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid", "jamba",
-                 "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron", "nemotron_h",
-                 "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35",
-                 "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid",
+                 "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron",
+                 "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3",
+                 "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3",
+                 "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2129,6 +2138,20 @@ def test_a_cohere_gguf_matches_transformers(request, tmp_path, gguf_cache, arch,
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "layer_norm_eps",
               "logit_scale", "use_qk_norm", "sliding_window", "layer_types")
     assert_gguf_serves_as_its_folder(folder, path, fields)
+
+
+def test_a_hunyuan_dense_gguf_matches_transformers(tiny_hunyuan_v1_dense_dir, tmp_path, gguf_cache):
+    """A GGUF of Hunyuan's dense model as llama.cpp writes it (a plain layout, q/k norms; the RoPE base stretched by
+    the release's NTK alpha, written as the file's base with no scaling; its end-of-generation token as EOS) is read
+    by specray's own mapping: its config is the folder's but for the RoPE, which rotates by the same frequencies
+    (the logits say so), its tensors are the folder's, its logits equal transformers' on the folder, and the engine's
+    greedy output with n-gram drafts on the GGUF equals the folder's."""
+    path = write_gguf(tiny_hunyuan_v1_dense_dir, tmp_path / "hunyuan.gguf", "hunyuan-dense")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps", "attention_bias")
+    assert_gguf_serves_as_its_folder(tiny_hunyuan_v1_dense_dir, path, fields)
+    config = load_hf_config(str(path))
+    assert config.rope_parameters["rope_type"] == "default" and config.eos_token_id == 3  # its eod_token_id
 
 
 def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, gguf_cache):

@@ -4,14 +4,15 @@ transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``
 ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS
 (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP layers the converter leaves
 out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window
-and sliding layers as ``attention.sliding_window`` and ``attention.sliding_window_pattern``), Command R / R+
-(``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the
-logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
-Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
-rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read --
-through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
-Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name
-them.
+and sliding layers as ``attention.sliding_window`` and ``attention.sliding_window_pattern``), Hunyuan's dense models
+(``hunyuan-dense``: q/k norms; the RoPE base the converter writes already stretched by the release's NTK alpha, as the
+release's config would stretch it), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one
+LayerNorm per layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL /
+Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE
+whose multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image
+embeddings, their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF
+checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the
+file and split back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -175,7 +176,8 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "command-r": _Family("CohereConfig", "CohereForCausalLM", permuted=False, own=_cohere),
              "cohere2": _Family("Cohere2Config", "Cohere2ForCausalLM", permuted=False, own=_cohere2, windows=True),
              "mistral3": _Family("Ministral3Config", "Ministral3ForCausalLM", log_multiplier="mscale_all_dim",
-                                 rope_extra=_ministral3_rope)}
+                                 rope_extra=_ministral3_rope),
+             "hunyuan-dense": _Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", permuted=False)}
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
