@@ -13,10 +13,10 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``qwen3next``) -- (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba
 (``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
-Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), SmolLM3, Arcee's AFM, Granite 3, OLMo 2 and 3, OLMoE, Seed-OSS,
-ERNIE 4.5, GLM-4, EXAONE 4.0 and the Qwen VLs' text models (``smollm3``, ``arcee``, ``granite``, ``olmo2``, ``olmoe``,
-``seed_oss``, ``ernie4_5``, ``glm4``, ``exaone4``, ``qwen2vl``, ``qwen3vl``, ``qwen3vlmoe``:
-:mod:`specray.models.gguf_llama_family`), DeepSeek-V3 (``deepseek2``:
+Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writes in a Llama's layout under
+architectures of their own -- SmolLM3, Arcee's AFM, Granite 3, OLMo 2 and 3, OLMoE, Seed-OSS, ERNIE 4.5 and its MoE,
+GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A, Ministral 3 and the Qwen VLs' text models
+(:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``:
 :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`) and
 Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another architecture (Gemma's ``gemma``) is refused
 before any conversion, naming the fix: load the model's HF checkpoint instead.
