@@ -247,8 +247,10 @@ def test_gguf_second_load_reads_the_cache(smol, smollm2_gguf, gguf_cache, monkey
 def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_dir, tmp_path, gguf_cache,
                                                                      monkeypatch):
     """A conversion whose version (``GGUF_CONVERSION_VERSION``) differs from the cached folder's is not served the
-    older folder: the file is converted again, into a folder of its own (the older one is left as it was)."""
+    older folder: the file is converted again, into a folder of its own, and the older conversion is deleted (so is
+    one of an earlier version of the file; another file's stays)."""
     path = write_gguf(tiny_llama_dir, tmp_path / "llama.gguf", "llama")
+    other = resolve_model(str(shutil.copy(path, tmp_path / "other.gguf"))).path
     first = resolve_model(str(path)).path
     assert json.loads((first / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
     monkeypatch.setattr(loader, "GGUF_CONVERSION_VERSION", loader.GGUF_CONVERSION_VERSION + 1)
@@ -256,8 +258,11 @@ def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_d
     write = loader._write_gguf_folder
     monkeypatch.setattr(loader, "_write_gguf_folder", lambda *args: converted.append(args) or write(*args))
     second = resolve_model(str(path)).path
-    assert converted and second != first and (first / loader._GGUF_MARKER).is_file()
+    assert converted and second != first and not first.exists() and (other / loader._GGUF_MARKER).is_file()
     assert json.loads((second / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    third = resolve_model(str(path)).path
+    assert third != second and not second.exists() and (other / loader._GGUF_MARKER).is_file()
 
 
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------

@@ -447,7 +447,8 @@ def gguf_cache_folder(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """The cached HF folder for ``gguf``, converting it on first use."""
+    """The cached HF folder for ``gguf``, converting it on first use; a new conversion replaces the file's older ones
+    (:func:`_drop_older_conversions`)."""
     folder = gguf_cache_folder(gguf)
     if (folder / _GGUF_MARKER).is_file():
         logger.info("GGUF %s: using cached conversion %s", gguf, folder)
@@ -468,7 +469,25 @@ def convert_gguf(gguf: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _drop_older_conversions(gguf.resolve(), folder)
     return folder
+
+
+def _drop_older_conversions(gguf: Path, current: Path) -> None:
+    """Delete the cached conversions of the file at ``gguf``'s path other than ``current``: those of an earlier
+    version of the file (another size or mtime) or of an older conversion (``GGUF_CONVERSION_VERSION``), which are
+    never read again and hold 4 bytes per parameter each. Only complete folders whose marker names this path."""
+    for marker in current.parent.glob(f"*/{_GGUF_MARKER}"):
+        folder = marker.parent
+        if folder == current:
+            continue
+        try:
+            if json.loads(marker.read_text()).get("gguf") != str(gguf):
+                continue
+        except (OSError, ValueError):  # a folder being written or removed by another process: not ours to judge
+            continue
+        logger.info("GGUF %s: deleting its older conversion %s", gguf, folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _NameOnlyModel(nn.Module):
