@@ -379,7 +379,9 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         w.add_rope_dimension_sections([head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6, 0])
         if arch != "qwen2vl":
             w.add_num_deepstack_layers(3)
-    if arch == "granite":  # llama.cpp's Granite: its multipliers as scales
+    if arch == "granitemoe" and cfg.get("shared_intermediate_size"):  # GraniteMoeShared's MLP
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    if arch in ("granite", "granitemoe"):  # llama.cpp's Granite: its multipliers as scales
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -518,8 +520,15 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
         if ".experts." in name:  # model.layers.i.{mlp,block_sparse_moe}.experts.e.{gate_proj,w1}.weight: by kind
             stacked.setdefault(".".join(parts[:5] + [parts[6]]), []).append((int(parts[5]), tensor))
             continue
-        if arch in ("llama", "smollm3", "arcee", "granite", "mistral3") and name.endswith(("q_proj.weight",
-                                                                                         "k_proj.weight")):
+        if name.endswith(("block_sparse_moe.input_linear.weight", "shared_mlp.input_linear.weight")):
+            # llama.cpp's GraniteMoeModel: the fused gate/up of the experts, and of the shared MLP, split in two
+            kind = "exps" if "block_sparse_moe" in name else "shexp"
+            gate, up = tensor.split(tensor.shape[-2] // 2, dim=-2)
+            for projection, half in (("gate", gate), ("up", up)):
+                w.add_tensor(f"blk.{parts[2]}.ffn_{projection}_{kind}.weight", half.float().numpy())
+            continue
+        if arch in ("llama", "smollm3", "arcee", "granite", "granitemoe", "mistral3") and name.endswith((
+                "q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
@@ -1223,7 +1232,7 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4", "falcon-h1",
-                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid",
+                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid", "granitemoe",
                  "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron",
                  "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3",
                  "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3",
@@ -2115,6 +2124,22 @@ def test_an_afm_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache)
         assert torch.equal(torch.tensor(rope.pop(kind), dtype=torch.float32), factors)
     assert rope == {"rope_type": "longrope", "rope_theta": 100.0, "attention_factor": 1.0,
                     "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_granitemoe_dir", "tiny_granitemoeshared_dir"])
+def test_a_granite_moe_gguf_matches_transformers(request, tmp_path, gguf_cache, fixture):
+    """A GGUF of Granite 3's MoE, with or without its shared MLP, as llama.cpp writes it (a Llama's layout, the query
+    and key rows in llama.cpp's RoPE order; the four multipliers; the experts' fused gate/up, and the shared MLP's,
+    split in two) is read by specray's own mapping into the release's layout (``input_linear``, ``output_linear``,
+    ``router.layer``): its config is the folder's, its tensors are, its logits equal transformers' on the folder, and
+    the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    folder = request.getfixturevalue(fixture)
+    path = write_gguf(folder, tmp_path / "granitemoe.gguf", "granitemoe")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+              "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "rope_parameters",
+              "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
 
 
 def test_a_granite_gguf_matches_transformers(tiny_granite_dir, tmp_path, gguf_cache):

@@ -1,6 +1,7 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``), Granite 3's dense models
-(``granite``) and Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
+(``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's gate/up, which the converter splits,
+fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
 ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS
 (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP layers the converter leaves
 out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window
@@ -47,6 +48,15 @@ def _granite(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, float]:
     keys = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
             "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
     return {field: as_written(get(key)) for field, key in keys.items() if get(key, None) is not None}
+
+
+def _granite_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Granite 3 MoE's multipliers and experts (in every layer, each ``feed_forward_length`` wide) and, with its
+    shared MLP, that MLP's width."""
+    shared = get("expert_shared_feed_forward_length", None)
+    return {**_granite(get, tensors), "num_local_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")),
+            **({"shared_intermediate_size": int(shared)} if shared else {})}
 
 
 def _seed_oss(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
@@ -153,6 +163,13 @@ class _Family:
     # transformers' module names -> the release's, where they differ (transformers renames them as it loads)
     checkpoint_names: tuple[tuple[str, str], ...] = ()
     log_multiplier: str | None = None  # the HF field the converter wrote as YaRN's log multiplier
+    # a layer's tensors the converter split or renamed where gguf-py's map cannot say the release's layout: the
+    # release's name (after ``model.layers.{i}.``) -> (the GGUF tensors, after ``blk.{i}.``, joined along ``dim``);
+    # the transformers modules under ``fused_modules`` are read this way alone, those under ``fused_optional`` only
+    # where the file has them
+    fused: dict[str, tuple[tuple[str, ...], int]] = field(default_factory=dict)
+    fused_modules: tuple[str, ...] = ()
+    fused_optional: tuple[str, ...] = ()
     rope_extra: Callable[[GGUFMeta, dict], None] | None = None  # what else of the RoPE the family's own keys say
 
 
@@ -178,13 +195,30 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "mistral3": _Family("Ministral3Config", "Ministral3ForCausalLM", log_multiplier="mscale_all_dim",
                                  rope_extra=_ministral3_rope),
              "hunyuan-dense": _Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", permuted=False)}
+# Granite 3's MoE (``granitemoe``), and with a shared expert (GraniteMoeShared): its fused gate/up experts
+# (``input_linear`` [E, 2I, H]) split by the converter into ``ffn_gate_exps`` and ``ffn_up_exps``, its shared MLP's
+# (``shared_mlp.input_linear`` [2S, H]) into ``ffn_gate_shexp`` and ``ffn_up_shexp``
+_GRANITE_MOE_FUSED = {"block_sparse_moe.router.layer.weight": (("ffn_gate_inp.weight",), 0),
+                      "block_sparse_moe.input_linear.weight": (("ffn_gate_exps.weight", "ffn_up_exps.weight"), 1),
+                      "block_sparse_moe.output_linear.weight": (("ffn_down_exps.weight",), 0),
+                      "shared_mlp.input_linear.weight": (("ffn_gate_shexp.weight", "ffn_up_shexp.weight"), 0),
+                      "shared_mlp.output_linear.weight": (("ffn_down_shexp.weight",), 0)}
+_GRANITE_MOE_SHARED = _Family("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", own=_granite_moe,
+                              fused=_GRANITE_MOE_FUSED, fused_modules=("block_sparse_moe.", "shared_mlp."))
+_FAMILIES["granitemoe"] = _Family("GraniteMoeConfig", "GraniteMoeForCausalLM", own=_granite_moe,
+                                  fused=_GRANITE_MOE_FUSED, fused_modules=("block_sparse_moe.", "shared_mlp."),
+                                  fused_optional=("shared_mlp.",))
 LLAMA_FAMILY_GGUF_ARCHS = tuple(_FAMILIES)
 # OLMo 3, which llama.cpp writes as an OLMo 2 with sliding-window layers: their RoPE is plain, the full layers' YaRN
 _OLMO3 = _Family("Olmo3Config", "Olmo3ForCausalLM", permuted=False, own=_windows, windows=True, rope_per_kind=True)
 
 
-def _family(get: GGUFMeta) -> _Family:
-    return _OLMO3 if get.arch == "olmo2" and get("attention.sliding_window", None) else _FAMILIES[get.arch]
+def _family(get: GGUFMeta, tensors: GGUFTensors) -> _Family:
+    if get.arch == "olmo2" and get("attention.sliding_window", None):
+        return _OLMO3
+    if get.arch == "granitemoe" and "blk.0.ffn_gate_shexp.weight" in tensors:
+        return _GRANITE_MOE_SHARED
+    return _FAMILIES[get.arch]
 
 
 def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -192,7 +226,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     import transformers
 
     gguf, arch = get.gguf, get.arch
-    family = _family(get)
+    family = _family(get, tensors)
     if get("attention.sliding_window", None) and not family.windows:
         raise ValueError(f"GGUF {str(gguf)!r} has sliding-window layers ({arch}.attention.sliding_window), which "
                          f"specray does not read from a {arch} GGUF; pass the model's HF checkpoint instead")
@@ -241,11 +275,12 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     import transformers
 
     get, tensors = read_model_gguf(gguf, arch)
+    family = _family(get, tensors)
     config = llama_family_gguf_config(get, tensors)
-    family = _family(get)
     model_class = getattr(transformers, family.architecture)
     with torch.device("meta"):
         hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n
+                    and not any(f".{module}" in n for module in family.fused_modules)
                     and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     for module_name, checkpoint_name in family.checkpoint_names:
         hf_names = [n.replace(module_name, checkpoint_name) for n in hf_names]
@@ -254,7 +289,20 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     names = gguf_names(gguf_arch, layers, hf_names)
     experts = stacked_experts(gguf_arch, layers,
                               [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors])
-    check_tensor_names(gguf, family.architecture, set(names) | set(experts), tensors)
+    fused = {f"blk.{i}.{part}": (i, release) for i in range(layers) for release, (parts, _) in family.fused.items()
+             for part in parts
+             if not (release.startswith(family.fused_optional) and f"blk.{i}.{parts[0]}" not in tensors)}
+    check_tensor_names(gguf, family.architecture, set(names) | set(experts) | set(fused), tensors)
+
+    def joined(group: list[str]) -> dict[str, torch.Tensor]:
+        """A layer's tensors of ``family.fused``, joined back into the release's."""
+        parts = {name: tensors.pop(name) for name in group if name in fused}
+        out = {}
+        for release, (names_in_file, dim) in family.fused.items():
+            layer = {fused[n][0] for n in parts if fused[n][1] == release}
+            for i in layer:
+                out[f"model.layers.{i}.{release}"] = torch.cat([parts[f"blk.{i}.{n}"] for n in names_in_file], dim)
+        return out
 
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
         if gguf_name in experts:
@@ -274,6 +322,6 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
         for group in by_layer(tensors):
-            yield {k: v for n in group for k, v in hf_tensors(n).items()}
+            yield {**joined(group), **{k: v for n in group if n not in fused for k, v in hf_tensors(n).items()}}
 
     return config, groups()

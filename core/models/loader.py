@@ -89,7 +89,7 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "qwen2vl": "Qwen2-VL / Qwen2.5-VL text", "qwen3vl": "Qwen3-VL text",
                   "qwen3vlmoe": "Qwen3-VL-MoE text", "ernie4_5-moe": "ERNIE 4.5 MoE", "command-r": "Command R / R+",
                   "cohere2": "Command R7B / Command A", "mistral3": "Ministral 3",
-                  "hunyuan-dense": "Hunyuan (dense)"}
+                  "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
