@@ -1,7 +1,7 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``), Granite 3's dense models
 (``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's gate/up, which the converter splits,
-fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
+fused back) and Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
 ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS
 (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP layers the converter leaves
 out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window
