@@ -288,7 +288,10 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
     falcon_mamba = arch == "falcon_mamba"  # llama.cpp's: a mamba with its B, C and dt normed
     arch = {"mixtral": "llama", "falcon_mamba": "mamba"}.get(arch, arch)
     w = gguf.GGUFWriter(str(out), arch)
-    _write_gguf_params(w, cfg, arch)
+    tensors = load_file(str(folder / "model.safetensors"))
+    xielu = {name: [tensors.pop(f"model.layers.{i}.mlp.act_fn.{name}").item() for i in range(cfg["num_hidden_layers"])]
+             for name in ("alpha_n", "alpha_p", "beta", "eps")} if arch == "apertus" else None
+    _write_gguf_params(w, cfg, arch, xielu)
     if arch == "mamba":
         w.add_ssm_dt_b_c_rms(falcon_mamba)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
@@ -296,12 +299,12 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
         w.add_eos_token_id(cfg["eod_token_id"])
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":  # llama.cpp's LlamaModel: in a tensor
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg).numpy())
-    _write_gguf_tensors(w, load_file(str(folder / "model.safetensors")), arch, cfg)
+    _write_gguf_tensors(w, tensors, arch, cfg)
     _write_out(w)
     return out
 
 
-def _write_gguf_params(w, cfg: dict, arch: str) -> None:
+def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> None:
     import gguf
 
     if arch == "mamba":
@@ -379,6 +382,10 @@ def _write_gguf_params(w, cfg: dict, arch: str) -> None:
         w.add_rope_dimension_sections([head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6, 0])
         if arch != "qwen2vl":
             w.add_num_deepstack_layers(3)
+    if arch == "apertus":  # llama.cpp's ApertusModel: the xIELU scalars, one per layer each (their tensors' values)
+        w.add_rope_dimension_count(head_dim)
+        for name, values in xielu.items():
+            getattr(w, f"add_xielu_{name}")(values)
     if arch == "granitemoe" and cfg.get("shared_intermediate_size"):  # GraniteMoeShared's MLP
         w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
     if arch in ("granite", "granitemoe"):  # llama.cpp's Granite: its multipliers as scales
@@ -1231,12 +1238,12 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
-GGUF_LOADABLE = ["arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4", "falcon-h1",
-                 "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid", "granitemoe",
-                 "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3", "nemotron",
-                 "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3",
-                 "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3",
-                 "starcoder2"]
+GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4",
+                 "falcon-h1", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid",
+                 "granitemoe", "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3",
+                 "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl",
+                 "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss",
+                 "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2139,6 +2146,22 @@ def test_a_granite_moe_gguf_matches_transformers(request, tmp_path, gguf_cache, 
               "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling",
               "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "rope_parameters",
               "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+
+
+def test_an_apertus_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of Apertus as llama.cpp writes it (a Llama's layout without the RoPE reordering; q/k norms; Llama 3's
+    RoPE factors; the gateless MLP's xIELU scalars as four metadata arrays, one value per layer) is read by specray's
+    own mapping: its config is the folder's, its tensors are (the scalars rebuilt per layer), its logits equal
+    transformers' on the folder, and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    # tiny_apertus_dir's, the pretrained length also at the top of the config, where llama.cpp's converter reads it
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    folder = make_tiny_model(tmp_path / "apertus", "apertus", seed=37, head_dim=16, dtype="float32",
+                             rope_parameters=rope, original_max_position_embeddings=16, tie_word_embeddings=False)
+    path = write_gguf(folder, tmp_path / "apertus.gguf", "apertus")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "hidden_act", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(folder, path, fields)
 
 

@@ -1,19 +1,21 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``), Granite 3's dense models
 (``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's gate/up, which the converter splits,
-fused back) and Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) through its
-``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS
-(``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP layers the converter leaves
-out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window
-and sliding layers as ``attention.sliding_window`` and ``attention.sliding_window_pattern``), Hunyuan's dense models
-(``hunyuan-dense``: q/k norms; the RoPE base the converter writes already stretched by the release's NTK alpha, as the
-release's config would stretch it), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one
-LayerNorm per layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL /
-Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE
-whose multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image
-embeddings, their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF
-checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the
-file and split back per expert, as the releases name them.
+fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) and Apertus
+(``apertus``: no RoPE reordering; its xIELU scalars as metadata arrays, one value per layer, put back as the release's
+tensors) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE
+(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP
+layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE
+4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
+``attention.sliding_window_pattern``), Hunyuan's dense models (``hunyuan-dense``: q/k norms; the RoPE base the converter
+writes already stretched by the release's NTK alpha, as the release's config would stretch it), Command R / R+
+(``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the
+logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
+Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
+rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read --
+through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
+Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name
+them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -57,6 +59,11 @@ def _granite_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     return {**_granite(get, tensors), "num_local_experts": int(get("expert_count")),
             "num_experts_per_tok": int(get("expert_used_count")),
             **({"shared_intermediate_size": int(shared)} if shared else {})}
+
+
+def _apertus(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, str]:
+    """Apertus's gateless MLP's activation (the converter writes none: the release's, xIELU)."""
+    return {"hidden_act": "xielu"}
 
 
 def _seed_oss(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, bool]:
@@ -170,6 +177,9 @@ class _Family:
     fused: dict[str, tuple[tuple[str, ...], int]] = field(default_factory=dict)
     fused_modules: tuple[str, ...] = ()
     fused_optional: tuple[str, ...] = ()
+    # a layer's tensors the converter wrote as metadata, one value per layer: the release's name (after
+    # ``model.layers.{i}.``) -> (the key, without the architecture's prefix, and the tensor's shape)
+    from_keys: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     rope_extra: Callable[[GGUFMeta, dict], None] | None = None  # what else of the RoPE the family's own keys say
 
 
@@ -194,7 +204,11 @@ _FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
              "cohere2": _Family("Cohere2Config", "Cohere2ForCausalLM", permuted=False, own=_cohere2, windows=True),
              "mistral3": _Family("Ministral3Config", "Ministral3ForCausalLM", log_multiplier="mscale_all_dim",
                                  rope_extra=_ministral3_rope),
-             "hunyuan-dense": _Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", permuted=False)}
+             "hunyuan-dense": _Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", permuted=False),
+             # Apertus: the xIELU activation's four scalars per layer as metadata arrays
+             "apertus": _Family("ApertusConfig", "ApertusForCausalLM", permuted=False, own=_apertus,
+                                from_keys={f"mlp.act_fn.{name}": (f"xielu.{name}", shape) for name, shape in
+                                           (("alpha_n", (1,)), ("alpha_p", (1,)), ("beta", ()), ("eps", ()))})}
 # Granite 3's MoE (``granitemoe``), and with a shared expert (GraniteMoeShared): its fused gate/up experts
 # (``input_linear`` [E, 2I, H]) split by the converter into ``ffn_gate_exps`` and ``ffn_up_exps``, its shared MLP's
 # (``shared_mlp.input_linear`` [2S, H]) into ``ffn_gate_shexp`` and ``ffn_up_shexp``
@@ -262,6 +276,16 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     return config
 
 
+def _per_layer_values(get: GGUFMeta, key: str, layers: int) -> list[float]:
+    """A key of one value per layer (written without the architecture's prefix), as float32 values."""
+    values = get.meta.get(key)
+    if not isinstance(values, list) or len(values) != layers:
+        raise ValueError(f"GGUF {str(get.gguf)!r} has {key}={values!r}, not one value for each of its {layers} "
+                         "layers as llama.cpp's converter writes it; convert the model again with a current llama.cpp, "
+                         "or pass its HF checkpoint")
+    return [float(v) for v in values]
+
+
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """A query or key projection's rows (or bias) back from llama.cpp's RoPE order: per head, the rows of its
     first and second halves interleaved -> the halves one after the other."""
@@ -281,6 +305,7 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     with torch.device("meta"):
         hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n
                     and not any(f".{module}" in n for module in family.fused_modules)
+                    and not any(n.endswith(f".{release}") for release in family.from_keys)
                     and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     for module_name, checkpoint_name in family.checkpoint_names:
         hf_names = [n.replace(module_name, checkpoint_name) for n in hf_names]
@@ -294,10 +319,14 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
              if not (release.startswith(family.fused_optional) and f"blk.{i}.{parts[0]}" not in tensors)}
     check_tensor_names(gguf, family.architecture, set(names) | set(experts) | set(fused), tensors)
 
+    keyed = {release: _per_layer_values(get, key, layers) for release, (key, _) in family.from_keys.items()}
+
     def joined(group: list[str]) -> dict[str, torch.Tensor]:
-        """A layer's tensors of ``family.fused``, joined back into the release's."""
+        """A layer's tensors of ``family.fused``, joined back into the release's, and of ``family.from_keys``."""
         parts = {name: tensors.pop(name) for name in group if name in fused}
-        out = {}
+        out = {f"model.layers.{i}.{release}": torch.tensor(keyed[release][i]).reshape(shape)
+               for i in {int(n.split(".")[1]) for n in group if n.startswith("blk.")}
+               for release, (_, shape) in family.from_keys.items()}
         for release, (names_in_file, dim) in family.fused.items():
             layer = {fused[n][0] for n in parts if fused[n][1] == release}
             for i in layer:

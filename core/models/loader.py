@@ -14,12 +14,13 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
 Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writes in a Llama's layout under
-architectures of their own -- SmolLM3, Arcee's AFM, Granite 3, OLMo 2 and 3, OLMoE, Seed-OSS, ERNIE 4.5 and its MoE,
-GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A, Ministral 3 and the Qwen VLs' text models
-(:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``:
-:mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`) and
-Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another architecture (Gemma's ``gemma``) is refused
-before any conversion, naming the fix: load the model's HF checkpoint instead.
+architectures of their own -- SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 2 and 3, OLMoE, Seed-OSS, ERNIE 4.5
+and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A, Ministral 3, Apertus and the
+Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3
+(``deepseek2``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``:
+:mod:`specray.models.gguf_glm4_moe`) and Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another
+architecture (Gemma's ``gemma``) is refused before any conversion, naming the fix: load the model's HF checkpoint
+instead.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "qwen2vl": "Qwen2-VL / Qwen2.5-VL text", "qwen3vl": "Qwen3-VL text",
                   "qwen3vlmoe": "Qwen3-VL-MoE text", "ernie4_5-moe": "ERNIE 4.5 MoE", "command-r": "Command R / R+",
                   "cohere2": "Command R7B / Command A", "mistral3": "Ministral 3",
-                  "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE"}
+                  "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
+                  "apertus": "Apertus"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
