@@ -1070,8 +1070,15 @@ def test_engine_replica_death_gives_openai_errors_a_fast_503_then_recovers(serve
             "temperature": 0}
     in_flight: list = []  # n=8 with 4 seats per request: 4 choices run, 4 wait their turn
     waiter = threading.Thread(target=lambda: in_flight.append(
-        http_json(server + "/v1/completions", {**long, "n": 8})))
+        http_json(server + "/v1/completions", {**long, "n": 8, "temperature": 1.0, "seed": 1})))
     waiter.start()
+    # the stream starts once the in-flight request's first choices generate: were its thread late, the stream
+    # could have been killed alone. Sampled, those choices take a step per token (drafts rarely pass), so two rounds
+    # of them outlast the stream's first chunk by far.
+    deadline = time.monotonic() + 30
+    while kv_state(server)["num_running"] < 4 and not in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not in_flight, in_flight
     resp, payloads = _stream_lines(server + "/v1/completions", {**long, "stream": True})
     with resp:
         first = json.loads(next(payloads))
