@@ -116,19 +116,23 @@ def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "moe_layer_interval": int(get("interleave_moe_layer_step")), "moe_layer_end_index": layers - 1}
 
 
-def _cohere(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
-    """Command R / R+'s LayerNorms' epsilon, its logit scale and (R+) its per-head q/k LayerNorms (their tensors'
-    presence, as llama.cpp tells)."""
+def _cohere_norms(get: GGUFMeta) -> dict[str, float]:
+    """Both Cohere families': their LayerNorms' epsilon and the logit scale."""
     return {"layer_norm_eps": as_written(get("attention.layer_norm_epsilon")),
-            "logit_scale": as_written(get("logit_scale")), "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+            "logit_scale": as_written(get("logit_scale"))}
+
+
+def _cohere(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Command R / R+'s norms and logit scale, and (R+) its per-head q/k LayerNorms (their tensors' presence, as
+    llama.cpp tells)."""
+    return {**_cohere_norms(get), "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
 def _cohere2(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Command R7B / Command A's: Command R's norms and logit scale; three layers of four sliding over the window
     (with RoPE), the fourth global (without), as llama.cpp fixes it for every Cohere2 (no key carries the pattern)."""
     layers = int(get("block_count"))
-    return {"layer_norm_eps": as_written(get("attention.layer_norm_epsilon")),
-            "logit_scale": as_written(get("logit_scale")), "sliding_window": int(get("attention.sliding_window")),
+    return {**_cohere_norms(get), "sliding_window": int(get("attention.sliding_window")),
             "layer_types": ["sliding_attention" if (i + 1) % COHERE2_GLOBAL_LAYER_STEP else "full_attention"
                             for i in range(layers)]}
 
@@ -327,10 +331,9 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
         out = {f"model.layers.{i}.{release}": torch.tensor(keyed[release][i]).reshape(shape)
                for i in {int(n.split(".")[1]) for n in group if n.startswith("blk.")}
                for release, (_, shape) in family.from_keys.items()}
-        for release, (names_in_file, dim) in family.fused.items():
-            layer = {fused[n][0] for n in parts if fused[n][1] == release}
-            for i in layer:
-                out[f"model.layers.{i}.{release}"] = torch.cat([parts[f"blk.{i}.{n}"] for n in names_in_file], dim)
+        for i, release in {fused[name] for name in parts}:
+            names_in_file, dim = family.fused[release]
+            out[f"model.layers.{i}.{release}"] = torch.cat([parts[f"blk.{i}.{n}"] for n in names_in_file], dim)
         return out
 
     def hf_tensors(gguf_name: str) -> dict[str, torch.Tensor]:
