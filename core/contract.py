@@ -180,6 +180,8 @@ class StepResult:
     # None unless some chunk's request asked for prompt logprobs; then per chunk one {token_id: Logprob} per prompt
     # token from start_pos + 1 on that the chunk's rows predict ([] for the others: see the module docstring)
     prompt_logprobs: list[SampleLogprobs] | None = None
+    # the requests a worker drafter failed to draft for after this step, and why (they get no drafts from it again)
+    drafting_failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

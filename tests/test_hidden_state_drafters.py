@@ -712,6 +712,83 @@ def test_tree_head_switched_off_and_on_keeps_greedy_output(target_dir, heads, pl
     assert free_blocks(llm) == start
 
 
+class FailingDraft:
+    """Makes the worker's drafter raise on its ``at``-th drafting (after a step verified), noting that step's
+    requests."""
+
+    def __init__(self, drafter, at: int):
+        self.inner, self.at, self.calls, self.failed_on = drafter.draft, at, 0, []
+        drafter.draft = self
+
+    def __call__(self, plan, *args):
+        self.calls += 1
+        if self.calls == self.at:
+            self.failed_on = [c.req_id for c in plan.chunks]
+            raise RuntimeError("injected head fault")
+        return self.inner(plan, *args)
+
+
+def run_to_end(engine, after_fault=None, fault=None) -> dict:
+    """Every request's output by id; ``after_fault()`` once, right after the step the drafter failed in."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if after_fault is not None and fault.calls >= fault.at:
+            after_fault()
+            after_fault = None
+    return done
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp3", "eagle3-tree", "medusa"])
+def test_a_head_failing_after_a_step_costs_its_requests_their_drafts_not_their_tokens(target_dir, heads,
+                                                                                      plain_outputs, method, caplog):
+    """The worker's drafter raising after a step used to fail the step, and so (run again alone, failing again)
+    every request in it. Now the step's verified tokens stand, its requests decode on without drafts (none asked
+    of the head again), a request admitted later drafts as before, every output is plain decoding's and no block
+    leaks."""
+    llm = make_llm(target_dir, heads, "accepting", method)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    start = free_blocks(llm)
+    fault = FailingDraft(engine.executor.worker.runner.drafter, at=3)
+    engine.executor = rec = Recorder(engine.executor)
+    ids = [engine.add_request(tok.encode(p), greedy(16)) for p in PROMPTS[:3]]
+    late = []
+    done = run_to_end(engine, lambda: late.append(engine.add_request(tok.encode(PROMPTS[3]), greedy(16))), fault)
+    assert [done[rid].outputs[0].token_ids for rid in ids + late] == [t[:16] for t in plain_outputs[:4]]
+    assert all(done[rid].error is None for rid in ids + late)
+    assert sorted(fault.failed_on) == sorted(ids) and engine.drafting_failures == 3
+    assert "injected head fault" in caplog.text
+    at = next(i for i, (_, result) in enumerate(rec.steps) if result.drafting_failed)
+    after = [c for plan, _ in rec.steps[at + 1:] for c in plan.chunks]
+    assert after and not any(c.num_draft_tokens or c.num_next_drafts for c in after if c.req_id in ids)
+    assert any(c.num_draft_tokens for c in after if c.req_id in late)  # the head drafts for the late one
+    assert free_blocks(llm) == start and not engine._undrafted
+
+
+def test_a_head_failing_in_a_step_run_again_without_a_failed_request(target_dir, heads, plain_outputs):
+    """A step that raised for one request is run again without it; the head failing in that run costs the others
+    their drafts alone (the run's result carries the failure to the engine)."""
+    from specray.errors import RequestError
+
+    llm = make_llm(target_dir, heads, "accepting", "eagle3")
+    engine, tok = llm.engine, llm.get_tokenizer()
+    fault = FailingDraft(engine.executor.worker.runner.drafter, at=3)
+    ids = [engine.add_request(tok.encode(p), greedy(16)) for p in PROMPTS[:3]]
+    inner, calls = engine.executor.execute, []
+
+    def poisoned(plan, draft_probs=None):
+        calls.append(len(plan.chunks))
+        if len(calls) == 3:
+            raise RequestError([ids[0]], "injected fault")
+        return inner(plan, draft_probs)
+
+    engine.executor.execute = poisoned
+    done = run_to_end(engine)
+    assert "injected fault" in done[ids[0]].error
+    assert [done[rid].outputs[0].token_ids for rid in ids[1:]] == [t[:16] for t in plain_outputs[1:3]]
+    assert calls[2:4] == [3, 2] and sorted(fault.failed_on) == sorted(ids[1:]) and engine.drafting_failures == 2
+
+
 def test_adaptive_policy_probes_a_head_it_switched_off(target_dir, heads, plain_outputs):
     """A random head is soon switched off by the adaptive policy; after ``probe_after`` steps the policy probes it
     again, waiting longer after each probe that finds nothing, and the probe's drafts are verified (the policy

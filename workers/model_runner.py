@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
-from specray.errors import RequestError
+from specray.errors import RequestError, describe_plan
 from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.gated_deltanet import RecurrentBatch
@@ -202,14 +202,31 @@ class ModelRunner:
                             None if nodes is None else _per_chunk(n, sampled, nodes),
                             prompt_logprobs=prompt_logprobs)
         if self.drafter is not None:
-            drafted = self.drafter.draft(plan, self.block_tables, hidden, aux, *verdict,
-                                         self.params if self.q_drafts else None)
+            drafted = self._draft(plan, hidden, aux, verdict, result)
             result.draft_token_ids = [[] if d is None else d.token_ids for d in drafted]
             if any(d is not None and d.parents is not None for d in drafted):
                 result.draft_parents = [[] if d is None or d.parents is None else d.parents for d in drafted]
             if any(d is not None and d.scores is not None for d in drafted):
                 result.draft_scores = [[] if d is None or d.scores is None else d.scores for d in drafted]
         return result
+
+    def _draft(self, plan: StepPlan, hidden: torch.Tensor, aux: list[torch.Tensor], verdict: tuple,
+               result: StepResult) -> list:
+        """The worker drafter's drafts for the plan's chunks. Drafts only ever save target passes, so a drafter
+        that raises (a head's bug, memory it could not get) costs the step's requests their drafts, not the tokens
+        they kept: ``result.drafting_failed`` tells the engine, which asks the drafter for none of theirs again.
+        A head split over the ranks drafts in lockstep with the others (which would wait on the driver), so its
+        failure is the step's, as any rank's error is."""
+        try:
+            return self.drafter.draft(plan, self.block_tables, hidden, aux, *verdict,
+                                      self.params if self.q_drafts else None)
+        except Exception as err:  # the drafter's failure must not cost the step's verified tokens
+            if self.split:
+                raise
+            logger.error("the drafter failed (%r); the requests of %s decode without drafts from now on", err,
+                         describe_plan(plan), exc_info=err)
+            result.drafting_failed = {c.req_id: repr(err) for c in plan.chunks}
+            return [None] * len(plan.chunks)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[SampleLogprobs] | None:
         """Per chunk, the logprobs of the prompt tokens its rows predict when its request asked for them ([] for

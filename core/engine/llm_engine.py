@@ -315,6 +315,7 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(plan, result)
         self._advance_grammars(touched)
         self._keep_worker_drafts(result)
+        self._stop_worker_drafting(result.drafting_failed)
         self._record_logprobs(plan, result)
         self._record_prompt_logprobs(plan, result)
         self._observe_acceptance(plan, result)
@@ -362,6 +363,7 @@ class LLMEngine:
         rest = [c for c in plan.chunks if c.req_id not in failed and c.req_id not in preempted]
         groups = [rest] if failed and rest else [[c] for c in rest]
         done: dict[str, tuple[list[int], list | None]] = {}
+        undrafted: dict[str, str] = {}  # the retries' requests the worker's drafter failed on
         while groups:
             group = groups.pop()
             try:
@@ -375,9 +377,12 @@ class LLMEngine:
                     failed[group[0].req_id] = repr(again)
                 continue
             done.update(_by_request(result))
+            undrafted.update(result.drafting_failed)
         if not done and len(rest) > 1 and not isinstance(err, (RequestError, StepError)):
             raise err  # every request fails, each on its own: the step is broken, not one request's input
-        return _merge(plan, done), failed
+        merged = _merge(plan, done)
+        merged.drafting_failed = undrafted
+        return merged, failed
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """Finish the requests a step failed for (finish_reason "error") and report them to their callers."""
@@ -486,6 +491,9 @@ class LLMEngine:
         head_drafted = []  # requests that verify the head's drafts (a sampled one's q is on the worker)
         for request, off_path in decoding:
             rid = request.req_id
+            if rid in self._undrafted:  # the worker's drafter failed on it: it drafts nothing for it again
+                lengths[rid] = 0
+                continue
             made = self._worker_drafts.get(rid)
             if rid in lookups:
                 drafts[rid], lengths[rid], from_head = self._combine(request, len(running), off_path, made,
@@ -791,6 +799,16 @@ class LLMEngine:
         except Exception as err:  # this request's own failure
             self._stop_drafting(dreq.req_id, repr(err), err)
             return None
+
+    def _stop_worker_drafting(self, failed: dict[str, str]) -> None:
+        """The worker's drafter failed after a step (it logged why, and dropped its state for the step's
+        requests): those requests decode without drafts from now on, as with :meth:`_stop_drafting`."""
+        new = [rid for rid in failed if rid not in self._undrafted and rid in self.tracked]
+        if new:
+            logger.error("the worker's drafter failed on %d requests (%s); they decode without drafts from now on",
+                         len(new), failed[new[0]])
+            self._undrafted.update(new)
+            self.drafting_failures += len(new)
 
     def _stop_drafting(self, req_id: str, why: str, err: Exception | None = None) -> None:
         """The drafter failed on this request: it decodes without drafts from now on (plain decoding's output;
