@@ -100,16 +100,44 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 320, extra_special_tokens
     return hf
 
 
+def build_spm_tokenizer(path: Path, kind: str):
+    """A sentencepiece-style BPE tokenizer (pieces spelled with "\u2581", unknown bytes as byte tokens: what
+    llama.cpp writes as a ``llama`` vocabulary) trained on a few lines, saved as an HF tokenizer folder of ``kind``'s
+    class: ``"gemma"`` (Gemma's special tokens, turn markers among them; no prefix space) or ``"llama"`` (Llama 2's
+    and Mistral's: a prefix space). Ids follow the merges' order, as in a trained sentencepiece model."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer, LlamaTokenizer
+
+    gemma = kind == "gemma"
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"] if gemma else \
+        ["<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator([("" if gemma else " ") + line for line in _CORPUS * 4], trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    hf = (GemmaTokenizer if gemma else LlamaTokenizer)(vocab=model["vocab"], merges=merges, add_bos_token=True)
+    if gemma:
+        hf.add_special_tokens({"additional_special_tokens": specials[5:]})
+    hf.save_pretrained(path)
+    return hf
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
-                     **overrides):
+                     spm: str | None = None, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
     {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
     "llama4", "mixtral", "qwen2_moe", "phi3", "granite", "gpt_oss", "olmo2", "smollm3", "glm4_moe", "olmo3",
     "ernie4_5", "seed_oss", "deepseek_v4", "minimax_m2", "mistral4", "glm4_moe_lite", "solar_open", "hy_v3",
     "mimo_v2_flash", "hy_v4", "glm4", "ernie4_5_moe", "dots1", "exaone4", "arcee", "ministral", "cohere2",
     "hunyuan_v1_dense", "glm", "gemma", "olmoe", "starcoder2", "ministral3", "exaone_moe", "hunyuan_v1_moe",
-    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3", "olmo", "granitemoeshared"}.
-    Returns the folder."""
+    "nemotron", "cohere", "granitemoe", "apertus", "phimoe", "minicpm3", "olmo", "granitemoeshared"}, its
+    tokenizer a byte-level BPE one, or with ``spm`` (``"gemma"``, ``"llama"``) a sentencepiece-style one
+    (:func:`build_spm_tokenizer`). Returns the folder."""
     import torch
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                               Gemma2Config, Gemma2ForCausalLM,
@@ -141,7 +169,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
+    if spm:
+        tok = build_spm_tokenizer(path, spm)
+    else:
+        tok = build_tiny_tokenizer(path, extra_special_tokens=extra_special_tokens)
     common = dict(
         vocab_size=len(tok),
         hidden_size=64,
@@ -154,7 +185,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
         initializer_range=0.1,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+        bos_token_id=tok.bos_token_id if spm else None,
     )
     common.update(overrides)
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -327,7 +327,10 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         w.add_layer_norm_eps(cfg.get("norm_epsilon") or cfg.get("layer_norm_eps") or cfg["norm_eps"])
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
-    w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    if arch == "gemma":  # llama.cpp's GemmaModel writes no base: it takes Gemma's, 10000
+        assert rope.get("rope_type", "default") == "default" and rope["rope_theta"] == 10000.0
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -504,6 +507,9 @@ def _write_gemma3_params(w, cfg: dict, rope: dict) -> None:
 
 
 def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
+    if tok["model"].get("byte_fallback"):  # a sentencepiece-style vocabulary (conftest.build_spm_tokenizer)
+        _write_gguf_spm_tokenizer(w, cfg, tok)
+        return
     special = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = {i: t for t, i in tok["model"]["vocab"].items()} | special
     w.add_tokenizer_model("gpt2")
@@ -514,6 +520,29 @@ def _write_gguf_tokenizer(w, cfg: dict, tok: dict) -> None:
     w.add_eos_token_id(cfg["eos_token_id"])
     if cfg.get("pad_token_id") is not None:
         w.add_pad_token_id(cfg["pad_token_id"])
+
+
+def _write_gguf_spm_tokenizer(w, cfg: dict, tok: dict) -> None:
+    """A sentencepiece vocabulary as llama.cpp's converter writes one (``llama``: its pieces in id order, their scores,
+    each piece's type -- control, unknown, byte, normal --, no merges), with BOS added to every prompt and, for the
+    Gemmas, no prefix space."""
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda item: item[1])]
+    assert len(tokens) == cfg["vocab_size"]
+    is_byte = [t.startswith("<0x") and t.endswith(">") and len(t) == 6 for t in tokens]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0 if t in special or b else -float(i) for i, (t, b) in enumerate(zip(tokens, is_byte))])
+    w.add_token_types([2 if t == "<unk>" else 3 if t in special else 6 if b else 1 for t, b in zip(tokens, is_byte)])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_unk_token_id(tokens.index("<unk>"))
+    if cfg.get("pad_token_id") is not None:
+        w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if w.arch.startswith("gemma"):
+        w.add_add_space_prefix(False)
 
 
 def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
@@ -538,7 +567,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
                 "q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's scale by 1 + w, llama.cpp's by w
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's by 1 + w, llama.cpp's w
             tensor = tensor + 1
         if name.endswith("e_score_correction_bias"):  # llama.cpp: exp_probs_b.bias
             name = name.replace("e_score_correction_bias", "e_score_correction.bias")
@@ -1239,27 +1268,31 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4",
-                 "falcon-h1", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite", "granitehybrid",
-                 "granitemoe", "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba", "minimax-m2", "mistral3",
-                 "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl",
-                 "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss",
-                 "smollm3", "starcoder2"]
+                 "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
+                 "granitehybrid", "granitemoe", "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba",
+                 "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3",
+                 "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl",
+                 "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
 @pytest.mark.parametrize("arch, match", [
-    ("gemma", rf"general.architecture='gemma' \(Gemma\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
+    ("qwen3", rf"general.architecture='qwen3' \(Qwen3\).*cannot map from GGUF.*{_NO_HF_GGUF}"),
     ("rwkv6", r"general.architecture='rwkv6', not a family specray serves; GGUF architectures it loads: "
               + re.escape(str(sorted(GGUF_LOADABLE)))),
 ])
 def test_gguf_of_unmapped_architecture_fails_early(tmp_path, gguf_cache, monkeypatch, arch, match):
-    """A GGUF transformers has no mapping for and specray reads no other way -- Gemma's (a family we serve from its
-    HF checkpoints only), or one of a family we do not serve at all -- is refused by
-    ``LLM(model="x.gguf")`` up front with the architecture and the way out, before transformers reads it (its own
-    error names neither fix)."""
+    """A GGUF transformers has no mapping for and specray reads no other way -- a family we serve that the installed
+    transformers cannot map (here Qwen3's, its mapping taken away), or one of a family we do not serve at all -- is
+    refused by ``LLM(model="x.gguf")`` up front with the architecture and the way out, before transformers reads it
+    (its own error names neither fix)."""
     import transformers
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     from specray import LLM
+
+    monkeypatch.setattr(gguf_utils, "GGUF_SUPPORTED_ARCHITECTURES",
+                        [a for a in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES if a != arch])
 
     def unreachable(*args, **kwargs):
         raise AssertionError("transformers read a GGUF the loader should have refused")
@@ -2071,6 +2104,65 @@ def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cac
               "no_rope_layers", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
               "rms_norm_eps", "attention_bias", "mlp_bias", "use_sliding_window")
     assert_gguf_serves_as_its_folder(tiny_smollm3_dir, path, fields)
+
+
+# text a sentencepiece vocabulary must take apart as the original tokenizer does: BOS, turn markers whole, runs of
+# spaces and newlines, characters the vocabulary lacks as their bytes
+SPM_TEXTS = ["Hello world", " Hello  world", "def add(a, b):\n    return a + b", "na\u00efve caf\u00e9 \u65e5\u672c",
+             "<start_of_turn>user\nHi<end_of_turn>\n", "  two  spaces\n\n", "The quick brown fox."]
+
+
+def assert_same_tokenizer(folder: Path, path: Path) -> None:
+    """The tokenizer specray loads for the GGUF tokenizes every one of ``SPM_TEXTS`` as the folder's does, and
+    decodes the ids back alike."""
+    ours, theirs = loader.load_tokenizer(str(path)), loader.load_tokenizer(str(folder))
+    for text in SPM_TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+
+
+def test_a_gemma_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of Gemma (the first) as llama.cpp writes it (the release's layout, q/k rows as they are; the norms'
+    weights as the 1 + w they scale by; no RoPE base; a sentencepiece vocabulary without a prefix space) is read by
+    specray's own mapping: its config is the folder's, its tensors are, its logits equal transformers' on the folder,
+    its tokenizer tokenizes as the folder's, and the engine's greedy output with n-gram drafts on the GGUF equals the
+    folder's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path / "gemma", "gemma", seed=28, spm="gemma", head_dim=32, hidden_act="gelu",
+                             tie_word_embeddings=True)
+    # the norms' weights on a grid of 2^-10, which the file's float32 1 + w holds exactly: read back, they must
+    # equal the folder's
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: (v * 1024).round() / 1024 if k.endswith("norm.weight") else v for k, v in weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(folder, tmp_path / "gemma.gguf", "gemma")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    assert_same_tokenizer(folder, path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_sentencepiece_gguf_tokenizes_as_its_folder(make_tiny_model, tmp_path, gguf_cache, arch):
+    """The GGUFs of Llama 2 and Mistral, and of Gemma 2 and 3, carry a sentencepiece vocabulary (llama.cpp's
+    ``llama``: pieces, scores and types, no merges), not a byte-level BPE one; through transformers' path it
+    tokenizes as the folder's tokenizer does, and the engine's greedy output on the GGUF equals the folder's."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    kind, overrides = GGUF_TINY[arch]
+    folder = make_tiny_model(tmp_path / kind, kind, seed=9, spm="gemma" if arch == "gemma3" else "llama",
+                             **overrides)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
+    assert_same_tokenizer(folder, path)
+    prompts = ["The quick brown fox", " def add(a, b):"]
+    outs = [runs.token_ids(LLM(model=str(m), max_model_len=128).generate(prompts, runs.greedy(12), use_tqdm=False))
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
 
 
 def test_gguf_rope_settings_are_read_as_llama_cpp_wrote_them_or_refused(tmp_path):

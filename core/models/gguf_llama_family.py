@@ -1,12 +1,13 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
-transformers' GGUF mapping does not know: SmolLM3 (``smollm3``), Arcee's AFM (``arcee``), Granite 3's dense models
-(``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's gate/up, which the converter splits,
-fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries' scaling by position) and Apertus
-(``apertus``: no RoPE reordering; its xIELU scalars as metadata arrays, one value per layer, put back as the release's
-tensors) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with sliding-window layers), OLMoE
-(``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as ``ernie4_5-moe``, without the MTP
-layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as ``rope.dimension_count``), EXAONE
-4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
+transformers' GGUF mapping does not know: Gemma, the first (``gemma``: its norms' weights written as the ``1 + w`` they
+scale by, put back; RoPE's base, which the converter leaves out, Gemma's 10000), SmolLM3 (``smollm3``), Arcee's AFM
+(``arcee``), Granite 3's dense models (``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's
+gate/up, which the converter splits, fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries'
+scaling by position) and Apertus (``apertus``: no RoPE reordering; its xIELU scalars as metadata arrays, one value per
+layer, put back as the release's tensors) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with
+sliding-window layers), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as
+``ernie4_5-moe``, without the MTP layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as
+``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
 ``attention.sliding_window_pattern``), Hunyuan's dense models (``hunyuan-dense``: q/k norms; the RoPE base the converter
 writes already stretched by the release's NTK alpha, as the release's config would stretch it), Command R / R+
 (``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the
@@ -185,10 +186,12 @@ class _Family:
     # ``model.layers.{i}.``) -> (the key, without the architecture's prefix, and the tensor's shape)
     from_keys: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     rope_extra: Callable[[GGUFMeta, dict], None] | None = None  # what else of the RoPE the family's own keys say
+    norm_shift: float = 0.0  # what the converter added to every norm's weight (Gemma's scale by 1 + w)
 
 
 # llama.cpp's architecture -> its family
-_FAMILIES = {"smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
+_FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False, norm_shift=1.0),
+             "smollm3": _Family("SmolLM3Config", "SmolLM3ForCausalLM",
                                 fixed={"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}),
              "arcee": _Family("ArceeConfig", "ArceeForCausalLM"),
              "granite": _Family("GraniteConfig", "GraniteForCausalLM", own=_granite),
@@ -344,6 +347,8 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
 
     def hf_tensor(gguf_name: str) -> torch.Tensor:
         value = tensors.pop(gguf_name)
+        if family.norm_shift and gguf_name.endswith("norm.weight"):
+            return value - family.norm_shift
         if not family.permuted:
             return value
         if ".attn_q." in gguf_name:

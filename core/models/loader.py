@@ -14,13 +14,14 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
 Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writes in a Llama's layout under
-architectures of their own -- SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 2 and 3, OLMoE, Seed-OSS, ERNIE 4.5
-and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A, Ministral 3, Apertus and the
-Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3
+architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 2 and 3, OLMoE,
+Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A,
+Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
+``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3
 (``deepseek2``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``:
 :mod:`specray.models.gguf_glm4_moe`) and Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another
-architecture (Gemma's ``gemma``) is refused before any conversion, naming the fix: load the model's HF checkpoint
-instead.
+architecture (of a family specray does not serve, or one the installed transformers cannot map) is refused before
+any conversion, naming the fix: load the model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -523,8 +524,9 @@ def _transformers_maps_gguf(arch: str) -> bool:
 
 def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
     """ValueError, naming the fix, for a GGUF we cannot convert: one of a family we do not serve, or of one
-    transformers has no GGUF mapping for and specray reads no other way (Gemma's ``gemma``: we serve it from its HF
-    checkpoints only). Called before transformers reads the file, whose own error names no way out."""
+    transformers has no GGUF mapping for and specray reads no other way (with the transformers specray pins, every
+    family of ``_GGUF_FAMILIES`` has one or the other). Called before transformers reads the file, whose own error
+    names no way out."""
     loadable = sorted(a for a in _GGUF_FAMILIES if _transformers_maps_gguf(a))
     family = _GGUF_FAMILIES.get(arch)
     if family is None:
