@@ -2032,7 +2032,9 @@ def write_deepseek_gguf(folder: Path, out: Path) -> Path:
     w.add_expert_group_count(cfg["n_group"])
     w.add_expert_group_used_count(cfg["topk_group"])
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    # (GLM-4.7-Flash's release config says first_k_dense_replace too; transformers saves its mlp_layer_types)
+    first_k = cfg.get("first_k_dense_replace", (cfg.get("mlp_layer_types") or []).count("dense"))
+    w.add_leading_dense_block_count(first_k)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_q_lora_rank(cfg["q_lora_rank"])
     w.add_kv_lora_rank(cfg["kv_lora_rank"])
@@ -2088,6 +2090,22 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
     with pytest.raises(ValueError, match="has no MTP layer.*converted from the GGUF .*leaves the MTP layers out: pass "
                                          "the model's HF checkpoint for method='mtp'"):
         LLM(model=str(path), max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_glm_4_7_flash_gguf_matches_transformers(tiny_glm4_moe_lite_dir, tmp_path, gguf_cache):
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``), which llama.cpp's converter writes as a DeepSeek-V3 (``deepseek2``:
+    its DeepseekV2Model, the leading dense layers from the release's ``first_k_dense_replace``), is read by the same
+    mapping into DeepSeek-V3's config, which computes as GLM-4.7-Flash's: the sizes are the folder's, its tensors
+    are, its logits equal transformers' Glm4MoeLite on the folder, and the engine's greedy output with n-gram drafts
+    on the GGUF equals the folder's."""
+    path = write_deepseek_gguf(tiny_glm4_moe_lite_dir, tmp_path / "glm.gguf")
+    config = load_hf_config(str(path))
+    assert (config.model_type, config.first_k_dense_replace, config.rope_interleave) == ("deepseek_v3", 1, True)
+    fields = ("num_hidden_layers", "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+              "n_shared_experts", "routed_scaling_factor", "norm_topk_prob", "moe_intermediate_size",
+              "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps", "rope_parameters")
+    assert_gguf_serves_as_its_folder(tiny_glm4_moe_lite_dir, path, fields)
 
 
 def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):

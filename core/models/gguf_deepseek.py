@@ -1,5 +1,5 @@
-"""GGUF files of DeepSeek-V3 (and the models of its layout: DeepSeek-R1, Kimi K2; ``general.architecture``
-``deepseek2``), as llama.cpp's converter writes them, turned back into the HF checkpoint
+"""GGUF files of DeepSeek-V3 (and the models of its layout: DeepSeek-R1, Kimi K2, GLM-4.7-Flash;
+``general.architecture`` ``deepseek2``), as llama.cpp's converter writes them, turned back into the HF checkpoint
 :mod:`specray.models.deepseek_v3` loads. transformers' GGUF mapping has no ``deepseek2``, so the config and every
 tensor are read here.
 
