@@ -1270,9 +1270,9 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4",
                  "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
                  "granitehybrid", "granitemoe", "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba",
-                 "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe", "phi3",
-                 "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl",
-                 "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                 "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe",
+                 "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next",
+                 "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2106,6 +2106,65 @@ def test_a_glm_4_7_flash_gguf_matches_transformers(tiny_glm4_moe_lite_dir, tmp_p
               "n_shared_experts", "routed_scaling_factor", "norm_topk_prob", "moe_intermediate_size",
               "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps", "rope_parameters")
     assert_gguf_serves_as_its_folder(tiny_glm4_moe_lite_dir, path, fields)
+
+
+def write_minicpm3_gguf(folder: Path, out: Path) -> Path:
+    """A GGUF of a MiniCPM3 folder written as llama.cpp's converter writes one (its MiniCPM3Model over TextModel): the
+    sizes, the latent attention's ranks and key width, the rotated share; no RoPE base, no value width, none of the
+    scales (llama.cpp fixes them); LongRoPE's factors as two tensors; every tensor as released under gguf-py's name,
+    none permuted, no ``lm_head`` when tied; its sentencepiece vocabulary."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    assert rope["rope_theta"] == 10000.0 and cfg["v_head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert {k: cfg[k] for k in ("scale_emb", "scale_depth", "dim_model_base")} == \
+        {"scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 256}, "llama.cpp fixes MiniCPM3's scales"
+    w = gguf.GGUFWriter(str(out), "minicpm3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    if rope["rope_type"] == "longrope":
+        w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).numpy())
+        w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).numpy())
+    _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MINICPM3, cfg["num_hidden_layers"])
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        if not (name == "lm_head.weight" and cfg["tie_word_embeddings"]):
+            _add_renamed(w, names, name, value)
+    _write_out(w)
+    return out
+
+
+def test_a_minicpm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of MiniCPM3 as llama.cpp writes it (the latent attention's widths, its tensors as released; LongRoPE's
+    factors as tensors; its scales in no key, fixed by llama.cpp as MiniCPM3-4B sets them; a sentencepiece
+    vocabulary) is read by specray's own mapping: its config is the folder's, its tensors are, its logits equal
+    transformers' on the folder, its tokenizer tokenizes as the folder's, and the engine's greedy output with n-gram
+    drafts on the GGUF equals the folder's."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+            "long_factor": [1.2, 2.5, 6.0, 9.0], "original_max_position_embeddings": 1024}
+    folder = make_tiny_model(tmp_path / "minicpm3", "minicpm3", seed=39, spm="llama", num_attention_heads=4,
+                             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=16, head_dim=8, scale_emb=12, scale_depth=1.4,
+                             dim_model_base=256, rope_parameters=rope, tie_word_embeddings=True)
+    path = write_minicpm3_gguf(folder, tmp_path / "minicpm3.gguf")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "scale_emb",
+              "scale_depth", "dim_model_base", "rope_parameters", "intermediate_size", "tie_word_embeddings",
+              "vocab_size", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+    assert_same_tokenizer(folder, path)
 
 
 def test_a_smollm3_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):

@@ -17,11 +17,11 @@ Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writ
 architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 2 and 3, OLMoE,
 Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense models, Command R / R+, Command R7B / A,
 Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
-``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3
-(``deepseek2``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``:
-:mod:`specray.models.gguf_glm4_moe`) and Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`); a GGUF of another
-architecture (of a family specray does not serve, or one the installed transformers cannot map) is refused before
-any conversion, naming the fix: load the model's HF checkpoint instead.
+``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP
+layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`), Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`) and
+MiniCPM3 (``minicpm3``: :mod:`specray.models.gguf_minicpm3`); a GGUF of another architecture (of a family specray does
+not serve, or one the installed transformers cannot map) is refused before any conversion, naming the fix: load the
+model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama4 import LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
+from specray.models.gguf_minicpm3 import MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
 from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
@@ -92,7 +93,7 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "qwen3vlmoe": "Qwen3-VL-MoE text", "ernie4_5-moe": "ERNIE 4.5 MoE", "command-r": "Command R / R+",
                   "cohere2": "Command R7B / Command A", "mistral3": "Ministral 3",
                   "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
-                  "apertus": "Apertus"}
+                  "apertus": "Apertus", "minicpm3": "MiniCPM3"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -102,7 +103,8 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
                  **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
                  **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint),
-                 **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint)}
+                 **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint),
+                 **dict.fromkeys(MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
