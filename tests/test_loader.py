@@ -286,7 +286,7 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
 
     cfg = json.loads((folder / "config.json").read_text())
     falcon_mamba = arch == "falcon_mamba"  # llama.cpp's: a mamba with its B, C and dt normed
-    arch = {"mixtral": "llama", "falcon_mamba": "mamba"}.get(arch, arch)
+    arch = {"mixtral": "llama", "falcon_mamba": "mamba", "mistral-nemo": "llama"}.get(arch, arch)
     w = gguf.GGUFWriter(str(out), arch)
     tensors = load_file(str(folder / "model.safetensors"))
     xielu = {name: [tensors.pop(f"model.layers.{i}.mlp.act_fn.{name}").item() for i in range(cfg["num_hidden_layers"])]
@@ -334,6 +334,8 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    if arch == "llama":  # llama.cpp's LlamaModel: the rotated dims, the head's own size where it has one
+        w.add_rope_dimension_count(head_dim)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
     if experts:
         w.add_expert_count(experts)
@@ -598,6 +600,7 @@ GGUF_TINY = {
                             rope_parameters={"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 64})),
+    "mistral-nemo": ("llama", dict(head_dim=32, tie_word_embeddings=False)),
     # YaRN (rope.scaling.*), which transformers' GGUF mapping drops
     "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=False,
                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -644,13 +647,14 @@ GGUF_TINY = {
 
 @pytest.mark.parametrize("arch", sorted(GGUF_TINY))
 def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, gguf_cache, arch):
-    """A GGUF of Llama (Llama 3's RoPE scaling as the per-frequency factors llama.cpp writes), Qwen3 (YaRN), Qwen3-MoE,
-    MiniMax-M2 (as llama.cpp writes them: stacked experts), Mixtral (a llama with experts, its q/k rows in llama.cpp's
-    order; linear RoPE scaling), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their
-    attention settings implied or, Gemma 2's soft caps, written), Phi-3 (fused projections, LongRoPE's factors as
-    tensors), StarCoder2 and Nemotron (LayerNorms, biases) goes through transformers' GGUF mapping to our model: its
-    logits equal transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the
-    folder (the tokenizer came through the GGUF too)."""
+    """A GGUF of Llama (Llama 3's RoPE scaling as the per-frequency factors llama.cpp writes; and in Mistral Nemo's and
+    Mistral Small 3's shape, heads of a size apart from hidden / heads, as ``rope.dimension_count``), Qwen3 (YaRN),
+    Qwen3-MoE, MiniMax-M2 (as llama.cpp writes them: stacked experts), Mixtral (a llama with experts, its q/k rows in
+    llama.cpp's order; linear RoPE scaling), Gemma 2 and 3 text (as llama.cpp writes them: 1 + w norms, their attention
+    settings implied or, Gemma 2's soft caps, written), Phi-3 (fused projections, LongRoPE's factors as tensors),
+    StarCoder2 and Nemotron (LayerNorms, biases) goes through transformers' GGUF mapping to our model: its logits equal
+    transformers' on the original folder, and the engine's greedy output on the GGUF equals the one on the folder (the
+    tokenizer came through the GGUF too)."""
     from specray import LLM, SamplingParams
 
     kind, overrides = GGUF_TINY[arch]
