@@ -339,7 +339,7 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
     if experts:
         w.add_expert_count(experts)
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"] if "moe_topk" not in cfg else cfg["moe_topk"])
         if "moe_intermediate_size" in cfg:  # Mixtral's experts are intermediate_size wide: llama.cpp writes no other
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
@@ -358,7 +358,12 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
     if sliding_rope and arch != "gemma3":  # as llama.cpp's TextModel writes a sliding layers' own base
         w.add_rope_freq_base_swa(sliding_rope["rope_theta"])
-    if arch == "hunyuan-dense" and rope.get("alpha"):  # llama.cpp's HunYuanModel: the base stretched by NTK alpha
+    if arch == "hunyuan-moe":  # llama.cpp's HunYuanMoEModel: the experts' and the shared MLP's widths (the release's
+        # per-layer lists, all alike), one shared MLP
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_shared_count(1)
+    if arch.startswith("hunyuan") and rope.get("alpha"):  # llama.cpp's HunYuan models: the base stretched by NTK alpha
         w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         w.add_rope_scaling_factor(1)
@@ -374,6 +379,15 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         if arch == "cohere2":
             w.add_sliding_window(cfg["sliding_window"])
             w.add_rope_dimension_count(head_dim)
+    if arch == "dots1":  # llama.cpp's Dots1Model (a Qwen2MoeModel): the experts, shared ones and the sigmoid router
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch == "ernie4_5-moe":  # llama.cpp's Ernie4_5MoeModel (its shared experts' width, as it derives it)
         w.add_expert_count(cfg["moe_num_experts"])
         w.add_expert_used_count(cfg["moe_k"])
@@ -1271,12 +1285,12 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
-GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone4",
-                 "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
-                 "granitehybrid", "granitemoe", "hunyuan-dense", "jamba", "lfm2", "llama", "llama4", "mamba",
-                 "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2", "olmoe",
-                 "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next",
-                 "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
+                 "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
+                 "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "llama", "llama4",
+                 "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2",
+                 "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2380,6 +2394,37 @@ def test_a_hunyuan_dense_gguf_matches_transformers(tiny_hunyuan_v1_dense_dir, tm
     assert config.rope_parameters["rope_type"] == "default" and config.eos_token_id == 3  # its eod_token_id
 
 
+def test_a_hunyuan_moe_gguf_matches_transformers(tiny_hunyuan_v1_moe_dir, tmp_path, gguf_cache):
+    """A GGUF of Hunyuan's MoE (Hunyuan-A13B) as llama.cpp writes it (a plain layout, q/k norms; the RoPE base
+    stretched by the release's NTK alpha, written as the file's base; the experts stacked per projection beside the
+    shared MLP, both as wide as ``feed_forward_length``) is read by specray's own mapping: its config is the folder's
+    but for the RoPE, which rotates by the same frequencies (the logits say so), its tensors are the folder's, its
+    logits equal transformers' on the folder, and the engine's greedy output with n-gram drafts on the GGUF equals the
+    folder's. A file whose experts and shared MLP differ in width is refused (transformers' Hunyuan has one)."""
+    import gguf as gguf_py
+
+    path = write_gguf(tiny_hunyuan_v1_moe_dir, tmp_path / "hunyuan.gguf", "hunyuan-moe")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "num_experts", "moe_topk", "tie_word_embeddings", "vocab_size",
+              "rms_norm_eps", "attention_bias")
+    assert_gguf_serves_as_its_folder(tiny_hunyuan_v1_moe_dir, path, fields)
+    assert load_hf_config(str(path)).rope_parameters["rope_type"] == "default"
+    reader = gguf_py.GGUFReader(str(path))
+    w = gguf_py.GGUFWriter(str(tmp_path / "other.gguf"), "hunyuan-moe")
+    for field in reader.fields.values():  # the same file, its experts 16 wide
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "hunyuan-moe.expert_feed_forward_length":
+            value = 16
+        w.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data)
+    _write_out(w)
+    with pytest.raises(ValueError, match="experts 16 wide beside a shared MLP 32 wide"):
+        load_hf_config(str(tmp_path / "other.gguf"))
+
+
 def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, gguf_cache):
     """A GGUF of Ministral 3 as llama.cpp writes it (a Llama's layout, the query and key rows in llama.cpp's RoPE
     order; YaRN with its log multiplier, the queries' scaling by position as ``attention.temperature_scale``) is read
@@ -2398,6 +2443,26 @@ def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, g
     with pytest.raises(ValueError, match="yarn_log_multiplier=0.5; specray reads a Ministral 3 GGUF with the "
                                          "releases' 1"):
         load_hf_config(str(write_gguf(changed, tmp_path / "other.gguf", "mistral3")))
+
+
+def test_a_dots1_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of dots.llm1 as llama.cpp writes it (a Qwen2-MoE's layout: q/k norms, no RoPE reordering; the experts
+    stacked per projection, the shared experts, the sigmoid router's correction bias and scale, the dense first
+    layer) is read by specray's own mapping: its config is the folder's, its tensors are, its logits equal
+    transformers' on the folder, and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    # tiny_dots1_dir's without its window (the release has none, llama.cpp's converter writes none) and in one group
+    # (the release's; llama.cpp routes without groups)
+    folder = make_tiny_model(tmp_path / "dots1", "dots1", seed=20, head_dim=16, num_hidden_layers=3,
+                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                             first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+                             tie_word_embeddings=False)
+    path = write_gguf(folder, tmp_path / "dots1.gguf", "dots1")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+              "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group",
+              "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
+              "layer_types")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
 
 
 def test_an_ernie4_5_moe_gguf_matches_transformers(tiny_ernie4_5_moe_dir, tmp_path, gguf_cache):

@@ -9,9 +9,11 @@ sliding-window layers), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (`
 ``ernie4_5-moe``, without the MTP layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as
 ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
 ``attention.sliding_window_pattern``), Hunyuan's dense models (``hunyuan-dense``: q/k norms; the RoPE base the converter
-writes already stretched by the release's NTK alpha, as the release's config would stretch it), Command R / R+
-(``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the
-logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
+writes already stretched by the release's NTK alpha, as the release's config would stretch it) and its MoE models
+(``hunyuan-moe``: the experts stacked, one shared MLP, both as wide as the file's ``feed_forward_length``), dots.llm1
+(``dots1``: a Qwen2-MoE's layout with DeepSeek-V3's sigmoid router, its correction bias and shared experts), Command R /
+R+ (``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP,
+the logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
 Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
 rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read --
 through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
@@ -155,6 +157,39 @@ def _ministral3_rope(get: GGUFMeta, rope: dict[str, Any]) -> None:
         rope["llama_4_scaling_beta"] = as_written(beta)
 
 
+def _dots1(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """dots.llm1's experts after its dense layers (``leading_dense_block_count``): DeepSeek-V3's sigmoid scores with
+    the router's correction bias, the top k renormalised where ``expert_weights_norm`` says, scaled, beside its shared
+    experts; one group (llama.cpp routes without groups, as the release's one group does). A file routing by
+    anything but sigmoid is refused."""
+    import gguf as gguf_py
+
+    gating = int(get("expert_gating_func", int(gguf_py.ExpertGatingFuncType.SOFTMAX)))
+    if gating != int(gguf_py.ExpertGatingFuncType.SIGMOID):
+        raise ValueError(f"GGUF {str(get.gguf)!r} has dots1.expert_gating_func={gating}; dots.llm1 routes by sigmoid "
+                         f"({int(gguf_py.ExpertGatingFuncType.SIGMOID)}). Convert the model again with a current "
+                         "llama.cpp, or pass its HF checkpoint")
+    return {"n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "n_shared_experts": int(get("expert_shared_count")),
+            "first_k_dense_replace": int(get("leading_dense_block_count")),
+            "routed_scaling_factor": as_written(get("expert_weights_scale")),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": 1, "topk_group": 1}
+
+
+def _hunyuan_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, int]:
+    """Hunyuan's MoE experts (in every layer; the top k softmaxed and renormalised) beside its one shared MLP, which
+    transformers' Hunyuan builds as wide as each expert (``intermediate_size``), as the release has them: a file of
+    other widths, or of several shared experts, is refused."""
+    width, shared = int(get("feed_forward_length")), int(get("expert_shared_count", 1))
+    expert, shared_width = int(get("expert_feed_forward_length")), int(get("expert_shared_feed_forward_length", width))
+    if expert != width or shared_width != width or shared != 1:
+        raise ValueError(f"GGUF {str(get.gguf)!r} has experts {expert} wide beside a shared MLP {shared_width} wide "
+                         f"({shared} shared; feed_forward_length {width}): specray's Hunyuan MoE, as transformers', "
+                         "has one shared MLP as wide as each expert. Pass the model's HF checkpoint instead")
+    return {"num_experts": int(get("expert_count")), "moe_topk": int(get("expert_used_count"))}
+
+
 def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Qwen3-MoE's experts (in every layer; llama.cpp renormalises the top k's weights, as the releases do)."""
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
@@ -212,6 +247,9 @@ _FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False,
              "mistral3": _Family("Ministral3Config", "Ministral3ForCausalLM", log_multiplier="mscale_all_dim",
                                  rope_extra=_ministral3_rope),
              "hunyuan-dense": _Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", permuted=False),
+             "hunyuan-moe": _Family("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", permuted=False,
+                                    own=_hunyuan_moe),
+             "dots1": _Family("Dots1Config", "Dots1ForCausalLM", permuted=False, own=_dots1),
              # Apertus: the xIELU activation's four scalars per layer as metadata arrays
              "apertus": _Family("ApertusConfig", "ApertusForCausalLM", permuted=False, own=_apertus,
                                 from_keys={f"mlp.act_fn.{name}": (f"xielu.{name}", shape) for name, shape in
