@@ -388,6 +388,8 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg["n_group"])  # (llama.cpp's TextModel: the release's groups)
+        w.add_expert_group_used_count(cfg["topk_group"])
     if arch == "ernie4_5-moe":  # llama.cpp's Ernie4_5MoeModel (its shared experts' width, as it derives it)
         w.add_expert_count(cfg["moe_num_experts"])
         w.add_expert_used_count(cfg["moe_k"])
@@ -2447,14 +2449,13 @@ def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, g
 
 def test_a_dots1_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
     """A GGUF of dots.llm1 as llama.cpp writes it (a Qwen2-MoE's layout: q/k norms, no RoPE reordering; the experts
-    stacked per projection, the shared experts, the sigmoid router's correction bias and scale, the dense first
-    layer) is read by specray's own mapping: its config is the folder's, its tensors are, its logits equal
+    stacked per projection, the shared experts, the sigmoid router's groups, correction bias and scale, the dense
+    first layer) is read by specray's own mapping: its config is the folder's, its tensors are, its logits equal
     transformers' on the folder, and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
-    # tiny_dots1_dir's without its window (the release has none, llama.cpp's converter writes none) and in one group
-    # (the release's; llama.cpp routes without groups)
+    # tiny_dots1_dir's without its window (the release has none, llama.cpp's converter writes none)
     folder = make_tiny_model(tmp_path / "dots1", "dots1", seed=20, head_dim=16, num_hidden_layers=3,
                              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                             first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+                             n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
                              tie_word_embeddings=False)
     path = write_gguf(folder, tmp_path / "dots1.gguf", "dots1")
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -160,8 +160,8 @@ def _ministral3_rope(get: GGUFMeta, rope: dict[str, Any]) -> None:
 def _dots1(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """dots.llm1's experts after its dense layers (``leading_dense_block_count``): DeepSeek-V3's sigmoid scores with
     the router's correction bias, the top k renormalised where ``expert_weights_norm`` says, scaled, beside its shared
-    experts; one group (llama.cpp routes without groups, as the release's one group does). A file routing by
-    anything but sigmoid is refused."""
+    experts; its groups where the converter wrote the release's (``expert_group_count`` and
+    ``expert_group_used_count``), else one. A file routing by anything but sigmoid is refused."""
     import gguf as gguf_py
 
     gating = int(get("expert_gating_func", int(gguf_py.ExpertGatingFuncType.SOFTMAX)))
@@ -174,7 +174,8 @@ def _dots1(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "n_shared_experts": int(get("expert_shared_count")),
             "first_k_dense_replace": int(get("leading_dense_block_count")),
             "routed_scaling_factor": as_written(get("expert_weights_scale")),
-            "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": 1, "topk_group": 1}
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1))}
 
 
 def _hunyuan_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, int]:
