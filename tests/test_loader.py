@@ -325,6 +325,10 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         w.add_head_count_kv(cfg["num_key_value_heads"])
     if arch in ("starcoder2", "nemotron", "command-r", "cohere2"):  # LayerNorms: llama.cpp writes their epsilon so
         w.add_layer_norm_eps(cfg.get("norm_epsilon") or cfg.get("layer_norm_eps") or cfg["norm_eps"])
+    elif arch == "olmo":  # llama.cpp's OlmoModel: its weightless LayerNorms' epsilon (fixed), the q/k/v clamp
+        w.add_layer_norm_eps(1e-5)
+        if cfg.get("clip_qkv") is not None:
+            w.add_clamp_kqv(cfg["clip_qkv"])
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     if arch == "gemma":  # llama.cpp's GemmaModel writes no base: it takes Gemma's, 10000
@@ -581,7 +585,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
             for projection, half in (("gate", gate), ("up", up)):
                 w.add_tensor(f"blk.{parts[2]}.ffn_{projection}_{kind}.weight", half.float().numpy())
             continue
-        if arch in ("llama", "smollm3", "arcee", "granite", "granitemoe", "mistral3") and name.endswith((
+        if arch in ("llama", "smollm3", "arcee", "granite", "granitemoe", "mistral3", "olmo") and name.endswith((
                 "q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).transpose(1, 2).reshape(tensor.shape)
@@ -1290,8 +1294,8 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
                  "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
                  "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "llama", "llama4",
-                 "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo2",
-                 "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+                 "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo",
+                 "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
                  "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
@@ -2445,6 +2449,18 @@ def test_a_ministral3_gguf_matches_transformers(tiny_ministral3_dir, tmp_path, g
     with pytest.raises(ValueError, match="yarn_log_multiplier=0.5; specray reads a Ministral 3 GGUF with the "
                                          "releases' 1"):
         load_hf_config(str(write_gguf(changed, tmp_path / "other.gguf", "mistral3")))
+
+
+def test_an_olmo_gguf_matches_transformers(tiny_olmo_dir, tmp_path, gguf_cache):
+    """A GGUF of the first OLMo as llama.cpp writes it (a Llama's layout: its query and key rows in llama.cpp's RoPE
+    order; no norm tensors, its LayerNorms having no weights; the q/k/v clamp as ``attention.clamp_kqv``) is read by
+    specray's own mapping: its config is the folder's, its tensors are, its logits equal transformers' on the folder,
+    and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    path = write_gguf(tiny_olmo_dir, tmp_path / "olmo.gguf", "olmo")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "clip_qkv", "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size",
+              "attention_bias")
+    assert_gguf_serves_as_its_folder(tiny_olmo_dir, path, fields)
 
 
 def test_a_dots1_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):

@@ -1,24 +1,25 @@
 """GGUF files of the families llama.cpp's converter writes in a Llama's layout under an architecture of their own, which
 transformers' GGUF mapping does not know: Gemma, the first (``gemma``: its norms' weights written as the ``1 + w`` they
 scale by, put back; RoPE's base, which the converter leaves out, Gemma's 10000), SmolLM3 (``smollm3``), Arcee's AFM
-(``arcee``), Granite 3's dense models (``granite``) and MoE models (``granitemoe``: the experts' and the shared MLP's
-gate/up, which the converter splits, fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier, the queries'
-scaling by position) and Apertus (``apertus``: no RoPE reordering; its xIELU scalars as metadata arrays, one value per
-layer, put back as the release's tensors) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an ``olmo2`` with
-sliding-window layers), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE models as
-``ernie4_5-moe``, without the MTP layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each head as
-``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as ``attention.sliding_window`` and
-``attention.sliding_window_pattern``), Hunyuan's dense models (``hunyuan-dense``: q/k norms; the RoPE base the converter
-writes already stretched by the release's NTK alpha, as the release's config would stretch it) and its MoE models
-(``hunyuan-moe``: the experts stacked, one shared MLP, both as wide as the file's ``feed_forward_length``), dots.llm1
-(``dots1``: a Qwen2-MoE's layout with DeepSeek-V3's sigmoid router, its correction bias and shared experts), Command R /
-R+ (``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP,
-the logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
-Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
-rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read --
-through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
-Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name
-them.
+(``arcee``), the first OLMo (``olmo``: no norm tensors, its LayerNorms having no weights; the q/k/v clamp as
+``attention.clamp_kqv``), Granite 3's dense models (``granite``) and MoE models (``granitemoe``: the experts' and the
+shared MLP's gate/up, which the converter splits, fused back), Ministral 3 (``mistral3``: YaRN with its log multiplier,
+the queries' scaling by position) and Apertus (``apertus``: no RoPE reordering; its xIELU scalars as metadata arrays,
+one value per layer, put back as the release's tensors) through its ``LlamaModel``, OLMo 2 (``olmo2``) and OLMo 3 (an
+``olmo2`` with sliding-window layers), OLMoE (``olmoe``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``; its MoE
+models as ``ernie4_5-moe``, without the MTP layers the converter leaves out), GLM-4 (``glm4``: its rotated share of each
+head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and sliding layers as
+``attention.sliding_window`` and ``attention.sliding_window_pattern``), Hunyuan's dense models (``hunyuan-dense``: q/k
+norms; the RoPE base the converter writes already stretched by the release's NTK alpha, as the release's config would
+stretch it) and its MoE models (``hunyuan-moe``: the experts stacked, one shared MLP, both as wide as the file's
+``feed_forward_length``), dots.llm1 (``dots1``: a Qwen2-MoE's layout with DeepSeek-V3's sigmoid router, its correction
+bias and shared experts), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per
+layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL
+(``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose
+multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings,
+their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints
+specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split
+back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -157,6 +158,12 @@ def _ministral3_rope(get: GGUFMeta, rope: dict[str, Any]) -> None:
         rope["llama_4_scaling_beta"] = as_written(beta)
 
 
+def _olmo(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """The first OLMo's clamp of q, k and v as projected (``attention.clamp_kqv``; none where the file has none)."""
+    clamp = get("attention.clamp_kqv", None)
+    return {"clip_qkv": None if clamp is None else as_written(clamp)}
+
+
 def _dots1(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """dots.llm1's experts after its dense layers (``leading_dense_block_count``): DeepSeek-V3's sigmoid scores with
     the router's correction bias, the top k renormalised where ``expert_weights_norm`` says, scaled, beside its shared
@@ -231,6 +238,7 @@ _FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False,
                                 fixed={"no_rope_layer_interval": NO_ROPE_LAYER_STEP, "use_sliding_window": False}),
              "arcee": _Family("ArceeConfig", "ArceeForCausalLM"),
              "granite": _Family("GraniteConfig", "GraniteForCausalLM", own=_granite),
+             "olmo": _Family("OlmoConfig", "OlmoForCausalLM", own=_olmo),
              "olmo2": _Family("Olmo2Config", "Olmo2ForCausalLM", permuted=False),
              "olmoe": _Family("OlmoeConfig", "OlmoeForCausalLM", permuted=False, own=_olmoe),
              "seed_oss": _Family("SeedOssConfig", "SeedOssForCausalLM", permuted=False, own=_seed_oss),
