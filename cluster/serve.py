@@ -83,6 +83,10 @@ PROBE_INTERVAL_S = 0.5  # while the engine is down, how often the ingress asks w
 OUTBOX_IDLE_S = 1.0  # an ingress's output stream with nothing in flight this long ends (so a replica can stop)
 PIN_PREFIX = "specray-replica:"  # a handle's session_id that names the engine replica to route to
 ENGINE_HEALTH_CHECK_PERIOD_S = 2.0  # a dead engine thread is noticed (and the replica replaced) this soon
+# how long Serve lets a replica it stops (a scale-down, a config update, serve shutdown) finish the requests it has in
+# flight before killing it (Serve's own default, 20 s, cuts a long generation's stream); a deployment override of
+# graceful_shutdown_timeout_s in the Serve config changes it
+DRAIN_TIMEOUT_S = 300.0
 
 
 class ServerStartError(RuntimeError):
@@ -1190,7 +1194,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     # A replica that cannot construct its engine fails on its configuration (model, heads, placement):
     # retrying only delays the error, so the deploy fails at the first failure and says why.
     common = {"num_replicas": parsed.num_replicas, "max_ongoing_requests": parsed.max_ongoing_requests,
-              "max_constructor_retry_count": CONSTRUCTOR_RETRIES}
+              "max_constructor_retry_count": CONSTRUCTOR_RETRIES, "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
     engine = serve.deployment(SpecrayEngine).options(
         ray_actor_options=replica_resources(parsed), health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
         request_router_config=RequestRouterConfig(request_router_class=PinnedRouter),

@@ -822,6 +822,20 @@ def test_pinned_calls_reach_the_named_engine_replica_only():
         serve_module._IN_FLIGHT.subtract({"a": 3, "b": 1})
 
 
+def test_serve_lets_a_stopped_replica_finish_its_requests(tiny_llama_dir):
+    """Serve stops a replica (a scale-down, a config update, serve shutdown) once it has no calls in flight, or kills
+    it after the deployment's graceful_shutdown_timeout_s: both deployments wait DRAIN_TIMEOUT_S, not Serve's 20 s,
+    so a long generation on an engine replica being scaled down is finished, not cut (its output stream ends once
+    its ingress has nothing in flight there)."""
+    from specray.cluster.serve import DRAIN_TIMEOUT_S, build_app
+
+    ingress = build_app({"model": str(tiny_llama_dir)})._bound_deployment
+    engine = ingress.init_args[1]._bound_deployment
+    assert DRAIN_TIMEOUT_S >= 60
+    for deployment in (ingress, engine):
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == DRAIN_TIMEOUT_S, deployment.name
+
+
 def test_adds_prefer_the_replica_that_took_their_prefix_while_it_is_not_much_busier():
     """With prefix caching over several engine replicas, a request goes where a prompt with the longest common
     prefix went (its blocks are likely cached there) unless that replica has more than AFFINITY_SLACK requests in
