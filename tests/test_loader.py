@@ -2247,7 +2247,7 @@ def test_a_gemma_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache
     assert_same_tokenizer(folder, path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_a_sentencepiece_gguf_tokenizes_as_its_folder(make_tiny_model, tmp_path, gguf_cache, arch):
     """The GGUFs of Llama 2 and Mistral, and of Gemma 2 and 3, carry a sentencepiece vocabulary (llama.cpp's
     ``llama``: pieces, scores and types, no merges), not a byte-level BPE one; through transformers' path it
@@ -2256,7 +2256,7 @@ def test_a_sentencepiece_gguf_tokenizes_as_its_folder(make_tiny_model, tmp_path,
 
     runs = sys.modules["specray_test_engine_runs"]
     kind, overrides = GGUF_TINY[arch]
-    folder = make_tiny_model(tmp_path / kind, kind, seed=9, spm="gemma" if arch == "gemma3" else "llama",
+    folder = make_tiny_model(tmp_path / kind, kind, seed=9, spm="gemma" if arch.startswith("gemma") else "llama",
                              **overrides)
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch)
     assert_same_tokenizer(folder, path)
