@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, stacked_experts)
+                                      hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
 
 DEEPSEEK_GGUF_ARCHS = ("deepseek2",)
 
@@ -86,10 +86,8 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     import gguf
     from transformers import DeepseekV3ForCausalLM
 
-    with torch.device("meta"):
-        names = [n for n in DeepseekV3ForCausalLM(config).state_dict()
-                 if ".mlp.experts." not in n and not n.endswith("kv_b_proj.weight")
-                 and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    names = hf_tensor_names(DeepseekV3ForCausalLM, config,
+                            lambda n: ".mlp.experts." in n or n.endswith("kv_b_proj.weight"))
     arch, count = gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers
     return gguf_names(arch, count, names), stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 

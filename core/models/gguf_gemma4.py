@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      read_model_gguf)
+                                      hf_tensor_names, read_model_gguf)
 
 GEMMA4_GGUF_ARCHS = ("gemma4",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -124,9 +124,7 @@ def _gguf_names(config) -> dict[str, str]:
     import gguf
     from transformers import Gemma4ForCausalLM
 
-    with torch.device("meta"):
-        names = [n for n in Gemma4ForCausalLM(config).state_dict()
-                 if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    names = hf_tensor_names(Gemma4ForCausalLM, config)
     out = {f"blk.{n.split('.')[2]}.{'ffn_gate_inp' if n.endswith('router.scale') else 'ffn_down_exps'}.scale": n
            for n in names if n.endswith(("router.scale", "router.per_expert_scale"))}
     plain = [n for n in names if n not in out.values()]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, rope_parameters, stacked_experts)
+                                      hf_tensor_names, per_expert, read_model_gguf, rope_parameters, stacked_experts)
 
 GLM4_MOE_GGUF_ARCHS = ("glm4moe",)
 # an MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
@@ -73,9 +73,7 @@ def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tupl
     layers, count = config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers
     deeper = copy.deepcopy(config)  # the MTP layers' blocks are layers of experts past the model's own
     deeper.num_hidden_layers = count
-    with torch.device("meta"):
-        names = [n for n in Glm4MoeForCausalLM(deeper).state_dict() if ".mlp.experts." not in n
-                 and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    names = hf_tensor_names(Glm4MoeForCausalLM, deeper, lambda n: ".mlp.experts." in n)
     names += [f"model.layers.{i}.{n}" for i in range(layers, count) for n in _NEXTN]
     arch = gguf.MODEL_ARCH.GLM4_MOE
     plain = {g: n for g, n in gguf_names(arch, count, names).items()

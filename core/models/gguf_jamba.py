@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, stacked_experts)
+                                      hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
 
 JAMBA_GGUF_ARCHS = ("jamba",)
 
@@ -79,9 +79,7 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     import gguf
     from transformers import JambaForCausalLM
 
-    with torch.device("meta"):
-        names = [n for n in JambaForCausalLM(config).state_dict() if ".experts." not in n
-                 and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    names = hf_tensor_names(JambaForCausalLM, config, lambda n: ".experts." in n)
     arch, count = gguf.MODEL_ARCH.JAMBA, config.num_hidden_layers
     moe = [i for i in range(count) if config.num_experts > 1 and i >= config.expert_layer_offset
            and (i - config.expert_layer_offset) % config.expert_layer_period == 0]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      read_model_gguf, rope_parameters, stacked_experts)
+                                      hf_tensor_names, read_model_gguf, rope_parameters, stacked_experts)
 
 LLAMA4_GGUF_ARCHS = ("llama4",)
 # what llama.cpp fixes for every Llama 4 (no GGUF key carries it), as the releases set it
@@ -77,9 +77,7 @@ def llama4_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[st
 
     get, tensors = read_model_gguf(gguf, arch)
     config = llama4_gguf_config(get, tensors)
-    with torch.device("meta"):
-        hf_names = [n for n in Llama4ForCausalLM(config).state_dict() if ".experts." not in n
-                    and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    hf_names = hf_tensor_names(Llama4ForCausalLM, config, lambda n: ".experts." in n)
     gguf_arch, layers = gguf_py.MODEL_ARCH.LLAMA4, config.num_hidden_layers
     names = gguf_names(gguf_arch, layers, hf_names)
     experts = stacked_experts(gguf_arch, layers, config.moe_layers)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      per_expert, read_model_gguf, rope_parameters, stacked_experts)
+                                      hf_tensor_names, per_expert, read_model_gguf, rope_parameters, stacked_experts)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 COHERE2_GLOBAL_LAYER_STEP = 4  # llama.cpp's for Cohere2: every 4th layer global (no GGUF key carries it)
@@ -356,11 +356,9 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     family = _family(get, tensors)
     config = llama_family_gguf_config(get, tensors)
     model_class = getattr(transformers, family.architecture)
-    with torch.device("meta"):
-        hf_names = [n for n in model_class(config).state_dict() if ".mlp.experts." not in n
-                    and not any(f".{module}" in n for module in family.fused_modules)
-                    and not any(n.endswith(f".{release}") for release in family.from_keys)
-                    and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    hf_names = hf_tensor_names(model_class, config, lambda n: ".mlp.experts." in n
+                               or any(f".{module}" in n for module in family.fused_modules)
+                               or any(n.endswith(f".{release}") for release in family.from_keys))
     for module_name, checkpoint_name in family.checkpoint_names:
         hf_names = [n.replace(module_name, checkpoint_name) for n in hf_names]
     gguf_arch = {name: value for value, name in gguf_py.MODEL_ARCH_NAMES.items()}[arch]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      read_model_gguf, rope_parameters)
+                                      hf_tensor_names, read_model_gguf, rope_parameters)
 
 MINICPM3_GGUF_ARCHS = ("minicpm3",)
 # what llama.cpp's graph fixes for every MiniCPM3 (no GGUF key carries them), as MiniCPM3-4B sets them
@@ -72,9 +72,7 @@ def minicpm3_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
 
     get, tensors = read_model_gguf(gguf, arch)
     config = minicpm3_gguf_config(get, tensors)
-    with torch.device("meta"):
-        hf_names = [n for n in MiniCPM3ForCausalLM(config).state_dict()
-                    if not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    names = gguf_names(gguf_py.MODEL_ARCH.MINICPM3, config.num_hidden_layers, hf_names)
+    names = gguf_names(gguf_py.MODEL_ARCH.MINICPM3, config.num_hidden_layers,
+                       hf_tensor_names(MiniCPM3ForCausalLM, config))
     check_tensor_names(gguf, "MiniCPM3ForCausalLM", names, tensors)
     return config, ({names[name]: tensors.pop(name) for name in group} for group in by_layer(tensors))

@@ -169,6 +169,14 @@ def tensors_by_layer(tensors: GGUFTensors, gguf: Path, arch: str) -> dict[int, G
     return {layer: GGUFTensors(entries) for layer, entries in per_layer.items()}
 
 
+def hf_tensor_names(model_class, config, skip=lambda name: False) -> list[str]:
+    """The tensor names of ``model_class`` built from ``config`` (on the meta device: no storage), but those
+    ``skip`` names and a tied ``lm_head.weight`` (the file has no output tensor then)."""
+    with torch.device("meta"):
+        names = list(model_class(config).state_dict())
+    return [n for n in names if not skip(n) and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+
+
 def gguf_names(arch, layers: int, hf_names) -> dict[str, str]:
     """GGUF name -> HF name of each of ``hf_names``, through gguf-py's tensor map of llama.cpp's ``arch`` (a
     ``gguf.MODEL_ARCH``): the map llama.cpp's converter renames a checkpoint's tensors by. A name without a
