@@ -265,6 +265,35 @@ def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_d
     assert third != second and not second.exists() and (other / loader._GGUF_MARKER).is_file()
 
 
+def test_a_gguf_converts_into_the_dtype_asked_for(tiny_llama_dir, tmp_path, gguf_cache, monkeypatch):
+    """``SPECRAY_GGUF_DTYPE=bfloat16`` converts a GGUF into bfloat16 shards (half of float32's bytes on disk) in a
+    cache folder of its own, beside the float32 one (a process without the variable may be reading that): each
+    tensor is the float32 conversion's rounded to bfloat16, as loading a model in bfloat16 rounds it, so the model
+    run in bfloat16 has the same weights from either. Another value is a ValueError naming the variable."""
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "llama.gguf", "llama")
+    full = resolve_model(str(path)).path
+    exact = tensors(full)
+    as_f32 = dict(load_model(str(path), pack=False, dtype=torch.bfloat16).state_dict())
+    monkeypatch.setenv(loader.GGUF_DTYPE_ENV, "bfloat16")
+    half = resolve_model(str(path)).path
+    assert half != full and (full / loader._GGUF_MARKER).is_file()
+    rounded = tensors(half)
+    assert sorted(rounded) == sorted(exact)
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, exact[k].to(torch.bfloat16)) for k, v in rounded.items())
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((half / loader._GGUF_MARKER).read_text())["dtype"] == "bfloat16"
+    as_bf16 = dict(load_model(str(path), pack=False, dtype=torch.bfloat16).state_dict())
+    assert sorted(as_bf16) == sorted(as_f32) and all(torch.equal(as_bf16[k], as_f32[k]) for k in as_f32)
+    monkeypatch.setenv(loader.GGUF_DTYPE_ENV, "int8")
+    with pytest.raises(ValueError, match="SPECRAY_GGUF_DTYPE='int8' is not a dtype a GGUF is converted into"):
+        resolve_model(str(path))
+
+
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
 def _write_out(w) -> None:

@@ -4,7 +4,9 @@ model with this rank's shard of the weights.
 A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE permutation
 undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their index (or one
 model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by
-the file's path, size and mtime; later loads read the cached folder. The conversion reads, converts and writes a layer
+the file's path, size and mtime; later loads read the cached folder. The shards are float32 (every dequantized value
+exact), or with ``$SPECRAY_GGUF_DTYPE`` bfloat16 or float16 (half the disk; each value rounded as loading the model
+in that dtype rounds it). The conversion reads, converts and writes a layer
 at a time, so it holds about one shard, not the whole model in float32 (several times the file). Only the families
 transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its mapping misreads a file or leaves a default,
 ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp wrote; its RoPE scaling, Llama 3's per-frequency
@@ -68,6 +70,10 @@ from specray.parallel import PPGroup, TPGroup
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECRAY_CACHE_DIR"
+# the dtype a GGUF's conversion is stored in: float32 (the default) keeps every dequantized value exactly; bfloat16 or
+# float16 halve the disk it takes, each value rounded as loading a model in that dtype rounds it anyway
+GGUF_DTYPE_ENV = "SPECRAY_GGUF_DTYPE"
+GGUF_DTYPES = ("float32", "bfloat16", "float16")
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 # the conversion's own version, part of a cached folder's key: raised whenever a file already converted would now
 # convert to something else (2: the RoPE scaling read, Llama 3's per-frequency factors included, which conversions
@@ -443,13 +449,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/specray").expanduser()
 
 
+def gguf_storage_dtype() -> str:
+    """The dtype conversions are stored in (``$SPECRAY_GGUF_DTYPE``, default float32)."""
+    dtype = os.environ.get(GGUF_DTYPE_ENV) or "float32"
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"{GGUF_DTYPE_ENV}={dtype!r} is not a dtype a GGUF is converted into; use one of "
+                         f"{list(GGUF_DTYPES)} (float32 keeps the dequantized values exactly, the others take half "
+                         "the disk) or leave it unset")
+    return dtype
+
+
 def gguf_cache_folder(gguf: Path) -> Path:
-    """Where the converted ``gguf`` lives: keyed by its absolute path, size and mtime, and the conversion's version
-    (``GGUF_CONVERSION_VERSION``)."""
+    """Where the converted ``gguf`` lives: keyed by its absolute path, size and mtime, the conversion's version
+    (``GGUF_CONVERSION_VERSION``) and the dtype it is stored in (:func:`gguf_storage_dtype`; float32's key is the
+    one conversions had before there was a choice)."""
     gguf = gguf.resolve()
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERSION_VERSION}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    dtype = gguf_storage_dtype()
+    text = f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{GGUF_CONVERSION_VERSION}"
+    text += "" if dtype == "float32" else f"|{dtype}"
+    return cache_dir() / "gguf" / f"{gguf.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -480,15 +499,19 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def _drop_older_conversions(gguf: Path, current: Path) -> None:
-    """Delete the cached conversions of the file at ``gguf``'s path other than ``current``: those of an earlier
-    version of the file (another size or mtime) or of an older conversion (``GGUF_CONVERSION_VERSION``), which are
-    never read again and hold 4 bytes per parameter each. Only complete folders whose marker names this path."""
+    """Delete the cached conversions of the file at ``gguf``'s path other than ``current`` in its dtype: those of an
+    earlier version of the file (another size or mtime) or of an older conversion (``GGUF_CONVERSION_VERSION``), which
+    are never read again and hold 2 or 4 bytes per parameter each. One in another dtype stays (a process that loads
+    the model with another ``SPECRAY_GGUF_DTYPE`` may be reading it). Only complete folders whose marker names this
+    path."""
+    dtype = gguf_storage_dtype()
     for marker in current.parent.glob(f"*/{_GGUF_MARKER}"):
         folder = marker.parent
         if folder == current:
             continue
         try:
-            if json.loads(marker.read_text()).get("gguf") != str(gguf):
+            written = json.loads(marker.read_text())
+            if written.get("gguf") != str(gguf) or written.get("dtype", "float32") != dtype:
                 continue
         except (OSError, ValueError):  # a folder being written or removed by another process: not ours to judge
             continue
@@ -859,8 +882,8 @@ class _ShardWriter:
     dict they write into. ``close`` names the shards as HF names a sharded checkpoint's, with its index (one shard:
     ``model.safetensors``)."""
 
-    def __init__(self, out: Path, shard_bytes: int):
-        self.out, self.shard_bytes = out, shard_bytes
+    def __init__(self, out: Path, shard_bytes: int, dtype: torch.dtype = torch.float32):
+        self.out, self.shard_bytes, self.dtype = out, shard_bytes, dtype  # the floating tensors' dtype on disk
         self.skip: Callable[[str], bool] | None = None  # names not to keep, while it is set
         self.held: dict[str, torch.Tensor] = {}
         self.saved: dict[str, str] = {}  # name -> its shard's file
@@ -897,10 +920,11 @@ class _ShardWriter:
         if not self.held:
             return
         name = f"model-{len(self.shards) + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in self.held.items()}, str(self.out / name), metadata={"format": "pt"})
+        held = {k: (v.to(self.dtype) if v.is_floating_point() else v).contiguous() for k, v in self.held.items()}
+        save_file(held, str(self.out / name), metadata={"format": "pt"})
         self.shards.append(name)
-        self.saved |= dict.fromkeys(self.held, name)
-        self.total_bytes += sum(t.numel() * t.element_size() for t in self.held.values())
+        self.saved |= dict.fromkeys(held, name)
+        self.total_bytes += sum(t.numel() * t.element_size() for t in held.values())
         self.held = {}
 
     def close(self) -> None:
@@ -928,7 +952,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         hidden = _GGUF_FIELDS_HIDDEN.get(arch)
         for key in [key for key in parsed.fields if hidden and key.startswith(hidden)]:
             del parsed.fields[key]  # after our own reads of them (``meta``)
-        writer = _ShardWriter(out, GGUF_SHARD_BYTES)
+        writer = _ShardWriter(out, GGUF_SHARD_BYTES, getattr(torch, gguf_storage_dtype()))
         if arch in _GGUF_READERS:  # read by us: transformers' mapping gives no dense tensors of these
             config, groups = _GGUF_READERS[arch](gguf, arch)
             get_model_class(config)
@@ -937,10 +961,13 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         else:
             config = _gguf_checkpoint(gguf, meta, arch, mixtral, writer)
         writer.close()
+        if writer.dtype != torch.float32:
+            config.dtype = writer.dtype
         config.save_pretrained(out)
         _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
-    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": GGUF_CONVERSION_VERSION}
+    marker = {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": GGUF_CONVERSION_VERSION,
+              "dtype": gguf_storage_dtype()}
     (out / _GGUF_MARKER).write_text(json.dumps(marker))
 
 
