@@ -920,7 +920,10 @@ class _ShardWriter:
         if not self.held:
             return
         name = f"model-{len(self.shards) + 1:05d}.safetensors"
-        held = {k: (v.to(self.dtype) if v.is_floating_point() else v).contiguous() for k, v in self.held.items()}
+        held = {}
+        for k in list(self.held):  # each dropped as it is cast: at most the shard and one tensor held at once
+            v = self.held.pop(k)
+            held[k] = (v.to(self.dtype) if v.is_floating_point() else v).contiguous()
         save_file(held, str(self.out / name), metadata={"format": "pt"})
         self.shards.append(name)
         self.saved |= dict.fromkeys(held, name)
