@@ -762,7 +762,24 @@ def test_a_head_failing_after_a_step_costs_its_requests_their_drafts_not_their_t
     after = [c for plan, _ in rec.steps[at + 1:] for c in plan.chunks]
     assert after and not any(c.num_draft_tokens or c.num_next_drafts for c in after if c.req_id in ids)
     assert any(c.num_draft_tokens for c in after if c.req_id in late)  # the head drafts for the late one
-    assert free_blocks(llm) == start and not engine._undrafted
+    assert free_blocks(llm) == start and not engine._head_failed
+
+
+def test_a_failed_head_leaves_the_lookup_beside_it_drafting(target_dir, heads, plain_outputs):
+    """With a lookup drafter beside the head (``combine_with``), the requests the head failed on still verify the
+    lookup's drafts (and ask the head for none); output stays plain decoding's."""
+    llm = make_llm(target_dir, heads, "accepting", "eagle3+ngram")
+    engine, tok = llm.engine, llm.get_tokenizer()
+    fault = FailingDraft(engine.executor.worker.runner.drafter, at=2)
+    engine.executor = rec = Recorder(engine.executor)
+    ids = [engine.add_request(tok.encode(p), greedy(24)) for p in PROMPTS[:3]]
+    done = run_to_end(engine)
+    assert [done[rid].outputs[0].token_ids for rid in ids] == plain_outputs[:3]
+    assert sorted(fault.failed_on) == sorted(ids) and engine.drafting_failures == 3
+    at = next(i for i, (_, result) in enumerate(rec.steps) if result.drafting_failed)
+    after = [c for plan, _ in rec.steps[at + 1:] for c in plan.chunks]
+    assert not any(c.num_next_drafts or c.worker_drafts for c in after)
+    assert any(c.num_draft_tokens for c in after)  # the lookup's
 
 
 def test_a_head_failing_in_a_step_run_again_without_a_failed_request(target_dir, heads, plain_outputs):

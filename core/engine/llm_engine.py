@@ -98,6 +98,7 @@ class LLMEngine:
         self.worker_scores_chains = False  # the worker's chains came with their drafts' probabilities
         self._ids = itertools.count()
         self._undrafted: set[str] = set()  # requests the drafter failed on: they decode without drafts
+        self._head_failed: set[str] = set()  # requests the worker's drafter failed on: no head drafts (lookups stay)
         self.drafting_failures = 0  # how many requests the drafter failed on, since the engine started
         # structured outputs: each constrained request's grammar, and the requests verifying the grammar's forced
         # tokens this step (not a drafter's: the draft policy and the drafter learn nothing from them)
@@ -491,15 +492,17 @@ class LLMEngine:
         head_drafted = []  # requests that verify the head's drafts (a sampled one's q is on the worker)
         for request, off_path in decoding:
             rid = request.req_id
-            if rid in self._undrafted:  # the worker's drafter failed on it: it drafts nothing for it again
-                lengths[rid] = 0
-                continue
             made = self._worker_drafts.get(rid)
             if rid in lookups:
                 drafts[rid], lengths[rid], from_head = self._combine(request, len(running), off_path, made,
                                                                      lookups[rid], rid in probes)
                 if from_head:
                     head_drafted.append(rid)
+                if rid in self._head_failed:  # the lookup's drafts alone from now on
+                    lengths[rid] = 0
+                continue
+            if rid in self._head_failed:  # the worker's drafter failed on it: it drafts nothing for it again
+                lengths[rid] = 0
                 continue
             head = self.worker_method  # the key of the head's drafts
             if isinstance(made, DraftTree) and self.policy.adaptive and not off_path and not self.policy.knows(head):
@@ -801,13 +804,14 @@ class LLMEngine:
             return None
 
     def _stop_worker_drafting(self, failed: dict[str, str]) -> None:
-        """The worker's drafter failed after a step (it logged why, and dropped its state for the step's
-        requests): those requests decode without drafts from now on, as with :meth:`_stop_drafting`."""
-        new = [rid for rid in failed if rid not in self._undrafted and rid in self.tracked]
+        """The worker's drafter failed after a step (it logged why): the step's requests get none of its drafts
+        from now on, as with :meth:`_stop_drafting` (a lookup drafter beside it, ``combine_with``, still drafts for
+        them)."""
+        new = [rid for rid in failed if rid not in self._head_failed and rid in self.tracked]
         if new:
-            logger.error("the worker's drafter failed on %d requests (%s); they decode without drafts from now on",
+            logger.error("the worker's drafter failed on %d requests (%s); they get no drafts of it from now on",
                          len(new), failed[new[0]])
-            self._undrafted.update(new)
+            self._head_failed.update(new)
             self.drafting_failures += len(new)
 
     def _stop_drafting(self, req_id: str, why: str, err: Exception | None = None) -> None:
@@ -1013,6 +1017,7 @@ class LLMEngine:
             tracked = self.tracked.pop(rid, None)
             self._grammars.pop(rid, None)
             self._undrafted.discard(rid)
+            self._head_failed.discard(rid)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
                 told(rid, tracked.request.all_token_ids)
         if self.policy is not None:
