@@ -40,7 +40,8 @@ allocates those slots with the chunk's (and frees them on rewind; the next step 
 A non-final prefill chunk carries ``next_token_id``, the prompt token after its last one. A chunk with
 ``worker_drafts`` verifies (a prefix of) the chain the worker drafted for it after the last step: for a sampled
 request the worker drew those drafts from the head's q and keeps q for their verification (nothing of vocabulary size
-crosses Ray).
+crosses Ray). A worker drafter that raised after verifying answers the step's tokens without drafts and names its
+requests in ``StepResult.drafting_failed`` (the engine asks it for none of theirs again).
 """
 
 from __future__ import annotations
