@@ -2500,8 +2500,8 @@ def test_a_dots1_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache
     # tiny_dots1_dir's without its window (the release has none, llama.cpp's converter writes none)
     folder = make_tiny_model(tmp_path / "dots1", "dots1", seed=20, head_dim=16, num_hidden_layers=3,
                              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                             n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
-                             tie_word_embeddings=False)
+                             n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                             routed_scaling_factor=1.5, tie_word_embeddings=False)
     path = write_gguf(folder, tmp_path / "dots1.gguf", "dots1")
     fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
