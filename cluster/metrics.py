@@ -69,8 +69,15 @@ class _Metric:
                  use_ray: bool, buckets: tuple[float, ...] | None = None):
         extra = {"buckets": buckets} if buckets else {}
         self.kind = kind
+        self.labels = labels
         self.prom = self._PROM[kind](name, doc, labels, registry=registry, **extra)
         self.ray = _ray_metric(kind, name, doc, labels, buckets) if use_ray else None
+
+    def remove(self, labels: dict[str, str]) -> None:
+        """Drop one series from our registry (Ray's metrics keep theirs: a gauge there is left at 0)."""
+        self.prom.remove(*(labels[name] for name in self.labels))
+        if self.ray is not None and self.kind == "gauge":
+            self.ray.set(0, tags=labels)
 
     def record(self, value: float, labels: dict[str, str]) -> None:
         if self.kind == "counter" and value <= 0:
@@ -184,8 +191,9 @@ class ServerMetrics:
         self.prediction_tokens.record(accepted, {**self._labels, "outcome": "accepted"})
         self.prediction_tokens.record(rejected, {**self._labels, "outcome": "rejected"})
 
-    def record_engine_state(self, state: dict) -> None:
-        """Gauges from :func:`engine_state`."""
+    def record_engine_state(self, state: dict, unloaded: set[str] = frozenset()) -> None:
+        """Gauges from :func:`engine_state`. An adapter's series read 0 once it has no request, and are dropped
+        once it has none and is among ``unloaded`` (adapters unloaded at runtime: their series would linger)."""
         for metric, key in ((self.waiting, "num_waiting"), (self.running, "num_running"),
                             (self.kv_used, "used_blocks"), (self.kv_total, "total_blocks")):
             metric.record(state[key], self._labels)
@@ -193,9 +201,12 @@ class ServerMetrics:
         with self._lock:
             for name in self._adapters | set(lora):
                 for which in ("running", "waiting"):
-                    self.lora_requests.record(lora.get(name, {}).get(which, 0),
-                                              {**self._labels, "adapter": name, "state": which})
-            self._adapters |= set(lora)
+                    labels = {**self._labels, "adapter": name, "state": which}
+                    if name in unloaded and name not in lora:
+                        self.lora_requests.remove(labels)
+                    else:
+                        self.lora_requests.record(lora.get(name, {}).get(which, 0), labels)
+            self._adapters = (self._adapters | set(lora)) - (set(unloaded) - set(lora))
             # counters: the growth of the engine's totals (a restarted engine starts again from 0)
             totals = tuple(state.get(key, 0) for key in ("prefix_cache_queries", "prefix_cache_hits",
                                                          "drafting_failures"))

@@ -71,9 +71,10 @@ class EngineClient(Protocol):
 
     async def engine_state(self) -> dict: ...
 
-    async def engine_metrics(self) -> bytes:
+    async def engine_metrics(self, unloaded: set[str] = frozenset()) -> bytes:
         """Prometheus text of the metrics the engine records itself, where they live apart from the app's
-        (an engine in another process); empty when the app's own :class:`ServerMetrics` holds them."""
+        (an engine in another process); empty when the app's own :class:`ServerMetrics` holds them. ``unloaded``:
+        the runtime adapters unloaded now, whose series go (``ServerMetrics.record_engine_state``)."""
         ...
 
     async def is_healthy(self) -> bool:
@@ -112,7 +113,7 @@ class AsyncEngineClient:
         self._check_running()
         return await self.aengine.call(engine_state)
 
-    async def engine_metrics(self) -> bytes:
+    async def engine_metrics(self, unloaded: set[str] = frozenset()) -> bytes:
         return b""  # the engine runs in this process: the app's own metrics hold its step metrics
 
     def _check_running(self) -> None:
@@ -799,6 +800,7 @@ class OpenAIServing:
         self.keep_reasoning_tags = config.reasoning_parser is not None and tags_are_special(client.tokenizer)
         # adapters loaded through /v1/load_lora_adapter: the replica's own, or one registry several replicas share
         self.runtime_adapters = runtime_adapters if runtime_adapters is not None else RuntimeAdapters()
+        self._runtime_seen: set[str] = set()  # every adapter name seen loaded at runtime (a load here, a scrape)
         self.num_queued = 0  # engine requests admitted that have not produced their first output yet
         self._fanouts: set[_Fanout] = set()  # the requests generating now (until their handlers close them)
         self._stopping = False  # the server is shutting down: every request is answered _shutting_down()
@@ -861,6 +863,7 @@ class OpenAIServing:
         if not await self.runtime_adapters.load(name, req.lora_path, config.served_model_name, req.load_inplace):
             raise proto.bad_request(f"The lora adapter {name!r} has already been loaded; unload it first, or send "
                                     "load_inplace: true to replace it", "lora_name")
+        self._runtime_seen.add(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def _unload_lora_adapter(self, body: Any, arrival: float) -> Response:
@@ -957,9 +960,10 @@ class OpenAIServing:
     async def prometheus(self) -> Response:
         engine_text = b""
         try:
+            unloaded = await self._unloaded_adapters()
             if self.metrics.has_engine_metrics:
-                self.metrics.record_engine_state(await self.client.engine_state())
-            engine_text = await self.client.engine_metrics()
+                self.metrics.record_engine_state(await self.client.engine_state(), unloaded)
+            engine_text = await self.client.engine_metrics(unloaded)
         except EngineError as err:  # still serve the counters; /health reports the dead engine
             logger.warning("metrics without fresh engine state: %s", err)
         return Response(self.metrics.render() + engine_text, media_type=self.metrics.content_type)
@@ -979,6 +983,15 @@ class OpenAIServing:
             logger.warning("%d requests had not answered %.1f s after the server began to shut down",
                            len(self._fanouts), timeout)
         return len(ended)
+
+    async def _unloaded_adapters(self) -> set[str]:
+        """The adapters loaded at runtime (seen loaded here) that are unloaded now, through any replica when they
+        share them: the metrics drop their series."""
+        if not self.config.runtime_lora_updating:
+            return set()
+        loaded = set(await self.runtime_adapters.names())
+        self._runtime_seen |= loaded
+        return self._runtime_seen - loaded
 
     async def debug_kv(self) -> Response:
         try:

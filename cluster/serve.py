@@ -522,10 +522,11 @@ class SpecrayEngine:
         with _portable_errors():
             return await self.client.engine_state()
 
-    async def metrics_text(self) -> bytes:
-        """This replica's engine metrics in Prometheus text, the scheduler/KV gauges read now."""
+    async def metrics_text(self, unloaded: set[str] = frozenset()) -> bytes:
+        """This replica's engine metrics in Prometheus text, the scheduler/KV gauges read now (``unloaded``: runtime
+        adapters unloaded now, whose series go)."""
         with _portable_errors():
-            self.metrics.record_engine_state(await self.client.engine_state())
+            self.metrics.record_engine_state(await self.client.engine_state(), set(unloaded))
         return self.metrics.render()
 
     async def ready(self) -> bool:
@@ -758,14 +759,14 @@ class RemoteEngineClient:
     async def engine_state(self) -> dict:
         return await self._call("engine_state")
 
-    async def engine_metrics(self) -> bytes:
-        return await self._call("metrics_text")
+    async def engine_metrics(self, unloaded: set[str] = frozenset()) -> bytes:
+        return await self._call("metrics_text", set(unloaded))
 
-    async def _call(self, method: str) -> Any:
+    async def _call(self, method: str, *args) -> Any:
         """A unary call on an engine replica, bounded like a request's acknowledgement."""
         await self._first_contact()
         self._check_up()
-        response = getattr(self._handle, method).remote()
+        response = getattr(self._handle, method).remote(*args)
         with self._translated():
             try:
                 return await asyncio.wait_for(response, self.ack_timeout_s)

@@ -6,6 +6,7 @@ cached prefixes never shared across adapters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -721,7 +722,7 @@ def test_serve_args_read_lora_modules(adapters, tiny_llama_dir, tmp_path):
 
 def test_metrics_count_each_adapter_s_requests(adapters, tiny_llama_dir):
     """`specray_lora_requests{adapter, state}`: each adapter's engine requests, running and waiting (from the
-    scheduler); an adapter with none left reads 0."""
+    scheduler); an adapter with none left reads 0, and one unloaded at runtime with none left has no series."""
     from specray import SamplingParams
     from specray.cluster.metrics import ServerMetrics, engine_state
 
@@ -743,6 +744,10 @@ def test_metrics_count_each_adapter_s_requests(adapters, tiny_llama_dir):
         for name in ("first", "second"):
             for which in ("running", "waiting"):
                 assert f'specray_lora_requests{{adapter="{name}",model="tiny",state="{which}"}} 0.0' in text
+        metrics.record_engine_state(engine_state(engine), unloaded={"first"})
+        text = metrics.render().decode()
+        assert 'adapter="first"' not in text and 'adapter="second",model="tiny",state="waiting"} 0.0' in text
+        metrics.record_engine_state(engine_state(engine), unloaded={"first"})  # gone: nothing left to drop
     with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
         assert engine_state(llm.engine)["lora_requests"] == {}
 
@@ -787,7 +792,10 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
                                 ({"lora_name": "x", "lora_path": str(tmp_path)}, "adapter_config.json")):
                 status, text = _post_text(load, body)
                 assert status == 400 and match in text, text
+            serving = recording.app.state.serving
+            assert asyncio.run(serving._unloaded_adapters()) == set()
             assert _post_text(unload, {"lora_name": "mine"})[0] == 200
+            assert asyncio.run(serving._unloaded_adapters()) == {"mine"}  # its metrics series go (below)
             assert _complete(base, "mine", prompt)[0] == 404
             status, text = _post_text(unload, {"lora_name": "mine"})
             assert status == 404 and "lora_not_found" in text
@@ -803,8 +811,8 @@ def test_runtime_lora_updating_loads_and_unloads_adapters(adapters, tiny_llama_d
 def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir):
     """Several ingress replicas (two apps here, each over an engine of its own) over one adapter registry: an adapter
     loaded through one serves through the other under the same id, replaced in place through the other, unloaded
-    through the first is a 404 on both; while the registry is down, naming a runtime adapter is a 503 to retry and
-    the base model still serves."""
+    through the first is a 404 on both (and the other's next metrics scrape drops its series); while the registry is
+    down, naming a runtime adapter is a 503 to retry and the base model still serves."""
     pytest.importorskip("ray")  # the server's modules import Ray and FastAPI (a GPU image may lack them)
     from specray.cluster.openai_app import ServerConfig
     from specray.cluster.serve import SharedRuntimeAdapters, SpecrayAdapterRegistry
@@ -832,8 +840,11 @@ def test_replicas_share_the_adapters_loaded_at_runtime(adapters, tiny_llama_dir)
             assert _post_text(b + "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": requests[1].lora_path,
                                                             "load_inplace": True})[0] == 200
             assert _complete(a, "mine", prompt)[0] == 200 and first.seen.pop()[1] == expected[1][0]
+            replica_b = second.app.state.serving
+            assert asyncio.run(replica_b._unloaded_adapters()) == set()  # a scrape of b's sees it loaded
             assert _post_text(a + "/v1/unload_lora_adapter", {"lora_name": "mine"})[0] == 200
             assert _complete(b, "mine", prompt)[0] == 404 and _complete(a, "mine", prompt)[0] == 404
+            assert asyncio.run(replica_b._unloaded_adapters()) == {"mine"}  # b's next scrape drops its series
             handle.down = True
             status, body = _complete(b, "other", prompt)
             assert status == 503 and body["error"]["code"] == "adapter_registry_unavailable"

@@ -87,7 +87,7 @@ class FakeEngineClient:
     async def engine_state(self) -> dict:
         return {"free_blocks": 1, "total_blocks": 1, "used_blocks": 0, "num_waiting": 0, "num_running": 0}
 
-    async def engine_metrics(self) -> bytes:
+    async def engine_metrics(self, unloaded: set[str] = frozenset()) -> bytes:
         return b""
 
     async def is_healthy(self) -> bool:
