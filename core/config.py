@@ -251,6 +251,12 @@ class RayPlacement:
 EXECUTOR_BACKENDS = (None, "uni", "ray")
 
 
+# the dtype a GGUF's conversion is stored in (specray.models.loader): float32 (the default) keeps every dequantized
+# value exactly; bfloat16 or float16 halve the disk it takes, each value rounded as loading the model in that dtype
+# rounds it anyway
+GGUF_DTYPE_ENV = "SPECRAY_GGUF_DTYPE"
+GGUF_DTYPES = ("float32", "bfloat16", "float16")
+
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (specray.models.kv_cache)

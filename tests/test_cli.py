@@ -1,6 +1,7 @@
 """`specray generate` on a tiny model: prints outputs and a speed/acceptance summary."""
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -153,6 +154,27 @@ def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):
     no = build_parser().parse_args(["generate", "--model", str(tiny_llama_dir), "--prompt", "x",
                                     "--no-enable-prefix-caching"])
     assert engine_kwargs(no)["enable_prefix_caching"] is False
+
+
+def test_gguf_dtype_flag_sets_the_conversion_dtype_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """``--gguf-dtype`` (``generate`` and ``serve``) puts ``SPECRAY_GGUF_DTYPE`` in the environment before the model
+    is resolved or Ray starts (its workers inherit it); without it the environment stands; another value is
+    argparse's error."""
+    from specray.cluster.cli import _export_gguf_dtype, build_parser, main
+    from specray.config import GGUF_DTYPE_ENV
+
+    monkeypatch.setenv(GGUF_DTYPE_ENV, "float32")  # so that teardown restores the variable whatever the test sets
+    monkeypatch.delenv(GGUF_DTYPE_ENV)
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        _export_gguf_dtype(build_parser().parse_args(command))
+        assert GGUF_DTYPE_ENV not in os.environ
+        _export_gguf_dtype(build_parser().parse_args([*command, "--gguf-dtype", "bfloat16"]))
+        assert os.environ.pop(GGUF_DTYPE_ENV) == "bfloat16"
+    missing = str(tmp_path / "none.gguf")
+    assert main(["serve", "--model", missing, "--gguf-dtype", "float16"]) == 2  # refused before Ray starts
+    assert os.environ[GGUF_DTYPE_ENV] == "float16" and "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--gguf-dtype", "int8"])
 
 
 def test_enforce_eager_flag_reaches_the_engine(tiny_llama_dir):

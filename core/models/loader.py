@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.config import LOAD_FORMATS
+from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
@@ -70,10 +70,6 @@ from specray.parallel import PPGroup, TPGroup
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECRAY_CACHE_DIR"
-# the dtype a GGUF's conversion is stored in: float32 (the default) keeps every dequantized value exactly; bfloat16 or
-# float16 halve the disk it takes, each value rounded as loading a model in that dtype rounds it anyway
-GGUF_DTYPE_ENV = "SPECRAY_GGUF_DTYPE"
-GGUF_DTYPES = ("float32", "bfloat16", "float16")
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 # the conversion's own version, part of a cached folder's key: raised whenever a file already converted would now
 # convert to something else (2: the RoPE scaling read, Llama 3's per-frequency factors included, which conversions
