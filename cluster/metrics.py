@@ -125,8 +125,8 @@ _DEFINITIONS = [
     ("prefix_queries", "counter", "specray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      (), None),
     ("prefix_hits", "counter", "specray_prefix_cache_hits", "Prompt tokens found in the prefix cache", (), None),
-    ("drafting_failures", "counter", "specray_spec_drafting_failures", "Requests the drafter failed on (they "
-     "decode without drafts from then on)", (), None),
+    ("drafting_failures", "counter", "specray_spec_drafting_failures", "Requests the drafter failed on (they get "
+     "no drafts of it from then on; a hidden-state head's: none of the head's)", (), None),
     ("drafts", "counter", "specray_spec_drafts", "Verifications of >= 1 draft token (one request, one step)",
      (), None),
     ("draft_tokens", "counter", "specray_spec_draft_tokens", "Draft tokens proposed and verified", (), None),
