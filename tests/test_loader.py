@@ -1321,11 +1321,11 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
-                 "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm4", "glm4moe", "gpt-oss", "granite",
-                 "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "llama", "llama4",
-                 "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo",
-                 "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
-                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                 "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm-dsa", "glm4", "glm4moe", "gpt-oss",
+                 "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "llama",
+                 "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe",
+                 "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe",
+                 "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2050,20 +2050,30 @@ def assert_gguf_serves_as_its_folder(folder: Path, path: Path, fields) -> None:
     assert outs[0] == outs[1]
 
 
-def write_deepseek_gguf(folder: Path, out: Path) -> Path:
+def write_deepseek_gguf(folder: Path, out: Path, arch: str = "deepseek2") -> Path:
     """A GGUF of a DeepSeek-V3 folder written as llama.cpp's converter writes one (its DeepseekV2Model over TextModel):
     MLA as MQA (one KV head; the latent and heads' widths as ``attention.*``), YaRN with ``mscale_all_dim`` as
     ``yarn_log_multiplier``, the router's settings; ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
     ``attn_v_b``, each MoE layer's experts stacked per projection, the correction bias renamed to a ``.bias``, no
-    ``lm_head`` when tied; every tensor renamed through gguf-py's tensor map."""
+    ``lm_head`` when tied; every tensor renamed through gguf-py's tensor map. ``arch`` ``glm-dsa``: a GLM-5 folder as
+    its GlmMoeDsaModel writes it, besides: the indexer's sizes (``attention.indexer.*``) and tensors, and the MTP
+    layers the folder has (``nextn_predict_layers``, counted in ``block_count``, their ``nextn.*`` tensors)."""
     import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    weights = load_file(str(folder / "model.safetensors"))
+    nextn = len({n.split(".")[2] for n in weights if n.startswith("model.layers.")
+                 and int(n.split(".")[2]) >= layers}) if arch == "glm-dsa" else 0
     rope = cfg["rope_parameters"]
-    w = gguf.GGUFWriter(str(out), "deepseek2")
-    w.add_block_count(layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(layers + nextn)
+    if arch == "glm-dsa":
+        w.add_nextn_predict_layers(nextn)
+        w.add_indexer_head_count(cfg["index_n_heads"])
+        w.add_indexer_key_length(cfg["index_head_dim"])
+        w.add_indexer_top_k(cfg["index_topk"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -2102,9 +2112,10 @@ def write_deepseek_gguf(folder: Path, out: Path) -> Path:
         w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, layers)
+    model_arch = gguf.MODEL_ARCH.GLM_DSA if arch == "glm-dsa" else gguf.MODEL_ARCH.DEEPSEEK2
+    names = gguf.get_tensor_name_map(model_arch, layers + nextn)
     stacked: dict[tuple[int, str], list] = {}
-    for name, value in load_file(str(folder / "model.safetensors")).items():
+    for name, value in weights.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         if _held_expert(stacked, name, value):
@@ -2143,6 +2154,48 @@ def test_a_deepseek_v3_gguf_matches_transformers(tiny_deepseek_dir, tmp_path, gg
     with pytest.raises(ValueError, match="has no MTP layer.*converted from the GGUF .*leaves the MTP layers out: pass "
                                          "the model's HF checkpoint for method='mtp'"):
         LLM(model=str(path), max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_glm5_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm5_dir, tmp_path, gguf_cache):
+    """A GGUF of GLM-5 as llama.cpp writes it (its GlmMoeDsaModel: DeepSeek-V3's layout with the sparse attention's
+    indexer -- its sizes as ``attention.indexer.*``, its tensors on the layers that have their own, none where a layer
+    shares the previous one's choice -- and the MTP layer kept) is read by specray's own mapping: its config is the
+    folder's (the indexer's kinds told by which layers have its tensors), its tensors are (so our logits on it are
+    our logits on the folder, which tests/test_deepseek_v32.py checks against transformers'), and ``method="mtp"`` on
+    the GGUF makes the drafts and the greedy tokens it makes on the folder."""
+    from safetensors.torch import load_file
+
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from specray import LLM
+    from specray_test_checkpoints import split_experts
+
+    runs = sys.modules["specray_test_engine_runs"]
+    folder = split_experts(draft_heads.write_deepseek_mtp(tmp_path / "glm5_mtp", tiny_glm5_dir), tmp_path / "glm5")
+    assert load_hf_config(str(folder)).indexer_types == ["full", "shared", "full"]
+    path = write_deepseek_gguf(folder, tmp_path / "glm5.gguf", "glm-dsa")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "q_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+              "n_group", "topk_group", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob",
+              "first_k_dense_replace", "moe_intermediate_size", "intermediate_size", "index_n_heads", "index_head_dim",
+              "index_topk", "indexer_types", "tie_word_embeddings", "vocab_size", "rms_norm_eps")
+    ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
+    assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
+    assert ours.num_nextn_predict_layers == 1  # (the folder's config names none: its layer's tensors say so)
+    assert {k: v for k, v in ours.rope_parameters.items() if k not in ("beta_fast", "beta_slow")} == \
+        {k: v for k, v in theirs.rope_parameters.items() if k not in ("beta_fast", "beta_slow")}
+    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
+              if not (k == "lm_head.weight" and theirs.tie_word_embeddings)}
+    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
+                 for k, v in load_file(str(f)).items()}
+    assert sorted(converted) == sorted(source)
+    assert [k for k in source if not torch.equal(converted[k], source[k].float())] == []
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    llms = [LLM(model=str(m), max_model_len=128, speculative_config=mtp) for m in (folder, path)]
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    outs = [runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) for llm in llms]
+    assert outs[0] == outs[1]
+    stats = [(llm.spec_stats.draft_tokens, llm.spec_stats.accepted_tokens) for llm in llms]
+    assert stats[0] == stats[1] and stats[0][1] > 0, stats
 
 
 def test_a_glm_4_7_flash_gguf_matches_transformers(tiny_glm4_moe_lite_dir, tmp_path, gguf_cache):

@@ -1,7 +1,7 @@
 """GGUF files of DeepSeek-V3 (and the models of its layout: DeepSeek-R1, Kimi K2, GLM-4.7-Flash;
-``general.architecture`` ``deepseek2``), as llama.cpp's converter writes them, turned back into the HF checkpoint
-:mod:`specray.models.deepseek_v3` loads. transformers' GGUF mapping has no ``deepseek2``, so the config and every
-tensor are read here.
+``general.architecture`` ``deepseek2``) and of GLM-5 (``glm-dsa``), as llama.cpp's converter writes them, turned
+back into the HF checkpoint :mod:`specray.models.deepseek_v3` loads. transformers' GGUF mapping has neither, so the
+config and every tensor are read here.
 
 What the converter writes, read back here:
 
@@ -16,7 +16,12 @@ What the converter writes, read back here:
   ``*_shexp``, the leading dense layers (``leading_dense_block_count``);
 * YaRN (``rope.scaling.*``; ``mscale_all_dim`` as ``yarn_log_multiplier / 0.1``; ``mscale``, which the file does not
   carry, taken equal to it, as in the releases);
-* no MTP layer (the converter leaves them out): ``method="mtp"`` needs the HF checkpoint.
+* no MTP layer in a ``deepseek2`` file (the converter leaves them out): ``method="mtp"`` needs the HF checkpoint;
+* GLM-5's besides (its GlmMoeDsaModel): the sparse attention's indexer, its sizes as ``attention.indexer.head_count``,
+  ``key_length`` and ``top_k``, its tensors (``indexer.attn_q_b``, ``attn_k``, ``k_norm``, ``proj``) on the layers
+  that have their own, none on a layer that shares the previous one's choice (``indexer_types`` "shared"), and the
+  MTP layers kept (``nextn_predict_layers``, counted in ``block_count``: each a block of experts with its
+  ``nextn.*`` tensors), so ``method="mtp"`` drafts from a GLM-5 GGUF.
 
 A softmax router (DeepSeek-V2's) is refused. Tensors of any llama.cpp type are dequantized to float32.
 """
@@ -32,7 +37,10 @@ import torch
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
                                       hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
 
-DEEPSEEK_GGUF_ARCHS = ("deepseek2",)
+DEEPSEEK_GGUF_ARCHS = ("deepseek2", "glm-dsa")
+# a GLM-5 MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
+_NEXTN = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "shared_head.head.weight",
+          "embed_tokens.weight")
 
 
 def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -62,10 +70,23 @@ def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
                          "GGUF with YaRN or no RoPE scaling. Pass the model's HF checkpoint instead")
     heads = int(get("attention.head_count"))
     q_lora = get("attention.q_lora_rank", None)
-    return DeepseekV3Config(
-        architectures=["DeepseekV3ForCausalLM"], vocab_size=tensors.shape("token_embd.weight")[0],
+    nextn = int(get("nextn_predict_layers", 0))  # (GLM-5's MTP layers, after the model's own; DeepSeek's: none)
+    layers = int(get("block_count")) - nextn
+    if get.arch == "glm-dsa":
+        from transformers import GlmMoeDsaConfig
+
+        # its indexer on every layer that has its tensors; the others reuse the previous one's choice ("shared")
+        types = ["full" if f"blk.{i}.indexer.attn_k.weight" in tensors else "shared" for i in range(layers)]
+        model = dict(config_class=GlmMoeDsaConfig, architectures=["GlmMoeDsaForCausalLM"], indexer_types=types,
+                     index_n_heads=int(get("attention.indexer.head_count")),
+                     index_head_dim=int(get("attention.indexer.key_length")),
+                     index_topk=int(get("attention.indexer.top_k")), num_nextn_predict_layers=nextn)
+    else:
+        model = dict(config_class=DeepseekV3Config, architectures=["DeepseekV3ForCausalLM"])
+    return model.pop("config_class")(
+        **model, vocab_size=tensors.shape("token_embd.weight")[0],
         hidden_size=int(get("embedding_length")), intermediate_size=int(get("feed_forward_length")),
-        moe_intermediate_size=int(get("expert_feed_forward_length")), num_hidden_layers=int(get("block_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")), num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, n_shared_experts=int(get("expert_shared_count", 0)),
         n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
         routed_scaling_factor=as_written(float(get("expert_weights_scale", 1.0))),
@@ -80,16 +101,29 @@ def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
         **get.token_ids())
 
 
-def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
-    """(GGUF name -> HF name of every tensor but the experts' and ``kv_b_proj``, GGUF name -> (layer, projection)
-    of the stacked experts), as the converter names them."""
-    import gguf
-    from transformers import DeepseekV3ForCausalLM
+def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
+    """(GGUF name -> HF name of every tensor but the experts' and ``kv_b_proj``, GLM-5's MTP layers' included;
+    GGUF name -> (layer, projection) of the stacked experts), as the converter names them."""
+    import copy
 
-    names = hf_tensor_names(DeepseekV3ForCausalLM, config,
+    import gguf
+    import transformers
+
+    layers = config.num_hidden_layers
+    count = layers + getattr(config, "num_nextn_predict_layers", 0) if config.model_type == "glm_moe_dsa" else layers
+    deeper = copy.deepcopy(config)  # the MTP layers' blocks are layers of experts past the model's own
+    deeper.num_hidden_layers = count
+    for field, kind in (("mlp_layer_types", "sparse"), ("indexer_types", "full")):  # per-layer lists, one per block
+        kinds = getattr(deeper, field, None)
+        if isinstance(kinds, list):
+            setattr(deeper, field, kinds + [kind] * (count - layers))
+    names = hf_tensor_names(getattr(transformers, config.architectures[0]), deeper,
                             lambda n: ".mlp.experts." in n or n.endswith("kv_b_proj.weight"))
-    arch, count = gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers
-    return gguf_names(arch, count, names), stacked_experts(arch, count, range(config.first_k_dense_replace, count))
+    names += [f"model.layers.{i}.{n}" for i in range(layers, count) for n in _NEXTN]
+    arch = gguf.MODEL_ARCH.GLM_DSA if config.model_type == "glm_moe_dsa" else gguf.MODEL_ARCH.DEEPSEEK2
+    plain = {g: n for g, n in gguf_names(arch, count, names).items()
+             if not g.startswith("blk.") or ".nextn." not in g or g in tensors}  # nextn tensors a release may omit
+    return plain, stacked_experts(arch, count, range(config.first_k_dense_replace, count))
 
 
 def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str, torch.Tensor]]]:
@@ -97,13 +131,14 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
     as the groups are taken."""
     get, tensors = read_model_gguf(gguf, arch)
     config = deepseek_gguf_config(get, tensors)
-    plain, experts = _names(config)
-    count = config.num_hidden_layers
+    plain, experts = _names(config, tensors)
+    count = config.num_hidden_layers + getattr(config, "num_nextn_predict_layers", 0) \
+        if config.model_type == "glm_moe_dsa" else config.num_hidden_layers
     split = all(f"blk.{i}.attn_k_b.weight" in tensors for i in range(count))
     kv_b = {f"blk.{i}.{part}.weight" for i in range(count)
             for part in (("attn_k_b", "attn_v_b") if split else ("attn_kv_b",))}
     expected = set(plain) | set(experts) | kv_b
-    check_tensor_names(gguf, "DeepSeek-V3", expected, tensors)
+    check_tensor_names(gguf, config.architectures[0], expected, tensors)
 
     def kv_b_proj(layer: int) -> torch.Tensor:
         """``kv_b_proj`` [heads * (nope + v), kv_lora_rank] from the file's halves: per head its key rows, then
