@@ -385,7 +385,18 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         _write_phi3_params(w, cfg, rope, head_dim)
     if arch == "glm4":  # llama.cpp's GLM-4: the rotated share of each head
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
-    if arch in ("olmo2", "exaone4") and cfg.get("sliding_window"):  # OLMo 3's, EXAONE 4.0's: the window, its layers
+    if arch == "exaone-moe":  # llama.cpp's ExaoneMoEModel (an Exaone4Model): the experts, shared ones, the router's
+        # groups (TextModel's), no RoPE scaling, no MTP layer in a folder without one
+        w.add_expert_shared_count(cfg["num_shared_experts"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_intermediate_size"] * cfg["num_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_nextn_predict_layers(0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    if arch in ("olmo2", "exaone4", "exaone-moe") and cfg.get("sliding_window"):  # the window, its sliding layers
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     sliding_rope = (cfg.get("rope_parameters") or {}).get("sliding_attention")
@@ -1321,11 +1332,12 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
-                 "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm-dsa", "glm4", "glm4moe", "gpt-oss",
-                 "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "llama",
-                 "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron", "nemotron_h", "nemotron_h_moe",
-                 "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe",
-                 "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                 "exaone-moe", "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm-dsa", "glm4",
+                 "glm4moe", "gpt-oss", "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe",
+                 "jamba", "lfm2", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron",
+                 "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl",
+                 "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss",
+                 "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 
@@ -2561,6 +2573,57 @@ def test_a_dots1_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache
               "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group",
               "rope_parameters", "intermediate_size", "tie_word_embeddings", "vocab_size", "rms_norm_eps",
               "layer_types")
+    assert_gguf_serves_as_its_folder(folder, path, fields)
+
+
+def with_mtp_block(path: Path, out: Path) -> Path:
+    """``path``'s GGUF with an MTP layer after its own, as llama.cpp's converter keeps one: ``block_count`` one more,
+    ``nextn_predict_layers`` 1, and a block (the last layer's tensors again) with its ``nextn.*`` tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    layers = reader.fields[f"{arch}.block_count"].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == f"{arch}.block_count":
+            value = layers + 1
+        if field.name == f"{arch}.nextn_predict_layers":
+            value = 1
+        w.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data)
+        if t.name.startswith(f"blk.{layers - 1}."):
+            w.add_tensor(t.name.replace(f"blk.{layers - 1}.", f"blk.{layers}.", 1), t.data)
+    hidden = reader.fields[f"{arch}.embedding_length"].contents()
+    w.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", torch.zeros(hidden, 2 * hidden).numpy())
+    for name in ("enorm", "hnorm", "shared_head_norm"):
+        w.add_tensor(f"blk.{layers}.nextn.{name}.weight", torch.ones(hidden).numpy())
+    _write_out(w)
+    return out
+
+
+def test_a_k_exaone_gguf_matches_transformers(make_tiny_model, tmp_path, gguf_cache):
+    """A GGUF of K-EXAONE as llama.cpp writes it (its ExaoneMoEModel: EXAONE 4.0's window and sliding layers, pre-norm
+    layers with q/k norms, a dense first layer, then experts stacked per projection beside a shared one, the router's
+    groups, correction bias and scale; an MTP layer, kept by the converter, which specray leaves out) is read by
+    specray's own mapping: its config is the folder's, its tensors are, its logits equal transformers' on the
+    folder, and the engine's greedy output with n-gram drafts on the GGUF equals the folder's."""
+    # tiny_exaone_moe_dir's, its layers' kinds as the release writes them (first_k_dense_replace)
+    folder = make_tiny_model(tmp_path / "exaone_moe", "exaone_moe", seed=32, head_dim=16, num_hidden_layers=4,
+                             sliding_window=8, sliding_window_pattern=4, first_k_dense_replace=1,
+                             mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, n_group=2,
+                             topk_group=1, routed_scaling_factor=1.5, tie_word_embeddings=False)
+    path = with_mtp_block(write_gguf(folder, tmp_path / "plain.gguf", "exaone-moe"), tmp_path / "exaone.gguf")
+    fields = ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "sliding_window", "layer_types", "mlp_layer_types", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "num_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
+              "norm_topk_prob", "n_group", "topk_group", "rope_parameters", "intermediate_size",
+              "tie_word_embeddings", "vocab_size", "rms_norm_eps")
     assert_gguf_serves_as_its_folder(folder, path, fields)
 
 

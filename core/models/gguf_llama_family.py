@@ -13,13 +13,14 @@ head as ``rope.dimension_count``), EXAONE 4.0 (``exaone4``: its window and slidi
 norms; the RoPE base the converter writes already stretched by the release's NTK alpha, as the release's config would
 stretch it) and its MoE models (``hunyuan-moe``: the experts stacked, one shared MLP, both as wide as the file's
 ``feed_forward_length``), dots.llm1 (``dots1``: a Qwen2-MoE's layout with DeepSeek-V3's sigmoid router, its correction
-bias and shared experts), Command R / R+ (``command-r``) and Command R7B / Command A (``cohere2``: one LayerNorm per
-layer before parallel attention and MLP, the logit scale, the window) and the text models of Qwen2-VL / Qwen2.5-VL
-(``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose
-multimodal RoPE (``rope.dimension_sections``) rotates a text-only sequence as plain RoPE does; the image embeddings,
-their deepstack layers included, are not read -- through its plain ``TextModel``, turned back into the HF checkpoints
-specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split
-back per expert, as the releases name them.
+bias and shared experts), K-EXAONE (``exaone-moe``: EXAONE 4.0's windows, pre-norm layers, DeepSeek-V3's router and
+shared experts; the MTP layers the converter keeps, after the model's own, left out), Command R / R+ (``command-r``) and
+Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the logit scale, the
+window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE
+(``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``) rotates a
+text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read -- through
+its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's,
+ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -35,6 +36,7 @@ the file's (YaRN in the long-context releases). Tensors of any llama.cpp type ar
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,8 @@ import torch
 
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
                                       hf_tensor_names, per_expert, read_model_gguf, rope_parameters, stacked_experts)
+
+logger = logging.getLogger(__name__)
 
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's for SmolLM3 (no GGUF key carries it)
 COHERE2_GLOBAL_LAYER_STEP = 4  # llama.cpp's for Cohere2: every 4th layer global (no GGUF key carries it)
@@ -90,7 +94,7 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """The sliding-window layers: with a window, the sliding ones as ``attention.sliding_window_pattern`` marks them
     (EXAONE 4.0's 32B: RoPE there alone, the global layers have none; OLMo 3: a RoPE per kind of layer); without one
     (EXAONE 4.0's 1.2B), every layer global."""
-    layers = int(get("block_count"))
+    layers = _layers(get)
     window = get("attention.sliding_window", None)
     if not window:
         return {"sliding_window": None, "layer_types": ["full_attention"] * layers}
@@ -101,6 +105,38 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
                          "model again with a current llama.cpp, or pass its HF checkpoint")
     return {"sliding_window": int(window),
             "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
+
+
+def _layers(get: GGUFMeta) -> int:
+    """The model's own layers: ``block_count`` less the MTP layers after them (``nextn_predict_layers``), which a
+    reader of this module leaves out (none of these families serves its MTP layers)."""
+    return int(get("block_count")) - int(get("nextn_predict_layers", 0))
+
+
+def _exaone_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """K-EXAONE's: EXAONE 4.0's windows; experts after its dense layers (``leading_dense_block_count``) routed as the
+    release routes them, by DeepSeek-V3's sigmoid scores plus the correction bias (a file naming another gating
+    function is refused), in its groups, the top k renormalised where ``expert_weights_norm`` says and scaled, beside
+    its shared experts (``expert_shared_count`` of them, together ``expert_shared_feed_forward_length`` wide)."""
+    import gguf as gguf_py
+
+    gating = get("expert_gating_func", None)
+    if gating is not None and int(gating) != int(gguf_py.ExpertGatingFuncType.SIGMOID):
+        raise ValueError(f"GGUF {str(get.gguf)!r} has exaone-moe.expert_gating_func={gating}; K-EXAONE routes by "
+                         "sigmoid. Pass the model's HF checkpoint instead")
+    layers, dense = _layers(get), int(get("leading_dense_block_count", 0))
+    width, shared = int(get("expert_feed_forward_length")), int(get("expert_shared_count", 0))
+    if shared and int(get("expert_shared_feed_forward_length", width * shared)) != width * shared:
+        raise ValueError(f"GGUF {str(get.gguf)!r} has {shared} shared experts "
+                         f"{get('expert_shared_feed_forward_length')} wide together, not {shared} x {width} as "
+                         "K-EXAONE's are; convert the model again with a current llama.cpp, or pass its HF checkpoint")
+    return {**_windows(get, tensors), "num_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")), "moe_intermediate_size": width,
+            "num_shared_experts": shared, "first_k_dense_replace": dense,
+            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(layers)],
+            "routed_scaling_factor": as_written(get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1))}
 
 
 def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
@@ -245,6 +281,9 @@ _FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False,
              "ernie4_5": _Family("Ernie4_5Config", "Ernie4_5ForCausalLM", permuted=False, own=_ernie),
              "glm4": _Family("Glm4Config", "Glm4ForCausalLM", permuted=False, partial_rope=True),
              "exaone4": _Family("Exaone4Config", "Exaone4ForCausalLM", permuted=False, own=_windows, windows=True),
+             "exaone-moe": _Family("ExaoneMoeConfig", "ExaoneMoeForCausalLM", permuted=False, own=_exaone_moe,
+                                   windows=True, checkpoint_names=((".mlp.gate.e_score_correction_bias",
+                                                                    ".mlp.e_score_correction_bias"),)),
              # the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: a Qwen2, a Qwen3, a Qwen3-MoE
              "qwen2vl": _Family("Qwen2Config", "Qwen2ForCausalLM", permuted=False),
              "qwen3vl": _Family("Qwen3Config", "Qwen3ForCausalLM", permuted=False),
@@ -316,7 +355,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     rms_eps = {} if eps is None else {"rms_norm_eps": as_written(eps)}
     config = getattr(transformers, family.config)(
         architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=_layers(get),
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
         max_position_embeddings=int(get("context_length")),
         rope_parameters=rope, **rms_eps,
@@ -355,6 +394,12 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     get, tensors = read_model_gguf(gguf, arch)
     family = _family(get, tensors)
     config = llama_family_gguf_config(get, tensors)
+    mtp = [name for name in tensors if name.startswith("blk.") and int(name.split(".")[1]) >= config.num_hidden_layers]
+    if mtp:
+        logger.info("GGUF %s: its %d MTP layers are not read (specray serves no MTP of %s)", gguf,
+                    int(get("nextn_predict_layers")), family.architecture)
+        for name in mtp:
+            del tensors[name]
     model_class = getattr(transformers, family.architecture)
     hf_names = hf_tensor_names(model_class, config, lambda n: ".mlp.experts." in n
                                or any(f".{module}" in n for module in family.fused_modules)

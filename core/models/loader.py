@@ -17,8 +17,8 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
 Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writes in a Llama's layout under
 architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 1, 2 and 3,
-OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE models, dots.llm1, Command R / R+,
-Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
+OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE models, dots.llm1, K-EXAONE, Command
+R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
 ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``) and GLM-5 (``glm-dsa``:
 :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`),
 Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`) and MiniCPM3 (``minicpm3``:
@@ -97,7 +97,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "cohere2": "Command R7B / Command A", "mistral3": "Ministral 3",
                   "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
                   "apertus": "Apertus", "minicpm3": "MiniCPM3", "dots1": "dots.llm1",
-                  "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5"}
+                  "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5",
+                  "exaone-moe": "K-EXAONE"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
