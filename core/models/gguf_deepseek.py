@@ -70,8 +70,8 @@ def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
                          "GGUF with YaRN or no RoPE scaling. Pass the model's HF checkpoint instead")
     heads = int(get("attention.head_count"))
     q_lora = get("attention.q_lora_rank", None)
-    nextn = int(get("nextn_predict_layers", 0))  # (GLM-5's MTP layers, after the model's own; DeepSeek's: none)
-    layers = int(get("block_count")) - nextn
+    # GLM-5's MTP layers, after the model's own (a DeepSeek-V3 file has none)
+    nextn, layers = get.mtp_layers(), get.model_layers()
     if get.arch == "glm-dsa":
         from transformers import GlmMoeDsaConfig
 
@@ -101,6 +101,13 @@ def deepseek_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
         **get.token_ids())
 
 
+def _blocks(config) -> int:
+    """The file's blocks: the model's layers and, in a GLM-5 file, its MTP layers after them (a DeepSeek-V3 config
+    may carry the release's ``num_nextn_predict_layers``, whose layers a ``deepseek2`` file leaves out)."""
+    nextn = getattr(config, "num_nextn_predict_layers", 0) if config.model_type == "glm_moe_dsa" else 0
+    return config.num_hidden_layers + nextn
+
+
 def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     """(GGUF name -> HF name of every tensor but the experts' and ``kv_b_proj``, GLM-5's MTP layers' included;
     GGUF name -> (layer, projection) of the stacked experts), as the converter names them."""
@@ -109,8 +116,7 @@ def _names(config, tensors: GGUFTensors) -> tuple[dict[str, str], dict[str, tupl
     import gguf
     import transformers
 
-    layers = config.num_hidden_layers
-    count = layers + getattr(config, "num_nextn_predict_layers", 0) if config.model_type == "glm_moe_dsa" else layers
+    layers, count = config.num_hidden_layers, _blocks(config)
     deeper = copy.deepcopy(config)  # the MTP layers' blocks are layers of experts past the model's own
     deeper.num_hidden_layers = count
     for field, kind in (("mlp_layer_types", "sparse"), ("indexer_types", "full")):  # per-layer lists, one per block
@@ -132,8 +138,7 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
     get, tensors = read_model_gguf(gguf, arch)
     config = deepseek_gguf_config(get, tensors)
     plain, experts = _names(config, tensors)
-    count = config.num_hidden_layers + getattr(config, "num_nextn_predict_layers", 0) \
-        if config.model_type == "glm_moe_dsa" else config.num_hidden_layers
+    count = _blocks(config)
     split = all(f"blk.{i}.attn_k_b.weight" in tensors for i in range(count))
     kv_b = {f"blk.{i}.{part}.weight" for i in range(count)
             for part in (("attn_k_b", "attn_v_b") if split else ("attn_kv_b",))}

@@ -40,7 +40,7 @@ def glm4_moe_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     """GLM-4.5's HF config from what llama.cpp's converter writes (the module's docstring lists it)."""
     from transformers import Glm4MoeConfig
 
-    nextn = int(get("nextn_predict_layers", 0))
+    nextn = get.mtp_layers()
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotated = int(get("rope.dimension_count", head_dim))
@@ -48,7 +48,7 @@ def glm4_moe_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     return Glm4MoeConfig(
         architectures=["Glm4MoeForCausalLM"], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), moe_intermediate_size=int(get("expert_feed_forward_length")),
-        num_hidden_layers=int(get("block_count")) - nextn, num_nextn_predict_layers=nextn,
+        num_hidden_layers=get.model_layers(), num_nextn_predict_layers=nextn,
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")), head_dim=head_dim,
         n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
         n_shared_experts=int(get("expert_shared_count", 0)), n_group=int(get("expert_group_count", 1)),

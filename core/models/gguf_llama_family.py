@@ -94,7 +94,7 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """The sliding-window layers: with a window, the sliding ones as ``attention.sliding_window_pattern`` marks them
     (EXAONE 4.0's 32B: RoPE there alone, the global layers have none; OLMo 3: a RoPE per kind of layer); without one
     (EXAONE 4.0's 1.2B), every layer global."""
-    layers = _layers(get)
+    layers = get.model_layers()
     window = get("attention.sliding_window", None)
     if not window:
         return {"sliding_window": None, "layer_types": ["full_attention"] * layers}
@@ -105,12 +105,6 @@ def _windows(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
                          "model again with a current llama.cpp, or pass its HF checkpoint")
     return {"sliding_window": int(window),
             "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in pattern]}
-
-
-def _layers(get: GGUFMeta) -> int:
-    """The model's own layers: ``block_count`` less the MTP layers after them (``nextn_predict_layers``), which a
-    reader of this module leaves out (none of these families serves its MTP layers)."""
-    return int(get("block_count")) - int(get("nextn_predict_layers", 0))
 
 
 def _exaone_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
@@ -124,7 +118,7 @@ def _exaone_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     if gating is not None and int(gating) != int(gguf_py.ExpertGatingFuncType.SIGMOID):
         raise ValueError(f"GGUF {str(get.gguf)!r} has exaone-moe.expert_gating_func={gating}; K-EXAONE routes by "
                          "sigmoid. Pass the model's HF checkpoint instead")
-    layers, dense = _layers(get), int(get("leading_dense_block_count", 0))
+    layers, dense = get.model_layers(), int(get("leading_dense_block_count", 0))
     width, shared = int(get("expert_feed_forward_length")), int(get("expert_shared_count", 0))
     if shared and int(get("expert_shared_feed_forward_length", width * shared)) != width * shared:
         raise ValueError(f"GGUF {str(get.gguf)!r} has {shared} shared experts "
@@ -143,7 +137,7 @@ def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """ERNIE 4.5's experts: dense first layers (``leading_dense_block_count``), then a MoE layer every
     ``interleave_moe_layer_step`` to the last, each with its shared experts (as wide as ``moe_intermediate_size``
     times their count, which the file's tensors must show) and the router's correction bias."""
-    layers, start = int(get("block_count")), int(get("leading_dense_block_count"))
+    layers, start = get.model_layers(), int(get("leading_dense_block_count"))
     width, shared = int(get("expert_feed_forward_length")), int(get("expert_shared_count", 0))
     shexp = f"blk.{start}.ffn_gate_shexp.weight"
     if shared and (shexp not in tensors or tensors.shape(shexp)[0] != width * shared):
@@ -171,7 +165,7 @@ def _cohere(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
 def _cohere2(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
     """Command R7B / Command A's: Command R's norms and logit scale; three layers of four sliding over the window
     (with RoPE), the fourth global (without), as llama.cpp fixes it for every Cohere2 (no key carries the pattern)."""
-    layers = int(get("block_count"))
+    layers = get.model_layers()
     return {**_cohere_norms(get), "sliding_window": int(get("attention.sliding_window")),
             "layer_types": ["sliding_attention" if (i + 1) % COHERE2_GLOBAL_LAYER_STEP else "full_attention"
                             for i in range(layers)]}
@@ -355,7 +349,7 @@ def llama_family_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
     rms_eps = {} if eps is None else {"rms_norm_eps": as_written(eps)}
     config = getattr(transformers, family.config)(
         architectures=[family.architecture], vocab_size=tensors.shape("token_embd.weight")[0], hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=_layers(get),
+        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=get.model_layers(),
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
         max_position_embeddings=int(get("context_length")),
         rope_parameters=rope, **rms_eps,
@@ -397,7 +391,7 @@ def llama_family_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[d
     mtp = [name for name in tensors if name.startswith("blk.") and int(name.split(".")[1]) >= config.num_hidden_layers]
     if mtp:
         logger.info("GGUF %s: its %d MTP layers are not read (specray serves no MTP of %s)", gguf,
-                    int(get("nextn_predict_layers")), family.architecture)
+                    get.mtp_layers(), family.architecture)
         for name in mtp:
             del tensors[name]
     model_class = getattr(transformers, family.architecture)

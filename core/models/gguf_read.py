@@ -101,6 +101,14 @@ class GGUFMeta:
                              "HF checkpoint")
         return values
 
+    def mtp_layers(self) -> int:
+        """The MTP layers ``block_count`` counts after the model's own (``nextn_predict_layers``; none unless set)."""
+        return int(self("nextn_predict_layers", 0))
+
+    def model_layers(self) -> int:
+        """The model's own layers: ``block_count`` less the MTP layers after them."""
+        return int(self("block_count")) - self.mtp_layers()
+
     def token_ids(self) -> dict[str, Any]:
         """The config's special token ids, as the file's tokenizer names them."""
         return {"eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
