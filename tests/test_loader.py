@@ -424,16 +424,7 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
             w.add_sliding_window(cfg["sliding_window"])
             w.add_rope_dimension_count(head_dim)
     if arch == "dots1":  # llama.cpp's Dots1Model (a Qwen2MoeModel): the experts, shared ones and the sigmoid router
-        w.add_expert_count(cfg["n_routed_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
-        w.add_expert_shared_count(cfg["n_shared_experts"])
-        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-        w.add_expert_weights_norm(cfg["norm_topk_prob"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_group_count(cfg["n_group"])  # (llama.cpp's TextModel: the release's groups)
-        w.add_expert_group_used_count(cfg["topk_group"])
+        _write_sigmoid_router(w, cfg, cfg["first_k_dense_replace"])  # (its groups: TextModel's, the release's)
     if arch == "ernie4_5-moe":  # llama.cpp's Ernie4_5MoeModel (its shared experts' width, as it derives it)
         w.add_expert_count(cfg["moe_num_experts"])
         w.add_expert_used_count(cfg["moe_k"])
@@ -470,6 +461,24 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if "factor" in rope else gguf.RopeScalingType.NONE)
         if "factor" in rope:
             w.add_rope_scaling_factor(rope["factor"])
+
+
+def _write_sigmoid_router(w, cfg: dict, first_k: int) -> None:
+    """DeepSeek-V3's router as llama.cpp's converters write it (DeepseekV2Model's, Glm4MoeModel's, Dots1Model's): the
+    routed experts, how many are used and each one's width, the shared experts, the ``first_k`` dense layers before
+    them, and the sigmoid scores' groups, scale and renormalisation."""
+    import gguf
+
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(first_k)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
 
 
 def _write_rope_scaling(w, rope: dict) -> None:
@@ -2102,14 +2111,8 @@ def write_deepseek_gguf(folder: Path, out: Path, arch: str = "deepseek2") -> Pat
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["n_routed_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_group_count(cfg["n_group"])
-    w.add_expert_group_used_count(cfg["topk_group"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     # (GLM-4.7-Flash's release config says first_k_dense_replace too; transformers saves its mlp_layer_types)
-    first_k = cfg.get("first_k_dense_replace", (cfg.get("mlp_layer_types") or []).count("dense"))
-    w.add_leading_dense_block_count(first_k)
+    _write_sigmoid_router(w, cfg, cfg.get("first_k_dense_replace", (cfg.get("mlp_layer_types") or []).count("dense")))
     w.add_vocab_size(cfg["vocab_size"])
     w.add_q_lora_rank(cfg["q_lora_rank"])
     w.add_kv_lora_rank(cfg["kv_lora_rank"])
@@ -2117,11 +2120,6 @@ def write_deepseek_gguf(folder: Path, out: Path, arch: str = "deepseek2") -> Pat
     w.add_value_length(cfg["kv_lora_rank"])
     w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
     w.add_value_length_mla(cfg["v_head_dim"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_count(cfg["n_shared_experts"])
-    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-    if cfg.get("norm_topk_prob"):
-        w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     model_arch = gguf.MODEL_ARCH.GLM_DSA if arch == "glm-dsa" else gguf.MODEL_ARCH.DEEPSEEK2
@@ -2801,19 +2799,10 @@ def write_glm4_moe_gguf(folder: Path, out: Path) -> Path:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["n_routed_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_group_count(cfg["n_group"])
-    w.add_expert_group_used_count(cfg["topk_group"])
+    _write_sigmoid_router(w, cfg, cfg["first_k_dense_replace"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_count(cfg["n_shared_experts"])
-    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-    w.add_expert_weights_norm(cfg["norm_topk_prob"])
     w.add_nextn_predict_layers(nextn)
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + nextn)
