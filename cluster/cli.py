@@ -15,7 +15,7 @@ import time
 
 from specray.cluster.reasoning import REASONING_PARSERS
 from specray.cluster.tool_parsers import TOOL_CALL_PARSERS
-from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, QUANTIZATIONS
+from specray.config import DEQUANTIZE_INT4_ENV, GGUF_DTYPE_ENV, GGUF_DTYPES, QUANTIZATIONS
 
 logger = logging.getLogger("specray.cli")
 
@@ -30,12 +30,18 @@ def _add_gguf_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default=None,
                    help=f"the dtype a .gguf model is converted into (sets {GGUF_DTYPE_ENV} for this process and "
                    "the Ray cluster it starts; default float32, exact; bfloat16 or float16 take half the disk)")
+    p.add_argument("--dequantize-int4", action="store_true",
+                   help=f"dequantize 4-bit linears (a GPTQ / AWQ release's, a GGUF's Q4 ones) as they load, where a "
+                   f"GPU keeps them in 4 bits: dense matmuls, 4x their memory (sets {DEQUANTIZE_INT4_ENV})")
 
 
 def _export_gguf_dtype(args) -> None:
-    """``--gguf-dtype`` into the environment, before the model is resolved or Ray starts (its workers inherit it)."""
+    """``--gguf-dtype`` and ``--dequantize-int4`` into the environment, before the model is resolved or Ray starts
+    (its workers inherit it)."""
     if getattr(args, "gguf_dtype", None):
         os.environ[GGUF_DTYPE_ENV] = args.gguf_dtype
+    if getattr(args, "dequantize_int4", False):
+        os.environ[DEQUANTIZE_INT4_ENV] = "1"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -256,6 +256,10 @@ EXECUTOR_BACKENDS = (None, "uni", "ray")
 # rounds it anyway
 GGUF_DTYPE_ENV = "SPECRAY_GGUF_DTYPE"
 GGUF_DTYPES = ("float32", "bfloat16", "float16")
+# set (not "0"): 4-bit linears (a GPTQ / AWQ / packed release's, a GGUF's Q4 ones) dequantized to the model's dtype as
+# they load on every device, where a GPU would keep them in 4 bits (specray.models.int_quant.keeps_int4): twice the
+# memory of bf16's quarter, dense matmuls, which torch's 4-bit kernel trails past a few rows
+DEQUANTIZE_INT4_ENV = "SPECRAY_DEQUANTIZE_INT4"
 
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
@@ -263,7 +267,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dty
 # vLLM's quantization names -> the checkpoint's quantization_config.quant_method they stand for (specray reads the
 # method from the checkpoint; the option only confirms it: its Marlin names choose kernels specray does not have)
 QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
-                 "compressed-tensors": "compressed-tensors", "fp8": "fp8", "mxfp4": "mxfp4"}
+                 "compressed-tensors": "compressed-tensors", "fp8": "fp8", "mxfp4": "mxfp4",
+                 "gguf": "specray_gguf"}  # a .gguf model (its 4-bit linears kept, the others dequantized)
 
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

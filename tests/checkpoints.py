@@ -253,3 +253,41 @@ def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:
         weights[name] = weights[name] + scale * (b @ a)
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def gguf_blocks(x, type_name: str):
+    """``x`` [rows, cols] (float32 numpy) as llama.cpp stores it in ``type_name`` (uint8 [rows, bytes]): gguf-py's
+    quantizer where it has one (Q4_0, Q4_1, Q8_0, ...), else (Q4_K, which gguf-py cannot write) :func:`q4_k_blocks`."""
+    import gguf
+    from gguf import quants
+
+    if type_name == "Q4_K":
+        return q4_k_blocks(x)
+    return quants.quantize(x, gguf.GGMLQuantizationType[type_name])
+
+
+def q4_k_blocks(x):
+    """``x`` [rows, cols] (float32 numpy, cols a multiple of 256) in llama.cpp's Q4_K blocks, rounded to nearest (a
+    plain quantizer of our own: llama.cpp's searches its scales; what the tests need is a valid file): each run of
+    32 columns gets a 6-bit scale and min of its super-block's f16 ``d`` and ``dmin``, ``x ~ d sc q - dmin mn``."""
+    import numpy as np
+
+    rows = x.shape[0]
+    sub = x.reshape(rows, -1, 8, 32).astype(np.float32)  # [rows, supers, sub-block, column]
+    low = np.minimum(sub.min(-1), 0)  # the mins are subtracted: at most 0
+    step = np.maximum((sub.max(-1) - low) / 15, 1e-8)
+    d = (step.max(-1) / 63).astype(np.float16)  # [rows, supers]
+    dmin = (np.maximum(-low.min(-1), 1e-8) / 63).astype(np.float16)
+    sc = np.clip(np.rint(step / d[..., None].astype(np.float32)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin[..., None].astype(np.float32)), 0, 63).astype(np.uint8)
+    scale = d[..., None].astype(np.float32) * sc
+    offset = dmin[..., None].astype(np.float32) * mn
+    q = np.clip(np.rint((sub + offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    packed = np.zeros((rows, q.shape[1], 12), dtype=np.uint8)  # sub-blocks 0-3 whole, 4-7 split over the bytes
+    packed[..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    packed[..., 4:8] = mn[..., :4] | (mn[..., 4:] >> 4) << 6
+    packed[..., 8:12] = (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4
+    chunks = q.reshape(rows, -1, 4, 2, 32)  # each 64-column chunk: its first 32 in the low bits, next 32 high
+    qs = (chunks[..., 0, :] | chunks[..., 1, :] << 4).reshape(rows, -1, 128)
+    heads = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1)
+    return np.concatenate([heads.reshape(rows, -1, 4), packed, qs], axis=-1).reshape(rows, -1)

@@ -159,9 +159,9 @@ def test_generate_flag_enables_prefix_caching(tiny_llama_dir, capsys):
 def test_gguf_dtype_flag_sets_the_conversion_dtype_before_anything_loads(tmp_path, monkeypatch, capsys):
     """``--gguf-dtype`` (``generate`` and ``serve``) puts ``SPECRAY_GGUF_DTYPE`` in the environment before the model
     is resolved or Ray starts (its workers inherit it); without it the environment stands; another value is
-    argparse's error."""
+    argparse's error. ``--dequantize-int4`` sets ``SPECRAY_DEQUANTIZE_INT4`` so."""
     from specray.cluster.cli import _export_gguf_dtype, build_parser, main
-    from specray.config import GGUF_DTYPE_ENV
+    from specray.config import DEQUANTIZE_INT4_ENV, GGUF_DTYPE_ENV
 
     monkeypatch.setenv(GGUF_DTYPE_ENV, "float32")  # so that teardown restores the variable whatever the test sets
     monkeypatch.delenv(GGUF_DTYPE_ENV)
@@ -170,6 +170,13 @@ def test_gguf_dtype_flag_sets_the_conversion_dtype_before_anything_loads(tmp_pat
         assert GGUF_DTYPE_ENV not in os.environ
         _export_gguf_dtype(build_parser().parse_args([*command, "--gguf-dtype", "bfloat16"]))
         assert os.environ.pop(GGUF_DTYPE_ENV) == "bfloat16"
+    monkeypatch.setenv(DEQUANTIZE_INT4_ENV, "0")
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        _export_gguf_dtype(build_parser().parse_args(command))
+        assert os.environ[DEQUANTIZE_INT4_ENV] == "0"
+        _export_gguf_dtype(build_parser().parse_args([*command, "--dequantize-int4"]))
+        assert os.environ[DEQUANTIZE_INT4_ENV] == "1"
+        os.environ[DEQUANTIZE_INT4_ENV] = "0"
     missing = str(tmp_path / "none.gguf")
     assert main(["serve", "--model", missing, "--gguf-dtype", "float16"]) == 2  # refused before Ray starts
     assert os.environ[GGUF_DTYPE_ENV] == "float16" and "does not exist" in capsys.readouterr().err

@@ -9,18 +9,20 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from specray.config import DEQUANTIZE_INT4_ENV
 from specray.models import loader
 from specray.models.attention import build_attention_metadata
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
-from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, split_experts, write_fp8,  # tests/checkpoints.py,
-                                      write_int)  # via conftest
+from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, gguf_blocks, split_experts,  # tests/checkpoints.py,
+                                      write_fp8, write_int)  # via conftest
 
 TOL = 1e-4
 
@@ -294,6 +296,166 @@ def test_a_gguf_converts_into_the_dtype_asked_for(tiny_llama_dir, tmp_path, gguf
         resolve_model(str(path))
 
 
+# ---- a GGUF's 4-bit linears kept in 4 bits (specray.models.gguf_quant) -----------------------------------------
+
+# each projection's llama.cpp type in the test file: the three 4-bit types, mixed within a layer (q, k and v merge
+# into one linear); layer 1's ffn_down in Q8_0, which is stored dense
+Q4_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K", "ffn_gate": "Q4_0",
+            "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
+Q4_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")
+
+
+def q4_types(name: str) -> str | None:
+    if name == "blk.1.ffn_down.weight":
+        return "Q8_0"
+    return Q4_TYPES.get(name.split(".")[2]) if name.startswith("blk.") else None
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_256(make_tiny_model, tmp_path_factory) -> Path:
+    """The tiny llama, its linears 256 or 512 columns wide (Q4_K's super-blocks are 256)."""
+    return make_tiny_model(tmp_path_factory.mktemp("llama256"), "llama", hidden_size=256, intermediate_size=512,
+                           tie_word_embeddings=True)
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+
+
+def test_gguf_4_bit_types_unpack_to_gguf_py_s_values():
+    """Q4_0, Q4_1 and Q4_K rows unpack into integers in 0..15 with a scale, zero point and offset per 32 columns
+    that dequantize to gguf-py's values exactly (Q4_K's blocks random bytes: every bit of its packed 6-bit scales
+    and mins read)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from specray.models.gguf_quant import unpack
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    k_blocks = rng.integers(0, 256, (5, 2, 144), dtype=np.uint8)
+    k_blocks[..., 0:4] = (rng.standard_normal((5, 2, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(5, 2, 4)
+    for kind, raw in (("Q4_0", gguf_blocks(x, "Q4_0")), ("Q4_1", gguf_blocks(x, "Q4_1")),
+                      ("Q4_K", k_blocks.reshape(5, -1))):
+        w = unpack(torch.from_numpy(raw), kind)
+        assert w.q.shape == (5, 512) and int(w.q.max()) <= 15 and w.scale.shape == w.offset.shape == (5, 16)
+        want = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind]).copy())
+        assert torch.equal(w.dense(), want), kind
+
+
+def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, monkeypatch):
+    """The index of a file's 4-bit rows gives back a weight made of them in any order and from several tensors (a
+    permutation, a join), exactly; a weight with a changed value, float32 rows, or rows of another width is not
+    found. Which converted names may be kept: a decoder layer's projections, not an MTP layer's after them, not
+    experts, embeddings or norms."""
+    import gguf
+    import numpy as np
+
+    from specray.models.gguf_quant import RowIndex, keeps_name
+    from specray.models.gguf_read import dequantized
+
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(tmp_path / "rows.gguf"), "llama")
+    for name, kind, shape in (("a", "Q4_K", (8, 256)), ("b", "Q4_1", (4, 256)), ("c", None, (4, 256)),
+                              ("d", "Q4_0", (3, 64))):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if kind:
+            w.add_tensor(name, gguf_blocks(x, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(name, x)
+    _write_out(w)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors}
+    index = RowIndex(list(tensors.values()))
+    assert len(index) == 8 + 4 + 3
+    a, b, c = (dequantized(tensors[n]) for n in "abc")
+    for want in (a[[5, 0, 7, 1]], torch.cat([b[2:], a[:3], b[:1]])):
+        got = index.match(want)
+        assert got is not None and torch.equal(got.dense(), want)
+    changed = a.clone()
+    changed[2, 7] += 1e-3
+    assert index.match(changed) is None and index.match(c) is None and index.match(a[:, :64]) is None
+    assert index.match(a.double()) is None
+    from specray.models import gguf_quant
+
+    monkeypatch.setattr(gguf_quant, "row_hashes", lambda x: torch.zeros(len(x), dtype=torch.long))  # all collide
+    assert index.match(a) is None and RowIndex(list(tensors.values())).match(a) is None  # the values decide
+    assert keeps_name("model.layers.0.self_attn.q_proj.weight", 2)
+    assert keeps_name("model.layers.1.mlp.shared_expert.down_proj.weight", 2)
+    assert not keeps_name("model.layers.2.self_attn.q_proj.weight", 2)  # an MTP layer
+    for name in ("model.layers.0.mlp.experts.1.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.bias"):
+        assert not keeps_name(name, 2), name
+
+
+def test_a_q4_gguf_keeps_its_4_bit_linears_through_conversion(tiny_llama_256, tmp_path, gguf_cache, monkeypatch):
+    """A GGUF whose projections are Q4_0, Q4_1 and Q4_K converts into a folder that stores them as integers with
+    their scales (``quant_method: specray_gguf``; under a quarter of float32's bytes), the query and key rows still
+    in transformers' order; its Q8_0 tensor is stored dense. Loaded (dequantized on this CPU), every weight and the
+    logits equal those of the same file converted dense, as conversions were before."""
+    path = write_gguf(tiny_llama_256, tmp_path / "q4.gguf", "llama", q4_types)
+    dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
+    folder = resolve_model(str(path)).path
+    assert json.loads((folder / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "specray_gguf", "bits": 4, "group_size": 32}
+    stored = _safetensors(folder)
+    index = loader.RowIndex
+    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))  # no row found: every tensor stored dense
+    dense_folder = resolve_model(str(dense_path)).path
+    assert "quantization_config" not in json.loads((dense_folder / "config.json").read_text())
+    dense = _safetensors(dense_folder)
+    for i in range(2):
+        for projection in Q4_PROJECTIONS:
+            base = f"model.layers.{i}.{projection}"
+            if (i, projection) == (1, "mlp.down_proj"):
+                assert f"{base}.weight" in stored and f"{base}.q4_weight" not in stored
+                continue
+            assert f"{base}.weight" not in stored and stored[f"{base}.q4_weight"].dtype == torch.uint8
+            parts = sum(stored[f"{base}.{p}"].nbytes for p in ("q4_weight", "q4_scale", "q4_zero", "q4_offset"))
+            assert parts < dense[f"{base}.weight"].nbytes / 4
+    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
+    want = dict(ref.state_dict())
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    ids = list(range(3, 40))
+    assert torch.equal(prefill_logits(model, ids), prefill_logits(ref, ids))
+
+
+def test_a_q4_gguf_runs_its_linears_in_4_bits(tiny_llama_256, tmp_path, gguf_cache, int4_weights):
+    """Where the device keeps 4-bit weights (here asked of the CPU, as a GPU in bf16 does), a Q4 GGUF's linears keep
+    their integers (no dense weight), unless ``SPECRAY_DEQUANTIZE_INT4`` asks otherwise; the logits stay within the
+    kernel's rounding of the dequantized model's, and the engine's greedy output with n-gram drafts is plain greedy
+    decoding's and the dequantized model's. vLLM's ``quantization="gguf"`` names a .gguf model."""
+    from specray import LLM, SamplingParams
+    from specray.models import cpu_kernels
+
+    path = write_gguf(tiny_llama_256, tmp_path / "q4.gguf", "llama", q4_types)
+    model = load_model(str(path))
+    kept = int4_linears(model)
+    assert len(kept) == 7 and all(m.weight.numel() == 0 for m in kept)  # q/k/v, o, gate/up, down; layer 1's down
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DEQUANTIZE_INT4_ENV, "1")  # asked to dequantize them: none kept
+        assert not int4_linears(load_model(str(path)))
+    ids = list(range(3, 40))
+    got = prefill_logits(model, ids)
+    cpu_kernels.INT4_WEIGHTS = False  # (int4_weights restores it)
+    ref = load_model(str(path), pack=False)
+    assert not int4_linears(ref) and (got - prefill_logits(ref, ids)).abs().max() < TOL
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    outs = []
+    for keep, s in ((True, spec), (True, None), (False, None)):
+        cpu_kernels.INT4_WEIGHTS = keep
+        llm = LLM(model=str(path), max_model_len=128, speculative_config=s, quantization="gguf")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "def add(a, b):"], greedy,
+                                                                   use_tqdm=False)])
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(ValueError, match=r"quantization='gguf' but model=.* is not a .gguf file"):
+        LLM(model=str(tiny_llama_256), quantization="gguf")
+
+
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
 def _write_out(w) -> None:
@@ -304,12 +466,13 @@ def _write_out(w) -> None:
     w.close()
 
 
-def write_gguf(folder: Path, out: Path, arch: str) -> Path:
+def write_gguf(folder: Path, out: Path, arch: str, types: Callable[[str], str | None] | None = None) -> Path:
     """A float32 GGUF of the tiny HF model in ``folder`` as llama.cpp's converter lays ``arch`` out (``qwen3``,
     ``qwen3moe``, ``gemma3``, ...; ``mixtral``: a ``llama`` with experts): its hyperparameters, its byte-level BPE
     tokenizer (``gpt2``: tokens, types, merges) and its tensors under GGUF names, a mixture of experts' stacked per
     kind (``ffn_gate_exps`` [E, I, H], ...), Gemma's norm weights stored as the ``1 + w`` they scale by, a llama's
-    query and key rows in llama.cpp's order for its RoPE."""
+    query and key rows in llama.cpp's order for its RoPE. ``types``: the llama.cpp type (``Q4_K``, ...) a tensor of
+    that GGUF name is quantized to (None: float32)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -328,7 +491,7 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
         w.add_eos_token_id(cfg["eod_token_id"])
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":  # llama.cpp's LlamaModel: in a tensor
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg).numpy())
-    _write_gguf_tensors(w, tensors, arch, cfg)
+    _write_gguf_tensors(w, tensors, arch, cfg, types)
     _write_out(w)
     return out
 
@@ -616,7 +779,8 @@ def _write_gguf_spm_tokenizer(w, cfg: dict, tok: dict) -> None:
         w.add_add_space_prefix(False)
 
 
-def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
+def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[[str], str | None] | None = None
+                        ) -> None:
     import gguf
 
     arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
@@ -652,7 +816,13 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict) -> None:
             tensor = tensor + 1
         if arch == "mamba" and name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
             continue
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        kind = types and types(gguf_name)
+        if kind:
+            blocks = gguf_blocks(tensor.float().numpy(), kind)
+            w.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            continue
+        w.add_tensor(gguf_name, tensor.float().numpy())
     for name, experts in stacked.items():
         w.add_tensor(names.get_name(name) + ".weight",
                      torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())

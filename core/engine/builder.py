@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -204,10 +205,16 @@ def check_local_paths(args: EngineArgs) -> None:
                          "cache built with specray.drafters.ngram_cache.build_static_cache, or leave it out")
 
 
-def check_quantization(quantization: str | None, config) -> None:
+def check_quantization(quantization: str | None, config, model: str | os.PathLike = "") -> None:
     """``quantization`` (vLLM's option), where given, names the checkpoint's own method: specray quantizes nothing
-    itself, so a bf16 checkpoint with ``quantization="fp8"`` (vLLM's online FP8) or a mismatch is refused."""
+    itself, so a bf16 checkpoint with ``quantization="fp8"`` (vLLM's online FP8) or a mismatch is refused;
+    ``"gguf"`` names a ``.gguf`` ``model`` (whatever types its tensors have)."""
     if quantization is None:
+        return
+    if quantization == "gguf":
+        if not str(model).endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' but model={str(model)!r} is not a .gguf file: pass the GGUF file, "
+                             "or drop the quantization option (the method is read from the checkpoint's config.json)")
         return
     quant = getattr(config, "quantization_config", None) or getattr(getattr(config, "text_config", None),
                                                                     "quantization_config", None)
@@ -278,7 +285,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     hf_config = load_hf_config(args.model, model_config)
     check_model_args(args, hf_config)
     recurrent = check_recurrent(args, hf_config)
-    check_quantization(args.quantization, model_config)
+    check_quantization(args.quantization, model_config, args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     set_max_model_len(model_config, max_model_len)  # what every rank builds from

@@ -19,6 +19,11 @@ group of ``group_size`` input columns and output row:
   (one group: per output row), ``X.weight_shape`` [2] (the unpadded [out, in]); symmetric, z = 2^(b-1) (the signed
   values stored offset by it); an act-order ``X.weight_g_idx`` [in] groups the columns as GPTQ's does.
 
+A GGUF's 4-bit linears (Q4_0, Q4_1, Q4_K) keep their integers through its conversion
+(:mod:`specray.models.gguf_quant`; ``quant_method: specray_gguf``, groups of 32 columns): ``X.q4_weight`` [out, in / 2]
+(uint8, two columns a byte, the even one in the low bits), ``X.q4_scale`` and ``X.q4_offset`` [out, groups] (float32)
+and ``X.q4_zero`` [out, groups] (uint8): ``W = (q - z) * s + offset``, the arithmetic gguf-py dequantizes them by.
+
 Each linear comes out as ``X.weight``, an :class:`IntWeight` (its integers unpacked, one byte each, with its groups'
 scales and zero points) that reads as the dequantized float32 weight wherever a tensor is read (``w[...]``, as a
 safetensors slice reads), or as that float32 weight itself for act-order groups, which are not runs of columns. A
@@ -37,24 +42,29 @@ its dense weight as any other.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specray.config import DEQUANTIZE_INT4_ENV
 from specray.models import cpu_kernels
 
 COMPRESSED_TENSORS = "compressed-tensors"
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an int32's eight sits in its slot AWQ_COLUMNS[c]
 # each kind's tensors of one linear: the ones it needs, then the one it may have
 _PARTS = {"gptq": (("qweight", "qzeros", "scales"), "g_idx"), "awq": (("qweight", "qzeros", "scales"), None),
-          "packed": (("weight_packed", "weight_scale", "weight_shape"), "weight_g_idx")}
+          "packed": (("weight_packed", "weight_scale", "weight_shape"), "weight_g_idx"),
+          "gguf": (("q4_weight", "q4_scale", "q4_zero", "q4_offset"), None)}
+GGUF_QUANT_METHOD = "specray_gguf"  # a converted GGUF's 4-bit linears (specray.models.gguf_quant)
+GGUF_GROUP = 32  # the columns of a Q4_0 / Q4_1 block, and of a Q4_K sub-block
 
 
 @dataclass(frozen=True)
 class IntScheme:
-    """How a checkpoint's linears are quantized: the layout (``kind``: gptq, awq or packed), the bits per value,
+    """How a checkpoint's linears are quantized: the layout (``kind``: gptq, awq, packed or gguf), the bits per value,
     the input columns per group (-1: one group, a scale per output row) and what a GPTQ release adds to its stored
     zero points."""
 
@@ -79,7 +89,24 @@ def int_scheme(quant: dict | None) -> IntScheme | None:
         return _awq(quant)
     if method == COMPRESSED_TENSORS and quant.get("format") == "pack-quantized":
         return _packed(quant)
+    if method == GGUF_QUANT_METHOD:
+        return IntScheme("gguf", 4, GGUF_GROUP)
     return None
+
+
+def gguf_quantization_config() -> dict:
+    """The ``quantization_config`` of a converted GGUF whose 4-bit linears kept their integers."""
+    return {"quant_method": GGUF_QUANT_METHOD, "bits": 4, "group_size": GGUF_GROUP}
+
+
+def gguf_parts(w: IntWeight) -> dict[str, torch.Tensor]:
+    """A 4-bit linear's tensors as a converted GGUF stores them (by name after ``X.``), which :func:`dequantize`
+    reads."""
+    assert w.bits == 4 and w.group_size == GGUF_GROUP and w.q.shape[1] % 2 == 0
+    q = w.q.to(torch.uint8)
+    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
+    return {"q4_weight": (q[:, 0::2] | q[:, 1::2] << 4).contiguous(), "q4_scale": w.scale.float().contiguous(),
+            "q4_zero": w.zero.to(torch.uint8).contiguous(), "q4_offset": offset.float().contiguous()}
 
 
 def _refuse(what: str) -> ValueError:
@@ -145,26 +172,34 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 class IntWeight:
     """One linear's integers ``q`` [out, in] (uint8, in [0, 2^bits)), with the scale and zero point [out, groups]
-    (float32) of each run of ``group_size`` input columns: ``W = (q - z) * s``. Read like a safetensors slice
+    (float32) of each run of ``group_size`` input columns, and, where given, an offset [out, groups] (float32; a
+    GGUF's minimum: :mod:`specray.models.gguf_quant`): ``W = (q - z) * s (+ offset)``. Read like a safetensors slice
     (``get_shape()``, ``w[index]``: the dequantized float32 weight), so a loader that wants a dense weight gets one;
     :meth:`rows` and :meth:`cols` cut it without dequantizing."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bits: int,
+                 offset: torch.Tensor | None = None):
         self.q, self.scale, self.zero, self.group_size, self.bits = q, scale, zero, group_size, bits
+        self.offset = offset
 
     def get_shape(self) -> list[int]:
         return list(self.q.shape)
 
+    def get_dtype(self) -> str:
+        return "F32"  # as a safetensors slice names the dtype it reads as
+
     def dense(self) -> torch.Tensor:
-        return (self.q.float() - self.zero.repeat_interleave(self.group_size, 1)) \
+        w = (self.q.float() - self.zero.repeat_interleave(self.group_size, 1)) \
             * self.scale.repeat_interleave(self.group_size, 1)
+        return w if self.offset is None else w + self.offset.repeat_interleave(self.group_size, 1)
 
     def __getitem__(self, index) -> torch.Tensor:
         return self.dense()[index]
 
     def rows(self, start: int, count: int) -> "IntWeight":
         cut = slice(start, start + count)
-        return IntWeight(self.q[cut], self.scale[cut], self.zero[cut], self.group_size, self.bits)
+        return IntWeight(self.q[cut], self.scale[cut], self.zero[cut], self.group_size, self.bits,
+                         None if self.offset is None else self.offset[cut])
 
     def cols(self, start: int, count: int) -> "IntWeight | None":
         """Input columns ``start .. start + count`` (None unless they are whole groups)."""
@@ -172,12 +207,21 @@ class IntWeight:
         if start % g or count % g:
             return None
         groups = slice(start // g, (start + count) // g)
-        return IntWeight(self.q[:, start: start + count], self.scale[:, groups], self.zero[:, groups], g, self.bits)
+        return IntWeight(self.q[:, start: start + count], self.scale[:, groups], self.zero[:, groups], g, self.bits,
+                         None if self.offset is None else self.offset[:, groups])
 
 
 def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight | torch.Tensor:
     """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
     :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns."""
+    if scheme.kind == "gguf":
+        packed = parts["q4_weight"]
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)  # [out, in]
+        s, z, offset = parts["q4_scale"].float(), parts["q4_zero"].float(), parts["q4_offset"].float()
+        if q.shape[1] != s.shape[1] * GGUF_GROUP or not s.shape == z.shape == offset.shape:
+            raise ValueError(f"converted GGUF linear of {tuple(q.shape)} integers with scales {tuple(s.shape)}: the "
+                             "conversion is damaged; delete it from the cache (SPECRAY_CACHE_DIR) to convert again")
+        return IntWeight(q.contiguous(), s.contiguous(), z.contiguous(), GGUF_GROUP, 4, offset.contiguous())
     if scheme.kind == "packed":
         q = unpack(parts["weight_packed"], scheme.bits, 1)  # [out, in (padded)]
         out, cols = (int(v) for v in parts["weight_shape"].reshape(-1).tolist())
@@ -276,6 +320,7 @@ class IntStaging:
         g = like.group_size
         self.q = torch.zeros(rows, cols, dtype=torch.uint8)
         self.scale, self.zero = torch.zeros(rows, cols // g), torch.zeros(rows, cols // g)
+        self.offset: torch.Tensor | None = None  # made when a part with offsets comes (zeros: as none)
         self.group_size, self.bits = g, like.bits
 
     def fits(self, w: IntWeight) -> bool:
@@ -284,9 +329,13 @@ class IntStaging:
     def put(self, offset: int, w: IntWeight) -> None:
         rows = slice(offset, offset + w.q.shape[0])
         self.q[rows], self.scale[rows], self.zero[rows] = w.q, w.scale, w.zero
+        if w.offset is not None:
+            if self.offset is None:
+                self.offset = torch.zeros_like(self.scale)
+            self.offset[rows] = w.offset
 
     def weight(self) -> IntWeight:
-        return IntWeight(self.q, self.scale, self.zero, self.group_size, self.bits)
+        return IntWeight(self.q, self.scale, self.zero, self.group_size, self.bits, self.offset)
 
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take
@@ -304,8 +353,11 @@ def random_int4(rows: int, cols: int, group_size: int, limit: float, device: tor
 def keeps_int4(scheme: IntScheme | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model of ``dtype`` on ``device`` keeps a checkpoint of ``scheme`` in 4 bits: 4-bit runs of
     columns in groups torch's kernel takes, on CUDA in bf16 (tinygemm's one dtype), or on a CPU when asked to
-    (:func:`specray.models.cpu_kernels.keeps_int4_weights`: its kernel is slow there)."""
+    (:func:`specray.models.cpu_kernels.keeps_int4_weights`: its kernel is slow there); never with
+    ``$SPECRAY_DEQUANTIZE_INT4`` set."""
     if scheme is None or scheme.bits != 4 or scheme.group_size not in INT4_GROUPS or scheme.act_order:
+        return False
+    if os.environ.get(DEQUANTIZE_INT4_ENV, "0") != "0":
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16
@@ -336,6 +388,8 @@ def pack_int4(w: IntWeight, device: torch.device, dtype: torch.dtype) -> Int4Wei
     if w.bits != 4 or w.group_size not in INT4_GROUPS or k % w.group_size:
         return None
     offsets = ((8 - w.zero) * w.scale)  # tinygemm's W = (q - 8) s + m
+    if w.offset is not None:
+        offsets = offsets + w.offset
     scales_and_zeros = torch.stack([w.scale.t(), offsets.t()], dim=-1).to(dtype).contiguous()  # [K / G, N, 2]
     if device.type == "cpu":
         packed = cpu_kernels.int4_pack(w.q, n)

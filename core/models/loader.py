@@ -4,10 +4,12 @@ model with this rank's shard of the weights.
 A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE permutation
 undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their index (or one
 model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by
-the file's path, size and mtime; later loads read the cached folder. The shards are float32 (every dequantized value
-exact), or with ``$SPECRAY_GGUF_DTYPE`` bfloat16 or float16 (half the disk; each value rounded as loading the model
-in that dtype rounds it). The conversion reads, converts and writes a layer
-at a time, so it holds about one shard, not the whole model in float32 (several times the file). Only the families
+the file's path, size and mtime; later loads read the cached folder. Its 4-bit linears (Q4_0, Q4_1, Q4_K) keep their
+integers there (:mod:`specray.models.gguf_quant`: dequantized at load, or kept in 4 bits where the device's kernel
+takes them); its other tensors are float32 (every dequantized value exact), or with ``$SPECRAY_GGUF_DTYPE`` bfloat16
+or float16 (half the disk; each value rounded as loading the model in that dtype rounds it). The conversion reads,
+converts and writes a layer at a time, so it holds about one shard, not the whole model in float32 (several times the
+file). Only the families
 transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its mapping misreads a file or leaves a default,
 ``_GGUF_CONFIG_FIXES`` and the tensors read here set what llama.cpp wrote; its RoPE scaling, Llama 3's per-frequency
 factors included, by ``_fix_gguf_rope``), and the families whose config and tensors specray reads whole
@@ -58,8 +60,9 @@ from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_fami
 from specray.models.gguf_minicpm3 import MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
-from specray.models.int_quant import IntScheme, dequantized as int_dequantized, int_scheme, keeps_int4, pack_int4, \
-    random_int4
+from specray.models.gguf_quant import RowIndex, keeps_name
+from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
+    gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
@@ -74,8 +77,8 @@ CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 # the conversion's own version, part of a cached folder's key: raised whenever a file already converted would now
 # convert to something else (2: the RoPE scaling read, Llama 3's per-frequency factors included, which conversions
-# before it left out), so that no folder of an older conversion is served again
-GGUF_CONVERSION_VERSION = 2
+# before it left out; 3: 4-bit linears kept as integers), so that no folder of an older conversion is served again
+GGUF_CONVERSION_VERSION = 3
 # a converted GGUF's tensors are written in safetensors shards of about this many bytes (plus a layer at most): the
 # conversion holds one shard, not the model (whose dequantized float32 tensors are several times the file's size)
 GGUF_SHARD_BYTES = 2 << 30
@@ -476,7 +479,7 @@ def convert_gguf(gguf: Path) -> Path:
     if (folder / _GGUF_MARKER).is_file():
         logger.info("GGUF %s: using cached conversion %s", gguf, folder)
         return folder
-    logger.info("GGUF %s: converting (dequantizing) into %s", gguf, folder)
+    logger.info("GGUF %s: converting into %s", gguf, folder)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -880,9 +883,13 @@ class _ShardWriter:
     dict they write into. ``close`` names the shards as HF names a sharded checkpoint's, with its index (one shard:
     ``model.safetensors``)."""
 
-    def __init__(self, out: Path, shard_bytes: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, out: Path, shard_bytes: int, dtype: torch.dtype = torch.float32, ints: RowIndex | None = None):
         self.out, self.shard_bytes, self.dtype = out, shard_bytes, dtype  # the floating tensors' dtype on disk
         self.skip: Callable[[str], bool] | None = None  # names not to keep, while it is set
+        # the file's 4-bit rows, and the model's decoder layers once its config is read (None: keep nothing in 4
+        # bits): a linear of those layers made of the rows is saved as their integers (gguf_quant)
+        self.ints, self.layers = ints, None
+        self.kept_ints: set[str] = set()  # the names saved as integers
         self.held: dict[str, torch.Tensor] = {}
         self.saved: dict[str, str] = {}  # name -> its shard's file
         self.shards: list[str] = []
@@ -901,7 +908,7 @@ class _ShardWriter:
         return name in self.held or name in self.saved
 
     def names(self) -> set[str]:
-        return set(self.held) | set(self.saved)
+        return set(self.held) | set(self.saved) | self.kept_ints
 
     def add_group(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -921,12 +928,22 @@ class _ShardWriter:
         held = {}
         for k in list(self.held):  # each dropped as it is cast: at most the shard and one tensor held at once
             v = self.held.pop(k)
+            kept = self._ints(k, v)
+            if kept is not None:
+                held |= {f"{k.removesuffix('.weight')}.{part}": t for part, t in gguf_parts(kept).items()}
+                self.kept_ints.add(k)
+                continue
             held[k] = (v.to(self.dtype) if v.is_floating_point() else v).contiguous()
         save_file(held, str(self.out / name), metadata={"format": "pt"})
         self.shards.append(name)
         self.saved |= dict.fromkeys(held, name)
         self.total_bytes += sum(t.numel() * t.element_size() for t in held.values())
         self.held = {}
+
+    def _ints(self, name: str, tensor: torch.Tensor) -> IntWeight | None:
+        if self.ints is None or self.layers is None or not keeps_name(name, self.layers):
+            return None
+        return self.ints.match(tensor)
 
     def close(self) -> None:
         self._save()
@@ -953,10 +970,11 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         hidden = _GGUF_FIELDS_HIDDEN.get(arch)
         for key in [key for key in parsed.fields if hidden and key.startswith(hidden)]:
             del parsed.fields[key]  # after our own reads of them (``meta``)
-        writer = _ShardWriter(out, GGUF_SHARD_BYTES, getattr(torch, gguf_storage_dtype()))
+        writer = _ShardWriter(out, GGUF_SHARD_BYTES, getattr(torch, gguf_storage_dtype()), RowIndex(parsed.tensors))
         if arch in _GGUF_READERS:  # read by us: transformers' mapping gives no dense tensors of these
             config, groups = _GGUF_READERS[arch](gguf, arch)
             get_model_class(config)
+            writer.layers = getattr(config, "num_hidden_layers", None)
             for group in groups:
                 writer.add_group(group)
         else:
@@ -964,6 +982,9 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         writer.close()
         if writer.dtype != torch.float32:
             config.dtype = writer.dtype
+        if writer.kept_ints:
+            config.quantization_config = gguf_quantization_config()
+            logger.info("GGUF %s: %d linears keep their 4-bit integers", gguf, len(writer.kept_ints))
         config.save_pretrained(out)
         _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
@@ -983,6 +1004,7 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
     if arch not in _GGUF_OWN_ROPE:
         _fix_gguf_rope(config, meta, gguf, arch)
     get_model_class(config)  # fail early on an architecture we do not serve
+    writer.layers = config.num_hidden_layers
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
     # read below, not by transformers: a Mixtral's experts (it maps none), GPT-OSS's (it maps them wrongly) and
