@@ -361,17 +361,18 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(tmp_path / "rows.gguf"), "llama")
     for name, kind, shape in (("a", "Q4_K", (8, 256)), ("b", "Q4_1", (4, 256)), ("c", None, (4, 256)),
-                              ("d", "Q4_0", (3, 64))):
+                              ("d", "Q4_0", (3, 64)), ("e", "Q4_1", (2, 3, 256))):  # e: stacked experts
         x = rng.standard_normal(shape).astype(np.float32)
         if kind:
-            w.add_tensor(name, gguf_blocks(x, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+            blocks = gguf_blocks(x.reshape(-1, shape[-1]), kind).reshape(*shape[:-1], -1)
+            w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(name, x)
     _write_out(w)
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors}
     index = RowIndex(list(tensors.values()))
-    assert len(index) == 8 + 4 + 3
-    a, b, c = (dequantized(tensors[n]) for n in "abc")
+    assert len(index) == 8 + 4 + 3 + 6
+    a, b, c, e = (dequantized(tensors[n]) for n in "abce")
     for want in (a[[5, 0, 7, 1]], torch.cat([b[2:], a[:3], b[:1]])):
         got = index.match(want)
         assert got is not None and torch.equal(got.dense(), want)
@@ -379,15 +380,21 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     changed[2, 7] += 1e-3
     assert index.match(changed) is None and index.match(c) is None and index.match(a[:, :64]) is None
     assert index.match(a.double()) is None
+    x3 = torch.cat([e.reshape(6, 256)[[4, 1]], a[:3], e[0]]).reshape(2, 4, 256)  # 3-D: experts' rows in turn
+    got = index.match(x3)
+    assert got is not None and torch.equal(got.dense(), x3.reshape(8, 256))
     from specray.models import gguf_quant
 
     monkeypatch.setattr(gguf_quant, "row_hashes", lambda x: torch.zeros(len(x), dtype=torch.long))  # all collide
     assert index.match(a) is None and RowIndex(list(tensors.values())).match(a) is None  # the values decide
     assert keeps_name("model.layers.0.self_attn.q_proj.weight", 2)
     assert keeps_name("model.layers.1.mlp.shared_expert.down_proj.weight", 2)
+    for name in ("model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.block_sparse_moe.experts.0.w1.weight",
+                 "model.layers.0.mlp.experts.gate_up_proj"):  # experts: one's, or a block's fused
+        assert keeps_name(name, 2), name
     assert not keeps_name("model.layers.2.self_attn.q_proj.weight", 2)  # an MTP layer
-    for name in ("model.layers.0.mlp.experts.1.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.bias"):
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.gate_up_proj_bias"):
         assert not keeps_name(name, 2), name
 
 
@@ -421,6 +428,68 @@ def test_a_q4_gguf_keeps_its_4_bit_linears_through_conversion(tiny_llama_256, tm
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
     ids = list(range(3, 40))
     assert torch.equal(prefill_logits(model, ids), prefill_logits(ref, ids))
+
+
+def q4_expert_types(name: str) -> str | None:
+    """A Q4_K_M-like mix for a mixture of experts: attention in Q4_1, the experts' gate Q4_0 and up Q4_1, their down
+    Q4_0 in layer 0 and Q8_0 in layer 1 (stored dense)."""
+    kind = name.split(".")[2] if name.startswith("blk.") else None
+    if kind == "ffn_down_exps":
+        return "Q4_0" if name.startswith("blk.0.") else "Q8_0"
+    return {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate_exps": "Q4_0",
+            "ffn_up_exps": "Q4_1"}.get(kind)
+
+
+def test_a_q4_gguf_s_experts_stay_in_4_bits(make_tiny_model, tmp_path, gguf_cache, int4_weights):
+    """A mixture's 4-bit experts (llama.cpp's stacked ``ffn_*_exps``, transformers' fused ``gate_up_proj``) are
+    stored one expert's projection at a time as integers; a Q8_0 down projection stays dense. Where the device keeps
+    4-bit weights, each block keeps its 4-bit projections packed (a byte per two values) and dequantizes an expert's
+    when tokens reach it, the Q8_0 one dense beside them; logits within the kernel's rounding of the dequantized
+    model's (the experts' own values equal), and greedy engine output with n-gram drafts that of plain decoding and
+    of the dequantized model. Asked to dequantize, nothing stays packed."""
+    from specray import LLM, SamplingParams
+    from specray.models import cpu_kernels
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=9, head_dim=16, tie_word_embeddings=False,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    path = write_gguf(folder, tmp_path / "moe.gguf", "qwen3moe", q4_expert_types)
+    dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
+    stored = _safetensors(resolve_model(str(path)).path)
+    index = loader.RowIndex
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "RowIndex", lambda tensors: index([]))  # the same file converted dense: the reference
+        resolve_model(str(dense_path))
+    assert "model.layers.0.mlp.experts.3.gate_proj.q4_weight" in stored
+    assert "model.layers.0.mlp.experts.3.down_proj.q4_weight" in stored
+    assert not any(n.startswith("model.layers.0.mlp.experts.") and n.endswith(("_proj", ".weight")) for n in stored)
+    assert "model.layers.1.mlp.experts.down_proj" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
+    model = load_model(str(path), pack=False)
+    first, second = (model.model.layers[i].mlp for i in range(2))
+    assert first.w13.dtype == first.w2.dtype == second.w13.dtype == torch.uint8 and second.w2.is_floating_point()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DEQUANTIZE_INT4_ENV, "1")
+        assert load_model(str(path), pack=False).model.layers[0].mlp.w13.is_floating_point()
+    cpu_kernels.INT4_WEIGHTS = False  # (int4_weights restores it)
+    ref = load_model(str(path), pack=False)
+    assert ref.model.layers[0].mlp.w13.is_floating_point()
+    want = dict(load_model(str(dense_path), pack=False).state_dict())
+    assert all(torch.equal(v, want[k]) for k, v in ref.state_dict().items())
+    for i in range(8):
+        for kept, dense in ((first, ref.model.layers[0].mlp), (second, ref.model.layers[1].mlp)):
+            for w, s, d in ((kept.w13, kept.w13_scale, dense.w13), (kept.w2, kept.w2_scale, dense.w2)):
+                assert torch.equal(kept._weight(w, s, i, torch.float32), d[i])
+    ids = list(range(3, 40))
+    cpu_kernels.INT4_WEIGHTS = True
+    assert (prefill_logits(model, ids) - prefill_logits(ref, ids)).abs().max() < TOL
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    outs = []
+    for keep, s in ((True, spec), (True, None), (False, None)):
+        cpu_kernels.INT4_WEIGHTS = keep
+        llm = LLM(model=str(path), max_model_len=128, speculative_config=s)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "def add(a, b):"], greedy,
+                                                                   use_tqdm=False)])
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_a_q4_gguf_runs_its_linears_in_4_bits(tiny_llama_256, tmp_path, gguf_cache, int4_weights):
@@ -817,15 +886,21 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[
         if arch == "mamba" and name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        kind = types and types(gguf_name)
+        kind = types(gguf_name) if types and gguf_name else None
         if kind:
             blocks = gguf_blocks(tensor.float().numpy(), kind)
             w.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
         w.add_tensor(gguf_name, tensor.float().numpy())
     for name, experts in stacked.items():
-        w.add_tensor(names.get_name(name) + ".weight",
-                     torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy())
+        gguf_name = names.get_name(name) + ".weight"
+        tensor = torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy()
+        kind = types and types(gguf_name)
+        if kind:  # each expert's rows quantized as a 2-D tensor's: [E, rows, bytes]
+            blocks = gguf_blocks(tensor.reshape(-1, tensor.shape[-1]), kind)
+            w.add_tensor(gguf_name, blocks.reshape(*tensor.shape[:2], -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+            continue
+        w.add_tensor(gguf_name, tensor)
 
 
 # llama.cpp architecture -> (HF model_type, the tiny model's overrides). transformers' GGUF mapping reads neither
@@ -1829,16 +1904,17 @@ def test_a_cpu_dequantizes_4_bit_weights_unless_asked_to_keep_them(tiny_llama_di
 
 
 def test_int_mixture_of_experts_and_the_engine(tiny_qwen3_moe_dir, tmp_path, int4_weights):
-    """A GPTQ release of a mixture of experts (one tensor per expert, as released) loads each expert dequantized,
-    its attention kept in 4 bits; the engine serves it, its greedy output with n-gram drafts that of plain greedy
-    decoding and of the dequantized twin."""
+    """A GPTQ release of a mixture of experts (one tensor per expert, as released) keeps its attention and its
+    experts in 4 bits (the experts packed, dequantized one at a time as tokens reach them); the engine serves it, its
+    greedy output with n-gram drafts that of plain greedy decoding and of the dequantized twin."""
     from specray import LLM, SamplingParams
 
     quant, ref = write_int(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path, "gptq4-g32")
     assert any(".experts.3.up_proj.qweight" in n for n in json.loads(
         (quant / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
             (quant / "model.safetensors").read_bytes()[:8], "little")]))
-    assert int4_linears(load_model(quant))
+    model = load_model(quant)
+    assert int4_linears(model) and model.model.layers[0].mlp.w13.dtype == torch.uint8  # experts packed too
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     outs = [[o.outputs[0].token_ids for o in LLM(model=str(m), max_model_len=128, speculative_config=s).generate(

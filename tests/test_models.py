@@ -1031,7 +1031,8 @@ TP_WORKER = textwrap.dedent("""
         cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
         fp8 = any(getattr(m, "fp8_block", None) for m in model.modules())  # experts kept in float8
         int4 = any(getattr(m, "int4", None) is not None for m in model.modules())  # linears kept in 4 bits
-        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8, int4]
+        int4_experts = any(getattr(m, "int4_group", None) for m in model.modules())  # experts kept in 4 bits
+        result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8, int4, int4_experts]
     # While anything holds the process group (the model's layers), destroy_process_group leaves gloo's threads
     # running into interpreter shutdown, where one still freeing a collective's tensors aborts the process.
     del model
@@ -1062,8 +1063,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     chunked and NoPE layers and its experts both ways, Mixtral's experts whole per rank, Gemma 2's soft-capped
     attention (one KV head, replicated), OLMo 2's q/k norms over all heads (summed over the ranks), Phi-3's fused
     projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
-    norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits), tied and untied
-    heads; decode attention both as the padded batch and one sequence at a time."""
+    norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits; an AWQ mixture's
+    experts kept in 4 bits whole per rank, dequantized where split into partial groups), tied and untied heads;
+    decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
                          tie_word_embeddings=True),
@@ -1095,6 +1097,11 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     # columns' groups in 4 bits)
     folders += [str(checkpoints.write_int(Path(folders[0]), tmp_path / f"llama-{scheme}", scheme)[0])
                 for scheme in ("gptq4-act-order-v2", "awq4-g32")]
+    # an AWQ mixture of experts: split by width, each rank's 16 of the 32-wide experts are not whole 32-column groups
+    # (dequantized at load); whole experts per rank keep them in 4 bits
+    moe_split = checkpoints.split_experts(Path(folders[3]), tmp_path / "qwen3moe-split")
+    folders += [str(checkpoints.write_int(moe_split, tmp_path / f"q-{name}", "awq4-g32")[0].rename(tmp_path / name))
+                for name in ("qwen3moe-awq4", "qwen3moe-awq4-ep")]
     script = tmp_path / "worker.py"
     script.write_text(TP_WORKER)
     port, world = str(free_port()), 2
@@ -1104,10 +1111,11 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         before, after = result.pop("threads")
         assert after == before, f"rank {r}: {after - before} threads outlive destroy_process_group"
         assert set(result) == set(folders)
-        for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4) in result.items():
+        for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4, int4_experts) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
             assert int4 == ("awq4" in folder), folder
+            assert int4_experts == folder.endswith("awq4-ep"), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1
 

@@ -1,6 +1,6 @@
-"""A GGUF's 4-bit linears kept in 4 bits through its conversion into an HF folder, so that a model of a Q4 file
-takes a quarter of bf16's memory on a device whose 4-bit kernel takes them (:mod:`specray.models.int_quant`) and
-about a fifth of float32's disk in the cache.
+"""A GGUF's 4-bit linears and experts kept in 4 bits through its conversion into an HF folder, so that a model of a
+Q4 file takes about a quarter of bf16's memory where the device keeps 4-bit weights (:mod:`specray.models.int_quant`;
+a mixture's experts: :class:`~specray.models.moe.SparseMoE`) and about a fifth of float32's disk in the cache.
 
 llama.cpp's 4-bit types give each run of 32 columns of a row its own scale:
 
@@ -17,9 +17,10 @@ dequantizes (float32) to gguf-py's values bit for bit.
 The conversion reads a file through transformers' tensor processors or our own readers, which permute rows
 (llama.cpp's q/k RoPE order undone), split or join them, but change no value of a row they keep. So a converted
 linear's weight whose every row is a row of the file's 4-bit tensors (looked up by a hash of its float32 bits:
-:class:`RowIndex`) is stored as those rows' integers, scales and offsets, once they are checked to dequantize to
-the converted weight exactly; any other tensor (one a reader changed, an 8-bit or 6-bit one, experts stacked in 3-D,
-embeddings, norms) is stored dense as before.
+:class:`RowIndex`; a block's fused experts, [E, rows, cols], as their rows one expert after another) is stored as
+those rows' integers, scales and offsets, once they are checked to dequantize to the converted weight exactly (fused
+experts one expert's projection at a time, as a checkpoint with a tensor per expert names them); any other tensor
+(one a reader changed, an 8-bit, 5-bit or 6-bit one, embeddings, norms) is stored dense as before.
 """
 
 from __future__ import annotations
@@ -36,16 +37,43 @@ from specray.models.int_quant import GGUF_GROUP, IntWeight
 logger = logging.getLogger(__name__)
 
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # llama.cpp's types kept in 4 bits
-# the converted tensors that may be kept: a decoder layer's projections (the model's linears), not experts
-_KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?\w+_proj\.weight$")
+# the converted tensors that may be kept: a decoder layer's projections (the model's linears) and its experts' (one
+# expert's, or all of a block's fused in 3-D)
+_KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?(?:\w+_proj\.weight|experts\.\d+\.\w+\.weight|"
+                        r"experts\.(?:gate_up_proj|up_proj|down_proj))$")
+# a block's experts fused (transformers' names: [E, 2I, H], [E, I, H], [E, H, I]), stored one expert at a time
+_FUSED_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)$")
 _ROWS_AT_ONCE = 4096  # rows hashed or unpacked at a time: bounds the int64 copies they take
 
 
 def keeps_name(name: str, layers: int) -> bool:
-    """Whether converted tensor ``name`` is a linear of one of the model's ``layers`` decoder layers (an MTP
-    layer's, after them, is not: its drafter loads it)."""
+    """Whether converted tensor ``name`` is a linear of one of the model's ``layers`` decoder layers, or its experts'
+    (an MTP layer's, after them, is not: its drafter loads it)."""
     found = _KEPT_NAME.search(name)
-    return found is not None and ".experts." not in name and int(found.group(1)) < layers
+    return found is not None and int(found.group(1)) < layers
+
+
+def stored_weights(name: str, shape: tuple[int, ...], w: IntWeight) -> list[tuple[str, IntWeight]]:
+    """Converted tensor ``name`` of ``shape``, found as ``w`` (its rows, experts after one another for a 3-D one),
+    as the 2-D weights it is stored as: itself, or a block's fused experts one expert's projection at a time, under
+    the names one expert's take (``experts.3.gate_proj.weight``): gate rows, then up rows. (The one family whose
+    fused gate/up interleaves them, GPT-OSS, stores it inputs first, [E, H, 2I]: rows no file row equals, never
+    found.)"""
+    if len(shape) == 2:
+        return [(name, w)]
+    found = _FUSED_EXPERTS.search(name)
+    assert found and len(shape) == 3, name
+    base, kind = name[: found.start(1)], found.group(1)
+    experts, rows = shape[0], shape[1]
+    out = []
+    for e in range(experts):
+        mine = w.rows(e * rows, rows)
+        if kind == "gate_up_proj":
+            out += [(f"{base}{e}.gate_proj.weight", mine.rows(0, rows // 2)),
+                    (f"{base}{e}.up_proj.weight", mine.rows(rows // 2, rows // 2))]
+        else:
+            out.append((f"{base}{e}.{kind}.weight", mine))
+    return out
 
 
 def _f16(pair: torch.Tensor) -> torch.Tensor:
@@ -108,10 +136,10 @@ class RowIndex:
     values; :meth:`match` gives a converted weight back as those rows' integers."""
 
     def __init__(self, tensors: list[Any]):
-        self.tensors = [t for t in tensors if t.tensor_type.name in KEPT_TYPES and len(t.shape) == 2]
+        self.tensors = [t for t in tensors if t.tensor_type.name in KEPT_TYPES and len(t.shape) in (2, 3)]
         hashes, sources, rows = [], [], []
         for i, t in enumerate(self.tensors):
-            raw = t.data
+            raw = _rows(t)
             for start in range(0, raw.shape[0], _ROWS_AT_ONCE):
                 part = unpack(torch.from_numpy(np.array(raw[start: start + _ROWS_AT_ONCE])), t.tensor_type.name)
                 hashes.append(row_hashes(part.dense()))
@@ -125,10 +153,11 @@ class RowIndex:
         return len(self.hashes)
 
     def match(self, w: torch.Tensor) -> IntWeight | None:
-        """``w`` [rows, cols] (float32) as the file's 4-bit rows it is made of, checked to dequantize to ``w``
-        exactly; None where any row is not one of them."""
-        if not len(self) or w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GGUF_GROUP:
+        """``w`` [rows, cols] (float32; [experts, rows, cols]: its experts' rows one after another) as the file's
+        4-bit rows it is made of, checked to dequantize to ``w`` exactly; None where any row is not one of them."""
+        if not len(self) or w.dim() not in (2, 3) or w.dtype != torch.float32 or w.shape[-1] % GGUF_GROUP:
             return None
+        w = w.reshape(-1, w.shape[-1])
         h = row_hashes(w)
         pos = torch.searchsorted(self.hashes, h).clamp(max=len(self) - 1)
         if not torch.equal(self.hashes[pos], h):
@@ -142,7 +171,12 @@ class RowIndex:
             if int(t.shape[0]) != cols:
                 return None
             mine = (sources == source).nonzero().squeeze(1)
-            part = unpack(torch.from_numpy(np.array(t.data[rows[mine].numpy()])), t.tensor_type.name)
+            part = unpack(torch.from_numpy(np.array(_rows(t)[rows[mine].numpy()])), t.tensor_type.name)
             q[mine], scale[mine], zero[mine], offset[mine] = part.q, part.scale, part.zero, part.offset
         kept = IntWeight(q, scale, zero, GGUF_GROUP, 4, offset)
         return kept if torch.equal(kept.dense(), w) else None
+
+
+def _rows(t: Any) -> np.ndarray:
+    """A reader tensor's blocks, one row of the weight per row (a 3-D one's experts after one another)."""
+    return t.data.reshape(-1, t.data.shape[-1])

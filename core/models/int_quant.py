@@ -103,9 +103,8 @@ def gguf_parts(w: IntWeight) -> dict[str, torch.Tensor]:
     """A 4-bit linear's tensors as a converted GGUF stores them (by name after ``X.``), which :func:`dequantize`
     reads."""
     assert w.bits == 4 and w.group_size == GGUF_GROUP and w.q.shape[1] % 2 == 0
-    q = w.q.to(torch.uint8)
     offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
-    return {"q4_weight": (q[:, 0::2] | q[:, 1::2] << 4).contiguous(), "q4_scale": w.scale.float().contiguous(),
+    return {"q4_weight": pack_nibbles(w.q).contiguous(), "q4_scale": w.scale.float().contiguous(),
             "q4_zero": w.zero.to(torch.uint8).contiguous(), "q4_offset": offset.float().contiguous()}
 
 
@@ -215,8 +214,7 @@ def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight |
     """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
     :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns."""
     if scheme.kind == "gguf":
-        packed = parts["q4_weight"]
-        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)  # [out, in]
+        q = unpack_nibbles(parts["q4_weight"])  # [out, in]
         s, z, offset = parts["q4_scale"].float(), parts["q4_zero"].float(), parts["q4_offset"].float()
         if q.shape[1] != s.shape[1] * GGUF_GROUP or not s.shape == z.shape == offset.shape:
             raise ValueError(f"converted GGUF linear of {tuple(q.shape)} integers with scales {tuple(s.shape)}: the "
@@ -403,3 +401,45 @@ def pack_int4(w: IntWeight, device: torch.device, dtype: torch.dtype) -> Int4Wei
     if packed is None:
         return None
     return Int4Weight(packed.to(device), scales_and_zeros.to(device), w.group_size)
+
+
+# ---------------------------------------------------------------------------------------------- experts in 4 bits
+
+
+def experts_int4_group(quant: dict | None, device: torch.device) -> int | None:
+    """The group size in which a mixture's experts keep a checkpoint's 4-bit integers on ``device``
+    (:class:`~specray.models.moe.SparseMoE`: packed two a byte with a scale, zero point and offset per group,
+    dequantized expert by expert as tokens reach them), or None: not a 4-bit checkpoint in runs of columns, a CPU
+    not asked to keep them (``cpu_kernels.INT4_WEIGHTS``), or ``$SPECRAY_DEQUANTIZE_INT4`` set."""
+    scheme = int_scheme(quant)
+    if scheme is None or scheme.bits != 4 or scheme.act_order or scheme.group_size < 2 or scheme.group_size % 2:
+        return None
+    if os.environ.get(DEQUANTIZE_INT4_ENV, "0") != "0" or (device.type == "cpu" and not cpu_kernels.INT4_WEIGHTS):
+        return None
+    return scheme.group_size
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., 2n] (uint8) -> [..., n] bytes, the even column in the low bits."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | q[..., 1::2] << 4
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles`' bytes [..., n] -> the values [..., 2n] (uint8)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def group_terms(w: IntWeight) -> torch.Tensor:
+    """An IntWeight's scale, zero point and offset [rows, groups, 3] (float32), as an expert keeps them."""
+    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
+    return torch.stack([w.scale.float(), w.zero.float(), offset.float()], dim=-1)
+
+
+def dequantize_packed(packed: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles`' bytes [rows, cols / 2] with :func:`group_terms` [rows, groups, 3] -> float32 [rows, cols]:
+    ``(q - z) * s + offset``, the arithmetic :meth:`IntWeight.dense` does (the same values)."""
+    rows, groups = terms.shape[:2]
+    q = unpack_nibbles(packed).float().view(rows, groups, -1)
+    s, z, offset = terms.unbind(-1)
+    return ((q - z[..., None]) * s[..., None] + offset[..., None]).view(rows, -1)

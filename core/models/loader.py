@@ -60,7 +60,7 @@ from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_fami
 from specray.models.gguf_minicpm3 import MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
-from specray.models.gguf_quant import RowIndex, keeps_name
+from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
 from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
     gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
@@ -930,7 +930,8 @@ class _ShardWriter:
             v = self.held.pop(k)
             kept = self._ints(k, v)
             if kept is not None:
-                held |= {f"{k.removesuffix('.weight')}.{part}": t for part, t in gguf_parts(kept).items()}
+                for name, w in stored_weights(k, tuple(v.shape), kept):
+                    held |= {f"{name.removesuffix('.weight')}.{part}": t for part, t in gguf_parts(w).items()}
                 self.kept_ints.add(k)
                 continue
             held[k] = (v.to(self.dtype) if v.is_floating_point() else v).contiguous()

@@ -59,6 +59,13 @@ reach it (:func:`specray.models.fp8.dequantize_blocks`), to the same values a lo
 needs this rank's share of each weight to be whole blocks (for the split by width: ``moe_intermediate_size /
 tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where converting float8 is slow, only with
 ``cpu_kernels.FP8_EXPERTS``); otherwise the experts are dequantized at load, as the dense weights always are.
+
+From a 4-bit checkpoint in runs of columns (a GPTQ / AWQ / packed release with a tensor per expert, a GGUF's Q4 experts:
+:mod:`specray.models.int_quant`, :mod:`specray.models.gguf_quant`) the experts keep their integers likewise, two a
+byte with a float32 scale, zero point and offset per group, dequantized when tokens reach an expert to the values a
+load-time dequantization gives: on a GPU, or on CPU with ``cpu_kernels.INT4_WEIGHTS``, unless
+``$SPECRAY_DEQUANTIZE_INT4`` is set or this rank's share is not whole groups (each projection apart: a GGUF whose down
+projections are 6-bit, as Q4_K_M makes some, keeps its gate/up in 4 bits and its down dense).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import Fp8Weight, dequantize_blocks, dtype_of, kept_block
+from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
 from specray.parallel import TPGroup
@@ -388,7 +396,19 @@ class SparseMoE(nn.Module):
             block = None  # a CPU: dequantized at load
         self.fp8_block = block
         self.dtype = torch.get_default_dtype()  # the model's: what the experts compute in
-        if block is None:
+        self.x_dim = x_dim
+        group = None if block is not None else experts_int4_group(getattr(config, "quantization_config", None),
+                                                                   torch.empty(0).device)
+        if group is not None and (x_dim % group or i % group):
+            _tell_partial_int4_groups(i, x_dim, group)
+            group = None  # this rank's shares are not whole groups: dequantized at load
+        self.int4_group = group
+        if group is not None:  # 4-bit values two a byte, a scale, zero point and offset per group (int_quant)
+            self.w13 = _uint8_param(e, self.parts * i, x_dim // 2)
+            self.w2 = _uint8_param(e, x_dim, i // 2)
+            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i, x_dim // group, 3), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(e, x_dim, i // group, 3), requires_grad=False)
+        elif block is None:
             self.w13 = _param(e, self.parts * i, x_dim)  # gate rows, then up rows (gateless: up rows)
             self.w2 = _param(e, x_dim, i)
             self.w13_scale = self.w2_scale = None
@@ -550,7 +570,8 @@ class SparseMoE(nn.Module):
         a row, the rows sorted by local expert on the device (pairs routed to another rank's experts last), and one
         grouped matmul per projection runs each local expert over its rows. The rows past the last group (another
         rank's pairs) are left unwritten by the kernel and never reach the sum."""
-        assert self.fp8_block is None, "FP8-kept experts have no grouped path (graph_blocker refuses them)"
+        assert self.fp8_block is None and self.int4_group is None, \
+            "FP8- and 4-bit-kept experts have no grouped path (graph_blocker refuses them)"
         t, k = ids.shape
         n, e = t * k, self.local_experts
         local = ids.flatten() - self.expert_start  # [n]: each pair's local expert, if it is one of this rank's
@@ -582,8 +603,9 @@ class SparseMoE(nn.Module):
         weights = self.w13
         if not hasattr(torch, "_grouped_mm"):
             return "this torch has no torch._grouped_mm (the experts' grouped matmul)"
-        if self.fp8_block is not None:
-            return ("its experts are kept in FP8 and dequantized expert by expert as tokens reach them, which the "
+        if self.fp8_block is not None or self.int4_group is not None:
+            kept = "FP8" if self.fp8_block is not None else "4 bits"
+            return (f"its experts are kept in {kept} and dequantized expert by expert as tokens reach them, which the "
                     "grouped matmul of a graph step does not do")
         size = weights.element_size()
         for name, width in (("hidden_size", weights.shape[-1]), ("the expert width on this rank", self.inter_local)):
@@ -616,9 +638,11 @@ class SparseMoE(nn.Module):
         return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
     def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8."""
+        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8 or 4 bits."""
         if scales is None:
             return weights[e]
+        if self.int4_group is not None:
+            return dequantize_packed(weights[e], scales[e]).to(dtype)
         return dequantize_blocks(weights[e], scales[e], self.fp8_block).to(dtype)
 
     # ------------------------------------------------------------------------------------------ weights
@@ -670,7 +694,7 @@ class SparseMoE(nn.Module):
         family stores them, or (``fused_by_shape``) where the hidden size is not where [E, 2I, H] / [E, H, I] has it."""
         if not self.family.fused_by_shape:
             return self.family.fused_in_out
-        hidden = self.w13.shape[-1]
+        hidden = self.x_dim
         return value.shape[-1] != hidden if kind == "gate_up_proj" else value.shape[1] != hidden
 
     def _gate_up(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -711,6 +735,13 @@ class SparseMoE(nn.Module):
                 return
         elif self.fp8_block is not None:  # a full-precision expert in an FP8 checkpoint: the block keeps full precision
             self._keep_full_precision()
+        projection = "w2" if kind == "down_proj" else "w13"
+        if self.int4_group is not None and getattr(self, projection + "_scale") is not None:
+            if isinstance(tensor, IntWeight) and (tensor.bits, tensor.group_size) == (4, self.int4_group):
+                self._load_int4(local, kind, tensor, start)
+                return
+            # an expert's projection stored otherwise (a Q4_K_M GGUF's 6-bit ffn_down_exps): the block's projection
+            self._keep_full_precision((projection,))
         if kind == "down_proj":
             _copy(self.w2.data[local], narrow(tensor, 1, start, self.inter_local))
             return
@@ -718,15 +749,30 @@ class SparseMoE(nn.Module):
         offset = 0 if kind == "gate_proj" or self.family.gateless else self.inter_local
         _copy(rows[offset: offset + self.inter_local], narrow(tensor, 0, start, self.inter_local))
 
-    def _keep_full_precision(self) -> None:
-        """Store this block's experts in the model's dtype from now on (those loaded so far dequantized)."""
-        block, dtype = self.fp8_block, self.dtype
-        for name in ("w13", "w2"):
+    def _keep_full_precision(self, names: tuple[str, ...] = ("w13", "w2")) -> None:
+        """Store this block's experts' projections ``names`` in the model's dtype from now on (those loaded so far
+        dequantized)."""
+        dtype = self.dtype
+        for name in names:
             values, scales = getattr(self, name), getattr(self, name + "_scale")
-            full = torch.stack([dequantize_blocks(values[e], scales[e], block) for e in range(values.shape[0])])
-            setattr(self, name, nn.Parameter(full.to(dtype), requires_grad=False))
+            full = torch.stack([self._weight(values, scales, e, dtype) for e in range(values.shape[0])])
+            setattr(self, name, nn.Parameter(full, requires_grad=False))
             setattr(self, name + "_scale", None)
-        self.fp8_block = None
+        if self.w13_scale is None and self.w2_scale is None:
+            self.fp8_block = self.int4_group = None
+
+    def _load_int4(self, local: int, kind: str, w: IntWeight, start: int) -> None:
+        """As :meth:`_load_one`, the integers packed and their groups' terms as kept (``start`` whole groups)."""
+        inter = self.inter_local
+        if kind == "down_proj":  # [H, I]: this rank's columns
+            values, terms, part = self.w2.data[local], self.w2_scale.data[local], w.cols(start, inter)
+        else:  # [I, H]: this rank's rows
+            offset = 0 if kind == "gate_proj" or self.family.gateless else inter
+            rows = slice(offset, offset + inter)
+            values, terms, part = self.w13.data[local][rows], self.w13_scale.data[local][rows], w.rows(start, inter)
+        assert part is not None, "this rank's columns are whole groups (checked when the block was built)"
+        _copy(values, pack_nibbles(part.q))
+        _copy(terms, group_terms(part))
 
     def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
         """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""
@@ -796,6 +842,22 @@ def _tell_partial_blocks(inter: int, hidden: int, block: tuple[int, int], split:
                                    "width, or set enable_expert_parallel=True (whole experts per rank)")
     logger.warning("FP8 experts dequantized at load (twice the bytes of FP8): each rank's expert width %d or the "
                    "hidden size %d is not a whole number of %s blocks;%s", inter, hidden, list(block), advice)
+
+
+def _uint8_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+
+_told_partial_groups = False
+
+
+def _tell_partial_int4_groups(inter: int, hidden: int, group: int) -> None:
+    """Once per process: why a 4-bit checkpoint's experts are not kept in 4 bits."""
+    global _told_partial_groups
+    if not _told_partial_groups:
+        _told_partial_groups = True
+        logger.warning("4-bit experts dequantized at load: each rank's expert width %d or the hidden size %d is not "
+                       "a whole number of the checkpoint's %d-column groups", inter, hidden, group)
 
 
 def _fp8_param(*shape: int) -> nn.Parameter:
