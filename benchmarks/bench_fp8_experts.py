@@ -1,9 +1,10 @@
 """One sparse MoE block with its experts kept in FP8 (block scales, dequantized expert by expert as tokens reach
-them) against the same block with the experts dequantized at load, at Qwen3-30B-A3B's expert shapes (hidden 2048,
-expert width 768, 128 experts, top 8; block [128, 128]): the experts' bytes and the forward time by token count.
-Both compute in ``--dtype``; the outputs are checked equal. CPU figures are ratios, not a GPU's.
+them) or, with ``--kind int4``, in 4 bits (a GGUF's Q4_1 rows: two values a byte, a scale, zero point and offset per
+32 columns) against the same block with the experts dequantized at load, at Qwen3-30B-A3B's expert shapes (hidden
+2048, expert width 768, 128 experts, top 8; FP8 block [128, 128]): the experts' bytes and the forward time by token
+count. Both compute in ``--dtype``; the outputs are checked equal. CPU figures are ratios, not a GPU's.
 
-    python benchmarks/bench_fp8_experts.py --threads 2
+    python benchmarks/bench_fp8_experts.py --threads 2 [--kind int4]
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from specray.models import cpu_kernels
 from specray.models.fp8 import Fp8Weight
+from specray.models.gguf_quant import unpack
+from specray.models.int_quant import gguf_quantization_config
 from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
 
@@ -26,11 +29,21 @@ from bench_forward import timeit  # noqa: E402
 BLOCK = (128, 128)
 
 
-def config(fp8: bool, experts: int) -> SimpleNamespace:
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+def config(kind: str | None, experts: int) -> SimpleNamespace:
+    quant = {"fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)},
+             "int4": gguf_quantization_config(), None: None}[kind]
     return SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=2048, num_experts=experts,
                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                           quantization_config=quant if fp8 else None)
+                           quantization_config=quant)
+
+
+def quantize_int4(w: torch.Tensor):
+    """``w`` as Q4_1 rows (gguf-py's quantizer), read back as a converted GGUF's expert is."""
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    blocks = gguf_quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    return unpack(torch.from_numpy(blocks), "Q4_1")
 
 
 def quantize(w: torch.Tensor) -> Fp8Weight:
@@ -42,22 +55,24 @@ def quantize(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(values, scale, BLOCK)
 
 
-def build(fp8: bool, experts: int, dtype: torch.dtype) -> SparseMoE:
-    cpu_kernels.FP8_EXPERTS = fp8  # kept as on a GPU (a CPU dequantizes them at load by default)
+def build(kind: str, kept: bool, experts: int, dtype: torch.dtype) -> SparseMoE:
+    cpu_kernels.FP8_EXPERTS = cpu_kernels.INT4_WEIGHTS = kept  # kept as on a GPU (a CPU dequantizes them at load)
     torch.manual_seed(0)
     with torch.device("cpu"):
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            block = SparseMoE(config(fp8, experts), TPGroup.single())
+            block = SparseMoE(config(kind, experts), TPGroup.single())
         finally:
             torch.set_default_dtype(old)
     block.gate.weight.data.normal_(0, 0.02)
     gen = torch.Generator().manual_seed(1)
     for e in range(experts):
-        for kind, shape in (("gate_proj", (768, 2048)), ("up_proj", (768, 2048)), ("down_proj", (2048, 768))):
-            block.load_expert_tensor(f".mlp.experts.{e}.{kind}.weight",
-                                     quantize(torch.randn(shape, generator=gen) * 0.02))
+        for part, shape in (("gate_proj", (768, 2048)), ("up_proj", (768, 2048)), ("down_proj", (2048, 768))):
+            w = torch.randn(shape, generator=gen) * 0.02
+            block.load_expert_tensor(f".mlp.experts.{e}.{part}.weight",
+                                     quantize(w) if kind == "fp8" else quantize_int4(w))
+    cpu_kernels.FP8_EXPERTS = cpu_kernels.INT4_WEIGHTS = False
     return block.eval()
 
 
@@ -72,15 +87,20 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kind", default="fp8", choices=["fp8", "int4"], help="the experts' format kept")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    kept, full = build(True, args.experts, dtype), build(False, args.experts, dtype)
-    assert kept.fp8_block == BLOCK and full.fp8_block is None
+    kept, full = build(args.kind, True, args.experts, dtype), build(args.kind, False, args.experts, dtype)
+    if args.kind == "fp8":
+        assert kept.fp8_block == BLOCK and full.fp8_block is None
+    else:
+        assert kept.int4_group == 32 and full.int4_group is None
     full.gate.weight.data.copy_(kept.gate.weight)
-    print(f"experts' bytes: FP8 kept {expert_bytes(kept) / 1e6:.0f} MB, dequantized at load "
+    name = {"fp8": "FP8", "int4": "4-bit"}[args.kind]
+    print(f"experts' bytes: {name} kept {expert_bytes(kept) / 1e6:.0f} MB, dequantized at load "
           f"{expert_bytes(full) / 1e6:.0f} MB ({args.dtype})")
-    print("| tokens | dequantized at load, ms | FP8 kept, ms | ratio |")
+    print(f"| tokens | dequantized at load, ms | {name} kept, ms | ratio |")
     print("|---|---|---|---|")
     for t in (int(n) for n in args.tokens.split(",")):
         x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(t)).to(dtype)
