@@ -174,7 +174,10 @@ class RowIndex:
             part = unpack(torch.from_numpy(np.array(_rows(t)[rows[mine].numpy()])), t.tensor_type.name)
             q[mine], scale[mine], zero[mine], offset[mine] = part.q, part.scale, part.zero, part.offset
         kept = IntWeight(q, scale, zero, GGUF_GROUP, 4, offset)
-        return kept if torch.equal(kept.dense(), w) else None
+        for i in range(0, n, _ROWS_AT_ONCE):  # a chunk at a time: no float32 copy of a whole block's experts
+            if not torch.equal(kept.rows(i, min(_ROWS_AT_ONCE, n - i)).dense(), w[i: i + _ROWS_AT_ONCE]):
+                return None
+        return kept
 
 
 def _rows(t: Any) -> np.ndarray:
