@@ -579,10 +579,10 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    if arch == "lfm2":  # llama.cpp's LFM2: K/V heads per layer (0: a short conv), the conv's width
+    if arch in ("lfm2", "lfm2moe"):  # llama.cpp's LFM2: K/V heads per layer (0: a short conv), the conv's width
         w.add_head_count_kv([cfg["num_key_value_heads"] if kind == "full_attention" else 0
                              for kind in cfg["layer_types"]])
-        w.add_uint32("lfm2.shortconv.l_cache", cfg["conv_L_cache"])
+        w.add_uint32(f"{arch}.shortconv.l_cache", cfg["conv_L_cache"])
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
     if arch in ("starcoder2", "nemotron", "command-r", "cohere2"):  # LayerNorms: llama.cpp writes their epsilon so
@@ -682,6 +682,13 @@ def _write_gguf_params(w, cfg: dict, arch: str, xielu: dict | None = None) -> No
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if arch == "lfm2moe":  # llama.cpp's LFM2MoeModel: the dense first layers, sigmoid gating, the vocabulary's size;
+        # a routed scale other than 1 as a converter that writes it would (LFM2MoeModel itself writes none)
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg["routed_scaling_factor"] != 1.0:
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
     if arch == "minimax-m2":  # llama.cpp's MiniMax-M2: the rotated share of each head, sigmoid gating
         w.add_rope_dimension_count(cfg["rotary_dim"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -876,6 +883,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[
             tensor = tensor + 1
         if name.endswith("e_score_correction_bias"):  # llama.cpp: exp_probs_b.bias
             name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's router bias, as its converter renames it
+            name += ".bias"
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the shared expert's gate as [H]
             tensor = tensor.reshape(-1)
         if name.endswith(("conv.conv.weight", "mixer.conv1d.weight")):  # short / Mamba conv: [C, 1, K] as [C, K]
@@ -894,6 +903,8 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[
             continue
         w.add_tensor(gguf_name, tensor.float().numpy())
     for name, experts in stacked.items():
+        if arch == "lfm2moe":  # its converter merges the release's w1 / w3 / w2 under these names
+            name = name.replace("model.layers.", "layers.")
         gguf_name = names.get_name(name) + ".weight"
         tensor = torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy()
         kind = types and types(gguf_name)
@@ -1003,6 +1014,73 @@ def test_a_recurrent_gguf_matches_transformers(tmp_path, gguf_cache, arch, overr
     hybrid.check_prefill_chunks_and_decode(model, hf_model(folder))
     outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
             for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("scale", [1.5, 1.0])
+def test_an_lfm2_moe_gguf_matches_transformers(tmp_path, gguf_cache, scale):
+    """A GGUF of LFM2-MoE (``lfm2moe``, read by specray: transformers has no mapping), as llama.cpp's converter
+    writes it (K/V heads per layer, 0 for a short conv; the dense first layer; the router's bias as
+    ``exp_probs_b.bias``; the release's w1 / w3 / w2 experts stacked), with the routed scale written or (1, as
+    LFM2-8B-A1B's) not: the config read back is the folder's, every converted tensor the folder's, our logits over
+    chunked prefill and decode are transformers' on the folder, and greedy engine output with n-gram drafts on the
+    GGUF is the folder's."""
+    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
+    from specray import LLM
+
+    folder = hybrid.save(tmp_path / "lfm2_moe", "lfm2_moe", 7, routed_scaling_factor=scale)
+    path = write_gguf(folder, tmp_path / "lfm2moe.gguf", "lfm2moe")
+    want, got = (json.loads((f / "config.json").read_text()) for f in (folder, resolve_model(str(path)).path))
+    for key in ("layer_types", "num_dense_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "intermediate_size", "use_expert_bias", "conv_bias", "conv_L_cache", "routed_scaling_factor",
+                "norm_topk_prob", "norm_eps", "num_key_value_heads", "rope_parameters", "tie_word_embeddings"):
+        assert got[key] == want[key], key
+    tensors, converted = _safetensors(folder), _safetensors(resolve_model(str(path)).path)
+    assert sorted(converted) == sorted(tensors) and all(torch.equal(converted[k], v) for k, v in tensors.items())
+    hybrid.check_prefill_chunks_and_decode(load_model(str(path), pack=False), hf_model(folder))
+    outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
+            for m in (folder, path)]
+    assert outs[0] == outs[1]
+
+
+def test_an_lfm2_moe_gguf_routed_otherwise_is_refused(tmp_path, gguf_cache, monkeypatch):
+    """An LFM2-MoE GGUF whose experts are routed by softmax (not LFM2-MoE's sigmoid) is refused, naming the key."""
+    import gguf
+
+    import specray_test_hybrid_models as hybrid
+
+    folder = hybrid.save(tmp_path / "lfm2_moe", "lfm2_moe", 7)
+    write = gguf.GGUFWriter.add_expert_gating_func
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_gating_func",
+                        lambda self, value: write(self, gguf.ExpertGatingFuncType.SOFTMAX))
+    path = write_gguf(folder, tmp_path / "softmax.gguf", "lfm2moe")
+    with pytest.raises(ValueError, match=r"routes its experts by lfm2moe.expert_gating_func=1; LFM2-MoE's router is "
+                                         r"sigmoid \(2\)"):
+        resolve_model(str(path))
+
+
+def test_an_lfm2_moe_gguf_s_4_bit_experts(tmp_path, gguf_cache, int4_weights):
+    """LFM2-MoE's Q4 experts (gate Q4_0, up and down Q4_1) and short convs' projections stay in 4 bits through the
+    conversion and, where the device keeps 4-bit weights, in memory; greedy engine output with n-gram drafts is the
+    dequantized model's."""
+    import specray_test_hybrid_models as hybrid
+    from specray import LLM
+    from specray.models import cpu_kernels
+
+    kinds = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q4_1", "shortconv.in_proj": "Q4_1"}
+    folder = hybrid.save(tmp_path / "lfm2_moe", "lfm2_moe", 7, routed_scaling_factor=1.0)
+    path = write_gguf(folder, tmp_path / "q4.gguf", "lfm2moe",
+                      lambda n: kinds.get(n.split(".", 2)[2].removesuffix(".weight")) if n.startswith("blk.") else None)
+    stored = _safetensors(resolve_model(str(path)).path)
+    assert "model.layers.2.feed_forward.experts.5.w2.q4_weight" in stored
+    assert "model.layers.0.conv.in_proj.q4_weight" in stored
+    model = load_model(str(path), pack=False)
+    assert model.model.layers[2].mlp.w13.dtype == model.model.layers[2].mlp.w2.dtype == torch.uint8
+    outs = []
+    for keep in (True, False):
+        cpu_kernels.INT4_WEIGHTS = keep
+        outs.append(hybrid.generate(LLM(model=str(path), max_model_len=128, speculative_config=hybrid.NGRAM),
+                                    hybrid.greedy()))
     assert outs[0] == outs[1]
 
 

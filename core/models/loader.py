@@ -17,7 +17,8 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``qwen3next``) -- (:mod:`specray.models.gguf_qwen3_5`) and the Mamba-2 hybrids -- Granite 4.0's hybrids and Bamba
 (``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
-Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), the families llama.cpp writes in a Llama's layout under
+Jamba (``jamba``: :mod:`specray.models.gguf_jamba`), LFM2-MoE (``lfm2moe``: :mod:`specray.models.gguf_lfm2`), the
+families llama.cpp writes in a Llama's layout under
 architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Granite 3 (dense and MoE), OLMo 1, 2 and 3,
 OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE models, dots.llm1, K-EXAONE, Command
 R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
@@ -54,6 +55,7 @@ from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_chec
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
+from specray.models.gguf_lfm2 import LFM2_GGUF_ARCHS, lfm2_moe_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama4 import LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
@@ -101,13 +103,14 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
                   "apertus": "Apertus", "minicpm3": "MiniCPM3", "dots1": "dots.llm1",
                   "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5",
-                  "exaone-moe": "K-EXAONE"}
+                  "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint),
                  **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
                  **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
+                 **dict.fromkeys(LFM2_GGUF_ARCHS, lfm2_moe_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
                  **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
                  **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint),
