@@ -93,7 +93,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM
 
     classes = {"llama": (LlamaConfig, HFLlama), "mistral": (MistralConfig, MistralForCausalLM),
                "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -104,7 +104,7 @@ def in_memory_pair(arch: str = "llama", seed: int = 0, **overrides):
                "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                "llama4": (Llama4TextConfig, Llama4ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
-               "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM)}
+               "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM), "phimoe": (PhimoeConfig, PhimoeForCausalLM)}
     cfg_cls, model_cls = classes[arch]
     config = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -351,6 +351,23 @@ PHI3_VARIANTS = {
                                               "long_factor": PHI3_LONGROPE["long_factor"][:4],
                                               "partial_rotary_factor": 0.5}),
 }
+
+
+def test_phimoe_longrope_scales_cos_sin_by_its_mscales():
+    """Phi-3.5-MoE's LongRoPE scales cos and sin by the release's ``short_mscale`` / ``long_mscale`` (1.243 in
+    Phi-3.5-MoE-instruct, not the sqrt(1 + ln s / ln L0) = 1.190 Phi-3 computes): transformers' logits with the short
+    factors, and the long factors' scale where the model serves past the pretrained length."""
+    import math
+
+    from specray.models.layers import _longrope_inv_freq
+
+    rope = {**PHI3_LONGROPE, "short_mscale": 1.3, "long_mscale": 1.7, "original_max_position_embeddings": 64}
+    ours, hf = in_memory_pair("phimoe", seed=22, num_local_experts=4, max_position_embeddings=4096,
+                              original_max_position_embeddings=64, max_model_len=64, rope_parameters=rope)
+    check_variant(ours, hf)
+    assert _longrope_inv_freq({**rope, "max_model_len": 128}, 16, 4096)[1] == 1.7
+    assert _longrope_inv_freq({**PHI3_LONGROPE, "original_max_position_embeddings": 64}, 16, 4096)[1] == \
+        pytest.approx(math.sqrt(1 + math.log(64) / math.log(64)))
 
 
 @pytest.mark.parametrize("variant", sorted(PHI3_VARIANTS))

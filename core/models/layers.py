@@ -549,7 +549,8 @@ def _yarn_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple[tor
 
 
 def _longrope_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3): each frequency divided by its own factor -> (inv_freq, the cos/sin scale
+    """LongRoPE (Phi-3): each frequency divided by its own factor -> (inv_freq, the cos/sin scale: Phi-3.5-MoE's
+    ``short_mscale`` / ``long_mscale`` with the factors of that name, else ``attention_factor``, else
     sqrt(1 + ln s / ln L0), s = max_position_embeddings / L0 unless the config gives ``factor``). The factors are
     ``short_factor`` when the model serves sequences of at most the pretrained length L0 (``max_model_len``, by
     default ``max_position_embeddings``), else ``long_factor``, for every position: rotations of one sequence must
@@ -562,7 +563,7 @@ def _longrope_inv_freq(p: dict, dim: int, max_position_embeddings: int) -> tuple
         raise ValueError(f"rope {kind} has {factors.numel()} entries; a rotary dimension of {dim} needs {dim // 2}: "
                          "the config's rope_scaling does not match its head size")
     scale = p.get("factor") or max_position_embeddings / old_len
-    attention_factor = p.get("attention_factor")
+    attention_factor = p.get(kind.replace("factor", "mscale"), p.get("attention_factor"))
     if attention_factor is None:
         attention_factor = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(old_len))
     return _base_inv_freq(p["rope_theta"], dim) / factors, float(attention_factor)

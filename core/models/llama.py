@@ -85,8 +85,9 @@ _CHECKPOINT_NAMES = {"mixtral": tuple((re.compile(pattern), ours) for pattern, o
 # MiniMax-M2's release: Mixtral's names, and the router's correction bias on the block
 _CHECKPOINT_NAMES["minimax_m2"] = _CHECKPOINT_NAMES["mixtral"] + (
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),)
-# Phi-3.5-MoE's release: Mixtral's names
-_CHECKPOINT_NAMES["phimoe"] = _CHECKPOINT_NAMES["mixtral"]
+# Phi-3.5-MoE's release: Mixtral's names; transformers' own (a GGUF's, converted through its model's names) call the
+# router ``router``
+_CHECKPOINT_NAMES["phimoe"] = _CHECKPOINT_NAMES["mixtral"] + ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),)
 # Hunyuan-A13B's router: gate.wg
 _CHECKPOINT_NAMES["hunyuan_v1_moe"] = ((re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),)
 # Apertus: its norms' names for Llama's
