@@ -299,7 +299,8 @@ def test_a_gguf_converts_into_the_dtype_asked_for(tiny_llama_dir, tmp_path, gguf
 # ---- a GGUF's 4-bit linears kept in 4 bits (specray.models.gguf_quant) -----------------------------------------
 
 # each projection's llama.cpp type in the test file: the three 4-bit types, mixed within a layer (q, k and v merge
-# into one linear); layer 1's attn_v and ffn_down in Q8_0 (as Q4_K_M gives some layers 6 bits), stored dense
+# into one linear); layer 1's attn_v in Q8_0 and ffn_down in Q5_1 (as Q4_K_M gives some layers 6 bits), stored a
+# byte per value
 Q4_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K", "ffn_gate": "Q4_0",
             "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
 Q4_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -308,7 +309,7 @@ Q4_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
 
 def q4_types(name: str) -> str | None:
     if name in ("blk.1.attn_v.weight", "blk.1.ffn_down.weight"):
-        return "Q8_0"
+        return "Q8_0" if "attn_v" in name else "Q5_1"
     return Q4_TYPES.get(name.split(".")[2]) if name.startswith("blk.") else None
 
 
@@ -325,33 +326,44 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
 
 
-def test_gguf_4_bit_types_unpack_to_gguf_py_s_values():
-    """Q4_0, Q4_1 and Q4_K rows unpack into integers in 0..15 with a scale, zero point and offset per 32 columns
-    that dequantize to gguf-py's values exactly (Q4_K's blocks random bytes: every bit of its packed 6-bit scales
-    and mins read)."""
+def test_gguf_integer_types_unpack_to_gguf_py_s_values():
+    """Rows of each integer type kept (Q4_0, Q4_1, Q4_K: 4 bits; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: a byte each) unpack
+    into integers of their width with a scale, zero point and offset per group (32 columns; Q6_K's 16) that
+    dequantize to gguf-py's values exactly (the K types' blocks random bytes: every bit of their packed scales, mins
+    and high bits read)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize
 
-    from specray.models.gguf_quant import unpack
+    from specray.models.gguf_quant import KEPT_TYPES, unpack
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 512)).astype(np.float32)
-    k_blocks = rng.integers(0, 256, (5, 2, 144), dtype=np.uint8)
-    k_blocks[..., 0:4] = (rng.standard_normal((5, 2, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(5, 2, 4)
-    for kind, raw in (("Q4_0", gguf_blocks(x, "Q4_0")), ("Q4_1", gguf_blocks(x, "Q4_1")),
-                      ("Q4_K", k_blocks.reshape(5, -1))):
+
+    def k_blocks(size: int, scale_at: int) -> np.ndarray:  # random super-blocks, their f16 scales finite
+        blocks = rng.integers(0, 256, (5, 2, size), dtype=np.uint8)
+        scales = (rng.standard_normal((5, 2, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(5, 2, 4)
+        blocks[..., scale_at: scale_at + (4 if scale_at == 0 else 2)] = scales[..., : 4 if scale_at == 0 else 2]
+        return blocks.reshape(5, -1)
+
+    raws = {"Q4_K": k_blocks(144, 0), "Q5_K": k_blocks(176, 0), "Q6_K": k_blocks(210, 208),
+            **{kind: gguf_blocks(x, kind) for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}}
+    assert sorted(raws) == sorted(KEPT_TYPES)
+    for kind, raw in raws.items():
         w = unpack(torch.from_numpy(raw), kind)
-        assert w.q.shape == (5, 512) and int(w.q.max()) <= 15 and w.scale.shape == w.offset.shape == (5, 16)
+        width = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}[kind]
+        group = 16 if kind == "Q6_K" else 32
+        assert w.q.shape == (5, 512) and int(w.q.max()) < 2 ** width and w.bits == (4 if width == 4 else 8), kind
+        assert w.group_size == group and w.scale.shape == w.offset.shape == (5, 512 // group), kind
         want = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind]).copy())
         assert torch.equal(w.dense(), want), kind
 
 
 def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, monkeypatch):
-    """The index of a file's 4-bit rows gives back a weight made of them in any order and from several tensors (a
-    permutation, a join), exactly; a weight with a changed value, float32 rows, or rows of another width is not
-    found. Which converted names may be kept: a decoder layer's projections, not an MTP layer's after them, not
-    experts, embeddings or norms."""
+    """The index of a file's integer rows gives back a weight made of them in any order and from several tensors (a
+    permutation, a join), exactly; a weight with a changed value, float32 rows, rows of another width, or rows of
+    4-bit and 8-bit types together is not found. Which converted names may be kept: a decoder layer's projections and
+    experts, not an MTP layer's after them, not embeddings or norms."""
     import gguf
     import numpy as np
 
@@ -361,7 +373,8 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(tmp_path / "rows.gguf"), "llama")
     for name, kind, shape in (("a", "Q4_K", (8, 256)), ("b", "Q4_1", (4, 256)), ("c", None, (4, 256)),
-                              ("d", "Q4_0", (3, 64)), ("e", "Q4_1", (2, 3, 256))):  # e: stacked experts
+                              ("d", "Q4_0", (3, 64)), ("e", "Q4_1", (2, 3, 256)),  # e: stacked experts
+                              ("f", "Q8_0", (2, 256))):
         x = rng.standard_normal(shape).astype(np.float32)
         if kind:
             blocks = gguf_blocks(x.reshape(-1, shape[-1]), kind).reshape(*shape[:-1], -1)
@@ -371,8 +384,8 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     _write_out(w)
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors}
     index = RowIndex(list(tensors.values()))
-    assert len(index) == 8 + 4 + 3 + 6
-    a, b, c, e = (dequantized(tensors[n]) for n in "abce")
+    assert len(index) == 8 + 4 + 3 + 6 + 2
+    a, b, c, e, f = (dequantized(tensors[n]) for n in "abcef")
     for want in (a[[5, 0, 7, 1]], torch.cat([b[2:], a[:3], b[:1]])):
         got = index.match(want)
         assert got is not None and torch.equal(got.dense(), want)
@@ -380,6 +393,7 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     changed[2, 7] += 1e-3
     assert index.match(changed) is None and index.match(c) is None and index.match(a[:, :64]) is None
     assert index.match(a.double()) is None
+    assert index.match(f[[1, 0]]).bits == 8 and index.match(torch.cat([a[:2], f])) is None  # one width per weight
     x3 = torch.cat([e.reshape(6, 256)[[4, 1]], a[:3], e[0]]).reshape(2, 4, 256)  # 3-D: experts' rows in turn
     got = index.match(x3)
     assert got is not None and torch.equal(got.dense(), x3.reshape(8, 256))
@@ -401,8 +415,8 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
 def test_a_q4_gguf_keeps_its_4_bit_linears_through_conversion(tiny_llama_256, tmp_path, gguf_cache, monkeypatch):
     """A GGUF whose projections are Q4_0, Q4_1 and Q4_K converts into a folder that stores them as integers with
     their scales (``quant_method: specray_gguf``; under a quarter of float32's bytes), the query and key rows still
-    in transformers' order; its Q8_0 tensors are stored dense. Loaded (dequantized on this CPU), every weight and the
-    logits equal those of the same file converted dense, as conversions were before."""
+    in transformers' order; its Q8_0 and Q5_1 ones a byte per value (under a third). Loaded (dequantized on this CPU),
+    every weight and the logits equal those of the same file converted dense, as conversions were before."""
     path = write_gguf(tiny_llama_256, tmp_path / "q4.gguf", "llama", q4_types)
     dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
     folder = resolve_model(str(path)).path
@@ -417,12 +431,11 @@ def test_a_q4_gguf_keeps_its_4_bit_linears_through_conversion(tiny_llama_256, tm
     for i in range(2):
         for projection in Q4_PROJECTIONS:
             base = f"model.layers.{i}.{projection}"
-            if i == 1 and projection in ("self_attn.v_proj", "mlp.down_proj"):
-                assert f"{base}.weight" in stored and f"{base}.q4_weight" not in stored
-                continue
-            assert f"{base}.weight" not in stored and stored[f"{base}.q4_weight"].dtype == torch.uint8
-            parts = sum(stored[f"{base}.{p}"].nbytes for p in ("q4_weight", "q4_scale", "q4_zero", "q4_offset"))
-            assert parts < dense[f"{base}.weight"].nbytes / 4
+            wide = i == 1 and projection in ("self_attn.v_proj", "mlp.down_proj")
+            assert f"{base}.weight" not in stored and stored[f"{base}.q_weight"].dtype == torch.uint8
+            assert stored[f"{base}.q_bits"].tolist() == [8 if wide else 4]
+            parts = sum(stored[f"{base}.{p}"].nbytes for p in ("q_weight", "q_scale", "q_zero", "q_offset"))
+            assert parts < dense[f"{base}.weight"].nbytes / (3 if wide else 4)
     model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
     want = dict(ref.state_dict())
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
@@ -432,7 +445,7 @@ def test_a_q4_gguf_keeps_its_4_bit_linears_through_conversion(tiny_llama_256, tm
 
 def q4_expert_types(name: str) -> str | None:
     """A Q4_K_M-like mix for a mixture of experts: attention in Q4_1, the experts' gate Q4_0 and up Q4_1, their down
-    Q4_0 in layer 0 and Q8_0 in layer 1 (stored dense)."""
+    Q4_0 in layer 0 and Q8_0 in layer 1 (a byte per value)."""
     kind = name.split(".")[2] if name.startswith("blk.") else None
     if kind == "ffn_down_exps":
         return "Q4_0" if name.startswith("blk.0.") else "Q8_0"
@@ -442,11 +455,11 @@ def q4_expert_types(name: str) -> str | None:
 
 def test_a_q4_gguf_s_experts_stay_in_4_bits(make_tiny_model, tmp_path, gguf_cache, int4_weights):
     """A mixture's 4-bit experts (llama.cpp's stacked ``ffn_*_exps``, transformers' fused ``gate_up_proj``) are
-    stored one expert's projection at a time as integers; a Q8_0 down projection stays dense. Where the device keeps
-    4-bit weights, each block keeps its 4-bit projections packed (a byte per two values) and dequantizes an expert's
-    when tokens reach it, the Q8_0 one dense beside them; logits within the kernel's rounding of the dequantized
-    model's (the experts' own values equal), and greedy engine output with n-gram drafts that of plain decoding and
-    of the dequantized model. Asked to dequantize, nothing stays packed."""
+    stored one expert's projection at a time as integers (a Q8_0 down projection a byte per value). Where the device
+    keeps 4-bit weights, each block keeps its 4-bit projections packed (a byte per two values) and dequantizes an
+    expert's when tokens reach it, the Q8_0 one dense beside them; logits within the kernel's rounding of the
+    dequantized model's (the experts' own values equal), and greedy engine output with n-gram drafts that of plain
+    decoding and of the dequantized model. Asked to dequantize, nothing stays packed."""
     from specray import LLM, SamplingParams
     from specray.models import cpu_kernels
 
@@ -459,10 +472,10 @@ def test_a_q4_gguf_s_experts_stay_in_4_bits(make_tiny_model, tmp_path, gguf_cach
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "RowIndex", lambda tensors: index([]))  # the same file converted dense: the reference
         resolve_model(str(dense_path))
-    assert "model.layers.0.mlp.experts.3.gate_proj.q4_weight" in stored
-    assert "model.layers.0.mlp.experts.3.down_proj.q4_weight" in stored
-    assert not any(n.startswith("model.layers.0.mlp.experts.") and n.endswith(("_proj", ".weight")) for n in stored)
-    assert "model.layers.1.mlp.experts.down_proj" in stored and "model.layers.1.mlp.experts.gate_up_proj" not in stored
+    assert stored["model.layers.0.mlp.experts.3.gate_proj.q_bits"].tolist() == [4]
+    assert stored["model.layers.0.mlp.experts.3.down_proj.q_bits"].tolist() == [4]
+    assert stored["model.layers.1.mlp.experts.3.down_proj.q_bits"].tolist() == [8]
+    assert not any(".mlp.experts." in n and n.endswith(("_proj", ".weight")) for n in stored)
     model = load_model(str(path), pack=False)
     first, second = (model.model.layers[i].mlp for i in range(2))
     assert first.w13.dtype == first.w2.dtype == second.w13.dtype == torch.uint8 and second.w2.is_floating_point()
@@ -1072,8 +1085,8 @@ def test_an_lfm2_moe_gguf_s_4_bit_experts(tmp_path, gguf_cache, int4_weights):
     path = write_gguf(folder, tmp_path / "q4.gguf", "lfm2moe",
                       lambda n: kinds.get(n.split(".", 2)[2].removesuffix(".weight")) if n.startswith("blk.") else None)
     stored = _safetensors(resolve_model(str(path)).path)
-    assert "model.layers.2.feed_forward.experts.5.w2.q4_weight" in stored
-    assert "model.layers.0.conv.in_proj.q4_weight" in stored
+    assert "model.layers.2.feed_forward.experts.5.w2.q_weight" in stored
+    assert "model.layers.0.conv.in_proj.q_weight" in stored
     model = load_model(str(path), pack=False)
     assert model.model.layers[2].mlp.w13.dtype == model.model.layers[2].mlp.w2.dtype == torch.uint8
     outs = []
@@ -1667,7 +1680,7 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
                  "exaone-moe", "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm-dsa", "glm4",
                  "glm4moe", "gpt-oss", "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe",
-                 "jamba", "lfm2", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron",
+                 "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron",
                  "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl",
                  "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss",
                  "smollm3", "starcoder2"]

@@ -1,6 +1,8 @@
-"""A GGUF's 4-bit linears and experts kept in 4 bits through its conversion into an HF folder, so that a model of a
-Q4 file takes about a quarter of bf16's memory where the device keeps 4-bit weights (:mod:`specray.models.int_quant`;
-a mixture's experts: :class:`~specray.models.moe.SparseMoE`) and about a fifth of float32's disk in the cache.
+"""A GGUF's linears and experts kept as integers through its conversion into an HF folder: the 4-bit ones in 4 bits,
+so that a model of a Q4 file takes about a quarter of bf16's memory where the device keeps 4-bit weights
+(:mod:`specray.models.int_quant`; a mixture's experts: :class:`~specray.models.moe.SparseMoE`) and about a fifth of
+float32's disk in the cache; the 5-, 6- and 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: :func:`_unpack_bytes`) a byte
+per value, about a third of float32's disk, dequantized as they load.
 
 llama.cpp's 4-bit types give each run of 32 columns of a row its own scale:
 
@@ -11,16 +13,17 @@ llama.cpp's 4-bit types give each run of 32 columns of a row its own scale:
   128 bytes, the 32 bytes of each 64-column chunk c holding sub-block 2c in their low bits and 2c + 1 in their
   high: ``W = (d sc) q - (dmin mn)``.
 
-Each is ``W = (q - z) s + offset`` per group of 32 columns with z = 8 or 0, an :class:`IntWeight` with offsets, and
-dequantizes (float32) to gguf-py's values bit for bit.
+Each is ``W = (q - z) s + offset`` per group of 32 columns (Q6_K: 16) with z = 8 or 0 (Q5_0: 16, Q6_K: 32, Q8_0:
+128), an :class:`IntWeight` with offsets, and dequantizes (float32) to gguf-py's values bit for bit.
 
 The conversion reads a file through transformers' tensor processors or our own readers, which permute rows
 (llama.cpp's q/k RoPE order undone), split or join them, but change no value of a row they keep. So a converted
-linear's weight whose every row is a row of the file's 4-bit tensors (looked up by a hash of its float32 bits:
+linear's weight whose every row is a row of the file's integer tensors (looked up by a hash of its float32 bits:
 :class:`RowIndex`; a block's fused experts, [E, rows, cols], as their rows one expert after another) is stored as
 those rows' integers, scales and offsets, once they are checked to dequantize to the converted weight exactly (fused
 experts one expert's projection at a time, as a checkpoint with a tensor per expert names them); any other tensor
-(one a reader changed, an 8-bit, 5-bit or 6-bit one, embeddings, norms) is stored dense as before.
+(one a reader changed, one of rows of several widths or groups, of another type: F16, the ternary and IQ types;
+embeddings, norms) is stored dense as before.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from specray.models.int_quant import GGUF_GROUP, IntWeight
 
 logger = logging.getLogger(__name__)
 
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # llama.cpp's types kept in 4 bits
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # llama.cpp's types kept as integers
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # those a device may keep in 4 bits (the others: a byte per value)
 # the converted tensors that may be kept: a decoder layer's projections (the model's linears) and its experts' (one
 # expert's, or all of a block's fused in 3-D)
 _KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?(?:\w+_proj\.weight|experts\.\d+\.\w+\.weight|"
@@ -86,9 +90,19 @@ def _low_high(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
+def _bits32(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes of a little-endian uint32 -> its 32 bits [..., 32] (uint8), the lowest first."""
+    word = raw.to(torch.int64)
+    word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
+    return ((word.unsqueeze(-1) >> torch.arange(32)) & 1).to(torch.uint8)
+
+
 def unpack(raw: torch.Tensor, type_name: str) -> IntWeight:
-    """Rows of a 4-bit tensor as the file stores them (``raw`` [rows, bytes], uint8) -> an IntWeight [rows, cols]."""
+    """Rows of a tensor of one of ``KEPT_TYPES`` as the file stores them (``raw`` [rows, bytes], uint8) -> an
+    IntWeight [rows, cols]: 4 bits for ``FOUR_BIT_TYPES``, else 8 (a byte per value)."""
     rows = raw.shape[0]
+    if type_name in ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"):
+        return _unpack_bytes(raw, type_name)
     if type_name == "Q4_K":
         blocks = raw.reshape(rows, -1, 144)
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, supers]
@@ -113,6 +127,59 @@ def unpack(raw: torch.Tensor, type_name: str) -> IntWeight:
     return IntWeight(q.reshape(rows, -1).contiguous(), scale, zero, GGUF_GROUP, 4, offset)
 
 
+def _unpack_bytes(raw: torch.Tensor, type_name: str) -> IntWeight:
+    """:func:`unpack` of the types of more than 4 bits, each value a byte.
+
+    * Q8_0, blocks of 32: d (f16), 32 int8 x: ``W = x d`` (stored x + 128, z = 128);
+    * Q5_0 / Q5_1, blocks of 32: d (and m, Q5_1's), a uint32 of each value's 5th bit, Q4's 16 bytes of low 4 bits:
+      ``W = d (q - 16)`` / ``W = d q + m``;
+    * Q5_K, super-blocks of 256: Q4_K's d, dmin and 6-bit scales and mins, then 32 bytes whose bit j is the 5th bit of
+      sub-block j, then Q4_K's 128 bytes of low 4 bits: ``W = (d sc) q - (dmin mn)``;
+    * Q6_K, super-blocks of 256 in 16 groups of 16: 128 bytes of low 4 bits, 64 of high 2, 16 int8 scales, d:
+      ``W = (d sc) (q - 32)``."""
+    rows = raw.shape[0]
+    if type_name == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        scale = _f16(blocks[..., 0:2])
+        q = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        zero, offset = torch.full_like(scale, 128.0), torch.zeros_like(scale)
+    elif type_name in ("Q5_0", "Q5_1"):
+        width = 22 if type_name == "Q5_0" else 24
+        blocks = raw.reshape(rows, -1, width)
+        scale = _f16(blocks[..., 0:2])
+        q = _low_high(blocks[..., width - 16:]) | _bits32(blocks[..., width - 20: width - 16]) << 4
+        if type_name == "Q5_0":
+            zero, offset = torch.full_like(scale, 16.0), torch.zeros_like(scale)
+        else:
+            zero, offset = torch.zeros_like(scale), _f16(blocks[..., 2:4])
+    elif type_name == "Q5_K":
+        blocks = raw.reshape(rows, -1, 176)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        a, b, c = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+        sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)  # Q4_K's packing
+        mn = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
+        high = (blocks[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [.., 8, 32]
+        low = _low_high(blocks[..., 48:].reshape(rows, -1, 4, 32)).reshape(*high.shape)
+        q = low | high << 4
+        scale = (d.unsqueeze(-1) * sc.float()).reshape(rows, -1)
+        offset = -(dmin.unsqueeze(-1) * mn.float()).reshape(rows, -1)
+        zero = torch.zeros_like(scale)
+    else:  # Q6_K
+        blocks = raw.reshape(rows, -1, 210)
+        supers = blocks.shape[1]
+        low = (blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)
+               .view(2, 1)) & 15  # [.., half, 2, 64]: a half's 64 bytes' low then high nibbles
+        high = (blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+                >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [.., half, 4, 32]
+        q = low.reshape(rows, supers, 2, 4, 32) | high << 4
+        d = _f16(blocks[..., 208:210])
+        scale = (d.unsqueeze(-1) * blocks[..., 192:208].view(torch.int8).float()).reshape(rows, -1)
+        zero, offset = torch.full_like(scale, 32.0), torch.zeros_like(scale)
+    return IntWeight(q.reshape(rows, -1).contiguous(), scale.reshape(rows, -1).contiguous(),
+                     zero.reshape(rows, -1).contiguous(), 16 if type_name == "Q6_K" else GGUF_GROUP, 8,
+                     offset.reshape(rows, -1).contiguous())
+
+
 _COEFFICIENTS: dict[int, torch.Tensor] = {}
 
 
@@ -132,8 +199,9 @@ def row_hashes(w: torch.Tensor) -> torch.Tensor:
 
 
 class RowIndex:
-    """Every row of a GGUF's 2-D 4-bit tensors (gguf-py's reader tensors), found by the hash of its dequantized
-    values; :meth:`match` gives a converted weight back as those rows' integers."""
+    """Every row of a GGUF's integer tensors of ``KEPT_TYPES`` (gguf-py's reader tensors; 2-D, or stacked experts),
+    found by the hash of its dequantized values; :meth:`match` gives a converted weight back as those rows'
+    integers."""
 
     def __init__(self, tensors: list[Any]):
         self.tensors = [t for t in tensors if t.tensor_type.name in KEPT_TYPES and len(t.shape) in (2, 3)]
@@ -154,8 +222,9 @@ class RowIndex:
 
     def match(self, w: torch.Tensor) -> IntWeight | None:
         """``w`` [rows, cols] (float32; [experts, rows, cols]: its experts' rows one after another) as the file's
-        4-bit rows it is made of, checked to dequantize to ``w`` exactly; None where any row is not one of them."""
-        if not len(self) or w.dim() not in (2, 3) or w.dtype != torch.float32 or w.shape[-1] % GGUF_GROUP:
+        integer rows it is made of, checked to dequantize to ``w`` exactly; None where any row is not one of them,
+        or they come from types of other widths or groups (one stored form per weight)."""
+        if not len(self) or w.dim() not in (2, 3) or w.dtype != torch.float32:
             return None
         w = w.reshape(-1, w.shape[-1])
         h = row_hashes(w)
@@ -164,16 +233,21 @@ class RowIndex:
             return None
         sources, rows = self.sources[pos], self.rows[pos]
         n, cols = w.shape
-        q = torch.empty(n, cols, dtype=torch.uint8)
-        scale, zero, offset = (torch.empty(n, cols // GGUF_GROUP) for _ in range(3))
+        parts = []
         for source in sources.unique().tolist():
             t = self.tensors[source]
             if int(t.shape[0]) != cols:
                 return None
             mine = (sources == source).nonzero().squeeze(1)
-            part = unpack(torch.from_numpy(np.array(_rows(t)[rows[mine].numpy()])), t.tensor_type.name)
+            parts.append((mine, unpack(torch.from_numpy(np.array(_rows(t)[rows[mine].numpy()])), t.tensor_type.name)))
+        if len({(part.bits, part.group_size) for _, part in parts}) != 1:
+            return None
+        like = parts[0][1]
+        q = torch.empty(n, cols, dtype=torch.uint8)
+        scale, zero, offset = (torch.empty(n, cols // like.group_size) for _ in range(3))
+        for mine, part in parts:
             q[mine], scale[mine], zero[mine], offset[mine] = part.q, part.scale, part.zero, part.offset
-        kept = IntWeight(q, scale, zero, GGUF_GROUP, 4, offset)
+        kept = IntWeight(q, scale, zero, like.group_size, like.bits, offset)
         for i in range(0, n, _ROWS_AT_ONCE):  # a chunk at a time: no float32 copy of a whole block's experts
             if not torch.equal(kept.rows(i, min(_ROWS_AT_ONCE, n - i)).dense(), w[i: i + _ROWS_AT_ONCE]):
                 return None

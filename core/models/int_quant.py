@@ -19,10 +19,12 @@ group of ``group_size`` input columns and output row:
   (one group: per output row), ``X.weight_shape`` [2] (the unpadded [out, in]); symmetric, z = 2^(b-1) (the signed
   values stored offset by it); an act-order ``X.weight_g_idx`` [in] groups the columns as GPTQ's does.
 
-A GGUF's 4-bit linears (Q4_0, Q4_1, Q4_K) keep their integers through its conversion
-(:mod:`specray.models.gguf_quant`; ``quant_method: specray_gguf``, groups of 32 columns): ``X.q4_weight`` [out, in / 2]
-(uint8, two columns a byte, the even one in the low bits), ``X.q4_scale`` and ``X.q4_offset`` [out, groups] (float32)
-and ``X.q4_zero`` [out, groups] (uint8): ``W = (q - z) * s + offset``, the arithmetic gguf-py dequantizes them by.
+A GGUF's linears and experts of llama.cpp's integer types keep their integers through its conversion
+(:mod:`specray.models.gguf_quant`; ``quant_method: specray_gguf``): ``X.q_weight`` (uint8: with ``X.q_bits`` 4, two
+columns a byte, the even one in the low bits, [out, in / 2]; with 8, a byte per column, [out, in], values of up to 8
+bits), ``X.q_scale`` and ``X.q_offset`` [out, groups] (float32) and ``X.q_zero`` [out, groups] (uint8), the groups runs
+of in / groups columns: ``W = (q - z) * s + offset``, the arithmetic gguf-py dequantizes them by. The 4-bit ones (in
+groups of 32) are what a device keeps in 4 bits; the others are dequantized as they load.
 
 Each linear comes out as ``X.weight``, an :class:`IntWeight` (its integers unpacked, one byte each, with its groups'
 scales and zero points) that reads as the dequantized float32 weight wherever a tensor is read (``w[...]``, as a
@@ -57,7 +59,7 @@ AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an int32's eight sits in i
 # each kind's tensors of one linear: the ones it needs, then the one it may have
 _PARTS = {"gptq": (("qweight", "qzeros", "scales"), "g_idx"), "awq": (("qweight", "qzeros", "scales"), None),
           "packed": (("weight_packed", "weight_scale", "weight_shape"), "weight_g_idx"),
-          "gguf": (("q4_weight", "q4_scale", "q4_zero", "q4_offset"), None)}
+          "gguf": (("q_weight", "q_scale", "q_zero", "q_offset", "q_bits"), None)}
 GGUF_QUANT_METHOD = "specray_gguf"  # a converted GGUF's 4-bit linears (specray.models.gguf_quant)
 GGUF_GROUP = 32  # the columns of a Q4_0 / Q4_1 block, and of a Q4_K sub-block
 
@@ -100,12 +102,14 @@ def gguf_quantization_config() -> dict:
 
 
 def gguf_parts(w: IntWeight) -> dict[str, torch.Tensor]:
-    """A 4-bit linear's tensors as a converted GGUF stores them (by name after ``X.``), which :func:`dequantize`
-    reads."""
-    assert w.bits == 4 and w.group_size == GGUF_GROUP and w.q.shape[1] % 2 == 0
+    """A linear's tensors as a converted GGUF stores them (by name after ``X.``), which :func:`dequantize` reads: 4-bit
+    values packed two a byte, others (``bits`` 8: values of up to 8 bits) a byte each."""
+    assert w.bits in (4, 8) and (w.bits == 8 or w.q.shape[1] % 2 == 0)
     offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
-    return {"q4_weight": pack_nibbles(w.q).contiguous(), "q4_scale": w.scale.float().contiguous(),
-            "q4_zero": w.zero.to(torch.uint8).contiguous(), "q4_offset": offset.float().contiguous()}
+    q = pack_nibbles(w.q) if w.bits == 4 else w.q.to(torch.uint8)
+    return {"q_weight": q.contiguous(), "q_scale": w.scale.float().contiguous(),
+            "q_zero": w.zero.to(torch.uint8).contiguous(), "q_offset": offset.float().contiguous(),
+            "q_bits": torch.tensor([w.bits], dtype=torch.uint8)}
 
 
 def _refuse(what: str) -> ValueError:
@@ -214,12 +218,15 @@ def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight |
     """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
     :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns."""
     if scheme.kind == "gguf":
-        q = unpack_nibbles(parts["q4_weight"])  # [out, in]
-        s, z, offset = parts["q4_scale"].float(), parts["q4_zero"].float(), parts["q4_offset"].float()
-        if q.shape[1] != s.shape[1] * GGUF_GROUP or not s.shape == z.shape == offset.shape:
-            raise ValueError(f"converted GGUF linear of {tuple(q.shape)} integers with scales {tuple(s.shape)}: the "
-                             "conversion is damaged; delete it from the cache (SPECRAY_CACHE_DIR) to convert again")
-        return IntWeight(q.contiguous(), s.contiguous(), z.contiguous(), GGUF_GROUP, 4, offset.contiguous())
+        bits = int(parts["q_bits"].reshape(-1)[0])
+        q = unpack_nibbles(parts["q_weight"]) if bits == 4 else parts["q_weight"]  # [out, in]
+        s, z, offset = parts["q_scale"].float(), parts["q_zero"].float(), parts["q_offset"].float()
+        if bits not in (4, 8) or q.shape[1] % s.shape[1] or not s.shape == z.shape == offset.shape:
+            raise ValueError(f"converted GGUF linear of {tuple(q.shape)} {bits}-bit integers with scales "
+                             f"{tuple(s.shape)}: the conversion is damaged; delete it from the cache "
+                             "(SPECRAY_CACHE_DIR) to convert again")
+        return IntWeight(q.contiguous(), s.contiguous(), z.contiguous(), q.shape[1] // s.shape[1], bits,
+                         offset.contiguous())
     if scheme.kind == "packed":
         q = unpack(parts["weight_packed"], scheme.bits, 1)  # [out, in (padded)]
         out, cols = (int(v) for v in parts["weight_shape"].reshape(-1).tolist())

@@ -4,10 +4,11 @@ model with this rank's shard of the weights.
 A GGUF file is converted once with transformers' GGUF support (dequantized to float32, llama.cpp's q/k RoPE permutation
 undone) into an HF folder -- config.json, safetensors shards of about ``GGUF_SHARD_BYTES`` with their index (or one
 model.safetensors), tokenizer files -- cached under ``$SPECRAY_CACHE_DIR`` (default ``~/.cache/specray``) and keyed by
-the file's path, size and mtime; later loads read the cached folder. Its 4-bit linears (Q4_0, Q4_1, Q4_K) keep their
-integers there (:mod:`specray.models.gguf_quant`: dequantized at load, or kept in 4 bits where the device's kernel
-takes them); its other tensors are float32 (every dequantized value exact), or with ``$SPECRAY_GGUF_DTYPE`` bfloat16
-or float16 (half the disk; each value rounded as loading the model in that dtype rounds it). The conversion reads,
+the file's path, size and mtime; later loads read the cached folder. Its linears and experts of llama.cpp's integer
+types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) keep their integers there (:mod:`specray.models.gguf_quant`:
+dequantized at load, or the 4-bit ones kept in 4 bits where the device's kernel takes them); its other tensors are
+float32 (every dequantized value exact), or with ``$SPECRAY_GGUF_DTYPE`` bfloat16 or float16 (half the disk; each
+value rounded as loading the model in that dtype rounds it). The conversion reads,
 converts and writes a layer at a time, so it holds about one shard, not the whole model in float32 (several times the
 file). Only the families
 transformers can map from GGUF load this way (``_GGUF_FAMILIES``; where its mapping misreads a file or leaves a default,
@@ -79,8 +80,9 @@ CACHE_ENV = "SPECRAY_CACHE_DIR"
 _GGUF_MARKER = "specray_gguf.json"  # written last: a cache folder holding it is complete
 # the conversion's own version, part of a cached folder's key: raised whenever a file already converted would now
 # convert to something else (2: the RoPE scaling read, Llama 3's per-frequency factors included, which conversions
-# before it left out; 3: 4-bit linears kept as integers), so that no folder of an older conversion is served again
-GGUF_CONVERSION_VERSION = 3
+# before it left out; 4: integer linears and experts kept as integers), so that no folder of an older conversion is
+# served again
+GGUF_CONVERSION_VERSION = 4
 # a converted GGUF's tensors are written in safetensors shards of about this many bytes (plus a layer at most): the
 # conversion holds one shard, not the model (whose dequantized float32 tensors are several times the file's size)
 GGUF_SHARD_BYTES = 2 << 30
@@ -988,7 +990,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
             config.dtype = writer.dtype
         if writer.kept_ints:
             config.quantization_config = gguf_quantization_config()
-            logger.info("GGUF %s: %d linears keep their 4-bit integers", gguf, len(writer.kept_ints))
+            logger.info("GGUF %s: %d weights keep their integers", gguf, len(writer.kept_ints))
         config.save_pretrained(out)
         _save_gguf_tokenizer(gguf, out, meta)
     st = gguf.stat()
