@@ -374,18 +374,20 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     w = gguf.GGUFWriter(str(tmp_path / "rows.gguf"), "llama")
     for name, kind, shape in (("a", "Q4_K", (8, 256)), ("b", "Q4_1", (4, 256)), ("c", None, (4, 256)),
                               ("d", "Q4_0", (3, 64)), ("e", "Q4_1", (2, 3, 256)),  # e: stacked experts
-                              ("f", "Q8_0", (2, 256))):
+                              ("f", "Q8_0", (2, 256)), ("token_embd", "Q8_0", (4, 256))):  # (not a layer's)
         x = rng.standard_normal(shape).astype(np.float32)
+        name = name if name == "token_embd" else f"blk.0.{name}"
         if kind:
             blocks = gguf_blocks(x.reshape(-1, shape[-1]), kind).reshape(*shape[:-1], -1)
             w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(name, x)
     _write_out(w)
-    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors}
+    tensors = {t.name.removeprefix("blk.0."): t for t in gguf.GGUFReader(str(tmp_path / "rows.gguf")).tensors}
     index = RowIndex(list(tensors.values()))
-    assert len(index) == 8 + 4 + 3 + 6 + 2
+    assert len(index) == 8 + 4 + 3 + 6 + 2  # the layer's integer rows, not the embedding's
     a, b, c, e, f = (dequantized(tensors[n]) for n in "abcef")
+    assert index.match(dequantized(tensors["token_embd"])) is None
     for want in (a[[5, 0, 7, 1]], torch.cat([b[2:], a[:3], b[:1]])):
         got = index.match(want)
         assert got is not None and torch.equal(got.dense(), want)
@@ -1680,10 +1682,10 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 GGUF_LOADABLE = ["apertus", "arcee", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5", "ernie4_5-moe",
                  "exaone-moe", "exaone4", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4", "glm-dsa", "glm4",
                  "glm4moe", "gpt-oss", "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe",
-                 "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3", "nemotron",
-                 "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe", "qwen2vl",
-                 "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss",
-                 "smollm3", "starcoder2"]
+                 "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3",
+                 "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi3", "qwen2", "qwen2moe",
+                 "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe",
+                 "seed_oss", "smollm3", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 

@@ -204,7 +204,8 @@ class RowIndex:
     integers."""
 
     def __init__(self, tensors: list[Any]):
-        self.tensors = [t for t in tensors if t.tensor_type.name in KEPT_TYPES and len(t.shape) in (2, 3)]
+        self.tensors = [t for t in tensors if t.tensor_type.name in KEPT_TYPES and len(t.shape) in (2, 3)
+                        and t.name.startswith("blk.")]  # (a layer's: the embeddings and head are never kept)
         hashes, sources, rows = [], [], []
         for i, t in enumerate(self.tensors):
             raw = _rows(t)
