@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
+                                      gguf_names, hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
 
 DEEPSEEK_GGUF_ARCHS = ("deepseek2", "glm-dsa")
 # a GLM-5 MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
@@ -164,8 +164,4 @@ def deepseek_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
                 if gguf_name.endswith(("attn_k_b.weight", "attn_kv_b.weight")) else {}
         return {plain[gguf_name]: tensors.pop(gguf_name)}
 
-    def groups() -> Iterator[dict[str, torch.Tensor]]:
-        for group in by_layer(tensors):
-            yield {k: v for n in group for k, v in hf_tensors(n).items()}
-
-    return config, groups()
+    return config, converted_groups(tensors, hf_tensors)

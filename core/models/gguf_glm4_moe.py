@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      hf_tensor_names, per_expert, read_model_gguf, rope_parameters, stacked_experts)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
+                                      gguf_names, hf_tensor_names, per_expert, read_model_gguf, rope_parameters,
+                                      stacked_experts)
 
 GLM4_MOE_GGUF_ARCHS = ("glm4moe",)
 # an MTP layer's own tensors (after ``model.layers.{L}.``), beside its block's
@@ -95,8 +96,4 @@ def glm4_moe_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
             return per_expert(tensors.pop(gguf_name), f"model.layers.{layer}.mlp.experts.", projection)
         return {plain[gguf_name]: tensors.pop(gguf_name)}
 
-    def groups() -> Iterator[dict[str, torch.Tensor]]:
-        for group in by_layer(tensors):
-            yield {k: v for n in group for k, v in hf_tensors(n).items()}
-
-    return config, groups()
+    return config, converted_groups(tensors, hf_tensors)

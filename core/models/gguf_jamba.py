@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, by_layer, check_tensor_names, gguf_names,
-                                      hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
+from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
+                                      gguf_names, hf_tensor_names, per_expert, read_model_gguf, stacked_experts)
 
 JAMBA_GGUF_ARCHS = ("jamba",)
 
@@ -106,8 +106,4 @@ def jamba_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[str
             value = value.unsqueeze(1)
         return {name: value}
 
-    def groups() -> Iterator[dict[str, torch.Tensor]]:
-        for group in by_layer(tensors):
-            yield {k: v for n in group for k, v in hf_tensors(n).items()}
-
-    return config, groups()
+    return config, converted_groups(tensors, hf_tensors)

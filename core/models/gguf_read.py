@@ -5,7 +5,7 @@ the file holds the tensors its metadata describes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,14 @@ def by_layer(tensors: GGUFTensors) -> list[list[str]]:
     for name in tensors:
         groups.setdefault(name.split(".")[1] if name.startswith("blk.") else None, []).append(name)
     return list(groups.values())
+
+
+def converted_groups(tensors: GGUFTensors, convert: Callable[[str], dict[str, torch.Tensor]]
+                     ) -> Iterator[dict[str, torch.Tensor]]:
+    """The HF tensors of each group of :func:`by_layer` (the model's own, then a layer), each GGUF tensor of it turned
+    into its HF ones by ``convert`` (given its name) as the group is taken."""
+    for group in by_layer(tensors):
+        yield {k: v for name in group for k, v in convert(name).items()}
 
 
 def check_tensor_names(gguf: Path, family: str, expected, tensors: GGUFTensors) -> None:
