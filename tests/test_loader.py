@@ -406,11 +406,13 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     assert keeps_name("model.layers.0.self_attn.q_proj.weight", 2)
     assert keeps_name("model.layers.1.mlp.shared_expert.down_proj.weight", 2)
     for name in ("model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.block_sparse_moe.experts.0.w1.weight",
-                 "model.layers.0.mlp.experts.gate_up_proj"):  # experts: one's, or a block's fused
+                 "model.layers.0.mlp.experts.gate_up_proj",  # experts: one's, or a block's fused
+                 "model.layers.0.feed_forward.w1.weight", "model.layers.1.mlp.c_fc.weight"):  # linears of any name
         assert keeps_name(name, 2), name
     assert not keeps_name("model.layers.2.self_attn.q_proj.weight", 2)  # an MTP layer
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
-                 "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.gate_up_proj_bias"):
+                 "model.layers.1.self_attn.q_norm.weight", "model.layers.0.self_attn.q_proj.bias",
+                 "model.layers.0.mlp.experts.gate_up_proj_bias"):
         assert not keeps_name(name, 2), name
 
 
@@ -1076,19 +1078,20 @@ def test_an_lfm2_moe_gguf_routed_otherwise_is_refused(tmp_path, gguf_cache, monk
 
 def test_an_lfm2_moe_gguf_s_4_bit_experts(tmp_path, gguf_cache, int4_weights):
     """LFM2-MoE's Q4 experts (gate Q4_0, up and down Q4_1) and short convs' projections stay in 4 bits through the
-    conversion and, where the device keeps 4-bit weights, in memory; greedy engine output with n-gram drafts is the
-    dequantized model's."""
+    conversion (its dense layer's Q8_0 gate a byte per value) and, where the device keeps 4-bit weights, in memory;
+    greedy engine output with n-gram drafts is the dequantized model's."""
     import specray_test_hybrid_models as hybrid
     from specray import LLM
     from specray.models import cpu_kernels
 
-    kinds = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q4_1", "shortconv.in_proj": "Q4_1"}
+    kinds = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q4_1", "shortconv.in_proj": "Q4_1",
+             "ffn_gate": "Q8_0"}  # (the dense first layer's w1)
     folder = hybrid.save(tmp_path / "lfm2_moe", "lfm2_moe", 7, routed_scaling_factor=1.0)
     path = write_gguf(folder, tmp_path / "q4.gguf", "lfm2moe",
                       lambda n: kinds.get(n.split(".", 2)[2].removesuffix(".weight")) if n.startswith("blk.") else None)
     stored = _safetensors(resolve_model(str(path)).path)
     assert "model.layers.2.feed_forward.experts.5.w2.q_weight" in stored
-    assert "model.layers.0.conv.in_proj.q_weight" in stored
+    assert "model.layers.0.conv.in_proj.q_weight" in stored and "model.layers.0.feed_forward.w1.q_weight" in stored
     model = load_model(str(path), pack=False)
     assert model.model.layers[2].mlp.w13.dtype == model.model.layers[2].mlp.w2.dtype == torch.uint8
     outs = []

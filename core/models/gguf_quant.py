@@ -41,18 +41,19 @@ logger = logging.getLogger(__name__)
 
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # llama.cpp's types kept as integers
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # those a device may keep in 4 bits (the others: a byte per value)
-# the converted tensors that may be kept: a decoder layer's projections (the model's linears) and its experts' (one
-# expert's, or all of a block's fused in 3-D)
-_KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?(?:\w+_proj\.weight|experts\.\d+\.\w+\.weight|"
-                        r"experts\.(?:gate_up_proj|up_proj|down_proj))$")
+# the converted tensors that may be kept: a decoder layer's weights but its norms' (its linears, a router llama.cpp
+# quantized; 1-D ones never match) and its experts' (one expert's, or all of a block's fused in 3-D)
+_KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?!.*norm)(?:.*\.)?"
+                        r"(?:\w+\.weight|experts\.(?:gate_up_proj|up_proj|down_proj))$")
 # a block's experts fused (transformers' names: [E, 2I, H], [E, I, H], [E, H, I]), stored one expert at a time
 _FUSED_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)$")
 _ROWS_AT_ONCE = 4096  # rows hashed or unpacked at a time: bounds the int64 copies they take
 
 
 def keeps_name(name: str, layers: int) -> bool:
-    """Whether converted tensor ``name`` is a linear of one of the model's ``layers`` decoder layers, or its experts'
-    (an MTP layer's, after them, is not: its drafter loads it)."""
+    """Whether converted tensor ``name`` is a weight of one of the model's ``layers`` decoder layers (its linears, its
+    experts'; not its norms'), which its loader reads as it reads a checkpoint's slices (an MTP layer's, after them,
+    is not: its drafter loads it)."""
     found = _KEPT_NAME.search(name)
     return found is not None and int(found.group(1)) < layers
 
