@@ -509,6 +509,31 @@ def test_a_q4_gguf_s_experts_stay_in_4_bits(make_tiny_model, tmp_path, gguf_cach
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's 4-bit kernel (tinygemm) needs a GPU")
+def test_a_q4_gguf_on_a_gpu_keeps_4_bits(tiny_llama_256, make_tiny_model, tmp_path, gguf_cache):
+    """On CUDA in bf16 (no flag: what a GPU does by default), a Q4 GGUF's linears run in tinygemm and a mixture's
+    4-bit experts stay packed; their logits stray from the float32 model's by at most twice what the same file
+    dequantized at load in bf16 (``SPECRAY_DEQUANTIZE_INT4``) does (bf16's rounding, and the kernel's bf16 scales)."""
+    dense_path = write_gguf(tiny_llama_256, tmp_path / "q4.gguf", "llama", q4_types)
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=9, head_dim=16, tie_word_embeddings=False,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    moe_path = write_gguf(folder, tmp_path / "moe.gguf", "qwen3moe", q4_expert_types)
+    ids = list(range(3, 40))
+    for path in (dense_path, moe_path):
+        model = load_model(str(path), dtype=torch.bfloat16, device="cuda")
+        assert int4_linears(model)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(DEQUANTIZE_INT4_ENV, "1")
+            ref = load_model(str(path), dtype=torch.bfloat16, device="cuda")
+        assert not int4_linears(ref)
+        if path == moe_path:
+            assert model.model.layers[0].mlp.w13.dtype == torch.uint8
+            assert ref.model.layers[0].mlp.w13.is_floating_point()
+        exact = prefill_logits(load_model(str(path), pack=False), ids)  # float32, dequantized (on this host's CPU)
+        got, rounded = ((prefill_logits(m, ids).float().cpu() - exact).abs().max() for m in (model, ref))
+        assert got <= 2 * rounded, (got, rounded)
+
+
 def test_a_q4_gguf_runs_its_linears_in_4_bits(tiny_llama_256, tmp_path, gguf_cache, int4_weights):
     """Where the device keeps 4-bit weights (here asked of the CPU, as a GPU in bf16 does), a Q4 GGUF's linears keep
     their integers (no dense weight), unless ``SPECRAY_DEQUANTIZE_INT4`` asks otherwise; the logits stay within the
