@@ -898,6 +898,13 @@ def _write_gguf_spm_tokenizer(w, cfg: dict, tok: dict) -> None:
         w.add_add_space_prefix(False)
 
 
+def _block_type(types: Callable[[str], str | None] | None, name: str | None, shape) -> str | None:
+    """The llama.cpp type ``types`` asks for tensor ``name`` of ``shape``, where its rows are whole blocks of it (else
+    None, float32: as llama.cpp's quantizer falls back for such a tensor)."""
+    kind = types(name) if types and name and len(shape) >= 2 else None
+    return kind if kind and shape[-1] % (256 if kind.endswith("_K") else 32) == 0 else None
+
+
 def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[[str], str | None] | None = None
                         ) -> None:
     import gguf
@@ -938,7 +945,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[
         if arch == "mamba" and name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        kind = types(gguf_name) if types and gguf_name else None
+        kind = _block_type(types, gguf_name, tensor.shape)
         if kind:
             blocks = gguf_blocks(tensor.float().numpy(), kind)
             w.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -949,7 +956,7 @@ def _write_gguf_tensors(w, tensors: dict, arch: str, cfg: dict, types: Callable[
             name = name.replace("model.layers.", "layers.")
         gguf_name = names.get_name(name) + ".weight"
         tensor = torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy()
-        kind = types and types(gguf_name)
+        kind = _block_type(types, gguf_name, tensor.shape)
         if kind:  # each expert's rows quantized as a 2-D tensor's: [E, rows, bytes]
             blocks = gguf_blocks(tensor.reshape(-1, tensor.shape[-1]), kind)
             w.add_tensor(gguf_name, blocks.reshape(*tensor.shape[:2], -1), raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -1036,6 +1043,28 @@ def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, 
                                                                                            use_tqdm=False)]
             for m in (folder, path)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_TINY))
+def test_integer_gguf_weights_load_as_their_dense_conversion(make_tiny_model, tmp_path, gguf_cache, monkeypatch,
+                                                              arch):
+    """Each family's GGUF with its layers' weights in Q8_0 (those whose rows are whole blocks) converts with them kept
+    as integers (a byte per value) and loads, through the family's own loader (its renames, fused projections,
+    stacked experts), to the weights and the logits of the same file converted dense."""
+    kind, overrides = GGUF_TINY[arch]
+    folder = make_tiny_model(tmp_path / kind, kind, seed=9, **overrides)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch,
+                      lambda name: "Q8_0" if name.startswith("blk.") and "norm" not in name else None)
+    dense_path = Path(shutil.copy(path, tmp_path / f"{arch}-dense.gguf"))
+    assert any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
+    index = loader.RowIndex
+    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
+    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
+    want = dict(ref.state_dict())
+    assert sorted(model.state_dict()) == sorted(want)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    ids = list(range(3, 40))
+    assert torch.equal(prefill_logits(model, ids), prefill_logits(ref, ids))
 
 
 @pytest.mark.parametrize("arch, overrides", [("lfm2", dict(block_auto_adjust_ff_dim=False)), ("mamba", {}),
