@@ -406,9 +406,11 @@ def test_row_index_finds_rows_moved_split_or_joined_and_nothing_else(tmp_path, m
     assert keeps_name("model.layers.0.self_attn.q_proj.weight", 2)
     assert keeps_name("model.layers.1.mlp.shared_expert.down_proj.weight", 2)
     for name in ("model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.block_sparse_moe.experts.0.w1.weight",
-                 "model.layers.0.mlp.experts.gate_up_proj",  # experts: one's, or a block's fused
                  "model.layers.0.feed_forward.w1.weight", "model.layers.1.mlp.c_fc.weight"):  # linears of any name
         assert keeps_name(name, 2), name
+    assert keeps_name("model.layers.0.mlp.experts.gate_up_proj", 2, dims=3)  # a block's experts fused
+    assert not keeps_name("model.layers.0.block_sparse_moe.input_linear.weight", 2, dims=3)  # stacked otherwise
+    assert not keeps_name("model.layers.0.mlp.experts.gate_up_proj", 2, dims=1)
     assert not keeps_name("model.layers.2.self_attn.q_proj.weight", 2)  # an MTP layer
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
                  "model.layers.1.self_attn.q_norm.weight", "model.layers.0.self_attn.q_proj.bias",
@@ -1045,17 +1047,28 @@ def test_gguf_of_newer_families_matches_transformers(make_tiny_model, tmp_path, 
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("arch", sorted(GGUF_TINY))
-def test_integer_gguf_weights_load_as_their_dense_conversion(make_tiny_model, tmp_path, gguf_cache, monkeypatch,
-                                                              arch):
-    """Each family's GGUF with its layers' weights in Q8_0 (those whose rows are whole blocks) converts with them kept
-    as integers (a byte per value) and loads, through the family's own loader (its renames, fused projections,
-    stacked experts), to the weights and the logits of the same file converted dense."""
-    kind, overrides = GGUF_TINY[arch]
-    folder = make_tiny_model(tmp_path / kind, kind, seed=9, **overrides)
-    path = write_gguf(folder, tmp_path / f"{arch}.gguf", arch,
+# the families of specray's own GGUF readers, from the tests' tiny folders: (fixture, llama.cpp's architecture)
+INTEGER_GGUF_FIXTURES = [("tiny_smollm3_dir", "smollm3"), ("tiny_granite_dir", "granite"),
+                         ("tiny_granitemoeshared_dir", "granitemoe"), ("tiny_hunyuan_v1_moe_dir", "hunyuan-moe"),
+                         ("tiny_ministral3_dir", "mistral3"), ("tiny_olmo_dir", "olmo"),
+                         ("tiny_ernie4_5_moe_dir", "ernie4_5-moe")]
+
+
+@pytest.mark.parametrize("case", [*sorted(GGUF_TINY), *(arch for _, arch in INTEGER_GGUF_FIXTURES)])
+def test_integer_gguf_weights_load_as_their_dense_conversion(request, make_tiny_model, tmp_path, gguf_cache,
+                                                              monkeypatch, case):
+    """Each family's GGUF (through transformers' mapping, or one of specray's readers) with its layers' weights in
+    Q8_0 (those whose rows are whole blocks) converts with them kept as integers (a byte per value; Granite MoE's
+    experts, stacked in its own fused layout, dense) and loads, through the family's own loader (its renames, fused
+    projections, experts), to the weights and the logits of the same file converted dense."""
+    if case in GGUF_TINY:
+        kind, overrides = GGUF_TINY[case]
+        folder = make_tiny_model(tmp_path / kind, kind, seed=9, **overrides)
+    else:
+        folder = request.getfixturevalue(dict((a, f) for f, a in INTEGER_GGUF_FIXTURES)[case])
+    path = write_gguf(folder, tmp_path / f"{case}.gguf", case,
                       lambda name: "Q8_0" if name.startswith("blk.") and "norm" not in name else None)
-    dense_path = Path(shutil.copy(path, tmp_path / f"{arch}-dense.gguf"))
+    dense_path = Path(shutil.copy(path, tmp_path / f"{case}-dense.gguf"))
     assert any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
     index = loader.RowIndex
     monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))

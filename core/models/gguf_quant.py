@@ -50,12 +50,16 @@ _FUSED_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_
 _ROWS_AT_ONCE = 4096  # rows hashed or unpacked at a time: bounds the int64 copies they take
 
 
-def keeps_name(name: str, layers: int) -> bool:
-    """Whether converted tensor ``name`` is a weight of one of the model's ``layers`` decoder layers (its linears, its
-    experts'; not its norms'), which its loader reads as it reads a checkpoint's slices (an MTP layer's, after them,
-    is not: its drafter loads it)."""
+def keeps_name(name: str, layers: int, dims: int = 2) -> bool:
+    """Whether converted tensor ``name`` of ``dims`` dimensions is a weight of one of the model's ``layers`` decoder
+    layers (its linears, its experts'; not its norms'), which its loader reads as it reads a checkpoint's slices (an
+    MTP layer's, after them, is not: its drafter loads it); a 3-D one only as a block's fused experts
+    (:func:`stored_weights` stores those one expert at a time; another stacking, Granite's ``input_linear``, stays
+    dense)."""
     found = _KEPT_NAME.search(name)
-    return found is not None and int(found.group(1)) < layers
+    if found is None or int(found.group(1)) >= layers or dims not in (2, 3):
+        return False
+    return dims == 2 or _FUSED_EXPERTS.search(name) is not None
 
 
 def stored_weights(name: str, shape: tuple[int, ...], w: IntWeight) -> list[tuple[str, IntWeight]]:

@@ -947,7 +947,7 @@ class _ShardWriter:
         self.held = {}
 
     def _ints(self, name: str, tensor: torch.Tensor) -> IntWeight | None:
-        if self.ints is None or self.layers is None or not keeps_name(name, self.layers):
+        if self.ints is None or self.layers is None or not keeps_name(name, self.layers, tensor.dim()):
             return None
         return self.ints.match(tensor)
 
