@@ -1080,6 +1080,75 @@ def test_integer_gguf_weights_load_as_their_dense_conversion(request, make_tiny_
     assert torch.equal(prefill_logits(model, ids), prefill_logits(ref, ids))
 
 
+def requantized(src: Path, out: Path, kind: str = "Q8_0") -> Path:
+    """The GGUF at ``src`` written again with each layer's float32 weight of two or more dims (but the norms') whose
+    rows are whole blocks in llama.cpp's ``kind``, everything else (metadata, other tensors) as it was."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        value = np.array(t.data)
+        if (t.tensor_type == gguf.GGMLQuantizationType.F32 and t.name.startswith("blk.") and "norm" not in t.name
+                and value.ndim >= 2 and value.shape[-1] % 32 == 0):
+            blocks = gguf_blocks(value.reshape(-1, value.shape[-1]), kind)
+            w.add_tensor(t.name, blocks.reshape(*value.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(t.name, value, raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32
+                         else None)
+    _write_out(w)
+    return out
+
+
+def _reader_case(case: str, request, tmp_path: Path) -> Path:
+    """A float32 GGUF of one family specray reads itself, written by its test's writer."""
+    import specray_test_hybrid_models as hybrid
+
+    if case == "jamba":
+        return write_jamba_gguf(hybrid.save(tmp_path / "jamba", "jamba", 7), tmp_path / "f.gguf")
+    if case in HYBRID_QWEN_GGUF:
+        return write_hybrid_qwen_gguf(hybrid.save(tmp_path / case, case, 7, linear_num_value_heads=6),
+                                      tmp_path / "f.gguf", HYBRID_QWEN_GGUF[case])
+    if case in MAMBA2_GGUF:
+        kind, gguf_arch, overrides = MAMBA2_GGUF[case]
+        return write_mamba2_gguf(hybrid.save(tmp_path / case, kind, 7, **overrides), tmp_path / "f.gguf", gguf_arch)
+    if case == "gemma4":
+        from tests import test_gemma4 as gemma4
+
+        return write_gemma4_gguf(gemma4.save_tiny(tmp_path / "gemma4", seed=40), tmp_path / "f.gguf")
+    return write_deepseek_gguf(request.getfixturevalue(case), tmp_path / "f.gguf")
+
+
+@pytest.mark.parametrize("case", ["jamba", "qwen3_5_moe", "nemotron_h_moe", "falcon_h1", "gemma4", "tiny_deepseek_dir",
+                                  "tiny_glm4_moe_lite_dir"])
+def test_integer_gguf_weights_of_specray_s_readers_load_as_their_dense_conversion(request, tmp_path, gguf_cache,
+                                                                                   monkeypatch, case):
+    """The families specray reads whole (Jamba, the hybrid Qwens, the Mamba-2 hybrids, Gemma 4, DeepSeek-V3 and
+    GLM-4.7-Flash as ``deepseek2``), their layers' weights requantized to Q8_0: those the reader hands on as the file
+    has them keep their integers, and the model loads to the weights and logits of the same file converted dense."""
+    path = requantized(_reader_case(case, request, tmp_path), tmp_path / "q8.gguf")
+    dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
+    assert any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
+    index = loader.RowIndex
+    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
+    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
+    want = dict(ref.state_dict())
+    assert sorted(model.state_dict()) == sorted(want)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    import specray_test_hybrid_models as hybrid
+
+    ids = list(range(3, 40))  # (a recurrent model's state over the hybrids' stepper)
+    logits = [hybrid.Stepper(m).step([(0, ids, 0, 0)])[0] if getattr(m, "recurrent_state_specs", lambda: [])()
+              else prefill_logits(m, ids) for m in (model, ref)]
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("arch, overrides", [("lfm2", dict(block_auto_adjust_ff_dim=False)), ("mamba", {}),
                                              ("falcon_mamba", {})])
 def test_a_recurrent_gguf_matches_transformers(tmp_path, gguf_cache, arch, overrides):
