@@ -28,7 +28,6 @@ embeddings, norms) is stored dense as before.
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -36,8 +35,6 @@ import numpy as np
 import torch
 
 from specray.models.int_quant import GGUF_GROUP, IntWeight
-
-logger = logging.getLogger(__name__)
 
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # llama.cpp's types kept as integers
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # those a device may keep in 4 bits (the others: a byte per value)
@@ -106,7 +103,7 @@ def unpack(raw: torch.Tensor, type_name: str) -> IntWeight:
     """Rows of a tensor of one of ``KEPT_TYPES`` as the file stores them (``raw`` [rows, bytes], uint8) -> an
     IntWeight [rows, cols]: 4 bits for ``FOUR_BIT_TYPES``, else 8 (a byte per value)."""
     rows = raw.shape[0]
-    if type_name in ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"):
+    if type_name not in FOUR_BIT_TYPES:
         return _unpack_bytes(raw, type_name)
     if type_name == "Q4_K":
         blocks = raw.reshape(rows, -1, 144)
@@ -169,7 +166,8 @@ def _unpack_bytes(raw: torch.Tensor, type_name: str) -> IntWeight:
         scale = (d.unsqueeze(-1) * sc.float()).reshape(rows, -1)
         offset = -(dmin.unsqueeze(-1) * mn.float()).reshape(rows, -1)
         zero = torch.zeros_like(scale)
-    else:  # Q6_K
+    else:
+        assert type_name == "Q6_K", type_name  # (RowIndex takes KEPT_TYPES alone)
         blocks = raw.reshape(rows, -1, 210)
         supers = blocks.shape[1]
         low = (blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)
