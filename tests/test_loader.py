@@ -1054,29 +1054,41 @@ INTEGER_GGUF_FIXTURES = [("tiny_smollm3_dir", "smollm3"), ("tiny_granite_dir", "
                          ("tiny_ernie4_5_moe_dir", "ernie4_5-moe")]
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("case", [*sorted(GGUF_TINY), *(arch for _, arch in INTEGER_GGUF_FIXTURES)])
 def test_integer_gguf_weights_load_as_their_dense_conversion(request, make_tiny_model, tmp_path, gguf_cache,
-                                                              monkeypatch, case):
+                                                              monkeypatch, case, qtype):
     """Each family's GGUF (through transformers' mapping, or one of specray's readers) with its layers' weights in
-    Q8_0 (those whose rows are whole blocks) converts with them kept as integers (a byte per value; Granite MoE's
-    experts, stacked in its own fused layout, dense) and loads, through the family's own loader (its renames, fused
-    projections, experts), to the weights and the logits of the same file converted dense."""
+    Q8_0 or Q4_0 (those whose rows are whole blocks) converts with them kept as integers (Granite MoE's experts,
+    stacked in its own fused layout, dense) and loads through the family's own loader (its renames, fused
+    projections, experts): Q8_0's to the weights and the logits of the same file converted dense; Q4_0's kept in 4
+    bits (asked of this CPU, as a GPU does), its linears and, where whole groups, its experts, to logits within the
+    kernel's rounding of the dense file's."""
     if case in GGUF_TINY:
         kind, overrides = GGUF_TINY[case]
         folder = make_tiny_model(tmp_path / kind, kind, seed=9, **overrides)
     else:
         folder = request.getfixturevalue(dict((a, f) for f, a in INTEGER_GGUF_FIXTURES)[case])
     path = write_gguf(folder, tmp_path / f"{case}.gguf", case,
-                      lambda name: "Q8_0" if name.startswith("blk.") and "norm" not in name else None)
+                      lambda name: qtype if name.startswith("blk.") and "norm" not in name else None)
     dense_path = Path(shutil.copy(path, tmp_path / f"{case}-dense.gguf"))
     assert any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
     index = loader.RowIndex
     monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
-    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
+    ref = load_model(str(dense_path), pack=False)
+    ids = list(range(3, 40))
+    if qtype == "Q4_0":
+        from specray.models import cpu_kernels
+
+        monkeypatch.setattr(cpu_kernels, "INT4_WEIGHTS", True)
+        model = load_model(str(path), pack=False)
+        assert int4_linears(model)
+        assert (prefill_logits(model, ids) - prefill_logits(ref, ids)).abs().max() < TOL
+        return
+    model = load_model(str(path), pack=False)
     want = dict(ref.state_dict())
     assert sorted(model.state_dict()) == sorted(want)
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
-    ids = list(range(3, 40))
     assert torch.equal(prefill_logits(model, ids), prefill_logits(ref, ids))
 
 
