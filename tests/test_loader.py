@@ -1200,8 +1200,7 @@ def test_an_lfm2_moe_gguf_matches_transformers(tmp_path, gguf_cache, scale):
                 "intermediate_size", "use_expert_bias", "conv_bias", "conv_L_cache", "routed_scaling_factor",
                 "norm_topk_prob", "norm_eps", "num_key_value_heads", "rope_parameters", "tie_word_embeddings"):
         assert got[key] == want[key], key
-    tensors, converted = _safetensors(folder), _safetensors(resolve_model(str(path)).path)
-    assert sorted(converted) == sorted(tensors) and all(torch.equal(converted[k], v) for k, v in tensors.items())
+    assert_converted_as_folder(folder, path)
     hybrid.check_prefill_chunks_and_decode(load_model(str(path), pack=False), hf_model(folder))
     outs = [hybrid.generate(LLM(model=str(m), max_model_len=128, speculative_config=hybrid.NGRAM), hybrid.greedy())
             for m in (folder, path)]
@@ -1950,7 +1949,7 @@ def test_fp8_experts_split_into_partial_blocks_are_dequantized_at_load_and_say_w
 
     from specray.models import moe
 
-    monkeypatch.setattr(moe, "_told_partial_blocks", False)
+    monkeypatch.setattr(moe, "_told_partial", set())
     config = SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=64, num_experts=8,
                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                              quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
@@ -2537,23 +2536,25 @@ def test_a_jamba_gguf_matches_transformers(tmp_path, gguf_cache):
     assert outs[0] == outs[1]
 
 
+def assert_converted_as_folder(folder: Path, path: Path) -> None:
+    """The GGUF's converted folder holds the folder's tensors, every one (but a tied head), equal in float32."""
+    source = {k: v for k, v in _safetensors(folder).items()
+              if not (k == "lm_head.weight" and load_hf_config(str(folder)).tie_word_embeddings)}
+    converted = _safetensors(resolve_model(str(path)).path)
+    assert sorted(converted) == sorted(source)
+    assert [k for k in source if not torch.equal(converted[k], source[k].float())] == []
+
+
 def assert_gguf_serves_as_its_folder(folder: Path, path: Path, fields) -> None:
     """The GGUF's config read back has the folder's ``fields``, its converted folder holds the folder's tensors (every
     one, equal in float32), our model on it gives transformers' logits on the folder, and the engine's greedy tokens
     with n-gram drafts on it equal the folder's."""
-    from safetensors.torch import load_file
-
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
     ours, theirs = load_hf_config(str(path)), load_hf_config(str(folder))
     assert {f: getattr(ours, f, None) for f in fields} == {f: getattr(theirs, f, None) for f in fields}
-    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
-              if not (k == "lm_head.weight" and theirs.tie_word_embeddings)}
-    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
-                 for k, v in load_file(str(f)).items()}
-    assert sorted(converted) == sorted(source)
-    assert [k for k in source if not torch.equal(converted[k], source[k].float())] == []
+    assert_converted_as_folder(folder, path)
     assert_matches_hf(load_model(str(path), pack=False), hf_model(folder))
     prompts = ["The quick brown fox", "def add(a, b):"]  # (the file's tokenizer pre-splits a run of spaces otherwise)
     llms = [LLM(model=str(m), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -2664,8 +2665,6 @@ def test_a_glm5_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm5_dir, tmp_
     folder's (the indexer's kinds told by which layers have its tensors), its tensors are (so our logits on it are
     our logits on the folder, which tests/test_deepseek_v32.py checks against transformers'), and ``method="mtp"`` on
     the GGUF makes the drafts and the greedy tokens it makes on the folder."""
-    from safetensors.torch import load_file
-
     import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
     from specray import LLM
     from specray_test_checkpoints import split_experts
@@ -2684,12 +2683,7 @@ def test_a_glm5_gguf_with_its_mtp_layer_drafts_as_its_folder(tiny_glm5_dir, tmp_
     assert ours.num_nextn_predict_layers == 1  # (the folder's config names none: its layer's tensors say so)
     assert {k: v for k, v in ours.rope_parameters.items() if k not in ("beta_fast", "beta_slow")} == \
         {k: v for k, v in theirs.rope_parameters.items() if k not in ("beta_fast", "beta_slow")}
-    source = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
-              if not (k == "lm_head.weight" and theirs.tie_word_embeddings)}
-    converted = {k: v for f in loader.gguf_cache_folder(path).glob("*.safetensors")
-                 for k, v in load_file(str(f)).items()}
-    assert sorted(converted) == sorted(source)
-    assert [k for k in source if not torch.equal(converted[k], source[k].float())] == []
+    assert_converted_as_folder(folder, path)
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     llms = [LLM(model=str(m), max_model_len=128, speculative_config=mtp) for m in (folder, path)]
     prompts = ["The quick brown fox", "def add(a, b):"]

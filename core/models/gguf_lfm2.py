@@ -18,8 +18,8 @@ What no key carries is set as llama.cpp's graph fixes it: the chosen experts' we
 (``norm_topk_prob``), scaled by ``expert_weights_scale`` where the file has one, else not at all
 (``routed_scaling_factor`` 1: LFM2-8B-A1B's).
 
-Tensors of any llama.cpp type are dequantized to float32 (but for the 4-bit linears and experts
-:mod:`specray.models.gguf_quant` keeps).
+Tensors of any llama.cpp type are dequantized to float32 here (the conversion keeps the integers of those
+:mod:`specray.models.gguf_quant` finds again).
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ def _names(config) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     from transformers import Lfm2MoeForCausalLM
 
     names = hf_tensor_names(Lfm2MoeForCausalLM, config, lambda n: ".experts." in n)
-    names = [n.replace("feed_forward.expert_bias", "feed_forward.expert_bias.bias") for n in names]
     arch, count = gguf.MODEL_ARCH.LFM2MOE, config.num_hidden_layers
     return gguf_names(arch, count, names), stacked_experts(arch, count, range(config.num_dense_layers, count))
 
@@ -96,7 +95,7 @@ def lfm2_moe_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[
         if gguf_name in experts:
             layer, projection = experts[gguf_name]
             return per_expert(value, f"model.layers.{layer}.feed_forward.experts.", _RELEASE_PROJECTIONS[projection])
-        name = plain[gguf_name].removesuffix(".bias") if gguf_name.endswith("exp_probs_b.bias") else plain[gguf_name]
+        name = plain[gguf_name]
         if name.endswith("conv.conv.weight"):
             value = value.unsqueeze(1)
         return {name: value}

@@ -189,13 +189,16 @@ def gguf_names(arch, layers: int, hf_names) -> dict[str, str]:
     """GGUF name -> HF name of each of ``hf_names``, through gguf-py's tensor map of llama.cpp's ``arch`` (a
     ``gguf.MODEL_ARCH``): the map llama.cpp's converter renames a checkpoint's tensors by. A name without a
     ``.weight`` / ``.bias`` suffix (a bare parameter: ``A_log``, ``D``) maps without one; a router's correction
-    bias (``e_score_correction_bias``) as the converter renames it first (``e_score_correction.bias``)."""
+    bias (``e_score_correction_bias``; LFM2-MoE's ``expert_bias``) as the converter renames it first
+    (``e_score_correction.bias``, ``expert_bias.bias``)."""
     import gguf
 
     table = gguf.get_tensor_name_map(arch, layers)
     out = {}
     for name in hf_names:
         spelled = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if spelled.endswith(".expert_bias"):  # LFM2-MoE's router bias, which its converter names expert_bias.bias
+            spelled += ".bias"
         gguf_name = table.get_name(spelled, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             from importlib.metadata import version

@@ -60,7 +60,7 @@ AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an int32's eight sits in i
 _PARTS = {"gptq": (("qweight", "qzeros", "scales"), "g_idx"), "awq": (("qweight", "qzeros", "scales"), None),
           "packed": (("weight_packed", "weight_scale", "weight_shape"), "weight_g_idx"),
           "gguf": (("q_weight", "q_scale", "q_zero", "q_offset", "q_bits"), None)}
-GGUF_QUANT_METHOD = "specray_gguf"  # a converted GGUF's 4-bit linears (specray.models.gguf_quant)
+GGUF_QUANT_METHOD = "specray_gguf"  # a converted GGUF's integer weights (specray.models.gguf_quant)
 GGUF_GROUP = 32  # the columns of a Q4_0 / Q4_1 block, and of a Q4_K sub-block
 
 
@@ -97,7 +97,8 @@ def int_scheme(quant: dict | None) -> IntScheme | None:
 
 
 def gguf_quantization_config() -> dict:
-    """The ``quantization_config`` of a converted GGUF whose 4-bit linears kept their integers."""
+    """The ``quantization_config`` of a converted GGUF whose weights kept their integers (the scheme's bits and
+    groups: those a device may keep in 4 bits; each weight's own are in its ``q_bits`` and its groups' count)."""
     return {"quant_method": GGUF_QUANT_METHOD, "bits": 4, "group_size": GGUF_GROUP}
 
 
@@ -105,10 +106,9 @@ def gguf_parts(w: IntWeight) -> dict[str, torch.Tensor]:
     """A linear's tensors as a converted GGUF stores them (by name after ``X.``), which :func:`dequantize` reads: 4-bit
     values packed two a byte, others (``bits`` 8: values of up to 8 bits) a byte each."""
     assert w.bits in (4, 8) and (w.bits == 8 or w.q.shape[1] % 2 == 0)
-    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
     q = pack_nibbles(w.q) if w.bits == 4 else w.q.to(torch.uint8)
     return {"q_weight": q.contiguous(), "q_scale": w.scale.float().contiguous(),
-            "q_zero": w.zero.to(torch.uint8).contiguous(), "q_offset": offset.float().contiguous(),
+            "q_zero": w.zero.to(torch.uint8).contiguous(), "q_offset": w.offsets().float().contiguous(),
             "q_bits": torch.tensor([w.bits], dtype=torch.uint8)}
 
 
@@ -190,6 +190,10 @@ class IntWeight:
 
     def get_dtype(self) -> str:
         return "F32"  # as a safetensors slice names the dtype it reads as
+
+    def offsets(self) -> torch.Tensor:
+        """The offsets [out, groups] (zeros where it has none)."""
+        return torch.zeros_like(self.scale) if self.offset is None else self.offset
 
     def dense(self) -> torch.Tensor:
         w = (self.q.float() - self.zero.repeat_interleave(self.group_size, 1)) \
@@ -439,8 +443,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def group_terms(w: IntWeight) -> torch.Tensor:
     """An IntWeight's scale, zero point and offset [rows, groups, 3] (float32), as an expert keeps them."""
-    offset = torch.zeros_like(w.scale) if w.offset is None else w.offset
-    return torch.stack([w.scale.float(), w.zero.float(), offset.float()], dim=-1)
+    return torch.stack([w.scale.float(), w.zero.float(), w.offsets().float()], dim=-1)
 
 
 def dequantize_packed(packed: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:

@@ -891,8 +891,8 @@ class _ShardWriter:
     def __init__(self, out: Path, shard_bytes: int, dtype: torch.dtype = torch.float32, ints: RowIndex | None = None):
         self.out, self.shard_bytes, self.dtype = out, shard_bytes, dtype  # the floating tensors' dtype on disk
         self.skip: Callable[[str], bool] | None = None  # names not to keep, while it is set
-        # the file's 4-bit rows, and the model's decoder layers once its config is read (None: keep nothing in 4
-        # bits): a linear of those layers made of the rows is saved as their integers (gguf_quant)
+        # the file's integer rows, and the model's decoder layers once its config is read (None: keep no integers): a
+        # weight of those layers made of the rows is saved as their integers (gguf_quant)
         self.ints, self.layers = ints, None
         self.kept_ints: set[str] = set()  # the names saved as integers
         self.held: dict[str, torch.Tensor] = {}

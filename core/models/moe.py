@@ -89,7 +89,7 @@ from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLin
 from specray.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
-_told_partial_blocks = False  # the warning below, once per process
+_told_partial: set[str] = set()  # the kinds of kept experts whose warning below was given (once per process each)
 # per thread: whether SparseMoE forwards take the sync-free path (a drafter's graphs may be captured in one thread
 # while the target's eager steps run in another)
 _sync_free = threading.local()
@@ -390,7 +390,7 @@ class SparseMoE(nn.Module):
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)
         if block is not None and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
-            _tell_partial_blocks(i, x_dim, block, split=not expert_parallel and tp.size > 1)
+            _tell_partial("FP8", f"{list(block)} blocks", i, x_dim, split=not expert_parallel and tp.size > 1)
             block = None  # this rank's shares are not whole blocks: dequantized at load
         if block is not None and not keeps_fp8_experts(torch.empty(0).device):
             block = None  # a CPU: dequantized at load
@@ -400,7 +400,8 @@ class SparseMoE(nn.Module):
         group = None if block is not None else experts_int4_group(getattr(config, "quantization_config", None),
                                                                    torch.empty(0).device)
         if group is not None and (x_dim % group or i % group):
-            _tell_partial_int4_groups(i, x_dim, group)
+            _tell_partial("4-bit", f"the checkpoint's {group}-column groups", i, x_dim,
+                          split=not expert_parallel and tp.size > 1)
             group = None  # this rank's shares are not whole groups: dequantized at load
         self.int4_group = group
         if group is not None:  # 4-bit values two a byte, a scale, zero point and offset per group (int_quant)
@@ -832,32 +833,20 @@ def is_per_expert_tensor(name: str) -> bool:
     return bool(_PER_EXPERT.search(name))
 
 
-def _tell_partial_blocks(inter: int, hidden: int, block: tuple[int, int], split: bool) -> None:
-    """Once per process: why the experts of an FP8 checkpoint are not kept in FP8 (``split``: split by width)."""
-    global _told_partial_blocks
-    if _told_partial_blocks:
+def _tell_partial(kept: str, units: str, inter: int, hidden: int, split: bool) -> None:
+    """Once per process and ``kept`` format (FP8, 4-bit): why a checkpoint's experts are not kept in it, this rank's
+    share of them not whole ``units`` (its blocks or groups; ``split``: split by width)."""
+    if kept in _told_partial:
         return
-    _told_partial_blocks = True
+    _told_partial.add(kept)
     advice = "" if not split else (" choose a tensor_parallel_size that leaves each rank whole blocks of the expert "
                                    "width, or set enable_expert_parallel=True (whole experts per rank)")
-    logger.warning("FP8 experts dequantized at load (twice the bytes of FP8): each rank's expert width %d or the "
-                   "hidden size %d is not a whole number of %s blocks;%s", inter, hidden, list(block), advice)
+    logger.warning("%s experts dequantized at load: each rank's expert width %d or the hidden size %d is not a whole "
+                   "number of %s;%s", kept, inter, hidden, units, advice)
 
 
 def _uint8_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
-
-
-_told_partial_groups = False
-
-
-def _tell_partial_int4_groups(inter: int, hidden: int, group: int) -> None:
-    """Once per process: why a 4-bit checkpoint's experts are not kept in 4 bits."""
-    global _told_partial_groups
-    if not _told_partial_groups:
-        _told_partial_groups = True
-        logger.warning("4-bit experts dequantized at load: each rank's expert width %d or the hidden size %d is not "
-                       "a whole number of the checkpoint's %d-column groups", inter, hidden, group)
 
 
 def _fp8_param(*shape: int) -> nn.Parameter:
