@@ -15,7 +15,7 @@ import time
 
 from specray.cluster.reasoning import REASONING_PARSERS
 from specray.cluster.tool_parsers import TOOL_CALL_PARSERS
-from specray.config import DEQUANTIZE_INT4_ENV, GGUF_DTYPE_ENV, GGUF_DTYPES, QUANTIZATIONS
+from specray.config import DEQUANTIZE_INT4_ENV, GGUF_DTYPE_ENV, GGUF_DTYPES, MAMBA_SSM_CACHE_DTYPES, QUANTIZATIONS
 
 logger = logging.getLogger("specray.cli")
 
@@ -123,6 +123,9 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
                    "(vLLM's flag)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="fp8: K/V stored in one byte each (vLLM's flag; default auto, the model's dtype)")
+    p.add_argument("--mamba-ssm-cache-dtype", default=None, choices=list(MAMBA_SSM_CACHE_DTYPES),
+                   help="the dtype linear-attention and Mamba layers keep their recurrent state in between steps "
+                   "(vLLM's flag; default auto: the model config's, else float32; bfloat16 halves it)")
     p.add_argument("--quantization", "-q", default=None, choices=sorted(QUANTIZATIONS),
                    help="the checkpoint's quantization method, checked against its config.json (vLLM's flag; "
                    "default: read from there)")
@@ -418,7 +421,7 @@ def engine_kwargs(args) -> dict:
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
-                 "kv_cache_dtype", "quantization", "hf_overrides", *_SIZING_FLAGS):
+                 "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", *_SIZING_FLAGS):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -507,7 +510,8 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "kv_cache_dtype", "quantization", "hf_overrides", "distributed_executor_backend", *_SIZING_FLAGS,
+                "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides",
+                "distributed_executor_backend", *_SIZING_FLAGS,
                 "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "dynamic_lora_loading_path",
                 "max_loras", "max_lora_rank",
                 "max_cpu_loras")

@@ -264,6 +264,8 @@ DEQUANTIZE_INT4_ENV = "SPECRAY_DEQUANTIZE_INT4"
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format: the checkpoint's weights, or random ones (none read)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (specray.models.kv_cache)
+# vLLM's mamba_ssm_cache_dtype (specray.models.kv_cache.ssm_cache_dtype)
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's quantization names -> the checkpoint's quantization_config.quant_method they stand for (specray reads the
 # method from the checkpoint; the option only confirms it: its Marlin names choose kernels specray does not have)
 QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
@@ -344,6 +346,10 @@ class EngineArgs:
     # byte (over the checkpoint's K/V scales, else 1; clamped to the format's range): twice a bf16 cache's tokens in
     # the same memory, at some accuracy
     kv_cache_dtype: str = "auto"
+    # vLLM's: the dtype a model's linear-attention and Mamba layers keep their recurrent matrices in between steps:
+    # "auto" is the model config's own mamba_ssm_cache_dtype where it has one, else float32; "bfloat16" or "float16"
+    # halves the state's memory (more requests fit), at the accuracy of rounding the state once a step
+    mamba_ssm_cache_dtype: str = "auto"
     # vLLM's: the checkpoint's quantization method (QUANTIZATIONS), checked against its config.json; None reads it
     # from there (quantized weights load either way: specray.models.int_quant, specray.models.fp8)
     quantization: str | None = None
@@ -429,6 +435,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)} ('auto': "
                              "the model's dtype; the others store K/V in that FP8 format)")
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r} must be one of "
+                             f"{list(MAMBA_SSM_CACHE_DTYPES)} ('auto': the model config's, else float32)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; one of {sorted(QUANTIZATIONS)}, "
                              "or None to read it from the checkpoint's config.json")

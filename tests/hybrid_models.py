@@ -169,10 +169,11 @@ class Stepper:
     """Our model over a paged cache (shuffled blocks) and a recurrent state, driven as the runner drives it: each
     sequence has a slot; a chunk with drafts leaves them pending and the next chunk replays the accepted ones."""
 
-    def __init__(self, model, num_blocks: int = 200, slots: int = 4, max_pending: int = 4):
+    def __init__(self, model, num_blocks: int = 200, slots: int = 4, max_pending: int = 4,
+                 state_dtype: torch.dtype = torch.float32):
         self.model = model
         self.cache = allocate_kv_cache(model, num_blocks, BLOCK)
-        self.state = allocate_recurrent_state(model, slots, max_pending)
+        self.state = allocate_recurrent_state(model, slots, max_pending, state_dtype)
         self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist())
         self.tables: dict[int, list[int]] = {}
         self.base: dict[int, tuple[int, int]] = {}  # slot -> (committed position, pending drafts)

@@ -56,7 +56,7 @@ class ModelRunner:
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
                  lora: LoRASlots | None = None, kv_cache_dtype: str = "auto",
                  aux_layers: tuple[int, ...] | None = None, max_num_seqs: int = 0, max_draft_tokens: int = 0,
-                 recurrent_snapshots: int = 0):
+                 recurrent_snapshots: int = 0, ssm_cache_dtype: torch.dtype = torch.float32):
         self.model = model
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
@@ -71,7 +71,8 @@ class ModelRunner:
         # RecurrentSlots), a scratch slot past them for graph steps' padding sequences and, with prefix caching, the
         # states kept at block boundaries (snapshots) past that
         self.recurrent_state = allocate_recurrent_state(
-            model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS + recurrent_snapshots, max_draft_tokens)
+            model, SLOTS_PER_REQUEST * max_num_seqs + SCRATCH_SLOTS + recurrent_snapshots, max_draft_tokens,
+            ssm_cache_dtype)
         self.recurrent = None if self.recurrent_state is None else RecurrentSlots(max_num_seqs, max_draft_tokens)
         # the target layers whose residual stream the forward returns: the drafter's; a pipeline stage without the
         # drafter still carries those among its layers on to the last stage (``aux_layers``, from the worker)

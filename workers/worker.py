@@ -21,7 +21,7 @@ import torch.distributed as dist
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.models.interface import CausalLM
 from specray.lora import LoRAConfig
-from specray.models.kv_cache import bytes_per_block, fp8_format, recurrent_bytes, storage_dtype
+from specray.models.kv_cache import bytes_per_block, fp8_format, recurrent_bytes, ssm_cache_dtype, storage_dtype
 from specray.models.lora import LoRASlots
 from specray.models.loader import load_hf_config, load_model, read_config
 from specray.models.plain_config import PlainConfig
@@ -69,6 +69,7 @@ class WorkerConfig:
     # LoRA adapters (enable_lora): specray.lora.LoRAConfig's fields; None: none
     lora: dict | None = None
     kv_cache_dtype: str = "auto"  # the target's K/V in the model's dtype, or in an FP8 format (kv_cache_dtype)
+    mamba_ssm_cache_dtype: str = "auto"  # the recurrent matrices' dtype (specray.models.kv_cache.ssm_cache_dtype)
     # the decoder layers split into this many stages (global ranks numbered stage by stage, each stage's
     # tensor-parallel ranks consecutive)
     pipeline_parallel_size: int = 1
@@ -240,14 +241,17 @@ class Worker:
         if not specs:
             return 0
         need = recurrent_bytes(specs, self.config.max_num_seqs, self.dtype, self.config.max_draft_tokens,
-                               self.config.recurrent_snapshots)
+                               self.config.recurrent_snapshots, self._ssm_dtype())
         if need >= budget:
             raise ValueError(f"the recurrent state of {self.config.max_num_seqs} requests (max_num_seqs) takes "
                              f"{need} bytes, and the KV cache's budget is {budget} bytes: lower max_num_seqs or "
                              "raise kv_cache_memory_bytes (gpu_memory_utilization on a GPU)")
-        logger.info("recurrent state: %d requests (two slots each), %.1f MiB", self.config.max_num_seqs,
-                    need / (1 << 20))
+        logger.info("recurrent state: %d requests (two slots each), %.1f MiB, matrices in %s",
+                    self.config.max_num_seqs, need / (1 << 20), str(self._ssm_dtype()).removeprefix("torch."))
         return need
+
+    def _ssm_dtype(self) -> torch.dtype:
+        return ssm_cache_dtype(self.config.mamba_ssm_cache_dtype, getattr(self.model, "config", None))
 
     def init_cache(self, num_blocks: int) -> None:
         drafter = None
@@ -264,7 +268,8 @@ class Worker:
                                   step_graphs=graphs, lora=self.lora, kv_cache_dtype=self.config.kv_cache_dtype,
                                   aux_layers=self.aux_layers, max_num_seqs=self.config.max_num_seqs,
                                   max_draft_tokens=self.config.max_draft_tokens,
-                                  recurrent_snapshots=self.config.recurrent_snapshots)
+                                  recurrent_snapshots=self.config.recurrent_snapshots,
+                                  ssm_cache_dtype=self._ssm_dtype())
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and

@@ -310,6 +310,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  enforce_eager=args.enforce_eager, load_format=args.load_format,
                                  lora=None if lora is None else dataclasses.asdict(lora),
                                  kv_cache_dtype=args.kv_cache_dtype,
+                                 mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                                  pipeline_parallel_size=args.pipeline_parallel_size,
                                  max_num_seqs=engine_seats(args),
                                  max_draft_tokens=max_pending_drafts(spec) if recurrent else 0,

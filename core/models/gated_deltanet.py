@@ -479,7 +479,7 @@ class RecurrentMixer(nn.Module):
             g_pad = torch.nn.utils.rnn.pad_sequence([s[5] for s in seqs], batch_first=True)  # [B, L, Hv], 0 past end
             beta_pad = torch.nn.utils.rnn.pad_sequence([s[6] for s in seqs], batch_first=True)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=mixed.device)
-        initial = st.matrix.index_select(0, slots)
+        initial = st.matrix.index_select(0, slots).float()
         fresh = [i for i, s in enumerate(seqs) if s[1]]
         if fresh:
             initial[fresh] = 0.0
@@ -493,7 +493,8 @@ class RecurrentMixer(nn.Module):
             out[b, :rows], kept[b] = out_b, kept_b
         out = self._skip(out, v)
         targets = batch.slots if batch.targets is None else batch.targets
-        st.matrix.index_copy_(0, torch.tensor(targets, dtype=torch.long, device=mixed.device), kept)
+        targets_t = torch.tensor(targets, dtype=torch.long, device=mixed.device)
+        st.matrix.index_copy_(0, targets_t, kept.to(st.matrix.dtype))
         for (_, _, n, drafts, window, g_seq, beta_seq), done, row in zip(seqs, committed, targets):
             st.inputs[row, :width] = window[done: done + width]  # the last K - 1 committed inputs
             if drafts:
@@ -551,11 +552,11 @@ class RecurrentMixer(nn.Module):
                                  zero)
             beta_rows = torch.where(real, torch.cat((gates[:, :, 1], beta.view(b, q_rows, heads)), 1).gather(
                 1, row_src), zero)
-        initial = st.matrix.index_select(0, slots).masked_fill(fresh[:, None, None, None], 0.0)
+        initial = st.matrix.index_select(0, slots).float().masked_fill(fresh[:, None, None, None], 0.0)
         committed = replay + lens - drafts  # [B]: rows through the last committed token (0: a padding sequence)
         out, kept = self._rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
         out = self._skip(out, v)
-        st.matrix.index_copy_(0, targets, kept)
+        st.matrix.index_copy_(0, targets, kept.to(st.matrix.dtype))
         # the target's stored rows: the last K - 1 committed inputs (window rows from `committed` on), then the
         # drafts' inputs; rows past the drafts are zeroed (padding is never kept pending)
         i = torch.arange(width + pend, device=dev)[None, :]

@@ -324,11 +324,30 @@ SLOTS_PER_REQUEST = 2
 SCRATCH_SLOTS = 1
 
 
+# vLLM's mamba_ssm_cache_dtype: the dtype the recurrent matrices are kept in between steps (the math is float32
+# either way). "auto": the model config's own ``mamba_ssm_cache_dtype`` (Nemotron-H's field) where it names one, else
+# float32, since the matrix sums every token a request has seen and a half type rounds each step's sum; a half type
+# halves the state's memory (and its snapshots') at that accuracy.
+SSM_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ssm_cache_dtype(name: str, config=None) -> torch.dtype:
+    """The recurrent matrices' dtype for the engine's ``mamba_ssm_cache_dtype`` ``name`` and the model's config."""
+    if name == "auto":
+        name = str(getattr(config, "mamba_ssm_cache_dtype", None) or "float32").removeprefix("torch.")
+        if name not in SSM_CACHE_DTYPES:
+            raise ValueError(f"the model config's mamba_ssm_cache_dtype={name!r} is not one of "
+                             f"{list(SSM_CACHE_DTYPES)}; set the engine's mamba_ssm_cache_dtype to one of them")
+    if name not in SSM_CACHE_DTYPES:
+        raise ValueError(f"mamba_ssm_cache_dtype={name!r} must be 'auto' or one of {list(SSM_CACHE_DTYPES)}")
+    return SSM_CACHE_DTYPES[name]
+
+
 @dataclass(frozen=True)
 class RecurrentStateSpec:
     """What one linear-attention layer keeps per request on this rank: its causal conv's last ``conv_width`` inputs
-    (``conv_dim`` channels, the model's dtype) and a ``[num_heads, key_dim, value_dim]`` matrix (float32: it sums
-    every token the request has seen, which a half type would round away). Replay needs, per pending draft, its conv
+    (``conv_dim`` channels, the model's dtype) and a ``[num_heads, key_dim, value_dim]`` matrix (float32 unless
+    ``mamba_ssm_cache_dtype`` says otherwise: :func:`ssm_cache_dtype`). Replay needs, per pending draft, its conv
     input (``conv_dim``) and its decay and update strength (``num_heads`` each, float32)."""
 
     conv_dim: int
@@ -337,18 +356,19 @@ class RecurrentStateSpec:
     key_dim: int
     value_dim: int
 
-    def bytes_per_slot(self, dtype: torch.dtype, max_pending: int) -> int:
+    def bytes_per_slot(self, dtype: torch.dtype, max_pending: int, state_dtype: torch.dtype = torch.float32) -> int:
         conv = (self.conv_width + max_pending) * self.conv_dim * dtype.itemsize
-        matrix = self.num_heads * self.key_dim * self.value_dim * 4
+        matrix = self.num_heads * self.key_dim * self.value_dim * state_dtype.itemsize
         return conv + matrix + max_pending * 2 * self.num_heads * 4
 
 
 def recurrent_bytes(specs: list[RecurrentStateSpec], num_requests: int, dtype: torch.dtype, max_pending: int,
-                    snapshots: int = 0) -> int:
+                    snapshots: int = 0, state_dtype: torch.dtype = torch.float32) -> int:
     """Bytes the recurrent state of every layer of ``specs`` takes for ``num_requests`` requests (their
-    ``SLOTS_PER_REQUEST`` slots each, and the ``SCRATCH_SLOTS``) and ``snapshots`` kept states (prefix caching)."""
+    ``SLOTS_PER_REQUEST`` slots each, and the ``SCRATCH_SLOTS``) and ``snapshots`` kept states (prefix caching),
+    its matrices in ``state_dtype``."""
     slots = num_requests * SLOTS_PER_REQUEST + SCRATCH_SLOTS + snapshots
-    return slots * sum(spec.bytes_per_slot(dtype, max_pending) for spec in specs)
+    return slots * sum(spec.bytes_per_slot(dtype, max_pending, state_dtype) for spec in specs)
 
 
 @dataclass
@@ -356,7 +376,8 @@ class RecurrentLayerState:
     """One layer's views: ``inputs`` [slots, conv_width + max_pending, conv_dim] (rows before ``conv_width``: the
     conv's committed history, oldest first; then the pending drafts' inputs), ``gates`` [slots, max_pending, 2,
     heads] float32 (each pending draft's log decay g and strength beta), ``matrix`` [slots, heads, key_dim,
-    value_dim] float32."""
+    value_dim] (float32, or the engine's ``mamba_ssm_cache_dtype``: layers read it as float32 and round what they
+    write back)."""
 
     inputs: torch.Tensor
     gates: torch.Tensor
@@ -373,14 +394,14 @@ class RecurrentState:
     a model to it (``bind_recurrent_state``)."""
 
     def __init__(self, specs: list[RecurrentStateSpec], num_slots: int, max_pending: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, state_dtype: torch.dtype = torch.float32):
         if num_slots < 1:
             raise ValueError(f"a recurrent state needs at least one slot (max_num_seqs), got {num_slots}")
         self.specs, self.num_slots, self.max_pending = list(specs), num_slots, max_pending
         self.layers = [RecurrentLayerState(
             torch.zeros(num_slots, s.conv_width + max_pending, s.conv_dim, dtype=dtype, device=device),
             torch.zeros(num_slots, max_pending, 2, s.num_heads, dtype=torch.float32, device=device),
-            torch.zeros(num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device))
+            torch.zeros(num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=state_dtype, device=device))
             for s in self.specs]
 
     def layer(self, i: int) -> RecurrentLayerState:
@@ -414,11 +435,13 @@ class RecurrentState:
                 t.index_copy_(0, dst_t, t.index_select(0, src_t))
 
 
-def allocate_recurrent_state(model, num_slots: int, max_pending: int) -> RecurrentState | None:
-    """The recurrent state of ``model``'s linear-attention layers (None for a model without any), bound to them."""
+def allocate_recurrent_state(model, num_slots: int, max_pending: int,
+                             state_dtype: torch.dtype = torch.float32) -> RecurrentState | None:
+    """The recurrent state of ``model``'s linear-attention layers (None for a model without any), bound to them,
+    their matrices in ``state_dtype``."""
     specs = getattr(model, "recurrent_state_specs", lambda: [])()
     if not specs:
         return None
-    state = RecurrentState(specs, num_slots, max_pending, model.dtype, model.device)
+    state = RecurrentState(specs, num_slots, max_pending, model.dtype, model.device, state_dtype)
     model.bind_recurrent_state(state)
     return state
