@@ -47,7 +47,7 @@ def linear_bytes(llm) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase) and not hasattr(module, "num_embeddings"):  # not the LM head
-            tensors = list(module.int4.buffers()) if module.int4 is not None else [module.weight]
+            tensors = list(module.kept.buffers()) if module.kept is not None else [module.weight]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
             if module.packed is not None:  # a CPU fp32 weight in oneDNN's layout instead of its dense one
                 total += module.packed.numel() * 4

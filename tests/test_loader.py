@@ -2054,7 +2054,7 @@ def int4_weights(monkeypatch):
 
 
 def int4_linears(model) -> list:
-    return [m for m in model.modules() if getattr(m, "int4", None) is not None]
+    return [m for m in model.modules() if getattr(m, "kept", None) is not None]
 
 
 @pytest.mark.parametrize("scheme", sorted(INT_SCHEMES))
@@ -2070,7 +2070,7 @@ def test_int_release_loads(tiny_llama_dir, tmp_path, scheme, int4_weights):
     kept = int4_linears(model)
     assert len(kept) == (8 if scheme in INT4_KEPT else 0)  # q/k/v, o, gate/up and down of 2 layers
     if kept:
-        int4_bytes = sum(b.numel() * b.element_size() for m in kept for b in m.int4.buffers())
+        int4_bytes = sum(b.numel() * b.element_size() for m in kept for b in m.kept.buffers())
         dense_bytes = sum(m.weight.numel() * 4 for name, m in dense.named_modules() if name.endswith("proj"))
         assert all(m.weight.numel() == 0 for m in kept) and int4_bytes < dense_bytes / 4
     got = prefill_logits(model, ids)
@@ -2125,7 +2125,7 @@ def test_dummy_weights_of_a_4_bit_release(tiny_llama_dir, tmp_path, device, int4
     kept = int4_linears(net)
     assert len(kept) == 8 and all(m.weight.numel() == 0 for m in kept)
     eye = torch.eye(kept[0].dense_shape[1], dtype=dtype, device=device)
-    weight = kept[0].int4.matmul(eye).float()  # x = I: the weight the kernel applies, transposed
+    weight = kept[0].kept.matmul(eye).float()  # x = I: the weight the kernel applies, transposed
     assert 0 < weight.abs().max() <= loader.DUMMY_WEIGHT_RANGE * 1.01 and weight.unique().numel() > 8
     assert torch.isfinite(prefill_logits(net, list(range(3, 20))).float()).all()
     out = LLM(model=str(folder), max_model_len=64, load_format="dummy", dtype="bfloat16", device=device).generate(

@@ -119,7 +119,7 @@ def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypat
     adapter = checkpoints.write_lora(ref, tmp_path / "adapter", rank=4, alpha=8, seed=1)
     merged = _hf(checkpoints.merge_lora(ref, adapter, tmp_path / "merged"))
     ours = load_model(quant)
-    assert all(m.int4 is not None for name, m in ours.named_modules() if name.endswith("proj"))
+    assert all(m.kept is not None for name, m in ours.named_modules() if name.endswith("proj"))
     ids = _tokens(21, 3, ours.config.vocab_size)
     got = _adapted_prefill(ours, adapter, ids)
     with torch.no_grad():

@@ -1023,6 +1023,7 @@ TP_WORKER = textwrap.dedent("""
     threads_before = threads()
     cpu_kernels.FP8_EXPERTS = True  # FP8 releases' experts kept in FP8, as on a GPU
     cpu_kernels.INT4_WEIGHTS = True  # 4-bit releases' linears kept in 4 bits, as on a GPU
+    cpu_kernels.FP8_WEIGHTS = True  # row-scaled FP8 releases' linears kept in FP8, as on a GPU
     import torch.distributed.nn  # noqa: F401  before init: see join_tp_group (workers/worker.py)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
@@ -1037,17 +1038,38 @@ TP_WORKER = textwrap.dedent("""
         h2 = model(torch.tensor(ids[27:31] + ids[31:32]), meta)
         return model.compute_logits(torch.cat([h1, h2]))
 
+    def rounded_per_rank(model):
+        # a model's FP8 row-parallel linears computed as `world` ranks compute their shares, by hand: each share of
+        # a row's input rounded to e4m3 over that share's own scale, the shares' products summed
+        from specray.models.fp8_linear import Fp8Linear
+        from specray.models.layers import RowParallelLinear
+
+        def shares(kept):
+            def matmul(x):
+                out = 0
+                for xs, ws in zip(x.chunk(world, -1), kept.weight.chunk(world, -1)):
+                    s = xs.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 448.0
+                    xq = (xs.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                    out = out + (xq.float() * s) @ (ws.float() * kept.scale.reshape(-1, 1)).t()
+                return out.to(x.dtype)
+            return matmul
+
+        for m in model.modules():
+            if isinstance(m, RowParallelLinear) and isinstance(m.kept, Fp8Linear):
+                m.kept.matmul = shares(m.kept)
+        return model
+
     result = {}
     for folder in folders:  # a folder named *-ep: a mixture of experts split by whole experts
         model = load_model(folder, TPGroup.from_world(), expert_parallel=folder.endswith("-ep"))
         kv_heads = getattr(model.kv_cache_specs()[0], "num_kv_heads", 1)  # MLA: one latent, replicated
-        one_rank = run(load_model(folder))
+        one_rank = run(rounded_per_rank(load_model(folder)))
         diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
         own_diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 1 << 30
         fp8 = any(getattr(m, "fp8_block", None) for m in model.modules())  # experts kept in float8
-        int4 = any(getattr(m, "int4", None) is not None for m in model.modules())  # linears kept in 4 bits
+        int4 = any(getattr(m, "kept", None) is not None for m in model.modules())  # linears kept quantized
         int4_experts = any(getattr(m, "int4_group", None) for m in model.modules())  # experts kept in 4 bits
         result[folder] = [max(diff, own_diff), model.lm_head.weight.shape[0], kv_heads, fp8, int4, int4_experts]
     # While anything holds the process group (the model's layers), destroy_process_group leaves gloo's threads
@@ -1081,7 +1103,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     attention (one KV head, replicated), OLMo 2's q/k norms over all heads (summed over the ranks), Phi-3's fused
     projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
     norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits; an AWQ mixture's
-    experts kept in 4 bits whole per rank, dequantized where split into partial groups), tied and untied heads;
+    experts kept in 4 bits whole per rank, dequantized where split into partial groups), a row-scaled FP8 release
+    kept in FP8 (each rank rounding its share of a row-parallel input, as one rank does it by hand), tied and
+    untied heads;
     decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
@@ -1114,6 +1138,11 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     # columns' groups in 4 bits)
     folders += [str(checkpoints.write_int(Path(folders[0]), tmp_path / f"llama-{scheme}", scheme)[0])
                 for scheme in ("gptq4-act-order-v2", "awq4-g32")]
+    # a row-scaled FP8 release, its linears kept in FP8 (W8A8): each rank rounds its share of a row-parallel linear's
+    # input over its own scale (as vLLM's ranks do), which the one-rank model's row-parallel linears do by hand here
+    fp8_rows = str(checkpoints.write_fp8(Path(folders[0]), tmp_path / "llama-fp8-q", strategy="channel")[0].rename(
+        tmp_path / "llama-fp8-rows"))
+    folders.append(fp8_rows)
     # an AWQ mixture of experts: split by width, each rank's 16 of the 32-wide experts are not whole 32-column groups
     # (dequantized at load); whole experts per rank keep them in 4 bits
     moe_split = checkpoints.split_experts(Path(folders[3]), tmp_path / "qwen3moe-split")
@@ -1131,7 +1160,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4, int4_experts) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
-            assert int4 == ("awq4" in folder), folder
+            assert int4 == ("awq4" in folder or folder == fp8_rows), folder
             assert int4_experts == folder.endswith("awq4-ep"), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1

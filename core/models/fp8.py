@@ -9,7 +9,9 @@ scale per ``weight_block_size`` block ([128, 128] in these releases; one per ten
 weight is ``W = W_fp8 * scale`` over each block (the scale is the inverse of the quantizer's: multiply to
 dequantize). Activations are quantized per token at run time in these releases (``activation_scheme: dynamic``),
 which full-precision matmuls need not mimic. Weights come out in float32 and are then cast to the model's dtype,
-so a model loads at its dtype's size (bf16: twice the FP8 bytes); FP8 matmul kernels are a GPU feature not done.
+so a model loads at its dtype's size (bf16: twice the FP8 bytes), but for the linears of a checkpoint with one scale
+per output row or per tensor on a device with FP8 matmuls: those come out as
+:class:`~specray.models.fp8_linear.Fp8Rows` and stay FP8 (:mod:`specray.models.fp8_linear`, W8A8).
 
 A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
 come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
@@ -24,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specray.models.fp8_linear import Fp8Rows
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize
 from specray.models.mxfp4 import is_mxfp4
@@ -135,20 +138,31 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return w * full
 
 
+def row_scaled(weight: torch.Tensor, scale: torch.Tensor) -> Fp8Rows:
+    """A float8 weight [out, in] with one scale, or one per output row, as :class:`Fp8Rows` (a scale per row)."""
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(f"a weight of shape {tuple(weight.shape)} needs one scale, or one per output row, not "
+                         f"{tuple(scale.shape)}: the checkpoint does not match its config")
+    return Fp8Rows(weight, scale.float().reshape(-1).expand(weight.shape[0]).contiguous())
+
+
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
-                keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX
+                keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX, rows: bool = False
                 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
-    ``suffix``, consumed), but for those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`;
-    static activation scales (``.input_scale``) are dropped; other tensors pass through untouched (lazy slices stay
-    lazy). A weight and its scale may come in either order, from any file; one without the other at the end is a
-    ValueError."""
+    ``suffix``, consumed), but for those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`,
+    and, with ``rows`` (a model that keeps FP8 linears), the e4m3 weights scaled per row or per tensor, which come as
+    :class:`~specray.models.fp8_linear.Fp8Rows`; static activation scales (``.input_scale``) are dropped; other
+    tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
+    any file; one without the other at the end is a ValueError."""
     weights_waiting: dict[str, Any] = {}
     scales_waiting: dict[str, Any] = {}
 
     def paired(name: str, weight: Any, scale: Any) -> Any:
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
+        if block is None and rows and dtype_of(weight) == torch.float8_e4m3fn:
+            return row_scaled(materialize(weight), materialize(scale))
         return dequantize(materialize(weight), materialize(scale), block)
 
     for name, tensor in weights:

@@ -217,6 +217,10 @@ class IntWeight:
         return IntWeight(self.q[:, start: start + count], self.scale[:, groups], self.zero[:, groups], g, self.bits,
                          None if self.offset is None else self.offset[:, groups])
 
+    def staging(self, rows: int, cols: int) -> "IntStaging":
+        """Where a linear of [rows, cols] gathers its parts of this kind (:class:`IntStaging`)."""
+        return IntStaging(rows, cols, self)
+
 
 def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight | torch.Tensor:
     """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
@@ -332,8 +336,9 @@ class IntStaging:
         self.offset: torch.Tensor | None = None  # made when a part with offsets comes (zeros: as none)
         self.group_size, self.bits = g, like.bits
 
-    def fits(self, w: IntWeight) -> bool:
-        return (w.group_size, w.bits) == (self.group_size, self.bits) and w.q.shape[1] == self.q.shape[1]
+    def fits(self, w) -> bool:
+        return isinstance(w, IntWeight) and (w.group_size, w.bits) == (self.group_size, self.bits) \
+            and w.q.shape[1] == self.q.shape[1]
 
     def put(self, offset: int, w: IntWeight) -> None:
         rows = slice(offset, offset + w.q.shape[0])
@@ -345,6 +350,12 @@ class IntStaging:
 
     def weight(self) -> IntWeight:
         return IntWeight(self.q, self.scale, self.zero, self.group_size, self.bits, self.offset)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight().dense()
+
+    def kept(self, device: torch.device, dtype: torch.dtype) -> "Int4Weight | None":
+        return pack_int4(self.weight(), device, dtype)
 
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's 4-bit kernels take

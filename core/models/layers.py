@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models import cpu_kernels
-from specray.models.int_quant import Int4Weight, IntStaging, IntWeight, pack_int4
+from specray.models.fp8_linear import Fp8Linear, Fp8Rows, Fp8Staging
+from specray.models.int_quant import Int4Weight, IntStaging, IntWeight
 from specray.parallel import TPGroup
 
 # ---------------------------------------------------------------------------------------------- weight helpers
@@ -73,27 +74,28 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, int4: Int4Weight | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D ``x``, the one entry every linear calls: a weight kept in 4 bits through torch's
-    weight-only kernel (``int4``); on CPU the kernels of :mod:`specray.models.cpu_kernels` (``packed`` is a weight
-    they prepared at load), elsewhere plain."""
+           packed: torch.Tensor | None = None, kept: Int4Weight | Fp8Linear | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x``, the one entry every linear calls: a weight kept quantized (``kept``: in 4 bits
+    through torch's weight-only kernel, or in FP8 through its scaled matmul); on CPU the kernels of
+    :mod:`specray.models.cpu_kernels` (``packed`` is a weight they prepared at load), elsewhere plain."""
     # x: [M, K]; weight: [N, K] -> [M, N]
-    if int4 is not None:
-        y = int4.matmul(x)
+    if kept is not None:
+        y = kept.matmul(x)
         return y if bias is None else y + bias
     if x.device.type == "cpu":
         return cpu_kernels.cpu_linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 
-_KEEP_INTS = False  # linears built now keep a quantized checkpoint's integers (int_linears)
+_KEEP_INTS = False  # linears built now keep a quantized checkpoint's values (int_linears)
+KEPT_TYPES = (IntWeight, Fp8Rows)  # the quantized weights a linear keeps so (each with .rows, .cols, .staging)
 
 
 @contextlib.contextmanager
 def int_linears(enabled: bool = True):
-    """Linears built inside keep a quantized checkpoint's integers instead of a dense weight
-    (:mod:`specray.models.int_quant`): no dense storage until a dense weight loads; then
-    :func:`keep_int4_weights`."""
+    """Linears built inside keep a quantized checkpoint's values (:data:`KEPT_TYPES`: integers,
+    :mod:`specray.models.int_quant`; row-scaled FP8, :mod:`specray.models.fp8_linear`) instead of a dense weight:
+    no dense storage until a dense weight loads; then :func:`keep_quantized_weights`."""
     global _KEEP_INTS
     old, _KEEP_INTS = _KEEP_INTS, enabled
     try:
@@ -105,44 +107,44 @@ def int_linears(enabled: bool = True):
 class LinearBase(nn.Module):
     """Base of the TP linears. ``packed`` is a kernel-specific copy of ``weight`` made once after loading
     (:func:`specray.models.cpu_kernels.pack_linear_weights`), None until then. Built under :func:`int_linears`, a
-    linear's ``weight`` starts empty (``keeps_ints``): an :class:`~specray.models.int_quant.IntWeight` loading into
-    it is staged (``staged``) and, once all have loaded, kept in 4 bits (``int4``, :func:`keep_int4_weights`); a
+    linear's ``weight`` starts empty (``keeps_ints``): a quantized weight (:data:`KEPT_TYPES`) loading into it is
+    staged (``staged``) and, once all have loaded, kept for its kernel (``kept``, :func:`keep_quantized_weights`); a
     dense one gets its dense storage then."""
 
     packed: torch.Tensor | None = None
     keeps_dense_weight = False  # packing keeps ``weight`` too
     lora = None  # a projection that takes LoRA adapters: its stacked adapters (specray.models.lora.LinearLoRA)
     keeps_ints = False
-    staged: IntStaging | None = None
-    int4: Int4Weight | None  # a submodule once kept (set per instance: a class default would hide it)
+    staged: IntStaging | Fp8Staging | None = None
+    kept: Int4Weight | Fp8Linear | None  # a submodule once kept (set per instance: a class default would hide it)
 
     def _own_weight(self, rows: int, cols: int) -> nn.Parameter:
         """The weight [rows, cols]: empty under :func:`int_linears` (its shape kept in ``dense_shape``)."""
-        self.int4 = None
+        self.kept = None
         self.dense_shape = (rows, cols)
         self.keeps_ints = _KEEP_INTS
         weight = _param(0) if _KEEP_INTS else _param(rows, cols)
         weight.weight_loader = self.weight_loader
         return weight
 
-    def _stage(self, offset: int, part: IntWeight | None) -> bool:
-        """Stage a part's integers at rows ``offset``; False (nothing staged) where they cannot be kept."""
+    def _stage(self, offset: int, part: IntWeight | Fp8Rows | None) -> bool:
+        """Stage a part's quantized values at rows ``offset``; False (nothing staged) where they cannot be kept."""
         if part is None or not self.keeps_ints or self.keeps_dense_weight or self.weight.numel():
             return False  # (a weight read as a matrix, DeepSeek's kv_b_proj, stays dense)
         if self.staged is None:
-            self.staged = IntStaging(self.dense_shape[0], self.dense_shape[1], part)
+            self.staged = part.staging(*self.dense_shape)
         if not self.staged.fits(part):
             return False
         self.staged.put(offset, part)
         return True
 
     def dense_weight(self) -> nn.Parameter:
-        """The weight with its dense storage (the integers staged so far dequantized into it)."""
+        """The weight with its dense storage (the values staged so far dequantized into it)."""
         w = self.weight
         if w.numel() == 0 and self.keeps_ints:
             w.data = torch.zeros(self.dense_shape, dtype=w.dtype, device=w.device)
             if self.staged is not None:
-                w.data.copy_(self.staged.weight().dense())
+                w.data.copy_(self.staged.dense())
                 self.staged = None
         return w
 
@@ -167,14 +169,14 @@ class ColumnParallelLinear(LinearBase):
         """Rows ``start .. start + size`` of a checkpoint tensor into rows ``offset ..`` of ``param`` (this
         linear's weight, staged where it keeps integers; its bias; or a LoRA shard)."""
         if param is self.weight:
-            if isinstance(loaded, IntWeight) and self._stage(offset, loaded.rows(start, size)):
+            if isinstance(loaded, KEPT_TYPES) and self._stage(offset, loaded.rows(start, size)):
                 return
             param = self.dense_weight()
         _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out_local]
-        y = linear(x, self.weight, self.bias, packed=self.packed, int4=self.int4)
+        y = linear(x, self.weight, self.bias, packed=self.packed, kept=self.kept)
         return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
 
 
@@ -263,7 +265,7 @@ class RowParallelLinear(LinearBase):
             return
         start = self.tp.rank * self.in_local
         if param is self.weight:
-            if isinstance(loaded, IntWeight) and self._stage(0, loaded.cols(start, self.in_local)):
+            if isinstance(loaded, KEPT_TYPES) and self._stage(0, loaded.cols(start, self.in_local)):
                 return
             param = self.dense_weight()
         _copy(param, narrow(loaded, 1, start, self.in_local))
@@ -276,21 +278,21 @@ class RowParallelLinear(LinearBase):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of ``x W^T`` before the sum over ranks (no bias): for a caller that adds several
         row-parallel outputs and reduces once."""
-        y = linear(x, self.weight, packed=self.packed, int4=self.int4)
+        y = linear(x, self.weight, packed=self.packed, kept=self.kept)
         return y if self.lora is None or not self.lora.context.active else y + self.lora.delta(x)
 
 
-def keep_int4_weights(model: nn.Module) -> int:
-    """After loading: every linear that staged integers keeps them in 4 bits for its device's kernel, or, where the
-    kernel does not take its shape, dequantized. Returns how many kept 4 bits."""
+def keep_quantized_weights(model: nn.Module) -> int:
+    """After loading: every linear that staged quantized values keeps them for its device's kernel (4 bits, FP8),
+    or, where the kernel does not take its shape, dequantized. Returns how many kept them."""
     kept = 0
     for module in model.modules():
         if isinstance(module, LinearBase) and module.staged is not None:
             w = module.weight
-            module.int4 = pack_int4(module.staged.weight(), w.device, w.dtype)
-            if module.int4 is None:
+            module.kept = module.staged.kept(w.device, w.dtype)
+            if module.kept is None:
                 module.dense_weight()
-            kept += module.int4 is not None
+            kept += module.kept is not None
             module.staged = None
     return kept
 

@@ -52,6 +52,7 @@ from torch import nn
 from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
+from specray.models.fp8_linear import keeps_fp8_linears, pack_fp8, random_fp8
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -69,7 +70,7 @@ from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_de
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
-from specray.models.layers import LinearBase, int_linears, keep_int4_weights
+from specray.models.layers import LinearBase, int_linears, keep_quantized_weights
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part, text_tensors
 from specray.parallel import PPGroup, TPGroup
@@ -346,14 +347,15 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
-def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None
-                       ) -> Iterator[tuple[str, Any]]:
+def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None,
+                       fp8_rows: bool = False) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with a quantized release's weights dequantized as they come (MXFP4, integers, FP8), but
     for an FP8 release's experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
     only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
     (and their scales) it names, the others not read (a pipeline stage's). A prefix may also be name patterns
-    (:func:`specray.models.registry.text_tensors`)."""
+    (:func:`specray.models.registry.text_tensors`). ``fp8_rows``: a row-scaled FP8 release's weights come as
+    :class:`~specray.models.fp8_linear.Fp8Rows`, for a model that keeps them (:func:`load_model`)."""
     quant = checkpoint_quantization(source)
     weights = iter_weights(source)
     if prefix:
@@ -368,7 +370,7 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
     block = fp8_block_size(quant)
     if block is False:
         return weights
-    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant))
+    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=fp8_rows)
 
 
 @contextlib.contextmanager
@@ -407,17 +409,20 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     if part is not None:  # a multimodal checkpoint: its text model's config and tensors only
         config, prefix = part
     model_cls = get_model_class(config)
-    # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant)
-    scheme = int_scheme(checkpoint_quantization(source))
+    # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant); an FP8
+    # one scaled per row or per tensor on a device with FP8 matmuls: its linears stay FP8 (fp8_linear)
+    quant = checkpoint_quantization(source)
+    scheme = int_scheme(quant)
     ints = keeps_int4(scheme, torch.device(device), dtype)
-    with _default_dtype(dtype), torch.device(device), int_linears(ints):
+    fp8_rows = fp8_block_size(quant) is None and keeps_fp8_linears(torch.device(device), dtype)
+    with _default_dtype(dtype), torch.device(device), int_linears(ints or fp8_rows):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
-        _dummy_weights(net, scheme if ints else None)
+        _dummy_weights(net, scheme if ints else None, fp8_rows)
     else:
-        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None)))
-        if ints:
-            logger.info("%d linears keep their 4-bit weights", keep_int4_weights(net))
+        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), fp8_rows))
+        if ints or fp8_rows:
+            logger.info("%d linears keep their %s weights", keep_quantized_weights(net), "FP8" if fp8_rows else "4-bit")
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)
@@ -427,24 +432,27 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
 
 
 @torch.no_grad()
-def _dummy_weights(net: nn.Module, ints: IntScheme | None) -> None:
+def _dummy_weights(net: nn.Module, ints: IntScheme | None, fp8: bool = False) -> None:
     """Random weights (``load_format="dummy"``). ``ints``: a 4-bit release's scheme, whose linears (built under
     ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy
-    model times the 4-bit kernel at a real size; a linear the kernel cannot take, or one read as a matrix, is dense."""
+    model times the 4-bit kernel at a real size; ``fp8``: a row-scaled FP8 release's, whose linears get random FP8
+    values kept so; a linear the kernel cannot take, or one read as a matrix, is dense."""
     for param in net.parameters():
         if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
             continue  # its hash layers send every token to expert 0
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
-    if ints is None:
+    if ints is None and not fp8:
         return
     for module in net.modules():
         if isinstance(module, LinearBase) and module.keeps_ints and module.weight.numel() == 0:
             w = module.weight
             if not module.keeps_dense_weight:
                 rows, cols = module.dense_shape
-                module.int4 = pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
-                                        w.device, w.dtype)
-            if module.int4 is None:
+                module.kept = (pack_fp8(random_fp8(rows, cols, DUMMY_WEIGHT_RANGE, w.device), w.device, w.dtype)
+                               if fp8 else
+                               pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
+                                         w.device, w.dtype))
+            if module.kept is None:
                 module.dense_weight().uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
 
 
