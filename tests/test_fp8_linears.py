@@ -56,10 +56,10 @@ def rounded_activations(model):
 
 
 def test_the_scaled_matmul_is_the_stated_math():
-    """Each row of x is quantized with its own scale max|x_row| / 448 and y = (xq Wq^T) s_x s_w: equal to that
-    formula computed by hand in float32, each row's output the same alone as in a batch (within float32's sums),
-    within the activations' rounding of the dense product but not equal to it; a weight the kernel cannot take (a side not a multiple of 16)
-    is not packed."""
+    """Each row of x is quantized with its own scale max|x_row| / 448 and y = (xq Wq^T) s_x s_w: equal to that formula
+    computed by hand in float32, each row's output the same alone as in a batch (within float32's sums), within the
+    activations' rounding of the dense product but not equal to it; a weight the kernel cannot take (a side not a
+    multiple of 16) is not packed."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g)
     scale = w.abs().amax(1) / FP8_MAX
@@ -100,9 +100,9 @@ def test_a_row_scaled_release_keeps_its_linears_in_fp8(request, tmp_path, fixtur
     """An llm-compressor FP8 release scaled per output row or per tensor: every projection (a merged q/k/v's and
     gate/up's parts each with its own scale) is kept as the checkpoint stores it, no dense weight allocated, its
     values the stored float8 ones and its scales the stored ones by row; the logits equal, within float32's sums,
-    those of the dequantized checkpoint with each projection's input rounded as the FP8 matmul rounds it, and
-    differ from the plain dequantized checkpoint's by that rounding. Experts stay as they were (dequantized), the LM head is dense. Not
-    asked to keep them, the CPU dequantizes them. A release with block scales is dequantized either way."""
+    those of the dequantized checkpoint with each projection's input rounded as the FP8 matmul rounds it, and differ
+    from the plain dequantized checkpoint's by that rounding. Experts stay as they were (dequantized), the LM head is
+    dense. Not asked to keep them, the CPU dequantizes them. A release with block scales is dequantized either way."""
     from safetensors.torch import load_file
 
     from specray.models import cpu_kernels
