@@ -133,20 +133,22 @@ def test_a_row_scaled_release_keeps_its_linears_in_fp8(request, tmp_path, fixtur
 def test_engine_speculative_greedy_equals_plain_over_fp8_linears(tiny_llama_dir, tmp_path, fp8_weights):
     """The engine over kept FP8 linears: n-gram drafts (some accepted, some not) give plain greedy decoding's tokens
     (each row's activations are quantized with its own scale, so a verify chunk's rows are those plain decoding
-    computes); a dummy load keeps random FP8 linears as a checkpoint's would be."""
+    computes), eagerly and from step graphs; a dummy load keeps random FP8 linears as a checkpoint's would be."""
     from specray import LLM, SamplingParams
 
     fp8, _ = write_fp8(tiny_llama_dir, tmp_path, strategy="channel")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 50)), [9, 9, 9, 9])]
     outs = {}
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}):
-        with LLM(model=str(fp8), max_model_len=128, speculative_config=spec) as llm:
-            outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            assert kept_linears(llm.engine.executor.worker.model)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+    for spec, eager in ((None, True), (ngram, True), (ngram, False)):
+        with LLM(model=str(fp8), max_model_len=128, speculative_config=spec, enforce_eager=eager) as llm:
+            outs[spec is None, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            worker = llm.engine.executor.worker
+            assert kept_linears(worker.model) and bool(worker.runner.graphs and worker.runner.graphs.graphs) != eager
             if spec is not None:
                 assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
-    assert outs[True] == outs[False]
+    assert outs[True, True] == outs[False, True] == outs[False, False]
     assert len(kept_linears(load_model(fp8, load_format="dummy"))) == 8
 
 
