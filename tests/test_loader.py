@@ -1917,16 +1917,20 @@ def fp8_experts(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_deepseek_dir", "tiny_qwen3_moe_dir"])
-def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture, monkeypatch):
+@pytest.mark.parametrize("fixture,strategy", [("tiny_deepseek_dir", None), ("tiny_qwen3_moe_dir", None),
+                                              ("tiny_qwen3_moe_dir", "channel"), ("tiny_deepseek_dir", "tensor")])
+def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture, strategy, monkeypatch):
     """An FP8 release with one tensor per expert (DeepSeek's and Qwen3-MoE's layout): kept as a GPU keeps them, the
     experts hold their float8 values and block scales (a quarter of float32's bytes, half of bf16's) and are
     dequantized as tokens reach them, so the logits equal the by-hand dequantized checkpoint's exactly; the dense
-    weights load dequantized. By default on CPU the experts are dequantized at load, with the same logits."""
+    weights load dequantized. llm-compressor's releases scaled per row or per tensor keep theirs the same way, a
+    scale per row. By default on CPU the experts are dequantized at load, with the same logits."""
     from specray.models import cpu_kernels
+    from specray.models.fp8 import ROW_SCALES
     from specray.models.moe import SparseMoE
 
-    fp8, ref = write_fp8(split_experts(request.getfixturevalue(fixture), tmp_path / "split"), tmp_path / "q")
+    fp8, ref = write_fp8(split_experts(request.getfixturevalue(fixture), tmp_path / "split"), tmp_path / "q",
+                         strategy=strategy)
     ids = list(range(3, 40))
     want = prefill_logits(load_model(ref), ids)
     for keep in (True, False):
@@ -1934,7 +1938,8 @@ def test_fp8_experts_stay_fp8_with_the_same_outputs(request, tmp_path, fixture, 
         model = load_model(fp8)
         assert torch.equal(prefill_logits(model, ids), want) and want.std() > 0.01
         blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        assert blocks and all(b.fp8_block == (tuple(FP8_BLOCK) if keep else None) for b in blocks)
+        kept_block = tuple(FP8_BLOCK) if strategy is None else ROW_SCALES
+        assert blocks and all(b.fp8_block == (kept_block if keep else None) for b in blocks)
         kind = torch.float8_e4m3fn if keep else torch.float32
         assert all(b.w13.dtype == b.w2.dtype == kind for b in blocks)
         assert all((b.w13_scale is not None) == keep for b in blocks)

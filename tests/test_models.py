@@ -1104,8 +1104,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
     norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits; an AWQ mixture's
     experts kept in 4 bits whole per rank, dequantized where split into partial groups), a row-scaled FP8 release
-    kept in FP8 (each rank rounding its share of a row-parallel input, as one rank does it by hand), tied and
-    untied heads;
+    kept in FP8 (each rank rounding its share of a row-parallel input, as one rank does it by hand) and a mixture's
+    experts scaled by row kept in FP8 split by width, tied and untied heads;
     decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
@@ -1129,10 +1129,12 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
                          topk_method="group_limited_greedy", n_group=4, topk_group=1),
                save_tiny(tmp_path / "glm4moe", "glm4_moe", 28, vocab_size=321, **GLM4_MOE),
                save_tiny(tmp_path / "glm4moe-ep", "glm4_moe", 28, vocab_size=321, **GLM4_MOE)]
-    # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole
+    # FP8 releases with one tensor per expert: the experts kept in float8, split by width and whole; scaled by block,
+    # or by row (whose dense linears are then kept in FP8 too)
     fp8 = [str(checkpoints.write_fp8(checkpoints.split_experts(Path(folders[i]), tmp_path / f"{name}-split"),
-                                     tmp_path / f"{name}-q")[0].rename(tmp_path / name))
-           for i, name in ((6, "deepseek-fp8"), (3, "qwen3moe-fp8-ep"))]
+                                     tmp_path / f"{name}-q", strategy=strategy)[0].rename(tmp_path / name))
+           for i, name, strategy in ((6, "deepseek-fp8", None), (3, "qwen3moe-fp8-ep", None),
+                                     (3, "qwen3moe-fp8-rows", "channel"))]
     folders += fp8
     # an act-order GPTQ release (dequantized at load, then split) and an AWQ one (each rank keeps its rows' or its
     # columns' groups in 4 bits)
@@ -1160,7 +1162,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4, int4_experts) in result.items():
             assert diff < TOL, (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
-            assert int4 == ("awq4" in folder or folder == fp8_rows), folder
+            assert int4 == ("awq4" in folder or folder in (fp8_rows, fp8[2])), folder
             assert int4_experts == folder.endswith("awq4-ep"), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1

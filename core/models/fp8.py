@@ -32,6 +32,9 @@ from specray.models.layers import materialize
 from specray.models.mxfp4 import is_mxfp4
 
 SCALE_SUFFIX = "_scale_inv"
+# the "block" of an FP8 weight with one scale per output row (or one per tensor, repeated on every row): one row by
+# the whole width (b1 = 0)
+ROW_SCALES = (1, 0)
 COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' weight_scale (multiplied, as weight_scale_inv is)
 
 
@@ -90,7 +93,8 @@ def _compressed_tensors_block(quant: dict) -> tuple[int, int] | None:
 
 class Fp8Weight(NamedTuple):
     """An FP8 weight as the checkpoint stores it: its float8 values [out, in] and their block scales
-    [ceil(out / b0), ceil(in / b1)] (tensors or lazy safetensors slices)."""
+    [ceil(out / b0), ceil(in / b1)] (tensors or lazy safetensors slices), or with ``block`` :data:`ROW_SCALES` one
+    scale per row [out, 1]."""
 
     weight: Any
     scale: Any
@@ -101,19 +105,22 @@ class Fp8Weight(NamedTuple):
 
 
 def kept_block(config) -> tuple[int, int] | None:
-    """The weight block of a checkpoint whose experts stay in FP8 (its ``quantization_config`` block FP8), else
-    None (not FP8, or one scale per tensor)."""
+    """The weight block of a checkpoint whose experts stay in FP8 (its ``quantization_config`` block FP8;
+    :data:`ROW_SCALES` for one scale per row or per tensor), else None (not FP8)."""
     quant = getattr(config, "quantization_config", None)
     if quant is not None and not isinstance(quant, dict):
         quant = vars(quant)
     block = fp8_block_size(quant)
-    return block or None
+    return ROW_SCALES if block is None else (block or None)
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """W [out, in] (float8, both dims whole blocks) times its blocks' scales [out / b0, in / b1], in float32:
-    :func:`dequantize`'s products without materializing the scales at full size."""
+    """W [out, in] (float8, both dims whole blocks) times its blocks' scales [out / b0, in / b1] (or, with
+    :data:`ROW_SCALES`, its rows' [out, 1]), in float32: :func:`dequantize`'s products without materializing the
+    scales at full size."""
     (rows, cols), (b0, b1) = weight.shape, block
+    if b1 == 0:
+        return weight.float() * scale.float().reshape(rows, 1)
     blocks = weight.float().view(rows // b0, b0, cols // b1, b1) * scale.float()[:, None, :, None]
     return blocks.view(rows, cols)
 
@@ -124,7 +131,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     w = weight.float()
     if scale.numel() == 1:
         return w * scale.float().reshape(())
-    if block is None:
+    if block is None or block == ROW_SCALES:
         if scale.numel() != w.shape[0]:
             raise ValueError(f"a weight of shape {tuple(w.shape)} needs one scale, or one per output row, not "
                              f"{tuple(scale.shape)}: the checkpoint does not match its config")
@@ -150,7 +157,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
                 keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX, rows: bool = False
                 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
-    ``suffix``, consumed), but for those named by ``keep`` (with block scales), which come as :class:`Fp8Weight`,
+    ``suffix``, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by row or tensor),
+    which come as :class:`Fp8Weight`,
     and, with ``rows`` (a model that keeps FP8 linears), the e4m3 weights scaled per row or per tensor, which come as
     :class:`~specray.models.fp8_linear.Fp8Rows`; static activation scales (``.input_scale``) are dropped; other
     tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
@@ -161,6 +169,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
     def paired(name: str, weight: Any, scale: Any) -> Any:
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
+        if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
+            return Fp8Weight(weight, row_scaled(materialize(weight), materialize(scale)).scale[:, None], ROW_SCALES)
         if block is None and rows and dtype_of(weight) == torch.float8_e4m3fn:
             return row_scaled(materialize(weight), materialize(scale))
         return dequantize(materialize(weight), materialize(scale), block)

@@ -58,7 +58,9 @@ bf16 model's bytes where nearly all of them are. An expert's weights are dequant
 reach it (:func:`specray.models.fp8.dequantize_blocks`), to the same values a load-time dequantization gives. This
 needs this rank's share of each weight to be whole blocks (for the split by width: ``moe_intermediate_size /
 tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where converting float8 is slow, only with
-``cpu_kernels.FP8_EXPERTS``); otherwise the experts are dequantized at load, as the dense weights always are.
+``cpu_kernels.FP8_EXPERTS``); otherwise the experts are dequantized at load. A checkpoint scaled per row or per
+tensor (llm-compressor's ``-FP8-dynamic`` releases) keeps its experts the same way, a scale per row
+(:data:`specray.models.fp8.ROW_SCALES`), any share of rows or columns whole.
 
 From a 4-bit checkpoint in runs of columns (a GPTQ / AWQ / packed release with a tensor per expert, a GGUF's Q4 experts:
 :mod:`specray.models.int_quant`, :mod:`specray.models.gguf_quant`) the experts keep their integers likewise, two a
@@ -388,8 +390,8 @@ class SparseMoE(nn.Module):
             self.fc2_latent_proj = ColumnParallelLinear(latent, h, TPGroup.single())
         x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
-        block = kept_block(config)
-        if block is not None and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
+        block = kept_block(config)  # (ROW_SCALES: a scale per row, any share of rows or columns whole)
+        if block is not None and block[1] and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
             _tell_partial("FP8", f"{list(block)} blocks", i, x_dim, split=not expert_parallel and tp.size > 1)
             block = None  # this rank's shares are not whole blocks: dequantized at load
         if block is not None and not keeps_fp8_experts(torch.empty(0).device):
@@ -413,12 +415,13 @@ class SparseMoE(nn.Module):
             self.w13 = _param(e, self.parts * i, x_dim)  # gate rows, then up rows (gateless: up rows)
             self.w2 = _param(e, x_dim, i)
             self.w13_scale = self.w2_scale = None
-        else:  # float8 values and one float32 scale per (b0, b1) block
+        else:  # float8 values and one float32 scale per (b0, b1) block (per row: [rows, 1])
             b0, b1 = block
             self.w13, self.w2 = _fp8_param(e, self.parts * i, x_dim), _fp8_param(e, x_dim, i)
-            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, x_dim // b1, dtype=torch.float32),
-                                          requires_grad=False)
-            self.w2_scale = nn.Parameter(torch.empty(e, x_dim // b0, i // b1, dtype=torch.float32), requires_grad=False)
+            self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, x_dim // b1 if b1 else 1,
+                                                      dtype=torch.float32), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(e, x_dim // b0, i // b1 if b1 else 1, dtype=torch.float32),
+                                         requires_grad=False)
         # the experts' biases (GPT-OSS): gate then up [E, 2I], down [E, H] (added by one rank when split by width)
         self.w13_bias = _param(e, 2 * i) if family.biased else None
         self.w2_bias = _param(e, x_dim) if family.biased else None
@@ -781,9 +784,9 @@ class SparseMoE(nn.Module):
         if dtype_of(tensor.weight) != torch.float8_e4m3fn:
             raise ValueError(f"an expert's {kind} weight is not float8 e4m3 (the format of DeepSeek's and Qwen3's FP8 "
                              "releases); load a bf16 version of the checkpoint")
-        if kind == "down_proj":  # [H, I]: this rank's columns
+        if kind == "down_proj":  # [H, I]: this rank's columns (a scale per row: every row's)
             _copy(self.w2.data[local], narrow(tensor.weight, 1, start, inter))
-            _copy(self.w2_scale.data[local], narrow(tensor.scale, 1, start // b1, inter // b1))
+            _copy(self.w2_scale.data[local], narrow(tensor.scale, 1, start // b1, inter // b1) if b1 else tensor.scale)
             return
         offset = 0 if kind == "gate_proj" or self.family.gateless else inter  # [I, H]: this rank's rows
         _copy(self.w13.data[local][offset: offset + inter], narrow(tensor.weight, 0, start, inter))
