@@ -8,7 +8,9 @@ with it without the checkpoint:
 
 ``--quantization awq`` writes the config of an AutoAWQ release of the shape (4 bits in groups of 128, as the
 released AWQ Llama 3.1 8B): its dummy linears hold random integers kept in 4 bits on a GPU (bf16), so the same
-command times torch's 4-bit kernel against the dense model.
+command times torch's 4-bit kernel against the dense model; ``--quantization fp8-dynamic`` an llm-compressor FP8
+release's (a scale per channel): on a GPU of compute capability 8.9 or more (bf16) its dummy linears hold random FP8
+values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.fp8_linear`).
 
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
@@ -61,7 +63,16 @@ SHAPES = {
 }
 
 
-QUANTIZATIONS = {"awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}
+QUANTIZATIONS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    # llm-compressor's FP8-dynamic (RedHatAI's -FP8-dynamic releases): weights per channel, activations per token
+    "fp8-dynamic": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]},
+}
 
 
 def write(shape: str, out: Path, quantization: str | None = None) -> Path:
