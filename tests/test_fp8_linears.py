@@ -79,11 +79,29 @@ def test_the_scaled_matmul_is_the_stated_math():
     assert pack_fp8(rows.cols(0, 24), torch.device("cpu"), torch.float32) is None  # 24 columns
 
 
-def test_which_devices_keep_them(fp8_weights, monkeypatch):
+def test_which_devices_keep_them(fp8_weights, monkeypatch, caplog):
     """CUDA with FP8 tensor cores (capability 8.9 and up) in bfloat16; not an older GPU or another dtype; a CPU
-    only when asked (the fixture asks)."""
-    from specray.models import cpu_kernels
+    only when asked (the fixture asks); anywhere only where torch's scaled matmul runs (tried once: a torch without
+    it dequantizes them, saying why)."""
+    import logging
 
+    from specray.models import cpu_kernels, fp8_linear
+
+    assert fp8_linear.scaled_mm_runs(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(fp8_linear, "_RUNS", {})
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("scaled_mm is not supported here\nsecond line")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="specray.models.fp8_linear"):
+        m.setattr(torch, "_scaled_mm", unsupported)
+        assert not keeps_fp8_linears(torch.device("cpu"), torch.float32)
+        assert not keeps_fp8_linears(torch.device("cpu"), torch.float32)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"FP8 linears are dequantized at load on cpu: torch {torch.__version__}'s scaled matmul does not run there "
+        "(scaled_mm is not supported here)"]
+    monkeypatch.setattr(fp8_linear, "_RUNS", {})
+    monkeypatch.setattr(fp8_linear, "scaled_mm_runs", lambda device, dtype: True)  # (no GPU here to try it on)
     cuda = torch.device("cuda")
     assert keeps_fp8_linears(cuda, torch.bfloat16, (9, 0)) and keeps_fp8_linears(cuda, torch.bfloat16, (8, 9))
     assert not keeps_fp8_linears(cuda, torch.bfloat16, (8, 0))

@@ -20,9 +20,13 @@ the weights are dequantized as they load (:mod:`specray.models.fp8`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specray.models import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_TILE = 16  # the scaled matmul takes both dims of a weight in multiples of this
@@ -108,12 +112,36 @@ def pack_fp8(w: Fp8Rows, device: torch.device, dtype: torch.dtype) -> Fp8Linear 
 def keeps_fp8_linears(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> bool:
     """Whether a model of ``dtype`` on ``device`` keeps a checkpoint's row-scaled FP8 linears in FP8: on CUDA with
     FP8 tensor cores (``capability``, the device's, at least 8.9; not ROCm, whose FP8 types differ) in bfloat16, or on
-    a CPU when asked to (:func:`specray.models.cpu_kernels.keeps_fp8_weights`)."""
+    a CPU when asked to (:func:`specray.models.cpu_kernels.keeps_fp8_weights`); either way only where the kernel runs
+    (:func:`scaled_mm_runs`), else the weights are dequantized at load."""
     if device.type == "cuda":
         if torch.version.hip is not None or dtype != torch.bfloat16:
             return False
-        return (capability or torch.cuda.get_device_capability(device)) >= (8, 9)
-    return device.type == "cpu" and cpu_kernels.keeps_fp8_weights() and dtype in (torch.float32, torch.bfloat16)
+        if (capability or torch.cuda.get_device_capability(device)) < (8, 9):
+            return False
+    elif not (device.type == "cpu" and cpu_kernels.keeps_fp8_weights() and dtype in (torch.float32, torch.bfloat16)):
+        return False
+    return scaled_mm_runs(device, dtype)
+
+
+_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def scaled_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch runs the row-scaled FP8 matmul on ``device`` with ``dtype`` outputs (tried once, on a 16 x 16
+    weight): a torch or device without it has the weights dequantized at load, with a warning, rather than fail at
+    the first step."""
+    key = (str(device), dtype)
+    if key not in _RUNS:
+        w = torch.ones(FP8_TILE, FP8_TILE, device=device)
+        kept = Fp8Linear(w.to(torch.float8_e4m3fn), torch.ones(1, FP8_TILE, device=device))
+        try:
+            _RUNS[key] = bool(torch.isfinite(kept.matmul(torch.ones(2, FP8_TILE, device=device, dtype=dtype))).all())
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            logger.warning("FP8 linears are dequantized at load on %s: torch %s's scaled matmul does not run there "
+                           "(%s)", device, torch.__version__, str(err).splitlines()[0][:200])
+            _RUNS[key] = False
+    return _RUNS[key]
 
 
 def random_fp8(rows: int, cols: int, limit: float, device: torch.device) -> Fp8Rows:
