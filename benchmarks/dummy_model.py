@@ -10,7 +10,8 @@ with it without the checkpoint:
 released AWQ Llama 3.1 8B): its dummy linears hold random integers kept in 4 bits on a GPU (bf16), so the same
 command times torch's 4-bit kernel against the dense model; ``--quantization fp8-dynamic`` an llm-compressor FP8
 release's (a scale per channel): on a GPU of compute capability 8.9 or more (bf16) its dummy linears hold random FP8
-values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.fp8_linear`).
+values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.w8a8`); ``--quantization int8-w8a8`` an
+INT8 W8A8 release's (compute capability 7.5 or more), timing the integer matmul.
 
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
@@ -71,6 +72,14 @@ QUANTIZATIONS = {
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]},
+    # llm-compressor's INT8 W8A8 (RedHatAI's -quantized.w8a8 releases): weights per channel, activations per token
+    "int8-w8a8": {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}},
         "ignore": ["lm_head"]},
 }
 

@@ -70,6 +70,39 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strateg
     return fp8, ref
 
 
+def write_int8(src: Path, dst: Path, strategy: str = "channel") -> tuple[Path, Path]:
+    """``src``'s checkpoint as llm-compressor's INT8 W8A8 release (compressed-tensors, int-quantized: every 2-D
+    projection weight int8, symmetric, with a ``weight_scale`` per output row or per ``strategy="tensor"``, and a
+    static ``input_scale`` beside it), and beside it the same model with those weights dequantized: the reference."""
+    from safetensors.torch import load_file, save_file
+
+    q8, ref = dst / "int8", dst / "dequantized"
+    for folder in (q8, ref):
+        shutil.copytree(src, folder)
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        quantized[name] = dequantized[name] = w
+        if name.endswith("proj.weight") and w.dim() == 2:
+            amax = w.float().abs().amax(1, keepdim=True) if strategy == "channel" else w.float().abs().amax()
+            scale = (amax.clamp_min(1e-12) / 127.0).reshape(-1, 1)  # [rows, 1], or [1, 1]
+            q = (w.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            quantized[name], quantized[name + "_scale"] = q, scale.to(torch.bfloat16)
+            quantized[name[: -len("weight")] + "input_scale"] = torch.tensor([0.05])
+            dequantized[name] = (q.float() * scale.to(torch.bfloat16).float()).to(w.dtype)
+    save_file(quantized, str(q8 / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    config = json.loads((q8 / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                                  "dynamic": False}}},
+        "ignore": ["lm_head"]}
+    (q8 / "config.json").write_text(json.dumps(config))
+    return q8, ref
+
+
 # quantization schemes of write_int: (layout, bits, group size, act order, GPTQ's format)
 INT_SCHEMES = {"gptq4-g32": ("gptq", 4, 32, False, "gptq"), "gptq4-act-order-v2": ("gptq", 4, 16, True, "gptq_v2"),
                "gptq8-channel": ("gptq", 8, -1, False, "gptq"), "awq4-g32": ("awq", 4, 32, False, None),

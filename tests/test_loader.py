@@ -2010,15 +2010,18 @@ def test_compressed_tensors_fp8_loads_dequantized(request, tmp_path, fixture, st
 
 
 def test_compressed_tensors_other_schemes_are_refused(tiny_llama_dir, tmp_path):
-    """INT8 weights and activations (int-quantized) and mixed strategies are refused by name."""
+    """NVFP4 (nvfp4-pack-quantized), INT8 W8A8 grouped, and mixed strategies are refused by name."""
     fp8, _ = write_fp8(tiny_llama_dir, tmp_path, strategy="channel")
     config = json.loads((fp8 / "config.json").read_text())
     quant = config["quantization_config"]
+    nvfp4 = {**quant, "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
     int8 = {**quant, "format": "int-quantized", "config_groups": {"group_0": {"weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel"}}}}
+        "num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}}
     mixed = {**quant, "config_groups": {"a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
                                         "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
-    for changed, match in ((int8, "format='int-quantized'"), (mixed, r"strategies \['channel', 'tensor'\]")):
+    for changed, match in ((nvfp4, "format='nvfp4-pack-quantized'"), (int8, "int-quantized weights .*'group'"),
+                           (mixed, r"strategies \['channel', 'tensor'\]")):
         (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": changed}))
         with pytest.raises(ValueError, match=match):
             load_model(fp8)

@@ -19,9 +19,10 @@
   the token loop's work to replace one step a token by a few a chunk: on a GPU, where each step is a kernel launch,
   that is the trade to make; on CPU, where a step costs its work alone, the token loop is cheaper at every length
   (docs/benchmarks.md, "Linear attention"), so on CPU long steps keep it (:func:`scans_in_parallel`).
-* FP8 linears. A GPU with FP8 tensor cores keeps a row-scaled FP8 release's linears in FP8 and multiplies them in
-  FP8 (:mod:`specray.models.fp8_linear`); on CPU they are dequantized at load unless ``FP8_WEIGHTS`` says to keep
-  them (the tests do, to run that path: torch's CPU scaled matmul computes the same math).
+* W8A8 linears. A GPU keeps a row-scaled FP8 release's linears in FP8 (with FP8 tensor cores) and an INT8 W8A8
+  release's in INT8, and multiplies them in 8 bits (:mod:`specray.models.w8a8`); on CPU they are dequantized at load
+  unless ``FP8_WEIGHTS`` / ``INT8_WEIGHTS`` say to keep them (the tests do, to run that path: torch's CPU kernels
+  compute the same math).
 * 4-bit weights. PyTorch's CPU kernel for 4-bit weight-only matmuls runs fp32 activations many times slower than
   the dense matmul (``benchmarks/bench_int4.py``), so on CPU a 4-bit release's linears are dequantized at load unless
   ``INT4_WEIGHTS`` says to keep them (:func:`keeps_int4_weights`); a GPU keeps them (tinygemm).
@@ -44,6 +45,7 @@ OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time fro
 FP8_EXPERTS = False  # on CPU, keep a block-FP8 checkpoint's experts in FP8 (smaller, slower)
 INT4_WEIGHTS = False  # on CPU, keep a 4-bit release's linears in 4 bits (smaller, far slower: benchmarks/bench_int4.py)
 FP8_WEIGHTS = False  # on CPU, keep a row-scaled FP8 release's linears in FP8 (the tests: W8A8 as a GPU runs it)
+INT8_WEIGHTS = False  # on CPU, keep an INT8 W8A8 release's linears in INT8 (the tests, likewise)
 
 
 def keeps_fp8_experts(device: torch.device) -> bool:
@@ -124,10 +126,12 @@ def keeps_int4_weights() -> bool:
     return INT4_WEIGHTS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def keeps_fp8_weights() -> bool:
-    """Whether a CPU model keeps row-scaled FP8 linears in FP8: asked to (``FP8_WEIGHTS``), with torch's CPU scaled
-    matmul there."""
-    return FP8_WEIGHTS and hasattr(torch, "_scaled_mm")
+def keeps_w8a8(name: str) -> bool:
+    """Whether a CPU model keeps W8A8 linears of format ``name`` ("FP8", "INT8") in 8 bits: asked to
+    (``FP8_WEIGHTS``, ``INT8_WEIGHTS``), with torch's CPU kernel for it there."""
+    if name == "FP8":
+        return FP8_WEIGHTS and hasattr(torch, "_scaled_mm")
+    return name == "INT8" and INT8_WEIGHTS and hasattr(torch, "_int_mm")
 
 
 def int4_pack(q: torch.Tensor, n: int) -> torch.Tensor | None:

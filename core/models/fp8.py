@@ -11,7 +11,7 @@ dequantize). Activations are quantized per token at run time in these releases (
 which full-precision matmuls need not mimic. Weights come out in float32 and are then cast to the model's dtype,
 so a model loads at its dtype's size (bf16: twice the FP8 bytes), but for the linears of a checkpoint with one scale
 per output row or per tensor on a device with FP8 matmuls: those come out as
-:class:`~specray.models.fp8_linear.Fp8Rows` and stay FP8 (:mod:`specray.models.fp8_linear`, W8A8).
+:class:`~specray.models.w8a8.RowScaled` and stay FP8 (:mod:`specray.models.w8a8`).
 
 A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
 come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specray.models.fp8_linear import Fp8Rows
+from specray.models.w8a8 import FP8, row_scaled
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize
 from specray.models.mxfp4 import is_mxfp4
@@ -145,14 +145,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return w * full
 
 
-def row_scaled(weight: torch.Tensor, scale: torch.Tensor) -> Fp8Rows:
-    """A float8 weight [out, in] with one scale, or one per output row, as :class:`Fp8Rows` (a scale per row)."""
-    if scale.numel() not in (1, weight.shape[0]):
-        raise ValueError(f"a weight of shape {tuple(weight.shape)} needs one scale, or one per output row, not "
-                         f"{tuple(scale.shape)}: the checkpoint does not match its config")
-    return Fp8Rows(weight, scale.float().reshape(-1).expand(weight.shape[0]).contiguous())
-
-
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
                 keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX, rows: bool = False
                 ) -> Iterator[tuple[str, Any]]:
@@ -160,7 +152,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
     ``suffix``, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by row or tensor),
     which come as :class:`Fp8Weight`,
     and, with ``rows`` (a model that keeps FP8 linears), the e4m3 weights scaled per row or per tensor, which come as
-    :class:`~specray.models.fp8_linear.Fp8Rows`; static activation scales (``.input_scale``) are dropped; other
+    :class:`~specray.models.w8a8.RowScaled`; static activation scales (``.input_scale``) are dropped; other
     tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
     any file; one without the other at the end is a ValueError."""
     weights_waiting: dict[str, Any] = {}
@@ -170,9 +162,10 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
-            return Fp8Weight(weight, row_scaled(materialize(weight), materialize(scale)).scale[:, None], ROW_SCALES)
+            return Fp8Weight(weight, row_scaled(materialize(weight), materialize(scale), FP8).scale[:, None],
+                             ROW_SCALES)
         if block is None and rows and dtype_of(weight) == torch.float8_e4m3fn:
-            return row_scaled(materialize(weight), materialize(scale))
+            return row_scaled(materialize(weight), materialize(scale), FP8)
         return dequantize(materialize(weight), materialize(scale), block)
 
     for name, tensor in weights:

@@ -15,6 +15,10 @@ group of ``group_size`` input columns and output row:
   z - 1, ``gptq_v2`` stores z.
 * AWQ: ``X.qweight`` [in, out / 8] and ``X.qzeros`` [groups, out / 8], both packed along the output in AWQ's order
   (the int32's eight 4-bit slots hold columns 0, 2, 4, 6, 1, 3, 5, 7 of its eight), ``X.scales`` [groups, out].
+* compressed-tensors' INT8 W8A8 (``format: int-quantized``: the ``-quantized.w8a8`` releases): ``X.weight`` [out, in]
+  int8 with ``X.weight_scale`` (one per output row or per tensor), symmetric; the activations' scheme (per token,
+  or a static ``X.input_scale``) is the matmul's: a device that keeps these linears in 8 bits quantizes each row of
+  activations over its own scale (:mod:`specray.models.w8a8`), elsewhere they are dequantized as they load.
 * compressed-tensors: ``X.weight_packed`` [out, in / p] packed along the input, ``X.weight_scale`` [out, groups]
   (one group: per output row), ``X.weight_shape`` [2] (the unpadded [out, in]); symmetric, z = 2^(b-1) (the signed
   values stored offset by it); an act-order ``X.weight_g_idx`` [in] groups the columns as GPTQ's does.
@@ -53,12 +57,14 @@ import torch
 
 from specray.config import DEQUANTIZE_INT4_ENV
 from specray.models import cpu_kernels
+from specray.models.w8a8 import INT8, row_scaled
 
 COMPRESSED_TENSORS = "compressed-tensors"
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an int32's eight sits in its slot AWQ_COLUMNS[c]
 # each kind's tensors of one linear: the ones it needs, then the one it may have
 _PARTS = {"gptq": (("qweight", "qzeros", "scales"), "g_idx"), "awq": (("qweight", "qzeros", "scales"), None),
           "packed": (("weight_packed", "weight_scale", "weight_shape"), "weight_g_idx"),
+          "int8": (("weight", "weight_scale"), None),
           "gguf": (("q_weight", "q_scale", "q_zero", "q_offset", "q_bits"), None)}
 GGUF_QUANT_METHOD = "specray_gguf"  # a converted GGUF's integer weights (specray.models.gguf_quant)
 GGUF_GROUP = 32  # the columns of a Q4_0 / Q4_1 block, and of a Q4_K sub-block
@@ -91,6 +97,8 @@ def int_scheme(quant: dict | None) -> IntScheme | None:
         return _awq(quant)
     if method == COMPRESSED_TENSORS and quant.get("format") == "pack-quantized":
         return _packed(quant)
+    if method == COMPRESSED_TENSORS and quant.get("format") == "int-quantized":
+        return _int8(quant)
     if method == GGUF_QUANT_METHOD:
         return IntScheme("gguf", 4, GGUF_GROUP)
     return None
@@ -162,6 +170,20 @@ def _packed(quant: dict) -> IntScheme:
                      act_order=w.get("actorder") == "group")
 
 
+def _int8(quant: dict) -> IntScheme:
+    """compressed-tensors' INT8 W8A8: 8-bit symmetric integer weights, one scale per output row or per tensor."""
+    schemes = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+    if len(schemes) != 1:
+        raise _refuse(f"compressed-tensors with {len(schemes)} weight schemes (one is supported)")
+    w = schemes[0]
+    if w.get("num_bits") != 8 or w.get("type", "int") != "int" or not w.get("symmetric", True) \
+            or w.get("strategy") not in ("channel", "tensor"):
+        fields = {k: w.get(k) for k in ("num_bits", "type", "symmetric", "strategy")}
+        raise _refuse(f"compressed-tensors int-quantized weights {fields}, not 8-bit symmetric integers with one "
+                      "scale per channel or per tensor,")
+    return IntScheme("int8", 8, -1)
+
+
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 ``packed`` -> its 32 / bits values per entry spread along ``dim`` (the first from the lowest bits), as
     int32 in [0, 2^bits)."""
@@ -222,9 +244,13 @@ class IntWeight:
         return IntStaging(rows, cols, self)
 
 
-def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor]) -> IntWeight | torch.Tensor:
+def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor], rows: bool = False) -> IntWeight | torch.Tensor:
     """One linear's ``X.weight`` [out, in] from its quantized tensors (``parts``, by name after ``X.``): an
-    :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns."""
+    :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns (and for INT8
+    W8A8; with ``rows``, a model that keeps those in 8 bits, a :class:`~specray.models.w8a8.RowScaled`)."""
+    if scheme.kind == "int8":
+        w = row_scaled(parts["weight"], parts["weight_scale"], INT8)
+        return w if rows else w.dense()
     if scheme.kind == "gguf":
         bits = int(parts["q_bits"].reshape(-1)[0])
         q = unpack_nibbles(parts["q_weight"]) if bits == 4 else parts["q_weight"]  # [out, in]
@@ -287,15 +313,22 @@ def _groups(scheme: IntScheme, columns: int, num_groups: int, g_idx: torch.Tenso
     return groups
 
 
-def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme) -> Iterator[tuple[str, Any]]:
+def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme, rows: bool = False
+                ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every quantized linear's tensors (in any order, from any file)
-    replaced by its dequantized ``X.weight``; other tensors pass through untouched (lazy slices stay lazy). A
-    linear whose optional group index never came is dequantized at the end; one missing a needed tensor is a
-    ValueError."""
+    replaced by its dequantized ``X.weight`` (``rows``: INT8 W8A8 weights kept, :func:`dequantize`); other tensors
+    pass through untouched (lazy slices stay lazy), but an INT8 checkpoint's static activation scales, which the
+    matmuls do not use. A linear whose optional group index never came is dequantized at the end; one missing a
+    needed tensor is a ValueError."""
     needed, optional = _PARTS[scheme.kind]
     suffixes = {f".{part}": part for part in (*needed, *filter(None, [optional]))}
     waiting: dict[str, dict[str, Any]] = {}
     for name, tensor in weights:
+        if scheme.kind == "int8" and name.endswith((".input_scale", ".input_zero_point")):
+            continue  # (each row of activations gets its own scale)
+        if scheme.kind == "int8" and name.endswith(".weight") and not _is_int8(tensor):
+            yield name, tensor  # a weight the checkpoint left in full precision (norms, embeddings, the head)
+            continue
         base, part = _split(name, suffixes)
         if part is None:
             yield name, tensor
@@ -303,13 +336,17 @@ def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme) -> Iterat
         held = waiting.setdefault(base, {})
         held[part] = tensor
         if all(p in held for p in needed) and (optional is None or optional in held):
-            yield f"{base}.weight", dequantize(scheme, _materialized(waiting.pop(base)))
+            yield f"{base}.weight", dequantize(scheme, _materialized(waiting.pop(base)), rows)
     incomplete = {base: sorted(set(needed) - set(held)) for base, held in waiting.items() if set(needed) - set(held)}
     if incomplete:
         raise ValueError(f"quantized linears without all their tensors, e.g. {dict(list(incomplete.items())[:3])}: "
                          "the checkpoint is incomplete")
     for base, held in waiting.items():
-        yield f"{base}.weight", dequantize(scheme, _materialized(held))
+        yield f"{base}.weight", dequantize(scheme, _materialized(held), rows)
+
+
+def _is_int8(tensor: Any) -> bool:
+    return tensor.dtype == torch.int8 if isinstance(tensor, torch.Tensor) else tensor.get_dtype() == "I8"
 
 
 def _split(name: str, suffixes: dict[str, str]) -> tuple[str, str | None]:

@@ -52,7 +52,6 @@ from torch import nn
 from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
-from specray.models.fp8_linear import keeps_fp8_linears, pack_fp8, random_fp8
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -68,6 +67,7 @@ from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
 from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
     gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
+from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_quantized_weights
@@ -348,14 +348,15 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
 
 
 def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None,
-                       fp8_rows: bool = False) -> Iterator[tuple[str, Any]]:
+                       w8a8: Format | None = None) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with a quantized release's weights dequantized as they come (MXFP4, integers, FP8), but
     for an FP8 release's experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
     only the tensors under it, named without it (a multimodal checkpoint's text model); ``wanted``: only the tensors
     (and their scales) it names, the others not read (a pipeline stage's). A prefix may also be name patterns
-    (:func:`specray.models.registry.text_tensors`). ``fp8_rows``: a row-scaled FP8 release's weights come as
-    :class:`~specray.models.fp8_linear.Fp8Rows`, for a model that keeps them (:func:`load_model`)."""
+    (:func:`specray.models.registry.text_tensors`). ``w8a8``: the 8-bit format (FP8, INT8) of a row-scaled release
+    whose linears the model keeps in 8 bits (:func:`load_model`): their weights come as
+    :class:`~specray.models.w8a8.RowScaled`."""
     quant = checkpoint_quantization(source)
     weights = iter_weights(source)
     if prefix:
@@ -366,11 +367,11 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
         return mxfp4_dequantized(weights)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
-        return int_dequantized(weights, scheme)
+        return int_dequantized(weights, scheme, rows=w8a8 is INT8)
     block = fp8_block_size(quant)
     if block is False:
         return weights
-    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=fp8_rows)
+    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=w8a8 is FP8)
 
 
 @contextlib.contextmanager
@@ -410,19 +411,21 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         config, prefix = part
     model_cls = get_model_class(config)
     # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant); an FP8
-    # one scaled per row or per tensor on a device with FP8 matmuls: its linears stay FP8 (fp8_linear)
+    # or INT8 one scaled per row or per tensor on a device with that 8-bit matmul: its linears stay 8-bit (w8a8)
     quant = checkpoint_quantization(source)
     scheme = int_scheme(quant)
     ints = keeps_int4(scheme, torch.device(device), dtype)
-    fp8_rows = fp8_block_size(quant) is None and keeps_fp8_linears(torch.device(device), dtype)
-    with _default_dtype(dtype), torch.device(device), int_linears(ints or fp8_rows):
+    w8a8 = _w8a8_format(quant, scheme)
+    w8a8 = w8a8 if w8a8 is not None and keeps_w8a8(w8a8, torch.device(device), dtype) else None
+    with _default_dtype(dtype), torch.device(device), int_linears(ints or w8a8 is not None):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
-        _dummy_weights(net, scheme if ints else None, fp8_rows)
+        _dummy_weights(net, scheme if ints else None, w8a8)
     else:
-        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), fp8_rows))
-        if ints or fp8_rows:
-            logger.info("%d linears keep their %s weights", keep_quantized_weights(net), "FP8" if fp8_rows else "4-bit")
+        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), w8a8))
+        if ints or w8a8 is not None:
+            logger.info("%d linears keep their %s weights", keep_quantized_weights(net),
+                        "4-bit" if w8a8 is None else w8a8.name)
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)
@@ -432,24 +435,32 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
 
 
 @torch.no_grad()
-def _dummy_weights(net: nn.Module, ints: IntScheme | None, fp8: bool = False) -> None:
+def _w8a8_format(quant: dict | None, scheme: IntScheme | None) -> Format | None:
+    """The 8-bit format of a checkpoint whose linears are scaled per row or per tensor and meant for 8-bit matmuls
+    (INT8 W8A8; FP8 without blocks), else None."""
+    if scheme is not None:
+        return INT8 if scheme.kind == "int8" else None
+    return FP8 if fp8_block_size(quant) is None else None
+
+
+def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None = None) -> None:
     """Random weights (``load_format="dummy"``). ``ints``: a 4-bit release's scheme, whose linears (built under
     ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy
-    model times the 4-bit kernel at a real size; ``fp8``: a row-scaled FP8 release's, whose linears get random FP8
-    values kept so; a linear the kernel cannot take, or one read as a matrix, is dense."""
+    model times the 4-bit kernel at a real size; ``w8a8``: a row-scaled 8-bit release's format, whose linears get
+    random values of it kept so; a linear the kernel cannot take, or one read as a matrix, is dense."""
     for param in net.parameters():
         if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
             continue  # its hash layers send every token to expert 0
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
-    if ints is None and not fp8:
+    if ints is None and w8a8 is None:
         return
     for module in net.modules():
         if isinstance(module, LinearBase) and module.keeps_ints and module.weight.numel() == 0:
             w = module.weight
             if not module.keeps_dense_weight:
                 rows, cols = module.dense_shape
-                module.kept = (pack_fp8(random_fp8(rows, cols, DUMMY_WEIGHT_RANGE, w.device), w.device, w.dtype)
-                               if fp8 else
+                module.kept = (pack_w8a8(random_w8a8(rows, cols, DUMMY_WEIGHT_RANGE, w8a8, w.device), w.device)
+                               if w8a8 is not None else
                                pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
                                          w.device, w.dtype))
             if module.kept is None:

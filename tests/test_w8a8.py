@@ -1,0 +1,217 @@
+"""Linears kept in 8 bits and multiplied in 8 bits (``specray.models.w8a8``: W8A8, as vLLM runs llm-compressor's
+``-FP8-dynamic`` and ``-quantized.w8a8`` releases): FP8 through torch's scaled matmul, INT8 through its integer
+matmul. A GPU keeps them; this CPU keeps them when asked (``cpu_kernels.FP8_WEIGHTS`` / ``INT8_WEIGHTS``), running
+the same math through torch's CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specray.models.layers import LinearBase
+from specray.models.loader import load_model
+from specray.models.w8a8 import FP8, INT8, RowScaled, W8A8Linear, keeps_w8a8, pack_w8a8, quantize_rows
+from specray_test_checkpoints import write_fp8, write_int8  # tests/checkpoints.py
+
+IDS = list(range(3, 40))
+FORMATS = {"fp8": FP8, "int8": INT8}
+
+
+@pytest.fixture
+def w8a8_weights(monkeypatch):
+    """Keep W8A8 linears on this CPU as a GPU does (on CPU they are dequantized at load by default)."""
+    from specray.models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", True)
+    monkeypatch.setattr(cpu_kernels, "INT8_WEIGHTS", True)
+
+
+def write(kind: str, src, dst, strategy: str = "channel"):
+    """A release of ``kind`` ("fp8", "int8") scaled by ``strategy``, and its dequantized twin."""
+    return write_fp8(src, dst, strategy=strategy) if kind == "fp8" else write_int8(src, dst, strategy)
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache
+
+    blocks = -(-len(ids) // 4)
+    allocate_kv_cache(model, blocks + 1, 4)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(blocks))[::-1]], 4, model.device)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids, device=model.device), meta))
+
+
+def kept_linears(model) -> list:
+    return [m for m in model.modules() if isinstance(getattr(m, "kept", None), W8A8Linear)]
+
+
+def projections(model) -> list:
+    return [m for name, m in model.named_modules() if name.endswith("proj") and isinstance(m, LinearBase)]
+
+
+def rounded_activations(model, fmt):
+    """``model`` (dense weights) with every projection's input rounded as the 8-bit matmul rounds it: each row to
+    ``fmt`` over its own scale max|x_row| / R, then scaled back."""
+    def round_rows(module, args):
+        xq, scale = quantize_rows(args[0], fmt)
+        return ((xq.float() * scale).to(args[0].dtype), *args[1:])
+
+    for module in projections(model):
+        module.register_forward_pre_hook(round_rows)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_the_matmul_is_the_stated_math(kind):
+    """Each row of x is quantized with its own scale max|x_row| / R (448 for e4m3, 127 for int8) and
+    y = (xq Wq^T) s_x s_w: equal to that formula computed by hand in float32, each row's output the same alone as in
+    a batch (within float32's sums), within the activations' rounding of the dense product but not equal to it; a
+    weight the kernel cannot take (a side not a multiple of 16) is not packed."""
+    fmt = FORMATS[kind]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g)
+    scale = w.abs().amax(1) / fmt.max
+    rows = RowScaled(fmt.round(w / scale[:, None]), scale, fmt)
+    kept = pack_w8a8(rows, torch.device("cpu"))
+    x = torch.randn(5, 64, generator=g) * torch.tensor([[0.1], [1.0], [10.0], [3.0], [0.01]])
+    y = kept.matmul(x)
+    s_x = x.abs().amax(1, keepdim=True) / fmt.max
+    xq = fmt.round(x / s_x).float()
+    by_hand = (xq * s_x) @ rows.dense().t()
+    assert (y - by_hand).abs().max() <= 1e-5 * by_hand.abs().max()
+    assert all((kept.matmul(x[i: i + 1])[0] - y[i]).abs().max() <= 1e-6 * y[i].abs().max() for i in range(5))
+    dense = x @ rows.dense().t()
+    error = ((y - dense).abs().amax(1) / dense.abs().amax(1)).max()
+    assert 0 < error < 0.1, error
+    assert pack_w8a8(rows.rows(0, 40), torch.device("cpu")) is None  # 40 rows
+    assert pack_w8a8(rows.cols(0, 24), torch.device("cpu")) is None  # 24 columns
+
+
+def test_which_devices_keep_them(w8a8_weights, monkeypatch, caplog):
+    """CUDA in bfloat16 with FP8 tensor cores (capability 8.9 and up) for FP8; for INT8 from 7.5, bfloat16 or
+    float16; not an older GPU or another dtype; a CPU only when asked (the fixture asks); anywhere only where torch's
+    kernel runs (tried once: a torch without it dequantizes them, saying why)."""
+    import logging
+
+    from specray.models import cpu_kernels, w8a8
+
+    cpu = torch.device("cpu")
+    assert w8a8.kernel_runs(FP8, cpu, torch.float32) and w8a8.kernel_runs(INT8, cpu, torch.float32)
+    monkeypatch.setattr(w8a8, "_RUNS", {})
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("scaled_mm is not supported here\nsecond line")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="specray.models.w8a8"):
+        m.setattr(torch, "_scaled_mm", unsupported)
+        assert not keeps_w8a8(FP8, cpu, torch.float32) and not keeps_w8a8(FP8, cpu, torch.float32)
+        assert keeps_w8a8(INT8, cpu, torch.float32)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"FP8 linears are dequantized at load on cpu: torch {torch.__version__}'s FP8 matmul does not run there "
+        "(scaled_mm is not supported here)"]
+    monkeypatch.setattr(w8a8, "_RUNS", {})
+    monkeypatch.setattr(w8a8, "kernel_runs", lambda fmt, device, dtype: True)  # (no GPU here to try them on)
+    cuda = torch.device("cuda")
+    assert keeps_w8a8(FP8, cuda, torch.bfloat16, (9, 0)) and keeps_w8a8(FP8, cuda, torch.bfloat16, (8, 9))
+    assert not keeps_w8a8(FP8, cuda, torch.bfloat16, (8, 0)) and not keeps_w8a8(FP8, cuda, torch.float16, (9, 0))
+    assert keeps_w8a8(INT8, cuda, torch.float16, (8, 0)) and keeps_w8a8(INT8, cuda, torch.bfloat16, (7, 5))
+    assert not keeps_w8a8(INT8, cuda, torch.float16, (7, 0)) and not keeps_w8a8(INT8, cuda, torch.float32, (9, 0))
+    assert keeps_w8a8(FP8, cpu, torch.float32) and keeps_w8a8(INT8, cpu, torch.float32)
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", False)
+    assert not keeps_w8a8(FP8, cpu, torch.float32) and keeps_w8a8(INT8, cpu, torch.float32)
+
+
+@pytest.mark.parametrize("kind,strategy", [("fp8", "channel"), ("fp8", "tensor"), ("int8", "channel"),
+                                           ("int8", "tensor")])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+def test_a_row_scaled_release_keeps_its_linears_in_8_bits(request, tmp_path, fixture, kind, strategy, w8a8_weights,
+                                                          monkeypatch):
+    """An llm-compressor FP8 or INT8 W8A8 release scaled per output row or per tensor: every projection (a merged
+    q/k/v's and gate/up's parts each with its own scale) is kept as the checkpoint stores it, no dense weight
+    allocated, its values the stored 8-bit ones and its scales the stored ones by row; the logits are those of the
+    dequantized checkpoint with each projection's input rounded as the 8-bit matmul rounds it (a dense model's
+    within a tenth of what that rounding changes, a mixture's within half), and differ from the plain dequantized
+    checkpoint's by that rounding. Experts stay as they were, the LM
+    head is dense. Not asked to keep them, the CPU dequantizes them, to the dequantized checkpoint's logits exactly.
+    An FP8 release with block scales is dequantized either way."""
+    from safetensors.torch import load_file
+
+    from specray.models import cpu_kernels
+
+    fmt = FORMATS[kind]
+    folder, ref = write(kind, request.getfixturevalue(fixture), tmp_path, strategy)
+    dequantized = prefill_logits(load_model(ref), IDS)
+    want = prefill_logits(rounded_activations(load_model(ref), fmt), IDS)
+    model = load_model(folder)
+    kept = kept_linears(model)
+    assert len(kept) >= 2 * model.config.num_hidden_layers and kept == projections(model)  # (experts: no modules)
+    assert all(m.weight.numel() == 0 and m.kept.weight.dtype == fmt.dtype for m in kept)
+    stored = load_file(str(folder / "model.safetensors"))
+    o_proj = model.model.layers[0].self_attn.o_proj.kept
+    assert torch.equal(o_proj.weight, stored["model.layers.0.self_attn.o_proj.weight"])
+    scale = stored["model.layers.0.self_attn.o_proj.weight_scale"].float().reshape(-1)
+    assert torch.equal(o_proj.scale.reshape(-1), scale.expand(o_proj.weight.shape[0]))
+    got = prefill_logits(model, IDS)
+    rounding = (got - dequantized).abs().max()  # what rounding the activations changes
+    # (a mixture's router turns float32's last bits into a choice of experts: there an input a hair from a rounding
+    # boundary, rounded the other way, may send a token elsewhere, so only the order of the difference holds)
+    bound = 0.1 if fixture == "tiny_llama_dir" else 0.5
+    assert (got - want).abs().max() < bound * rounding and rounding > 1e-3 * want.abs().max()
+    monkeypatch.setattr(cpu_kernels, f"{fmt.name}_WEIGHTS", False)
+    plain = load_model(folder)
+    assert not kept_linears(plain) and torch.equal(prefill_logits(plain, IDS), dequantized)
+    if kind == "fp8":
+        monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", True)
+        blocked, _ = write_fp8(request.getfixturevalue(fixture), tmp_path / "block", strategy="block")
+        assert not kept_linears(load_model(blocked))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_engine_speculative_greedy_equals_plain_over_8_bit_linears(tiny_llama_dir, tmp_path, w8a8_weights, kind):
+    """The engine over kept 8-bit linears: n-gram drafts (some accepted, some not) give plain greedy decoding's tokens
+    (each row's activations are quantized with its own scale, so a verify chunk's rows are those plain decoding
+    computes), eagerly and from step graphs; a dummy load keeps random 8-bit linears as a checkpoint's would be."""
+    from specray import LLM, SamplingParams
+
+    folder, _ = write(kind, tiny_llama_dir, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 50)), [9, 9, 9, 9])]
+    outs = {}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+    for spec, eager in ((None, True), (ngram, True), (ngram, False)):
+        with LLM(model=str(folder), max_model_len=128, speculative_config=spec, enforce_eager=eager) as llm:
+            outs[spec is None, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            worker = llm.engine.executor.worker
+            assert kept_linears(worker.model) and bool(worker.runner.graphs and worker.runner.graphs.graphs) != eager
+            if spec is not None:
+                assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
+    assert outs[True, True] == outs[False, True] == outs[False, False]
+    dummy = kept_linears(load_model(folder, load_format="dummy"))
+    assert len(dummy) == 8 and {m.kept.fmt for m in dummy} == {FORMATS[kind]}
+
+
+def test_int8_releases_other_than_symmetric_rows_are_refused(tiny_llama_dir, tmp_path):
+    """An INT8 W8A8 release whose weights are asymmetric or grouped is refused, naming what is supported."""
+    import json
+
+    folder, _ = write_int8(tiny_llama_dir, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="int-quantized weights .*'symmetric': False.*, not 8-bit symmetric integers"):
+        load_model(folder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 matmuls need a GPU of compute capability 8.9 or more")
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_gpu_keeps_them_by_default(tiny_llama_dir, tmp_path, kind):
+    """On a GPU with 8-bit tensor cores, in bfloat16, a row-scaled release's linears stay 8-bit without being asked,
+    and the logits follow the rounded-activation reference (bfloat16's rounding on top)."""
+    folder, ref = write(kind, tiny_llama_dir, tmp_path)
+    model = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    assert kept_linears(model) == projections(model)
+    reference = rounded_activations(load_model(ref, dtype=torch.bfloat16, device="cuda"), FORMATS[kind])
+    want, got = prefill_logits(reference, IDS).float(), prefill_logits(model, IDS).float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
