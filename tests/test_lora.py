@@ -127,6 +127,49 @@ def test_an_adapter_on_a_base_kept_in_4_bits(tiny_llama_dir, tmp_path, monkeypat
     assert (got - want).abs().max() < TOL
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_an_adapter_on_a_base_kept_in_8_bits(tiny_llama_dir, tmp_path, monkeypatch, kind):
+    """An adapter over a W8A8 release whose linears stay in 8 bits (FP8 or INT8): the base's matmuls round each row
+    of activations to 8 bits, the adapter's take them unrounded (as vLLM's LoRA over a quantized base does): the
+    logits equal those of the dequantized release whose projections round their base matmul's input alone, and
+    differ from those of a reference that rounds the adapter's input too."""
+    from specray.models import cpu_kernels
+    from specray.models.layers import LinearBase
+    from specray.models.w8a8 import FP8, INT8, quantize_rows
+
+    fmt = {"fp8": FP8, "int8": INT8}[kind]
+    monkeypatch.setattr(cpu_kernels, f"{fmt.name}_WEIGHTS", True)  # as on a GPU (a CPU dequantizes them by default)
+    write = checkpoints.write_int8 if kind == "int8" else lambda src, dst: checkpoints.write_fp8(src, dst,
+                                                                                                strategy="channel")
+    quant, ref = write(tiny_llama_dir, tmp_path / "q")
+    adapter = checkpoints.write_lora(ref, tmp_path / "adapter", rank=4, alpha=8, seed=1)
+    ours = load_model(quant)
+    assert all(m.kept is not None for name, m in ours.named_modules() if name.endswith("proj"))
+    ids = _tokens(21, 3, ours.config.vocab_size)
+    got = _adapted_prefill(ours, adapter, ids)
+
+    class RoundedBase:  # the base matmul over 8-bit-rounded rows of x, the dense dequantized weight
+        def __init__(self, weight):
+            self.weight = weight
+
+        def matmul(self, x):
+            xq, scale = quantize_rows(x, fmt)
+            return (xq.float() * scale).to(x.dtype) @ self.weight.t()
+
+    def reference(round_adapter_input: bool):
+        model = load_model(ref, pack=False)
+        for name, m in model.named_modules():
+            if name.endswith("proj") and isinstance(m, LinearBase):
+                m.kept = RoundedBase(m.weight)
+                if round_adapter_input:
+                    m.register_forward_pre_hook(lambda mod, args: ((lambda q: (q[0].float() * q[1]).to(
+                        args[0].dtype))(quantize_rows(args[0], fmt)), *args[1:]))
+        return _adapted_prefill(model, adapter, ids)
+
+    want, rounded_both = reference(False), reference(True)
+    assert (got - want).abs().max() < 0.1 * (got - rounded_both).abs().max()
+
+
 def _adapter_of(base: Path, dst: Path, keep, seed: int = 3, rank: int = 4, std: float = 0.2) -> dict:
     """A PEFT adapter (rank 4, alpha 8) of every weight of ``base``'s checkpoint that ``keep(name)`` picks, written
     to ``dst`` (for names checkpoints.write_lora does not pick: a vision tower's, a linear-attention layer's);
