@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import socket
 import textwrap
 from pathlib import Path
@@ -1060,10 +1061,12 @@ TP_WORKER = textwrap.dedent("""
     result = {}
     for folder in folders:  # a folder named *-ep: a mixture of experts split by whole experts
         # a dense llama-*-rows release's linears kept in 8 bits (W8A8), as on a GPU
-        cpu_kernels.FP8_WEIGHTS = cpu_kernels.INT8_WEIGHTS = "llama-" in folder and folder.endswith("-rows")
-        model = load_model(folder, TPGroup.from_world(), expert_parallel=folder.endswith("-ep"))
+        # (and one quantized to FP8 as it loads: vLLM's online quantization="fp8")
+        online = "fp8" if folder.endswith("-online-fp8") else None
+        cpu_kernels.FP8_WEIGHTS = cpu_kernels.INT8_WEIGHTS = "llama-" in folder and folder.endswith(("-rows", "-fp8"))
+        model = load_model(folder, TPGroup.from_world(), expert_parallel=folder.endswith("-ep"), quantization=online)
         kv_heads = getattr(model.kv_cache_specs()[0], "num_kv_heads", 1)  # MLA: one latent, replicated
-        one_rank = run(rounded_per_rank(load_model(folder)))
+        one_rank = run(rounded_per_rank(load_model(folder, quantization=online)))
         diff = (run(model) - one_rank).abs().max().item()
         cpu_kernels.OWN_MIN_CONTEXT = 0  # the decode step attends one sequence at a time (in place where it can)
         own_diff = (run(model) - one_rank).abs().max().item()
@@ -1107,8 +1110,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
     norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits; an AWQ mixture's
     experts kept in 4 bits whole per rank, dequantized where split into partial groups), a row-scaled FP8 release
-    kept in FP8 and an INT8 W8A8 one in INT8 (each rank rounding its share of a row-parallel input, as one rank does
-    it by hand) and a mixture's experts scaled by row kept in FP8 split by width, tied and untied heads;
+    kept in FP8, an INT8 W8A8 one in INT8 and a full-precision one quantized to FP8 by the ranks as they load (each
+    rank rounding its share of a row-parallel input, as one rank does it by hand) and a mixture's experts scaled by row kept in FP8 split by width, tied and untied heads;
     decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
@@ -1149,7 +1152,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         tmp_path / "llama-fp8-rows"))
     int8_rows = str(checkpoints.write_int8(Path(folders[0]), tmp_path / "llama-int8-q")[0].rename(
         tmp_path / "llama-int8-rows"))
-    folders += [fp8_rows, int8_rows]
+    online_fp8 = shutil.copytree(folders[0], tmp_path / "llama-online-fp8")  # quantized by the ranks as they load
+    folders += [fp8_rows, int8_rows, str(online_fp8)]
     # an AWQ mixture of experts: split by width, each rank's 16 of the 32-wide experts are not whole 32-column groups
     # (dequantized at load); whole experts per rank keep them in 4 bits
     moe_split = checkpoints.split_experts(Path(folders[3]), tmp_path / "qwen3moe-split")
@@ -1166,9 +1170,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         assert set(result) == set(folders)
         for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4, int4_experts) in result.items():
             # (8-bit activations: float32's last bits may round an input a step the other way on one side)
-            assert diff < (W8A8_TOL if folder in (fp8_rows, int8_rows) else TOL), (r, folder, diff)
+            assert diff < (W8A8_TOL if folder in (fp8_rows, int8_rows, str(online_fp8)) else TOL), (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
-            assert int4 == ("awq4" in folder or folder in (fp8_rows, int8_rows)), folder
+            assert int4 == ("awq4" in folder or folder in (fp8_rows, int8_rows, str(online_fp8))), folder
             assert int4_experts == folder.endswith("awq4-ep"), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1

@@ -215,3 +215,79 @@ def test_a_gpu_keeps_them_by_default(tiny_llama_dir, tmp_path, kind):
     reference = rounded_activations(load_model(ref, dtype=torch.bfloat16, device="cuda"), FORMATS[kind])
     want, got = prefill_logits(reference, IDS).float(), prefill_logits(model, IDS).float()
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_online_fp8_quantizes_an_unquantized_checkpoint(tiny_llama_dir, tmp_path, w8a8_weights, monkeypatch):
+    """vLLM's ``quantization="fp8"`` over an unquantized checkpoint: every projection quantized to FP8 with a scale
+    per row at load (the LM head and the routers full precision) and kept for the FP8 matmul, each weight's values what the
+    by-hand quantization gives; a mixture's experts kept in FP8 by row where FP8 experts are kept, dequantized as
+    tokens reach them; the logits within the rounding of the full-precision model's. Through the engine, n-gram
+    drafts give plain greedy decoding's tokens."""
+    from specray import LLM, SamplingParams
+    from specray.models import cpu_kernels
+    from specray.models.fp8 import ROW_SCALES
+    from specray.models.moe import SparseMoE
+    from specray.models.w8a8 import quantize_weight
+    from tests.conftest import build_tiny_model
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    # 16 experts: a router the kernel could take (16 rows), which stays dense all the same
+    mixture = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4, num_hidden_layers=3, num_experts=16,
+                               num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    for folder in (tiny_llama_dir, mixture):
+        dense = load_model(folder, pack=False)
+        model = load_model(folder, quantization="fp8")
+        kept = kept_linears(model)
+        assert kept == projections(model) and all(m.weight.numel() == 0 for m in kept)
+        o_proj, dense_o = model.model.layers[0].self_attn.o_proj.kept, dense.model.layers[0].self_attn.o_proj.weight
+        by_hand = quantize_weight(dense_o, FP8)
+        assert torch.equal(o_proj.weight.view(torch.uint8), by_hand.weight.view(torch.uint8))
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert all(b.fp8_block == ROW_SCALES and b.w13.dtype == torch.float8_e4m3fn for b in blocks)
+        assert bool(blocks) == (folder == mixture)
+        routers = [m for n, m in model.named_modules() if n.endswith(".gate")]  # (16 rows: the kernel takes them)
+        assert len(routers) == 2 * (folder == mixture) and all(m.weight.dtype == torch.float32 for m in routers)
+        want, got = prefill_logits(dense, IDS), prefill_logits(model, IDS)
+        assert 0 < (got - want).abs().max() < 0.2 * want.abs().max()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 50)))]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+    outs = []
+    for spec in (None, ngram):
+        with LLM(model=str(tiny_llama_dir), max_model_len=128, quantization="fp8", speculative_config=spec) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert kept_linears(llm.engine.executor.worker.model)
+    assert outs[0] == outs[1]
+
+
+def test_online_fp8_experts_split_by_width_scale_a_row_as_one_rank(w8a8_weights, monkeypatch):
+    """Split by width over two ranks, each holds half of a down projection's row: quantized online, both scale it by
+    the whole row's largest magnitude (gathered from the other rank), so their values and scales are one rank's."""
+    from types import SimpleNamespace
+
+    from specray.models import cpu_kernels, moe
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    config = SimpleNamespace(model_type="qwen3_moe", hidden_act="silu", hidden_size=64, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    whole = moe.SparseMoE(config, SimpleNamespace(size=1, rank=0), False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        whole.w13.normal_(), whole.w2.normal_()
+    w2 = whole.w2.data.clone()  # [E, 64, 32]
+    shares = []
+    for rank in (0, 1):
+        def all_gather(x, dim, rank=rank):  # the other rank's share of each row's largest magnitude beside ours
+            other = w2[:, :, 16 * (1 - rank): 16 * (2 - rank)].abs().amax(-1).float()[..., None]
+            return torch.cat([x, other] if rank == 0 else [other, x], dim)
+
+        block = moe.SparseMoE(config, SimpleNamespace(size=2, rank=rank, all_gather=all_gather), False)
+        with torch.no_grad():
+            block.w2.copy_(w2[:, :, 16 * rank: 16 * (rank + 1)])
+            block.w13.copy_(torch.cat([whole.w13.data[:, 16 * rank: 16 * (rank + 1)],
+                                       whole.w13.data[:, 32 + 16 * rank: 32 + 16 * (rank + 1)]], 1))
+        assert block.quantize_experts(FP8)
+        shares.append(block)
+    assert whole.quantize_experts(FP8)
+    assert all(torch.equal(s.w2_scale, whole.w2_scale) for s in shares)
+    assert torch.equal(torch.cat([s.w2.view(torch.uint8) for s in shares], -1), whole.w2.view(torch.uint8))

@@ -70,6 +70,7 @@ class WorkerConfig:
     lora: dict | None = None
     kv_cache_dtype: str = "auto"  # the target's K/V in the model's dtype, or in an FP8 format (kv_cache_dtype)
     mamba_ssm_cache_dtype: str = "auto"  # the recurrent matrices' dtype (specray.models.kv_cache.ssm_cache_dtype)
+    quantization: str | None = None  # vLLM's option: "fp8" over an unquantized checkpoint quantizes it as it loads
     # the decoder layers split into this many stages (global ranks numbered stage by stage, each stage's
     # tensor-parallel ranks consecutive)
     pipeline_parallel_size: int = 1
@@ -177,7 +178,8 @@ class Worker:
         torch.manual_seed(config.seed)
         self.model: CausalLM = load_model(config.model, tp, dtype=self.dtype, device=self.device,
                                           expert_parallel=config.enable_expert_parallel, config=model_config,
-                                          load_format=config.load_format, pp=self.pp)
+                                          load_format=config.load_format, pp=self.pp,
+                                          quantization=config.quantization)
         # the target layers whose residual stream the drafter reads: every stage hands those among its layers on
         self.aux_layers = (self._drafter_class().aux_layers_of(config.worker_drafter, hf_config)
                            if config.worker_drafter else ())

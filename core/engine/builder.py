@@ -206,9 +206,10 @@ def check_local_paths(args: EngineArgs) -> None:
 
 
 def check_quantization(quantization: str | None, config, model: str | os.PathLike = "") -> None:
-    """``quantization`` (vLLM's option), where given, names the checkpoint's own method: specray quantizes nothing
-    itself, so a bf16 checkpoint with ``quantization="fp8"`` (vLLM's online FP8) or a mismatch is refused;
-    ``"gguf"`` names a ``.gguf`` ``model`` (whatever types its tensors have)."""
+    """``quantization`` (vLLM's option), where given, names the checkpoint's own method, or with ``"fp8"`` over an
+    unquantized checkpoint asks for vLLM's online FP8 (the ranks quantize its linears as they load:
+    :func:`specray.models.layers.quantize_linears`); any other mismatch is refused; ``"gguf"`` names a ``.gguf``
+    ``model`` (whatever types its tensors have)."""
     if quantization is None:
         return
     if quantization == "gguf":
@@ -221,11 +222,14 @@ def check_quantization(quantization: str | None, config, model: str | os.PathLik
     if quant is not None and not isinstance(quant, dict):
         quant = vars(quant)
     method = (quant or {}).get("quant_method")
+    if quantization == "fp8" and method is None:
+        return  # online FP8
     if QUANTIZATIONS[quantization] != method:
         found = f"quantization_config.quant_method={method!r}" if method else "no quantization_config"
         raise ValueError(f"quantization={quantization!r} but the checkpoint has {found}: specray loads quantized "
-                         "weights as the checkpoint stores them and quantizes none itself; drop the quantization "
-                         "option (the method is read from config.json) or pass a checkpoint quantized that way")
+                         "weights as the checkpoint stores them and quantizes none itself (but for 'fp8' over an "
+                         "unquantized checkpoint); drop the quantization option (the method is read from config.json) "
+                         "or pass a checkpoint quantized that way")
 
 
 def check_model_split(config, tp: int, pp: int = 1) -> None:
@@ -310,7 +314,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  enforce_eager=args.enforce_eager, load_format=args.load_format,
                                  lora=None if lora is None else dataclasses.asdict(lora),
                                  kv_cache_dtype=args.kv_cache_dtype,
-                                 mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                                 mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, quantization=args.quantization,
                                  pipeline_parallel_size=args.pipeline_parallel_size,
                                  max_num_seqs=engine_seats(args),
                                  max_draft_tokens=max_pending_drafts(spec) if recurrent else 0,

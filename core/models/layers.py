@@ -19,7 +19,7 @@ from torch import nn
 
 from specray.models import cpu_kernels
 from specray.models.int_quant import Int4Weight, IntStaging, IntWeight
-from specray.models.w8a8 import RowScaled, RowScaledStaging, W8A8Linear
+from specray.models.w8a8 import Format, RowScaled, RowScaledStaging, W8A8Linear, pack_w8a8, quantize_weight
 from specray.parallel import TPGroup
 
 # ---------------------------------------------------------------------------------------------- weight helpers
@@ -294,6 +294,36 @@ def keep_quantized_weights(model: nn.Module) -> int:
                 module.dense_weight()
             kept += module.kept is not None
             module.staged = None
+    return kept
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, fmt: Format) -> int:
+    """Online quantization (vLLM's ``quantization="fp8"`` over an unquantized checkpoint), after loading: every
+    projection's dense weight rounded to ``fmt`` with a scale per row and kept for its 8-bit matmul
+    (:mod:`specray.models.w8a8`), its dense storage freed; the LM head, a weight read as a matrix and a shape the
+    kernel does not take stay dense (a mixture's routers are no linears: full precision, as vLLM keeps them); a mixture's experts kept in FP8 by row where the device keeps FP8 experts
+    (``SparseMoE.quantize_experts``). A row-parallel rank scales each row by the whole row's largest magnitude
+    (gathered over the ranks), so every rank holds what one rank would. Returns how many linears and expert blocks
+    it kept."""
+    kept = 0
+    for module in model.modules():
+        experts = getattr(module, "quantize_experts", None)  # a mixture's experts (SparseMoE: FP8 by row)
+        if experts is not None:
+            kept += experts(fmt)
+            continue
+        w = getattr(module, "weight", None)
+        if (not isinstance(module, LinearBase) or hasattr(module, "num_embeddings") or module.keeps_dense_weight
+                or module.kept is not None or w is None or w.dim() != 2
+                or not w.numel()):
+            continue
+        row_max = w.abs().amax(1).float()
+        if isinstance(module, RowParallelLinear) and module.tp.size > 1:  # this rank holds a share of each row
+            row_max = module.tp.all_gather(row_max[:, None], -1).amax(1)
+        module.kept = pack_w8a8(quantize_weight(w, fmt, row_max), w.device)
+        if module.kept is not None:
+            w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+            kept += 1
     return kept
 
 

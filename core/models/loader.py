@@ -70,7 +70,7 @@ from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
-from specray.models.layers import LinearBase, int_linears, keep_quantized_weights
+from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.models.registry import get_model_class, supported_architectures, text_part, text_tensors
 from specray.parallel import PPGroup, TPGroup
@@ -389,7 +389,8 @@ DUMMY_WEIGHT_RANGE = 1e-3  # dummy weights are uniform in [-r, r] (vLLM's too): 
 
 def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True, expert_parallel: bool = False,
-               config: PlainConfig | None = None, load_format: str = "auto", pp: PPGroup | None = None) -> CausalLM:
+               config: PlainConfig | None = None, load_format: str = "auto", pp: PPGroup | None = None,
+               quantization: str | None = None) -> CausalLM:
     """Our model for ``model`` with this rank's weights, in eval mode, on ``device`` in ``dtype``; fp32 on CPU
     with its linears' weights in oneDNN's blocked layout unless ``pack=False`` (see ``cpu_kernels.pack_weight``).
     ``expert_parallel``: a mixture of experts' experts split whole over the ranks of ``tp`` (else by width).
@@ -397,7 +398,10 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     transformers is not imported here). ``load_format="dummy"`` (vLLM's): random weights from torch's generator,
     none read (the folder needs only its config): a model of the checkpoint's shapes, for measuring speed and
     memory without its weights; its outputs mean nothing. ``pp``: this rank's pipeline stage, which builds and reads
-    only its own layers (the embedding on the first stage, the final norm and LM head on the last)."""
+    only its own layers (the embedding on the first stage, the final norm and LM head on the last).
+    ``quantization="fp8"`` over an unquantized checkpoint (vLLM's online FP8): its projections quantized to FP8 at
+    load and kept for FP8 matmuls (:func:`~specray.models.layers.quantize_linears`), on a device that runs them (a
+    ValueError saying so elsewhere)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating point dtype (float32, float16, bfloat16)")
     if load_format not in LOAD_FORMATS:
@@ -413,6 +417,12 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant); an FP8
     # or INT8 one scaled per row or per tensor on a device with that 8-bit matmul: its linears stay 8-bit (w8a8)
     quant = checkpoint_quantization(source)
+    online = quantization == "fp8" and not quant
+    if online and not keeps_w8a8(FP8, torch.device(device), dtype):
+        raise ValueError(f"quantization='fp8' over an unquantized checkpoint quantizes its linears to FP8 at load for "
+                         f"FP8 matmuls (W8A8), which need a CUDA GPU of compute capability 8.9 or more (Ada, Hopper, "
+                         f"Blackwell) and dtype='bfloat16'; this rank has {device} in {dtype}: drop the quantization "
+                         "option, or load an FP8 release of the model")
     scheme = int_scheme(quant)
     ints = keeps_int4(scheme, torch.device(device), dtype)
     w8a8 = _w8a8_format(quant, scheme)
@@ -426,6 +436,8 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
         if ints or w8a8 is not None:
             logger.info("%d linears keep their %s weights", keep_quantized_weights(net),
                         "4-bit" if w8a8 is None else w8a8.name)
+    if online:
+        logger.info("quantization='fp8': %d linears quantized to FP8 at load", quantize_linears(net, FP8))
     net.eval()
     for p in net.parameters():
         p.requires_grad_(False)

@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
-from specray.models.fp8 import Fp8Weight, dequantize_blocks, dtype_of, kept_block
+from specray.models.fp8 import ROW_SCALES, Fp8Weight, dequantize_blocks, dtype_of, kept_block
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
@@ -752,6 +752,29 @@ class SparseMoE(nn.Module):
         rows = self.w13.data[local]
         offset = 0 if kind == "gate_proj" or self.family.gateless else self.inter_local
         _copy(rows[offset: offset + self.inter_local], narrow(tensor, 0, start, self.inter_local))
+
+    @torch.no_grad()
+    def quantize_experts(self, fmt) -> bool:
+        """Online FP8 (:func:`specray.models.layers.quantize_linears`): full-precision experts kept in FP8 with a
+        scale per row (``fmt``: :data:`specray.models.w8a8.FP8`), dequantized when tokens reach them as an FP8
+        release's are, where this device keeps FP8 experts; split by width, each rank scales its share of a down
+        projection's rows by the whole row's largest magnitude (gathered over the ranks). False where they stay."""
+        if (fmt.dtype != torch.float8_e4m3fn or self.fp8_block is not None or self.int4_group is not None
+                or not self.w13.is_floating_point() or not keeps_fp8_experts(self.w13.device)):
+            return False
+        for name in ("w13", "w2"):
+            w = getattr(self, name)  # [E, rows, cols]
+            amax = w.abs().amax(-1).float()  # [E, rows]
+            if name == "w2" and not self.expert_parallel and self.tp.size > 1:  # each rank holds a share of a row
+                amax = self.tp.all_gather(amax[..., None], -1).amax(-1)
+            scale = amax.clamp_min(1e-12) / fmt.max
+            values = torch.empty(w.shape, dtype=fmt.dtype, device=w.device)
+            for e in range(w.shape[0]):  # an expert at a time: no float32 copy of them all
+                values[e] = fmt.round((w[e].float() / scale[e][:, None]).clamp(-fmt.max, fmt.max))
+            setattr(self, name, nn.Parameter(values, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(scale[..., None].contiguous(), requires_grad=False))
+        self.fp8_block = ROW_SCALES
+        return True
 
     def _keep_full_precision(self, names: tuple[str, ...] = ("w13", "w2")) -> None:
         """Store this block's experts' projections ``names`` in the model's dtype from now on (those loaded so far

@@ -207,6 +207,15 @@ def row_scaled(weight: torch.Tensor, scale: torch.Tensor, fmt: Format) -> RowSca
     return RowScaled(weight, scale.float().reshape(-1).expand(weight.shape[0]).contiguous(), fmt)
 
 
+def quantize_weight(weight: torch.Tensor, fmt: Format, row_max: torch.Tensor | None = None) -> RowScaled:
+    """A dense weight [out, in] in ``fmt`` with one scale per row, max|row| / R (``row_max`` [out]: the rows' largest
+    magnitudes where this is one rank's share of wider rows, so that every rank scales a row alike): vLLM's online
+    quantization (``quantization="fp8"`` over an unquantized checkpoint)."""
+    amax = weight.abs().amax(1).float() if row_max is None else row_max.float()
+    scale = amax.clamp_min(1e-12) / fmt.max
+    return RowScaled(fmt.round((weight.float() / scale[:, None]).clamp(-fmt.max, fmt.max)), scale, fmt)
+
+
 def random_w8a8(rows: int, cols: int, limit: float, fmt: Format, device: torch.device) -> RowScaled:
     """A random 8-bit weight [rows, cols] of values in [-limit, limit]: a dummy model's (``load_format="dummy"``)
     linear kept in 8 bits as a checkpoint's would be."""
