@@ -218,11 +218,11 @@ def test_a_gpu_keeps_them_by_default(tiny_llama_dir, tmp_path, kind):
 
 
 def test_online_fp8_quantizes_an_unquantized_checkpoint(tiny_llama_dir, tmp_path, w8a8_weights, monkeypatch):
-    """vLLM's ``quantization="fp8"`` over an unquantized checkpoint: every projection quantized to FP8 with a scale
-    per row at load (the LM head and the routers full precision) and kept for the FP8 matmul, each weight's values what the
-    by-hand quantization gives; a mixture's experts kept in FP8 by row where FP8 experts are kept, dequantized as
-    tokens reach them; the logits within the rounding of the full-precision model's. Through the engine, n-gram
-    drafts give plain greedy decoding's tokens."""
+    """vLLM's ``quantization="fp8"`` over an unquantized checkpoint: every projection quantized to FP8 with a scale per
+    row at load (the LM head and the routers full precision) and kept for the FP8 matmul, each weight's values what
+    the by-hand quantization gives; a mixture's experts kept in FP8 by row where FP8 experts are kept, dequantized as
+    tokens reach them; the logits within the rounding of the full-precision model's. Through the engine, n-gram drafts
+    give plain greedy decoding's tokens."""
     from specray import LLM, SamplingParams
     from specray.models import cpu_kernels
     from specray.models.fp8 import ROW_SCALES
@@ -291,3 +291,24 @@ def test_online_fp8_experts_split_by_width_scale_a_row_as_one_rank(w8a8_weights,
     assert whole.quantize_experts(FP8)
     assert all(torch.equal(s.w2_scale, whole.w2_scale) for s in shares)
     assert torch.equal(torch.cat([s.w2.view(torch.uint8) for s in shares], -1), whole.w2.view(torch.uint8))
+
+
+def test_an_int8_release_keeps_its_experts_in_int8(tiny_qwen3_moe_dir, tmp_path, w8a8_weights, monkeypatch):
+    """An INT8 W8A8 mixture with a tensor per expert: where 8-bit experts are kept (a GPU; here asked), its experts
+    hold their int8 values and a scale per row (half of bf16's bytes) and are dequantized as tokens reach them,
+    so the logits equal those of the same release with its experts dequantized at load exactly."""
+    from specray.models import cpu_kernels
+    from specray.models.fp8 import ROW_SCALES
+    from specray.models.moe import SparseMoE
+    from specray_test_checkpoints import split_experts
+
+    folder, _ = write_int8(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path / "q")
+    logits = {}
+    for keep in (True, False):
+        monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", keep)
+        model = load_model(folder)
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert blocks and all((b.fp8_block == ROW_SCALES) == keep for b in blocks)
+        assert all((b.w13.dtype == b.w2.dtype == torch.int8) == keep for b in blocks)
+        logits[keep] = prefill_logits(model, IDS)
+    assert torch.equal(logits[True], logits[False]) and logits[True].std() > 0.01

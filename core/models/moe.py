@@ -85,7 +85,9 @@ from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import ROW_SCALES, Fp8Weight, dequantize_blocks, dtype_of, kept_block
-from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
+from specray.models.int_quant import (IntWeight, dequantize_packed, experts_int4_group, group_terms, int_scheme,
+                                      pack_nibbles)
+from specray.models.w8a8 import RowScaled
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
 from specray.parallel import TPGroup
@@ -391,6 +393,9 @@ class SparseMoE(nn.Module):
         x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)  # (ROW_SCALES: a scale per row, any share of rows or columns whole)
+        self.values_dtype = torch.float8_e4m3fn  # what kept 8-bit experts hold: FP8, or an INT8 W8A8 release's int8
+        if block is None and _int8_w8a8(config):
+            block, self.values_dtype = ROW_SCALES, torch.int8
         if block is not None and block[1] and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
             _tell_partial("FP8", f"{list(block)} blocks", i, x_dim, split=not expert_parallel and tp.size > 1)
             block = None  # this rank's shares are not whole blocks: dequantized at load
@@ -415,9 +420,10 @@ class SparseMoE(nn.Module):
             self.w13 = _param(e, self.parts * i, x_dim)  # gate rows, then up rows (gateless: up rows)
             self.w2 = _param(e, x_dim, i)
             self.w13_scale = self.w2_scale = None
-        else:  # float8 values and one float32 scale per (b0, b1) block (per row: [rows, 1])
+        else:  # 8-bit values (float8, or int8) and one float32 scale per (b0, b1) block (per row: [rows, 1])
             b0, b1 = block
-            self.w13, self.w2 = _fp8_param(e, self.parts * i, x_dim), _fp8_param(e, x_dim, i)
+            self.w13 = _values_param(self.values_dtype, e, self.parts * i, x_dim)
+            self.w2 = _values_param(self.values_dtype, e, x_dim, i)
             self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i // b0, x_dim // b1 if b1 else 1,
                                                       dtype=torch.float32), requires_grad=False)
             self.w2_scale = nn.Parameter(torch.empty(e, x_dim // b0, i // b1 if b1 else 1, dtype=torch.float32),
@@ -608,7 +614,7 @@ class SparseMoE(nn.Module):
         if not hasattr(torch, "_grouped_mm"):
             return "this torch has no torch._grouped_mm (the experts' grouped matmul)"
         if self.fp8_block is not None or self.int4_group is not None:
-            kept = "FP8" if self.fp8_block is not None else "4 bits"
+            kept = "4 bits" if self.fp8_block is None else "FP8" if self.values_dtype.is_floating_point else "INT8"
             return (f"its experts are kept in {kept} and dequantized expert by expert as tokens reach them, which the "
                     "grouped matmul of a graph step does not do")
         size = weights.element_size()
@@ -731,6 +737,8 @@ class SparseMoE(nn.Module):
     def _load_one(self, local: int, kind: str, tensor: Any) -> None:
         # gate/up [I, H]: this rank's rows of the intermediate width; down [H, I]: its columns
         start = 0 if self.expert_parallel else self.tp.rank * self.inter_local
+        if isinstance(tensor, RowScaled) and self.fp8_block == ROW_SCALES and tensor.weight.dtype == self.values_dtype:
+            tensor = Fp8Weight(tensor.weight, tensor.scale[:, None], ROW_SCALES)  # an INT8 W8A8 expert, kept so
         if isinstance(tensor, Fp8Weight):
             if self.fp8_block is None or tensor.block != self.fp8_block:
                 tensor = tensor.dequantized()  # kept in the model's dtype (shares of partial blocks)
@@ -804,9 +812,10 @@ class SparseMoE(nn.Module):
     def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
         """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""
         (b0, b1), inter = self.fp8_block, self.inter_local
-        if dtype_of(tensor.weight) != torch.float8_e4m3fn:
-            raise ValueError(f"an expert's {kind} weight is not float8 e4m3 (the format of DeepSeek's and Qwen3's FP8 "
-                             "releases); load a bf16 version of the checkpoint")
+        if dtype_of(tensor.weight) != self.values_dtype:
+            raise ValueError(f"an expert's {kind} weight is {dtype_of(tensor.weight)} where the checkpoint's experts "
+                             f"are {self.values_dtype} (float8 e4m3: DeepSeek's and Qwen3's FP8 releases; int8: INT8 "
+                             "W8A8 ones); load a bf16 version of the checkpoint")
         if kind == "down_proj":  # [H, I]: this rank's columns (a scale per row: every row's)
             _copy(self.w2.data[local], narrow(tensor.weight, 1, start, inter))
             _copy(self.w2_scale.data[local], narrow(tensor.scale, 1, start // b1, inter // b1) if b1 else tensor.scale)
@@ -875,5 +884,13 @@ def _uint8_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
-def _fp8_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn), requires_grad=False)
+def _values_param(dtype: torch.dtype, *shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _int8_w8a8(config) -> bool:
+    """Whether ``config``'s checkpoint is an INT8 W8A8 release (:mod:`specray.models.w8a8`), whose experts a device
+    that keeps 8-bit experts keeps in int8 with a scale per row."""
+    quant = getattr(config, "quantization_config", None)
+    scheme = int_scheme(quant if isinstance(quant, dict) or quant is None else vars(quant))
+    return scheme is not None and scheme.kind == "int8"
