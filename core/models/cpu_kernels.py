@@ -14,7 +14,8 @@
   one sequence at a time, reading consecutive blocks in place (:func:`reads_in_place`).
 * FP8 experts. PyTorch converts float8 to float one value at a time on CPU, which costs several times an expert's
   matmuls (``benchmarks/bench_fp8_experts.py``), so on CPU a block-FP8 checkpoint's experts are dequantized at
-  load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8.
+  load unless ``FP8_EXPERTS`` says to keep them (:func:`keeps_fp8_experts`); a GPU keeps them in FP8. The same
+  switch keeps an INT8 W8A8 release's experts in int8 (row-scaled 8-bit experts alike).
 * Mamba-1's selective scan. Its parallel prefix scan (``gated_deltanet.scanned_selective``) does log2(chunk) times
   the token loop's work to replace one step a token by a few a chunk: on a GPU, where each step is a kernel launch,
   that is the trade to make; on CPU, where a step costs its work alone, the token loop is cheaper at every length
@@ -42,7 +43,7 @@ PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was s
 SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and later faster
 FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
 OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
-FP8_EXPERTS = False  # on CPU, keep a block-FP8 checkpoint's experts in FP8 (smaller, slower)
+FP8_EXPERTS = False  # on CPU, keep an FP8 (or INT8 W8A8) checkpoint's experts in 8 bits (smaller, slower)
 INT4_WEIGHTS = False  # on CPU, keep a 4-bit release's linears in 4 bits (smaller, far slower: benchmarks/bench_int4.py)
 FP8_WEIGHTS = False  # on CPU, keep a row-scaled FP8 release's linears in FP8 (the tests: W8A8 as a GPU runs it)
 INT8_WEIGHTS = False  # on CPU, keep an INT8 W8A8 release's linears in INT8 (the tests, likewise)
