@@ -302,10 +302,10 @@ def quantize_linears(model: nn.Module, fmt: Format) -> int:
     """Online quantization (vLLM's ``quantization="fp8"`` over an unquantized checkpoint), after loading: every
     projection's dense weight rounded to ``fmt`` with a scale per row and kept for its 8-bit matmul
     (:mod:`specray.models.w8a8`), its dense storage freed; the LM head, a weight read as a matrix and a shape the
-    kernel does not take stay dense (a mixture's routers are no linears: full precision, as vLLM keeps them); a mixture's experts kept in FP8 by row where the device keeps FP8 experts
-    (``SparseMoE.quantize_experts``). A row-parallel rank scales each row by the whole row's largest magnitude
-    (gathered over the ranks), so every rank holds what one rank would. Returns how many linears and expert blocks
-    it kept."""
+    kernel does not take stay dense (a mixture's routers are no linears: full precision, as vLLM keeps them); a
+    mixture's experts kept in FP8 by row where the device keeps FP8 experts (``SparseMoE.quantize_experts``). A
+    row-parallel rank scales each row by the whole row's largest magnitude (gathered over the ranks), so every rank
+    holds what one rank would. Returns how many linears and expert blocks it kept."""
     kept = 0
     for module in model.modules():
         experts = getattr(module, "quantize_experts", None)  # a mixture's experts (SparseMoE: FP8 by row)
@@ -314,7 +314,7 @@ def quantize_linears(model: nn.Module, fmt: Format) -> int:
             continue
         w = getattr(module, "weight", None)
         if (not isinstance(module, LinearBase) or hasattr(module, "num_embeddings") or module.keeps_dense_weight
-                or module.kept is not None or w is None or w.dim() != 2
+                or getattr(module, "kept", None) is not None or w is None or w.dim() != 2
                 or not w.numel()):
             continue
         row_max = w.abs().amax(1).float()
