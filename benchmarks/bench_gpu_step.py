@@ -56,6 +56,9 @@ def main() -> None:
                         help="the KV cache (default 256 MiB: the default model's batches; a larger model needs more)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e5m2"),
                         help="fp8: K/V stored one byte each, converted as attention reads them")
+    parser.add_argument("--quantization", default=None, choices=("fp8",),
+                        help="fp8: vLLM's online FP8 over an unquantized model (its linears quantized as they load, "
+                        "W8A8; a GPU of compute capability 8.9 or more, bf16)")
     parser.add_argument("--profile-tokens", type=int, default=None,
                         help="tokens per request of the profiled run (default --tokens): fewer keep a real-size eager "
                         "step's profile (every expert's kernels, one host sync per layer) short")
@@ -75,7 +78,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         llm = LLM(model=args.model or default_model_path(), device=args.device, dtype=args.dtype,
                   max_num_seqs=max(batches), max_model_len=1024, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                  enforce_eager=mode == "eager", load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
+                  enforce_eager=mode == "eager", load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+                  quantization=args.quantization)
         worker = llm.engine.executor.worker
         if not header:
             on_gpu = worker.device.type == "cuda"

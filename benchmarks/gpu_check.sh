@@ -71,6 +71,10 @@ if [[ $checks == *" w8a8 "* ]]; then
     bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
       --tokens 64 --repeats 2 --batches 1,8,64 --model "$models/$m" --modes graphs | tee "$out/step-$m.md"
   done
+  # vLLM's online FP8 over the bf16 model (its linears quantized as they load): the fp8 release's kernels again
+  bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
+    --tokens 64 --repeats 2 --batches 1,8 --model "$models/llama3-8b" --modes graphs --quantization fp8 \
+    | tee "$out/step-llama3-8b-online-fp8.md"
 fi
 
 if [[ $checks == *" real-size "* ]]; then
