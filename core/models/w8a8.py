@@ -80,7 +80,7 @@ INT8 = Format("INT8", torch.int8, 127.0, _to_int8, _int8_matmul)
 def quantize_rows(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (xq [M, K] in ``fmt``, s_x [M, 1] float32): each row over its own scale max|x_row| / R."""
     x_scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / fmt.max
-    return fmt.round((x.float() / x_scale).clamp(-fmt.max, fmt.max)), x_scale
+    return fmt.round((x.float() / x_scale).clamp(-fmt.max, fmt.max)).contiguous(), x_scale  # (kernels: row-major)
 
 
 class RowScaled:
