@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from specray.config import SpeculativeConfig
+from specray.config import QUANTIZATIONS, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import check_heads_split, set_max_model_len
-from specray.models.loader import load_model, load_tokenizer, read_config
+from specray.models.loader import check_quantization, load_model, load_tokenizer, read_config
 from specray.models.step_graphs import StepGraphs, graphs_wanted, why_eager
 from specray.parallel import TPGroup
 from specray.penalties import penalize
@@ -54,6 +54,9 @@ class DraftModelOptions:
     # PARD (vLLM's name): all K drafts from one forward, the history followed by K - 1 copies of the checkpoint's
     # ``pard_token`` (a model trained for it: amd/PARD-*), draft i + 1 read at the i-th of them
     parallel_drafting: bool = False
+    # vLLM's: the draft checkpoint's quantization method, checked against its config.json (None: read from there),
+    # or "fp8" over an unquantized draft: its linears quantized to FP8 as it loads (specray.models.layers)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -62,6 +65,9 @@ class DraftModelOptions:
         if not self.model or not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id (a string) for "
                              "method='draft_model': a smaller model with the target's tokenizer")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config.quantization={self.quantization!r} is not supported; one of "
+                             f"{sorted(QUANTIZATIONS)}, or None to read it from the draft checkpoint's config.json")
         if not isinstance(self.parallel_drafting, bool):
             raise ValueError(f"speculative_config.parallel_drafting={self.parallel_drafting!r} must be a bool")
         tp = self.draft_tensor_parallel_size
@@ -135,8 +141,11 @@ class DraftModelDrafter:
         if ctx.draft_model_config is None:
             check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
+        quantization = options_of(spec).quantization
+        check_quantization(quantization, ctx.draft_model_config or read_config(path), path,
+                           "speculative_config.quantization")
         self.model = load_model(path, tp, dtype=getattr(torch, ctx.dtype), device=self.device,
-                                config=ctx.draft_model_config)
+                                config=ctx.draft_model_config, quantization=quantization)
         self.pard = pard_token(ctx.draft_model_config or read_config(path), path) \
             if options_of(spec).parallel_drafting else None
         if self.model.vocab_size > ctx.vocab_size:

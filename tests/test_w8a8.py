@@ -312,3 +312,24 @@ def test_an_int8_release_keeps_its_experts_in_int8(tiny_qwen3_moe_dir, tmp_path,
         assert all((b.w13.dtype == b.w2.dtype == torch.int8) == keep for b in blocks)
         logits[keep] = prefill_logits(model, IDS)
     assert torch.equal(logits[True], logits[False]) and logits[True].std() > 0.01
+
+
+def test_a_draft_model_takes_its_own_quantization(tiny_llama_dir, tmp_path, w8a8_weights):
+    """vLLM's ``speculative_config.quantization`` for a draft model: ``"fp8"`` quantizes an unquantized draft's
+    linears to FP8 as it loads (kept for the FP8 matmul), and greedy output stays the target's plain output; a
+    method the draft checkpoint does not have, or an unknown one, is refused naming the option."""
+    from specray import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 50)))]
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(model=str(tiny_llama_dir), max_model_len=128) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=str(tiny_llama_dir), max_model_len=128, speculative_config={**spec, "quantization": "fp8"}) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert kept_linears(llm.engine.drafter.model) and not kept_linears(llm.engine.executor.worker.model)
+        assert llm.spec_stats.accepted_tokens > 0
+    with pytest.raises(ValueError, match="speculative_config.quantization='awq' but the checkpoint has no"):
+        LLM(model=str(tiny_llama_dir), max_model_len=128, speculative_config={**spec, "quantization": "awq"})
+    with pytest.raises(ValueError, match=r"speculative_config.quantization='int4' is not supported; one of \['awq'"):
+        LLM(model=str(tiny_llama_dir), max_model_len=128, speculative_config={**spec, "quantization": "int4"})

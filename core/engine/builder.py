@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specray.config import (GENERATION_CONFIG_FIELDS, QUANTIZATIONS, EngineArgs, RayPlacement, SpeculativeConfig,
+from specray.config import (GENERATION_CONFIG_FIELDS, EngineArgs, RayPlacement, SpeculativeConfig,
                             jsonable_fields)
 from specray.contract import KVCacheInfo
 from specray.drafters import registry
@@ -23,7 +22,7 @@ from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
-from specray.models.loader import (check_model_path, check_path, load_hf_config, load_tokenizer, read_config,
+from specray.models.loader import (check_model_path, check_path, check_quantization, load_hf_config, load_tokenizer, read_config,
                                    read_generation_config, resolve_model)
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -203,33 +202,6 @@ def check_local_paths(args: EngineArgs) -> None:
     if static and not Path(static).expanduser().is_file():
         raise ValueError(f"speculative_config.static_cache_path={str(static)!r} is not a file; pass a static n-gram "
                          "cache built with specray.drafters.ngram_cache.build_static_cache, or leave it out")
-
-
-def check_quantization(quantization: str | None, config, model: str | os.PathLike = "") -> None:
-    """``quantization`` (vLLM's option), where given, names the checkpoint's own method, or with ``"fp8"`` over an
-    unquantized checkpoint asks for vLLM's online FP8 (the ranks quantize its linears as they load:
-    :func:`specray.models.layers.quantize_linears`); any other mismatch is refused; ``"gguf"`` names a ``.gguf``
-    ``model`` (whatever types its tensors have)."""
-    if quantization is None:
-        return
-    if quantization == "gguf":
-        if not str(model).endswith(".gguf"):
-            raise ValueError(f"quantization='gguf' but model={str(model)!r} is not a .gguf file: pass the GGUF file, "
-                             "or drop the quantization option (the method is read from the checkpoint's config.json)")
-        return
-    quant = getattr(config, "quantization_config", None) or getattr(getattr(config, "text_config", None),
-                                                                    "quantization_config", None)
-    if quant is not None and not isinstance(quant, dict):
-        quant = vars(quant)
-    method = (quant or {}).get("quant_method")
-    if quantization == "fp8" and method is None:
-        return  # online FP8
-    if QUANTIZATIONS[quantization] != method:
-        found = f"quantization_config.quant_method={method!r}" if method else "no quantization_config"
-        raise ValueError(f"quantization={quantization!r} but the checkpoint has {found}: specray loads quantized "
-                         "weights as the checkpoint stores them and quantizes none itself (but for 'fp8' over an "
-                         "unquantized checkpoint); drop the quantization option (the method is read from config.json) "
-                         "or pass a checkpoint quantized that way")
 
 
 def check_model_split(config, tp: int, pp: int = 1) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS
+from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
@@ -338,6 +338,34 @@ def load_frozen(module: nn.Module, state: dict[str, torch.Tensor], what: str) ->
     for p in module.parameters():
         p.requires_grad_(False)
     return module
+
+
+def check_quantization(quantization: str | None, config, model: str | os.PathLike = "",
+                       option: str = "quantization") -> None:
+    """``quantization`` (vLLM's option), where given, names the checkpoint's own method, or with ``"fp8"`` over an
+    unquantized checkpoint asks for vLLM's online FP8 (the ranks quantize its linears as they load:
+    :func:`specray.models.layers.quantize_linears`); any other mismatch is refused; ``"gguf"`` names a ``.gguf``
+    ``model`` (whatever types its tensors have)."""
+    if quantization is None:
+        return
+    if quantization == "gguf":
+        if not str(model).endswith(".gguf"):
+            raise ValueError(f"{option}='gguf' but model={str(model)!r} is not a .gguf file: pass the GGUF file, "
+                             "or drop the quantization option (the method is read from the checkpoint's config.json)")
+        return
+    quant = getattr(config, "quantization_config", None) or getattr(getattr(config, "text_config", None),
+                                                                    "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = vars(quant)
+    method = (quant or {}).get("quant_method")
+    if quantization == "fp8" and method is None:
+        return  # online FP8
+    if QUANTIZATIONS[quantization] != method:
+        found = f"quantization_config.quant_method={method!r}" if method else "no quantization_config"
+        raise ValueError(f"{option}={quantization!r} but the checkpoint has {found}: specray loads quantized "
+                         "weights as the checkpoint stores them and quantizes none itself (but for 'fp8' over an "
+                         "unquantized checkpoint); drop the quantization option (the method is read from config.json) "
+                         "or pass a checkpoint quantized that way")
 
 
 def checkpoint_quantization(source: ModelSource) -> dict | None:
