@@ -22,8 +22,8 @@ from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
-from specray.models.loader import (check_model_path, check_path, check_quantization, load_hf_config, load_tokenizer, read_config,
-                                   read_generation_config, resolve_model)
+from specray.models.loader import (check_model_path, check_path, check_quantization, load_hf_config, load_tokenizer,
+                                   read_config, read_generation_config, resolve_model)
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
