@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specray.models.w8a8 import FP8, row_scaled
+from specray.models.w8a8 import FP8, INT8, Format, row_scaled, row_scales
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
-from specray.models.layers import materialize
+from specray.models.layers import materialize, shape_of
 from specray.models.mxfp4 import is_mxfp4
 
 SCALE_SUFFIX = "_scale_inv"
@@ -104,14 +104,28 @@ class Fp8Weight(NamedTuple):
         return dequantize(materialize(self.weight), materialize(self.scale), self.block)
 
 
-def kept_block(config) -> tuple[int, int] | None:
-    """The weight block of a checkpoint whose experts stay in FP8 (its ``quantization_config`` block FP8;
-    :data:`ROW_SCALES` for one scale per row or per tensor), else None (not FP8)."""
+def config_quantization(config) -> dict | None:
+    """``config``'s ``quantization_config`` as a dict (None without one)."""
     quant = getattr(config, "quantization_config", None)
-    if quant is not None and not isinstance(quant, dict):
-        quant = vars(quant)
-    block = fp8_block_size(quant)
-    return ROW_SCALES if block is None else (block or None)
+    return quant if quant is None or isinstance(quant, dict) else vars(quant)
+
+
+def w8a8_format(quant: dict | None) -> Format | None:
+    """The 8-bit format of a checkpoint (its ``quantization_config``) whose weights are scaled per row or per tensor
+    and meant for 8-bit matmuls (INT8 W8A8; FP8 without blocks: :mod:`specray.models.w8a8`), else None."""
+    scheme = int_scheme(quant)
+    if scheme is not None:
+        return INT8 if scheme.kind == "int8" else None
+    return FP8 if fp8_block_size(quant) is None else None
+
+
+def kept_block(config) -> tuple[int, int] | None:
+    """The weight block of a checkpoint whose experts stay in 8 bits (its ``quantization_config`` block FP8;
+    :data:`ROW_SCALES` for one scale per row or per tensor, FP8 or INT8 W8A8), else None."""
+    quant = config_quantization(config)
+    if w8a8_format(quant) is not None:
+        return ROW_SCALES
+    return fp8_block_size(quant) or None
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -162,8 +176,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
-            return Fp8Weight(weight, row_scaled(materialize(weight), materialize(scale), FP8).scale[:, None],
-                             ROW_SCALES)
+            return Fp8Weight(weight, row_scales(materialize(scale), tuple(shape_of(weight)))[:, None], ROW_SCALES)
         if block is None and rows and dtype_of(weight) == torch.float8_e4m3fn:
             return row_scaled(materialize(weight), materialize(scale), FP8)
         return dequantize(materialize(weight), materialize(scale), block)

@@ -51,7 +51,7 @@ from torch import nn
 
 from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
-from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix
+from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix, w8a8_format
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -453,7 +453,7 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
                          "option, or load an FP8 release of the model")
     scheme = int_scheme(quant)
     ints = keeps_int4(scheme, torch.device(device), dtype)
-    w8a8 = _w8a8_format(quant, scheme)
+    w8a8 = w8a8_format(quant)
     w8a8 = w8a8 if w8a8 is not None and keeps_w8a8(w8a8, torch.device(device), dtype) else None
     with _default_dtype(dtype), torch.device(device), int_linears(ints or w8a8 is not None):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
@@ -475,14 +475,6 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
 
 
 @torch.no_grad()
-def _w8a8_format(quant: dict | None, scheme: IntScheme | None) -> Format | None:
-    """The 8-bit format of a checkpoint whose linears are scaled per row or per tensor and meant for 8-bit matmuls
-    (INT8 W8A8; FP8 without blocks), else None."""
-    if scheme is not None:
-        return INT8 if scheme.kind == "int8" else None
-    return FP8 if fp8_block_size(quant) is None else None
-
-
 def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None = None) -> None:
     """Random weights (``load_format="dummy"``). ``ints``: a 4-bit release's scheme, whose linears (built under
     ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy

@@ -84,9 +84,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
-from specray.models.fp8 import ROW_SCALES, Fp8Weight, dequantize_blocks, dtype_of, kept_block
-from specray.models.int_quant import (IntWeight, dequantize_packed, experts_int4_group, group_terms, int_scheme,
-                                      pack_nibbles)
+from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, kept_block,
+                                w8a8_format)
+from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.w8a8 import RowScaled
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
@@ -393,9 +393,8 @@ class SparseMoE(nn.Module):
         x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)  # (ROW_SCALES: a scale per row, any share of rows or columns whole)
-        self.values_dtype = torch.float8_e4m3fn  # what kept 8-bit experts hold: FP8, or an INT8 W8A8 release's int8
-        if block is None and _int8_w8a8(config):
-            block, self.values_dtype = ROW_SCALES, torch.int8
+        fmt = w8a8_format(config_quantization(config))  # what kept 8-bit experts hold: FP8, or INT8 W8A8's int8
+        self.values_dtype = torch.float8_e4m3fn if fmt is None else fmt.dtype
         if block is not None and block[1] and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
             _tell_partial("FP8", f"{list(block)} blocks", i, x_dim, split=not expert_parallel and tp.size > 1)
             block = None  # this rank's shares are not whole blocks: dequantized at load
@@ -886,11 +885,3 @@ def _uint8_param(*shape: int) -> nn.Parameter:
 
 def _values_param(dtype: torch.dtype, *shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def _int8_w8a8(config) -> bool:
-    """Whether ``config``'s checkpoint is an INT8 W8A8 release (:mod:`specray.models.w8a8`), whose experts a device
-    that keeps 8-bit experts keeps in int8 with a scale per row."""
-    quant = getattr(config, "quantization_config", None)
-    scheme = int_scheme(quant if isinstance(quant, dict) or quant is None else vars(quant))
-    return scheme is not None and scheme.kind == "int8"

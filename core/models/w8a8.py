@@ -199,12 +199,17 @@ def kernel_runs(fmt: Format, device: torch.device, dtype: torch.dtype) -> bool:
     return _RUNS[key]
 
 
+def row_scales(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A weight of ``shape`` [out, in]'s ``scale`` (one, or one per output row) as one per row [out] float32."""
+    if scale.numel() not in (1, shape[0]):
+        raise ValueError(f"a weight of shape {tuple(shape)} needs one scale, or one per output row, not "
+                         f"{tuple(scale.shape)}: the checkpoint does not match its config")
+    return scale.float().reshape(-1).expand(shape[0]).contiguous()
+
+
 def row_scaled(weight: torch.Tensor, scale: torch.Tensor, fmt: Format) -> RowScaled:
     """An 8-bit weight [out, in] with one scale, or one per output row, as :class:`RowScaled` (a scale per row)."""
-    if scale.numel() not in (1, weight.shape[0]):
-        raise ValueError(f"a weight of shape {tuple(weight.shape)} needs one scale, or one per output row, not "
-                         f"{tuple(scale.shape)}: the checkpoint does not match its config")
-    return RowScaled(weight, scale.float().reshape(-1).expand(weight.shape[0]).contiguous(), fmt)
+    return RowScaled(weight, row_scales(scale, tuple(weight.shape)), fmt)
 
 
 def quantize_weight(weight: torch.Tensor, fmt: Format, row_max: torch.Tensor | None = None) -> RowScaled:
