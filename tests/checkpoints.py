@@ -13,14 +13,22 @@ import torch
 FP8_BLOCK = [16, 16]
 
 
-def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strategy: str | None = None
-              ) -> tuple[Path, Path]:
+def static_scales(names: list[str], static: float) -> dict[str, torch.Tensor]:
+    """A static release's activation scales (``X.input_scale``, one per linear) for the weights ``names``: ``static``
+    times 1, 1.25 or 1.5 by turns, so that a merged linear's parts differ."""
+    return {name[: -len("weight")] + "input_scale": torch.tensor([static * (1 + (i % 3) / 4)])
+            for i, name in enumerate(names)}
+
+
+def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strategy: str | None = None,
+              static: float | None = None) -> tuple[Path, Path]:
     """``src``'s checkpoint as an FP8 release (every 2-D projection weight float8 e4m3 with a float32
-    ``weight_scale_inv`` per ``block``, as DeepSeek's and Qwen3's FP8 checkpoints store them), and beside it the
-    same model with those weights dequantized by hand (block by block, in a loop): the reference. With
-    ``strategy`` ("channel", "tensor" or "block"), llm-compressor's layout instead (compressed-tensors,
-    float-quantized): ``weight_scale`` per output row, per tensor or per ``block``, and a static ``input_scale``
-    beside each weight."""
+    ``weight_scale_inv`` per ``block``, as DeepSeek's and Qwen3's FP8 checkpoints store them; without a block,
+    AutoFP8's layout: one ``weight_scale`` per tensor), and beside it the same model with those weights dequantized by
+    hand (block by block, in a loop): the reference. With ``strategy`` ("channel", "tensor" or "block"),
+    llm-compressor's layout instead (compressed-tensors, float-quantized): ``weight_scale`` per output row, per tensor
+    or per ``block``. Activations dynamic (per token), or with ``static`` a calibrated ``input_scale`` beside each
+    weight (:func:`static_scales`)."""
     if strategy is not None:
         block = {"block": block or FP8_BLOCK, "channel": [1, None], "tensor": None}[strategy]
     from safetensors.torch import load_file, save_file
@@ -47,33 +55,44 @@ def write_fp8(src: Path, dst: Path, block: list[int] | None = FP8_BLOCK, strateg
                 q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (part / scales[i, j]).to(torch.float8_e4m3fn)
                 back[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = \
                     q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scales[i, j]
-        if strategy is None:
-            quantized[name], quantized[name + "_scale_inv"] = q, scales if block else scales.reshape(())
+        if strategy is None and block:
+            quantized[name], quantized[name + "_scale_inv"] = q, scales
+        elif strategy is None:  # AutoFP8's: a per-tensor scale named as compressed-tensors names it
+            quantized[name], quantized[name + "_scale"] = q, scales.reshape(())
         else:  # [rows, 1] per channel, [1] per tensor, [rows / b0, cols / b1] per block
             quantized[name], quantized[name + "_scale"] = q, scales if block else scales.reshape(1)
-            quantized[name[: -len("weight")] + "input_scale"] = torch.tensor([0.05])
         dequantized[name] = back.to(w.dtype)
+    if static is not None:
+        quantized.update(static_scales([n for n, t in quantized.items() if t.dtype == torch.float8_e4m3fn], static))
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantized, str(ref / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     **({"weight_block_size": block} if block else {})}
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic" if static is None else
+                                     "static", **({"weight_block_size": block} if block else {})}
     if strategy is not None:
         weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
                    **({"block_structure": block} if strategy == "block" else {})}
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
-                "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations("float", static)}},
             "ignore": ["lm_head"], "kv_cache_scheme": None}
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, ref
 
 
-def write_int8(src: Path, dst: Path, strategy: str = "channel") -> tuple[Path, Path]:
+def activations(kind: str, static: float | None) -> dict:
+    """compressed-tensors' ``input_activations`` of 8-bit ``kind`` ("float", "int"): per token at run time, or with
+    ``static`` one calibrated scale per tensor."""
+    return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token" if static is None else "tensor",
+            "dynamic": static is None}
+
+
+def write_int8(src: Path, dst: Path, strategy: str = "channel", static: float | None = None) -> tuple[Path, Path]:
     """``src``'s checkpoint as llm-compressor's INT8 W8A8 release (compressed-tensors, int-quantized: every 2-D
-    projection weight int8, symmetric, with a ``weight_scale`` per output row or per ``strategy="tensor"``, and a
-    static ``input_scale`` beside it), and beside it the same model with those weights dequantized: the reference."""
+    projection weight int8, symmetric, with a ``weight_scale`` per output row or per ``strategy="tensor"``; with
+    ``static``, a calibrated ``input_scale`` beside it: :func:`static_scales`), and beside it the same model with those
+    weights dequantized: the reference."""
     from safetensors.torch import load_file, save_file
 
     q8, ref = dst / "int8", dst / "dequantized"
@@ -87,8 +106,9 @@ def write_int8(src: Path, dst: Path, strategy: str = "channel") -> tuple[Path, P
             scale = (amax.clamp_min(1e-12) / 127.0).reshape(-1, 1)  # [rows, 1], or [1, 1]
             q = (w.float() / scale).round().clamp(-127, 127).to(torch.int8)
             quantized[name], quantized[name + "_scale"] = q, scale.to(torch.bfloat16)
-            quantized[name[: -len("weight")] + "input_scale"] = torch.tensor([0.05])
             dequantized[name] = (q.float() * scale.to(torch.bfloat16).float()).to(w.dtype)
+    if static is not None:
+        quantized.update(static_scales([n for n, t in quantized.items() if t.dtype == torch.int8], static))
     save_file(quantized, str(q8 / "model.safetensors"))
     save_file(dequantized, str(ref / "model.safetensors"))
     config = json.loads((q8 / "config.json").read_text())
@@ -96,8 +116,7 @@ def write_int8(src: Path, dst: Path, strategy: str = "channel") -> tuple[Path, P
         "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
-                                  "dynamic": False}}},
+            "input_activations": activations("int", static)}},
         "ignore": ["lm_head"]}
     (q8 / "config.json").write_text(json.dumps(config))
     return q8, ref

@@ -1048,7 +1048,7 @@ TP_WORKER = textwrap.dedent("""
             def matmul(x):
                 out = 0
                 for xs, ws in zip(x.chunk(world, -1), kept.weight.chunk(world, -1)):
-                    xq, s = quantize_rows(xs, kept.fmt)
+                    xq, s = quantize_rows(xs, kept.fmt, kept.input_scale)  # (a static release's scale)
                     out = out + (xq.float() * s) @ (ws.float() * kept.scale.reshape(-1, 1)).t()
                 return out.to(x.dtype)
             return matmul
@@ -1152,8 +1152,12 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         tmp_path / "llama-fp8-rows"))
     int8_rows = str(checkpoints.write_int8(Path(folders[0]), tmp_path / "llama-int8-q")[0].rename(
         tmp_path / "llama-int8-rows"))
+    # and one with static activation scales: every rank rounds its share of a row over the release's one scale
+    static_rows = str(checkpoints.write_fp8(Path(folders[0]), tmp_path / "llama-fp8s-q", strategy="tensor",
+                                            static=0.02)[0].rename(tmp_path / "llama-fp8-static-rows"))
     online_fp8 = shutil.copytree(folders[0], tmp_path / "llama-online-fp8")  # quantized by the ranks as they load
-    folders += [fp8_rows, int8_rows, str(online_fp8)]
+    w8a8 = (fp8_rows, int8_rows, static_rows, str(online_fp8))
+    folders += list(w8a8)
     # an AWQ mixture of experts: split by width, each rank's 16 of the 32-wide experts are not whole 32-column groups
     # (dequantized at load); whole experts per rank keep them in 4 bits
     moe_split = checkpoints.split_experts(Path(folders[3]), tmp_path / "qwen3moe-split")
@@ -1170,9 +1174,9 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         assert set(result) == set(folders)
         for folder, (diff, vocab_rows, kv_heads, fp8_experts, int4, int4_experts) in result.items():
             # (8-bit activations: float32's last bits may round an input a step the other way on one side)
-            assert diff < (W8A8_TOL if folder in (fp8_rows, int8_rows, str(online_fp8)) else TOL), (r, folder, diff)
+            assert diff < (W8A8_TOL if folder in w8a8 else TOL), (r, folder, diff)
             assert fp8_experts == (folder in fp8), folder
-            assert int4 == ("awq4" in folder or folder in (fp8_rows, int8_rows, str(online_fp8))), folder
+            assert int4 == ("awq4" in folder or folder in w8a8), folder
             assert int4_experts == folder.endswith("awq4-ep"), folder
             assert vocab_rows == (162 if "llama" in folder and "llama4" not in folder else 161)  # half the vocab
             assert kv_heads == 1

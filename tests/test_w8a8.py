@@ -10,11 +10,12 @@ import torch
 
 from specray.models.layers import LinearBase
 from specray.models.loader import load_model
-from specray.models.w8a8 import FP8, INT8, RowScaled, W8A8Linear, keeps_w8a8, pack_w8a8, quantize_rows
+from specray.models.w8a8 import (FP8, INT8, RowScaled, RowScaledStaging, W8A8Linear, keeps_w8a8, pack_w8a8,
+                                 quantize_rows)
 from specray_test_checkpoints import write_fp8, write_int8  # tests/checkpoints.py
 
 IDS = list(range(3, 40))
-FORMATS = {"fp8": FP8, "int8": INT8}
+FORMATS = {"fp8": FP8, "int8": INT8, "fp8-static": FP8, "autofp8-static": FP8, "int8-static": INT8}
 
 
 @pytest.fixture
@@ -27,8 +28,14 @@ def w8a8_weights(monkeypatch):
 
 
 def write(kind: str, src, dst, strategy: str = "channel"):
-    """A release of ``kind`` ("fp8", "int8") scaled by ``strategy``, and its dequantized twin."""
-    return write_fp8(src, dst, strategy=strategy) if kind == "fp8" else write_int8(src, dst, strategy)
+    """A release of ``kind`` ("fp8", "int8"; "-static": with static activation scales, "autofp8-static": AutoFP8's
+    layout, a scale per tensor) scaled by ``strategy``, and its dequantized twin."""
+    static = 0.02 if kind.endswith("-static") else None
+    if kind == "autofp8-static":
+        return write_fp8(src, dst, block=None, static=static)
+    if kind.startswith("fp8"):
+        return write_fp8(src, dst, strategy=strategy, static=static)
+    return write_int8(src, dst, strategy, static=static)
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -50,15 +57,18 @@ def projections(model) -> list:
     return [m for name, m in model.named_modules() if name.endswith("proj") and isinstance(m, LinearBase)]
 
 
-def rounded_activations(model, fmt):
+def rounded_activations(model, fmt, static: dict | None = None):
     """``model`` (dense weights) with every projection's input rounded as the 8-bit matmul rounds it: each row to
-    ``fmt`` over its own scale max|x_row| / R, then scaled back."""
-    def round_rows(module, args):
-        xq, scale = quantize_rows(args[0], fmt)
-        return ((xq.float() * scale).to(args[0].dtype), *args[1:])
+    ``fmt`` over its own scale max|x_row| / R, or over ``static``'s scale for its name, then scaled back."""
+    def round_rows(scale):
+        def hook(module, args):
+            xq, s = quantize_rows(args[0], fmt, scale)
+            return ((xq.float() * s).to(args[0].dtype), *args[1:])
+        return hook
 
-    for module in projections(model):
-        module.register_forward_pre_hook(round_rows)
+    for name, module in model.named_modules():
+        if module in projections(model):
+            module.register_forward_pre_hook(round_rows(None if static is None else static[name]))
     return model
 
 
@@ -167,7 +177,79 @@ def test_a_row_scaled_release_keeps_its_linears_in_8_bits(request, tmp_path, fix
         assert not kept_linears(load_model(blocked))
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_static_scale_is_the_stated_math():
+    """A release's static activation scale s_in: every row is x / s_in rounded to the format, values past R * s_in
+    clamped, and y = (xq Wq^T) s_in s_w: equal to that formula by hand, a row's output the same alone as in a batch,
+    and not what each row's own scale gives. A merged linear's parts staged with different scales keep the largest
+    for all of them; a part without one does not fit beside them."""
+    g = torch.Generator().manual_seed(1)
+    for fmt in (FP8, INT8):
+        w = torch.randn(48, 64, generator=g)
+        scale = w.abs().amax(1) / fmt.max
+        rows = RowScaled(fmt.round(w / scale[:, None]), scale, fmt, torch.tensor(0.01))
+        kept = pack_w8a8(rows, torch.device("cpu"))
+        x = torch.randn(5, 64, generator=g) * torch.tensor([[0.1], [1.0], [10.0], [3.0], [0.01]])
+        assert (x.abs() > fmt.max * 0.01).any()  # (some values clamped)
+        y = kept.matmul(x)
+        by_hand = (fmt.round((x / 0.01).clamp(-fmt.max, fmt.max)).float() * 0.01) @ rows.dense().t()
+        assert (y - by_hand).abs().max() <= 1e-5 * by_hand.abs().max()
+        assert all((kept.matmul(x[i: i + 1])[0] - y[i]).abs().max() <= 1e-6 * y[i].abs().max() for i in range(5))
+        dynamic = pack_w8a8(RowScaled(rows.weight, scale, fmt), torch.device("cpu")).matmul(x)
+        assert (dynamic - y).abs().max() > 1e-2 * y.abs().max()
+    stage = RowScaledStaging(96, 64, FP8, static=True)
+    for offset, s in ((0, 0.01), (48, 0.03)):
+        stage.put(offset, RowScaled(torch.zeros(48, 64).to(FP8.dtype), torch.ones(48), FP8, torch.tensor(s)))
+    assert float(stage.kept(torch.device("cpu"), torch.float32).input_scale) == pytest.approx(0.03)
+    assert not stage.fits(RowScaled(torch.zeros(48, 64).to(FP8.dtype), torch.ones(48), FP8))
+
+
+@pytest.mark.parametrize("kind", ["fp8-static", "autofp8-static", "int8-static"])
+def test_a_static_release_rounds_activations_over_its_scales(tiny_llama_dir, tmp_path, kind, w8a8_weights,
+                                                           monkeypatch):
+    """A release with static activation scales (llm-compressor's ``-FP8`` and INT8 ones with ``dynamic: false``,
+    AutoFP8's ``activation_scheme: static`` with a ``weight_scale`` per tensor): every kept linear holds its stored
+    ``input_scale``, a merged one the largest of its parts'; the logits are those of the dequantized checkpoint with
+    each projection's input rounded over that scale (within a tenth of what the rounding changes), nearer them than
+    to rounding each row over its own scale. Not kept, it loads dequantized, to the dequantized logits exactly. A
+    linear whose input_scale is missing is a ValueError naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from specray.models import cpu_kernels
+
+    fmt = FORMATS[kind]
+    folder, ref = write(kind, tiny_llama_dir, tmp_path)
+    model = load_model(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    layer = model.model.layers[0]
+
+    def stored_scale(*names):
+        return max(float(stored[f"model.layers.0.{n}.input_scale"]) for n in names)
+
+    assert float(layer.self_attn.qkv_proj.kept.input_scale) == stored_scale(*(f"self_attn.{p}_proj" for p in "qkv"))
+    assert float(layer.self_attn.o_proj.kept.input_scale) == stored_scale("self_attn.o_proj")
+    assert float(layer.mlp.gate_up_proj.kept.input_scale) == stored_scale("mlp.gate_proj", "mlp.up_proj")
+    assert stored_scale("mlp.gate_proj") != stored_scale("mlp.up_proj")
+    kept = kept_linears(model)
+    assert kept == projections(model) and all(m.kept.input_scale is not None for m in kept)
+    static = {name: m.kept.input_scale for name, m in model.named_modules() if m in kept}
+    dequantized = prefill_logits(load_model(ref), IDS)
+    want = prefill_logits(rounded_activations(load_model(ref), fmt, static), IDS)
+    per_row = prefill_logits(rounded_activations(load_model(ref), fmt), IDS)
+    got = prefill_logits(model, IDS)
+    rounding = (got - dequantized).abs().max()
+    assert (got - want).abs().max() < 0.1 * rounding and rounding > 1e-3 * want.abs().max()
+    assert (got - per_row).abs().max() > 2 * (got - want).abs().max()
+    monkeypatch.setattr(cpu_kernels, f"{fmt.name}_WEIGHTS", False)
+    plain = load_model(folder)
+    assert not kept_linears(plain) and torch.equal(prefill_logits(plain, IDS), dequantized)
+    monkeypatch.setattr(cpu_kernels, f"{fmt.name}_WEIGHTS", True)
+    save_file({n: t for n, t in stored.items() if n != "model.layers.1.mlp.down_proj.input_scale"},
+              str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj.*input"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8-static"])
 def test_engine_speculative_greedy_equals_plain_over_8_bit_linears(tiny_llama_dir, tmp_path, w8a8_weights, kind):
     """The engine over kept 8-bit linears: n-gram drafts (some accepted, some not) give plain greedy decoding's tokens
     (each row's activations are quantized with its own scale, so a verify chunk's rows are those plain decoding

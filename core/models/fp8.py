@@ -2,16 +2,19 @@
 Qwen3's ``-FP8`` ones), dequantized as they load; and llm-compressor's FP8 checkpoints (``quant_method ==
 "compressed-tensors"``, ``format: "float-quantized"``: the ``-FP8`` and ``-FP8-dynamic`` releases of RedHatAI and
 others), whose ``X.weight_scale`` is one scale per output row (``strategy: channel``), per tensor or per block, and
-whose static ``X.input_scale`` (activations quantized with a fixed scale) full-precision matmuls do not need.
+whose static ``X.input_scale`` (activations quantized with a fixed scale) full-precision matmuls do not need (the
+linears kept in FP8 use it).
 
-Each quantized linear weight ``X.weight`` is stored as float8 (e4m3) beside ``X.weight_scale_inv``, one float32
-scale per ``weight_block_size`` block ([128, 128] in these releases; one per tensor without a block size). The
-weight is ``W = W_fp8 * scale`` over each block (the scale is the inverse of the quantizer's: multiply to
-dequantize). Activations are quantized per token at run time in these releases (``activation_scheme: dynamic``),
-which full-precision matmuls need not mimic. Weights come out in float32 and are then cast to the model's dtype,
-so a model loads at its dtype's size (bf16: twice the FP8 bytes), but for the linears of a checkpoint with one scale
-per output row or per tensor on a device with FP8 matmuls: those come out as
-:class:`~specray.models.w8a8.RowScaled` and stay FP8 (:mod:`specray.models.w8a8`).
+Each quantized linear weight ``X.weight`` is stored as float8 (e4m3) beside ``X.weight_scale_inv``, one float32 scale
+per ``weight_block_size`` block ([128, 128] in these releases), or without a block size (AutoFP8's layout, vLLM's
+``quant_method: fp8`` per tensor) beside ``X.weight_scale``, one per tensor. The weight is ``W = W_fp8 * scale`` over
+each block (the scale is the inverse of the quantizer's: multiply to dequantize). Activations are quantized per token
+at run time in the block-scaled releases (``activation_scheme: dynamic``), which full-precision matmuls need not
+mimic; AutoFP8's ``activation_scheme: static`` releases add one calibrated ``X.input_scale`` per linear, which linears
+kept in FP8 use (:mod:`specray.models.w8a8`). Weights come out in float32 and are then cast to the model's dtype, so a
+model loads at its dtype's size (bf16: twice the FP8 bytes), but for the linears of a checkpoint with one scale per
+output row or per tensor on a device with FP8 matmuls: those come out as :class:`~specray.models.w8a8.RowScaled` and
+stay FP8 (:mod:`specray.models.w8a8`).
 
 A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
 come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
@@ -32,15 +35,39 @@ from specray.models.layers import materialize, shape_of
 from specray.models.mxfp4 import is_mxfp4
 
 SCALE_SUFFIX = "_scale_inv"
+INPUT_SCALE = ".input_scale"  # a static release's activation scale, beside X.weight
 # the "block" of an FP8 weight with one scale per output row (or one per tensor, repeated on every row): one row by
 # the whole width (b1 = 0)
 ROW_SCALES = (1, 0)
 COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' weight_scale (multiplied, as weight_scale_inv is)
 
 
-def scale_suffix(quant: dict) -> str:
-    """What follows ``.weight`` in the name of a quantized weight's scale."""
-    return COMPRESSED_SCALE_SUFFIX if quant.get("quant_method") == COMPRESSED_TENSORS else SCALE_SUFFIX
+def scale_suffix(quant: dict) -> tuple[str, ...]:
+    """What may follow ``.weight`` in the name of a quantized weight's scale: ``_scale`` for compressed-tensors,
+    ``_scale_inv`` or ``_scale`` for ``quant_method: fp8`` (vLLM names a block-scaled weight's scale ``_scale_inv``,
+    DeepSeek's way, and a per-tensor one ``_scale``, AutoFP8's)."""
+    if quant.get("quant_method") == COMPRESSED_TENSORS:
+        return (COMPRESSED_SCALE_SUFFIX,)
+    return SCALE_SUFFIX, COMPRESSED_SCALE_SUFFIX
+
+
+def static_activations(quant: dict | None) -> bool:
+    """Whether a W8A8 release (its ``quantization_config``) quantizes activations with static, calibrated scales (one
+    ``X.input_scale`` per linear): AutoFP8's ``activation_scheme: static``, or compressed-tensors'
+    ``input_activations`` with ``dynamic: false`` (symmetric ones: an asymmetric scheme's zero points are not read,
+    and its rows get their own scales as a dynamic release's do)."""
+    method = (quant or {}).get("quant_method")
+    if method == "fp8":
+        return quant.get("activation_scheme", "dynamic") == "static"
+    if method != COMPRESSED_TENSORS:
+        return False
+    acts = [g.get("input_activations") or {} for g in (quant.get("config_groups") or {}).values()]
+    static = [a for a in acts if a.get("dynamic") is False and a.get("symmetric", True)]
+    for a in static:
+        if a.get("strategy", "tensor") != "tensor":
+            raise ValueError(f"quantization_config: static input_activations with strategy={a.get('strategy')!r} are "
+                             "not supported (one scale per tensor, 'tensor', is); load a bf16 version")
+    return bool(static)
 
 
 def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
@@ -57,12 +84,14 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
                          "checkpoints: quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights; "
                          "integer ones: 'gptq', 'awq', or 'compressed-tensors' pack-quantized; and 'mxfp4'); load a "
                          "bf16 or fp16 version of the checkpoint")
-    if quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"quantization_config.activation_scheme={quant.get('activation_scheme')!r}: only dynamic "
-                         "activation scales (no input_scale tensors) are supported; load a bf16 version")
     block = quant.get("weight_block_size")
     if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints, e.g. [128, 128]")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static") or (scheme == "static" and block is not None):
+        raise ValueError(f"quantization_config.activation_scheme={scheme!r}"
+                         f"{' with a weight_block_size' if block is not None else ''}: block-scaled FP8 weights take "
+                         "dynamic activation scales, per-tensor ones 'dynamic' or 'static'; load a bf16 version")
     return None if block is None else (int(block[0]), int(block[1]))
 
 
@@ -160,47 +189,65 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
-                keep: Callable[[str], bool] = lambda name: False, suffix: str = SCALE_SUFFIX, rows: bool = False
-                ) -> Iterator[tuple[str, Any]]:
+                keep: Callable[[str], bool] = lambda name: False, suffix: str | tuple[str, ...] = SCALE_SUFFIX,
+                rows: bool = False, static: bool = False) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
-    ``suffix``, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by row or tensor),
-    which come as :class:`Fp8Weight`,
-    and, with ``rows`` (a model that keeps FP8 linears), the e4m3 weights scaled per row or per tensor, which come as
-    :class:`~specray.models.w8a8.RowScaled`; static activation scales (``.input_scale``) are dropped; other
-    tensors pass through untouched (lazy slices stay lazy). A weight and its scale may come in either order, from
-    any file; one without the other at the end is a ValueError."""
-    weights_waiting: dict[str, Any] = {}
-    scales_waiting: dict[str, Any] = {}
+    ``suffix``, or one of several, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by
+    row or tensor), which come as :class:`Fp8Weight`, and, with ``rows`` (a model that keeps FP8 linears), the e4m3
+    weights scaled per row or per tensor, which come as :class:`~specray.models.w8a8.RowScaled`, with ``static`` (a
+    release with static activation scales) each with its ``X.input_scale``; other activation scales are dropped, and
+    other tensors pass through untouched (lazy slices stay lazy). A weight and its scales may come in any order,
+    from any file; a weight without one at the end is a ValueError."""
+    suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix)
+    held: dict[str, dict[str, Any]] = {}  # a weight's name -> its parts come so far: weight, scale, input
 
-    def paired(name: str, weight: Any, scale: Any) -> Any:
+    def by_row(name: str, weight: Any) -> bool:  # kept by a linear in FP8
+        return block is None and rows and not keep(name) and dtype_of(weight) == torch.float8_e4m3fn
+
+    def ready(name: str, parts: dict[str, Any]) -> bool:
+        if "weight" not in parts or "scale" not in parts:
+            return False
+        return "input" in parts or not (static and by_row(name, parts["weight"]))
+
+    def paired(name: str, parts: dict[str, Any]) -> Any:
+        weight, scale = parts["weight"], parts["scale"]
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
             return Fp8Weight(weight, row_scales(materialize(scale), tuple(shape_of(weight)))[:, None], ROW_SCALES)
-        if block is None and rows and dtype_of(weight) == torch.float8_e4m3fn:
-            return row_scaled(materialize(weight), materialize(scale), FP8)
+        if by_row(name, weight):
+            inputs = materialize(parts["input"]) if "input" in parts else None
+            return row_scaled(materialize(weight), materialize(scale), FP8, inputs)
         return dequantize(materialize(weight), materialize(scale), block)
 
     for name, tensor in weights:
-        if name.endswith(".input_scale"):
-            continue  # activations quantized with a fixed scale: full-precision matmuls need none
-        if name.endswith(".weight" + suffix):
-            base = name[: -len(suffix)]
-            if base in weights_waiting:
-                yield base, paired(base, weights_waiting.pop(base), tensor)
-            else:
-                scales_waiting[base] = tensor
+        scale_of = next((s for s in suffixes if name.endswith(".weight" + s)), None)
+        if name.endswith(INPUT_SCALE):
+            base, part = name[: -len(INPUT_SCALE)] + ".weight", "input"
+            if not (static and rows) or keep(base):
+                continue  # (a full-precision matmul needs none; nor do experts, dequantized as tokens reach them)
+        elif scale_of is not None:
+            base, part = name[: -len(scale_of)], "scale"
+        elif name.endswith(".weight") and _is_fp8(tensor):
+            base, part = name, "weight"
+        else:
+            yield name, tensor
             continue
-        if name.endswith(".weight") and _is_fp8(tensor):
-            if name in scales_waiting:
-                yield name, paired(name, tensor, scales_waiting.pop(name))
-            else:
-                weights_waiting[name] = tensor
-            continue
-        yield name, tensor
-    if weights_waiting or scales_waiting:
-        raise ValueError(f"FP8 weights without their weight{suffix} ({sorted(weights_waiting)[:4]}) or scales without "
-                         f"their weight ({sorted(scales_waiting)[:4]}): the checkpoint is incomplete")
+        parts = held.setdefault(base, {})
+        parts[part] = tensor
+        if ready(base, parts):
+            yield base, paired(base, held.pop(base))
+    def missing(name: str, parts: dict[str, Any]) -> list[str]:
+        inputs = {"input"} if static and "weight" in parts and by_row(name, parts["weight"]) else set()
+        labels = {"weight": "weight", "scale": " or ".join("weight" + s for s in suffixes), "input": "input_scale"}
+        return [labels[part] for part in sorted(({"weight", "scale"} | inputs) - set(parts))]
+
+    unpaired = {base: missing(base, parts) for base, parts in held.items()
+                if parts.keys() != {"input"}}  # (an input scale beside a weight the release left unquantized)
+    if unpaired:
+        raise ValueError(f"FP8 weights without their {' or '.join('weight' + s for s in suffixes)}"
+                         f"{' or input_scale' if static and rows else ''}, or scales without their weight (e.g. "
+                         f"{dict(list(unpaired.items())[:3])} missing): the checkpoint is incomplete")
 
 
 def _is_fp8(tensor: Any) -> bool:

@@ -249,7 +249,7 @@ def dequantize(scheme: IntScheme, parts: dict[str, torch.Tensor], rows: bool = F
     :class:`IntWeight`, or the float32 weight where act order scatters its groups over the columns (and for INT8
     W8A8; with ``rows``, a model that keeps those in 8 bits, a :class:`~specray.models.w8a8.RowScaled`)."""
     if scheme.kind == "int8":
-        w = row_scaled(parts["weight"], parts["weight_scale"], INT8)
+        w = row_scaled(parts["weight"], parts["weight_scale"], INT8, parts.get("input_scale"))
         return w if rows else w.dense()
     if scheme.kind == "gguf":
         bits = int(parts["q_bits"].reshape(-1)[0])
@@ -313,18 +313,20 @@ def _groups(scheme: IntScheme, columns: int, num_groups: int, g_idx: torch.Tenso
     return groups
 
 
-def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme, rows: bool = False
+def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme, rows: bool = False, static: bool = False
                 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every quantized linear's tensors (in any order, from any file)
-    replaced by its dequantized ``X.weight`` (``rows``: INT8 W8A8 weights kept, :func:`dequantize`); other tensors
-    pass through untouched (lazy slices stay lazy), but an INT8 checkpoint's static activation scales, which the
-    matmuls do not use. A linear whose optional group index never came is dequantized at the end; one missing a
-    needed tensor is a ValueError."""
+    replaced by its dequantized ``X.weight`` (``rows``: INT8 W8A8 weights kept, :func:`dequantize`, each with its
+    static activation scale where the release has them, ``static``); other tensors pass through untouched (lazy
+    slices stay lazy), but an INT8 checkpoint's activation scales that the matmuls do not use. A linear whose
+    optional group index never came is dequantized at the end; one missing a needed tensor is a ValueError."""
     needed, optional = _PARTS[scheme.kind]
+    inputs = scheme.kind == "int8" and rows and static  # each linear's static input_scale rounds its activations
+    needed = (*needed, "input_scale") if inputs else needed
     suffixes = {f".{part}": part for part in (*needed, *filter(None, [optional]))}
     waiting: dict[str, dict[str, Any]] = {}
     for name, tensor in weights:
-        if scheme.kind == "int8" and name.endswith((".input_scale", ".input_zero_point")):
+        if scheme.kind == "int8" and name.endswith((".input_zero_point", *(() if inputs else (".input_scale",)))):
             continue  # (each row of activations gets its own scale)
         if scheme.kind == "int8" and name.endswith(".weight") and not _is_int8(tensor):
             yield name, tensor  # a weight the checkpoint left in full precision (norms, embeddings, the head)
@@ -337,6 +339,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], scheme: IntScheme, rows: boo
         held[part] = tensor
         if all(p in held for p in needed) and (optional is None or optional in held):
             yield f"{base}.weight", dequantize(scheme, _materialized(waiting.pop(base)), rows)
+    waiting = {base: held for base, held in waiting.items() if held.keys() != {"input_scale"}}  # (an unquantized one's)
     incomplete = {base: sorted(set(needed) - set(held)) for base, held in waiting.items() if set(needed) - set(held)}
     if incomplete:
         raise ValueError(f"quantized linears without all their tensors, e.g. {dict(list(incomplete.items())[:3])}: "

@@ -51,7 +51,7 @@ from torch import nn
 
 from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
-from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix, w8a8_format
+from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix, static_activations, w8a8_format
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -395,11 +395,12 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
         return mxfp4_dequantized(weights)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
-        return int_dequantized(weights, scheme, rows=w8a8 is INT8)
+        return int_dequantized(weights, scheme, rows=w8a8 is INT8, static=static_activations(quant))
     block = fp8_block_size(quant)
     if block is False:
         return weights
-    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=w8a8 is FP8)
+    return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=w8a8 is FP8,
+                       static=static_activations(quant))
 
 
 @contextlib.contextmanager

@@ -10,8 +10,10 @@ that number on every row): each row of ``x`` is quantized at run time with its o
 ``y = (xq Wq^T) * s_x * s_w^T``, the products summed exactly (int8: in int32) or in float32 (FP8) by the kernel. The
 activations' rounding (three mantissa bits, or 255 levels, over a row's largest value) is the accuracy this trades for
 the weights' half of bf16's bytes and the 8-bit matmul rate; each row's scale depends on that row alone, so a token's
-output does not depend on the rows batched with it. A checkpoint's static ``input_scale`` is not used (every row gets
-its own scale, as the dynamic releases have it).
+output does not depend on the rows batched with it. A release with static activation scales (llm-compressor's
+``-FP8`` releases, ``input_activations.dynamic: false``; AutoFP8's ``activation_scheme: static``) has one calibrated
+``X.input_scale`` per linear instead: every row is ``x / s_in`` rounded (values past ``R * s_in`` clamped), as vLLM
+runs them, with the largest of a merged linear's parts' scales (q/k/v, gate/up) for all of them.
 
 Kept on CUDA in bfloat16 (FP8: the row-wise kernel's output type; devices of compute capability 8.9 or more: Ada,
 Hopper, Blackwell) or bfloat16 / float16 (INT8: 7.5 or more), where the weight's sides fit the kernel (multiples of
@@ -77,20 +79,28 @@ FP8 = Format("FP8", torch.float8_e4m3fn, 448.0, _to_fp8, _fp8_matmul)
 INT8 = Format("INT8", torch.int8, 127.0, _to_int8, _int8_matmul)
 
 
-def quantize_rows(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (xq [M, K] in ``fmt``, s_x [M, 1] float32): each row over its own scale max|x_row| / R."""
-    x_scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / fmt.max
+def quantize_rows(x: torch.Tensor, fmt: Format, static: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (xq [M, K] in ``fmt``, s_x [M, 1] float32): each row over its own scale max|x_row| / R, or
+    with ``static`` (a release's calibrated input scale, 0-d float32) every row over that one, values past it
+    clamped."""
+    if static is None:
+        x_scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / fmt.max
+    else:
+        x_scale = static.reshape(1, 1).repeat(x.shape[0], 1)  # (the row-wise kernel's layout: strides (1, 1))
     return fmt.round((x.float() / x_scale).clamp(-fmt.max, fmt.max)).contiguous(), x_scale  # (kernels: row-major)
 
 
 class RowScaled:
     """One linear's 8-bit values ``weight`` [out, in] (``fmt``'s dtype) and their ``scale`` [out] (float32):
-    ``W = weight * scale`` by row. Read like a safetensors slice (``get_shape()``, ``w[index]``: the dequantized
-    float32 weight), so a loader that wants a dense weight gets one; :meth:`rows` and :meth:`cols` cut it without
-    dequantizing."""
+    ``W = weight * scale`` by row; ``input_scale`` (0-d float32): a release's static activation scale, None where
+    each row of activations gets its own. Read like a safetensors slice (``get_shape()``, ``w[index]``: the
+    dequantized float32 weight), so a loader that wants a dense weight gets one; :meth:`rows` and :meth:`cols` cut it
+    without dequantizing."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, fmt: Format):
-        self.weight, self.scale, self.fmt = weight, scale, fmt
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, fmt: Format,
+                 input_scale: torch.Tensor | None = None):
+        self.weight, self.scale, self.fmt, self.input_scale = weight, scale, fmt, input_scale
 
     def get_shape(self) -> list[int]:
         return list(self.weight.shape)
@@ -105,50 +115,59 @@ class RowScaled:
         return self.dense()[index]
 
     def rows(self, start: int, count: int) -> "RowScaled":
-        return RowScaled(self.weight[start: start + count], self.scale[start: start + count], self.fmt)
+        return RowScaled(self.weight[start: start + count], self.scale[start: start + count], self.fmt,
+                         self.input_scale)
 
     def cols(self, start: int, count: int) -> "RowScaled":
-        return RowScaled(self.weight[:, start: start + count], self.scale, self.fmt)
+        return RowScaled(self.weight[:, start: start + count], self.scale, self.fmt, self.input_scale)
 
     def staging(self, rows: int, cols: int) -> "RowScaledStaging":
-        return RowScaledStaging(rows, cols, self.fmt)
+        return RowScaledStaging(rows, cols, self.fmt, static=self.input_scale is not None)
 
 
 class RowScaledStaging:
     """A linear's 8-bit rows as its parts load (a merged linear's each at its rows), on the host, until kept."""
 
-    def __init__(self, rows: int, cols: int, fmt: Format):
+    def __init__(self, rows: int, cols: int, fmt: Format, static: bool = False):
         self.weight = torch.zeros(rows, cols, dtype=fmt.dtype)
         self.scale = torch.zeros(rows)
         self.fmt = fmt
+        # a static release's input scale: the largest of the parts' (one scale rounds the input for all of them)
+        self.input_scale = torch.zeros((), device=self.weight.device) if static else None
 
     def fits(self, w) -> bool:
-        return isinstance(w, RowScaled) and w.fmt == self.fmt and w.weight.shape[1] == self.weight.shape[1]
+        return (isinstance(w, RowScaled) and w.fmt == self.fmt and w.weight.shape[1] == self.weight.shape[1]
+                and (w.input_scale is None) == (self.input_scale is None))
 
     def put(self, offset: int, w: RowScaled) -> None:
         rows = slice(offset, offset + w.weight.shape[0])
         self.weight[rows], self.scale[rows] = w.weight, w.scale
+        if w.input_scale is not None:
+            part = w.input_scale.float().reshape(()).to(self.input_scale.device)
+            self.input_scale = torch.maximum(self.input_scale, part)
 
     def dense(self) -> torch.Tensor:
         return RowScaled(self.weight, self.scale, self.fmt).dense()
 
     def kept(self, device: torch.device, dtype: torch.dtype) -> "W8A8Linear | None":
-        return pack_w8a8(RowScaled(self.weight, self.scale, self.fmt), device)
+        return pack_w8a8(RowScaled(self.weight, self.scale, self.fmt, self.input_scale), device)
 
 
 class W8A8Linear(torch.nn.Module):
-    """A linear's weight [N, K] kept in 8 bits: ``weight`` [N, K] in ``fmt``'s dtype and ``scale`` [1, N] float32
-    (module docstring)."""
+    """A linear's weight [N, K] kept in 8 bits: ``weight`` [N, K] in ``fmt``'s dtype and ``scale`` [1, N] float32;
+    ``input_scale`` (0-d float32) a static release's activation scale, else None (module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, fmt: Format):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, fmt: Format,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
+        self.register_buffer("input_scale", input_scale)
         self.fmt = fmt
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N]: y = (xq Wq^T) * s_x * s_w, each row of x over its own scale
-        xq, x_scale = quantize_rows(x, self.fmt)
+        # x: [M, K] -> [M, N]: y = (xq Wq^T) * s_x * s_w, each row of x over its own scale (or the static one)
+        xq, x_scale = quantize_rows(x, self.fmt, self.input_scale)
         return self.fmt.matmul(xq, self.weight, x_scale, self.scale, x.dtype)
 
 
@@ -158,7 +177,9 @@ def pack_w8a8(w: RowScaled, device: torch.device) -> W8A8Linear | None:
     n, k = w.weight.shape
     if n % TILE or k % TILE:
         return None
-    return W8A8Linear(w.weight.to(device).contiguous(), w.scale.float().reshape(1, n).to(device).contiguous(), w.fmt)
+    static = None if w.input_scale is None else w.input_scale.float().reshape(()).to(device)
+    return W8A8Linear(w.weight.to(device).contiguous(), w.scale.float().reshape(1, n).to(device).contiguous(), w.fmt,
+                      static)
 
 
 def keeps_w8a8(fmt: Format, device: torch.device, dtype: torch.dtype,
@@ -207,9 +228,16 @@ def row_scales(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return scale.float().reshape(-1).expand(shape[0]).contiguous()
 
 
-def row_scaled(weight: torch.Tensor, scale: torch.Tensor, fmt: Format) -> RowScaled:
-    """An 8-bit weight [out, in] with one scale, or one per output row, as :class:`RowScaled` (a scale per row)."""
-    return RowScaled(weight, row_scales(scale, tuple(weight.shape)), fmt)
+def row_scaled(weight: torch.Tensor, scale: torch.Tensor, fmt: Format,
+               input_scale: torch.Tensor | None = None) -> RowScaled:
+    """An 8-bit weight [out, in] with one scale, or one per output row, as :class:`RowScaled` (a scale per row);
+    ``input_scale``: a static release's activation scale (one number)."""
+    if input_scale is not None:
+        if input_scale.numel() != 1:
+            raise ValueError(f"a static activation scale (input_scale) of shape {tuple(input_scale.shape)}: one per "
+                             "linear is supported (strategy 'tensor')")
+        input_scale = input_scale.float().reshape(())
+    return RowScaled(weight, row_scales(scale, tuple(weight.shape)), fmt, input_scale)
 
 
 def quantize_weight(weight: torch.Tensor, fmt: Format, row_max: torch.Tensor | None = None) -> RowScaled:
