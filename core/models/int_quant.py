@@ -376,7 +376,7 @@ class IntStaging:
         self.offset: torch.Tensor | None = None  # made when a part with offsets comes (zeros: as none)
         self.group_size, self.bits = g, like.bits
 
-    def fits(self, w) -> bool:
+    def fits(self, w, offset: int) -> bool:
         return isinstance(w, IntWeight) and (w.group_size, w.bits) == (self.group_size, self.bits) \
             and w.q.shape[1] == self.q.shape[1]
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from specray.models import cpu_kernels
 from specray.models.int_quant import Int4Weight, IntStaging, IntWeight
+from specray.models.fp8_blocks import BlockFP8Linear, BlockScaled, BlockScaledStaging
 from specray.models.w8a8 import Format, RowScaled, RowScaledStaging, W8A8Linear, pack_w8a8, quantize_weight
 from specray.parallel import TPGroup
 
@@ -74,7 +75,8 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, kept: Int4Weight | W8A8Linear | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, kept: Int4Weight | W8A8Linear | BlockFP8Linear | None = None
+           ) -> torch.Tensor:
     """``F.linear`` for 2-D ``x``, the one entry every linear calls: a weight kept quantized (``kept``: in 4 bits
     through torch's weight-only kernel, or in 8 bits through an 8-bit matmul); on CPU the kernels of
     :mod:`specray.models.cpu_kernels` (``packed`` is a weight they prepared at load), elsewhere plain."""
@@ -88,13 +90,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 
 _KEEP_INTS = False  # linears built now keep a quantized checkpoint's values (int_linears)
-KEPT_TYPES = (IntWeight, RowScaled)  # the quantized weights a linear keeps so (each with .rows, .cols, .staging)
+# the quantized weights a linear keeps so (each with .rows, .cols, .staging; a cut it cannot keep is None)
+KEPT_TYPES = (IntWeight, RowScaled, BlockScaled)
 
 
 @contextlib.contextmanager
 def int_linears(enabled: bool = True):
     """Linears built inside keep a quantized checkpoint's values (:data:`KEPT_TYPES`: integers,
-    :mod:`specray.models.int_quant`; row-scaled 8-bit ones, :mod:`specray.models.w8a8`) instead of a dense weight:
+    :mod:`specray.models.int_quant`; row-scaled 8-bit ones, :mod:`specray.models.w8a8`; block-scaled FP8 ones,
+    :mod:`specray.models.fp8_blocks`) instead of a dense weight:
     no dense storage until a dense weight loads; then :func:`keep_quantized_weights`."""
     global _KEEP_INTS
     old, _KEEP_INTS = _KEEP_INTS, enabled
@@ -115,8 +119,9 @@ class LinearBase(nn.Module):
     keeps_dense_weight = False  # packing keeps ``weight`` too
     lora = None  # a projection that takes LoRA adapters: its stacked adapters (specray.models.lora.LinearLoRA)
     keeps_ints = False
-    staged: IntStaging | RowScaledStaging | None = None
-    kept: Int4Weight | W8A8Linear | None  # a submodule once kept (set per instance: a class default would hide it)
+    staged: IntStaging | RowScaledStaging | BlockScaledStaging | None = None
+    # a submodule once kept (set per instance: a class default would hide it)
+    kept: Int4Weight | W8A8Linear | BlockFP8Linear | None
 
     def _own_weight(self, rows: int, cols: int) -> nn.Parameter:
         """The weight [rows, cols]: empty under :func:`int_linears` (its shape kept in ``dense_shape``)."""
@@ -127,13 +132,13 @@ class LinearBase(nn.Module):
         weight.weight_loader = self.weight_loader
         return weight
 
-    def _stage(self, offset: int, part: IntWeight | RowScaled | None) -> bool:
+    def _stage(self, offset: int, part: IntWeight | RowScaled | BlockScaled | None) -> bool:
         """Stage a part's quantized values at rows ``offset``; False (nothing staged) where they cannot be kept."""
         if part is None or not self.keeps_ints or self.keeps_dense_weight or self.weight.numel():
             return False  # (a weight read as a matrix, DeepSeek's kv_b_proj, stays dense)
         if self.staged is None:
             self.staged = part.staging(*self.dense_shape)
-        if not self.staged.fits(part):
+        if not self.staged.fits(part, offset):
             return False
         self.staged.put(offset, part)
         return True

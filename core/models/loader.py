@@ -67,6 +67,7 @@ from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
 from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
     gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
+from specray.models.fp8_blocks import keeps_block_fp8, pack_block_fp8, random_block_fp8
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
 from specray.models.moe import is_per_expert_tensor
 from specray.models.interface import CausalLM
@@ -376,7 +377,7 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
 
 
 def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None,
-                       w8a8: Format | None = None) -> Iterator[tuple[str, Any]]:
+                       w8a8: Format | None = None, blocks: bool = False) -> Iterator[tuple[str, Any]]:
     """:func:`iter_weights`, with a quantized release's weights dequantized as they come (MXFP4, integers, FP8), but
     for an FP8 release's experts' (which
     come as :class:`~specray.models.fp8.Fp8Weight`, kept so by the model: :mod:`specray.models.fp8`). ``prefix``:
@@ -384,7 +385,8 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
     (and their scales) it names, the others not read (a pipeline stage's). A prefix may also be name patterns
     (:func:`specray.models.registry.text_tensors`). ``w8a8``: the 8-bit format (FP8, INT8) of a row-scaled release
     whose linears the model keeps in 8 bits (:func:`load_model`): their weights come as
-    :class:`~specray.models.w8a8.RowScaled`."""
+    :class:`~specray.models.w8a8.RowScaled`; ``blocks``: a block-scaled FP8 release whose linears the model keeps in
+    FP8, as :class:`~specray.models.fp8_blocks.BlockScaled`."""
     quant = checkpoint_quantization(source)
     weights = iter_weights(source)
     if prefix:
@@ -400,7 +402,7 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
     if block is False:
         return weights
     return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=w8a8 is FP8,
-                       static=static_activations(quant))
+                       static=static_activations(quant), blocks=blocks)
 
 
 @contextlib.contextmanager
@@ -456,15 +458,19 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     ints = keeps_int4(scheme, torch.device(device), dtype)
     w8a8 = w8a8_format(quant)
     w8a8 = w8a8 if w8a8 is not None and keeps_w8a8(w8a8, torch.device(device), dtype) else None
-    with _default_dtype(dtype), torch.device(device), int_linears(ints or w8a8 is not None):
+    # a block-scaled FP8 one on a device with a block-wise FP8 matmul: its linears stay FP8 too (fp8_blocks)
+    block = fp8_block_size(quant) if scheme is None else False
+    block = block if block and keeps_block_fp8(block, torch.device(device), dtype) else None
+    kept = "4-bit" if ints else w8a8.name if w8a8 is not None else f"FP8 {list(block)}-block" if block else None
+    with _default_dtype(dtype), torch.device(device), int_linears(kept is not None):
         net = model_cls(config, tp or TPGroup.single(), expert_parallel, pp)
     if dummy:
-        _dummy_weights(net, scheme if ints else None, w8a8)
+        _dummy_weights(net, scheme if ints else None, w8a8, block)
     else:
-        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), w8a8))
-        if ints or w8a8 is not None:
-            logger.info("%d linears keep their %s weights", keep_quantized_weights(net),
-                        "4-bit" if w8a8 is None else w8a8.name)
+        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), w8a8,
+                                            blocks=block is not None))
+        if kept is not None:
+            logger.info("%d linears keep their %s weights", keep_quantized_weights(net), kept)
     if online:
         logger.info("quantization='fp8': %d linears quantized to FP8 at load", quantize_linears(net, FP8))
     net.eval()
@@ -476,26 +482,32 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
 
 
 @torch.no_grad()
-def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None = None) -> None:
+def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None = None,
+                   block: tuple[int, int] | None = None) -> None:
     """Random weights (``load_format="dummy"``). ``ints``: a 4-bit release's scheme, whose linears (built under
     ``int_linears``, their weights empty) get random integers kept in 4 bits as a checkpoint's would be, so a dummy
     model times the 4-bit kernel at a real size; ``w8a8``: a row-scaled 8-bit release's format, whose linears get
-    random values of it kept so; a linear the kernel cannot take, or one read as a matrix, is dense."""
+    random values of it kept so, and ``block``'s (a block-scaled FP8 release's) random block-scaled values; a
+    linear the kernel cannot take, or one read as a matrix, is dense."""
     for param in net.parameters():
         if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
             continue  # its hash layers send every token to expert 0
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
-    if ints is None and w8a8 is None:
+    if ints is None and w8a8 is None and block is None:
         return
     for module in net.modules():
         if isinstance(module, LinearBase) and module.keeps_ints and module.weight.numel() == 0:
             w = module.weight
             if not module.keeps_dense_weight:
                 rows, cols = module.dense_shape
-                module.kept = (pack_w8a8(random_w8a8(rows, cols, DUMMY_WEIGHT_RANGE, w8a8, w.device), w.device)
-                               if w8a8 is not None else
-                               pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
-                                         w.device, w.dtype))
+                if block is not None:
+                    module.kept = pack_block_fp8(random_block_fp8(rows, cols, DUMMY_WEIGHT_RANGE, block, w.device),
+                                                 w.device, w.dtype)
+                elif w8a8 is not None:
+                    module.kept = pack_w8a8(random_w8a8(rows, cols, DUMMY_WEIGHT_RANGE, w8a8, w.device), w.device)
+                else:
+                    module.kept = pack_int4(random_int4(rows, cols, ints.group_size, DUMMY_WEIGHT_RANGE, w.device),
+                                            w.device, w.dtype)
             if module.kept is None:
                 module.dense_weight().uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
 

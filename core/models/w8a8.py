@@ -135,7 +135,7 @@ class RowScaledStaging:
         # a static release's input scale: the largest of the parts' (one scale rounds the input for all of them)
         self.input_scale = torch.zeros((), device=self.weight.device) if static else None
 
-    def fits(self, w) -> bool:
+    def fits(self, w, offset: int) -> bool:
         return (isinstance(w, RowScaled) and w.fmt == self.fmt and w.weight.shape[1] == self.weight.shape[1]
                 and (w.input_scale is None) == (self.input_scale is None))
 
