@@ -133,6 +133,69 @@ def test_mxfp4_release_loads_as_its_dequantized_twin(tiny_gpt_oss_dir, tmp_path)
     assert max_diff(got, chunked_logits(load_model(str(tiny_gpt_oss_dir)), prompt(), schedule)) > 1e-3
 
 
+def test_mxfp4_experts_stay_mxfp4_where_experts_are_kept(tiny_gpt_oss_dir, tmp_path, monkeypatch):
+    """Where quantized experts are kept (a GPU; here asked: ``cpu_kernels.FP8_EXPERTS``), an MXFP4 release's experts
+    hold its FP4 codes and E8M0 scales as stored (gate and up de-interleaved), a quarter of bf16's bytes, decoded as
+    tokens reach an expert: the logits equal those of the release dequantized at load, exactly, and the engine's graph
+    steps run eagerly (no grouped matmul over them)."""
+    from safetensors.torch import load_file
+
+    from specray.models.moe import SparseMoE
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    quantized, _ = write_mxfp4(tiny_gpt_oss_dir, tmp_path)
+    model = load_model(str(quantized))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert len(blocks) == 3 and all(b.mxfp4 and b.w13.dtype == b.w2.dtype == torch.uint8 for b in blocks)
+    assert all(b.w13.shape == (4, 64, 32) and b.w2_scale.shape == (4, 64, 1) for b in blocks)  # [E, 2I, H / 2] ...
+    assert "MXFP4" in blocks[0].graph_blocker()
+    stored = load_file(str(quantized / "model.safetensors"))
+    fused = stored["model.layers.1.mlp.experts.gate_up_proj_blocks"][2].flatten(1)  # [2I, H / 2]: gate, up, ...
+    assert torch.equal(blocks[1].w13[2], torch.cat((fused[0::2], fused[1::2])))
+    assert torch.equal(blocks[1].w2[2], stored["model.layers.1.mlp.experts.down_proj_blocks"][2].flatten(1))
+    schedule = SCHEDULES["chunked+decode"]
+    got = chunked_logits(model, prompt(), schedule)
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
+    plain = load_model(str(quantized))
+    assert not any(b.mxfp4 for b in plain.modules() if isinstance(b, SparseMoE))
+    assert torch.equal(got, chunked_logits(plain, prompt(), schedule))
+
+
+def test_a_rank_keeps_its_share_of_mxfp4_experts(monkeypatch):
+    """Split by width over two ranks, each keeps its half of every expert's intermediate width (whole groups of 32):
+    rank 1's decoded gate, up and down weights are exactly its share of the dequantized ones; a share that is not
+    whole groups (16 of 32 per rank) is dequantized at load."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig
+
+    from specray.models.moe import SparseMoE
+    from specray.models.mxfp4 import Mxfp4Weight
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"gate_up_proj": (torch.randint(0, 256, (4, 128, 2, 16), generator=g, dtype=torch.uint8),
+                                torch.randint(120, 134, (4, 128, 2), generator=g, dtype=torch.uint8)),
+               "down_proj": (torch.randint(0, 256, (4, 64, 2, 16), generator=g, dtype=torch.uint8),
+                             torch.randint(120, 134, (4, 64, 2), generator=g, dtype=torch.uint8))}
+    weights = {}
+    for keep in (True, False):
+        monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", keep)
+        config = GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                              quantization_config={"quant_method": "mxfp4"})
+        block = SparseMoE(config, SimpleNamespace(size=2, rank=1), False)
+        assert block.mxfp4 == keep
+        for kind, (codes, scales) in tensors.items():
+            block.load_expert_tensor(f"model.layers.0.mlp.experts.{kind}", Mxfp4Weight(codes, scales))
+        weights[keep] = [block._weight(w, s, e, torch.float32) for e in range(4)
+                         for w, s in ((block.w13, block.w13_scale), (block.w2, block.w2_scale))]
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False]))
+    narrow = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                          quantization_config={"quant_method": "mxfp4"})
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    assert not SparseMoE(narrow, SimpleNamespace(size=2, rank=1), False).mxfp4
+
+
 def test_mxfp4_blocks_without_scales_are_refused():
     blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"without their blocks or scales: \['x.experts.down_proj'\]"):
@@ -149,6 +212,7 @@ WORKER = WORKER_PRELUDE + textwrap.dedent("""
 
     result = {}
     for folder in folders:  # a folder named *-ep: the experts split whole over the ranks
+        cpu_kernels.FP8_EXPERTS = "-kept" in folder  # (an MXFP4 release's experts kept in MXFP4, as on a GPU)
         model = load_model(folder, tp, expert_parallel=folder.endswith("-ep"), pp=pp)
         mine = logits(model)
         diff = None if mine is None else (mine - logits(load_model(folder))).abs().max().item()
@@ -168,12 +232,15 @@ def _ranks(tmp_path: Path, folders: list[str], stages: int) -> list[dict]:
 
 def test_tensor_parallel_ranks_and_pipeline_stages_match_one_rank(tiny_gpt_oss_dir, tmp_path):
     """TP 2: each rank two of the 4 heads (and their sinks), one of the 2 KV heads, the experts split by width (the
-    down projection's bias added once) or whole (2 per rank), an MXFP4 release among them; PP 2: layers 0-1 and 2.
-    Every rank's (the last stage's) logits equal one rank's."""
+    down projection's bias added once) or whole (2 per rank), an MXFP4 release among them (dequantized, and its
+    experts kept in MXFP4 whole per rank); PP 2: layers 0-1 and 2. Every rank's (the last stage's) logits equal one
+    rank's."""
     ep = tmp_path / "tiny-ep"
     ep.symlink_to(tiny_gpt_oss_dir, target_is_directory=True)
     quantized, _ = write_mxfp4(tiny_gpt_oss_dir, tmp_path / "q")
-    folders = [str(tiny_gpt_oss_dir), str(ep), str(quantized)]
+    kept = tmp_path / "mxfp4-kept-ep"
+    kept.symlink_to(quantized, target_is_directory=True)
+    folders = [str(tiny_gpt_oss_dir), str(ep), str(quantized), str(kept)]
     (tmp_path / "tp").mkdir()
     for result in _ranks(tmp_path / "tp", folders, 1):
         for folder in folders:

@@ -69,7 +69,7 @@ from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_de
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.fp8_blocks import keeps_block_fp8, pack_block_fp8, random_block_fp8
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
-from specray.models.moe import is_per_expert_tensor
+from specray.models.moe import is_expert_tensor, is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
 from specray.models.plain_config import PlainConfig, plain_config
@@ -393,8 +393,8 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
         weights = text_tensors(weights, prefix)
     if wanted is not None:
         weights = ((name, t) for name, t in weights if wanted(name))
-    if is_mxfp4(quant):  # GPT-OSS's experts: specray.models.mxfp4
-        return mxfp4_dequantized(weights)
+    if is_mxfp4(quant):  # GPT-OSS's experts: specray.models.mxfp4 (kept, or not, by the mixture)
+        return mxfp4_dequantized(weights, keep=is_expert_tensor)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
         return int_dequantized(weights, scheme, rows=w8a8 is INT8, static=static_activations(quant))

@@ -68,6 +68,12 @@ byte with a float32 scale, zero point and offset per group, dequantized when tok
 load-time dequantization gives: on a GPU, or on CPU with ``cpu_kernels.INT4_WEIGHTS``, unless
 ``$SPECRAY_DEQUANTIZE_INT4`` is set or this rank's share is not whole groups (each projection apart: a GGUF whose down
 projections are 6-bit, as Q4_K_M makes some, keeps its gate/up in 4 bits and its down dense).
+
+From an MXFP4 checkpoint (GPT-OSS's releases: :mod:`specray.models.mxfp4`) the experts keep their FP4 codes, two a
+byte, and one E8M0 scale byte per group of 32 input columns (a quarter of bf16's bytes), decoded when tokens reach
+an expert to the values a load-time dequantization gives: where FP8 experts are kept (a GPU, or on CPU with
+``cpu_kernels.FP8_EXPERTS``) and this rank's share is whole groups (split by width: the width per rank a multiple of
+32); otherwise dequantized at load.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, kept_block,
                                 w8a8_format)
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
+from specray.models.mxfp4 import Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
 from specray.models.w8a8 import RowScaled
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
@@ -116,6 +123,7 @@ def sync_free_experts():
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
 _PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+MXFP4_GROUP = 32  # an MXFP4 weight's input columns per scale
 _FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
 
 
@@ -410,7 +418,18 @@ class SparseMoE(nn.Module):
                           split=not expert_parallel and tp.size > 1)
             group = None  # this rank's shares are not whole groups: dequantized at load
         self.int4_group = group
-        if group is not None:  # 4-bit values two a byte, a scale, zero point and offset per group (int_quant)
+        # an MXFP4 release's experts: FP4 codes two a byte and an E8M0 scale per 32 input columns (mxfp4)
+        self.mxfp4 = (block is None and group is None and is_mxfp4(config_quantization(config))
+                      and keeps_fp8_experts(torch.empty(0).device))
+        if self.mxfp4 and (x_dim % MXFP4_GROUP or i % MXFP4_GROUP):
+            _tell_partial("MXFP4", f"{MXFP4_GROUP}-column groups", i, x_dim, split=not expert_parallel and tp.size > 1)
+            self.mxfp4 = False  # this rank's shares are not whole groups: dequantized at load
+        if self.mxfp4:
+            self.w13 = _uint8_param(e, self.parts * i, x_dim // 2)
+            self.w2 = _uint8_param(e, x_dim, i // 2)
+            self.w13_scale = _uint8_param(e, self.parts * i, x_dim // MXFP4_GROUP)
+            self.w2_scale = _uint8_param(e, x_dim, i // MXFP4_GROUP)
+        elif group is not None:  # 4-bit values two a byte, a scale, zero point and offset per group (int_quant)
             self.w13 = _uint8_param(e, self.parts * i, x_dim // 2)
             self.w2 = _uint8_param(e, x_dim, i // 2)
             self.w13_scale = nn.Parameter(torch.empty(e, self.parts * i, x_dim // group, 3), requires_grad=False)
@@ -579,8 +598,8 @@ class SparseMoE(nn.Module):
         a row, the rows sorted by local expert on the device (pairs routed to another rank's experts last), and one
         grouped matmul per projection runs each local expert over its rows. The rows past the last group (another
         rank's pairs) are left unwritten by the kernel and never reach the sum."""
-        assert self.fp8_block is None and self.int4_group is None, \
-            "FP8- and 4-bit-kept experts have no grouped path (graph_blocker refuses them)"
+        assert self.w13_scale is None and self.w2_scale is None, \
+            "experts kept quantized have no grouped path (graph_blocker refuses them)"
         t, k = ids.shape
         n, e = t * k, self.local_experts
         local = ids.flatten() - self.expert_start  # [n]: each pair's local expert, if it is one of this rank's
@@ -612,8 +631,9 @@ class SparseMoE(nn.Module):
         weights = self.w13
         if not hasattr(torch, "_grouped_mm"):
             return "this torch has no torch._grouped_mm (the experts' grouped matmul)"
-        if self.fp8_block is not None or self.int4_group is not None:
-            kept = "4 bits" if self.fp8_block is None else "FP8" if self.values_dtype.is_floating_point else "INT8"
+        if self.w13_scale is not None or self.w2_scale is not None:
+            kept = ("MXFP4" if self.mxfp4 else "4 bits" if self.fp8_block is None else
+                    "FP8" if self.values_dtype.is_floating_point else "INT8")
             return (f"its experts are kept in {kept} and dequantized expert by expert as tokens reach them, which the "
                     "grouped matmul of a graph step does not do")
         size = weights.element_size()
@@ -647,9 +667,11 @@ class SparseMoE(nn.Module):
         return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
     def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8 or 4 bits."""
+        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8, 4 bits or MXFP4."""
         if scales is None:
             return weights[e]
+        if self.mxfp4:
+            return decode_mxfp4(weights[e], scales[e], dtype)
         if self.int4_group is not None:
             return dequantize_packed(weights[e], scales[e]).to(dtype)
         return dequantize_blocks(weights[e], scales[e], self.fp8_block).to(dtype)
@@ -673,13 +695,19 @@ class SparseMoE(nn.Module):
                     else f"w2:{expert}"]
         found = _FUSED.search(name)
         assert found, name
-        value = materialize(tensor)
         if found.group(2):
-            return self._load_biases(found.group(1), value)
+            return self._load_biases(found.group(1), materialize(tensor))
         if found.group(1) == ("gate_up_proj" if self.family.gateless else "up_proj"):
             raise ValueError(f"checkpoint tensor {name}: model_type={self.family_name!r}'s experts have "
                              f"{'no gate (up_proj and down_proj)' if self.family.gateless else 'a fused gate_up_proj'}"
                              "; the checkpoint does not match its config.json")
+        if isinstance(tensor, Mxfp4Weight):
+            if self.mxfp4:
+                return self._load_mxfp4(found.group(1), tensor)
+            tensor = tensor.dequantized()
+        elif self.mxfp4:  # full-precision fused experts in an MXFP4 checkpoint: the block keeps full precision
+            self._keep_full_precision()
+        value = materialize(tensor)
         if self._inputs_first(found.group(1), value):  # [E, H, 2I] and [E, I, H]: as [E, 2I, H] and [E, H, I]
             value = value.transpose(1, 2)
         keys = []
@@ -744,8 +772,8 @@ class SparseMoE(nn.Module):
             else:
                 self._load_fp8(local, kind, tensor, start)
                 return
-        elif self.fp8_block is not None:  # a full-precision expert in an FP8 checkpoint: the block keeps full precision
-            self._keep_full_precision()
+        elif self.fp8_block is not None or self.mxfp4:  # a full-precision expert in a quantized checkpoint: the
+            self._keep_full_precision()  # block keeps full precision
         projection = "w2" if kind == "down_proj" else "w13"
         if self.int4_group is not None and getattr(self, projection + "_scale") is not None:
             if isinstance(tensor, IntWeight) and (tensor.bits, tensor.group_size) == (4, self.int4_group):
@@ -766,7 +794,7 @@ class SparseMoE(nn.Module):
         scale per row (``fmt``: :data:`specray.models.w8a8.FP8`), dequantized when tokens reach them as an FP8
         release's are, where this device keeps FP8 experts; split by width, each rank scales its share of a down
         projection's rows by the whole row's largest magnitude (gathered over the ranks). False where they stay."""
-        if (fmt.dtype != torch.float8_e4m3fn or self.fp8_block is not None or self.int4_group is not None
+        if (fmt.dtype != torch.float8_e4m3fn or self.w13_scale is not None or self.w2_scale is not None
                 or not self.w13.is_floating_point() or not keeps_fp8_experts(self.w13.device)):
             return False
         for name in ("w13", "w2"):
@@ -794,6 +822,7 @@ class SparseMoE(nn.Module):
             setattr(self, name + "_scale", None)
         if self.w13_scale is None and self.w2_scale is None:
             self.fp8_block = self.int4_group = None
+            self.mxfp4 = False
 
     def _load_int4(self, local: int, kind: str, w: IntWeight, start: int) -> None:
         """As :meth:`_load_one`, the integers packed and their groups' terms as kept (``start`` whole groups)."""
@@ -807,6 +836,32 @@ class SparseMoE(nn.Module):
         assert part is not None, "this rank's columns are whole groups (checked when the block was built)"
         _copy(values, pack_nibbles(part.q))
         _copy(terms, group_terms(part))
+
+    def _load_mxfp4(self, kind: str, w: Mxfp4Weight) -> list[str]:
+        """A fused MXFP4 weight (gate_up_proj: rows 2I, gate and up as the family lays them; down_proj: rows H, its
+        columns I in groups of 32): this rank's experts' codes and scales as stored, its share of the width (whole
+        groups: checked when the block was built). Returns the keys it filled."""
+        codes, scales = w.codes()  # [E, rows, cols / 2], [E, rows, cols / 32]
+        start, inter = (0 if self.expert_parallel else self.tp.rank * self.inter_local), self.inter_local
+        keys = []
+        for local in range(self.local_experts):
+            expert = self.expert_start + local
+            if kind == "down_proj":  # [H, I]: this rank's columns
+                _copy(self.w2.data[local], codes[expert][:, start // 2: (start + inter) // 2])
+                _copy(self.w2_scale.data[local],
+                      scales[expert][:, start // MXFP4_GROUP: (start + inter) // MXFP4_GROUP])
+                keys.append(f"w2:{expert}")
+                continue
+            if kind == "up_proj":  # a gateless family's: [I, H]
+                parts = [(codes[expert], scales[expert])]
+            else:  # gate, then up: [I, ...] each
+                parts = list(zip(self._gate_up(codes[expert]), self._gate_up(scales[expert])))
+            for half, (part_codes, part_scales) in enumerate(parts):
+                rows = slice(half * inter, (half + 1) * inter)
+                _copy(self.w13.data[local][rows], part_codes[start: start + inter])
+                _copy(self.w13_scale.data[local][rows], part_scales[start: start + inter])
+            keys += [f"w13:{expert}:1"] if kind == "up_proj" else [f"w13:{expert}:0", f"w13:{expert}:1"]
+        return keys
 
     def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
         """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""

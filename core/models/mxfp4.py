@@ -1,5 +1,5 @@
-"""MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``: GPT-OSS's releases), dequantized as they
-load.
+"""MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``: GPT-OSS's releases): their experts kept in
+MXFP4 where a mixture keeps quantized experts (:mod:`specray.models.moe`: a GPU), else dequantized as they load.
 
 Their quantized tensors are the experts' fused weights (``mlp.experts.gate_up_proj`` and ``down_proj``), each
 stored as two tensors: ``X_blocks`` [E, rows, G, 16] uint8, 32 FP4 (e2m1) codes per group of 32 values along the
@@ -11,12 +11,17 @@ The values come out as transformers 5 names and lays out the dequantized tensor:
 They come out in bfloat16: an FP4 value (two significant bits) times a power of two in E8M0's range is exact there
 (bfloat16 has float32's exponents, subnormals included), at half float32's bytes; the model casts them to its
 dtype. Every other tensor (attention, router, biases, embeddings) passes through untouched.
+
+The loader hands the experts' pairs over as :class:`Mxfp4Weight` (the stored codes and scales, read lazily): a
+mixture that keeps them copies its share of the codes and scales (half a byte and 1/32 of a byte per value: a quarter
+of bf16's bytes) and decodes an expert with :func:`decode` when tokens reach it, to the same values as the load-time
+dequantization; one that does not asks for :meth:`Mxfp4Weight.dequantized`, the tensor this module gave before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,29 +39,58 @@ def is_mxfp4(quant: dict | None) -> bool:
     return (quant or {}).get("quant_method") == QUANT_METHOD
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Blocks [E, rows, G, 16] uint8 and scales [E, rows, G] uint8 -> [E, G * 32, rows] bfloat16 (transposed, as
-    transformers lays the weights out), one expert at a time (a float32 copy of one expert at most)."""
+def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One weight's FP4 codes [rows, cols / 2] uint8 (two a byte, the even column in the low nibble) and E8M0 scales
+    [rows, cols / 32] uint8 -> its values [rows, cols] in ``dtype`` (exact in bfloat16 and float32)."""
+    rows, half = codes.shape
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
+    values = lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).long()].view(rows, -1, 32)  # [rows, G, 32]
+    power = torch.exp2(scales.float() - SCALE_BIAS)[..., None]  # [rows, G, 1]
+    return (values * power).view(rows, 2 * half).to(dtype)
+
+
+def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
             or blocks.shape[-1] != 16 or blocks.dim() != 4:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype}: expected uint8 [E, rows, G, 16] and uint8 [E, rows, G]; the checkpoint "
                          "does not match its quantization_config")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Blocks [E, rows, G, 16] uint8 and scales [E, rows, G] uint8 -> [E, G * 32, rows] bfloat16 (transposed, as
+    transformers lays the weights out), one expert at a time (a float32 copy of one expert at most)."""
+    _check(blocks, scales)
     e, rows, groups, _ = blocks.shape
     out = torch.empty(e, rows, groups * 32, dtype=torch.bfloat16, device=blocks.device)
     for i in range(e):
-        codes = torch.stack((blocks[i] & 0x0F, blocks[i] >> 4), dim=-1).long()  # [rows, G, 16, 2]: low nibble first
-        values = lut[codes].view(rows, groups, 32)
-        power = torch.exp2(scales[i].float() - SCALE_BIAS)[..., None]  # [rows, G, 1]
-        out[i] = (values * power).view(rows, groups * 32).to(torch.bfloat16)
+        out[i] = decode(blocks[i].reshape(rows, groups * 16), scales[i], torch.bfloat16)
     return out.transpose(1, 2)
 
 
-def dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+class Mxfp4Weight(NamedTuple):
+    """A fused expert weight as an MXFP4 release stores it: ``blocks`` [E, rows, G, 16] and ``scales`` [E, rows, G]
+    (uint8 tensors or lazy safetensors slices; rows are the output features, G the groups of 32 input columns)."""
+
+    blocks: Any
+    scales: Any
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [E, rows, G * 16], scales [E, rows, G]), read and checked."""
+        blocks, scales = materialize(self.blocks), materialize(self.scales)
+        _check(blocks, scales)
+        return blocks.flatten(2), scales
+
+    def dequantized(self) -> torch.Tensor:
+        """The values [E, cols, rows] in bfloat16 (:func:`dequantize`)."""
+        return dequantize(materialize(self.blocks), materialize(self.scales))
+
+
+def dequantized(weights: Iterable[tuple[str, Any]], keep: Callable[[str], bool] = lambda name: False
+                ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with each ``X_blocks`` and ``X_scales`` pair (in either order, from any
-    file) as one dequantized ``X``; other tensors pass through (lazy slices stay lazy). One without the other at the
-    end is a ValueError."""
+    file) as one dequantized ``X``, or for those named by ``keep`` (experts' weights) as an :class:`Mxfp4Weight`;
+    other tensors pass through (lazy slices stay lazy). One without the other at the end is a ValueError."""
     waiting: dict[str, dict[str, Any]] = {}
     for name, tensor in weights:
         part = BLOCKS if name.endswith(BLOCKS) else SCALES if name.endswith(SCALES) else None
@@ -68,7 +102,8 @@ def dequantized(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]
         pair[part] = tensor
         if len(pair) == 2:
             del waiting[base]
-            yield base, dequantize(materialize(pair[BLOCKS]), materialize(pair[SCALES]))
+            weight = Mxfp4Weight(pair[BLOCKS], pair[SCALES])
+            yield base, weight if keep(base) else weight.dequantized()
     if waiting:
         raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(waiting)[:4]}; the checkpoint is "
                          "incomplete")
