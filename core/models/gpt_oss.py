@@ -12,7 +12,8 @@ Where it differs from the Llama family:
 * every layer's MLP is a mixture of experts (:mod:`specray.models.moe`, GPT-OSS's row: a router with a bias, a
   softmax over the top-k logits, experts with biases and a clamped SwiGLU, gate and up interleaved in the fused
   tensor), split by width or (``expert_parallel``) by whole experts;
-* the releases store the experts in MXFP4, dequantized as they load (:mod:`specray.models.mxfp4`).
+* the releases store the experts in MXFP4, kept so where quantized experts are (a GPU) and decoded as tokens
+  reach them, else dequantized as they load (:mod:`specray.models.mxfp4`).
 """
 
 from __future__ import annotations
