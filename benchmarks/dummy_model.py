@@ -13,7 +13,8 @@ release's (a scale per channel): on a GPU of compute capability 8.9 or more (bf1
 values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.w8a8`); ``--quantization int8-w8a8`` an
 INT8 W8A8 release's (compute capability 7.5 or more), timing the integer matmul; ``--quantization fp8-block`` a
 block-scaled FP8 release's (DeepSeek-V3's and Qwen3's layout, blocks of 128 x 128: compute capability 9.0 or more),
-timing torch's block-wise scaled matmul (:mod:`specray.models.fp8_blocks`).
+timing torch's block-wise scaled matmul (:mod:`specray.models.fp8_blocks`); ``--shape gpt-oss-120b --quantization
+mxfp4`` GPT-OSS's release, its experts kept in MXFP4 on a GPU (decoded expert by expert).
 
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
@@ -63,11 +64,24 @@ SHAPES = {
         max_position_embeddings=65536, tie_word_embeddings=False,
         layer_types=["heavily_compressed_attention", "heavily_compressed_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention"])),
+    # gpt-oss-120b: 36 layers of width 2880 (sliding windows of 128 alternating with full attention), 64/8 heads of
+    # 64 with sinks, 128 experts of width 2880, 4 per token (about 230 GB in bf16; with --quantization mxfp4 its
+    # experts kept in MXFP4 on a GPU, about 65 GB in all)
+    "gpt-oss-120b": ("gpt_oss", dict(
+        architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        sliding_window=128, vocab_size=201088, max_position_embeddings=131072, swiglu_limit=7.0,
+        layer_types=["sliding_attention", "full_attention"] * 18, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})),
 }
 
 
 QUANTIZATIONS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    # GPT-OSS's releases: the experts in MXFP4 (FP4 values, a power-of-two scale per 32), the rest in bf16
+    "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     # llm-compressor's FP8-dynamic (RedHatAI's -FP8-dynamic releases): weights per channel, activations per token
     "fp8-dynamic": {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",

@@ -18,7 +18,7 @@
 # 3.1 8B's shapes as an FP8-dynamic, an INT8 W8A8 and a block-scaled FP8 release, kept in 8 bits, against bf16:
 # short, first in a session that has it). DUMMY: a folder that already holds dummy_model.py's llama3-8b,
 # llama3-8b-awq, llama3-8b-fp8, llama3-8b-int8 and llama3-8b-fp8-block (written there otherwise: that needs the
-# default model's tokenizer).
+# default model's tokenizer). CHECKS may add mxfp4 (gpt-oss-120b's shapes, its experts kept in MXFP4: not default).
 set -u
 out=${OUT:-gpu-check}
 checks=" ${CHECKS:-suite default-model real-size w8a8} "
@@ -77,6 +77,17 @@ if [[ $checks == *" w8a8 "* ]]; then
   bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
     --tokens 64 --repeats 2 --batches 1,8 --model "$models/llama3-8b" --modes graphs --quantization fp8 \
     | tee "$out/step-llama3-8b-online-fp8.md"
+fi
+
+if [[ $checks == *" mxfp4 "* ]]; then
+  # gpt-oss-120b's shapes with its experts kept in MXFP4 (specray.models.mxfp4; about 61 GB of experts, where bf16's
+  # 229 GB fit no single GPU), decode steps eagerly (kept experts have no graph path); not in the default checks
+  models=${DUMMY:-$out}
+  [ -d "$models/gpt-oss-120b-mxfp4" ] || python benchmarks/dummy_model.py --shape gpt-oss-120b --quantization mxfp4 \
+    --out "$models/gpt-oss-120b-mxfp4"
+  bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
+    --tokens 32 --repeats 1 --batches 1,8 --model "$models/gpt-oss-120b-mxfp4" --modes eager \
+    | tee "$out/step-gpt-oss-120b-mxfp4.md"
 fi
 
 if [[ $checks == *" real-size "* ]]; then

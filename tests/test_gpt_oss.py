@@ -137,9 +137,10 @@ def test_mxfp4_experts_stay_mxfp4_where_experts_are_kept(tiny_gpt_oss_dir, tmp_p
     """Where quantized experts are kept (a GPU; here asked: ``cpu_kernels.FP8_EXPERTS``), an MXFP4 release's experts
     hold its FP4 codes and E8M0 scales as stored (gate and up de-interleaved), a quarter of bf16's bytes, decoded as
     tokens reach an expert: the logits equal those of the release dequantized at load, exactly, and the engine's graph
-    steps run eagerly (no grouped matmul over them)."""
+    steps run eagerly (no grouped matmul over them). A dummy load keeps random codes over scales within its range."""
     from safetensors.torch import load_file
 
+    from specray.models.loader import DUMMY_WEIGHT_RANGE
     from specray.models.moe import SparseMoE
 
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
@@ -155,6 +156,9 @@ def test_mxfp4_experts_stay_mxfp4_where_experts_are_kept(tiny_gpt_oss_dir, tmp_p
     assert torch.equal(blocks[1].w2[2], stored["model.layers.1.mlp.experts.down_proj_blocks"][2].flatten(1))
     schedule = SCHEDULES["chunked+decode"]
     got = chunked_logits(model, prompt(), schedule)
+    dummy = [b for b in load_model(str(quantized), load_format="dummy").modules() if isinstance(b, SparseMoE)]
+    decoded = torch.stack([b._weight(b.w2, b.w2_scale, e, torch.float32) for b in dummy for e in range(4)])
+    assert all(b.mxfp4 for b in dummy) and DUMMY_WEIGHT_RANGE / 4 < decoded.abs().max() <= DUMMY_WEIGHT_RANGE
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
     plain = load_model(str(quantized))
     assert not any(b.mxfp4 for b in plain.modules() if isinstance(b, SparseMoE))

@@ -69,7 +69,7 @@ from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_de
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
 from specray.models.fp8_blocks import keeps_block_fp8, pack_block_fp8, random_block_fp8
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
-from specray.models.moe import is_expert_tensor, is_per_expert_tensor
+from specray.models.moe import SparseMoE, is_expert_tensor, is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
 from specray.models.plain_config import PlainConfig, plain_config
@@ -493,6 +493,9 @@ def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None =
         if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
             continue  # its hash layers send every token to expert 0
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
+    for module in net.modules():
+        if isinstance(module, SparseMoE) and module.mxfp4:  # random FP4 codes over scales of about the range
+            module.random_mxfp4(DUMMY_WEIGHT_RANGE)
     if ints is None and w8a8 is None and block is None:
         return
     for module in net.modules():

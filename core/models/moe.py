@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, kept_block,
                                 w8a8_format)
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
-from specray.models.mxfp4 import Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
+from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
 from specray.models.w8a8 import RowScaled
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
@@ -124,6 +125,7 @@ def sync_free_experts():
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
 _PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 MXFP4_GROUP = 32  # an MXFP4 weight's input columns per scale
+FP4_MAX = 6.0  # the largest FP4 (e2m1) magnitude
 _FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
 
 
@@ -836,6 +838,15 @@ class SparseMoE(nn.Module):
         assert part is not None, "this rank's columns are whole groups (checked when the block was built)"
         _copy(values, pack_nibbles(part.q))
         _copy(terms, group_terms(part))
+
+    @torch.no_grad()
+    def random_mxfp4(self, limit: float) -> None:
+        """Kept MXFP4 experts of random FP4 codes, every group's scale the power of two that keeps its values within
+        ``limit`` (a dummy model's: ``load_format="dummy"``)."""
+        exponent = SCALE_BIAS + math.floor(math.log2(limit / FP4_MAX))
+        for values, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+            values.random_(0, 256)
+            scales.fill_(exponent)
 
     def _load_mxfp4(self, kind: str, w: Mxfp4Weight) -> list[str]:
         """A fused MXFP4 weight (gate_up_proj: rows 2I, gate and up as the family lays them; down_proj: rows H, its
