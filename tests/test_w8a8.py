@@ -382,25 +382,56 @@ def test_online_fp8_experts_split_by_width_scale_a_row_as_one_rank(w8a8_weights,
     assert torch.equal(torch.cat([s.w2.view(torch.uint8) for s in shares], -1), whole.w2.view(torch.uint8))
 
 
-def test_an_int8_release_keeps_its_experts_in_int8(tiny_qwen3_moe_dir, tmp_path, w8a8_weights, monkeypatch):
-    """An INT8 W8A8 mixture with a tensor per expert: where 8-bit experts are kept (a GPU; here asked), its experts
-    hold their int8 values and a scale per row (half of bf16's bytes) and are dequantized as tokens reach them,
-    so the logits equal those of the same release with its experts dequantized at load exactly."""
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tmp_path, w8a8_weights, monkeypatch,
+                                                          kind):
+    """A mixture with a tensor per expert, INT8 W8A8, FP8 by row or FP8 in blocks: where 8-bit experts are kept (a
+    GPU; here asked) they hold their 8-bit values and scales (half of bf16's bytes). Where the device also multiplies
+    in 8 bits (a GPU; here asked) each expert's projection rounds its tokens' activations as the release's linears
+    do, per row or per group of a block's columns, as vLLM's fused experts do: equal, expert by expert, to that
+    rounding by hand times the dequantized weight, and the logits within that rounding of the release dequantized at
+    load. Where it does not, an FP8 expert is dequantized as tokens reach it (an INT8 one at load): the logits equal
+    the release dequantized at load exactly."""
     from specray.models import cpu_kernels
     from specray.models.fp8 import ROW_SCALES
+    from specray.models.fp8_blocks import quantize_groups
     from specray.models.moe import SparseMoE
     from specray_test_checkpoints import split_experts
 
-    folder, _ = write_int8(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path / "q")
-    logits = {}
-    for keep in (True, False):
-        monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", keep)
-        model = load_model(folder)
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        assert blocks and all((b.fp8_block == ROW_SCALES) == keep for b in blocks)
-        assert all((b.w13.dtype == b.w2.dtype == torch.int8) == keep for b in blocks)
-        logits[keep] = prefill_logits(model, IDS)
-    assert torch.equal(logits[True], logits[False]) and logits[True].std() > 0.01
+    split = split_experts(tiny_qwen3_moe_dir, tmp_path / "split")
+    folder, _ = write(kind, split, tmp_path / "q", "channel") if kind != "fp8-block" else \
+        write_fp8(split, tmp_path / "q", [16, 16])
+    values = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    model = load_model(folder)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.matmul8 is not None and b.w13.dtype == b.w2.dtype == values for b in blocks)
+    assert all((b.fp8_block == ROW_SCALES) == (kind != "fp8-block") for b in blocks)
+    g = torch.Generator().manual_seed(0)
+    block = blocks[0]
+    for e in range(block.w13.shape[0]):
+        for w, s in ((block.w13, block.w13_scale), (block.w2, block.w2_scale)):
+            x = torch.randn(5, w.shape[2], generator=g)
+            if kind == "fp8-block":
+                xq, scale = quantize_groups(x, 16)
+                rounded = (xq.float().view(5, -1, 16) * scale[..., None]).view(x.shape)
+            else:
+                xq, scale = quantize_rows(x, FORMATS[kind])
+                rounded = xq.float() * scale
+            want = rounded @ block._weight(w, s, e, torch.float32).t()
+            assert (block._project(x, w, s, e, None) - want).abs().max() <= 1e-5 * want.abs().max()
+    got = prefill_logits(model, IDS)
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", False)
+    monkeypatch.setattr(cpu_kernels, "INT8_WEIGHTS", False)
+    model = load_model(folder)
+    # (an INT8 release's experts come as int8 only to a model that keeps its linears in INT8: dequantized at load)
+    kept = values if kind != "int8" else torch.float32
+    assert all(b.matmul8 is None and b.w13.dtype == kept for b in model.modules() if isinstance(b, SparseMoE))
+    dequantized_on_use = prefill_logits(model, IDS)
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
+    dequantized = prefill_logits(load_model(folder), IDS)
+    assert torch.equal(dequantized_on_use, dequantized) and dequantized.std() > 0.01
+    assert 0 < (got - dequantized).abs().max() < 0.2 * dequantized.abs().max()
 
 
 def test_a_draft_model_takes_its_own_quantization(tiny_llama_dir, tmp_path, w8a8_weights):

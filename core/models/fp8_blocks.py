@@ -167,11 +167,18 @@ class BlockFP8Linear(torch.nn.Module):
         self.block, self.fast = block, fast
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N]: each row's groups of b1 columns over their own scales, times the weight's blocks
-        xq, x_scale = quantize_groups(x, self.block[1])
-        if self.fast:
-            return _kernel_matmul(xq, x_scale, self.weight, self.kernel_scale, x.dtype)
-        return reference_matmul(xq, x_scale, self.weight, self.scale, self.block, x.dtype)
+        return matmul_blocks(x, self.weight, self.scale, self.block, self.kernel_scale if self.fast else None)
+
+
+def matmul_blocks(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+                  kernel_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] times a block-scaled FP8 weight ``w`` [N, K] (``w_scale`` [N / b0, K / b1]) -> [M, N] in x's
+    dtype: each row's groups of b1 columns over their own scales, times the weight's blocks; through torch's kernel
+    where ``kernel_scale`` (the scales in its layout, :func:`kernel_scales`) is given, else the reference."""
+    xq, x_scale = quantize_groups(x, block[1])
+    if kernel_scale is not None:
+        return _kernel_matmul(xq, x_scale, w, kernel_scale, x.dtype)
+    return reference_matmul(xq, x_scale, w, w_scale, block, x.dtype)
 
 
 def pack_block_fp8(w: BlockScaled, device: torch.device, dtype: torch.dtype) -> BlockFP8Linear | None:

@@ -60,7 +60,10 @@ needs this rank's share of each weight to be whole blocks (for the split by widt
 tensor_parallel_size`` a multiple of the block), and a GPU (on CPU, where converting float8 is slow, only with
 ``cpu_kernels.FP8_EXPERTS``); otherwise the experts are dequantized at load. A checkpoint scaled per row or per
 tensor (llm-compressor's ``-FP8-dynamic`` releases) keeps its experts the same way, a scale per row
-(:data:`specray.models.fp8.ROW_SCALES`), any share of rows or columns whole.
+(:data:`specray.models.fp8.ROW_SCALES`), any share of rows or columns whole. Where the device also multiplies that
+release's linears in 8 bits (:mod:`specray.models.w8a8`, :mod:`specray.models.fp8_blocks`), a kept expert's
+projections are multiplied so too, its tokens' activations rounded per row or per group of a block's columns, as
+vLLM's fused experts do (:meth:`SparseMoE._matmul8`), instead of dequantizing its weights.
 
 From a 4-bit checkpoint in runs of columns (a GPTQ / AWQ / packed release with a tensor per expert, a GGUF's Q4 experts:
 :mod:`specray.models.int_quant`, :mod:`specray.models.gguf_quant`) the experts keep their integers likewise, two a
@@ -95,7 +98,8 @@ from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequ
                                 w8a8_format)
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
-from specray.models.w8a8 import RowScaled
+from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
+from specray.models.w8a8 import FP8, INT8, TILE, RowScaled, keeps_w8a8, matmul_rows
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
 from specray.parallel import TPGroup
@@ -463,6 +467,26 @@ class SparseMoE(nn.Module):
             gate = Router(1, h, correction_bias=False)
             gate.weight.weight_loader = _load_reshaped  # [1, H]; llama.cpp's GGUFs store it as [H]
             self.add_module(family.shared_gate, gate)
+        self.matmul8 = self._matmul8()
+
+    def _matmul8(self):
+        """How kept 8-bit experts multiply where this device multiplies in 8 bits, as the linears of the same release
+        do (vLLM's fused experts do too): ``f(x, values, scales)`` of one expert's projection, its tokens' activations
+        rounded per row (a scale per row: :mod:`specray.models.w8a8`) or per group of a block's columns (block FP8:
+        :mod:`specray.models.fp8_blocks`); None where its weights are dequantized as tokens reach them instead."""
+        block, device, dtype = self.fp8_block, self.w13.device, self.dtype
+        if block is None:
+            return None
+        if block == ROW_SCALES:
+            fmt = FP8 if self.values_dtype == torch.float8_e4m3fn else INT8
+            if self.inter_local % TILE or self.x_dim % TILE or not keeps_w8a8(fmt, device, dtype):
+                return None
+            return lambda x, values, scales: matmul_rows(x, values, scales.reshape(1, -1), fmt)
+        if not keeps_block_fp8(block, device, dtype):
+            return None
+        fast = device.type == "cuda" and block == KERNEL_BLOCK  # (keeps_block_fp8 ran cuBLASLt's kernel there)
+        return lambda x, values, scales: matmul_blocks(x, values, scales, block,
+                                                       kernel_scales(scales) if fast else None)
 
     @property
     def router_module(self) -> Router:
@@ -647,10 +671,19 @@ class SparseMoE(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``e``'s MLP of its tokens ``x`` [n, H] (this rank's share when split by width)."""
-        w13, w2 = (self._weight(w, s, e, x.dtype) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = self.w2_bias[e] if self.w2_bias is not None and self.adds_down_bias else None
-        return F.linear(self._activate(F.linear(x, w13, b13)), w2, b2)
+        h = self._project(x, self.w13, self.w13_scale, e, b13)
+        return self._project(self._activate(h), self.w2, self.w2_scale, e, b2)
+
+    def _project(self, x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, e: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [n, in] through local expert ``e``'s projection ``weights`` [E, out, in]: multiplied in 8 bits where
+        kept 8-bit experts are (:meth:`_matmul8`), else dequantized (if kept) and multiplied in ``x``'s dtype."""
+        if scales is None or self.matmul8 is None:
+            return F.linear(x, self._weight(weights, scales, e, x.dtype), bias)
+        y = self.matmul8(x, weights[e], scales[e])
+        return y if bias is None else y + bias
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         """The experts' activation of their first projection's output ``h`` [n, 2I] (gate then up; gateless: [n, I],
@@ -811,6 +844,7 @@ class SparseMoE(nn.Module):
             setattr(self, name, nn.Parameter(values, requires_grad=False))
             setattr(self, name + "_scale", nn.Parameter(scale[..., None].contiguous(), requires_grad=False))
         self.fp8_block = ROW_SCALES
+        self.matmul8 = self._matmul8()
         return True
 
     def _keep_full_precision(self, names: tuple[str, ...] = ("w13", "w2")) -> None:
@@ -825,6 +859,7 @@ class SparseMoE(nn.Module):
         if self.w13_scale is None and self.w2_scale is None:
             self.fp8_block = self.int4_group = None
             self.mxfp4 = False
+            self.matmul8 = None
 
     def _load_int4(self, local: int, kind: str, w: IntWeight, start: int) -> None:
         """As :meth:`_load_one`, the integers packed and their groups' terms as kept (``start`` whole groups)."""

@@ -166,9 +166,15 @@ class W8A8Linear(torch.nn.Module):
         self.fmt = fmt
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N]: y = (xq Wq^T) * s_x * s_w, each row of x over its own scale (or the static one)
-        xq, x_scale = quantize_rows(x, self.fmt, self.input_scale)
-        return self.fmt.matmul(xq, self.weight, x_scale, self.scale, x.dtype)
+        return matmul_rows(x, self.weight, self.scale, self.fmt, self.input_scale)
+
+
+def matmul_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, fmt: Format,
+                static: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] times an 8-bit weight ``w`` [N, K] of ``fmt`` with its rows' scales ``w_scale`` [1, N]:
+    y = (xq Wq^T) * s_x * s_w, each row of x over its own scale (or the ``static`` one) -> [M, N] in x's dtype."""
+    xq, x_scale = quantize_rows(x, fmt, static)
+    return fmt.matmul(xq, w, x_scale, w_scale, x.dtype)
 
 
 def pack_w8a8(w: RowScaled, device: torch.device) -> W8A8Linear | None:
