@@ -73,6 +73,13 @@ if [[ $checks == *" w8a8 "* ]]; then
     bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
       --tokens 64 --repeats 2 --batches 1,8,64 --model "$models/$m" --modes graphs | tee "$out/step-$m.md"
   done
+  # Qwen3-30B-A3B's shapes as its block-scaled FP8 release: linears and kept experts multiplied in FP8 (experts per
+  # expert, eagerly: kept experts have no graph path)
+  [ -d "$models/qwen3-30b-a3b-fp8-block" ] || python benchmarks/dummy_model.py --shape qwen3-30b-a3b \
+    --quantization fp8-block --out "$models/qwen3-30b-a3b-fp8-block"
+  bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
+    --tokens 32 --repeats 1 --batches 1,8 --model "$models/qwen3-30b-a3b-fp8-block" --modes eager \
+    | tee "$out/step-qwen3-30b-a3b-fp8-block.md"
   # vLLM's online FP8 over the bf16 model (its linears quantized as they load): the fp8 release's kernels again
   bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
     --tokens 64 --repeats 2 --batches 1,8 --model "$models/llama3-8b" --modes graphs --quantization fp8 \

@@ -23,6 +23,8 @@ python benchmarks/dummy_model.py --shape llama3-8b --quantization awq --out .dum
 python benchmarks/dummy_model.py --shape llama3-8b --quantization fp8-dynamic --out .dummy/llama3-8b-fp8 >/dev/null
 python benchmarks/dummy_model.py --shape llama3-8b --quantization int8-w8a8 --out .dummy/llama3-8b-int8 >/dev/null
 python benchmarks/dummy_model.py --shape llama3-8b --quantization fp8-block --out .dummy/llama3-8b-fp8-block >/dev/null
+python benchmarks/dummy_model.py --shape qwen3-30b-a3b --quantization fp8-block --out .dummy/qwen3-30b-a3b-fp8-block \
+  >/dev/null
 python benchmarks/dummy_model.py --shape qwen3-30b-a3b --out .dummy/qwen3-30b-a3b >/dev/null
 python benchmarks/dummy_model.py --shape deepseek-v2-lite --out .dummy/deepseek-v2-lite >/dev/null
 python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l --out .dummy/deepseek-v4-flash-4l >/dev/null

@@ -391,10 +391,11 @@ def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tm
     do, per row or per group of a block's columns, as vLLM's fused experts do: equal, expert by expert, to that
     rounding by hand times the dequantized weight, and the logits within that rounding of the release dequantized at
     load. Where it does not, an FP8 expert is dequantized as tokens reach it (an INT8 one at load): the logits equal
-    the release dequantized at load exactly."""
+    the release dequantized at load exactly. A dummy load keeps random 8-bit experts within its weights' range."""
     from specray.models import cpu_kernels
     from specray.models.fp8 import ROW_SCALES
     from specray.models.fp8_blocks import quantize_groups
+    from specray.models.loader import DUMMY_WEIGHT_RANGE
     from specray.models.moe import SparseMoE
     from specray_test_checkpoints import split_experts
 
@@ -421,6 +422,10 @@ def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tm
             want = rounded @ block._weight(w, s, e, torch.float32).t()
             assert (block._project(x, w, s, e, None) - want).abs().max() <= 1e-5 * want.abs().max()
     got = prefill_logits(model, IDS)
+    dummy = [b for b in load_model(folder, load_format="dummy").modules() if isinstance(b, SparseMoE)]
+    decoded = torch.stack([b._weight(b.w2, b.w2_scale, e, torch.float32) for b in dummy for e in range(8)])
+    assert all(b.w2.dtype == values for b in dummy)
+    assert DUMMY_WEIGHT_RANGE / 2 < decoded.abs().max() <= DUMMY_WEIGHT_RANGE * (1 + 1e-6)
     monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", False)
     monkeypatch.setattr(cpu_kernels, "INT8_WEIGHTS", False)
     model = load_model(folder)

@@ -490,12 +490,14 @@ def _dummy_weights(net: nn.Module, ints: IntScheme | None, w8a8: Format | None =
     random values of it kept so, and ``block``'s (a block-scaled FP8 release's) random block-scaled values; a
     linear the kernel cannot take, or one read as a matrix, is dense."""
     for param in net.parameters():
-        if not param.is_floating_point():  # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but
-            continue  # its hash layers send every token to expert 0
+        # an integer table (DeepSeek-V4's hash routing) stays zeros: valid, but its hash layers send every token to
+        # expert 0; kept 8-bit experts' values (float8 too) get theirs below
+        if not param.is_floating_point() or param.element_size() == 1:
+            continue
         param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)
     for module in net.modules():
-        if isinstance(module, SparseMoE) and module.mxfp4:  # random FP4 codes over scales of about the range
-            module.random_mxfp4(DUMMY_WEIGHT_RANGE)
+        if isinstance(module, SparseMoE):  # kept quantized experts: random values over scales of about the range
+            module.random_kept(DUMMY_WEIGHT_RANGE)
     if ints is None and w8a8 is None and block is None:
         return
     for module in net.modules():

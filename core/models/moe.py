@@ -875,13 +875,20 @@ class SparseMoE(nn.Module):
         _copy(terms, group_terms(part))
 
     @torch.no_grad()
-    def random_mxfp4(self, limit: float) -> None:
-        """Kept MXFP4 experts of random FP4 codes, every group's scale the power of two that keeps its values within
-        ``limit`` (a dummy model's: ``load_format="dummy"``)."""
-        exponent = SCALE_BIAS + math.floor(math.log2(limit / FP4_MAX))
+    def random_kept(self, limit: float) -> None:
+        """Kept MXFP4 or 8-bit experts of random values, their scales those that keep them within ``limit`` (a dummy
+        model's: ``load_format="dummy"``): FP4 codes over the power of two, 8-bit values over their format's
+        largest. Experts kept otherwise, or not kept, are left as they are."""
         for values, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
-            values.random_(0, 256)
-            scales.fill_(exponent)
+            if scales is None or not (self.mxfp4 or self.fp8_block is not None):
+                continue
+            if self.mxfp4:
+                values.random_(0, 256)
+                scales.fill_(SCALE_BIAS + math.floor(math.log2(limit / FP4_MAX)))
+                continue
+            largest = 448.0 if values.dtype == torch.float8_e4m3fn else 127.0
+            values.copy_(((torch.rand(values.shape, device=values.device) * 2 - 1) * largest).to(values.dtype))
+            scales.fill_(limit / largest)
 
     def _load_mxfp4(self, kind: str, w: Mxfp4Weight) -> list[str]:
         """A fused MXFP4 weight (gate_up_proj: rows 2I, gate and up as the family lays them; down_proj: rows H, its
