@@ -270,6 +270,7 @@ MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # method from the checkpoint; the option only confirms it: its Marlin names choose kernels specray does not have)
 QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
                  "compressed-tensors": "compressed-tensors", "fp8": "fp8", "mxfp4": "mxfp4",
+                 "modelopt": "modelopt", "modelopt_fp4": "modelopt",  # NVIDIA ModelOpt's FP8 and NVFP4 releases
                  "gguf": "specray_gguf"}  # a .gguf model (its 4-bit linears kept, the others dequantized)
 
 # generation_config.json's sampling fields that set requests' defaults (vLLM's set) -> SamplingParams' names

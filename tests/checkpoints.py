@@ -122,6 +122,103 @@ def write_int8(src: Path, dst: Path, strategy: str = "channel", static: float | 
     return q8, ref
 
 
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes (codes 0-7; 8-15 their negatives)
+
+
+def write_nvfp4(src: Path, dst: Path, layout: str = "modelopt") -> tuple[Path, Path]:
+    """``src``'s checkpoint as an NVFP4 release in ``layout`` ("modelopt": NVIDIA ModelOpt's ``X.weight`` codes,
+    ``weight_scale``, ``weight_scale_2`` and ``input_scale``, with FP8 KV-cache scales ``self_attn.k_proj.k_scale`` /
+    ``v_proj.v_scale``; "compressed-tensors": llm-compressor's ``weight_packed``, ``weight_scale``,
+    ``weight_global_scale`` (divides) and ``input_global_scale``): every 2-D projection weight in FP4 codes two a byte,
+    a float8 scale per 16 columns and one float32 number per tensor, and beside it the twin holding the values those
+    stand for, computed in float64 here: the reference."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, twin = dst / "nvfp4", dst / "dequantized"
+    for folder in (quantized, twin):
+        shutil.copytree(src, folder)
+    grid = torch.tensor(FP4_GRID, dtype=torch.float64)
+    packed, plain = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("proj.weight") and w.dim() == 2):
+            packed[name] = plain[name] = w
+            continue
+        rows, cols = w.shape
+        groups = w.double().view(rows, cols // 16, 16)
+        number = float(w.abs().max()) / (448.0 * 6.0)  # the tensor's: group scales within float8's range
+        scales = (groups.abs().amax(-1) / 6.0 / number).to(torch.float8_e4m3fn)  # [rows, cols / 16]
+        step = (scales.double() * number).clamp_min(1e-30)[..., None]
+        magnitude = ((groups.abs() / step)[..., None] - grid).abs().argmin(-1)  # [rows, G, 16]: nearest e2m1
+        codes = (magnitude + 8 * (groups < 0)).to(torch.uint8).view(rows, cols)
+        stored = number if layout == "modelopt" else 1.0 / number  # ModelOpt multiplies, llm-compressor divides
+        multiplier = float(torch.tensor(stored, dtype=torch.float32)) if layout == "modelopt" else \
+            1.0 / float(torch.tensor(stored, dtype=torch.float32))
+        signed = grid[magnitude] * torch.where(groups < 0, -1.0, 1.0).double()  # [rows, G, 16], in float64
+        back = (signed * scales.double()[..., None] * multiplier).view(rows, cols)
+        pairs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # the even column in the low nibble
+        base = name[: -len("weight")]
+        if layout == "modelopt":
+            packed.update({base + "weight": pairs, base + "weight_scale": scales,
+                           base + "weight_scale_2": torch.tensor(stored), base + "input_scale": torch.tensor(0.5)})
+        else:
+            packed.update({base + "weight_packed": pairs, base + "weight_scale": scales,
+                           base + "weight_global_scale": torch.tensor([stored]),
+                           base + "input_global_scale": torch.tensor([2.0])})
+        plain[name] = back.to(w.dtype)
+        if layout == "modelopt" and name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            kind = "k" if ".k_proj." in name else "v"
+            packed[base + f"{kind}_scale"] = torch.tensor(0.25 if kind == "k" else 0.125)
+    save_file(packed, str(quantized / "model.safetensors"))
+    save_file(plain, str(twin / "model.safetensors"))
+    config = json.loads((quantized / "config.json").read_text())
+    if layout == "modelopt":
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                         "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    else:
+        nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": nvfp4,
+                                          "input_activations": {**nvfp4, "dynamic": "local"}}},
+            "ignore": ["lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    return quantized, twin
+
+
+def write_modelopt_fp8(src: Path, dst: Path) -> tuple[Path, Path]:
+    """``src``'s checkpoint as NVIDIA ModelOpt's FP8 release (``quant_algo: FP8``: every 2-D projection weight e4m3
+    with one float32 ``weight_scale`` per tensor and a static ``input_scale``, :func:`static_scales`), and its
+    dequantized twin."""
+    fp8, ref = write_fp8(src, dst, block=None, static=0.02)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
+                                     "exclude_modules": ["lm_head"]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, ref
+
+
+def assert_refused(folder: Path, cases, dropped: str, dropped_match: str) -> None:
+    """The quantized release in ``folder`` is refused with a ValueError matching each case's pattern when config.json
+    has that case's ``quantization_config`` (``cases``: (config, pattern) pairs), and, its config restored, with
+    ``dropped_match`` once its tensor ``dropped`` is gone."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from specray.models.loader import load_model
+
+    config = json.loads((folder / "config.json").read_text())
+    for quant_config, match in cases:
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant_config}))
+        with pytest.raises(ValueError, match=match):
+            load_model(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if n != dropped}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=dropped_match):
+        load_model(folder)
+
+
 # quantization schemes of write_int: (layout, bits, group size, act order, GPTQ's format)
 INT_SCHEMES = {"gptq4-g32": ("gptq", 4, 32, False, "gptq"), "gptq4-act-order-v2": ("gptq", 4, 16, True, "gptq_v2"),
                "gptq8-channel": ("gptq", 8, -1, False, "gptq"), "awq4-g32": ("awq", 4, 32, False, None),

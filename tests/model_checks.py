@@ -74,6 +74,16 @@ def reference_logits(folder, model_class=None) -> torch.Tensor:
     return hf(torch.tensor([prompt()])).logits[0].float()
 
 
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """``model``'s logits [len(ids), V] for one prefill of ``ids`` through a paged cache of 4-token blocks (taken in
+    reverse order: a gathered table)."""
+    blocks = -(-len(ids) // 4)
+    allocate_kv_cache(model, blocks + 1, 4)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(blocks))[::-1]], 4, model.device)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids, device=model.device), meta))
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()

@@ -21,8 +21,8 @@ from specray.models.attention import build_attention_metadata
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
-from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, gguf_blocks, split_experts,  # tests/checkpoints.py,
-                                      write_fp8, write_int)  # via conftest
+from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, assert_refused, gguf_blocks,  # tests/checkpoints.py,
+                                      split_experts, write_fp8, write_int)  # via conftest
 
 TOL = 1e-4
 
@@ -2010,17 +2010,17 @@ def test_compressed_tensors_fp8_loads_dequantized(request, tmp_path, fixture, st
 
 
 def test_compressed_tensors_other_schemes_are_refused(tiny_llama_dir, tmp_path):
-    """NVFP4 (nvfp4-pack-quantized), INT8 W8A8 grouped, and mixed strategies are refused by name."""
+    """2:4 sparse weights (marlin-24), INT8 W8A8 grouped, and mixed strategies are refused by name."""
     fp8, _ = write_fp8(tiny_llama_dir, tmp_path, strategy="channel")
     config = json.loads((fp8 / "config.json").read_text())
     quant = config["quantization_config"]
-    nvfp4 = {**quant, "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {"weights": {
-        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
+    sparse = {**quant, "format": "marlin-24", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
     int8 = {**quant, "format": "int-quantized", "config_groups": {"group_0": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}}
     mixed = {**quant, "config_groups": {"a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
                                         "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
-    for changed, match in ((nvfp4, "format='nvfp4-pack-quantized'"), (int8, "int-quantized weights .*'group'"),
+    for changed, match in ((sparse, "format='marlin-24'"), (int8, "int-quantized weights .*'group'"),
                            (mixed, r"strategies \['channel', 'tensor'\]")):
         (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": changed}))
         with pytest.raises(ValueError, match=match):
@@ -2201,10 +2201,7 @@ def test_quantization_option_confirms_the_checkpoint_s_method(tiny_llama_dir, tm
 
 def test_int_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
     """Integer schemes specray does not load are refused by name, as is a linear missing one of its tensors."""
-    from safetensors.torch import load_file, save_file
-
     quant, _ = write_int(tiny_llama_dir, tmp_path, "gptq4-g32")
-    config = json.loads((quant / "config.json").read_text())
     cases = (({"quant_method": "gptq", "bits": 3, "group_size": 32}, r"bits=3 \(supported: \[4, 8\]\)"),
              ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
              ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
@@ -2212,16 +2209,8 @@ def test_int_release_errors_name_the_fix(tiny_llama_dir, tmp_path):
              ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
                  "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
               "symmetric=False"))
-    for quant_config, match in cases:
-        (quant / "config.json").write_text(json.dumps({**config, "quantization_config": quant_config}))
-        with pytest.raises(ValueError, match=match):
-            load_model(quant)
-    (quant / "config.json").write_text(json.dumps(config))
-    tensors = load_file(str(quant / "model.safetensors"))
-    save_file({n: t for n, t in tensors.items() if n != "model.layers.1.mlp.up_proj.qzeros"},
-              str(quant / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj': \['qzeros'\].*incomplete"):
-        load_model(quant)
+    assert_refused(quant, cases, "model.layers.1.mlp.up_proj.qzeros",
+                   r"'model.layers.1.mlp.up_proj': \['qzeros'\].*incomplete")
 
 
 def test_trust_remote_code_lets_a_checkpoint_s_own_config_class_load(tiny_llama_dir, tmp_path):

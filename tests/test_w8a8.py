@@ -12,6 +12,7 @@ from specray.models.layers import LinearBase
 from specray.models.loader import load_model
 from specray.models.w8a8 import (FP8, INT8, RowScaled, RowScaledStaging, W8A8Linear, keeps_w8a8, pack_w8a8,
                                  quantize_rows)
+from specray_test_model_checks import prefill_logits  # tests/model_checks.py
 from specray_test_checkpoints import write_fp8, write_int8  # tests/checkpoints.py
 
 IDS = list(range(3, 40))
@@ -38,17 +39,6 @@ def write(kind: str, src, dst, strategy: str = "channel"):
     if kind.startswith("fp8"):
         return write_fp8(src, dst, strategy=strategy, static=static)
     return write_int8(src, dst, strategy, static=static)
-
-
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    from specray.models.attention import build_attention_metadata
-    from specray.models.kv_cache import allocate_kv_cache
-
-    blocks = -(-len(ids) // 4)
-    allocate_kv_cache(model, blocks + 1, 4)
-    meta = build_attention_metadata([len(ids)], [0], [list(range(blocks))[::-1]], 4, model.device)
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids, device=model.device), meta))
 
 
 def kept_linears(model) -> list:

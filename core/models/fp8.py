@@ -34,6 +34,7 @@ from specray.models.w8a8 import FP8, INT8, Format, row_scaled, row_scales
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize, shape_of
 from specray.models.mxfp4 import is_mxfp4
+from specray.models.nvfp4 import MODELOPT, modelopt_algo, nvfp4_layout
 
 SCALE_SUFFIX = "_scale_inv"
 INPUT_SCALE = ".input_scale"  # a static release's activation scale, beside X.weight
@@ -47,7 +48,7 @@ def scale_suffix(quant: dict) -> tuple[str, ...]:
     """What may follow ``.weight`` in the name of a quantized weight's scale: ``_scale`` for compressed-tensors,
     ``_scale_inv`` or ``_scale`` for ``quant_method: fp8`` (vLLM names a block-scaled weight's scale ``_scale_inv``,
     DeepSeek's way, and a per-tensor one ``_scale``, AutoFP8's)."""
-    if quant.get("quant_method") == COMPRESSED_TENSORS:
+    if quant.get("quant_method") in (COMPRESSED_TENSORS, MODELOPT):
         return (COMPRESSED_SCALE_SUFFIX,)
     return SCALE_SUFFIX, COMPRESSED_SCALE_SUFFIX
 
@@ -60,6 +61,8 @@ def static_activations(quant: dict | None) -> bool:
     method = (quant or {}).get("quant_method")
     if method == "fp8":
         return quant.get("activation_scheme", "dynamic") == "static"
+    if method == MODELOPT:  # ModelOpt's FP8: a calibrated input_scale per linear
+        return modelopt_algo(quant) == "FP8"
     if method != COMPRESSED_TENSORS:
         return False
     acts = [g.get("input_activations") or {} for g in (quant.get("config_groups") or {}).values()]
@@ -75,15 +78,18 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
     """The block of a checkpoint's FP8 weights ([rows, cols]; None: one scale per tensor or per output row) by its
     config.json's ``quantization_config`` (``quant``), or False when it has none. A quantization other than FP8
     (block FP8, or compressed-tensors' float-quantized FP8) is a ValueError naming it."""
-    if not quant or int_scheme(quant) is not None or is_mxfp4(quant):  # specray.models.int_quant, .mxfp4
-        return False
+    if not quant or int_scheme(quant) is not None or is_mxfp4(quant) or nvfp4_layout(quant) is not None:
+        return False  # (specray.models.int_quant, .mxfp4, .nvfp4)
     method = quant.get("quant_method")
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_block(quant)
+    if method == MODELOPT:  # ModelOpt's FP8 (its NVFP4 returned above): one scale per tensor
+        return None
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method={method!r} is not supported (specray loads FP8 "
                          "checkpoints: quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights; "
-                         "integer ones: 'gptq', 'awq', or 'compressed-tensors' pack-quantized; and 'mxfp4'); load a "
+                         "integer ones: 'gptq', 'awq', or 'compressed-tensors' pack-quantized; 'mxfp4'; NVFP4: "
+                         "'modelopt' or 'compressed-tensors' nvfp4-pack-quantized); load a "
                          "bf16 or fp16 version of the checkpoint")
     block = quant.get("weight_block_size")
     if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):

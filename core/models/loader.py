@@ -67,6 +67,7 @@ from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
 from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
     gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
 from specray.models.mxfp4 import dequantized as mxfp4_dequantized, is_mxfp4
+from specray.models.nvfp4 import MODELOPT, dequantized as nvfp4_dequantized, nvfp4_layout, renamed_kv_scales
 from specray.models.fp8_blocks import keeps_block_fp8, pack_block_fp8, random_block_fp8
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
 from specray.models.moe import SparseMoE, is_expert_tensor, is_per_expert_tensor
@@ -371,9 +372,15 @@ def check_quantization(quantization: str | None, config, model: str | os.PathLik
 
 def checkpoint_quantization(source: ModelSource) -> dict | None:
     """The checkpoint's ``quantization_config`` (a multimodal one's may sit in its text config), as config.json
-    gives it."""
+    gives it; without one, a ModelOpt export's ``hf_quant_config.json`` (its ``quantization`` section, as
+    ``quant_method: modelopt``), as vLLM reads it."""
     config = json.loads((Path(source.path) / "config.json").read_text())
-    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    modelopt = Path(source.path) / "hf_quant_config.json"
+    if quant is None and modelopt.is_file():
+        section = json.loads(modelopt.read_text()).get("quantization")
+        quant = None if not isinstance(section, dict) else {"quant_method": "modelopt", **section}
+    return quant
 
 
 def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None,
@@ -393,8 +400,13 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
         weights = text_tensors(weights, prefix)
     if wanted is not None:
         weights = ((name, t) for name, t in weights if wanted(name))
+    if (quant or {}).get("quant_method") == MODELOPT:
+        weights = renamed_kv_scales(weights)
     if is_mxfp4(quant):  # GPT-OSS's experts: specray.models.mxfp4 (kept, or not, by the mixture)
         return mxfp4_dequantized(weights, keep=is_expert_tensor)
+    layout = nvfp4_layout(quant)
+    if layout is not None:  # ModelOpt's and llm-compressor's NVFP4: specray.models.nvfp4
+        return nvfp4_dequantized(weights, layout)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
         return int_dequantized(weights, scheme, rows=w8a8 is INT8, static=static_activations(quant))
