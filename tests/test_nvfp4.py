@@ -75,3 +75,55 @@ def test_modelopt_fp8_loads_as_autofp8(tiny_llama_dir, tmp_path, monkeypatch):
                                                                            if k != "quant_method"}}))
     kept = [m.kept for m in load_model(fp8).modules() if isinstance(getattr(m, "kept", None), W8A8Linear)]
     assert len(kept) == 8 and all(k.input_scale is not None for k in kept)
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_nvfp4_experts_stay_nvfp4_where_experts_are_kept(tiny_qwen3_moe_dir, tmp_path, monkeypatch, layout):
+    """Where quantized experts are kept (a GPU; here asked: ``cpu_kernels.FP8_EXPERTS``), an NVFP4 mixture's experts
+    (a tensor each) hold their FP4 codes as stored and each group's float32 scale (its float8 scale times the tensor's
+    number), decoded as tokens reach an expert: the logits equal those of the release dequantized at load, exactly.
+    Split by width over two ranks, each keeps its half of every expert (whole groups of 16): rank 1's decoded weights
+    are exactly its share of the dequantized ones. A dummy load keeps random codes within its range."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from specray.models import cpu_kernels
+    from specray.models.loader import DUMMY_WEIGHT_RANGE, read_config
+    from specray.models.moe import SparseMoE
+    from specray.models.nvfp4 import Nvfp4Weight
+
+    quantized, _ = write_nvfp4(split_experts(tiny_qwen3_moe_dir, tmp_path / "split"), tmp_path / "q", layout)
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    model = load_model(quantized)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.nvfp4 and b.w13.dtype == torch.uint8 and b.w13_scale.dtype == torch.float32
+                          for b in blocks)
+    assert "NVFP4" in blocks[0].graph_blocker()
+    stored = load_file(str(quantized / "model.safetensors"))
+    codes = "weight" if layout == "modelopt" else "weight_packed"
+    assert torch.equal(blocks[0].w2[3], stored[f"model.layers.0.mlp.experts.3.down_proj.{codes}"])
+    got = prefill_logits(model, IDS)
+    dummy = [b for b in load_model(quantized, load_format="dummy").modules() if isinstance(b, SparseMoE)]
+    decoded = torch.stack([b._weight(b.w2, b.w2_scale, e, torch.float32) for b in dummy for e in range(8)])
+    assert DUMMY_WEIGHT_RANGE / 4 < decoded.abs().max() <= DUMMY_WEIGHT_RANGE
+    # rank 1 of 2, split by width: its half of each expert, kept and dequantized alike
+    config = read_config(quantized)
+    names = {kind: f"model.layers.0.mlp.experts.{{}}.{kind}.weight" for kind in ("gate_proj", "up_proj", "down_proj")}
+    suffix = ("weight_scale", "weight_scale_2") if layout == "modelopt" else ("weight_scale", "weight_global_scale")
+    weights = {}
+    for keep in (True, False):
+        monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", keep)
+        block = SparseMoE(config, SimpleNamespace(size=2, rank=1), False)
+        assert block.nvfp4 == keep and block.inter_local == 16
+        for e in range(8):
+            for kind, name in names.items():
+                base = name.format(e)[: -len("weight")]
+                number = float(stored[base + suffix[1]].reshape(-1)[0])
+                block.load_expert_tensor(name.format(e), Nvfp4Weight(
+                    stored[base + codes], stored[base + suffix[0]], number if layout == "modelopt" else 1.0 / number))
+        weights[keep] = [block._weight(w, s, e, torch.float32) for e in range(8)
+                         for w, s in ((block.w13, block.w13_scale), (block.w2, block.w2_scale))]
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False]))
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
+    assert torch.equal(got, prefill_logits(load_model(quantized), IDS))

@@ -406,7 +406,7 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
         return mxfp4_dequantized(weights, keep=is_expert_tensor)
     layout = nvfp4_layout(quant)
     if layout is not None:  # ModelOpt's and llm-compressor's NVFP4: specray.models.nvfp4
-        return nvfp4_dequantized(weights, layout)
+        return nvfp4_dequantized(weights, layout, keep=is_per_expert_tensor)
     scheme = int_scheme(quant)
     if scheme is not None:  # GPTQ, AWQ, packed integers: specray.models.int_quant
         return int_dequantized(weights, scheme, rows=w8a8 is INT8, static=static_activations(quant))

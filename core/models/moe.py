@@ -76,7 +76,9 @@ From an MXFP4 checkpoint (GPT-OSS's releases: :mod:`specray.models.mxfp4`) the e
 byte, and one E8M0 scale byte per group of 32 input columns (a quarter of bf16's bytes), decoded when tokens reach
 an expert to the values a load-time dequantization gives: where FP8 experts are kept (a GPU, or on CPU with
 ``cpu_kernels.FP8_EXPERTS``) and this rank's share is whole groups (split by width: the width per rank a multiple of
-32); otherwise dequantized at load.
+32); otherwise dequantized at load. An NVFP4 checkpoint's experts (a tensor per expert: :mod:`specray.models.nvfp4`)
+are kept likewise, FP4 codes two a byte and each group of 16 columns' float32 scale (its float8 scale times the
+tensor's number), where this rank's share is whole groups of 16.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequ
                                 w8a8_format)
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
+from specray.models.nvfp4 import GROUP as NVFP4_GROUP, Nvfp4Weight, decode as decode_nvfp4, nvfp4_layout
 from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
 from specray.models.w8a8 import FP8, INT8, TILE, RowScaled, keeps_w8a8, matmul_rows
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
@@ -430,11 +433,20 @@ class SparseMoE(nn.Module):
         if self.mxfp4 and (x_dim % MXFP4_GROUP or i % MXFP4_GROUP):
             _tell_partial("MXFP4", f"{MXFP4_GROUP}-column groups", i, x_dim, split=not expert_parallel and tp.size > 1)
             self.mxfp4 = False  # this rank's shares are not whole groups: dequantized at load
-        if self.mxfp4:
+        # an NVFP4 release's: FP4 codes two a byte and a float32 scale per 16 input columns (nvfp4)
+        self.nvfp4 = (block is None and group is None and not self.mxfp4
+                      and nvfp4_layout(config_quantization(config)) is not None
+                      and keeps_fp8_experts(torch.empty(0).device))
+        if self.nvfp4 and (x_dim % NVFP4_GROUP or i % NVFP4_GROUP):
+            _tell_partial("NVFP4", f"{NVFP4_GROUP}-column groups", i, x_dim, split=not expert_parallel and tp.size > 1)
+            self.nvfp4 = False  # this rank's shares are not whole groups: dequantized at load
+        if self.mxfp4 or self.nvfp4:
+            per_scale = MXFP4_GROUP if self.mxfp4 else NVFP4_GROUP
+            scale = _uint8_param if self.mxfp4 else _param  # E8M0 bytes, or float32 scales
             self.w13 = _uint8_param(e, self.parts * i, x_dim // 2)
             self.w2 = _uint8_param(e, x_dim, i // 2)
-            self.w13_scale = _uint8_param(e, self.parts * i, x_dim // MXFP4_GROUP)
-            self.w2_scale = _uint8_param(e, x_dim, i // MXFP4_GROUP)
+            self.w13_scale = scale(e, self.parts * i, x_dim // per_scale)
+            self.w2_scale = scale(e, x_dim, i // per_scale)
         elif group is not None:  # 4-bit values two a byte, a scale, zero point and offset per group (int_quant)
             self.w13 = _uint8_param(e, self.parts * i, x_dim // 2)
             self.w2 = _uint8_param(e, x_dim, i // 2)
@@ -658,7 +670,7 @@ class SparseMoE(nn.Module):
         if not hasattr(torch, "_grouped_mm"):
             return "this torch has no torch._grouped_mm (the experts' grouped matmul)"
         if self.w13_scale is not None or self.w2_scale is not None:
-            kept = ("MXFP4" if self.mxfp4 else "4 bits" if self.fp8_block is None else
+            kept = ("MXFP4" if self.mxfp4 else "NVFP4" if self.nvfp4 else "4 bits" if self.fp8_block is None else
                     "FP8" if self.values_dtype.is_floating_point else "INT8")
             return (f"its experts are kept in {kept} and dequantized expert by expert as tokens reach them, which the "
                     "grouped matmul of a graph step does not do")
@@ -707,6 +719,8 @@ class SparseMoE(nn.Module):
             return weights[e]
         if self.mxfp4:
             return decode_mxfp4(weights[e], scales[e], dtype)
+        if self.nvfp4:
+            return decode_nvfp4(weights[e], scales[e], dtype)
         if self.int4_group is not None:
             return dequantize_packed(weights[e], scales[e]).to(dtype)
         return dequantize_blocks(weights[e], scales[e], self.fp8_block).to(dtype)
@@ -799,6 +813,11 @@ class SparseMoE(nn.Module):
     def _load_one(self, local: int, kind: str, tensor: Any) -> None:
         # gate/up [I, H]: this rank's rows of the intermediate width; down [H, I]: its columns
         start = 0 if self.expert_parallel else self.tp.rank * self.inter_local
+        if isinstance(tensor, Nvfp4Weight):
+            if self.nvfp4:
+                self._load_nvfp4(local, kind, tensor, start)
+                return
+            tensor = tensor.dequantized()
         if isinstance(tensor, RowScaled) and self.fp8_block == ROW_SCALES and tensor.weight.dtype == self.values_dtype:
             tensor = Fp8Weight(tensor.weight, tensor.scale[:, None], ROW_SCALES)  # an INT8 W8A8 expert, kept so
         if isinstance(tensor, Fp8Weight):
@@ -807,8 +826,8 @@ class SparseMoE(nn.Module):
             else:
                 self._load_fp8(local, kind, tensor, start)
                 return
-        elif self.fp8_block is not None or self.mxfp4:  # a full-precision expert in a quantized checkpoint: the
-            self._keep_full_precision()  # block keeps full precision
+        elif self.fp8_block is not None or self.mxfp4 or self.nvfp4:
+            self._keep_full_precision()  # a full-precision expert in a quantized checkpoint: the block keeps them so
         projection = "w2" if kind == "down_proj" else "w13"
         if self.int4_group is not None and getattr(self, projection + "_scale") is not None:
             if isinstance(tensor, IntWeight) and (tensor.bits, tensor.group_size) == (4, self.int4_group):
@@ -858,7 +877,7 @@ class SparseMoE(nn.Module):
             setattr(self, name + "_scale", None)
         if self.w13_scale is None and self.w2_scale is None:
             self.fp8_block = self.int4_group = None
-            self.mxfp4 = False
+            self.mxfp4 = self.nvfp4 = False
             self.matmul8 = None
 
     def _load_int4(self, local: int, kind: str, w: IntWeight, start: int) -> None:
@@ -880,11 +899,11 @@ class SparseMoE(nn.Module):
         model's: ``load_format="dummy"``): FP4 codes over the power of two, 8-bit values over their format's
         largest. Experts kept otherwise, or not kept, are left as they are."""
         for values, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
-            if scales is None or not (self.mxfp4 or self.fp8_block is not None):
+            if scales is None or not (self.mxfp4 or self.nvfp4 or self.fp8_block is not None):
                 continue
-            if self.mxfp4:
+            if self.mxfp4 or self.nvfp4:
                 values.random_(0, 256)
-                scales.fill_(SCALE_BIAS + math.floor(math.log2(limit / FP4_MAX)))
+                scales.fill_(SCALE_BIAS + math.floor(math.log2(limit / FP4_MAX)) if self.mxfp4 else limit / FP4_MAX)
                 continue
             largest = 448.0 if values.dtype == torch.float8_e4m3fn else 127.0
             values.copy_(((torch.rand(values.shape, device=values.device) * 2 - 1) * largest).to(values.dtype))
@@ -915,6 +934,19 @@ class SparseMoE(nn.Module):
                 _copy(self.w13_scale.data[local][rows], part_scales[start: start + inter])
             keys += [f"w13:{expert}:1"] if kind == "up_proj" else [f"w13:{expert}:0", f"w13:{expert}:1"]
         return keys
+
+    def _load_nvfp4(self, local: int, kind: str, w: Nvfp4Weight, start: int) -> None:
+        """As :meth:`_load_one`, an NVFP4 expert's codes and its groups' float32 scales as kept (``start`` and the
+        width whole groups: checked when the block was built)."""
+        codes, scales = w.kept()  # [rows, cols / 2], [rows, cols / 16]
+        inter = self.inter_local
+        if kind == "down_proj":  # [H, I]: this rank's columns
+            _copy(self.w2.data[local], codes[:, start // 2: (start + inter) // 2])
+            _copy(self.w2_scale.data[local], scales[:, start // NVFP4_GROUP: (start + inter) // NVFP4_GROUP])
+            return
+        offset = 0 if kind == "gate_proj" or self.family.gateless else inter  # [I, H]: this rank's rows
+        _copy(self.w13.data[local][offset: offset + inter], codes[start: start + inter])
+        _copy(self.w13_scale.data[local][offset: offset + inter], scales[start: start + inter])
 
     def _load_fp8(self, local: int, kind: str, tensor: Fp8Weight, start: int) -> None:
         """As :meth:`_load_one`, the values and their scales as stored (``start`` a whole number of blocks)."""

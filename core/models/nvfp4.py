@@ -14,18 +14,24 @@ model multiplies in its own dtype, at its dtype's bytes (bf16: four times NVFP4'
 (``self_attn.k_scale``, ``self_attn.v_scale``). Tensors left unquantized (``exclude_modules``, ``ignore``) pass
 through untouched.
 
+A mixture's experts (one tensor per expert, DeepSeek-R1's and Qwen3-MoE's layout) come from the loader as
+:class:`Nvfp4Weight` (codes, group scales and the tensor's multiplier): a mixture that keeps quantized experts (a GPU)
+keeps the codes and each group's float32 scale times the multiplier (three quarters of a byte per value, against
+bf16's two) and decodes an expert with :func:`decode` when tokens reach it, to the values a load-time dequantization
+gives; elsewhere :meth:`Nvfp4Weight.dequantized` gives them at load.
+
 ModelOpt's FP8 releases (``quant_algo: "FP8"``: one float8 weight scale per tensor, a static input scale) load through
 :mod:`specray.models.fp8`, as AutoFP8's do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
-from specray.models.layers import materialize
+from specray.models.layers import materialize, shape_of
 from specray.models.mxfp4 import FP4_VALUES
 
 MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
@@ -77,15 +83,49 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: float) -
         raise ValueError(f"NVFP4 codes {tuple(codes.shape)} {codes.dtype} with scales {tuple(scales.shape)}: expected "
                          f"uint8 [out, in / 2] and one scale per {GROUP} columns; the checkpoint does not match its "
                          "quantization_config")
+    return decode(codes, group_scales(scales, global_scale), torch.float32)
+
+
+def group_scales(scales: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """Each group's float8 scale times the tensor's multiplier, in float32 (what a value's code is multiplied by)."""
+    return scales.float() * global_scale
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP4 codes [out, in / 2] (uint8, the even column low) times their groups' float32 scales [out, in / 16]
+    (:func:`group_scales`) -> [out, in] in ``dtype``."""
+    rows, half = codes.shape
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
     values = lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).long()].view(rows, -1, GROUP)  # [out, G, 16]
-    return (values * (scales.float() * global_scale)[..., None]).view(rows, 2 * half)
+    return (values * scales[..., None]).view(rows, 2 * half).to(dtype)
 
 
-def dequantized(weights: Iterable[tuple[str, Any]], layout: str) -> Iterator[tuple[str, Any]]:
+class Nvfp4Weight(NamedTuple):
+    """One NVFP4 weight as stored: ``codes`` [out, in / 2] uint8, ``scales`` [out, in / 16] float8 and its
+    multiplier ``number`` (tensors or lazy safetensors slices but the number)."""
+
+    codes: Any
+    scales: Any
+    number: float
+
+    def get_shape(self) -> list[int]:
+        rows, half = shape_of(self.codes)
+        return [rows, 2 * half]
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, each group's float32 scale times the number): what a mixture keeps."""
+        return materialize(self.codes), group_scales(materialize(self.scales), self.number)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(materialize(self.codes), materialize(self.scales), self.number)
+
+
+def dequantized(weights: Iterable[tuple[str, Any]], layout: str, keep: Callable[[str], bool] = lambda name: False
+                ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with each NVFP4 linear's tensors (in any order, from any file) as its
-    dequantized ``X.weight`` (float32) and its activation scales dropped; other tensors pass through untouched (lazy
-    slices stay lazy). A linear missing a tensor at the end is a ValueError."""
+    dequantized ``X.weight`` (float32), or for those named by ``keep`` (experts' weights) as an
+    :class:`Nvfp4Weight`, and its activation scales dropped; other tensors pass through untouched (lazy slices stay
+    lazy). A linear missing a tensor at the end is a ValueError."""
     (codes_name, scale_name, global_name), divides, dropped = _PARTS[layout]
     suffixes = {f".{part}": part for part in (codes_name, scale_name, global_name)}
     waiting: dict[str, dict[str, Any]] = {}
@@ -103,9 +143,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], layout: str) -> Iterator[tup
         if len(held) == 3:
             del waiting[base]
             number = float(materialize(held[global_name]).float().reshape(-1)[0])
-            weight = dequantize(materialize(held[codes_name]), materialize(held[scale_name]),
-                                1.0 / number if divides else number)
-            yield f"{base}.weight", weight
+            weight = Nvfp4Weight(held[codes_name], held[scale_name], 1.0 / number if divides else number)
+            yield f"{base}.weight", weight if keep(f"{base}.weight") else weight.dequantized()
     if waiting:
         missing = {base: sorted(set(suffixes.values()) - set(held)) for base, held in list(waiting.items())[:3]}
         raise ValueError(f"NVFP4 linears without all their tensors, e.g. {missing}: the checkpoint is incomplete")
