@@ -43,14 +43,18 @@ PACK_ROWS_HINT = 8  # the row count oneDNN tunes the blocked layout for (1 was s
 SMALL_BATCH_ROWS = 128  # past this many rows plain x @ W^T is as fast, and later faster
 FAST_ROWS = (2, 4, 5, 6, 8, 9, 16)  # row counts MKL's narrow-gemm kernels run fast (AVX2); then multiples of 8
 OWN_MIN_CONTEXT = 512  # on CPU, short queries attend one sequence at a time from this longest context
-FP8_EXPERTS = False  # on CPU, keep an FP8 (or INT8 W8A8) checkpoint's experts in 8 bits (smaller, slower)
+# on CPU, keep a quantized checkpoint's experts as stored (FP8, INT8 W8A8, MXFP4, NVFP4: smaller, slower)
+FP8_EXPERTS = False
 INT4_WEIGHTS = False  # on CPU, keep a 4-bit release's linears in 4 bits (smaller, far slower: benchmarks/bench_int4.py)
-FP8_WEIGHTS = False  # on CPU, keep a row-scaled FP8 release's linears in FP8 (the tests: W8A8 as a GPU runs it)
+# on CPU, keep an FP8 release's linears in FP8 (the tests: W8A8 as a GPU runs it; block-scaled ones through the
+# kernel's reference, fp8_blocks)
+FP8_WEIGHTS = False
 INT8_WEIGHTS = False  # on CPU, keep an INT8 W8A8 release's linears in INT8 (the tests, likewise)
 
 
 def keeps_fp8_experts(device: torch.device) -> bool:
-    """Whether a mixture of experts on ``device`` keeps a block-FP8 checkpoint's experts in FP8."""
+    """Whether a mixture of experts on ``device`` keeps a quantized checkpoint's experts as stored (FP8, INT8, MXFP4,
+    NVFP4), decoding an expert as tokens reach it."""
     return device.type != "cpu" or FP8_EXPERTS
 
 
