@@ -75,6 +75,7 @@ def test_modelopt_fp8_loads_as_autofp8(tiny_llama_dir, tmp_path, monkeypatch):
                                                                            if k != "quant_method"}}))
     kept = [m.kept for m in load_model(fp8).modules() if isinstance(getattr(m, "kept", None), W8A8Linear)]
     assert len(kept) == 8 and all(k.input_scale is not None for k in kept)
+    check_quantization("modelopt", read_config(fp8))  # (read as config.json's would be)
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])

@@ -230,8 +230,20 @@ def read_config(model: str | os.PathLike, trust_remote_code: bool = False,
     folder = resolve_model(model, weights=False).path
     with _remote_code_errors(model):
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if getattr(config, "quantization_config", None) is None:  # an older ModelOpt export: hf_quant_config.json
+        quant = _modelopt_export(Path(folder))
+        if quant is not None:
+            config.quantization_config = quant
     _override(config, hf_overrides or {})
     return plain_config(config)
+
+
+def _modelopt_export(folder: Path) -> dict | None:
+    """The quantization of a ModelOpt export that keeps it in ``hf_quant_config.json`` alone (its ``quantization``
+    section, as ``quant_method: modelopt``), as vLLM reads it; None without one."""
+    path = folder / "hf_quant_config.json"
+    section = json.loads(path.read_text()).get("quantization") if path.is_file() else None
+    return {"quant_method": "modelopt", **section} if isinstance(section, dict) else None
 
 
 def _override(config: Any, overrides: dict[str, Any]) -> None:
@@ -376,11 +388,7 @@ def checkpoint_quantization(source: ModelSource) -> dict | None:
     ``quant_method: modelopt``), as vLLM reads it."""
     config = json.loads((Path(source.path) / "config.json").read_text())
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    modelopt = Path(source.path) / "hf_quant_config.json"
-    if quant is None and modelopt.is_file():
-        section = json.loads(modelopt.read_text()).get("quantization")
-        quant = None if not isinstance(section, dict) else {"quant_method": "modelopt", **section}
-    return quant
+    return quant if quant is not None else _modelopt_export(Path(source.path))
 
 
 def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[str], bool] | None = None,
