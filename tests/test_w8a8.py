@@ -372,13 +372,14 @@ def test_online_fp8_experts_split_by_width_scale_a_row_as_one_rank(w8a8_weights,
     assert torch.equal(torch.cat([s.w2.view(torch.uint8) for s in shares], -1), whole.w2.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block", "fp8-static", "int8-static"])
 def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tmp_path, w8a8_weights, monkeypatch,
                                                           kind):
     """A mixture with a tensor per expert, INT8 W8A8, FP8 by row or FP8 in blocks: where 8-bit experts are kept (a
     GPU; here asked) they hold their 8-bit values and scales (half of bf16's bytes). Where the device also multiplies
     in 8 bits (a GPU; here asked) each expert's projection rounds its tokens' activations as the release's linears
-    do, per row or per group of a block's columns, as vLLM's fused experts do: equal, expert by expert, to that
+    do, per row or per group of a block's columns, as vLLM's fused experts do (a static release's: over the largest
+    of its experts' input scales for that projection, every expert's read): equal, expert by expert, to that
     rounding by hand times the dequantized weight, and the logits within that rounding of the release dequantized at
     load. Where it does not, an FP8 expert is dequantized as tokens reach it (an INT8 one at load): the logits equal
     the release dequantized at load exactly. A dummy load keeps random 8-bit experts within its weights' range."""
@@ -392,7 +393,7 @@ def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tm
     split = split_experts(tiny_qwen3_moe_dir, tmp_path / "split")
     folder, _ = write(kind, split, tmp_path / "q", "channel") if kind != "fp8-block" else \
         write_fp8(split, tmp_path / "q", [16, 16])
-    values = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    values = torch.int8 if kind.startswith("int8") else torch.float8_e4m3fn
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
     model = load_model(folder)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -400,14 +401,24 @@ def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tm
     assert all((b.fp8_block == ROW_SCALES) == (kind != "fp8-block") for b in blocks)
     g = torch.Generator().manual_seed(0)
     block = blocks[0]
+    statics = {"w13": None, "w2": None}
+    if kind.endswith("-static"):
+        from safetensors.torch import load_file
+
+        stored = load_file(str(folder / "model.safetensors"))
+        expert = "model.layers.0.mlp.experts.{}.{}.input_scale"
+        statics = {"w13": max(float(stored[expert.format(e, p)]) for e in range(8) for p in ("gate_proj", "up_proj")),
+                   "w2": max(float(stored[expert.format(e, "down_proj")]) for e in range(8))}
+        assert (float(block.w13_input_scale), float(block.w2_input_scale)) == (statics["w13"], statics["w2"])
     for e in range(block.w13.shape[0]):
-        for w, s in ((block.w13, block.w13_scale), (block.w2, block.w2_scale)):
+        for name, w, s in (("w13", block.w13, block.w13_scale), ("w2", block.w2, block.w2_scale)):
             x = torch.randn(5, w.shape[2], generator=g)
             if kind == "fp8-block":
                 xq, scale = quantize_groups(x, 16)
                 rounded = (xq.float().view(5, -1, 16) * scale[..., None]).view(x.shape)
             else:
-                xq, scale = quantize_rows(x, FORMATS[kind])
+                static = None if statics[name] is None else torch.tensor(statics[name])
+                xq, scale = quantize_rows(x, FORMATS[kind], static)
                 rounded = xq.float() * scale
             want = rounded @ block._weight(w, s, e, torch.float32).t()
             assert (block._project(x, w, s, e, None) - want).abs().max() <= 1e-5 * want.abs().max()
@@ -420,7 +431,7 @@ def test_kept_experts_multiply_in_8_bits_where_linears_do(tiny_qwen3_moe_dir, tm
     monkeypatch.setattr(cpu_kernels, "INT8_WEIGHTS", False)
     model = load_model(folder)
     # (an INT8 release's experts come as int8 only to a model that keeps its linears in INT8: dequantized at load)
-    kept = values if kind != "int8" else torch.float32
+    kept = values if not kind.startswith("int8") else torch.float32
     assert all(b.matmul8 is None and b.w13.dtype == kept for b in model.modules() if isinstance(b, SparseMoE))
     dequantized_on_use = prefill_logits(model, IDS)
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
@@ -616,3 +627,30 @@ def test_a_gpu_keeps_block_scaled_linears_by_default(tmp_path):
     # (bfloat16 outputs: a linear's last bit, then an activation's rounding, may fall the other way)
     assert (got - want).abs().amax(1).median() < 0.02 * want.abs().max()
     assert (got.argmax(1) == want.argmax(1)).float().mean() > 0.9
+
+
+def test_every_rank_takes_the_largest_static_scale_of_all_experts(monkeypatch):
+    """Expert parallel, rank 1 of 2 (experts 4-7): a static release's activation scales are the largest over every
+    expert's, those of rank 0's experts included, so both ranks round a token alike."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig
+
+    from specray.models import cpu_kernels
+    from specray.models.fp8 import ROW_SCALES, Fp8Weight
+    from specray.models.moe import SparseMoE
+
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                            quantization_config=quant)
+    block = SparseMoE(config, SimpleNamespace(size=2, rank=1), True)
+    assert block.fp8_block == ROW_SCALES and block.expert_start == 4
+    for e in range(8):
+        for kind, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+            scale = 0.5 if (e, kind) == (1, "up_proj") else 0.25 if (e, kind) == (2, "down_proj") else 0.01 * (e + 1)
+            block.load_expert_tensor(f"model.layers.0.mlp.experts.{e}.{kind}.weight", Fp8Weight(
+                torch.ones(shape).to(torch.float8_e4m3fn), torch.ones(shape[0], 1), ROW_SCALES, torch.tensor(scale)))
+    assert (float(block.w13_input_scale), float(block.w2_input_scale)) == (0.5, 0.25)

@@ -130,11 +130,12 @@ def _compressed_tensors_block(quant: dict) -> tuple[int, int] | None:
 class Fp8Weight(NamedTuple):
     """An FP8 weight as the checkpoint stores it: its float8 values [out, in] and their block scales
     [ceil(out / b0), ceil(in / b1)] (tensors or lazy safetensors slices), or with ``block`` :data:`ROW_SCALES` one
-    scale per row [out, 1]."""
+    scale per row [out, 1]; ``input_scale``: a static release's activation scale (0-d float32), else None."""
 
     weight: Any
     scale: Any
     block: tuple[int, int]
+    input_scale: torch.Tensor | None = None
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(materialize(self.weight), materialize(self.scale), self.block)
@@ -218,17 +219,22 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
     def by_row(name: str, weight: Any) -> bool:  # kept by a linear in FP8
         return block is None and rows and not keep(name) and dtype_of(weight) == torch.float8_e4m3fn
 
+    def needs_input(name: str, weight: Any) -> bool:  # a static release's weight multiplied in FP8: a linear's, or
+        return static and rows and block is None and dtype_of(weight) == torch.float8_e4m3fn  # an expert's
+
     def ready(name: str, parts: dict[str, Any]) -> bool:
         if "weight" not in parts or "scale" not in parts:
             return False
-        return "input" in parts or not (static and by_row(name, parts["weight"]))
+        return "input" in parts or not needs_input(name, parts["weight"])
 
     def paired(name: str, parts: dict[str, Any]) -> Any:
         weight, scale = parts["weight"], parts["scale"]
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
-            return Fp8Weight(weight, row_scales(materialize(scale), tuple(shape_of(weight)))[:, None], ROW_SCALES)
+            inputs = materialize(parts["input"]).float().reshape(()) if "input" in parts else None
+            return Fp8Weight(weight, row_scales(materialize(scale), tuple(shape_of(weight)))[:, None], ROW_SCALES,
+                             inputs)
         if by_row(name, weight):
             inputs = materialize(parts["input"]) if "input" in parts else None
             return row_scaled(materialize(weight), materialize(scale), FP8, inputs)
@@ -242,8 +248,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         scale_of = next((s for s in suffixes if name.endswith(".weight" + s)), None)
         if name.endswith(INPUT_SCALE):
             base, part = name[: -len(INPUT_SCALE)] + ".weight", "input"
-            if not (static and rows) or keep(base):
-                continue  # (a full-precision matmul needs none; nor do experts, dequantized as tokens reach them)
+            if not (static and rows):
+                continue  # (a full-precision matmul needs none)
         elif scale_of is not None:
             base, part = name[: -len(scale_of)], "scale"
         elif name.endswith(".weight") and _is_fp8(tensor):
@@ -255,8 +261,9 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
         parts[part] = tensor
         if ready(base, parts):
             yield base, paired(base, held.pop(base))
+
     def missing(name: str, parts: dict[str, Any]) -> list[str]:
-        inputs = {"input"} if static and "weight" in parts and by_row(name, parts["weight"]) else set()
+        inputs = {"input"} if "weight" in parts and needs_input(name, parts["weight"]) else set()
         labels = {"weight": "weight", "scale": " or ".join("weight" + s for s in suffixes), "input": "input_scale"}
         return [labels[part] for part in sorted(({"weight", "scale"} | inputs) - set(parts))]
 

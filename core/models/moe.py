@@ -479,13 +479,18 @@ class SparseMoE(nn.Module):
             gate = Router(1, h, correction_bias=False)
             gate.weight.weight_loader = _load_reshaped  # [1, H]; llama.cpp's GGUFs store it as [H]
             self.add_module(family.shared_gate, gate)
+        # a static release's activation scales for the kept experts' 8-bit matmuls: the largest over every expert's
+        # gate/up, and over every down (vLLM's; every rank reads them all, so the ranks agree)
+        self.register_buffer("w13_input_scale", None)
+        self.register_buffer("w2_input_scale", None)
         self.matmul8 = self._matmul8()
 
     def _matmul8(self):
         """How kept 8-bit experts multiply where this device multiplies in 8 bits, as the linears of the same release
         do (vLLM's fused experts do too): ``f(x, values, scales)`` of one expert's projection, its tokens' activations
         rounded per row (a scale per row: :mod:`specray.models.w8a8`) or per group of a block's columns (block FP8:
-        :mod:`specray.models.fp8_blocks`); None where its weights are dequantized as tokens reach them instead."""
+        :mod:`specray.models.fp8_blocks`), or over a static release's one scale (``static``); None where its
+        weights are dequantized as tokens reach them instead."""
         block, device, dtype = self.fp8_block, self.w13.device, self.dtype
         if block is None:
             return None
@@ -493,12 +498,12 @@ class SparseMoE(nn.Module):
             fmt = FP8 if self.values_dtype == torch.float8_e4m3fn else INT8
             if self.inter_local % TILE or self.x_dim % TILE or not keeps_w8a8(fmt, device, dtype):
                 return None
-            return lambda x, values, scales: matmul_rows(x, values, scales.reshape(1, -1), fmt)
+            return lambda x, values, scales, static: matmul_rows(x, values, scales.reshape(1, -1), fmt, static)
         if not keeps_block_fp8(block, device, dtype):
             return None
         fast = device.type == "cuda" and block == KERNEL_BLOCK  # (keeps_block_fp8 ran cuBLASLt's kernel there)
-        return lambda x, values, scales: matmul_blocks(x, values, scales, block,
-                                                       kernel_scales(scales) if fast else None)
+        return lambda x, values, scales, static: matmul_blocks(x, values, scales, block,
+                                                               kernel_scales(scales) if fast else None)
 
     @property
     def router_module(self) -> Router:
@@ -694,7 +699,8 @@ class SparseMoE(nn.Module):
         kept 8-bit experts are (:meth:`_matmul8`), else dequantized (if kept) and multiplied in ``x``'s dtype."""
         if scales is None or self.matmul8 is None:
             return F.linear(x, self._weight(weights, scales, e, x.dtype), bias)
-        y = self.matmul8(x, weights[e], scales[e])
+        static = self.w13_input_scale if weights is self.w13 else self.w2_input_scale
+        y = self.matmul8(x, weights[e], scales[e], static)
         return y if bias is None else y + bias
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
@@ -733,6 +739,7 @@ class SparseMoE(nn.Module):
         found = _PER_EXPERT.search(name)
         if found:
             expert, kind = int(found.group(1)), found.group(2)
+            self._note_input_scale(kind, getattr(tensor, "input_scale", None))  # (every expert's: see __init__)
             local = expert - self.expert_start
             if not 0 <= local < self.local_experts:
                 return []
@@ -819,7 +826,8 @@ class SparseMoE(nn.Module):
                 return
             tensor = tensor.dequantized()
         if isinstance(tensor, RowScaled) and self.fp8_block == ROW_SCALES and tensor.weight.dtype == self.values_dtype:
-            tensor = Fp8Weight(tensor.weight, tensor.scale[:, None], ROW_SCALES)  # an INT8 W8A8 expert, kept so
+            # an INT8 W8A8 expert (or one named as Mixtral's), kept so
+            tensor = Fp8Weight(tensor.weight, tensor.scale[:, None], ROW_SCALES, tensor.input_scale)
         if isinstance(tensor, Fp8Weight):
             if self.fp8_block is None or tensor.block != self.fp8_block:
                 tensor = tensor.dequantized()  # kept in the model's dtype (shares of partial blocks)
@@ -908,6 +916,14 @@ class SparseMoE(nn.Module):
             largest = 448.0 if values.dtype == torch.float8_e4m3fn else 127.0
             values.copy_(((torch.rand(values.shape, device=values.device) * 2 - 1) * largest).to(values.dtype))
             scales.fill_(limit / largest)
+
+    def _note_input_scale(self, kind: str, scale: torch.Tensor | None) -> None:
+        """A static release's expert ``kind``'s activation scale: the projection's keeps the largest."""
+        if scale is None:
+            return
+        name = "w2_input_scale" if kind == "down_proj" else "w13_input_scale"
+        held, scale = getattr(self, name), scale.float().reshape(()).to(self.w13.device)
+        setattr(self, name, scale if held is None else torch.maximum(held, scale))
 
     def _load_mxfp4(self, kind: str, w: Mxfp4Weight) -> list[str]:
         """A fused MXFP4 weight (gate_up_proj: rows 2I, gate and up as the family lays them; down_proj: rows H, its
