@@ -98,10 +98,10 @@ from torch import nn
 from specray.models.cpu_kernels import keeps_fp8_experts
 from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, kept_block,
                                 w8a8_format)
+from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
 from specray.models.nvfp4 import GROUP as NVFP4_GROUP, Nvfp4Weight, decode as decode_nvfp4, nvfp4_layout
-from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
 from specray.models.w8a8 import FP8, INT8, TILE, RowScaled, keeps_w8a8, matmul_rows
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow, shape_of)
@@ -487,10 +487,10 @@ class SparseMoE(nn.Module):
 
     def _matmul8(self):
         """How kept 8-bit experts multiply where this device multiplies in 8 bits, as the linears of the same release
-        do (vLLM's fused experts do too): ``f(x, values, scales)`` of one expert's projection, its tokens' activations
-        rounded per row (a scale per row: :mod:`specray.models.w8a8`) or per group of a block's columns (block FP8:
-        :mod:`specray.models.fp8_blocks`), or over a static release's one scale (``static``); None where its
-        weights are dequantized as tokens reach them instead."""
+        do (vLLM's fused experts do too): ``f(x, values, scales, static)`` of one expert's projection, its tokens'
+        activations rounded per row (a scale per row: :mod:`specray.models.w8a8`) or per group of a block's columns
+        (block FP8: :mod:`specray.models.fp8_blocks`), or over a static release's one scale (``static``); None where
+        its weights are dequantized as tokens reach them instead."""
         block, device, dtype = self.fp8_block, self.w13.device, self.dtype
         if block is None:
             return None
@@ -720,7 +720,7 @@ class SparseMoE(nn.Module):
         return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
     def _weight(self, weights: torch.Tensor, scales: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in FP8, 4 bits or MXFP4."""
+        """Local expert ``e``'s weight, dequantized to ``dtype`` when the experts are kept in 8 or 4 bits."""
         if scales is None:
             return weights[e]
         if self.mxfp4:
