@@ -336,6 +336,68 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
     return folder
 
 
+def deepseek_v4_mtp_config(target_dir: Path, kind: str = "sliding_attention"):
+    """transformers' config of a tiny DeepSeek-V4 target one layer deeper: its last layer is where the MTP module's
+    block sits (a ``kind`` attention layer with scored experts)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers += 1
+    config.layer_types = [*config.layer_types, kind]
+    config.mlp_layer_types = [*config.mlp_layer_types, "moe"]
+    return config
+
+
+def write_deepseek_v4_mtp(folder: Path, target_dir: Path, seed: int = 23, accepting: bool = False,
+                          alpha: float = 0.03, kind: str = "sliding_attention") -> Path:
+    """A copy of a tiny DeepSeek-V4 target's folder with one MTP module added as the release names it, ``mtp.0.*``:
+    the block of a random model one layer deeper (in the names transformers saves, DeepSeek's: ``attn.wq_a``,
+    ``hc_attn_fn``, ``ffn.experts.3.w1``, ...; a ``kind`` attention layer), plus ``e_proj``, ``h_proj``, ``enorm``,
+    ``hnorm``, ``norm`` and ``hc_head_fn`` / ``_base`` / ``_scale``. ``accepting``: the target's layers' outputs
+    (and the module's block's and ``h_proj``) scaled by ``alpha``, so the target's next token follows mostly from
+    the last one; ``e_proj`` passes the token's embedding through, and the module's final norm and hc_head are the
+    target's, so its draft after token t is mostly the target's next token after t: often right."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = deepseek_v4_mtp_config(target_dir, kind)
+    layers, h, n = config.num_hidden_layers - 1, config.hidden_size, config.hc_mult
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(config)
+    with tempfile.TemporaryDirectory() as tmp:  # saved: in the names transformers writes (DeepSeek's own)
+        deeper.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    p = f"model.layers.{layers}."
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(folder / "model.safetensors"))
+    outputs = ("wo_b.weight", "w2.weight")  # a block's attention and experts' output projections
+    if accepting:
+        weights.update({k: alpha * v for k, v in weights.items()
+                        if k.startswith("model.layers.") and k.endswith(outputs)})
+    for name, tensor in saved.items():
+        if name.startswith(p):
+            scaled = accepting and name.endswith(outputs)
+            weights["mtp.0." + name[len(p):]] = (alpha * tensor if scaled else tensor).clone().contiguous()
+    e_proj, h_proj = 0.3 * torch.randn(h, h, generator=gen), 0.3 * torch.randn(h, h, generator=gen)
+    own = {"mtp.0.enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+           "mtp.0.hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+           "mtp.0.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+           "mtp.0.hc_head_fn": 0.1 * torch.randn(n, n * h, generator=gen),
+           "mtp.0.hc_head_base": 0.1 * torch.randn(n, generator=gen),
+           "mtp.0.hc_head_scale": 0.5 + torch.rand(1, generator=gen)}
+    if accepting:
+        e_proj, h_proj = torch.eye(h), alpha * h_proj
+        own.update({f"mtp.0.hc_head_{k}": weights[f"model.hc_head.hc_{k}"].clone() for k in ("fn", "base", "scale")})
+        own.update({"mtp.0.enorm.weight": torch.ones(h), "mtp.0.norm.weight": weights["model.norm.weight"].clone()})
+    weights.update({"mtp.0.e_proj.weight": e_proj, "mtp.0.h_proj.weight": h_proj, **own})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 

@@ -1,13 +1,13 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``): hyper-connections, a sliding window of one shared key/value head with
-sinks, compressed sparse attention (overlapping windows pooled every 4 tokens, an indexer keeping 3 entries per
-query) and heavily compressed attention (windows of 8), hash-routed and scored experts, against transformers on the
-same random tiny weights (fp32, max abs diff < 1e-4; the checkpoint as transformers saves it, in DeepSeek's own
-names, and as transformers' modules name it). Every attention path (the padded short batch, one sequence at a time
-over gathered or consecutive blocks), each part shown to matter, tensor parallel 2 equal to one rank, and the engine:
-greedy with n-gram chains and trees, suffix decoding, lookahead, a draft model and prefix caching equal to
-transformers' ``generate``; what it does not support is refused by name. Weights are drawn (the seed) so that no
-query's 3rd and 4th index scores tie (ReLU makes exact ties at 0 possible): there the pick may differ between two
-exact implementations."""
+sinks, compressed sparse attention (overlapping windows pooled every 4 tokens, an indexer keeping 3 entries per query)
+and heavily compressed attention (windows of 8), hash-routed and scored experts, against transformers on the same
+random tiny weights (fp32, max abs diff < 1e-4; the checkpoint as transformers saves it, in DeepSeek's own names, and
+as transformers' modules name it). Every attention path (the padded short batch, one sequence at a time over gathered
+or consecutive blocks), each part shown to matter, tensor parallel 2 equal to one rank, and the engine: greedy with
+n-gram chains and trees, suffix decoding, lookahead, a draft model and prefix caching equal to transformers'
+``generate``; what it does not support is refused by name (its MTP module as a drafter:
+tests/test_deepseek_v4_mtp.py). Weights are drawn (the seed) so that no query's 3rd and 4th index scores tie (ReLU
+makes exact ties at 0 possible): there the pick may differ between two exact implementations."""
 
 from __future__ import annotations
 
@@ -186,16 +186,12 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_
                 graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
 
 
-@pytest.mark.parametrize("args, match", [
-    ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
-     r"method='mtp' \(a head reading the target's hidden states\) is not supported"),
-    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype: DeepSeek-V4's cache rows"),
-])
-def test_unsupported_is_refused(tiny_deepseek_v4_dir, args, match):
+def test_an_fp8_cache_is_refused(tiny_deepseek_v4_dir):
+    """(Hidden-state heads but its MTP module's: tests/test_deepseek_v4_mtp.py.)"""
     from specray import LLM
 
-    with pytest.raises(ValueError, match=match):
-        LLM(model=str(tiny_deepseek_v4_dir), max_model_len=256, block_size=4, **args)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: DeepSeek-V4's cache rows"):
+        LLM(model=str(tiny_deepseek_v4_dir), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
 
 
 def test_output_groups_must_split_over_the_ranks(tiny_deepseek_v4_dir):

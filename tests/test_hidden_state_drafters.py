@@ -1600,7 +1600,8 @@ from specray.models.loader import load_hf_config
 diffs = []
 for folder in folders:
     config = load_hf_config(folder)
-    features = torch.randn(19, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    width = config.hidden_size * getattr(config, "hc_mult", 1)  # DeepSeek-V4's module reads the target's streams
+    features = torch.randn(19, width, generator=torch.Generator().manual_seed(1))
     outs = []
     for group in (tp, None):
         head = load_draft_head("mtp", folder, load_model(folder, group), config, tp=group)
@@ -1615,16 +1616,18 @@ json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
 """
 
 
-def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tmp_path):
-    """MiMo-V2-Flash's MTP module (its sliding layer's doubled KV heads and sinks split) and Nemotron 3's (its
-    attention block split by head, its latent experts by width) over two tensor-parallel ranks (gloo): each rank's
-    normed output equals one rank's."""
+def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tiny_deepseek_v4_dir, tmp_path):
+    """MiMo-V2-Flash's MTP module (its sliding layer's doubled KV heads and sinks split), Nemotron 3's (its
+    attention block split by head, its latent experts by width) and DeepSeek-V4's (query heads, sinks and output
+    groups split, experts by width, over the streams) over two tensor-parallel ranks (gloo): each rank's normed
+    output equals one rank's."""
     from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
 
     nemotron = sys.modules["specray_test_hybrid_models"].save(tmp_path / "nemotron", "nemotron_h_moe", 3)
     folders = [draft_heads.write_mimo_mtp(tmp_path / "mimo_mtp", tiny_mimo_v2_flash_dir, num_modules=1,
                                           accepting=False),
-               draft_heads.write_nemotron_mtp(tmp_path / "nemotron_mtp", nemotron, accepting=False)]
+               draft_heads.write_nemotron_mtp(tmp_path / "nemotron_mtp", nemotron, accepting=False),
+               draft_heads.write_deepseek_v4_mtp(tmp_path / "v4_mtp", tiny_deepseek_v4_dir)]
     results = run_ranks(tmp_path / "ranks", WORKER_PRELUDE + MTP_HEAD_RANKS, 2, 1, [str(f) for f in folders])
     for result in results:
         assert all(d < 1e-5 for d in result["diffs"]), results

@@ -168,18 +168,19 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
 
 def check_heads_served(args: EngineArgs, hf_config) -> None:
     """A hidden-state head (a method that runs on the target's worker: EAGLE, MTP, Medusa, ...) is refused for a
-    model that hands none its hidden states (its class's ``serves_heads``: DeepSeek-V4), with a ValueError naming
-    what drafts for it."""
+    model that hands none its hidden states (its class's ``serves_heads`` False: Hunyuan 4), or only to the heads
+    it names (DeepSeek-V4: its MTP module), with a ValueError naming what drafts for it."""
     from specray.models.registry import get_model_class
 
     spec = args.speculative_config
-    if spec is None or getattr(get_model_class(hf_config), "serves_heads", True):
+    served = True if spec is None else getattr(get_model_class(hf_config), "serves_heads", True)
+    if served is True or not registry.runs_in_worker(spec.method) or spec.method in (served or ()):
         return
-    if registry.runs_in_worker(spec.method):
-        raise ValueError(f"speculative_config method={spec.method!r} (a head reading the target's hidden states) is "
-                         f"not supported for model_type={getattr(hf_config, 'model_type', '?')!r}: use a drafter "
-                         "that needs no hidden states (ngram and its tree options, suffix, lookahead, the llama.cpp "
-                         "lookups, draft_model, prediction, or your own)")
+    heads = f"its MTP module (method={served[0]!r}), or " if served else ""
+    raise ValueError(f"speculative_config method={spec.method!r} (a head reading the target's hidden states) is "
+                     f"not supported for model_type={getattr(hf_config, 'model_type', '?')!r}: use {heads}a drafter "
+                     "that needs no hidden states (ngram and its tree options, suffix, lookahead, the llama.cpp "
+                     "lookups, draft_model, prediction, or your own)")
 
 
 def engine_seats(args: EngineArgs) -> int:

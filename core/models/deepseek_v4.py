@@ -41,7 +41,8 @@ the experts split as DeepSeek-V3's (:mod:`specray.models.moe`, the ``deepseek_v4
 first layers, its clamped SwiGLU). **CUDA graphs**: a step of chains pools every query row's window on the device
 (fixed shapes, no host value; a row that closes no window writes an entry nothing reads), so decode and verify steps
 replay graphs; a step with a token tree runs eagerly (its windows are found on the host). Checked on CPU only.
-**Not supported**: hidden-state drafters (heads: its MTP layers are skipped), an FP8 KV cache, the quantized
+**Drafting**: its release's MTP module (:mod:`specray.models.deepseek_v4_mtp`), reading the streams past the last
+layer (aux layer ``num_hidden_layers``). **Not supported**: other hidden-state heads, an FP8 KV cache, the quantized
 releases' FP8 / FP4 weights (tiny random models only: never a real checkpoint, never on a GPU).
 """
 
@@ -91,6 +92,14 @@ _RELEASE_NAMES = tuple((re.compile(a), b) for a, b in (
 ))
 _RELEASE_STYLE = re.compile(r"^layers\.|^embed\.|^head\.|^norm\.|^hc_head_|\.attn\.|\.ffn\.|\.attn_norm\.|\.ffn_norm\."
                             r"|\.hc_(attn|ffn)_")
+
+
+def release_to_ours(name: str) -> str:
+    """A checkpoint tensor's name as the modules here name it (DeepSeek's release names renamed; others kept)."""
+    if _RELEASE_STYLE.search(name):
+        for theirs, ours in _RELEASE_NAMES:
+            name = theirs.sub(ours, name)
+    return name
 
 
 def _float_param(*shape: int) -> nn.Parameter:
@@ -533,8 +542,9 @@ class StreamsModel(StageModel):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # input_ids [T] -> hidden [T, H]. A stage after the first starts from the previous stage's streams
-        # ``intermediate`` [n, T, H]; a stage before the last ends there, returning its own
-        assert not aux_layers, "refused at build: hidden-state drafters"
+        # ``intermediate`` [n, T, H]; a stage before the last ends there, returning its own. The one aux layer a
+        # drafter may ask for is the one past the last (an MTP layer's place): the streams there, [T, n * H]
+        assert set(aux_layers) <= {len(self.layers)}, "refused at build: heads other than the MTP layer's"
         if intermediate is None:
             x = self.embed(input_ids)
             streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
@@ -545,24 +555,34 @@ class StreamsModel(StageModel):
             streams = layer(streams, input_ids, rope, meta)
         if not self.pp.is_last:
             return streams.transpose(0, 1).contiguous(), []
-        return self.norm(self.hc_head(streams)), []
+        return self.norm(self.hc_head(streams)), [streams.flatten(1) for _ in aux_layers]
+
+
+def rope_tables(config) -> dict[str, RotaryEmbedding]:
+    """The two RoPE tables of DeepSeek-V4's layers: ``main`` (the sliding layers') and ``compress`` (the others')."""
+    rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
+    return {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True), config.max_position_embeddings)
+            for kind in ("main", "compress")}
+
+
+def step_rope(tables: dict[str, RotaryEmbedding], meta: AttentionMetadata, dtype: torch.dtype) -> dict:
+    """Each kind's (cos, sin) at the step's positions, and the compressing layers' table (their entries'): what a
+    layer's forward takes as ``rope``."""
+    rope: dict = {"table": tables["compress"]}
+    for kind, table in tables.items():
+        table.ensure(meta.max_position + 1)
+        rope[kind] = table(meta.positions, dtype)
+    return rope
 
 
 class DeepseekV4Model(StreamsModel):
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
         self.build_streams(config, tp, pp, lambda i: DeepseekV4DecoderLayer(config, tp, i, expert_parallel))
-        rope = int(config.head_dim * (config.partial_rotary_factor or 1.0))
-        self.rotary = {kind: RotaryEmbedding(rope, rope_parameters(config, kind, partial=True),
-                                             config.max_position_embeddings) for kind in ("main", "compress")}
+        self.rotary = rope_tables(config)
 
     def rope(self, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
-        """Each kind's (cos, sin) at the step's positions, and the compressing layers' table (their entries')."""
-        rope: dict = {"table": self.rotary["compress"]}
-        for kind, table in self.rotary.items():
-            table.ensure(meta.max_position + 1)
-            rope[kind] = table(meta.positions, dtype)
-        return rope
+        return step_rope(self.rotary, meta, dtype)
 
 
 class DeepseekV4ForCausalLM(LlamaForCausalLM):
@@ -572,7 +592,23 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
     stacked = {".shared_experts.gate_proj.": (".shared_experts.gate_up_proj.", 0),
                ".shared_experts.up_proj.": (".shared_experts.gate_up_proj.", 1)}
     lora_modules: tuple[str, ...] = ()
-    serves_heads = False  # no hidden-state head drafts for it (specray.engine.builder.check_heads_served)
+    # the one hidden-state head it serves: its release's MTP module, which reads the streams past the last layer
+    # (specray.engine.builder.check_heads_served; specray.models.deepseek_v4_mtp)
+    serves_heads = ("mtp",)
+    aux_past_end = True
+    skipped = ("mtp.", "model.mtp.")  # the MTP module: the drafter's
+
+    @staticmethod
+    def mtp_feature_layers(config) -> tuple[int, ...]:
+        """The aux layer the MTP module reads: the streams past the last layer."""
+        return (config.num_hidden_layers,)
+
+    @staticmethod
+    def load_mtp_head(path, target, target_config, num_modules: int = 1, tp: TPGroup | None = None,
+                      expert_parallel: bool = False):
+        from specray.models.deepseek_v4_mtp import load_mtp_head  # it builds on this module
+
+        return load_mtp_head(path, target, target_config, num_modules, tp, expert_parallel)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -602,7 +638,4 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         self.kv_cache_allocated = True
 
     def _our_name(self, name: str) -> str:
-        if _RELEASE_STYLE.search(name):
-            for theirs, ours in _RELEASE_NAMES:
-                name = theirs.sub(ours, name)
-        return name
+        return release_to_ours(name)

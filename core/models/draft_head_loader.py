@@ -63,6 +63,9 @@ def load_draft_head(method: str, path: str | os.PathLike | None, target, target_
     if path is None:
         raise ValueError(f"speculative_config.model is required for method={method!r}: the head's checkpoint "
                          "folder (or hub id)")
+    own = getattr(_target_family(target_config), "load_mtp_head", None) if method == "mtp" else None
+    if own is not None:  # a family whose MTP module is no DraftHead (DeepSeek-V4's, on its streams)
+        return own(path, target, target_config, num_modules, tp, expert_parallel)
     if method == "mtp":
         config, modules = _mtp_sources(path, target_config, num_modules)
         heads = [_build(method, config, target_config, weights, target, feedback_normed, tp, expert_parallel)
@@ -113,7 +116,11 @@ def target_head_rows(target, target_ids: torch.Tensor) -> torch.Tensor:
 
 def head_aux_layers(method: str, head_config, target_config) -> tuple[int, ...]:
     """The target layers whose input residual stream ``method``'s head reads (EAGLE-3: its config's
-    ``eagle_aux_hidden_state_layer_ids``, else the usual three); () for a head that reads the final hidden states."""
+    ``eagle_aux_hidden_state_layer_ids``, else the usual three); () for a head that reads the final hidden states;
+    a family's own MTP module, what its family says (DeepSeek-V4's: the streams past the last layer)."""
+    own = getattr(_target_family(target_config), "mtp_feature_layers", None) if method == "mtp" else None
+    if own is not None:
+        return tuple(own(target_config))
     if not LAYOUTS[method].aux_features:
         return ()
     eagle_config = getattr(head_config, "eagle_config", None) or {}

@@ -470,6 +470,9 @@ class LlamaForCausalLM(nn.Module):
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     may_tie = True  # whether tie_word_embeddings makes the embedding the head (Nemotron-H's never is, as transformers)
     skipped: tuple[str, ...] = ()  # checkpoint names never read into the model (a release's MTP modules: the drafter's)
+    # whether a drafter may ask for aux layer num_hidden_layers: the residual past the last layer, where an MTP layer
+    # of DeepSeek-V4's reads its streams (on the last pipeline stage)
+    aux_past_end = False
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -526,7 +529,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.kv_cache_allocated:
             raise ValueError("the KV cache is not allocated: call specray.models.kv_cache.allocate_kv_cache(model, "
                              "num_blocks, block_size) before the first forward")
-        num_layers = len(self.model.layers)
+        num_layers = len(self.model.layers) + self.aux_past_end
         if any(not 0 <= i < num_layers for i in aux_layers):
             raise ValueError(f"aux_layers={tuple(aux_layers)}: layer indices must lie in [0, {num_layers})")
         if self.pp.size == 1:
@@ -545,7 +548,8 @@ class LlamaForCausalLM(nn.Module):
         of ``aux_layers`` so far; the last stage returns (hidden, aux) as one stage would, the others None."""
         stage, width = self.model.stage, self.stage_width
         carried = sorted(i for i in set(aux_layers) if i < stage.start)  # from earlier stages, in layer order
-        mine = sorted(i for i in set(aux_layers) if i in stage)
+        past_end = len(self.model.layers) if self.pp.is_last else None  # the residual after the last layer
+        mine = sorted(i for i in set(aux_layers) if i in stage or i == past_end)
         intermediate = None
         if not self.pp.is_first:
             shape = (width + len(carried), input_ids.shape[0], self.config.hidden_size)
