@@ -5,6 +5,7 @@ Qwen3-MoE's releases). Imported as ``specray_test_checkpoints`` (tests/conftest.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,69 @@ def write_nvfp4(src: Path, dst: Path, layout: str = "modelopt") -> tuple[Path, P
             "ignore": ["lm_head"]}
     (quantized / "config.json").write_text(json.dumps(config))
     return quantized, twin
+
+
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest power of two by which ``amax`` fits under ``top`` (an E8M0 scale), as float32."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / top)))
+
+
+def write_v4_release(src: Path, dst: Path, block: int = 128) -> tuple[Path, Path]:
+    """A tiny DeepSeek-V4 folder (``src``, saved by transformers) as DeepSeek-V4's release stores it, and beside it the
+    same model with those weights dequantized by hand: the reference. Each 2-D weight of the attention (its
+    projections, the compressors' and indexers'), of the shared experts and of an MTP module's fusion (``e_proj``,
+    ``h_proj``) as float8 e4m3 with ``X.scale``, one
+    E8M0 scale per ``block`` x ``block`` block; each routed expert's weight as FP4 (int8 [out, in / 2], two e2m1
+    codes a byte, the even value in the low nibble) with ``X.scale``, one E8M0 scale per 32 values of a row, the
+    nearest code to each value; ``quantization_config`` as the release's (``scale_fmt: ue8m0``, ``expert_dtype:
+    fp4``)."""
+    from safetensors.torch import load_file, save_file
+
+    out, ref = dst / "release", dst / "dequantized"
+    for folder in (out, ref):
+        shutil.copytree(src, folder)
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        expert = re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None
+        linear = re.search(r"\.(attn|shared_experts)\..*\.weight$|\.[eh]_proj\.weight$", name) is not None \
+            and w.dim() == 2 and not name.endswith("norm.weight")
+        if not (expert or linear):
+            quantized[name] = dequantized[name] = w
+            continue
+        w, base = w.float(), name[: -len(".weight")]
+        rows, cols = w.shape
+        if expert:  # FP4 codes, a scale per 32 values
+            groups = w.view(rows, cols // 32, 32)
+            scale = _e8m0(groups.abs().amax(-1), 6.0)  # [rows, G]
+            codes = ((groups / scale[..., None])[..., None] - FP4_VALUES).abs().argmin(-1)  # the nearest (ties: first)
+            back = (FP4_VALUES[codes] * scale[..., None]).view(rows, cols)
+            codes = codes.view(rows, cols).to(torch.uint8)
+            quantized[name] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+        else:  # FP8, a scale per block
+            nb0, nb1 = -(-rows // block), -(-cols // block)
+            scale = torch.empty(nb0, nb1)
+            q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            back = torch.empty(rows, cols)
+            for i in range(nb0):
+                for j in range(nb1):
+                    part = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    scale[i, j] = _e8m0(part.abs().max(), 448.0)
+                    q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (part / scale[i, j]).to(q.dtype)
+                    back[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                        q[i * block:(i + 1) * block, j * block:(j + 1) * block].float() * scale[i, j]
+            quantized[name] = q
+        quantized[base + ".scale"] = scale.to(torch.float8_e8m0fnu)
+        dequantized[name] = back.to(w.dtype)
+    save_file(quantized, str(out / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "scale_fmt": "ue8m0", "weight_block_size": [block, block], "expert_dtype": "fp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, ref
 
 
 def write_modelopt_fp8(src: Path, dst: Path) -> tuple[Path, Path]:

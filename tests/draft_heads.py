@@ -292,9 +292,10 @@ def write_redrafter(folder: Path, target_dir: Path, seed: int = 0, std: float = 
 
 def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting: bool = True,
                        alpha: float = 0.1, bias_std: float = 0.0) -> Path:
-    """A copy of a tiny DeepSeek-V3 (or GLM-4.5, laid out alike) target's folder with one MTP module added at
-    ``model.layers.{L}``: the family's block (DeepSeek's latent attention or GLM's, experts with a shared one) from a
-    random model one layer deeper, plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``accepting``:
+    """A copy of a tiny DeepSeek-V3 (or GLM-4.5 or Hunyuan 3, laid out alike) target's folder with one MTP module added
+    at ``model.layers.{L}``: the family's block (DeepSeek's latent attention, GLM's or Hunyuan's, experts with a shared
+    one) from a random model one layer deeper, plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``
+    (Hunyuan 3's ``final_layernorm``). ``accepting``:
     ``eh_proj`` passes the token's embedding through and the block's outputs are scaled by ``alpha``, so the module
     mostly drafts "the same token again" (as :func:`write_accepting_head`'s heads do). ``bias_std``: the block's
     router correction bias drawn with this spread (0: transformers' zeros at init)."""
@@ -328,10 +329,11 @@ def write_deepseek_mtp(folder: Path, target_dir: Path, seed: int = 7, accepting:
         for name in list(weights):
             if name.startswith(p) and name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
                 weights[name] = weights[name] * alpha
+    last = "final_layernorm" if config.model_type == "hy_v3" else "shared_head.norm"  # the module's last norm
     weights.update({f"{p}enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
                     f"{p}hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
                     f"{p}eh_proj.weight": eh,
-                    f"{p}shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
+                    f"{p}{last}.weight": 1.0 + 0.1 * torch.randn(h, generator=gen)})
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
     return folder
 

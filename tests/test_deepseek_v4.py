@@ -12,6 +12,7 @@ makes exact ties at 0 possible): there the pick may differ between two exact imp
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +185,43 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_deepseek_
             graph = next(iter(graphs.graphs.values()))  # it ran from graphs
             with torch.inference_mode(), no_host_sync():
                 graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
+
+
+def test_the_release_layout_loads_fp8_linears_and_fp4_experts(v4, tmp_path, monkeypatch):
+    """DeepSeek-V4's release (the attention's and shared experts' weights FP8 with E8M0 block scales named
+    ``X.scale``, the routed experts FP4 with an E8M0 scale per 32 values; blocks of 16 here, so a weight has several):
+    the logits equal transformers' on the same weights dequantized by hand, and differ from the unquantized model's
+    (the quantization shows); so too where quantized experts are kept (a GPU; here asked), whose FP4 experts are
+    dequantized all the same; in the engine too."""
+    from specray import LLM
+
+    folder, reference = v4
+    release, twin = sys.modules["specray_test_checkpoints"].write_v4_release(folder, tmp_path, block=16)
+    want = reference_logits(twin)
+    assert max_diff(want, reference) > 1e-3
+    assert max_diff(chunked_logits(load_model(str(release)), prompt(), SCHEDULES["prefill"]), want) < TOL
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    built = load_model(str(release), load_format="dummy", pack=False)  # FP4 experts: no FP8 storage made for them
+    assert all(layer.mlp.fp8_block is None and layer.mlp.w13.dtype == torch.float32 for layer in built.model.layers)
+    kept = load_model(str(release))
+    assert max_diff(chunked_logits(kept, prompt(), SCHEDULES["prefill"]), want) < TOL
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
+    runs = sys.modules["specray_test_engine_runs"]
+    llm = LLM(model=str(release), max_model_len=256, block_size=4)
+    got = runs.token_ids(llm.generate([TIE_FREE], runs.greedy(8), use_tqdm=False))
+    runs.assert_transformers_generates(twin, llm.get_tokenizer(), [TIE_FREE], got)
+
+
+def test_other_quantizations_are_refused(tiny_deepseek_v4_dir, tmp_path):
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_deepseek_v4_dir, tmp_path / "gptq"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"DeepSeek-V4 with quantization_config.quant_method='gptq' is not supported"):
+        load_model(str(folder))
 
 
 def test_an_fp8_cache_is_refused(tiny_deepseek_v4_dir):

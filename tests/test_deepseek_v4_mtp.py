@@ -144,6 +144,23 @@ def test_module_matches_the_reference(tiny_deepseek_v4_dir, mtp_dir, reference, 
     assert max_diff(torch.cat(logits), ref_logits) < TOL
 
 
+def test_the_release_layout_loads(mtp_dir, tmp_path):
+    """The module as DeepSeek-V4's release stores it (its attention, shared experts, ``e_proj`` and ``h_proj`` FP8 with
+    E8M0 block scales, its routed experts FP4): its logits equal the reference's on the same weights dequantized by
+    hand."""
+    release, twin = sys.modules["specray_test_checkpoints"].write_v4_release(mtp_dir, tmp_path, block=16)
+    _, _, want = Reference(twin, tmp_path / "ref")(prompt()[:20])
+    model, head = _load(release)
+    allocate_kv_cache(model, 16, 4)
+    allocate_kv_cache(head, 16, 4)
+    with torch.no_grad():
+        meta = build_attention_metadata([20], [0], [list(range(5))], 4, "cpu")
+        hidden, aux = model(torch.tensor(prompt()[:20]), meta, aux_layers=head.aux_layers)
+        meta = build_attention_metadata([19], [0], [list(range(5))], 4, "cpu")
+        got = head.draft_logits(head(torch.tensor(prompt()[1:20]), head.target_features(hidden, aux)[:-1], meta)[1])
+    assert max_diff(got, want) < TOL
+
+
 def test_each_part_shows(mtp_dir, reference):
     """The fusion's two inputs, the block and the module's own hc_head each change the logits (so the match above
     reads them all)."""

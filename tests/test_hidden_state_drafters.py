@@ -1407,7 +1407,7 @@ def assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp, num_checked: int
 
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "hy_v3"])
 def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
     is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
@@ -1415,7 +1415,8 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals transformers'
     ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch. DeepSeek-V3.2
     and GLM-5: the MTP layer's latent attention has its own indexer (its keys in its latent rows) picking its keys
-    (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer)."""
+    (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer). Hunyuan 3: its attention's q/k
+    norms, its experts under the release's names, ``final_layernorm`` for DeepSeek's ``shared_head.norm``."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
@@ -1424,10 +1425,14 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     from specray.models.kv_cache import FullAttentionSpec, MLAAttentionSpec
     from specray.models.moe import SparseMoE
 
+    from specray.models.llama import LlamaAttention
+
     target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir",
-                                      "deepseek_v32": "tiny_deepseek_v32_dir", "glm_moe_dsa": "tiny_glm5_dir"}[family])
+                                      "deepseek_v32": "tiny_deepseek_v32_dir", "glm_moe_dsa": "tiny_glm5_dir",
+                                      "hy_v3": "tiny_hy_v3_dir"}[family])
     glm_spec = FullAttentionSpec(num_kv_heads=2, head_dim=24)
-    attention, spec, rotated = {"deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
+    attention, spec, rotated = {"hy_v3": (LlamaAttention, FullAttentionSpec(num_kv_heads=2, head_dim=16), 16),
+                                "deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
                                 "glm4_moe": (Glm4MoeAttention, glm_spec, 12),  # 12: half of each head
                                 # sparse attention: the MTP layer's own indexer, its keys in the latent rows
                                 "deepseek_v32": (MLAttention, MLAAttentionSpec(16, 8, 16), 8),
@@ -1456,6 +1461,8 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     if sparse:  # the MTP layer's own per-layer entries (indexed from 0); its mask as a full-attention layer's, the
         # kind transformers' MtpModel builds masks for (an "indexed_attention" layer's is the same causal mask)
         hf.config.mtp_layer_types, hf.config.mtp_mlp_layer_types = ["full_attention"], ["sparse"]
+    if family == "hy_v3":  # a layer with experts (the stack's first is dense)
+        hf.config.mtp_mlp_layer_types = ["sparse"]
     mtp = MtpModel(hf, 1).float().eval()
     from safetensors.torch import load_file
 
@@ -1464,9 +1471,9 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         if name.startswith(p):
             rest = name[len(p):]
+            last = next((n for n in ("shared_head.norm.", "final_layernorm.") if rest.startswith(n)), None)
             key = (f"layers.0.{rest}" if rest.startswith(("enorm.", "hnorm.", "eh_proj.")) else
-                   "layers.0.post_norm." + rest[len("shared_head.norm."):] if rest.startswith("shared_head.norm.")
-                   else f"layers.0.mtp_block.{rest}")
+                   "layers.0.post_norm." + rest[len(last):] if last is not None else f"layers.0.mtp_block.{rest}")
             state[key] = tensor
     missing, unexpected = mtp.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
@@ -1616,18 +1623,20 @@ json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
 """
 
 
-def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tiny_deepseek_v4_dir, tmp_path):
+def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tiny_deepseek_v4_dir, tiny_hy_v3_dir,
+                                                       tmp_path):
     """MiMo-V2-Flash's MTP module (its sliding layer's doubled KV heads and sinks split), Nemotron 3's (its
-    attention block split by head, its latent experts by width) and DeepSeek-V4's (query heads, sinks and output
-    groups split, experts by width, over the streams) over two tensor-parallel ranks (gloo): each rank's normed
-    output equals one rank's."""
+    attention block split by head, its latent experts by width), DeepSeek-V4's (query heads, sinks and output
+    groups split, experts by width, over the streams) and Hunyuan 3's (heads with their q/k norms, experts by width)
+    over two tensor-parallel ranks (gloo): each rank's normed output equals one rank's."""
     from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
 
     nemotron = sys.modules["specray_test_hybrid_models"].save(tmp_path / "nemotron", "nemotron_h_moe", 3)
     folders = [draft_heads.write_mimo_mtp(tmp_path / "mimo_mtp", tiny_mimo_v2_flash_dir, num_modules=1,
                                           accepting=False),
                draft_heads.write_nemotron_mtp(tmp_path / "nemotron_mtp", nemotron, accepting=False),
-               draft_heads.write_deepseek_v4_mtp(tmp_path / "v4_mtp", tiny_deepseek_v4_dir)]
+               draft_heads.write_deepseek_v4_mtp(tmp_path / "v4_mtp", tiny_deepseek_v4_dir),
+               draft_heads.write_deepseek_mtp(tmp_path / "hy_v3_mtp", tiny_hy_v3_dir, accepting=False)]
     results = run_ranks(tmp_path / "ranks", WORKER_PRELUDE + MTP_HEAD_RANKS, 2, 1, [str(f) for f in folders])
     for result in results:
         assert all(d < 1e-5 for d in result["diffs"]), results

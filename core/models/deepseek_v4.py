@@ -42,8 +42,10 @@ first layers, its clamped SwiGLU). **CUDA graphs**: a step of chains pools every
 (fixed shapes, no host value; a row that closes no window writes an entry nothing reads), so decode and verify steps
 replay graphs; a step with a token tree runs eagerly (its windows are found on the host). Checked on CPU only.
 **Drafting**: its release's MTP module (:mod:`specray.models.deepseek_v4_mtp`), reading the streams past the last
-layer (aux layer ``num_hidden_layers``). **Not supported**: other hidden-state heads, an FP8 KV cache, the quantized
-releases' FP8 / FP4 weights (tiny random models only: never a real checkpoint, never on a GPU).
+layer (aux layer ``num_hidden_layers``). **Its release's quantization**: block-scaled FP8 linears with E8M0 scales
+and FP4 experts (:mod:`specray.models.fp8`), the linears dequantized as they load (or kept in FP8 where a GPU runs
+block-scaled FP8 matmuls), the experts dequantized to bfloat16. **Not supported**: other hidden-state heads, an FP8
+KV cache, other quantizations (tiny random models only: never a real checkpoint, never on a GPU).
 """
 
 from __future__ import annotations
@@ -593,28 +595,25 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
                ".shared_experts.up_proj.": (".shared_experts.gate_up_proj.", 1)}
     lora_modules: tuple[str, ...] = ()
     # the one hidden-state head it serves: its release's MTP module, which reads the streams past the last layer
-    # (specray.engine.builder.check_heads_served; specray.models.deepseek_v4_mtp)
+    # (specray.engine.builder.check_heads_served; specray.models.deepseek_v4_mtp, which builds on this module)
     serves_heads = ("mtp",)
     aux_past_end = True
     skipped = ("mtp.", "model.mtp.")  # the MTP module: the drafter's
 
     @staticmethod
     def mtp_feature_layers(config) -> tuple[int, ...]:
-        """The aux layer the MTP module reads: the streams past the last layer."""
+        """The aux layer the MTP module reads: the streams past the last layer (the module's loader:
+        :data:`specray.models.draft_head_loader.OWN_MTP_HEADS`)."""
         return (config.num_hidden_layers,)
-
-    @staticmethod
-    def load_mtp_head(path, target, target_config, num_modules: int = 1, tp: TPGroup | None = None,
-                      expert_parallel: bool = False):
-        from specray.models.deepseek_v4_mtp import load_mtp_head  # it builds on this module
-
-        return load_mtp_head(path, target, target_config, num_modules, tp, expert_parallel)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        if getattr(hf_config, "quantization_config", None):
-            raise ValueError("DeepSeek-V4's quantized releases (FP8 weights, FP4 experts) are not supported: load a "
-                             "bf16 conversion of the checkpoint")
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        if quant and quant.get("quant_method") != "fp8":
+            raise ValueError(f"DeepSeek-V4 with quantization_config.quant_method={quant.get('quant_method')!r} is "
+                             "not supported: load its release (block-scaled FP8 linears, FP4 experts) or a bf16 "
+                             "conversion")
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.stage_width = hf_config.hc_mult  # a stage hands the next its residual streams
 

@@ -10,7 +10,8 @@ position p it reads the streams the target's last layer left there, ``S[p]`` ([n
     logits = lm_head(norm(hc_head'(S')))             (its own hc_head collapse and norm; the target's LM head)
 
 and ``S'`` is what the next draft step reads in place of the target's streams (the module reused for every draft
-step, as vLLM and SGLang run it). The embedding and the LM head are the target's.
+step, as vLLM and SGLang run it). The embedding and the LM head are the target's. The release's FP8 / FP4 weights
+come dequantized, as the target's do (:mod:`specray.models.fp8`).
 
 Its block's attention is the kind of layer the release's config gives it (``compress_ratios`` lists one more entry
 than there are layers; V4-Flash's is 0: a sliding-window layer): read here from which tensors the module has (a
@@ -124,9 +125,10 @@ class DeepseekV4MTP(ReadsTarget):
         for name, tensor in weights:
             if _SHARED.match(name):
                 continue
-            if name.endswith(".scale") or name.endswith("_scale_inv"):
-                raise ValueError(f"the MTP tensor {name!r} is a quantized weight's scale: DeepSeek-V4's quantized "
-                                 "releases are not supported; load a bf16 conversion of the checkpoint")
+            if name.endswith(".scale") or name.endswith("_scale_inv"):  # (the release's come dequantized)
+                raise ValueError(f"the MTP tensor {name!r} is a quantized weight's scale, but the checkpoint's "
+                                 "config.json has no quantization_config saying how to read it (DeepSeek-V4's "
+                                 "release: quant_method 'fp8', scale_fmt 'ue8m0', expert_dtype 'fp4')")
             head = _HC_HEAD.match(name)
             if head is not None:
                 name = f"hc_head.hc_{head.group(1)}"

@@ -9,7 +9,8 @@
   ``eagle_config.eagle_aux_hidden_state_layer_ids``. specray extension: without ``lm_head.weight`` the head uses
   the target's LM head rows of its draft vocabulary (what ``specray train-draft`` writes, to stay small).
 * **MTP** (DeepSeek-V3 layout): the target's own checkpoint, module k at ``model.layers.{num_hidden_layers + k}``
-  (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's ``self_attn``/``mlp``/norms); the shared
+  (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` or Hunyuan 3's ``final_layernorm``, the block's
+  ``self_attn``/``mlp``/norms, named as the target's layers are, the family's renames applied); the shared
   embedding and head are the target's. Or a folder of its own in the same names. With ``num_modules`` = 1 specray
   reuses module 0 for every draft step (TensorRT-LLM's "MTP-Eagle"); with more, modules 0..K-1 each draft one
   position further (:class:`~specray.models.draft_head.ChainedModules`, DeepSeek's ``num_nextn_predict_layers``).
@@ -37,8 +38,11 @@ from typing import Any
 
 import torch
 
+from specray.models.deepseek_v4 import DeepseekV4ForCausalLM
+from specray.models.deepseek_v4_mtp import load_mtp_head
 from specray.models.draft_head import LAYOUTS, ChainedModules, DraftHead, eagle3_aux_layers
 from specray.models.layers import ParallelLMHead, VocabParallelEmbedding, materialize, shape_of
+from specray.models.llama import _CHECKPOINT_NAMES
 from specray.models.loader import _default_dtype, checkpoint_weights, iter_weights, resolve_model
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.parallel import TPGroup
@@ -46,6 +50,8 @@ from specray.parallel import TPGroup
 logger = logging.getLogger(__name__)
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+# families whose MTP module is a head class of its own, not a DraftHead: their model class -> its loader
+OWN_MTP_HEADS = {DeepseekV4ForCausalLM: load_mtp_head}
 
 
 def load_draft_head(method: str, path: str | os.PathLike | None, target, target_config,
@@ -63,7 +69,7 @@ def load_draft_head(method: str, path: str | os.PathLike | None, target, target_
     if path is None:
         raise ValueError(f"speculative_config.model is required for method={method!r}: the head's checkpoint "
                          "folder (or hub id)")
-    own = getattr(_target_family(target_config), "load_mtp_head", None) if method == "mtp" else None
+    own = OWN_MTP_HEADS.get(_target_family(target_config)) if method == "mtp" else None
     if own is not None:  # a family whose MTP module is no DraftHead (DeepSeek-V4's, on its streams)
         return own(path, target, target_config, num_modules, tp, expert_parallel)
     if method == "mtp":
@@ -174,6 +180,7 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
         return target_config, [_prefixed_mtp(path, names, num_modules)]
     prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
     source = resolve_model(path)
+    renames = _CHECKPOINT_NAMES.get(getattr(target_config, "model_type", None), ())  # the block's, as the target's
     modules: list[list[tuple[str, Any]]] = [[] for _ in prefixes]
     for name, tensor in checkpoint_weights(source):
         k = next((k for k, p in enumerate(prefixes) if name.startswith(p)), None)
@@ -182,10 +189,13 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
         name = name[len(prefixes[k]):]
         if name in _SHARED:
             continue
-        if name.startswith("shared_head.norm."):
-            name = "norm." + name[len("shared_head.norm."):]
+        final = next((n for n in ("shared_head.norm.", "final_layernorm.") if name.startswith(n)), None)
+        if final is not None:  # the module's last norm: DeepSeek's name, Hunyuan 3's
+            name = "norm." + name[len(final):]
         elif not name.startswith(("enorm.", "hnorm.", "eh_proj.")):
             name = "layers.0." + name
+            for pattern, ours in renames:
+                name = pattern.sub(ours, name)
         modules[k].append((name, tensor))
     if not modules[0]:
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefixes[0]}*): method='mtp' needs "

@@ -16,6 +16,12 @@ model loads at its dtype's size (bf16: twice the FP8 bytes), but for the linears
 output row or per tensor on a device with FP8 matmuls: those come out as :class:`~specray.models.w8a8.RowScaled` and
 stay FP8 (:mod:`specray.models.w8a8`).
 
+DeepSeek-V4's release stores the same block-scaled FP8 linears with power-of-two scales (``scale_fmt: ue8m0``: one
+``float8_e8m0fnu`` byte each) named ``X.scale`` (read as ``X.weight_scale_inv``: :func:`renamed_block_scales`), and
+its routed experts in FP4 (``expert_dtype: fp4``): ``X.weight`` int8 [out, in / 2], two e2m1 codes a byte, beside
+``X.scale`` [out, in / 32], one E8M0 scale per 32 values (MXFP4's values: :func:`specray.models.mxfp4.decode`),
+dequantized to bfloat16 as they load.
+
 A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
 come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
 keeps them so, half a bf16 model's bytes, dequantizing an expert's weights block by block when tokens reach it
@@ -33,7 +39,7 @@ from specray.models.fp8_blocks import BlockScaled
 from specray.models.w8a8 import FP8, INT8, Format, row_scaled, row_scales
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize, shape_of
-from specray.models.mxfp4 import is_mxfp4
+from specray.models.mxfp4 import decode, is_mxfp4
 from specray.models.nvfp4 import MODELOPT, modelopt_algo, nvfp4_layout
 
 SCALE_SUFFIX = "_scale_inv"
@@ -42,6 +48,32 @@ INPUT_SCALE = ".input_scale"  # a static release's activation scale, beside X.we
 # the whole width (b1 = 0)
 ROW_SCALES = (1, 0)
 COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' weight_scale (multiplied, as weight_scale_inv is)
+
+
+def renamed_block_scales(weights: Iterable[tuple[str, Any]], quant: dict | None) -> Iterator[tuple[str, Any]]:
+    """A release with E8M0 block scales (``scale_fmt: ue8m0``: DeepSeek-V4's) names each weight's ``X.scale``; the
+    others here read ``X.weight_scale_inv``, so it comes out under that name (as transformers reads it)."""
+    if (quant or {}).get("scale_fmt") != "ue8m0":
+        yield from weights
+        return
+    for name, tensor in weights:
+        yield (name[: -len(".scale")] + ".weight" + SCALE_SUFFIX if name.endswith(".scale") else name), tensor
+
+
+def fp4_experts(quant: dict | None) -> bool:
+    """Whether a block-scaled FP8 release stores its experts in FP4 (``expert_dtype: fp4``: DeepSeek-V4's)."""
+    return (quant or {}).get("expert_dtype") == "fp4"
+
+
+def fp4_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An FP4 expert weight of DeepSeek-V4's release: codes [out, in / 2] (int8, two e2m1 values a byte, the even one
+    in the low nibble) and E8M0 scales [out, in / 32] -> [out, in] bfloat16 (exact)."""
+    rows, half = codes.shape
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(scale.shape) != (rows, 2 * half // 32):
+        raise ValueError(f"an FP4 weight of {tuple(codes.shape)} bytes needs E8M0 scales of shape "
+                         f"{(rows, 2 * half // 32)}, one per 32 values, not {tuple(scale.shape)} {scale.dtype}: the "
+                         "checkpoint does not match its quantization_config (expert_dtype: fp4)")
+    return decode(codes.view(torch.uint8), scale.view(torch.uint8), torch.bfloat16)
 
 
 def scale_suffix(quant: dict) -> tuple[str, ...]:
@@ -203,7 +235,8 @@ def check_block_scales(shape: tuple[int, int], scale: torch.Tensor, block: tuple
 
 def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None,
                 keep: Callable[[str], bool] = lambda name: False, suffix: str | tuple[str, ...] = SCALE_SUFFIX,
-                rows: bool = False, static: bool = False, blocks: bool = False) -> Iterator[tuple[str, Any]]:
+                rows: bool = False, static: bool = False, blocks: bool = False,
+                fp4: bool = False) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with every FP8 weight dequantized (and its scale, named ``.weight`` +
     ``suffix``, or one of several, consumed), but for those named by ``keep`` (e4m3 with block scales, or scaled by
     row or tensor), which come as :class:`Fp8Weight`, and, with ``rows`` (a model that keeps FP8 linears), the e4m3
@@ -211,7 +244,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
     release with static activation scales) each with its ``X.input_scale``; with ``blocks`` (a model that keeps
     block-scaled FP8 linears) the block-scaled ones not named by ``keep`` come as
     :class:`~specray.models.fp8_blocks.BlockScaled`. Other activation scales are dropped, and other tensors pass
-    through untouched (lazy slices stay lazy). A weight and its scales may come in any order,
+    through untouched (lazy slices stay lazy). With ``fp4`` (``expert_dtype: fp4``) an int8 weight is FP4 codes,
+    dequantized by :func:`fp4_values`. A weight and its scales may come in any order,
     from any file; a weight without one at the end is a ValueError."""
     suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix)
     held: dict[str, dict[str, Any]] = {}  # a weight's name -> its parts come so far: weight, scale, input
@@ -229,6 +263,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
 
     def paired(name: str, parts: dict[str, Any]) -> Any:
         weight, scale = parts["weight"], parts["scale"]
+        if fp4 and dtype_of(weight) == torch.int8:
+            return fp4_values(materialize(weight), materialize(scale))
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts
@@ -252,7 +288,7 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
                 continue  # (a full-precision matmul needs none)
         elif scale_of is not None:
             base, part = name[: -len(scale_of)], "scale"
-        elif name.endswith(".weight") and _is_fp8(tensor):
+        elif name.endswith(".weight") and (_is_fp8(tensor) or fp4 and dtype_of(tensor) == torch.int8):
             base, part = name, "weight"
         else:
             yield name, tensor
@@ -286,4 +322,4 @@ def dtype_of(tensor: Any) -> torch.dtype | None:
 
 def _slice_dtype(tensor: Any) -> torch.dtype | None:
     """A safetensors slice's dtype ("F8_E4M3", ...) as torch's."""
-    return {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}.get(tensor.get_dtype())
+    return {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8}.get(tensor.get_dtype())

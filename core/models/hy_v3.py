@@ -8,7 +8,8 @@ pipeline stages, weight loading, the model interface). Where it differs from the
 * the release names the router ``mlp.router.gate``, the correction bias ``mlp.expert_bias`` and the shared experts
   ``mlp.shared_mlp``.
 
-Its releases' multi-token-prediction layer is not read.
+Its releases' multi-token-prediction layer (``model.layers.{num_hidden_layers}``: ``enorm``, ``hnorm``, ``eh_proj``, a
+layer with experts, ``final_layernorm``) is the ``mtp`` drafter's, DeepSeek-V3's layout (:meth:`mtp_layer_parts`).
 """
 
 from __future__ import annotations
@@ -40,3 +41,10 @@ class HYV3ForCausalLM(LlamaForCausalLM):
     ``pp``."""
 
     model_class = HYV3Model
+
+    @staticmethod
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
+        """The MTP layer's block: a layer past the dense ones, so the family's attention (q/k norms) and the experts,
+        split over ``tp`` as the target's layers are (:class:`~specray.models.draft_head.DraftHead` builds the
+        rest)."""
+        return LlamaAttention(config, tp, config.num_hidden_layers), SparseMoE(config, tp, expert_parallel)

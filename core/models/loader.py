@@ -51,7 +51,8 @@ from torch import nn
 
 from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
-from specray.models.fp8 import dequantized, fp8_block_size, scale_suffix, static_activations, w8a8_format
+from specray.models.fp8 import (dequantized, fp4_experts, fp8_block_size, renamed_block_scales, scale_suffix,
+                                static_activations, w8a8_format)
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -403,7 +404,7 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
     :class:`~specray.models.w8a8.RowScaled`; ``blocks``: a block-scaled FP8 release whose linears the model keeps in
     FP8, as :class:`~specray.models.fp8_blocks.BlockScaled`."""
     quant = checkpoint_quantization(source)
-    weights = iter_weights(source)
+    weights = renamed_block_scales(iter_weights(source), quant)  # DeepSeek-V4's X.scale as X.weight_scale_inv
     if prefix:
         weights = text_tensors(weights, prefix)
     if wanted is not None:
@@ -422,7 +423,7 @@ def checkpoint_weights(source: ModelSource, prefix: Any = "", wanted: Callable[[
     if block is False:
         return weights
     return dequantized(weights, block, keep=is_per_expert_tensor, suffix=scale_suffix(quant), rows=w8a8 is FP8,
-                       static=static_activations(quant), blocks=blocks)
+                       static=static_activations(quant), blocks=blocks, fp4=fp4_experts(quant))
 
 
 @contextlib.contextmanager

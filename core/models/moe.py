@@ -96,8 +96,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.cpu_kernels import keeps_fp8_experts
-from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, kept_block,
-                                w8a8_format)
+from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequantize_blocks, dtype_of, fp4_experts,
+                                kept_block, w8a8_format)
 from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
 from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
@@ -410,6 +410,8 @@ class SparseMoE(nn.Module):
         x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)  # (ROW_SCALES: a scale per row, any share of rows or columns whole)
+        if fp4_experts(config_quantization(config)):
+            block = None  # DeepSeek-V4's release: its linears block FP8, its experts FP4, dequantized at load
         fmt = w8a8_format(config_quantization(config))  # what kept 8-bit experts hold: FP8, or INT8 W8A8's int8
         self.values_dtype = torch.float8_e4m3fn if fmt is None else fmt.dtype
         if block is not None and block[1] and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
