@@ -191,8 +191,9 @@ def test_the_release_layout_loads_fp8_linears_and_fp4_experts(v4, tmp_path, monk
     """DeepSeek-V4's release (the attention's and shared experts' weights FP8 with E8M0 block scales named
     ``X.scale``, the routed experts FP4 with an E8M0 scale per 32 values; blocks of 16 here, so a weight has several):
     the logits equal transformers' on the same weights dequantized by hand, and differ from the unquantized model's
-    (the quantization shows); so too where quantized experts are kept (a GPU; here asked), whose FP4 experts are
-    dequantized all the same; in the engine too."""
+    (the quantization shows); so too where quantized experts are kept (a GPU; here asked), which keeps the FP4
+    experts as stored (codes two a byte, a scale byte per 32) and decodes an expert as tokens reach it; in the engine
+    too."""
     from specray import LLM
 
     folder, reference = v4
@@ -201,9 +202,11 @@ def test_the_release_layout_loads_fp8_linears_and_fp4_experts(v4, tmp_path, monk
     assert max_diff(want, reference) > 1e-3
     assert max_diff(chunked_logits(load_model(str(release)), prompt(), SCHEDULES["prefill"]), want) < TOL
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
-    built = load_model(str(release), load_format="dummy", pack=False)  # FP4 experts: no FP8 storage made for them
-    assert all(layer.mlp.fp8_block is None and layer.mlp.w13.dtype == torch.float32 for layer in built.model.layers)
     kept = load_model(str(release))
+    for layer in kept.model.layers:  # [E, 2I, H / 2] codes, [E, 2I, H / 32] scales; [E, H, I / 2], [E, H, I / 32]
+        moe = layer.mlp
+        assert moe.mxfp4 and moe.fp8_block is None and moe.w13.dtype == moe.w13_scale.dtype == torch.uint8
+        assert moe.w13.shape[1:] == (64, 32) and moe.w13_scale.shape[1:] == (64, 2) and moe.w2.shape[1:] == (64, 16)
     assert max_diff(chunked_logits(kept, prompt(), SCHEDULES["prefill"]), want) < TOL
     monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", False)
     runs = sys.modules["specray_test_engine_runs"]

@@ -44,7 +44,8 @@ replay graphs; a step with a token tree runs eagerly (its windows are found on t
 **Drafting**: its release's MTP module (:mod:`specray.models.deepseek_v4_mtp`), reading the streams past the last
 layer (aux layer ``num_hidden_layers``). **Its release's quantization**: block-scaled FP8 linears with E8M0 scales
 and FP4 experts (:mod:`specray.models.fp8`), the linears dequantized as they load (or kept in FP8 where a GPU runs
-block-scaled FP8 matmuls), the experts dequantized to bfloat16. **Not supported**: other hidden-state heads, an FP8
+block-scaled FP8 matmuls), the experts kept in FP4 where a mixture keeps quantized experts (a GPU), else dequantized
+to bfloat16. **Not supported**: other hidden-state heads, an FP8
 KV cache, other quantizations (tiny random models only: never a real checkpoint, never on a GPU).
 """
 

@@ -19,8 +19,9 @@ stay FP8 (:mod:`specray.models.w8a8`).
 DeepSeek-V4's release stores the same block-scaled FP8 linears with power-of-two scales (``scale_fmt: ue8m0``: one
 ``float8_e8m0fnu`` byte each) named ``X.scale`` (read as ``X.weight_scale_inv``: :func:`renamed_block_scales`), and
 its routed experts in FP4 (``expert_dtype: fp4``): ``X.weight`` int8 [out, in / 2], two e2m1 codes a byte, beside
-``X.scale`` [out, in / 32], one E8M0 scale per 32 values (MXFP4's values: :func:`specray.models.mxfp4.decode`),
-dequantized to bfloat16 as they load.
+``X.scale`` [out, in / 32], one E8M0 scale per 32 values (MXFP4's values), which come as
+:class:`~specray.models.mxfp4.Mxfp4Expert`: kept so by a mixture that keeps quantized experts, else dequantized to
+bfloat16.
 
 A mixture of experts' per-expert weights (nearly all of DeepSeek-V3's 671 B parameters) are the exception: they
 come out as :class:`Fp8Weight` (the stored values and their scales) and :class:`~specray.models.moe.SparseMoE`
@@ -39,7 +40,7 @@ from specray.models.fp8_blocks import BlockScaled
 from specray.models.w8a8 import FP8, INT8, Format, row_scaled, row_scales
 from specray.models.int_quant import COMPRESSED_TENSORS, int_scheme
 from specray.models.layers import materialize, shape_of
-from specray.models.mxfp4 import decode, is_mxfp4
+from specray.models.mxfp4 import Mxfp4Expert, is_mxfp4
 from specray.models.nvfp4 import MODELOPT, modelopt_algo, nvfp4_layout
 
 SCALE_SUFFIX = "_scale_inv"
@@ -63,17 +64,6 @@ def renamed_block_scales(weights: Iterable[tuple[str, Any]], quant: dict | None)
 def fp4_experts(quant: dict | None) -> bool:
     """Whether a block-scaled FP8 release stores its experts in FP4 (``expert_dtype: fp4``: DeepSeek-V4's)."""
     return (quant or {}).get("expert_dtype") == "fp4"
-
-
-def fp4_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An FP4 expert weight of DeepSeek-V4's release: codes [out, in / 2] (int8, two e2m1 values a byte, the even one
-    in the low nibble) and E8M0 scales [out, in / 32] -> [out, in] bfloat16 (exact)."""
-    rows, half = codes.shape
-    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(scale.shape) != (rows, 2 * half // 32):
-        raise ValueError(f"an FP4 weight of {tuple(codes.shape)} bytes needs E8M0 scales of shape "
-                         f"{(rows, 2 * half // 32)}, one per 32 values, not {tuple(scale.shape)} {scale.dtype}: the "
-                         "checkpoint does not match its quantization_config (expert_dtype: fp4)")
-    return decode(codes.view(torch.uint8), scale.view(torch.uint8), torch.bfloat16)
 
 
 def scale_suffix(quant: dict) -> tuple[str, ...]:
@@ -244,8 +234,9 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
     release with static activation scales) each with its ``X.input_scale``; with ``blocks`` (a model that keeps
     block-scaled FP8 linears) the block-scaled ones not named by ``keep`` come as
     :class:`~specray.models.fp8_blocks.BlockScaled`. Other activation scales are dropped, and other tensors pass
-    through untouched (lazy slices stay lazy). With ``fp4`` (``expert_dtype: fp4``) an int8 weight is FP4 codes,
-    dequantized by :func:`fp4_values`. A weight and its scales may come in any order,
+    through untouched (lazy slices stay lazy). With ``fp4`` (``expert_dtype: fp4``) an int8 weight is an expert's
+    FP4 codes: an :class:`~specray.models.mxfp4.Mxfp4Expert` where ``keep`` names it, else dequantized. A weight and
+    its scales may come in any order,
     from any file; a weight without one at the end is a ValueError."""
     suffixes = (suffix,) if isinstance(suffix, str) else tuple(suffix)
     held: dict[str, dict[str, Any]] = {}  # a weight's name -> its parts come so far: weight, scale, input
@@ -263,8 +254,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], block: tuple[int, int] | Non
 
     def paired(name: str, parts: dict[str, Any]) -> Any:
         weight, scale = parts["weight"], parts["scale"]
-        if fp4 and dtype_of(weight) == torch.int8:
-            return fp4_values(materialize(weight), materialize(scale))
+        if fp4 and dtype_of(weight) == torch.int8:  # an expert's FP4 codes: kept so by a mixture that keeps them
+            return Mxfp4Expert(weight, scale) if keep(name) else Mxfp4Expert(weight, scale).dequantized()
         if block is not None and keep(name):
             return Fp8Weight(weight, scale, block)
         if block is None and keep(name) and dtype_of(weight) == torch.float8_e4m3fn:  # kept by row, as experts

@@ -100,7 +100,7 @@ from specray.models.fp8 import (ROW_SCALES, Fp8Weight, config_quantization, dequ
                                 kept_block, w8a8_format)
 from specray.models.fp8_blocks import KERNEL_BLOCK, keeps_block_fp8, kernel_scales, matmul_blocks
 from specray.models.int_quant import IntWeight, dequantize_packed, experts_int4_group, group_terms, pack_nibbles
-from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
+from specray.models.mxfp4 import SCALE_BIAS, Mxfp4Expert, Mxfp4Weight, decode as decode_mxfp4, is_mxfp4
 from specray.models.nvfp4 import GROUP as NVFP4_GROUP, Nvfp4Weight, decode as decode_nvfp4, nvfp4_layout
 from specray.models.w8a8 import FP8, INT8, TILE, RowScaled, keeps_w8a8, matmul_rows
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
@@ -131,6 +131,7 @@ def sync_free_experts():
 # a checkpoint's expert tensors: one per expert (HF checkpoints) or all experts fused (transformers 5's own names;
 # Llama-4's checkpoints), under the block's name (``mlp``, Llama-4's ``feed_forward``)
 _PER_EXPERT = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_RELEASE_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")  # DeepSeek-V4's release names
 MXFP4_GROUP = 32  # an MXFP4 weight's input columns per scale
 FP4_MAX = 6.0  # the largest FP4 (e2m1) magnitude
 _FUSED = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
@@ -410,8 +411,9 @@ class SparseMoE(nn.Module):
         x_dim = latent or h
         self.parts = 1 if family.gateless else 2  # w13's parts: gate and up, or up alone
         block = kept_block(config)  # (ROW_SCALES: a scale per row, any share of rows or columns whole)
-        if fp4_experts(config_quantization(config)):
-            block = None  # DeepSeek-V4's release: its linears block FP8, its experts FP4, dequantized at load
+        fp4 = fp4_experts(config_quantization(config))  # DeepSeek-V4's release: linears block FP8, experts FP4
+        if fp4:
+            block = None
         fmt = w8a8_format(config_quantization(config))  # what kept 8-bit experts hold: FP8, or INT8 W8A8's int8
         self.values_dtype = torch.float8_e4m3fn if fmt is None else fmt.dtype
         if block is not None and block[1] and (i % block[0] or i % block[1] or x_dim % block[0] or x_dim % block[1]):
@@ -430,7 +432,7 @@ class SparseMoE(nn.Module):
             group = None  # this rank's shares are not whole groups: dequantized at load
         self.int4_group = group
         # an MXFP4 release's experts: FP4 codes two a byte and an E8M0 scale per 32 input columns (mxfp4)
-        self.mxfp4 = (block is None and group is None and is_mxfp4(config_quantization(config))
+        self.mxfp4 = (block is None and group is None and (is_mxfp4(config_quantization(config)) or fp4)
                       and keeps_fp8_experts(torch.empty(0).device))
         if self.mxfp4 and (x_dim % MXFP4_GROUP or i % MXFP4_GROUP):
             _tell_partial("MXFP4", f"{MXFP4_GROUP}-column groups", i, x_dim, split=not expert_parallel and tp.size > 1)
@@ -827,6 +829,11 @@ class SparseMoE(nn.Module):
                 self._load_nvfp4(local, kind, tensor, start)
                 return
             tensor = tensor.dequantized()
+        if isinstance(tensor, Mxfp4Expert):  # one expert's MXFP4 codes and scales (DeepSeek-V4's release)
+            if self.mxfp4:
+                self._load_fp4_codes(local, kind, tensor.kept(), start, MXFP4_GROUP)
+                return
+            tensor = tensor.dequantized()
         if isinstance(tensor, RowScaled) and self.fp8_block == ROW_SCALES and tensor.weight.dtype == self.values_dtype:
             # an INT8 W8A8 expert (or one named as Mixtral's), kept so
             tensor = Fp8Weight(tensor.weight, tensor.scale[:, None], ROW_SCALES, tensor.input_scale)
@@ -956,11 +963,16 @@ class SparseMoE(nn.Module):
     def _load_nvfp4(self, local: int, kind: str, w: Nvfp4Weight, start: int) -> None:
         """As :meth:`_load_one`, an NVFP4 expert's codes and its groups' float32 scales as kept (``start`` and the
         width whole groups: checked when the block was built)."""
-        codes, scales = w.kept()  # [rows, cols / 2], [rows, cols / 16]
-        inter = self.inter_local
+        self._load_fp4_codes(local, kind, w.kept(), start, NVFP4_GROUP)
+
+    def _load_fp4_codes(self, local: int, kind: str, kept: tuple[torch.Tensor, torch.Tensor], start: int,
+                        group: int) -> None:
+        """As :meth:`_load_one`, one expert's FP4 codes [rows, cols / 2] and its scales [rows, cols / group] as
+        kept (NVFP4's, or MXFP4's per expert)."""
+        (codes, scales), inter = kept, self.inter_local
         if kind == "down_proj":  # [H, I]: this rank's columns
             _copy(self.w2.data[local], codes[:, start // 2: (start + inter) // 2])
-            _copy(self.w2_scale.data[local], scales[:, start // NVFP4_GROUP: (start + inter) // NVFP4_GROUP])
+            _copy(self.w2_scale.data[local], scales[:, start // group: (start + inter) // group])
             return
         offset = 0 if kind == "gate_proj" or self.family.gateless else inter  # [I, H]: this rank's rows
         _copy(self.w13.data[local][offset: offset + inter], codes[start: start + inter])
@@ -1021,8 +1033,9 @@ def is_expert_tensor(name: str) -> bool:
 
 
 def is_per_expert_tensor(name: str) -> bool:
-    """One expert's own weight (``...experts.3.gate_proj.weight``): what an FP8 checkpoint's experts keep as FP8."""
-    return bool(_PER_EXPERT.search(name))
+    """One expert's own weight (``...experts.3.gate_proj.weight``; DeepSeek-V4's release: ``...ffn.experts.3.w1
+    .weight``, before the model renames it): what a quantized checkpoint's experts keep as stored."""
+    return bool(_PER_EXPERT.search(name) or _RELEASE_EXPERT.search(name))
 
 
 def _tell_partial(kept: str, units: str, inter: int, hidden: int, split: bool) -> None:

@@ -86,6 +86,30 @@ class Mxfp4Weight(NamedTuple):
         return dequantize(materialize(self.blocks), materialize(self.scales))
 
 
+class Mxfp4Expert(NamedTuple):
+    """One expert's weight as DeepSeek-V4's release stores it: ``codes`` [rows, cols / 2] (int8 or uint8, two FP4
+    codes a byte, the even column in the low nibble) and ``scales`` [rows, cols / 32] (E8M0: float8_e8m0fnu or
+    uint8), tensors or lazy safetensors slices: MXFP4's values, one expert at a time."""
+
+    codes: Any
+    scales: Any
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) as uint8, read and checked: what a mixture that keeps MXFP4 experts stores."""
+        codes, scales = materialize(self.codes), materialize(self.scales)
+        rows, half = codes.shape
+        if codes.dtype not in (torch.int8, torch.uint8) or scales.dtype not in (torch.float8_e8m0fnu, torch.uint8) \
+                or tuple(scales.shape) != (rows, 2 * half // 32) or half % 16:
+            raise ValueError(f"an FP4 weight of {tuple(codes.shape)} {codes.dtype} bytes needs E8M0 scales of shape "
+                             f"{(rows, 2 * half // 32)}, one per 32 values, not {tuple(scales.shape)} {scales.dtype}: "
+                             "the checkpoint does not match its quantization_config (expert_dtype: fp4)")
+        return codes.view(torch.uint8), scales.view(torch.uint8)
+
+    def dequantized(self) -> torch.Tensor:
+        """The values [rows, cols] in bfloat16 (exact)."""
+        return decode(*self.kept(), torch.bfloat16)
+
+
 def dequantized(weights: Iterable[tuple[str, Any]], keep: Callable[[str], bool] = lambda name: False
                 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with each ``X_blocks`` and ``X_scales`` pair (in either order, from any
