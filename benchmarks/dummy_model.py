@@ -14,7 +14,8 @@ values kept in FP8, timing the scaled matmul (W8A8, :mod:`specray.models.w8a8`);
 INT8 W8A8 release's (compute capability 7.5 or more), timing the integer matmul; ``--quantization fp8-block`` a
 block-scaled FP8 release's (DeepSeek-V3's and Qwen3's layout, blocks of 128 x 128: compute capability 9.0 or more),
 timing torch's block-wise scaled matmul (:mod:`specray.models.fp8_blocks`); ``--shape gpt-oss-120b --quantization
-mxfp4`` GPT-OSS's release, its experts kept in MXFP4 on a GPU (decoded expert by expert).
+mxfp4`` GPT-OSS's release, its experts kept in MXFP4 on a GPU (decoded expert by expert); ``--shape
+deepseek-v4-flash-4l --quantization v4-release`` DeepSeek-V4's (block FP8 linears, FP4 experts kept so).
 
 The weights are random (``specray.models.loader.DUMMY_WEIGHT_RANGE``): outputs mean nothing and speculation accepts
 nothing it would with the real weights, so only plain decoding's step times (and drafting's costs) are real.
@@ -92,6 +93,10 @@ QUANTIZATIONS = {
     # DeepSeek-V3's and Qwen3's -FP8 releases: weights in blocks of 128 x 128, activations per group of 128 columns
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "weight_block_size": [128, 128]},
+    # DeepSeek-V4's release: its linears FP8 in blocks of 128 x 128 with E8M0 scales, its routed experts FP4 (MXFP4's
+    # values, kept so on a GPU)
+    "v4-release": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                   "weight_block_size": [128, 128], "expert_dtype": "fp4"},
     # llm-compressor's INT8 W8A8 (RedHatAI's -quantized.w8a8 releases): weights per channel, activations per token
     "int8-w8a8": {
         "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",

@@ -18,7 +18,8 @@
 # 3.1 8B's shapes as an FP8-dynamic, an INT8 W8A8 and a block-scaled FP8 release, kept in 8 bits, against bf16:
 # short, first in a session that has it). DUMMY: a folder that already holds dummy_model.py's llama3-8b,
 # llama3-8b-awq, llama3-8b-fp8, llama3-8b-int8 and llama3-8b-fp8-block (written there otherwise: that needs the
-# default model's tokenizer). CHECKS may add mxfp4 (gpt-oss-120b's shapes, its experts kept in MXFP4: not default).
+# default model's tokenizer). CHECKS may add mxfp4 (gpt-oss-120b's shapes, its experts kept in MXFP4, and
+# DeepSeek-V4-Flash's 4 layers as its release stores them: not default).
 set -u
 out=${OUT:-gpu-check}
 checks=" ${CHECKS:-suite default-model real-size w8a8} "
@@ -95,6 +96,12 @@ if [[ $checks == *" mxfp4 "* ]]; then
   bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
     --tokens 32 --repeats 1 --batches 1,8 --model "$models/gpt-oss-120b-mxfp4" --modes eager \
     | tee "$out/step-gpt-oss-120b-mxfp4.md"
+  # DeepSeek-V4-Flash's widths over 4 layers as its release stores them: block FP8 linears, FP4 experts kept so
+  [ -d "$models/deepseek-v4-flash-4l-release" ] || python benchmarks/dummy_model.py --shape deepseek-v4-flash-4l \
+    --quantization v4-release --out "$models/deepseek-v4-flash-4l-release"
+  bench benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30)) \
+    --tokens 32 --repeats 1 --batches 1,8 --model "$models/deepseek-v4-flash-4l-release" --modes eager \
+    | tee "$out/step-deepseek-v4-flash-4l-release.md"
 fi
 
 if [[ $checks == *" real-size "* ]]; then

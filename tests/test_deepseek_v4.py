@@ -215,6 +215,22 @@ def test_the_release_layout_loads_fp8_linears_and_fp4_experts(v4, tmp_path, monk
     runs.assert_transformers_generates(twin, llm.get_tokenizer(), [TIE_FREE], got)
 
 
+def test_a_dummy_release_keeps_its_linears_and_experts(v4, tmp_path, monkeypatch):
+    """``load_format="dummy"`` on the release's config where quantized weights are kept (a GPU's; here asked): FP8
+    linears and FP4 experts of random values (``benchmarks/dummy_model.py --quantization v4-release`` times them on
+    a GPU), whose logits are finite."""
+    from specray.models.fp8_blocks import BlockFP8Linear
+
+    folder, _ = v4
+    release, _ = sys.modules["specray_test_checkpoints"].write_v4_release(folder, tmp_path, block=16)
+    monkeypatch.setattr(cpu_kernels, "FP8_EXPERTS", True)
+    monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", True)
+    model = load_model(str(release), load_format="dummy")
+    assert all(layer.mlp.mxfp4 and isinstance(layer.self_attn.q_b_proj.kept, BlockFP8Linear)
+               for layer in model.model.layers)
+    assert torch.isfinite(chunked_logits(model, prompt(), SCHEDULES["prefill"])).all()
+
+
 def test_other_quantizations_are_refused(tiny_deepseek_v4_dir, tmp_path):
     import json
     import shutil
