@@ -1407,7 +1407,8 @@ def assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp, num_checked: int
 
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "hy_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "hy_v3",
+                                    "glm4_moe_lite"])
 def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
     is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
@@ -1416,7 +1417,8 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch. DeepSeek-V3.2
     and GLM-5: the MTP layer's latent attention has its own indexer (its keys in its latent rows) picking its keys
     (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer). Hunyuan 3: its attention's q/k
-    norms, its experts under the release's names, ``final_layernorm`` for DeepSeek's ``shared_head.norm``."""
+    norms, its experts under the release's names, ``final_layernorm`` for DeepSeek's ``shared_head.norm``.
+    GLM-4.7-Flash: DeepSeek-V3's layout and block (latent attention, GLM's experts) as vLLM reads it."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
@@ -1429,9 +1431,10 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
 
     target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir",
                                       "deepseek_v32": "tiny_deepseek_v32_dir", "glm_moe_dsa": "tiny_glm5_dir",
-                                      "hy_v3": "tiny_hy_v3_dir"}[family])
+                                      "hy_v3": "tiny_hy_v3_dir", "glm4_moe_lite": "tiny_glm4_moe_lite_dir"}[family])
     glm_spec = FullAttentionSpec(num_kv_heads=2, head_dim=24)
     attention, spec, rotated = {"hy_v3": (LlamaAttention, FullAttentionSpec(num_kv_heads=2, head_dim=16), 16),
+                                "glm4_moe_lite": (MLAttention, MLAAttentionSpec(32, 8), 8),
                                 "deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
                                 "glm4_moe": (Glm4MoeAttention, glm_spec, 12),  # 12: half of each head
                                 # sparse attention: the MTP layer's own indexer, its keys in the latent rows
@@ -1449,7 +1452,9 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     start = free_blocks(llm)
     outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
     assert token_ids(outs) == token_ids(plain)
-    assert llm.spec_stats.accepted_tokens > 0 and free_blocks(llm) == start
+    # (the module drafts "the same token again", which this tiny GLM-4.7-Flash never says: its drafts are checked
+    # against transformers' below)
+    assert (llm.spec_stats.accepted_tokens > 0 or family == "glm4_moe_lite") and free_blocks(llm) == start
     if family == "glm_moe_dsa":  # transformers' MtpModel cannot run GLM-5's layer (it returns its pick beside the
         return  # hidden states): the greedy equality above is this family's check
     # the first drafts against transformers' MTP module over each committed sequence
@@ -1461,7 +1466,7 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     if sparse:  # the MTP layer's own per-layer entries (indexed from 0); its mask as a full-attention layer's, the
         # kind transformers' MtpModel builds masks for (an "indexed_attention" layer's is the same causal mask)
         hf.config.mtp_layer_types, hf.config.mtp_mlp_layer_types = ["full_attention"], ["sparse"]
-    if family == "hy_v3":  # a layer with experts (the stack's first is dense)
+    if family in ("hy_v3", "glm4_moe_lite"):  # a layer with experts (the stack's first is dense)
         hf.config.mtp_mlp_layer_types = ["sparse"]
     mtp = MtpModel(hf, 1).float().eval()
     from safetensors.torch import load_file
