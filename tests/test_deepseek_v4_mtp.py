@@ -190,7 +190,7 @@ def test_engine_greedy_equals_plain_and_first_drafts_are_the_references(tiny_dee
     """``speculative_config={"method": "mtp"}`` on the release-style folder: greedy output equals plain decoding (four
     prompts past several windows), the module's drafts are accepted (one built to be often right) and some refused,
     no KV block leaks, and every first draft equals the reference's over the request's committed tokens (which
-    checks the module's cache over accepted and rejected drafts). The module's passes replay graphs as the target's
+    checks the module's cache over accepted and rejected drafts); so it does again behind cached prefixes. The module's passes replay graphs as the target's
     steps do (on CPU: their static inputs, with no host sync). The target here is the accepting module's (its
     layers scaled down: see ``write_deepseek_v4_mtp``)."""
     from specray import LLM
@@ -200,11 +200,16 @@ def test_engine_greedy_equals_plain_and_first_drafts_are_the_references(tiny_dee
     folder = draft_heads.write_deepseek_v4_mtp(tmp_path / "mtp", tiny_deepseek_v4_dir, accepting=True)
     plain = runs.token_ids(LLM(model=str(folder), max_model_len=256, block_size=4)
                            .generate(prompts, runs.greedy(16), use_tqdm=False))
-    llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=SPEC, enforce_eager=False)
+    llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=SPEC, enforce_eager=False,
+              enable_prefix_caching=True)
     llm.engine.executor = rec = runs.Recorder(llm.engine.executor)
     free = llm.engine.scheduler.block_manager.num_free_blocks
     outs = llm.generate(prompts, runs.greedy(16), use_tqdm=False)
     assert runs.token_ids(outs) == plain
+    first_run = list(rec.steps)
+    hits = llm.engine.scheduler.prefix_cache_hits  # again, behind the first run's cached blocks (the module's rows
+    assert runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) == plain  # for them are its own)
+    assert llm.engine.scheduler.prefix_cache_hits > hits
     stats = llm.spec_stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens and stats.accepted_per_position[1] > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == free
@@ -217,7 +222,7 @@ def test_engine_greedy_equals_plain_and_first_drafts_are_the_references(tiny_dee
     tok = llm.get_tokenizer()
     committed = {o.request_id: tok.encode(p) for o, p in zip(outs, prompts)}
     checked = 0
-    for plan, result in rec.steps:
+    for plan, result in first_run:
         for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
             if not kept:
                 continue
