@@ -231,6 +231,30 @@ def test_a_dummy_release_keeps_its_linears_and_experts(v4, tmp_path, monkeypatch
     assert torch.isfinite(chunked_logits(model, prompt(), SCHEDULES["prefill"])).all()
 
 
+def test_an_fp8_cache_reads_a_steps_entries_as_later_steps_do(v4):
+    """Over an FP8 cache a prefill of 20 tokens in one step (windows closing inside it, read by the rows after them)
+    gives the logits of the same tokens a step each: a step reads the entries it pools rounded, as the cache keeps
+    them (else a verify step's rows would see what plain decoding's later steps do not)."""
+    from specray.models.attention import build_attention_metadata
+    from specray.models.kv_cache import allocate_kv_cache
+
+    folder, _ = v4
+    ids, table = prompt()[:20], [3, 0, 4, 1, 2]
+
+    def run(sizes: list[int]) -> torch.Tensor:
+        model = load_model(str(folder))
+        allocate_kv_cache(model, 8, 4, "fp8")
+        out, start = [], 0
+        with torch.no_grad():
+            for size in sizes:
+                meta = build_attention_metadata([size], [start], [table], 4, "cpu")
+                out.append(model.compute_logits(model(torch.tensor(ids[start: start + size]), meta)))
+                start += size
+        return torch.cat(out)
+
+    assert max_diff(run([20]), run([4] + [1] * 16)) < TOL
+
+
 def test_other_quantizations_are_refused(tiny_deepseek_v4_dir, tmp_path):
     import json
     import shutil
@@ -243,12 +267,6 @@ def test_other_quantizations_are_refused(tiny_deepseek_v4_dir, tmp_path):
         load_model(str(folder))
 
 
-def test_an_fp8_cache_is_refused(tiny_deepseek_v4_dir):
-    """(Hidden-state heads but its MTP module's: tests/test_deepseek_v4_mtp.py.)"""
-    from specray import LLM
-
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: DeepSeek-V4's cache rows"):
-        LLM(model=str(tiny_deepseek_v4_dir), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
 
 
 def test_output_groups_must_split_over_the_ranks(tiny_deepseek_v4_dir):

@@ -188,11 +188,11 @@ def test_each_part_shows(mtp_dir, reference):
 def test_engine_greedy_equals_plain_and_first_drafts_are_the_references(tiny_deepseek_v4_dir, tmp_path,
                                                                         no_host_sync):
     """``speculative_config={"method": "mtp"}`` on the release-style folder: greedy output equals plain decoding (four
-    prompts past several windows), the module's drafts are accepted (one built to be often right) and some refused,
-    no KV block leaks, and every first draft equals the reference's over the request's committed tokens (which
-    checks the module's cache over accepted and rejected drafts); so it does again behind cached prefixes. The module's passes replay graphs as the target's
-    steps do (on CPU: their static inputs, with no host sync). The target here is the accepting module's (its
-    layers scaled down: see ``write_deepseek_v4_mtp``)."""
+    prompts past several windows), the module's drafts are accepted (one built to be often right) and some refused, no
+    KV block leaks, and every first draft equals the reference's over the request's committed tokens (which checks the
+    module's cache over accepted and rejected drafts); so it does again behind cached prefixes. The module's passes
+    replay graphs as the target's steps do (on CPU: their static inputs, with no host sync). The target here is the
+    accepting module's (its layers scaled down: see ``write_deepseek_v4_mtp``)."""
     from specray import LLM
 
     runs = sys.modules["specray_test_engine_runs"]
@@ -232,6 +232,24 @@ def test_engine_greedy_equals_plain_and_first_drafts_are_the_references(tiny_dee
                 assert drafts[0] == int(reference(seq)[2][-1].argmax()), (chunk.req_id, drafts)
                 checked += 1
     assert checked >= 12
+
+
+def test_an_fp8_cache_keeps_greedy_output(tiny_deepseek_v4_dir, tmp_path):
+    """``kv_cache_dtype="fp8"``: the target's rows and the module's one byte a value; the module's drafts verified over
+    it give plain decoding's tokens over it (a verify step reads the windows it closes rounded, as a later step
+    does), drafts accepted and refused."""
+    from specray import LLM
+
+    runs = sys.modules["specray_test_engine_runs"]
+    folder = draft_heads.write_deepseek_v4_mtp(tmp_path / "mtp", tiny_deepseek_v4_dir, accepting=True)
+    outs = {}
+    for spec in (None, SPEC):
+        with LLM(model=str(folder), max_model_len=256, block_size=4, kv_cache_dtype="fp8",
+                 speculative_config=spec) as llm:
+            assert llm.engine.executor.worker.runner.kv_cache.storage_dtype == torch.uint8
+            outs[spec is None] = runs.token_ids(llm.generate(runs.PROMPTS[:4], runs.greedy(16), use_tqdm=False))
+            stats = llm.spec_stats
+    assert outs[True] == outs[False] and 0 < stats.accepted_tokens < stats.draft_tokens
 
 
 def test_the_module_splits_over_ranks_as_a_target_layer(mtp_dir):

@@ -46,12 +46,14 @@ def _logits(model, prompts, steps: int = 3) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_llama4_dir",
-                                     "tiny_deepseek_dir", "tiny_deepseek_dir-unabsorbed"])
+                                     "tiny_deepseek_dir", "tiny_deepseek_dir-unabsorbed", "tiny_deepseek_v4_dir"])
 def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkeypatch):
     """Logits over the FP8 cache (bytes, converted on read) equal logits over a full-precision cache into which the
     same values were rounded through the format, and differ from unrounded ones by what the rounding explains.
-    DeepSeek's latent cache too, through its absorbed path and (every chunk made wide enough) its unabsorbed one."""
+    DeepSeek's latent cache too, through its absorbed path and (every chunk made wide enough) its unabsorbed one;
+    DeepSeek-V4's rows (keys, pooling inputs, the entries of windows closed in a step)."""
     from specray.models import deepseek_v3
+    from specray.models.deepseek_v4 import DeepseekV4Attention
 
     base = request.getfixturevalue(fixture.removesuffix("-unabsorbed"))
     if fixture.endswith("-unabsorbed"):  # the long chunks unabsorbed, decodes absorbed
@@ -66,6 +68,7 @@ def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkey
     bound = torch.finfo(fp8).max
     monkeypatch.setattr(PagedAttention, "_stored",
                         lambda self, x, scale=1.0: x.clamp(-bound, bound).to(fp8).to(x.dtype))
+    monkeypatch.setattr(DeepseekV4Attention, "_stored", lambda self, x: x.clamp(-bound, bound).to(fp8).to(x.dtype))
     reference = load_model(base)
     allocate_kv_cache(reference, 48, BLOCK)
     want = _logits(reference, prompts)
@@ -78,8 +81,9 @@ def test_fp8_cache_equals_fake_quantized_attention(fixture, fmt, request, monkey
     diff = max((g - u).abs().max().item() for g, u in zip(got, unrounded))
     spread = max((u.max() - u.min()).item() for u in unrounded)
     # rounded: not the same; and not garbage (bytes misread would be far off). The exact check is the one above:
-    # a tiny random model's logits move by a tenth to a quarter of their spread under 2-3 mantissa bits
-    assert 0 < diff < 0.3 * spread, (diff, spread)
+    # a tiny random model's logits move by a tenth to a quarter of their spread under 2-3 mantissa bits; the tiny
+    # DeepSeek-V4's by up to half (its pooling gates' softmax amplifies rounding: FP8 weights alone move them as far)
+    assert 0 < diff < (0.5 if "v4" in fixture else 0.3) * spread, (diff, spread)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +148,8 @@ def test_kv_cache_dtype_and_hf_overrides_flags_reach_the_engine(tiny_llama_dir):
 
 
 def test_latent_cache_in_fp8_keeps_greedy_speculative_output(tiny_deepseek_dir):
-    """DeepSeek-V3's latent cache in FP8: n-gram drafts verified over it give plain decoding's tokens over it."""
+    """DeepSeek-V3's latent cache in FP8: n-gram drafts verified over it give plain decoding's tokens over it
+    (DeepSeek-V4's rows in FP8: tests/test_deepseek_v4_mtp.py, under its MTP module's drafts)."""
     outs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
         with LLM(model=str(tiny_deepseek_dir), max_model_len=128, kv_cache_dtype="fp8",

@@ -42,11 +42,13 @@ first layers, its clamped SwiGLU). **CUDA graphs**: a step of chains pools every
 (fixed shapes, no host value; a row that closes no window writes an entry nothing reads), so decode and verify steps
 replay graphs; a step with a token tree runs eagerly (its windows are found on the host). Checked on CPU only.
 **Drafting**: its release's MTP module (:mod:`specray.models.deepseek_v4_mtp`), reading the streams past the last
-layer (aux layer ``num_hidden_layers``). **Its release's quantization**: block-scaled FP8 linears with E8M0 scales
+layer (aux layer ``num_hidden_layers``). **An FP8 KV cache** (``kv_cache_dtype="fp8"``): every column of a row one
+byte (scale 1: the keys and entries are normed), read back in the model's dtype; a step reads the rows and entries
+it writes as later steps will, rounded. **Its release's quantization**: block-scaled FP8 linears with E8M0 scales
 and FP4 experts (:mod:`specray.models.fp8`), the linears dequantized as they load (or kept in FP8 where a GPU runs
 block-scaled FP8 matmuls), the experts kept in FP4 where a mixture keeps quantized experts (a GPU), else dequantized
-to bfloat16. **Not supported**: other hidden-state heads, an FP8
-KV cache, other quantizations (tiny random models only: never a real checkpoint, never on a GPU).
+to bfloat16. **Not supported**: other hidden-state heads, other
+quantizations (tiny random models only: never a real checkpoint, never on a GPU).
 """
 
 from __future__ import annotations
@@ -281,6 +283,7 @@ class DeepseekV4Attention(nn.Module):
         self.cols = self.kv_spec.columns
         self.rows = torch.empty(0)
         self.block_size = 1
+        self.fp8: torch.dtype | None = None  # the rows' FP8 format (kv_cache_dtype="fp8"): stored as its bytes
         self.rotary_at = None  # the compressing layers' RoPE table at any position, handed in by each forward
 
     def _load_rows(self, count: int):
@@ -289,11 +292,20 @@ class DeepseekV4Attention(nn.Module):
         return load
 
     def bind_cache(self, cache: torch.Tensor, block_size: int, fp8: torch.dtype | None = None) -> None:
-        if fp8 is not None:
-            raise ValueError("kv_cache_dtype: DeepSeek-V4's cache rows hold its compressors' pooling inputs, which "
-                             "are not stored in FP8 here; use kv_cache_dtype='auto'")
         assert cache.shape == self.kv_spec.shape(cache.shape[0]), (tuple(cache.shape), self.kv_spec)
-        self.rows, self.block_size = cache, block_size
+        self.rows, self.block_size, self.fp8 = cache, block_size, fp8
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Row values as the cache holds them: FP8 bytes (clamped to the format's range, scale 1: the keys and entries
+        are normed, the pooling inputs of a projection's size), or in the cache's dtype."""
+        if self.fp8 is None:
+            return x.to(self.rows.dtype)
+        bound = torch.finfo(self.fp8).max
+        return x.clamp(-bound, bound).to(self.fp8).view(torch.uint8)
+
+    def _read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached rows (gathered, or a view) in the model's dtype (a copy where the cache holds FP8)."""
+        return rows if self.fp8 is None else rows.view(self.fp8).to(dtype)
 
     def _col(self, rows: torch.Tensor, name: str) -> torch.Tensor:
         start, width = self.cols[name]
@@ -317,7 +329,7 @@ class DeepseekV4Attention(nn.Module):
                 queries = _rotate_tail(_to_halves(queries, self.rope), cos, sin).float()
                 weights = ix.scorer.weights_proj(x).float() * (ix.heads * ix.dim) ** -0.5
                 index = (queries, weights)
-        self.rows.index_copy_(0, meta.slot_mapping, torch.cat(parts, dim=-1).to(self.rows.dtype))
+        self.rows.index_copy_(0, meta.slot_mapping, self._stored(torch.cat(parts, dim=-1)))
         out = q.new_empty(t, hl, d)
         self.rotary_at = rope["table"].forward  # (positions [C], dtype) -> cos, sin: the entries' RoPE, this step
         if meta.short is not None:
@@ -385,8 +397,9 @@ class DeepseekV4Attention(nn.Module):
             entry = pooling.pool(self._col(window, names[0]), self._col(window, names[1]), valid)
             entry = _rotate_tail(_to_halves(entry, self.rope)[:, None], cos, sin)[:, 0].to(flat.dtype)
             start, size = self.cols[names[2]]
-            self.rows[:, start: start + size].index_copy_(0, slots, entry)
-            flat[:, start: start + size].index_copy_(0, dest, entry)
+            stored = self._stored(entry)  # the context reads it as later steps will (an FP8 cache's: rounded)
+            self.rows[:, start: start + size].index_copy_(0, slots, stored)
+            flat[:, start: start + size].index_copy_(0, dest, self._read(stored, flat.dtype))
 
     def _closing(self, meta: AttentionMetadata, i: int, seq: int, first_token: int
                  ) -> list[tuple[int, int, int, list[int] | None]]:
@@ -444,7 +457,8 @@ class DeepseekV4Attention(nn.Module):
         sb = meta.short
         bs, length = sb.num_seqs, sb.num_ctx_blocks * meta.block_size
         width = self.rows.shape[-1]
-        ctx = self.rows.view(-1, meta.block_size, width).index_select(0, sb.block_index).view(bs, length, width)
+        ctx = self._read(self.rows.view(-1, meta.block_size, width).index_select(0, sb.block_index), q.dtype)
+        ctx = ctx.view(bs, length, width)
         if self.compressor is None:
             pass
         elif meta.seq_positions is None:  # chains: every row at once on the device (graph steps are such)
@@ -482,7 +496,7 @@ class DeepseekV4Attention(nn.Module):
         else:
             ctx = self.rows.view(-1, self.block_size, width).index_select(0, seq.block_index).view(-1, width)
             ctx = ctx[: seq.context_len]
-        ctx = ctx[None]
+        ctx = self._read(ctx, q.dtype)[None]
         self._close(ctx, self._closing(meta, seq.seq_id, 0, seq.token_start), meta)
         window, causal = meta.own_allowed(i, MaskKind(window=self.window)), meta.own_allowed(i, CAUSAL)
         keys = self._col(ctx, "kv")[0]
