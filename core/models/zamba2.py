@@ -15,7 +15,9 @@ Checkpoint names (transformers'): a block's weights under the first hybrid layer
 (``linear_q_adapter_list.{j}.{0,1}``, ``gate_up_proj_adapter_list.{j}.{0,1}``: A then B); a hybrid layer's own
 ``linear`` and ``mamba_decoder.`` (its norm and mixer). Here the blocks are ``model.blocks.{b}.`` and each
 invocation's adapters live on its layer. Heads, key/value heads and the MLP's width split over tensor-parallel
-ranks (the adapters' B as their projection's rows, their A whole); pipeline stages are not supported."""
+ranks (the adapters' B as their projection's rows, their A whole). Over pipeline stages a stage holds the shared
+blocks its hybrid layers run (a block run on two stages is on both, read from the same tensors) and hands the next
+the stream and the tokens' embedding (its hybrid layers read both)."""
 
 from __future__ import annotations
 
@@ -31,13 +33,17 @@ from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.gated_deltanet import FusedColumnLinear, RecurrentModel
 from specray.models.kv_cache import FullAttentionSpec
 from specray.models.layers import (ColumnParallelLinear, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                   RowParallelLinear, VocabParallelEmbedding, apply_rotary, max_positions,
+                                   RowParallelLinear, VocabParallelEmbedding, apply_rotary, max_positions, on_stage,
                                    rope_parameters)
 from specray.models.llama import LlamaForCausalLM, StageModel
 from specray.models.mamba2 import Mamba2Mixer, check_mamba2_split
 from specray.parallel import PPGroup, TPGroup
 
 _ACTS = {"gelu": F.gelu, "silu": F.silu}
+# the checkpoint's shared blocks (under the first hybrid layer that runs each) and each invocation's adapters
+_SHARED = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.(.*)$")
+_ADAPTER = re.compile(r"^(self_attn\.linear_([qkv])_adapter_list|feed_forward\.gate_up_proj_adapter_list)"
+                      r"\.(\d+)\.([01])\.weight$")
 
 
 def _low_rank(in_features: int, out_features: int | list[int], rank: int, tp: TPGroup) -> nn.Module:
@@ -132,13 +138,13 @@ class Zamba2Layer(nn.Module):
 class Zamba2Model(StageModel):
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
-        if pp is not None and pp.size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported for model_type='zamba2' (its shared blocks "
-                             "run across the stack); use tensor parallelism")
         kinds = list(config.layers_block_type)
         self.hybrid = [i for i, kind in enumerate(kinds) if kind == "hybrid"]
-        self.blocks = nn.ModuleList([Zamba2Block(config, tp) for _ in range(config.num_mem_blocks)])
         self.block_of = {layer: j % config.num_mem_blocks for j, layer in enumerate(self.hybrid)}
+        stage = (pp or PPGroup.single()).layers(config.num_hidden_layers)
+        used = {b for layer, b in self.block_of.items() if layer in stage}  # the blocks this stage's layers run
+        self.blocks = nn.ModuleList([on_stage(b in used, lambda: Zamba2Block(config, tp))
+                                     for b in range(config.num_mem_blocks)])
         self.build_stage(config, pp, lambda i: Zamba2Layer(config, tp, i, self._block(i)),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
@@ -153,8 +159,13 @@ class Zamba2Model(StageModel):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the stream [T, H] entering each layer of aux_layers
-        x = embedded = self.embed(input_ids)
+        # input_ids: [T] -> hidden [T, H], and the stream [T, H] entering each layer of aux_layers. A stage after
+        # the first starts from the previous one's stream and embedding ``intermediate`` [2, T, H]; a stage before
+        # the last hands on its own
+        if intermediate is None:
+            x = embedded = self.embed(input_ids)
+        else:
+            x, embedded = intermediate.unbind(0)
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         aux: dict[int, torch.Tensor] = {}
@@ -162,6 +173,8 @@ class Zamba2Model(StageModel):
             if i in aux_layers:
                 aux[i] = x
             x = layer(x, embedded, self._block(i), cos, sin, meta)
+        if not self.pp.is_last:
+            return torch.stack((x, embedded)), [aux[i] for i in aux_layers]
         return self.norm(x), [aux[i] for i in aux_layers]
 
 
@@ -187,23 +200,25 @@ class Zamba2ForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         """The shared blocks' tensors under ``model.blocks.{b}.``, each invocation's adapters on its layer."""
-        hybrid = self.model.hybrid
-        shared = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.(.*)$")
-        adapter = re.compile(r"^(self_attn\.linear_([qkv])_adapter_list|feed_forward\.gate_up_proj_adapter_list)"
-                             r"\.(\d+)\.([01])\.weight$")
-        parts = {"q": 0, "k": 1, "v": 2}
         for name, tensor in weights:
-            found = shared.match(name)
-            if found is not None:
-                rest = found.group(2)
-                is_adapter = adapter.match(rest)
-                if is_adapter is not None:
-                    kind, which, j, ab = is_adapter.groups()
-                    where = f"self_attn.qkv_adapters.{parts[which]}" if which else "self_attn.gate_up_adapter"
-                    name = f"model.layers.{hybrid[int(j)]}.{where}.{'ab'[int(ab)]}.weight"
-                else:
-                    rest = rest.replace("self_attn.", "").replace("feed_forward.", "")
-                    rest = rest.replace("gate_up_proj", "gate_up")
-                    name = f"model.blocks.{self.model.block_of[int(found.group(1))]}.{rest}"
-            yield name, tensor
+            yield self._shared_name(name), tensor
+
+    def _shared_name(self, name: str) -> str:
+        """A checkpoint name of a shared block's tensor (under the first hybrid layer that runs it) as ours:
+        ``model.blocks.{b}.``, or an invocation's adapter on its own layer; other names as they are."""
+        found = _SHARED.match(name)
+        if found is None:
+            return name
+        rest = found.group(2)
+        is_adapter = _ADAPTER.match(rest)
+        if is_adapter is not None:
+            kind, which, j, ab = is_adapter.groups()
+            where = f"self_attn.qkv_adapters.{'qkv'.index(which)}" if which else "self_attn.gate_up_adapter"
+            return f"model.layers.{self.model.hybrid[int(j)]}.{where}.{'ab'[int(ab)]}.weight"
+        rest = rest.replace("self_attn.", "").replace("feed_forward.", "").replace("gate_up_proj", "gate_up")
+        return f"model.blocks.{self.model.block_of[int(found.group(1))]}.{rest}"
+
+    def reads_weight(self, name: str) -> bool:
+        """A pipeline stage reads the shared blocks its layers run, wherever the checkpoint keeps them."""
+        return super().reads_weight(self._shared_name(name))
 
