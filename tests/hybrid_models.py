@@ -132,6 +132,24 @@ def hf_pair(arch: str, seed: int = 0, **overrides):
                     buffer.normal_(0.0, 0.3)
         return config, model
 
+    if arch == "olmo_hybrid":  # OLMo 3's attention layers among Gated DeltaNet ones
+        kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"],
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=None, pad_token_id=None, eos_token_id=None)
+        config = tf.OlmoHybridConfig(**{**kw, **overrides})
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+                elif name.endswith("dt_bias"):
+                    param.normal_(0.0, 0.5)
+        return config, model
+
     cfg_cls, model_cls = {"qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
                           "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
                           "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM)}[arch]

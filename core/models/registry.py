@@ -104,6 +104,9 @@ _ARCHITECTURES.update({arch: "specray.models.qwen3_5:Qwen3_5ForCausalLM"
 _MODEL_TYPES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                      "qwen3_next": "Qwen3NextForCausalLM"})
 _TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditionalGeneration": ""})
+# OLMo Hybrid: OLMo 3's attention layers among Gated DeltaNet ones (specray.models.olmo_hybrid)
+_ARCHITECTURES["OlmoHybridForCausalLM"] = "specray.models.olmo_hybrid:OlmoHybridForCausalLM"
+_MODEL_TYPES["olmo_hybrid"] = "OlmoHybridForCausalLM"
 
 # Mamba models and hybrids (Mamba-2 or Mamba-1 layers with a recurrent state per request: specray.models.mamba_hybrid,
 # zamba2) and LFM2 (short convs, a conv history per request: specray.models.lfm2)

@@ -1,0 +1,72 @@
+"""OLMo Hybrid (``OlmoHybridForCausalLM``: specray.models.olmo_hybrid): OLMo 3's post-norm attention layers among
+pre-norm Gated DeltaNet layers with their own q/k/v, g, a and b projections and strengths doubled
+(negative eigenvalues), against transformers on the same random tiny weights (fp32, max abs diff < 1e-4): one
+prefill, a prefill in chunks, decode steps with the recurrent state carried, drafts replayed after verification; each
+difference from Qwen3-Next's layer shown to matter; the engine's greedy output with n-gram drafts equal to
+transformers'; TP 2 equal to one rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray_test_model_checks import run_ranks  # tests/model_checks.py
+from specray_test_hybrid_models import (  # tests/hybrid_models.py
+    NGRAM, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_prefill_chunks_and_decode,
+    generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+
+
+def test_prefill_chunks_and_decode_match_transformers(tmp_path):
+    """(check_prefill_chunks_and_decode, tests/hybrid_models.py)"""
+    check_prefill_chunks_and_decode(*ours(tmp_path, "olmo_hybrid", seed=1))
+
+
+def test_drafts_are_replayed_as_accepted(tmp_path):
+    """(check_drafts_replayed, tests/hybrid_models.py)"""
+    check_drafts_replayed(*ours(tmp_path, "olmo_hybrid", seed=2))
+
+
+@pytest.mark.parametrize("change", ["strength", "gated-norm-eps", "rope"])
+def test_each_difference_shows(tmp_path, change):
+    """Without the doubled strength, with another epsilon in the gated norm (a large one, so that it shows), or
+    without rotating q and k (a config with no rope_theta's way), the logits move (so the match above reads each)."""
+    from specray.models import olmo_hybrid
+    from specray.models.loader import load_model
+
+    model, hf = ours(tmp_path, "olmo_hybrid", seed=3)
+    seq = tokens(16, 5)
+    want = hf_logits(hf, seq)
+    if change == "strength":
+        for _, layer in model.model.stage_layers():
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.beta_scale = 1.0
+    elif change == "gated-norm-eps":
+        for _, layer in model.model.stage_layers():
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.norm.eps = 0.5
+    else:
+        model.model.nope = True
+    from specray_test_hybrid_models import Stepper
+
+    got = Stepper(model).step([(0, seq, 0, 0)])[0]
+    assert (got - want).abs().max() > 0.01 * (want.max() - want.min()), ((got - want).abs().max(), want.max())
+    assert olmo_hybrid.GATED_NORM_EPS == 1e-5 and isinstance(load_model(tmp_path), olmo_hybrid.OlmoHybridForCausalLM)
+
+
+def test_engine_greedy_equals_transformers(tmp_path):
+    """n-gram drafts verified over the recurrent state (accepted and rejected) give transformers' greedy tokens."""
+    from specray import LLM
+
+    folder = save(tmp_path / "m", "olmo_hybrid", 4)
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=NGRAM)
+    outs = generate(llm, greedy())
+    check_greedy_equals_transformers(folder, outs)
+    assert llm.spec_stats.accepted_tokens > 0
+
+
+def test_two_ranks_match_one(tmp_path):
+    """TP 2 over gloo: the attention heads (q and k normed over all of them) and the linear-attention heads split."""
+    _, hf = hf_pair("olmo_hybrid", 6)
+    hf.save_pretrained(tmp_path / "m")
+    for r, result in enumerate(run_ranks(tmp_path / "ranks", TP_WORKER, 2, 2, [str(tmp_path / "m")], timeout=240)):
+        for folder, (diff, heads) in result.items():
+            assert diff < TOL and heads == 2, (r, folder, diff, heads)  # 4 value heads, 2 a rank
