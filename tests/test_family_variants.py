@@ -230,6 +230,37 @@ def test_vl_release_serves_its_text_model(vl_folders, kind, layout):
         assert max_diff(chunked_logits(model, prompt(), schedule), reference) < TOL
 
 
+def test_exaone4_5_release_serves_its_text_model(tiny_exaone4_dir, tmp_path):
+    """EXAONE 4.5 (``Exaone4_5_ForConditionalGeneration``): its EXAONE 4.0 text model (sliding layers with RoPE, a
+    global one without) loads as that family from under ``model.language_model.``, the vision tower and an MTP
+    module left unread, and its logits on a text-only prompt equal transformers' whole multimodal model's: a prefill,
+    and chunks then decode steps."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Exaone4_5_Config, Exaone4_5_ForConditionalGeneration
+
+    from specray.models.loader import load_hf_config
+
+    text = AutoConfig.from_pretrained(tiny_exaone4_dir).to_dict()
+    torch.manual_seed(5)
+    full = Exaone4_5_ForConditionalGeneration(Exaone4_5_Config(text_config=text, vision_config=VL_VISION,
+                                                               tie_word_embeddings=False)).float().eval()
+    with torch.no_grad():
+        for name, param in full.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    full.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert any(n.startswith("model.visual.") for n in tensors) and "lm_head.weight" in tensors
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)  # (a release's MTP module: not the text model's)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(str(tmp_path))
+    assert load_hf_config(str(tmp_path)).model_type == "exaone4"
+    with torch.no_grad():
+        reference = full(input_ids=torch.tensor([prompt()])).logits[0].float()
+    for schedule in SCHEDULES.values():
+        assert max_diff(chunked_logits(model, prompt(), schedule), reference) < TOL
+
+
 def test_vl_release_greedy_with_ngram_drafts_equals_plain_and_transformers(vl_folders, tiny_llama_dir):
     """The engine serves a Qwen3-VL-MoE release's text (as released: experts inputs first): greedy tokens with and
     without n-gram drafts equal transformers' ``generate`` on the whole multimodal model (the tokenizer borrowed;

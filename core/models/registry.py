@@ -140,6 +140,11 @@ _TEXT_PARTS.update({arch: _QWEN_VL_TEXT for arch in ("Qwen2_5_VLForConditionalGe
                                                      "Qwen3VLForConditionalGeneration",
                                                      "Qwen3VLMoeForConditionalGeneration")})
 
+# EXAONE 4.5: an EXAONE 4.0 text model (its text_config) under ``model.language_model.`` beside Qwen2.5-VL's vision
+# tower (``model.visual.``) and ``lm_head.``; its MTP module (``mtp.*``) is not read
+_TEXT_PARTS["Exaone4_5_ForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                     (re.compile(r"^lm_head\."), "lm_head."))
+
 # Gemma 4 (specray.models.gemma4): its multimodal releases keep the text model under ``model.language_model.``
 # beside ``model.vision_tower.``, ``model.audio_tower.`` and their embedders; ``lm_head.`` (tied) at the top
 _ARCHITECTURES["Gemma4ForCausalLM"] = "specray.models.gemma4:Gemma4ForCausalLM"
