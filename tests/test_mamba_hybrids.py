@@ -354,6 +354,34 @@ def test_prefix_caching_starts_from_kept_states(engine_case):
     assert cached_answers == plain_answers and cached > 0, cached
 
 
+def test_the_omni_release_serves_its_text_model(tmp_path):
+    """Nemotron 3 Nano Omni (``NemotronH_Omni_Reasoning_V3``): its Nemotron-H text model from under
+    ``language_model.`` (its vision and audio towers not read) gives the text model's logits over a prefill and a
+    verify chunk."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from specray.models.loader import load_model
+
+    _, hf = hf_pair("nemotron_h", 45)
+    hf.save_pretrained(tmp_path / "text")
+    tensors = {"language_model." + n: t for n, t in load_file(str(tmp_path / "text" / "model.safetensors")).items()}
+    tensors["vision_model.radio_model.input_conditioner.norm_mean"] = torch.zeros(3)  # (a tower: not read)
+    (tmp_path / "omni").mkdir()
+    save_file(tensors, str(tmp_path / "omni" / "model.safetensors"), metadata={"format": "pt"})
+    config = AutoConfig.for_model("nemotron_h_omni", text_config=hf.config.to_dict()).to_dict()
+    config["architectures"] = ["NemotronH_Omni_Reasoning_V3"]
+    (tmp_path / "omni" / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path / "omni")
+    seq = tokens(24, 8)
+    want = hf_logits(hf, seq)
+    run = Stepper(model)
+    assert (run.step([(0, seq[:16], 0, 0)])[0] - want[:16]).abs().max() < TOL
+    assert (run.step([(0, seq[16:20], 16, 3)])[0] - want[16:20]).abs().max() < TOL
+
+
 def test_pipeline_stages_match_one_rank(tmp_path):
     """Two pipeline stages over gloo, each keeping its own Mamba-2 layers' states (Bamba: layers 0-1 and 2;
     Nemotron-H: 0-1 and 2-3; Zamba2: 0-2 and 3-4, its shared block run at layers 1 and 3, on both stages, or two

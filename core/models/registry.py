@@ -126,6 +126,9 @@ _MODEL_TYPES.update({"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMo
                      "mamba2": "Mamba2ForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
                      "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
                      "zamba2": "Zamba2ForCausalLM"})
+# Nemotron 3 Nano Omni: a Nemotron-H text model (its text_config) under ``language_model.`` beside its vision and
+# audio towers and their projectors (not read)
+_TEXT_PARTS["NemotronH_Omni_Reasoning_V3"] = "language_model."
 
 # Qwen2.5-VL's and Qwen3-VL's text models are a Qwen2, a Qwen3 and a Qwen3-MoE (multimodal RoPE, ``mrope_section``,
 # rotates a text-only sequence as plain RoPE does: its three position ids are equal). Qwen2.5-VL's releases keep the
