@@ -3,7 +3,7 @@ pre-norm Gated DeltaNet layers with their own q/k/v, g, a and b projections and 
 (negative eigenvalues), against transformers on the same random tiny weights (fp32, max abs diff < 1e-4): one
 prefill, a prefill in chunks, decode steps with the recurrent state carried, drafts replayed after verification; each
 difference from Qwen3-Next's layer shown to matter; the engine's greedy output with n-gram drafts equal to
-transformers'; TP 2 equal to one rank."""
+transformers'; prefix caching from kept states; TP 2 and two pipeline stages equal to one rank."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    NGRAM, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_prefill_chunks_and_decode,
-    generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+    NGRAM, PP_WORKER, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers,
+    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
 
 
 def test_prefill_chunks_and_decode_match_transformers(tmp_path):
@@ -70,3 +70,37 @@ def test_two_ranks_match_one(tmp_path):
     for r, result in enumerate(run_ranks(tmp_path / "ranks", TP_WORKER, 2, 2, [str(tmp_path / "m")], timeout=240)):
         for folder, (diff, heads) in result.items():
             assert diff < TOL and heads == 2, (r, folder, diff, heads)  # 4 value heads, 2 a rank
+
+
+def test_two_pipeline_stages_match_one_rank(tmp_path):
+    """PP 2 over gloo (layers 0-1: a linear and an attention layer; 2-3: linear ones), each stage keeping its own
+    recurrent states: the last stage's logits of prefills, a verify chunk and the replay after it equal one rank's."""
+    _, hf = hf_pair("olmo_hybrid", 7)
+    hf.save_pretrained(tmp_path / "m")
+    folder = str(tmp_path / "m")
+    first, last = run_ranks(tmp_path / "ranks", PP_WORKER, 2, 2, [folder], timeout=240)
+    (first_layers, none), (last_layers, diff) = first[folder], last[folder]
+    assert none is None and first_layers == [0, 1] and last_layers == [2, 3], (first, last)
+    assert diff < TOL, diff
+
+
+def test_prefix_caching_starts_from_kept_states(tmp_path):
+    """Two turns of three conversations with prefix caching: the second turn starts behind cached blocks and kept
+    Gated DeltaNet states, and gives an engine without prefix caching's tokens, with n-gram drafts."""
+    from specray import LLM
+
+    folder = save(tmp_path / "m", "olmo_hybrid", 8)
+
+    def two_turns(**kw) -> tuple[list[list[int]], int]:
+        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=NGRAM, **kw)
+        prompts = [[30 + 17 * c + (i * 7 + c) % 11 for i in range(9 + 3 * c)] for c in range(3)]
+        answers, cached = [], 0
+        for turn in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
+            answers += [o.outputs[0].token_ids for o in outs]
+            cached += sum(o.num_cached_tokens for o in outs) if turn else 0
+            prompts = [p + list(o.outputs[0].token_ids) + [3, 4] for p, o in zip(prompts, outs)]
+        return answers, cached
+
+    cached_answers, cached = two_turns(enable_prefix_caching=True)
+    assert cached_answers == two_turns(enable_prefix_caching=False)[0] and cached > 0, cached
