@@ -3,7 +3,8 @@ pre-norm Gated DeltaNet layers with their own q/k/v, g, a and b projections and 
 (negative eigenvalues), against transformers on the same random tiny weights (fp32, max abs diff < 1e-4): one
 prefill, a prefill in chunks, decode steps with the recurrent state carried, drafts replayed after verification; each
 difference from Qwen3-Next's layer shown to matter; the engine's greedy output with n-gram drafts equal to
-transformers'; prefix caching from kept states; TP 2 and two pipeline stages equal to one rank."""
+transformers', and with an EAGLE-3 head's drafts plain decoding's; prefix caching from kept states; TP 2 and two
+pipeline stages equal to one rank."""
 
 from __future__ import annotations
 
@@ -104,3 +105,18 @@ def test_prefix_caching_starts_from_kept_states(tmp_path):
 
     cached_answers, cached = two_turns(enable_prefix_caching=True)
     assert cached_answers == two_turns(enable_prefix_caching=False)[0] and cached > 0, cached
+
+
+def test_an_eagle3_head_keeps_greedy_output(tmp_path):
+    """An EAGLE-3 head drafting chains over it (the streams entering three of its layers, post-norm and linear ones,
+    handed out by the Llama stack): greedy output equals plain decoding's, its drafts accepted now and then."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from specray import LLM
+
+    folder = save(tmp_path / "target", "olmo_hybrid", 11)
+    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
+    head = draft_heads.write_accepting_head(tmp_path / "head", "eagle3", folder)
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config={
+        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    assert generate(llm, greedy()) == plain
+    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
