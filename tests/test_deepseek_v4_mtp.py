@@ -252,6 +252,28 @@ def test_an_fp8_cache_keeps_greedy_output(tiny_deepseek_v4_dir, tmp_path):
     assert outs[True] == outs[False] and 0 < stats.accepted_tokens < stats.draft_tokens
 
 
+def test_the_module_whole_on_the_driver_reads_a_gathered_target(mtp_dir):
+    """``draft_tensor_parallel_size=1`` over a split target: the module is whole on the driver rank and reads the
+    target's embedding and LM head gathered whole (``WholeTarget``); its logits equal those over the target itself."""
+    from specray.workers.head_drafter import WholeTarget
+
+    model = load_model(str(mtp_dir))
+    whole = WholeTarget(model, model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
+    ids = prompt()[:12]
+    allocate_kv_cache(model, 8, 4)
+    with torch.no_grad():
+        hidden, aux = model(torch.tensor(ids), build_attention_metadata([12], [0], [[0, 1, 2]], 4, "cpu"),
+                            aux_layers=(4,))
+    outs = []
+    for target in (model, whole):
+        head = load_draft_head("mtp", str(mtp_dir), target, load_hf_config(str(mtp_dir)))
+        allocate_kv_cache(head, 8, 4)
+        with torch.no_grad():
+            meta = build_attention_metadata([11], [0], [[0, 1, 2]], 4, "cpu")
+            outs.append(head.draft_logits(head(torch.tensor(ids[1:]), aux[0][:-1], meta)[1]))
+    assert max_diff(outs[0], outs[1]) < TOL
+
+
 def test_the_module_splits_over_ranks_as_a_target_layer(mtp_dir):
     """Each of two ranks holds half the query heads, sinks and output groups of the module's block (its output
     against one rank's: tests/test_hidden_state_drafters.py, the MTP heads split over two ranks)."""

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from specray.models.attention import AttentionMetadata
-from specray.models.deepseek_v4 import (CSA, HCA, SLIDING, DeepseekV4DecoderLayer, HyperHead, release_to_ours,
-                                        rope_tables, step_rope)
+from specray.models.deepseek_v4 import (CSA, HCA, SLIDING, DeepseekV4DecoderLayer, DeepseekV4ForCausalLM, HyperHead,
+                                        release_to_ours, rope_tables, step_rope)
 from specray.models.draft_head import LAYOUTS, ReadsTarget
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import ColumnParallelLinear, RMSNorm
@@ -120,7 +120,7 @@ class DeepseekV4MTP(ReadsTarget):
         ``ffn.experts.3.w1.weight``, ... as the release names them, or as transformers' modules would); the
         shared embedding and head are skipped."""
         params = dict(self.named_parameters())
-        stacked = type(self.target).stacked
+        stacked = DeepseekV4ForCausalLM.stacked  # (the target may be a WholeTarget: the driver's whole head)
         loaded: set[str] = set()
         for name, tensor in weights:
             if _SHARED.match(name):
