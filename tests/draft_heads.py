@@ -403,6 +403,46 @@ def write_deepseek_v4_mtp(folder: Path, target_dir: Path, seed: int = 23, accept
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
+def write_exaone_mtp(folder: Path, target_dir: Path, kind: str = "sliding_attention", seed: int = 19) -> Path:
+    """A copy of a tiny K-EXAONE target's folder with its release's MTP module under ``mtp.`` (vLLM's
+    ``ExaoneMoeMTP`` layout): ``fc`` [H, 2H], ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``layers.0.*`` (a
+    ``kind`` layer with a dense MLP, from a random model one layer deeper, as transformers writes it) and ``norm``;
+    its config naming the layer's kind (``mtp_layer_types``)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(target_dir)
+    layers, h = config.num_hidden_layers, config.hidden_size
+    config.num_hidden_layers = layers + 1
+    config.layer_types = [*config.layer_types, kind]
+    config.mlp_layer_types = [*config.mlp_layer_types, "dense"]
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in deeper.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    p = f"model.layers.{layers}."
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.update({"mtp.layers.0." + name[len(p):]: t.clone() for name, t in saved.items() if name.startswith(p)})
+    weights.update({"mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * 0.2,
+                    "mtp.pre_fc_norm_embedding.weight": 0.5 + torch.rand(h, generator=gen),
+                    "mtp.pre_fc_norm_hidden.weight": 0.5 + torch.rand(h, generator=gen),
+                    "mtp.norm.weight": 0.5 + torch.rand(h, generator=gen)})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "mtp_layer_types": [kind], "num_nextn_predict_layers": 1}))
+    return folder
+
+
 def write_tiny_hybrid(folder: Path, arch: str, seed: int = 0) -> Path:
     """A tiny random Qwen3.5 (``arch`` "qwen3_5"), Qwen3.5-MoE ("qwen3_5_moe") or Qwen3-Next ("qwen3_next") model
     folder with a tokenizer, laid out as the releases are (linear layers, then a full-attention one last, which

@@ -1485,6 +1485,48 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp)
 
 
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+def test_k_exaone_mtp_module_drafts_as_transformers_mtp_model(tiny_exaone_moe_dir, tmp_path, kind):
+    """K-EXAONE's release keeps its MTP module under ``mtp.`` (``fc``, ``pre_fc_norm_*``, ``layers.0``, ``norm``): a
+    layer of the kind ``mtp_layer_types`` names (sliding, rotated; or global, not: as the stack's layers of that
+    kind) with a dense MLP. Greedy output equals plain decoding (batch of 8, mixed caps), no block leaks; every first
+    draft equals transformers' ``MtpModel`` (built on K-EXAONE's layer class) over the committed sequence."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specray.models.kv_cache import FullAttentionSpec, SlidingWindowSpec
+    from specray.models.llama import LlamaMLP
+
+    folder = draft_heads.write_exaone_mtp(tmp_path / "mtp", tiny_exaone_moe_dir, kind)
+    plain = LLM(str(tiny_exaone_moe_dir), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    llm = LLM(str(folder), max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    head = llm.engine.executor.worker.runner.drafter.head
+    spec = head.kv_cache_specs()[0]
+    assert isinstance(head.layers[0].mlp, LlamaMLP)
+    assert isinstance(spec, SlidingWindowSpec) if kind == "sliding_attention" else type(spec) is FullAttentionSpec
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    outs = llm.generate(PROMPTS, MIXED, use_tqdm=False)
+    assert token_ids(outs) == token_ids(plain) and free_blocks(llm) == start
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.config.num_mtp_layers = 1
+    hf.config.mtp_layer_types, hf.config.mtp_mlp_layer_types = [kind], ["dense"]
+    mtp = MtpModel(hf, 1).float().eval()
+    names = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+             "norm.": "post_norm.", "layers.0.": "mtp_block."}
+    state = {}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        if name.startswith("mtp."):
+            rest = name[len("mtp."):]
+            theirs = next(t for t in names if rest.startswith(t))
+            state["layers.0." + names[theirs] + rest[len(theirs):]] = tensor
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "shared_head.weight"}, (missing, unexpected)
+    assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp)
+
+
 # ---- MiMo-V2-Flash's MTP modules (model.mtp.layers.{k}: a sliding-window layer with sinks, a dense MLP) -------------
 
 @pytest.mark.parametrize("num_modules, accepting", [(1, False), (2, True)], ids=["one-random", "two-accepting"])
@@ -1629,11 +1671,12 @@ json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
 
 
 def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, tiny_deepseek_v4_dir, tiny_hy_v3_dir,
-                                                       tmp_path):
+                                                       tiny_exaone_moe_dir, tmp_path):
     """MiMo-V2-Flash's MTP module (its sliding layer's doubled KV heads and sinks split), Nemotron 3's (its
     attention block split by head, its latent experts by width), DeepSeek-V4's (query heads, sinks and output
-    groups split, experts by width, over the streams) and Hunyuan 3's (heads with their q/k norms, experts by width)
-    over two tensor-parallel ranks (gloo): each rank's normed output equals one rank's."""
+    groups split, experts by width, over the streams), Hunyuan 3's (heads with their q/k norms, experts by width)
+    and K-EXAONE's (a sliding layer's heads, a dense MLP) over two tensor-parallel ranks (gloo): each rank's normed
+    output equals one rank's."""
     from specray_test_model_checks import WORKER_PRELUDE, run_ranks  # tests/model_checks.py
 
     nemotron = sys.modules["specray_test_hybrid_models"].save(tmp_path / "nemotron", "nemotron_h_moe", 3)
@@ -1641,7 +1684,8 @@ def test_mtp_heads_split_over_two_ranks_match_one_rank(tiny_mimo_v2_flash_dir, t
                                           accepting=False),
                draft_heads.write_nemotron_mtp(tmp_path / "nemotron_mtp", nemotron, accepting=False),
                draft_heads.write_deepseek_v4_mtp(tmp_path / "v4_mtp", tiny_deepseek_v4_dir),
-               draft_heads.write_deepseek_mtp(tmp_path / "hy_v3_mtp", tiny_hy_v3_dir, accepting=False)]
+               draft_heads.write_deepseek_mtp(tmp_path / "hy_v3_mtp", tiny_hy_v3_dir, accepting=False),
+               draft_heads.write_exaone_mtp(tmp_path / "exaone_mtp", tiny_exaone_moe_dir)]
     results = run_ranks(tmp_path / "ranks", WORKER_PRELUDE + MTP_HEAD_RANKS, 2, 1, [str(f) for f in folders])
     for result in results:
         assert all(d < 1e-5 for d in result["diffs"]), results

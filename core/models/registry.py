@@ -42,7 +42,7 @@ _ARCHITECTURES = {
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Ministral3ForCausalLM": "specray.models.llama:LlamaForCausalLM",
     "Exaone4ForCausalLM": "specray.models.exaone4:Exaone4ForCausalLM",
-    "ExaoneMoeForCausalLM": "specray.models.llama:LlamaForCausalLM",
+    "ExaoneMoeForCausalLM": "specray.models.exaone_moe:ExaoneMoeForCausalLM",
     "Olmo3ForCausalLM": "specray.models.olmo3:Olmo3ForCausalLM",
     "Gemma3ForCausalLM": "specray.models.gemma3:Gemma3ForCausalLM",
     "Gemma2ForCausalLM": "specray.models.gemma2:Gemma2ForCausalLM",
