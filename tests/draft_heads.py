@@ -443,6 +443,49 @@ def write_exaone_mtp(folder: Path, target_dir: Path, kind: str = "sliding_attent
     return folder
 
 
+def ernie_mtp_config(target_dir: Path):
+    """transformers' config of a tiny ERNIE 4.5 MoE target one layer deeper, its last layer dense (the MTP block's)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers += 1
+    config.moe_layer_end_index = config.num_hidden_layers - 2
+    return config
+
+
+def write_ernie_mtp(folder: Path, target_dir: Path, seed: int = 29) -> Path:
+    """A copy of a tiny ERNIE 4.5 MoE target's folder with its release's MTP module: ``model.mtp_emb_norm.0``,
+    ``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0`` [H, 2H] and ``model.mtp_block.0.*`` (a dense decoder
+    layer of a random model one layer deeper, in the names transformers writes); the target's final norm made random
+    (the module reads the stream before it, and ends with it)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(target_dir, folder, dirs_exist_ok=True)
+    config = ernie_mtp_config(target_dir)
+    layers, h = config.num_hidden_layers - 1, config.hidden_size
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    p = f"model.layers.{layers}."
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.update({"model.mtp_block.0." + n[len(p):]: t.clone() for n, t in saved.items() if n.startswith(p)})
+    weights["model.norm.weight"] = 0.5 + torch.rand(h, generator=gen)  # (the module reads past it: make it show)
+    weights.update({"model.mtp_emb_norm.0.weight": 0.5 + torch.rand(h, generator=gen),
+                    "model.mtp_hidden_norm.0.weight": 0.5 + torch.rand(h, generator=gen),
+                    "model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h, generator=gen) * 0.2})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    return folder
+
+
 def write_tiny_hybrid(folder: Path, arch: str, seed: int = 0) -> Path:
     """A tiny random Qwen3.5 (``arch`` "qwen3_5"), Qwen3.5-MoE ("qwen3_5_moe") or Qwen3-Next ("qwen3_next") model
     folder with a tokenizer, laid out as the releases are (linear layers, then a full-attention one last, which

@@ -1527,6 +1527,61 @@ def test_k_exaone_mtp_module_drafts_as_transformers_mtp_model(tiny_exaone_moe_di
     assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp)
 
 
+def test_ernie_mtp_module_reads_the_residual_and_the_targets_norm(tiny_ernie4_5_moe_dir, tmp_path):
+    """ERNIE 4.5's MTP module, as Baidu's training code runs it: it reads the target's residual stream past its last
+    layer (before the final norm), fuses it with the next token's embedding (``mtp_linear_proj`` over
+    ``[mtp_emb_norm(e); mtp_hidden_norm(h)]``), runs its dense block, and goes through the target's own final norm
+    and LM head. Its logits over a sequence equal a reference built from transformers' modules (the residual hooked
+    before the norm; the block as transformers' ERNIE layer); greedy output equals plain decoding."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.masking_utils import create_causal_mask
+
+    folder = draft_heads.write_ernie_mtp(tmp_path / "mtp", tiny_ernie4_5_moe_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    config = draft_heads.ernie_mtp_config(folder)
+    layers = config.num_hidden_layers - 1
+    block = AutoModelForCausalLM.from_config(config).float().eval().model.layers[layers]
+    file = load_file(str(folder / "model.safetensors"))
+    block.load_state_dict({n[len("model.mtp_block.0."):]: t for n, t in file.items()
+                           if n.startswith("model.mtp_block.0.")})
+    seq = list(range(5, 25))
+    captured = {}
+    hook = hf.model.norm.register_forward_pre_hook(lambda m, args: captured.setdefault("h", args[0]))
+    with torch.no_grad():
+        hf(torch.tensor([seq]))
+        hook.remove()
+        h = captured["h"][0, :-1]
+        rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w  # noqa: E731
+        e = hf.model.embed_tokens(torch.tensor(seq[1:]))
+        x = F.linear(torch.cat([rms(e, file["model.mtp_emb_norm.0.weight"]),
+                                rms(h, file["model.mtp_hidden_norm.0.weight"])], -1),
+                     file["model.mtp_linear_proj.0.weight"])[None]
+        positions = torch.arange(len(seq) - 1)[None]
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        out = block(x, attention_mask=mask, position_ids=positions,
+                    position_embeddings=hf.model.rotary_emb(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        want = hf.lm_head(hf.model.norm(out))[0]
+    model = load_model(str(folder))
+    head = load_draft_head("mtp", str(folder), model, load_hf_config(str(folder)))
+    assert head.aux_layers == (layers,)
+    allocate_kv_cache(model, 16, 4)
+    allocate_kv_cache(head, 16, 4)
+    with torch.no_grad():
+        hidden, aux = model(torch.tensor(seq), build_attention_metadata([20], [0], [[3, 1, 4, 0, 2]], 4),
+                            aux_layers=head.aux_layers)
+        got = head.draft_logits(head(torch.tensor(seq[1:]), head.target_features(hidden, aux)[:-1],
+                                     build_attention_metadata([19], [0], [[3, 1, 4, 0, 2]], 4))[1])
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    plain = LLM(str(folder), max_model_len=256).generate(PROMPTS, MIXED, use_tqdm=False)
+    llm = LLM(str(folder), max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    assert token_ids(llm.generate(PROMPTS, MIXED, use_tqdm=False)) == token_ids(plain)
+
+
 # ---- MiMo-V2-Flash's MTP modules (model.mtp.layers.{k}: a sliding-window layer with sinks, a dense MLP) -------------
 
 @pytest.mark.parametrize("num_modules, accepting", [(1, False), (2, True)], ids=["one-random", "two-accepting"])

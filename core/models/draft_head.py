@@ -138,6 +138,10 @@ class DraftHead(ReadsTarget):
         self.aux_layers = tuple(aux_layers) if self.layout.aux_features else ()
         if self.layout.aux_features and len(self.aux_layers) == 0:
             raise ValueError(f"a {self.layout.name} head reads target layers: give aux_layers")
+        family = _family(config)  # the model class of the config's architecture, None for a plain head config
+        feature = getattr(family, "mtp_feature_layers", None) if self.layout.fusion == "eh_proj" else None
+        if feature is not None:  # an MTP layer reading another stream than the last hidden state (ERNIE 4.5's)
+            self.aux_layers = tuple(feature(config))
         self.feedback_normed = feedback_normed  # MTP as transformers runs it: the normed output feeds the next step
         # the ranks the layer is split over as a target layer is (heads column-wise, o_proj/down_proj row-wise, the
         # draft vocabulary's LM head by rows), reading the target's own split embedding and LM head; one rank: the
@@ -146,7 +150,6 @@ class DraftHead(ReadsTarget):
         whole = TPGroup.single()  # the fusion's projection and the norms: replicated (they are H x 2H at most)
         check_split(self.layout.name, config.num_attention_heads, getattr(config, "num_key_value_heads", None),
                     tp.size)
-        family = _family(config)  # the model class of the config's architecture, None for a plain head config
         self.stacked = getattr(family, "stacked", _STACKED)  # checkpoint names its parameters merge
         fusion = self.layout.fusion
         # an MTP head's norms are its family's (Qwen3.5's scale by 1 + w); EAGLE heads' are Llama's
@@ -193,7 +196,7 @@ class DraftHead(ReadsTarget):
         (or, EAGLE-3, its residual stream at ``aux_layers``, each [T, H_target], fused by ``fc``)."""
         if self.layout.aux_features:
             return self.fc(torch.cat(list(aux), dim=-1))
-        return hidden
+        return aux[0] if self.aux_layers else hidden  # (an MTP layer reading its family's stream)
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -329,7 +332,7 @@ class ChainedModules(nn.Module):
         self.heads = nn.ModuleList(modules)
         self.layout = modules[0].layout
         self.tp = modules[0].tp
-        self.aux_layers: tuple[int, ...] = ()
+        self.aux_layers: tuple[int, ...] = modules[0].aux_layers  # (the stream its family's modules read, if any)
 
     @property
     def num_modules(self) -> int:
@@ -344,7 +347,7 @@ class ChainedModules(nn.Module):
         return self.heads[0].device
 
     def target_features(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
-        return hidden
+        return self.heads[0].target_features(hidden, aux)
 
     def module(self, k: int, input_ids: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,6 +174,9 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     family = _target_family(target_config)
     names = getattr(family, "mtp_names", None)
     indexed = getattr(family, "mtp_module_prefix", None)
+    own = getattr(family, "mtp_tensor", None)
+    if own is not None:  # a family that names its MTP tensors its own way (ERNIE 4.5's)
+        return target_config, _named_mtp(path, own, getattr(target_config, "model_type", None), num_modules)
     if indexed is not None:
         return target_config, _indexed_mtp(path, indexed, names, num_modules)
     if names is not None:
@@ -207,6 +210,31 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
                          f"{str(source.path)!r} has {found} MTP module(s) (model.layers.{num_layers}.. "
                          f"model.layers.{num_layers + found - 1}); give num_nextn_predict_layers <= {found}")
     return target_config, modules
+
+
+def _named_mtp(path, own, model_type, num_modules: int) -> list[list[tuple[str, Any]]]:
+    """Modules 0..num_modules-1 of a release whose family names its MTP tensors (``own``: checkpoint name -> (module,
+    name in the head), or None; module -1: a tensor every module reads, as ERNIE 4.5's final norm)."""
+    source = resolve_model(path)
+    modules: list[list[tuple[str, Any]]] = [[] for _ in range(num_modules)]
+    shared, found = [], set()
+    for name, tensor in checkpoint_weights(source, wanted=lambda name: own(name, model_type) is not None):
+        k, ours = own(name, model_type)
+        if k < 0:
+            shared.append((ours, tensor))
+            continue
+        found.add(k)
+        if k < num_modules:
+            modules[k].append((ours, tensor))
+    if not found:
+        raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP module: method='mtp' needs a release with "
+                         "its multi-token-prediction weights (num_nextn_predict_layers >= 1); use another "
+                         "speculative method for this model" + _from_gguf(source))
+    have = next((k for k in range(num_modules) if k not in found), num_modules)
+    if have < num_modules:
+        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
+                         f"{str(source.path)!r} has {have} MTP module(s); give num_nextn_predict_layers <= {have}")
+    return [weights + shared for weights in modules]
 
 
 def _from_gguf(source) -> str:

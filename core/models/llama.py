@@ -446,6 +446,8 @@ class LlamaModel(StageModel):
             x, residual = layer(x, residual, *rope(i), meta)
         if not self.pp.is_last:
             return torch.stack((x, residual)), [aux[i] for i in aux_layers]
+        if len(self.layers) in aux_layers:  # the residual stream past the last layer, before the norm (aux_past_end)
+            aux[len(self.layers)] = x if residual is None else x + residual
         x, _ = self.norm(x, residual)
         return x, [aux[i] for i in aux_layers]
 
