@@ -1408,7 +1408,7 @@ def assert_first_drafts_are_mtp_models(llm, outs, rec, hf, mtp, num_checked: int
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "hy_v3",
-                                    "glm4_moe_lite"])
+                                    "glm4_moe_lite", "minimax_m2"])
 def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
     is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
@@ -1418,7 +1418,8 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     and GLM-5: the MTP layer's latent attention has its own indexer (its keys in its latent rows) picking its keys
     (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer). Hunyuan 3: its attention's q/k
     norms, its experts under the release's names, ``final_layernorm`` for DeepSeek's ``shared_head.norm``.
-    GLM-4.7-Flash: DeepSeek-V3's layout and block (latent attention, GLM's experts) as vLLM reads it."""
+    GLM-4.7-Flash: DeepSeek-V3's layout and block (latent attention, GLM's experts) as vLLM reads it. MiniMax-M2:
+    its block (q/k normed over all heads, partial RoPE, experts under the release's names) in that layout."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
@@ -1431,9 +1432,13 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
 
     target = request.getfixturevalue({"deepseek_v3": "tiny_deepseek_dir", "glm4_moe": "tiny_glm4_moe_dir",
                                       "deepseek_v32": "tiny_deepseek_v32_dir", "glm_moe_dsa": "tiny_glm5_dir",
-                                      "hy_v3": "tiny_hy_v3_dir", "glm4_moe_lite": "tiny_glm4_moe_lite_dir"}[family])
+                                      "hy_v3": "tiny_hy_v3_dir", "glm4_moe_lite": "tiny_glm4_moe_lite_dir",
+                                      "minimax_m2": "tiny_minimax_m2_dir"}[family])
     glm_spec = FullAttentionSpec(num_kv_heads=2, head_dim=24)
+    from specray.models.olmo2 import Olmo2Attention
+
     attention, spec, rotated = {"hy_v3": (LlamaAttention, FullAttentionSpec(num_kv_heads=2, head_dim=16), 16),
+                                "minimax_m2": (Olmo2Attention, FullAttentionSpec(num_kv_heads=2, head_dim=16), 8),
                                 "glm4_moe_lite": (MLAttention, MLAAttentionSpec(32, 8), 8),
                                 "deepseek_v3": (MLAttention, MLAAttentionSpec(16, 8), 8),
                                 "glm4_moe": (Glm4MoeAttention, glm_spec, 12),  # 12: half of each head

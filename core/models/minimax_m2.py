@@ -10,7 +10,9 @@ per layer, pipeline stages, weight loading, the model interface). Where it diffe
 * the release names the experts' block ``block_sparse_moe`` (its experts' ``w1``, ``w3``, ``w2``, and the correction
   bias on the block), as Mixtral's release does.
 
-Its releases' multi-token-prediction modules are not read (no ``mtp`` drafter for it yet).
+Its multi-token-prediction module is the ``mtp`` drafter's in DeepSeek-V3's layout (``model.layers.{L}``: ``enorm``,
+``hnorm``, ``eh_proj``, ``shared_head.norm``, a block of this family's: :meth:`MiniMaxM2ForCausalLM.mtp_layer_parts`),
+as a vLLM port reads it (not upstream vLLM's); the shared embedding and LM head are the target's.
 """
 
 from __future__ import annotations
@@ -43,3 +45,9 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     model_class = MiniMaxM2Model
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj")  # the experts are fused tensors, not linears
+
+    @staticmethod
+    def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:
+        """The MTP module's block: this family's attention (q and k normed over all heads, partial RoPE) and
+        experts, split over ``tp`` as the target's layers are."""
+        return Olmo2Attention(config, tp, config.num_hidden_layers), SparseMoE(config, tp, expert_parallel)
