@@ -303,6 +303,27 @@ def greedy(n: int = 24):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def check_prefix_caching_keeps_tokens(folder: Path) -> None:
+    """Two turns of three conversations, with n-gram drafts: with prefix caching the second turn starts behind cached
+    blocks (and kept recurrent states) and gives the tokens an engine without prefix caching gives."""
+    from specray import LLM
+
+    def two_turns(**kw) -> tuple[list[list[int]], int]:
+        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=NGRAM, **kw)
+        prompts = [[30 + 17 * c + (i * 7 + c) % 11 for i in range(9 + 3 * c)] for c in range(3)]
+        answers, cached = [], 0
+        for turn in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
+            answers += [o.outputs[0].token_ids for o in outs]
+            cached += sum(o.num_cached_tokens for o in outs) if turn else 0
+            prompts = [p + list(o.outputs[0].token_ids) + [3, 4] for p, o in zip(prompts, outs)]
+        return answers, cached
+
+    cached_answers, cached = two_turns(enable_prefix_caching=True)
+    plain_answers, _ = two_turns(enable_prefix_caching=False)
+    assert cached_answers == plain_answers and cached > 0, cached
+
+
 # a gloo rank of a TP 2 check: each folder's model sharded and whole, on prefills, a verify chunk of 2 drafts beside a
 # decode and the next chunk after 1 accepted draft (replayed); writes each folder's max abs logit difference and the
 # first recurrent layer's heads on this rank

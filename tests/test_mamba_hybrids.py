@@ -17,7 +17,8 @@ import torch
 from specray.models.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     MAMBA_ARCHS, NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy, hf_logits, hf_pair, ours,
+    save, tokens)
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 
 CASES = [(arch, {}) for arch in MAMBA_ARCHS] + [("bamba", {"mamba_n_groups": 1}),
@@ -333,25 +334,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
 def test_prefix_caching_starts_from_kept_states(engine_case):
     """Two turns of three conversations with prefix caching (each prompt's state kept at its last whole block):
     the second turn's requests start behind their conversation's cached blocks and kept Mamba-2 states, and give
-    the tokens an engine without prefix caching gives, with n-gram drafts."""
-    from specray import LLM
-
-    folder, _ = engine_case
-
-    def two_turns(**kw) -> tuple[list[list[int]], int]:
-        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=NGRAM, **kw)
-        prompts = [[30 + 17 * c + (i * 7 + c) % 11 for i in range(9 + 3 * c)] for c in range(3)]
-        answers, cached = [], 0
-        for turn in range(2):
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
-            answers += [o.outputs[0].token_ids for o in outs]
-            cached += sum(o.num_cached_tokens for o in outs) if turn else 0
-            prompts = [p + list(o.outputs[0].token_ids) + [3, 4] for p, o in zip(prompts, outs)]
-        return answers, cached
-
-    cached_answers, cached = two_turns(enable_prefix_caching=True)
-    plain_answers, _ = two_turns(enable_prefix_caching=False)
-    assert cached_answers == plain_answers and cached > 0, cached
+    the tokens an engine without prefix caching gives, with n-gram drafts (tests/hybrid_models.py)."""
+    check_prefix_caching_keeps_tokens(engine_case[0])
 
 
 def test_the_omni_release_serves_its_text_model(tmp_path):

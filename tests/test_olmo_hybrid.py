@@ -13,7 +13,8 @@ import pytest
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PP_WORKER, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, save, tokens)
+    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy, hf_logits, hf_pair, ours,
+    save, tokens)
 
 
 def test_prefill_chunks_and_decode_match_transformers(tmp_path):
@@ -88,23 +89,22 @@ def test_two_pipeline_stages_match_one_rank(tmp_path):
 def test_prefix_caching_starts_from_kept_states(tmp_path):
     """Two turns of three conversations with prefix caching: the second turn starts behind cached blocks and kept
     Gated DeltaNet states, and gives an engine without prefix caching's tokens, with n-gram drafts."""
-    from specray import LLM
+    check_prefix_caching_keeps_tokens(save(tmp_path / "m", "olmo_hybrid", 8))  # (tests/hybrid_models.py)
 
-    folder = save(tmp_path / "m", "olmo_hybrid", 8)
 
-    def two_turns(**kw) -> tuple[list[list[int]], int]:
-        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=NGRAM, **kw)
-        prompts = [[30 + 17 * c + (i * 7 + c) % 11 for i in range(9 + 3 * c)] for c in range(3)]
-        answers, cached = [], 0
-        for turn in range(2):
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
-            answers += [o.outputs[0].token_ids for o in outs]
-            cached += sum(o.num_cached_tokens for o in outs) if turn else 0
-            prompts = [p + list(o.outputs[0].token_ids) + [3, 4] for p, o in zip(prompts, outs)]
-        return answers, cached
+@pytest.mark.parametrize("arch", ["olmo_hybrid", "qwen3_5"])
+def test_tp_must_split_the_linear_heads(arch):
+    """The family refuses, before any rank starts, a tensor_parallel_size that does not divide the linear-attention
+    layers' key heads (2 here) or value heads (4), and takes one that divides both."""
+    from specray.engine.builder import check_family_split
 
-    cached_answers, cached = two_turns(enable_prefix_caching=True)
-    assert cached_answers == two_turns(enable_prefix_caching=False)[0] and cached > 0, cached
+    config = hf_pair(arch)[1].config
+    check_family_split(config, 2, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not split this model's linear_num_key_heads=2"):
+        check_family_split(config, 4, 1)
+    config.linear_num_key_heads, config.linear_num_value_heads = 4, 6
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not split this model's linear_num_value_heads=6"):
+        check_family_split(config, 4, 1)
 
 
 def test_an_eagle3_head_keeps_greedy_output(tmp_path):

@@ -572,6 +572,15 @@ class RecurrentMixer(nn.Module):
         return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)
 
 
+def check_linear_heads_split(config, tp: int, pp: int) -> None:
+    """A family's ``check_split``: ``tp`` ranks split the linear-attention layers' key and value heads (checked
+    before any rank starts)."""
+    for heads in ("linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(config, heads) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
+                             f"{getattr(config, heads)}; choose a tensor_parallel_size that divides it")
+
+
 class GatedDeltaNet(RecurrentMixer):
     """One linear-attention layer over this rank's heads (module docstring); its checkpoint names are the
     transformers ones under ``linear_attn.``."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm, RecurrentModel
+from specray.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm, RecurrentModel, check_linear_heads_split
 from specray.models.layers import RMSNorm, materialize
 from specray.models.llama import _STACKED, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
 from specray.models.olmo2 import Olmo2DecoderLayer
@@ -156,10 +156,4 @@ class OlmoHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
     def _a_norm(self) -> torch.Tensor:
         return self.model.layers[self.model.stage.start].post_attention_layernorm.weight  # (both kinds have one)
 
-    @staticmethod
-    def check_split(config, tp: int, pp: int) -> None:
-        """``tp`` ranks split the linear-attention layers' key and value heads (checked before any rank starts)."""
-        for heads in ("linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(config, heads) % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
-                                 f"{getattr(config, heads)}; choose a tensor_parallel_size that divides it")
+    check_split = staticmethod(check_linear_heads_split)

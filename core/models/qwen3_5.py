@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.gated_deltanet import GatedDeltaNet, RecurrentModel
+from specray.models.gated_deltanet import GatedDeltaNet, RecurrentModel, check_linear_heads_split
 from specray.models.gemma3 import GemmaRMSNorm
 from specray.models.kv_cache import FullAttentionSpec
 from specray.models.layers import (QKVParallelLinear, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
@@ -169,13 +169,7 @@ class Qwen3_5ForCausalLM(RecurrentModel, LlamaForCausalLM):
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
-    @staticmethod
-    def check_split(config, tp: int, pp: int) -> None:
-        """``tp`` ranks split the linear-attention layers' key and value heads (checked before any rank starts)."""
-        for heads in ("linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(config, heads) % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not split this model's {heads}="
-                                 f"{getattr(config, heads)}; choose a tensor_parallel_size that divides it")
+    check_split = staticmethod(check_linear_heads_split)
 
     mtp_norm = ResidualGemmaRMSNorm  # the MTP head's norms scale by 1 + w, as every norm of the stack does
     mtp_names = MTP_NAMES  # the MTP layer's tensors are the release's ``mtp.*`` (DeepSeek's layout is the default)
