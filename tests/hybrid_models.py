@@ -303,6 +303,21 @@ def greedy(n: int = 24):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def check_eagle3_keeps_greedy(tmp_path: Path, arch: str) -> None:
+    """An EAGLE-3 head drafting chains over a tiny ``arch`` target: greedy output equals plain decoding's, and its
+    drafts are accepted now and then (the test head drafts "the same token again" under the target's tied LM head)."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from specray import LLM
+
+    folder = save(tmp_path / "target", arch, 11)
+    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
+    head = draft_heads.write_accepting_head(tmp_path / "head", "eagle3", folder)
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config={
+        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
+    assert generate(llm, greedy()) == plain
+    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+
+
 def check_prefix_caching_keeps_tokens(folder: Path) -> None:
     """Two turns of three conversations, with n-gram drafts: with prefix caching the second turn starts behind cached
     blocks (and kept recurrent states) and gives the tokens an engine without prefix caching gives."""

@@ -17,8 +17,8 @@ import torch
 from specray.models.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     MAMBA_ARCHS, NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy, hf_logits, hf_pair, ours,
-    save, tokens)
+    check_eagle3_keeps_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy,
+    hf_logits, hf_pair, ours, save, tokens)
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 
 CASES = [(arch, {}) for arch in MAMBA_ARCHS] + [("bamba", {"mamba_n_groups": 1}),
@@ -409,16 +409,7 @@ def test_an_eagle3_head_on_the_target_keeps_greedy_output(tmp_path, arch):
     Llama's, Falcon-H1's and LFM2's stacks, over Mamba-2, Mamba-1 and short convs; its own K/V, the target's
     recurrent state untouched): greedy output equals plain decoding's, and its drafts are accepted now and then
     (the test head drafts "the same token again" under the target's tied LM head)."""
-    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
-    from specray import LLM
-
-    folder = save(tmp_path / "target", arch, 11)
-    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
-    head = draft_heads.write_accepting_head(tmp_path / "head", "eagle3", folder)
-    llm = LLM(model=str(folder), max_model_len=128, speculative_config={
-        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
-    assert generate(llm, greedy()) == plain
-    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    check_eagle3_keeps_greedy(tmp_path, arch)  # (tests/hybrid_models.py)
 
 
 def test_four_ranks_share_each_group_of_b_and_c(tmp_path):

@@ -13,8 +13,8 @@ import pytest
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PP_WORKER, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy, hf_logits, hf_pair, ours,
-    save, tokens)
+    check_eagle3_keeps_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy,
+    hf_logits, hf_pair, ours, save, tokens)
 
 
 def test_prefill_chunks_and_decode_match_transformers(tmp_path):
@@ -110,13 +110,4 @@ def test_tp_must_split_the_linear_heads(arch):
 def test_an_eagle3_head_keeps_greedy_output(tmp_path):
     """An EAGLE-3 head drafting chains over it (the streams entering three of its layers, post-norm and linear ones,
     handed out by the Llama stack): greedy output equals plain decoding's, its drafts accepted now and then."""
-    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
-    from specray import LLM
-
-    folder = save(tmp_path / "target", "olmo_hybrid", 11)
-    plain = generate(LLM(model=str(folder), max_model_len=128), greedy())
-    head = draft_heads.write_accepting_head(tmp_path / "head", "eagle3", folder)
-    llm = LLM(model=str(folder), max_model_len=128, speculative_config={
-        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False})
-    assert generate(llm, greedy()) == plain
-    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    check_eagle3_keeps_greedy(tmp_path, "olmo_hybrid")  # (tests/hybrid_models.py)
