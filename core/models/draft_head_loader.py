@@ -230,11 +230,19 @@ def _named_mtp(path, own, model_type, num_modules: int) -> list[list[tuple[str, 
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP module: method='mtp' needs a release with "
                          "its multi-token-prediction weights (num_nextn_predict_layers >= 1); use another "
                          "speculative method for this model" + _from_gguf(source))
+    _check_module_count(found, num_modules, source)
+    return [weights + shared for weights in modules]
+
+
+def _check_module_count(found: set[int], num_modules: int, source, names=None) -> None:
+    """ValueError unless the checkpoint holds MTP modules 0 .. num_modules - 1 (``found``: the indices it holds);
+    ``names(k)`` names module k's tensors in the message."""
     have = next((k for k in range(num_modules) if k not in found), num_modules)
     if have < num_modules:
+        where = f" ({names(0)}.. {names(have - 1)})" if names is not None and have else ""
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
-                         f"{str(source.path)!r} has {have} MTP module(s); give num_nextn_predict_layers <= {have}")
-    return [weights + shared for weights in modules]
+                         f"{str(source.path)!r} has {have} MTP module(s){where}; give num_nextn_predict_layers "
+                         f"<= {have}")
 
 
 def _from_gguf(source) -> str:
@@ -296,11 +304,7 @@ def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modu
         raise ValueError(f"the checkpoint {str(source.path)!r} has no MTP layer ({prefix.format(k=0)}*): method='mtp' "
                          "needs a release with its multi-token-prediction weights; use another speculative method "
                          "for this model" + _from_gguf(source))
-    have = next((k for k in range(num_modules) if k not in found), num_modules)
-    if have < num_modules:
-        raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules} but the checkpoint "
-                         f"{str(source.path)!r} has {have} MTP module(s) ({prefix.format(k=0)}.. "
-                         f"{prefix.format(k=have - 1)}); give num_nextn_predict_layers <= {have}")
+    _check_module_count(found, num_modules, source, lambda k: prefix.format(k=k))
     return modules
 
 
