@@ -127,6 +127,16 @@ def build_spm_tokenizer(path: Path, kind: str):
     return hf
 
 
+# the classic families' configs name the sizes their own way: build_tiny_model's name -> theirs, None where the family
+# has no such field (one KV head per query head, LayerNorms of their own eps)
+_GPT_NAMES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "max_position_embeddings": "n_positions", "intermediate_size": "n_inner", "num_key_value_heads": None,
+              "rms_norm_eps": None}
+CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}, "phi": {"rms_norm_eps": None},
+                 "gptj": _GPT_NAMES, "stablelm": {"rms_norm_eps": None}, "gpt2": _GPT_NAMES,
+                 "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None}}
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
                      spm: str | None = None, **overrides):
     """A tiny random-weight model folder (config.json + safetensors + tokenizer) for ``arch`` in
@@ -167,6 +177,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import ApertusConfig, ApertusForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
     from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
+    from transformers import GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, PhiConfig, PhiForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     if spm:
@@ -188,6 +200,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
         bos_token_id=tok.bos_token_id if spm else None,
     )
     common.update(overrides)
+    renames = CLASSIC_NAMES.get(arch, {})  # a classic family's own names (None: none)
+    common = {renames.get(k, k): v for k, v in common.items() if renames.get(k, k) is not None}
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
@@ -236,7 +250,10 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "phimoe": (PhimoeConfig, PhimoeForCausalLM),
                           "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM),
                           "olmo": (OlmoConfig, OlmoForCausalLM),
-                          "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)}[arch]
+                          "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM),
+                          "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM), "phi": (PhiConfig, PhiForCausalLM),
+                          "gptj": (GPTJConfig, GPTJForCausalLM), "stablelm": (StableLmConfig, StableLmForCausalLM),
+                          "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -249,12 +266,12 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe")
-                  and name.endswith("norm.weight")
+                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", *CLASSIC_NAMES)
+                  and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron", "phimoe") \
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron", "phimoe", *CLASSIC_NAMES) \
                     and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
@@ -612,6 +629,64 @@ def tiny_granitemoeshared_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoeshared"), "granitemoeshared", seed=41,
                             num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
                             **{**GRANITE_TINY, "intermediate_size": 32})
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_neox_dir(tmp_path_factory) -> Path:
+    # Pythia's layout: parallel residual through two LayerNorms, RoPE on a quarter of each head, biases everywhere
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_neox"), "gpt_neox", seed=42, layer_norm_eps=1e-5,
+                            hidden_act="gelu", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_neox_sequential_dir(tmp_path_factory) -> Path:
+    # without use_parallel_residual: Llama's order of the blocks; RoPE on half of each head, base 1e4 -> 5e3
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_neox_seq"), "gpt_neox", seed=43, layer_norm_eps=1e-5,
+                            use_parallel_residual=False, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                             "partial_rotary_factor": 0.5})
+
+
+@pytest.fixture(scope="session")
+def tiny_phi_dir(tmp_path_factory) -> Path:
+    # phi-2's layer with phi's optional q/k LayerNorms, RoPE on 0.4 of each head (6 of 16 features)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_phi"), "phi", seed=44, num_key_value_heads=4,
+                            layer_norm_eps=1e-5, hidden_act="gelu_new", qk_layernorm=True, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.4})
+
+
+@pytest.fixture(scope="session")
+def tiny_gptj_dir(tmp_path_factory) -> Path:
+    # GPT-J: RoPE on the interleaved pairs of 8 of each head's 16 features
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gptj"), "gptj", seed=45, rotary_dim=8,
+                            layer_norm_epsilon=1e-5, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_stablelm_dir(tmp_path_factory) -> Path:
+    # StableLM 2 1.6B's layout: Llama's order with LayerNorms, q/k/v biases, RoPE on a quarter of each head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_stablelm"), "stablelm", seed=46, use_qkv_bias=True,
+                            layer_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_stablelm_parallel_dir(tmp_path_factory) -> Path:
+    # StableLM 2 12B's: one norm for both blocks, a LayerNorm of its own per query and key head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_stablelm_par"), "stablelm", seed=47,
+                            use_parallel_residual=True, qk_layernorm=True, layer_norm_eps=1e-5,
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    # GPT-2: learned positions, Conv1D weights with q/k/v fused, a tied head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt2"), "gpt2", seed=48, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_dir(tmp_path_factory) -> Path:
+    # OPT-125M's layout: learned positions from row 2, a ReLU MLP, a tied head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_opt"), "opt", seed=49, word_embed_proj_dim=64)
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -66,7 +66,8 @@ from specray.models.nemotron import NemotronForCausalLM
 from specray.models.olmo import OlmoForCausalLM
 from specray.models.olmoe import OlmoeForCausalLM
 from specray.models.phimoe import PhimoeForCausalLM
-from specray.models.starcoder2 import Starcoder2ForCausalLM, Starcoder2MLP
+from specray.models.starcoder2 import Starcoder2ForCausalLM
+from specray.models.classic import GatelessMLP
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
@@ -95,7 +96,7 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "glm": ("tiny_glm_dir", LlamaForCausalLM, LlamaMLP),
             "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
             "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
-            "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, Starcoder2MLP),
+            "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, GatelessMLP),
             "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
             "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP),
             "hunyuan_v1_moe": ("tiny_hunyuan_v1_moe_dir", HunYuanMoEV1ForCausalLM, SparseMoE),

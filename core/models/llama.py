@@ -429,13 +429,17 @@ class LlamaModel(StageModel):
         x = self.embed_tokens(input_ids)
         return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
+    def embed_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's input [T, H]: the tokens' embeddings (a family with learned positions adds theirs)."""
+        return self.embed(input_ids)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
         # after the first starts from the previous stage's (x, residual) ``intermediate`` [2, T, H]; a stage before
         # the last ends there, returning its own (unnormed)
         if intermediate is None:
-            x, residual = self.embed(input_ids), None
+            x, residual = self.embed_step(input_ids, meta), None
         else:
             x, residual = intermediate.unbind(0)
         rope = self.rope_tables(meta, x.dtype)
@@ -649,9 +653,10 @@ class LlamaForCausalLM(nn.Module):
         other stages' layers, embedding, norm and head, but a later stage's own LM head reads a tied embedding."""
         if name.startswith(self.skipped):
             return False
-        if name.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.pp.is_last:
+        ours = self._our_name(name)
+        if ours.startswith("model.embed_tokens.") and self.tie_word_embeddings and self.pp.is_last:
             return True
-        return not self._our_name(name).startswith(self.other_stage)
+        return not ours.startswith(self.other_stage)
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)
