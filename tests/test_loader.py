@@ -125,9 +125,9 @@ def test_config_and_tokenizer(tiny_llama_dir):
 
 
 def test_unknown_architecture(tiny_llama_dir, tmp_path):
-    folder = copy_config(tiny_llama_dir, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    folder = copy_config(tiny_llama_dir, tmp_path / "xglm", architectures=["XGLMForCausalLM"], model_type="xglm")
     shutil.copy(tiny_llama_dir / "model.safetensors", folder)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"XGLMForCausalLM.*not supported.*LlamaForCausalLM"):
         load_model(str(folder))
 
 

@@ -948,7 +948,7 @@ def test_aux_layers_equal_transformers_hidden_states(contiguous):
 
 
 def test_registry():
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, XGLMConfig
 
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"]),
                 Qwen3Config(architectures=["Qwen3ForCausalLM"]), Qwen3Config()):
@@ -981,8 +981,8 @@ def test_registry():
 
     assert get_model_class(Glm4MoeConfig()) is Glm4MoeForCausalLM
     assert get_model_class(Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"])) is Glm4MoeForCausalLM
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
-        get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="XGLMForCausalLM.*LlamaForCausalLM"):
+        get_model_class(XGLMConfig(architectures=["XGLMForCausalLM"]))
 
 
 def test_kv_cache_sizing_and_errors():
