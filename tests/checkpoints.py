@@ -421,7 +421,7 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
     tensors = {}
     for name, w in _projection_shapes(base).items():
         parts = name.split(".")
-        if parts[-2] not in modules or (layers is not None and int(parts[2]) not in layers):
+        if parts[-2] not in modules or (layers is not None and _layer_of(name) not in layers):
             continue
         g = torch.Generator().manual_seed(seed * 1000 + len(tensors))
         out_features, in_features = w
@@ -438,13 +438,23 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
     return dst
 
 
+def _layer_of(name: str) -> int:
+    """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``model.decoder.layers.3.``)."""
+    return int(re.search(r"\.(?:layers|h)\.(\d+)\.", name).group(1))
+
+
+# the names of the projections an adapter may adapt: Llama's (*proj; Granite's shared MLP: *_linear), Phi's, GPT-J's and
+# OPT's own
+_PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h)\.\d+\..*(?:proj|_linear|\.dense|\.fc1|\.fc2"
+                          r"|\.fc_in|\.fc_out)\.weight$")
+
+
 def _projection_shapes(base: Path) -> dict[str, tuple[int, int]]:
     from safetensors import safe_open
 
     with safe_open(str(base / "model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()  # (Granite's shared MLP: *_linear)
-                if k.startswith("model.layers.") and k.endswith(("proj.weight", "_linear.weight"))
-                and ".experts." not in k and ".block_sparse_moe." not in k}
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                if _PROJECTIONS.match(k) and ".experts." not in k and ".block_sparse_moe." not in k}
 
 
 def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:

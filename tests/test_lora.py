@@ -41,13 +41,15 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_olmo3_dir", "tiny_ernie4_5_dir", "tiny_seed_oss_dir", "tiny_glm4_dir",
                                      "tiny_arcee_dir", "tiny_exaone4_dir", "tiny_starcoder2_dir", "tiny_gemma_dir",
                                      "tiny_cohere_dir", "tiny_apertus_dir", "tiny_nemotron_dir",
-                                     "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir"])
+                                     "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir", "tiny_phi_dir",
+                                     "tiny_gptj_dir", "tiny_opt_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
     logits equal transformers' on the merged weights (the base model's for the row without)."""
     base = request.getfixturevalue(fixture)
-    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    config = json.loads((base / "config.json").read_text())
+    layers = config.get("num_hidden_layers", config.get("n_layer"))  # (GPT-J's name)
     every, some, std = checkpoints.LORA_MODULES, ("q_proj", "v_proj", "down_proj"), 0.2
     if fixture == "tiny_deepseek_dir":  # latent attention's projections but kv_b_proj (read as a weight)
         every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,6 +63,10 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
     if fixture == "tiny_starcoder2_dir":  # its MLP's own names, no gate
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
+    if fixture in ("tiny_phi_dir", "tiny_gptj_dir", "tiny_opt_dir"):  # their own names (renamed to ours)
+        out, up, down = {"tiny_phi_dir": ("dense", "fc1", "fc2"), "tiny_gptj_dir": ("out_proj", "fc_in", "fc_out"),
+                         "tiny_opt_dir": ("out_proj", "fc1", "fc2")}[fixture]
+        every, some = ("q_proj", "k_proj", "v_proj", out, up, down), ("q_proj", "v_proj", down)
     if fixture == "tiny_granitemoeshared_dir":  # its shared MLP's fused input_linear (gate | up) and output_linear
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear")
         some = ("q_proj", "v_proj", "output_linear")

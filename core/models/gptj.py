@@ -48,7 +48,9 @@ class GPTJForCausalLM(LlamaForCausalLM):
 
     model_class = GPTJModel
     stacked = GATELESS_STACKED
-    lora_modules: tuple[str, ...] = ()  # not yet
+    # LoRA on q/k/v, the output projection and the MLP: our names (adapters name the checkpoint's: adapter_module
+    # renames them)
+    lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
