@@ -134,7 +134,9 @@ _GPT_NAMES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_atte
               "rms_norm_eps": None}
 CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}, "phi": {"rms_norm_eps": None},
                  "gptj": _GPT_NAMES, "stablelm": {"rms_norm_eps": None}, "gpt2": _GPT_NAMES,
-                 "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None}}
+                 "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None},
+                 "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads",
+                            "rms_norm_eps": None}}
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
@@ -178,6 +180,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
     from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
     from transformers import GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, PhiConfig, PhiForCausalLM
+    from transformers import FalconConfig, FalconForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -253,7 +256,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM),
                           "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM), "phi": (PhiConfig, PhiForCausalLM),
                           "gptj": (GPTJConfig, GPTJForCausalLM), "stablelm": (StableLmConfig, StableLmForCausalLM),
-                          "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM)}[arch]
+                          "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
+                          "falcon": (FalconConfig, FalconForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -687,6 +691,35 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
 def tiny_opt_dir(tmp_path_factory) -> Path:
     # OPT-125M's layout: learned positions from row 2, a ReLU MLP, a tied head
     return build_tiny_model(tmp_path_factory.mktemp("tiny_opt"), "opt", seed=49, word_embed_proj_dim=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_dir(tmp_path_factory) -> Path:
+    # Falcon-40B's layout: two KV heads for four query heads fused group by group, a norm each for the parallel
+    # blocks, biases
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon"), "falcon", seed=50, new_decoder_architecture=True,
+                            bias=True, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_7b_dir(tmp_path_factory) -> Path:
+    # Falcon-7B's: one KV head shared by every query head, one norm for both parallel blocks, no biases
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_7b"), "falcon", seed=51, multi_query=True,
+                            parallel_attn=True, bias=False, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon2_dir(tmp_path_factory) -> Path:
+    # Falcon 2's: the new layout's grouped q/k/v with one norm for both parallel blocks
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon2"), "falcon", seed=53, new_decoder_architecture=True,
+                            num_ln_in_parallel_attn=1, parallel_attn=True, bias=False, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_sequential_dir(tmp_path_factory) -> Path:
+    # blocks one after the other, a KV head per query head fused head by head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_seq"), "falcon", seed=52, multi_query=False,
+                            num_key_value_heads=4, parallel_attn=False, bias=True, layer_norm_epsilon=1e-5)
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -13,6 +13,8 @@ under n-gram drafts equal to transformers' ``generate``, and two tensor-parallel
   parallel blocks under one norm with a LayerNorm per query and key head (GQA).
 * GPT-2 (``GPT2LMHeadModel``): learned positions, no RoPE, Conv1D weights with q/k/v fused, a tied head.
 * OPT (``OPTForCausalLM``): learned positions from row 2 of the table, a ReLU MLP, its names.
+* Falcon (``FalconForCausalLM``): 40B's grouped q/k/v and two norms, 7B's one KV head and one norm, Falcon 2's
+  grouped q/k/v and one norm, and blocks in sequence with a KV head per query head.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 from specray.models.classic import GatelessMLP
 from specray.models.gpt_neox import GPTNeoXForCausalLM
+from specray.models.falcon import FalconForCausalLM
 from specray.models.gpt2 import GPT2LMHeadModel
 from specray.models.gptj import GPTJForCausalLM
 from specray.models.opt import OPTForCausalLM
@@ -42,7 +45,11 @@ FAMILIES = {"gpt_neox": ("tiny_gpt_neox_dir", GPTNeoXForCausalLM, GatelessMLP),
             "stablelm": ("tiny_stablelm_dir", StableLmForCausalLM, LlamaMLP),
             "stablelm_parallel": ("tiny_stablelm_parallel_dir", StableLmForCausalLM, LlamaMLP),
             "gpt2": ("tiny_gpt2_dir", GPT2LMHeadModel, GatelessMLP),
-            "opt": ("tiny_opt_dir", OPTForCausalLM, GatelessMLP)}
+            "opt": ("tiny_opt_dir", OPTForCausalLM, GatelessMLP),
+            "falcon": ("tiny_falcon_dir", FalconForCausalLM, GatelessMLP),
+            "falcon_7b": ("tiny_falcon_7b_dir", FalconForCausalLM, GatelessMLP),
+            "falcon2": ("tiny_falcon2_dir", FalconForCausalLM, GatelessMLP),
+            "falcon_sequential": ("tiny_falcon_sequential_dir", FalconForCausalLM, GatelessMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -62,8 +69,10 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 
 
 RANK_CHECKS = {1: ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir", "tiny_phi_dir", "tiny_gptj_dir",
-                   "tiny_stablelm_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir"),
-               2: ("tiny_gpt_neox_dir", "tiny_phi_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir")}
+                   "tiny_stablelm_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
+                   "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir"),
+               2: ("tiny_gpt_neox_dir", "tiny_phi_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
+                   "tiny_falcon_dir")}
 
 
 @pytest.mark.parametrize("stages", sorted(RANK_CHECKS))

@@ -9,8 +9,8 @@ GPT-2, OPT, Phi, GPT-J, StableLM and StarCoder2.
   (GPT-2, OPT; OPT's table starts ``position_offset`` rows in);
 * :func:`llama_view`: a family's config with the fields the Llama plumbing reads (its own field names, defaults and
   flags mapped), a copy;
-* :func:`split_heads_qkv`: a fused q/k/v projection stored head by head (GPT-NeoX: ``[heads, 3, head_dim]`` rows) as
-  the three projections.
+* :func:`split_grouped_qkv`: a fused q/k/v projection stored KV head by KV head (GPT-NeoX: ``[heads, 3, head_dim]``
+  rows; Falcon: each KV head's queries, key and value) as the three projections.
 
 Each family file says where it differs; the loading of their checkpoints' names is the family's ``renames``.
 """
@@ -142,14 +142,17 @@ def llama_view(config, **fields: Any):
     return config
 
 
-def split_heads_qkv(name: str, tensor: Any, fused: str, num_heads: int) -> list[tuple[str, torch.Tensor]]:
-    """A fused q/k/v weight or bias ``name`` (its rows ``[heads, 3, head_dim]``: each head's q, k and v in turn) as
-    the three projections' tensors, named with ``fused`` replaced by ``.q_proj.``, ``.k_proj.`` and ``.v_proj.``."""
+def split_grouped_qkv(name: str, tensor: Any, fused: str, num_groups: int, q_per_group: int = 1
+                      ) -> list[tuple[str, torch.Tensor]]:
+    """A fused q/k/v weight or bias ``name`` stored group by group (its rows ``[groups, q_per_group + 2, head_dim]``:
+    each KV head's queries, then its key, then its value; GPT-NeoX: one query per group, a group per head) as the three
+    projections' tensors, named with ``fused`` replaced by ``.q_proj.``, ``.k_proj.`` and ``.v_proj.``."""
     value = materialize(tensor)
-    rows = value.shape[0]
-    if rows % (3 * num_heads):
-        raise ValueError(f"checkpoint tensor {name} has {rows} rows, not a multiple of 3 * num_attention_heads="
-                         f"{3 * num_heads}: the checkpoint does not match its config.json")
-    parts = value.reshape(num_heads, 3, rows // (3 * num_heads), *value.shape[1:]).unbind(1)
-    return [(name.replace(fused, f".{p}_proj."), part.reshape(rows // 3, *value.shape[1:]))
-            for p, part in zip("qkv", parts)]
+    rows, per = value.shape[0], q_per_group + 2
+    if rows % (num_groups * per):
+        raise ValueError(f"checkpoint tensor {name} has {rows} rows, not a multiple of {num_groups} KV heads times "
+                         f"{per} heads each: the checkpoint does not match its config.json")
+    grouped = value.reshape(num_groups, per, rows // (num_groups * per), *value.shape[1:])
+    q, k, v = grouped[:, :q_per_group], grouped[:, -2], grouped[:, -1]
+    return [(name.replace(fused, f".{p}_proj."), part.reshape(-1, *value.shape[1:]))
+            for p, part in zip("qkv", (q, k, v))]

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view, split_heads_qkv
+from specray.models.classic import GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view, split_grouped_qkv
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -69,6 +69,6 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
             if _BUFFERS.search(name):
                 continue
             if ".attention.query_key_value." in name:
-                yield from split_heads_qkv(name, tensor, ".query_key_value.", heads)
+                yield from split_grouped_qkv(name, tensor, ".query_key_value.", heads)
             else:
                 yield name, tensor

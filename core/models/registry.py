@@ -89,15 +89,17 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
-# the classic GPT-style families (specray.models.classic): GPT-NeoX (Pythia), Phi, GPT-J, StableLM, GPT-2, OPT
+# the classic GPT-style families (specray.models.classic): GPT-NeoX (Pythia), Phi, GPT-J, StableLM, GPT-2, OPT, Falcon
 _ARCHITECTURES.update({"GPTNeoXForCausalLM": "specray.models.gpt_neox:GPTNeoXForCausalLM",
                        "PhiForCausalLM": "specray.models.phi:PhiForCausalLM",
                        "GPTJForCausalLM": "specray.models.gptj:GPTJForCausalLM",
                        "StableLmForCausalLM": "specray.models.stablelm:StableLmForCausalLM",
                        "GPT2LMHeadModel": "specray.models.gpt2:GPT2LMHeadModel",
-                       "OPTForCausalLM": "specray.models.opt:OPTForCausalLM"})
+                       "OPTForCausalLM": "specray.models.opt:OPTForCausalLM",
+                       "FalconForCausalLM": "specray.models.falcon:FalconForCausalLM"})
 _MODEL_TYPES.update({"gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
-                     "stablelm": "StableLmForCausalLM", "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM"})
+                     "stablelm": "StableLmForCausalLM", "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM",
+                     "falcon": "FalconForCausalLM"})
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
 # rest, the vision tower and projector, is not loaded); Mistral 3's (Mistral Small 3.1 / 3.2, Devstral, Magistral)
