@@ -753,6 +753,7 @@ tiny_lfm2_moe_dir = _hybrid_fixture("lfm2_moe", 56)  # LFM2-MoE: short convs, at
 tiny_jamba_dir = _hybrid_fixture("jamba", 57)  # Jamba: Mamba-1, NoPE attention, experts
 tiny_falcon_mamba_dir = _hybrid_fixture("falcon_mamba", 58)  # Mamba-1 alone, its B, C and dt normed
 tiny_zamba2_dir = _hybrid_fixture("zamba2", 59)  # Zamba2: Mamba-2, a shared block run at two layers
+tiny_lfm3_dir = _hybrid_fixture("lfm3", 60)  # LFM3: short convs, sliding and full attention with gated heads
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8
 _ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
 MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
-               "mamba2", "lfm2", "lfm2_moe", "jamba", "mamba", "falcon_mamba", "zamba2")
+               "mamba2", "lfm2", "lfm2_moe", "lfm3", "jamba", "mamba", "falcon_mamba", "zamba2")
 # (LFM2's short convs: a recurrent state with no matrix; Mamba-1's: a state row decaying at its own rate)
 
 
@@ -72,6 +72,12 @@ def mamba_config(arch: str, **overrides):
                   conv_L_cache=3, conv_bias=False, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                   num_dense_layers=1, use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)
         return tf.Lfm2MoeConfig(**{**kw, **overrides})
+    if arch == "lfm3":  # LFM3: short convs, a sliding and a full attention layer (each kind its RoPE: the full
+        # one's proportional, half its pairs rotated), heads gated, the sandwich norms
+        kw = dict(_ATTN, num_hidden_layers=4, layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+                  head_dim=16, sliding_window=6, norm_eps=1e-5, conv_L_cache=3, conv_bias=False, eos_token_id=None,
+                  use_sandwich_norm=True, use_attention_gate=True)
+        return tf.Lfm3Config(**{**kw, **overrides})
     if arch == "jamba":  # Jamba: Mamba-1 and NoPE attention alternating, experts on every other layer
         kw = dict(_ATTN, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,

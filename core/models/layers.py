@@ -474,7 +474,10 @@ class LayerNorm(RMSNorm):
 
 def position_query_scaling(config) -> tuple[float, int] | None:
     """(beta, L0) where the config scales queries by position (``rope_parameters``' ``llama_4_scaling_beta`` and
-    ``original_max_position_embeddings``: Mistral 4, Ministral 3), else None."""
+    ``original_max_position_embeddings``: Mistral 4, Ministral 3), else None (RoPE given per kind of layer: never)."""
+    given = getattr(config, "rope_parameters", None) or {}
+    if given and all(isinstance(v, dict) for v in given.values()):
+        return None
     params = rope_parameters(config, partial=True)
     if params.get("llama_4_scaling_beta") is None:
         return None

@@ -271,6 +271,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, D/2] -> [T, H]
+        return self.o_proj(self.attn(*self.project(x, cos, sin, meta), meta))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the rows ``x`` [T, H], normed and rotated as the layer does."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         if self.clip_qkv is not None:
@@ -288,7 +293,7 @@ class LlamaAttention(nn.Module):
         if self.query_scaling is not None:
             q = scale_queries(q, meta.positions, self.query_scaling)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

@@ -120,7 +120,7 @@ _ARCHITECTURES["OlmoHybridForCausalLM"] = "specray.models.olmo_hybrid:OlmoHybrid
 _MODEL_TYPES["olmo_hybrid"] = "OlmoHybridForCausalLM"
 
 # Mamba models and hybrids (Mamba-2 or Mamba-1 layers with a recurrent state per request: specray.models.mamba_hybrid,
-# zamba2) and LFM2 (short convs, a conv history per request: specray.models.lfm2)
+# zamba2) and LFM2 / LFM3 (short convs, a conv history per request: specray.models.lfm2, lfm3)
 _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHybridForCausalLM",
                        "GraniteMoeHybridForCausalLM": "specray.models.mamba_hybrid:GraniteMoeHybridForCausalLM",
                        "NemotronHForCausalLM": "specray.models.mamba_hybrid:NemotronHForCausalLM",
@@ -128,6 +128,7 @@ _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHyb
                        "Mamba2ForCausalLM": "specray.models.mamba_hybrid:Mamba2ForCausalLM",
                        "Lfm2ForCausalLM": "specray.models.lfm2:Lfm2ForCausalLM",
                        "Lfm2MoeForCausalLM": "specray.models.lfm2:Lfm2ForCausalLM",
+                       "Lfm3ForCausalLM": "specray.models.lfm3:Lfm3ForCausalLM",
                        "JambaForCausalLM": "specray.models.mamba_hybrid:JambaForCausalLM",
                        "MambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
                        "FalconMambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
@@ -135,6 +136,7 @@ _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHyb
 _MODEL_TYPES.update({"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                      "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
                      "mamba2": "Mamba2ForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
+                     "lfm3": "Lfm3ForCausalLM",
                      "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
                      "zamba2": "Zamba2ForCausalLM"})
 # Nemotron 3 Nano Omni: a Nemotron-H text model (its text_config) under ``language_model.`` beside its vision and
