@@ -180,7 +180,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
     from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
     from transformers import GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, PhiConfig, PhiForCausalLM
-    from transformers import FalconConfig, FalconForCausalLM
+    from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM, FalconConfig, FalconForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -257,7 +257,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM), "phi": (PhiConfig, PhiForCausalLM),
                           "gptj": (GPTJConfig, GPTJForCausalLM), "stablelm": (StableLmConfig, StableLmForCausalLM),
                           "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
-                          "falcon": (FalconConfig, FalconForCausalLM)}[arch]
+                          "falcon": (FalconConfig, FalconForCausalLM),
+                          "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -270,7 +271,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", *CLASSIC_NAMES)
+                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -720,6 +721,29 @@ def tiny_falcon_sequential_dir(tmp_path_factory) -> Path:
     # blocks one after the other, a KV head per query head fused head by head
     return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_seq"), "falcon", seed=52, multi_query=False,
                             num_key_value_heads=4, parallel_attn=False, bias=True, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere2_moe_dir(tmp_path_factory) -> Path:
+    # Command A+'s layout: a dense global first layer rotated, then a sliding MoE layer (softmax over the top 2
+    # logits), a shared MLP averaged with the experts, Command's LayerNorms
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere2_moe"), "cohere2_moe", seed=61, num_experts=4,
+                            num_experts_per_tok=2, head_dim=16, sliding_window=8, rms_norm_eps=None,
+                            layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
+                            prefix_dense_intermediate_size=96, num_shared_experts=1, logit_scale=0.5,
+                            shared_expert_combination_strategy="average", expert_selection_fn="softmax")
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere2_moe_sigmoid_dir(tmp_path_factory) -> Path:
+    # sigmoid-weighted experts renormalised, shared experts (two MLPs wide) summed in, RMSNorms, a global NoPE MoE
+    # layer after two sliding ones
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_cohere2_moe_sig"), "cohere2_moe", seed=62, num_experts=4,
+                            num_experts_per_tok=2, head_dim=16, sliding_window=8, num_hidden_layers=3,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_sliding_window_pattern=2,
+                            num_shared_experts=2, shared_expert_combination_strategy="sum",
+                            expert_selection_fn="sigmoid", norm_topk_prob=True)
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -46,6 +46,9 @@ to one:
   class (TP 2).
 * OLMo (``OlmoForCausalLM``): Llama's layer with weightless LayerNorms, q/k/v clamped as projected (TP 2).
 * Granite's shared MoE (``GraniteMoeSharedForCausalLM``): Granite's MoE with a shared MLP, its gate/up fused (TP 2).
+* Command A+ (``Cohere2MoeForCausalLM``): Command R7B's parallel layer over a dense prefix (rotated where global) and
+  experts weighted by the softmax or the sigmoids of their top logits, shared experts averaged or summed in,
+  LayerNorms or RMSNorms (TP 2: experts split by width).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from specray.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specray.models.apertus import ApertusForCausalLM, ApertusMLP
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
+from specray.models.cohere2_moe import Cohere2MoeForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
@@ -107,7 +111,9 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "phimoe": ("tiny_phimoe_dir", PhimoeForCausalLM, SparseMoE),
             "minicpm3": ("tiny_minicpm3_dir", DeepseekV3ForCausalLM, LlamaMLP),
             "olmo": ("tiny_olmo_dir", OlmoForCausalLM, LlamaMLP),
-            "granitemoeshared": ("tiny_granitemoeshared_dir", LlamaForCausalLM, SparseMoE)}
+            "granitemoeshared": ("tiny_granitemoeshared_dir", LlamaForCausalLM, SparseMoE),
+            "cohere2_moe": ("tiny_cohere2_moe_dir", Cohere2MoeForCausalLM, LlamaMLP),
+            "cohere2_moe_sigmoid": ("tiny_cohere2_moe_sigmoid_dir", Cohere2MoeForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -134,7 +140,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
-                   "tiny_granitemoeshared_dir"),
+                   "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

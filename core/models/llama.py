@@ -74,7 +74,7 @@ SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere", "cohere2")
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere", "cohere2", "cohere2_moe")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -194,11 +194,14 @@ def _uses_bias(config) -> bool:
 def _uses_rope(config, layer: int) -> bool:
     """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
     flag per layer, 1 where the layer uses RoPE), EXAONE 4.0's and K-EXAONE's global layers where they have sliding
-    ones, and Cohere2's global layers (its sliding ones alone use RoPE)."""
+    ones, and Cohere2's global layers (its sliding ones alone use RoPE; Command A+'s dense prefix too, when global)."""
     if config.model_type in ("exaone4", "exaone_moe"):
         return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
     if config.model_type == "cohere2":
         return _sliding_window(config, layer) is not None
+    if config.model_type == "cohere2_moe":  # (its dense prefix layers too where all of them are global)
+        forced = config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1
+        return _sliding_window(config, layer) is not None or forced
     if config.model_type == "granitemoehybrid":  # Granite 4.0's hybrids: NoPE unless position_embedding_type says
         return getattr(config, "position_embedding_type", None) == "rope"
     if config.model_type in ("nemotron_h", "jamba"):  # their attention layers have no positional encoding

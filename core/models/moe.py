@@ -26,7 +26,9 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 * GPT-OSS: the router has a bias; a softmax over the top k router logits (the chosen ones only). Its experts have
   biases (the down projection's added once: by one rank when split by width) and a clamped SwiGLU: with gate
   clamped above and up clamped both sides at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
-  its fused ``gate_up_proj`` interleaves gate and up (gate, up, gate, ...) along its 2I features.
+  its fused ``gate_up_proj`` interleaves gate and up (gate, up, gate, ...) along its 2I features;
+* Command A+: the top k router logits weighted by their softmax (GPT-OSS's) or by their sigmoids renormalised
+  (``expert_selection_fn``), shared experts' output added or averaged with the experts' (``(routed + shared) / 2``).
 
 What differs by family (names, router, where the weight applies, the fused tensors' layout) is one row of
 :data:`FAMILIES`.
@@ -175,6 +177,11 @@ class MoEFamily:
     # holds the up rows alone
     gateless: bool = False
     latent: bool = False  # experts over a latent width (moe_latent_size) between two projections (Nemotron-H's)
+    # a config field naming how the top k logits are weighted, "softmax" or "sigmoid" (the latter renormalised where
+    # norm_topk_prob), in place of the routing's own (Command A+'s expert_selection_fn)
+    selection: str | None = None
+    # a config field saying how the shared experts' output joins the routed ones': "sum", or "average" (halved)
+    shared_combination: str | None = None
 
 
 FAMILIES = {
@@ -209,6 +216,12 @@ FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
 # Phi-3.5-MoE: Mixtral's names and widths, the sparsemixer's two experts
 FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
+# Command A+: the top k logits weighted by their softmax or sigmoids (expert_selection_fn), shared experts as wide as
+# num_shared_experts dense MLPs, added or averaged (shared_expert_combination_strategy)
+FAMILIES["cohere2_moe"] = MoEFamily("topk_softmax", "num_experts", "intermediate_size", shared="shared_experts",
+                                    shared_width="intermediate_size", shared_count="num_shared_experts",
+                                    selection="expert_selection_fn",
+                                    shared_combination="shared_expert_combination_strategy")
 # Granite's MoE: the top k router logits softmaxed (GPT-OSS's routing, no biases), Mixtral's widths
 FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router")
 # Granite's shared MoE: Granite's MoE and a shared MLP of shared_intermediate_size (0: none)
@@ -366,6 +379,20 @@ class SparseMoE(nn.Module):
                 raise ValueError(f"num_experts_per_tok={self.top_k} is not supported for model_type="
                                  f"{config.model_type!r}: its sparsemixer routing picks 2 experts; use 2")
             self.jitter_eps = float(config.router_jitter_noise)
+        self.topk_sigmoid = family.routing == "topk_sigmoid"
+        if family.selection is not None:
+            choice = getattr(config, family.selection)
+            if choice not in ("softmax", "sigmoid"):
+                raise ValueError(f"{family.selection}={choice!r} is not supported for model_type="
+                                 f"{config.model_type!r}; 'softmax' or 'sigmoid'")
+            self.topk_sigmoid = choice == "sigmoid"
+        self.shared_average = False
+        if family.shared_combination is not None:
+            how = getattr(config, family.shared_combination)
+            if how not in ("sum", "average"):
+                raise ValueError(f"{family.shared_combination}={how!r} is not supported for model_type="
+                                 f"{config.model_type!r}; 'sum' or 'average'")
+            self.shared_average = how == "average"
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)
             self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
@@ -531,9 +558,12 @@ class SparseMoE(nn.Module):
         router = self.router_module
         if self.family.routing in ("topk_sigmoid", "topk_softmax"):  # the top k logits, then each one's weight
             logits, ids = F.linear(x, router.weight, router.bias).topk(self.top_k, dim=-1)
-            if self.family.routing == "topk_softmax":
+            if not self.topk_sigmoid:
                 return F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), ids
-            return torch.sigmoid(logits.float()).to(x.dtype), ids
+            weights = torch.sigmoid(logits.float())
+            if self.norm_topk_prob:  # (Command A+'s; Llama-4's config has no norm_topk_prob)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(x.dtype), ids
         if self.family.routing == "scaled_softmax":
             return self._route_scaled(x)
         probs = F.softmax(F.linear(x, router.weight), dim=-1, dtype=torch.float32)  # [T, E]
@@ -617,7 +647,7 @@ class SparseMoE(nn.Module):
             shared = self.shared.partial(x)
             if self.family.shared_gate is not None:  # each token's gate, the same on every rank
                 shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
-            out = out + shared
+            out = out + shared if not self.shared_average else (out + shared) * 0.5
         return self.tp.all_reduce(out)
 
     def _experts_looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

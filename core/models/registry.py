@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "PhimoeForCausalLM": "specray.models.phimoe:PhimoeForCausalLM",
     "Cohere2ForCausalLM": "specray.models.cohere2:Cohere2ForCausalLM",
     "CohereForCausalLM": "specray.models.cohere2:CohereForCausalLM",
+    "Cohere2MoeForCausalLM": "specray.models.cohere2_moe:Cohere2MoeForCausalLM",
     "HunYuanDenseV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanDenseV1ForCausalLM",
     "HunYuanMoEV1ForCausalLM": "specray.models.hunyuan_v1:HunYuanMoEV1ForCausalLM",
     "MinistralForCausalLM": "specray.models.llama:LlamaForCausalLM",
@@ -85,6 +86,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "dots1": "Dots1ForCausalLM", "exaone4": "Exaone4ForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM",
                 "arcee": "ArceeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "ministral": "MinistralForCausalLM",
                 "cohere2": "Cohere2ForCausalLM", "ministral3": "Ministral3ForCausalLM",
+                "cohere2_moe": "Cohere2MoeForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
