@@ -42,7 +42,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_arcee_dir", "tiny_exaone4_dir", "tiny_starcoder2_dir", "tiny_gemma_dir",
                                      "tiny_cohere_dir", "tiny_apertus_dir", "tiny_nemotron_dir",
                                      "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir", "tiny_phi_dir",
-                                     "tiny_gptj_dir", "tiny_opt_dir"])
+                                     "tiny_gptj_dir", "tiny_opt_dir", "tiny_cohere2_moe_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
