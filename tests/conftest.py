@@ -181,6 +181,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM, OlmoConfig, OlmoForCausalLM
     from transformers import GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, PhiConfig, PhiForCausalLM
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM, FalconConfig, FalconForCausalLM
+    from transformers import CwmConfig, CwmForCausalLM, Jais2Config, Jais2ForCausalLM
+    from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -258,7 +260,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gptj": (GPTJConfig, GPTJForCausalLM), "stablelm": (StableLmConfig, StableLmForCausalLM),
                           "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
                           "falcon": (FalconConfig, FalconForCausalLM),
-                          "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM)}[arch]
+                          "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
+                          "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
+                          "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -268,15 +272,18 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                               "mlp.router.gate.weight", "mlp.gate.wg.weight", "block_sparse_moe.router.weight",
                               "block_sparse_moe.gate.weight")):
                 param.normal_(0.0, 0.5)
-            elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # Gemma's: 1 + w, w from 0
+            elif arch in ("gemma", "gemma2", "gemma3", "vaultgemma") and name.endswith("norm.weight"):
+                # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
-                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", *CLASSIC_NAMES)
+                           "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
+                           *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
                 param.uniform_(0.5, 1.5)  # wrong slice shows
-            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron", "phimoe", *CLASSIC_NAMES) \
+            elif arch in ("ernie4_5", "seed_oss", "glm4", "glm", "starcoder2", "nemotron", "phimoe", "jais2",
+                          *CLASSIC_NAMES) \
                     and name.endswith(".bias"):
                 # zeros at init: random, so they show
                 param.normal_(0.0, 0.5)
@@ -744,6 +751,27 @@ def tiny_cohere2_moe_sigmoid_dir(tmp_path_factory) -> Path:
                             mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_sliding_window_pattern=2,
                             num_shared_experts=2, shared_expert_combination_strategy="sum",
                             expert_selection_fn="sigmoid", norm_topk_prob=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_vaultgemma_dir(tmp_path_factory) -> Path:
+    # VaultGemma: Gemma 2's layers without the norms on the blocks' outputs
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_vaultgemma"), "vaultgemma", seed=63, **GEMMA2_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_jais2_dir(tmp_path_factory) -> Path:
+    # Jais 2: LayerNorms with biases, biased attention, a gateless relu^2 MLP with biases
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_jais2"), "jais2", seed=64, layer_norm_eps=1e-5,
+                            hidden_act="relu2", attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_cwm_dir(tmp_path_factory) -> Path:
+    # CWM: Llama's layers, a global layer then sliding ones (layer_types), Llama 3's RoPE scaling
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_cwm"), "cwm", seed=65, num_hidden_layers=3,
+                            sliding_window=6, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            tie_word_embeddings=False, bos_token_id=1)  # (its config wants a BOS id)
 
 
 def _hybrid_fixture(arch: str, seed: int):

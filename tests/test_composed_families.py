@@ -49,6 +49,9 @@ to one:
 * Command A+ (``Cohere2MoeForCausalLM``): Command R7B's parallel layer over a dense prefix (rotated where global) and
   experts weighted by the softmax or the sigmoids of their top logits, shared experts averaged or summed in,
   LayerNorms or RMSNorms (TP 2: experts split by width).
+* VaultGemma (``VaultGemmaForCausalLM``): Gemma 2's layers without the norms on the blocks' outputs (TP 2).
+* Jais 2 (``Jais2ForCausalLM``): LayerNorms with biases, biased attention, AFM's relu^2 MLP with biases (TP 2).
+* CWM (``CwmForCausalLM``): Llama's layers with sliding ones by ``layer_types``, Llama 3's RoPE (TP 2).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ from specray.models.apertus import ApertusForCausalLM, ApertusMLP
 from specray.models.arcee import ArceeForCausalLM, ReluSquaredMLP
 from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.cohere2_moe import Cohere2MoeForCausalLM
+from specray.models.gemma2 import VaultGemmaForCausalLM
+from specray.models.jais2 import Jais2ForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
@@ -113,7 +118,10 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "olmo": ("tiny_olmo_dir", OlmoForCausalLM, LlamaMLP),
             "granitemoeshared": ("tiny_granitemoeshared_dir", LlamaForCausalLM, SparseMoE),
             "cohere2_moe": ("tiny_cohere2_moe_dir", Cohere2MoeForCausalLM, LlamaMLP),
-            "cohere2_moe_sigmoid": ("tiny_cohere2_moe_sigmoid_dir", Cohere2MoeForCausalLM, LlamaMLP)}
+            "cohere2_moe_sigmoid": ("tiny_cohere2_moe_sigmoid_dir", Cohere2MoeForCausalLM, LlamaMLP),
+            "vaultgemma": ("tiny_vaultgemma_dir", VaultGemmaForCausalLM, Gemma3MLP),
+            "jais2": ("tiny_jais2_dir", Jais2ForCausalLM, ReluSquaredMLP),
+            "cwm": ("tiny_cwm_dir", LlamaForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -140,7 +148,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_gemma_dir", "tiny_olmoe_dir", "tiny_starcoder2_dir", "tiny_exaone_moe_dir",
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
-                   "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir"),
+                   "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
+                   "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -42,7 +42,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_arcee_dir", "tiny_exaone4_dir", "tiny_starcoder2_dir", "tiny_gemma_dir",
                                      "tiny_cohere_dir", "tiny_apertus_dir", "tiny_nemotron_dir",
                                      "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir", "tiny_phi_dir",
-                                     "tiny_gptj_dir", "tiny_opt_dir", "tiny_cohere2_moe_dir"])
+                                     "tiny_gptj_dir", "tiny_opt_dir", "tiny_cohere2_moe_dir", "tiny_vaultgemma_dir",
+                                     "tiny_jais2_dir", "tiny_cwm_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -59,7 +60,7 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every, some = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("qkv_proj", "down_proj")
     if fixture == "tiny_glm4_dir":  # its fused gate/up, as PEFT adapts it
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
-    if fixture in ("tiny_arcee_dir", "tiny_apertus_dir", "tiny_nemotron_dir"):  # no gate
+    if fixture in ("tiny_arcee_dir", "tiny_apertus_dir", "tiny_nemotron_dir", "tiny_jais2_dir"):  # no gate
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
     if fixture == "tiny_starcoder2_dir":  # its MLP's own names, no gate
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
