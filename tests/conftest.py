@@ -183,6 +183,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM, FalconConfig, FalconForCausalLM
     from transformers import CwmConfig, CwmForCausalLM, Jais2Config, Jais2ForCausalLM
     from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
+    from transformers import HeliumConfig, HeliumForCausalLM, HyperCLOVAXConfig, HyperCLOVAXForCausalLM, YoutuConfig
+    from transformers import YoutuForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -262,7 +264,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "falcon": (FalconConfig, FalconForCausalLM),
                           "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
                           "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
-                          "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM)}[arch]
+                          "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM),
+                          "youtu": (YoutuConfig, YoutuForCausalLM), "helium": (HeliumConfig, HeliumForCausalLM),
+                          "hyperclovax": (HyperCLOVAXConfig, HyperCLOVAXForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -277,7 +281,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
                            "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
-                           *CLASSIC_NAMES)
+                           "youtu", "helium", "hyperclovax", *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -772,6 +776,29 @@ def tiny_cwm_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_cwm"), "cwm", seed=65, num_hidden_layers=3,
                             sliding_window=6, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
                             tie_word_embeddings=False, bos_token_id=1)  # (its config wants a BOS id)
+
+
+@pytest.fixture(scope="session")
+def tiny_youtu_dir(tmp_path_factory) -> Path:
+    # Youtu-LLM: DeepSeek-V3's latent attention (RoPE on interleaved pairs) in Llama's dense layers
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_youtu"), "youtu", seed=66, num_key_value_heads=4,
+                            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                            rope_interleave=True, tie_word_embeddings=True, initializer_range=0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_helium_dir(tmp_path_factory) -> Path:
+    # Helium: Llama's layers, RoPE on interleaved pairs, q/k/v biases without an output one
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_helium"), "helium", seed=67, head_dim=16,
+                            attention_bias=True, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_hyperclovax_dir(tmp_path_factory) -> Path:
+    # HyperCLOVA X SEED: Granite's multipliers, a norm on each block's output, the logits multiplied
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hyperclovax"), "hyperclovax", seed=68, use_post_norm=True,
+                            embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
+                            logits_scaling=3.0, tie_word_embeddings=False)
 
 
 def _hybrid_fixture(arch: str, seed: int):

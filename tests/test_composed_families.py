@@ -52,6 +52,10 @@ to one:
 * VaultGemma (``VaultGemmaForCausalLM``): Gemma 2's layers without the norms on the blocks' outputs (TP 2).
 * Jais 2 (``Jais2ForCausalLM``): LayerNorms with biases, biased attention, AFM's relu^2 MLP with biases (TP 2).
 * CWM (``CwmForCausalLM``): Llama's layers with sliding ones by ``layer_types``, Llama 3's RoPE (TP 2).
+* Youtu-LLM (``YoutuForCausalLM``): DeepSeek-V3's latent attention in dense Llama layers (TP 2).
+* Helium (``HeliumForCausalLM``): Llama's layers with RoPE on interleaved pairs, q/k/v biases alone (TP 2).
+* HyperCLOVA X SEED (``HyperCLOVAXForCausalLM``): Granite's multipliers, Peri-LN norms on the blocks' outputs, the
+  logits multiplied by ``logits_scaling`` (TP 2).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.cohere2_moe import Cohere2MoeForCausalLM
 from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
+from specray.models.helium import HeliumForCausalLM
+from specray.models.hyperclovax import HyperCLOVAXForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
 from specray.models.gemma import GemmaForCausalLM
@@ -121,7 +127,10 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "cohere2_moe_sigmoid": ("tiny_cohere2_moe_sigmoid_dir", Cohere2MoeForCausalLM, LlamaMLP),
             "vaultgemma": ("tiny_vaultgemma_dir", VaultGemmaForCausalLM, Gemma3MLP),
             "jais2": ("tiny_jais2_dir", Jais2ForCausalLM, ReluSquaredMLP),
-            "cwm": ("tiny_cwm_dir", LlamaForCausalLM, LlamaMLP)}
+            "cwm": ("tiny_cwm_dir", LlamaForCausalLM, LlamaMLP),
+            "youtu": ("tiny_youtu_dir", DeepseekV3ForCausalLM, LlamaMLP),
+            "helium": ("tiny_helium_dir", HeliumForCausalLM, LlamaMLP),
+            "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -149,7 +158,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_hunyuan_v1_moe_dir", "tiny_nemotron_dir", "tiny_cohere_dir", "tiny_granitemoe_dir",
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
                    "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
-                   "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir"),
+                   "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
+                   "tiny_hyperclovax_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -74,7 +74,8 @@ SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere", "cohere2", "cohere2_moe")
+INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere", "cohere2", "cohere2_moe",
+                                "helium")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -124,7 +125,7 @@ FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up
                      "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",),
                      "granitemoehybrid": (".shared_mlp.input_linear.",)}
 # Granite's multipliers (module docstring)
-SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "hyperclovax")
 
 
 def multiplier(config, name: str) -> float:
