@@ -56,6 +56,7 @@ to one:
 * Helium (``HeliumForCausalLM``): Llama's layers with RoPE on interleaved pairs, q/k/v biases alone (TP 2).
 * HyperCLOVA X SEED (``HyperCLOVAXForCausalLM``): Granite's multipliers, Peri-LN norms on the blocks' outputs, the
   logits multiplied by ``logits_scaling`` (TP 2).
+* A.X-K1 (``AXK1ForCausalLM``): DeepSeek-V3 with each MoE layer's output RMS-normed (TP 2: experts by width).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.cohere2_moe import Cohere2MoeForCausalLM
 from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
+from specray.models.axk1 import AXK1ForCausalLM
 from specray.models.helium import HeliumForCausalLM
 from specray.models.hyperclovax import HyperCLOVAXForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
@@ -130,7 +132,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "cwm": ("tiny_cwm_dir", LlamaForCausalLM, LlamaMLP),
             "youtu": ("tiny_youtu_dir", DeepseekV3ForCausalLM, LlamaMLP),
             "helium": ("tiny_helium_dir", HeliumForCausalLM, LlamaMLP),
-            "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP)}
+            "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP),
+            "axk1": ("tiny_axk1_dir", AXK1ForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -159,7 +162,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
                    "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                   "tiny_hyperclovax_dir"),
+                   "tiny_hyperclovax_dir", "tiny_axk1_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -44,7 +44,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir", "tiny_phi_dir",
                                      "tiny_gptj_dir", "tiny_opt_dir", "tiny_cohere2_moe_dir", "tiny_vaultgemma_dir",
                                      "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                                     "tiny_hyperclovax_dir"])
+                                     "tiny_hyperclovax_dir", "tiny_axk1_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -53,7 +53,7 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
     config = json.loads((base / "config.json").read_text())
     layers = config.get("num_hidden_layers", config.get("n_layer"))  # (GPT-J's name)
     every, some, std = checkpoints.LORA_MODULES, ("q_proj", "v_proj", "down_proj"), 0.2
-    if fixture in ("tiny_deepseek_dir", "tiny_youtu_dir"):  # latent attention's projections but kv_b_proj (a weight)
+    if fixture in ("tiny_deepseek_dir", "tiny_youtu_dir", "tiny_axk1_dir"):  # MLA's projections but kv_b_proj
         every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
         some = ("q_b_proj", "kv_a_proj_with_mqa", "down_proj")
         std = 0.1  # its fixture's small weights keep the absorbed attention's reassociation far below TOL

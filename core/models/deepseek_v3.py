@@ -370,9 +370,11 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
 
 
 class DeepseekV3Model(LlamaModel):
+    layer_class = DeepseekV3DecoderLayer
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         nn.Module.__init__(self)
-        self.build_stage(config, pp, lambda i: DeepseekV3DecoderLayer(config, tp, i, expert_parallel),
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.embedding_multiplier = multiplier(config, "embedding_multiplier")  # MiniCPM3's scale_emb
