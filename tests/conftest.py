@@ -184,7 +184,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import CwmConfig, CwmForCausalLM, Jais2Config, Jais2ForCausalLM
     from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
     from transformers import HeliumConfig, HeliumForCausalLM, HyperCLOVAXConfig, HyperCLOVAXForCausalLM, YoutuConfig
-    from transformers import AXK1Config, AXK1ForCausalLM, YoutuForCausalLM
+    from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -267,7 +267,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM),
                           "youtu": (YoutuConfig, YoutuForCausalLM), "helium": (HeliumConfig, HeliumForCausalLM),
                           "hyperclovax": (HyperCLOVAXConfig, HyperCLOVAXForCausalLM),
-                          "axk1": (AXK1Config, AXK1ForCausalLM)}[arch]
+                          "axk1": (AXK1Config, AXK1ForCausalLM),
+                          "kolibri1": (Kolibri1Config, Kolibri1ForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -282,7 +283,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
                            "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
-                           "youtu", "helium", "hyperclovax", "axk1", *CLASSIC_NAMES)
+                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -306,6 +307,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # one value in every layer at first: each layer its own
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2", "axk1",
+                    "kolibri1",
                     "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -808,6 +810,16 @@ def tiny_axk1_dir(tmp_path_factory) -> Path:
     kw = {k: v for k, v in DEEPSEEK_TINY.items() if k != "first_k_dense_replace"}
     return build_tiny_model(tmp_path_factory.mktemp("tiny_axk1"), "axk1", seed=71,
                             **{**kw, "mlp_layer_types": ["dense", "sparse", "sparse"], "rope_interleave": True})
+
+
+@pytest.fixture(scope="session")
+def tiny_kolibri1_dir(tmp_path_factory) -> Path:
+    # Kolibri-1: GLM-4's sandwich of norms, q/k norms, RoPE on the sliding layers alone, experts in every layer
+    # chosen by logit + correction bias and weighted by sigmoids, a shared MLP
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_kolibri1"), "kolibri1", seed=73, num_hidden_layers=3,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def _hybrid_fixture(arch: str, seed: int):

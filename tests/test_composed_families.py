@@ -57,6 +57,8 @@ to one:
 * HyperCLOVA X SEED (``HyperCLOVAXForCausalLM``): Granite's multipliers, Peri-LN norms on the blocks' outputs, the
   logits multiplied by ``logits_scaling`` (TP 2).
 * A.X-K1 (``AXK1ForCausalLM``): DeepSeek-V3 with each MoE layer's output RMS-normed (TP 2: experts by width).
+* Kolibri-1 (``Kolibri1ForCausalLM``): GLM-4's sandwich norms, EXAONE 4.0's attention, experts chosen by logit +
+  correction bias and weighted by sigmoids beside a shared MLP (TP 2: experts by width).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
 from specray.models.axk1 import AXK1ForCausalLM
 from specray.models.helium import HeliumForCausalLM
+from specray.models.kolibri1 import Kolibri1ForCausalLM
 from specray.models.hyperclovax import HyperCLOVAXForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
@@ -133,7 +136,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "youtu": ("tiny_youtu_dir", DeepseekV3ForCausalLM, LlamaMLP),
             "helium": ("tiny_helium_dir", HeliumForCausalLM, LlamaMLP),
             "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP),
-            "axk1": ("tiny_axk1_dir", AXK1ForCausalLM, LlamaMLP)}
+            "axk1": ("tiny_axk1_dir", AXK1ForCausalLM, LlamaMLP),
+            "kolibri1": ("tiny_kolibri1_dir", Kolibri1ForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -162,7 +166,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
                    "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                   "tiny_hyperclovax_dir", "tiny_axk1_dir"),
+                   "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

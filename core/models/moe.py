@@ -182,6 +182,8 @@ class MoEFamily:
     selection: str | None = None
     # a config field saying how the shared experts' output joins the routed ones': "sum", or "average" (halved)
     shared_combination: str | None = None
+    # the "scored" routing's choice: the top k of logit + correction bias (Kolibri-1's), else of score + bias
+    bias_on_logits: bool = False
 
 
 FAMILIES = {
@@ -216,6 +218,11 @@ FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
 # Phi-3.5-MoE: Mixtral's names and widths, the sparsemixer's two experts
 FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
+# Kolibri-1: the top k of logit + correction bias, weighted by their sigmoids (renormalised with norm_topk_prob), a
+# shared MLP of shared_expert_intermediate_size
+FAMILIES["kolibri1"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",
+                                 shared_width="shared_expert_intermediate_size", shared_count=None, scoring="sigmoid",
+                                 bias_on_logits=True)
 # Command A+: the top k logits weighted by their softmax or sigmoids (expert_selection_fn), shared experts as wide as
 # num_shared_experts dense MLPs, added or averaged (shared_expert_combination_strategy)
 FAMILIES["cohere2_moe"] = MoEFamily("topk_softmax", "num_experts", "intermediate_size", shared="shared_experts",
@@ -601,16 +608,18 @@ class SparseMoE(nn.Module):
 
     def _route_scored(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V4: scores s = scoring_func(x W^T) in float32; the experts the token's hash row names (a
-        hash-routed block) or the top k of s + e_score_correction_bias; their s renormalised, times
-        routed_scaling_factor."""
+        hash-routed block) or the top k of s + e_score_correction_bias (Kolibri-1: of x W^T + the bias); their s
+        renormalised, times routed_scaling_factor."""
         router = self.router_module
-        scores = SCORES[self.scoring](F.linear(x.float(), router.weight.float()))  # [T, E]
+        logits = F.linear(x.float(), router.weight.float())  # [T, E]
+        scores = SCORES[self.scoring](logits)
         if self.hash_routed:
             if token_ids is None:
                 raise ValueError("a hash-routed expert block picks its experts by token id: pass token_ids")
             ids = router.tid2eid.index_select(0, token_ids)  # [T, k]
         else:
-            ids = (scores + router.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+            choice = logits if self.family.bias_on_logits else scores
+            ids = (choice + router.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
