@@ -185,6 +185,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
     from transformers import HeliumConfig, HeliumForCausalLM, HyperCLOVAXConfig, HyperCLOVAXForCausalLM, YoutuConfig
     from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
+    from transformers import AfmoeConfig, AfmoeForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "youtu": (YoutuConfig, YoutuForCausalLM), "helium": (HeliumConfig, HeliumForCausalLM),
                           "hyperclovax": (HyperCLOVAXConfig, HyperCLOVAXForCausalLM),
                           "axk1": (AXK1Config, AXK1ForCausalLM),
-                          "kolibri1": (Kolibri1Config, Kolibri1ForCausalLM)}[arch]
+                          "kolibri1": (Kolibri1Config, Kolibri1ForCausalLM),
+                          "afmoe": (AfmoeConfig, AfmoeForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -283,7 +285,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
                            "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
-                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", *CLASSIC_NAMES)
+                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", "afmoe", *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -820,6 +822,16 @@ def tiny_kolibri1_dir(tmp_path_factory) -> Path:
                             head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="session")
+def tiny_afmoe_dir(tmp_path_factory) -> Path:
+    # Trinity: gated attention with q/k norms, RoPE on the sliding layers, sandwich norms, a dense first layer, then
+    # sigmoid-routed experts (biased choice, scaled) beside shared experts; muP's scaled embeddings
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_afmoe"), "afmoe", seed=74, num_hidden_layers=3,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, num_shared_experts=1, num_dense_layers=1, route_scale=1.5,
+                            mup_enabled=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -59,6 +59,9 @@ to one:
 * A.X-K1 (``AXK1ForCausalLM``): DeepSeek-V3 with each MoE layer's output RMS-normed (TP 2: experts by width).
 * Kolibri-1 (``Kolibri1ForCausalLM``): GLM-4's sandwich norms, EXAONE 4.0's attention, experts chosen by logit +
   correction bias and weighted by sigmoids beside a shared MLP (TP 2: experts by width).
+* Trinity (``AfmoeForCausalLM``): attention gated feature by feature with q/k norms and RoPE on the sliding layers,
+  sandwich norms, a dense prefix, sigmoid-routed experts scaled by ``route_scale`` beside shared experts, muP's
+  scaled embeddings (TP 2: experts by width).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from specray.models.cohere2 import Cohere2ForCausalLM, CohereForCausalLM
 from specray.models.cohere2_moe import Cohere2MoeForCausalLM
 from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
+from specray.models.afmoe import AfmoeForCausalLM
 from specray.models.axk1 import AXK1ForCausalLM
 from specray.models.helium import HeliumForCausalLM
 from specray.models.kolibri1 import Kolibri1ForCausalLM
@@ -137,7 +141,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "helium": ("tiny_helium_dir", HeliumForCausalLM, LlamaMLP),
             "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP),
             "axk1": ("tiny_axk1_dir", AXK1ForCausalLM, LlamaMLP),
-            "kolibri1": ("tiny_kolibri1_dir", Kolibri1ForCausalLM, SparseMoE)}
+            "kolibri1": ("tiny_kolibri1_dir", Kolibri1ForCausalLM, SparseMoE),
+            "afmoe": ("tiny_afmoe_dir", AfmoeForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -166,7 +171,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
                    "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                   "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir"),
+                   "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -218,6 +218,11 @@ FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
 # Phi-3.5-MoE: Mixtral's names and widths, the sparsemixer's two experts
 FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
+# Arcee's Trinity (AFMoE): sigmoid scores, the top k of score + expert bias, renormalised, times route_scale; shared
+# experts as wide as num_shared_experts experts
+FAMILIES["afmoe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid",
+                              scaling="route_scale", shared="shared_experts", shared_width="moe_intermediate_size",
+                              shared_count="num_shared_experts")
 # Kolibri-1: the top k of logit + correction bias, weighted by their sigmoids (renormalised with norm_topk_prob), a
 # shared MLP of shared_expert_intermediate_size
 FAMILIES["kolibri1"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",

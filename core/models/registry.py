@@ -55,6 +55,7 @@ _ARCHITECTURES = {
     "HyperCLOVAXForCausalLM": "specray.models.hyperclovax:HyperCLOVAXForCausalLM",
     "AXK1ForCausalLM": "specray.models.axk1:AXK1ForCausalLM",
     "Kolibri1ForCausalLM": "specray.models.kolibri1:Kolibri1ForCausalLM",
+    "AfmoeForCausalLM": "specray.models.afmoe:AfmoeForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -97,7 +98,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "cohere2_moe": "Cohere2MoeForCausalLM", "vaultgemma": "VaultGemmaForCausalLM",
                 "jais2": "Jais2ForCausalLM", "cwm": "CwmForCausalLM", "youtu": "YoutuForCausalLM",
                 "helium": "HeliumForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM", "axk1": "AXK1ForCausalLM",
-                "kolibri1": "Kolibri1ForCausalLM",
+                "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
