@@ -439,7 +439,7 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
 
 
 def _layer_of(name: str) -> int:
-    """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``model.decoder.layers.3.``)."""
+    """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``decoder.layers.3.``)."""
     return int(re.search(r"\.(?:layers|h)\.(\d+)\.", name).group(1))
 
 

@@ -185,7 +185,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
     from transformers import HeliumConfig, HeliumForCausalLM, HyperCLOVAXConfig, HyperCLOVAXForCausalLM, YoutuConfig
     from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
-    from transformers import AfmoeConfig, AfmoeForCausalLM
+    from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
+    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -270,7 +271,9 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "hyperclovax": (HyperCLOVAXConfig, HyperCLOVAXForCausalLM),
                           "axk1": (AXK1Config, AXK1ForCausalLM),
                           "kolibri1": (Kolibri1Config, Kolibri1ForCausalLM),
-                          "afmoe": (AfmoeConfig, AfmoeForCausalLM)}[arch]
+                          "afmoe": (AfmoeConfig, AfmoeForCausalLM),
+                          "granite_swa": (GraniteSWAConfig, GraniteSWAForCausalLM),
+                          "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -299,7 +302,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.1)
             elif name.endswith("indexer.k_norm.bias"):  # zeros at init: random, so the indexer's keys carry it
                 param.normal_(0.0, 0.5)
-            elif arch in ("gpt_oss", "mimo_v2_flash") and name.endswith(("sinks", "bias", "router.weight")):
+            elif arch in ("gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa") and name.endswith((
+                    "sinks", "bias", "router.weight")):
                 # zeros or tiny at first
                 param.normal_(0.0, 0.5)
             elif arch in ("deepseek_v4", "hy_v4") and name.endswith(("sinks", "position_bias", "base", "hc_base",
@@ -832,6 +836,25 @@ def tiny_afmoe_dir(tmp_path_factory) -> Path:
                             head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=32, num_shared_experts=1, num_dense_layers=1, route_scale=1.5,
                             mup_enabled=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_swa_dir(tmp_path_factory) -> Path:
+    # Granite SWA: Granite's multipliers, sliding layers, a sink per head, each layer's RoPE base (one NoPE layer)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_granite_swa"), "granite_swa", seed=75, num_hidden_layers=3,
+                            sliding_window=6, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            layer_rope_theta=[0, 10000.0, 500.0], embedding_multiplier=2.0, residual_multiplier=0.7,
+                            attention_multiplier=0.2, logits_scaling=3.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_granitemoe_swa_dir(tmp_path_factory) -> Path:
+    # Granite SWA's MoE: its attention (sinks, sliding layers, each layer's RoPE base) over Granite's shared MoE
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_granitemoe_swa"), "granitemoe_swa", seed=76,
+                            num_hidden_layers=3, sliding_window=6, layer_rope_theta=[10000.0, 0, 500.0],
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
+                            **{**GRANITE_TINY, "intermediate_size": 32})
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -62,6 +62,9 @@ to one:
 * Trinity (``AfmoeForCausalLM``): attention gated feature by feature with q/k norms and RoPE on the sliding layers,
   sandwich norms, a dense prefix, sigmoid-routed experts scaled by ``route_scale`` beside shared experts, muP's
   scaled embeddings (TP 2: experts by width).
+* Granite SWA (``GraniteSWAForCausalLM``): Granite's multipliers, sliding layers, a sink logit per head, each layer's
+  own RoPE base (0: NoPE) (TP 2: heads and sinks split); its MoE release (``GraniteMoeSWAForCausalLM``) over
+  Granite's shared MoE (TP 2).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
 from specray.models.afmoe import AfmoeForCausalLM
 from specray.models.axk1 import AXK1ForCausalLM
+from specray.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from specray.models.helium import HeliumForCausalLM
 from specray.models.kolibri1 import Kolibri1ForCausalLM
 from specray.models.hyperclovax import HyperCLOVAXForCausalLM
@@ -142,7 +146,9 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "hyperclovax": ("tiny_hyperclovax_dir", HyperCLOVAXForCausalLM, LlamaMLP),
             "axk1": ("tiny_axk1_dir", AXK1ForCausalLM, LlamaMLP),
             "kolibri1": ("tiny_kolibri1_dir", Kolibri1ForCausalLM, SparseMoE),
-            "afmoe": ("tiny_afmoe_dir", AfmoeForCausalLM, LlamaMLP)}
+            "afmoe": ("tiny_afmoe_dir", AfmoeForCausalLM, LlamaMLP),
+            "granite_swa": ("tiny_granite_swa_dir", GraniteSWAForCausalLM, LlamaMLP),
+            "granitemoe_swa": ("tiny_granitemoe_swa_dir", GraniteMoeSWAForCausalLM, SparseMoE)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -171,7 +177,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_apertus_dir", "tiny_phimoe_dir", "tiny_minicpm3_dir", "tiny_olmo_dir",
                    "tiny_granitemoeshared_dir", "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir",
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                   "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir"),
+                   "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
+                   "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -44,7 +44,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_granitemoeshared_dir", "tiny_stablelm_parallel_dir", "tiny_phi_dir",
                                      "tiny_gptj_dir", "tiny_opt_dir", "tiny_cohere2_moe_dir", "tiny_vaultgemma_dir",
                                      "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
-                                     "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir"])
+                                     "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
+                                     "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -69,7 +70,7 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         out, up, down = {"tiny_phi_dir": ("dense", "fc1", "fc2"), "tiny_gptj_dir": ("out_proj", "fc_in", "fc_out"),
                          "tiny_opt_dir": ("out_proj", "fc1", "fc2")}[fixture]
         every, some = ("q_proj", "k_proj", "v_proj", out, up, down), ("q_proj", "v_proj", down)
-    if fixture == "tiny_granitemoeshared_dir":  # its shared MLP's fused input_linear (gate | up) and output_linear
+    if fixture in ("tiny_granitemoeshared_dir", "tiny_granitemoe_swa_dir"):  # its shared MLP's fused input_linear
         every = ("q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear")
         some = ("q_proj", "v_proj", "output_linear")
     first = checkpoints.write_lora(base, tmp_path / "first", rank=4, alpha=8, seed=1, modules=every, std=std)

@@ -74,8 +74,8 @@ class FalconForCausalLM(LlamaForCausalLM):
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         if hf_config.alibi:
-            raise ValueError("alibi=True is not supported for model_type='falcon' (ALiBi position biases, Falcon-RW's): "
-                             "specray serves the RoPE releases (Falcon-7B / 40B / 180B, Falcon 2)")
+            raise ValueError("alibi=True is not supported for model_type='falcon' (ALiBi position biases, "
+                             "Falcon-RW's): specray serves the RoPE releases (Falcon-7B / 40B / 180B, Falcon 2)")
         config = llama_view(hf_config, num_key_value_heads=num_kv_heads(hf_config), head_dim=None,
                             sliding_window=None, attention_bias=hf_config.bias, use_bias=hf_config.bias,
                             hidden_act=hf_config.activation, layer_norm_eps=hf_config.layer_norm_epsilon,

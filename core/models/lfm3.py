@@ -118,7 +118,8 @@ class Lfm3Model(LlamaModel):
 
 # LFM2's names, and the release's name of the heads' gate (transformers renames it g_proj as it loads, and back as it
 # saves)
-_CHECKPOINT_NAMES["lfm3"] = ((re.compile(r"\.self_attn\.gate_proj\."), ".self_attn.g_proj."),) + _CHECKPOINT_NAMES["lfm2"]
+_CHECKPOINT_NAMES["lfm3"] = (((re.compile(r"\.self_attn\.gate_proj\."), ".self_attn.g_proj."),)
+                             + _CHECKPOINT_NAMES["lfm2"])
 
 
 class Lfm3ForCausalLM(Lfm2ForCausalLM):

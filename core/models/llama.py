@@ -123,9 +123,11 @@ _CHECKPOINT_NAMES["hy_v3"] = tuple((re.compile(pattern), ours) for pattern, ours
 # alone (GLM, GLM-4; Granite's shared MoE its shared MLP's, as input_linear)
 FUSED_MODEL_TYPES = {"phi3": (".qkv_proj.", ".gate_up_proj."), "glm": (".gate_up_proj.",),
                      "glm4": (".gate_up_proj.",), "granitemoeshared": (".shared_mlp.input_linear.",),
+                     "granitemoe_swa": (".shared_mlp.input_linear.",),
                      "granitemoehybrid": (".shared_mlp.input_linear.",)}
 # Granite's multipliers (module docstring)
-SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "hyperclovax")
+SCALED_MODEL_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "hyperclovax", "granite_swa",
+                      "granitemoe_swa")
 
 
 def multiplier(config, name: str) -> float:
@@ -321,7 +323,7 @@ def _is_sparse(config, layer: int) -> bool:
     """Qwen3-MoE and Qwen2-MoE: a layer whose MLP is the experts' (every ``decoder_sparse_step``-th, except
     ``mlp_only_layers``); Mixtral: every layer; ERNIE 4.5's MoE: every ``moe_layer_interval``-th from
     ``moe_layer_start_index`` to ``moe_layer_end_index``; K-EXAONE: the layers ``mlp_layer_types`` names "sparse"."""
-    if config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "phimoe"):
+    if config.model_type in ("mixtral", "granitemoe", "granitemoeshared", "granitemoe_swa", "phimoe"):
         return True
     if config.model_type == "exaone_moe":
         return config.mlp_layer_types[layer] == "sparse"

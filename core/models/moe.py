@@ -240,6 +240,7 @@ FAMILIES["granitemoe"] = MoEFamily("topk_softmax", "num_local_experts", "interme
 FAMILIES["granitemoeshared"] = MoEFamily("topk_softmax", "num_local_experts", "intermediate_size", router="router",
                                          shared="shared_mlp", shared_width="shared_intermediate_size")
 FAMILIES["granitemoehybrid"] = FAMILIES["granitemoeshared"]  # Granite 4.0's hybrids' MoE releases
+FAMILIES["granitemoe_swa"] = FAMILIES["granitemoeshared"]  # Granite SWA's MoE releases
 # Nemotron-H's (Nemotron 3 Nano): DeepSeek-V3's router, gateless squared-ReLU experts and shared experts (one width)
 FAMILIES["nemotron_h"] = MoEFamily("grouped_sigmoid", "n_routed_experts", "moe_intermediate_size",
                                    shared="shared_experts", shared_width="moe_shared_expert_intermediate_size",

@@ -56,6 +56,8 @@ _ARCHITECTURES = {
     "AXK1ForCausalLM": "specray.models.axk1:AXK1ForCausalLM",
     "Kolibri1ForCausalLM": "specray.models.kolibri1:Kolibri1ForCausalLM",
     "AfmoeForCausalLM": "specray.models.afmoe:AfmoeForCausalLM",
+    "GraniteSWAForCausalLM": "specray.models.granite_swa:GraniteSWAForCausalLM",
+    "GraniteMoeSWAForCausalLM": "specray.models.granite_swa:GraniteMoeSWAForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -99,6 +101,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "jais2": "Jais2ForCausalLM", "cwm": "CwmForCausalLM", "youtu": "YoutuForCausalLM",
                 "helium": "HeliumForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM", "axk1": "AXK1ForCausalLM",
                 "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
+                "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
