@@ -186,7 +186,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import HeliumConfig, HeliumForCausalLM, HyperCLOVAXConfig, HyperCLOVAXForCausalLM, YoutuConfig
     from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
     from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
-    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM
+    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -273,7 +273,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "kolibri1": (Kolibri1Config, Kolibri1ForCausalLM),
                           "afmoe": (AfmoeConfig, AfmoeForCausalLM),
                           "granite_swa": (GraniteSWAConfig, GraniteSWAForCausalLM),
-                          "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM)}[arch]
+                          "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM),
+                          "mellum": (MellumConfig, MellumForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -855,6 +856,19 @@ def tiny_granitemoe_swa_dir(tmp_path_factory) -> Path:
                             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
                             num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
                             **{**GRANITE_TINY, "intermediate_size": 32})
+
+
+@pytest.fixture(scope="session")
+def tiny_mellum_dir(tmp_path_factory) -> Path:
+    # Mellum 2: Qwen3-MoE's attention, a global and two sliding layers each kind with its RoPE base, a dense first
+    # layer then experts
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mellum"), "mellum", seed=77, num_hidden_layers=3,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True,
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse"],
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -58,6 +58,7 @@ _ARCHITECTURES = {
     "AfmoeForCausalLM": "specray.models.afmoe:AfmoeForCausalLM",
     "GraniteSWAForCausalLM": "specray.models.granite_swa:GraniteSWAForCausalLM",
     "GraniteMoeSWAForCausalLM": "specray.models.granite_swa:GraniteMoeSWAForCausalLM",
+    "MellumForCausalLM": "specray.models.mellum:MellumForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -102,6 +103,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "helium": "HeliumForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM", "axk1": "AXK1ForCausalLM",
                 "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                 "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
+                "mellum": "MellumForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
