@@ -187,6 +187,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
     from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
     from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
+    from transformers import LagunaConfig, LagunaForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -274,7 +275,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "afmoe": (AfmoeConfig, AfmoeForCausalLM),
                           "granite_swa": (GraniteSWAConfig, GraniteSWAForCausalLM),
                           "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM),
-                          "mellum": (MellumConfig, MellumForCausalLM)}[arch]
+                          "mellum": (MellumConfig, MellumForCausalLM),
+                          "laguna": (LagunaConfig, LagunaForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -314,7 +316,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # one value in every layer at first: each layer its own
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2", "axk1",
-                    "kolibri1",
+                    "kolibri1", "laguna",
                     "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -869,6 +871,28 @@ def tiny_mellum_dir(tmp_path_factory) -> Path:
                             mlp_layer_types=["dense", "sparse", "sparse"],
                             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5},
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+
+
+@pytest.fixture(scope="session")
+def tiny_laguna_dir(tmp_path_factory) -> Path:
+    # Laguna: four and eight query heads by layer, softplus gates per head, a global layer rotating half of each head
+    # and sliding ones, a dense first layer, sigmoid-routed experts of soft-capped logits, scaled, a shared MLP
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_laguna"), "laguna", seed=78, num_hidden_layers=3,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                            num_attention_heads_per_layer=[4, 8, 4], moe_routed_scaling_factor=1.5,
+                            moe_router_logit_softcapping=2.0, gating=True,
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse"])
+
+
+@pytest.fixture(scope="session")
+def tiny_laguna_element_dir(tmp_path_factory) -> Path:
+    # per-feature gates, no logit cap
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_laguna_el"), "laguna", seed=81, num_hidden_layers=2,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48, gating="per-element",
+                            layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])
 
 
 def _hybrid_fixture(arch: str, seed: int):

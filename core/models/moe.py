@@ -184,6 +184,8 @@ class MoEFamily:
     shared_combination: str | None = None
     # the "scored" routing's choice: the top k of logit + correction bias (Kolibri-1's), else of score + bias
     bias_on_logits: bool = False
+    # a config field capping the router's logits, cap * tanh(logit / cap), where it is > 0 (Laguna's)
+    logit_softcap: str | None = None
 
 
 FAMILIES = {
@@ -223,6 +225,11 @@ FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate
 FAMILIES["afmoe"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid",
                               scaling="route_scale", shared="shared_experts", shared_width="moe_intermediate_size",
                               shared_count="num_shared_experts")
+# Laguna: sigmoid scores of soft-capped logits, the top k of score + correction bias, renormalised, scaled; a shared MLP
+FAMILIES["laguna"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", normalized=True, scoring="sigmoid",
+                               scaling="moe_routed_scaling_factor", shared="shared_experts",
+                               shared_width="shared_expert_intermediate_size", shared_count=None,
+                               logit_softcap="moe_router_logit_softcapping")
 # Kolibri-1: the top k of logit + correction bias, weighted by their sigmoids (renormalised with norm_topk_prob), a
 # shared MLP of shared_expert_intermediate_size
 FAMILIES["kolibri1"] = MoEFamily("scored", "num_experts", "moe_intermediate_size", shared="shared_experts",
@@ -406,6 +413,7 @@ class SparseMoE(nn.Module):
                 raise ValueError(f"{family.shared_combination}={how!r} is not supported for model_type="
                                  f"{config.model_type!r}; 'sum' or 'average'")
             self.shared_average = how == "average"
+        self.logit_cap = float(getattr(config, family.logit_softcap, 0.0) or 0.0) if family.logit_softcap else 0.0
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)
             self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
@@ -618,6 +626,8 @@ class SparseMoE(nn.Module):
         renormalised, times routed_scaling_factor."""
         router = self.router_module
         logits = F.linear(x.float(), router.weight.float())  # [T, E]
+        if self.logit_cap:
+            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         scores = SCORES[self.scoring](logits)
         if self.hash_routed:
             if token_ids is None:

@@ -59,6 +59,7 @@ _ARCHITECTURES = {
     "GraniteSWAForCausalLM": "specray.models.granite_swa:GraniteSWAForCausalLM",
     "GraniteMoeSWAForCausalLM": "specray.models.granite_swa:GraniteMoeSWAForCausalLM",
     "MellumForCausalLM": "specray.models.mellum:MellumForCausalLM",
+    "LagunaForCausalLM": "specray.models.laguna:LagunaForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -103,7 +104,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "helium": "HeliumForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM", "axk1": "AXK1ForCausalLM",
                 "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                 "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
-                "mellum": "MellumForCausalLM",
+                "mellum": "MellumForCausalLM", "laguna": "LagunaForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
