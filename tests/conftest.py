@@ -187,7 +187,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import AXK1Config, AXK1ForCausalLM, Kolibri1Config, Kolibri1ForCausalLM, YoutuForCausalLM
     from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
     from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
-    from transformers import LagunaConfig, LagunaForCausalLM
+    from transformers import FlintConfig, FlintForCausalLM, LagunaConfig, LagunaForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "granite_swa": (GraniteSWAConfig, GraniteSWAForCausalLM),
                           "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM),
                           "mellum": (MellumConfig, MellumForCausalLM),
-                          "laguna": (LagunaConfig, LagunaForCausalLM)}[arch]
+                          "laguna": (LagunaConfig, LagunaForCausalLM), "flint": (FlintConfig, FlintForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -305,7 +305,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.1)
             elif name.endswith("indexer.k_norm.bias"):  # zeros at init: random, so the indexer's keys carry it
                 param.normal_(0.0, 0.5)
-            elif arch in ("gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa") and name.endswith((
+            elif arch in ("gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint") and name.endswith((
                     "sinks", "bias", "router.weight")):
                 # zeros or tiny at first
                 param.normal_(0.0, 0.5)
@@ -893,6 +893,16 @@ def tiny_laguna_element_dir(tmp_path_factory) -> Path:
                             head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=32, shared_expert_intermediate_size=48, gating="per-element",
                             layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])
+
+
+@pytest.fixture(scope="session")
+def tiny_flint_dir(tmp_path_factory) -> Path:
+    # Flint: a dense global NoPE layer, then sliding (rotated) and global layers of experts weighted by their top
+    # logits' sigmoids beside a shared MLP; a sink per head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_flint"), "flint", seed=84, num_hidden_layers=3,
+                            head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                            layer_types=["full_attention", "sliding_attention", "full_attention"])
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -69,6 +69,8 @@ to one:
   (TP 2: experts by width).
 * Laguna (``LagunaForCausalLM``): each layer's own query heads, softplus output gates per head or per feature, q/k
   norms, each kind's RoPE, sigmoid-routed experts of soft-capped logits, scaled, beside a shared MLP (TP 2).
+* Flint (``FlintForCausalLM``): Qwen3-MoE's layers with sinks, RoPE on the sliding layers alone, experts weighted by
+  their top logits' sigmoids beside a shared MLP (TP 2).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from specray.models.axk1 import AXK1ForCausalLM
 from specray.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from specray.models.helium import HeliumForCausalLM
 from specray.models.kolibri1 import Kolibri1ForCausalLM
+from specray.models.flint import FlintForCausalLM
 from specray.models.laguna import LagunaForCausalLM
 from specray.models.mellum import MellumForCausalLM
 from specray.models.hyperclovax import HyperCLOVAXForCausalLM
@@ -157,7 +160,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "granitemoe_swa": ("tiny_granitemoe_swa_dir", GraniteMoeSWAForCausalLM, SparseMoE),
             "mellum": ("tiny_mellum_dir", MellumForCausalLM, LlamaMLP),
             "laguna": ("tiny_laguna_dir", LagunaForCausalLM, LlamaMLP),
-            "laguna_element": ("tiny_laguna_element_dir", LagunaForCausalLM, LlamaMLP)}
+            "laguna_element": ("tiny_laguna_element_dir", LagunaForCausalLM, LlamaMLP),
+            "flint": ("tiny_flint_dir", FlintForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -188,7 +192,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
                    "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                    "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir",
-                   "tiny_laguna_element_dir"),
+                   "tiny_laguna_element_dir", "tiny_flint_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -34,6 +34,19 @@ from specray.parallel import PPGroup, TPGroup
 _SINK_NAMES = ((re.compile(r"\.self_attn\.sinks$"), ".self_attn.attn.sinks"),)
 
 
+def sink_attention(num_heads: int, kv_spec, scale: float, tp: TPGroup) -> PagedAttention:
+    """A layer's attention over ``num_heads`` of this rank's query heads with a learned sink logit per head: its
+    ``sinks`` load this rank's heads' rows of the checkpoint's (as QKVParallelLinear splits the heads)."""
+    attn = PagedAttention(num_heads, kv_spec, scale, sinks=True)
+    first = tp.rank * num_heads
+
+    def load_sinks(param: nn.Parameter, loaded: Any) -> None:
+        _copy(param, narrow(loaded, 0, first, num_heads))
+
+    attn.sinks.weight_loader = load_sinks
+    return attn
+
+
 class GptOssAttention(LlamaAttention):
     """Llama's attention (its forward) with q/k/v/o biases (``attention_bias``) and per-head sinks."""
 
@@ -41,14 +54,7 @@ class GptOssAttention(LlamaAttention):
         nn.Module.__init__(self)
         head_dim = attention_projections(self, config, tp)
         self.q_norm = self.k_norm = None
-        self.attn = PagedAttention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim ** -0.5,
-                                   sinks=True)
-        first = tp.rank * self.num_heads  # this rank's query heads, as QKVParallelLinear splits them
-
-        def load_sinks(param: nn.Parameter, loaded: Any) -> None:
-            _copy(param, narrow(loaded, 0, first, self.num_heads))
-
-        self.attn.sinks.weight_loader = load_sinks
+        self.attn = sink_attention(self.num_heads, _kv_spec(config, layer, self.qkv_proj), head_dim ** -0.5, tp)
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

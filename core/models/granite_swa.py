@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 
-from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.layers import RotaryEmbedding, _copy, narrow, rope_parameters, rotary_dim
+from specray.models.attention import AttentionMetadata
+from specray.models.gpt_oss import sink_attention
+from specray.models.layers import RotaryEmbedding, rope_parameters, rotary_dim
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, \
     _head_dim
 from specray.parallel import PPGroup, TPGroup
@@ -35,13 +34,7 @@ class GraniteSWAAttention(LlamaAttention):
 
     def __init__(self, config, tp: TPGroup, layer: int):
         super().__init__(config, tp, layer)
-        self.attn = PagedAttention(self.num_heads, self.attn.kv_spec, self.attn.scale, sinks=True)
-        first = tp.rank * self.num_heads  # this rank's query heads, as QKVParallelLinear splits them
-
-        def load_sinks(param: nn.Parameter, loaded: Any) -> None:
-            _copy(param, narrow(loaded, 0, first, self.num_heads))
-
-        self.attn.sinks.weight_loader = load_sinks
+        self.attn = sink_attention(self.num_heads, self.attn.kv_spec, self.attn.scale, tp)
         self.use_rope = bool(config.layer_rope_theta[layer])
 
 

@@ -66,11 +66,11 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
-                       "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna")
+                       "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint")
 # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
-SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next")
+SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next", "flint")
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
@@ -197,11 +197,11 @@ def _uses_bias(config) -> bool:
 def _uses_rope(config, layer: int) -> bool:
     """Whether layer ``layer`` rotates q and k: always, but for SmolLM3's NoPE layers (``no_rope_layers``, one
     flag per layer, 1 where the layer uses RoPE), EXAONE 4.0's, K-EXAONE's and Kolibri-1's global layers where they
-    have sliding ones, and Cohere2's and Trinity's global layers (their sliding ones alone use RoPE; Command A+'s dense
-    prefix too, when global)."""
+    have sliding ones, and Cohere2's, Trinity's and Flint's global layers (their sliding ones alone use RoPE; Command
+    A+'s dense prefix too, when global)."""
     if config.model_type in ("exaone4", "exaone_moe", "kolibri1"):
         return getattr(config, "sliding_window", None) is None or _sliding_window(config, layer) is not None
-    if config.model_type in ("cohere2", "afmoe"):
+    if config.model_type in ("cohere2", "afmoe", "flint"):
         return _sliding_window(config, layer) is not None
     if config.model_type == "cohere2_moe":  # (its dense prefix layers too where all of them are global)
         forced = config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1

@@ -60,6 +60,7 @@ _ARCHITECTURES = {
     "GraniteMoeSWAForCausalLM": "specray.models.granite_swa:GraniteMoeSWAForCausalLM",
     "MellumForCausalLM": "specray.models.mellum:MellumForCausalLM",
     "LagunaForCausalLM": "specray.models.laguna:LagunaForCausalLM",
+    "FlintForCausalLM": "specray.models.flint:FlintForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -105,6 +106,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                 "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
                 "mellum": "MellumForCausalLM", "laguna": "LagunaForCausalLM",
+                "flint": "FlintForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
