@@ -188,6 +188,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
     from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
     from transformers import FlintConfig, FlintForCausalLM, LagunaConfig, LagunaForCausalLM
+    from transformers import NanoChatConfig, NanoChatForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -276,7 +277,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "granite_swa": (GraniteSWAConfig, GraniteSWAForCausalLM),
                           "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM),
                           "mellum": (MellumConfig, MellumForCausalLM),
-                          "laguna": (LagunaConfig, LagunaForCausalLM), "flint": (FlintConfig, FlintForCausalLM)}[arch]
+                          "laguna": (LagunaConfig, LagunaForCausalLM), "flint": (FlintConfig, FlintForCausalLM),
+                          "nanochat": (NanoChatConfig, NanoChatForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -903,6 +905,15 @@ def tiny_flint_dir(tmp_path_factory) -> Path:
                             head_dim=16, sliding_window=6, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0],
                             layer_types=["full_attention", "sliding_attention", "full_attention"])
+
+
+@pytest.fixture(scope="session")
+def tiny_nanochat_dir(tmp_path_factory) -> Path:
+    # nanochat: weightless RMSNorms (the embeddings normed too), RoPE the other way round then q/k normed, a relu^2
+    # MLP, soft-capped logits
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_nanochat"), "nanochat", seed=85, num_key_value_heads=4,
+                            hidden_act="relu2", final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -71,6 +71,8 @@ to one:
   norms, each kind's RoPE, sigmoid-routed experts of soft-capped logits, scaled, beside a shared MLP (TP 2).
 * Flint (``FlintForCausalLM``): Qwen3-MoE's layers with sinks, RoPE on the sliding layers alone, experts weighted by
   their top logits' sigmoids beside a shared MLP (TP 2).
+* nanochat (``NanoChatForCausalLM``): weightless RMSNorms (the embeddings normed too), RoPE turning the other way
+  before the q/k norms, a relu^2 MLP, soft-capped logits (TP 2).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ from specray.models.kolibri1 import Kolibri1ForCausalLM
 from specray.models.flint import FlintForCausalLM
 from specray.models.laguna import LagunaForCausalLM
 from specray.models.mellum import MellumForCausalLM
+from specray.models.nanochat import NanoChatForCausalLM
 from specray.models.hyperclovax import HyperCLOVAXForCausalLM
 from specray.models.hunyuan_v1 import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from specray.models.exaone4 import Exaone4ForCausalLM
@@ -161,7 +164,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "mellum": ("tiny_mellum_dir", MellumForCausalLM, LlamaMLP),
             "laguna": ("tiny_laguna_dir", LagunaForCausalLM, LlamaMLP),
             "laguna_element": ("tiny_laguna_element_dir", LagunaForCausalLM, LlamaMLP),
-            "flint": ("tiny_flint_dir", FlintForCausalLM, LlamaMLP)}
+            "flint": ("tiny_flint_dir", FlintForCausalLM, LlamaMLP),
+            "nanochat": ("tiny_nanochat_dir", NanoChatForCausalLM, ReluSquaredMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -192,7 +196,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
                    "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                    "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir",
-                   "tiny_laguna_element_dir", "tiny_flint_dir"),
+                   "tiny_laguna_element_dir", "tiny_flint_dir", "tiny_nanochat_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

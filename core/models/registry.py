@@ -61,6 +61,7 @@ _ARCHITECTURES = {
     "MellumForCausalLM": "specray.models.mellum:MellumForCausalLM",
     "LagunaForCausalLM": "specray.models.laguna:LagunaForCausalLM",
     "FlintForCausalLM": "specray.models.flint:FlintForCausalLM",
+    "NanoChatForCausalLM": "specray.models.nanochat:NanoChatForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -106,7 +107,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "kolibri1": "Kolibri1ForCausalLM", "afmoe": "AfmoeForCausalLM",
                 "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
                 "mellum": "MellumForCausalLM", "laguna": "LagunaForCausalLM",
-                "flint": "FlintForCausalLM",
+                "flint": "FlintForCausalLM", "nanochat": "NanoChatForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
