@@ -188,7 +188,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import AfmoeConfig, AfmoeForCausalLM, GraniteSWAConfig, GraniteSWAForCausalLM
     from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
     from transformers import FlintConfig, FlintForCausalLM, LagunaConfig, LagunaForCausalLM
-    from transformers import NanoChatConfig, NanoChatForCausalLM
+    from transformers import BeamConfig, BeamForCausalLM, NanoChatConfig, NanoChatForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -278,7 +278,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "granitemoe_swa": (GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM),
                           "mellum": (MellumConfig, MellumForCausalLM),
                           "laguna": (LagunaConfig, LagunaForCausalLM), "flint": (FlintConfig, FlintForCausalLM),
-                          "nanochat": (NanoChatConfig, NanoChatForCausalLM)}[arch]
+                          "nanochat": (NanoChatConfig, NanoChatForCausalLM),
+                          "beam": (BeamConfig, BeamForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -293,7 +294,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
                            "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
-                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", "afmoe", *CLASSIC_NAMES)
+                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", "afmoe", "beam", *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -314,11 +315,13 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
             elif arch in ("deepseek_v4", "hy_v4") and name.endswith(("sinks", "position_bias", "base", "hc_base",
                                                                      "scale")):
                 param.normal_(0.0, 0.5)  # zeros or ones at first
+            elif arch == "beam" and name.endswith("gate_bias"):  # zeros at init: random, so it shows
+                param.normal_(0.0, 0.5)
             elif arch == "apertus" and name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):
                 param.normal_(0.0, 0.5)  # one value in every layer at first: each layer its own
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2", "axk1",
-                    "kolibri1", "laguna",
+                    "kolibri1", "laguna", "beam",
                     "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -914,6 +917,17 @@ def tiny_nanochat_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_nanochat"), "nanochat", seed=85, num_key_value_heads=4,
                             hidden_act="relu2", final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=2,
                             pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_beam_dir(tmp_path_factory) -> Path:
+    # Beam: gated attention with q/k norms, sliding layers rotated, a global NoPE layer with position-scaled queries,
+    # sandwich norms and depth-scaled residual adds, a dense first layer then grouped sigmoid experts, capped logits
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_beam"), "beam", seed=89, num_hidden_layers=3, head_dim=16,
+                            sliding_window=6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            n_group=4, topk_group=2, routed_scaling_factor=1.5, final_logit_softcapping=5.0,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse"])
 
 
 def _hybrid_fixture(arch: str, seed: int):

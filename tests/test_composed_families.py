@@ -73,6 +73,9 @@ to one:
   their top logits' sigmoids beside a shared MLP (TP 2).
 * nanochat (``NanoChatForCausalLM``): weightless RMSNorms (the embeddings normed too), RoPE turning the other way
   before the q/k norms, a relu^2 MLP, soft-capped logits (TP 2).
+* Beam (``BeamForCausalLM``): gated attention with q/k norms, RoPE on the sliding layers and position-scaled queries
+  on the NoPE global ones, sandwich norms with depth-scaled residual adds, grouped sigmoid experts, capped logits
+  (TP 2).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from specray.models.gemma2 import VaultGemmaForCausalLM
 from specray.models.jais2 import Jais2ForCausalLM
 from specray.models.afmoe import AfmoeForCausalLM
 from specray.models.axk1 import AXK1ForCausalLM
+from specray.models.beam import BeamForCausalLM
 from specray.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from specray.models.helium import HeliumForCausalLM
 from specray.models.kolibri1 import Kolibri1ForCausalLM
@@ -165,7 +169,8 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "laguna": ("tiny_laguna_dir", LagunaForCausalLM, LlamaMLP),
             "laguna_element": ("tiny_laguna_element_dir", LagunaForCausalLM, LlamaMLP),
             "flint": ("tiny_flint_dir", FlintForCausalLM, LlamaMLP),
-            "nanochat": ("tiny_nanochat_dir", NanoChatForCausalLM, ReluSquaredMLP)}
+            "nanochat": ("tiny_nanochat_dir", NanoChatForCausalLM, ReluSquaredMLP),
+            "beam": ("tiny_beam_dir", BeamForCausalLM, LlamaMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -196,7 +201,7 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
                    "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                    "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir",
-                   "tiny_laguna_element_dir", "tiny_flint_dir", "tiny_nanochat_dir"),
+                   "tiny_laguna_element_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

@@ -46,7 +46,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
                                      "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                                      "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir",
-                                     "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir"])
+                                     "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's

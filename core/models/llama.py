@@ -66,7 +66,7 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
-                       "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint")
+                       "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint", "beam")
 # q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)

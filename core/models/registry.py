@@ -62,6 +62,7 @@ _ARCHITECTURES = {
     "LagunaForCausalLM": "specray.models.laguna:LagunaForCausalLM",
     "FlintForCausalLM": "specray.models.flint:FlintForCausalLM",
     "NanoChatForCausalLM": "specray.models.nanochat:NanoChatForCausalLM",
+    "BeamForCausalLM": "specray.models.beam:BeamForCausalLM",
     "GemmaForCausalLM": "specray.models.gemma:GemmaForCausalLM",
     "DeepseekV3ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "specray.models.deepseek_v3:DeepseekV3ForCausalLM",
@@ -108,6 +109,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "granite_swa": "GraniteSWAForCausalLM", "granitemoe_swa": "GraniteMoeSWAForCausalLM",
                 "mellum": "MellumForCausalLM", "laguna": "LagunaForCausalLM",
                 "flint": "FlintForCausalLM", "nanochat": "NanoChatForCausalLM",
+                "beam": "BeamForCausalLM",
                 "nemotron": "NemotronForCausalLM", "cohere": "CohereForCausalLM", "apertus": "ApertusForCausalLM",
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
