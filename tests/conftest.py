@@ -723,6 +723,14 @@ def tiny_opt_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_opt_350m_dir(tmp_path_factory) -> Path:
+    # OPT-350M's layout: each block's norm after it, no final norm, embeddings half the layers' width (projected in
+    # and out around the layers), the head tied to them
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_opt_350m"), "opt", seed=91, word_embed_proj_dim=32,
+                            do_layer_norm_before=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_falcon_dir(tmp_path_factory) -> Path:
     # Falcon-40B's layout: two KV heads for four query heads fused group by group, a norm each for the parallel
     # blocks, biases

@@ -12,7 +12,8 @@ under n-gram drafts equal to transformers' ``generate``, and two tensor-parallel
 * StableLM (``StableLmForCausalLM``): StableLM 2 1.6B's Llama order with LayerNorms and q/k/v biases, and 12B's
   parallel blocks under one norm with a LayerNorm per query and key head (GQA).
 * GPT-2 (``GPT2LMHeadModel``): learned positions, no RoPE, Conv1D weights with q/k/v fused, a tied head.
-* OPT (``OPTForCausalLM``): learned positions from row 2 of the table, a ReLU MLP, its names.
+* OPT (``OPTForCausalLM``): learned positions from row 2 of the table, a ReLU MLP, its names; and OPT-350M's layout
+  (norms after the blocks, embeddings projected in and out).
 * Falcon (``FalconForCausalLM``): 40B's grouped q/k/v and two norms, 7B's one KV head and one norm, Falcon 2's
   grouped q/k/v and one norm, and blocks in sequence with a KV head per query head.
 """
@@ -46,6 +47,7 @@ FAMILIES = {"gpt_neox": ("tiny_gpt_neox_dir", GPTNeoXForCausalLM, GatelessMLP),
             "stablelm_parallel": ("tiny_stablelm_parallel_dir", StableLmForCausalLM, LlamaMLP),
             "gpt2": ("tiny_gpt2_dir", GPT2LMHeadModel, GatelessMLP),
             "opt": ("tiny_opt_dir", OPTForCausalLM, GatelessMLP),
+            "opt_350m": ("tiny_opt_350m_dir", OPTForCausalLM, GatelessMLP),
             "falcon": ("tiny_falcon_dir", FalconForCausalLM, GatelessMLP),
             "falcon_7b": ("tiny_falcon_7b_dir", FalconForCausalLM, GatelessMLP),
             "falcon2": ("tiny_falcon2_dir", FalconForCausalLM, GatelessMLP),
@@ -70,9 +72,9 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 
 RANK_CHECKS = {1: ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir", "tiny_phi_dir", "tiny_gptj_dir",
                    "tiny_stablelm_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
-                   "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir"),
+                   "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir", "tiny_opt_350m_dir"),
                2: ("tiny_gpt_neox_dir", "tiny_phi_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
-                   "tiny_falcon_dir")}
+                   "tiny_falcon_dir", "tiny_opt_350m_dir")}
 
 
 @pytest.mark.parametrize("stages", sorted(RANK_CHECKS))
