@@ -443,10 +443,11 @@ def _layer_of(name: str) -> int:
     return int(re.search(r"\.(?:layers|h)\.(\d+)\.", name).group(1))
 
 
-# the names of the projections an adapter may adapt: Llama's (*proj; Granite's shared MLP: *_linear), Phi's, GPT-J's and
-# OPT's own
-_PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h)\.\d+\..*(?:proj|_linear|\.dense|\.fc1|\.fc2"
-                          r"|\.fc_in|\.fc_out)\.weight$")
+# the names of the projections an adapter may adapt: Llama's (*proj; Granite's shared MLP: *_linear), Phi's, GPT-J's,
+# OPT's, GPT-NeoX's and Falcon's own
+_PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h|gpt_neox\.layers)\.\d+\..*(?:proj|_linear"
+                          r"|\.dense|\.fc1|\.fc2|\.fc_in|\.fc_out|\.query_key_value|\.dense_h_to_4h|\.dense_4h_to_h)"
+                          r"\.weight$")
 
 
 def _projection_shapes(base: Path) -> dict[str, tuple[int, int]]:

@@ -156,3 +156,29 @@ def split_grouped_qkv(name: str, tensor: Any, fused: str, num_groups: int, q_per
     q, k, v = grouped[:, :q_per_group], grouped[:, -2], grouped[:, -1]
     return [(name.replace(fused, f".{p}_proj."), part.reshape(-1, *value.shape[1:]))
             for p, part in zip("qkv", (q, k, v))]
+
+
+class FusedQKVAdapters:
+    """LoRA adapters of a checkpoint's q/k/v fused KV head by KV head (``query_key_value``: GPT-NeoX's, Falcon's), on a
+    :class:`~specray.models.llama.LlamaForCausalLM` family: the fused projection's shape by its checkpoint name (renamed
+    as the weights are) for the adapter check, and an adapter's B split into the three parts as the weight is (A
+    shared). The family gives :meth:`qkv_groups`."""
+
+    fused_qkv = ".query_key_value."
+
+    def qkv_groups(self) -> tuple[int, int]:
+        """(KV heads, query heads per KV head) of the fused layout."""
+        raise NotImplementedError
+
+    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
+        shapes = {}
+        for i, layer in self.model.stage_layers():
+            qkv = layer.self_attn.qkv_proj
+            name = self.adapter_module(f"model.layers.{i}.self_attn{self.fused_qkv}"[:-1])
+            shapes[name] = (qkv.q_size + 2 * qkv.kv_size, qkv.in_features)
+        return shapes
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        if not f"{module}.".endswith(self.fused_qkv):
+            return None
+        return split_grouped_qkv(f"{module}.", lora_b, self.fused_qkv, *self.qkv_groups())

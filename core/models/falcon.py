@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view, split_grouped_qkv
+from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view,
+                                    split_grouped_qkv)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -64,12 +65,17 @@ class FalconModel(LlamaModel):
         super().__init__(config, tp, expert_parallel, pp)
 
 
-class FalconForCausalLM(LlamaForCausalLM):
+class FalconForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
     """Falcon for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is (7B's one KV head on every rank)."""
 
     model_class = FalconModel
     stacked = GATELESS_STACKED
-    lora_modules: tuple[str, ...] = ()  # not yet (q/k/v fused KV head by KV head)
+    # LoRA on q/k/v (an adapter's query_key_value split KV head by KV head, as the weight is), dense and the MLP
+    lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
+
+    def qkv_groups(self) -> tuple[int, int]:
+        groups = self.config.num_key_value_heads
+        return groups, self.config.num_attention_heads // groups
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -84,10 +90,8 @@ class FalconForCausalLM(LlamaForCausalLM):
         self.renames = _RENAMES
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        groups = self.config.num_key_value_heads
-        per = self.config.num_attention_heads // groups
         for name, tensor in weights:
             if ".self_attention.query_key_value." in name:
-                yield from split_grouped_qkv(name, tensor, ".query_key_value.", groups, per)
+                yield from split_grouped_qkv(name, tensor, ".query_key_value.", *self.qkv_groups())
             else:
                 yield name, tensor

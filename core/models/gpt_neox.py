@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view, split_grouped_qkv
+from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view,
+                                    split_grouped_qkv)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -49,12 +50,16 @@ class GPTNeoXModel(LlamaModel):
         super().__init__(config, tp, expert_parallel, pp)
 
 
-class GPTNeoXForCausalLM(LlamaForCausalLM):
+class GPTNeoXForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
     """GPT-NeoX for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is."""
 
     model_class = GPTNeoXModel
     stacked = GATELESS_STACKED
-    lora_modules: tuple[str, ...] = ()  # not yet (q/k/v fused head by head)
+    # LoRA on q/k/v (an adapter's query_key_value split head by head, as the weight is), dense and the MLP
+    lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
+
+    def qkv_groups(self) -> tuple[int, int]:
+        return self.config.num_attention_heads, 1
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
