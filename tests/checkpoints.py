@@ -424,7 +424,7 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
         if parts[-2] not in modules or (layers is not None and _layer_of(name) not in layers):
             continue
         g = torch.Generator().manual_seed(seed * 1000 + len(tensors))
-        out_features, in_features = w
+        out_features, in_features = w[::-1] if _is_conv1d(config, name) else w
         module = name[: -len(".weight")]
         tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * std
         tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
@@ -438,15 +438,21 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
     return dst
 
 
+def _is_conv1d(config: dict, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a GPT-2 Conv1D weight, stored [in, out]."""
+    return config.get("model_type") == "gpt2" and re.search(r"\.(?:c_attn|c_proj|c_fc)\.weight$", name) is not None
+
+
 def _layer_of(name: str) -> int:
     """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``decoder.layers.3.``)."""
     return int(re.search(r"\.(?:layers|h)\.(\d+)\.", name).group(1))
 
 
 # the names of the projections an adapter may adapt: Llama's (*proj; Granite's shared MLP: *_linear), Phi's, GPT-J's,
-# OPT's, GPT-NeoX's and Falcon's own
+# OPT's, GPT-NeoX's, Falcon's and GPT-2's own
 _PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h|gpt_neox\.layers)\.\d+\..*(?:proj|_linear"
-                          r"|\.dense|\.fc1|\.fc2|\.fc_in|\.fc_out|\.query_key_value|\.dense_h_to_4h|\.dense_4h_to_h)"
+                          r"|\.dense|\.fc1|\.fc2|\.fc_in|\.fc_out|\.query_key_value|\.dense_h_to_4h|\.dense_4h_to_h"
+                          r"|\.c_attn|\.c_fc)"
                           r"\.weight$")
 
 
@@ -465,6 +471,7 @@ def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:
 
     shutil.copytree(base, dst)
     config = json.loads((adapter / "adapter_config.json").read_text())
+    base_config = json.loads((base / "config.json").read_text())
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     weights = load_file(str(base / "model.safetensors"))
     for key, a in lora.items():
@@ -474,7 +481,8 @@ def merge_lora(base: Path, adapter: Path, dst: Path) -> Path:
         rank = a.shape[0]
         scale = config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
         name = key[len("base_model.model."):].replace(".lora_A.weight", ".weight")
-        weights[name] = weights[name] + scale * (b @ a)
+        delta = scale * (b @ a)
+        weights[name] = weights[name] + (delta.t() if _is_conv1d(base_config, name) else delta)
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 

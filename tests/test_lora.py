@@ -47,7 +47,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                                      "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir",
                                      "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir",
-                                     "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir"])
+                                     "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_gpt2_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -70,6 +70,8 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"), ("q_proj", "v_proj", "fc2")
     if fixture == "tiny_starcoder2_dir":  # its MLP's own names, no gate
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
+    if fixture == "tiny_gpt2_dir":  # its Conv1D projections, q/k/v fused as c_attn
+        every, some = ("c_attn", "c_proj", "c_fc"), ("c_attn", "c_proj")
     if fixture in ("tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir"):  # q/k/v fused head by head
         every = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
         some = ("query_key_value", "dense_4h_to_h")

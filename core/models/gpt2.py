@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from specray.models.arcee import GATELESS_STACKED
 from specray.models.classic import GatelessMLP, LearnedPositionsModel, NoRopeAttention, layer_norm, llama_view
 from specray.models.layers import materialize
@@ -46,7 +48,9 @@ class GPT2LMHeadModel(LlamaForCausalLM):
 
     model_class = GPT2Model
     stacked = GATELESS_STACKED
-    lora_modules: tuple[str, ...] = ()  # not yet
+    # LoRA on q/k/v (an adapter's c_attn: its B's rows split into q, k, v as the weight's are), c_proj and the MLP;
+    # PEFT's adapters of a Conv1D are A [r, in] and B [out, r], as a Linear's
+    lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -63,6 +67,18 @@ class GPT2LMHeadModel(LlamaForCausalLM):
                             tie_word_embeddings=getattr(hf_config, "tie_word_embeddings", True))
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
+
+    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
+        """The fused ``c_attn`` an adapter may name, by its renamed name, with its (out, in) shape."""
+        hidden = self.config.hidden_size
+        return {self.adapter_module(f"model.layers.{i}.attn.c_attn"): (3 * hidden, hidden)
+                for i, _ in self.model.stage_layers()}
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """An adapter's B of ``c_attn`` [3 H, r] as q's, k's and v's rows (named with a trailing dot)."""
+        if not module.endswith(".attn.c_attn"):
+            return None
+        return [(module.replace(".c_attn", f".{p}_proj") + ".", b) for p, b in zip("qkv", lora_b.chunk(3))]
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         hidden = self.config.hidden_size
