@@ -970,6 +970,7 @@ tiny_jamba_dir = _hybrid_fixture("jamba", 57)  # Jamba: Mamba-1, NoPE attention,
 tiny_falcon_mamba_dir = _hybrid_fixture("falcon_mamba", 58)  # Mamba-1 alone, its B, C and dt normed
 tiny_zamba2_dir = _hybrid_fixture("zamba2", 59)  # Zamba2: Mamba-2, a shared block run at two layers
 tiny_lfm3_dir = _hybrid_fixture("lfm3", 60)  # LFM3: short convs, sliding and full attention with gated heads
+tiny_minimax_dir = _hybrid_fixture("minimax", 61)  # MiniMax-Text-01: lightning attention, softmax attention, experts
 
 
 @pytest.fixture(scope="session")

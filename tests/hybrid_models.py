@@ -32,7 +32,7 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8
 _ATTN = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, vocab_size=300, bos_token_id=None, pad_token_id=None)
 MAMBA_ARCHS = ("bamba", "granite", "granite_dense", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_gate",
-               "mamba2", "lfm2", "lfm2_moe", "lfm3", "jamba", "mamba", "falcon_mamba", "zamba2")
+               "mamba2", "lfm2", "lfm2_moe", "lfm3", "jamba", "mamba", "falcon_mamba", "zamba2", "minimax")
 # (LFM2's short convs: a recurrent state with no matrix; Mamba-1's: a state row decaying at its own rate)
 
 
@@ -78,6 +78,14 @@ def mamba_config(arch: str, **overrides):
                   head_dim=16, sliding_window=6, norm_eps=1e-5, conv_L_cache=3, conv_bias=False, eos_token_id=None,
                   use_sandwich_norm=True, use_attention_gate=True)
         return tf.Lfm3Config(**{**kw, **overrides})
+    if arch == "minimax":  # MiniMax-Text-01: lightning attention, a softmax layer, lightning; every
+        # layer Mixtral's experts; DeepNorm's factors away from 1
+        kw = dict(_ATTN, num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                  head_dim=16, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, block_size=8,
+                  linear_attn_alpha_factor=1.3, linear_attn_beta_factor=0.7, full_attn_alpha_factor=0.9,
+                  full_attn_beta_factor=1.2, mlp_alpha_factor=1.1, mlp_beta_factor=0.8,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        return tf.MiniMaxConfig(**{**kw, **overrides})
     if arch == "jamba":  # Jamba: Mamba-1 and NoPE attention alternating, experts on every other layer
         kw = dict(_ATTN, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,

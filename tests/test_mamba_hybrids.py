@@ -1,7 +1,7 @@
 """Hybrid Mamba-2 models (Bamba, Granite 4.0's MoE and dense hybrids, Nemotron-H with and without experts, latent or
 not, Falcon-H1, Zamba2 and its shared blocks), Mamba-2 alone (no paged layer at all), Mamba-1's (Jamba, Mamba,
-Falcon-Mamba) and LFM2's and LFM3's short convs (dense and MoE): specray.models.mamba_hybrid, mamba2, mamba1, lfm2,
-lfm3, zamba2,
+Falcon-Mamba), LFM2's and LFM3's short convs (dense and MoE) and MiniMax's lightning attention:
+specray.models.mamba_hybrid, mamba2, mamba1, lfm2, lfm3, zamba2, minimax,
 against transformers on the same random weights (fp32, max abs diff < 1e-4): one prefill, a prefill in chunks, decode
 steps with the recurrent state carried, drafts replayed after verification; each family's own parts shown to matter;
 no host sync in a step; the engine end to end (plain greedy equals transformers', speculative greedy with n-gram
@@ -39,17 +39,39 @@ def test_drafts_are_replayed_as_accepted(tmp_path, arch):
     check_drafts_replayed(*ours(tmp_path, arch, seed=3))
 
 
-@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "lfm2", "lfm3", "falcon_mamba"])
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "lfm2", "lfm3", "falcon_mamba", "minimax"])
 def test_no_host_sync_in_a_step(tmp_path, no_host_sync, arch):
     """A step with a replay, a verify chunk and a fresh prefill (long enough for the chunked or parallel scan) reads
-    no tensor's value on the host: Mamba-2's, LFM2's short convs', Mamba-1's (dt, B and C inside the recurrence)."""
+    no tensor's value on the host: Mamba-2's, LFM2's short convs', Mamba-1's (dt, B and C inside the recurrence),
+    MiniMax's lightning attention (its experts as graph steps run them: sync_free_experts)."""
+    import contextlib
+
+    from specray.models.moe import sync_free_experts
+
     model, _ = ours(tmp_path, arch, seed=9)
     run = Stepper(model)
     seq = tokens(24, 10)
     run.step([(0, seq[:8], 0, 0)])
     run.step([(0, seq[8:11], 8, 2)])
-    with no_host_sync():
+    with no_host_sync(), (sync_free_experts() if arch == "minimax" else contextlib.nullcontext()):
         run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
+
+
+def test_minimax_reads_its_releases_rotary_dim(tmp_path):
+    """A MiniMax release's ``rotary_dim`` (half of each head in MiniMax-Text-01's) rotates that many features of each
+    head in the softmax layers (vLLM's reading; transformers' port rotates whole heads, which is what the family's
+    other tests compare with: their configs have no rotary_dim)."""
+    from specray.models.loader import load_model, read_config
+
+    _, hf = hf_pair("minimax", 12)
+    hf.save_pretrained(tmp_path)
+    whole = load_model(str(tmp_path))
+    config = read_config(str(tmp_path))
+    config.rotary_dim = 8  # of 16
+    half = load_model(str(tmp_path), config=config)
+    assert whole.model.rotary_emb.inv_freq.numel() == 8 and half.model.rotary_emb.inv_freq.numel() == 4
+    seq = tokens(12, 4)
+    assert (Stepper(half).step([(0, seq, 0, 0)])[0] - hf_logits(hf, seq)).abs().max() > 100 * TOL
 
 
 def test_each_mamba2_part_matters(tmp_path, monkeypatch):
@@ -209,7 +231,7 @@ def test_falcon_h1_multipliers_fold_into_the_weights(tmp_path, monkeypatch):
 
 # (the dense Granite and the plain Nemotron-H: in the TP and pipeline checks below)
 @pytest.fixture(scope="module", params=["bamba", "granite", "nemotron_h_moe", "falcon_h1", "mamba2", "lfm2", "lfm3",
-                                        "jamba", "falcon_mamba", "zamba2"])
+                                        "jamba", "falcon_mamba", "zamba2", "minimax"])
 def engine_case(request, tmp_path_factory):
     from specray import LLM
 
@@ -316,13 +338,14 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     states); B and C's two groups split (Bamba, Nemotron-H) or, one group, repeat on both ranks with the gated norm's
     sums of squares summed across them (Granite's dense hybrid); Nemotron-H's gateless experts and shared experts
     split by width; Falcon-H1's side-by-side mixers; LFM2-MoE's short convs' channels and experts; LFM3's heads' gates
-    with their heads; logits of
+    with their heads; MiniMax's lightning heads (their norm over every head: the sums of squares over the ranks);
+    logits of
     prefills, a verify chunk and the replay after it equal one rank's; Jamba's Mamba-1 channels (x_proj's sum over
     the ranks) and experts."""
     folders = []
     for arch, seed, overrides in (("bamba", 41, {}), ("granite_dense", 42, {"mamba_n_groups": 1}),
                                   ("nemotron_h_moe", 43, {}), ("falcon_h1", 47, {}), ("lfm2_moe", 48, {}),
-                                  ("jamba", 49, {}), ("zamba2", 50, {}), ("lfm3", 52, {})):
+                                  ("jamba", 49, {}), ("zamba2", 50, {}), ("lfm3", 52, {}), ("minimax", 53, {})):
         _, hf = hf_pair(arch, seed, **overrides)
         hf.save_pretrained(tmp_path / arch)
         folders.append(str(tmp_path / arch))
@@ -330,7 +353,7 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
             # (LFM2's short convs: no heads; Jamba's Mamba-1: a head per channel, 128 over two ranks)
-            assert heads == {"lfm2_moe": 0, "lfm3": 0, "jamba": 64}.get(folder.rsplit("/", 1)[-1], 4), folder
+            assert heads == {"lfm2_moe": 0, "lfm3": 0, "jamba": 64, "minimax": 2}.get(folder.rsplit("/", 1)[-1], 4), folder
 
 
 def test_prefix_caching_starts_from_kept_states(engine_case):
@@ -405,7 +428,7 @@ def test_a_release_of_attention_layers_alone_serves_as_an_attention_model(tmp_pa
     assert generate(llm, greedy()) == plain and llm.spec_stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["bamba", "granite", "falcon_h1", "jamba", "lfm2", "lfm3"])
+@pytest.mark.parametrize("arch", ["bamba", "granite", "falcon_h1", "jamba", "lfm2", "lfm3", "minimax"])
 def test_an_eagle3_head_on_the_target_keeps_greedy_output(tmp_path, arch):
     """An EAGLE-3 head drafting chains for each kind of layer here (the streams entering its layers handed out by
     Llama's, Falcon-H1's and LFM2's stacks, over Mamba-2, Mamba-1 and short convs; its own K/V, the target's

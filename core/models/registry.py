@@ -157,13 +157,14 @@ _ARCHITECTURES.update({"BambaForCausalLM": "specray.models.mamba_hybrid:MambaHyb
                        "JambaForCausalLM": "specray.models.mamba_hybrid:JambaForCausalLM",
                        "MambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
                        "FalconMambaForCausalLM": "specray.models.mamba_hybrid:Mamba1ForCausalLM",
-                       "Zamba2ForCausalLM": "specray.models.zamba2:Zamba2ForCausalLM"})
+                       "Zamba2ForCausalLM": "specray.models.zamba2:Zamba2ForCausalLM",
+                       "MiniMaxForCausalLM": "specray.models.minimax:MiniMaxForCausalLM"})
 _MODEL_TYPES.update({"bamba": "BambaForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
                      "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
                      "mamba2": "Mamba2ForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
                      "lfm3": "Lfm3ForCausalLM",
                      "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
-                     "zamba2": "Zamba2ForCausalLM"})
+                     "zamba2": "Zamba2ForCausalLM", "minimax": "MiniMaxForCausalLM"})
 # Nemotron 3 Nano Omni: a Nemotron-H text model (its text_config) under ``language_model.`` beside its vision and
 # audio towers and their projectors (not read)
 _TEXT_PARTS["NemotronH_Omni_Reasoning_V3"] = "language_model."
