@@ -352,7 +352,8 @@ def test_tensor_parallel_shards_match_one_rank(tmp_path):
     for r, result in enumerate(run_ranks(tmp_path, TP_WORKER, 2, 2, folders, timeout=240)):
         for folder, (diff, heads) in result.items():
             assert diff < TOL, (r, folder, diff)
-            # (LFM2's short convs: no heads; Jamba's Mamba-1: a head per channel, 128 over two ranks; MiniMax: 4 over two)
+            # (LFM2's short convs: no heads; Jamba's Mamba-1: a head per channel, 128 over two ranks; MiniMax's 4 heads
+            # over two)
             want = {"lfm2_moe": 0, "lfm3": 0, "jamba": 64, "minimax": 2}.get(folder.rsplit("/", 1)[-1], 4)
             assert heads == want, folder
 

@@ -2,8 +2,9 @@
 the rest softmax attention (``layer_types``), every layer's MLP Mixtral's experts (:mod:`specray.models.moe`).
 
 Lightning attention is linear attention with a fixed decay per head: per head h, with
-``q, k, v = silu(qkv_proj(x))`` (``in_proj`` here; each head's q, k, v in turn) and ``S_t = exp(-s_h) S_(t-1) + k_t v_t^T``, the output is ``q_t S_t`` (no scale);
-``s_h = b^(h + 1) (1 - l / (L - 1) + 1e-5)`` with ``b = 2^(-8 / heads)`` at layer l of L. That is the plain gated
+``q, k, v = silu(qkv_proj(x))`` (``in_proj`` here; each head's q, k, v in turn) and
+``S_t = exp(-s_h) S_(t-1) + k_t v_t^T``, the output is ``q_t S_t`` (no scale); ``s_h = b^(h + 1) (1 - l / (L - 1) +
+1e-5)`` with ``b = 2^(-8 / heads)`` at layer l of L. That is the plain gated
 rule (:func:`~specray.models.gated_deltanet.gated_delta_scan`, ``delta=False``) with ``g = -s_h`` and ``beta = 1``, so
 :class:`LightningAttention` is a :class:`~specray.models.gated_deltanet.RecurrentMixer` whose conv is the identity
 (kernel 1: its state is the matrix alone), and the recurrent-state machinery (drafts replayed, token trees, prefix
