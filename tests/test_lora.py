@@ -341,16 +341,18 @@ def test_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
 # the checkpoint leaves a Mamba-2 hybrid's (and LFM2's) adapter adapts: attention, MLPs (LFM2's w1 / w3 / w2), the
 # recurrent layers' in_proj and out_proj (not the experts, routers or conv)
 RECURRENT_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "in_proj", "gate_proj", "up_proj", "down_proj",
-                    "w1", "w2", "w3", "input_linear", "output_linear")  # (Granite's shared MLP: fused gate | up)
+                    "w1", "w2", "w3", "input_linear", "output_linear",  # (Granite's shared MLP: fused gate | up)
+                    "qkv_proj", "output_gate")  # (MiniMax's lightning layers)
 
 
 @pytest.mark.parametrize("arch", ["bamba", "granite", "granite_dense", "nemotron_h_moe", "falcon_h1", "lfm2", "lfm3",
-                                  "mamba2", "jamba", "falcon_mamba"])
+                                  "mamba2", "jamba", "falcon_mamba", "minimax"])
 def test_mamba_hybrid_adapted_logits_with_replayed_drafts(arch, tmp_path):
     """(_check_adapted_hybrid) An adapter of every projection specray adapts in Bamba, Granite 4.0's hybrids (the
     shared MLP's fused ``input_linear``: its B split into the gate and up rows, renamed), Nemotron-H (its ``backbone.``
     / ``mixer.`` names renamed by kind, shared experts too), Falcon-H1 (each B scaled by the multiplier folded into
-    its weight), LFM2 and LFM3 (``out_proj`` / ``w1``.. names), Mamba-2, Jamba and Falcon-Mamba (Mamba-1's in_proj and
+    its weight), LFM2 and LFM3 (``out_proj`` / ``w1``.. names), MiniMax (its lightning layers' ``qkv_proj``,
+    ``out_proj``, ``output_gate``), Mamba-2, Jamba and Falcon-Mamba (Mamba-1's in_proj and
     out_proj)."""
     base = hybrid.save(tmp_path / "base", arch, seed=5)
     _adapter_of(base, tmp_path / "adapter", lambda k: ".layers." in k and ".experts." not in k and k.endswith(

@@ -167,7 +167,9 @@ class MiniMaxForCausalLM(RecurrentModel, LlamaForCausalLM):
     experts by width, or whole with expert parallelism)."""
 
     model_class = MiniMaxModel
-    lora_modules: tuple[str, ...] = ()  # not yet
+    # LoRA on the softmax layers' q/k/v/o and the lightning layers' projections (the release's qkv_proj is our in_proj:
+    # one projection, adapted whole), not the experts
+    lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "output_gate")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False, pp=None):
         super().__init__(with_rotary_dim(hf_config), tp, expert_parallel, pp)
