@@ -396,16 +396,18 @@ def test_the_omni_release_serves_its_text_model(tmp_path):
 def test_pipeline_stages_match_one_rank(tmp_path):
     """Two pipeline stages over gloo, each keeping its own Mamba-2 layers' states (Bamba: layers 0-1 and 2;
     Nemotron-H: 0-1 and 2-3; Zamba2: 0-2 and 3-4, its shared block run at layers 1 and 3, on both stages, or two
-    blocks, one a stage, the stream and the embedding handed on): the last stage's logits of prefills, a verify
-    chunk and the replay after it equal one rank's."""
+    blocks, one a stage, the stream and the embedding handed on; MiniMax: 0-1 and 2, its scaled normed input
+    handed on as the residual): the last stage's logits of prefills, a verify chunk and the replay after it equal one
+    rank's."""
     folders = []
     for name, arch, seed, kw in (("bamba", "bamba", 44, {}), ("nemotron_h", "nemotron_h", 45, {}),
-                                 ("zamba2", "zamba2", 46, {}), ("zamba2-2", "zamba2", 47, {"num_mem_blocks": 2})):
+                                 ("zamba2", "zamba2", 46, {}), ("zamba2-2", "zamba2", 47, {"num_mem_blocks": 2}),
+                                 ("minimax", "minimax", 48, {})):
         _, hf = hf_pair(arch, seed, **kw)
         hf.save_pretrained(tmp_path / name)
         folders.append(str(tmp_path / name))
     first, last = run_ranks(tmp_path / "ranks", PP_WORKER, 2, 2, folders, timeout=240)
-    for folder, layers in zip(folders, (3, 4, 5, 5)):
+    for folder, layers in zip(folders, (3, 4, 5, 5, 3)):
         (first_layers, none), (last_layers, diff) = first[folder], last[folder]
         assert none is None and first_layers + last_layers == list(range(layers)), (first_layers, last_layers)
         assert diff < TOL, (folder, diff)
