@@ -114,14 +114,5 @@ class BeamForCausalLM(LlamaForCausalLM):
     """Beam for causal LM, sharded over ``tp`` (experts by width, or whole with expert parallelism) and ``pp``."""
 
     model_class = BeamModel
+    caps_logits = True
     lora_modules = LlamaForCausalLM.lora_modules + ("g_proj",)
-
-    def __init__(self, hf_config, *args, **kwargs):
-        super().__init__(hf_config, *args, **kwargs)
-        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> [N, V] float32, soft-capped
-        logits = self.lm_head(hidden).float()
-        cap = self.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap

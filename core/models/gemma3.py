@@ -169,16 +169,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     model_class = Gemma3Model
     stage_width = 1  # a stage hands the next its residual stream alone
-
-    def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
-                 pp: PPGroup | None = None):
-        super().__init__(hf_config, tp, expert_parallel, pp)
-        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+    caps_logits = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap

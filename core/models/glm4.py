@@ -15,7 +15,9 @@ from specray.parallel import TPGroup
 
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
-    """``h = h + norm(attn(norm(h)))``, then ``h = h + norm(mlp(norm(h)))``."""
+    """``h = h + norm(attn(norm(h)))``, then ``h = h + norm(mlp(norm(h)))``: the sandwich of norms the families built
+    on it share (Kolibri-1, Trinity; LFM3 and HyperCLOVA X SEED with their mixers, a norm left out as None, and
+    HyperCLOVA X's residual multiplier on each block's output)."""
 
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__(config, tp, layer, expert_parallel)
@@ -27,9 +29,15 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         # x, residual: [T, H], the stream being x + residual (added in the next norm) -> the MLP's normed output and
         # the stream before it
         x, residual = norm_stream(self.input_layernorm, x, residual)
-        x = self.post_self_attn_layernorm(self.self_attn(x, cos, sin, meta))
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.post_mlp_layernorm(self.mlp(x)), residual
+        x = self.mix(x, cos, sin, meta)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
+        m = self.residual_multiplier
+        x, residual = self.post_attention_layernorm(x if m == 1.0 else x * m, residual)
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        return (x if m == 1.0 else x * m), residual
 
 
 class Glm4Model(LlamaModel):

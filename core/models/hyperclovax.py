@@ -9,32 +9,26 @@ default ``head_dim ** -0.5``, and ``residual_multiplier``) with:
 
 from __future__ import annotations
 
-import torch
+import re
 
-from specray.models.attention import AttentionMetadata
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, norm_stream
+from specray.models.glm4 import Glm4DecoderLayer
+from specray.models.llama import _CHECKPOINT_NAMES, LlamaForCausalLM, LlamaModel
 from specray.parallel import TPGroup
 
 
-class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):
+# its norms on the blocks' outputs, GLM-4's names for them
+_CHECKPOINT_NAMES["hyperclovax"] = ((re.compile(r"\.post_norm1\."), ".post_self_attn_layernorm."),
+                                   (re.compile(r"\.post_norm2\."), ".post_mlp_layernorm."))
+
+
+class HyperCLOVAXDecoderLayer(Glm4DecoderLayer):
+    """GLM-4's sandwich of norms (:class:`~specray.models.glm4.Glm4DecoderLayer`), the norms on the blocks' outputs
+    only with ``use_post_norm``, and Granite's residual multiplier."""
+
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__(config, tp, layer, expert_parallel)
-        post = bool(config.use_post_norm)
-        self.post_norm1 = self.build_norm(config) if post else None
-        self.post_norm2 = self.build_norm(config) if post else None
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, H], the stream being x + residual (added in the next norm)
-        x, residual = norm_stream(self.input_layernorm, x, residual)
-        x = self.mix(x, cos, sin, meta)
-        if self.post_norm1 is not None:
-            x = self.post_norm1(x)
-        x, residual = self.post_attention_layernorm(x * self.residual_multiplier, residual)
-        x = self.mlp(x)
-        if self.post_norm2 is not None:
-            x = self.post_norm2(x)
-        return x * self.residual_multiplier, residual
+        if not config.use_post_norm:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
 
 class HyperCLOVAXModel(LlamaModel):

@@ -21,12 +21,11 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.classic import llama_view
-from specray.models.layers import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
-from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, \
-    LlamaModel
+from specray.models.layers import ColumnParallelLinear
+from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from specray.models.moe import SparseMoE
-from specray.models.olmo3 import RopePerKind
-from specray.parallel import PPGroup, TPGroup
+from specray.models.olmo3 import RopePerKindModel
+from specray.parallel import TPGroup
 
 # the release's names: the router's correction bias under the experts, its shared MLP's name
 _CHECKPOINT_NAMES["laguna"] = tuple((re.compile(pattern), ours) for pattern, ours in (
@@ -71,16 +70,8 @@ class LagunaDecoderLayer(LlamaDecoderLayer):
         return LlamaMLP(config, tp)
 
 
-class LagunaModel(RopePerKind, LlamaModel):
+class LagunaModel(RopePerKindModel):
     layer_class = LagunaDecoderLayer
-
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        nn.Module.__init__(self)
-        self.build_ropes(config)
-        self.embedding_multiplier = 1.0
-        self.build_stage(config, pp, lambda i: LagunaDecoderLayer(config, tp, i, expert_parallel),
-                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
-                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class LagunaForCausalLM(LlamaForCausalLM):

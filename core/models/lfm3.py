@@ -25,7 +25,8 @@ from specray.models.gemma4 import ProportionalRotaryEmbedding
 from specray.models.layers import (ColumnParallelLinear, RotaryEmbedding, VocabParallelEmbedding, rope_parameters,
                                    rotary_dim)
 from specray.models.lfm2 import Lfm2Attention, Lfm2ForCausalLM, Lfm2Layer, ShortConv
-from specray.models.llama import _CHECKPOINT_NAMES, LlamaModel, _head_dim, norm_stream
+from specray.models.glm4 import Glm4DecoderLayer
+from specray.models.llama import _CHECKPOINT_NAMES, LlamaModel, _head_dim
 from specray.parallel import TPGroup
 
 KINDS = ("conv", "sliding_attention", "full_attention")
@@ -55,11 +56,13 @@ class Lfm3Layer(Lfm2Layer):
 
     attention_class = Lfm3Attention
 
+    forward = Glm4DecoderLayer.forward  # (the norms on the blocks' outputs under GLM-4's names)
+
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__(config, tp, layer, expert_parallel)
         sandwich = bool(config.use_sandwich_norm)
-        self.post_operator_norm = self.build_norm(config) if sandwich else None
-        self.post_ffn_norm = self.build_norm(config) if sandwich else None
+        self.post_self_attn_layernorm = self.build_norm(config) if sandwich else None
+        self.post_mlp_layernorm = self.build_norm(config) if sandwich else None
 
     def build_mixer(self, config, tp: TPGroup, layer: int) -> None:
         kind = config.layer_types[layer]
@@ -71,17 +74,6 @@ class Lfm3Layer(Lfm2Layer):
             self.conv = ShortConv(config, tp)
         else:
             self.self_attn = self.attention_class(config, tp, layer)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, H], the stream being x + residual (added in the next norm)
-        x, residual = norm_stream(self.input_layernorm, x, residual)
-        x = self.mix(x, cos, sin, meta)
-        if self.post_operator_norm is not None:
-            x = self.post_operator_norm(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
-        return (x if self.post_ffn_norm is None else self.post_ffn_norm(x)), residual
 
 
 def _rotary(config, kind: str) -> RotaryEmbedding:
@@ -116,9 +108,11 @@ class Lfm3Model(LlamaModel):
         return lambda layer: tables.get(self.layer_types[layer], (None, None))
 
 
-# LFM2's names, and the release's name of the heads' gate (transformers renames it g_proj as it loads, and back as it
-# saves)
-_CHECKPOINT_NAMES["lfm3"] = (((re.compile(r"\.self_attn\.gate_proj\."), ".self_attn.g_proj."),)
+# LFM2's names, the release's name of the heads' gate (transformers renames it g_proj as it loads, and back as it
+# saves), its norms on the blocks' outputs under GLM-4's names
+_CHECKPOINT_NAMES["lfm3"] = (((re.compile(r"\.self_attn\.gate_proj\."), ".self_attn.g_proj."),
+                              (re.compile(r"\.post_operator_norm\."), ".post_self_attn_layernorm."),
+                              (re.compile(r"\.post_ffn_norm\."), ".post_mlp_layernorm."))
                              + _CHECKPOINT_NAMES["lfm2"])
 
 

@@ -491,6 +491,7 @@ class LlamaForCausalLM(nn.Module):
     # whether a drafter may ask for aux layer num_hidden_layers: the residual past the last layer, where an MTP layer
     # of DeepSeek-V4's reads its streams (on the last pipeline stage)
     aux_past_end = False
+    caps_logits = False  # whether the config's final_logit_softcapping caps the logits (Gemma 2 / 3, Beam, nanochat)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -513,6 +514,7 @@ class LlamaForCausalLM(nn.Module):
         self.renames = _CHECKPOINT_NAMES.get(hf_config.model_type, ())
         self.fused = fused_pieces(hf_config)
         self.logits_scaling = multiplier(hf_config, "logits_scaling")
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None) if self.caps_logits else None
         self.kv_cache_allocated = False
 
     @property
@@ -582,9 +584,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden, [streams[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> [N, V] float32, full vocab on every rank (Granite's divided by its logits_scaling)
+        # hidden: [N, H] -> [N, V] float32, full vocab on every rank (Granite's divided by its logits_scaling; a family
+        # with caps_logits capped by its config's final_logit_softcapping, cap * tanh(logits / cap))
         logits = self.lm_head(hidden).float()
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        cap = self.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # ------------------------------------------------------------------------------------------ KV cache
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from specray.models.layers import RMSNorm, VocabParallelEmbedding
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from specray.models.moe import FAMILIES, SparseMoE
-from specray.models.olmo3 import RopePerKind
-from specray.parallel import PPGroup, TPGroup
+from specray.models.olmo3 import RopePerKindModel
+from specray.parallel import TPGroup
 
 FAMILIES["mellum"] = FAMILIES["qwen3_moe"]
 
@@ -29,16 +28,8 @@ class MellumDecoderLayer(LlamaDecoderLayer):
         return LlamaMLP(config, tp)
 
 
-class MellumModel(RopePerKind, LlamaModel):
+class MellumModel(RopePerKindModel):
     layer_class = MellumDecoderLayer
-
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        nn.Module.__init__(self)
-        self.build_ropes(config)
-        self.embedding_multiplier = 1.0
-        self.build_stage(config, pp, lambda i: MellumDecoderLayer(config, tp, i, expert_parallel),
-                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
-                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class MellumForCausalLM(LlamaForCausalLM):

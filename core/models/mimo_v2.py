@@ -31,11 +31,10 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
 from specray.models.kv_cache import FullAttentionSpec, SlidingWindowSpec
-from specray.models.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding, _copy,
-                                   apply_rotary, divide, narrow)
-from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from specray.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _copy, apply_rotary, divide, narrow
+from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from specray.models.moe import SparseMoE
-from specray.models.olmo3 import RopePerKind
+from specray.models.olmo3 import RopePerKindModel
 from specray.parallel import PPGroup, TPGroup
 
 # the sinks (the release's attention_sink_bias, transformers' sinks) sit on our PagedAttention
@@ -99,13 +98,8 @@ class MiMoV2DecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class MiMoV2Model(RopePerKind, LlamaModel):
-    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        nn.Module.__init__(self)
-        self.build_ropes(config)
-        self.build_stage(config, pp, lambda i: MiMoV2DecoderLayer(config, tp, i, expert_parallel),
-                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
-                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+class MiMoV2Model(RopePerKindModel):
+    layer_class = MiMoV2DecoderLayer
 
 
 class MiMoV2FlashForCausalLM(LlamaForCausalLM):

@@ -371,6 +371,15 @@ def _load_reshaped(param: nn.Parameter, tensor: Any) -> None:
     param.data.copy_(value.reshape(param.shape))
 
 
+def _config_choice(config, field: str, options: tuple[str, ...]) -> str:
+    """The config's ``field``, one of ``options``, or a ValueError naming them."""
+    value = getattr(config, field)
+    if value not in options:
+        raise ValueError(f"{field}={value!r} is not supported for model_type={config.model_type!r}; one of "
+                         f"{list(options)}")
+    return value
+
+
 class SparseMoE(nn.Module):
     """A sparse MLP block over ``tp`` (see the module docstring), the family's by ``config.model_type``;
     ``hash_routed``: the experts are chosen by token id (DeepSeek-V4's ``hash_moe`` layers)."""
@@ -399,20 +408,10 @@ class SparseMoE(nn.Module):
                 raise ValueError(f"num_experts_per_tok={self.top_k} is not supported for model_type="
                                  f"{config.model_type!r}: its sparsemixer routing picks 2 experts; use 2")
             self.jitter_eps = float(config.router_jitter_noise)
-        self.topk_sigmoid = family.routing == "topk_sigmoid"
-        if family.selection is not None:
-            choice = getattr(config, family.selection)
-            if choice not in ("softmax", "sigmoid"):
-                raise ValueError(f"{family.selection}={choice!r} is not supported for model_type="
-                                 f"{config.model_type!r}; 'softmax' or 'sigmoid'")
-            self.topk_sigmoid = choice == "sigmoid"
-        self.shared_average = False
-        if family.shared_combination is not None:
-            how = getattr(config, family.shared_combination)
-            if how not in ("sum", "average"):
-                raise ValueError(f"{family.shared_combination}={how!r} is not supported for model_type="
-                                 f"{config.model_type!r}; 'sum' or 'average'")
-            self.shared_average = how == "average"
+        self.topk_sigmoid = (family.routing == "topk_sigmoid" if family.selection is None
+                             else _config_choice(config, family.selection, ("softmax", "sigmoid")) == "sigmoid")
+        self.shared_average = (family.shared_combination is not None
+                               and _config_choice(config, family.shared_combination, ("sum", "average")) == "average")
         self.logit_cap = float(getattr(config, family.logit_softcap, 0.0) or 0.0) if family.logit_softcap else 0.0
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)

@@ -80,15 +80,6 @@ class NanoChatForCausalLM(LlamaForCausalLM):
     """nanochat for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is."""
 
     model_class = NanoChatModel
+    caps_logits = True
     stacked = GATELESS_STACKED
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
-
-    def __init__(self, hf_config, *args, **kwargs):
-        super().__init__(hf_config, *args, **kwargs)
-        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> [N, V] float32, soft-capped
-        logits = self.lm_head(hidden).float()
-        cap = self.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap

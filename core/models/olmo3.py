@@ -16,7 +16,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters, rotary_dim
-from specray.models.llama import _head_dim
+from specray.models.llama import LlamaModel, _head_dim
 from specray.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
 from specray.parallel import PPGroup, TPGroup
 
@@ -45,6 +45,18 @@ class RopePerKind:
             rotary.ensure(meta.max_position + 1)
             tables[kind] = rotary(meta.positions, dtype)
         return lambda layer: tables[self.layer_types[layer]]
+
+
+class RopePerKindModel(RopePerKind, LlamaModel):
+    """Llama's stack (its ``layer_class``, an RMSNorm after the last layer) with a RoPE table per kind of layer:
+    MiMo-V2-Flash's, Mellum 2's, Laguna's."""
+
+    def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
+        nn.Module.__init__(self)
+        self.build_ropes(config)
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, expert_parallel),
+                         lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Olmo3Model(RopePerKind, Olmo2Model):
