@@ -444,15 +444,16 @@ def _is_conv1d(config: dict, name: str) -> bool:
 
 
 def _layer_of(name: str) -> int:
-    """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``decoder.layers.3.``)."""
-    return int(re.search(r"\.(?:layers|h)\.(\d+)\.", name).group(1))
+    """The decoder layer of a checkpoint name (``model.layers.3.``, ``transformer.h.3.``, ``decoder.layers.3.``,
+    ``transformer.blocks.3.``)."""
+    return int(re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", name).group(1))
 
 
 # the names of the projections an adapter may adapt: Llama's (*proj; Granite's shared MLP: *_linear), Phi's, GPT-J's,
-# OPT's, GPT-NeoX's, Falcon's and GPT-2's own
-_PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.h|gpt_neox\.layers)\.\d+\..*(?:proj|_linear"
-                          r"|\.dense|\.fc1|\.fc2|\.fc_in|\.fc_out|\.query_key_value|\.dense_h_to_4h|\.dense_4h_to_h"
-                          r"|\.c_attn|\.c_fc)"
+# OPT's, GPT-NeoX's, Falcon's, BLOOM's, GPT-2's and MPT's own
+_PROJECTIONS = re.compile(r"^(?:model\.(?:decoder\.)?layers|transformer\.(?:h|blocks)|gpt_neox\.layers)\.\d+\..*(?:proj"
+                          r"|_linear|\.dense|\.fc1|\.fc2|\.fc_in|\.fc_out|\.query_key_value|\.dense_h_to_4h"
+                          r"|\.dense_4h_to_h|\.c_attn|\.c_fc|\.Wqkv)"
                           r"\.weight$")
 
 

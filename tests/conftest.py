@@ -136,7 +136,12 @@ CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}
                  "gptj": _GPT_NAMES, "stablelm": {"rms_norm_eps": None}, "gpt2": _GPT_NAMES,
                  "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None},
                  "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads",
-                            "rms_norm_eps": None}}
+                            "rms_norm_eps": None},
+                 "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "intermediate_size": None,
+                           "num_key_value_heads": None, "max_position_embeddings": None, "rms_norm_eps": None},
+                 "mpt": {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                         "max_position_embeddings": "max_seq_len", "intermediate_size": None,
+                         "num_key_value_heads": None, "rms_norm_eps": None}}
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
@@ -190,6 +195,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import FlintConfig, FlintForCausalLM, LagunaConfig, LagunaForCausalLM
     from transformers import BeamConfig, BeamForCausalLM, NanoChatConfig, NanoChatForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     if spm:
@@ -266,6 +272,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gptj": (GPTJConfig, GPTJForCausalLM), "stablelm": (StableLmConfig, StableLmForCausalLM),
                           "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
                           "falcon": (FalconConfig, FalconForCausalLM),
+                          "bloom": (BloomConfig, BloomForCausalLM), "mpt": (MptConfig, MptForCausalLM),
                           "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
                           "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
                           "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM),
@@ -757,6 +764,37 @@ def tiny_falcon_sequential_dir(tmp_path_factory) -> Path:
     # blocks one after the other, a KV head per query head fused head by head
     return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_seq"), "falcon", seed=52, multi_query=False,
                             num_key_value_heads=4, parallel_attn=False, bias=True, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_bloom_dir(tmp_path_factory) -> Path:
+    # BLOOM: ALiBi over six heads (four slopes of the power of two below, two between them), q/k/v fused head by head,
+    # a LayerNorm on the embeddings, a tied head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_bloom"), "bloom", seed=92, hidden_size=96,
+                            num_attention_heads=6, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_bloom_post_ln_dir(tmp_path_factory) -> Path:
+    # BLOOM with each block's residual its normed input (apply_residual_connection_post_layernorm)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_bloom_post_ln"), "bloom", seed=93, layer_norm_epsilon=1e-5,
+                            apply_residual_connection_post_layernorm=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mpt_dir(tmp_path_factory) -> Path:
+    # MPT: ALiBi over six heads, Wqkv fused, LayerNorms without biases, no biases; q/k/v clamped and the scores scaled
+    # as the config says
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mpt"), "mpt", seed=94, hidden_size=96, num_attention_heads=6,
+                            attn_config={"clip_qkv": 0.8, "softmax_scale": 0.2})
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_rw_dir(tmp_path_factory) -> Path:
+    # Falcon-RW: ALiBi (its bias scaled with the scores), blocks in sequence, a KV head per query head, biases
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_rw"), "falcon", seed=95, alibi=True,
+                            multi_query=False, num_key_value_heads=4, parallel_attn=False, bias=True,
+                            layer_norm_epsilon=1e-5)
 
 
 @pytest.fixture(scope="session")

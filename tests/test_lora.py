@@ -47,14 +47,15 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                                      "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir",
                                      "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir",
-                                     "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_gpt2_dir"])
+                                     "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_gpt2_dir",
+                                     "tiny_bloom_dir", "tiny_falcon_rw_dir", "tiny_mpt_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
     logits equal transformers' on the merged weights (the base model's for the row without)."""
     base = request.getfixturevalue(fixture)
     config = json.loads((base / "config.json").read_text())
-    layers = config.get("num_hidden_layers", config.get("n_layer"))  # (GPT-J's name)
+    layers = config.get("num_hidden_layers", config.get("n_layer", config.get("n_layers")))  # (GPT-J's, MPT's names)
     every, some, std = checkpoints.LORA_MODULES, ("q_proj", "v_proj", "down_proj"), 0.2
     if fixture in ("tiny_deepseek_dir", "tiny_youtu_dir", "tiny_axk1_dir"):  # MLA's projections but kv_b_proj
         every = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -72,7 +73,10 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
     if fixture == "tiny_gpt2_dir":  # its Conv1D projections, q/k/v fused as c_attn
         every, some = ("c_attn", "c_proj", "c_fc"), ("c_attn", "c_proj")
-    if fixture in ("tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir"):  # q/k/v fused head by head
+    if fixture == "tiny_mpt_dir":  # q/k/v fused as Wqkv (thirds), its own names
+        every, some = ("Wqkv", "out_proj", "up_proj", "down_proj"), ("Wqkv", "down_proj")
+    if fixture in ("tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_bloom_dir",
+                   "tiny_falcon_rw_dir"):  # q/k/v fused head by head (or KV head by KV head)
         every = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
         some = ("query_key_value", "dense_4h_to_h")
     if fixture in ("tiny_phi_dir", "tiny_gptj_dir", "tiny_opt_dir"):  # their own names (renamed to ours)

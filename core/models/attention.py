@@ -35,6 +35,7 @@ and GQA folding, but SDPA has no hook on the scores, so it attends explicitly (:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -109,7 +110,8 @@ class AttentionMetadata:
     # sparse attention (DeepSeek-V3.2, GLM-5): the keys each query kept in the step's last layer that picked them
     # ({"short": [Bs, Q, L] or None, own sequence i: [q, ctx]}), for the layers that reuse a pick (GLM-5's "shared")
     selected: dict | None = None
-    _masks: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)  # key -> a per-step tensor every layer shares
+    _builders: dict = field(default_factory=dict, repr=False)  # key -> how it is built from a step's metadata
 
     @property
     def num_tokens(self) -> int:
@@ -123,12 +125,22 @@ class AttentionMetadata:
         """Sequence ``i``'s new tokens sit at positions equal to their slot indices, in causal order."""
         return self.seq_positions is None and (self.ancestors is None or self.ancestors[i] is None)
 
+    def cached(self, key: tuple, build: Callable[[AttentionMetadata], torch.Tensor]) -> torch.Tensor:
+        """The step's tensor ``key`` (a mask, a position bias), built once by ``build(self)`` and shared by every
+        layer; a graph's static metadata refreshes each of its tensors from a later step's metadata by the same
+        ``build`` (:class:`~specray.models.step_graphs.StepGraphs`)."""
+        if key not in self._masks:
+            self._masks[key] = build(self)
+            self._builders[key] = build
+        return self._masks[key]
+
     def short_mask(self, groups: int, kind: MaskKind) -> torch.Tensor:
         """[Bs, 1, G*Q, L] bool, True where a folded query row may attend a context slot (cached per step)."""
-        key = ("short", groups, kind)
-        if key not in self._masks:
-            self._masks[key] = _fold_rows(_short_mask(self, kind), groups)
-        return self._masks[key]
+        return self.cached(("short", groups, kind), lambda meta: _fold_rows(_short_mask(meta, kind), groups))
+
+    def short_key_positions(self) -> torch.Tensor:
+        """[Bs, L]: :func:`short_key_positions`, cached per step."""
+        return self.cached(("short-keys",), short_key_positions)
 
     def own_allowed(self, i: int, kind: MaskKind) -> torch.Tensor:
         """[q, ctx] bool of own sequence ``i``: which of its context's keys each of its queries may attend (never
@@ -141,11 +153,8 @@ class AttentionMetadata:
         seq = self.own[i]
         if kind == CAUSAL and self._plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
             return None
-        key = ("own", i, groups, kind)
-        if key not in self._masks:
-            mask = _own_mask(self, i, kind)  # [q, ctx]
-            self._masks[key] = mask if seq.fresh else mask.repeat(groups, 1)
-        return self._masks[key]
+        return self.cached(("own", i, groups, kind), lambda meta: _own_mask(meta, i, kind) if seq.fresh
+                           else _own_mask(meta, i, kind).repeat(groups, 1))  # [q, ctx] or [G*q, ctx]
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -521,15 +530,24 @@ class PagedAttention(nn.Module):
             q = q.index_select(0, sb.token_index)
         k = self._read(self._gather(self.k_cache, sb.block_index, bs), q.dtype, self.k_scale)  # [Bs, Hkv, L, D]
         v = self._read(self._gather(self.v_cache, sb.block_index, bs), q.dtype, self.v_scale)
-        mask = meta.short_mask(self.groups, self.mask_kind) if select is None else _fold_rows(select, self.groups)
+        mask = self.short_mask(meta, q.dtype) if select is None else _fold_rows(select, self.groups)
         return self._unfold(self._attend(self._fold(q, bs, q_len), k, v, mask), bs, q_len)
+
+    def short_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """The short batch's mask over its folded query rows, [Bs, 1, G*Q, L] bool (a subclass's: additive in
+        ``dtype``, with a bias of its own: :mod:`specray.models.alibi`)."""
+        return meta.short_mask(self.groups, self.mask_kind)
+
+    def own_mask(self, meta: AttentionMetadata, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Own sequence ``i``'s mask (:meth:`AttentionMetadata.own_mask`; a subclass's: additive, never None)."""
+        return meta.own_mask(i, self.groups, self.mask_kind)
 
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
              i: int, select: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]; select: [q, ctx] bool, as :meth:`_short`'s
         seq = meta.own[i]
         rows = slice(seq.token_start, seq.token_end)
-        mask = meta.own_mask(i, self.groups, self.mask_kind)
+        mask = self.own_mask(meta, i, q.dtype)
         if select is not None:
             mask = select if seq.fresh else select.repeat(self.groups, 1)
         if seq.fresh:  # only its own new tokens: causal, GQA in the kernel (rounded as the cache holds them)

@@ -5,8 +5,9 @@ GPT-2, OPT, Phi, GPT-J, StableLM and StarCoder2.
 * :class:`ParallelDecoderLayer`: attention and the MLP both read the stream entering the layer,
   ``h + attn(norm(h)) + mlp(norm'(h))``, with one norm for both (GPT-J, Phi, StableLM's parallel releases) or one each
   (GPT-NeoX);
-* :class:`LearnedPositionsModel`: a stack without RoPE whose input adds a learned embedding of each token's position
-  (GPT-2, OPT; OPT's table starts ``position_offset`` rows in);
+* :class:`PositionFreeModel`: a stack without RoPE (ALiBi's: :mod:`specray.models.alibi`); and
+  :class:`LearnedPositionsModel`, one whose input adds a learned embedding of each token's position (GPT-2, OPT; OPT's
+  table starts ``position_offset`` rows in);
 * :func:`llama_view`: a family's config with the fields the Llama plumbing reads (its own field names, defaults and
   flags mapped), a copy;
 * :func:`split_grouped_qkv`: a fused q/k/v projection stored KV head by KV head (GPT-NeoX: ``[heads, 3, head_dim]``
@@ -103,10 +104,17 @@ class PositionEmbedding(nn.Module):
         return F.embedding(positions + self.offset, self.weight)
 
 
-class LearnedPositionsModel(LlamaModel):
+class PositionFreeModel(LlamaModel):
+    """A decoder stack whose attention has no RoPE (its attention sets ``use_rope = False``: learned positions,
+    ALiBi), so it builds no RoPE tables."""
+
+    def rope_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> Callable[[int], tuple[Any, Any]]:
+        return lambda layer: (None, None)  # (no layer rotates)
+
+
+class LearnedPositionsModel(PositionFreeModel):
     """A decoder stack whose input is each token's embedding plus a learned one of its position
-    (:class:`PositionEmbedding`, on the stage holding the embedding; OPT's rows start ``position_offset`` in); its
-    attention has no RoPE (the family's attention sets ``use_rope = False``), so the stack builds no RoPE tables."""
+    (:class:`PositionEmbedding`, on the stage holding the embedding; OPT's rows start ``position_offset`` in)."""
 
     position_offset = 0
 
@@ -120,9 +128,6 @@ class LearnedPositionsModel(LlamaModel):
         # input_ids, meta.positions: [T] -> [T, H]. A request's positions stay below max_model_len <= the table's
         # length (the engine's check); a graph's padding rows may lie past it, and read its last row instead
         return self.embed(input_ids) + self.embed_positions(meta.positions.clamp(max=self.last_position))
-
-    def rope_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> Callable[[int], tuple[Any, Any]]:
-        return lambda layer: (None, None)  # (no layer rotates)
 
 
 class NoRopeAttention(LlamaAttention):
@@ -156,6 +161,27 @@ def split_grouped_qkv(name: str, tensor: Any, fused: str, num_groups: int, q_per
     q, k, v = grouped[:, :q_per_group], grouped[:, -2], grouped[:, -1]
     return [(name.replace(fused, f".{p}_proj."), part.reshape(-1, *value.shape[1:]))
             for p, part in zip("qkv", (q, k, v))]
+
+
+class ThirdsQKVAdapters:
+    """LoRA adapters of a checkpoint's q/k/v fused as three equal parts in turn (GPT-2's ``c_attn``, MPT's ``Wqkv``),
+    on a :class:`~specray.models.llama.LlamaForCausalLM` family of one KV head per query head: the fused projection's
+    shape by its name (renamed as the weights are) for the adapter check, and an adapter's B split in three (A
+    shared)."""
+
+    fused_qkv_module = ".attn.c_attn"  # a layer's fused q/k/v, as the checkpoint names it under the layer
+
+    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
+        hidden = self.config.hidden_size
+        return {self.adapter_module(f"model.layers.{i}{self.fused_qkv_module}"): (3 * hidden, hidden)
+                for i, _ in self.model.stage_layers()}
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """An adapter's B of the fused projection [3 H, r] as q's, k's and v's rows (named with a trailing dot)."""
+        leaf = self.fused_qkv_module.rsplit(".", 1)[1]
+        if module.rsplit(".", 1)[-1] != leaf:
+            return None
+        return [(f"{module[:-len(leaf)]}{p}_proj.", b) for p, b in zip("qkv", lora_b.chunk(3))]
 
 
 class FusedQKVAdapters:

@@ -10,18 +10,23 @@
 * a gateless GELU MLP (``dense_h_to_4h``, ``dense_4h_to_h``), biases where ``bias``, the head tied;
 * its names: ``transformer.word_embeddings``, ``transformer.h.N``, ``self_attention``, ``transformer.ln_f``.
 
-ALiBi releases (``alibi``: Falcon-RW) are refused by name.
+Falcon-RW (``alibi``): no RoPE but ALiBi's bias (:mod:`specray.models.alibi`), scaled with the scores (its bias is
+added before they are scaled by ``head_dim ** -0.5``), its blocks in sequence with a KV head per query head.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
+from specray.models.alibi import AlibiSelfAttention
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view,
-                                    split_grouped_qkv)
+from specray.models.attention import AttentionMetadata
+from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, PositionFreeModel, layer_norm,
+                                    llama_view, split_grouped_qkv)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -36,6 +41,10 @@ _RENAMES = tuple((re.compile(pattern), ours) for pattern, ours in (
 class FalconSequentialLayer(LlamaDecoderLayer):
     mlp_class = GatelessMLP
     build_norm = staticmethod(layer_norm)  # (the final norm too: LlamaModel.final_norm)
+
+
+class FalconRWLayer(FalconSequentialLayer):
+    attention_class = AlibiSelfAttention
 
 
 class FalconParallelLayer(ParallelDecoderLayer):
@@ -57,12 +66,24 @@ class FalconModel(LlamaModel):
     layer_class = FalconSequentialLayer  # (every kind's norms are LayerNorms: the final one too)
 
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        if config.new_decoder_architecture:
+        if config.alibi:
+            if config.new_decoder_architecture or config.parallel_attn:
+                raise ValueError("alibi=True is supported for model_type='falcon' with its blocks in sequence, as "
+                                 "Falcon-RW's (new_decoder_architecture=false, parallel_attn=false): no ALiBi "
+                                 "release has parallel blocks")
+            self.layer_class = FalconRWLayer
+        elif config.new_decoder_architecture:
             two = (config.num_ln_in_parallel_attn or 2) == 2
             self.layer_class = FalconParallelLayer if two else FalconOneNormLayer
         else:
             self.layer_class = FalconOneNormLayer if config.parallel_attn else FalconSequentialLayer
         super().__init__(config, tp, expert_parallel, pp)
+        self.alibi = config.alibi
+
+    def rope_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> Callable[[int], tuple[Any, Any]]:
+        if self.alibi:  # (no layer rotates)
+            return PositionFreeModel.rope_tables(self, meta, dtype)
+        return super().rope_tables(meta, dtype)
 
 
 class FalconForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
@@ -79,13 +100,11 @@ class FalconForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        if hf_config.alibi:
-            raise ValueError("alibi=True is not supported for model_type='falcon' (ALiBi position biases, "
-                             "Falcon-RW's): specray serves the RoPE releases (Falcon-7B / 40B / 180B, Falcon 2)")
         config = llama_view(hf_config, num_key_value_heads=num_kv_heads(hf_config), head_dim=None,
                             sliding_window=None, attention_bias=hf_config.bias, use_bias=hf_config.bias,
                             hidden_act=hf_config.activation, layer_norm_eps=hf_config.layer_norm_epsilon,
-                            intermediate_size=hf_config.ffn_hidden_size or 4 * hf_config.hidden_size)
+                            intermediate_size=hf_config.ffn_hidden_size or 4 * hf_config.hidden_size,
+                            alibi_scale=(hf_config.hidden_size // hf_config.num_attention_heads) ** -0.5)
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
 

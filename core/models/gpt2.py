@@ -16,10 +16,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import GatelessMLP, LearnedPositionsModel, NoRopeAttention, layer_norm, llama_view
+from specray.models.classic import (GatelessMLP, LearnedPositionsModel, NoRopeAttention, ThirdsQKVAdapters, layer_norm,
+                                    llama_view)
 from specray.models.layers import materialize
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specray.parallel import PPGroup, TPGroup
@@ -43,7 +42,7 @@ class GPT2Model(LearnedPositionsModel):
     layer_class = GPT2DecoderLayer
 
 
-class GPT2LMHeadModel(LlamaForCausalLM):
+class GPT2LMHeadModel(ThirdsQKVAdapters, LlamaForCausalLM):
     """GPT-2 for causal LM, sharded over ``tp`` and ``pp`` as the Llama family is."""
 
     model_class = GPT2Model
@@ -67,18 +66,6 @@ class GPT2LMHeadModel(LlamaForCausalLM):
                             tie_word_embeddings=getattr(hf_config, "tie_word_embeddings", True))
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
-
-    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
-        """The fused ``c_attn`` an adapter may name, by its renamed name, with its (out, in) shape."""
-        hidden = self.config.hidden_size
-        return {self.adapter_module(f"model.layers.{i}.attn.c_attn"): (3 * hidden, hidden)
-                for i, _ in self.model.stage_layers()}
-
-    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
-        """An adapter's B of ``c_attn`` [3 H, r] as q's, k's and v's rows (named with a trailing dot)."""
-        if not module.endswith(".attn.c_attn"):
-            return None
-        return [(module.replace(".c_attn", f".{p}_proj") + ".", b) for p, b in zip("qkv", lora_b.chunk(3))]
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         hidden = self.config.hidden_size

@@ -48,9 +48,10 @@ DEFAULT_MAX_POSITIONS = 2048  # a model's length where its config gives none (Ma
 
 
 def max_positions(config) -> int:
-    """The longest sequence ``config``'s model serves: its ``max_position_embeddings``, else
+    """The longest sequence ``config``'s model serves: its ``max_position_embeddings`` (MPT's ``max_seq_len``), else
     :data:`DEFAULT_MAX_POSITIONS` (raise it with ``hf_overrides``)."""
-    return getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+    given = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
+    return given or DEFAULT_MAX_POSITIONS
 
 
 def divide(n: int, d: int, what: str) -> int:

@@ -125,6 +125,10 @@ _ARCHITECTURES.update({"GPTNeoXForCausalLM": "specray.models.gpt_neox:GPTNeoXFor
 _MODEL_TYPES.update({"gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
                      "stablelm": "StableLmForCausalLM", "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM",
                      "falcon": "FalconForCausalLM"})
+# ALiBi's families (specray.models.alibi): BLOOM, MPT (and Falcon-RW, a Falcon)
+_ARCHITECTURES.update({"BloomForCausalLM": "specray.models.bloom:BloomForCausalLM",
+                       "MptForCausalLM": "specray.models.mpt:MptForCausalLM"})
+_MODEL_TYPES.update({"bloom": "BloomForCausalLM", "mpt": "MptForCausalLM"})
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
 # rest, the vision tower and projector, is not loaded); Mistral 3's (Mistral Small 3.1 / 3.2, Devstral, Magistral)

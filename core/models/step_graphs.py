@@ -212,7 +212,7 @@ class StepGraphs:
         assert short is not None and short.token_index is None and not meta.own, "every sequence short, q rows each"
         return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
                        max_position=self.max_position - 1 + SHORT_QUERY_MAX,
-                       _masks={},
+                       _masks={}, _builders={},
                        short=replace(short, block_index=short.block_index.clone(),
                                      query_positions=short.query_positions.clone()),
                        recurrent=None if meta.recurrent is None else meta.recurrent.clone())
@@ -236,8 +236,8 @@ class StepGraphs:
         static.short.query_positions.copy_(meta.short.query_positions)
         if static.recurrent is not None:
             static.recurrent.copy_(meta.recurrent)
-        for (_, groups, kind), mask in static._masks.items():
-            mask.copy_(meta.short_mask(groups, kind))
+        for key, held in static._masks.items():  # the masks (and position biases) the first forward made
+            held.copy_(static._builders[key](meta))
 
     def _capture(self, meta: AttentionMetadata, ids: torch.Tensor, inputs=()) -> _Graph:
         static = self._static(meta)
