@@ -135,6 +135,7 @@ _GPT_NAMES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_atte
 CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}, "phi": {"rms_norm_eps": None},
                  "gptj": _GPT_NAMES, "stablelm": {"rms_norm_eps": None}, "gpt2": _GPT_NAMES,
                  "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None},
+                 "gpt_bigcode": _GPT_NAMES,
                  "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads",
                             "rms_norm_eps": None},
                  "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "intermediate_size": None,
@@ -196,6 +197,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import BeamConfig, BeamForCausalLM, NanoChatConfig, NanoChatForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
     from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     if spm:
@@ -273,6 +275,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
                           "falcon": (FalconConfig, FalconForCausalLM),
                           "bloom": (BloomConfig, BloomForCausalLM), "mpt": (MptConfig, MptForCausalLM),
+                          "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                           "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
                           "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
                           "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM),
@@ -764,6 +767,21 @@ def tiny_falcon_sequential_dir(tmp_path_factory) -> Path:
     # blocks one after the other, a KV head per query head fused head by head
     return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_seq"), "falcon", seed=52, multi_query=False,
                             num_key_value_heads=4, parallel_attn=False, bias=True, layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_bigcode_dir(tmp_path_factory) -> Path:
+    # StarCoder's layout: GPT-2's with multi-query attention (one KV head, c_attn [q, k, v] stacked), Linear weights
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_bigcode"), "gpt_bigcode", seed=96,
+                            layer_norm_epsilon=1e-5)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_bigcode_mha_dir(tmp_path_factory) -> Path:
+    # a KV head per query head (c_attn head by head), unscaled scores, an untied head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_bigcode_mha"), "gpt_bigcode", seed=97,
+                            layer_norm_epsilon=1e-5, multi_query=False, scale_attn_weights=False,
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

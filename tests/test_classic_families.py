@@ -16,6 +16,8 @@ under n-gram drafts equal to transformers' ``generate``, and two tensor-parallel
   (norms after the blocks, embeddings projected in and out).
 * Falcon (``FalconForCausalLM``): 40B's grouped q/k/v and two norms, 7B's one KV head and one norm, Falcon 2's
   grouped q/k/v and one norm, and blocks in sequence with a KV head per query head.
+* GPT-BigCode (``GPTBigCodeForCausalLM``: StarCoder): GPT-2's layout with multi-query attention (q, k, v stacked in
+  ``c_attn``), and a release with a KV head per query head, unscaled scores and an untied head.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from specray.models.classic import GatelessMLP
 from specray.models.gpt_neox import GPTNeoXForCausalLM
 from specray.models.falcon import FalconForCausalLM
 from specray.models.gpt2 import GPT2LMHeadModel
+from specray.models.gpt_bigcode import GPTBigCodeForCausalLM
 from specray.models.gptj import GPTJForCausalLM
 from specray.models.opt import OPTForCausalLM
 from specray.models.llama import LlamaMLP
@@ -51,7 +54,9 @@ FAMILIES = {"gpt_neox": ("tiny_gpt_neox_dir", GPTNeoXForCausalLM, GatelessMLP),
             "falcon": ("tiny_falcon_dir", FalconForCausalLM, GatelessMLP),
             "falcon_7b": ("tiny_falcon_7b_dir", FalconForCausalLM, GatelessMLP),
             "falcon2": ("tiny_falcon2_dir", FalconForCausalLM, GatelessMLP),
-            "falcon_sequential": ("tiny_falcon_sequential_dir", FalconForCausalLM, GatelessMLP)}
+            "falcon_sequential": ("tiny_falcon_sequential_dir", FalconForCausalLM, GatelessMLP),
+            "gpt_bigcode": ("tiny_gpt_bigcode_dir", GPTBigCodeForCausalLM, GatelessMLP),
+            "gpt_bigcode_mha": ("tiny_gpt_bigcode_mha_dir", GPTBigCodeForCausalLM, GatelessMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -72,9 +77,10 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 
 RANK_CHECKS = {1: ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir", "tiny_phi_dir", "tiny_gptj_dir",
                    "tiny_stablelm_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
-                   "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir", "tiny_opt_350m_dir"),
+                   "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir", "tiny_opt_350m_dir",
+                   "tiny_gpt_bigcode_dir", "tiny_gpt_bigcode_mha_dir"),
                2: ("tiny_gpt_neox_dir", "tiny_phi_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
-                   "tiny_falcon_dir", "tiny_opt_350m_dir")}
+                   "tiny_falcon_dir", "tiny_opt_350m_dir", "tiny_gpt_bigcode_dir")}
 
 
 @pytest.mark.parametrize("stages", sorted(RANK_CHECKS))
@@ -92,7 +98,8 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
 # (GPT-2 for OPT: a drafter's family need not be the target's, only its tokenizer)
 DRAFT_PAIRS = {"opt+opt": ("tiny_opt_dir", "tiny_opt_dir"), "opt+gpt2": ("tiny_opt_dir", "tiny_gpt2_dir"),
                "gpt_neox+gpt_neox": ("tiny_gpt_neox_dir", "tiny_gpt_neox_dir"),
-               "gpt_neox+gpt_neox_sequential": ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir")}
+               "gpt_neox+gpt_neox_sequential": ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir"),
+               "gpt_bigcode+gpt_bigcode": ("tiny_gpt_bigcode_dir", "tiny_gpt_bigcode_dir")}
 
 
 @pytest.mark.parametrize("pair", sorted(DRAFT_PAIRS))
@@ -114,7 +121,7 @@ def test_draft_model_greedy_equals_transformers(request, pair):
         assert stats.accepted_tokens == stats.draft_tokens, stats
 
 
-@pytest.mark.parametrize("fixture", ["tiny_gpt2_dir", "tiny_gpt_neox_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_gpt2_dir", "tiny_gpt_neox_dir", "tiny_gpt_bigcode_dir"])
 def test_graph_steps_equal_eager_steps(request, fixture):
     """Steps replayed from graphs (``enforce_eager=False``: padded static inputs, positions among the graph's data)
     give the eager engine's tokens, with n-gram token trees (nodes at their depth's learned position or RoPE

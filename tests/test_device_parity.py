@@ -33,7 +33,8 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_kolibri1_dir", "tiny_afmoe_dir", "tiny_granite_swa_dir",
             "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir", "tiny_laguna_element_dir",
             "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir", "tiny_minimax_dir", "tiny_bloom_dir",
-            "tiny_bloom_post_ln_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir"]
+            "tiny_bloom_post_ln_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir", "tiny_gpt_bigcode_dir",
+            "tiny_gpt_bigcode_mha_dir"]
 
 
 def _first(out):

@@ -48,7 +48,8 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir",
                                      "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir",
                                      "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_gpt2_dir",
-                                     "tiny_bloom_dir", "tiny_falcon_rw_dir", "tiny_mpt_dir"])
+                                     "tiny_bloom_dir", "tiny_falcon_rw_dir", "tiny_mpt_dir", "tiny_gpt_bigcode_dir",
+                                     "tiny_gpt_bigcode_mha_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -71,7 +72,7 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"), ("q_proj", "v_proj", "fc2")
     if fixture == "tiny_starcoder2_dir":  # its MLP's own names, no gate
         every, some = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"), ("q_proj", "v_proj", "c_proj")
-    if fixture == "tiny_gpt2_dir":  # its Conv1D projections, q/k/v fused as c_attn
+    if fixture in ("tiny_gpt2_dir", "tiny_gpt_bigcode_dir", "tiny_gpt_bigcode_mha_dir"):  # q/k/v fused as c_attn
         every, some = ("c_attn", "c_proj", "c_fc"), ("c_attn", "c_proj")
     if fixture == "tiny_mpt_dir":  # q/k/v fused as Wqkv (thirds), its own names
         every, some = ("Wqkv", "out_proj", "up_proj", "down_proj"), ("Wqkv", "down_proj")

@@ -25,9 +25,10 @@ OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and M
 R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models (:mod:`specray.models.gguf_llama_family`,
 ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``) and GLM-5 (``glm-dsa``:
 :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`),
-Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`) and MiniCPM3 (``minicpm3``:
-:mod:`specray.models.gguf_minicpm3`); a GGUF of another architecture (of a family specray does not serve, or one the
-installed transformers cannot map) is refused before any conversion, naming the fix: load the model's HF checkpoint
+Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`), MiniCPM3 (``minicpm3``:
+:mod:`specray.models.gguf_minicpm3`) and the classic GPT families -- GPT-2 (``gpt2``), StableLM (``stablelm``), Phi-2
+(``phi2``), Falcon (``falcon``) and GPT-NeoX (``gptneox``) -- (:mod:`specray.models.gguf_classic`); a GGUF of another
+architecture (of a family specray does not serve, or one the installed transformers cannot map) is refused before any conversion, naming the fix: load the model's HF checkpoint
 instead.
 """
 
@@ -53,6 +54,7 @@ from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATI
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import (dequantized, fp4_experts, fp8_block_size, renamed_block_scales, scale_suffix,
                                 static_activations, w8a8_format)
+from specray.models.gguf_classic import CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
@@ -109,7 +111,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
                   "apertus": "Apertus", "minicpm3": "MiniCPM3", "dots1": "dots.llm1",
                   "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5",
-                  "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE"}
+                  "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE", "gpt2": "GPT-2", "stablelm": "StableLM",
+                  "phi2": "Phi-1 / 1.5 / 2", "falcon": "Falcon (RoPE releases)", "gptneox": "GPT-NeoX / Pythia"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -121,7 +124,8 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
                  **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint),
                  **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint),
-                 **dict.fromkeys(MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint)}
+                 **dict.fromkeys(MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint),
+                 **dict.fromkeys(CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}

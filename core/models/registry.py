@@ -114,17 +114,19 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "m
                 "phimoe": "PhimoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
                 "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
-# the classic GPT-style families (specray.models.classic): GPT-NeoX (Pythia), Phi, GPT-J, StableLM, GPT-2, OPT, Falcon
+# the classic GPT-style families (specray.models.classic): GPT-NeoX (Pythia), Phi, GPT-J, StableLM, GPT-2, OPT, Falcon,
+# GPT-BigCode (StarCoder)
 _ARCHITECTURES.update({"GPTNeoXForCausalLM": "specray.models.gpt_neox:GPTNeoXForCausalLM",
                        "PhiForCausalLM": "specray.models.phi:PhiForCausalLM",
                        "GPTJForCausalLM": "specray.models.gptj:GPTJForCausalLM",
                        "StableLmForCausalLM": "specray.models.stablelm:StableLmForCausalLM",
                        "GPT2LMHeadModel": "specray.models.gpt2:GPT2LMHeadModel",
                        "OPTForCausalLM": "specray.models.opt:OPTForCausalLM",
-                       "FalconForCausalLM": "specray.models.falcon:FalconForCausalLM"})
+                       "FalconForCausalLM": "specray.models.falcon:FalconForCausalLM",
+                       "GPTBigCodeForCausalLM": "specray.models.gpt_bigcode:GPTBigCodeForCausalLM"})
 _MODEL_TYPES.update({"gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
                      "stablelm": "StableLmForCausalLM", "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM",
-                     "falcon": "FalconForCausalLM"})
+                     "falcon": "FalconForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"})
 # ALiBi's families (specray.models.alibi): BLOOM, MPT (and Falcon-RW, a Falcon)
 _ARCHITECTURES.update({"BloomForCausalLM": "specray.models.bloom:BloomForCausalLM",
                        "MptForCausalLM": "specray.models.mpt:MptForCausalLM"})
