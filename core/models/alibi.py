@@ -49,6 +49,7 @@ class AlibiAttention(PagedAttention):
         super().__init__(num_heads, kv_spec, scale)
         assert len(slopes) == num_heads, (len(slopes), num_heads)
         self.slopes = tuple(float(s) for s in slopes)  # host floats: the key of the step's bias, shared by layers
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # copied once per device, not at every step
 
     def short_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
         # -> [Bs, Hkv, G*Q, L] additive
@@ -61,8 +62,12 @@ class AlibiAttention(PagedAttention):
                            lambda m: self._own_bias(m, i, dtype))
 
     def _slopes(self, device: torch.device) -> torch.Tensor:
-        # [Hkv, G, 1, 1]: query head h * G + g's slope at [h, g] (the folded layout's order)
-        return torch.tensor(self.slopes, device=device).view(self.num_kv_heads, self.groups, 1, 1)
+        # [Hkv, G, 1, 1]: query head h * G + g's slope at [h, g] (the folded layout's order). The first step on a
+        # device copies them there (a host-to-device copy waits for the stream: once, in the warm-up, never again)
+        if device not in self._on_device:
+            slopes = torch.tensor(self.slopes, device=device)
+            self._on_device[device] = slopes.view(self.num_kv_heads, self.groups, 1, 1)
+        return self._on_device[device]
 
     def _short_bias(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
         short = meta.short
