@@ -18,16 +18,12 @@ A config gives no length: 2048, as vLLM's default, unless it says otherwise (``h
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 
 from specray.models.alibi import AlibiSelfAttention
 from specray.models.arcee import GATELESS_STACKED
 from specray.models.attention import AttentionMetadata
-from specray.models.classic import (FusedQKVAdapters, GatelessMLP, PositionFreeModel, layer_norm, llama_view,
-                                    split_grouped_qkv)
+from specray.models.classic import FusedQKVAdapters, GatelessMLP, PositionFreeModel, layer_norm, llama_view
 from specray.models.layers import max_positions, on_stage
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specray.parallel import PPGroup, TPGroup
@@ -91,10 +87,3 @@ class BloomForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
                             max_position_embeddings=max_positions(hf_config))
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
-
-    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            if ".self_attention.query_key_value." in name:
-                yield from split_grouped_qkv(name, tensor, ".query_key_value.", *self.qkv_groups())
-            else:
-                yield name, tensor

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -185,10 +185,11 @@ class ThirdsQKVAdapters:
 
 
 class FusedQKVAdapters:
-    """LoRA adapters of a checkpoint's q/k/v fused KV head by KV head (``query_key_value``: GPT-NeoX's, Falcon's), on a
-    :class:`~specray.models.llama.LlamaForCausalLM` family: the fused projection's shape by its checkpoint name (renamed
-    as the weights are) for the adapter check, and an adapter's B split into the three parts as the weight is (A
-    shared). The family gives :meth:`qkv_groups`."""
+    """A checkpoint's q/k/v fused KV head by KV head (``query_key_value``: GPT-NeoX's, Falcon's, BLOOM's; GPT-BigCode's
+    ``c_attn``), on a :class:`~specray.models.llama.LlamaForCausalLM` family: the weight split at load into the three
+    projections, and LoRA adapters of it: the fused projection's shape by its checkpoint name (renamed as the weights
+    are) for the adapter check, and an adapter's B split as the weight is (A shared). The family gives
+    :meth:`qkv_groups`."""
 
     fused_qkv = ".query_key_value."
 
@@ -208,3 +209,10 @@ class FusedQKVAdapters:
         if not f"{module}.".endswith(self.fused_qkv):
             return None
         return split_grouped_qkv(f"{module}.", lora_b, self.fused_qkv, *self.qkv_groups())
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            if self.fused_qkv in name:  # (only the attention's projection has the name)
+                yield from split_grouped_qkv(name, tensor, self.fused_qkv, *self.qkv_groups())
+            else:
+                yield name, tensor

@@ -17,7 +17,7 @@ added before they are scaled by ``head_dim ** -0.5``), its blocks in sequence wi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from specray.models.alibi import AlibiSelfAttention
 from specray.models.arcee import GATELESS_STACKED
 from specray.models.attention import AttentionMetadata
 from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, PositionFreeModel, layer_norm,
-                                    llama_view, split_grouped_qkv)
+                                    llama_view)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -107,10 +107,3 @@ class FalconForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
                             alibi_scale=(hf_config.hidden_size // hf_config.num_attention_heads) ** -0.5)
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
-
-    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            if ".self_attention.query_key_value." in name:
-                yield from split_grouped_qkv(name, tensor, ".query_key_value.", *self.qkv_groups())
-            else:
-                yield name, tensor

@@ -15,12 +15,9 @@ Its names: ``transformer.wte`` / ``wpe`` / ``h.N`` / ``ln_f``, ``attn.c_attn`` /
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
-
 from specray.models.arcee import GATELESS_STACKED
 from specray.models.classic import (FusedQKVAdapters, GatelessMLP, LearnedPositionsModel, NoRopeAttention, layer_norm,
-                                    llama_view, split_grouped_qkv)
+                                    llama_view)
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specray.parallel import PPGroup, TPGroup
 
@@ -74,10 +71,3 @@ class GPTBigCodeForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
                             intermediate_size=hf_config.n_inner or 4 * hf_config.hidden_size)
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
-
-    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            if ".attn.c_attn." in name:
-                yield from split_grouped_qkv(name, tensor, ".c_attn.", *self.qkv_groups())
-            else:
-                yield name, tensor

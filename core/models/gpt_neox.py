@@ -18,8 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import (FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view,
-                                    split_grouped_qkv)
+from specray.models.classic import FusedQKVAdapters, GatelessMLP, ParallelDecoderLayer, layer_norm, llama_view
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.parallel import PPGroup, TPGroup
 
@@ -69,11 +68,4 @@ class GPTNeoXForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
         self.renames = _RENAMES
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        heads = self.config.num_attention_heads
-        for name, tensor in weights:
-            if _BUFFERS.search(name):
-                continue
-            if ".attention.query_key_value." in name:
-                yield from split_grouped_qkv(name, tensor, ".query_key_value.", heads)
-            else:
-                yield name, tensor
+        return super()._unfused((name, tensor) for name, tensor in weights if not _BUFFERS.search(name))
