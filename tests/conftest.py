@@ -143,6 +143,7 @@ CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}
                  "mpt": {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
                          "max_position_embeddings": "max_seq_len", "intermediate_size": None,
                          "num_key_value_heads": None, "rms_norm_eps": None}}
+CLASSIC_NAMES["dbrx"] = CLASSIC_NAMES["mpt"]  # DBRX: MPT's names (its attn_config and ffn_config given whole)
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
@@ -195,9 +196,11 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM, MellumConfig, MellumForCausalLM
     from transformers import FlintConfig, FlintForCausalLM, LagunaConfig, LagunaForCausalLM
     from transformers import BeamConfig, BeamForCausalLM, NanoChatConfig, NanoChatForCausalLM
+    from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
     from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, StableLmConfig, StableLmForCausalLM
     from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
-    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    from transformers import DbrxConfig, DbrxForCausalLM
+    from transformers import FlexOlmoConfig, FlexOlmoForCausalLM, GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     if spm:
@@ -258,6 +261,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "hunyuan_v1_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
                           "glm": (GlmConfig, GlmForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
                           "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+                          "flex_olmo": (FlexOlmoConfig, FlexOlmoForCausalLM),
                           "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                           "ministral3": (Ministral3Config, Ministral3ForCausalLM),
                           "exaone_moe": (ExaoneMoeConfig, ExaoneMoeForCausalLM),
@@ -275,6 +279,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "gpt2": (GPT2Config, GPT2LMHeadModel), "opt": (OPTConfig, OPTForCausalLM),
                           "falcon": (FalconConfig, FalconForCausalLM),
                           "bloom": (BloomConfig, BloomForCausalLM), "mpt": (MptConfig, MptForCausalLM),
+                          "dbrx": (DbrxConfig, DbrxForCausalLM),
                           "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                           "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
                           "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
@@ -289,6 +294,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "mellum": (MellumConfig, MellumForCausalLM),
                           "laguna": (LagunaConfig, LagunaForCausalLM), "flint": (FlintConfig, FlintForCausalLM),
                           "nanochat": (NanoChatConfig, NanoChatForCausalLM),
+                          "longcat_flash": (LongcatFlashConfig, LongcatFlashForCausalLM),
                           "beam": (BeamConfig, BeamForCausalLM)}[arch]
     config = cfg_cls(**common)
     torch.manual_seed(seed)
@@ -297,14 +303,20 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "feed_forward.router.weight", "shared_expert_gate.weight",
                               "mlp.router.gate.weight", "mlp.gate.wg.weight", "block_sparse_moe.router.weight",
-                              "block_sparse_moe.gate.weight")):
+                              "block_sparse_moe.gate.weight", "ffn.router.layer.weight")):
                 param.normal_(0.0, 0.5)
+            elif arch == "dbrx" and name.endswith(("norm_1.weight", "norm_2.weight", "norm_f.weight")):
+                param.uniform_(0.5, 1.5)  # ones at init: random, so a wrong norm shows
+            elif arch == "longcat_flash" and ("norm." in name or name.endswith(("norm.weight", "classifier.weight"))):
+                # its norms (layernorm.{0,1}.weight too) ones, its router small at init: random, so each shows
+                param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.5)
             elif arch in ("gemma", "gemma2", "gemma3", "vaultgemma") and name.endswith("norm.weight"):
                 # Gemma's: 1 + w, w from 0
                 param.normal_(0.0, 0.3)
             elif (arch in ("olmo2", "olmo3", "glm4", "exaone4", "cohere2", "hunyuan_v1_dense", "olmoe", "starcoder2",
                            "hunyuan_v1_moe", "nemotron", "cohere", "apertus", "phimoe", "cohere2_moe", "jais2",
-                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", "afmoe", "beam", *CLASSIC_NAMES)
+                           "youtu", "helium", "hyperclovax", "axk1", "kolibri1", "afmoe", "beam", "flex_olmo",
+                           *CLASSIC_NAMES)
                   and (name.endswith("norm.weight") or "_layernorm.norms." in name)
                   or arch == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight"))):
                 # ones at init: random, so a
@@ -331,7 +343,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                 param.normal_(0.0, 0.5)  # one value in every layer at first: each layer its own
         # the router's correction bias, a buffer of zeros at init: random
         if arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4", "minimax_m2", "axk1",
-                    "kolibri1", "laguna", "beam",
+                    "kolibri1", "laguna", "beam", "longcat_flash",
                     "glm4_moe_lite", "solar_open", "hy_v3", "mimo_v2_flash", "hy_v4", "dots1", "exaone_moe"):
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -556,6 +568,14 @@ def tiny_gemma_dir(tmp_path_factory) -> Path:
     # tied embeddings; the releases' legacy hidden_act
     return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma"), "gemma", seed=28, head_dim=32, hidden_act="gelu",
                             tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flex_olmo_dir(tmp_path_factory) -> Path:
+    # FlexOlmo: OLMo 2's post-norm layer (q/k norms over all heads) with OLMoE's experts (7, top 3, renormalised)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_flex_olmo"), "flex_olmo", seed=98, num_experts=7,
+                            num_experts_per_tok=3, intermediate_size=32, norm_topk_prob=True,
+                            tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
@@ -808,6 +828,18 @@ def tiny_mpt_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dbrx_dir(tmp_path_factory) -> Path:
+    # DBRX: Wqkv fused over 4 query and 2 KV heads, q/k/v clamped, RoPE at the releases' base (in both fields:
+    # transformers 5 reads rope_parameters, the releases set attn_config.rope_theta), LayerNorms without biases, 8
+    # experts (top 2, their weights divided by their 1-norm) stored fused as w1 / v1 / w2
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_dbrx"), "dbrx", seed=97,
+                            attn_config={"clip_qkv": 0.6, "kv_n_heads": 2, "rope_theta": 500000.0},
+                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                            ffn_config={"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 32,
+                                        "moe_normalize_expert_weights": 1.0})
+
+
+@pytest.fixture(scope="session")
 def tiny_falcon_rw_dir(tmp_path_factory) -> Path:
     # Falcon-RW: ALiBi (its bias scaled with the scores), blocks in sequence, a KV head per query head, biases
     return build_tiny_model(tmp_path_factory.mktemp("tiny_falcon_rw"), "falcon", seed=95, alibi=True,
@@ -992,6 +1024,18 @@ def tiny_beam_dir(tmp_path_factory) -> Path:
                             n_group=4, topk_group=2, routed_scaling_factor=1.5, final_logit_softcapping=5.0,
                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                             mlp_layer_types=["dense", "sparse", "sparse"])
+
+
+@pytest.fixture(scope="session")
+def tiny_longcat_flash_dir(tmp_path_factory) -> Path:
+    # LongCat-Flash: 2 layers (num_hidden_layers counts their 4 latent-attention blocks), each with two dense MLPs and
+    # a shortcut MoE of 8 experts and 4 zero-computation ones (top 3); the release's scaled latents, interleaved RoPE
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_longcat_flash"), "longcat_flash", seed=131,
+                            num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=12, n_routed_experts=8,
+                            zero_expert_num=4, moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                            tie_word_embeddings=False)
 
 
 def _hybrid_fixture(arch: str, seed: int):

@@ -25,6 +25,7 @@ to one:
 * Gemma (``GemmaForCausalLM``): Gemma 3's norms, scaled embedding and gated GELU in a pre-norm layer, every layer
   global, the releases' legacy ``hidden_act="gelu"`` read as the tanh approximation (TP 2).
 * OLMoE (``OlmoeForCausalLM``): OLMo 2's attention, clamped q/k/v, softmax-routed experts in every layer (TP 2).
+* FlexOlmo (``FlexOlmoForCausalLM``): OLMo 2's post-norm layer with OLMoE's experts, renormalised (TP 2).
 * StarCoder2 (``Starcoder2ForCausalLM``): LayerNorms with biases, biased projections, a gateless GELU MLP, every
   layer sliding (TP 2).
 * Ministral 3 (``Ministral3ForCausalLM``): Mistral's layers, YaRN, queries scaled by position (as Mistral 4's).
@@ -117,6 +118,7 @@ from specray.models.glm4_moe import Glm4MoeForCausalLM
 from specray.models.hy_v3 import HYV3ForCausalLM
 from specray.models.mimo_v2 import MiMoV2FlashForCausalLM
 from specray.models.llama import LlamaForCausalLM, LlamaMLP
+from specray.models.flex_olmo import FlexOlmoForCausalLM
 from specray.models.moe import SparseMoE
 from specray.models.loader import load_model
 from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
@@ -140,6 +142,7 @@ FAMILIES = {"glm4_moe_lite": ("tiny_glm4_moe_lite_dir", DeepseekV3ForCausalLM, L
             "glm": ("tiny_glm_dir", LlamaForCausalLM, LlamaMLP),
             "gemma": ("tiny_gemma_dir", GemmaForCausalLM, Gemma3MLP),
             "olmoe": ("tiny_olmoe_dir", OlmoeForCausalLM, SparseMoE),
+            "flex_olmo": ("tiny_flex_olmo_dir", FlexOlmoForCausalLM, SparseMoE),
             "starcoder2": ("tiny_starcoder2_dir", Starcoder2ForCausalLM, GatelessMLP),
             "ministral3": ("tiny_ministral3_dir", LlamaForCausalLM, LlamaMLP),
             "exaone_moe": ("tiny_exaone_moe_dir", LlamaForCausalLM, LlamaMLP),
@@ -201,7 +204,8 @@ RANK_CHECKS = {1: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_minimax_m2_di
                    "tiny_vaultgemma_dir", "tiny_jais2_dir", "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir",
                    "tiny_hyperclovax_dir", "tiny_axk1_dir", "tiny_kolibri1_dir", "tiny_afmoe_dir",
                    "tiny_granite_swa_dir", "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir",
-                   "tiny_laguna_element_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir"),
+                   "tiny_laguna_element_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir",
+                   "tiny_flex_olmo_dir"),
                2: ("tiny_deepseek_v4_dir", "tiny_hy_v4_dir", "tiny_gemma_dir", "tiny_cohere_dir", "tiny_starcoder2_dir",
                    "tiny_granitemoe_dir", "tiny_apertus_dir", "tiny_hunyuan_v1_moe_dir")}
 

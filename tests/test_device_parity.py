@@ -30,11 +30,11 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_falcon_7b_dir", "tiny_falcon2_dir", "tiny_falcon_sequential_dir", "tiny_lfm3_dir",
             "tiny_cohere2_moe_dir", "tiny_cohere2_moe_sigmoid_dir", "tiny_vaultgemma_dir", "tiny_jais2_dir",
             "tiny_cwm_dir", "tiny_youtu_dir", "tiny_helium_dir", "tiny_hyperclovax_dir", "tiny_axk1_dir",
-            "tiny_kolibri1_dir", "tiny_afmoe_dir", "tiny_granite_swa_dir",
+            "tiny_kolibri1_dir", "tiny_afmoe_dir", "tiny_granite_swa_dir", "tiny_longcat_flash_dir",
             "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir", "tiny_laguna_element_dir",
             "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir", "tiny_minimax_dir", "tiny_bloom_dir",
             "tiny_bloom_post_ln_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir", "tiny_gpt_bigcode_dir",
-            "tiny_gpt_bigcode_mha_dir"]
+            "tiny_gpt_bigcode_mha_dir", "tiny_flex_olmo_dir", "tiny_dbrx_dir"]
 
 
 def _first(out):

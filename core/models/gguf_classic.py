@@ -1,23 +1,26 @@
 """GGUF files of the classic GPT families, as llama.cpp's converter writes them, turned back into the HF checkpoints
 specray loads for them: GPT-2 (``gpt2``: :mod:`specray.models.gpt2`), StableLM (``stablelm``:
 :mod:`specray.models.stablelm`), Phi-1 / 1.5 / 2 (``phi2``: :mod:`specray.models.phi`), Falcon's RoPE releases
-(``falcon``: :mod:`specray.models.falcon`) and GPT-NeoX / Pythia (``gptneox``: :mod:`specray.models.gpt_neox`).
-transformers' GGUF mapping has no Phi-2 or GPT-NeoX; of the others it leaves Falcon's q/k/v in the converter's order
-(and its 40B layout unread), StableLM 2 12B's per-head q/k norms out and GPT-2's config without what specray's
-conversion reads of it, so the config and every tensor are read here.
+(``falcon``: :mod:`specray.models.falcon`), GPT-NeoX / Pythia (``gptneox``: :mod:`specray.models.gpt_neox`), BLOOM
+(``bloom``: :mod:`specray.models.bloom`), MPT (``mpt``: :mod:`specray.models.mpt`) and GPT-BigCode / StarCoder
+(``starcoder``: :mod:`specray.models.gpt_bigcode`). transformers' GGUF mapping has no Phi-2, GPT-NeoX, MPT or
+StarCoder; of the others it leaves Falcon's q/k/v in the converter's order (and its 40B layout unread), StableLM 2
+12B's per-head q/k norms out and GPT-2's config without what specray's conversion reads of it, so the config and
+every tensor are read here.
 
 What the converter writes, read back here:
 
 * the sizes (``embedding_length``, ``block_count``, ``attention.head_count``, ``attention.head_count_kv`` where it
-  writes one: StableLM, Phi-2, Falcon; GPT-2 and GPT-NeoX have a KV head per query head), the LayerNorms' epsilon
-  (``attention.layer_norm_epsilon``), the context (``context_length``; GPT-2's: its position table's rows); the MLP's
-  width from ``ffn_up``'s rows (GPT-2's, Phi-2's and Falcon's converters write 4 x the model's width as
-  ``feed_forward_length``, whatever the checkpoint's);
+  writes one: StableLM, Phi-2, Falcon, BLOOM, StarCoder, MPT where its config names ``kv_n_heads``; GPT-2's,
+  GPT-NeoX's, BLOOM's and MPT's attention has a KV head per query head, and a file saying fewer is refused), the
+  LayerNorms' epsilon (``attention.layer_norm_epsilon``), the context (``context_length``; GPT-2's and StarCoder's:
+  their position table's rows); the MLP's width from ``ffn_up``'s rows (GPT-2's, Phi-2's, Falcon's, BLOOM's, MPT's
+  and StarCoder's converters write 4 x the model's width as ``feed_forward_length``, whatever the checkpoint's);
 * RoPE over a head's first ``rope.dimension_count`` features (StableLM, Phi-2, GPT-NeoX; Falcon rotates whole heads)
   at the base of ``rope.freq_base``, which none of these converters writes: llama.cpp's default, 10000, the releases'
   own; no row is reordered for it (llama.cpp rotates these as HF does, by halves);
-* biases by their tensors' presence (StableLM's q/k/v, Falcon's, GPT-NeoX's attention's); the LM head tied where the
-  file has no ``output``;
+* biases by their tensors' presence (StableLM's q/k/v, Falcon's, GPT-NeoX's attention's, MPT's); the LM head tied
+  where the file has no ``output``;
 * GPT-2's ``Conv1D`` weights (``c_attn``, ``c_proj``, ``c_fc``), which the converter transposes, transposed back;
 * StableLM: its per-head q/k LayerNorms (StableLM 2 12B), stacked by the converter into ``attn_q_norm`` /
   ``attn_k_norm`` [heads, head_dim], one per head again; the layers parallel (StableLM 2 12B's one norm for both
@@ -32,13 +35,38 @@ What the converter writes, read back here:
   KV head and one norm, Falcon-7B's (``multi_query``); more KV heads and one norm, Falcon 2's. llama.cpp runs every
   Falcon file with parallel attention and MLP, so do these configs;
 * GPT-NeoX: the fused q/k/v, which the converter reorders from the release's head by head (each head's q, k, v)
-  into all queries, all keys, all values, put back; ``use_parallel_residual``.
+  into all queries, all keys, all values, put back; ``use_parallel_residual``;
+* BLOOM: the fused q/k/v, reordered by the converter as GPT-NeoX's (the release's head by head into all queries, all
+  keys, all values), put back; the embeddings' LayerNorm (``token_embd_norm``: the converter strips ``transformer.``
+  from BLOOM's names before gguf-py's map, which knows ``word_embeddings_layernorm`` only so); the context where it
+  is not the converter's stand-in for a config without ``seq_length`` (the width: then unset, specray's default);
+* MPT: ``Wqkv`` (q, k, v rows in turn, as the converter leaves it); ALiBi's ``attention.max_alibi_bias``
+  (``alibi_bias_max``), ``attention.clamp_kqv`` (``clip_qkv``) where written, ``expansion_ratio`` from the MLP's
+  width. What specray's MPT does not serve (no release has it) is refused: learned positions (the converter's
+  ``max_alibi_bias`` 0, ``position_embd``), q/k LayerNorms (``attn_q_norm`` / ``attn_k_norm``: ``qk_ln``), grouped
+  KV heads;
+* StarCoder: ``c_attn`` as the release stores it (the converter reorders nothing). The converter writes
+  ``head_count_kv`` 1 whatever the model, so multi-query attention is read from ``c_attn``'s rows: the width and
+  one key and value head (``multi_query``: every release), or three times the width (a KV head per query head, each
+  head's q, k, v in turn: a file llama.cpp's loader refuses, sizing the tensor for one KV head; read here as the
+  release's); a ``head_count_kv`` of neither 1 nor the heads is refused.
 
-What no key carries is set as the releases have it: the MLP's activation (GPT-2's and Phi-2's tanh GELU, Falcon's and
-Pythia's exact one; llama.cpp computes each by the tanh approximation) and StableLM's gated SiLU.
+What no key carries is set as the releases have it and llama.cpp's graph computes it: the MLP's activation (GPT-2's,
+Phi-2's, BLOOM's and StarCoder's tanh GELU, Falcon's, Pythia's and MPT's exact one; llama.cpp computes each by the
+tanh approximation), StableLM's gated SiLU; the scores scaled by 1 / sqrt(head size) (MPT's ``softmax_scale`` and
+StarCoder's ``scale_attn_weights``, which a checkpoint may set otherwise though no release does, are not written:
+such a file loads as llama.cpp runs it); BLOOM's residual the block's input
+(``apply_residual_connection_post_layernorm`` is not written and llama.cpp's graph takes the stream: a checkpoint
+setting it, which no release does, loads as llama.cpp runs it, not as the checkpoint); MPT's logits unscaled
+(``logit_scale``).
 
-Tensors of any llama.cpp type are dequantized to float32 here (the conversion keeps the integers of those
-:mod:`specray.models.gguf_quant` finds again).
+Tensors of any llama.cpp type are dequantized to float32 here; the conversion keeps the integers of those
+:mod:`specray.models.gguf_quant` finds again, a layer's linears (``layers.N``, ``h.N``, ``blocks.N``), but GPT-2's:
+its model takes ``Conv1D`` weights, [in, out], so their converted tensors are the file's transposed, whose rows are no
+rows of the file (a quantized row's groups run along its inputs, which a transposed weight's columns are not), and a
+quantized GPT-2 file's linears are stored and loaded dense (their values the file's, exactly). The fused q/k/v of
+Falcon, GPT-NeoX, BLOOM, MPT and StarCoder keep their integers on disk and are dequantized as the model splits them
+at load (a device keeping 4-bit weights keeps the attention's output and the MLP in 4 bits, q/k/v dense).
 """
 
 from __future__ import annotations
@@ -53,7 +81,7 @@ import torch
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
                                       gguf_names, read_model_gguf, rope_parameters)
 
-CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox")
+CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox", "bloom", "mpt", "starcoder")
 _FALCON_LAYOUT = "jploski"  # the converter's name for its q/k/v order (all queries, all keys, all values)
 _GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -180,6 +208,73 @@ def _gptneox_config(get: GGUFMeta, tensors: GGUFTensors):
                          use_parallel_residual=bool(get("use_parallel_residual", True)), **_common(get, tensors))
 
 
+def _bloom_config(get: GGUFMeta, tensors: GGUFTensors):
+    from transformers import BloomConfig
+
+    heads, _, _ = _heads(get, one_kv_per_head=True)
+    hidden = int(get("embedding_length"))
+    ffn = _ffn(get, tensors)
+    if ffn != 4 * hidden:
+        raise _refuse(get, f"has blk.0.ffn_up.weight of {ffn} rows for a width of {hidden}; BLOOM's MLP is 4 x its "
+                           "width")
+    # the context: the release's seq_length, which the converter writes where the config has one, else the width
+    context = int(get("context_length"))
+    length = {} if context == hidden else {"max_position_embeddings": context}
+    return BloomConfig(architectures=["BloomForCausalLM"], hidden_size=hidden, n_layer=get.model_layers(),
+                       n_head=heads, layer_norm_epsilon=_eps(get), apply_residual_connection_post_layernorm=False,
+                       **length, **_common(get, tensors))
+
+
+def _mpt_config(get: GGUFMeta, tensors: GGUFTensors):
+    from transformers import MptConfig
+
+    heads, _, _ = _heads(get, one_kv_per_head=True)
+    hidden = int(get("embedding_length"))
+    max_bias = as_written(get("attention.max_alibi_bias"))
+    if max_bias <= 0 or "position_embd.weight" in tensors:
+        learned = f"mpt.attention.max_alibi_bias={max_bias}" if max_bias <= 0 else "position_embd.weight"
+        raise _refuse(get, f"has {learned} (learned positions, attn_config.alibi false); specray serves MPT with "
+                           "ALiBi, as every release has it")
+    if max_bias != int(max_bias):
+        raise _refuse(get, f"has mpt.attention.max_alibi_bias={max_bias}; MPT's alibi_bias_max is a whole number "
+                           "(8 in every release)")
+    if "blk.0.attn_q_norm.weight" in tensors or "blk.0.attn_k_norm.weight" in tensors:
+        raise _refuse(get, "has q/k LayerNorms (blk.0.attn_q_norm, attn_k_norm: attn_config.qk_ln true); specray "
+                           "serves MPT's releases, which have none")
+    ffn = _ffn(get, tensors)
+    if ffn % hidden:
+        raise _refuse(get, f"has blk.0.ffn_up.weight of {ffn} rows, not a whole multiple of the width {hidden}; "
+                           "MPT's MLP is expansion_ratio x its width")
+    clip = get("attention.clamp_kqv", None)
+    attn = {"alibi": True, "alibi_bias_max": int(max_bias), "clip_qkv": None if clip is None else as_written(clip),
+            "softmax_scale": None, "qk_ln": False, "attn_type": "multihead_attention"}
+    return MptConfig(architectures=["MptForCausalLM"], d_model=hidden, n_heads=heads, n_layers=get.model_layers(),
+                     expansion_ratio=ffn // hidden, max_seq_len=int(get("context_length")),
+                     layer_norm_epsilon=_eps(get), no_bias="blk.0.attn_qkv.bias" not in tensors, attn_config=attn,
+                     **_common(get, tensors))
+
+
+def _starcoder_config(get: GGUFMeta, tensors: GGUFTensors):
+    from transformers import GPTBigCodeConfig
+
+    heads, kv, head_dim = _heads(get, one_kv_per_head=False)
+    hidden = int(get("embedding_length"))
+    if kv not in (1, heads):
+        raise _refuse(get, f"has starcoder.attention.head_count_kv={kv} for {heads} query heads; GPT-BigCode's "
+                           "attention has one KV head (multi_query) or one per query head")
+    # the converter writes head_count_kv 1 whatever the model: c_attn's rows say which
+    rows = _shape(get, tensors, "blk.0.attn_qkv.weight")[0]
+    if rows not in (hidden + 2 * head_dim, 3 * hidden):
+        raise _refuse(get, f"has blk.0.attn_qkv.weight of {rows} rows for {heads} heads of {head_dim}; GPT-BigCode's "
+                           f"c_attn has {hidden + 2 * head_dim} (multi-query) or {3 * hidden}")
+    positions = _shape(get, tensors, "position_embd.weight")[0]
+    return GPTBigCodeConfig(architectures=["GPTBigCodeForCausalLM"], n_positions=positions, n_embd=hidden,
+                            n_layer=get.model_layers(), n_head=heads, n_inner=_ffn(get, tensors),
+                            activation_function="gelu_pytorch_tanh", layer_norm_epsilon=_eps(get),
+                            multi_query=rows == hidden + 2 * head_dim, scale_attn_weights=True,
+                            **_common(get, tensors))
+
+
 # ---------------------------------------------------------------------------------------------- names
 
 
@@ -237,6 +332,23 @@ def _gptneox_names(config, i: int | None) -> list[str]:
                              ("mlp.dense_4h_to_h", True)) for n in _weights(at + part, bias)]
 
 
+def _bloom_names(config, i: int | None) -> list[str]:
+    if i is None:
+        return ["transformer.word_embeddings.weight", *_weights("transformer.word_embeddings_layernorm", True),
+                *_weights("transformer.ln_f", True)]
+    return [n for part in ("input_layernorm", "self_attention.query_key_value", "self_attention.dense",
+                           "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+            for n in _weights(f"transformer.h.{i}.{part}", True)]
+
+
+def _mpt_names(config, i: int | None) -> list[str]:
+    bias = not config.no_bias
+    if i is None:
+        return ["transformer.wte.weight", *_weights("transformer.norm_f", bias)]
+    return [n for part in ("norm_1", "attn.Wqkv", "attn.out_proj", "norm_2", "ffn.up_proj", "ffn.down_proj")
+            for n in _weights(f"transformer.blocks.{i}.{part}", bias)]
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 
@@ -263,14 +375,19 @@ class _Family:
     name: str  # as the errors name it
     config: Callable[[GGUFMeta, GGUFTensors], Any]
     names: Callable[[Any, int | None], list[str]]  # the HF checkpoint's names of the model's own (None) or layer i
-    head: str  # the LM head's HF name (written by the converter as ``output`` unless tied)
+    head: str = "lm_head.weight"  # the LM head's HF name (written by the converter as ``output`` unless tied)
+    spelled: Callable[[str], str] = str  # an HF name as the converter hands it to gguf-py's map
 
 
-_FAMILIES = {"gpt2": _Family("GPT-2", _gpt2_config, _gpt2_names, "lm_head.weight"),
-             "stablelm": _Family("StableLM", _stablelm_config, _stablelm_names, "lm_head.weight"),
-             "phi2": _Family("Phi-2", _phi2_config, _phi2_names, "lm_head.weight"),
-             "falcon": _Family("Falcon", _falcon_config, _falcon_names, "lm_head.weight"),
-             "gptneox": _Family("GPT-NeoX", _gptneox_config, _gptneox_names, "embed_out.weight")}
+_FAMILIES = {"gpt2": _Family("GPT-2", _gpt2_config, _gpt2_names),
+             "stablelm": _Family("StableLM", _stablelm_config, _stablelm_names),
+             "phi2": _Family("Phi-2", _phi2_config, _phi2_names),
+             "falcon": _Family("Falcon", _falcon_config, _falcon_names),
+             "gptneox": _Family("GPT-NeoX", _gptneox_config, _gptneox_names, "embed_out.weight"),
+             # BloomModel strips ``transformer.`` (gguf-py maps BLOOM's embedding norm by its bare name alone)
+             "bloom": _Family("BLOOM", _bloom_config, _bloom_names, spelled=lambda n: n.replace("transformer.", "")),
+             "mpt": _Family("MPT", _mpt_config, _mpt_names),
+             "starcoder": _Family("StarCoder", _starcoder_config, _gpt2_names)}  # (GPT-2's names, Linear weights)
 
 
 def classic_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -291,7 +408,8 @@ def classic_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[s
     if not config.tie_word_embeddings:
         hf_names.append(family.head)
     gguf_arch = {name: value for value, name in gguf_py.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf_names(gguf_arch, layers, hf_names)
+    spelled = {family.spelled(n): n for n in hf_names}
+    names = {gguf_name: spelled[n] for gguf_name, n in gguf_names(gguf_arch, layers, spelled).items()}
     # Phi-2's q/k/v fused in one tensor (Microsoft's first layout, Wqkv), split into the three
     fused = {f"blk.{i}.attn_qkv.{kind}": f"model.layers.{i}.self_attn.{{}}_proj.{kind}"
              for i in range(layers) for kind in ("weight", "bias")
@@ -312,9 +430,11 @@ def classic_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[s
         name = names[gguf_name]
         if arch == "gpt2" and name.endswith(_GPT2_CONV1D):  # the converter's [out, in] -> Conv1D's [in, out]
             return {name: value.t().contiguous()}
-        if name.endswith(("query_key_value.weight", "query_key_value.bias")):  # Falcon's, GPT-NeoX's
+        if name.endswith(("query_key_value.weight", "query_key_value.bias")):  # Falcon's, GPT-NeoX's, BLOOM's
             _rows(value, qkv_rows, gguf_name, gguf, family.name)
             return {name: _qkv_grouped(value, heads, kv, head_dim)}
+        if name.endswith((".Wqkv.weight", ".Wqkv.bias")):  # MPT's: q, k, v in turn, as the converter leaves them
+            _rows(value, qkv_rows, gguf_name, gguf, family.name)
         if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):  # StableLM's [heads, head_dim]: one per head
             prefix = name.removesuffix(".weight")
             return {f"{prefix}.norms.{h}.weight": w.contiguous() for h, w in enumerate(value)}

@@ -39,8 +39,10 @@ from specray.models.int_quant import GGUF_GROUP, IntWeight
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # llama.cpp's types kept as integers
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # those a device may keep in 4 bits (the others: a byte per value)
 # the converted tensors that may be kept: a decoder layer's weights but its norms' (its linears, a router llama.cpp
-# quantized; 1-D ones never match) and its experts' (one expert's, or all of a block's fused in 3-D)
-_KEPT_NAME = re.compile(r"\.layers\.(\d+)\.(?!.*norm)(?:.*\.)?"
+# quantized; 1-D ones never match) and its experts' (one expert's, or all of a block's fused in 3-D); a layer named
+# ``layers.N`` or, as the classic GPT families' checkpoints name theirs, ``h.N`` (GPT-2, Falcon, BLOOM, StarCoder) or
+# ``blocks.N`` (MPT)
+_KEPT_NAME = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.(?!.*norm)(?:.*\.)?"
                         r"(?:\w+\.weight|experts\.(?:gate_up_proj|up_proj|down_proj))$")
 # a block's experts fused (transformers' names: [E, 2I, H], [E, I, H], [E, H, I]), stored one expert at a time
 _FUSED_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|up_proj|down_proj)$")

@@ -27,9 +27,10 @@ R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models (:mo
 :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``: :mod:`specray.models.gguf_glm4_moe`),
 Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`), MiniCPM3 (``minicpm3``:
 :mod:`specray.models.gguf_minicpm3`) and the classic GPT families -- GPT-2 (``gpt2``), StableLM (``stablelm``), Phi-2
-(``phi2``), Falcon (``falcon``) and GPT-NeoX (``gptneox``) -- (:mod:`specray.models.gguf_classic`); a GGUF of another
-architecture (of a family specray does not serve, or one the installed transformers cannot map) is refused before any conversion, naming the fix: load the model's HF checkpoint
-instead.
+(``phi2``), Falcon (``falcon``), GPT-NeoX (``gptneox``), BLOOM (``bloom``), MPT (``mpt``) and GPT-BigCode / StarCoder
+(``starcoder``) -- (:mod:`specray.models.gguf_classic`); a GGUF of another architecture (of a family specray does not
+serve, or one the installed transformers cannot map) is refused before any conversion, naming the fix: load the
+model's HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "apertus": "Apertus", "minicpm3": "MiniCPM3", "dots1": "dots.llm1",
                   "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5",
                   "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE", "gpt2": "GPT-2", "stablelm": "StableLM",
-                  "phi2": "Phi-1 / 1.5 / 2", "falcon": "Falcon (RoPE releases)", "gptneox": "GPT-NeoX / Pythia"}
+                  "phi2": "Phi-1 / 1.5 / 2", "falcon": "Falcon (RoPE releases)", "gptneox": "GPT-NeoX / Pythia",
+                  "bloom": "BLOOM", "mpt": "MPT", "starcoder": "GPT-BigCode / StarCoder"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),

@@ -5,7 +5,8 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
 (plus, DeepSeek, the shared experts' MLP, which every token takes). Routers:
 
 * Qwen3-MoE: softmax over the experts, the top k (renormalised over the chosen ones with ``norm_topk_prob``);
-  Mixtral: the same, always renormalised; Qwen2-MoE: the same, and a shared expert whose output a per-token gate
+  Mixtral: the same, always renormalised; DBRX: the same, the chosen ones divided by their p-norm
+  (``moe_normalize_expert_weights``); Qwen2-MoE: the same, and a shared expert whose output a per-token gate
   scales by sigmoid(x . w);
 * DeepSeek-V3 (and GLM-4.5; Mistral 4 with softmax scores and no bias): sigmoid scores; the choice adds
   ``e_score_correction_bias``, keeps the ``topk_group``
@@ -29,6 +30,9 @@ Every token goes to its ``top_k`` experts, and its output is the routing-weighte
   its fused ``gate_up_proj`` interleaves gate and up (gate, up, gate, ...) along its 2I features;
 * Command A+: the top k router logits weighted by their softmax (GPT-OSS's) or by their sigmoids renormalised
   (``expert_selection_fn``), shared experts' output added or averaged with the experts' (``(routed + shared) / 2``).
+
+A family may add zero-computation experts (``zero_experts``: LongCat-Flash's ``zero_expert_num``): the router scores
+them after the routed ones, and a token's choice of one adds its weight times the token's input, with no matmul.
 
 What differs by family (names, router, where the weight applies, the fused tensors' layout) is one row of
 :data:`FAMILIES`.
@@ -186,6 +190,12 @@ class MoEFamily:
     bias_on_logits: bool = False
     # a config field capping the router's logits, cap * tanh(logit / cap), where it is > 0 (Laguna's)
     logit_softcap: str | None = None
+    # a config field p: the softmax routing's top k weights divided by their p-norm where it is set (DBRX's
+    # moe_normalize_expert_weights; p = 1 renormalises them), unless norm_topk_prob renormalises them
+    weight_norm: str | None = None
+    # a config field counting zero-computation (identity) experts past the routed ones (LongCat-Flash's
+    # zero_expert_num): scored by the router with the others; one chosen adds its weight times the token's input
+    zero_experts: str | None = None
 
 
 FAMILIES = {
@@ -218,6 +228,7 @@ FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's
 FAMILIES["dots1"] = FAMILIES["deepseek_v3"]  # dots.llm1's are DeepSeek-V3's
+FAMILIES["flex_olmo"] = FAMILIES["olmoe"]  # FlexOlmo's are OLMoE's
 # Phi-3.5-MoE: Mixtral's names and widths, the sparsemixer's two experts
 FAMILIES["phimoe"] = MoEFamily("sparsemixer", "num_local_experts", "intermediate_size")
 # Arcee's Trinity (AFMoE): sigmoid scores, the top k of score + expert bias, renormalised, times route_scale; shared
@@ -291,6 +302,13 @@ FAMILIES["ernie4_5_moe"] = MoEFamily("scored", "num_experts", "moe_intermediate_
 FAMILIES["qwen3_5_moe_text"] = MoEFamily("softmax", "num_experts", "moe_intermediate_size", shared="shared_expert",
                                          shared_width="shared_expert_intermediate_size",
                                          shared_gate="shared_expert_gate", normalized=True)
+# DBRX: softmax top moe_top_k, divided by their moe_normalize_expert_weights-norm; its router named router
+FAMILIES["dbrx"] = MoEFamily("softmax", "moe_num_experts", "ffn_hidden_size", router="router", top_k="moe_top_k",
+                             weight_norm="moe_normalize_expert_weights")
+# LongCat-Flash: softmax scores over the routed and zero-computation experts, the top k of score + correction bias,
+# not renormalised, times routed_scaling_factor; its router named router (the release's router.classifier, renamed)
+FAMILIES["longcat_flash"] = MoEFamily("scored", "n_routed_experts", "expert_ffn_hidden_size", router="router",
+                                      scoring="softmax", top_k="moe_topk", zero_experts="zero_expert_num")
 
 SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain where a config predates the swiglu_alpha field
 # DeepSeek-V4's scoring_func: each expert's score from its router logit (float32)
@@ -413,12 +431,21 @@ class SparseMoE(nn.Module):
         self.shared_average = (family.shared_combination is not None
                                and _config_choice(config, family.shared_combination, ("sum", "average")) == "average")
         self.logit_cap = float(getattr(config, family.logit_softcap, 0.0) or 0.0) if family.logit_softcap else 0.0
+        self.weight_norm = getattr(config, family.weight_norm, None) if family.weight_norm else None
+        if self.weight_norm is not None and not float(self.weight_norm) > 0:
+            raise ValueError(f"{family.weight_norm}={self.weight_norm!r} is not supported: the experts' weights are "
+                             "divided by their p-norm for a p > 0 (1 in DBRX's releases), or null for none")
         if family.routing == "scored":
             self.routed_scaling_factor = float(getattr(config, family.scaling, None) or 1.0)
             self.scoring = getattr(config, "scoring_func", None) or family.scoring or "sqrtsoftplus"
             if self.scoring not in SCORES:
                 raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {sorted(SCORES)}")
         self.hash_routed = hash_routed
+        # zero-computation experts: router outputs past the routed ones, ids num_experts.. (none of a rank's)
+        self.zero_experts = int(getattr(config, family.zero_experts, 0) or 0) if family.zero_experts else 0
+        if self.zero_experts < 0:
+            raise ValueError(f"{family.zero_experts}={self.zero_experts} must be >= 0 (0 or null: no zero-computation "
+                             "experts)")
         if self.grouped or self.group_limited:
             self.n_group, self.topk_group = config.n_group, config.topk_group
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
@@ -440,8 +467,8 @@ class SparseMoE(nn.Module):
         self.expert_start = tp.rank * self.local_experts if expert_parallel else 0
         bias = (self.grouped and family.scoring != "softmax") or (family.routing == "scored" and not hash_routed)
         table = (config.vocab_size, self.top_k) if hash_routed else None
-        self.add_module(family.router, Router(self.num_experts, h, correction_bias=bias, bias=family.biased,
-                                              hash_table=table))
+        self.add_module(family.router, Router(self.num_experts + self.zero_experts, h, correction_bias=bias,
+                                              bias=family.biased, hash_table=table))
         if family.clamped or family.clamp_only:
             self.swiglu = (float(config.swiglu_limit), float(getattr(config, "swiglu_alpha", None) or SWIGLU_ALPHA))
         e, i = self.local_experts, self.inter_local
@@ -590,6 +617,8 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.weight_norm is not None:
+            weights = weights / torch.linalg.vector_norm(weights, float(self.weight_norm), dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
     def _route_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -667,6 +696,8 @@ class SparseMoE(nn.Module):
         out = self._experts_grouped(routed, weights, ids) if grouped else self._experts_looped(routed, weights, ids)
         if self.fc2_latent_proj is not None:  # linear, so it may take this rank's partial sums before the reduce
             out = self.fc2_latent_proj(out)
+        if self.zero_experts and self.tp.rank == 0:  # x times the zero experts' weights, added once over the ranks
+            out = out + x * weights.masked_fill(ids < self.num_experts, 0.0).sum(dim=-1, keepdim=True)
         if self.shared is not None:  # its share joins the experts' before the one sum over ranks
             shared = self.shared.partial(x)
             if self.family.shared_gate is not None:  # each token's gate, the same on every rank

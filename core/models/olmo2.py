@@ -89,9 +89,14 @@ class Olmo2DecoderLayer(nn.Module):
     def __init__(self, config, tp: TPGroup, layer: int, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = self.attention_class(config, tp, layer)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = self.build_mlp(config, tp, layer, expert_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def build_mlp(config, tp: TPGroup, layer: int, expert_parallel: bool) -> nn.Module:
+        """The layer's MLP: a dense one (FlexOlmo's: experts)."""
+        return LlamaMLP(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

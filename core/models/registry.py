@@ -131,6 +131,9 @@ _MODEL_TYPES.update({"gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", 
 _ARCHITECTURES.update({"BloomForCausalLM": "specray.models.bloom:BloomForCausalLM",
                        "MptForCausalLM": "specray.models.mpt:MptForCausalLM"})
 _MODEL_TYPES.update({"bloom": "BloomForCausalLM", "mpt": "MptForCausalLM"})
+# DBRX: MPT's names and fused Wqkv over RoPE and experts (specray.models.dbrx)
+_ARCHITECTURES["DbrxForCausalLM"] = "specray.models.dbrx:DbrxForCausalLM"
+_MODEL_TYPES["dbrx"] = "DbrxForCausalLM"
 
 # a multimodal checkpoint whose text model we serve: its architecture -> the prefix of the text model's tensors (the
 # rest, the vision tower and projector, is not loaded); Mistral 3's (Mistral Small 3.1 / 3.2, Devstral, Magistral)
@@ -149,6 +152,9 @@ _TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditi
 # OLMo Hybrid: OLMo 3's attention layers among Gated DeltaNet ones (specray.models.olmo_hybrid)
 _ARCHITECTURES["OlmoHybridForCausalLM"] = "specray.models.olmo_hybrid:OlmoHybridForCausalLM"
 _MODEL_TYPES["olmo_hybrid"] = "OlmoHybridForCausalLM"
+# LongCat-Flash: two latent-attention sublayers and a shortcut MoE with zero-computation experts per layer
+_ARCHITECTURES["LongcatFlashForCausalLM"] = "specray.models.longcat_flash:LongcatFlashForCausalLM"
+_MODEL_TYPES["longcat_flash"] = "LongcatFlashForCausalLM"
 
 # Mamba models and hybrids (Mamba-2 or Mamba-1 layers with a recurrent state per request: specray.models.mamba_hybrid,
 # zamba2) and LFM2 / LFM3 (short convs, a conv history per request: specray.models.lfm2, lfm3)
@@ -258,3 +264,14 @@ def get_model_class(hf_config) -> type:
         f"architecture {archs or model_type!r} is not supported; supported architectures: "
         f"{supported_architectures()} (config.json 'architectures' / 'model_type')"
     )
+# FlexOlmo: OLMo 2's post-norm layer with OLMoE's experts (specray.models.flex_olmo)
+_ARCHITECTURES["FlexOlmoForCausalLM"] = "specray.models.flex_olmo:FlexOlmoForCausalLM"
+_MODEL_TYPES["flex_olmo"] = "FlexOlmoForCausalLM"
+# Lara Mini: Qwen3.5's Gated DeltaNet layers beside sliding (RoPE) and global (NoPE) attention, Flint's experts
+# (specray.models.lara_mini)
+_ARCHITECTURES["LaraMiniForCausalLM"] = "specray.models.lara_mini:LaraMiniForCausalLM"
+_MODEL_TYPES["lara_mini"] = "LaraMiniForCausalLM"
+# A.X-K2: DeepSeek-V3.2 with gated norms, an output gate from q_gate_proj, optional grouped routing
+# (specray.models.axk2)
+_ARCHITECTURES["AXK2ForCausalLM"] = "specray.models.axk2:AXK2ForCausalLM"
+_MODEL_TYPES["axk2"] = "AXK2ForCausalLM"
