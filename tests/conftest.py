@@ -1038,6 +1038,17 @@ def tiny_longcat_flash_dir(tmp_path_factory) -> Path:
                             tie_word_embeddings=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_longcat_flash_deep_dir(tmp_path_factory) -> Path:
+    # the same with 6 layers (12 attention blocks): deep enough for EAGLE-3's default aux layers (2, 3, 3)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_longcat_flash_deep"), "longcat_flash", seed=132,
+                            num_hidden_layers=12, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=12, n_routed_experts=8,
+                            zero_expert_num=4, moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                            tie_word_embeddings=False)
+
+
 def _hybrid_fixture(arch: str, seed: int):
     """A session fixture: the folder of tests/hybrid_models.py's tiny ``arch`` (random weights, no tokenizer)."""
     @pytest.fixture(scope="session")

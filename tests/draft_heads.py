@@ -37,6 +37,8 @@ def head_config(target_config: dict, **extra) -> dict:
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "max_position_embeddings", "vocab_size", "rope_theta", "hidden_act")
     config = {k: target_config[k] for k in keys if k in target_config}
+    if "intermediate_size" not in config and "ffn_hidden_size" in target_config:  # (LongCat's dense MLP width)
+        config["intermediate_size"] = target_config["ffn_hidden_size"]
     config.update(model_type="llama", num_hidden_layers=1, **extra)
     return config
 
@@ -50,7 +52,7 @@ def write_random_head(folder: Path, method: str, target_dir: Path, seed: int = 0
     from safetensors.torch import load_file, save_file
 
     target = json.loads((target_dir / "config.json").read_text())
-    h, inter = target["hidden_size"], target["intermediate_size"]
+    h, inter = target["hidden_size"], target.get("intermediate_size") or target["ffn_hidden_size"]  # (LongCat's)
     heads, kv = target["num_attention_heads"], target["num_key_value_heads"]
     head_dim = h // heads
     gen = torch.Generator().manual_seed(seed)
@@ -64,7 +66,7 @@ def write_random_head(folder: Path, method: str, target_dir: Path, seed: int = 0
     if method == "eagle3":
         vocab = target["vocab_size"]
         ids = torch.randperm(vocab, generator=gen)[:draft_vocab_size].sort().values
-        aux = aux_layers or [2, target["num_hidden_layers"] // 2, target["num_hidden_layers"] - 3]
+        aux = aux_layers or range(3)  # (the head reads three layers unless told which: fc takes their streams)
         tensors = {"fc.weight": torch.randn(h, len(aux) * h, generator=gen) * std,
                    "norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
                    "d2t": ids - torch.arange(draft_vocab_size),

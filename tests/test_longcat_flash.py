@@ -455,3 +455,27 @@ def test_more_stages_than_layers_are_refused(tiny_longcat_flash_dir):
     check_family_split(config, 1, 2)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds num_layers=2"):
         check_family_split(config, 1, 3)
+
+
+def test_an_eagle3_head_without_layer_ids_reads_the_stack_layers(tiny_longcat_flash_deep_dir, tmp_path):
+    """An EAGLE-3 head that names no aux layers reads the usual three of the stack's ``num_layers`` layers (not of
+    ``num_hidden_layers``, which counts the attention blocks, twice as many: its layer 9 does not exist), and greedy
+    output with its drafts equals plain decoding's."""
+    import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (registered by conftest)
+    from specray import LLM
+    from specray.models.draft_head_loader import head_aux_layers, read_head_config
+    from specray.models.loader import load_hf_config
+
+    folder = tiny_longcat_flash_deep_dir
+    runs = sys.modules["specray_test_engine_runs"]
+    head = draft_heads.write_random_head(tmp_path / "head", "eagle3", folder)
+    target_config = load_hf_config(str(folder))
+    assert (target_config.num_layers, target_config.num_hidden_layers) == (6, 12)
+    assert head_aux_layers("eagle3", read_head_config(str(head)), target_config) == (2, 3, 3)
+    plain = LLM(model=str(folder), max_model_len=128, block_size=4)
+    want = runs.token_ids(plain.generate(runs.PROMPTS[:2], runs.greedy(8), use_tqdm=False))
+    llm = LLM(model=str(folder), max_model_len=128, block_size=4,
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    assert runs.token_ids(llm.generate(runs.PROMPTS[:2], runs.greedy(8), use_tqdm=False)) == want
+    assert llm.spec_stats.draft_tokens > 0

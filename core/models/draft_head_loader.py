@@ -131,7 +131,15 @@ def head_aux_layers(method: str, head_config, target_config) -> tuple[int, ...]:
         return ()
     eagle_config = getattr(head_config, "eagle_config", None) or {}
     return tuple(eagle_config.get("eagle_aux_hidden_state_layer_ids")
-                 or eagle3_aux_layers(target_config.num_hidden_layers))
+                 or eagle3_aux_layers(stack_layers(target_config)))
+
+
+def stack_layers(target_config) -> int:
+    """The layers of the target's stack, whose input streams a head may read: ``num_hidden_layers``, unless the
+    family counts its layers otherwise (``stack_layers``: LongCat-Flash's layers hold two attention blocks each,
+    which ``num_hidden_layers`` counts)."""
+    own = getattr(_target_family(target_config), "stack_layers", None)
+    return own(target_config) if own is not None else target_config.num_hidden_layers
 
 
 def read_head_config(path) -> PlainConfig:
@@ -340,10 +348,9 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
         if fc is not None and tuple(shape_of(fc)) != (h, 2 * h):
             raise ValueError(f"the eagle head's fc.weight is {tuple(shape_of(fc))}, expected {(h, 2 * h)}")
     if method == "eagle3":
-        aux = head_aux_layers(method, config, target_config)
-        if any(not 0 <= i < target_config.num_hidden_layers for i in aux):
-            raise ValueError(f"the eagle3 head reads target layers {list(aux)} but the target has "
-                             f"{target_config.num_hidden_layers}")
+        aux, layers = head_aux_layers(method, config, target_config), stack_layers(target_config)
+        if any(not 0 <= i < layers for i in aux):
+            raise ValueError(f"the eagle3 head reads target layers {list(aux)} but the target has {layers}")
         head_th = getattr(config, "target_hidden_size", None) or th
         fc = weights.get("fc.weight")
         if head_th != th or (fc is not None and tuple(shape_of(fc)) != (h, len(aux) * th)):

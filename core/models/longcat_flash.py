@@ -156,6 +156,11 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
     skipped = ("model.mtp.",)  # the release's MTP module: the mtp drafter's
 
     @staticmethod
+    def stack_layers(config) -> int:
+        """The stack's layers (a head's aux layer ids index them): ``num_layers``, each two attention blocks."""
+        return config.num_layers
+
+    @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
         """Pipeline stages split the config's ``num_layers`` layers (each holds two attention blocks), before any
         rank starts."""
