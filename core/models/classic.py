@@ -147,6 +147,12 @@ def llama_view(config, **fields: Any):
     return config
 
 
+def sub_field(part: Any, name: str, default: Any = None) -> Any:
+    """Field ``name`` of a nested config part (MPT's and DBRX's ``attn_config``, DBRX's ``ffn_config``): a dict in
+    config.json, a config object once read."""
+    return part.get(name, default) if isinstance(part, dict) else getattr(part, name, default)
+
+
 def split_grouped_qkv(name: str, tensor: Any, fused: str, num_groups: int, q_per_group: int = 1
                       ) -> list[tuple[str, torch.Tensor]]:
     """A fused q/k/v weight or bias ``name`` stored group by group (its rows ``[groups, q_per_group + 2, head_dim]``:

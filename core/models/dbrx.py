@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specray.models.classic import llama_view
+from specray.models.classic import llama_view, sub_field
 from specray.models.layers import LayerNorm, materialize, shape_of
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from specray.models.moe import SparseMoE
@@ -51,30 +51,26 @@ _FUSED_EXPERTS = re.compile(r"^transformer\.blocks\.(\d+)\.ffn\.experts\.mlp\.(w
 EXPERT_PARTS = {"w1": ("gate_proj", False), "v1": ("up_proj", False), "w2": ("down_proj", True)}
 
 
-def _field(part: Any, name: str, default: Any = None) -> Any:
-    """``attn_config``'s or ``ffn_config``'s field ``name`` (a config object once read, a dict if built so)."""
-    return part.get(name, default) if isinstance(part, dict) else getattr(part, name, default)
-
-
 def llama_fields(hf_config) -> dict[str, Any]:
     """The fields the Llama plumbing and the experts read, from DBRX's ``attn_config`` and ``ffn_config``; a
     ValueError for an expert activation no release has."""
     attn, ffn = hf_config.attn_config, hf_config.ffn_config
-    act = _field(ffn, "ffn_act_fn") or {"name": "silu"}
+    act = sub_field(ffn, "ffn_act_fn") or {"name": "silu"}
     if act.get("name", "silu") != "silu":
         raise ValueError(f"ffn_config.ffn_act_fn={act!r} is not supported for model_type='dbrx': its experts are "
                          "SwiGLU's; use {'name': 'silu'} (every release's)")
     rope = dict(getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"})
-    theta = _field(attn, "rope_theta")
+    theta = sub_field(attn, "rope_theta")
     if theta is not None:  # the release's base (module docstring)
         if rope.get("rope_theta", theta) != theta:
             logger.info("DBRX: RoPE at attn_config.rope_theta=%s, not rope_parameters' %s", theta, rope["rope_theta"])
         rope["rope_theta"] = theta
-    return dict(num_key_value_heads=_field(attn, "kv_n_heads", 1), head_dim=None, clip_qkv=_field(attn, "clip_qkv"),
-                rope_parameters=rope, sliding_window=None, attention_bias=False, hidden_act="silu",
-                moe_num_experts=_field(ffn, "moe_num_experts"), moe_top_k=_field(ffn, "moe_top_k"),
-                ffn_hidden_size=_field(ffn, "ffn_hidden_size"),
-                moe_normalize_expert_weights=_field(ffn, "moe_normalize_expert_weights", 1.0))
+    return dict(num_key_value_heads=sub_field(attn, "kv_n_heads", 1), head_dim=None,
+                clip_qkv=sub_field(attn, "clip_qkv"), rope_parameters=rope, sliding_window=None, attention_bias=False,
+                hidden_act="silu",
+                moe_num_experts=sub_field(ffn, "moe_num_experts"), moe_top_k=sub_field(ffn, "moe_top_k"),
+                ffn_hidden_size=sub_field(ffn, "ffn_hidden_size"),
+                moe_normalize_expert_weights=sub_field(ffn, "moe_normalize_expert_weights", 1.0))
 
 
 def dbrx_norm(config) -> nn.Module:

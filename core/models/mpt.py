@@ -25,7 +25,7 @@ from torch import nn
 
 from specray.models.alibi import AlibiSelfAttention
 from specray.models.arcee import GATELESS_STACKED
-from specray.models.classic import GatelessMLP, PositionFreeModel, ThirdsQKVAdapters, llama_view
+from specray.models.classic import GatelessMLP, PositionFreeModel, ThirdsQKVAdapters, llama_view, sub_field
 from specray.models.layers import LayerNorm, materialize
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specray.parallel import PPGroup, TPGroup
@@ -53,16 +53,11 @@ class MptModel(PositionFreeModel):
     layer_class = MptDecoderLayer
 
 
-def _attn(hf_config, field: str, default: Any) -> Any:
-    """``attn_config``'s ``field`` (a dict in config.json, a config object once read)."""
-    attn = hf_config.attn_config
-    return attn.get(field, default) if isinstance(attn, dict) else getattr(attn, field, default)
-
-
 def check_supported(hf_config) -> None:
     """The ValueError naming the first field no MPT release sets (module docstring)."""
-    alibi, qk_ln, kind = (_attn(hf_config, f, d) for f, d in (("alibi", True), ("qk_ln", False),
-                                                               ("attn_type", "multihead_attention")))
+    attn = hf_config.attn_config
+    alibi, qk_ln, kind = (sub_field(attn, f, d) for f, d in (("alibi", True), ("qk_ln", False),
+                                                             ("attn_type", "multihead_attention")))
     logit_scale, norm = getattr(hf_config, "logit_scale", None), getattr(hf_config, "norm_type", "layernorm")
     checks = ((f"attn_config.alibi={alibi!r}", alibi, "ALiBi: alibi true"),
               (f"attn_config.qk_ln={qk_ln!r}", not qk_ln, "qk_ln false"),
@@ -87,13 +82,13 @@ class MptForCausalLM(ThirdsQKVAdapters, LlamaForCausalLM):
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         check_supported(hf_config)
-        bias = not hf_config.no_bias
+        bias, attn = not hf_config.no_bias, hf_config.attn_config
         config = llama_view(hf_config, num_key_value_heads=hf_config.num_attention_heads, head_dim=None,
                             sliding_window=None, attention_bias=bias, use_bias=bias, hidden_act="gelu",
                             intermediate_size=hf_config.expansion_ratio * hf_config.hidden_size,
-                            max_position_embeddings=hf_config.max_seq_len, clip_qkv=_attn(hf_config, "clip_qkv", None),
-                            softmax_scale=_attn(hf_config, "softmax_scale", None),
-                            alibi_bias_max=_attn(hf_config, "alibi_bias_max", 8))
+                            max_position_embeddings=hf_config.max_seq_len, clip_qkv=sub_field(attn, "clip_qkv"),
+                            softmax_scale=sub_field(attn, "softmax_scale"),
+                            alibi_bias_max=sub_field(attn, "alibi_bias_max", 8))
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
 
