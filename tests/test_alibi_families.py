@@ -66,21 +66,24 @@ def dense_alibi(q, k, v, allowed, q_pos, k_pos, slopes, scale):
     return torch.einsum("hnm,mhd->nhd", probs, v).reshape(q.shape[0], -1)
 
 
-@pytest.mark.parametrize("path", ["batched", "own-gathered", "own-in-place"])
+@pytest.mark.parametrize("path", ["batched", "own-gathered", "own-in-place", "row-blocks"])
 def test_bias_over_grouped_heads_and_trees_matches_a_dense_reference(monkeypatch, path):
     """ALiBi over a paged cache with two query heads per KV head (no release has them; the folded rows' slopes must
-    follow their heads): a prefill, then a mixed step (decode, last token + drafts, a long continued chunk), then a
-    step of token trees (siblings at one depth, so positions differ from slots), through the padded batch or one
-    sequence at a time (gathered or read in place), equals dense attention with the bias written out by hand."""
+    follow their heads): a prefill (a long one attended on its own), then a mixed step (decode, last token + drafts, a
+    long continued chunk), then a step of token trees (siblings at one depth, so positions differ from slots), through
+    the padded batch or one sequence at a time (gathered or read in place; or with a bias budget so small that long
+    sequences go by blocks of a few rows), equals dense attention with the bias written out by hand."""
     import random
 
-    from specray.models import cpu_kernels
+    from specray.models import alibi, cpu_kernels
     from specray.models.alibi import AlibiAttention
     from specray.models.attention import build_attention_metadata
     from specray.models.kv_cache import FullAttentionSpec, KVCache
 
     if path != "batched":
         monkeypatch.setattr(cpu_kernels, "OWN_MIN_CONTEXT", 0)
+    if path == "row-blocks":  # 4 heads x 40 keys x 3 rows: blocks of 3 rows at the longest context
+        monkeypatch.setattr(alibi, "BIAS_ELEMENTS", 4 * 40 * 3)
     block, spec, slopes = 4, FullAttentionSpec(num_kv_heads=2, head_dim=8), alibi_slopes(4)
     attn = AlibiAttention(4, spec, 8**-0.5, slopes)
     cache = KVCache([spec], 64, block, torch.float32, "cpu")
@@ -91,7 +94,7 @@ def test_bias_over_grouped_heads_and_trees_matches_a_dense_reference(monkeypatch
     full = [(torch.randn(n, 4, 8, generator=gen), torch.randn(n, 2, 8, generator=gen),
              torch.randn(n, 2, 8, generator=gen)) for n in lens]  # q, k, v of every slot
     tables = [[free.pop(0) for _ in range(-(-n // block))] for n in lens]
-    for step in ([(0, 9), (0, 7), (0, 12)], [(9, 10), (7, 11), (12, 40)]):  # prefill, then decode/drafts/long
+    for step in ([(0, 9), (0, 7), (0, 20)], [(9, 10), (7, 11), (20, 40)]):  # prefill, then decode/drafts/long
         meta = build_attention_metadata([b - a for a, b in step], [a for a, _ in step], tables, block)
         q, k, v = (torch.cat([full[i][j][a:b] for i, (a, b) in enumerate(step)]) for j in range(3))
         outs = attn(q, k, v, meta).split([b - a for a, b in step])

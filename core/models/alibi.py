@@ -10,7 +10,10 @@ distances.
 
 The bias is additive: each step builds it once per path (the short batch's ``[Bs, Hkv, G*Q, L]`` over its folded query
 rows, an own sequence's over its context), already masked (``-inf`` where the mask says no), and every layer reads it
-as SDPA's float mask, so the layers keep SDPA's kernels and the GQA folding. A graph step's bias is one more of its
+as SDPA's float mask, so the layers keep SDPA's kernels and the GQA folding. A sequence attended on its own whose bias
+would pass :data:`BIAS_ELEMENTS` values (a long prefill chunk: heads x rows x context) attends by blocks of rows, each
+block's bias built in each layer, so its memory stays bounded; the short batch's is not split (its rows are few, its
+size heads x batch x rows x longest context). A graph step's bias is one more of its
 static inputs, rebuilt from each step's metadata as its masks are. On a GPU a kernel that takes the slopes
 (flash-attention's ``alibi_slopes``) would not materialise the bias: not done here; never run on a GPU.
 """
@@ -41,6 +44,9 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list[float]:
     return slopes + [2.0 ** (-max_bias * i / (2 * m)) for i in range(1, 2 * (num_heads - m), 2)]
 
 
+BIAS_ELEMENTS = 1 << 26  # a sequence attended on its own holds at most this many bias values: a longer one, by rows
+
+
 class AlibiAttention(PagedAttention):
     """:class:`PagedAttention` whose masks carry ALiBi's bias (module docstring). ``slopes``: this rank's heads'
     slopes, each already times what the family scales its bias by (Falcon-RW: the score scale)."""
@@ -60,6 +66,36 @@ class AlibiAttention(PagedAttention):
         # -> [1, Hq, q, q] for a fresh prefill, else [1, Hkv, G*q, ctx] over its folded query rows; additive
         return meta.cached(("alibi-own", i, self.slopes, self.groups, self.mask_kind, dtype),
                            lambda m: self._own_bias(m, i, dtype))
+
+    def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+             i: int, select: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]. A long chunk's bias over its whole context would be
+        # heads x rows x context values (a long prefill's: gigabytes): it goes by blocks of rows, each its own bias
+        seq = meta.own[i]
+        block = max(1, BIAS_ELEMENTS // (self.num_heads * seq.context_len))
+        if seq.query_len <= block:  # the step's bias, built once and shared by the layers
+            return super()._own(q, k, v, meta, i, select)
+        assert select is None, "ALiBi has no sparse selection"
+        if seq.fresh:  # its keys are its own rows, rounded as the cache holds them
+            rows = slice(seq.token_start, seq.token_end)
+            ks, vs = (self._read(self._stored(x[rows], s), q.dtype, s).transpose(0, 1)[None]
+                      for x, s in ((k, self.k_scale), (v, self.v_scale)))  # [1, Hkv, ctx, D]
+        else:
+            ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)
+            vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
+        k_pos = own_key_positions(meta, i)  # [ctx]
+        out = []
+        for a in range(0, seq.query_len, block):
+            b = min(a + block, seq.query_len)
+            keys = seq.start_pos + b  # later keys are later tokens (a tree lists parents first): no row here sees them
+            distance = (k_pos[None, :keys] - k_pos[seq.start_pos + a: keys, None]).float()  # [r, keys]
+            allowed = meta.own_allowed(i, self.mask_kind, slice(a, b))[:, :keys]
+            bias = (self._slopes(distance.device) * distance).masked_fill(~allowed, float("-inf"))  # [Hkv, G, r, keys]
+            bias = bias.reshape(1, self.num_kv_heads, self.groups * (b - a), keys).to(q.dtype)
+            o = self._attend(self._fold(q[seq.token_start + a: seq.token_start + b], 1, b - a), ks[:, :, :keys],
+                             vs[:, :, :keys], bias)
+            out.append(self._unfold(o, 1, b - a))
+        return torch.cat(out)
 
     def _slopes(self, device: torch.device) -> torch.Tensor:
         # [Hkv, G, 1, 1]: query head h * G + g's slope at [h, g] (the folded layout's order). The first step on a

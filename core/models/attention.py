@@ -142,10 +142,10 @@ class AttentionMetadata:
         """[Bs, L]: :func:`short_key_positions`, cached per step."""
         return self.cached(("short-keys",), short_key_positions)
 
-    def own_allowed(self, i: int, kind: MaskKind) -> torch.Tensor:
-        """[q, ctx] bool of own sequence ``i``: which of its context's keys each of its queries may attend (never
-        None, unlike :meth:`own_mask`)."""
-        return _own_mask(self, i, kind)
+    def own_allowed(self, i: int, kind: MaskKind, rows: slice = slice(None)) -> torch.Tensor:
+        """[q, ctx] bool of own sequence ``i``: which of its context's keys each of its queries (those of ``rows``)
+        may attend (never None, unlike :meth:`own_mask`)."""
+        return _own_mask(self, i, kind, rows)
 
     def own_mask(self, i: int, groups: int, kind: MaskKind) -> torch.Tensor | None:
         """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
@@ -207,15 +207,15 @@ def own_key_positions(meta: AttentionMetadata, i: int) -> torch.Tensor:
     return torch.cat([torch.arange(seq.start_pos, device=device), new_pos])
 
 
-def _own_mask(meta: AttentionMetadata, i: int, kind: MaskKind) -> torch.Tensor:
-    # -> [q, ctx] over own sequence i's whole context (cached keys and new ones)
+def _own_mask(meta: AttentionMetadata, i: int, kind: MaskKind, rows: slice = slice(None)) -> torch.Tensor:
+    # -> [q, ctx] over own sequence i's whole context (cached keys and new ones), for its queries of rows
     seq = meta.own[i]
     k_pos = own_key_positions(meta, i)[None, :]  # [1, ctx]
-    q_pos = k_pos[0, seq.start_pos:, None]  # [q, 1]
+    q_pos = k_pos[0, seq.start_pos:, None][rows]  # [q, 1]
     causal = k_pos <= q_pos
     anc = None if meta.ancestors is None else meta.ancestors[seq.seq_id]
     if anc is not None:
-        causal[:, seq.start_pos :] = anc.to(k_pos.device)
+        causal[:, seq.start_pos :] = anc[rows].to(k_pos.device)
     return kind.allows(q_pos, k_pos, causal)
 
 
