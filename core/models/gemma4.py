@@ -333,12 +333,16 @@ def check_stages(config, sources: list[int | None], stages: int) -> None:
 
 
 class Gemma4Model(StageModel):
+    # built as (config, tp, layer, source, expert_parallel); a stack on this one with other layers gives its own
+    # (Gemma 3n's, specray.models.gemma3n)
+    layer_class: type[nn.Module] = Gemma4DecoderLayer
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
         pp = pp or PPGroup.single()
         check_supported(config, pp)
         self.sources = kv_sources(config)
-        self.build_stage(config, pp, lambda i: Gemma4DecoderLayer(config, tp, i, self.sources[i], expert_parallel),
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, self.sources[i], expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.embed_scale = config.hidden_size ** 0.5  # applied in the embedding's dtype, as transformers does

@@ -275,3 +275,35 @@ _MODEL_TYPES["lara_mini"] = "LaraMiniForCausalLM"
 # (specray.models.axk2)
 _ARCHITECTURES["AXK2ForCausalLM"] = "specray.models.axk2:AXK2ForCausalLM"
 _MODEL_TYPES["axk2"] = "AXK2ForCausalLM"
+# Cohere Compass (North-Micro-Vision): Command R7B's layers with RoPE on halves, per kind of layer (specray.models.
+# cohere_compass); its multimodal releases keep the text model as Qwen3-VL's do (model.language_model., beside
+# model.visual.; lm_head.)
+_ARCHITECTURES["CohereCompassForCausalLM"] = "specray.models.cohere_compass:CohereCompassForCausalLM"
+_MODEL_TYPES["cohere_compass_text"] = "CohereCompassForCausalLM"
+_TEXT_PARTS["CohereCompassForConditionalGeneration"] = _QWEN_VL_TEXT
+# Gemma 3n (specray.models.gemma3n): Gemma 4's stack with AltUp streams, LAuReL and activation sparsity; its
+# multimodal releases keep the text model under ``model.language_model.`` beside ``model.vision_tower.``,
+# ``model.audio_tower.`` and their embedders (``model.embed_vision.``, ``model.embed_audio.``: not read)
+_ARCHITECTURES["Gemma3nForCausalLM"] = "specray.models.gemma3n:Gemma3nForCausalLM"
+_MODEL_TYPES["gemma3n_text"] = "Gemma3nForCausalLM"
+_TEXT_PARTS["Gemma3nForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                  (re.compile(r"^lm_head\."), "lm_head."))
+# dots.llm3 / Dots3-Note's text model: DeepSeek-V3.2 with indexed, full and sliding latent-attention layers of their
+# own geometry, a RoPE per kind, scaled latents, a normed RoPE key and a per-head output gate
+# (specray.models.dots3_note). Its multimodal release keeps the text model under ``model.`` (transformers' modules:
+# ``model.language_model.``) beside ``vision_encoder.`` and ``audio_encoder.`` (not read); its MTP tensors
+# (``model.mtp.``) are left out too. A release naming Dots3NoteForCausalLM over a dots3_note config reads the same way
+_ARCHITECTURES["Dots3NoteForCausalLM"] = "specray.models.dots3_note:Dots3NoteForCausalLM"
+_MODEL_TYPES["dots3_note_text"] = "Dots3NoteForCausalLM"
+_TEXT_PARTS["Dots3NoteForConditionalGeneration"] = _TEXT_PARTS["Dots3NoteForCausalLM"] = (
+    (re.compile(r"^model\.(?:language_model\.)?(?=(?:embed_tokens|layers|norm)\.)"), "model."),
+    (re.compile(r"^lm_head\."), "lm_head."))
+# MiniMax-M3's text model (specray.models.minimax_m3): its multimodal release keeps it under ``language_model.model.``
+# and ``language_model.lm_head.`` (transformers' modules: ``model.language_model.``, ``lm_head.``) beside the vision
+# tower, its projectors and the patch-merge MLP (not read); transformers names the class
+# MiniMaxM3SparseForConditionalGeneration
+_ARCHITECTURES["MiniMaxM3VLForCausalLM"] = "specray.models.minimax_m3:MiniMaxM3ForCausalLM"
+_MODEL_TYPES["minimax_m3_vl_text"] = "MiniMaxM3VLForCausalLM"
+_TEXT_PARTS["MiniMaxM3VLForConditionalGeneration"] = _TEXT_PARTS["MiniMaxM3SparseForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
