@@ -84,6 +84,51 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids, device=model.device), meta))
 
 
+def _first_tensor(out):
+    while isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def module_outputs(model, ids: list[int], sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """Every named module's first output tensor, in call order, over the whole schedule (on the CPU)."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.append(
+        (name, None if _first_tensor(out) is None else _first_tensor(out).detach().float().cpu())))
+        for name, module in model.named_modules() if name]
+    try:
+        chunked_logits(model, ids, sizes)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def first_divergence(cpu_model, gpu_model, ids: list[int], sizes: list[int], tol: float) -> str:
+    """The first module call whose outputs differ by more than ``tol`` between the two models."""
+    for (name, a), (other, b) in zip(module_outputs(cpu_model, ids, sizes), module_outputs(gpu_model, ids, sizes)):
+        assert name == other, (name, other)
+        if a is not None and b is not None and a.shape == b.shape and max_diff(a, b) > tol:
+            return f"{name}: {max_diff(a, b):.3g}"
+    return "no module's output differs"
+
+
+def assert_logits_on_the_gpu_equal_the_cpu(folder, sizes: list[int], tol: float = 1e-4) -> None:
+    """fp32 logits of the model in ``folder`` on CUDA equal its CPU logits (the same random weights, the schedule of
+    chunk ``sizes`` over a paged cache); a failure names the first position and the first module that differ."""
+    import pytest
+
+    from specray.models.loader import load_model
+
+    cpu, gpu = load_model(str(folder)), load_model(str(folder), device="cuda")
+    want, got = chunked_logits(cpu, prompt(), sizes), chunked_logits(gpu, prompt(), sizes)
+    if max_diff(got, want) > tol:
+        rows = (got - want).abs().amax(-1)
+        first = int((rows > tol).nonzero()[0])
+        pytest.fail(f"logits differ by {max_diff(got, want):.3g}, first at position {first}; the first module: "
+                    f"{first_divergence(cpu, gpu, prompt(), sizes, tol)}")
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()

@@ -1,14 +1,14 @@
 """On a GPU, each family's logits equal its CPU logits (fp32, the same random tiny weights, a prefill and chunks +
 decode steps over a paged cache): the CPU's are checked against transformers' in each family's own file, so this
 carries that check to the device. A failure names the first module (in call order) whose output differs, for the
-step where the logits first do. Skipped without CUDA."""
+step where the logits first do. Skipped without CUDA. (A family whose tiny model is built in its own test file runs
+the same check there: tests/model_checks.py's ``assert_logits_on_the_gpu_equal_the_cpu``.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specray.models.loader import load_model
-from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt  # tests/model_checks.py
+from specray_test_model_checks import SCHEDULES, assert_logits_on_the_gpu_equal_the_cpu  # tests/model_checks.py
 
 TOL = 1e-4
 FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
@@ -37,45 +37,8 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_gpt_bigcode_mha_dir", "tiny_flex_olmo_dir", "tiny_dbrx_dir"]
 
 
-def _first(out):
-    while isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    return out if isinstance(out, torch.Tensor) else None
-
-
-def module_outputs(model, ids: list[int], sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """Every named module's first output tensor, in call order, over the whole schedule (on the CPU)."""
-    seen: list[tuple[str, torch.Tensor]] = []
-    hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.append(
-        (name, None if _first(out) is None else _first(out).detach().float().cpu())))
-        for name, module in model.named_modules() if name]
-    try:
-        chunked_logits(model, ids, sizes)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
-
-
-def first_divergence(cpu_model, gpu_model, ids: list[int], sizes: list[int]) -> str:
-    """The first module call whose outputs differ by more than TOL between the two models."""
-    for (name, a), (other, b) in zip(module_outputs(cpu_model, ids, sizes), module_outputs(gpu_model, ids, sizes)):
-        assert name == other, (name, other)
-        if a is not None and b is not None and a.shape == b.shape and max_diff(a, b) > TOL:
-            return f"{name}: {max_diff(a, b):.3g}"
-    return "no module's output differs"
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_on_the_gpu_equal_the_cpu(request, fixture, schedule):
-    folder = str(request.getfixturevalue(fixture))
-    cpu, gpu = load_model(folder), load_model(folder, device="cuda")
-    sizes = SCHEDULES[schedule]
-    want, got = chunked_logits(cpu, prompt(), sizes), chunked_logits(gpu, prompt(), sizes)
-    if max_diff(got, want) > TOL:
-        rows = (got - want).abs().amax(-1)
-        first = int((rows > TOL).nonzero()[0])
-        pytest.fail(f"logits differ by {max_diff(got, want):.3g}, first at position {first}; the first module: "
-                    f"{first_divergence(cpu, gpu, prompt(), sizes)}")
+    assert_logits_on_the_gpu_equal_the_cpu(request.getfixturevalue(fixture), SCHEDULES[schedule], TOL)

@@ -442,7 +442,5 @@ def test_engine_greedy_equals_transformers_with_drafts_and_graphs(tiny_dots3_dir
 def test_logits_on_the_gpu_equal_the_cpu(tiny_dots3_dir, schedule):
     """tests/test_device_parity.py's check for this file's fixture (that file's list cannot reach a fixture defined
     here): fp32 logits on CUDA equal the CPU's."""
-    folder = str(tiny_dots3_dir)
-    sizes = SCHEDULES[schedule]
-    want = chunked_logits(load_model(folder), prompt(), sizes)
-    assert max_diff(chunked_logits(load_model(folder, device="cuda"), prompt(), sizes), want) < TOL
+    checks = sys.modules["specray_test_model_checks"]  # tests/model_checks.py
+    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_dots3_dir, SCHEDULES[schedule])

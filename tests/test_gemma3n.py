@@ -441,3 +441,14 @@ def test_eagle_heads_keep_greedy_output(tiny_gemma3n_dir, tmp_path, method):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert llm.spec_stats.accepted_tokens > 0
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_on_the_gpu_equal_the_cpu(tiny_gemma3n_dir, schedule):
+    """tests/test_device_parity.py's check for this file's fixture (that file's list cannot reach a fixture defined
+    here): fp32 logits on CUDA equal the CPU's."""
+    checks = sys.modules["specray_test_model_checks"]  # tests/model_checks.py
+    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_gemma3n_dir, SCHEDULES[schedule])

@@ -9,6 +9,7 @@ caching); the refusals; TP 2 and two pipeline stages against one rank."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,14 @@ def test_config_of_the_fixture_is_the_releases_pattern(tiny_lara_mini_dir):
     assert config["layer_types"] == ["linear_attention", "sliding_attention", "linear_attention", "full_attention",
                                      "sliding_attention"]
     assert config["architectures"] == ["LaraMiniForCausalLM"] and config["tie_word_embeddings"]
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_on_the_gpu_equal_the_cpu(tiny_lara_mini_dir, schedule):
+    """tests/test_device_parity.py's check for this file's fixture (that file's list cannot reach a fixture defined
+    here): fp32 logits on CUDA equal the CPU's."""
+    checks = sys.modules["specray_test_model_checks"]  # tests/model_checks.py
+    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_lara_mini_dir, SCHEDULES[schedule])

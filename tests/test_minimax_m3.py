@@ -368,3 +368,14 @@ def test_engine_greedy_with_drafts_and_graphs_equals_transformers(tiny_minimax_m
             graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
     fp8 = LLM(model=str(tiny_minimax_m3_dir), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
     assert [len(ids) for ids in runs.token_ids(fp8.generate(prompts, runs.greedy(16), use_tqdm=False))] == [16] * 4
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_logits_on_the_gpu_equal_the_cpu(tiny_minimax_m3_dir, schedule):
+    """tests/test_device_parity.py's check for this file's fixture (that file's list cannot reach a fixture defined
+    here): fp32 logits on CUDA equal the CPU's."""
+    checks = sys.modules["specray_test_model_checks"]  # tests/model_checks.py
+    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_minimax_m3_dir, SCHEDULES[schedule])
