@@ -175,6 +175,38 @@ def refused_on_this_gpu(llm) -> bool:
     return True
 
 
+CHAIN_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+               "adaptive": False}
+
+
+def assert_drafts_and_graphs_equal_transformers(folder, no_host_sync, max_tokens: int = 12, fp8: bool = False):
+    """Greedy tokens of ``folder``'s model equal transformers' ``generate`` for a batch of four; so do they with n-gram
+    chains verified eagerly and n-gram trees from graphs (drafts accepted), whose forward (the one a capture records)
+    syncs nothing with the host (``no_host_sync``: the conftest fixture); with ``fp8``, a run over an FP8 KV cache
+    completes too."""
+    import torch
+
+    from specray import LLM
+
+    prompts = PROMPTS[:4]
+    plain = LLM(model=str(folder), max_model_len=256, block_size=4)
+    want = token_ids(plain.generate(prompts, greedy(max_tokens), use_tqdm=False))
+    assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
+    for spec, eager in ((CHAIN_NGRAM, True), ({**CHAIN_NGRAM, "num_branches": 2}, False)):
+        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=spec, enforce_eager=eager)
+        assert token_ids(llm.generate(prompts, greedy(max_tokens), use_tqdm=False)) == want
+        assert llm.spec_stats.accepted_tokens > 0
+    graphs = llm.engine.executor.worker.runner.graphs
+    if not refused_on_this_gpu(llm):
+        graph = next(iter(graphs.graphs.values()))  # the second ran from graphs
+        with torch.inference_mode(), no_host_sync():
+            graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
+    if fp8:
+        fp8_llm = LLM(model=str(folder), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
+        outs = token_ids(fp8_llm.generate(prompts, greedy(max_tokens), use_tqdm=False))
+        assert [len(ids) for ids in outs] == [max_tokens] * len(prompts)
+
+
 # ---- the sampled distribution ------------------------------------------------------------------------------------
 
 SAMPLED = dict(temperature=0.7, top_k=3, max_tokens=3, ignore_eos=True)

@@ -132,31 +132,10 @@ def test_tensor_parallel_ranks_match_one_rank(tmp_path, request):
         assert all(d < TOL for d in result["diffs"]), result
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "adaptive": False}
-
-
 def test_engine_greedy_equals_transformers_with_drafts_and_graphs(family, no_host_sync):
     """``specray.LLM``'s greedy tokens equal transformers' ``generate``; so do they with n-gram chains and trees
     verified, from graphs (on CPU their padded static inputs; the selection syncs nothing with the host), and over
     an FP8 latent cache the run completes."""
-    from specray import LLM
-
     _, folder, _ = family
-    runs = sys.modules["specray_test_engine_runs"]
-    prompts = runs.PROMPTS[:4]
-    plain = LLM(model=str(folder), max_model_len=256, block_size=4)
-    want = runs.token_ids(plain.generate(prompts, runs.greedy(12), use_tqdm=False))
-    runs.assert_transformers_generates(folder, plain.get_tokenizer(), prompts, want)
-    for spec, eager in ((NGRAM, True), ({**NGRAM, "num_branches": 2}, False)):
-        llm = LLM(model=str(folder), max_model_len=256, block_size=4, speculative_config=spec,
-                  enforce_eager=eager)
-        assert runs.token_ids(llm.generate(prompts, runs.greedy(12), use_tqdm=False)) == want
-        assert llm.spec_stats.accepted_tokens > 0
-    graphs = llm.engine.executor.worker.runner.graphs
-    if not runs.refused_on_this_gpu(llm):
-        graph = next(iter(graphs.graphs.values()))  # the second ran from graphs
-        with torch.inference_mode(), no_host_sync():
-            graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
-    fp8 = LLM(model=str(folder), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
-    assert [len(ids) for ids in runs.token_ids(fp8.generate(prompts, runs.greedy(12), use_tqdm=False))] == [12] * 4
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_drafts_and_graphs_equal_transformers(folder, no_host_sync, 12, fp8=True)

@@ -340,34 +340,14 @@ def test_two_pipeline_stages_match_one_rank(tiny_minimax_m3_dir, tmp_path):
     assert results[0]["diffs"] == [None] and results[1]["diffs"][0] < TOL, results
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "adaptive": False}
-
 
 def test_engine_greedy_with_drafts_and_graphs_equals_transformers(tiny_minimax_m3_dir, no_host_sync):
     """``specray.LLM``'s greedy tokens equal transformers' ``generate`` (the outputs run past three blocks of the
     indexer, so its pick shapes them); so do they with n-gram chains and trees verified (a tree's nodes in blocks
     of their positions) and from graphs, whose forward syncs nothing with the host; over an FP8 cache (the indexer's
     keys in it too) the run completes."""
-    from specray import LLM
-
-    runs = sys.modules["specray_test_engine_runs"]
-    prompts = runs.PROMPTS[:4]
-    plain = LLM(model=str(tiny_minimax_m3_dir), max_model_len=256, block_size=4)
-    want = runs.token_ids(plain.generate(prompts, runs.greedy(16), use_tqdm=False))
-    runs.assert_transformers_generates(tiny_minimax_m3_dir, plain.get_tokenizer(), prompts, want)
-    for spec, eager in ((NGRAM, True), ({**NGRAM, "num_branches": 2}, False)):
-        llm = LLM(model=str(tiny_minimax_m3_dir), max_model_len=256, block_size=4, speculative_config=spec,
-                  enforce_eager=eager)
-        assert runs.token_ids(llm.generate(prompts, runs.greedy(16), use_tqdm=False)) == want
-        assert llm.spec_stats.accepted_tokens > 0
-    graphs = llm.engine.executor.worker.runner.graphs
-    if not runs.refused_on_this_gpu(llm):
-        graph = next(iter(graphs.graphs.values()))  # the second ran from graphs
-        with torch.inference_mode(), no_host_sync():
-            graphs._step(graph.input_ids, graph.meta, graph.inputs)  # the forward a capture records
-    fp8 = LLM(model=str(tiny_minimax_m3_dir), max_model_len=256, block_size=4, kv_cache_dtype="fp8")
-    assert [len(ids) for ids in runs.token_ids(fp8.generate(prompts, runs.greedy(16), use_tqdm=False))] == [16] * 4
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_drafts_and_graphs_equal_transformers(tiny_minimax_m3_dir, no_host_sync, 16, fp8=True)
 
 
 # ---- on a GPU --------------------------------------------------------------------------------------------------------
