@@ -38,7 +38,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM, DeepseekV3Model, MLAttention
-from specray.models.layers import ColumnParallelLinear, RMSNorm, apply_rotary, scale_queries
+from specray.models.layers import ColumnParallelLinear, RMSNorm, scale_queries
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaMLP
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
 from specray.parallel import TPGroup
@@ -123,18 +123,7 @@ class AXK2Attention(MLAttention):
         q, gate = qg.split([self.nope + self.rope, self.v_dim], dim=-1)
         if self.query_scaling is not None:
             q = scale_queries(q.reshape(t, -1), meta.positions, self.query_scaling).view(t, hl, -1)
-        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, R]
-        rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
-        w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
-        kv, index = torch.cat((latent, rot[:, hl]), dim=-1), None  # [T, R + r]
-        if self.indexer is not None:
-            keys, queries, weights = self.indexer(x, q_latent, cos, sin)
-            kv, index = torch.cat((kv, keys), dim=-1), (queries, weights)  # [T, R + r + Di]
-        out = self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
-        return self.gate(out, gate)
+        return self.gate(self.attend_queries(x, q, q_latent, cos, sin, meta), gate)
 
 
 class AXK2MoE(SparseMoE):

@@ -341,9 +341,18 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         if self.query_scaling is not None:
             q = scale_queries(q, meta.positions, self.query_scaling)
-        q_nope, q_rot = q.view(t, hl, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        return self.attend_queries(x, q.view(t, hl, self.nope + self.rope), q_latent, cos, sin, meta)
+
+    def attend_queries(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The heads' outputs [T, Hl, v] for their queries ``q`` [T, Hl, nope + rope] (a family builds them its
+        way): the rows' latent and RoPE key (:meth:`rope_key` on the checkpoint's order), the indexer's pick from
+        ``q_latent``, the latent attention."""
+        hl = self.num_heads
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
+        k_rot = self.rope_key(k_rot)
         rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
         w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
@@ -352,6 +361,10 @@ class MLAttention(nn.Module):
             keys, queries, weights = self.indexer(x, q_latent, cos, sin)
             kv, index = torch.cat((kv, keys), dim=-1), (queries, weights)  # [T, R + r + Di]
         return self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
+
+    def rope_key(self, k_rot: torch.Tensor) -> torch.Tensor:
+        """The shared RoPE key [T, r] before it is rotated (a family that norms it: Dots3-Note)."""
+        return k_rot
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):

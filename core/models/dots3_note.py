@@ -49,7 +49,7 @@ from specray.models.deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3ForCau
                                         LatentAttention, MLAttention)
 from specray.models.kv_cache import MaskKind, MLAAttentionSpec
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
-                                   apply_rotary, max_positions, rope_parameters, rotary_dim)
+                                   max_positions, rope_parameters, rotary_dim)
 from specray.models.llama import LlamaMLP
 from specray.models.longcat_flash import ScaledRMSNorm
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
@@ -178,19 +178,11 @@ class Dots3NoteAttention(MLAttention):
         """Each of this rank's heads' gated attention output [T, Hl, v], before ``o_proj``."""
         t, hl = x.shape[0], self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank], scaled: what the indexer reads too
-        q_nope, q_rot = self.q_b_proj(q_latent).view(t, hl, self.nope + self.rope).split([self.nope, self.rope], -1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, R], scaled
-        k_rot = self.k_rope_only_layernorm(k_rot)  # normed on the checkpoint's (interleaved) order, then rotated
-        rot = apply_rotary(torch.cat((self._deinterleave(q_rot), self._deinterleave(k_rot)[:, None]), dim=1), cos, sin)
-        w_kv = self.kv_b_proj.weight.view(hl, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [Hl, nope, R], [Hl, v, R]
-        kv, index = torch.cat((latent, rot[:, hl]), dim=-1), None  # [T, R + r]
-        if self.indexer is not None:
-            keys, queries, weights = self.indexer(x, q_latent, cos, sin)
-            kv, index = torch.cat((kv, keys), dim=-1), (queries, weights)  # [T, R + r + Di]
-        out = self.attn.attend(q_nope, rot[:, :hl], kv[:, None], w_uk, w_uv, meta, index)  # [T, Hl, v]
-        return self.gate(out, self.g_proj(x))
+        q = self.q_b_proj(q_latent).view(t, hl, self.nope + self.rope)
+        return self.gate(self.attend_queries(x, q, q_latent, cos, sin, meta), self.g_proj(x))
+
+    def rope_key(self, k_rot: torch.Tensor) -> torch.Tensor:
+        return self.k_rope_only_layernorm(k_rot)  # normed on the checkpoint's (interleaved) order, then rotated
 
 
 def _check_experts(config) -> None:
