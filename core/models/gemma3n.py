@@ -274,10 +274,7 @@ class Gemma3nModel(Gemma4Model):
         else:
             streams = intermediate[:n]
             per_layer = self._unpack(intermediate[n:]) if self.per_layer else None
-        tables = {}
-        for kind, rotary in self.rotary.items():
-            rotary.ensure(meta.max_position + 1)
-            tables[kind] = rotary(meta.positions, streams.dtype)
+        tables = self.kind_tables(meta, streams.dtype)
         aux: dict[int, torch.Tensor] = {}
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its (k, v) of this step
         for i, layer in self.stage_layers():

@@ -386,6 +386,14 @@ class Gemma4Model(StageModel):
         t, layers = rows.shape[1], len(self.layers)
         return rows.transpose(0, 1).reshape(t, -1)[:, : layers * self.per_layer].view(t, layers, self.per_layer)
 
+    def kind_tables(self, meta: AttentionMetadata, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each kind of layer's RoPE (cos, sin) at the step's positions."""
+        tables = {}
+        for kind, rotary in self.rotary.items():
+            rotary.ensure(meta.max_position + 1)
+            tables[kind] = rotary(meta.positions, dtype)
+        return tables
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
@@ -397,10 +405,7 @@ class Gemma4Model(StageModel):
         else:
             x = intermediate[0]
             per_layer = self._unpack(intermediate[1:]) if self.per_layer else None
-        tables = {}
-        for kind, rotary in self.rotary.items():
-            rotary.ensure(meta.max_position + 1)
-            tables[kind] = rotary(meta.positions, x.dtype)
+        tables = self.kind_tables(meta, x.dtype)
         aux: dict[int, torch.Tensor] = {}
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its (k, v) of this step
         for i, layer in self.stage_layers():
