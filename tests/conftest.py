@@ -135,7 +135,7 @@ _GPT_NAMES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_atte
 CLASSIC_NAMES = {"gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None}, "phi": {"rms_norm_eps": None},
                  "gptj": _GPT_NAMES, "stablelm": {"rms_norm_eps": None}, "gpt2": _GPT_NAMES,
                  "opt": {"intermediate_size": "ffn_dim", "num_key_value_heads": None, "rms_norm_eps": None},
-                 "gpt_bigcode": _GPT_NAMES,
+                 "gpt_bigcode": _GPT_NAMES, "persimmon": {"num_key_value_heads": None, "rms_norm_eps": None},
                  "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads",
                             "rms_norm_eps": None},
                  "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "intermediate_size": None,
@@ -201,6 +201,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
     from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
     from transformers import DbrxConfig, DbrxForCausalLM
     from transformers import FlexOlmoConfig, FlexOlmoForCausalLM, GPTBigCodeConfig, GPTBigCodeForCausalLM
+    from transformers import PersimmonConfig, PersimmonForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     if spm:
@@ -281,6 +282,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, extra_speci
                           "bloom": (BloomConfig, BloomForCausalLM), "mpt": (MptConfig, MptForCausalLM),
                           "dbrx": (DbrxConfig, DbrxForCausalLM),
                           "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
+                          "persimmon": (PersimmonConfig, PersimmonForCausalLM),
                           "cohere2_moe": (Cohere2MoeConfig, Cohere2MoeForCausalLM),
                           "vaultgemma": (VaultGemmaConfig, VaultGemmaForCausalLM),
                           "jais2": (Jais2Config, Jais2ForCausalLM), "cwm": (CwmConfig, CwmForCausalLM),
@@ -802,6 +804,15 @@ def tiny_gpt_bigcode_mha_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_bigcode_mha"), "gpt_bigcode", seed=97,
                             layer_norm_epsilon=1e-5, multi_query=False, scale_attn_weights=False,
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_persimmon_dir(tmp_path_factory) -> Path:
+    # Persimmon: q/k/v fused head by head, q/k LayerNorms shared by the heads, RoPE on half of each head, LayerNorms,
+    # a squared-ReLU MLP, an untied head
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_persimmon"), "persimmon", seed=99, layer_norm_eps=1e-5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5})
 
 
 @pytest.fixture(scope="session")

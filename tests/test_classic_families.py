@@ -18,6 +18,8 @@ under n-gram drafts equal to transformers' ``generate``, and two tensor-parallel
   grouped q/k/v and one norm, and blocks in sequence with a KV head per query head.
 * GPT-BigCode (``GPTBigCodeForCausalLM``: StarCoder): GPT-2's layout with multi-query attention (q, k, v stacked in
   ``c_attn``), and a release with a KV head per query head, unscaled scores and an untied head.
+* Persimmon (``PersimmonForCausalLM``): Phi's q/k LayerNorms and partial RoPE in Llama's order, q/k/v fused head by
+  head, a squared-ReLU MLP.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from specray.models.gpt_bigcode import GPTBigCodeForCausalLM
 from specray.models.gptj import GPTJForCausalLM
 from specray.models.opt import OPTForCausalLM
 from specray.models.llama import LlamaMLP
+from specray.models.persimmon import PersimmonForCausalLM
 from specray.models.phi import PhiForCausalLM
 from specray.models.stablelm import StableLmForCausalLM
 from specray.models.loader import load_model
@@ -56,7 +59,8 @@ FAMILIES = {"gpt_neox": ("tiny_gpt_neox_dir", GPTNeoXForCausalLM, GatelessMLP),
             "falcon2": ("tiny_falcon2_dir", FalconForCausalLM, GatelessMLP),
             "falcon_sequential": ("tiny_falcon_sequential_dir", FalconForCausalLM, GatelessMLP),
             "gpt_bigcode": ("tiny_gpt_bigcode_dir", GPTBigCodeForCausalLM, GatelessMLP),
-            "gpt_bigcode_mha": ("tiny_gpt_bigcode_mha_dir", GPTBigCodeForCausalLM, GatelessMLP)}
+            "gpt_bigcode_mha": ("tiny_gpt_bigcode_mha_dir", GPTBigCodeForCausalLM, GatelessMLP),
+            "persimmon": ("tiny_persimmon_dir", PersimmonForCausalLM, GatelessMLP)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -78,7 +82,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(request, family):
 RANK_CHECKS = {1: ("tiny_gpt_neox_dir", "tiny_gpt_neox_sequential_dir", "tiny_phi_dir", "tiny_gptj_dir",
                    "tiny_stablelm_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
                    "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_falcon_sequential_dir", "tiny_opt_350m_dir",
-                   "tiny_gpt_bigcode_dir", "tiny_gpt_bigcode_mha_dir"),
+                   "tiny_gpt_bigcode_dir", "tiny_gpt_bigcode_mha_dir", "tiny_persimmon_dir"),
                2: ("tiny_gpt_neox_dir", "tiny_phi_dir", "tiny_stablelm_parallel_dir", "tiny_gpt2_dir", "tiny_opt_dir",
                    "tiny_falcon_dir", "tiny_opt_350m_dir", "tiny_gpt_bigcode_dir")}
 

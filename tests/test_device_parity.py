@@ -34,7 +34,8 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_granitemoe_swa_dir", "tiny_mellum_dir", "tiny_laguna_dir", "tiny_laguna_element_dir",
             "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir", "tiny_minimax_dir", "tiny_bloom_dir",
             "tiny_bloom_post_ln_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir", "tiny_gpt_bigcode_dir",
-            "tiny_gpt_bigcode_mha_dir", "tiny_flex_olmo_dir", "tiny_dbrx_dir"]
+            "tiny_gpt_bigcode_mha_dir", "tiny_flex_olmo_dir", "tiny_dbrx_dir",
+            "tiny_persimmon_dir"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

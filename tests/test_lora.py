@@ -49,7 +49,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
                                      "tiny_laguna_dir", "tiny_flint_dir", "tiny_nanochat_dir", "tiny_beam_dir",
                                      "tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_gpt2_dir",
                                      "tiny_bloom_dir", "tiny_falcon_rw_dir", "tiny_mpt_dir", "tiny_gpt_bigcode_dir",
-                                     "tiny_gpt_bigcode_mha_dir", "tiny_dbrx_dir"])
+                                     "tiny_gpt_bigcode_mha_dir", "tiny_dbrx_dir", "tiny_persimmon_dir"])
 def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, request, tmp_path):
     """Three sequences in one forward: one per adapter (all seven projections at rank 4; q, v and down of the
     last layer only at rank 8 with rsLoRA) and one with none, a prefill and decodes over a paged cache; each row's
@@ -79,7 +79,7 @@ def test_adapted_logits_match_transformers_with_the_adapter_merged(fixture, requ
     if fixture == "tiny_dbrx_dir":  # the attention alone: q/k/v fused as Wqkv (grouped-query rows), out_proj
         every, some = ("Wqkv", "out_proj"), ("Wqkv",)
     if fixture in ("tiny_gpt_neox_dir", "tiny_falcon_dir", "tiny_falcon_7b_dir", "tiny_bloom_dir",
-                   "tiny_falcon_rw_dir"):  # q/k/v fused head by head (or KV head by KV head)
+                   "tiny_falcon_rw_dir", "tiny_persimmon_dir"):  # q/k/v fused head by head (or KV head by KV head)
         every = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
         some = ("query_key_value", "dense_4h_to_h")
     if fixture in ("tiny_phi_dir", "tiny_gptj_dir", "tiny_opt_dir"):  # their own names (renamed to ours)

@@ -36,7 +36,8 @@ from specray.parallel import TPGroup
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
-    "gelu_fast": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+    "gelu_fast": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square()}  # (Persimmon's squared ReLU)
 
 
 def activation(config) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -307,3 +307,7 @@ _MODEL_TYPES["minimax_m3_vl_text"] = "MiniMaxM3VLForCausalLM"
 _TEXT_PARTS["MiniMaxM3VLForConditionalGeneration"] = _TEXT_PARTS["MiniMaxM3SparseForConditionalGeneration"] = (
     (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
     (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+# Persimmon: Phi's attention (q/k LayerNorms, partial RoPE) in Llama's order with LayerNorms, q/k/v fused head by head,
+# a squared-ReLU MLP (specray.models.persimmon)
+_ARCHITECTURES["PersimmonForCausalLM"] = "specray.models.persimmon:PersimmonForCausalLM"
+_MODEL_TYPES["persimmon"] = "PersimmonForCausalLM"
