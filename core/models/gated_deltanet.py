@@ -115,9 +115,12 @@ def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _decayed(state: torch.Tensor, g: torch.Tensor, decay_by: torch.Tensor | None) -> torch.Tensor:
-    """``state`` [..., H, dk, dv] times its decay: exp(g) per head (g [..., H]), or with ``decay_by`` [H, dk]
-    (Mamba-1's A) exp(g * decay_by) per head and key row."""
+    """``state`` [..., H, dk, dv] times its decay: exp(g) per head (g [..., H]), or per head and key row where g
+    has a key dimension (g [..., H, dk]: Kimi Delta Attention's per-channel decay, :mod:`specray.models.kimi_delta`),
+    or with ``decay_by`` [H, dk] (Mamba-1's A) exp(g * decay_by) per head and key row."""
     if decay_by is None:
+        if g.dim() == state.dim() - 1:  # one decay per key channel
+            return state * g.exp()[..., None]
         return state * g.exp()[..., None, None]
     return state * (g[..., None] * decay_by).exp()[..., None]
 
@@ -132,7 +135,8 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     where -1 keeps the state given). ``delta=False``: the plain gated rule of Mamba-2's state-space dual instead,
     ``S <- exp(g_t) S + k_t (beta_t v_t)^T`` (nothing subtracted: :mod:`specray.models.mamba2`); with ``decay_by``
     [H, dk], each key row of S decays by its own exp(g_t * decay_by) (Mamba-1's selective scan:
-    :mod:`specray.models.mamba1`)."""
+    :mod:`specray.models.mamba1`); with g [B, L, H, dk], by its own exp(g_t) (Kimi Delta Attention's per-channel
+    decay: :mod:`specray.models.kimi_delta`; :func:`gated_delta_tree` takes g [L, H, dk] alike)."""
     length = q.shape[1]
     keep = None
     if isinstance(keep_at, torch.Tensor):  # [L, B, 1, 1, 1] by comparison on the device

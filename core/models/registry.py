@@ -311,3 +311,7 @@ _TEXT_PARTS["MiniMaxM3VLForConditionalGeneration"] = _TEXT_PARTS["MiniMaxM3Spars
 # a squared-ReLU MLP (specray.models.persimmon)
 _ARCHITECTURES["PersimmonForCausalLM"] = "specray.models.persimmon:PersimmonForCausalLM"
 _MODEL_TYPES["persimmon"] = "PersimmonForCausalLM"
+# Kimi-Linear: Kimi Delta Attention layers (a per-channel decay) among DeepSeek-V3's NoPE latent attention,
+# DeepSeek-V3's experts (specray.models.kimi_linear, specray.models.kimi_delta)
+_ARCHITECTURES["KimiLinearForCausalLM"] = "specray.models.kimi_linear:KimiLinearForCausalLM"
+_MODEL_TYPES["kimi_linear"] = "KimiLinearForCausalLM"
