@@ -1829,8 +1829,9 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
-GGUF_LOADABLE = ["apertus", "arcee", "bloom", "cohere2", "command-r", "deepseek2", "dots1", "ernie4_5",
-                 "ernie4_5-moe", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma4",
+GGUF_LOADABLE = ["apertus", "arcee", "bloom", "cohere2", "command-r", "dbrx", "deepseek2", "dots1", "ernie4_5",
+                 "ernie4_5-moe", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma3n",
+                 "gemma4",
                  "glm-dsa", "glm4", "glm4moe", "gpt-oss", "gpt2", "gptneox", "granite", "granitehybrid", "granitemoe",
                  "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3",
                  "minimax-m2", "mistral3", "mpt", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2",

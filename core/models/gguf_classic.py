@@ -2,11 +2,11 @@
 specray loads for them: GPT-2 (``gpt2``: :mod:`specray.models.gpt2`), StableLM (``stablelm``:
 :mod:`specray.models.stablelm`), Phi-1 / 1.5 / 2 (``phi2``: :mod:`specray.models.phi`), Falcon's RoPE releases
 (``falcon``: :mod:`specray.models.falcon`), GPT-NeoX / Pythia (``gptneox``: :mod:`specray.models.gpt_neox`), BLOOM
-(``bloom``: :mod:`specray.models.bloom`), MPT (``mpt``: :mod:`specray.models.mpt`) and GPT-BigCode / StarCoder
-(``starcoder``: :mod:`specray.models.gpt_bigcode`). transformers' GGUF mapping has no Phi-2, GPT-NeoX, MPT or
-StarCoder; of the others it leaves Falcon's q/k/v in the converter's order (and its 40B layout unread), StableLM 2
-12B's per-head q/k norms out and GPT-2's config without what specray's conversion reads of it, so the config and
-every tensor are read here.
+(``bloom``: :mod:`specray.models.bloom`), MPT (``mpt``: :mod:`specray.models.mpt`), GPT-BigCode / StarCoder
+(``starcoder``: :mod:`specray.models.gpt_bigcode`) and DBRX (``dbrx``: :mod:`specray.models.dbrx`). transformers' GGUF
+mapping has no Phi-2, GPT-NeoX, MPT, StarCoder or DBRX; of the others it leaves Falcon's q/k/v in the converter's order
+(and its 40B layout unread), StableLM 2 12B's per-head q/k norms out and GPT-2's config without what specray's
+conversion reads of it, so the config and every tensor are read here.
 
 What the converter writes, read back here:
 
@@ -49,7 +49,18 @@ What the converter writes, read back here:
   ``head_count_kv`` 1 whatever the model, so multi-query attention is read from ``c_attn``'s rows: the width and
   one key and value head (``multi_query``: every release), or three times the width (a KV head per query head, each
   head's q, k, v in turn: a file llama.cpp's loader refuses, sizing the tensor for one KV head; read here as the
-  release's); a ``head_count_kv`` of neither 1 nor the heads is refused.
+  release's); a ``head_count_kv`` of neither 1 nor the heads is refused;
+* DBRX: ``Wqkv`` as the converter leaves it (``attn_qkv``: q, k, v rows in turn) over ``head_count_kv`` KV heads, the
+  clamp of q, k and v (``attention.clamp_kqv``: ``attn_config.clip_qkv``; 0 none, as llama.cpp reads it), the RoPE
+  base the converter takes from ``attn_config.rope_theta`` (``rope.freq_base``: the releases' 500000, set as both
+  ``attn_config.rope_theta`` and ``rope_parameters``' base: specray's DBRX reads the one, transformers 5's the other),
+  the experts' count, top k and width (``expert_count``, ``expert_used_count``, ``ffn_gate_exps``' rows); its
+  LayerNorms' epsilon must be 1e-5 (DBRX's config names none: ``nn.LayerNorm``'s default, which the converter writes)
+  and its head is never tied (a file without ``output`` is refused, as llama.cpp's loader and transformers' config
+  refuse one). The experts the release fuses per layer, ``w1`` (gate), ``v1`` (up) and ``w2`` (down's transpose), each
+  [experts * width, hidden], which the converter views as [experts, width, hidden] (``w2`` permuted to [experts,
+  hidden, width]: the down projections) and writes as ``ffn_gate_exps``, ``ffn_up_exps`` and ``ffn_down_exps``, are
+  fused back.
 
 What no key carries is set as the releases have it and llama.cpp's graph computes it: the MLP's activation (GPT-2's,
 Phi-2's, BLOOM's and StarCoder's tanh GELU, Falcon's, Pythia's and MPT's exact one; llama.cpp computes each by the
@@ -58,7 +69,8 @@ StarCoder's ``scale_attn_weights``, which a checkpoint may set otherwise though 
 such a file loads as llama.cpp runs it); BLOOM's residual the block's input
 (``apply_residual_connection_post_layernorm`` is not written and llama.cpp's graph takes the stream: a checkpoint
 setting it, which no release does, loads as llama.cpp runs it, not as the checkpoint); MPT's logits unscaled
-(``logit_scale``).
+(``logit_scale``); DBRX's SwiGLU experts (``ffn_act_fn`` SiLU) and their routing weights divided by their sum
+(``moe_normalize_expert_weights`` 1, every release's: llama.cpp renormalizes the top k whatever a checkpoint's p-norm).
 
 Tensors of any llama.cpp type are dequantized to float32 here; the conversion keeps the integers of those
 :mod:`specray.models.gguf_quant` finds again, a layer's linears (``layers.N``, ``h.N``, ``blocks.N``), but GPT-2's:
@@ -66,7 +78,9 @@ its model takes ``Conv1D`` weights, [in, out], so their converted tensors are th
 rows of the file (a quantized row's groups run along its inputs, which a transposed weight's columns are not), and a
 quantized GPT-2 file's linears are stored and loaded dense (their values the file's, exactly). The fused q/k/v of
 Falcon, GPT-NeoX, BLOOM, MPT and StarCoder keep their integers on disk and are dequantized as the model splits them
-at load (a device keeping 4-bit weights keeps the attention's output and the MLP in 4 bits, q/k/v dense).
+at load (a device keeping 4-bit weights keeps the attention's output and the MLP in 4 bits, q/k/v dense). DBRX keeps
+its routers' integers alone: its attention's names (``norm_attn_norm.attn.*``) are not of the names kept, and its
+fused experts are stored as the release fuses them, ``w2`` transposed (no rows of the file), all dense.
 """
 
 from __future__ import annotations
@@ -81,7 +95,7 @@ import torch
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
                                       gguf_names, read_model_gguf, rope_parameters)
 
-CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox", "bloom", "mpt", "starcoder")
+CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox", "bloom", "mpt", "starcoder", "dbrx")
 _FALCON_LAYOUT = "jploski"  # the converter's name for its q/k/v order (all queries, all keys, all values)
 _GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -275,6 +289,30 @@ def _starcoder_config(get: GGUFMeta, tensors: GGUFTensors):
                             **_common(get, tensors))
 
 
+def _dbrx_config(get: GGUFMeta, tensors: GGUFTensors):
+    from transformers import DbrxConfig
+
+    heads, kv, head_dim = _heads(get, one_kv_per_head=False)
+    if _eps(get) != 1e-5:
+        raise _refuse(get, f"has dbrx.attention.layer_norm_epsilon={_eps(get)}; DBRX's LayerNorms take 1e-5 (its "
+                           "config names none)")
+    rotated = int(get("rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        raise _refuse(get, f"has dbrx.rope.dimension_count={rotated} for heads of {head_dim}; DBRX rotates whole heads")
+    rope = rope_parameters(get, None, head_dim)
+    experts, width, hidden = _shape(get, tensors, "blk.0.ffn_gate_exps.weight")
+    if experts != int(get("expert_count")) or hidden != int(get("embedding_length")):
+        raise _refuse(get, f"has blk.0.ffn_gate_exps.weight of shape {[experts, width, hidden]} for "
+                           f"dbrx.expert_count={get('expert_count')} experts of width {get('embedding_length')}")
+    clip = as_written(get("attention.clamp_kqv"))  # (llama.cpp's loader needs it too)
+    attn = {"clip_qkv": clip if clip > 0 else None, "kv_n_heads": kv, "rope_theta": rope["rope_theta"]}
+    ffn = {"ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": width, "moe_num_experts": experts,
+           "moe_top_k": int(get("expert_used_count")), "moe_normalize_expert_weights": 1.0}
+    return DbrxConfig(architectures=["DbrxForCausalLM"], d_model=hidden, n_heads=heads, n_layers=get.model_layers(),
+                      max_seq_len=int(get("context_length")), attn_config=attn, ffn_config=ffn, rope_parameters=rope,
+                      **{**_common(get, tensors), "tie_word_embeddings": False})
+
+
 # ---------------------------------------------------------------------------------------------- names
 
 
@@ -349,6 +387,14 @@ def _mpt_names(config, i: int | None) -> list[str]:
             for n in _weights(f"transformer.blocks.{i}.{part}", bias)]
 
 
+def _dbrx_names(config, i: int | None) -> list[str]:
+    if i is None:
+        return ["transformer.wte.weight", "transformer.norm_f.weight"]
+    at = f"transformer.blocks.{i}."
+    return [f"{at}norm_attn_norm.{part}.weight" for part in ("norm_1", "attn.Wqkv", "attn.out_proj", "norm_2")] + [
+        f"{at}ffn.router.layer.weight", *(f"{at}ffn.experts.mlp.{w}" for w in ("w1", "v1", "w2"))]
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 
@@ -357,6 +403,19 @@ def _rows(value: torch.Tensor, expected: int, name: str, gguf: Path, family: str
         raise ValueError(f"GGUF {str(gguf)!r} has {name} of {value.shape[0]} rows, not the {expected} its metadata "
                          f"gives a {family} (heads, KV heads, head size); convert the model again with a current "
                          "llama.cpp, or pass its HF checkpoint")
+
+
+def _dbrx_fused(value: torch.Tensor, name: str, config, gguf_name: str, get: GGUFMeta) -> torch.Tensor:
+    """One of a DBRX layer's expert stacks as the converter writes it (``w1``, ``v1``: [experts, width, hidden];
+    ``w2``: [experts, hidden, width], the release's permuted) fused as the release stores it, [experts * width,
+    hidden]."""
+    experts, width, hidden = (config.ffn_config.moe_num_experts, config.ffn_config.ffn_hidden_size, config.d_model)
+    down = name.endswith(".w2")
+    shape = (experts, hidden, width) if down else (experts, width, hidden)
+    if tuple(value.shape) != shape:
+        raise _refuse(get, f"has {gguf_name} of shape {list(value.shape)}, not the {list(shape)} its metadata gives a "
+                           "DBRX (expert_count, the experts' width, embedding_length)")
+    return (value.transpose(1, 2) if down else value).reshape(experts * width, hidden).contiguous()
 
 
 def _qkv_grouped(value: torch.Tensor, heads: int, kv: int, head_dim: int) -> torch.Tensor:
@@ -387,7 +446,10 @@ _FAMILIES = {"gpt2": _Family("GPT-2", _gpt2_config, _gpt2_names),
              # BloomModel strips ``transformer.`` (gguf-py maps BLOOM's embedding norm by its bare name alone)
              "bloom": _Family("BLOOM", _bloom_config, _bloom_names, spelled=lambda n: n.replace("transformer.", "")),
              "mpt": _Family("MPT", _mpt_config, _mpt_names),
-             "starcoder": _Family("StarCoder", _starcoder_config, _gpt2_names)}  # (GPT-2's names, Linear weights)
+             "starcoder": _Family("StarCoder", _starcoder_config, _gpt2_names),  # (GPT-2's names, Linear weights)
+             # DbrxModel maps the fused experts (no ``.weight`` in the release) with the suffix added
+             "dbrx": _Family("DBRX", _dbrx_config, _dbrx_names,
+                             spelled=lambda n: f"{n}.weight" if ".ffn.experts.mlp." in n else n)}
 
 
 def classic_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
@@ -433,8 +495,10 @@ def classic_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[dict[s
         if name.endswith(("query_key_value.weight", "query_key_value.bias")):  # Falcon's, GPT-NeoX's, BLOOM's
             _rows(value, qkv_rows, gguf_name, gguf, family.name)
             return {name: _qkv_grouped(value, heads, kv, head_dim)}
-        if name.endswith((".Wqkv.weight", ".Wqkv.bias")):  # MPT's: q, k, v in turn, as the converter leaves them
+        if name.endswith((".Wqkv.weight", ".Wqkv.bias")):  # MPT's, DBRX's: q, k, v in turn, as the converter left them
             _rows(value, qkv_rows, gguf_name, gguf, family.name)
+        if arch == "dbrx" and ".ffn.experts.mlp." in name:  # stacked per expert -> the release's [E * width, hidden]
+            return {name: _dbrx_fused(value, name, config, gguf_name, get)}
         if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):  # StableLM's [heads, head_dim]: one per head
             prefix = name.removesuffix(".weight")
             return {f"{prefix}.norms.{h}.weight": w.contiguous() for h, w in enumerate(value)}
