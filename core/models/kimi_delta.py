@@ -148,19 +148,15 @@ class KimiDeltaAttention(RecurrentMixer):
         self.dk = self.dv = d = config.linear_head_dim
         self.kernel = config.linear_conv_kernel_dim
         h, width = config.hidden_size, total * d
-        one = TPGroup.single()
         self.in_proj_qkv = FusedColumnLinear(h, [width] * 3, tp)  # q_proj | k_proj | v_proj
-        self.f_a_proj = ColumnParallelLinear(h, d, one)  # replicated: every rank's heads read the whole rank-d input
-        self.f_b_proj = ColumnParallelLinear(d, width, tp)
+        self.gate_channels = self._build_gates(config, tp)  # the forget gate's input channels, riding the conv
         self.b_proj = ColumnParallelLinear(h, total, tp)
-        self.g_a_proj = ColumnParallelLinear(h, d, one)
-        self.g_b_proj = ColumnParallelLinear(d, width, tp)
         self.dt_bias = rank_rows(tp, self.heads * d)  # [H * d], head-major
         self.dt_bias.data = self.dt_bias.data.float()  # kept in float32 whatever the model's dtype, as transformers
         self.A_log = _param(self.heads)  # the release's [1, 1, H, 1]: this rank's heads
         self.A_log.weight_loader = self._load_a_log
         self.qkv_channels = 3 * self.heads * d
-        channels = self.qkv_channels + d + self.heads  # q | k | v | f_a(x) | b logits
+        channels = self.qkv_channels + self.gate_channels + self.heads  # q | k | v | f_a(x) | b logits
         self.conv1d = nn.Module()
         self.conv1d.weight = _param(channels, self.kernel)
         self.conv1d.weight.weight_loader = self._load_conv
@@ -169,6 +165,31 @@ class KimiDeltaAttention(RecurrentMixer):
             self.conv1d.weight[self.qkv_channels:, -1] = 1.0
         self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
         self.o_proj = RowParallelLinear(width, h, tp)
+
+    def _build_gates(self, config, tp: TPGroup) -> int:
+        """The forget gate's and the output gate's projections (Kimi's: low rank, the rank-d halves replicated, as
+        every rank's heads read all of them); returns how many channels of the forget gate's input ride the conv."""
+        h, d, one = config.hidden_size, self.dk, TPGroup.single()
+        width = config.linear_num_heads * d
+        self.f_a_proj = ColumnParallelLinear(h, d, one)
+        self.f_b_proj = ColumnParallelLinear(d, width, tp)
+        self.g_a_proj = ColumnParallelLinear(h, d, one)
+        self.g_b_proj = ColumnParallelLinear(d, width, tp)
+        return d
+
+    def _gate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the forget gate's input [T, gate_channels], carried through the conv."""
+        return self.f_a_proj(x)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the output norm's gate [T, Hl * d]."""
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def _decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The forget gate's input as the conv passed it [N, gate_channels] -> the log decay [N, Hl, d] (float32)."""
+        hl, d = self.heads, self.dk
+        f = self.f_b_proj(f).float().view(-1, hl, d)
+        return -self.A_log.float().exp()[:, None] * F.softplus(f + self.dt_bias.float().view(hl, d))
 
     def _load_a_log(self, param: nn.Parameter, loaded: Any) -> None:
         """This rank's heads of the release's A_log ([1, 1, H, 1], or [H])."""
@@ -194,10 +215,10 @@ class KimiDeltaAttention(RecurrentMixer):
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         # x: [T, H] -> [T, H] (meta.recurrent: see RecurrentMixer.recurrence)
         t = x.shape[0]
-        mixed = torch.cat((self.in_proj_qkv(x), self.f_a_proj(x), self.b_proj(x)), dim=-1)  # [T, C] before the conv
+        mixed = torch.cat((self.in_proj_qkv(x), self._gate_input(x), self.b_proj(x)), dim=-1)  # [T, C] before the conv
         unused = x.new_zeros(t, self.heads, dtype=torch.float32)  # g and beta come from the conv's output
         o = self.recurrence(mixed, unused, unused, meta)  # [T, Hl, d] float32
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.dv)
+        gate = self._output_gate(x).view(t, self.heads, self.dv)
         return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(t, -1))
 
     def _heads_and_gates(self, conv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -206,12 +227,11 @@ class KimiDeltaAttention(RecurrentMixer):
         Hl], float32."""
         b, length, _ = conv.shape
         hl, d = self.heads, self.dk
-        qkv, f, logits = conv.split([self.qkv_channels, d, hl], dim=-1)
+        qkv, f, logits = conv.split([self.qkv_channels, self.gate_channels, hl], dim=-1)
         q, k, v = F.silu(qkv).float().split([hl * d] * 3, dim=-1)
         q = l2norm(q.reshape(b, length, hl, d)) * d ** -0.5
         k = l2norm(k.reshape(b, length, hl, d))
-        f = self.f_b_proj(f.reshape(b * length, d)).float().view(b, length, hl, d)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f + self.dt_bias.float().view(hl, d))
+        g = self._decay(f.reshape(b * length, self.gate_channels))
         beta = logits.float().sigmoid()
         return q, k, v.reshape(b, length, hl, d), g.reshape(b, length, hl * d), beta
 

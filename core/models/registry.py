@@ -315,3 +315,7 @@ _MODEL_TYPES["persimmon"] = "PersimmonForCausalLM"
 # DeepSeek-V3's experts (specray.models.kimi_linear, specray.models.kimi_delta)
 _ARCHITECTURES["KimiLinearForCausalLM"] = "specray.models.kimi_linear:KimiLinearForCausalLM"
 _MODEL_TYPES["kimi_linear"] = "KimiLinearForCausalLM"
+# Ling 3.0 hybrid: Kimi Delta Attention layers with a full-rank bounded forget gate among DeepSeek-V3's latent
+# attention with RoPE and a per-head output gate, DeepSeek-V3's experts (specray.models.bailing_hybrid)
+_ARCHITECTURES["BailingHybridForCausalLM"] = "specray.models.bailing_hybrid:BailingHybridForCausalLM"
+_MODEL_TYPES["bailing_hybrid"] = "BailingHybridForCausalLM"
