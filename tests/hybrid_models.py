@@ -279,6 +279,27 @@ def check_greedy_equals_transformers(folder: Path, outputs: list[list[int]]) -> 
         assert out[:8] == seq[len(ids):]
 
 
+def check_ngram_replays_keep_greedy(folder: Path, plain: list[list[int]], tree: bool, monkeypatch) -> None:
+    """n-gram chains from graph steps (on CPU the padded static inputs run eagerly), or trees of three branches
+    verified eagerly (``tree``), give ``plain``'s tokens, some drafts accepted (and replayed in the next chunk) and
+    some not."""
+    from specray import LLM
+    from specray.models.step_graphs import StepGraphs
+    from specray.workers.model_runner import RecurrentSlots
+
+    replays, real = [], RecurrentSlots.batch
+    monkeypatch.setattr(RecurrentSlots, "batch", lambda self, chunks: replays.append(real(self, chunks)) or replays[-1])
+    shapes, run = [], StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
+        self, shape, *a, **kw))
+    spec = {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3} if tree else NGRAM
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec, block_size=4, enforce_eager=tree)
+    assert generate(llm, greedy()) == plain
+    assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
+    assert any(n > 0 for batch in replays for n in batch.replay), "no accepted draft was replayed"
+    assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
+
+
 def check_drafts_replayed(model, hf) -> None:
     """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
     ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal

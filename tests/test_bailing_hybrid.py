@@ -17,8 +17,8 @@ import torch
 from specray.models.bailing_hybrid import BailingHybridForCausalLM
 from specray.models.loader import load_model
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    NGRAM, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_prefill_chunks_and_decode,
-    generate, greedy)
+    TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_ngram_replays_keep_greedy,
+    check_prefill_chunks_and_decode, generate, greedy)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, assert_logits_on_the_gpu_equal_the_cpu, chunked_logits, max_diff, mutated_logits, prompt,
     reference_logits, run_ranks)
@@ -275,26 +275,9 @@ def plain_greedy(tiny_ling_dir):
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chains-from-graphs", "trees"])
 def test_ngram_greedy_equals_transformers(tiny_ling_dir, plain_greedy, tree, monkeypatch):
-    """Plain greedy equals transformers' (the fixture); n-gram chains from graph steps (on CPU the padded static
-    inputs run eagerly), and trees of three branches verified eagerly, some drafts accepted (and replayed in the
-    next chunk) and some not, give the same tokens."""
-    from specray import LLM
-    from specray.workers.model_runner import RecurrentSlots
-
-    from specray.models.step_graphs import StepGraphs
-
-    replays, real = [], RecurrentSlots.batch
-    monkeypatch.setattr(RecurrentSlots, "batch", lambda self, chunks: replays.append(real(self, chunks)) or replays[-1])
-    shapes, run = [], StepGraphs.run
-    monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
-        self, shape, *a, **kw))
-    spec = {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3} if tree else NGRAM
-    llm = LLM(model=str(tiny_ling_dir), max_model_len=128, speculative_config=spec, block_size=4,
-              enforce_eager=tree)
-    assert generate(llm, greedy()) == plain_greedy
-    assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
-    assert any(n > 0 for batch in replays for n in batch.replay), "no accepted draft was replayed"
-    assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
+    """Plain greedy equals transformers' (the fixture); n-gram chains from graph steps and trees verified eagerly give
+    the same tokens, with drafts accepted and replayed (tests/hybrid_models.py)."""
+    check_ngram_replays_keep_greedy(tiny_ling_dir, plain_greedy, tree, monkeypatch)
 
 
 def test_two_ranks_match_one(tiny_ling_dir, tmp_path):
