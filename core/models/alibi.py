@@ -14,7 +14,7 @@ as SDPA's float mask, so the layers keep SDPA's kernels and the GQA folding. A s
 would pass :data:`BIAS_ELEMENTS` values (a long prefill chunk: heads x rows x context) attends by blocks of rows, each
 block's bias built in each layer, so its memory stays bounded; the short batch's is not split: its rows are few (at
 most ``SHORT_QUERY_MAX``), so it holds heads x rows x 2 bytes per padded context slot, against the K/V's layers x 2 x
-KV heads x head_dim x 2 bytes per cached token (BLOOM-7B: 512 B against 512 KB). A graph step's bias is one more of its
+KV heads x head_dim x 2 bytes per cached token (BLOOM-7B1, 8 rows: 512 B against 480 KB). A graph step's bias is one more of its
 static inputs, rebuilt from each step's metadata as its masks are. On a GPU a kernel that takes the slopes
 (flash-attention's ``alibi_slopes``) would not materialise the bias: not done here; never run on a GPU.
 """
