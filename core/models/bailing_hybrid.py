@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3Model, MLAttention
+from specray.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM, DeepseekV3Model, MLAttention
 from specray.models.kimi_delta import KimiDeltaAttention
 from specray.models.kimi_linear import LAYER_TYPES, KimiDeltaLayer, KimiLinearForCausalLM, _is_dense
 from specray.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
@@ -185,6 +185,12 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
 
     model_class = BailingHybridModel
     check_split = staticmethod(check_heads_split)
+    # LoRA on every projection applied as a linear to the layer's input: the latent attention's as DeepSeek-V3's
+    # (kv_b_proj refused by name) and its output gate g_proj, a KDA layer's q/k/v (Kimi-Linear's kda_* pieces of
+    # in_proj_qkv), dense (o_proj), b_proj and the full-rank gates f_proj and g_proj, the dense MLPs and the shared
+    # experts; not the convs, the router or the experts
+    lora_modules: tuple[str, ...] = DeepseekV3ForCausalLM.lora_modules + (
+        "kda_q_proj", "kda_k_proj", "kda_v_proj", "b_proj", "f_proj", "g_proj")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -204,3 +210,7 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
 
     def reads_weight(self, name: str) -> bool:
         return super().reads_weight(_release_name(name))
+
+    def adapter_module(self, name: str) -> str:
+        """An adapter's module (the release's name: ``attention.dense`` ...) as ours (Kimi-Linear's renaming)."""
+        return super().adapter_module(_release_name(name))

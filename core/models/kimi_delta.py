@@ -38,10 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.gated_deltanet import (CHUNK, CHUNKED_FROM, FusedColumnLinear, RecurrentMixer, _segment_sums,
+from specray.models.gated_deltanet import (CHUNK, CHUNKED_FROM, RecurrentMixer, _segment_sums,
                                            gated_delta_scan, gated_delta_tree, l2norm, rank_rows)
 from specray.models.kv_cache import RecurrentStateSpec
-from specray.models.layers import ColumnParallelLinear, RowParallelLinear, _copy, _param, divide, materialize, narrow
+from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
+                                   divide, materialize, narrow)
 from specray.parallel import TPGroup
 
 
@@ -131,6 +132,21 @@ def check_kda_heads_split(config, tp: int, pp: int) -> None:
                          f"{config.linear_num_heads}; choose a tensor_parallel_size that divides it")
 
 
+class PartwiseColumnLinear(MergedColumnParallelLinear):
+    """KDA's q | k | v projection: three checkpoint tensors (``q_proj`` ...) loaded part by part (``shard_id``), or
+    one joined tensor (no ``shard_id``) as :class:`~specray.models.gated_deltanet.FusedColumnLinear` loads it; a LoRA
+    adapter of each part keeps its own A (a merged projection's, not a fused tensor's one A)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int | None = None) -> None:
+        if shard_id is not None:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        start = 0
+        for i, size in enumerate(self.output_sizes):
+            super().weight_loader(param, narrow(loaded, 0, start, size), i)
+            start += size
+
+
 class KimiDeltaAttention(RecurrentMixer):
     """One KDA layer over this rank's heads (module docstring); the release's names under ``linear_attn.`` (the
     model renames its ``self_attn.``), q/k/v and their convs as parts of one each."""
@@ -148,7 +164,7 @@ class KimiDeltaAttention(RecurrentMixer):
         self.dk = self.dv = d = config.linear_head_dim
         self.kernel = config.linear_conv_kernel_dim
         h, width = config.hidden_size, total * d
-        self.in_proj_qkv = FusedColumnLinear(h, [width] * 3, tp)  # q_proj | k_proj | v_proj
+        self.in_proj_qkv = PartwiseColumnLinear(h, [width] * 3, tp)  # q_proj | k_proj | v_proj
         self.gate_channels = self._build_gates(config, tp)  # the forget gate's input channels, riding the conv
         self.b_proj = ColumnParallelLinear(h, total, tp)
         self.dt_bias = rank_rows(tp, self.heads * d)  # [H * d], head-major

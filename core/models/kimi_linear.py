@@ -52,6 +52,9 @@ _RENAMES = tuple((re.compile(a), b) for a, b in (
     (r"\.linear_attn\.forget_gate\.", ".linear_attn.")))  # (transformers' in-memory names, if saved without revert)
 _STACKED_KDA = {**{f".linear_attn.{p}_proj.": (".linear_attn.in_proj_qkv.", i) for i, p in enumerate("qkv")},
                 **{f".linear_attn.{p}_conv1d.": (".linear_attn.conv1d.", i) for i, p in enumerate("qkv")}}
+# LoRA: an adapter of a KDA layer's q_proj / k_proj / v_proj (parts of our in_proj_qkv) named so that it cannot be
+# taken for a latent-attention layer's q_proj (adapter_module renames it): its piece of in_proj_qkv
+_KDA_LORA = {f".kda_{p}_proj.": (".in_proj_qkv.", i) for i, p in enumerate("qkv")}
 _PART = re.compile(r"\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight):(\d)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
 
@@ -119,8 +122,14 @@ class KimiLinearForCausalLM(RecurrentModel, DeepseekV3ForCausalLM):
     request (module docstring)."""
 
     model_class = KimiLinearModel
-    stacked = {**DeepseekV3ForCausalLM.stacked, **_STACKED_KDA}
-    lora_modules: tuple[str, ...] = ()  # not yet
+    stacked = {**DeepseekV3ForCausalLM.stacked, **_STACKED_KDA, **_KDA_LORA}
+    # LoRA on every projection applied as a linear to the layer's input: the latent attention's as DeepSeek-V3's
+    # (kv_b_proj, read as W_UK and W_UV, refused by name), a KDA layer's q/k/v (parts of in_proj_qkv, each with its
+    # own A: adapter_module names them kda_*), o_proj, b_proj and the low-rank gates' f_a_proj, g_a_proj, g_b_proj,
+    # the dense MLPs and the shared experts; not f_b_proj (applied to the conv's output, not to the step's tokens),
+    # the convs, the router or the experts
+    lora_modules: tuple[str, ...] = DeepseekV3ForCausalLM.lora_modules + (
+        "kda_q_proj", "kda_k_proj", "kda_v_proj", "b_proj", "f_a_proj", "g_a_proj", "g_b_proj")
     check_split = staticmethod(check_kda_heads_split)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
@@ -143,11 +152,24 @@ class KimiLinearForCausalLM(RecurrentModel, DeepseekV3ForCausalLM):
                 name = name[: found.end() - len("self_attn.")] + "linear_attn." + name[found.end():]
             yield name, tensor
 
-    def reads_weight(self, name: str) -> bool:
+    def _linear_name(self, name: str) -> str:
+        """A checkpoint name with a KDA layer's ``self_attn.`` as ``linear_attn.``."""
         found = _LAYER.match(name)
         if found is not None and int(found.group(1)) in self.linear_layers:
             name = name[: found.end() - len("self_attn.")] + "linear_attn." + name[found.end():]
-        return super().reads_weight(name)
+        return name
+
+    def reads_weight(self, name: str) -> bool:
+        return super().reads_weight(self._linear_name(name))
+
+    def adapter_module(self, name: str) -> str:
+        """An adapter's module (the checkpoint's name) as ours: a KDA layer's under ``linear_attn.``, its q/k/v as the
+        ``kda_*`` pieces of in_proj_qkv."""
+        name = super().adapter_module(self._linear_name(name))
+        parent, _, leaf = name.rpartition(".")
+        if parent.endswith(".linear_attn") and leaf in ("q_proj", "k_proj", "v_proj"):
+            return f"{parent}.kda_{leaf}"
+        return name
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         """A KDA projection or conv loaded from its three parts (q, k, v) counts as loaded once all three came."""

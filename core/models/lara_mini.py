@@ -154,7 +154,10 @@ class LaraMiniForCausalLM(Qwen3_5ForCausalLM):
     the experts' widths, or whole experts with expert parallelism) and ``pp`` (Qwen3.5's stages)."""
 
     model_class = LaraMiniModel
-    lora_modules: tuple[str, ...] = ()  # not yet: no adapter of this family has been checked against transformers
+    # LoRA on the attention layers' q/k/v/o, the linear layers' projections (an adapter of the release's fused
+    # in_proj has its B split as the weight is: adapter_fusions, split_adapter) and out_proj, and the shared experts:
+    # all of them plain linears; not conv1d, the router or the experts
+    lora_modules: tuple[str, ...] = Qwen3_5ForCausalLM.lora_modules
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -191,3 +194,22 @@ class LaraMiniForCausalLM(Qwen3_5ForCausalLM):
         for part, rows in zip(IN_PROJ_PARTS, w.split(sizes)):
             yield name.replace(".in_proj.", f".{part}."), rows
 
+    # ---- LoRA adapters of the release's fused in_proj: their B split as the weight is (A is shared)
+
+    def adapter_fusions(self) -> dict[str, tuple[int, int]]:
+        """Each linear layer's fused checkpoint ``in_proj`` an adapter may name, with its weight's (out, in) shape
+        (built whole, one rank): :func:`specray.models.lora.adapter_shapes` adds them."""
+        shapes = {}
+        for i, layer in self.model.stage_layers():
+            attn = getattr(layer, "linear_attn", None)
+            if attn is not None:
+                shapes[f"model.layers.{i}.linear_attn.in_proj"] = (sum(self._in_proj_sizes()),
+                                                                   attn.in_proj_z.in_features)
+        return shapes
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """An adapter's B of a fused ``in_proj`` as its parts' (our projections' names, with a trailing dot, as
+        :func:`specray.models.llama.unfuse` names them), or None for any other module."""
+        if not module.endswith(".linear_attn.in_proj"):
+            return None
+        return list(self._split_in_proj(f"{module}.", lora_b))  # (names as "....in_proj_qkv.")
