@@ -21,8 +21,8 @@ from specray.models.gated_deltanet import GatedRMSNorm
 from specray.models.layers import RMSNorm
 from specray.models.loader import load_model, read_config
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    NGRAM, PP_WORKER, PROMPT_IDS, TOL, TP_WORKER, check_drafts_replayed, check_prefill_chunks_and_decode,
-    check_prefix_caching_keeps_tokens, generate, greedy)
+    NGRAM, PP_WORKER, PROMPT_IDS, TOL, TP_WORKER, check_drafts_replayed, check_lora_keeps_transformers_logits,
+    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
 
@@ -377,76 +377,8 @@ def test_logits_on_the_gpu_equal_the_cpu(tiny_lara_mini_dir, schedule):
 # ---------------------------------------------------------------------------------------------- LoRA
 
 
-def _lora_check(base: Path, tmp_path: Path, leaves: tuple[str, ...], refused: str) -> None:
-    """An adapter (rank 4, alpha 8) of every checkpoint projection whose leaf is in ``leaves`` (not the experts'):
-    admitted, then a prefill, verify chunks whose drafts stay pending and the next chunks replaying the accepted ones
-    beside a sequence without it, each row's logits equal to transformers' with the adapter merged (PEFT's
-    merge_and_unload; the base model's for the other row). An adapter of ``refused`` is refused at admission, by
-    name."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    import specray_test_checkpoints as checkpoints  # tests/checkpoints.py (registered by conftest)
-    import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py
-    from specray.engine.builder import adapter_checker
-    from specray.lora import LoRAConfig, LoRARequest
-    from specray.models.lora import LoRASlots
-
-    def write(dst: Path, picked: tuple[str, ...]) -> set[str]:
-        with safe_open(str(base / "model.safetensors"), "pt") as f:
-            shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in sorted(f.keys())
-                      if k.startswith("model.layers.") and k.endswith(".weight") and ".experts." not in k
-                      and k.split(".")[-2] in picked}
-        g = torch.Generator().manual_seed(3)
-        tensors = {}
-        for module, (out_features, in_features) in shapes.items():
-            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, in_features, generator=g) * 0.1
-            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, 4, generator=g) * 0.1
-        checkpoints.write_lora(base, dst, rank=4, alpha=8, modules=())  # its config; the tensors follow
-        save_file(tensors, str(dst / "adapter_model.safetensors"))
-        return {m.rsplit(".", 1)[1] for m in shapes}
-
-    def hf(folder: Path):
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-    assert write(tmp_path / "adapter", leaves) == set(leaves)  # every leaf named is in the checkpoint
-    merged, plain = hf(checkpoints.merge_lora(base, tmp_path / "adapter", tmp_path / "merged")), hf(base)
-    config = LoRAConfig(max_loras=1, max_lora_rank=4)
-    model = load_model(base)
-    checker = adapter_checker(config, model.config)
-    request = LoRARequest("a", 1, str(tmp_path / "adapter"))
-    checker.check(request)
-    write(tmp_path / "refused", (refused,))
-    with pytest.raises(ValueError, match=f"{refused}', which specray does not apply LoRA to"):
-        checker.check(LoRARequest("r", 2, str(tmp_path / "refused")))
-    slots = LoRASlots(model, config, torch.device("cpu"))
-    (slot,) = slots.slots_for([request])
-    run = hybrid.Stepper(model)
-    a, b = hybrid.tokens(30, 1), hybrid.tokens(12, 2)
-    ref_a, ref_b = hybrid.hf_logits(merged, a), hybrid.hf_logits(plain, b)
-    assert (ref_a - hybrid.hf_logits(plain, a)).abs().max() > 1e-2  # the adapter matters
-
-    def step(chunks):
-        slots.context.set_token_slots(torch.tensor([slot if seq == 0 else 0 for seq, ids, _, _ in chunks
-                                                    for _ in ids]))
-        return run.step(chunks)
-
-    out = step([(0, a[:10], 0, 0), (1, b[:6], 0, 0)])
-    assert max((out[0] - ref_a[:10]).abs().max(), (out[1] - ref_b[:6]).abs().max()) < 1e-4
-    pos, pos_b = 10, 6
-    for accepted in (1, 3, 0, 2):  # last token + 3 drafts, `accepted` of them right
-        drafts = a[pos + 1: pos + 1 + accepted] + hybrid.tokens(3 - accepted, 100 + pos)
-        out = step([(0, [a[pos]] + drafts, pos, 3), (1, [b[pos_b]], pos_b, 0)])
-        assert (out[0][: accepted + 1] - ref_a[pos: pos + accepted + 1]).abs().max() < 1e-4, accepted
-        assert (out[1] - ref_b[pos_b: pos_b + 1]).abs().max() < 1e-4
-        pos, pos_b = pos + accepted + 1, pos_b + 1
-    out = step([(0, a[pos: pos + 2], pos, 0)])  # decodes after the last replay
-    assert (out[0] - ref_a[pos: pos + 2]).abs().max() < 1e-4
-
-
 def test_lora_adapted_logits_match_transformers_with_the_adapter_merged(tiny_lara_mini_dir, tmp_path):
     """LoRA on the attention layers' q/k/v/o, the linear layers' fused ``in_proj`` (its B split into q | k | v | z |
     b | a as the weight is) and out_proj, and the shared experts; the router (``mlp.gate``) is refused by name."""
     leaves = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "gate_proj", "up_proj", "down_proj")
-    _lora_check(tiny_lara_mini_dir, tmp_path, leaves, "gate")
+    check_lora_keeps_transformers_logits(tiny_lara_mini_dir, tmp_path, leaves, "gate")
