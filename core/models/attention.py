@@ -450,14 +450,20 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]
         self._store(k, v, meta.slot_mapping)
-        short = self._short(q, meta) if meta.short is not None else None
-        if short is not None and meta.short.token_index is None:  # identity layout: every sequence is short
-            return short
+        return self._by_path(q, meta, lambda: self._short(q, meta), lambda i: self._own(q, k, v, meta, i))
+
+    def _by_path(self, q: torch.Tensor, meta: AttentionMetadata, short: Callable[[], torch.Tensor],
+                 own: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The step's rows [T, Hq*D] from both paths: the short batch's (``short()``, its padded rows [Bs*Q, Hq*D])
+        and each own sequence's (``own(i)``, [q, Hq*D]), in the step's order."""
+        rows = short() if meta.short is not None else None
+        if rows is not None and meta.short.token_index is None:  # identity layout: every sequence is short
+            return rows
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        if short is not None:
-            out.index_copy_(0, meta.short.out_dst, short.index_select(0, meta.short.out_src))
+        if rows is not None:
+            out.index_copy_(0, meta.short.out_dst, rows.index_select(0, meta.short.out_src))
         for i, seq in enumerate(meta.own):
-            out[seq.token_start : seq.token_end] = self._own(q, k, v, meta, i)
+            out[seq.token_start : seq.token_end] = own(i)
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

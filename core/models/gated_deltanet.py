@@ -219,6 +219,22 @@ def _segment_sums(g: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf"))
 
 
+
+def to_chunks(chunk: int, *xs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """Tensors [B, L, H, ...] as chunks [B, H, N, C, ...] of C = ``chunk`` tokens (a short sequence is one chunk of
+    its own length, not padded up to a whole one), zero-padded to N * C tokens; -> (C, the chunked tensors)."""
+    b, length, h = xs[0].shape[:3]
+    chunk = min(chunk, length)
+    n = -(-length // chunk)
+    pad = n * chunk - length
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        x = x.reshape(b, n, chunk, h, *x.shape[3:])
+        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
+
+    return chunk, [blocks(x) for x in xs]
+
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, keep_at: list[int] | torch.Tensor | None = None, chunk: int = CHUNK,
                         delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,16 +266,8 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     no solve, and the same outputs and states from it (Mamba-2's chunked state-space dual form)."""
     b, length, h, dk = q.shape
     dv = v.shape[-1]
-    chunk = min(chunk, length)  # a short sequence is one chunk of its own length, not padded up to a whole one
-    n = -(-length // chunk)
-    pad = n * chunk - length
-
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, ...] -> [B, H, N, C, ...], zero-padded to N * C tokens
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
-        x = x.reshape(b, n, chunk, h, *x.shape[3:])
-        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
-
-    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)  # [B, H, N, C(, d)]
+    chunk, (q, k, v, g, beta) = to_chunks(chunk, q, k, v, g, beta)  # [B, H, N, C(, d)]
+    n = q.shape[2]
     decay = _segment_sums(g).exp()  # D [B, H, N, C, C]: exp(G_t - G_i) on and below the diagonal, 0 above
     cum = g.cumsum(-1)  # G [B, H, N, C]: log-decay from the chunk's start through token t
     if delta:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.gated_deltanet import (CHUNK, CHUNKED_FROM, RecurrentMixer, _segment_sums,
-                                           gated_delta_scan, gated_delta_tree, l2norm, rank_rows)
+                                           gated_delta_scan, gated_delta_tree, l2norm, rank_rows, to_chunks)
 from specray.models.kv_cache import RecurrentStateSpec
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, _copy, _param,
                                    divide, materialize, narrow)
@@ -63,16 +63,8 @@ def chunked_kimi_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     one chunk's whatever the length."""
     b, length, h, dk = q.shape
     dv = v.shape[-1]
-    chunk = min(chunk, length)
-    n = -(-length // chunk)
-    pad = n * chunk - length
-
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, ...] -> [B, H, N, C, ...], zero-padded to N * C tokens
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
-        x = x.reshape(b, n, chunk, h, *x.shape[3:])
-        return x.permute(0, 3, 1, 2, *range(4, x.dim()))
-
-    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)  # [B, H, N, C(, d)]
+    chunk, (q, k, v, g, beta) = to_chunks(chunk, q, k, v, g, beta)  # [B, H, N, C(, d)]
+    n = q.shape[2]
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     rows = torch.arange(b, device=q.device)

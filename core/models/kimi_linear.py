@@ -35,7 +35,7 @@ from specray.models.attention import AttentionMetadata
 from specray.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM, DeepseekV3Model
 from specray.models.gated_deltanet import RecurrentModel
 from specray.models.kimi_delta import KimiDeltaAttention, check_kda_heads_split
-from specray.models.layers import RMSNorm, VocabParallelEmbedding
+from specray.models.layers import RMSNorm, VocabParallelEmbedding, loaded_whole
 from specray.models.llama import LlamaDecoderLayer, LlamaMLP
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -173,10 +173,4 @@ class KimiLinearForCausalLM(RecurrentModel, DeepseekV3ForCausalLM):
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         """A KDA projection or conv loaded from its three parts (q, k, v) counts as loaded once all three came."""
-        parts: dict[str, set[str]] = {}
-        for key in loaded:
-            found = _PART.search(key)
-            if found is not None:
-                parts.setdefault(key[: found.start(2) - 1], set()).add(found.group(2))
-        whole = {base for base, got in parts.items() if got == {"0", "1", "2"}}
-        super()._check_loaded({k for k in loaded if _PART.search(k) is None} | whole, params)
+        super()._check_loaded(loaded_whole(loaded, _PART), params)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,19 @@ def narrow(w: Any, dim: int, start: int, length: int) -> torch.Tensor:
     index = [slice(None)] * len(shape_of(w))
     index[dim] = slice(start, start + length)
     return w[tuple(index)]
+
+
+def loaded_whole(loaded: set[str], part: re.Pattern, parts: int = 3) -> set[str]:
+    """The loaded names with a tensor loaded part by part (``part`` matches ``<name>:<k>``, its group 2 the part
+    ``k``) counted as its whole ``<name>`` once all ``parts`` came (a family's fused projection or conv that its
+    checkpoint stores as pieces)."""
+    found: dict[str, set[str]] = {}
+    for key in loaded:
+        match = part.search(key)
+        if match is not None:
+            found.setdefault(key[: match.start(2) - 1], set()).add(match.group(2))
+    whole = {base for base, got in found.items() if got == {str(k) for k in range(parts)}}
+    return {k for k in loaded if part.search(k) is None} | whole
 
 
 def materialize(w: Any) -> torch.Tensor:

@@ -203,15 +203,8 @@ class BlockSparseAttention(PagedAttention):
         stored = self._stored(keys)
         self.index_cache.index_copy_(0, meta.slot_mapping, stored)
         keys = self._read(stored, keys.dtype)  # as the cache holds them (FP8: rounded), for a fresh sequence
-        short = self._short_sparse(q, queries, meta) if meta.short is not None else None
-        if short is not None and meta.short.token_index is None:  # identity layout: every sequence is short
-            return short
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        if short is not None:
-            out.index_copy_(0, meta.short.out_dst, short.index_select(0, meta.short.out_src))
-        for i, seq in enumerate(meta.own):
-            out[seq.token_start: seq.token_end] = self._own_sparse(q, k, v, keys, queries, meta, i)
-        return out
+        return self._by_path(q, meta, lambda: self._short_sparse(q, queries, meta),
+                             lambda i: self._own_sparse(q, k, v, keys, queries, meta, i))
 
     def pick(self, queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, q_pos: torch.Tensor,
              k_pos: torch.Tensor) -> torch.Tensor:

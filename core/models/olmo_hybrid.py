@@ -25,7 +25,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm, RecurrentModel, check_linear_heads_split
-from specray.models.layers import RMSNorm, materialize
+from specray.models.layers import RMSNorm, loaded_whole, materialize
 from specray.models.llama import _STACKED, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
 from specray.models.olmo2 import Olmo2DecoderLayer
 from specray.parallel import TPGroup
@@ -145,13 +145,7 @@ class OlmoHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         """A fused projection or conv loaded from its three parts counts as loaded once all three came."""
-        parts: dict[str, set[str]] = {}
-        for key in loaded:
-            found = _PART.search(key)
-            if found is not None:
-                parts.setdefault(key[: found.start(2) - 1], set()).add(found.group(2))
-        whole = {base for base, got in parts.items() if got == {"0", "1", "2"}}
-        super()._check_loaded({k for k in loaded if _PART.search(k) is None} | whole, params)
+        super()._check_loaded(loaded_whole(loaded, _PART), params)
 
     def _a_norm(self) -> torch.Tensor:
         return self.model.layers[self.model.stage.start].post_attention_layernorm.weight  # (both kinds have one)
