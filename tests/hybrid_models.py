@@ -301,6 +301,19 @@ def check_ngram_replays_keep_greedy(folder: Path, plain: list[list[int]], tree: 
     assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
 
 
+def check_long_prefill(model, hf, length: int = 150) -> None:
+    """A ``length``-token prefill (with the chunked form's 64-token chunks: several, the last partial) and then the
+    same prompt in two chunks (the state carried across them): transformers' logits."""
+    from specray_test_model_checks import chunked_logits, max_diff  # tests/model_checks.py
+
+    ids = torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert max_diff(chunked_logits(model, ids, [length]), want) < TOL
+    half = length // 2 - 5
+    assert max_diff(chunked_logits(model, ids, [half, length - half]), want) < TOL
+
+
 def check_drafts_replayed(model, hf) -> None:
     """A verify chunk (last token + 3 drafts) leaves its drafts pending; the next chunk starts after the accepted
     ones (0, 1, 2 or all 3 in turn), whose inputs the layers replay over the committed state: logits equal

@@ -17,8 +17,9 @@ import torch
 from specray.models.bailing_hybrid import BailingHybridForCausalLM
 from specray.models.loader import load_model
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_lora_keeps_transformers_logits,
-    check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode, generate, greedy)
+    TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_long_prefill,
+    check_lora_keeps_transformers_logits, check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode, generate,
+    greedy)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, assert_logits_on_the_gpu_equal_the_cpu, chunked_logits, max_diff, mutated_logits, prompt,
     reference_logits, run_ranks)
@@ -129,14 +130,8 @@ def test_logits_match_transformers(tiny_ling_dir, reference, schedule):
 
 
 def test_long_prefill_runs_several_chunks(pair):
-    """A 150-token prefill (three chunks of the chunked form, the last one partial) and then the same prompt in
-    chunks of 70 and 80 (the state carried across chunks of the chunked form): transformers' logits."""
-    model, hf = pair
-    ids = torch.randint(0, 300, (LONG,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    assert max_diff(chunked_logits(model, ids, [LONG]), want) < TOL
-    assert max_diff(chunked_logits(model, ids, [70, 80]), want) < TOL
+    """(check_long_prefill, tests/hybrid_models.py: 150 tokens, three chunks of the chunked form; then 70 + 80)"""
+    check_long_prefill(*pair, LONG)
 
 
 def test_prefill_chunks_and_decode_batched(pair):
