@@ -23,7 +23,7 @@ from specray.models.loader import load_hf_config, load_model, resolve_model
 from specray_test_checkpoints import gguf_blocks  # tests/checkpoints.py, via conftest
 from tests.test_loader import (_block_type, _safetensors, _write_gguf_tokenizer, _write_out,
                                assert_converted_as_folder, assert_gguf_serves_as_its_folder, assert_matches_hf,
-                               hf_model, prefill_logits)
+                               hf_model, loaded_beside_dense, prefill_logits)
 
 
 @pytest.fixture(scope="module")
@@ -316,12 +316,7 @@ def test_a_classic_gguf_with_q8_0_linears_loads_as_its_dense_conversion(request,
     dense_path = Path(shutil.copy(path, tmp_path / f"{case}-dense.gguf"))
     kept = any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
     assert kept == Q8_CASES[case]
-    index = loader.RowIndex
-    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
-    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
-    want = dict(ref.state_dict())
-    assert sorted(model.state_dict()) == sorted(want)
-    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    model, ref = loaded_beside_dense(path, dense_path, monkeypatch)
     ids = list(range(3, 40))
     logits = prefill_logits(model, ids)
     assert torch.equal(logits, prefill_logits(ref, ids))

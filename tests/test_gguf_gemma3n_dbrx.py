@@ -25,7 +25,8 @@ from specray_test_checkpoints import gguf_blocks  # tests/checkpoints.py, via co
 from specray_test_model_checks import SCHEDULES, chunked_logits, max_diff, prompt  # tests/model_checks.py
 from tests import test_gemma3n as gemma3n
 from tests.test_loader import (_safetensors, _write_gguf_tokenizer, _write_out, assert_converted_as_folder,
-                               assert_gguf_serves_as_its_folder, hf_model, prefill_logits, requantized)
+                               assert_gguf_serves_as_its_folder, hf_model, loaded_beside_dense, prefill_logits,
+                               requantized)
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +252,7 @@ def test_a_gemma3n_gguf_with_q8_0_linears_loads_as_its_dense_conversion(gemma3n_
     assert load_hf_config(str(path)).vocab_size_per_layer_input == 256
     kept = sorted(n for n in _safetensors(resolve_model(str(path)).path) if n.endswith(".q_weight"))
     assert "model.layers.0.mlp.gate_proj.q_weight" in kept and "model.layers.1.self_attn.q_proj.q_weight" in kept
-    index = loader.RowIndex
-    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
-    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
-    want = dict(ref.state_dict())
-    assert sorted(model.state_dict()) == sorted(want)
-    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    model, ref = loaded_beside_dense(path, dense_path, monkeypatch)
     logits = chunked_logits(model, prompt(), SCHEDULES["prefill"])
     assert torch.equal(logits, chunked_logits(ref, prompt(), SCHEDULES["prefill"]))
     theirs = gemma3n.hf_logits(folder)
@@ -355,12 +351,7 @@ def test_a_dbrx_gguf_with_q8_0_linears_loads_as_its_dense_conversion(tiny_dbrx_d
     dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
     kept = sorted(n for n in _safetensors(resolve_model(str(path)).path) if n.endswith(".q_weight"))
     assert kept == [f"transformer.blocks.{i}.ffn.router.layer.q_weight" for i in range(2)]
-    index = loader.RowIndex
-    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
-    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
-    want = dict(ref.state_dict())
-    assert sorted(model.state_dict()) == sorted(want)
-    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    model, ref = loaded_beside_dense(path, dense_path, monkeypatch)
     ids = list(range(3, 40))
     logits = prefill_logits(model, ids)
     assert torch.equal(logits, prefill_logits(ref, ids))

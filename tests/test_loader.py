@@ -1137,6 +1137,19 @@ def _reader_case(case: str, request, tmp_path: Path) -> Path:
     return write_deepseek_gguf(request.getfixturevalue(case), tmp_path / "f.gguf")
 
 
+def loaded_beside_dense(path: Path, dense_path: Path, monkeypatch):
+    """The models of the quantized GGUF ``path`` (converted already, its integers kept) and of its copy ``dense_path``
+    converted with none kept (the conversion's row index finding no rows), asserted to hold the same weights;
+    -> (model, ref)."""
+    index = loader.RowIndex
+    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
+    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
+    want = dict(ref.state_dict())
+    assert sorted(model.state_dict()) == sorted(want)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    return model, ref
+
+
 @pytest.mark.parametrize("case", ["jamba", "qwen3_5_moe", "nemotron_h_moe", "falcon_h1", "gemma4", "tiny_deepseek_dir",
                                   "tiny_glm4_moe_lite_dir"])
 def test_integer_gguf_weights_of_specray_s_readers_load_as_their_dense_conversion(request, tmp_path, gguf_cache,
@@ -1147,12 +1160,7 @@ def test_integer_gguf_weights_of_specray_s_readers_load_as_their_dense_conversio
     path = requantized(_reader_case(case, request, tmp_path), tmp_path / "q8.gguf")
     dense_path = Path(shutil.copy(path, tmp_path / "dense.gguf"))
     assert any(n.endswith(".q_weight") for n in _safetensors(resolve_model(str(path)).path))
-    index = loader.RowIndex
-    monkeypatch.setattr(loader, "RowIndex", lambda tensors: index([]))
-    model, ref = load_model(str(path), pack=False), load_model(str(dense_path), pack=False)
-    want = dict(ref.state_dict())
-    assert sorted(model.state_dict()) == sorted(want)
-    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    model, ref = loaded_beside_dense(path, dense_path, monkeypatch)
     import specray_test_hybrid_models as hybrid
 
     ids = list(range(3, 40))  # (a recurrent model's state over the hybrids' stepper)
