@@ -75,9 +75,6 @@ class BloomForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
     # LoRA on q/k/v (an adapter's query_key_value split head by head, as the weight is), dense and the MLP
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 
-    def qkv_groups(self) -> tuple[int, int]:
-        return self.config.num_attention_heads, 1
-
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         hidden = hf_config.hidden_size

@@ -195,14 +195,16 @@ class FusedQKVAdapters:
     """A checkpoint's q/k/v fused KV head by KV head (``query_key_value``: GPT-NeoX's, Falcon's, BLOOM's; GPT-BigCode's
     ``c_attn``), on a :class:`~specray.models.llama.LlamaForCausalLM` family: the weight split at load into the three
     projections, and LoRA adapters of it: the fused projection's shape by its checkpoint name (renamed as the weights
-    are) for the adapter check, and an adapter's B split as the weight is (A shared). The family gives
-    :meth:`qkv_groups`."""
+    are) for the adapter check, and an adapter's B split as the weight is (A shared); the groups are the config
+    view's KV heads (:meth:`qkv_groups`)."""
 
     fused_qkv = ".query_key_value."
 
     def qkv_groups(self) -> tuple[int, int]:
-        """(KV heads, query heads per KV head) of the fused layout."""
-        raise NotImplementedError
+        """(KV heads, query heads per KV head) of the fused layout: the config view's (one group per head where each
+        query head has its own KV head: GPT-NeoX, BLOOM, Persimmon; one group: multi-query)."""
+        groups = self.config.num_key_value_heads
+        return groups, self.config.num_attention_heads // groups
 
     def adapter_fusions(self) -> dict[str, tuple[int, int]]:
         shapes = {}

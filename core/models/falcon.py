@@ -94,10 +94,6 @@ class FalconForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
     # LoRA on q/k/v (an adapter's query_key_value split KV head by KV head, as the weight is), dense and the MLP
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 
-    def qkv_groups(self) -> tuple[int, int]:
-        groups = self.config.num_key_value_heads
-        return groups, self.config.num_attention_heads // groups
-
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         config = llama_view(hf_config, num_key_value_heads=num_kv_heads(hf_config), head_dim=None,

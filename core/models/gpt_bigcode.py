@@ -55,10 +55,6 @@ class GPTBigCodeForCausalLM(FusedQKVAdapters, LlamaForCausalLM):
     # LoRA on q/k/v (an adapter's c_attn split as the weight is), c_proj and the MLP
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 
-    def qkv_groups(self) -> tuple[int, int]:
-        groups = self.config.num_key_value_heads
-        return groups, self.config.num_attention_heads // groups
-
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         if getattr(hf_config, "add_cross_attention", False):
