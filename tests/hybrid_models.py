@@ -427,7 +427,8 @@ TP_WORKER = textwrap.dedent("""
     for folder in sys.argv[5:]:
         model = load_model(folder, TPGroup.from_world())
         heads = model.recurrent_state_specs()[0].num_heads
-        result[folder] = [(run(model) - run(load_model(folder))).abs().max().item(), heads]
+        ours, one = run(model), run(load_model(folder))  # (equal entries count 0: -inf on both)
+        result[folder] = [torch.where(ours == one, 0.0, (ours - one).abs()).max().item(), heads]
     del model
     gc.collect()
     dist.destroy_process_group()

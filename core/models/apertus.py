@@ -41,7 +41,8 @@ class ApertusMLP(nn.Module):
     def __init__(self, config, tp: TPGroup):
         super().__init__()
         if config.hidden_act != "xielu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for model_type='apertus'; 'xielu' is")
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for model_type="
+                             f"{config.model_type!r}; 'xielu' is")
         self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, tp)
         self.act_fn = XIELU()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)

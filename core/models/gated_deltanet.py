@@ -436,6 +436,14 @@ class RecurrentMixer(nn.Module):
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         return causal_conv(window, self.conv1d.weight, getattr(self.conv1d, "bias", None), self.conv_activation)
 
+    def _tree_conv(self, rows: torch.Tensor) -> torch.Tensor:
+        """A tree's conv outputs [L, C] from each row's window ``rows`` [L, K, C] (its K - 1 nearest ancestors'
+        inputs, oldest first, then its own: :func:`tree_windows`); a mixer with a conv of its own gives its own."""
+        x = (rows.to(self.conv1d.weight.dtype) * self.conv1d.weight.t()).sum(1)  # [L, C]
+        bias = getattr(self.conv1d, "bias", None)
+        x = x if bias is None else x + bias
+        return F.silu(x) if self.conv_activation else x
+
     def _rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, keep_at: list[int] | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         scan = chunked_gated_delta if q.shape[1] >= CHUNKED_FROM else gated_delta_scan  # same results
@@ -478,10 +486,7 @@ class RecurrentMixer(nn.Module):
                  for b, (s, p) in enumerate(zip(seqs, batch.parents or [None] * len(seqs))) if p is not None}
         for b, parent_rows in trees.items():  # each row's conv over its ancestors' inputs (host lists: no sync)
             windows = torch.tensor(tree_windows(parent_rows, width), dtype=torch.long, device=mixed.device)
-            x = (seqs[b][4][windows].to(self.conv1d.weight.dtype) * self.conv1d.weight.t()).sum(1)  # [L, C]
-            bias = getattr(self.conv1d, "bias", None)
-            x = x if bias is None else x + bias
-            conv[b, : len(parent_rows)] = (F.silu(x) if self.conv_activation else x).to(conv.dtype)
+            conv[b, : len(parent_rows)] = self._tree_conv(seqs[b][4][windows]).to(conv.dtype)
         real = (torch.arange(conv.shape[1]) < torch.tensor(lengths)[:, None]).to(conv.device)  # [B, L] (no sync)
         if self.gates_from_conv:
             q, k, v, g_pad, beta_pad = self._heads_and_gates(conv * real[..., None])

@@ -423,6 +423,16 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
         return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
 
 
+def widen_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A head that scores only the vocabulary's first ids (a release whose unembedding is pruned to its text tokens, or
+    padded past the real vocabulary): logits [N, kept] -> [N, vocab_size] with the ids past ``kept`` at -inf, so every
+    engine part sized by ``vocab_size`` (sampler, grammar masks, drafters, verification) sees whole rows and such an id
+    is never sampled nor accepted as a draft (-inf as the sampler's own masks; the OpenAI layer floors logprobs)."""
+    pad = vocab_size - logits.shape[-1]
+    assert pad >= 0, (logits.shape, vocab_size)
+    return F.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+
+
 # ---------------------------------------------------------------------------------------------- norm
 
 

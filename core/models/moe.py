@@ -691,9 +691,8 @@ class SparseMoE(nn.Module):
         # x: [T, H] -> [T, H]; router_input: what the router reads when not x (Gemma 4's: the residual stream);
         # token_ids [T]: a hash-routed block's (DeepSeek-V4)
         weights, ids = self.route(x if router_input is None else router_input, token_ids)
-        grouped = getattr(_sync_free, "on", False)
         routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)  # (a latent MoE's experts' input)
-        out = self._experts_grouped(routed, weights, ids) if grouped else self._experts_looped(routed, weights, ids)
+        out = self.experts_of(routed, weights, ids)
         if self.fc2_latent_proj is not None:  # linear, so it may take this rank's partial sums before the reduce
             out = self.fc2_latent_proj(out)
         if self.zero_experts and self.tp.rank == 0:  # x times the zero experts' weights, added once over the ranks
@@ -704,6 +703,13 @@ class SparseMoE(nn.Module):
                 shared = shared * torch.sigmoid(F.linear(x, getattr(self, self.family.shared_gate).weight))
             out = out + shared if not self.shared_average else (out + shared) * 0.5
         return self.tp.all_reduce(out)
+
+    def experts_of(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed experts' weighted sum for x [T, H] (weights, ids [T, k]): the grouped path
+        within :func:`sync_free_experts` (a graph step's), else the looped one; a family with a router of its own
+        calls it after routing."""
+        grouped = getattr(_sync_free, "on", False)
+        return self._experts_grouped(x, weights, ids) if grouped else self._experts_looped(x, weights, ids)
 
     def _experts_looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share [T, H] of tokens ``x`` [T, H] routed by ``weights``, ``ids`` [T, k]: one matmul

@@ -38,9 +38,12 @@ def plain_config(config: Any) -> PlainConfig:
         if name in _DEPRECATED or name.startswith("__") or not isinstance(inspect.getattr_static(cls, name), property):
             continue
         try:
-            values[name] = getattr(config, name)
+            value = getattr(config, name)
         except (AttributeError, KeyError, TypeError, ValueError, NotImplementedError):
             continue  # a property this config cannot answer: nothing to carry
+        if type(value) is cls:  # a fresh copy of this config itself (WavTokenizer's encoder_config): endless nesting
+            continue
+        values[name] = value
     values["model_type"] = getattr(config, "model_type", None)
     values.update(vars(config))
     spec = vars(config).get("_heterogeneity_spec")
