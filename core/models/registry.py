@@ -319,3 +319,11 @@ _MODEL_TYPES["kimi_linear"] = "KimiLinearForCausalLM"
 # attention with RoPE and a per-head output gate, DeepSeek-V3's experts (specray.models.bailing_hybrid)
 _ARCHITECTURES["BailingHybridForCausalLM"] = "specray.models.bailing_hybrid:BailingHybridForCausalLM"
 _MODEL_TYPES["bailing_hybrid"] = "BailingHybridForCausalLM"
+# GPT-Neo: learned positions, global and local (windowed) attention layers with unscaled scores, Llama's order with
+# LayerNorms, a bias on the output projection alone, a gateless GELU MLP, a tied head (specray.models.gpt_neo)
+_ARCHITECTURES["GPTNeoForCausalLM"] = "specray.models.gpt_neo:GPTNeoForCausalLM"
+_MODEL_TYPES["gpt_neo"] = "GPTNeoForCausalLM"
+# CodeGen: GPT-J's layers with q/k/v fused in qkv_proj in four model-parallel blocks of (q, v, k), split at load
+# (specray.models.codegen)
+_ARCHITECTURES["CodeGenForCausalLM"] = "specray.models.codegen:CodeGenForCausalLM"
+_MODEL_TYPES["codegen"] = "CodeGenForCausalLM"
