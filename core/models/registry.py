@@ -319,6 +319,14 @@ _MODEL_TYPES["kimi_linear"] = "KimiLinearForCausalLM"
 # attention with RoPE and a per-head output gate, DeepSeek-V3's experts (specray.models.bailing_hybrid)
 _ARCHITECTURES["BailingHybridForCausalLM"] = "specray.models.bailing_hybrid:BailingHybridForCausalLM"
 _MODEL_TYPES["bailing_hybrid"] = "BailingHybridForCausalLM"
+# Apertus 1.5's text model: Apertus with a vocabulary extended by visual and audio codes and an LM head that may be
+# pruned to the text ids (specray.models.apertus1p5); its multimodal release keeps the text model under
+# ``model.language_model.`` and ``lm_head.`` beside ``model.vision_tokenizer.`` and ``model.audio_tokenizer.``
+# (not read)
+_ARCHITECTURES["Apertus1p5TextForCausalLM"] = "specray.models.apertus1p5:Apertus1p5ForCausalLM"
+_MODEL_TYPES["apertus1p5_text"] = "Apertus1p5TextForCausalLM"
+_TEXT_PARTS["Apertus1p5ForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                     (re.compile(r"^lm_head\."), "lm_head."))
 # GPT-Neo: learned positions, global and local (windowed) attention layers with unscaled scores, Llama's order with
 # LayerNorms, a bias on the output projection alone, a gateless GELU MLP, a tied head (specray.models.gpt_neo)
 _ARCHITECTURES["GPTNeoForCausalLM"] = "specray.models.gpt_neo:GPTNeoForCausalLM"
@@ -327,3 +335,11 @@ _MODEL_TYPES["gpt_neo"] = "GPTNeoForCausalLM"
 # (specray.models.codegen)
 _ARCHITECTURES["CodeGenForCausalLM"] = "specray.models.codegen:CodeGenForCausalLM"
 _MODEL_TYPES["codegen"] = "CodeGenForCausalLM"
+# Dory: a looped nGPT (weightless L2 norms, interpolating residuals, gated attention, a recurrent section run
+# n_recurrent_loops times with a KV cache per loop, a scaled LM head) (specray.models.dory)
+_ARCHITECTURES["DoryForCausalLM"] = "specray.models.dory:DoryForCausalLM"
+_MODEL_TYPES["dory"] = "DoryForCausalLM"
+# HRM-Text: an L stack run L_cycles times and an H stack once in each of H_cycles cycles, every run of a layer over
+# its own K/V (specray.models.hrm_text)
+_ARCHITECTURES["HrmTextForCausalLM"] = "specray.models.hrm_text:HrmTextForCausalLM"
+_MODEL_TYPES["hrm_text"] = "HrmTextForCausalLM"
