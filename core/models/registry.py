@@ -335,6 +335,11 @@ _MODEL_TYPES["gpt_neo"] = "GPTNeoForCausalLM"
 # (specray.models.codegen)
 _ARCHITECTURES["CodeGenForCausalLM"] = "specray.models.codegen:CodeGenForCausalLM"
 _MODEL_TYPES["codegen"] = "CodeGenForCausalLM"
+# ZAYA: Compressed Convolutional Attention (a short conv over the q/k projections, delayed values: a recurrent state
+# per request) with q/k length norms, residual scaling and one expert per token from a router MLP whose state runs
+# through the layers (specray.models.zaya)
+_ARCHITECTURES["ZayaForCausalLM"] = "specray.models.zaya:ZayaForCausalLM"
+_MODEL_TYPES["zaya"] = "ZayaForCausalLM"
 # Dory: a looped nGPT (weightless L2 norms, interpolating residuals, gated attention, a recurrent section run
 # n_recurrent_loops times with a KV cache per loop, a scaled LM head) (specray.models.dory)
 _ARCHITECTURES["DoryForCausalLM"] = "specray.models.dory:DoryForCausalLM"
