@@ -340,6 +340,15 @@ _MODEL_TYPES["codegen"] = "CodeGenForCausalLM"
 # through the layers (specray.models.zaya)
 _ARCHITECTURES["ZayaForCausalLM"] = "specray.models.zaya:ZayaForCausalLM"
 _MODEL_TYPES["zaya"] = "ZayaForCausalLM"
+# Inkling's text model: attention with relative logits and residual short convs (a conv history per request, LFM2's
+# machinery), no RoPE, a normed embedding, experts with weighted shared experts (specray.models.inkling). Its
+# multimodal release keeps the text model under ``model.llm.`` in its own names (transformers' modules:
+# ``model.language_model.`` and ``lm_head.``) beside ``model.visual.`` and ``model.audio.`` (not read)
+_ARCHITECTURES["InklingForCausalLM"] = "specray.models.inkling:InklingForCausalLM"
+_MODEL_TYPES["inkling_text"] = "InklingForCausalLM"
+_TEXT_PARTS["InklingForConditionalGeneration"] = (
+    (re.compile(r"^model\.llm\."), "model.llm."), (re.compile(r"^model\.language_model\."), "model."),
+    (re.compile(r"^lm_head\."), "lm_head."))
 # Dory: a looped nGPT (weightless L2 norms, interpolating residuals, gated attention, a recurrent section run
 # n_recurrent_loops times with a KV cache per loop, a scaled LM head) (specray.models.dory)
 _ARCHITECTURES["DoryForCausalLM"] = "specray.models.dory:DoryForCausalLM"
