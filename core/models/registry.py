@@ -340,6 +340,17 @@ _MODEL_TYPES["codegen"] = "CodeGenForCausalLM"
 # through the layers (specray.models.zaya)
 _ARCHITECTURES["ZayaForCausalLM"] = "specray.models.zaya:ZayaForCausalLM"
 _MODEL_TYPES["zaya"] = "ZayaForCausalLM"
+# Inkling 2's text model (specray.models.inkling2): sliding and global attention with a relative position bias, L2
+# clips, short convs (dynamic on the global layers' k / v), gated outputs and per-token sinks, soft-capped SwiGLU
+# experts, a block attention residual. Its multimodal release keeps it under ``model.llm.`` (the release's names,
+# which transformers saves) beside ``model.visual.`` (not read). The looped release is served only with
+# loop_num_passes 1 (its loop is refused by name)
+_ARCHITECTURES["Inkling2ForCausalLM"] = "specray.models.inkling2:Inkling2ForCausalLM"
+_ARCHITECTURES["Inkling2LoopForCausalLM"] = "specray.models.inkling2:Inkling2LoopForCausalLM"
+_MODEL_TYPES["inkling2_text"] = "Inkling2ForCausalLM"
+_MODEL_TYPES["inkling2_loop_text"] = "Inkling2LoopForCausalLM"
+_TEXT_PARTS["Inkling2ForConditionalGeneration"] = _TEXT_PARTS["Inkling2LoopForConditionalGeneration"] = (
+    (re.compile(r"^model\.llm\."), "model.llm."),)
 # Inkling's text model: attention with relative logits and residual short convs (a conv history per request, LFM2's
 # machinery), no RoPE, a normed embedding, experts with weighted shared experts (specray.models.inkling). Its
 # multimodal release keeps the text model under ``model.llm.`` in its own names (transformers' modules:
