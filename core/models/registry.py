@@ -360,6 +360,14 @@ _MODEL_TYPES["inkling_text"] = "InklingForCausalLM"
 _TEXT_PARTS["InklingForConditionalGeneration"] = (
     (re.compile(r"^model\.llm\."), "model.llm."), (re.compile(r"^model\.language_model\."), "model."),
     (re.compile(r"^lm_head\."), "lm_head."))
+# Qwen4-Exp's text model (specray.models.qwen4_exp): Gated DeltaNet layers among gated attention over the keys a QSA
+# indexer keeps, Qwen3-Next's experts, hc_count residual streams joined by gated residuals, per-layer n-gram
+# embeddings (PLE). Its multimodal release keeps the text model under ``model.language_model.`` beside
+# ``model.visual.`` (not read) and ``lm_head.``; its MTP layer (``mtp.``) is not read either
+_ARCHITECTURES["Qwen4ExpForCausalLM"] = "specray.models.qwen4_exp:Qwen4ExpForCausalLM"
+_MODEL_TYPES["qwen4_exp_text"] = "Qwen4ExpForCausalLM"
+_TEXT_PARTS["Qwen4ExpForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                   (re.compile(r"^lm_head\."), "lm_head."))
 # Dory: a looped nGPT (weightless L2 norms, interpolating residuals, gated attention, a recurrent section run
 # n_recurrent_loops times with a KV cache per loop, a scaled LM head) (specray.models.dory)
 _ARCHITECTURES["DoryForCausalLM"] = "specray.models.dory:DoryForCausalLM"
