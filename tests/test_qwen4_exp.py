@@ -21,6 +21,7 @@ import torch
 import specray.models.qwen4_exp as q4
 from specray.models import cpu_kernels
 from specray.models.loader import load_model, read_config
+from specray.parallel import TPGroup
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     PP_WORKER, TP_WORKER, check_drafts_replayed, check_prefill_chunks_and_decode)
 from specray_test_model_checks import (  # tests/model_checks.py
@@ -157,6 +158,31 @@ def test_the_tiny_model_exercises_every_part(tiny_qwen4_dir):
         assert torch.equal(layers[2].ple.ple_embedding.sizes,
                            f.get_tensor("model.layers.2.ple.ple_embedding.ngram_heads_vocab_sizes"))
     assert torch.equal(table, want)
+
+
+def test_each_rank_reads_its_columns_of_the_tables_shard_by_shard(tiny_qwen4_dir):
+    """Under TP each rank holds, and reads from the checkpoint's unjoined row shards, only its slice of every row's
+    columns (a real release's tables are far too big to replicate); a TP size that does not split the columns is
+    refused by name."""
+    from safetensors import safe_open
+
+    config = read_config(str(tiny_qwen4_dir))
+    name = "model.layers.2.ple.ple_embedding.ngram_embedding"
+    with safe_open(str(tiny_qwen4_dir / "model.safetensors"), "pt") as f:
+        whole = torch.cat([f.get_tensor(f"{name}.shard_{i}.weight") for i in range(2)])
+        width = whole.shape[1] // 2
+        for rank in range(2):
+            table = q4.NGramEmbedding(config, 1, TPGroup(rank, 2))
+            weight = table.ngram_embedding.weight
+            weight.weight_loader(weight, q4.RowShards(f.get_slice(f"{name}.shard_{i}.weight") for i in range(2)))
+            assert weight.shape == (whole.shape[0], width)
+            assert torch.equal(weight, whole[:, rank * width: (rank + 1) * width])
+        with pytest.raises(ValueError, match="rows"):  # a shard missing: the table's rows do not add up
+            weight.weight_loader(weight, q4.RowShards([f.get_slice(f"{name}.shard_0.weight")]))
+    config.ple_embed_dim = 8  # 2 columns per head: TP 4 cannot split them
+    config.linear_num_key_heads = config.linear_num_value_heads = 4
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not split the n-gram tables' columns"):
+        q4.Qwen4ExpForCausalLM.check_split(config, 4, 1)
 
 
 @pytest.mark.parametrize("variant", ["sigmoid-output-gate", "release-layer-names"])

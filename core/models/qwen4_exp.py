@@ -31,8 +31,10 @@ write-back gives the hidden state (there is no other final norm). The layers (``
   weights between the taps; the ids as conv channels of base-256 digits, exact in any float type, that a fixed
   one-hot conv shifts), so drafts are replayed, token trees verified and graph steps taken as Qwen3.5's.
 
-Tensor parallelism splits the attention and linear heads and the experts as Qwen3.5's; the gated residuals, the
-indexers and the PLE (its n-gram tables too) are replicated on every rank. Pipeline stages hand on the streams
+Tensor parallelism splits the attention and linear heads and the experts as Qwen3.5's, and the PLE's n-gram tables
+by columns (each rank looks up its slice of every row, one all-gather joins them; the checkpoint's row shards are
+read unjoined, each rank reading only its columns); the gated residuals, the indexers and the rest of the PLE are
+replicated on every rank. Pipeline stages hand on the streams
 (``stage_width`` = ``hc_count``). Not supported: hidden-state draft heads (EAGLE, MTP: the release's ``mtp.*`` is
 not read), LoRA (refused at build).
 """
@@ -53,7 +55,7 @@ from specray.models.gated_deltanet import (GatedDeltaNet, GatedRMSNorm, Recurren
                                            check_linear_heads_split)
 from specray.models.kv_cache import KVCache, KVCacheSpec, RecurrentStateSpec
 from specray.models.layers import (ColumnParallelLinear, RotaryEmbedding, VocabParallelEmbedding, _copy, _param,
-                                   apply_rotary, materialize, rope_parameters, rotary_dim)
+                                   apply_rotary, materialize, narrow, rope_parameters, rotary_dim, shape_of)
 from specray.models.llama import LlamaForCausalLM, StageModel, _head_dim
 from specray.models.minimax_m3 import (INDEX_SCORE_ELEMENTS, BlockSparseAttention, IndexKeySpec, UnitOffsetRMSNorm,
                                        _rotate_as_transformers)
@@ -363,7 +365,7 @@ class NGramEmbedding(RecurrentMixer):
     conv_activation = False
     restarts_at_eos = True  # an EOS ends the n-grams (tests switch it off to see that it matters)
 
-    def __init__(self, config, ple_index: int):
+    def __init__(self, config, ple_index: int, tp: TPGroup):
         super().__init__()
         self.n = config.ngram_size
         self.kernel = self.n
@@ -378,8 +380,11 @@ class NGramEmbedding(RecurrentMixer):
             config.vocab_size, self.n, ple_index, config.seed), dtype=torch.long), persistent=False)
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        self.tp = tp  # each rank holds its slice of every row's columns (transformers' "embedding_colwise")
+        self.width = config.ple_embed_dim // heads // tp.size
         self.ngram_embedding = nn.Module()
-        self.ngram_embedding.weight = _param(rows, config.ple_embed_dim // heads)
+        self.ngram_embedding.weight = _param(rows, self.width)
+        self.ngram_embedding.weight.weight_loader = self._load_table
         channels = (self.n - 1) * DIGITS
         shift = torch.zeros(channels, self.n)
         for s in range(1, self.n):  # window column K - 1 is the token itself, K - 1 - s the one s back
@@ -433,19 +438,41 @@ class NGramEmbedding(RecurrentMixer):
             heads = slice((size - 2) * self.per_ngram, (size - 1) * self.per_ngram)
             blocks.append(torch.remainder(mixed[:, None], self.sizes[heads]) + self.offsets[heads])
         rows = torch.cat(blocks, -1)  # [T, heads]
-        return F.embedding(rows, self.ngram_embedding.weight).flatten(1)
+        # [T, heads, width] per rank -> every rank's columns in rank order [T, heads, ple_embed_dim / heads]
+        return self.tp.all_gather(F.embedding(rows, self.ngram_embedding.weight), dim=-1).flatten(1)
+
+    def _load_table(self, param: nn.Parameter, loaded: Any) -> None:
+        """This rank's columns of the table, read piece by piece (the checkpoint's row shards in order,
+        :class:`RowShards`, or one whole tensor): only this rank's slice of each is ever read."""
+        pieces = loaded if isinstance(loaded, RowShards) else (loaded,)
+        start = 0
+        for piece in pieces:
+            rows = shape_of(piece)[0]
+            if start + rows > param.shape[0]:
+                raise ValueError(f"the n-gram table's checkpoint rows ({start + rows} so far) exceed its "
+                                 f"{param.shape[0]} rows: the checkpoint does not match its config.json")
+            _copy(param.data[start: start + rows], narrow(piece, 1, self.tp.rank * self.width, self.width))
+            start += rows
+        if start != param.shape[0]:
+            raise ValueError(f"the n-gram table's checkpoint has {start} rows, its config {param.shape[0]}: the "
+                             "checkpoint does not match its config.json")
+
+
+class RowShards(tuple):
+    """A table's row shards in the checkpoint's order (``ngram_embedding.shard_<i>``, ``split_ngram_parts`` of
+    them), handed to the table's loader unjoined so that no rank ever holds the whole table in memory."""
 
 
 class PerLayerEmbedding(RecurrentMixer):
-    """A layer's PLE (module docstring), replicated on every rank; the mixer itself is its dilated conv (a dense
-    conv of ``(K - 1) * ngram_size + 1`` taps, zero between the checkpoint's ``K``)."""
+    """A layer's PLE (module docstring), replicated on every rank but its n-gram table; the mixer itself is its
+    dilated conv (a dense conv of ``(K - 1) * ngram_size + 1`` taps, zero between the checkpoint's ``K``)."""
 
-    def __init__(self, config, ple_index: int):
+    def __init__(self, config, ple_index: int, tp: TPGroup):
         super().__init__()
         n, h = config.hc_count, config.hidden_size
         self.n, self.h = n, h
         dim = config.ple_embed_dim
-        self.ple_embedding = NGramEmbedding(config, ple_index)
+        self.ple_embedding = NGramEmbedding(config, ple_index, tp)
         self.key_proj = ColumnParallelLinear(dim, n * h, _one())
         self.value_proj = ColumnParallelLinear(dim, h, _one())
         self.norm_key = GroupedRMSNorm(n * h, h, config.rms_norm_eps)
@@ -504,7 +531,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
             self.self_attn = Qwen4ExpAttention(config, tp)
         self.mlp = SparseMoE(config, tp, expert_parallel)
         ple = list(config.ple_layer_ids or [])
-        self.ple = PerLayerEmbedding(config, ple.index(layer + 1)) if layer + 1 in ple else None
+        self.ple = PerLayerEmbedding(config, ple.index(layer + 1), tp) if layer + 1 in ple else None
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
@@ -607,11 +634,19 @@ class Qwen4ExpForCausalLM(RecurrentModel, LlamaForCausalLM):
     model_class = Qwen4ExpModel
     serves_heads = False  # the streams give no hidden-state head its input (specray.engine.builder)
     lora_modules: tuple[str, ...] = ()
-    check_split = staticmethod(check_linear_heads_split)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False, pp=None):
         super().__init__(_checked(hf_config), tp, expert_parallel, pp)
         self.stage_width = hf_config.hc_count
+
+    @staticmethod
+    def check_split(config, tp: int, pp: int) -> None:
+        check_linear_heads_split(config, tp, pp)
+        width = config.ple_embed_dim // ((config.ngram_size - 1) * config.heads_per_ngram)
+        if config.ple_layer_ids and width % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not split the n-gram tables' columns (ple_embed_dim="
+                             f"{config.ple_embed_dim} over {(config.ngram_size - 1) * config.heads_per_ngram} heads: "
+                             f"{width} each); choose a tensor_parallel_size that divides {width}")
 
     @staticmethod
     def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False):
@@ -660,7 +695,7 @@ class Qwen4ExpForCausalLM(RecurrentModel, LlamaForCausalLM):
             held = shards.setdefault(match.group(1), {})
             held[int(match.group(2))] = tensor
             if len(held) == parts:
-                yield match.group(1) + ".weight", torch.cat([materialize(held[i]) for i in range(parts)])
+                yield match.group(1) + ".weight", RowShards(held[i] for i in range(parts))
                 del shards[match.group(1)]
         if shards:
             raise ValueError(f"{next(iter(shards))}: {len(next(iter(shards.values())))} of split_ngram_parts={parts} "
