@@ -53,17 +53,17 @@ class Mamba1Dims:
 
 def mamba1_dims(config) -> Mamba1Dims:
     """The mixer's sizes from ``config`` (Jamba's ``mamba_*`` names; Mamba's and Falcon-Mamba's own)."""
-    if config.model_type == "jamba":
+    if config.model_type in ("jamba", "zamba"):  # (Zamba's: Jamba's names, dt, B and C not normed)
         return Mamba1Dims(config.mamba_expand * config.hidden_size, config.mamba_d_state, config.mamba_d_conv,
                           config.mamba_dt_rank, bool(config.mamba_conv_bias), bool(config.mamba_proj_bias),
-                          "weighted", float(config.rms_norm_eps))
+                          "weighted" if config.model_type == "jamba" else None, float(config.rms_norm_eps))
     if config.model_type in ("mamba", "falcon_mamba"):
         falcon = config.model_type == "falcon_mamba"
         return Mamba1Dims(config.intermediate_size, config.state_size, config.conv_kernel, config.time_step_rank,
                           bool(config.use_conv_bias), bool(config.use_bias), "weightless" if falcon else None,
                           float(config.mixer_rms_eps) if falcon else 0.0)
     raise ValueError(f"model_type={config.model_type!r} has no Mamba-1 layers specray reads; one of "
-                     "['falcon_mamba', 'jamba', 'mamba']")
+                     "['falcon_mamba', 'jamba', 'mamba', 'zamba']")
 
 
 def check_mamba1_split(config, tp: int) -> None:

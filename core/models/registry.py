@@ -376,3 +376,7 @@ _MODEL_TYPES["dory"] = "DoryForCausalLM"
 # its own K/V (specray.models.hrm_text)
 _ARCHITECTURES["HrmTextForCausalLM"] = "specray.models.hrm_text:HrmTextForCausalLM"
 _MODEL_TYPES["hrm_text"] = "HrmTextForCausalLM"
+# Zamba (v1): Mamba-1 layers whose channel groups have their own x_proj / dt_proj, one shared transformer block over
+# [stream; embedding] at the hybrid layers (Zamba2's layout: specray.models.zamba)
+_ARCHITECTURES["ZambaForCausalLM"] = "specray.models.zamba:ZambaForCausalLM"
+_MODEL_TYPES["zamba"] = "ZambaForCausalLM"

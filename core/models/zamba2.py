@@ -136,16 +136,20 @@ class Zamba2Layer(nn.Module):
 
 
 class Zamba2Model(StageModel):
+    block_class: type[nn.Module] = Zamba2Block  # (Zamba's: its own block and layers, one block)
+    layer_class: type[nn.Module] = Zamba2Layer
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
         super().__init__()
         kinds = list(config.layers_block_type)
+        num_blocks = getattr(config, "num_mem_blocks", 1)
         self.hybrid = [i for i, kind in enumerate(kinds) if kind == "hybrid"]
-        self.block_of = {layer: j % config.num_mem_blocks for j, layer in enumerate(self.hybrid)}
+        self.block_of = {layer: j % num_blocks for j, layer in enumerate(self.hybrid)}
         stage = (pp or PPGroup.single()).layers(config.num_hidden_layers)
         used = {b for layer, b in self.block_of.items() if layer in stage}  # the blocks this stage's layers run
-        self.blocks = nn.ModuleList([on_stage(b in used, lambda: Zamba2Block(config, tp))
-                                     for b in range(config.num_mem_blocks)])
-        self.build_stage(config, pp, lambda i: Zamba2Layer(config, tp, i, self._block(i)),
+        self.blocks = nn.ModuleList([on_stage(b in used, lambda: self.block_class(config, tp))
+                                     for b in range(num_blocks)])
+        self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, self._block(i)),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         rope = rope_parameters(config)
