@@ -380,3 +380,7 @@ _MODEL_TYPES["hrm_text"] = "HrmTextForCausalLM"
 # [stream; embedding] at the hybrid layers (Zamba2's layout: specray.models.zamba)
 _ARCHITECTURES["ZambaForCausalLM"] = "specray.models.zamba:ZambaForCausalLM"
 _MODEL_TYPES["zamba"] = "ZambaForCausalLM"
+# JetMoE: a mixture of attention heads (per-token expert query/output projections over shared K/V) and a mixture of
+# SwiGLU experts, each with its own top-k router and a bias (specray.models.jetmoe)
+_ARCHITECTURES["JetMoeForCausalLM"] = "specray.models.jetmoe:JetMoeForCausalLM"
+_MODEL_TYPES["jetmoe"] = "JetMoeForCausalLM"
