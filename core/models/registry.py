@@ -384,3 +384,8 @@ _MODEL_TYPES["zamba"] = "ZambaForCausalLM"
 # SwiGLU experts, each with its own top-k router and a bias (specray.models.jetmoe)
 _ARCHITECTURES["JetMoeForCausalLM"] = "specray.models.jetmoe:JetMoeForCausalLM"
 _MODEL_TYPES["jetmoe"] = "JetMoeForCausalLM"
+# RecurrentGemma (Griffin): recurrent blocks (a short conv, then the RG-LRU, a gated diagonal recurrence: a recurrent
+# state per request) alternating with local multi-query attention by block_types, Gemma's scaled embedding and norms,
+# soft-capped logits (specray.models.recurrent_gemma)
+_ARCHITECTURES["RecurrentGemmaForCausalLM"] = "specray.models.recurrent_gemma:RecurrentGemmaForCausalLM"
+_MODEL_TYPES["recurrent_gemma"] = "RecurrentGemmaForCausalLM"
