@@ -103,6 +103,8 @@ def fp8_block_size(quant: dict | None) -> tuple[int, int] | None | bool:
     if not quant or int_scheme(quant) is not None or is_mxfp4(quant) or nvfp4_layout(quant) is not None:
         return False  # (specray.models.int_quant, .mxfp4, .nvfp4)
     method = quant.get("quant_method")
+    if method == "bitnet":  # packed ternary weights: unpacked by BitNet's own loader (specray.models.bitnet)
+        return False
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors_block(quant)
     if method == MODELOPT:  # ModelOpt's FP8 (its NVFP4 returned above): one scale per tensor

@@ -389,3 +389,11 @@ _MODEL_TYPES["jetmoe"] = "JetMoeForCausalLM"
 # soft-capped logits (specray.models.recurrent_gemma)
 _ARCHITECTURES["RecurrentGemmaForCausalLM"] = "specray.models.recurrent_gemma:RecurrentGemmaForCausalLM"
 _MODEL_TYPES["recurrent_gemma"] = "RecurrentGemmaForCausalLM"
+# DiffLlama: Llama with differential attention (two softmax maps per output head subtracted with a learned lambda,
+# attended as pair heads of 2 head_dim over the same paged cache) (specray.models.diffllama)
+_ARCHITECTURES["DiffLlamaForCausalLM"] = "specray.models.diffllama:DiffLlamaForCausalLM"
+_MODEL_TYPES["diffllama"] = "DiffLlamaForCausalLM"
+# BitNet b1.58: Llama's layer with RMSNorms before o_proj and down_proj and a squared-ReLU gate; its packed ternary
+# release (quant_method bitnet) unpacked at load, activations quantized per token (specray.models.bitnet)
+_ARCHITECTURES["BitNetForCausalLM"] = "specray.models.bitnet:BitNetForCausalLM"
+_MODEL_TYPES["bitnet"] = "BitNetForCausalLM"
