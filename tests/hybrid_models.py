@@ -333,6 +333,37 @@ def check_drafts_replayed(model, hf) -> None:
     assert (out - ref[pos: pos + 2]).abs().max() < TOL
 
 
+def check_tree_rows_match_their_paths(model, hf, seq: list[int], start: int, real: int, parents: list[int],
+                                      seed: int) -> None:
+    """After a prefill of ``seq[:start]``, one verify chunk of ``real`` tokens then drafts forming the tree
+    ``parents`` (each draft's parent draft, -1: the last real token), every node at its depth's position and seeing
+    its ancestors alone, over a shuffled block table: each row's logits equal transformers' over the row's own path
+    (its recurrent layers over its ancestors' inputs, its attention over them)."""
+    allocate_kv_cache(model, 64, 4)
+    allocate_recurrent_state(model, 2, len(parents))
+    table = torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist()
+    drafts = tokens(len(parents), seed)
+    with torch.no_grad():
+        meta = build_attention_metadata([start], [0], [table], 4)
+        meta.recurrent = RecurrentBatch([0], [True], [0], [0])
+        model(torch.tensor(seq[:start]), meta)
+        q = real + len(parents)
+        paths = [list(range(j + 1)) for j in range(real)]  # each row's path of new tokens (rows), oldest first
+        for p in parents:
+            paths.append((paths[real - 1] if p < 0 else paths[real + p]) + [len(paths)])
+        ancestors = torch.zeros(q, q, dtype=torch.bool)
+        for row, path in enumerate(paths):
+            ancestors[row, path] = True
+        positions = [start + len(path) - 1 for path in paths]
+        meta = build_attention_metadata([q], [start], [table], 4, positions=positions, ancestors=[ancestors])
+        meta.recurrent = RecurrentBatch([0], [False], [0], [len(parents)], parents=[parents])
+        ids = seq[start: start + real] + drafts
+        got = model.compute_logits(model(torch.tensor(ids), meta))
+    for row, path in enumerate(paths):
+        want = hf_logits(hf, seq[:start] + [ids[j] for j in path])[-1]
+        assert (got[row] - want).abs().max() < TOL, (row, path)
+
+
 # prompts that repeat themselves (n-gram drafts find matches, some accepted, some not) and one that does not
 PROMPT_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],
               [100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101],

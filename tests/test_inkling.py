@@ -22,7 +22,8 @@ from specray.models.layers import VocabParallelEmbedding
 from specray.models.loader import load_model, read_config
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PP_WORKER, PROMPT_IDS, TOL, TP_WORKER, check_drafts_replayed, check_lora_keeps_transformers_logits,
-    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy)
+    check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, check_tree_rows_match_their_paths, generate,
+    greedy)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
 
@@ -161,40 +162,6 @@ def test_padded_head_is_cut_to_the_unpadded_vocabulary(tiny_inkling_dir, referen
         assert all(lp.logprob > float("-inf") for step in out.outputs[0].logprobs for lp in step.values())
 
 
-def _tree_step(model, hf, seq: list[int], start: int, real: int, parents: list[int], seed: int) -> None:
-    """After a prefill of ``seq[:start]``, one verify chunk of ``real`` tokens then drafts forming the tree
-    ``parents`` (each draft's parent draft, -1: the last real token), every node at its depth's position and seeing
-    its ancestors alone: each row's logits equal transformers' over the row's own path."""
-    from specray.models.attention import build_attention_metadata
-    from specray.models.gated_deltanet import RecurrentBatch
-    from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
-
-    allocate_kv_cache(model, 64, 4)
-    allocate_recurrent_state(model, 2, len(parents))
-    table = torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist()
-    drafts = torch.randint(0, 300, (len(parents),), generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        meta = build_attention_metadata([start], [0], [table], 4)
-        meta.recurrent = RecurrentBatch([0], [True], [0], [0])
-        model(torch.tensor(seq[:start]), meta)
-        q = real + len(parents)
-        paths = [list(range(j + 1)) for j in range(real)]  # each row's path of new tokens (rows), oldest first
-        for p in parents:
-            paths.append((paths[real - 1] if p < 0 else paths[real + p]) + [len(paths)])
-        ancestors = torch.zeros(q, q, dtype=torch.bool)
-        for row, path in enumerate(paths):
-            ancestors[row, path] = True
-        positions = [start + len(path) - 1 for path in paths]
-        meta = build_attention_metadata([q], [start], [table], 4, positions=positions, ancestors=[ancestors])
-        meta.recurrent = RecurrentBatch([0], [False], [0], [len(parents)], parents=[parents])
-        ids = seq[start: start + real] + drafts
-        got = model.compute_logits(model(torch.tensor(ids), meta))
-    for row, path in enumerate(paths):
-        with torch.no_grad():
-            want = hf(torch.tensor([seq[:start] + [ids[j] for j in path]])).logits[0, -1]
-        assert max_diff(got[row], want) < TOL, (row, path)
-
-
 @pytest.mark.parametrize("real, parents", [(1, [-1, -1, 0, 1, 2, 2]),  # the short path
                                            (3, [-1, 0, 1, -1, 3, 4, 0, 6, 7, 2, 5, 5, 11, 12, 13])],  # its own
                          ids=["short", "own"])
@@ -204,7 +171,8 @@ def test_token_tree_rows_match_their_paths(tiny_inkling_dir, hf_inkling, real, p
     its relative logits its ancestors' distances (positions, not slots); its logits equal transformers' over its
     path."""
     seq = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
-    _tree_step(load_model(str(tiny_inkling_dir)), hf_inkling, seq, 19, real, parents, seed=len(parents))
+    check_tree_rows_match_their_paths(load_model(str(tiny_inkling_dir)), hf_inkling, seq, 19, real, parents,
+                                      seed=len(parents))
 
 
 # ---- each distinctive part, broken on purpose ------------------------------------------------------------------------

@@ -15,14 +15,11 @@ import pytest
 import torch
 
 import specray.models.zaya as zaya
-from specray.models.attention import build_attention_metadata
-from specray.models.gated_deltanet import RecurrentBatch
-from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
 from specray.models.loader import load_model, read_config
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate,
-    greedy, hf_logits, tokens)
+    check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens,
+    check_tree_rows_match_their_paths, generate, greedy, tokens)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
 
@@ -139,36 +136,8 @@ def test_token_tree_rows_match_their_paths(tiny_zaya_dir, hf_zaya):
     """A verify chunk whose drafts form a tree (the real token, two children of it, a grandchild under each, a
     great-grandchild under the second branch): each row's logits equal transformers' for its own path alone (its
     convs and delayed values over its ancestors' inputs, its attention over them)."""
-    seq = tokens(16, 5)
-    parents = [-1, -1, 0, 1, 3]
-    nodes = [seq[11], 7, seq[12], 9, 11]
-    model = load_model(str(tiny_zaya_dir))
-    allocate_kv_cache(model, 16, 4)
-    allocate_recurrent_state(model, 2, 6)
-    table = [9, 2, 12, 5, 0]
-    with torch.no_grad():
-        meta = build_attention_metadata([10], [0], [table], 4)
-        meta.recurrent = RecurrentBatch([0], [True], [0], [0])
-        model(torch.tensor(seq[:10]), meta)
-        chain = [-1] + [p + 1 for p in parents]  # rows: the real token, then the nodes
-        paths = []
-        for row in range(len(chain)):
-            path, cur = [], row
-            while cur >= 0:
-                path.insert(0, cur)
-                cur = chain[cur]
-            paths.append(path)
-        ancestors = torch.zeros(len(chain), len(chain), dtype=torch.bool)
-        for row, path in enumerate(paths):
-            ancestors[row, path] = True
-        meta = build_attention_metadata([len(chain)], [10], [table], 4, positions=[9 + len(p) for p in paths],
-                                        ancestors=[ancestors])
-        meta.recurrent = RecurrentBatch([0], [False], [0], [len(parents)], parents=[parents])
-        got = model.compute_logits(model(torch.tensor([seq[10]] + nodes), meta))
-    rows = [seq[10]] + nodes
-    for row, path in enumerate(paths):
-        want = hf_logits(hf_zaya, seq[:10] + [rows[r] for r in path])[-1]
-        assert max_diff(got[row], want) < TOL, (row, path)
+    check_tree_rows_match_their_paths(load_model(str(tiny_zaya_dir)), hf_zaya, tokens(16, 5), 10, 1,
+                                      [-1, -1, 0, 1, 3], seed=5)
 
 
 _CONV = zaya.CCAProjection._conv
