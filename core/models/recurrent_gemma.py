@@ -35,7 +35,6 @@ pipeline stages and LoRA (not built), and configs this file does not compute (ot
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +50,8 @@ from specray.models.kv_cache import RecurrentStateSpec
 from specray.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, apply_rotary, divide,
                                    max_positions, rope_parameters, rotary_dim)
-from specray.models.llama import _CHECKPOINT_NAMES, LlamaForCausalLM, StageModel, _head_dim, _kv_spec
+from specray.models.llama import _CHECKPOINT_NAMES, LlamaForCausalLM, _head_dim, _kv_spec
+from specray.models.qwen3_5 import HybridModel
 from specray.parallel import PPGroup, TPGroup
 
 BLOCK_TYPES = ("recurrent", "attention")
@@ -246,9 +246,12 @@ class RecurrentGemmaLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class RecurrentGemmaModel(StageModel):
+class RecurrentGemmaModel(HybridModel):
+    """The decoder stack: Qwen3.5's hybrid stack's forward (:class:`~specray.models.qwen3_5.HybridModel`) over
+    Griffin's layers, Gemma's scaled embedding and final norm."""
+
     def __init__(self, config, tp: TPGroup, expert_parallel: bool = False, pp: PPGroup | None = None):
-        super().__init__()
+        nn.Module.__init__(self)
         check_config(config)
         self.build_stage(config, pp, lambda i: RecurrentGemmaLayer(config, tp, i),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
@@ -261,21 +264,6 @@ class RecurrentGemmaModel(StageModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers
-        x = self.embed(input_ids) if intermediate is None else intermediate[0]
-        self.rotary_emb.ensure(meta.max_position + 1)
-        cos, sin = self.rotary_emb(meta.positions, x.dtype)
-        aux: dict[int, torch.Tensor] = {}
-        for i, layer in self.stage_layers():
-            if i in aux_layers:
-                aux[i] = x
-            x = layer(x, cos, sin, meta)
-        if not self.pp.is_last:
-            return x[None], [aux[i] for i in aux_layers]
-        return self.norm(x), [aux[i] for i in aux_layers]
 
 
 # the checkpoint's names onto ours: the attention's under self_attn, the RG-LRU's parameters on the block itself

@@ -397,3 +397,26 @@ _MODEL_TYPES["diffllama"] = "DiffLlamaForCausalLM"
 # release (quant_method bitnet) unpacked at load, activations quantized per token (specray.models.bitnet)
 _ARCHITECTURES["BitNetForCausalLM"] = "specray.models.bitnet:BitNetForCausalLM"
 _MODEL_TYPES["bitnet"] = "BitNetForCausalLM"
+# Aria's text model: Llama's layers with experts in every layer (top-k logits softmaxed, fused [E, H, 2I] experts) and
+# shared experts (specray.models.aria); its multimodal release keeps it under ``language_model.model.`` and
+# ``language_model.lm_head.`` (transformers' modules: ``model.language_model.``, ``lm_head.``) beside the vision tower
+# and projector (not read)
+_ARCHITECTURES["AriaTextForCausalLM"] = "specray.models.aria:AriaTextForCausalLM"
+_MODEL_TYPES["aria_text"] = "AriaTextForCausalLM"
+_TEXT_PARTS["AriaForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+# Phi-4-multimodal's text model: Phi-3's layers served text-only; its image and audio encoders
+# (``model.embed_tokens_extend.``) and its projections' built-in vision / speech LoRA adapters are not read, the base
+# weights (the release's ``base_layer``) serve text (specray.models.phi4_multimodal). Its config is flat (no
+# text_config): the architecture is served by the text class itself. Phi4MMForCausalLM / phi4mm: the release's own
+# layout (its config class is remote code)
+_ARCHITECTURES["Phi4MultimodalForCausalLM"] = "specray.models.phi4_multimodal:Phi4MultimodalForCausalLM"
+_ARCHITECTURES["Phi4MMForCausalLM"] = "specray.models.phi4_multimodal:Phi4MultimodalForCausalLM"
+_MODEL_TYPES["phi4_multimodal"] = "Phi4MultimodalForCausalLM"
+_MODEL_TYPES["phi4mm"] = "Phi4MMForCausalLM"
+# Doge (SmallDoge): Llama's layers with dynamic mask attention (a per-key bias from each token's values, cached per
+# slot beside its K/V, top keep_window_size keys per query), q/k norms and learned residual scales
+# (specray.models.doge)
+_ARCHITECTURES["DogeForCausalLM"] = "specray.models.doge:DogeForCausalLM"
+_MODEL_TYPES["doge"] = "DogeForCausalLM"
