@@ -77,13 +77,7 @@ class AlibiAttention(PagedAttention):
         if seq.query_len <= block:  # the step's bias, built once and shared by the layers
             return super()._own(q, k, v, meta, i, select)
         assert select is None, "ALiBi has no sparse selection"
-        if seq.fresh:  # its keys are its own rows, rounded as the cache holds them
-            rows = slice(seq.token_start, seq.token_end)
-            ks, vs = (self._read(self._stored(x[rows], s), q.dtype, s).transpose(0, 1)[None]
-                      for x, s in ((k, self.k_scale), (v, self.v_scale)))  # [1, Hkv, ctx, D]
-        else:
-            ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)
-            vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
+        ks, vs = self.own_keys_values(k, v, meta, i, q.dtype)  # [1, Hkv, ctx, D]
         k_pos = own_key_positions(meta, i)  # [ctx]
         out = []
         for a in range(0, seq.query_len, block):

@@ -548,6 +548,20 @@ class PagedAttention(nn.Module):
         """Own sequence ``i``'s mask (:meth:`AttentionMetadata.own_mask`; a subclass's: additive, never None)."""
         return meta.own_mask(i, self.groups, self.mask_kind)
 
+    def own_keys_values(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, i: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Own sequence ``i``'s keys and values as its attention reads them, [1, Hkv, ctx, D] each: a fresh
+        sequence's own rows of ``k`` / ``v`` [T, Hkv, D] (rounded as the cache holds them), another's context from the
+        cache (a family with an additive bias per row attends them itself, by blocks of rows)."""
+        seq = meta.own[i]
+        if seq.fresh:
+            rows = slice(seq.token_start, seq.token_end)
+            ks, vs = (self._read(self._stored(x[rows], s), dtype, s).transpose(0, 1)[None]
+                      for x, s in ((k, self.k_scale), (v, self.v_scale)))
+            return ks, vs
+        return (self._read(self._context(self.k_cache, seq), dtype, self.k_scale),
+                self._read(self._context(self.v_cache, seq), dtype, self.v_scale))
+
     def _own(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
              i: int, select: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]; select: [q, ctx] bool, as :meth:`_short`'s

@@ -132,13 +132,7 @@ class RelativeAttention(PagedAttention):
     def _own_relative(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                       meta: AttentionMetadata, i: int) -> torch.Tensor:
         seq = meta.own[i]
-        if seq.fresh:  # its keys are its own rows, rounded as the cache holds them
-            rows = slice(seq.token_start, seq.token_end)
-            ks, vs = (self._read(self._stored(x[rows], s), q.dtype, s).transpose(0, 1)[None]
-                      for x, s in ((k, self.k_scale), (v, self.v_scale)))  # [1, Hkv, ctx, D]
-        else:
-            ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)
-            vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
+        ks, vs = self.own_keys_values(k, v, meta, i, q.dtype)  # [1, Hkv, ctx, D]
         k_pos = own_key_positions(meta, i)  # [ctx]
         block = max(1, BIAS_ELEMENTS // (self.num_heads * seq.context_len))
         out = []

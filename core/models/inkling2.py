@@ -243,13 +243,7 @@ class BiasedAttention(PagedAttention):
 
     def _own_biased(self, q, k, v, meta, i, profiles, sinks) -> torch.Tensor:
         seq = meta.own[i]
-        rows = slice(seq.token_start, seq.token_end)
-        if seq.fresh:  # its keys are its own rows, rounded as the cache holds them
-            ks, vs = (self._read(self._stored(x[rows], s), q.dtype, s).transpose(0, 1)[None]
-                      for x, s in ((k, self.k_scale), (v, self.v_scale)))  # [1, Hkv, q, D]
-        else:
-            ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)
-            vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
+        ks, vs = self.own_keys_values(k, v, meta, i, q.dtype)  # [1, Hkv, ctx, D]
         index = meta.cached(("inkling2-own", i, self.extent), lambda m: self._own_index(m, i))  # [q, ctx]
         allowed = meta.own_allowed(i, self.mask_kind)
         heads, ctx = self.num_heads, index.shape[-1]
