@@ -589,6 +589,22 @@ class RecurrentMixer(nn.Module):
         return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)
 
 
+class ConvOnlyMixer(RecurrentMixer):
+    """A recurrent mixer that is its conv alone (LFM2's short conv, ZAYA's convolutional attention, Qwen4-Exp's PLE
+    conv and earlier ids, the Inklings' convs): no matrix to carry, the conv's outputs are the layer's, and a token
+    tree's rows need nothing past their own windows (:func:`tree_windows`)."""
+
+    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        v = conv[:, :, None, :]  # [B, L, 1, C]
+        return v, v, v
+
+    def _rule(self, q, k, v, g, beta, state, keep_at):
+        return v, state
+
+    def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
+        return v, state
+
+
 def check_linear_heads_split(config, tp: int, pp: int) -> None:
     """A family's ``check_split``: ``tp`` ranks split the linear-attention layers' key and value heads (checked
     before any rank starts)."""

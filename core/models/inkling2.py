@@ -56,11 +56,10 @@ from torch import nn
 
 from specray.models.alibi import BIAS_ELEMENTS
 from specray.models.attention import AttentionMetadata, PagedAttention, explicit_attention, own_key_positions
-from specray.models.gated_deltanet import RecurrentMixer, RecurrentModel, depthwise_conv, rank_rows
+from specray.models.gated_deltanet import ConvOnlyMixer, RecurrentMixer, RecurrentModel, depthwise_conv, rank_rows
 from specray.models.kv_cache import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
 from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                                    _copy, _param, divide, narrow, on_stage, widen_to_vocab)
-from specray.models.lfm2 import ShortConv
 from specray.models.llama import LlamaForCausalLM, StageModel
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -122,14 +121,13 @@ class BlockAttentionResidual(nn.Module):
         return (weights @ sources).unbind(1)
 
 
-class Inkling2Conv(RecurrentMixer):
+class Inkling2Conv(ConvOnlyMixer):
     """A short causal depthwise conv over ``channels`` with the current input added, ``(conv(x) + x) / sqrt(K + 1)``
-    in float32; a recurrent mixer with no matrix (LFM2's :class:`~specray.models.lfm2.ShortConv`'s rule), so its
-    history is kept per request, drafts replayed and tree rows read their own paths. ``tp``: whose rows of the
+    in float32; a recurrent mixer with no matrix (as LFM2's short conv), so its history is kept per request, drafts
+    replayed and tree rows read their own paths. ``tp``: whose rows of the
     checkpoint's conv this holds (a single group: all)."""
 
     conv_activation = False
-    _split_heads, _rule, _tree_rule = ShortConv._split_heads, ShortConv._rule, ShortConv._tree_rule
 
     def __init__(self, channels: int, kernel: int, tp: TPGroup):
         super().__init__()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.gated_deltanet import FusedColumnLinear, RecurrentMixer, RecurrentModel, depthwise_conv
+from specray.models.gated_deltanet import ConvOnlyMixer, FusedColumnLinear, RecurrentModel, depthwise_conv
 from specray.models.kv_cache import RecurrentStateSpec
 from specray.models.layers import RMSNorm, RowParallelLinear, divide
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, \
@@ -37,7 +37,7 @@ from specray.models.moe import SparseMoE
 from specray.parallel import TPGroup
 
 
-class ShortConv(RecurrentMixer):
+class ShortConv(ConvOnlyMixer):
     """LFM2's gated short conv over this rank's channels (module docstring); its checkpoint's ``conv.conv`` is
     ``conv1d`` here, the name every recurrent mixer's conv has."""
 
@@ -66,16 +66,6 @@ class ShortConv(RecurrentMixer):
         none = x.new_zeros(t, 0, dtype=torch.float32)  # no decay, no strength: nothing but the conv
         y = self.recurrence(b * h, none, none, meta).reshape(t, -1)  # [T, C]
         return self.out_proj(c * y.to(x.dtype))
-
-    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        v = conv[:, :, None, :]  # [B, L, 1, C]: the conv's outputs are the layer's
-        return v, v, v
-
-    def _rule(self, q, k, v, g, beta, state, keep_at):
-        return v, state  # no matrix to carry
-
-    def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
-        return v, state  # each row's conv already read its own path (tree_windows)
 
 
 class Lfm2Attention(LlamaAttention):

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention, own_key_positions
-from specray.models.gated_deltanet import (GatedDeltaNet, GatedRMSNorm, RecurrentMixer, RecurrentModel,
+from specray.models.gated_deltanet import (ConvOnlyMixer, GatedDeltaNet, GatedRMSNorm, RecurrentMixer, RecurrentModel,
                                            check_linear_heads_split)
 from specray.models.kv_cache import KVCache, KVCacheSpec, RecurrentStateSpec
 from specray.models.layers import (ColumnParallelLinear, RotaryEmbedding, VocabParallelEmbedding, _copy, _param,
@@ -357,7 +357,7 @@ def ngram_table_sizes(base: int, first: int, count: int) -> list[int]:
     return sizes
 
 
-class NGramEmbedding(RecurrentMixer):
+class NGramEmbedding(ConvOnlyMixer):
     """A PLE layer's hashed n-gram embedding. Its state is the last ``ngram_size - 1`` ids of the request, kept as a
     conv history (each id as :data:`DIGITS` base-256 digits of id + 1, 0 before the first token) that a fixed one-hot
     conv shifts: channel group s reads the token s back."""
@@ -397,16 +397,6 @@ class NGramEmbedding(RecurrentMixer):
     @property
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(conv_dim=self.channels, conv_width=self.n - 1, num_heads=0, key_dim=1, value_dim=1)
-
-    def _split_heads(self, conv: torch.Tensor):
-        v = conv[:, :, None, :]
-        return v, v, v
-
-    def _rule(self, q, k, v, g, beta, state, keep_at):
-        return v, state
-
-    def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
-        return v, state
 
     def earlier_ids(self, input_ids: torch.Tensor, meta, dtype: torch.dtype) -> torch.Tensor:
         """[T] ids -> [T, n - 1] the ids 1 .. n - 1 tokens back (-1 before the sequence's first)."""
@@ -463,7 +453,7 @@ class RowShards(tuple):
     them), handed to the table's loader unjoined so that no rank ever holds the whole table in memory."""
 
 
-class PerLayerEmbedding(RecurrentMixer):
+class PerLayerEmbedding(ConvOnlyMixer):
     """A layer's PLE (module docstring), replicated on every rank but its n-gram table; the mixer itself is its
     dilated conv (a dense conv of ``(K - 1) * ngram_size + 1`` taps, zero between the checkpoint's ``K``)."""
 
@@ -493,16 +483,6 @@ class PerLayerEmbedding(RecurrentMixer):
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(conv_dim=self.n * self.h, conv_width=self.kernel - 1, num_heads=0, key_dim=1,
                                   value_dim=1)
-
-    def _split_heads(self, conv: torch.Tensor):
-        v = conv[:, :, None, :]
-        return v, v, v
-
-    def _rule(self, q, k, v, g, beta, state, keep_at):
-        return v, state
-
-    def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
-        return v, state
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, meta) -> torch.Tensor:
         # streams [T, n * H] -> what PLE adds to them [T, n * H]

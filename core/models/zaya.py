@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.gated_deltanet import RecurrentMixer, RecurrentModel, rank_rows
+from specray.models.gated_deltanet import ConvOnlyMixer, RecurrentModel, rank_rows
 from specray.models.kv_cache import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
 from specray.models.layers import (ColumnParallelLinear, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, _copy, _param, apply_rotary, divide,
@@ -103,7 +103,7 @@ def check_kv_split(config, tp: int) -> None:
                          "so KV heads are not replicated); choose one that divides it")
 
 
-class CCAProjection(RecurrentMixer):
+class CCAProjection(ConvOnlyMixer):
     """ZAYA's q/k/v projection (module docstring) over this rank's heads: ``qkv_proj`` (q, k and the value rows of
     this rank's KV heads, the checkpoint's ``v_proj_current`` then ``v_proj_delayed`` stacked as one v), the two
     convs, and the conv state of a recurrent mixer with no matrix."""
@@ -195,16 +195,6 @@ class CCAProjection(RecurrentMixer):
 
     def _tree_conv(self, rows: torch.Tensor) -> torch.Tensor:
         return self._conv(rows)[:, 0]  # each row's window a sequence of one output
-
-    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        v = conv[:, :, None, :]  # [B, L, 1, C]: the conv's outputs are the layer's
-        return v, v, v
-
-    def _rule(self, q, k, v, g, beta, state, keep_at):
-        return v, state  # no matrix to carry
-
-    def _tree_rule(self, q, k, v, g, beta, state, parent_rows, keep):
-        return v, state  # each row's conv already read its own path (tree_windows)
 
 
 class ZayaAttention(nn.Module):
