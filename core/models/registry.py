@@ -420,3 +420,11 @@ _MODEL_TYPES["phi4mm"] = "Phi4MMForCausalLM"
 # (specray.models.doge)
 _ARCHITECTURES["DogeForCausalLM"] = "specray.models.doge:DogeForCausalLM"
 _MODEL_TYPES["doge"] = "DogeForCausalLM"
+# GPT-NeoX-Japanese: GPT-NeoX's fused q/k/v and partial RoPE in Llama's order, bias-free but for the last layer's
+# attention output (dense_bias), an MLP intermediate_multiple_size times wide (specray.models.gpt_neox_japanese)
+_ARCHITECTURES["GPTNeoXJapaneseForCausalLM"] = "specray.models.gpt_neox_japanese:GPTNeoXJapaneseForCausalLM"
+_MODEL_TYPES["gpt_neox_japanese"] = "GPTNeoXJapaneseForCausalLM"
+# XGLM: fairseq's sinusoidal positions (offset 2) added to the scaled token embedding, pre-LayerNorms, biases
+# everywhere, a gateless MLP, the head tied (specray.models.xglm)
+_ARCHITECTURES["XGLMForCausalLM"] = "specray.models.xglm:XGLMForCausalLM"
+_MODEL_TYPES["xglm"] = "XGLMForCausalLM"
