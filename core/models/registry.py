@@ -420,6 +420,14 @@ _MODEL_TYPES["phi4mm"] = "Phi4MMForCausalLM"
 # (specray.models.doge)
 _ARCHITECTURES["DogeForCausalLM"] = "specray.models.doge:DogeForCausalLM"
 _MODEL_TYPES["doge"] = "DogeForCausalLM"
+# Emu3's text model: Llama's layers over a vocabulary holding the VQ-VAE's image codes (specray.models.emu3); its
+# multimodal release keeps it under ``text_model.model.`` and ``text_model.lm_head.`` (transformers' modules:
+# ``model.text_model.``, ``lm_head.``) beside the VQ-VAE (``vqmodel.``, not read)
+_ARCHITECTURES["Emu3ForCausalLM"] = "specray.models.emu3:Emu3ForCausalLM"
+_MODEL_TYPES["emu3_text_model"] = "Emu3ForCausalLM"
+_TEXT_PARTS["Emu3ForConditionalGeneration"] = (
+    (re.compile(r"^(?:text_model\.model|model\.text_model)\."), "model."),
+    (re.compile(r"^(?:text_model\.)?lm_head\."), "lm_head."))
 # GPT-NeoX-Japanese: GPT-NeoX's fused q/k/v and partial RoPE in Llama's order, bias-free but for the last layer's
 # attention output (dense_bias), an MLP intermediate_multiple_size times wide (specray.models.gpt_neox_japanese)
 _ARCHITECTURES["GPTNeoXJapaneseForCausalLM"] = "specray.models.gpt_neox_japanese:GPTNeoXJapaneseForCausalLM"
@@ -428,3 +436,12 @@ _MODEL_TYPES["gpt_neox_japanese"] = "GPTNeoXJapaneseForCausalLM"
 # everywhere, a gateless MLP, the head tied (specray.models.xglm)
 _ARCHITECTURES["XGLMForCausalLM"] = "specray.models.xglm:XGLMForCausalLM"
 _MODEL_TYPES["xglm"] = "XGLMForCausalLM"
+# Llama 3.2 Vision's text model: Llama 3's layers among cross-attention layers, which transformers skips entirely for a
+# text-only prompt (specray.models.mllama: skipped, their tensors unread; an embedding of vocab_size + 8 rows); its
+# multimodal release keeps it under ``language_model.model.`` and ``language_model.lm_head.`` (transformers' modules:
+# ``model.language_model.``, ``lm_head.``) beside ``vision_model.`` and ``multi_modal_projector.`` (not read)
+_ARCHITECTURES["MllamaForCausalLM"] = "specray.models.mllama:MllamaForCausalLM"
+_MODEL_TYPES["mllama_text_model"] = "MllamaForCausalLM"
+_TEXT_PARTS["MllamaForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
