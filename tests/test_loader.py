@@ -125,9 +125,9 @@ def test_config_and_tokenizer(tiny_llama_dir):
 
 
 def test_unknown_architecture(tiny_llama_dir, tmp_path):
-    folder = copy_config(tiny_llama_dir, tmp_path / "xglm", architectures=["XGLMForCausalLM"], model_type="xglm")
+    folder = copy_config(tiny_llama_dir, tmp_path / "rwkv", architectures=["RwkvForCausalLM"], model_type="rwkv")
     shutil.copy(tiny_llama_dir / "model.safetensors", folder)
-    with pytest.raises(ValueError, match=r"XGLMForCausalLM.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"RwkvForCausalLM.*not supported.*LlamaForCausalLM"):
         load_model(str(folder))
 
 
@@ -1837,14 +1837,14 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
-GGUF_LOADABLE = ["apertus", "arcee", "bloom", "cohere2", "command-r", "dbrx", "deepseek2", "dots1", "ernie4_5",
-                 "ernie4_5-moe", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2", "gemma3", "gemma3n",
-                 "gemma4",
-                 "glm-dsa", "glm4", "glm4moe", "gpt-oss", "gpt2", "gptneox", "granite", "granitehybrid", "granitemoe",
-                 "hunyuan-dense", "hunyuan-moe", "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3",
-                 "minimax-m2", "mistral3", "mpt", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2",
-                 "olmoe", "phi2", "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
-                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "stablelm", "starcoder", "starcoder2"]
+GGUF_LOADABLE = ["apertus", "arcee", "bitnet", "bloom", "cohere2", "command-r", "dbrx", "deepseek2", "dots1",
+                 "ernie4_5", "ernie4_5-moe", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2",
+                 "gemma3", "gemma3n", "gemma4", "glm-dsa", "glm4", "glm4moe", "gpt-oss", "gpt2", "gptj", "gptneox",
+                 "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jais2", "jamba",
+                 "kimi-linear", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3",
+                 "mpt", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi2", "phi3", "qwen2",
+                 "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl",
+                 "qwen3vlmoe", "seed_oss", "smollm3", "stablelm", "starcoder", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 

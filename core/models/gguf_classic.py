@@ -60,7 +60,12 @@ What the converter writes, read back here:
   refuse one). The experts the release fuses per layer, ``w1`` (gate), ``v1`` (up) and ``w2`` (down's transpose), each
   [experts * width, hidden], which the converter views as [experts, width, hidden] (``w2`` permuted to [experts,
   hidden, width]: the down projections) and writes as ``ffn_gate_exps``, ``ffn_up_exps`` and ``ffn_down_exps``, are
-  fused back.
+  fused back;
+* GPT-J (``gptj``: :mod:`specray.models.gptj`): llama.cpp has the architecture's tensor names but no converter and no
+  graph for it (its RoPE type for ``gptj`` is none), so a file is read as gguf-py's map names the release's tensors,
+  nothing reordered (q/k rows in the release's interleaved-pair order): ``rope.dimension_count`` as ``rotary_dim``
+  (the whole head where unwritten), a base other than GPT-J's 10000 or any scaling refused, a KV head per query head,
+  the head untied with its bias (``output.bias``; a file without ``output`` refused).
 
 What no key carries is set as the releases have it and llama.cpp's graph computes it: the MLP's activation (GPT-2's,
 Phi-2's, BLOOM's and StarCoder's tanh GELU, Falcon's, Pythia's and MPT's exact one; llama.cpp computes each by the
@@ -95,7 +100,8 @@ import torch
 from specray.models.gguf_read import (GGUFMeta, GGUFTensors, as_written, check_tensor_names, converted_groups,
                                       gguf_names, read_model_gguf, rope_parameters)
 
-CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox", "bloom", "mpt", "starcoder", "dbrx")
+CLASSIC_GGUF_ARCHS = ("gpt2", "stablelm", "phi2", "falcon", "gptneox", "bloom", "mpt", "starcoder", "dbrx", "gptj")
+_GPTJ_ROPE_BASE = 10000.0  # GPT-J's (its config names none)
 _FALCON_LAYOUT = "jploski"  # the converter's name for its q/k/v order (all queries, all keys, all values)
 _GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -313,6 +319,26 @@ def _dbrx_config(get: GGUFMeta, tensors: GGUFTensors):
                       **{**_common(get, tensors), "tie_word_embeddings": False})
 
 
+def _gptj_config(get: GGUFMeta, tensors: GGUFTensors):
+    from transformers import GPTJConfig
+
+    heads, _, head_dim = _heads(get, one_kv_per_head=True)
+    rotated = int(get("rope.dimension_count", head_dim))
+    if not 0 < rotated <= head_dim or rotated % 2:
+        raise _refuse(get, f"has gptj.rope.dimension_count={rotated} for heads of {head_dim}; GPT-J rotates an even "
+                           "number of a head's first features (rotary_dim)")
+    base = float(get("rope.freq_base", _GPTJ_ROPE_BASE))
+    if base != _GPTJ_ROPE_BASE or get("rope.scaling.type", "none") != "none":
+        raise _refuse(get, f"has gptj.rope.freq_base={base} / rope.scaling.type={get('rope.scaling.type', 'none')!r}; "
+                           f"GPT-J's RoPE has the base {_GPTJ_ROPE_BASE:g} and no scaling")
+    if "output.weight" not in tensors:
+        raise _refuse(get, "has no output.weight; GPT-J's LM head (with its bias) is never tied to the embedding")
+    return GPTJConfig(architectures=["GPTJForCausalLM"], n_positions=int(get("context_length")),
+                      n_embd=int(get("embedding_length")), n_layer=get.model_layers(), n_head=heads,
+                      rotary_dim=rotated, n_inner=_ffn(get, tensors), activation_function="gelu_new",
+                      layer_norm_epsilon=_eps(get), **{**_common(get, tensors), "tie_word_embeddings": False})
+
+
 # ---------------------------------------------------------------------------------------------- names
 
 
@@ -395,6 +421,14 @@ def _dbrx_names(config, i: int | None) -> list[str]:
         f"{at}ffn.router.layer.weight", *(f"{at}ffn.experts.mlp.{w}" for w in ("w1", "v1", "w2"))]
 
 
+def _gptj_names(config, i: int | None) -> list[str]:
+    if i is None:  # (the head, never tied, with its bias)
+        return ["transformer.wte.weight", *_weights("transformer.ln_f", True), "lm_head.bias"]
+    at = f"transformer.h.{i}."
+    return [*_weights(f"{at}ln_1", True), *(f"{at}attn.{p}_proj.weight" for p in ("q", "k", "v", "out")),
+            *_weights(f"{at}mlp.fc_in", True), *_weights(f"{at}mlp.fc_out", True)]
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 
@@ -449,7 +483,8 @@ _FAMILIES = {"gpt2": _Family("GPT-2", _gpt2_config, _gpt2_names),
              "starcoder": _Family("StarCoder", _starcoder_config, _gpt2_names),  # (GPT-2's names, Linear weights)
              # DbrxModel maps the fused experts (no ``.weight`` in the release) with the suffix added
              "dbrx": _Family("DBRX", _dbrx_config, _dbrx_names,
-                             spelled=lambda n: f"{n}.weight" if ".ffn.experts.mlp." in n else n)}
+                             spelled=lambda n: f"{n}.weight" if ".ffn.experts.mlp." in n else n),
+             "gptj": _Family("GPT-J", _gptj_config, _gptj_names)}
 
 
 def classic_gguf_config(get: GGUFMeta, tensors: GGUFTensors):

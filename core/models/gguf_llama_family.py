@@ -16,11 +16,13 @@ stretch it) and its MoE models (``hunyuan-moe``: the experts stacked, one shared
 bias and shared experts), K-EXAONE (``exaone-moe``: EXAONE 4.0's windows, pre-norm layers, DeepSeek-V3's router and
 shared experts; the MTP layers the converter keeps, after the model's own, left out), Command R / R+ (``command-r``) and
 Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the logit scale, the
-window) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and Qwen3-VL-MoE
-(``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``) rotates a
-text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read -- through
-its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's, Qwen3-VL-MoE's,
-ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name them.
+window), Jais 2 (``jais2``: LayerNorms with biases, their epsilon as ``attention.layer_norm_epsilon``, the gateless
+relu^2 MLP with biases) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
+Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
+rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read
+-- through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
+Qwen3-VL-MoE's, ERNIE 4.5's) are stacked per projection in the file and split back per expert, as the releases name
+them.
 
 What the converter writes, read back here: a Llama's metadata (sizes, heads, head size, RoPE base and scaling:
 linear, YaRN or Llama 3's per-frequency factors, :func:`~specray.models.gguf_read.rope_parameters`);
@@ -148,6 +150,12 @@ def _ernie_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "moe_k": int(get("expert_used_count")),
             "moe_intermediate_size": width, "moe_num_shared_experts": shared, "moe_layer_start_index": start,
             "moe_layer_interval": int(get("interleave_moe_layer_step")), "moe_layer_end_index": layers - 1}
+
+
+def _jais2(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, float]:
+    """Jais 2's LayerNorms' epsilon (its gateless relu^2 MLP is its config's default: the converter writes no
+    activation, llama.cpp fixes it)."""
+    return {"layer_norm_eps": as_written(get("attention.layer_norm_epsilon"))}
 
 
 def _cohere_norms(get: GGUFMeta) -> dict[str, float]:
@@ -295,7 +303,9 @@ _FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False,
              # Apertus: the xIELU activation's four scalars per layer as metadata arrays
              "apertus": _Family("ApertusConfig", "ApertusForCausalLM", permuted=False, own=_apertus,
                                 from_keys={f"mlp.act_fn.{name}": (f"xielu.{name}", shape) for name, shape in
-                                           (("alpha_n", (1,)), ("alpha_p", (1,)), ("beta", ()), ("eps", ()))})}
+                                           (("alpha_n", (1,)), ("alpha_p", (1,)), ("beta", ()), ("eps", ()))}),
+             # Jais 2: LayerNorms with biases, AFM's gateless relu^2 MLP (its TextModel: no q/k reordering)
+             "jais2": _Family("Jais2Config", "Jais2ForCausalLM", permuted=False, own=_jais2)}
 # Granite 3's MoE (``granitemoe``), and with a shared expert (GraniteMoeShared): its fused gate/up experts
 # (``input_linear`` [E, 2I, H]) split by the converter into ``ffn_gate_exps`` and ``ffn_up_exps``, its shared MLP's
 # (``shared_mlp.input_linear`` [2S, H]) into ``ffn_gate_shexp`` and ``ffn_up_shexp``

@@ -19,16 +19,18 @@ factors included, by ``_fix_gguf_rope``), and the families whose config and tens
 (``granitehybrid``), Nemotron-H (``nemotron_h``), with experts (``nemotron_h_moe``: Nemotron 3), Falcon-H1
 (``falcon-h1``) -- (:mod:`specray.models.gguf_mamba2`), Gemma 4's text (``gemma4``: :mod:`specray.models.gguf_gemma4`),
 Gemma 3n's text (``gemma3n``: :mod:`specray.models.gguf_gemma3n`), Jamba (``jamba``:
-:mod:`specray.models.gguf_jamba`), LFM2-MoE (``lfm2moe``: :mod:`specray.models.gguf_lfm2`), the families llama.cpp
-writes in a Llama's layout under architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Granite 3
-(dense and MoE), OLMo 1, 2 and 3, OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE
-models, dots.llm1, K-EXAONE, Command R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models
+:mod:`specray.models.gguf_jamba`), LFM2-MoE (``lfm2moe``: :mod:`specray.models.gguf_lfm2`), Kimi-Linear
+(``kimi-linear``: :mod:`specray.models.gguf_kimi_linear`), the families llama.cpp writes in a Llama's layout under
+architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Jais 2, Granite 3 (dense and MoE), OLMo 1, 2
+and 3, OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE models, dots.llm1,
+K-EXAONE, Command R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models
 (:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``) and GLM-5
 (``glm-dsa``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``:
 :mod:`specray.models.gguf_glm4_moe`), Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`), MiniCPM3 (``minicpm3``:
 :mod:`specray.models.gguf_minicpm3`) and the classic GPT families -- GPT-2 (``gpt2``), StableLM (``stablelm``), Phi-2
 (``phi2``), Falcon (``falcon``), GPT-NeoX (``gptneox``), BLOOM (``bloom``), MPT (``mpt``), GPT-BigCode / StarCoder
-(``starcoder``) and DBRX (``dbrx``) -- (:mod:`specray.models.gguf_classic`); a GGUF of another architecture (of a
+(``starcoder``), DBRX (``dbrx``) and GPT-J (``gptj``) -- (:mod:`specray.models.gguf_classic`), BitNet b1.58
+(``bitnet``: :mod:`specray.models.gguf_bitnet`); a GGUF of another architecture (of a
 family specray does not serve, or one the installed transformers cannot map) is refused before any conversion, naming
 the fix: load the model's HF checkpoint instead.
 """
@@ -55,12 +57,14 @@ from specray.config import GGUF_DTYPE_ENV, GGUF_DTYPES, LOAD_FORMATS, QUANTIZATI
 from specray.models.cpu_kernels import can_pack, pack_linear_weights
 from specray.models.fp8 import (dequantized, fp4_experts, fp8_block_size, renamed_block_scales, scale_suffix,
                                 static_activations, w8a8_format)
+from specray.models.gguf_bitnet import BITNET_GGUF_ARCHS, bitnet_gguf_checkpoint
 from specray.models.gguf_classic import CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint
 from specray.models.gguf_deepseek import DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint
 from specray.models.gguf_gemma3n import GEMMA3N_GGUF_ARCHS, gemma3n_gguf_checkpoint
 from specray.models.gguf_gemma4 import GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint
 from specray.models.gguf_glm4_moe import GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint
 from specray.models.gguf_jamba import JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint
+from specray.models.gguf_kimi_linear import KIMI_LINEAR_GGUF_ARCHS, kimi_linear_gguf_checkpoint
 from specray.models.gguf_lfm2 import LFM2_GGUF_ARCHS, lfm2_moe_gguf_checkpoint
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama4 import LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint
@@ -111,12 +115,13 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "qwen3vlmoe": "Qwen3-VL-MoE text", "ernie4_5-moe": "ERNIE 4.5 MoE", "command-r": "Command R / R+",
                   "cohere2": "Command R7B / Command A", "mistral3": "Ministral 3",
                   "hunyuan-dense": "Hunyuan (dense)", "granitemoe": "Granite 3 MoE",
+                  "kimi-linear": "Kimi-Linear", "jais2": "Jais 2",
                   "apertus": "Apertus", "minicpm3": "MiniCPM3", "dots1": "dots.llm1",
                   "hunyuan-moe": "Hunyuan (MoE)", "olmo": "OLMo (the first)", "glm-dsa": "GLM-5",
                   "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE", "gpt2": "GPT-2", "stablelm": "StableLM",
                   "phi2": "Phi-1 / 1.5 / 2", "falcon": "Falcon (RoPE releases)", "gptneox": "GPT-NeoX / Pythia",
                   "bloom": "BLOOM", "mpt": "MPT", "starcoder": "GPT-BigCode / StarCoder", "dbrx": "DBRX",
-                  "gemma3n": "Gemma 3n text"}
+                  "gemma3n": "Gemma 3n text", "gptj": "GPT-J", "bitnet": "BitNet b1.58"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -124,13 +129,15 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(GEMMA4_GGUF_ARCHS, gemma4_gguf_checkpoint),
                  **dict.fromkeys(GEMMA3N_GGUF_ARCHS, gemma3n_gguf_checkpoint),
                  **dict.fromkeys(JAMBA_GGUF_ARCHS, jamba_gguf_checkpoint),
+                 **dict.fromkeys(KIMI_LINEAR_GGUF_ARCHS, kimi_linear_gguf_checkpoint),
                  **dict.fromkeys(LFM2_GGUF_ARCHS, lfm2_moe_gguf_checkpoint),
                  **dict.fromkeys(DEEPSEEK_GGUF_ARCHS, deepseek_gguf_checkpoint),
                  **dict.fromkeys(LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint),
                  **dict.fromkeys(GLM4_MOE_GGUF_ARCHS, glm4_moe_gguf_checkpoint),
                  **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint),
                  **dict.fromkeys(MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint),
-                 **dict.fromkeys(CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint)}
+                 **dict.fromkeys(CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint),
+                 **dict.fromkeys(BITNET_GGUF_ARCHS, bitnet_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
