@@ -201,9 +201,9 @@ def test_a_kimi_linear_gguf_serves_as_its_folder(kimi_dir, tmp_path, gguf_cache)
 def test_a_kimi_linear_gguf_of_the_other_layouts_converts_to_its_folder(tmp_path, gguf_cache):
     """A release with a query LoRA (``attn_q_a`` / ``attn_q_a_norm`` / ``attn_q_b``), two dense layers, its latent
     attention's ``kv_b_proj`` whole (``attn_kv_b``, older converters) and its KDA layers first and last of five,
-    convs 3 long, converts into the folder's tensors and gives transformers' logits; one with a tied head (no
-    ``output`` tensor) reads as tied and converts into its folder's tensors (the tied head's logits are not compared:
-    our Kimi-Linear on a tied folder is not transformers', the releases being untied)."""
+    convs 3 long, converts into the folder's tensors and gives transformers' logits; a file without an ``output``
+    tensor (llama.cpp's head is then the embedding) converts with its head written out from ``token_embd``, untied
+    (transformers' Kimi-Linear ties nothing)."""
     import specray_test_hybrid_models as hybrid  # tests/hybrid_models.py (registered by conftest)
 
     folder = _kimi_folder(tmp_path / "kimi_q_lora", q_lora_rank=24, num_hidden_layers=5, first_k_dense_replace=2,
@@ -217,8 +217,11 @@ def test_a_kimi_linear_gguf_of_the_other_layouts_converts_to_its_folder(tmp_path
     hybrid.check_prefill_chunks_and_decode(load_model(str(path), pack=False), hf_model(folder))
     tied = _kimi_folder(tmp_path / "kimi_tied", tie_word_embeddings=True)
     path = write_kimi_gguf(tied, tmp_path / "kimi_tied.gguf")
-    assert load_hf_config(str(path)).tie_word_embeddings
-    assert_kimi_converted_as_folder(tied, path)
+    assert not load_hf_config(str(path)).tie_word_embeddings
+    converted = _safetensors(resolve_model(str(path)).path)
+    assert torch.equal(converted["lm_head.weight"], converted["model.embed_tokens.weight"])
+    assert torch.equal(converted["model.embed_tokens.weight"],
+                       _safetensors(tied)["model.embed_tokens.weight"].float())
 
 
 @pytest.mark.parametrize("skip", KIMI_TRANSFORMS)

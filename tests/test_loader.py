@@ -131,6 +131,28 @@ def test_unknown_architecture(tiny_llama_dir, tmp_path):
         load_model(str(folder))
 
 
+def test_each_family_ties_its_head_where_transformers_does():
+    """A family whose transformers class ties nothing (no ``_tied_weights_keys``) keeps its own LM head whatever
+    ``tie_word_embeddings`` says (``may_tie`` False: Kimi-Linear's and Ling 3.0's saved a head of their own that a tied
+    model would have ignored), and one whose class ties may tie."""
+    import importlib
+
+    import transformers
+
+    from specray.models import registry
+
+    checked = 0
+    for arch, target in sorted(registry._ARCHITECTURES.items()):
+        theirs = getattr(transformers, arch, None)
+        module, name = target.split(":")
+        ours = getattr(importlib.import_module(module), name)
+        if theirs is None or not hasattr(ours, "may_tie"):
+            continue
+        assert bool(ours.may_tie) == bool(getattr(theirs, "_tied_weights_keys", None)), arch
+        checked += 1
+    assert checked > 100
+
+
 def test_bad_paths(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(str(tmp_path / "no" / "such" / "model"))

@@ -97,7 +97,8 @@ def kimi_linear_gguf_config(get: GGUFMeta, tensors: GGUFTensors):
                                 short_conv_kernel_size=int(get("ssm.conv_kernel")),
                                 kda_layers=[i + 1 for i in range(layers) if kv_heads[i] == 0],
                                 full_attn_layers=[i + 1 for i in range(layers) if kv_heads[i] != 0]),
-        tie_word_embeddings="output.weight" not in tensors,
+        tie_word_embeddings=False,  # transformers' Kimi-Linear ties nothing: a file without ``output`` has its head
+        # written out from token_embd (llama.cpp's head where the file has none)
         **({"max_position_embeddings": int(context)} if context else {}), **get.token_ids())
 
 
@@ -137,7 +138,8 @@ def kimi_linear_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[di
     full = [i for i in range(layers) if config.layer_types[i] == "full_attention"]
     split = all(f"blk.{i}.attn_k_b.weight" in tensors for i in full)
     spelled = {n: n for n in ("model.embed_tokens.weight", "model.norm.weight")}
-    if not config.tie_word_embeddings:
+    headless = "output.weight" not in tensors
+    if not headless:
         spelled["lm_head.weight"] = "lm_head.weight"
     kv_b: set[str] = set()
     for layer in range(layers):
@@ -170,6 +172,8 @@ def kimi_linear_gguf_checkpoint(gguf: Path, arch: str) -> tuple[Any, Iterator[di
             return {f"model.layers.{layer}.self_attn.kv_b_proj.weight": kv_b_proj(layer)} \
                 if gguf_name.endswith(("attn_k_b.weight", "attn_kv_b.weight")) else {}
         name, value = plain[gguf_name], tensors.pop(gguf_name)
+        if headless and name == "model.embed_tokens.weight":  # llama.cpp's head is then the embedding
+            return {name: value, "lm_head.weight": value.clone()}
         if name.endswith("_conv1d.weight"):  # numpy (1, C, 1, K) or, quantized, (C, 1, K): the release's [C, 1, K]
             value = value.reshape(width, 1, kernel)
         elif name.endswith(".A_log"):  # A = -exp(A_log), [1, 1, H, 1]

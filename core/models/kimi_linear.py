@@ -122,6 +122,7 @@ class KimiLinearForCausalLM(RecurrentModel, DeepseekV3ForCausalLM):
     request (module docstring)."""
 
     model_class = KimiLinearModel
+    may_tie = False  # its head is its own whatever tie_word_embeddings says (transformers' ties nothing; Ling's too)
     stacked = {**DeepseekV3ForCausalLM.stacked, **_STACKED_KDA, **_KDA_LORA}
     # LoRA on every projection applied as a linear to the layer's input: the latent attention's as DeepSeek-V3's
     # (kv_b_proj, read as W_UK and W_UV, refused by name), a KDA layer's q/k/v (parts of in_proj_qkv, each with its
