@@ -125,9 +125,9 @@ def test_config_and_tokenizer(tiny_llama_dir):
 
 
 def test_unknown_architecture(tiny_llama_dir, tmp_path):
-    folder = copy_config(tiny_llama_dir, tmp_path / "rwkv", architectures=["RwkvForCausalLM"], model_type="rwkv")
+    folder = copy_config(tiny_llama_dir, tmp_path / "marian", architectures=["MarianForCausalLM"], model_type="marian")
     shutil.copy(tiny_llama_dir / "model.safetensors", folder)
-    with pytest.raises(ValueError, match=r"RwkvForCausalLM.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"MarianForCausalLM.*not supported.*LlamaForCausalLM"):
         load_model(str(folder))
 
 

@@ -948,7 +948,7 @@ def test_aux_layers_equal_transformers_hidden_states(contiguous):
 
 
 def test_registry():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, XGLMConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, XLNetConfig
 
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(architectures=["Qwen2ForCausalLM"]),
                 Qwen3Config(architectures=["Qwen3ForCausalLM"]), Qwen3Config()):
@@ -981,8 +981,8 @@ def test_registry():
 
     assert get_model_class(Glm4MoeConfig()) is Glm4MoeForCausalLM
     assert get_model_class(Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"])) is Glm4MoeForCausalLM
-    with pytest.raises(ValueError, match="XGLMForCausalLM.*LlamaForCausalLM"):
-        get_model_class(XGLMConfig(architectures=["XGLMForCausalLM"]))
+    with pytest.raises(ValueError, match="XLNetLMHeadModel.*LlamaForCausalLM"):
+        get_model_class(XLNetConfig(architectures=["XLNetLMHeadModel"]))
 
 
 def test_kv_cache_sizing_and_errors():
