@@ -170,7 +170,7 @@ def _apertus_no_qk_norm(model) -> None:
 
 def _apertus_head_from_embedding(model) -> None:
     """The head read as the embedding's first rows (a tied head), not its own tensor."""
-    model.lm_head.weight.data.copy_(model.model.embed_tokens.weight[: model.output_vocab_size])
+    model.lm_head.weight.data.copy_(model.model.embed_tokens.weight[: model.head_rows(model.config)])
 
 
 def _apertus_plain_xielu(model) -> None:

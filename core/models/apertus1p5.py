@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specray.models.apertus import ApertusDecoderLayer, ApertusForCausalLM, ApertusModel
-from specray.models.layers import ParallelLMHead, RMSNorm, on_stage, widen_to_vocab
+from specray.models.layers import RMSNorm, widen_to_vocab
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaAttention
 from specray.parallel import PPGroup, TPGroup
 
@@ -63,10 +63,11 @@ class Apertus1p5ForCausalLM(ApertusForCausalLM):
                              f"{hf_config.vocab_size}: a pruned LM head cannot be the embedding (transformers keeps it "
                              "a tensor of its own); set tie_word_embeddings to false, or output_vocab_size to null")
         super().__init__(hf_config, tp, expert_parallel, pp)
-        self.output_vocab_size = kept
-        if kept < hf_config.vocab_size:
-            self.lm_head = on_stage(self.pp.is_last, lambda: ParallelLMHead(kept, hf_config.hidden_size, self.tp))
         self.renames = _CHECKPOINT_NAMES["apertus"]  # its norms' names, as Apertus's release names them
+
+    @classmethod
+    def head_rows(cls, hf_config) -> int:
+        return output_vocab_size(hf_config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32: the head's output_vocab_size scores, the pruned ids' -inf past them

@@ -51,9 +51,8 @@ from specray.models.alibi import BIAS_ELEMENTS
 from specray.models.attention import AttentionMetadata, PagedAttention, own_key_positions
 from specray.models.gated_deltanet import RecurrentMixer, RecurrentModel
 from specray.models.kv_cache import FullAttentionSpec, SlidingWindowSpec
-from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                   RowParallelLinear, VocabParallelEmbedding, _copy, _param, divide, materialize,
-                                   narrow, on_stage, widen_to_vocab)
+from specray.models.layers import (ColumnParallelLinear, QKVParallelLinear, RMSNorm, RowParallelLinear,
+                                   VocabParallelEmbedding, _copy, _param, divide, materialize, narrow, widen_to_vocab)
 from specray.models.lfm2 import ShortConv
 from specray.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, norm_stream
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
@@ -395,11 +394,12 @@ class InklingForCausalLM(RecurrentModel, LlamaForCausalLM):
                              "'silu' is")
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.width_multiplier = float(hf_config.logits_mup_width_multiplier)
+        self.unpadded_vocab = self.head_rows(hf_config)  # the head's real rows only (the checkpoint's cut at load)
+
+    @classmethod
+    def head_rows(cls, hf_config) -> int:
         unpadded = getattr(hf_config, "unpadded_vocab_size", None)
-        self.unpadded_vocab = hf_config.vocab_size if unpadded is None else min(int(unpadded), hf_config.vocab_size)
-        if self.unpadded_vocab < hf_config.vocab_size:  # the head's real rows only (the checkpoint's cut at load)
-            self.lm_head = on_stage(self.pp.is_last, lambda: ParallelLMHead(self.unpadded_vocab,
-                                                                            hf_config.hidden_size, self.tp))
+        return hf_config.vocab_size if unpadded is None else min(int(unpadded), hf_config.vocab_size)
 
     @classmethod
     def recurrent_layers(cls, config) -> bool:

@@ -58,8 +58,8 @@ from specray.models.alibi import BIAS_ELEMENTS
 from specray.models.attention import AttentionMetadata, PagedAttention, explicit_attention, own_key_positions
 from specray.models.gated_deltanet import ConvOnlyMixer, RecurrentMixer, RecurrentModel, depthwise_conv, rank_rows
 from specray.models.kv_cache import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
-from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                   _copy, _param, divide, narrow, on_stage, widen_to_vocab)
+from specray.models.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _copy, _param,
+                                   divide, narrow, widen_to_vocab)
 from specray.models.llama import LlamaForCausalLM, StageModel
 from specray.models.moe import FAMILIES, MoEFamily, SparseMoE
 from specray.parallel import PPGroup, TPGroup
@@ -450,10 +450,12 @@ class Inkling2ForCausalLM(RecurrentModel, LlamaForCausalLM):
                  pp: PPGroup | None = None):
         check_config(hf_config)
         super().__init__(hf_config, tp, expert_parallel, pp)
-        self.unpadded = int(getattr(hf_config, "unpadded_vocab_size", None) or hf_config.vocab_size)
-        self.lm_head = on_stage(self.pp.is_last, lambda: ParallelLMHead(self.unpadded, hf_config.hidden_size,
-                                                                        self.tp))
+        self.unpadded = self.head_rows(hf_config)
         self.cap = float(hf_config.final_logit_softcapping or 0.0)
+
+    @classmethod
+    def head_rows(cls, hf_config) -> int:
+        return int(getattr(hf_config, "unpadded_vocab_size", None) or hf_config.vocab_size)
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:

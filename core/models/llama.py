@@ -493,6 +493,12 @@ class LlamaForCausalLM(nn.Module):
     aux_past_end = False
     caps_logits = False  # whether the config's final_logit_softcapping caps the logits (Gemma 2 / 3, Beam, nanochat)
 
+    @classmethod
+    def head_rows(cls, hf_config) -> int:
+        """How many ids the LM head scores: the whole vocabulary (a family whose head scores only the vocabulary's
+        first ids says how many, and widens its logits back with :func:`~specray.models.layers.widen_to_vocab`)."""
+        return hf_config.vocab_size
+
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         super().__init__()
@@ -502,8 +508,8 @@ class LlamaForCausalLM(nn.Module):
         self.pp = pp = pp or PPGroup.single()
         self.model = self.model_class(hf_config, tp, expert_parallel, pp)
         bias = bool(getattr(hf_config, "lm_head_bias", False))  # Phi-3.5-MoE's
-        self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp,
-                                                                   bias=bias))
+        self.lm_head = on_stage(pp.is_last, lambda: ParallelLMHead(self.head_rows(hf_config), hf_config.hidden_size,
+                                                                   tp, bias=bias))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)) and self.may_tie
         # tied on a stage holding both: the embedding is the head; a last stage without the embedding loads the
         # embedding's tensor into a head of its own
