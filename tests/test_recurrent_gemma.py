@@ -256,12 +256,12 @@ def test_config_refusals(tiny_rg_dir, change, match):
 
 
 def test_split_and_lora_refusals(tiny_rg_dir):
-    """Pipeline stages, TP that splits the RG-LRU's gate blocks unevenly, LoRA: refused before any rank starts."""
+    """Pipeline stages, TP that splits the RG-LRU's gate blocks unevenly: refused before any rank starts (LoRA is
+    served: tests/test_lora_hybrids.py)."""
     from specray import LLM
 
     for kw, match in ((dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-                      (dict(tensor_parallel_size=8), "num_attention_heads"),
-                      (dict(enable_lora=True), "enable_lora")):
+                      (dict(tensor_parallel_size=8), "num_attention_heads")):
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_rg_dir), max_model_len=128, **kw)
 

@@ -221,13 +221,12 @@ def test_config_refusals(tiny_zamba_dir, change, match):
 
 
 def test_split_and_lora_refusals(tiny_zamba_dir):
-    """TP that splits neither the 96 Mamba channels nor the heads, and LoRA: refused before any rank starts, by
-    name."""
+    """TP that splits neither the 96 Mamba channels nor the heads: refused before any rank starts, by name (LoRA is
+    served, the shared block's projections refused: tests/test_lora_hybrids.py)."""
     from specray import LLM
 
     for kw, match in ((dict(tensor_parallel_size=5), "tensor_parallel_size=5"),
-                      (dict(tensor_parallel_size=8), "num_attention_heads=4"),
-                      (dict(enable_lora=True), "LoRA")):
+                      (dict(tensor_parallel_size=8), "num_attention_heads=4")):
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_zamba_dir), max_model_len=128, **kw)
 

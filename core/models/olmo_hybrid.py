@@ -2,15 +2,17 @@
 heads: :mod:`specray.models.olmo2`) among pre-norm linear-attention layers (``layer_types``), each a Gated DeltaNet
 (:mod:`specray.models.gated_deltanet`, its recurrent state per request) that differs from Qwen3-Next's in three ways:
 
-* q, k and v come from projections of their own (``q_proj``, ``k_proj``, ``v_proj``: here one fused projection,
-  loaded part by part), the output gate from ``g_proj``, the decay and strength from ``a_proj`` and ``b_proj``;
+* q, k and v come from projections of their own (``q_proj``, ``k_proj``, ``v_proj``: here one merged projection,
+  loaded part by part, a LoRA adapter of each part keeping its own A), the output gate from ``g_proj``, the decay
+  and strength from ``a_proj`` and ``b_proj``;
 * with ``linear_allow_neg_eigval`` the strength is ``2 * sigmoid(b)`` (in [0, 2]: negative eigenvalues allowed);
 * the gated output norm's epsilon is 1e-5 whatever ``rms_norm_eps`` says.
 
 The attention layers rotate q and k where the config gives a ``rope_theta`` (as transformers and vLLM do: the
 releases leave it null, which transformers' config fills with 10000, so they rotate), and attend without RoPE where it
 gives none. Served as the other linear-attention hybrids are (n-gram chains, chunked prefill, preemption, prefix
-caching, TP over the heads of both kinds of layer).
+caching, TP over the heads of both kinds of layer). LoRA adapters adapt every linear a PEFT adapter of the release
+names (attention's and the linear layers' q/k/v/o, g_proj, a_proj, b_proj, the MLPs); the convs are refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from specray.models.attention import AttentionMetadata
 from specray.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm, RecurrentModel, check_linear_heads_split
+from specray.models.kimi_delta import PartwiseColumnLinear
 from specray.models.layers import RMSNorm, loaded_whole, materialize
 from specray.models.llama import _STACKED, LlamaForCausalLM, LlamaMLP, LlamaModel, _head_dim
 from specray.models.olmo2 import Olmo2DecoderLayer
@@ -50,6 +53,8 @@ class OlmoGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, config, tp: TPGroup):
         super().__init__(config, tp)
+        # q | k | v from three checkpoint tensors: merged part by part (a LoRA adapter of each part has its own A)
+        self.in_proj_qkv = PartwiseColumnLinear(config.hidden_size, list(self.in_proj_qkv.output_sizes), tp)
         self.beta_scale = 2.0 if getattr(config, "linear_allow_neg_eigval", True) else 1.0
         self.norm = GatedRMSNorm(self.dv, GATED_NORM_EPS)
         self.conv1d.weight.weight_loader = self._load_conv_part
@@ -137,7 +142,12 @@ class OlmoHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     model_class = OlmoHybridModel
     stacked = {**_STACKED, **_STACKED_QKV}
-    lora_modules: tuple[str, ...] = ()  # not yet
+    # LoRA on every linear of the release: attention's q/k/v/o, the linear layers' q/k/v (parts of in_proj_qkv, named
+    # in_proj_q/k/v once renamed), g_proj (in_proj_z), a_proj, b_proj and o_proj (out_proj), and the MLPs; not the
+    # convs (q_conv1d ...)
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b",
+                                     "out_proj")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False, pp=None):
         super().__init__(hf_config, tp, expert_parallel, pp)

@@ -28,8 +28,10 @@ at position 0 (no ``sqrt(1 - a^2)``) comes from the step's recurrent batch: a fr
 (:func:`~specray.models.gated_deltanet.scanned_selective`), elsewhere the token loop.
 
 Tensor parallelism: attention heads split (the one KV head replicated), the LRU's channels split by whole gate blocks
-(``num_attention_heads`` must divide by the ranks), ``linear_out`` and ``o_proj`` reduce once. Refused by name:
-pipeline stages and LoRA (not built), and configs this file does not compute (other activations, RoPE types).
+(``num_attention_heads`` must divide by the ranks), ``linear_out`` and ``o_proj`` reduce once. LoRA adapters adapt
+every linear of the release (the attention's q/k/v/o, the recurrent block's ``linear_x``, ``linear_y`` and
+``linear_out``, the MLP's); an adapter of the conv is refused by name. Refused by name: pipeline stages (not built),
+and configs this file does not compute (other activations, RoPE types).
 """
 
 from __future__ import annotations
@@ -257,7 +259,8 @@ class RecurrentGemmaModel(HybridModel):
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
                          lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         # sqrt(hidden_size) as transformers holds it: a bfloat16 number (2560: 50.5, not 50.596...)
-        self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.bfloat16))
+        # (on the host: the model may be built on the meta device, as LoRA's admission check builds it)
+        self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.bfloat16, device="cpu"))
         rope = rope_parameters(config, partial=True)
         self.rotary_emb = RotaryEmbedding(rotary_dim(_head_dim(config), rope), rope, max_positions(config))
 
@@ -286,7 +289,10 @@ class RecurrentGemmaForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     model_class = RecurrentGemmaModel
     stage_width = 1
-    lora_modules: tuple[str, ...] = ()  # not yet: no adapter of this family was checked
+    # LoRA on every linear (checkpoint names; the attention's under temporal_block there, renamed as its weights
+    # are): applied to the layer's tokens, linear_x's before the conv as its weight is; not the conv (conv_1d)
+    lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "linear_x", "linear_y", "linear_out")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):

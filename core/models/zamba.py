@@ -19,7 +19,11 @@ Checkpoint names (transformers'): the block under a hybrid layer (``model.layers
 that runs it, or each: every copy loads into ``model.blocks.0.``), a hybrid layer's ``linear`` and
 ``mamba_decoder.``; the mixer's ``in_proj`` rows interleave x and z channel by channel (de-interleaved as it loads),
 its ``x_proj_weight`` [groups, R + 2 N, C / groups], ``dt_proj_weight`` [groups, C / groups, R], ``dt_proj_bias``,
-``A_log`` and ``D`` per group (flattened over the channels as they load)."""
+``A_log`` and ``D`` per group (flattened over the channels as they load).
+
+LoRA adapters as Zamba2's: the mixers' ``in_proj`` (an adapter's B de-interleaved as the weight is:
+:meth:`ZambaForCausalLM.split_adapter`) and ``out_proj``, a hybrid layer's ``linear``; the shared block's projections
+refused by name (transformers builds the block anew in each hybrid layer, so PEFT adapts each run apart)."""
 
 from __future__ import annotations
 
@@ -185,6 +189,14 @@ class ZambaForCausalLM(Zamba2ForCausalLM):
                 value = materialize(tensor)
                 yield prefix + ("dt_proj.bias" if part == "dt_proj_bias" else part), value.reshape(
                     -1, *value.shape[2:])
+
+    def split_adapter(self, module: str, lora_b: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """An adapter's B of a mixer's ``in_proj`` with its rows de-interleaved as the weight's are (x rows, then z
+        rows; the name with a trailing dot, as :func:`specray.models.llama.unfuse` gives it), None for another."""
+        if not module.endswith(".mamba.in_proj"):
+            return None
+        rows = lora_b.shape[0] // 2
+        return [(f"{module}.", lora_b.reshape(rows, 2, -1).transpose(0, 1).reshape(lora_b.shape))]
 
     def _shared_name(self, name: str) -> str:
         """The block's checkpoint name (under any hybrid layer) as ours: ``model.blocks.0.``."""

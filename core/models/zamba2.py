@@ -17,7 +17,11 @@ Checkpoint names (transformers'): a block's weights under the first hybrid layer
 invocation's adapters live on its layer. Heads, key/value heads and the MLP's width split over tensor-parallel
 ranks (the adapters' B as their projection's rows, their A whole). Over pipeline stages a stage holds the shared
 blocks its hybrid layers run (a block run on two stages is on both, read from the same tensors) and hands the next
-the stream and the tokens' embedding (its hybrid layers read both)."""
+the stream and the tokens' embedding (its hybrid layers read both).
+
+LoRA adapters adapt each layer's own projections (the Mamba mixers' ``in_proj`` and ``out_proj``, a hybrid layer's
+``linear``); a shared block's are refused by name: transformers builds the block's module anew in each hybrid layer
+(the weights tied), so a PEFT adapter holds one per run, which one shared module here does not apply."""
 
 from __future__ import annotations
 
@@ -186,7 +190,10 @@ class Zamba2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Zamba2 for causal LM, sharded over ``tp`` (module docstring)."""
 
     model_class = Zamba2Model
-    lora_modules: tuple[str, ...] = ()  # not yet (its shared blocks' projections are shared across invocations)
+    # LoRA on each layer's own projections: the Mamba mixers' in_proj and out_proj and a hybrid layer's linear. Not the
+    # shared blocks' (adapter_module refuses them by name): transformers builds a block's module anew in each hybrid
+    # layer (its weights tied), so PEFT gives each run an adapter of its own, where the block here is one module
+    lora_modules: tuple[str, ...] = ("in_proj", "out_proj", "linear")
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
@@ -221,6 +228,16 @@ class Zamba2ForCausalLM(RecurrentModel, LlamaForCausalLM):
             return f"model.layers.{self.model.hybrid[int(j)]}.{where}.{'ab'[int(ab)]}.weight"
         rest = rest.replace("self_attn.", "").replace("feed_forward.", "").replace("gate_up_proj", "gate_up")
         return f"model.blocks.{self.model.block_of[int(found.group(1))]}.{rest}"
+
+    def adapter_module(self, name: str) -> str:
+        """An adapter's module (the checkpoint's name) as ours; one of a shared block (its projections, its runs' own
+        adapters) refused by name (``lora_modules``)."""
+        if self._shared_name(name) != name:
+            raise ValueError(f"the adapter adapts {name!r}, which specray does not apply LoRA to: a shared transformer "
+                             "block's projection, which PEFT adapts in each hybrid layer apart (transformers builds "
+                             "the block anew in each) where specray runs one module; train the adapter on "
+                             f"target_modules={list(self.lora_modules)} (the layers' own projections)")
+        return super().adapter_module(name)
 
     def reads_weight(self, name: str) -> bool:
         """A pipeline stage reads the shared blocks its layers run, wherever the checkpoint keeps them."""
