@@ -445,3 +445,7 @@ _MODEL_TYPES["mllama_text_model"] = "MllamaForCausalLM"
 _TEXT_PARTS["MllamaForConditionalGeneration"] = (
     (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
     (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+# RWKV-4: token shifts and the WKV recurrence (per-channel decay and bonus, a running max for stability) as recurrent
+# mixers of width-2 convs, squared-ReLU channel mixing, rescale_every's halvings (specray.models.rwkv)
+_ARCHITECTURES["RwkvForCausalLM"] = "specray.models.rwkv:RwkvForCausalLM"
+_MODEL_TYPES["rwkv"] = "RwkvForCausalLM"
