@@ -449,3 +449,7 @@ _TEXT_PARTS["MllamaForConditionalGeneration"] = (
 # mixers of width-2 convs, squared-ReLU channel mixing, rescale_every's halvings (specray.models.rwkv)
 _ARCHITECTURES["RwkvForCausalLM"] = "specray.models.rwkv:RwkvForCausalLM"
 _MODEL_TYPES["rwkv"] = "RwkvForCausalLM"
+# xLSTM (NX-AI's xLSTM-7b): mLSTM blocks alone, a matrix memory per head with exponential input gates, a normalizer
+# and a max-stabilizer, kept as a recurrent state per request (specray.models.xlstm)
+_ARCHITECTURES["xLSTMForCausalLM"] = "specray.models.xlstm:XLSTMForCausalLM"
+_MODEL_TYPES["xlstm"] = "xLSTMForCausalLM"
