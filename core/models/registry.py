@@ -445,6 +445,10 @@ _MODEL_TYPES["mllama_text_model"] = "MllamaForCausalLM"
 _TEXT_PARTS["MllamaForConditionalGeneration"] = (
     (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
     (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+# OpenAI GPT (the first GPT): GPT-2's Conv1D projections and learned positions with post-LayerNorm blocks (OPT-350M's
+# layer), no norm after the last layer, its afn activations (specray.models.openai_gpt)
+_ARCHITECTURES["OpenAIGPTLMHeadModel"] = "specray.models.openai_gpt:OpenAIGPTLMHeadModel"
+_MODEL_TYPES["openai-gpt"] = "OpenAIGPTLMHeadModel"
 # RWKV-4: token shifts and the WKV recurrence (per-channel decay and bonus, a running max for stability) as recurrent
 # mixers of width-2 convs, squared-ReLU channel mixing, rescale_every's halvings (specray.models.rwkv)
 _ARCHITECTURES["RwkvForCausalLM"] = "specray.models.rwkv:RwkvForCausalLM"
@@ -453,3 +457,16 @@ _MODEL_TYPES["rwkv"] = "RwkvForCausalLM"
 # and a max-stabilizer, kept as a recurrent state per request (specray.models.xlstm)
 _ARCHITECTURES["xLSTMForCausalLM"] = "specray.models.xlstm:XLSTMForCausalLM"
 _MODEL_TYPES["xlstm"] = "xLSTMForCausalLM"
+# CTRL: sinusoidal positions (sin of the even features' angles, then cos of the odd ones', no offset) added to the
+# scaled token embedding, pre-LayerNorms, biases everywhere, a ReLU MLP, a tied head with a bias (specray.models.ctrl)
+_ARCHITECTURES["CTRLLMHeadModel"] = "specray.models.ctrl:CTRLLMHeadModel"
+_MODEL_TYPES["ctrl"] = "CTRLLMHeadModel"
+# BioGPT: learned positions from row position + 2 added to the scaled token embedding, pre-LayerNorms (eps 1e-5),
+# biases everywhere, a gateless MLP, a tied head (specray.models.biogpt)
+_ARCHITECTURES["BioGptForCausalLM"] = "specray.models.biogpt:BioGptForCausalLM"
+_MODEL_TYPES["biogpt"] = "BioGptForCausalLM"
+# ModernBERT's decoder (Ettin): global and local (sliding) layers with a RoPE per kind, LayerNorms without bias (one
+# after the embedding, none before layer 0's attention), a GeGLU MLP (Wi, Wo), a dense + norm prediction head before
+# the tied decoder (specray.models.modernbert_decoder)
+_ARCHITECTURES["ModernBertDecoderForCausalLM"] = "specray.models.modernbert_decoder:ModernBertDecoderForCausalLM"
+_MODEL_TYPES["modernbert-decoder"] = "ModernBertDecoderForCausalLM"
