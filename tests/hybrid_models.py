@@ -364,6 +364,47 @@ def check_tree_rows_match_their_paths(model, hf, seq: list[int], start: int, rea
         assert (got[row] - want).abs().max() < TOL, (row, path)
 
 
+def check_no_host_sync_in_a_step(model, no_host_sync) -> None:
+    """A step with a replay, a verify chunk and a fresh prefill reads no tensor's value on the host (``no_host_sync``:
+    conftest's fixture)."""
+    run = Stepper(model)
+    seq = tokens(24, 10)
+    run.step([(0, seq[:8], 0, 0)])
+    run.step([(0, seq[8:11], 8, 2)])
+    with no_host_sync():
+        run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
+
+
+def check_graph_form_equals_eager(layer, state, q_rows: int, pend: int, scratch: int, inputs) -> None:
+    """A recurrent mixer's graph form (the batch padded to fixed shapes, a RecurrentGraphBatch) against its eager
+    form, ``layer`` bound to ``state`` (its random histories and matrices): a sequence replaying drafts, a fresh one
+    over a slot holding an old state, one with drafts, and a padding sequence; the same outputs for every real row,
+    the same committed state and the same pending drafts' inputs and gates in each target slot. ``inputs(rows)``:
+    the recurrence's (mixed, g, beta) for that many rows."""
+    from types import SimpleNamespace
+
+    seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
+            (6, False, 2, q_rows - 1, 0)]  # (slot read, fresh, replays, real rows, drafts)
+    slots, fresh, replay, lens, drafts = (list(col) for col in zip(*seqs))
+    batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots])
+    mixed, g, beta = inputs(4 * q_rows)
+    real = [i * q_rows + j for i, n in enumerate(lens) for j in range(n)]
+    held = (state.inputs, state.gates, state.matrix)
+    before = [t.clone() for t in held]
+    with torch.no_grad():
+        want = layer.recurrence(mixed[real], g[real], beta[real], SimpleNamespace(recurrent=batch, query_lens=lens))
+        eager = [t.clone() for t in held]
+        for t, old in zip(held, before):
+            t.copy_(old)
+        got = layer.recurrence(mixed, g, beta, SimpleNamespace(recurrent=batch.padded(4, lens, scratch, "cpu")))
+    torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.matrix[batch.targets], eager[2][batch.targets], atol=1e-5, rtol=1e-5)
+    for target, k in zip(batch.targets, drafts):  # the pending drafts' inputs and gates (rows past them: unread)
+        torch.testing.assert_close(state.inputs[target, :k], eager[0][target, :k])
+        if not layer.gates_from_conv:  # (else the held gates are never read: each row's come from its conv's output)
+            torch.testing.assert_close(state.gates[target, :k], eager[1][target, :k])
+
+
 # prompts that repeat themselves (n-gram drafts find matches, some accepted, some not) and one that does not
 PROMPT_IDS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(40, 70)), [11, 12, 11, 12, 11, 12, 13, 11, 12],
               [100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101, 102, 103, 104, 105, 100, 101],

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 import specray.models.recurrent_gemma as rg
-from specray.models.gated_deltanet import RecurrentBatch
 from specray.models.loader import load_model, read_config
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_long_prefill,
-    check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens,
-    check_tree_rows_match_their_paths, generate, greedy, tokens)
+    TOL, TP_WORKER, check_drafts_replayed, check_graph_form_equals_eager, check_greedy_equals_transformers,
+    check_long_prefill, check_ngram_replays_keep_greedy, check_no_host_sync_in_a_step, check_prefill_chunks_and_decode,
+    check_prefix_caching_keeps_tokens, check_tree_rows_match_their_paths, generate, greedy, tokens)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
 
@@ -173,8 +172,6 @@ def test_the_graph_form_equals_the_eager_one(tiny_rg_dir, q_rows):
     random states and inputs: a sequence replaying drafts, a fresh one (its row 0 at position 0) over a slot holding
     an old state, one with drafts, and a padding sequence: the same outputs for every real row and the same committed
     state in each target slot."""
-    from types import SimpleNamespace
-
     from specray.models.kv_cache import RecurrentState
 
     torch.manual_seed(0)
@@ -184,34 +181,14 @@ def test_the_graph_form_equals_the_eager_one(tiny_rg_dir, q_rows):
     st = state.layers[0]
     st.inputs.normal_(), st.matrix.normal_()
     layer.bind_state(st)
-    seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
-            (6, False, 2, q_rows - 1, 0)]  # (slot read, fresh, replays, real rows, drafts)
-    slots, fresh, replay, lens, drafts = (list(col) for col in zip(*seqs))
-    batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots])
-    mixed, unused = torch.randn(4 * q_rows, layer.width), torch.zeros(4 * q_rows, layer.width)
-    real = [i * q_rows + j for i, n in enumerate(lens) for j in range(n)]
-    before = [t.clone() for t in (st.inputs, st.gates, st.matrix)]
-    with torch.no_grad():
-        want = layer.recurrence(mixed[real], unused[real], unused[real], SimpleNamespace(recurrent=batch,
-                                                                                           query_lens=lens))
-        eager = st.matrix.clone()
-        for t, old in zip((st.inputs, st.gates, st.matrix), before):
-            t.copy_(old)
-        got = layer.recurrence(mixed, unused, unused, SimpleNamespace(recurrent=batch.padded(4, lens, scratch, "cpu")))
-    torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(st.matrix[batch.targets], eager[batch.targets], atol=1e-5, rtol=1e-5)
+    check_graph_form_equals_eager(layer, st, q_rows, pend, scratch, lambda rows: (
+        torch.randn(rows, layer.width), torch.zeros(rows, layer.width), torch.zeros(rows, layer.width)))
 
 
 def test_no_host_sync_in_a_step(tiny_rg_dir, no_host_sync):
-    """A step with a replay, a verify chunk and a fresh prefill reads no tensor's value on the host."""
-    from specray_test_hybrid_models import Stepper
-
-    run = Stepper(load_model(str(tiny_rg_dir)))
-    seq = tokens(24, 10)
-    run.step([(0, seq[:8], 0, 0)])
-    run.step([(0, seq[8:11], 8, 2)])
-    with no_host_sync():
-        run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
+    """(check_no_host_sync_in_a_step) a step with a replay, a verify chunk and a fresh prefill reads no tensor's value
+    on the host."""
+    check_no_host_sync_in_a_step(load_model(str(tiny_rg_dir)), no_host_sync)
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------

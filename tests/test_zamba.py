@@ -16,9 +16,9 @@ import torch
 import specray.models.zamba as zamba
 from specray.models.loader import load_model, read_config
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
-    NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_long_prefill, check_ngram_replays_keep_greedy, check_prefill_chunks_and_decode,
-    check_prefix_caching_keeps_tokens, generate, greedy, tokens)
+    NGRAM, PP_WORKER, TOL, TP_WORKER, check_drafts_replayed, check_greedy_equals_transformers, check_long_prefill,
+    check_ngram_replays_keep_greedy, check_no_host_sync_in_a_step, check_prefill_chunks_and_decode,
+    check_prefix_caching_keeps_tokens, generate, greedy)
 from specray_test_model_checks import (  # tests/model_checks.py
     SCHEDULES, chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
 
@@ -154,13 +154,9 @@ def test_each_part_shows_in_the_logits(tiny_zamba_dir, reference, monkeypatch, n
 
 
 def test_no_host_sync_in_a_step(tiny_zamba_dir, no_host_sync):
-    """A step with a replay, a verify chunk and a fresh prefill reads no tensor's value on the host."""
-    run = Stepper(load_model(str(tiny_zamba_dir)))
-    seq = tokens(24, 10)
-    run.step([(0, seq[:8], 0, 0)])
-    run.step([(0, seq[8:11], 8, 2)])
-    with no_host_sync():
-        run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
+    """(check_no_host_sync_in_a_step) a step with a replay, a verify chunk and a fresh prefill reads no tensor's value
+    on the host."""
+    check_no_host_sync_in_a_step(load_model(str(tiny_zamba_dir)), no_host_sync)
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
