@@ -389,8 +389,8 @@ def _refuse_assistant_as_mtp(path: str | None) -> None:
     from pathlib import Path
 
     config = None if path is None else Path(path).expanduser() / "config.json"
-    if config is not None and config.is_file() and json.loads(config.read_text()).get("model_type") == \
-            "gemma4_assistant":
-        raise ValueError(f"speculative_config.model={path!r} is a Gemma 4 assistant (model_type 'gemma4_assistant'): "
+    kind = json.loads(config.read_text()).get("model_type") if config is not None and config.is_file() else None
+    if kind in ("gemma4_assistant", "gemma4_unified_assistant"):
+        raise ValueError(f"speculative_config.model={path!r} is a Gemma 4 assistant (model_type {kind!r}): "
                          "use method='gemma4_assistant' with it (method='mtp' reads MTP layers inside a target's "
                          "checkpoint)")

@@ -1,6 +1,8 @@
 """Gemma 4's assistant (``Gemma4AssistantForCausalLM``, model type ``gemma4_assistant``; e.g.
 google/gemma-4-e2b-it-assistant): the small multi-token-prediction drafter Google releases beside each Gemma 4, built
-from our Gemma 4 layers (:mod:`specray.models.gemma4`).
+from our Gemma 4 layers (:mod:`specray.models.gemma4`). Gemma 4 Unified's (``Gemma4UnifiedAssistantForCausalLM``,
+``gemma4_unified_assistant``) is transformers' same class over a ``gemma4_unified_text`` config and is served as it is,
+drafting for a Gemma 4 Unified target (:mod:`specray.models.gemma4_unified`).
 
 One draft step, for a request whose last seen token ``t`` sits at position P:
 
@@ -49,7 +51,11 @@ from specray.parallel import TPGroup
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "gemma4_assistant"
-TARGET_MODEL_TYPES = ("gemma4_text",)  # a multimodal release's text part is read as gemma4_text
+# Gemma 4 Unified's assistant (``Gemma4UnifiedAssistantForCausalLM``) is transformers' Gemma 4 assistant class
+# renamed, over a gemma4_unified_text config: the same drafter, for either kind of target
+MODEL_TYPES = (MODEL_TYPE, "gemma4_unified_assistant")
+# a multimodal release's text part is read as its text model type (specray.models.gemma4_unified for Unified's)
+TARGET_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
 
 
 def check_assistant(config, target_config) -> None:
@@ -58,13 +64,13 @@ def check_assistant(config, target_config) -> None:
     target_type = getattr(target_config, "model_type", None)
     if target_type not in TARGET_MODEL_TYPES:
         raise ValueError(f"method='gemma4_assistant' drafts for a Gemma 4 target, and the target's model_type is "
-                         f"{target_type!r}: serve a Gemma 4 model (model_type 'gemma4' or 'gemma4_text'), or pick "
-                         "another speculative method")
+                         f"{target_type!r}: serve a Gemma 4 model (model_type 'gemma4' or 'gemma4_text', or Gemma 4 "
+                         "Unified's 'gemma4_unified' or 'gemma4_unified_text'), or pick another speculative method")
     own_type = getattr(config, "model_type", None)
-    if own_type != MODEL_TYPE:
+    if own_type not in MODEL_TYPES:
         raise ValueError(f"speculative_config.model has model_type={own_type!r}; method='gemma4_assistant' needs a "
-                         f"Gemma 4 assistant checkpoint (model_type {MODEL_TYPE!r}, e.g. "
-                         "google/gemma-4-e2b-it-assistant)")
+                         f"Gemma 4 assistant checkpoint (model_type {MODEL_TYPE!r} or 'gemma4_unified_assistant', "
+                         "e.g. google/gemma-4-e2b-it-assistant)")
     text = config.text_config
     h = target_config.hidden_size
     if config.backbone_hidden_size != h:

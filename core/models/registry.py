@@ -470,3 +470,10 @@ _MODEL_TYPES["biogpt"] = "BioGptForCausalLM"
 # the tied decoder (specray.models.modernbert_decoder)
 _ARCHITECTURES["ModernBertDecoderForCausalLM"] = "specray.models.modernbert_decoder:ModernBertDecoderForCausalLM"
 _MODEL_TYPES["modernbert-decoder"] = "ModernBertDecoderForCausalLM"
+# Gemma 4 Unified (specray.models.gemma4_unified): Gemma 4's text model without per-layer inputs or experts; its
+# encoder-free multimodal release keeps it under ``model.language_model.`` beside ``model.embed_vision.`` and
+# ``model.embed_audio.`` (not read); ``lm_head.`` (tied) at the top
+_ARCHITECTURES["Gemma4UnifiedForCausalLM"] = "specray.models.gemma4_unified:Gemma4UnifiedForCausalLM"
+_MODEL_TYPES["gemma4_unified_text"] = "Gemma4UnifiedForCausalLM"
+_TEXT_PARTS["Gemma4UnifiedForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                        (re.compile(r"^lm_head\."), "lm_head."))
