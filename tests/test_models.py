@@ -1327,3 +1327,19 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, tiny_llama_dir, k
     out = LLM(str(tmp_path), max_model_len=128, tokenizer=str(tiny_llama_dir)).generate(
         {"prompt_token_ids": ids[:12]}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
+
+@pytest.mark.parametrize("fixture", ["tiny_deepseek_dir", "tiny_mistral4_dir", "tiny_minicpm3_dir"])
+def test_latent_norms_take_transformers_fixed_epsilon(request, fixture, tmp_path):
+    """transformers builds the latent attention's q / kv norms at its RMSNorm's default epsilon whatever rms_norm_eps
+    says (the other norms read it): with rms_norm_eps far from that default, our logits still equal transformers'."""
+    folder = tmp_path / "eps"
+    shutil.copytree(request.getfixturevalue(fixture), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 0.05
+    (folder / "config.json").write_text(json.dumps(config))
+    import transformers
+
+    ids = model_checks.prompt()
+    got = model_checks.chunked_logits(load_model(str(folder)), ids, [len(ids)])
+    theirs = transformers.Mistral4ForCausalLM if fixture == "tiny_mistral4_dir" else None  # (no auto class has it)
+    assert model_checks.max_diff(got, model_checks.reference_logits(folder, theirs)) < 1e-4

@@ -53,7 +53,6 @@ FAMILIES["axk2"] = MoEFamily("scored", "n_routed_experts", "moe_intermediate_siz
 _CHECKPOINT_NAMES["axk2"] = tuple((re.compile(pattern), ours) for pattern, ours in (
     (r"_layernorm\.norm\.", "_layernorm."), (r"_layernorm\.W_down\.", "_layernorm.mlp.fc1."),
     (r"_layernorm\.W_up\.", "_layernorm.mlp.fc2."), (r"\.self_attn\.q_b_proj\.", ".self_attn.q_gate_proj.")))
-DEFAULT_EPS = 1e-6  # transformers' RMSNorm default: A.X-K2's latent norms are built without rms_norm_eps
 
 
 class GateMLP(nn.Module):
@@ -103,8 +102,6 @@ class AXK2Attention(MLAttention):
         super().__init__(config, tp, layer)
         del self.q_b_proj  # its queries come from q_gate_proj
         self.interleave = True  # MLA's RoPE on interleaved pairs, as V3.2's (transformers' AXK2 always does)
-        self.q_a_layernorm = RMSNorm(config.q_lora_rank, DEFAULT_EPS)
-        self.kv_a_layernorm = RMSNorm(self.rank, DEFAULT_EPS)
         # per head: its query (nope + rope) then its gate (v), so a split by head keeps each head's rows whole
         self.q_gate_proj = ColumnParallelLinear(2 * config.q_lora_rank, config.num_attention_heads
                                                 * (self.nope + self.rope + self.v_dim), tp)

@@ -65,6 +65,9 @@ from specray.parallel import PPGroup, TPGroup
 logger = logging.getLogger(__name__)
 # sparse attention's indexer scores: at most this many per-head scores at once (a pass over as many heads as fit)
 INDEX_SCORE_ELEMENTS = 1 << 26
+# the q / kv latent norms' epsilon: transformers builds them at its RMSNorm's default whatever rms_norm_eps says (as
+# DeepSeek's reference does) in every family on this attention
+LATENT_NORM_EPS = 1e-6
 
 
 class LatentAttention(PagedAttention):
@@ -301,10 +304,10 @@ class MLAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(h, heads * (self.nope + self.rope), tp)
         else:
             self.q_a_proj = ColumnParallelLinear(h, config.q_lora_rank, one, bias=bias)  # replicated
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * (self.nope + self.rope), tp)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(h, self.rank + self.rope, one, bias=bias)  # replicated
-        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), tp)  # by head
         self.kv_b_proj.keeps_dense_weight = True  # read as W_UK and W_UV, never applied as a linear
         self.o_proj = RowParallelLinear(heads * self.v_dim, h, tp, bias=bias)

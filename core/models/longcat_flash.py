@@ -40,14 +40,13 @@ import torch
 from torch import nn
 
 from specray.models.attention import AttentionMetadata
-from specray.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
+from specray.models.deepseek_v3 import LATENT_NORM_EPS, DeepseekV3ForCausalLM, MLAttention
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
 from specray.models.llama import _CHECKPOINT_NAMES, LlamaMLP, LlamaModel, norm_stream
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup
 
-LATENT_NORM_EPS = 1e-6  # the q/kv latent norms' epsilon (transformers' LongcatFlashRMSNorm default; not rms_norm_eps)
 # the release's router weight under router.classifier: our router's own weight
 _CHECKPOINT_NAMES["longcat_flash"] = ((re.compile(r"\.mlp\.router\.classifier\."), ".mlp.router."),)
 _MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.*)$")
