@@ -1859,14 +1859,14 @@ def write_bare_gguf(path: Path, arch: str) -> Path:
 
 
 # every GGUF architecture specray loads (llama.cpp's names), as its error for another one lists them
-GGUF_LOADABLE = ["apertus", "arcee", "bitnet", "bloom", "cohere2", "command-r", "dbrx", "deepseek2", "dots1",
+GGUF_LOADABLE = ["afmoe", "apertus", "arcee", "bitnet", "bloom", "cohere2", "command-r", "dbrx", "deepseek2", "dots1",
                  "ernie4_5", "ernie4_5-moe", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2",
                  "gemma3", "gemma3n", "gemma4", "glm-dsa", "glm4", "glm4moe", "gpt-oss", "gpt2", "gptj", "gptneox",
                  "granite", "granitehybrid", "granitemoe", "hunyuan-dense", "hunyuan-moe", "jais2", "jamba",
-                 "kimi-linear", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "minicpm3", "minimax-m2", "mistral3",
-                 "mpt", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "phi2", "phi3", "qwen2",
-                 "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl",
-                 "qwen3vlmoe", "seed_oss", "smollm3", "stablelm", "starcoder", "starcoder2"]
+                 "kimi-linear", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "mimo2", "minicpm3", "minimax-m2",
+                 "mistral3", "mistral4", "mpt", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe",
+                 "phi2", "phi3", "phimoe", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+                 "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "stablelm", "starcoder", "starcoder2"]
 _NO_HF_GGUF = r"HF folder \(config.json \+ \*.safetensors\) or its hub id instead of the .gguf"
 
 

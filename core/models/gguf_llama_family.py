@@ -17,7 +17,9 @@ bias and shared experts), K-EXAONE (``exaone-moe``: EXAONE 4.0's windows, pre-no
 shared experts; the MTP layers the converter keeps, after the model's own, left out), Command R / R+ (``command-r``) and
 Command R7B / Command A (``cohere2``: one LayerNorm per layer before parallel attention and MLP, the logit scale, the
 window), Jais 2 (``jais2``: LayerNorms with biases, their epsilon as ``attention.layer_norm_epsilon``, the gateless
-relu^2 MLP with biases) and the text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
+relu^2 MLP with biases), Trinity (``afmoe``: llama.cpp's fixed pattern of three sliding layers to one global, muP's
+embedding scale, its sigmoid-routed, renormalised experts; its converter skips LlamaModel's q/k reordering) and the
+text models of Qwen2-VL / Qwen2.5-VL (``qwen2vl``), Qwen3-VL (``qwen3vl``) and
 Qwen3-VL-MoE (``qwen3vlmoe``) -- a Qwen2, a Qwen3 and a Qwen3-MoE whose multimodal RoPE (``rope.dimension_sections``)
 rotates a text-only sequence as plain RoPE does; the image embeddings, their deepstack layers included, are not read
 -- through its plain ``TextModel``, turned back into the HF checkpoints specray loads for them. Experts (OLMoE's,
@@ -243,6 +245,34 @@ def _qwen3_moe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
+AFMOE_GLOBAL_LAYER_STEP = 4  # llama.cpp's for Trinity: every 4th layer global, without RoPE (no GGUF key carries it)
+
+
+def _afmoe(get: GGUFMeta, tensors: GGUFTensors) -> dict[str, Any]:
+    """Trinity's (llama.cpp's ``afmoe``): three layers of four sliding over the window (with RoPE), the fourth global
+    (without), as llama.cpp fixes it; its dense first layers (``leading_dense_block_count``), then experts routed by
+    sigmoid scores plus the correction bias, the top k renormalised and scaled (``expert_weights_scale``), beside its
+    shared experts. What transformers' Trinity cannot run (no window, another gating, no renormalisation) is refused."""
+    import gguf as gguf_py
+
+    gating = int(get("expert_gating_func", int(gguf_py.ExpertGatingFuncType.SIGMOID)))  # (llama.cpp's default)
+    refused = ("afmoe.expert_gating_func", gating) if gating != int(gguf_py.ExpertGatingFuncType.SIGMOID) else \
+        ("afmoe.expert_weights_norm", False) if not get("expert_weights_norm", True) else \
+        ("afmoe.attention.sliding_window", 0) if not get("attention.sliding_window", 0) else None
+    if refused:
+        raise ValueError(f"GGUF {str(get.gguf)!r} has {refused[0]}={refused[1]}; specray reads Trinity's (sigmoid "
+                         "routing, renormalised, sliding layers with a window). Pass the model's HF checkpoint instead")
+    layers = get.model_layers()
+    return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "num_shared_experts": int(get("expert_shared_count", 0)),
+            "num_dense_layers": int(get("leading_dense_block_count", 0)),
+            "route_scale": as_written(get("expert_weights_scale", 1.0)),
+            "sliding_window": int(get("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if (i + 1) % AFMOE_GLOBAL_LAYER_STEP else "full_attention"
+                            for i in range(layers)]}
+
+
 @dataclass(frozen=True)
 class _Family:
     config: str  # transformers' config class
@@ -305,7 +335,11 @@ _FAMILIES = {"gemma": _Family("GemmaConfig", "GemmaForCausalLM", permuted=False,
                                 from_keys={f"mlp.act_fn.{name}": (f"xielu.{name}", shape) for name, shape in
                                            (("alpha_n", (1,)), ("alpha_p", (1,)), ("beta", ()), ("eps", ()))}),
              # Jais 2: LayerNorms with biases, AFM's gateless relu^2 MLP (its TextModel: no q/k reordering)
-             "jais2": _Family("Jais2Config", "Jais2ForCausalLM", permuted=False, own=_jais2)}
+             "jais2": _Family("Jais2Config", "Jais2ForCausalLM", permuted=False, own=_jais2),
+             # Trinity: gated attention with q/k norms, sandwich norms, muP's embedding scale (llama.cpp always
+             # scales), its windows and experts (its converter skips LlamaModel's q/k reordering)
+             "afmoe": _Family("AfmoeConfig", "AfmoeForCausalLM", permuted=False, own=_afmoe, windows=True,
+                              fixed={"mup_enabled": True, "global_attn_every_n_layers": AFMOE_GLOBAL_LAYER_STEP})}
 # Granite 3's MoE (``granitemoe``), and with a shared expert (GraniteMoeShared): its fused gate/up experts
 # (``input_linear`` [E, 2I, H]) split by the converter into ``ffn_gate_exps`` and ``ffn_up_exps``, its shared MLP's
 # (``shared_mlp.input_linear`` [2S, H]) into ``ffn_gate_shexp`` and ``ffn_up_shexp``

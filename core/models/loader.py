@@ -23,14 +23,16 @@ Gemma 3n's text (``gemma3n``: :mod:`specray.models.gguf_gemma3n`), Jamba (``jamb
 (``kimi-linear``: :mod:`specray.models.gguf_kimi_linear`), the families llama.cpp writes in a Llama's layout under
 architectures of their own -- Gemma (the first), SmolLM3, Arcee's AFM, Jais 2, Granite 3 (dense and MoE), OLMo 1, 2
 and 3, OLMoE, Seed-OSS, ERNIE 4.5 and its MoE, GLM-4, EXAONE 4.0, Hunyuan's dense and MoE models, dots.llm1,
-K-EXAONE, Command R / R+, Command R7B / A, Ministral 3, Apertus and the Qwen VLs' text models
+K-EXAONE, Command R / R+, Command R7B / A, Ministral 3, Apertus, Trinity and the Qwen VLs' text models
 (:mod:`specray.models.gguf_llama_family`, ``LLAMA_FAMILY_GGUF_ARCHS``) --, DeepSeek-V3 (``deepseek2``) and GLM-5
 (``glm-dsa``: :mod:`specray.models.gguf_deepseek`), GLM-4.5 with its MTP layers (``glm4moe``:
 :mod:`specray.models.gguf_glm4_moe`), Llama 4 (``llama4``: :mod:`specray.models.gguf_llama4`), MiniCPM3 (``minicpm3``:
 :mod:`specray.models.gguf_minicpm3`) and the classic GPT families -- GPT-2 (``gpt2``), StableLM (``stablelm``), Phi-2
 (``phi2``), Falcon (``falcon``), GPT-NeoX (``gptneox``), BLOOM (``bloom``), MPT (``mpt``), GPT-BigCode / StarCoder
 (``starcoder``), DBRX (``dbrx``) and GPT-J (``gptj``) -- (:mod:`specray.models.gguf_classic`), BitNet b1.58
-(``bitnet``: :mod:`specray.models.gguf_bitnet`); a GGUF of another architecture (of a
+(``bitnet``: :mod:`specray.models.gguf_bitnet`), Phi-3.5-MoE (``phimoe``: :mod:`specray.models.gguf_phimoe`),
+MiMo-V2-Flash (``mimo2``: :mod:`specray.models.gguf_mimo2`), Mistral 4 (``mistral4``:
+:mod:`specray.models.gguf_mistral4`); a GGUF of another architecture (of a
 family specray does not serve, or one the installed transformers cannot map) is refused before any conversion, naming
 the fix: load the model's HF checkpoint instead.
 """
@@ -70,6 +72,9 @@ from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS, mamba2_gguf_checkpoint
 from specray.models.gguf_llama4 import LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint
 from specray.models.gguf_llama_family import LLAMA_FAMILY_GGUF_ARCHS, llama_family_gguf_checkpoint
 from specray.models.gguf_minicpm3 import MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint
+from specray.models.gguf_phimoe import PHIMOE_GGUF_ARCHS, phimoe_gguf_checkpoint
+from specray.models.gguf_mimo2 import MIMO2_GGUF_ARCHS, mimo2_gguf_checkpoint
+from specray.models.gguf_mistral4 import MISTRAL4_GGUF_ARCHS, mistral4_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
 from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
 from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
@@ -121,7 +126,9 @@ _GGUF_FAMILIES = {"llama": "Llama / Mistral / Mixtral", "qwen2": "Qwen2", "qwen2
                   "exaone-moe": "K-EXAONE", "lfm2moe": "LFM2-MoE", "gpt2": "GPT-2", "stablelm": "StableLM",
                   "phi2": "Phi-1 / 1.5 / 2", "falcon": "Falcon (RoPE releases)", "gptneox": "GPT-NeoX / Pythia",
                   "bloom": "BLOOM", "mpt": "MPT", "starcoder": "GPT-BigCode / StarCoder", "dbrx": "DBRX",
-                  "gemma3n": "Gemma 3n text", "gptj": "GPT-J", "bitnet": "BitNet b1.58"}
+                  "gemma3n": "Gemma 3n text", "gptj": "GPT-J", "bitnet": "BitNet b1.58",
+                  "phimoe": "Phi-3.5-MoE", "afmoe": "Trinity",
+                  "mimo2": "MiMo-V2-Flash", "mistral4": "Mistral 4"}
 # llama.cpp's architectures whose config and tensors specray reads itself (transformers' GGUF mapping gives no dense
 # tensors of them) -> the reader: (the GGUF, its architecture) -> (the HF config, the HF checkpoint's tensors)
 _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
@@ -137,7 +144,10 @@ _GGUF_READERS = {**dict.fromkeys(QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint),
                  **dict.fromkeys(LLAMA4_GGUF_ARCHS, llama4_gguf_checkpoint),
                  **dict.fromkeys(MINICPM3_GGUF_ARCHS, minicpm3_gguf_checkpoint),
                  **dict.fromkeys(CLASSIC_GGUF_ARCHS, classic_gguf_checkpoint),
-                 **dict.fromkeys(BITNET_GGUF_ARCHS, bitnet_gguf_checkpoint)}
+                 **dict.fromkeys(BITNET_GGUF_ARCHS, bitnet_gguf_checkpoint),
+                 **dict.fromkeys(PHIMOE_GGUF_ARCHS, phimoe_gguf_checkpoint),
+                 **dict.fromkeys(MIMO2_GGUF_ARCHS, mimo2_gguf_checkpoint),
+                 **dict.fromkeys(MISTRAL4_GGUF_ARCHS, mistral4_gguf_checkpoint)}
 # where transformers' GGUF tables spell llama.cpp's architecture name otherwise
 _TRANSFORMERS_GGUF_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
                             "minimax-m2": "minimax_m2"}
