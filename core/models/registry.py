@@ -251,9 +251,16 @@ def _resolve(target: str) -> type:
     return getattr(import_module(module), name)
 
 
+# model types served by their own class whatever the config's architectures say (transformers serves them through
+# another family's class and saves them naming it, with their releases' tensor names; filled below)
+_BY_MODEL_TYPE: set[str] = set()
+
+
 def get_model_class(hf_config) -> type:
     """Our ``nn.Module`` class for ``hf_config``; ValueError for an architecture we do not implement."""
     archs = list(getattr(hf_config, "architectures", None) or [])
+    if getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:  # saved by transformers under another family's class
+        return _resolve(_ARCHITECTURES[_MODEL_TYPES[hf_config.model_type]])
     for arch in archs:
         if arch in _ARCHITECTURES:
             return _resolve(_ARCHITECTURES[arch])
@@ -477,3 +484,14 @@ _ARCHITECTURES["Gemma4UnifiedForCausalLM"] = "specray.models.gemma4_unified:Gemm
 _MODEL_TYPES["gemma4_unified_text"] = "Gemma4UnifiedForCausalLM"
 _TEXT_PARTS["Gemma4UnifiedForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
                                                         (re.compile(r"^lm_head\."), "lm_head."))
+# Model types transformers serves through another family's class with config classes and tensor names of their own
+# (specray.models.aliases): EXAONE 3.0 / 3.5 (Llama, GPT-2-style names), InternLM3 and IQuest-Coder (Llama), Sarvam's
+# 105B (DeepSeek-V3) and 30B (GLM-4.5, Bailing's names, q/k/v fused); transformers saves them naming the family's
+# class, so they are picked by model type first
+_ARCHITECTURES.update({arch: f"specray.models.aliases:{arch}" for arch in (
+    "ExaoneForCausalLM", "InternLM3ForCausalLM", "IQuestCoderForCausalLM", "SarvamMLAForCausalLM",
+    "SarvamMoEForCausalLM")})
+_MODEL_TYPES.update({"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM",
+                     "iquestcoder": "IQuestCoderForCausalLM", "sarvam_mla": "SarvamMLAForCausalLM",
+                     "sarvam_moe": "SarvamMoEForCausalLM"})
+_BY_MODEL_TYPE.update(("exaone", "internlm3", "iquestcoder", "sarvam_mla", "sarvam_moe"))
