@@ -495,3 +495,9 @@ _MODEL_TYPES.update({"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCa
                      "iquestcoder": "IQuestCoderForCausalLM", "sarvam_mla": "SarvamMLAForCausalLM",
                      "sarvam_moe": "SarvamMoEForCausalLM"})
 _BY_MODEL_TYPE.update(("exaone", "internlm3", "iquestcoder", "sarvam_mla", "sarvam_moe"))
+# Fuyu (fuyu-8b): Persimmon's text model behind a linear patch embedder; a text-only prompt runs Persimmon alone (the
+# embedder only replaces image placeholders' embeddings). The release keeps it under ``language_model.model.`` and
+# ``language_model.lm_head.`` (transformers' modules: ``model.language_model.``, ``lm_head.``) beside
+# ``vision_embed_tokens.`` (not read)
+_TEXT_PARTS["FuyuForCausalLM"] = ((re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+                                  (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
