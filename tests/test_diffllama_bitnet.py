@@ -340,6 +340,19 @@ def test_bitnet_refuses_other_quantizations_by_name(packed_bitnet, field, value,
         load_model(str(packed_bitnet[0]), config=config)
 
 
+def test_the_bitnet_method_is_refused_for_another_family(tiny_llama_dir, packed_bitnet, tmp_path):
+    """BitNet's packed method in another family's config.json: a ValueError naming the method and the model type,
+    not a shape mismatch on the first packed tensor."""
+    folder = tmp_path / "llama_bitnet"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = PACKED
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quant_method='bitnet' .* not for model_type='llama'"):
+        load_model(str(folder))
+    load_model(str(packed_bitnet[0]))  # (BitNet's own release reads it)
+
+
 def test_bitnet_refuses_another_activation(tiny_bitnet_dir):
     config = read_config(str(tiny_bitnet_dir))
     config.hidden_act = "silu"

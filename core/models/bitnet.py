@@ -200,6 +200,7 @@ class BitNetForCausalLM(LlamaForCausalLM):
     as they load (module docstring)."""
 
     model_class = BitNetModel
+    reads_quantization = "bitnet"  # its packed release's method, which no other family reads (the loader refuses it)
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False, pp=None):
         self.packed_release = bitnet_quantization(hf_config)

@@ -495,6 +495,11 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     # a 4-bit checkpoint whose groups the device's kernel takes: its linears keep the integers (int_quant); an FP8
     # or INT8 one scaled per row or per tensor on a device with that 8-bit matmul: its linears stay 8-bit (w8a8)
     quant = checkpoint_quantization(source)
+    method = (quant or {}).get("quant_method")
+    if method == "bitnet" and getattr(model_cls, "reads_quantization", None) != method:
+        raise ValueError(f"quantization_config.quant_method='bitnet' (packed ternary weights) is read for BitNet "
+                         f"(model_type='bitnet') alone, not for model_type={config.model_type!r}; load a bf16 or "
+                         "fp16 version of the checkpoint")
     online = quantization == "fp8" and not quant
     if online and not keeps_w8a8(FP8, torch.device(device), dtype):
         raise ValueError(f"quantization='fp8' over an unquantized checkpoint quantizes its linears to FP8 at load for "
