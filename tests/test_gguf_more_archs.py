@@ -41,6 +41,31 @@ def _add_tensor(w, types, gguf_name: str, tensor: torch.Tensor) -> None:
         w.add_tensor(gguf_name, tensor.float().contiguous().numpy())
 
 
+def _write_tensors(w, types, folder: Path, names, experts_at: str, swapped: dict | None = None,
+                   rename=lambda name: name) -> None:
+    """Every tensor of ``folder`` renamed through gguf-py's map ``names`` (after ``rename``), in the type ``types``
+    names for it; per-expert tensors (``model.layers.i.<block>.experts.e.<projection>.weight``) stacked per projection
+    and written under ``experts_at.format(layer, projection)``, ``swapped``'s projections under each other's names."""
+    from safetensors.torch import load_file
+
+    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        if ".experts." in name:
+            parts = name.split(".")
+            stacked.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value.float()
+            continue
+        gguf_name = names.get_name(rename(name), try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        _add_tensor(w, types, gguf_name, value.float())
+    for (layer, projection), experts in sorted(stacked.items()):
+        projection = (swapped or {}).get(projection, projection)
+        gguf_name = names.get_name(experts_at.format(layer, projection), try_suffixes=(".weight",))
+        _add_tensor(w, types, gguf_name, torch.stack([experts[e] for e in sorted(experts)]))
+
+
+_GATE_UP_SWAPPED = {"gate_proj": "up_proj", "up_proj": "gate_proj"}  # gate and up under each other's names
+
+
 # ---- Phi-3.5-MoE: llama.cpp's PhiMoeModel ---------------------------------------------------------------------------
 
 # LongRoPE over 16 pretrained positions stretched to 64 (factors exact in float32), the cos/sin scale the converter
@@ -90,7 +115,6 @@ def write_phimoe_gguf(folder: Path, out: Path, skip: str | None = None, keys: di
     :data:`PHIMOE_TRANSFORMS` done wrong (gate and up stacked under each other's names; the factors under each other's
     names); ``keys``: metadata written besides; ``types``: a GGUF name's llama.cpp type."""
     import gguf
-    from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
     layers, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
@@ -121,22 +145,9 @@ def write_phimoe_gguf(folder: Path, out: Path, skip: str | None = None, keys: di
             ("rope_factors_long", "rope_factors_short")
         for name, factors in zip(names, (rope["long_factor"], rope["short_factor"])):
             w.add_tensor(f"{name}.weight", torch.tensor(factors, dtype=torch.float32).numpy())
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHIMOE, layers)
-    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, value in load_file(str(folder / "model.safetensors")).items():
-        if ".experts." in name:  # model.layers.i.block_sparse_moe.experts.e.w1.weight
-            parts = name.split(".")
-            stacked.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value.float()
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        _add_tensor(w, types, gguf_name, value.float())
-    for (layer, projection), experts in sorted(stacked.items()):
-        if skip == "experts":
-            projection = {"w1": "w3", "w3": "w1"}.get(projection, projection)
-        gguf_name = names.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{projection}.weight",
-                                   try_suffixes=(".weight",))
-        _add_tensor(w, types, gguf_name, torch.stack([experts[e] for e in sorted(experts)]))
+    _write_tensors(w, types, folder, gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHIMOE, layers),
+                   "model.layers.{}.block_sparse_moe.experts.{}.weight",
+                   {"w1": "w3", "w3": "w1"} if skip == "experts" else None)
     _write_out(w)
     return out
 
@@ -224,7 +235,6 @@ def write_afmoe_gguf(folder: Path, out: Path, skip: str | None = None, keys: dic
     under each other's names; ``keys``: metadata written instead (``None``: left out; ``norm``: the
     ``expert_weights_norm`` written)."""
     import gguf
-    from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
@@ -248,23 +258,9 @@ def write_afmoe_gguf(folder: Path, out: Path, skip: str | None = None, keys: dic
     w.add_bool("afmoe.expert_weights_norm", norm)  # the release's route_norm
     w.add_float32("afmoe.expert_weights_scale", cfg["route_scale"])
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.AFMOE, layers)
-    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, value in load_file(str(folder / "model.safetensors")).items():
-        if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight
-            parts = name.split(".")
-            stacked.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value.float()
-            continue
-        if name.endswith(".expert_bias"):
-            name += ".bias"
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        _add_tensor(w, types, gguf_name, value.float())
-    for (layer, projection), experts in sorted(stacked.items()):
-        if skip == "experts":
-            projection = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection, projection)
-        gguf_name = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",))
-        _add_tensor(w, types, gguf_name, torch.stack([experts[e] for e in sorted(experts)]))
+    _write_tensors(w, types, folder, gguf.get_tensor_name_map(gguf.MODEL_ARCH.AFMOE, layers),
+                   "model.layers.{}.mlp.experts.{}.weight", _GATE_UP_SWAPPED if skip == "experts" else None,
+                   lambda name: name + ".bias" if name.endswith(".expert_bias") else name)
     _write_out(w)
     return out
 
@@ -339,6 +335,12 @@ def mimo2_dir(make_tiny_model, tmp_path_factory) -> Path:
                                                                   "partial_rotary_factor": 0.5}})
 
 
+def _mimo2_name(name: str) -> str:
+    """The release's name as gguf-py's map knows it: the router's correction bias and the sinks as a tensor's parts."""
+    name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    return name + ".weight" if name.endswith("attention_sink_bias") else name
+
+
 def write_mimo2_gguf(folder: Path, out: Path, value_scale: bool = True, skip: str | None = None,
                      kv: list[int] | None = None, types=None) -> Path:
     """A GGUF of a MiMo-V2-Flash folder as llama.cpp's MimoV2Model writes one: TextModel's sizes (heads, head size
@@ -350,7 +352,6 @@ def write_mimo2_gguf(folder: Path, out: Path, value_scale: bool = True, skip: st
     values' scale written (newer converters) or not (the first); ``skip`` ``experts``: gate and up stacked under each
     other's names; ``kv``: the KV heads per layer written instead; ``types``: a GGUF name's llama.cpp type."""
     import gguf
-    from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
     layers, rope = cfg["num_hidden_layers"], cfg["rope_parameters"]
@@ -377,23 +378,8 @@ def write_mimo2_gguf(folder: Path, out: Path, value_scale: bool = True, skip: st
         w.add_float32("mimo2.attention.value_scale", cfg["attention_value_scale"])
     _write_gguf_tokenizer(w, cfg, json.loads((folder / "tokenizer.json").read_text()))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MIMO2, layers)
-    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, value in load_file(str(folder / "model.safetensors")).items():
-        if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight
-            parts = name.split(".")
-            stacked.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value.float()
-            continue
-        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        if name.endswith("attention_sink_bias"):
-            name += ".weight"
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        _add_tensor(w, types, gguf_name, value.float())
-    for (layer, projection), experts in sorted(stacked.items()):
-        if skip == "experts":
-            projection = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection, projection)
-        gguf_name = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}.weight", try_suffixes=(".weight",))
-        _add_tensor(w, types, gguf_name, torch.stack([experts[e] for e in sorted(experts)]))
+    _write_tensors(w, types, folder, names, "model.layers.{}.mlp.experts.{}.weight",
+                   _GATE_UP_SWAPPED if skip == "experts" else None, _mimo2_name)
     _write_out(w)
     return out
 
