@@ -375,13 +375,20 @@ def check_no_host_sync_in_a_step(model, no_host_sync) -> None:
         run.step([(0, seq[10:12], 10, 1), (1, seq[:20], 0, 0)])
 
 
-def check_graph_form_equals_eager(layer, state, q_rows: int, pend: int, scratch: int, inputs) -> None:
+def check_graph_form_equals_eager(layer, q_rows: int, fill, inputs, pend: int = 5, scratch: int = 8) -> None:
     """A recurrent mixer's graph form (the batch padded to fixed shapes, a RecurrentGraphBatch) against its eager
-    form, ``layer`` bound to ``state`` (its random histories and matrices): a sequence replaying drafts, a fresh one
-    over a slot holding an old state, one with drafts, and a padding sequence; the same outputs for every real row,
-    the same committed state and the same pending drafts' inputs and gates in each target slot. ``inputs(rows)``:
-    the recurrence's (mixed, g, beta) for that many rows."""
+    form, ``layer`` bound to a state of ``scratch + 1`` slots that ``fill(state)`` makes random (its histories and
+    matrices): a sequence replaying drafts, a fresh one over a slot holding an old state, one with drafts, and a
+    padding sequence; the same outputs for every real row, the same committed state and the same pending drafts'
+    inputs and gates in each target slot. ``inputs(rows)``: the recurrence's (mixed, g, beta) for that many rows."""
     from types import SimpleNamespace
+
+    from specray.models.kv_cache import RecurrentState
+
+    torch.manual_seed(0)
+    state = RecurrentState([layer.state_spec], scratch + 1, pend, torch.float32, "cpu").layers[0]
+    fill(state)
+    layer.bind_state(state)
 
     seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
             (6, False, 2, q_rows - 1, 0)]  # (slot read, fresh, replays, real rows, drafts)

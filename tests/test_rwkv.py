@@ -178,18 +178,15 @@ def test_the_graph_form_equals_the_eager_one(tiny_rwkv_dir, q_rows):
     """A WKV mixer's graph form (a RecurrentGraphBatch) against its eager form on random histories and states: a
     sequence replaying drafts, a fresh one over a slot holding an old state, one with drafts, and a padding sequence:
     the same outputs for every real row and the same committed state in each target slot."""
-    from specray.models.kv_cache import RecurrentState
-
-    torch.manual_seed(0)
     layer = load_model(str(tiny_rwkv_dir)).model.layers[1].attention
-    pend, scratch = 5, 8
-    state = RecurrentState([layer.state_spec], scratch + 1, pend, torch.float32, "cpu")
-    st = state.layers[0]
-    st.inputs.normal_()
-    st.matrix.copy_(torch.stack((torch.randn(scratch + 1, layer.width), torch.rand(scratch + 1, layer.width) + 0.5,
-                                 torch.randn(scratch + 1, layer.width)), -1)[..., None])
-    layer.bind_state(st)
-    check_graph_form_equals_eager(layer, st, q_rows, pend, scratch, lambda rows: (
+
+    def fill(st):  # histories random; per channel a WKV state (num, den > 0, max)
+        slots = st.matrix.shape[0]
+        st.inputs.normal_()
+        st.matrix.copy_(torch.stack((torch.randn(slots, layer.width), torch.rand(slots, layer.width) + 0.5,
+                                     torch.randn(slots, layer.width)), -1)[..., None])
+
+    check_graph_form_equals_eager(layer, q_rows, fill, lambda rows: (
         torch.randn(rows, layer.hidden), torch.zeros(rows, layer.width), torch.zeros(rows, layer.width)))
 
 

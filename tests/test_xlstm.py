@@ -226,19 +226,15 @@ def test_the_graph_form_equals_the_eager_one(tiny_xlstm_dir, q_rows):
     """An mLSTM layer's graph form (a RecurrentGraphBatch) against its eager form on random states and inputs: a
     sequence replaying drafts, a fresh one over a slot holding an old state, one with drafts, and a padding
     sequence: the same outputs for every real row and the same committed state in each target slot."""
-    from specray.models.kv_cache import RecurrentState
-
-    torch.manual_seed(0)
     layer = load_model(str(tiny_xlstm_dir)).model.layers[0].mixer
-    pend, scratch = 5, 8
-    state = RecurrentState([layer.state_spec], scratch + 1, pend, torch.float32, "cpu")
-    st = state.layers[0]
-    st.inputs.normal_(), st.matrix.normal_()
-    st.matrix[..., -1] = st.matrix[..., :1, -1]
-    st.gates[:, :, 0] = torch.nn.functional.logsigmoid(torch.randn_like(st.gates[:, :, 0]))
-    st.gates[:, :, 1] = torch.randn_like(st.gates[:, :, 1]).exp()
-    layer.bind_state(st)
-    check_graph_form_equals_eager(layer, st, q_rows, pend, scratch, lambda rows: (
+
+    def fill(st):  # C, n random, m repeated down the last column; forget gates as log-sigmoids, input gates as exps
+        st.inputs.normal_(), st.matrix.normal_()
+        st.matrix[..., -1] = st.matrix[..., :1, -1]
+        st.gates[:, :, 0] = torch.nn.functional.logsigmoid(torch.randn_like(st.gates[:, :, 0]))
+        st.gates[:, :, 1] = torch.randn_like(st.gates[:, :, 1]).exp()
+
+    check_graph_form_equals_eager(layer, q_rows, fill, lambda rows: (
         torch.randn(rows, layer.state_spec.conv_dim), torch.nn.functional.logsigmoid(torch.randn(rows, layer.heads)),
         torch.randn(rows, layer.heads).exp()))
 
