@@ -149,15 +149,23 @@ def test_every_draft_equals_transformers_candidate_generator(target_dir, assista
     draft: it cuts the target's K/V to the committed length, which then still holds the rejected draft's K/V at the
     sampled token's position P, and its assistant attends it (its sliding layers also see the target's own window
     cache); ours attends the committed keys before P only, as it does after a prefill."""
-    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+    from transformers import Gemma4AssistantForCausalLM
+
+    check_drafts_equal_transformers(target_dir, assistants[kind], Gemma4AssistantForCausalLM, kind == "accepting")
+
+
+def check_drafts_equal_transformers(target_dir: Path, assistant_dir: Path, assistant_class, accepting: bool) -> None:
+    """Every step's drafts of three greedy requests equal :func:`reference_drafts` of transformers' assistant
+    (``assistant_class``) over the committed sequence; with an ``accepting`` assistant some are accepted too."""
+    from transformers import AutoModelForCausalLM
 
     runs = sys.modules["specray_test_engine_runs"]
     prompts = runs.PROMPTS[:3]
-    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistants[kind]))
+    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistant_dir))
     llm.engine.executor = rec = Recorder(llm.engine.executor)
     outs = llm.generate(prompts, runs.greedy(10), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(str(assistants[kind]), dtype=torch.float32).eval()
+    assistant = assistant_class.from_pretrained(str(assistant_dir), dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
     committed = {o.request_id: tok.encode(p) for o, p in zip(outs, prompts)}
     checked, after_accepted = 0, 0
@@ -172,7 +180,7 @@ def test_every_draft_equals_transformers_candidate_generator(target_dir, assista
                 checked += 1
                 after_accepted += len(kept) > 1
     assert checked >= 3 * len(prompts)
-    if kind == "accepting":
+    if accepting:
         assert after_accepted > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
 
 
@@ -217,6 +225,13 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, assistants):
     first three tokens' joint frequencies fit the target's p(x0) p(x1 | x0) p(x2 | x0 x1) (chi-square, the helpers of
     tests/test_hidden_state_drafters.py; a p-value under the threshold is decided by a second test on fresh seeds),
     and the same test fails against the target's distribution at temperature 1."""
+    check_sampled_distribution_kept(target_dir, assistants["accepting"])
+
+
+def check_sampled_distribution_kept(target_dir: Path, assistant_dir: Path) -> None:
+    """Seeded sampled requests drafted by the assistant in ``assistant_dir``: the first three tokens' joint frequencies
+    fit the target's at temperature 0.7 (a p-value under the threshold decided by a second test on fresh seeds) and
+    not its distribution at temperature 1."""
     from tests.test_hidden_state_drafters import sampled_pvalue, triples_of
 
     prompt = repeating_prompt(LLM(str(target_dir), max_model_len=128))
@@ -224,8 +239,7 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, assistants):
     expected = triples[0.7]
 
     def engine() -> LLM:
-        return LLM(str(target_dir), max_model_len=128, max_num_seqs=64,
-                   speculative_config=spec(assistants["accepting"]))
+        return LLM(str(target_dir), max_model_len=128, max_num_seqs=64, speculative_config=spec(assistant_dir))
 
     pvalue = sampled_pvalue(None, None, "gemma4_assistant", prompt, expected, engine=engine)
     if pvalue <= 1e-3:

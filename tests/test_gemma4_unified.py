@@ -25,7 +25,6 @@ from specray import LLM
 from specray.models.kv_cache import SharedKVSpec
 from specray.models.layers import RotaryEmbedding
 from specray.models.loader import load_hf_config, load_model
-from specray_test_engine_runs import Recorder  # tests/engine_runs.py (registered by conftest)
 from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff, prompt,  # model_checks.py
                                        run_ranks)
 
@@ -296,33 +295,12 @@ def test_every_draft_equals_transformers_candidate_generator(target_dir, assista
     Unified assistant's over the committed sequence, run as its ``SinglePositionMultiTokenCandidateGenerator`` runs
     it right after a prefill of that sequence (tests/test_gemma4_assistant.py's ``reference_drafts``, which says why
     not later)."""
-    from transformers import AutoModelForCausalLM, Gemma4UnifiedAssistantForCausalLM
+    from transformers import Gemma4UnifiedAssistantForCausalLM
 
-    from tests.test_gemma4_assistant import reference_drafts
+    from tests.test_gemma4_assistant import check_drafts_equal_transformers
 
-    runs = sys.modules["specray_test_engine_runs"]
-    prompts = runs.PROMPTS[:3]
-    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistants[kind]))
-    llm.engine.executor = rec = Recorder(llm.engine.executor)
-    outs = llm.generate(prompts, runs.greedy(10), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    assistant = Gemma4UnifiedAssistantForCausalLM.from_pretrained(str(assistants[kind]), dtype=torch.float32).eval()
-    tok = llm.get_tokenizer()
-    committed = {o.request_id: tok.encode(p) for o, p in zip(outs, prompts)}
-    checked, after_accepted = 0, 0
-    for plan, result in rec.steps:
-        for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
-            if not kept:
-                continue
-            seq = committed[chunk.req_id] = committed[chunk.req_id][: chunk.start_pos + chunk.num_tokens
-                                                                   - chunk.num_draft_tokens] + list(kept)
-            if drafts:
-                assert drafts == reference_drafts(hf, assistant, seq, K)[: len(drafts)], (chunk.req_id, seq)
-                checked += 1
-                after_accepted += len(kept) > 1
-    assert checked >= 3 * len(prompts)
-    if kind == "accepting":
-        assert after_accepted > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    check_drafts_equal_transformers(target_dir, assistants[kind], Gemma4UnifiedAssistantForCausalLM,
+                                    kind == "accepting")
 
 
 def test_greedy_batch_equals_plain_decoding(target_dir, assistants):
@@ -346,22 +324,9 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, assistants):
     """Seeded sampled requests whose chains the accepting assistant draws from its q: the first three tokens' joint
     frequencies fit the target's (chi-square; a p-value under the threshold is decided by a second test on fresh
     seeds), and the same test fails against the target's distribution at temperature 1."""
-    from tests.test_gemma4_assistant import repeating_prompt
-    from tests.test_hidden_state_drafters import sampled_pvalue, triples_of
+    from tests.test_gemma4_assistant import check_sampled_distribution_kept
 
-    prompt_ids = repeating_prompt(LLM(str(target_dir), max_model_len=128))
-    triples = triples_of(target_dir, prompt_ids)
-
-    def engine() -> LLM:
-        return LLM(str(target_dir), max_model_len=128, max_num_seqs=64,
-                   speculative_config=spec(assistants["accepting"]))
-
-    pvalue = sampled_pvalue(None, None, "gemma4_assistant", prompt_ids, triples[0.7], engine=engine)
-    if pvalue <= 1e-3:
-        pvalue = sampled_pvalue(None, None, "gemma4_assistant", prompt_ids, triples[0.7], n=2400, first_seed=800,
-                                engine=engine)
-    assert pvalue > 1e-3
-    assert sampled_pvalue(None, None, "gemma4_assistant", prompt_ids, triples[1.0], engine=engine) < 1e-3
+    check_sampled_distribution_kept(target_dir, assistants["accepting"])
 
 
 @pytest.mark.parametrize("case, match", [
