@@ -155,6 +155,14 @@ _PRELOAD = ["torch", "torch.distributed", "transformers", "specray.models.loader
 _forkserver = None
 
 
+def assert_ranks_match_one_rank(tmp_path: Path, folders: list[str], stages: int, tol: float) -> None:
+    """:data:`DIFF_WORKER` over two ranks: two tensor-parallel ranks (``stages`` 1) or two pipeline stages (2), every
+    folder's logits on the last stage within ``tol`` of one rank's (the first stage hands out none)."""
+    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
+    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
+    assert all(d < tol for r in results for d in r["diffs"] if d is not None), results
+
+
 def run_scripts(script: Path, argvs: list[list[str]], timeout: float) -> None:
     """One process per entry of ``argvs`` running ``script`` as ``__main__`` with that ``sys.argv[1:]``, all at
     once; fails unless every one exits 0 within ``timeout`` seconds."""

@@ -21,8 +21,9 @@ from specray.models.bloom import BloomForCausalLM
 from specray.models.falcon import FalconForCausalLM
 from specray.models.loader import load_model
 from specray.models.mpt import MptForCausalLM
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, prompt,
+    reference_logits)
 
 TOL = 1e-4
 
@@ -129,9 +130,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     BLOOM's embedding norm on the first): the last rank's logits equal one rank's."""
     fixtures = ("tiny_bloom_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir", "tiny_bloom_post_ln_dir")
     folders = [str(request.getfixturevalue(f)) for f in fixtures]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_bloom_dir", "tiny_mpt_dir"])

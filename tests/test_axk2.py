@@ -28,8 +28,9 @@ from specray.models.llama import LlamaMLP
 from specray.models.loader import load_model, read_config
 from specray.models.moe import sync_free_experts
 from specray.parallel import TPGroup
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -329,9 +330,7 @@ def test_two_ranks_match_one_rank(tiny_axk2_dir, tiny_axk2_ungrouped_dir, tmp_pa
     the indexer, the gates of the norms and the router replicated) or two pipeline stages: the last rank's logits
     equal one rank's, grouped and not."""
     folders = [str(tiny_axk2_dir), str(tiny_axk2_ungrouped_dir)]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -40,8 +40,9 @@ from specray.models.persimmon import PersimmonForCausalLM
 from specray.models.phi import PhiForCausalLM
 from specray.models.stablelm import StableLmForCausalLM
 from specray.models.loader import load_model
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, prompt,
+    reference_logits)
 
 TOL = 1e-4
 
@@ -92,9 +93,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (stages 1: heads, MLP widths and biases split) or two pipeline stages (2): the last
     rank's logits equal one rank's."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 # the pairs people draft with (OPT-125M for OPT-6.7B, Pythia-70M for Pythia-1B): a draft model of the same family

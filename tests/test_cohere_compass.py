@@ -24,8 +24,9 @@ import torch
 from specray.models.cohere_compass import CohereCompassAttention, CohereCompassForCausalLM
 from specray.models.layers import RotaryEmbedding
 from specray.models.loader import load_hf_config, load_model, read_config
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -196,9 +197,7 @@ def test_two_ranks_match_one_rank(compass_dirs, compass_vision, tmp_path, stages
     pipeline stages (2: the residual stream handed on, each stage's kinds of layer rotated by their own tables):
     the last rank's logits equal one rank's, for both models and the multimodal release's text."""
     folders = [str(compass_dirs[k]) for k in sorted(MODELS)] + [str(compass_vision[0])]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 # ---- each distinctive part, broken on purpose ------------------------------------------------------------------------

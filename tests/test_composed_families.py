@@ -121,8 +121,9 @@ from specray.models.llama import LlamaForCausalLM, LlamaMLP
 from specray.models.flex_olmo import FlexOlmoForCausalLM
 from specray.models.moe import SparseMoE
 from specray.models.loader import load_model
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, prompt,
+    reference_logits)
 
 TOL = 1e-4
 
@@ -221,9 +222,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     biases added once), K-EXAONE, Hunyuan's MoE, Nemotron, Command R+, Granite's MoE, Apertus, Phi-3.5-MoE, MiniCPM3,
     OLMo and Granite's shared MoE."""
     folders = [str(request.getfixturevalue(f)) for f in RANK_CHECKS[stages]]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 def test_hunyuan_moe_reads_per_layer_lists_that_agree(tiny_hunyuan_v1_moe_dir):

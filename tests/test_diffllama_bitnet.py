@@ -19,8 +19,9 @@ import torch
 from specray.models.diffllama import DiffLlamaAttention, DiffLlamaForCausalLM
 from specray.models.kv_cache import FullAttentionSpec
 from specray.models.loader import load_model, read_config
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -402,9 +403,7 @@ def test_two_ranks_match_one_rank(tiny_diffllama_dir, tiny_bitnet_dir, packed_bi
     squares summed over the ranks; packed, each token's largest activation of a row-parallel input over both ranks)
     or two pipeline stages: the last rank's logits equal one rank's."""
     folders = [str(tiny_diffllama_dir), str(tiny_bitnet_dir), str(packed_bitnet[0])]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * 3, results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 # ---- on a GPU --------------------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ from specray.models import cpu_kernels
 from specray.models.doge import DogeAttention, DogeForCausalLM, DynamicMaskAttention, DynamicMaskSpec
 from specray.models.kv_cache import FullAttentionSpec
 from specray.models.loader import load_model, read_config
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -221,9 +222,7 @@ def test_one_kv_head_with_a_sliding_window_matches_transformers(tiny_doge_mqa_di
 def test_two_ranks_match_one_rank(tiny_doge_dir, tiny_doge_mqa_dir, tmp_path, stages):
     """Two tensor-parallel ranks (a KV head each, or the one KV head on both; the values all-gathered for dt_proj) or
     two pipeline stages: the last rank's logits equal one rank's."""
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, [str(tiny_doge_dir), str(tiny_doge_mqa_dir)])
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * 2, results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, [str(tiny_doge_dir), str(tiny_doge_mqa_dir)], stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

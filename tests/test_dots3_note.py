@@ -32,8 +32,9 @@ from specray.models.llama import LlamaMLP
 from specray.models.loader import load_model, read_config
 from specray.models.moe import SparseMoE, sync_free_experts
 from specray.parallel import TPGroup
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prefill_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prefill_logits, prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -401,9 +402,7 @@ def test_two_ranks_match_one_rank(tiny_dots3_dir, tmp_path, stages):
     """Two tensor-parallel ranks (each half of every layer's heads, their g_proj rows and the experts' width; the
     latents, the indexer, the RoPE key's norm and the router replicated) or two pipeline stages: the last rank's
     logits equal one rank's."""
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, [str(tiny_dots3_dir)])
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2], results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, [str(tiny_dots3_dir)], stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

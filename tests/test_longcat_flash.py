@@ -27,8 +27,9 @@ from specray.models.longcat_flash import (LongcatFlashDecoderLayer, LongcatFlash
 from specray.models.moe import SparseMoE, sync_free_experts
 from specray.parallel import TPGroup
 from specray_test_engine_runs import greedy, refused_on_this_gpu, token_ids  # tests/engine_runs.py
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, WORKER_PRELUDE,  # tests/model_checks.py
-                                       chunked_logits, max_diff, mutated_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, WORKER_PRELUDE, assert_ranks_match_one_rank, chunked_logits, max_diff,
+    mutated_logits, prompt, reference_logits, run_ranks)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -206,9 +207,7 @@ def _share(state: dict[str, torch.Tensor], rank: int, expert_parallel: bool) -> 
 def test_two_ranks_match_one_rank(tiny_longcat_flash_dir, tmp_path, stages):
     """Two tensor-parallel ranks (heads, MLP widths and experts' widths split; the latent replicated) or two pipeline
     stages (one whole layer, both its attention blocks, each): the last rank's logits equal one rank's."""
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, [str(tiny_longcat_flash_dir)])
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2], results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, [str(tiny_longcat_flash_dir)], stages, TOL)
 
 
 EP_WORKER = WORKER_PRELUDE + textwrap.dedent("""

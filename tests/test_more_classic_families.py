@@ -35,8 +35,9 @@ from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind, Sliding
 from specray.models.modernbert_decoder import ModernBertDecoderForCausalLM
 from specray.models.loader import load_model, read_config
 from specray.models.openai_gpt import OpenAIGPTLMHeadModel
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -455,9 +456,7 @@ def test_two_ranks_match_one_rank(request, tmp_path, stages):
     """Two tensor-parallel ranks (heads, split q/k/v rows, MLP widths and biases) or two pipeline stages (positions,
     post-norm streams and the tied heads on their stages): the last rank's logits equal one rank's."""
     folders = [str(request.getfixturevalue(fixture)) for fixture, _ in FAMILIES.values()]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * len(folders), results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from specray.models.loader import load_model, read_config
 from specray.models.moe import SparseMoE
-from specray_test_model_checks import (DIFF_WORKER, SCHEDULES, chunked_logits, max_diff,  # tests/model_checks.py
-                                       mutated_logits, prefill_logits, prompt, reference_logits, run_ranks)
+from specray_test_model_checks import (  # tests/model_checks.py
+    SCHEDULES, assert_ranks_match_one_rank, chunked_logits, max_diff, mutated_logits,
+    prefill_logits, prompt, reference_logits)
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
@@ -521,9 +522,7 @@ def test_two_ranks_match_one_rank(tiny_aria_dir, tiny_emu3_dir, tiny_mllama_dir,
     pipeline stages (Mllama's: a skipped cross-attention layer on each): the last rank's logits equal one rank's, for
     each family in one launch of the ranks."""
     folders = [str(tiny_aria_dir), str(tiny_emu3_dir), str(tiny_mllama_dir)]
-    results = run_ranks(tmp_path, DIFF_WORKER, 2, stages, folders)
-    assert [d is None for d in results[0]["diffs"]] == [stages == 2] * 3, results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+    assert_ranks_match_one_rank(tmp_path, folders, stages, TOL)
 
 
 @pytest.mark.parametrize("family", ["aria", "emu3", "mllama", "mllama_mm"])
