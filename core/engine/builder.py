@@ -219,7 +219,10 @@ def check_family_split(config, tp: int, pp: int) -> None:
     layers on their sources' stages), before any rank starts."""
     from specray.models.registry import get_model_class
 
-    family_check = getattr(get_model_class(config), "check_split", None)
+    cls = get_model_class(config)
+    if hasattr(cls, "refuse_stages"):
+        cls.refuse_stages(config, pp)
+    family_check = getattr(cls, "check_split", None)
     if family_check is not None:
         family_check(config, tp, pp)
 

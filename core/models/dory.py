@@ -255,6 +255,7 @@ class DoryForCausalLM(RunsKVCache, LlamaForCausalLM):
     """Dory for causal LM, sharded over ``tp`` (heads, the MLP's width, the head's rows); one pipeline stage."""
 
     model_class = DoryModel
+    one_stage = "its recurrent section runs again after later layers in every step (n_recurrent_loops)"
     serves_heads = False  # no hidden-state draft head (specray.engine.builder.check_heads_served)
     lora_modules = ()  # LoRA is not written for Dory (enable_lora is refused by name)
 
@@ -270,12 +271,8 @@ class DoryForCausalLM(RunsKVCache, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        """One pipeline stage (before any rank starts), and a config the family serves."""
+        """A config the family serves (before any rank starts; one pipeline stage: one_stage)."""
         check_config(config)
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='dory': its recurrent "
-                             "layers run again after later ones in every step (n_recurrent_loops), so no split of "
-                             "the layers into stages runs each stage once; use pipeline_parallel_size=1")
 
     def _a_norm(self) -> torch.Tensor:
         return self.model.layers[0].lambda_1

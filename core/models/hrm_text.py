@@ -167,6 +167,7 @@ class HrmTextForCausalLM(RunsKVCache, LlamaForCausalLM):
     """HRM-Text for causal LM, sharded over ``tp`` (heads, the MLP's width, the head's rows); one pipeline stage."""
 
     model_class = HrmTextModel
+    one_stage = "its L and H stacks run in turn H_cycles times in every step"
     serves_heads = False  # no hidden-state draft head (specray.engine.builder.check_heads_served)
     lora_modules = ()  # LoRA is not written for HRM-Text (enable_lora is refused by name)
 
@@ -183,12 +184,8 @@ class HrmTextForCausalLM(RunsKVCache, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        """One pipeline stage (before any rank starts), and cycles the family serves."""
+        """Cycles the family serves (before any rank starts; one pipeline stage: one_stage)."""
         check_config(config)
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='hrm_text': its L and H "
-                             "stacks run in turn H_cycles times in every step, so no split of the layers into stages "
-                             "runs each stage once; use pipeline_parallel_size=1")
 
     def _a_norm(self) -> torch.Tensor:
         return self.model.z_L_init

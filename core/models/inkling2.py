@@ -443,6 +443,7 @@ class Inkling2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     the ranks; the convs on the residual stream replicated)."""
 
     model_class = Inkling2Model
+    one_stage = "its layers read every saved block of the residual stream"
     may_tie = False  # the embedding and the unembedding are separate tensors in every release
     lora_modules: tuple[str, ...] = ()  # (not wired: the release's projections are named its own way)
 
@@ -459,9 +460,6 @@ class Inkling2ForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp} is not supported for {config.model_type!r}: its layers read "
-                             "every saved block of the residual stream (use 1)")
         for field in ("num_attention_heads", "num_key_value_heads", "swa_num_attention_heads",
                       "swa_num_key_value_heads"):
             if getattr(config, field) % tp:

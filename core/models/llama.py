@@ -487,6 +487,7 @@ class LlamaForCausalLM(nn.Module):
     # the decoder layers' projections that take LoRA adapters (their checkpoint names; specray.models.lora)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     may_tie = True  # whether tie_word_embeddings makes the embedding the head (Nemotron-H's never is, as transformers)
+    one_stage: str | None = None  # why the family runs on one pipeline stage only (refuse_stages), or None
     skipped: tuple[str, ...] = ()  # checkpoint names never read into the model (a release's MTP modules: the drafter's)
     # whether a drafter may ask for aux layer num_hidden_layers: the residual past the last layer, where an MTP layer
     # of DeepSeek-V4's reads its streams (on the last pipeline stage)
@@ -499,9 +500,18 @@ class LlamaForCausalLM(nn.Module):
         first ids says how many, and widens its logits back with :func:`~specray.models.layers.widen_to_vocab`)."""
         return hf_config.vocab_size
 
+    @classmethod
+    def refuse_stages(cls, config, pp: int) -> None:
+        """A family that runs on one stage only (``one_stage`` says why) refuses ``pp`` > 1 by name: the engine's
+        split check calls it before any rank starts, and the constructor for a model loaded directly."""
+        if pp > 1 and cls.one_stage:
+            raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type={config.model_type!r} "
+                             f"({cls.one_stage}); use pipeline_parallel_size=1")
+
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
         super().__init__()
+        self.refuse_stages(hf_config, (pp or PPGroup.single()).size)
         tp = tp or TPGroup.single()
         self.config = hf_config
         self.tp = tp

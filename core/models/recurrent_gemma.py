@@ -278,17 +278,13 @@ _CHECKPOINT_NAMES["recurrent_gemma"] = tuple((re.compile(pattern), ours) for pat
     (r"^model\.final_norm\.", "model.norm.")))
 
 
-def _refuse_stages(pp: int) -> None:
-    if pp > 1:
-        raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='recurrent_gemma' (not built "
-                         "or checked yet); use 1")
-
 
 class RecurrentGemmaForCausalLM(RecurrentModel, LlamaForCausalLM):
     """RecurrentGemma for causal LM, sharded over ``tp`` (module docstring)."""
 
     model_class = RecurrentGemmaModel
     stage_width = 1
+    one_stage = "not built or checked yet"
     # LoRA on every linear (checkpoint names; the attention's under temporal_block there, renamed as its weights
     # are): applied to the layer's tokens, linear_x's before the conv as its weight is; not the conv (conv_1d)
     lora_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -296,7 +292,6 @@ class RecurrentGemmaForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        _refuse_stages(pp.size if pp is not None else 1)
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.final_logit_softcapping = getattr(hf_config, "logits_soft_cap", None)
 
@@ -306,7 +301,6 @@ class RecurrentGemmaForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        _refuse_stages(pp)
         check_config(config)
         divide(config.num_attention_heads, tp, "num_attention_heads")
 

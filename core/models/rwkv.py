@@ -318,27 +318,21 @@ _CHECKPOINT_NAMES["rwkv"] = tuple((re.compile(pattern), ours) for pattern, ours 
 _RESCALED = re.compile(r"^rwkv\.blocks\.(\d+)\.(?:attention\.output|feed_forward\.value)\.weight$")
 
 
-def _refuse_stages(pp: int) -> None:
-    if pp > 1:
-        raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='rwkv' (not built or checked "
-                         "yet); use 1")
-
 
 class RwkvForCausalLM(RecurrentModel, LlamaForCausalLM):
     """RWKV-4 for causal LM, sharded over ``tp`` (module docstring)."""
 
     model_class = RwkvModel
     stage_width = 1
+    one_stage = "not built or checked yet"
     lora_modules: tuple[str, ...] = ()  # not yet: no adapter of this family was checked
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        _refuse_stages(pp.size if pp is not None else 1)
         super().__init__(hf_config, tp, expert_parallel, pp)
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        _refuse_stages(pp)
         check_config(config)
         divide(attention_width(config), tp, "attention_hidden_size")
         divide(config.intermediate_size or 4 * config.hidden_size, tp, "intermediate_size")

@@ -366,17 +366,13 @@ _RENAMES = tuple((re.compile(pattern), ours) for pattern, ours in (
 _FUSED_FFN = re.compile(r"\.ffn\.proj_up_gate_z\.(weight|bias)$")
 
 
-def _refuse_stages(pp: int) -> None:
-    if pp > 1:
-        raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='xlstm' (not built or "
-                         "checked yet); use 1")
-
 
 class XLSTMForCausalLM(RecurrentModel, LlamaForCausalLM):
     """xLSTM for causal LM, sharded over ``tp`` (module docstring)."""
 
     model_class = XLSTMModel
     stage_width = 1
+    one_stage = "not built or checked yet"
     may_tie = False  # transformers' class ties nothing (its head is its own)
     lora_modules: tuple[str, ...] = ()  # not yet: no adapter of this family was checked
     stacked = {".mixer.q.": (".mixer.in_proj.", 0), ".mixer.k.": (".mixer.in_proj.", 1),
@@ -386,7 +382,6 @@ class XLSTMForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     def __init__(self, hf_config, tp: TPGroup | None = None, expert_parallel: bool = False,
                  pp: PPGroup | None = None):
-        _refuse_stages(pp.size if pp is not None else 1)
         check_config(hf_config)
         super().__init__(hf_config, tp, expert_parallel, pp)
         self.renames = _RENAMES
@@ -394,7 +389,6 @@ class XLSTMForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        _refuse_stages(pp)
         check_config(config)
         divide(config.num_heads, tp, "num_heads")
 

@@ -354,7 +354,7 @@ class ZayaModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # input_ids: [T] -> hidden [T, H], and the stream [T, H] entering each layer of aux_layers (one stage only)
-        assert intermediate is None, "ZAYA runs as one pipeline stage (check_split)"
+        assert intermediate is None, "ZAYA runs as one pipeline stage (one_stage)"
         x = self.embed(input_ids)
         stream = ((x + self.input_hidden_states_bias) * self.input_hidden_states_scale).float()
         rope = self.rope_tables(meta, x.dtype)
@@ -373,6 +373,7 @@ class ZayaForCausalLM(RecurrentModel, LlamaForCausalLM):
     """ZAYA for causal LM, sharded over ``tp`` (module docstring)."""
 
     model_class = ZayaModel
+    one_stage = "its router state passes from every layer to the next"
     # the q/k/v parts of each CCA projection (the value's halves stacked first: _unfused)
     stacked = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v")}
     lora_modules: tuple[str, ...] = ()  # not yet (the value's two projections are one stacked part here)
@@ -387,9 +388,6 @@ class ZayaForCausalLM(RecurrentModel, LlamaForCausalLM):
 
     @staticmethod
     def check_split(config, tp: int, pp: int) -> None:
-        if pp > 1:
-            raise ValueError(f"pipeline_parallel_size={pp} is not supported for model_type='zaya' (its router state "
-                             "passes from every layer to the next); use 1")
         check_kv_split(config, tp)
         divide(config.num_attention_heads, tp, "num_attention_heads")
 
