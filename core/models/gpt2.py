@@ -47,6 +47,7 @@ class GPT2LMHeadModel(ThirdsQKVAdapters, LlamaForCausalLM):
 
     model_class = GPT2Model
     stacked = GATELESS_STACKED
+    skipped_buffers = _BUFFERS  # the stored tensors that are no weights (OpenAI GPT's: its own)
     # LoRA on q/k/v (an adapter's c_attn: its B's rows split into q, k, v as the weight's are), c_proj and the MLP;
     # PEFT's adapters of a Conv1D are A [r, in] and B [out, r], as a Linear's
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
@@ -70,7 +71,7 @@ class GPT2LMHeadModel(ThirdsQKVAdapters, LlamaForCausalLM):
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         hidden = self.config.hidden_size
         for name, tensor in weights:
-            if _BUFFERS.search(name):
+            if self.skipped_buffers.search(name):
                 continue
             if _CONV1D.search(name):
                 tensor = materialize(tensor).t()

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
-from typing import Any
 
 import torch.nn.functional as F
 
 from specray.models.arcee import GATELESS_STACKED
 from specray.models.classic import GatelessMLP, LearnedPositionsModel, ThirdsQKVAdapters, llama_view
-from specray.models.layers import materialize
+from specray.models.gpt2 import GPT2LMHeadModel
 from specray.models.llama import LlamaForCausalLM
 from specray.models.opt import OPTPostNormLayer, StreamSum
 from specray.parallel import PPGroup, TPGroup
@@ -41,7 +39,6 @@ _RENAMES = tuple((re.compile(pattern), ours) for pattern, ours in (
     (r"\.ln_1\.", ".input_layernorm."), (r"\.ln_2\.", ".post_attention_layernorm."),
     (r"\.attn\.c_proj\.", ".self_attn.o_proj."), (r"\.attn\.", ".self_attn.")))
 _BUFFERS = re.compile(r"(?:\.attn\.bias|^(?:transformer\.)?position_ids)$")  # the stored causal mask, position ids
-_CONV1D = re.compile(r"\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored [in, out]
 
 
 class OpenAIGPTMLP(GatelessMLP):
@@ -73,6 +70,7 @@ class OpenAIGPTLMHeadModel(ThirdsQKVAdapters, LlamaForCausalLM):
 
     model_class = OpenAIGPTModel
     stacked = GATELESS_STACKED
+    skipped_buffers = _BUFFERS
     # LoRA on q/k/v (an adapter's c_attn: its B's rows split into q, k, v as the weight's are), c_proj and the MLP, as
     # GPT-2's (PEFT's adapters of a Conv1D are A [r, in] and B [out, r], as a Linear's)
     lora_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
@@ -90,16 +88,5 @@ class OpenAIGPTLMHeadModel(ThirdsQKVAdapters, LlamaForCausalLM):
         super().__init__(config, tp, expert_parallel, pp)
         self.renames = _RENAMES
 
-    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        hidden = self.config.hidden_size
-        for name, tensor in weights:
-            if _BUFFERS.search(name):
-                continue
-            if _CONV1D.search(name):
-                tensor = materialize(tensor).t()
-            if ".attn.c_attn." in name:  # [3 H, ...]: q, k, v in turn
-                yield from ((name.replace(".c_attn.", f".{p}_proj."), tensor[i * hidden:(i + 1) * hidden])
-                            for i, p in enumerate("qkv"))
-            else:
-                yield name, tensor
+    _unfused = GPT2LMHeadModel._unfused  # GPT-2's Conv1D weights and c_attn in thirds
 
