@@ -121,6 +121,9 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", type=_json_arg, default=None, metavar="JSON",
                    help="attributes of the model's config.json to set, e.g. '{\"max_position_embeddings\": 65536}' "
                    "(vLLM's flag)")
+    p.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, metavar="JSON",
+                   help="how many images a prompt may hold, e.g. '{\"image\": 4}'; '{\"image\": 0}' serves a "
+                   "vision-language model's text alone (vLLM's flag; default: any number)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="fp8: K/V stored in one byte each (vLLM's flag; default auto, the model's dtype)")
     p.add_argument("--mamba-ssm-cache-dtype", default=None, choices=list(MAMBA_SSM_CACHE_DTYPES),
@@ -247,6 +250,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                    help="web pages of these origins may call the API from a browser (CORS), comma-separated or a "
                    "JSON list; '*' for any (vLLM's flag; default: none)")
+    p.add_argument("--allowed-media-domains", type=_domains, default=None, metavar="HOSTS",
+                   help="the hosts a chat request's image URL may be fetched from, comma-separated ('' for none: "
+                   "data: URLs only; vLLM's flag; default: any)")
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="a reasoning model's <think> ... </think> goes to chat messages' reasoning_content (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -354,6 +360,11 @@ def _spec_method(text: str) -> str | None:
     return None if text.strip().lower() == "none" else text
 
 
+def _domains(text: str) -> list[str]:
+    """--allowed-media-domains: host names separated by commas (none: '')."""
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
 def _origins(text: str) -> list[str]:
     """--allowed-origins: a JSON list, or origins separated by commas."""
     if text.lstrip().startswith("["):
@@ -421,7 +432,8 @@ def engine_kwargs(args) -> dict:
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
-                 "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", *_SIZING_FLAGS):
+                 "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", "limit_mm_per_prompt",
+                 *_SIZING_FLAGS):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -510,11 +522,10 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_prefix_caching", "enforce_eager", "async_scheduling", "reasoning_parser",
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
-                "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides",
+                "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", "limit_mm_per_prompt",
                 "distributed_executor_backend", *_SIZING_FLAGS,
-                "trust_remote_code", "allowed_origins", "enable_lora", "lora_modules", "dynamic_lora_loading_path",
-                "max_loras", "max_lora_rank",
-                "max_cpu_loras")
+                "trust_remote_code", "allowed_origins", "allowed_media_domains", "enable_lora", "lora_modules",
+                "dynamic_lora_loading_path", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def serve_app_args(args) -> dict:

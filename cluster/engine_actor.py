@@ -46,18 +46,18 @@ class EngineActor:
         return await self.aengine.call(read)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       req_id: str | None = None):
-        async for out in self.aengine.generate(prompt_token_ids, params, prompt, req_id):
+                       req_id: str | None = None, multimodal=None):
+        async for out in self.aengine.generate(prompt_token_ids, params, prompt, req_id, multimodal):
             yield out
 
-    async def run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]):
+    async def run_batch(self, requests: list[tuple]):
         """Yields ``(index, final RequestOutput or the exception that failed it)`` as each request finishes."""
         done: asyncio.Queue = asyncio.Queue()
 
-        async def one(i: int, ids, params, prompt) -> None:
+        async def one(i: int, ids, params, prompt, multimodal) -> None:
             final = None
             try:
-                async for final in self.aengine.generate(ids, params, prompt):
+                async for final in self.aengine.generate(ids, params, prompt, multimodal=multimodal):
                     pass
             except Exception as err:  # handed back to the caller, which raises it
                 final = err
@@ -139,7 +139,7 @@ class RayEngineClient:
     def describe(self) -> dict:
         return ray.get(self.actor.describe.remote())
 
-    def run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> Iterator[tuple[int, RequestOutput]]:
+    def run_batch(self, requests: list[tuple]) -> Iterator[tuple[int, RequestOutput]]:
         for ref in self.actor.run_batch.remote(requests):
             i, out = ray.get(ref)
             if isinstance(out, BaseException):

@@ -33,7 +33,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specray.chat import check_template_text, render_chat
+from specray.chat import check_template_text, render_chat, split_images
 from specray.cluster import openai_protocol as proto
 from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
@@ -42,6 +42,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
+from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_image
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -66,8 +67,12 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    # a vision-language model's image processor (specray.multimodal; an attribute), None for a text model
+    image_processor: Any
+
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                 req_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+                 req_id: str | None = None, multimodal: MultiModalInputs | None = None
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     async def engine_state(self) -> dict: ...
 
@@ -94,8 +99,9 @@ class EngineUnavailableError(EngineError):
 class AsyncEngineClient:
     """:class:`EngineClient` over a :class:`specray.async_engine.AsyncLLMEngine`."""
 
-    def __init__(self, aengine):
+    def __init__(self, aengine, image_processor=None):
         self.aengine = aengine
+        self.image_processor = image_processor  # a vision-language model's (specray.multimodal), else None
 
     @property
     def tokenizer(self):
@@ -105,9 +111,9 @@ class AsyncEngineClient:
     def max_model_len(self) -> int:
         return self.aengine.engine.max_model_len
 
-    def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         self._check_running()
-        return self.aengine.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
+        return self.aengine.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id, multimodal=multimodal)
 
     async def engine_state(self) -> dict:
         self._check_running()
@@ -159,6 +165,8 @@ class ServerConfig:
     # vLLM's --allowed-origins: web pages of these origins may call the API from a browser (CORS; "*": any); none by
     # default (vLLM allows any), so a page the user visits cannot reach a server on their machine
     allowed_origins: tuple[str, ...] = ()
+    # vLLM's --allowed-media-domains: the hosts an image URL may be fetched from (None: any; empty: data: URLs only)
+    allowed_media_domains: frozenset[str] | None = None
     model_aliases: tuple[str, ...] = ()  # other names requests may give (vLLM's several --served-model-name)
     # vLLM's --lora-modules: adapters served under names of their own; a request whose "model" names one runs with it
     lora_modules: tuple[LoRARequest, ...] = ()
@@ -180,6 +188,7 @@ class _Prompt:
     token_ids: list[int]
     # SamplingParams.prompt_logprobs, from the first of the prompt's choices whose output has them
     logprobs: PromptLogprobs | None = None
+    multimodal: MultiModalInputs | None = None  # its images (specray.multimodal)
 
 
 @dataclass
@@ -291,7 +300,7 @@ class _Fanout:
             async with self._seats:
                 self._enqueued(choice.index)
                 stream = self._client.generate(choice.prompt.token_ids, choice.params, prompt=choice.prompt.text,
-                                               req_id=choice.req_id)
+                                               req_id=choice.req_id, multimodal=choice.prompt.multimodal)
                 async with contextlib.aclosing(stream):
                     async for out in stream:
                         if first is None:
@@ -1189,14 +1198,26 @@ class OpenAIServing:
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
                                     "start the server with --chat-template FILE", "messages")
+        messages, images = split_images([m.as_template_dict() for m in req.messages])
+        processor = getattr(self.client, "image_processor", None)
+        if images and processor is None:
+            raise proto.bad_request(TEXT_ONLY, "messages")
         with _user_text_errors("messages"):
-            text = render_chat(tokenizer, [m.as_template_dict() for m in req.messages], req.add_generation_prompt,
+            text = render_chat(tokenizer, messages, req.add_generation_prompt,
                                req.continue_final_message, chat_template=template,
                                chat_template_kwargs=_template_kwargs(req), tools=proto.template_tools(req.tools),
                                documents=getattr(req, "documents", None))
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
-            return _Prompt(text, tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not images:
+            return _Prompt(text, ids)
+        try:
+            domains = self.config.allowed_media_domains
+            ids, mm = expand_prompt(ids, [load_image(url, local=False, domains=domains) for url in images], processor)
+        except ValueError as err:
+            raise proto.bad_request(f"messages: {err}", "messages") from None
+        return _Prompt(text, ids, multimodal=mm)
 
     def _request_template(self, req) -> str | None:
         """A request's own chat_template (vLLM's): refused unless the server trusts requests' templates."""
@@ -1321,6 +1342,10 @@ def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
     """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (its text then comes from them)."""
     if keep is None or len(prompt.token_ids) <= keep:
         return prompt
+    if prompt.multimodal is not None:
+        raise proto.bad_request(f"truncate_prompt_tokens={keep} would cut a prompt with images (of "
+                                f"{len(prompt.token_ids)} tokens): it could cut an image's tokens; leave it unset",
+                                "truncate_prompt_tokens")
     return _Prompt(None, prompt.token_ids[-keep:])
 
 

@@ -533,6 +533,35 @@ class TextPart(BaseModel):
         return value
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    # OpenAI's; accepted, and every image is processed as the model's processor does
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(BaseModel):
+    """A chat message's content part: text, or (for a vision-language model) an image by URL (a ``data:`` URL, or
+    an http(s) one the server fetches)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    text: Text | None = None
+    image_url: ImageURL | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_part(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in ("text", "image_url"):
+            raise ValueError(f"a content part of type {kind!r} is not supported: the served models read text and "
+                             "(vision-language models) images; send {'type': 'text', 'text': ...} or "
+                             "{'type': 'image_url', 'image_url': {'url': ...}} parts, or a string")
+        if data.get(kind) is None or set(data) - {"type", kind}:
+            raise ValueError(f"a content part of type {kind!r} holds the field {kind!r} alone")
+        return data
+
+
 class Prediction(_Strict):
     """OpenAI's Predicted Outputs: ``{"type": "content", "content": ...}``, the output the client expects (a string
     or text parts)."""
@@ -584,7 +613,7 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, ...: handed to the chat template as is
     role: str
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (its content may then be null)
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
@@ -603,9 +632,16 @@ class ChatMessage(BaseModel):
                               "string or a list of text parts", f"messages.{index}.content")
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates read it: text parts joined into a string, or where it holds images, its
+        parts as text parts and ``image_url`` ones (:func:`specray.chat.split_images` makes them image parts)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            data["content"] = joined_text(self.content)
+            if any(part.type == "image_url" for part in self.content):
+                data["content"] = [{"type": "text", "text": p.text} if p.type == "text"
+                                   else {"type": "image_url", "image_url": {"url": p.image_url.url}}
+                                   for p in self.content]
+            else:
+                data["content"] = "".join(part.text for part in self.content)
         return data
 
 

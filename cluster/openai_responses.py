@@ -145,21 +145,28 @@ def not_found(response_id: str, param: str | None = None) -> proto.OpenAIError:
                              param=param, code="previous_response_not_found" if param else "response_not_found")
 
 
-def _text_of(content: Any, param: str) -> str:
-    """A message's content (a string, or text parts) as one string; a 400 for a part that is not text."""
+def _text_of(content: Any, param: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A message's content (a string, or text parts) as one string; with ``images`` (a message's content), its
+    ``input_image`` parts too, as chat image parts (the content then a list of chat parts). A 400 for another part."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise proto.bad_request(f"{param} must be a string or a list of input_text parts", param)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise proto.bad_request(f"{param}[{i}] of type {kind!r} is not supported: the served models read text "
-                                    "only; send {'type': 'input_text', 'text': ...} parts or a string",
+        if images and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            served = "input_text and (vision-language models) input_image parts with an image_url" if images else (
+                "input_text parts")
+            raise proto.bad_request(f"{param}[{i}] of type {kind!r} is not supported: send {served}, or a string",
                                     f"{param}.{i}.type")
-        texts.append(part["text"])
-    return "".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -177,7 +184,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in _MESSAGE_ROLES:
                 raise proto.bad_request(f"input[{i}].role={role!r:.50} is not a valid role; use one of "
                                         f"{', '.join(repr(r) for r in _MESSAGE_ROLES)}", f"input.{i}.role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content")})
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content", images=True)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise proto.bad_request(f"input[{i}] (a function_call) needs name and call_id", f"input.{i}")

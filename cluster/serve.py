@@ -140,6 +140,8 @@ class ServeArgs:
     enable_debug_routes: bool = False  # GET /v1/debug/kv
     # vLLM's: the origins whose web pages may call the API from a browser (CORS; ["*"]: any); None: none
     allowed_origins: list[str] | None = None
+    # vLLM's: the hosts a chat request's image URL may be fetched from; None: any http(s) host
+    allowed_media_domains: list[str] | None = None
     # vLLM's: a reasoning model's <think> ... </think> in chat messages' reasoning_content (deepseek_r1, qwen3)
     reasoning_parser: str | None = None
     # vLLM's: tool_choice "auto" (the default when a request gives tools), the calls read out of the answer by
@@ -257,6 +259,11 @@ class ServeArgs:
                                     or not all(isinstance(o, str) and o for o in origins)):
             raise ValueError(f"allowed_origins={origins!r} must be a list of origins such as "
                              "['https://app.example.com'], or ['*'] for any")
+        domains = self.allowed_media_domains
+        if domains is not None and (not isinstance(domains, list)
+                                    or not all(isinstance(d, str) and d for d in domains)):
+            raise ValueError(f"allowed_media_domains={domains!r} must be a list of host names such as "
+                             "['upload.wikimedia.org'] ([]: fetch no image URL, data: URLs only)")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be >= 0 (or None for no limit)")
         if not self.num_cpus > 0:
@@ -315,6 +322,8 @@ class ServeArgs:
                             trust_request_chat_template=self.trust_request_chat_template,
                             drafts_predictions=_drafts_on_host(engine_args),
                             allowed_origins=tuple(self.allowed_origins or ()),
+                            allowed_media_domains=(None if self.allowed_media_domains is None
+                                                   else frozenset(self.allowed_media_domains)),
                             lora_modules=self.lora_requests(), lora_dir=self.dynamic_lora_loading_path,
                             return_tokens_as_token_ids=self.return_tokens_as_token_ids,
                             runtime_lora_updating=self.enable_runtime_lora_updating,
@@ -462,7 +471,7 @@ class SpecrayEngine:
         logger.info("engine replica ready: %s (max_model_len=%d)", args.served_model_name, engine.max_model_len)
 
     async def add(self, ingress_id: str, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  prompt: str | None = None) -> str:
+                  prompt: str | None = None, multimodal=None) -> str:
         """Start a request whose outputs travel on ingress ``ingress_id``'s stream (:meth:`outputs`) and return
         this replica's id, which the ingress pins that stream and its aborts to. Bad input is the request's
         first (and last) item on that stream. Its outputs are deltas (``output_kind="delta"``): a step sends
@@ -470,7 +479,7 @@ class SpecrayEngine:
         box = self._outbox(ingress_id)
         params = dataclasses.replace(params, output_kind="delta")
         with _portable_errors():
-            stream = self.client.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id)
+            stream = self.client.generate(prompt_token_ids, params, prompt=prompt, req_id=req_id, multimodal=multimodal)
         box.tasks[req_id] = asyncio.create_task(box.pump(req_id, stream))
         return self.replica_id
 
@@ -672,8 +681,9 @@ class RemoteEngineClient:
     a request that no replica takes within ``ack_timeout_s`` gets it too, rather than waiting for a restart."""
 
     def __init__(self, handle, tokenizer, max_model_len: int, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 probe_interval_s: float = PROBE_INTERVAL_S, prefix_affinity: bool = False):
+                 probe_interval_s: float = PROBE_INTERVAL_S, prefix_affinity: bool = False, image_processor=None):
         self._handle = handle
+        self.image_processor = image_processor  # a vision-language model's (specray.multimodal), else None
         self.prefix_affinity = prefix_affinity  # the engines cache prefixes: remember where each prompt went
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -688,7 +698,7 @@ class RemoteEngineClient:
         self._so_far: dict[str, RequestOutput] = {}  # req_id -> its outputs' deltas joined so far
         self._links: dict[str, _EngineLink] = {}  # engine replica id -> the stream of its outputs for us
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         """Add the request on an engine replica (Serve picks it), then read its outputs from that replica's
         per-step batches; leaving early aborts it there."""
         await self._first_contact()
@@ -697,7 +707,7 @@ class RemoteEngineClient:
         queue = self._queues[req_id] = asyncio.Queue()
         link, ended = None, False
         try:
-            link = await self._add(req_id, prompt_token_ids, params, prompt)
+            link = await self._add(req_id, prompt_token_ids, params, prompt, multimodal)
             while not ended:
                 item = await _newest(queue)
                 ended = isinstance(item, BaseException) or item.finished
@@ -713,8 +723,8 @@ class RemoteEngineClient:
                 if not ended:  # the client left: free the request's seat and KV on the engine replica
                     link.abort(req_id)
 
-    async def _add(self, req_id: str, prompt_token_ids, params, prompt) -> "_EngineLink":
-        response = self._handle.add.remote(self._id, req_id, prompt_token_ids, params, prompt)
+    async def _add(self, req_id: str, prompt_token_ids, params, prompt, multimodal) -> "_EngineLink":
+        response = self._handle.add.remote(self._id, req_id, prompt_token_ids, params, prompt, multimodal)
         added = asyncio.ensure_future(_result(response))
         try:
             with self._translated():
@@ -948,7 +958,7 @@ class SpecrayServer:
 
     def __init__(self, args: ServeArgs, engine, response_store=None, runtime_adapters=None):
         from specray.engine.builder import resolve_max_model_len
-        from specray.models.loader import load_hf_config, load_tokenizer
+        from specray.models.loader import engine_image_processor, load_hf_config, load_tokenizer
 
         engine_args = args.engine_args()
         self.args = args
@@ -960,7 +970,8 @@ class SpecrayServer:
                                               load_hf_config(engine_args.model, trust_remote_code=trust))
         tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model, trust)
         self.client = RemoteEngineClient(engine, tokenizer, max_model_len,
-                                         prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1)
+                                         prefix_affinity=engine_args.enable_prefix_caching and args.num_replicas > 1,
+                                         image_processor=engine_image_processor(engine_args))
         # several ingress replicas: the stored responses live in one deployment they all reach
         self.response_store = None if response_store is None else SharedResponseStore(response_store)
         # ... and the adapters loaded at runtime, in one registry

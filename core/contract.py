@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specray.multimodal import MultiModalInputs
 from specray.outputs import SampleLogprobs
 from specray.sampling_params import SamplingParams
 
@@ -66,6 +67,8 @@ class NewRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     # a penalized request starting from cached blocks (prefix caching): the tokens they hold, which its chunks skip
     computed_token_ids: list[int] | None = None
+    # its prompt's images (specray.multimodal): the ranks embed each when a chunk first reaches its span
+    multimodal: MultiModalInputs | None = None
 
 
 @dataclass

@@ -11,11 +11,13 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from specray.chat import check_chat_options, render_chat
+from specray.chat import check_chat_options, render_chat, split_images
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
+from specray.models.loader import engine_image_processor
+from specray.multimodal import TEXT_ONLY, MultiModalInputs, check_image_prompt, expand_prompt, images_of
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -53,6 +55,7 @@ class LLM:
             self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
+        self._image_processor = None  # a vision-language model's (specray.multimodal), built on the first image
         # runs once: on shutdown(), on garbage collection, or at exit; holds the engine, never self
         self._release = weakref.finalize(self, _release_engine, self.engine)
 
@@ -122,13 +125,13 @@ class LLM:
             per_prompt = [replace(sp, lora_request=r) for sp, r in zip(per_prompt, _per_prompt_lora(lora_request,
                                                                                                      len(prompts)))]
         params = [_salted(p, sp) for p, sp in zip(prompts, per_prompt)]
-        encoded = [(text, sp.prompt_tokens(ids)) for (text, ids), sp in zip(map(self._encode, prompts), params)]
-        for (text, ids), sp in zip(encoded, params):
+        encoded = [self._encode(p, sp) for p, sp in zip(prompts, params)]
+        for (text, ids, _), sp in zip(encoded, params):
             self._validate(ids, sp)
         requests, owner = [], []  # one engine request per completion; owner: its (prompt, completion index)
-        for p, ((text, ids), sp) in enumerate(zip(encoded, params)):
+        for p, ((text, ids, images), sp) in enumerate(zip(encoded, params)):
             for i in range(sp.n):
-                requests.append((ids, _choice(sp, i), text))
+                requests.append((ids, _choice(sp, i), text, images))
                 owner.append((p, i))
         batches = self.engine.run_batch if hasattr(self.engine, "run_batch") else self._run_local
         done: list[list[RequestOutput]] = [[] for _ in prompts]
@@ -157,8 +160,9 @@ class LLM:
         to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations, images = zip(*map(split_images, conversations)) if conversations else ((), ())
         for conversation in conversations:
-            _check_text_only(conversation)
+            _check_parts(conversation)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
@@ -168,13 +172,27 @@ class LLM:
         except TemplateError as err:  # what the template itself refuses (raise_exception) or cannot read
             raise ValueError(f"messages could not be rendered by the chat template: {err}; check the messages' "
                              "roles and fields") from None
-        return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts], sampling_params,
-                             use_tqdm, lora_request=lora_request)
+        return self.generate([{"prompt": p, "add_special_tokens": False, **({"multi_modal_data": {"image": list(i)}}
+                                                                             if i else {})}
+                              for p, i in zip(prompts, images)], sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            raise ValueError("multi_modal_data is not supported: the served models read text only (of a multimodal "
-                             "release, its text model); send the prompt without images or video")
+    def _encode(self, prompt: PromptType, params: SamplingParams
+                ) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """(its text, the token ids the request runs on, its images) of one prompt."""
+        text, ids = self._tokens(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        images = [] if data is None else images_of(data)  # (a modality other than images refused first)
+        if not images:
+            return text, params.prompt_tokens(ids), None
+        if self._image_processor is None:
+            self._image_processor = engine_image_processor(self.engine_args)
+            if self._image_processor is None:
+                raise ValueError(TEXT_ONLY)
+        ids, mm = expand_prompt(ids, images, self._image_processor)
+        check_image_prompt(mm, ids, params.truncate_prompt_tokens)
+        return text, ids, mm
+
+    def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.get_tokenizer().encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -196,8 +214,8 @@ class LLM:
         """Add every request (all or none), then step until each has finished, yielding them as they do."""
         req_ids: list[str] = []
         try:
-            for ids, params, text in requests:
-                req_ids.append(self.engine.add_request(ids, params, prompt=text))
+            for ids, params, text, images in requests:
+                req_ids.append(self.engine.add_request(ids, params, prompt=text, multimodal=images))
         except ValueError:
             self.engine.abort_request(req_ids)
             raise
@@ -300,13 +318,14 @@ def _progress(total: int):
     return tqdm(total=total, desc="Generating", unit="req")
 
 
-def _check_text_only(messages: list[dict]) -> None:
-    """A ValueError for a message content part that is not text (an image's, a video's): the served models read text
-    only, and a chat template would otherwise render its placeholder with nothing behind it."""
+def _check_parts(messages: list[dict]) -> None:
+    """A ValueError for a message content part that is neither text nor an image (a video's, audio's): a chat
+    template would otherwise render its placeholder with nothing behind it."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
+            if kind not in ("text", "image"):
                 raise ValueError(f"messages[{i}].content[{j}] of type {kind!r} is not supported: the served models "
-                                 "read text only; send {'type': 'text', 'text': ...} parts or a string")
+                                 "read text and (vision-language releases) images; send {'type': 'text', 'text': "
+                                 "...} or {'type': 'image_url', 'image_url': {'url': ...}} parts, or a string")

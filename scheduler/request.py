@@ -14,6 +14,7 @@ import itertools
 import math
 import time
 
+from specray.multimodal import MultiModalInputs
 from specray.outputs import SampleLogprobs, SpecStats
 from specray.sampling_params import SamplingParams
 
@@ -43,8 +44,10 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: set[int] | frozenset = frozenset(), arrival_time: float | None = None):
+                 eos_token_ids: set[int] | frozenset = frozenset(), arrival_time: float | None = None,
+                 multimodal: MultiModalInputs | None = None):
         self.req_id = req_id
+        self.multimodal = multimodal  # its prompt's images (specray.multimodal), None for a text prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -77,6 +80,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def cache_keys(self) -> list:
+        """What prefix caching keys its blocks by: its tokens, each image's first one replaced by the image's
+        content hash (its placeholder tokens are the same for every image)."""
+        return self.all_token_ids if self.multimodal is None else self.multimodal.cache_keys(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -156,6 +156,12 @@ class Scheduler:
         if lora is not None and not cfg.max_loras:
             raise ValueError(f"lora_request names adapter {lora.lora_name!r} but this engine serves no adapters; start "
                              "it with enable_lora=True")
+        cap = self._prefill_cap()
+        for item in req.multimodal.items if req.multimodal is not None else ():
+            if item.bidirectional and item.length > cap:
+                raise ValueError(f"an image of the prompt takes {item.length} tokens, computed in one step (its tokens "
+                                 f"attend to each other both ways), more than a step computes for one request ({cap}: "
+                                 "max_num_batched_tokens, or long_prefill_token_threshold when set); raise it")
         if n > self._pool_slots:
             raise ValueError(f"prompt_token_ids has {n} tokens but the KV cache holds only {self._pool_slots} "
                              f"(num_blocks={cfg.num_blocks} x block_size={cfg.block_size}); raise num_blocks "
@@ -276,8 +282,11 @@ class Scheduler:
                 continue
             if self._beyond_pool(req):
                 continue
-            num_new = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget, cap))
-            assert num_new >= 1, req
+            num_new = self._whole_images(req, self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens,
+                                                                          budget, cap)), min(budget, cap))
+            if not num_new:  # an image that must be computed whole does not fit what is left of the budget
+                i += 1
+                continue
             if not self._make_room(req, req.num_computed_tokens + num_new, busy):
                 break
             required.append((req, num_new))
@@ -392,6 +401,20 @@ class Scheduler:
         start = req.num_computed_tokens
         return next((b - start for b in self._snapshot_boundaries(req) if start < b < start + num_new), num_new)
 
+    @staticmethod
+    def _whole_images(req: Request, num_new: int, most: int) -> int:
+        """``num_new`` tokens of ``req``'s next chunk, cut so that it never ends inside an image whose tokens attend
+        to each other both ways (``MultiModalItem.bidirectional``): it stops before such an image, or, starting at
+        or inside one, takes the rest of it if at most ``most`` tokens do (else 0: not now)."""
+        mm = req.multimodal
+        start = req.num_computed_tokens
+        end = start + num_new
+        for item in mm.items if mm is not None else ():
+            if item.bidirectional and item.offset < end < item.end:
+                end = item.offset if item.offset > start else item.end
+                return end - start if end - start <= most else 0
+        return num_new
+
     def _snapshot_slot(self) -> int | None:
         """A snapshot slot to keep a state in: a free one, else the least recently used one's (forgotten)."""
         if self._free_snapshots:
@@ -472,8 +495,9 @@ class Scheduler:
                 self._give_back_hit(req, hit)
                 held.append(self.waiting.popleft())
                 continue
-            num_new = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget, cap))
-            if not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
+            num_new = self._whole_images(req, self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens,
+                                                                          budget, cap)), min(budget, cap))
+            if not num_new or not self.block_manager.can_fit(req, req.num_computed_tokens + num_new):
                 self._give_back_hit(req, hit)  # its cached blocks stay cached until it fits
                 break
             if self.config.enable_prefix_caching:
@@ -507,10 +531,10 @@ class Scheduler:
         end = hit + self.config.block_size
         if end > req.num_tokens - 1:
             return False
-        prefix = req.all_token_ids[:end]
+        prefix = req.cache_keys()[:end]
         salt = prefix_salt(req.sampling_params)
         return any(w.num_computed_tokens < end <= w.num_tokens and prefix_salt(w.sampling_params) == salt
-                   and w.all_token_ids[:end] == prefix for w in self.running)
+                   and w.cache_keys()[:end] == prefix for w in self.running)
 
     def _uses_prefix_cache(self, req: Request) -> bool:
         """Prefix caching is on and ``req`` may start from cached blocks: not one that asked for its prompt's
@@ -524,7 +548,7 @@ class Scheduler:
             return 0
         snapshots = self._snapshots if self.config.recurrent_snapshots else None  # resume where a state was kept
         self._branches.pop(req.req_id, None)
-        hit = self.block_manager.take_cached(req, req.all_token_ids, req.num_tokens - 1,
+        hit = self.block_manager.take_cached(req, req.cache_keys(), req.num_tokens - 1,
                                              prefix_salt(req.sampling_params),
                                              None if snapshots is None else snapshots.__contains__)
         req.num_computed_tokens = hit
@@ -536,7 +560,7 @@ class Scheduler:
             else:  # cached blocks but no kept state: an earlier prompt shares them and went on. Keep the state
                 # where this one parts from it too, for the next prompts that share them (a system prompt's); a
                 # request that resumed from a kept state (a chat's next turn) keeps one, at its last whole block
-                run = self.block_manager.cached_run(req.all_token_ids, req.num_tokens - 1,
+                run = self.block_manager.cached_run(req.cache_keys(), req.num_tokens - 1,
                                                     prefix_salt(req.sampling_params))
                 if run:
                     self._branches[req.req_id] = run
@@ -554,7 +578,7 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             n = req.num_computed_tokens if limit is None else min(limit, req.num_computed_tokens)
             if n // self.config.block_size > len(req.block_contents):  # a block filled up since the last call
-                self.block_manager.cache_blocks(req, req.all_token_ids, n, prefix_salt(req.sampling_params))
+                self.block_manager.cache_blocks(req, req.cache_keys(), n, prefix_salt(req.sampling_params))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (vLLM's ``reset_prefix_cache``); running requests keep theirs. Returns
@@ -737,7 +761,7 @@ def _new_request(req: Request) -> NewRequest:
     computed = (req.all_token_ids[:req.num_computed_tokens] if req.num_computed_tokens
                 and req.sampling_params.penalized else None)
     return NewRequest(req.req_id, req.sampling_params, list(req.block_ids), req.num_prompt_tokens,
-                      req.min_tokens_banned(), computed)
+                      req.min_tokens_banned(), computed, req.multimodal)
 
 
 def _drop_drafts(req: Request) -> None:

@@ -433,8 +433,17 @@ def test_serve_chat_template_generation_config_and_scheduling_flags(tiny_llama_d
         "https://a.example", "https://b.example")
     with pytest.raises(ValueError, match="allowed_origins='https://a.example' must be a list"):
         ServeArgs.from_dict({"model": str(tiny_llama_dir), "allowed_origins": "https://a.example"})
+    domains = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--allowed-media-domains",
+                                         "a.example, b.example"])
+    assert ServeArgs.from_dict(serve_app_args(domains)).server_config(8).allowed_media_domains == {"a.example",
+                                                                                                    "b.example"}
+    none = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--allowed-media-domains", ""])
+    assert ServeArgs.from_dict(serve_app_args(none)).server_config(8).allowed_media_domains == frozenset()
+    with pytest.raises(ValueError, match="allowed_media_domains='a.example' must be a list"):
+        ServeArgs.from_dict({"model": str(tiny_llama_dir), "allowed_media_domains": "a.example"})
     default = ServeArgs.from_dict({"model": str(tiny_llama_dir)}).server_config(max_num_seqs=8)
     assert default.chat_template is None and default.default_sampling == {}
+    assert default.allowed_media_domains is None
     with pytest.raises(ValueError, match="chat_template='nope.jinja' is neither a file"):
         ServeArgs.from_dict({"model": str(tiny_llama_dir), "chat_template": "nope.jinja"})
     with pytest.raises(ValueError, match="top_p=3"):

@@ -187,7 +187,7 @@ def test_engine_greedy_with_ngram_drafts_equals_transformers(compass_dirs, compa
     llm = runs.assert_ngram_greedy_equals_transformers(
         folder, CohereCompassForConditionalGeneration if kind == "vision" else None)
     if kind == "vision":
-        with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        with pytest.raises(ValueError, match="this model reads text only"):
             llm.generate({"prompt": "Hello", "multi_modal_data": {"image": object()}}, runs.greedy(4), use_tqdm=False)
 
 

@@ -632,7 +632,7 @@ class _Recording:
         seen = self.seen = []
 
         class Client(AsyncEngineClient):
-            def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+            def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
                 outputs = super().generate(prompt_token_ids, params, prompt, req_id)
 
                 async def recorded():

@@ -535,7 +535,7 @@ def test_engine_greedy_equals_transformers_with_ngram_drafts(request, family):
     runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
     folder = request.getfixturevalue(f"tiny_{family}_dir")
     llm = runs.assert_ngram_greedy_equals_transformers(folder, _hf_class(family), max_tokens=12)
-    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+    with pytest.raises(ValueError, match="this model reads text only"):
         llm.generate([{"prompt": "Hello", "multi_modal_data": {"image": object()}}], SamplingParams(max_tokens=2),
                      use_tqdm=False)
     if family.startswith("mllama"):  # the image token (vocab_size: an embedding row past the vocabulary)

@@ -55,7 +55,7 @@ class FakeEngineClient:
         self.active = 0  # engine requests in flight now, and the most at once
         self.max_active = 0
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -980,7 +980,7 @@ class GatedEngineClient:
     def __init__(self):
         self.gates: dict[str, asyncio.Event] = {}
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         gate = self.gates[req_id] = asyncio.Event()
         await gate.wait()
         out = CompletionOutput(0, "x", [0], finish_reason="length")
@@ -1071,7 +1071,7 @@ class RecordingEngineClient(FakeEngineClient):
         super().__init__()
         self.seen: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         self.seen.append((list(prompt_token_ids), params))
         async for out in super().generate(prompt_token_ids, params, prompt, req_id):
             yield out
@@ -1394,7 +1394,7 @@ class ConversationClient(ScriptedEngineClient):
         super().__init__(pieces)
         self.prompts: list[str] = []
 
-    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+    async def generate(self, prompt_token_ids, params, prompt=None, req_id=None, multimodal=None):
         self.prompts.append(prompt)
         async for out in super().generate(prompt_token_ids, params, prompt, req_id):
             yield out
@@ -1500,8 +1500,10 @@ def test_responses_api_errors_name_its_own_parameters():
         cases = [
             ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps none"),
             ({"input": "x", "background": True}, "background", "background"),
+            ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+             "input.0.content.0.type", "not supported"),
             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-             "input.0.content.0.type", "text only"),
+             "input", "reads text only"),
             ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", "not a valid role"),
             ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported"),
             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "functions only"),

@@ -530,8 +530,11 @@ def test_chat_messages_are_checked_in_openai_terms(server):
     assert "'wizard'" in err["message"] and all(r in err["message"] for r in ("user", "assistant", "developer"))
     image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}
     status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [image]}]}))
-    assert (status, err["param"]) == (400, "messages.0.content.0.type")
-    assert "'image_url'" in err["message"] and "text only" in err["message"]
+    assert (status, err["param"]) == (400, "messages")
+    assert "reads text only" in err["message"]
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [audio]}]}))
+    assert status == 400 and "'input_audio' is not supported" in err["message"]
     status, body = http_json(url, {"messages": [{"role": "developer", "content": "Be brief."},
                                                 {"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] == 2

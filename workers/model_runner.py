@@ -46,6 +46,7 @@ from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, nod
 from specray.verification import (PROMPT_ROWS_PER_PASS, pad_drafts, prompt_logprob_entries, target_logprobs,
                                   unpad_with_logprobs, verify)
 from specray.models.step_graphs import StepGraphs
+from specray.multimodal import MultiModalInputs, step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,15 @@ class ModelRunner:
                  relaxed_acceptance: tuple[int, float, int, int] | None = None, step_graphs: bool = False,
                  lora: LoRASlots | None = None, kv_cache_dtype: str = "auto",
                  aux_layers: tuple[int, ...] | None = None, max_num_seqs: int = 0, max_draft_tokens: int = 0,
-                 recurrent_snapshots: int = 0, ssm_cache_dtype: torch.dtype = torch.float32):
+                 recurrent_snapshots: int = 0, ssm_cache_dtype: torch.dtype = torch.float32,
+                 encoder: torch.nn.Module | None = None):
         self.model = model
+        # a vision-language model's image encoder (specray.multimodal), on the stage that embeds the prompt; the
+        # requests' images, and each image's embeddings from the step that first reaches it until the prefill
+        # passes it
+        self.encoder = encoder
+        self.multimodal: dict[str, MultiModalInputs] = {}
+        self.image_embeds: dict[tuple[str, int], torch.Tensor] = {}
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), None without
         self.block_size = block_size
         self.device = torch.device(device)
@@ -113,10 +121,12 @@ class ModelRunner:
             self.generators.pop(rid, None)
             self.penalties.drop(rid)
             self.prompt_logprobs.pop(rid, None)
+            self._drop_images(rid)
             if self.drafter is not None:
                 self.drafter.drop(rid, finished=True)
         for rid in plan.preempted_req_ids:
             self.block_tables.pop(rid, None)
+            self._drop_images(rid)
             if self.drafter is not None:
                 self.drafter.drop(rid, finished=False)
         if plan.kv_moves:  # every request's moves at once: all sources are read before any is written
@@ -127,6 +137,8 @@ class ModelRunner:
                 self._move_pending(plan.kv_moves)
         for new in plan.new_requests:
             self.block_tables[new.req_id] = list(new.block_ids)
+            if new.multimodal is not None:
+                self.multimodal[new.req_id] = new.multimodal
             if new.req_id not in self.params:
                 self.params[new.req_id] = new.sampling_params
                 self.generators[new.req_id] = make_generator(new.sampling_params.seed, self.device)
@@ -139,6 +151,103 @@ class ModelRunner:
             table = self.block_tables[delta.req_id]
             del table[delta.num_kept_blocks :]
             table.extend(delta.new_block_ids)
+
+    def _drop_images(self, req_id: str) -> None:
+        mm = self.multimodal.pop(req_id, None)
+        for k in range(len(mm.items) if mm is not None else 0):
+            self.image_embeds.pop((req_id, k), None)
+
+    def _image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows that take image embeddings and those embeddings ([n] rows, [n, H], or with DeepStack
+        [1 + k, n, H]: the input embeddings, then each of the first k layers' additions); None when no chunk
+        reaches an image. An image is encoded when a step first reaches its span, and forgotten once the prefill
+        has passed it."""
+        if self.encoder is None:
+            return None
+        rows: list[int] = []
+        values: list[torch.Tensor] = []
+        offset = 0
+        for c in chunks:
+            mm = self.multimodal.get(c.req_id)
+            stop = c.start_pos + c.num_tokens - c.num_draft_tokens
+            for k, item in enumerate(mm.items if mm is not None and c.start_pos < mm.items[-1].end else ()):
+                positions, indices = step_rows(item, c.start_pos, stop)
+                if not positions:
+                    continue
+                key = (c.req_id, k)
+                if key not in self.image_embeds:
+                    self.image_embeds[key] = self._encode(c.req_id, item)
+                embeds = self.image_embeds[key]
+                rows.extend(offset + p - c.start_pos for p in positions)
+                whole = len(indices) == embeds.shape[-2]
+                values.append(embeds if whole else embeds[..., _long(indices, self.device), :])
+                if item.end <= stop:  # the prefill has passed it
+                    del self.image_embeds[key]
+            offset += c.num_tokens
+        if not rows:
+            return None
+        return _long(rows, self.device), torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+
+    def _encode(self, req_id: str, item) -> torch.Tensor:
+        """One image's embeddings [num_embeds, H]; an image the encoder cannot take fails its request alone."""
+        dtype = next(self.encoder.parameters()).dtype
+        data = {name: torch.from_numpy(np.ascontiguousarray(a)).to(
+            self.device, dtype=dtype if np.issubdtype(a.dtype, np.floating) else None) for name, a in item.data.items()}
+        try:
+            embeds = self.encoder.encode(data)
+        except (ValueError, RuntimeError) as err:
+            raise RequestError([req_id], f"its image at prompt position {item.offset} could not be encoded: "
+                                         f"{err}") from err
+        if embeds.shape[-2] != item.num_embeds:
+            raise RequestError([req_id], f"its image at prompt position {item.offset} gave {embeds.shape[-2]} "
+                                         f"embeddings for {item.num_embeds} placeholder rows")
+        return embeds
+
+    def _image_masks(self, chunks: list[ScheduledChunk], ancestors: list[torch.Tensor | None] | None
+                     ) -> list[torch.Tensor | None] | None:
+        """Per chunk its [q, q] mask among its tokens (``ancestors``' or causal) with the rows of each image whose
+        tokens attend to each other both ways seeing each other; None when the step holds no such image's rows (the
+        scheduler gives a chunk the whole of such an image, or the rest of it after cached blocks)."""
+        masks: list[torch.Tensor | None] = []
+        found = False
+        for i, c in enumerate(chunks):
+            mask = None if ancestors is None else ancestors[i]
+            mm = self.multimodal.get(c.req_id)
+            stop = c.start_pos + c.num_tokens - c.num_draft_tokens
+            for item in mm.items if mm is not None else ():
+                a, b = max(item.offset, c.start_pos) - c.start_pos, min(item.end, stop) - c.start_pos
+                if item.bidirectional and a < b:
+                    if mask is None:
+                        mask = torch.ones(c.num_tokens, c.num_tokens, dtype=torch.bool).tril_()
+                    mask[a:b, a:b] = True
+                    found = True
+            masks.append(mask)
+        return masks if found else None
+
+    def _rope_positions(self, chunks: list[ScheduledChunk], positions: list[int] | None
+                        ) -> tuple[torch.Tensor, int] | None:
+        """Multimodal RoPE: the step's [3, T] position ids, and the largest, when a chunk's request carries a table
+        for its prompt (its prompt tokens take the table's columns, later ones their position plus the request's
+        delta on every axis); None otherwise."""
+        if not any(self.multimodal.get(c.req_id) is not None and self.multimodal[c.req_id].rope_positions
+                   is not None for c in chunks):
+            return None
+        axes: list[list[int]] = [[], [], []]
+        offset = 0
+        for c in chunks:
+            own = (positions[offset:offset + c.num_tokens] if positions is not None
+                   else range(c.start_pos, c.start_pos + c.num_tokens))
+            mm = self.multimodal.get(c.req_id)
+            table = None if mm is None else mm.rope_positions
+            for j, p in enumerate(own):
+                slot = c.start_pos + j
+                for axis in range(3):
+                    if table is not None and slot < len(table[axis]) and j < c.num_tokens - c.num_draft_tokens:
+                        axes[axis].append(table[axis][slot])
+                    else:
+                        axes[axis].append(p + (mm.rope_delta if mm is not None else 0))
+            offset += c.num_tokens
+        return torch.tensor(axes, dtype=torch.long, device=self.device), max(max(axis) for axis in axes)
 
     def _move_pending(self, moves) -> None:
         """A hybrid model's token trees: the drafts a verify chunk left pending are in node order; the next plan's
@@ -279,9 +388,16 @@ class ModelRunner:
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if recurrent is not None:  # requests starting behind cached blocks: their kept states first
             self.recurrent_state.copy_slots(*self.recurrent.restores)
+        # images (their rows, their masks, multimodal RoPE) go in by the eager path
+        images = rope = both_ways = None
+        if self.multimodal:
+            images, rope = self._image_rows(chunks), self._rope_positions(chunks, positions)
+            both_ways = self._image_masks(chunks, ancestors)
+            ancestors = ancestors if both_ways is None else both_ways
+        eager = images is not None or rope is not None or both_ways is not None
         # a hybrid's trees, and a model's whose trees take the host's help (graph_trees: DeepSeek-V4's), eagerly
-        if self.graphs is not None and not (trees and (recurrent is not None
-                                                       or not getattr(self.model, "graph_trees", True))):
+        if self.graphs is not None and not eager and not (trees and (recurrent is not None
+                                                                     or not getattr(self.model, "graph_trees", True))):
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
             shape = self.graphs.shape(query_lens, starts, decode, min_rows=rows)
@@ -296,6 +412,13 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
         meta.recurrent = recurrent
+        if images is not None and images[1].dim() == 3:  # DeepStack: the first layers' additions apart
+            meta.input_embeds, meta.deepstack_embeds = (images[0], images[1][0]), images[1][1:]
+        else:
+            meta.input_embeds = images
+        if rope is not None:  # (the rotary tables reach the largest of them)
+            meta.rope_positions, largest = rope
+            meta.max_position = max(meta.max_position, largest)
         if self.aux_layers:
             out = self.model(input_ids, meta, aux_layers=self.aux_layers)
             return (None, []) if out is None else out  # None: a pipeline stage before the last

@@ -23,7 +23,7 @@ from specray.models.interface import CausalLM
 from specray.lora import LoRAConfig
 from specray.models.kv_cache import bytes_per_block, fp8_format, recurrent_bytes, ssm_cache_dtype, storage_dtype
 from specray.models.lora import LoRASlots
-from specray.models.loader import load_hf_config, load_model, read_config
+from specray.models.loader import load_hf_config, load_image_encoder, load_model, read_config
 from specray.models.plain_config import PlainConfig
 from specray.parallel import PPGroup, TPGroup
 from specray.workers.model_runner import ModelRunner
@@ -80,6 +80,7 @@ class WorkerConfig:
     max_draft_tokens: int = 0
     # with prefix caching, the states it keeps at block boundaries (SchedulerConfig.recurrent_snapshots)
     recurrent_snapshots: int = 0
+    images: bool = False  # a vision-language release whose images are served: its encoder on the first stage
 
 
 def gpu_kv_budget(free: int, total: int, utilization: float | None) -> int:
@@ -180,6 +181,9 @@ class Worker:
                                           expert_parallel=config.enable_expert_parallel, config=model_config,
                                           load_format=config.load_format, pp=self.pp,
                                           quantization=config.quantization)
+        # a vision-language checkpoint's image encoder, on the stage that embeds the prompt (whole on every TP rank)
+        self.encoder = (load_image_encoder(config.model, model_config, self.dtype, self.device, config.load_format)
+                        if config.images and self.pp.is_first else None)
         # the target layers whose residual stream the drafter reads: every stage hands those among its layers on
         self.aux_layers = (self._drafter_class().aux_layers_of(config.worker_drafter, hf_config)
                            if config.worker_drafter else ())
@@ -271,7 +275,7 @@ class Worker:
                                   aux_layers=self.aux_layers, max_num_seqs=self.config.max_num_seqs,
                                   max_draft_tokens=self.config.max_draft_tokens,
                                   recurrent_snapshots=self.config.recurrent_snapshots,
-                                  ssm_cache_dtype=self._ssm_dtype())
+                                  ssm_cache_dtype=self._ssm_dtype(), encoder=self.encoder)
 
     def _use_graphs(self) -> bool:
         """Whether this rank replays steps from graphs: asked for (enforce_eager=False) or by default on a GPU, and
@@ -296,7 +300,7 @@ class Worker:
         """Drop the model (its layers hold the process group) before destroying the group, so that the group is
         freed and gloo's threads are joined now, not left running into interpreter shutdown. (Without a group
         nothing waits on the model's release: a full collection there would only cost time.)"""
-        self.runner = self.model = self.head = None
+        self.runner = self.model = self.head = self.encoder = None
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()

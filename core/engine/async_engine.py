@@ -20,6 +20,7 @@ from typing import Any
 
 from specray.engine.llm_engine import LLMEngine
 from specray.errors import EngineError, RequestFailedError, WorkerDiedError
+from specray.multimodal import MultiModalInputs
 from specray.outputs import RequestOutput
 from specray.sampling_params import SamplingParams
 
@@ -53,7 +54,8 @@ class AsyncLLMEngine:
 
     # ---- caller side (any event loop) ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       req_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       req_id: str | None = None, multimodal: MultiModalInputs | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Bad input raises ValueError before the
         first output; an engine failure, or a step that failed for this request alone (its output's
         ``finish_reason == "error"``), raises :class:`RequestFailedError`."""
@@ -61,7 +63,8 @@ class AsyncLLMEngine:
         if params.structured_outputs is not None:  # a new spec compiles here, not in the step loop's thread
             await stream.loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
         try:
-            req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream))
+            req_id = await self.call(lambda e: self._add(e, prompt_token_ids, params, prompt, req_id, stream,
+                                                         multimodal))
         except asyncio.CancelledError:  # the add may still run: commands run in order, so this abort follows it
             self.submit(lambda e: self._abort(e, self._req_ids_of(stream)))
             raise
@@ -116,8 +119,8 @@ class AsyncLLMEngine:
         return self._thread.is_alive()
 
     # ---- engine thread ---------------------------------------------------------------------------------
-    def _add(self, engine: LLMEngine, ids, params, prompt, req_id, stream: _Stream) -> str:
-        req_id = engine.add_request(ids, params, prompt=prompt, req_id=req_id)
+    def _add(self, engine: LLMEngine, ids, params, prompt, req_id, stream: _Stream, multimodal=None) -> str:
+        req_id = engine.add_request(ids, params, prompt=prompt, req_id=req_id, multimodal=multimodal)
         self._streams[req_id] = stream
         return req_id
 

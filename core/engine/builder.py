@@ -19,6 +19,8 @@ from specray.engine import plugins
 from specray.engine.llm_engine import FORCED_DRAFT_LIMIT, LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
+from specray.models.registry import multimodal_classes
+from specray.multimodal import image_limit
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
@@ -257,6 +259,17 @@ def engine_args_schema() -> dict[str, Any]:
     return schema
 
 
+def serves_images(args: EngineArgs, model_config) -> bool:
+    """The checkpoint is a vision-language release whose images we serve, and ``limit_mm_per_prompt`` allows some
+    (the encoder's own split check, where it has one, refuses a split it cannot serve: Qwen3-VL's DeepStack)."""
+    classes = multimodal_classes(model_config)
+    if classes is None or image_limit(args.limit_mm_per_prompt) == 0:
+        return False
+    if hasattr(classes[0], "check_split"):
+        classes[0].check_split(model_config, args.tensor_parallel_size, args.pipeline_parallel_size)
+    return True
+
+
 def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
     check_local_paths(args)
@@ -279,6 +292,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     thinking = thinking_tokens(spec, tokenizer, hf_config.vocab_size)
     worker_drafter = (registry.worker_drafter_config(spec, args.model, args.tensor_parallel_size) if in_worker
                       else None)
+    images = serves_images(args, model_config)
     # prefix caching with linear attention: a kept state per seat at block boundaries (SchedulerConfig's field)
     snapshots = engine_seats(args) if recurrent and args.enable_prefix_caching else 0
     worker_config = WorkerConfig(args.model, args.dtype, args.device, args.seed, args.block_size,
@@ -294,7 +308,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                                  pipeline_parallel_size=args.pipeline_parallel_size,
                                  max_num_seqs=engine_seats(args),
                                  max_draft_tokens=max_pending_drafts(spec) if recurrent else 0,
-                                 recurrent_snapshots=snapshots)
+                                 recurrent_snapshots=snapshots, images=images)
     draft_ctx = drafter_context(args, hf_config.vocab_size, tokenizer, max_model_len)  # checked before any actor
     cache = CacheConfig(max_model_len, engine_seats(args), args.block_size, args.num_kv_blocks)
     backend = args.executor_backend
@@ -337,6 +351,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
+    engine.image_limit = image_limit(args.limit_mm_per_prompt) if images else 0
     if recurrent:  # a request's own method must draft what the recurrent state verifies too
         engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
                                   "drafters' chains and trees")

@@ -17,6 +17,7 @@ from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.lora import AdapterChecker
+from specray.multimodal import TEXT_ONLY, MultiModalInputs, check_image_prompt
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -61,6 +62,9 @@ class LLMEngine:
         self.adapters = adapters or AdapterChecker(None, {})
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
+        # how many images a prompt may hold (None: any number): 0 for a text model, or a vision-language release
+        # served as text alone (set by the builder)
+        self.image_limit: int | None = 0
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -123,9 +127,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    req_id: str | None = None) -> str:
+                    req_id: str | None = None, multimodal: MultiModalInputs | None = None) -> str:
         """Queue one request; a bad one raises ValueError (the scheduler's admission checks) and changes
-        nothing."""
+        nothing. ``multimodal``: its prompt's images (:func:`specray.multimodal.expand_prompt` made the prompt)."""
         if params.n != 1:
             raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
                              "(LLM.generate and the OpenAI server do)")
@@ -134,6 +138,8 @@ class LLMEngine:
             params.logprobs = self.vocab_size
         if params.prompt_logprobs == -1:
             params.prompt_logprobs = self.vocab_size
+        if multimodal is not None:
+            self._check_images(multimodal, prompt_token_ids, params)
         prompt_token_ids = params.prompt_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
@@ -142,7 +148,7 @@ class LLMEngine:
         if params.lora_request is not None:
             self.adapters.check(params.lora_request)
         unused_prediction = self._admit_prediction(params)
-        request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic())
+        request = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids, time.monotonic(), multimodal)
         routed = self._admit_method(params)
         grammar = (None if params.structured_outputs is None
                    else self.structured.grammar(params.structured_outputs, prompt_token_ids))
@@ -160,6 +166,14 @@ class LLMEngine:
         self.tracked[req_id] = _Tracked(request, prompt, detok, hold=hold,
                                         prompt_logprobs=None if params.prompt_logprobs is None else [None])
         return req_id
+
+    def _check_images(self, multimodal: MultiModalInputs, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.image_limit is not None and len(multimodal.items) > self.image_limit:
+            if not self.image_limit:
+                raise ValueError(TEXT_ONLY)
+            raise ValueError(f"the prompt holds {len(multimodal.items)} images; this engine takes at most "
+                             f"{self.image_limit} per prompt (limit_mm_per_prompt): send fewer, or raise the limit")
+        check_image_prompt(multimodal, prompt_token_ids, params.truncate_prompt_tokens)
 
     def _admit_prediction(self, params: SamplingParams) -> bool:
         """A request's prediction (OpenAI's Predicted Outputs) as token ids, and who drafts from it: on an engine

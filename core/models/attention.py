@@ -110,6 +110,15 @@ class AttentionMetadata:
     # sparse attention (DeepSeek-V3.2, GLM-5): the keys each query kept in the step's last layer that picked them
     # ({"short": [Bs, Q, L] or None, own sequence i: [q, ctx]}), for the layers that reuse a pick (GLM-5's "shared")
     selected: dict | None = None
+    # image embeddings (specray.multimodal): (rows [n] int64, values [n, H]) that replace those rows of the step's
+    # token embeddings (the text model's embedding step applies them: ``with_input_embeds``); None without
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # DeepStack (Qwen3-VL): those rows' own features [k, n, H] that the first k layers add to their outputs; None
+    # without
+    deepstack_embeds: torch.Tensor | None = None
+    # multimodal RoPE (Qwen2-VL): [3, T] int64 position ids per axis (temporal, height, width), set by the runner for a
+    # step holding a request with images; None: every axis takes ``positions``
+    rope_positions: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)  # key -> a per-step tensor every layer shares
     _builders: dict = field(default_factory=dict, repr=False)  # key -> how it is built from a step's metadata
 
@@ -124,6 +133,13 @@ class AttentionMetadata:
     def _plain(self, i: int) -> bool:
         """Sequence ``i``'s new tokens sit at positions equal to their slot indices, in causal order."""
         return self.seq_positions is None and (self.ancestors is None or self.ancestors[i] is None)
+
+    def with_input_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's token embeddings ``x`` [T, H] with the image embeddings' rows in place (``input_embeds``)."""
+        if self.input_embeds is None:
+            return x
+        rows, values = self.input_embeds
+        return x.index_copy(0, rows, values.to(x.dtype))
 
     def cached(self, key: tuple, build: Callable[[AttentionMetadata], torch.Tensor]) -> torch.Tensor:
         """The step's tensor ``key`` (a mask, a position bias), built once by ``build(self)`` and shared by every

@@ -148,7 +148,8 @@ class Gemma3Model(StageModel):
         # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
         # after the first starts from the previous stage's residual stream ``intermediate`` [1, T, H]; a stage before
         # the last ends there, returning its own
-        x = self.embed(input_ids) if intermediate is None else intermediate[0]
+        # image rows (meta.input_embeds) replace the scaled token embeddings unscaled, as transformers scatters them
+        x = meta.with_input_embeds(self.embed(input_ids)) if intermediate is None else intermediate[0]
         tables = {}
         for kind, rotary in self.rotary.items():
             rotary.ensure(meta.max_position + 1)

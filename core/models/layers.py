@@ -565,6 +565,27 @@ def rotary_dim(head_dim: int, params: dict) -> int:
     return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
+def mrope_axes(params: dict, rotated: int) -> torch.Tensor:
+    """Multimodal RoPE (Qwen2-VL): the position axis (0 temporal, 1 height, 2 width) of each of the ``rotated`` cos |
+    sin table columns: the ``mrope_section`` sections of the rotated / 2 frequencies take axis i % 3 in turn (on the
+    CPU); a ValueError naming the field where the config's sections cannot be built so. ``mrope_interleaved``
+    (Qwen3-VL): frequency j takes axis j % 3 (height, width) while j < 3 * that axis's section, else the temporal."""
+    sections = params.get("mrope_section")
+    if not sections or any(int(s) < 0 for s in sections) or sum(int(s) for s in sections) != rotated // 2:
+        raise ValueError(f"rope_parameters.mrope_section={sections!r} must split the {rotated // 2} rotated "
+                         "frequencies of a head (its sections summing to that) for multimodal RoPE; set it as the "
+                         "release's config.json does")
+    if params.get("mrope_interleaved"):
+        if len(sections) != 3:
+            raise ValueError(f"rope_parameters.mrope_section={sections!r} must have three sections (temporal, "
+                             "height, width) with mrope_interleaved=True; set it as the release's config.json does")
+        j = torch.arange(rotated // 2)
+        axes = torch.where((j % 3 > 0) & (j < 3 * torch.tensor([int(s) for s in sections])[j % 3]), j % 3, 0)
+        return torch.cat((axes, axes))
+    axes = torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor([int(s) for s in sections]))
+    return torch.cat((axes, axes))
+
+
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))  # [dim/2]
 
@@ -654,6 +675,10 @@ class RotaryEmbedding(nn.Module):
         self.table_len = 0
         self.cos_sin = torch.empty(0)  # [P, D] float32: cos | sin (each D/2)
         self.ensure(min(max_position_embeddings, 4096))
+        self.mrope = None  # multimodal RoPE: each table column's position axis [D] (mrope_axes), where it applies
+        if params.get("mrope_section"):
+            with contextlib.suppress(ValueError):  # sections it cannot take: multimodal() names them, if ever called
+                self.mrope = mrope_axes(params, head_dim).to(self.device)
 
     def _inv_freq(self) -> torch.Tensor:
         p, dim = self.params, self.head_dim
@@ -695,6 +720,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, D/2] in `dtype`
         cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+        return cos[:, None], sin[:, None]
+
+    def multimodal(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # multimodal RoPE (Qwen2-VL's mrope_section): positions [3, T] (temporal, height, width) -> cos, sin
+        # [T, 1, D/2], each frequency at the position of its section's axis
+        if self.mrope is None:
+            mrope_axes(self.params, self.head_dim)  # raises, naming the field
+        table = self.cos_sin[positions]  # [3, T, D]
+        picked = table.gather(0, self.mrope.expand(1, *table.shape[1:])).squeeze(0)
+        cos, sin = picked.to(dtype).chunk(2, dim=-1)
         return cos[:, None], sin[:, None]
 
 

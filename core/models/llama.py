@@ -67,8 +67,8 @@ KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_sca
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
                        "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint", "beam")
-# q/k/v biases, none on o (Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
-QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_5_vl_text", "glm", "glm4")
+# q/k/v biases, none on o (Qwen2-VL's and Qwen2.5-VL's text: Qwen2; GLM's and GLM-4's: their attention_bias)
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
 SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next", "flint")
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
@@ -342,6 +342,20 @@ def _is_sparse(config, layer: int) -> bool:
     return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
 
 
+def add_deepstack(x: torch.Tensor, residual: torch.Tensor, layer: int, meta: AttentionMetadata,
+                  stage: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepStack (Qwen3-VL's images): after layer ``layer`` < k the image rows (``meta.input_embeds``' rows) add
+    that layer's features ``meta.deepstack_embeds[layer]`` [n, H] to their hidden states, as transformers does to the
+    layer's output. The stream is summed first (``x + residual``: the layers add the residual lazily) and handed on
+    whole as the residual, with x zero, so the addition lands where transformers' does, in its order."""
+    embeds = meta.deepstack_embeds
+    assert stage.start > 0 or embeds.shape[0] <= len(stage), "the encoder's check_split refuses such a split"
+    if layer >= embeds.shape[0]:
+        return x, residual
+    stream = (x + residual).index_add(0, meta.input_embeds[0], embeds[layer].to(x.dtype))
+    return torch.zeros_like(x), stream
+
+
 def norm_stream(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's input: the stream ``x + residual`` (``x`` alone at the first layer) normed, and the stream."""
     if residual is None:
@@ -442,8 +456,9 @@ class LlamaModel(StageModel):
         return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
     def embed_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's input [T, H]: the tokens' embeddings (a family with learned positions adds theirs)."""
-        return self.embed(input_ids)
+        """The step's input [T, H]: the tokens' embeddings (a family with learned positions adds theirs), image
+        embeddings in place of their placeholders' (``meta.input_embeds``)."""
+        return meta.with_input_embeds(self.embed(input_ids))
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -460,6 +475,8 @@ class LlamaModel(StageModel):
             if i in aux_layers:
                 aux[i] = x if residual is None else x + residual  # the layers add the residual lazily
             x, residual = layer(x, residual, *rope(i), meta)
+            if meta.deepstack_embeds is not None:
+                x, residual = add_deepstack(x, residual, i, meta, self.stage)
         if not self.pp.is_last:
             return torch.stack((x, residual)), [aux[i] for i in aux_layers]
         if len(self.layers) in aux_layers:  # the residual stream past the last layer, before the norm (aux_past_end)
@@ -472,7 +489,10 @@ class LlamaModel(StageModel):
         """Layer index -> its RoPE (cos, sin) at the step's positions: one table for every layer here (a family
         whose kinds of layer rotate differently gives each kind its own: OLMo 3)."""
         self.rotary_emb.ensure(meta.max_position + 1)
-        tables = self.rotary_emb(meta.positions, dtype)
+        if meta.rope_positions is not None:  # multimodal RoPE (Qwen2-VL's images): three position ids per token
+            tables = self.rotary_emb.multimodal(meta.rope_positions, dtype)
+        else:
+            tables = self.rotary_emb(meta.positions, dtype)
         return lambda layer: tables
 
 

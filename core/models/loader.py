@@ -88,7 +88,9 @@ from specray.models.moe import SparseMoE, is_expert_tensor, is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
 from specray.models.plain_config import PlainConfig, plain_config
-from specray.models.registry import get_model_class, supported_architectures, text_part, text_tensors
+from specray.multimodal import image_limit
+from specray.models.registry import (get_model_class, multimodal_classes, supported_architectures, text_part,
+                                     text_tensors)
 from specray.parallel import PPGroup, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -531,6 +533,59 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     if pack and can_pack(torch.device(device).type, str(dtype).removeprefix("torch.")):
         pack_linear_weights(net)
     return net
+
+
+def load_image_encoder(model: str | os.PathLike, config: PlainConfig, dtype: torch.dtype, device: str | torch.device,
+                       load_format: str = "auto") -> nn.Module | None:
+    """The image encoder (vision tower and projector, :class:`specray.multimodal.ImageEncoder`) of a vision-language
+    checkpoint whose images we serve, its own tensors read (random ones with ``load_format="dummy"``), in eval mode;
+    None for any other checkpoint. ``config``: the whole checkpoint's config (:func:`read_config`)."""
+    classes = multimodal_classes(config)
+    if classes is None:
+        return None
+    with _default_dtype(dtype), torch.device(device):
+        encoder = classes[0](config)
+    if load_format == "dummy":
+        _dummy_weights(encoder, None)
+    else:
+        part = text_part(config)
+        encoder.load_weights(_non_text_weights(resolve_model(model), None if part is None else part[1]))
+    encoder.eval()
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+    return encoder
+
+
+def _non_text_weights(source: ModelSource, part: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors outside its text model (``part``, :func:`text_part`'s): vision tower, projector,
+    read whole."""
+    def is_text(name: str) -> bool:
+        if part is None:
+            return False
+        return name.startswith(part) if isinstance(part, str) else any(p.match(name) for p, _ in part)
+
+    for name, tensor in iter_weights(source):
+        if not is_text(name):
+            yield name, tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def load_image_processor(model: str | os.PathLike, config: PlainConfig | None = None,
+                         trust_remote_code: bool = False):
+    """The image processor (:class:`specray.multimodal.ImageProcessor`) of a vision-language checkpoint whose images
+    we serve, None for any other checkpoint. ``config``: the whole checkpoint's, if read already."""
+    config = config or read_config(model, trust_remote_code)
+    classes = multimodal_classes(config)
+    if classes is None:
+        return None
+    return classes[1].from_pretrained(resolve_model(model, weights=False).path, config)
+
+
+def engine_image_processor(args):
+    """The image processor of the engine ``args``' checkpoint (:func:`load_image_processor`), None where it serves
+    no images (a text model, or images turned off: ``limit_mm_per_prompt`` of 0 images)."""
+    if image_limit(args.limit_mm_per_prompt) == 0:
+        return None
+    return load_image_processor(args.model, read_config(args.model, args.trust_remote_code, args.hf_overrides))
 
 
 @torch.no_grad()

@@ -242,6 +242,21 @@ def text_tensors(weights: Iterable[tuple[str, Any]], part: Any) -> Iterator[tupl
                 break
 
 
+# vision-language releases served with their images: architecture -> ("module:EncoderClass", "module:ProcessorClass")
+# (specray.multimodal). Such a release's text model is served as its ``_TEXT_PARTS`` entry says; the encoder (vision
+# tower and projector) is built from the whole config and reads its own tensors, the processor from its folder.
+_MULTIMODAL: dict[str, tuple[str, str]] = {}
+
+
+def multimodal_classes(hf_config) -> tuple[type, type] | None:
+    """(encoder class, processor class) of a vision-language checkpoint whose images we serve, else None."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in _MULTIMODAL:
+            encoder, processor = _MULTIMODAL[arch]
+            return _resolve(encoder), _resolve(processor)
+    return None
+
+
 def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
@@ -501,3 +516,55 @@ _BY_MODEL_TYPE.update(("exaone", "internlm3", "iquestcoder", "sarvam_mla", "sarv
 # ``vision_embed_tokens.`` (not read)
 _TEXT_PARTS["FuyuForCausalLM"] = ((re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
                                   (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+# LLaVA (LLaVA 1.5 and the releases of its layout): the text model its text_config names (Llama, Mistral, Qwen2, ...)
+# under ``language_model.model.`` / ``language_model.lm_head.`` (the releases' and what transformers 5 saves) or
+# ``model.language_model.`` / ``lm_head.`` (transformers' modules'); its images through a CLIP or SigLIP vision tower
+# and the two-layer projector (specray.models.llava, specray.models.vision_towers)
+_TEXT_PARTS["LlavaForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+_MULTIMODAL["LlavaForConditionalGeneration"] = ("specray.models.llava:LlavaImageEncoder",
+                                                "specray.models.llava:LlavaImageProcessor")
+# Mistral 3 with images (specray.models.mistral3): Pixtral's vision tower (specray.models.pixtral_vision) and Mistral
+# 3's projector (RMSNorm, the spatial patch merger, two linears); the processor expands each [IMG] into rows of [IMG]
+# closed by [IMG_BREAK] / [IMG_END]. Its text (a Mistral) is under ``language_model.model.`` and
+# ``language_model.lm_head.`` as released (and as transformers saves it), ``model.language_model.`` and ``lm_head.``
+# as transformers' modules name it: both read
+_TEXT_PARTS["Mistral3ForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+_MULTIMODAL["Mistral3ForConditionalGeneration"] = ("specray.models.mistral3:Mistral3ImageEncoder",
+                                                   "specray.models.mistral3:Mistral3Processor")
+# Qwen2-VL and Qwen2.5-VL with images (specray.models.qwen2_vl_vision): their vision towers and patch mergers, the
+# <|image_pad|> placeholder expanded per merged patch, multimodal RoPE positions (the text model's rotary tables take
+# them through mrope_section); Qwen2-VL's text model is a Qwen2, its tensors where Qwen2.5-VL's are
+_MODEL_TYPES["qwen2_vl_text"] = "Qwen2ForCausalLM"
+_TEXT_PARTS["Qwen2VLForConditionalGeneration"] = _QWEN_VL_TEXT
+_MULTIMODAL["Qwen2VLForConditionalGeneration"] = ("specray.models.qwen2_vl_vision:Qwen2VLImageEncoder",
+                                                  "specray.models.qwen2_vl_vision:QwenVLImageProcessor")
+_MULTIMODAL["Qwen2_5_VLForConditionalGeneration"] = ("specray.models.qwen2_vl_vision:Qwen2_5_VLImageEncoder",
+                                                     "specray.models.qwen2_vl_vision:QwenVLImageProcessor")
+# LLaVA-NeXT (llava-v1.6-mistral-7b / vicuna / 34b, specray.models.llava_next): LLaVA's CLIP tower and projector over
+# the base image and its any-resolution tiles, unpadded to the image's aspect, a learned newline closing each row; its
+# text model (Mistral, Llama, Yi as a Llama) where LLaVA's is
+_TEXT_PARTS["LlavaNextForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["LlavaNextForConditionalGeneration"] = ("specray.models.llava_next:LlavaNextImageEncoder",
+                                                    "specray.models.llava_next:LlavaNextImageProcessor")
+# Qwen3-VL and Qwen3-VL-MoE with images (specray.models.qwen3_vl_vision): the vision tower with learned position
+# embeddings resampled to each image, its patch merger and DeepStack mergers (their features added to the image rows
+# after the text model's first layers: llama.add_deepstack), Qwen2-VL's processor and positions, the text rotary
+# tables' interleaved sections (mrope_interleaved); the text models are served as _TEXT_PARTS says above
+_MULTIMODAL["Qwen3VLForConditionalGeneration"] = ("specray.models.qwen3_vl_vision:Qwen3VLImageEncoder",
+                                                  "specray.models.qwen3_vl_vision:Qwen3VLImageProcessor")
+_MULTIMODAL["Qwen3VLMoeForConditionalGeneration"] = ("specray.models.qwen3_vl_vision:Qwen3VLImageEncoder",
+                                                     "specray.models.qwen3_vl_vision:Qwen3VLImageProcessor")
+# Llama 4 Scout / Maverick with images (specray.models.llama4_vision): the tiled vision model (unfolded patches, class
+# token, 2D RoPE, pixel-shuffle adapter) and projector into the <|patch|> rows; the <|image|> placeholder expanded as
+# Llama4Processor writes it (tiles, separators, the global tile); the text model served as _TEXT_PARTS says above
+_MULTIMODAL["Llama4ForConditionalGeneration"] = ("specray.models.llama4_vision:Llama4ImageEncoder",
+                                                 "specray.models.llama4_vision:Llama4ImageProcessor")
+# Gemma 3 with images (specray.models.gemma3_images): SigLIP's vision tower and Gemma 3's projector (the patch grid
+# averaged to mm_tokens_per_image, Gemma's RMSNorm, mm_input_projection_weight); <start_of_image> expanded as
+# Gemma3Processor writes it, its soft tokens attending to each other both ways; the text as _TEXT_PARTS says above
+_MULTIMODAL["Gemma3ForConditionalGeneration"] = ("specray.models.gemma3_images:Gemma3ImageEncoder",
+                                                 "specray.models.gemma3_images:Gemma3ImageProcessor")

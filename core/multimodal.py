@@ -1,0 +1,308 @@
+"""Images in prompts: what a request carries, from the client to the runner (plain data), and the two seams a
+vision-language family implements.
+
+A prompt holds one placeholder token per image (the chat template renders it from an image content part; a raw prompt
+writes it). The family's :class:`ImageProcessor` turns each image into its processed tensors and the tokens that
+replace its placeholder; :func:`expand_prompt` splices them in, so each image becomes a :class:`MultiModalItem`, a
+span of the prompt whose rows (``embed_rows``: all of them, or those of the placeholder token) take the image's
+embeddings instead of their tokens'. The request carries its items to every rank of the target (``NewRequest.
+multimodal``); a rank's :class:`ImageEncoder` (vision tower and projector, replicated on every tensor-parallel rank
+of the first pipeline stage) embeds an item when a step first reaches its span, and the runner hands the rows to the
+model through ``AttentionMetadata.input_embeds`` (the text model's embedding step overwrites them). A span may be
+split over prefill chunks: its embeddings are kept until the prefill passes it. Prefix caching keys an image's first
+token by the item's content hash, so two prompts share cached blocks only up to the first image they differ in.
+
+A family with multimodal RoPE (Qwen2-VL) gives the prompt's three position ids per token
+(:meth:`ImageProcessor.rope_positions`); the tokens past the prompt take their slot index plus ``rope_delta`` on
+every axis.
+
+Families register ``(encoder class, processor class)`` per architecture in :mod:`specray.models.registry`
+(``multimodal_classes``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+IMAGE = "image"
+TEXT_ONLY = ("this model reads text only (of a multimodal release, its text model, or its images turned off by "
+             "limit_mm_per_prompt): send the prompt without images")
+# what a prompt dict may hold under ``multi_modal_data`` (vLLM's key); each a single item or a list
+MODALITIES = (IMAGE,)
+
+
+@dataclass
+class MultiModalItem:
+    """One image of a prompt: the prompt's span ``[offset, offset + length)`` that replaced its placeholder, the
+    rows of that span taking its embeddings (``embed_rows``, indices within the span; None: every row), its content
+    hash and the processor's tensors for the encoder (numpy arrays: they cross Ray as plain data)."""
+
+    modality: str
+    offset: int
+    length: int
+    hash: str
+    data: dict[str, np.ndarray]
+    embed_rows: list[int] | None = None
+    # its tokens attend to each other both ways (Gemma 3's images): its span is never split over prefill chunks
+    bidirectional: bool = False
+
+    @property
+    def num_embeds(self) -> int:
+        return self.length if self.embed_rows is None else len(self.embed_rows)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class MultiModalInputs:
+    """A request's images in prompt order, and for a family with multimodal RoPE the prompt's position ids
+    (``rope_positions``: three lists, one per axis, each as long as the prompt) and what the tokens past it add to
+    their slot index (``rope_delta``)."""
+
+    items: list[MultiModalItem]
+    rope_positions: list[list[int]] | None = None
+    rope_delta: int = 0
+
+    def cache_keys(self, token_ids: Sequence[int]) -> list:
+        """``token_ids`` (the prompt first) with each image's first token replaced by its content hash: the keys
+        prefix caching registers blocks under (a block's key chains its parent's, so one key per image suffices)."""
+        keyed = list(token_ids)
+        for item in self.items:
+            keyed[item.offset] = ("image", item.hash)
+        return keyed
+
+
+@dataclass
+class ProcessedImage:
+    """What an :class:`ImageProcessor` makes of one image: the tokens that replace its placeholder, which of them
+    take its embeddings (None: all), and its tensors for the encoder."""
+
+    replacement: list[int]
+    data: dict[str, np.ndarray]
+    embed_rows: list[int] | None = None
+    bidirectional: bool = False  # the replacement's tokens attend to each other both ways (Gemma 3)
+
+
+class ImageProcessor(Protocol):
+    """A vision-language family's host side (built once per engine from the checkpoint's folder)."""
+
+    image_token_id: int  # the placeholder a prompt holds once per image
+
+    def process(self, image: Any) -> ProcessedImage:
+        """One PIL image -> its replacement tokens and tensors (as transformers' processor makes them)."""
+        ...
+
+    def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> tuple[list[list[int]], int] | None:
+        """Multimodal RoPE: the expanded prompt's three position ids per token and the delta of later tokens;
+        None for a family with plain positions."""
+        ...
+
+    # optional: ``finish_prompt(token_ids, items) -> (token_ids, items)``, the expanded prompt as transformers'
+    # processor makes it where splicing tokens cannot (Gemma 3: its image text's newlines join their neighbours'
+    # into one token), items moved with it
+
+
+class ImageEncoder(Protocol):
+    """A vision-language family's device side: an ``nn.Module`` built from the whole checkpoint's config."""
+
+    # DeepStack (Qwen3-VL): how many of the text model's first layers add an image's own features after them (0:
+    # none); ``encode`` then returns [1 + deepstack_layers, num_embeds, H], the input embeddings first
+    deepstack_layers: int
+
+    # optional: a classmethod ``check_split(whole_config, tensor_parallel_size, pipeline_parallel_size)`` refusing
+    # (ValueError) a split of the model its images cannot be served over, checked before any rank starts
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """The whole checkpoint's tensors; it reads its own (vision tower, projector) and ignores the rest."""
+        ...
+
+    def encode(self, data: dict[str, Any]) -> Any:
+        """One item's tensors (on the encoder's device) -> its embeddings [num_embeds, text hidden size]."""
+        ...
+
+
+MAX_IMAGE_BYTES = 32 << 20  # an image fetched or decoded from a URL (a larger one is refused)
+FETCH_TIMEOUT_S = 10.0  # an http(s) image's download
+
+
+def load_image(source: Any, local: bool = True, domains: Collection[str] | None = None):
+    """A PIL image (RGB) from what a caller may hand in: a PIL image, encoded bytes, a ``data:`` URL (base64), an
+    http(s) URL (with ``domains``, one on those hosts only, redirects included; vLLM's ``--allowed-media-domains``),
+    or (``local``: offline callers, never a server's clients) a local path to an image file."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    elif isinstance(source, str) and source.startswith("data:"):
+        data = decode_data_url(source)
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        data = fetch_url(source, domains)
+    elif local and isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ValueError(f"image {str(source)!r:.100} is not a file; give a PIL image, image bytes, a data: URL, "
+                             "an http(s) URL or the path of an image file")
+        data = path.read_bytes()
+    else:
+        what = f"{source!r:.60}" if isinstance(source, str) else f"of type {type(source).__name__}"
+        raise ValueError(f"image {what} is not supported; give a data: URL (data:image/png;base64,...) or an "
+                         f"http(s) URL{', a PIL image, image bytes or a file path' if local else ''}")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image has {len(data)} bytes, more than {MAX_IMAGE_BYTES}; send a smaller image")
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise ValueError(f"the image could not be decoded ({err}); send a PNG, JPEG, WebP or GIF image") from None
+    return image.convert("RGB")
+
+
+def fetch_url(url: str, domains: Collection[str] | None = None) -> bytes:
+    """An http(s) image's bytes (at most :data:`MAX_IMAGE_BYTES`, within :data:`FETCH_TIMEOUT_S`), from one of
+    ``domains``' hosts where given (a redirect elsewhere refused)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    def check(target: str) -> None:
+        host = urllib.parse.urlsplit(target).hostname
+        if domains is not None and host not in domains:
+            raise ValueError(f"the image URL's host {host!r} is not among this server's allowed media domains "
+                             f"({sorted(domains)}); send the image as a data: URL")
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            check(newurl)
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    check(url)
+    try:
+        with urllib.request.build_opener(Redirects).open(url, timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError) as err:
+        raise ValueError(f"the image at {url!r:.100} could not be fetched ({err}); check the URL, or send the image "
+                         "as a data: URL") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image at {url!r:.100} has more than {MAX_IMAGE_BYTES} bytes; send a smaller image")
+    return data
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (an image's: base64)."""
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise ValueError(f"data URL {url[:40]!r}... must be 'data:image/<type>;base64,<data>'")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"data URL {url[:40]!r}... holds invalid base64 ({err})") from None
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """The images of a prompt's ``multi_modal_data`` ({"image": an image or a list of them}), in order."""
+    if not isinstance(multi_modal_data, dict):
+        raise ValueError(f"multi_modal_data={multi_modal_data!r:.80} must be a dict such as {{'image': image}}")
+    unknown = sorted(set(multi_modal_data) - set(MODALITIES))
+    if unknown:
+        raise ValueError(f"multi_modal_data holds {unknown}: only {list(MODALITIES)} is supported (no video or "
+                         "audio)")
+    images = multi_modal_data.get(IMAGE, [])
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
+    """A content hash of an item's processed tensors (names, dtypes, shapes and bytes)."""
+    digest = hashlib.sha256(modality.encode())
+    for name in sorted(data):
+        array = np.ascontiguousarray(data[name])
+        digest.update(f"|{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor
+                  ) -> tuple[list[int], MultiModalInputs]:
+    """The prompt with each image's placeholder replaced by its tokens, and the request's items (images in the
+    order of their placeholders). A ValueError when the placeholders and the images differ in number."""
+    slots = [i for i, t in enumerate(token_ids) if t == processor.image_token_id]
+    if len(slots) != len(images):
+        raise ValueError(f"the prompt holds {len(slots)} image placeholder token(s) (id {processor.image_token_id}) "
+                         f"but {len(images)} image(s) were given: put one placeholder per image in the prompt (the "
+                         "chat template writes one per image content part)")
+    out: list[int] = []
+    items: list[MultiModalItem] = []
+    last = 0
+    for slot, image in zip(slots, images):
+        done = processor.process(load_image(image))
+        out.extend(token_ids[last:slot])
+        items.append(MultiModalItem(IMAGE, len(out), len(done.replacement), item_hash(IMAGE, done.data), done.data,
+                                    done.embed_rows, done.bidirectional))
+        out.extend(done.replacement)
+        last = slot + 1
+    out.extend(token_ids[last:])
+    finish = getattr(processor, "finish_prompt", None)
+    if finish is not None:
+        out, items = finish(out, items)
+    mm = MultiModalInputs(items)
+    rope = processor.rope_positions(out, items)
+    if rope is not None:
+        mm.rope_positions, mm.rope_delta = rope
+    return out, mm
+
+
+def check_mm_limits(limits: Any) -> None:
+    """``limit_mm_per_prompt`` (vLLM's): None, or a dict of a modality to the most items a prompt may hold."""
+    if limits is None:
+        return
+    if (not isinstance(limits, dict) or set(limits) - set(MODALITIES)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limits.values())):
+        raise ValueError(f"limit_mm_per_prompt={limits!r:.80} must map {list(MODALITIES)} to the most items a prompt "
+                         "may hold, e.g. {'image': 4} ({'image': 0}: text only)")
+
+
+def image_limit(limits: dict[str, int] | None) -> int | None:
+    """How many images a prompt may hold under ``limit_mm_per_prompt`` (None: any number)."""
+    return None if limits is None else limits.get(IMAGE)
+
+
+def check_image_prompt(multimodal: MultiModalInputs, token_ids: list[int], truncate_prompt_tokens: int | None
+                       ) -> None:
+    """A ValueError unless ``multimodal`` fits the prompt ``token_ids`` it was made with, which is not to be cut."""
+    if truncate_prompt_tokens is not None:
+        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images: it could cut an image's tokens; "
+                         "leave it unset")
+    n = len(token_ids)
+    spans = [(item.offset, item.end) for item in multimodal.items]
+    if not spans or any(not 0 <= a < b <= n for a, b in spans) or any(b > c for (_, b), (c, _) in
+                                                                     zip(spans, spans[1:])):
+        raise ValueError(f"multimodal: the images' spans {spans} must be non-empty, in order and within the prompt's "
+                         f"{n} tokens (as specray.multimodal.expand_prompt makes them)")
+    rope = multimodal.rope_positions
+    if rope is not None and (len(rope) != 3 or any(len(axis) != n for axis in rope)):
+        raise ValueError(f"multimodal.rope_positions must hold three lists of the prompt's length {n}")
+
+
+def step_rows(item: MultiModalItem, start: int, stop: int) -> tuple[list[int], list[int]]:
+    """The prompt positions in ``[start, stop)`` that take ``item``'s embeddings, and those embeddings' indices."""
+    rows = range(item.length) if item.embed_rows is None else item.embed_rows
+    positions, indices = [], []
+    for index, row in enumerate(rows):
+        position = item.offset + row
+        if start <= position < stop:
+            positions.append(position)
+            indices.append(index)
+    return positions, indices

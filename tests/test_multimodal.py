@@ -1,0 +1,447 @@
+"""Images in prompts through the engine (specray.multimodal), independent of any vision family: a stand-in encoder
+and processor over the tiny Llama. The engine's greedy output with images must equal transformers' greedy
+``generate`` over the same ``inputs_embeds``, with chunked prefill splitting image spans, n-gram drafts, prefix
+caching (a prompt that differs only in its image must not reuse the other's blocks) and preemption; plus the
+pieces: prompt expansion, image loading, content parts."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import specray.engine.builder as builder
+import specray.models.loader as loader
+from specray import LLM, SamplingParams
+from specray.chat import split_images
+from specray.multimodal import (MAX_IMAGE_BYTES, MultiModalInputs, MultiModalItem, ProcessedImage, expand_prompt,
+                                images_of, load_image, step_rows)
+
+IMAGE_TOKEN = 7  # the placeholder id of the stand-in processor
+BREAK_TOKEN = 9  # a token inside an image's span that takes no embedding (Pixtral's row breaks)
+
+
+class StandInProcessor:
+    """Each image: 6 rows of 3 pixel values; with ``breaks``, a break token after every 3 rows (no embedding)."""
+
+    image_token_id = IMAGE_TOKEN
+    breaks = False
+
+    @classmethod
+    def from_pretrained(cls, folder, config):
+        return cls()
+
+    def process(self, image) -> ProcessedImage:
+        from PIL import Image
+
+        pixels = np.asarray(image.convert("RGB").resize((2, 3), Image.NEAREST), dtype=np.float32).reshape(6, 3)
+        pixels = (pixels / 255.0 - 0.5) * 4
+        image = self.image_token_id
+        if not self.breaks:
+            return ProcessedImage([image] * 6, {"pixels": pixels})
+        replacement = [image] * 3 + [BREAK_TOKEN] + [image] * 3 + [BREAK_TOKEN]
+        return ProcessedImage(replacement, {"pixels": pixels}, embed_rows=[0, 1, 2, 4, 5, 6])
+
+    def rope_positions(self, token_ids, items):
+        return None
+
+
+class BreakProcessor(StandInProcessor):
+    breaks = True
+
+
+class StandInEncoder(nn.Module):
+    """pixels [6, 3] -> [6, hidden]: a fixed random projection (the same in every process that builds it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        g = torch.Generator().manual_seed(1234)
+        self.proj = nn.Parameter(torch.randn(3, config.hidden_size, generator=g).to(torch.get_default_dtype()))
+
+    def load_weights(self, weights) -> None:
+        for _ in weights:  # its weights are its own
+            pass
+
+    def encode(self, data):
+        return data["pixels"] @ self.proj
+
+
+def _image(seed: int, size=(5, 4)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def vision(monkeypatch):
+    """The tiny Llama served as a vision-language model with the stand-in classes; yields a setter for the
+    processor class."""
+    classes = {"processor": StandInProcessor}
+
+    def multimodal_classes(config):
+        return StandInEncoder, classes["processor"]
+
+    monkeypatch.setattr(loader, "multimodal_classes", multimodal_classes)
+    monkeypatch.setattr(builder, "multimodal_classes", multimodal_classes)
+    return classes
+
+
+def _reference(folder, ids: list[int], mm: MultiModalInputs | None, max_tokens: int) -> list[int]:
+    """transformers' greedy tokens from the prompt's embeddings with the images' rows in place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    encoder = StandInEncoder(AutoConfig.from_pretrained(folder))
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
+        for item in mm.items if mm is not None else ():
+            rows = [item.offset + r for r in (range(item.length) if item.embed_rows is None else item.embed_rows)]
+            embeds[0, rows] = encoder.encode({"pixels": torch.from_numpy(item.data["pixels"])})
+        out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+    return out[0].tolist()
+
+
+# token ids of the tiny tokenizer's "The quick brown fox" and "def add(a, b):" with placeholders among them
+PROMPT_A = [304, 223, IMAGE_TOKEN, 83, 87, 75, 309, 263, 84, 269, 80, 290, 90]
+PROMPT_B = [294, IMAGE_TOKEN, 260, 310, IMAGE_TOKEN, 10, 67, 14, 263]
+
+
+def test_expand_prompt_places_each_image_and_keys_blocks_by_content():
+    processor = StandInProcessor()
+    ids, mm = expand_prompt(PROMPT_B, [_image(1), _image(2)], processor)
+    assert [(i.offset, i.length) for i in mm.items] == [(1, 6), (9, 6)]
+    assert ids == [294] + [IMAGE_TOKEN] * 6 + [260, 310] + [IMAGE_TOKEN] * 6 + [10, 67, 14, 263]
+    assert mm.items[0].hash != mm.items[1].hash
+    _, again = expand_prompt(PROMPT_B, [_image(1), _image(2)], processor)
+    assert [i.hash for i in again.items] == [i.hash for i in mm.items]
+    keys = mm.cache_keys(ids)
+    assert keys[1] == ("image", mm.items[0].hash) and keys[9] == ("image", mm.items[1].hash)
+    assert keys[2:9] == ids[2:9]
+    with pytest.raises(ValueError, match="2 image placeholder token.*but 1 image"):
+        expand_prompt(PROMPT_B, [_image(1)], processor)
+    with pytest.raises(ValueError, match="only \\['image'\\]"):
+        images_of({"video": [1]})
+
+
+def test_step_rows_cover_a_span_split_over_chunks():
+    item = MultiModalItem("image", offset=4, length=8, hash="h", data={}, embed_rows=[0, 1, 2, 4, 5, 6])
+    seen = []
+    for start in range(0, 16, 3):
+        positions, indices = step_rows(item, start, start + 3)
+        assert all(start <= p < start + 3 for p in positions)
+        seen += list(zip(positions, indices))
+    assert seen == [(4, 0), (5, 1), (6, 2), (8, 3), (9, 4), (10, 5)]
+
+
+def test_load_image_sources(tmp_path):
+    image = _image(3)
+    data = _png(image)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for source in (image, data, url):
+        assert np.array_equal(np.asarray(load_image(source)), np.asarray(image))
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    assert np.array_equal(np.asarray(load_image(str(path))), np.asarray(image))
+    with pytest.raises(ValueError, match="data: URL"):
+        load_image(str(path), local=False)  # a server's client never reads the server's files
+    with pytest.raises(ValueError, match="could not be decoded"):
+        load_image(b"not an image")
+    with pytest.raises(ValueError, match="invalid base64"):
+        load_image("data:image/png;base64,@@@")
+
+
+def test_load_image_fetches_http_urls_within_limits(monkeypatch):
+    body = _png(_image(4))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/away":  # a redirect to another host
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/a.png")
+                self.end_headers()
+                return
+            payload = body if self.path == "/a.png" else b"x" * 64
+            self.send_response(200 if self.path != "/missing" else 404)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert np.array_equal(np.asarray(load_image(f"{base}/a.png", local=False)), np.asarray(_image(4)))
+        with pytest.raises(ValueError, match="could not be fetched"):
+            load_image(f"{base}/missing", local=False)
+        assert load_image(f"{base}/a.png", local=False, domains={"127.0.0.1"}).size == _image(4).size
+        with pytest.raises(ValueError, match="host '127.0.0.1' is not among .* allowed media domains"):
+            load_image(f"{base}/a.png", local=False, domains={"example.com"})
+        with pytest.raises(ValueError, match="host 'localhost' is not among"):
+            load_image(f"{base}/away", local=False, domains={"127.0.0.1"})
+        assert load_image(f"{base}/away", local=False).size == _image(4).size  # any host: the redirect is followed
+        monkeypatch.setattr("specray.multimodal.MAX_IMAGE_BYTES", 32)
+        with pytest.raises(ValueError, match="more than 32 bytes"):
+            load_image(f"{base}/big", local=False)
+    finally:
+        server.shutdown()
+    assert MAX_IMAGE_BYTES > 1 << 20
+
+
+def test_split_images_pairs_placeholders_with_images_in_order():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "image_url", "image_url": {"url": "data:x"}},
+                                             {"type": "image_url", "image_url": "http://h/b.png"}]},
+                {"role": "assistant", "content": "ok"}]
+    out, images = split_images(messages)
+    assert images == ["data:x", "http://h/b.png"]
+    assert out[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]
+    assert out[1] is messages[1] and messages[0]["content"][1]["type"] == "image_url"
+    with pytest.raises(ValueError, match="content\\[0\\].image_url"):
+        split_images([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+@pytest.mark.parametrize("processor", [StandInProcessor, BreakProcessor], ids=["all-rows", "break-rows"])
+def test_engine_with_images_equals_transformers(tiny_llama_dir, vision, processor):
+    """Greedy with n-gram drafts, prefill chunks of 5 tokens (every image span split), prefix caching: each output
+    equals transformers' over the same embeddings; the second round, the first prompt again with another image, gets
+    its own output, and the third, the first prompt and image again, finds its blocks cached."""
+    vision["processor"] = processor
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, max_num_batched_tokens=5,
+              enable_prefix_caching=True, enforce_eager=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = [{"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(10)}},
+             {"prompt_token_ids": PROMPT_B, "multi_modal_data": {"image": [_image(11), _image(12, (7, 3))]}},
+             {"prompt_token_ids": PROMPT_A[:2] + PROMPT_A[3:]}]
+    rounds = [first, [{"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(13)}}], first[:1]]
+    outputs = []
+    for prompts in rounds:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            images = images_of(prompt.get("multi_modal_data", {}))
+            ids, mm = expand_prompt(prompt["prompt_token_ids"], images, processor())
+            assert out.prompt_token_ids == ids
+            assert out.outputs[0].token_ids == _reference(tiny_llama_dir, ids, mm if images else None, 12)
+            outputs.append(out)
+    assert outputs[0].outputs[0].token_ids != outputs[3].outputs[0].token_ids  # the image changes the output
+    assert outputs[4].num_cached_tokens >= 8  # its own blocks, image included, cached by the first round
+    assert outputs[3].num_cached_tokens == 0  # no block holding another image's rows (its first block has one)
+    assert llm.spec_stats.accepted_tokens > 0
+
+
+class BothWaysProcessor(StandInProcessor):
+    """Images whose tokens attend to each other both ways (Gemma 3's)."""
+
+    def process(self, image) -> ProcessedImage:
+        done = super().process(image)
+        done.bidirectional = True
+        return done
+
+
+def _reference_both_ways(folder, ids: list[int], mm: MultiModalInputs, max_tokens: int
+                         ) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs, one full forward per token, each image's rows seeing each
+    other (a 4D mask)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    encoder = StandInEncoder(AutoConfig.from_pretrained(folder))
+    out, logprobs = [], []
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
+        for item in mm.items:
+            embeds[0, item.offset:item.end] = encoder.encode({"pixels": torch.from_numpy(item.data["pixels"])})
+        for _ in range(max_tokens):
+            n = embeds.shape[1]
+            allowed = torch.ones(n, n, dtype=torch.bool).tril()
+            for item in mm.items:
+                allowed[item.offset:item.end, item.offset:item.end] = True
+            logits = model(inputs_embeds=embeds, attention_mask=allowed[None, None]).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            embeds = torch.cat((embeds, model.get_input_embeddings()(torch.tensor([[token]]))), dim=1)
+    return out, logprobs
+
+
+def test_images_seen_both_ways_are_never_split(tiny_llama_dir, vision):
+    """Images whose tokens see each other: chunks of at most 7 tokens stop before an image and take it whole (or,
+    after cached blocks that end inside one, the rest of it), and the outputs are transformers' under that mask;
+    the mask matters (a causal image's logprobs differ); an image longer than a step is refused."""
+    vision["processor"] = BothWaysProcessor
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, max_num_batched_tokens=7,
+              enable_prefix_caching=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                              "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(50)}},
+               {"prompt_token_ids": PROMPT_B, "multi_modal_data": {"image": [_image(51), _image(52)]}},
+               {"prompt_token_ids": PROMPT_A[:3], "multi_modal_data": {"image": _image(53)}}]
+    for round_ in range(2):  # the second: every prompt from cached blocks (the last one's end inside its image)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            ids, mm = expand_prompt(prompt["prompt_token_ids"], images_of(prompt["multi_modal_data"]),
+                                    BothWaysProcessor())
+            tokens, logprobs = _reference_both_ways(tiny_llama_dir, ids, mm, 8)
+            assert out.outputs[0].token_ids == tokens
+            got = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
+            assert np.allclose(got, logprobs, atol=1e-4), (got, logprobs)
+            assert not round_ or out.num_cached_tokens > 0
+    assert outs[2].num_cached_tokens == 4  # its image spans positions 2-7: the rest computed after a cached block
+    causal = LLM(model=str(tiny_llama_dir), max_model_len=128)
+    vision["processor"] = StandInProcessor
+    gaps = [abs(plain.outputs[0].logprobs[0][t].logprob - seen.outputs[0].logprobs[0][t].logprob)
+            for plain, seen in zip(causal.generate(prompts, params, use_tqdm=False), outs)
+            for t in [seen.outputs[0].token_ids[0]]]
+    assert max(gaps) > 5e-4, gaps  # five times the tolerance the comparison with transformers holds
+    vision["processor"] = BothWaysProcessor
+    small = LLM(model=str(tiny_llama_dir), max_model_len=128, max_num_batched_tokens=5)
+    with pytest.raises(ValueError, match="takes 6 tokens, computed in one step.*more than a step computes"):
+        small.generate(prompts[0], params, use_tqdm=False)
+
+
+def test_preempted_requests_embed_their_images_again(tiny_llama_dir, vision):
+    """A KV cache too small for every request at once: preempted requests recompute their prompts, images included,
+    and still give transformers' tokens."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, block_size=4, num_kv_blocks=14, max_num_batched_tokens=8)
+    prompts = [{"prompt_token_ids": PROMPT_B, "multi_modal_data": {"image": [_image(30 + i), _image(40 + i)]}}
+               for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        ids, mm = expand_prompt(PROMPT_B, prompt["multi_modal_data"]["image"], StandInProcessor())
+        assert out.outputs[0].token_ids == _reference(tiny_llama_dir, ids, mm, 16)
+    assert not llm.engine.executor.worker.runner.image_embeds  # nothing kept past the requests
+
+
+def test_images_refused_where_not_served(tiny_llama_dir, vision):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate({"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(1)}},
+                     SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+
+
+def test_text_model_refuses_images(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64)
+    with pytest.raises(ValueError, match="reads text only"):
+        llm.generate({"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(1)}},
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+# a chat template that renders an image part as the placeholder token
+IMAGE_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+                  "{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+                  "{% endfor %}")
+
+
+class ChatProcessor(StandInProcessor):
+    image_token_id = 3  # "<image>": the tiny tokenizer's fourth special token
+
+
+@pytest.fixture(scope="module")
+def image_chat_dir(tmp_path_factory):
+    from tests.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_images"), "llama", extra_special_tokens=("<image>",))
+
+
+def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
+    """An OpenAI chat request with an image_url part (a data: URL) answers what LLM.chat answers for the same
+    messages (which the engine test above ties to transformers); a bad image is a 400 naming messages."""
+    import uvicorn
+    from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
+
+    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
+    from specray.engine.async_engine import AsyncLLMEngine
+
+    vision["processor"] = ChatProcessor
+    url = "data:image/png;base64," + base64.b64encode(_png(_image(21))).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "The quick"},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " brown fox"}]}]
+    llm = LLM(model=str(image_chat_dir), max_model_len=64)
+    assert llm.get_tokenizer().convert_tokens_to_ids("<image>") == ChatProcessor.image_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.chat(messages, params, use_tqdm=False, chat_template=IMAGE_TEMPLATE)[0]
+    assert want.prompt_token_ids.count(ChatProcessor.image_token_id) == 6
+    without = llm.chat([{"role": "user", "content": "The quick brown fox"}], params, use_tqdm=False,
+                       chat_template=IMAGE_TEMPLATE)[0]
+    assert want.outputs[0].token_ids != without.outputs[0].token_ids
+    until_eos = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                         chat_template=IMAGE_TEMPLATE)[0].outputs[0].text
+
+    aengine = AsyncLLMEngine(llm.engine)
+    app = build_openai_app(AsyncEngineClient(aengine, image_processor=ChatProcessor()),
+                           ServerConfig("tiny", chat_template=IMAGE_TEMPLATE))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.02)
+        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                "return_token_ids": True}
+        status, got = http_json(chat, body)
+        assert status == 200, got
+        assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+        assert got["prompt_token_ids"] == want.prompt_token_ids
+        responses = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "store": False,
+                     "input": [{"role": "user", "content": [{"type": "input_text", "text": "The quick"},
+                                                            {"type": "input_image", "image_url": url},
+                                                            {"type": "input_text", "text": " brown fox"}]}]}
+        status, got = http_json(f"http://127.0.0.1:{port}/v1/responses", responses)
+        assert status == 200, got
+        assert got["output"][-1]["content"][0]["text"] == until_eos
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
+        assert status == 400 and err["error"]["param"] == "messages", err
+        assert "could not be decoded" in err["error"]["message"]
+        audio = {**body, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
+        status, err = http_json(chat, audio)
+        assert status == 400 and "input_audio" in err["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llava_dir(tmp_path_factory):
+    from tests.test_llava import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava_ray"), "clip")
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_images_over_ray_ranks_equal_one_rank(tiny_llava_dir, parallel):
+    """A real vision-language family (LLaVA) over two Ray ranks: the requests' images cross to every rank with the
+    plan, each rank of the first stage encodes them, and the greedy tokens equal one in-process rank's."""
+    from tests.test_llava import _images
+
+    prompts = [{"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}}
+               for image in _images()]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    one = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12,
+             ray_placement={"worker_num_cpus": 0.5, "engine_num_cpus": 0.1}, **parallel) as many:
+        assert [o.outputs[0].token_ids for o in many.generate(prompts, params, use_tqdm=False)] == want
