@@ -431,19 +431,21 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_engine_greedy_with_images_equals_transformers(releases, kind):
+def test_engine_greedy_with_images_equals_transformers(releases, kind, graphs):
     """``LLM.generate`` with two images (prefill chunks of 16 tokens, which split both images' spans; n-gram drafts
     verified with multimodal positions past the prompt) gives transformers' greedy ``generate`` tokens, token for
     token, beside a text-only prompt in the same batch; some drafts are accepted; transformers without the images
-    generates other tokens."""
+    generates other tokens. With graphs, the decode steps holding the image request (their positions shifted by its
+    delta) replay from graphs of their own."""
     from specray import LLM, SamplingParams
 
     folder, hf = releases[kind]
     part = "<|vision_start|><|image_pad|><|vision_end|>"
     text, plain_text = TEXT_BEFORE + part + BETWEEN + part + AFTER, "The quick brown fox"
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=16,
-              speculative_config=NGRAM)
+              speculative_config=NGRAM, enforce_eager=not graphs)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images()}}, plain_text], params,
                         use_tqdm=False)
@@ -458,3 +460,5 @@ def test_engine_greedy_with_images_equals_transformers(releases, kind):
     assert want[0].tolist() != blind[0].tolist()
     assert list(outs[1].outputs[0].token_ids) == plain[0, len(tokens):].tolist()
     assert llm.spec_stats.accepted_tokens > 0
+    runner = llm.engine.executor.worker.runner
+    assert graphs == any(key[-1] == "rope" for key in (runner.graphs.graphs if runner.graphs else ()))

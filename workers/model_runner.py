@@ -225,10 +225,10 @@ class ModelRunner:
         return masks if found else None
 
     def _rope_positions(self, chunks: list[ScheduledChunk], positions: list[int] | None
-                        ) -> tuple[torch.Tensor, int] | None:
-        """Multimodal RoPE: the step's [3, T] position ids, and the largest, when a chunk's request carries a table
-        for its prompt (its prompt tokens take the table's columns, later ones their position plus the request's
-        delta on every axis); None otherwise."""
+                        ) -> tuple[list[list[int]], int] | None:
+        """Multimodal RoPE: the step's position ids (three lists of T), and the largest, when a chunk's request
+        carries a table for its prompt (its prompt tokens take the table's columns, later ones their position plus
+        the request's delta on every axis); None otherwise."""
         if not any(self.multimodal.get(c.req_id) is not None and self.multimodal[c.req_id].rope_positions
                    is not None for c in chunks):
             return None
@@ -247,7 +247,7 @@ class ModelRunner:
                     else:
                         axes[axis].append(p + (mm.rope_delta if mm is not None else 0))
             offset += c.num_tokens
-        return torch.tensor(axes, dtype=torch.long, device=self.device), max(max(axis) for axis in axes)
+        return axes, max(max(axis) for axis in axes)
 
     def _move_pending(self, moves) -> None:
         """A hybrid model's token trees: the drafts a verify chunk left pending are in node order; the next plan's
@@ -388,13 +388,13 @@ class ModelRunner:
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if recurrent is not None:  # requests starting behind cached blocks: their kept states first
             self.recurrent_state.copy_slots(*self.recurrent.restores)
-        # images (their rows, their masks, multimodal RoPE) go in by the eager path
+        # images (their rows, their masks) go in by the eager path; multimodal RoPE's positions by either
         images = rope = both_ways = None
         if self.multimodal:
             images, rope = self._image_rows(chunks), self._rope_positions(chunks, positions)
             both_ways = self._image_masks(chunks, ancestors)
             ancestors = ancestors if both_ways is None else both_ways
-        eager = images is not None or rope is not None or both_ways is not None
+        eager = images is not None or both_ways is not None
         # a hybrid's trees, and a model's whose trees take the host's help (graph_trees: DeepSeek-V4's), eagerly
         if self.graphs is not None and not eager and not (trees and (recurrent is not None
                                                                      or not getattr(self.model, "graph_trees", True))):
@@ -405,7 +405,8 @@ class ModelRunner:
                 padded = None if recurrent is None else recurrent.padded(shape.batch, query_lens,
                                                                          self.recurrent.scratch, self.device)
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
-                                       ancestors=ancestors, inputs=lora_slots, recurrent=padded)
+                                       ancestors=ancestors, inputs=lora_slots, recurrent=padded,
+                                       rope_positions=None if rope is None else rope[0])
         if self.lora is not None:  # eager: without a row of an adapter, the projections skip theirs
             self.lora.context.set_token_slots(lora_slots[0] if adapted else None)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -417,8 +418,8 @@ class ModelRunner:
         else:
             meta.input_embeds = images
         if rope is not None:  # (the rotary tables reach the largest of them)
-            meta.rope_positions, largest = rope
-            meta.max_position = max(meta.max_position, largest)
+            meta.rope_positions = torch.tensor(rope[0], dtype=torch.long, device=self.device)
+            meta.max_position = max(meta.max_position, rope[1])
         if self.aux_layers:
             out = self.model(input_ids, meta, aux_layers=self.aux_layers)
             return (None, []) if out is None else out  # None: a pipeline stage before the last

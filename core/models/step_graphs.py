@@ -143,14 +143,17 @@ class StepGraphs:
     def run(self, shape: StepShape, token_ids: list[int] | torch.Tensor, query_lens: list[int],
             start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = (),
             positions: list[int] | None = None, ancestors: list[torch.Tensor | None] | None = None,
-            recurrent: RecurrentGraphBatch | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            recurrent: RecurrentGraphBatch | None = None, rope_positions: list[list[int]] | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
         outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
         ``shape.query_len`` tokens. ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
         with the ids' padding (zero rows). ``positions`` and ``ancestors``: a step of token trees (as
         :func:`~specray.models.attention.build_attention_metadata` takes them); a graph reads them as data (the
         positions and the masks are static inputs), so trees and chains share graphs. ``recurrent``: a hybrid
-        model's state slots and replays, padded to ``shape.batch`` sequences (a static input too)."""
+        model's state slots and replays, padded to ``shape.batch`` sequences (a static input too).
+        ``rope_positions``: multimodal RoPE's three position ids of each of the step's tokens (a static input of a
+        graph of its own, apart from the shape's plain one; padding rows at position 0)."""
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         real = [b * q + j for b, n in enumerate(query_lens) for j in range(n)]
@@ -158,11 +161,7 @@ class StepGraphs:
             assert all(n == q for n in query_lens), (query_lens, q)  # no padding rows inside a sequence
             ids = torch.cat((token_ids, token_ids.new_zeros(pads * q)))
         else:
-            padded, offset = [], 0
-            for n in query_lens:
-                padded += token_ids[offset: offset + n] + [0] * (q - n)
-                offset += n
-            ids = torch.tensor(padded + [0] * (pads * q), dtype=torch.long, device=self.device)
+            ids = torch.tensor(_padded_rows(token_ids, query_lens, q, pads), dtype=torch.long, device=self.device)
         if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
             index = torch.tensor(real, dtype=torch.long, device=self.device)
             inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
@@ -174,9 +173,14 @@ class StepGraphs:
             self.device, positions=positions, ancestors=ancestors, min_ctx_blocks=shape.ctx_blocks,
             read_in_place=False)
         meta.recurrent = recurrent
-        graph = self.graphs.get(shape)
+        key: StepShape | tuple = shape
+        if rope_positions is not None:
+            rows = [_padded_rows(axis, query_lens, q, pads) for axis in rope_positions]
+            meta.rope_positions = torch.tensor(rows, dtype=torch.long, device=self.device)
+            key = (shape, "rope")
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[shape] = self._capture(meta, ids, inputs)  # its warm-up ran this step
+            graph = self.graphs[key] = self._capture(meta, ids, inputs)  # its warm-up ran this step
         else:
             self._load(graph, meta, ids, inputs)
             if graph.graph is not None:
@@ -215,7 +219,8 @@ class StepGraphs:
                        _masks={}, _builders={},
                        short=replace(short, block_index=short.block_index.clone(),
                                      query_positions=short.query_positions.clone()),
-                       recurrent=None if meta.recurrent is None else meta.recurrent.clone())
+                       recurrent=None if meta.recurrent is None else meta.recurrent.clone(),
+                       rope_positions=None if meta.rope_positions is None else meta.rope_positions.clone())
 
     @staticmethod
     def _own_masks(static: AttentionMetadata) -> None:
@@ -236,6 +241,8 @@ class StepGraphs:
         static.short.query_positions.copy_(meta.short.query_positions)
         if static.recurrent is not None:
             static.recurrent.copy_(meta.recurrent)
+        if static.rope_positions is not None:
+            static.rope_positions.copy_(meta.rope_positions)
         for key, held in static._masks.items():  # the masks (and position biases) the first forward made
             held.copy_(static._builders[key](meta))
 
@@ -270,6 +277,15 @@ class StepGraphs:
         self._load(graph, meta, ids, inputs)
         cuda_graph.replay()
         return graph
+
+
+def _padded_rows(values: list[int], query_lens: list[int], q: int, pads: int) -> list[int]:
+    """One value per token, each sequence's padded to ``q`` rows and ``pads`` padding sequences after them (zeros)."""
+    padded, offset = [], 0
+    for n in query_lens:
+        padded += values[offset: offset + n] + [0] * (q - n)
+        offset += n
+    return padded + [0] * (pads * q)
 
 
 def _padded_tree(query_lens: list[int], starts: list[int], positions: list[int],
