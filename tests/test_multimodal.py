@@ -445,3 +445,29 @@ def test_images_over_ray_ranks_equal_one_rank(tiny_llava_dir, parallel):
     with LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12,
              ray_placement={"worker_num_cpus": 0.5, "engine_num_cpus": 0.1}, **parallel) as many:
         assert [o.outputs[0].token_ids for o in many.generate(prompts, params, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_hidden_state_heads_draft_for_prompts_with_images(tiny_llava_dir, tmp_path, method):
+    """A hidden-state head (EAGLE-1, EAGLE-3) drafting for a vision-language target: it reads the target's rows of
+    image prompts (placeholder tokens embedded as tokens: drafts are guesses there), and greedy output with images
+    equals plain greedy output with images, token for token (lossless)."""
+    import json
+
+    from specray_test_draft_heads import write_random_head  # tests/draft_heads.py
+    from tests.test_llava import _images
+
+    text = tmp_path / "text"  # the target's text config where the head writer reads it
+    text.mkdir()
+    whole = json.loads((tiny_llava_dir / "config.json").read_text())
+    (text / "config.json").write_text(json.dumps(whole["text_config"]))
+    head = write_random_head(tmp_path / method, method, text, **({"aux_layers": [0, 1]} if method == "eagle3" else {}))
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    prompts = [{"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}}
+               for image in _images()]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    drafted = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in drafted.generate(prompts, params, use_tqdm=False)] == want
+    assert drafted.spec_stats.draft_tokens > 0
