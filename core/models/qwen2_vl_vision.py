@@ -247,16 +247,21 @@ class Qwen2VLImageEncoder(nn.Module):
         t, h, w = grid
         return None, [h * w] * t, [h * w] * t
 
-    def encode(self, data: dict[str, Any]) -> torch.Tensor:
-        """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [t*h*w / merge², out]."""
-        pixels, grid_thw = data["pixel_values"], data["image_grid_thw"]
-        grid = tuple(int(g) for g in torch.as_tensor(grid_thw).reshape(-1).tolist())
+    def _grid(self, data: dict[str, Any]) -> tuple[int, int, int]:
+        """The image's (frames, patch rows, patch columns), checked against its pixels (one host read per image)."""
+        pixels = data["pixel_values"]
+        grid = tuple(int(g) for g in torch.as_tensor(data["image_grid_thw"]).reshape(-1).tolist())
         t, h, w = grid if len(grid) == 3 else (0, 0, 0)
         if len(grid) != 3 or h % self.merge or w % self.merge or tuple(pixels.shape) != (t * h * w, self.patch_dim):
             raise ValueError(f"an image of pixel_values {tuple(pixels.shape)} and image_grid_thw {grid} does not fit "
                              f"this vision tower ({self.patch_dim} values per patch, rows and columns multiples of "
                              f"spatial_merge_size={self.merge}); process images with the checkpoint's own image "
                              "processor")
+        return grid
+
+    def encode(self, data: dict[str, Any]) -> torch.Tensor:
+        """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [t*h*w / merge², out]."""
+        pixels, grid = data["pixel_values"], self._grid(data)
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.reshape(self.dim, -1))  # [N, dim]
         cos, sin = vision_rope(grid, self.merge, self.dim // self.heads, self.rope_theta, x.device)

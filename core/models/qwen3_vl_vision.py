@@ -189,18 +189,6 @@ class Qwen3VLImageEncoder(Qwen2VLImageEncoder):
         out = self.merger(x)
         return torch.stack([out, *features]) if features else out
 
-    def _grid(self, data: dict[str, Any]) -> tuple[int, int, int]:
-        """The image's (frames, patch rows, patch columns), checked against its pixels (one host read per image)."""
-        pixels = data["pixel_values"]
-        grid = tuple(int(g) for g in torch.as_tensor(data["image_grid_thw"]).reshape(-1).tolist())
-        t, h, w = grid if len(grid) == 3 else (0, 0, 0)
-        if len(grid) != 3 or h % self.merge or w % self.merge or tuple(pixels.shape) != (t * h * w, self.patch_dim):
-            raise ValueError(f"an image of pixel_values {tuple(pixels.shape)} and image_grid_thw {grid} does not fit "
-                             f"this vision tower ({self.patch_dim} values per patch, rows and columns multiples of "
-                             f"spatial_merge_size={self.merge}); process images with the checkpoint's own image "
-                             "processor")
-        return grid
-
 
 class Qwen3VLImageProcessor(QwenVLImageProcessor):
     """Qwen3-VL's host side: Qwen2-VL's (transformers' image processor of the checkpoint, ``<|image_pad|>`` once

@@ -214,6 +214,11 @@ _TEXT_PARTS["Kimi_K25ForConditionalGeneration"] = _TEXT_PARTS["KimiK25ForConditi
     (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
 
 
+# architecture -> text-config fields its whole model overrides (transformers' composite model computes them so:
+# Aya Vision's plain lm_head ignores its Cohere2 text config's logit_scale); filled below
+_TEXT_CONFIG_FIXES: dict[str, dict[str, Any]] = {}
+
+
 def text_part(hf_config) -> tuple[object, Any] | None:
     """(the text model's config, where its tensors are: a prefix or name patterns, see :func:`text_tensors`) for a
     multimodal checkpoint we serve the text of, else None.
@@ -224,6 +229,8 @@ def text_part(hf_config) -> tuple[object, Any] | None:
         if arch in _TEXT_PARTS and text is not None:
             if getattr(hf_config, "tie_word_embeddings", None) is not None:
                 text.tie_word_embeddings = hf_config.tie_word_embeddings
+            for field, value in _TEXT_CONFIG_FIXES.get(arch, {}).items():
+                setattr(text, field, value)
             return text, _TEXT_PARTS[arch]
     return None
 
@@ -568,3 +575,43 @@ _MULTIMODAL["Llama4ForConditionalGeneration"] = ("specray.models.llama4_vision:L
 # Gemma3Processor writes it, its soft tokens attending to each other both ways; the text as _TEXT_PARTS says above
 _MULTIMODAL["Gemma3ForConditionalGeneration"] = ("specray.models.gemma3_images:Gemma3ImageEncoder",
                                                  "specray.models.gemma3_images:Gemma3ImageProcessor")
+# InternVL (InternVL3 / InternVL3.5 -hf releases, specray.models.internvl): the InternViT tower (layer scale, optional
+# q/k RMSNorms), pixel shuffle and a LayerNorm-led two-linear projector over GotOcr2's tiles, each tile's context tokens
+# between <img> and </img>; its text model (Qwen2, Qwen3, Llama) under ``language_model.model.`` /
+# ``language_model.lm_head.`` (what transformers 5 saves) or ``model.language_model.`` / ``lm_head.`` (its modules')
+_TEXT_PARTS["InternVLForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+_MULTIMODAL["InternVLForConditionalGeneration"] = ("specray.models.internvl:InternVLImageEncoder",
+                                                   "specray.models.internvl:InternVLImageProcessor")
+# Idefics3 and SmolVLM / SmolVLM2 with images (specray.models.idefics3): a SigLIP-like vision model over the image's
+# crops and its global image, the pixel-shuffle connector; <image> expanded as Idefics3Processor / SmolVLMProcessor
+# write it (<fake_token_around_image>, <row_r_col_c>, <global-img>); the text model (a Llama) under model.text_model.*
+_TEXT_PARTS["Idefics3ForConditionalGeneration"] = _TEXT_PARTS["SmolVLMForConditionalGeneration"] = (
+    (re.compile(r"^model\.text_model\."), "model."), (re.compile(r"^lm_head\."), "lm_head."))
+_MULTIMODAL["Idefics3ForConditionalGeneration"] = ("specray.models.idefics3:Idefics3ImageEncoder",
+                                                   "specray.models.idefics3:Idefics3ImageProcessor")
+_MULTIMODAL["SmolVLMForConditionalGeneration"] = _MULTIMODAL["Idefics3ForConditionalGeneration"]
+# GLM-4.1V and GLM-4.5V (specray.models.glm4v): their text models on GLM-4's and GLM-4.5's classes (a view of the text
+# config as that family's, multimodal RoPE through mrope_section), read under ``model.language_model.`` beside
+# ``model.visual.`` (Qwen-VL's patterns); their images through the GLM-4V vision tower (learned positions resampled
+# bicubically, downsample conv, gated merger) and Qwen2-VL's processor and positions (<|image|> once per merged token)
+_ARCHITECTURES["Glm4vTextForCausalLM"] = "specray.models.glm4v:Glm4vTextForCausalLM"
+_ARCHITECTURES["Glm4vMoeTextForCausalLM"] = "specray.models.glm4v:Glm4vMoeTextForCausalLM"
+_MODEL_TYPES.update({"glm4v_text": "Glm4vTextForCausalLM", "glm4v_moe_text": "Glm4vMoeTextForCausalLM"})
+_TEXT_PARTS["Glm4vForConditionalGeneration"] = _TEXT_PARTS["Glm4vMoeForConditionalGeneration"] = _QWEN_VL_TEXT
+_MULTIMODAL["Glm4vForConditionalGeneration"] = ("specray.models.glm4v:Glm4vImageEncoder",
+                                                "specray.models.glm4v:Glm4vImageProcessor")
+_MULTIMODAL["Glm4vMoeForConditionalGeneration"] = ("specray.models.glm4v:Glm4vImageEncoder",
+                                                   "specray.models.glm4v:Glm4vImageProcessor")
+# Aya Vision (aya-vision-8b / 32b, specray.models.aya_vision): SigLIP's tower over GotOcr2's tiles, pixel shuffle and
+# a SwiGLU projector; <image> written out as AyaVisionProcessor writes it (tile markers, patch tokens); its text model
+# a Cohere2 under ``language_model.model.`` / ``language_model.lm_head.`` or ``model.language_model.`` / ``lm_head.``
+_TEXT_PARTS["AyaVisionForConditionalGeneration"] = (
+    (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
+    (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
+_MULTIMODAL["AyaVisionForConditionalGeneration"] = ("specray.models.aya_vision:AyaVisionImageEncoder",
+                                                    "specray.models.aya_vision:AyaVisionImageProcessor")
+# transformers' AyaVisionForConditionalGeneration computes its logits with a plain lm_head: the Cohere2 text config's
+# logit_scale is not applied
+_TEXT_CONFIG_FIXES["AyaVisionForConditionalGeneration"] = {"logit_scale": 1.0}
