@@ -330,6 +330,30 @@ def test_preempted_requests_embed_their_images_again(tiny_llama_dir, vision):
     assert not llm.engine.executor.worker.runner.image_embeds  # nothing kept past the requests
 
 
+def test_sampled_and_structured_requests_with_images(tiny_llama_dir, vision):
+    """With images too: a seeded sampled request with n-gram drafts gives what decoding without speculation gives
+    (lookup drafts have no q: the seeded stream is the target's), and a request held to a choice answers one of
+    them (its grammar masks the steps after an image prompt)."""
+    from specray import StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(60)}},
+               {"prompt_token_ids": PROMPT_B, "multi_modal_data": {"image": [_image(61), _image(62)]}}]
+    sampled = SamplingParams(temperature=0.5, seed=7, max_tokens=16, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, max_num_batched_tokens=9)
+    drafted = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, max_num_batched_tokens=9,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 3, "adaptive": False})
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sampled, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in drafted.generate(prompts, sampled, use_tqdm=False)] == want
+    assert drafted.spec_stats.draft_tokens > 0
+    greedy = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                                                     ignore_eos=True), use_tqdm=False)]
+    assert want != greedy  # the draws are samples, not the argmax
+    choices = ["red", "green", "blue"]
+    held = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices))
+    assert all(o.outputs[0].text in choices for o in drafted.generate(prompts, held, use_tqdm=False))
+
+
 def test_images_refused_where_not_served(tiny_llama_dir, vision):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=64)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
