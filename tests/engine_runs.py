@@ -274,3 +274,25 @@ def check_sampled_distribution(llm, target_dir, prompt: list[int], max_tokens: i
     assert value > 1e-3
     at_one = target_triples(target_dir, prompt, 1.0)
     assert sampled_triples_pvalue(llm, prompt, at_one, 800, max_tokens=max_tokens) < 1e-3
+
+
+def assert_images_greedy_equals_transformers(llm, hf, processor, text: str, images: list,
+                                             plain_text: str = "The quick brown fox", max_tokens: int = 16):
+    """``llm``'s greedy tokens for ``text`` with ``images`` (``processor``: transformers' processor of the release)
+    and for ``plain_text`` in the same batch equal transformers' ``generate`` of the whole model ``hf``, some drafts
+    accepted; transformers without the images generates other tokens (the images matter)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}, plain_text], params,
+                        use_tqdm=False)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    with torch.no_grad():
+        want = hf.generate(**inputs, **greedy)
+        tokens = llm.get_tokenizer().encode(plain_text)
+        plain = hf.generate(torch.tensor([tokens]), **greedy)
+        blind = hf.generate(inputs["input_ids"], **greedy)  # the placeholders' own embeddings, plain positions
+    assert list(outs[0].outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
+    assert want[0].tolist() != blind[0].tolist()
+    assert list(outs[1].outputs[0].token_ids) == plain[0, len(tokens):].tolist()
+    assert llm.spec_stats.accepted_tokens > 0

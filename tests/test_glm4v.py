@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import random
+import sys
 import textwrap
 from pathlib import Path
 
@@ -462,19 +463,8 @@ def test_engine_greedy_with_images_equals_transformers(releases, kind):
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=16,
               speculative_config=NGRAM)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images()}}, plain_text], params,
-                        use_tqdm=False)
-    inputs = hf_processor(folder)(text=[text], images=images(), return_tensors="pt")
-    greedy = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        want = hf.generate(**inputs, **greedy)
-        tokens = llm.get_tokenizer().encode(plain_text)
-        plain = hf.generate(torch.tensor([tokens]), **greedy)
-        blind = hf.generate(inputs["input_ids"], **greedy)  # the placeholders' own embeddings, plain positions
-    assert list(outs[0].outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
-    assert want[0].tolist() != blind[0].tolist()
-    assert list(outs[1].outputs[0].token_ids) == plain[0, len(tokens):].tolist()
-    assert llm.spec_stats.accepted_tokens > 0
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_images_greedy_equals_transformers(llm, hf, hf_processor(folder), text, images(), plain_text)
     if kind == "glm4v":
         buffer = io.BytesIO()
         images()[1].save(buffer, format="PNG")
