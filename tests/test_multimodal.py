@@ -495,3 +495,84 @@ def test_hidden_state_heads_draft_for_prompts_with_images(tiny_llava_dir, tmp_pa
     drafted = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in drafted.generate(prompts, params, use_tqdm=False)] == want
     assert drafted.spec_stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_hidden_state_heads_embed_image_rows_as_the_target_does(tiny_llava_dir, tmp_path, monkeypatch, method):
+    """Where a head's row reads an image's token (the row of position p reads the token at p + 1), it takes the
+    target's embedding there, the image's row (as vLLM's EAGLE does), not the placeholder token's; also where a
+    chunk ends just before an image's row (its last row reads the next chunk's first token)."""
+    import json
+
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from specray.models.draft_head import DraftHead
+    from specray_test_draft_heads import write_random_head  # tests/draft_heads.py
+    from tests.test_llava import _images
+
+    text = tmp_path / "text"
+    text.mkdir()
+    whole = json.loads((tiny_llava_dir / "config.json").read_text())
+    (text / "config.json").write_text(json.dumps(whole["text_config"]))
+    head = write_random_head(tmp_path / method, method, text, **({"aux_layers": [0, 1]} if method == "eagle3" else {}))
+    seen, current = [], {}
+    forward, fuse = DraftHead.forward, DraftHead.fuse
+
+    def remember(self, input_ids, features, meta):
+        current["positions"] = meta.positions.tolist()
+        return forward(self, input_ids, features, meta)
+
+    def record(self, e, features):  # what the head's layer reads for each row's token
+        seen.append((current["positions"], e.detach().clone()))
+        return fuse(self, e, features)
+
+    monkeypatch.setattr(DraftHead, "forward", remember)
+    monkeypatch.setattr(DraftHead, "fuse", record)
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    image = _images()[0]
+    llm = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12,
+              speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
+    llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    inputs = AutoProcessor.from_pretrained(tiny_llava_dir)(text=prompt, images=[image], return_tensors="pt")
+    ids = inputs["input_ids"][0]
+    with torch.no_grad():
+        want = hf.get_input_embeddings()(ids)
+        image_rows = (ids == whole["image_token_index"]).nonzero()[:, 0]
+        want[image_rows] = hf.model.get_image_features(inputs["pixel_values"]).pooler_output[0]
+    checked = at_chunk_end = 0
+    for positions, e in seen:
+        for j, p in enumerate(positions):
+            if p + 1 < len(ids):
+                torch.testing.assert_close(e[j], want[p + 1], atol=1e-5, rtol=1e-5)
+                checked += int(p + 1 in image_rows)
+                at_chunk_end += int(p + 1 in image_rows and j == len(positions) - 1)
+    assert checked == len(image_rows) and at_chunk_end > 0
+
+
+def test_image_rows_reach_each_chained_module_one_token_further():
+    """Distinct MTP modules: module k's row of position p reads the token at p + 1 + k, so it takes the image row
+    there, up to the last committed token; a piece of rows is forgotten once no later pass reads it (the next first
+    pass runs again from the last ``num_modules - 1`` positions)."""
+    from types import SimpleNamespace
+
+    from specray.workers.head_drafter import HiddenStateDrafter, _Row
+
+    drafter = HiddenStateDrafter.__new__(HiddenStateDrafter)  # what the rows need: the pieces, two modules
+    drafter.images, drafter.tail_positions = {}, 1
+    rows = torch.arange(4.0)[:, None].expand(4, 3)  # the image's rows 0..3 at positions 5..8
+    drafter.add_images({"a": ([5, 6, 7, 8], rows)})
+    plan = SimpleNamespace(chunks=[SimpleNamespace(req_id="b"), SimpleNamespace(req_id="a")])
+    # request b's two rows first (no images), then a's rows of positions 3..6 (tokens up to position 7)
+    first, second = drafter._image_embeds(plan, [_Row(0, [], [1, 2], 10, 1), _Row(1, [], [0] * 4, 3, 1)], 2)
+    assert first[0].tolist() == [3, 4, 5] and first[1][:, 0].tolist() == [0, 1, 2]  # p + 1 = 5, 6, 7
+    assert second[0].tolist() == [2, 3, 4] and second[1][:, 0].tolist() == [0, 1, 2]  # p + 2 = 5, 6, 7
+    assert "a" in drafter.images  # position 8 is still to be read
+    # the next pass from position 6 (the tail) reads tokens up to position 10
+    first, second = drafter._image_embeds(plan, [_Row(1, [], [0] * 4, 6, 1)], 2)
+    assert first[0].tolist() == [0, 1] and first[1][:, 0].tolist() == [2, 3]  # p + 1 = 7, 8
+    assert second[0].tolist() == [0] and second[1][:, 0].tolist() == [3]  # p + 2 = 8
+    assert drafter.images == {}
+    assert drafter._image_embeds(plan, [_Row(1, [], [0] * 4, 10, 1)], 2) == [None, None]

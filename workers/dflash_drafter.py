@@ -38,6 +38,8 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
     """DFlash's model, its paged KV cache on the target's block tables, and its one pass per step; with ``choices``
     (``speculative_token_tree``), a token tree filled from the block's rows as Medusa's from its heads."""
 
+    reads_images = False  # its blocks embed the last committed token and masks, never a prompt's image rows
+
     def __init__(self, head: DFlashHead, num_blocks: int, block_size: int, driver: bool = True, seed: int = 0,
                  kv_cache_dtype: str = "auto", choices: list[list[int]] | None = None):
         super().__init__(head, num_blocks, block_size, None, driver=driver, seed=seed, step_graphs=False,

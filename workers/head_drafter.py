@@ -11,6 +11,7 @@ The step, for every request in the plan (one batched pass each):
    drafts (a tree's accepted path). At position p the head reads token ``t[p+1]`` and the target's feature of p
    (its hidden row of that token), so the last row, whose next token is the one the target just sampled, drafts
    ``d1``. Its K/V lands in the committed slots, in the head's own cache on the target's block tables.
+   Where ``t[p+1]`` is an image's token, the row takes the target's embedding of it (:meth:`add_images`).
 2. **Draft steps** 2..m (``ScheduledChunk.num_next_drafts``): one row per request at the next position, with the
    head's own feedback feature and the token it just drafted. They write K/V into the slots the scheduler reserved
    past the verified drafts; the next step's first pass rewrites those positions before anything reads them.
@@ -52,6 +53,7 @@ Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import logging
@@ -205,6 +207,12 @@ class DrawsFromQ:
             return drawn.q[: len(drafts) + tree]
         return drawn.q.index_select(0, _index(tree_rows(nodes), drawn.q.device))
 
+    # whether the drafter embeds an image's rows as the target does (:meth:`HiddenStateDrafter.add_images`)
+    reads_images = False
+
+    def add_images(self, images: dict[str, tuple[list[int], torch.Tensor]]) -> None:
+        """The image embeddings the head's next pass reads: by request id, positions and their rows [n, H]."""
+
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
               kept: dict[int, list[int]], paths: dict[int, list[int]],
               params: dict[str, SamplingParams] | None = None) -> list[Drafted | None]:
@@ -261,6 +269,8 @@ HELD_POSITIONS = 64
 class HiddenStateDrafter(DrawsFromQ):
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
+    reads_images = True
+
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
                  driver: bool = True, seed: int = 0, step_graphs: bool = False, kv_cache_dtype: str = "auto"):
         super().__init__(getattr(head, "tp", None), driver, seed)
@@ -288,6 +298,9 @@ class HiddenStateDrafter(DrawsFromQ):
         # distinct MTP modules: by request id, the last positions of its last first pass, run again with the next
         self.tails: dict[str, _Held] = {}
         self.tail_positions = getattr(head, "num_modules", 1) - 1
+        # by request id: image embeddings its next first passes read (where a row's token is an image's, the head
+        # embeds it as the target did), each piece by its first position: (positions, rows [n, H])
+        self.images: dict[str, dict[int, tuple[list[int], torch.Tensor]]] = {}
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> DraftHead:
@@ -318,7 +331,40 @@ class HiddenStateDrafter(DrawsFromQ):
         drew (:meth:`DrawsFromQ.drop`)."""
         self.held.pop(req_id, None)
         self.tails.pop(req_id, None)
+        self.images.pop(req_id, None)
         super().drop(req_id, finished)
+
+    def add_images(self, images: dict[str, tuple[list[int], torch.Tensor]]) -> None:
+        for rid, (positions, values) in images.items():
+            self.images.setdefault(rid, {})[positions[0]] = (positions, values)  # a step run again: replaced
+
+    def _image_embeds(self, plan: StepPlan, work: list[_Row], shifts: int) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per module k < ``shifts``, the first pass's rows whose token is an image's (row p reads the token at
+        p + 1 + k, up to the last committed one) and the target's embeddings of them (None: no such row); pieces
+        that no later pass reads are forgotten."""
+        if not self.images:
+            return [None] * shifts
+        rows: list[list[int]] = [[] for _ in range(shifts)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(shifts)]
+        offset = 0
+        for w in work:
+            rid = plan.chunks[w.chunk].req_id
+            end = w.start + len(w.tokens)  # the position of the last row's token
+            pieces = self.images.get(rid, {})
+            for k in range(shifts):
+                for positions, embeds in pieces.values():
+                    lo, hi = bisect.bisect_left(positions, w.start + 1 + k), bisect.bisect_right(positions, end)
+                    rows[k].extend(offset + p - w.start - 1 - k for p in positions[lo:hi])
+                    values[k].extend([embeds[lo:hi]] if lo < hi else [])
+            offset += len(w.tokens)
+            left = {first: piece for first, piece in pieces.items() if piece[0][-1] > end - self.tail_positions}
+            if left:
+                self.images[rid] = left
+            else:
+                self.images.pop(rid, None)
+        return [(torch.tensor(r, dtype=torch.long, device=v[0].device), torch.cat(v)) if r else None
+                for r, v in zip(rows, values)]
+
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -335,12 +381,13 @@ class HiddenStateDrafter(DrawsFromQ):
         tokens = [t for w in work for t in w.tokens]
         lens, starts = [len(w.tokens) for w in work], [w.start for w in work]
         work_tables = [tables[plan.chunks[w.chunk].req_id] for w in work]
+        images = self._image_embeds(plan, work, 1 + self.tail_positions)
         if self.tail_positions:
             ids = torch.tensor(tokens, dtype=torch.long, device=device)
             meta = build_attention_metadata(lens, starts, work_tables, self.block_size, device)
             return self._chained(plan, work, source, ids, features, meta, out,
-                                 self._draw(plan, _asked(work), params, self.head.device))
-        feedback, normed = self._pass(tokens, features, lens, starts, work_tables)
+                                 self._draw(plan, _asked(work), params, self.head.device), images)
+        feedback, normed = self._pass(tokens, features, lens, starts, work_tables, images[0])
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
@@ -377,8 +424,8 @@ class HiddenStateDrafter(DrawsFromQ):
         return drawn
 
     def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
-                 features: torch.Tensor, meta, out: list[Drafted | None], draw: _Draw | None
-                 ) -> list[Drafted | None]:
+                 features: torch.Tensor, meta, out: list[Drafted | None], draw: _Draw | None,
+                 images: list[tuple[torch.Tensor, ...] | None]) -> list[Drafted | None]:
         """Distinct MTP modules over the first pass's rows: module k + 1 reads module k's outputs and the tokens one
         further (each request's last row: module k's draft); draft k + 1 is module k's argmax at the last row (for
         a sampled request, drawn from module k's q there)."""
@@ -387,6 +434,7 @@ class HiddenStateDrafter(DrawsFromQ):
         tokens, confs, qs = [], [], []
         everyone = list(range(len(work)))
         for k in range(self.head.num_modules):
+            meta.input_embeds = images[k]  # the image rows module k's tokens take
             features, normed = self.head.module(k, ids, features, meta)
             conf, tok, probs = self._pick(normed.index_select(0, ends), draw, everyone)  # [B]: draft k + 1
             tokens.append(tok)
@@ -487,15 +535,17 @@ class HiddenStateDrafter(DrawsFromQ):
                 for ids, p, w, d in zip(table[0], table[1], work, drawn)]
 
     def _pass(self, tokens: list[int] | torch.Tensor, features: torch.Tensor, lens: list[int], starts: list[int],
-              tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+              tables: list[list[int]], images: tuple[torch.Tensor, ...] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over ``lens[i]`` tokens of each request from position ``starts[i]`` (a first pass, or a chain
-        step's one row), each with its feature row: from a graph when the pass has a graph's shape, else eagerly.
-        Returns (feedback, normed) [T, H] each."""
-        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
+        step's one row), each with its feature row (and ``images``: rows taking image embeddings): from a graph
+        when the pass has a graph's shape and no image, else eagerly. Returns (feedback, normed) [T, H] each."""
+        shape = None if self.graphs is None or images is not None else self.graphs.shape(lens, starts, decode=True)
         if shape is None:
             ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long,
                                                                                 device=features.device)
             meta = build_attention_metadata(lens, starts, tables, self.block_size, features.device)
+            meta.input_embeds = images
             return self.head(ids, features, meta)
         feedback, (normed,) = self.graphs.run(shape, tokens, lens, starts, tables, (features,))
         return feedback, normed

@@ -95,6 +95,8 @@ class ModelRunner:
         # a HiddenStateDrafter on the driver rank; a head split over the ranks has one on every rank, each drafting
         # in lockstep with the driver's verdict (``split``)
         self.drafter = drafter
+        # (a hidden-state head embeds an image's rows as the target does: the runner hands it their embeddings)
+        self.drafter_reads_images = drafter is not None and drafter.reads_images
         self.split = getattr(drafter, "tp", None) is not None and drafter.tp.size > 1
         # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
         # through tree verification (a chain is a tree), which implements it
@@ -161,29 +163,37 @@ class ModelRunner:
         """The step's rows that take image embeddings and those embeddings ([n] rows, [n, H], or with DeepStack
         [1 + k, n, H]: the input embeddings, then each of the first k layers' additions); None when no chunk
         reaches an image. An image is encoded when a step first reaches its span, and forgotten once the prefill
-        has passed it."""
+        has passed it. A drafter that reads images (a hidden-state head: its row at position p reads the token at
+        p + 1) gets the embeddings of each chunk's positions start + 1 .. stop (the next chunk's first included)."""
         if self.encoder is None:
             return None
         rows: list[int] = []
         values: list[torch.Tensor] = []
+        ahead: dict[str, tuple[list[int], torch.Tensor]] = {}  # the drafter's: by request, positions and rows
         offset = 0
         for c in chunks:
             mm = self.multimodal.get(c.req_id)
             stop = c.start_pos + c.num_tokens - c.num_draft_tokens
             for k, item in enumerate(mm.items if mm is not None and c.start_pos < mm.items[-1].end else ()):
                 positions, indices = step_rows(item, c.start_pos, stop)
-                if not positions:
+                later = step_rows(item, c.start_pos + 1, stop + 1) if self.drafter_reads_images else ((), ())
+                if not positions and not later[0]:
                     continue
                 key = (c.req_id, k)
                 if key not in self.image_embeds:
                     self.image_embeds[key] = self._encode(c.req_id, item)
                 embeds = self.image_embeds[key]
-                rows.extend(offset + p - c.start_pos for p in positions)
-                whole = len(indices) == embeds.shape[-2]
-                values.append(embeds if whole else embeds[..., _long(indices, self.device), :])
+                if positions:
+                    rows.extend(offset + p - c.start_pos for p in positions)
+                    values.append(_embed_rows(embeds, indices, self.device))
+                if later[0]:
+                    first = _embed_rows(embeds, later[1], self.device)
+                    ahead = _joined(ahead, c.req_id, list(later[0]), first[0] if first.dim() == 3 else first)
                 if item.end <= stop:  # the prefill has passed it
                     del self.image_embeds[key]
             offset += c.num_tokens
+        if ahead:
+            self.drafter.add_images(ahead)
         if not rows:
             return None
         return _long(rows, self.device), torch.cat(values, dim=-2) if len(values) > 1 else values[0]
@@ -800,3 +810,18 @@ def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:
     for i, value in zip(sampled, values):
         out[i] = value
     return out
+
+
+def _embed_rows(embeds: torch.Tensor, indices: list[int], device: torch.device) -> torch.Tensor:
+    """An image's embeddings [..., num_embeds, H] at ``indices`` (all of them: as they are)."""
+    return embeds if len(indices) == embeds.shape[-2] else embeds[..., _long(indices, device), :]
+
+
+def _joined(pieces: dict[str, tuple[list[int], torch.Tensor]], req_id: str, positions: list[int],
+            values: torch.Tensor) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """``pieces`` with a request's positions and rows added after any it holds (a chunk may reach several images)."""
+    if req_id in pieces:
+        before, rows = pieces[req_id]
+        positions, values = before + positions, torch.cat((rows, values))
+    pieces[req_id] = (positions, values)
+    return pieces

@@ -90,7 +90,7 @@ class DeepseekV4MTP(ReadsTarget):
         if not self.kv_cache_bound:
             raise ValueError("the MTP module's KV cache is not allocated: allocate_kv_cache(head, ...) first")
         t, n, h = input_ids.shape[0], self.hc_mult, self.hidden_size
-        e = self.e_proj(self.enorm(self.target.embed(input_ids).to(features.dtype)))
+        e = self.e_proj(self.enorm(meta.with_input_embeds(self.target.embed(input_ids).to(features.dtype))))
         streams = self.h_proj(self.hnorm(features.reshape(t * n, h))).view(t, n, h) + e[:, None]
         streams = self.block(streams, input_ids, step_rope(self.rotary, meta, streams.dtype), meta)
         return streams.flatten(1), self.norm(self.hc_head(streams))

@@ -206,7 +206,8 @@ class DraftHead(ReadsTarget):
         feedback) -> (feedback [T, H] for the next draft step, hidden [T, H] for :meth:`draft_logits`)."""
         if not self.kv_cache_bound:
             raise ValueError("the draft head's KV cache is not allocated: allocate_kv_cache(head, ...) first")
-        x, residual = self.fuse(self.target.embed(input_ids).to(features.dtype), features)
+        # (a row whose token is an image's takes the target's embedding of it: ``meta.input_embeds``)
+        x, residual = self.fuse(meta.with_input_embeds(self.target.embed(input_ids).to(features.dtype)), features)
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         return self.finish(self.layers[0](x, residual, cos, sin, meta))
