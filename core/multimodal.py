@@ -75,6 +75,13 @@ class MultiModalInputs:
     rope_positions: list[list[int]] | None = None
     rope_delta: int = 0
 
+    def rope_columns(self, positions: Sequence[int]) -> list[list[int]]:
+        """Multimodal RoPE's three position ids (one list per axis) of tokens at ``positions``: a prompt token's
+        are its table's column, a later one's its position plus ``rope_delta`` on every axis."""
+        table = self.rope_positions
+        n = 0 if table is None else len(table[0])
+        return [[table[axis][p] if p < n else p + self.rope_delta for p in positions] for axis in range(3)]
+
     def cache_keys(self, token_ids: Sequence[int]) -> list:
         """``token_ids`` (the prompt first) with each image's first token replaced by its content hash: the keys
         prefix caching registers blocks under (a block's key chains its parent's, so one key per image suffices)."""
@@ -294,6 +301,17 @@ def check_image_prompt(multimodal: MultiModalInputs, token_ids: list[int], trunc
     rope = multimodal.rope_positions
     if rope is not None and (len(rope) != 3 or any(len(axis) != n for axis in rope)):
         raise ValueError(f"multimodal.rope_positions must hold three lists of the prompt's length {n}")
+
+
+def rope_ids(inputs: Sequence[MultiModalInputs | None], positions: Sequence[Sequence[int]]
+             ) -> tuple[list[list[int]], int]:
+    """Multimodal RoPE's position ids (three lists) of rows of several requests (``inputs[i]``: request i's, None
+    without images; ``positions[i]``: its rows' positions, in order), and the largest."""
+    axes: list[list[int]] = [[], [], []]
+    for mm, own in zip(inputs, positions):
+        for axis, ids in zip(axes, [list(own)] * 3 if mm is None else mm.rope_columns(own)):
+            axis.extend(ids)
+    return axes, max(max(axis) for axis in axes)
 
 
 def step_rows(item: MultiModalItem, start: int, stop: int) -> tuple[list[int], list[int]]:

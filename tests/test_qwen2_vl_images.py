@@ -27,7 +27,7 @@ import torch
 from specray.models import qwen2_vl_vision as qv
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
-from specray.models.layers import mrope_axes
+from specray.models.layers import RotaryEmbedding, mrope_axes
 from specray.models.loader import load_image_encoder, load_model, read_config
 from specray.multimodal import expand_prompt, step_rows
 from specray_test_model_checks import max_diff  # tests/model_checks.py
@@ -451,3 +451,56 @@ def test_engine_greedy_with_images_equals_transformers(releases, kind, graphs):
     runs.assert_images_greedy_equals_transformers(llm, hf, hf_processor(kind, folder), text, images(), plain_text)
     runner = llm.engine.executor.worker.runner
     assert graphs == any(key[-1] == "rope" for key in (runner.graphs.graphs if runner.graphs else ()))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3-tree"])
+def test_a_multimodal_rope_head_takes_the_targets_position_ids(releases, tmp_path, monkeypatch, method):
+    """A hidden-state head whose config rotates by multimodal RoPE (its ``mrope_section``, as heads for the Qwen VLs
+    have) drafts for a request with images at the target's position ids: the prompt's table columns on its first
+    passes, past the prompt each position plus the request's delta on every axis (its chain steps, its tree's
+    nodes); greedy output equals plain greedy output (lossless)."""
+    import json
+
+    from specray import LLM, SamplingParams
+    from specray.models.draft_head import DraftHead
+    from specray_test_draft_heads import write_random_head  # tests/draft_heads.py
+
+    folder, _ = releases["qwen2_vl"]
+    method, tree = method.removesuffix("-tree"), method.endswith("-tree")
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps(json.loads((folder / "config.json").read_text())["text_config"]))
+    head = write_random_head(tmp_path / method, method, text, **({"aux_layers": [0, 1]} if method == "eagle3" else {}))
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "rope_parameters": TEXT["rope_parameters"]}))
+    seen, rotated = [], []
+    forward, multimodal = DraftHead.forward, RotaryEmbedding.multimodal
+
+    def record(self, input_ids, features, meta):  # the ids each head pass gets, and that its layer rotates by them
+        seen.append((meta.positions.tolist(), None if meta.rope_positions is None else meta.rope_positions.tolist()))
+        rotated.clear()
+        out = forward(self, input_ids, features, meta)
+        assert rotated == [self.rotary_emb]
+        return out
+
+    monkeypatch.setattr(RotaryEmbedding, "multimodal", lambda self, *a: rotated.append(self) or multimodal(self, *a))
+
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 5 if tree else 3, "adaptive": False,
+            **({"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3} if tree else {})}
+    prompt = {"prompt_token_ids": prompt_ids(folder), "multi_modal_data": {"image": images()}}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kw = dict(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=16, enforce_eager=True)
+    want = LLM(**kw).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(DraftHead, "forward", record)
+    drafted = LLM(**kw, speculative_config=spec)
+    assert drafted.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    _, ids, mm = expanded(folder)
+    assert mm.rope_delta != 0
+    past = 0
+    for positions, rope in seen:
+        assert rope is not None
+        for j, p in enumerate(positions):
+            expect = [axis[p] for axis in mm.rope_positions] if p < len(ids) else [p + mm.rope_delta] * 3
+            assert [axis[j] for axis in rope] == expect, (p, j)
+            past += p >= len(ids) + 1  # a chain step's or a tree node's row
+    assert past > 0

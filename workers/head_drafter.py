@@ -68,6 +68,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.models.step_graphs import HeadStepGraphs, StepGraphs, why_eager
+from specray.multimodal import MultiModalInputs, rope_ids
 from specray.parallel import TPGroup
 from specray.sampling import (SamplingBatch, draft_seed, logits_to_probs, make_generator, sample,
                               sample_without_replacement)
@@ -301,6 +302,11 @@ class HiddenStateDrafter(DrawsFromQ):
         # by request id: image embeddings its next first passes read (where a row's token is an image's, the head
         # embeds it as the target did), each piece by its first position: (positions, rows [n, H])
         self.images: dict[str, dict[int, tuple[list[int], torch.Tensor]]] = {}
+        # the runner's requests with images (it shares its own): a head whose config rotates by multimodal RoPE
+        # (``mrope_section``) takes a request's position ids as the target does
+        self.multimodal: dict[str, MultiModalInputs] = {}
+        first = head.heads[0] if hasattr(head, "heads") else head  # (distinct MTP modules: each the same RoPE)
+        self.mrope = getattr(getattr(first, "rotary_emb", None), "mrope", None) is not None
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> DraftHead:
@@ -337,6 +343,22 @@ class HiddenStateDrafter(DrawsFromQ):
     def add_images(self, images: dict[str, tuple[list[int], torch.Tensor]]) -> None:
         for rid, (positions, values) in images.items():
             self.images.setdefault(rid, {})[positions[0]] = (positions, values)  # a step run again: replaced
+
+    def _inputs(self, plan: StepPlan, work: list[_Row]) -> list[MultiModalInputs | None] | None:
+        """Per row of ``work``, its request's images when the head rotates by multimodal RoPE and a request of
+        ``work`` has a position table; None: every row rotates by its slot."""
+        inputs = [self.multimodal.get(plan.chunks[w.chunk].req_id) for w in work] if self.mrope else []
+        return inputs if any(mm is not None and mm.rope_positions is not None for mm in inputs) else None
+
+    @staticmethod
+    def _rope(inputs: list[MultiModalInputs | None] | None, positions: list, device: torch.device
+              ) -> tuple[torch.Tensor, int] | None:
+        """The rows' multimodal RoPE ids [3, T] (``positions``: per request its rows' positions) and the largest;
+        None without ``inputs``."""
+        if inputs is None:
+            return None
+        axes, top = rope_ids(inputs, positions)
+        return torch.tensor(axes, dtype=torch.long, device=device), top
 
     def _image_embeds(self, plan: StepPlan, work: list[_Row], shifts: int) -> list[tuple[torch.Tensor, ...] | None]:
         """Per module k < ``shifts``, the first pass's rows whose token is an image's (row p reads the token at
@@ -382,12 +404,15 @@ class HiddenStateDrafter(DrawsFromQ):
         lens, starts = [len(w.tokens) for w in work], [w.start for w in work]
         work_tables = [tables[plan.chunks[w.chunk].req_id] for w in work]
         images = self._image_embeds(plan, work, 1 + self.tail_positions)
+        inputs = self._inputs(plan, work)
+        rope = self._rope(inputs, [range(w.start, w.start + len(w.tokens)) for w in work], device)
         if self.tail_positions:
             ids = torch.tensor(tokens, dtype=torch.long, device=device)
             meta = build_attention_metadata(lens, starts, work_tables, self.block_size, device)
+            meta.with_rope_positions(rope)
             return self._chained(plan, work, source, ids, features, meta, out,
                                  self._draw(plan, _asked(work), params, self.head.device), images)
-        feedback, normed = self._pass(tokens, features, lens, starts, work_tables, images[0])
+        feedback, normed = self._pass(tokens, features, lens, starts, work_tables, images[0], rope)
         drafting = [w for w in work if w.drafts > 0]
         if not drafting:
             return out
@@ -396,12 +421,13 @@ class HiddenStateDrafter(DrawsFromQ):
         feedback, normed = feedback.index_select(0, ends), normed.index_select(0, ends)
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in drafting]
         roots = [w.start + len(w.tokens) for w in drafting]  # the position of the token the target just sampled
+        inputs = None if inputs is None else self._inputs(plan, drafting)
         if self.tree is not None:
             made = self._trees(plan, drafting, block_tables, roots, feedback, normed,
-                               self._draw(plan, _asked(drafting), params, self.head.device))
+                               self._draw(plan, _asked(drafting), params, self.head.device), inputs)
         else:
             made = self._chain(plan, drafting, block_tables, roots, feedback, normed,
-                               self._draw(plan, _asked(drafting), params, self.head.device))
+                               self._draw(plan, _asked(drafting), params, self.head.device), inputs)
         for w, drafted in zip(drafting, made):
             out[w.chunk] = drafted
         return out
@@ -503,10 +529,12 @@ class HiddenStateDrafter(DrawsFromQ):
         return rows, tuple(torch.cat(parts) for parts in zip(*pieces))
 
     def _chain(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
-               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None) -> list[Drafted]:
+               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None,
+               inputs: list[MultiModalInputs | None] | None = None) -> list[Drafted]:
         """Each request's chain of ``drafts`` tokens: d1 from the first pass, then one row per step; a greedy
         request's the head's argmax, each with its probability under the head (its confidence, which the policy
-        prices the chain by); a sampled one's drawn from q (``draw``), kept for its verification."""
+        prices the chain by); a sampled one's drawn from q (``draw``), kept for its verification. ``inputs``: per
+        request its images, where its steps take multimodal RoPE ids (:meth:`_inputs`)."""
         device = feedback.device
         everyone = list(range(len(work)))
         conf, tokens, probs = self._pick(normed, draw, everyone)  # [B] d1
@@ -521,8 +549,10 @@ class HiddenStateDrafter(DrawsFromQ):
                 tokens, feedback = tokens.index_select(0, sel), feedback.index_select(0, sel)
             live = keep
             # step s reads d_s at the position after the root's (root + s - 1), with the feedback of the last
-            feedback, normed = self._pass(tokens, feedback, [1] * len(live), [roots[j] + step - 1 for j in live],
-                                          [tables[j] for j in live])
+            at = [roots[j] + step - 1 for j in live]
+            rope = None if inputs is None else self._rope([inputs[j] for j in live], [[p] for p in at], device)
+            feedback, normed = self._pass(tokens, feedback, [1] * len(live), at, [tables[j] for j in live],
+                                          rope=rope)
             conf, tokens, probs = self._pick(normed, draw, live)
             steps.append(_scatter(tokens, live, len(work)))
             confs.append(_scatter(conf, live, len(work)))
@@ -535,17 +565,20 @@ class HiddenStateDrafter(DrawsFromQ):
                 for ids, p, w, d in zip(table[0], table[1], work, drawn)]
 
     def _pass(self, tokens: list[int] | torch.Tensor, features: torch.Tensor, lens: list[int], starts: list[int],
-              tables: list[list[int]], images: tuple[torch.Tensor, ...] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              tables: list[list[int]], images: tuple[torch.Tensor, ...] | None = None,
+              rope: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over ``lens[i]`` tokens of each request from position ``starts[i]`` (a first pass, or a chain
-        step's one row), each with its feature row (and ``images``: rows taking image embeddings): from a graph
-        when the pass has a graph's shape and no image, else eagerly. Returns (feedback, normed) [T, H] each."""
-        shape = None if self.graphs is None or images is not None else self.graphs.shape(lens, starts, decode=True)
+        step's one row), each with its feature row (``images``: rows taking image embeddings; ``rope``: multimodal
+        RoPE ids, :meth:`_rope`): from a graph when the pass has a graph's shape and neither, else eagerly.
+        Returns (feedback, normed) [T, H] each."""
+        plain = images is None and rope is None
+        shape = None if self.graphs is None or not plain else self.graphs.shape(lens, starts, decode=True)
         if shape is None:
             ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long,
                                                                                 device=features.device)
             meta = build_attention_metadata(lens, starts, tables, self.block_size, features.device)
             meta.input_embeds = images
+            meta.with_rope_positions(rope)
             return self.head(ids, features, meta)
         feedback, (normed,) = self.graphs.run(shape, tokens, lens, starts, tables, (features,))
         return feedback, normed
@@ -566,12 +599,13 @@ class HiddenStateDrafter(DrawsFromQ):
         return conf, torch.where(batch.greedy, tokens, drawn) if batch.any_greedy else drawn, probs
 
     def _trees(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
-               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None) -> list[Drafted]:
+               feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None,
+               inputs: list[MultiModalInputs | None] | None = None) -> list[Drafted]:
         """Greedy requests' trees by :meth:`_tree`, sampled ones' by :meth:`_sampled_tree`, each group in one
-        batch."""
+        batch (``inputs``: as :meth:`_chain`'s)."""
         sampled = [] if draw is None else draw.sampled
         if not sampled:
-            return self._tree(work, tables, roots, feedback, normed)
+            return self._tree(work, tables, roots, feedback, normed, inputs)
         drawn = set(sampled)
         greedy = [j for j in range(len(work)) if j not in drawn]
         made: list[Drafted | None] = [None] * len(work)
@@ -580,7 +614,8 @@ class HiddenStateDrafter(DrawsFromQ):
                 continue
             index = _index(group, feedback.device)
             args = ([work[j] for j in group], [tables[j] for j in group], [roots[j] for j in group],
-                    feedback.index_select(0, index), normed.index_select(0, index))
+                    feedback.index_select(0, index), normed.index_select(0, index),
+                    None if inputs is None else [inputs[j] for j in group])
             out = (self._sampled_tree(plan, *args, draw.batch(group, feedback.device)) if from_q
                    else self._tree(*args))
             for j, drafted in zip(group, out):
@@ -588,7 +623,8 @@ class HiddenStateDrafter(DrawsFromQ):
         return made
 
     def _sampled_tree(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
-                      feedback: torch.Tensor, normed: torch.Tensor, batch: SamplingBatch) -> list[Drafted]:
+                      feedback: torch.Tensor, normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None,
+                      batch: SamplingBatch) -> list[Drafted]:
         """Sampled requests' trees drawn from q (the module docstring): the root's ``top_k`` children drawn without
         replacement from its q; then ``depth - 1`` times, the level's ``top_k`` slots shared out among the last
         level's nodes by the score each one's path and q promise its j-th child, each node drawing as many children
@@ -609,7 +645,7 @@ class HiddenStateDrafter(DrawsFromQ):
         node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs)
             rows = nm.gather(1, frontier[:, :, None].expand(b, k, h)).reshape(b * k, h)
             q_f = logits_to_probs(self.head.draft_logits(rows), batch.repeat_rows(k)).view(b, k, vd)
             q_nodes[:, n - k : n] = q_f  # the frontier is the last level: nodes n - k .. n - 1
@@ -641,7 +677,7 @@ class HiddenStateDrafter(DrawsFromQ):
         return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
-              normed: torch.Tensor) -> list[Drafted]:
+              normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None = None) -> list[Drafted]:
         """EAGLE-2's dynamic tree per request: the root's ``top_k`` best children; then ``depth - 1`` times, every
         frontier node's ``top_k`` children, of which the ``top_k`` with the best path log-probability form the next
         frontier; finally the ``drafts`` best nodes by path log-probability (a parent's is never below its child's,
@@ -657,7 +693,7 @@ class HiddenStateDrafter(DrawsFromQ):
         node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables)  # [B, n, H] each
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs)
             rows = frontier[:, :, None].expand(b, k, h)
             child_lp, child_tok = torch.log_softmax(self.head.draft_logits(nm.gather(1, rows).reshape(b * k, h)),
                                                     dim=-1).topk(k, dim=-1)  # [B*k, k]
@@ -689,16 +725,17 @@ class HiddenStateDrafter(DrawsFromQ):
         return made
 
     def _over_nodes(self, tok: torch.Tensor, node_features: torch.Tensor, ancestors: torch.Tensor,
-                    node_depth: list[int], roots: list[int], tables: list[list[int]]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    node_depth: list[int], roots: list[int], tables: list[list[int]],
+                    inputs: list[MultiModalInputs | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over every node of each request's tree so far (tok [B, n] draft ids, each reading its
         parent's feedback ``node_features`` [B, n, H]): a node at depth dd reads its token at head position
         root + dd - 1, seeing its ancestors (``ancestors`` [B, n, n]), in the slots from the root's on. Returns the
         head's feedback and normed rows [B, n, H]."""
         b, n, h = node_features.shape
+        positions = [[r + dd - 1 for dd in node_depth] for r in roots]
         meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
-                                        positions=[r + dd - 1 for r in roots for dd in node_depth],
-                                        ancestors=list(ancestors))
+                                        positions=[p for own in positions for p in own], ancestors=list(ancestors))
+        meta.with_rope_positions(self._rope(inputs, positions, tok.device))
         fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
         return fb.view(b, n, h), nm.view(b, n, h)
 

@@ -46,7 +46,7 @@ from specray.tree_verification import (RelaxedAcceptance, TypicalAcceptance, nod
 from specray.verification import (PROMPT_ROWS_PER_PASS, pad_drafts, prompt_logprob_entries, target_logprobs,
                                   unpad_with_logprobs, verify)
 from specray.models.step_graphs import StepGraphs
-from specray.multimodal import MultiModalInputs, step_rows
+from specray.multimodal import MultiModalInputs, rope_ids, step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class ModelRunner:
         self.drafter = drafter
         # (a hidden-state head embeds an image's rows as the target does: the runner hands it their embeddings)
         self.drafter_reads_images = drafter is not None and drafter.reads_images
+        if self.drafter_reads_images:  # (and the positions of a request's tokens under multimodal RoPE)
+            drafter.multimodal = self.multimodal
         self.split = getattr(drafter, "tp", None) is not None and drafter.tp.size > 1
         # sampled drafts verified by typical acceptance (posterior_threshold, posterior_alpha): every chunk goes
         # through tree verification (a chain is a tree), which implements it
@@ -242,22 +244,12 @@ class ModelRunner:
         if not any(self.multimodal.get(c.req_id) is not None and self.multimodal[c.req_id].rope_positions
                    is not None for c in chunks):
             return None
-        axes: list[list[int]] = [[], [], []]
-        offset = 0
-        for c in chunks:
-            own = (positions[offset:offset + c.num_tokens] if positions is not None
-                   else range(c.start_pos, c.start_pos + c.num_tokens))
-            mm = self.multimodal.get(c.req_id)
-            table = None if mm is None else mm.rope_positions
-            for j, p in enumerate(own):
-                slot = c.start_pos + j
-                for axis in range(3):
-                    if table is not None and slot < len(table[axis]) and j < c.num_tokens - c.num_draft_tokens:
-                        axes[axis].append(table[axis][slot])
-                    else:
-                        axes[axis].append(p + (mm.rope_delta if mm is not None else 0))
+        own, offset = [], 0
+        for c in chunks:  # (a tree's draft tokens sit past the prompt: their tree positions plus the delta)
+            own.append(positions[offset:offset + c.num_tokens] if positions is not None
+                       else range(c.start_pos, c.start_pos + c.num_tokens))
             offset += c.num_tokens
-        return axes, max(max(axis) for axis in axes)
+        return rope_ids([self.multimodal.get(c.req_id) for c in chunks], own)
 
     def _move_pending(self, moves) -> None:
         """A hybrid model's token trees: the drafts a verify chunk left pending are in node order; the next plan's
@@ -428,8 +420,7 @@ class ModelRunner:
         else:
             meta.input_embeds = images
         if rope is not None:  # (the rotary tables reach the largest of them)
-            meta.rope_positions = torch.tensor(rope[0], dtype=torch.long, device=self.device)
-            meta.max_position = max(meta.max_position, rope[1])
+            meta.with_rope_positions((torch.tensor(rope[0], dtype=torch.long, device=self.device), rope[1]))
         if self.aux_layers:
             out = self.model(input_ids, meta, aux_layers=self.aux_layers)
             return (None, []) if out is None else out  # None: a pipeline stage before the last

@@ -134,6 +134,12 @@ class AttentionMetadata:
         """Sequence ``i``'s new tokens sit at positions equal to their slot indices, in causal order."""
         return self.seq_positions is None and (self.ancestors is None or self.ancestors[i] is None)
 
+    def with_rope_positions(self, rope: tuple[torch.Tensor, int] | None) -> None:
+        """Multimodal RoPE's position ids [3, T] of the step's tokens and the largest (None: each token's position
+        is its one id)."""
+        if rope is not None:
+            self.rope_positions, self.max_position = rope[0], max(self.max_position, rope[1])
+
     def with_input_embeds(self, x: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings ``x`` [T, H] with the image embeddings' rows in place (``input_embeds``)."""
         if self.input_embeds is None:

@@ -209,7 +209,10 @@ class DraftHead(ReadsTarget):
         # (a row whose token is an image's takes the target's embedding of it: ``meta.input_embeds``)
         x, residual = self.fuse(meta.with_input_embeds(self.target.embed(input_ids).to(features.dtype)), features)
         self.rotary_emb.ensure(meta.max_position + 1)
-        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        if meta.rope_positions is not None:  # multimodal RoPE (a config's mrope_section): the target's ids
+            cos, sin = self.rotary_emb.multimodal(meta.rope_positions, x.dtype)
+        else:
+            cos, sin = self.rotary_emb(meta.positions, x.dtype)
         return self.finish(self.layers[0](x, residual, cos, sin, meta))
 
     def fuse(self, e: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
