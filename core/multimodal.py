@@ -136,7 +136,9 @@ class ImageEncoder(Protocol):
         ...
 
     def encode(self, data: dict[str, Any]) -> Any:
-        """One item's tensors (on the encoder's device) -> its embeddings [num_embeds, text hidden size]."""
+        """One item's tensors (on the encoder's device) -> its embeddings [num_embeds, text hidden size], or for an
+        image made of discrete codes (a VQ tokenizer's, Chameleon-style) its token ids [num_embeds] (int64), which
+        the text model embeds as the prompt's own tokens (as do the drafters reading images)."""
         ...
 
 

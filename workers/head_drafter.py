@@ -384,8 +384,13 @@ class HiddenStateDrafter(DrawsFromQ):
                 self.images[rid] = left
             else:
                 self.images.pop(rid, None)
-        return [(torch.tensor(r, dtype=torch.long, device=v[0].device), torch.cat(v)) if r else None
+        return [(torch.tensor(r, dtype=torch.long, device=v[0].device), self._embedded(torch.cat(v))) if r else None
                 for r, v in zip(rows, values)]
+
+    def _embedded(self, values: torch.Tensor) -> torch.Tensor:
+        """An image's rows as the head reads them: embeddings as they are, an image's codes (token ids, an encoder
+        of discrete codes) through the target's embedding."""
+        return values if values.is_floating_point() else self.head.target.embed(values)
 
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],

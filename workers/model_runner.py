@@ -198,7 +198,7 @@ class ModelRunner:
             self.drafter.add_images(ahead)
         if not rows:
             return None
-        return _long(rows, self.device), torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+        return _long(rows, self.device), torch.cat(values, dim=_row_axis(values[0])) if len(values) > 1 else values[0]
 
     def _encode(self, req_id: str, item) -> torch.Tensor:
         """One image's embeddings [num_embeds, H]; an image the encoder cannot take fails its request alone."""
@@ -210,9 +210,9 @@ class ModelRunner:
         except (ValueError, RuntimeError) as err:
             raise RequestError([req_id], f"its image at prompt position {item.offset} could not be encoded: "
                                          f"{err}") from err
-        if embeds.shape[-2] != item.num_embeds:
-            raise RequestError([req_id], f"its image at prompt position {item.offset} gave {embeds.shape[-2]} "
-                                         f"embeddings for {item.num_embeds} placeholder rows")
+        if embeds.shape[_row_axis(embeds)] != item.num_embeds:
+            raise RequestError([req_id], f"its image at prompt position {item.offset} gave "
+                                         f"{embeds.shape[_row_axis(embeds)]} rows for {item.num_embeds} placeholders")
         return embeds
 
     def _image_masks(self, chunks: list[ScheduledChunk], ancestors: list[torch.Tensor | None] | None
@@ -412,6 +412,8 @@ class ModelRunner:
         if self.lora is not None:  # eager: without a row of an adapter, the projections skip theirs
             self.lora.context.set_token_slots(lora_slots[0] if adapted else None)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if images is not None and not images[1].is_floating_point():  # an image's codes: the prompt's own tokens
+            input_ids, images = input_ids.index_copy(0, *images), None
         meta = build_attention_metadata(query_lens, starts, tables, self.block_size, self.device,
                                         positions=positions, ancestors=ancestors)
         meta.recurrent = recurrent
@@ -803,9 +805,16 @@ def _per_chunk(num_chunks: int, sampled: list[int], values: list) -> list[list]:
     return out
 
 
+def _row_axis(embeds: torch.Tensor) -> int:
+    """The axis of an image's rows: embeddings' [num_embeds, H], DeepStack's [1 + k, num_embeds, H], token ids'
+    [num_embeds]."""
+    return 1 if embeds.dim() == 3 else 0
+
+
 def _embed_rows(embeds: torch.Tensor, indices: list[int], device: torch.device) -> torch.Tensor:
-    """An image's embeddings [..., num_embeds, H] at ``indices`` (all of them: as they are)."""
-    return embeds if len(indices) == embeds.shape[-2] else embeds[..., _long(indices, device), :]
+    """An image's embeddings [..., num_embeds, H] or token ids [num_embeds] at ``indices`` (all: as they are)."""
+    axis = _row_axis(embeds)
+    return embeds if len(indices) == embeds.shape[axis] else embeds.index_select(axis, _long(indices, device))
 
 
 def _joined(pieces: dict[str, tuple[list[int], torch.Tensor]], req_id: str, positions: list[int],

@@ -16,7 +16,9 @@ Where it differs from Cohere2:
   position ids, interleaved as Qwen3-VL's). A text-only sequence gives each token's three ids the same value (its
   position: the causal LM expands its 1-D positions to three equal rows, and the multimodal model's
   ``get_rope_index`` gives every text token ``arange`` in all three), so the recomposed table is the plain one and
-  ``mrope_section`` has no effect here; image and video tokens, whose ids differ, are not served;
+  ``mrope_section`` has no effect here. With images (:mod:`specray.models.cohere_compass_vision`) the step's
+  ``meta.rope_positions`` give the three ids, which each rotating kind's table takes as transformers does: always
+  interleaved, over ``mrope_section`` or [24, 20, 20] where the kind names none (:func:`kind_mrope`);
 * ``logit_scale`` may be null (the default): the logits are then not scaled;
 * no q/k norms (Command R+'s ``use_qk_norm`` is not read), and ``head_dim`` is always ``hidden_size /
   num_attention_heads`` (transformers' config sets it so).
@@ -80,6 +82,15 @@ def kind_ropes(config) -> dict[str, dict | None]:
     return ropes
 
 
+MROPE_SECTION = [24, 20, 20]  # transformers' sections for a kind whose rope_parameters name none
+
+
+def kind_mrope(rope: dict) -> dict:
+    """A kind's RoPE settings with its multimodal sections as transformers' Compass rotates image positions:
+    interleaved (Qwen3-VL's, whatever ``mrope_interleaved`` says) over ``mrope_section``, [24, 20, 20] by default."""
+    return {**rope, "mrope_section": rope.get("mrope_section") or MROPE_SECTION, "mrope_interleaved": True}
+
+
 class CohereCompassAttention(LlamaAttention):
     """Llama's attention (biases on q/k/v/o where ``attention_bias``, a window on the sliding layers, RoPE on the two
     halves of each head), rotating q and k where its kind of layer has RoPE (``rope_parameters[kind]`` not null)."""
@@ -110,7 +121,7 @@ class CohereCompassModel(Cohere2Model):
         nn.Module.__init__(self)
         ropes = kind_ropes(config)
         self.layer_types = list(config.layer_types)
-        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_head_dim(config), rope, max_positions(config))
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_head_dim(config), kind_mrope(rope), max_positions(config))
                                      for kind, rope in sorted(ropes.items()) if rope is not None})
         self.build_stage(config, pp, lambda i: self.layer_class(config, tp, i, expert_parallel),
                          lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp),
@@ -122,7 +133,8 @@ class CohereCompassModel(Cohere2Model):
         tables = {}
         for kind, rotary in self.rotary.items():
             rotary.ensure(meta.max_position + 1)
-            tables[kind] = rotary(meta.positions, dtype)
+            tables[kind] = (rotary(meta.positions, dtype) if meta.rope_positions is None  # images: three ids per token
+                            else rotary.multimodal(meta.rope_positions, dtype))
         return lambda layer: tables.get(self.layer_types[layer], (None, None))
 
 

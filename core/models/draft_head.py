@@ -350,6 +350,10 @@ class ChainedModules(nn.Module):
     def device(self) -> torch.device:
         return self.heads[0].device
 
+    @property
+    def target(self):
+        return self.heads[0].target  # every module's: the target it drafts for
+
     def target_features(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.heads[0].target_features(hidden, aux)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
+from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, MaskKind, SharedKVSpec, SlidingWindowSpec
 from specray.models.layers import (ColumnParallelLinear, OtherStage, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
                                    divide, materialize, on_stage, rope_parameters)
@@ -151,6 +152,36 @@ class SharedPagedAttention(PagedAttention):
         pass
 
 
+@dataclass(frozen=True)
+class _CausalKeys(MaskKind):
+    """Causal by position even where a sequence brings a mask among its new tokens, which can then only narrow it."""
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
+        return k_pos <= q_pos if causal is None else causal & (k_pos <= q_pos)
+
+
+class _StaysCausal:
+    """A full layer's attention (mixed into :class:`PagedAttention`): a step's mask among a sequence's new tokens
+    narrows its causal mask (a tree's ancestors) but never widens it, so an image whose tokens see each other both
+    ways in the sliding layers (``ProcessedImage.bidirectional``, :mod:`specray.models.gemma4_images`) is attended
+    causally here, as transformers masks Gemma 4's full layers; without such a mask, the plain causal path."""
+
+    def short_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+        return meta.short_mask(self.groups, self.mask_kind if meta.ancestors is None else _CausalKeys())
+
+    def own_mask(self, meta: AttentionMetadata, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        plain = meta.ancestors is None or meta.ancestors[meta.own[i].seq_id] is None
+        return meta.own_mask(i, self.groups, self.mask_kind if plain else _CausalKeys())
+
+
+class CausalPagedAttention(_StaysCausal, PagedAttention):
+    pass
+
+
+class SharedCausalPagedAttention(_StaysCausal, SharedPagedAttention):
+    pass
+
+
 class ProportionalRotaryEmbedding(RotaryEmbedding):
     """Gemma 4's "proportional" RoPE over a whole head: the first ``partial_rotary_factor`` of its frequency pairs
     at a whole head's frequencies (``theta ** (-2i / head_dim)``), the others at 0 (not rotated)."""
@@ -200,7 +231,10 @@ class Gemma4Attention(nn.Module):
         spec = dict(num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_head_start=kv_start)
         kv_spec = SlidingWindowSpec(**spec, sliding_window=config.sliding_window) if sliding else \
             FullAttentionSpec(**spec)
-        self.attn = (PagedAttention if source is None else SharedPagedAttention)(self.num_heads, kv_spec, 1.0)
+        # a full layer stays causal over images that see each other both ways in the sliding layers
+        kinds = (PagedAttention, SharedPagedAttention) if sliding else \
+            (CausalPagedAttention, SharedCausalPagedAttention)
+        self.attn = kinds[source is not None](self.num_heads, kv_spec, 1.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -350,6 +384,7 @@ class Gemma4Model(StageModel):
         dims = {kind: layer_geometry(config, self.layer_types.index(kind))[0] for kind in set(self.layer_types)}
         self.rotary = nn.ModuleDict({kind: _rotary(config, kind, dims[kind]) for kind in sorted(dims)})
         self.per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
+        self.pad_token_id = getattr(config, "pad_token_id", None)  # image rows' per-layer token (text_ids)
         # the rows [T, H] a stage hands on behind its residual stream: every layer's per-layer inputs, packed
         self.hidden_size = config.hidden_size
         self.per_layer_rows = -(-config.num_hidden_layers * self.per_layer // config.hidden_size)
@@ -364,6 +399,13 @@ class Gemma4Model(StageModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def text_ids(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The ids the per-layer inputs' own embedding reads: an image row's is ``pad_token_id`` (transformers looks
+        up the pad token for its placeholders there; their projected half reads the image's embedding)."""
+        if meta.input_embeds is None:
+            return input_ids
+        return input_ids.index_fill(0, meta.input_embeds[0], int(self.pad_token_id or 0))
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Every layer's input [T, L, P]: the tokens' per-layer embedding (times sqrt(P)) and the RMS-normed
@@ -400,8 +442,8 @@ class Gemma4Model(StageModel):
         # after the first starts from the previous stage's ``intermediate`` [1 + R, T, H] (the residual stream, then
         # the per-layer inputs packed); a stage before the last ends there, returning its own
         if intermediate is None:
-            x = self.embed(input_ids)
-            per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer else None
+            x = meta.with_input_embeds(self.embed(input_ids))  # image rows in place, unscaled (as transformers)
+            per_layer = self.per_layer_inputs(self.text_ids(input_ids, meta), x) if self.per_layer else None
         else:
             x = intermediate[0]
             per_layer = self._unpack(intermediate[1:]) if self.per_layer else None

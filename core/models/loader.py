@@ -566,7 +566,7 @@ def _non_text_weights(source: ModelSource, part: Any) -> Iterator[tuple[str, tor
 
     for name, tensor in iter_weights(source):
         if not is_text(name):
-            yield name, tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+            yield name, tensor if isinstance(tensor, torch.Tensor) else tensor[...]  # (0-dim slices too)
 
 
 def load_image_processor(model: str | os.PathLike, config: PlainConfig | None = None,

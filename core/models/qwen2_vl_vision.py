@@ -185,11 +185,12 @@ class Qwen2VLImageEncoder(nn.Module):
     rank); :meth:`encode` gives one image's embeddings [t*h*w / merge², text hidden size]."""
 
     norm = staticmethod(_layer_norm)  # the blocks' and the merger's norm (Qwen2.5-VL: RMSNorm)
+    check_text_rope = staticmethod(_check_text_rope)  # (a release whose text model takes plain positions: none)
 
     def __init__(self, config: Any):
         super().__init__()
         vision = self._geometry(config, "Qwen2-VL / Qwen2.5-VL", 14, ("axial", "default"))
-        _check_text_rope(config)
+        self.check_text_rope(config)
         dim, heads, out, act = self._sizes(vision)
         self.dim, self.heads = dim, heads
         self.patch_embed = nn.Module()  # transformers' Conv3d (stride = kernel), applied as the linear it is

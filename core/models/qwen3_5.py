@@ -12,7 +12,9 @@ Where the full-attention layers differ from Qwen3's:
 * q/k norms and every RMSNorm of the stack scale by ``1 + weight`` (zero-centred weights; the linear layers' gated
   norm keeps a plain weight);
 * partial RoPE (``partial_rotary_factor``: the first quarter of each head rotates). Qwen3.5's multimodal RoPE
-  (``mrope_section``) gives a text token the same position on its three axes, which is plain RoPE.
+  (``mrope_section``) gives a text token the same position on its three axes, which is plain RoPE; a step with a
+  multimodal release's images (:mod:`specray.models.qwen3_5_vision`) takes their rows (``meta.input_embeds``) and
+  rotates by their interleaved positions (``meta.rope_positions``, ``RotaryEmbedding.multimodal``).
 
 Each layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``; the MLP is dense (Qwen3.5), a mixture of experts with
 a gated shared expert on every layer (Qwen3.5-MoE) or on the ``decoder_sparse_step`` ones (Qwen3-Next).
@@ -142,9 +144,13 @@ class HybridModel(StageModel):
         # input_ids: [T] -> hidden [T, H], and the residual stream [T, H] entering each layer of aux_layers. A stage
         # after the first starts from the previous stage's residual stream ``intermediate`` [1, T, H]; a stage before
         # the last ends there, returning its own
-        x = self.embed(input_ids) if intermediate is None else intermediate[0]
+        # the first stage takes a multimodal release's image rows (meta.input_embeds) in place of their placeholders'
+        x = meta.with_input_embeds(self.embed(input_ids)) if intermediate is None else intermediate[0]
         self.rotary_emb.ensure(meta.max_position + 1)
-        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        if meta.rope_positions is not None:  # Qwen3.5's images: interleaved multimodal RoPE (three ids per token)
+            cos, sin = self.rotary_emb.multimodal(meta.rope_positions, x.dtype)
+        else:
+            cos, sin = self.rotary_emb(meta.positions, x.dtype)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in self.stage_layers():
             if i in aux_layers:

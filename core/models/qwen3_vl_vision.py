@@ -102,14 +102,14 @@ class Qwen3VLMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-def _check_text_rope(config: Any) -> None:
-    """Qwen3-VL's text model rotates interleaved sections (transformers' ignores the flag and always interleaves):
-    the config must say so, and its sections must split a head's frequencies."""
+def _check_text_rope(config: Any, release: str = "Qwen3-VL") -> None:
+    """Qwen3-VL's text model (and Qwen3.5's) rotates interleaved sections (transformers' ignores the flag and always
+    interleaves): the config must say so, and its sections must split a head's (rotated) frequencies."""
     text = _field(config, "text_config") or config
     params = rope_parameters(text, partial=True)
     if not params.get("mrope_interleaved"):
         raise ValueError(f"text_config.rope_parameters.mrope_interleaved={params.get('mrope_interleaved')!r}: "
-                         "Qwen3-VL's text model interleaves the multimodal RoPE sections (transformers does whatever "
+                         f"{release}'s text model interleaves the multimodal RoPE sections (transformers does whatever "
                          "the flag says); set mrope_interleaved: true as the releases' config.json do")
     mrope_axes(params, rotary_dim(_head_dim(text), params))  # a ValueError naming the field where it cannot
 
@@ -119,11 +119,13 @@ class Qwen3VLImageEncoder(Qwen2VLImageEncoder):
     (replicated on every rank); :meth:`encode` gives one image's [1 + k, t*h*w / merge², text hidden size]."""
 
     deepstack_layers = 0  # set per config: len(vision_config.deepstack_visual_indexes)
+    release = "Qwen3-VL"  # the name its refusals give (a subclass serving another release's tower names that)
+    check_text_rope = staticmethod(_check_text_rope)  # (config, release): a release whose text model differs: its own
 
     def __init__(self, config: Any):
         nn.Module.__init__(self)  # its own modules (the parent's constructor builds Qwen2-VL's); its loader is reused
-        vision = self._geometry(config, "Qwen3-VL", 16, ("axial",))
-        _check_text_rope(config)
+        vision = self._geometry(config, self.release, 16, ("axial",))
+        self.check_text_rope(config, self.release)
         dim, heads, out = _field(vision, "hidden_size"), _field(vision, "num_heads"), _field(vision, "out_hidden_size")
         act = vision_activation(_field(vision, "hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act")
         self.dim, self.heads = dim, heads

@@ -142,13 +142,16 @@ _TEXT_PARTS = {"Llama4ForConditionalGeneration": "language_model.", "Gemma3ForCo
                "Mistral3ForConditionalGeneration": "language_model."}
 
 # hybrid linear attention (Gated DeltaNet layers with a recurrent state per request: specray.models.qwen3_5). A
-# multimodal Qwen3.5 release keeps its text model under ``model.language_model.`` beside ``lm_head``: the model
-# renames those itself, so the whole checkpoint is read (prefix ""); its text config names no architecture
+# multimodal Qwen3.5 release keeps its text model under ``model.language_model.`` beside ``lm_head``; its text config
+# names no architecture
 _ARCHITECTURES.update({arch: "specray.models.qwen3_5:Qwen3_5ForCausalLM"
                        for arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")})
 _MODEL_TYPES.update({"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                      "qwen3_next": "Qwen3NextForCausalLM"})
-_TEXT_PARTS.update({"Qwen3_5ForConditionalGeneration": "", "Qwen3_5MoeForConditionalGeneration": ""})
+# (read by name patterns, so that the image encoder gets the rest: the tower under ``model.visual.``; ``mtp.*`` stays
+# the MTP drafter's, which reads the checkpoint itself)
+_TEXT_PARTS["Qwen3_5ForConditionalGeneration"] = _TEXT_PARTS["Qwen3_5MoeForConditionalGeneration"] = (
+    (re.compile(r"^model\.language_model\."), "model."), (re.compile(r"^lm_head\."), "lm_head."))
 # OLMo Hybrid: OLMo 3's attention layers among Gated DeltaNet ones (specray.models.olmo_hybrid)
 _ARCHITECTURES["OlmoHybridForCausalLM"] = "specray.models.olmo_hybrid:OlmoHybridForCausalLM"
 _MODEL_TYPES["olmo_hybrid"] = "OlmoHybridForCausalLM"
@@ -615,3 +618,43 @@ _MULTIMODAL["AyaVisionForConditionalGeneration"] = ("specray.models.aya_vision:A
 # transformers' AyaVisionForConditionalGeneration computes its logits with a plain lm_head: the Cohere2 text config's
 # logit_scale is not applied
 _TEXT_CONFIG_FIXES["AyaVisionForConditionalGeneration"] = {"logit_scale": 1.0}
+# EXAONE 4.5 images (specray.models.exaone4_5_vision): Qwen2.5-VL's vision tower with grouped-query attention
+# (vision_config.num_key_value_heads) and Qwen2-VL's processor (<|image_pad|> once per merged token); its EXAONE 4.0
+# text model takes plain 1D positions
+_MULTIMODAL["Exaone4_5_ForConditionalGeneration"] = ("specray.models.exaone4_5_vision:Exaone4_5ImageEncoder",
+                                                     "specray.models.exaone4_5_vision:Exaone4_5ImageProcessor")
+# Qwen3.5 / Qwen3.5-MoE images (specray.models.qwen3_5_vision): Qwen3-VL's vision tower and merger without DeepStack,
+# Qwen3-VL's processor and positions (<|image_pad|> once per merged token); their hybrid text models (specray.models
+# .qwen3_5, already in _TEXT_PARTS) take the image rows and the interleaved multimodal RoPE positions
+_MULTIMODAL["Qwen3_5ForConditionalGeneration"] = ("specray.models.qwen3_5_vision:Qwen3_5ImageEncoder",
+                                                  "specray.models.qwen3_5_vision:Qwen3_5ImageProcessor")
+_MULTIMODAL["Qwen3_5MoeForConditionalGeneration"] = _MULTIMODAL["Qwen3_5ForConditionalGeneration"]
+
+# Kimi K2.5 / K2.6's images (specray.models.kimi_k25_vision): the MoonViT tower (learned positions resampled
+# bicubically, a 2D RoPE, bidirectional attention over the image) and the patch-merging projector;
+# <|media_pad|> once per merged token; the DeepSeek-V3 text model (already in _TEXT_PARTS) takes the image rows
+_MULTIMODAL["Kimi_K25ForConditionalGeneration"] = ("specray.models.kimi_k25_vision:KimiK25ImageEncoder",
+                                                   "specray.models.kimi_k25_vision:KimiK25ImageProcessor")
+_MULTIMODAL["KimiK25ForConditionalGeneration"] = _MULTIMODAL["Kimi_K25ForConditionalGeneration"]
+# Nemotron 3 Nano Omni with images (specray.models.nemotron_h_omni_vision): the C-RADIO tower (CPE positions resampled
+# to each image's patch grid, class and register tokens, InternViT's layer math), pixel shuffle and the squared-ReLU
+# projector; <image> expanded to <img>, one <image> per merged token, </img>; its Nemotron-H text as _TEXT_PARTS says
+_MULTIMODAL["NemotronH_Omni_Reasoning_V3"] = ("specray.models.nemotron_h_omni_vision:NemotronHOmniImageEncoder",
+                                              "specray.models.nemotron_h_omni_vision:NemotronHOmniImageProcessor")
+# Cohere Compass images (specray.models.cohere_compass_vision): Qwen3-VL's vision tower, DeepStack mergers and
+# processor (<|IMAGE_PAD|> once per merged token, Qwen3-VL's multimodal RoPE positions), its text model rotating them
+# per kind of layer (interleaved sections)
+_MULTIMODAL["CohereCompassForConditionalGeneration"] = (
+    "specray.models.cohere_compass_vision:CohereCompassImageEncoder",
+    "specray.models.cohere_compass_vision:CohereCompassImageProcessor")
+# Gemma 4 with images (specray.models.gemma4_images): Gemma 4's vision model (patches with learned 2D positions, a 2D
+# RoPE, Gemma 4's norms, the pooled grid scaled by sqrt(hidden)) and its embedder into the <|image|> rows, between boi
+# and eoi as Gemma4Processor writes them; with use_bidirectional_attention "vision" an image's soft tokens see each
+# other both ways in the sliding layers (the full layers stay causal); no audio or video; the text as _TEXT_PARTS says
+_MULTIMODAL["Gemma4ForConditionalGeneration"] = ("specray.models.gemma4_images:Gemma4ImageEncoder",
+                                                 "specray.models.gemma4_images:Gemma4ImageProcessor")
+# Apertus 1.5 with images (specray.models.apertus1p5_vision): each image tokenized into discrete codes by its VQGAN
+# vision tokenizer (float32, argmax over the IBQ codebook), the codes' rows of the text model's embedding in place of
+# the image tokens that Apertus1p5Processor writes (grid header, rows joined by end-of-line tokens); text as above
+_MULTIMODAL["Apertus1p5ForConditionalGeneration"] = ("specray.models.apertus1p5_vision:Apertus1p5ImageEncoder",
+                                                     "specray.models.apertus1p5_vision:Apertus1p5ImageProcessor")
