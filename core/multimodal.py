@@ -316,6 +316,19 @@ def rope_ids(inputs: Sequence[MultiModalInputs | None], positions: Sequence[Sequ
     return axes, max(max(axis) for axis in axes)
 
 
+def special_token_ids(tokenizer: Any, tokens: Sequence[str | None], folder: Any, writer: str) -> list[int]:
+    """The ids of ``tokens`` in the folder's ``tokenizer``; a ValueError naming one it lacks (None: a token the
+    tokenizer does not name), which ``writer`` (the release's processor) writes for an image."""
+    ids = []
+    for token in tokens:
+        found = None if token is None else tokenizer.convert_tokens_to_ids(token)
+        if found is None or found == getattr(tokenizer, "unk_token_id", None):
+            raise ValueError(f"the tokenizer of {folder} has no {token!r} token, which {writer} writes for an image; "
+                             "use the release's tokenizer")
+        ids.append(int(found))
+    return ids
+
+
 def step_rows(item: MultiModalItem, start: int, stop: int) -> tuple[list[int], list[int]]:
     """The prompt positions in ``[start, stop)`` that take ``item``'s embeddings, and those embeddings' indices."""
     rows = range(item.length) if item.embed_rows is None else item.embed_rows

@@ -576,3 +576,16 @@ def test_image_rows_reach_each_chained_module_one_token_further():
     assert second[0].tolist() == [0] and second[1][:, 0].tolist() == [3]  # p + 2 = 8
     assert drafter.images == {}
     assert drafter._image_embeds(plan, [_Row(1, [], [0] * 4, 10, 1)], 2) == [None, None]
+
+
+def test_special_token_ids_name_what_the_tokenizer_lacks(tmp_path):
+    """A family's processor reads the ids of the tokens it writes for an image; a tokenizer without one (or one it
+    does not name at all) is refused naming the token and who writes it."""
+    from specray.multimodal import special_token_ids
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path, extra_special_tokens=("<img>", "</img>"))
+    assert special_token_ids(tok, ["<img>", "</img>"], tmp_path, "X") == tok.convert_tokens_to_ids(["<img>", "</img>"])
+    for tokens, named in ((["<img>", "<image>"], "'<image>'"), ([None], "None")):
+        with pytest.raises(ValueError, match=f"has no {named} token, which XProcessor writes for an image"):
+            special_token_ids(tok, tokens, tmp_path, "XProcessor")

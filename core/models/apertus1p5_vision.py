@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import _copy, _param, materialize
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -295,14 +295,8 @@ class Apertus1p5ImageProcessor:
         settings = (_read_json(folder / "preprocessor_config.json")
                     or _read_json(folder / "processor_config.json").get("image_processor") or {})
         tok = AutoTokenizer.from_pretrained(folder)
-        ids = {}
-        for attr in TOKENS:
-            token = getattr(tok, attr, None)
-            token_id = None if token is None else tok.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tok.unk_token_id:
-                raise ValueError(f"the tokenizer of {folder} has no {attr} ({token!r}), which Apertus1p5Processor "
-                                 "writes for an image; use the release's tokenizer")
-            ids[attr] = int(token_id)
+        ids = dict(zip(TOKENS, special_token_ids(tok, [getattr(tok, attr, None) for attr in TOKENS], folder,
+                                                 "Apertus1p5Processor")))
         if ids["image_token"] != int(config.image_token_id):
             raise ValueError(f"the tokenizer's image_token is id {ids['image_token']} but image_token_id="
                              f"{config.image_token_id}: transformers fills image_token_id's rows with the image; fix "

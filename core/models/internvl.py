@@ -47,7 +47,7 @@ from torch import nn
 from specray.models.layers import LayerNorm, RMSNorm, _param
 from specray.models.registry import text_tensors
 from specray.models.vision_towers import Linear, copy_weights, feature_indices, vision_activation
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -287,14 +287,9 @@ class InternVLImageProcessor:
         _check(config)
         seq = _seq_length(folder, config)
         tok = AutoTokenizer.from_pretrained(folder)
-        ids = []
-        for attr, default in (("start_image_token", "<img>"), ("end_image_token", "</img>")):
-            token = getattr(tok, attr, None) or default
-            token_id = tok.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tok.unk_token_id:
-                raise ValueError(f"the tokenizer of {folder} has no {token!r} token ({attr}), which InternVL's prompts "
-                                 "put around each image's context tokens; use the release's tokenizer")
-            ids.append(int(token_id))
+        ids = special_token_ids(tok, [getattr(tok, attr, None) or default for attr, default in
+                                      (("start_image_token", "<img>"), ("end_image_token", "</img>"))],
+                                folder, "InternVLProcessor")
         return cls(AutoImageProcessor.from_pretrained(folder), config, ids[0], ids[1], seq)
 
     def process(self, image: Any) -> ProcessedImage:

@@ -49,7 +49,7 @@ from torch import nn
 from specray.models.layers import LayerNorm, _param, apply_rotary
 from specray.models.registry import text_tensors
 from specray.models.vision_towers import Linear, VisionMLP, copy_weights
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
 
 ARCH = "Llama4ForConditionalGeneration"
 VISION_TYPE = "llama4_vision_model"
@@ -390,13 +390,8 @@ class Llama4ImageProcessor:
         processor = _read_json(folder / "processor_config.json")
         settings = _read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        tokens = {}
-        for token in (IMAGE, START, END, PATCH, X_SEP, Y_SEP):
-            ids = tokenizer.convert_tokens_to_ids([token])
-            if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id:
-                raise ValueError(f"the tokenizer of {folder} has no {token} token, which Llama4Processor writes for "
-                                 "an image; use the release's tokenizer")
-            tokens[token] = int(ids[0])
+        names = (IMAGE, START, END, PATCH, X_SEP, Y_SEP)
+        tokens = dict(zip(names, special_token_ids(tokenizer, names, folder, "Llama4Processor")))
         return cls(settings, tokens, config, int(processor.get("patch_size", 14)),
                    float(processor.get("pixel_shuffle_ratio", 0.5)))
 

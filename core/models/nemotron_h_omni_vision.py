@@ -49,7 +49,7 @@ from torch import nn
 from specray.models.internvl import InternViTLayer, pixel_shuffle
 from specray.models.layers import LayerNorm, _param, materialize
 from specray.models.vision_towers import Linear, copy_weights, vision_activation
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -291,15 +291,9 @@ class NemotronHOmniImageProcessor:
         settings = (_read_json(folder / "preprocessor_config.json")
                     or _read_json(folder / "processor_config.json").get("image_processor") or {})
         tok = AutoTokenizer.from_pretrained(folder)
-        ids = []
-        for attr, default in (("image_token", "<image>"), ("image_start_token", "<img>"),
-                              ("image_end_token", "</img>")):
-            token = getattr(tok, attr, None) or default
-            token_id = tok.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tok.unk_token_id:
-                raise ValueError(f"the tokenizer of {folder} has no {token!r} token ({attr}), which {ARCH}'s "
-                                 "processor writes for an image; use the release's tokenizer")
-            ids.append(int(token_id))
+        ids = special_token_ids(tok, [getattr(tok, attr, None) or default for attr, default in
+                                      (("image_token", "<image>"), ("image_start_token", "<img>"),
+                                       ("image_end_token", "</img>"))], folder, f"{ARCH}'s processor")
         if ids[0] != int(config.image_token_id):
             raise ValueError(f"the tokenizer's image token is id {ids[0]} but image_token_id={config.image_token_id}: "
                              "transformers fills image_token_id's rows with the image; fix config.json or the "
