@@ -17,7 +17,7 @@ from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
 from specray.models.loader import engine_image_processor
-from specray.multimodal import TEXT_ONLY, MultiModalInputs, check_image_prompt, expand_prompt, images_of
+from specray.multimodal import IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt, expand_prompt, media_of
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -178,17 +178,17 @@ class LLM:
 
     def _encode(self, prompt: PromptType, params: SamplingParams
                 ) -> tuple[str | None, list[int], MultiModalInputs | None]:
-        """(its text, the token ids the request runs on, its images) of one prompt."""
+        """(its text, the token ids the request runs on, its images and videos) of one prompt."""
         text, ids = self._tokens(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        images = [] if data is None else images_of(data)  # (a modality other than images refused first)
-        if not images:
+        media = {IMAGE: [], VIDEO: []} if data is None else media_of(data)  # (audio refused first)
+        if not media[IMAGE] and not media[VIDEO]:
             return text, params.prompt_tokens(ids), None
         if self._image_processor is None:
             self._image_processor = engine_image_processor(self.engine_args)
             if self._image_processor is None:
                 raise ValueError(TEXT_ONLY)
-        ids, mm = expand_prompt(ids, images, self._image_processor)
+        ids, mm = expand_prompt(ids, media[IMAGE], self._image_processor, media[VIDEO])
         check_image_prompt(mm, ids, params.truncate_prompt_tokens)
         return text, ids, mm
 

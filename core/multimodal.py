@@ -34,11 +34,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-IMAGE = "image"
+IMAGE, VIDEO = "image", "video"
 TEXT_ONLY = ("this model reads text only (of a multimodal release, its text model, or its images turned off by "
              "limit_mm_per_prompt): send the prompt without images")
 # what a prompt dict may hold under ``multi_modal_data`` (vLLM's key); each a single item or a list
-MODALITIES = (IMAGE,)
+MODALITIES = (IMAGE, VIDEO)
+MAX_VIDEO_FRAMES = 1024  # the most frames a video may hold (a longer one is refused: sample it first)
 
 
 @dataclass
@@ -119,6 +120,10 @@ class ImageProcessor(Protocol):
     # optional: ``finish_prompt(token_ids, items) -> (token_ids, items)``, the expanded prompt as transformers'
     # processor makes it where splicing tokens cannot (Gemma 3: its image text's newlines join their neighbours'
     # into one token), items moved with it
+
+    # optional, a family that takes videos: ``video_token_id`` (the placeholder a prompt holds once per video) and
+    # ``process_video(frames: list[PIL image]) -> ProcessedImage`` (its tokens and tensors, as transformers' video
+    # processor and processor make them); ``rope_positions`` then gets its items too (``item.modality == "video"``)
 
 
 class ImageEncoder(Protocol):
@@ -221,16 +226,55 @@ def decode_data_url(url: str) -> bytes:
         raise ValueError(f"data URL {url[:40]!r}... holds invalid base64 ({err})") from None
 
 
-def images_of(multi_modal_data: Any) -> list:
-    """The images of a prompt's ``multi_modal_data`` ({"image": an image or a list of them}), in order."""
+def media_of(multi_modal_data: Any) -> dict[str, list]:
+    """The images and the videos of a prompt's ``multi_modal_data`` ({"image": an image or a list of them, "video":
+    a video or a list of them}), each kind in order. A video is a list of frames or an array [T, H, W, 3]: a list
+    of such lists (or arrays) is several videos."""
     if not isinstance(multi_modal_data, dict):
         raise ValueError(f"multi_modal_data={multi_modal_data!r:.80} must be a dict such as {{'image': image}}")
     unknown = sorted(set(multi_modal_data) - set(MODALITIES))
     if unknown:
-        raise ValueError(f"multi_modal_data holds {unknown}: only {list(MODALITIES)} is supported (no video or "
-                         "audio)")
+        raise ValueError(f"multi_modal_data holds {unknown}: only {list(MODALITIES)} are supported (no audio)")
     images = multi_modal_data.get(IMAGE, [])
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    videos = multi_modal_data.get(VIDEO, [])
+    one_video = isinstance(videos, np.ndarray) or (isinstance(videos, (list, tuple)) and bool(videos)
+                                                   and not _is_video(videos[0]))
+    return {IMAGE: list(images) if isinstance(images, (list, tuple)) else [images],
+            VIDEO: [videos] if one_video else list(videos) if isinstance(videos, (list, tuple)) else [videos]}
+
+
+def _is_video(value: Any) -> bool:
+    """A video (a list of frames, an array [T, H, W, 3]) rather than one frame."""
+    return isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 4)
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """The images of a prompt's ``multi_modal_data``, in order (:func:`media_of`)."""
+    return media_of(multi_modal_data)[IMAGE]
+
+
+def load_video(video: Any, local: bool = True) -> list:
+    """A video's frames as RGB PIL images, in order: from a list of frames (each what :func:`load_image` takes) or
+    an array [T, H, W, 3] of uint8 (vLLM's form); the frames as given (sampling them is the caller's)."""
+    from PIL import Image
+
+    if isinstance(video, np.ndarray):
+        if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
+            raise ValueError(f"a video array must be [frames, height, width, 3] of uint8, not {video.dtype} "
+                             f"{list(video.shape)}")
+        frames = [Image.fromarray(frame) for frame in video]
+    elif isinstance(video, (list, tuple)):
+        frames = [Image.fromarray(frame) if isinstance(frame, np.ndarray) and frame.dtype == np.uint8
+                  else load_image(frame, local) for frame in video]
+    else:
+        raise ValueError(f"a video of type {type(video).__name__} is not supported: give a list of frames (PIL "
+                         "images, image bytes, data: URLs, ...) or an array [frames, height, width, 3] of uint8")
+    frames = [frame.convert("RGB") for frame in frames]
+    if not 0 < len(frames) <= MAX_VIDEO_FRAMES:
+        raise ValueError(f"a video of {len(frames)} frames: give 1 to {MAX_VIDEO_FRAMES} (sample a longer one)")
+    if len({frame.size for frame in frames}) > 1:
+        raise ValueError(f"a video's frames must share one size, not {sorted({frame.size for frame in frames})}")
+    return frames
 
 
 def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
@@ -243,22 +287,31 @@ def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor
+def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor, videos: Sequence = ()
                   ) -> tuple[list[int], MultiModalInputs]:
-    """The prompt with each image's placeholder replaced by its tokens, and the request's items (images in the
-    order of their placeholders). A ValueError when the placeholders and the images differ in number."""
-    slots = [i for i, t in enumerate(token_ids) if t == processor.image_token_id]
-    if len(slots) != len(images):
-        raise ValueError(f"the prompt holds {len(slots)} image placeholder token(s) (id {processor.image_token_id}) "
-                         f"but {len(images)} image(s) were given: put one placeholder per image in the prompt (the "
-                         "chat template writes one per image content part)")
+    """The prompt with each image's placeholder (and each video's) replaced by its tokens, and the request's items
+    (images and videos in the order of their placeholders). A ValueError when a kind's placeholders and items differ
+    in number, or for videos to a processor that takes none."""
+    video_token = getattr(processor, "video_token_id", None)
+    if videos and video_token is None:
+        raise ValueError("this model's processor takes images only, no videos: send the prompt without videos")
+    given = {IMAGE: list(images), VIDEO: list(videos)}
+    token_of = {IMAGE: processor.image_token_id, VIDEO: video_token}
+    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in (IMAGE, VIDEO) if t == token_of[kind]]
+    for kind in (IMAGE, VIDEO):
+        held = sum(k == kind for _, k in slots)
+        if held != len(given[kind]):
+            raise ValueError(f"the prompt holds {held} {kind} placeholder token(s) (id {token_of[kind]}) but "
+                             f"{len(given[kind])} {kind}(s) were given: put one placeholder per {kind} in the prompt "
+                             f"(the chat template writes one per {kind} content part)")
     out: list[int] = []
     items: list[MultiModalItem] = []
     last = 0
-    for slot, image in zip(slots, images):
-        done = processor.process(load_image(image))
+    for slot, kind in slots:
+        item = given[kind].pop(0)
+        done = processor.process(load_image(item)) if kind == IMAGE else processor.process_video(load_video(item))
         out.extend(token_ids[last:slot])
-        items.append(MultiModalItem(IMAGE, len(out), len(done.replacement), item_hash(IMAGE, done.data), done.data,
+        items.append(MultiModalItem(kind, len(out), len(done.replacement), item_hash(kind, done.data), done.data,
                                     done.embed_rows, done.bidirectional))
         out.extend(done.replacement)
         last = slot + 1
@@ -286,6 +339,18 @@ def check_mm_limits(limits: Any) -> None:
 def image_limit(limits: dict[str, int] | None) -> int | None:
     """How many images a prompt may hold under ``limit_mm_per_prompt`` (None: any number)."""
     return None if limits is None else limits.get(IMAGE)
+
+
+def check_mm_counts(multimodal: MultiModalInputs, limits: dict[str, int | None]) -> None:
+    """A ValueError where the prompt holds more of a kind than ``limits`` (kind -> the most; None: any) allows."""
+    for kind, most in limits.items():
+        held = sum(item.modality == kind for item in multimodal.items)
+        if most is not None and held > most:
+            if not most:
+                raise ValueError(TEXT_ONLY if kind == IMAGE else f"this engine takes no {kind}s (a text model, or "
+                                 f"limit_mm_per_prompt={{'{kind}': 0}}): send the prompt without {kind}s")
+            raise ValueError(f"the prompt holds {held} {kind}s; this engine takes at most {most} per prompt "
+                             f"(limit_mm_per_prompt): send fewer, or raise the limit")
 
 
 def check_image_prompt(multimodal: MultiModalInputs, token_ids: list[int], truncate_prompt_tokens: int | None

@@ -21,7 +21,7 @@ import specray.models.loader as loader
 from specray import LLM, SamplingParams
 from specray.chat import split_images
 from specray.multimodal import (MAX_IMAGE_BYTES, MultiModalInputs, MultiModalItem, ProcessedImage, expand_prompt,
-                                images_of, load_image, step_rows)
+                                images_of, load_image, load_video, media_of, step_rows)
 
 IMAGE_TOKEN = 7  # the placeholder id of the stand-in processor
 BREAK_TOKEN = 9  # a token inside an image's span that takes no embedding (Pixtral's row breaks)
@@ -133,8 +133,8 @@ def test_expand_prompt_places_each_image_and_keys_blocks_by_content():
     assert keys[2:9] == ids[2:9]
     with pytest.raises(ValueError, match="2 image placeholder token.*but 1 image"):
         expand_prompt(PROMPT_B, [_image(1)], processor)
-    with pytest.raises(ValueError, match="only \\['image'\\]"):
-        images_of({"video": [1]})
+    with pytest.raises(ValueError, match="only \\['image', 'video'\\] are supported \\(no audio\\)"):
+        images_of({"audio": [1]})
 
 
 def test_step_rows_cover_a_span_split_over_chunks():
@@ -589,3 +589,69 @@ def test_special_token_ids_name_what_the_tokenizer_lacks(tmp_path):
     for tokens, named in ((["<img>", "<image>"], "'<image>'"), ([None], "None")):
         with pytest.raises(ValueError, match=f"has no {named} token, which XProcessor writes for an image"):
             special_token_ids(tok, tokens, tmp_path, "XProcessor")
+
+
+VIDEO_TOKEN = 8  # the stand-in video placeholder
+
+
+class VideoProcessor(StandInProcessor):
+    """Images as the stand-in's; each video: two rows of 3 pixel values per frame (the frame at 2 x 1 pixels)."""
+
+    video_token_id = VIDEO_TOKEN
+
+    def process_video(self, frames) -> ProcessedImage:
+        from PIL import Image
+
+        rows = [np.asarray(f.resize((2, 1), Image.NEAREST), dtype=np.float32).reshape(2, 3) for f in frames]
+        pixels = (np.concatenate(rows) / 255.0 - 0.5) * 4
+        return ProcessedImage([VIDEO_TOKEN] * len(pixels), {"pixels": pixels})
+
+
+def _video(seed: int, frames: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, 4, 5, 3), dtype=np.uint8)
+
+
+def test_videos_take_their_placeholders_in_order_beside_images():
+    """A prompt's image and video placeholders take the images and the videos, each kind in order; a video is a list
+    of frames or an array [T, H, W, 3] (several: a list of them); counts that differ, videos to a processor without
+    them, frames of two sizes are refused by name."""
+    prompt = [294, VIDEO_TOKEN, 260, IMAGE_TOKEN, 310, VIDEO_TOKEN, 10]
+    array, frames = _video(1), [_image(2), _image(3)]
+    media = media_of({"image": _image(4), "video": [array, frames]})
+    ids, mm = expand_prompt(prompt, media["image"], VideoProcessor(), media["video"])
+    assert [(i.modality, i.offset, i.length) for i in mm.items] == [("video", 1, 6), ("image", 8, 6),
+                                                                    ("video", 15, 4)]
+    assert ids == [294] + [VIDEO_TOKEN] * 6 + [260] + [IMAGE_TOKEN] * 6 + [310] + [VIDEO_TOKEN] * 4 + [10]
+    assert len(media_of({"video": array})["video"]) == 1 and len(media_of({"video": frames})["video"]) == 1
+    assert [f.size for f in load_video(array)] == [(5, 4)] * 3 and load_video(list(array))[1].size == (5, 4)
+    still = expand_prompt([VIDEO_TOKEN], [], VideoProcessor(), [[_image(4)]])[1].items[0]
+    assert still.hash != expand_prompt([IMAGE_TOKEN], [_image(4)], VideoProcessor())[1].items[0].hash
+    with pytest.raises(ValueError, match="2 video placeholder token.*but 1 video"):
+        expand_prompt(prompt, media["image"], VideoProcessor(), [array])
+    with pytest.raises(ValueError, match="takes images only, no videos"):
+        expand_prompt(prompt, media["image"], StandInProcessor(), media["video"])
+    with pytest.raises(ValueError, match="frames must share one size"):
+        load_video([_image(1), _image(2, (7, 3))])
+    with pytest.raises(ValueError, match="must be \\[frames, height, width, 3\\] of uint8"):
+        load_video(array.astype(np.float32))
+
+
+def test_videos_through_the_engine_equal_transformers(vision, tiny_llama_dir):
+    """A video (its rows split over prefill chunks) beside an image through ``LLM.generate``: transformers' greedy
+    tokens from the prompt's embeddings with the rows in place; ``limit_mm_per_prompt`` caps videos apart from
+    images."""
+    vision["processor"] = VideoProcessor
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [304, VIDEO_TOKEN, 83, IMAGE_TOKEN, 87, 75],
+              "multi_modal_data": {"video": _video(5, frames=4), "image": _image(6)}}
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, block_size=4, max_num_batched_tokens=5)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    media = media_of(prompt["multi_modal_data"])
+    ids, mm = expand_prompt(prompt["prompt_token_ids"], media["image"], VideoProcessor(), media["video"])
+    assert out.prompt_token_ids == ids and [i.modality for i in mm.items] == ["video", "image"]
+    assert out.outputs[0].token_ids == _reference(tiny_llama_dir, ids, mm, 8)
+    capped = LLM(model=str(tiny_llama_dir), max_model_len=128, limit_mm_per_prompt={"video": 0, "image": 1})
+    with pytest.raises(ValueError, match="takes no videos"):
+        capped.generate([prompt], params, use_tqdm=False)
+    assert capped.generate([{"prompt_token_ids": [304, IMAGE_TOKEN, 83], "multi_modal_data": {"image": _image(6)}}],
+                           params, use_tqdm=False)[0].outputs[0].token_ids

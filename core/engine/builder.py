@@ -20,7 +20,7 @@ from specray.engine.llm_engine import FORCED_DRAFT_LIMIT, LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.registry import multimodal_classes
-from specray.multimodal import image_limit
+from specray.multimodal import IMAGE, VIDEO, image_limit
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
@@ -351,7 +351,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        reasoning_parser=args.reasoning_parser, async_scheduling=args.async_scheduling,
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
-    engine.image_limit = image_limit(args.limit_mm_per_prompt) if images else 0
+    limits = args.limit_mm_per_prompt or {}
+    engine.mm_limits = {IMAGE: limits.get(IMAGE), VIDEO: limits.get(VIDEO)} if images else {IMAGE: 0, VIDEO: 0}
     if recurrent:  # a request's own method must draft what the recurrent state verifies too
         engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
                                   "drafters' chains and trees")

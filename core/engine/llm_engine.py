@@ -17,7 +17,7 @@ from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.lora import AdapterChecker
-from specray.multimodal import TEXT_ONLY, MultiModalInputs, check_image_prompt
+from specray.multimodal import IMAGE, VIDEO, MultiModalInputs, check_image_prompt, check_mm_counts
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -62,9 +62,8 @@ class LLMEngine:
         self.adapters = adapters or AdapterChecker(None, {})
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
-        # how many images a prompt may hold (None: any number): 0 for a text model, or a vision-language release
-        # served as text alone (set by the builder)
-        self.image_limit: int | None = 0
+        # the most images and videos a prompt may hold (None: any; the builder sets them for a release with images)
+        self.mm_limits: dict[str, int | None] = {IMAGE: 0, VIDEO: 0}
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -168,11 +167,7 @@ class LLMEngine:
         return req_id
 
     def _check_images(self, multimodal: MultiModalInputs, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if self.image_limit is not None and len(multimodal.items) > self.image_limit:
-            if not self.image_limit:
-                raise ValueError(TEXT_ONLY)
-            raise ValueError(f"the prompt holds {len(multimodal.items)} images; this engine takes at most "
-                             f"{self.image_limit} per prompt (limit_mm_per_prompt): send fewer, or raise the limit")
+        check_mm_counts(multimodal, self.mm_limits)
         check_image_prompt(multimodal, prompt_token_ids, params.truncate_prompt_tokens)
 
     def _admit_prediction(self, params: SamplingParams) -> bool:
