@@ -23,6 +23,7 @@ Families register ``(encoder class, processor class)`` per architecture in :mod:
 from __future__ import annotations
 
 import base64
+import bisect
 import binascii
 import hashlib
 import io
@@ -44,9 +45,10 @@ MAX_VIDEO_FRAMES = 1024  # the most frames a video may hold (a longer one is ref
 
 @dataclass
 class MultiModalItem:
-    """One image of a prompt: the prompt's span ``[offset, offset + length)`` that replaced its placeholder, the
-    rows of that span taking its embeddings (``embed_rows``, indices within the span; None: every row), its content
-    hash and the processor's tensors for the encoder (numpy arrays: they cross Ray as plain data)."""
+    """One image (or video) of a prompt: the prompt's span ``[offset, offset + length)`` that replaced its
+    placeholder, the rows of that span taking its embeddings (``embed_rows``, ascending indices within the span;
+    None: every row), its content hash and the processor's tensors for the encoder (numpy arrays: they cross Ray as
+    plain data)."""
 
     modality: str
     offset: int
@@ -56,6 +58,10 @@ class MultiModalItem:
     embed_rows: list[int] | None = None
     # its tokens attend to each other both ways (Gemma 3's images): its span is never split over prefill chunks
     bidirectional: bool = False
+
+    def __post_init__(self):
+        rows = self.embed_rows
+        assert rows is None or all(a < b for a, b in zip([-1] + rows, rows + [self.length])), rows  # ascending
 
     @property
     def num_embeds(self) -> int:
@@ -395,12 +401,8 @@ def special_token_ids(tokenizer: Any, tokens: Sequence[str | None], folder: Any,
 
 
 def step_rows(item: MultiModalItem, start: int, stop: int) -> tuple[list[int], list[int]]:
-    """The prompt positions in ``[start, stop)`` that take ``item``'s embeddings, and those embeddings' indices."""
+    """The prompt positions in ``[start, stop)`` that take ``item``'s embeddings, and those embeddings' indices (an
+    item's rows ascend: found by bisection, not by a walk over a long video's)."""
     rows = range(item.length) if item.embed_rows is None else item.embed_rows
-    positions, indices = [], []
-    for index, row in enumerate(rows):
-        position = item.offset + row
-        if start <= position < stop:
-            positions.append(position)
-            indices.append(index)
-    return positions, indices
+    a, b = bisect.bisect_left(rows, start - item.offset), bisect.bisect_left(rows, stop - item.offset)
+    return [item.offset + row for row in rows[a:b]], list(range(a, b))
