@@ -33,7 +33,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specray.chat import check_template_text, render_chat, split_images
+from specray.chat import check_template_text, render_chat, split_media
 from specray.cluster import openai_protocol as proto
 from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
@@ -42,7 +42,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_image
+from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_image, load_video
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -1198,9 +1198,9 @@ class OpenAIServing:
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
                                     "start the server with --chat-template FILE", "messages")
-        messages, images = split_images([m.as_template_dict() for m in req.messages])
+        messages, images, videos = split_media([m.as_template_dict() for m in req.messages])
         processor = getattr(self.client, "image_processor", None)
-        if images and processor is None:
+        if (images or videos) and processor is None:
             raise proto.bad_request(TEXT_ONLY, "messages")
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, messages, req.add_generation_prompt,
@@ -1210,11 +1210,12 @@ class OpenAIServing:
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if not images:
+        if not images and not videos:
             return _Prompt(text, ids)
         try:
             domains = self.config.allowed_media_domains
-            ids, mm = expand_prompt(ids, [load_image(url, local=False, domains=domains) for url in images], processor)
+            ids, mm = expand_prompt(ids, [load_image(url, local=False, domains=domains) for url in images], processor,
+                                    [load_video(url, local=False, domains=domains) for url in videos])
         except ValueError as err:
             raise proto.bad_request(f"messages: {err}", "messages") from None
         return _Prompt(text, ids, multimodal=mm)

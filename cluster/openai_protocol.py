@@ -540,23 +540,30 @@ class ImageURL(BaseModel):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class VideoURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+
+
 class ContentPart(BaseModel):
-    """A chat message's content part: text, or (for a vision-language model) an image by URL (a ``data:`` URL, or
-    an http(s) one the server fetches)."""
+    """A chat message's content part: text, or (for a vision-language model) an image or a video (vLLM's
+    ``video_url``) by URL (a ``data:`` URL, or an http(s) one the server fetches)."""
 
     model_config = ConfigDict(extra="forbid")
     type: str
     text: Text | None = None
     image_url: ImageURL | None = None
+    video_url: VideoURL | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _known_part(cls, data: Any) -> Any:
         kind = data.get("type") if isinstance(data, dict) else None
-        if kind not in ("text", "image_url"):
+        if kind not in ("text", "image_url", "video_url"):
             raise ValueError(f"a content part of type {kind!r} is not supported: the served models read text and "
-                             "(vision-language models) images; send {'type': 'text', 'text': ...} or "
-                             "{'type': 'image_url', 'image_url': {'url': ...}} parts, or a string")
+                             "(vision-language models) images and videos; send {'type': 'text', 'text': ...}, "
+                             "{'type': 'image_url', 'image_url': {'url': ...}} or {'type': 'video_url', "
+                             "'video_url': {'url': ...}} parts, or a string")
         if data.get(kind) is None or set(data) - {"type", kind}:
             raise ValueError(f"a content part of type {kind!r} holds the field {kind!r} alone")
         return data
@@ -633,12 +640,13 @@ class ChatMessage(BaseModel):
 
     def as_template_dict(self) -> dict:
         """The message as chat templates read it: text parts joined into a string, or where it holds images, its
-        parts as text parts and ``image_url`` ones (:func:`specray.chat.split_images` makes them image parts)."""
+        parts as text parts and ``image_url`` / ``video_url`` ones (:func:`specray.chat.split_media` makes them image
+        and video parts)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            if any(part.type == "image_url" for part in self.content):
+            if any(part.type != "text" for part in self.content):
                 data["content"] = [{"type": "text", "text": p.text} if p.type == "text"
-                                   else {"type": "image_url", "image_url": {"url": p.image_url.url}}
+                                   else {"type": p.type, p.type: {"url": getattr(p, p.type).url}}
                                    for p in self.content]
             else:
                 data["content"] = "".join(part.text for part in self.content)

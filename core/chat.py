@@ -62,40 +62,41 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 # a message's content parts that carry an image: OpenAI's image_url ({"url": ...} or the URL itself) and vLLM's
-# image_pil (a PIL image, offline only)
-IMAGE_PARTS = ("image_url", "image_pil")
+# image_pil (a PIL image, offline only); a video: vLLM's video_url (a video file's URL); by the kind each carries
+MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "video_url": "video"}
 
 
-def split_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """``messages`` with each image content part as the ``{"type": "image"}`` part chat templates render their
-    image placeholder for, and the images in order (URL strings, or PIL images): the prompt's placeholders and its
-    images then pair up in order (:func:`specray.multimodal.expand_prompt`). The given dicts are not changed."""
-    images: list = []
+def split_media(messages: list[dict]) -> tuple[list[dict], list, list]:
+    """``messages`` with each image (video) content part as the ``{"type": "image"}`` (``{"type": "video"}``) part
+    chat templates render their placeholder for, and the images and the videos in order (URL strings, or PIL
+    images): the prompt's placeholders and its items then pair up in order (:func:`specray.multimodal.expand_prompt`).
+    The given dicts are not changed."""
+    media: dict[str, list] = {"image": [], "video": []}
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS
                                                     for p in content):
             out.append(message)
             continue
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in IMAGE_PARTS:
+            if kind not in MEDIA_PARTS:
                 parts.append(part)
                 continue
             value = part.get(kind)
-            if kind == "image_url":
+            if kind.endswith("_url"):
                 value = value.get("url") if isinstance(value, dict) else value
                 if not isinstance(value, str) or not value:
-                    raise ValueError(f"messages[{i}].content[{j}].image_url must hold the image's URL: "
-                                     "{'url': 'data:image/png;base64,...'} or an http(s) URL")
+                    raise ValueError(f"messages[{i}].content[{j}].{kind} must hold the {MEDIA_PARTS[kind]}'s URL: "
+                                     f"{{'url': 'data:{MEDIA_PARTS[kind]}/...;base64,...'}} or an http(s) URL")
             elif value is None:
                 raise ValueError(f"messages[{i}].content[{j}].image_pil must hold a PIL image")
-            images.append(value)
-            parts.append({"type": "image"})
+            media[MEDIA_PARTS[kind]].append(value)
+            parts.append({"type": MEDIA_PARTS[kind]})
         out.append({**message, "content": parts})
-    return out, images
+    return out, media["image"], media["video"]
 
 
 def _template_call(index: int, j: int, call: Any) -> Any:

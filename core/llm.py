@@ -11,7 +11,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from specray.chat import check_chat_options, render_chat, split_images
+from specray.chat import check_chat_options, render_chat, split_media
 from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
@@ -160,7 +160,7 @@ class LLM:
         to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations, images = zip(*map(split_images, conversations)) if conversations else ((), ())
+        conversations, images, videos = zip(*map(split_media, conversations)) if conversations else ((), (), ())
         for conversation in conversations:
             _check_parts(conversation)
         tokenizer = self.get_tokenizer()
@@ -172,9 +172,10 @@ class LLM:
         except TemplateError as err:  # what the template itself refuses (raise_exception) or cannot read
             raise ValueError(f"messages could not be rendered by the chat template: {err}; check the messages' "
                              "roles and fields") from None
-        return self.generate([{"prompt": p, "add_special_tokens": False, **({"multi_modal_data": {"image": list(i)}}
-                                                                             if i else {})}
-                              for p, i in zip(prompts, images)], sampling_params, use_tqdm, lora_request=lora_request)
+        return self.generate([{"prompt": p, "add_special_tokens": False,
+                               **({"multi_modal_data": {"image": list(i), "video": list(v)}} if i or v else {})}
+                              for p, i, v in zip(prompts, images, videos)], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     def _encode(self, prompt: PromptType, params: SamplingParams
                 ) -> tuple[str | None, list[int], MultiModalInputs | None]:
@@ -319,13 +320,14 @@ def _progress(total: int):
 
 
 def _check_parts(messages: list[dict]) -> None:
-    """A ValueError for a message content part that is neither text nor an image (a video's, audio's): a chat
+    """A ValueError for a message content part that is neither text nor an image nor a video (an audio's): a chat
     template would otherwise render its placeholder with nothing behind it."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", "image"):
+            if kind not in ("text", "image", "video"):
                 raise ValueError(f"messages[{i}].content[{j}] of type {kind!r} is not supported: the served models "
-                                 "read text and (vision-language releases) images; send {'type': 'text', 'text': "
-                                 "...} or {'type': 'image_url', 'image_url': {'url': ...}} parts, or a string")
+                                 "read text and (vision-language releases) images and videos; send {'type': 'text', "
+                                 "'text': ...}, {'type': 'image_url', 'image_url': {'url': ...}} or {'type': "
+                                 "'video_url', 'video_url': {'url': ...}} parts, or a string")

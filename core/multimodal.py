@@ -154,6 +154,8 @@ class ImageEncoder(Protocol):
 
 
 MAX_IMAGE_BYTES = 32 << 20  # an image fetched or decoded from a URL (a larger one is refused)
+MAX_VIDEO_BYTES = 256 << 20  # a video file's
+VIDEO_FRAMES = 32  # the frames taken from a video file, evenly spaced (vLLM's default num_frames)
 FETCH_TIMEOUT_S = 10.0  # an http(s) image's download
 
 
@@ -165,24 +167,7 @@ def load_image(source: Any, local: bool = True, domains: Collection[str] | None 
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
-    if isinstance(source, (bytes, bytearray)):
-        data = bytes(source)
-    elif isinstance(source, str) and source.startswith("data:"):
-        data = decode_data_url(source)
-    elif isinstance(source, str) and source.startswith(("http://", "https://")):
-        data = fetch_url(source, domains)
-    elif local and isinstance(source, (str, os.PathLike)):
-        path = Path(source).expanduser()
-        if not path.is_file():
-            raise ValueError(f"image {str(source)!r:.100} is not a file; give a PIL image, image bytes, a data: URL, "
-                             "an http(s) URL or the path of an image file")
-        data = path.read_bytes()
-    else:
-        what = f"{source!r:.60}" if isinstance(source, str) else f"of type {type(source).__name__}"
-        raise ValueError(f"image {what} is not supported; give a data: URL (data:image/png;base64,...) or an "
-                         f"http(s) URL{', a PIL image, image bytes or a file path' if local else ''}")
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"the image has {len(data)} bytes, more than {MAX_IMAGE_BYTES}; send a smaller image")
+    data = media_bytes(source, IMAGE, local, domains)
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
@@ -191,9 +176,36 @@ def load_image(source: Any, local: bool = True, domains: Collection[str] | None 
     return image.convert("RGB")
 
 
-def fetch_url(url: str, domains: Collection[str] | None = None) -> bytes:
-    """An http(s) image's bytes (at most :data:`MAX_IMAGE_BYTES`, within :data:`FETCH_TIMEOUT_S`), from one of
-    ``domains``' hosts where given (a redirect elsewhere refused)."""
+def media_bytes(source: Any, kind: str = IMAGE, local: bool = True, domains: Collection[str] | None = None) -> bytes:
+    """An image's or a video's file bytes: given as bytes, a ``data:`` URL (base64), an http(s) URL (with
+    ``domains``, one on those hosts only) or (``local``) a local path; at most the kind's byte limit."""
+    limit = MAX_IMAGE_BYTES if kind == IMAGE else MAX_VIDEO_BYTES
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    elif isinstance(source, str) and source.startswith("data:"):
+        data = decode_data_url(source)
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        data = fetch_url(source, domains, kind)
+    elif local and isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{kind} {str(source)!r:.100} is not a file; give {kind} bytes, a data: URL, an http(s) "
+                             f"URL or the path of {kind} file")
+        data = path.read_bytes()
+    else:
+        what = f"{source!r:.60}" if isinstance(source, str) else f"of type {type(source).__name__}"
+        given = (", a PIL image, image bytes or a file path" if kind == IMAGE else
+                 ", a list of frames, an array [T, H, W, 3], video bytes or a file path")
+        raise ValueError(f"{kind} {what} is not supported; give a data: URL (data:{kind}/...;base64,...) or an "
+                         f"http(s) URL{given if local else ''}")
+    if len(data) > limit:
+        raise ValueError(f"the {kind} has {len(data)} bytes, more than {limit}; send a smaller {kind}")
+    return data
+
+
+def fetch_url(url: str, domains: Collection[str] | None = None, kind: str = IMAGE) -> bytes:
+    """An http(s) image's (or video's) bytes (at most the kind's byte limit, within :data:`FETCH_TIMEOUT_S`), from
+    one of ``domains``' hosts where given (a redirect elsewhere refused)."""
     import urllib.error
     import urllib.parse
     import urllib.request
@@ -201,23 +213,24 @@ def fetch_url(url: str, domains: Collection[str] | None = None) -> bytes:
     def check(target: str) -> None:
         host = urllib.parse.urlsplit(target).hostname
         if domains is not None and host not in domains:
-            raise ValueError(f"the image URL's host {host!r} is not among this server's allowed media domains "
-                             f"({sorted(domains)}); send the image as a data: URL")
+            raise ValueError(f"the {kind} URL's host {host!r} is not among this server's allowed media domains "
+                             f"({sorted(domains)}); send the {kind} as a data: URL")
 
     class Redirects(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req, fp, code, msg, headers, newurl):
             check(newurl)
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
+    limit = MAX_IMAGE_BYTES if kind == IMAGE else MAX_VIDEO_BYTES
     check(url)
     try:
         with urllib.request.build_opener(Redirects).open(url, timeout=FETCH_TIMEOUT_S) as response:
-            data = response.read(MAX_IMAGE_BYTES + 1)
+            data = response.read(limit + 1)
     except (urllib.error.URLError, OSError) as err:
-        raise ValueError(f"the image at {url!r:.100} could not be fetched ({err}); check the URL, or send the image "
+        raise ValueError(f"the {kind} at {url!r:.100} could not be fetched ({err}); check the URL, or send the {kind} "
                          "as a data: URL") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"the image at {url!r:.100} has more than {MAX_IMAGE_BYTES} bytes; send a smaller image")
+    if len(data) > limit:
+        raise ValueError(f"the {kind} at {url!r:.100} has more than {limit} bytes; send a smaller {kind}")
     return data
 
 
@@ -250,8 +263,10 @@ def media_of(multi_modal_data: Any) -> dict[str, list]:
 
 
 def _is_video(value: Any) -> bool:
-    """A video (a list of frames, an array [T, H, W, 3]) rather than one frame."""
-    return isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 4)
+    """A video (a list of frames, an array [T, H, W, 3], a video file's bytes, URL or path) rather than one frame
+    (a PIL image or an array [H, W, 3])."""
+    return (isinstance(value, (list, tuple, bytes, bytearray, str, os.PathLike))
+            or (isinstance(value, np.ndarray) and value.ndim == 4))
 
 
 def images_of(multi_modal_data: Any) -> list:
@@ -259,19 +274,22 @@ def images_of(multi_modal_data: Any) -> list:
     return media_of(multi_modal_data)[IMAGE]
 
 
-def load_video(video: Any, local: bool = True) -> list:
+def load_video(video: Any, local: bool = True, domains: Collection[str] | None = None) -> list:
     """A video's frames as RGB PIL images, in order: from a list of frames (each what :func:`load_image` takes) or
-    an array [T, H, W, 3] of uint8 (vLLM's form); the frames as given (sampling them is the caller's)."""
+    an array [T, H, W, 3] of uint8 (vLLM's form), the frames as given; or from a video file (bytes, a ``data:`` URL,
+    an http(s) URL, a path: :func:`media_bytes`), :data:`VIDEO_FRAMES` frames evenly spaced over it."""
     from PIL import Image
 
-    if isinstance(video, np.ndarray):
+    if isinstance(video, (bytes, bytearray, str, os.PathLike)):
+        frames = decode_video(media_bytes(video, VIDEO, local, domains))
+    elif isinstance(video, np.ndarray):
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
             raise ValueError(f"a video array must be [frames, height, width, 3] of uint8, not {video.dtype} "
                              f"{list(video.shape)}")
         frames = [Image.fromarray(frame) for frame in video]
     elif isinstance(video, (list, tuple)):
         frames = [Image.fromarray(frame) if isinstance(frame, np.ndarray) and frame.dtype == np.uint8
-                  else load_image(frame, local) for frame in video]
+                  else load_image(frame, local, domains) for frame in video]
     else:
         raise ValueError(f"a video of type {type(video).__name__} is not supported: give a list of frames (PIL "
                          "images, image bytes, data: URLs, ...) or an array [frames, height, width, 3] of uint8")
@@ -291,6 +309,28 @@ def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
         digest.update(f"|{name}|{array.dtype.str}|{array.shape}|".encode())
         digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> list:
+    """A video file's frames (RGB PIL images): ``num_frames`` of them evenly spaced from the first to the last (all
+    where it has fewer); frames not taken are decoded but never converted."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            total = container.streams.video[0].frames
+        if not total:  # a container that does not say: count them
+            with av.open(io.BytesIO(data)) as container:
+                total = sum(1 for _ in container.decode(video=0))
+        wanted = set(np.linspace(0, total - 1, min(num_frames, total)).round().astype(int).tolist()) if total else set()
+        with av.open(io.BytesIO(data)) as container:
+            frames = [frame.to_image() for i, frame in enumerate(container.decode(video=0)) if i in wanted]
+    except (av.FFmpegError, IndexError, ValueError) as err:
+        raise ValueError(f"the video could not be decoded ({err or 'no video stream'}); send an MP4, WebM or other "
+                         "file FFmpeg reads, with a video stream") from None
+    if not frames:
+        raise ValueError("the video holds no frames; send one that does")
+    return frames
 
 
 def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor, videos: Sequence = ()

@@ -19,7 +19,7 @@ from torch import nn
 import specray.engine.builder as builder
 import specray.models.loader as loader
 from specray import LLM, SamplingParams
-from specray.chat import split_images
+from specray.chat import split_media
 from specray.multimodal import (MAX_IMAGE_BYTES, MultiModalInputs, MultiModalItem, ProcessedImage, expand_prompt,
                                 images_of, load_image, load_video, media_of, step_rows)
 
@@ -203,17 +203,21 @@ def test_load_image_fetches_http_urls_within_limits(monkeypatch):
     assert MAX_IMAGE_BYTES > 1 << 20
 
 
-def test_split_images_pairs_placeholders_with_images_in_order():
+def test_split_media_pairs_placeholders_with_images_and_videos_in_order():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                              {"type": "image_url", "image_url": {"url": "data:x"}},
+                                             {"type": "video_url", "video_url": {"url": "data:v"}},
                                              {"type": "image_url", "image_url": "http://h/b.png"}]},
                 {"role": "assistant", "content": "ok"}]
-    out, images = split_images(messages)
-    assert images == ["data:x", "http://h/b.png"]
-    assert out[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]
+    out, images, videos = split_media(messages)
+    assert images == ["data:x", "http://h/b.png"] and videos == ["data:v"]
+    assert out[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"},
+                                 {"type": "image"}]
     assert out[1] is messages[1] and messages[0]["content"][1]["type"] == "image_url"
     with pytest.raises(ValueError, match="content\\[0\\].image_url"):
-        split_images([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+        split_media([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ValueError, match="content\\[0\\].video_url must hold the video's URL"):
+        split_media([{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}])
 
 
 @pytest.mark.parametrize("processor", [StandInProcessor, BreakProcessor], ids=["all-rows", "break-rows"])
@@ -604,7 +608,7 @@ class VideoProcessor(StandInProcessor):
 
         rows = [np.asarray(f.resize((2, 1), Image.NEAREST), dtype=np.float32).reshape(2, 3) for f in frames]
         pixels = (np.concatenate(rows) / 255.0 - 0.5) * 4
-        return ProcessedImage([VIDEO_TOKEN] * len(pixels), {"pixels": pixels})
+        return ProcessedImage([self.video_token_id] * len(pixels), {"pixels": pixels})
 
 
 def _video(seed: int, frames: int = 3) -> np.ndarray:
@@ -655,3 +659,105 @@ def test_videos_through_the_engine_equal_transformers(vision, tiny_llama_dir):
         capped.generate([prompt], params, use_tqdm=False)
     assert capped.generate([{"prompt_token_ids": [304, IMAGE_TOKEN, 83], "multi_modal_data": {"image": _image(6)}}],
                            params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _mp4(frames: int, seed: int = 0, size=(32, 24)) -> bytes:
+    """An MP4 (MPEG-4 part 2) of ``frames`` frames: frame i a flat grey of level 5 * i plus a little noise."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        stream.codec_context.gop_size, stream.bit_rate = 1, 4_000_000  # every frame whole, near lossless
+        for i in range(frames):
+            pixels = np.clip(5 * i + rng.integers(0, 2, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_video_files_decode_to_evenly_spaced_frames(tmp_path):
+    """A video file (bytes, a data: URL, a path) gives VIDEO_FRAMES frames evenly spaced over it, first and last
+    included (all of a shorter one); what FFmpeg cannot read is refused by name."""
+    from specray.multimodal import VIDEO_FRAMES, decode_video
+
+    frames = decode_video(_mp4(VIDEO_FRAMES + 9))
+    levels = [int(round(np.asarray(f).mean() / 5)) for f in frames]  # each frame's index in the file
+    assert len(frames) == VIDEO_FRAMES and levels[0] == 0 and levels[-1] == VIDEO_FRAMES + 8
+    assert levels == sorted(levels) and len(set(levels)) == VIDEO_FRAMES
+    assert [int(round(np.asarray(f).mean() / 5)) for f in decode_video(_mp4(5))] == [0, 1, 2, 3, 4]
+    (tmp_path / "v.mp4").write_bytes(_mp4(3))
+    url = "data:video/mp4;base64," + base64.b64encode(_mp4(3)).decode()
+    assert [len(load_video(v)) for v in (str(tmp_path / "v.mp4"), url, _mp4(3))] == [3, 3, 3]
+    assert len(media_of({"video": [url, url]})["video"]) == 2
+    with pytest.raises(ValueError, match="video could not be decoded"):
+        decode_video(_png(_image(1))[:40])
+    with pytest.raises(ValueError, match="is not a file"):
+        load_video("/nonexistent.mp4")
+    with pytest.raises(ValueError, match="video '/nonexistent.mp4' is not supported"):
+        load_video("/nonexistent.mp4", local=False)
+
+
+# renders image and video parts as the placeholder tokens
+MEDIA_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+                  "{% if p.type == 'image' %}<image>{% elif p.type == 'video' %}<video>{% else %}{{ p.text }}{% endif %}"
+                  "{% endfor %}{% endif %}{% endfor %}")
+
+
+class ChatVideoProcessor(VideoProcessor):
+    image_token_id, video_token_id = 3, 4  # "<image>", "<video>": the tiny tokenizer's fourth and fifth specials
+
+
+def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
+    """An OpenAI chat request with a video_url part (vLLM's; a data: URL of an MP4) beside an image_url part
+    answers what LLM.chat answers for the same messages; an undecodable video is a 400 naming messages."""
+    import uvicorn
+    from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
+
+    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
+    from specray.engine.async_engine import AsyncLLMEngine
+    from tests.conftest import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny", "llama", extra_special_tokens=("<image>", "<video>"))
+    vision["processor"] = ChatVideoProcessor
+    video = "data:video/mp4;base64," + base64.b64encode(_mp4(4, seed=3)).decode()
+    image = "data:image/png;base64," + base64.b64encode(_png(_image(21))).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "The quick"},
+                                             {"type": "video_url", "video_url": {"url": video}},
+                                             {"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": " brown fox"}]}]
+    llm = LLM(model=str(folder), max_model_len=64)
+    assert llm.get_tokenizer().convert_tokens_to_ids(["<image>", "<video>"]) == [3, 4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.chat(messages, params, use_tqdm=False, chat_template=MEDIA_TEMPLATE)[0]
+    assert want.prompt_token_ids.count(4) == 8 and want.prompt_token_ids.count(3) == 6  # 4 frames, 1 image
+
+    aengine = AsyncLLMEngine(llm.engine)
+    app = build_openai_app(AsyncEngineClient(aengine, image_processor=ChatVideoProcessor()),
+                           ServerConfig("tiny", chat_template=MEDIA_TEMPLATE))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.02)
+        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                "return_token_ids": True}
+        status, got = http_json(chat, body)
+        assert status == 200, got
+        assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+        assert got["prompt_token_ids"] == want.prompt_token_ids
+        part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+        status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
+        assert status == 400 and err["error"]["param"] == "messages", err
+        assert "video could not be decoded" in err["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        aengine.shutdown()
