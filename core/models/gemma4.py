@@ -231,8 +231,10 @@ class Gemma4Attention(nn.Module):
         spec = dict(num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_head_start=kv_start)
         kv_spec = SlidingWindowSpec(**spec, sliding_window=config.sliding_window) if sliding else \
             FullAttentionSpec(**spec)
-        # a full layer stays causal over images that see each other both ways in the sliding layers
-        kinds = (PagedAttention, SharedPagedAttention) if sliding else \
+        # a full layer stays causal over images that see each other both ways in the sliding layers (Gemma 4 Unified's
+        # see each other in every layer: its text config says so)
+        both_ways = sliding or getattr(config, "images_both_ways_in_full_layers", False)
+        kinds = (PagedAttention, SharedPagedAttention) if both_ways else \
             (CausalPagedAttention, SharedCausalPagedAttention)
         self.attn = kinds[source is not None](self.num_heads, kv_spec, 1.0)
 

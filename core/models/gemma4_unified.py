@@ -16,7 +16,9 @@ Everything else is Gemma 4's class unchanged: KV-shared layers' cache specs, LoR
 parallel ranks, pipeline stages (a KV-shared layer on its source's stage), Gemma 4's assistant reading the "store"
 layers' K/V (:mod:`specray.models.gemma4_assistant`, which also serves ``gemma4_unified_assistant``).
 ``use_bidirectional_attention`` "vision" (the default: text tokens attend causally) is served, "all" refused by name
-(Gemma 4's check). Tiny random models against transformers only: never run on a GPU or a real checkpoint.
+(Gemma 4's check). Images (:mod:`specray.models.gemma4_unified_images`): an image's soft tokens see each other both
+ways in every layer, the full ones too (unlike Gemma 4, whose full layers stay causal), so the full layers here take
+the plain paged attention. Tiny random models against transformers only: never run on a GPU or a real checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def text_view(config):
     view = copy.copy(config)
     for field, off in ABSENT_FIELDS.items():
         setattr(view, field, off)
+    # transformers' Unified model lets an image's soft tokens see each other both ways in its full layers too (Gemma
+    # 4's stay causal: ``gemma4.CausalPagedAttention``)
+    view.images_both_ways_in_full_layers = True
     return view
 
 

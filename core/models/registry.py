@@ -658,3 +658,10 @@ _MULTIMODAL["Gemma4ForConditionalGeneration"] = ("specray.models.gemma4_images:G
 # the image tokens that Apertus1p5Processor writes (grid header, rows joined by end-of-line tokens); text as above
 _MULTIMODAL["Apertus1p5ForConditionalGeneration"] = ("specray.models.apertus1p5_vision:Apertus1p5ImageEncoder",
                                                      "specray.models.apertus1p5_vision:Apertus1p5ImageProcessor")
+# Gemma 4 Unified with images (specray.models.gemma4_unified_images): the encoder-free embedder (merged 48x48 patches
+# LayerNormed, projected and LayerNormed, factorized column + row positions, LayerNorm, then the multimodal embedder)
+# into the <|image|> rows between boi and eoi as Gemma4UnifiedProcessor writes them; with use_bidirectional_attention
+# "vision" an image's soft tokens see each other both ways in every layer; no audio or video; text as _TEXT_PARTS says
+_MULTIMODAL["Gemma4UnifiedForConditionalGeneration"] = (
+    "specray.models.gemma4_unified_images:Gemma4UnifiedImageEncoder",
+    "specray.models.gemma4_unified_images:Gemma4UnifiedImageProcessor")
