@@ -25,7 +25,8 @@ from specray.models.internvl import pixel_shuffle
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import assert_ranks_equal_one_rank, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2
@@ -39,10 +40,7 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_att
 
 
 def _images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in ((40, 64, 3), (64, 48, 3))]
+    return random_images([(40, 64), (64, 48)], legacy=True)
 
 
 def _visible(model) -> None:
@@ -290,12 +288,9 @@ def test_engine_greedy_with_images_equals_transformers(tiny_aya, hf_model):
 
 def test_tensor_parallel_two_ranks_equal_one(tiny_aya, tmp_path):
     """The Cohere2 text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's
-    logits with the images' rows in place, a prefill chunk ending inside an image's span (InternVL's worker)."""
-    from tests.test_internvl_images import TP_WORKER
-    from tests.test_internvl_images import PROMPT as INTERNVL_PROMPT
-
-    results = run_ranks(tmp_path, TP_WORKER.replace(repr(INTERNVL_PROMPT), repr(PROMPT)), 2, 2, [str(tiny_aya)])
-    assert all(len(r["diffs"]) == 1 and max(r["diffs"]) < TOL for r in results), results
+    logits with the images' rows in place, a prefill chunk (15 tokens) ending inside an image's span."""
+    ids, mm = _expand(tiny_aya, load_image_processor(str(tiny_aya)))
+    assert_ranks_equal_one_rank(tmp_path, [(tiny_aya, ids, mm, [15, len(ids) - 15])], 1, TOL)
 
 
 def test_a_one_tile_image_has_no_thumbnail(tiny_aya):

@@ -12,28 +12,23 @@ is not served is refused by name. The tiny release is built here."""
 
 from __future__ import annotations
 
-import inspect
-import pickle
-import random
 import sys
-import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from specray.models import exaone4_5_vision as ev
 from specray.models import qwen2_vl_vision as qv
-from specray.models.attention import build_attention_metadata
-from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_image_encoder, load_model, read_config
-from specray.multimodal import expand_prompt, step_rows
+from specray.multimodal import expand_prompt
+from specray_test_image_checks import (assert_expansion_equals_transformers,  # tests/image_checks.py
+                                       assert_ranks_equal_one_rank, encoded, grid_reference, image_logits,
+                                       random_images)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
-BLOCK = 4
 SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # the text model: EXAONE 4.0's post-norm layers with per-head q/k norms; layer 0 slides over 8 tokens with RoPE,
 # layer 1 attends everything without RoPE
@@ -59,10 +54,7 @@ PROMPT = 59
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    return random_images(SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -117,46 +109,6 @@ def expanded(folder: Path):
     return processor, ids, mm
 
 
-def encoded(folder: Path, mm) -> list[torch.Tensor]:
-    """Each image's embeddings from our encoder (built and loaded as the engine's loader does)."""
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    with torch.no_grad():
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-
-
-@torch.no_grad()
-def image_logits(model, ids: list[int], mm, embeds: list[torch.Tensor], sizes: list[int] | None) -> torch.Tensor:
-    """Our text model's logits [L, V] over ``ids`` (the expanded prompt and tokens past it) in chunks of ``sizes``
-    (then single steps; None: one prefill) through a paged cache in shuffled blocks, each chunk's image rows from
-    ``embeds`` (``meta.input_embeds``), plain positions; None on a pipeline stage before the last."""
-    sizes = [len(ids)] if sizes is None else sizes + [1] * (len(ids) - sum(sizes))
-    allocate_kv_cache(model, 64, BLOCK)
-    table = random.Random(0).sample(range(64), -(-len(ids) // BLOCK))
-    out, start = [], 0
-    for n in sizes:
-        meta = build_attention_metadata([n], [start], [table], BLOCK, model.device)
-        rows, values = [], []
-        for item, embed in zip(mm.items, embeds):
-            positions, indices = step_rows(item, start, start + n)
-            rows += [p - start for p in positions]
-            values.append(embed[indices])
-        if rows:
-            meta.input_embeds = (torch.tensor(rows, device=model.device), torch.cat(values).to(model.device))
-        hidden = model(torch.tensor(ids[start: start + n], device=model.device), meta)
-        out.append(None if hidden is None else model.compute_logits(hidden))
-        start += n
-    return None if out[0] is None else torch.cat(out)
-
-
-@torch.no_grad()
-def reference(hf, ids: list[int], mm) -> torch.Tensor:
-    """transformers' whole model's logits [L, V] over ``ids`` with the images' processed tensors."""
-    data = [item.data for item in mm.items]
-    pixels = torch.from_numpy(np.concatenate([d["pixel_values"] for d in data]))
-    grid = torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in data]))
-    return hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid).logits[0]
-
-
 # ---- the processor, the encoder and the whole model ------------------------------------------------------------------
 
 def test_processor_equals_transformers(release):
@@ -165,15 +117,8 @@ def test_processor_equals_transformers(release):
     folder, _ = release
     theirs = hf_processor(folder)
     processor = ev.Exaone4_5ImageProcessor.from_pretrained(folder, read_config(str(folder)))
-    for text, pictures in ((TEXT_BEFORE + PART + AFTER, images()[1:]),
-                           (TEXT_BEFORE + PART + BETWEEN + PART + AFTER, images())):
-        want = theirs(text=[text], images=pictures, return_tensors="pt")
-        ids, mm = expand_prompt(theirs.tokenizer(text)["input_ids"], pictures, processor)
-        assert ids == want["input_ids"][0].tolist()
-        assert [item.length for item in mm.items] == [int(g.prod()) // 4 for g in want["image_grid_thw"]]
-        assert np.array_equal(np.concatenate([i.data["pixel_values"] for i in mm.items]), want["pixel_values"].numpy())
-        assert np.array_equal(np.concatenate([i.data["image_grid_thw"] for i in mm.items]), want["image_grid_thw"])
-        assert mm.rope_positions is None
+    cases = [(TEXT_BEFORE + PART + AFTER, images()[1:]), (TEXT_BEFORE + PART + BETWEEN + PART + AFTER, images())]
+    assert_expansion_equals_transformers(theirs, processor, cases)
 
 
 def test_encoder_equals_transformers_image_features(release):
@@ -197,7 +142,7 @@ def test_logits_with_images_equal_transformers(release, schedule):
     assert [(item.offset, item.length) for item in mm.items] == SPANS and len(ids) == PROMPT
     ids = ids + GENERATED
     ours = image_logits(load_model(str(folder)), ids, mm, encoded(folder, mm), SCHEDULES[schedule])
-    assert max_diff(ours, reference(hf, ids, mm)) < TOL
+    assert max_diff(ours, grid_reference(hf, ids, mm, token_types=False)) < TOL
 
 
 # ---- each part matters -----------------------------------------------------------------------------------------------
@@ -239,7 +184,7 @@ def test_each_part_shows_in_the_logits(release, part, monkeypatch):
     if part == "image embeddings":  # the placeholders' own embeddings
         mm = type(mm)(items=[])
     ours = image_logits(load_model(str(folder)), ids, mm, embeds, SCHEDULES["chunked+decode"])
-    assert max_diff(ours, reference(hf, ids, expanded(folder)[2])) > MOVED
+    assert max_diff(ours, grid_reference(hf, ids, expanded(folder)[2], token_types=False)) > MOVED
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
@@ -282,51 +227,14 @@ def test_mismatches_are_refused(release):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# one rank of two (argv: rank, stages (1: tensor parallel, 2: two pipeline stages), port, the result's folder, the
-# release folder): the encoder (whole on each rank) embeds the images, the text model's share on this rank runs
-# :func:`image_logits` (its source pasted below) over the chunks and decode steps; it writes how far its logits are
-# from one rank's (None on the first of two stages)
-RANK_WORKER = textwrap.dedent("""
-    import gc, json, pickle, random, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.multimodal import step_rows
-    from specray.workers.worker import join_groups
-
-    BLOCK = 4
-    torch.set_num_threads(1)
-    rank, stages, port, out, folder = sys.argv[1:]
-    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", int(stages))
-""") + textwrap.dedent(inspect.getsource(image_logits)) + textwrap.dedent("""
-
-    ids, mm, sizes = pickle.load(open(f"{folder}/inputs.pkl", "rb"))
-    encoder = load_image_encoder(folder, read_config(folder), torch.float32, "cpu")
-    with torch.no_grad():
-        embeds = [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-    ours = image_logits(load_model(folder, tp, pp=pp), ids, mm, embeds, sizes)
-    one = None if ours is None else image_logits(load_model(folder), ids, mm, embeds, sizes)
-    diff = None if ours is None else (ours - one).abs().max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 @pytest.mark.parametrize("stages", [1, 2])
 def test_ranks_equal_one_rank(release, tmp_path, stages):
     """Two tensor-parallel ranks (the text model's heads, MLP and vocabulary split, the encoder whole on each), or two
     pipeline stages (the image rows taken in on the first), give one rank's logits with images: chunks splitting the
     images' spans, then decode steps."""
-    from specray_test_model_checks import run_ranks
-
     folder, _ = release
     _, ids, mm = expanded(folder)
-    (folder / "inputs.pkl").write_bytes(pickle.dumps((ids + GENERATED, mm, SCHEDULES["chunked+decode"])))
-    results = run_ranks(tmp_path, RANK_WORKER, 2, stages, [str(folder)])
-    assert [r["diff"] is None for r in results] == [stages == 2, False], results
-    assert all(r["diff"] < TOL for r in results if r["diff"] is not None), results
+    assert_ranks_equal_one_rank(tmp_path, [(folder, ids + GENERATED, mm, SCHEDULES["chunked+decode"])], stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

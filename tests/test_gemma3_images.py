@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import textwrap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from specray.models.gemma3_images import Gemma3ImageEncoder, Gemma3ImageProcesso
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_image_encoder, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings or logits at least this much (a hundred times TOL)
@@ -52,10 +53,7 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 
 
 def _images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in ((40, 64, 3), (64, 48, 3))]
+    return random_images([(40, 64), (64, 48)], legacy=True)
 
 
 def build_gemma_tokenizer(path: Path):
@@ -393,24 +391,13 @@ def test_each_part_shows_in_the_embeddings(folder, hf, mutation):
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="clip_vision_model"), "vision_config.model_type='clip_vision_model'"),
     (dict(mm_tokens_per_image=15), "mm_tokens_per_image=15"),
     (dict(mm_tokens_per_image=9), "mm_tokens_per_image=9")])
 def test_unsupported_settings_are_refused(folder, change, words):
     with pytest.raises(ValueError) as err:
-        Gemma3ImageEncoder(_config(folder, **change))
+        Gemma3ImageEncoder(config_with(folder, **change))
     assert words in str(err.value)
 
 
@@ -438,60 +425,13 @@ def test_mismatches_are_refused(folder, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folder, inputs): the text model split over the two
-# ranks, the encoder replicated, PROMPT's logits with its images (chunks at the images' edges, single steps, each
-# image's soft tokens seeing each other) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, pickle, random, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, folder, inputs = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    ids, mm, sizes = pickle.load(open(inputs, "rb"))
-    encoder = load_image_encoder(folder, read_config(folder), torch.float32, "cpu")
-    with torch.no_grad():
-        embeds = [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-    rows = {item.offset + i: embeds[k][i] for k, item in enumerate(mm.items) for i in range(item.length)}
-
-    @torch.no_grad()
-    def logits(model):
-        allocate_kv_cache(model, 64, 4)
-        table, out, start = random.Random(0).sample(range(64), -(-len(ids) // 4)), [], 0
-        for n in sizes:
-            anc = torch.ones(n, n, dtype=torch.bool).tril()
-            for item in mm.items:
-                if start <= item.offset < start + n:
-                    anc[item.offset - start:item.end - start, item.offset - start:item.end - start] = True
-            meta = build_attention_metadata([n], [start], [table], 4, ancestors=[anc])
-            mine = [p for p in range(start, start + n) if p in rows]
-            if mine:
-                meta.input_embeds = (torch.tensor([p - start for p in mine]), torch.stack([rows[p] for p in mine]))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    ours, one = logits(load_model(folder, tp)), logits(load_model(folder))
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": (ours - one).abs().max().item()}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 def test_tensor_parallel_two_ranks_equal_one(folder, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
-    with the images' rows in place and their soft tokens seeing each other."""
-    import pickle
-
+    with the images' rows in place and their soft tokens seeing each other: PROMPT's, in chunks at the images' edges
+    then single steps."""
     ids, mm = _expanded(folder)
-    inputs = tmp_path / "inputs.pkl"
-    inputs.write_bytes(pickle.dumps((ids, mm, _schedules(mm, len(ids))["chunked+decode"])))
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(folder), str(inputs)])
-    assert len(results) == 2 and all(r["diff"] < TOL for r in results), results
+    runs = [(folder, ids, mm, _schedules(mm, len(ids))["chunked+decode"], {"bidirectional": True})]
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
@@ -505,24 +445,14 @@ def test_engine_greedy_with_images_equals_transformers(folder, hf):
     """``LLM.generate`` with two images (steps of at most 24 tokens, so the prefill stops before each image and takes
     it whole; n-gram drafts) gives transformers' greedy ``generate`` tokens, beside a text-only prompt in the same
     batch; some drafts are accepted; transformers without the images generates other tokens."""
-    from specray import LLM, SamplingParams
+    from transformers import AutoProcessor
+
+    from specray import LLM
 
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=24,
               speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain_text = "The quick brown fox"
-    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _images()}}, plain_text], params,
-                        use_tqdm=False)
-    inputs = _hf_inputs(folder)
-    with torch.no_grad():
-        want = hf.generate(**inputs, **GREEDY)
-        tokens = llm.get_tokenizer().encode(plain_text)
-        plain = hf.generate(torch.tensor([tokens]), **GREEDY)
-        blind = hf.generate(inputs["input_ids"], **GREEDY)
-    assert list(outs[0].outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
-    assert want[0].tolist() != blind[0].tolist()
-    assert list(outs[1].outputs[0].token_ids) == plain[0, len(tokens):].tolist()
-    assert llm.spec_stats.accepted_tokens > 0
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_images_greedy_equals_transformers(llm, hf, AutoProcessor.from_pretrained(folder), PROMPT, _images())
 
 
 def test_engine_chat_with_an_image_equals_transformers(folder, hf):

@@ -30,8 +30,9 @@ import torch
 from specray.models.gemma4_images import Gemma4ImageEncoder, Gemma4ImageProcessor
 from specray.models.loader import load_image_encoder, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
-from tests.test_gemma3_images import TP_WORKER, logits_with_images
+from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
+from tests.test_gemma3_images import logits_with_images
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings or logits at least this much (a hundred times TOL)
@@ -63,10 +64,7 @@ TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + 
 
 
 def _images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in ((40, 64, 3), (64, 48, 3))]
+    return random_images([(40, 64), (64, 48)], legacy=True)
 
 
 def _tokenizer(path: Path):
@@ -415,17 +413,6 @@ def test_causal_images_with_experts_match_transformers(tmp_path):
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="siglip_vision_model"), "vision_config.model_type='siglip_vision_model'"),
     (dict(vision_config__hidden_activation="gelu"), "vision_config.hidden_activation='gelu'"),
@@ -433,7 +420,7 @@ def _config(folder: Path, **changes):
      "rope_parameters.rope_type='default'")])
 def test_unsupported_settings_are_refused(folder, change, words):
     with pytest.raises(ValueError) as err:
-        Gemma4ImageEncoder(_config(folder, **change))
+        Gemma4ImageEncoder(config_with(folder, **change))
     assert words in str(err.value)
 
 
@@ -449,7 +436,7 @@ def test_mismatches_are_refused(folder, tmp_path):
     with pytest.raises(ValueError, match="pooling_kernel_size=3"):
         _processor(copy)
     with pytest.raises(ValueError, match="pad_token_id=None"):
-        _processor(folder, _config(folder, text_config__pad_token_id=None))
+        _processor(folder, config_with(folder, text_config__pad_token_id=None))
     config = read_config(str(folder))
     ids, mm = _expanded(folder)
     with pytest.raises(ValueError, match=f"audio_token_id={config.audio_token_id}"):
@@ -466,15 +453,11 @@ def test_mismatches_are_refused(folder, tmp_path):
 
 def test_tensor_parallel_two_ranks_equal_one(folder, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
-    with the images' rows in place and their soft tokens seeing each other (Gemma 3's worker: items are the soft
+    with the images' rows in place and their soft tokens seeing each other (Gemma 3's check: items are the soft
     tokens alone here too)."""
-    import pickle
-
     ids, mm = _expanded(folder)
-    inputs = tmp_path / "inputs.pkl"
-    inputs.write_bytes(pickle.dumps((ids, mm, _schedules(mm, len(ids))["chunked+decode"])))
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(folder), str(inputs)])
-    assert len(results) == 2 and all(r["diff"] < TOL for r in results), results
+    runs = [(folder, ids, mm, _schedules(mm, len(ids))["chunked+decode"], {"bidirectional": True})]
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import io
 import json
 import random
 import shutil
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,9 @@ import torch
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.multimodal import expand_prompt, step_rows
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, first_cut,  # tests/image_checks.py
+                                       random_images)
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings at least this much
@@ -46,10 +47,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, (*shape, 3), dtype=np.uint8)) for shape in SHAPES]
+    return random_images(SHAPES, legacy=True)
 
 
 def build_tiny(path: Path, smolvlm: bool = False, seed: int = 0) -> Path:
@@ -348,19 +346,6 @@ def test_each_part_shows_in_the_embeddings(idefics3_dir, hf_model, monkeypatch, 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    from specray.models.loader import read_config
-
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="siglip_vision_model"), "vision_config.model_type='siglip_vision_model'"),
     (dict(vision_config__hidden_act="swish"), "vision_config.hidden_act='swish'"),
@@ -371,7 +356,7 @@ def test_unsupported_model_settings_are_refused(idefics3_dir, change, words):
     from specray.models.idefics3 import Idefics3ImageEncoder
 
     with pytest.raises(ValueError) as err:
-        Idefics3ImageEncoder(_config(idefics3_dir, **change))
+        Idefics3ImageEncoder(config_with(idefics3_dir, **change))
     assert words in str(err.value)
 
 
@@ -383,7 +368,7 @@ def test_unsupported_processor_settings_are_refused(idefics3_dir, tmp_path, sett
     from specray.models.idefics3 import Idefics3ImageProcessor
 
     folder = shutil.copytree(idefics3_dir, tmp_path / "f")
-    config = _config(folder)
+    config = config_with(folder)
     if "image_seq_len" in settings:
         (folder / "processor_config.json").write_text(json.dumps(settings))
     elif "image_token_id" in settings:
@@ -401,7 +386,7 @@ def test_missing_tensors_are_refused(idefics3_dir):
 
     from specray.models.idefics3 import Idefics3ImageEncoder
 
-    encoder = Idefics3ImageEncoder(_config(idefics3_dir))
+    encoder = Idefics3ImageEncoder(config_with(idefics3_dir))
     tensors = load_file(str(idefics3_dir / "model.safetensors"))
     for gone in ("model.vision_model.encoder.layers.1.mlp.fc2.bias", "model.connector.modality_projection.proj.weight",
                  "model.vision_model.post_layernorm.weight"):
@@ -470,58 +455,10 @@ def test_smolvlm_chat_with_an_image_url_equals_transformers_generate(smolvlm_dir
 
 # ---- tensor parallel -----------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folder): the text model split over the two ranks,
-# the encoder replicated, PROMPT's logits with both images (a prefill chunk ending inside the first image's span, then
-# the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-    from specray.multimodal import expand_prompt, step_rows
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, folder = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, (*s, 3), dtype=np.uint8)) for s in %r][:2]
-    config = read_config(folder)
-    encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder, config)
-    ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-    with torch.no_grad():
-        embeds = [encoder.encode({"pixel_values": torch.from_numpy(i.data["pixel_values"])}) for i in mm.items]
-
-    @torch.no_grad()
-    def logits(model):
-        allocate_kv_cache(model, 32, 4)
-        table, out, start = random.Random(0).sample(range(32), -(-len(ids) // 4)), [], 0
-        cut = mm.items[0].offset + 5
-        for n in (cut, len(ids) - cut):
-            meta = plan([n], [start], [table], 4)
-            rows, values = [], []
-            for item, embed in zip(mm.items, embeds):
-                positions, indices = step_rows(item, start, start + n)
-                rows += [p - start for p in positions]
-                values.append(embed[indices])
-            meta.input_embeds = (torch.tensor(rows), torch.cat(values))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    ours, one = logits(load_model(folder, tp)), logits(load_model(folder))
-    diff = (ours - one).abs().max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""" % (SHAPES, PROMPT))
-
-
 def test_tensor_parallel_two_ranks_equal_one(idefics3_dir, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(idefics3_dir)])
-    assert all(r["diff"] < TOL for r in results), results
+    with the images' rows in place: PROMPT's with two images, a prefill chunk ending inside the first image's span,
+    then the rest."""
+    ids, mm = expanded(idefics3_dir)
+    cut = first_cut(mm)
+    assert_ranks_equal_one_rank(tmp_path, [(idefics3_dir, ids, mm, [cut, len(ids) - cut])], 1, TOL)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import textwrap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,8 @@ from specray.models.internvl import InternVLImageEncoder, InternVLImageProcessor
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings or logits at least this much
@@ -44,10 +45,7 @@ KINDS = {"v3": dict(vision=dict(norm_type="layer_norm", attention_bias=True, use
 
 
 def _images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in ((40, 64, 3), (64, 48, 3))]
+    return random_images([(40, 64), (64, 48)], legacy=True)
 
 
 def _visible(model) -> None:
@@ -388,17 +386,6 @@ def test_each_part_shows_in_the_embeddings(tiny_internvl, hf_models, kind, mutat
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="siglip_vision_model"), "vision_config.model_type='siglip_vision_model'"),
     (dict(vision_feature_select_strategy="full"), "vision_feature_select_strategy='full'"),
@@ -411,7 +398,7 @@ def _config(folder: Path, **changes):
     (dict(projector_hidden_act="swish_glu"), "projector_hidden_act='swish_glu'")])
 def test_unsupported_settings_are_refused(tiny_internvl, change, words):
     with pytest.raises(ValueError) as err:
-        InternVLImageEncoder(_config(tiny_internvl["v3"], **change))
+        InternVLImageEncoder(config_with(tiny_internvl["v3"], **change))
     assert words in str(err.value)
 
 
@@ -436,61 +423,15 @@ def test_mismatches_are_refused(tiny_internvl, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folders): each folder's text model split over the
-# two ranks, its encoder replicated, PROMPT's logits with its images (a prefill of 15 tokens ending inside the first
-# image's span, then the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-    from specray.multimodal import expand_prompt
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, *folders = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, s, dtype=np.uint8)) for s in ((40, 64, 3), (64, 48, 3))]
-
-    @torch.no_grad()
-    def logits(model, ids, rows):
-        allocate_kv_cache(model, 64, 4)
-        table, out, start = random.Random(0).sample(range(64), -(-len(ids) // 4)), [], 0
-        for n in (15, len(ids) - 15):
-            meta = plan([n], [start], [table], 4)
-            mine = [p for p in range(start, start + n) if p in rows]
-            meta.input_embeds = (torch.tensor([p - start for p in mine]), torch.stack([rows[p] for p in mine]))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    diffs = []
-    for folder in folders:
-        config = read_config(folder)
-        encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder)
-        ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-        rows = {}
-        for item in mm.items:
-            with torch.no_grad():
-                values = encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()})
-            rows.update((item.offset + r, values[i]) for i, r in enumerate(item.embed_rows))
-        ours, one = logits(load_model(folder, tp), ids, rows), logits(load_model(folder), ids, rows)
-        diffs.append((ours - one).abs().max().item())
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
-""" % PROMPT)
-
-
 def test_tensor_parallel_two_ranks_equal_one(tiny_internvl, tmp_path):
     """Both text models split over two tensor-parallel ranks (the encoder replicated on each) give one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(tiny_internvl[kind]) for kind in sorted(KINDS)])
-    assert all(len(r["diffs"]) == 2 and max(r["diffs"]) < TOL for r in results), results
+    with the images' rows in place: PROMPT's, a prefill of 15 tokens ending inside the first image's span, then the
+    rest."""
+    runs = []
+    for kind in sorted(KINDS):
+        ids, mm = _expand(tiny_internvl[kind], load_image_processor(str(tiny_internvl[kind])))
+        runs.append((tiny_internvl[kind], ids, mm, [15, len(ids) - 15]))
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
@@ -504,26 +445,13 @@ def test_engine_greedy_with_images_equals_transformers(tiny_internvl, hf_models,
     """``LLM.generate`` with two images (a chunked prefill of 12-token steps, which split both images' spans; n-gram
     drafts) gives transformers' greedy ``generate`` tokens, token for token, beside a text-only prompt in the same
     batch; some drafts are accepted; transformers without the images generates other tokens."""
-    from specray import LLM, SamplingParams
+    from specray import LLM
 
     folder = tiny_internvl[kind]
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=12,
               speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _images()}}, "The quick brown fox"],
-                        params, use_tqdm=False)
-    inputs = _hf_inputs(folder)
-    hf = hf_models[kind]
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        want = hf.generate(**inputs, **kw)
-        text = llm.get_tokenizer().encode("The quick brown fox")
-        plain = hf.generate(torch.tensor([text]), **kw)
-        blind = hf.generate(inputs["input_ids"], **kw)  # the placeholders' own embeddings
-    assert list(outs[0].outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
-    assert want[0].tolist() != blind[0].tolist()
-    assert list(outs[1].outputs[0].token_ids) == plain[0, len(text):].tolist()
-    assert llm.spec_stats.accepted_tokens > 0
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_images_greedy_equals_transformers(llm, hf_models[kind], hf_processor(folder), PROMPT, _images())
 
 
 # InternVL3's chat template's shape (ChatML; an image part renders "<IMG_CONTEXT>\n" before the text)

@@ -16,11 +16,8 @@ refused by name."""
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
-import pickle
-import random
 import subprocess
 import sys
 import textwrap
@@ -32,15 +29,14 @@ import torch
 from safetensors.torch import save_file
 
 from specray.models import kimi_k25_vision as kv
-from specray.models.attention import build_attention_metadata
-from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_image_encoder, load_model, read_config
-from specray.multimodal import expand_prompt, step_rows
+from specray.multimodal import expand_prompt
+from specray_test_image_checks import (assert_ranks_equal_one_rank, encoded, grid_reference,  # tests/image_checks.py
+                                       image_logits, random_images)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
-BLOCK = 4
 SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<|kimi_k25_video_placeholder|>")
 TEXT = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
@@ -81,10 +77,7 @@ TORCHVISION_PATHS = ("KIMI_K25_TORCHVISION_PATH", "LLAMA4_TORCHVISION_PATH")
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    return random_images(SIZES)
 
 
 def release_names(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
@@ -184,49 +177,6 @@ def expanded(folder: Path, text: str = TEXT_BEFORE + PART + BETWEEN + PART + AFT
     processor = kv.KimiK25ImageProcessor.from_pretrained(folder, read_config(str(folder)))
     ids, mm = expand_prompt(prompt_ids(folder, text), images() if pictures is None else pictures, processor)
     return processor, ids, mm
-
-
-def encoded(folder: Path, mm, edit=None) -> list[torch.Tensor]:
-    """Each image's [n, H] from our encoder (built and loaded as the engine's loader does; ``edit``: a change made to
-    it before it encodes)."""
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    with torch.no_grad():
-        if edit is not None:
-            edit(encoder)
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-
-
-@torch.no_grad()
-def image_logits(model, ids: list[int], mm, embeds: list[torch.Tensor], sizes: list[int] | None) -> torch.Tensor:
-    """Our text model's logits [L, V] over ``ids`` in chunks of ``sizes`` (then single steps; None: one prefill)
-    through a paged cache in shuffled blocks, each chunk's image rows from ``embeds`` as the runner hands them
-    (``meta.input_embeds``)."""
-    sizes = [len(ids)] if sizes is None else sizes + [1] * (len(ids) - sum(sizes))
-    allocate_kv_cache(model, 64, BLOCK)
-    table = random.Random(0).sample(range(64), -(-len(ids) // BLOCK))
-    out, start = [], 0
-    for n in sizes:
-        meta = build_attention_metadata([n], [start], [table], BLOCK, model.device)
-        rows, values = [], []
-        for item, embed in zip(mm.items, embeds):
-            positions, indices = step_rows(item, start, start + n)
-            rows += [p - start for p in positions]
-            values.append(embed[indices])
-        if rows:
-            meta.input_embeds = (torch.tensor(rows, device=model.device), torch.cat(values).to(model.device))
-        hidden = model(torch.tensor(ids[start: start + n], device=model.device), meta)
-        out.append(model.compute_logits(hidden))
-        start += n
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def reference(hf, ids: list[int], mm) -> torch.Tensor:
-    """transformers' whole model's logits [L, V] over ``ids`` with the images' processed tensors."""
-    data = [item.data for item in mm.items]
-    pixels = torch.from_numpy(np.concatenate([d["pixel_values"] for d in data]))
-    grid = torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in data]))
-    return hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid).logits[0]
 
 
 class PixelsOf:
@@ -387,7 +337,7 @@ def test_logits_with_images_equal_transformers(release, schedule):
     assert all(any(o < c < o + n for c in cuts) for o, n in spans)  # each image's span split by a chunk
     ids = ids + GENERATED
     ours = image_logits(load_model(str(folder)), ids, mm, encoded(folder, mm), SCHEDULES[schedule])
-    assert max_diff(ours, reference(hf, ids, mm)) < TOL
+    assert max_diff(ours, grid_reference(hf, ids, mm, token_types=False)) < TOL
 
 
 # ---- each part matters -----------------------------------------------------------------------------------------------
@@ -451,7 +401,7 @@ def test_each_part_shows_in_the_logits(release, part, monkeypatch):
              "final norm": lambda e: setattr(e.vision_tower, "final_layernorm", torch.nn.Identity())}
     embeds = encoded(folder, mm, edits.get(part))
     ours = image_logits(load_model(str(folder)), ids, mm, embeds, SCHEDULES["chunked+decode"])
-    assert max_diff(ours, reference(hf, ids, mm)) > MOVED
+    assert max_diff(ours, grid_reference(hf, ids, mm, token_types=False)) > MOVED
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
@@ -531,47 +481,12 @@ def test_mismatches_are_refused(release):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# one rank of two (argv: rank, world, port, the result's folder, the release folder): the encoder (whole on each rank)
-# embeds the images, the text model's share on this rank runs :func:`image_logits` (its source pasted below) over the
-# chunks and decode steps; it writes how far its logits are from one rank's
-RANK_WORKER = textwrap.dedent("""
-    import gc, json, pickle, random, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.multimodal import step_rows
-    from specray.workers.worker import join_groups
-
-    BLOCK = 4
-    torch.set_num_threads(1)
-    rank, world, port, out, folder = sys.argv[1:]
-    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-""") + textwrap.dedent(inspect.getsource(image_logits)) + textwrap.dedent("""
-
-    ids, mm, sizes = pickle.load(open(f"{folder}/inputs.pkl", "rb"))
-    encoder = load_image_encoder(folder, read_config(folder), torch.float32, "cpu")
-    with torch.no_grad():
-        embeds = [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-    ours = image_logits(load_model(folder, tp, pp=pp), ids, mm, embeds, sizes)
-    one = image_logits(load_model(folder), ids, mm, embeds, sizes)
-    diff = (ours - one).abs().max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
 def test_two_ranks_equal_one_rank(release, tmp_path):
     """Two tensor-parallel ranks (the text model's heads, experts and vocabulary split, the encoder whole on each)
     give one rank's logits with images: chunks splitting the images' spans, then decode steps."""
-    from specray_test_model_checks import run_ranks
-
     folder = release[0]["release"]
     _, ids, mm = expanded(folder)
-    (folder / "inputs.pkl").write_bytes(pickle.dumps((ids + GENERATED, mm, SCHEDULES["chunked+decode"])))
-    results = run_ranks(tmp_path, RANK_WORKER, 2, 2, [str(folder)])
-    assert all(r["diff"] < TOL for r in results), results
+    assert_ranks_equal_one_rank(tmp_path, [(folder, ids + GENERATED, mm, SCHEDULES["chunked+decode"])], 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ import torch
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.multimodal import expand_prompt, step_rows
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, first_cut,  # tests/image_checks.py
+                                       random_images)
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings at least this much (a hundred times TOL)
@@ -63,10 +65,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, (*shape, 3), dtype=np.uint8)) for shape in SHAPES]
+    return random_images(SHAPES, legacy=True)
 
 
 def build_tiny_llama4(path: Path, seed: int = 0) -> Path:
@@ -422,19 +421,6 @@ def test_each_part_shows_in_the_embeddings(llama4_dir, hf_model, monkeypatch, pa
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    from specray.models.loader import read_config
-
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="clip_vision_model"), "vision_config.model_type='clip_vision_model'"),
     (dict(vision_config__hidden_act="silu"), "vision_config.hidden_act='silu'"),
@@ -446,7 +432,7 @@ def test_unsupported_model_settings_are_refused(llama4_dir, change, words):
     from specray.models.llama4_vision import Llama4ImageEncoder
 
     with pytest.raises(ValueError) as err:
-        Llama4ImageEncoder(_config(llama4_dir, **change))
+        Llama4ImageEncoder(config_with(llama4_dir, **change))
     assert words in str(err.value)
 
 
@@ -461,7 +447,7 @@ def test_unsupported_processor_settings_are_refused(llama4_dir, tmp_path, settin
 
     folder = shutil.copytree(llama4_dir, tmp_path / "f")
     saved = json.loads((folder / "processor_config.json").read_text())
-    config = _config(folder)
+    config = config_with(folder)
     if "patch_size" in settings:
         saved.update(settings)
     elif "image_token_index" in settings:
@@ -479,7 +465,7 @@ def test_inconsistent_adapter_widths_refuse_images_only(llama4_dir):
     the encoder is built (the engine still serves the text), its processor and its encode refuse by name."""
     from specray.models.llama4_vision import Llama4ImageEncoder, Llama4ImageProcessor
 
-    config = _config(llama4_dir, vision_config__intermediate_size=96)
+    config = config_with(llama4_dir, vision_config__intermediate_size=96)
     encoder = Llama4ImageEncoder(config)
     with pytest.raises(ValueError, match="intermediate_size=96"):
         Llama4ImageProcessor.from_pretrained(llama4_dir, config)
@@ -492,7 +478,7 @@ def test_missing_tensors_and_wrong_tiles_are_refused(llama4_dir):
 
     from specray.models.llama4_vision import Llama4ImageEncoder
 
-    encoder = Llama4ImageEncoder(_config(llama4_dir))
+    encoder = Llama4ImageEncoder(config_with(llama4_dir))
     tensors = load_file(str(llama4_dir / "model.safetensors"))
     for gone in ("vision_model.model.layers.1.mlp.fc2.bias", "multi_modal_projector.linear_1.weight",
                  "vision_model.vision_adapter.mlp.fc1.weight"):
@@ -556,60 +542,10 @@ def test_chat_with_an_image_url_equals_transformers_generate(llama4_dir, hf_mode
 
 # ---- tensor parallel -----------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folder): the text model split over the two ranks,
-# the encoder replicated, PROMPT's logits with both images (a prefill chunk ending inside the first image's span, then
-# the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.llama4_vision import Llama4ImageProcessor
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.multimodal import expand_prompt, step_rows
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, folder = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, (*s, 3), dtype=np.uint8)) for s in %r][:2]
-    config = read_config(folder)
-    encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), Llama4ImageProcessor.from_pretrained(
-        folder, config)
-    ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-    with torch.no_grad():
-        embeds = [encoder.encode({"pixel_values": torch.from_numpy(i.data["pixel_values"])}) for i in mm.items]
-
-    @torch.no_grad()
-    def logits(model):
-        allocate_kv_cache(model, 32, 4)
-        table, out, start = random.Random(0).sample(range(32), -(-len(ids) // 4)), [], 0
-        cut = mm.items[0].offset + 5
-        for n in (cut, len(ids) - cut):
-            meta = plan([n], [start], [table], 4)
-            rows, values = [], []
-            for item, embed in zip(mm.items, embeds):
-                positions, indices = step_rows(item, start, start + n)
-                rows += [p - start for p in positions]
-                values.append(embed[indices])
-            meta.input_embeds = (torch.tensor(rows), torch.cat(values))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    ours, one = logits(load_model(folder, tp)), logits(load_model(folder))
-    diff = (ours - one).abs().max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""" % (SHAPES, PROMPT))
-
-
 def test_tensor_parallel_two_ranks_equal_one(llama4_dir, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(llama4_dir)])
-    assert all(r["diff"] < TOL for r in results), results
+    with the images' rows in place: PROMPT's with two images, a prefill chunk ending inside the first image's span,
+    then the rest."""
+    ids, mm = expanded(llama4_dir)
+    cut = first_cut(mm)
+    assert_ranks_equal_one_rank(tmp_path, [(llama4_dir, ids, mm, [cut, len(ids) - cut])], 1, TOL)

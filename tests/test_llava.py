@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import textwrap
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,8 @@ from specray.models.loader import (iter_weights, load_image_encoder, load_image_
                                    resolve_model)
 from specray.models.vision_towers import CLIP, VISION_ACTIVATIONS
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings or logits at least this much (a hundred times TOL)
@@ -47,10 +48,7 @@ KINDS = {"clip": dict(vision_feature_layer=-2, vision_feature_select_strategy="d
 
 
 def _images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in ((40, 64, 3), (64, 48, 3))]
+    return random_images([(40, 64), (64, 48)], legacy=True)
 
 
 def _visible(model) -> None:
@@ -391,17 +389,6 @@ def test_each_part_shows_in_the_embeddings(tiny_llava, hf_models, kind, mutation
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="qwen2_vl"), "vision_config.model_type='qwen2_vl'"),
     (dict(vision_feature_select_strategy="cls"), "vision_feature_select_strategy='cls'"),
@@ -411,7 +398,7 @@ def _config(folder: Path, **changes):
     (dict(projector_hidden_act="swish_glu"), "projector_hidden_act='swish_glu'")])
 def test_unsupported_settings_are_refused(tiny_llava, change, words):
     with pytest.raises(ValueError) as err:
-        LlavaImageEncoder(_config(tiny_llava["clip"], **change))
+        LlavaImageEncoder(config_with(tiny_llava["clip"], **change))
     assert words in str(err.value)
 
 
@@ -436,62 +423,19 @@ def test_mismatches_are_refused(tiny_llava, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folders): each folder's text model split over the
-# two ranks, its encoder replicated, PROMPT's logits with its images (a prefill of 30 tokens ending inside the first
-# image's span, then 35 more) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import (iter_weights, load_image_encoder, load_image_processor, load_model, read_config,
-                                   resolve_model)
-    from specray.multimodal import expand_prompt
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, *folders = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, s, dtype=np.uint8)) for s in ((40, 64, 3), (64, 48, 3))]
-
-    @torch.no_grad()
-    def logits(model, ids, rows):
-        allocate_kv_cache(model, 32, 4)
-        table, out, start = random.Random(0).sample(range(32), 17), [], 0
-        for n in (30, len(ids) - 30):
-            meta = plan([n], [start], [table], 4)
-            mine = [p for p in range(start, start + n) if p in rows]
-            meta.input_embeds = (torch.tensor([p - start for p in mine]), torch.stack([rows[p] for p in mine]))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    diffs = []
-    for folder in folders:
-        config = read_config(folder)
-        encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder)
-        ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-        rows = {}
-        for item in mm.items:
-            with torch.no_grad():
-                values = encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()})
-            rows.update((item.offset + i, values[i]) for i in range(item.length))
-        ours, one = logits(load_model(folder, tp), ids, rows), logits(load_model(folder), ids, rows)
-        diffs.append((ours - one).abs().max().item())
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
-""" % PROMPT)
-
-
 def test_tensor_parallel_two_ranks_equal_one(tiny_llava, tmp_path):
     """Both text models split over two tensor-parallel ranks (the encoder replicated on each) give one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(tiny_llava[kind]) for kind in sorted(KINDS)])
-    assert all(len(r["diffs"]) == 2 and max(r["diffs"]) < TOL for r in results), results
+    with the images' rows in place: PROMPT's, a prefill of 30 tokens ending inside the first image's span, then the
+    rest."""
+    from transformers import AutoTokenizer
+
+    runs = []
+    for kind in sorted(KINDS):
+        folder = tiny_llava[kind]
+        ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(PROMPT), _images(),
+                                load_image_processor(str(folder)))
+        runs.append((folder, ids, mm, [30, len(ids) - 30]))
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
@@ -505,24 +449,13 @@ def test_engine_greedy_with_images_equals_transformers(tiny_llava, hf_models, ki
     """``LLM.generate`` with two images (a chunked prefill of 20-token steps, which split both images' spans; n-gram
     drafts) gives transformers' greedy ``generate`` tokens, token for token, beside a text-only prompt in the same
     batch; some drafts are accepted; transformers without the images generates other tokens."""
-    from specray import LLM, SamplingParams
+    from transformers import AutoProcessor
+
+    from specray import LLM
 
     folder = tiny_llava[kind]
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=20,
               speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": _images()}}, "The quick brown fox"],
-                        params, use_tqdm=False)
-    inputs = _hf_inputs(folder)
-    with torch.no_grad():
-        want = hf_models[kind].generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)
-        text = llm.get_tokenizer().encode("The quick brown fox")
-        plain = hf_models[kind].generate(torch.tensor([text]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)
-        blind = hf_models[kind].generate(inputs["input_ids"], max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)  # the placeholders' own embeddings
-    assert list(outs[0].outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
-    assert want[0].tolist() != blind[0].tolist()
-    assert list(outs[1].outputs[0].token_ids) == plain[0, len(text):].tolist()
-    assert llm.spec_stats.accepted_tokens > 0
+    runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
+    runs.assert_images_greedy_equals_transformers(llm, hf_models[kind], AutoProcessor.from_pretrained(folder), PROMPT,
+                                                  _images())

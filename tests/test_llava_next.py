@@ -14,7 +14,6 @@ import json
 import random
 import re
 import shutil
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,9 @@ import torch
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, prompt_run,  # tests/image_checks.py
+                                       random_images)
+from specray_test_model_checks import max_diff
 
 TOL, MOVED = 1e-4, 1e-2
 TILE, PATCH = 28, 7
@@ -43,10 +44,7 @@ SHAPES = ((20, 100), (100, 18), (60, 40))
 
 
 def images(count: int = 3) -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in SHAPES[:count]]
+    return random_images(SHAPES[:count], legacy=True)
 
 
 def build(path: Path, kind: str, seed: int = 0) -> Path:
@@ -354,19 +352,6 @@ def test_each_part_shows_in_the_embeddings(folders, hf_models, mutation):
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    from specray.models.loader import read_config
-
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("kind,change,words", [
     ("clip", dict(vision_config__model_type="pixtral"), "vision_config.model_type='pixtral'"),
     ("clip", dict(vision_feature_select_strategy="full"), "vision_feature_select_strategy='full'"),
@@ -378,7 +363,7 @@ def _config(folder: Path, **changes):
 def test_unsupported_settings_are_refused(folders, kind, change, words):
     from specray.models.llava_next import LlavaNextImageEncoder, LlavaNextImageProcessor
 
-    config = _config(folders[kind], **change)
+    config = config_with(folders[kind], **change)
     with pytest.raises(ValueError, match=words):
         LlavaNextImageEncoder(config)
     if "vision_feature_layer" not in change:
@@ -417,71 +402,18 @@ def test_mismatches_are_refused(folders, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, prompt, folders...): each folder's text model split
-# over the two ranks, its encoder replicated; the prompt's logits with its images (SHAPES; a prefill chunk ending inside
-# the first image's span, then the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.models.registry import multimodal_classes
-    from specray.multimodal import expand_prompt, step_rows
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, prompt, shapes, *folders = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in json.loads(shapes)]
-
-    @torch.no_grad()
-    def logits(model, ids, mm, embeds):
-        allocate_kv_cache(model, 128, 4)
-        table, out, start = random.Random(0).sample(range(128), -(-len(ids) // 4)), [], 0
-        cut = mm.items[0].offset + 5
-        for n in (cut, len(ids) - cut):
-            meta = plan([n], [start], [table], 4)
-            rows, values = [], []
-            for item, embed in zip(mm.items, embeds):
-                positions, indices = step_rows(item, start, start + n)
-                rows += [p - start for p in positions]
-                values.append(embed[indices])
-            meta.input_embeds = (torch.tensor(rows), torch.cat(values))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    diffs = []
-    for folder in folders:
-        config = read_config(folder)
-        encoder = load_image_encoder(folder, config, torch.float32, "cpu")
-        processor = multimodal_classes(config)[1].from_pretrained(folder, config)
-        ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(prompt), images, processor)
-        with torch.no_grad():
-            embeds = [encoder.encode({k: torch.from_numpy(v) for k, v in i.data.items()}) for i in mm.items]
-        ours, one = logits(load_model(folder, tp), ids, mm, embeds), logits(load_model(folder), ids, mm, embeds)
-        diffs.append((ours - one).abs().max().item())
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
-""")
-
-
-def run_two_ranks(tmp_path: Path, prompt: str, shapes, folders: list[str]) -> list[float]:
-    """Each folder's diffs between two tensor-parallel ranks and one (TP_WORKER), over both ranks."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [prompt, json.dumps([list(s) for s in shapes]), *folders])
-    return [d for r in results for d in r["diffs"]]
+def assert_two_ranks_equal_one(tmp_path: Path, prompt: str, images: list, folders: list[Path], tol: float) -> None:
+    """Each folder's text model split over two tensor-parallel ranks (its encoder replicated on each) gives one
+    rank's logits within ``tol`` over ``prompt`` with ``images``: a prefill chunk ending inside the first image's span,
+    then the rest."""
+    runs = [prompt_run(folder, prompt, images, blocks=128) for folder in folders]
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, tol)
 
 
 def test_tensor_parallel_two_ranks_equal_one(folders, tmp_path):
     """Both text models split over two ranks (encoders replicated) give one rank's logits with the images' rows in
     place, a prefill chunk ending inside the first image's span."""
-    diffs = run_two_ranks(tmp_path, PROMPT, SHAPES, [str(folders[kind]) for kind in sorted(KINDS)])
-    assert len(diffs) == 4 and max(diffs) < TOL, diffs
+    assert_two_ranks_equal_one(tmp_path, PROMPT, images(), [folders[kind] for kind in sorted(KINDS)], TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import sys
-import textwrap
 import types
 
 import numpy as np
@@ -24,6 +23,7 @@ from PIL import Image
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.multimodal import expand_prompt, step_rows
+from specray_test_image_checks import assert_ranks_equal_one_rank, first_cut, random_images  # tests/image_checks.py
 from specray_test_model_checks import max_diff
 
 TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
@@ -53,9 +53,7 @@ def pixtral_processor_class():
 
 def images() -> list[Image.Image]:
     """A tall image (shrunk to 40 x 24: 5 x 3 merged patches) and a small wide one (grown to 24 x 40: 3 x 5)."""
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (50, 30, 3), dtype=np.uint8)),
-            Image.fromarray(rng.integers(0, 256, (20, 37, 3), dtype=np.uint8))]
+    return random_images([(50, 30), (20, 37)])
 
 
 def build(folder, seed: int = 0, text_type: str = "mistral", **overrides):
@@ -375,63 +373,13 @@ def test_engine_with_images_equals_transformers_generate(mistral3_dir, hf_model)
     assert llm.spec_stats.accepted_tokens > 0
 
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folder): the text model split over the two ranks,
-# the encoder replicated, TEXT's logits with both images (a prefill chunk ending inside the first image's span, then
-# the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-    from specray.multimodal import expand_prompt, step_rows
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, folder = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8)) for s in ((50, 30, 3), (20, 37, 3))]
-    config = read_config(folder)
-    encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder)
-    ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-    with torch.no_grad():
-        embeds = [encoder.encode({"pixel_values": torch.from_numpy(i.data["pixel_values"])}) for i in mm.items]
-
-    @torch.no_grad()
-    def logits(model):
-        allocate_kv_cache(model, 32, 4)
-        table, out, start = random.Random(0).sample(range(32), 16), [], 0
-        cut = mm.items[0].offset + 5
-        for n in (cut, len(ids) - cut):
-            meta = plan([n], [start], [table], 4)
-            rows, values = [], []
-            for item, embed in zip(mm.items, embeds):
-                positions, indices = step_rows(item, start, start + n)
-                rows += [p - start for p in positions]
-                values.append(embed[indices])
-            meta.input_embeds = (torch.tensor(rows), torch.cat(values))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    ours, one = logits(load_model(folder, tp)), logits(load_model(folder))
-    diff = (ours - one).abs().max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diff": diff}, open(f"{out}/{rank}.json", "w"))
-""" % TEXT)
-
-
 def test_tensor_parallel_two_ranks_equal_one(mistral3_dir, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    from specray_test_model_checks import run_ranks
-
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(mistral3_dir)])
-    assert all(r["diff"] < 1e-4 for r in results), results
+    with the images' rows in place: TEXT's with both images, a prefill chunk ending inside the first image's span,
+    then the rest."""
+    ids, mm = expanded(mistral3_dir)
+    cut = first_cut(mm)
+    assert_ranks_equal_one_rank(tmp_path, [(mistral3_dir, ids, mm, [cut, len(ids) - cut])], 1, 1e-4)
 
 
 def test_bf16_encoder_is_as_close_as_transformers_bf16(mistral3_dir, hf_model, hf_inputs):

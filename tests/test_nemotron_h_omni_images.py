@@ -33,7 +33,8 @@ from specray.models.loader import iter_weights, load_image_encoder, load_image_p
     resolve_model
 from specray.models.nemotron_h_omni_vision import NemotronHOmniImageEncoder, NemotronHOmniImageProcessor, patch_grid
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the embeddings or logits at least this much
@@ -54,10 +55,7 @@ RECORDED_IDS = ([38, 226, 4] + [3] * 16 + [5, 226, 39, 226, 4] + [3] * 15 + [5, 
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 255, shape, dtype=np.uint8)) for shape in SHAPES]
+    return random_images(SHAPES, legacy=True)
 
 
 def build_tiny_omni(path: Path, mtp: int, seed: int = 0) -> Path:
@@ -449,17 +447,6 @@ def test_each_part_shows_in_the_embeddings(tiny_omni, hf_models, kind, mutation)
 
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
-def _config(folder: Path, **changes):
-    config = read_config(str(folder))
-    for name, value in changes.items():
-        target = config
-        *path, last = name.split("__")
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    return config
-
-
 @pytest.mark.parametrize("change,words", [
     (dict(vision_config__model_type="siglip_vision_model"), "vision_config.model_type='siglip_vision_model'"),
     (dict(vision_config__use_swiglu_ffn=True), "vision_config.use_swiglu_ffn=True"),
@@ -468,7 +455,7 @@ def _config(folder: Path, **changes):
     (dict(vision_hidden_size=48), "vision_hidden_size=48")])
 def test_unsupported_settings_are_refused(tiny_omni, change, words):
     with pytest.raises(ValueError) as err:
-        NemotronHOmniImageEncoder(_config(tiny_omni["plain"], **change))
+        NemotronHOmniImageEncoder(config_with(tiny_omni["plain"], **change))
     assert words in str(err.value)
 
 
@@ -497,64 +484,15 @@ def test_mismatches_are_refused(tiny_omni, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-# a gloo rank of two (run_ranks' arguments: rank, world, port, out, folders): each folder's text model split over the
-# two ranks, its encoder replicated, PROMPT's logits with its images (a prefill of 15 tokens ending inside the first
-# image's span, then the rest) against one rank's
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.gated_deltanet import RecurrentBatch
-    from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
-    from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-    from specray.multimodal import expand_prompt
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, *folders = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, s, dtype=np.uint8)) for s in %r]
-
-    @torch.no_grad()
-    def logits(model, ids, rows):
-        allocate_kv_cache(model, 64, 4)
-        allocate_recurrent_state(model, 2, 4, torch.float32)
-        table, out, start = random.Random(0).sample(range(64), -(-len(ids) // 4)), [], 0
-        for n in (15, len(ids) - 15):
-            meta = plan([n], [start], [table], 4)
-            meta.recurrent = RecurrentBatch([0], [start == 0], [0], [0])
-            mine = [p for p in range(start, start + n) if p in rows]
-            meta.input_embeds = (torch.tensor([p - start for p in mine]), torch.stack([rows[p] for p in mine]))
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    diffs = []
-    for folder in folders:
-        config = read_config(folder)
-        encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder)
-        ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-        rows = {}
-        for item in mm.items:
-            with torch.no_grad():
-                values = encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()})
-            rows.update((item.offset + r, values[i]) for i, r in enumerate(item.embed_rows))
-        ours, one = logits(load_model(folder, tp), ids, rows), logits(load_model(folder), ids, rows)
-        diffs.append((ours - one).abs().max().item())
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
-""" % (SHAPES, PROMPT))
-
-
 def test_tensor_parallel_two_ranks_equal_one(tiny_omni, tmp_path):
-    """Both text models split over two tensor-parallel ranks (the encoder replicated on each) give one rank's logits
-    with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(tiny_omni[kind]) for kind in sorted(KINDS)])
-    assert all(len(r["diffs"]) == 2 and max(r["diffs"]) < TOL for r in results), results
+    """Both text models split over two tensor-parallel ranks (the encoder replicated on each; the Mamba-2 layers'
+    state in a slot) give one rank's logits with the images' rows in place: PROMPT's, a prefill of 15 tokens ending
+    inside the first image's span, then the rest."""
+    runs = []
+    for kind in sorted(KINDS):
+        ids, mm = _expand(tiny_omni[kind])
+        runs.append((tiny_omni[kind], ids, mm, [15, len(ids) - 15]))
+    assert_ranks_equal_one_rank(tmp_path, runs, 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specray.multimodal import expand_prompt
+from specray_test_image_checks import random_images  # tests/image_checks.py
 from specray_test_model_checks import max_diff
 from tests.test_mistral3_images import TEXT, TOKENS, images, pixtral_processor_class, run_with_images
 
@@ -220,11 +221,10 @@ def test_engine_with_images_equals_transformers_generate(pixtral_dir, hf_model):
 
 def test_tensor_parallel_two_ranks_equal_one(pixtral_dir, tmp_path):
     """The text model over two tensor-parallel ranks (the encoder replicated) equals one rank with the images' rows
-    in place (LLaVA-NeXT's worker: TEXT with two images, a prefill chunk ending inside the first image's span)."""
-    from tests.test_llava_next import run_two_ranks
+    in place (LLaVA-NeXT's check: TEXT with two images, a prefill chunk ending inside the first image's span)."""
+    from tests.test_llava_next import assert_two_ranks_equal_one
 
-    diffs = run_two_ranks(tmp_path, TEXT, [(50, 30), (20, 37)], [str(pixtral_dir)])
-    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+    assert_two_ranks_equal_one(tmp_path, TEXT, random_images([(50, 30), (20, 37)], legacy=True), [pixtral_dir], 1e-4)
 
 
 def test_bf16_encoder_is_as_close_as_transformers_bf16(pixtral_dir, hf_model):

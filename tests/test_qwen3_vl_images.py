@@ -15,28 +15,23 @@ the GPU's logits with images equal the CPU's."""
 
 from __future__ import annotations
 
-import inspect
-import pickle
-import random
 import sys
-import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from specray.models import llama, qwen3_vl_vision as q3
-from specray.models.attention import build_attention_metadata
-from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import mrope_axes
 from specray.models.loader import load_image_encoder, load_model, read_config
-from specray.multimodal import expand_prompt, step_rows
+from specray.multimodal import expand_prompt
+from specray_test_image_checks import (assert_expansion_equals_transformers,  # tests/image_checks.py
+                                       assert_ranks_equal_one_rank, encoded, image_logits, random_images)
+from specray_test_image_checks import grid_reference as reference
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2  # a deliberate mistake moves the logits at least this much (a hundred times TOL)
-BLOCK = 4
 SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # the text models: Qwen3's layers (q/k norms), GQA, 16-wide heads whose 8 frequencies interleave the temporal, height
 # and width positions (mrope_section [2, 3, 3]: height at 1, 4, 7, width at 2, 5); three layers, DeepStack after the
@@ -63,10 +58,7 @@ PROMPT = 56
 
 
 def images() -> list:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    return random_images(SIZES)
 
 
 def build_release(kind: str, path: Path, seed: int) -> tuple[Path, object]:
@@ -138,64 +130,6 @@ def expanded(folder: Path):
     return processor, ids, mm
 
 
-def encoded(folder: Path, mm, edit=None) -> list[torch.Tensor]:
-    """Each image's [1 + k, n, H] from our encoder (built and loaded as the engine's loader does; ``edit``: a change
-    made to it before it encodes)."""
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    with torch.no_grad():
-        if edit is not None:
-            edit(encoder)
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-
-
-def rope_table(mm, total: int) -> torch.Tensor:
-    """[3, total]: the prompt's positions, then slot + delta on every axis for the tokens past it."""
-    prompt = torch.tensor(mm.rope_positions)
-    past = torch.arange(prompt.shape[1], total) + mm.rope_delta
-    return torch.cat((prompt, past.expand(3, -1)), dim=1)
-
-
-@torch.no_grad()
-def image_logits(model, ids: list[int], mm, embeds: list[torch.Tensor], sizes: list[int] | None,
-                 rope: torch.Tensor | None = None) -> torch.Tensor:
-    """Our text model's logits [L, V] over ``ids`` in chunks of ``sizes`` (then single steps; None: one prefill)
-    through a paged cache in shuffled blocks, each chunk's image rows from ``embeds`` [1 + k, n, H] as the runner
-    hands them (``meta.input_embeds`` the first, ``meta.deepstack_embeds`` the rest) and its positions from ``rope``
-    (default :func:`rope_table`); None on a pipeline stage before the last."""
-    rope = rope_table(mm, len(ids)) if rope is None else rope
-    sizes = [len(ids)] if sizes is None else sizes + [1] * (len(ids) - sum(sizes))
-    allocate_kv_cache(model, 64, BLOCK)
-    table = random.Random(0).sample(range(64), -(-len(ids) // BLOCK))
-    out, start = [], 0
-    for n in sizes:
-        meta = build_attention_metadata([n], [start], [table], BLOCK, model.device)
-        rows, values = [], []
-        for item, embed in zip(mm.items, embeds):
-            positions, indices = step_rows(item, start, start + n)
-            rows += [p - start for p in positions]
-            values.append(embed[:, indices])
-        if rows:
-            values = torch.cat(values, dim=1).to(model.device)
-            meta.input_embeds = (torch.tensor(rows, device=model.device), values[0])
-            meta.deepstack_embeds = values[1:]
-        meta.rope_positions = rope[:, start: start + n].to(model.device)
-        hidden = model(torch.tensor(ids[start: start + n], device=model.device), meta)
-        out.append(None if hidden is None else model.compute_logits(hidden))
-        start += n
-    return None if out[0] is None else torch.cat(out)
-
-
-@torch.no_grad()
-def reference(hf, ids: list[int], mm) -> torch.Tensor:
-    """transformers' whole model's logits [L, V] over ``ids`` with the images' processed tensors."""
-    data = [item.data for item in mm.items]
-    input_ids = torch.tensor([ids])
-    pixels = torch.from_numpy(np.concatenate([d["pixel_values"] for d in data]))
-    grid = torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in data]))
-    types = (input_ids == hf.config.image_token_id).int()
-    return hf(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types).logits[0]
-
-
 # ---- the processor and the encoder -----------------------------------------------------------------------------------
 
 def test_processor_equals_transformers(releases):
@@ -205,19 +139,8 @@ def test_processor_equals_transformers(releases):
     folder, hf = releases["qwen3_vl"]
     theirs = hf_processor(folder)
     processor = q3.Qwen3VLImageProcessor.from_pretrained(folder, read_config(str(folder)))
-    for text, pictures in ((TEXT_BEFORE + PART + AFTER, images()[1:]),
-                           (TEXT_BEFORE + PART + BETWEEN + PART + AFTER, images())):
-        want = theirs(text=[text], images=pictures, return_tensors="pt")
-        ids, mm = expand_prompt(theirs.tokenizer(text)["input_ids"], pictures, processor)
-        assert ids == want["input_ids"][0].tolist()
-        assert [item.length for item in mm.items] == [int(g.prod()) // 4 for g in want["image_grid_thw"]]
-        assert np.array_equal(np.concatenate([i.data["pixel_values"] for i in mm.items]), want["pixel_values"].numpy())
-        assert np.array_equal(np.concatenate([i.data["image_grid_thw"] for i in mm.items]), want["image_grid_thw"])
-        full = torch.tensor([ids + GENERATED])
-        types = torch.cat((want["mm_token_type_ids"], torch.zeros(1, len(GENERATED), dtype=torch.long)), dim=1)
-        positions, delta = hf.model.get_rope_index(full, types.int(), image_grid_thw=want["image_grid_thw"])
-        assert torch.equal(rope_table(mm, full.shape[1]), positions[:, 0])
-        assert mm.rope_delta == int(delta) < 0
+    cases = [(TEXT_BEFORE + PART + AFTER, images()[1:]), (TEXT_BEFORE + PART + BETWEEN + PART + AFTER, images())]
+    assert_expansion_equals_transformers(theirs, processor, cases, hf, GENERATED)
 
 
 def test_position_taps_equal_transformers():
@@ -400,60 +323,18 @@ def test_deepstack_off_the_first_stage_is_refused_before_any_rank_starts(release
 
 # ---- tensor parallel and pipeline stages -----------------------------------------------------------------------------
 
-# one rank of two (argv: rank, stages (1: tensor parallel, 2: two pipeline stages), port, the result's folder, the
-# release folders): each release's encoder (whole on each rank) embeds the images, the text model's share on this rank
-# runs :func:`image_logits` (its source pasted below) over the chunks and decode steps; it writes how far its logits
-# are from one rank's (None on the first of two stages)
-RANK_WORKER = textwrap.dedent("""
-    import gc, json, pickle, random, sys
-    import torch, torch.distributed as dist
-    from specray.models.attention import build_attention_metadata
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_model, read_config
-    from specray.multimodal import step_rows
-    from specray.workers.worker import join_groups
-
-    BLOCK = 4
-    torch.set_num_threads(1)
-    rank, stages, port, out, *folders = sys.argv[1:]
-    tp, pp = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", int(stages))
-""") + textwrap.dedent(inspect.getsource(rope_table)) + textwrap.dedent(inspect.getsource(image_logits)) + (
-    textwrap.dedent("""
-
-    diffs = []
-    for folder in folders:
-        ids, mm, sizes = pickle.load(open(f"{folder}/inputs.pkl", "rb"))
-        encoder = load_image_encoder(folder, read_config(folder), torch.float32, "cpu")
-        with torch.no_grad():
-            embeds = [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
-        # the runner hands image rows and DeepStack features to the first stage only
-        mine = embeds if pp.is_first else [e[:1] for e in embeds]
-        ours = image_logits(load_model(folder, tp, pp=pp), ids, mm, mine, sizes)
-        one = None if ours is None else image_logits(load_model(folder), ids, mm, embeds, sizes)
-        diffs.append(None if ours is None else (ours - one).abs().max().item())
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": diffs}, open(f"{out}/{rank}.json", "w"))
-"""))
-
-
 @pytest.mark.parametrize("stages", [1, 2])
 def test_ranks_equal_one_rank(releases, tmp_path, stages):
     """Two tensor-parallel ranks (the text model's heads, MLP, experts and vocabulary split, the encoder whole on
     each), or two pipeline stages (the image rows and DeepStack features taken in on the first, which holds both
     DeepStack layers; the positions used on both), give one rank's logits with images: chunks splitting the images'
     spans, then decode steps."""
-    from specray_test_model_checks import run_ranks
-
-    folders = []
+    runs = []
     for kind in KINDS:
         folder, _ = releases[kind]
         _, ids, mm = expanded(folder)
-        (folder / "inputs.pkl").write_bytes(pickle.dumps((ids + GENERATED, mm, SCHEDULES["chunked+decode"])))
-        folders.append(str(folder))
-    results = run_ranks(tmp_path, RANK_WORKER, 2, stages, folders)
-    assert [r["diffs"][0] is None for r in results] == [stages == 2, False], results
-    assert all(d < TOL for r in results for d in r["diffs"] if d is not None), results
+        runs.append((folder, ids + GENERATED, mm, SCHEDULES["chunked+decode"], {"first_stage_deepstack": True}))
+    assert_ranks_equal_one_rank(tmp_path, runs, stages, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
