@@ -274,14 +274,23 @@ def images_of(multi_modal_data: Any) -> list:
     return media_of(multi_modal_data)[IMAGE]
 
 
-def load_video(video: Any, local: bool = True, domains: Collection[str] | None = None) -> list:
+class VideoFrames(list):
+    """A video's frames (RGB PIL images), and ``fps``: how many of them a second of the video holds (a file's
+    frames as taken from it; None for frames given as they are, whose times are not known)."""
+
+    fps: float | None = None
+
+
+def load_video(video: Any, local: bool = True, domains: Collection[str] | None = None) -> VideoFrames:
     """A video's frames as RGB PIL images, in order: from a list of frames (each what :func:`load_image` takes) or
     an array [T, H, W, 3] of uint8 (vLLM's form), the frames as given; or from a video file (bytes, a ``data:`` URL,
     an http(s) URL, a path: :func:`media_bytes`), :data:`VIDEO_FRAMES` frames evenly spaced over it."""
     from PIL import Image
 
+    fps = getattr(video, "fps", None)  # (frames loaded before keep their rate)
     if isinstance(video, (bytes, bytearray, str, os.PathLike)):
         frames = decode_video(media_bytes(video, VIDEO, local, domains))
+        fps = frames.fps
     elif isinstance(video, np.ndarray):
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
             raise ValueError(f"a video array must be [frames, height, width, 3] of uint8, not {video.dtype} "
@@ -293,7 +302,8 @@ def load_video(video: Any, local: bool = True, domains: Collection[str] | None =
     else:
         raise ValueError(f"a video of type {type(video).__name__} is not supported: give a list of frames (PIL "
                          "images, image bytes, data: URLs, ...) or an array [frames, height, width, 3] of uint8")
-    frames = [frame.convert("RGB") for frame in frames]
+    frames = VideoFrames(frame.convert("RGB") for frame in frames)
+    frames.fps = fps
     if not 0 < len(frames) <= MAX_VIDEO_FRAMES:
         raise ValueError(f"a video of {len(frames)} frames: give 1 to {MAX_VIDEO_FRAMES} (sample a longer one)")
     if len({frame.size for frame in frames}) > 1:
@@ -311,9 +321,10 @@ def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> list:
+def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> VideoFrames:
     """A video file's frames (RGB PIL images): ``num_frames`` of them evenly spaced from the first to the last (all
-    where it has fewer); frames not taken are decoded but never converted."""
+    where it has fewer), with how many of them a second holds (from their timestamps, else the stream's rate);
+    frames not taken are decoded but never converted."""
     import av
 
     try:
@@ -324,7 +335,16 @@ def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> list:
                 total = sum(1 for _ in container.decode(video=0))
         wanted = set(np.linspace(0, total - 1, min(num_frames, total)).round().astype(int).tolist()) if total else set()
         with av.open(io.BytesIO(data)) as container:
-            frames = [frame.to_image() for i, frame in enumerate(container.decode(video=0)) if i in wanted]
+            rate = container.streams.video[0].average_rate
+            taken = [(frame.time, frame.to_image()) for i, frame in enumerate(container.decode(video=0))
+                     if i in wanted]
+        frames = VideoFrames(image for _, image in taken)
+        times = [t for t, _ in taken if t is not None]
+        span = times[-1] - times[0] if len(times) == len(taken) > 1 else 0.0
+        if span > 0:
+            frames.fps = (len(times) - 1) / span
+        elif rate:  # one frame, or no timestamps: the stream's rate, thinned as the frames were
+            frames.fps = float(rate) * len(frames) / max(total, 1)
     except (av.FFmpegError, IndexError, ValueError) as err:
         raise ValueError(f"the video could not be decoded ({err or 'no video stream'}); send an MP4, WebM or other "
                          "file FFmpeg reads, with a video stream") from None

@@ -26,11 +26,12 @@ the text before it; the text after it continues from start + max(rows, columns).
 slot index plus ``max position + 1 - prompt length`` on every axis.
 
 The encoder is replicated on every tensor-parallel rank; it reads its tensors under ``visual.`` (the releases') or
-``model.visual.`` (transformers 5's modules). Videos are not served (the seam takes images only). Tensor shapes per
+``model.visual.`` (transformers 5's modules). Videos: :mod:`specray.models.qwen2_vl_video`. Tensor shapes per
 image come from its grid on the host (one ``tolist`` per image, outside the text model's steps)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,8 +48,10 @@ from specray.models.llama import _head_dim
 from specray.models.vision_towers import Linear, copy_weights, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
+logger = logging.getLogger(__name__)
 _OWN = re.compile(r"^(?:model\.)?visual\.(.+)$")  # the releases' names, and transformers 5's modules'
 NORM_EPS = 1e-6  # the tower's and the merger's norms (fixed in transformers' modules)
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the releases whose videos QwenVLImageProcessor serves
 
 
 def _field(config: Any, name: str, default: Any = None) -> Any:
@@ -261,7 +264,10 @@ class Qwen2VLImageEncoder(nn.Module):
         return grid
 
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
-        """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [t*h*w / merge², out]."""
+        """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [t*h*w / merge², out]; a
+        video's ``pixel_values_videos`` and ``video_grid_thw`` run through the same tower (its frame pairs)."""
+        if "pixel_values_videos" in data:
+            data = {"pixel_values": data["pixel_values_videos"], "image_grid_thw": data["video_grid_thw"]}
         pixels, grid = data["pixel_values"], self._grid(data)
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.reshape(self.dim, -1))  # [N, dim]
@@ -333,10 +339,30 @@ class QwenVLImageProcessor:
     merge-block order), the placeholder (``<|image_pad|>``, the config's ``image_token_id``) repeated once per token
     the merger gives, and the prompt's multimodal RoPE positions."""
 
-    def __init__(self, image_processor: Any, image_token_id: int, merge: int):
+    def __init__(self, image_processor: Any, image_token_id: int, merge: int, video_token_id: int | None = None,
+                 video: Any = None, tokens_per_second: float | None = None, video_problem: str | None = None):
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.merge = merge
+        # videos (specray.models.qwen2_vl_video): the <|video_pad|> placeholder, the frames' processor, Qwen2.5-VL's
+        # temporal spacing (None: Qwen2-VL's frame-pair index), why videos are refused (None: they are served)
+        self.video_token_id = video_token_id
+        self.video, self.tokens_per_second, self.video_problem = video, tokens_per_second, video_problem
+
+    def process_video(self, frames: list) -> ProcessedImage:
+        """One video's frames (RGB PIL images of one size) -> its ``<|video_pad|>`` tokens and tensors
+        (``pixel_values_videos``, ``video_grid_thw``, and Qwen2.5-VL's ``second_per_grid_ts``: the frames' own rate
+        where known, a file's (``multimodal.VideoFrames.fps``), else transformers' default for frames alone)."""
+        from specray.models.qwen2_vl_video import DEFAULT_FPS
+
+        if self.video_problem is not None:
+            raise ValueError(self.video_problem)
+        pixels, grid = self.video.pixels(frames)
+        data = {"pixel_values_videos": pixels, "video_grid_thw": grid}
+        if self.tokens_per_second is not None:
+            fps = getattr(frames, "fps", None) or DEFAULT_FPS
+            data["second_per_grid_ts"] = np.array([self.video.temporal / fps], dtype=np.float32)
+        return ProcessedImage([self.video_token_id] * (int(grid.prod()) // (self.merge * self.merge)), data)
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> QwenVLImageProcessor:
@@ -353,7 +379,27 @@ class QwenVLImageProcessor:
         token = _field(config, "image_token_id")
         if token is None:
             raise ValueError("the checkpoint's config has no image_token_id (the <|image_pad|> token's id); set it")
-        return cls(image_processor, int(token), int(image_processor.merge_size))
+        return cls(image_processor, int(token), int(image_processor.merge_size), **cls._video_side(folder, config))
+
+    @staticmethod
+    def _video_side(folder: Path, config: Any) -> dict:
+        """The video members' arguments (none: videos are not taken); a release whose video settings are not served
+        keeps its images, and its videos are refused with the reason."""
+        from specray.models.qwen2_vl_video import QwenVLVideoFrames, video_settings
+
+        model_type = str(_field(config, "model_type", ""))
+        token = _field(config, "video_token_id")
+        if model_type not in VIDEO_MODEL_TYPES or token is None:  # (a family built on this processor, or no
+            return {}                                                # <|video_pad|> id: videos refused by the seam)
+        vision = _field(config, "vision_config") or {}
+        qwen2_5 = model_type == "qwen2_5_vl"  # (Qwen2.5-VL spaces frames by time)
+        try:
+            video = QwenVLVideoFrames(video_settings(folder), vision)
+        except ValueError as err:
+            logger.warning("videos are refused for %s: %s", folder, err)
+            return {"video_token_id": int(token), "video_problem": str(err)}
+        return {"video_token_id": int(token), "video": video,
+                "tokens_per_second": _field(vision, "tokens_per_second", 4) if qwen2_5 else None}
 
     def process(self, image: Any) -> ProcessedImage:
         out = self.image_processor(images=[image], return_tensors="np")
@@ -372,17 +418,25 @@ class QwenVLImageProcessor:
             for axis in axes:
                 axis.extend(range(position, position + text))
             position += text
-            t, h, w = (int(g) for g in np.asarray(item.data["image_grid_thw"]).reshape(-1))
+            video = "video_grid_thw" in item.data
+            t, h, w = (int(g) for g in np.asarray(item.data["video_grid_thw" if video else "image_grid_thw"]).ravel())
             rows, cols = h // self.merge, w // self.merge
             if t * rows * cols != item.length:
                 raise ValueError(f"an image's span of {item.length} tokens does not match its grid {[t, h, w]} "
                                  f"(t * h * w / {self.merge}² tokens)")
             grid = np.indices((t, rows, cols)).reshape(3, -1)
+            if video:  # a video's temporal index (Qwen2.5-VL: spaced by time)
+                from specray.models.qwen2_vl_video import temporal_indices
+
+                grid[0] = temporal_indices(t, item.data, self.tokens_per_second)[grid[0]]
             for axis, values in zip(axes, grid):
                 axis.extend((values + position).tolist())
             position += max(rows, cols)
             done = item.end
         for axis in axes:
             axis.extend(range(position, position + len(token_ids) - done))
-        top = max(max(axis) for axis in axes) if token_ids else -1
+        # later tokens continue from the last one's position, as transformers' generate does (with images alone its
+        # largest; a video's temporal positions may pass it: transformers' text after a video continues from start +
+        # max(rows, columns))
+        top = max(axis[-1] for axis in axes) if token_ids else -1
         return axes, top + 1 - len(token_ids)
