@@ -44,19 +44,19 @@ ARCH = "LlavaNextForConditionalGeneration"
 NEWLINE_NAMES = ("image_newline", "model.image_newline")
 
 
-def _tiling(config: Any) -> tuple[int, int, list[tuple[int, int]]]:
+def _tiling(config: Any, arch: str = ARCH) -> tuple[int, int, list[tuple[int, int]]]:
     """(tile size in pixels, features a tile's side, the grid pinpoints as (height, width)); a ValueError for a tower
-    or strategy this family does not serve or pinpoints that are not whole tiles."""
+    or strategy this family does not serve or pinpoints that are not whole tiles (``arch``: the family it names)."""
     vision = getattr(config, "vision_config", None)
     kind = getattr(vision, "model_type", None)
     if kind not in VISION_MODEL_TYPES:
-        raise ValueError(f"vision_config.model_type={kind!r} is not supported for {ARCH}: its tiles go through "
+        raise ValueError(f"vision_config.model_type={kind!r} is not supported for {arch}: its tiles go through "
                          f"the vision towers {list(VISION_MODEL_TYPES)} (CLIP's, SigLIP's); serve this checkpoint's "
                          "text alone with a release of its text model")
     strategy = _strategy(config)
     if (kind == CLIP) != (strategy == "default"):
         raise ValueError(f"vision_feature_select_strategy={strategy!r} with a {kind} tower is not supported for "
-                         f"{ARCH}: a tile must give (image_size / patch_size)^2 features (transformers lays them out "
+                         f"{arch}: a tile must give (image_size / patch_size)^2 features (transformers lays them out "
                          "as a square), so CLIP needs 'default' (its class token dropped) and SigLIP 'full'")
     tile, patch = vision.image_size, vision.patch_size
     if tile % patch:
@@ -67,7 +67,7 @@ def _tiling(config: Any) -> tuple[int, int, list[tuple[int, int]]]:
     except (TypeError, ValueError):
         grid = []
     if not grid or any(h <= 0 or w <= 0 or h % tile or w % tile for h, w in grid):
-        raise ValueError(f"image_grid_pinpoints={pinpoints!r} is not supported for {ARCH}: give a non-empty list of "
+        raise ValueError(f"image_grid_pinpoints={pinpoints!r} is not supported for {arch}: give a non-empty list of "
                          f"[height, width] resolutions, each a positive multiple of vision_config.image_size={tile}")
     return tile, tile // patch, grid
 

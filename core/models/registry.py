@@ -658,6 +658,13 @@ _MULTIMODAL["Gemma4ForConditionalGeneration"] = ("specray.models.gemma4_images:G
 # the image tokens that Apertus1p5Processor writes (grid header, rows joined by end-of-line tokens); text as above
 _MULTIMODAL["Apertus1p5ForConditionalGeneration"] = ("specray.models.apertus1p5_vision:Apertus1p5ImageEncoder",
                                                      "specray.models.apertus1p5_vision:Apertus1p5ImageProcessor")
+# LLaVA-OneVision (specray.models.llava_onevision): a Qwen2 text model in LLaVA's layout (``language_model.model.`` /
+# ``language_model.lm_head.``, or transformers' modules' ``model.language_model.`` / ``lm_head.``); its images through
+# SigLIP's tower, LLaVA's projector and LLaVA-NeXT's any-resolution tiles, the grid bounded by "anyres_max_N"
+_TEXT_PARTS["LlavaOnevisionForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["LlavaOnevisionForConditionalGeneration"] = (
+    "specray.models.llava_onevision:LlavaOnevisionImageEncoder",
+    "specray.models.llava_onevision:LlavaOnevisionImageProcessor")
 # Gemma 4 Unified with images (specray.models.gemma4_unified_images): the encoder-free embedder (merged 48x48 patches
 # LayerNormed, projected and LayerNormed, factorized column + row positions, LayerNorm, then the multimodal embedder)
 # into the <|image|> rows between boi and eoi as Gemma4UnifiedProcessor writes them; with use_bidirectional_attention
@@ -665,3 +672,13 @@ _MULTIMODAL["Apertus1p5ForConditionalGeneration"] = ("specray.models.apertus1p5_
 _MULTIMODAL["Gemma4UnifiedForConditionalGeneration"] = (
     "specray.models.gemma4_unified_images:Gemma4UnifiedImageEncoder",
     "specray.models.gemma4_unified_images:Gemma4UnifiedImageProcessor")
+# PaliGemma / PaliGemma 2 (specray.models.paligemma): a Gemma (PaliGemma) or Gemma 2 (PaliGemma 2) text model in
+# LLaVA's layout (``language_model.model.``, its head tied; transformers' modules: ``model.language_model.``,
+# ``lm_head.``); its images through SigLIP's tower and one linear, the whole prompt (images, <bos>, text, "\n") one
+# span attending both ways
+_TEXT_PARTS["PaliGemmaForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["PaliGemmaForConditionalGeneration"] = ("specray.models.paligemma:PaliGemmaImageEncoder",
+                                                    "specray.models.paligemma:PaliGemmaImageProcessor")
+# (PaliGemma's config sets its text model's use_bidirectional_attention, but the whole model hands that text model a
+# mask of its own: causal, the prompt's prefix both ways, which the image item's bidirectional span gives us)
+_TEXT_CONFIG_FIXES["PaliGemmaForConditionalGeneration"] = {"use_bidirectional_attention": False}
