@@ -70,7 +70,6 @@ TOKENS = [60, 63]
 DIGESTS = ["3fa5e0cb6ec04d552a5ac4ffe9668079873ec3bc0247e0307d8eeb469c7856a9",
            "49ac5ebce8a4b2b77feeac7e5a111772e3f664e0cf7af622cd72fab92db15a92"]
 TORCHVISION_PATHS = ("GEMMA4_UNIFIED_TORCHVISION_PATH", "LLAMA4_TORCHVISION_PATH")
-DEFAULT_TORCHVISION = "/tmp/llama4_images/tv"
 
 
 def _images() -> list:
@@ -281,7 +280,7 @@ REFERENCE = textwrap.dedent("""
 
 def _torchvision_env() -> dict | None:
     env = dict(os.environ)
-    extra = next((os.environ[v] for v in TORCHVISION_PATHS if os.environ.get(v)), None) or DEFAULT_TORCHVISION
+    extra = next((os.environ[v] for v in TORCHVISION_PATHS if os.environ.get(v)), None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
     if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
         return None
@@ -290,7 +289,7 @@ def _torchvision_env() -> dict | None:
 
 def test_pixels_equal_transformers_live(folder, tmp_path):
     """Where torchvision imports (a folder holding it named by ``GEMMA4_UNIFIED_TORCHVISION_PATH`` or
-    ``LLAMA4_TORCHVISION_PATH``, else /tmp/llama4_images/tv), transformers' own ``Gemma4UnifiedImageProcessor`` over
+    ``LLAMA4_TORCHVISION_PATH``), transformers' own ``Gemma4UnifiedImageProcessor`` over
     the two images gives our merged patches, positions and counts (its padding aside)."""
     env = _torchvision_env()
     if env is None:

@@ -250,7 +250,45 @@ class Gemma4ImageEncoder(nn.Module):
         return F.linear(self.embedder.embedding_pre_projection_norm(pooled), self.embedder.embedding_projection.weight)
 
 
-class Gemma4ImageProcessor:
+class SoftTokenImages:
+    """What Gemma 4's host sides share (Gemma 4 Unified's too): an image is boi, its soft tokens (the placeholder
+    ``image_token_id``, the rows that take embeddings) and eoi, seen both ways where the text config's
+    ``use_bidirectional_attention`` is "vision"; plain RoPE; audio and video placeholders refused (``arch``: the
+    release its refusals name)."""
+
+    arch = ARCH
+
+    def _soft_tokens(self, config: Any) -> None:
+        self.image_token_id = int(config.image_token_id)
+        self.boi, self.eoi = int(config.boi_token_id), int(config.eoi_token_id)
+        self.bidirectional = getattr(config.text_config, "use_bidirectional_attention", None) == "vision"
+        # audio and video placeholders (not served): refused in a prompt with images (finish_prompt)
+        self.refused = {int(i): name for name in ("audio_token_id", "video_token_id")
+                        if (i := getattr(config, name, None)) is not None}
+
+    def _image(self, tokens: int, data: dict[str, np.ndarray]) -> ProcessedImage:
+        return ProcessedImage([self.boi] + [self.image_token_id] * tokens + [self.eoi], data,
+                              list(range(1, 1 + tokens)), bidirectional=self.bidirectional)
+
+    def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
+        return None  # plain RoPE
+
+    def finish_prompt(self, token_ids: list[int], items: list[MultiModalItem]
+                      ) -> tuple[list[int], list[MultiModalItem]]:
+        """Each item narrowed to its soft tokens (the rows that take embeddings and, where bidirectional, the block
+        transformers' ``mm_token_type_ids`` marks); the prompt unchanged. Idempotent."""
+        for token, name in self.refused.items():
+            if token in token_ids:
+                raise ValueError(f"the prompt holds {name}={token}: only images are served for {self.arch} (no audio "
+                                 "or video); send the prompt without that placeholder")
+        narrowed = []
+        for item in items:
+            rows = item.embed_rows if item.embed_rows is not None else list(range(item.length))
+            narrowed.append(dataclasses.replace(item, offset=item.offset + rows[0], length=len(rows), embed_rows=None))
+        return token_ids, narrowed
+
+
+class Gemma4ImageProcessor(SoftTokenImages):
     """Gemma 4's host side (:class:`specray.multimodal.ImageProcessor`): see the module docstring."""
 
     def __init__(self, image_processor: Any, config: Any):
@@ -267,12 +305,7 @@ class Gemma4ImageProcessor:
                              "embedding, as transformers does; set pad_token_id in config.json")
         self.image_processor = image_processor
         self.window = vision.pooling_kernel_size
-        self.image_token_id = int(config.image_token_id)
-        self.boi, self.eoi = int(config.boi_token_id), int(config.eoi_token_id)
-        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
-        # audio and video placeholders (not served): refused in a prompt with images (finish_prompt)
-        self.refused = {int(i): name for name in ("audio_token_id", "video_token_id")
-                        if (i := getattr(config, name, None)) is not None}
+        self._soft_tokens(config)
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> Gemma4ImageProcessor:
@@ -298,23 +331,4 @@ class Gemma4ImageProcessor:
                              f"{self.window}; let the image processor resize it (do_resize=True)")
         tokens = real // self.window ** 2
         pixels = np.asarray(out["pixel_values"][0][:real], dtype=np.float32)
-        return ProcessedImage([self.boi] + [self.image_token_id] * tokens + [self.eoi],
-                              {"pixel_values": pixels, "image_position_ids": positions},
-                              list(range(1, 1 + tokens)), bidirectional=self.bidirectional)
-
-    def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
-        return None  # plain RoPE
-
-    def finish_prompt(self, token_ids: list[int], items: list[MultiModalItem]
-                      ) -> tuple[list[int], list[MultiModalItem]]:
-        """Each item narrowed to its soft tokens (the rows that take embeddings and, where bidirectional, the block
-        transformers' ``mm_token_type_ids`` marks); the prompt unchanged. Idempotent."""
-        for token, name in self.refused.items():
-            if token in token_ids:
-                raise ValueError(f"the prompt holds {name}={token}: only images are served for {ARCH} (no audio or "
-                                 "video); send the prompt without that placeholder")
-        narrowed = []
-        for item in items:
-            rows = item.embed_rows if item.embed_rows is not None else list(range(item.length))
-            narrowed.append(dataclasses.replace(item, offset=item.offset + rows[0], length=len(rows), embed_rows=None))
-        return token_ids, narrowed
+        return self._image(tokens, {"pixel_values": pixels, "image_position_ids": positions})

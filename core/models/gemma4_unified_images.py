@@ -33,7 +33,6 @@ more soft tokens than the sliding window (bidirectional), audio/video placeholde
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -47,11 +46,12 @@ import torch
 from torch import nn
 
 from specray.models.gemma4 import Gemma4RMSNorm
+from specray.models.gemma4_images import SoftTokenImages
 from specray.models.kimi_k25_vision import _resize as bicubic_resize  # torchvision's uint8 antialiased bicubic
 from specray.models.layers import LayerNorm, _param
 from specray.models.registry import text_tensors
 from specray.models.vision_towers import Linear, copy_weights
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import ProcessedImage
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +146,12 @@ def resized_size(height: int, width: int, patch: int, max_patches: int, window: 
     return new_h, new_w
 
 
-class Gemma4UnifiedImageProcessor:
+class Gemma4UnifiedImageProcessor(SoftTokenImages):
     """Gemma 4 Unified's host side (:class:`specray.multimodal.ImageProcessor`): transformers'
     ``Gemma4UnifiedImageProcessor``'s merged patches (made here with torch) and ``Gemma4UnifiedProcessor``'s
     expansion of ``<|image|>``."""
+
+    arch = ARCH
 
     def __init__(self, settings: dict, config: Any):
         vision = vision_config(config)
@@ -174,14 +176,8 @@ class Gemma4UnifiedImageProcessor:
                                  f"{'resizes and rescales every image' if served else 'does not normalize'}); set "
                                  f"{flag} to {served} in the processor config")
         self.rescale = float(settings.get("rescale_factor", 1 / 255))
-        text = config.text_config
-        self.bidirectional = getattr(text, "use_bidirectional_attention", None) == "vision"
-        self.sliding_window = getattr(text, "sliding_window", None)
-        self.image_token_id = int(config.image_token_id)
-        self.boi, self.eoi = int(config.boi_token_id), int(config.eoi_token_id)
-        # audio and video placeholders (not served): refused in a prompt with images (finish_prompt)
-        self.refused = {int(i): name for name in ("audio_token_id", "video_token_id")
-                        if (i := getattr(config, name, None)) is not None}
+        self.sliding_window = getattr(config.text_config, "sliding_window", None)
+        self._soft_tokens(config)
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> Gemma4UnifiedImageProcessor:
@@ -213,26 +209,7 @@ class Gemma4UnifiedImageProcessor:
                              f"{self.sliding_window}: transformers lets its soft tokens see each other past the "
                              "window in the sliding layers, which specray's window does not; lower the image "
                              "processor's max_soft_tokens")
-        return ProcessedImage([self.boi] + [self.image_token_id] * tokens + [self.eoi],
-                              {"pixel_values": pixels, "image_position_ids": positions},
-                              list(range(1, 1 + tokens)), bidirectional=self.bidirectional)
-
-    def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
-        return None  # plain RoPE
-
-    def finish_prompt(self, token_ids: list[int], items: list[MultiModalItem]
-                      ) -> tuple[list[int], list[MultiModalItem]]:
-        """Each item narrowed to its soft tokens (the rows that take embeddings and, where bidirectional, the block
-        transformers' ``mm_token_type_ids`` marks); the prompt unchanged. Idempotent."""
-        for token, name in self.refused.items():
-            if token in token_ids:
-                raise ValueError(f"the prompt holds {name}={token}: only images are served for {ARCH} (no audio or "
-                                 "video); send the prompt without that placeholder")
-        narrowed = []
-        for item in items:
-            rows = item.embed_rows if item.embed_rows is not None else list(range(item.length))
-            narrowed.append(dataclasses.replace(item, offset=item.offset + rows[0], length=len(rows), embed_rows=None))
-        return token_ids, narrowed
+        return self._image(tokens, {"pixel_values": pixels, "image_position_ids": positions})
 
 
 def _read_json(path: Path) -> dict:
