@@ -247,14 +247,16 @@ def _corners_aligned(encoder, module):
     return lambda: setattr(module, "F", torch.nn.functional)
 
 
-def _no_unpadding(encoder, module):
-    original = module.image_layout
+def _no_unpadding(encoder, module):  # (LLaVA-NeXT's encode, which OneVision's encoder runs, lays the tiles out)
+    import specray.models.llava_next as next_module
+
+    original = next_module.image_layout
 
     def padded(config, height, width):
         rows, cols, _ = original(config, height, width)
         return rows, cols, (0, rows * 4, 0, cols * 4)
-    module.image_layout = padded
-    return lambda: setattr(module, "image_layout", original)
+    next_module.image_layout = padded
+    return lambda: setattr(next_module, "image_layout", original)
 
 
 def _base_last(encoder, module):

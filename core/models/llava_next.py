@@ -118,8 +118,10 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
     """LLaVA's tower and projector over the base image and its tiles, then LLaVA-NeXT's unpadding and newlines
     (:class:`specray.multimodal.ImageEncoder`); replicated on every tensor-parallel rank."""
 
+    arch = ARCH  # the release its refusals name
+
     def __init__(self, config: Any):
-        self.tile, self.side, self.pinpoints = _tiling(config)
+        self.tile, self.side, self.pinpoints = _tiling(config, self.arch)
         super().__init__(config)
         self.config = config
         self.image_newline = _param(config.text_config.hidden_size)
@@ -147,14 +149,19 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
         rows, cols, (r0, r1, c0, c1) = image_layout(self.config, height, width)
         if pixels.dim() != 4 or pixels.shape[0] != 1 + rows * cols:
             raise ValueError(f"pixel_values of shape {tuple(pixels.shape)} for an image of {height}x{width} pixels: "
-                             f"{ARCH} expects its base image and {rows}x{cols} tiles of image_grid_pinpoints="
+                             f"{self.arch} expects its base image and {rows}x{cols} tiles of image_grid_pinpoints="
                              f"{self.pinpoints} (the image processor's pinpoints must be the model's)")
         features = self.project(self.features(pixels))  # [1 + tiles, side * side, H]
         side, hidden = self.side, features.shape[-1]
         grid = features[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4)
-        grid = grid.reshape(rows * side, cols * side, hidden)[r0:r1, c0:c1]
+        grid = self.bounded(grid.reshape(rows * side, cols * side, hidden)[r0:r1, c0:c1])
         newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, hidden)
         return torch.cat([features[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
+
+    def bounded(self, grid: torch.Tensor) -> torch.Tensor:
+        """The unpadded tiles' features [rows, cols, H] as the newlines close them (LLaVA-OneVision resamples a
+        large grid)."""
+        return grid
 
 
 class LlavaNextImageProcessor:

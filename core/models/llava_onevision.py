@@ -88,30 +88,19 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
     """LLaVA-NeXT's encoder (tower, projector, tiling, unpadding, ``image_newline``) with OneVision's bound on the
     grid (:func:`reduced`); replicated on every tensor-parallel rank."""
 
+    arch = ARCH
+
     def __init__(self, config: Any):
         _check(config)
         super().__init__(config)
 
-    def encode(self, data: dict[str, Any]) -> torch.Tensor:
-        """One image's tiles ``pixel_values`` [1 + tiles, C, S, S] (the base first) and its original ``image_sizes``
-        (height, width) -> its embeddings [tokens_per_image, text hidden size]."""
-        pixels = data["pixel_values"]
-        height, width = (int(v) for v in torch.as_tensor(data["image_sizes"]).reshape(-1).tolist())
-        rows, cols, (r0, r1, c0, c1) = image_layout(self.config, height, width)
-        if pixels.dim() != 4 or pixels.shape[0] != 1 + rows * cols:
-            raise ValueError(f"pixel_values of shape {tuple(pixels.shape)} for an image of {height}x{width} pixels: "
-                             f"{ARCH} expects its base image and {rows}x{cols} tiles of image_grid_pinpoints="
-                             f"{self.pinpoints} (the image processor's pinpoints must be the model's)")
-        features = self.project(self.features(pixels))  # [1 + tiles, side * side, H]
-        side, hidden = self.side, features.shape[-1]
-        grid = features[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4)
-        grid = grid.reshape(rows * side, cols * side, hidden)[r0:r1, c0:c1]
-        size = reduced(self.config, r1 - r0, c1 - c0)
-        if size != (r1 - r0, c1 - c0):
-            grid = F.interpolate(grid.permute(2, 0, 1)[None], list(size), mode="bilinear")[0].permute(1, 2, 0)
-        newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, hidden)
-        return torch.cat([features[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
-
+    def bounded(self, grid: torch.Tensor) -> torch.Tensor:
+        """The unpadded grid [rows, cols, H] resampled bilinearly to :func:`reduced`'s size where "anyres_max_N"
+        bounds it."""
+        size = reduced(self.config, grid.shape[0], grid.shape[1])
+        if size == tuple(grid.shape[:2]):
+            return grid
+        return F.interpolate(grid.permute(2, 0, 1)[None], list(size), mode="bilinear")[0].permute(1, 2, 0)
 
 class LlavaOnevisionImageProcessor(LlavaNextImageProcessor):
     """OneVision's host side (:class:`specray.multimodal.ImageProcessor`): transformers' image processor makes the
