@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,15 +33,12 @@ from torch import nn
 
 from specray.models.internvl import pixel_shuffle
 from specray.models.layers import LayerNorm
-from specray.models.registry import text_tensors
-from specray.models.vision_towers import SIGLIP, Linear, VisionTower, copy_weights, feature_indices
+from specray.models.vision_towers import SIGLIP, Linear, VisionTower, load_tower_and_projector, feature_indices
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 logger = logging.getLogger(__name__)
 
 ARCH = "AyaVisionForConditionalGeneration"
-_OWN_NAMES = ((re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "tower."),
-              (re.compile(r"^(?:model\.)?multi_modal_projector\."), "projector."))
 # AyaVisionProcessor's defaults (its processor_config.json may rename them)
 TOKENS = {"image_token": "<image>", "start_of_img_token": "<|START_OF_IMG|>", "end_of_img_token": "<|END_OF_IMG|>",
           "img_patch_token": "<|IMG_PATCH|>", "tile_token": "TILE", "tile_global_token": "TILE_GLOBAL"}
@@ -94,15 +90,9 @@ class AyaVisionImageEncoder(nn.Module):
         self.projector.linear_1, self.projector.linear_2 = Linear(width, middle), Linear(middle // 2, text_hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the tower's and the projector's tensors among the whole checkpoint's (the text model's, the tower's
-        unread layers, ``post_layernorm`` and head skipped); a ValueError names any of ours missing."""
-        ours = list(text_tensors(weights, _OWN_NAMES))
-        self.tower.load_weights([(n[len("tower."):], t) for n, t in ours if n.startswith("tower.")],
-                                f"{ARCH}'s vision tower (vision_tower.*)")
-        missing = copy_weights({n: p for n, p in self.named_parameters() if n.startswith("projector.")}, ours)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {ARCH}'s projector tensor(s) {missing} (multi_modal_projector.*); "
-                             "it does not match its config.json")
+        """The tower's tensors (its unread layers, ``post_layernorm`` and head skipped) and the projector's; a
+        ValueError names any of ours missing."""
+        load_tower_and_projector(self, weights, ARCH)
 
     @property
     def device(self) -> torch.device:

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -45,17 +44,12 @@ from torch import nn
 
 from specray.models.gemma3 import GemmaRMSNorm
 from specray.models.layers import _param
-from specray.models.registry import text_tensors
-from specray.models.vision_towers import SIGLIP, VisionTower, copy_weights
+from specray.models.vision_towers import SIGLIP, VisionTower, load_tower_and_projector
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 logger = logging.getLogger(__name__)
 
 ARCH = "Gemma3ForConditionalGeneration"
-# the checkpoint's names of this encoder's tensors -> ours: the releases' (``vision_tower.vision_model.``), what
-# transformers 5 saves (``vision_tower.``) and its modules' (``model.vision_tower.``, ``model.multi_modal_projector.``)
-_OWN_NAMES = ((re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "tower."),
-              (re.compile(r"^(?:model\.)?multi_modal_projector\."), "projector."))
 MAX_NEWLINES = 31  # runs of newlines looked up in the vocabulary as one token, up to this length
 
 
@@ -99,14 +93,9 @@ class Gemma3ImageEncoder(nn.Module):
         self.projector.mm_input_projection_weight = _param(vision.hidden_size, config.text_config.hidden_size)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the tower's and the projector's tensors among the whole checkpoint's (any layout); the text model's
-        and SigLIP's pooling head (when saved) are skipped unread. A ValueError names any of ours missing."""
-        ours = list(text_tensors(weights, _OWN_NAMES))  # (renamed by the registry's patterns)
-        tower = [(name[len("tower."):], t) for name, t in ours if name.startswith("tower.")]
-        self.tower.load_weights(tower, f"{ARCH}'s vision tower (vision_tower.*)")
-        missing = copy_weights({name: p for name, p in self.named_parameters() if name.startswith("projector.")}, ours)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {ARCH}'s projector tensor(s) {missing} (multi_modal_projector.*)")
+        """The tower's and the projector's tensors (any layout; SigLIP's pooling head unread); a ValueError names any
+        of ours missing."""
+        load_tower_and_projector(self, weights, ARCH)
 
     @property
     def device(self) -> torch.device:

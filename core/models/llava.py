@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,7 @@ from torch import nn
 
 from specray.models.mistral3 import Mistral3Processor
 from specray.models.pixtral_vision import PIXTRAL, PixtralVisionModel
-from specray.models.registry import text_tensors
-from specray.models.vision_towers import (CLIP, VISION_MODEL_TYPES, Linear, VisionTower, copy_weights,
+from specray.models.vision_towers import (CLIP, VISION_MODEL_TYPES, Linear, VisionTower, load_tower_and_projector,
                                           feature_indices, vision_activation)
 from specray.multimodal import MultiModalItem, ProcessedImage
 
@@ -48,11 +46,6 @@ logger = logging.getLogger(__name__)
 
 ARCH = "LlavaForConditionalGeneration"
 STRATEGIES = ("default", "full")
-# the checkpoint's names of this encoder's tensors -> ours (``tower.<the vision model's name>``, ``projector.<linear_1 /
-# linear_2>``): the releases' (``vision_tower.vision_model.``), what transformers 5 saves (``vision_tower.``, its
-# vision model flattened) and its modules' (``model.vision_tower.``, with or without ``vision_model.``)
-_OWN_NAMES = ((re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "tower."),
-              (re.compile(r"^(?:model\.)?multi_modal_projector\."), "projector."))
 
 
 def _vision_config(config: Any) -> Any:
@@ -129,16 +122,9 @@ class LlavaImageEncoder(nn.Module):
         self.act = vision_activation(getattr(config, "projector_hidden_act", "gelu"), "projector_hidden_act")
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the vision tower's and the projector's tensors among the whole checkpoint's (either layout); the text
-        model's and the tower's unused ones (layers past the deepest feature layer, ``post_layernorm``, SigLIP's head)
-        are skipped unread. A ValueError names any of ours missing."""
-        ours = list(text_tensors(weights, _OWN_NAMES))  # (renamed by the registry's patterns)
-        tower = [(name[len("tower."):], t) for name, t in ours if name.startswith("tower.")]
-        self.tower.load_weights(tower, f"{ARCH}'s vision tower (vision_tower.*)")
-        missing = copy_weights({name: p for name, p in self.named_parameters() if name.startswith("projector.")}, ours)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {ARCH}'s projector tensor(s) {missing} (multi_modal_projector.*); "
-                             "it does not match its config.json (multimodal_projector_bias, vision_feature_layer)")
+        """The tower's tensors (layers past the deepest feature layer, ``post_layernorm`` and SigLIP's head unread)
+        and the projector's, in either layout; a ValueError names any of ours missing."""
+        load_tower_and_projector(self, weights, ARCH, " (multimodal_projector_bias, vision_feature_layer)")
 
     @property
     def device(self) -> torch.device:

@@ -35,7 +35,6 @@ prefix-wide span would have to start before it: put the images first, as PaliGem
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -44,17 +43,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from specray.models.registry import text_tensors
-from specray.models.vision_towers import SIGLIP, Linear, VisionTower, copy_weights
+from specray.models.vision_towers import SIGLIP, Linear, VisionTower, load_tower_and_projector
 from specray.multimodal import IMAGE, MultiModalItem, ProcessedImage, item_hash
 
 ARCH = "PaliGemmaForConditionalGeneration"
 TEXT_MODELS = ("gemma", "gemma2")
 MAX_NEWLINES = 31  # runs of newlines looked up in the vocabulary as one token, up to this length
-# the checkpoint's names of this encoder's tensors -> ours: the releases' (``vision_tower.vision_model.``), what
-# transformers 5 saves (``vision_tower.``) and its modules' (``model.vision_tower.``, ``model.multi_modal_projector.``)
-_OWN_NAMES = ((re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "tower."),
-              (re.compile(r"^(?:model\.)?multi_modal_projector\."), "projector."))
 
 
 def _check(config: Any) -> int:
@@ -96,14 +90,9 @@ class PaliGemmaImageEncoder(nn.Module):
         self.projector.linear = Linear(vision.hidden_size, config.text_config.hidden_size, bias=True)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the tower's and the projector's tensors among the whole checkpoint's (any layout); the text model's
-        and SigLIP's pooling head (when saved) are skipped unread. A ValueError names any of ours missing."""
-        ours = list(text_tensors(weights, _OWN_NAMES))  # (renamed by the registry's patterns)
-        tower = [(name[len("tower."):], t) for name, t in ours if name.startswith("tower.")]
-        self.tower.load_weights(tower, f"{ARCH}'s vision tower (vision_tower.*)")
-        missing = copy_weights({name: p for name, p in self.named_parameters() if name.startswith("projector.")}, ours)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {ARCH}'s projector tensor(s) {missing} (multi_modal_projector.*)")
+        """The tower's and the projector's tensors (any layout; SigLIP's pooling head unread); a ValueError names any
+        of ours missing."""
+        load_tower_and_projector(self, weights, ARCH)
 
     @property
     def device(self) -> torch.device:

@@ -20,6 +20,7 @@ values through :meth:`VisionTower.load_weights`, named as transformers' ``vision
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from specray.models.classic import ACTIVATIONS
 from specray.models.layers import LayerNorm, _copy, _param, materialize
+from specray.models.registry import text_tensors
 
 CLIP, SIGLIP = "clip_vision_model", "siglip_vision_model"
 VISION_MODEL_TYPES = (CLIP, SIGLIP)
@@ -216,3 +218,25 @@ class VisionTower(nn.Module):
             raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of {what}: {missing[:6]}; it does not "
                              "match its config.json's vision_config")
         return set(params)
+
+
+# a tower-and-projector release's own tensors (LLaVA's, Aya Vision's, Gemma 3's, PaliGemma's) -> ours
+# (``tower.<the vision model's name>``, ``projector.<name>``): the releases' (``vision_tower.vision_model.``), what
+# transformers 5 saves (``vision_tower.``, its vision model flattened) and its modules' (``model.vision_tower.``,
+# ``model.multi_modal_projector.``)
+TOWER_AND_PROJECTOR = ((re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "tower."),
+                       (re.compile(r"^(?:model\.)?multi_modal_projector\."), "projector."))
+
+
+def load_tower_and_projector(encoder: nn.Module, weights: Iterable[tuple[str, Any]], arch: str,
+                             check: str = "") -> None:
+    """Read ``encoder.tower``'s and ``encoder.projector``'s tensors among the whole checkpoint's (either layout: the
+    text model's, and the tower's unread ones, are skipped); a ValueError names any of theirs missing (``check``:
+    the config fields the projector's shape comes from)."""
+    ours = list(text_tensors(weights, TOWER_AND_PROJECTOR))
+    encoder.tower.load_weights([(n[len("tower."):], t) for n, t in ours if n.startswith("tower.")],
+                               f"{arch}'s vision tower (vision_tower.*)")
+    missing = copy_weights({n: p for n, p in encoder.named_parameters() if n.startswith("projector.")}, ours)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {arch}'s projector tensor(s) {missing} (multi_modal_projector.*); it "
+                         f"does not match its config.json{check}")
