@@ -27,6 +27,7 @@ import bisect
 import binascii
 import hashlib
 import io
+import json
 import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -445,6 +446,19 @@ def rope_ids(inputs: Sequence[MultiModalInputs | None], positions: Sequence[Sequ
         for axis, ids in zip(axes, [list(own)] * 3 if mm is None else mm.rope_columns(own)):
             axis.extend(ids)
     return axes, max(max(axis) for axis in axes)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's object ({} where there is no such file)."""
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+
+
+def image_processor_settings(folder: Any) -> dict:
+    """A checkpoint folder's image processor settings: ``preprocessor_config.json``, else the ``image_processor``
+    entry of ``processor_config.json`` (what transformers 5 writes); {} where neither holds them."""
+    folder = Path(folder)
+    return read_json(folder / "preprocessor_config.json") or read_json(folder / "processor_config.json").get(
+        "image_processor") or {}
 
 
 def special_token_ids(tokenizer: Any, tokens: Sequence[str | None], folder: Any, writer: str) -> list[int]:

@@ -30,7 +30,6 @@ false), a resampling other than bicubic, a tokenizer lacking the image tokens or
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import _copy, _param, materialize
-from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
+from specray.multimodal import MultiModalItem, ProcessedImage, image_processor_settings, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +249,6 @@ def smart_resize(height: int, width: int, factor: int, least: int, most: int) ->
     return rows, cols
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
 
 class Apertus1p5ImageProcessor:
     """Apertus 1.5's host side (:class:`specray.multimodal.ImageProcessor`): transformers' image processor's pixels
@@ -292,8 +288,7 @@ class Apertus1p5ImageProcessor:
 
         folder = Path(folder)
         _check(config)
-        settings = (_read_json(folder / "preprocessor_config.json")
-                    or _read_json(folder / "processor_config.json").get("image_processor") or {})
+        settings = image_processor_settings(folder)
         tok = AutoTokenizer.from_pretrained(folder)
         ids = dict(zip(TOKENS, special_token_ids(tok, [getattr(tok, attr, None) for attr in TOKENS], folder,
                                                  "Apertus1p5Processor")))

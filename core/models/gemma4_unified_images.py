@@ -33,7 +33,6 @@ more soft tokens than the sliding window (bidirectional), audio/video placeholde
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -51,7 +50,7 @@ from specray.models.kimi_k25_vision import _resize as bicubic_resize  # torchvis
 from specray.models.layers import LayerNorm, _param
 from specray.models.registry import text_tensors
 from specray.models.vision_towers import Linear, copy_weights
-from specray.multimodal import ProcessedImage
+from specray.multimodal import ProcessedImage, image_processor_settings
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +183,7 @@ class Gemma4UnifiedImageProcessor(SoftTokenImages):
         """From the folder's ``preprocessor_config.json`` or the ``image_processor`` entry of its
         ``processor_config.json`` (what transformers 5 writes)."""
         folder = Path(folder)
-        settings = _read_json(folder / "preprocessor_config.json") or \
-            _read_json(folder / "processor_config.json").get("image_processor") or {}
+        settings = image_processor_settings(folder)
         return cls(settings, config)
 
     def pixels(self, image: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +209,3 @@ class Gemma4UnifiedImageProcessor(SoftTokenImages):
                              "processor's max_soft_tokens")
         return self._image(tokens, {"pixel_values": pixels, "image_position_ids": positions})
 
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

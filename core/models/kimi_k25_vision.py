@@ -41,7 +41,6 @@ served (the seam takes images only)."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -56,7 +55,7 @@ from torch import nn
 from specray.models.layers import LayerNorm, _base_inv_freq, _param
 from specray.models.qwen2_vl_vision import PlainMLP, VisionBlock, _field
 from specray.models.vision_towers import Linear, copy_weights, vision_activation
-from specray.multimodal import MultiModalItem, ProcessedImage
+from specray.multimodal import MultiModalItem, ProcessedImage, image_processor_settings
 
 NORM_EPS = 1e-5  # the tower's LayerNorms (fixed in transformers' modules)
 # transformers' module names, and the release's (its text under language_model.: not ours)
@@ -322,8 +321,7 @@ class KimiK25ImageProcessor:
         ``processor_config.json``: what transformers 5 writes); the release's ``media_proc_cfg`` is read as the
         same settings (``in_patch_limit``, ``patch_limit_on_one_side``, ``merge_kernel_size``)."""
         folder = Path(folder)
-        settings = _read_json(folder / "preprocessor_config.json") or \
-            _read_json(folder / "processor_config.json").get("image_processor") or {}
+        settings = image_processor_settings(folder)
         media = settings.get("media_proc_cfg")
         if media is not None:
             if media.get("fixed_output_tokens") is not None:
@@ -358,6 +356,3 @@ class KimiK25ImageProcessor:
     def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
         return None  # plain RoPE
 
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -33,7 +33,6 @@ size, shuffle ratio, the patch token), and an image of another size than ``visio
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import re
@@ -49,7 +48,7 @@ from torch import nn
 from specray.models.layers import LayerNorm, _param, apply_rotary
 from specray.models.registry import text_tensors
 from specray.models.vision_towers import Linear, VisionMLP, copy_weights
-from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
+from specray.multimodal import MultiModalItem, ProcessedImage, image_processor_settings, read_json, special_token_ids
 
 ARCH = "Llama4ForConditionalGeneration"
 VISION_TYPE = "llama4_vision_model"
@@ -387,8 +386,7 @@ class Llama4ImageProcessor:
         from transformers import AutoTokenizer
 
         folder = Path(folder)
-        processor = _read_json(folder / "processor_config.json")
-        settings = _read_json(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        processor, settings = read_json(folder / "processor_config.json"), image_processor_settings(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         names = (IMAGE, START, END, PATCH, X_SEP, Y_SEP)
         tokens = dict(zip(names, special_token_ids(tokenizer, names, folder, "Llama4Processor")))
@@ -443,6 +441,3 @@ class Llama4ImageProcessor:
     def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
         return None  # plain RoPE
 
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

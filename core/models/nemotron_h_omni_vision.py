@@ -32,7 +32,6 @@ it), processor settings that disagree with the model, a resampling other than bi
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -49,7 +48,7 @@ from torch import nn
 from specray.models.internvl import InternViTLayer, pixel_shuffle
 from specray.models.layers import LayerNorm, _param, materialize
 from specray.models.vision_towers import Linear, copy_weights, vision_activation
-from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
+from specray.multimodal import MultiModalItem, ProcessedImage, image_processor_settings, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -249,9 +248,6 @@ def patch_grid(height: int, width: int, patch: int, merge: int, least: int, most
     return rows, cols
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
 
 class NemotronHOmniImageProcessor:
     """Nemotron 3 Nano Omni's host side (:class:`specray.multimodal.ImageProcessor`): transformers' image
@@ -288,8 +284,7 @@ class NemotronHOmniImageProcessor:
 
         folder = Path(folder)
         _check(config)
-        settings = (_read_json(folder / "preprocessor_config.json")
-                    or _read_json(folder / "processor_config.json").get("image_processor") or {})
+        settings = image_processor_settings(folder)
         tok = AutoTokenizer.from_pretrained(folder)
         ids = special_token_ids(tok, [getattr(tok, attr, None) or default for attr, default in
                                       (("image_token", "<image>"), ("image_start_token", "<img>"),
