@@ -41,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.layers import _copy, _param, materialize
+from specray.models.layers import _param
+from specray.models.registry import text_tensors
+from specray.models.vision_towers import copy_weights
 from specray.multimodal import MultiModalItem, ProcessedImage, image_processor_settings, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -211,13 +213,7 @@ class Apertus1p5ImageEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Read the vision tokenizer's tensors (``model.vision_tokenizer.*``, transformers' and the release's names).
         A ValueError names any of ours missing."""
-        params = dict(self.tokenizer.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name.startswith(PREFIX) and name[len(PREFIX):] in params:
-                _copy(params[name[len(PREFIX):]], materialize(tensor))
-                loaded.add(name[len(PREFIX):])
-        missing = sorted(set(params) - loaded)
+        missing = copy_weights(dict(self.tokenizer.named_parameters()), text_tensors(weights, PREFIX))
         if missing:
             raise ValueError(f"the checkpoint lacks {ARCH}'s image tensor(s) {missing[:6]} (model.vision_tokenizer.*); "
                              "it does not match its config.json's vision_config")

@@ -682,3 +682,7 @@ _MULTIMODAL["PaliGemmaForConditionalGeneration"] = ("specray.models.paligemma:Pa
 # (PaliGemma's config sets its text model's use_bidirectional_attention, but the whole model hands that text model a
 # mask of its own: causal, the prompt's prefix both ways, which the image item's bidirectional span gives us)
 _TEXT_CONFIG_FIXES["PaliGemmaForConditionalGeneration"] = {"use_bidirectional_attention": False}
+# Emu3's images: the VQ-VAE's encoder (2D levels, then causal temporal convs over the repeated frame) gives discrete
+# codes, mapped to their visual tokens' ids with an end-of-line id per row (specray.models.emu3_vision)
+_MULTIMODAL["Emu3ForConditionalGeneration"] = ("specray.models.emu3_vision:Emu3ImageEncoder",
+                                               "specray.models.emu3_vision:Emu3ImageProcessor")
