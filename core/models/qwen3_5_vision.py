@@ -16,7 +16,8 @@ What differs from Qwen3-VL (:mod:`specray.models.qwen3_vl_vision`):
   positions, so a prefill chunk splitting an image's span carries their recurrent state as any chunk does.
 
 The encoder is replicated on every tensor-parallel rank and reads its tensors under ``model.visual.`` (the releases'
-names) or ``visual.``. Videos are not served (the seam takes images only)."""
+names) or ``visual.``. Videos: Qwen3-VL's (:mod:`specray.models.qwen3_vl_video`,
+the same processor; this tower over ``pixel_values_videos`` / ``video_grid_thw``)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ attending within each frame, :mod:`specray.models.qwen2_vl_vision`'s attention),
   (:meth:`Qwen3VLImageEncoder.check_split` refuses other splits before any rank starts; a step missing one refuses).
 
 The encoder is replicated on every tensor-parallel rank and reads its tensors under ``model.visual.`` (the releases'
-and transformers 5's names) or ``visual.``. Videos are not served (the seam takes images only)."""
+and transformers 5's names) or ``visual.``. Videos: :mod:`specray.models.qwen3_vl_video` (the same
+tower over ``pixel_values_videos`` / ``video_grid_thw``, DeepStack features included)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from specray.models.llama import _head_dim
 from specray.models.qwen2_vl_vision import (Qwen2VLImageEncoder, QwenVLImageProcessor, VisionBlock, _field,
                                             _layer_norm, vision_rope)
 from specray.models.vision_towers import Linear, vision_activation
+from specray.models import qwen3_vl_video
 from specray.parallel import stage_layers
 
 
@@ -176,6 +178,8 @@ class Qwen3VLImageEncoder(Qwen2VLImageEncoder):
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
         """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [1 + k, t*h*w / merge²,
         out] (the input embeddings, then the DeepStack features of the k layers; [t*h*w / merge², out] for k = 0)."""
+        if "pixel_values_videos" in data:  # a video: its frame pairs through the same tower (get_video_features)
+            data = {"pixel_values": data["pixel_values_videos"], "image_grid_thw": data["video_grid_thw"]}
         grid = self._grid(data)
         proj = self.patch_embed.proj
         x = F.linear(data["pixel_values"].to(proj.weight.dtype), proj.weight.reshape(self.dim, -1), proj.bias)
@@ -195,3 +199,18 @@ class Qwen3VLImageEncoder(Qwen2VLImageEncoder):
 class Qwen3VLImageProcessor(QwenVLImageProcessor):
     """Qwen3-VL's host side: Qwen2-VL's (transformers' image processor of the checkpoint, ``<|image_pad|>`` once
     per merged token, the same multimodal RoPE positions for still images, one frame each)."""
+
+    def __init__(self, *args, frame_text=None, frame_marks=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # videos (specray.models.qwen3_vl_video): a frame pair's time -> its text tokens; the pair's start / end ids
+        self.frame_text, self.frame_marks = frame_text, frame_marks
+
+    _video_side = staticmethod(qwen3_vl_video.video_side)
+
+    def process_video(self, frames: list):
+        """One video's frames -> per frame pair its time's text, ``<|vision_start|>``, ``<|video_pad|>`` tokens,
+        ``<|vision_end|>`` (:func:`specray.models.qwen3_vl_video.process_video`)."""
+        return qwen3_vl_video.process_video(self, frames)
+
+    def rope_positions(self, token_ids: list[int], items: list) -> tuple[list[list[int]], int]:
+        return qwen3_vl_video.rope_positions(self, token_ids, items)
