@@ -29,7 +29,8 @@ within the frame with the same 2D RoPE, fused ``qkv`` biased where ``attention_b
 bias-free SwiGLU MLP whose width is ``out_hidden_size``), ``post_layernorm``, the ``downsample`` Conv2d over each
 merge block (``merge x merge`` patches into one token of ``out_hidden_size``) and the merger (``proj`` -> LayerNorm
 -> GELU -> a bias-free gated MLP of ``intermediate_size``). It reads its tensors under ``model.visual.`` or
-``visual.``, is replicated on every tensor-parallel rank, and sets ``deepstack_layers = 0``. Videos are not served."""
+``visual.``, is replicated on every tensor-parallel rank, and sets ``deepstack_layers = 0``. Videos:
+:mod:`specray.models.glm4v_video` (the same tower over ``pixel_values_videos`` / ``video_grid_thw``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models import glm4v_video
 from specray.models.aliases import served_as
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
@@ -177,6 +179,8 @@ class Glm4vImageEncoder(Qwen2VLImageEncoder):
 
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
         """One image's ``pixel_values`` [t*h*w, C*T*P*P] and ``image_grid_thw`` [1, 3] -> [t*h*w / merge², out]."""
+        if "pixel_values_videos" in data:  # a video: its frame pairs through the same tower (get_video_features)
+            data = {"pixel_values": data["pixel_values_videos"], "image_grid_thw": data["video_grid_thw"]}
         grid = self._grid(data)
         proj = self.patch_embed.proj
         x = F.linear(data["pixel_values"].to(proj.weight.dtype), proj.weight.reshape(self.dim, -1), proj.bias)
@@ -195,4 +199,18 @@ class Glm4vImageEncoder(Qwen2VLImageEncoder):
 
 class Glm4vImageProcessor(QwenVLImageProcessor):
     """GLM-4.1V's / GLM-4.5V's host side: Qwen2-VL's (transformers' image processor of the checkpoint, ``<|image|>``
-    once per merged token, the same multimodal RoPE positions for still images)."""
+    once per merged token, the same multimodal RoPE positions for still images) and its videos
+    (:mod:`specray.models.glm4v_video`)."""
+
+    def __init__(self, *args, frame_text=None, frame_marks=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # videos: a frame pair's time -> its text tokens; the pair's <|begin_of_image|> / <|end_of_image|> ids
+        self.frame_text, self.frame_marks = frame_text, frame_marks
+
+    _video_side = staticmethod(glm4v_video.video_side)
+
+    def process_video(self, frames: list):
+        return glm4v_video.process_video(self, frames)
+
+    def rope_positions(self, token_ids: list[int], items: list) -> tuple[list[list[int]], int]:
+        return glm4v_video.rope_positions(self, token_ids, items)
