@@ -34,7 +34,7 @@ from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import iter_weights, load_image_encoder, load_image_processor, load_model, read_config, \
     resolve_model
 from specray.multimodal import expand_prompt
-from specray_test_model_checks import max_diff, run_ranks  # tests/model_checks.py
+from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
 MOVED = 1e-2
@@ -430,55 +430,11 @@ def test_unsupported_settings_are_refused(tiny_apertus, tmp_path):
 
 # ---- tensor parallel -------------------------------------------------------------------------------------------------
 
-TP_WORKER = textwrap.dedent("""
-    import gc, json, random, sys
-    import numpy as np, torch, torch.distributed as dist
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from specray.models.attention import build_attention_metadata as plan
-    from specray.models.kv_cache import allocate_kv_cache
-    from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-    from specray.multimodal import expand_prompt
-    from specray.workers.worker import join_groups
-
-    torch.set_num_threads(1)
-    rank, world, port, out, folder = sys.argv[1:]
-    tp, _ = join_groups(torch.device("cpu"), int(rank), 2, f"tcp://127.0.0.1:{port}", 1)
-    rng = np.random.RandomState(0)
-    images = [Image.fromarray(rng.randint(0, 255, s, dtype=np.uint8)) for s in %r]
-
-    @torch.no_grad()
-    def logits(model, ids, rows):
-        allocate_kv_cache(model, 80, 4)
-        ids = [rows.get(p, t) for p, t in enumerate(ids)]  # the image tokens' codes
-        table, out, start = random.Random(0).sample(range(80), -(-len(ids) // 4)), [], 0
-        for n in (30, len(ids) - 30):
-            meta = plan([n], [start], [table], 4)
-            out.append(model.compute_logits(model(torch.tensor(ids[start:start + n]), meta)))
-            start += n
-        return torch.cat(out)
-
-    config = read_config(folder)
-    encoder, processor = load_image_encoder(folder, config, torch.float32, "cpu"), load_image_processor(folder)
-    ids, mm = expand_prompt(AutoTokenizer.from_pretrained(folder).encode(%r), images, processor)
-    rows = {}
-    for item in mm.items:
-        with torch.no_grad():
-            values = encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}).tolist()
-        rows.update((item.offset + r, values[i]) for i, r in enumerate(item.embed_rows))
-    ours, one = logits(load_model(folder, tp), ids, rows), logits(load_model(folder), ids, rows)
-    diff = torch.where(ours == one, 0.0, (ours - one).abs()).max().item()
-    gc.collect()
-    dist.destroy_process_group()
-    json.dump({"diffs": [diff]}, open(f"{out}/{rank}.json", "w"))
-""" % (SHAPES, PROMPT))
-
-
 def test_tensor_parallel_two_ranks_equal_one(tiny_apertus, tmp_path):
     """The text model split over two tensor-parallel ranks (the encoder replicated on each) gives one rank's logits
     with the images' rows in place, a prefill chunk ending inside an image's span."""
-    results = run_ranks(tmp_path, TP_WORKER, 2, 2, [str(tiny_apertus)])
-    assert all(max(r["diffs"]) < TOL for r in results), results
+    checks = sys.modules["specray_test_image_checks"]  # tests/image_checks.py
+    checks.assert_ranks_equal_one_rank(tmp_path, [checks.prompt_run(tiny_apertus, PROMPT, images(), first=30)], 1, TOL)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------------
