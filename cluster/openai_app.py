@@ -42,7 +42,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_image, load_video
+from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_audio, load_image, load_video
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -1198,9 +1198,9 @@ class OpenAIServing:
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
                                     "start the server with --chat-template FILE", "messages")
-        messages, images, videos = split_media([m.as_template_dict() for m in req.messages])
+        messages, media = split_media([m.as_template_dict() for m in req.messages])
         processor = getattr(self.client, "image_processor", None)
-        if (images or videos) and processor is None:
+        if any(media.values()) and processor is None:
             raise proto.bad_request(TEXT_ONLY, "messages")
         with _user_text_errors("messages"):
             text = render_chat(tokenizer, messages, req.add_generation_prompt,
@@ -1210,12 +1210,16 @@ class OpenAIServing:
         self._check_prompt_chars(text, "messages")
         with _user_text_errors("messages"):
             ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if not images and not videos:
+        if not any(media.values()):
             return _Prompt(text, ids)
         try:
             domains = self.config.allowed_media_domains
-            ids, mm = expand_prompt(ids, [load_image(url, local=False, domains=domains) for url in images], processor,
-                                    [load_video(url, local=False, domains=domains) for url in videos])
+            rate = getattr(processor, "sampling_rate", None)  # (none: expand_prompt refuses audio by name)
+            images = [load_image(url, local=False, domains=domains) for url in media["image"]]
+            videos = [load_video(url, local=False, domains=domains) for url in media["video"]]
+            audios = [url if rate is None else load_audio(url, rate, local=False, domains=domains)
+                      for url in media["audio"]]
+            ids, mm = expand_prompt(ids, images, processor, videos, audios)
         except ValueError as err:
             raise proto.bad_request(f"messages: {err}", "messages") from None
         return _Prompt(text, ids, multimodal=mm)

@@ -545,25 +545,37 @@ class VideoURL(BaseModel):
     url: str
 
 
+class InputAudio(BaseModel):
+    """OpenAI's audio content part: the file's bytes in base64 and its format (``wav``, ``mp3``, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+    data: str
+    format: str
+
+
 class ContentPart(BaseModel):
-    """A chat message's content part: text, or (for a vision-language model) an image or a video (vLLM's
-    ``video_url``) by URL (a ``data:`` URL, or an http(s) one the server fetches)."""
+    """A chat message's content part: text, or (for a multimodal model) an image, a video (vLLM's ``video_url``)
+    or an audio (vLLM's ``audio_url``) by URL (a ``data:`` URL, or an http(s) one the server fetches), or an audio
+    in OpenAI's ``input_audio``."""
 
     model_config = ConfigDict(extra="forbid")
     type: str
     text: Text | None = None
     image_url: ImageURL | None = None
     video_url: VideoURL | None = None
+    audio_url: VideoURL | None = None
+    input_audio: InputAudio | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _known_part(cls, data: Any) -> Any:
         kind = data.get("type") if isinstance(data, dict) else None
-        if kind not in ("text", "image_url", "video_url"):
+        if kind not in ("text", "image_url", "video_url", "audio_url", "input_audio"):
             raise ValueError(f"a content part of type {kind!r} is not supported: the served models read text and "
-                             "(vision-language models) images and videos; send {'type': 'text', 'text': ...}, "
-                             "{'type': 'image_url', 'image_url': {'url': ...}} or {'type': 'video_url', "
-                             "'video_url': {'url': ...}} parts, or a string")
+                             "(multimodal models) images, videos and audio; send {'type': 'text', 'text': ...}, "
+                             "{'type': 'image_url', 'image_url': {'url': ...}}, {'type': 'video_url', "
+                             "'video_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': {'data': ..., "
+                             "'format': 'wav'}} parts, or a string")
         if data.get(kind) is None or set(data) - {"type", kind}:
             raise ValueError(f"a content part of type {kind!r} holds the field {kind!r} alone")
         return data
@@ -639,14 +651,14 @@ class ChatMessage(BaseModel):
                               "string or a list of text parts", f"messages.{index}.content")
 
     def as_template_dict(self) -> dict:
-        """The message as chat templates read it: text parts joined into a string, or where it holds images, its
-        parts as text parts and ``image_url`` / ``video_url`` ones (:func:`specray.chat.split_media` makes them image
-        and video parts)."""
+        """The message as chat templates read it: text parts joined into a string, or where it holds media, its
+        parts as text parts and ``image_url`` / ``video_url`` / ``audio_url`` / ``input_audio`` ones
+        (:func:`specray.chat.split_media` makes them image, video and audio parts)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             if any(part.type != "text" for part in self.content):
                 data["content"] = [{"type": "text", "text": p.text} if p.type == "text"
-                                   else {"type": p.type, p.type: {"url": getattr(p, p.type).url}}
+                                   else {"type": p.type, p.type: getattr(p, p.type).model_dump(exclude_none=True)}
                                    for p in self.content]
             else:
                 data["content"] = "".join(part.text for part in self.content)

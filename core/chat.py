@@ -62,16 +62,18 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 # a message's content parts that carry an image: OpenAI's image_url ({"url": ...} or the URL itself) and vLLM's
-# image_pil (a PIL image, offline only); a video: vLLM's video_url (a video file's URL); by the kind each carries
-MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "video_url": "video"}
+# image_pil (a PIL image, offline only); a video: vLLM's video_url (a video file's URL); an audio: OpenAI's
+# input_audio ({"data": base64, "format": "wav"}) and vLLM's audio_url; by the kind each carries
+MEDIA_PARTS = {"image_url": "image", "image_pil": "image", "video_url": "video", "input_audio": "audio",
+               "audio_url": "audio"}
 
 
-def split_media(messages: list[dict]) -> tuple[list[dict], list, list]:
-    """``messages`` with each image (video) content part as the ``{"type": "image"}`` (``{"type": "video"}``) part
-    chat templates render their placeholder for, and the images and the videos in order (URL strings, or PIL
-    images): the prompt's placeholders and its items then pair up in order (:func:`specray.multimodal.expand_prompt`).
-    The given dicts are not changed."""
-    media: dict[str, list] = {"image": [], "video": []}
+def split_media(messages: list[dict]) -> tuple[list[dict], dict[str, list]]:
+    """``messages`` with each image (video, audio) content part as the ``{"type": "image"}`` (``"video"``,
+    ``"audio"``) part chat templates render their placeholder for, and each kind's items in order (URL strings, or
+    PIL images): the prompt's placeholders and its items then pair up in order
+    (:func:`specray.multimodal.expand_prompt`). The given dicts are not changed."""
+    media: dict[str, list] = {"image": [], "video": [], "audio": []}
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -85,18 +87,29 @@ def split_media(messages: list[dict]) -> tuple[list[dict], list, list]:
             if kind not in MEDIA_PARTS:
                 parts.append(part)
                 continue
-            value = part.get(kind)
-            if kind.endswith("_url"):
-                value = value.get("url") if isinstance(value, dict) else value
-                if not isinstance(value, str) or not value:
-                    raise ValueError(f"messages[{i}].content[{j}].{kind} must hold the {MEDIA_PARTS[kind]}'s URL: "
-                                     f"{{'url': 'data:{MEDIA_PARTS[kind]}/...;base64,...'}} or an http(s) URL")
-            elif value is None:
-                raise ValueError(f"messages[{i}].content[{j}].image_pil must hold a PIL image")
-            media[MEDIA_PARTS[kind]].append(value)
+            media[MEDIA_PARTS[kind]].append(_media_value(part, kind, f"messages[{i}].content[{j}]"))
             parts.append({"type": MEDIA_PARTS[kind]})
         out.append({**message, "content": parts})
-    return out, media["image"], media["video"]
+    return out, media
+
+
+def _media_value(part: dict, kind: str, where: str) -> Any:
+    """A media content part's item: its URL (an ``input_audio``'s base64 data as a ``data:`` URL), or a PIL image."""
+    value = part.get(kind)
+    if kind == "input_audio":
+        data, form = (value.get("data"), value.get("format")) if isinstance(value, dict) else (None, None)
+        if not isinstance(data, str) or not data or not isinstance(form, str) or not form.isalnum():
+            raise ValueError(f"{where}.input_audio must hold the audio's base64 'data' and its 'format' (e.g. "
+                             "'wav' or 'mp3')")
+        return f"data:audio/{form};base64,{data}"
+    if kind.endswith("_url"):
+        value = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where}.{kind} must hold the {MEDIA_PARTS[kind]}'s URL: "
+                             f"{{'url': 'data:{MEDIA_PARTS[kind]}/...;base64,...'}} or an http(s) URL")
+    elif value is None:
+        raise ValueError(f"{where}.image_pil must hold a PIL image")
+    return value
 
 
 def _template_call(index: int, j: int, call: Any) -> Any:

@@ -17,7 +17,8 @@ from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
 from specray.models.loader import engine_image_processor
-from specray.multimodal import IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt, expand_prompt, media_of
+from specray.multimodal import (AUDIO, IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt, expand_prompt,
+                                media_of)
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -160,7 +161,7 @@ class LLM:
         to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations, images, videos = zip(*map(split_media, conversations)) if conversations else ((), (), ())
+        conversations, media = zip(*map(split_media, conversations)) if conversations else ((), ())
         for conversation in conversations:
             _check_parts(conversation)
         tokenizer = self.get_tokenizer()
@@ -173,23 +174,23 @@ class LLM:
             raise ValueError(f"messages could not be rendered by the chat template: {err}; check the messages' "
                              "roles and fields") from None
         return self.generate([{"prompt": p, "add_special_tokens": False,
-                               **({"multi_modal_data": {"image": list(i), "video": list(v)}} if i or v else {})}
-                              for p, i, v in zip(prompts, images, videos)], sampling_params, use_tqdm,
+                               **({"multi_modal_data": items} if any(items.values()) else {})}
+                              for p, items in zip(prompts, media)], sampling_params, use_tqdm,
                              lora_request=lora_request)
 
     def _encode(self, prompt: PromptType, params: SamplingParams
                 ) -> tuple[str | None, list[int], MultiModalInputs | None]:
-        """(its text, the token ids the request runs on, its images and videos) of one prompt."""
+        """(its text, the token ids the request runs on, its images, videos and audios) of one prompt."""
         text, ids = self._tokens(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        media = {IMAGE: [], VIDEO: []} if data is None else media_of(data)  # (audio refused first)
-        if not media[IMAGE] and not media[VIDEO]:
+        media = {} if data is None else media_of(data)
+        if not any(media.values()):
             return text, params.prompt_tokens(ids), None
         if self._image_processor is None:
             self._image_processor = engine_image_processor(self.engine_args)
             if self._image_processor is None:
                 raise ValueError(TEXT_ONLY)
-        ids, mm = expand_prompt(ids, media[IMAGE], self._image_processor, media[VIDEO])
+        ids, mm = expand_prompt(ids, media[IMAGE], self._image_processor, media[VIDEO], media[AUDIO])
         check_image_prompt(mm, ids, params.truncate_prompt_tokens)
         return text, ids, mm
 
@@ -320,14 +321,15 @@ def _progress(total: int):
 
 
 def _check_parts(messages: list[dict]) -> None:
-    """A ValueError for a message content part that is neither text nor an image nor a video (an audio's): a chat
+    """A ValueError for a message content part that is neither text nor an image, a video or an audio: a chat
     template would otherwise render its placeholder with nothing behind it."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", "image", "video"):
+            if kind not in ("text", IMAGE, VIDEO, AUDIO):
                 raise ValueError(f"messages[{i}].content[{j}] of type {kind!r} is not supported: the served models "
-                                 "read text and (vision-language releases) images and videos; send {'type': 'text', "
-                                 "'text': ...}, {'type': 'image_url', 'image_url': {'url': ...}} or {'type': "
-                                 "'video_url', 'video_url': {'url': ...}} parts, or a string")
+                                 "read text and (multimodal releases) images, videos and audio; send {'type': "
+                                 "'text', 'text': ...}, {'type': 'image_url', 'image_url': {'url': ...}}, {'type': "
+                                 "'video_url', 'video_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': "
+                                 "{'data': ..., 'format': 'wav'}} parts, or a string")

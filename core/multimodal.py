@@ -1,5 +1,5 @@
-"""Images in prompts: what a request carries, from the client to the runner (plain data), and the two seams a
-vision-language family implements.
+"""Images, videos and audio in prompts: what a request carries, from the client to the runner (plain data), and
+the two seams a multimodal family implements.
 
 A prompt holds one placeholder token per image (the chat template renders it from an image content part; a raw prompt
 writes it). The family's :class:`ImageProcessor` turns each image into its processed tensors and the tokens that
@@ -11,6 +11,10 @@ of the first pipeline stage) embeds an item when a step first reaches its span, 
 model through ``AttentionMetadata.input_embeds`` (the text model's embedding step overwrites them). A span may be
 split over prefill chunks: its embeddings are kept until the prefill passes it. Prefix caching keys an image's first
 token by the item's content hash, so two prompts share cached blocks only up to the first image they differ in.
+
+Videos and audio take the same path: a processor that takes them says so (``video_token_id`` /
+``process_video``, ``audio_token_id`` / ``sampling_rate`` / ``process_audio``), and its encoder tells an item's kind
+by the tensors it gets.
 
 A family with multimodal RoPE (Qwen2-VL) gives the prompt's three position ids per token
 (:meth:`ImageProcessor.rope_positions`); the tokens past the prompt take their slot index plus ``rope_delta`` on
@@ -36,12 +40,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-IMAGE, VIDEO = "image", "video"
-TEXT_ONLY = ("this model reads text only (of a multimodal release, its text model, or its images turned off by "
-             "limit_mm_per_prompt): send the prompt without images")
+IMAGE, VIDEO, AUDIO = "image", "video", "audio"
+TEXT_ONLY = ("this model reads text only (of a multimodal release, its text model, or its encoders turned off by "
+             "limit_mm_per_prompt): send the prompt without images, videos or audio")
 # what a prompt dict may hold under ``multi_modal_data`` (vLLM's key); each a single item or a list
-MODALITIES = (IMAGE, VIDEO)
+MODALITIES = (IMAGE, VIDEO, AUDIO)
+PLURAL = {IMAGE: "images", VIDEO: "videos", AUDIO: "audio"}
 MAX_VIDEO_FRAMES = 1024  # the most frames a video may hold (a longer one is refused: sample it first)
+MAX_AUDIO_SECONDS = 3600  # the longest audio a prompt may hold (a longer one is refused: cut it first)
 
 
 @dataclass
@@ -113,7 +119,7 @@ class ProcessedImage:
 class ImageProcessor(Protocol):
     """A vision-language family's host side (built once per engine from the checkpoint's folder)."""
 
-    image_token_id: int  # the placeholder a prompt holds once per image
+    image_token_id: int | None  # the placeholder a prompt holds once per image (None: a family without images)
 
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its replacement tokens and tensors (as transformers' processor makes them)."""
@@ -131,6 +137,10 @@ class ImageProcessor(Protocol):
     # optional, a family that takes videos: ``video_token_id`` (the placeholder a prompt holds once per video) and
     # ``process_video(frames: list[PIL image]) -> ProcessedImage`` (its tokens and tensors, as transformers' video
     # processor and processor make them); ``rope_positions`` then gets its items too (``item.modality == "video"``)
+
+    # optional, a family that takes audio: ``audio_token_id`` (the placeholder a prompt holds once per audio),
+    # ``sampling_rate`` (the rate its waveforms are resampled to) and ``process_audio(waveform: float32 [samples],
+    # mono) -> ProcessedImage`` (as transformers' feature extractor and processor make them)
 
 
 class ImageEncoder(Protocol):
@@ -156,6 +166,7 @@ class ImageEncoder(Protocol):
 
 MAX_IMAGE_BYTES = 32 << 20  # an image fetched or decoded from a URL (a larger one is refused)
 MAX_VIDEO_BYTES = 256 << 20  # a video file's
+MAX_AUDIO_BYTES = 64 << 20  # an audio file's
 VIDEO_FRAMES = 32  # the frames taken from a video file, evenly spaced (vLLM's default num_frames)
 FETCH_TIMEOUT_S = 10.0  # an http(s) image's download
 
@@ -180,7 +191,7 @@ def load_image(source: Any, local: bool = True, domains: Collection[str] | None 
 def media_bytes(source: Any, kind: str = IMAGE, local: bool = True, domains: Collection[str] | None = None) -> bytes:
     """An image's or a video's file bytes: given as bytes, a ``data:`` URL (base64), an http(s) URL (with
     ``domains``, one on those hosts only) or (``local``) a local path; at most the kind's byte limit."""
-    limit = MAX_IMAGE_BYTES if kind == IMAGE else MAX_VIDEO_BYTES
+    limit = _byte_limit(kind)
     if isinstance(source, (bytes, bytearray)):
         data = bytes(source)
     elif isinstance(source, str) and source.startswith("data:"):
@@ -195,13 +206,18 @@ def media_bytes(source: Any, kind: str = IMAGE, local: bool = True, domains: Col
         data = path.read_bytes()
     else:
         what = f"{source!r:.60}" if isinstance(source, str) else f"of type {type(source).__name__}"
-        given = (", a PIL image, image bytes or a file path" if kind == IMAGE else
-                 ", a list of frames, an array [T, H, W, 3], video bytes or a file path")
+        given = {IMAGE: ", a PIL image, image bytes or a file path",
+                 VIDEO: ", a list of frames, an array [T, H, W, 3], video bytes or a file path",
+                 AUDIO: ", a (waveform, sampling_rate) pair, audio file bytes or a file path"}[kind]
         raise ValueError(f"{kind} {what} is not supported; give a data: URL (data:{kind}/...;base64,...) or an "
                          f"http(s) URL{given if local else ''}")
     if len(data) > limit:
         raise ValueError(f"the {kind} has {len(data)} bytes, more than {limit}; send a smaller {kind}")
     return data
+
+
+def _byte_limit(kind: str) -> int:
+    return {IMAGE: MAX_IMAGE_BYTES, VIDEO: MAX_VIDEO_BYTES, AUDIO: MAX_AUDIO_BYTES}[kind]
 
 
 def fetch_url(url: str, domains: Collection[str] | None = None, kind: str = IMAGE) -> bytes:
@@ -222,7 +238,7 @@ def fetch_url(url: str, domains: Collection[str] | None = None, kind: str = IMAG
             check(newurl)
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
-    limit = MAX_IMAGE_BYTES if kind == IMAGE else MAX_VIDEO_BYTES
+    limit = _byte_limit(kind)
     check(url)
     try:
         with urllib.request.build_opener(Redirects).open(url, timeout=FETCH_TIMEOUT_S) as response:
@@ -247,20 +263,30 @@ def decode_data_url(url: str) -> bytes:
 
 
 def media_of(multi_modal_data: Any) -> dict[str, list]:
-    """The images and the videos of a prompt's ``multi_modal_data`` ({"image": an image or a list of them, "video":
-    a video or a list of them}), each kind in order. A video is a list of frames or an array [T, H, W, 3]: a list
-    of such lists (or arrays) is several videos."""
+    """The images, videos and audios of a prompt's ``multi_modal_data`` ({"image": an image or a list of them,
+    "video": a video or a list of them, "audio": an audio or a list of them}), each kind in order. A video is a list
+    of frames or an array [T, H, W, 3]: a list of such lists (or arrays) is several videos. An audio is a
+    ``(waveform, sampling_rate)`` pair (vLLM's form) or a waveform: a list of them is several audios."""
     if not isinstance(multi_modal_data, dict):
         raise ValueError(f"multi_modal_data={multi_modal_data!r:.80} must be a dict such as {{'image': image}}")
     unknown = sorted(set(multi_modal_data) - set(MODALITIES))
     if unknown:
-        raise ValueError(f"multi_modal_data holds {unknown}: only {list(MODALITIES)} are supported (no audio)")
+        raise ValueError(f"multi_modal_data holds {unknown}: only {list(MODALITIES)} are supported")
     images = multi_modal_data.get(IMAGE, [])
     videos = multi_modal_data.get(VIDEO, [])
+    audios = multi_modal_data.get(AUDIO, [])
     one_video = isinstance(videos, np.ndarray) or (isinstance(videos, (list, tuple)) and bool(videos)
                                                    and not _is_video(videos[0]))
+    one_audio = _is_audio_pair(audios) or not isinstance(audios, (list, tuple))
     return {IMAGE: list(images) if isinstance(images, (list, tuple)) else [images],
-            VIDEO: [videos] if one_video else list(videos) if isinstance(videos, (list, tuple)) else [videos]}
+            VIDEO: [videos] if one_video else list(videos) if isinstance(videos, (list, tuple)) else [videos],
+            AUDIO: [audios] if one_audio else list(audios)}
+
+
+def _is_audio_pair(value: Any) -> bool:
+    """vLLM's ``(waveform, sampling_rate)`` form of one audio (rather than a list of two audios)."""
+    return (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[1], (int, float, np.number))
+            and not isinstance(value[1], bool))
 
 
 def _is_video(value: Any) -> bool:
@@ -312,6 +338,78 @@ def load_video(video: Any, local: bool = True, domains: Collection[str] | None =
     return frames
 
 
+def load_audio(audio: Any, sampling_rate: int, local: bool = True, domains: Collection[str] | None = None
+               ) -> np.ndarray:
+    """An audio's waveform (float32 [samples], mono: channels averaged) at ``sampling_rate``: from vLLM's
+    ``(waveform, rate)`` pair (resampled where its rate differs), a 1-D float array (taken to be at
+    ``sampling_rate``, as vLLM takes one), or an audio file (bytes, a ``data:`` URL, an http(s) URL, a path:
+    :func:`media_bytes`) decoded by FFmpeg."""
+    if isinstance(audio, (bytes, bytearray, str, os.PathLike)):
+        wave = decode_audio(media_bytes(audio, AUDIO, local, domains), sampling_rate)
+    elif _is_audio_pair(audio) or isinstance(audio, np.ndarray):
+        wave, rate = audio if _is_audio_pair(audio) else (audio, sampling_rate)
+        wave = np.asarray(wave)
+        if wave.dtype.kind not in "fiu" or wave.ndim not in (1, 2) or wave.size == 0:
+            raise ValueError(f"an audio waveform must be a non-empty array of numbers [samples] (or [samples, "
+                             f"channels]), not {wave.dtype} {list(wave.shape)}")
+        if not rate > 0:
+            raise ValueError(f"an audio's sampling rate must be positive, not {rate}: give (waveform, rate in Hz)")
+        if wave.ndim == 2:  # channels on the shorter axis (soundfile's [samples, channels], librosa's transpose)
+            wave = wave.mean(axis=int(wave.shape[0] > wave.shape[1]))
+        wave = wave.astype(np.float32) / (np.iinfo(wave.dtype).max + 1 if wave.dtype.kind in "iu" else 1)
+        if rate != sampling_rate:
+            wave = resample(wave, float(rate), sampling_rate)
+    else:
+        raise ValueError(f"an audio of type {type(audio).__name__} is not supported: give a (waveform, "
+                         "sampling_rate) pair, a waveform array at the model's rate, or an audio file (bytes, "
+                         "a data: URL, an http(s) URL or a path)")
+    if not np.isfinite(wave).all():
+        raise ValueError("an audio waveform holds NaN or infinite samples; send finite ones")
+    if not 0 < len(wave) <= MAX_AUDIO_SECONDS * sampling_rate:
+        raise ValueError(f"an audio of {len(wave) / sampling_rate:.1f} s: give one of up to {MAX_AUDIO_SECONDS} s "
+                         "(cut a longer one)")
+    return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+def resample(wave: np.ndarray, rate: float, to_rate: int) -> np.ndarray:
+    """A mono float32 waveform at ``rate`` resampled to ``to_rate`` (FFmpeg's resampler)."""
+    import av
+
+    if rate * 1000 < to_rate or to_rate * 1000 < rate or rate != int(rate):
+        raise ValueError(f"an audio at {rate} Hz cannot be resampled to {to_rate} Hz; give a whole rate in Hz")
+    frame = av.AudioFrame.from_ndarray(wave[None, :], format="flt", layout="mono")
+    frame.sample_rate = int(rate)
+    return _resampled([frame], to_rate)
+
+
+def _resampled(frames: Iterable, to_rate: int) -> np.ndarray:
+    """Audio frames resampled to float32 at ``to_rate``, the resampler flushed at the end, and made mono by the
+    channels' mean (as librosa makes it; FFmpeg's own downmix scales the sum by another factor)."""
+    import av
+
+    resampler = av.AudioResampler(format="fltp", rate=to_rate)  # the frames' own channels kept, planar
+    out = [o.to_ndarray() for frame in [*frames, None] for o in resampler.resample(frame)]
+    return np.concatenate(out, axis=1).mean(axis=0, dtype=np.float32) if out else np.zeros(0, np.float32)
+
+
+def decode_audio(data: bytes, sampling_rate: int) -> np.ndarray:
+    """An audio file's first audio stream (WAV, MP3, FLAC, Ogg, ... or a video's sound), mono float32 at
+    ``sampling_rate``."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                raise ValueError("no audio stream")
+            wave = _resampled(container.decode(audio=0), sampling_rate)
+    except (av.FFmpegError, ValueError) as err:
+        raise ValueError(f"the audio could not be decoded ({err}); send a WAV, MP3, FLAC, Ogg or other file FFmpeg "
+                         "reads, with an audio stream") from None
+    if not len(wave):
+        raise ValueError("the audio holds no samples; send one that does")
+    return wave
+
+
 def item_hash(modality: str, data: dict[str, np.ndarray]) -> str:
     """A content hash of an item's processed tensors (names, dtypes, shapes and bytes)."""
     digest = hashlib.sha256(modality.encode())
@@ -354,18 +452,20 @@ def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> VideoFrames:
     return frames
 
 
-def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor, videos: Sequence = ()
-                  ) -> tuple[list[int], MultiModalInputs]:
-    """The prompt with each image's placeholder (and each video's) replaced by its tokens, and the request's items
-    (images and videos in the order of their placeholders). A ValueError when a kind's placeholders and items differ
-    in number, or for videos to a processor that takes none."""
-    video_token = getattr(processor, "video_token_id", None)
-    if videos and video_token is None:
-        raise ValueError("this model's processor takes images only, no videos: send the prompt without videos")
-    given = {IMAGE: list(images), VIDEO: list(videos)}
-    token_of = {IMAGE: processor.image_token_id, VIDEO: video_token}
-    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in (IMAGE, VIDEO) if t == token_of[kind]]
-    for kind in (IMAGE, VIDEO):
+def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor, videos: Sequence = (),
+                  audios: Sequence = ()) -> tuple[list[int], MultiModalInputs]:
+    """The prompt with each image's placeholder (and each video's, each audio's) replaced by its tokens, and the
+    request's items (in the order of their placeholders). A ValueError when a kind's placeholders and items differ
+    in number, or for a kind the processor takes none of."""
+    given = {IMAGE: list(images), VIDEO: list(videos), AUDIO: list(audios)}
+    token_of = {kind: getattr(processor, f"{kind}_token_id", None) for kind in MODALITIES}
+    takes = [kind for kind in MODALITIES if token_of[kind] is not None]
+    for kind in MODALITIES:
+        if given[kind] and token_of[kind] is None:
+            raise ValueError(f"this model's processor takes no {PLURAL[kind]} (only "
+                             f"{' and '.join(PLURAL[k] for k in takes)}): send the prompt without {PLURAL[kind]}")
+    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in takes if t == token_of[kind]]
+    for kind in takes:
         held = sum(k == kind for _, k in slots)
         if held != len(given[kind]):
             raise ValueError(f"the prompt holds {held} {kind} placeholder token(s) (id {token_of[kind]}) but "
@@ -376,7 +476,9 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
     last = 0
     for slot, kind in slots:
         item = given[kind].pop(0)
-        done = processor.process(load_image(item)) if kind == IMAGE else processor.process_video(load_video(item))
+        done = (processor.process(load_image(item)) if kind == IMAGE else
+                processor.process_video(load_video(item)) if kind == VIDEO else
+                processor.process_audio(load_audio(item, processor.sampling_rate)))
         out.extend(token_ids[last:slot])
         items.append(MultiModalItem(kind, len(out), len(done.replacement), item_hash(kind, done.data), done.data,
                                     done.embed_rows, done.bidirectional))
@@ -403,9 +505,10 @@ def check_mm_limits(limits: Any) -> None:
                          "may hold, e.g. {'image': 4} ({'image': 0}: text only)")
 
 
-def image_limit(limits: dict[str, int] | None) -> int | None:
-    """How many images a prompt may hold under ``limit_mm_per_prompt`` (None: any number)."""
-    return None if limits is None else limits.get(IMAGE)
+def text_only(limits: dict[str, int] | None) -> bool:
+    """``limit_mm_per_prompt`` turns a multimodal release's encoders off: every kind it names is limited to 0
+    (``{'image': 0}``); the release then serves its text model alone."""
+    return bool(limits) and not any(limits.values())
 
 
 def check_mm_counts(multimodal: MultiModalInputs, limits: dict[str, int | None]) -> None:
@@ -414,9 +517,10 @@ def check_mm_counts(multimodal: MultiModalInputs, limits: dict[str, int | None])
         held = sum(item.modality == kind for item in multimodal.items)
         if most is not None and held > most:
             if not most:
-                raise ValueError(TEXT_ONLY if kind == IMAGE else f"this engine takes no {kind}s (a text model, or "
-                                 f"limit_mm_per_prompt={{'{kind}': 0}}): send the prompt without {kind}s")
-            raise ValueError(f"the prompt holds {held} {kind}s; this engine takes at most {most} per prompt "
+                raise ValueError(TEXT_ONLY if kind == IMAGE else f"this engine takes no {PLURAL[kind]} (a text "
+                                 f"model, or limit_mm_per_prompt={{'{kind}': 0}}): send the prompt without "
+                                 f"{PLURAL[kind]}")
+            raise ValueError(f"the prompt holds {held} {kind} items; this engine takes at most {most} per prompt "
                              f"(limit_mm_per_prompt): send fewer, or raise the limit")
 
 

@@ -277,14 +277,16 @@ def check_sampled_distribution(llm, target_dir, prompt: list[int], max_tokens: i
 
 
 def assert_images_greedy_equals_transformers(llm, hf, processor, text: str, images: list,
-                                             plain_text: str = "The quick brown fox", max_tokens: int = 16):
+                                             plain_text: str = "The quick brown fox", max_tokens: int = 16,
+                                             modality: str = "image", inputs: dict | None = None):
     """``llm``'s greedy tokens for ``text`` with ``images`` (``processor``: transformers' processor of the release)
     and for ``plain_text`` in the same batch equal transformers' ``generate`` of the whole model ``hf``, some drafts
-    accepted; transformers without the images generates other tokens (the images matter)."""
+    accepted; transformers without the images generates other tokens (the images matter). ``modality``: what
+    ``images`` are (``"audio"``: waveforms, with ``inputs`` transformers' processor's output for them)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}, plain_text], params,
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {modality: images}}, plain_text], params,
                         use_tqdm=False)
-    inputs = processor(text=[text], images=images, return_tensors="pt")
+    inputs = inputs if inputs is not None else processor(text=[text], images=images, return_tensors="pt")
     greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                   pad_token_id=0)
     with torch.no_grad():

@@ -133,8 +133,8 @@ def test_expand_prompt_places_each_image_and_keys_blocks_by_content():
     assert keys[2:9] == ids[2:9]
     with pytest.raises(ValueError, match="2 image placeholder token.*but 1 image"):
         expand_prompt(PROMPT_B, [_image(1)], processor)
-    with pytest.raises(ValueError, match="only \\['image', 'video'\\] are supported \\(no audio\\)"):
-        images_of({"audio": [1]})
+    with pytest.raises(ValueError, match="only \\['image', 'video', 'audio'\\] are supported"):
+        images_of({"speech": [1]})
 
 
 def test_step_rows_cover_a_span_split_over_chunks():
@@ -209,8 +209,8 @@ def test_split_media_pairs_placeholders_with_images_and_videos_in_order():
                                              {"type": "video_url", "video_url": {"url": "data:v"}},
                                              {"type": "image_url", "image_url": "http://h/b.png"}]},
                 {"role": "assistant", "content": "ok"}]
-    out, images, videos = split_media(messages)
-    assert images == ["data:x", "http://h/b.png"] and videos == ["data:v"]
+    out, media = split_media(messages)
+    assert media == {"image": ["data:x", "http://h/b.png"], "video": ["data:v"], "audio": []}
     assert out[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"},
                                  {"type": "image"}]
     assert out[1] is messages[1] and messages[0]["content"][1]["type"] == "image_url"
@@ -632,7 +632,7 @@ def test_videos_take_their_placeholders_in_order_beside_images():
     assert still.hash != expand_prompt([IMAGE_TOKEN], [_image(4)], VideoProcessor())[1].items[0].hash
     with pytest.raises(ValueError, match="2 video placeholder token.*but 1 video"):
         expand_prompt(prompt, media["image"], VideoProcessor(), [array])
-    with pytest.raises(ValueError, match="takes images only, no videos"):
+    with pytest.raises(ValueError, match="takes no videos \\(only images\\)"):
         expand_prompt(prompt, media["image"], StandInProcessor(), media["video"])
     with pytest.raises(ValueError, match="frames must share one size"):
         load_video([_image(1), _image(2, (7, 3))])

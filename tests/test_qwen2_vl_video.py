@@ -396,7 +396,7 @@ def test_mismatches_are_refused(releases):
     config = read_config(str(folder))
     config.video_token_id = None
     processor = qv.QwenVLImageProcessor.from_pretrained(folder, config)
-    with pytest.raises(ValueError, match=r"takes images only, no videos"):
+    with pytest.raises(ValueError, match=r"takes no videos \(only images\)"):
         expand_prompt([1, 2], [], processor, videos()[:1])
     config = read_config(str(folder))
     config.model_type = "glm4v"  # (a family whose processor derives from Qwen2-VL's: its videos are not served)

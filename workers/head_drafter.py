@@ -208,11 +208,9 @@ class DrawsFromQ:
             return drawn.q[: len(drafts) + tree]
         return drawn.q.index_select(0, _index(tree_rows(nodes), drawn.q.device))
 
-    # whether the drafter embeds an image's rows as the target does (:meth:`HiddenStateDrafter.add_images`)
+    # whether the drafter embeds an image's rows as the target does: the runner then hands it them
+    # (:meth:`HiddenStateDrafter.add_images`)
     reads_images = False
-
-    def add_images(self, images: dict[str, tuple[list[int], torch.Tensor]]) -> None:
-        """The image embeddings the head's next pass reads: by request id, positions and their rows [n, H]."""
 
     def draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
               kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -341,6 +339,7 @@ class HiddenStateDrafter(DrawsFromQ):
         super().drop(req_id, finished)
 
     def add_images(self, images: dict[str, tuple[list[int], torch.Tensor]]) -> None:
+        """The image embeddings the head's next pass reads: by request id, positions and their rows [n, H]."""
         for rid, (positions, values) in images.items():
             self.images.setdefault(rid, {})[positions[0]] = (positions, values)  # a step run again: replaced
 

@@ -201,17 +201,18 @@ class ModelRunner:
         return _long(rows, self.device), torch.cat(values, dim=_row_axis(values[0])) if len(values) > 1 else values[0]
 
     def _encode(self, req_id: str, item) -> torch.Tensor:
-        """One image's embeddings [num_embeds, H]; an image the encoder cannot take fails its request alone."""
+        """One item's (image's, video's, audio's) embeddings [num_embeds, H]; an item the encoder cannot take fails
+        its request alone."""
         dtype = next(self.encoder.parameters()).dtype
         data = {name: torch.from_numpy(np.ascontiguousarray(a)).to(
             self.device, dtype=dtype if np.issubdtype(a.dtype, np.floating) else None) for name, a in item.data.items()}
         try:
             embeds = self.encoder.encode(data)
         except (ValueError, RuntimeError) as err:
-            raise RequestError([req_id], f"its image at prompt position {item.offset} could not be encoded: "
-                                         f"{err}") from err
+            raise RequestError([req_id], f"its {item.modality} at prompt position {item.offset} could not be "
+                                         f"encoded: {err}") from err
         if embeds.shape[_row_axis(embeds)] != item.num_embeds:
-            raise RequestError([req_id], f"its image at prompt position {item.offset} gave "
+            raise RequestError([req_id], f"its {item.modality} at prompt position {item.offset} gave "
                                          f"{embeds.shape[_row_axis(embeds)]} rows for {item.num_embeds} placeholders")
         return embeds
 

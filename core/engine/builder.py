@@ -20,7 +20,7 @@ from specray.engine.llm_engine import FORCED_DRAFT_LIMIT, LLMEngine
 from specray.engine.executor import CacheConfig, executor_class
 from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.registry import multimodal_classes
-from specray.multimodal import IMAGE, VIDEO, image_limit
+from specray.multimodal import MODALITIES, text_only
 from specray.models.cpu_kernels import rows_for
 from specray.models.layers import max_positions, set_max_model_len
 from specray.parallel import stage_layers
@@ -263,7 +263,7 @@ def serves_images(args: EngineArgs, model_config) -> bool:
     """The checkpoint is a vision-language release whose images we serve, and ``limit_mm_per_prompt`` allows some
     (the encoder's own split check, where it has one, refuses a split it cannot serve: Qwen3-VL's DeepStack)."""
     classes = multimodal_classes(model_config)
-    if classes is None or image_limit(args.limit_mm_per_prompt) == 0:
+    if classes is None or text_only(args.limit_mm_per_prompt):
         return False
     if hasattr(classes[0], "check_split"):
         classes[0].check_split(model_config, args.tensor_parallel_size, args.pipeline_parallel_size)
@@ -352,7 +352,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                        adapters=adapters)
     limits = args.limit_mm_per_prompt or {}
-    engine.mm_limits = {IMAGE: limits.get(IMAGE), VIDEO: limits.get(VIDEO)} if images else {IMAGE: 0, VIDEO: 0}
+    engine.mm_limits = {kind: limits.get(kind) if images else 0 for kind in MODALITIES}
     if recurrent:  # a request's own method must draft what the recurrent state verifies too
         engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
                                   "drafters' chains and trees")

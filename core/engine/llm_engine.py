@@ -17,7 +17,7 @@ from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
 from specray.errors import RequestError, StepError, WorkerDiedError
 from specray.lora import AdapterChecker
-from specray.multimodal import IMAGE, VIDEO, MultiModalInputs, check_image_prompt, check_mm_counts
+from specray.multimodal import MODALITIES, MultiModalInputs, check_image_prompt, check_mm_counts
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
 from specray.scheduler.draft_policy import DraftLengthPolicy
@@ -63,7 +63,7 @@ class LLMEngine:
         self.executor = executor  # execute(plan, draft_probs) -> StepResult
         self.tokenizer = tokenizer
         # the most images and videos a prompt may hold (None: any; the builder sets them for a release with images)
-        self.mm_limits: dict[str, int | None] = {IMAGE: 0, VIDEO: 0}
+        self.mm_limits: dict[str, int | None] = dict.fromkeys(MODALITIES, 0)
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs' decoded tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -692,8 +692,9 @@ class LLMEngine:
         verified whole, and the head's first drafts as a probe's (until the engine has any evidence of the head, its
         prior could never beat a lookup's established acceptance). The head drafts next unless the lookup won this
         step (a match that pays tends to go on paying: copying), by its own evidence, or as a probe when the
-        request's probe is due. A head that tells its confidence in each draft (a scored chain) is priced draft by draft, and drafts
-        next only when it won with drafts worth verifying (one more than those), else as the probe."""
+        request's probe is due. A head that tells its confidence in each draft (a scored chain) is priced draft by
+        draft, and drafts next only when it won with drafts worth verifying (one more than those), else as the
+        probe."""
         if off_path:
             return [], 0, False
         head_key, limit = self.worker_method, self.policy.num_speculative_tokens_for(request)
