@@ -59,6 +59,7 @@ _register_helper("host_sync")  # a dispatch mode that records every op needing a
 _register_helper("fakes")  # stand-ins for Ray Serve pieces (a deployment's handle)
 _register_helper("model_checks")  # logits chunk by chunk over a paged cache (per-family tests)
 _register_helper("image_checks")  # the image tests' logits with images' rows, two ranks against one
+_register_helper("audio_checks")  # the audio tests' synthetic audios, weights, encoders and processors
 _register_helper("hybrid_models")  # tiny hybrid models (Qwen3.5's, Mamba-2's) and their engine prompts
 _register_helper("openai_helpers")  # HTTP helpers and request parts of the OpenAI server's tests
 

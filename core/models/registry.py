@@ -220,6 +220,9 @@ _TEXT_PARTS["Kimi_K25ForConditionalGeneration"] = _TEXT_PARTS["KimiK25ForConditi
 # architecture -> text-config fields its whole model overrides (transformers' composite model computes them so:
 # Aya Vision's plain lm_head ignores its Cohere2 text config's logit_scale); filled below
 _TEXT_CONFIG_FIXES: dict[str, dict[str, Any]] = {}
+# architecture -> the sub-config holding its text_config (and the whole model's tie flag), where not the top one
+# (Qwen2.5-Omni's whole release: its thinker_config); filled below
+_TEXT_HOLDERS: dict[str, str] = {}
 
 
 def text_part(hf_config) -> tuple[object, Any] | None:
@@ -228,10 +231,11 @@ def text_part(hf_config) -> tuple[object, Any] | None:
     Its LM head is tied to its embedding as the whole model's config says (transformers ties the composite model's
     head by that flag, whatever the text config's own says: Mistral 3's differ)."""
     for arch in getattr(hf_config, "architectures", None) or []:
-        text = getattr(hf_config, "text_config", None)
+        holder = getattr(hf_config, _TEXT_HOLDERS[arch], None) if arch in _TEXT_HOLDERS else hf_config
+        text = getattr(holder, "text_config", None)
         if arch in _TEXT_PARTS and text is not None:
-            if getattr(hf_config, "tie_word_embeddings", None) is not None:
-                text.tie_word_embeddings = hf_config.tie_word_embeddings
+            if getattr(holder, "tie_word_embeddings", None) is not None:
+                text.tie_word_embeddings = holder.tie_word_embeddings
             for field, value in _TEXT_CONFIG_FIXES.get(arch, {}).items():
                 setattr(text, field, value)
             return text, _TEXT_PARTS[arch]
@@ -686,3 +690,58 @@ _TEXT_CONFIG_FIXES["PaliGemmaForConditionalGeneration"] = {"use_bidirectional_at
 # codes, mapped to their visual tokens' ids with an end-of-line id per row (specray.models.emu3_vision)
 _MULTIMODAL["Emu3ForConditionalGeneration"] = ("specray.models.emu3_vision:Emu3ImageEncoder",
                                                "specray.models.emu3_vision:Emu3ImageProcessor")
+# Qwen2.5-Omni's thinker (specray.models.qwen2_5_omni), text out only: a Qwen2 with Qwen2.5-VL's multimodal RoPE (its
+# text_config) under ``model.`` (transformers 5's modules: ``model.language_model.``; the whole release: ``thinker.
+# model.``) beside its audio tower and vision tower, ``lm_head.`` / ``thinker.lm_head.``; its audios through the
+# windowed Whisper-style audio tower into the <|AUDIO|> rows, its images through Qwen2.5-VL's tower, TMRoPE positions.
+# The whole release (Qwen2_5OmniModel as Qwen/Qwen2.5-Omni-3B / 7B's config.json names it,
+# Qwen2_5OmniForConditionalGeneration as transformers does) keeps the thinker's config under thinker_config; its talker
+# and token2wav (speech out) are not read
+_QWEN_OMNI_TEXT = ((re.compile(r"^(?:thinker\.)?model\.(?:language_model\.)?(?!visual\.|audio_tower\.)"), "model."),
+                   (re.compile(r"^(?:thinker\.)?lm_head\."), "lm_head."))
+_MODEL_TYPES["qwen2_5_omni_text"] = "Qwen2ForCausalLM"
+_TEXT_HOLDERS.update(Qwen2_5OmniModel="thinker_config", Qwen2_5OmniForConditionalGeneration="thinker_config")
+_TEXT_PARTS.update(dict.fromkeys(("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniModel",
+                                  "Qwen2_5OmniForConditionalGeneration"), _QWEN_OMNI_TEXT))
+_MULTIMODAL.update(dict.fromkeys(("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniModel",
+                                  "Qwen2_5OmniForConditionalGeneration"),
+                                 ("specray.models.qwen2_5_omni:Qwen2_5OmniEncoder",
+                                  "specray.models.qwen2_5_omni:Qwen2_5OmniProcessor")))
+# Qwen2-Audio (specray.models.qwen2_audio) and Audio Flamingo 3 (specray.models.audioflamingo3) with audio: a
+# Whisper-style encoder with an average pool (specray.models.whisper_audio, the padded frames masked as keys) and the
+# release's projector (one linear; two linears) into the <|AUDIO|> / <sound> rows, as Qwen2AudioProcessor /
+# AudioFlamingo3Processor expand them (Audio Flamingo 3: 30 s windows); their Qwen2 text models in LLaVA's layout
+# (``language_model.model.`` / ``language_model.lm_head.``, or ``model.language_model.`` / ``lm_head.``)
+_TEXT_PARTS["Qwen2AudioForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_TEXT_PARTS["AudioFlamingo3ForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["Qwen2AudioForConditionalGeneration"] = ("specray.models.qwen2_audio:Qwen2AudioEncoder",
+                                                     "specray.models.qwen2_audio:Qwen2AudioProcessor")
+_MULTIMODAL["AudioFlamingo3ForConditionalGeneration"] = ("specray.models.audioflamingo3:AudioFlamingo3Encoder",
+                                                         "specray.models.audioflamingo3:AudioFlamingo3Processor")
+# Granite Speech (granite-speech-3.x) and Granite Speech Plus with audio (specray.models.granite_speech): log-mel
+# features (redone with torch: transformers' extractor needs torchaudio), a CTC Conformer encoder (block-wise
+# attention with Shaw's relative positions, depthwise convs, the mid-layer CTC self-conditioning; plus: chosen layers'
+# states concatenated) and a windowed Q-former projector into the <|audio|> rows GraniteSpeechProcessor writes; the
+# Granite text model in LLaVA's layout (``language_model.model.`` / ``language_model.lm_head.``, or transformers'
+# modules' ``model.language_model.`` / ``lm_head.``)
+for _arch in ("GraniteSpeechForConditionalGeneration", "GraniteSpeechPlusForConditionalGeneration"):
+    _TEXT_PARTS[_arch] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+    _MULTIMODAL[_arch] = ("specray.models.granite_speech:GraniteSpeechAudioEncoder",
+                          "specray.models.granite_speech:GraniteSpeechAudioProcessor")
+del _arch
+# GLM-ASR (GLM-ASR-Nano-2512, specray.models.glmasr): a Llama text model under ``language_model.model.`` (transformers'
+# modules: ``model.language_model.``), its head tied; its audio through the rotary Whisper-style encoder, the merge of
+# four frames and the two-layer projector into the <|pad|> rows GlmAsrProcessor writes (one per embedding); no images
+_TEXT_PARTS["GlmAsrForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["GlmAsrForConditionalGeneration"] = ("specray.models.glmasr:GlmAsrAudioEncoder",
+                                                 "specray.models.glmasr:GlmAsrAudioProcessor")
+# (Granite Speech's and Granite Speech Plus's whole model: its plain lm_head does not divide by the Granite text
+# config's logits_scaling, as transformers computes it; vLLM's GraniteForCausalLM-based model does divide)
+_TEXT_CONFIG_FIXES.update({arch: {"logits_scaling": 1.0} for arch in ("GraniteSpeechForConditionalGeneration",
+                                                                       "GraniteSpeechPlusForConditionalGeneration")})
+# Music Flamingo (specray.models.musicflamingo): Audio Flamingo 3's encoder, windows and projector with a rotary time
+# embedding between them (each row turned by its window's index and its time in seconds), each audio's <sound> rows
+# between <|sound_bos|> and <|sound_eos|>; its Qwen2 text model where Audio Flamingo 3's is
+_TEXT_PARTS["MusicFlamingoForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["MusicFlamingoForConditionalGeneration"] = ("specray.models.musicflamingo:MusicFlamingoEncoder",
+                                                        "specray.models.musicflamingo:MusicFlamingoProcessor")

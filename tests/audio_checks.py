@@ -1,0 +1,82 @@
+"""Shared pieces of the audio families' tests (Qwen2-Audio, Audio Flamingo 3, Music Flamingo): synthetic audios,
+WAV bytes, the tiny releases' weight spread, and our encoder, processor and expanded prompt for a folder."""
+
+from __future__ import annotations
+
+import io
+import wave
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specray.multimodal import MultiModalInputs, expand_prompt
+
+RATE = 16000
+
+
+def waves(seconds=(1.28, 2.45)) -> list[np.ndarray]:
+    """Synthetic audios: a few tones and noise from a fixed seed, each ``seconds`` long at 16 kHz."""
+    rng = np.random.default_rng(0)
+    out = []
+    for s in seconds:
+        t = np.arange(int(s * RATE)) / RATE
+        tones = sum(rng.uniform(0.1, 0.4) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) for _ in range(3))
+        out.append((tones + 0.05 * rng.standard_normal(t.shape)).astype(np.float32))
+    return out
+
+
+def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
+    """A mono 16-bit PCM WAV file of ``samples`` (in [-1, 1])."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()
+
+
+@torch.no_grad()
+def spread_weights(model) -> None:
+    """Random weights whose parts show: norms away from 1, biases and positions away from 0, attention scores far
+    from uniform (the mask and its direction show), projectors and embeddings of unit-ish scale."""
+    for name, p in model.named_parameters():
+        if "norm" in name and name.endswith(".weight") and p.dim() == 1:
+            p.uniform_(0.5, 1.5)
+        elif name.endswith(".bias") and ("audio_tower" in name or "projector" in name):
+            p.normal_(0.0, 0.2)
+        elif "audio_tower" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.normal_(0.0, 0.3)
+        elif name.endswith("embed_positions.weight"):
+            p.normal_(0.0, 0.5)
+        elif "projector" in name and name.endswith(".weight"):
+            p.normal_(0.0, p.shape[1] ** -0.5)
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 0.2)
+
+
+def hf_processor(folder: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(folder)
+
+
+def ours(folder: Path, config=None):
+    """Our audio encoder (fp32, CPU) and processor of the release in ``folder``."""
+    from specray.models.loader import load_image_encoder, load_image_processor, read_config
+
+    config = config or read_config(str(folder))
+    return load_image_encoder(str(folder), config, torch.float32, "cpu"), load_image_processor(str(folder), config)
+
+
+def expand_audio(ids: list[int], audios: list, processor) -> tuple[list[int], MultiModalInputs]:
+    """The prompt with each audio placeholder replaced by its tokens, and the audio items."""
+    return expand_prompt(ids, [], processor, audios=audios)
+
+
+def expanded(folder: Path, text: str, audios: list) -> tuple[list[int], MultiModalInputs]:
+    """:func:`expand_audio` of ``text`` in the folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return expand_audio(AutoTokenizer.from_pretrained(folder).encode(text), audios, ours(folder)[1])
