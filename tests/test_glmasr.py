@@ -13,10 +13,8 @@ served is refused by name. The tiny release is built here."""
 from __future__ import annotations
 
 import base64
-import io
 import shutil
 import sys
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from specray.models.layers import RotaryEmbedding, rope_parameters
 from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
 from specray.models.vision_towers import VISION_ACTIVATIONS
 from specray.multimodal import expand_prompt
+from specray_test_audio_checks import wav_bytes
 from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, encode_items,  # tests/image_checks.py
                                        first_cut, image_logits)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
@@ -444,16 +443,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
-def wav_bytes(samples: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SR)
-        out.writeframes(samples.astype("<i2").tobytes())
-    return buffer.getvalue()
-
-
 def test_engine_greedy_with_audio_equals_transformers(release):
     """``LLM.generate`` with the 2.7 s audio (prefill chunks of 16 tokens splitting its 33 rows; n-gram drafts) gives
     transformers' greedy ``generate`` tokens beside a text-only prompt in the same batch, some drafts accepted;
@@ -470,9 +459,10 @@ def test_engine_greedy_with_audio_equals_transformers(release):
     runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
     runs.assert_images_greedy_equals_transformers(llm, hf, theirs, ONE, [(audio, SR)], modality="audio",
                                                   inputs=theirs(text=[ONE], audio=[audio]))
-    pcm = np.clip(np.round(waves()[0] * 32768), -32768, 32767).astype(np.int16)
+    data = wav_bytes(waves()[0])
+    pcm = np.frombuffer(data[44:], "<i2")  # (the WAV's samples, after its 44-byte header)
     messages = [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(pcm)).decode(), "format": "wav"}},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}},
         {"type": "text", "text": "Please transcribe this audio into text"}]}]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     chat = llm.chat(messages, params, use_tqdm=False, chat_template=TEMPLATE)[0]

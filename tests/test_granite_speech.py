@@ -20,13 +20,11 @@ check here."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +33,11 @@ import torch
 from safetensors.torch import save_file
 
 from specray.models import granite_speech as gs
+from specray.models.attention import AttentionMetadata
 from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
 from specray.models import registry
 from specray.multimodal import MultiModalInputs, MultiModalItem, expand_prompt
+from specray_test_audio_checks import wav_bytes
 from specray_test_image_checks import assert_ranks_equal_one_rank, image_logits  # tests/image_checks.py
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
@@ -298,16 +298,15 @@ def test_features_equal_transformers_live(release, tmp_path):
 # ---- the encoder and the whole model ---------------------------------------------------------------------------------
 
 def hf_audio_rows(hf, item: MultiModalItem) -> torch.Tensor:
-    """transformers' rows for one audio alone: ``get_audio_features``' projector output, times the text model's
-    ``embedding_multiplier`` (transformers' Granite scales ``inputs_embeds`` after they are merged)."""
+    """transformers' rows for one audio alone: ``get_audio_features``' projector output (which its Granite text
+    model scales by ``embedding_multiplier`` after they are merged, as ours does)."""
     with torch.no_grad():
-        out = hf.get_audio_features(torch.from_numpy(item.data["input_features"])[None]).pooler_output[0]
-    return out * hf.config.text_config.embedding_multiplier
+        return hf.get_audio_features(torch.from_numpy(item.data["input_features"])[None]).pooler_output[0]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_encoder_equals_transformers_audio_features(release, layout):
-    """Each audio's embeddings [tokens, text hidden] equal transformers' (``get_audio_features``, scaled), the weights
+    """Each audio's embeddings [tokens, text hidden] equal transformers' (``get_audio_features``), the weights
     read in the releases' layout and in transformers' modules' names."""
     folders, hf = release
     _, mm = expand(folders[layout], BEFORE + AUDIO + BETWEEN + AUDIO + AFTER, waves())
@@ -337,7 +336,7 @@ def hf_logits(hf, ids: list[int], mm: MultiModalInputs) -> torch.Tensor:
     if len(mm.items) == 1:
         return hf(input_ids=input_ids, input_features=torch.from_numpy(mm.items[0].data["input_features"])[None]
                   ).logits[0]
-    rows = torch.cat([hf_audio_rows(hf, item) for item in mm.items]) / hf.config.text_config.embedding_multiplier
+    rows = torch.cat([hf_audio_rows(hf, item) for item in mm.items])
     embeds = hf.get_input_embeddings()(torch.where(input_ids == hf.config.audio_token_id, 0, input_ids))
     embeds[input_ids == hf.config.audio_token_id] = rows
     return hf(inputs_embeds=embeds).logits[0]
@@ -415,10 +414,6 @@ def _mirrored_conv_padding(encoder):
         layer.conv.depth_conv.padding = (right, left)
 
 
-def _unscaled(encoder):
-    encoder.embedding_multiplier = 1.0
-
-
 # part -> (a monkeypatch on the module, or None; an edit of the loaded encoder, or None)
 PARTS = {
     "relative positions": (lambda mp: mp.setattr(gs, "relative_bias", lambda q, *a: torch.zeros(
@@ -432,7 +427,9 @@ PARTS = {
     "feed-forward half steps": (lambda mp: mp.setattr(gs.ConformerBlock, "half_step", 1.0), None),
     "Q-former cross-attention (layer 2)": (None, _no_cross),
     "Q-former query norm": (None, _no_query_norm),
-    "embedding multiplier on the rows": (None, _unscaled),
+    "embedding multiplier on the rows": (lambda mp: mp.setattr(
+        AttentionMetadata, "with_input_embeds", lambda meta, x, scale=1.0, real=AttentionMetadata.with_input_embeds:
+        real(meta, x)), None),
     "unscaled logits (transformers' lm_head)": (lambda mp: mp.setitem(
         registry._TEXT_CONFIG_FIXES, "GraniteSpeechForConditionalGeneration", {}), None),
 }
@@ -557,16 +554,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
             "{% for p in m.content %}{% if p.type == 'audio' %}" + AUDIO + "{% else %}{{ p.text }}{% endif %}"
             "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-
-
-def wav_bytes(samples: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(RATE)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def test_engine_greedy_with_audio_equals_transformers(release):

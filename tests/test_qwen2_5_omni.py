@@ -145,26 +145,27 @@ def release(tmp_path_factory) -> tuple[Path, object]:
     return build_release(tmp_path_factory.mktemp("qwen2_5_omni"))
 
 
-def hf_processor(folder: Path):
-    """transformers' Qwen2_5OmniProcessor over the folder's feature extractor, image processor and tokenizer (its
+def hf_processor(folder: Path, name: str = "Qwen2_5OmniProcessor"):
+    """transformers' Omni processor ``name`` over the folder's feature extractor, image processor and tokenizer (its
     video processor needs torchvision, which is not installed: the class check of the absent one is skipped)."""
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen2_5OmniProcessor
+    import transformers
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
     from transformers.processing_utils import ProcessorMixin
 
     check = ProcessorMixin.check_argument_for_proper_class
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ProcessorMixin, "check_argument_for_proper_class",
                       lambda self, name, arg: None if arg is None else check(self, name, arg))
-        return Qwen2_5OmniProcessor(image_processor=AutoImageProcessor.from_pretrained(str(folder)),
-                                    feature_extractor=AutoFeatureExtractor.from_pretrained(str(folder)),
-                                    tokenizer=AutoTokenizer.from_pretrained(str(folder)))
+        return getattr(transformers, name)(image_processor=AutoImageProcessor.from_pretrained(str(folder)),
+                                           feature_extractor=AutoFeatureExtractor.from_pretrained(str(folder)),
+                                           tokenizer=AutoTokenizer.from_pretrained(str(folder)))
 
 
-def expand(folder: Path, text: str, images=(), audios=()):
+def expand(folder: Path, text: str, images=(), audios=(), ours=qo.Qwen2_5OmniProcessor):
     """(our processor, the expanded prompt's ids, its MultiModalInputs) for ``text`` with ``images`` and ``audios``."""
     from transformers import AutoTokenizer
 
-    processor = qo.Qwen2_5OmniProcessor.from_pretrained(folder, read_config(str(folder)))
+    processor = ours.from_pretrained(folder, read_config(str(folder)))
     ids = AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]
     return (processor, *expand_prompt(ids, list(images), processor, audios=list(audios)))
 

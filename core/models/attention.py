@@ -140,12 +140,14 @@ class AttentionMetadata:
         if rope is not None:
             self.rope_positions, self.max_position = rope[0], max(self.max_position, rope[1])
 
-    def with_input_embeds(self, x: torch.Tensor) -> torch.Tensor:
-        """The step's token embeddings ``x`` [T, H] with the image embeddings' rows in place (``input_embeds``)."""
+    def with_input_embeds(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The step's token embeddings ``x`` [T, H] with the image embeddings' rows in place (``input_embeds``),
+        times ``scale`` (a text model that scales its whole input embeddings, as transformers' Granite does)."""
         if self.input_embeds is None:
             return x
         rows, values = self.input_embeds
-        return x.index_copy(0, rows, values.to(x.dtype))
+        values = values.to(x.dtype)
+        return x.index_copy(0, rows, values if scale == 1.0 else values * scale)
 
     def cached(self, key: tuple, build: Callable[[AttentionMetadata], torch.Tensor]) -> torch.Tensor:
         """The step's tensor ``key`` (a mask, a position bias), built once by ``build(self)`` and shared by every

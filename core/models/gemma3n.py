@@ -29,11 +29,12 @@ Where it differs from Gemma 3 / Gemma 4:
 LoRA adapters adapt what Gemma 4's do (q/k/v/o of each layer that has them, gate/up/down); LAuReL, AltUp and the
 per-layer-input projections take none (an adapter naming one is refused at admission).
 
-A multimodal checkpoint's prompt ids at or past its vision tower's ``vocab_offset`` (image and audio placeholders)
-are embedded from the text model's table here; transformers' multimodal model embeds them through ``embed_vision`` /
-``embed_audio``, which are not read (text prompts never hold them). The hidden state a drafter reads as the residual
-stream entering a layer (``aux_layers``) is the active AltUp stream. Tiny random models against transformers only:
-never run on a GPU or a real checkpoint.
+A multimodal checkpoint's audio rows (:mod:`specray.models.gemma3n_audio`: the soft tokens' and
+``<end_of_audio>``'s) replace their tokens' embeddings (``meta.with_input_embeds``). Other prompt ids at or past its
+vision tower's ``vocab_offset`` are embedded from the text model's table here; transformers' multimodal model embeds
+them through ``embed_vision`` / ``embed_audio``'s hard embeddings (text prompts never hold them). The hidden state a
+drafter reads as the residual stream entering a layer (``aux_layers``) is the active AltUp stream. Tiny random
+models against transformers only: never run on a GPU or a real checkpoint.
 """
 
 from __future__ import annotations
@@ -268,7 +269,9 @@ class Gemma3nModel(Gemma4Model):
         # the per-layer inputs packed); a stage before the last ends there, returning its own
         n = self.num_streams
         if intermediate is None:
-            x = self.embed(input_ids)
+            # audio rows in place, unscaled; the per-layer inputs' token half reads the prompt's own ids (an audio
+            # token's past the per-layer table: token 0's row), their projected half these rows, as transformers
+            x = meta.with_input_embeds(self.embed(input_ids))
             per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer else None
             streams = self.streams(x)
         else:

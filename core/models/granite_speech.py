@@ -20,9 +20,9 @@ up-projection, GLU, a depthwise conv (kernel ``conv_kernel_size``, padded ``k //
 right), an inference BatchNorm, SiLU and a pointwise down-projection. The projector zero-pads the encoder's frames to
 whole windows of ``window_size`` and runs BLIP-2's Q-former (``blip_2_qformer``: post-norm BERT layers over
 ``window_size // downsample_rate`` learned queries, cross-attending to their window every ``cross_attention_frequency``
-layers) per window, then one linear into the text width. The rows are scaled by the text model's
-``embedding_multiplier`` (transformers' Granite scales ``inputs_embeds`` after the audio is scattered in; our text
-model scales its token embeddings before the rows replace theirs). Each audio is encoded alone (transformers'
+layers) per window, then one linear into the text width. The Granite text model scales the rows by its
+``embedding_multiplier`` as its tokens' (``LlamaModel.embed_step``: transformers' Granite scales its whole
+``inputs_embeds`` after the audio is scattered in). Each audio is encoded alone (transformers'
 processor zero-pads the shorter audios of a batch, which changes the frames at their end: a lone audio's features are
 what we give).
 
@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import LayerNorm, _param
-from specray.models.llama import multiplier
 from specray.models.vision_towers import Linear, copy_weights, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
@@ -473,7 +472,6 @@ class GraniteSpeechAudioEncoder(nn.Module):
         self.arch = _arch(config)
         self.encoder = CTCEncoder(config, cat_layers(config))
         self.projector = Projector(config)
-        self.embedding_multiplier = multiplier(config.text_config, "embedding_multiplier")
 
     @property
     def device(self) -> torch.device:
@@ -501,10 +499,9 @@ class GraniteSpeechAudioEncoder(nn.Module):
 
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
         """One audio's ``input_features`` [T, 2 * n_mels] (or [1, T, 2 * n_mels]) -> its embeddings [tokens, text
-        hidden], scaled by the text model's ``embedding_multiplier``."""
+        hidden] (the Granite text model scales them by its ``embedding_multiplier`` as its tokens')."""
         features = data["input_features"]
         if features.dim() == 3:
             features = features[0]
         dtype = self.projector.linear.weight.dtype
-        rows = self.projector(self.encoder(features.to(dtype)))
-        return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
+        return self.projector(self.encoder(features.to(dtype)))

@@ -65,13 +65,14 @@ _STACKED = {
 KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 
 # an RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3-VL's text models are Qwen3's)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "hy_v3", "dots1", "exaone4",
-                       "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint", "beam")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "hy_v3",
+                       "dots1", "exaone4", "exaone_moe", "apertus", "kolibri1", "afmoe", "mellum", "laguna", "flint",
+                       "beam")
 # q/k/v biases, none on o (Qwen2-VL's, Qwen2.5-VL's and Qwen2.5-Omni's text: Qwen2; GLM's and GLM-4's: their
 # attention_bias)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_5_omni_text", "glm", "glm4")
 # experts every decoder_sparse_step-th layer (Qwen3-Next: its own class, the same rule)
-SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next", "flint")
+SPARSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_next", "flint")
 # one use_bias flag biasing every projection: q/k/v, o and the MLP's (ERNIE 4.5; StarCoder2, whose MLP is its own)
 USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
@@ -458,8 +459,10 @@ class LlamaModel(StageModel):
 
     def embed_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's input [T, H]: the tokens' embeddings (a family with learned positions adds theirs), image
-        embeddings in place of their placeholders' (``meta.input_embeds``)."""
-        return meta.with_input_embeds(self.embed(input_ids))
+        embeddings in place of their placeholders' (``meta.input_embeds``), scaled as the tokens' by Granite's
+        multiplier (transformers' Granite multiplies its whole input embeddings, images' and audios' rows included:
+        granite-vision, Granite Speech)."""
+        return meta.with_input_embeds(self.embed(input_ids), self.embedding_multiplier)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, aux_layers: Sequence[int] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:

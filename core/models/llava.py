@@ -9,10 +9,14 @@ as transformers drops it), "full" keeps every token.
 The text model is whatever ``text_config`` names (Llama, Mistral, Qwen2, ...), served by its own class through
 ``registry._TEXT_PARTS``; :class:`LlavaImageEncoder` (vision tower and projector) and :class:`LlavaImageProcessor`
 (transformers' image processor; the prompt's ``image_token_index`` placeholder expanded to one token per embedding,
-as ``LlavaProcessor`` expands it) are this family's seams of :mod:`specray.multimodal`. The checkpoint's own tensors
-are read in each layout: the releases' (``vision_tower.vision_model.*``, ``multi_modal_projector.*``,
-llava-hf/llava-1.5-7b-hf), what transformers 5 saves (``vision_tower.*``: its vision models have no ``vision_model``
-level) and transformers' modules' (``model.vision_tower.*``, ``model.multi_modal_projector.*``).
+as ``LlavaProcessor`` expands it) are this family's seams of :mod:`specray.multimodal`. A Granite text model
+(granite-vision-3.x, a LLaVA-NeXT) scales the image rows as its tokens' (``LlamaModel.embed_step``: transformers'
+Granite multiplies the whole merged ``inputs_embeds`` by ``embedding_multiplier``), and the whole model's plain
+``lm_head`` does not divide by its ``logits_scaling`` (``registry._TEXT_CONFIG_FIXES``). The
+checkpoint's own tensors are read in each layout: the releases' (``vision_tower.vision_model.*``,
+``multi_modal_projector.*``, llava-hf/llava-1.5-7b-hf), what transformers 5 saves (``vision_tower.*``: its vision
+models have no ``vision_model`` level) and transformers' modules' (``model.vision_tower.*``,
+``model.multi_modal_projector.*``).
 
 Pixtral-12B (``mistral-community/pixtral-12b``: ``vision_config.model_type`` "pixtral") puts Pixtral's tower
 (:mod:`specray.models.pixtral_vision`: one image at its own size, transformers' ``image_sizes`` path) before the same

@@ -1,7 +1,8 @@
 """LLaVA-NeXT's images (``LlavaNextForConditionalGeneration``, transformers' ``models/llava_next``:
-llava-v1.6-mistral-7b, llava-v1.6-vicuna-7b / 13b, llava-v1.6-34b): LLaVA 1.5's CLIP (or SigLIP) tower and
-two-layer projector (:class:`specray.models.llava.LlavaImageEncoder`, reused whole) over an image seen at any
-resolution.
+llava-v1.6-mistral-7b, llava-v1.6-vicuna-7b / 13b, llava-v1.6-34b; granite-vision-3.x: a SigLIP tower's several
+feature layers before a Granite text model, which scales the image rows as its tokens'): LLaVA 1.5's
+CLIP (or SigLIP) tower and two-layer projector (:class:`specray.models.llava.LlavaImageEncoder`, reused whole) over
+an image seen at any resolution.
 
 Any-resolution tiling: of ``image_grid_pinpoints`` (resolutions, each a whole number of ``vision_config.image_size``
 tiles a side) the processor picks the one that keeps most of the image's pixels at its scale and wastes the fewest

@@ -258,13 +258,40 @@ def read_config(model: str | os.PathLike, trust_remote_code: bool = False,
 
     folder = resolve_model(model, weights=False).path
     with _remote_code_errors(model):
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        config = _fixed_config(Path(folder)) or AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     if getattr(config, "quantization_config", None) is None:  # an older ModelOpt export: hf_quant_config.json
         quant = _modelopt_export(Path(folder))
         if quant is not None:
             config.quantization_config = quant
     _override(config, hf_overrides or {})
     return plain_config(config)
+
+
+def _nemotron_omni_sound(config: dict) -> bool:
+    """Nemotron 3 Nano Omni's release names its sound encoder's config ``"model_type": "parakeet"``, no registered
+    type; transformers 5.24's config drops it from a copy and then reads the original (and fails): drop it here."""
+    sound = [key for key in ("sound_config", "audio_config")
+             if isinstance(config.get(key), dict) and config[key].get("model_type") == "parakeet"]
+    for key in sound:
+        config[key] = {name: value for name, value in config[key].items() if name != "model_type"}
+    return bool(sound)
+
+
+# model type -> a fix of its config.json's dict that transformers cannot read as a release ships it (True: fixed)
+_CONFIG_JSON_FIXES = {"nemotron_h_omni": _nemotron_omni_sound}
+
+
+def _fixed_config(folder: Path) -> Any:
+    """The folder's config, read by transformers from its config.json's dict fixed first, where a release's needs
+    a fix (:data:`_CONFIG_JSON_FIXES`); None where transformers reads the file as it is."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    path = folder / "config.json"
+    fix = _CONFIG_JSON_FIXES.get(json.loads(path.read_text()).get("model_type")) if path.is_file() else None
+    if fix is None:
+        return None
+    config, _ = PretrainedConfig.get_config_dict(str(folder))  # (transformers' JSON, its special floats read)
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config) if fix(config) else None
 
 
 def _modelopt_export(folder: Path) -> dict | None:

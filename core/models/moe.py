@@ -224,6 +224,7 @@ FAMILIES = {
 # the hybrid linear-attention families' experts are Qwen2-MoE's (a gated shared expert); Qwen3.5-MoE's config has no
 # norm_topk_prob and always renormalises
 FAMILIES["qwen3_next"] = FAMILIES["qwen2_moe"]
+FAMILIES["qwen3_omni_moe_text"] = FAMILIES["qwen3_vl_moe_text"]  # Qwen3-Omni's thinker's: Qwen3-VL-MoE's
 # DeepSeek-V3.2's, GLM-5's and GLM-4.7-Flash's experts
 FAMILIES["deepseek_v32"] = FAMILIES["glm_moe_dsa"] = FAMILIES["glm4_moe_lite"] = FAMILIES["deepseek_v3"]
 FAMILIES["solar_open"] = FAMILIES["glm4_moe"]  # Solar Open's are GLM-4.5's

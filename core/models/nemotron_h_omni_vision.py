@@ -2,7 +2,8 @@
 C-RADIO vision tower (transformers' ``models/radio``), pixel shuffle and an RMSNorm-led squared-ReLU projector turn
 each image, at its own patch grid, into text embeddings of the Nemotron-H text model (``models/mamba_hybrid.py``,
 served through ``registry._TEXT_PARTS``: its embedding step is Llama's, so the image rows arrive by
-``meta.input_embeds``). Images only: the release's video and audio inputs are not served.
+``meta.input_embeds``). Its audio: :mod:`specray.models.nemotron_h_omni_audio` (whose subclasses of this module's
+encoder and processor the registry names); the release's video input is not served.
 
 The tower (:class:`RadioTower`) takes an image as its flattened ``patch_size`` squares (channel-major, row-major
 over the grid, as the image processor cuts them), maps each by a bias-free linear (``patch_projection``) and adds
@@ -169,7 +170,7 @@ class NemotronHOmniImageEncoder(nn.Module):
         """Read the tower's and the projector's tensors among the whole checkpoint's (the release's fused ``qkv``
         split into q, k, v); layer scales it lacks take ``layerscale_value``. A ValueError names any other of ours
         missing."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if n.startswith(("tower.", "final_norm.", "projector."))}
         missing = copy_weights(params, self._renamed(weights))
         scales = [n for n in missing if n.endswith(("lambda_1", "lambda_2"))]
         for name in scales:

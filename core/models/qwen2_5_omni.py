@@ -214,16 +214,25 @@ class Qwen2_5OmniProcessor:
         self.images = images
         self.image_token_id = None if images is None else images.image_token_id
 
+    audio_token = "<|AUDIO|>"  # (named in errors)
+    extractor_needs = "n_samples"  # a member the feature extractor must have (a Whisper-style one)
+
+    @classmethod
+    def check_audio_config(cls, audio: Any) -> None:
+        """A ValueError for audio settings the encoder does not take (a subclass's)."""
+
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> Qwen2_5OmniProcessor:
         from transformers import AutoFeatureExtractor
 
         thinker = thinker_config(config)
         if _field(thinker, "audio_token_id") is None:
-            raise ValueError("the checkpoint's config has no audio_token_index (the <|AUDIO|> token's id); set it")
+            raise ValueError(f"the checkpoint's config has no audio_token_id (the {cls.audio_token} token's id); "
+                             "set it")
+        cls.check_audio_config(_field(thinker, "audio_config"))
         features = AutoFeatureExtractor.from_pretrained(str(folder))
         mel = _field(_field(thinker, "audio_config"), "num_mel_bins", 128)
-        if getattr(features, "feature_size", None) != mel or not hasattr(features, "n_samples"):
+        if getattr(features, "feature_size", None) != mel or not hasattr(features, cls.extractor_needs):
             raise ValueError(f"the folder's feature extractor ({type(features).__name__}, feature_size="
                              f"{getattr(features, 'feature_size', None)}) is not the Whisper feature extractor of "
                              f"audio_config.num_mel_bins={mel} mel bins; use the release's preprocessor_config.json")

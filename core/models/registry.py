@@ -745,3 +745,33 @@ _TEXT_CONFIG_FIXES.update({arch: {"logits_scaling": 1.0} for arch in ("GraniteSp
 _TEXT_PARTS["MusicFlamingoForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
 _MULTIMODAL["MusicFlamingoForConditionalGeneration"] = ("specray.models.musicflamingo:MusicFlamingoEncoder",
                                                         "specray.models.musicflamingo:MusicFlamingoProcessor")
+# Qwen3-Omni-MoE's thinker (specray.models.qwen3_omni_moe), text out only: a Qwen3-MoE text model with Qwen3-VL's
+# interleaved multimodal RoPE (its ``qwen3_omni_moe_text`` text_config) where Qwen2.5-Omni's is (``model.`` or
+# ``model.language_model.`` in the thinker, ``thinker.model.`` in the whole release, whose config.json names it
+# Qwen3OmniMoeForConditionalGeneration and keeps the thinker's config under thinker_config; its talker and code2wav
+# are not read); its audios through the three-conv2d windowed audio encoder into the <|audio_pad|> rows, its images
+# through Qwen3-VL's tower and DeepStack mergers, TMRoPE positions
+_MODEL_TYPES["qwen3_omni_moe_text"] = "Qwen3MoeForCausalLM"
+_TEXT_HOLDERS["Qwen3OmniMoeForConditionalGeneration"] = "thinker_config"
+_TEXT_PARTS.update(dict.fromkeys(("Qwen3OmniMoeThinkerForConditionalGeneration",
+                                  "Qwen3OmniMoeForConditionalGeneration"), _QWEN_OMNI_TEXT))
+_MULTIMODAL.update(dict.fromkeys(("Qwen3OmniMoeThinkerForConditionalGeneration",
+                                  "Qwen3OmniMoeForConditionalGeneration"),
+                                 ("specray.models.qwen3_omni_moe:Qwen3OmniMoeEncoder",
+                                  "specray.models.qwen3_omni_moe:Qwen3OmniMoeProcessor")))
+
+# granite-vision-3.x (LLaVA-NeXT with a Granite text model; LLaVA 1.5's and LLaVA-OneVision's layouts alike): the
+# whole model's plain lm_head does not divide by the Granite text config's logits_scaling, as transformers computes
+# it (the encoders scale their rows by its embedding_multiplier: specray.models.llava.input_embeds_scale)
+_TEXT_CONFIG_FIXES.update({arch: {"logits_scaling": 1.0} for arch in ("LlavaForConditionalGeneration",
+                                                                       "LlavaNextForConditionalGeneration",
+                                                                       "LlavaOnevisionForConditionalGeneration")})
+# Gemma 3n's audio (specray.models.gemma3n_audio): the USM-style Conformer audio tower and embed_audio into the
+# audio soft tokens' rows (and <end_of_audio>'s); images (timm's MobileNetV5 tower) are refused by name
+_MULTIMODAL["Gemma3nForConditionalGeneration"] = ("specray.models.gemma3n_audio:Gemma3nAudioEncoder",
+                                                  "specray.models.gemma3n_audio:Gemma3nAudioProcessor")
+# Nemotron 3 Nano Omni with audio (specray.models.nemotron_h_omni_audio): the image encoder and processor above with
+# the Parakeet (FastConformer) encoder and sound projector added where config.json has an audio_config; <so_embedding>
+# expanded to <so_start>, one <so_embedding> per embedding, <so_end>; one processor for images and audio
+_MULTIMODAL["NemotronH_Omni_Reasoning_V3"] = ("specray.models.nemotron_h_omni_audio:NemotronHOmniEncoder",
+                                              "specray.models.nemotron_h_omni_audio:NemotronHOmniProcessor")
