@@ -435,7 +435,7 @@ def test_engine_greedy_with_ngram_drafts_equals_plain_and_transformers(tiny_gemm
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
     with pytest.raises(ValueError, match="this model reads text only"):
         plain.chat(image, params, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"multi_modal_data holds \['audio'\]: only \['image', 'video'\] are supported"):
+    with pytest.raises(ValueError, match="this model reads text only"):
         plain.generate({"prompt": "Hello", "multi_modal_data": {"audio": [0.0]}}, params, use_tqdm=False)
 
 

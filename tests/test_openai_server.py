@@ -532,9 +532,12 @@ def test_chat_messages_are_checked_in_openai_terms(server):
     status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [image]}]}))
     assert (status, err["param"]) == (400, "messages")
     assert "reads text only" in err["message"]
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [audio]}]}))
+    assert (status, err["param"]) == (400, "messages") and "reads text only" in err["message"]
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     status, err = error_of(http_json(url, {"messages": [{"role": "user", "content": [audio]}]}))
-    assert status == 400 and "'input_audio' is not supported" in err["message"]
+    assert status == 400 and "input_audio must hold the audio's base64 'data'" in err["message"]
     status, body = http_json(url, {"messages": [{"role": "developer", "content": "Be brief."},
                                                 {"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] == 2

@@ -775,3 +775,9 @@ _MULTIMODAL["Gemma3nForConditionalGeneration"] = ("specray.models.gemma3n_audio:
 # expanded to <so_start>, one <so_embedding> per embedding, <so_end>; one processor for images and audio
 _MULTIMODAL["NemotronH_Omni_Reasoning_V3"] = ("specray.models.nemotron_h_omni_audio:NemotronHOmniEncoder",
                                               "specray.models.nemotron_h_omni_audio:NemotronHOmniProcessor")
+# Voxtral (specray.models.voxtral): Whisper's encoder over whole 30 s windows (no pool, no key mask), its rows taken
+# four at a time into the projector (linear_1, act, linear_2) and into the [AUDIO] rows of the Llama / Mistral text
+# model; the host side pads and counts as mistral_common does (tekken.json's audio section), [BEGIN_AUDIO] first
+_TEXT_PARTS["VoxtralForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["VoxtralForConditionalGeneration"] = ("specray.models.voxtral:VoxtralEncoder",
+                                                  "specray.models.voxtral:VoxtralProcessor")
