@@ -8,11 +8,16 @@ specray: the ranks' processes load this module by its path."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from specray.models.attention import build_attention_metadata
@@ -255,3 +260,17 @@ def prompt_run(folder: Path, text: str, images: list, first: int | None = None, 
                             load_image_processor(str(folder)))
     first = first_cut(mm) if first is None else first
     return folder, ids, mm, [first, len(ids) - first], options
+
+
+def private_env(variables: Sequence[str], module: str, what: str, stand_in: str | None = "the recorded digests"
+                ) -> dict:
+    """The environment of a subprocess that imports ``module`` (kept out of the venv: torchvision, torchaudio) from the
+    folder the first of the environment ``variables`` set names; the test is skipped where it still does not import
+    (``what``: the transformers piece that then cannot run; ``stand_in``: what the other tests check instead)."""
+    env = dict(os.environ)
+    extra = next((os.environ[v] for v in variables if os.environ.get(v)), None)
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
+    if subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True).returncode:
+        pytest.skip(f"{module} does not import: {what} cannot run" + (f" ({stand_in} stand in)" if stand_in else ""))
+    return env

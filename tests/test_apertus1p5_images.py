@@ -14,7 +14,6 @@ tensor-parallel ranks equal one. No GPU check here."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from specray_test_image_checks import private_env  # tests/image_checks.py
 
 from specray.models import apertus1p5_vision as av
 from specray.models.apertus1p5_vision import Apertus1p5ImageEncoder, Apertus1p5ImageProcessor, smart_resize
@@ -200,13 +200,8 @@ REFERENCE = textwrap.dedent("""
 def test_processor_equals_transformers_live(tiny_apertus, tmp_path):
     """Where torchvision imports (``APERTUS_TORCHVISION_PATH`` may name a folder holding it), transformers' own
     processor over the three images gives our prompt ids and pixels exactly (its batch cropped to each size)."""
-    env = dict(os.environ)
-    extra = os.environ.get("APERTUS_TORCHVISION_PATH")
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Apertus 1.5 image processor cannot run (the "
-                    "recorded sums stand in)")
+    env = private_env(["APERTUS_TORCHVISION_PATH"], "torchvision", "transformers' Apertus 1.5 image processor",
+                      "the recorded sums")
     (tmp_path / "reference.py").write_text(REFERENCE)
     subprocess.run([sys.executable, str(tmp_path / "reference.py"), str(tiny_apertus), str(tmp_path)], env=env,
                    check=True, capture_output=True, timeout=120)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from specray.models import glm4v_video as gv
 from specray.models.glm4v import Glm4vImageProcessor
 from specray.models.loader import load_model, read_config
 from specray.multimodal import VideoFrames, expand_prompt
-from specray_test_image_checks import encoded, image_logits, rope_table  # tests/image_checks.py
+from specray_test_image_checks import private_env, encoded, image_logits, rope_table  # tests/image_checks.py
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 from tests.test_glm4v import build_release
 
@@ -122,11 +121,7 @@ def test_processor_equals_transformers_live(releases, tmp_path):
     from PIL import Image
     from transformers import AutoTokenizer
 
-    env = dict(os.environ)
-    path = os.environ.get("LLAMA4_TORCHVISION_PATH")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Glm4vVideoProcessor cannot run")
+    env = private_env(["LLAMA4_TORCHVISION_PATH"], "torchvision", "transformers' Glm4vVideoProcessor", None)
     folder, _ = releases("glm4v")
     script = tmp_path / "reference.py"
     script.write_text(REFERENCE % (VIDEOS,))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -31,8 +30,8 @@ from safetensors.torch import save_file
 from specray.models import kimi_k25_vision as kv
 from specray.models.loader import load_image_encoder, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_image_checks import (assert_ranks_equal_one_rank, encoded, grid_reference,  # tests/image_checks.py
-                                       image_logits, random_images)
+from specray_test_image_checks import (private_env, assert_ranks_equal_one_rank, encoded,  # tests/image_checks.py
+                                       grid_reference, image_logits, random_images)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -277,13 +276,7 @@ REFERENCE = textwrap.dedent("""
 def test_pixels_equal_transformers_live(release, tmp_path):
     """Where torchvision imports (``KIMI_K25_TORCHVISION_PATH`` or ``LLAMA4_TORCHVISION_PATH`` may name a folder
     holding it), transformers' own processor over the two images gives our prompt and pixels."""
-    env = dict(os.environ)
-    extra = next((os.environ[v] for v in TORCHVISION_PATHS if os.environ.get(v)), None)
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Kimi_K25ImageProcessor cannot run (the recorded "
-                    "digests stand in)")
+    env = private_env(TORCHVISION_PATHS, "torchvision", "transformers' Kimi_K25ImageProcessor")
     folder = release[0]["modules"]
     script = tmp_path / "reference.py"
     script.write_text(REFERENCE)

@@ -16,7 +16,6 @@ import base64
 import hashlib
 import io
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -31,8 +30,8 @@ import torch
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.multimodal import expand_prompt, step_rows
-from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, first_cut,  # tests/image_checks.py
-                                       random_images)
+from specray_test_image_checks import (private_env, assert_ranks_equal_one_rank, config_with,  # tests/image_checks.py
+                                       first_cut, random_images)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -206,14 +205,7 @@ REFERENCE = textwrap.dedent("""
 def test_processor_equals_transformers_live(llama4_dir, tmp_path):
     """Where torchvision imports (transformers' Llama 4 image processor needs it; ``LLAMA4_TORCHVISION_PATH`` may
     name a folder holding it), transformers' own processor over the three images gives our prompt and pixels."""
-    env = dict(os.environ)
-    extra = os.environ.get("LLAMA4_TORCHVISION_PATH")
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
-    probe = subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True)
-    if probe.returncode:
-        pytest.skip("torchvision does not import: transformers' Llama4ImageProcessor cannot run (the recorded "
-                    "digests stand in)")
+    env = private_env(["LLAMA4_TORCHVISION_PATH"], "torchvision", "transformers' Llama4ImageProcessor")
     script = tmp_path / "reference.py"
     script.write_text(REFERENCE)
     subprocess.run([sys.executable, str(script), str(llama4_dir), str(tmp_path / "px.npy"), str(tmp_path / "o.json")],

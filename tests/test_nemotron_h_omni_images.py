@@ -14,7 +14,6 @@ equal transformers' ``generate``; two tensor-parallel ranks equal one. No GPU ch
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -33,7 +32,8 @@ from specray.models.loader import iter_weights, load_image_encoder, load_image_p
     resolve_model
 from specray.models.nemotron_h_omni_vision import NemotronHOmniImageEncoder, NemotronHOmniImageProcessor, patch_grid
 from specray.multimodal import expand_prompt
-from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, random_images  # tests/image_checks.py
+from specray_test_image_checks import (private_env, assert_ranks_equal_one_rank, config_with,  # tests/image_checks.py
+                                       random_images)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -184,13 +184,8 @@ REFERENCE = textwrap.dedent("""
 def test_processor_equals_transformers_live(tiny_omni, tmp_path):
     """Where torchvision imports (``NEMOTRON_OMNI_TORCHVISION_PATH`` may name a folder holding it), transformers'
     own processor over the three images gives our prompt ids and patches exactly."""
-    env = dict(os.environ)
-    extra = os.environ.get("NEMOTRON_OMNI_TORCHVISION_PATH")
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Nemotron Omni image processor cannot run (the "
-                    "recorded grids, ids and sums stand in)")
+    env = private_env(["NEMOTRON_OMNI_TORCHVISION_PATH"], "torchvision", "transformers' Nemotron Omni image processor",
+                      "the recorded grids, ids and sums")
     folder = tiny_omni["plain"]
     (tmp_path / "reference.py").write_text(REFERENCE)
     subprocess.run([sys.executable, str(tmp_path / "reference.py"), str(folder), str(tmp_path)], env=env, check=True,

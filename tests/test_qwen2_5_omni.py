@@ -10,8 +10,8 @@ transformers' logits over a prompt of two audios (and of an image and an audio, 
 ``get_rope_index``) in one prefill and in chunks splitting the spans, then decode steps. Two tensor-parallel ranks
 equal one; the engine's greedy tokens with audios (and an image), n-gram drafts, eager and graphs, equal
 transformers' ``generate``, from the thinker and from the whole release; ``LLM.chat`` takes an ``input_audio`` part.
-Each distinctive part broken once moves the logits; what is not served is refused by name (videos, and so audio in
-videos, among them). The tiny releases are built here."""
+Each distinctive part broken once moves the logits; what is not served is refused by name (audio inside videos among
+them; videos themselves: tests/test_omni_video.py). The tiny releases are built here."""
 
 from __future__ import annotations
 
@@ -394,8 +394,8 @@ def test_unsupported_settings_are_refused(release, case):
 
 def test_mismatches_are_refused(release):
     """A feature extractor of other mel bins, an audio longer than the extractor pads to or too short for one
-    embedding, features that do not fit the tower, a video (and so audio inside a video), a checkpoint lacking a
-    tensor of the audio tower: each a ValueError by name."""
+    embedding, features that do not fit the tower, a video with its own sound (audio inside a video), a checkpoint
+    lacking a tensor of the audio tower: each a ValueError by name."""
     folder, _ = release
     config = read_config(str(folder))
     config.audio_config.num_mel_bins = 80
@@ -403,21 +403,20 @@ def test_mismatches_are_refused(release):
                                          r"num_mel_bins=80"):
         qo.Qwen2_5OmniProcessor.from_pretrained(folder, config)
     processor = qo.Qwen2_5OmniProcessor.from_pretrained(folder, read_config(str(folder)))
-    assert processor.sampling_rate == RATE and getattr(processor, "video_token_id", None) is None
+    assert processor.sampling_rate == RATE and processor.video is not None  # (videos: tests/test_omni_video.py)
     with pytest.raises(ValueError, match=r"of \[80001\] samples: give a mono waveform of 1 to 80000 samples \(5 s"):
         processor.process_audio(np.zeros(CHUNK_SECONDS * RATE + 1, dtype=np.float32))
     with pytest.raises(ValueError, match=r"an audio of 300 samples is too short"):
         processor.process_audio(np.zeros(300, dtype=np.float32))
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(folder))("Hi<|vision_bos|><|VIDEO|><|vision_eos|>")["input_ids"]
-    with pytest.raises(ValueError, match=r"takes no videos"):
+    ids = AutoTokenizer.from_pretrained(str(folder))("Hi<|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>"
+                                                     )["input_ids"]  # (a video with its own sound)
+    with pytest.raises(ValueError, match=r"use_audio_in_video=True\), which is not served"):
         expand_prompt(ids, [], processor, videos=[random_images([(56, 56)] * 2)])
     encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"input_features \(80, 40\) does not fit this audio tower \(\[128, frames"):
         encoder.encode({qo.FEATURES: torch.zeros(80, 40)})
-    with pytest.raises(ValueError, match=r"videos are not served"):
-        encoder.encode({"pixel_values_videos": torch.zeros(4, 1176), "video_grid_thw": torch.tensor([[2, 2, 2]])})
     weights = [("thinker.audio_tower." + n.replace("conv1_", "conv1.").replace("conv2_", "conv2."), t)
                for n, t in encoder.audio_tower.state_dict().items() if n != "ln_post.bias"]
     for name, tensor in encoder.visual.state_dict().items():  # (the release's q, k and v, block 0's k left out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ from specray.models import qwen2_vl_vision as qv
 from specray.models import qwen2_vl_video as qvv
 from specray.models.loader import load_image_encoder, load_model, read_config
 from specray.multimodal import expand_prompt
-from specray_test_image_checks import image_logits, random_images, rope_table  # tests/image_checks.py
+from specray_test_image_checks import private_env, image_logits, random_images, rope_table  # tests/image_checks.py
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -235,13 +234,7 @@ def test_processor_equals_transformers_live(releases, kind, tmp_path):
     holding it), transformers' own processor (its video processor loaded from the folder) over a prompt of two videos
     and an image gives our prompt, our videos' pixels and grids, and Qwen2.5-VL's ``second_per_grid_ts``; and with
     ``cap_pixels_per_frame`` (the second video's frames held to their share of ``max_video_tokens``) its pixels."""
-    env = dict(os.environ)
-    extra = next((os.environ[v] for v in TORCHVISION_PATHS if os.environ.get(v)), None)
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Qwen2VLVideoProcessor cannot run (the recorded "
-                    "digests stand in)")
+    env = private_env(TORCHVISION_PATHS, "torchvision", "transformers' Qwen2VLVideoProcessor")
     folder, _ = releases[kind]
     script = tmp_path / "reference.py"
     script.write_text(REFERENCE)

@@ -11,7 +11,7 @@ positions equal to ``get_rope_index``) in one prefill and in chunks splitting th
 tensor-parallel ranks (and two pipeline stages) equal one; the engine's greedy tokens with audios (and an image),
 n-gram drafts, equal transformers' ``generate``, from the thinker and from the whole release; ``LLM.chat`` takes an
 ``input_audio`` part. Each distinctive part broken once moves the logits; what is not served is refused by name
-(videos, and so audio in videos, among them). The tiny releases are built here."""
+(audio inside videos among them; videos themselves: tests/test_omni_video.py). The tiny releases are built here."""
 
 from __future__ import annotations
 
@@ -399,8 +399,8 @@ def test_unsupported_settings_are_refused(release, case):
 
 def test_mismatches_are_refused(release):
     """A feature extractor of other mel bins, an audio too short for one embedding or empty, features that do not fit
-    the tower, a video (and so audio inside a video), a pipeline split leaving a DeepStack layer off the first stage,
-    a checkpoint lacking a tensor of a tower: each a ValueError by name."""
+    the tower, a video with its own sound (audio inside a video), a pipeline split leaving a DeepStack layer off the
+    first stage, a checkpoint lacking a tensor of a tower: each a ValueError by name."""
     folder, _ = release
     config = read_config(str(folder))
     config.audio_config.num_mel_bins = 80
@@ -412,7 +412,7 @@ def test_mismatches_are_refused(release):
     with pytest.raises(ValueError, match=r"audio_config\.n_window=100 is not supported"):
         qo.Qwen3OmniMoeProcessor.from_pretrained(folder, config)
     processor = qo.Qwen3OmniMoeProcessor.from_pretrained(folder, read_config(str(folder)))
-    assert processor.sampling_rate == RATE and getattr(processor, "video_token_id", None) is None
+    assert processor.sampling_rate == RATE and processor.video is not None  # (videos: tests/test_omni_video.py)
     for samples in (100, 200):  # under a hop; no room for the STFT's reflection
         with pytest.raises(ValueError, match=rf"an audio of {samples} samples is too short .*\(at least 201 samples"):
             processor.process_audio(np.zeros(samples, dtype=np.float32))
@@ -421,8 +421,9 @@ def test_mismatches_are_refused(release):
         processor.process_audio(np.zeros(0, dtype=np.float32))
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(folder))("Hi<|vision_start|><|video_pad|><|vision_end|>")["input_ids"]
-    with pytest.raises(ValueError, match=r"takes no videos"):
+    ids = AutoTokenizer.from_pretrained(str(folder))(  # (a video with its own sound)
+        "Hi<|vision_start|><|audio_start|><|video_pad|><|audio_end|><|vision_end|>")["input_ids"]
+    with pytest.raises(ValueError, match=r"use_audio_in_video=True\), which is not served"):
         expand_prompt(ids, [], processor, videos=[random_images([(64, 64)] * 2)])
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 leaves 1 of the text model's layers"):
         qo.Qwen3OmniMoeEncoder.check_split({"thinker_config": read_config(str(folder))}, 1, 3)
@@ -430,8 +431,6 @@ def test_mismatches_are_refused(release):
     encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"input_features \(80, 40\) does not fit this audio tower \(\[128, frames"):
         encoder.encode({qo.FEATURES: torch.zeros(80, 40)})
-    with pytest.raises(ValueError, match=r"videos are not served"):
-        encoder.encode({"pixel_values_videos": torch.zeros(4, 1536), "video_grid_thw": torch.tensor([[2, 2, 2]])})
     audio = [("thinker.audio_tower." + n, t) for n, t in encoder.audio_tower.state_dict().items()]
     vision = [("thinker.visual." + n.replace("deepstack_merger_list.", "merger_list.").replace(".norm.", ".ln_q.")
                .replace("linear_fc1", "mlp.0").replace("linear_fc2", "mlp.2") if "merger" in n else

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ from specray.models import qwen3_vl_video as q3v
 from specray.models.loader import load_model, read_config
 from specray.models.qwen3_vl_vision import Qwen3VLImageProcessor
 from specray.multimodal import expand_prompt
-from specray_test_image_checks import encoded, image_logits, random_images, rope_table  # tests/image_checks.py
+from specray_test_image_checks import (private_env, encoded, image_logits, random_images,  # tests/image_checks.py
+                                       rope_table)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 from tests.test_qwen3_vl_images import build_release
 
@@ -115,11 +115,8 @@ def test_processor_equals_transformers_live(release, tmp_path):
     ``Qwen3VLProcessor`` (its video processor loaded from the folder) over a prompt of two videos and an image gives
     our prompt (frame pairs' times included), our videos' pixels and grids; and for frames of a known rate
     (``video_metadata``; ours: ``VideoFrames.fps``) the same sampled frames, times and pixels."""
-    env = dict(os.environ)
-    path = os.environ.get("QWEN_VL_TORCHVISION_PATH") or os.environ.get("LLAMA4_TORCHVISION_PATH")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
-    if subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True).returncode:
-        pytest.skip("torchvision does not import: transformers' Qwen3VLVideoProcessor cannot run")
+    env = private_env(["QWEN_VL_TORCHVISION_PATH", "LLAMA4_TORCHVISION_PATH"], "torchvision",
+                      "transformers' Qwen3VLVideoProcessor", None)
     folder, _ = release
     script = tmp_path / "reference.py"
     script.write_text(REFERENCE % (str(Path(__file__).parent), VIDEOS, PART["video"]))

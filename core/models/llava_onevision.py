@@ -16,7 +16,7 @@ resizes the base image to ``size`` (a square, no crop) and pads the grid's resiz
 Several images in one prompt: we expand and encode each as transformers' processor does when handed a flat list of
 images (each image its own anyres grid). transformers' *multi-image* mode (images nested per prompt,
 ``batch_num_images`` > 1: each image padded to a square and given its base features and one newline only) is not
-served; neither are videos.
+served. Videos: :mod:`specray.models.llava_onevision_video` (the encoder tells one by its ``pixel_values_videos``).
 
 Refused by name: a tower other than SigLIP's, a select strategy other than "full", a ``vision_aspect_ratio`` not of
 the form "anyres_max_N", pinpoints that are not whole tiles, an image processor whose pinpoints or tile size differ from
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specray.models import llava_onevision_video as video
 from specray.models.llava import _strategy
 from specray.models.llava_next import LlavaNextImageEncoder, LlavaNextImageProcessor, _tiling, image_layout
 from specray.models.vision_towers import SIGLIP
@@ -94,6 +95,13 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
         _check(config)
         super().__init__(config)
 
+    def encode(self, data: dict[str, Any]) -> torch.Tensor:
+        """An image's embeddings (LLaVA-NeXT's layout), or a video's (``pixel_values_videos``:
+        :func:`specray.models.llava_onevision_video.encode_video`)."""
+        if video.VIDEO_KEY in data:
+            return video.encode_video(self, data[video.VIDEO_KEY])
+        return super().encode(data)
+
     def bounded(self, grid: torch.Tensor) -> torch.Tensor:
         """The unpadded grid [rows, cols, H] resampled bilinearly to :func:`reduced`'s size where "anyres_max_N"
         bounds it."""
@@ -110,6 +118,7 @@ class LlavaOnevisionImageProcessor(LlavaNextImageProcessor):
     def __init__(self, image_processor: Any, config: Any):
         _check(config)
         super().__init__(image_processor, config)
+        self.video_token_id, self.video, self.video_problem = None, None, None  # (from_pretrained sets them)
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> LlavaOnevisionImageProcessor:
@@ -127,7 +136,18 @@ class LlavaOnevisionImageProcessor(LlavaNextImageProcessor):
                 raise ValueError(f"{path} has {field}={saved[field]!r} but the model's config.json gives {value!r}: "
                                  "the placeholder would be expanded to another number of tokens than the model "
                                  f"embeds; fix processor_config.json to match config.json")
-        return cls(AutoImageProcessor.from_pretrained(folder), config)
+        processor = cls(AutoImageProcessor.from_pretrained(folder), config)
+        # videos (llava_onevision_video): the <video> id (None: not taken), the frames' processor, why refused
+        processor.video_token_id, processor.video, processor.video_problem = video.video_side(folder, config)
+        return processor
+
+    def process_video(self, frames: list) -> ProcessedImage:
+        """One video's frames (RGB PIL images of one size) -> its ``<video>`` tokens and ``pixel_values_videos``."""
+        if self.video is None:
+            raise ValueError(self.video_problem or f"{ARCH}'s processor was built without its video settings")
+        pixels = self.video.pixels(frames)
+        count = video.tokens_per_video(self.tile // self.config.vision_config.patch_size, pixels.shape[0])
+        return ProcessedImage([self.video_token_id] * count, {video.VIDEO_KEY: pixels})
 
     def process(self, image: Any) -> ProcessedImage:
         out = self.image_processor(images=[image], return_tensors="np")

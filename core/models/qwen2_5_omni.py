@@ -22,8 +22,9 @@ each window only; then the whole audio's frames are averaged in pairs, LayerNorm
 TMRoPE (transformers' ``get_rope_index``): an audio's tokens, like text, take consecutive positions on all three axes
 (without a video, an audio needs no multimodal positions: a prompt of text and audios runs as plain RoPE); an image's
 tokens take Qwen2.5-VL's (its start, start + row, start + column), the tokens after it continuing from start +
-max(rows, columns). Videos and audio inside videos (``use_audio_in_video``: audio and frames interleaved per
-``seconds_per_chunk``) are not served: the processor takes no videos (the seam refuses them by name).
+max(rows, columns). Videos (frames only) are :mod:`specray.models.omni_video`'s (``<|VIDEO|>``, the same vision
+tower, frame pairs spaced by ``position_id_per_seconds``); audio inside videos (``use_audio_in_video``: audio and
+frames interleaved per ``seconds_per_chunk``) is not served (refused by name).
 
 The encoder is replicated on every tensor-parallel rank; it reads its tensors under ``audio_tower.`` / ``visual.``,
 ``model.audio_tower.`` / ``model.visual.`` (transformers 5's modules) or ``thinker.audio_tower.`` / ``thinker.visual.``
@@ -154,7 +155,8 @@ class AudioTower(nn.Module):
 class Qwen2_5OmniEncoder(nn.Module):
     """Qwen2.5-Omni's thinker's encoders, built from the whole checkpoint's config (replicated on every rank):
     :meth:`encode` gives one audio's embeddings [audio_embeddings(frames), text hidden] from its ``input_features``,
-    or one image's [t*h*w / merge², text hidden] from its ``pixel_values`` and ``image_grid_thw``."""
+    or one image's [t*h*w / merge², text hidden] from its ``pixel_values`` and ``image_grid_thw`` (a video's from
+    its ``pixel_values_videos`` and ``video_grid_thw``)."""
 
     deepstack_layers = 0
 
@@ -198,23 +200,30 @@ class Qwen2_5OmniEncoder(nn.Module):
                                  f"([{self.audio_tower.mel}, frames >= 3]); process audio with the checkpoint's own "
                                  "feature extractor")
             return self.audio_tower(features)
-        if "pixel_values_videos" in data:
-            raise ValueError("Qwen2.5-Omni's videos are not served; send the prompt without videos")
-        return self.visual.encode(data)
+        return self.visual.encode(data)  # (an image's, or a video's pixel_values_videos / video_grid_thw)
 
 
 class Qwen2_5OmniProcessor:
     """Qwen2.5-Omni's host side: the folder's Whisper feature extractor for audios (``sampling_rate``, the placeholder
-    ``<|AUDIO|>``), Qwen2.5-VL's image processor for images (``<|IMAGE|>``), and TMRoPE positions."""
+    ``<|AUDIO|>``), Qwen2.5-VL's image processor for images (``<|IMAGE|>``), videos' frames
+    (:class:`specray.models.omni_video.OmniVideo`, ``<|VIDEO|>``), and TMRoPE positions."""
 
-    def __init__(self, features: Any, audio_token_id: int, images: QwenVLImageProcessor | None):
+    def __init__(self, features: Any, audio_token_id: int, images: QwenVLImageProcessor | None,
+                 video_token_id: int | None = None, video: Any = None, video_problem: str | None = None):
         self.features = features
         self.audio_token_id = audio_token_id
         self.sampling_rate = int(features.sampling_rate)
         self.images = images
         self.image_token_id = None if images is None else images.image_token_id
+        # videos (specray.models.omni_video.OmniVideo): the placeholder, the frames' side, why they are refused
+        self.video_token_id, self.video, self.video_problem = video_token_id, video, video_problem
 
     audio_token = "<|AUDIO|>"  # (named in errors)
+    # videos as transformers' Qwen2_5OmniProcessor / get_rope_index: the video processor's size it passes on every
+    # call, the fps of frames given alone, temporal positions truncated to integers
+    video_size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+    video_fps = 2.0
+    video_truncate = True
     extractor_needs = "n_samples"  # a member the feature extractor must have (a Whisper-style one)
 
     @classmethod
@@ -236,10 +245,13 @@ class Qwen2_5OmniProcessor:
             raise ValueError(f"the folder's feature extractor ({type(features).__name__}, feature_size="
                              f"{getattr(features, 'feature_size', None)}) is not the Whisper feature extractor of "
                              f"audio_config.num_mel_bins={mel} mel bins; use the release's preprocessor_config.json")
-        images = None
+        images, video = None, {}
         if _field(thinker, "vision_config") is not None and _field(thinker, "image_token_id") is not None:
+            from specray.models.omni_video import OmniVideo
+
             images = QwenVLImageProcessor.from_pretrained(folder, thinker)
-        return cls(features, int(_field(thinker, "audio_token_id")), images)
+            video = OmniVideo.side(folder, thinker, cls.video_size, cls.video_fps, cls.video_truncate)
+        return cls(features, int(_field(thinker, "audio_token_id")), images, **video)
 
     def process(self, image: Any) -> ProcessedImage:
         if self.images is None:
@@ -274,10 +286,21 @@ class Qwen2_5OmniProcessor:
         features = np.ascontiguousarray(np.asarray(out["input_features"], dtype=np.float32)[0, :, :frames])
         return ProcessedImage([self.audio_token_id] * tokens, {FEATURES: features})
 
+    def process_video(self, frames: list) -> ProcessedImage:
+        """One video's frames -> its video placeholder tokens and tensors (:class:`specray.models.omni_video.OmniVideo`;
+        frames only: the video's own sound is not taken)."""
+        if self.video is None:
+            raise ValueError(self.video_problem or "this checkpoint's videos are not served; send the prompt without "
+                             "videos")
+        return self.video.process(frames)
+
     def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> tuple[list[list[int]], int] | None:
-        """TMRoPE (transformers' ``get_rope_index``): audios take consecutive positions as text does, so a prompt
-        without images takes plain positions (None); with images, Qwen2.5-VL's positions of the images' spans."""
-        visual = [item for item in items if item.modality != "audio"]
-        if not visual:
-            return None
-        return self.images.rope_positions(token_ids, visual)
+        """TMRoPE (transformers' ``get_rope_index``, :func:`specray.models.omni_video.rope_positions`): audios take
+        consecutive positions as text does, so a prompt without images or videos takes plain positions (None); an
+        image's or a video's tokens their merged grid's, a video's frame pairs spaced by time."""
+        from specray.models.omni_video import rope_positions
+
+        video = self.video
+        merge = None if self.images is None else self.images.merge  # (an image's temporal index is 0 at any rate)
+        return rope_positions(token_ids, items, merge, 25 if video is None else video.per_second, self.video_truncate,
+                              None if video is None else video.audio_start)

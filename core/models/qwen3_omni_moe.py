@@ -29,9 +29,9 @@ moves a shorter audio's last frames; specray's result does not depend on what el
 needs).
 
 TMRoPE (transformers' ``get_rope_index``): audio tokens take consecutive positions as text does (without an image a
-prompt runs as plain RoPE); an image's tokens take Qwen3-VL's positions (its temporal index 0). Videos, and so audio
-inside videos (``use_audio_in_video``), are not served: the processor takes no videos (the seam refuses them by name)
-and the encoder refuses video tensors.
+prompt runs as plain RoPE); an image's tokens take Qwen3-VL's positions (its temporal index 0). Videos (frames only)
+are :mod:`specray.models.omni_video`'s (``<|video_pad|>``, the same tower and DeepStack, frame pairs spaced by
+``position_id_per_seconds``); audio inside videos (``use_audio_in_video``) is not served (refused by name).
 
 The encoder is replicated on every tensor-parallel rank; it reads its tensors under ``audio_tower.`` / ``visual.``
 (transformers' thinker saves them so), ``model.audio_tower.`` / ``model.visual.`` or ``thinker.audio_tower.`` /
@@ -192,7 +192,8 @@ class Qwen3OmniVisionEncoder(Qwen3VLImageEncoder):
 class Qwen3OmniMoeEncoder(nn.Module):
     """Qwen3-Omni's thinker's encoders, built from the whole checkpoint's config (replicated on every rank):
     :meth:`encode` gives one audio's embeddings from its ``input_features``, or one image's from its ``pixel_values``
-    and ``image_grid_thw`` (with DeepStack: [1 + k, n, text hidden], an audio's k additions zero)."""
+    and ``image_grid_thw`` or a video's from its ``pixel_values_videos`` and ``video_grid_thw`` (with DeepStack: [1 +
+    k, n, text hidden], an audio's k additions zero)."""
 
     deepstack_layers = 0  # set per config: the vision tower's
 
@@ -244,20 +245,24 @@ class Qwen3OmniMoeEncoder(nn.Module):
             if self.deepstack_layers:  # the DeepStack additions of image rows only: none for an audio's
                 out = torch.cat((out[None], out.new_zeros(self.deepstack_layers, *out.shape)))
             return out
-        if "pixel_values_videos" in data:
-            raise ValueError("Qwen3-Omni's videos are not served; send the prompt without videos")
         if self.visual is None:
-            raise ValueError("this Qwen3-Omni checkpoint has no vision_config: send the prompt without images")
-        return self.visual.encode(data)
+            raise ValueError("this Qwen3-Omni checkpoint has no vision_config: send the prompt without images or "
+                             "videos")
+        return self.visual.encode(data)  # (an image's, or a video's pixel_values_videos / video_grid_thw)
 
 
 class Qwen3OmniMoeProcessor(q25.Qwen2_5OmniProcessor):
     """Qwen3-Omni's host side: the folder's Whisper feature extractor for audios (``sampling_rate``, the placeholder
-    ``<|audio_pad|>``), Qwen2-VL's image processor for images (``<|image_pad|>``), and TMRoPE positions (Qwen2.5-Omni's
-    processor's, reused)."""
+    ``<|audio_pad|>``), Qwen2-VL's image processor for images (``<|image_pad|>``), videos' frames (``<|video_pad|>``)
+    and TMRoPE positions (Qwen2.5-Omni's processor's, reused, with Qwen3-Omni's video settings)."""
 
     audio_token = "<|audio_pad|>"
     extractor_needs = "hop_length"
+    # videos (specray.models.omni_video) as transformers' Qwen3OmniMoeProcessor / get_rope_index: its video size,
+    # 1 fps for frames given alone, temporal positions kept as floats (served where whole)
+    video_size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
+    video_fps = 1.0
+    video_truncate = False
 
     @classmethod
     def check_audio_config(cls, audio: Any) -> None:

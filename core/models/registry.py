@@ -781,3 +781,8 @@ _MULTIMODAL["NemotronH_Omni_Reasoning_V3"] = ("specray.models.nemotron_h_omni_au
 _TEXT_PARTS["VoxtralForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
 _MULTIMODAL["VoxtralForConditionalGeneration"] = ("specray.models.voxtral:VoxtralEncoder",
                                                   "specray.models.voxtral:VoxtralProcessor")
+# LLaVA-NeXT-Video (specray.models.llava_next_video): LLaVA-NeXT's images, and videos whose frames go through the same
+# tower, pooled 2 x 2 (average or max) before the projector, no newline; the Llama-family text model as LLaVA's
+_TEXT_PARTS["LlavaNextVideoForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
+_MULTIMODAL["LlavaNextVideoForConditionalGeneration"] = ("specray.models.llava_next_video:LlavaNextVideoEncoder",
+                                                         "specray.models.llava_next_video:LlavaNextVideoProcessor")
