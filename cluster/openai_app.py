@@ -766,6 +766,29 @@ def _usage(choices: list[_Choice]) -> proto.Usage:
                             sum(cached.values()), predicted)
 
 
+class _AudioTextFormat(_Format):
+    """OpenAI's transcription answer: the text, and the usage in tokens (with the speculation counters)."""
+
+    def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
+        return {"text": choices[0].output.text,
+                "usage": {"type": "tokens", "input_tokens": usage.prompt_tokens,
+                          "output_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
+                          "speculative": usage.speculative.model_dump()}}
+
+
+def audio_instruction(processor: Any, task: str, language: str | None, prompt: str | None) -> str:
+    """The user turn's text beside the audio in a chat-templated transcription (``task`` "transcribe") or
+    translation ("translate") prompt: the processor's ``transcription_instruction`` (a release's own wording)
+    or a plain one, the language's code where given, and the request's ``prompt`` (text the transcript continues)."""
+    if task == "translate":
+        text = "Translate the audio into English."
+    else:
+        text = getattr(processor, "transcription_instruction", None) or "Transcribe the audio."
+        if language:
+            text += f" Its language: {language}."
+    return text if not prompt else f"{text}\n{prompt}"
+
+
 # ---- the serving logic ---------------------------------------------------------------------------------
 
 class RuntimeAdapters:
@@ -846,6 +869,14 @@ class OpenAIServing:
         if not deleted:
             return error_response(responses.not_found(response_id))
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def transcriptions(self, request: Request) -> Response:
+        return await self._handle(request, lambda body, arrival: self._audio_text(body, arrival, "transcribe"),
+                                  read=_form_body)
+
+    async def translations(self, request: Request) -> Response:
+        return await self._handle(request, lambda body, arrival: self._audio_text(body, arrival, "translate"),
+                                  read=_form_body)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, self._chat_completions)
@@ -1010,10 +1041,10 @@ class OpenAIServing:
         return JSONResponse({**state, "num_queued": self.num_queued})
 
     # ---- request handling ------------------------------------------------------------------------------
-    async def _handle(self, request: Request, endpoint) -> Response:
+    async def _handle(self, request: Request, endpoint, read=None) -> Response:
         arrival = time.monotonic()
         try:
-            body = await _json_body(request, self.config.max_request_body_bytes)
+            body = await (read or _json_body)(request, self.config.max_request_body_bytes)
             response = await endpoint(body, arrival)
         except asyncio.CancelledError:
             self.metrics.record_request("cancelled")
@@ -1068,6 +1099,61 @@ class OpenAIServing:
                    req.prompt_logprobs, return_token_ids=req.return_token_ids,
                    reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
         return await self._run(req, choices, fmt, arrival)
+
+    async def _audio_text(self, body: tuple[bytes, str | None], arrival: float, task: str) -> Response:
+        """OpenAI's audio transcription (``task`` "transcribe") or translation into English ("translate") of the
+        form's audio file: one greedy-by-default generation from the model's transcription prompt with the audio in
+        it, answered as ``{"text": ..., "usage": ...}`` or as the text alone (``response_format`` "text")."""
+        form, audio = proto.parse_audio_form(*body, task)
+        lora = await self._resolve_model(form.model)
+        prompt = await self._off_loop(lambda: self._encode_audio_prompt(form, audio, task))
+        proto.check_context(len(prompt.token_ids), None, self.client.max_model_len, "file")
+        limit = self.client.max_model_len - len(prompt.token_ids)
+        if self.config.max_tokens_per_request is not None:
+            limit = min(limit, self.config.max_tokens_per_request)
+        # the sampling fields a chat request would carry (its messages unused: the prompt is the audio's)
+        req = proto.parse_request(proto.ChatCompletionRequest, {
+            "messages": [{"role": "user", "content": ""}], "temperature": form.temperature, "max_tokens": limit})
+        request_id = proto.new_id("trsc")
+        choices = self._choices(req, [prompt], limit, None, request_id, lora=lora)
+        response = await self._run(req, choices, _AudioTextFormat(request_id, self._response_model(lora),
+                                                                  self._logprob_format(req), None), arrival)
+        if form.response_format == "text":
+            return PlainTextResponse(json.loads(response.body)["text"])
+        return response
+
+    def _encode_audio_prompt(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> _Prompt:
+        """The prompt of an audio request: the processor's own (``transcription_prompt``: Voxtral's) or the chat
+        template's rendering of a user turn holding the audio and the task's instruction (the processor's
+        ``transcription_instruction`` where it names one), the audio in its placeholder."""
+        processor = getattr(self.client, "image_processor", None)
+        if processor is None or getattr(processor, "audio_token_id", None) is None:
+            raise proto.bad_request("this model reads no audio: send audio to a model that takes it (the README's "
+                                    "rows \"with audio\")", "file")
+        try:
+            wave = load_audio(audio, processor.sampling_rate)
+        except ValueError as err:
+            raise proto.bad_request(f"file: {err}", "file") from None
+        tokenizer = self.client.tokenizer
+        own = getattr(processor, "transcription_prompt", None)
+        if own is not None:
+            text = own(task, form.language, form.prompt)
+        else:
+            template = self.config.chat_template
+            if template is None and not getattr(tokenizer, "chat_template", None):
+                raise proto.bad_request("this model's tokenizer has no chat template to write a transcription "
+                                        "prompt with; start the server with --chat-template FILE", "file")
+            instruction = audio_instruction(processor, task, form.language, form.prompt)
+            messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
+            with _user_text_errors("prompt"):
+                text = render_chat(tokenizer, messages, True, False, chat_template=template)
+        with _user_text_errors("prompt"):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        try:
+            ids, mm = expand_prompt(ids, [], processor, [], [wave])
+        except ValueError as err:
+            raise proto.bad_request(f"file: {err}", "file") from None
+        return _Prompt(text, ids, multimodal=mm)
 
     async def _responses(self, body: Any, arrival: float) -> Response:
         """OpenAI's Responses API: the request as a chat completion (:mod:`specray.cluster.openai_responses`)."""
@@ -1451,6 +1537,11 @@ async def _json_body(request: Request, limit: int | None) -> Any:
     return body
 
 
+async def _form_body(request: Request, limit: int | None) -> tuple[bytes, str | None]:
+    """A form's raw body (within ``limit``: a 413 past it) and its content type, for the audio endpoints."""
+    return await _read_body(request, limit), request.headers.get("content-type")
+
+
 def _too_deep() -> proto.OpenAIError:
     return proto.bad_request(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
                              "flatten it (a JSON schema can name repeated parts with $defs and $ref)")
@@ -1522,6 +1613,8 @@ def build_openai_app(client: EngineClient, config: ServerConfig, metrics: Server
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", serving.responses, methods=["POST"])
+    app.add_api_route("/v1/audio/transcriptions", serving.transcriptions, methods=["POST"])
+    app.add_api_route("/v1/audio/translations", serving.translations, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", serving.get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", serving.delete_response, methods=["DELETE"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])

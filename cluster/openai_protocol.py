@@ -1289,3 +1289,78 @@ def _finite(logprob: Logprob | None) -> float:
     if value is None or value != value:  # missing or NaN
         return LOGPROB_FLOOR
     return max(float(value), LOGPROB_FLOOR)
+
+
+# ---- audio transcriptions and translations (OpenAI's /v1/audio/*: multipart forms) -------------------------------
+
+AUDIO_TASKS = {"transcriptions": "transcribe", "translations": "translate"}
+
+
+class TranscriptionRequest(_Strict):
+    """OpenAI's audio transcription (``/v1/audio/transcriptions``) and translation (``/v1/audio/translations``, into
+    English) form, less its ``file``: the text fields as sent (forms carry strings)."""
+
+    model: str | None = None
+    language: str | None = None  # ISO-639-1 ("en"), transcriptions only
+    prompt: str | None = None  # text the transcript continues or whose style it follows
+    response_format: str = "json"
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    stream: bool = False
+
+    @field_validator("response_format")
+    @classmethod
+    def _served_format(cls, value: str) -> str:
+        if value not in ("json", "text"):
+            raise bad_request(f"response_format={value!r} is not served: this server writes no timestamps or "
+                              "subtitles; send 'json' or 'text'", "response_format")
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool) -> bool:
+        if value:
+            raise bad_request("stream=true is not served for audio transcriptions; leave it unset", "stream")
+        return value
+
+    @field_validator("language")
+    @classmethod
+    def _language_code(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[a-z]{2,3}", value):
+            raise bad_request(f"language={value!r} must be an ISO-639-1 code such as 'en'", "language")
+        return value
+
+
+def parse_audio_form(raw: bytes, content_type: str | None, task: str) -> tuple[TranscriptionRequest, bytes]:
+    """An audio request's form (``multipart/form-data``, as OpenAI's clients send it): its fields and the audio
+    file's bytes; 400s naming what is missing or not served."""
+    import email.parser
+    import email.policy
+
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
+        raise bad_request("an audio request must be a multipart/form-data form with the audio as its 'file' field "
+                          "(as OpenAI's clients send it)")
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    if not message.is_multipart():
+        raise bad_request("the request body is not a multipart form: send the audio as its 'file' field")
+    fields: dict[str, str] = {}
+    audio = None
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        data = part.get_payload(decode=True) or b""
+        if name == "file":
+            audio = data
+        elif name in ("timestamp_granularities[]", "timestamp_granularities", "include[]", "include"):
+            raise bad_request(f"{name.rstrip('[]')} is not served: this server writes the text alone (no timestamps "
+                              "or logprobs); leave it out", name.rstrip("[]"))
+        elif name:
+            try:
+                fields[name] = data.decode()
+            except UnicodeDecodeError:
+                raise bad_request(f"the form field {name!r} is not UTF-8 text", name) from None
+    if not audio:
+        raise bad_request("the form has no 'file' field holding the audio (a WAV, MP3, FLAC, Ogg, ... file)", "file")
+    if task == "translate" and "language" in fields:
+        raise bad_request("language is not a translation's field: a translation is always into English; leave it "
+                          "out", "language")
+    return parse_request(TranscriptionRequest, fields), audio

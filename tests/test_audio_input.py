@@ -4,6 +4,7 @@ families that read audio test their processors, encoders and engine runs in thei
 
 import base64
 import io
+import json
 import wave
 
 import numpy as np
@@ -319,6 +320,105 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
         status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [bad]}]})
         assert status == 400 and err["error"]["param"] == "messages", err
         assert "audio could not be decoded" in err["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        aengine.shutdown()
+
+
+def _form(fields: dict[str, str], audio: bytes | None, boundary: str = "specray-form") -> bytes:
+    """A multipart/form-data body of text ``fields`` and the audio as its ``file`` field."""
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    if audio is not None:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+                     "Content-Type: audio/wav\r\n\r\n".encode() + audio + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode()
+
+
+def test_server_transcribes_audio_files(audio_family):
+    """OpenAI's /v1/audio/transcriptions and /v1/audio/translations, through the openai client (a multipart form):
+    the text LLM.chat gives for the chat template's user turn of the audio and the task's instruction (the
+    language's code and the request's prompt after it), with its usage in tokens; ``response_format="text"`` the
+    text alone; what is not served a 400 naming its field."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import openai
+    import uvicorn
+    from specray_test_openai_helpers import free_port  # tests/openai_helpers.py
+
+    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, audio_instruction, build_openai_app
+    from specray.engine.async_engine import AsyncLLMEngine
+
+    data = _wav([_sine(300, 22050, 0.6)], 22050)
+    url = f"data:audio/wav;base64,{base64.b64encode(data).decode()}"
+    llm = LLM(model=str(audio_family), max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=64 - 20)
+
+    def chat(instruction: str):
+        return llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": url}},
+                                                      {"type": "text", "text": instruction}]}],
+                        params, use_tqdm=False, chat_template=AUDIO_TEMPLATE)[0]
+
+    assert audio_instruction(StandInAudio(), "transcribe", "fr", "Bonjour.") == (
+        "Transcribe the audio. Its language: fr.\nBonjour.")
+    assert audio_instruction(type("Own", (), {"transcription_instruction": "Write it down."})(), "transcribe", None,
+                             None) == "Write it down."
+    assert audio_instruction(StandInAudio(), "translate", None, None) == "Translate the audio into English."
+    want = chat("Transcribe the audio. Its language: en.")
+    translated = chat("Translate the audio into English.")
+    aengine = AsyncLLMEngine(llm.engine)
+    app = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
+                           ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.02)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
+        assert got.text == want.outputs[0].text and got.text
+        usage = got.usage.model_dump()
+        assert (usage["type"], usage["input_tokens"], usage["output_tokens"]) == (
+            "tokens", len(want.prompt_token_ids), len(want.outputs[0].token_ids))
+        assert usage["speculative"]["drafts"] >= 0
+        text = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                  response_format="text")
+        assert text == want.outputs[0].text
+        got = client.audio.translations.create(model="tiny", file=("a.wav", data))
+        assert got.text == translated.outputs[0].text
+
+        def post(path: str, body: bytes, content_type: str = "multipart/form-data; boundary=specray-form"):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/{path}", data=body,
+                                         headers={"Content-Type": content_type})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status, resp.read()
+            except urllib.error.HTTPError as err:
+                return err.code, json.loads(err.read())["error"]
+
+        for path, body, param, says in [
+            ("transcriptions", _form({"model": "tiny"}, None), "file", "no 'file' field"),
+            ("transcriptions", _form({"response_format": "srt"}, data), "response_format", "'srt' is not served"),
+            ("transcriptions", _form({"timestamp_granularities[]": "word"}, data), "timestamp_granularities",
+             "not served"),
+            ("transcriptions", _form({"language": "English"}, data), "language", "ISO-639-1"),
+            ("transcriptions", _form({"stream": "true"}, data), "stream", "not served"),
+            ("transcriptions", _form({"temperature": "3"}, data), "temperature", "2"),
+            ("transcriptions", _form({"max_tokens": "3"}, data), "max_tokens", "max_tokens"),
+            ("translations", _form({"language": "de"}, data), "language", "always into English"),
+            ("transcriptions", _form({}, b"not audio"), "file", "could not be decoded"),
+        ]:
+            status, err = post(path, body)
+            assert status == 400 and err["param"] == param and says in err["message"], (path, err)
+        status, err = post("transcriptions", b'{"file": "x"}', "application/json")
+        assert status == 400 and "multipart/form-data" in err["message"], err
+        status, _ = post("transcriptions", _form({"model": "tiny"}, data))
+        assert status == 200
     finally:
         server.should_exit = True
         thread.join(timeout=30)

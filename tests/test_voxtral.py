@@ -265,6 +265,13 @@ def test_processor_equals_recorded_transformers(folder):
     decoded = (np.clip(np.floor(audios()[1].astype(np.float64) * 32768), -32768, 32767) / 32768).astype(np.float32)
     ids, mm = expanded(folder, TRANSCRIBE, [decoded])
     assert runs(ids) == RECORDED["transcription_ids"] and digest(features(mm)) == RECORDED["transcription_features"]
+    # the OpenAI server's /v1/audio/transcriptions writes that request's text (no translation, no prompt)
+    processor = ours(folder)[1]
+    assert processor.transcription_prompt("transcribe", "en", None) == TRANSCRIBE
+    with pytest.raises(ValueError, match="transcribes only"):
+        processor.transcription_prompt("translate", None, None)
+    with pytest.raises(ValueError, match="takes no prompt"):
+        processor.transcription_prompt("transcribe", "en", "Hello")
 
 
 def test_features_are_the_whole_padded_audios(folder):

@@ -211,6 +211,8 @@ class GlmAsrAudioProcessor(WindowedAudioProcessor):
     writes them."""
 
     arch = ARCH
+    # the user turn beside the audio in transformers' apply_transcription_request (the OpenAI server's transcriptions)
+    transcription_instruction = "Please transcribe this audio into text"
 
     def __init__(self, feature_extractor: Any, config: Any, max_audio_len: float):
         super().__init__(feature_extractor, config, max_audio_len)

@@ -199,6 +199,8 @@ class GraniteSpeechAudioProcessor:
     embedding."""
 
     image_token_id = None  # audio only
+    # the user turn beside the audio in the releases' model cards (the OpenAI server's transcriptions)
+    transcription_instruction = "can you transcribe the speech into a written format?"
 
     def __init__(self, settings: dict[str, int], config: Any):
         check_config(config)

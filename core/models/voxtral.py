@@ -189,6 +189,17 @@ class VoxtralProcessor:
         tokens = [self.begin_audio_id] + [self.audio_token_id] * count
         return ProcessedImage(tokens, {"input_features": features}, list(range(1, count + 1)))
 
+    def transcription_prompt(self, task: str, language: str | None, prompt: str | None) -> str:
+        """The text of a transcription request as mistral_common writes it (``apply_transcription_request``): the
+        audio's placeholder in an instruction turn, then ``lang:xx`` where the language is given and
+        ``[TRANSCRIBE]`` (the OpenAI server's ``/v1/audio/transcriptions``)."""
+        if task != "transcribe":
+            raise ValueError(f"{ARCH} transcribes only (mistral_common's transcription request has no translation): "
+                             "use /v1/audio/transcriptions, or the chat endpoint with an instruction")
+        if prompt:
+            raise ValueError(f"{ARCH}'s transcription request takes no prompt: leave it out")
+        return f"<s>[INST][AUDIO][/INST]{'lang:' + language if language else ''}[TRANSCRIBE]"
+
     def process(self, image: Any) -> ProcessedImage:
         raise ValueError(f"{ARCH} takes audio, not images: send the prompt without images")
 
