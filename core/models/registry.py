@@ -786,3 +786,31 @@ _MULTIMODAL["VoxtralForConditionalGeneration"] = ("specray.models.voxtral:Voxtra
 _TEXT_PARTS["LlavaNextVideoForConditionalGeneration"] = _TEXT_PARTS["LlavaForConditionalGeneration"]
 _MULTIMODAL["LlavaNextVideoForConditionalGeneration"] = ("specray.models.llava_next_video:LlavaNextVideoEncoder",
                                                          "specray.models.llava_next_video:LlavaNextVideoProcessor")
+# Command A Vision (command-a-vision-07-2025, specray.models.cohere2_vision): SigLIP2's fixed-size tower (SigLIP's),
+# pixel shuffle and a norm-free SwiGLU projector; pixels made in torch as transformers' torchvision-only
+# Cohere2VisionImageProcessor makes them (tiles + thumbnail), <|IMG_PATCH|> written out as Cohere2VisionProcessor
+# writes it; its text model a Cohere2 (LLaVA's patterns), logits by a plain lm_head as transformers' composite model
+_TEXT_PARTS["Cohere2VisionForConditionalGeneration"] = _TEXT_PARTS["AyaVisionForConditionalGeneration"]
+_MULTIMODAL["Cohere2VisionForConditionalGeneration"] = ("specray.models.cohere2_vision:Cohere2VisionImageEncoder",
+                                                       "specray.models.cohere2_vision:Cohere2VisionImageProcessor")
+_TEXT_CONFIG_FIXES["Cohere2VisionForConditionalGeneration"] = {"logit_scale": 1.0}
+# Idefics2 with images (specray.models.idefics2): Idefics3's SigLIP-like vision model over each crop's real patches
+# (the image, or its four quarters and the whole image), the gated modality_projection and the perceiver resampler;
+# <image> expanded as Idefics2Processor writes it (<fake_token_around_image>, image_seq_len <image> per crop); the text
+# model (a Mistral) under model.text_model.* as Idefics3's
+_TEXT_PARTS["Idefics2ForConditionalGeneration"] = _TEXT_PARTS["Idefics3ForConditionalGeneration"]
+_MULTIMODAL["Idefics2ForConditionalGeneration"] = ("specray.models.idefics2:Idefics2ImageEncoder",
+                                                   "specray.models.idefics2:Idefics2ImageProcessor")
+# LFM2-VL (specray.models.lfm2_vl): a SigLIP2 NaFlex tower (the position table resized to each tile's patch grid),
+# 2 x 2 pixel unshuffle and a LayerNorm + two-linear projector into the LFM2 text model (short convs: a conv history
+# per request); the host side tiles large images with a thumbnail (row / column tokens) as Lfm2VlProcessor does
+_TEXT_PARTS["Lfm2VlForConditionalGeneration"] = ((re.compile(r"^(?:model\.language_model|language_model\.model)\."),
+                                                  "model."), (re.compile(r"^(?:language_model\.)?lm_head\."),
+                                                              "lm_head."))
+_MULTIMODAL["Lfm2VlForConditionalGeneration"] = ("specray.models.lfm2_vl:Lfm2VlImageEncoder",
+                                                 "specray.models.lfm2_vl:Lfm2VlImageProcessor")
+# Fuyu's images (specray.models.fuyu_images): no vision tower, each 30 x 30 patch through one linear
+# (vision_embed_tokens) into the |SPEAKER| rows; FuyuProcessor's prompt (the image first: |SPEAKER| rows closed by
+# |NEWLINE|, then <s>, then the text and <0x04>), one image per prompt; the text model is Persimmon as above
+_MULTIMODAL["FuyuForCausalLM"] = ("specray.models.fuyu_images:FuyuImageEncoder",
+                                  "specray.models.fuyu_images:FuyuImageProcessor")
