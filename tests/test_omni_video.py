@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+import tests.test_qwen2_5_omni as omni25
 from specray.models import omni_video as ov
 from specray.models import qwen2_5_omni as qo
 from specray.models import qwen2_vl_vision as qv
@@ -100,20 +101,10 @@ def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
     init), saved with conftest's tiny tokenizer (Omni's special tokens) and one preprocessor_config.json holding the
     Whisper feature extractor's and the Qwen2-VL image processor's settings, as the release's does (its video
     processor reads them too)."""
-    from transformers import (AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5OmniThinkerConfig,
-                              Qwen2_5OmniThinkerForConditionalGeneration, Qwen2VLImageProcessorPil,
-                              WhisperFeatureExtractor)
+    from transformers import (Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration,
+                              Qwen2VLImageProcessorPil, WhisperFeatureExtractor)
 
-    from tests.conftest import build_tiny_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(path, extra_special_tokens=tuple(SPECIAL.values()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", extra_special_tokens=SPECIAL)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = {name: tok.convert_tokens_to_ids(token) for name, token in SPECIAL.items()}
+    tok, ids = omni25.omni_tokenizer(path, SPECIAL, CHAT_TEMPLATE)
     config = Qwen2_5OmniThinkerConfig(
         text_config={**TEXT, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id}, audio_config=AUDIO,
         vision_config=VISION, image_token_index=ids["image_token"], video_token_index=ids["video_token"],
@@ -122,14 +113,7 @@ def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
         vision_end_token_id=ids["vision_eos_token"])
     torch.manual_seed(seed)
     model = Qwen2_5OmniThinkerForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "visual." in n or "audio_tower." in n:
-                p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0 if "norm" in n and "weight" in n else 0.0, 0.2)
-            elif n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    omni25.spread_omni_weights(model)
     model.save_pretrained(path)
     settings = {**WhisperFeatureExtractor(feature_size=128, chunk_length=5).to_dict(),
                 **Qwen2VLImageProcessorPil(patch_size=28).to_dict(), "return_attention_mask": True,

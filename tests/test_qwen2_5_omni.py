@@ -68,25 +68,44 @@ def waves() -> list[np.ndarray]:
     return out
 
 
+def omni_tokenizer(path: Path, special: dict[str, str], template: str) -> tuple[object, dict[str, int]]:
+    """conftest's tiny tokenizer with an Omni release's ``special`` tokens (by their processor's names) and chat
+    template, saved in ``path`` and read back; (the tokenizer, the special tokens' ids by name)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tests.conftest import build_tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_tokenizer(path, extra_special_tokens=tuple(special.values()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", extra_special_tokens=special)
+    tok.chat_template = template
+    tok.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok, {name: tok.convert_tokens_to_ids(token) for name, token in special.items()}
+
+
+@torch.no_grad()
+def spread_omni_weights(model) -> None:
+    """The towers' weights, the norms and the biases drawn away from their init, so that each part shows."""
+    for n, p in model.named_parameters():
+        if "visual." in n or "audio_tower." in n:
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0 if "norm" in n and "weight" in n else 0.0, 0.2)
+        elif n.endswith("norm.weight"):
+            p.uniform_(0.5, 1.5)
+        elif n.endswith("bias"):
+            p.normal_(0.0, 0.1)
+
+
 def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
     """transformers' thinker at :data:`TEXT` / :data:`AUDIO` / :data:`VISION` sizes with random weights (norms,
     biases and the towers' weights drawn away from their init so that each shows), saved with its processor's parts
     (conftest's tiny tokenizer with Omni's special tokens; one preprocessor_config.json holding the Whisper feature
     extractor's and the Qwen2-VL image processor's settings, as the release's does); (folder, the model)."""
-    from transformers import (AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5OmniThinkerConfig,
-                              Qwen2_5OmniThinkerForConditionalGeneration, Qwen2VLImageProcessorPil,
-                              WhisperFeatureExtractor)
+    from transformers import (Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration,
+                              Qwen2VLImageProcessorPil, WhisperFeatureExtractor)
 
-    from tests.conftest import build_tiny_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(path, extra_special_tokens=tuple(SPECIAL.values()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", extra_special_tokens=SPECIAL)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = {name: tok.convert_tokens_to_ids(token) for name, token in SPECIAL.items()}
+    tok, ids = omni_tokenizer(path, SPECIAL, CHAT_TEMPLATE)
     config = Qwen2_5OmniThinkerConfig(
         text_config={**TEXT, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id}, audio_config=AUDIO,
         vision_config=VISION, image_token_index=ids["image_token"], video_token_index=ids["video_token"],
@@ -95,14 +114,7 @@ def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
         vision_end_token_id=ids["vision_eos_token"])
     torch.manual_seed(seed)
     model = Qwen2_5OmniThinkerForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "visual." in n or "audio_tower." in n:
-                p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0 if "norm" in n and "weight" in n else 0.0, 0.2)
-            elif n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    spread_omni_weights(model)
     model.save_pretrained(path)
     settings = {**WhisperFeatureExtractor(feature_size=128, chunk_length=CHUNK_SECONDS).to_dict(),
                 **Qwen2VLImageProcessorPil().to_dict(), "return_attention_mask": True}

@@ -88,20 +88,10 @@ def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
     biases and the towers' weights drawn away from their init so that each shows), saved with its processor's parts
     (conftest's tiny tokenizer with Omni's special tokens; one preprocessor_config.json holding the Whisper feature
     extractor's and the Qwen2-VL image processor's settings, as the release's does); (folder, the model)."""
-    from transformers import (AutoTokenizer, PreTrainedTokenizerFast, Qwen2VLImageProcessorPil,
-                              Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration,
-                              WhisperFeatureExtractor)
+    from transformers import (Qwen2VLImageProcessorPil, Qwen3OmniMoeThinkerConfig,
+                              Qwen3OmniMoeThinkerForConditionalGeneration, WhisperFeatureExtractor)
 
-    from tests.conftest import build_tiny_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(path, extra_special_tokens=tuple(SPECIAL.values()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", extra_special_tokens=SPECIAL)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = {name: tok.convert_tokens_to_ids(token) for name, token in SPECIAL.items()}
+    tok, ids = omni25.omni_tokenizer(path, SPECIAL, CHAT_TEMPLATE)
     config = Qwen3OmniMoeThinkerConfig(
         text_config={**TEXT, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id}, audio_config=AUDIO,
         vision_config=VISION, image_token_id=ids["image_token"], video_token_id=ids["video_token"],
@@ -109,14 +99,7 @@ def build_release(path: Path, seed: int = 0) -> tuple[Path, object]:
         vision_start_token_id=ids["vision_bos_token"], position_id_per_seconds=13)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeThinkerForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "visual." in n or "audio_tower." in n:
-                p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0 if "norm" in n and "weight" in n else 0.0, 0.2)
-            elif n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    omni25.spread_omni_weights(model)
     model.save_pretrained(path)
     settings = {**WhisperFeatureExtractor(feature_size=128).to_dict(),
                 **Qwen2VLImageProcessorPil(patch_size=16, merge_size=2).to_dict(), "return_attention_mask": True}
