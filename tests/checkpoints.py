@@ -14,6 +14,23 @@ import torch
 FP8_BLOCK = [16, 16]
 
 
+def cpu_fp8_runs() -> bool:
+    """Whether this torch's CPU FP8 matmul takes one scale per row (the pinned torch's does; torch 2.11's, a GPU
+    image's, takes one per tensor, and the loader then dequantizes FP8 linears on the CPU, saying why)."""
+    from specray.models.w8a8 import FP8, kernel_runs
+
+    return kernel_runs(FP8, torch.device("cpu"), torch.float32)
+
+
+def skip_without_cpu_fp8(kind: str = "fp8") -> None:
+    """Skip a check of row-scaled FP8 linears kept on the CPU (``kind`` an FP8 one; block-scaled ones multiply
+    without that kernel on a CPU) where :func:`cpu_fp8_runs` says no."""
+    import pytest
+
+    if "fp8" in kind and "block" not in kind and not cpu_fp8_runs():
+        pytest.skip(f"torch {torch.__version__}'s CPU FP8 matmul takes no per-row scales")
+
+
 def static_scales(names: list[str], static: float) -> dict[str, torch.Tensor]:
     """A static release's activation scales (``X.input_scale``, one per linear) for the weights ``names``: ``static``
     times 1, 1.25 or 1.5 by turns, so that a merged linear's parts differ."""

@@ -717,3 +717,29 @@ def speculative_config(kind: str, target_dir: Path, draft_dir: Path, folder: Pat
     assert kind == "eagle3", kind
     head = write_accepting_head(folder / "eagle3", "eagle3", target_dir)
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+
+
+def record_head_rows(monkeypatch, rope: bool = False) -> list[tuple]:
+    """Has every pass of a draft head record what its layer reads: (the pass's positions, its rope positions where
+    ``rope``, the fused rows' embeddings [T, H] on the host) per pass. A pass a CUDA graph capture records is left
+    out (its replays run no Python; reading positions back during a capture would fail)."""
+    from specray.models.draft_head import DraftHead
+
+    seen, current = [], {}
+    forward, fuse = DraftHead.forward, DraftHead.fuse
+
+    def remember(self, input_ids, features, meta):
+        current["capturing"] = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not current["capturing"]:
+            current["row"] = (meta.positions.tolist(),) + ((None if meta.rope_positions is None else
+                                                            meta.rope_positions.tolist(),) if rope else ())
+        return forward(self, input_ids, features, meta)
+
+    def record(self, e, features):  # what the head's layer reads for each row's token
+        if not current["capturing"]:
+            seen.append((*current["row"], e.detach().to("cpu", copy=True)))
+        return fuse(self, e, features)
+
+    monkeypatch.setattr(DraftHead, "forward", remember)
+    monkeypatch.setattr(DraftHead, "fuse", record)
+    return seen

@@ -15,6 +15,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.gated_deltanet import RecurrentBatch
 from specray.models.kv_cache import allocate_kv_cache, allocate_recurrent_state
 from specray.models.loader import load_model
+from specray_test_engine_runs import refused_on_this_gpu  # tests/engine_runs.py (registered by conftest)
 from specray_test_model_checks import WORKER_PRELUDE  # tests/model_checks.py (registered by conftest before this)
 
 TOL = 1e-4
@@ -298,7 +299,10 @@ def check_ngram_replays_keep_greedy(folder: Path, plain: list[list[int]], tree: 
     assert generate(llm, greedy()) == plain
     assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
     assert any(n > 0 for batch in replays for n in batch.replay), "no accepted draft was replayed"
-    assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
+    if refused_on_this_gpu(llm):  # experts in the suite's fp32 on a GPU: eager steps, the reason logged
+        assert not shapes
+    else:
+        assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
 
 
 def check_long_prefill(model, hf, length: int = 150) -> None:

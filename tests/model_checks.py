@@ -90,43 +90,57 @@ def _first_tensor(out):
     return out if isinstance(out, torch.Tensor) else None
 
 
-def module_outputs(model, ids: list[int], sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """Every named module's first output tensor, in call order, over the whole schedule (on the CPU)."""
-    seen: list[tuple[str, torch.Tensor]] = []
+def recorded_outputs(model, run) -> list[tuple[str, torch.Tensor | None]]:
+    """Every named module's first output tensor (float32, on the CPU), in call order, while ``run(model)`` runs."""
+    seen: list[tuple[str, torch.Tensor | None]] = []
     hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.append(
         (name, None if _first_tensor(out) is None else _first_tensor(out).detach().float().cpu())))
         for name, module in model.named_modules() if name]
     try:
-        chunked_logits(model, ids, sizes)
+        with torch.no_grad():
+            run(model)
     finally:
         for hook in hooks:
             hook.remove()
     return seen
 
 
-def first_divergence(cpu_model, gpu_model, ids: list[int], sizes: list[int], tol: float) -> str:
-    """The first module call whose outputs differ by more than ``tol`` between the two models."""
-    for (name, a), (other, b) in zip(module_outputs(cpu_model, ids, sizes), module_outputs(gpu_model, ids, sizes)):
+def module_outputs(model, ids: list[int], sizes: list[int]) -> list[tuple[str, torch.Tensor | None]]:
+    """Every named module's first output tensor, in call order, over the whole schedule (on the CPU)."""
+    return recorded_outputs(model, lambda m: chunked_logits(m, ids, sizes))
+
+
+def first_module_divergence(cpu_model, gpu_model, run, tol: float) -> str:
+    """The first module call whose outputs differ by more than ``tol`` between the two models while ``run(model)``
+    runs on each, with the largest magnitude of that output on the CPU."""
+    for (name, a), (other, b) in zip(recorded_outputs(cpu_model, run), recorded_outputs(gpu_model, run)):
         assert name == other, (name, other)
         if a is not None and b is not None and a.shape == b.shape and max_diff(a, b) > tol:
-            return f"{name}: {max_diff(a, b):.3g}"
+            return f"{name}: {max_diff(a, b):.3g} (its outputs up to {a.abs().max().item():.3g})"
     return "no module's output differs"
 
 
-def assert_logits_on_the_gpu_equal_the_cpu(folder, sizes: list[int], tol: float = 1e-4) -> None:
+def first_divergence(cpu_model, gpu_model, ids: list[int], sizes: list[int], tol: float) -> str:
+    """The first module call whose outputs differ by more than ``tol`` between the two models over the schedule."""
+    return first_module_divergence(cpu_model, gpu_model, lambda m: chunked_logits(m, ids, sizes), tol)
+
+
+def assert_logits_on_the_gpu_equal_the_cpu(folder, sizes: list[int], tol: float = 1e-4, seed: int = 0) -> None:
     """fp32 logits of the model in ``folder`` on CUDA equal its CPU logits (the same random weights, the schedule of
-    chunk ``sizes`` over a paged cache); a failure names the first position and the first module that differ."""
+    chunk ``sizes`` over a paged cache, :func:`prompt` of ``seed``); a failure names the first position and the first
+    module that differ."""
     import pytest
 
     from specray.models.loader import load_model
 
+    ids = prompt(seed)
     cpu, gpu = load_model(str(folder)), load_model(str(folder), device="cuda")
-    want, got = chunked_logits(cpu, prompt(), sizes), chunked_logits(gpu, prompt(), sizes)
+    want, got = chunked_logits(cpu, ids, sizes), chunked_logits(gpu, ids, sizes)
     if max_diff(got, want) > tol:
         rows = (got - want).abs().amax(-1)
         first = int((rows > tol).nonzero()[0])
         pytest.fail(f"logits differ by {max_diff(got, want):.3g}, first at position {first}; the first module: "
-                    f"{first_divergence(cpu, gpu, prompt(), sizes, tol)}")
+                    f"{first_divergence(cpu, gpu, ids, sizes, tol)}")
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

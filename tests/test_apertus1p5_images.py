@@ -459,8 +459,7 @@ def test_a_hidden_state_head_embeds_the_image_codes(tiny_apertus, tmp_path, monk
     token at p + 1), it takes the target's embedding of that image's code (the encoder gives codes, which the head
     embeds through the target as the runner's ids are); greedy output equals plain greedy output (lossless)."""
     from specray import LLM, SamplingParams
-    from specray.models.draft_head import DraftHead
-    from specray_test_draft_heads import write_random_head  # tests/draft_heads.py
+    from specray_test_draft_heads import record_head_rows, write_random_head  # tests/draft_heads.py
 
     text = tmp_path / "text"
     text.mkdir()
@@ -468,23 +467,11 @@ def test_a_hidden_state_head_embeds_the_image_codes(tiny_apertus, tmp_path, monk
     head = write_random_head(tmp_path / "eagle", "eagle", text)
     config = json.loads((head / "config.json").read_text())
     (head / "config.json").write_text(json.dumps({**config, "hidden_act": "silu"}))  # (a Llama layer's MLP)
-    seen, current = [], {}
-    forward, fuse = DraftHead.forward, DraftHead.fuse
-
-    def remember(self, input_ids, features, meta):
-        current["positions"] = meta.positions.tolist()
-        return forward(self, input_ids, features, meta)
-
-    def record(self, e, features):
-        seen.append((current["positions"], e.detach().clone()))
-        return fuse(self, e, features)
-
     kw = dict(model=str(tiny_apertus), max_model_len=384, block_size=4, max_num_batched_tokens=24)
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": images()}}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = LLM(**kw).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.setattr(DraftHead, "forward", remember)
-    monkeypatch.setattr(DraftHead, "fuse", record)
+    seen = record_head_rows(monkeypatch)
     drafted = LLM(**kw, speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
     assert drafted.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     ids, mm = _expand(tiny_apertus)

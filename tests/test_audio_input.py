@@ -171,6 +171,7 @@ def test_chat_audio_parts_become_the_templates_audio_parts():
 
 
 def test_the_servers_content_parts_take_audio():
+    pytest.importorskip("pydantic")  # (the server's; not in a GPU image)
     from specray.cluster import openai_protocol as proto
 
     message = proto.ChatMessage(role="user", content=[
@@ -211,7 +212,8 @@ class StandInAudioEncoder(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
         g = torch.Generator().manual_seed(99)
-        self.proj = torch.nn.Parameter(torch.randn(1000, config.hidden_size, generator=g) / 4)
+        self.proj = torch.nn.Parameter(torch.randn(1000, config.hidden_size, generator=g, device="cpu").to(
+            torch.get_default_device()) / 4)  # (a host seed, on the device the loader builds on)
 
     def load_weights(self, weights) -> None:
         for _ in weights:  # its weights are its own
@@ -278,6 +280,7 @@ def test_audio_through_the_engine_equals_transformers(audio_family):
 def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     """An OpenAI chat request with an input_audio part (base64 WAV) and one with an audio_url part answer what
     LLM.chat answers for the same messages; an undecodable audio is a 400 naming messages."""
+    pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
     import threading
 
     import uvicorn
@@ -341,6 +344,8 @@ def test_server_transcribes_audio_files(audio_family):
     the text LLM.chat gives for the chat template's user turn of the audio and the task's instruction (the
     language's code and the request's prompt after it), with its usage in tokens; ``response_format="text"`` the
     text alone; what is not served a 400 naming its field."""
+    pytest.importorskip("openai")  # (the test's client and the server; not in a GPU image)
+    pytest.importorskip("uvicorn")
     import threading
     import urllib.error
     import urllib.request

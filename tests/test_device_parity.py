@@ -36,10 +36,14 @@ FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mo
             "tiny_bloom_post_ln_dir", "tiny_mpt_dir", "tiny_falcon_rw_dir", "tiny_gpt_bigcode_dir",
             "tiny_gpt_bigcode_mha_dir", "tiny_flex_olmo_dir", "tiny_dbrx_dir",
             "tiny_persimmon_dir"]
+# prompts whose sparse-index picks have no exact tie at the boundary (which of tied entries ``topk`` keeps is the
+# device's choice): V4's default prompt scores two entries exactly alike (ReLU zeros) in one query's pick
+SEEDS = {"tiny_deepseek_v4_dir": 5}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_on_the_gpu_equal_the_cpu(request, fixture, schedule):
-    assert_logits_on_the_gpu_equal_the_cpu(request.getfixturevalue(fixture), SCHEDULES[schedule], TOL)
+    assert_logits_on_the_gpu_equal_the_cpu(request.getfixturevalue(fixture), SCHEDULES[schedule], TOL,
+                                           SEEDS.get(fixture, 0))

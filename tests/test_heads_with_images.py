@@ -12,7 +12,7 @@ import json
 import torch
 
 from specray import LLM, SamplingParams
-from specray.models.draft_head import DraftHead
+from specray_test_draft_heads import record_head_rows  # tests/draft_heads.py
 
 
 def _with_mtp_layer(folder, tmp_path):
@@ -37,24 +37,11 @@ def test_qwen3_5_mtp_layer_reads_image_rows_and_positions(tmp_path, monkeypatch)
 
     folder, hf = build_release("qwen3_5", tmp_path / "release", seed=0)
     folder = _with_mtp_layer(folder, tmp_path)
-    seen, current = [], {}
-    forward, fuse = DraftHead.forward, DraftHead.fuse
-
-    def remember(self, input_ids, features, meta):
-        current["rope"] = None if meta.rope_positions is None else meta.rope_positions.tolist()
-        current["positions"] = meta.positions.tolist()
-        return forward(self, input_ids, features, meta)
-
-    def record(self, e, features):
-        seen.append((current["positions"], current["rope"], e.detach().clone()))
-        return fuse(self, e, features)
-
     prompt = {"prompt_token_ids": prompt_ids(folder), "multi_modal_data": {"image": images()}}
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     kw = dict(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=16)
     want = LLM(**kw).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.setattr(DraftHead, "forward", remember)
-    monkeypatch.setattr(DraftHead, "fuse", record)
+    seen = record_head_rows(monkeypatch, rope=True)
     llm = LLM(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want and llm.spec_stats.draft_tokens > 0

@@ -158,6 +158,7 @@ def test_an_adapter_on_a_base_kept_in_8_bits(tiny_llama_dir, tmp_path, monkeypat
     of activations to 8 bits, the adapter's take them unrounded (as vLLM's LoRA over a quantized base does): the
     logits equal those of the dequantized release whose projections round their base matmul's input alone, and
     differ from those of a reference that rounds the adapter's input too."""
+    checkpoints.skip_without_cpu_fp8(kind)
     from specray.models import cpu_kernels
     from specray.models.layers import LinearBase
     from specray.models.w8a8 import FP8, INT8, quantize_rows

@@ -20,6 +20,7 @@ from specray_test_hybrid_models import (  # tests/hybrid_models.py
     MAMBA_ARCHS, NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
     check_eagle3_keeps_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy,
     hf_logits, hf_pair, ours, save, tokens)
+from specray_test_engine_runs import refused_on_this_gpu  # tests/engine_runs.py
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 
 CASES = [(arch, {}) for arch in MAMBA_ARCHS] + [("bamba", {"mamba_n_groups": 1}),
@@ -258,7 +259,7 @@ def test_ngram_greedy_equals_plain_from_graphs(engine_case, tree, monkeypatch):
     monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
         self, shape, *a, **kw))
     assert generate(llm, greedy()) == plain
-    assert shapes, "no step replayed a graph"
+    assert bool(shapes) != refused_on_this_gpu(llm), "no step replayed a graph"
     assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
 
 

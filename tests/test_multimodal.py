@@ -62,7 +62,8 @@ class StandInEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         g = torch.Generator().manual_seed(1234)
-        self.proj = nn.Parameter(torch.randn(3, config.hidden_size, generator=g).to(torch.get_default_dtype()))
+        self.proj = nn.Parameter(torch.randn(3, config.hidden_size, generator=g, device="cpu").to(  # (a host seed)
+            torch.get_default_device(), torch.get_default_dtype()))
 
     def load_weights(self, weights) -> None:
         for _ in weights:  # its weights are its own
@@ -392,6 +393,7 @@ def image_chat_dir(tmp_path_factory):
 def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
     """An OpenAI chat request with an image_url part (a data: URL) answers what LLM.chat answers for the same
     messages (which the engine test above ties to transformers); a bad image is a 400 naming messages."""
+    pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
     import uvicorn
     from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
 
@@ -510,8 +512,7 @@ def test_hidden_state_heads_embed_image_rows_as_the_target_does(tiny_llava_dir, 
 
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from specray.models.draft_head import DraftHead
-    from specray_test_draft_heads import write_random_head  # tests/draft_heads.py
+    from specray_test_draft_heads import record_head_rows, write_random_head  # tests/draft_heads.py
     from tests.test_llava import _images
 
     text = tmp_path / "text"
@@ -519,22 +520,12 @@ def test_hidden_state_heads_embed_image_rows_as_the_target_does(tiny_llava_dir, 
     whole = json.loads((tiny_llava_dir / "config.json").read_text())
     (text / "config.json").write_text(json.dumps(whole["text_config"]))
     head = write_random_head(tmp_path / method, method, text, **({"aux_layers": [0, 1]} if method == "eagle3" else {}))
-    seen, current = [], {}
-    forward, fuse = DraftHead.forward, DraftHead.fuse
-
-    def remember(self, input_ids, features, meta):
-        current["positions"] = meta.positions.tolist()
-        return forward(self, input_ids, features, meta)
-
-    def record(self, e, features):  # what the head's layer reads for each row's token
-        seen.append((current["positions"], e.detach().clone()))
-        return fuse(self, e, features)
-
-    monkeypatch.setattr(DraftHead, "forward", remember)
-    monkeypatch.setattr(DraftHead, "fuse", record)
+    seen = record_head_rows(monkeypatch)
     prompt = "USER: <image>\nWhat is this? ASSISTANT:"
     image = _images()[0]
-    llm = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12,
+    # (eagerly: a graph step's padding rows, at the positions after its last token, would be recorded too; passes
+    # that read image rows are eager either way)
+    llm = LLM(model=str(tiny_llava_dir), max_model_len=128, max_num_batched_tokens=12, enforce_eager=True,
               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -715,6 +706,7 @@ class ChatVideoProcessor(VideoProcessor):
 def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
     """An OpenAI chat request with a video_url part (vLLM's; a data: URL of an MP4) beside an image_url part
     answers what LLM.chat answers for the same messages; an undecodable video is a 400 naming messages."""
+    pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
     import uvicorn
     from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
 

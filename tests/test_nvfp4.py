@@ -12,8 +12,8 @@ import torch
 
 from specray.models.loader import load_model
 from specray_test_model_checks import prefill_logits  # tests/model_checks.py
-from specray_test_checkpoints import (assert_refused, split_experts, write_modelopt_fp8,  # tests/checkpoints.py
-                                      write_nvfp4)
+from specray_test_checkpoints import (assert_refused, cpu_fp8_runs, split_experts,  # tests/checkpoints.py
+                                      write_modelopt_fp8, write_nvfp4)
 
 IDS = list(range(3, 40))
 
@@ -61,8 +61,9 @@ def test_modelopt_fp8_loads_as_autofp8(tiny_llama_dir, tmp_path, monkeypatch):
     fp8, ref = write_modelopt_fp8(tiny_llama_dir, tmp_path)
     assert torch.equal(prefill_logits(load_model(fp8), IDS), prefill_logits(load_model(ref), IDS))
     monkeypatch.setattr(cpu_kernels, "FP8_WEIGHTS", True)
+    count = 8 if cpu_fp8_runs() else 0  # (a torch whose CPU FP8 matmul takes no per-row scales dequantizes them)
     kept = [m.kept for m in load_model(fp8).modules() if isinstance(getattr(m, "kept", None), W8A8Linear)]
-    assert len(kept) == 8 and all(k.input_scale is not None for k in kept)
+    assert len(kept) == count and all(k.input_scale is not None for k in kept)
     check_quantization("modelopt", read_config(fp8))
     with pytest.raises(ValueError, match="quantization='gptq' but the checkpoint has quantization_config.quant_method"):
         check_quantization("gptq", read_config(fp8))
@@ -74,7 +75,7 @@ def test_modelopt_fp8_loads_as_autofp8(tiny_llama_dir, tmp_path, monkeypatch):
                                                           "quantization": {k: v for k, v in quant.items()
                                                                            if k != "quant_method"}}))
     kept = [m.kept for m in load_model(fp8).modules() if isinstance(getattr(m, "kept", None), W8A8Linear)]
-    assert len(kept) == 8 and all(k.input_scale is not None for k in kept)
+    assert len(kept) == count and all(k.input_scale is not None for k in kept)
     check_quantization("modelopt", read_config(fp8))  # (read as config.json's would be)
 
 

@@ -345,7 +345,8 @@ def test_engine_greedy_with_images_equals_transformers(releases, kind, monkeypat
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
     runs.assert_images_greedy_equals_transformers(llm, hf, hf_processor(folder), text, images(), plain_text)
-    assert any(graphs) and any(n > 0 for batch in replays for n in batch.replay), (graphs, replays)
+    assert any(graphs) != runs.refused_on_this_gpu(llm), graphs  # (experts in fp32 on a GPU: eager steps)
+    assert any(n > 0 for batch in replays for n in batch.replay), replays
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": images()}}, params, use_tqdm=False)[0]
     again = llm.generate({"prompt": text, "multi_modal_data": {"image": images()}}, params, use_tqdm=False)[0]
     swapped = llm.generate({"prompt": text, "multi_modal_data": {"image": images()[::-1]}}, params,

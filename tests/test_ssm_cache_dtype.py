@@ -101,6 +101,7 @@ def test_auto_follows_the_model_config(tmp_path):
 
 
 def test_cli_flag_reaches_the_engine(tiny_llama_dir):
+    pytest.importorskip("ray")  # (the CLI's; not in a GPU image)
     from specray.cluster.cli import build_parser, engine_kwargs, serve_app_args
     from specray.cluster.serve import ServeArgs
 

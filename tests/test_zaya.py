@@ -342,6 +342,8 @@ def test_tensor_parallel_shards_match_one_rank(tiny_zaya_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_logits_on_the_gpu_equal_the_cpu(tiny_zaya_dir, schedule):
-    """tests/test_device_parity.py's check for this file's fixture: fp32 logits on CUDA equal the CPU's."""
+    """tests/test_device_parity.py's check for this file's fixture: fp32 logits on CUDA equal the CPU's, within
+    5e-4 (the router MLP's outputs reach about 10 in the tiny model, and fp32 sums in the GPU's order moved its decode
+    steps' logits by 1.06e-4 on an H200, 2026-11-30)."""
     checks = sys.modules["specray_test_model_checks"]  # tests/model_checks.py
-    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_zaya_dir, SCHEDULES[schedule])
+    checks.assert_logits_on_the_gpu_equal_the_cpu(tiny_zaya_dir, SCHEDULES[schedule], 5e-4)

@@ -192,8 +192,11 @@ class Glm4vImageEncoder(Qwen2VLImageEncoder):
             x = block(x, rope, [h * w] * t)
         x = self.post_layernorm(x)
         m = self.merge
-        x = x.view(-1, m, m, self.dim).permute(0, 3, 1, 2)  # each merge block [dim, m, m]
-        x = F.conv2d(x, self.downsample.weight, self.downsample.bias, stride=m).flatten(1)  # [N / m², out]
+        x = x.view(-1, m, m, self.dim).permute(0, 3, 1, 2).flatten(1)  # each merge block [dim * m * m]
+        # the Conv2d whose kernel is its stride: one linear per merge block (a CUDA conv in fp32 would take TF32's
+        # products, cuDNN's default)
+        down = self.downsample
+        x = F.linear(x, down.weight.reshape(down.weight.shape[0], -1), down.bias)  # [N / m², out]
         return self.merger(x)
 
 

@@ -374,6 +374,8 @@ class FalconH1ForCausalLM(RecurrentModel, LlamaForCausalLM):
                 factor = weight_factor if name.endswith(".weight") else bias_factor
                 if isinstance(factor, torch.Tensor) or factor != 1.0:
                     value = materialize(tensor)
+                    if isinstance(factor, torch.Tensor):  # the mup vector, built on the host: to the tensor's device
+                        factor = factor.to(value.device)
                     scale = factor[:, None] if isinstance(factor, torch.Tensor) and value.dim() == 2 else factor
                     return (value.float() * scale).to(value.dtype)
                 break
