@@ -46,7 +46,7 @@ from torch import nn
 
 from specray.models.layers import LayerNorm, RMSNorm, _param
 from specray.models.registry import text_tensors
-from specray.models.vision_towers import Linear, copy_weights, feature_indices, vision_activation
+from specray.models.vision_towers import Linear, copy_weights, feature_indices, patch_rows, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -189,8 +189,7 @@ class InternViT(nn.Module):
                              f"{self.image_size} (position embeddings are not interpolated); the image processor must "
                              "cut images into tiles of that size (its size)")
         conv = self.embeddings.patch_embeddings.projection
-        x = F.conv2d(pixel_values.to(conv.weight.dtype), conv.weight, conv.bias, stride=self.patch)
-        x = x.flatten(2).transpose(1, 2)
+        x = patch_rows(pixel_values, conv.weight, conv.bias)
         x = torch.cat([self.embeddings.cls_token.expand(x.shape[0], 1, -1), x], dim=1)
         if self.embeddings.position_embeddings is not None:
             x = x + self.embeddings.position_embeddings

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import RMSNorm, _copy, _param, apply_rotary, materialize
-from specray.models.vision_towers import Linear, vision_activation
+from specray.models.vision_towers import Linear, patch_rows, vision_activation
 
 PIXTRAL = "pixtral"
 NORM_EPS = 1e-5  # every norm of the tower (transformers fixes it; the config has no field for it)
@@ -150,9 +150,8 @@ class PixtralVisionModel(nn.Module):
             raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)}: the Pixtral tower takes one image "
                              "[C, H, W] at a time")
         weight = self.patch_conv.weight
-        patches = F.conv2d(pixel_values.to(weight.dtype), weight, stride=self.patch_size)[0]
-        rows, cols = patches.shape[-2:]
-        x = self.ln_pre(patches.flatten(1).T)
+        rows, cols = pixel_values.shape[-2] // self.patch_size, pixel_values.shape[-1] // self.patch_size
+        x = self.ln_pre(patch_rows(pixel_values, weight, None)[0])
         cos, sin = self.rotary(rows, cols, x.dtype)
         for layer in self.transformer.layers:
             x = layer(x, cos, sin)

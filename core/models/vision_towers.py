@@ -109,6 +109,17 @@ class VisionEncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
+def patch_rows(pixel_values: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """pixel_values [B, C, H, W] through a patch embedding's conv weight [out, C, p, p] whose stride is its kernel
+    -> [B, (H // p) * (W // p), out], patches row-major (a conv's output flattened). Written as the linear it is: one
+    matmul, and in fp32 on CUDA full fp32 products where cuDNN's conv would take TF32's."""
+    b, c, h, w = pixel_values.shape
+    p = weight.shape[-1]
+    rows, cols = h // p, w // p
+    x = pixel_values[..., : rows * p, : cols * p].reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5)
+    return F.linear(x.reshape(b, rows * cols, c * p * p).to(weight.dtype), weight.reshape(weight.shape[0], -1), bias)
+
+
 class VisionEmbeddings(nn.Module):
     """Patches (a conv of stride ``patch_size``) plus a learned embedding per position; CLIP's with a class token
     first (``class_embedding``) and a bias-free conv."""
@@ -132,9 +143,7 @@ class VisionEmbeddings(nn.Module):
             raise ValueError(f"an image of {height}x{width} pixels reached a vision tower of vision_config.image_size="
                              f"{self.image_size} (position embeddings are not interpolated); the image processor "
                              "must resize images to that size (its size / crop_size)")
-        conv = self.patch_embedding
-        x = F.conv2d(pixel_values.to(conv.weight.dtype), conv.weight, conv.bias, stride=self.patch_size)
-        x = x.flatten(2).transpose(1, 2)
+        x = patch_rows(pixel_values, self.patch_embedding.weight, self.patch_embedding.bias)
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
         return x + self.position_embedding.weight
