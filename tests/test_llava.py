@@ -246,6 +246,24 @@ def test_encoder_in_bfloat16(tiny_llava, hf_models, kind):
     assert max(max_diff(g.float(), w) / w.abs().max().item() for g, w in zip(got, want)) < 3e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_encoder_on_the_gpu_equals_the_cpu(tiny_llava, kind):
+    """fp32 on CUDA: each image's embeddings equal the CPU's (the patch embedding is one linear,
+    ``vision_towers.patch_rows``: no cuDNN convolution taking TF32 products); a failure names the first module."""
+    from specray_test_model_checks import first_module_divergence
+
+    folder = tiny_llava[kind]
+    pixels = _hf_inputs(folder)["pixel_values"]
+    encoders = [load_image_encoder(str(folder), read_config(str(folder)), torch.float32, d) for d in ("cpu", "cuda")]
+
+    def encode(encoder):
+        return _encode(encoder, pixels.to(next(encoder.parameters()).device))
+
+    diff = max(max_diff(g.cpu(), c) for g, c in zip(encode(encoders[1]), encode(encoders[0])))
+    assert diff < 1e-4, (diff, first_module_divergence(*encoders, encode, 1e-4))
+
+
 # ---- the whole model -------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
