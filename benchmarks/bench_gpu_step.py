@@ -96,6 +96,12 @@ def main() -> None:
 
 
 def run_mode(llm, mode: str, batches: list[int], params, profile_params, args, on_gpu: bool) -> None:
+    if mode == "graphs" and on_gpu:  # whether decode steps replay graphs at all (a model may be refused them)
+        from specray.models.step_graphs import graph_safe
+
+        runner = llm.engine.executor.worker.runner
+        why = graph_safe(llm.engine.executor.worker.model)
+        print(f"  - graphs: {'none (' + why + ')' if runner.graphs is None else 'kept by the runner'}", flush=True)
     for batch in batches:  # a first run per batch captures its graphs (and warms the eager path alike)
         llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params, use_tqdm=False)
     for batch in batches:
@@ -113,9 +119,13 @@ def run_mode(llm, mode: str, batches: list[int], params, profile_params, args, o
         events = prof.events()
         busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3  # ms
         launches = sum(1 for e in events if e.name in LAUNCHES)  # the host's launch calls
+        replays = sum(1 for e in events if e.name == "cudaGraphLaunch")
         gpu = (f"{busy / steps:.2f}", f"{launches / steps:.0f}") if on_gpu else ("-", "-")
         print(f"| {mode} | {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | "
               f"{top_level_aten(events) / steps:.0f} | {batch * args.tokens / wall:.1f} |", flush=True)
+        if on_gpu:  # a replayed step is one graph launch; the other launches ran outside any graph
+            print(f"  - launches per step: {(launches - replays) / steps:.0f} kernels, {replays / steps:.2f} graphs",
+                  flush=True)
         if on_gpu and args.top_kernels:
             print(top_kernels(events, steps, args.top_kernels), flush=True)
 
