@@ -1262,8 +1262,11 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         stop_signal = create_stop_signal(name)
         handle = deploy_app(app, name)
         watching = ray.get(stop_signal.wait_watchers.remote(parsed.num_replicas, 10.0))
-    except BaseException:
+    except BaseException as err:
         _clean_up_failed_start(started_ray, name)
+        if blocking and isinstance(err, KeyboardInterrupt):  # Ctrl-C before "serving at" (the proxy may answer
+            logger.info("stopped before the server was up")  # already): stopped as a Ctrl-C after it is
+            return None
         raise
     if watching < parsed.num_replicas:
         logger.warning("%d of %d server replicas watch for Ctrl-C: the others' open requests end when Serve stops",

@@ -591,3 +591,44 @@ def test_spec_method_help_names_every_built_in_method():
 
     built_in = [m for m in registry.drafter_names() if m in registry._DRAFTERS]
     assert built_in and all(f" {m}," in _SPEC_METHOD_HELP for m in built_in), (built_in, _SPEC_METHOD_HELP)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking):
+    """A Ctrl-C while the server is still starting (the proxy already answering, the replicas not yet all watching
+    for Ctrl-C) shuts down what started; ``specray serve`` (blocking) then returns as after a Ctrl-C when serving,
+    with no traceback; a caller of the non-blocking form gets the KeyboardInterrupt."""
+    import logging
+    from types import SimpleNamespace
+
+    from specray.cluster import serve as srv
+
+    stopped = []
+    monkeypatch.setattr(srv, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(srv, "check_model", lambda engine_args: None)
+    monkeypatch.setattr(srv, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(srv.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(srv, "check_resources", lambda parsed, autoscaling: None)
+    monkeypatch.setattr(srv, "build_app", lambda args: "app")
+    monkeypatch.setattr(srv.serve, "start", lambda **kw: None)
+    monkeypatch.setattr(srv, "create_stop_signal", lambda name: SimpleNamespace(
+        wait_watchers=SimpleNamespace(remote=lambda n, timeout: "watchers")))
+    monkeypatch.setattr(srv, "deploy_app", lambda app, name: "handle")
+
+    def interrupted(ref, *a, **kw):
+        assert ref == "watchers"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(srv.ray, "get", interrupted)
+    monkeypatch.setattr(srv, "_stop", lambda started_ray: stopped.append(started_ray))
+    with caplog.at_level(logging.INFO, logger="specray.cluster.serve"):
+        if blocking:
+            try:
+                assert srv.run_server({}, blocking=True) is None
+            except KeyboardInterrupt:  # (escaping, it would stop the whole test run)
+                pytest.fail("a Ctrl-C during start-up escaped run_server")
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                srv.run_server({}, blocking=False)
+    assert stopped == [True]  # the local Ray it started, and Serve, shut down
+    assert ("stopped before the server was up" in caplog.text) == blocking
