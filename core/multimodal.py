@@ -338,6 +338,16 @@ def load_video(video: Any, local: bool = True, domains: Collection[str] | None =
     return frames
 
 
+def frame_stack(frames: list) -> np.ndarray:
+    """A video's RGB frames of one size (PIL images) -> [frames, height, width, 3] uint8, for a video processor."""
+    if not frames:
+        raise ValueError("a video must hold at least one frame")
+    arrays = [np.asarray(frame.convert("RGB"), dtype=np.uint8) for frame in frames]
+    if any(a.shape != arrays[0].shape for a in arrays):
+        raise ValueError(f"a video's frames must share one size; got {sorted({a.shape[:2] for a in arrays})}")
+    return np.stack(arrays)
+
+
 def load_audio(audio: Any, sampling_rate: int, local: bool = True, domains: Collection[str] | None = None
                ) -> np.ndarray:
     """An audio's waveform (float32 [samples], mono: channels averaged) at ``sampling_rate``: from vLLM's

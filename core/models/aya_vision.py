@@ -53,15 +53,21 @@ def _grid(config: Any) -> int:
     if strategy != "full":
         raise ValueError(f"vision_feature_select_strategy={strategy!r} is not supported for {ARCH}: only 'full' "
                          "(SigLIP has no class token; dropping its first patch leaves no square grid to pixel-shuffle)")
+    return shuffled_grid(config, ARCH)
+
+
+def shuffled_grid(config: Any, arch: str) -> int:
+    """A fixed-size tower's patch grid a side, which ``downsample_factor``'s pixel shuffle must divide."""
     factor = int(getattr(config, "downsample_factor", 2))
-    grid = vision.image_size // vision.patch_size
+    grid = config.vision_config.image_size // config.vision_config.patch_size
     if factor < 1 or grid % factor:
-        raise ValueError(f"downsample_factor={factor} is not supported for {ARCH}: it must divide the patch grid "
+        raise ValueError(f"downsample_factor={factor} is not supported for {arch}: it must divide the patch grid "
                          f"({grid} = vision_config.image_size / patch_size)")
     return grid
 
 
 def tokens_per_tile(config: Any) -> int:
+    """The embeddings one tile makes: the patch grid folded by ``downsample_factor``, squared."""
     return (_grid(config) // int(getattr(config, "downsample_factor", 2))) ** 2
 
 

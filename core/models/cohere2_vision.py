@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specray.models.aya_vision import shuffled_grid
 from specray.models.internvl import pixel_shuffle
 from specray.models.kimi_k25_vision import _resize as bicubic_resize  # torchvision's uint8 antialiased bicubic
 from specray.models.vision_towers import SIGLIP, Linear, VisionTower, load_tower_and_projector
@@ -62,12 +63,7 @@ def _grid(config: Any) -> int:
         raise ValueError(f"vision_config.model_type={kind!r} is not supported for {ARCH}: its images are served with "
                          f"the fixed-size SigLIP / SigLIP2 tower ({SIGLIP!r}; SigLIP2's NaFlex tower, with its "
                          "resized position table, is not)")
-    factor = int(getattr(config, "downsample_factor", 2))
-    grid = vision.image_size // vision.patch_size
-    if factor < 1 or grid % factor:
-        raise ValueError(f"downsample_factor={factor} is not supported for {ARCH}: it must divide the patch grid "
-                         f"({grid} = vision_config.image_size / patch_size)")
-    return grid
+    return shuffled_grid(config, ARCH)
 
 
 def tokens_per_tile(config: Any) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -40,10 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models.idefics3 import Idefics3VisionModel
+from specray.models.idefics3 import Idefics3VisionModel, load_tower_and_connector
 from specray.models.layers import RMSNorm, _param
-from specray.models.registry import text_tensors
-from specray.models.vision_towers import Linear, copy_weights, vision_activation
+from specray.models.vision_towers import Linear, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 logger = logging.getLogger(__name__)
@@ -53,8 +51,6 @@ VISION_TYPE = "idefics2_vision"
 FAKE, IMAGE = "<fake_token_around_image>", "<image>"
 SPLITS = 5  # do_image_splitting: the four quarters and the whole image
 DEFAULT_SEQ_LEN = 64  # Idefics2Processor's image_seq_len when processor_config.json names none
-_OWN_NAMES = ((re.compile(r"^(?:model\.)?vision_model\."), "tower."),
-              (re.compile(r"^(?:model\.)?connector\."), "connector."))
 
 
 def _vision_config(config: Any) -> Any:
@@ -168,14 +164,7 @@ class Idefics2ImageEncoder(nn.Module):
         self.connector.perceiver_resampler = PerceiverResampler(perceiver)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the vision model's and the connector's tensors among the whole checkpoint's (the text model's are
-        skipped); a ValueError names any of ours missing."""
-        missing = copy_weights(dict(self.named_parameters()), text_tensors(weights, _OWN_NAMES))
-        if missing:
-            theirs = [re.sub(r"^tower\.", "model.vision_model.", re.sub(r"^connector\.", "model.connector.", m))
-                      for m in missing]
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of the vision model or connector: "
-                             f"{theirs[:6]}; it does not match its config.json's vision_config / perceiver_config")
+        load_tower_and_connector(self, weights, "vision_config / perceiver_config")
 
     @property
     def device(self) -> torch.device:

@@ -80,6 +80,17 @@ def tokens_per_crop(config: Any) -> int:
     return (vision.image_size // vision.patch_size) ** 2 // _scale(config) ** 2
 
 
+
+def load_tower_and_connector(encoder: nn.Module, weights: Iterable[tuple[str, Any]], configs: str) -> None:
+    """Read an Idefics encoder's vision model and connector tensors among the whole checkpoint's (the text model's
+    are skipped); a ValueError names any of ours missing, and the config.json fields (``configs``) that shape them."""
+    missing = copy_weights(dict(encoder.named_parameters()), text_tensors(weights, _OWN_NAMES))
+    if missing:
+        theirs = [re.sub(r"^tower\.", "model.vision_model.", re.sub(r"^connector\.", "model.connector.", m))
+                  for m in missing]
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of the vision model or connector: "
+                         f"{theirs[:6]}; it does not match its config.json's {configs}")
+
 class Idefics3Embeddings(nn.Module):
     """A biased conv of stride ``patch_size`` plus a learned embedding per place of the ``image_size`` grid: a patch
     takes the embedding of the grid cell its fractional coordinates fall in (transformers' bucketing; a crop of
@@ -164,14 +175,7 @@ class Idefics3ImageEncoder(nn.Module):
                                                          config.text_config.hidden_size, bias=False)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Read the vision model's and the connector's tensors among the whole checkpoint's (the text model's are
-        skipped); a ValueError names any of ours missing."""
-        missing = copy_weights(dict(self.named_parameters()), text_tensors(weights, _OWN_NAMES))
-        if missing:
-            theirs = [re.sub(r"^tower\.", "model.vision_model.", re.sub(r"^connector\.", "model.connector.", m))
-                      for m in missing]
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of the vision model or connector: "
-                             f"{theirs[:6]}; it does not match its config.json's vision_config / scale_factor")
+        load_tower_and_connector(self, weights, "vision_config / scale_factor")
 
     @property
     def device(self) -> torch.device:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specray.multimodal import frame_stack
+
 logger = logging.getLogger(__name__)
 
 VIDEO_KEY = "pixel_values_videos"
@@ -100,12 +102,7 @@ class OnevisionVideoFrames:
 
     def pixels(self, frames: list) -> np.ndarray:
         """RGB frames of one size -> ``pixel_values_videos`` [frames, C, S, S] float32."""
-        if not frames:
-            raise ValueError("a video must hold at least one frame")
-        arrays = [np.asarray(frame.convert("RGB"), dtype=np.uint8) for frame in frames]
-        if any(a.shape != arrays[0].shape for a in arrays):
-            raise ValueError(f"a video's frames must share one size; got {sorted({a.shape[:2] for a in arrays})}")
-        x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W] uint8
+        x = torch.from_numpy(frame_stack(frames)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W] uint8
         x = self.resize(x)
         x = x.to(torch.float32).sub_(self.mean[:, None, None]).div_(self.std[:, None, None])
         return x.numpy()

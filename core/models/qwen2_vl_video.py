@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specray.multimodal import frame_stack
+
 VIDEO = "video"
 DEFAULT_FPS = 24.0  # transformers' VideoMetadata.sampled_fps for frames given without metadata
 DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}  # Qwen2VLVideoProcessor's
@@ -130,12 +132,7 @@ class QwenVLVideoFrames:
     def pixels(self, frames: list) -> tuple[np.ndarray, np.ndarray]:
         """RGB frames of one size -> (``pixel_values_videos`` [t*h*w, C*T*P*P] float32, ``video_grid_thw`` [[t, h,
         w]] int64)."""
-        if not frames:
-            raise ValueError("a video must hold at least one frame")
-        arrays = [np.asarray(frame.convert("RGB"), dtype=np.uint8) for frame in frames]
-        if any(a.shape != arrays[0].shape for a in arrays):
-            raise ValueError(f"a video's frames must share one size; got {sorted({a.shape[:2] for a in arrays})}")
-        x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W] uint8
+        x = torch.from_numpy(frame_stack(frames)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W] uint8
         count, channels, height, width = x.shape
         new_h, new_w = self.target(count, height, width)
         if (new_h, new_w) != (height, width):  # torchvision's uint8 bicubic antialiased resize on a CPU
