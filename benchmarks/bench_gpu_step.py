@@ -2,13 +2,17 @@
 
 Plain greedy decoding of the default model (SmolLM2-135M-Instruct; or ``--model``, with ``--load-format dummy`` a
 folder from ``benchmarks/dummy_model.py``: a real size's shapes, random weights), ``--batches`` requests at a time, each
-generating ``--tokens`` tokens past EOS. A step's wall time is timed without the profiler; then one more run under
-``torch.profiler`` counts, per step, the top-level aten ops the model and sampler dispatch (each is one or more
-kernel launches on a GPU) and, on a GPU, the kernels and their summed time (the GPU's busy time: one stream, so
-the kernels do not overlap). A step whose wall time is many times the GPU's busy time is bound by the host: the
-Python and launch cost of every op, which capturing the step in a CUDA graph removes: the ``graphs`` rows run
-with ``enforce_eager=False`` (on a GPU each decode step is one graph launch; on a CPU the same padded steps run
-eagerly). On a CPU the kernel columns are empty and the op count is the same proxy.
+generating ``--tokens`` tokens past EOS. A run's wall time is timed without the profiler; then one more run under
+``torch.profiler`` counts the top-level aten ops the model and sampler dispatch (each is one or more kernel launches
+on a GPU) and, on a GPU, the host's launch calls (a replayed graph is one) and the kernels' summed time (the GPU's
+busy time: one stream, so the kernels do not overlap). Every figure is per *decode* step: the same measure of a run
+of one token (the prefill step alone) is taken off and the rest divided by the decode steps, since a prefill always
+runs eagerly and, over a few dozen tokens, its share would weigh on every step (a MoE's eager prefill runs each
+expert its tokens reach apart: thousands of kernels). The prefill's own time is a column of its own. A step whose
+wall time is many times the GPU's busy time is bound by the host: the Python and launch cost of every op, which
+capturing the step in a CUDA graph removes: the ``graphs`` rows run with ``enforce_eager=False`` (on a GPU each
+decode step is one graph launch; on a CPU the same padded steps run eagerly). On a CPU the GPU columns are empty and
+the op count is the same proxy.
 
     python benchmarks/bench_gpu_step.py --device cuda --batches 1,8 --tokens 64 --modes eager,graphs
 """
@@ -19,6 +23,7 @@ import argparse
 import logging
 import platform
 import time
+from dataclasses import replace
 
 import torch
 from torch.autograd import DeviceType
@@ -65,6 +70,9 @@ def main() -> None:
     parser.add_argument("--top-kernels", type=int, default=0,
                         help="after each row, the N kernels of the most GPU time per step (on a GPU)")
     args = parser.parse_args()
+    if min(args.tokens, args.profile_tokens or args.tokens) < 2:
+        parser.error("--tokens and --profile-tokens must be at least 2: the figures are per decode step, past the "
+                     "prefill's one token")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
 
@@ -88,8 +96,8 @@ def main() -> None:
             print(f"# {model} ({args.load_format} weights), {name}, {worker.dtype}, torch {torch.__version__}, "
                   f"{args.threads} CPU threads, "
                   f"{time.strftime('%Y-%m-%d %H:%M')}, {args.tokens} tokens per request, median of {args.repeats}\n")
-            print("| mode | batch | wall ms per step | GPU busy ms per step | kernels per step | aten ops per step | "
-                  "tokens/s |\n|---|---|---|---|---|---|---|")
+            print("| mode | batch | prefill ms | wall ms per decode step | GPU busy ms per decode step | launches per "
+                  "decode step | aten ops per decode step | decode tokens/s |\n|---|---|---|---|---|---|---|---|")
             header = True
         run_mode(llm, mode, batches, params, profile_params, args, on_gpu)
         llm.shutdown()
@@ -102,43 +110,60 @@ def run_mode(llm, mode: str, batches: list[int], params, profile_params, args, o
         runner = llm.engine.executor.worker.runner
         why = graph_safe(llm.engine.executor.worker.model)
         print(f"  - graphs: {'none (' + why + ')' if runner.graphs is None else 'kept by the runner'}", flush=True)
+    first = replace(params, max_tokens=1)  # the prefill step alone (and its token's sampling)
     for batch in batches:  # a first run per batch captures its graphs (and warms the eager path alike)
         llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params, use_tqdm=False)
     for batch in batches:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-        walls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            walls.append(time.perf_counter() - start)
-        wall = sorted(walls)[len(walls) // 2]
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-        steps = profile_params.max_tokens  # one prefill step and steps - 1 decode steps
-        with profile(activities=activities) as prof:
-            llm.generate(prompts, profile_params, use_tqdm=False)
-        events = prof.events()
-        busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3  # ms
-        launches = sum(1 for e in events if e.name in LAUNCHES)  # the host's launch calls
-        replays = sum(1 for e in events if e.name == "cudaGraphLaunch")
-        gpu = (f"{busy / steps:.2f}", f"{launches / steps:.0f}") if on_gpu else ("-", "-")
-        print(f"| {mode} | {batch} | {wall / steps * 1e3:.2f} | {gpu[0]} | {gpu[1]} | "
-              f"{top_level_aten(events) / steps:.0f} | {batch * args.tokens / wall:.1f} |", flush=True)
-        if on_gpu:  # a replayed step is one graph launch; the other launches ran outside any graph
-            print(f"  - launches per step: {(launches - replays) / steps:.0f} kernels, {replays / steps:.2f} graphs",
-                  flush=True)
+        wall, prefill = (median_wall(llm, prompts, p, args.repeats) for p in (params, first))
+        steps = profile_params.max_tokens - 1  # decode steps: the profiled run's less the prefill's one
+        (whole, events), (alone, prefill_events) = (profiled(llm, prompts, p, on_gpu) for p in (profile_params, first))
+        # per decode step: the whole run's less the prefill run's (both end with one token's sampling and output)
+        busy, launches, replays, ops = ((a - b) / steps for a, b in zip(whole, alone))
+        gpu = (f"{busy:.2f}", f"{launches:.0f}") if on_gpu else ("-", "-")
+        decode_wall = (wall - prefill) / (params.max_tokens - 1)
+        print(f"| {mode} | {batch} | {prefill * 1e3:.2f} | {decode_wall * 1e3:.2f} | {gpu[0]} | {gpu[1]} | {ops:.0f} | "
+              f"{batch / decode_wall:.1f} |", flush=True)
+        # a replayed step is one graph launch; the other launches ran outside any graph
+        device = (f"{launches - replays:.0f} kernels and {replays:.2f} graphs launched per decode step; the prefill "
+                  f"step's {alone[1] - alone[2]:.0f} and {alone[2]:.0f}, {alone[0]:.2f} GPU ms, ") if on_gpu else ""
+        print(f"  - {device}{alone[3]} aten ops in the prefill step", flush=True)
         if on_gpu and args.top_kernels:
-            print(top_kernels(events, steps, args.top_kernels), flush=True)
+            print(top_kernels(events, prefill_events, steps, args.top_kernels), flush=True)
 
 
-def top_kernels(events, steps: int, n: int) -> str:
-    """The ``n`` kernels of the most summed GPU time, per step (the prefill's share included), as a note under
-    the row: where a step's GPU time goes."""
+def median_wall(llm, prompts: list[str], params, repeats: int) -> float:
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+    return sorted(walls)[len(walls) // 2]
+
+
+def profiled(llm, prompts: list[str], params, on_gpu: bool) -> tuple[tuple[float, int, int, int], list]:
+    """One run of ``params`` under the profiler: (the GPU's busy ms, the host's launch calls, its graph replays, the
+    top-level aten ops), and its events."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = prof.events()
+    busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3
+    launches = sum(1 for e in events if e.name in LAUNCHES)
+    replays = sum(1 for e in events if e.name == "cudaGraphLaunch")
+    return (busy, launches, replays, top_level_aten(events)), events
+
+
+def top_kernels(events, prefill_events, steps: int, n: int) -> str:
+    """The ``n`` kernels of the most summed GPU time per decode step (``events``' less ``prefill_events``', over
+    ``steps``), as a note under the row: where a decode step's GPU time goes."""
     time_by_name: dict[str, float] = {}
     calls: dict[str, int] = {}
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            time_by_name[e.name] = time_by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
-            calls[e.name] = calls.get(e.name, 0) + 1
+    for sign, run in ((1, events), (-1, prefill_events)):
+        for e in run:
+            if e.device_type == DeviceType.CUDA:
+                time_by_name[e.name] = time_by_name.get(e.name, 0.0) + sign * e.time_range.elapsed_us() / 1e3
+                calls[e.name] = calls.get(e.name, 0) + sign
     total = sum(time_by_name.values()) or 1.0
     lines = [f"  - {ms / steps:.3f} ms/step ({100 * ms / total:.0f}%), {calls[name] / steps:.1f} calls/step: "
              f"{name[:100]}" for name, ms in sorted(time_by_name.items(), key=lambda kv: -kv[1])[:n]]

@@ -134,7 +134,8 @@ if [[ $checks == *" real-size "* ]]; then
   # first, where experts' and latent attention's steps go (the 2026-11-27 run: 4-5x the GPU time their active
   # weights' bytes allow): Qwen3-30B-A3B (61 GB in bf16: an H200), DeepSeek-V2-Lite (MLA, 31 GB) and
   # DeepSeek-V4-Flash's widths over 4 layers (55 GB; the dummy hash table sends every token to expert 0) from
-  # graphs, each row with its costliest kernels; then eagerly at batch 1 (one host sync per layer; a short profile)
+  # graphs, each row with its costliest kernels (per decode step: the eager prefill's share, its experts run in a few
+  # grouped launches since 2026-11-30, is taken off); then eagerly at batch 1 (a short profile)
   for m in qwen3-30b-a3b:1,8 deepseek-v2-lite:1,64 deepseek-v4-flash-4l:1,8; do
     bench "${step[@]}" --model "$models/${m%%:*}" --batches "${m#*:}" --modes graphs --top-kernels 8 \
       | tee "$out/step-${m%%:*}.md"

@@ -131,7 +131,7 @@ def _grouped_kernel_here() -> bool:
 def test_the_grouped_path_is_captured_and_replayed_on_a_gpu(model_type):
     """On a GPU with the grouped kernel (passed on an H200, 2026-11-27), in bf16: the block's
     forward inside ``sync_free_experts`` is captured in a CUDA graph (a host sync would fail the capture), and
-    replays on new inputs to what the eager loop gives them."""
+    replays on new inputs to what the loop gives them."""
     block = moe_block(model_type).to("cuda", torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(3)
     static = torch.randn(16, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -148,8 +148,33 @@ def test_the_grouped_path_is_captured_and_replayed_on_a_gpu(model_type):
         static.copy_(torch.randn(16, H, device="cuda", dtype=torch.bfloat16, generator=gen))
         graph.replay()
         with torch.no_grad():
-            want = block(static)
+            want = block._experts_looped(static, *block.route(static))  # these families: no shared expert
         torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not _grouped_kernel_here(), reason="needs a GPU with torch._grouped_mm's bf16 kernel (9.x, 10.x)")
+def test_eager_steps_take_the_grouped_path_on_a_gpu(no_host_sync):
+    """Where the grouped kernel runs with no host sync, eager steps take it too (a prefill's experts in a few
+    launches): a block's forward outside ``sync_free_experts`` syncs with nothing and gives the loop's sums; in
+    float32 (the kernel's fallback would sync) eager steps keep the loop."""
+    block = moe_block("qwen3_moe").to("cuda", torch.bfloat16)
+    x = torch.randn(40, H, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(4))
+    assert block.grouped_eagerly()
+    with torch.no_grad():
+        with no_host_sync():
+            out = block(x)
+        want = block._experts_looped(x, *block.route(x))
+    torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+    assert not moe_block("qwen3_moe").to("cuda").grouped_eagerly()
+
+
+def test_eager_steps_keep_the_loop_on_a_cpu(no_host_sync):
+    """On a CPU eager steps keep the loop (only the experts with tokens run; torch's grouped matmul there is a loop
+    itself), though the grouped path could run: a block's forward reads the group sizes back, once."""
+    block = moe_block("qwen3_moe")
+    assert block.graph_blocker() is None and not block.grouped_eagerly()
+    with torch.no_grad(), pytest.raises(AssertionError, match="host sync"), no_host_sync():
+        block(torch.randn(6, H))
 
 
 # ---- engines --------------------------------------------------------------------------------------------------------

@@ -54,10 +54,12 @@ A step replayed from a CUDA graph cannot read sizes back (a capture refuses a ho
 take a second path with fixed shapes: the (token, choice) pairs sorted by local expert on the device (another rank's
 pairs last), each group's end found there, and one grouped matmul per projection over the stacked weights
 (``torch._grouped_mm``; its output rows past the last group are left unwritten, and kept out of the sum by a
-``where``). Eager steps keep the loop. On CUDA the grouped matmul is free of host syncs only on its CUTLASS path (bf16
-on compute capability 9.x or 10.x; its fallback copies the offsets to the host), and it needs 16-byte strides; where
-it cannot run so, :meth:`SparseMoE.graph_blocker` says why and the model's steps run eagerly. The grouped path has
-run on CPU only (torch's fallback there), never on a GPU.
+``where``). On CUDA the grouped matmul is free of host syncs only on its CUTLASS path (bf16 on compute capability
+9.x or 10.x; its fallback copies the offsets to the host), and it needs 16-byte strides; where it cannot run so,
+:meth:`SparseMoE.graph_blocker` says why and the model's steps run eagerly. Where it can, eager steps take it too
+(:meth:`SparseMoE.grouped_eagerly`: a prefill's experts in a few launches, not a pair per expert); elsewhere, and on
+a CPU, eager steps keep the loop. The grouped path has run on an H200 inside graphs (2026-11-27); in eager steps
+never on a GPU yet.
 
 From a block-FP8 checkpoint (DeepSeek-V3's release) the experts keep their FP8 weights and block scales: half a
 bf16 model's bytes where nearly all of them are. An expert's weights are dequantized, block by block, when tokens
@@ -414,6 +416,7 @@ class SparseMoE(nn.Module):
         elif not family.gelu and getattr(config, "hidden_act", "silu") != "silu":  # (LFM2's config names none)
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported for experts; 'silu' is")
         self.tp = tp
+        self._eager_path: tuple = (None, False)  # ((device, dtype) of the weights, whether eager steps go grouped)
         self.num_experts = getattr(config, family.num_experts)
         self.top_k = getattr(config, family.top_k)
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", family.normalized))
@@ -707,10 +710,23 @@ class SparseMoE(nn.Module):
 
     def experts_of(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the routed experts' weighted sum for x [T, H] (weights, ids [T, k]): the grouped path
-        within :func:`sync_free_experts` (a graph step's), else the looped one; a family with a router of its own
-        calls it after routing."""
-        grouped = getattr(_sync_free, "on", False)
+        within :func:`sync_free_experts` (a graph step's) or where eager steps take it too
+        (:meth:`grouped_eagerly`), else the looped one; a family with a router of its own calls it after routing."""
+        grouped = getattr(_sync_free, "on", False) or self.grouped_eagerly()
         return self._experts_grouped(x, weights, ids) if grouped else self._experts_looped(x, weights, ids)
+
+    def grouped_eagerly(self) -> bool:
+        """Whether eager steps (prefills, long verify steps, ``enforce_eager=True``) take the grouped path too: on
+        CUDA wherever it runs with no host sync (:meth:`graph_blocker`), as vLLM's fused experts serve every step.
+        There the loop launches a matmul pair and its elementwise work for each expert a step's tokens reach (a
+        prefill of a dozen tokens reaches most of 128 experts: thousands of launches over 48 layers) and syncs with
+        the host once per layer; the grouped path launches the same few kernels whatever the routing. On a CPU the
+        loop stays: it computes only the experts with tokens, and torch's grouped matmul there is itself a loop.
+        Decided once per device and dtype of the weights."""
+        key = (self.w13.device, self.w13.dtype)
+        if self._eager_path[0] != key:
+            self._eager_path = (key, key[0].type == "cuda" and self.graph_blocker() is None)
+        return self._eager_path[1]
 
     def _experts_looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share [T, H] of tokens ``x`` [T, H] routed by ``weights``, ``ids`` [T, k]: one matmul
