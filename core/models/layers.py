@@ -464,12 +464,11 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden_size)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
-        if x.dtype == torch.float32:  # one fused op, same math
+        # x: [T, H]. F.rms_norm computes in float32 whatever x's dtype and rounds x / rms(x) to it, then the weight
+        # multiplies in x's dtype, as transformers' order; one op (on CUDA one fused kernel, not eight small ones)
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -750,24 +750,28 @@ class SparseMoE(nn.Module):
 
     def _experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """As :meth:`_experts_looped`, with no host sync and shapes fixed by ``x``'s: every (token, choice) pair gets
-        a row, the rows sorted by local expert on the device (pairs routed to another rank's experts last), and one
-        grouped matmul per projection runs each local expert over its rows. The rows past the last group (another
-        rank's pairs) are left unwritten by the kernel and never reach the sum."""
+        a row, the rows sorted by local expert on the device (pairs routed to another rank's experts, or to zero
+        experts, last), and one grouped matmul per projection runs each local expert over its rows. The rows past
+        the last group are left unwritten by the kernel and never reach the sum."""
         assert self.w13_scale is None and self.w2_scale is None, \
             "experts kept quantized have no grouped path (graph_blocker refuses them)"
         t, k = ids.shape
         n, e = t * k, self.local_experts
-        local = ids.flatten() - self.expert_start  # [n]: each pair's local expert, if it is one of this rank's
-        key = torch.where((local >= 0) & (local < e), local, e)
+        key = ids.flatten()  # [n]: each pair's expert
+        # when this rank holds every expert and no zero experts exist, each pair's key is its expert as it stands
+        every_row_local = e == self.num_experts and not self.zero_experts
+        if not every_row_local:
+            local = key - self.expert_start
+            key = torch.where((local >= 0) & (local < e), local, e)
         key, rows = key.sort(stable=True)  # rows: pair indices (t*k + j) grouped by expert, as the loop's
-        ends = torch.arange(e, device=x.device)
-        offs = torch.searchsorted(key, ends, right=True).to(torch.int32)  # [e]: where each expert's rows end
+        offs = torch.searchsorted(key, torch.arange(e, device=x.device), right=True, out_int32=True)  # group ends
         tokens = rows // k
         w = weights.flatten().index_select(0, rows)[:, None]  # [n, 1]: each row's routing weight
         routed = x.index_select(0, tokens)  # [n, H]
         if self.family.scale_input:
             routed = routed * w
-        expert = key.clamp(max=e - 1)  # each row's expert (another rank's rows: any, dropped below)
+        biased = self.w13_bias is not None or (self.w2_bias is not None and self.adds_down_bias)
+        expert = key.clamp(max=e - 1) if biased else None  # each row's expert, for its biases (past the groups: any)
         h = torch._grouped_mm(routed, self.w13.transpose(1, 2), offs=offs)  # [n, 2I] (gateless: [n, I])
         if self.w13_bias is not None:
             h = h + self.w13_bias.index_select(0, expert)
@@ -776,8 +780,9 @@ class SparseMoE(nn.Module):
             y = y + self.w2_bias.index_select(0, expert)
         if not self.family.scale_input:
             y = y * w
-        # rows past the last group hold whatever the kernel left there (NaN, inf): selected away, never multiplied
-        y = torch.where((torch.arange(n, device=x.device) < offs[-1])[:, None], y, 0.0)
+        if not every_row_local:
+            # rows past the last group hold whatever the kernel left there (NaN, inf): selected away, never summed
+            y = torch.where((torch.arange(n, device=x.device) < offs[-1])[:, None], y, 0.0)
         return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def graph_blocker(self) -> str | None:
