@@ -131,6 +131,8 @@ if [[ $checks == *" real-size "* ]]; then
     --out "$models/llama3-8b-awq"
   step=(benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30))
     --tokens 64 --repeats 2)
+  # the kernels one expert block launches, looped and grouped (counted on a CPU only before)
+  bench benchmarks/bench_moe_ops.py --device cuda --dtype bfloat16 | tee "$out/moe-ops.md"
   # first, where experts' and latent attention's steps go (the 2026-11-27 run: 4-5x the GPU time their active
   # weights' bytes allow): Qwen3-30B-A3B (61 GB in bf16: an H200), DeepSeek-V2-Lite (MLA, 31 GB) and
   # DeepSeek-V4-Flash's widths over 4 layers (55 GB; the dummy hash table sends every token to expert 0) from
