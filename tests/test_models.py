@@ -709,6 +709,33 @@ def test_glm4_moe_test_fails_without_the_correction_bias_or_the_partial_half_spl
         check_variant(ours, hf)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_and_rmsnorm_equal_transformers_bit_for_bit(dtype):
+    """Our RoPE rotation (the halves as a dimension of two, cos and sin broadcast over it) and RMSNorm (one
+    ``F.rms_norm``, the weight's multiply after) give transformers' Llama values bit for bit on the CPU in each dtype:
+    the forms with fewer kernels change no value."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from specray.models.layers import RMSNorm, apply_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    t, heads, d, width = 9, 4, 64, 96
+    q, k = (torch.randn(t, heads, d, generator=gen).to(dtype) for _ in range(2))
+    freqs = torch.randn(t, d // 2, generator=gen) * 5
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    # transformers': q, k [B, H, T, D] and the cos / sin of the whole head [B, T, D]
+    want = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], torch.cat((cos, cos), -1)[None],
+                                torch.cat((sin, sin), -1)[None])
+    for ours, theirs in zip((q, k), want):
+        assert torch.equal(apply_rotary(ours, cos[:, None], sin[:, None]), theirs[0].transpose(0, 1))
+    x = torch.randn(t, width, generator=gen).mul(3).to(dtype)
+    norm, reference = RMSNorm(width, 1e-6).to(dtype), LlamaRMSNorm(width, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=gen))
+        reference.weight.copy_(norm.weight)
+    assert torch.equal(norm(x), reference(x))
+
+
 LLAMA4 = dict(num_hidden_layers=4, head_dim=16, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8,
               interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
               intermediate_size_mlp=64, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
