@@ -37,7 +37,7 @@ from torch import nn
 
 from specray.models.layers import LayerNorm, _param
 from specray.models.registry import text_tensors
-from specray.models.vision_towers import Linear, VisionEncoderLayer, copy_weights, vision_activation
+from specray.models.vision_towers import Linear, VisionEncoderLayer, copy_weights, patch_rows, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,6 @@ def tokens_per_crop(config: Any) -> int:
     return (vision.image_size // vision.patch_size) ** 2 // _scale(config) ** 2
 
 
-
 def load_tower_and_connector(encoder: nn.Module, weights: Iterable[tuple[str, Any]], configs: str) -> None:
     """Read an Idefics encoder's vision model and connector tensors among the whole checkpoint's (the text model's
     are skipped); a ValueError names any of ours missing, and the config.json fields (``configs``) that shape them."""
@@ -90,6 +89,7 @@ def load_tower_and_connector(encoder: nn.Module, weights: Iterable[tuple[str, An
                   for m in missing]
         raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of the vision model or connector: "
                          f"{theirs[:6]}; it does not match its config.json's {configs}")
+
 
 class Idefics3Embeddings(nn.Module):
     """A biased conv of stride ``patch_size`` plus a learned embedding per place of the ``image_size`` grid: a patch
@@ -119,10 +119,8 @@ class Idefics3Embeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values: [B, C, H, W] -> [B, (H / patch) * (W / patch), hidden]
-        conv = self.patch_embedding
-        x = nn.functional.conv2d(pixel_values.to(conv.weight.dtype), conv.weight, conv.bias, stride=self.patch_size)
-        rows, cols = x.shape[-2:]
-        x = x.flatten(2).transpose(1, 2)
+        rows, cols = pixel_values.shape[-2] // self.patch_size, pixel_values.shape[-1] // self.patch_size
+        x = patch_rows(pixel_values, self.patch_embedding.weight, self.patch_embedding.bias)
         return x + self.position_embedding.weight[self.positions(rows, cols, x.device)]
 
 
