@@ -40,6 +40,8 @@ def _share_a_gpu() -> None:
 
 if torch.cuda.is_available():
     _share_a_gpu()
+else:  # Triton's kernels (specray.models.triton_attention) run in its interpreter, on CPU tensors: set before
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton is imported (it reads it then)
 
 
 def _register_helper(name: str) -> None:

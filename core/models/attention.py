@@ -21,7 +21,8 @@ Python lists, so a forward has no host syncs):
 
 * short queries (at most ``SHORT_QUERY_MAX`` new tokens: decode, last token + drafts, small prefills) run as one
   padded batched SDPA. Each sequence's context is gathered from the cache by whole blocks; the query's GQA group
-  is folded into the query length (``[Bs, Hkv, G*Q, D]``) so the keys are never repeated;
+  is folded into the query length (``[Bs, Hkv, G*Q, D]``) so the keys are never repeated. On a GPU one Triton
+  kernel reads the contexts in place instead, with the same folding and masks (:mod:`specray.models.triton_attention`);
 * sequences attended on their own, one SDPA each: long prefill chunks, and the short queries too where
   :func:`specray.models.cpu_kernels.reads_in_place` says gathering costs more than attending (long contexts on
   CPU). A fresh prefill attends to its own new k/v (``is_causal`` when it can); a sequence with context reads it
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specray.models import cpu_kernels
+from specray.models import cpu_kernels, triton_attention
 from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind, slots_of
 
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
@@ -554,6 +555,8 @@ class PagedAttention(nn.Module):
     def _short(self, q: torch.Tensor, meta: AttentionMetadata, select: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D] -> [Bs*Q, Hq*D] (padded rows included); select: [Bs, Q, L] bool, the keys each query
         # attends when a layer picks them itself (a subset of what the mask allows: DeepSeek's sparse attention)
+        if select is None and triton_attention.runs(self, q):  # on a GPU: read in place through the block table
+            return triton_attention.short_attention(self, q, meta)
         sb = meta.short
         bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:
