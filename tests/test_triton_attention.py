@@ -1,6 +1,7 @@
 """The short batch's Triton attention kernel (specray.models.triton_attention) against the SDPA path it replaces on a
 GPU: every mask kind, a tree's ancestors, GQA, a soft cap, sinks, ALiBi's additive bias, head dims that are not a
-power of two, blocks in any order; and greedy decoding through it equal to transformers'. Without a GPU the kernel
+power of two, blocks in any order, an FP8 cache, long contexts split in ranges; and greedy decoding through it equal
+to transformers'. Without a GPU the kernel
 runs in Triton's interpreter, on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported)."""
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ def _spec(kind: str, hkv: int, d: int):
 
 
 def _case(layer, spec, block_size: int, dtype, seed: int, tree: bool = False, query_lens=(1, 4, 2),
-          starts=(37, 5, 60)):
-    """A filled cache bound to ``layer`` (its blocks handed out in a random order), the step's plan and its
-    queries."""
+          starts=(37, 5, 60), fp8: torch.dtype | None = None, num_blocks: int = 64):
+    """A filled cache bound to ``layer`` (its blocks handed out in a random order; ``fp8``: the values in that
+    format, as bytes), the step's plan and its queries."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    cache = KVCache([spec], num_blocks, block_size, dtype, DEVICE)
-    layer.bind_cache(cache.layer(0), block_size)
-    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, generator=gen).to(dtype))
+    cache = KVCache([spec], num_blocks, block_size, dtype, DEVICE, fp8=fp8)
+    layer.bind_cache(cache.layer(0), block_size, fp8)
+    values = torch.randn(cache.layer(0).shape, generator=gen)
+    cache.layer(0).copy_(values.to(dtype) if fp8 is None else values.to(fp8).view(torch.uint8))
     free = random.Random(seed).sample(range(1, num_blocks), num_blocks - 1)
     tables = [[free.pop() for _ in range(-(-(s + q) // block_size))] for s, q in zip(starts, query_lens)]
     positions = ancestors = None
@@ -57,7 +58,7 @@ def _case(layer, spec, block_size: int, dtype, seed: int, tree: bool = False, qu
                 anc[3:, 1] = True
             ancestors.append(anc)
     meta = build_attention_metadata(list(query_lens), list(starts), tables, block_size, DEVICE, positions=positions,
-                                    ancestors=ancestors)
+                                    ancestors=ancestors, read_in_place=False)  # long contexts too: the short path
     assert meta.short is not None and not meta.own
     q = torch.randn(sum(query_lens), layer.num_heads, layer.head_dim, generator=gen).to(dtype).to(DEVICE)
     return q, meta
@@ -120,16 +121,64 @@ def test_kernel_equals_the_layers_own_attention(extra, monkeypatch):
     torch.testing.assert_close(ours, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_an_fp8_cache_as_the_sdpa_path(fmt, dtype, monkeypatch):
+    """An FP8 cache in either format, with a checkpoint's K and V scales: the kernel decodes its bytes to the
+    model's dtype and scales them as the SDPA path reads them."""
+    spec = _spec("causal", 2, 32)
+    layer = PagedAttention(4, spec, 32**-0.5).to(DEVICE)
+    layer.set_kv_scales(0.5, 3.0)
+    q, meta = _case(layer, spec, 4, dtype, seed=5, fp8=fmt)
+    ours, ref = _both(layer, q, meta, monkeypatch)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("extra", ["plain", "sinks", "tree"])
+def test_long_contexts_split_in_ranges_equal_sdpa(extra, monkeypatch):
+    """Contexts of two and three ranges past SPLIT_TOKENS beside a short one, attended in ranges and combined:
+    equal to the SDPA path; with sinks counted once over a sliding window (most ranges masked whole), and with a
+    tree's masks."""
+    spec = _spec("window" if extra == "sinks" else "causal", 2, 32)
+    layer = PagedAttention(4, spec, 32**-0.5, sinks=extra == "sinks").to(DEVICE)
+    if extra == "sinks":
+        layer.sinks.data.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE))
+    split = triton_attention.SPLIT_TOKENS
+    q, meta = _case(layer, spec, 16, torch.float32, seed=6, tree=extra == "tree", query_lens=(1, 5, 3),
+                    starts=(split + 90, 40, 2 * split + 7), num_blocks=2 + 4 * split // 16)
+    assert meta.short.num_ctx_blocks * 16 > 2 * split  # three ranges
+    ours, ref = _both(layer, q, meta, monkeypatch)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])
+
+
+def test_a_rows_attention_does_not_depend_on_the_batch(kernel_on):
+    """A short sequence's rows, and a long one's, are the same bits alone as beside a longer sequence that makes the
+    step split every context into more ranges (the ranges are fixed positions of each sequence's own context)."""
+    spec = _spec("causal", 2, 32)
+    layer = PagedAttention(4, spec, 32**-0.5).to(DEVICE)
+    split = triton_attention.SPLIT_TOKENS
+    starts = (30, split + 50, 3 * split + 10)
+    q, meta = _case(layer, spec, 16, torch.float32, seed=7, query_lens=(2, 2, 2), starts=starts,
+                    num_blocks=2 + 6 * split // 16)
+    tables = [[int(x) for x in row] for row in meta.short.block_index.view(3, -1).tolist()]
+    together = triton_attention.short_attention(layer, q, meta)
+    for i in (0, 1):  # each alone: fewer ranges (one for the short one: no split at all)
+        used = -(-(starts[i] + 2) // 16)
+        alone = build_attention_metadata([2], [starts[i]], [tables[i][:used]], 16, DEVICE, read_in_place=False)
+        rows = triton_attention.short_attention(layer, q[2 * i: 2 * i + 2], alone)
+        assert torch.equal(rows, together[2 * i: 2 * i + 2])
+
+
 def test_kernel_not_taken_where_the_layer_reads_otherwise(kernel_on, monkeypatch):
-    """An FP8 cache, a head wider than the kernel's, a subclass with a cache of its own (DeepSeek's latent
-    attention), the kernel switched off (SPECRAY_TRITON_ATTENTION=0) and a CPU tensor without the switch keep the
-    SDPA path."""
+    """An FP8 format the kernel does not decode, a head wider than the kernel's, a subclass with a cache of its own
+    (DeepSeek's latent attention), the kernel switched off (SPECRAY_TRITON_ATTENTION=0) and a CPU tensor without
+    the switch keep the SDPA path."""
     from specray.models.deepseek_v3 import LatentAttention
 
     q = torch.zeros(1, 4, 32, device=DEVICE)
     layer = PagedAttention(4, _spec("causal", 2, 32), 1.0)
     assert triton_attention.runs(layer, q)
-    layer.fp8 = torch.float8_e4m3fn
+    layer.fp8 = torch.float8_e4m3fnuz  # a format the kernel does not decode
     assert not triton_attention.runs(layer, q)
     wide = PagedAttention(4, _spec("causal", 2, 512), 1.0)
     assert not triton_attention.runs(wide, torch.zeros(1, 4, 512, device=DEVICE))
@@ -161,3 +210,42 @@ def test_greedy_through_the_kernel_equals_transformers(tiny_llama_dir, kernel_on
         assert llm.spec_stats.accepted_tokens > 0 and calls
         assert bool(llm.engine.executor.worker.runner.graphs) != eager
         calls.clear()
+
+
+class _AnyGrid:
+    """A launcher as a Triton kernel is one: ``kernel[grid](...)`` calls ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def test_a_kernel_triton_refuses_on_a_gpu_falls_back_to_sdpa(kernel_on, monkeypatch, caplog):
+    """Where Triton refuses the kernel for a GPU (it does not compile, or does not fit), those short batches attend
+    by SDPA, the refusal logged once and not tried again; in the interpreter (the tests) the failure is raised."""
+    from triton.runtime.errors import OutOfResources
+
+    spec = _spec("causal", 2, 32)
+    layer = PagedAttention(4, spec, 32**-0.5).to(DEVICE)
+    q, meta = _case(layer, spec, 4, torch.float32, seed=8)
+    monkeypatch.setattr(triton_attention, "ENABLED", False)
+    ref = layer._short(q, meta)
+    monkeypatch.setattr(triton_attention, "ENABLED", True)
+    tries = []
+
+    def refused(*args, **kwargs):
+        tries.append(1)
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(triton_attention._triton(), "paged_short_attention", _AnyGrid(refused))
+    monkeypatch.setattr(triton_attention, "_UNBUILT", set())
+    with pytest.raises(OutOfResources):
+        layer._short(q, meta)
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)  # as on a GPU (the kernel taken still)
+    monkeypatch.setattr(triton_attention, "runs", lambda layer, q: True)
+    with caplog.at_level("WARNING", logger=triton_attention.__name__):
+        assert torch.equal(layer._short(q, meta), ref)
+        assert torch.equal(layer._short(q, meta), ref)
+    assert len(tries) == 2 and len(caplog.records) == 1 and "does not build" in caplog.text

@@ -1,7 +1,20 @@
-"""The Triton kernel of :mod:`specray.models.triton_attention` (imported only where Triton is: see there)."""
+"""The Triton kernels of :mod:`specray.models.triton_attention` (imported only where Triton is: see there)."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _as_read(x, KV_FP8: tl.constexpr, scale, SCALED: tl.constexpr, dtype: tl.constexpr):
+    """Cached values as ``PagedAttention._read`` gives them: FP8 bytes decoded to the model's dtype, times the
+    checkpoint's scale (rounded to that dtype); a cache in the model's dtype as it is."""
+    if KV_FP8 == 1:  # by float32: exact (every FP8 value is one in each of the model's dtypes)
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif KV_FP8 == 2:
+        x = x.to(tl.float8e5, bitcast=True).to(tl.float32)
+    if SCALED:
+        x = x * scale
+    return x.to(dtype)
 
 
 @triton.jit
@@ -9,19 +22,23 @@ def paged_short_attention(
     q_ptr, stride_qt, stride_qh,
     tok_ptr, HAS_TOKEN_INDEX: tl.constexpr,
     k_ptr, v_ptr, stride_kh, stride_ks, stride_vh, stride_vs,
+    KV_FP8: tl.constexpr, k_scale, v_scale, SCALED: tl.constexpr,
     table_ptr, num_blocks, block_size, ctx_ptr,
     mask_ptr, stride_mb, stride_mh, stride_mm, stride_ml,
     MASK_BOOL: tl.constexpr,
     sink_ptr, HAS_SINKS: tl.constexpr,
     out_ptr, stride_ot,
+    part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
+    split_len, SPLIT: tl.constexpr,
     scale, cap, HAS_CAP: tl.constexpr,
-    q_len, groups, head_dim, rows,
+    q_len, groups, head_dim, rows, row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # offsets in int64: h * stride_kh passes 2**31 in a large cache
-    h = tl.program_id(1).to(tl.int64)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # folded query rows: m = g * Q + j
+    h = (tl.program_id(1) // row_tiles).to(tl.int64)
+    split = tl.program_id(2)
+    m = (tl.program_id(1) % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # folded query rows: m = g * Q + j
     dd = tl.arange(0, BLOCK_D)
     row_ok = m < rows
     d_ok = dd < head_dim
@@ -33,23 +50,31 @@ def paged_short_attention(
         token = padded_row
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    dtype = q_ptr.dtype.element_ty
 
-    if HAS_SINKS:  # the sink's logit joins each row's softmax: m = sink, l = exp(sink - m) = 1
-        m_i = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink's logit joins each row's softmax once (the first split): m = sink, l = 1
+        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     context = tl.load(ctx_ptr + b)
-    for start in range(0, context, BLOCK_N):
+    if SPLIT:  # this program's share: slot indices [split * split_len, (split + 1) * split_len) of its context
+        first = split * split_len
+        last = tl.minimum(first + split_len, context)
+    else:
+        first = 0
+        last = context
+    for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)  # slot indices of this tile
-        t_ok = t < context
+        t_ok = t < last
         page = tl.load(table_ptr + b * num_blocks + t // block_size, mask=t_ok, other=0)
         slot = (page * block_size + t % block_size).to(tl.int64)
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + h * stride_kh + slot[:, None] * stride_ks + dd[None, :], mask=kv_ok, other=0.0)
+        k = tl.load(k_ptr + h * stride_kh + slot[:, None] * stride_ks + dd[None, :], mask=kv_ok, other=0)
+        k = _as_read(k, KV_FP8, k_scale, SCALED, dtype)
         if FP32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -64,19 +89,63 @@ def paged_short_attention(
             s = tl.where(allowed, s, float("-inf"))
         else:
             s = tl.where(pair_ok, s + tl.load(mask_at, mask=pair_ok, other=0.0).to(tl.float32), float("-inf"))
+        # online softmax: with m the running row maximum and l the running sum of exp(s - m), a tile with a larger
+        # maximum rescales l and the accumulator by exp(m_old - m_new)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + h * stride_vh + slot[:, None] * stride_vs + dd[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + h * stride_vh + slot[:, None] * stride_vs + dd[None, :], mask=kv_ok, other=0)
+        v = _as_read(v, KV_FP8, v_scale, SCALED, dtype)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + padded_row[:, None] * stride_ot + head[:, None] * head_dim + dd[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out_ok = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:  # this split's unnormalised rows and their (m, l), for combine_splits
+        tl.store(part_ptr + split * stride_ps + padded_row[:, None] * stride_pt + head[:, None] * head_dim
+                 + dd[None, :], acc, mask=out_ok)
+        stats = stat_ptr + split * stride_ss + padded_row * stride_st + head * 2
+        tl.store(stats, m_i, mask=row_ok)
+        tl.store(stats + 1, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + padded_row[:, None] * stride_ot + head[:, None] * head_dim + dd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def combine_splits(
+    part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
+    out_ptr, stride_ot, num_splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program per (padded row, query head): o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < head_dim
+    stats = stat_ptr + row * stride_st + head * 2
+    top = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.load(stats + s * stride_ss, mask=s < num_splits, other=float("-inf")))
+    top_all = tl.max(top, 0)
+    top_all = tl.where(top_all == float("-inf"), 0.0, top_all)
+    denom = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < num_splits
+        w = tl.exp(tl.load(stats + s * stride_ss, mask=s_ok, other=float("-inf")) - top_all)  # empty split: 0
+        denom += w * tl.load(stats + s * stride_ss + 1, mask=s_ok, other=0.0)
+        part = tl.load(part_ptr + s[:, None] * stride_ps + row * stride_pt + head * head_dim + dd[None, :],
+                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    total = tl.sum(denom, 0)
+    o = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * stride_ot + head * head_dim + dd, o.to(out_ptr.dtype.element_ty), mask=d_ok)

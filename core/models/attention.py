@@ -556,7 +556,9 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D] -> [Bs*Q, Hq*D] (padded rows included); select: [Bs, Q, L] bool, the keys each query
         # attends when a layer picks them itself (a subset of what the mask allows: DeepSeek's sparse attention)
         if select is None and triton_attention.runs(self, q):  # on a GPU: read in place through the block table
-            return triton_attention.short_attention(self, q, meta)
+            rows = triton_attention.short_attention(self, q, meta)
+            if rows is not None:  # None: Triton refused the kernel on this GPU (logged)
+                return rows
         sb = meta.short
         bs, q_len = sb.num_seqs, sb.max_query_len
         if sb.token_index is not None:

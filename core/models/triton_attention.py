@@ -14,19 +14,25 @@ of sequence b lives in cache row ``block_table[b, t // block_size] * block_size 
 family's own mask mean the same here. Softmax is online (flash attention's): with ``m`` the running row maximum
 and ``l`` the running sum of ``exp(s - m)``, a new tile rescales ``l`` and the output accumulator by ``exp(m_old -
 m_new)``. A sink logit (GPT-OSS) starts a row at ``m = sink, l = 1``: it joins the softmax's denominator and adds
-nothing to the output. Each row's result depends on its own query alone, so a token's attention does not change
-with the batch or draft count it is verified in.
+nothing to the output. An FP8 cache's bytes are decoded to the model's dtype and times the checkpoint's scale as
+``PagedAttention._read`` does.
+
+A context past ``SPLIT_TOKENS`` slot indices is attended in ranges of that many (flash decoding: a program per
+range, so a small batch of long contexts still fills the GPU); each range leaves its unnormalised rows and its
+``(m, l)``, and ``combine_splits`` weighs range r by ``exp(m_r - max m)``. The ranges are fixed positions of the
+sequence's own context and an empty range weighs exactly 0, so a row's result depends on its own query and context
+alone, not on the batch's other sequences (their lengths, the padding to the longest).
 
 It runs where :func:`runs` says so (unless ``SPECRAY_TRITON_ATTENTION=0``): a CUDA tensor and Triton importable
-(torch's CUDA wheels bring it), a layer that reads its cache as :class:`PagedAttention` does (no FP8 cache, no
-latent cache of its own). On a CPU the SDPA path stays; the tests run this kernel there through Triton's interpreter
-(``TRITON_INTERPRET=1`` before Triton is imported, and :data:`ON_CPU`), against the SDPA path. It has never run on a
-GPU.
-"""
+(torch's CUDA wheels bring it), a layer that reads its cache as :class:`PagedAttention` does (no latent cache of
+its own), an FP8 cache only from compute capability 8.9. On a CPU the SDPA path stays; the tests run this kernel
+there through Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported, and :data:`ON_CPU`), against
+the SDPA path. It has never run on a GPU."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -35,6 +41,11 @@ import torch
 ENABLED = os.environ.get("SPECRAY_TRITON_ATTENTION", "1") != "0"
 ON_CPU = False  # run on CPU tensors too, through Triton's interpreter (the tests; it needs TRITON_INTERPRET=1)
 MAX_HEAD_DIM = 256
+SPLIT_TOKENS = 512  # longer contexts are attended in ranges of this many slot indices, a program each
+# an FP8 cache's format -> the kernel's code for it (0: the model's dtype)
+_FP8_CODES = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_UNBUILT: set[tuple] = set()  # the kernel configurations Triton refused on this machine (never tried again)
+logger = logging.getLogger(__name__)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -61,9 +72,17 @@ def runs(layer, q: torch.Tensor) -> bool:
     kernel, for queries ``q`` [T, Hq, D]."""
     if not ENABLED or not (q.is_cuda or (ON_CPU and q.device.type == "cpu" and interpreting())) or _triton() is None:
         return False
-    if layer.fp8 is not None or q.dtype not in _DTYPES or layer.head_dim > MAX_HEAD_DIM:
+    if q.dtype not in _DTYPES or layer.head_dim > MAX_HEAD_DIM or layer.fp8 not in _FP8_CODES:
+        return False
+    if layer.fp8 is not None and q.is_cuda and not _decodes_fp8(q.device):
         return False
     return _reads_as_paged_attention(type(layer))
+
+
+@functools.cache
+def _decodes_fp8(device: torch.device) -> bool:
+    # Triton converts FP8 (e4m3's fp8e4nv) from compute capability 8.9 (Ada, Hopper, Blackwell)
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.cache
@@ -75,9 +94,10 @@ def _reads_as_paged_attention(cls: type) -> bool:
                for name in ("bind_cache", "_read", "_gather", "_attend", "_fold", "_unfold", "_short"))
 
 
-def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor:
+def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
     """``layer``'s attention of the step's short batch: q [T, Hq, D] -> [Bs*Q, Hq*D], padded query rows included,
-    as ``PagedAttention._short`` returns it."""
+    as ``PagedAttention._short`` returns it; None where the kernel does not build on this GPU for these shapes
+    (Triton refused it: logged once, and the caller takes the SDPA path)."""
     sb = meta.short
     bs, q_len, groups, hkv, d = sb.num_seqs, sb.max_query_len, layer.groups, layer.num_kv_heads, layer.head_dim
     if q.stride(-1) != 1:
@@ -96,25 +116,53 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor:
     block_m = min(64 if d <= 128 else 32, max(16, triton.next_power_of_2(rows)))  # the accumulator: registers
     block_d = max(16, triton.next_power_of_2(d))
     block_n = 64 if block_d <= 64 else 32
+    row_tiles = triton.cdiv(rows, block_m)
+    # contexts past SPLIT_TOKENS go in ranges of that many slot indices, a program each, then combine_splits: the
+    # ranges are fixed positions of each sequence's own context, so its rows do not depend on the batch's longest
+    length = sb.num_ctx_blocks * meta.block_size
+    splits = triton.cdiv(length, SPLIT_TOKENS) if length > SPLIT_TOKENS else 1
+    part = stats = out  # (unused without splits)
+    if splits > 1:
+        part = torch.empty(splits, bs * q_len, layer.num_heads * d, dtype=torch.float32, device=q.device)
+        stats = torch.empty(splits, bs * q_len, layer.num_heads, 2, dtype=torch.float32, device=q.device)
     token_index = sb.token_index
     sinks = getattr(layer, "sinks", None)
-    grid = (bs, hkv, triton.cdiv(rows, block_m))
-    kernels.paged_short_attention[grid](
-        q, q.stride(0), q.stride(1),
-        token_index if token_index is not None else ctx, token_index is not None,
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        sb.block_index, sb.num_ctx_blocks, meta.block_size, ctx,
-        mask, mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2), mask.stride(3),
-        mask.dtype == torch.uint8,
-        sinks if sinks is not None else ctx, sinks is not None,
-        out, out.stride(0),
-        float(layer.scale), float(layer.softcap or 0.0), layer.softcap is not None,
-        q_len, groups, d, rows,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        # float32 products in float32 (no TF32: the tests' references are float32); Triton's interpreter cannot
-        # multiply 16-bit floats, so there every product is float32
-        FP32_DOT=q.dtype == torch.float32 or interpreting(),
-    )
+    scaled = layer.fp8 is not None and (layer.k_scale != 1.0 or layer.v_scale != 1.0)
+    config = (q.dtype, k_cache.dtype, layer.fp8, mask.dtype, block_m, block_n, block_d, splits > 1,
+              sinks is not None, layer.softcap is not None, scaled)
+    if config in _UNBUILT:
+        return None
+    try:
+        kernels.paged_short_attention[(bs, hkv * row_tiles, splits)](
+            q, q.stride(0), q.stride(1),
+            token_index if token_index is not None else ctx, token_index is not None,
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            _FP8_CODES[layer.fp8], float(layer.k_scale), float(layer.v_scale), scaled,
+            sb.block_index, sb.num_ctx_blocks, meta.block_size, ctx,
+            mask, mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2), mask.stride(3),
+            mask.dtype == torch.uint8,
+            sinks if sinks is not None else ctx, sinks is not None,
+            out, out.stride(0),
+            part, stats, part.stride(0), part.stride(1) if splits > 1 else 0, stats.stride(0),
+            stats.stride(1) if splits > 1 else 0, SPLIT_TOKENS, splits > 1,
+            float(layer.scale), float(layer.softcap or 0.0), layer.softcap is not None,
+            q_len, groups, d, rows, row_tiles,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            # float32 products in float32 (no TF32: the tests' references are float32); Triton's interpreter
+            # cannot multiply 16-bit floats, so there every product is float32
+            FP32_DOT=q.dtype == torch.float32 or interpreting(),
+        )
+        if splits > 1:
+            kernels.combine_splits[(bs * q_len, layer.num_heads)](
+                part, stats, part.stride(0), part.stride(1), stats.stride(0), stats.stride(1),
+                out, out.stride(0), splits, d, BLOCK_S=16, BLOCK_D=block_d)
+    except triton.errors.TritonError as e:  # compiling (or fitting) it for this GPU failed
+        if interpreting():  # the tests: a fault of the kernel's, not a GPU's limit
+            raise
+        _UNBUILT.add(config)
+        logger.warning("the Triton attention kernel does not build for %s on %s (%s); such short batches attend "
+                       "by gathering their contexts and SDPA instead", config, q.device, e)
+        return None
     return out
 
 
