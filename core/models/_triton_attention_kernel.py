@@ -25,7 +25,7 @@ def paged_short_attention(
     KV_FP8: tl.constexpr, k_scale, v_scale, SCALED: tl.constexpr,
     table_ptr, num_blocks, block_size, ctx_ptr,
     mask_ptr, stride_mb, stride_mh, stride_mm, stride_ml,
-    MASK_BOOL: tl.constexpr,
+    MASK_BOOL: tl.constexpr, MASK_UNFOLDED: tl.constexpr,
     sink_ptr, HAS_SINKS: tl.constexpr,
     out_ptr, stride_ot,
     part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
@@ -44,6 +44,10 @@ def paged_short_attention(
     d_ok = dd < head_dim
     head = h * groups + m // q_len  # query head of each row
     padded_row = b * q_len + m % q_len  # its row in the padded batch [Bs * Q]
+    if MASK_UNFOLDED:  # the mask's row: its query's (one row for the G heads), or the folded row itself
+        mask_row = m % q_len
+    else:
+        mask_row = m
     if HAS_TOKEN_INDEX:
         token = tl.load(tok_ptr + padded_row, mask=row_ok, other=0)
     else:
@@ -83,7 +87,7 @@ def paged_short_attention(
         if HAS_CAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
         pair_ok = row_ok[:, None] & t_ok[None, :]
-        mask_at = mask_ptr + b * stride_mb + h * stride_mh + m[:, None] * stride_mm + t[None, :] * stride_ml
+        mask_at = mask_ptr + b * stride_mb + h * stride_mh + mask_row[:, None] * stride_mm + t[None, :] * stride_ml
         if MASK_BOOL:
             allowed = tl.load(mask_at, mask=pair_ok, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))

@@ -161,7 +161,11 @@ class AttentionMetadata:
 
     def short_mask(self, groups: int, kind: MaskKind) -> torch.Tensor:
         """[Bs, 1, G*Q, L] bool, True where a folded query row may attend a context slot (cached per step)."""
-        return self.cached(("short", groups, kind), lambda meta: _fold_rows(_short_mask(meta, kind), groups))
+        return self.cached(("short", groups, kind), lambda meta: _fold_rows(meta.short_rows_mask(kind), groups))
+
+    def short_rows_mask(self, kind: MaskKind) -> torch.Tensor:
+        """[Bs, Q, L] bool, True where a query may attend a context slot, before GQA folding (cached per step)."""
+        return self.cached(("short-rows", kind), lambda meta: _short_mask(meta, kind))
 
     def short_key_positions(self) -> torch.Tensor:
         """[Bs, L]: :func:`short_key_positions`, cached per step."""

@@ -11,7 +11,7 @@ is read once for all G heads that share it. It walks the context ``BLOCK_N`` slo
 of sequence b lives in cache row ``block_table[b, t // block_size] * block_size + t % block_size``. Scores are
 ``s = scale * q.k`` in float32 (Gemma 2's soft cap: ``s = cap * tanh(s / cap)``), then the layer's own short mask
 (bool, or additive as ALiBi's) exactly as the SDPA path takes it, so every mask kind, a tree's ancestors and a
-family's own mask mean the same here. Softmax is online (flash attention's): with ``m`` the running row maximum
+family's own mask mean the same here (``PagedAttention``'s own: its rows before GQA folding, one per query). Softmax is online (flash attention's): with ``m`` the running row maximum
 and ``l`` the running sum of ``exp(s - m)``, a new tile rescales ``l`` and the output accumulator by ``exp(m_old -
 m_new)``. A sink logit (GPT-OSS) starts a row at ``m = sink, l = 1``: it joins the softmax's denominator and adds
 nothing to the output. An FP8 cache's bytes are decoded to the model's dtype and times the checkpoint's scale as
@@ -86,6 +86,13 @@ def _decodes_fp8(device: torch.device) -> bool:
 
 
 @functools.cache
+def _keeps_the_base_mask(cls: type) -> bool:
+    from specray.models.attention import PagedAttention
+
+    return cls.short_mask is PagedAttention.short_mask
+
+
+@functools.cache
 def _reads_as_paged_attention(cls: type) -> bool:
     # a subclass that keeps or reads its cache otherwise (DeepSeek's latent cache) keeps its own path
     from specray.models.attention import PagedAttention
@@ -102,8 +109,11 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
     bs, q_len, groups, hkv, d = sb.num_seqs, sb.max_query_len, layer.groups, layer.num_kv_heads, layer.head_dim
     if q.stride(-1) != 1:
         q = q.contiguous()
-    mask = layer.short_mask(meta, q.dtype)  # [Bs, 1 or Hkv, G*Q, L], bool or additive
-    assert mask.shape[0] == bs and mask.shape[1] in (1, hkv) and mask.shape[2] == groups * q_len, (
+    # PagedAttention's own mask is the same for a query's G folded rows: read its unfolded rows [Bs, 1, Q, L] (G
+    # times fewer bytes); a subclass's own mask as it folds it, [Bs, 1 or Hkv, G*Q, L], bool or additive
+    unfolded = _keeps_the_base_mask(type(layer))
+    mask = meta.short_rows_mask(layer.mask_kind)[:, None] if unfolded else layer.short_mask(meta, q.dtype)
+    assert mask.shape[0] == bs and mask.shape[1] in (1, hkv) and mask.shape[2] == (1 if unfolded else groups) * q_len, (
         tuple(mask.shape), bs, hkv, groups, q_len)
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
@@ -128,7 +138,7 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
     token_index = sb.token_index
     sinks = getattr(layer, "sinks", None)
     scaled = layer.fp8 is not None and (layer.k_scale != 1.0 or layer.v_scale != 1.0)
-    config = (q.dtype, k_cache.dtype, layer.fp8, mask.dtype, block_m, block_n, block_d, splits > 1,
+    config = (q.dtype, k_cache.dtype, layer.fp8, mask.dtype, unfolded, block_m, block_n, block_d, splits > 1,
               sinks is not None, layer.softcap is not None, scaled)
     if config in _UNBUILT:
         return None
@@ -140,7 +150,7 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
             _FP8_CODES[layer.fp8], float(layer.k_scale), float(layer.v_scale), scaled,
             sb.block_index, sb.num_ctx_blocks, meta.block_size, ctx,
             mask, mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2), mask.stride(3),
-            mask.dtype == torch.uint8,
+            mask.dtype == torch.uint8, unfolded,
             sinks if sinks is not None else ctx, sinks is not None,
             out, out.stride(0),
             part, stats, part.stride(0), part.stride(1) if splits > 1 else 0, stats.stride(0),
